@@ -1,0 +1,135 @@
+"""The decoder-only language model: GPT-2/3 and Llama / Mistral / Qwen2 by configuration.
+
+Parameter names are Megatron-core's (``embedding.word_embeddings.weight``,
+``decoder.layers.0.self_attention.linear_qkv.weight``, ...); ``paratron/checkpoint/hf.py`` maps them to
+Hugging Face names with a fixed table.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel import comm
+from ..parallel.dims import ParallelDims
+from ..parallel.random import RNGTracker
+from ..parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, init_normal, vocab_parallel_cross_entropy
+from .layers import Parallel, Rotary
+from .transformer import TransformerStack
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, par: Parallel, device=None, dtype=None):
+        super().__init__()
+        self.par, self.p = par, cfg.hidden_dropout
+        init = init_normal(cfg.init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(vocab_size, cfg.hidden_size, tp_group=par.tp_group,
+                                                      init_method=init, device=device, dtype=dtype)
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, device=device,
+                                                    dtype=dtype)
+            init(self.position_embeddings.weight.data)
+        else:
+            self.position_embeddings = None
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.par.sequence_parallel:
+            x = comm.scatter_to_sp(x, self.par.tp_group)
+            with self.par.fork():
+                return F.dropout(x, self.p, self.training)
+        return F.dropout(x, self.p, self.training)
+
+
+class GPTModel(nn.Module):
+    """Decoder LM. ``pre_process``/``post_process`` say whether this pipeline stage holds the
+    embedding / the final norm, output layer and loss; ``layer_offset``/``num_layers`` which blocks.
+
+    forward(input_ids [b, s], position_ids, attention_mask, labels [b, s]) returns the per-token loss
+    [b, s] (fp32) when labels are given on the last stage, else logits [b, s, vocab/TP] on the last
+    stage, else the hidden states [s(/TP), b, h] to send to the next stage.
+    """
+
+    def __init__(self, config: ModelConfig, vocab_size: int, max_sequence_length: Optional[int] = None,
+                 dims: Optional[ParallelDims] = None, *, sequence_parallel: bool = False, seed: int = 1234,
+                 pre_process: bool = True, post_process: bool = True, layer_offset: int = 0,
+                 num_layers: Optional[int] = None, recompute_granularity: Optional[str] = None,
+                 recompute_method: Optional[str] = None, recompute_num_layers: Optional[int] = None,
+                 device=None, dtype=None):
+        super().__init__()
+        cfg = config
+        if max_sequence_length is not None:
+            cfg.max_position_embeddings = max_sequence_length
+            cfg.seq_length = min(cfg.seq_length, max_sequence_length)
+        cfg.fill_defaults()
+        self.config, self.vocab_size = cfg, vocab_size
+        dims = dims or ParallelDims()
+        tp_group = dims.tp_group
+        rng = RNGTracker(seed, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
+        self.par = Parallel(tp_group=tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
+                            rng=rng)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings = not cfg.untie_embeddings_and_output_weights
+        self.embedding = Embedding(cfg, vocab_size, self.par, device, dtype) if pre_process else None
+        self.rotary = Rotary(cfg, device) if cfg.position_embedding_type == "rope" else None
+        n = cfg.num_layers if num_layers is None else num_layers
+        self.decoder = TransformerStack(cfg, self.par, n, layer_offset, final_norm=post_process,
+                                        recompute_granularity=recompute_granularity, recompute_method=recompute_method,
+                                        recompute_num_layers=recompute_num_layers, device=device, dtype=dtype)
+        if post_process:
+            self.output_layer = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp_group=tp_group, bias=False,
+                                                     sequence_parallel=self.par.sequence_parallel,
+                                                     init_method=init_normal(cfg.init_method_std),
+                                                     device=device, dtype=dtype)
+            if self.share_embeddings:
+                # Tied: the output layer uses the word embedding (on a single-stage model the same tensor).
+                if pre_process:
+                    del self.output_layer.weight
+                    self.output_layer.weight = None
+                else:  # last pipeline stage holds a copy kept equal through the embedding group
+                    self.output_layer.weight.shared_embedding = True
+        else:
+            self.output_layer = None
+        self.input_tensor: Optional[torch.Tensor] = None
+
+    # Megatron's pipeline convention: non-first stages take their input through this.
+    def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
+        self.input_tensor = tensor
+
+    def output_weight(self) -> torch.Tensor:
+        if self.output_layer.weight is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None):
+        if self.pre_process:
+            b, s = input_ids.shape
+            pos = position_ids if position_ids is not None else torch.arange(s, device=input_ids.device).expand(b, s)
+            x = self.embedding(input_ids, pos)
+        else:
+            x = self.input_tensor
+            s = x.size(0) * (self.par.tp_size if self.par.sequence_parallel else 1)
+        rope = self.rotary(s, position_ids) if self.rotary is not None else None
+        mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out
+        x = self.decoder(x, rope, mask)
+        if not self.post_process:
+            return x
+        logits = self.output_layer(x, self.output_weight())  # [s, b, vocab/TP]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b, s, vocab/TP]
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.par.tp_group)  # [s, b]
+        return loss.transpose(0, 1).contiguous()
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and self.embedding is not None:
+            n -= self.embedding.word_embeddings.weight.numel()
+        return n
+

@@ -1,0 +1,208 @@
+"""Transformer pieces: norms, rotary embedding, MLP, attention.
+
+Activations are laid out [sequence, batch, hidden] (Megatron's layout: sequence parallelism splits
+dimension 0). Parallel plumbing is confined to the parallel linear layers; at TP=1 this is a plain
+transformer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from torch.utils.checkpoint import checkpoint
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
+
+
+@dataclass
+class Parallel:
+    """What a layer needs to know about parallelism (built by GPTModel from ParallelDims)."""
+    tp_group: object = None
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    rng: object = None  # RNGTracker for dropout inside tensor-parallel regions (None at TP=1)
+
+    def fork(self):
+        import contextlib
+        return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
+
+
+class Norm(nn.Module):
+    """LayerNorm (weight + bias) or RMSNorm (weight), computed in fp32."""
+
+    def __init__(self, kind: str, size: int, eps: float, sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.kind, self.eps, self.size = kind, eps, (size,)
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
+        self.weight.sequence_parallel = sequence_parallel
+        if kind == "LayerNorm":
+            self.bias = nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "LayerNorm":
+            return F.layer_norm(x, self.size, self.weight, self.bias, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.size, eps=self.eps).to(x.dtype)
+
+
+def rope_inv_freq(dim: int, base: float, scaling: bool = False, factor: float = 8.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_max_positions: int = 8192) -> torch.Tensor:
+    """Inverse frequencies of rotary embedding, with Llama-3.1's long-context scaling when asked."""
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if not scaling:
+        return inv
+    low_wavelen = original_max_positions / low_freq_factor
+    high_wavelen = original_max_positions / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half form, as Llama/GPT-NeoX), cos/sin cached."""
+
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        self.dim = int(cfg.kv_channels * cfg.rotary_percent)
+        inv = rope_inv_freq(self.dim, cfg.rotary_base, cfg.use_rope_scaling, cfg.rope_scaling_factor)
+        pos = torch.arange(max(cfg.max_position_embeddings, cfg.seq_length), dtype=torch.float32)
+        freqs = torch.outer(pos, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def forward(self, seq_len: int, position_ids: Optional[torch.Tensor]):
+        """cos, sin shaped to broadcast over [s, b, heads, dim]."""
+        if position_ids is None:
+            return self.cos[:seq_len, None, None, :], self.sin[:seq_len, None, None, :]
+        return self.cos[position_ids].transpose(0, 1)[:, :, None, :], self.sin[position_ids].transpose(0, 1)[:, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = cos.size(-1)
+    rot, rest = x[..., :d], x[..., d:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)
+
+
+class TrackerReplay:
+    """Wrap a function for torch.utils.checkpoint so that its recomputation replays the same
+    tensor-parallel RNG stream as the original forward (the default generator is handled by
+    checkpoint itself), then leaves the stream where it was."""
+
+    def __init__(self, fn, rng):
+        self.fn, self.rng, self.calls = fn, rng, 0
+        self.start = rng.state.clone() if rng is not None else None
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.rng is None:
+            return self.fn(*args)
+        now = self.rng.state
+        self.rng.state = self.start.clone()
+        out = self.fn(*args)
+        if self.calls > 1:  # recomputation in backward: restore the live stream
+            self.rng.state = now
+        return out
+
+
+def output_init(cfg: ModelConfig):
+    """Megatron's scaled init for the projections that feed the residual stream."""
+    return init_normal(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
+        super().__init__()
+        bias = not cfg.disable_bias_linear
+        self.swiglu, self.approx = cfg.swiglu, ("tanh" if cfg.openai_gelu else "none")
+        width = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=par.tp_group, bias=bias,
+                                               sequence_parallel=par.sequence_parallel,
+                                               chunks=2 if cfg.swiglu else 1,
+                                               init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
+        self.linear_fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group=par.tp_group, bias=bias,
+                                            sequence_parallel=par.sequence_parallel, init_method=output_init(cfg),
+                                            device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate=self.approx)
+        return self.linear_fc2(h)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped query heads through torch SDPA.
+
+    The fused QKV weight is laid out by query group, as Megatron's: for each group g, the rows of
+    its ``heads/groups`` query heads, then its key head, then its value head. A contiguous TP split
+    therefore gives each rank whole groups with their queries.
+    """
+
+    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
+        super().__init__()
+        self.par = par
+        self.d = cfg.kv_channels
+        self.groups = cfg.num_query_groups // par.tp_size
+        self.heads = cfg.num_attention_heads // par.tp_size
+        self.q_per_group = cfg.num_attention_heads // cfg.num_query_groups
+        self.dropout = cfg.attention_dropout
+        self.recompute_core = False
+        qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
+        self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp_group=par.tp_group,
+                                               bias=(not cfg.disable_bias_linear) or cfg.add_qkv_bias,
+                                               sequence_parallel=par.sequence_parallel,
+                                               init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
+        if cfg.qk_layernorm:
+            self.q_layernorm = Norm(cfg.normalization, self.d, cfg.norm_epsilon, device=device, dtype=dtype)
+            self.k_layernorm = Norm(cfg.normalization, self.d, cfg.norm_epsilon, device=device, dtype=dtype)
+        else:
+            self.q_layernorm = self.k_layernorm = None
+        self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, tp_group=par.tp_group,
+                                             bias=not cfg.disable_bias_linear, sequence_parallel=par.sequence_parallel,
+                                             init_method=output_init(cfg), device=device, dtype=dtype)
+
+    def _core(self, q, k, v, mask):
+        p = self.dropout if self.training else 0.0
+        gqa = self.groups != self.heads
+        with self.par.fork():
+            if mask is None:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+            # mask: [b, 1, s, s] bool, True = keep
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)
+
+    def forward(self, x: torch.Tensor, rope=None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.d)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.d)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            out = checkpoint(TrackerReplay(self._core, self.par.rng), q, k, v, mask, use_reentrant=False)
+        else:
+            out = self._core(q, k, v, mask)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
+        return self.linear_proj(out)

@@ -1,0 +1,79 @@
+"""The pre-norm transformer block and the stack of blocks (activation recomputation lives here)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig
+from .layers import MLP, Attention, Norm, Parallel, TrackerReplay
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
+        super().__init__()
+        self.par, self.p = par, cfg.hidden_dropout
+        sp = par.sequence_parallel
+        self.input_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp, device, dtype)
+        self.self_attention = Attention(cfg, par, device, dtype)
+        self.pre_mlp_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp, device, dtype)
+        self.mlp = MLP(cfg, par, device, dtype)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.par.sequence_parallel:  # sequence-sharded: each rank draws its own mask
+            with self.par.fork():
+                return F.dropout(x, self.p, True)
+        return F.dropout(x, self.p, True)
+
+    def forward(self, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, mask))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+class TransformerStack(nn.Module):
+    """Layers [layer_offset, layer_offset + len(layers)) of the decoder, plus the final norm on the
+    last pipeline stage."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel, num_layers: int, layer_offset: int = 0,
+                 final_norm: bool = True, recompute_granularity: Optional[str] = None,
+                 recompute_method: Optional[str] = None, recompute_num_layers: Optional[int] = None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.par, self.layer_offset = par, layer_offset
+        self.layers = nn.ModuleList(TransformerLayer(cfg, par, device, dtype) for _ in range(num_layers))
+        self.final_layernorm = (Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, par.sequence_parallel,
+                                     device, dtype) if final_norm else None)
+        self.recompute = recompute_granularity
+        for layer in self.layers:  # selective: keep the matmul outputs, recompute the attention core
+            layer.self_attention.recompute_core = recompute_granularity == "selective"
+        self.recompute_method = recompute_method
+        self.recompute_num_layers = recompute_num_layers or 1
+
+    def _run(self, layers, x, rope, mask):
+        for layer in layers:
+            x = layer(x, rope, mask)
+        return x
+
+    def forward(self, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
+        n = len(self.layers)
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
+            k = self.recompute_num_layers
+            if self.recompute_method == "uniform":  # checkpoint every chunk of k layers
+                for i in range(0, n, k):
+                    fn = TrackerReplay(lambda h, i=i: self._run(self.layers[i:i + k], h, rope, mask), self.par.rng)
+                    x = checkpoint(fn, x, use_reentrant=False)
+            else:  # block: checkpoint each of the first k layers, run the rest normally
+                for i, layer in enumerate(self.layers):
+                    if i < k:
+                        fn = TrackerReplay(lambda h, layer=layer: layer(h, rope, mask), self.par.rng)
+                        x = checkpoint(fn, x, use_reentrant=False)
+                    else:
+                        x = layer(x, rope, mask)
+        else:
+            x = self._run(self.layers, x, rope, mask)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x

@@ -1,0 +1,197 @@
+"""ParallelDims: the sizes, this rank's coordinates and every process group, in one object.
+
+Rank numbering follows Megatron's ``order="tp-cp-ep-dp-pp"``: the first axis varies fastest, so
+``rank = tp + cp*TP + dp*TP*CP + pp*TP*CP*DP`` for dense layers (EP does not split the dense layout).
+Experts use a second layout ``tp-ep-dp-pp`` (expert-TP, EP, expert-DP) whose PP groups equal the
+dense ones. Nothing here is module-level state: build one object per layout and pass it around.
+A group is ``None`` when torch.distributed is not initialised (a one-process run); every
+communication helper treats ``None`` or size 1 as "nothing to do".
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..config import ConfigError
+
+DENSE_AXES = ("tp", "cp", "dp", "pp")
+EXPERT_AXES = ("etp", "ep", "edp", "pp")
+
+
+@dataclass
+class ParallelDims:
+    world_size: int = 1
+    rank: int = 0
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vpp: Optional[int] = None
+    order: str = "tp-cp-ep-dp-pp"
+    # this rank's coordinates
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    cp_rank: int = 0
+    ep_rank: int = 0
+    etp_rank: int = 0
+    edp_rank: int = 0
+    groups: dict = field(default_factory=dict)  # name -> ProcessGroup (absent/None: single rank)
+    group_ranks: dict = field(default_factory=dict)  # name -> list of global ranks of this rank's group
+
+    # ---- group accessors -------------------------------------------------------------
+    def group(self, name: str):
+        return self.groups.get(name)
+
+    @property
+    def tp_group(self):
+        return self.groups.get("tp")
+
+    @property
+    def pp_group(self):
+        return self.groups.get("pp")
+
+    @property
+    def dp_group(self):
+        return self.groups.get("dp")
+
+    @property
+    def cp_group(self):
+        return self.groups.get("cp")
+
+    @property
+    def dp_cp_group(self):
+        return self.groups.get("dp_cp")
+
+    @property
+    def mp_group(self):
+        return self.groups.get("mp")
+
+    @property
+    def embedding_group(self):
+        return self.groups.get("embedding")
+
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Megatron logs on the last rank: last pipeline stage, tp/cp/dp rank = highest."""
+        return self.rank == self.world_size - 1
+
+    def pp_peer(self, offset: int) -> int:
+        """Global rank of the pipeline stage ``offset`` stages away (wrapping)."""
+        ranks = self.group_ranks.get("pp", [self.rank])
+        return ranks[(self.pp_rank + offset) % self.pp]
+
+    def describe(self) -> str:
+        return (f"world {self.world_size} = TP {self.tp} x CP {self.cp} x DP {self.dp} x PP {self.pp}"
+                + (f" (EP {self.ep}, expert-TP {self.etp})" if self.ep > 1 else ""))
+
+
+def _coords(rank: int, sizes: dict[str, int], axes: tuple[str, ...]) -> dict[str, int]:
+    out = {}
+    for a in axes:
+        out[a] = rank % sizes[a]
+        rank //= sizes[a]
+    return out
+
+
+def _rank_of(coords: dict[str, int], sizes: dict[str, int], axes: tuple[str, ...]) -> int:
+    r, stride = 0, 1
+    for a in axes:
+        r += coords[a] * stride
+        stride *= sizes[a]
+    return r
+
+
+def layout_groups(world: int, sizes: dict[str, int], axes: tuple[str, ...], varying: tuple[str, ...]):
+    """All rank lists of the groups whose members differ only along ``varying`` axes."""
+    fixed = [a for a in axes if a not in varying]
+    groups = []
+    for fixed_vals in itertools.product(*[range(sizes[a]) for a in fixed]):
+        base = dict(zip(fixed, fixed_vals))
+        members = []
+        for var_vals in itertools.product(*[range(sizes[a]) for a in reversed(varying)]):
+            c = dict(base, **dict(zip(reversed(varying), var_vals)))
+            members.append(_rank_of(c, sizes, axes))
+        groups.append(sorted(members))
+    assert sum(len(g) for g in groups) == world
+    return groups
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                              expert_tensor_parallel_size: Optional[int] = None,
+                              order: str = "tp-cp-ep-dp-pp", *, world_size: Optional[int] = None,
+                              rank: Optional[int] = None, backend: Optional[str] = None) -> ParallelDims:
+    """Build the ParallelDims of this process (Megatron's signature). Works without torch.distributed
+    when every size is 1. With torch.distributed initialised, every rank must call it (new_group is
+    collective)."""
+    initialized = dist.is_available() and dist.is_initialized()
+    world = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
+    me = rank if rank is not None else (dist.get_rank() if initialized else 0)
+    if order != "tp-cp-ep-dp-pp":
+        raise ConfigError(f"order {order!r} is not supported; paratron uses Megatron's default tp-cp-ep-dp-pp")
+    tp, pp, cp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
+                      expert_model_parallel_size)
+    etp = expert_tensor_parallel_size or tp
+    model_size = tp * pp * cp
+    if world % model_size:
+        raise ConfigError(f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp} = {model_size}; "
+                          "change the parallel sizes or the number of processes")
+    dp = world // model_size
+    if (world // pp) % (etp * ep):
+        raise ConfigError(f"world size {world} / PP {pp} is not divisible by expert-TP {etp} x EP {ep}")
+    if ep > 1 and (dp * cp) % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} must divide DP x CP = {dp * cp}")
+    edp = world // (pp * etp * ep)
+    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    esizes = {"etp": etp, "ep": ep, "edp": edp, "pp": pp}
+    c = _coords(me, sizes, DENSE_AXES)
+    ec = _coords(me, esizes, EXPERT_AXES)
+    dims = ParallelDims(world_size=world, rank=me, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp,
+                        vpp=virtual_pipeline_model_parallel_size, order=order,
+                        tp_rank=c["tp"], pp_rank=c["pp"], dp_rank=c["dp"], cp_rank=c["cp"],
+                        ep_rank=ec["ep"], etp_rank=ec["etp"], edp_rank=ec["edp"])
+    wanted = {
+        "tp": (sizes, DENSE_AXES, ("tp",)),
+        "cp": (sizes, DENSE_AXES, ("cp",)),
+        "dp": (sizes, DENSE_AXES, ("dp",)),
+        "pp": (sizes, DENSE_AXES, ("pp",)),
+        "dp_cp": (sizes, DENSE_AXES, ("cp", "dp")),
+        "tp_cp": (sizes, DENSE_AXES, ("tp", "cp")),
+        "mp": (sizes, DENSE_AXES, ("tp", "pp")),
+        "ep": (esizes, EXPERT_AXES, ("ep",)),
+        "etp": (esizes, EXPERT_AXES, ("etp",)),
+        "edp": (esizes, EXPERT_AXES, ("edp",)),
+    }
+    all_groups = {name: layout_groups(world, s, ax, var) for name, (s, ax, var) in wanted.items()}
+    # embedding group: first and last stage of each pipeline (for tied embeddings)
+    all_groups["embedding"] = [sorted({g[0], g[-1]}) for g in all_groups["pp"]]
+    for name, rank_lists in all_groups.items():
+        for ranks in rank_lists:
+            if me in ranks:
+                dims.group_ranks[name] = ranks
+        if not initialized:
+            continue
+        for ranks in rank_lists:  # new_group must be called by every rank for every group, same order
+            pg = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
+            if me in ranks:
+                dims.groups[name] = pg
+    return dims

@@ -1,0 +1,94 @@
+"""Seeding, and the RNG fork for tensor-parallel regions.
+
+Outside tensor-parallel regions (replicated activations) every TP rank must draw the same dropout
+mask, so the default generator is seeded identically across TP ranks. Inside them (attention
+probabilities of this rank's heads, sequence-sharded activations) the masks must differ, so the
+model draws from a second generator state, seeded per TP rank, swapped in by ``fork()``. The
+tracker is an object owned by the model, not module state.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+import torch
+
+TP_SEED_OFFSET = 2718
+
+
+def set_seed(seed: int, pp_rank: int = 0) -> None:
+    """Seed python, numpy and torch; pipeline stages get distinct streams as in Megatron."""
+    seed = seed + 100 * pp_rank
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class RNGTracker:
+    """Holds the generator state of the tensor-parallel region for one device."""
+
+    def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.state = self._fresh_state(seed + TP_SEED_OFFSET + tp_rank)
+
+    def _get(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def _fresh_state(self, seed: int) -> torch.Tensor:
+        saved = self._get()
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        state = self._get()
+        self._set(saved)
+        return state
+
+    @contextlib.contextmanager
+    def fork(self):
+        saved = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(saved)
+
+    def state_dict(self) -> dict:
+        return {"state": self.state.clone()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = sd["state"].clone()
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every RNG state of this process, as tensors and JSON-able values (no pickled objects)."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    out = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), int(np_state[2]), int(np_state[3]),
+                  float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy(), n[2], n[3], n[4]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

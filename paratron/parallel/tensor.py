@@ -1,0 +1,173 @@
+"""Tensor-parallel layers. At tensor-parallel size 1 each is exactly nn.Linear / nn.Embedding
+(same parameter shapes, same ``F.linear`` / ``F.embedding`` call, no collective).
+
+Weights are initialised full-size on every rank from the same RNG stream, then sliced, so a model
+built with any TP size holds exactly the slices of the TP=1 model built with the same seed.
+Each parallel parameter carries how it is split, for checkpoints and conversion:
+``param.tp_dim`` (split dimension) and ``param.tp_chunks`` (the full tensor is ``tp_chunks`` equal
+blocks along ``tp_dim``, each split over the ranks: 2 for SwiGLU's [gate; up]).
+``param.sequence_parallel = True`` marks replicated parameters applied to sequence-sharded
+activations; their gradients are summed over the TP group.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+
+
+def _shard(full: torch.Tensor, dim: int, chunks: int, group) -> torch.Tensor:
+    n, r = comm.group_size(group), comm.group_rank(group)
+    if n == 1:
+        return full
+    blocks = full.chunk(chunks, dim=dim)
+    return torch.cat([b.chunk(n, dim=dim)[r] for b in blocks], dim=dim).contiguous()
+
+
+def _param(full: torch.Tensor, dim: int, chunks: int, group) -> nn.Parameter:
+    p = nn.Parameter(_shard(full, dim, chunks, group))
+    p.tp_dim, p.tp_chunks = dim, chunks
+    return p
+
+
+def init_normal(std: float) -> Callable[[torch.Tensor], None]:
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its output rows over the TP group."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, chunks: int = 1,
+                 init_method: Optional[Callable] = None, device=None, dtype=None):
+        super().__init__()
+        tp = comm.group_size(tp_group)
+        if out_features % (tp * chunks):
+            raise ValueError(f"output size {out_features} not divisible by {chunks} x TP {tp}")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        full = torch.empty(out_features, in_features, device=device, dtype=dtype)
+        (init_method or init_normal(0.02))(full)
+        self.weight = _param(full, 0, chunks, tp_group)
+        if bias:
+            self.bias = _param(torch.zeros(out_features, device=device, dtype=dtype), 0, chunks, tp_group)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``weight`` overrides the layer's own (a tied output layer passes the embedding table)."""
+        if self.sequence_parallel:
+            x = comm.gather_from_sp(x, self.tp_group)
+        else:
+            x = comm.copy_to_tp(x, self.tp_group)
+        y = F.linear(x, self.weight if weight is None else weight, self.bias)
+        return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, local={tuple(self.weight.shape)}"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its input columns; partial products summed over TP."""
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 init_method: Optional[Callable] = None, device=None, dtype=None):
+        super().__init__()
+        tp = comm.group_size(tp_group)
+        if in_features % tp:
+            raise ValueError(f"input size {in_features} not divisible by TP {tp}")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group, self.input_is_parallel, self.sequence_parallel = tp_group, input_is_parallel, sequence_parallel
+        full = torch.empty(out_features, in_features, device=device, dtype=dtype)
+        (init_method or init_normal(0.02))(full)
+        self.weight = _param(full, 1, 1, tp_group)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = comm.scatter_to_tp(x, self.tp_group)
+        if comm.group_size(self.tp_group) == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        y = comm.reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else comm.reduce_from_tp(
+            y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, local={tuple(self.weight.shape)}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; each rank looks up the ids it owns."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group=None,
+                 init_method: Optional[Callable] = None, device=None, dtype=None):
+        super().__init__()
+        tp = comm.group_size(tp_group)
+        if num_embeddings % tp:
+            raise ValueError(f"vocabulary {num_embeddings} not divisible by TP {tp}")
+        self.num_embeddings, self.embedding_dim, self.tp_group = num_embeddings, embedding_dim, tp_group
+        self.per_rank = num_embeddings // tp
+        self.vocab_start = comm.group_rank(tp_group) * self.per_rank
+        full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        (init_method or init_normal(0.02))(full)
+        self.weight = _param(full, 0, 1, tp_group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if comm.group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return comm.reduce_from_tp(out, self.tp_group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, group):
+        logits = logits.float()
+        gmax = logits.max(dim=-1).values
+        if comm.group_size(group) > 1:
+            torch.distributed.all_reduce(gmax, op=torch.distributed.ReduceOp.MAX, group=group)
+        shifted = logits - gmax.unsqueeze(-1)
+        per_rank = logits.size(-1)
+        local_t = target - vocab_start
+        outside = (local_t < 0) | (local_t >= per_rank)
+        local_t = local_t.masked_fill(outside, 0)
+        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(picked, group)
+        comm.all_reduce(sum_exp, group)
+        loss = sum_exp.log() - picked
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, local_t, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local_t, outside = ctx.saved_tensors
+        grad = softmax
+        onehot_val = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -onehot_val.unsqueeze(-1))
+        grad.mul_(g.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Per-token cross-entropy of logits split along the vocabulary over ``tp_group``; the full
+    logits are never gathered. At TP=1 this is ``F.cross_entropy(..., reduction='none')``."""
+    if comm.group_size(tp_group) == 1:
+        return F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction="none").view_as(target)
+    vocab_start = comm.group_rank(tp_group) * logits.size(-1)
+    return _VocabParallelCE.apply(logits, target, vocab_start, tp_group)
