@@ -1,0 +1,155 @@
+"""AdamW with fp32 master weights, loss scaling for fp16, and gradient clipping by the global norm
+over every parallel group (each replicated parameter counted once)."""
+from __future__ import annotations
+
+import math
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..parallel import comm
+from ..parallel.dims import ParallelDims
+
+
+class ConstantScaler:
+    def __init__(self, scale: float = 1.0):
+        self.scale = float(scale)
+
+    def update(self, found_inf: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale = float(sd["scale"])
+
+
+class DynamicScaler(ConstantScaler):
+    """Megatron's dynamic loss scaler: back off after ``hysteresis`` overflows, grow after
+    ``window`` clean steps."""
+
+    def __init__(self, initial: float, min_scale: float, window: int, hysteresis: int,
+                 growth: float = 2.0, backoff: float = 0.5):
+        super().__init__(initial)
+        self.min_scale, self.window, self.hysteresis = min_scale, window, hysteresis
+        self.growth, self.backoff = growth, backoff
+        self.growth_tracker, self.hysteresis_tracker = 0, hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(self.scale * self.backoff, self.min_scale)
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.window:
+                self.growth_tracker = 0
+                self.hysteresis_tracker = self.hysteresis
+                self.scale *= self.growth
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "hysteresis_tracker": self.hysteresis_tracker}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale = float(sd["scale"])
+        self.growth_tracker = int(sd.get("growth_tracker", 0))
+        self.hysteresis_tracker = int(sd.get("hysteresis_tracker", self.hysteresis))
+
+
+def counts_for_norm(p: torch.Tensor, dims: ParallelDims) -> bool:
+    """Whether this rank's copy of ``p`` enters the global gradient norm: TP-replicated tensors
+    count on TP rank 0 only; the last stage's copy of a tied embedding does not count."""
+    if getattr(p, "shared_embedding", False):
+        return False
+    return hasattr(p, "tp_dim") or dims.tp_rank == 0
+
+
+class Optimizer:
+    """Wraps torch AdamW. Model parameters may be bf16/fp16; the optimizer steps fp32 master copies
+    whose gradients are the fp32 ``main_grad`` buffers, then copies the result back."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: Config, dims: ParallelDims):
+        op = cfg.optim
+        self.dims, self.clip_grad = dims, op.clip_grad
+        self.params = list(params)
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        self.masters = [p.detach().clone().float() if p.dtype != torch.float32 else p for p in self.params]
+        for m in self.masters:
+            m.requires_grad_(True)
+        decay = [m for p, m in zip(self.params, self.masters) if p.dim() > 1]
+        no_decay = [m for p, m in zip(self.params, self.masters) if p.dim() <= 1]
+        groups = [{"params": decay, "weight_decay": op.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.adam = torch.optim.AdamW(groups, lr=op.lr, betas=(op.adam_beta1, op.adam_beta2), eps=op.adam_eps, **kw)
+        tr = cfg.train
+        if tr.fp16:
+            self.scaler = (ConstantScaler(tr.loss_scale) if tr.loss_scale else
+                           DynamicScaler(tr.initial_loss_scale, tr.min_loss_scale, tr.loss_scale_window, tr.hysteresis))
+        else:
+            self.scaler = ConstantScaler(1.0)
+        self._norm_mask = [counts_for_norm(p, dims) for p in self.params]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.adam.param_groups:
+            g["lr"] = lr
+
+    def _grad_norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        counted = [g for g, c in zip(grads, self._norm_mask) if c]
+        if counted:
+            total = torch.stack(torch._foreach_norm(counted)).float().square().sum()
+        else:
+            total = torch.zeros((), device=grads[0].device if grads else "cpu")
+        group = self.dims.mp_group  # TP x PP; data-parallel replicas hold identical grads
+        if comm.group_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        return total
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float]:
+        """Returns (update applied, grad norm). Skips the update on inf/nan gradients in fp16."""
+        grads = [p.main_grad for p in self.params]
+        if self.scaler.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        norm_sq = self._grad_norm_sq(grads)
+        norm = norm_sq.sqrt().item()  # one host sync per step: the norm decides skip and clip
+        found_inf = not math.isfinite(norm)
+        self.scaler.update(found_inf)
+        if found_inf:
+            return False, norm
+        if self.clip_grad and self.clip_grad > 0:
+            coeff = self.clip_grad / (norm + 1e-6)
+            if coeff < 1.0:
+                torch._foreach_mul_(grads, coeff)
+        for m, g in zip(self.masters, grads):
+            m.grad = g if g.dtype == m.dtype else g.float()
+        self.adam.step()
+        for m in self.masters:
+            m.grad = None
+        if self.mixed:
+            torch._foreach_copy_(self.params, self.masters)
+        return True, norm
+
+    def state_dict(self) -> dict:
+        sd = {"adam": self.adam.state_dict(), "scaler": self.scaler.state_dict()}
+        if self.mixed:
+            sd["masters"] = [m.detach() for m in self.masters]
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.adam.load_state_dict(sd["adam"])
+        self.scaler.load_state_dict(sd["scaler"])
+        if self.mixed and "masters" in sd:
+            with torch.no_grad():
+                for m, src, p in zip(self.masters, sd["masters"], self.params):
+                    m.copy_(src)
+                    p.copy_(src)
+

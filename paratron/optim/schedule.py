@@ -1,0 +1,76 @@
+"""Learning-rate schedule as Megatron's OptimizerParamScheduler: counted in samples, linear warm-up
+then constant | linear | cosine | inverse-square-root | WSD decay to ``--min-lr``."""
+from __future__ import annotations
+
+import math
+
+from ..config import Config
+
+
+class LRScheduler:
+    def __init__(self, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int, decay_style: str,
+                 init_lr: float = 0.0, wsd_decay_steps: int = 0, wsd_decay_style: str = "exponential"):
+        self.max_lr, self.min_lr, self.init_lr = max_lr, min_lr, init_lr
+        self.warmup_steps, self.decay_steps, self.style = warmup_steps, max(decay_steps, 1), decay_style
+        self.wsd_decay_steps, self.wsd_style = wsd_decay_steps, wsd_decay_style
+        self.num_steps = 0
+
+    def lr_at(self, n: int) -> float:
+        if self.warmup_steps > 0 and n <= self.warmup_steps:
+            return self.init_lr + (self.max_lr - self.init_lr) * n / self.warmup_steps
+        if self.style == "constant":
+            return self.max_lr
+        if n > self.decay_steps:
+            return self.min_lr
+        if self.style == "inverse-square-root":
+            warm = max(self.warmup_steps, 1)
+            return max(self.min_lr, self.max_lr * math.sqrt(warm) / math.sqrt(max(n, 1)))
+        ratio = (n - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
+        if self.style == "linear":
+            coeff = 1.0 - ratio
+        elif self.style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:  # WSD: stable at max_lr, then anneal over the last wsd_decay_steps
+            anneal_start = self.decay_steps - self.wsd_decay_steps
+            if n <= anneal_start:
+                coeff = 1.0
+            else:
+                r = (n - anneal_start) / max(self.wsd_decay_steps, 1)
+                coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                         "exponential": 2.0 * (0.5 ** r) - 1.0, "minus_sqrt": 1.0 - math.sqrt(r)}[self.wsd_style]
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    @property
+    def lr(self) -> float:
+        return self.lr_at(self.num_steps)
+
+    def step(self, increment: int) -> float:
+        self.num_steps += increment
+        return self.lr
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
+                "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps, "decay_style": self.style}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.num_steps = int(sd["num_steps"])
+
+
+def build_scheduler(cfg: Config, total_samples: int) -> LRScheduler:
+    """Steps are samples: iterations x global batch, as Megatron counts them."""
+    op, gbs = cfg.optim, cfg.train.global_batch_size
+    if op.lr_decay_samples is not None:
+        decay = op.lr_decay_samples
+    elif op.lr_decay_iters is not None:
+        decay = op.lr_decay_iters * gbs
+    else:
+        decay = total_samples
+    if op.lr_warmup_fraction is not None:
+        warmup = int(op.lr_warmup_fraction * decay)
+    else:
+        warmup = op.lr_warmup_samples or op.lr_warmup_iters * gbs
+    if op.lr_wsd_decay_samples is not None:
+        wsd = op.lr_wsd_decay_samples
+    else:
+        wsd = (op.lr_wsd_decay_iters or 0) * gbs
+    return LRScheduler(op.lr, op.min_lr, warmup, decay, op.lr_decay_style, op.lr_warmup_init, wsd, op.lr_wsd_decay_style)

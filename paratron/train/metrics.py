@@ -1,0 +1,44 @@
+"""FLOPs per iteration (Megatron's formula), MFU and device facts."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..config import ModelConfig
+
+# Dense bf16 peak TFLOP/s by device-name fragment (vendor datasheets, SXM parts).
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+               "B200": 2250.0, "GB200": 2500.0}
+
+
+def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int) -> float:
+    """FLOPs of forward + backward of one iteration (megatron_facts §5, causal attention as half)."""
+    h, f, L, V = m.hidden_size, m.ffn_hidden_size, m.num_layers, padded_vocab
+    q = m.kv_channels * m.num_attention_heads
+    kv = m.kv_channels * m.num_query_groups
+    e = 3 if m.swiglu else 2
+    tokens = batch * seq
+    per_token = 6 * h * f * e * L + 6 * (h * (q + 2 * kv) + q * h) * L + 6 * h * V
+    return float(tokens * per_token + batch * seq * seq * 6 * q * L)
+
+
+def peak_tflops(device: torch.device) -> Optional[float]:
+    """Dense bf16 peak of this device, or None when unknown (CPU, unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_TFLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def peak_memory_gb(device: torch.device) -> Optional[float]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+    except Exception:  # pragma: no cover - non-POSIX
+        return None
