@@ -1,0 +1,209 @@
+"""Blends and the trainer's entry point, `build_train_valid_test_datasets(args, tokenizer)`.
+
+Data flags (Megatron's, as attributes of `args`):
+- `data_path`: `[w1] p1 [w2 p2 ...]`, split three ways by `split` (default "969,30,1");
+- `train_data_path` / `valid_data_path` / `test_data_path`: a blend per split, each used whole;
+- `mock_data`: synthetic documents (no files), split "1,1,1" as Megatron does.
+
+Sample counts: train = train_samples or train_iters * global_batch_size; valid =
+(train_iters // eval_interval + 1) * eval_iters * global_batch_size; test = eval_iters *
+global_batch_size. A split with zero width or zero samples is None.
+
+A weighted blend asks each member for ceil(ceil(n * w) * 1.005) samples and draws
+sum(ceil(n * w)) samples from them, sample i from argmax_d(w_d * max(i, 1) - taken_d). An
+unweighted blend of several prefixes weighs each by its one-epoch length.
+
+With torch.distributed initialised (or given `rank` and `barrier`), rank 0 builds and caches the
+indices first, then the other ranks load them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from paratron.data.errors import DataError
+from paratron.data.gpt_dataset import (
+    GPTDataConfig, GPTDataset, MockGPTDataset, MockIndexedData, cached_build,
+)
+from paratron.data.indexed import IndexedDataset
+from paratron.data.indices import (
+    BLEND_SURPLUS, SPLIT_NAMES, blend_sizes, build_blending_indices, normalize, parse_split,
+    split_bounds, split_range,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """`size` samples drawn from `datasets` in proportion to `weights`."""
+
+    def __init__(self, datasets: Sequence, weights: Sequence[float], size: int, split_name: str,
+                 cache_dir: Optional[str], allow_build: bool = True):
+        self.datasets = list(datasets)
+        self.weights = normalize(weights)
+        self.size = int(size)
+        self.split_name = split_name
+        description = json.dumps(
+            {"class": "BlendedDataset", "datasets": [d.description for d in self.datasets],
+             "split": split_name, "weights": self.weights, "size": self.size}, indent=4)
+        self.description = description
+        self.dataset_index, self.dataset_sample_index = cached_build(
+            cache_dir, description, "BlendedDataset", split_name,
+            ("dataset_index", "dataset_sample_index"),
+            lambda: build_blending_indices(self.weights, self.size), allow_build,
+        )
+        counts = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
+        for d, (count, dataset) in enumerate(zip(counts, self.datasets)):
+            if count > len(dataset):
+                raise DataError(
+                    f"{dataset.path_prefix}: the {split_name} blend needs {count} samples from it "
+                    f"but it has {len(dataset)}"
+                )
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx: int):
+        d = int(self.dataset_index[idx])
+        return self.datasets[d][int(self.dataset_sample_index[idx])]
+
+
+def parse_blend(paths) -> Tuple[List[str], Optional[List[float]]]:
+    """`[w1, p1, w2, p2, ...]` -> (prefixes, weights); `[p1, p2, ...]` -> (prefixes, None)."""
+    if isinstance(paths, str):
+        paths = paths.split()
+    paths = [str(p) for p in paths]
+    if not paths:
+        raise DataError("--data-path: empty")
+    if len(paths) % 2 == 0:
+        try:
+            weights = [float(w) for w in paths[0::2]]
+        except ValueError:
+            weights = None
+        if weights is not None:
+            if any(w <= 0 for w in weights):
+                raise DataError(f"--data-path {' '.join(paths)}: weights must be positive")
+            return [p.strip() for p in paths[1::2]], weights
+    return [p.strip() for p in paths], None
+
+
+def train_valid_test_num_samples(args) -> List[int]:
+    gbs = int(args.global_batch_size)
+    train_iters = getattr(args, "train_iters", None)
+    train_samples = getattr(args, "train_samples", None)
+    if train_samples:
+        train = int(train_samples)
+        train_iters = train_iters or train // gbs
+    elif train_iters is not None:
+        train = int(train_iters) * gbs
+    else:
+        raise DataError("give --train-iters or --train-samples")
+    eval_iters = getattr(args, "eval_iters", None)
+    eval_iters = 100 if eval_iters is None else int(eval_iters)
+    eval_interval = getattr(args, "eval_interval", None) or 1000
+    valid = (int(train_iters) // int(eval_interval) + 1) * eval_iters * gbs
+    return [train, valid, eval_iters * gbs]
+
+
+class _Builder:
+    def __init__(self, args, tokenizer, allow_build: bool):
+        self.config = GPTDataConfig.from_args(args, tokenizer)
+        self.allow_build = allow_build
+        self._indexed = {}
+
+    def indexed(self, prefix: str) -> IndexedDataset:
+        if prefix not in self._indexed:
+            self._indexed[prefix] = IndexedDataset(prefix)
+        return self._indexed[prefix]
+
+    def single(self, prefix: str, bounds, size: Optional[int], split: int) -> GPTDataset:
+        data = self.indexed(prefix)
+        n = len(data)
+        beg, end = split_range(bounds, n)
+        if beg >= end:
+            raise DataError(
+                f"{prefix}: the {SPLIT_NAMES[split]} split ({bounds[0]:.4f}-{bounds[1]:.4f} of "
+                f"{n} documents, --split {self.config.split}) has no documents; add data or "
+                "change --split"
+            )
+        documents = np.arange(beg, end, dtype=np.int32)
+        return GPTDataset(data, prefix, documents, size, SPLIT_NAMES[split], self.config,
+                          self.allow_build)
+
+    def blend(self, blend, bounds, size: int, split: int):
+        prefixes, weights = blend
+        if len(prefixes) == 1 and weights is None:
+            return self.single(prefixes[0], bounds, size, split)
+        if weights is not None:
+            weights = normalize(weights)
+            member_sizes = blend_sizes(weights, size, BLEND_SURPLUS)
+            members = [self.single(p, bounds, s, split) for p, s in zip(prefixes, member_sizes)]
+            total = sum(blend_sizes(weights, size))
+        else:
+            members = [self.single(p, bounds, None, split) for p in prefixes]
+            weights = [len(m) for m in members]
+            total = min(size, sum(weights))
+        cache = self.config.data_cache_path
+        return BlendedDataset(members, weights, total, SPLIT_NAMES[split], cache, self.allow_build)
+
+
+def _build_all(args, tokenizer, allow_build: bool):
+    sizes = train_valid_test_num_samples(args)
+    if getattr(args, "mock_data", False):
+        config = GPTDataConfig.from_args(args, tokenizer)
+        if tokenizer.eod is None:
+            raise DataError("--mock-data: the tokenizer has no EOD token")
+        low = MockIndexedData(tokenizer.vocab_size, tokenizer.eod)
+        out = []
+        for i, bounds in enumerate(split_bounds(parse_split("1,1,1"))):
+            beg, end = split_range(bounds, len(low))
+            docs = np.arange(beg, end, dtype=np.int32)
+            out.append(MockGPTDataset(low, None, docs, sizes[i], SPLIT_NAMES[i], config)
+                       if sizes[i] else None)
+        return tuple(out)
+    builder = _Builder(args, tokenizer, allow_build)
+    per_split = [getattr(args, f"{name}_data_path", None) for name in SPLIT_NAMES]
+    if any(per_split):
+        out = []
+        for i, paths in enumerate(per_split):
+            if not paths or not sizes[i]:
+                out.append(None)
+                continue
+            out.append(builder.blend(parse_blend(paths), (0.0, 1.0), sizes[i], i))
+        return tuple(out)
+    data_path = getattr(args, "data_path", None)
+    if not data_path:
+        raise DataError("no training data: give --data-path, --train-data-path or --mock-data")
+    blend = parse_blend(data_path)
+    split = getattr(args, "split", None) or "969,30,1"
+    builder.config.split = split
+    out = []
+    for i, bounds in enumerate(split_bounds(parse_split(split))):
+        out.append(builder.blend(blend, bounds, sizes[i], i) if bounds and sizes[i] else None)
+    return tuple(out)
+
+
+def build_train_valid_test_datasets(
+    args, tokenizer, rank: Optional[int] = None, barrier: Optional[Callable[[], None]] = None,
+):
+    """(train, valid, test) datasets for Megatron-named `args` (any may be None).
+
+    Distributed: rank 0 builds and caches the indices, then `barrier()`, then the other ranks
+    load them. `rank`/`barrier` default to torch.distributed's when it is initialised."""
+    if barrier is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, barrier = torch.distributed.get_rank(), torch.distributed.barrier
+    if barrier is None or rank is None:
+        return _build_all(args, tokenizer, allow_build=True)
+    if rank == 0:
+        try:
+            result = _build_all(args, tokenizer, allow_build=True)
+        finally:
+            barrier()  # release the other ranks even on error (they then fail the same way)
+        return result
+    barrier()
+    return _build_all(args, tokenizer, allow_build=False)
