@@ -313,10 +313,20 @@ def apply_dict(cfg: Config, values: dict, source: str) -> None:
         cfg.set(name, _coerce(name, value))
 
 
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml")) if PRESET_DIR.is_dir() else []
+
+
 def load_yaml(path: str | Path) -> dict:
+    """Read a YAML config file, or a preset by name (``--config tiny`` = configs/tiny.yaml)."""
     p = Path(path)
+    if not p.is_file() and (PRESET_DIR / f"{path}.yaml").is_file():
+        p = PRESET_DIR / f"{path}.yaml"
     if not p.is_file():
-        raise ConfigError(f"config file {p} not found; pass an existing YAML file to --config")
+        raise ConfigError(f"config file {p} not found; pass a YAML file or a preset ({', '.join(presets())})")
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:

@@ -138,6 +138,13 @@ class Optimizer:
             torch._foreach_copy_(self.params, self.masters)
         return True, norm
 
+    @torch.no_grad()
+    def reload_masters(self) -> None:
+        """Copy the model's parameters into the fp32 masters (after loading weights)."""
+        if self.mixed:
+            for m, p in zip(self.masters, self.params):
+                m.copy_(p)
+
     def state_dict(self) -> dict:
         sd = {"adam": self.adam.state_dict(), "scaler": self.scaler.state_dict()}
         if self.mixed:

@@ -20,7 +20,7 @@ def format_train_line(it: int, total: int, consumed: int, ms_per_iter: float, tf
         f" [{stamp()}] iteration {it:8d}/{total:8d}",
         f"consumed samples: {consumed:12d}",
         f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
-        f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" if tflops >= 1 else f"throughput per GPU (TFLOP/s/GPU): {tflops:.4f}",
         f"learning rate: {lr:.6E}",
         f"global batch size: {gbs:5d}",
         f"lm loss: {loss:.6E}",

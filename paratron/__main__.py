@@ -1,0 +1,5 @@
+import sys
+
+from paratron.cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""`paratron` command line: train | demo | preprocess | tokenizer train | convert | config-docs.
+
+User mistakes (bad flags, bad data, unreadable checkpoints) end with one line on stderr and a
+non-zero exit code, never a traceback.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+USAGE = """usage: paratron <command> [flags]
+
+commands:
+  train [--config FILE|PRESET] [Megatron flags]   train a model (no flags: the embedded demo)
+  demo                                            the embedded demo: Python stdlib corpus -> BPE -> train
+  preprocess [Megatron preprocess_data.py flags]  JSONL -> .bin/.idx
+  tokenizer train --input ... --vocab-size N --output DIR   train a byte-level BPE tokenizer
+  convert --to hf|--from hf ...                   convert checkpoints to and from Hugging Face
+  config-docs                                     print the configuration reference (Markdown)
+
+`paratron train --help` lists every training flag."""
+
+
+def user_errors() -> tuple:
+    from .config import ConfigError
+    from .checkpoint.local import CheckpointError
+    errors = [ConfigError, CheckpointError]
+    try:
+        from .data import DataError
+        errors.append(DataError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors)
+
+
+def run_train(argv: list[str]) -> int:
+    from .config import parse_args
+    from .train.loop import pretrain
+    cfg = parse_args(argv)
+    pretrain(cfg)
+    return 0
+
+
+def dispatch(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        if not rest:
+            from .demo import run_demo
+            return run_demo([])
+        if rest in (["-h"], ["--help"]):
+            from .config import build_parser
+            build_parser().print_help()
+            return 0
+        return run_train(rest)
+    if cmd == "demo":
+        from .demo import run_demo
+        return run_demo(rest)
+    if cmd == "preprocess":
+        from .data.preprocess import main as preprocess_main
+        return preprocess_main(rest)
+    if cmd == "tokenizer":
+        if not rest or rest[0] != "train":
+            print("paratron: error: usage: paratron tokenizer train --input FILES --vocab-size N --output DIR",
+                  file=sys.stderr)
+            return 2
+        from .data.bpe_train import tokenizer_train_main
+        return tokenizer_train_main(rest[1:])
+    if cmd == "convert":
+        from .checkpoint.convert import main as convert_main
+        return convert_main(rest)
+    if cmd == "config-docs":
+        from .config import reference_markdown
+        print(reference_markdown())
+        return 0
+    from .config import ConfigError
+    import difflib
+    close = difflib.get_close_matches(cmd, ["train", "demo", "preprocess", "tokenizer", "convert", "config-docs"], n=1)
+    hint = f"; did you mean `paratron {close[0]}`?" if close else "; run `paratron --help`"
+    raise ConfigError(f"unknown command {cmd!r}{hint}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return dispatch(argv)
+    except user_errors() as e:
+        print(f"paratron: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("paratron: interrupted", file=sys.stderr)
+        return 130
+
+
+def pretrain_main(argv: Optional[list[str]] = None) -> int:
+    """`pretrain_gpt.py`: Megatron's entry point, same flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv in (["-h"], ["--help"]):
+            from .config import build_parser
+            build_parser("pretrain_gpt.py").print_help()
+            return 0
+        return run_train(argv)
+    except user_errors() as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,330 @@
+"""The training loop: set up, then ``train_step`` until done, with evaluation, checkpoints, logs and
+exit conditions. Read top to bottom; each parallelism lives in paratron/parallel/."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import local as ckpt
+from ..config import Config, ConfigError, resolve_batch
+from ..model.gpt import GPTModel
+from ..parallel.data import DataParallel, finalize_model_grads
+from ..parallel.dims import ParallelDims, initialize_model_parallel
+from ..parallel.pipeline import get_forward_backward_func
+from ..parallel.random import rng_state, set_rng_state, set_seed
+from ..optim.optimizer import Optimizer
+from ..optim.schedule import build_scheduler
+from .logger import RunLogger, format_train_line, format_valid_line
+from .metrics import flops_per_iteration, peak_memory_gb, peak_tflops
+
+
+def init_distributed(cfg: Config) -> torch.device:
+    """Device and process group from torchrun's environment: NCCL on GPUs, gloo on CPU."""
+    use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = cfg.parallel.distributed_backend or ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+    return device
+
+
+def build_dims(cfg: Config) -> ParallelDims:
+    p = cfg.parallel
+    return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                     p.virtual_pipeline_model_parallel_size, p.context_parallel_size,
+                                     p.expert_model_parallel_size, p.expert_tensor_parallel_size)
+
+
+def params_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
+
+
+def build_model(cfg: Config, dims: ParallelDims, device: torch.device) -> GPTModel:
+    tr = cfg.train
+    return GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
+                    seed=tr.seed, recompute_granularity=tr.recompute_granularity,
+                    recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
+                    device=device, dtype=params_dtype(cfg))
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Megatron's convention: (sum of masked token losses, token count, report)."""
+    mask = loss_mask.float()
+    total = (output.float() * mask).sum()
+    n = mask.sum()
+    return total, n, {"lm loss": torch.stack([total.detach(), n.detach()])}
+
+
+def make_forward_step(device: torch.device, use_position_ids: bool):
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        pos = batch["position_ids"].to(device, non_blocking=True) if use_position_ids else None
+        mask = batch.get("attention_mask")
+        mask = mask.to(device, non_blocking=True) if mask is not None else None
+        output = model(tokens, position_ids=pos, attention_mask=mask, labels=labels)
+        return output, partial(loss_func, batch["loss_mask"].to(device, non_blocking=True))
+    return forward_step
+
+
+def sum_reports(reports: list[dict], device: torch.device) -> torch.Tensor:
+    total = torch.zeros(2, device=device)
+    for r in reports:
+        total += r["lm loss"].to(device)
+    return total
+
+
+class Trainer:
+    def __init__(self, cfg: Config, device: Optional[torch.device] = None, dims: Optional[ParallelDims] = None):
+        self.cfg = cfg
+        self.device = device or init_distributed(cfg)
+        self.dims = dims or build_dims(cfg)
+        resolve_batch(cfg, self.dims.dp)
+        tr = cfg.train
+        if tr.train_iters is None:
+            tr.train_iters = tr.train_samples // tr.global_batch_size
+        set_seed(tr.seed, self.dims.pp_rank)
+        self.tokenizer = self._build_tokenizer()
+        self.model = DataParallel(build_model(cfg, self.dims, self.device), self.dims)
+        self.optimizer = Optimizer(self.model.params, cfg, self.dims)
+        self.scheduler = build_scheduler(cfg, tr.train_iters * tr.global_batch_size)
+        self.optimizer.set_lr(self.scheduler.lr)
+        self.iteration, self.consumed_samples = 0, 0
+        self.skipped, self.nan_iters = 0, 0
+        self.forward_backward = get_forward_backward_func(self.dims)
+        self.forward_step = make_forward_step(self.device, cfg.data.reset_position_ids)
+        self.log = RunLogger(self.dims.is_logging_rank, tr.train_iters, cfg.log.tensorboard_dir)
+        if cfg.ckpt.load:
+            self.load(cfg.ckpt.load)
+        self.train_iter, self.valid_iter = self._build_data()
+        self.flops_per_iter = flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size,
+                                                  cfg.model.seq_length)
+        self.peak = peak_tflops(self.device)
+        self._stop_signal = False
+        if cfg.train.exit_signal_handler:
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    # ---- set-up pieces -------------------------------------------------------------------------
+    def _build_tokenizer(self):
+        d = self.cfg.data
+        if d.tokenizer_type is None:
+            return None
+        from ..data import build_tokenizer
+        tok = build_tokenizer(self.cfg.flat())
+        d.vocab_size = tok.vocab_size
+        return tok
+
+    def _build_data(self):
+        from ..data import build_data_iterator, build_train_valid_test_datasets
+        tr = self.cfg.train
+        args = self.cfg.flat()
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(args, self.tokenizer)
+        it = partial(build_data_iterator, micro_batch_size=tr.micro_batch_size, dp_rank=self.dims.dp_rank,
+                     dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers)
+        train = it(train_ds, consumed_samples=self.consumed_samples, infinite=False)
+        valid = it(valid_ds, consumed_samples=0, infinite=True) if valid_ds is not None and tr.eval_iters > 0 else None
+        return train, valid
+
+    def _on_signal(self, *_):
+        self._stop_signal = True
+
+    @property
+    def num_microbatches(self) -> int:
+        tr = self.cfg.train
+        return tr.global_batch_size // (tr.micro_batch_size * self.dims.dp)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def train_step(self) -> tuple[torch.Tensor, bool, float]:
+        tr = self.cfg.train
+        self.model.zero_grad_buffer()
+        reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
+                                        model=[self.model], num_microbatches=self.num_microbatches,
+                                        seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
+                                        forward_only=False, grad_scale=self.optimizer.loss_scale)
+        finalize_model_grads([self.model], self.dims)
+        ok, grad_norm = self.optimizer.step()
+        if ok:
+            self.scheduler.step(tr.global_batch_size)
+            self.optimizer.set_lr(self.scheduler.lr)
+        self.iteration += 1
+        self.consumed_samples += tr.global_batch_size
+        return self._reduce_dp(sum_reports(reports, self.device)), ok, grad_norm
+
+    def _reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dims.dp_cp > 1:
+            dist.all_reduce(t, group=self.dims.dp_cp_group)
+        return t
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = torch.zeros(2, device=self.device)
+        for _ in range(self.cfg.train.eval_iters):
+            reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.valid_iter,
+                                            model=[self.model], num_microbatches=self.num_microbatches,
+                                            forward_only=True)
+            total += sum_reports(reports, self.device)
+        self.model.train()
+        total = self._reduce_dp(total)
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save(self) -> Path:
+        c = self.cfg.ckpt
+        state = {"model": self.model.state_dict(), "iteration": self.iteration,
+                 "consumed_samples": self.consumed_samples, "scheduler": self.scheduler.state_dict()}
+        if not c.no_save_optim:
+            state["optimizer"] = self.optimizer.state_dict()
+        if not c.no_save_rng:
+            state["rng"] = rng_state(self.device)
+            if self.model.module.par.rng is not None:
+                state["rng"]["tp_region"] = self.model.module.par.rng.state_dict()
+        meta = {"config": self.cfg.to_dict(), "consumed_samples": self.consumed_samples,
+                "skipped_iterations": self.skipped}
+        path = ckpt.save_checkpoint(c.save, self.iteration, state, meta, self.dims)
+        self.log.print(f" saved checkpoint at iteration {self.iteration:7d} to {path}")
+        return path
+
+    def load(self, root: str) -> None:
+        c = self.cfg.ckpt
+        got = ckpt.load_checkpoint(root, self.dims, self.device)
+        if got is None:
+            self.log.print(f" no checkpoint found in {root}; training from scratch")
+            return
+        state, meta = got
+        self.model.load_state_dict(state["model"])
+        self.optimizer.reload_masters()
+        if c.finetune:
+            self.log.print(f" loaded weights from {root} (iteration {meta['iteration']}) for fine-tuning")
+            return
+        self.iteration, self.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
+        self.skipped = int(meta.get("skipped_iterations", 0))
+        if not c.no_load_optim and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.optimizer.set_lr(self.scheduler.lr)
+        if not c.no_load_rng and "rng" in state:
+            set_rng_state(state["rng"], self.device)
+            if "tp_region" in state["rng"] and self.model.module.par.rng is not None:
+                self.model.module.par.rng.load_state_dict(state["rng"]["tp_region"])
+        self.log.print(f" resumed from {root} at iteration {self.iteration} ({self.consumed_samples} samples)")
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _should_exit(self, start: float) -> bool:
+        tr = self.cfg.train
+        stop = self.iteration >= tr.train_iters
+        stop |= bool(tr.exit_interval and self.iteration % tr.exit_interval == 0)
+        stop |= bool(tr.exit_duration_in_mins and (time.time() - start) / 60.0 > tr.exit_duration_in_mins)
+        stop |= self._stop_signal
+        if dist.is_initialized():  # every rank must agree
+            flag = torch.tensor([int(stop)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        return stop
+
+    def train(self) -> dict:
+        cfg, tr, lg = self.cfg, self.cfg.train, self.log
+        start = time.time()
+        acc = torch.zeros(2, device=self.device)
+        window_iters, window_start = 0, time.time()
+        last_saved, valid_loss = None, None
+        profiler = None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        lg.print(f" training {self.model.module.num_parameters() / 1e6:.2f}M parameters per rank, "
+                 f"{self.dims.describe()}, {tr.train_iters} iterations, global batch {tr.global_batch_size}, "
+                 f"{self.num_microbatches} micro-batches of {tr.micro_batch_size}, device {self.device}")
+        while self.iteration < tr.train_iters:
+            if cfg.log.profile and self.iteration == cfg.log.profile_step_start:
+                profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
+                profiler.__enter__()
+            report, ok, grad_norm = self.train_step()
+            if not ok:
+                self.skipped += 1
+            acc += report
+            window_iters += 1
+            if profiler is not None and self.iteration == cfg.log.profile_step_end:
+                profiler.__exit__(None, None, None)
+                out = Path(cfg.log.tensorboard_dir or cfg.ckpt.save or ".") / f"profile_rank{self.dims.rank}.json"
+                profiler.export_chrome_trace(str(out))
+                lg.print(f" wrote profiler trace {out}")
+                profiler = None
+            lg.advance(1)
+            if self.iteration % cfg.log.log_interval == 0:
+                self._log_window(acc, window_iters, time.time() - window_start, grad_norm)
+                acc.zero_()
+                window_iters, window_start = 0, time.time()
+            if self.valid_iter is not None and self.iteration % tr.eval_interval == 0:
+                valid_loss = self.evaluate()
+                lg.print(format_valid_line(self.iteration, valid_loss))
+                lg.valid(self.iteration, valid_loss)
+            if cfg.ckpt.save and cfg.ckpt.save_interval and self.iteration % cfg.ckpt.save_interval == 0:
+                self.save()
+                last_saved = self.iteration
+            if self._should_exit(start):
+                break
+        if cfg.ckpt.save and last_saved != self.iteration and self.iteration > 0:
+            self.save()
+        if self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval != 0:
+            valid_loss = self.evaluate()
+            lg.print(format_valid_line(self.iteration, valid_loss))
+            lg.valid(self.iteration, valid_loss)
+        return {"iteration": self.iteration, "valid_loss": valid_loss, "train_curve": lg.train_curve,
+                "valid_curve": lg.valid_curve}
+
+    def _log_window(self, acc: torch.Tensor, iters: int, seconds: float, grad_norm: float) -> None:
+        tr = self.cfg.train
+        sums = acc.tolist()
+        loss = sums[0] / max(sums[1], 1.0)
+        if loss != loss:
+            self.nan_iters += iters
+        per_iter = seconds / max(iters, 1)
+        tflops = self.flops_per_iter / per_iter / self.dims.world_size / 1e12
+        tokens_s = tr.global_batch_size * self.cfg.model.seq_length / per_iter / self.dims.world_size
+        mfu = 100.0 * tflops / self.peak if self.peak else None
+        peak_gb = peak_memory_gb(self.device)
+        self.log.print(format_train_line(self.iteration, tr.train_iters, self.consumed_samples, per_iter * 1000.0,
+                                         tflops, self.scheduler.lr, tr.global_batch_size, loss,
+                                         self.optimizer.loss_scale, grad_norm, self.skipped, self.nan_iters,
+                                         tokens_s, mfu, peak_gb))
+        self.log.train(self.iteration, loss)
+        self.log.scalars(self.iteration, {"lm loss": loss, "learning rate": self.scheduler.lr, "grad norm": grad_norm,
+                                          "throughput TFLOP/s/GPU": tflops, "tokens per second per GPU": tokens_s,
+                                          "MFU %": mfu, "peak memory GB": peak_gb,
+                                          "loss scale": self.optimizer.loss_scale})
+        self.log.advance(0, loss)
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def pretrain(cfg: Config) -> dict:
+    """Train as ``pretrain_gpt.py`` does; returns the final iteration and loss curves."""
+    trainer = Trainer(cfg)
+    try:
+        result = trainer.train()
+        lg = trainer.log
+        plot_path = cfg.log.plot_path or (Path(cfg.log.tensorboard_dir or cfg.ckpt.save or ".") / "loss.png"
+                                          if (cfg.log.tensorboard_dir or cfg.ckpt.save) else None)
+        if plot_path:
+            result["plot"] = lg.plot(plot_path)
+            if result["plot"]:
+                lg.print(f" loss plot: {result['plot']}")
+        result["trainer"] = trainer
+        return result
+    finally:
+        trainer.close()
