@@ -1,0 +1,110 @@
+"""The embedded demo corpus: the running Python's own standard library sources.
+
+Every machine with Python has it, nothing is downloaded, and it is real text (code, comments,
+docstrings), enough to watch a small model learn. The chain
+
+    python_stdlib_corpus -> train_bpe_tokenizer -> preprocess -> .bin/.idx -> train
+
+is what `prepare_demo_data` runs, reusing whatever a previous call already produced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from typing import Dict, Iterator, Optional, Tuple
+
+from paratron.data.errors import DataError
+from paratron.data.indexed import dataset_exists
+
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+DEMO_MAX_BYTES = 8 << 20
+DEMO_VOCAB_SIZE = 4096
+
+
+def stdlib_source_files(root: Optional[str] = None) -> Iterator[Tuple[str, str]]:
+    """(relative path, absolute path) of each .py file of the standard library, sorted by the
+    relative path; third-party packages and test suites are left out."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".")]
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                found.append((os.path.relpath(path, root).replace(os.sep, "/"), path))
+    return iter(sorted(found))
+
+
+def python_stdlib_corpus(out_jsonl: str, max_bytes: Optional[int] = None) -> Dict[str, int]:
+    """Write the standard library's .py sources as JSONL, one {"text": source} per file, in sorted
+    path order, stopping before the text would pass `max_bytes` (UTF-8). Returns counts."""
+    files = written = 0
+    os.makedirs(os.path.dirname(os.path.abspath(out_jsonl)), exist_ok=True)
+    tmp = f"{out_jsonl}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for _, path in stdlib_source_files():
+                try:
+                    with open(path, "rb") as f:
+                        raw = f.read()
+                    text = raw.decode("utf-8")
+                except (OSError, UnicodeDecodeError):
+                    continue
+                if not text.strip():
+                    continue
+                if max_bytes is not None and written + len(raw) > max_bytes and files:
+                    break
+                out.write(json.dumps({"text": text}) + "\n")
+                files += 1
+                written += len(raw)
+        if not files:
+            raise DataError(f"{sysconfig.get_paths()['stdlib']}: no readable .py files found")
+        os.replace(tmp, out_jsonl)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return {"files": files, "bytes": written}
+
+
+def prepare_demo_data(
+    workdir: str, vocab_size: int = DEMO_VOCAB_SIZE, max_bytes: int = DEMO_MAX_BYTES,
+    workers: int = 2,
+) -> Tuple[str, str]:
+    """Corpus -> byte-level BPE tokenizer -> .bin/.idx under `workdir`, each step skipped when its
+    output is there from an earlier call with the same settings. Returns (data prefix for
+    --data-path, tokenizer.json for --tokenizer-model with HuggingFaceTokenizer)."""
+    from paratron.data.bpe_train import train_bpe_tokenizer
+    from paratron.data.preprocess import build_parser, preprocess
+
+    os.makedirs(workdir, exist_ok=True)
+    corpus = os.path.join(workdir, "stdlib.jsonl")
+    tokenizer = os.path.join(workdir, "tokenizer.json")
+    prefix = os.path.join(workdir, "stdlib")
+    data_prefix = prefix + "_text_document"
+    stamp_path = os.path.join(workdir, "demo.json")
+    stamp = {"vocab_size": vocab_size, "max_bytes": max_bytes,
+             "python": sysconfig.get_paths()["stdlib"]}
+    old = None
+    if os.path.isfile(stamp_path):
+        with open(stamp_path) as f:
+            old = json.load(f)
+    if old != stamp:  # other settings (or none recorded): start over
+        for path in (corpus, tokenizer, data_prefix + ".bin", data_prefix + ".idx"):
+            if os.path.exists(path):
+                os.remove(path)
+    if not os.path.isfile(corpus):
+        python_stdlib_corpus(corpus, max_bytes)
+    if not os.path.isfile(tokenizer):
+        train_bpe_tokenizer([corpus], vocab_size, tokenizer)
+    if not dataset_exists(data_prefix):
+        args = build_parser().parse_args([
+            "--input", corpus, "--output-prefix", prefix, "--json-keys", "text",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer,
+            "--append-eod", "--workers", str(workers), "--no-progress",
+        ])
+        preprocess(args)
+    with open(stamp_path, "w") as f:
+        json.dump(stamp, f)
+    return data_prefix, tokenizer

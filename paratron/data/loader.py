@@ -1,0 +1,95 @@
+"""Micro-batches for each data-parallel rank, resumable from a count of consumed samples.
+
+The dataset already holds samples in their shuffled order, so the sampler walks it in order
+(Megatron's MegatronPretrainingSampler): the stream is cut into chunks of
+micro_batch_size x dp_size samples, and data-parallel rank r takes the contiguous block
+[r * mbs, (r + 1) * mbs) of each chunk. A global batch is num_micro_batches such chunks, so the
+D ranks together see exactly global_batch_size consecutive samples per step. Starting at
+`consumed_samples` (what the checkpoint saved) continues the stream exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, List, Optional
+
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from paratron.data.errors import DataError
+
+
+class PretrainingSampler:
+    """Batch sampler: the sample indices of this rank's micro-batches, from `consumed_samples`."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+        if total_samples <= 0:
+            raise DataError(f"sampler: the dataset has no samples ({total_samples})")
+        if not 0 <= consumed_samples < total_samples:
+            raise DataError(f"sampler: {consumed_samples} samples consumed of {total_samples}; "
+                            "nothing left to read")
+        if micro_batch_size < 1:
+            raise DataError(f"--micro-batch-size {micro_batch_size}: must be positive")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise DataError(f"data-parallel rank {data_parallel_rank} not in [0, "
+                            f"{data_parallel_size})")
+        self.total_samples = int(total_samples)
+        self.consumed_samples = int(consumed_samples)
+        self.micro_batch_size = int(micro_batch_size)
+        self.rank = int(data_parallel_rank)
+        self.size = int(data_parallel_size)
+        self.drop_last = drop_last
+
+    @property
+    def chunk(self) -> int:
+        return self.micro_batch_size * self.size
+
+    def __len__(self) -> int:
+        remaining = self.total_samples - self.consumed_samples
+        full, rest = divmod(remaining, self.chunk)
+        return full + int(not self.drop_last and rest > self.rank * self.micro_batch_size)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        mbs, start = self.micro_batch_size, self.consumed_samples
+        full = (self.total_samples - start) // self.chunk
+        for k in range(full):
+            first = start + k * self.chunk + self.rank * mbs
+            yield list(range(first, first + mbs))
+        if not self.drop_last:  # the last, partial chunk: whatever falls in this rank's block
+            first = start + full * self.chunk + self.rank * mbs
+            last = min(first + mbs, self.total_samples)
+            if first < last:
+                yield list(range(first, last))
+
+
+def build_data_iterator(
+    dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+    num_workers: int = 0, infinite: bool = False,
+) -> Optional[Iterator[dict]]:
+    """An iterator of collated micro-batches (dicts of stacked tensors) for one DP rank.
+
+    `num_workers` > 0 loads in background processes (persistent; memory pinned when CUDA is
+    there). `infinite` restarts the stream from `consumed_samples` each time it runs out, as
+    Megatron's cyclic validation iterator does; otherwise the iterator ends with the data.
+    Returns None for a None dataset."""
+    if dataset is None:
+        return None
+    total = len(dataset)
+    if infinite and total > 0:
+        consumed_samples %= total
+    sampler = PretrainingSampler(total, consumed_samples, micro_batch_size, dp_rank, dp_size)
+    if infinite and len(sampler) == 0:
+        raise DataError(f"dataset of {total} samples holds no full micro-batch chunk of "
+                        f"{sampler.chunk} after {consumed_samples} consumed")
+    loader = DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=default_collate,
+        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
+    )
+    if not infinite:
+        return iter(loader)
+
+    def cycle():
+        while True:
+            yield from loader
+
+    return cycle()
