@@ -360,20 +360,10 @@ def build_parser(prog: str = "paratron train") -> argparse.ArgumentParser:
             elif tp is list:
                 group.add_argument(flag(f.name), dest=f.name, nargs="+")
             else:
-                group.add_argument(flag(f.name), dest=f.name, type=_cli_type(f.name, tp))
+                group.add_argument(flag(f.name), dest=f.name, type=tp)
     for name in sorted(ACCEPTED_NO_OP_FLAGS - set(FIELD_SECTION)):
         p.add_argument(flag(name), dest=f"_noop_{name}", action="store_true", help=argparse.SUPPRESS)
     return p
-
-
-def _cli_type(name, tp):
-    def conv(s):
-        try:
-            return tp(s)
-        except ValueError:
-            raise ConfigError(f"{flag(name)} expects {tp.__name__}, got {s!r}") from None
-    conv.__name__ = tp.__name__
-    return conv
 
 
 def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None) -> Config:
@@ -388,7 +378,8 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None) 
     cfg = base if base is not None else Config()
     values = vars(ns)
     if "config" in values:
-        apply_dict(cfg, load_yaml(values.pop("config")), f"in {ns.config}")
+        path = values.pop("config")
+        apply_dict(cfg, load_yaml(path), f"in {path}")
     for name, value in values.items():
         if name.startswith("_noop_"):
             continue

@@ -312,10 +312,15 @@ class Trainer:
         self.log.close()
 
 
-def pretrain(cfg: Config) -> dict:
-    """Train as ``pretrain_gpt.py`` does; returns the final iteration and loss curves."""
+def pretrain(cfg: Config, eval_at_start: bool = False) -> dict:
+    """Train as ``pretrain_gpt.py`` does; returns the final iteration and loss curves.
+    ``eval_at_start`` also measures the validation loss of the untrained model (the demo does)."""
     trainer = Trainer(cfg)
     try:
+        if eval_at_start and trainer.valid_iter is not None:
+            loss = trainer.evaluate()
+            trainer.log.print(format_valid_line(trainer.iteration, loss))
+            trainer.log.valid(trainer.iteration, loss)
         result = trainer.train()
         lg = trainer.log
         plot_path = cfg.log.plot_path or (Path(cfg.log.tensorboard_dir or cfg.ckpt.save or ".") / "loss.png"

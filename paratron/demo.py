@@ -1,0 +1,87 @@
+"""The embedded demo: train a small Llama-style model on the running Python's standard library.
+
+Corpus (the stdlib's .py files) -> JSONL -> byte-level BPE (HF tokenizers) -> .bin/.idx -> train on
+the GPU if there is one, else the CPU -> print samples and where the checkpoint, TensorBoard logs
+and loss plot are. Nothing is downloaded. `paratron train` with no flags and `make demo` run this.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .config import Config, finalize
+
+DEMO_DIR = Path(os.environ.get("PARATRON_DEMO_DIR", "runs/demo"))
+
+
+def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int, on_gpu: bool) -> Config:
+    cfg = Config()
+    m, tr, op, d, lg, ck = cfg.model, cfg.train, cfg.optim, cfg.data, cfg.log, cfg.ckpt
+    m.num_layers, m.hidden_size, m.num_attention_heads = (6, 384, 6) if on_gpu else (4, 192, 4)
+    m.seq_length = 256 if on_gpu else 128
+    m.normalization, m.swiglu, m.position_embedding_type = "RMSNorm", True, "rope"
+    m.disable_bias_linear, m.untie_embeddings_and_output_weights = True, False
+    m.hidden_dropout = m.attention_dropout = 0.0
+    tr.micro_batch_size, tr.global_batch_size = (32, 32) if on_gpu else (16, 16)
+    tr.train_iters = iters
+    tr.eval_interval, tr.eval_iters = max(iters // 6, 1), 4
+    tr.bf16 = on_gpu
+    op.lr, op.min_lr, op.lr_decay_style, op.lr_warmup_iters = 3e-3, 3e-4, "cosine", max(iters // 20, 1)
+    op.weight_decay, op.adam_beta2 = 0.1, 0.95
+    d.data_path, d.split = [data_prefix], "95,5,0"
+    d.tokenizer_type, d.tokenizer_model = "HuggingFaceTokenizer", tokenizer_json
+    d.num_workers = 1
+    d.data_cache_path = str(workdir / "index-cache")
+    lg.log_interval = max(iters // 12, 1)
+    lg.tensorboard_dir = str(workdir / "tensorboard")
+    lg.plot_path = str(workdir / "loss.png")
+    ck.save = str(workdir / "checkpoints")
+    return finalize(cfg)
+
+
+def run_demo(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="paratron demo", description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", default=str(DEMO_DIR), help="where data, checkpoints and logs go (default %(default)s)")
+    p.add_argument("--train-iters", type=int, default=None, help="default: 300 on CPU, 1500 on GPU")
+    p.add_argument("--corpus-mb", type=float, default=8.0, help="MB of stdlib source to train on")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    args = p.parse_args(argv)
+    from .data.corpus import prepare_demo_data
+    from .data.tokenizers import build_tokenizer
+    from .generate import generate
+    from .train.loop import pretrain
+
+    workdir = Path(args.workdir)
+    on_gpu = torch.cuda.is_available()
+    iters = args.train_iters or (1500 if on_gpu else 300)
+    t0 = time.time()
+    print(f"paratron demo: preparing data in {workdir} (Python standard library source, "
+          f"byte-level BPE of {args.vocab_size} tokens)", flush=True)
+    prefix, tok_json = prepare_demo_data(workdir / "data", vocab_size=args.vocab_size,
+                                         max_bytes=int(args.corpus_mb * 2**20))
+    print(f"paratron demo: data ready in {time.time() - t0:.0f} s; training on {'GPU' if on_gpu else 'CPU'}",
+          flush=True)
+    cfg = demo_config(workdir, prefix, tok_json, iters, on_gpu)
+    result = pretrain(cfg, eval_at_start=True)
+    trainer = result["trainer"]
+    curve = result["valid_curve"]
+    tok = trainer.tokenizer
+    model = trainer.model.module
+    print("\nSamples from the trained model:")
+    g = torch.Generator().manual_seed(0)
+    for prompt in ("def ", "import ", "class "):
+        ids = generate(model, tok.tokenize(prompt), 48, cfg.data.vocab_size, temperature=0.7, top_k=20,
+                       eod=tok.eod, generator=g)
+        text = tok.detokenize(ids).splitlines()
+        print("  | " + (text[0] if text else "")[:100])
+    if len(curve) >= 2:
+        first, last = curve[0][1], curve[-1][1]
+        print(f"\nvalidation loss {first:.3f} -> {last:.3f} ({100 * (first - last) / first:.0f} % lower)")
+    print(f"checkpoint:  {cfg.ckpt.save}\ntensorboard: {cfg.log.tensorboard_dir}  "
+          f"(tensorboard --logdir {cfg.log.tensorboard_dir})\nloss plot:   {cfg.log.plot_path}\n"
+          f"total time:  {time.time() - t0:.0f} s")
+    return 0

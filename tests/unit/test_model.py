@@ -1,0 +1,150 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratron.config import ModelConfig
+from paratron.model.gpt import GPTModel
+from paratron.model.layers import apply_rotary, rope_inv_freq
+from paratron.parallel.dims import initialize_model_parallel
+from paratron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, \
+    vocab_parallel_cross_entropy
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
+                attention_dropout=0.0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", group_query_attention=True,
+             num_query_groups=2, disable_bias_linear=True, untie_embeddings_and_output_weights=True)
+
+
+def test_parallel_layers_are_plain_at_size_one():
+    x = torch.randn(3, 5, 8)
+    col, row = ColumnParallelLinear(8, 12), RowParallelLinear(12, 8)
+    ref = nn.Linear(8, 12)
+    ref.load_state_dict(col.state_dict())
+    assert torch.equal(col(x), ref(x))
+    y = torch.randn(3, 5, 12)
+    ref2 = nn.Linear(12, 8)
+    ref2.load_state_dict(row.state_dict())
+    assert torch.equal(row(y), ref2(y))
+    emb = VocabParallelEmbedding(50, 8)
+    ids = torch.randint(0, 50, (2, 7))
+    assert torch.equal(emb(ids), F.embedding(ids, emb.weight))
+    logits, t = torch.randn(4, 6, 50), torch.randint(0, 50, (4, 6))
+    assert torch.allclose(vocab_parallel_cross_entropy(logits, t),
+                          F.cross_entropy(logits.reshape(-1, 50), t.reshape(-1), reduction="none").view(4, 6))
+
+
+def test_dims_single_rank_and_rank_layout():
+    d = initialize_model_parallel()
+    assert (d.tp, d.pp, d.dp, d.world_size) == (1, 1, 1, 1) and d.tp_group is None
+    # Megatron's order tp-cp-ep-dp-pp: rank = tp + cp*TP + dp*TP*CP + pp*TP*CP*DP
+    d = initialize_model_parallel(2, 2, context_parallel_size=2, world_size=16, rank=13)
+    assert (d.tp_rank, d.cp_rank, d.dp_rank, d.pp_rank, d.dp) == (1, 0, 1, 1, 2)
+    assert d.group_ranks["tp"] == [12, 13] and d.group_ranks["pp"] == [5, 13]
+    assert d.group_ranks["dp"] == [9, 13] and d.group_ranks["dp_cp"] == [9, 11, 13, 15]
+    assert d.group_ranks["embedding"] == [5, 13]
+
+
+def test_impossible_layout_is_a_clear_error():
+    from paratron.config import ConfigError
+    with pytest.raises(ConfigError, match="not divisible by TP 2 x PP 2"):
+        initialize_model_parallel(2, 2, world_size=6, rank=0)
+
+
+@pytest.mark.parametrize("kw", [{}, LLAMA, dict(LLAMA, qk_layernorm=True), dict(num_query_groups=1,
+                                                                                 group_query_attention=True)])
+def test_model_shapes_and_backward(kw):
+    torch.manual_seed(0)
+    m = GPTModel(tiny(**kw), 128)
+    ids = torch.randint(0, 128, (2, 16))
+    logits = m(ids)
+    assert logits.shape == (2, 16, 128)
+    loss = m(ids, labels=ids)
+    assert loss.shape == (2, 16)
+    assert torch.allclose(loss, F.cross_entropy(logits.reshape(-1, 128), ids.reshape(-1), reduction="none").view(2, 16),
+                          atol=1e-5)
+    loss.mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_causality():
+    torch.manual_seed(0)
+    m = GPTModel(tiny(**LLAMA), 128).eval()
+    a = torch.randint(0, 128, (1, 16))
+    b = a.clone()
+    b[0, 10:] = (b[0, 10:] + 1) % 128
+    assert torch.allclose(m(a)[0, :10], m(b)[0, :10], atol=1e-6)
+    assert not torch.allclose(m(a)[0, 10:], m(b)[0, 10:])
+
+
+def test_gqa_equals_repeated_kv_heads():
+    """A GQA model equals the MHA model whose k/v heads are copies of the group's."""
+    torch.manual_seed(0)
+    g = GPTModel(tiny(**LLAMA), 128).eval()
+    mha_cfg = tiny(**dict(LLAMA, group_query_attention=False, num_query_groups=None))
+    m = GPTModel(mha_cfg, 128).eval()
+    sd = g.state_dict()
+    d, heads, groups = 16, 4, 2
+    for i in range(2):
+        w = sd[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].view(groups, heads // groups + 2, d, 64)
+        q, k, v = w[:, :-2], w[:, -2:-1], w[:, -1:]
+        # MHA layout: one group per head = [q_h, k_h, v_h]
+        rows = []
+        for h in range(heads):
+            grp = h // (heads // groups)
+            rows += [q[grp, h % (heads // groups)], k[grp, 0], v[grp, 0]]
+        sd[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = torch.cat(rows)
+    m.load_state_dict(sd)
+    ids = torch.randint(0, 128, (2, 16))
+    assert torch.allclose(g(ids), m(ids), atol=1e-5)
+
+
+def test_rotary_is_a_rotation_and_relative():
+    inv = rope_inv_freq(8, 10000.0)
+    pos = torch.arange(12).float()
+    f = torch.outer(pos, inv)
+    cos, sin = torch.cat([f, f], -1).cos()[:, None, None], torch.cat([f, f], -1).sin()[:, None, None]
+    q = torch.randn(12, 1, 1, 8)
+    out = apply_rotary(q, cos, sin)
+    assert torch.allclose(out.norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+    # dot products depend only on the distance: <R_m q, R_n k> == <R_{m+1} q, R_{n+1} k>
+    k = torch.randn(1, 1, 1, 8)
+    qr = apply_rotary(q[:1].expand(12, 1, 1, 8), cos, sin)
+    kr = apply_rotary(k.expand(12, 1, 1, 8), cos, sin)
+    assert torch.allclose((qr[3] * kr[1]).sum(), (qr[7] * kr[5]).sum(), atol=1e-5)
+
+
+def test_llama3_rope_scaling_changes_only_low_frequencies():
+    plain, scaled = rope_inv_freq(64, 500000.0), rope_inv_freq(64, 500000.0, scaling=True, factor=8.0)
+    assert torch.allclose(plain[:4], scaled[:4])  # high frequencies kept
+    assert torch.allclose(plain[-1] / 8, scaled[-1])  # lowest divided by the factor
+
+
+@pytest.mark.parametrize("gran,method", [("full", "uniform"), ("full", "block"), ("selective", None)])
+def test_recompute_gives_the_same_gradients(gran, method):
+    torch.manual_seed(0)
+    ref = GPTModel(tiny(**LLAMA), 128)
+    torch.manual_seed(0)
+    rc = GPTModel(tiny(**LLAMA), 128, recompute_granularity=gran, recompute_method=method, recompute_num_layers=1)
+    ids = torch.randint(0, 128, (2, 16))
+    ref(ids, labels=ids).mean().backward()
+    rc(ids, labels=ids).mean().backward()
+    for (n, a), b in zip(ref.named_parameters(), rc.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), n
+
+
+def test_init_follows_megatron():
+    torch.manual_seed(0)
+    cfg = tiny(num_layers=8, hidden_size=256, num_attention_heads=4, init_method_std=0.02)
+    m = GPTModel(cfg, 1024)
+    proj = m.decoder.layers[0].self_attention.linear_proj.weight
+    qkv = m.decoder.layers[0].self_attention.linear_qkv.weight
+    assert abs(qkv.std().item() - 0.02) < 0.002
+    assert abs(proj.std().item() - 0.02 / 4.0) < 0.0005  # std / sqrt(2 * layers)
+    assert m.decoder.layers[0].self_attention.linear_qkv.bias.abs().sum() == 0
