@@ -103,7 +103,7 @@ class StubTokenizer:
 
 
 def data_args(**kw):
-    base = dict(split="969,30,1", seq_length=32, seed=1234, train_iters=20, train_samples=None,
+    base = dict(split="90,8,2", seq_length=32, seed=1234, train_iters=20, train_samples=None,
                 global_batch_size=8, eval_interval=10, eval_iters=2, data_cache_path=None,
                 mock_data=False, reset_position_ids=False, reset_attention_mask=False,
                 eod_mask_loss=False, data_path=None, train_data_path=None, valid_data_path=None,
