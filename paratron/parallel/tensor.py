@@ -34,6 +34,19 @@ def _param(full: torch.Tensor, dim: int, chunks: int, group) -> nn.Parameter:
     return p
 
 
+def gather_full(p: torch.Tensor, group) -> torch.Tensor:
+    """The full tensor of a TP-split parameter (inverse of the split done at construction)."""
+    dim = getattr(p, "tp_dim", None)
+    n = comm.group_size(group)
+    if dim is None or n == 1:
+        return p.detach()
+    parts = [torch.empty_like(p) for _ in range(n)]
+    torch.distributed.all_gather(parts, p.detach().contiguous(), group=group)
+    chunks = getattr(p, "tp_chunks", 1)
+    per_rank = [part.chunk(chunks, dim=dim) for part in parts]
+    return torch.cat([per_rank[r][c] for c in range(chunks) for r in range(n)], dim=dim)
+
+
 def init_normal(std: float) -> Callable[[torch.Tensor], None]:
     return lambda w: nn.init.normal_(w, mean=0.0, std=std)
 

@@ -89,7 +89,9 @@ def sum_reports(reports: list[dict], device: torch.device) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, device: Optional[torch.device] = None, dims: Optional[ParallelDims] = None):
+    def __init__(self, cfg: Config, device: Optional[torch.device] = None, dims: Optional[ParallelDims] = None,
+                 data: Optional[tuple] = None):
+        """``data`` = (train iterator, valid iterator) replaces the dataset pipeline (tests use it)."""
         self.cfg = cfg
         self.device = device or init_distributed(cfg)
         self.dims = dims or build_dims(cfg)
@@ -110,7 +112,7 @@ class Trainer:
         self.log = RunLogger(self.dims.is_logging_rank, tr.train_iters, cfg.log.tensorboard_dir)
         if cfg.ckpt.load:
             self.load(cfg.ckpt.load)
-        self.train_iter, self.valid_iter = self._build_data()
+        self.train_iter, self.valid_iter = data if data is not None else self._build_data()
         self.flops_per_iter = flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size,
                                                   cfg.model.seq_length)
         self.peak = peak_tflops(self.device)

@@ -1,0 +1,45 @@
+"""Run a function on N gloo ranks on the CPU (tests/parallel use it) and collect what each returns."""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, Path(out_dir) / f"{rank}.pt")
+    except Exception:
+        (Path(out_dir) / f"{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, tmp_dir: str | Path) -> list:
+    """fn(rank, world, *args) on each rank; returns the list of results (torch-saveable)."""
+    out = Path(tmp_dir) / f"ranks{world}_{free_port()}"
+    out.mkdir(parents=True)
+    try:
+        mp.start_processes(_worker, args=(world, free_port(), str(out), fn, args), nprocs=world, join=True,
+                           start_method="spawn")
+    except Exception as e:
+        errs = [p.read_text() for p in sorted(out.glob("*.err"))]
+        raise AssertionError("a rank failed:\n" + ("\n".join(errs) or str(e))) from None
+    return [torch.load(out / f"{r}.pt", weights_only=False) for r in range(world)]
