@@ -468,8 +468,13 @@ def finalize(cfg: Config) -> Config:
     need(bool(have_data), "no training data: pass --data-path PREFIX (or --train-data-path) or --mock-data")
     need(not (d.mock_data and (d.data_path or d.train_data_path)),
          "--mock-data and --data-path are mutually exclusive; choose one")
-    if d.tokenizer_type is None and d.mock_data and d.vocab_size is None:
-        d.vocab_size = 50257  # Megatron's mock default is the GPT-2 vocabulary size
+    if d.tokenizer_type is None and d.mock_data:
+        # No tokenizer flags with mock data: a NullTokenizer over the GPT-2 vocabulary size (its EOD,
+        # vocab_size - 1 = 50256, is GPT-2's end-of-text id).
+        d.tokenizer_type = "NullTokenizer"
+        d.vocab_size = d.vocab_size or 50257
+    need(d.tokenizer_type is not None, "set the tokenizer with --tokenizer-type (and its files); "
+         "see docs/data.md")
     if d.tokenizer_type == "NullTokenizer":
         need(d.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size N")
     return cfg
