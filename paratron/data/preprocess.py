@@ -6,7 +6,7 @@
 
 writes `data/corpus_text_document.bin/.idx` (one output per `--json-keys` key). Input lines are
 read in order (files of a glob sorted by name, `.gz` decompressed), cut into chunks of about
-1 MB, tokenized by `--workers` processes and written in input order, so the output does not
+256 KB, tokenized by `--workers` processes and written in input order, so the output does not
 depend on the worker count. A line that is not UTF-8, not JSON, or lacks a key is counted, reported
 with its line number and skipped (`--strict` makes it fatal). Outputs are written under temporary
 names and renamed only when complete: after an error nothing half-written is left.
@@ -33,7 +33,7 @@ from paratron.data.errors import DataError
 from paratron.data.indexed import IndexedDatasetWriter, token_dtype
 from paratron.data.tokenizers import add_tokenizer_args, build_tokenizer
 
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 1 << 18
 CHUNK_LINES = 4096
 MAX_REPORTED = 20  # malformed lines listed one by one; the rest are only counted
 
