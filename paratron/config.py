@@ -87,6 +87,7 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     ddp_bucket_size: Optional[int] = None
     accumulate_allreduce_grads_in_fp32: bool = False
+    grad_reduce_in_bf16: bool = False  # bf16 gradient buffer and reduction (needs --bf16)
     distributed_backend: Optional[str] = None  # nccl on GPU, gloo on CPU when not given
     distributed_timeout_minutes: int = 10
 
@@ -201,7 +202,7 @@ SECTIONS = {
 UNSUPPORTED_MEGATRON_FLAGS = {
     "num_experts", "moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
     "moe_grouped_gemm", "moe_token_dispatcher_type", "fp8_format", "fp8_hybrid", "fp8_amax_compute_algo",
-    "fp8_amax_history_len", "tp_comm_overlap", "use_torch_fsdp2", "split_sentences", "grad_reduce_in_bf16",
+    "fp8_amax_history_len", "tp_comm_overlap", "use_torch_fsdp2", "split_sentences",
     "transformer_impl", "use_flash_attn", "async_save", "ckpt_format",
 }
 
@@ -462,7 +463,20 @@ def finalize(cfg: Config) -> Config:
     need(tr.device in (None, "cuda", "cpu"), f"--device must be cuda or cpu (got {tr.device})")
     if tr.rampup_batch_size is not None:
         need(len(tr.rampup_batch_size) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
-        raise ConfigError("--rampup-batch-size is not supported yet; remove it to train at the full batch size")
+        tr.rampup_batch_size = [int(v) for v in tr.rampup_batch_size]
+        start, inc, samples = tr.rampup_batch_size
+        need(tr.global_batch_size is not None, "--rampup-batch-size needs --global-batch-size (the final batch size)")
+        need(start >= 1 and inc >= 1 and samples >= 0,
+             f"--rampup-batch-size {start} {inc} {samples}: START and INCREMENT must be >= 1, SAMPLES >= 0")
+        need(start <= tr.global_batch_size and (tr.global_batch_size - start) % inc == 0,
+             f"--rampup-batch-size: --global-batch-size {tr.global_batch_size} minus START {start} must be a "
+             f"non-negative multiple of INCREMENT {inc}")
+    need(par.ddp_bucket_size is None or par.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1 (elements)")
+    need(not par.overlap_param_gather or par.use_distributed_optimizer,
+         "--overlap-param-gather needs --use-distributed-optimizer")
+    need(not par.grad_reduce_in_bf16 or tr.bf16, "--grad-reduce-in-bf16 needs --bf16")
+    need(not (par.grad_reduce_in_bf16 and par.accumulate_allreduce_grads_in_fp32),
+         "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive; choose one")
 
     have_data = d.mock_data or d.data_path or d.train_data_path
     need(bool(have_data), "no training data: pass --data-path PREFIX (or --train-data-path) or --mock-data")
@@ -490,6 +504,12 @@ def resolve_batch(cfg: Config, data_parallel_size: int) -> None:
         raise ConfigError(
             f"--global-batch-size {tr.global_batch_size} is not divisible by --micro-batch-size "
             f"{tr.micro_batch_size} x data-parallel size {data_parallel_size}; adjust one of them")
+    if tr.rampup_batch_size is not None:
+        start, inc, _ = tr.rampup_batch_size
+        if start % per_step or inc % per_step:
+            raise ConfigError(
+                f"--rampup-batch-size START {start} and INCREMENT {inc} must be multiples of --micro-batch-size "
+                f"{tr.micro_batch_size} x data-parallel size {data_parallel_size}")
 
 
 def reference_markdown() -> str:

@@ -67,33 +67,44 @@ def counts_for_norm(p: torch.Tensor, dims: ParallelDims) -> bool:
     return hasattr(p, "tp_dim") or dims.tp_rank == 0
 
 
-class Optimizer:
-    """Wraps torch AdamW. Model parameters may be bf16/fp16; the optimizer steps fp32 master copies
-    whose gradients are the fp32 ``main_grad`` buffers, then copies the result back."""
+class MixedPrecisionAdam:
+    """The step shared by the plain and the distributed optimizer: AdamW on fp32 master tensors
+    (``self.masters``) whose fp32 gradients come from the data-parallel gradient buffer.
 
-    def __init__(self, params: list[torch.nn.Parameter], cfg: Config, dims: ParallelDims):
-        op = cfg.optim
+    step(): unscale (fp16), global grad norm (one host sync), skip on inf/nan, clip, AdamW, then
+    publish the masters to the model parameters. Subclasses say where the gradients come from, which
+    groups the squared norm is summed over, and how the parameters are updated."""
+
+    def _setup(self, masters: list[torch.Tensor], decay: list[bool], norm_mask: list[bool], cfg: Config,
+               dims: ParallelDims) -> None:
+        op, tr = cfg.optim, cfg.train
         self.dims, self.clip_grad = dims, op.clip_grad
-        self.params = list(params)
-        self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        self.masters = [p.detach().clone().float() if p.dtype != torch.float32 else p for p in self.params]
-        for m in self.masters:
-            m.requires_grad_(True)
-        decay = [m for p, m in zip(self.params, self.masters) if p.dim() > 1]
-        no_decay = [m for p, m in zip(self.params, self.masters) if p.dim() <= 1]
-        groups = [{"params": decay, "weight_decay": op.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        device = self.params[0].device if self.params else torch.device("cpu")
+        self.masters, self._norm_mask = masters, norm_mask
+        groups = [{"params": [m for m, d in zip(masters, decay) if d], "weight_decay": op.weight_decay},
+                  {"params": [m for m, d in zip(masters, decay) if not d], "weight_decay": 0.0}]
+        device = masters[0].device if masters else torch.device("cpu")
         kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
         self.adam = torch.optim.AdamW(groups, lr=op.lr, betas=(op.adam_beta1, op.adam_beta2), eps=op.adam_eps, **kw)
-        tr = cfg.train
         if tr.fp16:
             self.scaler = (ConstantScaler(tr.loss_scale) if tr.loss_scale else
                            DynamicScaler(tr.initial_loss_scale, tr.min_loss_scale, tr.loss_scale_window, tr.hysteresis))
         else:
             self.scaler = ConstantScaler(1.0)
-        self._norm_mask = [counts_for_norm(p, dims) for p in self.params]
 
+    # ---- what subclasses provide ----------------------------------------------------------------
+    def _grads(self) -> list[torch.Tensor]:
+        """fp32 gradients aligned with ``self.masters`` (views of the buffer where possible)."""
+        raise NotImplementedError
+
+    def _norm_groups(self) -> list:
+        """Process groups over which the local sum of squared gradients is summed."""
+        raise NotImplementedError
+
+    def _publish(self) -> None:
+        """Copy the updated masters into the model parameters."""
+        raise NotImplementedError
+
+    # ---- the step -------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
@@ -107,20 +118,19 @@ class Optimizer:
         if counted:
             total = torch.stack(torch._foreach_norm(counted)).float().square().sum()
         else:
-            total = torch.zeros((), device=grads[0].device if grads else "cpu")
-        group = self.dims.mp_group  # TP x PP; data-parallel replicas hold identical grads
-        if comm.group_size(group) > 1:
-            dist.all_reduce(total, group=group)
+            total = torch.zeros((), device=self.masters[0].device if self.masters else "cpu")
+        for group in self._norm_groups():
+            if comm.group_size(group) > 1:
+                dist.all_reduce(total, group=group)
         return total
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float]:
         """Returns (update applied, grad norm). Skips the update on inf/nan gradients in fp16."""
-        grads = [p.main_grad for p in self.params]
+        grads = self._grads()
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        norm_sq = self._grad_norm_sq(grads)
-        norm = norm_sq.sqrt().item()  # one host sync per step: the norm decides skip and clip
+        norm = self._grad_norm_sq(grads).sqrt().item()  # one host sync per step: decides skip and clip
         found_inf = not math.isfinite(norm)
         self.scaler.update(found_inf)
         if found_inf:
@@ -130,13 +140,47 @@ class Optimizer:
             if coeff < 1.0:
                 torch._foreach_mul_(grads, coeff)
         for m, g in zip(self.masters, grads):
-            m.grad = g if g.dtype == m.dtype else g.float()
+            m.grad = g
         self.adam.step()
         for m in self.masters:
             m.grad = None
+        self._publish()
+        return True, norm
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank: Adam moments plus master copies that are not
+        the model's own parameters."""
+        n = sum(t.numel() * t.element_size() for s in self.adam.state.values() for t in s.values()
+                if torch.is_tensor(t))
+        return n + sum(m.numel() * m.element_size() for m in self._own_masters())
+
+    def _own_masters(self) -> list[torch.Tensor]:
+        return []
+
+
+class Optimizer(MixedPrecisionAdam):
+    """Every rank holds every master. Model parameters may be bf16/fp16; the optimizer steps fp32
+    master copies whose gradients are the ``main_grad`` buffers, then copies the result back."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: Config, dims: ParallelDims):
+        self.params = list(params)
+        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        masters = [p.detach().clone().float() if p.dtype != torch.float32 else p for p in self.params]
+        self._setup(masters, [p.dim() > 1 for p in self.params], [counts_for_norm(p, dims) for p in self.params],
+                    cfg, dims)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float() for p in self.params]
+
+    def _norm_groups(self) -> list:
+        return [self.dims.mp_group]  # TP x PP; data-parallel replicas hold identical grads
+
+    def _publish(self) -> None:
         if self.mixed:
             torch._foreach_copy_(self.params, self.masters)
-        return True, norm
+
+    def _own_masters(self) -> list[torch.Tensor]:
+        return self.masters if self.mixed else []
 
     @torch.no_grad()
     def reload_masters(self) -> None:
@@ -160,3 +204,11 @@ class Optimizer:
                     m.copy_(src)
                     p.copy_(src)
 
+
+def build_optimizer(models: list, cfg: Config, dims: ParallelDims) -> MixedPrecisionAdam:
+    """The optimizer of the run: distributed (ZeRO-1) with --use-distributed-optimizer, else plain.
+    ``models`` are the DataParallel-wrapped model chunks of this rank."""
+    if cfg.parallel.use_distributed_optimizer:
+        from .distributed import DistributedOptimizer
+        return DistributedOptimizer(models, cfg, dims)
+    return Optimizer([p for m in models for p in m.params], cfg, dims)

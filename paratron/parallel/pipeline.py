@@ -9,6 +9,7 @@ micro-batches (on the last pipeline stage).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -24,13 +25,16 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     if isinstance(model, (list, tuple)):
         (model,) = model
     reports = []
-    for _ in range(num_microbatches):
-        with torch.set_grad_enabled(not forward_only):
-            output, loss_func = forward_step_func(data_iterator, model)
-            loss_sum, num_tokens, report = loss_func(output)
-            loss = loss_sum / num_tokens.clamp(min=1) / num_microbatches
-        if not forward_only:
-            (loss * grad_scale).backward()
+    no_sync = getattr(model, "no_sync", None)  # DataParallel: no gradient reduction before the last micro-batch
+    for i in range(num_microbatches):
+        defer = no_sync is not None and not forward_only and i < num_microbatches - 1
+        with no_sync() if defer else contextlib.nullcontext():
+            with torch.set_grad_enabled(not forward_only):
+                output, loss_func = forward_step_func(data_iterator, model)
+                loss_sum, num_tokens, report = loss_func(output)
+                loss = loss_sum / num_tokens.clamp(min=1) / num_microbatches
+            if not forward_only:
+                (loss * grad_scale).backward()
         reports.append(report)
     return reports
 

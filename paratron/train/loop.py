@@ -16,14 +16,15 @@ import torch.distributed as dist
 from ..checkpoint import local as ckpt
 from ..config import Config, ConfigError, resolve_batch
 from ..model.gpt import GPTModel
-from ..parallel.data import DataParallel, finalize_model_grads
+from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims, initialize_model_parallel
 from ..parallel.pipeline import get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
-from ..optim.optimizer import Optimizer
+from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
 from .logger import RunLogger, format_train_line, format_valid_line
 from .metrics import flops_per_iteration, peak_memory_gb, peak_tflops
+from .microbatches import MicroBatches
 
 
 def init_distributed(cfg: Config) -> torch.device:
@@ -97,13 +98,15 @@ class Trainer:
         self.dims = dims or build_dims(cfg)
         resolve_batch(cfg, self.dims.dp)
         tr = cfg.train
+        self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size)
         if tr.train_iters is None:
-            tr.train_iters = tr.train_samples // tr.global_batch_size
+            tr.train_iters = self.microbatches.train_iters_for_samples(tr.train_samples)
+        self.current_global_batch = tr.global_batch_size
         set_seed(tr.seed, self.dims.pp_rank)
         self.tokenizer = self._build_tokenizer()
-        self.model = DataParallel(build_model(cfg, self.dims, self.device), self.dims)
-        self.optimizer = Optimizer(self.model.params, cfg, self.dims)
-        self.scheduler = build_scheduler(cfg, tr.train_iters * tr.global_batch_size)
+        self.model = wrap_data_parallel(build_model(cfg, self.dims, self.device), cfg, self.dims)
+        self.optimizer = build_optimizer([self.model], cfg, self.dims)
+        self.scheduler = build_scheduler(cfg, tr.train_samples or tr.train_iters * tr.global_batch_size)
         self.optimizer.set_lr(self.scheduler.lr)
         self.iteration, self.consumed_samples = 0, 0
         self.skipped, self.nan_iters = 0, 0
@@ -146,12 +149,13 @@ class Trainer:
 
     @property
     def num_microbatches(self) -> int:
-        tr = self.cfg.train
-        return tr.global_batch_size // (tr.micro_batch_size * self.dims.dp)
+        """Micro-batches per rank in the next step (follows --rampup-batch-size)."""
+        return self.microbatches.num_microbatches(self.consumed_samples)
 
     # ---- one step ------------------------------------------------------------------------------
     def train_step(self) -> tuple[torch.Tensor, bool, float]:
         tr = self.cfg.train
+        gbs = self.current_global_batch = self.microbatches.global_batch(self.consumed_samples)
         self.model.zero_grad_buffer()
         reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
                                         model=[self.model], num_microbatches=self.num_microbatches,
@@ -160,10 +164,10 @@ class Trainer:
         finalize_model_grads([self.model], self.dims)
         ok, grad_norm = self.optimizer.step()
         if ok:
-            self.scheduler.step(tr.global_batch_size)
+            self.scheduler.step(gbs)
             self.optimizer.set_lr(self.scheduler.lr)
         self.iteration += 1
-        self.consumed_samples += tr.global_batch_size
+        self.consumed_samples += gbs
         return self._reduce_dp(sum_reports(reports, self.device)), ok, grad_norm
 
     def _reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
@@ -295,12 +299,13 @@ class Trainer:
         if loss != loss:
             self.nan_iters += iters
         per_iter = seconds / max(iters, 1)
-        tflops = self.flops_per_iter / per_iter / self.dims.world_size / 1e12
-        tokens_s = tr.global_batch_size * self.cfg.model.seq_length / per_iter / self.dims.world_size
+        gbs = self.current_global_batch  # of the last step (follows --rampup-batch-size)
+        tflops = self.flops_per_iter * gbs / tr.global_batch_size / per_iter / self.dims.world_size / 1e12
+        tokens_s = gbs * self.cfg.model.seq_length / per_iter / self.dims.world_size
         mfu = 100.0 * tflops / self.peak if self.peak else None
         peak_gb = peak_memory_gb(self.device)
         self.log.print(format_train_line(self.iteration, tr.train_iters, self.consumed_samples, per_iter * 1000.0,
-                                         tflops, self.scheduler.lr, tr.global_batch_size, loss,
+                                         tflops, self.scheduler.lr, gbs, loss,
                                          self.optimizer.loss_scale, grad_norm, self.skipped, self.nan_iters,
                                          tokens_s, mfu, peak_gb))
         self.log.train(self.iteration, loss)
