@@ -10,6 +10,7 @@ is what `prepare_demo_data` runs, reusing whatever a previous call already produ
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sysconfig
@@ -18,14 +19,17 @@ from typing import Dict, Iterator, Optional, Tuple
 from paratron.data.errors import DataError
 from paratron.data.indexed import dataset_exists
 
-SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+# encodings/ is mostly generated character tables: poor text to learn from.
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings"}
 DEMO_MAX_BYTES = 8 << 20
 DEMO_VOCAB_SIZE = 4096
 
 
 def stdlib_source_files(root: Optional[str] = None) -> Iterator[Tuple[str, str]]:
-    """(relative path, absolute path) of each .py file of the standard library, sorted by the
-    relative path; third-party packages and test suites are left out."""
+    """(relative path, absolute path) of each .py file of the standard library, in a fixed
+    pseudo-random order (sorted by the MD5 of the relative path, the same on every machine with the
+    same library), so that a size cap and the train/validation split both sample the whole library;
+    third-party packages and test suites are left out."""
     root = root or sysconfig.get_paths()["stdlib"]
     found = []
     for folder, dirs, files in os.walk(root):
@@ -34,12 +38,12 @@ def stdlib_source_files(root: Optional[str] = None) -> Iterator[Tuple[str, str]]
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
                 found.append((os.path.relpath(path, root).replace(os.sep, "/"), path))
-    return iter(sorted(found))
+    return iter(sorted(found, key=lambda rel_abs: hashlib.md5(rel_abs[0].encode()).hexdigest()))
 
 
 def python_stdlib_corpus(out_jsonl: str, max_bytes: Optional[int] = None) -> Dict[str, int]:
-    """Write the standard library's .py sources as JSONL, one {"text": source} per file, in sorted
-    path order, stopping before the text would pass `max_bytes` (UTF-8). Returns counts."""
+    """Write the standard library's .py sources as JSONL, one {"text": source} per file, in the
+    order of `stdlib_source_files`, stopping before the text would pass `max_bytes` (UTF-8). Returns counts."""
     files = written = 0
     os.makedirs(os.path.dirname(os.path.abspath(out_jsonl)), exist_ok=True)
     tmp = f"{out_jsonl}.tmp-{os.getpid()}"
