@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 _STATE: Dict[str, object] = {}
 
 
-def _init_worker(args) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+def _init_worker(args, in_process: bool = False) -> None:
+    if not in_process:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     tokenizer = build_tokenizer(args)
     _STATE.update(
         tokenizer=tokenizer, keys=list(args.json_keys), append_eod=args.append_eod,
@@ -260,7 +261,7 @@ def preprocess(args) -> Dict[str, object]:
         writers = [stack.enter_context(IndexedDatasetWriter(p, dtype)) for p in prefixes]
         try:
             if args.workers == 1:
-                _init_worker(args)
+                _init_worker(args, in_process=True)
                 for chunk in _read_chunks(files):
                     consume(encode_chunk(chunk))
             else:

@@ -34,6 +34,15 @@ TIKTOKEN_PATTERNS = {
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
 
 
+def _need_package(name: str, kind: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise DataError(f"--tokenizer-type {kind} needs the {name} package: pip install {name}")
+
+
 def _need_file(path: Optional[str], flag: str, kind: str) -> str:
     if not path:
         raise DataError(f"--tokenizer-type {kind} needs {flag}")
@@ -154,8 +163,7 @@ class HuggingFaceTokenizer(_HFBased):
 
 class _SentencePieceBase(Tokenizer):
     def __init__(self, model_file: str):
-        import sentencepiece
-
+        sentencepiece = _need_package("sentencepiece", type(self).__name__)
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
         except Exception as err:
@@ -282,8 +290,7 @@ class TikTokenizer(Tokenizer):
         self, path: str, pattern: str = "v2", vocab_size: Optional[int] = None,
         num_special_tokens: int = 1000, special_tokens: Optional[Sequence[str]] = None,
     ):
-        import tiktoken
-
+        tiktoken = _need_package("tiktoken", "TikTokenizer")
         if pattern not in TIKTOKEN_PATTERNS:
             raise DataError(f"--tiktoken-pattern {pattern!r}: choose v1 or v2")
         specials = list(special_tokens or ["<unk>", "<s>", "</s>"])
