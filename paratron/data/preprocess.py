@@ -201,7 +201,7 @@ class _Progress:
         if not quiet and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1 << 20,
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                             desc="preprocess", file=sys.stderr)
 
     def rates(self) -> Tuple[float, float]:
