@@ -34,9 +34,10 @@ def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int
     op.weight_decay, op.adam_beta2 = 0.1, 0.95
     d.data_path, d.split = [data_prefix], "95,5,0"
     d.tokenizer_type, d.tokenizer_model = "HuggingFaceTokenizer", tokenizer_json
-    d.num_workers = 1
+    d.num_workers = 0  # the corpus is small and in memory maps; a worker would only compete for cores
     d.data_cache_path = str(workdir / "index-cache")
     lg.log_interval = max(iters // 12, 1)
+    tr.exit_duration_in_mins = 3.5  # a slow machine still finishes within ~5 minutes
     lg.tensorboard_dir = str(workdir / "tensorboard")
     lg.plot_path = str(workdir / "loss.png")
     ck.save = str(workdir / "checkpoints")
@@ -46,7 +47,7 @@ def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int
 def run_demo(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="paratron demo", description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=str(DEMO_DIR), help="where data, checkpoints and logs go (default %(default)s)")
-    p.add_argument("--train-iters", type=int, default=None, help="default: 300 on CPU, 1500 on GPU")
+    p.add_argument("--train-iters", type=int, default=None, help="default: 500 on CPU, 1500 on GPU")
     p.add_argument("--corpus-mb", type=float, default=8.0, help="MB of stdlib source to train on")
     p.add_argument("--vocab-size", type=int, default=4096)
     args = p.parse_args(argv)
@@ -57,7 +58,7 @@ def run_demo(argv: list[str]) -> int:
 
     workdir = Path(args.workdir)
     on_gpu = torch.cuda.is_available()
-    iters = args.train_iters or (1500 if on_gpu else 300)
+    iters = args.train_iters or (1500 if on_gpu else 500)
     t0 = time.time()
     print(f"paratron demo: preparing data in {workdir} (Python standard library source, "
           f"byte-level BPE of {args.vocab_size} tokens)", flush=True)

@@ -81,9 +81,12 @@ def build_data_iterator(
     if infinite and len(sampler) == 0:
         raise DataError(f"dataset of {total} samples holds no full micro-batch chunk of "
                         f"{sampler.chunk} after {consumed_samples} consumed")
+    # A private generator: the loader draws a worker base seed each time an iteration starts, and
+    # must not advance the global RNG that dropout uses (resume would no longer be bit-exact).
     loader = DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=default_collate,
         pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(0),
     )
     if not infinite:
         return iter(loader)
