@@ -1,0 +1,149 @@
+"""Training throughput of paratron's real training step on one device, optionally beside the
+Hugging Face transformers baseline measured in the same process.
+
+    python benchmarks/train_throughput.py --config gpt-350m [--hf] [--variant NAME:FLAGS ...]
+
+Each variant is a set of extra Megatron/paratron flags (e.g. `compiled:--torch-compile`). The step is
+Trainer.train_step: model forward/backward on mock data through the real data path, gradient
+buffer, AdamW on fp32 master weights, LR schedule. Timing: warm-up steps, then CUDA-synchronised
+wall time over the timed steps. Writes a Markdown record (date, hardware, torch, commit, command,
+table) to --record-dir (default: $OUT if set, else benchmarks/results).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_paratron(preset: str, flags: list[str], warmup: int, steps: int) -> dict:
+    from paratron.config import parse_args
+    from paratron.train.loop import Trainer
+    from paratron.train.metrics import flops_per_iteration, peak_tflops
+    cfg = parse_args(["--config", preset, "--train-iters", str(warmup + steps + 1), "--eval-iters", "0",
+                      "--log-interval", "1000000", *flags])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t = Trainer(cfg)
+    losses = []
+    for _ in range(warmup):
+        t.train_step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        report, _, _ = t.train_step()
+        losses.append(report)
+    sync()
+    dt = (time.perf_counter() - start) / steps
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    flops = flops_per_iteration(cfg.model, cfg.padded_vocab_size, cfg.train.global_batch_size, cfg.model.seq_length)
+    peak = peak_tflops(t.device) or 989.0
+    loss = float(losses[-1][0] / losses[-1][1])
+    out = dict(step_ms=round(dt * 1e3, 1), tok_s=round(tokens / dt), tflops=round(flops / dt / 1e12, 1),
+               mfu=round(100 * flops / dt / 1e12 / peak, 1),
+               peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else None,
+               loss=round(loss, 3), micro_batch=cfg.train.micro_batch_size, flops_per_token=flops / tokens)
+    t.close()
+    del t
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_hf(preset: str, compiled: bool) -> dict:
+    """The peers' baseline (../shared/bench/peers.py, carried as .peers/peers.py), same process."""
+    sys.path.insert(0, str(ROOT / ".peers"))
+    import peers  # noqa: E402  (only present where carried)
+    torch.cuda.reset_peak_memory_stats()
+    r = peers.hf(peers.CONFIGS[preset], compiled)
+    # peers counts FLOPs differently (no causal discount); report Megatron-formula MFU beside it
+    gc.collect()
+    torch.cuda.empty_cache()
+    return r
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="gpt-350m")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME:FLAGS, e.g. 'compiled:--torch-compile --micro-batch-size 8' (repeatable)")
+    p.add_argument("--hf", action="store_true", help="also run HF transformers + torch.compile (needs .peers/)")
+    p.add_argument("--hf-eager", action="store_true", help="also run HF transformers eager")
+    p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args()
+    variants = [v.split(":", 1) if ":" in v else (v, "") for v in args.variant] or [("default", "")]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"torch {torch.__version__} on {device}; preset {args.config}", flush=True)
+    rows = []
+    for name, flags in variants:
+        try:
+            r = run_paratron(args.config, flags.split(), args.warmup, args.steps)
+        except Exception as e:  # record the failure, keep measuring the rest
+            import traceback
+            traceback.print_exc()
+            r = dict(error=repr(e)[:300])
+        r.update(system=f"paratron {name}", flags=flags)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    for compiled, wanted in ((False, args.hf_eager), (True, args.hf)):
+        if not wanted:
+            continue
+        try:
+            r = run_hf(args.config, compiled)
+        except Exception as e:
+            r = dict(error=repr(e)[:300])
+        r.update(system="hf-compile" if compiled else "hf-eager", flags="")
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    hf_tok = next((r["tok_s"] for r in rows if r["system"] == "hf-compile" and "tok_s" in r), None)
+    header = "| system | flags | step ms | tokens/s | TFLOP/s | MFU % | peak GB | loss | vs HF+compile |"
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['tok_s'] / hf_tok:.2f}x" if hf_tok and "tok_s" in r else ""
+        lines.append(f"| {r['system']} | `{r['flags']}` | {r.get('step_ms')} | {r.get('tok_s')} | {r.get('tflops')} | "
+                     f"{r.get('mfu')} | {r.get('peak_mem_gb')} | {r.get('loss')} | {ratio} |"
+                     + (f" error: {r['error']}" if "error" in r else ""))
+    table = "\n".join(lines)
+    print("\n" + table)
+    stamp = datetime.now(timezone.utc)
+    record = Path(args.record_dir) / f"train_throughput_{args.config}_{stamp:%Y%m%d_%H%M%S}.md"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(
+        f"# Training throughput: {args.config}\n\n- date: {stamp:%Y-%m-%d %H:%M} UTC\n- hardware: {device}\n"
+        f"- torch: {torch.__version__}\n- commit: {commit()}\n- command: `{' '.join(sys.argv)}`\n"
+        f"- method: {args.warmup} warm-up + {args.steps} timed steps, CUDA-synchronised wall time; "
+        f"MFU by the Megatron FLOPs formula against 989 TFLOP/s (HF rows: peers.py's own FLOPs count)\n\n"
+        f"{table}\n")
+    print(f"record: {record}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
