@@ -73,12 +73,15 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``weight`` overrides the layer's own (a tied output layer passes the embedding table)."""
-        if self.sequence_parallel:
-            x = comm.gather_from_sp(x, self.tp_group)
-        else:
-            x = comm.copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight if weight is None else weight, self.bias)
+        y = F.linear(self.enter(x), self.weight if weight is None else weight, self.bias)
         return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the local matmul sees it: gathered over the sequence (SP) or marked for
+        the backward all-reduce over TP."""
+        if self.sequence_parallel:
+            return comm.gather_from_sp(x, self.tp_group)
+        return comm.copy_to_tp(x, self.tp_group)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, local={tuple(self.weight.shape)}"
@@ -184,3 +187,62 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
         return F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction="none").view_as(target)
     vocab_start = comm.group_rank(tp_group) * logits.size(-1)
     return _VocabParallelCE.apply(logits, target, vocab_start, tp_group)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Output layer and cross-entropy in chunks of tokens: the [tokens, vocab] logits exist one chunk
+    at a time (never in fp32 for the whole batch); backward recomputes each chunk's logits. Over a
+    TP group the vocabulary is split and only per-token scalars (max, sum of exp, target logit)
+    are reduced, as in the vocab-parallel cross-entropy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, vocab_start, group, chunk):
+        n, v = x.size(0), weight.size(0)
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp16 inputs
+        lse = torch.empty(n, dtype=acc, device=x.device)
+        picked = torch.empty(n, dtype=acc, device=x.device)
+        for i in range(0, n, chunk):
+            logits = (x[i:i + chunk] @ weight.t()).to(acc)
+            m = logits.max(dim=-1).values
+            if comm.group_size(group) > 1:
+                torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+            sum_exp = (logits - m.unsqueeze(-1)).exp_().sum(dim=-1)
+            local = target[i:i + chunk] - vocab_start
+            inside = (local >= 0) & (local < v)
+            t = logits.gather(-1, local.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1) * inside
+            comm.all_reduce(sum_exp, group)
+            comm.all_reduce(t, group)
+            lse[i:i + chunk] = m + sum_exp.log()
+            picked[i:i + chunk] = t
+        ctx.save_for_backward(x, weight, target, lse)
+        ctx.vocab_start, ctx.chunk = vocab_start, chunk
+        return lse - picked
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, target, lse = ctx.saved_tensors
+        n, v, chunk = x.size(0), weight.size(0), ctx.chunk
+        gx = torch.empty_like(x)
+        gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        for i in range(0, n, chunk):
+            xc = x[i:i + chunk]
+            p = (xc @ weight.t()).to(lse.dtype).sub_(lse[i:i + chunk].unsqueeze(-1)).exp_()  # softmax
+            local = target[i:i + chunk] - ctx.vocab_start
+            inside = ((local >= 0) & (local < v)).to(p.dtype)
+            p.scatter_add_(-1, local.clamp(0, v - 1).unsqueeze(-1), -inside.unsqueeze(-1))
+            d = p.mul_(g[i:i + chunk].unsqueeze(-1)).to(x.dtype)
+            gx[i:i + chunk] = d @ weight
+            gw += d.t() @ xc
+        return gx, gw.to(weight.dtype), None, None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tp_group=None,
+                         chunk_bytes: int = 2**28) -> torch.Tensor:
+    """Per-token cross-entropy of ``x @ weight.T`` (``weight``: this rank's vocabulary rows) without
+    materialising the logits of all tokens; ``x`` [..., h], ``target`` [...]. Equal to
+    ``vocab_parallel_cross_entropy(F.linear(x, weight), target)`` up to rounding."""
+    shape = target.shape
+    xf, tf = x.reshape(-1, x.size(-1)), target.reshape(-1)
+    chunk = max(1, chunk_bytes // (4 * weight.size(0)))
+    vocab_start = comm.group_rank(tp_group) * weight.size(0)
+    return _LinearCrossEntropy.apply(xf, weight, tf, vocab_start, tp_group, chunk).view(shape)

@@ -148,3 +148,39 @@ def test_init_follows_megatron():
     assert abs(qkv.std().item() - 0.02) < 0.002
     assert abs(proj.std().item() - 0.02 / 4.0) < 0.0005  # std / sqrt(2 * layers)
     assert m.decoder.layers[0].self_attention.linear_qkv.bias.abs().sum() == 0
+
+
+@pytest.mark.parametrize("kw", [{}, LLAMA])
+def test_fused_output_loss_equals_logits_path(kw):
+    torch.manual_seed(0)
+    a = GPTModel(tiny(**kw), 128)
+    b = GPTModel(tiny(**kw), 128)
+    b.load_state_dict(a.state_dict())
+    b.fused_output_loss = False
+    ids = torch.randint(0, 128, (3, 16))
+    la, lb = a(ids, labels=ids), b(ids, labels=ids)
+    assert torch.allclose(la, lb, atol=1e-5)
+    w = torch.rand(3, 16)
+    (la * w).sum().backward()
+    (lb * w).sum().backward()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), n
+
+
+def test_linear_cross_entropy_chunks_and_bf16():
+    from paratron.parallel.tensor import linear_cross_entropy
+    torch.manual_seed(0)
+    x = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (37,))
+    g = torch.rand(37, dtype=torch.float64)
+    ref = F.cross_entropy(x @ w.t(), t, reduction="none")
+    (ref * g).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    got = linear_cross_entropy(x, w, t, chunk_bytes=4 * 50 * 5)  # chunks of 5 tokens
+    (got * g).sum().backward()
+    assert torch.allclose(got.double(), ref) and torch.allclose(x.grad, gx) and torch.allclose(w.grad, gw)
+    xb, wb = x.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    lb = linear_cross_entropy(xb, wb, t)
+    assert lb.dtype == torch.float32 and (lb.double() - ref).abs().max() < 0.5
