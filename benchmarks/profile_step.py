@@ -36,25 +36,32 @@ def main():
         t.train_step()
     torch.cuda.synchronize()
     steps = 3
+    import time
+    wall = time.perf_counter()
+    for _ in range(steps):
+        t.train_step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - wall) / steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                             torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             t.train_step()
         torch.cuda.synchronize()
     totals, by_name = defaultdict(float), defaultdict(float)
-    for e in prof.key_averages():
-        dev = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if dev <= 0:
+    for e in prof.events():  # kernels only (operator rows would count the same time twice)
+        if e.device_type != torch.autograd.DeviceType.CUDA or "#" in e.name:  # '#': user annotations
             continue
-        totals[kind_of(e.key)] += dev
-        by_name[e.key] += dev
+        dev = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)
+        totals[kind_of(e.name)] += dev
+        by_name[e.name] += dev
     all_us = sum(totals.values())
-    print(f"\nGPU kernel time per step: {all_us / steps / 1000:.1f} ms")
+    print("\ntop kernels:")
+    for name, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"  {v / steps / 1000:8.2f} ms  {name[:110]}")
+    print(f"\nstep wall time {wall * 1000:.1f} ms; GPU kernel time per step: {all_us / steps / 1000:.1f} ms "
+          f"(GPU idle {100 * (1 - all_us / steps / 1e6 / wall):.0f} %)")
     for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {k:20s} {v / steps / 1000:8.2f} ms  {100 * v / all_us:5.1f} %")
-    print("\ntop kernels:")
-    for name, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:22]:
-        print(f"  {v / steps / 1000:8.2f} ms  {name[:110]}")
     out = os.environ.get("OUT")
     if out:
         prof.export_chrome_trace(str(Path(out) / "trace.json"))
