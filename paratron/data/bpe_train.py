@@ -81,7 +81,7 @@ def train_bpe_tokenizer(
         special_tokens=list(special_tokens), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(iter_training_texts(files, text_key), trainer=trainer)
-    if os.path.isdir(out_path):
+    if os.path.isdir(out_path) or not str(out_path).endswith(".json"):  # a directory
         out_path = os.path.join(out_path, "tokenizer.json")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = f"{out_path}.tmp-{os.getpid()}"
@@ -106,7 +106,7 @@ def tokenizer_train_main(argv=None) -> int:
     parser.add_argument("--input", nargs="+", required=True,
                         help="JSONL (.jsonl/.json[.gz], one object a line) or text files; globs ok")
     parser.add_argument("--vocab-size", type=int, required=True)
-    parser.add_argument("--output", required=True, help="tokenizer.json path (or a directory)")
+    parser.add_argument("--output", required=True, help="a .json file path, or a directory (gets tokenizer.json)")
     parser.add_argument("--json-key", default="text", help="text field of JSONL lines")
     parser.add_argument("--min-frequency", type=int, default=2)
     parser.add_argument("--gpt2-files", action="store_true",

@@ -197,6 +197,9 @@ def test_tokenizer_train_cli(tmp_path, capsys):
     assert tokenizer_train_main(["--input", corpus, "--vocab-size", "280", "--output",
                                  str(tmp_path), "--gpt2-files"]) == 0
     assert {"tokenizer.json", "vocab.json", "merges.txt"} <= set(os.listdir(tmp_path))
+    assert tokenizer_train_main(["--input", corpus, "--vocab-size", "280", "--output",
+                                 str(tmp_path / "new_dir")]) == 0  # made, gets tokenizer.json
+    assert os.path.isfile(tmp_path / "new_dir" / "tokenizer.json")
     assert tokenizer_train_main(["--input", str(tmp_path / "missing*.jsonl"), "--vocab-size",
                                  "300", "--output", str(tmp_path / "x.json")]) == 1
     err = capsys.readouterr().err
