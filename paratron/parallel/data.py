@@ -97,12 +97,28 @@ class DataParallel(nn.Module):
         self.param_offsets = offsets
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         if self.overlap_param_gather and self.n > 1:
-            for m in module.modules():
-                own = {self._bucket_of[p] for p in m.parameters(recurse=False) if p in self._bucket_of}
-                if own:
-                    buckets = sorted(own, key=lambda b: b.index)
-                    self._hooks.append(m.register_forward_pre_hook(lambda _m, _a, bs=buckets: self._wait_gather(bs)))
+            for m, buckets in self._gather_points(module).items():
+                wait = torch._dynamo.disable(lambda _m, _a, bs=buckets: self._wait_gather(bs))
+                self._hooks.append(m.register_forward_pre_hook(wait))
         self.zero_grad_buffer()
+
+    def _gather_points(self, module: nn.Module) -> dict:
+        """{module: buckets its forward must wait for}: each module owning parameters, except that a
+        compiled module (``module.compile()``, e.g. a layer with --torch-compile) waits once for its
+        whole subtree, so no hook runs inside the compiled region."""
+        points = {}
+
+        def visit(m: nn.Module, owner) -> None:
+            if owner is None and getattr(m, "_compiled_call_impl", None) is not None:
+                owner = m
+            own = [p for p in m.parameters(recurse=False) if p in self._bucket_of]
+            if own:
+                points.setdefault(owner or m, set()).update(self._bucket_of[p] for p in own)
+            for child in m.children():
+                visit(child, owner)
+
+        visit(module, None)
+        return {m: sorted(bs, key=lambda b: -b.index) for m, bs in points.items()}
 
     def _layout(self, bucket_size: Optional[int]):
         """Buckets over the parameters in reverse order; returns (buckets, offsets, total size)."""
