@@ -242,6 +242,23 @@ def test_fp16_scaler_skips_inf_step_on_every_rank_and_recovers(dp2, name):
         assert torch.equal(runs[0]["params"][n], runs[1]["params"][n]), n  # replicas stay identical
 
 
+def test_fp16_overflow_is_skipped_and_counted_in_the_log_line(capsys):
+    """Megatron's default initial scale 2^32 overflows fp16 gradients: the first steps are skipped,
+    counted in the log line, and the scale backs off after ``--hysteresis`` (2) overflows."""
+    from paratron.train.loop import Trainer, build_dims
+    cfg = cfg_of(fp16=True)
+    dims = build_dims(cfg)
+    data = micro_batches(global_batches(cfg, STEPS), cfg, dims.dp_rank, dims.dp)
+    trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims, data=(data, None))
+    before = trainer.model.params[0].detach().clone()
+    trainer.train()
+    trainer.close()
+    out = capsys.readouterr().out
+    assert [int(x) for x in re.findall(r"number of skipped iterations:\s+(\d+)", out)] == [1, 2, 3]
+    assert [float(x) for x in re.findall(r"loss scale: ([0-9.]+)", out)] == [2.0 ** 32, 2.0 ** 31, 2.0 ** 30]
+    assert torch.equal(trainer.model.params[0], before)
+
+
 # ---- batch-size ramp -------------------------------------------------------------------------------
 def test_rampup_batch_sizes_and_parity(dp2, reference):
     ref = reference["rampup"]
