@@ -37,7 +37,12 @@ def run_train(argv: list[str]) -> int:
     from .config import parse_args
     from .train.loop import pretrain
     cfg = parse_args(argv)
-    pretrain(cfg)
+    try:
+        pretrain(cfg)
+    finally:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
