@@ -74,7 +74,7 @@ def run_demo(argv: list[str]) -> int:
     model = trainer.model.module
     print("\nSamples from the trained model:")
     g = torch.Generator().manual_seed(0)
-    for prompt in ("def ", "import ", "class "):
+    for prompt in ("def", "import", "class"):
         ids = generate(model, tok.tokenize(prompt), 48, cfg.data.vocab_size, temperature=0.7, top_k=20,
                        eod=tok.eod, generator=g)
         text = tok.detokenize(ids).splitlines()
