@@ -279,7 +279,24 @@ def finalize_model_grads(models: list[DataParallel], dims: ParallelDims) -> None
                 g.copy_(flat[offset: offset + g.numel()].view_as(g))
                 offset += g.numel()
     if dims.pp > 1 and dims.embedding_group is not None:
-        for m in models:
-            for p in m.params:
-                if getattr(p, "shared_embedding", False) or getattr(p, "is_word_embedding", False):
-                    dist.all_reduce(p.main_grad, group=dims.embedding_group)
+        tied = [p for m in models for p in m.params
+                if getattr(p, "shared_embedding", False) or getattr(p, "is_word_embedding", False)]
+        if models and not getattr(models[0], "tied_embedding_checked", False):
+            _check_tied_embedding(len(tied), dims, tied[0].device if tied else models[0].grad_buffer.device)
+            models[0].tied_embedding_checked = True
+        for p in tied:
+            dist.all_reduce(p.main_grad, group=dims.embedding_group)
+
+
+def _check_tied_embedding(count: int, dims: ParallelDims, device) -> None:
+    """Once per run: the first and last pipeline stage must mark the same number of tied-embedding
+    copies (``is_word_embedding`` / ``shared_embedding``), or the all-reduce above would hang."""
+    lo = torch.tensor([count], device=device)
+    hi = lo.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=dims.embedding_group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=dims.embedding_group)
+    if lo.item() != hi.item():
+        raise RuntimeError(
+            f"the first and last pipeline stages mark {lo.item()} and {hi.item()} tied-embedding parameters: the "
+            "first stage's word embedding needs is_word_embedding = True and the last stage's copy "
+            "shared_embedding = True (their gradients are summed over the embedding group)")
