@@ -125,12 +125,16 @@ class MixedPrecisionAdam:
         return total
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float]:
-        """Returns (update applied, grad norm). Skips the update on inf/nan gradients in fp16."""
+    def step(self) -> tuple[bool | torch.Tensor, float | torch.Tensor]:
+        """Returns (update applied, grad norm), as Python values, or as device tensors when the step
+        ran without a host sync (see _step_on_device). Skips the update on inf/nan gradients."""
         grads = self._grads()
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        norm = self._grad_norm_sq(grads).sqrt().item()  # one host sync per step: decides skip and clip
+        norm_t = self._grad_norm_sq(grads).sqrt()
+        if self.adam.defaults.get("fused") and not isinstance(self.scaler, DynamicScaler):
+            return self._step_on_device(grads, norm_t)
+        norm = norm_t.item()  # one host sync: the dynamic loss scale and the skip are decided here
         found_inf = not math.isfinite(norm)
         self.scaler.update(found_inf)
         if found_inf:
@@ -146,6 +150,25 @@ class MixedPrecisionAdam:
             m.grad = None
         self._publish()
         return True, norm
+
+    def _step_on_device(self, grads: list[torch.Tensor], norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same step with no host synchronisation (fused AdamW, no dynamic loss scale): the clip
+        coefficient stays a device tensor and an inf/nan norm skips the update through fused AdamW's
+        ``found_inf``. Returns (update applied, grad norm) as device tensors."""
+        found_inf = (~torch.isfinite(norm)).float()
+        if self.clip_grad and self.clip_grad > 0:
+            torch._foreach_mul_(grads, (self.clip_grad / (norm + 1e-6)).clamp(max=1.0))
+        for m, g in zip(self.masters, grads):
+            m.grad = g
+        self.adam.found_inf = found_inf
+        try:
+            self.adam.step()
+        finally:
+            del self.adam.found_inf
+        for m in self.masters:
+            m.grad = None
+        self._publish()
+        return found_inf == 0, norm
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: Adam moments plus master copies that are not

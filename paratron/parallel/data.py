@@ -80,6 +80,7 @@ class DataParallel(nn.Module):
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         device = self.params[0].device if self.params else torch.device("cpu")
         self.grad_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
+        self._unwritten: set = set()
         self.param_buffer = None
         if use_distributed_optimizer and self.params:
             dtypes = {p.dtype for p in self.params}
@@ -151,7 +152,11 @@ class DataParallel(nn.Module):
 
     # ---- gradients ------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
-        p.main_grad.add_(p.grad)
+        if p in self._unwritten:  # first gradient of the step: write it (the buffer is not zero-filled)
+            p.main_grad.copy_(p.grad)
+            self._unwritten.discard(p)
+        else:
+            p.main_grad.add_(p.grad)
         p.grad = None
         if not (self.overlap_grad_reduce and self.is_last_microbatch and self.n > 1):
             return
@@ -182,6 +187,9 @@ class DataParallel(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """After the last backward of the step: reduce the buckets not reduced yet, wait for all."""
+        for p in self._unwritten:  # parameters that got no gradient this step
+            p.main_grad.zero_()
+        self._unwritten.clear()
         if self.n > 1:
             for b in self.buckets:
                 if b.grad_work is None:
@@ -191,7 +199,10 @@ class DataParallel(nn.Module):
                 b.grad_work = None
 
     def zero_grad_buffer(self) -> None:
-        self.grad_buffer.zero_()
+        """Start a step. Instead of zero-filling the buffer, each parameter's first gradient is
+        copied in (saves a write and a read of the whole buffer); finish_grad_sync zeroes the rest.
+        Padding between parameters is zero from construction and never written."""
+        self._unwritten = set(self.params)
         self.buckets_launched_in_backward = 0
         for b in self.buckets:
             b.grad_work = None

@@ -95,3 +95,9 @@ def test_reference_lists_every_field():
     md = reference_markdown()
     for name in ("--tensor-model-parallel-size", "--lr-decay-style", "--data-path", "--save-interval"):
         assert name in md
+
+
+def test_docs_config_reference_is_current():
+    from pathlib import Path
+    doc = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert doc.read_text() == reference_markdown(), "regenerate with: python tools/gen_config_docs.py"
