@@ -436,6 +436,8 @@ def finalize(cfg: Config) -> Config:
     if par.sequence_parallel:
         need(m.seq_length % tp == 0,
              f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {tp}")
+    from .parallel.stages import finalize_pipeline  # imported here: parallel/ imports this module
+    finalize_pipeline(par, m.num_layers)  # layers split over (virtual) pipeline stages
 
     need(not (tr.bf16 and tr.fp16), "--bf16 and --fp16 are mutually exclusive; choose one")
     need(tr.train_iters is None or tr.train_samples is None,

@@ -15,7 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
-from ..parallel.random import RNGTracker
+from ..parallel.random import RNGTracker, seeded_init
 from ..parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, init_normal, vocab_parallel_cross_entropy
 from .layers import Parallel, Rotary
 from .transformer import TransformerStack
@@ -71,22 +71,31 @@ class GPTModel(nn.Module):
         self.config, self.vocab_size = cfg, vocab_size
         dims = dims or ParallelDims()
         tp_group = dims.tp_group
-        rng = RNGTracker(seed, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
+        # Dropout inside TP regions: a stream per TP rank, and per pipeline stage as Megatron's.
+        rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
         self.par = Parallel(tp_group=tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
                             rng=rng)
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings = not cfg.untie_embeddings_and_output_weights
-        self.embedding = Embedding(cfg, vocab_size, self.par, device, dtype) if pre_process else None
+        # Initial weights: one stream per named piece (see seeded_init), so any pipeline split of the
+        # model starts from the weights of the one-stage model built with the same seed.
+        self.embedding = None
+        if pre_process:
+            with seeded_init(seed, "embedding", device):
+                self.embedding = Embedding(cfg, vocab_size, self.par, device, dtype)
         self.rotary = Rotary(cfg, device) if cfg.position_embedding_type == "rope" else None
         n = cfg.num_layers if num_layers is None else num_layers
         self.decoder = TransformerStack(cfg, self.par, n, layer_offset, final_norm=post_process,
                                         recompute_granularity=recompute_granularity, recompute_method=recompute_method,
-                                        recompute_num_layers=recompute_num_layers, device=device, dtype=dtype)
+                                        recompute_num_layers=recompute_num_layers, device=device, dtype=dtype,
+                                        seed=seed)
         if post_process:
-            self.output_layer = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp_group=tp_group, bias=False,
-                                                     sequence_parallel=self.par.sequence_parallel,
-                                                     init_method=init_normal(cfg.init_method_std),
-                                                     device=device, dtype=dtype)
+            # Tied: drawn from the embedding's stream, so the last stage's copy equals the word embedding.
+            with seeded_init(seed, "embedding" if self.share_embeddings else "output_layer", device):
+                self.output_layer = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp_group=tp_group, bias=False,
+                                                         sequence_parallel=self.par.sequence_parallel,
+                                                         init_method=init_normal(cfg.init_method_std),
+                                                         device=device, dtype=dtype)
             if self.share_embeddings:
                 # Tied: the output layer uses the word embedding (on a single-stage model the same tensor).
                 if pre_process:
@@ -96,6 +105,8 @@ class GPTModel(nn.Module):
                     self.output_layer.weight.shared_embedding = True
         else:
             self.output_layer = None
+        if self.share_embeddings and pre_process and not post_process:  # first stage of a pipeline
+            self.embedding.word_embeddings.weight.is_word_embedding = True  # grads summed with the last stage's copy
         self.input_tensor: Optional[torch.Tensor] = None
 
     # Megatron's pipeline convention: non-first stages take their input through this.

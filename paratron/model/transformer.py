@@ -1,6 +1,7 @@
 """The pre-norm transformer block and the stack of blocks (activation recomputation lives here)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from ..parallel.random import seeded_init
 from .layers import MLP, Attention, Norm, Parallel, TrackerReplay
 
 
@@ -42,10 +44,16 @@ class TransformerStack(nn.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel, num_layers: int, layer_offset: int = 0,
                  final_norm: bool = True, recompute_granularity: Optional[str] = None,
                  recompute_method: Optional[str] = None, recompute_num_layers: Optional[int] = None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, seed: Optional[int] = None):
+        """``seed``: draw each layer's initial weights from its own stream, named by its global index
+        (what makes a pipeline stage's layers those of the one-stage model); None: the global RNG."""
         super().__init__()
         self.par, self.layer_offset = par, layer_offset
-        self.layers = nn.ModuleList(TransformerLayer(cfg, par, device, dtype) for _ in range(num_layers))
+        layers = []
+        for i in range(layer_offset, layer_offset + num_layers):
+            with seeded_init(seed, f"layer{i}", device) if seed is not None else contextlib.nullcontext():
+                layers.append(TransformerLayer(cfg, par, device, dtype))
+        self.layers = nn.ModuleList(layers)
         self.final_layernorm = (Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, par.sequence_parallel,
                                      device, dtype) if final_norm else None)
         self.recompute = recompute_granularity

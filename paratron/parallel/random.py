@@ -9,6 +9,7 @@ tracker is an object owned by the model, not module state.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 
 import numpy as np
@@ -23,6 +24,28 @@ def set_seed(seed: int, pp_rank: int = 0) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def init_seed(seed: int, name: str) -> int:
+    """The seed of the initial weights of one named piece of the model ("embedding", "layer7", ...)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
+@contextlib.contextmanager
+def seeded_init(seed: int, name: str, device=None):
+    """Draw the weights initialised inside from their own stream ``init_seed(seed, name)``, leaving the
+    global generators as they were. Each piece of the model (the embedding, each layer by its global
+    index, the output layer) has its own stream, so a pipeline stage builds exactly its layers of the
+    one-stage model without drawing, or even allocating, the others."""
+    device = torch.device(device if device is not None else "cpu")
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
+        s = init_seed(seed, name)
+        torch.random.default_generator.manual_seed(s)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(s)
+        yield
 
 
 class RNGTracker:

@@ -18,8 +18,9 @@ from ..config import Config, ConfigError, resolve_batch
 from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims, initialize_model_parallel
-from ..parallel.pipeline import get_forward_backward_func
+from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
+from ..parallel.stages import rank_chunks
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
 from .logger import RunLogger, format_train_line, format_valid_line
@@ -53,12 +54,21 @@ def params_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
 
 
-def build_model(cfg: Config, dims: ParallelDims, device: torch.device) -> GPTModel:
+def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) -> GPTModel:
+    """``stage``: pre_process / post_process / layer_offset / num_layers of a pipeline chunk."""
     tr = cfg.train
     return GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
                     seed=tr.seed, recompute_granularity=tr.recompute_granularity,
                     recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                    device=device, dtype=params_dtype(cfg))
+                    device=device, dtype=params_dtype(cfg), **stage)
+
+
+def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) -> list[GPTModel]:
+    """This rank's model: one chunk per virtual pipeline stage (a single one without interleaving)."""
+    chunks = [build_model(cfg, dims, device, **stage) for stage in rank_chunks(cfg, dims.pp_rank)]
+    for c in chunks[1:]:  # one dropout stream for the TP regions of the rank, as with one chunk
+        c.par.rng = chunks[0].par.rng
+    return chunks
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -104,13 +114,15 @@ class Trainer:
         self.current_global_batch = tr.global_batch_size
         set_seed(tr.seed, self.dims.pp_rank)
         self.tokenizer = self._build_tokenizer()
-        self.model = wrap_data_parallel(build_model(cfg, self.dims, self.device), cfg, self.dims)
-        self.optimizer = build_optimizer([self.model], cfg, self.dims)
+        self.models = [wrap_data_parallel(m, cfg, self.dims) for m in build_model_chunks(cfg, self.dims, self.device)]
+        self.optimizer = build_optimizer(self.models, cfg, self.dims)
         self.scheduler = build_scheduler(cfg, tr.train_samples or tr.train_iters * tr.global_batch_size)
         self.optimizer.set_lr(self.scheduler.lr)
         self.iteration, self.consumed_samples = 0, 0
         self.skipped, self.nan_iters = 0, 0
-        self.forward_backward = get_forward_backward_func(self.dims)
+        self.forward_backward = get_forward_backward_func(self.dims, 60.0 * cfg.parallel.distributed_timeout_minutes)
+        for m in (self.num_microbatches, tr.global_batch_size // (tr.micro_batch_size * self.dims.dp)):
+            check_pipeline_schedule(self.dims, m)  # the first and the final batch size
         self.forward_step = make_forward_step(self.device, cfg.data.reset_position_ids)
         self.log = RunLogger(self.dims.is_logging_rank, tr.train_iters, cfg.log.tensorboard_dir)
         if cfg.ckpt.load:
@@ -148,6 +160,14 @@ class Trainer:
         self._stop_signal = True
 
     @property
+    def model(self):
+        """The model of a run without virtual pipeline stages (``models`` holds every chunk)."""
+        if len(self.models) != 1:
+            raise AttributeError(f"this rank has {len(self.models)} model chunks (virtual pipeline stages); "
+                                 "use Trainer.models")
+        return self.models[0]
+
+    @property
     def num_microbatches(self) -> int:
         """Micro-batches per rank in the next step (follows --rampup-batch-size)."""
         return self.microbatches.num_microbatches(self.consumed_samples)
@@ -156,12 +176,13 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, bool, float]:
         tr = self.cfg.train
         gbs = self.current_global_batch = self.microbatches.global_batch(self.consumed_samples)
-        self.model.zero_grad_buffer()
+        for m in self.models:
+            m.zero_grad_buffer()
         reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
-                                        model=[self.model], num_microbatches=self.num_microbatches,
+                                        model=self.models, num_microbatches=self.num_microbatches,
                                         seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
                                         forward_only=False, grad_scale=self.optimizer.loss_scale)
-        finalize_model_grads([self.model], self.dims)
+        finalize_model_grads(self.models, self.dims)
         ok, grad_norm = self.optimizer.step()
         if ok:
             self.scheduler.step(gbs)
@@ -177,28 +198,38 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
+        for m in self.models:
+            m.eval()
         total = torch.zeros(2, device=self.device)
-        for _ in range(self.cfg.train.eval_iters):
+        tr = self.cfg.train
+        for _ in range(tr.eval_iters):
             reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.valid_iter,
-                                            model=[self.model], num_microbatches=self.num_microbatches,
+                                            model=self.models, num_microbatches=self.num_microbatches,
+                                            seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
                                             forward_only=True)
             total += sum_reports(reports, self.device)
-        self.model.train()
+        for m in self.models:
+            m.train()
         total = self._reduce_dp(total)
         return (total[0] / total[1].clamp(min=1)).item()
 
     # ---- checkpoints ---------------------------------------------------------------------------
+    def _model_keys(self) -> list:
+        """Megatron's keys: "model", or "model0", "model1", ... with virtual pipeline stages."""
+        if len(self.models) == 1:
+            return [("model", self.models[0])]
+        return [(f"model{i}", m) for i, m in enumerate(self.models)]
+
     def save(self) -> Path:
         c = self.cfg.ckpt
-        state = {"model": self.model.state_dict(), "iteration": self.iteration,
-                 "consumed_samples": self.consumed_samples, "scheduler": self.scheduler.state_dict()}
+        state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                 "scheduler": self.scheduler.state_dict(), **{k: m.state_dict() for k, m in self._model_keys()}}
         if not c.no_save_optim:
             state["optimizer"] = self.optimizer.state_dict()
         if not c.no_save_rng:
             state["rng"] = rng_state(self.device)
-            if self.model.module.par.rng is not None:
-                state["rng"]["tp_region"] = self.model.module.par.rng.state_dict()
+            if self.models[0].module.par.rng is not None:
+                state["rng"]["tp_region"] = self.models[0].module.par.rng.state_dict()
         meta = {"config": self.cfg.to_dict(), "consumed_samples": self.consumed_samples,
                 "skipped_iterations": self.skipped}
         path = ckpt.save_checkpoint(c.save, self.iteration, state, meta, self.dims)
@@ -212,7 +243,8 @@ class Trainer:
             self.log.print(f" no checkpoint found in {root}; training from scratch")
             return
         state, meta = got
-        self.model.load_state_dict(state["model"])
+        for key, m in self._model_keys():
+            m.load_state_dict(state[key])
         self.optimizer.reload_masters()
         if c.finetune:
             self.log.print(f" loaded weights from {root} (iteration {meta['iteration']}) for fine-tuning")
@@ -225,8 +257,8 @@ class Trainer:
             self.optimizer.set_lr(self.scheduler.lr)
         if not c.no_load_rng and "rng" in state:
             set_rng_state(state["rng"], self.device)
-            if "tp_region" in state["rng"] and self.model.module.par.rng is not None:
-                self.model.module.par.rng.load_state_dict(state["rng"]["tp_region"])
+            if "tp_region" in state["rng"] and self.models[0].module.par.rng is not None:
+                self.models[0].module.par.rng.load_state_dict(state["rng"]["tp_region"])
         self.log.print(f" resumed from {root} at iteration {self.iteration} ({self.consumed_samples} samples)")
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -251,7 +283,8 @@ class Trainer:
         profiler = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        lg.print(f" training {self.model.module.num_parameters() / 1e6:.2f}M parameters per rank, "
+        params = sum(m.module.num_parameters() for m in self.models)
+        lg.print(f" training {params / 1e6:.2f}M parameters per rank, "
                  f"{self.dims.describe()}, {tr.train_iters} iterations, global batch {tr.global_batch_size}, "
                  f"{self.num_microbatches} micro-batches of {tr.micro_batch_size}, device {self.device}")
         while self.iteration < tr.train_iters:

@@ -1,0 +1,130 @@
+"""How the decoder's layers are split over pipeline stages and virtual stages (model chunks).
+
+Stages get equal shares of ``--num-layers`` by default; ``--decoder-first-pipeline-num-layers`` and
+``--decoder-last-pipeline-num-layers`` fix the first and last stage's counts and the stages between
+share the rest equally. With interleaving (``--virtual-pipeline-model-parallel-size V``) each stage's
+layers are cut into V equal chunks and the model is the chain of virtual stages
+
+    chunk 0 of stage 0, chunk 0 of stage 1, ..., chunk 0 of stage P-1, chunk 1 of stage 0, ...
+
+so virtual stage ``s = v * P + r`` is chunk ``v`` of pipeline rank ``r`` (Megatron's layout). The
+embedding lives on virtual stage 0, the final norm, output layer and loss on the last one.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from ..config import ConfigError
+
+
+def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None,
+                       last: Optional[int] = None) -> list[int]:
+    """Number of decoder layers on each of the ``pp`` stages."""
+    if pp == 1:
+        if first is not None or last is not None:
+            raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+        return [num_layers]
+    fixed = {0: first, pp - 1: last}
+    for stage, n in fixed.items():
+        if n is not None and n < 0:
+            which = "first" if stage == 0 else "last"
+            raise ConfigError(f"--decoder-{which}-pipeline-num-layers must be >= 0 (got {n})")
+    rest = num_layers - sum(n for n in fixed.values() if n is not None)
+    free = [s for s in range(pp) if fixed.get(s) is None]
+    if rest < 0:
+        raise ConfigError(f"--decoder-first/last-pipeline-num-layers ({first}, {last}) add up to more than "
+                          f"--num-layers {num_layers}")
+    if not free:
+        if rest:
+            raise ConfigError(f"--decoder-first-pipeline-num-layers {first} + --decoder-last-pipeline-num-layers "
+                              f"{last} must equal --num-layers {num_layers} with 2 pipeline stages")
+        return [first, last]
+    if rest % len(free):
+        if len(free) == pp:
+            raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+                              "change one, or split unevenly with --decoder-first/last-pipeline-num-layers")
+        raise ConfigError(f"the {rest} layers left by --decoder-first/last-pipeline-num-layers do not split evenly "
+                          f"over the other {len(free)} pipeline stages")
+    return [fixed.get(s) if fixed.get(s) is not None else rest // len(free) for s in range(pp)]
+
+
+def chunk_layers(num_layers: int, pp: int, vpp: Optional[int] = None, first: Optional[int] = None,
+                 last: Optional[int] = None) -> dict[tuple[int, int], tuple[int, int]]:
+    """{(virtual index v, pipeline rank r): (first global layer, number of layers)} of every chunk."""
+    v_size = vpp or 1
+    counts = stage_layer_counts(num_layers, pp, first, last)
+    if v_size > 1 and any(n % v_size for n in counts):
+        raise ConfigError(f"with --virtual-pipeline-model-parallel-size {v_size} every stage's layer count must be "
+                          f"divisible by {v_size}; the stages have {counts} layers")
+    out, offset = {}, 0
+    for v in range(v_size):
+        for r in range(pp):
+            n = counts[r] // v_size
+            out[(v, r)] = (offset, n)
+            offset += n
+    return out
+
+
+def finalize_pipeline(par, num_layers: int) -> None:
+    """Config checks of the pipeline layout (called by config.finalize): derives the virtual size from
+    ``--num-layers-per-virtual-pipeline-stage`` and checks that the layers split."""
+    pp = par.pipeline_model_parallel_size
+    per_v = par.num_layers_per_virtual_pipeline_stage
+    vpp = par.virtual_pipeline_model_parallel_size
+    if per_v is not None:
+        if per_v < 1 or num_layers % pp or (num_layers // pp) % per_v:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_v} must divide the {num_layers} / {pp} "
+                              "layers of each pipeline stage")
+        derived = num_layers // pp // per_v
+        if vpp is not None and vpp != derived:
+            raise ConfigError("--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-stage "
+                              "are mutually exclusive; choose one")
+        vpp = par.virtual_pipeline_model_parallel_size = derived
+    if vpp is not None:
+        if vpp < 1:
+            raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1 (got {vpp})")
+        if vpp > 1 and pp == 1:
+            raise ConfigError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1")
+    chunk_layers(num_layers, pp, vpp, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+
+
+def rank_chunks(cfg, pp_rank: int) -> list[dict]:
+    """GPTModel arguments of each model chunk of pipeline rank ``pp_rank``, in virtual order."""
+    par = cfg.parallel
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    layout = chunk_layers(cfg.model.num_layers, pp, vpp, par.decoder_first_pipeline_num_layers,
+                          par.decoder_last_pipeline_num_layers)
+    chunks = []
+    for v in range(vpp):
+        offset, n = layout[(v, pp_rank)]
+        stage = v * pp + pp_rank
+        chunks.append(dict(pre_process=stage == 0, post_process=stage == pp * vpp - 1, layer_offset=offset,
+                           num_layers=n))
+    return chunks
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_name(name: str, layer_offset: int) -> str:
+    """A chunk's parameter name with its layer index made global (``decoder.layers.0.x`` on a chunk
+    starting at layer 6 is ``decoder.layers.6.x``): the name in the one-stage model."""
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+
+
+def unwrap(module):
+    """The model inside wrappers (DataParallel and the like keep it in ``.module``)."""
+    while not hasattr(module, "set_input_tensor") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def global_named_parameters(chunks) -> dict:
+    """This rank's parameters of every chunk under their one-stage-model names."""
+    out = {}
+    for chunk in chunks:
+        m = unwrap(chunk)
+        for name, p in m.named_parameters():
+            out[global_name(name, m.decoder.layer_offset)] = p
+    return out
