@@ -100,9 +100,11 @@ class P2P:
             try:
                 ok = w.wait(timedelta(seconds=self.timeout))
             except RuntimeError as e:
-                detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-                raise PipelineError(f"{self._where()}: failed {doing} rank {peer} (waited at most "
-                                    f"{self.timeout:.0f} s; is rank {peer} alive?): {detail}") from None
+                if "timed out" not in str(e).lower():
+                    detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                    raise PipelineError(f"{self._where()}: lost rank {peer} while {doing} it: {detail}") from None
+                ok = False
             if ok is False:
-                raise PipelineError(f"{self._where()}: timed out after {self.timeout:.0f} s {doing} rank {peer}")
+                raise PipelineError(f"{self._where()}: timed out after {self.timeout:g} s {doing} rank {peer}; "
+                                    f"is rank {peer} alive and running the same schedule?")
         self.wait_seconds += time.perf_counter() - start

@@ -130,6 +130,7 @@ def check_pipeline_schedule(dims: ParallelDims, num_microbatches: int) -> None:
 
 # ---- plan: every rank's actions on a common clock, with the transfers of each slot ---------------
 class Slot(NamedTuple):
+    t: int  # the slot's number on the common clock
     action: Optional[tuple]  # what this rank runs in the slot, if anything
     send: bool  # its output goes to a neighbour (activation after F, input gradient after B)
     recv_act: Optional[tuple]  # (chunk, micro-batch) whose input arrives from the previous stage
@@ -169,7 +170,7 @@ def build_plan(pp: int, vpp: int, num_microbatches: int, forward_only: bool = Fa
     if any(pos[r] < len(tables[r]) for r in range(pp)):
         raise RuntimeError(f"pipeline schedule cannot proceed (PP {pp}, V {vpp}, {num_microbatches} micro-batches, "
                            f"stuck at {[tables[r][pos[r]] if pos[r] < len(tables[r]) else None for r in range(pp)]})")
-    return tuple(tuple(Slot(*per[k]) for k in sorted(per)) for per in slots)
+    return tuple(tuple(Slot(k, *per[k]) for k in sorted(per)) for per in slots)
 
 
 # ---- running a plan -------------------------------------------------------------------------------
