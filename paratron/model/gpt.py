@@ -16,7 +16,8 @@ from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
 from ..parallel.random import RNGTracker, seeded_init
-from ..parallel.tensor import ColumnParallelLinear, VocabParallelEmbedding, init_normal, vocab_parallel_cross_entropy
+from ..parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding, init_normal, linear_cross_entropy,
+                               vocab_parallel_cross_entropy)
 from .layers import Parallel, Rotary
 from .transformer import TransformerStack
 
@@ -108,6 +109,7 @@ class GPTModel(nn.Module):
         if self.share_embeddings and pre_process and not post_process:  # first stage of a pipeline
             self.embedding.word_embeddings.weight.is_word_embedding = True  # grads summed with the last stage's copy
         self.input_tensor: Optional[torch.Tensor] = None
+        self.fused_output_loss = True  # chunked output layer + cross-entropy (False: plain logits path)
 
     # Megatron's pipeline convention: non-first stages take their input through this.
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
@@ -132,11 +134,15 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rope, mask)
         if not self.post_process:
             return x
-        logits = self.output_layer(x, self.output_weight())  # [s, b, vocab/TP]
         if labels is None:
+            logits = self.output_layer(x, self.output_weight())  # [s, b, vocab/TP]
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab/TP]
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.par.tp_group)  # [s, b]
-        return loss.transpose(0, 1).contiguous()
+        target = labels.transpose(0, 1)
+        if self.fused_output_loss:  # the logits of the whole batch never exist
+            loss = linear_cross_entropy(self.output_layer.enter(x), self.output_weight(), target, self.par.tp_group)
+        else:
+            loss = vocab_parallel_cross_entropy(self.output_layer(x, self.output_weight()), target, self.par.tp_group)
+        return loss.transpose(0, 1).contiguous()  # [b, s]
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -57,10 +57,14 @@ def params_dtype(cfg: Config) -> torch.dtype:
 def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) -> GPTModel:
     """``stage``: pre_process / post_process / layer_offset / num_layers of a pipeline chunk."""
     tr = cfg.train
-    return GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
-                    seed=tr.seed, recompute_granularity=tr.recompute_granularity,
-                    recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                    device=device, dtype=params_dtype(cfg), **stage)
+    model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
+                     seed=tr.seed, recompute_granularity=tr.recompute_granularity,
+                     recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
+                     device=device, dtype=params_dtype(cfg), **stage)
+    if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
+        for layer in model.decoder.layers:
+            layer.compile()
+    return model
 
 
 def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) -> list[GPTModel]:
@@ -184,7 +188,7 @@ class Trainer:
                                         forward_only=False, grad_scale=self.optimizer.loss_scale)
         finalize_model_grads(self.models, self.dims)
         ok, grad_norm = self.optimizer.step()
-        if ok:
+        if isinstance(ok, torch.Tensor) or ok:  # a device-side skip (bf16 inf/nan) still advances, as Megatron's bf16
             self.scheduler.step(gbs)
             self.optimizer.set_lr(self.scheduler.lr)
         self.iteration += 1
@@ -281,6 +285,7 @@ class Trainer:
         window_iters, window_start = 0, time.time()
         last_saved, valid_loss = None, None
         profiler = None
+        pending_skips = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         params = sum(m.module.num_parameters() for m in self.models)
@@ -292,7 +297,9 @@ class Trainer:
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
                 profiler.__enter__()
             report, ok, grad_norm = self.train_step()
-            if not ok:
+            if isinstance(ok, torch.Tensor):  # no host sync in the step: count at the next log line
+                pending_skips = pending_skips + (~ok).int() if pending_skips is not None else (~ok).int()
+            elif not ok:
                 self.skipped += 1
             acc += report
             window_iters += 1
@@ -304,7 +311,10 @@ class Trainer:
                 profiler = None
             lg.advance(1)
             if self.iteration % cfg.log.log_interval == 0:
-                self._log_window(acc, window_iters, time.time() - window_start, grad_norm)
+                if pending_skips is not None:
+                    self.skipped += int(pending_skips.item())
+                    pending_skips = None
+                self._log_window(acc, window_iters, time.time() - window_start, float(grad_norm))
                 acc.zero_()
                 window_iters, window_start = 0, time.time()
             if self.valid_iter is not None and self.iteration % tr.eval_interval == 0:
