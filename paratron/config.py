@@ -117,6 +117,7 @@ class TrainConfig:
     recompute_method: Optional[str] = None  # uniform | block
     recompute_num_layers: Optional[int] = None
     device: Optional[str] = None  # paratron: cuda | cpu; default cuda when available
+    torch_compile: bool = False  # paratron: torch.compile each transformer layer (regional compilation)
 
 
 @dataclass
