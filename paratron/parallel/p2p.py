@@ -53,7 +53,7 @@ class P2P:
     def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
         if tuple(t.shape) != self.shape or t.dtype != self.dtype:
             raise PipelineError(
-                f"{self._where()} would send a {what} of shape {tuple(t.shape)} {t.dtype}, but the pipeline moves "
+                f"{self._where()} would send {what} of shape {tuple(t.shape)} {t.dtype}, but the pipeline moves "
                 f"{self.shape} {self.dtype} ([sequence (/TP with sequence parallelism), micro-batch, hidden] in the "
                 "parameters' dtype); every micro-batch must be --micro-batch-size x --seq-length tokens")
         return t.contiguous()
@@ -69,7 +69,7 @@ class P2P:
         ops, peers = [], []
         act = grad = None
         if send_act is not None:
-            ops.append(dist.P2POp(dist.isend, self._check(send_act, "activation"), self.next_rank, self.group,
+            ops.append(dist.P2POp(dist.isend, self._check(send_act, "an activation"), self.next_rank, self.group,
                                   ACT_TAG))
             peers.append(("sending an activation to", self.next_rank))
         if recv_act:
@@ -77,7 +77,7 @@ class P2P:
             ops.append(dist.P2POp(dist.irecv, act, self.prev_rank, self.group, ACT_TAG))
             peers.append(("receiving an activation from", self.prev_rank))
         if send_grad is not None:
-            ops.append(dist.P2POp(dist.isend, self._check(send_grad, "gradient"), self.prev_rank, self.group,
+            ops.append(dist.P2POp(dist.isend, self._check(send_grad, "a gradient"), self.prev_rank, self.group,
                                   GRAD_TAG))
             peers.append(("sending a gradient to", self.prev_rank))
         if recv_grad:

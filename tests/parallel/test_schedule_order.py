@@ -203,3 +203,13 @@ def test_stuck_peer_fails_within_timeout_naming_it(tmp_path):
     msg = str(e.value)
     assert "PipelineError: pipeline stage 1 (rank 1): timed out after 3 s receiving an activation from rank 0" in msg
     assert time.time() - start < 45
+
+
+def test_wrong_shape_is_an_error_on_the_sender():
+    from paratron.parallel.dims import ParallelDims
+    from paratron.parallel.p2p import P2P, PipelineError
+    p2p = P2P(ParallelDims(world_size=2, pp=2, group_ranks={"pp": [0, 1]}), (SEQ, MBS, HIDDEN), torch.float32, "cpu")
+    with pytest.raises(PipelineError, match=r"stage 0 \(rank 0\) would send an activation of shape \(4, 2, 8\)"):
+        p2p.exchange(send_act=torch.zeros(SEQ, 2, HIDDEN))
+    with pytest.raises(PipelineError, match="torch.bfloat16"):
+        p2p.exchange(send_grad=torch.zeros(SEQ, MBS, HIDDEN, dtype=torch.bfloat16))
