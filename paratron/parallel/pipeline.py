@@ -174,6 +174,8 @@ def build_plan(pp: int, vpp: int, num_microbatches: int, forward_only: bool = Fa
 
 
 # ---- running a plan -------------------------------------------------------------------------------
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
 class PipelineSchedule:
     """1F1B, or interleaved 1F1B with virtual stages, for one ParallelDims; called like
     ``forward_backward_no_pipelining``. ``measure_idle = True`` times every exchange (for
@@ -206,12 +208,13 @@ class PipelineSchedule:
         """All stages must move the same tensors through the same plan; one small all-reduce over the
         pipeline group checks it (and is the group's first collective, as NCCL's batched p2p wants)."""
         d = self.dims
-        mine = torch.tensor([d.pp, self.vpp, num_microbatches, *shape, torch.finfo(dtype).bits], device=device)
+        code = DTYPE_CODES.get(dtype, len(DTYPE_CODES))
+        mine = torch.tensor([d.pp, self.vpp, num_microbatches, *shape, code], device=device)
         lo, hi = mine.clone(), mine.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=d.pp_group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=d.pp_group)
         if not torch.equal(lo, hi):
-            names = ["PP", "virtual stages", "micro-batches", "sequence", "micro-batch", "hidden", "dtype bits"]
+            names = ["PP", "virtual stages", "micro-batches", "sequence", "micro-batch", "hidden", "dtype code"]
             diff = [f"{n} {a}..{b}" for n, a, b in zip(names, lo.tolist(), hi.tolist()) if a != b]
             raise PipelineError(f"pipeline stages disagree on the layout ({', '.join(diff)}); every rank must run "
                                 "the same configuration")
@@ -251,8 +254,10 @@ class PipelineSchedule:
         p2p = self._comm(chunks[0], seq_length, micro_batch_size, m_total)
         if isinstance(data_iterator, (list, tuple)):
             iters = list(data_iterator)
+        elif vpp > 1 and data_iterator is not None:  # each chunk reads every micro-batch, in order
+            iters = list(itertools.tee(data_iterator, vpp))
         else:
-            iters = list(itertools.tee(data_iterator, vpp)) if vpp > 1 and data_iterator is not None else [data_iterator] * vpp
+            iters = [data_iterator] * vpp
         last = d.pp * vpp - 1
         inputs, grads, saved, reports = {}, {}, {}, []
         for slot in build_plan(d.pp, vpp, m_total, forward_only)[d.pp_rank]:
