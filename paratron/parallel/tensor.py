@@ -189,6 +189,36 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     return _VocabParallelCE.apply(logits, target, vocab_start, tp_group)
 
 
+def _ce_stats(logits: torch.Tensor, local: torch.Tensor, v: int):
+    """Per-token max, sum of exp(logit - max) and target logit (0 when the target is not local)."""
+    lg = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    m = lg.max(dim=-1).values
+    sum_exp = (lg - m.unsqueeze(-1)).exp().sum(dim=-1)
+    inside = (local >= 0) & (local < v)
+    picked = lg.gather(-1, local.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1) * inside
+    return m, sum_exp, picked
+
+
+def _ce_grad(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, g: torch.Tensor, v: int):
+    """d loss / d logits = (softmax - onehot(target)) * g, in the logits' dtype."""
+    p = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp()
+    onehot = torch.nn.functional.one_hot(local.clamp(0, v - 1), v).to(p.dtype)
+    inside = ((local >= 0) & (local < v)).to(p.dtype).unsqueeze(-1)
+    return ((p - onehot * inside) * g.unsqueeze(-1)).to(logits.dtype)
+
+
+_compiled: dict = {}
+
+
+def _kernel(fn, x: torch.Tensor):
+    """On CUDA the per-chunk math runs as one compiled kernel (one pass over the chunk's logits)."""
+    if not x.is_cuda:
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=False)
+    return _compiled[fn]
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Output layer and cross-entropy in chunks of tokens: the [tokens, vocab] logits exist one chunk
     at a time (never in fp32 for the whole batch); backward recomputes each chunk's logits. Over a
@@ -201,17 +231,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp16 inputs
         lse = torch.empty(n, dtype=acc, device=x.device)
         picked = torch.empty(n, dtype=acc, device=x.device)
+        stats = _kernel(_ce_stats, x)
         for i in range(0, n, chunk):
-            logits = (x[i:i + chunk] @ weight.t()).to(acc)
-            m = logits.max(dim=-1).values
-            if comm.group_size(group) > 1:
-                torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-            sum_exp = (logits - m.unsqueeze(-1)).exp_().sum(dim=-1)
             local = target[i:i + chunk] - vocab_start
-            inside = (local >= 0) & (local < v)
-            t = logits.gather(-1, local.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1) * inside
-            comm.all_reduce(sum_exp, group)
-            comm.all_reduce(t, group)
+            m, sum_exp, t = stats(x[i:i + chunk] @ weight.t(), local, v)
+            m, sum_exp, t = m.to(acc), sum_exp.to(acc), t.to(acc)
+            if comm.group_size(group) > 1:  # combine the per-rank statistics of the vocabulary shards
+                gm = m.clone()
+                torch.distributed.all_reduce(gm, op=torch.distributed.ReduceOp.MAX, group=group)
+                sum_exp = sum_exp * (m - gm).exp()
+                m = gm
+                comm.all_reduce(sum_exp, group)
+                comm.all_reduce(t, group)
             lse[i:i + chunk] = m + sum_exp.log()
             picked[i:i + chunk] = t
         ctx.save_for_backward(x, weight, target, lse)
@@ -224,13 +255,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n, v, chunk = x.size(0), weight.size(0), ctx.chunk
         gx = torch.empty_like(x)
         gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        grad = _kernel(_ce_grad, x)
         for i in range(0, n, chunk):
             xc = x[i:i + chunk]
-            p = (xc @ weight.t()).to(lse.dtype).sub_(lse[i:i + chunk].unsqueeze(-1)).exp_()  # softmax
             local = target[i:i + chunk] - ctx.vocab_start
-            inside = ((local >= 0) & (local < v)).to(p.dtype)
-            p.scatter_add_(-1, local.clamp(0, v - 1).unsqueeze(-1), -inside.unsqueeze(-1))
-            d = p.mul_(g[i:i + chunk].unsqueeze(-1)).to(x.dtype)
+            d = grad(xc @ weight.t(), lse[i:i + chunk], local, g[i:i + chunk].to(lse.dtype), v)
             gx[i:i + chunk] = d @ weight
             gw += d.t() @ xc
         return gx, gw.to(weight.dtype), None, None, None, None
