@@ -118,6 +118,7 @@ class TrainConfig:
     recompute_num_layers: Optional[int] = None
     device: Optional[str] = None  # paratron: cuda | cpu; default cuda when available
     torch_compile: bool = False  # paratron: torch.compile each transformer layer (regional compilation)
+    no_fused_output_loss: bool = False  # paratron: plain logits + cross-entropy instead of the chunked fused path
 
 
 @dataclass

@@ -61,6 +61,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
                      seed=tr.seed, recompute_granularity=tr.recompute_granularity,
                      recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
                      device=device, dtype=params_dtype(cfg), **stage)
+    model.fused_output_loss = not tr.no_fused_output_loss
     if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
         for layer in model.decoder.layers:
             layer.compile()
