@@ -383,6 +383,8 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None) 
     if "config" in values:
         path = values.pop("config")
         apply_dict(cfg, load_yaml(path), f"in {path}")
+    if ({"data_path", "train_data_path"} & values.keys()) and "mock_data" not in values:
+        cfg.data.mock_data = False  # real data on the command line replaces a preset's mock data
     for name, value in values.items():
         if name.startswith("_noop_"):
             continue

@@ -101,3 +101,8 @@ def test_docs_config_reference_is_current():
     from pathlib import Path
     doc = Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert doc.read_text() == reference_markdown(), "regenerate with: python tools/gen_config_docs.py"
+
+
+def test_data_path_on_the_command_line_replaces_preset_mock_data():
+    cfg = parse_args(["--config", "tiny", "--data-path", "some/prefix"])
+    assert not cfg.data.mock_data and cfg.data.data_path == ["some/prefix"]
