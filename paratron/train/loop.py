@@ -249,7 +249,13 @@ class Trainer:
             return
         state, meta = got
         for key, m in self._model_keys():
-            m.load_state_dict(state[key])
+            try:
+                m.load_state_dict(state[key])
+            except (KeyError, RuntimeError) as e:  # another model shape or vocabulary than this run's
+                first = str(e).strip().splitlines()
+                detail = next((ln.strip() for ln in first if "size mismatch" in ln or "Missing" in ln), first[0][:200])
+                raise ckpt.CheckpointError(f"{root}: the checkpoint does not fit this model ({detail}); "
+                                           "pass the model flags (and tokenizer) of the saved run") from None
         self.optimizer.reload_masters()
         if c.finetune:
             self.log.print(f" loaded weights from {root} (iteration {meta['iteration']}) for fine-tuning")

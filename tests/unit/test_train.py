@@ -105,3 +105,11 @@ def test_paratron_module_entry_and_unknown_command():
     assert r.returncode != 0 and "did you mean `paratron train`" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("-m", "paratron", "--help")
     assert r.returncode == 0 and "preprocess" in r.stdout
+
+
+def test_loading_a_checkpoint_of_another_shape_is_a_one_line_error(tmp_path):
+    from paratron.checkpoint.local import CheckpointError
+    t = Trainer(parse_args(TINY + ["--train-iters", "1", "--save", str(tmp_path / "ck")]))
+    t.save()
+    with pytest.raises(CheckpointError, match="does not fit this model.*size mismatch"):
+        Trainer(parse_args(TINY + ["--train-iters", "1", "--hidden-size", "128", "--load", str(tmp_path / "ck")]))
