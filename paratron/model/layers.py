@@ -6,15 +6,15 @@ transformer.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
 
-from torch.utils.checkpoint import checkpoint
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
@@ -29,7 +29,6 @@ class Parallel:
     rng: object = None  # RNGTracker for dropout inside tensor-parallel regions (None at TP=1)
 
     def fork(self):
-        import contextlib
         return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
 
 
