@@ -51,12 +51,13 @@ from typing import Optional
 
 import torch
 
+from . import local
 from .hf import FAMILIES, ConversionError
+from .local import LATEST
 
 __all__ = ["main", "TP_SPLIT", "tp_split", "merge_tp", "shard_tp", "read_checkpoint", "default_family",
            "training_flags", "to_hf", "from_hf"]
 
-LATEST = "latest_checkpointed_iteration.txt"  # the same name as paratron/checkpoint/local.py's
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _HF_CKPT_FILES = re.compile(r"^(config\.json|model.*\.safetensors(\.index\.json)?"
                             r"|pytorch_model.*\.bin(\.index\.json)?)$")
@@ -154,18 +155,15 @@ def _resolve_iteration(root: Path, iteration: Optional[int]) -> int:
             raise ConversionError(f"{root} has no iteration {iteration} (it has "
                                   f"{', '.join(map(str, have)) if have else 'none'})")
         return iteration
-    marker = root / LATEST
-    if not marker.is_file():
+    try:
+        latest = local.latest_iteration(root)
+    except local.CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    if latest is None:
         have = _available_iterations(root)
         hint = f"; pass --iteration ({', '.join(map(str, have))})" if have else ""
         raise ConversionError(f"no paratron checkpoint in {root}: it has no {LATEST}{hint}")
-    text = marker.read_text().strip()
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise ConversionError(f"{marker} does not hold an iteration number (found {text[:40]!r})") from None
+    return latest
 
 
 def _load_rank_file(path: Path) -> dict:
@@ -541,8 +539,7 @@ def _run(argv: list[str]) -> int:
 
 def _user_errors() -> tuple:
     from ..config import ConfigError
-    from .local import CheckpointError
-    return ConversionError, ConfigError, CheckpointError
+    return ConversionError, ConfigError, local.CheckpointError
 
 
 def main(argv: Optional[list[str]] = None) -> int:
