@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import commit  # noqa: E402  (benchmarks/record.py)
 
 DP_FLAGS = "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
 TARGET = 0.95
@@ -84,14 +85,6 @@ def measure(gpus: int, flags: str, args) -> tuple[dict, str]:
         if proc.returncode != 0 or not result.is_file():
             return {"gpus": gpus, "error": f"exit {proc.returncode}"}, shlex.join(cmd)
         return json.loads(result.read_text()), shlex.join(cmd)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main() -> int:

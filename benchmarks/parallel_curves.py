@@ -22,6 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import commit  # noqa: E402  (benchmarks/record.py)
 
 
 def parse(stdout: str) -> tuple[dict[int, float], dict[int, float]]:
@@ -86,13 +88,11 @@ def main() -> int:
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     stamp = datetime.now(timezone.utc)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     out = Path(args.record_dir) / f"{args.tag}_{stamp:%Y%m%d_%H%M%S}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"# {args.tag}\n\n- date: {stamp:%Y-%m-%d %H:%M} UTC\n- hardware: "
                    f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} x {device}\n"
-                   f"- torch: {torch.__version__}\n- commit: {commit}\n- base flags: `{args.base}`\n"
+                   f"- torch: {torch.__version__}\n- commit: {commit()}\n- base flags: `{args.base}`\n"
                    f"- commands: " + "; ".join(f"`{r['cmd']}`" for r in results) + "\n\n"
                    + table + "\n\nLoss per step:\n\n" + curves + "\n")
     print(f"record: {out}")

@@ -15,7 +15,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -25,6 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import commit  # noqa: E402  (benchmarks/record.py)
 
 
 def sync():
@@ -77,14 +77,6 @@ def run_hf(preset: str, compiled: bool) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return r
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main() -> int:
