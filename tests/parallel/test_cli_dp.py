@@ -4,15 +4,11 @@
 model and mock data; the `lm loss:` values of Megatron's log line are compared within 1e-4."""
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.parallel.cli import run_pretrain
 from tests.parallel.test_data_parallel import pipeline_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,30 +20,10 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8"
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
         "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0", "--device", "cpu"]
-LOSS = re.compile(r"lm loss: ([0-9.E+-]+)")
 
 
 def run_cli(nproc: int, extra: list[str], tmp_path: Path) -> list[float]:
-    if nproc == 1:
-        cmd = [sys.executable, "pretrain_gpt.py"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "pretrain_gpt.py"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(cmd + ARGS + extra, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started (a hang must not linger)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"no result after {TIMEOUT} s (a hang?):\n{(stdout + stderr)[-3000:]}")
-    out = stdout + stderr
-    (tmp_path / f"run_{nproc}.log").write_text(out)
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-3000:]}"
-    losses = [float(x) for x in LOSS.findall(stdout)]
-    assert len(losses) == ITERS, f"expected {ITERS} log lines with 'lm loss:', got {len(losses)}:\n{out[-3000:]}"
-    return losses
+    return run_pretrain(nproc, ARGS + extra, ITERS, TIMEOUT, log_dir=tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,13 @@
 last rank, on the last pipeline stage) are compared within 1e-4 relative."""
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.parallel.cli import ROOT, run_pretrain
+
 ITERS = 3
 FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
@@ -24,16 +22,7 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 
 
 def run(nproc: int, *extra: str) -> list[float]:
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run(cmd + ["pretrain_gpt.py", *FLAGS, *extra], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env=env)
-    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+) \|", r.stdout)]
-    assert len(losses) == ITERS, r.stdout[-3000:]
-    return losses
+    return run_pretrain(nproc, FLAGS + list(extra), ITERS)
 
 
 @pytest.fixture(scope="module")

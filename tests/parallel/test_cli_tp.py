@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.parallel.cli import run_pretrain
+
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -18,16 +20,7 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 
 
 def run(nproc: int, *extra: str) -> list[float]:
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd + ["pretrain_gpt.py", *FLAGS, *extra], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env=env)
-    assert r.returncode == 0, r.stdout[-1500:] + r.stderr[-3000:]
-    losses = [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+) \|", r.stdout)]
-    assert len(losses) == 6, r.stdout
-    return losses
+    return run_pretrain(nproc, FLAGS + list(extra), iters=6)
 
 
 @pytest.fixture(scope="module")
