@@ -23,7 +23,7 @@ commands:
 
 def user_errors() -> tuple:
     from .config import ConfigError
-    from .checkpoint.local import CheckpointError
+    from .checkpoint.sharded import CheckpointError
     errors = [ConfigError, CheckpointError]
     try:
         from .data import DataError

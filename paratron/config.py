@@ -187,6 +187,11 @@ class CheckpointConfig:
     no_load_rng: bool = False
     no_save_optim: bool = False
     no_save_rng: bool = False
+    async_save: bool = False  # write in a background thread while training goes on
+    ckpt_format: str = "torch_dist"  # torch.distributed.checkpoint, sharded (the only format)
+    ckpt_step: Optional[int] = None  # load this iteration instead of the latest
+    exit_on_missing_checkpoint: bool = False  # --load without a checkpoint is an error instead of a fresh start
+    ckpt_keep_last: int = 0  # paratron: keep only the newest K checkpoints under --save (0: keep all)
 
 
 SECTIONS = {
@@ -205,13 +210,14 @@ UNSUPPORTED_MEGATRON_FLAGS = {
     "num_experts", "moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
     "moe_grouped_gemm", "moe_token_dispatcher_type", "fp8_format", "fp8_hybrid", "fp8_amax_compute_algo",
     "fp8_amax_history_len", "tp_comm_overlap", "use_torch_fsdp2", "split_sentences",
-    "transformer_impl", "use_flash_attn", "async_save", "ckpt_format",
+    "transformer_impl", "use_flash_attn",
 }
 
 # Megatron flags that are accepted for compatibility and have no effect in paratron (the behaviour
 # they select is the only one paratron has).
 ACCEPTED_NO_OP_FLAGS = {"use_mcore_models", "no_masked_softmax_fusion", "no_bias_gelu_fusion",
-                        "no_bias_dropout_fusion", "no_gradient_accumulation_fusion"}
+                        "no_bias_dropout_fusion", "no_gradient_accumulation_fusion", "use_dist_ckpt",
+                        "ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_assume_constant_structure"}
 
 
 @dataclass
@@ -454,6 +460,12 @@ def finalize(cfg: Config) -> Config:
          f"(got {op.lr_decay_style})")
     need(op.lr_wsd_decay_style in ("linear", "cosine", "exponential", "minus_sqrt"),
          "--lr-wsd-decay-style must be linear, cosine, exponential or minus_sqrt")
+    c = cfg.ckpt
+    need(c.ckpt_format in ("torch_dist", "torch_dcp"),
+         f"--ckpt-format {c.ckpt_format} is not supported; paratron saves sharded torch.distributed.checkpoint "
+         "checkpoints (--ckpt-format torch_dist)")
+    need(c.ckpt_keep_last >= 0, f"--ckpt-keep-last must be >= 0 (got {c.ckpt_keep_last})")
+    need(not c.async_save or c.save is not None, "--async-save needs --save DIR")
     need(op.optimizer == "adam", f"--optimizer {op.optimizer} is not supported; paratron has adam (AdamW)")
     if op.lr_warmup_fraction is not None:
         need(op.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")

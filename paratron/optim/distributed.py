@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.local import CheckpointError
 from ..config import Config
 from ..parallel.data import DataParallel
 from ..parallel.dims import ParallelDims
@@ -88,33 +87,3 @@ class DistributedOptimizer(MixedPrecisionAdam):
             m.finish_param_sync()
         if self.mixed:
             torch._foreach_copy_(self.masters, self._param_views)
-
-    def _layout(self) -> dict:
-        return {"dp_cp": self.models[0].n if self.models else 1,
-                "pieces": [[pc.model, pc.lo, pc.hi] for pc in self.pieces]}
-
-    def state_dict(self) -> dict:
-        """This rank's shard: Adam moments, fp32 masters (mixed precision) and the shard layout;
-        tensors and plain values only, so torch.load(weights_only=True) reads it."""
-        sd = {"adam": self.adam.state_dict(), "scaler": self.scaler.state_dict(), "layout": self._layout()}
-        if self.mixed:
-            sd["masters"] = [m.detach() for m in self.masters]
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        layout = sd.get("layout")
-        if layout != self._layout():
-            saved = layout.get("dp_cp") if isinstance(layout, dict) else None
-            raise CheckpointError(
-                f"this distributed-optimizer state was saved for another shard layout (DP x CP {saved}, "
-                f"now {self._layout()['dp_cp']}, or another model/bucket size); resharding it is not "
-                "supported yet: resume with the same layout and --ddp-bucket-size, or use --no-load-optim")
-        self.adam.load_state_dict(sd["adam"])
-        self.scaler.load_state_dict(sd["scaler"])
-        if self.mixed and "masters" in sd:
-            with torch.no_grad():
-                torch._foreach_copy_(self.masters, list(sd["masters"]))
-                torch._foreach_copy_(self._param_views, self.masters)
-            for m in self.models:
-                m.start_param_sync()
-                m.finish_param_sync()

@@ -212,21 +212,6 @@ class Optimizer(MixedPrecisionAdam):
             for m, p in zip(self.masters, self.params):
                 m.copy_(p)
 
-    def state_dict(self) -> dict:
-        sd = {"adam": self.adam.state_dict(), "scaler": self.scaler.state_dict()}
-        if self.mixed:
-            sd["masters"] = [m.detach() for m in self.masters]
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.adam.load_state_dict(sd["adam"])
-        self.scaler.load_state_dict(sd["scaler"])
-        if self.mixed and "masters" in sd:
-            with torch.no_grad():
-                for m, src, p in zip(self.masters, sd["masters"], self.params):
-                    m.copy_(src)
-                    p.copy_(src)
-
 
 def build_optimizer(models: list, cfg: Config, dims: ParallelDims) -> MixedPrecisionAdam:
     """The optimizer of the run: distributed (ZeRO-1) with --use-distributed-optimizer, else plain.

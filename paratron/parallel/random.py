@@ -92,14 +92,16 @@ class RNGTracker:
         self.state = sd["state"].clone()
 
 
-def rng_state(device: torch.device) -> dict:
-    """Every RNG state of this process, as tensors and JSON-able values (no pickled objects)."""
-    py = random.getstate()
-    np_state = np.random.get_state()
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """Every RNG state of this process as 1-D tensors (checkpoints store them as rows of a
+    [ranks, n] tensor; nothing is pickled)."""
+    py_version, py_keys, py_gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     out = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), int(np_state[2]), int(np_state[3]),
-                  float(np_state[4])],
+        "python": torch.tensor([py_version, *py_keys], dtype=torch.int64),
+        "python_gauss": torch.tensor([py_gauss is not None, py_gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.tensor([*np_keys.tolist(), int(np_pos), int(np_has_gauss)], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([float(np_gauss)], dtype=torch.float64),
         "torch": torch.get_rng_state(),
     }
     if device.type == "cuda":
@@ -107,11 +109,14 @@ def rng_state(device: torch.device) -> dict:
     return out
 
 
-def set_rng_state(state: dict, device: torch.device) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state((n[0], n[1].numpy(), n[2], n[3], n[4]))
-    torch.set_rng_state(state["torch"])
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned."""
+    py = state["python"].tolist()
+    has_gauss, gauss = state["python_gauss"].tolist()
+    random.setstate((py[0], tuple(py[1:]), gauss if has_gauss else None))
+    n = state["numpy"].tolist()
+    np.random.set_state(("MT19937", np.array(n[:-2], dtype=np.uint32), n[-2], n[-1],
+                         float(state["numpy_gauss"][0])))
+    torch.set_rng_state(state["torch"].cpu())
     if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)

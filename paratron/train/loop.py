@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import local as ckpt
+from ..checkpoint import sharded
+from ..checkpoint import state as cstate
 from ..config import Config, ConfigError, resolve_batch
 from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
@@ -130,6 +131,13 @@ class Trainer:
             check_pipeline_schedule(self.dims, m)  # the first and the final batch size
         self.forward_step = make_forward_step(self.device, cfg.data.reset_position_ids)
         self.log = RunLogger(self.dims.is_logging_rank, tr.train_iters, cfg.log.tensorboard_dir)
+        self.pending_save: Optional[sharded.AsyncSave] = None
+        self._pending_skips: Optional[torch.Tensor] = None
+        self._pinned: dict = {}  # reused pinned CPU buffers of --async-save
+        # Checkpoint collectives run on their own gloo group: a background save never interleaves
+        # with training's collectives, and no GPU memory is needed for the plans.
+        self.ckpt_group = (dist.new_group(backend="gloo") if dist.is_initialized() and (cfg.ckpt.save or cfg.ckpt.load)
+                           else None)
         if cfg.ckpt.load:
             self.load(cfg.ckpt.load)
         self.train_iter, self.valid_iter = data if data is not None else self._build_data()
@@ -218,59 +226,101 @@ class Trainer:
         total = self._reduce_dp(total)
         return (total[0] / total[1].clamp(min=1)).item()
 
-    # ---- checkpoints ---------------------------------------------------------------------------
-    def _model_keys(self) -> list:
-        """Megatron's keys: "model", or "model0", "model1", ... with virtual pipeline stages."""
-        if len(self.models) == 1:
-            return [("model", self.models[0])]
-        return [(f"model{i}", m) for i, m in enumerate(self.models)]
+    # ---- checkpoints (format: paratron/checkpoint/sharded.py and state.py) ------------------------
+    def _ckpt_pieces(self, optim: bool, rng: Optional[dict], masters_from: Optional[str] = None,
+                     model_prefix: Optional[dict] = None) -> list:
+        pieces = cstate.model_pieces(self.models, self.dims, model_prefix)
+        if optim:
+            cstate.ensure_adam_state(self.optimizer)
+            pieces += cstate.optimizer_pieces(self.optimizer, self.models, self.dims, masters_from)
+        if rng is not None:
+            pieces += cstate.rng_pieces(rng, self.dims)
+        return pieces
+
+    def _rng_states(self) -> dict:
+        states = rng_state(self.device)
+        tracker = self.models[0].module.par.rng
+        if tracker is not None:
+            states["tp_region"] = tracker.state
+        return states
 
     def save(self) -> Path:
+        """Save a checkpoint of this iteration under --save (in the background with --async-save)."""
         c = self.cfg.ckpt
-        state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                 "scheduler": self.scheduler.state_dict(), **{k: m.state_dict() for k, m in self._model_keys()}}
-        if not c.no_save_optim:
-            state["optimizer"] = self.optimizer.state_dict()
-        if not c.no_save_rng:
-            state["rng"] = rng_state(self.device)
-            if self.models[0].module.par.rng is not None:
-                state["rng"]["tp_region"] = self.models[0].module.par.rng.state_dict()
-        meta = {"config": self.cfg.to_dict(), "consumed_samples": self.consumed_samples,
-                "skipped_iterations": self.skipped}
-        path = ckpt.save_checkpoint(c.save, self.iteration, state, meta, self.dims)
+        self.wait_for_save()
+        self._fold_pending_skips()
+        pieces = self._ckpt_pieces(not c.no_save_optim, None if c.no_save_rng else self._rng_states())
+        common = {"consumed_samples": self.consumed_samples, "skipped_iterations": self.skipped,
+                  "scheduler": self.scheduler.state_dict(),
+                  "optimizer": None if c.no_save_optim else {"step": cstate.adam_step(self.optimizer),
+                                                             "scaler": self.optimizer.scaler.state_dict()},
+                  "rng": not c.no_save_rng, "layout": cstate.layout(self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size),
+                  "config": self.cfg.to_dict()}
+        if c.async_save:
+            def done(path: Path, seconds: float) -> None:
+                self.log.print(f" saved checkpoint at iteration {it:7d} to {path} (in the background, {seconds:.1f} s)")
+            it = self.iteration
+            self.pending_save = sharded.AsyncSave(c.save, it, pieces, common, self.ckpt_group, c.ckpt_keep_last,
+                                                  self._pinned, done)
+            return sharded.iter_dir(c.save, it)
+        path = sharded.save(c.save, self.iteration, pieces, common, self.ckpt_group, c.ckpt_keep_last)
         self.log.print(f" saved checkpoint at iteration {self.iteration:7d} to {path}")
         return path
 
+    def wait_for_save(self) -> None:
+        """Block until a background save has finished (its error, if any, is raised here)."""
+        if self.pending_save is not None:
+            pending, self.pending_save = self.pending_save, None
+            pending.wait()
+
     def load(self, root: str) -> None:
+        """Resume from the latest complete checkpoint under ``root``, in any parallel layout."""
         c = self.cfg.ckpt
-        got = ckpt.load_checkpoint(root, self.dims, self.device)
-        if got is None:
+        d = sharded.find_checkpoint(root, self.ckpt_group, self.log.print, c.ckpt_step)
+        if d is None:
+            if c.exit_on_missing_checkpoint:
+                raise sharded.CheckpointError(f"no checkpoint found in {root} (--exit-on-missing-checkpoint)")
             self.log.print(f" no checkpoint found in {root}; training from scratch")
             return
-        state, meta = got
-        for key, m in self._model_keys():
-            try:
-                m.load_state_dict(state[key])
-            except (KeyError, RuntimeError) as e:  # another model shape or vocabulary than this run's
-                first = str(e).strip().splitlines()
-                detail = next((ln.strip() for ln in first if "size mismatch" in ln or "Missing" in ln), first[0][:200])
-                raise ckpt.CheckpointError(f"{root}: the checkpoint does not fit this model ({detail}); "
-                                           "pass the model flags (and tokenizer) of the saved run") from None
-        self.optimizer.reload_masters()
-        if c.finetune:
-            self.log.print(f" loaded weights from {root} (iteration {meta['iteration']}) for fine-tuning")
-            return
-        self.iteration, self.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
-        self.skipped = int(meta.get("skipped_iterations", 0))
-        if not c.no_load_optim and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+        common = sharded.read_common(d)
+        saved = sharded.tensor_shapes(d)
+        same_layout = common.get("layout") == cstate.layout(self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size)
+        optim = not (c.finetune or c.no_load_optim) and common.get("optimizer") is not None
+        rng = not (c.finetune or c.no_load_rng) and bool(common.get("rng"))
+        if rng and not same_layout:
+            self.log.print(f" WARNING: {d} was saved with another parallel layout ({common.get('layout')}): "
+                           "the random generators restart from --seed")
+            rng = False
+        # fp32 weights come from fp32 masters when the checkpoint has them; masters from fp32 weights
+        # when it has none (saved without mixed precision).
+        masters = "model." if self.optimizer.mixed and not any(k.startswith("optimizer.fp32_param.") for k in saved) \
+            else None
+        prefix = {k: "optimizer.fp32_param." for p, k in cstate.param_keys(self.models).items()
+                  if p.dtype == torch.float32 and f"optimizer.fp32_param.{k}" in saved}
+        states = self._rng_states() if rng else None  # overwritten by the load
+        sharded.load(d, self._ckpt_pieces(optim, states, masters, prefix), self.ckpt_group)
+        if optim:
+            cstate.set_adam_step(self.optimizer, int(common["optimizer"]["step"]))
+            self.optimizer.scaler.load_state_dict(common["optimizer"]["scaler"])
+            self.scheduler.load_state_dict(common["scheduler"])
             self.optimizer.set_lr(self.scheduler.lr)
-        if not c.no_load_rng and "rng" in state:
-            set_rng_state(state["rng"], self.device)
-            if "tp_region" in state["rng"] and self.models[0].module.par.rng is not None:
-                self.models[0].module.par.rng.load_state_dict(state["rng"]["tp_region"])
-        self.log.print(f" resumed from {root} at iteration {self.iteration} ({self.consumed_samples} samples)")
+        else:
+            self.optimizer.reload_masters()
+        if c.finetune:
+            self.log.print(f" loaded weights from {d} (iteration {common['iteration']}) for fine-tuning")
+            return
+        self.iteration, self.consumed_samples = int(common["iteration"]), int(common["consumed_samples"])
+        self.skipped = int(common.get("skipped_iterations", 0))
+        if states is not None:
+            set_rng_state(states, self.device)
+            if "tp_region" in states:
+                self.models[0].module.par.rng.state = states["tp_region"]
+        self.log.print(f" resumed from {d} at iteration {self.iteration} ({self.consumed_samples} samples)")
+
+    def _fold_pending_skips(self) -> None:
+        if self._pending_skips is not None:
+            self.skipped += int(self._pending_skips.item())
+            self._pending_skips = None
 
     # ---- the loop ------------------------------------------------------------------------------
     def _should_exit(self, start: float) -> bool:
@@ -292,7 +342,6 @@ class Trainer:
         window_iters, window_start = 0, time.time()
         last_saved, valid_loss = None, None
         profiler = None
-        pending_skips = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         params = sum(m.module.num_parameters() for m in self.models)
@@ -305,7 +354,8 @@ class Trainer:
                 profiler.__enter__()
             report, ok, grad_norm = self.train_step()
             if isinstance(ok, torch.Tensor):  # no host sync in the step: count at the next log line
-                pending_skips = pending_skips + (~ok).int() if pending_skips is not None else (~ok).int()
+                skips = (~ok).int()
+                self._pending_skips = skips if self._pending_skips is None else self._pending_skips + skips
             elif not ok:
                 self.skipped += 1
             acc += report
@@ -318,9 +368,7 @@ class Trainer:
                 profiler = None
             lg.advance(1)
             if self.iteration % cfg.log.log_interval == 0:
-                if pending_skips is not None:
-                    self.skipped += int(pending_skips.item())
-                    pending_skips = None
+                self._fold_pending_skips()
                 self._log_window(acc, window_iters, time.time() - window_start, float(grad_norm))
                 acc.zero_()
                 window_iters, window_start = 0, time.time()
@@ -335,6 +383,7 @@ class Trainer:
                 break
         if cfg.ckpt.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
+        self.wait_for_save()
         if self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval != 0:
             valid_loss = self.evaluate()
             lg.print(format_valid_line(self.iteration, valid_loss))
@@ -366,7 +415,10 @@ class Trainer:
         self.log.advance(0, loss)
 
     def close(self) -> None:
-        self.log.close()
+        try:
+            self.wait_for_save()
+        finally:
+            self.log.close()
 
 
 def pretrain(cfg: Config, eval_at_start: bool = False) -> dict:

@@ -1,0 +1,114 @@
+"""What a training checkpoint holds, as :class:`~paratron.checkpoint.sharded.Piece` lists.
+
+Tensor names do not depend on the parallel layout, so a checkpoint saved at one TP/PP/DP (with or
+without the distributed optimizer) loads into any other:
+
+    model.{name}                       the parameter in the model's dtype; {name} is the one-stage
+                                       model's name (global layer index; the last pipeline stage's
+                                       copy of a tied embedding is embedding.word_embeddings.weight)
+    optimizer.fp32_param.{name}        fp32 master weights (only when the model is bf16/fp16)
+    optimizer.exp_avg.{name}           Adam moments, fp32
+    optimizer.exp_avg_sq.{name}
+    rng.{generator}                    [world size, n]: row r is rank r's generator state
+
+The optimizer tensors of the plain optimizer are whole tensor-parallel shards; those of the
+distributed optimizer are flat ranges of them (its data-parallel shard), cut into rectangles of the
+global tensor by :func:`~paratron.checkpoint.sharded.flat_pieces`. Scalars (iteration, consumed
+samples, scheduler, loss scaler, Adam's step count, the layout and the config) go to common.json.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..parallel.dims import ParallelDims
+from ..parallel.stages import global_name, unwrap
+from .sharded import Piece, flat_pieces, replicated_row, tensor_pieces
+
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def param_keys(models: list) -> dict:
+    """{parameter: layout-independent name} for this rank's model chunks."""
+    out = {}
+    for chunk in models:
+        m = unwrap(chunk)
+        for name, p in m.named_parameters():
+            if getattr(p, "shared_embedding", False):  # the last stage's copy of the tied embedding
+                out[p] = "embedding.word_embeddings.weight"
+            else:
+                out[p] = global_name(name, m.decoder.layer_offset)
+    return out
+
+
+def _tp(p, key: str, dims: ParallelDims) -> dict:
+    return dict(tp_dim=getattr(p, "tp_dim", None), tp_chunks=getattr(p, "tp_chunks", 1), tp_rank=dims.tp_rank,
+                tp_size=dims.tp, vocab_rows=key in VOCAB_KEYS)
+
+
+def model_pieces(models: list, dims: ParallelDims, prefix: dict | None = None) -> list[Piece]:
+    """Every parameter of this rank. ``prefix``: {name: checkpoint prefix} for names read from
+    elsewhere than ``model.`` (fp32 params from the fp32 masters of a mixed-precision checkpoint)."""
+    prefix = prefix or {}
+    return [pc for p, key in param_keys(models).items()
+            for pc in tensor_pieces(prefix.get(key, "model.") + key, p.data, **_tp(p, key, dims))]
+
+
+def optimizer_shards(optimizer) -> list[tuple[torch.nn.Parameter, int, torch.Tensor]]:
+    """(parameter, first flattened element, fp32 master) of each master tensor the optimizer steps."""
+    if hasattr(optimizer, "pieces"):  # distributed: flat ranges of the gradient buffer
+        return [(pc.param, pc.lo - optimizer.models[pc.model].param_offsets[pc.param], m)
+                for pc, m in zip(optimizer.pieces, optimizer.masters)]
+    return [(p, 0, m) for p, m in zip(optimizer.params, optimizer.masters)]
+
+
+def ensure_adam_state(optimizer) -> None:
+    """Create Adam's state (zero moments, step 0) where it does not exist yet, exactly as AdamW's
+    first step would, so there is something to save and to load into."""
+    adam = optimizer.adam
+    for group in adam.param_groups:
+        for m in group["params"]:
+            if adam.state.get(m):
+                continue
+            on_device = group.get("fused") or group.get("capturable")
+            dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            adam.state[m] = {"step": torch.zeros((), dtype=dtype, device=m.device if on_device else "cpu"),
+                             "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
+                             "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format)}
+
+
+def adam_step(optimizer) -> int:
+    steps = [s["step"] for s in optimizer.adam.state.values() if "step" in s]
+    return int(steps[0].item()) if steps else 0
+
+
+def set_adam_step(optimizer, step: int) -> None:
+    for s in optimizer.adam.state.values():
+        s["step"].fill_(step)
+
+
+def optimizer_pieces(optimizer, models: list, dims: ParallelDims, masters_from: Optional[str] = None) -> list[Piece]:
+    """Masters (when they are copies, i.e. mixed precision) and Adam moments of this rank.
+    ``masters_from="model."`` reads the masters from the model weights (a checkpoint saved in fp32)."""
+    keys = param_keys(models)
+    out = []
+    for p, lo, master in optimizer_shards(optimizer):
+        key, tp = keys[p], _tp(p, keys[p], dims)
+        tensors = {f"optimizer.{s}.": optimizer.adam.state[master][s] for s in OPTIMIZER_STATES}
+        if optimizer.mixed:
+            tensors[masters_from or "optimizer.fp32_param."] = master
+        for prefix, t in tensors.items():
+            out += flat_pieces(prefix + key, t.view(-1), tuple(p.shape), lo, **tp)
+    return out
+
+
+def rng_pieces(state: dict[str, torch.Tensor], dims: ParallelDims) -> list[Piece]:
+    """This rank's generator states as row ``rank`` of ``rng.{generator}``."""
+    return [replicated_row(f"rng.{name}", t, dims.rank, dims.world_size) for name, t in state.items()]
+
+
+def layout(dims: ParallelDims, vpp: Optional[int]) -> dict:
+    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp,
+            "vpp": vpp or 1}

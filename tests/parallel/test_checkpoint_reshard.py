@@ -1,0 +1,100 @@
+"""Sharded checkpoints reshard on load: a checkpoint saved at TP2 x PP2 (with or without the
+distributed optimizer) resumes at other layouts with the losses the saving layout goes on to give.
+
+All phases of a scenario run inside one 4-rank gloo job (the process group stays, each phase builds
+its own ParallelDims), so the test pays for one start-up per model style."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratron.checkpoint import sharded
+from tests.dist import run_ranks
+from tests.parallel.common import global_batches, micro_batches, tiny_config
+
+STEPS, SAVE_AT = 6, 3
+SAVER = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+LOADERS = {  # name: layout on 4 ranks
+    "tp1_pp1_dp4": dict(),
+    "tp4": dict(tensor_model_parallel_size=4),
+    "tp1_pp2_dp2": dict(pipeline_model_parallel_size=2),
+}
+
+
+def _train(style: str, layout: dict, dist_opt: bool, steps: range, save: str = None, load: str = None,
+           bf16: bool = False) -> list[float]:
+    """Train the given steps (of STEPS global batches) at ``layout``; save after the last one."""
+    from paratron.train.loop import Trainer, build_dims
+    cfg = tiny_config(style, use_distributed_optimizer=dist_opt, bf16=bf16, **layout)
+    cfg.train.train_iters = STEPS
+    cfg.ckpt.save, cfg.ckpt.load = save, load
+    dims = build_dims(cfg)
+    batches = micro_batches(global_batches(cfg, STEPS), cfg, dims.dp_rank, dims.dp)
+    per_step = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)
+    for _ in range(steps.start * per_step):  # the samples consumed before this run
+        next(batches)
+    trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims, data=(batches, None))
+    assert trainer.iteration == steps.start, (trainer.iteration, steps.start)
+    losses = []
+    for _ in steps:
+        report, _, _ = trainer.train_step()
+        losses.append((report[0] / report[1]).item())
+    if save:
+        trainer.save()
+    trainer.close()
+    return losses
+
+
+def _scenario(rank: int, world: int, style: str, root: str) -> dict:
+    out = {"ref": _train(style, SAVER, False, range(STEPS))}
+    for dist_opt in (False, True):
+        _train(style, SAVER, dist_opt, range(SAVE_AT), save=f"{root}/saved_dist{int(dist_opt)}")
+    for name, layout in LOADERS.items():
+        for saved_dist in (False, True):
+            for dist_opt in (False, True):
+                if dist_opt and layout.get("tensor_model_parallel_size") == 4:
+                    continue  # DP 1: the distributed optimizer is the plain one
+                out[(name, saved_dist, dist_opt)] = _train(style, layout, dist_opt, range(SAVE_AT, STEPS),
+                                                           load=f"{root}/saved_dist{int(saved_dist)}")
+    return out
+
+
+@pytest.fixture(scope="module", params=["gpt", "llama"])
+def runs(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"reshard_{request.param}")
+    return run_ranks(4, _scenario, request.param, str(tmp / "ckpt"), tmp_dir=tmp)
+
+
+def test_resharded_resume_continues_the_saving_layouts_losses(runs):
+    last = runs[-1]  # rank 3 is on the last pipeline stage in every layout: it has the (DP-reduced) loss
+    ref = last["ref"]
+    assert len(ref) == STEPS and all(x == x for x in ref)
+    resumed = {k: v for k, v in last.items() if k != "ref"}
+    assert len(resumed) == 10
+    for (name, saved_dist, dist_opt), losses in resumed.items():
+        for i, (a, b) in enumerate(zip(ref[SAVE_AT:], losses)):
+            assert abs(a - b) <= 1e-5 * abs(a), \
+                f"{name} (saved with dist opt {saved_dist}, loaded with {dist_opt}) step {SAVE_AT + i + 1}: {b} vs {a}"
+
+
+def _bf16_roundtrip(rank: int, world: int, root: str) -> None:
+    """Save at TP2 x PP2 with the distributed optimizer in bf16, load at TP1 x DP4 (plain) and at
+    TP4, save again from each: every tensor of the re-saved checkpoints equals the original."""
+    _train("llama", SAVER, True, range(2), save=f"{root}/a", bf16=True)
+    _train("llama", LOADERS["tp1_pp1_dp4"], False, range(2, 2), save=f"{root}/b", load=f"{root}/a", bf16=True)
+    _train("llama", LOADERS["tp4"], False, range(2, 2), save=f"{root}/c", load=f"{root}/b", bf16=True)
+
+
+def test_bf16_masters_and_moments_survive_two_reshards_exactly(tmp_path):
+    root = tmp_path / "ckpt"
+    run_ranks(4, _bf16_roundtrip, str(root), tmp_dir=tmp_path)
+    a, c = (sharded.load_full(sharded.iter_dir(root / x, 2)) for x in ("a", "c"))
+    keys = [k for k in a if not k.startswith("rng.")]
+    assert any(k.startswith("optimizer.fp32_param.") for k in keys)
+    assert any(k.startswith("optimizer.exp_avg_sq.") for k in keys)
+    assert sorted(keys) == sorted(k for k in c if not k.startswith("rng."))
+    for k in keys:
+        assert a[k].dtype == c[k].dtype and torch.equal(a[k], c[k]), k
+    assert a["model.decoder.layers.1.mlp.linear_fc1.weight"].dtype == torch.bfloat16
+    assert a["optimizer.fp32_param.decoder.layers.1.mlp.linear_fc1.weight"].dtype == torch.float32
+    assert torch.count_nonzero(a["optimizer.exp_avg_sq.decoder.layers.1.mlp.linear_fc1.weight"]) > 0
