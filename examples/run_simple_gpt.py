@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from paratron.checkpoint.local import load_checkpoint, save_checkpoint
+from paratron.checkpoint import sharded
 from paratron.config import TransformerConfig
 from paratron.data.gpt_dataset import GPTDataConfig, MockGPTDataset, MockIndexedData
 from paratron.model.gpt import GPTModel
@@ -77,17 +77,17 @@ def main():
         if dims.rank == 0:
             print(f"step {step}: lm loss {(loss[0] / loss[1]).item():.4f}", flush=True)
 
-    # Save each rank's shard, then load it into a fresh model and check it is identical.
+    # Each rank saves its shards of the global tensors; a fresh model loads them (any layout could).
     root = tempfile.mkdtemp() if dims.rank == 0 else None
     holder = [root]
     dist.broadcast_object_list(holder, src=0)
-    save_checkpoint(holder[0], 5, {"model": model.state_dict()}, {"example": True}, dims)
+    path = sharded.save(holder[0], 5, model.sharded_state_dict(), {"example": True})
     fresh = model_provider(dims, device)
-    state, _ = load_checkpoint(holder[0], dims, device)
-    fresh.load_state_dict(state["model"])
+    sharded.load(sharded.find_checkpoint(holder[0]), fresh.sharded_state_dict())
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     if dims.rank == 0:
-        print(f"checkpoint saved to {holder[0]} and reloaded: {'identical' if same else 'DIFFERENT'}", flush=True)
+        print(f"checkpoint saved to {path} and reloaded: {'identical' if same else 'DIFFERENT'}", flush=True)
+    dist.barrier()  # leave together: a rank exiting early can abort a peer still in a collective
     dist.destroy_process_group()
 
 

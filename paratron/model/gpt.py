@@ -71,6 +71,7 @@ class GPTModel(nn.Module):
         cfg.fill_defaults()
         self.config, self.vocab_size = cfg, vocab_size
         dims = dims or ParallelDims()
+        self.dims = dims
         tp_group = dims.tp_group
         # Dropout inside TP regions: a stream per TP rank, and per pipeline stage as Megatron's.
         rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
@@ -110,6 +111,13 @@ class GPTModel(nn.Module):
             self.embedding.word_embeddings.weight.is_word_embedding = True  # grads summed with the last stage's copy
         self.input_tensor: Optional[torch.Tensor] = None
         self.fused_output_loss = True  # chunked output layer + cross-entropy (False: plain logits path)
+
+    def sharded_state_dict(self) -> list:
+        """This rank's parameters as checkpoint pieces: chunks of the one-rank model's tensors with
+        their offsets (paratron/checkpoint/state.py); ``paratron.checkpoint.sharded.save`` / ``load``
+        write and read them in any parallel layout."""
+        from ..checkpoint.state import model_pieces
+        return model_pieces([self], self.dims)
 
     # Megatron's pipeline convention: non-first stages take their input through this.
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
