@@ -21,6 +21,23 @@ def bench(fn, iters=20):
     return start.elapsed_time(end) / iters
 
 
+def flex_attention_ms(q, k, v):
+    """FlexAttention (compiled, causal block mask) fwd+bwd time, or None when it cannot run."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        s = q.shape[2]
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, s, s, device="cuda")
+        flex = torch.compile(flex_attention)
+
+        def step():
+            out = flex(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+            out.sum().backward()
+        return bench(step)
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"flex attention failed: {str(e).splitlines()[0][:120]}")
+        return None
+
+
 def main():
     for name, (b, h, kv, s, d) in SHAPES.items():
         q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -43,6 +60,11 @@ def main():
                     print(f"{name:9s} {backend.name:20s} {mode:10s} fwd+bwd {ms:7.2f} ms")
                 except Exception as e:
                     print(f"{name:9s} {backend.name:20s} {mode:10s} unavailable: {str(e).splitlines()[0][:90]}")
+        flex_ms = flex_attention_ms(q, k, v)
+        causal_tflop = 3.5 * 2 * b * h * s * s * d / 1e12  # fwd (2 matmuls, half the square) + bwd (2.5x)
+        print(f"{name:9s} {'FLEX_ATTENTION':20s} {'enable_gqa':10s} fwd+bwd {flex_ms:7.2f} ms" if flex_ms
+              else f"{name:9s} FLEX_ATTENTION unavailable")
+        print(f"{name:9s} causal fwd+bwd work {causal_tflop:.3f} TFLOP per call (divide by the ms above)")
     q = torch.randn(4, 32, 2048, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(4, 8, 2048, 64, device="cuda", dtype=torch.bfloat16)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
