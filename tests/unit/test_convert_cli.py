@@ -1,8 +1,8 @@
-"""`paratron convert`: checkpoints written by the real training command (one process and TP=2 under
-torchrun) convert to Hugging Face directories that transformers loads with paratron's logits; a
-Hugging Face model converts to a checkpoint that `pretrain_gpt.py --load --finetune` trains from,
-starting from exactly its loss; every TP/PP/DP layout merges back to the one-stage model; bad input
-is a one-line error that leaves existing data alone."""
+"""`paratron convert`: sharded checkpoints written by the real training command (one process, and
+TP=2 x PP=2 under torchrun) convert to Hugging Face directories that transformers loads with
+paratron's logits; the multi-rank run converts to the one-process run's weights; a Hugging Face model
+converts to a checkpoint that `pretrain_gpt.py --load [--finetune]` trains from (one process and
+TP=2), starting from exactly its loss; bad input is a one-line error that leaves existing data alone."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,43 +23,58 @@ from safetensors.torch import load_file  # noqa: E402
 
 from paratron.checkpoint import convert as C  # noqa: E402
 from paratron.checkpoint import hf as H  # noqa: E402
-from paratron.checkpoint import local  # noqa: E402
-from paratron.config import Config, ModelConfig  # noqa: E402
+from paratron.checkpoint import sharded  # noqa: E402
+from paratron.config import ModelConfig  # noqa: E402
 from paratron.model.gpt import GPTModel  # noqa: E402
-from paratron.parallel.dims import ParallelDims  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 300
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
-        "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", str(VOCAB), "--num-workers", "0", "--eval-iters", "0"]
-LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
-         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-         "--hidden-dropout", "0", "--attention-dropout", "0"]
+        "--train-iters", "2", "--lr", "1e-3", "--adam-eps", "1e-6", "--mock-data", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", str(VOCAB), "--num-workers", "0", "--eval-iters", "0"]
+_ROPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
+         "--num-query-groups", "2", "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+LLAMA = _ROPE + ["--untie-embeddings-and-output-weights"]
+QWEN2 = _ROPE + ["--add-qkv-bias"]  # tied embeddings: with PP the last stage holds a copy
 # TP=2 pads the vocabulary to a multiple of 128 x 2; 64 x 2 keeps the TP=1 run's 384 rows, so both
-# runs train the same model (same seed, same data, no dropout) and end with the same weights up to rounding.
-TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
+# runs train the same model (same seed, same data, no dropout) and end with the same weights up to
+# rounding. (--adam-eps 1e-6: the key bias's gradient is rounding noise that eps 1e-8 would blow up.)
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+           "--make-vocab-size-divisible-by", "64"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
-def _train_cmd(save: Path, *extra: str, nproc: int = 1) -> list[str]:
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-                                   if nproc > 1 else [])
-    return launcher + ["pretrain_gpt.py", *BASE, *extra, "--save", str(save)]
+def _launcher(nproc: int) -> list[str]:
+    return [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+                               if nproc > 1 else [])
+
+
+def _run_all(cmds: dict, timeout: int = 300) -> dict:
+    """Start the commands together; {name: stdout}; each must exit 0."""
+    procs = {k: subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k, cmd in cmds.items()}
+    outs = {}
+    for k, p in procs.items():
+        try:
+            outs[k], _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs.values():
+                q.kill()
+            pytest.fail(f"{k}: no result after {timeout} s")
+        assert p.returncode == 0, f"{k}:\n{outs[k][-3000:]}"
+    return outs
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    """The three training runs, started together: GPT-2-style, Llama-style, Llama-style at TP=2."""
+    """The training runs, started together: GPT-2-style (saving iterations 1 and 2), Llama-style,
+    Qwen2-style, and Qwen2-style at TP=2 x PP=2 (4 processes)."""
     d = tmp_path_factory.mktemp("ckpts")
-    runs = {"gpt": _train_cmd(d / "gpt"), "llama": _train_cmd(d / "llama", *LLAMA),
-            "llama_tp2": _train_cmd(d / "llama_tp2", *LLAMA, *TP2, nproc=2)}
-    procs = {k: subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k, cmd in runs.items()}
-    for k, p in procs.items():
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, f"{k}:\n{out[-3000:]}"
+    runs = {"gpt": (1, ["--save-interval", "1"]), "llama": (1, LLAMA), "qwen2": (1, QWEN2),
+            "qwen2_tp2_pp2": (4, QWEN2 + TP2_PP2)}
+    _run_all({k: _launcher(n) + ["pretrain_gpt.py", *BASE, *extra, "--save", str(d / k)]
+              for k, (n, extra) in runs.items()})
     return {k: d / k for k in runs}
 
 
@@ -66,12 +82,18 @@ def convert(*argv: str) -> int:
     return C.main([str(a) for a in argv])
 
 
+def saved_model_state(root: Path, iteration: int = None) -> tuple[dict, dict]:
+    """(the model.* tensors without the prefix, common.json) of a checkpoint, read directly."""
+    d = sharded.find_checkpoint(root, group=sharded.SOLO, iteration=iteration)
+    keys = [k for k in sharded.tensor_shapes(d) if k.startswith("model.")]
+    return {k[len("model."):]: t for k, t in sharded.load_full(d, keys).items()}, sharded.read_common(d)
+
+
 def paratron_from_checkpoint(root: Path):
-    """A one-process GPTModel loaded the way Trainer.load does, from a TP=1 checkpoint."""
-    state, meta = local.load_checkpoint(root, ParallelDims(), torch.device("cpu"))
-    cfg = ModelConfig(**meta["config"]["model"])
-    model = GPTModel(cfg, state["model"]["embedding.word_embeddings.weight"].shape[0])
-    model.load_state_dict(state["model"], strict=True)
+    """A one-process GPTModel holding a checkpoint's weights (strict: every parameter, nothing else)."""
+    state, common = saved_model_state(root)
+    model = GPTModel(ModelConfig(**common["config"]["model"]), state["embedding.word_embeddings.weight"].shape[0])
+    model.load_state_dict(state, strict=True)
     return model.eval()
 
 
@@ -85,40 +107,57 @@ def hf_logits(path: Path, ids: torch.Tensor):
 IDS = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("run,family", [("gpt", "gpt2"), ("llama", "llama")])
+@pytest.mark.parametrize("run,family", [("gpt", "gpt2"), ("llama", "llama"), ("llama", "mistral"),
+                                        ("qwen2", "qwen2"), ("qwen2_tp2_pp2", "qwen2")])
 def test_trained_checkpoint_to_hf_gives_paratron_logits(ckpts, tmp_path, run, family):
     out = tmp_path / "hf"
-    assert convert("--to", "hf", "--load", ckpts[run], "--output", out, "--dtype", "fp32") == 0
+    assert convert("--to", "hf", "--load", ckpts[run], "--output", out, "--dtype", "fp32", "--family", family) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == family and config["vocab_size"] == VOCAB  # the real vocabulary, not 384
+    assert config["paratron"]["iteration"] == 2
     theirs, hf_model = hf_logits(out, IDS)
     with torch.no_grad():
         ours = paratron_from_checkpoint(ckpts[run])(IDS)
     assert ours.shape == (2, 32, 384) and theirs.shape == (2, 32, VOCAB)
     assert (ours[..., :VOCAB] - theirs).abs().max().item() <= 1e-5
     assert theirs.std().item() > 0.05  # not a degenerate comparison
-    # the trained weights (not a fresh init) were written
-    state, _ = local.load_checkpoint(ckpts[run], ParallelDims(), torch.device("cpu"))
+    # the trained weights were written, as saved
+    state, _ = saved_model_state(ckpts[run])
     emb = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
-    assert torch.equal(hf_model.state_dict()[emb], state["model"]["embedding.word_embeddings.weight"][:VOCAB])
+    assert torch.equal(hf_model.state_dict()[emb], state["embedding.word_embeddings.weight"][:VOCAB])
 
 
-def test_tp2_checkpoint_merges_to_the_tp1_model(ckpts, tmp_path, capsys):
-    tp1, tp2, back = tmp_path / "tp1", tmp_path / "tp2", tmp_path / "back"
-    assert convert("--to", "hf", "--load", ckpts["llama"], "--output", tp1) == 0
-    assert convert("--to", "hf", "--load", ckpts["llama_tp2"], "--output", tp2) == 0
-    assert "TP 2 x PP 1" in capsys.readouterr().out
-    a, b = load_file(str(tp1 / "model.safetensors")), load_file(str(tp2 / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for name in a:  # same training up to rounding; a wrong merge is off by the init scale (~0.02)
+def test_default_family_and_iteration(ckpts, tmp_path, capsys):
+    """No --family: the model config decides; --iteration N converts that iteration, not the latest."""
+    for run, family in (("gpt", "gpt2"), ("llama", "llama"), ("qwen2", "qwen2")):
+        assert convert("--to", "hf", "--load", ckpts[run], "--output", tmp_path / run, "--quiet") == 0
+        assert json.loads((tmp_path / run / "config.json").read_text())["model_type"] == family
+    assert convert("--to", "hf", "--load", ckpts["gpt"], "--output", tmp_path / "it1", "--iteration", "1") == 0
+    assert "iteration 1" in capsys.readouterr().out
+    assert json.loads((tmp_path / "it1" / "config.json").read_text())["paratron"]["iteration"] == 1
+    it1, it2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("it1", "gpt"))
+    want1 = H.paratron_to_hf(saved_model_state(ckpts["gpt"], 1)[0], H.model_config_from_hf(
+        json.loads((tmp_path / "it1" / "config.json").read_text()))[0], "gpt2", VOCAB)
+    assert it1.keys() == want1.keys() and all(torch.equal(it1[k], want1[k]) for k in want1)
+    assert not torch.equal(it1["transformer.h.0.mlp.c_fc.weight"], it2["transformer.h.0.mlp.c_fc.weight"])
+
+
+def test_tp2_pp2_checkpoint_converts_to_the_one_process_model(ckpts, tmp_path, capsys):
+    one, multi, back = tmp_path / "one", tmp_path / "multi", tmp_path / "back"
+    assert convert("--to", "hf", "--load", ckpts["qwen2"], "--output", one) == 0
+    assert convert("--to", "hf", "--load", ckpts["qwen2_tp2_pp2"], "--output", multi) == 0
+    assert "saved by 4 rank(s): TP 2 x PP 2 x DP 1" in capsys.readouterr().out
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(multi / "model.safetensors"))
+    assert a.keys() == b.keys() and "lm_head.weight" not in a  # tied
+    for name in a:  # same training up to rounding; a wrong piece is off by the init scale (~0.02)
         assert a[name].shape == b[name].shape, name
         assert (a[name] - b[name]).abs().max().item() <= 2e-4, name
-    gate0, gate1 = b["model.layers.0.mlp.gate_proj.weight"], b["model.layers.0.mlp.up_proj.weight"]
-    assert (gate0 - gate1).abs().max().item() > 1e-2  # the tolerance does tell tensors apart
+    gate, up = b["model.layers.1.mlp.gate_proj.weight"], b["model.layers.1.mlp.up_proj.weight"]
+    assert (gate - up).abs().max().item() > 1e-2  # the tolerance does tell tensors apart
 
-    # HF -> paratron (TP=1) -> a model loaded from that checkpoint has the HF model's logits.
-    assert convert("--from", "hf", "--input", tp2, "--save", back) == 0
-    theirs, _ = hf_logits(tp2, IDS)
+    # HF -> paratron -> a model loaded from that checkpoint has the HF model's logits.
+    assert convert("--from", "hf", "--input", multi, "--save", back) == 0
+    theirs, _ = hf_logits(multi, IDS)
     with torch.no_grad():
         ours = paratron_from_checkpoint(back)(IDS)[..., :VOCAB]
     assert (ours - theirs).abs().max().item() <= 1e-5
@@ -150,151 +189,87 @@ def _first_batch(flags: list[str]) -> dict:
                                     dp_rank=0, dp_size=1, num_workers=0))
 
 
-def test_from_hf_then_finetune_starts_from_the_hf_weights(tmp_path, capsys):
-    src, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+def _printed_command(out: str) -> tuple[str, list[str], list[str]]:
+    line = next(ln for ln in out.splitlines() if ln.startswith("  ") and "pretrain_gpt.py " in ln)
+    words = shlex.split(line)
+    i = words.index("pretrain_gpt.py")
+    return line, words[:i], words[i + 1:]
+
+
+def test_from_hf_then_training_starts_from_the_hf_weights(tmp_path, capsys):
+    src, ckpt, ckpt2 = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "ckpt_tp2"
     model = _random_hf_llama(src)
     assert convert("--from", "hf", "--input", src, "--save", ckpt) == 0
-    out = capsys.readouterr().out
-    line = next(ln for ln in out.splitlines() if ln.startswith("  pretrain_gpt.py "))
-    printed = shlex.split(line)[1:]
-    assert printed[-3:] == ["--load", str(ckpt), "--finetune"]
+    line, launcher, printed = _printed_command(capsys.readouterr().out)
+    assert launcher == [] and printed[-3:] == ["--load", str(ckpt), "--finetune"]
     for f in ["--num-layers 2", "--hidden-size 64", "--ffn-hidden-size 96", "--num-query-groups 2", "--swiglu",
               "--normalization RMSNorm", "--position-embedding-type rope", "--disable-bias-linear",
               "--untie-embeddings-and-output-weights", "--norm-epsilon 1e-06"]:
         assert f" {f} " in f" {line} ", f
+    assert convert("--from", "hf", "--input", src, "--save", ckpt2, "--tensor-model-parallel-size", "2") == 0
+    _, launcher2, printed2 = _printed_command(capsys.readouterr().out)
+    assert launcher2 == ["torchrun", "--nproc-per-node", "2"]
+    assert printed2[:-3] == printed[:-3] + ["--tensor-model-parallel-size", "2"]
 
-    # The checkpoint holds exactly the HF weights, in the layout load_checkpoint reads for one process.
-    state, meta = local.load_checkpoint(ckpt, ParallelDims(), torch.device("cpu"))
+    # The checkpoint holds exactly the HF weights as whole tensors, at iteration 0, weights only.
+    state, common = saved_model_state(ckpt)
     hf_state, hf_config = H.load_hf_dir(src)
     cfg, vocab, family = H.model_config_from_hf(hf_config)
     want = H.hf_to_paratron(hf_state, cfg, family, 384)
-    assert state["model"].keys() == want.keys() and all(torch.equal(state["model"][k], want[k]) for k in want)
-    assert (meta["iteration"], meta["world_size"], meta["layout"]["tp"]) == (0, 1, 1)
-    assert meta["config"]["data"]["vocab_size"] == VOCAB
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    assert sharded.find_checkpoint(ckpt, group=sharded.SOLO) == sharded.iter_dir(ckpt, 0)
+    assert (common["iteration"], common["consumed_samples"], common["optimizer"], common["rng"]) == (0, 0, None, False)
+    assert common["layout"]["world_size"] == 1 and common["config"]["data"]["vocab_size"] == VOCAB
+    assert not any(k.startswith(("optimizer.", "rng.")) for k in sharded.tensor_shapes(sharded.iter_dir(ckpt, 0)))
+    # ... and for TP=2 the vocabulary padded as a TP=2 run pads it (512 rows, zeros past 300).
+    state2, _ = saved_model_state(ckpt2)
+    emb = state2["embedding.word_embeddings.weight"]
+    assert emb.shape == (512, 64) and torch.equal(emb[:384], want["embedding.word_embeddings.weight"])
+    assert not emb[VOCAB:].any()
 
-    # Train from it with the printed flags; the first logged loss is the HF model's on that batch.
+    # Train from them with the printed flags: one process --finetune, and TP=2 (2 processes) with a
+    # plain --load; the first logged loss of each is the HF model's on that batch.
     data = ["--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--num-workers", "0",
             "--eval-iters", "0", "--log-interval", "1"]
-    r = subprocess.run([sys.executable, "pretrain_gpt.py", *printed, *data], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert f"loaded weights from {ckpt}" in r.stdout
-    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+) \|", r.stdout)]
+    outs = _run_all({"tp1": _launcher(1) + ["pretrain_gpt.py", *printed, *data],
+                     "tp2": _launcher(2) + ["pretrain_gpt.py", *printed2[:-1], *data]})
+    assert f"loaded weights from {sharded.iter_dir(ckpt, 0)}" in outs["tp1"]
+    assert f"resumed from {sharded.iter_dir(ckpt2, 0)} at iteration 0" in outs["tp2"]
     batch = _first_batch(printed[:-3] + data)
-    with torch.no_grad():
-        logits = model(input_ids=batch["tokens"]).logits  # [b, s, 300]; paratron's 84 padded columns are 0
-        logits = torch.cat([logits, logits.new_zeros(*logits.shape[:2], 384 - VOCAB)], dim=-1)
-        per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
-                                                      reduction="none")
-        mask = batch["loss_mask"].flatten()
-        expected = ((per_token * mask).sum() / mask.sum()).item()
-    assert len(losses) == 2 and abs(losses[0] - expected) <= 1e-4 * expected, (losses, expected)
-    assert abs(expected - math.log(384)) > 0.3  # sharp random weights: far from a fresh init's ln(384)
+    for run, padded in (("tp1", 384), ("tp2", 512)):
+        losses = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+) \|", outs[run])]
+        with torch.no_grad():
+            logits = model(input_ids=batch["tokens"]).logits  # [b, s, 300]; paratron's padded columns are 0
+            logits = torch.cat([logits, logits.new_zeros(*logits.shape[:2], padded - VOCAB)], dim=-1)
+            per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                                          reduction="none")
+            mask = batch["loss_mask"].flatten()
+            expected = ((per_token * mask).sum() / mask.sum()).item()
+        assert len(losses) == 2 and abs(losses[0] - expected) <= 1e-4 * expected, (run, losses, expected)
+        assert abs(expected - math.log(padded)) > 0.3  # sharp random weights: far from a fresh init's
 
 
-# ----------------------------------------------------------------------------------------------
-# Layouts, built by hand from a one-stage model and the split marks its layers carry
-# ----------------------------------------------------------------------------------------------
-
-def _shard(p: torch.Tensor, n: int, r: int) -> torch.Tensor:
-    dim = getattr(p, "tp_dim", None)
-    if dim is None or n == 1:
-        return p.detach().clone()
-    blocks = p.detach().chunk(getattr(p, "tp_chunks", 1), dim=dim)
-    return torch.cat([b.chunk(n, dim=dim)[r] for b in blocks], dim=dim)
-
-
-def _write_layout(root: Path, model: GPTModel, cfg: Config, tp: int, pp: int, dp: int, vpp: int) -> None:
-    """A checkpoint as Trainer.save writes it with TP x PP (x VPP) x DP ranks, equal layers per chunk:
-    virtual stage s = v * pp + r holds layers [s * n, (s + 1) * n), the embedding is on stage 0, the
-    final norm and output layer on the last (a tied copy of the embedding there too)."""
-    m = cfg.model
-    n = m.num_layers // (pp * vpp)
-    d = root / "iter_0000007"
-    d.mkdir(parents=True)
-    params = dict(model.named_parameters())
-    for r in range(pp):
-        for t in range(tp):
-            for k in range(dp):
-                state = {"iteration": 7, "consumed_samples": 14}
-                for v in range(vpp):
-                    s = v * pp + r
-                    chunk = {}
-                    for name, p in params.items():
-                        lm = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
-                        if lm:
-                            i = int(lm.group(1))
-                            if s * n <= i < (s + 1) * n:
-                                chunk[f"decoder.layers.{i - s * n}.{lm.group(2)}"] = _shard(p, tp, t)
-                        elif name.startswith("embedding.") and s == 0:
-                            chunk[name] = _shard(p, tp, t)
-                        elif s == pp * vpp - 1 and not name.startswith("embedding."):
-                            chunk[name] = _shard(p, tp, t)
-                    if s == pp * vpp - 1 and not m.untie_embeddings_and_output_weights and pp * vpp > 1:
-                        chunk["output_layer.weight"] = _shard(params["embedding.word_embeddings.weight"], tp, t)
-                    if k > 0:  # other data-parallel replicas must not be read
-                        chunk = {name: torch.full_like(x, 7.0) for name, x in chunk.items()}
-                    state["model" if vpp == 1 else f"model{v}"] = chunk
-                torch.save(state, d / f"rank_{t + k * tp + r * tp * dp:05d}.pt")
-    meta = {"config": cfg.to_dict(), "iteration": 7, "world_size": tp * pp * dp,
-            "layout": {"tp": tp, "pp": pp, "dp": dp, "cp": 1}}
-    (d / "metadata.json").write_text(json.dumps(meta))
-    (root / local.LATEST).write_text("7")
+def test_from_hf_round_trips(tmp_path):
+    src = tmp_path / "hf"
+    _random_hf_llama(src, seed=1)
+    assert convert("--from", "hf", "--input", src, "--save", tmp_path / "ckpt", "--dtype", "bf16", "--quiet") == 0
+    state, _ = saved_model_state(tmp_path / "ckpt")
+    assert all(t.dtype == torch.bfloat16 for t in state.values())
+    assert convert("--to", "hf", "--load", tmp_path / "ckpt", "--output", tmp_path / "back", "--quiet") == 0
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k].to(torch.bfloat16), b[k]) for k in a)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert convert("--from", "hf", "--input", src, "--save", tmp_path / "ckpt32", "--quiet") == 0
+    assert convert("--to", "hf", "--load", tmp_path / "ckpt32", "--output", tmp_path / "back32", "--quiet") == 0
+    c = load_file(str(tmp_path / "back32" / "model.safetensors"))
+    assert a.keys() == c.keys() and all(torch.equal(a[k], c[k]) for k in a)  # exact
 
 
 _LLAMA_CFG = dict(num_layers=4, hidden_size=64, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
                   ffn_hidden_size=96, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                   disable_bias_linear=True, untie_embeddings_and_output_weights=True, seq_length=32)
 _GPT_CFG = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32)
-
-
-@pytest.mark.parametrize("kind,tp,pp,dp,vpp", [("llama", 2, 2, 2, 2), ("gpt2", 2, 2, 1, 1), ("gpt2", 4, 1, 1, 1),
-                                               ("llama", 1, 4, 1, 1)])
-def test_every_layout_merges_to_the_one_stage_model(tmp_path, kind, tp, pp, dp, vpp):
-    cfg = Config()
-    cfg.model = ModelConfig(**(_LLAMA_CFG if kind == "llama" else _GPT_CFG)).fill_defaults()
-    cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
-    cfg.parallel.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
-    cfg.data.vocab_size = VOCAB
-    torch.manual_seed(0)
-    model = GPTModel(cfg.model, cfg.padded_vocab_size)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()
-    _write_layout(tmp_path / "ckpt", model, cfg, tp, pp, dp, vpp)
-    assert convert("--to", "hf", "--load", tmp_path / "ckpt", "--output", tmp_path / "hf", "--quiet") == 0
-    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    want = H.paratron_to_hf(model.state_dict(), cfg.model, kind, VOCAB)
-    assert got.keys() == want.keys()
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
-
-
-def test_split_table_agrees_with_the_layers():
-    """Every parameter's row in convert.TP_SPLIT is the split its layer marks (tp_dim / tp_chunks)."""
-    for kw in (_LLAMA_CFG, _GPT_CFG, dict(_LLAMA_CFG, qk_layernorm=True, add_qkv_bias=True),
-               dict(_GPT_CFG, untie_embeddings_and_output_weights=True)):
-        cfg = ModelConfig(**kw)
-        for name, p in GPTModel(cfg, 384).named_parameters():
-            mark = (p.tp_dim, getattr(p, "tp_chunks", 1)) if hasattr(p, "tp_dim") else None
-            assert C.tp_split(name, cfg.swiglu) == mark, name
-    with pytest.raises(H.ConversionError, match="unknown tensor"):
-        C.tp_split("decoder.layers.0.mlp.experts.weight", False)
-
-
-def test_from_hf_at_tp2_round_trips(tmp_path):
-    src = tmp_path / "hf"
-    _random_hf_llama(src, seed=1)
-    assert convert("--from", "hf", "--input", src, "--save", tmp_path / "ckpt", "--tensor-model-parallel-size", "2",
-                   "--quiet") == 0
-    for r in range(2):  # what a 2-process TP=2 run loads
-        state, meta = local.load_checkpoint(tmp_path / "ckpt", ParallelDims(world_size=2, rank=r, tp=2, tp_rank=r),
-                                            torch.device("cpu"))
-        assert state["model"]["embedding.word_embeddings.weight"].shape == (256, 64)  # 512 padded rows / 2
-    assert convert("--to", "hf", "--load", tmp_path / "ckpt", "--output", tmp_path / "back", "--quiet") == 0
-    a, b = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_training_flags_rebuild_the_model_config():
@@ -311,8 +286,25 @@ def test_training_flags_rebuild_the_model_config():
 
 
 # ----------------------------------------------------------------------------------------------
-# Errors: one line, exit code 2, existing data untouched
+# Damaged checkpoints, errors: one line, exit code 2, existing data untouched
 # ----------------------------------------------------------------------------------------------
+
+def test_damaged_latest_falls_back_with_a_warning(ckpts, tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    shutil.copytree(ckpts["gpt"], root)
+    chunk = next(sharded.iter_dir(root, 2).glob("*.distcp"))
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    assert convert("--to", "hf", "--load", root, "--output", tmp_path / "hf", "--quiet") == 0
+    err = capsys.readouterr().err
+    assert "WARNING" in err and chunk.name in err and "falling back to" in err, err
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["paratron"]["iteration"] == 1
+    assert convert("--to", "hf", "--load", root, "--output", tmp_path / "hf2", "--iteration", "2") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "CRC-32 mismatch" in err and chunk.name in err, err
+    assert not (tmp_path / "hf2").exists()
+
 
 def _snapshot(d: Path) -> dict:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
@@ -331,6 +323,11 @@ def test_errors_are_one_line(ckpts, hf_dir, tmp_path, capsys):
     bert = tmp_path / "bert"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 10}))
+    old = tmp_path / "old_format"  # a checkpoint of the per-rank format paratron used to write
+    (old / "iter_0000007").mkdir(parents=True)
+    torch.save({"model": {}}, old / "iter_0000007" / "rank_00000.pt")
+    (old / "iter_0000007" / "metadata.json").write_text(json.dumps({"config": {"model": {}}, "iteration": 7}))
+    (old / sharded.LATEST).write_text("7")
     taken_hf = tmp_path / "taken_hf"
     assert convert("--to", "hf", "--load", ckpts["gpt"], "--output", taken_hf, "--quiet") == 0
     (taken_hf / "tokenizer.json").write_text("{}")
@@ -343,7 +340,10 @@ def test_errors_are_one_line(ckpts, hf_dir, tmp_path, capsys):
                                     "--family", "falcon"],
         "gpt2 cannot represent this model": ["--to", "hf", "--load", ckpts["llama"], "--output", tmp_path / "o4",
                                              "--family", "gpt2"],
-        "has no iteration 5": ["--to", "hf", "--load", ckpts["gpt"], "--output", tmp_path / "o5", "--iteration", "5"],
+        "asked for iteration 5": ["--to", "hf", "--load", ckpts["gpt"], "--output", tmp_path / "o5",
+                                  "--iteration", "5"],
+        "per-rank checkpoint (rank_*.pt) of an older paratron": ["--to", "hf", "--load", old, "--output",
+                                                                   tmp_path / "o10"],
         "already holds a Hugging Face checkpoint": ["--to", "hf", "--load", ckpts["llama"], "--output", taken_hf],
         "unsupported model_type 'bert'": ["--from", "hf", "--input", bert, "--save", tmp_path / "o6"],
         "has no config.json": ["--from", "hf", "--input", empty, "--save", tmp_path / "o7"],
@@ -359,7 +359,7 @@ def test_errors_are_one_line(ckpts, hf_dir, tmp_path, capsys):
         assert cli_main(["convert", *map(str, argv)]) == 2, expect
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("paratron convert: error: ") and expect in err, (expect, err)
-    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 10))  # nothing half-written
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 11))  # nothing half-written
     assert not list(tmp_path.glob(".*convert*")) and not list(taken_hf.parent.glob(".*convert*"))
     assert _snapshot(taken_hf) == before_hf and _snapshot(taken_ckpt) == before_ckpt
 
@@ -382,8 +382,9 @@ def test_force_replaces_and_keeps_other_files(ckpts, hf_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     assert convert("--from", "hf", "--input", hf_dir, "--save", ckpt, "--quiet") == 0
     (ckpt / "iter_0000050").mkdir()  # an older training checkpoint
-    (ckpt / local.LATEST).write_text("50")
+    (ckpt / sharded.LATEST).write_text("50")
     (ckpt / "notes.txt").write_text("mine")
     assert convert("--from", "hf", "--input", hf_dir, "--save", ckpt, "--force", "--quiet") == 0
-    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000000", local.LATEST, "notes.txt"]
-    assert local.load_checkpoint(ckpt, ParallelDims(), torch.device("cpu"))[1]["iteration"] == 0
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000000", sharded.LATEST, "notes.txt"]
+    d = sharded.find_checkpoint(ckpt, group=sharded.SOLO)
+    assert d == sharded.iter_dir(ckpt, 0) and sharded.read_common(d)["iteration"] == 0
