@@ -85,13 +85,12 @@ def main() -> int:
         rows.append((label, statistics.mean(during) if during else float("nan"),
                      statistics.median(during) if during else float("nan"), len(during), blocked, write_s))
         print(rows[-1], flush=True)
-    ckpt = save_dir / f"iter_{t.iteration:07d}"
-    size = dir_bytes(ckpt)
     t.cfg.ckpt.async_save = False
     sync()
     t0 = time.perf_counter()
-    t.save()
+    ckpt = t.save()
     sync_s = time.perf_counter() - t0
+    size = dir_bytes(ckpt)
     saved_at = t.iteration
     cont = [timed_step(t)[1] for _ in range(3)]
     t.close()

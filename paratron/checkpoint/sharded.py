@@ -594,6 +594,11 @@ def load(d: Path, pieces: list[Piece], group=None) -> None:
     with _quiet(group):
         dcp.load({}, storage_reader=reader, planner=planner, process_group=_pg(group), no_dist=not _distributed(group))
     with torch.no_grad():
+        for p in planner.targets.values():  # padded vocabulary rows the checkpoint does not have: zeros
+            if p.vocab_rows:
+                first_missing = planner.metadata.state_dict_metadata[p.key].size[0] - p.offsets[0]
+                if first_missing < p.tensor.shape[0]:
+                    p.tensor[max(first_missing, 0):].zero_()
         for src, dst in planner.copies:
             dst.copy_(src)
 

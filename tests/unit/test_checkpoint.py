@@ -200,3 +200,25 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "at iteration 2 " in r.stdout and "iteration        4/       4" in r.stdout, r.stdout[-2000:]
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "4" and not partial.exists()
+
+
+def test_padded_vocabulary_may_differ_between_layouts(tmp_path):
+    """Vocabulary padding depends on TP (--make-vocab-size-divisible-by x TP): a checkpoint padded to
+    384 rows loads into a model padded to 512 (rows it lacks become zeros) and back."""
+    base = list(TINY)
+    base[base.index("--vocab-size") + 1] = "300"
+    root = tmp_path / "ck"
+    a = Trainer(parse_args(base + ["--train-iters", "4", "--make-vocab-size-divisible-by", "128", "--save", str(root)]))
+    losses_of(a, 2)
+    a.save()
+    b = Trainer(parse_args(base + ["--train-iters", "4", "--make-vocab-size-divisible-by", "512", "--load", str(root),
+                                "--save", str(root)]))
+    wa = a.model.module.embedding.word_embeddings.weight
+    wb = b.model.module.embedding.word_embeddings.weight
+    assert wa.shape[0] == 384 and wb.shape[0] == 512
+    assert torch.equal(wb[:384], wa) and not wb[384:].any()
+    m = next(s for p, s in b.optimizer.adam.state.items() if p.shape[0] == 512)
+    assert m["exp_avg"][384:].abs().sum() == 0 and m["exp_avg"][:384].abs().sum() > 0
+    b.save()
+    c = Trainer(parse_args(base + ["--train-iters", "4", "--make-vocab-size-divisible-by", "128", "--load", str(root)]))
+    assert torch.equal(c.model.module.embedding.word_embeddings.weight, wa)
