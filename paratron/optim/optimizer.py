@@ -157,7 +157,9 @@ class MixedPrecisionAdam:
         ``found_inf``. Returns (update applied, grad norm) as device tensors."""
         found_inf = (~torch.isfinite(norm)).float()
         if self.clip_grad and self.clip_grad > 0:
-            torch._foreach_mul_(grads, (self.clip_grad / (norm + 1e-6)).clamp(max=1.0))
+            # Clipping inside the fused kernel, which divides each gradient by grad_scale as it reads
+            # it: one pass over the gradients fewer than scaling them first.
+            self.adam.grad_scale = ((norm + 1e-6) / self.clip_grad).clamp(min=1.0)
         for m, g in zip(self.masters, grads):
             m.grad = g
         self.adam.found_inf = found_inf
@@ -165,6 +167,7 @@ class MixedPrecisionAdam:
             self.adam.step()
         finally:
             del self.adam.found_inf
+            self.adam.__dict__.pop("grad_scale", None)
         for m in self.masters:
             m.grad = None
         self._publish()
