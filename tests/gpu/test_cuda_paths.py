@@ -13,10 +13,11 @@ def _step(device: str, clip: float, grad_mult: float):
     from paratron.config import parse_args
     from paratron.optim.optimizer import Optimizer
     from paratron.parallel.dims import ParallelDims
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(64, 32, device=device)), torch.nn.Parameter(torch.randn(32, device=device))]
+    g = torch.Generator().manual_seed(0)  # the same numbers on both devices: drawn on the CPU
+    params = [torch.nn.Parameter(torch.randn(64, 32, generator=g).to(device)),
+              torch.nn.Parameter(torch.randn(32, generator=g).to(device))]
     for p in params:
-        p.main_grad = torch.randn_like(p) * grad_mult
+        p.main_grad = (torch.randn(p.shape, generator=g) * grad_mult).to(device)
     cfg = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
                       "--max-position-embeddings", "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-2",
                       "--mock-data", "--clip-grad", str(clip), "--weight-decay", "0.1", "--device", device])
