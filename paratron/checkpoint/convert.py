@@ -90,10 +90,6 @@ def read_checkpoint(root, iteration: Optional[int] = None, log=None) -> tuple:
     one-stage ``GPTModel`` state dict, read from the ``model.*`` tensors of any layout."""
     log = log or _Log(True)
     root = Path(root)
-    it = sharded.latest_iteration(root) if iteration is None else iteration
-    if it is not None and any(sharded.iter_dir(root, it).glob("rank_*.pt")):
-        raise ConversionError(f"{sharded.iter_dir(root, it)} is a per-rank checkpoint (rank_*.pt) of an older "
-                              "paratron; this paratron reads only sharded checkpoints")
     d = sharded.find_checkpoint(root, group=sharded.SOLO, warn=_warn, iteration=iteration)
     if d is None:
         raise ConversionError(f"no paratron checkpoint in {root}: it has no {sharded.LATEST} and no iter_* directory")

@@ -422,6 +422,10 @@ def find_checkpoint(root: str | Path, group=None, warn: Callable[[str], None] = 
     damaged latest checkpoint is reported through ``warn`` and the previous complete one is used;
     an explicitly asked-for ``iteration`` that is damaged is an error. None: no checkpoint."""
     root = Path(root)
+    wanted = latest_iteration(root) if iteration is None else iteration
+    if wanted is not None and any(iter_dir(root, wanted).glob("rank_*.pt")):
+        raise CheckpointError(f"{iter_dir(root, wanted)} is a per-rank checkpoint (rank_*.pt) of an older "
+                              "paratron; this paratron reads only sharded checkpoints")
     if iteration is not None:
         d = iter_dir(root, iteration)
         if not d.is_dir():

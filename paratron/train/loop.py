@@ -311,10 +311,8 @@ class Trainer:
             return
         self.iteration, self.consumed_samples = int(common["iteration"]), int(common["consumed_samples"])
         self.skipped = int(common.get("skipped_iterations", 0))
-        if states is not None:
+        if states is not None:  # (the TP-region state was loaded in place: it is the tracker's own tensor)
             set_rng_state(states, self.device)
-            if "tp_region" in states:
-                self.models[0].module.par.rng.state = states["tp_region"]
         self.log.print(f" resumed from {d} at iteration {self.iteration} ({self.consumed_samples} samples)")
 
     def _fold_pending_skips(self) -> None:

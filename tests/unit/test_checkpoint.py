@@ -222,3 +222,13 @@ def test_padded_vocabulary_may_differ_between_layouts(tmp_path):
     b.save()
     c = Trainer(parse_args(base + ["--train-iters", "4", "--make-vocab-size-divisible-by", "128", "--load", str(root)]))
     assert torch.equal(c.model.module.embedding.word_embeddings.weight, wa)
+
+
+def test_a_per_rank_checkpoint_of_an_older_paratron_is_a_clear_error(tmp_path):
+    root = tmp_path / "ck"
+    (root / "iter_0000003").mkdir(parents=True)
+    (root / "iter_0000003" / "rank_00000.pt").write_bytes(b"old")
+    (root / "iter_0000003" / "metadata.json").write_text("{}")
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.raises(sharded.CheckpointError, match="per-rank checkpoint .* older paratron"):
+        Trainer(parse_args(TINY + ["--train-iters", "2", "--load", str(root)]))
