@@ -8,11 +8,11 @@
 
 Every tensor is stored as a *global* tensor (the shape it has in the one-rank model) under a name
 that does not depend on the layout; each rank contributes the rectangular chunks it holds, with
-their offsets in the global tensor (a :class:`Piece`). Chunks held by several ranks (data-parallel
+their offsets in the global tensor (a ``Piece``). Chunks held by several ranks (data-parallel
 replicas, TP-replicated norms) are written once. Loading asks DCP for the chunks this rank needs in
 *its* layout, and DCP reads whichever saved chunks overlap them: that is the resharding, for
 tensor, pipeline and data parallelism and for the distributed optimizer's flat shards alike
-(:func:`flat_pieces` cuts a flat range of a parameter into rectangles of the global tensor).
+(paratron/checkpoint/pieces.py cuts a flat range of a parameter into rectangles of the global tensor).
 
 A save goes to ``.iter_0000100.partial/``; when every rank's chunks and DCP's ``.metadata`` are
 written, rank 0 writes ``metadata.json`` (file sizes and checksums), renames the directory to
@@ -23,7 +23,7 @@ collectives. Loading checks sizes and checksums first; a damaged checkpoint is n
 and :func:`find_checkpoint` falls back to the previous complete one.
 
 Nothing is unpickled from disk except DCP's ``.metadata`` index, and that through an unpickler that
-only builds DCP's own metadata classes (:class:`_MetadataUnpickler`); tensors are read with
+only builds DCP's own metadata classes (paratron/checkpoint/pieces.py); tensors are read with
 ``weights_only=True`` and everything else is JSON.
 """
 from __future__ import annotations
@@ -31,259 +31,24 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import shutil
 import threading
 import time
 import warnings
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, SavePlanner, TensorWriteData,
-                                                  WriteItem, WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from .pieces import CheckpointError, Piece, PieceLoadPlanner, PieceSavePlanner, SafeReader
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
 MANIFEST = "metadata.json"
 FORMAT = "paratron-torch_dist-1"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file or the tensor."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Pieces: a rank's rectangular chunks of global tensors
-# ----------------------------------------------------------------------------------------------
-
-@dataclass
-class Piece:
-    key: str  # layout-independent name
-    shape: tuple  # of the global tensor
-    offsets: tuple  # of this chunk in the global tensor
-    tensor: torch.Tensor  # this rank's chunk (a view: loading writes through it)
-    vocab_rows: bool = False  # dim 0 is the padded vocabulary (its size may differ between layouts)
-
-
-def _rectangles(shape: tuple, lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
-    """Elements [lo, hi) of a row-major tensor of ``shape`` (1-D or 2-D) as rectangles
-    (offsets, sizes, flat start), each contiguous in the flattened tensor."""
-    if len(shape) == 1:
-        return [((lo,), (hi - lo,), lo)] if hi > lo else []
-    if len(shape) != 2:
-        raise ValueError(f"sharded checkpoints handle 1-D and 2-D tensors; got shape {tuple(shape)}")
-    cols = shape[1]
-    r0, c0 = divmod(lo, cols)
-    r1, c1 = divmod(hi, cols)
-    if r0 == r1:
-        return [((r0, c0), (1, c1 - c0), lo)] if c1 > c0 else []
-    out = []
-    if c0:
-        out.append(((r0, c0), (1, cols - c0), lo))
-        r0 += 1
-    if r1 > r0:
-        out.append(((r0, 0), (r1 - r0, cols), r0 * cols))
-    if c1:
-        out.append(((r1, 0), (1, c1), r1 * cols))
-    return out
-
-
-def flat_pieces(key: str, flat: torch.Tensor, local_shape: tuple, lo: int, tp_dim: Optional[int] = None,
-                tp_chunks: int = 1, tp_rank: int = 0, tp_size: int = 1, vocab_rows: bool = False) -> list[Piece]:
-    """The pieces of ``flat`` = elements [lo, lo + flat.numel()) of this rank's tensor-parallel shard
-    (shape ``local_shape``) of a global tensor. The shard is ``tp_chunks`` equal blocks along
-    ``tp_dim``; block c of rank r is slice r (of ``tp_size``) of block c of the global tensor (see
-    paratron/parallel/tensor.py). ``tp_dim=None``: the tensor is not split (replicated)."""
-    local_shape = tuple(local_shape)
-    hi = lo + flat.numel()
-    split = tp_dim is not None and tp_size > 1
-    shape = list(local_shape)
-    if split:
-        shape[tp_dim] *= tp_size
-    out = []
-    for offsets, sizes, start in _rectangles(local_shape, lo, hi):
-        view = flat[start - lo: start - lo + int(torch.Size(sizes).numel())].view(sizes)
-        if not split:
-            out.append(Piece(key, tuple(shape), offsets, view, vocab_rows))
-            continue
-        block = local_shape[tp_dim] // tp_chunks
-        a, n = offsets[tp_dim], sizes[tp_dim]
-        s = a
-        while s < a + n:  # cut at block boundaries: each block maps to its own global range
-            c = s // block
-            e = min(a + n, (c + 1) * block)
-            g = list(offsets)
-            g[tp_dim] = c * block * tp_size + tp_rank * block + (s - c * block)
-            out.append(Piece(key, tuple(shape), tuple(g), view.narrow(tp_dim, s - a, e - s), vocab_rows))
-            s = e
-    return out
-
-
-def tensor_pieces(key: str, t: torch.Tensor, **tp) -> list[Piece]:
-    """The pieces of a whole tensor-parallel shard ``t`` (see :func:`flat_pieces`)."""
-    if t.dim() == 0:
-        return [Piece(key, (), (), t)]
-    return flat_pieces(key, t.view(-1), tuple(t.shape), 0, **tp)
-
-
-def replicated_row(key: str, t: torch.Tensor, row: int, rows: int) -> Piece:
-    """Row ``row`` of a [rows, n] global tensor: a per-rank value (an RNG state)."""
-    t = t.reshape(1, -1)
-    return Piece(key, (rows, t.shape[1]), (row, 0), t)
-
-
-# ----------------------------------------------------------------------------------------------
-# DCP planners over pieces
-# ----------------------------------------------------------------------------------------------
-
-def _chunk(p: Piece) -> ChunkStorageMetadata:
-    return ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.size())
-
-
-class _PieceSavePlanner(SavePlanner):
-    """Writes the given pieces; a chunk held by several ranks is written by one of them, chosen to
-    balance the bytes each rank writes."""
-
-    def __init__(self, pieces: list[Piece]):
-        self.pieces = {(p.key, tuple(p.offsets)): p for p in pieces}
-
-    def set_up_planner(self, state_dict=None, storage_meta=None, is_coordinator: bool = False) -> None:
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        items = [WriteItem(index=MetadataIndex(p.key, torch.Size(p.offsets)), type=WriteItemType.SHARD,
-                           tensor_data=TensorWriteData(chunk=_chunk(p), size=torch.Size(p.shape),
-                                                       properties=TensorProperties.create_from_tensor(p.tensor)))
-                 for p in self.pieces.values()]
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def create_global_plan(self, all_plans: list[SavePlan]):
-        owner: dict = {}
-        load = [0] * len(all_plans)
-        for rank, plan in enumerate(all_plans):  # assign each distinct chunk to its least-loaded holder
-            for item in plan.items:
-                k = (item.index.fqn, tuple(item.index.offset))
-                nbytes = item.tensor_data.chunk.sizes.numel()
-                if k not in owner or load[rank] < load[owner[k]]:
-                    if k in owner:
-                        load[owner[k]] -= nbytes
-                    owner[k] = rank
-                    load[rank] += nbytes
-        plans = [SavePlan([it for it in plan.items if owner[(it.index.fqn, tuple(it.index.offset))] == rank])
-                 for rank, plan in enumerate(all_plans)]
-        plans, metadata = create_default_global_save_plan(plans)
-        for fqn, md in metadata.state_dict_metadata.items():  # every element written exactly once
-            covered = sum(c.sizes.numel() for c in md.chunks)
-            if covered != md.size.numel():
-                raise RuntimeError(f"checkpoint plan for {fqn}: chunks cover {covered} of {md.size.numel()} elements")
-        return plans, metadata
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        self.plan = new_plan
-        return new_plan
-
-    def resolve_data(self, write_item: WriteItem):
-        return self.pieces[(write_item.index.fqn, tuple(write_item.index.offset))].tensor
-
-
-class _PieceLoadPlanner(LoadPlanner):
-    """Reads the saved chunks that overlap each requested piece into the piece's tensor."""
-
-    def __init__(self, pieces: list[Piece], where: str):
-        self.where = where
-        self.targets: dict = {}
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # the same chunk wanted twice on a rank
-        for p in pieces:
-            k = (p.key, tuple(p.offsets))
-            if k in self.targets:
-                self.copies.append((self.targets[k].tensor, p.tensor))
-            else:
-                self.targets[k] = p
-
-    def set_up_planner(self, state_dict=None, metadata=None, is_coordinator: bool = False) -> None:
-        self.metadata = metadata
-
-    def problem(self) -> Optional[str]:
-        """Why this checkpoint cannot fill the pieces (one line), or None."""
-        saved = self.metadata.state_dict_metadata
-        for p in self.targets.values():
-            md = saved.get(p.key)
-            if md is None or not hasattr(md, "chunks"):
-                return (f"{self.where} has no tensor {p.key!r} (saved by another model, or without optimizer "
-                        "state: then use --no-load-optim)")
-            have, want = tuple(md.size), tuple(p.shape)
-            if have != want and not (p.vocab_rows and have[1:] == want[1:]):
-                return (f"{self.where}: the checkpoint does not fit this model ({p.key} has shape {list(have)} "
-                        f"there, {list(want)} here); pass the model flags (and tokenizer) of the saved run")
-        return None
-
-    def create_local_plan(self) -> LoadPlan:
-        saved = self.metadata.state_dict_metadata
-        return LoadPlan([item for p in self.targets.values()
-                         for item in create_read_items_for_chunk_list(p.key, saved[p.key], [_chunk(p)])])
-
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
-        return global_plan
-
-    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
-        return new_plan
-
-    def load_bytes(self, read_item, value) -> None:
-        raise CheckpointError(f"{self.where}: unexpected non-tensor entry {read_item.dest_index.fqn!r}")
-
-    def resolve_tensor(self, read_item):
-        t = self.targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))].tensor
-        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            t = t.narrow(d, o, n)
-        return t
-
-    def commit_tensor(self, read_item, tensor) -> None:
-        pass
-
-
-_DCP_MODULE = "torch.distributed.checkpoint"
-_TORCH_TYPES = (torch.dtype, torch.layout, torch.memory_format)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads DCP's ``.metadata`` index building only DCP's metadata classes, torch.Size and dtypes,
-    never an arbitrary object."""
-
-    def find_class(self, module: str, name: str):
-        if module == _DCP_MODULE or module.startswith(_DCP_MODULE + "."):
-            return super().find_class(module, name)
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if obj is torch.Size or isinstance(obj, _TORCH_TYPES):
-                return obj
-        if module == "torch.serialization" and name == "_get_layout":  # a layout from its name
-            return super().find_class(module, name)
-        if (module, name) in (("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-                              ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError) as e:
-            raise CheckpointError(f"cannot read {path} ({e.__class__.__name__}: {str(e)[:120]})") from None
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,7 +237,7 @@ def _save_files(pieces: list[Piece], path: Path, common: dict, group) -> None:
         write_text_atomic(path / COMMON, json.dumps(common, indent=1, sort_keys=True))
     with _quiet(group):
         dcp.save({}, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True),
-                 planner=_PieceSavePlanner(pieces), process_group=_pg(group), no_dist=not _distributed(group))
+                 planner=PieceSavePlanner(pieces), process_group=_pg(group), no_dist=not _distributed(group))
 
 
 def _finish(root: Path, iteration: int, tmp: Path, group, keep_last: int) -> Path:
@@ -591,8 +356,8 @@ def load(d: Path, pieces: list[Piece], group=None) -> None:
     """Fill every piece's tensor from checkpoint directory ``d`` (already verified), whatever layout
     it was saved with. A missing tensor or another shape is a :class:`CheckpointError` on every rank
     before anything is read."""
-    planner = _PieceLoadPlanner(pieces, str(d))
-    reader = _SafeReader(str(d))
+    planner = PieceLoadPlanner(pieces, str(d))
+    reader = SafeReader(str(d))
     planner.metadata = reader.read_metadata()
     _raise_if_any(planner.problem(), group)
     with _quiet(group):
@@ -628,7 +393,7 @@ def _quiet(group):
 
 def tensor_shapes(d: Path) -> dict[str, tuple[tuple, torch.dtype]]:
     """{key: (global shape, dtype)} of every tensor in checkpoint directory ``d``."""
-    md = _SafeReader(str(d)).read_metadata()
+    md = SafeReader(str(d)).read_metadata()
     return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 

@@ -24,7 +24,7 @@ import torch
 
 from ..parallel.dims import ParallelDims
 from ..parallel.stages import global_name, unwrap
-from .sharded import Piece, flat_pieces, replicated_row, tensor_pieces
+from .pieces import Piece, flat_pieces, replicated_row, tensor_pieces
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
