@@ -1,6 +1,7 @@
 """The command line saves sharded checkpoints and resumes them in another layout: a run at TP2 x PP2
-stopped by --exit-interval, resumed at DP4 with the distributed optimizer and at TP2 x DP2, logs the
-losses of an uninterrupted one-process run (within 1e-4 relative)."""
+stopped by --exit-interval, resumed at DP4 with the distributed optimizer, at TP2 x DP2 and at
+interleaved PP2 x DP2 (2 virtual stages), logs the losses of an uninterrupted one-process run
+(within 1e-4 relative)."""
 from __future__ import annotations
 
 import shutil
@@ -30,7 +31,9 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", [["--use-distributed-optimizer", "--overlap-grad-reduce"],
-                                    ["--tensor-model-parallel-size", "2"]], ids=["dp4_distopt", "tp2_dp2"])
+                                    ["--tensor-model-parallel-size", "2"],
+                                    ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]],
+                         ids=["dp4_distopt", "tp2_dp2", "pp2_vpp2_dp2"])
 def test_cli_resumes_in_another_layout(single, saved, layout, tmp_path):
     root, first = saved
     for a, b in zip(single[:STOP], first):
