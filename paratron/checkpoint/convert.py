@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from . import sharded
-from .hf import FAMILIES, ConversionError
+from .hf_config import FAMILIES, ConversionError
 
 __all__ = ["main", "read_checkpoint", "default_family", "training_flags", "to_hf", "from_hf"]
 
@@ -248,7 +248,8 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
     checkpoint gets (so that run's padded rows are zeros, not its initialization)."""
     from ..config import Config
     from ..parallel.dims import ParallelDims
-    from .hf import hf_to_paratron, load_hf_dir, model_config_from_hf, padded_vocab_size
+    from .hf import hf_to_paratron, load_hf_dir
+    from .hf_config import model_config_from_hf, padded_vocab_size
     from .state import layout
     log = log or _Log(True)
     src, save = Path(input), Path(save)

@@ -23,6 +23,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from paratron.checkpoint import convert as C  # noqa: E402
 from paratron.checkpoint import hf as H  # noqa: E402
+from paratron.checkpoint import hf_config as HC  # noqa: E402
 from paratron.checkpoint import sharded  # noqa: E402
 from paratron.config import ModelConfig  # noqa: E402
 from paratron.model.gpt import GPTModel  # noqa: E402
@@ -136,7 +137,7 @@ def test_default_family_and_iteration(ckpts, tmp_path, capsys):
     assert "iteration 1" in capsys.readouterr().out
     assert json.loads((tmp_path / "it1" / "config.json").read_text())["paratron"]["iteration"] == 1
     it1, it2 = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("it1", "gpt"))
-    want1 = H.paratron_to_hf(saved_model_state(ckpts["gpt"], 1)[0], H.model_config_from_hf(
+    want1 = H.paratron_to_hf(saved_model_state(ckpts["gpt"], 1)[0], HC.model_config_from_hf(
         json.loads((tmp_path / "it1" / "config.json").read_text()))[0], "gpt2", VOCAB)
     assert it1.keys() == want1.keys() and all(torch.equal(it1[k], want1[k]) for k in want1)
     assert not torch.equal(it1["transformer.h.0.mlp.c_fc.weight"], it2["transformer.h.0.mlp.c_fc.weight"])
@@ -214,7 +215,7 @@ def test_from_hf_then_training_starts_from_the_hf_weights(tmp_path, capsys):
     # The checkpoint holds exactly the HF weights as whole tensors, at iteration 0, weights only.
     state, common = saved_model_state(ckpt)
     hf_state, hf_config = H.load_hf_dir(src)
-    cfg, vocab, family = H.model_config_from_hf(hf_config)
+    cfg, vocab, family = HC.model_config_from_hf(hf_config)
     want = H.hf_to_paratron(hf_state, cfg, family, 384)
     assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
     assert sharded.find_checkpoint(ckpt, group=sharded.SOLO) == sharded.iter_dir(ckpt, 0)

@@ -12,7 +12,8 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from paratron.checkpoint import hf as H  # noqa: E402
-from paratron.checkpoint.hf import ConversionError  # noqa: E402
+from paratron.checkpoint import hf_config as HC  # noqa: E402
+from paratron.checkpoint.hf_config import ConversionError  # noqa: E402
 from paratron.config import ModelConfig  # noqa: E402
 from paratron.model.gpt import GPTModel  # noqa: E402
 
@@ -94,7 +95,7 @@ def test_saved_dir_loads_in_transformers_with_same_logits(case, tmp_path):
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, attn_implementation="eager", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    assert type(loaded).__name__ == H._ARCHITECTURES[family]
+    assert type(loaded).__name__ == HC._ARCHITECTURES[family]
     tied = not cfg.untie_embeddings_and_output_weights
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert ("lm_head.weight" in f.keys()) != tied  # as save_pretrained writes it
@@ -110,7 +111,7 @@ def test_saved_dir_loads_in_transformers_with_same_logits(case, tmp_path):
     assert (ours - theirs).abs().max().item() <= TOL
 
     # ... and the written config reads back as the same paratron config.
-    back, vocab, fam = H.model_config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    back, vocab, fam = HC.model_config_from_hf(json.loads((tmp_path / "config.json").read_text()))
     assert (vocab, fam) == (VOCAB, family)
     keep = ("seq_length",)  # seq_length is a training choice: config.json has no field for it
     for field in vars(cfg):
@@ -123,8 +124,8 @@ def test_hf_round_trip_is_exact(case, tmp_path):
     model = hf_model(case)
     model.save_pretrained(tmp_path)
     hf_state, hf_config = H.load_hf_dir(tmp_path)  # exactly the tensors save_pretrained writes
-    cfg, vocab, family = H.model_config_from_hf(hf_config)
-    state = H.hf_to_paratron(hf_state, cfg, family, H.padded_vocab_size(vocab, cfg))
+    cfg, vocab, family = HC.model_config_from_hf(hf_config)
+    state = H.hf_to_paratron(hf_state, cfg, family, HC.padded_vocab_size(vocab, cfg))
     GPTModel(cfg, PADDED).load_state_dict(state, strict=True)
     back = H.paratron_to_hf(state, cfg, family, vocab)
     assert back.keys() == hf_state.keys()
@@ -181,7 +182,7 @@ def test_load_sharded_safetensors_and_pytorch_bin(tmp_path):
 def test_published_gpt2_names_are_accepted():
     """The original gpt2 checkpoints have no ``transformer.`` prefix and store the causal-mask buffers."""
     model = hf_model("gpt2")
-    cfg, vocab, family = H.model_config_from_hf(model.config)
+    cfg, vocab, family = HC.model_config_from_hf(model.config)
     bare = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     bare["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
     bare["h.0.attn.masked_bias"] = torch.tensor(-1e4)
@@ -209,16 +210,16 @@ def test_model_config_from_legacy_config_json():
          "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True,
          "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 8192}}
-    cfg, vocab, family = H.model_config_from_hf(d)
+    cfg, vocab, family = HC.model_config_from_hf(d)
     assert (vocab, family) == (128256, "llama")
     assert cfg.use_rope_scaling and cfg.rotary_base == 500000.0 and cfg.num_query_groups == 1
     assert cfg.group_query_attention and not cfg.untie_embeddings_and_output_weights
-    assert H.padded_vocab_size(vocab, cfg) == 128256
+    assert HC.padded_vocab_size(vocab, cfg) == 128256
     mistral = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 64, "intermediate_size": 96,
                "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 32768,
                "sliding_window": 4096}
-    assert H.model_config_from_hf(mistral)[0].seq_length == 4096  # paratron has no sliding window
-    gpt2 = H.model_config_from_hf({"model_type": "gpt2", "vocab_size": 50257, "n_embd": 64, "n_layer": 2,
+    assert HC.model_config_from_hf(mistral)[0].seq_length == 4096  # paratron has no sliding window
+    gpt2 = HC.model_config_from_hf({"model_type": "gpt2", "vocab_size": 50257, "n_embd": 64, "n_layer": 2,
                                    "n_head": 4, "n_positions": 1024})[0]
     assert gpt2.hidden_dropout == 0.1 and gpt2.attention_dropout == 0.1 and gpt2.openai_gelu
     assert gpt2.ffn_hidden_size == 256 and not gpt2.untie_embeddings_and_output_weights
@@ -232,16 +233,16 @@ def test_errors_are_one_line_and_name_the_problem():
         assert "\n" not in msg
         return msg
 
-    assert "unsupported model_type 'bert'" in err(H.model_config_from_hf, {"model_type": "bert", "vocab_size": 10})
+    assert "unsupported model_type 'bert'" in err(HC.model_config_from_hf, {"model_type": "bert", "vocab_size": 10})
     llama3 = {**_HF_LLAMA, "model_type": "llama",
               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    assert "low_freq_factor=2.0" in err(H.model_config_from_hf, llama3)
+    assert "low_freq_factor=2.0" in err(HC.model_config_from_hf, llama3)
     yarn = {**_HF_LLAMA, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    assert "'yarn'" in err(H.model_config_from_hf, yarn)
+    assert "'yarn'" in err(HC.model_config_from_hf, yarn)
 
     model = hf_model("llama")
-    cfg, vocab, family = H.model_config_from_hf(model.config)
+    cfg, vocab, family = HC.model_config_from_hf(model.config)
     state = model.state_dict()
     missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
     assert "model.layers.1.mlp.up_proj.weight" in err(H.hf_to_paratron, missing, cfg, family, PADDED)
@@ -256,7 +257,7 @@ def test_errors_are_one_line_and_name_the_problem():
     pstate = H.hf_to_paratron(state, cfg, family, PADDED)
     short = {k: v for k, v in pstate.items() if k != "decoder.final_layernorm.weight"}
     assert "decoder.final_layernorm.weight" in err(H.paratron_to_hf, short, cfg, family, VOCAB)
-    assert "gpt2 cannot represent this model" in err(H.hf_config_from_model_config, cfg, VOCAB, "gpt2")
+    assert "gpt2 cannot represent this model" in err(HC.hf_config_from_model_config, cfg, VOCAB, "gpt2")
     assert "qwen2" in err(H.paratron_to_hf, pstate, ModelConfig(**dict(_LLAMA, add_qkv_bias=True)), "llama", VOCAB)
 
 

@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from paratron.checkpoint import hf as H  # noqa: E402
+from paratron.checkpoint import hf_config as HC  # noqa: E402
 from paratron.model.gpt import GPTModel  # noqa: E402
 
 VOCAB = 100  # padded to 128 in paratron
@@ -67,8 +68,8 @@ def build_hf(model_type: str, kwargs: dict, attn: str = "eager"):
 
 
 def to_paratron(hf_model):
-    cfg, vocab, family = H.model_config_from_hf(hf_model.config)
-    padded = H.padded_vocab_size(vocab, cfg)
+    cfg, vocab, family = HC.model_config_from_hf(hf_model.config)
+    padded = HC.padded_vocab_size(vocab, cfg)
     model = GPTModel(cfg, padded)
     model.load_state_dict(H.hf_to_paratron(hf_model.state_dict(), cfg, family, padded), strict=True)
     return model.eval(), vocab, padded
@@ -109,7 +110,7 @@ def test_rope_scaling_is_exercised():
     so the parity case above really checks the scaling."""
     model_type, kwargs, offset = CASES["llama-rope-scaling-tied-bias"]
     hf_model = build_hf(model_type, kwargs)
-    cfg, vocab, family = H.model_config_from_hf(hf_model.config)
+    cfg, vocab, family = HC.model_config_from_hf(hf_model.config)
     assert cfg.use_rope_scaling and cfg.rope_scaling_factor == 8.0 and cfg.rotary_base == 500000.0
     cfg.use_rope_scaling = False
     model = GPTModel(cfg, 128)
