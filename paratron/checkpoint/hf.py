@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..config import ModelConfig
-from .hf_config import ConversionError, _check_family, _check_representable, hf_config_from_model_config
+from .hf_config import ConversionError, check_family, check_representable, hf_config_from_model_config
 
 __all__ = [
     "name_table", "hf_to_paratron", "paratron_to_hf", "save_hf_dir", "load_hf_dir",
@@ -136,8 +136,8 @@ def _paratron_shapes(cfg: ModelConfig, padded_vocab: int) -> dict[str, tuple]:
 def name_table(cfg: ModelConfig, family: str) -> list[tuple[str, tuple[str, ...], str]]:
     """The mapping for one model: ``(paratron name, Hugging Face names, reshape)`` for every paratron
     tensor, in state-dict order. Reshape is one of copy, conv1d, c_attn, qkv, gate_up, vocab."""
-    _check_family(family)
-    _check_representable(cfg, family)
+    check_family(family)
+    check_representable(cfg, family)
     top, layer_prefix, layer = _TABLES[family]
     by_name = {p: (hf, how) for p, hf, how in top}
     for i in range(cfg.num_layers):
@@ -146,7 +146,7 @@ def name_table(cfg: ModelConfig, family: str) -> list[tuple[str, tuple[str, ...]
             by_name[f"decoder.layers.{i}.{p}"] = (tuple(hp + n for n in hf), how)
     rows = []
     for p in _paratron_shapes(cfg, 1):
-        if p not in by_name:  # _check_representable should make this unreachable
+        if p not in by_name:  # check_representable should make this unreachable
             raise ConversionError(f"{family} has no tensor for paratron's {p}")
         rows.append((p, *by_name[p]))
     return rows

@@ -36,7 +36,7 @@ _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistr
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _check_family(family: str) -> None:
+def check_family(family: str) -> None:
     if family not in FAMILIES:
         raise ConversionError(f"unsupported model family {family!r}; paratron converts {', '.join(FAMILIES)}")
 
@@ -194,7 +194,7 @@ def _llama_config(d: dict, family: str) -> ModelConfig:
     return cfg.fill_defaults()
 
 
-def _check_representable(cfg: ModelConfig, family: str) -> None:
+def check_representable(cfg: ModelConfig, family: str) -> None:
     """Raise when the paratron model has something the Hugging Face family cannot express."""
     cfg.fill_defaults()
 
@@ -233,8 +233,8 @@ def hf_config_from_model_config(cfg: ModelConfig, vocab_size: int, family: str) 
     Token ids (bos/eos/pad) are left unset: add them from your tokenizer. ``torch_dtype`` is float32
     here; save_hf_dir writes the dtype of the saved tensors.
     """
-    _check_family(family)
-    _check_representable(cfg, family)
+    check_family(family)
+    check_representable(cfg, family)
     tied = not cfg.untie_embeddings_and_output_weights
     out: dict[str, Any] = {"architectures": [_ARCHITECTURES[family]], "model_type": family,
                            "vocab_size": int(vocab_size), "torch_dtype": "float32", "tie_word_embeddings": tied,
