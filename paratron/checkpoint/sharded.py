@@ -271,6 +271,7 @@ def _finish(root: Path, iteration: int, tmp: Path, group, keep_last: int) -> Pat
 
 
 def _prepare(root: Path, iteration: int, group) -> Path:
+    """Rank 0 makes the partial directory; every rank must see it (one filesystem shared by all)."""
     tmp = _partial_dir(root, iteration)
     if _rank(group) == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -278,6 +279,9 @@ def _prepare(root: Path, iteration: int, group) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier(group)
+    _raise_if_any(None if tmp.is_dir() else
+                  f"rank {_rank(group)} does not see {tmp}, made by rank 0: --save must be a directory that every "
+                  "rank shares (a network filesystem on several nodes)", group)
     return tmp
 
 

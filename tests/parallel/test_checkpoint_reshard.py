@@ -125,3 +125,20 @@ def _same_layout_with_dropout(rank: int, world: int, root: str) -> tuple:
 def test_same_layout_resume_with_dropout_is_bit_exact(tmp_path):
     straight, resumed = run_ranks(4, _same_layout_with_dropout, str(tmp_path / "ck"), tmp_dir=tmp_path)[-1]
     assert straight == resumed and straight[0] == straight[0]
+
+
+def _unshared_save(rank: int, world: int, root: str) -> str:
+    """Each rank saves under its own directory, as on nodes with local disks."""
+    from paratron.checkpoint.pieces import Piece
+    t = torch.ones(4)
+    try:
+        sharded.save(f"{root}/node{rank}", 1, [Piece("x", (8,), (4 * rank,), t)], {})
+    except sharded.CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_save_directory_not_shared_by_all_ranks_is_an_error(tmp_path):
+    got = run_ranks(2, _unshared_save, str(tmp_path), tmp_dir=tmp_path)
+    assert all("rank 1 does not see" in g and "every rank shares" in g for g in got), got
+    assert not (tmp_path / "node0" / "latest_checkpointed_iteration.txt").exists()
