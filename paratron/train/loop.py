@@ -237,6 +237,9 @@ class Trainer:
             pieces += cstate.rng_pieces(rng, self.dims)
         return pieces
 
+    def _layout(self) -> dict:
+        return cstate.layout(self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size)
+
     def _rng_states(self) -> dict:
         states = rng_state(self.device)
         tracker = self.models[0].module.par.rng
@@ -254,12 +257,12 @@ class Trainer:
                   "scheduler": self.scheduler.state_dict(),
                   "optimizer": None if c.no_save_optim else {"step": cstate.adam_step(self.optimizer),
                                                              "scaler": self.optimizer.scaler.state_dict()},
-                  "rng": not c.no_save_rng, "layout": cstate.layout(self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size),
-                  "config": self.cfg.to_dict()}
+                  "rng": not c.no_save_rng, "layout": self._layout(), "config": self.cfg.to_dict()}
         if c.async_save:
+            it = self.iteration
+
             def done(path: Path, seconds: float) -> None:
                 self.log.print(f" saved checkpoint at iteration {it:7d} to {path} (in the background, {seconds:.1f} s)")
-            it = self.iteration
             self.pending_save = sharded.AsyncSave(c.save, it, pieces, common, self.ckpt_group, c.ckpt_keep_last,
                                                   self._pinned, done)
             return sharded.iter_dir(c.save, it)
@@ -284,7 +287,7 @@ class Trainer:
             return
         common = sharded.read_common(d)
         saved = sharded.tensor_shapes(d)
-        same_layout = common.get("layout") == cstate.layout(self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size)
+        same_layout = common.get("layout") == self._layout()
         optim = not (c.finetune or c.no_load_optim) and common.get("optimizer") is not None
         rng = not (c.finetune or c.no_load_rng) and bool(common.get("rng"))
         if rng and not same_layout:
