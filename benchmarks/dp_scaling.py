@@ -39,6 +39,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
+    from paratron.parallel.dims import shutdown_distributed
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = parse_args(["--config", args.config, "--train-iters", str(args.warmup + args.steps + 1), "--eval-iters", "0",
                       "--log-interval", "1000000", *shlex.split(args.flags)])
@@ -69,8 +70,7 @@ def worker(args) -> None:
                       loss=round(float(report[0] / report[1]), 3) if report[1] > 0 else None)
         Path(args.result).write_text(json.dumps(result))
     trainer.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def measure(gpus: int, flags: str, args) -> tuple[dict, str]:

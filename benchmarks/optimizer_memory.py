@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paratron.config import Config, finalize  # noqa: E402
+from paratron.parallel.dims import shutdown_distributed  # noqa: E402
 
 LIMIT = 0.30
 
@@ -65,12 +66,10 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = {p: measure(p, True) for p in ("fp32", "bf16")}
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
+    result = {p: measure(p, True) for p in ("fp32", "bf16")}
+    if rank == 0:
+        queue.put(result)
+    shutdown_distributed()
 
 
 def run_distributed(dp: int) -> dict:

@@ -17,7 +17,7 @@ from paratron.checkpoint import sharded
 from paratron.config import TransformerConfig
 from paratron.data.gpt_dataset import GPTDataConfig, MockGPTDataset, MockIndexedData
 from paratron.model.gpt import GPTModel
-from paratron.parallel.dims import initialize_model_parallel
+from paratron.parallel.dims import initialize_model_parallel, shutdown_distributed
 from paratron.parallel.pipeline import get_forward_backward_func
 from paratron.parallel.random import set_seed
 
@@ -87,8 +87,7 @@ def main():
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     if dims.rank == 0:
         print(f"checkpoint saved to {path} and reloaded: {'identical' if same else 'DIFFERENT'}", flush=True)
-    dist.barrier()  # leave together: a rank exiting early can abort a peer still in a collective
-    dist.destroy_process_group()
+    shutdown_distributed()  # the ranks leave together (a rank leaving early can abort a peer)
 
 
 if __name__ == "__main__":

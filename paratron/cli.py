@@ -42,20 +42,9 @@ def run_train(argv: list[str]) -> int:
         pretrain(cfg)
         ok = True
     finally:
+        from .parallel.dims import shutdown_distributed
         shutdown_distributed(ok)
     return 0
-
-
-def shutdown_distributed(synchronize: bool) -> None:
-    """Tear the process groups down. After a clean run every rank first meets the others at a barrier:
-    a rank that destroys its groups and exits while a peer is still finishing its last collective makes
-    gloo abort the peer (`terminate called without an active exception`)."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if synchronize:
-        dist.barrier()
-    dist.destroy_process_group()
 
 
 def dispatch(argv: list[str]) -> int:

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from paratron.parallel.dims import shutdown_distributed
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -22,14 +24,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn, args):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    ok = False
     try:
         result = fn(rank, world, *args)
         torch.save(result, Path(out_dir) / f"{rank}.pt")
+        ok = True
     except Exception:
         (Path(out_dir) / f"{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed(synchronize=ok)
 
 
 def run_ranks(world: int, fn, *args, tmp_dir: str | Path) -> list:

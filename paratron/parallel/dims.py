@@ -195,3 +195,14 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             if me in ranks:
                 dims.groups[name] = pg
     return dims
+
+
+def shutdown_distributed(synchronize: bool = True) -> None:
+    """Destroy every process group. With ``synchronize`` (after a clean run) the ranks first meet at
+    a barrier: a rank that tears its groups down and exits while a peer is still in its last
+    collective makes gloo abort that peer ("terminate called without an active exception")."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if synchronize:
+        dist.barrier()
+    dist.destroy_process_group()
