@@ -21,14 +21,13 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from record import commit  # noqa: E402  (benchmarks/record.py)
+from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
 def sync():
@@ -117,15 +116,9 @@ def main() -> int:
              f"- losses of the 3 steps after iteration {saved_at}: original {[round(x, 5) for x in cont]}, "
              f"resumed {[round(x, 5) for x in resumed]}, max |diff| {max(abs(a - b) for a, b in zip(cont, resumed)):.2e}\n")
     print("\n" + table + "\n" + extra)
-    stamp = datetime.now(timezone.utc)
-    record = Path(args.record_dir) / f"checkpoint_overhead_{args.config}_{stamp:%Y%m%d_%H%M%S}.md"
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(
-        f"# Checkpoint overhead: {args.config}\n\n- date: {stamp:%Y-%m-%d %H:%M} UTC\n- hardware: {device}\n"
-        f"- torch: {torch.__version__}\n- commit: {commit()}\n- command: `{' '.join(sys.argv)}`\n"
-        f"- method: {args.warmup} warm-up steps, then each step CUDA-synchronised and timed alone; see the "
-        f"script's docstring\n\n{table}\n\n{extra}")
-    print(f"record: {record}")
+    write_record(args.record_dir, f"checkpoint_overhead_{args.config}", f"Checkpoint overhead: {args.config}", device,
+                 {"method": f"{args.warmup} warm-up steps, then each step CUDA-synchronised and timed alone; see the "
+                            "script's docstring"}, f"{table}\n\n{extra}")
     return 0
 
 

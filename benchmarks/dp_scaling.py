@@ -22,12 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from record import commit  # noqa: E402  (benchmarks/record.py)
+from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 DP_FLAGS = "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
 TARGET = 0.95
@@ -118,16 +117,12 @@ def main() -> int:
                f"{'met' if scaling >= TARGET else 'NOT met'})" if scaling is not None else "scaling: n/a (a run failed)")
     table = "\n".join(rows)
     print("\n" + table + "\n\n" + verdict)
-    stamp = datetime.now(timezone.utc)
-    record = Path(args.record_dir) / f"dp_scaling_{args.config}_{args.gpus}gpu_{stamp:%Y%m%d_%H%M%S}.md"
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(
-        f"# Data-parallel scaling: {args.config}, 1 -> {args.gpus} GPUs\n\n- date: {stamp:%Y-%m-%d %H:%M} UTC\n"
-        f"- hardware: {args.gpus} x {device}\n- torch: {torch.__version__}\n- commit: {commit()}\n"
-        f"- command: `{' '.join(sys.argv)}`\n- runs: `{cmd1}` and `{cmdn}`\n"
-        f"- method: weak scaling, {args.micro_batches} micro-batch(es) per GPU per step, {args.warmup} warm-up + "
-        f"{args.steps} timed steps (CUDA-synchronised wall time)\n\n{table}\n\n{verdict}\n")
-    print(f"record: {record}")
+    write_record(args.record_dir, f"dp_scaling_{args.config}_{args.gpus}gpu",
+                 f"Data-parallel scaling: {args.config}, 1 -> {args.gpus} GPUs", f"{args.gpus} x {device}",
+                 {"runs": f"`{cmd1}` and `{cmdn}`",
+                  "method": f"weak scaling, {args.micro_batches} micro-batch(es) per GPU per step, {args.warmup} "
+                            f"warm-up + {args.steps} timed steps (CUDA-synchronised wall time)"},
+                 f"{table}\n\n{verdict}")
     return 0 if scaling is not None and scaling >= TARGET else 1
 
 

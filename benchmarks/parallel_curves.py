@@ -18,12 +18,11 @@ import shlex
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import commit  # noqa: E402  (benchmarks/record.py)
+from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
 def parse(stdout: str) -> tuple[dict[int, float], dict[int, float]]:
@@ -87,15 +86,10 @@ def main() -> int:
     print("\n" + table + "\n\n" + curves)
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    stamp = datetime.now(timezone.utc)
-    out = Path(args.record_dir) / f"{args.tag}_{stamp:%Y%m%d_%H%M%S}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"# {args.tag}\n\n- date: {stamp:%Y-%m-%d %H:%M} UTC\n- hardware: "
-                   f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} x {device}\n"
-                   f"- torch: {torch.__version__}\n- commit: {commit()}\n- base flags: `{args.base}`\n"
-                   f"- commands: " + "; ".join(f"`{r['cmd']}`" for r in results) + "\n\n"
-                   + table + "\n\nLoss per step:\n\n" + curves + "\n")
-    print(f"record: {out}")
+    write_record(args.record_dir, args.tag, args.tag,
+                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} x {device}",
+                 {"base flags": f"`{args.base}`", "commands": "; ".join(f"`{r['cmd']}`" for r in results)},
+                 table + "\n\nLoss per step:\n\n" + curves)
     return 0 if all(r["rc"] == 0 for r in results) else 1
 
 

@@ -20,7 +20,6 @@ import argparse
 import os
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from record import commit  # noqa: E402  (benchmarks/record.py)
+from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
 def sync() -> None:
@@ -110,16 +109,12 @@ def main() -> int:
     table = "\n".join(rows)
     print(summary + "\n\n" + table, flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    stamp = datetime.now(timezone.utc)
-    out = Path(args.record_dir) / f"pipeline_bench_{args.config}_pp{d.pp}_{stamp:%Y%m%d_%H%M%S}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"# Pipeline throughput and idle: {args.config}\n\n- date: {stamp:%Y-%m-%d %H:%M} UTC\n"
-                   f"- hardware: {d.world_size} x {device}\n- torch: {torch.__version__}\n- commit: {commit()}\n"
-                   f"- command: `{' '.join(sys.argv)}` (flags: `{' '.join(flags)}`)\n"
-                   f"- method: {args.warmup} warm-up + {args.steps} timed steps, each between CUDA synchronisations; "
-                   "idle = CUDA-event time the compute stream waits on pipeline transfers\n\n"
-                   f"{summary}\n\n{table}\n")
-    print(f"record: {out}", flush=True)
+    write_record(args.record_dir, f"pipeline_bench_{args.config}_pp{d.pp}", f"Pipeline throughput and idle: {args.config}",
+                 f"{d.world_size} x {device}",
+                 {"flags": f"`{' '.join(flags)}`",
+                  "method": f"{args.warmup} warm-up + {args.steps} timed steps, each between CUDA synchronisations; "
+                            "idle = CUDA-event time the compute stream waits on pipeline transfers"},
+                 f"{summary}\n\n{table}")
     return 0
 
 

@@ -1,6 +1,8 @@
-"""What every benchmark record states about the code it measured."""
+"""What every benchmark record states about the code it measured, and the one way records are written."""
 import os
 import subprocess
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,3 +18,18 @@ def commit() -> str:
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def write_record(record_dir, name: str, title: str, hardware: str, facts: dict, body: str) -> Path:
+    """Write ``{record_dir}/{name}_{UTC stamp}.md``: the title, date, hardware, torch version, commit and
+    command, then ``facts`` (label: text) as more list items, then ``body``. Returns the path."""
+    import torch
+    stamp = datetime.now(timezone.utc)
+    path = Path(record_dir) / f"{name}_{stamp:%Y%m%d_%H%M%S}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = [f"# {title}", "", f"- date: {stamp:%Y-%m-%d %H:%M} UTC", f"- hardware: {hardware}",
+            f"- torch: {torch.__version__}", f"- commit: {commit()}", f"- command: `{' '.join(sys.argv)}`"]
+    head += [f"- {label}: {text}" for label, text in facts.items()]
+    path.write_text("\n".join(head) + "\n\n" + body.rstrip() + "\n")
+    print(f"record: {path}", flush=True)
+    return path

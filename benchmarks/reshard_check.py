@@ -16,14 +16,13 @@ import re
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from record import commit  # noqa: E402  (benchmarks/record.py)
+from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 LOSS = re.compile(r"lm loss: ([0-9.E+-]+) \|")
 ITERS, STOP = 8, 4
@@ -68,13 +67,8 @@ def main() -> int:
     table = "\n".join(lines) + f"\n\nlargest relative difference from the uninterrupted run: {worst:.2e}\n"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(table)
-    stamp = datetime.now(timezone.utc)
-    record = Path(args.record_dir) / f"reshard_check_{args.gpus}gpu_{stamp:%Y%m%d_%H%M%S}.md"
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(f"# Resharded resume on {args.gpus} GPUs\n\n- date: {stamp:%Y-%m-%d %H:%M} UTC\n"
-                      f"- hardware: {args.gpus} x {device}\n- torch: {torch.__version__}\n- commit: {commit()}\n"
-                      f"- command: `{' '.join(sys.argv)}`\n- model flags: `{' '.join(MODEL)}`\n\n{table}")
-    print(f"record: {record}")
+    write_record(args.record_dir, f"reshard_check_{args.gpus}gpu", f"Resharded resume on {args.gpus} GPUs",
+                 f"{args.gpus} x {device}", {"model flags": f"`{' '.join(MODEL)}`"}, table)
     return 0
 
 

@@ -17,14 +17,13 @@ import json
 import os
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from record import commit  # noqa: E402  (benchmarks/record.py)
+from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
 def sync():
@@ -124,16 +123,10 @@ def main() -> int:
                      + (f" error: {r['error']}" if "error" in r else ""))
     table = "\n".join(lines)
     print("\n" + table)
-    stamp = datetime.now(timezone.utc)
-    record = Path(args.record_dir) / f"train_throughput_{args.config}_{stamp:%Y%m%d_%H%M%S}.md"
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(
-        f"# Training throughput: {args.config}\n\n- date: {stamp:%Y-%m-%d %H:%M} UTC\n- hardware: {device}\n"
-        f"- torch: {torch.__version__}\n- commit: {commit()}\n- command: `{' '.join(sys.argv)}`\n"
-        f"- method: {args.warmup} warm-up + {args.steps} timed steps, CUDA-synchronised wall time; "
-        f"MFU by the Megatron FLOPs formula against 989 TFLOP/s (HF rows: peers.py's own FLOPs count)\n\n"
-        f"{table}\n")
-    print(f"record: {record}")
+    write_record(args.record_dir, f"train_throughput_{args.config}", f"Training throughput: {args.config}", device,
+                 {"method": f"{args.warmup} warm-up + {args.steps} timed steps, CUDA-synchronised wall time; MFU by "
+                            "the Megatron FLOPs formula against 989 TFLOP/s (HF rows: peers.py's own FLOPs count)"},
+                 table)
     return 0
 
 
