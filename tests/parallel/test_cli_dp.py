@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from tests.parallel.cli import run_pretrain
-from tests.parallel.test_data_parallel import pipeline_available
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERS = 4
@@ -44,7 +43,6 @@ def test_cli_dp2_logs_single_process_losses(single, tmp_path, extra):
     assert_losses_close(single, run_cli(2, extra, tmp_path))
 
 
-@pytest.mark.skipif(not pipeline_available(), reason="pipeline parallelism (PP > 1) is not available yet")
 def test_cli_tp2_pp2_dp2_logs_single_process_losses(single, tmp_path):
     extra = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     assert_losses_close(single, run_cli(8, extra, tmp_path))

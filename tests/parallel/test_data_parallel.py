@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratron.parallel.dims import ParallelDims
 from paratron.parallel.tensor import gather_full
 from tests.dist import run_ranks
 from tests.parallel.common import assert_close_runs, global_batches, micro_batches, tiny_config
@@ -304,15 +303,6 @@ def test_distributed_optimizer_state_memory_at_dp4(dp4):
 
 
 # ---- TP x PP x DP ------------------------------------------------------------------------------------
-def pipeline_available() -> bool:
-    from paratron.parallel.pipeline import get_forward_backward_func
-    try:
-        get_forward_backward_func(ParallelDims(pp=2))
-    except NotImplementedError:
-        return False
-    return True
-
-
 def _tp_pp_dp_rank(rank, world):
     from paratron.train.loop import build_dims
     faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test with every rank's stack
@@ -342,8 +332,6 @@ def merge_stages(runs: list[dict]) -> dict:
     return params
 
 
-@pytest.mark.skipif(not pipeline_available(), reason="pipeline parallelism (PP > 1) is not available yet: "
-                    "paratron.parallel.pipeline.get_forward_backward_func raises for pp > 1")
 def test_tp2_pp2_dp2_equals_single_rank(tmp_path, reference):
     ref = reference["gpt"]
     results = run_ranks(8, _tp_pp_dp_rank, tmp_dir=tmp_path)
