@@ -168,14 +168,17 @@ class PieceLoadPlanner(LoadPlanner):
 
     def __init__(self, pieces: list[Piece], where: str):
         self.where = where
-        self.targets: dict = {}
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # the same chunk wanted twice on a rank
+        # The same chunk may be wanted twice on a rank (a bf16 weight and its fp32 master from an fp32
+        # checkpoint): the widest dtype is read from storage and the others are copied from it.
+        wanted: dict = {}
         for p in pieces:
-            k = (p.key, tuple(p.offsets))
-            if k in self.targets:
-                self.copies.append((self.targets[k].tensor, p.tensor))
-            else:
-                self.targets[k] = p
+            wanted.setdefault((p.key, tuple(p.offsets)), []).append(p)
+        self.targets: dict = {}
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for k, ps in wanted.items():
+            ps.sort(key=lambda p: -p.tensor.element_size())
+            self.targets[k] = ps[0]
+            self.copies += [(ps[0].tensor, p.tensor) for p in ps[1:]]
 
     def set_up_planner(self, state_dict=None, metadata=None, is_coordinator: bool = False) -> None:
         self.metadata = metadata

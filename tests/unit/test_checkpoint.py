@@ -232,3 +232,16 @@ def test_a_per_rank_checkpoint_of_an_older_paratron_is_a_clear_error(tmp_path):
     (root / "latest_checkpointed_iteration.txt").write_text("3")
     with pytest.raises(sharded.CheckpointError, match="per-rank checkpoint .* older paratron"):
         Trainer(parse_args(TINY + ["--train-iters", "2", "--load", str(root)]))
+
+
+def test_fp32_checkpoint_gives_a_bf16_run_fp32_masters(tmp_path):
+    """The weights and the masters of a bf16 run both come from the fp32 tensor of the checkpoint:
+    the masters keep its full precision, the weights are its bf16 rounding."""
+    root = train_and_save(tmp_path, 2)
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    saved = sharded.load_full(root / "iter_0000002", [f"model.{name}"])[f"model.{name}"]
+    t = Trainer(parse_args(TINY + ["--train-iters", "6", "--load", str(root), "--bf16"]))
+    params = dict(t.model.module.named_parameters())
+    master = next(m for p, m in zip(t.optimizer.params, t.optimizer.masters) if p is params[name])
+    assert master.dtype == torch.float32 and torch.equal(master, saved)
+    assert torch.equal(params[name], saved.bfloat16())
