@@ -231,13 +231,16 @@ def _barrier(group) -> None:
         dist.barrier(group=group)
 
 
-def _save_files(pieces: list[Piece], path: Path, common: dict, group) -> None:
-    """DCP write of ``pieces`` into ``path`` (which exists); rank 0 also writes common.json."""
+def _write(root: Path, iteration: int, tmp: Path, pieces: list[Piece], common: dict, group, keep_last: int) -> Path:
+    """Everything after :func:`_prepare`: rank 0 writes common.json, every rank its chunks (DCP), then
+    :func:`_finish` publishes the checkpoint. Returns its directory."""
     if _rank(group) == 0:
-        write_text_atomic(path / COMMON, json.dumps(common, indent=1, sort_keys=True))
+        write_text_atomic(tmp / COMMON, json.dumps(dict(common, iteration=iteration), indent=1, sort_keys=True))
     with _quiet(group):
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True),
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True),
                  planner=PieceSavePlanner(pieces), process_group=_pg(group), no_dist=not _distributed(group))
+    _barrier(group)
+    return _finish(root, iteration, tmp, group, keep_last)
 
 
 def _finish(root: Path, iteration: int, tmp: Path, group, keep_last: int) -> Path:
@@ -288,10 +291,7 @@ def _prepare(root: Path, iteration: int, group) -> Path:
 def save(root: str | Path, iteration: int, pieces: list[Piece], common: dict, group=None, keep_last: int = 0) -> Path:
     """Save synchronously; every rank of ``group`` calls it with its own pieces. Returns the directory."""
     root = Path(root)
-    tmp = _prepare(root, iteration, group)
-    _save_files(pieces, tmp, dict(common, iteration=iteration), group)
-    _barrier(group)
-    return _finish(root, iteration, tmp, group, keep_last)
+    return _write(root, iteration, _prepare(root, iteration, group), pieces, common, group, keep_last)
 
 
 def stage_to_cpu(pieces: list[Piece], pinned: Optional[dict] = None) -> list[Piece]:
@@ -328,7 +328,7 @@ class AsyncSave:
         self.tmp = _prepare(self.root, iteration, group)
         self.error: Optional[BaseException] = None
         self.path: Optional[Path] = None
-        self._args = (dict(common, iteration=iteration), group, keep_last, on_done)
+        self._args = (common, group, keep_last, on_done)
         self.thread = threading.Thread(target=self._run, name=f"paratron-save-{iteration}", daemon=False)
         self.thread.start()
 
@@ -336,9 +336,7 @@ class AsyncSave:
         common, group, keep_last, on_done = self._args
         t0 = time.perf_counter()
         try:
-            _save_files(self.staged, self.tmp, common, group)
-            _barrier(group)
-            self.path = _finish(self.root, self.iteration, self.tmp, group, keep_last)
+            self.path = _write(self.root, self.iteration, self.tmp, self.staged, common, group, keep_last)
             if on_done is not None:
                 on_done(self.path, time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
