@@ -16,6 +16,7 @@ from paratron.checkpoint import hf_config as HC  # noqa: E402
 from paratron.checkpoint.hf_config import ConversionError  # noqa: E402
 from paratron.config import ModelConfig  # noqa: E402
 from paratron.model.gpt import GPTModel  # noqa: E402
+from tests.unit.test_hf_parity import randomize  # noqa: E402
 
 VOCAB, PADDED, TOL = 100, 128, 1e-5
 
@@ -52,21 +53,6 @@ HF_CASES = {
     "qwen2": ("qwen2", dict(_HF_LLAMA, tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(_HF_LLAMA, head_dim=16)),
 }
-
-
-def randomize(model: torch.nn.Module, seed: int = 0) -> None:
-    """Norm weights ~1+N(0, .2), biases ~N(0, .2), matrices ~N(0, 1/fan_in), embeddings ~N(0, .3)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if p.dim() == 1:
-                is_norm = any(k in name for k in ("norm", "ln_", "layernorm"))
-                p.copy_(1 + 0.2 * r if is_norm and name.endswith("weight") else 0.2 * r)
-            elif any(k in name for k in ("wte", "wpe", "embed")):
-                p.copy_(0.3 * r)
-            else:
-                p.copy_(r / p.shape[1] ** 0.5)
 
 
 def paratron_model(case: str):
