@@ -1,11 +1,16 @@
 """Where the time of one training step goes on the GPU: torch profiler over a few steps of the real
-Trainer, CUDA kernel time grouped by kind, plus the top kernels.
+Trainer; CUDA kernel time grouped by kind, the top kernels with their launches per step, and the
+time the GPU had no kernel running (from the union of kernel intervals, not a subtraction).
 
     python benchmarks/profile_step.py --config gpt-350m [extra flags...]
+
+With $OUT set, the full per-kernel table goes to $OUT/kernels_<config>.tsv (and the Chrome trace
+to $OUT/trace_<config>.json when PROFILE_TRACE=1).
 """
 import os
 import re
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -13,9 +18,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-KINDS = [("attention", r"flash|fmha|sdpa|cudnn|attention"), ("matmul", r"gemm|cutlass|sm90_xmma|nvjet|matmul|wgmma"),
-         ("optimizer", r"adam|foreach|multi_tensor"), ("cross-entropy", r"log_softmax|nll|cross_entropy|softmax"),
-         ("norm", r"layer_norm|rms_norm|norm"), ("nccl", r"nccl"), ("copy/cast", r"copy|cast|memcpy|memset|fill")]
+KINDS = [("attention", r"flash|fmha|sdpa|cudnn|attention"),
+         ("matmul", r"gemm|cutlass|sm90_xmma|nvjet|matmul|wgmma|cublas"),
+         ("optimizer", r"adam|foreach|multi_tensor"),
+         ("nccl", r"nccl"),
+         ("copy/cast", r"copy|cast|memcpy|memset|fill|cat"),
+         ("embedding", r"embedding|index|scatter|gather"),
+         ("triton reduction (norms, CE)", r"triton_(red|per)"),
+         ("triton pointwise", r"triton_poi"),
+         ("norm (aten)", r"layer_norm|rms_norm")]
 
 
 def kind_of(name: str) -> str:
@@ -23,7 +34,20 @@ def kind_of(name: str) -> str:
     for k, pat in KINDS:
         if re.search(pat, low):
             return k
-    return "elementwise/other"
+    return "other"
+
+
+def busy_us(intervals) -> float:
+    """Length of the union of [start, end) intervals (several streams may overlap)."""
+    total, end = 0.0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
 
 
 def main():
@@ -31,12 +55,12 @@ def main():
     from paratron.train.loop import Trainer
     args = sys.argv[1:]
     cfg = parse_args(["--train-iters", "100", "--eval-iters", "0", "--log-interval", "1000000", *args])
+    name = args[args.index("--config") + 1] if "--config" in args else "model"
     t = Trainer(cfg)
     for _ in range(4):
         t.train_step()
     torch.cuda.synchronize()
     steps = 3
-    import time
     wall = time.perf_counter()
     for _ in range(steps):
         t.train_step()
@@ -47,24 +71,37 @@ def main():
         for _ in range(steps):
             t.train_step()
         torch.cuda.synchronize()
-    totals, by_name = defaultdict(float), defaultdict(float)
+    totals, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    intervals = []
     for e in prof.events():  # kernels only (operator rows would count the same time twice)
         if e.device_type != torch.autograd.DeviceType.CUDA or "#" in e.name:  # '#': user annotations
             continue
         dev = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)
         totals[kind_of(e.name)] += dev
         by_name[e.name] += dev
+        count[e.name] += 1
+        start = e.time_range.start
+        intervals.append((start, start + dev))
     all_us = sum(totals.values())
-    print("\ntop kernels:")
-    for name, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:14]:
-        print(f"  {v / steps / 1000:8.2f} ms  {name[:110]}")
-    print(f"\nstep wall time {wall * 1000:.1f} ms; GPU kernel time per step: {all_us / steps / 1000:.1f} ms "
-          f"(GPU idle {100 * (1 - all_us / steps / 1e6 / wall):.0f} %)")
+    span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / steps if intervals else 0.0
+    busy = busy_us(intervals) / steps
+    print(f"\n== {name}: {' '.join(args)}")
+    print("top kernels (ms per step, launches per step):")
+    for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:40]:
+        print(f"  {v / steps / 1000:8.2f} ms {count[k] / steps:6.0f}x  {kind_of(k)[:12]:12s} {k[:120]}")
+    print(f"\nstep wall time {wall * 1000:.1f} ms (unprofiled); profiled span per step {span / 1000:.1f} ms, "
+          f"GPU busy {busy / 1000:.1f} ms -> idle {100 * (1 - busy / span):.1f} % of the span")
     for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"  {k:20s} {v / steps / 1000:8.2f} ms  {100 * v / all_us:5.1f} %")
+        print(f"  {k:30s} {v / steps / 1000:8.2f} ms  {100 * v / all_us:5.1f} %")
     out = os.environ.get("OUT")
     if out:
-        prof.export_chrome_trace(str(Path(out) / "trace.json"))
+        with open(Path(out) / f"kernels_{name}.tsv", "w") as f:
+            f.write("ms_per_step\tlaunches_per_step\tkind\tkernel\n")
+            for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]):
+                f.write(f"{v / steps / 1000:.4f}\t{count[k] / steps:.1f}\t{kind_of(k)}\t{k}\n")
+        if os.environ.get("PROFILE_TRACE"):
+            prof.export_chrome_trace(str(Path(out) / f"trace_{name}.json"))
+    t.close()
 
 
 if __name__ == "__main__":
