@@ -50,6 +50,17 @@ def busy_us(intervals) -> float:
     return total
 
 
+def largest_gaps(kernels, n=12):
+    """The n longest stretches with no kernel running: (gap us, kernel before, kernel after)."""
+    gaps, end, last = [], None, None
+    for s, e, name in sorted(kernels):
+        if end is not None and s > end:
+            gaps.append((s - end, last, name))
+        if end is None or e > end:
+            end, last = e, name
+    return sorted(gaps, reverse=True)[:n], sum(g for g, _, _ in gaps)
+
+
 def main():
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
@@ -81,10 +92,11 @@ def main():
         by_name[e.name] += dev
         count[e.name] += 1
         start = e.time_range.start
-        intervals.append((start, start + dev))
+        intervals.append((start, start + dev, e.name))
     all_us = sum(totals.values())
-    span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / steps if intervals else 0.0
-    busy = busy_us(intervals) / steps
+    span = (max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals)) / steps if intervals else 0.0
+    busy = busy_us([(s, e) for s, e, _ in intervals]) / steps
+    gaps, gap_total = largest_gaps(intervals)
     print(f"\n== {name}: {' '.join(args)}")
     print("top kernels (ms per step, launches per step):")
     for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:40]:
@@ -93,6 +105,9 @@ def main():
           f"GPU busy {busy / 1000:.1f} ms -> idle {100 * (1 - busy / span):.1f} % of the span")
     for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {k:30s} {v / steps / 1000:8.2f} ms  {100 * v / all_us:5.1f} %")
+    print(f"idle stretches: {gap_total / steps / 1000:.1f} ms per step in all; the longest over {steps} steps:")
+    for g, before, after in gaps:
+        print(f"  {g / 1000:7.2f} ms  after {before[:60]}  before {after[:60]}")
     out = os.environ.get("OUT")
     if out:
         with open(Path(out) / f"kernels_{name}.tsv", "w") as f:

@@ -199,12 +199,18 @@ def _ce_stats(logits: torch.Tensor, local: torch.Tensor, v: int):
     return m, sum_exp, picked
 
 
-def _ce_grad(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, g: torch.Tensor, v: int):
-    """d loss / d logits = (softmax - onehot(target)) * g, in the logits' dtype."""
+def _ce_grad(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, v: int):
+    """softmax - onehot(target) in the logits' dtype: d loss / d logits before the incoming per-token
+    gradient is applied."""
     p = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp()
     onehot = torch.nn.functional.one_hot(local.clamp(0, v - 1), v).to(p.dtype)
     inside = ((local >= 0) & (local < v)).to(p.dtype).unsqueeze(-1)
-    return ((p - onehot * inside) * g.unsqueeze(-1)).to(logits.dtype)
+    return (p - onehot * inside).to(logits.dtype)
+
+
+def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, v: int) -> None:
+    """``_ce_grad`` written over the logits (one read and one write of the chunk)."""
+    logits.copy_(_ce_grad(logits, lse, local, v))
 
 
 _compiled: dict = {}
@@ -220,21 +226,28 @@ def _kernel(fn, x: torch.Tensor):
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Output layer and cross-entropy in chunks of tokens: the [tokens, vocab] logits exist one chunk
-    at a time (never in fp32 for the whole batch); backward recomputes each chunk's logits. Over a
-    TP group the vocabulary is split and only per-token scalars (max, sum of exp, target logit)
-    are reduced, as in the vocab-parallel cross-entropy."""
+    """Output layer and cross-entropy in chunks of tokens, so the fp32 logits of the batch never exist.
+
+    Forward writes each chunk's logits (in the input dtype) into one [tokens, vocab] buffer, reduces
+    them to per-token statistics and overwrites them with softmax - onehot(target). As the incoming
+    gradient g is one scalar per token, backward is then just two matmuls:
+    d/dx = g * (D @ W) and d/dW = D^T @ (g * x). With ``keep=False`` (a buffer that would be too large)
+    nothing is kept and backward recomputes each chunk's logits (one more matmul over the vocabulary).
+    Over a TP group the vocabulary is split and only per-token scalars (max, sum of exp, target
+    logit) are reduced, as in the vocab-parallel cross-entropy."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, vocab_start, group, chunk):
+    def forward(ctx, x, weight, target, vocab_start, group, chunk, keep):
         n, v = x.size(0), weight.size(0)
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp16 inputs
         lse = torch.empty(n, dtype=acc, device=x.device)
         picked = torch.empty(n, dtype=acc, device=x.device)
-        stats = _kernel(_ce_stats, x)
+        d = torch.empty(n, v, dtype=x.dtype, device=x.device) if keep else None
+        stats, grad_ = _kernel(_ce_stats, x), _kernel(_ce_grad_, x)
         for i in range(0, n, chunk):
             local = target[i:i + chunk] - vocab_start
-            m, sum_exp, t = stats(x[i:i + chunk] @ weight.t(), local, v)
+            logits = torch.mm(x[i:i + chunk], weight.t(), out=d[i:i + chunk]) if keep else x[i:i + chunk] @ weight.t()
+            m, sum_exp, t = stats(logits, local, v)
             m, sum_exp, t = m.to(acc), sum_exp.to(acc), t.to(acc)
             if comm.group_size(group) > 1:  # combine the per-rank statistics of the vocabulary shards
                 gm = m.clone()
@@ -245,33 +258,41 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 comm.all_reduce(t, group)
             lse[i:i + chunk] = m + sum_exp.log()
             picked[i:i + chunk] = t
-        ctx.save_for_backward(x, weight, target, lse)
+            if keep:
+                grad_(logits, lse[i:i + chunk], local, v)
+        ctx.save_for_backward(x, weight, target, lse, d)
         ctx.vocab_start, ctx.chunk = vocab_start, chunk
         return lse - picked
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, target, lse = ctx.saved_tensors
+        x, weight, target, lse, d = ctx.saved_tensors
+        g = g.unsqueeze(-1)
+        if d is not None:
+            gx = (d @ weight * g).to(x.dtype)
+            return gx, d.t() @ (x * g).to(x.dtype), None, None, None, None, None
         n, v, chunk = x.size(0), weight.size(0), ctx.chunk
         gx = torch.empty_like(x)
         gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
         grad = _kernel(_ce_grad, x)
         for i in range(0, n, chunk):
-            xc = x[i:i + chunk]
-            local = target[i:i + chunk] - ctx.vocab_start
-            d = grad(xc @ weight.t(), lse[i:i + chunk], local, g[i:i + chunk].to(lse.dtype), v)
-            gx[i:i + chunk] = d @ weight
-            gw += d.t() @ xc
-        return gx, gw.to(weight.dtype), None, None, None, None
+            xc, gc = x[i:i + chunk], g[i:i + chunk]
+            dc = grad(xc @ weight.t(), lse[i:i + chunk], target[i:i + chunk] - ctx.vocab_start, v)
+            gx[i:i + chunk] = dc @ weight * gc
+            gw += dc.t() @ (xc * gc).to(x.dtype)
+        return gx, gw.to(weight.dtype), None, None, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tp_group=None,
-                         chunk_bytes: int = 2**28) -> torch.Tensor:
+                         chunk_bytes: int = 2**28, keep_bytes: int = 2**33) -> torch.Tensor:
     """Per-token cross-entropy of ``x @ weight.T`` (``weight``: this rank's vocabulary rows) without
-    materialising the logits of all tokens; ``x`` [..., h], ``target`` [...]. Equal to
-    ``vocab_parallel_cross_entropy(F.linear(x, weight), target)`` up to rounding."""
+    materialising fp32 logits of all tokens; ``x`` [..., h], ``target`` [...]. Equal to
+    ``vocab_parallel_cross_entropy(F.linear(x, weight), target)`` up to rounding. ``chunk_bytes``
+    bounds the fp32 temporaries of one chunk (eager); the gradient buffer (tokens x vocabulary in
+    the input dtype) is kept for backward when it fits in ``keep_bytes``, else recomputed."""
     shape = target.shape
     xf, tf = x.reshape(-1, x.size(-1)), target.reshape(-1)
     chunk = max(1, chunk_bytes // (4 * weight.size(0)))
     vocab_start = comm.group_rank(tp_group) * weight.size(0)
-    return _LinearCrossEntropy.apply(xf, weight, tf, vocab_start, tp_group, chunk).view(shape)
+    keep = xf.size(0) * weight.size(0) * xf.element_size() <= keep_bytes
+    return _LinearCrossEntropy.apply(xf, weight, tf, vocab_start, tp_group, chunk, keep).view(shape)

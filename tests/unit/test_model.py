@@ -167,7 +167,8 @@ def test_fused_output_loss_equals_logits_path(kw):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), n
 
 
-def test_linear_cross_entropy_chunks_and_bf16():
+@pytest.mark.parametrize("keep_bytes", [2**33, 0], ids=["kept-gradient", "recomputed-logits"])
+def test_linear_cross_entropy_chunks_and_bf16(keep_bytes):
     from paratron.parallel.tensor import linear_cross_entropy
     torch.manual_seed(0)
     x = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
@@ -178,9 +179,13 @@ def test_linear_cross_entropy_chunks_and_bf16():
     (ref * g).sum().backward()
     gx, gw = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
-    got = linear_cross_entropy(x, w, t, chunk_bytes=4 * 50 * 5)  # chunks of 5 tokens
+    got = linear_cross_entropy(x, w, t, chunk_bytes=4 * 50 * 5, keep_bytes=keep_bytes)  # chunks of 5 tokens
     (got * g).sum().backward()
     assert torch.allclose(got.double(), ref) and torch.allclose(x.grad, gx) and torch.allclose(w.grad, gw)
     xb, wb = x.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
-    lb = linear_cross_entropy(xb, wb, t)
+    lb = linear_cross_entropy(xb, wb, t, keep_bytes=keep_bytes)
     assert lb.dtype == torch.float32 and (lb.double() - ref).abs().max() < 0.5
+    (lb * g).sum().backward()
+    for got_grad, want in ((xb.grad, gx), (wb.grad, gw)):
+        assert got_grad.dtype == torch.bfloat16
+        assert (got_grad.double() - want).norm() / want.norm() < 0.05
