@@ -50,15 +50,18 @@ def busy_us(intervals) -> float:
     return total
 
 
-def largest_gaps(kernels, n=12):
-    """The n longest stretches with no kernel running: (gap us, kernel before, kernel after)."""
-    gaps, end, last = [], None, None
+def idle_by_neighbours(kernels, n=12):
+    """Stretches with no kernel running, summed by (kernel before, kernel after): the n largest
+    totals as (total us, count, before, after), and the idle total."""
+    by_pair, end, last = defaultdict(lambda: [0.0, 0]), None, None
     for s, e, name in sorted(kernels):
         if end is not None and s > end:
-            gaps.append((s - end, last, name))
+            by_pair[(last[:70], name[:70])][0] += s - end
+            by_pair[(last[:70], name[:70])][1] += 1
         if end is None or e > end:
             end, last = e, name
-    return sorted(gaps, reverse=True)[:n], sum(g for g, _, _ in gaps)
+    rows = sorted(((t, c, b, a) for (b, a), (t, c) in by_pair.items()), reverse=True)
+    return rows[:n], sum(r[0] for r in rows)
 
 
 def main():
@@ -96,7 +99,7 @@ def main():
     all_us = sum(totals.values())
     span = (max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals)) / steps if intervals else 0.0
     busy = busy_us([(s, e) for s, e, _ in intervals]) / steps
-    gaps, gap_total = largest_gaps(intervals)
+    gaps, gap_total = idle_by_neighbours(intervals)
     print(f"\n== {name}: {' '.join(args)}")
     print("top kernels (ms per step, launches per step):")
     for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:40]:
@@ -105,9 +108,9 @@ def main():
           f"GPU busy {busy / 1000:.1f} ms -> idle {100 * (1 - busy / span):.1f} % of the span")
     for k, v in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {k:30s} {v / steps / 1000:8.2f} ms  {100 * v / all_us:5.1f} %")
-    print(f"idle stretches: {gap_total / steps / 1000:.1f} ms per step in all; the longest over {steps} steps:")
-    for g, before, after in gaps:
-        print(f"  {g / 1000:7.2f} ms  after {before[:60]}  before {after[:60]}")
+    print(f"idle: {gap_total / steps / 1000:.1f} ms per step; by the kernels around it (ms per step, stretches):")
+    for g, c, before, after in gaps:
+        print(f"  {g / steps / 1000:6.2f} ms {c / steps:5.0f}x  after {before}  before {after}")
     out = os.environ.get("OUT")
     if out:
         with open(Path(out) / f"kernels_{name}.tsv", "w") as f:
