@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
+from .kernels import swiglu
 
 
 @dataclass
@@ -141,8 +142,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h)
         else:
             h = F.gelu(h, approximate=self.approx)
         return self.linear_fc2(h)

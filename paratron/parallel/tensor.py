@@ -221,7 +221,7 @@ def _kernel(fn, x: torch.Tensor):
     if not x.is_cuda:
         return fn
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False)
+        _compiled[fn] = torch.compile(fn, dynamic=False, options={"coordinate_descent_tuning": True})
     return _compiled[fn]
 
 

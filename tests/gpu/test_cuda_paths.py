@@ -1,6 +1,7 @@
 """CUDA-only paths, run on the device machine (skipped without a GPU): the fused optimizer step with
-clipping folded into the kernel against the CPU path, and a sharded checkpoint of CUDA tensors
-saved, resharded nowhere, loaded and continued."""
+clipping folded into the kernel against the CPU path, a sharded checkpoint of CUDA tensors
+saved, resharded nowhere, loaded and continued, and the Triton SwiGLU kernel (eager and inside a
+compiled region) against the torch expression."""
 from __future__ import annotations
 
 import pytest
@@ -74,3 +75,21 @@ def test_cuda_checkpoint_resumes_with_the_same_losses(tmp_path):
     got += losses(second, 3)
     for a, b in zip(straight, got):
         assert abs(a - b) <= 1e-3 * abs(a), (straight, got)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_swiglu_kernel_matches_torch(compiled):
+    from paratron.model.kernels import swiglu, swiglu_reference
+    torch.manual_seed(0)
+    fn = torch.compile(lambda t: swiglu(t) * 2.0) if compiled else (lambda t: swiglu(t) * 2.0)
+    for shape in ((2048, 4, 2 * 8192), (3, 5, 2 * 1000)):
+        h = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(*shape[:-1], shape[-1] // 2, device="cuda", dtype=torch.bfloat16)
+        out = fn(h)
+        out.backward(g)
+        ref_h = h.detach().double().requires_grad_()
+        ref = swiglu_reference(ref_h) * 2.0
+        ref.backward(g.double())
+        for got, want in ((out, ref), (h.grad, ref_h.grad)):
+            assert got.dtype == torch.bfloat16
+            assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
