@@ -5,7 +5,7 @@ time the GPU had no kernel running (from the union of kernel intervals, not a su
     python benchmarks/profile_step.py --config gpt-350m [extra flags...]
 
 With $OUT set, the full per-kernel table goes to $OUT/kernels_<config>.tsv (and the Chrome trace
-to $OUT/trace_<config>.json when PROFILE_TRACE=1).
+to $OUT/trace_<config>.json when PROFILE_TRACE=1; PROFILE_STEPS=N profiles N steps, default 3).
 """
 import os
 import re
@@ -74,7 +74,7 @@ def main():
     for _ in range(4):
         t.train_step()
     torch.cuda.synchronize()
-    steps = 3
+    steps = int(os.environ.get("PROFILE_STEPS", "3"))
     wall = time.perf_counter()
     for _ in range(steps):
         t.train_step()
