@@ -1,0 +1,93 @@
+"""TFLOP/s of every matmul of a preset's training step, timed alone on the GPU: for each linear
+layer its forward (x @ W^T), input gradient (dy @ W) and weight gradient (dy^T @ x), with the
+operand layouts the step uses and, for the weight gradient, the transposed formulation
+((x^T @ dy)^T), so a slow cuBLAS choice shows up. Median of CUDA-event timings over fresh random
+operands (several sets rotated so no run reads from a warm L2).
+
+    python benchmarks/matmul_shapes.py --config llama-1b --tokens 32768
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def shapes(preset: str) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of the linear layers of one transformer layer + output."""
+    from paratron.config import parse_args
+    cfg = parse_args(["--config", preset])
+    m = cfg.model
+    m.fill_defaults()
+    h, f, d = m.hidden_size, m.ffn_hidden_size, m.kv_channels
+    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d
+    return [("qkv", h, qkv), ("proj", m.num_attention_heads * d, h), ("fc1", h, f * (2 if m.swiglu else 1)),
+            ("fc2", f, h), ("output", h, cfg.padded_vocab_size)]
+
+
+def time_ms(fn, operand_sets, reps: int = 20) -> float:
+    for ops in operand_sets[:2]:
+        fn(*ops)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        ops = operand_sets[i % len(operand_sets)]
+        starts[i].record()
+        fn(*ops)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[reps // 2]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="llama-1b")
+    p.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch (micro-batch x sequence)")
+    p.add_argument("--sets", type=int, default=3)
+    p.add_argument("--blas", choices=["cublas", "cublaslt"], default=None, help="torch's preferred BLAS library")
+    args = p.parse_args()
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    dev, dt, n = "cuda", torch.bfloat16, args.tokens
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; {args.config}, {n} tokens; "
+          f"BLAS {torch.backends.cuda.preferred_blas_library()}")
+    a = torch.randn(8192, 8192, device=dev, dtype=dt)
+    b = torch.randn(8192, 8192, device=dev, dtype=dt)
+    ms = time_ms(torch.mm, [(a, b)])
+    print(f"reference 8192^3 matmul: {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s")
+    print(f"{'layer':8s} {'what':22s} {'M x K x N':>22s} {'ms':>8s} {'TFLOP/s':>8s}")
+    total_ms = 0.0
+    for name, fin, fout in shapes(args.config):
+        sets = [(torch.randn(n, fin, device=dev, dtype=dt), torch.randn(fout, fin, device=dev, dtype=dt),
+                 torch.randn(n, fout, device=dev, dtype=dt)) for _ in range(args.sets)]
+        cases = [("forward x@W^T", lambda x, w, dy: x @ w.t(), (n, fin, fout)),
+                 ("input grad dy@W", lambda x, w, dy: dy @ w, (n, fout, fin)),
+                 ("weight grad dy^T@x", lambda x, w, dy: dy.t() @ x, (fout, n, fin)),
+                 ("weight grad (x^T@dy)^T", lambda x, w, dy: (x.t() @ dy).t(), (fin, n, fout))]
+        best_wgrad = None
+        for what, fn, (mm, kk, nn) in cases:
+            ms = time_ms(fn, sets)
+            tflops = 2 * mm * kk * nn / ms / 1e9
+            print(f"{name:8s} {what:22s} {f'{mm}x{kk}x{nn}':>22s} {ms:8.3f} {tflops:8.0f}")
+            if what.startswith("weight"):
+                best_wgrad = ms if best_wgrad is None else min(best_wgrad, ms)
+            else:
+                total_ms += ms
+        total_ms += best_wgrad
+        if name == "output":  # the fused cross-entropy's forward runs in chunks of tokens
+            chunk = max(1, 2**28 // (4 * fout))
+            ms = time_ms(lambda x, w, dy: x[:chunk] @ w.t(), sets)
+            print(f"{name:8s} {'forward, one CE chunk':22s} {f'{chunk}x{fin}x{fout}':>22s} {ms:8.3f} "
+                  f"{2 * chunk * fin * fout / ms / 1e9:8.0f}")
+        del sets
+        torch.cuda.empty_cache()
+    print(f"sum over one layer + output layer (best weight-grad form): {total_ms:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
