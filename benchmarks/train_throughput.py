@@ -89,12 +89,16 @@ def main() -> int:
     p.add_argument("--hf-eager", action="store_true", help="also run HF transformers eager")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set torch._inductor.config.KEY (an experiment knob, e.g. coordinate_descent_tuning=True)")
+    p.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
+                   help="torch.backends.cuda.preferred_blas_library for the paratron variants (experiment)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     for kv in args.inductor:
         import torch._inductor.config as ic
         key, value = kv.split("=", 1)
         ic.__setattr__(key, {"True": True, "False": False}.get(value, value))
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     variants = [v.split(":", 1) if ":" in v else (v, "") for v in args.variant] or [("default", "")]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"torch {torch.__version__} on {device}; preset {args.config}", flush=True)
@@ -131,6 +135,7 @@ def main() -> int:
     print("\n" + table)
     write_record(args.record_dir, f"train_throughput_{args.config}", f"Training throughput: {args.config}", device,
                  {"inductor settings": " ".join(args.inductor) or "defaults",
+                  "BLAS": args.blas or "torch default",
                   "method": f"{args.warmup} warm-up + {args.steps} timed steps, CUDA-synchronised wall time; MFU by "
                             "the Megatron FLOPs formula against 989 TFLOP/s (HF rows: peers.py's own FLOPs count)"},
                  table)

@@ -139,13 +139,14 @@ class MLP(nn.Module):
                                             sequence_parallel=par.sequence_parallel, init_method=output_init(cfg),
                                             device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``residual`` is added to the output (by fc2's matmul where it can)."""
         h = self.linear_fc1(x)
         if self.swiglu:
             h = swiglu(h)
         else:
             h = F.gelu(h, approximate=self.approx)
-        return self.linear_fc2(h)
+        return self.linear_fc2(h, residual)
 
 
 class Attention(nn.Module):

@@ -34,6 +34,8 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, mask))
+        if not self.training or self.p == 0.0:  # no dropout: the MLP's last matmul adds the residual
+            return self.mlp(self.pre_mlp_layernorm(x), residual=x)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
