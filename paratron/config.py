@@ -45,6 +45,8 @@ class ModelConfig:
     swiglu: bool = False
     openai_gelu: bool = False  # tanh-approximate GeLU (GPT-2's "gelu_new")
     qk_layernorm: bool = False
+    no_bias_swiglu_fusion: bool = False  # SwiGLU as torch ops instead of paratron's Triton kernel (CUDA)
+    no_bias_dropout_fusion: bool = False  # add the residual after fc2 instead of as fc2's matmul operand
     disable_bias_linear: bool = False
     add_qkv_bias: bool = False  # keep QKV bias even with --disable-bias-linear (Qwen2)
     untie_embeddings_and_output_weights: bool = False
@@ -216,7 +218,7 @@ UNSUPPORTED_MEGATRON_FLAGS = {
 # Megatron flags that are accepted for compatibility and have no effect in paratron (the behaviour
 # they select is the only one paratron has).
 ACCEPTED_NO_OP_FLAGS = {"use_mcore_models", "no_masked_softmax_fusion", "no_bias_gelu_fusion",
-                        "no_bias_dropout_fusion", "no_gradient_accumulation_fusion", "use_dist_ckpt",
+                        "no_gradient_accumulation_fusion", "use_dist_ckpt",
                         "ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_assume_constant_structure"}
 
 

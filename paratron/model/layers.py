@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
-from .kernels import swiglu
+from .kernels import swiglu, swiglu_reference
 
 
 @dataclass
@@ -130,6 +130,7 @@ class MLP(nn.Module):
         super().__init__()
         bias = not cfg.disable_bias_linear
         self.swiglu, self.approx = cfg.swiglu, ("tanh" if cfg.openai_gelu else "none")
+        self.swiglu_kernel = not cfg.no_bias_swiglu_fusion
         width = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=par.tp_group, bias=bias,
                                                sequence_parallel=par.sequence_parallel,
@@ -143,7 +144,7 @@ class MLP(nn.Module):
         """``residual`` is added to the output (by fc2's matmul where it can)."""
         h = self.linear_fc1(x)
         if self.swiglu:
-            h = swiglu(h)
+            h = swiglu(h) if self.swiglu_kernel else swiglu_reference(h)
         else:
             h = F.gelu(h, approximate=self.approx)
         return self.linear_fc2(h, residual)

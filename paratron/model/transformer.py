@@ -18,6 +18,7 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
         super().__init__()
         self.par, self.p = par, cfg.hidden_dropout
+        self.fuse_residual = not cfg.no_bias_dropout_fusion
         sp = par.sequence_parallel
         self.input_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp, device, dtype)
         self.self_attention = Attention(cfg, par, device, dtype)
@@ -34,7 +35,7 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, mask))
-        if not self.training or self.p == 0.0:  # no dropout: the MLP's last matmul adds the residual
+        if self.fuse_residual and (not self.training or self.p == 0.0):  # fc2's matmul adds the residual
             return self.mlp(self.pre_mlp_layernorm(x), residual=x)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
 

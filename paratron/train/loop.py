@@ -50,7 +50,8 @@ def use_expandable_segments() -> None:
     sizes, which fragment when micro-batches are large (the user's PYTORCH_CUDA_ALLOC_CONF wins)."""
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+              or getattr(torch.cuda.memory, "_set_allocator_settings", None))
     if setter is not None:
         setter("expandable_segments:True")
 

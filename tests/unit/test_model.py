@@ -167,6 +167,32 @@ def test_fused_output_loss_equals_logits_path(kw):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), n
 
 
+@pytest.mark.parametrize("kw", [{}, LLAMA], ids=["gpt", "llama"])
+def test_residual_inside_fc2_equals_the_separate_add(kw):
+    """Without dropout fc2 adds the residual as its matmul's C operand (bias-free layers); with
+    --no-bias-dropout-fusion it is a separate add. Same loss and gradients either way."""
+    torch.manual_seed(0)
+    a = GPTModel(tiny(**kw), 128)
+    b = GPTModel(tiny(**kw, no_bias_dropout_fusion=True), 128)
+    b.load_state_dict(a.state_dict())
+    assert a.decoder.layers[0].fuse_residual and not b.decoder.layers[0].fuse_residual
+    seen = []  # the fused path really runs addmm on the bias-free (Llama) layers
+    real_addmm = torch.addmm
+    torch.addmm = lambda *args, **kwargs: seen.append(1) or real_addmm(*args, **kwargs)
+    try:
+        ids = torch.randint(0, 128, (3, 16))
+        la = a(ids, labels=ids)
+    finally:
+        torch.addmm = real_addmm
+    assert len(seen) == (2 if kw else 0)
+    lb = b(ids, labels=ids)
+    assert torch.allclose(la, lb, atol=1e-5)
+    la.sum().backward()
+    lb.sum().backward()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), n
+
+
 @pytest.mark.parametrize("keep_bytes", [2**33, 0], ids=["kept-gradient", "recomputed-logits"])
 def test_linear_cross_entropy_chunks_and_bf16(keep_bytes):
     from paratron.parallel.tensor import linear_cross_entropy
