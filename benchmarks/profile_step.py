@@ -1,14 +1,17 @@
 """Where the time of one training step goes on the GPU: torch profiler over a few steps of the real
 Trainer; CUDA kernel time grouped by kind, the top kernels with their launches per step, and the
-time the GPU had no kernel running (from the union of kernel intervals, not a subtraction).
+time the GPU had no kernel running, all from the device timestamps in the profiler's Chrome trace
+(the union of kernel, memset and memcpy intervals; not a subtraction).
 
     python benchmarks/profile_step.py --config gpt-350m [extra flags...]
 
 With $OUT set, the full per-kernel table goes to $OUT/kernels_<config>.tsv (and the Chrome trace
 to $OUT/trace_<config>.json when PROFILE_TRACE=1; PROFILE_STEPS=N profiles N steps, default 3).
 """
+import json
 import os
 import re
+import tempfile
 import sys
 import time
 from collections import defaultdict
@@ -64,6 +67,15 @@ def idle_by_neighbours(kernels, n=12):
     return rows[:n], sum(r[0] for r in rows)
 
 
+def trace_kernels(path) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every kernel, memset and memcpy on the GPU in a Chrome trace
+    written by torch.profiler (the device's own timestamps)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)
+
+
 def main():
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
@@ -85,17 +97,16 @@ def main():
         for _ in range(steps):
             t.train_step()
         torch.cuda.synchronize()
+    trace = Path(os.environ.get("OUT") or tempfile.mkdtemp()) / f"trace_{name}.json"
+    prof.export_chrome_trace(str(trace))
+    intervals = trace_kernels(trace)
+    if not os.environ.get("PROFILE_TRACE"):
+        trace.unlink()
     totals, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
-    intervals = []
-    for e in prof.events():  # kernels only (operator rows would count the same time twice)
-        if e.device_type != torch.autograd.DeviceType.CUDA or "#" in e.name:  # '#': user annotations
-            continue
-        dev = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)
-        totals[kind_of(e.name)] += dev
-        by_name[e.name] += dev
-        count[e.name] += 1
-        start = e.time_range.start
-        intervals.append((start, start + dev, e.name))
+    for start, end, kname in intervals:
+        totals[kind_of(kname)] += end - start
+        by_name[kname] += end - start
+        count[kname] += 1
     all_us = sum(totals.values())
     span = (max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals)) / steps if intervals else 0.0
     busy = busy_us([(s, e) for s, e, _ in intervals]) / steps
@@ -117,8 +128,6 @@ def main():
             f.write("ms_per_step\tlaunches_per_step\tkind\tkernel\n")
             for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]):
                 f.write(f"{v / steps / 1000:.4f}\t{count[k] / steps:.1f}\t{kind_of(k)}\t{k}\n")
-        if os.environ.get("PROFILE_TRACE"):
-            prof.export_chrome_trace(str(Path(out) / f"trace_{name}.json"))
     t.close()
 
 
