@@ -97,11 +97,11 @@ def main():
         for _ in range(steps):
             t.train_step()
         torch.cuda.synchronize()
-    trace = Path(os.environ.get("OUT") or tempfile.mkdtemp()) / f"trace_{name}.json"
-    prof.export_chrome_trace(str(trace))
-    intervals = trace_kernels(trace)
-    if not os.environ.get("PROFILE_TRACE"):
-        trace.unlink()
+    with tempfile.TemporaryDirectory() as tmp:  # the trace is kept only with PROFILE_TRACE=1 and $OUT
+        keep = os.environ.get("PROFILE_TRACE") and os.environ.get("OUT")
+        trace = Path(os.environ["OUT"] if keep else tmp) / f"trace_{name}.json"
+        prof.export_chrome_trace(str(trace))
+        intervals = trace_kernels(trace)
     totals, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
     for start, end, kname in intervals:
         totals[kind_of(kname)] += end - start
