@@ -351,6 +351,15 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+def _bool_value(text: str) -> bool:
+    low = text.lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         raise ConfigError(message)
@@ -364,8 +373,9 @@ def build_parser(prog: str = "paratron train") -> argparse.ArgumentParser:
         group = p.add_argument_group(sec)
         for f in dataclasses.fields(cls):
             tp = _base_type(FIELD_TYPES[f.name])
-            if tp is bool:
-                group.add_argument(flag(f.name), dest=f.name, action="store_true")
+            if tp is bool:  # `--bf16` as Megatron's; `--bf16 false` turns off what a YAML file set
+                group.add_argument(flag(f.name), dest=f.name, nargs="?", const=True, type=_bool_value,
+                                   metavar="true|false")
             elif f.name == "rampup_batch_size":
                 group.add_argument(flag(f.name), dest=f.name, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
             elif tp is list:
@@ -537,6 +547,7 @@ def reference_markdown() -> str:
     lines = ["# Configuration reference", "",
              "Generated from `paratron/config.py` by `python tools/gen_config_docs.py`. Every field is a",
              "command-line flag (`--hidden-size`) and a YAML key (`hidden_size`), with Megatron-LM's name.",
+             "A boolean flag alone sets it (`--bf16`); `--bf16 false` turns off what a YAML file or preset set.",
              ""]
     for sec, cls in SECTIONS.items():
         lines += [f"## {sec}", "", "| flag | type | default |", "|---|---|---|"]

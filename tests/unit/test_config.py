@@ -106,3 +106,14 @@ def test_docs_config_reference_is_current():
 def test_data_path_on_the_command_line_replaces_preset_mock_data():
     cfg = parse_args(["--config", "tiny", "--data-path", "some/prefix"])
     assert not cfg.data.mock_data and cfg.data.data_path == ["some/prefix"]
+
+
+def test_boolean_flag_takes_an_optional_value_to_turn_off_a_yaml_setting():
+    from paratron.config import ConfigError, parse_args
+    assert parse_args(["--config", "llama-1b"]).train.bf16 is True
+    assert parse_args(["--config", "llama-1b", "--bf16", "false"]).train.bf16 is False
+    assert parse_args(["--config", "llama-1b", "--bf16=off"]).train.bf16 is False
+    cfg = parse_args(["--config", "tiny", "--bf16", "--train-iters", "3"])  # Megatron's bare form
+    assert cfg.train.bf16 is True and cfg.train.train_iters == 3
+    with pytest.raises(ConfigError, match="expected true or false"):
+        parse_args(["--config", "tiny", "--bf16", "maybe"])
