@@ -78,7 +78,7 @@ def main() -> int:
             else:
                 total_ms += ms
         total_ms += best_wgrad
-        if name == "output":  # the fused cross-entropy's forward runs in chunks of tokens
+        if name == "output":  # the cross-entropy's chunk when it recomputes (eager/CPU, or an over-large buffer)
             chunk = max(1, 2**28 // (4 * fout))
             ms = time_ms(lambda x, w, dy: x[:chunk] @ w.t(), sets)
             print(f"{name:8s} {'forward, one CE chunk':22s} {f'{chunk}x{fin}x{fout}':>22s} {ms:8.3f} "

@@ -1,7 +1,7 @@
 """Where the time of one training step goes on the GPU: torch profiler over a few steps of the real
 Trainer; CUDA kernel time grouped by kind, the top kernels with their launches per step, and the
 time the GPU had no kernel running, all from the device timestamps in the profiler's Chrome trace
-(the union of kernel, memset and memcpy intervals; not a subtraction).
+(the stretches covered by no kernel, memset or memcpy).
 
     python benchmarks/profile_step.py --config gpt-350m [extra flags...]
 
@@ -38,19 +38,6 @@ def kind_of(name: str) -> str:
         if re.search(pat, low):
             return k
     return "other"
-
-
-def busy_us(intervals) -> float:
-    """Length of the union of [start, end) intervals (several streams may overlap)."""
-    total, end = 0.0, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
 
 
 def idle_by_neighbours(kernels, n=12):
@@ -109,8 +96,8 @@ def main():
         count[kname] += 1
     all_us = sum(totals.values())
     span = (max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals)) / steps if intervals else 0.0
-    busy = busy_us([(s, e) for s, e, _ in intervals]) / steps
     gaps, gap_total = idle_by_neighbours(intervals)
+    busy = span - gap_total / steps
     print(f"\n== {name}: {' '.join(args)}")
     print("top kernels (ms per step, launches per step):")
     for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:40]:

@@ -25,8 +25,11 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp, device, dtype)
         self.mlp = MLP(cfg, par, device, dtype)
 
+    def _dropout_off(self) -> bool:
+        return not self.training or self.p == 0.0
+
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
+        if self._dropout_off():
             return x
         if self.par.sequence_parallel:  # sequence-sharded: each rank draws its own mask
             with self.par.fork():
@@ -35,7 +38,7 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, mask))
-        if self.fuse_residual and (not self.training or self.p == 0.0):  # fc2's matmul adds the residual
+        if self.fuse_residual and self._dropout_off():  # fc2's matmul adds the residual
             return self.mlp(self.pre_mlp_layernorm(x), residual=x)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
 

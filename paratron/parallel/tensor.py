@@ -117,11 +117,11 @@ class RowParallelLinear(nn.Module):
                 out = torch.addmm(residual.reshape(-1, self.out_features), x.reshape(-1, x.size(-1)), self.weight.t())
                 return out.view(residual.shape)
             y = F.linear(x, self.weight, self.bias)
-            return y if residual is None else residual + y
-        y = F.linear(x, self.weight)
-        y = comm.reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else comm.reduce_from_tp(
-            y, self.tp_group)
-        y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(x, self.weight)
+            y = comm.reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else comm.reduce_from_tp(
+                y, self.tp_group)
+            y = y if self.bias is None else y + self.bias
         return y if residual is None else residual + y
 
     def extra_repr(self) -> str:
