@@ -2,8 +2,8 @@
 
 A :class:`Piece` is one rectangular chunk of a *global* tensor (the shape the tensor has in the
 one-rank model) that this rank holds: its name, the global shape, its offsets there, and a view of
-the local storage. :func:`flat_pieces` cuts a tensor-parallel shard, or a flat range of one (the
-distributed optimizer's shard), into such rectangles. The planners hand DCP exactly these chunks:
+the local storage. :func:`flat_pieces` cuts a rank's part of a parameter (laid out by its ShardSpec), or a flat
+range of one (the distributed optimizer's shard), into such rectangles. The planners hand DCP exactly these chunks:
 on save each distinct chunk is written once; on load DCP reads whichever saved chunks overlap the
 chunks asked for, which is how a checkpoint reshards. :class:`SafeReader` reads DCP's pickled
 index with an unpickler that builds only DCP's metadata classes.
@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..parallel.sharding import REPLICATED, ShardSpec, flat_rectangles, global_rectangles
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file or the tensor."""
@@ -41,65 +43,31 @@ class Piece:
     vocab_rows: bool = False  # dim 0 is the padded vocabulary (its size may differ between layouts)
 
 
-def _rectangles(shape: tuple, lo: int, hi: int) -> list[tuple[tuple, tuple, int]]:
-    """Elements [lo, hi) of a row-major tensor of ``shape`` (1-D or 2-D) as rectangles
-    (offsets, sizes, flat start), each contiguous in the flattened tensor."""
-    if len(shape) == 1:
-        return [((lo,), (hi - lo,), lo)] if hi > lo else []
-    if len(shape) != 2:
-        raise ValueError(f"sharded checkpoints handle 1-D and 2-D tensors; got shape {tuple(shape)}")
-    cols = shape[1]
-    r0, c0 = divmod(lo, cols)
-    r1, c1 = divmod(hi, cols)
-    if r0 == r1:
-        return [((r0, c0), (1, c1 - c0), lo)] if c1 > c0 else []
+def flat_pieces(key: str, flat: torch.Tensor, local_shape: tuple, lo: int, spec: ShardSpec = REPLICATED,
+                coords: Optional[dict] = None) -> list[Piece]:
+    """The pieces of ``flat`` = elements [lo, lo + flat.numel()) of this rank's part (shape
+    ``local_shape``) of a global tensor laid out by ``spec`` (paratron/parallel/sharding.py);
+    ``coords`` = {group: (rank, size)} of this rank in the groups the spec splits over. Any number
+    of dimensions, any number of them split, blocks of any sizes."""
+    local_shape, coords = tuple(local_shape), coords or {}
+    shape = spec.global_shape(local_shape)
     out = []
-    if c0:
-        out.append(((r0, c0), (1, cols - c0), lo))
-        r0 += 1
-    if r1 > r0:
-        out.append(((r0, 0), (r1 - r0, cols), r0 * cols))
-    if c1:
-        out.append(((r1, 0), (1, c1), r1 * cols))
-    return out
-
-
-def flat_pieces(key: str, flat: torch.Tensor, local_shape: tuple, lo: int, tp_dim: Optional[int] = None,
-                tp_chunks: int = 1, tp_rank: int = 0, tp_size: int = 1, vocab_rows: bool = False) -> list[Piece]:
-    """The pieces of ``flat`` = elements [lo, lo + flat.numel()) of this rank's tensor-parallel shard
-    (shape ``local_shape``) of a global tensor. The shard is ``tp_chunks`` equal blocks along
-    ``tp_dim``; block c of rank r is slice r (of ``tp_size``) of block c of the global tensor (see
-    paratron/parallel/tensor.py). ``tp_dim=None``: the tensor is not split (replicated)."""
-    local_shape = tuple(local_shape)
-    hi = lo + flat.numel()
-    split = tp_dim is not None and tp_size > 1
-    shape = list(local_shape)
-    if split:
-        shape[tp_dim] *= tp_size
-    out = []
-    for offsets, sizes, start in _rectangles(local_shape, lo, hi):
+    for offsets, sizes, start in flat_rectangles(local_shape, lo, lo + flat.numel()):
         view = flat[start - lo: start - lo + int(torch.Size(sizes).numel())].view(sizes)
-        if not split:
-            out.append(Piece(key, tuple(shape), offsets, view, vocab_rows))
-            continue
-        block = local_shape[tp_dim] // tp_chunks
-        a, n = offsets[tp_dim], sizes[tp_dim]
-        s = a
-        while s < a + n:  # cut at block boundaries: each block maps to its own global range
-            c = s // block
-            e = min(a + n, (c + 1) * block)
-            g = list(offsets)
-            g[tp_dim] = c * block * tp_size + tp_rank * block + (s - c * block)
-            out.append(Piece(key, tuple(shape), tuple(g), view.narrow(tp_dim, s - a, e - s), vocab_rows))
-            s = e
+        for local_off, global_off, n in global_rectangles(spec, coords, offsets, sizes):
+            part = view
+            for d, (a, b, k) in enumerate(zip(local_off, offsets, n)):
+                if k != sizes[d]:
+                    part = part.narrow(d, a - b, k)
+            out.append(Piece(key, shape, global_off, part, spec.vocab_rows))
     return out
 
 
-def tensor_pieces(key: str, t: torch.Tensor, **tp) -> list[Piece]:
-    """The pieces of a whole tensor-parallel shard ``t`` (see :func:`flat_pieces`)."""
+def tensor_pieces(key: str, t: torch.Tensor, spec: ShardSpec = REPLICATED, coords: Optional[dict] = None) -> list[Piece]:
+    """The pieces of a whole local tensor ``t`` (see :func:`flat_pieces`)."""
     if t.dim() == 0:
         return [Piece(key, (), (), t)]
-    return flat_pieces(key, t.view(-1), tuple(t.shape), 0, **tp)
+    return flat_pieces(key, t.view(-1), tuple(t.shape), 0, spec, coords)
 
 
 def replicated_row(key: str, t: torch.Tensor, row: int, rows: int) -> Piece:

@@ -23,29 +23,22 @@ from typing import Optional
 import torch
 
 from ..parallel.dims import ParallelDims
+from ..parallel.sharding import coords_of, spec_of
 from ..parallel.stages import global_name, unwrap
 from .pieces import Piece, flat_pieces, replicated_row, tensor_pieces
 
-VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 
 def param_keys(models: list) -> dict:
-    """{parameter: layout-independent name} for this rank's model chunks."""
+    """{parameter: layout-independent name} for this rank's model chunks (a pipeline copy of a tied
+    parameter is named after the parameter it copies)."""
     out = {}
     for chunk in models:
         m = unwrap(chunk)
         for name, p in m.named_parameters():
-            if getattr(p, "shared_embedding", False):  # the last stage's copy of the tied embedding
-                out[p] = "embedding.word_embeddings.weight"
-            else:
-                out[p] = global_name(name, m.decoder.layer_offset)
+            out[p] = spec_of(p).copy_of or global_name(name, m.decoder.layer_offset)
     return out
-
-
-def _tp(p, key: str, dims: ParallelDims) -> dict:
-    return dict(tp_dim=getattr(p, "tp_dim", None), tp_chunks=getattr(p, "tp_chunks", 1), tp_rank=dims.tp_rank,
-                tp_size=dims.tp, vocab_rows=key in VOCAB_KEYS)
 
 
 def model_pieces(models: list, dims: ParallelDims, prefix: dict | None = None) -> list[Piece]:
@@ -53,14 +46,13 @@ def model_pieces(models: list, dims: ParallelDims, prefix: dict | None = None) -
     elsewhere than ``model.`` (fp32 params from the fp32 masters of a mixed-precision checkpoint)."""
     prefix = prefix or {}
     return [pc for p, key in param_keys(models).items()
-            for pc in tensor_pieces(prefix.get(key, "model.") + key, p.data, **_tp(p, key, dims))]
+            for pc in tensor_pieces(prefix.get(key, "model.") + key, p.data, spec_of(p), coords_of(spec_of(p), dims))]
 
 
 def optimizer_shards(optimizer) -> list[tuple[torch.nn.Parameter, int, torch.Tensor]]:
     """(parameter, first flattened element, fp32 master) of each master tensor the optimizer steps."""
-    if hasattr(optimizer, "pieces"):  # distributed: flat ranges of the gradient buffer
-        return [(pc.param, pc.lo - optimizer.models[pc.model].param_offsets[pc.param], m)
-                for pc, m in zip(optimizer.pieces, optimizer.masters)]
+    if hasattr(optimizer, "pieces"):  # distributed: flat ranges of the gradient buffers
+        return [(pc.param, pc.start, m) for pc, m in zip(optimizer.pieces, optimizer.masters)]
     return [(p, 0, m) for p, m in zip(optimizer.params, optimizer.masters)]
 
 
@@ -95,12 +87,12 @@ def optimizer_pieces(optimizer, models: list, dims: ParallelDims, masters_from: 
     keys = param_keys(models)
     out = []
     for p, lo, master in optimizer_shards(optimizer):
-        key, tp = keys[p], _tp(p, keys[p], dims)
+        key, spec = keys[p], spec_of(p)
         tensors = {f"optimizer.{s}.": optimizer.adam.state[master][s] for s in OPTIMIZER_STATES}
         if optimizer.mixed:
             tensors[masters_from or "optimizer.fp32_param."] = master
         for prefix, t in tensors.items():
-            out += flat_pieces(prefix + key, t.view(-1), tuple(p.shape), lo, **tp)
+            out += flat_pieces(prefix + key, t.view(-1), tuple(p.shape), lo, spec, coords_of(spec, dims))
     return out
 
 

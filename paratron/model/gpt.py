@@ -16,10 +16,13 @@ from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
 from ..parallel.random import RNGTracker, seeded_init
+from ..parallel.sharding import update_spec
 from ..parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding, init_normal, linear_cross_entropy,
                                vocab_parallel_cross_entropy)
 from .layers import Parallel, Rotary
 from .transformer import TransformerStack
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 class Embedding(nn.Module):
@@ -98,17 +101,18 @@ class GPTModel(nn.Module):
                                                          sequence_parallel=self.par.sequence_parallel,
                                                          init_method=init_normal(cfg.init_method_std),
                                                          device=device, dtype=dtype)
+            update_spec(self.output_layer.weight, vocab_rows=True)
             if self.share_embeddings:
                 # Tied: the output layer uses the word embedding (on a single-stage model the same tensor).
                 if pre_process:
                     del self.output_layer.weight
                     self.output_layer.weight = None
                 else:  # last pipeline stage holds a copy kept equal through the embedding group
-                    self.output_layer.weight.shared_embedding = True
+                    update_spec(self.output_layer.weight, tied="embedding", copy_of=WORD_EMBEDDING)
         else:
             self.output_layer = None
         if self.share_embeddings and pre_process and not post_process:  # first stage of a pipeline
-            self.embedding.word_embeddings.weight.is_word_embedding = True  # grads summed with the last stage's copy
+            update_spec(self.embedding.word_embeddings.weight, tied="embedding")  # grads summed with the copy
         self.input_tensor: Optional[torch.Tensor] = None
         self.fused_output_loss = True  # chunked output layer + cross-entropy (False: plain logits path)
 

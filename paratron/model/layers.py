@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
 from .kernels import swiglu, swiglu_reference
 
@@ -40,12 +41,13 @@ class Norm(nn.Module):
         super().__init__()
         self.kind, self.eps, self.size = kind, eps, (size,)
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
-        self.weight.sequence_parallel = sequence_parallel
         if kind == "LayerNorm":
             self.bias = nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
-            self.bias.sequence_parallel = sequence_parallel
         else:
             self.register_parameter("bias", None)
+        if sequence_parallel:  # applied to sequence-sharded activations: partial gradients per TP rank
+            for p in self.parameters():
+                set_spec(p, ShardSpec(sum_over=("tp",)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "LayerNorm":

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
+from ..parallel.sharding import REDUCTION_LAYOUTS, norm_groups, spec_of
 
 
 class ConstantScaler:
@@ -59,12 +60,23 @@ class DynamicScaler(ConstantScaler):
         self.hysteresis_tracker = int(sd.get("hysteresis_tracker", self.hysteresis))
 
 
-def counts_for_norm(p: torch.Tensor, dims: ParallelDims) -> bool:
-    """Whether this rank's copy of ``p`` enters the global gradient norm: TP-replicated tensors
-    count on TP rank 0 only; the last stage's copy of a tied embedding does not count."""
-    if getattr(p, "shared_embedding", False):
-        return False
-    return hasattr(p, "tp_dim") or dims.tp_rank == 0
+def norm_set_candidates() -> list[tuple]:
+    """Every set of groups a gradient buffer may sum its squared norm over, in a fixed order."""
+    return [t for g, lay in REDUCTION_LAYOUTS.items() for t in ((g, lay["norm_group"]), (lay["norm_group"],))]
+
+
+def agree_on_norm_sets(mine: set, dims: ParallelDims, device) -> list[tuple]:
+    """The norm-group sets used anywhere in the model, in a fixed order, the same on every rank (a
+    pipeline stage without expert layers still joins the experts' norm reduction). One collective,
+    once, at set-up."""
+    candidates = norm_set_candidates()
+    unknown = mine - set(candidates)
+    if unknown:
+        raise ValueError(f"gradient buffers with unknown norm groups {sorted(unknown)}")
+    flags = torch.tensor([float(c in mine) for c in candidates], device=device)
+    if dims.world_size > 1 and dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [c for c, f in zip(candidates, flags.tolist()) if f]
 
 
 class MixedPrecisionAdam:
@@ -75,11 +87,15 @@ class MixedPrecisionAdam:
     publish the masters to the model parameters. Subclasses say where the gradients come from, which
     groups the squared norm is summed over, and how the parameters are updated."""
 
-    def _setup(self, masters: list[torch.Tensor], decay: list[bool], norm_mask: list[bool], cfg: Config,
-               dims: ParallelDims) -> None:
+    def _setup(self, masters: list[torch.Tensor], decay: list[bool], norm_sets: list[tuple], counted: list[bool],
+               cfg: Config, dims: ParallelDims) -> None:
+        """``norm_sets``: per master, the groups its squared gradient norm is summed over (its gradient
+        buffer's ``norm_groups``); ``counted``: whether this rank's copy enters the norm at all (not
+        a replica counted on another rank, not a tied copy)."""
         op, tr = cfg.optim, cfg.train
         self.dims, self.clip_grad = dims, op.clip_grad
-        self.masters, self._norm_mask = masters, norm_mask
+        self.masters, self._norm_sets, self._counted = masters, norm_sets, counted
+        self._used_norm_sets = agree_on_norm_sets(set(norm_sets), dims, masters[0].device if masters else "cpu")
         groups = [{"params": [m for m, d in zip(masters, decay) if d], "weight_decay": op.weight_decay},
                   {"params": [m for m, d in zip(masters, decay) if not d], "weight_decay": 0.0}]
         device = masters[0].device if masters else torch.device("cpu")
@@ -96,10 +112,6 @@ class MixedPrecisionAdam:
         """fp32 gradients aligned with ``self.masters`` (views of the buffer where possible)."""
         raise NotImplementedError
 
-    def _norm_groups(self) -> list:
-        """Process groups over which the local sum of squared gradients is summed."""
-        raise NotImplementedError
-
     def _publish(self) -> None:
         """Copy the updated masters into the model parameters."""
         raise NotImplementedError
@@ -113,16 +125,27 @@ class MixedPrecisionAdam:
         for g in self.adam.param_groups:
             g["lr"] = lr
 
-    def _grad_norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        counted = [g for g, c in zip(grads, self._norm_mask) if c]
-        if counted:
-            total = torch.stack(torch._foreach_norm(counted)).float().square().sum()
-        else:
-            total = torch.zeros((), device=self.masters[0].device if self.masters else "cpu")
-        for group in self._norm_groups():
-            if comm.group_size(group) > 1:
-                dist.all_reduce(total, group=group)
+    def _norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of squares of ``grads`` (aligned with the masters) over the whole model: for each kind
+        of gradient buffer (the same on every rank, see agree_on_norm_sets), the local sum over this
+        rank's counted tensors, summed over the buffer's norm groups."""
+        device = self.masters[0].device if self.masters else "cpu"
+        total = torch.zeros((), device=device)
+        for groups in self._used_norm_sets:
+            counted = [g for g, s, c in zip(grads, self._norm_sets, self._counted) if c and s == groups]
+            part = (torch.stack(torch._foreach_norm(counted)).float().square().sum() if counted
+                    else torch.zeros((), device=device))
+            for name in groups:
+                if self.dims.size(name) > 1:
+                    dist.all_reduce(part, group=self.dims.group(name))
+            total = total + part
         return total
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """L2 norm of the fp32 master weights over the whole model (``--log-params-norm``), each
+        element counted once, as the gradient norm."""
+        return self._norm_sq(self.masters).sqrt().item()
 
     @torch.no_grad()
     def step(self) -> tuple[bool | torch.Tensor, float | torch.Tensor]:
@@ -131,7 +154,7 @@ class MixedPrecisionAdam:
         grads = self._grads()
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        norm_t = self._grad_norm_sq(grads).sqrt()
+        norm_t = self._norm_sq(grads).sqrt()
         if self.adam.defaults.get("fused") and not isinstance(self.scaler, DynamicScaler):
             return self._step_on_device(grads, norm_t)
         norm = norm_t.item()  # one host sync: the dynamic loss scale and the skip are decided here
@@ -192,14 +215,11 @@ class Optimizer(MixedPrecisionAdam):
         self.params = list(params)
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         masters = [p.detach().clone().float() if p.dtype != torch.float32 else p for p in self.params]
-        self._setup(masters, [p.dim() > 1 for p in self.params], [counts_for_norm(p, dims) for p in self.params],
-                    cfg, dims)
+        self._setup(masters, [p.dim() > 1 for p in self.params], [norm_groups(spec_of(p).grad_group, False) for p in self.params],
+                    [spec_of(p).counts_in_norm(dims) for p in self.params], cfg, dims)
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float() for p in self.params]
-
-    def _norm_groups(self) -> list:
-        return [self.dims.mp_group]  # TP x PP; data-parallel replicas hold identical grads
 
     def _publish(self) -> None:
         if self.mixed:

@@ -48,6 +48,15 @@ class ParallelDims:
     def group(self, name: str):
         return self.groups.get(name)
 
+    def size(self, name: str) -> int:
+        """Number of ranks of this rank's group ``name`` (1 when it has none)."""
+        return len(self.group_ranks.get(name, [self.rank]))
+
+    def coordinate(self, name: str) -> int:
+        """This rank's index in its group ``name`` (0 when it has none)."""
+        ranks = self.group_ranks.get(name, [self.rank])
+        return ranks.index(self.rank)
+
     @property
     def tp_group(self):
         return self.groups.get("tp")
@@ -134,6 +143,23 @@ def layout_groups(world: int, sizes: dict[str, int], axes: tuple[str, ...], vary
     return groups
 
 
+def _group_axes(sizes: dict, esizes: dict) -> dict:
+    """{group name: (sizes, axes of the layout, the axes its members differ along)}."""
+    return {
+        "tp": (sizes, DENSE_AXES, ("tp",)),
+        "cp": (sizes, DENSE_AXES, ("cp",)),
+        "dp": (sizes, DENSE_AXES, ("dp",)),
+        "pp": (sizes, DENSE_AXES, ("pp",)),
+        "dp_cp": (sizes, DENSE_AXES, ("cp", "dp")),
+        "tp_cp": (sizes, DENSE_AXES, ("tp", "cp")),
+        "mp": (sizes, DENSE_AXES, ("tp", "pp")),
+        "ep": (esizes, EXPERT_AXES, ("ep",)),
+        "etp": (esizes, EXPERT_AXES, ("etp",)),
+        "edp": (esizes, EXPERT_AXES, ("edp",)),
+        "emp": (esizes, EXPERT_AXES, ("etp", "ep", "pp")),  # the experts' model-parallel group
+    }
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
@@ -169,19 +195,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                         vpp=virtual_pipeline_model_parallel_size, order=order,
                         tp_rank=c["tp"], pp_rank=c["pp"], dp_rank=c["dp"], cp_rank=c["cp"],
                         ep_rank=ec["ep"], etp_rank=ec["etp"], edp_rank=ec["edp"])
-    wanted = {
-        "tp": (sizes, DENSE_AXES, ("tp",)),
-        "cp": (sizes, DENSE_AXES, ("cp",)),
-        "dp": (sizes, DENSE_AXES, ("dp",)),
-        "pp": (sizes, DENSE_AXES, ("pp",)),
-        "dp_cp": (sizes, DENSE_AXES, ("cp", "dp")),
-        "tp_cp": (sizes, DENSE_AXES, ("tp", "cp")),
-        "mp": (sizes, DENSE_AXES, ("tp", "pp")),
-        "ep": (esizes, EXPERT_AXES, ("ep",)),
-        "etp": (esizes, EXPERT_AXES, ("etp",)),
-        "edp": (esizes, EXPERT_AXES, ("edp",)),
-    }
-    all_groups = {name: layout_groups(world, s, ax, var) for name, (s, ax, var) in wanted.items()}
+    all_groups = {name: layout_groups(world, s, ax, var) for name, (s, ax, var) in _group_axes(sizes, esizes).items()}
     # embedding group: first and last stage of each pipeline (for tied embeddings)
     all_groups["embedding"] = [sorted({g[0], g[-1]}) for g in all_groups["pp"]]
     for name, rank_lists in all_groups.items():

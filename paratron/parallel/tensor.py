@@ -3,11 +3,11 @@
 
 Weights are initialised full-size on every rank from the same RNG stream, then sliced, so a model
 built with any TP size holds exactly the slices of the TP=1 model built with the same seed.
-Each parallel parameter carries how it is split, for checkpoints and conversion:
-``param.tp_dim`` (split dimension) and ``param.tp_chunks`` (the full tensor is ``tp_chunks`` equal
-blocks along ``tp_dim``, each split over the ranks: 2 for SwiGLU's [gate; up]).
-``param.sequence_parallel = True`` marks replicated parameters applied to sequence-sharded
-activations; their gradients are summed over the TP group.
+Each parameter carries its :class:`~paratron.parallel.sharding.ShardSpec` (how it is split, which
+groups its gradient is reduced and summed over), read by the gradient buffers, the norm and the
+checkpoints: a column-parallel weight is split along dim 0 in ``chunks`` blocks (2 for SwiGLU's
+[gate; up]), a row-parallel weight along dim 1; a replicated bias applied to sequence-sharded
+activations has its gradient summed over the TP group.
 """
 from __future__ import annotations
 
@@ -18,33 +18,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .sharding import ShardSpec, Split, local_index, set_spec, shard, spec_of
 
 
-def _shard(full: torch.Tensor, dim: int, chunks: int, group) -> torch.Tensor:
-    n, r = comm.group_size(group), comm.group_rank(group)
-    if n == 1:
-        return full
-    blocks = full.chunk(chunks, dim=dim)
-    return torch.cat([b.chunk(n, dim=dim)[r] for b in blocks], dim=dim).contiguous()
-
-
-def _param(full: torch.Tensor, dim: int, chunks: int, group) -> nn.Parameter:
-    p = nn.Parameter(_shard(full, dim, chunks, group))
-    p.tp_dim, p.tp_chunks = dim, chunks
-    return p
+def _param(full: torch.Tensor, dim: int, chunks: int, group, **spec) -> nn.Parameter:
+    """This TP rank's part of ``full``: ``chunks`` equal blocks along ``dim``, each split over ``group``."""
+    split = Split(dim, "tp", (full.size(dim) // chunks,) * chunks)
+    s = ShardSpec(splits=(split,), **spec)
+    return set_spec(nn.Parameter(shard(full, s, {"tp": (comm.group_rank(group), comm.group_size(group))})), s)
 
 
 def gather_full(p: torch.Tensor, group) -> torch.Tensor:
-    """The full tensor of a TP-split parameter (inverse of the split done at construction)."""
-    dim = getattr(p, "tp_dim", None)
+    """The global tensor of a parameter split over the TP ``group`` (inverse of the split done at
+    construction)."""
+    split = next((s for s in spec_of(p).splits if s.group == "tp"), None)
     n = comm.group_size(group)
-    if dim is None or n == 1:
+    if split is None or n == 1:
         return p.detach()
     parts = [torch.empty_like(p) for _ in range(n)]
     torch.distributed.all_gather(parts, p.detach().contiguous(), group=group)
-    chunks = getattr(p, "tp_chunks", 1)
-    per_rank = [part.chunk(chunks, dim=dim) for part in parts]
-    return torch.cat([per_rank[r][c] for c in range(chunks) for r in range(n)], dim=dim)
+    shape = list(p.shape)
+    shape[split.dim] = sum(split.blocks)
+    full = torch.empty(shape, dtype=p.dtype, device=p.device)
+    for r, part in enumerate(parts):
+        full.index_copy_(split.dim, local_index(split, r, n).to(p.device), part)
+    return full
 
 
 def init_normal(std: float) -> Callable[[torch.Tensor], None]:
@@ -104,7 +102,8 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(full, 1, 1, tp_group)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
-            self.bias.sequence_parallel = sequence_parallel
+            if sequence_parallel:  # applied to sequence-sharded outputs: partial gradients per TP rank
+                set_spec(self.bias, ShardSpec(sum_over=("tp",)))
         else:
             self.register_parameter("bias", None)
 
@@ -142,7 +141,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = comm.group_rank(tp_group) * self.per_rank
         full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
         (init_method or init_normal(0.02))(full)
-        self.weight = _param(full, 0, 1, tp_group)
+        self.weight = _param(full, 0, 1, tp_group, vocab_rows=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if comm.group_size(self.tp_group) == 1:
