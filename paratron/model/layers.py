@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from ..parallel.random import checkpoint
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
 from .kernels import swiglu, swiglu_reference
 
@@ -97,27 +97,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotated = torch.cat([-x2, x1], dim=-1)
     out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
     return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)
-
-
-class TrackerReplay:
-    """Wrap a function for torch.utils.checkpoint so that its recomputation replays the same
-    tensor-parallel RNG stream as the original forward (the default generator is handled by
-    checkpoint itself), then leaves the stream where it was."""
-
-    def __init__(self, fn, rng):
-        self.fn, self.rng, self.calls = fn, rng, 0
-        self.start = rng.state.clone() if rng is not None else None
-
-    def __call__(self, *args):
-        self.calls += 1
-        if self.rng is None:
-            return self.fn(*args)
-        now = self.rng.state
-        self.rng.state = self.start.clone()
-        out = self.fn(*args)
-        if self.calls > 1:  # recomputation in backward: restore the live stream
-            self.rng.state = now
-        return out
 
 
 def output_init(cfg: ModelConfig):
@@ -202,7 +181,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(TrackerReplay(self._core, self.par.rng), q, k, v, mask, use_reentrant=False)
+            out = checkpoint(self._core, q, k, v, mask, rng=self.par.rng)
         else:
             out = self._core(q, k, v, mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)

@@ -7,11 +7,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from ..parallel.random import seeded_init
-from .layers import MLP, Attention, Norm, Parallel, TrackerReplay
+from ..parallel.random import checkpoint, seeded_init
+from .layers import MLP, Attention, Norm, Parallel
 
 
 class TransformerLayer(nn.Module):
@@ -79,13 +78,11 @@ class TransformerStack(nn.Module):
             k = self.recompute_num_layers
             if self.recompute_method == "uniform":  # checkpoint every chunk of k layers
                 for i in range(0, n, k):
-                    fn = TrackerReplay(lambda h, i=i: self._run(self.layers[i:i + k], h, rope, mask), self.par.rng)
-                    x = checkpoint(fn, x, use_reentrant=False)
+                    x = checkpoint(lambda h, i=i: self._run(self.layers[i:i + k], h, rope, mask), x, rng=self.par.rng)
             else:  # block: checkpoint each of the first k layers, run the rest normally
                 for i, layer in enumerate(self.layers):
                     if i < k:
-                        fn = TrackerReplay(lambda h, layer=layer: layer(h, rope, mask), self.par.rng)
-                        x = checkpoint(fn, x, use_reentrant=False)
+                        x = checkpoint(lambda h, layer=layer: layer(h, rope, mask), x, rng=self.par.rng)
                     else:
                         x = layer(x, rope, mask)
         else:
