@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from ..config import ModelConfig
+from ..model.gpt import GPTModel
 from .hf_config import ConversionError, check_family, check_representable, hf_config_from_model_config
 
 __all__ = [
@@ -92,45 +93,10 @@ for _fam in ("llama", "mistral", "qwen2", "qwen3"):
 
 
 def _paratron_shapes(cfg: ModelConfig, padded_vocab: int) -> dict[str, tuple]:
-    """Every tensor of GPTModel(cfg, padded_vocab).state_dict() at TP=1, with its shape."""
-    cfg.fill_defaults()
-    h, d, ffn = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
-    heads, groups = cfg.num_attention_heads, cfg.num_query_groups
-    norm_bias = cfg.normalization == "LayerNorm"
-    bias = not cfg.disable_bias_linear
-    out = {"embedding.word_embeddings.weight": (padded_vocab, h)}
-    if cfg.position_embedding_type == "learned_absolute":
-        out["embedding.position_embeddings.weight"] = (cfg.max_position_embeddings, h)
-
-    def norm(name, size):
-        out[name + ".weight"] = (size,)
-        if norm_bias:
-            out[name + ".bias"] = (size,)
-
-    for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
-        norm(p + "input_layernorm", h)
-        out[p + "self_attention.linear_qkv.weight"] = ((heads + 2 * groups) * d, h)
-        if bias or cfg.add_qkv_bias:
-            out[p + "self_attention.linear_qkv.bias"] = ((heads + 2 * groups) * d,)
-        if cfg.qk_layernorm:
-            norm(p + "self_attention.q_layernorm", d)
-            norm(p + "self_attention.k_layernorm", d)
-        out[p + "self_attention.linear_proj.weight"] = (h, heads * d)
-        if bias:
-            out[p + "self_attention.linear_proj.bias"] = (h,)
-        norm(p + "pre_mlp_layernorm", h)
-        fc1 = ffn * (2 if cfg.swiglu else 1)
-        out[p + "mlp.linear_fc1.weight"] = (fc1, h)
-        if bias:
-            out[p + "mlp.linear_fc1.bias"] = (fc1,)
-        out[p + "mlp.linear_fc2.weight"] = (h, ffn)
-        if bias:
-            out[p + "mlp.linear_fc2.bias"] = (h,)
-    norm("decoder.final_layernorm", h)
-    if cfg.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = (padded_vocab, h)
-    return out
+    """Every tensor of GPTModel(cfg, padded_vocab).state_dict() at TP=1, with its shape, in state-dict
+    order: read off the model itself, built on the meta device (no memory, no initialisation)."""
+    model = GPTModel(cfg, padded_vocab, device="meta")
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def name_table(cfg: ModelConfig, family: str) -> list[tuple[str, tuple[str, ...], str]]:

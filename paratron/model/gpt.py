@@ -19,7 +19,7 @@ from ..parallel.random import RNGTracker, seeded_init
 from ..parallel.sharding import update_spec
 from ..parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding, init_normal, linear_cross_entropy,
                                vocab_parallel_cross_entropy)
-from .layers import Parallel, Rotary
+from .layers import ForwardContext, Parallel, Rotary
 from .transformer import TransformerStack
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -57,7 +57,9 @@ class GPTModel(nn.Module):
 
     forward(input_ids [b, s], position_ids, attention_mask, labels [b, s]) returns the per-token loss
     [b, s] (fp32) when labels are given on the last stage, else logits [b, s, vocab/TP] on the last
-    stage, else the hidden states [s(/TP), b, h] to send to the next stage.
+    stage, else the hidden states [s(/TP), b, h] to send to the next stage. ``attention_mask`` is
+    Megatron's ([b, 1, s, s] bool, True = masked out, the causal pattern included); without it attention
+    is causal. The rotary tables and the mask go down to attention in one ForwardContext.
     """
 
     def __init__(self, config: ModelConfig, vocab_size: int, max_sequence_length: Optional[int] = None,
@@ -142,8 +144,11 @@ class GPTModel(nn.Module):
             x = self.input_tensor
             s = x.size(0) * (self.par.tp_size if self.par.sequence_parallel else 1)
         rope = self.rotary(s, position_ids) if self.rotary is not None else None
-        mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked out
-        x = self.decoder(x, rope, mask)
+        if attention_mask is None:
+            ctx = ForwardContext(rope=rope)
+        else:  # Megatron's mask: True = masked out, and it holds the causal pattern
+            ctx = ForwardContext(rope=rope, mask=~attention_mask, causal=False)
+        x = self.decoder(x, ctx)
         if not self.post_process:
             return x
         if labels is None:

@@ -1,4 +1,4 @@
-"""Transformer pieces: norms, rotary embedding, MLP, attention.
+"""Transformer pieces: norms, rotary embedding, MLP, attention, and the forward context.
 
 Activations are laid out [sequence, batch, hidden] (Megatron's layout: sequence parallelism splits
 dimension 0). Parallel plumbing is confined to the parallel linear layers; at TP=1 this is a plain
@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
 from .kernels import swiglu, swiglu_reference
@@ -32,6 +32,35 @@ class Parallel:
 
     def fork(self):
         return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
+
+
+@dataclass
+class ForwardContext:
+    """What attention needs to know about one forward pass besides the activations. GPTModel.forward
+    builds it once and passes it down the stack.
+
+    rope: (cos, sin) broadcasting over [s, b, heads, dim], or None (no rotary embedding).
+    mask: [b, 1, s, s] bool, True = may attend: the whole pattern, causality included; or None.
+    document_ids: [b, s] document of each token of packed sequences.
+    causal: each position attends to itself and the ones before (False with a mask: it says all).
+    kv_cache: the inference KV cache slot of this pass.
+    cp: the context-parallel layout of the sequence.
+    document_ids, kv_cache and cp are not implemented yet: a context that sets one is refused, not
+    ignored.
+    """
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    mask: Optional[torch.Tensor] = None
+    document_ids: Optional[torch.Tensor] = None
+    causal: bool = True
+    kv_cache: object = None
+    cp: object = None
+
+    def __post_init__(self):
+        for name in ("document_ids", "kv_cache", "cp"):
+            if getattr(self, name) is not None:
+                raise NotImplementedError(f"ForwardContext.{name} is not implemented yet")
+        if self.causal and self.mask is not None:
+            raise ValueError("a mask is the whole attention pattern: pass causal=False with it")
 
 
 class Norm(nn.Module):
@@ -78,8 +107,10 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
         self.dim = int(cfg.kv_channels * cfg.rotary_percent)
-        inv = rope_inv_freq(self.dim, cfg.rotary_base, cfg.use_rope_scaling, cfg.rope_scaling_factor)
-        pos = torch.arange(max(cfg.max_position_embeddings, cfg.seq_length), dtype=torch.float32)
+        # Computed on the CPU (the same numbers whatever the device), or not at all for a meta model.
+        where = "meta" if torch.device(device or "cpu").type == "meta" else "cpu"
+        inv = rope_inv_freq(self.dim, cfg.rotary_base, cfg.use_rope_scaling, cfg.rope_scaling_factor).to(where)
+        pos = torch.arange(max(cfg.max_position_embeddings, cfg.seq_length), dtype=torch.float32, device=where)
         freqs = torch.outer(pos, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
@@ -99,27 +130,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotated = torch.cat([-x2, x1], dim=-1)
     out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
     return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)
-
-
-class TrackerReplay:
-    """Wrap a function for torch.utils.checkpoint so that its recomputation replays the same
-    tensor-parallel RNG stream as the original forward (the default generator is handled by
-    checkpoint itself), then leaves the stream where it was."""
-
-    def __init__(self, fn, rng):
-        self.fn, self.rng, self.calls = fn, rng, 0
-        self.start = rng.state.clone() if rng is not None else None
-
-    def __call__(self, *args):
-        self.calls += 1
-        if self.rng is None:
-            return self.fn(*args)
-        now = self.rng.state
-        self.rng.state = self.start.clone()
-        out = self.fn(*args)
-        if self.calls > 1:  # recomputation in backward: restore the live stream
-            self.rng.state = now
-        return out
 
 
 def output_init(cfg: ModelConfig):
@@ -153,7 +163,8 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped query heads through torch SDPA.
+    """Self-attention with grouped query heads through torch SDPA; causal or masked as the forward
+    context says.
 
     The fused QKV weight is laid out by query group, as Megatron's: for each group g, the rows of
     its ``heads/groups`` query heads, then its key head, then its value head. A contiguous TP split
@@ -183,16 +194,13 @@ class Attention(nn.Module):
                                              bias=not cfg.disable_bias_linear, sequence_parallel=par.sequence_parallel,
                                              init_method=output_init(cfg), device=device, dtype=dtype)
 
-    def _core(self, q, k, v, mask):
+    def _core(self, q, k, v, ctx: ForwardContext):
         p = self.dropout if self.training else 0.0
-        gqa = self.groups != self.heads
         with self.par.fork():
-            if mask is None:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
-            # mask: [b, 1, s, s] bool, True = keep
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,
+                                                  enable_gqa=self.groups != self.heads)
 
-    def forward(self, x: torch.Tensor, rope=None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.d)
@@ -200,12 +208,12 @@ class Attention(nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if ctx.rope is not None:
+            q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(TrackerReplay(self._core, self.par.rng), q, k, v, mask, use_reentrant=False)
+            out = checkpoint(self._core, q, k, v, ctx, rng=self.par.rng)
         else:
-            out = self._core(q, k, v, mask)
+            out = self._core(q, k, v, ctx)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
         return self.linear_proj(out)

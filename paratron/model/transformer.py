@@ -7,23 +7,30 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from ..parallel.random import seeded_init
-from .layers import MLP, Attention, Norm, Parallel, TrackerReplay
+from ..parallel.random import checkpoint, seeded_init
+from .layers import Attention, ForwardContext, Norm, Parallel
+from .spec import LayerSpec, build_mixer, build_mlp, layer_specs
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
+    """Layer ``spec.index`` of the decoder, pre-norm: x + mixer(norm(x)), then x + mlp(norm(x)). The
+    mixer (``self_attention``) and the MLP are built from the spec; a hybrid layer has only one of
+    them (the other and its norm are None)."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel, spec: LayerSpec, device=None, dtype=None):
         super().__init__()
-        self.par, self.p = par, cfg.hidden_dropout
+        self.par, self.p, self.index = par, cfg.hidden_dropout, spec.index
         self.fuse_residual = not cfg.no_bias_dropout_fusion
-        sp = par.sequence_parallel
-        self.input_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp, device, dtype)
-        self.self_attention = Attention(cfg, par, device, dtype)
-        self.pre_mlp_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, sp, device, dtype)
-        self.mlp = MLP(cfg, par, device, dtype)
+
+        def norm():
+            return Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, par.sequence_parallel, device, dtype)
+
+        self.input_layernorm = norm() if spec.mixer is not None else None
+        self.self_attention = build_mixer(spec, cfg, par, device, dtype)
+        self.pre_mlp_layernorm = norm() if spec.mlp is not None else None
+        self.mlp = build_mlp(spec, cfg, par, device, dtype)
 
     def _dropout_off(self) -> bool:
         return not self.training or self.p == 0.0
@@ -36,8 +43,11 @@ class TransformerLayer(nn.Module):
                 return F.dropout(x, self.p, True)
         return F.dropout(x, self.p, True)
 
-    def forward(self, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rope, mask))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.self_attention is not None:
+            x = x + self._dropout(self.self_attention(self.input_layernorm(x), ctx))
+        if self.mlp is None:
+            return x
         if self.fuse_residual and self._dropout_off():  # fc2's matmul adds the residual
             return self.mlp(self.pre_mlp_layernorm(x), residual=x)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
@@ -56,38 +66,34 @@ class TransformerStack(nn.Module):
         super().__init__()
         self.par, self.layer_offset = par, layer_offset
         layers = []
-        for i in range(layer_offset, layer_offset + num_layers):
-            with seeded_init(seed, f"layer{i}", device) if seed is not None else contextlib.nullcontext():
-                layers.append(TransformerLayer(cfg, par, device, dtype))
+        for spec in layer_specs(cfg)[layer_offset:layer_offset + num_layers]:
+            with seeded_init(seed, f"layer{spec.index}", device) if seed is not None else contextlib.nullcontext():
+                layers.append(TransformerLayer(cfg, par, spec, device, dtype))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = (Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, par.sequence_parallel,
                                      device, dtype) if final_norm else None)
         self.recompute = recompute_granularity
         for layer in self.layers:  # selective: keep the matmul outputs, recompute the attention core
-            layer.self_attention.recompute_core = recompute_granularity == "selective"
+            if isinstance(layer.self_attention, Attention):
+                layer.self_attention.recompute_core = recompute_granularity == "selective"
         self.recompute_method = recompute_method
         self.recompute_num_layers = recompute_num_layers or 1
 
-    def _run(self, layers, x, rope, mask):
+    def _run(self, layers, x, ctx: ForwardContext):
         for layer in layers:
-            x = layer(x, rope, mask)
+            x = layer(x, ctx)
         return x
 
-    def forward(self, x: torch.Tensor, rope=None, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n = len(self.layers)
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             k = self.recompute_num_layers
             if self.recompute_method == "uniform":  # checkpoint every chunk of k layers
                 for i in range(0, n, k):
-                    fn = TrackerReplay(lambda h, i=i: self._run(self.layers[i:i + k], h, rope, mask), self.par.rng)
-                    x = checkpoint(fn, x, use_reentrant=False)
+                    x = checkpoint(self._run, self.layers[i:i + k], x, ctx, rng=self.par.rng)
             else:  # block: checkpoint each of the first k layers, run the rest normally
                 for i, layer in enumerate(self.layers):
-                    if i < k:
-                        fn = TrackerReplay(lambda h, layer=layer: layer(h, rope, mask), self.par.rng)
-                        x = checkpoint(fn, x, use_reentrant=False)
-                    else:
-                        x = layer(x, rope, mask)
+                    x = checkpoint(layer, x, ctx, rng=self.par.rng) if i < k else layer(x, ctx)
         else:
-            x = self._run(self.layers, x, rope, mask)
+            x = self._run(self.layers, x, ctx)
         return self.final_layernorm(x) if self.final_layernorm is not None else x

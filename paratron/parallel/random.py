@@ -1,10 +1,11 @@
-"""Seeding, and the RNG fork for tensor-parallel regions.
+"""Seeding, the RNG fork for tensor-parallel regions, and activation checkpointing that replays it.
 
 Outside tensor-parallel regions (replicated activations) every TP rank must draw the same dropout
 mask, so the default generator is seeded identically across TP ranks. Inside them (attention
 probabilities of this rank's heads, sequence-sharded activations) the masks must differ, so the
 model draws from a second generator state, seeded per TP rank, swapped in by ``fork()``. The
-tracker is an object owned by the model, not module state.
+tracker is an object owned by the model, not module state. :func:`checkpoint` recomputes a function
+in backward with the same masks from both streams.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import random
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 TP_SEED_OFFSET = 2718
 
@@ -90,6 +92,42 @@ class RNGTracker:
 
     def load_state_dict(self, sd: dict) -> None:
         self.state = sd["state"].clone()
+
+
+class _Replay:
+    """checkpoint's recompute context for the tracker: the recomputation draws from the stream as the
+    forward found it; on exit the live stream is back as it was before the recomputation."""
+
+    def __init__(self, rng: RNGTracker, start: torch.Tensor):
+        self.rng, self.start = rng, start
+
+    def __enter__(self):
+        self.live, self.rng.state = self.rng.state, self.start.clone()
+
+    def __exit__(self, *exc):
+        self.rng.state = self.live
+
+
+def checkpoint(fn, *args, rng: RNGTracker | None = None):
+    """``fn(*args)`` under torch.utils.checkpoint (non-reentrant): its activations are recomputed in
+    backward, with the same dropout masks. checkpoint replays the default generator itself; ``rng``,
+    the tracker of the TP regions, is replayed by the recompute context it takes from ``context_fn``.
+    That context is exited however the recomputation ends, and non-reentrant checkpoint ends it early
+    (by raising out of ``fn``) once every tensor backward needs is recomputed: code after the call
+    to ``fn`` would not run, and the stream would be left part-way through the recomputed draws."""
+    if rng is None:
+        return torch_checkpoint(fn, *args, use_reentrant=False)
+    return _checkpoint_replaying(fn, args, rng)
+
+
+# Inside a compiled region checkpoint takes no context_fn other than a selective-checkpoint policy,
+# so this one runs eagerly: what it wraps is the attention core (one SDPA call) or whole layers, which
+# are compiled on their own.
+@torch.compiler.disable
+def _checkpoint_replaying(fn, args, rng: RNGTracker):
+    start = rng.state.clone()
+    return torch_checkpoint(fn, *args, use_reentrant=False,
+                            context_fn=lambda: (contextlib.nullcontext(), _Replay(rng, start)))
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:

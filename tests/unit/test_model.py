@@ -215,3 +215,26 @@ def test_linear_cross_entropy_chunks_and_bf16(keep_bytes):
     for got_grad, want in ((xb.grad, gx), (wb.grad, gw)):
         assert got_grad.dtype == torch.bfloat16
         assert (got_grad.double() - want).norm() / want.norm() < 0.05
+
+
+def test_checkpoint_replays_the_tp_stream_and_leaves_it_as_the_forward_did():
+    """The recomputation draws the forward's masks from the TP-region stream, and afterwards the stream
+    is where the forward left it, although checkpoint stops recomputing after the dropout (the last op
+    that saves a tensor for backward: the draw of torch.rand_like is never recomputed)."""
+    from paratron.parallel.random import RNGTracker, checkpoint
+
+    def fn(x, w, rng):
+        with rng.fork():
+            h = F.dropout(x @ w, 0.5, True)
+            return h + torch.rand_like(h)
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    plain = fn(x, w, RNGTracker(1, 0))
+    plain.sum().backward()
+    want = w.grad.clone()
+    w.grad, rng = None, RNGTracker(1, 0)
+    out = checkpoint(fn, x, w, rng, rng=rng)
+    after_forward = rng.state.clone()
+    out.sum().backward()
+    assert torch.equal(out, plain) and torch.equal(w.grad, want)
+    assert torch.equal(rng.state, after_forward)
