@@ -7,12 +7,14 @@
 
 Each step is Trainer.train_step (mock data through the real data path, the 1F1B or interleaved
 schedule, gradient buffer, AdamW). Timing: ``--warmup`` steps, then every step between CUDA
-synchronisations. Idle: the schedule times each pipeline transfer with CUDA events on the compute
-stream (an event before the batched send/receive is posted, one after the stream waits for it), so
-it is the time each stage's GPU sat waiting for its neighbours (the bubble plus transfer time);
-idle fraction = that time / step time, per stage. Rank 0 prints a table and writes a Markdown
-record (date, hardware, torch, commit, command, figures) to --record-dir (default $OUT if set,
-else benchmarks/results).
+synchronisations. Idle: this script gives the schedule a P2P subclass (``TimedP2P``, the schedule's
+``p2p_class``) that times each pipeline transfer: on GPUs with CUDA events on the compute stream (an
+event before the batched send/receive is posted, one after the stream waits for it), on CPU/gloo
+with the host clock around the blocking exchange. So it is the time each stage sat waiting for its
+neighbours (the bubble plus transfer time); idle fraction = that time / step time, per stage. The
+schedule itself has no timing code. Rank 0 prints a table and writes a Markdown record (date,
+hardware, torch, commit, command, figures) to --record-dir (default $OUT if set, else
+benchmarks/results).
 """
 from __future__ import annotations
 
@@ -33,6 +35,45 @@ from record import write_record  # noqa: E402  (benchmarks/record.py)
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+class IdleClock:
+    """Time spent in pipeline transfers: CUDA event pairs, or host seconds on CPU."""
+
+    def __init__(self):
+        self.events, self.host = [], 0.0
+
+    def take(self) -> float:
+        """Seconds waited since the last call (synchronises the GPU)."""
+        if self.events:
+            torch.cuda.synchronize()
+        total = self.host + sum(a.elapsed_time(b) for a, b in self.events) / 1000.0
+        self.events, self.host = [], 0.0
+        return total
+
+
+CLOCK = IdleClock()
+
+
+def timed_p2p_class():
+    from paratron.parallel.p2p import P2P
+
+    class TimedP2P(P2P):
+        """P2P whose exchanges are timed into CLOCK."""
+
+        def exchange(self, *args, **kwargs):
+            if self.device.type == "cuda":  # GPU time the compute stream waits for the transfer
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = super().exchange(*args, **kwargs)
+                end.record()
+                CLOCK.events.append((start, end))
+                return out
+            start = time.perf_counter()  # gloo: the exchange blocks the host until it is done
+            out = super().exchange(*args, **kwargs)
+            CLOCK.host += time.perf_counter() - start
+            return out
+    return TimedP2P
 
 
 def main() -> int:
@@ -63,12 +104,12 @@ def main() -> int:
     d = trainer.dims
     schedule = trainer.forward_backward
     pipelined = isinstance(schedule, PipelineSchedule)
+    if pipelined:
+        schedule.p2p_class = timed_p2p_class()  # before the first step: the transfers are made then
     for _ in range(args.warmup):
         trainer.train_step()
     sync()
-    if pipelined:
-        schedule.measure_idle = True
-        schedule.idle_seconds()  # drop anything from the warm-up
+    CLOCK.take()  # drop the warm-up's
     step_s, idle_s, losses = [], [], []
     for _ in range(args.steps):
         sync()
@@ -76,7 +117,7 @@ def main() -> int:
         report, _, _ = trainer.train_step()
         sync()
         step_s.append(time.perf_counter() - start)
-        idle_s.append(schedule.idle_seconds() if pipelined else 0.0)
+        idle_s.append(CLOCK.take())
         losses.append(report.tolist())
     mine = {"rank": d.rank, "pp_rank": d.pp_rank, "tp_rank": d.tp_rank, "dp_rank": d.dp_rank,
             "step_s": sum(step_s) / len(step_s), "idle_s": sum(idle_s) / len(idle_s),
@@ -113,7 +154,8 @@ def main() -> int:
                  f"{d.world_size} x {device}",
                  {"flags": f"`{' '.join(flags)}`",
                   "method": f"{args.warmup} warm-up + {args.steps} timed steps, each between CUDA synchronisations; "
-                            "idle = CUDA-event time the compute stream waits on pipeline transfers"},
+                            "idle = time waiting on pipeline transfers (CUDA events on the compute stream; "
+                            "host clock on CPU)"},
                  f"{summary}\n\n{table}")
     return 0
 

@@ -9,8 +9,10 @@ aligned shards, one per data-parallel rank. Each parameter gets ``param.main_gra
 the buffer (fp32 by default, so bf16 parameters accumulate micro-batch gradients in fp32); a hook
 run after autograd accumulates a gradient adds it to ``main_grad`` and frees ``param.grad``.
 
-Reduction. Each bucket is divided by dp_cp, then all-reduced, or reduce-scattered in place when the
-distributed optimizer is used (each rank then holds the summed gradient of its own shard only).
+Reduction. Each bucket is divided by dp_cp (not with --calculate-per-token-loss: ``average=False``,
+finalize_model_grads then divides by the step's token count), then all-reduced, or reduce-scattered
+in place when the distributed optimizer is used (each rank then holds the summed gradient of its own
+shard only).
 Without ``overlap_grad_reduce`` every bucket is reduced in ``finish_grad_sync()`` after the last
 micro-batch. With it, a bucket's collective is launched from the hook as soon as its last gradient
 of the last micro-batch is ready, and ``finish_grad_sync()`` only waits. The schedule says which
@@ -63,12 +65,15 @@ class Bucket:
 class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, dims: ParallelDims, *, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
-                 use_distributed_optimizer: bool = False, overlap_param_gather: bool = False):
+                 use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
+                 average: bool = True):
+        """``average``: divide the gradients by dp x cp before summing them (False with
+        --calculate-per-token-loss: finalize_model_grads divides by the step's token count instead)."""
         super().__init__()
         self.module, self.dims = module, dims
         self.group = dims.dp_cp_group
         self.n, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
-        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_grad_reduce, self.average = overlap_grad_reduce, average
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_param_gather = overlap_param_gather and use_distributed_optimizer
         self.is_last_microbatch = True  # the schedule sets it False (no_sync) on the other micro-batches
@@ -178,7 +183,8 @@ class DataParallel(nn.Module):
 
     def _start_grad_reduce(self, b: Bucket) -> None:
         g = self.grad_buffer[b.start: b.end]
-        g.div_(self.n)  # average over dp x cp (Megatron scales before the collective)
+        if self.average:
+            g.div_(self.n)  # average over dp x cp (Megatron scales before the collective)
         if self.use_distributed_optimizer:
             lo, hi = self.shard_range(b)
             b.grad_work = _reduce_scatter(self.grad_buffer[lo: hi], g, group=self.group, async_op=True)
@@ -269,15 +275,20 @@ def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims) -> DataParall
     return DataParallel(module, dims, grad_dtype=grad_buffer_dtype(cfg), bucket_size=par.ddp_bucket_size,
                         overlap_grad_reduce=par.overlap_grad_reduce,
                         use_distributed_optimizer=par.use_distributed_optimizer,
-                        overlap_param_gather=par.overlap_param_gather)
+                        overlap_param_gather=par.overlap_param_gather,
+                        average=not cfg.train.calculate_per_token_loss)
 
 
-def finalize_model_grads(models: list[DataParallel], dims: ParallelDims) -> None:
+def finalize_model_grads(models: list[DataParallel], dims: ParallelDims,
+                         num_tokens: Optional[torch.Tensor] = None) -> None:
     """After the last backward of a step: data-parallel reduction, then the sums over TP of the
     gradients of sequence-parallel replicated parameters, then the sum over the embedding group of
     the tied embedding's two copies (first and last pipeline stage). After a reduce-scatter only this
     rank's shard of each gradient is right; the later sums keep it right because TP ranks share one
-    buffer layout and the tied embedding has a bucket of its own."""
+    buffer layout and the tied embedding has a bucket of its own.
+    ``num_tokens`` (--calculate-per-token-loss): this rank's loss-token count of the step, known on
+    the last pipeline stage only; it is broadcast over the pipeline group, summed over dp x cp, and
+    every gradient is divided by that global count (as Megatron's)."""
     for m in models:
         m.finish_grad_sync()
     if dims.tp > 1:
@@ -297,6 +308,14 @@ def finalize_model_grads(models: list[DataParallel], dims: ParallelDims) -> None
             models[0].tied_embedding_checked = True
         for p in tied:
             dist.all_reduce(p.main_grad, group=dims.embedding_group)
+    if num_tokens is not None:
+        n = num_tokens.detach().to(torch.float64).clone()  # the sum over ranks stays exact beyond 2^24
+        if dims.pp > 1:
+            dist.broadcast(n, src=dims.pp_peer(dims.pp - 1 - dims.pp_rank), group=dims.pp_group)
+        if dims.dp_cp > 1:
+            dist.all_reduce(n, group=dims.dp_cp_group)
+        for m in models:
+            m.grad_buffer.mul_(1.0 / n.clamp(min=1))
 
 
 def _check_tied_embedding(count: int, dims: ParallelDims, device) -> None:
