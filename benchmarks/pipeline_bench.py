@@ -76,7 +76,7 @@ def timed_p2p_class():
     return TimedP2P
 
 
-def main() -> int:
+def parse() -> tuple[argparse.Namespace, list]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="gpt-350m", help="preset or YAML file")
     p.add_argument("--pp", type=int, default=2, help="--pipeline-model-parallel-size")
@@ -89,23 +89,21 @@ def main() -> int:
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra training flags")
     args = p.parse_args()
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-
-    from paratron.config import parse_args
-    from paratron.parallel.pipeline import PipelineSchedule
-    from paratron.train.loop import Trainer
     flags = ["--config", args.config, "--pipeline-model-parallel-size", str(args.pp),
              "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
              "--train-iters", str(args.warmup + args.steps + 1), "--eval-iters", "0", "--log-interval", "1000000",
              "--mock-data", *extra]
     if args.vpp:
         flags += ["--virtual-pipeline-model-parallel-size", str(args.vpp)]
-    cfg = parse_args(flags)
-    trainer = Trainer(cfg)
+    return args, flags
+
+
+def measure(trainer, args) -> dict:
+    """This rank's mean step and idle time over the timed steps, peak memory, last loss."""
+    from paratron.parallel.pipeline import PipelineSchedule
     d = trainer.dims
-    schedule = trainer.forward_backward
-    pipelined = isinstance(schedule, PipelineSchedule)
-    if pipelined:
-        schedule.p2p_class = timed_p2p_class()  # before the first step: the transfers are made then
+    if isinstance(trainer.forward_backward, PipelineSchedule):  # before the first step: transfers are made then
+        trainer.forward_backward.p2p_class = timed_p2p_class()
     for _ in range(args.warmup):
         trainer.train_step()
     sync()
@@ -119,18 +117,14 @@ def main() -> int:
         step_s.append(time.perf_counter() - start)
         idle_s.append(CLOCK.take())
         losses.append(report.tolist())
-    mine = {"rank": d.rank, "pp_rank": d.pp_rank, "tp_rank": d.tp_rank, "dp_rank": d.dp_rank,
+    return {"rank": d.rank, "pp_rank": d.pp_rank, "tp_rank": d.tp_rank, "dp_rank": d.dp_rank,
             "step_s": sum(step_s) / len(step_s), "idle_s": sum(idle_s) / len(idle_s),
             "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "loss": (losses[-1][0] / max(losses[-1][1], 1.0)) if d.is_last_stage else None}
-    everyone = [None] * d.world_size
-    if dist.is_initialized():
-        dist.all_gather_object(everyone, mine)
-    else:
-        everyone = [mine]
-    trainer.close()
-    if d.rank != 0:
-        return 0
+
+
+def report(everyone: list, cfg, d, args, flags: list) -> None:
+    """Rank 0: the summary and per-rank table, printed and written as a record."""
     step = max(r["step_s"] for r in everyone)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     m = args.global_batch_size // (args.micro_batch_size * d.dp)
@@ -157,6 +151,24 @@ def main() -> int:
                             "idle = time waiting on pipeline transfers (CUDA events on the compute stream; "
                             "host clock on CPU)"},
                  f"{summary}\n\n{table}")
+
+
+def main() -> int:
+    args, flags = parse()
+    from paratron.config import parse_args
+    from paratron.train.loop import Trainer
+    cfg = parse_args(flags)
+    trainer = Trainer(cfg)
+    d = trainer.dims
+    mine = measure(trainer, args)
+    everyone = [None] * d.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    trainer.close()
+    if d.rank == 0:
+        report(everyone, cfg, d, args, flags)
     return 0
 
 
