@@ -182,7 +182,8 @@ def build_plan(pp: int, vpp: int, num_microbatches: int, forward_only: bool = Fa
 
 
 # ---- running a plan -------------------------------------------------------------------------------
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3, torch.int64: 4, torch.int32: 5,
+               torch.bool: 6, torch.uint8: 7}
 # The autograd engine's entry point (what torch.autograd.backward calls after its checks).
 _run_backward = (getattr(torch.autograd.graph, "_engine_run_backward", None)
                  or torch.autograd.Variable._execution_engine.run_backward)

@@ -234,7 +234,7 @@ def disagreeing_specs(rank: int) -> list[str]:
     dims = initialize_model_parallel(1, 2)
     msgs = []
     for layout in (BatchLayout(MBS, SEQ * (1 + rank), HIDDEN), ThreeTensors(MBS, SEQ, HIDDEN) if rank else
-                   BatchLayout(MBS, SEQ, HIDDEN)):
+                   BatchLayout(MBS, SEQ, HIDDEN), BatchLayout(MBS, SEQ, HIDDEN, torch.bfloat16 if rank else torch.float32)):
         try:
             PipelineSchedule(dims)._comm(layout, 4)
             msgs.append("")
@@ -245,7 +245,8 @@ def disagreeing_specs(rank: int) -> list[str]:
 
 def test_stages_with_different_specs_fail_clearly(two):
     for r in two:
-        shapes, count = r["disagree"]
+        shapes, count, dtype = r["disagree"]
         assert "pipeline stages disagree on the layout (tensors [(4, 2, 3) torch.float32]..[(8, 2, 3) " \
                "torch.float32])" in shapes
         assert "(tensors 1..3, tensor dimensions 5..14)" in count
+        assert "(tensors [(4, 2, 3) torch.float32]..[(4, 2, 3) torch.bfloat16])" in dtype
