@@ -233,8 +233,10 @@ def disagreeing_specs(rank: int) -> list[str]:
     from paratron.parallel.pipeline import PipelineSchedule
     dims = initialize_model_parallel(1, 2)
     msgs = []
-    for layout in (BatchLayout(MBS, SEQ * (1 + rank), HIDDEN), ThreeTensors(MBS, SEQ, HIDDEN) if rank else
-                   BatchLayout(MBS, SEQ, HIDDEN), BatchLayout(MBS, SEQ, HIDDEN, torch.bfloat16 if rank else torch.float32)):
+    layouts = [BatchLayout(MBS, SEQ * (1 + rank), HIDDEN),  # shapes
+               ThreeTensors(MBS, SEQ, HIDDEN) if rank else BatchLayout(MBS, SEQ, HIDDEN),  # number of tensors
+               BatchLayout(MBS, SEQ, HIDDEN, torch.bfloat16 if rank else torch.float32)]  # dtypes
+    for layout in layouts:
         try:
             PipelineSchedule(dims)._comm(layout, 4)
             msgs.append("")
