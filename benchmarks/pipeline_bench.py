@@ -7,12 +7,14 @@
 
 Each step is Trainer.train_step (mock data through the real data path, the 1F1B or interleaved
 schedule, gradient buffer, AdamW). Timing: ``--warmup`` steps, then every step between CUDA
-synchronisations. Idle: the schedule times each pipeline transfer with CUDA events on the compute
-stream (an event before the batched send/receive is posted, one after the stream waits for it), so
-it is the time each stage's GPU sat waiting for its neighbours (the bubble plus transfer time);
-idle fraction = that time / step time, per stage. Rank 0 prints a table and writes a Markdown
-record (date, hardware, torch, commit, command, figures) to --record-dir (default $OUT if set,
-else benchmarks/results).
+synchronisations. Idle: this script gives the schedule a P2P subclass (``TimedP2P``, the schedule's
+``p2p_class``) that times each pipeline transfer: on GPUs with CUDA events on the compute stream (an
+event before the batched send/receive is posted, one after the stream waits for it), on CPU/gloo
+with the host clock around the blocking exchange. So it is the time each stage sat waiting for its
+neighbours (the bubble plus transfer time); idle fraction = that time / step time, per stage. The
+schedule itself has no timing code. Rank 0 prints a table and writes a Markdown record (date,
+hardware, torch, commit, command, figures) to --record-dir (default $OUT if set, else
+benchmarks/results).
 """
 from __future__ import annotations
 
@@ -35,7 +37,46 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def main() -> int:
+class IdleClock:
+    """Time spent in pipeline transfers: CUDA event pairs, or host seconds on CPU."""
+
+    def __init__(self):
+        self.events, self.host = [], 0.0
+
+    def take(self) -> float:
+        """Seconds waited since the last call (synchronises the GPU)."""
+        if self.events:
+            torch.cuda.synchronize()
+        total = self.host + sum(a.elapsed_time(b) for a, b in self.events) / 1000.0
+        self.events, self.host = [], 0.0
+        return total
+
+
+CLOCK = IdleClock()
+
+
+def timed_p2p_class():
+    from paratron.parallel.p2p import P2P
+
+    class TimedP2P(P2P):
+        """P2P whose exchanges are timed into CLOCK."""
+
+        def exchange(self, *args, **kwargs):
+            if self.device.type == "cuda":  # GPU time the compute stream waits for the transfer
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = super().exchange(*args, **kwargs)
+                end.record()
+                CLOCK.events.append((start, end))
+                return out
+            start = time.perf_counter()  # gloo: the exchange blocks the host until it is done
+            out = super().exchange(*args, **kwargs)
+            CLOCK.host += time.perf_counter() - start
+            return out
+    return TimedP2P
+
+
+def parse() -> tuple[argparse.Namespace, list]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="gpt-350m", help="preset or YAML file")
     p.add_argument("--pp", type=int, default=2, help="--pipeline-model-parallel-size")
@@ -48,27 +89,25 @@ def main() -> int:
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then extra training flags")
     args = p.parse_args()
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
-
-    from paratron.config import parse_args
-    from paratron.parallel.pipeline import PipelineSchedule
-    from paratron.train.loop import Trainer
     flags = ["--config", args.config, "--pipeline-model-parallel-size", str(args.pp),
              "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
              "--train-iters", str(args.warmup + args.steps + 1), "--eval-iters", "0", "--log-interval", "1000000",
              "--mock-data", *extra]
     if args.vpp:
         flags += ["--virtual-pipeline-model-parallel-size", str(args.vpp)]
-    cfg = parse_args(flags)
-    trainer = Trainer(cfg)
+    return args, flags
+
+
+def measure(trainer, args) -> dict:
+    """This rank's mean step and idle time over the timed steps, peak memory, last loss."""
+    from paratron.parallel.pipeline import PipelineSchedule
     d = trainer.dims
-    schedule = trainer.forward_backward
-    pipelined = isinstance(schedule, PipelineSchedule)
+    if isinstance(trainer.forward_backward, PipelineSchedule):  # before the first step: transfers are made then
+        trainer.forward_backward.p2p_class = timed_p2p_class()
     for _ in range(args.warmup):
         trainer.train_step()
     sync()
-    if pipelined:
-        schedule.measure_idle = True
-        schedule.idle_seconds()  # drop anything from the warm-up
+    CLOCK.take()  # drop the warm-up's
     step_s, idle_s, losses = [], [], []
     for _ in range(args.steps):
         sync()
@@ -76,20 +115,16 @@ def main() -> int:
         report, _, _ = trainer.train_step()
         sync()
         step_s.append(time.perf_counter() - start)
-        idle_s.append(schedule.idle_seconds() if pipelined else 0.0)
+        idle_s.append(CLOCK.take())
         losses.append(report.tolist())
-    mine = {"rank": d.rank, "pp_rank": d.pp_rank, "tp_rank": d.tp_rank, "dp_rank": d.dp_rank,
+    return {"rank": d.rank, "pp_rank": d.pp_rank, "tp_rank": d.tp_rank, "dp_rank": d.dp_rank,
             "step_s": sum(step_s) / len(step_s), "idle_s": sum(idle_s) / len(idle_s),
             "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
             "loss": (losses[-1][0] / max(losses[-1][1], 1.0)) if d.is_last_stage else None}
-    everyone = [None] * d.world_size
-    if dist.is_initialized():
-        dist.all_gather_object(everyone, mine)
-    else:
-        everyone = [mine]
-    trainer.close()
-    if d.rank != 0:
-        return 0
+
+
+def report(everyone: list, cfg, d, args, flags: list) -> None:
+    """Rank 0: the summary and per-rank table, printed and written as a record."""
     step = max(r["step_s"] for r in everyone)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     m = args.global_batch_size // (args.micro_batch_size * d.dp)
@@ -113,8 +148,27 @@ def main() -> int:
                  f"{d.world_size} x {device}",
                  {"flags": f"`{' '.join(flags)}`",
                   "method": f"{args.warmup} warm-up + {args.steps} timed steps, each between CUDA synchronisations; "
-                            "idle = CUDA-event time the compute stream waits on pipeline transfers"},
+                            "idle = time waiting on pipeline transfers (CUDA events on the compute stream; "
+                            "host clock on CPU)"},
                  f"{summary}\n\n{table}")
+
+
+def main() -> int:
+    args, flags = parse()
+    from paratron.config import parse_args
+    from paratron.train.loop import Trainer
+    cfg = parse_args(flags)
+    trainer = Trainer(cfg)
+    d = trainer.dims
+    mine = measure(trainer, args)
+    everyone = [None] * d.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    trainer.close()
+    if d.rank == 0:
+        report(everyone, cfg, d, args, flags)
     return 0
 
 

@@ -121,6 +121,7 @@ class TrainConfig:
     device: Optional[str] = None  # paratron: cuda | cpu; default cuda when available
     torch_compile: bool = False  # paratron: torch.compile each transformer layer (regional compilation)
     no_fused_output_loss: bool = False  # paratron: plain logits + cross-entropy instead of the chunked fused path
+    calculate_per_token_loss: bool = False  # loss = sum over the step's tokens / their count (else per micro-batch mean)
 
 
 @dataclass

@@ -328,7 +328,7 @@ def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims) -> DataParall
                         overlap_grad_reduce=par.overlap_grad_reduce,
                         use_distributed_optimizer=par.use_distributed_optimizer,
                         overlap_param_gather=par.overlap_param_gather,
-                        average=not getattr(cfg.train, "calculate_per_token_loss", False))
+                        average=not cfg.train.calculate_per_token_loss)
 
 
 def finalize_model_grads(models: list[DataParallel], dims: ParallelDims, num_tokens=None) -> None:
@@ -364,8 +364,8 @@ def finalize_model_grads(models: list[DataParallel], dims: ParallelDims, num_tok
 
 def global_token_count(num_tokens, dims: ParallelDims, device) -> torch.Tensor:
     """The step's loss-token count over the pipeline (from its last stage) and data x context
-    parallelism, as a 0-d fp32 tensor on ``device``."""
-    n = torch.as_tensor(num_tokens, dtype=torch.float32, device=device).reshape(())
+    parallelism, as a 0-d fp64 tensor on ``device`` (exact far beyond fp32's 2^24)."""
+    n = torch.as_tensor(num_tokens, device=device).detach().to(torch.float64).reshape(()).clone()
     if dims.pp > 1:
         dist.broadcast(n, src=dims.pp_peer(dims.pp - 1 - dims.pp_rank), group=dims.pp_group)
     if dims.dp_cp > 1:

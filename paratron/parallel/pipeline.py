@@ -3,20 +3,26 @@
     forward_step_func(data_iterator, model) -> (output, loss_func)
     loss_func(output) -> (loss_sum, num_tokens, {"lm loss": tensor([sum, n])})
 
-Each micro-batch's loss is divided by its token count and by the number of micro-batches (Megatron's
-default, ``calculate_per_token_loss=False``). The schedule returns the list of report dicts of the
-micro-batches (on the last pipeline stage; an empty list on the others).
+What each micro-batch backpropagates is ``layout.microbatch_loss`` (layout.py): by default its loss
+divided by its token count and by the number of micro-batches (Megatron's
+``calculate_per_token_loss=False``), with ``--calculate-per-token-loss`` the loss sum (the caller
+then divides the gradients by the step's token count: ``finalize_model_grads(..., num_tokens)``).
+Without a layout (PP = 1 only) the default applies. The schedule returns the list of report dicts
+of the micro-batches (on the last pipeline stage; an empty list on the others).
 
 Pipelined schedules (PP > 1) take ``model`` as the list of this rank's model chunks (one per virtual
-stage, see stages.py) and ``data_iterator`` as one iterator (each chunk then reads every
-micro-batch of it in order) or a list of one per chunk. A schedule is a table per rank, the order of
-its forwards and backwards (1F1B: ``PP - rank - 1`` warm-up forwards, then one forward and one
-backward in turn, then the backwards left; interleaved: the same over the chunks, warm-up
-``2 (PP - rank - 1) + (V - 1) PP``). ``build_plan`` places every rank's actions on a common clock of
-slots, each action as early as its input allows; in each slot a rank runs its action, then exchanges
-in one batch what was produced in that slot with its two neighbours, which do the same in the same
-slot. Every exchange thus pairs with exchanges its peers post in the same slot, so no order of
-arrival can deadlock, and the plan is checked to finish before anything runs.
+stage, see stages.py), ``data_iterator`` as one iterator (each chunk then reads every micro-batch of
+it in order) or a list of one per chunk, and ``layout``, a ``BatchLayout`` whose ``p2p_specs()`` say
+what travels between stages (``seq_length`` and ``micro_batch_size`` are accepted for Megatron's
+signature; the layout decides). A schedule is a table per rank, the order of its forwards and
+backwards (1F1B: ``PP - rank - 1`` warm-up forwards, then one forward and one backward in turn, then
+the backwards left; interleaved: the same over the chunks, warm-up ``2 (PP - rank - 1) + (V - 1) PP``).
+``build_plan`` places every rank's actions on a common clock of slots, each action as early as its
+input allows; in each slot a rank runs its action, then exchanges in one batch what was produced in
+that slot with its two neighbours, which do the same in the same slot. Every exchange thus pairs with
+exchanges its peers post in the same slot, so no order of arrival can deadlock, and the plan is
+checked to finish before anything runs. Once a stage has sent an output activation, its storage is
+freed (``deallocate_output_tensor``, Megatron's): only its autograd node is kept for the backward.
 """
 from __future__ import annotations
 
@@ -30,17 +36,19 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 from .dims import ParallelDims
+from .layout import BatchLayout, microbatch_loss
 from .p2p import P2P, PipelineError
 from .stages import unwrap
 
 
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Iterator, model,
                                    num_microbatches: int, seq_length: int = 0, micro_batch_size: int = 0,
-                                   forward_only: bool = False, grad_scale: float = 1.0,
-                                   **_unused) -> list[dict]:
+                                   layout: Optional[BatchLayout] = None, forward_only: bool = False,
+                                   grad_scale: float = 1.0, **_unused) -> list[dict]:
     """Gradient accumulation over micro-batches on one pipeline stage."""
     if isinstance(model, (list, tuple)):
         (model,) = model
+    per_token = layout is not None and layout.calculate_per_token_loss
     reports = []
     no_sync = getattr(model, "no_sync", None)  # DataParallel: no gradient reduction before the last micro-batch
     for i in range(num_microbatches):
@@ -49,7 +57,7 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
             with torch.set_grad_enabled(not forward_only):
                 output, loss_func = forward_step_func(data_iterator, model)
                 loss_sum, num_tokens, report = loss_func(output)
-                loss = loss_sum / num_tokens.clamp(min=1) / num_microbatches
+                loss = microbatch_loss(loss_sum, num_tokens, num_microbatches, per_token)
             if not forward_only:
                 (loss * grad_scale).backward()
         reports.append(report)
@@ -174,127 +182,209 @@ def build_plan(pp: int, vpp: int, num_microbatches: int, forward_only: bool = Fa
 
 
 # ---- running a plan -------------------------------------------------------------------------------
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3, torch.int64: 4, torch.int32: 5,
+               torch.bool: 6, torch.uint8: 7}
+# The autograd engine's entry point (what torch.autograd.backward calls after its checks).
+_run_backward = (getattr(torch.autograd.graph, "_engine_run_backward", None)
+                 or torch.autograd.Variable._execution_engine.run_backward)
+
+
+class _Viewless(torch.autograd.Function):
+    """The same tensor (same storage, no copy) as one that is not a view, so that
+    ``deallocate_output_tensor`` can free it: a view's storage is kept alive by its base (Megatron's
+    ``make_viewless_tensor``, which its models apply to their output; paratron's schedule applies it
+    to whatever a stage sends)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((0,), dtype=x.dtype, device=x.device)
+        out.data = x.data
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def deallocate_output_tensor(out: torch.Tensor) -> None:
+    """Megatron's: once a stage has sent its output activation, only the autograd node that produced
+    it (``grad_fn``) is needed for the backward, not its values: replace its storage with an empty one
+    (the activation of every micro-batch in flight would otherwise stay in memory twice, here and on
+    the next stage). A view (its storage belongs to another tensor; see ``_Viewless``) or a leaf is
+    left as it is."""
+    if out.grad_fn is None or out._base is not None:
+        return
+    out.data = torch.empty((0,), device=out.device, dtype=out.dtype)
+
+
+def backward_freed(outputs: list, grads: list) -> None:
+    """Backward from outputs whose storage may have been freed by ``deallocate_output_tensor``.
+    ``torch.autograd.backward`` would compare each gradient's shape with the emptied tensor; the
+    autograd engine checks it against the shape recorded in the graph, so it is called directly
+    (as Megatron's ``custom_backward``)."""
+    _run_backward(tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def _decode(body: list) -> str:
+    """The spec list that ``PipelineSchedule._agree`` encoded, as text."""
+    names = {code: str(dtype) for dtype, code in DTYPE_CODES.items()}
+    out, i = [], 0
+    while i < len(body):
+        n = body[i]
+        out.append(f"{tuple(body[i + 1: i + 1 + n])} {names.get(body[i + 1 + n], 'other dtype')}")
+        i += n + 2
+    return "[" + ", ".join(out) + "]"
+
+
+class _Run:
+    """One call of a pipelined schedule on this rank: its model chunks and data, and the tensors in
+    flight, keyed by (chunk, micro-batch): received inputs and output gradients, and what a forward
+    keeps for its backward (its inputs and outputs)."""
+
+    def __init__(self, dims: ParallelDims, chunks: list, iters: list, forward_step_func: Callable,
+                 layout: BatchLayout, specs: tuple, num_microbatches: int, forward_only: bool, grad_scale: float):
+        self.dims, self.chunks, self.iters, self.step = dims, chunks, iters, forward_step_func
+        self.layout, self.specs, self.m_total = layout, specs, num_microbatches
+        self.forward_only, self.grad_scale = forward_only, grad_scale
+        self.last = dims.pp * len(chunks) - 1
+        self.inputs, self.grads, self.saved, self.reports = {}, {}, {}, []
+
+    def stage(self, c: int) -> int:
+        return c * self.dims.pp + self.dims.pp_rank
+
+    def forward(self, c: int, m: int, send: bool) -> Optional[list]:
+        """Forward of micro-batch m on chunk c; returns what goes to the next stage if ``send``."""
+        stage = self.stage(c)
+        xs = self.inputs.pop((c, m)) if stage > 0 else None
+        if xs is not None and not self.forward_only:
+            for x, spec in zip(xs, self.specs):
+                x.requires_grad_(spec.has_grad)
+        unwrap(self.chunks[c]).set_input_tensor(xs[0] if xs is not None and len(xs) == 1 else xs)
+        with torch.set_grad_enabled(not self.forward_only):
+            y, loss_func = self.step(self.iters[c], self.chunks[c])
+            if stage == self.last:
+                loss_sum, num_tokens, report = loss_func(y)
+                self.reports.append(report)
+                y = self.layout.microbatch_loss(loss_sum, num_tokens, self.m_total) * self.grad_scale
+        outs = [y] if isinstance(y, torch.Tensor) else list(y)
+        if not self.forward_only:
+            if send:  # views cannot be freed after the send: the same tensors as non-views
+                outs = [_Viewless.apply(o) if o._base is not None and o.requires_grad else o for o in outs]
+            self.saved[(c, m)] = (xs, outs)
+        return [o.detach() for o in outs] if send else None
+
+    def sent(self, c: int, m: int) -> None:
+        """The outputs of (c, m) have reached the next stage: free them."""
+        if not self.forward_only:
+            for out in self.saved[(c, m)][1]:
+                deallocate_output_tensor(out)
+
+    def backward(self, c: int, m: int, send: bool) -> Optional[list]:
+        """Backward of micro-batch m on chunk c; returns its input gradients if ``send``."""
+        xs, outs = self.saved.pop((c, m))
+        defer = m < self.m_total - 1 and hasattr(self.chunks[c], "no_sync")  # reduce on the last micro-batch
+        with self.chunks[c].no_sync() if defer else contextlib.nullcontext():
+            if self.stage(c) == self.last:
+                torch.autograd.backward(outs[0])
+            else:
+                pairs = [(o, g) for o, g in zip([o for o, s in zip(outs, self.specs) if s.has_grad],
+                                                self.grads.pop((c, m))) if o.requires_grad]
+                backward_freed([o for o, _ in pairs], [g for _, g in pairs])
+        if not send:
+            return None
+        return [x.grad if x.grad is not None else torch.zeros_like(x) for x, s in zip(xs, self.specs) if s.has_grad]
+
+    def check_done(self) -> None:
+        if self.inputs or self.grads or self.saved:
+            raise RuntimeError(f"pipeline rank {self.dims.pp_rank}: the schedule left tensors behind (a bug)")
+        for c in self.chunks:
+            unwrap(c).set_input_tensor(None)
+
 
 class PipelineSchedule:
     """1F1B, or interleaved 1F1B with virtual stages, for one ParallelDims; called like
-    ``forward_backward_no_pipelining``. ``measure_idle = True`` times every exchange (for
-    benchmarks: ``idle_seconds()``)."""
+    ``forward_backward_no_pipelining`` (with ``layout``). ``p2p_class`` makes the transfers (a
+    benchmark may pass a subclass of P2P that times them)."""
 
-    def __init__(self, dims: ParallelDims, p2p_timeout: float = 600.0):
-        self.dims, self.timeout = dims, p2p_timeout
+    def __init__(self, dims: ParallelDims, p2p_timeout: float = 600.0, p2p_class: type = P2P):
+        self.dims, self.timeout, self.p2p_class = dims, p2p_timeout, p2p_class
         self.vpp = dims.vpp or 1
         self._p2p: dict = {}
-        self.measure_idle = False
-        self._events: list = []
-        self._idle_host = 0.0
 
-    def _comm(self, chunk, seq_length: int, micro_batch_size: int, num_microbatches: int) -> P2P:
-        m = unwrap(chunk)
-        par = getattr(m, "par", None)
-        split = par.tp_size if par is not None and par.sequence_parallel else 1
-        if not seq_length or not micro_batch_size or seq_length % split:
-            raise ValueError(f"pipelined schedules need seq_length and micro_batch_size (got {seq_length}, "
-                             f"{micro_batch_size}) with seq_length divisible by {split}")
-        p = next(m.parameters())
-        shape = (seq_length // split, micro_batch_size, m.config.hidden_size)
-        key = (shape, p.dtype, p.device, num_microbatches)
+    def _comm(self, layout: Optional[BatchLayout], num_microbatches: int) -> P2P:
+        if layout is None:
+            raise ValueError("pipelined schedules need layout=BatchLayout(...) (paratron/parallel/layout.py): "
+                             "it says which tensors travel between stages")
+        specs = tuple(layout.p2p_specs())
+        key = (specs, layout.device, num_microbatches)
         if key not in self._p2p:
-            self._agree(shape, p.dtype, p.device, num_microbatches)
-            self._p2p[key] = P2P(self.dims, shape, p.dtype, p.device, self.timeout)
+            self._agree(specs, layout.device, num_microbatches)
+            self._p2p[key] = self.p2p_class(self.dims, specs, layout.device, self.timeout)
         return self._p2p[key]
 
-    def _agree(self, shape, dtype, device, num_microbatches: int) -> None:
-        """All stages must move the same tensors through the same plan; one small all-reduce over the
-        pipeline group checks it (and is the group's first collective, as NCCL's batched p2p wants)."""
-        d = self.dims
-        code = DTYPE_CODES.get(dtype, len(DTYPE_CODES))
-        mine = torch.tensor([d.pp, self.vpp, num_microbatches, *shape, code], device=device)
-        lo, hi = mine.clone(), mine.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=d.pp_group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=d.pp_group)
-        if not torch.equal(lo, hi):
-            names = ["PP", "virtual stages", "micro-batches", "sequence", "micro-batch", "hidden", "dtype code"]
-            diff = [f"{n} {a}..{b}" for n, a, b in zip(names, lo.tolist(), hi.tolist()) if a != b]
-            raise PipelineError(f"pipeline stages disagree on the layout ({', '.join(diff)}); every rank must run "
-                                "the same configuration")
+    def _agree(self, specs: tuple, device, num_microbatches: int) -> None:
+        """All stages must move the same tensors through the same plan; small all-reduces over the
+        pipeline group check it (and are the group's first collectives, as NCCL's batched p2p wants):
+        the sizes and the number of tensors and of their dimensions, then the shapes and dtypes."""
+        body = [x for s in specs for x in (len(s.shape), *s.shape, DTYPE_CODES.get(s.dtype, len(DTYPE_CODES)))]
+        lo, hi = self._min_max([self.dims.pp, self.vpp, num_microbatches, len(specs), len(body)], device)
+        if lo == hi:  # the same number of tensors and dimensions: compare shapes and dtypes
+            lo, hi = self._min_max(body, device)
+            if lo == hi:
+                return
+            diff = [f"tensors {_decode(lo)}..{_decode(hi)}"]
+        else:
+            names = ["PP", "virtual stages", "micro-batches", "tensors", "tensor dimensions"]
+            diff = [f"{n} {a}..{b}" for n, a, b in zip(names, lo, hi) if a != b]
+        raise PipelineError(f"pipeline stages disagree on the layout ({', '.join(diff)}); every rank must run "
+                            "the same configuration")
 
-    def _exchange(self, p2p: P2P, **kw):
-        if not self.measure_idle:
-            return p2p.exchange(**kw)
-        if p2p.device.type == "cuda":  # GPU time the compute stream waits for the transfer
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = p2p.exchange(**kw)
-            end.record()
-            self._events.append((start, end))
-            return out
-        before = p2p.wait_seconds
-        out = p2p.exchange(**kw)
-        self._idle_host += p2p.wait_seconds - before
-        return out
-
-    def idle_seconds(self) -> float:
-        """Time spent waiting in transfers since the last call (synchronises the GPU)."""
-        if self._events:
-            torch.cuda.synchronize()
-        total = self._idle_host + sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
-        self._events, self._idle_host = [], 0.0
-        return total
+    def _min_max(self, values: list, device) -> tuple[list, list]:
+        lo = torch.tensor(values, dtype=torch.int64, device=device)
+        hi = lo.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.dims.pp_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.dims.pp_group)
+        return lo.tolist(), hi.tolist()
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model, num_microbatches: int,
-                 seq_length: int = 0, micro_batch_size: int = 0, forward_only: bool = False,
-                 grad_scale: float = 1.0, **_unused) -> list[dict]:
-        d, vpp, m_total = self.dims, self.vpp, num_microbatches
+                 seq_length: int = 0, micro_batch_size: int = 0, layout: Optional[BatchLayout] = None,
+                 forward_only: bool = False, grad_scale: float = 1.0, **_unused) -> list[dict]:
+        d, vpp = self.dims, self.vpp
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         if len(chunks) != vpp:
             raise ValueError(f"pipeline rank {d.pp_rank} has {len(chunks)} model chunks; the layout has {vpp} "
                              "virtual stages")
-        check_pipeline_schedule(d, m_total)
-        p2p = self._comm(chunks[0], seq_length, micro_batch_size, m_total)
+        check_pipeline_schedule(d, num_microbatches)
+        p2p = self._comm(layout, num_microbatches)
         if isinstance(data_iterator, (list, tuple)):
             iters = list(data_iterator)
         elif vpp > 1 and data_iterator is not None:  # each chunk reads every micro-batch, in order
             iters = list(itertools.tee(data_iterator, vpp))
         else:
             iters = [data_iterator] * vpp
-        last = d.pp * vpp - 1
-        inputs, grads, saved, reports = {}, {}, {}, []
-        for slot in build_plan(d.pp, vpp, m_total, forward_only)[d.pp_rank]:
-            act = grad = None
-            if slot.action is not None:
-                kind, c, m = slot.action
-                stage = c * d.pp + d.pp_rank
-                if kind == "F":
-                    x = inputs.pop((c, m)) if stage > 0 else None
-                    if x is not None and not forward_only:
-                        x.requires_grad_(True)
-                    unwrap(chunks[c]).set_input_tensor(x)
-                    with torch.set_grad_enabled(not forward_only):
-                        y, loss_func = forward_step_func(iters[c], chunks[c])
-                        if stage == last:
-                            loss_sum, num_tokens, report = loss_func(y)
-                            reports.append(report)
-                            y = loss_sum / num_tokens.clamp(min=1) / m_total * grad_scale
-                    if not forward_only:
-                        saved[(c, m)] = (x, y)
-                    act = y.detach() if slot.send else None
-                else:
-                    x, y = saved.pop((c, m))
-                    g = grads.pop((c, m)) if stage < last else None
-                    defer = m < m_total - 1 and hasattr(chunks[c], "no_sync")  # reduce on the last micro-batch
-                    with chunks[c].no_sync() if defer else contextlib.nullcontext():
-                        torch.autograd.backward(y, grad_tensors=g)
-                    if slot.send:
-                        grad = x.grad if x.grad is not None else torch.zeros_like(x)
-            got_act, got_grad = self._exchange(p2p, send_act=act, send_grad=grad, recv_act=slot.recv_act is not None,
-                                               recv_grad=slot.recv_grad is not None)
-            if got_act is not None:
-                inputs[slot.recv_act] = got_act
-            if got_grad is not None:
-                grads[slot.recv_grad] = got_grad
-        if inputs or grads or saved:
-            raise RuntimeError(f"pipeline rank {d.pp_rank}: the schedule left tensors behind (a bug)")
-        for c in chunks:
-            unwrap(c).set_input_tensor(None)
-        return reports
+        run = _Run(d, chunks, iters, forward_step_func, layout, p2p.specs, num_microbatches, forward_only,
+                   grad_scale)
+        for slot in build_plan(d.pp, vpp, num_microbatches, forward_only)[d.pp_rank]:
+            self._run_slot(run, slot, p2p)
+        run.check_done()
+        return run.reports
+
+    @staticmethod
+    def _run_slot(run: _Run, slot: "Slot", p2p: P2P) -> None:
+        """This rank's action of the slot, then its exchange with the neighbours."""
+        act = grad = None
+        if slot.action is not None:
+            kind, c, m = slot.action
+            if kind == "F":
+                act = run.forward(c, m, slot.send)
+            else:
+                grad = run.backward(c, m, slot.send)
+        got_act, got_grad = p2p.exchange(send_act=act, send_grad=grad, recv_act=slot.recv_act is not None,
+                                         recv_grad=slot.recv_grad is not None)
+        if act is not None:
+            del act
+            run.sent(c, m)
+        if got_act is not None:
+            run.inputs[slot.recv_act] = got_act
+        if got_grad is not None:
+            run.grads[slot.recv_grad] = got_grad

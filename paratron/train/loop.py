@@ -19,6 +19,7 @@ from ..config import Config, ConfigError, resolve_batch
 from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims, initialize_model_parallel
+from ..parallel.layout import BatchLayout
 from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
 from ..parallel.stages import rank_chunks
@@ -98,23 +99,23 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) ->
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Megatron's convention: (sum of masked token losses, token count, report)."""
+    """Megatron's convention: (sum of masked token losses, token count, report). The token count is
+    what the micro-batch's loss is divided by (``BatchLayout.microbatch_loss``); the report's n is the
+    same count, so summed over a step it is what --calculate-per-token-loss divides gradients by."""
     mask = loss_mask.float()
     total = (output.float() * mask).sum()
     n = mask.sum()
     return total, n, {"lm loss": torch.stack([total.detach(), n.detach()])}
 
 
-def make_forward_step(device: torch.device, use_position_ids: bool):
+def make_forward_step(layout: BatchLayout):
+    """Megatron's forward_step_func: the next micro-batch, laid out for this rank by ``layout``
+    (device, sequence slice, position ids), through the model; the loss function gets its mask."""
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        tokens = batch["tokens"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True)
-        pos = batch["position_ids"].to(device, non_blocking=True) if use_position_ids else None
-        mask = batch.get("attention_mask")
-        mask = mask.to(device, non_blocking=True) if mask is not None else None
-        output = model(tokens, position_ids=pos, attention_mask=mask, labels=labels)
-        return output, partial(loss_func, batch["loss_mask"].to(device, non_blocking=True))
+        b = layout.prepare(next(data_iterator))
+        output = model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
+                       labels=b["labels"])
+        return output, partial(loss_func, b["loss_mask"])
     return forward_step
 
 
@@ -149,7 +150,8 @@ class Trainer:
         self.forward_backward = get_forward_backward_func(self.dims, 60.0 * cfg.parallel.distributed_timeout_minutes)
         for m in (self.num_microbatches, tr.global_batch_size // (tr.micro_batch_size * self.dims.dp)):
             check_pipeline_schedule(self.dims, m)  # the first and the final batch size
-        self.forward_step = make_forward_step(self.device, cfg.data.reset_position_ids)
+        self.layout = BatchLayout.from_config(cfg, self.dims, self.device, params_dtype(cfg))
+        self.forward_step = make_forward_step(self.layout)
         self.log = RunLogger(self.dims.is_logging_rank, tr.train_iters, cfg.log.tensorboard_dir)
         self.pending_save: Optional[sharded.AsyncSave] = None
         self._pending_skips: Optional[torch.Tensor] = None
@@ -214,15 +216,17 @@ class Trainer:
         reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
                                         model=self.models, num_microbatches=self.num_microbatches,
                                         seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
-                                        forward_only=False, grad_scale=self.optimizer.loss_scale)
-        finalize_model_grads(self.models, self.dims)
+                                        layout=self.layout, forward_only=False, grad_scale=self.optimizer.loss_scale)
+        report = sum_reports(reports, self.device)  # [loss sum, loss tokens] of this rank (last stage; else 0)
+        # --calculate-per-token-loss: the gradients are sums; divide them by the step's global token count
+        finalize_model_grads(self.models, self.dims, num_tokens=report[1] if tr.calculate_per_token_loss else None)
         ok, grad_norm = self.optimizer.step()
         if isinstance(ok, torch.Tensor) or ok:  # a device-side skip (bf16 inf/nan) still advances, as Megatron's bf16
             self.scheduler.step(gbs)
             self.optimizer.set_lr(self.scheduler.lr)
         self.iteration += 1
         self.consumed_samples += gbs
-        return self._reduce_dp(sum_reports(reports, self.device)), ok, grad_norm
+        return self._reduce_dp(report), ok, grad_norm
 
     def _reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
         if self.dims.dp_cp > 1:
@@ -239,7 +243,7 @@ class Trainer:
             reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.valid_iter,
                                             model=self.models, num_microbatches=self.num_microbatches,
                                             seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
-                                            forward_only=True)
+                                            layout=self.layout, forward_only=True)
             total += sum_reports(reports, self.device)
         for m in self.models:
             m.train()

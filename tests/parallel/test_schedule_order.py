@@ -91,6 +91,11 @@ def test_plan_pairs_every_transfer_in_its_slot(pp, vpp, m):
 SEQ, MBS, HIDDEN = 4, 1, 8
 
 
+def fake_layout():
+    from paratron.parallel.layout import BatchLayout
+    return BatchLayout(micro_batch_size=MBS, seq_length=SEQ, hidden_size=HIDDEN)
+
+
 class FakeStage(nn.Module):
     """Virtual stage s computes y = x * w_s + s and logs what runs on it."""
 
@@ -153,7 +158,8 @@ def _order_rank(rank, world, vpp, m, timeout=60.0):
         schedule = get_forward_backward_func(dims, timeout)
         with torch.set_grad_enabled(not forward_only):
             reports = schedule(forward_step_func=forward_step, data_iterator=iter(data), model=chunks,
-                               num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, forward_only=forward_only)
+                               num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, layout=fake_layout(),
+                               forward_only=forward_only)
         out[forward_only] = {"log": log, "losses": [(r["mb"], r["lm loss"][0].item()) for r in reports],
                              "grads": {c.stage: (c.w.grad.item() if c.w.grad is not None else None) for c in chunks}}
     return out
@@ -192,7 +198,7 @@ def _stuck_peer_rank(rank, world):
             time.sleep(60)  # stuck (the test fails rank 1 long before)
         start = time.time()
         schedule(forward_step_func=forward_step, data_iterator=iter(data), model=[chunk], num_microbatches=4,
-                 seq_length=SEQ, micro_batch_size=MBS)
+                 seq_length=SEQ, micro_batch_size=MBS, layout=fake_layout())
     return time.time() - start
 
 
@@ -208,8 +214,10 @@ def test_stuck_peer_fails_within_timeout_naming_it(tmp_path):
 def test_wrong_shape_is_an_error_on_the_sender():
     from paratron.parallel.dims import ParallelDims
     from paratron.parallel.p2p import P2P, PipelineError
-    p2p = P2P(ParallelDims(world_size=2, pp=2, group_ranks={"pp": [0, 1]}), (SEQ, MBS, HIDDEN), torch.float32, "cpu")
+    p2p = P2P(ParallelDims(world_size=2, pp=2, group_ranks={"pp": [0, 1]}), fake_layout().p2p_specs(), "cpu")
     with pytest.raises(PipelineError, match=r"stage 0 \(rank 0\) would send an activation of shape \(4, 2, 8\)"):
-        p2p.exchange(send_act=torch.zeros(SEQ, 2, HIDDEN))
+        p2p.exchange(send_act=[torch.zeros(SEQ, 2, HIDDEN)])
     with pytest.raises(PipelineError, match="torch.bfloat16"):
-        p2p.exchange(send_grad=torch.zeros(SEQ, MBS, HIDDEN, dtype=torch.bfloat16))
+        p2p.exchange(send_grad=[torch.zeros(SEQ, MBS, HIDDEN, dtype=torch.bfloat16)])
+    with pytest.raises(PipelineError, match="would send 2 activation tensor"):
+        p2p.exchange(send_act=[torch.zeros(SEQ, MBS, HIDDEN)] * 2)
