@@ -93,7 +93,7 @@ for _fam in ("llama", "mistral", "qwen2", "qwen3"):
 
 def _paratron_shapes(cfg: ModelConfig, padded_vocab: int) -> dict[str, tuple]:
     """Every tensor of GPTModel(cfg, padded_vocab).state_dict() at TP=1, with its shape."""
-    cfg.fill_defaults()
+    cfg = cfg.resolved()
     h, d, ffn = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
     heads, groups = cfg.num_attention_heads, cfg.num_query_groups
     norm_bias = cfg.normalization == "LayerNorm"
@@ -294,6 +294,7 @@ def hf_to_paratron(hf_state: dict, cfg: ModelConfig, family: str, padded_vocab_s
     ``lm_head.weight`` is ignored, as transformers does. Raises ConversionError naming missing,
     unexpected or mis-shaped tensors.
     """
+    cfg = cfg.resolved()  # derived sizes filled (a copy when the caller's is not resolved)
     rows = name_table(cfg, family)
     hf = _normalize_hf_names(hf_state, family, not cfg.untie_embeddings_and_output_weights)
     wanted = {n for _, names, _ in rows for n in names}
@@ -327,6 +328,7 @@ def paratron_to_hf(state: dict, cfg: ModelConfig, family: str, vocab_size: int) 
     For tied models ``lm_head.weight`` is left out, as ``save_pretrained`` does (``from_pretrained``
     ties it to the embedding); an ``output_layer.weight`` copy in a tied state dict is ignored.
     """
+    cfg = cfg.resolved()
     rows = name_table(cfg, family)
     if not cfg.untie_embeddings_and_output_weights:
         state = {k: v for k, v in state.items() if k != "output_layer.weight"}
