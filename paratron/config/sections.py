@@ -25,37 +25,41 @@ from ..errors import ConfigError, FrozenConfigError
 
 
 class Section:
-    """Base of the config sections: writable until ``resolve()`` freezes it."""
+    """Base of the config sections: writable until ``resolve()`` freezes it. The freeze state lives
+    in slots, so ``vars(section)`` and ``dataclasses.asdict`` hold only the fields."""
 
+    __slots__ = ("_frozen", "_given")  # _given: the values resolve() replaced (what unfrozen() restores)
     _name = "config"
-    _frozen = False
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if self._frozen:
+        if name not in Section.__slots__ and name not in self.__dataclass_fields__:
+            home = f" (it is {FIELD_SECTION[name]}.{name})" if name in FIELD_SECTION else ""
+            raise AttributeError(f"{type(self).__name__} has no field {name}{home}")
+        if name not in Section.__slots__ and self.is_resolved:
             where = f"{self._name}.{name}" + (f" ({flag(name)})" if name in FIELD_SECTION else "")
             raise FrozenConfigError(f"cannot set {where}: the config is frozen after resolve(); make a modified "
                                     "copy with cfg.unfrozen() and resolve that, or use dataclasses.replace()")
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
-        if self._frozen:
+        if self.is_resolved:
             raise FrozenConfigError(f"cannot delete {self._name}.{name}: the config is frozen after resolve()")
         object.__delattr__(self, name)
 
     @property
     def is_resolved(self) -> bool:
-        return self._frozen
+        return getattr(self, "_frozen", False)
 
     def _freeze(self, given: dict) -> None:
         """Freeze; ``given`` holds the values resolve() replaced (what ``unfrozen()`` restores)."""
-        object.__setattr__(self, "_given", given)
-        object.__setattr__(self, "_frozen", True)
+        self._given = given
+        self._frozen = True
 
     def unfrozen(self):
         """A writable deep copy holding the values as given (before resolve derived any)."""
         out = copy.deepcopy(self)
-        given = out.__dict__.pop("_given", {})
-        object.__setattr__(out, "_frozen", False)
+        out._frozen = False
+        given, out._given = getattr(out, "_given", {}), {}
         for name, value in given.items():
             setattr(out, name, value)
         return out
@@ -97,7 +101,7 @@ class ModelConfig(Section):
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query
         groups, max positions) filled, frozen: itself when already resolved and nothing changes,
         else a new object (``changes`` applied to the values as given first)."""
-        if self._frozen and not changes:
+        if self.is_resolved and not changes:
             return self
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:

@@ -173,7 +173,8 @@ def validate_tokenizer(d: DataConfig) -> None:
     from ..data.tokenizers import TOKENIZER_TYPES
     need(d.tokenizer_type is not None, "set the tokenizer with --tokenizer-type (and its files); see docs/data.md")
     if d.tokenizer_type not in TOKENIZER_TYPES:
-        close = difflib.get_close_matches(d.tokenizer_type, TOKENIZER_TYPES, n=1)
+        close = ([t for t in TOKENIZER_TYPES if t.lower().startswith(d.tokenizer_type.lower())]
+                 or difflib.get_close_matches(d.tokenizer_type, TOKENIZER_TYPES, n=1))
         hint = f"did you mean {close[0]}?" if close else f"choose one of {', '.join(TOKENIZER_TYPES)}"
         raise ConfigError(f"--tokenizer-type {d.tokenizer_type} is not supported; {hint}")
     if d.tokenizer_type == "NullTokenizer":

@@ -236,8 +236,8 @@ def preprocess(args) -> Dict[str, object]:
         raise DataError(f"--workers {args.workers}: must be at least 1")
     if args.partitions < 1 or args.workers % args.partitions:
         raise DataError(f"--partitions {args.partitions}: must divide --workers {args.workers}")
-    files = _input_files(args.input)
     tok_cfg = tokenizer_config(args)  # the flags and checks of `paratron train`
+    files = _input_files(args.input)
     tokenizer = build_tokenizer(tok_cfg)
     if args.append_eod and tokenizer.eod is None:
         raise DataError(f"--append-eod: tokenizer {args.tokenizer_type} has no EOD token")
