@@ -32,13 +32,15 @@ class Section:
     _name = "config"
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in Section.__slots__ and name not in self.__dataclass_fields__:
-            home = f" (it is {FIELD_SECTION[name]}.{name})" if name in FIELD_SECTION else ""
-            raise AttributeError(f"{type(self).__name__} has no field {name}{home}")
-        if name not in Section.__slots__ and self.is_resolved:
+        if name in Section.__slots__:
+            return object.__setattr__(self, name, value)
+        if self.is_resolved:
             where = f"{self._name}.{name}" + (f" ({flag(name)})" if name in FIELD_SECTION else "")
             raise FrozenConfigError(f"cannot set {where}: the config is frozen after resolve(); make a modified "
                                     "copy with cfg.unfrozen() and resolve that, or use dataclasses.replace()")
+        if name not in self.__dataclass_fields__:
+            home = f" (it is {FIELD_SECTION[name]}.{name})" if name in FIELD_SECTION else ""
+            raise AttributeError(f"{type(self).__name__} has no field {name}{home}")
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
@@ -51,7 +53,10 @@ class Section:
         return getattr(self, "_frozen", False)
 
     def _freeze(self, given: dict) -> None:
-        """Freeze; ``given`` holds the values resolve() replaced (what ``unfrozen()`` restores)."""
+        """Freeze (lists too); ``given`` holds the values resolve() replaced (what ``unfrozen()`` restores)."""
+        for name in self.__dataclass_fields__:
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, FrozenList(getattr(self, name)))
         self._given = given
         self._frozen = True
 
@@ -60,9 +65,26 @@ class Section:
         out = copy.deepcopy(self)
         out._frozen = False
         given, out._given = getattr(out, "_given", {}), {}
+        for name in out.__dataclass_fields__:
+            if isinstance(getattr(out, name), FrozenList):
+                setattr(out, name, list(getattr(out, name)))
         for name, value in given.items():
             setattr(out, name, value)
         return out
+
+
+class FrozenList(list):
+    """A list field of a resolved config (``--data-path``, ...): equal to the list, but unchangeable."""
+
+    def _refuse(self, *args, **kwargs):
+        raise FrozenConfigError("this list belongs to a config frozen after resolve(); change a copy made with "
+                                "cfg.unfrozen()")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+
+    def __reduce__(self):  # copy and pickle rebuild it whole (they would append item by item)
+        return FrozenList, (list(self),)
 
 
 @dataclass(eq=True)
@@ -292,7 +314,12 @@ class Config(Section):
         return getattr(getattr(self, FIELD_SECTION[name]), name)
 
     def to_dict(self) -> dict:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        """Every field by section, as plain Python values (lists are plain lists)."""
+        out = {}
+        for name in SECTIONS:
+            values = dataclasses.asdict(getattr(self, name))
+            out[name] = {k: list(v) if isinstance(v, list) else v for k, v in values.items()}
+        return out
 
     def unfrozen(self) -> "Config":
         """A writable copy with every section as given (resolve it again after changing it); it keeps

@@ -124,6 +124,7 @@ def test_writing_after_resolve_raises_naming_the_field():
     from paratron.config import FrozenConfigError, ModelConfig
     cfg = parse_args(BASE)
     for write, field in ((lambda: setattr(cfg.optim, "lr", 1.0), "optim.lr (--lr)"),
+                         (lambda: setattr(cfg.train, "lr", 1.0), "train.lr"),
                          (lambda: setattr(cfg.train, "global_batch_size", 64), "train.global_batch_size"),
                          (lambda: cfg.set("hidden_size", 128), "model.hidden_size"),
                          (lambda: setattr(cfg, "model", ModelConfig()), "config.model")):
@@ -133,6 +134,10 @@ def test_writing_after_resolve_raises_naming_the_field():
         assert field in msg and "frozen" in msg and "\n" not in msg, msg
         assert isinstance(e.value, ConfigError)
     assert cfg.optim.lr == 1e-3 and cfg.model.hidden_size == 64
+    listed = parse_args(BASE[:-1] + ["--data-path", "a", "b", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"])
+    with pytest.raises(FrozenConfigError):
+        listed.data.data_path.append("c")  # list fields are frozen too
+    assert listed.data.data_path == ["a", "b"] and listed.unfrozen().data.data_path + ["c"] == ["a", "b", "c"]
 
 
 def test_a_modified_copy_is_resolved_again_from_the_values_as_given():
