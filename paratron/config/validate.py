@@ -248,7 +248,8 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
     line; on an error ``cfg`` is left as it was given. A resolved config is returned as it is."""
     if cfg.is_resolved:
         need(world_size is None or world_size == cfg.world_size,
-             f"the config was resolved for world size {cfg.world_size}, not {world_size}; resolve cfg.unfrozen()")
+             f"the config was resolved for world size {cfg.world_size}, not {world_size}; resolve a copy: "
+             f"resolve(cfg.unfrozen(), world_size={world_size})")
         return cfg
     from ..data.tokenizers import tokenizer_vocab_size
     world = world_size or cfg.world_size or world_size_default()
