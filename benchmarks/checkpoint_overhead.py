@@ -15,6 +15,7 @@ Writes a Markdown record to --record-dir (default: $OUT if set, else benchmarks/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -84,7 +85,7 @@ def main() -> int:
         rows.append((label, statistics.mean(during) if during else float("nan"),
                      statistics.median(during) if during else float("nan"), len(during), blocked, write_s))
         print(rows[-1], flush=True)
-    t.cfg.ckpt.async_save = False
+    t.cfg = dataclasses.replace(t.cfg, ckpt=dataclasses.replace(t.cfg.ckpt, async_save=False))  # a changed copy
     sync()
     t0 = time.perf_counter()
     ckpt = t.save()

@@ -40,9 +40,10 @@ def worker(args) -> None:
     from paratron.train.loop import Trainer
     from paratron.parallel.dims import shutdown_distributed
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = parse_args(["--config", args.config, "--train-iters", str(args.warmup + args.steps + 1), "--eval-iters", "0",
-                      "--log-interval", "1000000", *shlex.split(args.flags)])
-    cfg.train.global_batch_size = cfg.train.micro_batch_size * args.micro_batches * world
+    flags = ["--config", args.config, "--train-iters", str(args.warmup + args.steps + 1), "--eval-iters", "0",
+             "--log-interval", "1000000", *shlex.split(args.flags)]
+    mbs = parse_args(flags, world_size=1).train.micro_batch_size  # (weak scaling: DP only)
+    cfg = parse_args(flags + ["--global-batch-size", str(mbs * args.micro_batches * world)])
     trainer = Trainer(cfg)
 
     def sync():

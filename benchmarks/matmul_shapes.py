@@ -21,8 +21,7 @@ def shapes(preset: str) -> list[tuple[str, int, int]]:
     """(name, in_features, out_features) of the linear layers of one transformer layer + output."""
     from paratron.config import parse_args
     cfg = parse_args(["--config", preset])
-    m = cfg.model
-    m.fill_defaults()
+    m = cfg.model  # resolved: the derived sizes are filled
     h, f, d = m.hidden_size, m.ffn_hidden_size, m.kv_channels
     qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d
     return [("qkv", h, qkv), ("proj", m.num_attention_heads * d, h), ("fc1", h, f * (2 if m.swiglu else 1)),

@@ -1,7 +1,7 @@
 """`paratron` command line: train | demo | preprocess | tokenizer train | convert | config-docs.
 
-User mistakes (bad flags, bad data, unreadable checkpoints) end with one line on stderr and a
-non-zero exit code, never a traceback.
+User mistakes (bad flags, bad data, unreadable checkpoints: paratron.errors.UserError) end with one
+line on stderr, ``<command>: error: <message>``, and exit code 2, never a traceback.
 """
 from __future__ import annotations
 
@@ -22,15 +22,9 @@ commands:
 
 
 def user_errors() -> tuple:
-    from .config import ConfigError
-    from .checkpoint.sharded import CheckpointError
-    errors = [ConfigError, CheckpointError]
-    try:
-        from .data import DataError
-        errors.append(DataError)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(errors)
+    """The exceptions every command reports as one line and exit code 2 (all of paratron.errors.UserError)."""
+    from .errors import UserError
+    return (UserError,)
 
 
 def run_train(argv: list[str]) -> int:
@@ -69,9 +63,8 @@ def dispatch(argv: list[str]) -> int:
         return preprocess_main(rest)
     if cmd == "tokenizer":
         if not rest or rest[0] != "train":
-            print("paratron: error: usage: paratron tokenizer train --input FILES --vocab-size N --output DIR",
-                  file=sys.stderr)
-            return 2
+            from .errors import ConfigError
+            raise ConfigError("usage: paratron tokenizer train --input FILES --vocab-size N --output DIR")
         from .data.bpe_train import tokenizer_train_main
         return tokenizer_train_main(rest[1:])
     if cmd == "convert":
@@ -89,26 +82,19 @@ def dispatch(argv: list[str]) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return dispatch(argv)
-    except user_errors() as e:
-        print(f"paratron: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("paratron: interrupted", file=sys.stderr)
-        return 130
+    """`paratron ...`: a user error of any command is one line on stderr and exit code 2."""
+    from .errors import run_command
+    return run_command("paratron", dispatch, sys.argv[1:] if argv is None else argv)
 
 
 def pretrain_main(argv: Optional[list[str]] = None) -> int:
-    """`pretrain_gpt.py`: Megatron's entry point, same flags."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if argv in (["-h"], ["--help"]):
+    """`pretrain_gpt.py`: Megatron's entry point, same flags; errors as `paratron train`'s."""
+    from .errors import run_command
+
+    def run(args: list[str]) -> int:
+        if args in (["-h"], ["--help"]):
             from .config import build_parser
             build_parser("pretrain_gpt.py").print_help()
             return 0
-        return run_train(argv)
-    except user_errors() as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
-        return 2
+        return run_train(args)
+    return run_command("pretrain_gpt.py", run, sys.argv[1:] if argv is None else argv)

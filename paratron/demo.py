@@ -6,14 +6,14 @@ and loss plot are. Nothing is downloaded. `paratron train` with no flags and `ma
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
 
 import torch
 
-from .config import Config, finalize
+from .config import Config, resolve
+from .errors import ArgumentParser
 
 DEMO_DIR = Path(os.environ.get("PARATRON_DEMO_DIR", "runs/demo"))
 
@@ -41,11 +41,11 @@ def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int
     lg.tensorboard_dir = str(workdir / "tensorboard")
     lg.plot_path = str(workdir / "loss.png")
     ck.save = str(workdir / "checkpoints")
-    return finalize(cfg)
+    return resolve(cfg)
 
 
 def run_demo(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="paratron demo", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="paratron demo", description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=str(DEMO_DIR), help="where data, checkpoints and logs go (default %(default)s)")
     p.add_argument("--train-iters", type=int, default=None, help="default: 500 on CPU, 1500 on GPU")
     p.add_argument("--corpus-mb", type=float, default=8.0, help="MB of stdlib source to train on")

@@ -103,13 +103,27 @@ class StubTokenizer:
 
 
 def data_args(**kw):
+    """A paratron Config (unresolved: the data builders only read it) with these Megatron settings."""
+    from paratron.config import Config
+
     base = dict(split="90,8,2", seq_length=32, seed=1234, train_iters=20, train_samples=None,
                 global_batch_size=8, eval_interval=10, eval_iters=2, data_cache_path=None,
                 mock_data=False, reset_position_ids=False, reset_attention_mask=False,
                 eod_mask_loss=False, data_path=None, train_data_path=None, valid_data_path=None,
                 test_data_path=None)
     base.update(kw)
-    return types.SimpleNamespace(**base)
+    cfg = Config()
+    for name, value in base.items():
+        cfg.set(name, value)
+    return cfg
+
+
+def build_datasets(cfg, tokenizer, **kw):
+    """paratron's dataset builder on the sections of `cfg`, as the Trainer calls it."""
+    from paratron.data.blended import build_train_valid_test_datasets, train_valid_test_num_samples
+
+    return build_train_valid_test_datasets(cfg.data, tokenizer, cfg.model.seq_length, cfg.train.seed,
+                                           train_valid_test_num_samples(cfg.train), **kw)
 
 
 def import_mcore_datasets():

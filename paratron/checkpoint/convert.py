@@ -68,21 +68,22 @@ def _warn(msg: str) -> None:  # not silenced by --quiet: it says which iteration
 # ----------------------------------------------------------------------------------------------
 
 def _saved_config(common: dict, where: Path):
-    """The run's Config from common.json (sections of Config.to_dict())."""
+    """The run's Config from common.json (sections of Config.to_dict()), its model section resolved
+    (the run's other sections are as saved: their files need not exist here)."""
     from ..config import SECTIONS, Config
     raw = common.get("config")
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
         raise ConversionError(f"{where} has no model configuration (common.json 'config')")
-    cfg = Config()
+    sections = {}
     for sec, cls in SECTIONS.items():
         values = raw.get(sec) or {}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k, v in values.items() if k not in known and v not in (None, False))
         if sec == "model" and unknown:
             raise ConversionError(f"{where} uses model setting(s) this paratron does not have: {', '.join(unknown)}")
-        setattr(cfg, sec, cls(**{k: v for k, v in values.items() if k in known}))
-    cfg.model.fill_defaults()
-    return cfg
+        sections[sec] = cls(**{k: v for k, v in values.items() if k in known})
+    sections["model"] = sections["model"].resolved()
+    return Config(**sections)
 
 
 def read_checkpoint(root, iteration: Optional[int] = None, log=None) -> tuple:
@@ -246,7 +247,7 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
     only, whole tensors: any layout loads it); returns the model flags to train it with.
     ``tensor_model_parallel_size`` is the TP of the printed command, whose padded vocabulary the
     checkpoint gets (so that run's padded rows are zeros, not its initialization)."""
-    from ..config import Config
+    from ..config import Config, DataConfig
     from ..parallel.dims import ParallelDims
     from .hf import hf_to_paratron, load_hf_dir
     from .hf_config import model_config_from_hf, padded_vocab_size
@@ -285,9 +286,7 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
     log(f"converted {len(state)} tensors ({sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters), "
         f"vocabulary padded {vocab} -> {padded}")
 
-    cfg = Config()
-    cfg.model = m
-    cfg.data.vocab_size = vocab
+    cfg = Config(model=m, data=DataConfig(vocab_size=vocab))
     common = {"consumed_samples": 0, "skipped_iterations": 0, "scheduler": None, "optimizer": None, "rng": False,
               "layout": layout(ParallelDims(), None), "config": cfg.to_dict(),
               "converted_from": {"hf": str(src.resolve()), "family": family}}
@@ -365,15 +364,8 @@ def _run(argv: list[str]) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``paratron convert ...``: 0 on success; 2 with one line on stderr for a user error."""
-    from ..config import ConfigError
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from ..errors import run_command
     try:
-        return _run(argv)
+        return run_command("paratron convert", _run, sys.argv[1:] if argv is None else argv, also=(OSError,))
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except (ConversionError, ConfigError, sharded.CheckpointError) as e:
-        msg = str(e)
-    except OSError as e:
-        msg = f"{e.strerror or e.__class__.__name__}: {e.filename}" if e.filename else str(e)
-    print(f"paratron convert: error: {' '.join(msg.split())}", file=sys.stderr)
-    return 2

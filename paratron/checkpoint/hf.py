@@ -260,6 +260,7 @@ def hf_to_paratron(hf_state: dict, cfg: ModelConfig, family: str, padded_vocab_s
     ``lm_head.weight`` is ignored, as transformers does. Raises ConversionError naming missing,
     unexpected or mis-shaped tensors.
     """
+    cfg = cfg.resolved()  # derived sizes filled (a copy when the caller's is not resolved)
     rows = name_table(cfg, family)
     hf = _normalize_hf_names(hf_state, family, not cfg.untie_embeddings_and_output_weights)
     wanted = {n for _, names, _ in rows for n in names}
@@ -293,6 +294,7 @@ def paratron_to_hf(state: dict, cfg: ModelConfig, family: str, vocab_size: int) 
     For tied models ``lm_head.weight`` is left out, as ``save_pretrained`` does (``from_pretrained``
     ties it to the embedding); an ``output_layer.weight`` copy in a tied state dict is ignored.
     """
+    cfg = cfg.resolved()
     rows = name_table(cfg, family)
     if not cfg.untie_embeddings_and_output_weights:
         state = {k: v for k, v in state.items() if k != "output_layer.weight"}

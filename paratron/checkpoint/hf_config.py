@@ -20,12 +20,13 @@ import math
 from typing import Any
 
 from ..config import ModelConfig
+from ..errors import UserError
 
 __all__ = ["ConversionError", "FAMILIES", "family_of", "model_config_from_hf", "hf_config_from_model_config",
            "padded_vocab_size"]
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """The checkpoint or config cannot be converted; the message is one line naming what and why."""
 
 
@@ -129,7 +130,7 @@ def _gpt2_config(d: dict) -> ModelConfig:
         hidden_dropout=float(d.get("resid_pdrop", 0.1)), attention_dropout=float(d.get("attn_pdrop", 0.1)),
         init_method_std=float(d.get("initializer_range", 0.02)),
     )
-    return cfg.fill_defaults()
+    return cfg.resolved()
 
 
 def _llama_config(d: dict, family: str) -> ModelConfig:
@@ -191,12 +192,12 @@ def _llama_config(d: dict, family: str) -> ModelConfig:
         hidden_dropout=0.0, attention_dropout=float(d.get("attention_dropout", 0.0) or 0.0),
         init_method_std=float(d.get("initializer_range", 0.02)),
     )
-    return cfg.fill_defaults()
+    return cfg.resolved()
 
 
 def check_representable(cfg: ModelConfig, family: str) -> None:
     """Raise when the paratron model has something the Hugging Face family cannot express."""
-    cfg.fill_defaults()
+    cfg = cfg.resolved()
 
     def need(cond: bool, what: str) -> None:
         if not cond:
@@ -234,6 +235,7 @@ def hf_config_from_model_config(cfg: ModelConfig, vocab_size: int, family: str) 
     here; save_hf_dir writes the dtype of the saved tensors.
     """
     check_family(family)
+    cfg = cfg.resolved()  # derived sizes filled (a copy when the caller's is not resolved)
     check_representable(cfg, family)
     tied = not cfg.untie_embeddings_and_output_weights
     out: dict[str, Any] = {"architectures": [_ARCHITECTURES[family]], "model_type": family,

@@ -23,10 +23,12 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePla
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..errors import UserError
 from ..parallel.sharding import REPLICATED, ShardSpec, flat_rectangles, global_rectangles
 
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used; the message names the file or the tensor."""
 
 

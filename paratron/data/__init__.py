@@ -13,6 +13,8 @@ __all__ = [
     "build_tokenizer",
     "build_train_valid_test_datasets",
     "build_data_iterator",
+    "train_valid_test_num_samples",
+    "tokenizer_vocab_size",
 ]
 
 _LAZY = {
@@ -21,6 +23,8 @@ _LAZY = {
     "build_tokenizer": "paratron.data.tokenizers",
     "build_train_valid_test_datasets": "paratron.data.blended",
     "build_data_iterator": "paratron.data.loader",
+    "train_valid_test_num_samples": "paratron.data.blended",
+    "tokenizer_vocab_size": "paratron.data.tokenizers",
 }
 
 

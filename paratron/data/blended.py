@@ -1,13 +1,14 @@
-"""Blends and the trainer's entry point, `build_train_valid_test_datasets(args, tokenizer)`.
+"""Blends and the trainer's entry point, `build_train_valid_test_datasets(data, tokenizer, seq_length,
+seed, num_samples)`.
 
-Data flags (Megatron's, as attributes of `args`):
+Data flags (Megatron's, fields of the config's `data` section, a `paratron.config.DataConfig`):
 - `data_path`: `[w1] p1 [w2 p2 ...]`, split three ways by `split` (default "969,30,1");
 - `train_data_path` / `valid_data_path` / `test_data_path`: a blend per split, each used whole;
 - `mock_data`: synthetic documents (no files), split "1,1,1" as Megatron does.
 
-Sample counts: train = train_samples or train_iters * global_batch_size; valid =
-(train_iters // eval_interval + 1) * eval_iters * global_batch_size; test = eval_iters *
-global_batch_size. A split with zero width or zero samples is None.
+Sample counts (`train_valid_test_num_samples(cfg.train)`): train = train_samples or train_iters *
+global_batch_size; valid = (train_iters // eval_interval + 1) * eval_iters * global_batch_size; test =
+eval_iters * global_batch_size. A split with zero width or zero samples is None.
 
 A weighted blend asks each member for ceil(ceil(n * w) * 1.005) samples and draws
 sum(ceil(n * w)) samples from them, sample i from argmax_d(w_d * max(i, 1) - taken_d). An
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -92,10 +94,10 @@ def parse_blend(paths) -> Tuple[List[str], Optional[List[float]]]:
     return [p.strip() for p in paths], None
 
 
-def train_valid_test_num_samples(args) -> List[int]:
-    gbs = int(args.global_batch_size)
-    train_iters = getattr(args, "train_iters", None)
-    train_samples = getattr(args, "train_samples", None)
+def train_valid_test_num_samples(tr) -> List[int]:
+    """Samples of each split for the training section `tr` (a resolved `paratron.config.TrainConfig`)."""
+    gbs = int(tr.global_batch_size)
+    train_iters, train_samples = tr.train_iters, tr.train_samples
     if train_samples:
         train = int(train_samples)
         train_iters = train_iters or train // gbs
@@ -103,16 +105,15 @@ def train_valid_test_num_samples(args) -> List[int]:
         train = int(train_iters) * gbs
     else:
         raise DataError("give --train-iters or --train-samples")
-    eval_iters = getattr(args, "eval_iters", None)
-    eval_iters = 100 if eval_iters is None else int(eval_iters)
-    eval_interval = getattr(args, "eval_interval", None) or 1000
+    eval_iters = 100 if tr.eval_iters is None else int(tr.eval_iters)
+    eval_interval = tr.eval_interval or 1000
     valid = (int(train_iters) // int(eval_interval) + 1) * eval_iters * gbs
     return [train, valid, eval_iters * gbs]
 
 
 class _Builder:
-    def __init__(self, args, tokenizer, allow_build: bool):
-        self.config = GPTDataConfig.from_args(args, tokenizer)
+    def __init__(self, config: GPTDataConfig, allow_build: bool):
+        self.config = config
         self.allow_build = allow_build
         self._indexed = {}
 
@@ -152,10 +153,8 @@ class _Builder:
         return BlendedDataset(members, weights, total, SPLIT_NAMES[split], cache, self.allow_build)
 
 
-def _build_all(args, tokenizer, allow_build: bool):
-    sizes = train_valid_test_num_samples(args)
-    if getattr(args, "mock_data", False):
-        config = GPTDataConfig.from_args(args, tokenizer)
+def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], allow_build: bool):
+    if data.mock_data:
         if tokenizer.eod is None:
             raise DataError("--mock-data: the tokenizer has no EOD token")
         low = MockIndexedData(tokenizer.vocab_size, tokenizer.eod)
@@ -166,8 +165,8 @@ def _build_all(args, tokenizer, allow_build: bool):
             out.append(MockGPTDataset(low, None, docs, sizes[i], SPLIT_NAMES[i], config)
                        if sizes[i] else None)
         return tuple(out)
-    builder = _Builder(args, tokenizer, allow_build)
-    per_split = [getattr(args, f"{name}_data_path", None) for name in SPLIT_NAMES]
+    builder = _Builder(config, allow_build)
+    per_split = [getattr(data, f"{name}_data_path") for name in SPLIT_NAMES]
     if any(per_split):
         out = []
         for i, paths in enumerate(per_split):
@@ -176,12 +175,10 @@ def _build_all(args, tokenizer, allow_build: bool):
                 continue
             out.append(builder.blend(parse_blend(paths), (0.0, 1.0), sizes[i], i))
         return tuple(out)
-    data_path = getattr(args, "data_path", None)
-    if not data_path:
+    if not data.data_path:
         raise DataError("no training data: give --data-path, --train-data-path or --mock-data")
-    blend = parse_blend(data_path)
-    split = getattr(args, "split", None) or "969,30,1"
-    builder.config.split = split
+    blend = parse_blend(data.data_path)
+    split = data.split or "969,30,1"
     out = []
     for i, bounds in enumerate(split_bounds(parse_split(split))):
         out.append(builder.blend(blend, bounds, sizes[i], i) if bounds and sizes[i] else None)
@@ -189,21 +186,26 @@ def _build_all(args, tokenizer, allow_build: bool):
 
 
 def build_train_valid_test_datasets(
-    args, tokenizer, rank: Optional[int] = None, barrier: Optional[Callable[[], None]] = None,
+    data, tokenizer, seq_length: int, seed: int, num_samples: Sequence[int],
+    rank: Optional[int] = None, barrier: Optional[Callable[[], None]] = None,
 ):
-    """(train, valid, test) datasets for Megatron-named `args` (any may be None).
+    """(train, valid, test) datasets (any may be None) of the data section `data` (a
+    `paratron.config.DataConfig`) for samples of `seq_length` tokens, shuffled with `seed`, with
+    `num_samples` = (train, valid, test) samples (`train_valid_test_num_samples(cfg.train)`).
 
     Distributed: rank 0 builds and caches the indices, then `barrier()`, then the other ranks
     load them. `rank`/`barrier` default to torch.distributed's when it is initialised."""
+    config = GPTDataConfig.from_config(data, tokenizer, seq_length, seed)
+    build = partial(_build_all, data, tokenizer, config, list(num_samples))
     if barrier is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, barrier = torch.distributed.get_rank(), torch.distributed.barrier
     if barrier is None or rank is None:
-        return _build_all(args, tokenizer, allow_build=True)
+        return build(allow_build=True)
     if rank == 0:
         try:
-            result = _build_all(args, tokenizer, allow_build=True)
+            result = build(allow_build=True)
         finally:
             barrier()  # release the other ranks even on error (they then fail the same way)
         return result
     barrier()
-    return _build_all(args, tokenizer, allow_build=False)
+    return build(allow_build=False)

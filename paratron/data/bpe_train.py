@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import argparse
 import glob
 import gzip
 import json
@@ -17,6 +16,7 @@ import sys
 from typing import Iterable, Iterator, List, Sequence
 
 from paratron.data.errors import DataError
+from paratron.errors import ArgumentParser, run_command
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -99,9 +99,8 @@ def export_gpt2_files(tokenizer_json: str, out_dir: str) -> tuple:
     return os.path.join(out_dir, "vocab.json"), os.path.join(out_dir, "merges.txt")
 
 
-def tokenizer_train_main(argv=None) -> int:
-    """`paratron tokenizer train`: returns an exit code; errors are one line on stderr."""
-    parser = argparse.ArgumentParser(
+def _tokenizer_train(argv) -> int:
+    parser = ArgumentParser(
         prog="paratron tokenizer train", description="Train a byte-level BPE tokenizer.")
     parser.add_argument("--input", nargs="+", required=True,
                         help="JSONL (.jsonl/.json[.gz], one object a line) or text files; globs ok")
@@ -112,16 +111,17 @@ def tokenizer_train_main(argv=None) -> int:
     parser.add_argument("--gpt2-files", action="store_true",
                         help="also write vocab.json and merges.txt next to the output")
     args = parser.parse_args(argv)
-    try:
-        path = train_bpe_tokenizer(args.input, args.vocab_size, args.output, args.json_key,
-                                   args.min_frequency)
-        if args.gpt2_files:
-            export_gpt2_files(path, os.path.dirname(os.path.abspath(path)))
-    except (DataError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    path = train_bpe_tokenizer(args.input, args.vocab_size, args.output, args.json_key, args.min_frequency)
+    if args.gpt2_files:
+        export_gpt2_files(path, os.path.dirname(os.path.abspath(path)))
     print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def tokenizer_train_main(argv=None) -> int:
+    """`paratron tokenizer train`: 0 on success; 2 with one line on stderr for a user error."""
+    return run_command("paratron tokenizer train", _tokenizer_train, sys.argv[1:] if argv is None else argv,
+                       also=(OSError,))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
-"""The one error type of the data pipeline."""
+"""The data pipeline's error type (defined with the others in :mod:`paratron.errors`)."""
 
+from paratron.errors import DataError
 
-class DataError(ValueError):
-    """A data problem a user can fix: a missing, truncated or foreign file, a bad flag value,
-    an empty split. Its message is one line naming the file (or setting) and the problem."""
+__all__ = ["DataError"]

@@ -50,28 +50,24 @@ class GPTDataConfig:
     tokenizer_id: Dict[str, object] = field(default_factory=dict)
 
     @classmethod
-    def from_args(cls, args, tokenizer) -> "GPTDataConfig":
+    def from_config(cls, data, tokenizer, seq_length: int, seed: int = 1234) -> "GPTDataConfig":
+        """From the config's data section (a `paratron.config.DataConfig`) and the tokenizer."""
         pad = getattr(tokenizer, "pad", None)
         eod = tokenizer.eod
         if not isinstance(pad, (int, np.integer)) or pad < 0 or pad == eod:
             pad = None  # no pad id, or one that collides with EOD: mask nothing as padding
         return cls(
-            seq_length=int(args.seq_length),
-            seed=int(_arg(args, "seed", 1234)),
+            seq_length=int(seq_length),
+            seed=int(seed),
             eod=eod,
             pad=pad,
-            reset_position_ids=bool(_arg(args, "reset_position_ids", False)),
-            reset_attention_mask=bool(_arg(args, "reset_attention_mask", False)),
-            eod_mask_loss=bool(_arg(args, "eod_mask_loss", False)),
-            data_cache_path=_arg(args, "data_cache_path", None),
-            split=_arg(args, "split", None),
+            reset_position_ids=bool(data.reset_position_ids),
+            reset_attention_mask=bool(data.reset_attention_mask),
+            eod_mask_loss=bool(data.eod_mask_loss),
+            data_cache_path=data.data_cache_path,
+            split=data.split,
             tokenizer_id=dict(getattr(tokenizer, "unique_identifiers", {"class": "?"})),
         )
-
-
-def _arg(args, name, default):
-    value = getattr(args, name, None)
-    return default if value is None else value
 
 
 def get_ltor_masks_and_position_ids(

@@ -29,9 +29,11 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from paratron.config import add_tokenizer_args, tokenizer_config
 from paratron.data.errors import DataError
 from paratron.data.indexed import IndexedDatasetWriter, token_dtype
-from paratron.data.tokenizers import add_tokenizer_args, build_tokenizer
+from paratron.data.tokenizers import build_tokenizer
+from paratron.errors import ArgumentParser, run_command
 
 CHUNK_BYTES = 1 << 18
 CHUNK_LINES = 4096
@@ -39,7 +41,7 @@ MAX_REPORTED = 20  # malformed lines listed one by one; the rest are only counte
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="paratron preprocess", description="Tokenize JSONL into Megatron .bin/.idx files.")
     add_tokenizer_args(parser)
     group = parser.add_argument_group("input data")
@@ -76,12 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
 _STATE: Dict[str, object] = {}
 
 
-def _init_worker(args, in_process: bool = False) -> None:
+def _init_worker(tok_cfg, keys, append_eod: bool, in_process: bool = False) -> None:
     if not in_process:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(tok_cfg)
     _STATE.update(
-        tokenizer=tokenizer, keys=list(args.json_keys), append_eod=args.append_eod,
+        tokenizer=tokenizer, keys=list(keys), append_eod=append_eod,
         dtype=token_dtype(tokenizer.vocab_size),
     )
 
@@ -234,8 +236,9 @@ def preprocess(args) -> Dict[str, object]:
         raise DataError(f"--workers {args.workers}: must be at least 1")
     if args.partitions < 1 or args.workers % args.partitions:
         raise DataError(f"--partitions {args.partitions}: must divide --workers {args.workers}")
+    tok_cfg = tokenizer_config(args)  # the flags and checks of `paratron train`
     files = _input_files(args.input)
-    tokenizer = build_tokenizer(args)
+    tokenizer = build_tokenizer(tok_cfg)
     if args.append_eod and tokenizer.eod is None:
         raise DataError(f"--append-eod: tokenizer {args.tokenizer_type} has no EOD token")
     dtype = token_dtype(tokenizer.vocab_size)
@@ -261,12 +264,13 @@ def preprocess(args) -> Dict[str, object]:
         writers = [stack.enter_context(IndexedDatasetWriter(p, dtype)) for p in prefixes]
         try:
             if args.workers == 1:
-                _init_worker(args, in_process=True)
+                _init_worker(tok_cfg, args.json_keys, args.append_eod, in_process=True)
                 for chunk in _read_chunks(files):
                     consume(encode_chunk(chunk))
             else:
                 ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-                with ctx.Pool(args.workers, initializer=_init_worker, initargs=(args,)) as pool:
+                with ctx.Pool(args.workers, initializer=_init_worker,
+                              initargs=(tok_cfg, args.json_keys, args.append_eod)) as pool:
                     pending: deque = deque()
                     for chunk in _read_chunks(files):  # at most ~3 chunks a worker in flight
                         pending.append(pool.apply_async(encode_chunk, (chunk,)))
@@ -287,20 +291,8 @@ def preprocess(args) -> Dict[str, object]:
     }
 
 
-def main(argv=None) -> int:
-    """Command-line entry: returns 0 on success, 1 on a data error (one line on stderr)."""
-    args = build_parser().parse_args(argv)
-    try:
-        stats = preprocess(args)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except OSError as err:
-        print(f"error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted; no output written", file=sys.stderr)
-        return 130
+def _main(argv) -> int:
+    stats = preprocess(build_parser().parse_args(argv))
     skipped = stats["skipped"]
     for path, number, problem in skipped[:MAX_REPORTED]:
         print(f"warning: {path}:{number}: {problem}; line skipped", file=sys.stderr)
@@ -316,6 +308,12 @@ def main(argv=None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def main(argv=None) -> int:
+    """Command-line entry: 0 on success; 2 with one line on stderr (`paratron preprocess: error:
+    ...`) for a bad flag, file or input; nothing half-written is left."""
+    return run_command("paratron preprocess", _main, sys.argv[1:] if argv is None else argv, also=(OSError,))
 
 
 if __name__ == "__main__":

@@ -371,59 +371,42 @@ TOKENIZER_TYPES = (
 )
 
 
-def build_tokenizer(args) -> Tokenizer:
-    """The tokenizer named by `args.tokenizer_type`, from `args.vocab_file`, `args.merge_file`,
-    `args.tokenizer_model`, `args.vocab_size`, `args.null_tokenizer_eod_id`,
-    `args.tiktoken_pattern`, `args.tiktoken_num_special_tokens`, `args.tokenizer_special_tokens`,
-    `args.vocab_extra_ids` (any missing attribute counts as None)."""
-
-    def arg(name):
-        return getattr(args, name, None)
-
-    kind = arg("tokenizer_type")
+def build_tokenizer(data) -> Tokenizer:
+    """The tokenizer that the tokenizer flags of ``data`` (a :class:`paratron.config.DataConfig`; the
+    fields of ``paratron.config.TOKENIZER_FIELDS``) name. ``paratron train`` and ``paratron
+    preprocess`` both build theirs here, from the same flags."""
+    kind = data.tokenizer_type
     if kind == "GPT2BPETokenizer":
-        vocab = _need_file(arg("vocab_file"), "--vocab-file", kind)
-        merges = _need_file(arg("merge_file"), "--merge-file", kind)
+        vocab = _need_file(data.vocab_file, "--vocab-file", kind)
+        merges = _need_file(data.merge_file, "--merge-file", kind)
         return GPT2BPETokenizer(vocab, merges)
     if kind == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(_need_file(arg("tokenizer_model"), "--tokenizer-model", kind))
+        return HuggingFaceTokenizer(_need_file(data.tokenizer_model, "--tokenizer-model", kind))
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
-        model = _need_file(arg("tokenizer_model"), "--tokenizer-model", kind)
+        model = _need_file(data.tokenizer_model, "--tokenizer-model", kind)
         if kind == "SentencePieceTokenizer":
-            return SentencePieceTokenizer(model, arg("vocab_extra_ids") or 0)
+            return SentencePieceTokenizer(model, data.vocab_extra_ids or 0)
         return GPTSentencePieceTokenizer(model) if kind[0] == "G" else Llama2Tokenizer(model)
     if kind == "TikTokenizer":
         return TikTokenizer(
-            _need_file(arg("tokenizer_model"), "--tokenizer-model", kind),
-            pattern=arg("tiktoken_pattern") or "v2",
-            vocab_size=arg("vocab_size"),
-            num_special_tokens=arg("tiktoken_num_special_tokens") or 1000,
-            special_tokens=arg("tokenizer_special_tokens"),
+            _need_file(data.tokenizer_model, "--tokenizer-model", kind),
+            pattern=data.tiktoken_pattern or "v2",
+            vocab_size=data.vocab_size,
+            num_special_tokens=data.tiktoken_num_special_tokens or 1000,
+            special_tokens=data.tokenizer_special_tokens,
         )
     if kind == "NullTokenizer":
-        return NullTokenizer(arg("vocab_size"), arg("null_tokenizer_eod_id"))
+        return NullTokenizer(data.vocab_size, data.null_tokenizer_eod_id)
     if kind == "ByteLevelTokenizer":
-        return ByteLevelTokenizer(arg("vocab_size"), arg("null_tokenizer_eod_id"))
+        return ByteLevelTokenizer(data.vocab_size, data.null_tokenizer_eod_id)
     raise DataError(
         f"--tokenizer-type {kind}: not supported; choose one of {', '.join(TOKENIZER_TYPES)}"
     )
 
 
-def add_tokenizer_args(parser) -> None:
-    """Megatron's tokenizer flags, for tools that build a tokenizer from the command line."""
-    group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="GPT2BPETokenizer")
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
-    group.add_argument("--tokenizer-model", default=None,
-                       help="tokenizer.json / directory / .model / .tiktoken file")
-    group.add_argument("--vocab-size", type=int, default=None,
-                       help="NullTokenizer vocabulary; TikTokenizer vocabulary cut")
-    group.add_argument("--null-tokenizer-eod-id", type=int, default=None)
-    group.add_argument("--vocab-extra-ids", type=int, default=0)
-    group.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default="v2")
-    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
-    group.add_argument("--tokenizer-special-tokens", nargs="+", default=None)
+def tokenizer_vocab_size(data) -> int:
+    """The vocabulary size of the tokenizer ``data`` names (``resolve()`` stores it in the config)."""
+    return build_tokenizer(data).vocab_size
 
 
 # Training lives in its own module; re-exported here so one import finds every tokenizer tool.

@@ -69,11 +69,9 @@ class GPTModel(nn.Module):
                  recompute_method: Optional[str] = None, recompute_num_layers: Optional[int] = None,
                  device=None, dtype=None):
         super().__init__()
-        cfg = config
-        if max_sequence_length is not None:
-            cfg.max_position_embeddings = max_sequence_length
-            cfg.seq_length = min(cfg.seq_length, max_sequence_length)
-        cfg.fill_defaults()
+        # A resolved copy (the caller's config is never written; a resolved one is used as it is).
+        cfg = config.resolved(**({} if max_sequence_length is None else dict(
+            max_position_embeddings=max_sequence_length, seq_length=min(config.seq_length, max_sequence_length))))
         self.config, self.vocab_size = cfg, vocab_size
         dims = dims or ParallelDims()
         self.dims = dims

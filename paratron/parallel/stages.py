@@ -66,9 +66,9 @@ def chunk_layers(num_layers: int, pp: int, vpp: Optional[int] = None, first: Opt
     return out
 
 
-def finalize_pipeline(par, num_layers: int) -> None:
-    """Config checks of the pipeline layout (called by config.finalize): derives the virtual size from
-    ``--num-layers-per-virtual-pipeline-stage`` and checks that the layers split."""
+def finalize_pipeline(par, num_layers: int) -> Optional[int]:
+    """Config checks of the pipeline layout (called by config.resolve): checks that the layers split and
+    returns the virtual pipeline size (derived from ``--num-layers-per-virtual-pipeline-stage`` when given)."""
     pp = par.pipeline_model_parallel_size
     per_v = par.num_layers_per_virtual_pipeline_stage
     vpp = par.virtual_pipeline_model_parallel_size
@@ -80,13 +80,14 @@ def finalize_pipeline(par, num_layers: int) -> None:
         if vpp is not None and vpp != derived:
             raise ConfigError("--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-stage "
                               "are mutually exclusive; choose one")
-        vpp = par.virtual_pipeline_model_parallel_size = derived
+        vpp = derived
     if vpp is not None:
         if vpp < 1:
             raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1 (got {vpp})")
         if vpp > 1 and pp == 1:
             raise ConfigError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1")
     chunk_layers(num_layers, pp, vpp, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+    return vpp
 
 
 def rank_chunks(cfg, pp_rank: int) -> list[dict]:

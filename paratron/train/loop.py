@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..checkpoint import sharded
 from ..checkpoint import state as cstate
-from ..config import Config, ConfigError, resolve_batch
+from ..config import Config, ConfigError, check_resolved
 from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims, initialize_model_parallel
@@ -133,11 +133,9 @@ class Trainer:
         self.cfg = cfg
         self.device = device or init_distributed(cfg)
         self.dims = dims or build_dims(cfg)
-        resolve_batch(cfg, self.dims.dp)
+        check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
         tr = cfg.train
         self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size)
-        if tr.train_iters is None:
-            tr.train_iters = self.microbatches.train_iters_for_samples(tr.train_samples)
         self.current_global_batch = tr.global_batch_size
         set_seed(tr.seed, self.dims.pp_rank)
         self.tokenizer = self._build_tokenizer()
@@ -172,19 +170,14 @@ class Trainer:
 
     # ---- set-up pieces -------------------------------------------------------------------------
     def _build_tokenizer(self):
-        d = self.cfg.data
-        if d.tokenizer_type is None:
-            return None
         from ..data import build_tokenizer
-        tok = build_tokenizer(self.cfg.flat())
-        d.vocab_size = tok.vocab_size
-        return tok
+        return build_tokenizer(self.cfg.data)  # resolve() stored its vocabulary size in cfg.data.vocab_size
 
     def _build_data(self):
-        from ..data import build_data_iterator, build_train_valid_test_datasets
-        tr = self.cfg.train
-        args = self.cfg.flat()
-        train_ds, valid_ds, _ = build_train_valid_test_datasets(args, self.tokenizer)
+        from ..data import build_data_iterator, build_train_valid_test_datasets, train_valid_test_num_samples
+        cfg, tr = self.cfg, self.cfg.train
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length, tr.seed,
+                                                                train_valid_test_num_samples(tr))
         it = partial(build_data_iterator, micro_batch_size=tr.micro_batch_size, dp_rank=self.dims.dp_rank,
                      dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers)
         train = it(train_ds, consumed_samples=self.consumed_samples, infinite=False)
@@ -350,11 +343,14 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def _should_exit(self, start: float) -> bool:
         tr = self.cfg.train
-        stop = self.iteration >= tr.train_iters
+        stop = self.iteration >= tr.train_iters  # the iteration-based conditions are the same on every rank
         stop |= bool(tr.exit_interval and self.iteration % tr.exit_interval == 0)
+        if stop or not (tr.exit_duration_in_mins or tr.exit_signal_handler):
+            return stop
+        # A clock or a signal can differ between ranks: every rank must agree (one all-reduce).
         stop |= bool(tr.exit_duration_in_mins and (time.time() - start) / 60.0 > tr.exit_duration_in_mins)
         stop |= self._stop_signal
-        if dist.is_initialized():  # every rank must agree
+        if dist.is_initialized():
             flag = torch.tensor([int(stop)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = bool(flag.item())
@@ -433,10 +429,11 @@ class Trainer:
                                          self.optimizer.loss_scale, grad_norm, self.skipped, self.nan_iters,
                                          tokens_s, mfu, peak_gb))
         self.log.train(self.iteration, loss)
-        self.log.scalars(self.iteration, {"lm loss": loss, "learning rate": self.scheduler.lr, "grad norm": grad_norm,
-                                          "throughput TFLOP/s/GPU": tflops, "tokens per second per GPU": tokens_s,
-                                          "MFU %": mfu, "peak memory GB": peak_gb,
-                                          "loss scale": self.optimizer.loss_scale})
+        scalars = {"lm loss": loss, "learning rate": self.scheduler.lr, "grad norm": grad_norm,
+                   "peak memory GB": peak_gb, "loss scale": self.optimizer.loss_scale}
+        if self.cfg.log.log_throughput:  # Megatron's --log-throughput (the log line always shows them)
+            scalars.update({"throughput TFLOP/s/GPU": tflops, "tokens per second per GPU": tokens_s, "MFU %": mfu})
+        self.log.scalars(self.iteration, scalars)
         self.log.advance(0, loss)
 
     def close(self) -> None:

@@ -10,7 +10,8 @@ from paratron.parallel.tensor import gather_full
 VOCAB = 512
 
 
-def tiny_config(style: str = "gpt", **parallel) -> Config:
+def tiny_config(style: str = "gpt", world_size: int | None = None, **parallel) -> Config:
+    """Resolved for ``world_size`` processes (default: this process group's); ``parallel``: any fields."""
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 64, 8, 32
@@ -30,7 +31,7 @@ def tiny_config(style: str = "gpt", **parallel) -> Config:
     cfg.log.log_interval = 1
     for k, v in parallel.items():
         cfg.set(k, v)
-    return finalize(cfg)
+    return finalize(cfg, world_size)
 
 
 def global_batches(cfg: Config, steps: int, seed: int = 7) -> list[dict]:

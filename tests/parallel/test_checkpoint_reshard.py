@@ -25,9 +25,8 @@ def _train(style: str, layout: dict, dist_opt: bool, steps: range, save: str = N
            bf16: bool = False) -> list[float]:
     """Train the given steps (of STEPS global batches) at ``layout``; save after the last one."""
     from paratron.train.loop import Trainer, build_dims
-    cfg = tiny_config(style, use_distributed_optimizer=dist_opt, bf16=bf16, **layout)
-    cfg.train.train_iters = STEPS
-    cfg.ckpt.save, cfg.ckpt.load = save, load
+    cfg = tiny_config(style, use_distributed_optimizer=dist_opt, bf16=bf16, **layout, train_iters=STEPS, save=save,
+                      load=load)
     dims = build_dims(cfg)
     batches = micro_batches(global_batches(cfg, STEPS), cfg, dims.dp_rank, dims.dp)
     per_step = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)
@@ -104,9 +103,8 @@ def _same_layout_with_dropout(rank: int, world: int, root: str) -> tuple:
     """TP2 x PP2 with dropout: 4 steps straight, and 2 + save + load (fresh trainer) + 2."""
     def run(steps: range, **ckpt) -> list[float]:
         from paratron.train.loop import Trainer, build_dims
-        cfg = tiny_config("llama", hidden_dropout=0.1, attention_dropout=0.1, use_distributed_optimizer=True, **SAVER)
-        cfg.train.train_iters = 4
-        cfg.ckpt.save, cfg.ckpt.load = ckpt.get("save"), ckpt.get("load")
+        cfg = tiny_config("llama", hidden_dropout=0.1, attention_dropout=0.1, use_distributed_optimizer=True, **SAVER,
+                          train_iters=4, save=ckpt.get("save"), load=ckpt.get("load"))
         dims = build_dims(cfg)
         batches = micro_batches(global_batches(cfg, 4), cfg, dims.dp_rank, dims.dp)
         for _ in range(steps.start * cfg.train.global_batch_size // cfg.train.micro_batch_size):

@@ -26,11 +26,10 @@ FP16 = {"fp16": True, "loss_scale": None, "initial_loss_scale": 1024.0, "hystere
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def train(cfg, steps: int = STEPS, inject_inf_at: int | None = None, save_dir: str | None = None,
-          save_after: int | None = None) -> dict:
+def train(cfg, steps: int = STEPS, inject_inf_at: int | None = None, save_after: int | None = None) -> dict:
     """``steps`` real training steps (Trainer.train_step) on this process's layout; what the tests
     compare. ``inject_inf_at``: at that step, data-parallel rank 0's loss is multiplied by inf (its
-    gradients overflow before the reduction). ``save_after``: save a checkpoint after that step."""
+    gradients overflow before the reduction). ``save_after``: save a checkpoint (to --save) after that step."""
     from paratron.train.loop import Trainer, build_dims
     dims = build_dims(cfg)
     trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims, data=(iter(()), None))
@@ -61,7 +60,6 @@ def train(cfg, steps: int = STEPS, inject_inf_at: int | None = None, save_dir: s
         out["in_backward"].append(trainer.model.buckets_launched_in_backward)
         out["probe"].append(trainer.model.params[0].detach().float().clone())
         if save_after is not None and trainer.iteration == save_after:
-            cfg.ckpt.save = save_dir
             trainer.save()
     out["params"] = {n: gather_full(p, dims.tp_group).float().clone() for n, p in trainer.model.module.named_parameters()}
     out["layer_offset"] = trainer.model.module.decoder.layer_offset  # pipeline stages name layers locally
@@ -113,9 +111,8 @@ def _dp_rank(rank, world, variants, ckpt_dir):
         for name, extra in (("fp16", {}), ("fp16_distopt", DISTOPT)):
             out[name] = train(cfg_of(**FP16, **extra), steps=4, inject_inf_at=1)
         # checkpoint of the distributed optimizer (bf16: masters are saved): 3 straight steps vs 2 + resume + 1
-        straight = train(cfg_of(**ALL_OVERLAP, bf16=True), save_dir=ckpt_dir, save_after=2)
-        cfg = cfg_of(**ALL_OVERLAP, bf16=True)
-        cfg.ckpt.load = ckpt_dir
+        straight = train(cfg_of(**ALL_OVERLAP, bf16=True, save=ckpt_dir), save_after=2)
+        cfg = cfg_of(**ALL_OVERLAP, bf16=True, load=ckpt_dir)
         out["resume"] = {"straight": straight, "resumed": train(cfg, steps=1)}
         out["no_sync_probe"] = no_sync_probe()
     if world == 4:

@@ -27,9 +27,7 @@ CASES = {  # name -> (world, style, settings)
 
 
 def config(style: str, **settings):
-    cfg = tiny_config(style, **BASE, **settings)
-    cfg.train.eval_iters = 1
-    return cfg
+    return tiny_config(style, **BASE, **settings, eval_iters=1)
 
 
 def run_case(style: str, settings: dict) -> dict:
@@ -136,7 +134,8 @@ def test_layout_errors(settings, match):
 
 
 def test_layers_per_virtual_stage_sets_the_virtual_size():
-    cfg = tiny_config("gpt", num_layers=8, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2)
+    cfg = tiny_config("gpt", world_size=2, num_layers=8, pipeline_model_parallel_size=2,
+                      num_layers_per_virtual_pipeline_stage=2)
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
 
 

@@ -117,3 +117,112 @@ def test_boolean_flag_takes_an_optional_value_to_turn_off_a_yaml_setting():
     assert cfg.train.bf16 is True and cfg.train.train_iters == 3
     with pytest.raises(ConfigError, match="expected true or false"):
         parse_args(["--config", "tiny", "--bf16", "maybe"])
+
+
+# ---- resolved once, then frozen -----------------------------------------------------------------
+def test_writing_after_resolve_raises_naming_the_field():
+    from paratron.config import FrozenConfigError, ModelConfig
+    cfg = parse_args(BASE)
+    for write, field in ((lambda: setattr(cfg.optim, "lr", 1.0), "optim.lr (--lr)"),
+                         (lambda: setattr(cfg.train, "lr", 1.0), "train.lr"),
+                         (lambda: setattr(cfg.train, "global_batch_size", 64), "train.global_batch_size"),
+                         (lambda: cfg.set("hidden_size", 128), "model.hidden_size"),
+                         (lambda: setattr(cfg, "model", ModelConfig()), "config.model")):
+        with pytest.raises(FrozenConfigError) as e:
+            write()
+        msg = str(e.value)
+        assert field in msg and "frozen" in msg and "\n" not in msg, msg
+        assert isinstance(e.value, ConfigError)
+    assert cfg.optim.lr == 1e-3 and cfg.model.hidden_size == 64
+    listed = parse_args(BASE[:-1] + ["--data-path", "a", "b", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"])
+    with pytest.raises(FrozenConfigError):
+        listed.data.data_path.append("c")  # list fields are frozen too
+    assert listed.data.data_path == ["a", "b"] and listed.unfrozen().data.data_path + ["c"] == ["a", "b", "c"]
+
+
+def test_a_modified_copy_is_resolved_again_from_the_values_as_given():
+    import dataclasses
+    from paratron.config import resolve
+    cfg = parse_args(BASE)
+    assert cfg.model.kv_channels == 16 and cfg.is_resolved
+    copy = cfg.unfrozen()
+    assert not copy.is_resolved and copy.model.kv_channels is None  # derived values are recomputed
+    copy.model.hidden_size = 128
+    copy.optim.lr = 2e-3
+    resolve(copy)
+    assert (copy.model.kv_channels, copy.model.ffn_hidden_size, copy.optim.lr) == (32, 512, 2e-3)
+    assert (cfg.model.kv_channels, cfg.model.hidden_size, cfg.optim.lr) == (16, 64, 1e-3)  # original untouched
+    assert dataclasses.replace(cfg.optim, lr=5.0).lr == 5.0 and cfg.optim.lr == 1e-3
+
+
+def test_resolve_derives_batch_iterations_and_vocab_from_the_world_size():
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--lr", "1e-3", "--mock-data",
+             "--train-samples", "100", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2"]
+    cfg = parse_args(flags, world_size=8)
+    assert cfg.world_size == 8 and cfg.data_parallel_size == 4
+    assert cfg.train.global_batch_size == 8  # micro-batch 2 x data-parallel 4
+    assert cfg.train.train_iters == 12  # 100 samples // 8
+    assert cfg.data.tokenizer_type == "NullTokenizer" and cfg.data.vocab_size == 50257  # mock data's default
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by TP 2"):
+        parse_args(BASE + ["--tensor-model-parallel-size", "2"], world_size=3)
+
+
+def test_a_failed_resolve_leaves_the_config_as_given():
+    from paratron.config import resolve
+    cfg = Config()
+    cfg.train.train_iters, cfg.optim.lr, cfg.data.mock_data = 2, 1e-3, True
+    cfg.train.bf16 = cfg.train.fp16 = True
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        resolve(cfg)
+    assert not cfg.is_resolved and cfg.model.kv_channels is None and cfg.data.tokenizer_type is None
+    cfg.train.fp16 = False
+    assert resolve(cfg).model.kv_channels == 16
+
+
+def test_model_config_alone_is_resolved_as_a_copy():
+    import torch
+    from paratron.config import ModelConfig
+    from paratron.model.gpt import GPTModel
+    m = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16)
+    r = m.resolved()
+    assert r is not m and r.is_resolved and (r.kv_channels, r.max_position_embeddings) == (8, 16)
+    assert r.resolved() is r
+    torch.manual_seed(0)
+    model = GPTModel(m, 64, max_sequence_length=8)
+    assert model.config.max_position_embeddings == 8 and model.config.seq_length == 8
+    assert not m.is_resolved and m.kv_channels is None and m.max_position_embeddings is None and m.seq_length == 16
+    cfg = parse_args(BASE)
+    assert GPTModel(cfg.model, 128).config is cfg.model  # a resolved config is used as it is
+
+
+def test_trainer_needs_a_config_resolved_for_its_world():
+    from paratron.config import check_resolved
+    cfg = parse_args(BASE, world_size=2)
+    with pytest.raises(ConfigError, match="resolved for world size 2 but this run has 1"):
+        check_resolved(cfg, 1)
+    with pytest.raises(ConfigError, match="not resolved"):
+        check_resolved(Config(), 1)
+
+
+def test_presets_ship_inside_the_package():
+    from pathlib import Path
+    import paratron
+    from paratron.config import PRESET_DIR, presets
+    assert PRESET_DIR == Path(paratron.__file__).resolve().parent / "configs"
+    assert {"tiny", "gpt-125m", "gpt-350m", "llama-1b"} <= set(presets())
+    root = Path(__file__).resolve().parents[2]
+    assert (root / "configs" / "tiny.yaml").read_text() == (PRESET_DIR / "tiny.yaml").read_text()  # docs' path
+    cfg = parse_args(["--config", str(root / "configs" / "tiny.yaml")])
+    assert cfg.model.hidden_size == 64
+
+
+def test_config_package_keeps_files_and_functions_small():
+    import ast
+    from pathlib import Path
+    import paratron.config as pc
+    for path in Path(pc.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert len(text.splitlines()) < 500, path
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno + 1 <= 60, f"{path.name}: {node.name}"

@@ -183,10 +183,12 @@ def _random_hf_llama(path: Path, seed: int = 0):
 def _first_batch(flags: list[str]) -> dict:
     """The first micro-batch pretrain_gpt.py trains on with these flags (its own data pipeline)."""
     from paratron.config import parse_args
-    from paratron.data import build_data_iterator, build_tokenizer, build_train_valid_test_datasets
-    args = parse_args(flags).flat()
-    train, _, _ = build_train_valid_test_datasets(args, build_tokenizer(args))
-    return next(build_data_iterator(train, consumed_samples=0, micro_batch_size=args.micro_batch_size,
+    from paratron.data import (build_data_iterator, build_tokenizer, build_train_valid_test_datasets,
+                               train_valid_test_num_samples)
+    cfg = parse_args(flags)
+    train, _, _ = build_train_valid_test_datasets(cfg.data, build_tokenizer(cfg.data), cfg.model.seq_length,
+                                                  cfg.train.seed, train_valid_test_num_samples(cfg.train))
+    return next(build_data_iterator(train, consumed_samples=0, micro_batch_size=cfg.train.micro_batch_size,
                                     dp_rank=0, dp_size=1, num_workers=0))
 
 
@@ -277,13 +279,13 @@ def test_training_flags_rebuild_the_model_config():
     from paratron.config import parse_args
     m = ModelConfig(**dict(_LLAMA_CFG, kv_channels=32, rotary_base=5e5, use_rope_scaling=True, rope_scaling_factor=4.0,
                            norm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=True,
-                           init_method_std=0.01)).fill_defaults()
+                           init_method_std=0.01)).resolved()
     flags = C.training_flags(m)
     cfg = parse_args(flags + ["--train-iters", "1", "--lr", "1e-4", "--mock-data"])
     assert cfg.model == m
-    cfg = parse_args(C.training_flags(ModelConfig(**_GPT_CFG).fill_defaults()) + ["--train-iters", "1", "--lr", "1",
+    cfg = parse_args(C.training_flags(ModelConfig(**_GPT_CFG).resolved()) + ["--train-iters", "1", "--lr", "1",
                                                                                  "--mock-data"])
-    assert cfg.model == ModelConfig(**_GPT_CFG).fill_defaults()
+    assert cfg.model == ModelConfig(**_GPT_CFG).resolved()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,9 +6,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data_helpers import StubTokenizer, data_args  # noqa: E402
+from data_helpers import StubTokenizer, build_datasets, data_args  # noqa: E402
 
-from paratron.data.blended import build_train_valid_test_datasets  # noqa: E402
 from paratron.data.corpus import (  # noqa: E402
     prepare_demo_data, python_stdlib_corpus, stdlib_source_files,
 )
@@ -51,7 +50,7 @@ def test_prepare_demo_data_chain_and_reuse(tmp_path):
     assert prepare_demo_data(work, vocab_size=400, max_bytes=300_000) == (prefix, tok_path)
     assert time.time() - start < 1.0 and os.path.getmtime(prefix + ".bin") == stamp
     args = data_args(data_path=[prefix], seq_length=64, split="70,20,10", data_cache_path=str(tmp_path / "c"))
-    train, valid, _ = build_train_valid_test_datasets(args, StubTokenizer(tok.vocab_size, tok.eod))
+    train, valid, _ = build_datasets(args, StubTokenizer(tok.vocab_size, tok.eod))
     assert len(train) >= 160 and valid is not None
     prefix2, _ = prepare_demo_data(work, vocab_size=300, max_bytes=300_000)  # new settings
     assert HuggingFaceTokenizer(tok_path).vocab_size <= 300

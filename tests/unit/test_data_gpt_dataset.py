@@ -10,13 +10,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data_helpers import (  # noqa: E402
-    StubTokenizer, data_args, import_mcore_datasets, random_documents,
+    StubTokenizer, build_datasets, data_args, import_mcore_datasets, random_documents,
 )
 
 from paratron.data import DataError  # noqa: E402
 from paratron.data import gpt_dataset as pgd  # noqa: E402
 from paratron.data.blended import (  # noqa: E402
-    BlendedDataset, build_train_valid_test_datasets, train_valid_test_num_samples,
+    BlendedDataset, train_valid_test_num_samples,
 )
 from paratron.data.gpt_dataset import get_ltor_masks_and_position_ids  # noqa: E402
 from paratron.data.indexed import write_dataset  # noqa: E402
@@ -85,9 +85,9 @@ def _compare(ours_splits, theirs_splits):
 def test_single_dataset_with_split_matches_megatron(prefixes, tmp_path, train_iters):
     args = data_args(data_path=[prefixes[0]], split="90,7,3", train_iters=train_iters,
                      data_cache_path=str(tmp_path))
-    ours = build_train_valid_test_datasets(args, StubTokenizer())
+    ours = build_datasets(args, StubTokenizer())
     theirs = _megatron(blend=([prefixes[0]], None), split="90,7,3",
-                       sizes=train_valid_test_num_samples(args))
+                       sizes=train_valid_test_num_samples(args.train))
     _compare(ours, theirs)
 
 
@@ -98,9 +98,9 @@ def test_blend_of_two_matches_megatron(prefixes, tmp_path, weights):
                  else prefixes)
     args = data_args(data_path=data_path, split="80,15,5", train_iters=60,
                      data_cache_path=str(tmp_path))
-    ours = build_train_valid_test_datasets(args, StubTokenizer())
+    ours = build_datasets(args, StubTokenizer())
     theirs = _megatron(blend=(prefixes, list(weights) if weights else None), split="80,15,5",
-                       sizes=train_valid_test_num_samples(args))
+                       sizes=train_valid_test_num_samples(args.train))
     _compare(ours, theirs)
 
 
@@ -109,8 +109,8 @@ def test_per_split_paths_match_megatron(prefixes, tmp_path):
     args = data_args(train_data_path=["1", prefixes[0], "2", prefixes[1]],
                      valid_data_path=[prefixes[1]], test_data_path=None,
                      data_cache_path=str(tmp_path))
-    ours = build_train_valid_test_datasets(args, StubTokenizer())
-    sizes = train_valid_test_num_samples(args)
+    ours = build_datasets(args, StubTokenizer())
+    sizes = train_valid_test_num_samples(args.train)
     theirs = _megatron(blend_per_split=[(prefixes, [1.0, 2.0]), ([prefixes[1]], None), None],
                        sizes=sizes)
     assert ours[2] is None and theirs[2] is None
@@ -120,8 +120,8 @@ def test_per_split_paths_match_megatron(prefixes, tmp_path):
 @needs_mcore
 def test_mock_matches_megatron():
     args = data_args(mock_data=True, train_iters=10, eval_iters=1)
-    ours = build_train_valid_test_datasets(args, StubTokenizer())
-    theirs = _megatron(mock=True, sizes=train_valid_test_num_samples(args))
+    ours = build_datasets(args, StubTokenizer())
+    theirs = _megatron(mock=True, sizes=train_valid_test_num_samples(args.train))
     for mine, other in zip(ours, theirs):
         _same_indices(mine, other)
         _same_samples(mine, other, count=8)
@@ -143,13 +143,13 @@ def test_masks_and_positions_match_megatron(flags):
 
 
 def test_sample_fields(prefixes):
-    plain = build_train_valid_test_datasets(data_args(data_path=[prefixes[0]]), StubTokenizer())
+    plain = build_datasets(data_args(data_path=[prefixes[0]]), StubTokenizer())
     sample = plain[0][3]
     assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}
     assert sample["tokens"].shape == (32,) and sample["tokens"].dtype == torch.int64
     assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
     args = data_args(data_path=[prefixes[0]], reset_attention_mask=True, eod_mask_loss=True)
-    reset = build_train_valid_test_datasets(args, StubTokenizer())[0][3]
+    reset = build_datasets(args, StubTokenizer())[0][3]
     assert reset["attention_mask"].shape == (1, 32, 32)
     assert reset["attention_mask"].dtype == torch.bool
     assert torch.equal(reset["loss_mask"], (reset["tokens"] != 499).float())
@@ -159,7 +159,7 @@ def test_cache_files_reuse_and_ranks(prefixes, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     args = data_args(data_path=[prefixes[0]], data_cache_path=str(cache))
     events = []
-    first = build_train_valid_test_datasets(args, StubTokenizer(), rank=0,
+    first = build_datasets(args, StubTokenizer(), rank=0,
                                             barrier=lambda: events.append("barrier"))
     assert events == ["barrier"]
     names = sorted(os.listdir(cache))
@@ -173,7 +173,7 @@ def test_cache_files_reuse_and_ranks(prefixes, tmp_path, monkeypatch):
         raise AssertionError("indices rebuilt instead of loaded from the cache")
 
     monkeypatch.setattr(pgd, "build_gpt_indices", no_build)
-    second = build_train_valid_test_datasets(args, StubTokenizer(), rank=1,
+    second = build_datasets(args, StubTokenizer(), rank=1,
                                              barrier=lambda: events.append("wait"))
     assert events == ["barrier", "wait"]
     for a, b in zip(first, second):
@@ -181,7 +181,7 @@ def test_cache_files_reuse_and_ranks(prefixes, tmp_path, monkeypatch):
             assert np.array_equal(getattr(a, name), getattr(b, name))
     default = data_args(data_path=[prefixes[1]])  # Megatron's default place: PREFIX/cache/...
     monkeypatch.undo()
-    build_train_valid_test_datasets(default, StubTokenizer())
+    build_datasets(default, StubTokenizer())
     assert os.listdir(os.path.join(prefixes[1], "cache", "GPTDataset_indices"))
 
 
@@ -189,20 +189,20 @@ def test_split_without_documents_is_a_clear_error(tmp_path):
     write_dataset(str(tmp_path / "tiny"), random_documents(10, 5))
     args = data_args(data_path=[str(tmp_path / "tiny")], split="98,1,1")
     with pytest.raises(DataError) as info:
-        build_train_valid_test_datasets(args, StubTokenizer())
+        build_datasets(args, StubTokenizer())
     msg = str(info.value)
     assert "valid split" in msg and "no documents" in msg and "tiny" in msg and "\n" not in msg
 
 
 def test_sizes_and_missing_splits(prefixes):
     assert train_valid_test_num_samples(data_args(train_iters=20, global_batch_size=8,
-                                                  eval_interval=10, eval_iters=2)) == [160, 48, 16]
-    assert train_valid_test_num_samples(data_args(train_samples=1000))[0] == 1000
-    train, valid, test = build_train_valid_test_datasets(
+                                                  eval_interval=10, eval_iters=2).train) == [160, 48, 16]
+    assert train_valid_test_num_samples(data_args(train_samples=1000).train)[0] == 1000
+    train, valid, test = build_datasets(
         data_args(data_path=[prefixes[0]], split="100,0,0"), StubTokenizer())
     assert len(train) >= 160 and valid is None and test is None
-    _, valid, test = build_train_valid_test_datasets(
+    _, valid, test = build_datasets(
         data_args(data_path=[prefixes[0]], eval_iters=0), StubTokenizer())
     assert valid is None and test is None
     with pytest.raises(DataError):
-        build_train_valid_test_datasets(data_args(), StubTokenizer())
+        build_datasets(data_args(), StubTokenizer())

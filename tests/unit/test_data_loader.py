@@ -8,10 +8,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data_helpers import StubTokenizer, data_args, random_documents  # noqa: E402
+from data_helpers import StubTokenizer, build_datasets, data_args, random_documents  # noqa: E402
 
 from paratron.data import DataError  # noqa: E402
-from paratron.data.blended import build_train_valid_test_datasets  # noqa: E402
 from paratron.data.indexed import write_dataset  # noqa: E402
 from paratron.data.loader import PretrainingSampler, build_data_iterator  # noqa: E402
 
@@ -87,7 +86,7 @@ def test_background_workers_give_the_same_batches(tmp_path):
     write_dataset(str(tmp_path / "d"), random_documents(80, 3))
     args = data_args(data_path=[str(tmp_path / "d")], data_cache_path=str(tmp_path / "c"),
                      reset_attention_mask=True)
-    train, _, _ = build_train_valid_test_datasets(args, StubTokenizer())
+    train, _, _ = build_datasets(args, StubTokenizer())
     plain = build_data_iterator(train, 8, 2, 0, 2, num_workers=0)
     workers = build_data_iterator(train, 8, 2, 0, 2, num_workers=2)
     for a, b in zip(itertools.islice(plain, 6), itertools.islice(workers, 6)):

@@ -29,7 +29,7 @@ def _flags(tok_path, inp, prefix, *extra):
 def _assert_one_line_error(proc, *needles):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("paratron preprocess: error:")]
     assert len(lines) == 1, proc.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]

@@ -3,7 +3,6 @@
 import json
 import os
 import sys
-import types
 import warnings
 
 import pytest
@@ -14,6 +13,7 @@ from data_helpers import (  # noqa: E402
     write_tiktoken_file, write_tiktoken_json,
 )
 
+from paratron.config import DataConfig  # noqa: E402
 from paratron.data import DataError  # noqa: E402
 from paratron.data.tokenizers import (  # noqa: E402
     ByteLevelTokenizer, NullTokenizer, build_tokenizer, tokenizer_train_main, train_bpe_tokenizer,
@@ -35,7 +35,7 @@ def bpe_dir(tmp_path_factory):
 
 
 def _args(**kw):
-    return types.SimpleNamespace(**kw)
+    return DataConfig(**kw)  # build_tokenizer takes the typed data section
 
 
 def test_gpt2_bpe_matches_reference_gpt2_algorithm(bpe_dir):
@@ -201,6 +201,6 @@ def test_tokenizer_train_cli(tmp_path, capsys):
                                  str(tmp_path / "new_dir")]) == 0  # made, gets tokenizer.json
     assert os.path.isfile(tmp_path / "new_dir" / "tokenizer.json")
     assert tokenizer_train_main(["--input", str(tmp_path / "missing*.jsonl"), "--vocab-size",
-                                 "300", "--output", str(tmp_path / "x.json")]) == 1
+                                 "300", "--output", str(tmp_path / "x.json")]) == 2  # every user error: exit 2
     err = capsys.readouterr().err
     assert "error: --input" in err and "Traceback" not in err

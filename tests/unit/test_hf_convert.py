@@ -57,7 +57,7 @@ HF_CASES = {
 
 def paratron_model(case: str):
     family, kwargs, offset = PARATRON_CASES[case]
-    cfg = ModelConfig(**kwargs).fill_defaults()
+    cfg = ModelConfig(**kwargs).resolved()
     model = GPTModel(cfg, PADDED)
     randomize(model)
     with torch.no_grad():

@@ -112,7 +112,7 @@ def test_rope_scaling_is_exercised():
     hf_model = build_hf(model_type, kwargs)
     cfg, vocab, family = HC.model_config_from_hf(hf_model.config)
     assert cfg.use_rope_scaling and cfg.rope_scaling_factor == 8.0 and cfg.rotary_base == 500000.0
-    cfg.use_rope_scaling = False
+    cfg = cfg.resolved(use_rope_scaling=False)  # a frozen config: a changed copy
     model = GPTModel(cfg, 128)
     model.load_state_dict(H.hf_to_paratron(hf_model.state_dict(), cfg, family, 128))
     ids, pos = tokens(offset)

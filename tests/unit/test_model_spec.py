@@ -14,9 +14,7 @@ def tiny(**kw) -> ModelConfig:
     base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=8, hidden_dropout=0.0,
                 attention_dropout=0.0)
     base.update(kw)
-    cfg = ModelConfig(**base)
-    cfg.fill_defaults()
-    return cfg
+    return ModelConfig(**base).resolved()
 
 
 @pytest.mark.parametrize("value,n,want", [

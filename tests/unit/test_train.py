@@ -113,3 +113,41 @@ def test_loading_a_checkpoint_of_another_shape_is_a_one_line_error(tmp_path):
     t.save()
     with pytest.raises(CheckpointError, match="does not fit this model.*shape"):
         Trainer(parse_args(TINY + ["--train-iters", "1", "--hidden-size", "128", "--load", str(tmp_path / "ck")]))
+
+
+def test_exit_check_all_reduces_only_when_ranks_can_disagree(monkeypatch):
+    """Iteration-based exits are the same on every rank: no collective per step. --exit-duration-in-mins
+    and --exit-signal-handler can differ between ranks: then the ranks agree through one all-reduce."""
+    import signal
+    import time
+    from paratron.train import loop
+    sigterm = signal.getsignal(signal.SIGTERM)  # --exit-signal-handler installs its own
+    plain = Trainer(parse_args(TINY + ["--train-iters", "4", "--exit-interval", "3"]), data=(iter(()), None))
+    others = [Trainer(parse_args(TINY + ["--train-iters", "4"] + flag), data=(iter(()), None))
+              for flag in (["--exit-duration-in-mins", "60"], ["--exit-signal-handler"])]
+    signal.signal(signal.SIGTERM, sigterm)
+    calls = []
+    monkeypatch.setattr(loop.dist, "is_initialized", lambda: True)  # as if there were several ranks
+    monkeypatch.setattr(loop.dist, "all_reduce", lambda t, **kw: calls.append(t))
+    assert [plain._should_exit(time.time()) for plain.iteration in (1, 2, 3, 4)] == [False, False, True, True]
+    assert calls == []
+    for t in others:
+        t.iteration = 1
+        assert not t._should_exit(time.time()) and len(calls) == 1
+        calls.clear()
+        t.iteration = 4  # the iteration count already ends the run on every rank
+        assert t._should_exit(time.time()) and calls == []
+
+
+@pytest.mark.parametrize("throughput", [False, True])
+def test_log_throughput_writes_throughput_to_tensorboard(tmp_path, capsys, throughput):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = tmp_path / "tb"
+    pretrain(parse_args(TINY + ["--train-iters", "2", "--eval-iters", "0", "--tensorboard-dir", str(tb)]
+                        + (["--log-throughput"] if throughput else [])))
+    assert "throughput per GPU (TFLOP/s/GPU):" in capsys.readouterr().out  # the log line always has it
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert "lm loss" in tags
+    assert ({"throughput TFLOP/s/GPU", "tokens per second per GPU"} <= tags) == throughput

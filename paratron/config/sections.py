@@ -1,0 +1,366 @@
+"""The config's sections: dataclasses whose field names are Megatron-LM's flag names.
+
+``--hidden-size 1024`` on the command line, ``hidden_size: 1024`` in YAML and ``cfg.model.hidden_size``
+in Python are the same setting. Fields are grouped in sections (model, parallel, train, optim, data,
+log, ckpt); every name is unique across sections, so a flat YAML file or command line maps onto
+exactly one field. ``Config.flat()`` gives Megatron's flat ``args`` view.
+
+A config is writable while it is being built; ``resolve()`` (paratron/config/validate.py) validates
+it, computes every derived value and freezes every section: a later write raises
+:class:`FrozenConfigError` naming the field. Code that needs another config makes a copy:
+``cfg.unfrozen()`` (the values as given, before resolve derived any; resolve it again) or
+``dataclasses.replace(section, field=value)``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import ConfigError, FrozenConfigError
+
+
+class Section:
+    """Base of the config sections: writable until ``resolve()`` freezes it. The freeze state lives
+    in slots, so ``vars(section)`` and ``dataclasses.asdict`` hold only the fields."""
+
+    __slots__ = ("_frozen", "_given")  # _given: the values resolve() replaced (what unfrozen() restores)
+    _name = "config"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in Section.__slots__:
+            return object.__setattr__(self, name, value)
+        if self.is_resolved:
+            where = f"{self._name}.{name}" + (f" ({flag(name)})" if name in FIELD_SECTION else "")
+            raise FrozenConfigError(f"cannot set {where}: the config is frozen after resolve(); make a modified "
+                                    "copy with cfg.unfrozen() and resolve that, or use dataclasses.replace()")
+        if name not in self.__dataclass_fields__:
+            home = f" (it is {FIELD_SECTION[name]}.{name})" if name in FIELD_SECTION else ""
+            raise AttributeError(f"{type(self).__name__} has no field {name}{home}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.is_resolved:
+            raise FrozenConfigError(f"cannot delete {self._name}.{name}: the config is frozen after resolve()")
+        object.__delattr__(self, name)
+
+    @property
+    def is_resolved(self) -> bool:
+        return getattr(self, "_frozen", False)
+
+    def _freeze(self, given: dict) -> None:
+        """Freeze (lists too); ``given`` holds the values resolve() replaced (what ``unfrozen()`` restores)."""
+        for name in self.__dataclass_fields__:
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, FrozenList(getattr(self, name)))
+        self._given = given
+        self._frozen = True
+
+    def unfrozen(self):
+        """A writable deep copy holding the values as given (before resolve derived any)."""
+        out = copy.deepcopy(self)
+        out._frozen = False
+        given, out._given = getattr(out, "_given", {}), {}
+        for name in out.__dataclass_fields__:
+            if isinstance(getattr(out, name), FrozenList):
+                setattr(out, name, list(getattr(out, name)))
+        for name, value in given.items():
+            setattr(out, name, value)
+        return out
+
+
+class FrozenList(list):
+    """A list field of a resolved config (``--data-path``, ...): equal to the list, but unchangeable."""
+
+    def _refuse(self, *args, **kwargs):
+        raise FrozenConfigError("this list belongs to a config frozen after resolve(); change a copy made with "
+                                "cfg.unfrozen()")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+
+    def __reduce__(self):  # copy and pickle rebuild it whole (they would append item by item)
+        return FrozenList, (list(self),)
+
+
+@dataclass(eq=True)
+class ModelConfig(Section):
+    _name = "model"
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: Optional[int] = None  # default 4*hidden, or Megatron's 2/3 rule with --swiglu
+    num_attention_heads: int = 4
+    kv_channels: Optional[int] = None  # head dim; default hidden/heads
+    group_query_attention: bool = False
+    num_query_groups: Optional[int] = None
+    seq_length: int = 128
+    max_position_embeddings: Optional[int] = None  # default seq_length
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    use_rope_scaling: bool = False  # Llama-3.1-style frequency scaling
+    rope_scaling_factor: float = 8.0
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    openai_gelu: bool = False  # tanh-approximate GeLU (GPT-2's "gelu_new")
+    qk_layernorm: bool = False
+    no_bias_swiglu_fusion: bool = False  # SwiGLU as torch ops instead of paratron's Triton kernel (CUDA)
+    no_bias_dropout_fusion: bool = False  # add the residual after fc2 instead of as fc2's matmul operand
+    disable_bias_linear: bool = False
+    add_qkv_bias: bool = False  # keep QKV bias even with --disable-bias-linear (Qwen2)
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+
+    def resolved(self, **changes) -> "ModelConfig":
+        """This model config validated, with Megatron's derived defaults (head dim, FFN size, query
+        groups, max positions) filled, frozen: itself when already resolved and nothing changes,
+        else a new object (``changes`` applied to the values as given first)."""
+        if self.is_resolved and not changes:
+            return self
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"ModelConfig has no field {unknown[0]}")
+        from .validate import resolve_model
+        out = self.unfrozen()
+        for name, value in changes.items():
+            setattr(out, name, value)
+        return resolve_model(out)
+
+
+TransformerConfig = ModelConfig  # Megatron's name for the model-shape config
+
+
+@dataclass(eq=True)
+class ParallelConfig(Section):
+    _name = "parallel"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    context_parallel_size: int = 1  # > 1 is an error until context parallelism exists
+    expert_model_parallel_size: int = 1  # > 1 is an error until experts exist
+    expert_tensor_parallel_size: Optional[int] = None  # > 1 is an error until experts exist
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    ddp_bucket_size: Optional[int] = None
+    accumulate_allreduce_grads_in_fp32: bool = False
+    grad_reduce_in_bf16: bool = False  # bf16 gradient buffer and reduction (needs --bf16)
+    distributed_backend: Optional[str] = None  # nccl on GPU, gloo on CPU when not given
+    distributed_timeout_minutes: int = 10
+
+
+@dataclass(eq=True)
+class TrainConfig(Section):
+    _name = "train"
+    micro_batch_size: int = 4
+    global_batch_size: Optional[int] = None  # default micro_batch_size * data-parallel size
+    rampup_batch_size: Optional[list] = None
+    train_iters: Optional[int] = None
+    train_samples: Optional[int] = None
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
+    exit_signal_handler: bool = False
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: Optional[float] = None  # fixed fp16 loss scale; dynamic when not given
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    recompute_activations: bool = False
+    recompute_granularity: Optional[str] = None  # full | selective
+    recompute_method: Optional[str] = None  # uniform | block
+    recompute_num_layers: Optional[int] = None
+    device: Optional[str] = None  # paratron: cuda | cpu; default cuda when available
+    torch_compile: bool = False  # paratron: torch.compile each transformer layer (regional compilation)
+    no_fused_output_loss: bool = False  # paratron: plain logits + cross-entropy instead of the chunked fused path
+    calculate_per_token_loss: bool = False  # loss = sum over the step's tokens / their count (else per micro-batch mean)
+
+
+@dataclass(eq=True)
+class OptimConfig(Section):
+    _name = "optim"
+    optimizer: str = "adam"
+    lr: Optional[float] = None
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"  # constant | linear | cosine | inverse-square-root | WSD
+    lr_decay_iters: Optional[int] = None
+    lr_decay_samples: Optional[int] = None
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: Optional[float] = None
+    lr_warmup_samples: int = 0
+    lr_warmup_init: float = 0.0
+    lr_wsd_decay_style: str = "exponential"  # linear | cosine | exponential | minus_sqrt
+    lr_wsd_decay_iters: Optional[int] = None
+    lr_wsd_decay_samples: Optional[int] = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass(eq=True)
+class DataConfig(Section):
+    _name = "data"
+    data_path: Optional[list] = None
+    split: str = "969,30,1"
+    train_data_path: Optional[list] = None
+    valid_data_path: Optional[list] = None
+    test_data_path: Optional[list] = None
+    mock_data: bool = False
+    data_cache_path: Optional[str] = None
+    num_workers: int = 2
+    # The tokenizer flags (TOKENIZER_FIELDS): the same set, defaults and meaning in `paratron preprocess`.
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None  # resolve() sets the tokenizer's vocabulary size
+    null_tokenizer_eod_id: Optional[int] = None
+    vocab_extra_ids: int = 0  # SentencePieceTokenizer: <extra_id_i> tokens added
+    tiktoken_pattern: str = "v2"  # TikTokenizer: v1 | v2
+    tiktoken_num_special_tokens: int = 1000
+    tokenizer_special_tokens: Optional[list] = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",
+                    "null_tokenizer_eod_id", "vocab_extra_ids", "tiktoken_pattern", "tiktoken_num_special_tokens",
+                    "tokenizer_special_tokens")
+
+
+@dataclass(eq=True)
+class LogConfig(Section):
+    _name = "log"
+    log_interval: int = 100
+    tensorboard_dir: Optional[str] = None
+    log_throughput: bool = False  # TFLOP/s, tokens/s and MFU to TensorBoard (the log line always has them)
+    log_params_norm: bool = False
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    plot_path: Optional[str] = None  # paratron: PNG loss plot; default <tensorboard-dir or save>/loss.png
+    sample_prompt: Optional[str] = None  # paratron: an error until generation exists in training runs
+
+
+@dataclass(eq=True)
+class CheckpointConfig(Section):
+    _name = "ckpt"
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    finetune: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    async_save: bool = False  # write in a background thread while training goes on
+    ckpt_format: str = "torch_dist"  # torch.distributed.checkpoint, sharded (the only format)
+    ckpt_step: Optional[int] = None  # load this iteration instead of the latest
+    exit_on_missing_checkpoint: bool = False  # --load without a checkpoint is an error instead of a fresh start
+    ckpt_keep_last: int = 0  # paratron: keep only the newest K checkpoints under --save (0: keep all)
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "log": LogConfig,
+    "ckpt": CheckpointConfig,
+}
+
+
+@dataclass(eq=True)
+class Config(Section):
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    world_size: Optional[int] = None  # the number of processes; resolve() sets it (not a flag)
+
+    def flat(self) -> argparse.Namespace:
+        """Megatron's flat ``args`` view of every field (a copy)."""
+        out = {}
+        for name in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return argparse.Namespace(**out)
+
+    def set(self, name: str, value: Any) -> None:
+        setattr(getattr(self, FIELD_SECTION[name]), name, value)
+
+    def get(self, name: str) -> Any:
+        return getattr(getattr(self, FIELD_SECTION[name]), name)
+
+    def to_dict(self) -> dict:
+        """Every field by section, as plain Python values (lists are plain lists)."""
+        out = {}
+        for name in SECTIONS:
+            values = dataclasses.asdict(getattr(self, name))
+            out[name] = {k: list(v) if isinstance(v, list) else v for k, v in values.items()}
+        return out
+
+    def unfrozen(self) -> "Config":
+        """A writable copy with every section as given (resolve it again after changing it); it keeps
+        the world size it was resolved for."""
+        return Config(**{name: getattr(self, name).unfrozen() for name in SECTIONS}, world_size=self.world_size)
+
+    # Derived from frozen fields (never stored, so they cannot go stale).
+    @property
+    def padded_vocab_size(self) -> int:
+        """Megatron's padding of the vocabulary: the next multiple of --make-vocab-size-divisible-by x TP."""
+        if self.data.vocab_size is None:
+            raise ConfigError("the vocabulary size is not known: resolve the config (or set --vocab-size)")
+        multiple = self.model.make_vocab_size_divisible_by * self.parallel.tensor_model_parallel_size
+        return int(math.ceil(self.data.vocab_size / multiple) * multiple)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """world size / (TP x PP x CP), once resolve() has set the world size."""
+        if self.world_size is None:
+            raise ConfigError("the data-parallel size is not known before resolve(cfg, world_size=...)")
+        p = self.parallel
+        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                                   * p.context_parallel_size)
+
+
+FIELD_SECTION: dict[str, str] = {}
+FIELD_TYPES: dict[str, Any] = {}
+for _sec, _cls in SECTIONS.items():
+    _hints = typing.get_type_hints(_cls)
+    for _f in dataclasses.fields(_cls):
+        assert _f.name not in FIELD_SECTION, f"duplicate config field {_f.name}"
+        FIELD_SECTION[_f.name] = _sec
+        FIELD_TYPES[_f.name] = _hints[_f.name]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def base_type(tp) -> Any:
+    """``Optional[int]`` -> int."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp

@@ -1,0 +1,288 @@
+"""``resolve()``: validate each section, compute every derived value once, then freeze the config.
+
+Derived here and nowhere else: the head dim, FFN size, query groups and max positions (model); the
+virtual pipeline size from ``--num-layers-per-virtual-pipeline-stage``; sequence parallelism off at
+TP 1 (as Megatron); the recompute granularity of ``--recompute-activations``; the NullTokenizer
+default of mock data; from the world size, the data-parallel size, the global batch default and
+``--train-iters`` of ``--train-samples``; and the vocabulary size of the tokenizer. After
+``resolve()`` no module writes to the config (a write raises FrozenConfigError).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+import sys
+from typing import Optional
+
+from ..errors import ConfigError
+from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
+
+TIKTOKEN_PATTERNS = ("v1", "v2")
+
+
+def need(cond, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _values(section) -> dict:
+    return {f.name: copy.copy(getattr(section, f.name)) for f in dataclasses.fields(section)}
+
+
+def _freeze(section, given: dict) -> None:
+    section._freeze({k: v for k, v in given.items() if getattr(section, k) != v})
+
+
+def _at_least_one(section, names) -> None:
+    for name in names:
+        value = getattr(section, name)
+        need(value >= 1, f"{flag(name)} must be >= 1 (got {value})")
+
+
+# ---- the sections ------------------------------------------------------------------------------
+def validate_model(m: ModelConfig) -> None:
+    """Checks of the model's shape; fills Megatron's derived defaults."""
+    _at_least_one(m, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
+    need(m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None,
+         f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
+         "change one of them or set --kv-channels")
+    need(not m.group_query_attention or m.num_query_groups is not None,
+         "--group-query-attention needs --num-query-groups N")
+    if m.kv_channels is None:
+        m.kv_channels = m.hidden_size // m.num_attention_heads
+    if m.ffn_hidden_size is None:
+        ffn = int((4 * m.hidden_size * 2 / 3) / 64) * 64 if m.swiglu else 0
+        m.ffn_hidden_size = ffn or 4 * m.hidden_size
+    if not m.group_query_attention or m.num_query_groups is None:
+        m.num_query_groups = m.num_attention_heads
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    need(m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups == 0,
+         f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups "
+         f"{m.num_query_groups}")
+    need(m.position_embedding_type in ("learned_absolute", "rope", "none"),
+         f"--position-embedding-type must be learned_absolute, rope or none (got {m.position_embedding_type})")
+    if m.position_embedding_type == "learned_absolute":
+        need(m.seq_length <= m.max_position_embeddings,
+             f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}; "
+             "raise --max-position-embeddings")
+    need(m.normalization in ("LayerNorm", "RMSNorm"),
+         f"--normalization must be LayerNorm or RMSNorm (got {m.normalization})")
+    need(0.0 < m.rotary_percent <= 1.0, "--rotary-percent must be in (0, 1]")
+    need(0.0 <= m.hidden_dropout < 1 and 0.0 <= m.attention_dropout < 1, "dropout rates must be in [0, 1)")
+
+
+def resolve_model(m: ModelConfig) -> ModelConfig:
+    """A model config on its own (GPTModel, HF conversion): validated, derived values filled, frozen."""
+    given = _values(m)
+    validate_model(m)
+    _freeze(m, given)
+    return m
+
+
+def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> None:
+    """Parallel sizes against the model; the pipeline layout (derives the virtual size)."""
+    _at_least_one(par, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                        "expert_model_parallel_size"))
+    need(par.context_parallel_size == 1,
+         f"--context-parallel-size {par.context_parallel_size}: context parallelism is not implemented yet; "
+         "remove the flag (or use --context-parallel-size 1)")
+    for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+        size = getattr(par, name)
+        need(size is None or size <= 1, f"{flag(name)} {size}: paratron has no experts (--num-experts) yet, so "
+             "expert parallelism would do nothing; remove the flag")
+    tp = par.tensor_model_parallel_size
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        size = getattr(m, name)
+        need(size % tp == 0, f"{flag(name)} {size} is not divisible by --tensor-model-parallel-size {tp}"
+             + ("; use more query groups or a smaller tensor-parallel size" if name == "num_query_groups" else ""))
+    if par.sequence_parallel and tp == 1:
+        par.sequence_parallel = False  # Megatron does the same: SP needs TP > 1
+    if par.sequence_parallel:
+        need(m.seq_length % tp == 0,
+             f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {tp}")
+    from ..parallel.stages import finalize_pipeline  # imported here: parallel/ imports this package
+    par.virtual_pipeline_model_parallel_size = finalize_pipeline(par, m.num_layers)
+    need(par.ddp_bucket_size is None or par.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1 (elements)")
+    need(not par.overlap_param_gather or par.use_distributed_optimizer,
+         "--overlap-param-gather needs --use-distributed-optimizer")
+    need(not par.grad_reduce_in_bf16 or tr.bf16, "--grad-reduce-in-bf16 needs --bf16")
+    need(not (par.grad_reduce_in_bf16 and par.accumulate_allreduce_grads_in_fp32),
+         "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive; choose one")
+
+
+def validate_train(tr: TrainConfig) -> None:
+    _at_least_one(tr, ("micro_batch_size", "eval_interval"))
+    need(not (tr.bf16 and tr.fp16), "--bf16 and --fp16 are mutually exclusive; choose one")
+    need(tr.train_iters is None or tr.train_samples is None,
+         "--train-iters and --train-samples are mutually exclusive; choose one")
+    need(tr.train_iters is not None or tr.train_samples is not None,
+         "set the length of training with --train-iters N or --train-samples N")
+    if tr.recompute_activations:
+        tr.recompute_granularity = "selective"
+    need(tr.recompute_granularity in (None, "full", "selective"),
+         "--recompute-granularity must be full or selective")
+    if tr.recompute_granularity == "full":
+        need(tr.recompute_method in ("uniform", "block"),
+             "--recompute-granularity full needs --recompute-method uniform|block")
+    need(tr.device in (None, "cuda", "cpu"), f"--device must be cuda or cpu (got {tr.device})")
+    if tr.rampup_batch_size is not None:
+        need(len(tr.rampup_batch_size) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
+        tr.rampup_batch_size = [int(v) for v in tr.rampup_batch_size]
+        start, inc, samples = tr.rampup_batch_size
+        need(tr.global_batch_size is not None, "--rampup-batch-size needs --global-batch-size (the final batch size)")
+        need(start >= 1 and inc >= 1 and samples >= 0,
+             f"--rampup-batch-size {start} {inc} {samples}: START and INCREMENT must be >= 1, SAMPLES >= 0")
+        need(start <= tr.global_batch_size and (tr.global_batch_size - start) % inc == 0,
+             f"--rampup-batch-size: --global-batch-size {tr.global_batch_size} minus START {start} must be a "
+             f"non-negative multiple of INCREMENT {inc}")
+
+
+def validate_optim(op) -> None:
+    need(op.lr is not None, "set the learning rate with --lr (e.g. --lr 3e-4)")
+    need(op.optimizer == "adam", f"--optimizer {op.optimizer} is not supported; paratron has adam (AdamW)")
+    need(op.lr_decay_style in ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+         f"--lr-decay-style must be one of constant, linear, cosine, inverse-square-root, WSD "
+         f"(got {op.lr_decay_style})")
+    need(op.lr_wsd_decay_style in ("linear", "cosine", "exponential", "minus_sqrt"),
+         "--lr-wsd-decay-style must be linear, cosine, exponential or minus_sqrt")
+    if op.lr_warmup_fraction is not None:
+        need(op.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
+        need(0.0 <= op.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must be in [0, 1]")
+    need(op.min_lr <= op.lr, f"--min-lr {op.min_lr} is larger than --lr {op.lr}")
+
+
+def validate_ckpt(c) -> None:
+    need(c.ckpt_format in ("torch_dist", "torch_dcp"),
+         f"--ckpt-format {c.ckpt_format} is not supported; paratron saves sharded torch.distributed.checkpoint "
+         "checkpoints (--ckpt-format torch_dist)")
+    need(c.ckpt_keep_last >= 0, f"--ckpt-keep-last must be >= 0 (got {c.ckpt_keep_last})")
+    need(not c.async_save or c.save is not None, "--async-save needs --save DIR")
+
+
+def validate_log(lg) -> None:
+    _at_least_one(lg, ("log_interval",))
+    need(lg.sample_prompt is None, "--sample-prompt: training runs cannot generate text yet; remove the flag "
+         "(`paratron demo` prints samples of its model)")
+
+
+def validate_tokenizer(d: DataConfig) -> None:
+    """The tokenizer flags (shared by train and preprocess)."""
+    from ..data.tokenizers import TOKENIZER_TYPES
+    need(d.tokenizer_type is not None, "set the tokenizer with --tokenizer-type (and its files); see docs/data.md")
+    if d.tokenizer_type not in TOKENIZER_TYPES:
+        close = ([t for t in TOKENIZER_TYPES if t.lower().startswith(d.tokenizer_type.lower())]
+                 or difflib.get_close_matches(d.tokenizer_type, TOKENIZER_TYPES, n=1))
+        hint = f"did you mean {close[0]}?" if close else f"choose one of {', '.join(TOKENIZER_TYPES)}"
+        raise ConfigError(f"--tokenizer-type {d.tokenizer_type} is not supported; {hint}")
+    if d.tokenizer_type == "NullTokenizer":
+        need(d.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size N")
+    need(d.tiktoken_pattern in TIKTOKEN_PATTERNS, f"--tiktoken-pattern must be v1 or v2 (got {d.tiktoken_pattern})")
+    need(d.vocab_extra_ids >= 0, f"--vocab-extra-ids must be >= 0 (got {d.vocab_extra_ids})")
+    need(d.tiktoken_num_special_tokens >= 3,
+         f"--tiktoken-num-special-tokens must be >= 3 (got {d.tiktoken_num_special_tokens})")
+
+
+def validate_data(d: DataConfig) -> None:
+    have_data = d.mock_data or d.data_path or d.train_data_path
+    need(bool(have_data), "no training data: pass --data-path PREFIX (or --train-data-path) or --mock-data")
+    need(not (d.mock_data and (d.data_path or d.train_data_path)),
+         "--mock-data and --data-path are mutually exclusive; choose one")
+    if d.tokenizer_type is None and d.mock_data:
+        # No tokenizer flags with mock data: a NullTokenizer over the GPT-2 vocabulary size (its EOD,
+        # vocab_size - 1 = 50256, is GPT-2's end-of-text id).
+        d.tokenizer_type = "NullTokenizer"
+        d.vocab_size = d.vocab_size or 50257
+    validate_tokenizer(d)
+
+
+# ---- values that need the world size or the tokenizer ------------------------------------------
+def world_size_default() -> int:
+    """torch.distributed's world size when it is initialised, else torchrun's WORLD_SIZE, else 1."""
+    dist = sys.modules.get("torch.distributed")  # never imported just for this
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_batch(cfg: Config, data_parallel_size: int) -> None:
+    """Check that the global batch (and a ramp's sizes) split into micro-batches over ``data_parallel_size``
+    data-parallel ranks. Writes nothing."""
+    tr = cfg.train
+    per_step = tr.micro_batch_size * data_parallel_size
+    gbs = tr.global_batch_size if tr.global_batch_size is not None else per_step
+    need(gbs % per_step == 0,
+         f"--global-batch-size {gbs} is not divisible by --micro-batch-size {tr.micro_batch_size} x "
+         f"data-parallel size {data_parallel_size}; adjust one of them")
+    if tr.rampup_batch_size is not None:
+        start, inc, _ = tr.rampup_batch_size
+        need(start % per_step == 0 and inc % per_step == 0,
+             f"--rampup-batch-size START {start} and INCREMENT {inc} must be multiples of --micro-batch-size "
+             f"{tr.micro_batch_size} x data-parallel size {data_parallel_size}")
+
+
+def resolve_world(cfg: Config, world: int) -> None:
+    """The data-parallel size of ``world`` processes; the global batch default; --train-iters of --train-samples."""
+    from ..train.microbatches import MicroBatches
+    par, tr = cfg.parallel, cfg.train
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    need(world >= 1 and world % (tp * pp * cp) == 0,
+         f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp}; "
+         "change the parallel sizes or the number of processes")
+    dp = world // (tp * pp * cp)
+    resolve_batch(cfg, dp)
+    if tr.global_batch_size is None:
+        tr.global_batch_size = tr.micro_batch_size * dp
+    if tr.train_iters is None:
+        micro = MicroBatches(tr.global_batch_size, tr.micro_batch_size, dp, tr.rampup_batch_size)
+        tr.train_iters = micro.train_iters_for_samples(tr.train_samples)
+    cfg.world_size = world
+
+
+def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
+    """Validate ``cfg`` section by section, compute every derived value, and freeze it (in place; also
+    returned). ``world_size``: the number of processes of the run (default: ``cfg.world_size`` if set,
+    else :func:`world_size_default`). Raises ConfigError (or DataError for tokenizer files) with one
+    line; on an error ``cfg`` is left as it was given. A resolved config is returned as it is."""
+    if cfg.is_resolved:
+        need(world_size is None or world_size == cfg.world_size,
+             f"the config was resolved for world size {cfg.world_size}, not {world_size}; resolve a copy: "
+             f"resolve(cfg.unfrozen(), world_size={world_size})")
+        return cfg
+    from ..data.tokenizers import tokenizer_vocab_size
+    world = world_size or cfg.world_size or world_size_default()
+    given = {name: _values(getattr(cfg, name)) for name in SECTIONS}
+    given_world = cfg.world_size
+    try:
+        validate_model(cfg.model)
+        validate_parallel(cfg.parallel, cfg.model, cfg.train)
+        validate_train(cfg.train)
+        validate_optim(cfg.optim)
+        validate_ckpt(cfg.ckpt)
+        validate_log(cfg.log)
+        validate_data(cfg.data)
+        resolve_world(cfg, world)
+        cfg.data.vocab_size = tokenizer_vocab_size(cfg.data)
+    except Exception:
+        for name, values in given.items():
+            for key, value in values.items():
+                setattr(getattr(cfg, name), key, value)
+        cfg.world_size = given_world
+        raise
+    for name in SECTIONS:
+        _freeze(getattr(cfg, name), given[name])
+    cfg._freeze({})
+    return cfg
+
+
+finalize = resolve  # the former name
+
+
+def check_resolved(cfg: Config, world_size: int) -> None:
+    """What a run needs of its config: resolved, for this many processes."""
+    need(cfg.is_resolved, "the config is not resolved: call paratron.config.resolve(cfg) (parse_args does) first")
+    need(cfg.world_size == world_size,
+         f"the config was resolved for world size {cfg.world_size} but this run has {world_size} processes; "
+         f"resolve it with resolve(cfg, world_size={world_size})")
