@@ -241,6 +241,18 @@ def to_hf(load, output, family: Optional[str] = None, iteration: Optional[int] =
     return output
 
 
+def _read_hf_config(src: Path) -> dict:
+    """The config.json of a Hugging Face model directory (clear errors for a wrong path or file)."""
+    if not src.is_dir():
+        raise ConversionError(f"--input {src} is not a directory" if src.exists() else f"--input {src} does not exist")
+    if not (src / "config.json").is_file():
+        raise ConversionError(f"--input {src} has no config.json; pass a Hugging Face model directory")
+    try:
+        return json.loads((src / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{src / 'config.json'} is not valid JSON (line {e.lineno})") from None
+
+
 def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[str] = None, force: bool = False,
             log=None) -> list[str]:
     """Hugging Face directory ``input`` -> paratron checkpoint ``save`` (iteration 0, model weights
@@ -255,17 +267,10 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
     log = log or _Log(True)
     src, save = Path(input), Path(save)
     tp = int(tensor_model_parallel_size)
-    if not src.is_dir():
-        raise ConversionError(f"--input {src} is not a directory" if src.exists() else f"--input {src} does not exist")
-    if not (src / "config.json").is_file():
-        raise ConversionError(f"--input {src} has no config.json; pass a Hugging Face model directory")
     if tp < 1:
         raise ConversionError(f"--tensor-model-parallel-size must be >= 1 (got {tp})")
+    hf_config = _read_hf_config(src)
     old = _check_output(save, _PARATRON_CKPT_FILES, force, "a paratron checkpoint", "--save")
-    try:
-        hf_config = json.loads((src / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"{src / 'config.json'} is not valid JSON (line {e.lineno})") from None
     m, vocab, family = model_config_from_hf(hf_config)
     log(f"reading {src} ({family}: {m.num_layers} layers, hidden {m.hidden_size}, vocabulary {vocab})")
     for name, size in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.num_query_groups),

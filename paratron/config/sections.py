@@ -253,7 +253,7 @@ class LogConfig(Section):
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
     log_throughput: bool = False  # TFLOP/s, tokens/s and MFU to TensorBoard (the log line always has them)
-    log_params_norm: bool = False
+    log_params_norm: bool = False  # the L2 norm of the weights in the log line and TensorBoard
     profile: bool = False
     profile_step_start: int = 10
     profile_step_end: int = 12

@@ -227,8 +227,7 @@ class _Progress:
             self.bar.close()
 
 
-def preprocess(args) -> Dict[str, object]:
-    """Run the whole job for parsed `args`; raise DataError on bad input. Returns statistics."""
+def _check_job_flags(args) -> None:
     if args.split_sentences:
         raise DataError("--split-sentences: not supported (Megatron splits with NLTK punkt, "
                         "which paratron does not ship); give the key a list of sentences instead")
@@ -236,6 +235,11 @@ def preprocess(args) -> Dict[str, object]:
         raise DataError(f"--workers {args.workers}: must be at least 1")
     if args.partitions < 1 or args.workers % args.partitions:
         raise DataError(f"--partitions {args.partitions}: must divide --workers {args.workers}")
+
+
+def preprocess(args) -> Dict[str, object]:
+    """Run the whole job for parsed `args`; raise DataError on bad input. Returns statistics."""
+    _check_job_flags(args)
     tok_cfg = tokenizer_config(args)  # the flags and checks of `paratron train`
     files = _input_files(args.input)
     tokenizer = build_tokenizer(tok_cfg)

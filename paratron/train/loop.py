@@ -424,13 +424,17 @@ class Trainer:
         tokens_s = gbs * self.cfg.model.seq_length / per_iter / self.dims.world_size
         mfu = 100.0 * tflops / self.peak if self.peak else None
         peak_gb = peak_memory_gb(self.device)
+        # every rank joins the norm's collectives (the log line is printed by one)
+        params_norm = self.optimizer.params_norm() if self.cfg.log.log_params_norm else None
         self.log.print(format_train_line(self.iteration, tr.train_iters, self.consumed_samples, per_iter * 1000.0,
                                          tflops, self.scheduler.lr, gbs, loss,
                                          self.optimizer.loss_scale, grad_norm, self.skipped, self.nan_iters,
-                                         tokens_s, mfu, peak_gb))
+                                         tokens_s, mfu, peak_gb, params_norm))
         self.log.train(self.iteration, loss)
         scalars = {"lm loss": loss, "learning rate": self.scheduler.lr, "grad norm": grad_norm,
                    "peak memory GB": peak_gb, "loss scale": self.optimizer.loss_scale}
+        if params_norm is not None:
+            scalars["params norm"] = params_norm
         if self.cfg.log.log_throughput:  # Megatron's --log-throughput (the log line always shows them)
             scalars.update({"throughput TFLOP/s/GPU": tflops, "tokens per second per GPU": tokens_s, "MFU %": mfu})
         self.log.scalars(self.iteration, scalars)

@@ -51,9 +51,10 @@ def _step(rank, distributed):
     model(*_inputs(rank)).backward()
     finalize_model_grads([model], dims)
     norm = opt._norm_sq(opt._grads()).sqrt().item()
+    params_norm = opt.params_norm()
     return {"ep_rank": dims.ep_rank, "edp_peers": dims.group_ranks["edp"], "groups": len(model.grad_buffers),
             "dense": model.module.dense.main_grad.clone(), "expert": model.module.expert.main_grad.clone(),
-            "norm": norm, "dense_owner": dims.coordinate("dp_cp") == 0, "expert_owner": dims.coordinate("edp") == 0}
+            "norm": norm, "params_norm": params_norm, "dense_owner": dims.coordinate("dp_cp") == 0, "expert_owner": dims.coordinate("edp") == 0}
 
 
 @pytest.fixture(scope="module")
@@ -81,5 +82,8 @@ def test_a_parameter_with_its_own_reduce_group(runs, distributed):
         expert_rows[o["ep_rank"]] = want
     # the norm counts the dense gradient once and each expert row once (not once per replica)
     expect = (dense.square().sum() + sum(v.square().sum() for v in expert_rows.values())).sqrt().item()
+    # --log-params-norm counts alike: the dense weight once, each expert row once
+    weights = (torch.ones(3).square().sum() + torch.arange(EP * 3.0).square().sum()).sqrt().item()
     for o in out:
         assert abs(o["norm"] - expect) <= 1e-5 * expect, (o["norm"], expect)
+        assert abs(o["params_norm"] - weights) <= 1e-5 * weights, (o["params_norm"], weights)

@@ -151,3 +151,15 @@ def test_log_throughput_writes_throughput_to_tensorboard(tmp_path, capsys, throu
     tags = set(events.Tags()["scalars"])
     assert "lm loss" in tags
     assert ({"throughput TFLOP/s/GPU", "tokens per second per GPU"} <= tags) == throughput
+
+
+def test_log_params_norm_prints_the_weights_norm(capsys):
+    cfg = parse_args(TINY + ["--train-iters", "2", "--eval-iters", "0", "--log-params-norm"])
+    result = pretrain(cfg)
+    shown = [float(x) for x in re.findall(r"params norm: ([0-9.]+)", capsys.readouterr().out)]
+    model = result["trainer"].model.module
+    want = torch.sqrt(sum(p.detach().float().square().sum() for p in model.parameters())).item()
+    assert len(shown) == 2 and abs(shown[-1] - want) <= 1e-3 * want, (shown, want)
+    plain = parse_args(TINY + ["--train-iters", "1", "--eval-iters", "0"])
+    pretrain(plain)
+    assert "params norm" not in capsys.readouterr().out
