@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -37,15 +38,19 @@ def count_syncs(preset: str, flags: list[str], iters: int, warmup: int, log_inte
 
     def step():
         current[0] = trainer.iteration + 1
-        if current[0] == warmup + 1:
-            torch.cuda.synchronize()
+        out = inner()
+        if current[0] == warmup:  # on from here (anything the switch itself reports counts as warm-up)
             torch.cuda.set_sync_debug_mode("warn")
-        return inner()
+        return out
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
             per_iter[current[0]] += 1
-            where.setdefault(current[0], set()).add(f"{Path(filename).name}:{lineno}")
+            # name the innermost frame of paratron's own code that led to it
+            ours = [f for f in traceback.extract_stack() if "/paratron/" in f.filename and "host_sync" not in f.filename]
+            at = ours[-1] if ours else None
+            where.setdefault(current[0], set()).add(
+                f"{Path(at.filename).name}:{at.lineno}" if at else f"{Path(filename).name}:{lineno}")
 
     trainer.train_step = step
     try:

@@ -20,11 +20,12 @@ def test_from_config_activation_shape_and_specs():
 
 
 def test_sequence_parallelism_splits_the_boundary_over_tp():
-    cfg = tiny_config("gpt", tensor_model_parallel_size=4, sequence_parallel=True, calculate_per_token_loss=True)
+    cfg = tiny_config("gpt", world_size=4, tensor_model_parallel_size=4, sequence_parallel=True,
+                      calculate_per_token_loss=True)
     layout = BatchLayout.from_config(cfg, ParallelDims(world_size=4, tp=4), torch.device("cpu"), torch.float32)
     assert layout.activation_shape() == (8, 2, 64) and layout.local_seq_length == 32
     assert layout.calculate_per_token_loss
-    no_sp = BatchLayout.from_config(tiny_config("gpt", tensor_model_parallel_size=4), ParallelDims(world_size=4, tp=4),
+    no_sp = BatchLayout.from_config(tiny_config("gpt", world_size=4, tensor_model_parallel_size=4), ParallelDims(world_size=4, tp=4),
                                     torch.device("cpu"), torch.float32)
     assert no_sp.activation_shape() == (32, 2, 64)
 
