@@ -19,6 +19,7 @@ from ..config import Config, ConfigError, check_resolved
 from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims, initialize_model_parallel
+from ..parallel.fp8 import Recipe
 from ..parallel.layout import BatchLayout
 from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
@@ -82,7 +83,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
     model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
                      seed=tr.seed, recompute_granularity=tr.recompute_granularity,
                      recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                     device=device, dtype=params_dtype(cfg), **stage)
+                     fp8=Recipe.from_config(tr), device=device, dtype=params_dtype(cfg), **stage)
     model.fused_output_loss = not tr.no_fused_output_loss
     if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
         for layer in model.decoder.layers:
