@@ -91,9 +91,11 @@ class Recipe:
 class Scaler:
     """The scale of one tensor role (input, weight or output gradient) of one layer."""
 
-    def __init__(self, recipe: Recipe, dtype: torch.dtype):
+    def __init__(self, recipe: Recipe, dtype: torch.dtype, device=None):
         self.recipe, self.dtype = recipe, dtype
         self.history: Optional[torch.Tensor] = None  # delayed: [history_len] amaxes, newest first
+        if recipe.recipe == "delayed" and device is not None:
+            self.history = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device)
         self.recorded = False
 
     def reference_amax(self, current: torch.Tensor) -> torch.Tensor:
@@ -127,12 +129,16 @@ class FP8State:
     """What one linear layer keeps between its FP8 matmuls: a scaler per tensor role. ``trace`` (a
     list, None by default) receives (role, fp8 dtype) for each quantisation: tests read it."""
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, device=None):
         self.recipe = recipe
-        self.input = Scaler(recipe, E4M3)
-        self.weight = Scaler(recipe, E4M3)
-        self.grad = Scaler(recipe, recipe.grad_dtype)
+        self.input = Scaler(recipe, E4M3, device)
+        self.weight = Scaler(recipe, E4M3, device)
+        self.grad = Scaler(recipe, recipe.grad_dtype, device)
         self.trace: Optional[list] = None
+
+    @property
+    def scalers(self) -> tuple:
+        return self.input, self.weight, self.grad
 
     def quantize(self, role: str, x: torch.Tensor):
         scaler = getattr(self, role)
@@ -207,7 +213,7 @@ def attach(model: torch.nn.Module, recipe: Optional[Recipe]) -> int:
     n = 0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in LAYERS and hasattr(module, "fp8"):
-            module.fp8 = FP8State(recipe)
+            module.fp8 = FP8State(recipe, module.weight.device)
             n += 1
     return n
 
@@ -221,3 +227,24 @@ def device_problem(device: str) -> Optional[str]:
     if (major, minor) < (8, 9):
         return need + f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
     return None
+
+
+# ---- the delayed recipe's amax histories in checkpoints ----------------------------------------
+def delayed_states(models) -> list:
+    """The FP8States of the delayed recipe in ``models``, in module order (the same on every run of
+    the same layout)."""
+    return [m.fp8 for model in models for m in model.modules()
+            if getattr(m, "fp8", None) is not None and m.fp8.recipe.recipe == "delayed"]
+
+
+def histories(states: list) -> Optional[torch.Tensor]:
+    """One flat copy of every amax history of ``states`` (None when there are none)."""
+    hs = [s.history for st in states for s in st.scalers]
+    return torch.cat(hs) if hs and all(h is not None for h in hs) else None
+
+
+def set_histories(states: list, flat: torch.Tensor) -> None:
+    """Write a flat copy made by :func:`histories` back (a resumed run goes on with the saved amaxes)."""
+    for s, h in zip([s for st in states for s in st.scalers], flat.split(states[0].recipe.amax_history_len)):
+        s.history.copy_(h)
+        s.recorded = bool(h.any())

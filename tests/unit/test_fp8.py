@@ -180,3 +180,31 @@ def test_cli_exit_code_and_one_line_on_cpu():
     assert r.stderr.strip().splitlines() == [
         "paratron: error: --fp8-format needs an FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); "
         "this run is on cpu"]
+
+
+def test_delayed_history_is_checkpointed_and_resume_is_bit_exact(tmp_path, monkeypatch):
+    """CPU stands in for an FP8 GPU here (this torch runs torch._scaled_mm on CPU): 2N steps straight
+    == N steps, save, load, N more, with the amax histories restored."""
+    from tests.unit.test_train import TINY, losses_of
+    from paratron.train.loop import Trainer
+    monkeypatch.setattr(fp8, "device_problem", lambda device: None)
+    n = 2
+    flags = TINY + ["--train-iters", str(2 * n), "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                    "--fp8-amax-history-len", "8", "--fp8-amax-compute-algo", "max", "--device", "cpu"]
+    straight = Trainer(parse_args(flags))
+    ref = losses_of(straight, 2 * n)
+    first = Trainer(parse_args(flags + ["--save", str(tmp_path / "ck")]))
+    got = losses_of(first, n)
+    saved = fp8.histories(fp8.delayed_states([first.model]))
+    # 2 layers x 4 FP8 linears x 3 tensors x history 8; n steps of 2 micro-batches recorded so far
+    assert saved.numel() == 2 * 4 * 3 * 8 and saved.count_nonzero() == 2 * 4 * 3 * 2 * n
+    first.save()
+    second = Trainer(parse_args(flags + ["--load", str(tmp_path / "ck")]))
+    assert torch.equal(fp8.histories(fp8.delayed_states([second.model])), saved)
+    got += losses_of(second, n)
+    assert got == ref and all(torch.isfinite(torch.tensor(ref)))
+    assert torch.equal(fp8.histories(fp8.delayed_states([second.model])),
+                       fp8.histories(fp8.delayed_states([straight.model])))
+    bf16 = Trainer(parse_args([f for f in flags if f not in ("hybrid", "delayed", "--fp8-format", "--fp8-recipe")]
+                              + ["--load", str(tmp_path / "ck")]))  # an FP8 checkpoint resumes in bf16
+    assert bf16.iteration == n and not fp8.delayed_states([bf16.model])
