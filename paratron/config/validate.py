@@ -158,6 +158,9 @@ def validate_fp8(cfg: Config) -> None:
     need(tr.fp8_amax_history_len >= 1, f"--fp8-amax-history-len must be >= 1 (got {tr.fp8_amax_history_len})")
     need(tr.fp8_margin >= 0, f"--fp8-margin must be >= 0 (got {tr.fp8_margin})")
     need(tr.bf16, "--fp8-format needs --bf16 (FP8 matmuls with bf16 weights and activations)")
+    need(not (tr.fp8_recipe == "delayed" and tr.recompute_granularity == "full"),
+         "--fp8-recipe delayed with --recompute-granularity full would record each amax twice and recompute "
+         "with other scales; use --fp8-recipe tensorwise or selective recomputation")
     tp, width = par.tensor_model_parallel_size, m.ffn_hidden_size * (2 if m.swiglu else 1)
     sizes = {"--hidden-size": m.hidden_size, "QKV output per TP rank": (m.num_attention_heads + 2 * m.num_query_groups)
              * m.kv_channels // tp, "attention width per TP rank": m.num_attention_heads * m.kv_channels // tp,

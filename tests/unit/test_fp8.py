@@ -157,6 +157,8 @@ def test_model_attaches_fp8_to_the_four_block_layers_only():
     (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "mxfp8"], "Blackwell"),
     (["--fp8-format", "hybrid", "--bf16", "--fp8-amax-compute-algo", "mean"], "max or most_recent"),
     (["--fp8-format", "e4m3", "--fp8-hybrid", "--bf16"], "contradicts"),
+    (["--fp8-format", "hybrid", "--bf16", "--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "--fp8-recipe delayed with --recompute-granularity full"),
     (["--fp8-format", "hybrid", "--bf16", "--hidden-size", "72", "--num-attention-heads", "4"],
      "multiples of 16; --hidden-size is 72"),
 ])
@@ -208,3 +210,11 @@ def test_delayed_history_is_checkpointed_and_resume_is_bit_exact(tmp_path, monke
     bf16 = Trainer(parse_args([f for f in flags if f not in ("hybrid", "delayed", "--fp8-format", "--fp8-recipe")]
                               + ["--load", str(tmp_path / "ck")]))  # an FP8 checkpoint resumes in bf16
     assert bf16.iteration == n and not fp8.delayed_states([bf16.model])
+
+
+def test_fp8_check_benchmark_runs_on_cpu():
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "fp8_check.py")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| linear_fc2 |" in r.stdout and "skipping (b) matmul speed and (c) training throughput" in r.stdout
