@@ -151,7 +151,8 @@ def validate_fp8(cfg: Config) -> None:
     from ..parallel import fp8
     need(tr.fp8_format in fp8.FORMATS, f"--fp8-format must be e4m3 or hybrid (got {tr.fp8_format})")
     need(tr.fp8_recipe not in fp8.REFUSED_RECIPES,
-         f"--fp8-recipe {tr.fp8_recipe} is not supported: {fp8.REFUSED_RECIPES.get(tr.fp8_recipe)}; use tensorwise or delayed")
+         f"--fp8-recipe {tr.fp8_recipe} is not supported: {fp8.REFUSED_RECIPES.get(tr.fp8_recipe)}; "
+         "use tensorwise or delayed")
     need(tr.fp8_recipe in fp8.RECIPES, f"--fp8-recipe must be tensorwise or delayed (got {tr.fp8_recipe})")
     need(tr.fp8_amax_compute_algo in fp8.AMAX_ALGOS,
          f"--fp8-amax-compute-algo must be max or most_recent (got {tr.fp8_amax_compute_algo})")

@@ -149,7 +149,8 @@ def test_model_attaches_fp8_to_the_four_block_layers_only():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--fp8-format", "hybrid", "--bf16"], "FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); this run is on cpu"),
+    (["--fp8-format", "hybrid", "--bf16"],
+     "FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); this run is on cpu"),
     (["--fp8-hybrid", "--bf16"], "this run is on cpu"),
     (["--fp8-format", "hybrid"], "--fp8-format needs --bf16"),
     (["--fp8-format", "e5m2", "--bf16"], "--fp8-format must be e4m3 or hybrid"),
