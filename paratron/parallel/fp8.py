@@ -40,6 +40,7 @@ REFUSED_RECIPES = {  # Megatron's other choices: why paratron refuses them
 AMAX_ALGOS = ("max", "most_recent")
 LAYERS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # the FP8 layers of a transformer block
 FAST_ACCUM_FORWARD = True  # the forward GEMM with Hopper's fast FP8 accumulation (as torchao); backward without
+FUSED_CAST_DEVICES = ("cuda",)  # where amax and the scaled cast run as compiled kernels outside compiled regions
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +89,20 @@ class Recipe:
         return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin)
 
 
+_compiled: dict = {}
+
+
+def _fused(fn, x: torch.Tensor):
+    """``fn`` as one compiled kernel (dynamic shapes: one per function and FP8 type) on the devices of
+    FUSED_CAST_DEVICES, when not already inside a compiled region (which fuses it itself); eager, the
+    cast alone is four passes over the tensor and an fp32 temporary."""
+    if x.device.type not in FUSED_CAST_DEVICES or torch.compiler.is_compiling():
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
+
+
 class Scaler:
     """The scale of one tensor role (input, weight or output gradient) of one layer."""
 
@@ -115,14 +130,14 @@ class Scaler:
 
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
         """The scale to quantise ``x`` with now; records x's amax (delayed)."""
-        current = amax(x)
+        current = _fused(amax, x)(x)
         scale = compute_scale(self.reference_amax(current), FMAX[self.dtype], self.recipe.margin)
         self.record(current)
         return scale
 
     def quantize(self, x: torch.Tensor):
         scale = self.scale_for(x)
-        return quantize(x, scale, self.dtype), scale
+        return _fused(quantize, x)(x, scale, self.dtype), scale
 
 
 class FP8State:

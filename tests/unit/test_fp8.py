@@ -219,3 +219,15 @@ def test_fp8_check_benchmark_runs_on_cpu():
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "| linear_fc2 |" in r.stdout and "skipping (b) matmul speed and (c) training throughput" in r.stdout
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fused_casts_equal_eager(monkeypatch, recipe):
+    """The compiled amax / cast kernels (used on CUDA outside compiled regions) give the eager bits."""
+    eager = _linear_case(recipe=recipe)
+    monkeypatch.setattr(fp8, "FUSED_CAST_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fp8, "_compiled", {})
+    fused = _linear_case(recipe=recipe)
+    assert len(fp8._compiled) == 2
+    assert torch.equal(eager[3], fused[3])  # y
+    assert torch.equal(eager[0].grad, fused[0].grad) and torch.equal(eager[1].grad, fused[1].grad)
