@@ -116,16 +116,17 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-train", action="store_true", help="skip (c), the training throughput")
     p.add_argument("--flags", default="", help="more flags for both (c) variants, e.g. '--torch-compile'")
+    p.add_argument("--cpu", action="store_true", help="(a) only, on the CPU at small shapes, even on a GPU")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
-    gpu = fp8_gpu()
+    gpu = fp8_gpu() and not args.cpu
     device = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"torch {torch.__version__} on {device}; --fp8-format {args.format} --fp8-recipe {args.recipe}")
     sections = ["## (a) accuracy: relative error against the fp32 matmul of the same bf16 inputs", ""]
     sections += accuracy(args.format, args.recipe, "cuda" if gpu else "cpu", 1 if gpu else 64)
     print("\n".join(sections), flush=True)
     if not gpu:
-        print(f"skipping (b) matmul speed and (c) training throughput: {fp8.device_problem('cuda')}")
+        print(f"skipping (b) matmul speed and (c) training throughput: {fp8.device_problem('cuda') or '--cpu'}")
         return 0
     part = ["", "## (b) forward + backward of one layer, 4 x 2048 tokens", ""] + matmul_speed(args.format, args.recipe)
     print("\n".join(part), flush=True)

@@ -215,7 +215,7 @@ def test_delayed_history_is_checkpointed_and_resume_is_bit_exact(tmp_path, monke
 
 def test_fp8_check_benchmark_runs_on_cpu():
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "fp8_check.py")], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "fp8_check.py"), "--cpu"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "| linear_fc2 |" in r.stdout and "skipping (b) matmul speed and (c) training throughput" in r.stdout
