@@ -10,6 +10,8 @@ without the distributed optimizer) loads into any other:
     optimizer.exp_avg.{name}           Adam moments, fp32
     optimizer.exp_avg_sq.{name}
     rng.{generator}                    [world size, n]: row r is rank r's generator state
+    fp8.amax_history                   [world size, n]: row r is rank r's amax histories of the
+                                       delayed FP8 recipe (restored only into the same layout)
 
 The optimizer tensors of the plain optimizer are whole tensor-parallel shards; those of the
 distributed optimizer are flat ranges of them (its data-parallel shard), cut into rectangles of the
@@ -28,6 +30,7 @@ from ..parallel.stages import global_name, unwrap
 from .pieces import Piece, flat_pieces, replicated_row, tensor_pieces
 
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
+FP8_HISTORY = "fp8.amax_history"
 
 
 def param_keys(models: list) -> dict:

@@ -14,8 +14,8 @@ checks each section, computes every value left to a default, and freezes the con
 changes it afterwards. It derives `--kv-channels`, `--ffn-hidden-size`, `--num-query-groups`,
 `--max-position-embeddings`, `--virtual-pipeline-model-parallel-size` (from
 `--num-layers-per-virtual-pipeline-stage`), `--recompute-granularity selective` (from
-`--recompute-activations`), `--tokenizer-type NullTokenizer` with `--vocab-size 50257` for
-`--mock-data` without tokenizer flags, the data-parallel size (processes / (TP x PP x CP)), the default
+`--recompute-activations`), `--fp8-format hybrid` (from `--fp8-hybrid`), `--tokenizer-type
+NullTokenizer` with `--vocab-size 50257` for `--mock-data` without tokenizer flags, the data-parallel size (processes / (TP x PP x CP)), the default
 `--global-batch-size` (micro-batch x data-parallel size), `--train-iters` from `--train-samples`, and
 `--vocab-size` from the tokenizer. Python code that needs another config copies it:
 `cfg.unfrozen()` (the values as given; resolve it again) or `dataclasses.replace(...)`.

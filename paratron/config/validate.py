@@ -140,6 +140,40 @@ def validate_train(tr: TrainConfig) -> None:
              f"non-negative multiple of INCREMENT {inc}")
 
 
+def validate_fp8(cfg: Config) -> None:
+    """--fp8-*: values, --bf16, layer sizes that FP8 GEMMs take (multiples of 16), and the device."""
+    tr, m, par = cfg.train, cfg.model, cfg.parallel
+    if tr.fp8_hybrid:
+        need(tr.fp8_format in (None, "hybrid"), f"--fp8-hybrid contradicts --fp8-format {tr.fp8_format}; choose one")
+        tr.fp8_format = "hybrid"
+    if tr.fp8_format is None:
+        return
+    from ..parallel import fp8
+    need(tr.fp8_format in fp8.FORMATS, f"--fp8-format must be e4m3 or hybrid (got {tr.fp8_format})")
+    need(tr.fp8_recipe not in fp8.REFUSED_RECIPES,
+         f"--fp8-recipe {tr.fp8_recipe} is not supported: {fp8.REFUSED_RECIPES.get(tr.fp8_recipe)}; "
+         "use tensorwise or delayed")
+    need(tr.fp8_recipe in fp8.RECIPES, f"--fp8-recipe must be tensorwise or delayed (got {tr.fp8_recipe})")
+    need(tr.fp8_amax_compute_algo in fp8.AMAX_ALGOS,
+         f"--fp8-amax-compute-algo must be max or most_recent (got {tr.fp8_amax_compute_algo})")
+    need(tr.fp8_amax_history_len >= 1, f"--fp8-amax-history-len must be >= 1 (got {tr.fp8_amax_history_len})")
+    need(tr.fp8_margin >= 0, f"--fp8-margin must be >= 0 (got {tr.fp8_margin})")
+    need(tr.bf16, "--fp8-format needs --bf16 (FP8 matmuls with bf16 weights and activations)")
+    need(not (tr.fp8_recipe == "delayed" and tr.recompute_granularity == "full"),
+         "--fp8-recipe delayed with --recompute-granularity full would record each amax twice and recompute "
+         "with other scales; use --fp8-recipe tensorwise or selective recomputation")
+    tp, width = par.tensor_model_parallel_size, m.ffn_hidden_size * (2 if m.swiglu else 1)
+    sizes = {"--hidden-size": m.hidden_size, "QKV output per TP rank": (m.num_attention_heads + 2 * m.num_query_groups)
+             * m.kv_channels // tp, "attention width per TP rank": m.num_attention_heads * m.kv_channels // tp,
+             "fc1 output per TP rank": width // tp, "--ffn-hidden-size per TP rank": m.ffn_hidden_size // tp,
+             "tokens per micro-batch (--micro-batch-size x --seq-length / CP)":
+                 tr.micro_batch_size * m.seq_length // par.context_parallel_size}
+    for name, size in sizes.items():
+        need(size % 16 == 0, f"--fp8-format needs FP8 GEMM sizes that are multiples of 16; {name} is {size}")
+    problem = fp8.device_problem("cpu" if tr.device == "cpu" else "cuda")
+    need(problem is None, problem)
+
+
 def validate_optim(op) -> None:
     need(op.lr is not None, "set the learning rate with --lr (e.g. --lr 3e-4)")
     need(op.optimizer == "adam", f"--optimizer {op.optimizer} is not supported; paratron has adam (AdamW)")
@@ -259,6 +293,7 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
         validate_model(cfg.model)
         validate_parallel(cfg.parallel, cfg.model, cfg.train)
         validate_train(cfg.train)
+        validate_fp8(cfg)
         validate_optim(cfg.optim)
         validate_ckpt(cfg.ckpt)
         validate_log(cfg.log)

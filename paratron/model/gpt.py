@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel import comm
+from ..parallel import fp8 as fp8_mod
 from ..parallel.dims import ParallelDims
 from ..parallel.random import RNGTracker, seeded_init
 from ..parallel.sharding import update_spec
@@ -59,7 +60,8 @@ class GPTModel(nn.Module):
     [b, s] (fp32) when labels are given on the last stage, else logits [b, s, vocab/TP] on the last
     stage, else the hidden states [s(/TP), b, h] to send to the next stage. ``attention_mask`` is
     Megatron's ([b, 1, s, s] bool, True = masked out, the causal pattern included); without it attention
-    is causal. The rotary tables and the mask go down to attention in one ForwardContext.
+    is causal. The rotary tables and the mask go down to attention in one ForwardContext. ``fp8``: a
+    ``paratron.parallel.fp8.Recipe`` runs the blocks' QKV, proj, fc1 and fc2 matmuls in FP8.
     """
 
     def __init__(self, config: ModelConfig, vocab_size: int, max_sequence_length: Optional[int] = None,
@@ -67,7 +69,7 @@ class GPTModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True, layer_offset: int = 0,
                  num_layers: Optional[int] = None, recompute_granularity: Optional[str] = None,
                  recompute_method: Optional[str] = None, recompute_num_layers: Optional[int] = None,
-                 device=None, dtype=None):
+                 fp8: Optional[fp8_mod.Recipe] = None, device=None, dtype=None):
         super().__init__()
         # A resolved copy (the caller's config is never written; a resolved one is used as it is).
         cfg = config.resolved(**({} if max_sequence_length is None else dict(
@@ -94,6 +96,7 @@ class GPTModel(nn.Module):
                                         recompute_granularity=recompute_granularity, recompute_method=recompute_method,
                                         recompute_num_layers=recompute_num_layers, device=device, dtype=dtype,
                                         seed=seed)
+        fp8_mod.attach(self.decoder, fp8)  # FP8 matmuls in QKV / proj / fc1 / fc2 when a recipe is given
         if post_process:
             # Tied: drawn from the embedding's stream, so the last stage's copy equals the word embedding.
             with seeded_init(seed, "embedding" if self.share_embeddings else "output_layer", device):

@@ -8,6 +8,10 @@ groups its gradient is reduced and summed over), read by the gradient buffers, t
 checkpoints: a column-parallel weight is split along dim 0 in ``chunks`` blocks (2 for SwiGLU's
 [gate; up]), a row-parallel weight along dim 1; a replicated bias applied to sequence-sharded
 activations has its gradient summed over the TP group.
+
+A Column/RowParallelLinear with an ``fp8`` state (set by ``paratron.parallel.fp8.attach``) runs its
+own matmul in FP8 (``fp8_linear``); the collectives around it (the SP all-gather, the TP reductions)
+still move the activations' dtype (bf16), and the bias and residual are added after the matmul.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .fp8 import fp8_linear
 from .sharding import ShardSpec, Split, local_index, set_spec, shard, spec_of
 
 
@@ -68,10 +73,15 @@ class ColumnParallelLinear(nn.Module):
             self.bias = _param(torch.zeros(out_features, device=device, dtype=dtype), 0, chunks, tp_group)
         else:
             self.register_parameter("bias", None)
+        self.fp8 = None  # an FP8State: the matmul in FP8 (paratron.parallel.fp8)
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``weight`` overrides the layer's own (a tied output layer passes the embedding table)."""
-        y = F.linear(self.enter(x), self.weight if weight is None else weight, self.bias)
+        if self.fp8 is not None and weight is None:
+            y = fp8_linear(self.enter(x), self.weight, self.fp8)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(self.enter(x), self.weight if weight is None else weight, self.bias)
         return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,18 +116,27 @@ class RowParallelLinear(nn.Module):
                 set_spec(self.bias, ShardSpec(sum_over=("tp",)))
         else:
             self.register_parameter("bias", None)
+        self.fp8 = None  # an FP8State: the matmul in FP8 (paratron.parallel.fp8)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, self.fp8)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``residual``: added to the output (at TP=1 without bias inside the matmul, as its C operand)."""
+        """``residual``: added to the output (at TP=1 without bias inside the matmul, as its C operand;
+        under FP8 after the FP8 matmul)."""
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.tp_group)
         if comm.group_size(self.tp_group) == 1:
-            if residual is not None and self.bias is None:
+            if residual is not None and self.bias is None and self.fp8 is None:
                 out = torch.addmm(residual.reshape(-1, self.out_features), x.reshape(-1, x.size(-1)), self.weight.t())
                 return out.view(residual.shape)
-            y = F.linear(x, self.weight, self.bias)
+            if self.fp8 is None:
+                y = F.linear(x, self.weight, self.bias)
+            else:
+                y = fp8_linear(x, self.weight, self.fp8)
+                y = y if self.bias is None else y + self.bias
         else:
-            y = F.linear(x, self.weight)
+            y = self._matmul(x)
             y = comm.reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else comm.reduce_from_tp(
                 y, self.tp_group)
             y = y if self.bias is None else y + self.bias

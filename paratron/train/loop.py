@@ -15,10 +15,13 @@ import torch.distributed as dist
 
 from ..checkpoint import sharded
 from ..checkpoint import state as cstate
+from ..checkpoint.pieces import replicated_row
 from ..config import Config, ConfigError, check_resolved
 from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims, initialize_model_parallel
+from ..parallel import fp8
+from ..parallel.fp8 import Recipe
 from ..parallel.layout import BatchLayout
 from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
@@ -82,7 +85,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
     model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
                      seed=tr.seed, recompute_granularity=tr.recompute_granularity,
                      recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                     device=device, dtype=params_dtype(cfg), **stage)
+                     fp8=Recipe.from_config(tr), device=device, dtype=params_dtype(cfg), **stage)
     model.fused_output_loss = not tr.no_fused_output_loss
     if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
         for layer in model.decoder.layers:
@@ -245,13 +248,15 @@ class Trainer:
 
     # ---- checkpoints (format: paratron/checkpoint/sharded.py and state.py) ------------------------
     def _ckpt_pieces(self, optim: bool, rng: Optional[dict], masters_from: Optional[str] = None,
-                     model_prefix: Optional[dict] = None) -> list:
+                     model_prefix: Optional[dict] = None, amax: Optional[torch.Tensor] = None) -> list:
         pieces = cstate.model_pieces(self.models, self.dims, model_prefix)
         if optim:
             cstate.ensure_adam_state(self.optimizer)
             pieces += cstate.optimizer_pieces(self.optimizer, self.models, self.dims, masters_from)
         if rng is not None:
             pieces += cstate.rng_pieces(rng, self.dims)
+        if amax is not None:  # the delayed FP8 recipe's amax histories, one row per rank
+            pieces.append(replicated_row(cstate.FP8_HISTORY, amax, self.dims.rank, self.dims.world_size))
         return pieces
 
     def _layout(self) -> dict:
@@ -269,7 +274,8 @@ class Trainer:
         c = self.cfg.ckpt
         self.wait_for_save()
         self._fold_pending_skips()
-        pieces = self._ckpt_pieces(not c.no_save_optim, None if c.no_save_rng else self._rng_states())
+        pieces = self._ckpt_pieces(not c.no_save_optim, None if c.no_save_rng else self._rng_states(),
+                                   amax=fp8.histories(fp8.delayed_states(self.models)))
         common = {"consumed_samples": self.consumed_samples, "skipped_iterations": self.skipped,
                   "scheduler": self.scheduler.state_dict(),
                   "optimizer": None if c.no_save_optim else {"step": cstate.adam_step(self.optimizer),
@@ -318,7 +324,10 @@ class Trainer:
         prefix = {k: "optimizer.fp32_param." for p, k in cstate.param_keys(self.models).items()
                   if p.dtype == torch.float32 and f"optimizer.fp32_param.{k}" in saved}
         states = self._rng_states() if rng else None  # overwritten by the load
-        sharded.load(d, self._ckpt_pieces(optim, states, masters, prefix), self.ckpt_group)
+        amax = self._amax_target(saved, same_layout)
+        sharded.load(d, self._ckpt_pieces(optim, states, masters, prefix, amax), self.ckpt_group)
+        if amax is not None:
+            fp8.set_histories(fp8.delayed_states(self.models), amax)
         if optim:
             cstate.set_adam_step(self.optimizer, int(common["optimizer"]["step"]))
             self.optimizer.scaler.load_state_dict(common["optimizer"]["scaler"])
@@ -334,6 +343,17 @@ class Trainer:
         if states is not None:  # (the TP-region state was loaded in place: it is the tracker's own tensor)
             set_rng_state(states, self.device)
         self.log.print(f" resumed from {d} at iteration {self.iteration} ({self.consumed_samples} samples)")
+
+    def _amax_target(self, saved: dict, same_layout: bool) -> Optional[torch.Tensor]:
+        """Where to load the delayed FP8 recipe's amax histories into; None (they restart) when this
+        run has none or the checkpoint has none of this shape (another layout or recipe, a bf16 run)."""
+        flat = fp8.histories(fp8.delayed_states(self.models))
+        if flat is None:
+            return None
+        if same_layout and saved.get(cstate.FP8_HISTORY, ((),))[0] == (self.dims.world_size, flat.numel()):
+            return torch.empty_like(flat)
+        self.log.print(" the checkpoint has no FP8 amax history for this layout and recipe: it restarts")
+        return None
 
     def _fold_pending_skips(self) -> None:
         if self._pending_skips is not None:

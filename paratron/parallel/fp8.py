@@ -1,0 +1,265 @@
+"""FP8 matmuls for the transformer's linear layers (``--fp8-format``, ``--fp8-recipe``).
+
+Lives in ``parallel`` next to the tensor-parallel layers that call it (``parallel/tensor.py``); the
+model package imports from ``parallel``, never the other way round.
+
+Scaling, as Transformer Engine / Megatron define it: a tensor ``x`` is stored as
+``q = saturate(x * scale)`` in an FP8 type and read back as ``q / scale``, with
+``scale = fmax / (amax * 2**margin)`` (``fmax`` = 448 for e4m3, 57344 for e5m2; ``amax`` = max |x|;
+scale 1 where amax is 0, inf or NaN, or the quotient overflows). Recipes:
+
+* ``tensorwise`` (current scaling): the amax of the tensor being quantised, now.
+* ``delayed``: the amax comes from a history of the last ``--fp8-amax-history-len`` amaxes of that
+  tensor (``max`` of the history or its ``most_recent`` entry). The scale used for a matmul is
+  computed from the history *before* the current amax is recorded; the history is then rolled and the
+  current amax written at its head. Before anything is recorded (the first use) the current amax is
+  used, so no step runs with an arbitrary scale.
+
+Forward: input and weight in e4m3. Backward: the output gradient in e5m2 (``hybrid``) or e4m3
+(``e4m3``); grad_input = g @ W and grad_weight = g^T @ x reuse the FP8 copies saved by the forward.
+The matmuls are ``torch._scaled_mm`` (first operand row-major, second column-major, every dimension a
+multiple of 16; it takes the *inverse* scales). ``emulate=True`` replaces them with
+dequantise -> fp32 matmul: for the CPU unit tests of the numerics only, never chosen by a run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FMAX = {E4M3: 448.0, E5M2: 57344.0}
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("tensorwise", "delayed")
+REFUSED_RECIPES = {  # Megatron's other choices: why paratron refuses them
+    "blockwise": "blockwise (1x128 / 128x128 block scales) needs block-scaled FP8 GEMMs that paratron does not have",
+    "mxfp8": "mxfp8 (per-32-element e8m0 scales) needs Blackwell's MX tensor cores; Hopper has none",
+}
+AMAX_ALGOS = ("max", "most_recent")
+LAYERS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # the FP8 layers of a transformer block
+FAST_ACCUM_FORWARD = True  # the forward GEMM with Hopper's fast FP8 accumulation (as torchao); backward without
+FUSED_CAST_DEVICES = ("cuda",)  # where amax and the scaled cast run as compiled kernels outside compiled regions
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-dim fp32 tensor (no host sync)."""
+    return x.detach().abs().amax().float()
+
+
+def compute_scale(a: torch.Tensor, fmax: float, margin: int = 0) -> torch.Tensor:
+    """fmax / (a * 2**margin) in fp32; 1 where a is 0 / inf / NaN or the quotient is not finite."""
+    a = a.float()
+    scale = fmax / (a * (2.0 ** margin))
+    ok = torch.isfinite(a) & (a > 0) & torch.isfinite(scale)
+    return torch.where(ok, scale, torch.ones_like(scale))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(x * scale) saturated to +-fmax of ``dtype`` and cast to it (a plain cast of an out-of-range
+    value would give NaN in e4m3fn)."""
+    fmax = FMAX[dtype]
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() / scale).to(dtype)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The FP8 settings of a run (TrainConfig's fp8_* fields)."""
+    format: str = "hybrid"
+    recipe: str = "tensorwise"
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    margin: int = 0
+    emulate: bool = False  # tests only: dequantise + fp32 matmul instead of torch._scaled_mm
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return E5M2 if self.format == "hybrid" else E4M3
+
+    @classmethod
+    def from_config(cls, tr) -> Optional["Recipe"]:
+        """The recipe of a TrainConfig, None when FP8 is off."""
+        if not tr.fp8_format:
+            return None
+        return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin)
+
+
+_compiled: dict = {}
+
+
+def _fused(fn, x: torch.Tensor):
+    """``fn`` as one compiled kernel (dynamic shapes: one per function and FP8 type) on the devices of
+    FUSED_CAST_DEVICES, when not already inside a compiled region (which fuses it itself); eager, the
+    cast alone is four passes over the tensor and an fp32 temporary."""
+    if x.device.type not in FUSED_CAST_DEVICES or torch.compiler.is_compiling():
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
+
+
+class Scaler:
+    """The scale of one tensor role (input, weight or output gradient) of one layer."""
+
+    def __init__(self, recipe: Recipe, dtype: torch.dtype, device=None):
+        self.recipe, self.dtype = recipe, dtype
+        self.history: Optional[torch.Tensor] = None  # delayed: [history_len] amaxes, newest first
+        if recipe.recipe == "delayed" and device is not None:
+            self.history = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device)
+        self.recorded = False
+
+    def reference_amax(self, current: torch.Tensor) -> torch.Tensor:
+        """The amax the scale is computed from (the history as it is before ``current`` is recorded)."""
+        if self.recipe.recipe == "tensorwise" or not self.recorded:
+            return current
+        return self.history.amax() if self.recipe.amax_compute_algo == "max" else self.history[0].clone()
+
+    def record(self, current: torch.Tensor) -> None:
+        if self.recipe.recipe != "delayed":
+            return
+        if self.history is None:
+            self.history = torch.zeros(self.recipe.amax_history_len, dtype=torch.float32, device=current.device)
+        self.history.copy_(self.history.roll(1))
+        self.history[0] = current
+        self.recorded = True
+
+    def scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The scale to quantise ``x`` with now; records x's amax (delayed)."""
+        current = _fused(amax, x)(x)
+        scale = compute_scale(self.reference_amax(current), FMAX[self.dtype], self.recipe.margin)
+        self.record(current)
+        return scale
+
+    def quantize(self, x: torch.Tensor):
+        scale = self.scale_for(x)
+        return _fused(quantize, x)(x, scale, self.dtype), scale
+
+
+class FP8State:
+    """What one linear layer keeps between its FP8 matmuls: a scaler per tensor role. ``trace`` (a
+    list, None by default) receives (role, fp8 dtype) for each quantisation: tests read it."""
+
+    def __init__(self, recipe: Recipe, device=None):
+        self.recipe = recipe
+        self.input = Scaler(recipe, E4M3, device)
+        self.weight = Scaler(recipe, E4M3, device)
+        self.grad = Scaler(recipe, recipe.grad_dtype, device)
+        self.trace: Optional[list] = None
+
+    @property
+    def scalers(self) -> tuple:
+        return self.input, self.weight, self.grad
+
+    def quantize(self, role: str, x: torch.Tensor):
+        scaler = getattr(self, role)
+        if self.trace is not None:
+            self.trace.append((role, scaler.dtype))
+        return scaler.quantize(x)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+              emulate: bool, fast_accum: bool = False) -> torch.Tensor:
+    """(a / sa) @ (b / sb) for FP8 ``a`` [m, k] (row-major) and ``b`` [k, n] (column-major)."""
+    if emulate:
+        return (dequantize(a, sa) @ dequantize(b, sb)).to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the same shape and values, laid out column-major (as _scaled_mm's second operand)."""
+    return t.t().contiguous().t()
+
+
+class _FP8Linear(torch.autograd.Function):
+    """y = x W^T with x and W in e4m3; the gradients from the FP8 output gradient and the saved FP8
+    copies of x and W (the bf16 x is not kept)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, state):
+        x2 = x.reshape(-1, x.size(-1))
+        xq, sx = state.quantize("input", x2)
+        wq, sw = state.quantize("weight", weight)
+        y = scaled_mm(xq, wq.t(), sx, sw, x.dtype, state.recipe.emulate, FAST_ACCUM_FORWARD)
+        ctx.save_for_backward(xq, wq, sx, sw)
+        ctx.state, ctx.x_shape, ctx.w_dtype = state, x.shape, weight.dtype
+        return y.view(*x.shape[:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx, g):
+        xq, wq, sx, sw = ctx.saved_tensors
+        state, emulate = ctx.state, ctx.state.recipe.emulate
+        g2 = g.reshape(-1, g.size(-1))
+        gq, sg = state.quantize("grad", g2)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:  # [m, n] @ [n, k]
+            gx = scaled_mm(gq, column_major(wq), sg, sw, g.dtype, emulate).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # [n, m] @ [m, k]
+            gw = scaled_mm(gq.t().contiguous(), column_major(xq), sg, sx, ctx.w_dtype, emulate)
+        return gx, gw, None
+
+
+def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
+    return _FP8Linear.apply(x, weight, state)
+
+
+# The delayed recipe keeps Python-side state (the history, whether it holds anything) that a compiled
+# region must not bake in: its linear runs eagerly inside a torch.compile'd layer.
+_fp8_linear_eager = torch.compiler.disable(_fp8_linear)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) with FP8 inputs per ``state``'s recipe; output in x's dtype."""
+    if state.recipe.recipe == "delayed":
+        return _fp8_linear_eager(x, weight, state)
+    return _fp8_linear(x, weight, state)
+
+
+def attach(model: torch.nn.Module, recipe: Optional[Recipe]) -> int:
+    """Give each transformer QKV / proj / fc1 / fc2 layer of ``model`` its own FP8State (embedding and
+    output layer stay in the parameters' dtype). Returns how many layers got one."""
+    if recipe is None:
+        return 0
+    n = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in LAYERS and hasattr(module, "fp8"):
+            module.fp8 = FP8State(recipe, module.weight.device)
+            n += 1
+    return n
+
+
+def device_problem(device: str) -> Optional[str]:
+    """Why FP8 matmuls cannot run on ``device`` ('cpu' / 'cuda'), or None when they can."""
+    need = "--fp8-format needs an FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); this run is on "
+    if device != "cuda" or not torch.cuda.is_available():
+        return need + "cpu"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return need + f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
+    return None
+
+
+# ---- the delayed recipe's amax histories in checkpoints ----------------------------------------
+def delayed_states(models) -> list:
+    """The FP8States of the delayed recipe in ``models``, in module order (the same on every run of
+    the same layout)."""
+    return [m.fp8 for model in models for m in model.modules()
+            if getattr(m, "fp8", None) is not None and m.fp8.recipe.recipe == "delayed"]
+
+
+def histories(states: list) -> Optional[torch.Tensor]:
+    """One flat copy of every amax history of ``states`` (None when there are none)."""
+    hs = [s.history for st in states for s in st.scalers]
+    return torch.cat(hs) if hs and all(h is not None for h in hs) else None
+
+
+def set_histories(states: list, flat: torch.Tensor) -> None:
+    """Write a flat copy made by :func:`histories` back (a resumed run goes on with the saved amaxes)."""
+    for s, h in zip([s for st in states for s in st.scalers], flat.split(states[0].recipe.amax_history_len)):
+        s.history.copy_(h)
+        s.recorded = bool(h.any())

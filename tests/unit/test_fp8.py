@@ -1,0 +1,233 @@
+"""FP8 scaling and matmuls (paratron/parallel/fp8.py) on CPU: hand-computed scales, saturation, the
+delayed recipe's history, the emulated FP8 linear against fp32, the real torch._scaled_mm path where
+this torch runs it on CPU, the layers' wiring, and the config errors."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from paratron.config import ConfigError, parse_args
+from paratron.parallel import fp8
+from paratron.parallel.fp8 import E4M3, E5M2, FP8State, Recipe, Scaler
+from paratron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+BASE = ["--mock-data", "--train-iters", "2", "--lr", "1e-3", "--micro-batch-size", "2", "--device", "cpu"]
+
+
+def test_scale_from_amax_and_margin():
+    assert fp8.compute_scale(torch.tensor(2.0), 448.0).item() == 224.0
+    assert fp8.compute_scale(torch.tensor(2.0), 448.0, margin=2).item() == 56.0  # 448 / (2 * 4)
+    assert fp8.compute_scale(torch.tensor(4.0), 57344.0, margin=1).item() == 7168.0
+    for bad in (0.0, float("inf"), float("nan"), 1e-45):  # 1e-45: the quotient overflows fp32
+        assert fp8.compute_scale(torch.tensor(bad), 448.0).item() == 1.0
+    assert fp8.amax(torch.tensor([[-3.0, 1.0], [2.5, 0.0]])).item() == 3.0
+
+
+def test_saturation_and_round_trip():
+    x = torch.tensor([1000.0, -1000.0, 1.0, 0.0])
+    q = fp8.quantize(x, torch.tensor(1.0), E4M3)
+    assert q.dtype == E4M3 and q.float().tolist() == [448.0, -448.0, 1.0, 0.0]
+    q = fp8.quantize(torch.tensor([1e6, -1e6]), torch.tensor(1.0), E5M2)
+    assert q.float().tolist() == [57344.0, -57344.0]
+    assert not torch.isnan(fp8.quantize(torch.tensor([1e9]), torch.tensor(1.0), E4M3).float()).any()
+    # with the tensorwise scale the largest value maps to fmax exactly and comes back exactly
+    x = torch.tensor([0.5, -4.0, 2.0])
+    s = fp8.compute_scale(fp8.amax(x), 448.0)
+    q = fp8.quantize(x, s, E4M3)
+    assert q.float().abs().max().item() == 448.0
+    assert torch.equal(fp8.dequantize(q, s), x)  # scale 112: 56, -448, 224 are e4m3 values
+    assert fp8.dequantize(fp8.quantize(torch.tensor([0.6]), s, E4M3), s).item() == 0.5714285969734192  # 67.2 -> 64
+
+
+def test_tensorwise_uses_the_current_amax():
+    s = Scaler(Recipe(recipe="tensorwise"), E4M3)
+    assert s.scale_for(torch.tensor([2.0])).item() == 224.0
+    assert s.scale_for(torch.tensor([4.0])).item() == 112.0
+    assert s.history is None
+
+
+def test_delayed_history_roll_max_and_most_recent():
+    mx = Scaler(Recipe(recipe="delayed", amax_history_len=3, amax_compute_algo="max"), E4M3)
+    mr = Scaler(Recipe(recipe="delayed", amax_history_len=3, amax_compute_algo="most_recent"), E4M3)
+    got_max, got_recent = [], []
+    for a in (2.0, 8.0, 1.0, 4.0, 0.5):
+        got_max.append(mx.scale_for(torch.tensor([a])).item())
+        got_recent.append(mr.scale_for(torch.tensor([a])).item())
+    # first use: the current amax (nothing recorded yet); then the history before this amax
+    assert got_recent == [224.0, 224.0, 56.0, 448.0, 112.0]  # 448 / (2, 2, 8, 1, 4)
+    assert got_max == [224.0, 224.0, 56.0, 56.0, 56.0]  # 448 / max of (2), (8, 2), (1, 8, 2), (4, 1, 8)
+    assert mx.history.tolist() == [0.5, 4.0, 1.0]  # newest first, length 3, rolled after each use
+    m = Scaler(Recipe(recipe="delayed", amax_history_len=2, amax_compute_algo="max", margin=1), E5M2)
+    m.scale_for(torch.tensor([3.0]))
+    assert m.scale_for(torch.tensor([1.0])).item() == pytest.approx(57344.0 / 6.0, rel=1e-7)  # fp32
+
+
+def _linear_case(fmt="hybrid", recipe="tensorwise", emulate=True):
+    torch.manual_seed(0)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(48, 64) * 0.05).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(32, 48, dtype=torch.bfloat16) * 1e-3
+    state = FP8State(Recipe(format=fmt, recipe=recipe, emulate=emulate))
+    state.trace = []
+    y = fp8.fp8_linear(x, w, state)
+    y.backward(g)
+    return x, w, g, y, state
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("fmt,grad_dtype", [("hybrid", E5M2), ("e4m3", E4M3)])
+def test_emulated_linear_close_to_fp32_and_gradient_format(fmt, grad_dtype):
+    x, w, g, y, state = _linear_case(fmt)
+    assert state.trace == [("input", E4M3), ("weight", E4M3), ("grad", grad_dtype)]
+    xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    yf = xf @ wf.t()
+    yf.backward(g.float())
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert _rel(y, yf) < 0.06  # e4m3: 3 mantissa bits, relative rounding error <= 1/16 per element
+    limit = 0.12 if fmt == "hybrid" else 0.06  # e5m2 gradients: 2 mantissa bits
+    assert _rel(x.grad, xf.grad) < limit and _rel(w.grad, wf.grad) < limit
+    assert _rel(y, yf) > 0  # really quantised
+
+
+def test_hybrid_gradients_are_coarser_than_e4m3():
+    errs = {}
+    for fmt in ("hybrid", "e4m3"):
+        x, w, g, _, _ = _linear_case(fmt)
+        xf = x.detach().float().requires_grad_()
+        (xf @ w.detach().float().t()).backward(g.float())
+        errs[fmt] = _rel(x.grad, xf.grad)
+    assert errs["hybrid"] > errs["e4m3"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_real_scaled_mm_matches_emulation_on_cpu(recipe):
+    try:
+        torch._scaled_mm(torch.zeros(16, 16, dtype=E4M3), torch.zeros(16, 16, dtype=E4M3).t(), torch.tensor(1.0),
+                         torch.tensor(1.0), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        pytest.skip("this torch has no CPU torch._scaled_mm for float8")
+    real = _linear_case(recipe=recipe, emulate=False)
+    emu = _linear_case(recipe=recipe, emulate=True)
+    for a, b in ((real[3], emu[3]), (real[0].grad, emu[0].grad), (real[1].grad, emu[1].grad)):
+        assert _rel(a, b) < 1e-2  # same FP8 operands and scales; only the accumulation and rounding differ
+
+
+def test_layers_use_fp8_and_keep_bias_and_residual():
+    torch.manual_seed(1)
+    col = ColumnParallelLinear(64, 32, bias=True, dtype=torch.bfloat16)
+    row = RowParallelLinear(32, 64, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    res = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        col.bias.normal_()
+    ref = row(col(x), residual=res)
+    recipe = Recipe(emulate=True)
+    col.fp8, row.fp8 = FP8State(recipe), FP8State(recipe)
+    out = row(col(x), residual=res)
+    assert 0 < _rel(out - res, ref - res) < 0.1
+    assert col.fp8.weight.dtype == E4M3
+
+
+def test_model_attaches_fp8_to_the_four_block_layers_only():
+    from paratron.model.gpt import GPTModel
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+                      "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                      "--disable-bias-linear", *BASE]).model
+    model = GPTModel(cfg, 256, fp8=Recipe(emulate=True), dtype=torch.bfloat16)
+    with_fp8 = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if getattr(m, "fp8", None)})
+    assert with_fp8 == sorted(fp8.LAYERS)
+    assert model.output_layer.fp8 is None
+    ids = torch.randint(0, 256, (2, 16))
+    loss = model(ids, None, labels=ids).float().mean()
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+    assert "fp8" not in " ".join(model.state_dict())  # checkpoints unchanged
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--fp8-format", "hybrid", "--bf16"],
+     "FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); this run is on cpu"),
+    (["--fp8-hybrid", "--bf16"], "this run is on cpu"),
+    (["--fp8-format", "hybrid"], "--fp8-format needs --bf16"),
+    (["--fp8-format", "e5m2", "--bf16"], "--fp8-format must be e4m3 or hybrid"),
+    (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise is not supported"),
+    (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "mxfp8"], "Blackwell"),
+    (["--fp8-format", "hybrid", "--bf16", "--fp8-amax-compute-algo", "mean"], "max or most_recent"),
+    (["--fp8-format", "e4m3", "--fp8-hybrid", "--bf16"], "contradicts"),
+    (["--fp8-format", "hybrid", "--bf16", "--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "--fp8-recipe delayed with --recompute-granularity full"),
+    (["--fp8-format", "hybrid", "--bf16", "--hidden-size", "72", "--num-attention-heads", "4"],
+     "multiples of 16; --hidden-size is 72"),
+])
+def test_config_errors(flags, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        parse_args([*BASE, *flags])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_fp8_defaults_are_megatrons():
+    tr = parse_args(BASE).train
+    assert (tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin) == (
+        None, "delayed", 1, "most_recent", 0)
+    assert Recipe.from_config(tr) is None
+
+
+def test_cli_exit_code_and_one_line_on_cpu():
+    r = subprocess.run([sys.executable, "-m", "paratron", "train", *BASE, "--fp8-format", "hybrid", "--bf16"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "paratron: error: --fp8-format needs an FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); "
+        "this run is on cpu"]
+
+
+def test_delayed_history_is_checkpointed_and_resume_is_bit_exact(tmp_path, monkeypatch):
+    """CPU stands in for an FP8 GPU here (this torch runs torch._scaled_mm on CPU): 2N steps straight
+    == N steps, save, load, N more, with the amax histories restored."""
+    from tests.unit.test_train import TINY, losses_of
+    from paratron.train.loop import Trainer
+    monkeypatch.setattr(fp8, "device_problem", lambda device: None)
+    n = 2
+    flags = TINY + ["--train-iters", str(2 * n), "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                    "--fp8-amax-history-len", "8", "--fp8-amax-compute-algo", "max", "--device", "cpu"]
+    straight = Trainer(parse_args(flags))
+    ref = losses_of(straight, 2 * n)
+    first = Trainer(parse_args(flags + ["--save", str(tmp_path / "ck")]))
+    got = losses_of(first, n)
+    saved = fp8.histories(fp8.delayed_states([first.model]))
+    # 2 layers x 4 FP8 linears x 3 tensors x history 8; n steps of 2 micro-batches recorded so far
+    assert saved.numel() == 2 * 4 * 3 * 8 and saved.count_nonzero() == 2 * 4 * 3 * 2 * n
+    first.save()
+    second = Trainer(parse_args(flags + ["--load", str(tmp_path / "ck")]))
+    assert torch.equal(fp8.histories(fp8.delayed_states([second.model])), saved)
+    got += losses_of(second, n)
+    assert got == ref and all(torch.isfinite(torch.tensor(ref)))
+    assert torch.equal(fp8.histories(fp8.delayed_states([second.model])),
+                       fp8.histories(fp8.delayed_states([straight.model])))
+    bf16 = Trainer(parse_args([f for f in flags if f not in ("hybrid", "delayed", "--fp8-format", "--fp8-recipe")]
+                              + ["--load", str(tmp_path / "ck")]))  # an FP8 checkpoint resumes in bf16
+    assert bf16.iteration == n and not fp8.delayed_states([bf16.model])
+
+
+def test_fp8_check_benchmark_runs_on_cpu():
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "fp8_check.py"), "--cpu"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| linear_fc2 |" in r.stdout and "skipping (b) matmul speed and (c) training throughput" in r.stdout
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fused_casts_equal_eager(monkeypatch, recipe):
+    """The compiled amax / cast kernels (used on CUDA outside compiled regions) give the eager bits."""
+    eager = _linear_case(recipe=recipe)
+    monkeypatch.setattr(fp8, "FUSED_CAST_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fp8, "_compiled", {})
+    fused = _linear_case(recipe=recipe)
+    assert len(fp8._compiled) == 2
+    assert torch.equal(eager[3], fused[3])  # y
+    assert torch.equal(eager[0].grad, fused[0].grad) and torch.equal(eager[1].grad, fused[1].grad)
