@@ -1,9 +1,11 @@
-"""An MoE model at DP 2 (gloo) equals one rank within 1e-5: expert gradients are reduced over the
-expert-data-parallel group (= the data-parallel group at EP 1), the aux losses' gradients are scaled
-as the main loss's, and the expert bias sees the token counts of every data-parallel rank."""
+"""An MoE model at DP 2 and PP 2 (gloo) equals one rank within 1e-5: expert gradients are reduced over
+the expert-data-parallel group (= the data-parallel group at EP 1), the aux losses' gradients are
+scaled as the main loss's (and flow back through a pipeline stage boundary), and the expert bias sees
+the token counts of every data-parallel rank."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.dist import run_ranks
 from tests.parallel.common import assert_close_runs, run_steps, tiny_config
@@ -22,7 +24,26 @@ def _experts_in_edp(model) -> bool:
 
 
 def _run(rank, world):
-    return {name: run_steps(tiny_config("llama", world, **MOE, **extra), STEPS) for name, extra in VARIANTS.items()}
+    out = {name: run_steps(tiny_config("llama", world, **MOE, **extra), STEPS) for name, extra in VARIANTS.items()}
+    out["pp2"] = _pipeline(tiny_config("llama", world, **MOE, pipeline_model_parallel_size=2))
+    return out
+
+
+def _pipeline(cfg) -> dict:
+    """STEPS steps of a pipeline run: the last stage's losses, this stage's parameters by global name."""
+    from paratron.parallel.stages import global_named_parameters
+    from paratron.train.loop import Trainer, build_dims
+    from tests.parallel.common import global_batches, micro_batches
+    dims = build_dims(cfg)
+    trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims,
+                      data=(micro_batches(global_batches(cfg, STEPS), cfg, dims.dp_rank, dims.dp), None))
+    losses = []
+    for _ in range(STEPS):
+        report, _, _ = trainer.train_step()
+        losses.append((report[0] / report[1].clamp(min=1)).item())
+    params = {n: p.detach().clone() for n, p in global_named_parameters(trainer.models).items()}
+    trainer.close()
+    return {"losses": losses if dims.is_last_stage else None, "params": params}
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +63,10 @@ def test_expert_weights_reduce_over_edp():
     from paratron.model.gpt import GPTModel
     cfg = tiny_config("llama", 1, **MOE)
     assert _experts_in_edp(GPTModel(cfg.model, 512))
+
+
+def test_pp2_equals_one_rank(dp2):
+    ref = run_steps(tiny_config("llama", 1, **MOE), STEPS)
+    got = {"losses": next(r["pp2"]["losses"] for r in dp2 if r["pp2"]["losses"] is not None),
+           "params": {n: p for r in dp2 for n, p in r["pp2"]["params"].items()}}
+    assert_close_runs(ref, got)

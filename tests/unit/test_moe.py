@@ -299,3 +299,26 @@ def test_seed_mixtral_flags_train_through_pretrain_gpt(tmp_path):
     assert len(lines) == 8 and losses[-1] < 0.9 * losses[0], losses
     assert all(0.99 < b < 2.0 for b in balance), balance  # 1 when balanced; E at worst
     assert "z_loss" not in r.stdout
+
+
+def test_moe_mini_preset_shape():
+    cfg = parse_args(["--config", "moe-mini"])
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.seq_length) == (16, 1024, 16, 8,
+                                                                                                       2048)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_aux_loss_coeff) == (8, 2, 3584, 1e-2)
+    assert m.swiglu and m.moe_expert_capacity_factor is None and cfg.padded_vocab_size == 32768
+    model = GPTModel(m, cfg.padded_vocab_size, device="meta")
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert experts == 16 * 8 * 3 * 1024 * 3584  # 16 layers x 8 experts x SwiGLU's three matrices
+
+
+def test_full_recompute_changes_nothing():
+    """Recomputed MoE layers (the router runs again in backward): same losses, same expert bias."""
+    runs = []
+    for extra in ([], ["--recompute-granularity", "full", "--recompute-method", "uniform"]):
+        t = Trainer(parse_args(TINY + ["--train-iters", "3"] + extra))
+        losses = [t.train_step()[0] for _ in range(3)]
+        runs.append(([(r[0] / r[1]).item() for r in losses], [r.expert_bias.clone() for r in moe.routers(t.models)]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
