@@ -239,6 +239,17 @@ def grouped_mm_usable(x: torch.Tensor, *sizes: int) -> bool:
     return x.device.type == "cpu"
 
 
+def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 8):
+    """A layout for grouped GEMM with each expert's rows starting at a multiple of ``align`` (what
+    the CUDA kernels want of the token dimension, as torchtitan pads it): the padded row of each
+    sorted row, the padded group ends (int32), and a row count that bounds them without a host sync."""
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - start, per expert
+    dest = torch.arange(expert_index.numel(), device=counts.device) + shift[expert_index]
+    return dest, ends.to(torch.int32), expert_index.numel() + counts.numel() * (align - 1)
+
+
 class Experts(nn.Module):
     """Every expert's MLP: fc1 [experts, ffn (x2 with SwiGLU), hidden], fc2 [experts, hidden, ffn]."""
 
@@ -255,10 +266,13 @@ class Experts(nn.Module):
         self.grouped = cfg.moe_grouped_gemm
         self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
-        """x [tokens sorted by expert, in] times each expert's w [out, in]^T."""
-        if grouped:
-            return torch._grouped_mm(x, w.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, rows) -> torch.Tensor:
+        """x [tokens sorted by expert, in] times each expert's w [out, in]^T; ``rows``: the padded
+        layout of :func:`aligned_rows` (grouped GEMM), or None (one matmul per expert)."""
+        if rows is not None:
+            dest, ends, size = rows
+            padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
+            return torch._grouped_mm(padded, w.transpose(1, 2), offs=ends)[dest]
         parts = torch.split(x, counts.tolist())
         return torch.cat([p @ w[i].t() for i, p in enumerate(parts)])
 
@@ -268,14 +282,15 @@ class Experts(nn.Module):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         grouped = self.grouped and grouped_mm_usable(x, fc1.weight.shape[1], fc1.weight.shape[2], fc2.weight.shape[1])
         self.used_grouped_mm = grouped
-        h = self._mm(x, fc1.weight, counts, grouped)
+        rows = aligned_rows(counts, expert_index) if grouped else None
+        h = self._mm(x, fc1.weight, counts, rows)
         if fc1.bias is not None:
             h = h + fc1.bias[expert_index]
         if self.swiglu:
             h = swiglu(h) if self.swiglu_kernel else swiglu_reference(h)
         else:
             h = F.gelu(h, approximate=self.approx)
-        out = self._mm(h, fc2.weight, counts, grouped)
+        out = self._mm(h, fc2.weight, counts, rows)
         return out + fc2.bias[expert_index] if fc2.bias is not None else out
 
 

@@ -322,3 +322,11 @@ def test_full_recompute_changes_nothing():
         runs.append(([(r[0] / r[1]).item() for r in losses], [r.expert_bias.clone() for r in moe.routers(t.models)]))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_aligned_rows_for_grouped_gemm():
+    counts = T([3, 0, 9, 1])
+    expert = torch.repeat_interleave(torch.arange(4), counts)
+    dest, ends, size = moe.aligned_rows(counts, expert)
+    assert dest.tolist() == [0, 1, 2, 8, 9, 10, 11, 12, 13, 14, 15, 16, 24]
+    assert ends.tolist() == [8, 8, 24, 32] and ends.dtype == torch.int32 and size == 13 + 4 * 7 >= 32
