@@ -330,3 +330,10 @@ def test_aligned_rows_for_grouped_gemm():
     dest, ends, size = moe.aligned_rows(counts, expert)
     assert dest.tolist() == [0, 1, 2, 8, 9, 10, 11, 12, 13, 14, 15, 16, 24]
     assert ends.tolist() == [8, 8, 24, 32] and ends.dtype == torch.int32 and size == 13 + 4 * 7 >= 32
+
+
+def test_hf_conversion_of_moe_models_is_a_clear_error():
+    from paratron.checkpoint.hf import name_table
+    from paratron.checkpoint.hf_config import ConversionError
+    with pytest.raises(ConversionError, match="converting MoE models is not implemented yet"):
+        name_table(small(swiglu=True, normalization="RMSNorm", position_embedding_type="rope"), "llama")
