@@ -306,6 +306,9 @@ class MoELayer(nn.Module):
             shared = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_intermediate_size)
             self.shared_experts = MLP(shared, par, device, dtype)  # not gated (Megatron gates only Qwen's)
 
+    # Eager under --torch-compile (the rest of the layer compiles): data-dependent shapes, the router's
+    # running sums, and the aux losses' backward scale, which changes between steps.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(-1, h)

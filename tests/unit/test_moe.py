@@ -337,3 +337,15 @@ def test_hf_conversion_of_moe_models_is_a_clear_error():
     from paratron.checkpoint.hf_config import ConversionError
     with pytest.raises(ConversionError, match="converting MoE models is not implemented yet"):
         name_table(small(swiglu=True, normalization="RMSNorm", position_embedding_type="rope"), "llama")
+
+
+def test_torch_compile_leaves_the_moe_layer_eager():
+    """--torch-compile compiles each layer; the MoE part runs eagerly, so the numbers are the eager ones."""
+    pytest.importorskip("torch._inductor")
+    torch.manual_seed(3)
+    cfg = small(swiglu=True, moe_aux_loss_coeff=0.1)
+    layer = moe.MoELayer(cfg, Parallel())
+    x = torch.randn(8, 2, 16)
+    want = layer(x)
+    compiled = torch.compile(lambda t: layer(t) * 2.0, backend="eager")
+    assert torch.allclose(compiled(x), want * 2.0)
