@@ -349,3 +349,23 @@ def test_torch_compile_leaves_the_moe_layer_eager():
     want = layer(x)
     compiled = torch.compile(lambda t: layer(t) * 2.0, backend="eager")
     assert torch.allclose(compiled(x), want * 2.0)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_capacity_that_drops_nothing_equals_dropless(pad):
+    torch.manual_seed(4)
+    dropless = moe.MoELayer(small(swiglu=True), Parallel())
+    capped = moe.MoELayer(small(swiglu=True, moe_expert_capacity_factor=2.0,  # capacity = all 16 tokens
+                                moe_pad_expert_input_to_capacity=pad), Parallel())
+    capped.load_state_dict(dropless.state_dict())
+    x = torch.randn(8, 2, 16)
+    assert torch.allclose(capped(x), dropless(x), atol=1e-6)
+    tight = moe.MoELayer(small(swiglu=True, moe_expert_capacity_factor=0.5), Parallel())
+    tight.load_state_dict(dropless.state_dict())
+    assert not torch.allclose(tight(x), dropless(x), atol=1e-6)  # capacity 4 of 8 assignments per expert
+
+
+def test_bf16_moe_model_trains():
+    t = Trainer(parse_args(TINY + ["--train-iters", "3", "--bf16", "--moe-expert-capacity-factor", "1.0"]))
+    losses = [(r[0] / r[1]).item() for r in (t.train_step()[0] for _ in range(3))]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
