@@ -299,6 +299,10 @@ def test_seed_mixtral_flags_train_through_pretrain_gpt(tmp_path):
     assert len(lines) == 8 and losses[-1] < 0.9 * losses[0], losses
     assert all(0.99 < b < 2.0 for b in balance), balance  # 1 when balanced; E at worst
     assert "z_loss" not in r.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [round(e.value, 4) for e in events.Scalars("load_balancing_loss")] == [round(b, 4) for b in balance]
 
 
 def test_moe_mini_preset_shape():
