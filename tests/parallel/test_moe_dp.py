@@ -23,9 +23,13 @@ def _experts_in_edp(model) -> bool:
     return all(spec_of(p).grad_group == "edp" for n, p in model.named_parameters() if ".experts." in n)
 
 
-def _run(rank, world):
+def _run(rank, world, ckpt_dir):
     out = {name: run_steps(tiny_config("llama", world, **MOE, **extra), STEPS) for name, extra in VARIANTS.items()}
     out["pp2"] = _pipeline(tiny_config("llama", world, **MOE, pipeline_model_parallel_size=2))
+    from tests.parallel.test_data_parallel import train
+    # saved at DP 2 with the distributed optimizer after STEPS - 1 steps, resumed on one rank below
+    train(tiny_config("llama", world, **MOE, use_distributed_optimizer=True, save=ckpt_dir), STEPS,
+          save_after=STEPS - 1)
     return out
 
 
@@ -48,7 +52,8 @@ def _pipeline(cfg) -> dict:
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory):
-    return run_ranks(2, _run, tmp_dir=tmp_path_factory.mktemp("moe_dp2"))
+    tmp = tmp_path_factory.mktemp("moe_dp2")
+    return run_ranks(2, _run, str(tmp / "ckpt"), tmp_dir=tmp) + [str(tmp / "ckpt")]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -67,6 +72,15 @@ def test_expert_weights_reduce_over_edp():
 
 def test_pp2_equals_one_rank(dp2):
     ref = run_steps(tiny_config("llama", 1, **MOE), STEPS)
-    got = {"losses": next(r["pp2"]["losses"] for r in dp2 if r["pp2"]["losses"] is not None),
-           "params": {n: p for r in dp2 for n, p in r["pp2"]["params"].items()}}
+    got = {"losses": next(r["pp2"]["losses"] for r in dp2[:2] if r["pp2"]["losses"] is not None),
+           "params": {n: p for r in dp2[:2] for n, p in r["pp2"]["params"].items()}}
     assert_close_runs(ref, got)
+
+
+def test_saved_at_dp2_resumes_on_one_rank(dp2):
+    """Expert weights, their Adam states and the expert bias saved at DP 2 (distributed optimizer)
+    load on one rank: the next step equals an uninterrupted one-rank run."""
+    from tests.parallel.test_data_parallel import train
+    straight = train(tiny_config("llama", 1, **MOE), STEPS)
+    resumed = train(tiny_config("llama", 1, **MOE, load=dp2[2]), 1)
+    assert_close_runs({"losses": straight["losses"][-1:], "params": straight["params"]}, resumed)
