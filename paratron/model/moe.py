@@ -195,14 +195,15 @@ class Router(nn.Module):
         logits = F.linear(x.to(dtype), self.weight.to(dtype))
         probs, routing_map = topk_route(logits, self.topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
                                         cfg.moe_router_topk_scaling_factor, self.expert_bias)
+        training = self.training and torch.is_grad_enabled()
+        if training and self.tokens_per_expert is not None:  # the router's choices (before capacity)
+            self.tokens_per_expert += routing_map.sum(dim=0).float()
         if cfg.moe_expert_capacity_factor is not None:
             capacity = expert_capacity(x.shape[0], self.topk, self.experts, cfg.moe_expert_capacity_factor)
             probs, routing_map = apply_capacity(probs, routing_map, capacity, cfg.moe_token_drop_policy,
                                                 cfg.moe_pad_expert_input_to_capacity)
-        if self.training and torch.is_grad_enabled():
+        if training:
             probs = self._losses(logits, probs, seq_length)
-            if self.tokens_per_expert is not None:
-                self.tokens_per_expert += routing_map.sum(dim=0).float()
         return probs, routing_map
 
     @torch.no_grad()
