@@ -83,6 +83,9 @@ MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "n
 def validate_moe(m: ModelConfig) -> None:
     """The mixture-of-experts flags (only checked with --num-experts); fills --moe-ffn-hidden-size."""
     if m.num_experts is None:
+        given = [f.name for f in dataclasses.fields(m) if f.name.startswith("moe_") and getattr(m, f.name) != f.default]
+        need(not given, f"{flag(given[0]) if given else ''} has no effect without --num-experts; set --num-experts "
+             "or remove the flag")
         return
     from ..model.spec import parse_moe_layer_freq  # the flag's parser lives with the layer specs
     need(m.num_experts >= 1, f"--num-experts must be >= 1 (got {m.num_experts})")

@@ -20,7 +20,10 @@ T = torch.tensor
 def small(**kw) -> ModelConfig:
     base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, num_experts=4, moe_router_topk=2,
                 moe_ffn_hidden_size=8, hidden_dropout=0.0, attention_dropout=0.0, moe_router_dtype="fp32")
-    return ModelConfig(**{**base, **kw}).resolved()
+    values = {**base, **kw}
+    if values["num_experts"] is None:  # a dense model: no MoE flags
+        values = {k: v for k, v in values.items() if not k.startswith("moe_")}
+    return ModelConfig(**values).resolved()
 
 
 # ---- router ---------------------------------------------------------------------------------------
@@ -233,6 +236,11 @@ def test_config_errors_are_one_line(flags, match):
     with pytest.raises(ConfigError, match=match) as e:
         parse_args(BASE + flags, world_size=2 if "2" in flags else 1)
     assert "\n" not in str(e.value)
+
+
+def test_moe_flags_without_experts_are_refused():
+    with pytest.raises(ConfigError, match="--moe-router-topk has no effect without --num-experts"):
+        parse_args(BASE[:-2] + ["--moe-router-topk", "4"])
 
 
 def test_config_defaults():
