@@ -204,6 +204,8 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
             raise ConversionError(f"{family} cannot represent this model: {what}")
 
     need(cfg.rotary_percent == 1.0 or cfg.position_embedding_type != "rope", "needs --rotary-percent 1.0")
+    need(cfg.num_experts is None, "mixture-of-experts layers (--num-experts): converting MoE models is not "
+         "implemented yet")
     if family == "gpt2":
         need(cfg.position_embedding_type == "learned_absolute", "needs --position-embedding-type learned_absolute")
         need(cfg.normalization == "LayerNorm", "needs --normalization LayerNorm")

@@ -3,7 +3,7 @@
 Tensor names do not depend on the parallel layout, so a checkpoint saved at one TP/PP/DP (with or
 without the distributed optimizer) loads into any other:
 
-    model.{name}                       the parameter in the model's dtype; {name} is the one-stage
+    model.{name}                       the parameter (or persistent buffer) in the model's dtype; {name} is the one-stage
                                        model's name (global layer index; the last pipeline stage's
                                        copy of a tied embedding is embedding.word_embeddings.weight)
     optimizer.fp32_param.{name}        fp32 master weights (only when the model is bf16/fp16)
@@ -49,7 +49,20 @@ def model_pieces(models: list, dims: ParallelDims, prefix: dict | None = None) -
     elsewhere than ``model.`` (fp32 params from the fp32 masters of a mixed-precision checkpoint)."""
     prefix = prefix or {}
     return [pc for p, key in param_keys(models).items()
-            for pc in tensor_pieces(prefix.get(key, "model.") + key, p.data, spec_of(p), coords_of(spec_of(p), dims))]
+            for pc in tensor_pieces(prefix.get(key, "model.") + key, p.data, spec_of(p), coords_of(spec_of(p), dims))
+            ] + buffer_pieces(models)
+
+
+def buffer_pieces(models: list) -> list[Piece]:
+    """The persistent buffers (an MoE router's expert bias), equal on every rank that holds them."""
+    out = []
+    for chunk in models:
+        m = unwrap(chunk)
+        params = {id(p) for p in m.parameters()}
+        for name, t in m.state_dict(keep_vars=True).items():
+            if id(t) not in params:
+                out += tensor_pieces("model." + global_name(name, m.decoder.layer_offset), t.data)
+    return out
 
 
 def optimizer_shards(optimizer) -> list[tuple[torch.nn.Parameter, int, torch.Tensor]]:

@@ -18,8 +18,7 @@ from .sections import FIELD_SECTION, FIELD_TYPES, SECTIONS, TOKENIZER_FIELDS, Co
 # Megatron flags that exist upstream but that paratron does not implement yet: naming them is a
 # clear "not supported" error rather than "unknown flag".
 UNSUPPORTED_MEGATRON_FLAGS = {
-    "num_experts", "moe_router_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
-    "moe_grouped_gemm", "moe_token_dispatcher_type", "tp_comm_overlap", "use_torch_fsdp2", "split_sentences",
+    "tp_comm_overlap", "use_torch_fsdp2", "split_sentences",
     "transformer_impl", "use_flash_attn",
 }
 

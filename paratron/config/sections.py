@@ -118,6 +118,27 @@ class ModelConfig(Section):
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
+    # Mixture of experts (docs/moe.md); no --num-experts: every layer dense.
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None  # default --ffn-hidden-size
+    moe_layer_freq: str = "1"  # int k (layers 0, k, 2k... MoE) or a list expression such as ([0]*1+[1]*3)*4
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (else top-k logits, softmax)
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False  # DeepSeek-V3's aux-loss-free balancing
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_dtype: Optional[str] = None  # fp32 | fp64 (router logits and scores); None: the model dtype
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_token_drop_policy: str = "probs"  # probs | position
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_overlap: bool = False  # scheduling only: accepted, same numbers
+    moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather: both the identity at EP 1
 
     def resolved(self, **changes) -> "ModelConfig":
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query
@@ -148,8 +169,8 @@ class ParallelConfig(Section):
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     context_parallel_size: int = 1  # > 1 is an error until context parallelism exists
-    expert_model_parallel_size: int = 1  # > 1 is an error until experts exist
-    expert_tensor_parallel_size: Optional[int] = None  # > 1 is an error until experts exist
+    expert_model_parallel_size: int = 1  # > 1 is an error until expert parallelism exists
+    expert_tensor_parallel_size: Optional[int] = None  # > 1 is an error until expert parallelism exists
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False

@@ -72,6 +72,42 @@ def validate_model(m: ModelConfig) -> None:
          f"--normalization must be LayerNorm or RMSNorm (got {m.normalization})")
     need(0.0 < m.rotary_percent <= 1.0, "--rotary-percent must be in (0, 1]")
     need(0.0 <= m.hidden_dropout < 1 and 0.0 <= m.attention_dropout < 1, "dropout rates must be in [0, 1)")
+    validate_moe(m)
+
+
+MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none"),
+               "moe_router_score_function": ("softmax", "sigmoid"), "moe_router_dtype": (None, "fp32", "fp64"),
+               "moe_token_drop_policy": ("probs", "position"), "moe_token_dispatcher_type": ("alltoall", "allgather")}
+
+
+def validate_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts flags (only checked with --num-experts); fills --moe-ffn-hidden-size."""
+    if m.num_experts is None:
+        given = [f.name for f in dataclasses.fields(m) if f.name.startswith("moe_") and getattr(m, f.name) != f.default]
+        need(not given, f"{flag(given[0]) if given else ''} has no effect without --num-experts; set --num-experts "
+             "or remove the flag")
+        return
+    from ..model.spec import parse_moe_layer_freq  # the flag's parser lives with the layer specs
+    need(m.num_experts >= 1, f"--num-experts must be >= 1 (got {m.num_experts})")
+    need(1 <= m.moe_router_topk <= m.num_experts,
+         f"--moe-router-topk {m.moe_router_topk} must be between 1 and --num-experts {m.num_experts}")
+    for name, choices in MOE_CHOICES.items():
+        value = getattr(m, name)
+        need(value in choices, f"{flag(name)} {value}: choose one of {', '.join(str(c) for c in choices)}")
+    factor = m.moe_expert_capacity_factor
+    need(factor is None or factor > 0, f"--moe-expert-capacity-factor must be > 0 (got {factor})")
+    need(not m.moe_pad_expert_input_to_capacity or factor is not None,
+         "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    need(m.moe_aux_loss_coeff >= 0 and (m.moe_z_loss_coeff or 0) >= 0, "MoE loss coefficients must be >= 0")
+    need(m.moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must be >= 0")
+    need(m.moe_router_topk_scaling_factor is None or m.moe_router_topk_scaling_factor > 0,
+         "--moe-router-topk-scaling-factor must be > 0")
+    need(m.moe_shared_expert_intermediate_size is None or m.moe_shared_expert_intermediate_size >= 1,
+         "--moe-shared-expert-intermediate-size must be >= 1")
+    if m.moe_ffn_hidden_size is None:
+        m.moe_ffn_hidden_size = m.ffn_hidden_size
+    need(m.moe_ffn_hidden_size >= 1, f"--moe-ffn-hidden-size must be >= 1 (got {m.moe_ffn_hidden_size})")
+    parse_moe_layer_freq(m.moe_layer_freq, m.num_layers)
 
 
 def resolve_model(m: ModelConfig) -> ModelConfig:
@@ -91,8 +127,11 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
          "remove the flag (or use --context-parallel-size 1)")
     for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
         size = getattr(par, name)
-        need(size is None or size <= 1, f"{flag(name)} {size}: paratron has no experts (--num-experts) yet, so "
-             "expert parallelism would do nothing; remove the flag")
+        need(size is None or size <= 1, f"{flag(name)} > 1: expert parallelism is not implemented yet "
+             f"(got {size}); remove the flag")
+    need(m.num_experts is None or par.tensor_model_parallel_size == 1,
+         f"--num-experts with --tensor-model-parallel-size {par.tensor_model_parallel_size}: mixture-of-experts "
+         "layers under tensor parallelism are not implemented yet; use --tensor-model-parallel-size 1")
     tp = par.tensor_model_parallel_size
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         size = getattr(m, name)

@@ -8,9 +8,9 @@ Megatron describes mixed stacks with two flags, whose values are parsed here:
 * ``--hybrid-override-pattern``: one character per layer, ``M`` Mamba, ``*`` attention, ``-`` MLP,
   ``E`` MoE. A hybrid layer is a mixer or an MLP, not both, each with its own norm and residual.
 
-paratron has neither flag yet (MoE and Mamba layers do not exist): :func:`layer_specs` takes the parsed
-patterns as arguments, all attention + dense MLP by default, and building a "moe" or "mamba" part is
-a NotImplementedError.
+:func:`layer_specs` places MoE layers by ``--moe-layer-freq`` when ``--num-experts`` is set (or by the
+parsed patterns given as arguments); building a "mamba" part is a NotImplementedError (Mamba layers
+do not exist yet).
 """
 from __future__ import annotations
 
@@ -57,6 +57,8 @@ def layer_specs(cfg: ModelConfig, moe_layers: Optional[Sequence[int]] = None,
                           "(a hybrid pattern places its MoE layers with E)")
     if hybrid_layers is not None:
         return [LayerSpec(i, *HYBRID[s]) for i, s in enumerate(parse_hybrid_override_pattern(hybrid_layers, n))]
+    if moe_layers is None and cfg.num_experts is not None:
+        moe_layers = parse_moe_layer_freq(cfg.moe_layer_freq, n)
     moe = [0] * n if moe_layers is None else parse_moe_layer_freq(list(moe_layers), n)
     return [LayerSpec(i, "attention", "moe" if m else "dense") for i, m in enumerate(moe)]
 
@@ -76,7 +78,10 @@ def build_mlp(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, dty
         return None
     if spec.mlp == "dense":
         return MLP(cfg, par, device, dtype)
-    raise NotImplementedError(f"layer {spec.index}: mixture-of-experts layers are not implemented in paratron yet")
+    if cfg.num_experts is None:
+        raise ConfigError(f"layer {spec.index} is a mixture-of-experts layer: set --num-experts")
+    from .moe import MoELayer  # imported here: moe.py builds on layers.py as this module does
+    return MoELayer(cfg, par, device, dtype)
 
 
 # ----------------------------------------------------------------------------------------------

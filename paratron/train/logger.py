@@ -16,7 +16,7 @@ def stamp() -> str:
 def format_train_line(it: int, total: int, consumed: int, ms_per_iter: float, tflops: float, lr: float, gbs: int,
                       loss: float, loss_scale: float, grad_norm: Optional[float], skipped: int, nan: int,
                       tokens_per_s: float, mfu: Optional[float], peak_gb: Optional[float],
-                      params_norm: Optional[float] = None) -> str:
+                      params_norm: Optional[float] = None, extra: Optional[dict] = None) -> str:
     parts = [
         f" [{stamp()}] iteration {it:8d}/{total:8d}",
         f"consumed samples: {consumed:12d}",
@@ -31,6 +31,7 @@ def format_train_line(it: int, total: int, consumed: int, ms_per_iter: float, tf
         parts.append(f"grad norm: {grad_norm:.3f}")
     if params_norm is not None:  # --log-params-norm
         parts.append(f"params norm: {params_norm:.3f}")
+    parts += [f"{k}: {v:.6E}" for k, v in (extra or {}).items()]  # MoE: load_balancing_loss, z_loss
     parts += [f"number of skipped iterations: {skipped:3d}", f"number of nan iterations: {nan:3d}",
               f"tokens per second per GPU: {tokens_per_s:.0f}",
               f"MFU: {mfu:.1f} %" if mfu is not None else "MFU: n/a"]

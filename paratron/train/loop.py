@@ -17,6 +17,7 @@ from ..checkpoint import sharded
 from ..checkpoint import state as cstate
 from ..checkpoint.pieces import replicated_row
 from ..config import Config, ConfigError, check_resolved
+from ..model import moe
 from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims, initialize_model_parallel
@@ -209,6 +210,7 @@ class Trainer:
         gbs = self.current_global_batch = self.microbatches.global_batch(self.consumed_samples)
         for m in self.models:
             m.zero_grad_buffer()
+        moe.before_step(self.models, self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss)
         reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
                                         model=self.models, num_microbatches=self.num_microbatches,
                                         seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
@@ -217,6 +219,7 @@ class Trainer:
         # --calculate-per-token-loss: the gradients are sums; divide them by the step's global token count
         finalize_model_grads(self.models, self.dims, num_tokens=report[1] if tr.calculate_per_token_loss else None)
         ok, grad_norm = self.optimizer.step()
+        moe.after_step(self.models, self.dims.dp_cp_group if self.dims.dp_cp > 1 else None)  # expert bias
         if isinstance(ok, torch.Tensor) or ok:  # a device-side skip (bf16 inf/nan) still advances, as Megatron's bf16
             self.scheduler.step(gbs)
             self.optimizer.set_lr(self.scheduler.lr)
@@ -446,15 +449,18 @@ class Trainer:
         peak_gb = peak_memory_gb(self.device)
         # every rank joins the norm's collectives (the log line is printed by one)
         params_norm = self.optimizer.params_norm() if self.cfg.log.log_params_norm else None
+        moe_losses = (moe.take_metrics(self.models, self.device, dist.is_initialized())
+                      if self.cfg.model.num_experts is not None else {})  # every rank joins its reduction
         self.log.print(format_train_line(self.iteration, tr.train_iters, self.consumed_samples, per_iter * 1000.0,
                                          tflops, self.scheduler.lr, gbs, loss,
                                          self.optimizer.loss_scale, grad_norm, self.skipped, self.nan_iters,
-                                         tokens_s, mfu, peak_gb, params_norm))
+                                         tokens_s, mfu, peak_gb, params_norm, moe_losses))
         self.log.train(self.iteration, loss)
         scalars = {"lm loss": loss, "learning rate": self.scheduler.lr, "grad norm": grad_norm,
                    "peak memory GB": peak_gb, "loss scale": self.optimizer.loss_scale}
         if params_norm is not None:
             scalars["params norm"] = params_norm
+        scalars.update(moe_losses)
         if self.cfg.log.log_throughput:  # Megatron's --log-throughput (the log line always shows them)
             scalars.update({"throughput TFLOP/s/GPU": tflops, "tokens per second per GPU": tokens_s, "MFU %": mfu})
         self.log.scalars(self.iteration, scalars)

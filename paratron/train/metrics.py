@@ -13,13 +13,20 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800
 
 
 def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int) -> float:
-    """FLOPs of forward + backward of one iteration (megatron_facts §5, causal attention as half)."""
+    """FLOPs of forward + backward of one iteration (megatron_facts §5, causal attention as half); MoE
+    layers count the top-k experts' and the shared expert's MLPs (Megatron's MoE formula, no router)."""
     h, f, L, V = m.hidden_size, m.ffn_hidden_size, m.num_layers, padded_vocab
     q = m.kv_channels * m.num_attention_heads
     kv = m.kv_channels * m.num_query_groups
     e = 3 if m.swiglu else 2
     tokens = batch * seq
-    per_token = 6 * h * f * e * L + 6 * (h * (q + 2 * kv) + q * h) * L + 6 * h * V
+    mlp_width = f * L  # summed over layers; an MoE layer counts its active experts (top-k) and shared expert
+    if m.num_experts is not None:
+        from ..model.spec import parse_moe_layer_freq
+        moe_layers = sum(parse_moe_layer_freq(m.moe_layer_freq, L))
+        active = m.moe_ffn_hidden_size * m.moe_router_topk + (m.moe_shared_expert_intermediate_size or 0)
+        mlp_width = f * (L - moe_layers) + active * moe_layers
+    per_token = 6 * h * mlp_width * e + 6 * (h * (q + 2 * kv) + q * h) * L + 6 * h * V
     return float(tokens * per_token + batch * seq * seq * 6 * q * L)
 
 

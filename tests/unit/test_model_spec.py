@@ -80,11 +80,15 @@ def test_layer_specs():
         LayerSpec(0, "attention", "sparse")
 
 
-@pytest.mark.parametrize("spec,match", [(LayerSpec(2, "attention", "moe"), "layer 2: mixture-of-experts"),
-                                        (LayerSpec(1, "mamba", None), "layer 1: Mamba")])
+@pytest.mark.parametrize("spec,match", [(LayerSpec(1, "mamba", None), "layer 1: Mamba")])
 def test_factory_refuses_what_does_not_exist_yet(spec, match):
     with pytest.raises(NotImplementedError, match=match):
         TransformerLayer(tiny(), Parallel(), spec)
+
+
+def test_moe_layer_needs_num_experts():  # (MoE layers exist: tests/unit/test_moe.py)
+    with pytest.raises(ConfigError, match="layer 2 is a mixture-of-experts layer: set --num-experts"):
+        TransformerLayer(tiny(), Parallel(), LayerSpec(2, "attention", "moe"))
 
 
 def test_layer_knows_its_global_index_and_keeps_its_names():

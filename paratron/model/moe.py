@@ -1,0 +1,361 @@
+"""Mixture-of-experts MLP (Megatron-core's MoELayer, at expert-parallel size 1).
+
+A layer is a :class:`Router` (a linear map hidden -> experts, top-k over softmax or sigmoid scores),
+:class:`Experts` (every expert's fc1 / fc2 stacked in one tensor each, split over the ``ep`` group and
+reduced over ``edp``), and an optional shared expert (a dense MLP every token goes through).
+
+Tokens travel as Megatron's permutation does: the [tokens, experts] routing map is read expert by
+expert, so each expert's tokens are contiguous, the experts run on their slices (one
+``torch._grouped_mm`` per projection with ``--moe-grouped-gemm`` where the build has it, else one
+matmul per expert), and the outputs are weighted by the router's probabilities and summed back per
+token. At EP 1 both token dispatchers (alltoall, allgather) are this identity.
+
+Load-balancing losses (aux_loss, seq_aux_loss, z-loss) join the training loss through
+:class:`MoEAuxLossAutoScaler`: the forward value is untouched (the reported lm loss does not include
+them) and the backward adds their gradient, scaled as the main loss is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.sharding import ShardSpec, Split, set_spec
+from ..parallel.tensor import init_normal
+from .kernels import swiglu, swiglu_reference
+from .layers import MLP, Parallel, output_init
+
+ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+METRICS = ("load_balancing_loss", "z_loss")
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Identity on ``output``; in backward, ``aux_loss`` receives the gradient ``main_loss_backward_scale``
+    (what d(loss)/d(loss) is for the main loss: the loss scale over the micro-batch count)."""
+    main_loss_backward_scale = 1.0
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(aux_loss.device, aux_loss.dtype)
+        return grad_output, torch.ones_like(aux_loss) * scale
+
+
+def set_aux_loss_scale(scale) -> None:
+    """The backward scale of the aux losses (the training loop: loss scale / micro-batches)."""
+    MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+
+
+# ---- routing (pure functions of the logits) ------------------------------------------------------
+
+def topk_route(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
+               scaling_factor: Optional[float] = None, expert_bias: Optional[torch.Tensor] = None):
+    """Megatron's top-k routing of ``logits`` [tokens, experts]: (probs [tokens, experts], zero off the
+    chosen experts; routing_map, the chosen experts). softmax: top-k of the logits then a softmax over
+    them, or (``pre_softmax``) a softmax over all experts then its top-k. sigmoid: top-k of the sigmoid
+    scores, normalised over the chosen k (DeepSeek-V3). ``expert_bias`` is added to the scores for
+    choosing only; the probabilities are the unbiased scores."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits) if pre_softmax else logits
+    else:
+        scores = torch.sigmoid(logits.float()).type_as(logits)
+    choose = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
+    index = torch.topk(choose, topk, dim=-1).indices
+    top = torch.gather(scores, 1, index)
+    if score_function == "softmax" and not pre_softmax:
+        top = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
+    elif score_function == "sigmoid" and topk > 1:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling_factor is not None:
+        top = top * scaling_factor
+    probs = torch.zeros_like(logits).scatter(1, index, top)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, index, True)
+    return probs, routing_map
+
+
+def aux_loss_scores(logits: torch.Tensor, topk: int, score_function: str = "softmax"):
+    """The scores over all experts the load-balancing losses use (softmax; sigmoid normalised per
+    token) and the top-k map of those scores (the expert bias plays no part)."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    index = torch.topk(scores, topk, dim=-1).indices
+    return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, index, True)
+
+
+def switch_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """Switch-Transformer balance over all tokens: E * sum_i f_i * P_i, f_i the fraction of the
+    T*k assignments that go to expert i, P_i the mean score of expert i (1 when balanced)."""
+    tokens, experts = scores.shape
+    counts = routing_map.sum(dim=0).to(scores.dtype)
+    return (scores.sum(dim=0) * counts).sum() * experts / (tokens * tokens * topk)
+
+
+def seq_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, seq_length: int) -> torch.Tensor:
+    """The balance of each sequence (tokens laid out [sequence, batch]), averaged over the batch."""
+    experts = scores.shape[1]
+    s = scores.view(seq_length, -1, experts)
+    counts = routing_map.view(seq_length, -1, experts).sum(dim=0).to(scores.dtype)  # [batch, experts]
+    return (counts * experts / (seq_length * topk) * s.mean(dim=0)).sum(dim=1).mean()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def expert_capacity(tokens: int, topk: int, experts: int, factor: float) -> int:
+    return min(tokens, math.ceil(tokens * topk / experts * factor))
+
+
+def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, policy: str = "probs",
+                   pad: bool = False):
+    """Keep at most ``capacity`` tokens per expert: those of highest probability (``probs``) or the
+    first in token order (``position``); the others are dropped (their probability 0). ``pad``: every
+    expert gets exactly ``capacity`` slots, filled with unrouted tokens of weight 0."""
+    tokens = probs.shape[0]
+    if policy == "probs":
+        rank = torch.where(routing_map, probs.float(), torch.full_like(probs, -1.0, dtype=torch.float32))
+    else:  # earlier tokens first
+        order = torch.arange(tokens, 0, -1, device=probs.device, dtype=torch.float32)[:, None]
+        rank = torch.where(routing_map, order, -1.0 - 1.0 / order)  # unrouted (padding): below, in order too
+    keep_index = torch.topk(rank, capacity, dim=0).indices  # [capacity, experts]
+    keep = torch.zeros_like(routing_map).scatter(0, keep_index, True)
+    new_map = keep if pad else keep & routing_map
+    return probs * (keep & routing_map).to(probs.dtype), new_map
+
+
+def expert_bias_update(bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's aux-loss-free step: raise the bias of experts below the mean load by ``rate``,
+    lower those above it."""
+    counts = tokens_per_expert.to(bias.dtype)
+    return bias + torch.sign(counts.mean() - counts) * rate
+
+
+# ---- the modules --------------------------------------------------------------------------------
+
+class Router(nn.Module):
+    """``weight`` [experts, hidden] (no bias), applied in --moe-router-dtype. Returns (probs,
+    routing_map) of the tokens [tokens, hidden]; while training, attaches the load-balancing losses
+    to the probabilities (they reach the router's gradient through MoEAuxLossAutoScaler) and adds
+    their detached values to ``metrics``."""
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.cfg, self.topk, self.experts = cfg, cfg.moe_router_topk, cfg.num_experts
+        self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device, dtype=dtype))
+        init_normal(cfg.init_method_std)(self.weight.data)
+        if cfg.moe_router_enable_expert_bias:  # saved in checkpoints; updated after each optimizer step
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, device=device, dtype=torch.float32))
+            self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, device=device,
+                                                                  dtype=torch.float32), persistent=False)
+        else:
+            self.expert_bias = self.tokens_per_expert = None
+        self.metrics: dict[str, tuple] = {}  # name: (sum, forward passes) until read
+
+    def _track(self, name: str, value: torch.Tensor) -> None:
+        v = value.detach().float()
+        total, n = self.metrics.get(name, (0.0, 0))
+        self.metrics[name] = (total + v, n + 1)
+
+    def _losses(self, logits: torch.Tensor, probs: torch.Tensor, seq_length: int) -> torch.Tensor:
+        cfg = self.cfg
+        kind = cfg.moe_router_load_balancing_type
+        if kind != "none":
+            scores, aux_map = aux_loss_scores(logits, self.topk, cfg.moe_router_score_function)
+            loss = (switch_aux_loss(scores, aux_map, self.topk) if kind == "aux_loss"
+                    else seq_aux_loss(scores, aux_map, self.topk, seq_length))
+            self._track("load_balancing_loss", loss)
+            if cfg.moe_aux_loss_coeff > 0:
+                probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_aux_loss_coeff)
+        if cfg.moe_z_loss_coeff:
+            loss = z_loss(logits)
+            self._track("z_loss", loss)
+            probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_z_loss_coeff)
+        return probs
+
+    def forward(self, x: torch.Tensor, seq_length: int):
+        cfg = self.cfg
+        dtype = self.dtype or x.dtype
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        probs, routing_map = topk_route(logits, self.topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
+                                        cfg.moe_router_topk_scaling_factor, self.expert_bias)
+        training = self.training and torch.is_grad_enabled()
+        if training and self.tokens_per_expert is not None:  # the router's choices (before capacity)
+            self.tokens_per_expert += routing_map.sum(dim=0).float()
+        if cfg.moe_expert_capacity_factor is not None:
+            capacity = expert_capacity(x.shape[0], self.topk, self.experts, cfg.moe_expert_capacity_factor)
+            probs, routing_map = apply_capacity(probs, routing_map, capacity, cfg.moe_token_drop_policy,
+                                                cfg.moe_pad_expert_input_to_capacity)
+        if training:
+            probs = self._losses(logits, probs, seq_length)
+        return probs, routing_map
+
+    @torch.no_grad()
+    def update_expert_bias(self, group=None) -> None:
+        """One aux-loss-free step from the token counts since the last one (summed over ``group``,
+        the data-parallel ranks), which are then reset."""
+        if self.expert_bias is None:
+            return
+        counts = self.tokens_per_expert
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(counts, group=group)
+        self.expert_bias.copy_(expert_bias_update(self.expert_bias, counts, self.cfg.moe_router_bias_update_rate))
+        counts.zero_()
+
+
+class _Weight(nn.Module):
+    """Holds one stacked expert tensor (so its name is experts.linear_fc1.weight, as Megatron's)."""
+
+    def __init__(self, shape, bias_shape, init, device, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        init(self.weight.data)
+        self.bias = nn.Parameter(torch.zeros(bias_shape, device=device, dtype=dtype)) if bias_shape else None
+        for p in self.parameters():  # dim 0 (experts) split over EP; reduced over the expert-data-parallel group
+            set_spec(p, ShardSpec(splits=(Split(0, "ep", (shape[0],)),), grad_group="edp"))
+
+
+def grouped_mm_usable(x: torch.Tensor, *sizes: int) -> bool:
+    """Whether torch._grouped_mm runs here: the build has it; on CUDA bf16 on sm90+; 16-byte rows."""
+    if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in sizes):
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu"
+
+
+def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 8):
+    """A layout for grouped GEMM with each expert's rows starting at a multiple of ``align`` (what
+    the CUDA kernels want of the token dimension, as torchtitan pads it): the padded row of each
+    sorted row, the padded group ends (int32), and a row count that bounds them without a host sync."""
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - start, per expert
+    dest = torch.arange(expert_index.numel(), device=counts.device) + shift[expert_index]
+    return dest, ends.to(torch.int32), expert_index.numel() + counts.numel() * (align - 1)
+
+
+class Experts(nn.Module):
+    """Every expert's MLP: fc1 [experts, ffn (x2 with SwiGLU), hidden], fc2 [experts, hidden, ffn]."""
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+        width = f * (2 if cfg.swiglu else 1)
+        bias = not cfg.disable_bias_linear
+        self.linear_fc1 = _Weight((e, width, h), (e, width) if bias else None, init_normal(cfg.init_method_std),
+                                  device, dtype)
+        self.linear_fc2 = _Weight((e, h, f), (e, h) if bias else None, output_init(cfg), device, dtype)
+        self.swiglu, self.approx = cfg.swiglu, ("tanh" if cfg.openai_gelu else "none")
+        self.swiglu_kernel = not cfg.no_bias_swiglu_fusion
+        self.grouped = cfg.moe_grouped_gemm
+        self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, rows) -> torch.Tensor:
+        """x [tokens sorted by expert, in] times each expert's w [out, in]^T; ``rows``: the padded
+        layout of :func:`aligned_rows` (grouped GEMM), or None (one matmul per expert)."""
+        if rows is not None:
+            dest, ends, size = rows
+            padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
+            return torch._grouped_mm(padded, w.transpose(1, 2), offs=ends)[dest]
+        parts = torch.split(x, counts.tolist())
+        return torch.cat([p @ w[i].t() for i, p in enumerate(parts)])
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
+        """``x``: the tokens sorted by expert, ``counts[i]`` of them for expert i; ``expert_index`` the
+        expert of each row."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        grouped = self.grouped and grouped_mm_usable(x, fc1.weight.shape[1], fc1.weight.shape[2], fc2.weight.shape[1])
+        self.used_grouped_mm = grouped
+        rows = aligned_rows(counts, expert_index) if grouped else None
+        h = self._mm(x, fc1.weight, counts, rows)
+        if fc1.bias is not None:
+            h = h + fc1.bias[expert_index]
+        if self.swiglu:
+            h = swiglu(h) if self.swiglu_kernel else swiglu_reference(h)
+        else:
+            h = F.gelu(h, approximate=self.approx)
+        out = self._mm(h, fc2.weight, counts, rows)
+        return out + fc2.bias[expert_index] if fc2.bias is not None else out
+
+
+class MoELayer(nn.Module):
+    """router -> experts (+ shared expert), on activations [sequence, batch, hidden]."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
+        super().__init__()
+        self.router = Router(cfg, device, dtype)
+        self.experts = Experts(cfg, device, dtype)
+        self.shared_experts = None
+        if cfg.moe_shared_expert_intermediate_size is not None:
+            shared = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_intermediate_size)
+            self.shared_experts = MLP(shared, par, device, dtype)  # not gated (Megatron gates only Qwen's)
+
+    # Eager under --torch-compile (the rest of the layer compiles): data-dependent shapes, the router's
+    # running sums, and the aux losses' backward scale, which changes between steps.
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        s, b, h = x.shape
+        tokens = x.reshape(-1, h)
+        probs, routing_map = self.router(tokens, s)
+        expert_index, token_index = routing_map.t().nonzero(as_tuple=True)  # sorted by expert, then token
+        counts = routing_map.sum(dim=0)
+        y = self.experts(tokens[token_index], counts, expert_index)
+        y = y * probs[token_index, expert_index].to(y.dtype)[:, None]
+        out = torch.zeros_like(tokens).index_add_(0, token_index, y).view(s, b, h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out if residual is None else out + residual
+
+
+# ---- what the training loop does with MoE layers ------------------------------------------------
+
+def routers(models) -> list[Router]:
+    return [m for chunk in models for m in chunk.modules() if isinstance(m, Router)]
+
+
+def before_step(models, loss_scale, num_microbatches: int, per_token_loss: bool) -> None:
+    """The aux losses' backward scale for the next step: the main loss's (the loss scale, over the
+    micro-batch count unless the gradients are divided by the step's token count afterwards)."""
+    if routers(models):
+        set_aux_loss_scale(loss_scale if per_token_loss else loss_scale / num_microbatches)
+
+
+def after_step(models, group=None) -> None:
+    """After the optimizer step: each router's aux-loss-free expert bias update."""
+    for r in routers(models):
+        r.update_expert_bias(group)
+
+
+def take_metrics(models, device, reduce: bool) -> dict[str, float]:
+    """The load-balancing and z losses averaged over MoE layers, forward passes (and, with ``reduce``,
+    all ranks) since the last call, as Megatron's track_moe_metrics logs them; the sums are reset.
+    Every rank must call it when ``reduce`` (a collective over the default group)."""
+    sums = torch.zeros(2 * len(METRICS), device=device)
+    for r in routers(models):
+        for i, name in enumerate(METRICS):
+            if name in r.metrics:
+                total, n = r.metrics[name]
+                sums[2 * i] += total.to(device)
+                sums[2 * i + 1] += n
+        r.metrics = {}
+    if reduce:
+        torch.distributed.all_reduce(sums)
+    values = sums.tolist()
+    return {name: values[2 * i] / values[2 * i + 1] for i, name in enumerate(METRICS) if values[2 * i + 1] > 0}
