@@ -35,27 +35,28 @@ METRICS = ("load_balancing_loss", "z_loss")
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Identity on ``output``; in backward, ``aux_loss`` receives the gradient ``main_loss_backward_scale``
-    (what d(loss)/d(loss) is for the main loss: the loss scale over the micro-batch count)."""
-    main_loss_backward_scale = 1.0
+    """Identity on ``output``; in backward, ``aux_loss`` receives the gradient ``scale`` (what
+    d(loss)/d(loss) is for the main loss: the loss scale over the micro-batch count)."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale) -> torch.Tensor:
         ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        scale = ctx.scale
         if isinstance(scale, torch.Tensor):
             scale = scale.to(aux_loss.device, aux_loss.dtype)
-        return grad_output, torch.ones_like(aux_loss) * scale
+        return grad_output, torch.ones_like(aux_loss) * scale, None
 
 
-def set_aux_loss_scale(scale) -> None:
-    """The backward scale of the aux losses (the training loop: loss scale / micro-batches)."""
-    MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+def set_aux_loss_scale(routers: list, scale) -> None:
+    """The backward scale of the routers' aux losses (the training loop: loss scale / micro-batches)."""
+    for r in routers:
+        r.aux_loss_scale = scale
 
 
 # ---- routing (pure functions of the logits) ------------------------------------------------------
@@ -167,6 +168,7 @@ class Router(nn.Module):
         else:
             self.expert_bias = self.tokens_per_expert = None
         self.metrics: dict[str, tuple] = {}  # name: (sum, forward passes) until read
+        self.aux_loss_scale = 1.0  # the aux losses' backward scale (set_aux_loss_scale)
 
     def _track(self, name: str, value: torch.Tensor) -> None:
         v = value.detach().float()
@@ -182,11 +184,11 @@ class Router(nn.Module):
                     else seq_aux_loss(scores, aux_map, self.topk, seq_length))
             self._track("load_balancing_loss", loss)
             if cfg.moe_aux_loss_coeff > 0:
-                probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_aux_loss_coeff)
+                probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_aux_loss_coeff, self.aux_loss_scale)
         if cfg.moe_z_loss_coeff:
             loss = z_loss(logits)
             self._track("z_loss", loss)
-            probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_z_loss_coeff)
+            probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_z_loss_coeff, self.aux_loss_scale)
         return probs
 
     def forward(self, x: torch.Tensor, seq_length: int):
@@ -327,28 +329,28 @@ class MoELayer(nn.Module):
 # ---- what the training loop does with MoE layers ------------------------------------------------
 
 def routers(models) -> list[Router]:
+    """Every router of the model chunks (an empty list for a dense model): look them up once."""
     return [m for chunk in models for m in chunk.modules() if isinstance(m, Router)]
 
 
-def before_step(models, loss_scale, num_microbatches: int, per_token_loss: bool) -> None:
+def before_step(routers: list, loss_scale, num_microbatches: int, per_token_loss: bool) -> None:
     """The aux losses' backward scale for the next step: the main loss's (the loss scale, over the
     micro-batch count unless the gradients are divided by the step's token count afterwards)."""
-    if routers(models):
-        set_aux_loss_scale(loss_scale if per_token_loss else loss_scale / num_microbatches)
+    set_aux_loss_scale(routers, loss_scale if per_token_loss else loss_scale / num_microbatches)
 
 
-def after_step(models, group=None) -> None:
+def after_step(routers: list, group=None) -> None:
     """After the optimizer step: each router's aux-loss-free expert bias update."""
-    for r in routers(models):
+    for r in routers:
         r.update_expert_bias(group)
 
 
-def take_metrics(models, device, reduce: bool) -> dict[str, float]:
+def take_metrics(routers: list, device, reduce: bool) -> dict[str, float]:
     """The load-balancing and z losses averaged over MoE layers, forward passes (and, with ``reduce``,
     all ranks) since the last call, as Megatron's track_moe_metrics logs them; the sums are reset.
     Every rank must call it when ``reduce`` (a collective over the default group)."""
     sums = torch.zeros(2 * len(METRICS), device=device)
-    for r in routers(models):
+    for r in routers:
         for i, name in enumerate(METRICS):
             if name in r.metrics:
                 total, n = r.metrics[name]

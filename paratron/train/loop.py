@@ -144,6 +144,7 @@ class Trainer:
         set_seed(tr.seed, self.dims.pp_rank)
         self.tokenizer = self._build_tokenizer()
         self.models = [wrap_data_parallel(m, cfg, self.dims) for m in build_model_chunks(cfg, self.dims, self.device)]
+        self.routers = moe.routers(self.models)  # MoE routers (none in a dense model), found once
         self.optimizer = build_optimizer(self.models, cfg, self.dims)
         self.scheduler = build_scheduler(cfg, tr.train_samples or tr.train_iters * tr.global_batch_size)
         self.optimizer.set_lr(self.scheduler.lr)
@@ -210,7 +211,8 @@ class Trainer:
         gbs = self.current_global_batch = self.microbatches.global_batch(self.consumed_samples)
         for m in self.models:
             m.zero_grad_buffer()
-        moe.before_step(self.models, self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss)
+        if self.routers:
+            moe.before_step(self.routers, self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss)
         reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
                                         model=self.models, num_microbatches=self.num_microbatches,
                                         seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
@@ -219,7 +221,8 @@ class Trainer:
         # --calculate-per-token-loss: the gradients are sums; divide them by the step's global token count
         finalize_model_grads(self.models, self.dims, num_tokens=report[1] if tr.calculate_per_token_loss else None)
         ok, grad_norm = self.optimizer.step()
-        moe.after_step(self.models, self.dims.dp_cp_group if self.dims.dp_cp > 1 else None)  # expert bias
+        if self.routers:  # the expert bias update
+            moe.after_step(self.routers, self.dims.dp_cp_group if self.dims.dp_cp > 1 else None)
         if isinstance(ok, torch.Tensor) or ok:  # a device-side skip (bf16 inf/nan) still advances, as Megatron's bf16
             self.scheduler.step(gbs)
             self.optimizer.set_lr(self.scheduler.lr)
@@ -449,7 +452,7 @@ class Trainer:
         peak_gb = peak_memory_gb(self.device)
         # every rank joins the norm's collectives (the log line is printed by one)
         params_norm = self.optimizer.params_norm() if self.cfg.log.log_params_norm else None
-        moe_losses = (moe.take_metrics(self.models, self.device, dist.is_initialized())
+        moe_losses = (moe.take_metrics(self.routers, self.device, dist.is_initialized())
                       if self.cfg.model.num_experts is not None else {})  # every rank joins its reduction
         self.log.print(format_train_line(self.iteration, tr.train_iters, self.consumed_samples, per_iter * 1000.0,
                                          tflops, self.scheduler.lr, gbs, loss,

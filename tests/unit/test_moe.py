@@ -98,7 +98,7 @@ def test_aux_losses_reach_the_router_without_changing_the_output():
     plain.load_state_dict(layer.state_dict())
     x = torch.randn(8, 2, 16)
     g = torch.randn(8, 2, 16)
-    moe.set_aux_loss_scale(1.0)
+    moe.set_aux_loss_scale([layer.router], 1.0)
     out = layer(x)
     (out * g).sum().backward()
     ref = plain(x)
