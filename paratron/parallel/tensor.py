@@ -50,6 +50,14 @@ def gather_full(p: torch.Tensor, group) -> torch.Tensor:
     return full
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8) -> torch.Tensor:
+    """``F.linear``, or with an FP8 state the FP8 matmul followed by the bias."""
+    if fp8 is None:
+        return F.linear(x, weight, bias)
+    y = fp8_linear(x, weight, fp8)
+    return y if bias is None else y + bias
+
+
 def init_normal(std: float) -> Callable[[torch.Tensor], None]:
     return lambda w: nn.init.normal_(w, mean=0.0, std=std)
 
@@ -77,11 +85,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``weight`` overrides the layer's own (a tied output layer passes the embedding table)."""
-        if self.fp8 is not None and weight is None:
-            y = fp8_linear(self.enter(x), self.weight, self.fp8)
-            y = y if self.bias is None else y + self.bias
-        else:
-            y = F.linear(self.enter(x), self.weight if weight is None else weight, self.bias)
+        y = (_linear(self.enter(x), self.weight, self.bias, self.fp8) if weight is None
+             else F.linear(self.enter(x), weight, self.bias))
         return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,9 +123,6 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.fp8 = None  # an FP8State: the matmul in FP8 (paratron.parallel.fp8)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, self.fp8)
-
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``residual``: added to the output (at TP=1 without bias inside the matmul, as its C operand;
         under FP8 after the FP8 matmul)."""
@@ -130,13 +132,9 @@ class RowParallelLinear(nn.Module):
             if residual is not None and self.bias is None and self.fp8 is None:
                 out = torch.addmm(residual.reshape(-1, self.out_features), x.reshape(-1, x.size(-1)), self.weight.t())
                 return out.view(residual.shape)
-            if self.fp8 is None:
-                y = F.linear(x, self.weight, self.bias)
-            else:
-                y = fp8_linear(x, self.weight, self.fp8)
-                y = y if self.bias is None else y + self.bias
+            y = _linear(x, self.weight, self.bias, self.fp8)
         else:
-            y = self._matmul(x)
+            y = _linear(x, self.weight, None, self.fp8)
             y = comm.reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else comm.reduce_from_tp(
                 y, self.tp_group)
             y = y if self.bias is None else y + self.bias
