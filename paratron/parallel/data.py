@@ -178,6 +178,13 @@ class DataParallel(nn.Module):
                                             distributed=use_distributed_optimizer, average=average,
                                             first_index=first))
         self.buckets = [b for buf in self.buffers_ for b in buf.buckets]
+        # what finalize_model_grads does after the reduction, read off the specs once
+        self.partial_grads: dict[str, list] = {}  # group: gradients to sum over it (ShardSpec.sum_over)
+        for p in self.params:
+            for name in spec_of(p).sum_over:
+                self.partial_grads.setdefault(name, []).append(p.main_grad)
+        self.tied_params = [p for p in self.params if spec_of(p).tied is not None]
+        self.tied_checked = False  # the pipeline stages agreed on their tied copies (once per run)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self.overlap_param_gather = (overlap_param_gather and use_distributed_optimizer
                                      and any(buf.n > 1 for buf in self.buffers_))
@@ -344,15 +351,17 @@ def finalize_model_grads(models: list[DataParallel], dims: ParallelDims, num_tok
     are divided by the global count."""
     for m in models:
         m.finish_grad_sync()
-    params = [p for m in models for p in m.params]
-    for name in sorted({g for p in params for g in spec_of(p).sum_over}):
+    partial: dict = {}
+    for m in models:
+        for name, grads in m.partial_grads.items():
+            partial.setdefault(name, []).extend(grads)
+    for name in sorted(partial):
         if dims.size(name) > 1:
-            _all_reduce_flat([p.main_grad for p in params if name in spec_of(p).sum_over], dims.group(name))
-    tied = [p for p in params if spec_of(p).tied is not None]
-    if dims.pp > 1 and dims.embedding_group is not None:
-        if models and not getattr(models[0], "tied_embedding_checked", False):
-            _check_tied_embedding(len(tied), dims, models[0].grad_buffer.device)
-            models[0].tied_embedding_checked = True
+            _all_reduce_flat(partial[name], dims.group(name))
+    tied = [p for m in models for p in m.tied_params]
+    if dims.pp > 1 and dims.embedding_group is not None and not models[0].tied_checked:
+        _check_tied_embedding(len(tied), dims, models[0].grad_buffer.device)
+        models[0].tied_checked = True
     for p in tied:
         if dims.size(spec_of(p).tied) > 1:
             dist.all_reduce(p.main_grad, group=dims.group(spec_of(p).tied))
