@@ -82,6 +82,11 @@ def test_config_mapping():
                                                                                                     48, 64)
     assert (b.moe_layer_freq, b.moe_router_pre_softmax, b.kv_channels) == ("[0,1]", True, 16)
     assert a.qk_layernorm and b.qk_layernorm
+    from paratron.checkpoint.convert import default_family, training_flags
+    from paratron.config import parse_args
+    for cfg, family in ((m, "mixtral"), (a, "qwen3_moe"), (b, "qwen3_moe")):  # the printed flags rebuild it
+        assert parse_args(training_flags(cfg) + ["--train-iters", "1", "--lr", "1", "--mock-data"]).model == cfg
+        assert default_family(cfg) == family
 
 
 @pytest.mark.parametrize("case", list(CASES))
