@@ -12,32 +12,18 @@ from typing import Any, Optional
 
 import yaml
 
-from ..errors import ArgumentParser, ConfigError
+from ..errors import ArgumentParser, ConfigError, UserError
+from .help import field_help
+from .megatron_flags import group_of, megatron_flags, refusal, value_problem
+from .megatron_reasons import ACCEPTED, REFUSED
 from .sections import FIELD_SECTION, FIELD_TYPES, SECTIONS, TOKENIZER_FIELDS, Config, DataConfig, base_type, flag
+from .validate import ConfigProblems
 
-# Megatron flags that exist upstream but that paratron does not implement yet: naming them is a
-# clear "not supported" error rather than "unknown flag".
-UNSUPPORTED_MEGATRON_FLAGS = {
-    "tp_comm_overlap", "use_torch_fsdp2", "split_sentences",
-    "transformer_impl", "use_flash_attn",
-}
+# The Megatron flags that are not config fields: accepted (paratron already does what they ask) or
+# refused by name, with the reason (paratron/config/megatron_reasons.py).
+ACCEPTED_NO_OP_FLAGS = frozenset(ACCEPTED)
+UNSUPPORTED_MEGATRON_FLAGS = frozenset(REFUSED)
 
-# Megatron flags that are accepted for compatibility and have no effect in paratron (the behaviour
-# they select is the only one paratron has).
-ACCEPTED_NO_OP_FLAGS = {"use_mcore_models", "no_masked_softmax_fusion", "no_bias_gelu_fusion",
-                        "no_gradient_accumulation_fusion", "use_dist_ckpt",
-                        "ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_assume_constant_structure"}
-
-HELP = {  # shown by --help of train and preprocess
-    "tokenizer_type": "GPT2BPETokenizer | HuggingFaceTokenizer | SentencePieceTokenizer | GPTSentencePieceTokenizer "
-                      "| Llama2Tokenizer | TikTokenizer | NullTokenizer | ByteLevelTokenizer",
-    "vocab_file": "GPT2BPETokenizer: vocab.json",
-    "merge_file": "GPT2BPETokenizer: merges.txt",
-    "tokenizer_model": "tokenizer.json / directory / .model / .tiktoken file",
-    "vocab_size": "NullTokenizer vocabulary; TikTokenizer vocabulary cut",
-    "vocab_extra_ids": "SentencePieceTokenizer: number of <extra_id_i> tokens to add",
-    "tiktoken_pattern": "TikTokenizer split pattern: v1 | v2",
-}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -64,30 +50,49 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def suggest(name: str) -> str:
-    known = list(FIELD_SECTION) + sorted(ACCEPTED_NO_OP_FLAGS)
+    known = list(FIELD_SECTION) + sorted(ACCEPTED)
     close = difflib.get_close_matches(name.replace("-", "_").lstrip("_"), known, n=1, cutoff=0.6)
     return f"; did you mean {flag(close[0])}?" if close else "; see `paratron train --help` for the flags"
 
 
+def flag_problem(name: str, source: str) -> Optional[str]:
+    """The one-line problem of flag ``name`` given in ``source`` (None when paratron takes it): a
+    refused Megatron flag with its reason, or an unknown name with a suggestion."""
+    if name in FIELD_SECTION or name in ACCEPTED:
+        return None
+    if name in megatron_flags() or name in REFUSED:
+        return f"{flag(name)} ({source}) is a Megatron-LM flag that paratron refuses: {refusal(name)}"
+    return f"unknown flag {flag(name)} ({source}){suggest(name)}"
+
+
 def _check_known(name: str, source: str) -> None:
-    if name in FIELD_SECTION or name in ACCEPTED_NO_OP_FLAGS:
-        return
-    if name in UNSUPPORTED_MEGATRON_FLAGS:
-        raise ConfigError(f"{flag(name)} ({source}) is a Megatron-LM flag that paratron does not support yet")
-    raise ConfigError(f"unknown flag {flag(name)} ({source}){suggest(name)}")
+    problem = flag_problem(name, source)
+    if problem:
+        raise ConfigError(problem)
 
 
-def apply_dict(cfg: Config, values: dict, source: str) -> None:
-    """Apply a flat or sectioned mapping of Megatron-named settings (from YAML)."""
+def apply_dict(cfg: Config, values: dict, source: str, problems: Optional[list] = None) -> None:
+    """Apply a flat or sectioned mapping of Megatron-named settings (from YAML). ``problems``: a list
+    that collects each problem (else the first raises)."""
+    out = [] if problems is None else problems
     for key, value in values.items():
         if key in SECTIONS and isinstance(value, dict):
-            apply_dict(cfg, value, source)
+            apply_dict(cfg, value, source, out)
             continue
         name = str(key).replace("-", "_")
-        _check_known(name, source)
-        if name in ACCEPTED_NO_OP_FLAGS and name not in FIELD_SECTION:
-            continue
-        cfg.set(name, _coerce(name, value))
+        problem = flag_problem(name, source)
+        if problem is None and name in ACCEPTED:
+            problem = value_problem(name, [str(v) for v in (value if isinstance(value, list) else [value])])
+            problem = problem and f"{problem} ({source})"
+        if problem is None and name in FIELD_SECTION:
+            try:
+                cfg.set(name, _coerce(name, value))
+            except ConfigError as e:
+                problem = str(e)
+        if problem:
+            out.append(problem)
+    if problems is None and out:
+        raise ConfigProblems(out)
 
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"  # package data: paratron/configs/*.yaml
@@ -131,7 +136,7 @@ def add_flags(group, names, defaults: bool = False) -> None:
     (else a flag not given is absent from the namespace, so YAML values stay)."""
     for name in names:
         tp = base_type(FIELD_TYPES[name])
-        kw: dict = {"dest": name, "help": HELP.get(name)}
+        kw: dict = {"dest": name, "help": field_help(name) or None}
         if defaults:
             f = next(f for f in dataclasses.fields(SECTIONS[FIELD_SECTION[name]]) if f.name == name)
             kw["default"] = f.default
@@ -158,39 +163,104 @@ def tokenizer_config(args) -> DataConfig:
     return d
 
 
+EPILOG = ("Flags are Megatron-LM's, grouped as Megatron groups them. docs/megatron_flags.md lists every Megatron "
+          "flag with paratron's answer: implemented, accepted (paratron already does what it asks) or refused (why).")
+
+
 def build_parser(prog: str = "paratron train") -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS,
+    p = ArgumentParser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS, epilog=EPILOG,
                        description="Train a GPT-style model. Flags are Megatron-LM's.")
     p.add_argument("--config", help="YAML file of settings (flat Megatron names or sections); flags override it")
-    for sec, cls in SECTIONS.items():
-        add_flags(p.add_argument_group(sec), [f.name for f in dataclasses.fields(cls)])
-    for name in sorted(ACCEPTED_NO_OP_FLAGS - set(FIELD_SECTION)):
-        p.add_argument(flag(name), dest=f"_noop_{name}", action="store_true", help=argparse.SUPPRESS)
+    groups: dict = {}
+
+    def group(name: str):
+        title = group_of(name)
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        return groups[title]
+    for cls in SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            add_flags(group(f.name), [f.name])
+    for name in sorted(ACCEPTED, key=lambda n: (group_of(n), n)):
+        if name in FIELD_SECTION:
+            continue
+        nargs = megatron_flags()[name].nargs if name in megatron_flags() else "0"
+        kw = {"dest": f"_accepted_{name}", "help": f"accepted: {ACCEPTED[name]}"}
+        if nargs == "0":
+            group(name).add_argument(flag(name), action="store_true", **kw)
+        else:
+            group(name).add_argument(flag(name), nargs=None if nargs == "1" else int(nargs) if nargs.isdigit()
+                                     else nargs, metavar="VALUE", **kw)
     return p
+
+
+def _flag_name(tok: str) -> Optional[str]:
+    if not tok.startswith("--") or tok == "--":
+        return None
+    return tok[2:].split("=", 1)[0].replace("-", "_")
+
+
+def screen_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without the flags paratron does not take, one problem per such flag). A refused or
+    unknown flag is dropped with the values that follow it, so that the rest is still checked."""
+    kept, problems, skipping = [], [], False
+    for tok in argv:
+        name = _flag_name(tok)
+        if name is None:
+            if not skipping:
+                kept.append(tok)
+            continue
+        problem = None if name == "config" else flag_problem(name, "command line")
+        skipping = problem is not None
+        if problem:
+            problems.append(problem)
+        else:
+            kept.append(tok)
+    return kept, problems
+
+
+def _accepted_problems(values: dict) -> list[str]:
+    out = []
+    for key in [k for k in values if k.startswith("_accepted_")]:
+        value = values.pop(key)
+        if value is not True:
+            problem = value_problem(key[len("_accepted_"):], [str(v) for v in
+                                                              (value if isinstance(value, list) else [value])])
+            out += [problem] if problem else []
+    return out
 
 
 def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None,
                world_size: Optional[int] = None) -> Config:
     """Build a Config from YAML (``--config``) overridden by flags, then ``resolve()`` it (for
-    ``world_size`` processes; by default torch.distributed's or torchrun's WORLD_SIZE, else 1)."""
+    ``world_size`` processes; by default torch.distributed's or torchrun's WORLD_SIZE, else 1).
+    Every problem of the command line (flags, values, YAML, validation) is reported at once: one
+    :class:`ConfigProblems` (a ConfigError) listing them all."""
     from .validate import resolve
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for tok in argv:  # catch unknown flags first, with a suggestion
-        if tok.startswith("--") and tok != "--":
-            name = tok[2:].split("=", 1)[0].replace("-", "_")
-            if name != "config" and not name.startswith("noop_"):
-                _check_known(name, "command line")
-    values = vars(build_parser().parse_args(argv))
+    argv, problems = screen_argv(list(sys.argv[1:] if argv is None else argv))
+    try:
+        values = vars(build_parser().parse_args(argv))
+    except ConfigError as e:
+        raise ConfigProblems(problems + [str(e)]) from None
+    problems += _accepted_problems(values)
     cfg = base if base is not None else Config()
     if "config" in values:
         path = values.pop("config")
-        apply_dict(cfg, load_yaml(path), f"in {path}")
+        apply_dict(cfg, load_yaml(path), f"in {path}", problems)
     if ({"data_path", "train_data_path"} & values.keys()) and "mock_data" not in values:
         cfg.data.mock_data = False  # real data on the command line replaces a preset's mock data
     for name, value in values.items():
-        if name.startswith("_noop_"):
-            continue
         if name == "rampup_batch_size":
             value = [int(v) for v in value]
         cfg.set(name, value)
-    return resolve(cfg, world_size)
+    from .from_checkpoint import apply_checkpoint_args
+    try:
+        apply_checkpoint_args(cfg)
+        cfg = resolve(cfg, world_size)
+    except ConfigProblems as e:
+        problems += e.problems
+    except UserError as e:
+        problems.append(str(e))
+    if problems:
+        raise ConfigProblems(problems)
+    return cfg

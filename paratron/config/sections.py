@@ -139,6 +139,9 @@ class ModelConfig(Section):
     moe_shared_expert_overlap: bool = False  # scheduling only: accepted, same numbers
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather: both the identity at EP 1
+    # Megatron's deprecated position-embedding switches (issue 19): resolve() maps them onto --position-embedding-type
+    use_rotary_position_embeddings: bool = False  # = --position-embedding-type rope
+    no_position_embedding: bool = False  # no learned position table: accepted with rope (as Megatron), else an error
 
     def resolved(self, **changes) -> "ModelConfig":
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query
@@ -218,6 +221,11 @@ class TrainConfig(Section):
     fp8_amax_compute_algo: str = "most_recent"  # delayed: max | most_recent of the history
     fp8_margin: int = 0  # scale = fp8 max / (amax * 2^margin)
     fp8_hybrid: bool = False  # Megatron's older spelling of --fp8-format hybrid
+    deterministic_mode: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable runs
+    manual_gc: bool = False  # Python's automatic garbage collector off; collect every --manual-gc-interval steps
+    manual_gc_interval: int = 0  # 0: collect only at checkpoints and evaluations
+    no_manual_gc_eval: bool = False  # with --manual-gc: no collection around evaluations
+    empty_unused_memory_level: int = 0  # 1: return cached CUDA memory after each step; 2: also after evaluation
 
 
 @dataclass(eq=True)
@@ -268,6 +276,7 @@ class DataConfig(Section):
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    no_mmap_bin_files: bool = False  # read each .bin file into memory instead of memory-mapping it
 
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",
@@ -287,6 +296,22 @@ class LogConfig(Section):
     profile_step_end: int = 12
     plot_path: Optional[str] = None  # paratron: PNG loss plot; default <tensorboard-dir or save>/loss.png
     sample_prompt: Optional[str] = None  # paratron: an error until generation exists in training runs
+    # Megatron's TensorBoard / W&B reporting (paratron/train/reporting.py), Megatron's tags
+    tensorboard_log_interval: int = 1  # write TensorBoard scalars at log steps that are a multiple of this
+    tensorboard_queue_size: int = 1000  # events buffered before the writer flushes
+    timing_log_level: int = 0  # 0: iteration time; 1: + forward-backward, optimizer, DP comm; 2: + data, compute, P2P
+    timing_log_option: str = "minmax"  # max | minmax | all: how the log line reports a timer over ranks
+    log_timers_to_tensorboard: bool = False  # <timer>-time, iteration-time (and throughput with --log-throughput)
+    log_num_zeros_in_grad: bool = False  # num-zeros: gradient entries equal to zero
+    log_memory_to_tensorboard: bool = False  # mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes, ...
+    log_validation_ppl_to_tensorboard: bool = False  # lm loss validation ppl
+    log_world_size_to_tensorboard: bool = False  # world-size
+    no_log_loss_scale_to_tensorboard: bool = False  # leave out loss-scale
+    wandb_project: Optional[str] = None  # Weights & Biases project (the optional wandb package; offline without network)
+    wandb_exp_name: Optional[str] = None  # W&B run name
+    wandb_save_dir: Optional[str] = None  # W&B files; default <--save>/wandb
+    wandb_entity: Optional[str] = None  # W&B team or user
+    logging_level: Optional[int] = None  # Python logging level of the run (10 debug, 20 info, 30 warning)
 
 
 @dataclass(eq=True)
@@ -305,6 +330,8 @@ class CheckpointConfig(Section):
     ckpt_step: Optional[int] = None  # load this iteration instead of the latest
     exit_on_missing_checkpoint: bool = False  # --load without a checkpoint is an error instead of a fresh start
     ckpt_keep_last: int = 0  # paratron: keep only the newest K checkpoints under --save (0: keep all)
+    dist_ckpt_strictness: str = "assume_ok_unexpected"  # key mismatches on load: Megatron's StrictHandling values
+    use_checkpoint_args: bool = False  # the model's shape and tokenizer from the --load checkpoint's config
 
 
 SECTIONS = {

@@ -22,6 +22,16 @@ from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig,
 TIKTOKEN_PATTERNS = ("v1", "v2")
 
 
+class ConfigProblems(ConfigError):
+    """Several problems of one command line or config, reported together (still one line)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        text = problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + " ".join(
+            f"({i}) {p}" for i, p in enumerate(problems, 1))
+        super().__init__(text)
+
+
 def need(cond, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -62,6 +72,11 @@ def validate_model(m: ModelConfig) -> None:
     need(m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups == 0,
          f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups "
          f"{m.num_query_groups}")
+    if m.use_rotary_position_embeddings:  # Megatron's older spelling
+        m.position_embedding_type = "rope"
+    need(not m.no_position_embedding or m.position_embedding_type in ("rope", "none"),
+         f"--no-position-embedding with --position-embedding-type {m.position_embedding_type}: Megatron accepts it "
+         "only with rope; for no position embedding use --position-embedding-type none")
     need(m.position_embedding_type in ("learned_absolute", "rope", "none"),
          f"--position-embedding-type must be learned_absolute, rope or none (got {m.position_embedding_type})")
     if m.position_embedding_type == "learned_absolute":
@@ -167,6 +182,9 @@ def validate_train(tr: TrainConfig) -> None:
         need(tr.recompute_method in ("uniform", "block"),
              "--recompute-granularity full needs --recompute-method uniform|block")
     need(tr.device in (None, "cuda", "cpu"), f"--device must be cuda or cpu (got {tr.device})")
+    need(tr.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0 (got {tr.manual_gc_interval})")
+    need(tr.empty_unused_memory_level in (0, 1, 2),
+         f"--empty-unused-memory-level must be 0, 1 or 2 (got {tr.empty_unused_memory_level})")
     if tr.rampup_batch_size is not None:
         need(len(tr.rampup_batch_size) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
         tr.rampup_batch_size = [int(v) for v in tr.rampup_batch_size]
@@ -233,10 +251,21 @@ def validate_ckpt(c) -> None:
          "checkpoints (--ckpt-format torch_dist)")
     need(c.ckpt_keep_last >= 0, f"--ckpt-keep-last must be >= 0 (got {c.ckpt_keep_last})")
     need(not c.async_save or c.save is not None, "--async-save needs --save DIR")
+    from ..checkpoint.strictness import STRICTNESS
+    need(c.dist_ckpt_strictness in STRICTNESS,
+         f"--dist-ckpt-strictness {c.dist_ckpt_strictness}: choose one of {', '.join(STRICTNESS)}")
+    need(not c.use_checkpoint_args or c.load is not None, "--use-checkpoint-args needs --load DIR")
 
 
 def validate_log(lg) -> None:
-    _at_least_one(lg, ("log_interval",))
+    _at_least_one(lg, ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"))
+    need(lg.timing_log_level in (0, 1, 2), f"--timing-log-level must be 0, 1 or 2 (got {lg.timing_log_level})")
+    need(lg.timing_log_option in ("max", "minmax", "all"),
+         f"--timing-log-option must be max, minmax or all (got {lg.timing_log_option})")
+    if lg.wandb_project is not None:
+        import importlib.util
+        need(importlib.util.find_spec("wandb") is not None,
+             "--wandb-project needs the wandb package: pip install 'paratron[wandb]' (or pip install wandb)")
     need(lg.sample_prompt is None, "--sample-prompt: training runs cannot generate text yet; remove the flag "
          "(`paratron demo` prints samples of its model)")
 
@@ -263,6 +292,11 @@ def validate_data(d: DataConfig) -> None:
     need(bool(have_data), "no training data: pass --data-path PREFIX (or --train-data-path) or --mock-data")
     need(not (d.mock_data and (d.data_path or d.train_data_path)),
          "--mock-data and --data-path are mutually exclusive; choose one")
+    if d.tokenizer_type is None and (d.vocab_file or d.merge_file):
+        d.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default tokenizer (pretrain_gpt.py)
+    need(d.tokenizer_type in (None, "GPT2BPETokenizer") or not (d.vocab_file or d.merge_file),
+         f"--vocab-file/--merge-file are read only by GPT2BPETokenizer, not --tokenizer-type {d.tokenizer_type}; "
+         "remove them or use --tokenizer-type GPT2BPETokenizer")
     if d.tokenizer_type is None and d.mock_data:
         # No tokenizer flags with mock data: a NullTokenizer over the GPT-2 vocabulary size (its EOD,
         # vocab_size - 1 = 50256, is GPT-2's end-of-text id).
@@ -314,6 +348,29 @@ def resolve_world(cfg: Config, world: int) -> None:
     cfg.world_size = world
 
 
+def _set_vocab(cfg: Config, vocab_size) -> None:
+    cfg.data.vocab_size = vocab_size(cfg.data)
+
+
+def _run_all(steps) -> None:
+    """Run every validation step; report the problem of each step together (ConfigProblems). An
+    error that follows an earlier problem (a value the failed step did not derive) is not reported."""
+    from ..errors import UserError
+    errors = []
+    for step in steps:
+        try:
+            step()
+        except UserError as e:
+            errors.append(e)
+        except Exception:
+            if not errors:
+                raise
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigProblems([p for e in errors for p in (e.problems if isinstance(e, ConfigProblems) else [str(e)])])
+
+
 def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
     """Validate ``cfg`` section by section, compute every derived value, and freeze it (in place; also
     returned). ``world_size``: the number of processes of the run (default: ``cfg.world_size`` if set,
@@ -328,17 +385,12 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
     world = world_size or cfg.world_size or world_size_default()
     given = {name: _values(getattr(cfg, name)) for name in SECTIONS}
     given_world = cfg.world_size
+    steps = (lambda: validate_model(cfg.model), lambda: validate_parallel(cfg.parallel, cfg.model, cfg.train),
+             lambda: validate_train(cfg.train), lambda: validate_fp8(cfg), lambda: validate_optim(cfg.optim),
+             lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data),
+             lambda: resolve_world(cfg, world), lambda: _set_vocab(cfg, tokenizer_vocab_size))
     try:
-        validate_model(cfg.model)
-        validate_parallel(cfg.parallel, cfg.model, cfg.train)
-        validate_train(cfg.train)
-        validate_fp8(cfg)
-        validate_optim(cfg.optim)
-        validate_ckpt(cfg.ckpt)
-        validate_log(cfg.log)
-        validate_data(cfg.data)
-        resolve_world(cfg, world)
-        cfg.data.vocab_size = tokenizer_vocab_size(cfg.data)
+        _run_all(steps)
     except Exception:
         for name, values in given.items():
             for key, value in values.items():

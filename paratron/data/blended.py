@@ -4,7 +4,7 @@ seed, num_samples)`.
 Data flags (Megatron's, fields of the config's `data` section, a `paratron.config.DataConfig`):
 - `data_path`: `[w1] p1 [w2 p2 ...]`, split three ways by `split` (default "969,30,1");
 - `train_data_path` / `valid_data_path` / `test_data_path`: a blend per split, each used whole;
-- `mock_data`: synthetic documents (no files), split "1,1,1" as Megatron does.
+- `mock_data`: synthetic documents (no files), split by `--split` as Megatron's pretrain_gpt.py does.
 
 Sample counts (`train_valid_test_num_samples(cfg.train)`): train = train_samples or train_iters *
 global_batch_size; valid = (train_iters // eval_interval + 1) * eval_iters * global_batch_size; test =
@@ -119,7 +119,7 @@ class _Builder:
 
     def indexed(self, prefix: str) -> IndexedDataset:
         if prefix not in self._indexed:
-            self._indexed[prefix] = IndexedDataset(prefix)
+            self._indexed[prefix] = IndexedDataset(prefix, mmap_bin=self.config.mmap_bin_files)
         return self._indexed[prefix]
 
     def single(self, prefix: str, bounds, size: Optional[int], split: int) -> GPTDataset:
@@ -159,7 +159,10 @@ def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], all
             raise DataError("--mock-data: the tokenizer has no EOD token")
         low = MockIndexedData(tokenizer.vocab_size, tokenizer.eod)
         out = []
-        for i, bounds in enumerate(split_bounds(parse_split("1,1,1"))):
+        for i, bounds in enumerate(split_bounds(parse_split(data.split or "969,30,1"))):
+            if not bounds:
+                out.append(None)
+                continue
             beg, end = split_range(bounds, len(low))
             docs = np.arange(beg, end, dtype=np.int32)
             out.append(MockGPTDataset(low, None, docs, sizes[i], SPLIT_NAMES[i], config)

@@ -47,6 +47,7 @@ class GPTDataConfig:
     eod_mask_loss: bool = False
     data_cache_path: Optional[str] = None
     split: Optional[str] = None
+    mmap_bin_files: bool = True  # False: --no-mmap-bin-files
     tokenizer_id: Dict[str, object] = field(default_factory=dict)
 
     @classmethod
@@ -66,6 +67,7 @@ class GPTDataConfig:
             eod_mask_loss=bool(data.eod_mask_loss),
             data_cache_path=data.data_cache_path,
             split=data.split,
+            mmap_bin_files=not getattr(data, "no_mmap_bin_files", False),
             tokenizer_id=dict(getattr(tokenizer, "unique_identifiers", {"class": "?"})),
         )
 

@@ -86,9 +86,12 @@ class IndexedDataset:
     mapped file); `ds.get(i, offset, length)` a slice of it. Pickles by path (cheap to send to
     DataLoader workers)."""
 
-    def __init__(self, prefix: str, multimodal: bool = False):
+    def __init__(self, prefix: str, multimodal: bool = False, mmap_bin: bool = True):
+        """``mmap_bin`` False (--no-mmap-bin-files): each read is a file read instead of a view of
+        the memory-mapped .bin."""
         self.prefix = str(prefix)
         self.multimodal = multimodal
+        self.mmap_bin = mmap_bin
         self._open()
 
     def _open(self) -> None:
@@ -131,14 +134,15 @@ class IndexedDataset:
         if bin_size != need:
             what = "truncated" if bin_size < need else "longer than its index says"
             raise DataError(f"{bpath}: data file {what}: {bin_size} bytes, index needs {need}")
-        self._bin = np.memmap(bpath, dtype=dtype, mode="r") if bin_size else np.empty(0, dtype)
+        self._bin = np.memmap(bpath, dtype=dtype, mode="r") if bin_size and self.mmap_bin else np.empty(0, dtype)
 
     def __getstate__(self):
-        return {"prefix": self.prefix, "multimodal": self.multimodal}
+        return {"prefix": self.prefix, "multimodal": self.multimodal, "mmap_bin": self.mmap_bin}
 
     def __setstate__(self, state):
         self.prefix = state["prefix"]
         self.multimodal = state["multimodal"]
+        self.mmap_bin = state.get("mmap_bin", True)
         self._open()
 
     def __len__(self) -> int:
@@ -158,7 +162,15 @@ class IndexedDataset:
         if length is None:
             length = size - offset
         start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + int(offset)
-        return self._bin[start : start + int(length)]
+        return self._tokens(start, int(length))
+
+    def _tokens(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) of the .bin file."""
+        if self.mmap_bin or count <= 0:
+            return self._bin[start : start + count]
+        with open(bin_path(self.prefix), "rb") as f:
+            f.seek(start * self.dtype.itemsize)
+            return np.fromfile(f, dtype=self.dtype, count=count)
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
@@ -172,7 +184,7 @@ class IndexedDataset:
             return self._bin[:0]
         start = int(self.sequence_pointers[lo]) // self.dtype.itemsize
         count = int(self.sequence_lengths[lo:hi].sum(dtype=np.int64))
-        return self._bin[start : start + count]
+        return self._tokens(start, count)
 
 
 class IndexedDatasetWriter:

@@ -129,12 +129,15 @@ class MixedPrecisionAdam:
         """Sum of squares of ``grads`` (aligned with the masters) over the whole model: for each kind
         of gradient buffer (the same on every rank, see agree_on_norm_sets), the local sum over this
         rank's counted tensors, summed over the buffer's norm groups."""
+        return self._model_sum(grads, lambda ts: torch.stack(torch._foreach_norm(ts)).float().square().sum())
+
+    def _model_sum(self, tensors: list[torch.Tensor], local, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``local(counted tensors)`` summed over the whole model, each element counted once (as the norm)."""
         device = self.masters[0].device if self.masters else "cpu"
-        total = torch.zeros((), device=device)
+        total = torch.zeros((), device=device, dtype=dtype)
         for groups in self._used_norm_sets:
-            counted = [g for g, s, c in zip(grads, self._norm_sets, self._counted) if c and s == groups]
-            part = (torch.stack(torch._foreach_norm(counted)).float().square().sum() if counted
-                    else torch.zeros((), device=device))
+            counted = [g for g, s, c in zip(tensors, self._norm_sets, self._counted) if c and s == groups]
+            part = local(counted).to(dtype) if counted else torch.zeros((), device=device, dtype=dtype)
             for name in groups:
                 if self.dims.size(name) > 1:
                     dist.all_reduce(part, group=self.dims.group(name))
@@ -146,6 +149,12 @@ class MixedPrecisionAdam:
         """L2 norm of the fp32 master weights over the whole model (``--log-params-norm``), each
         element counted once, as the gradient norm."""
         return self._norm_sq(self.masters).sqrt().item()
+
+    @torch.no_grad()
+    def num_zeros_in_grad(self) -> int:
+        """Gradient entries equal to zero over the whole model (``--log-num-zeros-in-grad``), read
+        from the gradients of the last step."""
+        return int(self._model_sum(self._grads(), lambda ts: sum((t == 0).sum() for t in ts), torch.float64).item())
 
     @torch.no_grad()
     def step(self) -> tuple[bool | torch.Tensor, float | torch.Tensor]:

@@ -46,17 +46,19 @@ def format_valid_line(it: int, loss: float, label: str = "validation") -> str:
 
 
 class RunLogger:
-    def __init__(self, enabled: bool, total_iters: int, tensorboard_dir: Optional[str], start_iter: int = 0):
+    def __init__(self, enabled: bool, total_iters: int, tensorboard_dir: Optional[str], start_iter: int = 0,
+                 queue_size: int = 1000, wandb_run=None):
         self.enabled = enabled
         self.train_curve: list[tuple[int, float]] = []
         self.valid_curve: list[tuple[int, float]] = []
         self.writer = None
+        self.wandb = wandb_run if enabled else None
         self.bar = None
         if not enabled:
             return
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=tensorboard_dir)
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=queue_size)
         if sys.stdout.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=total_iters, initial=start_iter, unit="it", dynamic_ncols=True, leave=True)
@@ -75,21 +77,31 @@ class RunLogger:
             if loss is not None:
                 self.bar.set_postfix(loss=f"{loss:.4f}")
 
-    def scalars(self, it: int, values: dict) -> None:
-        if self.writer is None:
-            return
-        for k, v in values.items():
-            if v is not None and math.isfinite(v):
+    def scalars(self, it: int, values: dict, samples: Optional[int] = None, vs_samples: Optional[dict] = None) -> None:
+        """TensorBoard and W&B scalars at step ``it``; ``vs_samples`` also as ``<tag> vs samples`` at
+        step ``samples`` (Megatron's second axis). None and non-finite values are left out."""
+        values = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
+        if self.writer is not None:
+            for k, v in values.items():
                 self.writer.add_scalar(k, v, it)
+            for k, v in (vs_samples or {}).items():
+                if v is not None and math.isfinite(v):
+                    self.writer.add_scalar(f"{k} vs samples", v, samples)
+        if self.wandb is not None and values:
+            self.wandb.log(values, step=it)
 
     def train(self, it: int, loss: float) -> None:
         if self.enabled:
             self.train_curve.append((it, loss))
 
-    def valid(self, it: int, loss: float) -> None:
+    def valid(self, it: int, loss: float, samples: Optional[int] = None, ppl: bool = True) -> None:
+        """A validation loss; TensorBoard gets ``lm loss validation`` (+ ``ppl`` when asked)."""
         if self.enabled:
             self.valid_curve.append((it, loss))
-            self.scalars(it, {"lm loss validation": loss, "lm loss validation ppl": math.exp(min(20.0, loss))})
+            values = {"lm loss validation": loss}
+            if ppl:
+                values["lm loss validation ppl"] = math.exp(min(20.0, loss))
+            self.scalars(it, values, samples if samples is not None else it, values)
 
     def plot(self, path: str | Path) -> Optional[Path]:
         if not self.enabled or not self.train_curve:
@@ -117,3 +129,5 @@ class RunLogger:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()

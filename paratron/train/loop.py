@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..checkpoint import sharded
 from ..checkpoint import state as cstate
 from ..checkpoint.pieces import replicated_row
+from ..checkpoint.strictness import apply_strictness
 from ..config import Config, ConfigError, check_resolved
 from ..model import moe
 from ..model.gpt import GPTModel
@@ -29,8 +30,10 @@ from ..parallel.random import rng_state, set_rng_state, set_seed
 from ..parallel.stages import rank_chunks
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
-from .logger import RunLogger, format_train_line, format_valid_line
-from .metrics import flops_per_iteration, peak_memory_gb, peak_tflops
+from .logger import RunLogger, format_valid_line
+from .metrics import flops_per_iteration, peak_tflops
+from .reporting import Reporter, TimedIterator, wandb_run
+from .runtime import GarbageCollection, apply_deterministic_mode, apply_logging_level, empty_unused_memory
 from .microbatches import MicroBatches
 
 
@@ -142,6 +145,8 @@ class Trainer:
         self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size)
         self.current_global_batch = tr.global_batch_size
         set_seed(tr.seed, self.dims.pp_rank)
+        apply_deterministic_mode(tr.deterministic_mode)
+        apply_logging_level(cfg.log.logging_level)
         self.tokenizer = self._build_tokenizer()
         self.models = [wrap_data_parallel(m, cfg, self.dims) for m in build_model_chunks(cfg, self.dims, self.device)]
         self.routers = moe.routers(self.models)  # MoE routers (none in a dense model), found once
@@ -155,7 +160,9 @@ class Trainer:
             check_pipeline_schedule(self.dims, m)  # the first and the final batch size
         self.layout = BatchLayout.from_config(cfg, self.dims, self.device, params_dtype(cfg))
         self.forward_step = make_forward_step(self.layout)
-        self.log = RunLogger(self.dims.is_logging_rank, tr.train_iters, cfg.log.tensorboard_dir)
+        logging_rank = self.dims.is_logging_rank
+        self.log = RunLogger(logging_rank, tr.train_iters, cfg.log.tensorboard_dir, queue_size=cfg.log.tensorboard_queue_size,
+                             wandb_run=wandb_run(cfg) if logging_rank else None)
         self.pending_save: Optional[sharded.AsyncSave] = None
         self._pending_skips: Optional[torch.Tensor] = None
         self._pinned: dict = {}  # reused pinned CPU buffers of --async-save
@@ -166,6 +173,9 @@ class Trainer:
         if cfg.ckpt.load:
             self.load(cfg.ckpt.load)
         self.train_iter, self.valid_iter = data if data is not None else self._build_data()
+        self.report = Reporter(self)  # TensorBoard/W&B scalars, timers and the log line
+        if cfg.log.timing_log_level >= 2:
+            self.train_iter = TimedIterator(self.train_iter, self.report.timers)
         self.flops_per_iter = flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size,
                                                   cfg.model.seq_length)
         self.peak = peak_tflops(self.device)
@@ -213,14 +223,18 @@ class Trainer:
             m.zero_grad_buffer()
         if self.routers:
             moe.before_step(self.routers, self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss)
-        reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
-                                        model=self.models, num_microbatches=self.num_microbatches,
-                                        seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
-                                        layout=self.layout, forward_only=False, grad_scale=self.optimizer.loss_scale)
+        timers = self.report.timers
+        with timers("forward-backward"):
+            reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
+                                            model=self.models, num_microbatches=self.num_microbatches,
+                                            seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
+                                            layout=self.layout, forward_only=False, grad_scale=self.optimizer.loss_scale)
         report = sum_reports(reports, self.device)  # [loss sum, loss tokens] of this rank (last stage; else 0)
         # --calculate-per-token-loss: the gradients are sums; divide them by the step's global token count
-        finalize_model_grads(self.models, self.dims, num_tokens=report[1] if tr.calculate_per_token_loss else None)
-        ok, grad_norm = self.optimizer.step()
+        with timers("all-grads-sync"):
+            finalize_model_grads(self.models, self.dims, num_tokens=report[1] if tr.calculate_per_token_loss else None)
+        with timers("optimizer"):
+            ok, grad_norm = self.optimizer.step()
         if self.routers:  # the expert bias update
             moe.after_step(self.routers, self.dims.dp_cp_group if self.dims.dp_cp > 1 else None)
         if isinstance(ok, torch.Tensor) or ok:  # a device-side skip (bf16 inf/nan) still advances, as Megatron's bf16
@@ -331,7 +345,9 @@ class Trainer:
                   if p.dtype == torch.float32 and f"optimizer.fp32_param.{k}" in saved}
         states = self._rng_states() if rng else None  # overwritten by the load
         amax = self._amax_target(saved, same_layout)
-        sharded.load(d, self._ckpt_pieces(optim, states, masters, prefix, amax), self.ckpt_group)
+        pieces = apply_strictness(self._ckpt_pieces(optim, states, masters, prefix, amax), saved,
+                                  c.dist_ckpt_strictness, self.log.print, self.ckpt_group)
+        sharded.load(d, pieces, self.ckpt_group)
         if amax is not None:
             fp8.set_histories(fp8.delayed_states(self.models), amax)
         if optim:
@@ -384,7 +400,8 @@ class Trainer:
 
     def train(self) -> dict:
         cfg, tr, lg = self.cfg, self.cfg.train, self.log
-        start = time.time()
+        start = step_start = time.time()
+        collector = GarbageCollection(tr)
         acc = torch.zeros(2, device=self.device)
         window_iters, window_start = 0, time.time()
         last_saved, valid_loss = None, None
@@ -400,6 +417,10 @@ class Trainer:
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
                 profiler.__enter__()
             report, ok, grad_norm = self.train_step()
+            step_seconds, step_start = time.time() - step_start, time.time()
+            self.report.after_step(report, grad_norm, step_seconds)
+            collector.after_step(self.iteration)
+            empty_unused_memory(tr.empty_unused_memory_level, 1, self.device)
             if isinstance(ok, torch.Tensor):  # no host sync in the step: count at the next log line
                 skips = (~ok).int()
                 self._pending_skips = skips if self._pending_skips is None else self._pending_skips + skips
@@ -416,13 +437,13 @@ class Trainer:
             lg.advance(1)
             if self.iteration % cfg.log.log_interval == 0:
                 self._fold_pending_skips()
-                self._log_window(acc, window_iters, time.time() - window_start, float(grad_norm))
+                self.report.log_line(acc, window_iters, time.time() - window_start, float(grad_norm))
                 acc.zero_()
                 window_iters, window_start = 0, time.time()
             if self.valid_iter is not None and self.iteration % tr.eval_interval == 0:
-                valid_loss = self.evaluate()
-                lg.print(format_valid_line(self.iteration, valid_loss))
-                lg.valid(self.iteration, valid_loss)
+                collector.around_eval()
+                valid_loss = self._validate()
+                collector.around_eval()
             if cfg.ckpt.save and cfg.ckpt.save_interval and self.iteration % cfg.ckpt.save_interval == 0:
                 self.save()
                 last_saved = self.iteration
@@ -432,42 +453,17 @@ class Trainer:
             self.save()
         self.wait_for_save()
         if self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval != 0:
-            valid_loss = self.evaluate()
-            lg.print(format_valid_line(self.iteration, valid_loss))
-            lg.valid(self.iteration, valid_loss)
+            valid_loss = self._validate()
+        collector.close()
         return {"iteration": self.iteration, "valid_loss": valid_loss, "train_curve": lg.train_curve,
                 "valid_curve": lg.valid_curve}
 
-    def _log_window(self, acc: torch.Tensor, iters: int, seconds: float, grad_norm: float) -> None:
-        tr = self.cfg.train
-        sums = acc.tolist()
-        loss = sums[0] / max(sums[1], 1.0)
-        if loss != loss:
-            self.nan_iters += iters
-        per_iter = seconds / max(iters, 1)
-        gbs = self.current_global_batch  # of the last step (follows --rampup-batch-size)
-        tflops = self.flops_per_iter * gbs / tr.global_batch_size / per_iter / self.dims.world_size / 1e12
-        tokens_s = gbs * self.cfg.model.seq_length / per_iter / self.dims.world_size
-        mfu = 100.0 * tflops / self.peak if self.peak else None
-        peak_gb = peak_memory_gb(self.device)
-        # every rank joins the norm's collectives (the log line is printed by one)
-        params_norm = self.optimizer.params_norm() if self.cfg.log.log_params_norm else None
-        moe_losses = (moe.take_metrics(self.routers, self.device, dist.is_initialized())
-                      if self.cfg.model.num_experts is not None else {})  # every rank joins its reduction
-        self.log.print(format_train_line(self.iteration, tr.train_iters, self.consumed_samples, per_iter * 1000.0,
-                                         tflops, self.scheduler.lr, gbs, loss,
-                                         self.optimizer.loss_scale, grad_norm, self.skipped, self.nan_iters,
-                                         tokens_s, mfu, peak_gb, params_norm, moe_losses))
-        self.log.train(self.iteration, loss)
-        scalars = {"lm loss": loss, "learning rate": self.scheduler.lr, "grad norm": grad_norm,
-                   "peak memory GB": peak_gb, "loss scale": self.optimizer.loss_scale}
-        if params_norm is not None:
-            scalars["params norm"] = params_norm
-        scalars.update(moe_losses)
-        if self.cfg.log.log_throughput:  # Megatron's --log-throughput (the log line always shows them)
-            scalars.update({"throughput TFLOP/s/GPU": tflops, "tokens per second per GPU": tokens_s, "MFU %": mfu})
-        self.log.scalars(self.iteration, scalars)
-        self.log.advance(0, loss)
+    def _validate(self) -> float:
+        loss = self.evaluate()
+        self.log.print(format_valid_line(self.iteration, loss))
+        self.report.validation(loss)
+        empty_unused_memory(self.cfg.train.empty_unused_memory_level, 2, self.device)
+        return loss
 
     def close(self) -> None:
         try:
@@ -482,9 +478,7 @@ def pretrain(cfg: Config, eval_at_start: bool = False) -> dict:
     trainer = Trainer(cfg)
     try:
         if eval_at_start and trainer.valid_iter is not None:
-            loss = trainer.evaluate()
-            trainer.log.print(format_valid_line(trainer.iteration, loss))
-            trainer.log.valid(trainer.iteration, loss)
+            trainer._validate()
         result = trainer.train()
         lg = trainer.log
         plot_path = cfg.log.plot_path or (Path(cfg.log.tensorboard_dir or cfg.ckpt.save or ".") / "loss.png"

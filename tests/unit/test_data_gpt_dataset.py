@@ -121,7 +121,7 @@ def test_per_split_paths_match_megatron(prefixes, tmp_path):
 def test_mock_matches_megatron():
     args = data_args(mock_data=True, train_iters=10, eval_iters=1)
     ours = build_datasets(args, StubTokenizer())
-    theirs = _megatron(mock=True, sizes=train_valid_test_num_samples(args.train))
+    theirs = _megatron(mock=True, split=args.data.split, sizes=train_valid_test_num_samples(args.train))
     for mine, other in zip(ours, theirs):
         _same_indices(mine, other)
         _same_samples(mine, other, count=8)

@@ -1,0 +1,216 @@
+"""The reasons of paratron/config/megatron_flags.py: why a Megatron flag that is not a config field is
+accepted (paratron already does what it asks) or refused (planned, GPU-only, not applicable)."""
+from __future__ import annotations
+
+SDPA = "attention runs through torch's scaled_dot_product_attention, which picks the flash, memory-efficient or math kernel itself"
+ONE_IMPL = "paratron has one transformer implementation (PyTorch modules with its own kernels): every name selects it"
+NO_KERNEL = "paratron has no such fused kernel: the plain PyTorch path runs, which is what the flag asks"
+SCHEDULING = "a kernel or scheduling choice with the same numbers: paratron's one path computes the same result"
+OTHER_BRANCH = "planned (being implemented in another issue's branch); remove the flag for now"
+
+# Accepted: parsed, and paratron's only behaviour is what the flag asks.
+ACCEPTED = {
+    "transformer_impl": ONE_IMPL,
+    "use_mcore_models": "paratron's model is the Megatron-Core GPT model (the only one)",
+    "use_legacy_models": "paratron has one model class; the flag changes nothing",
+    "attention_backend": SDPA,
+    "use_flash_attn": SDPA + " (FlashAttention on GPUs that have it)",
+    "no_masked_softmax_fusion": NO_KERNEL + " (SDPA applies the causal mask itself)",
+    "no_bias_gelu_fusion": NO_KERNEL,
+    "no_rope_fusion": "paratron's rotary embedding is plain torch ops: there is no fused RoPE kernel to turn off",
+    "no_gradient_accumulation_fusion": "weight gradients accumulate into the fp32/bf16 grad buffer by autograd: there is "
+                                       "no fused wgrad kernel to turn off",
+    "no_persist_layer_norm": NO_KERNEL,
+    "attention_softmax_in_fp32": "SDPA's kernels compute the softmax in fp32 for bf16/fp16 inputs (the math kernel "
+                                 "upcasts); the flag asks for exactly that",
+    "apply_query_key_layer_scaling": "the softmax is computed in fp32, so scaling Q.K by 1/layer and back changes "
+                                     "nothing; paratron skips the round trip",
+    "no_create_attention_mask_in_dataloader": "the data loader builds no attention mask (causal attention is SDPA's "
+                                              "is_causal); only --reset-attention-mask makes one",
+    "cross_entropy_loss_fusion": "paratron's output layer and loss are already one fused, chunked cross-entropy "
+                                 "(--no-fused-output-loss turns it off)",
+    "cross_entropy_fusion_impl": "paratron's own fused cross-entropy runs for every value (native | te)",
+    "moe_permute_fusion": SCHEDULING,
+    "moe_router_fusion": SCHEDULING,
+    "use_dist_ckpt": "checkpoints are always distributed (torch.distributed.checkpoint, --ckpt-format torch_dist)",
+    "auto_detect_ckpt_format": "paratron reads one format (torch_dist) and checks each checkpoint's manifest before "
+                               "loading",
+    "ckpt_fully_parallel_save": "each rank writes only its own shards (replicated tensors once): the save is spread "
+                                "over the data-parallel ranks already",
+    "no_ckpt_fully_parallel_save": "how the ranks split the writing, not what is written: the files load the same",
+    "ckpt_fully_parallel_load": "each rank reads only the shards it needs",
+    "no_ckpt_fully_parallel_load": "how the ranks split the reading: the loaded values are the same",
+    "ckpt_assume_constant_structure": "a caching hint for repeated saves; each save writes the same files",
+    "use_persistent_ckpt_worker": "--async-save already writes from one background thread of the training process "
+                                  "per save; there is no worker process to keep",
+    "async_strategy": "--async-save uses paratron's own background writer for every strategy name (nvrx | mcore)",
+    "dist_ckpt_optim_fully_reshardable": "paratron's optimizer state is saved per parameter in global coordinates: "
+                                         "it always reloads at any TP/PP/DP layout",
+    "ddp_average_in_collective": "averaging inside the all-reduce or before it gives the same mean gradient",
+    "enable_experimental": "paratron gates no features behind it",
+    "init_model_with_meta_device": "where initialisation happens, not its values: each rank initialises its own "
+                                   "shard of the same weights",
+    "straggler_minmax_count": "read only by --log-straggler, which paratron refuses; nothing else uses it",
+    "num_distributed_optimizer_instances": "paratron's distributed optimizer has one instance (the value 1)",
+    "rerun_mode": "paratron does not re-run iterations: --rerun-mode disabled is its behaviour",
+    "no_use_tokenizer_model_from_checkpoint_args": "--use-checkpoint-args never takes the tokenizer model path from the "
+                                                   "checkpoint",
+    "cuda_graph_impl": "paratron captures no CUDA graphs: --cuda-graph-impl none is its behaviour",
+    "trust_remote_code": "HuggingFaceTokenizer reads tokenizer.json with the tokenizers library, which runs no code "
+                         "from the model repository",
+    "data_parallel_sharding_strategy": "read only by --use-megatron-fsdp (refused); without it nothing is sharded that "
+                                       "--use-distributed-optimizer does not already shard",
+}
+
+# Values an accepted flag may take (others are refused naming the values that hold).
+ACCEPTED_VALUES = {
+    "transformer_impl": ("transformer_engine", "local"),
+    "attention_backend": ("auto", "flash", "fused", "unfused", "local"),
+    "cross_entropy_fusion_impl": ("native", "te"),
+    "async_strategy": ("nvrx", "mcore"),
+    "num_distributed_optimizer_instances": ("1",),
+    "rerun_mode": ("disabled",),
+    "cuda_graph_impl": ("none",),
+    "data_parallel_sharding_strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
+}
+
+PLANNED = "planned: {} is not in paratron yet; remove the flag"
+NA = "not applicable: {}; remove the flag"
+GPU = "GPU-only ({}); paratron does not implement it; remove the flag"
+
+# Refused by name (the flags GPT/Llama/MoE scripts use most).
+REFUSED = {
+    "tp_comm_overlap": GPU.format("Transformer Engine userbuffers overlap of TP communication"),
+    "tp_comm_overlap_cfg": GPU.format("Transformer Engine userbuffers overlap of TP communication"),
+    "use_torch_fsdp2": PLANNED.format("FSDP (--use-torch-fsdp2)"),
+    "use_megatron_fsdp": PLANNED.format("Megatron-FSDP"),
+    "outer_dp_sharding_strategy": PLANNED.format("Megatron-FSDP"),
+    "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
+    "use_checkpoint_opt_param_scheduler": OTHER_BRANCH,
+    "override_opt_param_scheduler": OTHER_BRANCH,
+    "check_for_nan_in_loss_and_grad": OTHER_BRANCH,
+    "no_check_for_nan_in_loss_and_grad": OTHER_BRANCH,
+    "cp_comm_type": OTHER_BRANCH + " (context parallelism)",
+    "hierarchical_context_parallel_sizes": OTHER_BRANCH + " (context parallelism)",
+    "overlap_moe_expert_parallel_comm": OTHER_BRANCH + " (expert parallelism)",
+    "moe_flex_dispatcher_backend": GPU.format("DeepEP/HybridEP token dispatch"),
+    "squared_relu": PLANNED.format("the squared-ReLU activation"),
+    "quick_geglu": PLANNED.format("the quick-GeGLU activation"),
+    "apply_layernorm_1p": PLANNED.format("zero-centred LayerNorm (--apply-layernorm-1p)"),
+    "multi_latent_attention": PLANNED.format("multi-latent attention (DeepSeek)"),
+    "rotary_scaling_factor": PLANNED.format("YaRN rotary scaling (multi-latent attention)"),
+    "moe_router_num_groups": PLANNED.format("group-limited MoE routing (DeepSeek-V3)"),
+    "moe_router_group_topk": PLANNED.format("group-limited MoE routing (DeepSeek-V3)"),
+    "moe_shared_expert_gate": PLANNED.format("the shared-expert gate"),
+    "moe_layer_recompute": PLANNED.format("MoE-layer recomputation"),
+    "moe_latent_size": PLANNED.format("MoE latent projections"),
+    "moe_router_force_load_balancing": PLANNED.format("forced MoE load balancing (random router logits)"),
+    "moe_per_layer_logging": PLANNED.format("per-layer MoE loss logging"),
+    "recompute_modules": PLANNED.format("recomputation of named submodules (--recompute-granularity selective|full "
+                                        "exist)"),
+    "rotary_interleaved": PLANNED.format("interleaved (RoFormer-style) rotary embeddings"),
+    "rope_type": PLANNED.format("YaRN RoPE (--rope-type)"),
+    "no_rope_freq": PLANNED.format("skipping RoPE in some layers"),
+    "rotary_seq_len_interpolation_factor": PLANNED.format("RoPE sequence-length interpolation"),
+    "window_size": PLANNED.format("sliding-window attention"),
+    "window_attn_skip_freq": PLANNED.format("sliding-window attention"),
+    "softmax_type": PLANNED.format("attention-sink softmax variants"),
+    "glu_linear_offset": PLANNED.format("GLU offsets (gpt-oss)"),
+    "activation_func_clamp_value": PLANNED.format("clamped activations (gpt-oss)"),
+    "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
+    "attention_output_gate": PLANNED.format("gated attention output"),
+    "decoupled_lr": PLANNED.format("a separate learning rate for the embedding and output layers"),
+    "decoupled_min_lr": PLANNED.format("a separate learning rate for the embedding and output layers"),
+    "padded_vocab_size": PLANNED.format("an explicit padded vocabulary (paratron pads to "
+                                        "--make-vocab-size-divisible-by x TP)"),
+    "pipeline_model_parallel_layout": PLANNED.format("custom pipeline layouts (use --decoder-first/last-pipeline-"
+                                                     "num-layers)"),
+    "num_virtual_stages_per_pipeline_rank": PLANNED.format("--num-virtual-stages-per-pipeline-rank (use "
+                                                           "--num-layers-per-virtual-pipeline-stage)"),
+    "account_for_embedding_in_pipeline_split": PLANNED.format("embedding-aware pipeline splits"),
+    "account_for_loss_in_pipeline_split": PLANNED.format("loss-aware pipeline splits"),
+    "microbatch_group_size_per_virtual_pipeline_stage": PLANNED.format("micro-batch groups per virtual stage"),
+    "save_retain_interval": PLANNED.format("retained checkpoints (paratron has --ckpt-keep-last K)"),
+    "verify_integrity": PLANNED.format("checkpoint file hashing (paratron checks CRC32s of every file)"),
+    "step_batch_size_schedule": PLANNED.format("step-wise batch-size schedules (use --rampup-batch-size)"),
+    "eval_global_batch_size": PLANNED.format("a separate evaluation batch size"),
+    "check_weight_hash_across_dp_replicas_interval": PLANNED.format("weight-hash checks across DP replicas"),
+    "profile_ranks": PLANNED.format("profiling chosen ranks (--profile traces every rank)"),
+    "log_progress": PLANNED.format("progress.txt logging"),
+    "log_straggler": PLANNED.format("straggler detection"),
+    "record_memory_history": GPU.format("CUDA memory-history snapshots"),
+    "memory_snapshot_path": GPU.format("CUDA memory-history snapshots"),
+    "test_mode": NA.format("Megatron's internal test harness"),
+    "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
+    "first_last_layers_bf16": PLANNED.format("keeping the first/last layers in bf16 under FP8"),
+    "use_precision_aware_optimizer": GPU.format("Transformer Engine's precision-aware optimizer"),
+    "use_tp_pp_dp_mapping": PLANNED.format("the tp-pp-dp rank order (paratron's is Megatron's default tp-cp-ep-dp-pp)"),
+    "disable_gloo_process_groups": NA.format("paratron's checkpoint collectives need their gloo group"),
+    "use_nccl_ub": GPU.format("NCCL user-buffer registration"),
+    "fsdp_double_buffer": PLANNED.format("Megatron-FSDP"),
+    "fsdp_manual_registration": PLANNED.format("Megatron-FSDP"),
+    "no_use_layer_wise_param_layout": PLANNED.format("Megatron-FSDP"),
+    "overlap_param_gather_with_optimizer_step": PLANNED.format("overlapping the first all-gather bucket with the "
+                                                               "optimizer step"),
+    "async_ckpt_use_cpu_shm": NA.format("--async-save stages tensors in pinned CPU memory of the training process"),
+    "overlap_p2p_communication_warmup_flush": PLANNED.format("overlapped pipeline warm-up/flush communication"),
+    "defer_embedding_wgrad_compute": PLANNED.format("deferred embedding weight-gradient GEMMs"),
+    "wgrad_deferral_limit": PLANNED.format("deferred embedding weight-gradient GEMMs"),
+    "delay_wgrad_compute": PLANNED.format("delayed weight-gradient computation"),
+    "fine_grained_activation_offloading": PLANNED.format("activation offloading"),
+    "offload_modules": PLANNED.format("activation offloading"),
+    "use_cpu_initialization": PLANNED.format("CPU initialisation of full weights before sharding"),
+    "disable_bf16_reduced_precision_matmul": PLANNED.format("--disable-bf16-reduced-precision-matmul"),
+    "use_transformer_engine_op_fuser": GPU.format("Transformer Engine's operation fuser"),
+    "te_rng_tracker": GPU.format("Transformer Engine's RNG tracker"),
+    "is_hybrid_model": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
+    "hybrid_layer_pattern": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
+    "hybrid_override_pattern": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
+    "experimental_attention_variant": PLANNED.format("linear/sparse attention variants"),
+    "use_mup": PLANNED.format("maximal-update parameterisation"),
+    "mup_base_hidden_size": PLANNED.format("maximal-update parameterisation"),
+    "fim_data": PLANNED.format("fill-in-the-middle datasets"),
+    "fim_rate": PLANNED.format("fill-in-the-middle datasets"),
+    "fim_spm_rate": PLANNED.format("fill-in-the-middle datasets"),
+}
+
+# Refused by name prefix (families of flags).
+PREFIX_REASONS = (
+    ("mamba_", NA.format("Mamba layers (paratron trains transformer GPT models)")),
+    ("linear_", PLANNED.format("gated-delta-net linear attention")),
+    ("dsa_", PLANNED.format("DeepSeek sparse attention")),
+    ("mtp_", PLANNED.format("multi-token prediction (MTP)")),
+    ("cuda_graph", GPU.format("CUDA graph capture")),
+    ("muon_", PLANNED.format("the Muon optimizer (paratron has adam)")),
+    ("megatron_fsdp", PLANNED.format("Megatron-FSDP")),
+    ("fsdp_", PLANNED.format("Megatron-FSDP")),
+    ("inference_", NA.format("inference-server options (paratron's generation is `paratron generate`)")),
+    ("rl_", NA.format("reinforcement-learning training")),
+    ("grpo_", NA.format("reinforcement-learning training (GRPO)")),
+    ("moe_routing_trace", PLANNED.format("MoE routing traces")),
+)
+
+# Refused by Megatron argument group (everything else of the group).
+GROUP_REASONS = {
+    "rl": NA.format("reinforcement-learning training"),
+    "inference": NA.format("inference-server options (paratron's generation is `paratron generate`)"),
+    "vision": NA.format("vision models (paratron trains GPT-style language models)"),
+    "biencoder": NA.format("retrieval biencoder models"),
+    "Logits Distillation": PLANNED.format("knowledge distillation"),
+    "mla": PLANNED.format("multi-latent attention (DeepSeek)"),
+    "In-process restart": NA.format("NVIDIA Resiliency in-process restart (a cluster service)"),
+    "ft_package": NA.format("NVIDIA Resiliency fault-tolerance package (a cluster service)"),
+    "straggler": NA.format("NVIDIA Resiliency straggler detection (a cluster service)"),
+    "one logger": NA.format("NVIDIA's one-logger telemetry service"),
+    "opentelemetry": NA.format("OpenTelemetry export"),
+    "workload inspector": NA.format("NVIDIA's workload inspector service"),
+    "fault injector": NA.format("Megatron's fault-injection test harness"),
+    "msc": NA.format("NVIDIA multi-storage client"),
+    "autoresume": NA.format("NVIDIA ADLR autoresume (a cluster service)"),
+    "rerun engine": NA.format("Megatron's rerun state machine"),
+    "heterogeneous architecture": PLANNED.format("heterogeneous per-layer architectures"),
+    "experimental_attention_variant": PLANNED.format("linear/sparse attention variants"),
+    "sft": PLANNED.format("supervised fine-tuning datasets"),
+    "kitchen": NA.format("NVIDIA Kitchen quantisation"),
+    "Transformer-Engine": GPU.format("Transformer Engine options"),
+}

@@ -1,0 +1,202 @@
+"""What a run writes to TensorBoard and Weights & Biases, under Megatron-LM's tags and flags, and the
+log line of each --log-interval window.
+
+Every --tensorboard-log-interval iterations (with --tensorboard-dir or --wandb-project):
+``learning-rate``, ``batch-size``, ``lm loss`` (and the MoE losses), ``loss-scale`` (unless
+--no-log-loss-scale-to-tensorboard), ``grad-norm``, ``world-size`` (--log-world-size-to-tensorboard),
+``num-zeros`` (--log-num-zeros-in-grad), ``params-norm`` (--log-params-norm), each also as
+``<tag> vs samples`` over consumed samples; ``mem-reserved-bytes``, ``mem-allocated-bytes``,
+``mem-max-allocated-bytes``, ``mem-allocated-count`` (--log-memory-to-tensorboard; on a CPU the
+process's resident memory, without the count); ``iteration-time``, ``throughput`` (with
+--log-throughput) and ``<timer>-time`` for the timers of --timing-log-level
+(--log-timers-to-tensorboard). Evaluations write ``lm loss validation`` (+ ``vs samples``) and, with
+--log-validation-ppl-to-tensorboard, ``lm loss validation ppl`` (+ ``vs samples``).
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from .logger import format_train_line
+from .metrics import peak_memory_gb
+
+# Megatron's timer names and the --timing-log-level that shows them (paratron times these).
+TIMER_LEVELS = {"forward-backward": 1, "all-grads-sync": 1, "optimizer": 1, "batch-generator": 2}
+VS_SAMPLES = ("learning-rate", "batch-size", "loss-scale", "world-size", "grad-norm", "num-zeros", "params-norm")
+
+
+class Timers:
+    """Wall-clock timers of Megatron's names, summed until read; a timer above --timing-log-level
+    costs nothing. On a GPU each timed region is bracketed by a device synchronisation."""
+
+    def __init__(self, level: int, device: torch.device):
+        self.level, self.device = level, device
+        self.elapsed = {name: 0.0 for name in TIMER_LEVELS if TIMER_LEVELS[name] <= level}
+
+    @contextmanager
+    def __call__(self, name: str):
+        if name not in self.elapsed:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.elapsed[name] += time.perf_counter() - start
+
+    def take(self, iterations: int) -> dict[str, float]:
+        """Seconds per iteration of each timer since the last call, the maximum over ranks (Megatron's
+        TensorBoard value); resets them. Every rank calls it."""
+        names = sorted(self.elapsed)
+        values = torch.tensor([self.elapsed[n] / max(iterations, 1) for n in names], dtype=torch.float64)
+        if dist.is_initialized() and names:
+            values = values.to(self.device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        for n in names:
+            self.elapsed[n] = 0.0
+        return {f"{n}-time": float(v) for n, v in zip(names, values.tolist())}
+
+
+class TimedIterator:
+    """An iterator whose ``next()`` is timed as Megatron's ``batch-generator``."""
+
+    def __init__(self, it, timers: Timers):
+        self.it, self.timers = it, timers
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self.timers("batch-generator"):
+            return next(self.it)
+
+
+def memory_scalars(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        s = torch.cuda.memory_stats(device)
+        return {"mem-reserved-bytes": s["reserved_bytes.all.current"],
+                "mem-allocated-bytes": s["allocated_bytes.all.current"],
+                "mem-max-allocated-bytes": s["allocated_bytes.all.peak"],
+                "mem-allocated-count": s["allocation.all.current"]}
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return {}
+    peak = peak_memory_gb(device)
+    out = {"mem-reserved-bytes": float(rss), "mem-allocated-bytes": float(rss)}
+    if peak is not None:
+        out["mem-max-allocated-bytes"] = peak * 2**30
+    return out
+
+
+def wandb_run(cfg):
+    """A W&B run of --wandb-project (offline unless WANDB_MODE says otherwise or WANDB_API_KEY is
+    set), or None."""
+    lg = cfg.log
+    if lg.wandb_project is None:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--wandb-project needs the wandb package: pip install 'paratron[wandb]'") from None
+    save_dir = lg.wandb_save_dir or (os.path.join(cfg.ckpt.save, "wandb") if cfg.ckpt.save else None)
+    if save_dir is None:
+        raise ConfigError("--wandb-project needs --wandb-save-dir DIR or --save DIR (W&B files go there)")
+    os.makedirs(save_dir, exist_ok=True)
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    return wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity, dir=save_dir,
+                      mode=mode, config=cfg.to_dict())
+
+
+class Reporter:
+    """The TensorBoard/W&B scalars of each step and the log line of each window (one per Trainer)."""
+
+    def __init__(self, trainer):
+        cfg = trainer.cfg
+        self.t, self.lg = trainer, cfg.log
+        self.timers = Timers(self.lg.timing_log_level, trainer.device)
+        self.writes = bool(self.lg.tensorboard_dir or self.lg.wandb_project)  # the same on every rank
+        self._norms: tuple = (None, None, None)  # (iteration, params norm, num zeros)
+        if trainer.log.enabled and not self.writes and (self.lg.log_timers_to_tensorboard or
+                                                        self.lg.log_memory_to_tensorboard or
+                                                        self.lg.log_validation_ppl_to_tensorboard):
+            trainer.log.print(" WARNING: --log-*-to-tensorboard flags write nothing without --tensorboard-dir "
+                              "(or --wandb-project)")
+
+    def norms(self) -> tuple[Optional[float], Optional[int]]:
+        """(params norm, zeros in the gradients) of this iteration, as the flags ask; every rank calls it."""
+        t = self.t
+        if self._norms[0] != t.iteration:
+            pn = t.optimizer.params_norm() if self.lg.log_params_norm else None
+            nz = t.optimizer.num_zeros_in_grad() if self.lg.log_num_zeros_in_grad else None
+            self._norms = (t.iteration, pn, nz)
+        return self._norms[1], self._norms[2]
+
+    def after_step(self, report: torch.Tensor, grad_norm, seconds: float) -> None:
+        """TensorBoard/W&B scalars of the step just taken (every --tensorboard-log-interval steps)."""
+        t, lg = self.t, self.lg
+        if not self.writes or t.iteration % lg.tensorboard_log_interval != 0:
+            return
+        loss_sum, tokens = report.tolist()
+        params_norm, zeros = self.norms()
+        values = {"learning-rate": t.scheduler.lr, "batch-size": t.current_global_batch,
+                  "lm loss": loss_sum / max(tokens, 1.0), "grad-norm": float(grad_norm),
+                  "num-zeros": zeros, "params-norm": params_norm}
+        if not lg.no_log_loss_scale_to_tensorboard:
+            values["loss-scale"] = t.optimizer.loss_scale
+        if lg.log_world_size_to_tensorboard:
+            values["world-size"] = t.dims.world_size
+        if lg.log_memory_to_tensorboard:
+            values.update(memory_scalars(t.device))
+        if lg.log_timers_to_tensorboard:
+            values.update(self.timers.take(lg.tensorboard_log_interval))
+            values["iteration-time"] = seconds
+            if lg.log_throughput:
+                values["throughput"] = t.flops_per_iter * t.current_global_batch / t.cfg.train.global_batch_size \
+                    / seconds / t.dims.world_size / 1e12
+        samples = {k: v for k, v in values.items() if k in VS_SAMPLES or k == "lm loss"}
+        t.log.scalars(t.iteration, values, t.consumed_samples, samples)
+
+    def validation(self, loss: float) -> None:
+        t = self.t
+        t.log.valid(t.iteration, loss, t.consumed_samples, self.lg.log_validation_ppl_to_tensorboard)
+
+    def log_line(self, acc: torch.Tensor, iters: int, seconds: float, grad_norm: float) -> None:
+        """Megatron's log line of the window of ``iters`` iterations (every rank calls it)."""
+        t, tr = self.t, self.t.cfg.train
+        sums = acc.tolist()
+        loss = sums[0] / max(sums[1], 1.0)
+        if loss != loss:
+            t.nan_iters += iters
+        per_iter = seconds / max(iters, 1)
+        gbs = t.current_global_batch  # of the last step (follows --rampup-batch-size)
+        tflops = t.flops_per_iter * gbs / tr.global_batch_size / per_iter / t.dims.world_size / 1e12
+        tokens_s = gbs * t.cfg.model.seq_length / per_iter / t.dims.world_size
+        mfu = 100.0 * tflops / t.peak if t.peak else None
+        peak_gb = peak_memory_gb(t.device)
+        params_norm, zeros = self.norms()  # collectives: every rank
+        from ..model import moe
+        moe_losses = (moe.take_metrics(t.routers, t.device, dist.is_initialized())
+                      if t.cfg.model.num_experts is not None else {})  # every rank joins its reduction
+        extra = dict(moe_losses, **({"num zeros": float(zeros)} if zeros is not None else {}))
+        t.log.print(format_train_line(t.iteration, tr.train_iters, t.consumed_samples, per_iter * 1000.0, tflops,
+                                      t.scheduler.lr, gbs, loss, t.optimizer.loss_scale, grad_norm, t.skipped,
+                                      t.nan_iters, tokens_s, mfu, peak_gb, params_norm, extra))
+        t.log.train(t.iteration, loss)
+        scalars = dict(moe_losses)
+        if self.lg.log_throughput:  # paratron's own throughput tags (the log line always has them)
+            scalars.update({"throughput TFLOP/s/GPU": tflops, "tokens per second per GPU": tokens_s, "MFU %": mfu})
+        if self.writes:
+            t.log.scalars(t.iteration, scalars, t.consumed_samples, moe_losses)
+        t.log.advance(0, loss)
