@@ -1,10 +1,14 @@
-"""docs/config.md, generated from the sections (``python tools/gen_config_docs.py``)."""
+"""docs/config.md and docs/megatron_flags.md, generated from the sections and the Megatron flag table
+(``python tools/gen_config_docs.py``)."""
 from __future__ import annotations
 
 import dataclasses
 import typing
 
-from .parse import ACCEPTED_NO_OP_FLAGS, UNSUPPORTED_MEGATRON_FLAGS
+from .help import field_help
+from .megatron_flags import (ACCEPTED_STATUS, IMPLEMENTED, PARATRON_GROUP, REFUSED_STATUS, group_of, megatron_flags,
+                             megatron_version, status)
+from .megatron_reasons import ACCEPTED
 from .sections import SECTIONS, TOKENIZER_FIELDS, base_type, flag
 
 DERIVED = """## How a config is resolved
@@ -14,11 +18,16 @@ checks each section, computes every value left to a default, and freezes the con
 changes it afterwards. It derives `--kv-channels`, `--ffn-hidden-size`, `--num-query-groups`,
 `--max-position-embeddings`, `--virtual-pipeline-model-parallel-size` (from
 `--num-layers-per-virtual-pipeline-stage`), `--recompute-granularity selective` (from
-`--recompute-activations`), `--fp8-format hybrid` (from `--fp8-hybrid`), `--tokenizer-type
+`--recompute-activations`), `--fp8-format hybrid` (from `--fp8-hybrid`), `--position-embedding-type rope`
+(from `--use-rotary-position-embeddings`), `--tokenizer-type GPT2BPETokenizer` when `--vocab-file` /
+`--merge-file` are given without a type (Megatron's default, with `--mock-data` too), `--tokenizer-type
 NullTokenizer` with `--vocab-size 50257` for `--mock-data` without tokenizer flags, the data-parallel size (processes / (TP x PP x CP)), the default
 `--global-batch-size` (micro-batch x data-parallel size), `--train-iters` from `--train-samples`, and
 `--vocab-size` from the tokenizer. Python code that needs another config copies it:
 `cfg.unfrozen()` (the values as given; resolve it again) or `dataclasses.replace(...)`.
+With `--use-checkpoint-args`, the model fields and tokenizer flags are first taken from the config stored
+in the `--load` checkpoint. Every problem of a command line (refused or unknown flags, bad values,
+failed checks of each section) is reported together in one error before any work, exit code 2.
 
 The tokenizer flags ({tokenizer}) are the same set, with the same defaults and meaning, in
 `paratron preprocess`, so one set of flags gives one vocabulary in both.
@@ -32,24 +41,60 @@ generation in training runs yet): each is a one-line error, exit code 2.
 """
 
 
-def reference_markdown() -> str:
-    """The config reference for docs/, generated from the dataclasses (see tools/gen_config_docs.py)."""
-    lines = ["# Configuration reference", "",
-             "Generated from `paratron/config/sections.py` by `python tools/gen_config_docs.py`. Every field is a",
-             "command-line flag (`--hidden-size`) and a YAML key (`hidden_size`), with Megatron-LM's name.",
-             "A boolean flag alone sets it (`--bf16`); `--bf16 false` turns off what a YAML file or preset set.",
-             ""]
-    for sec, cls in SECTIONS.items():
-        lines += [f"## {sec}", "", "| flag | type | default |", "|---|---|---|"]
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def _field_rows() -> dict[str, list[str]]:
+    """Table rows of every config field and accepted flag, by Megatron argument group."""
+    rows: dict[str, list[str]] = {}
+    for cls in SECTIONS.values():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             tname = getattr(base_type(hints[f.name]), "__name__", str(hints[f.name]))
-            lines.append(f"| `{flag(f.name)}` | {tname} | `{default}` |")
-        lines.append("")
+            rows.setdefault(group_of(f.name), []).append(
+                f"| `{flag(f.name)}` | {tname} | `{default}` | {_cell(field_help(f.name))} |")
+    for name in sorted(ACCEPTED):
+        if name not in SECTIONS:
+            rows.setdefault(group_of(name), []).append(f"| `{flag(name)}` | accepted | | {_cell(ACCEPTED[name])} |")
+    return rows
+
+
+def reference_markdown() -> str:
+    """The config reference for docs/, generated from the dataclasses and the Megatron flag table
+    (see tools/gen_config_docs.py)."""
+    lines = ["# Configuration reference", "",
+             "Generated from `paratron/config/` (sections.py, help.py, megatron_reasons.py) by "
+             "`python tools/gen_config_docs.py`.",
+             "Every field is a command-line flag (`--hidden-size`) and a YAML key (`hidden_size`), with Megatron-LM's",
+             "name, grouped as Megatron's parser groups it (`paratron`: paratron's own flags). A boolean flag alone",
+             "sets it (`--bf16`); `--bf16 false` turns off what a YAML file or preset set. *accepted* flags are",
+             "parsed and paratron already behaves as they ask (the reason is given). docs/megatron_flags.md lists",
+             "every Megatron flag, including the refused ones, with the reason.", ""]
+    for group, rows in sorted(_field_rows().items(), key=lambda kv: (kv[0] == PARATRON_GROUP, kv[0].lower())):
+        lines += [f"## {group}", "", "| flag | type | default | description |", "|---|---|---|---|", *rows, ""]
     lines += DERIVED.format(tokenizer=", ".join(f"`{flag(n)}`" for n in TOKENIZER_FIELDS)).splitlines()
-    lines += ["", "## Megatron flags accepted with no effect", "",
-              ", ".join(f"`{flag(n)}`" for n in sorted(ACCEPTED_NO_OP_FLAGS)), "",
-              "## Megatron flags not supported yet (a clear error)", "",
-              ", ".join(f"`{flag(n)}`" for n in sorted(UNSUPPORTED_MEGATRON_FLAGS)), ""]
+    return "\n".join(lines) + "\n"
+
+
+def megatron_flags_markdown() -> str:
+    """docs/megatron_flags.md: every flag of Megatron-LM's training parser with paratron's status."""
+    flags = megatron_flags()
+    counts: dict[str, int] = {}
+    by_group: dict[str, list[str]] = {}
+    for name, mf in flags.items():
+        st, reason = status(name)
+        counts[st] = counts.get(st, 0) + 1
+        by_group.setdefault(mf.group, []).append(f"| `{mf.flag}` | {st} | {_cell(reason)} |")
+    lines = ["# Megatron-LM flags in paratron", "",
+             f"Generated by `python tools/gen_config_docs.py` from the flag list of {megatron_version()}",
+             "(`paratron/config/megatron_args.tsv`, written by tools/dump_megatron_flags.py) and paratron's table",
+             "(`paratron/config/megatron_flags.py`). *implemented*: a config field the code reads; *accepted*: paratron",
+             "already does what the flag asks; *refused*: the run stops before any work with this one-line reason",
+             "(all problems of a command line are reported together, exit code 2).", "",
+             ", ".join(f"{counts.get(s, 0)} {s}" for s in (IMPLEMENTED, ACCEPTED_STATUS, REFUSED_STATUS))
+             + f" of {len(flags)} flags.", ""]
+    for group in sorted(by_group, key=str.lower):
+        lines += [f"## {group}", "", "| flag | status | what paratron does |", "|---|---|---|", *by_group[group], ""]
     return "\n".join(lines)

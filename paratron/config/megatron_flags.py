@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .megatron_reasons import ACCEPTED, ACCEPTED_VALUES, GROUP_REASONS, PREFIX_REASONS, REFUSED
+from .megatron_reasons import ACCEPTED, ACCEPTED_VALUES, GROUP_REASONS, HONOURED_FIELDS, PREFIX_REASONS, REFUSED
 from .sections import FIELD_SECTION
 
 ARGS_FILE = Path(__file__).with_name("megatron_args.tsv")
@@ -75,6 +75,8 @@ def refusal(name: str) -> Optional[str]:
 def status(name: str) -> tuple[str, str]:
     """(status, reason) of a Megatron flag; the reason of an implemented flag is its help line."""
     from .help import field_help
+    if name in HONOURED_FIELDS:
+        return ACCEPTED_STATUS, HONOURED_FIELDS[name]
     if name in FIELD_SECTION:
         return IMPLEMENTED, field_help(name)
     if name in ACCEPTED:

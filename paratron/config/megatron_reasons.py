@@ -12,7 +12,6 @@ OTHER_BRANCH = "planned (being implemented in another issue's branch); remove th
 ACCEPTED = {
     "transformer_impl": ONE_IMPL,
     "use_mcore_models": "paratron's model is the Megatron-Core GPT model (the only one)",
-    "use_legacy_models": "paratron has one model class; the flag changes nothing",
     "attention_backend": SDPA,
     "use_flash_attn": SDPA + " (FlashAttention on GPUs that have it)",
     "no_masked_softmax_fusion": NO_KERNEL + " (SDPA applies the causal mask itself)",
@@ -39,7 +38,6 @@ ACCEPTED = {
                                 "over the data-parallel ranks already",
     "no_ckpt_fully_parallel_save": "how the ranks split the writing, not what is written: the files load the same",
     "ckpt_fully_parallel_load": "each rank reads only the shards it needs",
-    "no_ckpt_fully_parallel_load": "how the ranks split the reading: the loaded values are the same",
     "ckpt_assume_constant_structure": "a caching hint for repeated saves; each save writes the same files",
     "use_persistent_ckpt_worker": "--async-save already writes from one background thread of the training process "
                                   "per save; there is no worker process to keep",
@@ -172,6 +170,14 @@ REFUSED = {
     "fim_data": PLANNED.format("fill-in-the-middle datasets"),
     "fim_rate": PLANNED.format("fill-in-the-middle datasets"),
     "fim_spm_rate": PLANNED.format("fill-in-the-middle datasets"),
+    "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
+    "apply_wd_to_qk_layernorm": PLANNED.format("weight decay on the QK LayerNorm weights"),
+}
+
+# Config fields whose only effect is the behaviour paratron always has (read by no other code).
+HONOURED_FIELDS = {
+    "moe_shared_expert_overlap": "overlapping the shared expert with token dispatch is scheduling: paratron's one "
+                                 "order computes the same numbers",
 }
 
 # Refused by name prefix (families of flags).

@@ -169,6 +169,7 @@ EPILOG = ("Flags are Megatron-LM's, grouped as Megatron groups them. docs/megatr
 
 def build_parser(prog: str = "paratron train") -> argparse.ArgumentParser:
     p = ArgumentParser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS, epilog=EPILOG,
+                       usage="%(prog)s [--config FILE] [--FLAG [VALUE ...] ...]",
                        description="Train a GPT-style model. Flags are Megatron-LM's.")
     p.add_argument("--config", help="YAML file of settings (flat Megatron names or sections); flags override it")
     groups: dict = {}
