@@ -387,10 +387,11 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
     given_world = cfg.world_size
     steps = (lambda: validate_model(cfg.model), lambda: validate_parallel(cfg.parallel, cfg.model, cfg.train),
              lambda: validate_train(cfg.train), lambda: validate_fp8(cfg), lambda: validate_optim(cfg.optim),
-             lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data),
-             lambda: resolve_world(cfg, world), lambda: _set_vocab(cfg, tokenizer_vocab_size))
+             lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data))
     try:
-        _run_all(steps)
+        _run_all(steps)  # each section's problem, together
+        resolve_world(cfg, world)  # these need every section valid
+        _set_vocab(cfg, tokenizer_vocab_size)
     except Exception:
         for name, values in given.items():
             for key, value in values.items():
