@@ -16,6 +16,15 @@ from .config import Config, resolve
 from .errors import ArgumentParser
 
 DEMO_DIR = Path(os.environ.get("PARATRON_DEMO_DIR", "runs/demo"))
+TIME_CAP_MIN = 3.5
+
+
+def whole_lines(text: str, most: int = 4) -> list[str]:
+    """The complete lines of a generated sample (a cut-off last line is left out), at most ``most``."""
+    lines = text.splitlines()
+    if len(lines) > 1 and not text.endswith("\n"):
+        lines = lines[:-1]
+    return [ln.rstrip() for ln in lines if ln.strip()][:most]
 
 
 def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int, on_gpu: bool) -> Config:
@@ -37,7 +46,7 @@ def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int
     d.num_workers = 0  # the corpus is small and in memory maps; a worker would only compete for cores
     d.data_cache_path = str(workdir / "index-cache")
     lg.log_interval = max(iters // 12, 1)
-    tr.exit_duration_in_mins = 3.5  # a slow machine still finishes within ~5 minutes
+    tr.exit_duration_in_mins = TIME_CAP_MIN  # a slow machine still finishes within ~5 minutes (and says so)
     lg.tensorboard_dir = str(workdir / "tensorboard")
     lg.plot_path = str(workdir / "loss.png")
     ck.save = str(workdir / "checkpoints")
@@ -64,21 +73,26 @@ def run_demo(argv: list[str]) -> int:
           f"byte-level BPE of {args.vocab_size} tokens)", flush=True)
     prefix, tok_json = prepare_demo_data(workdir / "data", vocab_size=args.vocab_size,
                                          max_bytes=int(args.corpus_mb * 2**20))
-    print(f"paratron demo: data ready in {time.time() - t0:.0f} s; training on {'GPU' if on_gpu else 'CPU'}",
-          flush=True)
+    from .data.bpe_train import vocabulary_report
+    print(f"paratron demo: data ready in {time.time() - t0:.0f} s (tokenizer: "
+          f"{vocabulary_report(tok_json, args.vocab_size, 2)}); training on {'GPU' if on_gpu else 'CPU'} for {iters} "
+          f"iterations (at most {TIME_CAP_MIN:g} minutes)", flush=True)
     cfg = demo_config(workdir, prefix, tok_json, iters, on_gpu)
     result = pretrain(cfg, eval_at_start=True)
     trainer = result["trainer"]
     curve = result["valid_curve"]
     tok = trainer.tokenizer
     model = trainer.model.module
-    print("\nSamples from the trained model:")
+    if result["iteration"] < iters:
+        print(f"\nthe demo trained {result['iteration']} of its {iters} iterations: {result['exit_reason']} "
+              f"(its time cap on this machine; --train-iters {result['iteration']} fits in it)")
+    print("\nSamples from the trained model (whole generated lines):")
     g = torch.Generator().manual_seed(0)
     for prompt in ("def", "import", "class"):
-        ids = generate(model, tok.tokenize(prompt), 48, cfg.data.vocab_size, temperature=0.7, top_k=20,
+        ids = generate(model, tok.tokenize(prompt), 64, cfg.data.vocab_size, temperature=0.7, top_k=20,
                        eod=tok.eod, generator=g)
-        text = tok.detokenize(ids).splitlines()
-        print("  | " + (text[0] if text else "")[:100])
+        for line in whole_lines(tok.detokenize(ids)):
+            print("  | " + line)
     if len(curve) >= 2:
         first, last = curve[0][1], curve[-1][1]
         print(f"\nvalidation loss {first:.3f} -> {last:.3f} ({100 * (first - last) / first:.0f} % lower)")

@@ -90,6 +90,21 @@ def train_bpe_tokenizer(
     return out_path
 
 
+def vocabulary_report(tokenizer_json: str, asked: int, min_frequency: int) -> str:
+    """What a BPE training produced against the --vocab-size asked for (fewer when the corpus has no
+    more pairs seen --min-frequency times)."""
+    import json
+
+    with open(tokenizer_json, encoding="utf-8") as f:
+        spec = json.load(f)
+    merges = len(spec["model"]["merges"])
+    size = len(set(spec["model"]["vocab"]) | {t["content"] for t in spec.get("added_tokens", [])})
+    if size >= asked:
+        return f"{size} tokens ({merges} merges), as asked"
+    return (f"{size} tokens, fewer than the {asked} asked for: the corpus yields only {max(merges, 0)} merges of "
+            f"pairs seen at least {min_frequency} times (--min-frequency); use more text or a smaller --vocab-size")
+
+
 def export_gpt2_files(tokenizer_json: str, out_dir: str) -> tuple:
     """Write vocab.json + merges.txt of a trained BPE; returns their paths."""
     from tokenizers import Tokenizer
@@ -114,7 +129,7 @@ def _tokenizer_train(argv) -> int:
     path = train_bpe_tokenizer(args.input, args.vocab_size, args.output, args.json_key, args.min_frequency)
     if args.gpt2_files:
         export_gpt2_files(path, os.path.dirname(os.path.abspath(path)))
-    print(f"wrote {path}", file=sys.stderr)
+    print(f"wrote {path}: {vocabulary_report(path, args.vocab_size, args.min_frequency)}", file=sys.stderr)
     return 0
 
 

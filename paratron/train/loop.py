@@ -179,7 +179,7 @@ class Trainer:
         self.flops_per_iter = flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size,
                                                   cfg.model.seq_length)
         self.peak = peak_tflops(self.device)
-        self._stop_signal = False
+        self._stop_signal, self.exit_reason = False, None  # exit_reason: why training stopped early
         if cfg.train.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_signal)
 
@@ -386,17 +386,20 @@ class Trainer:
     def _should_exit(self, start: float) -> bool:
         tr = self.cfg.train
         stop = self.iteration >= tr.train_iters  # the iteration-based conditions are the same on every rank
-        stop |= bool(tr.exit_interval and self.iteration % tr.exit_interval == 0)
+        if not stop and tr.exit_interval and self.iteration % tr.exit_interval == 0:
+            stop, self.exit_reason = True, f"--exit-interval {tr.exit_interval}"
         if stop or not (tr.exit_duration_in_mins or tr.exit_signal_handler):
             return stop
         # A clock or a signal can differ between ranks: every rank must agree (one all-reduce).
-        stop |= bool(tr.exit_duration_in_mins and (time.time() - start) / 60.0 > tr.exit_duration_in_mins)
-        stop |= self._stop_signal
+        late = bool(tr.exit_duration_in_mins and (time.time() - start) / 60.0 > tr.exit_duration_in_mins)
+        flag = torch.tensor([int(late), int(self._stop_signal)], device=self.device)
         if dist.is_initialized():
-            flag = torch.tensor([int(stop)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag.item())
-        return stop
+        late, signalled = flag.tolist()
+        if late or signalled:
+            self.exit_reason = (f"--exit-duration-in-mins {tr.exit_duration_in_mins:g} reached" if late
+                                else "SIGTERM with --exit-signal-handler")
+        return bool(late or signalled)
 
     def train(self) -> dict:
         cfg, tr, lg = self.cfg, self.cfg.train, self.log
@@ -449,13 +452,16 @@ class Trainer:
                 last_saved = self.iteration
             if self._should_exit(start):
                 break
+        if self.iteration < tr.train_iters:  # never a silent early stop
+            lg.print(f" stopping at iteration {self.iteration}/{tr.train_iters}: {self.exit_reason}")
         if cfg.ckpt.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
         self.wait_for_save()
         if self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval != 0:
             valid_loss = self._validate()
         collector.close()
-        return {"iteration": self.iteration, "valid_loss": valid_loss, "train_curve": lg.train_curve,
+        return {"iteration": self.iteration, "exit_reason": self.exit_reason, "valid_loss": valid_loss,
+                "train_curve": lg.train_curve,
                 "valid_curve": lg.valid_curve}
 
     def _validate(self) -> float:
