@@ -421,9 +421,7 @@ class Trainer:
                 profiler.__enter__()
             report, ok, grad_norm = self.train_step()
             step_seconds, step_start = time.time() - step_start, time.time()
-            self.report.after_step(report, grad_norm, step_seconds)
-            collector.after_step(self.iteration)
-            empty_unused_memory(tr.empty_unused_memory_level, 1, self.device)
+            self.report.after_step(report, grad_norm, step_seconds, collector)
             if isinstance(ok, torch.Tensor):  # no host sync in the step: count at the next log line
                 skips = (~ok).int()
                 self._pending_skips = skips if self._pending_skips is None else self._pending_skips + skips
@@ -444,9 +442,7 @@ class Trainer:
                 acc.zero_()
                 window_iters, window_start = 0, time.time()
             if self.valid_iter is not None and self.iteration % tr.eval_interval == 0:
-                collector.around_eval()
-                valid_loss = self._validate()
-                collector.around_eval()
+                valid_loss = self._validate(collector)
             if cfg.ckpt.save and cfg.ckpt.save_interval and self.iteration % cfg.ckpt.save_interval == 0:
                 self.save()
                 last_saved = self.iteration
@@ -461,14 +457,17 @@ class Trainer:
             valid_loss = self._validate()
         collector.close()
         return {"iteration": self.iteration, "exit_reason": self.exit_reason, "valid_loss": valid_loss,
-                "train_curve": lg.train_curve,
-                "valid_curve": lg.valid_curve}
+                "train_curve": lg.train_curve, "valid_curve": lg.valid_curve}
 
-    def _validate(self) -> float:
+    def _validate(self, collector: Optional[GarbageCollection] = None) -> float:
+        if collector is not None:
+            collector.around_eval()
         loss = self.evaluate()
         self.log.print(format_valid_line(self.iteration, loss))
         self.report.validation(loss)
         empty_unused_memory(self.cfg.train.empty_unused_memory_level, 2, self.device)
+        if collector is not None:
+            collector.around_eval()
         return loss
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from .logger import format_train_line
 from .metrics import peak_memory_gb
+from .runtime import empty_unused_memory
 
 # Megatron's timer names and the --timing-log-level that shows them (paratron times these).
 TIMER_LEVELS = {"forward-backward": 1, "all-grads-sync": 1, "optimizer": 1, "batch-generator": 2}
@@ -143,9 +144,13 @@ class Reporter:
             self._norms = (t.iteration, pn, nz)
         return self._norms[1], self._norms[2]
 
-    def after_step(self, report: torch.Tensor, grad_norm, seconds: float) -> None:
-        """TensorBoard/W&B scalars of the step just taken (every --tensorboard-log-interval steps)."""
+    def after_step(self, report: torch.Tensor, grad_norm, seconds: float, collector=None) -> None:
+        """After each step: --manual-gc's collection, --empty-unused-memory-level, and the
+        TensorBoard/W&B scalars of the step (every --tensorboard-log-interval steps)."""
         t, lg = self.t, self.lg
+        if collector is not None:
+            collector.after_step(t.iteration)
+        empty_unused_memory(t.cfg.train.empty_unused_memory_level, 1, t.device)
         if not self.writes or t.iteration % lg.tensorboard_log_interval != 0:
             return
         loss_sum, tokens = report.tolist()
