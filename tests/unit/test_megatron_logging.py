@@ -140,3 +140,23 @@ def test_strictness_and_checkpoint_args_on_a_real_checkpoint(tmp_path, capsys):
     with pytest.raises(Exception, match="--exit-on-missing-checkpoint"):
         parse_args(TINY + ["--train-iters", "2", "--load", str(tmp_path / "none"), "--use-checkpoint-args",
                            "--exit-on-missing-checkpoint"])
+
+
+def test_an_early_stop_says_why(capsys):
+    result = pretrain(parse_args(TINY + ["--train-iters", "3", "--eval-iters", "0", "--exit-interval", "1"]))
+    assert result["iteration"] == 1 and result["exit_reason"] == "--exit-interval 1"
+    assert " stopping at iteration 1/3: --exit-interval 1" in capsys.readouterr().out
+
+
+def test_demo_samples_keep_whole_lines_and_tokenizer_reports_its_size(tmp_path):
+    from paratron.data.bpe_train import train_bpe_tokenizer, vocabulary_report
+    from paratron.demo import whole_lines
+    assert whole_lines("def f(x):\n    return x\n    ret") == ["def f(x):", "    return x"]
+    assert whole_lines("import os\n") == ["import os"] and whole_lines("import o") == ["import o"]
+    (tmp_path / "c.txt").write_text("alpha beta gamma delta\n" * 50)
+    path = train_bpe_tokenizer([str(tmp_path / "c.txt")], 32000, str(tmp_path / "t.json"))
+    report = vocabulary_report(path, 32000, 2)
+    import json
+    spec = json.loads(open(path).read())
+    assert f"{len(spec['model']['vocab'])} tokens, fewer than the 32000 asked for" in report
+    assert f"only {len(spec['model']['merges'])} merges" in report
