@@ -59,8 +59,16 @@ def megatron_version() -> str:
     return ARGS_FILE.read_text().splitlines()[0].lstrip("# ").split(":")[0]
 
 
+def canonical(name: str) -> str:
+    """Megatron's ``--disable-X`` spelling of a ``--no-X`` flag (the same argument): the ``no_X`` name."""
+    if name.startswith("disable_") and "no_" + name[len("disable_"):] in megatron_flags():
+        return "no_" + name[len("disable_"):]
+    return name
+
+
 def refusal(name: str) -> Optional[str]:
     """Why paratron refuses the Megatron flag ``name`` (None when it is implemented or accepted)."""
+    name = canonical(name)
     if name in FIELD_SECTION or name in ACCEPTED:
         return None
     if name in REFUSED:
@@ -75,6 +83,9 @@ def refusal(name: str) -> Optional[str]:
 def status(name: str) -> tuple[str, str]:
     """(status, reason) of a Megatron flag; the reason of an implemented flag is its help line."""
     from .help import field_help
+    if canonical(name) != name:
+        st, reason = status(canonical(name))
+        return st, f"= --{canonical(name).replace('_', '-')}: {reason}"
     if name in HONOURED_FIELDS:
         return ACCEPTED_STATUS, HONOURED_FIELDS[name]
     if name in FIELD_SECTION:

@@ -14,7 +14,7 @@ import yaml
 
 from ..errors import ArgumentParser, ConfigError, UserError
 from .help import field_help
-from .megatron_flags import group_of, megatron_flags, refusal, value_problem
+from .megatron_flags import canonical, group_of, megatron_flags, refusal, value_problem
 from .megatron_reasons import ACCEPTED, REFUSED
 from .sections import FIELD_SECTION, FIELD_TYPES, SECTIONS, TOKENIZER_FIELDS, Config, DataConfig, base_type, flag
 from .validate import ConfigProblems
@@ -58,7 +58,7 @@ def suggest(name: str) -> str:
 def flag_problem(name: str, source: str) -> Optional[str]:
     """The one-line problem of flag ``name`` given in ``source`` (None when paratron takes it): a
     refused Megatron flag with its reason, or an unknown name with a suggestion."""
-    if name in FIELD_SECTION or name in ACCEPTED:
+    if canonical(name) in FIELD_SECTION or canonical(name) in ACCEPTED:
         return None
     if name in megatron_flags() or name in REFUSED:
         return f"{flag(name)} ({source}) is a Megatron-LM flag that paratron refuses: {refusal(name)}"
@@ -79,7 +79,7 @@ def apply_dict(cfg: Config, values: dict, source: str, problems: Optional[list] 
         if key in SECTIONS and isinstance(value, dict):
             apply_dict(cfg, value, source, out)
             continue
-        name = str(key).replace("-", "_")
+        name = canonical(str(key).replace("-", "_"))
         problem = flag_problem(name, source)
         if problem is None and name in ACCEPTED:
             problem = value_problem(name, [str(v) for v in (value if isinstance(value, list) else [value])])
@@ -215,6 +215,8 @@ def screen_argv(argv: list[str]) -> tuple[list[str], list[str]]:
         skipping = problem is not None
         if problem:
             problems.append(problem)
+        elif name != "config" and canonical(name) != name:  # --disable-X: Megatron's other spelling of --no-X
+            kept.append("--" + canonical(name).replace("_", "-") + tok[len(name) + 2:])
         else:
             kept.append(tok)
     return kept, problems
