@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -49,6 +50,7 @@ DATA = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "mo
         "split", "per_split_data_args_path", "data_args_path", "tokenizer_model", "vocab_file", "merge_file",
         "tokenizer_type", "vocab_size", "tiktoken_pattern", "distributed_backend")
 PATHS = ("save", "load", "tensorboard_dir", "wandb_save_dir", "pretrained_checkpoint", "ckpt_convert_save")
+NAMES = {"wandb_project": "megatron-examples", "wandb_exp_name": "scaled-down"}  # W&B names (offline run)
 
 
 def nargs_of() -> dict[str, str]:
@@ -81,7 +83,7 @@ def extract(megatron: Path) -> dict[str, list[list[str]]]:
         text = (megatron / rel).read_text()
         lexer = shlex.shlex(text.replace("(", " ( ").replace(")", " ) "), posix=True)
         lexer.whitespace_split, lexer.commenters = True, "#"
-        out[rel] = flags_of(list(lexer), nargs)
+        out[rel] = flags_of([w for tok in lexer for w in tok.split()], nargs)  # "--a 1 --b" strings too
     for d in CONFIG_DIRS:
         found = []
         for f in sorted((megatron / d).glob("*/model_config.yaml")):
@@ -107,12 +109,15 @@ def scale(flags: list[list[str]], tmp: Path, gpt2: tuple[str, str]) -> tuple[lis
                 argv += [f[0], SIZES[name]]
         elif name in PARALLEL or name in DATA:
             continue
+        elif name in NAMES:
+            argv += [f[0], NAMES[name]]
         elif name in PATHS:
             argv += [f[0], str(tmp / name)] if name != "load" else [f[0], str(tmp / "save")]
         else:
-            if any("$" in v for v in f[1:]):
+            values = [re.sub(r"\$\{\w+:-\"?([^}\"]*)\"?\}", r"\1", v) for v in f[1:]]  # ${VAR:-default}
+            if any("$" in v for v in values):
                 notes.append(f"{f[0]} ${{...}} -> 1")
-            argv += [f[0], *[re.sub(r"\$\{?\w+\}?", "1", v) for v in f[1:]]]
+            argv += [f[0], *[re.sub(r"\$\{?\w+\}?", "1", v) for v in values]]
     if "train_iters" not in names:
         argv += ["--train-iters", str(ITERS)]
     if "lr" not in names:  # a model definition without its training schedule
@@ -141,11 +146,14 @@ def run_one(rel: str, flags: list[list[str]]) -> dict:
         tmp = Path(d)
         argv, notes = scale(flags, tmp, tiny_gpt2(tmp))
         t0 = time.time()
+        env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
         r = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT, capture_output=True, text=True,
-                           timeout=600)
+                           timeout=600, env=env)
     done = re.search(rf"iteration\s+{ITERS}/\s*{ITERS} \|", r.stdout) is not None
     if r.returncode == 0 and done:
         result = "runs to the end"
+    elif r.returncode == 0:
+        result = "stopped early: " + next((ln.strip() for ln in r.stdout.splitlines() if "stopping at" in ln), "?")
     elif r.returncode == 2:
         result = "refused: " + r.stderr.strip().split("error: ", 1)[-1]
     else:
