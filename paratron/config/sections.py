@@ -297,10 +297,10 @@ class LogConfig(Section):
     plot_path: Optional[str] = None  # paratron: PNG loss plot; default <tensorboard-dir or save>/loss.png
     sample_prompt: Optional[str] = None  # paratron: an error until generation exists in training runs
     # Megatron's TensorBoard / W&B reporting (paratron/train/reporting.py), Megatron's tags
-    tensorboard_log_interval: int = 1  # write TensorBoard scalars at log steps that are a multiple of this
+    tensorboard_log_interval: int = 1  # write the TensorBoard/W&B scalars every N iterations
     tensorboard_queue_size: int = 1000  # events buffered before the writer flushes
-    timing_log_level: int = 0  # 0: iteration time; 1: + forward-backward, optimizer, DP comm; 2: + data, compute, P2P
-    timing_log_option: str = "minmax"  # max | minmax | all: how the log line reports a timer over ranks
+    timing_log_level: int = 0  # timers: 1 forward-backward, all-grads-sync (DP comm), optimizer; 2 + batch-generator
+    timing_log_option: str = "minmax"  # max | minmax | all (accepted: TensorBoard gets each timer's max over ranks)
     log_timers_to_tensorboard: bool = False  # <timer>-time, iteration-time (and throughput with --log-throughput)
     log_num_zeros_in_grad: bool = False  # num-zeros: gradient entries equal to zero
     log_memory_to_tensorboard: bool = False  # mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes, ...
