@@ -82,7 +82,8 @@ HELP = {
     "tiktoken_num_special_tokens": "TikTokenizer: special-token slots before the vocabulary",
     "tokenizer_special_tokens": "TikTokenizer: names of the special tokens",
     "reset_position_ids": "restart position ids after each end-of-document token",
-    "reset_attention_mask": "no attention across end-of-document tokens", "eod_mask_loss": "no loss on end-of-document tokens",
+    "reset_attention_mask": "no attention across end-of-document tokens",
+    "eod_mask_loss": "no loss on end-of-document tokens",
     # log
     "log_interval": "iterations between log lines", "tensorboard_dir": "write TensorBoard event files here",
     "profile": "torch.profiler trace from --profile-step-start to --profile-step-end",

@@ -2,7 +2,8 @@
 accepted (paratron already does what it asks) or refused (planned, GPU-only, not applicable)."""
 from __future__ import annotations
 
-SDPA = "attention runs through torch's scaled_dot_product_attention, which picks the flash, memory-efficient or math kernel itself"
+SDPA = ("attention runs through torch's scaled_dot_product_attention, which picks the flash, memory-efficient or math "
+        "kernel itself")
 ONE_IMPL = "paratron has one transformer implementation (PyTorch modules with its own kernels): every name selects it"
 NO_KERNEL = "paratron has no such fused kernel: the plain PyTorch path runs, which is what the flag asks"
 SCHEDULING = "a kernel or scheduling choice with the same numbers: paratron's one path computes the same result"
@@ -17,8 +18,8 @@ ACCEPTED = {
     "no_masked_softmax_fusion": NO_KERNEL + " (SDPA applies the causal mask itself)",
     "no_bias_gelu_fusion": NO_KERNEL,
     "no_rope_fusion": "paratron's rotary embedding is plain torch ops: there is no fused RoPE kernel to turn off",
-    "no_gradient_accumulation_fusion": "weight gradients accumulate into the fp32/bf16 grad buffer by autograd: there is "
-                                       "no fused wgrad kernel to turn off",
+    "no_gradient_accumulation_fusion": "weight gradients accumulate into the fp32/bf16 grad buffer by autograd: "
+                                       "there is no fused wgrad kernel to turn off",
     "no_persist_layer_norm": NO_KERNEL,
     "attention_softmax_in_fp32": "SDPA's kernels compute the softmax in fp32 for bf16/fp16 inputs (the math kernel "
                                  "upcasts); the flag asks for exactly that",
@@ -51,8 +52,8 @@ ACCEPTED = {
     "straggler_minmax_count": "read only by --log-straggler, which paratron refuses; nothing else uses it",
     "num_distributed_optimizer_instances": "paratron's distributed optimizer has one instance (the value 1)",
     "rerun_mode": "paratron does not re-run iterations: --rerun-mode disabled is its behaviour",
-    "no_use_tokenizer_model_from_checkpoint_args": "--use-checkpoint-args never takes the tokenizer model path from the "
-                                                   "checkpoint",
+    "no_use_tokenizer_model_from_checkpoint_args": "--use-checkpoint-args never takes the tokenizer model path "
+                                                   "from the checkpoint",
     "cuda_graph_impl": "paratron captures no CUDA graphs: --cuda-graph-impl none is its behaviour",
     "trust_remote_code": "HuggingFaceTokenizer reads tokenizer.json with the tokenizers library, which runs no code "
                          "from the model repository",

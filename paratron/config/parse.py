@@ -211,11 +211,11 @@ def screen_argv(argv: list[str]) -> tuple[list[str], list[str]]:
             if not skipping:
                 kept.append(tok)
             continue
-        problem = None if name == "config" else flag_problem(name, "command line")
+        problem = None if name in ("config", "help") else flag_problem(name, "command line")
         skipping = problem is not None
         if problem:
             problems.append(problem)
-        elif name != "config" and canonical(name) != name:  # --disable-X: Megatron's other spelling of --no-X
+        elif name not in ("config", "help") and canonical(name) != name:  # --disable-X spells --no-X
             kept.append("--" + canonical(name).replace("_", "-") + tok[len(name) + 2:])
         else:
             kept.append(tok)

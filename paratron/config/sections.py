@@ -307,7 +307,7 @@ class LogConfig(Section):
     log_validation_ppl_to_tensorboard: bool = False  # lm loss validation ppl
     log_world_size_to_tensorboard: bool = False  # world-size
     no_log_loss_scale_to_tensorboard: bool = False  # leave out loss-scale
-    wandb_project: Optional[str] = None  # Weights & Biases project (the optional wandb package; offline without network)
+    wandb_project: Optional[str] = None  # Weights & Biases project (optional wandb package; offline without network)
     wandb_exp_name: Optional[str] = None  # W&B run name
     wandb_save_dir: Optional[str] = None  # W&B files; default <--save>/wandb
     wandb_entity: Optional[str] = None  # W&B team or user

@@ -161,8 +161,8 @@ class Trainer:
         self.layout = BatchLayout.from_config(cfg, self.dims, self.device, params_dtype(cfg))
         self.forward_step = make_forward_step(self.layout)
         logging_rank = self.dims.is_logging_rank
-        self.log = RunLogger(logging_rank, tr.train_iters, cfg.log.tensorboard_dir, queue_size=cfg.log.tensorboard_queue_size,
-                             wandb_run=wandb_run(cfg) if logging_rank else None)
+        self.log = RunLogger(logging_rank, tr.train_iters, cfg.log.tensorboard_dir,
+                             queue_size=cfg.log.tensorboard_queue_size, wandb_run=wandb_run(cfg) if logging_rank else None)
         self.pending_save: Optional[sharded.AsyncSave] = None
         self._pending_skips: Optional[torch.Tensor] = None
         self._pinned: dict = {}  # reused pinned CPU buffers of --async-save
@@ -228,7 +228,8 @@ class Trainer:
             reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
                                             model=self.models, num_microbatches=self.num_microbatches,
                                             seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
-                                            layout=self.layout, forward_only=False, grad_scale=self.optimizer.loss_scale)
+                                            layout=self.layout, forward_only=False,
+                                            grad_scale=self.optimizer.loss_scale)
         report = sum_reports(reports, self.device)  # [loss sum, loss tokens] of this rank (last stage; else 0)
         # --calculate-per-token-loss: the gradients are sums; divide them by the step's global token count
         with timers("all-grads-sync"):
