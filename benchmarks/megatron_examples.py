@@ -120,6 +120,8 @@ def scale(flags: list[list[str]], tmp: Path, gpt2: tuple[str, str]) -> tuple[lis
             argv += [f[0], *[re.sub(r"\$\{?\w+\}?", "1", v) for v in values]]
     if "train_iters" not in names:
         argv += ["--train-iters", str(ITERS)]
+    if "log_interval" not in names:  # the log line of the last iteration shows that it ran
+        argv += ["--log-interval", "1"]
     if "lr" not in names:  # a model definition without its training schedule
         argv += ["--lr", "1e-4"]
         notes.append("no training flags: --lr 1e-4 added")
