@@ -10,10 +10,12 @@ import torch
 
 def apply_deterministic_mode(enabled: bool) -> None:
     """--deterministic-mode: deterministic kernels only (an op without one is an error, as Megatron),
-    cuBLAS's fixed workspace, no cuDNN autotuning."""
+    Megatron's environment defaults (cuBLAS's fixed workspace, NCCL's ring algorithm, read when the
+    first communicator is made), no cuDNN autotuning."""
     if not enabled:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
