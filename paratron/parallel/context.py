@@ -135,6 +135,7 @@ class ContextParallel:
     rank: int
     comm_type: str = "p2p"
     ring: Optional[Ring] = None
+    kernel: Optional[str] = None  # the ring's block kernel (ring.KERNELS); None: chosen per device and dtype
 
     @classmethod
     def from_dims(cls, dims, comm_type: str = "p2p") -> Optional["ContextParallel"]:
@@ -153,7 +154,7 @@ class ContextParallel:
         rank's queries q [b, h, 2c, d] over the whole sequence; k/v [b, g, 2c, d] are this rank's."""
         if self.comm_type == "a2a":
             return ulysses_attention(q, k, v, self.size, self.group, docs)
-        return ring_attention(q, k, v, self.ring, docs)
+        return ring_attention(q, k, v, self.ring, docs, kernel=self.kernel)
 
     def positions(self, seq_length: int, device=None) -> torch.Tensor:
         """Global positions of this rank's tokens."""

@@ -95,10 +95,10 @@ def math_forward(q, k, v, causal: bool, doc_mask, scale: float):
     den = p.sum(-1, keepdim=True)
     out = torch.einsum("bgrqk,bgkd->bgrqd", p, v.float()) / den.clamp(min=torch.finfo(torch.float32).tiny)
     lse = (m + torch.log(den)).squeeze(-1)
-    return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
+    return out.reshape(b, h, sq, d), lse.reshape(b, h, sq), None
 
 
-def math_backward(dout, q, k, v, out, lse, causal: bool, doc_mask, scale: float):
+def math_backward(dout, q, k, v, out, lse, causal: bool, doc_mask, scale: float, aux=None):
     """dQ, dK, dV (fp32) of one block, from the final output and LSE of the rows."""
     b, h, sq, d = q.shape
     g = k.size(1)
@@ -125,18 +125,52 @@ def _fold(dk: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def flash_forward(q, k, v, causal: bool, doc_mask, scale: float):
+    """``aux``: what the backward op takes besides the tensors (the sequence-offset and RNG-state
+    outputs of the forward op; unused without dropout or variable lengths, passed back as given)."""
     h = q.size(1)
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, _expand(k, h), _expand(v, h), 0.0, causal, False,
                                                              scale=scale)
-    return res[0], res[1]
+    return res[0], res[1], (res[2], res[3], res[6], res[7])
 
 
-def flash_backward(dout, q, k, v, out, lse, causal: bool, doc_mask, scale: float):
+def flash_backward(dout, q, k, v, out, lse, causal: bool, doc_mask, scale: float, aux=None):
     h, g = q.size(1), k.size(1)
-    none = q.new_empty(0)
+    cum_q, cum_k, seed, offset = aux
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, _expand(k, h), _expand(v, h), out, lse.contiguous(), none, none, q.size(2), k.size(2), 0.0, causal,
-        none, none, scale=scale)
+        dout, q, _expand(k, h), _expand(v, h), out, lse.contiguous(), cum_q, cum_k, q.size(2), k.size(2), 0.0, causal,
+        seed, offset, scale=scale)
+    return dq, _fold(dk, g), _fold(dv, g)
+
+
+def _cpu_mask(causal: bool, doc_mask, q: torch.Tensor, sk: int):
+    """(additive mask in q's dtype or None, is_causal) for the fused CPU kernel."""
+    if doc_mask is None:
+        return None, causal
+    allowed = doc_mask[:, None]
+    if causal:
+        allowed = allowed & torch.ones(q.size(2), sk, dtype=torch.bool, device=q.device).tril()
+    return torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, NEG_INF), False
+
+
+def flash_cpu_forward(q, k, v, causal: bool, doc_mask, scale: float):
+    """torch's fused CPU kernel with LSE (what the tests run the fused-kernel path of the ring with)."""
+    h = q.size(1)
+    mask, causal = _cpu_mask(causal, doc_mask, q, k.size(2))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.contiguous(), _expand(k, h).contiguous(), _expand(v, h).contiguous(), 0.0, causal, attn_mask=mask,
+        scale=scale)
+    if mask is not None:  # rows without an allowed key: output 0, LSE -inf (what the merge expects)
+        empty = torch.isinf(mask).all(-1)
+        out, lse = out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, NEG_INF)
+    return out, lse, None
+
+
+def flash_cpu_backward(dout, q, k, v, out, lse, causal: bool, doc_mask, scale: float, aux=None):
+    h, g = q.size(1), k.size(1)
+    mask, causal = _cpu_mask(causal, doc_mask, q, k.size(2))
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q.contiguous(), _expand(k, h).contiguous(), _expand(v, h).contiguous(), out.contiguous(),
+        lse.contiguous(), 0.0, causal, attn_mask=mask, scale=scale)
     return dq, _fold(dk, g), _fold(dv, g)
 
 
@@ -148,10 +182,14 @@ class Kernel(NamedTuple):
 
 MATH = Kernel("math", math_forward, math_backward)
 FLASH = Kernel("flash", flash_forward, flash_backward)
+KERNELS = {k.name: k for k in (MATH, FLASH, Kernel("flash_cpu", flash_cpu_forward, flash_cpu_backward))}
 
 
-def kernel_for(q: torch.Tensor, documents: bool) -> Kernel:
-    """Flash on CUDA for bf16/fp16 blocks without document masks; the fp32 math kernel otherwise."""
+def kernel_for(q: torch.Tensor, documents: bool, name: Optional[str] = None) -> Kernel:
+    """Flash on CUDA for bf16/fp16 blocks without document masks; the fp32 math kernel otherwise
+    (``name`` picks one: math, flash, flash_cpu)."""
+    if name is not None:
+        return KERNELS[name]
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not documents and q.size(-1) % 8 == 0:
         return FLASH
     return MATH
@@ -194,9 +232,9 @@ class RingAttention(torch.autograd.Function):
     """out = causal attention of this rank's queries over the whole sequence's keys and values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, docs: Optional[torch.Tensor], scale: float):
+    def forward(ctx, q, k, v, ring: Ring, docs: Optional[torch.Tensor], scale: float, kernel_name: Optional[str]):
         chunk = q.size(2) // 2
-        kernel = kernel_for(q, docs is not None)
+        kernel = kernel_for(q, docs is not None, kernel_name)
         kv = torch.stack([k, v]).contiguous()
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
@@ -204,14 +242,15 @@ class RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.size
             pending = ring.exchange(kv, 1) if step < ring.size - 1 else None
             blk = block_plan(ring.rank, src, chunk)
-            o, l = kernel.forward(q[:, :, blk.rows], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], blk.causal,
-                                  _doc_mask(docs, ring, src, blk, chunk), scale)
+            o, l, extra = kernel.forward(q[:, :, blk.rows], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], blk.causal,
+                                         _doc_mask(docs, ring, src, blk, chunk), scale)
+            aux = extra if step == 0 else aux
             _merge(out[:, :, blk.rows], lse[:, :, blk.rows], o, l.float(), first=step == 0)
             if pending is not None:
                 kv = _wait(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.ring, ctx.scale, ctx.kernel = ring, scale, kernel
+        ctx.ring, ctx.scale, ctx.kernel, ctx.aux = ring, scale, kernel, aux
         return out
 
     @staticmethod
@@ -231,7 +270,7 @@ class RingAttention(torch.autograd.Function):
             r = blk.rows
             dq_b, dk_b, dv_b = kernel.backward(dout[:, :, r], q[:, :, r], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols],
                                                out[:, :, r], lse[:, :, r], blk.causal,
-                                               _doc_mask(docs, ring, src, blk, chunk), scale)
+                                               _doc_mask(docs, ring, src, blk, chunk), scale, ctx.aux)
             dq[:, :, r] += dq_b
             if grads is not None:
                 dkv = _wait(grads)
@@ -241,7 +280,7 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = _wait(pending)
         dkv = _wait(grads)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def _merge(out, lse, o, l, first: bool) -> None:
@@ -255,8 +294,10 @@ def _merge(out, lse, o, l, first: bool) -> None:
     lse.copy_(new)
 
 
-def ring_attention(q, k, v, ring: Ring, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None):
+def ring_attention(q, k, v, ring: Ring, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                   kernel: Optional[str] = None):
     """q [b, heads, 2c, d], k/v [b, groups, 2c, d] (this rank's two chunks), ``docs`` [b, s] the
-    document ids of the whole sequence or None: the attention output [b, heads, 2c, d]."""
+    document ids of the whole sequence or None: the attention output [b, heads, 2c, d]. ``kernel``:
+    a name of KERNELS, else chosen by ``kernel_for``."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, ring, docs, scale)
+    return RingAttention.apply(q, k, v, ring, docs, scale, kernel)

@@ -2,6 +2,8 @@
 attention on one rank, forward and backward, causal and packed-document masks, with GQA."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -45,10 +47,14 @@ def attention_cases(rank: int, world: int) -> dict:
         if world % cp_size:
             continue
         dims = initialize_model_parallel(context_parallel_size=cp_size)
-        for kind in ("p2p", "a2a"):
-            cp = ContextParallel.from_dims(dims, kind)
+        for kind in ("p2p", "a2a", "p2p_flash_cpu"):
+            cp = ContextParallel.from_dims(dims, kind[:3])
+            if kind == "p2p_flash_cpu":  # the ring with torch's fused kernel (LSE in and out, as flash on GPU)
+                cp = dataclasses.replace(cp, kernel="flash_cpu")
             for name, use_docs in (("causal", False), ("documents", True)):
                 q, k, v, dout, docs = inputs(seed=cp_size)
+                if kind == "p2p_flash_cpu":
+                    q, k, v, dout = (t.float() for t in (q, k, v, dout))
                 docs = docs if use_docs else None
                 want = full_attention(q, k, v, dout, docs)
                 got = cp_attention(cp, q, k, v, dout, docs)

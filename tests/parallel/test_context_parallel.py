@@ -100,7 +100,7 @@ def reference():
 
 def test_ring_and_ulysses_attention_equal_full_attention(results):
     errors = results["attention"]
-    assert set(errors) == {(cp, kind, mask) for cp in (2, 4) for kind in ("p2p", "a2a")
+    assert set(errors) == {(cp, kind, mask) for cp in (2, 4) for kind in ("p2p", "a2a", "p2p_flash_cpu")
                            for mask in ("causal", "documents")}
     for case, err in errors.items():
         assert err < 1e-5, f"{case}: relative difference {err:.2e}"

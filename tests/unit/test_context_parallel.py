@@ -60,14 +60,14 @@ def test_block_kernel_and_lse_merge_equal_plain_attention():
     docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
     mask = document_causal_mask(docs)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    out, lse = math_forward(q, k, v, True, docs[:, :, None] == docs[:, None, :], 8 ** -0.5)
+    out, lse, _ = math_forward(q, k, v, True, docs[:, :, None] == docs[:, None, :], 8 ** -0.5)
     assert torch.allclose(out.double(), want, atol=1e-6)
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) / 8 ** 0.5
     assert torch.allclose(lse.double(), scores.masked_fill(~mask, float("-inf")).logsumexp(-1), atol=1e-5)
     # two key halves merged by their LSE give the whole (non-causal) attention; a plain average would not
-    full, full_lse = math_forward(q, k, v, False, None, 8 ** -0.5)
-    o1, l1 = math_forward(q, k[:, :, :5], v[:, :, :5], False, None, 8 ** -0.5)
-    o2, l2 = math_forward(q, k[:, :, 5:], v[:, :, 5:], False, None, 8 ** -0.5)
+    full, full_lse, _ = math_forward(q, k, v, False, None, 8 ** -0.5)
+    o1, l1, _ = math_forward(q, k[:, :, :5], v[:, :, :5], False, None, 8 ** -0.5)
+    o2, l2, _ = math_forward(q, k[:, :, 5:], v[:, :, 5:], False, None, 8 ** -0.5)
     _merge(o1, l1, o2, l2, first=False)
     assert torch.allclose(o1, full, atol=1e-6) and torch.allclose(l1, full_lse, atol=1e-6)
     # the backward of each half from the final output and LSE sums to the whole's
