@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from .comm import all_to_all
 from .ring import Ring, chunk_positions, ring_attention
 
 COMM_TYPES = ("p2p", "a2a")
@@ -61,32 +61,11 @@ def natural_order(cp: int) -> list:
 
 
 # ---- Ulysses (a2a) -----------------------------------------------------------------------------
-class _AllToAll(torch.autograd.Function):
-    """x [CP, ...]: part j goes to rank j; returns [CP, ...] with part j from rank j. Its own
-    inverse, so the backward is the same exchange of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _exchange(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _exchange(g, ctx.group), None
-
-
-def _exchange(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
 def _heads_to_sequence(x: torch.Tensor, cp: int, group) -> torch.Tensor:
     """[b, h, 2c, d] (all heads, this rank's 2 chunks) -> [b, h/CP, 2 CP c, d] (h/CP heads, the
     whole sequence in order)."""
     b, h, s2, d = x.shape
-    parts = _AllToAll.apply(x.reshape(b, cp, h // cp, s2, d).transpose(0, 1), group)  # [CP src, b, h/CP, 2c, d]
+    parts = all_to_all(x.reshape(b, cp, h // cp, s2, d).transpose(0, 1), group)  # [CP src, b, h/CP, 2c, d]
     chunks = parts.reshape(cp, b, h // cp, 2, s2 // 2, d).permute(0, 3, 1, 2, 4, 5).reshape(2 * cp, b, h // cp,
                                                                                               s2 // 2, d)
     order = torch.tensor(natural_order(cp), device=x.device)
@@ -102,7 +81,7 @@ def _sequence_to_heads(y: torch.Tensor, cp: int, group) -> torch.Tensor:
     inverse[torch.tensor(natural_order(cp))] = torch.arange(2 * cp)
     per_rank = chunks.index_select(0, inverse.to(y.device)).reshape(cp, 2, b, hc, c, d)
     per_rank = per_rank.permute(0, 2, 3, 1, 4, 5).reshape(cp, b, hc, 2 * c, d)
-    back = _AllToAll.apply(per_rank, group)  # [CP (head part), b, hc, 2c, d]
+    back = all_to_all(per_rank, group)  # [CP (head part), b, hc, 2c, d]
     return back.transpose(0, 1).reshape(b, cp * hc, 2 * c, d)
 
 
