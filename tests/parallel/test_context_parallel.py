@@ -2,7 +2,7 @@
 
 - Attention: ring (p2p) and Ulysses (a2a) attention at CP 2 and CP 4, forward and backward, equal
   full attention on one rank for causal and packed-document masks with GQA (cp_attention_cases.py).
-- Training: CP 2, CP 4, CP2 x TP2 with sequence parallelism, CP2 x PP2, CP2 x DP2 with the
+- Training (and a forward-only evaluation): CP 2, CP 4, CP2 x TP2 with sequence parallelism, CP2 x PP2, CP2 x DP2 with the
   distributed optimizer, a2a, packed documents, recomputation, on a Llama-style model (RoPE, GQA):
   losses and parameters after 3 steps equal the one-rank run within 1e-5 relative.
 - Checkpoints: what CP 2 saves, a CP 1 run loads (same parameters).
@@ -34,7 +34,7 @@ CASES = {  # name -> (world, settings); every case is the Llama-style tiny model
 
 
 def config(settings: dict, **extra):
-    return tiny_config("llama", **settings, **extra)
+    return tiny_config("llama", **settings, **extra, eval_iters=1)
 
 
 def packed_batches(cfg, steps: int) -> list[dict]:
@@ -56,9 +56,10 @@ def run_case(settings: dict, save: str | None = None) -> dict:
     from paratron.train.loop import Trainer, build_dims
     cfg = config(settings, **({"save": save} if save else {}))
     dims = build_dims(cfg)
-    samples = packed_batches(cfg, STEPS) if cfg.data.reset_attention_mask else global_batches(cfg, STEPS)
+    make = packed_batches if cfg.data.reset_attention_mask else global_batches
+    valid = micro_batches(make(cfg, STEPS + 1)[-cfg.train.global_batch_size:], cfg, dims.dp_rank, dims.dp)
     trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims,
-                      data=(micro_batches(samples, cfg, dims.dp_rank, dims.dp), None))
+                      data=(micro_batches(make(cfg, STEPS), cfg, dims.dp_rank, dims.dp), valid))
     seen = []  # the sequence length the model's embedding is given: this rank's part
     for m in trainer.models:
         if m.module.embedding is not None:
@@ -67,11 +68,12 @@ def run_case(settings: dict, save: str | None = None) -> dict:
     for _ in range(STEPS):
         report, _, _ = trainer.train_step()
         losses.append((report[0] / report[1].clamp(min=1)).item())
+    valid_loss = trainer.evaluate()  # forward only
     if save:
         trainer.save()
     params = {n: gather_full(p, dims.tp_group).clone() for n, p in global_named_parameters(trainer.models).items()}
     trainer.close()
-    return {"losses": losses, "params": params, "last_stage": dims.is_last_stage, "seen": set(seen)}
+    return {"losses": losses, "valid": valid_loss, "params": params, "last_stage": dims.is_last_stage, "seen": set(seen)}
 
 
 def _ranks(rank, world, names, ckpt):
@@ -117,6 +119,7 @@ def test_context_parallel_training_equals_single_rank(name, results, reference):
         if r["last_stage"]:
             for i, (a, b) in enumerate(zip(ref["losses"], r["losses"])):
                 assert abs(a - b) <= 1e-5 * abs(a), f"step {i}: loss {b} vs one rank {a}"
+            assert abs(r["valid"] - ref["valid"]) <= 1e-5 * ref["valid"], (r["valid"], ref["valid"])
         merged.update(r["params"])  # pipeline stages hold different layers
     assert merged.keys() == ref["params"].keys()
     for n, a in ref["params"].items():
