@@ -24,6 +24,7 @@ CASES = {  # name -> (world, settings); every case is the Llama-style tiny model
     "cp2": (2, dict(context_parallel_size=2)),
     "cp2_a2a_docs": (2, dict(context_parallel_size=2, cp_comm_type="a2a", **DOCS)),
     "cp2_docs_selective": (2, dict(context_parallel_size=2, recompute_granularity="selective", **DOCS)),
+    "cp2_per_token_loss": (2, dict(context_parallel_size=2, calculate_per_token_loss=True)),
     "cp4": (4, dict(context_parallel_size=4)),
     "cp2_tp2_sp_full_recompute": (4, dict(context_parallel_size=2, tensor_model_parallel_size=2,
                                           sequence_parallel=True, recompute_granularity="full",
@@ -95,9 +96,17 @@ def results(tmp_path_factory):
     return out
 
 
+REFERENCES = {"plain": {}, "docs": DOCS, "per_token": dict(calculate_per_token_loss=True)}
+
+
+def reference_of(settings: dict) -> str:
+    return "docs" if settings.get("reset_attention_mask") else "per_token" if settings.get(
+        "calculate_per_token_loss") else "plain"
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return {docs: run_case(DOCS if docs else {}) for docs in (False, True)}
+    return {name: run_case(settings) for name, settings in REFERENCES.items()}
 
 
 def test_ring_and_ulysses_attention_equal_full_attention(results):
@@ -110,7 +119,7 @@ def test_ring_and_ulysses_attention_equal_full_attention(results):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_training_equals_single_rank(name, results, reference):
-    ref = reference[bool(CASES[name][1].get("reset_attention_mask"))]
+    ref = reference[reference_of(CASES[name][1])]
     ranks = results[name]
     cp = CASES[name][1]["context_parallel_size"]
     assert set().union(*(r["seen"] for r in ranks)) == {32 // cp}  # the model saw only its shard
