@@ -29,8 +29,9 @@ rank slices the key chunks' ids itself and nothing extra travels.
 
 Kernels (``kernel_for``): on CUDA with bf16/fp16 and no document mask, torch's flash-attention ops
 (``aten._scaled_dot_product_flash_attention`` and its backward), which return the LSE and take the
-final output and LSE in the backward; otherwise a plain math implementation in fp32 (CPU, the tests'
-reference, and document masks on GPU). docs/design.md says why.
+final output and LSE in the backward; on CUDA with document masks the memory-efficient ops (the same
+contract, the mask as an additive bias); otherwise a plain math implementation in fp32 (CPU, the
+tests' reference). docs/design.md says why.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 NEG_INF = float("-inf")
 
@@ -142,35 +144,61 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, doc_mask, scale: float
     return dq, _fold(dk, g), _fold(dv, g)
 
 
-def _cpu_mask(causal: bool, doc_mask, q: torch.Tensor, sk: int):
-    """(additive mask in q's dtype or None, is_causal) for the fused CPU kernel."""
-    if doc_mask is None:
-        return None, causal
+def _additive_mask(causal: bool, doc_mask, q: torch.Tensor, sk: int, align: int = 1) -> torch.Tensor:
+    """[b, 1, sq, sk] in q's dtype: 0 where a query may attend, -inf elsewhere. ``align``: the last
+    dimension's storage is padded to a multiple of it (the memory-efficient kernel's alignment)."""
     allowed = doc_mask[:, None]
     if causal:
         allowed = allowed & torch.ones(q.size(2), sk, dtype=torch.bool, device=q.device).tril()
-    return torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, NEG_INF), False
+    width = -(-sk // align) * align
+    bias = torch.zeros(*allowed.shape[:-1], width, dtype=q.dtype, device=q.device)[..., :sk]
+    return bias.masked_fill_(~allowed, NEG_INF)
+
+
+def _no_key_rows(out, lse, bias):
+    """Rows without an allowed key: output 0 and LSE -inf (what the merge expects)."""
+    empty = torch.isinf(bias).all(-1)
+    return out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, NEG_INF)
+
+
+def efficient_forward(q, k, v, causal: bool, doc_mask, scale: float):
+    """The memory-efficient kernel with the block's document mask as an additive bias (CUDA)."""
+    h, sq = q.size(1), q.size(2)
+    bias = _additive_mask(causal, doc_mask, q, k.size(2), align=16)
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, _expand(k, h), _expand(v, h), bias.expand(-1, h, -1, -1), True, 0.0, False, scale=scale)
+    out, lse = _no_key_rows(out, lse[..., :sq], bias)  # (its LSE is padded to a multiple of 32 rows)
+    return out, lse, (seed, offset)
+
+
+def efficient_backward(dout, q, k, v, out, lse, causal: bool, doc_mask, scale: float, aux=None):
+    h, g, sq = q.size(1), k.size(1), q.size(2)
+    bias = _additive_mask(causal, doc_mask, q, k.size(2), align=16).expand(-1, h, -1, -1)
+    padded = F.pad(lse, (0, -(-sq // 32) * 32 - sq))
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, _expand(k, h), _expand(v, h), bias, out, padded.contiguous(), aux[0], aux[1], 0.0,
+        [True, True, True, False], False, scale=scale)
+    return dq, _fold(dk, g), _fold(dv, g)
 
 
 def flash_cpu_forward(q, k, v, causal: bool, doc_mask, scale: float):
     """torch's fused CPU kernel with LSE (what the tests run the fused-kernel path of the ring with)."""
     h = q.size(1)
-    mask, causal = _cpu_mask(causal, doc_mask, q, k.size(2))
+    mask = _additive_mask(causal, doc_mask, q, k.size(2)) if doc_mask is not None else None
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.contiguous(), _expand(k, h).contiguous(), _expand(v, h).contiguous(), 0.0, causal, attn_mask=mask,
-        scale=scale)
-    if mask is not None:  # rows without an allowed key: output 0, LSE -inf (what the merge expects)
-        empty = torch.isinf(mask).all(-1)
-        out, lse = out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, NEG_INF)
+        q.contiguous(), _expand(k, h).contiguous(), _expand(v, h).contiguous(), 0.0, causal and mask is None,
+        attn_mask=mask, scale=scale)
+    if mask is not None:
+        out, lse = _no_key_rows(out, lse, mask)
     return out, lse, None
 
 
 def flash_cpu_backward(dout, q, k, v, out, lse, causal: bool, doc_mask, scale: float, aux=None):
     h, g = q.size(1), k.size(1)
-    mask, causal = _cpu_mask(causal, doc_mask, q, k.size(2))
+    mask = _additive_mask(causal, doc_mask, q, k.size(2)) if doc_mask is not None else None
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.contiguous(), q.contiguous(), _expand(k, h).contiguous(), _expand(v, h).contiguous(), out.contiguous(),
-        lse.contiguous(), 0.0, causal, attn_mask=mask, scale=scale)
+        lse.contiguous(), 0.0, causal and mask is None, attn_mask=mask, scale=scale)
     return dq, _fold(dk, g), _fold(dv, g)
 
 
@@ -182,16 +210,20 @@ class Kernel(NamedTuple):
 
 MATH = Kernel("math", math_forward, math_backward)
 FLASH = Kernel("flash", flash_forward, flash_backward)
-KERNELS = {k.name: k for k in (MATH, FLASH, Kernel("flash_cpu", flash_cpu_forward, flash_cpu_backward))}
+EFFICIENT = Kernel("efficient", efficient_forward, efficient_backward)
+KERNELS = {k.name: k for k in (MATH, FLASH, EFFICIENT, Kernel("flash_cpu", flash_cpu_forward, flash_cpu_backward))}
 
 
 def kernel_for(q: torch.Tensor, documents: bool, name: Optional[str] = None) -> Kernel:
-    """Flash on CUDA for bf16/fp16 blocks without document masks; the fp32 math kernel otherwise
-    (``name`` picks one: math, flash, flash_cpu)."""
+    """On CUDA: flash for bf16/fp16 causal blocks, the memory-efficient kernel for blocks with a
+    document mask; the fp32 math kernel otherwise (``name`` picks one of KERNELS)."""
     if name is not None:
         return KERNELS[name]
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not documents and q.size(-1) % 8 == 0:
-        return FLASH
+    if q.is_cuda and q.size(-1) % 8 == 0:
+        if documents:
+            return EFFICIENT
+        if q.dtype in (torch.bfloat16, torch.float16):
+            return FLASH
     return MATH
 
 

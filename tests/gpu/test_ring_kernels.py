@@ -4,7 +4,8 @@ GPU, skipped without CUDA: what the ring relies on, against SDPA's own attention
 - the causal diagonal block equals causal SDPA;
 - two key halves, each attended with its LSE and merged, equal attention over all keys;
 - each half's backward from the merged output and final LSE sums (dQ) and concatenates (dK, dV) to
-  the gradients of attention over all keys (GQA: K/V heads repeated per block, folded back)."""
+  the gradients of attention over all keys (GQA: K/V heads repeated per block, folded back);
+- with packed documents, the memory-efficient kernel (mask as a bias) does the same."""
 from __future__ import annotations
 
 import pytest
@@ -58,3 +59,33 @@ def test_flash_blocks_merge_by_lse_and_backprop_from_the_final_lse():
     assert rel(grads[0][0].float() + grads[1][0].float(), want[1]) < 2e-2
     assert rel(torch.cat([grads[0][1], grads[1][1]], 2), want[2]) < 2e-2
     assert rel(torch.cat([grads[0][2], grads[1][2]], 2), want[3]) < 2e-2
+
+
+def test_efficient_kernel_with_document_masks_merges_and_backprops():
+    """Documents on GPU: the memory-efficient kernel with the block's mask as a bias; the second key
+    half holds only a later document, so some query rows have no key there (output 0, LSE -inf)."""
+    from paratron.parallel.context import document_causal_mask
+    from paratron.parallel.ring import EFFICIENT, _merge, kernel_for
+    q, k, v, dout = inputs()
+    s, half, scale = q.size(2), k.size(2) // 2, q.size(-1) ** -0.5
+    docs = torch.cat([torch.zeros(2, 100), torch.ones(2, 100), torch.full((2, s - 200), 2.0)], 1).long().cuda()
+    assert kernel_for(q, documents=True) is EFFICIENT
+    same = docs[:, :, None] == docs[:, None, :]
+    causal = torch.ones(s, s, dtype=torch.bool, device="cuda").tril()
+    parts = []
+    for sl in (slice(0, half), slice(half, None)):
+        allowed = (same & causal)[:, :, sl]
+        parts.append(EFFICIENT.forward(q, k[:, :, sl], v[:, :, sl], False, allowed, scale))
+    out, lse = parts[0][0].float(), parts[0][1].clone()
+    _merge(out, lse, parts[0][0], parts[0][1], first=True)
+    _merge(out, lse, parts[1][0], parts[1][1], first=False)
+    qr, kr, vr = (t.float().clone().requires_grad_() for t in (q, k, v))
+    want = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=document_causal_mask(docs), enable_gqa=True)
+    want.backward(dout.float())
+    assert torch.isfinite(out).all() and rel(out, want) < 1e-2
+    final = out.to(q.dtype)
+    grads = [EFFICIENT.backward(dout, q, k[:, :, sl], v[:, :, sl], final, lse, False, (same & causal)[:, :, sl],
+                                scale, parts[i][2]) for i, sl in enumerate((slice(0, half), slice(half, None)))]
+    assert rel(grads[0][0].float() + grads[1][0].float(), qr.grad) < 2e-2
+    assert rel(torch.cat([grads[0][1], grads[1][1]], 2), kr.grad) < 2e-2
+    assert rel(torch.cat([grads[0][2], grads[1][2]], 2), vr.grad) < 2e-2
