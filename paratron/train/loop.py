@@ -91,6 +91,9 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
     if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
         for layer in model.decoder.layers:
             layer.compile(options=compile_options(device))
+        for m in model.modules():
+            if isinstance(m, moe.MoELayer):
+                m.compile_experts(compile_options(device))
     return model
 
 
