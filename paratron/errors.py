@@ -9,6 +9,7 @@ traceback. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Callable, Sequence
 
@@ -32,7 +33,12 @@ class DataError(UserError, ValueError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose mistakes are a :class:`ConfigError` (one line, no usage dump)."""
+    """argparse whose mistakes are a :class:`ConfigError` (one line, no usage dump); a negative number
+    in exponent form (``--adam-eps -1e-8``) is a value, as ``-1`` and ``-0.5`` are, not a flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
     def error(self, message):
         raise ConfigError(message)

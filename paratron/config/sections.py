@@ -179,7 +179,7 @@ class ParallelConfig(Section):
     accumulate_allreduce_grads_in_fp32: bool = False
     grad_reduce_in_bf16: bool = False  # bf16 gradient buffer and reduction (needs --bf16)
     distributed_backend: Optional[str] = None  # nccl on GPU, gloo on CPU when not given
-    distributed_timeout_minutes: int = 10
+    distributed_timeout_minutes: float = 10.0  # every process group and pipeline wait; fractions allowed
 
 
 @dataclass(eq=True)
