@@ -305,6 +305,7 @@ class CheckpointConfig(Section):
     ckpt_step: Optional[int] = None  # load this iteration instead of the latest
     exit_on_missing_checkpoint: bool = False  # --load without a checkpoint is an error instead of a fresh start
     ckpt_keep_last: int = 0  # paratron: keep only the newest K checkpoints under --save (0: keep all)
+    override_checkpoint_model_args: bool = False  # paratron: load a checkpoint saved with other model flags
 
 
 SECTIONS = {
