@@ -52,12 +52,13 @@ def _show(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def model_differences(saved: dict, cfg: Config) -> list[tuple[str, object, object]]:
+def model_differences(saved: dict, cfg: Config, vocab: bool = True) -> list[tuple[str, object, object]]:
     """(field, checkpoint's value, this run's value) of each model-function field that differs;
-    ``saved`` is the checkpoint's ``Config.to_dict()``."""
+    ``saved`` is the checkpoint's ``Config.to_dict()``; ``vocab``: compare the vocabulary size too."""
     now = cfg.to_dict()
     out = []
-    for section, names in (("model", _compared(saved.get("model", {}), now["model"])), ("data", DATA_FIELDS)):
+    for section, names in (("model", _compared(saved.get("model", {}), now["model"])),
+                           ("data", DATA_FIELDS if vocab else ())):
         old, new = saved.get(section, {}), now[section]
         for name in names:
             if name in old and old[name] != new[name]:
@@ -65,13 +66,15 @@ def model_differences(saved: dict, cfg: Config) -> list[tuple[str, object, objec
     return out
 
 
-def check_model_config(saved: Optional[dict], cfg: Config, where: Path, warn: Callable[[str], None]) -> None:
+def check_model_config(common: dict, cfg: Config, where: Path, warn: Callable[[str], None]) -> None:
     """Raise CheckpointError naming every differing field (checkpoint value vs this run's) unless
-    ``--override-checkpoint-model-args``, which warns instead. A checkpoint without a saved config
-    (none of paratron's) is not checked."""
+    ``--override-checkpoint-model-args``, which warns instead. ``common``: the checkpoint's
+    common.json. A checkpoint without a saved config is not checked; one converted from Hugging Face
+    holds the embedding's row count, not a tokenizer's vocabulary, so its vocabulary is not compared."""
+    saved: Optional[dict] = common.get("config")
     if not saved:
         return
-    diffs = model_differences(saved, cfg)
+    diffs = model_differences(saved, cfg, vocab="converted_from" not in common)
     if not diffs:
         return
     listed = ", ".join(f"{flag(n)} {_show(old)} in the checkpoint vs {_show(new)} here" for n, old, new in diffs)

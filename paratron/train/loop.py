@@ -278,7 +278,7 @@ class Trainer:
             self.log.print(f" no checkpoint found in {root}; training from scratch")
             return
         common = sharded.read_common(d)
-        check_model_config(common.get("config"), self.cfg, d, self.log.print)  # before any tensor is read
+        check_model_config(common, self.cfg, d, self.log.print)  # before any tensor is read
         saved = sharded.tensor_shapes(d)
         same_layout = common.get("layout") == self._layout()
         optim = not (c.finetune or c.no_load_optim) and common.get("optimizer") is not None
