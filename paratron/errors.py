@@ -9,6 +9,7 @@ traceback. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import re
 import sys
 from typing import Callable, Sequence
@@ -42,6 +43,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise ConfigError(message)
+
+
+def os_error_reason(e: OSError) -> str:
+    """An OSError as a short phrase naming the path and the errno; a full disk is named as such."""
+    if e.errno == errno.ENOSPC:
+        return "the disk is full (ENOSPC: no space left on device)"
+    code = errno.errorcode.get(e.errno, "") if e.errno is not None else ""
+    where = f": {e.filename}" if e.filename else ""
+    return f"{e.strerror or str(e) or type(e).__name__}{where}" + (f" ({code})" if code else "")
 
 
 def one_line(message: str) -> str:

@@ -29,6 +29,7 @@ from ..parallel.stages import rank_chunks
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
 from .distributed import build_dims, checkpoint_group, init_distributed
+from .preflight import preflight
 from .logger import RunLogger, format_train_line, format_valid_line
 from .metrics import flops_per_iteration, peak_memory_gb, peak_tflops
 from .microbatches import MicroBatches
@@ -104,6 +105,7 @@ class Trainer:
         self.device = device or init_distributed(cfg)
         self.dims = dims or build_dims(cfg)
         check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
+        preflight(cfg, self.dims, partial(print, flush=True))  # --save and the other output directories, now
         tr = cfg.train
         self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size)
         self.current_global_batch = tr.global_batch_size
