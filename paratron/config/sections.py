@@ -268,6 +268,7 @@ class DataConfig(Section):
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    no_token_id_check: bool = False  # paratron: skip the check of each micro-batch's ids against the vocabulary
 
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",

@@ -55,6 +55,8 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
                      recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
                      fp8=Recipe.from_config(tr), device=device, dtype=params_dtype(cfg), **stage)
     model.fused_output_loss = not tr.no_fused_output_loss
+    if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
+        model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check
     if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
         for layer in model.decoder.layers:
             layer.compile(options=compile_options(device))
