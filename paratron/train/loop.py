@@ -103,6 +103,7 @@ class Trainer:
     def __init__(self, cfg: Config, device: Optional[torch.device] = None, dims: Optional[ParallelDims] = None,
                  data: Optional[tuple] = None):
         """``data`` = (train iterator, valid iterator) replaces the dataset pipeline (tests use it)."""
+        self.start_time = time.time()  # --exit-duration-in-mins counts from start-up, as Megatron's
         self.cfg = cfg
         self.device = device or init_distributed(cfg)
         self.dims = dims or build_dims(cfg)
@@ -350,9 +351,24 @@ class Trainer:
             stop = bool(flag.item())
         return stop
 
+    def _log_exit(self, start: float) -> None:
+        """The line saying why a run stops early (none when --train-iters is reached)."""
+        tr, minutes = self.cfg.train, (time.time() - start) / 60.0
+        if self.iteration >= tr.train_iters:
+            return
+        if tr.exit_interval and self.iteration % tr.exit_interval == 0:
+            why = f"--exit-interval {tr.exit_interval}"
+        elif tr.exit_duration_in_mins and minutes > tr.exit_duration_in_mins:
+            why = f"--exit-duration-in-mins {tr.exit_duration_in_mins:g} ({minutes:.2f} min since start-up)"
+        elif self._stop_signal:
+            why = "SIGTERM (--exit-signal-handler)"
+        else:
+            why = "another rank's clock or signal (--exit-duration-in-mins / --exit-signal-handler)"
+        self.log.print(f" exiting after {self.iteration} iterations: {why}")
+
     def train(self) -> dict:
         cfg, tr, lg = self.cfg, self.cfg.train, self.log
-        start = time.time()
+        start = self.start_time
         acc = torch.zeros(2, device=self.device)
         window_iters, window_start = 0, time.time()
         last_saved, valid_loss = None, None
@@ -395,6 +411,7 @@ class Trainer:
                 self.save()
                 last_saved = self.iteration
             if self._should_exit(start):
+                self._log_exit(start)
                 break
         if cfg.ckpt.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
