@@ -65,6 +65,8 @@ def _gib(n: float) -> str:
 def preflight(cfg: Config, dims: ParallelDims, say: Callable[[str], None]) -> None:
     """Check every directory this rank will write; raise StorageError on every rank if one fails.
     ``say`` prints on the logging rank (the free-space report)."""
+    if not (cfg.ckpt.save or cfg.data.data_cache_path or cfg.log.tensorboard_dir):
+        return  # (the same on every rank: none of them joins the gather)
     targets = [("--save", cfg.ckpt.save), ("--data-cache-path", cfg.data.data_cache_path)]
     if dims.is_logging_rank:
         targets.append(("--tensorboard-dir", cfg.log.tensorboard_dir))
