@@ -12,6 +12,7 @@ With NCCL, torch's watchdog ends the process after the same timeout with its own
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 from typing import Optional
 
@@ -76,13 +77,9 @@ def checkpoint_group(cfg: Config):
     return dist.new_group(backend="gloo", timeout=timeout(cfg), group_desc="checkpoint")
 
 
-def _is_timeout(e: BaseException) -> bool:
-    text = str(e).lower()
-    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
-
-
 def _collective(e: BaseException) -> tuple[Optional[str], object]:
-    """(name, process group) of the innermost torch.distributed call in ``e``'s traceback."""
+    """(name, process group) of the innermost torch.distributed call in ``e``'s traceback (name None:
+    the error did not come from a collective)."""
     name, group, tb = None, None, e.__traceback__
     while tb is not None:
         f = tb.tb_frame
@@ -94,24 +91,35 @@ def _collective(e: BaseException) -> tuple[Optional[str], object]:
     return name, group
 
 
-def timeout_report(e: BaseException, minutes: float) -> Optional[str]:
-    """One line for a collective or pipeline transfer that timed out (None: ``e`` is something else).
-    It names this rank, the collective, its group and the other ranks of the group: one of them did
-    not answer (in a group of two, that one)."""
-    if isinstance(e, PipelineError) and ("timed out" in str(e) or "lost rank" in str(e)):
-        return " ".join(str(e).split())
-    if not _is_timeout(e) or not dist.is_initialized():
-        return None
-    me = dist.get_rank()
-    op, group = _collective(e)
+def _members(group) -> tuple[list[int], str]:
+    """The global ranks and the name (``group_desc``) of a process group (None: the default one)."""
     group = group if group is not None else dist.group.WORLD
     try:
-        ranks = dist.get_process_group_ranks(group)
-        label = getattr(group, "group_desc", "") or "default"
+        return dist.get_process_group_ranks(group), getattr(group, "group_desc", "") or "default"
     except (RuntimeError, ValueError):  # a group torch no longer knows: only the world is certain
-        ranks, label = list(range(dist.get_world_size())), "default"
+        return list(range(dist.get_world_size())), "default"
+
+
+def timeout_report(e: BaseException, minutes: float) -> Optional[str]:
+    """One line for a collective or pipeline transfer that timed out or lost its peer (None: ``e`` is
+    something else). It names this rank, the collective, its group and the other ranks of the group:
+    one of them did not answer (in a group of two, that one)."""
+    if isinstance(e, PipelineError) and ("timed out" in str(e) or "lost rank" in str(e)):
+        return " ".join(str(e).split())
+    if not isinstance(e, RuntimeError) or not dist.is_initialized():
+        return None
+    op, group = _collective(e)
+    if op is None:
+        return None
+    text, me = str(e).lower(), dist.get_rank()
+    ranks, label = _members(group)
     peers = [r for r in ranks if r != me]
     who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {peers}"
-    return (f"rank {me}: {op or 'a collective'} on the {label} group (ranks {ranks}) timed out after "
-            f"{minutes:g} min (--distributed-timeout-minutes): {who} did not answer; is it stopped, hung "
-            "(a file system, a deadlock) or dead? Its own log says more")
+    where = f"rank {me}: {op} on the {label} group (ranks {ranks})"
+    if "timed out" in text or "timeout" in text:
+        return (f"{where} timed out after {minutes:g} min (--distributed-timeout-minutes): {who} did not answer; "
+                "is it stopped, hung (a file system, a deadlock) or dead? Its own log says more")
+    if "connection" in text or "peer" in text or "broken pipe" in text:
+        detail = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(e).split())).split(". ")[0][:160]
+        return f"{where} failed: {who} exited or its connection broke ({detail}); its own log says why"
+    return None

@@ -84,3 +84,36 @@ def test_a_stopped_rank_ends_the_run_with_one_line_naming_it():
     # (rank 0 waits in a TP all-reduce, or the gradient norm's over the model-parallel group: both are ranks 0 and 1)
     assert re.search(r"rank 0: \w+ on the (tp|mp) group \(ranks \[0, 1\]\) timed out after 0.25 min "
                      r"\(--distributed-timeout-minutes\): rank 1 did not answer", line), line
+
+
+PEER = """
+import os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from paratron.train.distributed import timeout_report
+rank, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+g = dist.new_group([0, 1], timeout=timedelta(seconds=30), group_desc="dp")
+if rank == 1:
+    os._exit(0)
+try:
+    dist.all_reduce(torch.ones(4), group=g)
+except RuntimeError as e:
+    print(timeout_report(e, 0.5))
+"""
+
+
+def test_a_peer_that_exits_is_named_too(tmp_path):
+    """(The timeout branch of the same report is the slow test above.)"""
+    mode, needle = "exit", ("rank 0: all_reduce on the dp group (ranks [0, 1]) failed: rank 1 exited or its "
+                            "connection broke (")  # gloo says "Connection closed by peer" or "Connection reset by peer"
+    from tests.dist import free_port
+    script = tmp_path / "peer.py"
+    script.write_text(PEER)
+    port = str(free_port())
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, mode], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    out = [p.communicate(timeout=120)[0] for p in procs][0]
+    assert needle in out, out
