@@ -35,6 +35,12 @@ def run_train(argv: list[str]) -> int:
     try:
         pretrain(cfg)
         ok = True
+    except RuntimeError as e:  # a peer that did not answer in time: one line naming it, not a traceback
+        from .train.distributed import DistributedTimeoutError, timeout_report
+        report = timeout_report(e, cfg.parallel.distributed_timeout_minutes)
+        if report is None:
+            raise
+        raise DistributedTimeoutError(report) from None
     finally:
         from .parallel.dims import shutdown_distributed
         shutdown_distributed(ok)

@@ -5,6 +5,7 @@ import dataclasses
 import typing
 
 from .parse import ACCEPTED_NO_OP_FLAGS, UNSUPPORTED_MEGATRON_FLAGS
+from .ranges import RANGES
 from .sections import SECTIONS, TOKENIZER_FIELDS, base_type, flag
 
 DERIVED = """## How a config is resolved
@@ -17,7 +18,10 @@ changes it afterwards. It derives `--kv-channels`, `--ffn-hidden-size`, `--num-q
 `--recompute-activations`), `--fp8-format hybrid` (from `--fp8-hybrid`), `--tokenizer-type
 NullTokenizer` with `--vocab-size 50257` for `--mock-data` without tokenizer flags, the data-parallel size (processes / (TP x PP x CP)), the default
 `--global-batch-size` (micro-batch x data-parallel size), `--train-iters` from `--train-samples`, and
-`--vocab-size` from the tokenizer. Python code that needs another config copies it:
+`--vocab-size` from the tokenizer. Before any of that, every number is checked against its range
+(the table's last column; `paratron/config/ranges.py`), whether it came from the command line, a
+YAML file or a preset: `--adam-beta1 2` is `error: --adam-beta1 must be in [0, 1) (got 2.0)`, exit
+code 2, and an integer flag refuses a fraction (`train_iters: 2.5` in YAML) instead of truncating it. Python code that needs another config copies it:
 `cfg.unfrozen()` (the values as given; resolve it again) or `dataclasses.replace(...)`.
 
 The tokenizer flags ({tokenizer}) are the same set, with the same defaults and meaning, in
@@ -42,12 +46,12 @@ def reference_markdown() -> str:
              "A boolean flag alone sets it (`--bf16`); `--bf16 false` turns off what a YAML file or preset set.",
              ""]
     for sec, cls in SECTIONS.items():
-        lines += [f"## {sec}", "", "| flag | type | default |", "|---|---|---|"]
+        lines += [f"## {sec}", "", "| flag | type | default | range |", "|---|---|---|---|"]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             tname = getattr(base_type(hints[f.name]), "__name__", str(hints[f.name]))
-            lines.append(f"| `{flag(f.name)}` | {tname} | `{default}` |")
+            lines.append(f"| `{flag(f.name)}` | {tname} | `{default}` | {RANGES[f.name].text if f.name in RANGES else ''} |")
         lines.append("")
     lines += DERIVED.format(tokenizer=", ".join(f"`{flag(n)}`" for n in TOKENIZER_FIELDS)).splitlines()
     lines += ["", "## Megatron flags accepted with no effect", "",

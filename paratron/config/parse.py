@@ -45,6 +45,8 @@ def _coerce(name: str, value: Any) -> Any:
     tp = base_type(FIELD_TYPES[name])
     if value is None:
         return None
+    if tp is int and isinstance(value, float) and not value.is_integer():  # refused, never truncated
+        raise ConfigError(f"{flag(name)} must be an integer (got {value!r})")
     try:
         if tp is bool:
             if isinstance(value, bool):

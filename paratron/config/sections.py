@@ -181,7 +181,7 @@ class ParallelConfig(Section):
     accumulate_allreduce_grads_in_fp32: bool = False
     grad_reduce_in_bf16: bool = False  # bf16 gradient buffer and reduction (needs --bf16)
     distributed_backend: Optional[str] = None  # nccl on GPU, gloo on CPU when not given
-    distributed_timeout_minutes: int = 10
+    distributed_timeout_minutes: float = 10.0  # every process group and pipeline wait; fractions allowed
 
 
 @dataclass(eq=True)
@@ -270,6 +270,7 @@ class DataConfig(Section):
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    no_token_id_check: bool = False  # paratron: skip the check of each micro-batch's ids against the vocabulary
 
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",
@@ -307,6 +308,7 @@ class CheckpointConfig(Section):
     ckpt_step: Optional[int] = None  # load this iteration instead of the latest
     exit_on_missing_checkpoint: bool = False  # --load without a checkpoint is an error instead of a fresh start
     ckpt_keep_last: int = 0  # paratron: keep only the newest K checkpoints under --save (0: keep all)
+    override_checkpoint_model_args: bool = False  # paratron: load a checkpoint saved with other model flags
 
 
 SECTIONS = {

@@ -17,6 +17,7 @@ import sys
 from typing import Optional
 
 from ..errors import ConfigError
+from .ranges import check_ranges
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
 
 TIKTOKEN_PATTERNS = ("v1", "v2")
@@ -35,16 +36,9 @@ def _freeze(section, given: dict) -> None:
     section._freeze({k: v for k, v in given.items() if getattr(section, k) != v})
 
 
-def _at_least_one(section, names) -> None:
-    for name in names:
-        value = getattr(section, name)
-        need(value >= 1, f"{flag(name)} must be >= 1 (got {value})")
-
-
 # ---- the sections ------------------------------------------------------------------------------
 def validate_model(m: ModelConfig) -> None:
     """Checks of the model's shape; fills Megatron's derived defaults."""
-    _at_least_one(m, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
     need(m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None,
          f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
          "change one of them or set --kv-channels")
@@ -59,7 +53,7 @@ def validate_model(m: ModelConfig) -> None:
         m.num_query_groups = m.num_attention_heads
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
-    need(m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups == 0,
+    need(m.num_attention_heads % m.num_query_groups == 0,
          f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups "
          f"{m.num_query_groups}")
     need(m.position_embedding_type in ("learned_absolute", "rope", "none"),
@@ -70,8 +64,6 @@ def validate_model(m: ModelConfig) -> None:
              "raise --max-position-embeddings")
     need(m.normalization in ("LayerNorm", "RMSNorm"),
          f"--normalization must be LayerNorm or RMSNorm (got {m.normalization})")
-    need(0.0 < m.rotary_percent <= 1.0, "--rotary-percent must be in (0, 1]")
-    need(0.0 <= m.hidden_dropout < 1 and 0.0 <= m.attention_dropout < 1, "dropout rates must be in [0, 1)")
     validate_moe(m)
 
 
@@ -88,31 +80,22 @@ def validate_moe(m: ModelConfig) -> None:
              "or remove the flag")
         return
     from ..model.spec import parse_moe_layer_freq  # the flag's parser lives with the layer specs
-    need(m.num_experts >= 1, f"--num-experts must be >= 1 (got {m.num_experts})")
     need(1 <= m.moe_router_topk <= m.num_experts,
          f"--moe-router-topk {m.moe_router_topk} must be between 1 and --num-experts {m.num_experts}")
     for name, choices in MOE_CHOICES.items():
         value = getattr(m, name)
         need(value in choices, f"{flag(name)} {value}: choose one of {', '.join(str(c) for c in choices)}")
-    factor = m.moe_expert_capacity_factor
-    need(factor is None or factor > 0, f"--moe-expert-capacity-factor must be > 0 (got {factor})")
-    need(not m.moe_pad_expert_input_to_capacity or factor is not None,
+    need(not m.moe_pad_expert_input_to_capacity or m.moe_expert_capacity_factor is not None,
          "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-    need(m.moe_aux_loss_coeff >= 0 and (m.moe_z_loss_coeff or 0) >= 0, "MoE loss coefficients must be >= 0")
-    need(m.moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must be >= 0")
-    need(m.moe_router_topk_scaling_factor is None or m.moe_router_topk_scaling_factor > 0,
-         "--moe-router-topk-scaling-factor must be > 0")
-    need(m.moe_shared_expert_intermediate_size is None or m.moe_shared_expert_intermediate_size >= 1,
-         "--moe-shared-expert-intermediate-size must be >= 1")
     if m.moe_ffn_hidden_size is None:
         m.moe_ffn_hidden_size = m.ffn_hidden_size
-    need(m.moe_ffn_hidden_size >= 1, f"--moe-ffn-hidden-size must be >= 1 (got {m.moe_ffn_hidden_size})")
     parse_moe_layer_freq(m.moe_layer_freq, m.num_layers)
 
 
 def resolve_model(m: ModelConfig) -> ModelConfig:
     """A model config on its own (GPTModel, HF conversion): validated, derived values filled, frozen."""
     given = _values(m)
+    check_ranges(m)
     validate_model(m)
     _freeze(m, given)
     return m
@@ -120,8 +103,6 @@ def resolve_model(m: ModelConfig) -> ModelConfig:
 
 def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> None:
     """Parallel sizes against the model; the pipeline layout (derives the virtual size)."""
-    _at_least_one(par, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                        "expert_model_parallel_size"))
     validate_context_parallel(par, m)
     for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
         size = getattr(par, name)
@@ -142,7 +123,6 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
              f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {tp}")
     from ..parallel.stages import finalize_pipeline  # imported here: parallel/ imports this package
     par.virtual_pipeline_model_parallel_size = finalize_pipeline(par, m.num_layers)
-    need(par.ddp_bucket_size is None or par.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1 (elements)")
     need(not par.overlap_param_gather or par.use_distributed_optimizer,
          "--overlap-param-gather needs --use-distributed-optimizer")
     need(not par.grad_reduce_in_bf16 or tr.bf16, "--grad-reduce-in-bf16 needs --bf16")
@@ -175,7 +155,6 @@ def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
 
 
 def validate_train(tr: TrainConfig) -> None:
-    _at_least_one(tr, ("micro_batch_size", "eval_interval"))
     need(not (tr.bf16 and tr.fp16), "--bf16 and --fp16 are mutually exclusive; choose one")
     need(tr.train_iters is None or tr.train_samples is None,
          "--train-iters and --train-samples are mutually exclusive; choose one")
@@ -217,8 +196,6 @@ def validate_fp8(cfg: Config) -> None:
     need(tr.fp8_recipe in fp8.RECIPES, f"--fp8-recipe must be tensorwise or delayed (got {tr.fp8_recipe})")
     need(tr.fp8_amax_compute_algo in fp8.AMAX_ALGOS,
          f"--fp8-amax-compute-algo must be max or most_recent (got {tr.fp8_amax_compute_algo})")
-    need(tr.fp8_amax_history_len >= 1, f"--fp8-amax-history-len must be >= 1 (got {tr.fp8_amax_history_len})")
-    need(tr.fp8_margin >= 0, f"--fp8-margin must be >= 0 (got {tr.fp8_margin})")
     need(tr.bf16, "--fp8-format needs --bf16 (FP8 matmuls with bf16 weights and activations)")
     need(not (tr.fp8_recipe == "delayed" and tr.recompute_granularity == "full"),
          "--fp8-recipe delayed with --recompute-granularity full would record each amax twice and recompute "
@@ -245,7 +222,6 @@ def validate_optim(op) -> None:
          "--lr-wsd-decay-style must be linear, cosine, exponential or minus_sqrt")
     if op.lr_warmup_fraction is not None:
         need(op.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
-        need(0.0 <= op.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must be in [0, 1]")
     need(op.min_lr <= op.lr, f"--min-lr {op.min_lr} is larger than --lr {op.lr}")
 
 
@@ -253,12 +229,10 @@ def validate_ckpt(c) -> None:
     need(c.ckpt_format in ("torch_dist", "torch_dcp"),
          f"--ckpt-format {c.ckpt_format} is not supported; paratron saves sharded torch.distributed.checkpoint "
          "checkpoints (--ckpt-format torch_dist)")
-    need(c.ckpt_keep_last >= 0, f"--ckpt-keep-last must be >= 0 (got {c.ckpt_keep_last})")
     need(not c.async_save or c.save is not None, "--async-save needs --save DIR")
 
 
 def validate_log(lg) -> None:
-    _at_least_one(lg, ("log_interval",))
     need(lg.sample_prompt is None, "--sample-prompt: training runs cannot generate text yet; remove the flag "
          "(`paratron demo` prints samples of its model)")
 
@@ -266,6 +240,7 @@ def validate_log(lg) -> None:
 def validate_tokenizer(d: DataConfig) -> None:
     """The tokenizer flags (shared by train and preprocess)."""
     from ..data.tokenizers import TOKENIZER_TYPES
+    check_ranges(d)
     need(d.tokenizer_type is not None, "set the tokenizer with --tokenizer-type (and its files); see docs/data.md")
     if d.tokenizer_type not in TOKENIZER_TYPES:
         close = ([t for t in TOKENIZER_TYPES if t.lower().startswith(d.tokenizer_type.lower())]
@@ -275,9 +250,6 @@ def validate_tokenizer(d: DataConfig) -> None:
     if d.tokenizer_type == "NullTokenizer":
         need(d.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size N")
     need(d.tiktoken_pattern in TIKTOKEN_PATTERNS, f"--tiktoken-pattern must be v1 or v2 (got {d.tiktoken_pattern})")
-    need(d.vocab_extra_ids >= 0, f"--vocab-extra-ids must be >= 0 (got {d.vocab_extra_ids})")
-    need(d.tiktoken_num_special_tokens >= 3,
-         f"--tiktoken-num-special-tokens must be >= 3 (got {d.tiktoken_num_special_tokens})")
 
 
 def validate_data(d: DataConfig) -> None:
@@ -351,6 +323,8 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
     given = {name: _values(getattr(cfg, name)) for name in SECTIONS}
     given_world = cfg.world_size
     try:
+        for name in SECTIONS:  # every number in its range before anything else
+            check_ranges(getattr(cfg, name))
         validate_model(cfg.model)
         validate_parallel(cfg.parallel, cfg.model, cfg.train)
         validate_train(cfg.train)

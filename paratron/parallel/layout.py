@@ -34,6 +34,7 @@ import torch.distributed as dist
 from .context import split_sequence
 from .dims import ParallelDims
 from .p2p import TensorSpec
+from .tensor import check_token_ids
 
 
 def microbatch_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, num_microbatches: int,
@@ -60,6 +61,7 @@ class BatchLayout:
     reset_position_ids: bool = False
     calculate_per_token_loss: bool = False
     cp_group: object = field(default=None, compare=False)  # for the token count of the CP group
+    vocab_size: Optional[int] = None  # token ids and labels must be below it (checked on the host); None: unchecked
 
     def __post_init__(self):
         object.__setattr__(self, "device", torch.device(self.device))
@@ -77,7 +79,8 @@ class BatchLayout:
                    sequence_parallel=bool(par.sequence_parallel and dims.tp > 1), cp=dims.cp,
                    cp_rank=dims.cp_rank, cp_group=dims.cp_group,
                    reset_position_ids=cfg.data.reset_position_ids,
-                   calculate_per_token_loss=cfg.train.calculate_per_token_loss)
+                   calculate_per_token_loss=cfg.train.calculate_per_token_loss,
+                   vocab_size=None if cfg.data.no_token_id_check else cfg.data.vocab_size)
 
     # ---- this rank's part of the sequence ---------------------------------------------------------
     @property
@@ -104,6 +107,9 @@ class BatchLayout:
         # Positions 0 .. s-1 of a whole (unsliced) sequence go as None: the model makes them itself
         # and reads its rotary table as one contiguous slice instead of a [s, b] gather.
         plain = not self.reset_position_ids and self.cp == 1
+        if self.vocab_size is not None:  # on the loader's host tensors: no device sync
+            for key in ("tokens", "labels"):
+                check_token_ids(batch[key], self.vocab_size, f"the micro-batch's {key}")
         out = {"position_ids": None if plain else self.slice_sequence(self.position_ids(batch))}
         for key in ("tokens", "labels", "loss_mask"):
             out[key] = self.slice_sequence(batch[key].to(self.device, non_blocking=True))

@@ -2,10 +2,8 @@
 exit conditions. Read top to bottom; each parallelism lives in paratron/parallel/."""
 from __future__ import annotations
 
-import os
 import signal
 import time
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -15,12 +13,13 @@ import torch.distributed as dist
 
 from ..checkpoint import sharded
 from ..checkpoint import state as cstate
+from ..checkpoint.compat import check_model_config
 from ..checkpoint.pieces import replicated_row
-from ..config import Config, ConfigError, check_resolved
+from ..config import Config, check_resolved
 from ..model import moe
 from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
-from ..parallel.dims import ParallelDims, initialize_model_parallel
+from ..parallel.dims import ParallelDims
 from ..parallel import fp8
 from ..parallel.fp8 import Recipe
 from ..parallel.layout import BatchLayout
@@ -29,43 +28,11 @@ from ..parallel.random import rng_state, set_rng_state, set_seed
 from ..parallel.stages import rank_chunks
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
+from .distributed import build_dims, checkpoint_group, init_distributed
+from .preflight import preflight
 from .logger import RunLogger, format_train_line, format_valid_line
 from .metrics import flops_per_iteration, peak_memory_gb, peak_tflops
 from .microbatches import MicroBatches
-
-
-def init_distributed(cfg: Config) -> torch.device:
-    """Device and process group from torchrun's environment: NCCL on GPUs, gloo on CPU."""
-    use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-        use_expandable_segments()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = cfg.parallel.distributed_backend or ("nccl" if use_cuda else "gloo")
-        dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
-    return device
-
-
-def use_expandable_segments() -> None:
-    """Let the CUDA caching allocator grow segments in place instead of keeping blocks of fixed
-    sizes, which fragment when micro-batches are large (the user's PYTORCH_CUDA_ALLOC_CONF wins)."""
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
-        return
-    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
-              or getattr(torch.cuda.memory, "_set_allocator_settings", None))
-    if setter is not None:
-        setter("expandable_segments:True")
-
-
-def build_dims(cfg: Config) -> ParallelDims:
-    p = cfg.parallel
-    return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                     p.virtual_pipeline_model_parallel_size, p.context_parallel_size,
-                                     p.expert_model_parallel_size, p.expert_tensor_parallel_size)
 
 
 def params_dtype(cfg: Config) -> torch.dtype:
@@ -88,6 +55,8 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
                      recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
                      fp8=Recipe.from_config(tr), cp_comm_type=cfg.parallel.cp_comm_type, device=device, dtype=params_dtype(cfg), **stage)
     model.fused_output_loss = not tr.no_fused_output_loss
+    if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
+        model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check
     if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
         for layer in model.decoder.layers:
             layer.compile(options=compile_options(device))
@@ -137,10 +106,12 @@ class Trainer:
     def __init__(self, cfg: Config, device: Optional[torch.device] = None, dims: Optional[ParallelDims] = None,
                  data: Optional[tuple] = None):
         """``data`` = (train iterator, valid iterator) replaces the dataset pipeline (tests use it)."""
+        self.start_time = time.time()  # --exit-duration-in-mins counts from start-up, as Megatron's
         self.cfg = cfg
         self.device = device or init_distributed(cfg)
         self.dims = dims or build_dims(cfg)
         check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
+        preflight(cfg, self.dims, partial(print, flush=True))  # --save and the other output directories, now
         tr = cfg.train
         self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size)
         self.current_global_batch = tr.global_batch_size
@@ -162,10 +133,7 @@ class Trainer:
         self.pending_save: Optional[sharded.AsyncSave] = None
         self._pending_skips: Optional[torch.Tensor] = None
         self._pinned: dict = {}  # reused pinned CPU buffers of --async-save
-        # Checkpoint collectives run on their own gloo group: a background save never interleaves
-        # with training's collectives, and no GPU memory is needed for the plans.
-        self.ckpt_group = (dist.new_group(backend="gloo") if dist.is_initialized() and (cfg.ckpt.save or cfg.ckpt.load)
-                           else None)
+        self.ckpt_group = checkpoint_group(cfg)  # checkpoint collectives run on their own gloo group
         if cfg.ckpt.load:
             self.load(cfg.ckpt.load)
         self.train_iter, self.valid_iter = data if data is not None else self._build_data()
@@ -318,6 +286,7 @@ class Trainer:
             self.log.print(f" no checkpoint found in {root}; training from scratch")
             return
         common = sharded.read_common(d)
+        check_model_config(common, self.cfg, d, self.log.print)  # before any tensor is read
         saved = sharded.tensor_shapes(d)
         same_layout = common.get("layout") == self._layout()
         optim = not (c.finetune or c.no_load_optim) and common.get("optimizer") is not None
@@ -385,9 +354,24 @@ class Trainer:
             stop = bool(flag.item())
         return stop
 
+    def _log_exit(self, start: float) -> None:
+        """The line saying why a run stops early (none when --train-iters is reached)."""
+        tr, minutes = self.cfg.train, (time.time() - start) / 60.0
+        if self.iteration >= tr.train_iters:
+            return
+        if tr.exit_interval and self.iteration % tr.exit_interval == 0:
+            why = f"--exit-interval {tr.exit_interval}"
+        elif tr.exit_duration_in_mins and minutes > tr.exit_duration_in_mins:
+            why = f"--exit-duration-in-mins {tr.exit_duration_in_mins:g} ({minutes:.2f} min since start-up)"
+        elif self._stop_signal:
+            why = "SIGTERM (--exit-signal-handler)"
+        else:
+            why = "another rank's clock or signal (--exit-duration-in-mins / --exit-signal-handler)"
+        self.log.print(f" exiting after {self.iteration} iterations: {why}")
+
     def train(self) -> dict:
         cfg, tr, lg = self.cfg, self.cfg.train, self.log
-        start = time.time()
+        start = self.start_time
         acc = torch.zeros(2, device=self.device)
         window_iters, window_start = 0, time.time()
         last_saved, valid_loss = None, None
@@ -430,6 +414,7 @@ class Trainer:
                 self.save()
                 last_saved = self.iteration
             if self._should_exit(start):
+                self._log_exit(start)
                 break
         if cfg.ckpt.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
