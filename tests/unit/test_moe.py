@@ -376,13 +376,6 @@ def test_expert_path_compiles_as_one_graph():
     assert capped.local is moe.local_experts  # token dropping: data-dependent shapes stay eager
 
 
-def test_hf_conversion_of_moe_models_is_a_clear_error():
-    from paratron.checkpoint.hf import name_table
-    from paratron.checkpoint.hf_config import ConversionError
-    with pytest.raises(ConversionError, match="converting MoE models is not implemented yet"):
-        name_table(small(swiglu=True, normalization="RMSNorm", position_embedding_type="rope"), "llama")
-
-
 def test_torch_compile_leaves_the_moe_layer_eager():
     """--torch-compile compiles each layer; the MoE part runs eagerly, so the numbers are the eager ones."""
     pytest.importorskip("torch._inductor")
