@@ -169,8 +169,8 @@ class ParallelConfig(Section):
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     context_parallel_size: int = 1  # > 1 is an error until context parallelism exists
-    expert_model_parallel_size: int = 1  # > 1 is an error until expert parallelism exists
-    expert_tensor_parallel_size: Optional[int] = None  # > 1 is an error until expert parallelism exists
+    expert_model_parallel_size: int = 1  # experts split over this many ranks (docs/moe.md)
+    expert_tensor_parallel_size: Optional[int] = None  # each expert FFN split over this many ranks; default TP
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False

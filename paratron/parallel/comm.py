@@ -11,6 +11,7 @@ unconditionally and stays exactly a plain transformer at TP=1.
     scatter_to_sp         fwd split dim 0       bwd all-gather dim 0    (enter the sequence-parallel region)
     gather_from_sp        fwd all-gather dim 0  bwd reduce-scatter dim 0 (before a column-parallel layer)
     reduce_scatter_to_sp  fwd reduce-scatter 0  bwd all-gather dim 0    (after a row-parallel layer)
+    unscatter_from_sp     fwd all-gather dim 0  bwd split dim 0         (inverse of scatter_to_sp)
 """
 from __future__ import annotations
 
@@ -144,6 +145,17 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _gather(g, 0, ctx.group), None
 
 
+class _UnscatterFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, 0, ctx.group), None
+
+
 def _wrap(fn):
     def call(x: torch.Tensor, group) -> torch.Tensor:
         if group_size(group) == 1:
@@ -160,3 +172,4 @@ gather_from_tp = _wrap(_GatherFromTP)
 scatter_to_sp = _wrap(_ScatterToSP)
 gather_from_sp = _wrap(_GatherFromSP)
 reduce_scatter_to_sp = _wrap(_ReduceScatterToSP)
+unscatter_from_sp = _wrap(_UnscatterFromSP)
