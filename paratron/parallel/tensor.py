@@ -50,6 +50,24 @@ def gather_full(p: torch.Tensor, group) -> torch.Tensor:
     return full
 
 
+def gather_global(p: torch.Tensor, dims) -> torch.Tensor:
+    """The global tensor of a parameter: its parts gathered over every group its spec splits it over
+    (TP, EP, expert-TP). Every rank of those groups must call it."""
+    full = p.detach()
+    for split in spec_of(p).splits:
+        group, n = dims.group(split.group), dims.size(split.group)
+        if n == 1:
+            continue
+        parts = [torch.empty_like(full) for _ in range(n)]
+        torch.distributed.all_gather(parts, full.contiguous(), group=group)
+        shape = list(full.shape)
+        shape[split.dim] = sum(split.blocks)
+        full = torch.empty(shape, dtype=p.dtype, device=p.device)
+        for r, part in enumerate(parts):
+            full.index_copy_(split.dim, local_index(split, r, n).to(p.device), part)
+    return full
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8) -> torch.Tensor:
     """``F.linear``, or with an FP8 state the FP8 matmul followed by the bias."""
     if fp8 is None:
