@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 from . import comm
 
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name where it exists
+
 
 @dataclass(frozen=True)
 class ExpertLayout:
@@ -108,7 +110,7 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
     n_exp, loc, g, etp = lay.num_experts, lay.local, lay.size, lay.etp
     counts = routing_map.sum(dim=0)
     table_dev = counts.new_empty(g * n_exp)
-    dist.all_gather_into_tensor(table_dev, counts, group=lay.group)
+    _all_gather(table_dev, counts, group=lay.group)
     table_dev = table_dev.view(g, n_exp)
     table = table_dev.tolist()  # the one host synchronisation: every split size
     me = lay.etp_rank + etp * lay.ep_rank
@@ -148,7 +150,7 @@ def allgather_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: t
     x_all = comm.gather_from_sp(tokens, lay.group)
     probs_all = comm.gather_from_sp(probs, lay.group)
     map_all = torch.empty(routing_map.numel() * lay.size, dtype=torch.uint8, device=routing_map.device)
-    dist.all_gather_into_tensor(map_all, routing_map.contiguous().view(torch.uint8).view(-1), group=lay.group)
+    _all_gather(map_all, routing_map.contiguous().view(torch.uint8).view(-1), group=lay.group)
     map_all = map_all.view(torch.bool).view(-1, routing_map.shape[1])
     local_map = map_all[:, lay.first:lay.first + lay.local]
     expert_index, token_index = local_map.t().nonzero(as_tuple=True)

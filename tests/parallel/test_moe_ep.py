@@ -16,7 +16,8 @@ from tests.parallel.common import assert_close_runs, global_batches, micro_batch
 
 STEPS, SAVE_AFTER = 3, 1
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
-           moe_grouped_gemm=True, moe_router_dtype="fp32", clip_grad=0.05)
+           moe_grouped_gemm=True, moe_router_dtype="fp32", moe_router_enable_expert_bias=True,
+           moe_router_bias_update_rate=1e-2, clip_grad=0.05)
 EP2 = dict(expert_model_parallel_size=2)
 TP2 = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
 LAYOUTS = {  # name: flags on 4 ranks
