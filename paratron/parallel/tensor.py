@@ -33,6 +33,18 @@ def _param(full: torch.Tensor, dim: int, chunks: int, group, **spec) -> nn.Param
     return set_spec(nn.Parameter(shard(full, s, {"tp": (comm.group_rank(group), comm.group_size(group))})), s)
 
 
+def _gathered(t: torch.Tensor, split: Split, group, n: int) -> torch.Tensor:
+    """``t``, split along ``split.dim`` over the ``n`` ranks of ``group``, put back together."""
+    parts = [torch.empty_like(t) for _ in range(n)]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    shape = list(t.shape)
+    shape[split.dim] = sum(split.blocks)
+    full = torch.empty(shape, dtype=t.dtype, device=t.device)
+    for r, part in enumerate(parts):
+        full.index_copy_(split.dim, local_index(split, r, n).to(t.device), part)
+    return full
+
+
 def gather_full(p: torch.Tensor, group) -> torch.Tensor:
     """The global tensor of a parameter split over the TP ``group`` (inverse of the split done at
     construction)."""
@@ -40,14 +52,7 @@ def gather_full(p: torch.Tensor, group) -> torch.Tensor:
     n = comm.group_size(group)
     if split is None or n == 1:
         return p.detach()
-    parts = [torch.empty_like(p) for _ in range(n)]
-    torch.distributed.all_gather(parts, p.detach().contiguous(), group=group)
-    shape = list(p.shape)
-    shape[split.dim] = sum(split.blocks)
-    full = torch.empty(shape, dtype=p.dtype, device=p.device)
-    for r, part in enumerate(parts):
-        full.index_copy_(split.dim, local_index(split, r, n).to(p.device), part)
-    return full
+    return _gathered(p.detach(), split, group, n)
 
 
 def gather_global(p: torch.Tensor, dims) -> torch.Tensor:
@@ -55,16 +60,8 @@ def gather_global(p: torch.Tensor, dims) -> torch.Tensor:
     (TP, EP, expert-TP). Every rank of those groups must call it."""
     full = p.detach()
     for split in spec_of(p).splits:
-        group, n = dims.group(split.group), dims.size(split.group)
-        if n == 1:
-            continue
-        parts = [torch.empty_like(full) for _ in range(n)]
-        torch.distributed.all_gather(parts, full.contiguous(), group=group)
-        shape = list(full.shape)
-        shape[split.dim] = sum(split.blocks)
-        full = torch.empty(shape, dtype=p.dtype, device=p.device)
-        for r, part in enumerate(parts):
-            full.index_copy_(split.dim, local_index(split, r, n).to(p.device), part)
+        if dims.size(split.group) > 1:
+            full = _gathered(full, split, dims.group(split.group), dims.size(split.group))
     return full
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.parallel.common import assert_close_runs, global_batches, micro_batches, run_steps, tiny_config
+from tests.parallel.common import assert_close_runs, run_steps, tiny_config
+from tests.parallel.test_moe_dp import _pipeline
 
 STEPS, SAVE_AFTER = 3, 1
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
@@ -30,24 +31,6 @@ LAYOUTS = {  # name: flags on 4 ranks
     "dp4_ep2_distopt": dict(EP2, use_distributed_optimizer=True, overlap_grad_reduce=True),
 }
 RESUMED = {"ep4": dict(expert_model_parallel_size=4), "tp2_ep2_sp": dict(TP2, sequence_parallel=True)}
-
-
-def _pipeline(cfg) -> dict:
-    """STEPS steps of a pipeline run: the last stage's losses, every parameter by global name."""
-    from paratron.parallel.stages import global_name, unwrap
-    from paratron.parallel.tensor import gather_global
-    from paratron.train.loop import Trainer, build_dims
-    dims = build_dims(cfg)
-    trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims,
-                      data=(micro_batches(global_batches(cfg, STEPS), cfg, dims.dp_rank, dims.dp), None))
-    losses = []
-    for _ in range(STEPS):
-        report, _, _ = trainer.train_step()
-        losses.append((report[0] / report[1].clamp(min=1)).item())
-    m = unwrap(trainer.models[0])
-    params = {global_name(n, m.decoder.layer_offset): gather_global(p, dims) for n, p in m.named_parameters()}
-    trainer.close()
-    return {"losses": losses if dims.is_last_stage else None, "params": params}
 
 
 def _wrong_group(cfg) -> dict:
