@@ -130,7 +130,7 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
     order = None
     row_expert = torch.repeat_interleave(torch.arange(loc, device=x.device).repeat(g), local_dev.reshape(-1),
                                          output_size=sum(recv))
-    if loc > 1 and g > 1:
+    if loc > 1:
         order = torch.argsort(row_expert, stable=True)
         x, row_expert = x[order], row_expert[order]
     y = run_experts(x, local_dev.sum(dim=0), row_expert, host_counts)
