@@ -25,10 +25,10 @@ The tokenizer flags ({tokenizer}) are the same set, with the same defaults and m
 
 ## Flags that are errors until their feature exists
 
-A value above 1 of `--context-parallel-size`, `--expert-model-parallel-size` or
-`--expert-tensor-parallel-size` (mixture-of-experts layers run at expert-parallel size 1 for now; see
-docs/moe.md), `--num-experts` with `--tensor-model-parallel-size` above 1, and `--sample-prompt` (no
-generation in training runs yet): each is a one-line error, exit code 2.
+A value above 1 of `--context-parallel-size`, and `--sample-prompt` (no generation in training runs
+yet): each is a one-line error, exit code 2. So are flags that would do nothing: `--moe-*` flags, or
+`--expert-model-parallel-size` / `--expert-tensor-parallel-size` above 1, without `--num-experts`
+(see docs/moe.md).
 """
 
 

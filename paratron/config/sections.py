@@ -138,7 +138,7 @@ class ModelConfig(Section):
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False  # scheduling only: accepted, same numbers
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
-    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather: both the identity at EP 1
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather (no token moves at EP x expert-TP 1)
 
     def resolved(self, **changes) -> "ModelConfig":
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Megatron-core's MoELayer, at expert-parallel size 1).
+"""Mixture-of-experts MLP (Megatron-core's MoELayer), at any expert-parallel and expert-tensor-parallel size.
 
 A layer is a :class:`Router` (a linear map hidden -> experts, top-k over softmax or sigmoid scores),
 :class:`Experts` (the experts' fc1 / fc2 stacked in one tensor each, split over the ``ep`` group by
