@@ -1,7 +1,8 @@
 """Expert parallelism on 4 gloo ranks equals one rank within 1e-5 (dropless, fp32): EP 2 and EP 4,
 TP 2 x EP 2 with sequence parallelism (experts also split over expert-TP 2) and without it, TP 2 x EP 2
-with expert-TP 1 (the EP group is the TP group) over the allgather dispatcher, PP 2 x EP 2, and EP 2
-inside DP 4 with the distributed optimizer. Gradient clipping is active in every step (a gradient
+with expert-TP 1 (the EP group is the TP group) over the allgather dispatcher, TP 2 with EP 1 and
+expert-TP 1 (experts replicated over TP, tokens split), PP 2 x EP 2, and EP 2 inside DP 4 with the
+distributed optimizer. Gradient clipping is active in every step (a gradient
 reduced over the wrong group, or counted twice in the norm, changes the update). Reducing the
 expert gradients over the data-parallel group instead of the expert-data-parallel one is shown to
 break the equality. A checkpoint saved at EP 2 resumes at EP 1, EP 4 and TP 2 x EP 2. The two
@@ -29,6 +30,8 @@ LAYOUTS = {  # name: flags on 4 ranks
     "tp2_ep2_etp1_allgather": dict(TP2, sequence_parallel=True, expert_tensor_parallel_size=1,
                                    moe_token_dispatcher_type="allgather"),
     "dp4_ep2_distopt": dict(EP2, use_distributed_optimizer=True, overlap_grad_reduce=True),
+    # every expert on every rank, each TP rank routing its sequence shard (no token moves)
+    "tp2_sp_ep1_etp1": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1),
 }
 RESUMED = {  # name: flags of the resumed run (the saving run uses the distributed optimizer)
     "ep4": dict(expert_model_parallel_size=4),
