@@ -138,7 +138,7 @@ class ModelConfig(Section):
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False  # scheduling only: accepted, same numbers
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
-    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather: both the identity at EP 1
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather (no token moves at EP x expert-TP 1)
 
     def resolved(self, **changes) -> "ModelConfig":
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query
@@ -171,8 +171,8 @@ class ParallelConfig(Section):
     context_parallel_size: int = 1  # the sequence split over CP ranks (paratron/parallel/context.py)
     cp_comm_type: str = "p2p"  # p2p (ring attention) | a2a (Ulysses); allgather, a2a+p2p: errors until they exist
     hierarchical_context_parallel_sizes: Optional[list] = None  # a2a+p2p: an error until it exists
-    expert_model_parallel_size: int = 1  # > 1 is an error until expert parallelism exists
-    expert_tensor_parallel_size: Optional[int] = None  # > 1 is an error until expert parallelism exists
+    expert_model_parallel_size: int = 1  # experts split over this many ranks (docs/moe.md)
+    expert_tensor_parallel_size: Optional[int] = None  # each expert FFN split over this many ranks; default TP
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False

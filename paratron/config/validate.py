@@ -101,16 +101,28 @@ def resolve_model(m: ModelConfig) -> ModelConfig:
     return m
 
 
+def validate_experts(par: ParallelConfig, m: ModelConfig) -> None:
+    """Expert-parallel sizes against the MoE flags; --expert-tensor-parallel-size defaults to TP (as
+    Megatron). Whether EP x expert-TP divides the world is checked with the world size."""
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    if m.num_experts is None:
+        for name, size in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+            need(size is None or size <= 1, f"{flag(name)} {size} has no effect without --num-experts; set "
+                 "--num-experts or remove the flag")
+        return
+    need(m.num_experts % ep == 0, f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size "
+         f"{ep}; change one of them")
+    if etp is None:
+        etp = par.expert_tensor_parallel_size = par.tensor_model_parallel_size
+    need(etp >= 1, f"--expert-tensor-parallel-size must be >= 1 (got {etp})")
+    need(m.moe_ffn_hidden_size % etp == 0, f"--moe-ffn-hidden-size {m.moe_ffn_hidden_size} is not divisible by "
+         f"--expert-tensor-parallel-size {etp}")
+
+
 def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> None:
     """Parallel sizes against the model; the pipeline layout (derives the virtual size)."""
     validate_context_parallel(par, m)
-    for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
-        size = getattr(par, name)
-        need(size is None or size <= 1, f"{flag(name)} > 1: expert parallelism is not implemented yet "
-             f"(got {size}); remove the flag")
-    need(m.num_experts is None or par.tensor_model_parallel_size == 1,
-         f"--num-experts with --tensor-model-parallel-size {par.tensor_model_parallel_size}: mixture-of-experts "
-         "layers under tensor parallelism are not implemented yet; use --tensor-model-parallel-size 1")
+    validate_experts(par, m)
     tp = par.tensor_model_parallel_size
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         size = getattr(m, name)
@@ -118,7 +130,7 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
              + ("; use more query groups or a smaller tensor-parallel size" if name == "num_query_groups" else ""))
     if par.sequence_parallel and tp == 1:
         par.sequence_parallel = False  # Megatron does the same: SP needs TP > 1
-    if par.sequence_parallel:
+    if par.sequence_parallel or (m.num_experts is not None and tp > 1):  # MoE splits the sequence over TP
         need(m.seq_length % tp == 0,
              f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {tp}")
     from ..parallel.stages import finalize_pipeline  # imported here: parallel/ imports this package
@@ -299,6 +311,10 @@ def resolve_world(cfg: Config, world: int) -> None:
          f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp}; "
          "change the parallel sizes or the number of processes")
     dp = world // (tp * pp * cp)
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or tp
+    need((world // pp) % (ep * etp) == 0,
+         f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not divide the {world // pp} "
+         f"ranks of a pipeline stage (world size {world} / PP {pp}); change the expert-parallel sizes")
     resolve_batch(cfg, dp)
     if tr.global_batch_size is None:
         tr.global_batch_size = tr.micro_batch_size * dp

@@ -86,7 +86,7 @@ class GPTModel(nn.Module):
         # Dropout inside TP regions: a stream per TP rank, and per pipeline stage as Megatron's.
         rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
         self.par = Parallel(tp_group=tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
-                            rng=rng)
+                            rng=rng, dims=dims)
         self.pre_process, self.post_process = pre_process, post_process
         self.cp = ContextParallel.from_dims(dims, cp_comm_type)  # None at CP 1
         self.share_embeddings = not cfg.untie_embeddings_and_output_weights

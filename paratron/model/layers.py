@@ -29,6 +29,7 @@ class Parallel:
     tp_size: int = 1
     sequence_parallel: bool = False
     rng: object = None  # RNGTracker for dropout inside tensor-parallel regions (None at TP=1)
+    dims: object = None  # the ParallelDims (MoE layers read the expert groups); None: one rank
 
     def fork(self):
         return self.rng.fork() if self.rng is not None else contextlib.nullcontext()

@@ -13,6 +13,7 @@ unconditionally and stays exactly a plain transformer at TP=1.
     reduce_scatter_to_sp  fwd reduce-scatter 0  bwd all-gather dim 0    (after a row-parallel layer)
     all_to_all            fwd all-to-all dim 0  bwd all-to-all dim 0    (context parallelism's a2a: part j
                                                                          of dim 0 goes to rank j; its own inverse)
+    unscatter_from_sp     fwd all-gather dim 0  bwd split dim 0         (inverse of scatter_to_sp)
 """
 from __future__ import annotations
 
@@ -77,31 +78,44 @@ def _all_to_all0(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x
+
+
+def _all_reduce_copy(x: torch.Tensor, group) -> torch.Tensor:
+    return all_reduce(x.clone(), group)
+
+
 def _pair(name: str, forward, backward):
-    """The collective ``forward(x, group)`` whose gradient is ``backward(g, group)``, as a function of
-    (x, group) that is the identity for a group of one rank."""
-    def fwd(ctx, x, group):
-        ctx.group = group
-        return forward(x, group)
+    """A collective as an autograd function: ``forward(x, group)``, whose gradient is
+    ``backward(g, group)``; the identity for a group of one rank."""
 
-    def bwd(ctx, g):
-        return backward(g, ctx.group), None
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
-    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+        @staticmethod
+        def backward(ctx, g):
+            return backward(g, ctx.group), None
 
     def call(x: torch.Tensor, group) -> torch.Tensor:
         if group_size(group) == 1:
             return x
-        return fn.apply(x, group)
+        return Pair.apply(x, group)
+
+    Pair.__name__ = Pair.__qualname__ = name
     call.__name__ = name
     return call
 
 
-copy_to_tp = _pair("copy_to_tp", lambda x, group: x, all_reduce)
-reduce_from_tp = _pair("reduce_from_tp", lambda x, group: all_reduce(x.clone(), group), lambda g, group: g)
-scatter_to_tp = _pair("scatter_to_tp", lambda x, group: _split(x, -1, group), lambda g, group: _gather(g, -1, group))
-gather_from_tp = _pair("gather_from_tp", lambda x, group: _gather(x, -1, group), lambda g, group: _split(g, -1, group))
-scatter_to_sp = _pair("scatter_to_sp", lambda x, group: _split(x, 0, group), lambda g, group: _gather(g, 0, group))
-gather_from_sp = _pair("gather_from_sp", lambda x, group: _gather(x, 0, group), _reduce_scatter0)
-reduce_scatter_to_sp = _pair("reduce_scatter_to_sp", _reduce_scatter0, lambda g, group: _gather(g, 0, group))
+copy_to_tp = _pair("copy_to_tp", _identity, all_reduce)
+reduce_from_tp = _pair("reduce_from_tp", _all_reduce_copy, _identity)
+scatter_to_tp = _pair("scatter_to_tp", lambda x, g: _split(x, -1, g), lambda x, g: _gather(x, -1, g))
+gather_from_tp = _pair("gather_from_tp", lambda x, g: _gather(x, -1, g), lambda x, g: _split(x, -1, g))
+scatter_to_sp = _pair("scatter_to_sp", lambda x, g: _split(x, 0, g), lambda x, g: _gather(x, 0, g))
+gather_from_sp = _pair("gather_from_sp", lambda x, g: _gather(x, 0, g), _reduce_scatter0)
+reduce_scatter_to_sp = _pair("reduce_scatter_to_sp", _reduce_scatter0, lambda x, g: _gather(x, 0, g))
+unscatter_from_sp = _pair("unscatter_from_sp", lambda x, g: _gather(x, 0, g), lambda x, g: _split(x, 0, g))
 all_to_all = _pair("all_to_all", _all_to_all0, _all_to_all0)  # part j of dim 0 to rank j: its own inverse

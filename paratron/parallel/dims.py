@@ -157,6 +157,7 @@ def _group_axes(sizes: dict, esizes: dict) -> dict:
         "ep": (esizes, EXPERT_AXES, ("ep",)),
         "etp": (esizes, EXPERT_AXES, ("etp",)),
         "edp": (esizes, EXPERT_AXES, ("edp",)),
+        "etp_ep": (esizes, EXPERT_AXES, ("etp", "ep")),  # the ranks holding one copy of every expert
         "emp": (esizes, EXPERT_AXES, ("etp", "ep", "pp")),  # the experts' model-parallel group
     }
 
@@ -187,8 +188,6 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     dp = world // model_size
     if (world // pp) % (etp * ep):
         raise ConfigError(f"world size {world} / PP {pp} is not divisible by expert-TP {etp} x EP {ep}")
-    if ep > 1 and (dp * cp) % ep:
-        raise ConfigError(f"--expert-model-parallel-size {ep} must divide DP x CP = {dp * cp}")
     edp = world // (pp * etp * ep)
     sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
     esizes = {"etp": etp, "ep": ep, "edp": edp, "pp": pp}

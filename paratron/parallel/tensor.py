@@ -34,6 +34,18 @@ def _param(full: torch.Tensor, dim: int, chunks: int, group, **spec) -> nn.Param
     return set_spec(nn.Parameter(shard(full, s, {"tp": (comm.group_rank(group), comm.group_size(group))})), s)
 
 
+def _gathered(t: torch.Tensor, split: Split, group, n: int) -> torch.Tensor:
+    """``t``, split along ``split.dim`` over the ``n`` ranks of ``group``, put back together."""
+    parts = [torch.empty_like(t) for _ in range(n)]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    shape = list(t.shape)
+    shape[split.dim] = sum(split.blocks)
+    full = torch.empty(shape, dtype=t.dtype, device=t.device)
+    for r, part in enumerate(parts):
+        full.index_copy_(split.dim, local_index(split, r, n).to(t.device), part)
+    return full
+
+
 def gather_full(p: torch.Tensor, group) -> torch.Tensor:
     """The global tensor of a parameter split over the TP ``group`` (inverse of the split done at
     construction)."""
@@ -41,13 +53,16 @@ def gather_full(p: torch.Tensor, group) -> torch.Tensor:
     n = comm.group_size(group)
     if split is None or n == 1:
         return p.detach()
-    parts = [torch.empty_like(p) for _ in range(n)]
-    torch.distributed.all_gather(parts, p.detach().contiguous(), group=group)
-    shape = list(p.shape)
-    shape[split.dim] = sum(split.blocks)
-    full = torch.empty(shape, dtype=p.dtype, device=p.device)
-    for r, part in enumerate(parts):
-        full.index_copy_(split.dim, local_index(split, r, n).to(p.device), part)
+    return _gathered(p.detach(), split, group, n)
+
+
+def gather_global(p: torch.Tensor, dims) -> torch.Tensor:
+    """The global tensor of a parameter: its parts gathered over every group its spec splits it over
+    (TP, EP, expert-TP). Every rank of those groups must call it."""
+    full = p.detach()
+    for split in spec_of(p).splits:
+        if dims.size(split.group) > 1:
+            full = _gathered(full, split, dims.group(split.group), dims.size(split.group))
     return full
 
 

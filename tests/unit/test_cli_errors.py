@@ -34,8 +34,8 @@ def test_error_classes_share_one_base():
 @pytest.mark.parametrize("flags,needle", [
     (["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
      "--cp-comm-type allgather: the all-gather variant of context parallelism is not implemented yet"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1: expert parallelism is not implemented"),
-    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size > 1: expert parallelism is not implemented"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 has no effect without --num-experts"),
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 has no effect without --num-experts"),
     (["--sample-prompt", "def"], "--sample-prompt: training runs cannot generate text yet"),
 ])
 def test_flags_that_would_do_nothing_are_errors(capsys, flags, needle):

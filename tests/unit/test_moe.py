@@ -229,8 +229,11 @@ BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
     (["--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type sinkhorn: choose one"),
     (["--moe-router-score-function", "relu"], "--moe-router-score-function relu: choose one"),
     (["--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
-    (["--tensor-model-parallel-size", "2"], "not implemented yet; use --tensor-model-parallel-size 1"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1: expert parallelism is not implemented"),
+    (["--expert-model-parallel-size", "3"], "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),
+    (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 does "
+                                            "not divide the 1 ranks of a pipeline stage"),
+    (["--expert-tensor-parallel-size", "3"], "--moe-ffn-hidden-size 64 is not divisible by "
+                                             "--expert-tensor-parallel-size 3"),
 ])
 def test_config_errors_are_one_line(flags, match):
     with pytest.raises(ConfigError, match=match) as e:
