@@ -44,6 +44,13 @@ import torch.nn.functional as F
 NEG_INF = float("-inf")
 
 
+def masked_value(dtype: torch.dtype) -> float:
+    """What the additive masks of the fused kernels put on masked keys: half the dtype's lowest finite
+    value. With -inf, a row whose every key is masked in a block makes the memory-efficient kernel's
+    backward compute -inf - (-inf) = NaN (seen on an H100); exp(masked - lse) is 0 all the same."""
+    return torch.finfo(dtype).min / 2
+
+
 # ---- which part of a K/V block a rank attends to -------------------------------------------------
 class Block(NamedTuple):
     rows: slice  # query rows of this rank taking part
@@ -145,19 +152,19 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, doc_mask, scale: float
 
 
 def _additive_mask(causal: bool, doc_mask, q: torch.Tensor, sk: int, align: int = 1) -> torch.Tensor:
-    """[b, 1, sq, sk] in q's dtype: 0 where a query may attend, -inf elsewhere. ``align``: the last
+    """[b, 1, sq, sk] in q's dtype: 0 where a query may attend, masked_value elsewhere. ``align``: the last
     dimension's storage is padded to a multiple of it (the memory-efficient kernel's alignment)."""
     allowed = doc_mask[:, None]
     if causal:
         allowed = allowed & torch.ones(q.size(2), sk, dtype=torch.bool, device=q.device).tril()
     width = -(-sk // align) * align
     bias = torch.zeros(*allowed.shape[:-1], width, dtype=q.dtype, device=q.device)[..., :sk]
-    return bias.masked_fill_(~allowed, NEG_INF)
+    return bias.masked_fill_(~allowed, masked_value(q.dtype))
 
 
 def _no_key_rows(out, lse, bias):
     """Rows without an allowed key: output 0 and LSE -inf (what the merge expects)."""
-    empty = torch.isinf(bias).all(-1)
+    empty = (bias < masked_value(bias.dtype) / 2).all(-1)
     return out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, NEG_INF)
 
 
