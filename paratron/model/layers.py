@@ -43,10 +43,10 @@ class ForwardContext:
     mask: [b, 1, s, s] bool, True = may attend: the whole pattern, causality included; or None.
     document_ids: [b, s] document of each token of packed sequences.
     causal: each position attends to itself and the ones before (False with a mask: it says all).
-    kv_cache: the inference KV cache slot of this pass.
+    kv_cache: the inference KV cache of this pass (paratron/inference/cache.py ``CacheView``): each
+    attention layer writes its keys and values into it and attends over what it holds, under ``mask``.
     cp: the context-parallel layout of the sequence.
-    document_ids, kv_cache and cp are not implemented yet: a context that sets one is refused, not
-    ignored.
+    document_ids and cp are not implemented yet: a context that sets one is refused, not ignored.
     """
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     mask: Optional[torch.Tensor] = None
@@ -56,7 +56,7 @@ class ForwardContext:
     cp: object = None
 
     def __post_init__(self):
-        for name in ("document_ids", "kv_cache", "cp"):
+        for name in ("document_ids", "cp"):
             if getattr(self, name) is not None:
                 raise NotImplementedError(f"ForwardContext.{name} is not implemented yet")
         if self.causal and self.mask is not None:
@@ -180,6 +180,7 @@ class Attention(nn.Module):
         self.q_per_group = cfg.num_attention_heads // cfg.num_query_groups
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
+        self.layer_index = 0  # the global layer number (its slot in an inference KV cache); set by build_mixer
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp_group=par.tp_group,
                                                bias=(not cfg.disable_bias_linear) or cfg.add_qkv_bias,
@@ -211,6 +212,8 @@ class Attention(nn.Module):
         if ctx.rope is not None:
             q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
+            k, v = ctx.kv_cache.update(self.layer_index, k, v)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, ctx, rng=self.par.rng)
         else:

@@ -13,16 +13,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import sharded
-from ..checkpoint import state as cstate
+from ..checkpoint import sharded, state as cstate
 from ..checkpoint.pieces import replicated_row
+from ..checkpoint.tokenizer_files import save_tokenizer
 from ..config import Config, ConfigError, check_resolved
 from ..model import moe
 from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims, initialize_model_parallel
 from ..parallel import fp8
-from ..parallel.fp8 import Recipe
 from ..parallel.layout import BatchLayout
 from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
@@ -86,7 +85,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
     model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
                      seed=tr.seed, recompute_granularity=tr.recompute_granularity,
                      recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                     fp8=Recipe.from_config(tr), device=device, dtype=params_dtype(cfg), **stage)
+                     fp8=fp8.Recipe.from_config(tr), device=device, dtype=params_dtype(cfg), **stage)
     model.fused_output_loss = not tr.no_fused_output_loss
     if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
         for layer in model.decoder.layers:
@@ -287,6 +286,8 @@ class Trainer:
                   "optimizer": None if c.no_save_optim else {"step": cstate.adam_step(self.optimizer),
                                                              "scaler": self.optimizer.scaler.state_dict()},
                   "rng": not c.no_save_rng, "layout": self._layout(), "config": self.cfg.to_dict()}
+        if self.dims.rank == 0:  # the tokenizer's files beside the weights (generate / serve find them)
+            save_tokenizer(c.save, self.cfg.data)
         if c.async_save:
             it = self.iteration
 
