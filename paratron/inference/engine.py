@@ -40,6 +40,7 @@ class Result:
     text: Optional[str] = None  # decoded, cut before a stop string (when the engine has a detokenizer)
     logprobs: Optional[list] = None  # of each generated token
     prompt_logprobs: Optional[list] = None  # of each prompt token (None for the first)
+    top_logprobs: Optional[list] = None  # per generated token: [(token id, log-probability)] most likely first
 
 
 def context_length(cfg) -> int:
@@ -161,6 +162,8 @@ class _Run:
         self.want_logprobs = any(p.logprobs for p in self.params)
         self.tokens = [[] for _ in requests]
         self.logprobs = [[] for _ in requests]
+        self.top = [[] for _ in requests]
+        self.n_top = max(p.top_logprobs if p.logprobs else 0 for p in self.params)
         self.prompt_logprobs = [None] * b
         self.done = [m <= 0 for m in self.new_max]
         self.reason = ["length"] * b
@@ -181,17 +184,21 @@ class _Run:
         e = self.e
         for step in range(self.steps):
             tok = e._broadcast(self.sampler(self.last))
-            lp = None
+            lp = top = None
             if self.want_logprobs:
-                lp = torch.log_softmax(self.last.float(), dim=-1).gather(-1, tok[:, None])[:, 0].tolist()
-            new = self._record(tok.tolist(), lp)
+                full = torch.log_softmax(self.last.float(), dim=-1)
+                lp = full.gather(-1, tok[:, None])[:, 0].tolist()
+                if self.n_top:
+                    values, ids = full.topk(self.n_top, dim=-1)
+                    top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            new = self._record(tok.tolist(), lp, top)
             if on_step is not None:
                 on_step(new)
             if all(self.done) or step == self.steps - 1:
                 return
             self.last = e._step(tok[:, None], self.length + step)
 
-    def _record(self, toks: list, lp: Optional[list]) -> list:
+    def _record(self, toks: list, lp: Optional[list], top: Optional[list]) -> list:
         """Append this step's tokens to the unfinished rows, finishing those that stop; the rows' new tokens."""
         new = [None] * len(toks)
         for i, t in enumerate(toks):
@@ -205,6 +212,8 @@ class _Run:
             new[i] = t
             if lp is not None and p.logprobs:
                 self.logprobs[i].append(lp[i])
+                if p.top_logprobs:
+                    self.top[i].append(top[i][:p.top_logprobs])
             if p.stop and self.e.detokenize is not None and find_stop(self.e.detokenize(self.tokens[i]), p.stop) \
                     is not None:
                 self.done[i], self.reason[i] = True, "stop"
@@ -220,6 +229,8 @@ class _Run:
                 text = self.e.detokenize(self.tokens[i])
                 cut = find_stop(text, self.params[i].stop)
                 text = text if cut is None else text[:cut]
-            lp = self.logprobs[i] if self.params[i].logprobs else None
-            out.append(Result(list(r.prompt), self.tokens[i], self.reason[i], text, lp, self.prompt_logprobs[i]))
+            p = self.params[i]
+            lp = self.logprobs[i] if p.logprobs else None
+            top = self.top[i] if p.logprobs and p.top_logprobs else None
+            out.append(Result(list(r.prompt), self.tokens[i], self.reason[i], text, lp, self.prompt_logprobs[i], top))
         return out

@@ -26,6 +26,7 @@ class SamplingParams:
     stop: tuple = field(default_factory=tuple)
     ignore_eod: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: also the n most likely tokens and their log-probabilities per step
 
     def check(self) -> Optional[str]:
         """The first invalid field as 'name: why', or None."""
@@ -35,6 +36,8 @@ class SamplingParams:
             return f"temperature: must be >= 0 (got {self.temperature})"
         if self.top_k < 0:
             return f"top_k: must be >= 0 (got {self.top_k})"
+        if self.top_logprobs < 0:
+            return f"top_logprobs: must be >= 0 (got {self.top_logprobs})"
         if not 0.0 < self.top_p <= 1.0:
             return f"top_p: must be in (0, 1] (got {self.top_p})"
         return None
