@@ -11,12 +11,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from paratron.checkpoint.convert import from_hf, to_hf  # noqa: E402
-from paratron.checkpoint.tokenizer_files import load_tokenizer, save_tokenizer  # noqa: E402
-from paratron.config import DataConfig, ModelConfig  # noqa: E402
+from paratron.checkpoint.tokenizer_files import load_tokenizer  # noqa: E402
+from paratron.config import ModelConfig  # noqa: E402
 from paratron.inference.engine import Engine, Request  # noqa: E402
 from paratron.inference.load import load_for_inference  # noqa: E402
 from paratron.inference.sampling import SamplingParams  # noqa: E402
 from paratron.model.gpt import GPTModel  # noqa: E402
+from tests.tiny_generation import make_tiny_checkpoint  # noqa: E402
 
 VOCAB = 100
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12], [3, 40, 41, 42]]  # different lengths: left padding
@@ -138,17 +139,8 @@ def test_stops_at_eod_max_tokens_and_stop_strings():
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    """A tiny Llama with a trained byte-level BPE, converted to a paratron checkpoint with its tokenizer."""
-    from paratron.data.bpe_train import train_bpe_tokenizer
     d = tmp_path_factory.mktemp("ckpt")
-    (d / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\nhello world, hello there\n" * 40)
-    tok_file = train_bpe_tokenizer([str(d / "corpus.txt")], 300, str(d / "tok" / "tokenizer.json"))
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d / "hf")
-    from_hf(d / "hf", d / "ckpt")
-    save_tokenizer(d / "ckpt", DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_file))
+    make_tiny_checkpoint(d)
     return d
 
 
