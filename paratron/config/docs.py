@@ -27,8 +27,10 @@ The tokenizer flags ({tokenizer}) are the same set, with the same defaults and m
 
 A value above 1 of `--context-parallel-size`, `--expert-model-parallel-size` or
 `--expert-tensor-parallel-size` (mixture-of-experts layers run at expert-parallel size 1 for now; see
-docs/moe.md), `--num-experts` with `--tensor-model-parallel-size` above 1, and `--sample-prompt` (no
-generation in training runs yet): each is a one-line error, exit code 2.
+docs/moe.md) and `--num-experts` with `--tensor-model-parallel-size` above 1: each is a one-line error,
+exit code 2. `--sample-prompt TEXT` prints the trained model's greedy continuation of TEXT (up to 64
+tokens) at the end of training; it needs `--pipeline-model-parallel-size 1` and no `--sequence-parallel`
+(docs/inference.md).
 """
 
 

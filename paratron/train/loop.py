@@ -31,6 +31,7 @@ from ..optim.schedule import build_scheduler
 from .logger import RunLogger, format_train_line, format_valid_line
 from .metrics import flops_per_iteration, peak_memory_gb, peak_tflops
 from .microbatches import MicroBatches
+from .report import end_of_run
 
 
 def init_distributed(cfg: Config) -> torch.device:
@@ -487,13 +488,7 @@ def pretrain(cfg: Config, eval_at_start: bool = False) -> dict:
             trainer.log.print(format_valid_line(trainer.iteration, loss))
             trainer.log.valid(trainer.iteration, loss)
         result = trainer.train()
-        lg = trainer.log
-        plot_path = cfg.log.plot_path or (Path(cfg.log.tensorboard_dir or cfg.ckpt.save or ".") / "loss.png"
-                                          if (cfg.log.tensorboard_dir or cfg.ckpt.save) else None)
-        if plot_path:
-            result["plot"] = lg.plot(plot_path)
-            if result["plot"]:
-                lg.print(f" loss plot: {result['plot']}")
+        end_of_run(trainer, result)  # the loss plot, the --sample-prompt sample
         result["trainer"] = trainer
         return result
     finally:

@@ -35,7 +35,7 @@ def test_error_classes_share_one_base():
     (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not implemented"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1: expert parallelism is not implemented"),
     (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size > 1: expert parallelism is not implemented"),
-    (["--sample-prompt", "def"], "--sample-prompt: training runs cannot generate text yet"),
+    (["--sample-prompt", "def", "--pipeline-model-parallel-size", "2"], "--sample-prompt needs the whole model"),
 ])
 def test_flags_that_would_do_nothing_are_errors(capsys, flags, needle):
     assert main(["train", *TINY, *flags]) == 2
