@@ -113,8 +113,8 @@ def tokenizer_config(path, data=None):
                           merge_file=str(root / "merges.txt"))
     if (root / "tokenizer.model").is_file():
         return DataConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model=str(root / "tokenizer.model"))
-    if data is not None and getattr(data, "tokenizer_type", None):
-        return data
+    if data is not None and getattr(data, "tokenizer_type", None):  # the run's flags, if their files are still there
+        return data if all(p.exists() for ps in _files(data).values() for p in ps) else None
     return None
 
 

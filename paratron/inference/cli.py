@@ -84,13 +84,24 @@ def open_model(args):
     loaded = load_for_inference(args.load, dims, device, args.dtype, args.iteration)
     tok = loaded.tokenizer
     if args.tokenizer_model:
-        from ..config import DataConfig
-        from ..data.tokenizers import build_tokenizer
-        tok = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=args.tokenizer_model))
+        tok = _tokenizer(args.tokenizer_model)
     if tok is None:
         raise ConfigError(f"--load {args.load}: no tokenizer saved with it; pass --tokenizer-model PATH")
     engine = Engine(loaded.model, loaded.vocab_size, tok.eod, tok.detokenize, compile=args.torch_compile)
     return TextModel(Group(engine, dims), tok, loaded.name, chat_template(args.load)), dims
+
+
+def _tokenizer(path: str):
+    """--tokenizer-model: a directory with tokenizer files, or a tokenizer.json."""
+    from ..checkpoint.tokenizer_files import load_tokenizer
+    from ..config import DataConfig
+    from ..data.tokenizers import build_tokenizer
+    if Path(path).is_dir():
+        tok = load_tokenizer(path)
+        if tok is None:
+            raise ConfigError(f"--tokenizer-model {path}: no tokenizer.json, vocab.json + merges.txt or tokenizer.model there")
+        return tok
+    return build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path))
 
 
 def params_from(args) -> SamplingParams:
