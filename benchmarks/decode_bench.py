@@ -42,7 +42,7 @@ def build(tiny: bool, device, dtype):
     if tiny:
         args = ["--config", "tiny", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
                 "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
-                "--untie-embeddings-and-output-weights"]
+                "--untie-embeddings-and-output-weights", "--init-method-std", "0.3"]  # sharp: no greedy near-ties
     else:
         args = ["--config", "llama-1b"]
     cfg = parse_args(args + ["--mock-data"] if "--mock-data" not in args else args)

@@ -23,7 +23,8 @@ from ..parallel import comm
 from .cache import CacheView, KVCache
 from .sampling import Sampler, SamplingParams, find_stop
 
-CACHE_ROUND = 64  # cache capacity is rounded up to this (fewer distinct shapes to compile)
+CACHE_ROUND = 64  # cache capacity is rounded up to this (with compile=True: to a power of two, at least this)
+SYNC_EVERY = 16  # decode steps between reads of the tokens by the host (when nothing needs each one at once)
 
 
 @dataclass
@@ -131,10 +132,13 @@ class Engine:
             problem = self.check(r)
             if problem:
                 raise ValueError(problem)
+        real = len(requests)
+        if self.compile:  # batch sizes in powers of two: fewer shapes to compile and capture
+            requests = requests + [Request([0], SamplingParams(max_new_tokens=0))] * ((1 << (real - 1).bit_length()) - real)
         run = _Run(self, requests)
         run.prefill()
-        run.decode(on_step)
-        return run.results()
+        run.decode(None if on_step is None else lambda new: on_step(new[:real]))
+        return run.results()[:real]
 
     def _broadcast(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.model.par.tp_size > 1:
@@ -151,7 +155,8 @@ class _Run:
         b, dev = len(requests), engine.device
         self.length = max(len(r.prompt) for r in requests)
         want = self.length + max(p.max_new_tokens for p in self.params)
-        capacity = min(-(-want // CACHE_ROUND) * CACHE_ROUND, engine.context)
+        rounded = max(CACHE_ROUND, 1 << (want - 1).bit_length()) if engine.compile else -(-want // CACHE_ROUND) * CACHE_ROUND
+        capacity = min(rounded, engine.context)
         self.new_max = [min(p.max_new_tokens, capacity - len(r.prompt)) for r, p in zip(requests, self.params)]
         self.steps = min(max(self.new_max), capacity - self.length)
         engine._prepare_cache(b, capacity)
@@ -181,22 +186,41 @@ class _Run:
         self.last = logits[:, -1]
 
     def decode(self, on_step) -> None:
+        """One step per new token. The host reads the tokens back (a synchronisation) every step when
+        something needs them at once (streaming, stop strings), else every SYNC_EVERY steps: in between
+        the GPU runs ahead, and rows that finish early are known at the next read."""
         e = self.e
+        every = 1 if on_step is not None or any(p.stop for p in self.params) else SYNC_EVERY
+        pending = []
         for step in range(self.steps):
             tok = e._broadcast(self.sampler(self.last))
-            lp = top = None
-            if self.want_logprobs:
-                full = torch.log_softmax(self.last.float(), dim=-1)
-                lp = full.gather(-1, tok[:, None])[:, 0].tolist()
-                if self.n_top:
-                    values, ids = full.topk(self.n_top, dim=-1)
-                    top = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-            new = self._record(tok.tolist(), lp, top)
+            pending.append(self._outputs(tok))
+            final = step == self.steps - 1
+            if len(pending) == every or final:
+                self._flush(pending, on_step)
+                pending = []
+                if all(self.done):
+                    return
+            if not final:
+                self.last = e._step(tok[:, None], self.length + step)
+
+    def _outputs(self, tok: torch.Tensor) -> tuple:
+        """(tokens, their log-probabilities, the top ones) of one step, left on the device."""
+        lp = top = None
+        if self.want_logprobs:
+            full = torch.log_softmax(self.last.float(), dim=-1)
+            lp = full.gather(-1, tok[:, None])[:, 0]
+            if self.n_top:
+                top = full.topk(min(self.n_top, full.shape[-1]), dim=-1)
+        return tok, lp, top
+
+    def _flush(self, pending: list, on_step) -> None:
+        tokens = torch.stack([t for t, _, _ in pending]).tolist()
+        for toks, (_, lp, top) in zip(tokens, pending):
+            tops = None if top is None else [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            new = self._record(toks, None if lp is None else lp.tolist(), tops)
             if on_step is not None:
                 on_step(new)
-            if all(self.done) or step == self.steps - 1:
-                return
-            self.last = e._step(tok[:, None], self.length + step)
 
     def _record(self, toks: list, lp: Optional[list], top: Optional[list]) -> list:
         """Append this step's tokens to the unfinished rows, finishing those that stop; the rows' new tokens."""
