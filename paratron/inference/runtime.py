@@ -71,5 +71,9 @@ class Group:
             self.engine.generate(payload)
 
     def close(self) -> None:
-        if self.leader:
+        if not self.leader:
+            return
+        try:
             self._send(("stop", None))
+        except RuntimeError:  # the followers are gone already (Ctrl-C reaches every rank under torchrun)
+            pass

@@ -49,10 +49,12 @@ class Server:
         self.started = int(time.time())
 
     def _check(self, requests: list, field: str) -> None:
+        """Engine.check's 'name: why' as a 400; a problem of the prompt is named after ``field``."""
         problem = self.model.check(requests)
         if problem:
-            raise ApiError(400, field + problem[len("prompt"):] if problem.startswith("prompt") else problem,
-                           field if problem.startswith("prompt") else problem.split(":")[0])
+            name, why = problem.split(":", 1)
+            name = field if name == "prompt" else name
+            raise ApiError(400, f"{name}:{why}", name)
 
     def _model_name(self, asked: Optional[str]) -> None:
         if asked is not None and asked != self.name:
