@@ -46,8 +46,7 @@ __all__ = ["main", "read_checkpoint", "default_family", "training_flags", "to_hf
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _HF_CKPT_FILES = re.compile(r"^(config\.json|model.*\.safetensors(\.index\.json)?"
-                            r"|pytorch_model.*\.bin(\.index\.json)?|tokenizer\.json|tokenizer_config\.json"
-                            r"|special_tokens_map\.json|vocab\.json|merges\.txt|tokenizer\.model)$")
+                            r"|pytorch_model.*\.bin(\.index\.json)?)$")
 _PARATRON_CKPT_FILES = re.compile(r"^(latest_checkpointed_iteration\.txt|iter_\d{7}|\.iter_\d{7}\.(partial|old))$")
 
 

@@ -119,11 +119,8 @@ def generate_main(argv: list[str]) -> int:
     params = params_from(args)
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
-    model, dims = open_model(args)
-    try:
-        if dims.rank != 0:
-            model.group.follow()
-            return 0
+
+    def lead(model) -> None:
         prompts = read_prompts(args)
         for start in range(0, len(prompts), args.batch_size):
             chunk = prompts[start:start + args.batch_size]
@@ -133,6 +130,17 @@ def generate_main(argv: list[str]) -> int:
                 raise ConfigError(problem)
             for text, res in zip(chunk, model.run(reqs)):
                 _print(text, res, args.json)
+    return on_ranks(args, lead)
+
+
+def on_ranks(args, lead) -> int:
+    """Open --load on every rank; rank 0 runs ``lead(model)`` while the others follow its batches."""
+    model, dims = open_model(args)
+    try:
+        if dims.rank == 0:
+            lead(model)
+        else:
+            model.group.follow()
     finally:
         model.group.close()
     return 0
@@ -162,14 +170,6 @@ def serve_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
         raise ConfigError("--max-batch-size must be >= 1")
-    model, dims = open_model(args)
-    try:
-        if dims.rank != 0:
-            model.group.follow()
-            return 0
-        serve(model, args.host, args.port, args.max_batch_size, args.batch_wait_ms / 1000.0,
-              args.model_name or model.name)
-    finally:
-        model.group.close()
-    return 0
+    return on_ranks(args, lambda model: serve(model, args.host, args.port, args.max_batch_size,
+                                              args.batch_wait_ms / 1000.0, args.model_name or model.name))
 

@@ -7,13 +7,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from paratron.checkpoint.convert import from_hf  # noqa: E402
 from paratron.inference.engine import Engine, Request  # noqa: E402
 from paratron.inference.load import load_for_inference  # noqa: E402
 from paratron.inference.runtime import Group  # noqa: E402
 from paratron.inference.sampling import SamplingParams  # noqa: E402
 from paratron.parallel.dims import initialize_model_parallel  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
+from tests.tiny_generation import make_tiny_checkpoint  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12], [3, 40, 41, 42]]
 PARAMS = [SamplingParams(max_new_tokens=8, logprobs=True), SamplingParams(max_new_tokens=8, temperature=1.0, seed=5),
@@ -34,18 +34,9 @@ def _generate(rank, world, ckpt):
 
 
 def test_tp2_generation_equals_tp1(tmp_path):
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() > 1:
-                p.mul_(8.0)  # sharper than the default init: no near-ties between greedy choices
-    hf.save_pretrained(tmp_path / "hf")
-    from_hf(tmp_path / "hf", tmp_path / "ckpt", tensor_model_parallel_size=2)
-    one = _generate(0, 1, str(tmp_path / "ckpt"))
-    two = run_ranks(2, _generate, str(tmp_path / "ckpt"), tmp_dir=tmp_path)[0]
+    ckpt = str(make_tiny_checkpoint(tmp_path))  # saved at TP 1 (vocabulary padded for TP 1), loaded at TP 2
+    one = _generate(0, 1, ckpt)
+    two = run_ranks(2, _generate, ckpt, tmp_dir=tmp_path)[0]
     for (t1, lp1), (t2, lp2) in zip(one, two):
         assert t1 == t2
         if lp1 is not None:
