@@ -13,6 +13,7 @@ one line per message then ``assistant:``; with it, generation also stops at a ne
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -37,11 +38,17 @@ def chat_template(path) -> Optional[str]:
     return None
 
 
+def _template_error(message: str):
+    """What chat templates call to refuse a conversation (as transformers provides it)."""
+    raise ValueError(message)
+
+
 def render_chat(messages: list[dict], template: Optional[str], special: dict) -> tuple[str, tuple]:
     """(prompt text, extra stop strings) of chat ``messages`` [{"role", "content"}]."""
     if template:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals.update(raise_exception=_template_error, strftime_now=lambda f: datetime.now().strftime(f))
         text = env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
         return text, ()
     lines = [f"{m['role']}: {m['content']}" for m in messages]

@@ -158,3 +158,13 @@ def test_bad_requests_are_4xx_naming_the_field(server, path, method, body, field
     assert http(url + "/v1/completions", "POST", {"prompt": "hi", "model": "other"})[0] == 404
     with urllib.request.urlopen(url + "/health") as r:
         assert json.loads(r.read())["status"] == "ok"
+
+
+def test_chat_template_of_the_tokenizer():
+    from paratron.inference.text import render_chat
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    text, stops = render_chat([{"role": "user", "content": "hi"}], template, {"eos_token": "</s>"})
+    assert text == "<|user|>hi</s><|assistant|>" and stops == ()
+    with pytest.raises(ValueError, match="no system"):
+        render_chat([{"role": "system", "content": "x"}], "{{ raise_exception('no system') }}", {})
