@@ -10,7 +10,7 @@ token = wall time until the first new token is on the host (prefill and one samp
 batch x (N - 1) / (time from the first new token to the last). Each is the median of ``--repeats`` runs after
 warm-up runs (compilation, CUDA graph capture). paratron runs its engine with ``compile=True``
 (torch.compile'd decode step replayed as a CUDA graph) unless ``--no-compile``; HF runs
-``cache_implementation="static"`` with its forward compiled (``mode="reduce-overhead"``) on GPU.
+``cache_implementation="static"``, compiled on GPU as transformers does it itself (``--hf-compile``).
 Prints a table and JSON lines, and writes a record (record.py) with the JSON rows.
 """
 from __future__ import annotations
@@ -86,8 +86,12 @@ class _Stamps:
         pass
 
 
-def hf_runner(hf, compile_: bool):
-    if compile_:
+def hf_runner(hf, compile_: str):
+    """``compile_``: "auto" (transformers compiles the forward itself when generating with a static cache
+    on a GPU: its default CompileConfig, fullgraph + reduce-overhead), "manual" (the older recipe:
+    ``model.forward = torch.compile(..., mode="reduce-overhead", fullgraph=True)``), or "off"."""
+    hf.generation_config.disable_compile = compile_ != "auto"
+    if compile_ == "manual":
         hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
 
     def run(prompts: torch.Tensor, n: int, stamp):
@@ -132,6 +136,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-compile", action="store_true", help="eager paratron and HF (compiled on GPU by default)")
     p.add_argument("--no-hf", action="store_true", help="paratron only")
+    p.add_argument("--hf-compile", choices=("auto", "manual", "off"), default="auto",
+                   help="how HF generate is compiled on GPU (see hf_runner; default %(default)s)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -147,7 +153,8 @@ def main() -> int:
           flush=True)
     systems = [("paratron", paratron_runner(model, vocab, compile_))]
     if not args.no_hf:
-        systems.append(("hf-static" + ("-compile" if compile_ else ""), hf_runner(hf, compile_)))
+        hf_mode = args.hf_compile if compile_ else "off"
+        systems.append(("hf-static" + ("" if hf_mode == "off" else f"-compile-{hf_mode}"), hf_runner(hf, hf_mode)))
     rows = []
     g = torch.Generator().manual_seed(0)
     for b in batches:

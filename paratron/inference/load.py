@@ -41,6 +41,7 @@ def is_hf_dir(path: Path) -> bool:
 def _model(m, padded_vocab: int, dims: ParallelDims, device, dtype) -> GPTModel:
     with torch.device(device):  # the random init is overwritten; build it where it will run
         model = GPTModel(m, padded_vocab, dims=dims, device=device, dtype=dtype)
+    model.par.rng = None  # no dropout in inference: no RNG forks (which a CUDA graph could not capture)
     return model.eval()
 
 

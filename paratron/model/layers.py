@@ -201,6 +201,14 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,
                                                   enable_gqa=self.groups != self.heads)
 
+    def _decode_core(self, q, k, v, mask):
+        """One new token per row with grouped keys/values: each group's query heads attend as one
+        sequence of ``q_per_group`` queries, so the cached keys/values are read once, never repeated."""
+        b = q.size(0)
+        grouped = q.reshape(b, self.groups, self.q_per_group, self.d)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)  # mask [b, 1, 1, T] broadcasts
+        return out.reshape(b, self.heads, 1, self.d)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
@@ -214,7 +222,9 @@ class Attention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
             k, v = ctx.kv_cache.update(self.layer_index, k, v)
-        if self.recompute_core and self.training and torch.is_grad_enabled():
+        if ctx.kv_cache is not None and s == 1 and self.groups != self.heads:
+            out = self._decode_core(q, k, v, ctx.mask)
+        elif self.recompute_core and self.training and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, ctx, rng=self.par.rng)
         else:
             out = self._core(q, k, v, ctx)
