@@ -133,6 +133,8 @@ class Engine:
             if problem:
                 raise ValueError(problem)
         real = len(requests)
+        if not real:
+            return []
         if self.compile:  # batch sizes in powers of two: fewer shapes to compile and capture
             requests = requests + [Request([0], SamplingParams(max_new_tokens=0))] * ((1 << (real - 1).bit_length()) - real)
         run = _Run(self, requests)
