@@ -100,6 +100,9 @@ def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype])
 
 
 def _check_tp(m, tp: int) -> None:
+    if m.num_experts is not None and tp > 1:
+        raise CheckpointError(f"a mixture-of-experts model generates on one rank only (not {tp} tensor-parallel "
+                              "ranks): MoE layers under tensor parallelism are not implemented yet")
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         size = getattr(m, name)
         if size % tp:

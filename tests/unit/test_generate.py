@@ -1,6 +1,7 @@
-"""Generation: greedy output of converted HF checkpoints equals transformers' token for token; KV-cache
-decode equals recomputing the whole prefix; seeded sampling is reproducible; stops; the tokenizer
-travels with checkpoints and HF exports; `paratron generate` prints text and JSON."""
+"""Generation: greedy output of converted HF checkpoints (GPT-2, Llama, Mixtral, Qwen3-MoE) equals
+transformers' token for token; KV-cache decode equals recomputing the whole prefix; seeded sampling is
+reproducible; stops; the tokenizer travels with checkpoints and HF exports; `paratron generate` prints
+text and JSON; --sample-prompt; the decode benchmark runs."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ from paratron.inference.load import load_for_inference  # noqa: E402
 from paratron.inference.sampling import SamplingParams  # noqa: E402
 from paratron.model.gpt import GPTModel  # noqa: E402
 from tests.tiny_generation import make_tiny_checkpoint  # noqa: E402
+from tests.unit.test_hf_parity import randomize  # noqa: E402
 
 VOCAB = 100
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12], [3, 40, 41, 42]]  # different lengths: left padding
@@ -29,7 +31,13 @@ def hf_models():
     llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
                                      bos_token_id=0, eos_token_id=0)
-    return {"gpt2": (transformers.GPT2LMHeadModel, gpt2), "llama": (transformers.LlamaForCausalLM, llama)}
+    moe = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=VOCAB, max_position_embeddings=64, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0)
+    auto = transformers.AutoModelForCausalLM.from_config
+    return {"gpt2": (transformers.GPT2LMHeadModel, gpt2), "llama": (transformers.LlamaForCausalLM, llama),
+            "mixtral": (auto, transformers.AutoConfig.for_model("mixtral", num_local_experts=4, **moe)),
+            "qwen3_moe": (auto, transformers.AutoConfig.for_model("qwen3_moe", num_experts=4, moe_intermediate_size=48,
+                                                                  norm_topk_prob=True, **moe))}
 
 
 def sharpen(model, seed=0):
@@ -42,12 +50,15 @@ def sharpen(model, seed=0):
                                                              else p.shape[1] ** -0.5))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "qwen3_moe"])
 def test_greedy_equals_transformers(tmp_path, family):
     cls, cfg = hf_models()[family]
     torch.manual_seed(0)
     hf = cls(cfg).eval()
-    sharpen(hf)
+    if family in ("gpt2", "llama"):
+        sharpen(hf)
+    else:
+        randomize(hf)  # (transformers 5's fused expert tensors too)
     hf.save_pretrained(tmp_path / "hf")
     from_hf(tmp_path / "hf", tmp_path / "ckpt")
     refs = []
