@@ -44,6 +44,12 @@ def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int
     return resolve(cfg)
 
 
+def whole_lines(text: str, finish_reason: str) -> list[str]:
+    """The lines of a sample, without the last one when generation cut it off."""
+    lines = text.splitlines()
+    return lines[:-1] if finish_reason == "length" and len(lines) > 1 else lines
+
+
 def run_demo(argv: list[str]) -> int:
     p = ArgumentParser(prog="paratron demo", description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=str(DEMO_DIR), help="where data, checkpoints and logs go (default %(default)s)")
@@ -53,7 +59,8 @@ def run_demo(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from .data.corpus import prepare_demo_data
     from .data.tokenizers import build_tokenizer
-    from .generate import generate
+    from .inference.engine import Engine, Request
+    from .inference.sampling import SamplingParams
     from .train.loop import pretrain
 
     workdir = Path(args.workdir)
@@ -72,13 +79,13 @@ def run_demo(argv: list[str]) -> int:
     curve = result["valid_curve"]
     tok = trainer.tokenizer
     model = trainer.model.module
-    print("\nSamples from the trained model:")
-    g = torch.Generator().manual_seed(0)
-    for prompt in ("def", "import", "class"):
-        ids = generate(model, tok.tokenize(prompt), 48, cfg.data.vocab_size, temperature=0.7, top_k=20,
-                       eod=tok.eod, generator=g)
-        text = tok.detokenize(ids).splitlines()
-        print("  | " + (text[0] if text else "")[:100])
+    print("\nSamples from the trained model (temperature 0.7, top-k 20; whole lines):")
+    engine = Engine(model, cfg.data.vocab_size, tok.eod, tok.detokenize)
+    prompts = ("def", "import", "class")
+    requests = [Request(tok.tokenize(p), SamplingParams(96, temperature=0.7, top_k=20, seed=i))
+                for i, p in enumerate(prompts)]
+    for prompt, res in zip(prompts, engine.generate(requests)):
+        print("\n".join("  | " + line for line in whole_lines(prompt + res.text, res.finish_reason)[:8]) + "\n")
     if len(curve) >= 2:
         first, last = curve[0][1], curve[-1][1]
         print(f"\nvalidation loss {first:.3f} -> {last:.3f} ({100 * (first - last) / first:.0f} % lower)")

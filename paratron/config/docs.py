@@ -31,10 +31,12 @@ The tokenizer flags ({tokenizer}) are the same set, with the same defaults and m
 
 `--cp-comm-type allgather` or `a2a+p2p` and `--hierarchical-context-parallel-sizes` (context
 parallelism has `p2p` and `a2a`; see docs/parallelism.md), `--num-experts` with `--context-parallel-size`
-above 1, `--attention-dropout` under context parallelism, and `--sample-prompt` (no generation in
-training runs yet): each is a one-line error, exit code 2. So are flags that would do nothing: `--moe-*`
-flags, or `--expert-model-parallel-size` / `--expert-tensor-parallel-size` above 1, without
-`--num-experts` (see docs/moe.md).
+above 1 and `--attention-dropout` under context parallelism: each is a one-line error, exit code 2. So
+are flags that would do nothing: `--moe-*` flags, or `--expert-model-parallel-size` /
+`--expert-tensor-parallel-size` above 1, without `--num-experts` (see docs/moe.md). `--sample-prompt
+TEXT` prints the trained model's greedy continuation of TEXT (up to 64 tokens) at the end of training;
+it needs `--pipeline-model-parallel-size 1`, `--context-parallel-size 1` and no `--sequence-parallel`
+(docs/inference.md).
 """
 
 

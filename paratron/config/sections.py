@@ -289,7 +289,7 @@ class LogConfig(Section):
     profile_step_start: int = 10
     profile_step_end: int = 12
     plot_path: Optional[str] = None  # paratron: PNG loss plot; default <tensorboard-dir or save>/loss.png
-    sample_prompt: Optional[str] = None  # paratron: an error until generation exists in training runs
+    sample_prompt: Optional[str] = None  # paratron: the trained model continues this text at the end (greedy)
 
 
 @dataclass(eq=True)

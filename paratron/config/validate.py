@@ -245,8 +245,19 @@ def validate_ckpt(c) -> None:
 
 
 def validate_log(lg) -> None:
-    need(lg.sample_prompt is None, "--sample-prompt: training runs cannot generate text yet; remove the flag "
-         "(`paratron demo` prints samples of its model)")
+    need(lg.sample_prompt != "", "--sample-prompt: the prompt is empty; give some text")
+
+
+def validate_sample(cfg) -> None:
+    """--sample-prompt generates with the whole model on each rank, without sequence or context parallelism."""
+    if cfg.log.sample_prompt is None:
+        return
+    par = cfg.parallel
+    need(par.pipeline_model_parallel_size == 1, "--sample-prompt needs the whole model on each rank: "
+         "it cannot sample with --pipeline-model-parallel-size > 1 (sample with `paratron generate` instead)")
+    need(not par.sequence_parallel and par.context_parallel_size == 1,
+         "--sample-prompt cannot sample with --sequence-parallel or --context-parallel-size > 1; drop one of them "
+         "(or sample the checkpoint with `paratron generate`)")
 
 
 def validate_tokenizer(d: DataConfig) -> None:
@@ -348,6 +359,7 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
         validate_optim(cfg.optim)
         validate_ckpt(cfg.ckpt)
         validate_log(cfg.log)
+        validate_sample(cfg)
         validate_data(cfg.data)
         resolve_world(cfg, world)
         cfg.data.vocab_size = tokenizer_vocab_size(cfg.data)

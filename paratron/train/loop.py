@@ -15,13 +15,13 @@ from ..checkpoint import sharded
 from ..checkpoint import state as cstate
 from ..checkpoint.compat import check_model_config
 from ..checkpoint.pieces import replicated_row
+from ..checkpoint.tokenizer_files import save_tokenizer
 from ..config import Config, check_resolved
 from ..model import moe
 from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims
 from ..parallel import fp8
-from ..parallel.fp8 import Recipe
 from ..parallel.layout import BatchLayout
 from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
@@ -33,6 +33,7 @@ from .preflight import preflight
 from .logger import RunLogger, format_train_line, format_valid_line
 from .metrics import flops_per_iteration, peak_memory_gb, peak_tflops
 from .microbatches import MicroBatches
+from .report import end_of_run
 
 
 def params_dtype(cfg: Config) -> torch.dtype:
@@ -53,7 +54,8 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
     model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
                      seed=tr.seed, recompute_granularity=tr.recompute_granularity,
                      recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                     fp8=Recipe.from_config(tr), cp_comm_type=cfg.parallel.cp_comm_type, device=device, dtype=params_dtype(cfg), **stage)
+                     fp8=fp8.Recipe.from_config(tr), cp_comm_type=cfg.parallel.cp_comm_type, device=device,
+                     dtype=params_dtype(cfg), **stage)
     model.fused_output_loss = not tr.no_fused_output_loss
     if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
         model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check
@@ -258,6 +260,8 @@ class Trainer:
                   "optimizer": None if c.no_save_optim else {"step": cstate.adam_step(self.optimizer),
                                                              "scaler": self.optimizer.scaler.state_dict()},
                   "rng": not c.no_save_rng, "layout": self._layout(), "config": self.cfg.to_dict()}
+        if self.dims.rank == 0:  # the tokenizer's files beside the weights (generate / serve find them)
+            save_tokenizer(c.save, self.cfg.data)
         if c.async_save:
             it = self.iteration
 
@@ -474,13 +478,7 @@ def pretrain(cfg: Config, eval_at_start: bool = False) -> dict:
             trainer.log.print(format_valid_line(trainer.iteration, loss))
             trainer.log.valid(trainer.iteration, loss)
         result = trainer.train()
-        lg = trainer.log
-        plot_path = cfg.log.plot_path or (Path(cfg.log.tensorboard_dir or cfg.ckpt.save or ".") / "loss.png"
-                                          if (cfg.log.tensorboard_dir or cfg.ckpt.save) else None)
-        if plot_path:
-            result["plot"] = lg.plot(plot_path)
-            if result["plot"]:
-                lg.print(f" loss plot: {result['plot']}")
+        end_of_run(trainer, result)  # the loss plot, the --sample-prompt sample
         result["trainer"] = trainer
         return result
     finally:

@@ -145,7 +145,7 @@ def test_keep_last_k_checkpoints(tmp_path):
     pretrain(parse_args(TINY + ["--train-iters", "5", "--save-interval", "1", "--save", str(root),
                                 "--ckpt-keep-last", "2", "--eval-iters", "0"]))
     kept = sorted(p.name for p in root.iterdir() if p.name != "loss.png")
-    assert kept == ["iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert kept == ["iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt", "tokenizer"]
 
 
 def test_finetune_and_no_load_optim(tmp_path):

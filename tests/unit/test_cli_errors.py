@@ -36,7 +36,7 @@ def test_error_classes_share_one_base():
      "--cp-comm-type allgather: the all-gather variant of context parallelism is not implemented yet"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 has no effect without --num-experts"),
     (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 has no effect without --num-experts"),
-    (["--sample-prompt", "def"], "--sample-prompt: training runs cannot generate text yet"),
+    (["--sample-prompt", "def", "--pipeline-model-parallel-size", "2"], "--sample-prompt needs the whole model"),
 ])
 def test_flags_that_would_do_nothing_are_errors(capsys, flags, needle):
     assert main(["train", *TINY, *flags]) == 2
