@@ -24,7 +24,7 @@ class StepGuard:
 
     NaN/Inf: the loss on every rank that has it (the last pipeline stage) and, except with --fp16
     (whose loss scaler skips steps with overflowing gradients), the gradient norm on every rank.
-    Spikes: a loss above ``factor`` x the largest loss seen so far in this run is reported through
+    Spikes: a loss above ``factor`` x the largest (non-spike) loss seen so far in this run is reported through
     ``report`` and, with ``exit_on_spike``, stops the run."""
 
     def __init__(self, nan: bool, grad: bool, spiky: bool, factor: float, exit_on_spike: bool, rank: int,
@@ -94,6 +94,7 @@ class StepGuard:
                 raise NumericalError(message + "; training stops and saves nothing (--exit-on-spiky-loss); resume "
                                                "from the last checkpoint with --load")
             self.report(f" WARNING: {message}")
+            return  # a spike does not raise the bar for the next one
         self.max_loss = loss if self.max_loss is None else max(self.max_loss, loss)
 
 
