@@ -50,7 +50,10 @@ LAYOUTS = {"1proc_dropout": (1, DROPOUT), "dp2": (2, NO_DROPOUT),
 
 
 def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: part of the restart recipe (docs/reliability.md); without
+    it restarted workers can read a dead worker's address from the shared store (pytorch#135712)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
+                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
 
 def free_port() -> int:

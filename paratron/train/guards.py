@@ -112,6 +112,20 @@ class StopSignal:
         self.received = True
 
 
+def kill_workers_at_exit() -> None:
+    """DataLoader workers that ignore SIGTERM outlive ``Process.terminate()``, which is how
+    multiprocessing stops daemon children at interpreter exit (then it joins them: a hang, after an
+    error such as a dead peer). Registered after multiprocessing's own exit handler, this one runs
+    first and kills the remaining children for good (they hold nothing worth keeping)."""
+    import atexit
+    import multiprocessing
+
+    def kill_children() -> None:
+        for child in multiprocessing.active_children():
+            child.kill()
+    atexit.register(kill_children)
+
+
 def ignore_sigterm(_worker_id: int) -> None:
     """DataLoader ``worker_init_fn`` (Megatron's --exit-signal-handler-for-dataloader): the workers
     live in the job's process group and get its SIGTERM too; they must outlive it until the main

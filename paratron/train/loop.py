@@ -25,7 +25,7 @@ from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_fu
 from ..parallel.random import rng_state, set_rng_state, set_seed
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
-from .guards import StepGuard, StopSignal, ignore_sigterm
+from .guards import StepGuard, StopSignal, ignore_sigterm, kill_workers_at_exit
 from .logger import RunLogger, format_train_line, format_valid_line
 from .metrics import flops_per_iteration, peak_memory_gb, peak_tflops
 from .microbatches import MicroBatches
@@ -121,6 +121,8 @@ class Trainer:
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length,
                                                                       tr.seed, train_valid_test_num_samples(tr))
         signals = tr.exit_signal_handler or tr.exit_signal_handler_for_dataloader
+        if signals and self.cfg.data.num_workers > 0:
+            kill_workers_at_exit()
         it = partial(build_data_iterator, micro_batch_size=tr.micro_batch_size, dp_rank=self.dims.dp_rank,
                      dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers,
                      worker_init_fn=ignore_sigterm if signals else None)
