@@ -375,15 +375,22 @@ class Trainer:
         if cfg.ckpt.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
         self.wait_for_save()
-        preempted = self.stop_signal.received  # the grace period is for the save, not for evaluations
-        if not preempted and self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval:
+        if not self.stop_signal.received:  # preempted: the grace period is for the save, not for evaluations
+            valid_loss = self._final_evaluations(valid_loss)
+        return {"iteration": self.iteration, "valid_loss": valid_loss, "train_curve": lg.train_curve,
+                "valid_curve": lg.valid_curve}
+
+    def _final_evaluations(self, valid_loss: Optional[float]) -> Optional[float]:
+        """After training: the validation loss unless it was just measured, and (as Megatron) the
+        test split once, when training ran to its end. Returns the last validation loss."""
+        tr, lg = self.cfg.train, self.log
+        if self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval:
             valid_loss = self.evaluate()
             lg.print(format_valid_line(self.iteration, valid_loss))
             lg.valid(self.iteration, valid_loss)
-        if not preempted and self.test_iter is not None and self.iteration >= tr.train_iters:  # as Megatron, once
+        if self.test_iter is not None and self.iteration >= tr.train_iters:
             lg.print(format_valid_line("the end of training for test data", self.evaluate(self.test_iter)))
-        return {"iteration": self.iteration, "valid_loss": valid_loss, "train_curve": lg.train_curve,
-                "valid_curve": lg.valid_curve}
+        return valid_loss
 
     def _log_window(self, acc: torch.Tensor, iters: int, seconds: float, grad_norm: float) -> None:
         tr = self.cfg.train
