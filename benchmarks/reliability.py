@@ -133,10 +133,14 @@ def rank_jobs(nproc: int, flags: list[str]) -> Job:
 def worker_pids(agent_pid: int) -> dict:
     """{rank: pid} of torchrun's workers (children of the agent whose environment names a RANK)."""
     out = {}
-    try:
-        children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
-    except OSError:
-        return out
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == agent_pid:
+            children.append(stat.parent.name)
     for pid in children:
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -181,6 +185,7 @@ def kill_trial(rng: random.Random, layout: str, ref: dict, workdir: Path, n: int
             time.sleep(rng.uniform(0.0, 0.3))
         pids = worker_pids(job.procs[0].pid)
         trial["killed_at_iteration"] = job.logged()
+        trial["killed_pid_found"] = rank in pids
         if rank in pids:
             os.kill(pids[rank], signal.SIGKILL)
     rcs = job.wait()
