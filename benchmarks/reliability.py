@@ -276,8 +276,9 @@ def main() -> None:
 
 
 def _commit() -> str:
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return r.stdout.strip() or "unknown"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from record import commit  # $PARATRON_COMMIT on a copy without git history
+    return commit()
 
 
 if __name__ == "__main__":
