@@ -114,10 +114,13 @@ def read_checkpoint(root, iteration: Optional[int] = None, log=None) -> tuple:
 
 def default_family(m) -> str:
     """The Hugging Face family of a paratron model: LayerNorm + GeLU -> gpt2; RMSNorm + SwiGLU -> llama,
-    or qwen2 with q/k/v-only biases, qwen3 with --qk-layernorm. Mistral is never chosen (a Llama
-    without biases is both): pass --family mistral."""
+    or qwen2 with q/k/v-only biases, qwen3 with --qk-layernorm; with --num-experts, qwen3_moe with
+    --qk-layernorm, else mixtral. Mistral is never chosen (a Llama without biases is both): pass
+    --family mistral."""
     if m.normalization == "LayerNorm" and not m.swiglu:
         return "gpt2"
+    if m.num_experts is not None:
+        return "qwen3_moe" if m.qk_layernorm else "mixtral"
     if m.qk_layernorm:
         return "qwen3"
     if m.disable_bias_linear and m.add_qkv_bias:
@@ -301,7 +304,7 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
     flags = training_flags(m, tp)
     launcher = "pretrain_gpt.py" if tp == 1 else f"torchrun --nproc-per-node {tp} pretrain_gpt.py"
     log("done. Train from it with (add your data, tokenizer and training flags; any parallel layout loads it):")
-    print(f"  {launcher} {' '.join(flags)} --load {shlex.quote(str(save))} --finetune", flush=True)
+    print(f"  {launcher} {shlex.join(flags)} --load {shlex.quote(str(save))} --finetune", flush=True)
     tok = (f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {shlex.quote(str(src))}"
            if (src / "tokenizer.json").is_file() else "a tokenizer")
     log(f"use {tok} with {vocab} tokens; the checkpoint has {padded} vocabulary rows (zeros past {vocab}), "

@@ -1,4 +1,4 @@
-"""Hugging Face <-> paratron checkpoint conversion (GPT-2, Llama, Mistral, Qwen2, Qwen3).
+"""Hugging Face <-> paratron checkpoint conversion (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE).
 
 The whole mapping is one fixed table (:func:`name_table`): every paratron tensor has one row naming
 the Hugging Face tensor(s) it comes from and how it is reshaped. Most rows are plain copies; the few
@@ -12,6 +12,8 @@ reshapes are small functions in this file:
 * ``gate_up`` ``gate_proj`` and ``up_proj`` stacked as paratron's SwiGLU ``linear_fc1`` = ``[gate; up]``.
 * ``vocab``   embedding / output rows: Hugging Face has exactly ``vocab_size`` rows, paratron the padded
   size; converting to paratron appends zero rows, converting back drops them.
+* ``experts`` / ``experts_gate_up``  one Hugging Face tensor per expert <-> paratron's stacked expert
+  tensors (:mod:`paratron.checkpoint.hf_moe`, which also reads transformers 5's fused in-memory experts).
 
 Everything here works on plain ``{name: tensor}`` dicts of a full (TP=1, single pipeline stage)
 model, reads and writes local files only, and never imports ``transformers``. The config.json <->
@@ -30,6 +32,8 @@ import torch
 from ..config import ModelConfig
 from ..model.gpt import GPTModel
 from .hf_config import ConversionError, check_family, check_representable, hf_config_from_model_config
+from .hf_moe import (MOE_FAMILIES, moe_layer_rows, per_expert_state, stack_expert_gate_up, stack_experts,
+                     unstack_expert_gate_up, unstack_experts)
 
 __all__ = [
     "name_table", "hf_to_paratron", "paratron_to_hf", "save_hf_dir", "load_hf_dir",
@@ -89,7 +93,7 @@ _LLAMA_TOP = [
 ]
 
 _TABLES = {"gpt2": (_GPT2_TOP, "transformer.h.{i}.", _GPT2_LAYER)}
-for _fam in ("llama", "mistral", "qwen2", "qwen3"):
+for _fam in ("llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES:
     _TABLES[_fam] = (_LLAMA_TOP, "model.layers.{i}.", _LLAMA_LAYER)
 
 
@@ -102,10 +106,13 @@ def _paratron_shapes(cfg: ModelConfig, padded_vocab: int) -> dict[str, tuple]:
 
 def name_table(cfg: ModelConfig, family: str) -> list[tuple[str, tuple[str, ...], str]]:
     """The mapping for one model: ``(paratron name, Hugging Face names, reshape)`` for every paratron
-    tensor, in state-dict order. Reshape is one of copy, conv1d, c_attn, qkv, gate_up, vocab."""
+    tensor, in state-dict order. Reshape is one of copy, conv1d, c_attn, qkv, gate_up, vocab, experts,
+    experts_gate_up. (A Qwen3-MoE layer has the dense or the MoE rows, as paratron's layer has.)"""
     check_family(family)
     check_representable(cfg, family)
     top, layer_prefix, layer = _TABLES[family]
+    if family in MOE_FAMILIES:
+        layer = layer + moe_layer_rows(cfg, family)
     by_name = {p: (hf, how) for p, hf, how in top}
     for i in range(cfg.num_layers):
         hp = layer_prefix.format(i=i)
@@ -188,6 +195,10 @@ def _to_paratron(how: str, ts: list, cfg: ModelConfig, padded_vocab: int) -> tor
         return fuse_gate_up(*ts)
     if how == "vocab":
         return _pad_rows(ts[0], padded_vocab)
+    if how == "experts":
+        return stack_experts(ts)
+    if how == "experts_gate_up":
+        return stack_expert_gate_up(ts)
     raise AssertionError(how)
 
 
@@ -204,6 +215,10 @@ def _to_hf(how: str, t: torch.Tensor, cfg: ModelConfig, vocab_size: int) -> list
         return list(split_gate_up(t))
     if how == "vocab":
         return [t[:vocab_size]]
+    if how == "experts":
+        return unstack_experts(t)
+    if how == "experts_gate_up":
+        return unstack_expert_gate_up(t)
     raise AssertionError(how)
 
 
@@ -223,6 +238,10 @@ def _hf_shapes(how: str, pshape: tuple, cfg: ModelConfig, vocab_size: int) -> li
         return [(pshape[0] // 2, *rest)] * 2
     if how == "vocab":
         return [(vocab_size, *rest)]
+    if how == "experts":
+        return [rest] * pshape[0]
+    if how == "experts_gate_up":
+        return [(rest[0] // 2, *rest[1:])] * (2 * pshape[0])
     raise AssertionError(how)
 
 
@@ -239,7 +258,10 @@ def _names(names, limit: int = 6) -> str:
 def _normalize_hf_names(hf_state: dict, family: str, tied: bool) -> dict:
     """Accept the variants found in published checkpoints: GPT-2 without the ``transformer.`` prefix
     and with its causal-mask buffers (``attn.bias``/``attn.masked_bias``), old Llama ``rotary_emb.inv_freq``
-    buffers, and ``lm_head.weight`` stored next to tied embeddings (transformers ignores it then too)."""
+    buffers, ``lm_head.weight`` stored next to tied embeddings (transformers ignores it then too), and
+    transformers 5's fused in-memory experts (:func:`~paratron.checkpoint.hf_moe.per_expert_state`)."""
+    if family in MOE_FAMILIES:
+        hf_state = per_expert_state(hf_state, family)
     out = {}
     bare_gpt2 = family == "gpt2" and "transformer.wte.weight" not in hf_state and "wte.weight" in hf_state
     for name, t in hf_state.items():

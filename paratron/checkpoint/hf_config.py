@@ -1,5 +1,6 @@
 """Hugging Face ``config.json`` <-> paratron :class:`~paratron.config.ModelConfig` (GPT-2, Llama,
-Mistral, Qwen2, Qwen3).
+Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral and Qwen3-MoE, whose experts are read and
+written by :mod:`paratron.checkpoint.hf_moe`).
 
 :func:`model_config_from_hf` turns a Hugging Face config into the ModelConfig that builds the same
 network (with the vocabulary size and the family, the ``model_type``), and
@@ -21,6 +22,7 @@ from typing import Any
 
 from ..config import ModelConfig
 from ..errors import UserError
+from .hf_moe import MOE_FAMILIES, REFUSED_MOE, check_moe_representable, hf_moe_config, moe_config_kwargs
 
 __all__ = ["ConversionError", "FAMILIES", "family_of", "model_config_from_hf", "hf_config_from_model_config",
            "padded_vocab_size"]
@@ -30,9 +32,12 @@ class ConversionError(UserError, ValueError):
     """The checkpoint or config cannot be converted; the message is one line naming what and why."""
 
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+# The dense family whose attention, norms and biases a mixture-of-experts family has.
+_BASE = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
 # paratron's Llama-3 rope scaling has these fixed (paratron/model/layers.py: rope_inv_freq).
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -62,6 +67,8 @@ def family_of(hf_config: Any) -> str:
     mt = d.get("model_type")
     if mt is None:
         raise ConversionError("config has no model_type; paratron converts " + ", ".join(FAMILIES))
+    if mt in REFUSED_MOE:
+        raise ConversionError(f"model_type {mt!r} is not supported: {REFUSED_MOE[mt]}")
     if mt not in FAMILIES:
         raise ConversionError(f"unsupported model_type {mt!r}; paratron converts {', '.join(FAMILIES)}")
     return mt
@@ -157,42 +164,48 @@ def _llama_config(d: dict, family: str) -> ModelConfig:
     elif rope["rope_type"] != "default":
         raise ConversionError(f"rope type {rope['rope_type']!r} is not supported; paratron has default and llama3")
 
-    qk_norm = family == "qwen3"
-    if family == "qwen2":  # q/k/v biases only
-        disable_bias, qkv_bias = True, True
-    elif family in ("llama", "qwen3"):
-        attn_bias = bool(d.get("attention_bias", False))
-        mlp_bias = bool(d.get("mlp_bias", False)) if family == "llama" else False
-        if attn_bias != mlp_bias:
-            raise ConversionError(f"{family} with attention_bias={attn_bias} and mlp_bias={mlp_bias} is not "
-                                  "supported: paratron has biases on all linear layers or on none (but q/k/v)")
-        disable_bias, qkv_bias = not attn_bias, False
-    else:  # mistral
-        disable_bias, qkv_bias = True, False
-
-    seq = positions
-    window = d["sliding_window"] if "sliding_window" in d else (4096 if family == "mistral" else None)
-    uses_window = window is not None and (
-        family == "mistral"
-        or (family in ("qwen2", "qwen3") and d.get("use_sliding_window", False)
-            and "sliding_attention" in (d.get("layer_types") or ["sliding_attention"])))
-    if uses_window:
-        seq = min(seq, int(window))
-
+    base = _BASE.get(family, family)
+    disable_bias, qkv_bias = _biases(d, family, base)
+    n_layers = int(_need(d, "num_hidden_layers"))
+    moe = moe_config_kwargs(d, family, n_layers) if family in MOE_FAMILIES else {}
     cfg = ModelConfig(
-        num_layers=int(_need(d, "num_hidden_layers")), hidden_size=h, num_attention_heads=heads,
+        num_layers=n_layers, hidden_size=h, num_attention_heads=heads,
         ffn_hidden_size=int(_need(d, "intermediate_size")), kv_channels=head_dim,
         group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
-        seq_length=seq, max_position_embeddings=positions, position_embedding_type="rope",
+        seq_length=_window_capped(d, family, base, positions), max_position_embeddings=positions, position_embedding_type="rope",
         rotary_base=float(rope["rope_theta"]), rotary_percent=1.0,
         use_rope_scaling=scaling, rope_scaling_factor=factor,
         normalization="RMSNorm", norm_epsilon=float(d.get("rms_norm_eps", 1e-6)), swiglu=True,
-        qk_layernorm=qk_norm, disable_bias_linear=disable_bias, add_qkv_bias=qkv_bias,
+        qk_layernorm=base == "qwen3", disable_bias_linear=disable_bias, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", False),
         hidden_dropout=0.0, attention_dropout=float(d.get("attention_dropout", 0.0) or 0.0),
-        init_method_std=float(d.get("initializer_range", 0.02)),
+        init_method_std=float(d.get("initializer_range", 0.02)), **moe,
     )
     return cfg.resolved()
+
+
+def _biases(d: dict, family: str, base: str) -> tuple[bool, bool]:
+    """(disable_bias_linear, add_qkv_bias) of a Llama-style config; ``base`` its dense family."""
+    if base == "qwen2":  # q/k/v biases only
+        return True, True
+    if base in ("llama", "qwen3"):
+        attn_bias = bool(d.get("attention_bias", False))
+        mlp_bias = bool(d.get("mlp_bias", False)) if base == "llama" else False
+        if attn_bias != mlp_bias:
+            raise ConversionError(f"{family} with attention_bias={attn_bias} and mlp_bias={mlp_bias} is not "
+                                  "supported: paratron has biases on all linear layers or on none (but q/k/v)")
+        return not attn_bias, False
+    return True, False  # mistral, mixtral
+
+
+def _window_capped(d: dict, family: str, base: str, positions: int) -> int:
+    """The longest sequence full causal attention runs as the model's (sliding-window) attention."""
+    window = d["sliding_window"] if "sliding_window" in d else (4096 if family == "mistral" else None)
+    uses_window = window is not None and (
+        base == "mistral"
+        or (base in ("qwen2", "qwen3") and d.get("use_sliding_window", False)
+            and "sliding_attention" in (d.get("layer_types") or ["sliding_attention"])))
+    return min(positions, int(window)) if uses_window else positions
 
 
 def check_representable(cfg: ModelConfig, family: str) -> None:
@@ -204,8 +217,7 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
             raise ConversionError(f"{family} cannot represent this model: {what}")
 
     need(cfg.rotary_percent == 1.0 or cfg.position_embedding_type != "rope", "needs --rotary-percent 1.0")
-    need(cfg.num_experts is None, "mixture-of-experts layers (--num-experts): converting MoE models is not "
-         "implemented yet")
+    check_moe_representable(cfg, family, need)
     if family == "gpt2":
         need(cfg.position_embedding_type == "learned_absolute", "needs --position-embedding-type learned_absolute")
         need(cfg.normalization == "LayerNorm", "needs --normalization LayerNorm")
@@ -219,11 +231,12 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
     need(cfg.position_embedding_type == "rope", "needs --position-embedding-type rope")
     need(cfg.normalization == "RMSNorm", "needs --normalization RMSNorm")
     need(cfg.swiglu, "needs --swiglu")
-    need(cfg.qk_layernorm == (family == "qwen3"),
-         "qwen3 needs --qk-layernorm" if family == "qwen3" else "no --qk-layernorm (use qwen3)")
+    base = _BASE.get(family, family)
+    need(cfg.qk_layernorm == (base == "qwen3"), "needs --qk-layernorm" if base == "qwen3"
+         else "no --qk-layernorm (use " + ("qwen3_moe)" if cfg.num_experts else "qwen3)"))
     if family == "qwen2":
         need(cfg.disable_bias_linear and cfg.add_qkv_bias, "needs --disable-bias-linear --add-qkv-bias")
-    elif family == "mistral":
+    elif base == "mistral":
         need(cfg.disable_bias_linear and not cfg.add_qkv_bias, "needs --disable-bias-linear and no --add-qkv-bias")
     else:  # llama (attention_bias = mlp_bias) and qwen3 (attention_bias only)
         need(not (cfg.disable_bias_linear and cfg.add_qkv_bias), "q/k/v-only biases need family qwen2")
@@ -260,11 +273,13 @@ def hf_config_from_model_config(cfg: ModelConfig, vocab_size: int, family: str) 
         out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **_LLAMA3_FIXED}
     if family == "llama":
         out.update(attention_bias=not cfg.disable_bias_linear, mlp_bias=not cfg.disable_bias_linear)
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral"):
         out.update(sliding_window=None)
     elif family == "qwen2":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
-    elif family == "qwen3":
+    elif family in ("qwen3", "qwen3_moe"):
         out.update(attention_bias=not cfg.disable_bias_linear, use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg.num_layers)
+    if family in MOE_FAMILIES:
+        out.update(hf_moe_config(cfg, family))
     return out

@@ -25,9 +25,11 @@ The tokenizer flags ({tokenizer}) are the same set, with the same defaults and m
 
 ## Flags that are errors until their feature exists
 
-A value above 1 of `--context-parallel-size`, `--expert-model-parallel-size` or
-`--expert-tensor-parallel-size` (mixture-of-experts layers run at expert-parallel size 1 for now; see
-docs/moe.md), `--num-experts` with `--tensor-model-parallel-size` above 1, and `--sample-prompt` (no
+A value above 1 of `--expert-model-parallel-size` or `--expert-tensor-parallel-size`
+(mixture-of-experts layers run at expert-parallel size 1 for now; see docs/moe.md), `--num-experts`
+with `--tensor-model-parallel-size` or `--context-parallel-size` above 1, `--cp-comm-type allgather`
+or `a2a+p2p` and `--hierarchical-context-parallel-sizes` (context parallelism has `p2p` and `a2a`;
+see docs/parallelism.md), `--attention-dropout` under context parallelism, and `--sample-prompt` (no
 generation in training runs yet): each is a one-line error, exit code 2.
 """
 

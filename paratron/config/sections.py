@@ -168,7 +168,9 @@ class ParallelConfig(Section):
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
-    context_parallel_size: int = 1  # > 1 is an error until context parallelism exists
+    context_parallel_size: int = 1  # the sequence split over CP ranks (paratron/parallel/context.py)
+    cp_comm_type: str = "p2p"  # p2p (ring attention) | a2a (Ulysses); allgather, a2a+p2p: errors until they exist
+    hierarchical_context_parallel_sizes: Optional[list] = None  # a2a+p2p: an error until it exists
     expert_model_parallel_size: int = 1  # > 1 is an error until expert parallelism exists
     expert_tensor_parallel_size: Optional[int] = None  # > 1 is an error until expert parallelism exists
     sequence_parallel: bool = False

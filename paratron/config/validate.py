@@ -122,9 +122,7 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
     """Parallel sizes against the model; the pipeline layout (derives the virtual size)."""
     _at_least_one(par, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                         "expert_model_parallel_size"))
-    need(par.context_parallel_size == 1,
-         f"--context-parallel-size {par.context_parallel_size}: context parallelism is not implemented yet; "
-         "remove the flag (or use --context-parallel-size 1)")
+    validate_context_parallel(par, m)
     for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
         size = getattr(par, name)
         need(size is None or size <= 1, f"{flag(name)} > 1: expert parallelism is not implemented yet "
@@ -150,6 +148,30 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
     need(not par.grad_reduce_in_bf16 or tr.bf16, "--grad-reduce-in-bf16 needs --bf16")
     need(not (par.grad_reduce_in_bf16 and par.accumulate_allreduce_grads_in_fp32),
          "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive; choose one")
+
+
+def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
+    """--context-parallel-size and --cp-comm-type against the model (paratron/parallel/context.py)."""
+    from ..parallel.context import COMM_TYPES, REFUSED_COMM_TYPES
+    cp, tp, kind = par.context_parallel_size, par.tensor_model_parallel_size, par.cp_comm_type
+    need(kind not in REFUSED_COMM_TYPES, f"--cp-comm-type {kind}: {REFUSED_COMM_TYPES.get(kind)}; use p2p or a2a")
+    need(kind in COMM_TYPES, f"--cp-comm-type must be p2p or a2a (got {kind})")
+    need(par.hierarchical_context_parallel_sizes is None, "--hierarchical-context-parallel-sizes: "
+         f"{REFUSED_COMM_TYPES['a2a+p2p']}; remove the flag and use --cp-comm-type p2p or a2a")
+    if cp == 1:
+        return
+    need(m.seq_length % (2 * cp) == 0, f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size"
+         f" {cp} = {2 * cp} (each CP rank holds 2 of 2 x CP equal chunks); change one of them")
+    need(not par.sequence_parallel or (m.seq_length // cp) % tp == 0,
+         f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length / CP = {m.seq_length // cp} "
+         f"divisible by --tensor-model-parallel-size {tp}")
+    heads = m.num_attention_heads // tp
+    need(kind != "a2a" or heads % cp == 0, f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank "
+         f"({heads}) divisible by --context-parallel-size {cp}; use --cp-comm-type p2p")
+    need(m.attention_dropout == 0.0, f"--attention-dropout {m.attention_dropout} with --context-parallel-size {cp}: "
+         "attention dropout across CP ranks is not implemented; use --attention-dropout 0")
+    need(m.num_experts is None, "--num-experts with --context-parallel-size > 1: mixture-of-experts layers under "
+         "context parallelism are not implemented yet; use --context-parallel-size 1")
 
 
 def validate_train(tr: TrainConfig) -> None:

@@ -41,12 +41,13 @@ class ForwardContext:
 
     rope: (cos, sin) broadcasting over [s, b, heads, dim], or None (no rotary embedding).
     mask: [b, 1, s, s] bool, True = may attend: the whole pattern, causality included; or None.
-    document_ids: [b, s] document of each token of packed sequences.
+    document_ids: [b, s] document of each token of packed sequences (``--reset-attention-mask``), of
+        the whole sequence even under context parallelism: attention is causal within documents.
+        Without CP, GPTModel turns them into ``mask``; under CP the ring's blocks mask with them.
     causal: each position attends to itself and the ones before (False with a mask: it says all).
-    kv_cache: the inference KV cache slot of this pass.
-    cp: the context-parallel layout of the sequence.
-    document_ids, kv_cache and cp are not implemented yet: a context that sets one is refused, not
-    ignored.
+    kv_cache: the inference KV cache slot of this pass (not implemented yet: refused, not ignored).
+    cp: the context-parallel group (paratron/parallel/context.py) when the sequence is split over
+        CP ranks: attention then runs across them (ring or all-to-all).
     """
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     mask: Optional[torch.Tensor] = None
@@ -56,11 +57,13 @@ class ForwardContext:
     cp: object = None
 
     def __post_init__(self):
-        for name in ("document_ids", "kv_cache", "cp"):
-            if getattr(self, name) is not None:
-                raise NotImplementedError(f"ForwardContext.{name} is not implemented yet")
+        if self.kv_cache is not None:
+            raise NotImplementedError("ForwardContext.kv_cache is not implemented yet")
         if self.causal and self.mask is not None:
             raise ValueError("a mask is the whole attention pattern: pass causal=False with it")
+        if self.cp is not None and self.mask is not None:
+            raise ValueError("a dense attention mask cannot be split over context-parallel ranks: give "
+                             "document_ids (--reset-attention-mask) instead")
 
 
 class Norm(nn.Module):
@@ -195,6 +198,8 @@ class Attention(nn.Module):
                                              init_method=output_init(cfg), device=device, dtype=dtype)
 
     def _core(self, q, k, v, ctx: ForwardContext):
+        if ctx.cp is not None:  # the sequence is split over CP ranks (no dropout: config validation)
+            return ctx.cp.attention(q, k, v, ctx.document_ids)
         p = self.dropout if self.training else 0.0
         with self.par.fork():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,

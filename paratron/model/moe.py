@@ -253,6 +253,28 @@ def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 
     return dest, ends.to(torch.int32), expert_index.numel() + counts.numel() * (align - 1)
 
 
+def expert_order(routing_map: torch.Tensor, assignments: Optional[int] = None):
+    """(expert_index, token_index) of every routed (token, expert) pair of ``routing_map`` [tokens,
+    experts], sorted by expert then token. ``assignments``: how many pairs there are when that is
+    known in advance (dropless routing: tokens x top-k); the shapes are then static, so there is no
+    host synchronisation and the expert path compiles."""
+    by_expert = routing_map.t()
+    if assignments is not None and hasattr(torch, "nonzero_static"):
+        pairs = torch.nonzero_static(by_expert, size=assignments)
+        return pairs[:, 0], pairs[:, 1]
+    return by_expert.nonzero(as_tuple=True)
+
+
+def local_experts(experts: "Experts", tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                  assignments: Optional[int]) -> torch.Tensor:
+    """Every expert on this rank: tokens sorted by expert, the experts' MLPs, and the outputs weighted
+    by their probabilities and summed back per token."""
+    expert_index, token_index = expert_order(routing_map, assignments)
+    y = experts(tokens[token_index], routing_map.sum(dim=0), expert_index)
+    y = y * probs[token_index, expert_index].to(y.dtype)[:, None]
+    return torch.zeros_like(tokens).index_add_(0, token_index, y)
+
+
 class Experts(nn.Module):
     """Every expert's MLP: fc1 [experts, ffn (x2 with SwiGLU), hidden], fc2 [experts, hidden, ffn]."""
 
@@ -308,19 +330,25 @@ class MoELayer(nn.Module):
         if cfg.moe_shared_expert_intermediate_size is not None:
             shared = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_intermediate_size)
             self.shared_experts = MLP(shared, par, device, dtype)  # not gated (Megatron gates only Qwen's)
+        # dropless: every token goes to top-k experts, so the routed pairs are known in number
+        self.dropless = cfg.moe_expert_capacity_factor is None
+        self.local = local_experts
 
-    # Eager under --torch-compile (the rest of the layer compiles): data-dependent shapes, the router's
-    # running sums, and the aux losses' backward scale, which changes between steps.
+    def compile_experts(self, options: Optional[dict] = None) -> None:
+        """--torch-compile: the expert path (sort, grouped GEMMs, SwiGLU, weighted sum) as one compiled
+        region when its shapes are static (dropless routing, grouped GEMM)."""
+        if self.dropless and self.experts.grouped:
+            self.local = torch.compile(local_experts, dynamic=False, options=options)
+
+    # Outside the layer's compiled region under --torch-compile: the router's running sums and the aux
+    # losses' backward scale, which changes between steps; the expert path is compiled on its own.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(-1, h)
         probs, routing_map = self.router(tokens, s)
-        expert_index, token_index = routing_map.t().nonzero(as_tuple=True)  # sorted by expert, then token
-        counts = routing_map.sum(dim=0)
-        y = self.experts(tokens[token_index], counts, expert_index)
-        y = y * probs[token_index, expert_index].to(y.dtype)[:, None]
-        out = torch.zeros_like(tokens).index_add_(0, token_index, y).view(s, b, h)
+        assignments = tokens.shape[0] * self.router.topk if self.dropless else None
+        out = self.local(self.experts, tokens, probs, routing_map, assignments).view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out if residual is None else out + residual

@@ -7,6 +7,7 @@ from functools import partial
 import torch
 
 from ..config import Config
+from ..model import moe
 from ..model.gpt import GPTModel
 from ..parallel.dims import ParallelDims
 from ..parallel.fp8 import Recipe
@@ -32,11 +33,15 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
     model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
                      seed=tr.seed, recompute_granularity=tr.recompute_granularity,
                      recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                     fp8=Recipe.from_config(tr), device=device, dtype=params_dtype(cfg), **stage)
+                     fp8=Recipe.from_config(tr), cp_comm_type=cfg.parallel.cp_comm_type, device=device,
+                     dtype=params_dtype(cfg), **stage)
     model.fused_output_loss = not tr.no_fused_output_loss
     if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
         for layer in model.decoder.layers:
             layer.compile(options=compile_options(device))
+        for m in model.modules():
+            if isinstance(m, moe.MoELayer):
+                m.compile_experts(compile_options(device))
     return model
 
 
@@ -64,7 +69,7 @@ def make_forward_step(layout: BatchLayout):
     def forward_step(data_iterator, model):
         b = layout.prepare(next(data_iterator))
         output = model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
-                       labels=b["labels"])
+                       labels=b["labels"], document_ids=b["document_ids"])
         return output, partial(loss_func, b["loss_mask"])
     return forward_step
 

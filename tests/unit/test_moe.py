@@ -344,6 +344,38 @@ def test_aligned_rows_for_grouped_gemm():
     assert ends.tolist() == [8, 8, 24, 32] and ends.dtype == torch.int32 and size == 13 + 4 * 7 >= 32
 
 
+def test_expert_order_of_dropless_routing_is_static_and_equals_nonzero():
+    torch.manual_seed(5)
+    _, rmap = moe.topk_route(torch.randn(37, 8), 2)
+    want = rmap.t().nonzero(as_tuple=True)
+    got = moe.expert_order(rmap, 37 * 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(moe.expert_order(rmap), want))  # without a known count
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_expert_path_compiles_as_one_graph():
+    """--torch-compile compiles the dropless expert path on its own: one graph (no host sync, no
+    break) whose forward and backward equal the eager path's."""
+    torch.manual_seed(6)
+    layer = moe.MoELayer(small(swiglu=True, moe_grouped_gemm=True, hidden_size=32, moe_ffn_hidden_size=16),
+                         Parallel(), dtype=torch.bfloat16)
+    tokens = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    probs, rmap = layer.router(tokens.detach(), 8)
+    args = (layer.experts, tokens, probs, rmap, 16 * 2)
+    want = moe.local_experts(*args)
+    want_grad, = torch.autograd.grad(want.float().square().sum(), tokens)
+    compiled = torch.compile(moe.local_experts, fullgraph=True, dynamic=False, backend="aot_eager")
+    got = compiled(*args)
+    got_grad, = torch.autograd.grad(got.float().square().sum(), tokens)
+    assert layer.experts.used_grouped_mm and torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    layer.compile_experts()
+    assert layer.local is not moe.local_experts  # dropless + grouped: compiled
+    capped = moe.MoELayer(small(moe_grouped_gemm=True, moe_expert_capacity_factor=1.0), Parallel())
+    capped.compile_experts()
+    assert capped.local is moe.local_experts  # token dropping: data-dependent shapes stay eager
+
+
 def test_hf_conversion_of_moe_models_is_a_clear_error():
     from paratron.checkpoint.hf import name_table
     from paratron.checkpoint.hf_config import ConversionError

@@ -1,0 +1,197 @@
+"""The mixture-of-experts side of the Hugging Face conversion: Mixtral and Qwen3-MoE.
+
+Both families are Llama-style decoders (:mod:`paratron.checkpoint.hf_config` reads and writes their
+attention, norms and RoPE as for ``mistral`` and ``qwen3``) whose MLP is, in some or all layers, a
+router plus experts. This module holds what is particular to that MLP:
+
+* config.json <-> the ``--num-experts`` / ``--moe-*`` fields of ModelConfig
+  (:func:`moe_config_kwargs`, :func:`hf_moe_config`, :func:`check_moe_representable`);
+* the rows of the name table for one MoE layer (:func:`moe_layer_rows`) and their two reshapes;
+* :func:`per_expert_state`, which turns the fused expert tensors of transformers 5's in-memory models
+  into the per-expert tensors of the checkpoint files.
+
+Router semantics. paratron's router (Megatron's) takes the top-k of the logits and a softmax over
+those k (``--moe-router-pre-softmax`` off), or a softmax over all experts and its top-k, not
+renormalised (on). Mixtral (softmax over all experts, top-k, divided by their sum) equals the
+first; Qwen3-MoE's ``norm_topk_prob: true`` the first, ``false`` the second.
+
+Layer placement. Qwen3-MoE's layer i is MoE when i is not in ``mlp_only_layers`` and
+``(i + 1) % decoder_sparse_step == 0``; Megatron's ``--moe-layer-freq k`` makes layers 0, k, 2k, ...
+MoE. So placements other than "every layer" are written as the explicit 0/1 list that
+``--moe-layer-freq`` also accepts, and written back as ``decoder_sparse_step: 1`` plus
+``mlp_only_layers``. Mixtral has MoE layers only.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..config import ModelConfig
+from ..model.spec import parse_moe_layer_freq
+
+__all__ = ["MOE_FAMILIES", "moe_config_kwargs", "hf_moe_config", "check_moe_representable", "moe_layer_rows",
+           "stack_experts", "unstack_experts", "stack_expert_gate_up", "unstack_expert_gate_up", "per_expert_state"]
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+# family -> (the MoE block's prefix inside a layer in checkpoint files, expert names of gate, up, down)
+_FILE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+               "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+# MoE model types paratron does not convert, and the feature that stops it.
+REFUSED_MOE = {
+    "qwen2_moe": "its shared expert is scaled by a sigmoid gate (shared_expert_gate), which paratron's "
+                 "shared experts (--moe-shared-expert-intermediate-size) do not have",
+    "deepseek_v2": "multi-head latent attention and grouped expert routing are not implemented",
+    "deepseek_v3": "multi-head latent attention and grouped expert routing are not implemented",
+    "olmoe": "its q/k norms span all heads (paratron's --qk-layernorm is per head)",
+}
+
+
+def _error(msg: str) -> Exception:
+    from .hf_config import ConversionError  # hf_config imports this module
+    return ConversionError(msg)
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+# ----------------------------------------------------------------------------------------------
+
+def _moe_pattern(d: dict, family: str, num_layers: int) -> list[int]:
+    if family == "mixtral":
+        return [1] * num_layers
+    step = int(d.get("decoder_sparse_step", 1) or 1)
+    dense = set(d.get("mlp_only_layers") or [])
+    bad = sorted(i for i in dense if not isinstance(i, int) or not 0 <= i < num_layers)
+    if bad:
+        raise _error(f"qwen3_moe mlp_only_layers {bad} are not layers of a {num_layers}-layer model")
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
+
+
+def moe_config_kwargs(d: dict, family: str, num_layers: int) -> dict:
+    """The ModelConfig fields of the experts of a Mixtral / Qwen3-MoE config.json (dict)."""
+    experts = d.get("num_local_experts", d.get("num_experts"))
+    if not experts:
+        raise _error(f"{family} config has no experts (num_local_experts / num_experts is {experts!r}); "
+                     "a model without experts converts as " + ("mistral" if family == "mixtral" else "qwen3"))
+    if float(d.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
+        raise _error(f"router_jitter_noise {d['router_jitter_noise']} is not supported: paratron's router has no "
+                     "input jitter (set it to 0.0)")
+    if d.get("shared_expert_intermediate_size"):
+        raise _error(f"{family} with shared_expert_intermediate_size {d['shared_expert_intermediate_size']} is not "
+                     "supported: neither Mixtral nor Qwen3-MoE has a shared expert")
+    pattern = _moe_pattern(d, family, num_layers)
+    if not any(pattern):
+        raise _error(f"{family} config places no MoE layer (decoder_sparse_step / mlp_only_layers); "
+                     "a model without experts converts as qwen3")
+    size_key = "intermediate_size" if family == "mixtral" else "moe_intermediate_size"
+    if d.get(size_key) is None:
+        raise _error(f"config.json has no {size_key!r}")
+    return dict(
+        num_experts=int(experts), moe_router_topk=int(d.get("num_experts_per_tok", 2)),
+        moe_ffn_hidden_size=int(d[size_key]),
+        moe_layer_freq="1" if all(pattern) else "[" + ",".join(map(str, pattern)) + "]",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(d.get("router_aux_loss_coef", 0.0)),
+        moe_router_pre_softmax=family == "qwen3_moe" and not d.get("norm_topk_prob", False))
+
+
+def hf_moe_config(cfg: ModelConfig, family: str) -> dict:
+    """The config.json keys of the experts (cfg resolved and representable in ``family``). The
+    number of experts is written under the key transformers 4 reads (5 reads it too)."""
+    out = {"num_experts_per_tok": cfg.moe_router_topk, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+           "output_router_logits": False}
+    if family == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_ffn_hidden_size,
+                   router_jitter_noise=0.0)
+        return out
+    pattern = parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers)
+    out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+               norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
+               mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
+    return out
+
+
+def check_moe_representable(cfg: ModelConfig, family: str, need) -> None:
+    """``need(cond, what)`` for every MoE setting that ``family`` cannot express (cfg resolved).
+    Training-only settings (load-balancing type, z-loss, dispatcher, grouped GEMM, router dtype) do
+    not change the network and pass; only router_aux_loss_coef is written."""
+    if family not in MOE_FAMILIES:
+        need(cfg.num_experts is None, "mixture-of-experts layers (--num-experts): use --family mixtral or qwen3_moe")
+        return
+    need(cfg.num_experts is not None, "needs --num-experts (a dense model: use "
+         + ("mistral or llama)" if family == "mixtral" else "qwen3)"))
+    need(cfg.moe_router_score_function == "softmax", "needs --moe-router-score-function softmax")
+    need(not cfg.moe_router_enable_expert_bias, "no expert bias (--moe-router-enable-expert-bias)")
+    need(cfg.moe_router_topk_scaling_factor is None, "no --moe-router-topk-scaling-factor")
+    need(cfg.moe_expert_capacity_factor is None, "dropless routing only (no --moe-expert-capacity-factor)")
+    need(cfg.moe_shared_expert_intermediate_size is None, "no shared experts (--moe-shared-expert-intermediate-size)")
+    if family == "mixtral":
+        need(not cfg.moe_router_pre_softmax, "Mixtral renormalises the top-k probabilities: no "
+             "--moe-router-pre-softmax (qwen3_moe with norm_topk_prob false has it)")
+        need(all(parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers)),
+             "every layer must be MoE (--moe-layer-freq 1); qwen3_moe mixes dense layers")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensors
+# ----------------------------------------------------------------------------------------------
+
+def moe_layer_rows(cfg: ModelConfig, family: str) -> list[tuple[str, tuple[str, ...], str]]:
+    """The name-table rows of one MoE layer (names inside ``model.layers.{i}.``): the router, fc1 from
+    every expert's (gate, up) pair in expert order, fc2 from every expert's down projection."""
+    block, (gate, up, down) = _FILE_NAMES[family]
+    experts = range(cfg.num_experts)
+    fc1 = tuple(f"{block}experts.{e}.{w}.weight" for e in experts for w in (gate, up))
+    fc2 = tuple(f"{block}experts.{e}.{down}.weight" for e in experts)
+    return [("mlp.router.weight", (f"{block}gate.weight",), "copy"),
+            ("mlp.experts.linear_fc1.weight", fc1, "experts_gate_up"),
+            ("mlp.experts.linear_fc2.weight", fc2, "experts")]
+
+
+def stack_experts(ts: list) -> torch.Tensor:
+    """Per-expert [out, in] matrices -> paratron's stacked [experts, out, in]."""
+    return torch.stack(ts)
+
+
+def unstack_experts(t: torch.Tensor) -> list:
+    return [w.contiguous() for w in t.unbind(0)]
+
+
+def stack_expert_gate_up(ts: list) -> torch.Tensor:
+    """(gate_0, up_0, gate_1, up_1, ...) -> paratron's experts fc1 [experts, 2 * ffn, hidden], each
+    expert's rows ``[gate; up]`` as the dense SwiGLU fc1."""
+    return torch.stack([torch.cat([g, u], dim=0) for g, u in zip(ts[0::2], ts[1::2])])
+
+
+def unstack_expert_gate_up(t: torch.Tensor) -> list:
+    out = []
+    for w in t.unbind(0):
+        out += [part.contiguous() for part in w.chunk(2, dim=0)]
+    return out
+
+
+_FUSED = re.compile(r"^(model\.layers\.\d+\.)mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
+
+
+def per_expert_state(hf_state: dict, family: str) -> dict:
+    """transformers 5 holds a model's experts fused in memory (``mlp.experts.gate_up_proj``
+    [experts, 2 * ffn, hidden] = each expert's [gate; up], ``mlp.experts.down_proj`` [experts, hidden,
+    ffn]; Mixtral's router as ``mlp.gate``); its checkpoint files, and transformers 4, have one tensor
+    per expert. Returns the state dict with the per-expert (file) names."""
+    block, (gate, up, down) = _FILE_NAMES[family]
+    out = {}
+    for name, t in hf_state.items():
+        m = _FUSED.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        layer, what = m.groups()
+        if what == "gate.weight":
+            out[f"{layer}{block}gate.weight"] = t
+        elif what == "experts.down_proj":
+            out.update((f"{layer}{block}experts.{e}.{down}.weight", w) for e, w in enumerate(unstack_experts(t)))
+        else:
+            parts = unstack_expert_gate_up(t)
+            for e in range(t.shape[0]):
+                out[f"{layer}{block}experts.{e}.{gate}.weight"] = parts[2 * e]
+                out[f"{layer}{block}experts.{e}.{up}.weight"] = parts[2 * e + 1]
+    return out
