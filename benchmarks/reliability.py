@@ -190,8 +190,11 @@ def kill_trial(rng: random.Random, layout: str, ref: dict, workdir: Path, n: int
             os.kill(pids[rank], signal.SIGKILL)
     rcs = job.wait()
     got = losses(job.output())
-    trial.update(restarted=" resumed from " in job.output(), exit=rcs[0], last_iteration=max(got, default=0))
-    trial["resumed"] = rcs == [0] and trial["last_iteration"] == ITERS and trial["restarted"]
+    starts = job.output().count(" parameters per rank, ")  # one line per start of the workers
+    trial.update(restarted=starts >= 2, resumed_from_checkpoint=" resumed from " in job.output(), exit=rcs[0],
+                 last_iteration=max(got, default=0))
+    trial["resumed"] = rcs == [0] and trial["last_iteration"] == ITERS and trial["restarted"]  # (from scratch
+    # when the kill came before the first complete save)
     trial["identical"] = trial["resumed"] and identical(got, ref)
     if not trial["identical"]:
         trial["tail"] = job.output()[-2000:]
