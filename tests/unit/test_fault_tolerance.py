@@ -223,3 +223,24 @@ def test_interrupted_run_resumes_exactly(tmp_path, straight, sig):
     rc, rest, text = run_until(["--load", ck, "--save", ck, "--exit-signal-handler", "--exit-interval", "8"], 0, None)
     assert rc == 0 and sorted(rest) == list(range(latest + 1, 9)), text[-2000:]
     assert all(rest[i] == straight[i] for i in rest), (rest, straight)
+
+
+def test_exit_duration_saves_and_a_signal_during_the_save_changes_nothing(tmp_path, monkeypatch):
+    """--exit-duration-in-mins stops after the step and saves it; a SIGTERM arriving during that save
+    (the second signal of a preemption) only sets the flag again: the save completes and is the latest."""
+    from paratron.checkpoint import sharded
+    real_save = sharded.save
+
+    def save_with_a_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(*args, **kwargs)
+    monkeypatch.setattr(sharded, "save", save_with_a_signal)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        result = pretrain(parse_args(TINY + ["--train-iters", "50", "--eval-iters", "0", "--exit-duration-in-mins",
+                                             "1e-9", "--exit-signal-handler", "--save", str(tmp_path / "ck")]))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert result["iteration"] == 1 and result["trainer"].stop_signal.received
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    sharded.verify_checkpoint(tmp_path / "ck" / "iter_0000001")
