@@ -244,3 +244,25 @@ def test_exit_duration_saves_and_a_signal_during_the_save_changes_nothing(tmp_pa
     assert result["iteration"] == 1 and result["trainer"].stop_signal.received
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text() == "1"
     sharded.verify_checkpoint(tmp_path / "ck" / "iter_0000001")
+
+
+def test_no_unsafe_loading_of_user_files():
+    """Every torch.load passes weights_only=True; no pickle.load(s), eval/exec, yaml.load or np.load with
+    pickles anywhere in paratron/ (DCP's index goes through the restricted unpickler of pieces.py)."""
+    import ast
+    from pathlib import Path
+    bad = []
+    for path in (Path(ROOT) / "paratron").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            owner = getattr(f.value, "id", "") if isinstance(f, ast.Attribute) else ""
+            kw = {k.arg: getattr(k.value, "value", None) for k in node.keywords}
+            if ((owner, name) == ("torch", "load") and kw.get("weights_only") is not True
+                    or (owner, name) in {("pickle", "load"), ("pickle", "loads"), ("yaml", "load"),
+                                         ("yaml", "unsafe_load"), ("np", "load")} and kw.get("allow_pickle") is not False
+                    or (owner, name) == ("", "eval") or (owner, name) == ("", "exec")):
+                bad.append(f"{path.name}:{node.lineno}")
+    assert not bad, bad
