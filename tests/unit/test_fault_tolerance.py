@@ -266,3 +266,11 @@ def test_no_unsafe_loading_of_user_files():
                     or (owner, name) == ("", "eval") or (owner, name) == ("", "exec")):
                 bad.append(f"{path.name}:{node.lineno}")
     assert not bad, bad
+
+
+def test_validation_line_of_a_nan_loss_has_a_nan_perplexity():
+    from paratron.train.logger import format_valid_line
+    assert "lm loss PPL: NAN" in format_valid_line(3, float("nan"))
+    assert "lm loss PPL: INF" in format_valid_line(3, float("inf"))
+    assert "at the end of training for test data | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00" in \
+        format_valid_line("the end of training for test data", 2.0)
