@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from .parse import ACCEPTED_NO_OP_FLAGS, UNSUPPORTED_MEGATRON_FLAGS
+from .parse import ACCEPTED_NO_OP_FLAGS, FLAG_ALIASES, NEGATED_FLAGS, UNSUPPORTED_MEGATRON_FLAGS
 from .ranges import RANGES
 from .sections import SECTIONS, TOKENIZER_FIELDS, base_type, flag
 
@@ -53,7 +53,10 @@ def reference_markdown() -> str:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             tname = getattr(base_type(hints[f.name]), "__name__", str(hints[f.name]))
-            lines.append(f"| `{flag(f.name)}` | {tname} | `{default}` | {RANGES[f.name].text if f.name in RANGES else ''} |")
+            spellings = [flag(f.name), *FLAG_ALIASES.get(f.name, ()),
+                         *(flag(neg) for neg, target in NEGATED_FLAGS.items() if target == f.name)]
+            lines.append(f"| {' / '.join(f'`{s}`' for s in spellings)} | {tname} | `{default}` | "
+                         f"{RANGES[f.name].text if f.name in RANGES else ''} |")
         lines.append("")
     lines += DERIVED.format(tokenizer=", ".join(f"`{flag(n)}`" for n in TOKENIZER_FIELDS)).splitlines()
     lines += ["", "## Megatron flags accepted with no effect", "",

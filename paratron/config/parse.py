@@ -28,6 +28,13 @@ ACCEPTED_NO_OP_FLAGS = {"use_mcore_models", "no_masked_softmax_fusion", "no_bias
                         "no_gradient_accumulation_fusion", "use_dist_ckpt",
                         "ckpt_fully_parallel_save", "ckpt_fully_parallel_load", "ckpt_assume_constant_structure"}
 
+# Megatron's spellings that flag() does not produce, as extra option strings of the field's flag.
+FLAG_ALIASES = {"override_opt_param_scheduler": ["--override-opt_param-scheduler"],
+                "use_checkpoint_opt_param_scheduler": ["--use-checkpoint-opt_param-scheduler"]}
+
+# Megatron's negative switches: --no-X sets the (default-on) field X to false.
+NEGATED_FLAGS = {"no_check_for_nan_in_loss_and_grad": "check_for_nan_in_loss_and_grad"}
+
 HELP = {  # shown by --help of train and preprocess
     "tokenizer_type": "GPT2BPETokenizer | HuggingFaceTokenizer | SentencePieceTokenizer | GPTSentencePieceTokenizer "
                       "| Llama2Tokenizer | TikTokenizer | NullTokenizer | ByteLevelTokenizer",
@@ -72,7 +79,7 @@ def suggest(name: str) -> str:
 
 
 def _check_known(name: str, source: str) -> None:
-    if name in FIELD_SECTION or name in ACCEPTED_NO_OP_FLAGS:
+    if name in FIELD_SECTION or name in ACCEPTED_NO_OP_FLAGS or name in NEGATED_FLAGS:
         return
     if name in UNSUPPORTED_MEGATRON_FLAGS:
         raise ConfigError(f"{flag(name)} ({source}) is a Megatron-LM flag that paratron does not support yet")
@@ -88,6 +95,9 @@ def apply_dict(cfg: Config, values: dict, source: str) -> None:
         name = str(key).replace("-", "_")
         _check_known(name, source)
         if name in ACCEPTED_NO_OP_FLAGS and name not in FIELD_SECTION:
+            continue
+        if name in NEGATED_FLAGS:
+            cfg.set(NEGATED_FLAGS[name], not _coerce(NEGATED_FLAGS[name], value))
             continue
         cfg.set(name, _coerce(name, value))
 
@@ -138,7 +148,8 @@ def add_flags(group, names, defaults: bool = False) -> None:
             f = next(f for f in dataclasses.fields(SECTIONS[FIELD_SECTION[name]]) if f.name == name)
             kw["default"] = f.default
         if tp is bool:  # `--bf16` as Megatron's; `--bf16 false` turns off what a YAML file set
-            group.add_argument(flag(name), nargs="?", const=True, type=_bool_value, metavar="true|false", **kw)
+            group.add_argument(flag(name), *FLAG_ALIASES.get(name, ()), nargs="?", const=True, type=_bool_value,
+                               metavar="true|false", **kw)
         elif name == "rampup_batch_size":
             group.add_argument(flag(name), nargs=3, metavar=("START", "INCREMENT", "SAMPLES"), **kw)
         elif tp is list:
@@ -166,6 +177,8 @@ def build_parser(prog: str = "paratron train") -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file of settings (flat Megatron names or sections); flags override it")
     for sec, cls in SECTIONS.items():
         add_flags(p.add_argument_group(sec), [f.name for f in dataclasses.fields(cls)])
+    for name, target in NEGATED_FLAGS.items():
+        p.add_argument(flag(name), dest=target, action="store_const", const=False, help=f"= {flag(target)} false")
     for name in sorted(ACCEPTED_NO_OP_FLAGS - set(FIELD_SECTION)):
         p.add_argument(flag(name), dest=f"_noop_{name}", action="store_true", help=argparse.SUPPRESS)
     return p

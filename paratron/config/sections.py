@@ -196,7 +196,12 @@ class TrainConfig(Section):
     eval_iters: int = 100
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
-    exit_signal_handler: bool = False
+    exit_signal_handler: bool = False  # SIGTERM: finish the step, save, exit 0 (DataLoader workers ignore it)
+    exit_signal_handler_for_dataloader: bool = False  # DataLoader workers ignore SIGTERM (implied by the above)
+    check_for_nan_in_loss_and_grad: bool = True  # stop on a NaN/Inf loss (or grad norm, unless --fp16)
+    check_for_spiky_loss: bool = False  # report a loss above --spiky-loss-factor x the running max
+    spiky_loss_factor: float = 10.0  # paratron: Megatron's fixed factor, made a flag
+    exit_on_spiky_loss: bool = False  # paratron: a spiky loss stops the run (else it is reported)
     seed: int = 1234
     bf16: bool = False
     fp16: bool = False
@@ -243,6 +248,8 @@ class OptimConfig(Section):
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    override_opt_param_scheduler: bool = False  # on resume: the command line's LR schedule
+    use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's LR schedule
 
 
 @dataclass(eq=True)

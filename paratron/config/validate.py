@@ -180,6 +180,8 @@ def validate_train(tr: TrainConfig) -> None:
         need(tr.recompute_method in ("uniform", "block"),
              "--recompute-granularity full needs --recompute-method uniform|block")
     need(tr.device in (None, "cuda", "cpu"), f"--device must be cuda or cpu (got {tr.device})")
+    need(tr.spiky_loss_factor > 1.0, f"--spiky-loss-factor must be > 1 (got {tr.spiky_loss_factor})")
+    need(tr.check_for_spiky_loss or not tr.exit_on_spiky_loss, "--exit-on-spiky-loss needs --check-for-spiky-loss")
     if tr.rampup_batch_size is not None:
         need(len(tr.rampup_batch_size) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
         tr.rampup_batch_size = [int(v) for v in tr.rampup_batch_size]
@@ -235,6 +237,8 @@ def validate_optim(op) -> None:
     if op.lr_warmup_fraction is not None:
         need(op.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
     need(op.min_lr <= op.lr, f"--min-lr {op.min_lr} is larger than --lr {op.lr}")
+    need(not (op.override_opt_param_scheduler and op.use_checkpoint_opt_param_scheduler),
+         "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive; choose one")
 
 
 def validate_ckpt(c) -> None:

@@ -2,7 +2,6 @@
 exit conditions. Read top to bottom; each parallelism lives in paratron/parallel/."""
 from __future__ import annotations
 
-import signal
 import time
 from functools import partial
 from pathlib import Path
@@ -18,98 +17,31 @@ from ..checkpoint.pieces import replicated_row
 from ..checkpoint.tokenizer_files import save_tokenizer
 from ..config import Config, check_resolved
 from ..model import moe
-from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims
 from ..parallel import fp8
 from ..parallel.layout import BatchLayout
 from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
-from ..parallel.stages import rank_chunks
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
-from .distributed import build_dims, checkpoint_group, init_distributed
+from .distributed import build_dims, checkpoint_group, init_distributed  # noqa: F401  (tests import build_dims here)
+from .guards import StepGuard, StopSignal, ignore_sigterm, kill_workers_at_exit
 from .preflight import preflight
 from .logger import RunLogger, format_train_line, format_valid_line
 from .metrics import flops_per_iteration, peak_memory_gb, peak_tflops
 from .microbatches import MicroBatches
 from .report import end_of_run
-
-
-def params_dtype(cfg: Config) -> torch.dtype:
-    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
-
-
-def compile_options(device: torch.device) -> dict:
-    """Inductor options for the compiled regions. On GPUs, coordinate-descent tuning of the generated
-    Triton kernels (norms, GeLU, residual adds): measured +1.3 % tokens/s on gpt-350m on an H100
-    (benchmarks/results/train_throughput_gpt-350m_20261122_103813.md), for about a minute more of
-    compilation."""
-    return {"coordinate_descent_tuning": True} if device.type == "cuda" else {}
-
-
-def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) -> GPTModel:
-    """``stage``: pre_process / post_process / layer_offset / num_layers of a pipeline chunk."""
-    tr = cfg.train
-    model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
-                     seed=tr.seed, recompute_granularity=tr.recompute_granularity,
-                     recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                     fp8=fp8.Recipe.from_config(tr), cp_comm_type=cfg.parallel.cp_comm_type, device=device,
-                     dtype=params_dtype(cfg), **stage)
-    model.fused_output_loss = not tr.no_fused_output_loss
-    if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
-        model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check
-    if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
-        for layer in model.decoder.layers:
-            layer.compile(options=compile_options(device))
-        for m in model.modules():
-            if isinstance(m, moe.MoELayer):
-                m.compile_experts(compile_options(device))
-    return model
-
-
-def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) -> list[GPTModel]:
-    """This rank's model: one chunk per virtual pipeline stage (a single one without interleaving)."""
-    chunks = [build_model(cfg, dims, device, **stage) for stage in rank_chunks(cfg, dims.pp_rank)]
-    for c in chunks[1:]:  # one dropout stream for the TP regions of the rank, as with one chunk
-        c.par.rng = chunks[0].par.rng
-    return chunks
-
-
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Megatron's convention: (sum of masked token losses, token count, report). The token count is
-    what the micro-batch's loss is divided by (``BatchLayout.microbatch_loss``); the report's n is the
-    same count, so summed over a step it is what --calculate-per-token-loss divides gradients by."""
-    mask = loss_mask.float()
-    total = (output.float() * mask).sum()
-    n = mask.sum()
-    return total, n, {"lm loss": torch.stack([total.detach(), n.detach()])}
-
-
-def make_forward_step(layout: BatchLayout):
-    """Megatron's forward_step_func: the next micro-batch, laid out for this rank by ``layout``
-    (device, sequence slice, position ids), through the model; the loss function gets its mask."""
-    def forward_step(data_iterator, model):
-        b = layout.prepare(next(data_iterator))
-        output = model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
-                       labels=b["labels"], document_ids=b["document_ids"])
-        return output, partial(loss_func, b["loss_mask"])
-    return forward_step
-
-
-def sum_reports(reports: list[dict], device: torch.device) -> torch.Tensor:
-    total = torch.zeros(2, device=device)
-    for r in reports:
-        total += r["lm loss"].to(device)
-    return total
+from .step import build_model, build_model_chunks, loss_func, make_forward_step, params_dtype, sum_reports  # noqa: F401
 
 
 class Trainer:
     def __init__(self, cfg: Config, device: Optional[torch.device] = None, dims: Optional[ParallelDims] = None,
                  data: Optional[tuple] = None):
-        """``data`` = (train iterator, valid iterator) replaces the dataset pipeline (tests use it)."""
+        """``data`` = (train iterator, valid iterator[, test iterator]) replaces the dataset pipeline (tests use it)."""
         self.start_time = time.time()  # --exit-duration-in-mins counts from start-up, as Megatron's
         self.cfg = cfg
+        self.stop_signal = StopSignal(cfg.train.exit_signal_handler)  # first: a SIGTERM during set-up is kept too
         self.device = device or init_distributed(cfg)
         self.dims = dims or build_dims(cfg)
         check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
@@ -138,13 +70,13 @@ class Trainer:
         self.ckpt_group = checkpoint_group(cfg)  # checkpoint collectives run on their own gloo group
         if cfg.ckpt.load:
             self.load(cfg.ckpt.load)
-        self.train_iter, self.valid_iter = data if data is not None else self._build_data()
+        data = data if data is not None else self._build_data()
+        self.train_iter, self.valid_iter = data[:2]
+        self.test_iter = data[2] if len(data) > 2 else None
         self.flops_per_iter = flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size,
                                                   cfg.model.seq_length)
         self.peak = peak_tflops(self.device)
-        self._stop_signal = False
-        if cfg.train.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._on_signal)
+        self.guard = StepGuard.from_config(cfg, self.dims.rank, self.log.print)
 
     # ---- set-up pieces -------------------------------------------------------------------------
     def _build_tokenizer(self):
@@ -154,16 +86,18 @@ class Trainer:
     def _build_data(self):
         from ..data import build_data_iterator, build_train_valid_test_datasets, train_valid_test_num_samples
         cfg, tr = self.cfg, self.cfg.train
-        train_ds, valid_ds, _ = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length, tr.seed,
-                                                                train_valid_test_num_samples(tr))
+        train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length,
+                                                                      tr.seed, train_valid_test_num_samples(tr))
+        signals = tr.exit_signal_handler or tr.exit_signal_handler_for_dataloader
+        if signals and self.cfg.data.num_workers > 0:
+            kill_workers_at_exit()
         it = partial(build_data_iterator, micro_batch_size=tr.micro_batch_size, dp_rank=self.dims.dp_rank,
-                     dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers)
+                     dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers,
+                     worker_init_fn=ignore_sigterm if signals else None)
         train = it(train_ds, consumed_samples=self.consumed_samples, infinite=False)
         valid = it(valid_ds, consumed_samples=0, infinite=True) if valid_ds is not None and tr.eval_iters > 0 else None
-        return train, valid
-
-    def _on_signal(self, *_):
-        self._stop_signal = True
+        test = it(test_ds, consumed_samples=0, infinite=True) if test_ds is not None and tr.eval_iters > 0 else None
+        return train, valid, test
 
     @property
     def model(self):
@@ -209,13 +143,15 @@ class Trainer:
         return t
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, data_iterator=None) -> float:
+        """The loss over --eval-iters steps of the validation data (or of ``data_iterator``)."""
+        data_iterator = data_iterator or self.valid_iter
         for m in self.models:
             m.eval()
         total = torch.zeros(2, device=self.device)
         tr = self.cfg.train
         for _ in range(tr.eval_iters):
-            reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.valid_iter,
+            reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=data_iterator,
                                             model=self.models, num_microbatches=self.num_microbatches,
                                             seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
                                             layout=self.layout, forward_only=True)
@@ -251,6 +187,7 @@ class Trainer:
     def save(self) -> Path:
         """Save a checkpoint of this iteration under --save (in the background with --async-save)."""
         c = self.cfg.ckpt
+        self.guard.check()  # never a checkpoint of a step whose loss or gradients are not finite
         self.wait_for_save()
         self._fold_pending_skips()
         pieces = self._ckpt_pieces(not c.no_save_optim, None if c.no_save_rng else self._rng_states(),
@@ -313,7 +250,7 @@ class Trainer:
         if optim:
             cstate.set_adam_step(self.optimizer, int(common["optimizer"]["step"]))
             self.optimizer.scaler.load_state_dict(common["optimizer"]["scaler"])
-            self.scheduler.load_state_dict(common["scheduler"])
+            self.scheduler.resume(common["scheduler"], self.cfg.optim)
             self.optimizer.set_lr(self.scheduler.lr)
         else:
             self.optimizer.reload_masters()
@@ -351,7 +288,7 @@ class Trainer:
             return stop
         # A clock or a signal can differ between ranks: every rank must agree (one all-reduce).
         stop |= bool(tr.exit_duration_in_mins and (time.time() - start) / 60.0 > tr.exit_duration_in_mins)
-        stop |= self._stop_signal
+        stop |= self.stop_signal.received
         if dist.is_initialized():
             flag = torch.tensor([int(stop)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -367,7 +304,7 @@ class Trainer:
             why = f"--exit-interval {tr.exit_interval}"
         elif tr.exit_duration_in_mins and minutes > tr.exit_duration_in_mins:
             why = f"--exit-duration-in-mins {tr.exit_duration_in_mins:g} ({minutes:.2f} min since start-up)"
-        elif self._stop_signal:
+        elif self.stop_signal.received:
             why = "SIGTERM (--exit-signal-handler)"
         else:
             why = "another rank's clock or signal (--exit-duration-in-mins / --exit-signal-handler)"
@@ -391,6 +328,7 @@ class Trainer:
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
                 profiler.__enter__()
             report, ok, grad_norm = self.train_step()
+            self.guard.record(self.iteration, report, grad_norm)
             if isinstance(ok, torch.Tensor):  # no host sync in the step: count at the next log line
                 skips = (~ok).int()
                 self._pending_skips = skips if self._pending_skips is None else self._pending_skips + skips
@@ -420,15 +358,26 @@ class Trainer:
             if self._should_exit(start):
                 self._log_exit(start)
                 break
+        self.guard.check()
         if cfg.ckpt.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
         self.wait_for_save()
-        if self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval != 0:
+        if not self.stop_signal.received:  # preempted: the grace period is for the save, not for evaluations
+            valid_loss = self._final_evaluations(valid_loss)
+        return {"iteration": self.iteration, "valid_loss": valid_loss, "train_curve": lg.train_curve,
+                "valid_curve": lg.valid_curve}
+
+    def _final_evaluations(self, valid_loss: Optional[float]) -> Optional[float]:
+        """After training: the validation loss unless it was just measured, and (as Megatron) the
+        test split once, when training ran to its end. Returns the last validation loss."""
+        tr, lg = self.cfg.train, self.log
+        if self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval:
             valid_loss = self.evaluate()
             lg.print(format_valid_line(self.iteration, valid_loss))
             lg.valid(self.iteration, valid_loss)
-        return {"iteration": self.iteration, "valid_loss": valid_loss, "train_curve": lg.train_curve,
-                "valid_curve": lg.valid_curve}
+        if self.test_iter is not None and self.iteration >= tr.train_iters:
+            lg.print(format_valid_line("the end of training for test data", self.evaluate(self.test_iter)))
+        return valid_loss
 
     def _log_window(self, acc: torch.Tensor, iters: int, seconds: float, grad_norm: float) -> None:
         tr = self.cfg.train

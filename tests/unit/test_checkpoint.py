@@ -24,9 +24,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def train_and_save(tmp_path: Path, iters: int = 4, *extra: str) -> Path:
+    """``iters`` iterations of a 6-iteration run (the schedule the tests resume with), saved every 2."""
     root = tmp_path / "ck"
-    pretrain(parse_args(TINY + ["--train-iters", str(iters), "--save-interval", "2", "--save", str(root),
-                                "--eval-iters", "0", *extra]))
+    pretrain(parse_args(TINY + ["--train-iters", "6", "--exit-interval", str(iters), "--save-interval", "2",
+                                "--save", str(root), "--eval-iters", "0", *extra]))
     return root
 
 

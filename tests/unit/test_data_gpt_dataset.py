@@ -188,13 +188,17 @@ def test_cache_files_reuse_and_ranks(prefixes, tmp_path, monkeypatch):
     assert os.listdir(os.path.join(prefixes[1], "cache", "GPTDataset_indices"))
 
 
-def test_split_without_documents_is_a_clear_error(tmp_path):
+def test_split_without_documents_is_a_clear_error(tmp_path, capfd):
+    """An empty training split is an error; an empty validation or test split a warning (left out)."""
     write_dataset(str(tmp_path / "tiny"), random_documents(10, 5))
-    args = data_args(data_path=[str(tmp_path / "tiny")], split="98,1,1")
+    args = data_args(data_path=[str(tmp_path / "tiny")], split="1,98,1")
     with pytest.raises(DataError) as info:
         build_datasets(args, StubTokenizer())
     msg = str(info.value)
-    assert "valid split" in msg and "no documents" in msg and "tiny" in msg and "\n" not in msg
+    assert "train split" in msg and "no documents" in msg and "tiny" in msg and "\n" not in msg
+    train, valid, test = build_datasets(data_args(data_path=[str(tmp_path / "tiny")], split="98,1,1"), StubTokenizer())
+    assert train is not None and valid is None and test is None
+    assert "WARNING" in capfd.readouterr().err
 
 
 def test_sizes_and_missing_splits(prefixes):
