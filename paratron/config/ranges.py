@@ -41,6 +41,7 @@ FRACTION = Range("in [0, 1)", 0, True, 1, False)  # dropout, Adam betas
 FRACTION_OPEN_LOW = Range("in (0, 1]", 0, False, 1, True)  # --rotary-percent
 FRACTION_CLOSED = Range("in [0, 1]", 0, True, 1, True)  # --lr-warmup-fraction
 AT_LEAST_3 = Range(">= 3", 3)  # --tiktoken-num-special-tokens (unk, bos, eos)
+ABOVE_1 = Range("> 1", 1, low_inclusive=False)  # --spiky-loss-factor (a factor of the running max)
 
 RANGES: dict[str, Range] = {
     # model
@@ -65,6 +66,7 @@ RANGES: dict[str, Range] = {
     "exit_duration_in_mins": POSITIVE, "seed": AT_LEAST_0, "loss_scale": POSITIVE, "initial_loss_scale": POSITIVE,
     "min_loss_scale": POSITIVE, "loss_scale_window": AT_LEAST_1, "hysteresis": AT_LEAST_1,
     "recompute_num_layers": AT_LEAST_1, "fp8_amax_history_len": AT_LEAST_1, "fp8_margin": AT_LEAST_0,
+    "spiky_loss_factor": ABOVE_1,
     # optim
     "lr": AT_LEAST_0, "min_lr": AT_LEAST_0, "lr_decay_iters": AT_LEAST_0, "lr_decay_samples": AT_LEAST_0,
     "lr_warmup_iters": AT_LEAST_0, "lr_warmup_fraction": FRACTION_CLOSED, "lr_warmup_samples": AT_LEAST_0,

@@ -180,7 +180,6 @@ def validate_train(tr: TrainConfig) -> None:
         need(tr.recompute_method in ("uniform", "block"),
              "--recompute-granularity full needs --recompute-method uniform|block")
     need(tr.device in (None, "cuda", "cpu"), f"--device must be cuda or cpu (got {tr.device})")
-    need(tr.spiky_loss_factor > 1.0, f"--spiky-loss-factor must be > 1 (got {tr.spiky_loss_factor})")
     need(tr.check_for_spiky_loss or not tr.exit_on_spiky_loss, "--exit-on-spiky-loss needs --check-for-spiky-loss")
     if tr.rampup_batch_size is not None:
         need(len(tr.rampup_batch_size) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
