@@ -1,4 +1,5 @@
-"""`paratron` command line: train | demo | preprocess | tokenizer train | convert | config-docs.
+"""`paratron` command line: train | demo | preprocess | tokenizer train | convert | generate | serve |
+config-docs.
 
 User mistakes (bad flags, bad data, unreadable checkpoints: paratron.errors.UserError) end with one
 line on stderr, ``<command>: error: <message>``, and exit code 2, never a traceback.
@@ -16,6 +17,8 @@ commands:
   preprocess [Megatron preprocess_data.py flags]  JSONL -> .bin/.idx
   tokenizer train --input ... --vocab-size N --output DIR   train a byte-level BPE tokenizer
   convert --to hf|--from hf ...                   convert checkpoints to and from Hugging Face
+  generate --load CKPT --prompt TEXT [...]        continue prompts with a checkpoint or HF model
+  serve --load CKPT [--port 5000]                 HTTP server: Megatron's PUT /api and OpenAI's /v1 API
   config-docs                                     print the configuration reference (Markdown)
 
 `paratron train --help` lists every training flag."""
@@ -35,6 +38,12 @@ def run_train(argv: list[str]) -> int:
     try:
         pretrain(cfg)
         ok = True
+    except RuntimeError as e:  # a peer that did not answer in time: one line naming it, not a traceback
+        from .train.distributed import DistributedTimeoutError, timeout_report
+        report = timeout_report(e, cfg.parallel.distributed_timeout_minutes)
+        if report is None:
+            raise
+        raise DistributedTimeoutError(report) from None
     finally:
         from .parallel.dims import shutdown_distributed
         shutdown_distributed(ok)
@@ -70,13 +79,17 @@ def dispatch(argv: list[str]) -> int:
     if cmd == "convert":
         from .checkpoint.convert import main as convert_main
         return convert_main(rest)
+    if cmd in ("generate", "serve"):
+        from .inference import cli as inference_cli
+        return (inference_cli.generate_main if cmd == "generate" else inference_cli.serve_main)(rest)
     if cmd == "config-docs":
         from .config import reference_markdown
         print(reference_markdown())
         return 0
     from .config import ConfigError
     import difflib
-    close = difflib.get_close_matches(cmd, ["train", "demo", "preprocess", "tokenizer", "convert", "config-docs"], n=1)
+    close = difflib.get_close_matches(cmd, ["train", "demo", "preprocess", "tokenizer", "convert", "generate", "serve",
+                                         "config-docs"], n=1)
     hint = f"; did you mean `paratron {close[0]}`?" if close else "; run `paratron --help`"
     raise ConfigError(f"unknown command {cmd!r}{hint}")
 

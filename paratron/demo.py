@@ -53,6 +53,12 @@ def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int
     return resolve(cfg)
 
 
+def whole_lines(text: str, finish_reason: str) -> list[str]:
+    """The lines of a sample, without the last one when generation cut it off."""
+    lines = text.splitlines()
+    return lines[:-1] if finish_reason == "length" and len(lines) > 1 else lines
+
+
 def run_demo(argv: list[str]) -> int:
     p = ArgumentParser(prog="paratron demo", description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=str(DEMO_DIR), help="where data, checkpoints and logs go (default %(default)s)")
@@ -62,7 +68,8 @@ def run_demo(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from .data.corpus import prepare_demo_data
     from .data.tokenizers import build_tokenizer
-    from .generate import generate
+    from .inference.engine import Engine, Request
+    from .inference.sampling import SamplingParams
     from .train.loop import pretrain
 
     workdir = Path(args.workdir)
@@ -86,13 +93,13 @@ def run_demo(argv: list[str]) -> int:
     if result["iteration"] < iters:
         print(f"\nthe demo trained {result['iteration']} of its {iters} iterations: {result['exit_reason']} "
               f"(its time cap on this machine; --train-iters {result['iteration']} fits in it)")
-    print("\nSamples from the trained model (whole generated lines):")
-    g = torch.Generator().manual_seed(0)
-    for prompt in ("def", "import", "class"):
-        ids = generate(model, tok.tokenize(prompt), 64, cfg.data.vocab_size, temperature=0.7, top_k=20,
-                       eod=tok.eod, generator=g)
-        for line in whole_lines(tok.detokenize(ids)):
-            print("  | " + line)
+    print("\nSamples from the trained model (temperature 0.7, top-k 20; whole lines):")
+    engine = Engine(model, cfg.data.vocab_size, tok.eod, tok.detokenize)
+    prompts = ("def", "import", "class")
+    requests = [Request(tok.tokenize(p), SamplingParams(96, temperature=0.7, top_k=20, seed=i))
+                for i, p in enumerate(prompts)]
+    for prompt, res in zip(prompts, engine.generate(requests)):
+        print("\n".join("  | " + line for line in whole_lines(prompt + res.text, res.finish_reason)[:8]) + "\n")
     if len(curve) >= 2:
         first, last = curve[0][1], curve[-1][1]
         print(f"\nvalidation loss {first:.3f} -> {last:.3f} ({100 * (first - last) / first:.0f} % lower)")

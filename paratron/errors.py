@@ -9,6 +9,8 @@ traceback. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import errno
+import re
 import sys
 from typing import Callable, Sequence
 
@@ -32,10 +34,24 @@ class DataError(UserError, ValueError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose mistakes are a :class:`ConfigError` (one line, no usage dump)."""
+    """argparse whose mistakes are a :class:`ConfigError` (one line, no usage dump); a negative number
+    in exponent form (``--adam-eps -1e-8``) is a value, as ``-1`` and ``-0.5`` are, not a flag."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
     def error(self, message):
         raise ConfigError(message)
+
+
+def os_error_reason(e: OSError) -> str:
+    """An OSError as a short phrase naming the path and the errno; a full disk is named as such."""
+    if e.errno == errno.ENOSPC:
+        return "the disk is full (ENOSPC: no space left on device)"
+    code = errno.errorcode.get(e.errno, "") if e.errno is not None else ""
+    where = f": {e.filename}" if e.filename else ""
+    return f"{e.strerror or str(e) or type(e).__name__}{where}" + (f" ({code})" if code else "")
 
 
 def one_line(message: str) -> str:

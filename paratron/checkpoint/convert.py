@@ -223,7 +223,9 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
 def to_hf(load, output, family: Optional[str] = None, iteration: Optional[int] = None, dtype: Optional[str] = None,
           force: bool = False, log=None) -> Path:
     """paratron checkpoint ``load`` -> Hugging Face directory ``output``."""
+    from ..data.tokenizers import build_tokenizer
     from .hf import save_hf_dir
+    from .tokenizer_files import export_tokenizer, tokenizer_config
     log = log or _Log(True)
     load, output = Path(load), Path(output)
     if not load.is_dir():
@@ -237,8 +239,16 @@ def to_hf(load, output, family: Optional[str] = None, iteration: Optional[int] =
     log(f"writing Hugging Face {fam} ({'given' if family else 'from the model config'}), vocabulary {vocab} "
         f"(padded {rows} in paratron), dtype {dtype or 'as saved'}, to {output}")
     extra = {"paratron": {"checkpoint": str(load.resolve()), "iteration": it}}
-    _write_staged(output, old, lambda tmp: save_hf_dir(tmp, state, cfg.model, fam, vocab, dtype=_dtype(dtype),
-                                                       extra_config=extra))
+    tok = tokenizer_config(load, cfg.data)
+    if tok is not None and tok.tokenizer_type in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+        eod = build_tokenizer(tok).eod
+        extra.update({} if eod is None else {"eos_token_id": eod})
+
+    def write(tmp: Path) -> None:
+        save_hf_dir(tmp, state, cfg.model, fam, vocab, dtype=_dtype(dtype), extra_config=extra)
+        files = export_tokenizer(tmp, tok) if tok is not None else []
+        log(f"tokenizer files: {', '.join(files)}" if files else "no tokenizer files to export (none recorded)")
+    _write_staged(output, old, write)
     log(f"done: {output} ({sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters from iteration {it}); "
         f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(output)!r})")
     return output

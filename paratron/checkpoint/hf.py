@@ -23,6 +23,7 @@ ModelConfig mapping (and :class:`~paratron.checkpoint.hf_config.ConversionError`
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -369,6 +370,20 @@ def _standalone(tensors: dict) -> dict:
     return out
 
 
+def current_umask() -> int:
+    """The process's file-creation mask (read from /proc on Linux; elsewhere set and restored at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_hf_dir(path, state: dict, cfg: ModelConfig, family: str, vocab_size: int,
                 dtype: Optional[torch.dtype] = None, extra_config: Optional[dict] = None) -> Path:
     """Write a Hugging Face model directory: ``model.safetensors`` and ``config.json``.
@@ -392,6 +407,7 @@ def save_hf_dir(path, state: dict, cfg: ModelConfig, family: str, vocab_size: in
     config["torch_dtype"] = _dtype_name(hf[emb_name].dtype)
     config.update(extra_config or {})
     save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out_dir / "model.safetensors", 0o666 & ~current_umask())  # safetensors writes 0600
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out_dir
 

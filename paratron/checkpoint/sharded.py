@@ -43,6 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import os_error_reason
 from .pieces import CheckpointError, Piece, PieceLoadPlanner, PieceSavePlanner, SafeReader
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -66,11 +69,15 @@ def _partial_dir(root: str | Path, iteration: int) -> Path:
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` under a temporary name, flush it to disk, then rename it over ``path``."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _crc32(path: Path, block: int = 1 << 24) -> int:
@@ -233,14 +240,62 @@ def _barrier(group) -> None:
 
 def _write(root: Path, iteration: int, tmp: Path, pieces: list[Piece], common: dict, group, keep_last: int) -> Path:
     """Everything after :func:`_prepare`: rank 0 writes common.json, every rank its chunks (DCP), then
-    :func:`_finish` publishes the checkpoint. Returns its directory."""
+    :func:`_finish` publishes the checkpoint. Returns its directory. A failure on any rank is a
+    CheckpointError on every rank naming the cause (a full disk as such), after the partial
+    directory is removed; the previous checkpoint and the latest marker are untouched."""
+    try:
+        problem = None
+        if _rank(group) == 0:
+            try:
+                write_text_atomic(tmp / COMMON, json.dumps(dict(common, iteration=iteration), indent=1, sort_keys=True))
+            except OSError as e:
+                problem = f"cannot write {tmp / COMMON}: {os_error_reason(e)}"
+        _raise_if_any(problem, group)
+        with _quiet(group):
+            dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True),
+                     planner=PieceSavePlanner(pieces), process_group=_pg(group), no_dist=not _distributed(group))
+        _barrier(group)
+        return _finish(root, iteration, tmp, group, keep_last)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise _save_failed(e, root, iteration, tmp, group) from None
+
+
+LOW_SPACE = 64 << 20  # bytes: less free space than this after a failed write means the disk filled up
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (else ``e``)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        first = e.failures[min(e.failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return e
+
+
+def _save_failed(e: BaseException, root: Path, iteration: int, tmp: Path, group) -> CheckpointError:
+    """The one-line error of a failed save; removes the partial directory (rank 0)."""
+    cause = _root_cause(e)
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    if isinstance(cause, OSError):
+        reason = os_error_reason(cause)
+    elif isinstance(cause, CheckpointError):
+        reason = str(cause)
+    else:  # e.g. torch.save's "unexpected pos 704 vs 598" when a write came up short
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[-1][:200]
+        reason = (f"the disk is full ({free} bytes free; the write failed with: {first})"
+                  if free is not None and free < LOW_SPACE else f"{type(cause).__name__}: {first}")
     if _rank(group) == 0:
-        write_text_atomic(tmp / COMMON, json.dumps(dict(common, iteration=iteration), indent=1, sort_keys=True))
-    with _quiet(group):
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True),
-                 planner=PieceSavePlanner(pieces), process_group=_pg(group), no_dist=not _distributed(group))
-    _barrier(group)
-    return _finish(root, iteration, tmp, group, keep_last)
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        latest = latest_iteration(root)
+    except CheckpointError:
+        latest = None
+    kept = (f"the previous checkpoint (iteration {latest}) is intact" if latest is not None
+            else "there is no earlier checkpoint")
+    return CheckpointError(f"saving iteration {iteration} to {root} failed: {reason}; its partial directory was "
+                           f"removed and {kept}")
 
 
 def _finish(root: Path, iteration: int, tmp: Path, group, keep_last: int) -> Path:
@@ -254,37 +309,49 @@ def _finish(root: Path, iteration: int, tmp: Path, group, keep_last: int) -> Pat
         dist.all_gather_object(parts, mine, group=group)
     else:
         parts = [mine]
-    final = iter_dir(root, iteration)
+    final, problem = iter_dir(root, iteration), None
     if rank == 0:
-        files = {k: v for part in parts for k, v in part.items()}
-        manifest = {"format": FORMAT, "iteration": iteration, "files": files, "crc32": _manifest_crc(files)}
-        write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-        old = root / f".{final.name}.old"
-        if final.exists():  # a checkpoint of the same iteration: replaced only now that the new one is complete
-            os.replace(final, old)
-        os.replace(tmp, final)
-        write_text_atomic(root / LATEST, str(iteration))
-        if old.exists():
-            shutil.rmtree(old, ignore_errors=True)
-        if keep_last > 0:
-            for it in complete_iterations(root)[keep_last:]:
-                shutil.rmtree(iter_dir(root, it), ignore_errors=True)
-    _barrier(group)
+        try:
+            _publish(root, iteration, tmp, final, parts, keep_last)
+        except OSError as e:
+            problem = f"cannot publish {final}: {os_error_reason(e)}"
+    _raise_if_any(problem, group)  # (a barrier too: every rank returns once rank 0 has published)
     return final
+
+
+def _publish(root: Path, iteration: int, tmp: Path, final: Path, parts: list, keep_last: int) -> None:
+    """Rank 0: manifest, rename, latest marker, retention."""
+    files = {k: v for part in parts for k, v in part.items()}
+    manifest = {"format": FORMAT, "iteration": iteration, "files": files, "crc32": _manifest_crc(files)}
+    write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    old = root / f".{final.name}.old"
+    if final.exists():  # a checkpoint of the same iteration: replaced only now that the new one is complete
+        os.replace(final, old)
+    os.replace(tmp, final)
+    write_text_atomic(root / LATEST, str(iteration))
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    if keep_last > 0:
+        for it in complete_iterations(root)[keep_last:]:
+            shutil.rmtree(iter_dir(root, it), ignore_errors=True)
 
 
 def _prepare(root: Path, iteration: int, group) -> Path:
     """Rank 0 makes the partial directory; every rank must see it (one filesystem shared by all)."""
-    tmp = _partial_dir(root, iteration)
+    tmp, problem = _partial_dir(root, iteration), None
     if _rank(group) == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".iter_*.partial"):  # left by a crashed save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".iter_*.partial"):  # left by a crashed save
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            problem = f"saving iteration {iteration} to {root} failed: cannot create {tmp}: {os_error_reason(e)}"
     _barrier(group)
-    _raise_if_any(None if tmp.is_dir() else
-                  f"rank {_rank(group)} does not see {tmp}, made by rank 0: --save must be a directory that every "
-                  "rank shares (a network filesystem on several nodes)", group)
+    if problem is None and not tmp.is_dir():
+        problem = (f"rank {_rank(group)} does not see {tmp}, made by rank 0: --save must be a directory that every "
+                   "rank shares (a network filesystem on several nodes)")
+    _raise_if_any(problem, group)
     return tmp
 
 

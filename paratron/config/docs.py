@@ -9,6 +9,8 @@ from .help import field_help
 from .megatron_flags import (ACCEPTED_STATUS, IMPLEMENTED, PARATRON_GROUP, REFUSED_STATUS, group_of, megatron_flags,
                              megatron_version, status)
 from .megatron_reasons import ACCEPTED
+from .parse import FLAG_ALIASES, NEGATED_FLAGS
+from .ranges import RANGES
 from .sections import SECTIONS, TOKENIZER_FIELDS, base_type, flag
 
 DERIVED = """## How a config is resolved
@@ -23,7 +25,10 @@ changes it afterwards. It derives `--kv-channels`, `--ffn-hidden-size`, `--num-q
 `--merge-file` are given without a type (Megatron's default, with `--mock-data` too), `--tokenizer-type
 NullTokenizer` with `--vocab-size 50257` for `--mock-data` without tokenizer flags, the data-parallel size (processes / (TP x PP x CP)), the default
 `--global-batch-size` (micro-batch x data-parallel size), `--train-iters` from `--train-samples`, and
-`--vocab-size` from the tokenizer. Python code that needs another config copies it:
+`--vocab-size` from the tokenizer. Before any of that, every number is checked against its range
+(the table's last column; `paratron/config/ranges.py`), whether it came from the command line, a
+YAML file or a preset: `--adam-beta1 2` is `error: --adam-beta1 must be in [0, 1) (got 2.0)`, exit
+code 2, and an integer flag refuses a fraction (`train_iters: 2.5` in YAML) instead of truncating it. Python code that needs another config copies it:
 `cfg.unfrozen()` (the values as given; resolve it again) or `dataclasses.replace(...)`.
 With `--use-checkpoint-args`, the model fields and tokenizer flags are first taken from the config stored
 in the `--load` checkpoint. Every problem of a command line (refused or unknown flags, bad values,
@@ -34,10 +39,14 @@ The tokenizer flags ({tokenizer}) are the same set, with the same defaults and m
 
 ## Flags that are errors until their feature exists
 
-A value above 1 of `--context-parallel-size`, `--expert-model-parallel-size` or
-`--expert-tensor-parallel-size` (mixture-of-experts layers run at expert-parallel size 1 for now; see
-docs/moe.md), `--num-experts` with `--tensor-model-parallel-size` above 1, and `--sample-prompt` (no
-generation in training runs yet): each is a one-line error, exit code 2.
+`--cp-comm-type allgather` or `a2a+p2p` and `--hierarchical-context-parallel-sizes` (context
+parallelism has `p2p` and `a2a`; see docs/parallelism.md), `--num-experts` with `--context-parallel-size`
+above 1 and `--attention-dropout` under context parallelism: each is a one-line error, exit code 2. So
+are flags that would do nothing: `--moe-*` flags, or `--expert-model-parallel-size` /
+`--expert-tensor-parallel-size` above 1, without `--num-experts` (see docs/moe.md). `--sample-prompt
+TEXT` prints the trained model's greedy continuation of TEXT (up to 64 tokens) at the end of training;
+it needs `--pipeline-model-parallel-size 1`, `--context-parallel-size 1` and no `--sequence-parallel`
+(docs/inference.md).
 """
 
 
@@ -53,11 +62,14 @@ def _field_rows() -> dict[str, list[str]]:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             tname = getattr(base_type(hints[f.name]), "__name__", str(hints[f.name]))
+            spellings = [flag(f.name), *FLAG_ALIASES.get(f.name, ()),
+                         *(flag(neg) for neg, target in NEGATED_FLAGS.items() if target == f.name)]
             rows.setdefault(group_of(f.name), []).append(
-                f"| `{flag(f.name)}` | {tname} | `{default}` | {_cell(field_help(f.name))} |")
+                f"| {' / '.join(f'`{s}`' for s in spellings)} | {tname} | `{default}` | "
+                f"{RANGES[f.name].text if f.name in RANGES else ''} | {_cell(field_help(f.name))} |")
     for name in sorted(ACCEPTED):
         if name not in SECTIONS:
-            rows.setdefault(group_of(name), []).append(f"| `{flag(name)}` | accepted | | {_cell(ACCEPTED[name])} |")
+            rows.setdefault(group_of(name), []).append(f"| `{flag(name)}` | accepted | | | {_cell(ACCEPTED[name])} |")
     return rows
 
 
@@ -65,15 +77,17 @@ def reference_markdown() -> str:
     """The config reference for docs/, generated from the dataclasses and the Megatron flag table
     (see tools/gen_config_docs.py)."""
     lines = ["# Configuration reference", "",
-             "Generated from `paratron/config/` (sections.py, help.py, megatron_reasons.py) by "
+             "Generated from `paratron/config/` (sections.py, help.py, megatron_reasons.py, ranges.py) by "
              "`python tools/gen_config_docs.py`.",
              "Every field is a command-line flag (`--hidden-size`) and a YAML key (`hidden_size`), with Megatron-LM's",
              "name, grouped as Megatron's parser groups it (`paratron`: paratron's own flags). A boolean flag alone",
              "sets it (`--bf16`); `--bf16 false` turns off what a YAML file or preset set. *accepted* flags are",
              "parsed and paratron already behaves as they ask (the reason is given). docs/megatron_flags.md lists",
-             "every Megatron flag, including the refused ones, with the reason.", ""]
+             "every Megatron flag, including the refused ones, with the reason. The range column is checked",
+             "before anything is built (`paratron/config/ranges.py`).", ""]
     for group, rows in sorted(_field_rows().items(), key=lambda kv: (kv[0] == PARATRON_GROUP, kv[0].lower())):
-        lines += [f"## {group}", "", "| flag | type | default | description |", "|---|---|---|---|", *rows, ""]
+        lines += [f"## {group}", "", "| flag | type | default | range | description |", "|---|---|---|---|---|",
+                  *rows, ""]
     lines += DERIVED.format(tokenizer=", ".join(f"`{flag(n)}`" for n in TOKENIZER_FIELDS)).splitlines()
     return "\n".join(lines) + "\n"
 

@@ -7,7 +7,6 @@ SDPA = ("attention runs through torch's scaled_dot_product_attention, which pick
 ONE_IMPL = "paratron has one transformer implementation (PyTorch modules with its own kernels): every name selects it"
 NO_KERNEL = "paratron has no such fused kernel: the plain PyTorch path runs, which is what the flag asks"
 SCHEDULING = "a kernel or scheduling choice with the same numbers: paratron's one path computes the same result"
-OTHER_BRANCH = "planned (being implemented in another issue's branch); remove the flag for now"
 
 # Accepted: parsed, and paratron's only behaviour is what the flag asks.
 ACCEPTED = {
@@ -85,13 +84,7 @@ REFUSED = {
     "use_megatron_fsdp": PLANNED.format("Megatron-FSDP"),
     "outer_dp_sharding_strategy": PLANNED.format("Megatron-FSDP"),
     "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
-    "use_checkpoint_opt_param_scheduler": OTHER_BRANCH,
-    "override_opt_param_scheduler": OTHER_BRANCH,
-    "check_for_nan_in_loss_and_grad": OTHER_BRANCH,
-    "no_check_for_nan_in_loss_and_grad": OTHER_BRANCH,
-    "cp_comm_type": OTHER_BRANCH + " (context parallelism)",
-    "hierarchical_context_parallel_sizes": OTHER_BRANCH + " (context parallelism)",
-    "overlap_moe_expert_parallel_comm": OTHER_BRANCH + " (expert parallelism)",
+    "overlap_moe_expert_parallel_comm": PLANNED.format("overlapping the expert-parallel all-to-all with computation"),
     "moe_flex_dispatcher_backend": GPU.format("DeepEP/HybridEP token dispatch"),
     "squared_relu": PLANNED.format("the squared-ReLU activation"),
     "quick_geglu": PLANNED.format("the quick-GeGLU activation"),

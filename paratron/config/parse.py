@@ -24,6 +24,12 @@ from .validate import ConfigProblems
 ACCEPTED_NO_OP_FLAGS = frozenset(ACCEPTED)
 UNSUPPORTED_MEGATRON_FLAGS = frozenset(REFUSED)
 
+# Megatron's spellings that flag() does not produce, as extra option strings of the field's flag.
+FLAG_ALIASES = {"override_opt_param_scheduler": ["--override-opt_param-scheduler"],
+                "use_checkpoint_opt_param_scheduler": ["--use-checkpoint-opt_param-scheduler"]}
+
+# Megatron's negative switches: --no-X sets the (default-on) field X to false.
+NEGATED_FLAGS = {"no_check_for_nan_in_loss_and_grad": "check_for_nan_in_loss_and_grad"}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -31,6 +37,8 @@ def _coerce(name: str, value: Any) -> Any:
     tp = base_type(FIELD_TYPES[name])
     if value is None:
         return None
+    if tp is int and isinstance(value, float) and not value.is_integer():  # refused, never truncated
+        raise ConfigError(f"{flag(name)} must be an integer (got {value!r})")
     try:
         if tp is bool:
             if isinstance(value, bool):
@@ -58,7 +66,7 @@ def suggest(name: str) -> str:
 def flag_problem(name: str, source: str) -> Optional[str]:
     """The one-line problem of flag ``name`` given in ``source`` (None when paratron takes it): a
     refused Megatron flag with its reason, or an unknown name with a suggestion."""
-    if canonical(name) in FIELD_SECTION or canonical(name) in ACCEPTED:
+    if canonical(name) in FIELD_SECTION or canonical(name) in ACCEPTED or canonical(name) in NEGATED_FLAGS:
         return None
     if name in megatron_flags() or name in REFUSED:
         return f"{flag(name)} ({source}) is a Megatron-LM flag that paratron refuses: {refusal(name)}"
@@ -80,6 +88,12 @@ def apply_dict(cfg: Config, values: dict, source: str, problems: Optional[list] 
             apply_dict(cfg, value, source, out)
             continue
         name = canonical(str(key).replace("-", "_"))
+        if name in NEGATED_FLAGS:
+            try:
+                cfg.set(NEGATED_FLAGS[name], not _coerce(NEGATED_FLAGS[name], value))
+            except ConfigError as e:
+                out.append(str(e))
+            continue
         problem = flag_problem(name, source)
         if problem is None and name in ACCEPTED:
             problem = value_problem(name, [str(v) for v in (value if isinstance(value, list) else [value])])
@@ -141,7 +155,8 @@ def add_flags(group, names, defaults: bool = False) -> None:
             f = next(f for f in dataclasses.fields(SECTIONS[FIELD_SECTION[name]]) if f.name == name)
             kw["default"] = f.default
         if tp is bool:  # `--bf16` as Megatron's; `--bf16 false` turns off what a YAML file set
-            group.add_argument(flag(name), nargs="?", const=True, type=_bool_value, metavar="true|false", **kw)
+            group.add_argument(flag(name), *FLAG_ALIASES.get(name, ()), nargs="?", const=True, type=_bool_value,
+                               metavar="true|false", **kw)
         elif name == "rampup_batch_size":
             group.add_argument(flag(name), nargs=3, metavar=("START", "INCREMENT", "SAMPLES"), **kw)
         elif tp is list:
@@ -182,6 +197,9 @@ def build_parser(prog: str = "paratron train") -> argparse.ArgumentParser:
     for cls in SECTIONS.values():
         for f in dataclasses.fields(cls):
             add_flags(group(f.name), [f.name])
+    for name, target in NEGATED_FLAGS.items():
+        group(target).add_argument(flag(name), dest=target, action="store_const", const=False,
+                                   help=f"= {flag(target)} false")
     for name in sorted(ACCEPTED, key=lambda n: (group_of(n), n)):
         if name in FIELD_SECTION:
             continue

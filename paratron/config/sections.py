@@ -138,7 +138,7 @@ class ModelConfig(Section):
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False  # scheduling only: accepted, same numbers
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
-    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather: both the identity at EP 1
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather (no token moves at EP x expert-TP 1)
     # Megatron's deprecated position-embedding switches (issue 19): resolve() maps them onto --position-embedding-type
     use_rotary_position_embeddings: bool = False  # = --position-embedding-type rope
     no_position_embedding: bool = False  # no learned position table: accepted with rope (as Megatron), else an error
@@ -171,9 +171,11 @@ class ParallelConfig(Section):
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
-    context_parallel_size: int = 1  # > 1 is an error until context parallelism exists
-    expert_model_parallel_size: int = 1  # > 1 is an error until expert parallelism exists
-    expert_tensor_parallel_size: Optional[int] = None  # > 1 is an error until expert parallelism exists
+    context_parallel_size: int = 1  # the sequence split over CP ranks (paratron/parallel/context.py)
+    cp_comm_type: str = "p2p"  # p2p (ring attention) | a2a (Ulysses); allgather, a2a+p2p: errors until they exist
+    hierarchical_context_parallel_sizes: Optional[list] = None  # a2a+p2p: an error until it exists
+    expert_model_parallel_size: int = 1  # experts split over this many ranks (docs/moe.md)
+    expert_tensor_parallel_size: Optional[int] = None  # each expert FFN split over this many ranks; default TP
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
@@ -182,7 +184,7 @@ class ParallelConfig(Section):
     accumulate_allreduce_grads_in_fp32: bool = False
     grad_reduce_in_bf16: bool = False  # bf16 gradient buffer and reduction (needs --bf16)
     distributed_backend: Optional[str] = None  # nccl on GPU, gloo on CPU when not given
-    distributed_timeout_minutes: int = 10
+    distributed_timeout_minutes: float = 10.0  # every process group and pipeline wait; fractions allowed
 
 
 @dataclass(eq=True)
@@ -197,7 +199,12 @@ class TrainConfig(Section):
     eval_iters: int = 100
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
-    exit_signal_handler: bool = False
+    exit_signal_handler: bool = False  # SIGTERM: finish the step, save, exit 0 (DataLoader workers ignore it)
+    exit_signal_handler_for_dataloader: bool = False  # DataLoader workers ignore SIGTERM (implied by the above)
+    check_for_nan_in_loss_and_grad: bool = True  # stop on a NaN/Inf loss (or grad norm, unless --fp16)
+    check_for_spiky_loss: bool = False  # report a loss above --spiky-loss-factor x the running max
+    spiky_loss_factor: float = 10.0  # paratron: Megatron's fixed factor, made a flag
+    exit_on_spiky_loss: bool = False  # paratron: a spiky loss stops the run (else it is reported)
     seed: int = 1234
     bf16: bool = False
     fp16: bool = False
@@ -249,6 +256,8 @@ class OptimConfig(Section):
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    override_opt_param_scheduler: bool = False  # on resume: the command line's LR schedule
+    use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's LR schedule
 
 
 @dataclass(eq=True)
@@ -277,6 +286,7 @@ class DataConfig(Section):
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     no_mmap_bin_files: bool = False  # read each .bin file into memory instead of memory-mapping it
+    no_token_id_check: bool = False  # paratron: skip the check of each micro-batch's ids against the vocabulary
 
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",
@@ -295,7 +305,7 @@ class LogConfig(Section):
     profile_step_start: int = 10
     profile_step_end: int = 12
     plot_path: Optional[str] = None  # paratron: PNG loss plot; default <tensorboard-dir or save>/loss.png
-    sample_prompt: Optional[str] = None  # paratron: an error until generation exists in training runs
+    sample_prompt: Optional[str] = None  # paratron: the trained model continues this text at the end (greedy)
     # Megatron's TensorBoard / W&B reporting (paratron/train/reporting.py), Megatron's tags
     tensorboard_log_interval: int = 1  # write the TensorBoard/W&B scalars every N iterations
     tensorboard_queue_size: int = 1000  # events buffered before the writer flushes
@@ -332,6 +342,7 @@ class CheckpointConfig(Section):
     ckpt_keep_last: int = 0  # paratron: keep only the newest K checkpoints under --save (0: keep all)
     dist_ckpt_strictness: str = "assume_ok_unexpected"  # key mismatches on load: Megatron's StrictHandling values
     use_checkpoint_args: bool = False  # the model's shape and tokenizer from the --load checkpoint's config
+    override_checkpoint_model_args: bool = False  # paratron: load a checkpoint saved with other model flags
 
 
 SECTIONS = {

@@ -17,6 +17,7 @@ import sys
 from typing import Optional
 
 from ..errors import ConfigError
+from .ranges import check_ranges
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
 
 TIKTOKEN_PATTERNS = ("v1", "v2")
@@ -45,16 +46,9 @@ def _freeze(section, given: dict) -> None:
     section._freeze({k: v for k, v in given.items() if getattr(section, k) != v})
 
 
-def _at_least_one(section, names) -> None:
-    for name in names:
-        value = getattr(section, name)
-        need(value >= 1, f"{flag(name)} must be >= 1 (got {value})")
-
-
 # ---- the sections ------------------------------------------------------------------------------
 def validate_model(m: ModelConfig) -> None:
     """Checks of the model's shape; fills Megatron's derived defaults."""
-    _at_least_one(m, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
     need(m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None,
          f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
          "change one of them or set --kv-channels")
@@ -69,7 +63,7 @@ def validate_model(m: ModelConfig) -> None:
         m.num_query_groups = m.num_attention_heads
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
-    need(m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups == 0,
+    need(m.num_attention_heads % m.num_query_groups == 0,
          f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups "
          f"{m.num_query_groups}")
     if m.use_rotary_position_embeddings:  # Megatron's older spelling
@@ -85,8 +79,6 @@ def validate_model(m: ModelConfig) -> None:
              "raise --max-position-embeddings")
     need(m.normalization in ("LayerNorm", "RMSNorm"),
          f"--normalization must be LayerNorm or RMSNorm (got {m.normalization})")
-    need(0.0 < m.rotary_percent <= 1.0, "--rotary-percent must be in (0, 1]")
-    need(0.0 <= m.hidden_dropout < 1 and 0.0 <= m.attention_dropout < 1, "dropout rates must be in [0, 1)")
     validate_moe(m)
 
 
@@ -103,50 +95,49 @@ def validate_moe(m: ModelConfig) -> None:
              "or remove the flag")
         return
     from ..model.spec import parse_moe_layer_freq  # the flag's parser lives with the layer specs
-    need(m.num_experts >= 1, f"--num-experts must be >= 1 (got {m.num_experts})")
     need(1 <= m.moe_router_topk <= m.num_experts,
          f"--moe-router-topk {m.moe_router_topk} must be between 1 and --num-experts {m.num_experts}")
     for name, choices in MOE_CHOICES.items():
         value = getattr(m, name)
         need(value in choices, f"{flag(name)} {value}: choose one of {', '.join(str(c) for c in choices)}")
-    factor = m.moe_expert_capacity_factor
-    need(factor is None or factor > 0, f"--moe-expert-capacity-factor must be > 0 (got {factor})")
-    need(not m.moe_pad_expert_input_to_capacity or factor is not None,
+    need(not m.moe_pad_expert_input_to_capacity or m.moe_expert_capacity_factor is not None,
          "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-    need(m.moe_aux_loss_coeff >= 0 and (m.moe_z_loss_coeff or 0) >= 0, "MoE loss coefficients must be >= 0")
-    need(m.moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must be >= 0")
-    need(m.moe_router_topk_scaling_factor is None or m.moe_router_topk_scaling_factor > 0,
-         "--moe-router-topk-scaling-factor must be > 0")
-    need(m.moe_shared_expert_intermediate_size is None or m.moe_shared_expert_intermediate_size >= 1,
-         "--moe-shared-expert-intermediate-size must be >= 1")
     if m.moe_ffn_hidden_size is None:
         m.moe_ffn_hidden_size = m.ffn_hidden_size
-    need(m.moe_ffn_hidden_size >= 1, f"--moe-ffn-hidden-size must be >= 1 (got {m.moe_ffn_hidden_size})")
     parse_moe_layer_freq(m.moe_layer_freq, m.num_layers)
 
 
 def resolve_model(m: ModelConfig) -> ModelConfig:
     """A model config on its own (GPTModel, HF conversion): validated, derived values filled, frozen."""
     given = _values(m)
+    check_ranges(m)
     validate_model(m)
     _freeze(m, given)
     return m
 
 
+def validate_experts(par: ParallelConfig, m: ModelConfig) -> None:
+    """Expert-parallel sizes against the MoE flags; --expert-tensor-parallel-size defaults to TP (as
+    Megatron). Whether EP x expert-TP divides the world is checked with the world size."""
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    if m.num_experts is None:
+        for name, size in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+            need(size is None or size <= 1, f"{flag(name)} {size} has no effect without --num-experts; set "
+                 "--num-experts or remove the flag")
+        return
+    need(m.num_experts % ep == 0, f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size "
+         f"{ep}; change one of them")
+    if etp is None:
+        etp = par.expert_tensor_parallel_size = par.tensor_model_parallel_size
+    need(etp >= 1, f"--expert-tensor-parallel-size must be >= 1 (got {etp})")
+    need(m.moe_ffn_hidden_size % etp == 0, f"--moe-ffn-hidden-size {m.moe_ffn_hidden_size} is not divisible by "
+         f"--expert-tensor-parallel-size {etp}")
+
+
 def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> None:
     """Parallel sizes against the model; the pipeline layout (derives the virtual size)."""
-    _at_least_one(par, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                        "expert_model_parallel_size"))
-    need(par.context_parallel_size == 1,
-         f"--context-parallel-size {par.context_parallel_size}: context parallelism is not implemented yet; "
-         "remove the flag (or use --context-parallel-size 1)")
-    for name in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
-        size = getattr(par, name)
-        need(size is None or size <= 1, f"{flag(name)} > 1: expert parallelism is not implemented yet "
-             f"(got {size}); remove the flag")
-    need(m.num_experts is None or par.tensor_model_parallel_size == 1,
-         f"--num-experts with --tensor-model-parallel-size {par.tensor_model_parallel_size}: mixture-of-experts "
-         "layers under tensor parallelism are not implemented yet; use --tensor-model-parallel-size 1")
+    validate_context_parallel(par, m)
+    validate_experts(par, m)
     tp = par.tensor_model_parallel_size
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         size = getattr(m, name)
@@ -154,12 +145,11 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
              + ("; use more query groups or a smaller tensor-parallel size" if name == "num_query_groups" else ""))
     if par.sequence_parallel and tp == 1:
         par.sequence_parallel = False  # Megatron does the same: SP needs TP > 1
-    if par.sequence_parallel:
+    if par.sequence_parallel or (m.num_experts is not None and tp > 1):  # MoE splits the sequence over TP
         need(m.seq_length % tp == 0,
              f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {tp}")
     from ..parallel.stages import finalize_pipeline  # imported here: parallel/ imports this package
     par.virtual_pipeline_model_parallel_size = finalize_pipeline(par, m.num_layers)
-    need(par.ddp_bucket_size is None or par.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1 (elements)")
     need(not par.overlap_param_gather or par.use_distributed_optimizer,
          "--overlap-param-gather needs --use-distributed-optimizer")
     need(not par.grad_reduce_in_bf16 or tr.bf16, "--grad-reduce-in-bf16 needs --bf16")
@@ -167,8 +157,31 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
          "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive; choose one")
 
 
+def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
+    """--context-parallel-size and --cp-comm-type against the model (paratron/parallel/context.py)."""
+    from ..parallel.context import COMM_TYPES, REFUSED_COMM_TYPES
+    cp, tp, kind = par.context_parallel_size, par.tensor_model_parallel_size, par.cp_comm_type
+    need(kind not in REFUSED_COMM_TYPES, f"--cp-comm-type {kind}: {REFUSED_COMM_TYPES.get(kind)}; use p2p or a2a")
+    need(kind in COMM_TYPES, f"--cp-comm-type must be p2p or a2a (got {kind})")
+    need(par.hierarchical_context_parallel_sizes is None, "--hierarchical-context-parallel-sizes: "
+         f"{REFUSED_COMM_TYPES['a2a+p2p']}; remove the flag and use --cp-comm-type p2p or a2a")
+    if cp == 1:
+        return
+    need(m.seq_length % (2 * cp) == 0, f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size"
+         f" {cp} = {2 * cp} (each CP rank holds 2 of 2 x CP equal chunks); change one of them")
+    need(not par.sequence_parallel or (m.seq_length // cp) % tp == 0,
+         f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length / CP = {m.seq_length // cp} "
+         f"divisible by --tensor-model-parallel-size {tp}")
+    heads = m.num_attention_heads // tp
+    need(kind != "a2a" or heads % cp == 0, f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank "
+         f"({heads}) divisible by --context-parallel-size {cp}; use --cp-comm-type p2p")
+    need(m.attention_dropout == 0.0, f"--attention-dropout {m.attention_dropout} with --context-parallel-size {cp}: "
+         "attention dropout across CP ranks is not implemented; use --attention-dropout 0")
+    need(m.num_experts is None, "--num-experts with --context-parallel-size > 1: mixture-of-experts layers under "
+         "context parallelism are not implemented yet; use --context-parallel-size 1")
+
+
 def validate_train(tr: TrainConfig) -> None:
-    _at_least_one(tr, ("micro_batch_size", "eval_interval"))
     need(not (tr.bf16 and tr.fp16), "--bf16 and --fp16 are mutually exclusive; choose one")
     need(tr.train_iters is None or tr.train_samples is None,
          "--train-iters and --train-samples are mutually exclusive; choose one")
@@ -185,6 +198,7 @@ def validate_train(tr: TrainConfig) -> None:
     need(tr.manual_gc_interval >= 0, f"--manual-gc-interval must be >= 0 (got {tr.manual_gc_interval})")
     need(tr.empty_unused_memory_level in (0, 1, 2),
          f"--empty-unused-memory-level must be 0, 1 or 2 (got {tr.empty_unused_memory_level})")
+    need(tr.check_for_spiky_loss or not tr.exit_on_spiky_loss, "--exit-on-spiky-loss needs --check-for-spiky-loss")
     if tr.rampup_batch_size is not None:
         need(len(tr.rampup_batch_size) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
         tr.rampup_batch_size = [int(v) for v in tr.rampup_batch_size]
@@ -213,8 +227,6 @@ def validate_fp8(cfg: Config) -> None:
     need(tr.fp8_recipe in fp8.RECIPES, f"--fp8-recipe must be tensorwise or delayed (got {tr.fp8_recipe})")
     need(tr.fp8_amax_compute_algo in fp8.AMAX_ALGOS,
          f"--fp8-amax-compute-algo must be max or most_recent (got {tr.fp8_amax_compute_algo})")
-    need(tr.fp8_amax_history_len >= 1, f"--fp8-amax-history-len must be >= 1 (got {tr.fp8_amax_history_len})")
-    need(tr.fp8_margin >= 0, f"--fp8-margin must be >= 0 (got {tr.fp8_margin})")
     need(tr.bf16, "--fp8-format needs --bf16 (FP8 matmuls with bf16 weights and activations)")
     need(not (tr.fp8_recipe == "delayed" and tr.recompute_granularity == "full"),
          "--fp8-recipe delayed with --recompute-granularity full would record each amax twice and recompute "
@@ -241,15 +253,15 @@ def validate_optim(op) -> None:
          "--lr-wsd-decay-style must be linear, cosine, exponential or minus_sqrt")
     if op.lr_warmup_fraction is not None:
         need(op.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
-        need(0.0 <= op.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must be in [0, 1]")
     need(op.min_lr <= op.lr, f"--min-lr {op.min_lr} is larger than --lr {op.lr}")
+    need(not (op.override_opt_param_scheduler and op.use_checkpoint_opt_param_scheduler),
+         "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive; choose one")
 
 
 def validate_ckpt(c) -> None:
     need(c.ckpt_format in ("torch_dist", "torch_dcp"),
          f"--ckpt-format {c.ckpt_format} is not supported; paratron saves sharded torch.distributed.checkpoint "
          "checkpoints (--ckpt-format torch_dist)")
-    need(c.ckpt_keep_last >= 0, f"--ckpt-keep-last must be >= 0 (got {c.ckpt_keep_last})")
     need(not c.async_save or c.save is not None, "--async-save needs --save DIR")
     from ..checkpoint.strictness import STRICTNESS
     need(c.dist_ckpt_strictness in STRICTNESS,
@@ -258,7 +270,6 @@ def validate_ckpt(c) -> None:
 
 
 def validate_log(lg) -> None:
-    _at_least_one(lg, ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"))
     need(lg.timing_log_level in (0, 1, 2), f"--timing-log-level must be 0, 1 or 2 (got {lg.timing_log_level})")
     need(lg.timing_log_option in ("max", "minmax", "all"),
          f"--timing-log-option must be max, minmax or all (got {lg.timing_log_option})")
@@ -266,13 +277,25 @@ def validate_log(lg) -> None:
         import importlib.util
         need(importlib.util.find_spec("wandb") is not None,
              "--wandb-project needs the wandb package: pip install 'paratron[wandb]' (or pip install wandb)")
-    need(lg.sample_prompt is None, "--sample-prompt: training runs cannot generate text yet; remove the flag "
-         "(`paratron demo` prints samples of its model)")
+    need(lg.sample_prompt != "", "--sample-prompt: the prompt is empty; give some text")
+
+
+def validate_sample(cfg) -> None:
+    """--sample-prompt generates with the whole model on each rank, without sequence or context parallelism."""
+    if cfg.log.sample_prompt is None:
+        return
+    par = cfg.parallel
+    need(par.pipeline_model_parallel_size == 1, "--sample-prompt needs the whole model on each rank: "
+         "it cannot sample with --pipeline-model-parallel-size > 1 (sample with `paratron generate` instead)")
+    need(not par.sequence_parallel and par.context_parallel_size == 1,
+         "--sample-prompt cannot sample with --sequence-parallel or --context-parallel-size > 1; drop one of them "
+         "(or sample the checkpoint with `paratron generate`)")
 
 
 def validate_tokenizer(d: DataConfig) -> None:
     """The tokenizer flags (shared by train and preprocess)."""
     from ..data.tokenizers import TOKENIZER_TYPES
+    check_ranges(d)
     need(d.tokenizer_type is not None, "set the tokenizer with --tokenizer-type (and its files); see docs/data.md")
     if d.tokenizer_type not in TOKENIZER_TYPES:
         close = ([t for t in TOKENIZER_TYPES if t.lower().startswith(d.tokenizer_type.lower())]
@@ -282,9 +305,6 @@ def validate_tokenizer(d: DataConfig) -> None:
     if d.tokenizer_type == "NullTokenizer":
         need(d.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size N")
     need(d.tiktoken_pattern in TIKTOKEN_PATTERNS, f"--tiktoken-pattern must be v1 or v2 (got {d.tiktoken_pattern})")
-    need(d.vocab_extra_ids >= 0, f"--vocab-extra-ids must be >= 0 (got {d.vocab_extra_ids})")
-    need(d.tiktoken_num_special_tokens >= 3,
-         f"--tiktoken-num-special-tokens must be >= 3 (got {d.tiktoken_num_special_tokens})")
 
 
 def validate_data(d: DataConfig) -> None:
@@ -339,6 +359,10 @@ def resolve_world(cfg: Config, world: int) -> None:
          f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp}; "
          "change the parallel sizes or the number of processes")
     dp = world // (tp * pp * cp)
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or tp
+    need((world // pp) % (ep * etp) == 0,
+         f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not divide the {world // pp} "
+         f"ranks of a pipeline stage (world size {world} / PP {pp}); change the expert-parallel sizes")
     resolve_batch(cfg, dp)
     if tr.global_batch_size is None:
         tr.global_batch_size = tr.micro_batch_size * dp
@@ -389,7 +413,9 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
              lambda: validate_train(cfg.train), lambda: validate_fp8(cfg), lambda: validate_optim(cfg.optim),
              lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data))
     try:
+        _run_all([lambda name=name: check_ranges(getattr(cfg, name)) for name in SECTIONS])  # numbers first
         _run_all(steps)  # each section's problem, together
+        validate_sample(cfg)
         resolve_world(cfg, world)  # these need every section valid
         _set_vocab(cfg, tokenizer_vocab_size)
     except Exception:

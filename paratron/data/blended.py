@@ -28,6 +28,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from paratron.data.checks import check_token_ids
 from paratron.data.errors import DataError
 from paratron.data.gpt_dataset import (
     GPTDataConfig, GPTDataset, MockGPTDataset, MockIndexedData, cached_build,
@@ -111,15 +112,24 @@ def train_valid_test_num_samples(tr) -> List[int]:
     return [train, valid, eval_iters * gbs]
 
 
+class EmptySplit(DataError):
+    """A validation or test split without documents: a warning, the split is left out."""
+
+
 class _Builder:
-    def __init__(self, config: GPTDataConfig, allow_build: bool):
+    def __init__(self, config: GPTDataConfig, allow_build: bool, vocab_size: Optional[int] = None):
         self.config = config
         self.allow_build = allow_build
+        self.vocab_size = vocab_size
         self._indexed = {}
 
     def indexed(self, prefix: str) -> IndexedDataset:
+        """The dataset of ``prefix``, opened (sizes checked) and its token ids checked against the vocabulary once."""
         if prefix not in self._indexed:
-            self._indexed[prefix] = IndexedDataset(prefix, mmap_bin=self.config.mmap_bin_files)
+            data = IndexedDataset(prefix, mmap_bin=self.config.mmap_bin_files)
+            if self.vocab_size is not None:
+                check_token_ids(data, self.vocab_size)
+            self._indexed[prefix] = data
         return self._indexed[prefix]
 
     def single(self, prefix: str, bounds, size: Optional[int], split: int) -> GPTDataset:
@@ -127,7 +137,7 @@ class _Builder:
         n = len(data)
         beg, end = split_range(bounds, n)
         if beg >= end:
-            raise DataError(
+            raise (EmptySplit if split else DataError)(
                 f"{prefix}: the {SPLIT_NAMES[split]} split ({bounds[0]:.4f}-{bounds[1]:.4f} of "
                 f"{n} documents, --split {self.config.split}) has no documents; add data or "
                 "change --split"
@@ -168,7 +178,7 @@ def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], all
             out.append(MockGPTDataset(low, None, docs, sizes[i], SPLIT_NAMES[i], config)
                        if sizes[i] else None)
         return tuple(out)
-    builder = _Builder(config, allow_build)
+    builder = _Builder(config, allow_build, tokenizer.vocab_size)
     per_split = [getattr(data, f"{name}_data_path") for name in SPLIT_NAMES]
     if any(per_split):
         out = []
@@ -184,7 +194,11 @@ def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], all
     split = data.split or "969,30,1"
     out = []
     for i, bounds in enumerate(split_bounds(parse_split(split))):
-        out.append(builder.blend(blend, bounds, sizes[i], i) if bounds and sizes[i] else None)
+        try:
+            out.append(builder.blend(blend, bounds, sizes[i], i) if bounds and sizes[i] else None)
+        except EmptySplit as e:  # a dataset too small for its validation or test share
+            logger.warning(f"WARNING: {e}; training goes on without it")
+            out.append(None)
     return tuple(out)
 
 

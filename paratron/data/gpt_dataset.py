@@ -11,8 +11,10 @@ where md5 hashes a JSON description of everything the indices depend on (written
 sees a partial file.
 
 Sample i is a dict of tensors: `tokens`, `labels` (the same text shifted by one), `loss_mask`,
-`position_ids`, and `attention_mask` [1, s, s] (True = masked out) only with
-`reset_attention_mask`.
+`position_ids`, and `document_ids` [s] only with `reset_attention_mask`: the document of each
+token (an EOD closes its document), from which attention builds its document-causal pattern
+(Megatron's dense [1, s, s] `attention_mask` would be 16 GB at s = 128k, and could not be split
+over context-parallel ranks; `get_ltor_masks_and_position_ids` still gives it, as Megatron's).
 """
 
 from __future__ import annotations
@@ -99,6 +101,13 @@ def get_ltor_masks_and_position_ids(
         same_doc = segment.unsqueeze(1) == segment.unsqueeze(0)
         attention_mask = (~(causal & same_doc)).unsqueeze(0)
     return attention_mask, loss_mask, positions
+
+
+def document_ids(tokens: torch.Tensor, eod: Optional[int]) -> torch.Tensor:
+    """[s] int64: the number of EOD tokens strictly before each token of 1-D ``tokens`` (an EOD
+    belongs to the document it closes); ``attention_mask`` above is ~(causal & same document id)."""
+    is_eod = (tokens == eod if eod is not None else torch.zeros_like(tokens, dtype=torch.bool)).to(torch.int64)
+    return torch.cumsum(is_eod, 0) - is_eod
 
 
 def save_array(path: str, array: np.ndarray) -> None:
@@ -200,8 +209,8 @@ class GPTDataset(torch.utils.data.Dataset):
         text = torch.from_numpy(self.text(int(idx)))
         tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
         cfg = self.config
-        attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-            tokens, cfg.eod, cfg.reset_position_ids, cfg.reset_attention_mask, cfg.eod_mask_loss
+        _, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+            tokens, cfg.eod, cfg.reset_position_ids, False, cfg.eod_mask_loss
         )
         if cfg.pad is not None:  # Megatron masks (and zeroes) pad ids found in the data
             loss_mask[labels == cfg.pad] = 0.0
@@ -209,8 +218,8 @@ class GPTDataset(torch.utils.data.Dataset):
             labels[labels == cfg.pad] = 0
         sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
                   "position_ids": position_ids}
-        if attention_mask is not None:
-            sample["attention_mask"] = attention_mask
+        if cfg.reset_attention_mask:  # ids of the text as read (before pad ids are zeroed)
+            sample["document_ids"] = document_ids(text[:-1], cfg.eod)
         return sample
 
 

@@ -64,12 +64,12 @@ class PretrainingSampler:
 
 def build_data_iterator(
     dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-    num_workers: int = 0, infinite: bool = False,
+    num_workers: int = 0, infinite: bool = False, worker_init_fn=None,
 ) -> Optional[Iterator[dict]]:
     """An iterator of collated micro-batches (dicts of stacked tensors) for one DP rank.
 
     `num_workers` > 0 loads in background processes (persistent; memory pinned when CUDA is
-    there). `infinite` restarts the stream from `consumed_samples` each time it runs out, as
+    there; `worker_init_fn` runs first in each worker). `infinite` restarts the stream from `consumed_samples` each time it runs out, as
     Megatron's cyclic validation iterator does; otherwise the iterator ends with the data.
     Returns None for a None dataset."""
     if dataset is None:
@@ -86,7 +86,7 @@ def build_data_iterator(
     loader = DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=default_collate,
         pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
-        generator=torch.Generator().manual_seed(0),
+        generator=torch.Generator().manual_seed(0), worker_init_fn=worker_init_fn if num_workers > 0 else None,
     )
     if not infinite:
         return iter(loader)

@@ -15,6 +15,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel import fp8 as fp8_mod
+from ..parallel.context import ContextParallel, document_causal_mask
 from ..parallel.dims import ParallelDims
 from ..parallel.random import RNGTracker, seeded_init
 from ..parallel.sharding import update_spec
@@ -60,8 +61,12 @@ class GPTModel(nn.Module):
     [b, s] (fp32) when labels are given on the last stage, else logits [b, s, vocab/TP] on the last
     stage, else the hidden states [s(/TP), b, h] to send to the next stage. ``attention_mask`` is
     Megatron's ([b, 1, s, s] bool, True = masked out, the causal pattern included); without it attention
-    is causal. The rotary tables and the mask go down to attention in one ForwardContext. ``fp8``: a
-    ``paratron.parallel.fp8.Recipe`` runs the blocks' QKV, proj, fc1 and fc2 matmuls in FP8.
+    is causal. ``document_ids`` [b, s] (packed documents, ``--reset-attention-mask``) make it causal
+    within each document. The rotary tables and the mask go down to attention in one ForwardContext.
+    ``fp8``: a ``paratron.parallel.fp8.Recipe`` runs the blocks' QKV, proj, fc1 and fc2 matmuls in FP8.
+    With context parallelism (``dims.cp`` > 1) every input is this rank's part of the sequence
+    (``paratron/parallel/context.py``), except ``document_ids``, which cover the whole sequence, and
+    ``cp_comm_type`` says how attention crosses the CP ranks (p2p ring or a2a).
     """
 
     def __init__(self, config: ModelConfig, vocab_size: int, max_sequence_length: Optional[int] = None,
@@ -69,7 +74,7 @@ class GPTModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True, layer_offset: int = 0,
                  num_layers: Optional[int] = None, recompute_granularity: Optional[str] = None,
                  recompute_method: Optional[str] = None, recompute_num_layers: Optional[int] = None,
-                 fp8: Optional[fp8_mod.Recipe] = None, device=None, dtype=None):
+                 fp8: Optional[fp8_mod.Recipe] = None, cp_comm_type: str = "p2p", device=None, dtype=None):
         super().__init__()
         # A resolved copy (the caller's config is never written; a resolved one is used as it is).
         cfg = config.resolved(**({} if max_sequence_length is None else dict(
@@ -81,8 +86,9 @@ class GPTModel(nn.Module):
         # Dropout inside TP regions: a stream per TP rank, and per pipeline stage as Megatron's.
         rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
         self.par = Parallel(tp_group=tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
-                            rng=rng)
+                            rng=rng, dims=dims)
         self.pre_process, self.post_process = pre_process, post_process
+        self.cp = ContextParallel.from_dims(dims, cp_comm_type)  # None at CP 1
         self.share_embeddings = not cfg.untie_embeddings_and_output_weights
         # Initial weights: one stream per named piece (see seeded_init), so any pipeline split of the
         # model starts from the weights of the one-stage model built with the same seed.
@@ -136,7 +142,8 @@ class GPTModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None):
+                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None):
         if self.pre_process:
             b, s = input_ids.shape
             pos = position_ids if position_ids is not None else torch.arange(s, device=input_ids.device).expand(b, s)
@@ -145,10 +152,7 @@ class GPTModel(nn.Module):
             x = self.input_tensor
             s = x.size(0) * (self.par.tp_size if self.par.sequence_parallel else 1)
         rope = self.rotary(s, position_ids) if self.rotary is not None else None
-        if attention_mask is None:
-            ctx = ForwardContext(rope=rope)
-        else:  # Megatron's mask: True = masked out, and it holds the causal pattern
-            ctx = ForwardContext(rope=rope, mask=~attention_mask, causal=False)
+        ctx = self._context(rope, attention_mask, document_ids)
         x = self.decoder(x, ctx)
         if not self.post_process:
             return x
@@ -161,6 +165,24 @@ class GPTModel(nn.Module):
         else:
             loss = vocab_parallel_cross_entropy(self.output_layer(x, self.output_weight()), target, self.par.tp_group)
         return loss.transpose(0, 1).contiguous()  # [b, s]
+
+    def _context(self, rope, attention_mask, document_ids) -> ForwardContext:
+        """What attention needs: ``attention_mask`` is Megatron's (True = masked out, causality
+        included); ``document_ids`` [b, s] of the whole sequence make attention causal within
+        documents (a mask built here once per forward at CP 1, per block pair under CP)."""
+        if self.cp is not None:
+            if attention_mask is not None:
+                raise ValueError("a dense attention mask cannot be split over context-parallel ranks; pass "
+                                 "document_ids (the data path does with --reset-attention-mask)")
+            return ForwardContext(rope=rope, document_ids=document_ids, cp=self.cp)
+        if document_ids is not None:
+            mask = document_causal_mask(document_ids)
+            if attention_mask is not None:
+                mask = mask & ~attention_mask
+            return ForwardContext(rope=rope, mask=mask, causal=False)
+        if attention_mask is None:
+            return ForwardContext(rope=rope)
+        return ForwardContext(rope=rope, mask=~attention_mask, causal=False)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -29,6 +29,7 @@ class Parallel:
     tp_size: int = 1
     sequence_parallel: bool = False
     rng: object = None  # RNGTracker for dropout inside tensor-parallel regions (None at TP=1)
+    dims: object = None  # the ParallelDims (MoE layers read the expert groups); None: one rank
 
     def fork(self):
         return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
@@ -41,12 +42,14 @@ class ForwardContext:
 
     rope: (cos, sin) broadcasting over [s, b, heads, dim], or None (no rotary embedding).
     mask: [b, 1, s, s] bool, True = may attend: the whole pattern, causality included; or None.
-    document_ids: [b, s] document of each token of packed sequences.
+    document_ids: [b, s] document of each token of packed sequences (``--reset-attention-mask``), of
+        the whole sequence even under context parallelism: attention is causal within documents.
+        Without CP, GPTModel turns them into ``mask``; under CP the ring's blocks mask with them.
     causal: each position attends to itself and the ones before (False with a mask: it says all).
-    kv_cache: the inference KV cache slot of this pass.
-    cp: the context-parallel layout of the sequence.
-    document_ids, kv_cache and cp are not implemented yet: a context that sets one is refused, not
-    ignored.
+    kv_cache: the inference KV cache of this pass (paratron/inference/cache.py ``CacheView``): each
+        attention layer writes its keys and values into it and attends over what it holds, under ``mask``.
+    cp: the context-parallel group (paratron/parallel/context.py) when the sequence is split over
+        CP ranks: attention then runs across them (ring or all-to-all).
     """
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     mask: Optional[torch.Tensor] = None
@@ -56,11 +59,13 @@ class ForwardContext:
     cp: object = None
 
     def __post_init__(self):
-        for name in ("document_ids", "kv_cache", "cp"):
-            if getattr(self, name) is not None:
-                raise NotImplementedError(f"ForwardContext.{name} is not implemented yet")
+        if self.kv_cache is not None and self.cp is not None:
+            raise NotImplementedError("ForwardContext: a KV cache under context parallelism is not implemented")
         if self.causal and self.mask is not None:
             raise ValueError("a mask is the whole attention pattern: pass causal=False with it")
+        if self.cp is not None and self.mask is not None:
+            raise ValueError("a dense attention mask cannot be split over context-parallel ranks: give "
+                             "document_ids (--reset-attention-mask) instead")
 
 
 class Norm(nn.Module):
@@ -180,6 +185,7 @@ class Attention(nn.Module):
         self.q_per_group = cfg.num_attention_heads // cfg.num_query_groups
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
+        self.layer_index = 0  # the global layer number (its slot in an inference KV cache); set by build_mixer
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp_group=par.tp_group,
                                                bias=(not cfg.disable_bias_linear) or cfg.add_qkv_bias,
@@ -195,10 +201,20 @@ class Attention(nn.Module):
                                              init_method=output_init(cfg), device=device, dtype=dtype)
 
     def _core(self, q, k, v, ctx: ForwardContext):
+        if ctx.cp is not None:  # the sequence is split over CP ranks (no dropout: config validation)
+            return ctx.cp.attention(q, k, v, ctx.document_ids)
         p = self.dropout if self.training else 0.0
         with self.par.fork():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,
                                                   enable_gqa=self.groups != self.heads)
+
+    def _decode_core(self, q, k, v, mask):
+        """One new token per row with grouped keys/values: each group's query heads attend as one
+        sequence of ``q_per_group`` queries, so the cached keys/values are read once, never repeated."""
+        b = q.size(0)
+        grouped = q.reshape(b, self.groups, self.q_per_group, self.d)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)  # mask [b, 1, 1, T] broadcasts
+        return out.reshape(b, self.heads, 1, self.d)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
@@ -211,7 +227,11 @@ class Attention(nn.Module):
         if ctx.rope is not None:
             q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.recompute_core and self.training and torch.is_grad_enabled():
+        if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
+            k, v = ctx.kv_cache.update(self.layer_index, k, v)
+        if ctx.kv_cache is not None and s == 1 and self.groups != self.heads:
+            out = self._decode_core(q, k, v, ctx.mask)
+        elif self.recompute_core and self.training and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, ctx, rng=self.par.rng)
         else:
             out = self._core(q, k, v, ctx)

@@ -1,14 +1,21 @@
-"""Mixture-of-experts MLP (Megatron-core's MoELayer, at expert-parallel size 1).
+"""Mixture-of-experts MLP (Megatron-core's MoELayer), at any expert-parallel and expert-tensor-parallel size.
 
 A layer is a :class:`Router` (a linear map hidden -> experts, top-k over softmax or sigmoid scores),
-:class:`Experts` (every expert's fc1 / fc2 stacked in one tensor each, split over the ``ep`` group and
-reduced over ``edp``), and an optional shared expert (a dense MLP every token goes through).
+:class:`Experts` (the experts' fc1 / fc2 stacked in one tensor each, split over the ``ep`` group by
+expert and over ``etp`` inside each expert, reduced over ``edp``), and an optional shared expert (a
+dense MLP every token goes through).
 
 Tokens travel as Megatron's permutation does: the [tokens, experts] routing map is read expert by
 expert, so each expert's tokens are contiguous, the experts run on their slices (one
 ``torch._grouped_mm`` per projection with ``--moe-grouped-gemm`` where the build has it, else one
 matmul per expert), and the outputs are weighted by the router's probabilities and summed back per
-token. At EP 1 both token dispatchers (alltoall, allgather) are this identity.
+token. When the experts live on several ranks (EP x expert-TP > 1), ``paratron.parallel.experts``
+moves the rows there and back (alltoall or allgather dispatcher); on one rank nothing is moved.
+
+Under tensor parallelism each TP rank routes its own share of the tokens: its sequence shard with
+sequence parallelism, else the layer splits the (replicated) sequence over TP on entry and gathers
+it on exit. The load-balancing losses are then computed from token counts summed over TP, so they
+equal the one-rank values.
 
 Load-balancing losses (aux_loss, seq_aux_loss, z-loss) join the training loss through
 :class:`MoEAuxLossAutoScaler`: the forward value is untouched (the reported lm loss does not include
@@ -25,7 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..parallel.sharding import ShardSpec, Split, set_spec
+from ..parallel import comm
+from ..parallel.experts import DISPATCHERS, ExpertLayout
+from ..parallel.sharding import ShardSpec, Split, set_spec, shard
 from ..parallel.tensor import init_normal
 from .kernels import swiglu, swiglu_reference
 from .layers import MLP, Parallel, output_init
@@ -98,20 +107,31 @@ def aux_loss_scores(logits: torch.Tensor, topk: int, score_function: str = "soft
     return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, index, True)
 
 
-def switch_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+def _summed(counts: torch.Tensor, group) -> torch.Tensor:
+    """Token counts summed over ``group`` (the ranks sharing the micro-batch's tokens; None: one)."""
+    return comm.all_reduce(counts, group) if comm.group_size(group) > 1 else counts
+
+
+def switch_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, group=None) -> torch.Tensor:
     """Switch-Transformer balance over all tokens: E * sum_i f_i * P_i, f_i the fraction of the
-    T*k assignments that go to expert i, P_i the mean score of expert i (1 when balanced)."""
+    T*k assignments that go to expert i, P_i the mean score of expert i (1 when balanced). With a
+    ``group`` over which the tokens are split, the counts are summed over it and this rank's value is
+    its share: the values of the group add up to the loss of all the tokens."""
     tokens, experts = scores.shape
-    counts = routing_map.sum(dim=0).to(scores.dtype)
+    counts = _summed(routing_map.sum(dim=0).to(scores.dtype), group)
+    tokens *= comm.group_size(group)
     return (scores.sum(dim=0) * counts).sum() * experts / (tokens * tokens * topk)
 
 
-def seq_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, seq_length: int) -> torch.Tensor:
-    """The balance of each sequence (tokens laid out [sequence, batch]), averaged over the batch."""
+def seq_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, seq_length: int,
+                 group=None) -> torch.Tensor:
+    """The balance of each sequence (tokens laid out [sequence, batch]), averaged over the batch;
+    ``group``: as :func:`switch_aux_loss`, the sequence split over it."""
     experts = scores.shape[1]
     s = scores.view(seq_length, -1, experts)
-    counts = routing_map.view(seq_length, -1, experts).sum(dim=0).to(scores.dtype)  # [batch, experts]
-    return (counts * experts / (seq_length * topk) * s.mean(dim=0)).sum(dim=1).mean()
+    counts = _summed(routing_map.view(seq_length, -1, experts).sum(dim=0).to(scores.dtype), group)  # [batch, E]
+    full = seq_length * comm.group_size(group)
+    return (counts * experts / (full * topk) * (s.sum(dim=0) / full)).sum(dim=1).mean()
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -155,9 +175,11 @@ class Router(nn.Module):
     to the probabilities (they reach the router's gradient through MoEAuxLossAutoScaler) and adds
     their detached values to ``metrics``."""
 
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None, partition=None):
+        """``partition``: the group the micro-batch's tokens are split over (TP), or None."""
         super().__init__()
         self.cfg, self.topk, self.experts = cfg, cfg.moe_router_topk, cfg.num_experts
+        self.partition, self.parts = partition, comm.group_size(partition)
         self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device, dtype=dtype))
         init_normal(cfg.init_method_std)(self.weight.data)
@@ -171,7 +193,7 @@ class Router(nn.Module):
         self.aux_loss_scale = 1.0  # the aux losses' backward scale (set_aux_loss_scale)
 
     def _track(self, name: str, value: torch.Tensor) -> None:
-        v = value.detach().float()
+        v = value.detach().float() * self.parts  # a share of the tokens' loss: the mean over ranks is right
         total, n = self.metrics.get(name, (0.0, 0))
         self.metrics[name] = (total + v, n + 1)
 
@@ -180,13 +202,13 @@ class Router(nn.Module):
         kind = cfg.moe_router_load_balancing_type
         if kind != "none":
             scores, aux_map = aux_loss_scores(logits, self.topk, cfg.moe_router_score_function)
-            loss = (switch_aux_loss(scores, aux_map, self.topk) if kind == "aux_loss"
-                    else seq_aux_loss(scores, aux_map, self.topk, seq_length))
+            loss = (switch_aux_loss(scores, aux_map, self.topk, self.partition) if kind == "aux_loss"
+                    else seq_aux_loss(scores, aux_map, self.topk, seq_length, self.partition))
             self._track("load_balancing_loss", loss)
             if cfg.moe_aux_loss_coeff > 0:
                 probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_aux_loss_coeff, self.aux_loss_scale)
         if cfg.moe_z_loss_coeff:
-            loss = z_loss(logits)
+            loss = z_loss(logits) / self.parts
             self._track("z_loss", loss)
             probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_z_loss_coeff, self.aux_loss_scale)
         return probs
@@ -211,10 +233,10 @@ class Router(nn.Module):
     @torch.no_grad()
     def update_expert_bias(self, group=None) -> None:
         """One aux-loss-free step from the token counts since the last one (summed over ``group``,
-        the data-parallel ranks), which are then reset."""
+        the data-parallel ranks, and the TP ranks sharing the tokens), which are then reset."""
         if self.expert_bias is None:
             return
-        counts = self.tokens_per_expert
+        counts = _summed(self.tokens_per_expert, self.partition)
         if group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(counts, group=group)
         self.expert_bias.copy_(expert_bias_update(self.expert_bias, counts, self.cfg.moe_router_bias_update_rate))
@@ -222,15 +244,24 @@ class Router(nn.Module):
 
 
 class _Weight(nn.Module):
-    """Holds one stacked expert tensor (so its name is experts.linear_fc1.weight, as Megatron's)."""
+    """Holds one stacked expert tensor (so its name is experts.linear_fc1.weight, as Megatron's): this
+    rank's part of the global [experts, ...] tensor, drawn full-size and cut by ``splits`` (experts
+    over EP, the FFN dimension over expert-TP); gradients reduced over the expert-data-parallel group."""
 
-    def __init__(self, shape, bias_shape, init, device, dtype):
+    def __init__(self, shape, splits, bias_splits, init, lay: ExpertLayout, device, dtype, bias_sum_over=()):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        init(self.weight.data)
-        self.bias = nn.Parameter(torch.zeros(bias_shape, device=device, dtype=dtype)) if bias_shape else None
-        for p in self.parameters():  # dim 0 (experts) split over EP; reduced over the expert-data-parallel group
-            set_spec(p, ShardSpec(splits=(Split(0, "ep", (shape[0],)),), grad_group="edp"))
+        coords = {"ep": (lay.ep_rank, lay.ep), "etp": (lay.etp_rank, lay.etp)}
+
+        def part(full, spec):
+            return set_spec(nn.Parameter(shard(full, spec, coords)), spec)
+
+        full = torch.empty(shape, device=device, dtype=dtype)
+        init(full)
+        self.weight = part(full, ShardSpec(splits=splits, grad_group="edp"))
+        self.bias = None
+        if bias_splits is not None:
+            self.bias = part(torch.zeros(shape[:2], device=device, dtype=dtype),  # [experts, outputs]
+                             ShardSpec(splits=bias_splits, grad_group="edp", sum_over=bias_sum_over))
 
 
 def grouped_mm_usable(x: torch.Tensor, *sizes: int) -> bool:
@@ -253,39 +284,72 @@ def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 
     return dest, ends.to(torch.int32), expert_index.numel() + counts.numel() * (align - 1)
 
 
-class Experts(nn.Module):
-    """Every expert's MLP: fc1 [experts, ffn (x2 with SwiGLU), hidden], fc2 [experts, hidden, ffn]."""
+def expert_order(routing_map: torch.Tensor, assignments: Optional[int] = None):
+    """(expert_index, token_index) of every routed (token, expert) pair of ``routing_map`` [tokens,
+    experts], sorted by expert then token. ``assignments``: how many pairs there are when that is
+    known in advance (dropless routing: tokens x top-k); the shapes are then static, so there is no
+    host synchronisation and the expert path compiles."""
+    by_expert = routing_map.t()
+    if assignments is not None and hasattr(torch, "nonzero_static"):
+        pairs = torch.nonzero_static(by_expert, size=assignments)
+        return pairs[:, 0], pairs[:, 1]
+    return by_expert.nonzero(as_tuple=True)
 
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+
+def local_experts(experts: "Experts", tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                  assignments: Optional[int]) -> torch.Tensor:
+    """Every expert on this rank: tokens sorted by expert, the experts' MLPs, and the outputs weighted
+    by their probabilities and summed back per token."""
+    expert_index, token_index = expert_order(routing_map, assignments)
+    y = experts(tokens[token_index], routing_map.sum(dim=0), expert_index)
+    y = y * probs[token_index, expert_index].to(y.dtype)[:, None]
+    return torch.zeros_like(tokens).index_add_(0, token_index, y)
+
+
+class Experts(nn.Module):
+    """This rank's experts' MLPs, parts of fc1 [experts, ffn (x2 with SwiGLU), hidden] and fc2
+    [experts, hidden, ffn]: experts [first, first + local) of ``lay``, fc1 by output rows and fc2 by
+    input columns over expert-TP (then fc2's outputs are partial sums, and its bias is added on
+    expert-TP rank 0 only)."""
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None, lay: Optional[ExpertLayout] = None):
         super().__init__()
+        lay = lay or ExpertLayout(cfg.num_experts)
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
-        width = f * (2 if cfg.swiglu else 1)
+        blocks = (f, f) if cfg.swiglu else (f,)
         bias = not cfg.disable_bias_linear
-        self.linear_fc1 = _Weight((e, width, h), (e, width) if bias else None, init_normal(cfg.init_method_std),
-                                  device, dtype)
-        self.linear_fc2 = _Weight((e, h, f), (e, h) if bias else None, output_init(cfg), device, dtype)
+        by_expert = Split(0, "ep", (e,))
+        fc1_ffn, fc2_ffn = Split(1, "etp", blocks), Split(2, "etp", (f,))
+        self.linear_fc1 = _Weight((e, sum(blocks), h), (by_expert, fc1_ffn), (by_expert, fc1_ffn) if bias else None,
+                                  init_normal(cfg.init_method_std), lay, device, dtype)
+        self.linear_fc2 = _Weight((e, h, f), (by_expert, fc2_ffn), (by_expert,) if bias else None, output_init(cfg),
+                                  lay, device, dtype, bias_sum_over=("etp",) if lay.etp > 1 else ())
+        self.fc2_bias_here = lay.etp_rank == 0
         self.swiglu, self.approx = cfg.swiglu, ("tanh" if cfg.openai_gelu else "none")
         self.swiglu_kernel = not cfg.no_bias_swiglu_fusion
         self.grouped = cfg.moe_grouped_gemm
         self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, rows) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, counts, rows) -> torch.Tensor:
         """x [tokens sorted by expert, in] times each expert's w [out, in]^T; ``rows``: the padded
-        layout of :func:`aligned_rows` (grouped GEMM), or None (one matmul per expert)."""
+        layout of :func:`aligned_rows` (grouped GEMM), or None (one matmul per expert); ``counts``: a
+        list of rows per expert (or a tensor of them)."""
         if rows is not None:
             dest, ends, size = rows
             padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
             return torch._grouped_mm(padded, w.transpose(1, 2), offs=ends)[dest]
-        parts = torch.split(x, counts.tolist())
+        parts = torch.split(x, counts if isinstance(counts, list) else counts.tolist())
         return torch.cat([p @ w[i].t() for i, p in enumerate(parts)])
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_index: torch.Tensor) -> torch.Tensor:
-        """``x``: the tokens sorted by expert, ``counts[i]`` of them for expert i; ``expert_index`` the
-        expert of each row."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_index: torch.Tensor,
+                host_counts: Optional[list] = None) -> torch.Tensor:
+        """``x``: the tokens sorted by (local) expert, ``counts[i]`` of them for expert i (``host_counts``:
+        the same as a list, when known); ``expert_index`` the expert of each row."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         grouped = self.grouped and grouped_mm_usable(x, fc1.weight.shape[1], fc1.weight.shape[2], fc2.weight.shape[1])
         self.used_grouped_mm = grouped
-        rows = aligned_rows(counts, expert_index) if grouped else None
+        rows = aligned_rows(counts, expert_index) if grouped else None  # from the device counts: no sync
+        counts = host_counts if host_counts is not None else counts
         h = self._mm(x, fc1.weight, counts, rows)
         if fc1.bias is not None:
             h = h + fc1.bias[expert_index]
@@ -294,7 +358,7 @@ class Experts(nn.Module):
         else:
             h = F.gelu(h, approximate=self.approx)
         out = self._mm(h, fc2.weight, counts, rows)
-        return out + fc2.bias[expert_index] if fc2.bias is not None else out
+        return out + fc2.bias[expert_index] if fc2.bias is not None and self.fc2_bias_here else out
 
 
 class MoELayer(nn.Module):
@@ -302,25 +366,46 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
         super().__init__()
-        self.router = Router(cfg, device, dtype)
-        self.experts = Experts(cfg, device, dtype)
+        self.par = par
+        partition = par.tp_group if par.tp_size > 1 else None  # TP ranks route disjoint tokens
+        self.router = Router(cfg, device, dtype, partition)
+        if partition is not None:  # a replicated weight applied to a share of the tokens
+            set_spec(self.router.weight, ShardSpec(sum_over=("tp",)))
+        self.layout = ExpertLayout.from_dims(par.dims, cfg.num_experts)
+        self.experts = Experts(cfg, device, dtype, self.layout)
+        self.dispatch = DISPATCHERS[cfg.moe_token_dispatcher_type] if self.layout.size > 1 else None
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size is not None:
             shared = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_intermediate_size)
             self.shared_experts = MLP(shared, par, device, dtype)  # not gated (Megatron gates only Qwen's)
+        # dropless: every token goes to top-k experts, so the routed pairs are known in number
+        self.dropless = cfg.moe_expert_capacity_factor is None
+        self.local = local_experts
 
-    # Eager under --torch-compile (the rest of the layer compiles): data-dependent shapes, the router's
-    # running sums, and the aux losses' backward scale, which changes between steps.
+    def compile_experts(self, options: Optional[dict] = None) -> None:
+        """--torch-compile: the expert path (sort, grouped GEMMs, SwiGLU, weighted sum) as one compiled
+        region when its shapes are static (dropless routing, grouped GEMM)."""
+        if self.dropless and self.experts.grouped:
+            self.local = torch.compile(local_experts, dynamic=False, options=options)
+
+    # Outside the layer's compiled region under --torch-compile: the router's running sums and the aux
+    # losses' backward scale, which changes between steps; the expert path is compiled on its own.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        s, b, h = x.shape
-        tokens = x.reshape(-1, h)
+        par = self.par
+        split = par.tp_size > 1 and not par.sequence_parallel  # replicated over TP: each rank takes a share
+        xs = comm.scatter_to_sp(x, par.tp_group) if split else x
+        s, b, h = xs.shape
+        tokens = xs.reshape(-1, h)
         probs, routing_map = self.router(tokens, s)
-        expert_index, token_index = routing_map.t().nonzero(as_tuple=True)  # sorted by expert, then token
-        counts = routing_map.sum(dim=0)
-        y = self.experts(tokens[token_index], counts, expert_index)
-        y = y * probs[token_index, expert_index].to(y.dtype)[:, None]
-        out = torch.zeros_like(tokens).index_add_(0, token_index, y).view(s, b, h)
+        if self.dispatch is None:  # every expert here
+            assignments = tokens.shape[0] * self.router.topk if self.dropless else None
+            out = self.local(self.experts, tokens, probs, routing_map, assignments)
+        else:
+            out = self.dispatch(tokens, probs, routing_map, self.experts, self.layout)
+        out = out.view(s, b, h)
+        if split:
+            out = comm.unscatter_from_sp(out, par.tp_group)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out if residual is None else out + residual

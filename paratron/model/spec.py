@@ -68,7 +68,9 @@ def build_mixer(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, d
     if spec.mixer is None:
         return None
     if spec.mixer == "attention":
-        return Attention(cfg, par, device, dtype)
+        attention = Attention(cfg, par, device, dtype)
+        attention.layer_index = spec.index
+        return attention
     raise NotImplementedError(f"layer {spec.index}: Mamba layers are not implemented in paratron yet")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import Config
+from ..config import Config, ConfigError
 
 
 class LRScheduler:
@@ -49,11 +49,48 @@ class LRScheduler:
         return self.lr
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
-                "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps, "decay_style": self.style}
+        out = {"num_steps": self.num_steps}
+        out.update({key: getattr(self, attr) for key, (attr, _) in SCHEDULE_KEYS.items()})
+        return out
 
     def load_state_dict(self, sd: dict) -> None:
+        """The position in the schedule only (``resume`` also reconciles the schedule itself)."""
         self.num_steps = int(sd["num_steps"])
+
+    def resume(self, sd: dict, op) -> None:
+        """Continue a checkpoint's schedule as Megatron does. The position (samples seen) always
+        comes from ``sd``. The schedule's values (peak and minimum LR, warm-up, decay length and
+        style, ...) must match the command line's, unless ``op`` (the optim section) says
+        ``override_opt_param_scheduler`` (the command line's win) or
+        ``use_checkpoint_opt_param_scheduler`` (the checkpoint's win). A mismatch without either
+        is a ConfigError naming every differing value and both flags."""
+        self.load_state_dict(sd)
+        if op.override_opt_param_scheduler:
+            return
+        saved = {key: sd[key] for key in SCHEDULE_KEYS if key in sd}  # older checkpoints saved fewer keys
+        if op.use_checkpoint_opt_param_scheduler:
+            for key, value in saved.items():
+                setattr(self, SCHEDULE_KEYS[key][0], value)
+            return
+        diffs = [f"{what} {getattr(self, attr)!r} here, {saved[key]!r} in the checkpoint"
+                 for key, (attr, what) in SCHEDULE_KEYS.items() if key in saved and getattr(self, attr) != saved[key]]
+        if diffs:
+            raise ConfigError("the LR schedule differs from the checkpoint's: " + "; ".join(diffs)
+                              + "; pass --override-opt_param-scheduler to use this command line's schedule or "
+                              "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
+# state_dict key -> (LRScheduler attribute, how the error names it). Warm-up and decay are in samples.
+SCHEDULE_KEYS = {
+    "max_lr": ("max_lr", "--lr"),
+    "min_lr": ("min_lr", "--min-lr"),
+    "init_lr": ("init_lr", "--lr-warmup-init"),
+    "warmup_steps": ("warmup_steps", "warm-up samples (--lr-warmup-iters/-samples/-fraction)"),
+    "decay_steps": ("decay_steps", "decay samples (--lr-decay-iters/-samples, default --train-iters/-samples)"),
+    "decay_style": ("style", "--lr-decay-style"),
+    "wsd_decay_steps": ("wsd_decay_steps", "WSD decay samples (--lr-wsd-decay-iters/-samples)"),
+    "wsd_decay_style": ("wsd_style", "--lr-wsd-decay-style"),
+}
 
 
 def build_scheduler(cfg: Config, total_samples: int) -> LRScheduler:

@@ -11,6 +11,9 @@ unconditionally and stays exactly a plain transformer at TP=1.
     scatter_to_sp         fwd split dim 0       bwd all-gather dim 0    (enter the sequence-parallel region)
     gather_from_sp        fwd all-gather dim 0  bwd reduce-scatter dim 0 (before a column-parallel layer)
     reduce_scatter_to_sp  fwd reduce-scatter 0  bwd all-gather dim 0    (after a row-parallel layer)
+    all_to_all            fwd all-to-all dim 0  bwd all-to-all dim 0    (context parallelism's a2a: part j
+                                                                         of dim 0 goes to rank j; its own inverse)
+    unscatter_from_sp     fwd all-gather dim 0  bwd split dim 0         (inverse of scatter_to_sp)
 """
 from __future__ import annotations
 
@@ -68,95 +71,51 @@ def _reduce_scatter0(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_reduce(g, ctx.group), None
+def _all_to_all0(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.clone() if group_size(group) > 1 else x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, -1, ctx.group), None
+def _all_reduce_copy(x: torch.Tensor, group) -> torch.Tensor:
+    return all_reduce(x.clone(), group)
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, -1, group)
+def _pair(name: str, forward, backward):
+    """A collective as an autograd function: ``forward(x, group)``, whose gradient is
+    ``backward(g, group)``; the identity for a group of one rank."""
 
-    @staticmethod
-    def backward(ctx, g):
-        return _split(g, -1, ctx.group), None
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
+        @staticmethod
+        def backward(ctx, g):
+            return backward(g, ctx.group), None
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, 0, ctx.group), None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter0(g, ctx.group), None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter0(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, 0, ctx.group), None
-
-
-def _wrap(fn):
     def call(x: torch.Tensor, group) -> torch.Tensor:
         if group_size(group) == 1:
             return x
-        return fn.apply(x, group)
-    call.__name__ = fn.__name__.lstrip("_")
+        return Pair.apply(x, group)
+
+    Pair.__name__ = Pair.__qualname__ = name
+    call.__name__ = name
     return call
 
 
-copy_to_tp = _wrap(_CopyToTP)
-reduce_from_tp = _wrap(_ReduceFromTP)
-scatter_to_tp = _wrap(_ScatterToTP)
-gather_from_tp = _wrap(_GatherFromTP)
-scatter_to_sp = _wrap(_ScatterToSP)
-gather_from_sp = _wrap(_GatherFromSP)
-reduce_scatter_to_sp = _wrap(_ReduceScatterToSP)
+copy_to_tp = _pair("copy_to_tp", _identity, all_reduce)
+reduce_from_tp = _pair("reduce_from_tp", _all_reduce_copy, _identity)
+scatter_to_tp = _pair("scatter_to_tp", lambda x, g: _split(x, -1, g), lambda x, g: _gather(x, -1, g))
+gather_from_tp = _pair("gather_from_tp", lambda x, g: _gather(x, -1, g), lambda x, g: _split(x, -1, g))
+scatter_to_sp = _pair("scatter_to_sp", lambda x, g: _split(x, 0, g), lambda x, g: _gather(x, 0, g))
+gather_from_sp = _pair("gather_from_sp", lambda x, g: _gather(x, 0, g), _reduce_scatter0)
+reduce_scatter_to_sp = _pair("reduce_scatter_to_sp", _reduce_scatter0, lambda x, g: _gather(x, 0, g))
+unscatter_from_sp = _pair("unscatter_from_sp", lambda x, g: _gather(x, 0, g), lambda x, g: _split(x, 0, g))
+all_to_all = _pair("all_to_all", _all_to_all0, _all_to_all0)  # part j of dim 0 to rank j: its own inverse

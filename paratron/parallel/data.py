@@ -129,9 +129,13 @@ class GradBuffer:
         return buckets, offsets, start
 
     def start_grad_reduce(self, b: Bucket) -> None:
+        """Scale the bucket and start its reduction (only the scaling when the group is one rank: an
+        expert buffer whose expert-data-parallel group is smaller than data x context parallelism)."""
         g = self.grad_data[b.start: b.end]
         if self.divisor != 1:
             g.div_(self.divisor)  # Megatron scales before the collective
+        if self.n == 1:
+            return
         if self.param_data is not None:
             lo, hi = b.shard_range()
             b.grad_work = _reduce_scatter(self.grad_data[lo: hi], g, group=self.group, async_op=True)
@@ -252,7 +256,7 @@ class DataParallel(nn.Module):
             p.main_grad.zero_()
         self._unwritten.clear()
         for b in self.buckets:
-            if b.buffer.n > 1 and b.grad_work is None:
+            if b.grad_work is None:  # not launched in backward (or a one-rank group: scaled only)
                 b.buffer.start_grad_reduce(b)
         for b in self.buckets:
             if b.grad_work is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -156,6 +157,7 @@ def _group_axes(sizes: dict, esizes: dict) -> dict:
         "ep": (esizes, EXPERT_AXES, ("ep",)),
         "etp": (esizes, EXPERT_AXES, ("etp",)),
         "edp": (esizes, EXPERT_AXES, ("edp",)),
+        "etp_ep": (esizes, EXPERT_AXES, ("etp", "ep")),  # the ranks holding one copy of every expert
         "emp": (esizes, EXPERT_AXES, ("etp", "ep", "pp")),  # the experts' model-parallel group
     }
 
@@ -165,10 +167,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                               expert_tensor_parallel_size: Optional[int] = None,
                               order: str = "tp-cp-ep-dp-pp", *, world_size: Optional[int] = None,
-                              rank: Optional[int] = None, backend: Optional[str] = None) -> ParallelDims:
+                              rank: Optional[int] = None, backend: Optional[str] = None,
+                              timeout: Optional[timedelta] = None) -> ParallelDims:
     """Build the ParallelDims of this process (Megatron's signature). Works without torch.distributed
     when every size is 1. With torch.distributed initialised, every rank must call it (new_group is
-    collective)."""
+    collective). ``timeout`` (``--distributed-timeout-minutes``) bounds every collective of every
+    group, as Megatron's; each group carries its name as its ``group_desc`` (error messages use it)."""
     initialized = dist.is_available() and dist.is_initialized()
     world = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
     me = rank if rank is not None else (dist.get_rank() if initialized else 0)
@@ -184,8 +188,6 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     dp = world // model_size
     if (world // pp) % (etp * ep):
         raise ConfigError(f"world size {world} / PP {pp} is not divisible by expert-TP {etp} x EP {ep}")
-    if ep > 1 and (dp * cp) % ep:
-        raise ConfigError(f"--expert-model-parallel-size {ep} must divide DP x CP = {dp * cp}")
     edp = world // (pp * etp * ep)
     sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
     esizes = {"etp": etp, "ep": ep, "edp": edp, "pp": pp}
@@ -205,7 +207,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         if not initialized:
             continue
         for ranks in rank_lists:  # new_group must be called by every rank for every group, same order
-            pg = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
+            pg = (dist.new_group(ranks, backend=backend, timeout=timeout, group_desc=name) if len(ranks) > 1
+                  else None)
             if me in ranks:
                 dims.groups[name] = pg
     return dims

@@ -48,7 +48,6 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     """Gradient accumulation over micro-batches on one pipeline stage."""
     if isinstance(model, (list, tuple)):
         (model,) = model
-    per_token = layout is not None and layout.calculate_per_token_loss
     reports = []
     no_sync = getattr(model, "no_sync", None)  # DataParallel: no gradient reduction before the last micro-batch
     for i in range(num_microbatches):
@@ -57,7 +56,8 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
             with torch.set_grad_enabled(not forward_only):
                 output, loss_func = forward_step_func(data_iterator, model)
                 loss_sum, num_tokens, report = loss_func(output)
-                loss = microbatch_loss(loss_sum, num_tokens, num_microbatches, per_token)
+                loss = (layout.microbatch_loss(loss_sum, num_tokens, num_microbatches) if layout is not None
+                        else microbatch_loss(loss_sum, num_tokens, num_microbatches))
             if not forward_only:
                 (loss * grad_scale).backward()
         reports.append(report)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import DataError
 from . import comm
 from .fp8 import fp8_linear
 from .sharding import ShardSpec, Split, local_index, set_spec, shard, spec_of
@@ -33,6 +34,18 @@ def _param(full: torch.Tensor, dim: int, chunks: int, group, **spec) -> nn.Param
     return set_spec(nn.Parameter(shard(full, s, {"tp": (comm.group_rank(group), comm.group_size(group))})), s)
 
 
+def _gathered(t: torch.Tensor, split: Split, group, n: int) -> torch.Tensor:
+    """``t``, split along ``split.dim`` over the ``n`` ranks of ``group``, put back together."""
+    parts = [torch.empty_like(t) for _ in range(n)]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    shape = list(t.shape)
+    shape[split.dim] = sum(split.blocks)
+    full = torch.empty(shape, dtype=t.dtype, device=t.device)
+    for r, part in enumerate(parts):
+        full.index_copy_(split.dim, local_index(split, r, n).to(t.device), part)
+    return full
+
+
 def gather_full(p: torch.Tensor, group) -> torch.Tensor:
     """The global tensor of a parameter split over the TP ``group`` (inverse of the split done at
     construction)."""
@@ -40,13 +53,16 @@ def gather_full(p: torch.Tensor, group) -> torch.Tensor:
     n = comm.group_size(group)
     if split is None or n == 1:
         return p.detach()
-    parts = [torch.empty_like(p) for _ in range(n)]
-    torch.distributed.all_gather(parts, p.detach().contiguous(), group=group)
-    shape = list(p.shape)
-    shape[split.dim] = sum(split.blocks)
-    full = torch.empty(shape, dtype=p.dtype, device=p.device)
-    for r, part in enumerate(parts):
-        full.index_copy_(split.dim, local_index(split, r, n).to(p.device), part)
+    return _gathered(p.detach(), split, group, n)
+
+
+def gather_global(p: torch.Tensor, dims) -> torch.Tensor:
+    """The global tensor of a parameter: its parts gathered over every group its spec splits it over
+    (TP, EP, expert-TP). Every rank of those groups must call it."""
+    full = p.detach()
+    for split in spec_of(p).splits:
+        if dims.size(split.group) > 1:
+            full = _gathered(full, split, dims.group(split.group), dims.size(split.group))
     return full
 
 
@@ -144,8 +160,26 @@ class RowParallelLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, local={tuple(self.weight.shape)}"
 
 
+def check_token_ids(ids: torch.Tensor, vocab: int, what: str = "token ids") -> None:
+    """Raise DataError (one line) when an id of ``ids`` is outside ``[0, vocab)``. Reads the tensor's
+    min and max: free on host tensors (the data loader's batches, before they go to the GPU); on a
+    GPU tensor it waits for the device, so callers check host copies."""
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        bad = high if high >= vocab else low
+        raise DataError(f"{what}: id {bad} is outside the vocabulary of {vocab} ids (0..{vocab - 1}); the data was "
+                        "tokenized with another tokenizer or --vocab-size is too small: a vocabulary-parallel "
+                        "embedding would train on zeros for it. Fix the data or the tokenizer flags "
+                        "(--no-token-id-check turns this check off)")
+
+
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows; each rank looks up the ids it owns."""
+    """Embedding table split by vocabulary rows; each rank looks up the ids it owns. Ids outside the
+    table are an error (:func:`check_token_ids`) where they can be read without waiting for a
+    device, i.e. on the CPU (``check_ids=False`` skips it); on GPUs the training loop checks each
+    micro-batch on the host before it is copied over (``BatchLayout.prepare``)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group=None,
                  init_method: Optional[Callable] = None, device=None, dtype=None):
@@ -159,8 +193,11 @@ class VocabParallelEmbedding(nn.Module):
         full = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
         (init_method or init_normal(0.02))(full)
         self.weight = _param(full, 0, 1, tp_group, vocab_rows=True)
+        self.check_ids = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.check_ids and ids.device.type == "cpu":
+            check_token_ids(ids, self.num_embeddings, "the embedding's input")
         if comm.group_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start

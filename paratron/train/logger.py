@@ -40,9 +40,11 @@ def format_train_line(it: int, total: int, consumed: int, ms_per_iter: float, tf
     return " | ".join(parts) + " |"
 
 
-def format_valid_line(it: int, loss: float, label: str = "validation") -> str:
-    ppl = math.exp(min(20.0, loss))
-    return f" {label} loss at iteration {it} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+def format_valid_line(it: int | str, loss: float, label: str = "validation") -> str:
+    """Megatron's validation line; ``it`` an iteration, or a phrase such as "the end of training for test data"."""
+    ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else loss  # (min(20, nan) would be 20)
+    where = f"at iteration {it}" if isinstance(it, int) else f"at {it}"
+    return f" {label} loss {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
 
 
 class RunLogger:

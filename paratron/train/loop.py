@@ -2,10 +2,7 @@
 exit conditions. Read top to bottom; each parallelism lives in paratron/parallel/."""
 from __future__ import annotations
 
-import os
-import signal
 import time
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -15,132 +12,43 @@ import torch.distributed as dist
 
 from ..checkpoint import sharded
 from ..checkpoint import state as cstate
+from ..checkpoint.compat import check_model_config
 from ..checkpoint.pieces import replicated_row
 from ..checkpoint.strictness import apply_strictness
-from ..config import Config, ConfigError, check_resolved
+from ..checkpoint.tokenizer_files import save_tokenizer
+from ..config import Config, check_resolved
 from ..model import moe
-from ..model.gpt import GPTModel
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
-from ..parallel.dims import ParallelDims, initialize_model_parallel
+from ..parallel.dims import ParallelDims
 from ..parallel import fp8
-from ..parallel.fp8 import Recipe
 from ..parallel.layout import BatchLayout
 from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
-from ..parallel.stages import rank_chunks
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
+from .distributed import build_dims, checkpoint_group, init_distributed  # noqa: F401  (tests import build_dims here)
+from .guards import StepGuard, StopSignal, ignore_sigterm, kill_workers_at_exit
+from .preflight import preflight
 from .logger import RunLogger, format_valid_line
 from .metrics import flops_per_iteration, peak_tflops
 from .reporting import Reporter, TimedIterator, wandb_run
 from .runtime import GarbageCollection, apply_deterministic_mode, apply_logging_level, empty_unused_memory
 from .microbatches import MicroBatches
-
-
-def init_distributed(cfg: Config) -> torch.device:
-    """Device and process group from torchrun's environment: NCCL on GPUs, gloo on CPU."""
-    use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-        use_expandable_segments()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = cfg.parallel.distributed_backend or ("nccl" if use_cuda else "gloo")
-        dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
-    return device
-
-
-def use_expandable_segments() -> None:
-    """Let the CUDA caching allocator grow segments in place instead of keeping blocks of fixed
-    sizes, which fragment when micro-batches are large (the user's PYTORCH_CUDA_ALLOC_CONF wins)."""
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
-        return
-    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
-              or getattr(torch.cuda.memory, "_set_allocator_settings", None))
-    if setter is not None:
-        setter("expandable_segments:True")
-
-
-def build_dims(cfg: Config) -> ParallelDims:
-    p = cfg.parallel
-    return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                     p.virtual_pipeline_model_parallel_size, p.context_parallel_size,
-                                     p.expert_model_parallel_size, p.expert_tensor_parallel_size)
-
-
-def params_dtype(cfg: Config) -> torch.dtype:
-    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
-
-
-def compile_options(device: torch.device) -> dict:
-    """Inductor options for the compiled regions. On GPUs, coordinate-descent tuning of the generated
-    Triton kernels (norms, GeLU, residual adds): measured +1.3 % tokens/s on gpt-350m on an H100
-    (benchmarks/results/train_throughput_gpt-350m_20261122_103813.md), for about a minute more of
-    compilation."""
-    return {"coordinate_descent_tuning": True} if device.type == "cuda" else {}
-
-
-def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) -> GPTModel:
-    """``stage``: pre_process / post_process / layer_offset / num_layers of a pipeline chunk."""
-    tr = cfg.train
-    model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
-                     seed=tr.seed, recompute_granularity=tr.recompute_granularity,
-                     recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                     fp8=Recipe.from_config(tr), device=device, dtype=params_dtype(cfg), **stage)
-    model.fused_output_loss = not tr.no_fused_output_loss
-    if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
-        for layer in model.decoder.layers:
-            layer.compile(options=compile_options(device))
-    return model
-
-
-def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) -> list[GPTModel]:
-    """This rank's model: one chunk per virtual pipeline stage (a single one without interleaving)."""
-    chunks = [build_model(cfg, dims, device, **stage) for stage in rank_chunks(cfg, dims.pp_rank)]
-    for c in chunks[1:]:  # one dropout stream for the TP regions of the rank, as with one chunk
-        c.par.rng = chunks[0].par.rng
-    return chunks
-
-
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Megatron's convention: (sum of masked token losses, token count, report). The token count is
-    what the micro-batch's loss is divided by (``BatchLayout.microbatch_loss``); the report's n is the
-    same count, so summed over a step it is what --calculate-per-token-loss divides gradients by."""
-    mask = loss_mask.float()
-    total = (output.float() * mask).sum()
-    n = mask.sum()
-    return total, n, {"lm loss": torch.stack([total.detach(), n.detach()])}
-
-
-def make_forward_step(layout: BatchLayout):
-    """Megatron's forward_step_func: the next micro-batch, laid out for this rank by ``layout``
-    (device, sequence slice, position ids), through the model; the loss function gets its mask."""
-    def forward_step(data_iterator, model):
-        b = layout.prepare(next(data_iterator))
-        output = model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
-                       labels=b["labels"])
-        return output, partial(loss_func, b["loss_mask"])
-    return forward_step
-
-
-def sum_reports(reports: list[dict], device: torch.device) -> torch.Tensor:
-    total = torch.zeros(2, device=device)
-    for r in reports:
-        total += r["lm loss"].to(device)
-    return total
+from .report import end_of_run
+from .step import build_model, build_model_chunks, loss_func, make_forward_step, params_dtype, sum_reports  # noqa: F401
 
 
 class Trainer:
     def __init__(self, cfg: Config, device: Optional[torch.device] = None, dims: Optional[ParallelDims] = None,
                  data: Optional[tuple] = None):
-        """``data`` = (train iterator, valid iterator) replaces the dataset pipeline (tests use it)."""
+        """``data`` = (train iterator, valid iterator[, test iterator]) replaces the dataset pipeline (tests use it)."""
+        self.start_time = time.time()  # --exit-duration-in-mins counts from start-up, as Megatron's
         self.cfg = cfg
+        self.stop_signal = StopSignal(cfg.train.exit_signal_handler)  # first: a SIGTERM during set-up is kept too
         self.device = device or init_distributed(cfg)
         self.dims = dims or build_dims(cfg)
         check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
+        preflight(cfg, self.dims, partial(print, flush=True))  # --save and the other output directories, now
         tr = cfg.train
         self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size)
         self.current_global_batch = tr.global_batch_size
@@ -166,22 +74,20 @@ class Trainer:
         self.pending_save: Optional[sharded.AsyncSave] = None
         self._pending_skips: Optional[torch.Tensor] = None
         self._pinned: dict = {}  # reused pinned CPU buffers of --async-save
-        # Checkpoint collectives run on their own gloo group: a background save never interleaves
-        # with training's collectives, and no GPU memory is needed for the plans.
-        self.ckpt_group = (dist.new_group(backend="gloo") if dist.is_initialized() and (cfg.ckpt.save or cfg.ckpt.load)
-                           else None)
+        self.ckpt_group = checkpoint_group(cfg)  # checkpoint collectives run on their own gloo group
         if cfg.ckpt.load:
             self.load(cfg.ckpt.load)
-        self.train_iter, self.valid_iter = data if data is not None else self._build_data()
+        data = data if data is not None else self._build_data()
+        self.train_iter, self.valid_iter = data[:2]
+        self.test_iter = data[2] if len(data) > 2 else None
         self.report = Reporter(self)  # TensorBoard/W&B scalars, timers and the log line
         if cfg.log.timing_log_level >= 2:
             self.train_iter = TimedIterator(self.train_iter, self.report.timers)
         self.flops_per_iter = flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size,
                                                   cfg.model.seq_length)
         self.peak = peak_tflops(self.device)
-        self._stop_signal, self.exit_reason = False, None  # exit_reason: why training stopped early
-        if cfg.train.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._on_signal)
+        self.guard = StepGuard.from_config(cfg, self.dims.rank, self.log.print)
+        self.exit_reason: Optional[str] = None  # why training stopped before --train-iters (the exit line's)
 
     # ---- set-up pieces -------------------------------------------------------------------------
     def _build_tokenizer(self):
@@ -191,16 +97,18 @@ class Trainer:
     def _build_data(self):
         from ..data import build_data_iterator, build_train_valid_test_datasets, train_valid_test_num_samples
         cfg, tr = self.cfg, self.cfg.train
-        train_ds, valid_ds, _ = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length, tr.seed,
-                                                                train_valid_test_num_samples(tr))
+        train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length,
+                                                                      tr.seed, train_valid_test_num_samples(tr))
+        signals = tr.exit_signal_handler or tr.exit_signal_handler_for_dataloader
+        if signals and self.cfg.data.num_workers > 0:
+            kill_workers_at_exit()
         it = partial(build_data_iterator, micro_batch_size=tr.micro_batch_size, dp_rank=self.dims.dp_rank,
-                     dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers)
+                     dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers,
+                     worker_init_fn=ignore_sigterm if signals else None)
         train = it(train_ds, consumed_samples=self.consumed_samples, infinite=False)
         valid = it(valid_ds, consumed_samples=0, infinite=True) if valid_ds is not None and tr.eval_iters > 0 else None
-        return train, valid
-
-    def _on_signal(self, *_):
-        self._stop_signal = True
+        test = it(test_ds, consumed_samples=0, infinite=True) if test_ds is not None and tr.eval_iters > 0 else None
+        return train, valid, test
 
     @property
     def model(self):
@@ -251,13 +159,15 @@ class Trainer:
         return t
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, data_iterator=None) -> float:
+        """The loss over --eval-iters steps of the validation data (or of ``data_iterator``)."""
+        data_iterator = data_iterator or self.valid_iter
         for m in self.models:
             m.eval()
         total = torch.zeros(2, device=self.device)
         tr = self.cfg.train
         for _ in range(tr.eval_iters):
-            reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.valid_iter,
+            reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=data_iterator,
                                             model=self.models, num_microbatches=self.num_microbatches,
                                             seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
                                             layout=self.layout, forward_only=True)
@@ -293,6 +203,7 @@ class Trainer:
     def save(self) -> Path:
         """Save a checkpoint of this iteration under --save (in the background with --async-save)."""
         c = self.cfg.ckpt
+        self.guard.check()  # never a checkpoint of a step whose loss or gradients are not finite
         self.wait_for_save()
         self._fold_pending_skips()
         pieces = self._ckpt_pieces(not c.no_save_optim, None if c.no_save_rng else self._rng_states(),
@@ -302,6 +213,8 @@ class Trainer:
                   "optimizer": None if c.no_save_optim else {"step": cstate.adam_step(self.optimizer),
                                                              "scaler": self.optimizer.scaler.state_dict()},
                   "rng": not c.no_save_rng, "layout": self._layout(), "config": self.cfg.to_dict()}
+        if self.dims.rank == 0:  # the tokenizer's files beside the weights (generate / serve find them)
+            save_tokenizer(c.save, self.cfg.data)
         if c.async_save:
             it = self.iteration
 
@@ -330,6 +243,7 @@ class Trainer:
             self.log.print(f" no checkpoint found in {root}; training from scratch")
             return
         common = sharded.read_common(d)
+        check_model_config(common, self.cfg, d, self.log.print)  # before any tensor is read
         saved = sharded.tensor_shapes(d)
         same_layout = common.get("layout") == self._layout()
         optim = not (c.finetune or c.no_load_optim) and common.get("optimizer") is not None
@@ -354,7 +268,7 @@ class Trainer:
         if optim:
             cstate.set_adam_step(self.optimizer, int(common["optimizer"]["step"]))
             self.optimizer.scaler.load_state_dict(common["optimizer"]["scaler"])
-            self.scheduler.load_state_dict(common["scheduler"])
+            self.scheduler.resume(common["scheduler"], self.cfg.optim)
             self.optimizer.set_lr(self.scheduler.lr)
         else:
             self.optimizer.reload_masters()
@@ -387,24 +301,37 @@ class Trainer:
     def _should_exit(self, start: float) -> bool:
         tr = self.cfg.train
         stop = self.iteration >= tr.train_iters  # the iteration-based conditions are the same on every rank
-        if not stop and tr.exit_interval and self.iteration % tr.exit_interval == 0:
-            stop, self.exit_reason = True, f"--exit-interval {tr.exit_interval}"
+        stop |= bool(tr.exit_interval and self.iteration % tr.exit_interval == 0)
         if stop or not (tr.exit_duration_in_mins or tr.exit_signal_handler):
             return stop
         # A clock or a signal can differ between ranks: every rank must agree (one all-reduce).
-        late = bool(tr.exit_duration_in_mins and (time.time() - start) / 60.0 > tr.exit_duration_in_mins)
-        flag = torch.tensor([int(late), int(self._stop_signal)], device=self.device)
+        stop |= bool(tr.exit_duration_in_mins and (time.time() - start) / 60.0 > tr.exit_duration_in_mins)
+        stop |= self.stop_signal.received
         if dist.is_initialized():
+            flag = torch.tensor([int(stop)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        late, signalled = flag.tolist()
-        if late or signalled:
-            self.exit_reason = (f"--exit-duration-in-mins {tr.exit_duration_in_mins:g} reached" if late
-                                else "SIGTERM with --exit-signal-handler")
-        return bool(late or signalled)
+            stop = bool(flag.item())
+        return stop
+
+    def _log_exit(self, start: float) -> None:
+        """The line saying why a run stops early (none when --train-iters is reached)."""
+        tr, minutes = self.cfg.train, (time.time() - start) / 60.0
+        if self.iteration >= tr.train_iters:
+            return
+        if tr.exit_interval and self.iteration % tr.exit_interval == 0:
+            why = f"--exit-interval {tr.exit_interval}"
+        elif tr.exit_duration_in_mins and minutes > tr.exit_duration_in_mins:
+            why = f"--exit-duration-in-mins {tr.exit_duration_in_mins:g} ({minutes:.2f} min since start-up)"
+        elif self.stop_signal.received:
+            why = "SIGTERM (--exit-signal-handler)"
+        else:
+            why = "another rank's clock or signal (--exit-duration-in-mins / --exit-signal-handler)"
+        self.exit_reason = why
+        self.log.print(f" exiting after {self.iteration} iterations: {why}")
 
     def train(self) -> dict:
         cfg, tr, lg = self.cfg, self.cfg.train, self.log
-        start = step_start = time.time()
+        start, step_start = self.start_time, time.time()
         collector = GarbageCollection(tr)
         acc = torch.zeros(2, device=self.device)
         window_iters, window_start = 0, time.time()
@@ -423,6 +350,7 @@ class Trainer:
             report, ok, grad_norm = self.train_step()
             step_seconds, step_start = time.time() - step_start, time.time()
             self.report.after_step(report, grad_norm, step_seconds, collector)
+            self.guard.record(self.iteration, report, grad_norm)
             if isinstance(ok, torch.Tensor):  # no host sync in the step: count at the next log line
                 skips = (~ok).int()
                 self._pending_skips = skips if self._pending_skips is None else self._pending_skips + skips
@@ -448,17 +376,27 @@ class Trainer:
                 self.save()
                 last_saved = self.iteration
             if self._should_exit(start):
+                self._log_exit(start)
                 break
-        if self.iteration < tr.train_iters:  # never a silent early stop
-            lg.print(f" stopping at iteration {self.iteration}/{tr.train_iters}: {self.exit_reason}")
+        self.guard.check()
         if cfg.ckpt.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
         self.wait_for_save()
-        if self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval != 0:
-            valid_loss = self._validate()
+        if not self.stop_signal.received:  # preempted: the grace period is for the save, not for evaluations
+            valid_loss = self._final_evaluations(valid_loss)
         collector.close()
         return {"iteration": self.iteration, "exit_reason": self.exit_reason, "valid_loss": valid_loss,
                 "train_curve": lg.train_curve, "valid_curve": lg.valid_curve}
+
+    def _final_evaluations(self, valid_loss: Optional[float]) -> Optional[float]:
+        """After training: the validation loss unless it was just measured, and (as Megatron) the
+        test split once, when training ran to its end. Returns the last validation loss."""
+        tr = self.cfg.train
+        if self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval:
+            valid_loss = self._validate()
+        if self.test_iter is not None and self.iteration >= tr.train_iters:
+            self.log.print(format_valid_line("the end of training for test data", self.evaluate(self.test_iter)))
+        return valid_loss
 
     def _validate(self, collector: Optional[GarbageCollection] = None) -> float:
         if collector is not None:
@@ -486,13 +424,7 @@ def pretrain(cfg: Config, eval_at_start: bool = False) -> dict:
         if eval_at_start and trainer.valid_iter is not None:
             trainer._validate()
         result = trainer.train()
-        lg = trainer.log
-        plot_path = cfg.log.plot_path or (Path(cfg.log.tensorboard_dir or cfg.ckpt.save or ".") / "loss.png"
-                                          if (cfg.log.tensorboard_dir or cfg.ckpt.save) else None)
-        if plot_path:
-            result["plot"] = lg.plot(plot_path)
-            if result["plot"]:
-                lg.print(f" loss plot: {result['plot']}")
+        end_of_run(trainer, result)  # the loss plot, the --sample-prompt sample
         result["trainer"] = trainer
         return result
     finally:

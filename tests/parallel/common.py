@@ -1,11 +1,12 @@
 """Shared by the multi-rank tests: a tiny config, deterministic batches, and a few real training
-steps (paratron's Trainer.train_step) returning the losses and the full (TP-gathered) parameters."""
+steps (paratron's Trainer.train_step) returning the losses and the full (gathered over TP, EP and expert-TP)
+parameters."""
 from __future__ import annotations
 
 import torch
 
 from paratron.config import Config, finalize
-from paratron.parallel.tensor import gather_full
+from paratron.parallel.tensor import gather_global
 
 VOCAB = 512
 
@@ -62,7 +63,7 @@ def run_steps(cfg: Config, steps: int, dims=None) -> dict:
         report, ok, _ = trainer.train_step()
         losses.append((report[0] / report[1]).item())
     model = trainer.model.module
-    params = {n: gather_full(p, dims.tp_group).clone() for n, p in model.named_parameters()}
+    params = {n: gather_global(p, dims).clone() for n, p in model.named_parameters()}
     trainer.close()
     return {"losses": losses, "params": params}
 

@@ -34,8 +34,10 @@ def _run(rank, world, ckpt_dir):
 
 
 def _pipeline(cfg) -> dict:
-    """STEPS steps of a pipeline run: the last stage's losses, this stage's parameters by global name."""
+    """STEPS steps of a pipeline run: the last stage's losses, this stage's parameters by global name
+    (gathered over the groups they are split over: TP, EP, expert-TP)."""
     from paratron.parallel.stages import global_named_parameters
+    from paratron.parallel.tensor import gather_global
     from paratron.train.loop import Trainer, build_dims
     from tests.parallel.common import global_batches, micro_batches
     dims = build_dims(cfg)
@@ -45,7 +47,7 @@ def _pipeline(cfg) -> dict:
     for _ in range(STEPS):
         report, _, _ = trainer.train_step()
         losses.append((report[0] / report[1].clamp(min=1)).item())
-    params = {n: p.detach().clone() for n, p in global_named_parameters(trainer.models).items()}
+    params = {n: gather_global(p, dims).clone() for n, p in global_named_parameters(trainer.models).items()}
     trainer.close()
     return {"losses": losses if dims.is_last_stage else None, "params": params}
 

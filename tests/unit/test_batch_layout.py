@@ -38,11 +38,12 @@ def test_shape_checks():
     assert TensorSpec((3,), torch.float32).has_grad and not TensorSpec((3,), torch.int64).has_grad
 
 
-def test_context_parallel_slice_is_not_there_yet():
+def test_context_parallel_slice():
     layout = BatchLayout(2, 32, 8, cp=2)
-    assert layout.activation_shape() == (16, 2, 8)  # what the 2 x CP split will give each rank
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        layout.slice_sequence(torch.zeros(2, 32))
+    assert layout.activation_shape() == (16, 2, 8)
+    assert layout.slice_sequence(torch.arange(32).expand(2, 32))[0].tolist() == [*range(8), *range(24, 32)]
+    with pytest.raises(ValueError, match="a dense attention mask cannot be split"):
+        layout.prepare(dict(batch(2, 32), attention_mask=torch.zeros(2, 1, 32, 32, dtype=torch.bool)))
 
 
 def batch(b=2, s=6):
@@ -61,8 +62,8 @@ def test_position_ids():
 
 def test_prepare_gives_the_model_inputs():
     got = BatchLayout(2, 6, 8).prepare(batch())
-    assert set(got) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"}
-    assert got["attention_mask"] is None and torch.equal(got["tokens"], batch()["tokens"])
+    assert set(got) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask", "document_ids"}
+    assert got["attention_mask"] is None and got["document_ids"] is None and torch.equal(got["tokens"], batch()["tokens"])
     assert got["position_ids"] is None  # 0 .. s-1: the model's own (contiguous rotary table)
     reset = BatchLayout(2, 6, 8, reset_position_ids=True).prepare(batch())
     assert torch.equal(reset["position_ids"], batch()["position_ids"])

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def train_and_save(tmp_path: Path, iters: int = 4, *extra: str) -> Path:
+    """``iters`` iterations of a 6-iteration run (the schedule the tests resume with), saved every 2."""
     root = tmp_path / "ck"
-    pretrain(parse_args(TINY + ["--train-iters", str(iters), "--save-interval", "2", "--save", str(root),
-                                "--eval-iters", "0", *extra]))
+    pretrain(parse_args(TINY + ["--train-iters", "6", "--exit-interval", str(iters), "--save-interval", "2",
+                                "--save", str(root), "--eval-iters", "0", *extra]))
     return root
 
 
@@ -145,7 +146,7 @@ def test_keep_last_k_checkpoints(tmp_path):
     pretrain(parse_args(TINY + ["--train-iters", "5", "--save-interval", "1", "--save", str(root),
                                 "--ckpt-keep-last", "2", "--eval-iters", "0"]))
     kept = sorted(p.name for p in root.iterdir() if p.name != "loss.png")
-    assert kept == ["iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert kept == ["iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt", "tokenizer"]
 
 
 def test_finetune_and_no_load_optim(tmp_path):

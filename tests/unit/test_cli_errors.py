@@ -32,10 +32,11 @@ def test_error_classes_share_one_base():
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not implemented"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1: expert parallelism is not implemented"),
-    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size > 1: expert parallelism is not implemented"),
-    (["--sample-prompt", "def"], "--sample-prompt: training runs cannot generate text yet"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
+     "--cp-comm-type allgather: the all-gather variant of context parallelism is not implemented yet"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 has no effect without --num-experts"),
+    (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 has no effect without --num-experts"),
+    (["--sample-prompt", "def", "--pipeline-model-parallel-size", "2"], "--sample-prompt needs the whole model"),
 ])
 def test_flags_that_would_do_nothing_are_errors(capsys, flags, needle):
     assert main(["train", *TINY, *flags]) == 2
@@ -46,7 +47,7 @@ def test_no_op_flag_error_in_a_real_process():
     r = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, "--context-parallel-size", "2"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("pretrain_gpt.py: error: --context-parallel-size 2")
+    assert r.stderr.startswith("pretrain_gpt.py: error: world size 1 is not divisible by TP 1 x PP 1 x CP 2")
 
 
 def test_every_command_reports_a_user_error_as_one_line_and_exit_2(tmp_path, capsys):

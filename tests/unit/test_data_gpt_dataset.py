@@ -20,6 +20,7 @@ from paratron.data.blended import (  # noqa: E402
 )
 from paratron.data.gpt_dataset import get_ltor_masks_and_position_ids  # noqa: E402
 from paratron.data.indexed import write_dataset  # noqa: E402
+from paratron.parallel.context import document_causal_mask  # noqa: E402
 
 MCORE = import_mcore_datasets()
 needs_mcore = pytest.mark.skipif(MCORE is None, reason="megatron-core not importable")
@@ -152,8 +153,10 @@ def test_sample_fields(prefixes):
     assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
     args = data_args(data_path=[prefixes[0]], reset_attention_mask=True, eod_mask_loss=True)
     reset = build_datasets(args, StubTokenizer())[0][3]
-    assert reset["attention_mask"].shape == (1, 32, 32)
-    assert reset["attention_mask"].dtype == torch.bool
+    assert reset["document_ids"].shape == (32,) and reset["document_ids"].dtype == torch.int64
+    megatron_mask = get_ltor_masks_and_position_ids(reset["tokens"], 499, False, True, False)[0]
+    assert torch.equal(document_causal_mask(reset["document_ids"][None])[0], ~megatron_mask)  # the same pattern
+    assert reset["document_ids"][-1] > 0  # the sample holds more than one document
     assert torch.equal(reset["loss_mask"], (reset["tokens"] != 499).float())
 
 
@@ -187,13 +190,17 @@ def test_cache_files_reuse_and_ranks(prefixes, tmp_path, monkeypatch):
     assert os.listdir(os.path.join(prefixes[1], "cache", "GPTDataset_indices"))
 
 
-def test_split_without_documents_is_a_clear_error(tmp_path):
+def test_split_without_documents_is_a_clear_error(tmp_path, capfd):
+    """An empty training split is an error; an empty validation or test split a warning (left out)."""
     write_dataset(str(tmp_path / "tiny"), random_documents(10, 5))
-    args = data_args(data_path=[str(tmp_path / "tiny")], split="98,1,1")
+    args = data_args(data_path=[str(tmp_path / "tiny")], split="1,98,1")
     with pytest.raises(DataError) as info:
         build_datasets(args, StubTokenizer())
     msg = str(info.value)
-    assert "valid split" in msg and "no documents" in msg and "tiny" in msg and "\n" not in msg
+    assert "train split" in msg and "no documents" in msg and "tiny" in msg and "\n" not in msg
+    train, valid, test = build_datasets(data_args(data_path=[str(tmp_path / "tiny")], split="98,1,1"), StubTokenizer())
+    assert train is not None and valid is None and test is None
+    assert "WARNING" in capfd.readouterr().err
 
 
 def test_sizes_and_missing_splits(prefixes):

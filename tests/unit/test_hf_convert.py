@@ -265,3 +265,16 @@ def test_docs_example_runs(capsys):
     code = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)[-1]
     exec(compile(code, str(doc), "exec"), {})
     assert capsys.readouterr().out.strip() == "llama 2 torch.Size([1, 8, 1000])"
+
+
+def test_saved_files_follow_the_umask(tmp_path):
+    """safetensors writes 0600; an export is shared like any other file the user writes."""
+    import os
+    model, cfg, family, _ = paratron_model("llama")
+    old = os.umask(0o022)
+    try:
+        H.save_hf_dir(tmp_path, model.state_dict(), cfg, family, VOCAB)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "config.json").stat().st_mode & 0o777 == 0o644

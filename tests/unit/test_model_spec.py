@@ -118,9 +118,8 @@ def test_hybrid_attention_then_mlp_layers_equal_one_transformer_layer():
 
 
 def test_forward_context_refuses_what_it_cannot_do_yet():
-    for field in ("document_ids", "kv_cache", "cp"):
-        with pytest.raises(NotImplementedError, match=f"ForwardContext.{field}"):
-            ForwardContext(**{field: torch.zeros(1, 8, dtype=torch.long)})
+    with pytest.raises(NotImplementedError, match="KV cache under context parallelism"):
+        ForwardContext(kv_cache=object(), cp=object())
     with pytest.raises(ValueError, match="causal=False"):
         ForwardContext(mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
 

@@ -229,8 +229,11 @@ BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
     (["--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type sinkhorn: choose one"),
     (["--moe-router-score-function", "relu"], "--moe-router-score-function relu: choose one"),
     (["--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
-    (["--tensor-model-parallel-size", "2"], "not implemented yet; use --tensor-model-parallel-size 1"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1: expert parallelism is not implemented"),
+    (["--expert-model-parallel-size", "3"], "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),
+    (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 does "
+                                            "not divide the 1 ranks of a pipeline stage"),
+    (["--expert-tensor-parallel-size", "3"], "--moe-ffn-hidden-size 64 is not divisible by "
+                                             "--expert-tensor-parallel-size 3"),
 ])
 def test_config_errors_are_one_line(flags, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -344,11 +347,36 @@ def test_aligned_rows_for_grouped_gemm():
     assert ends.tolist() == [8, 8, 24, 32] and ends.dtype == torch.int32 and size == 13 + 4 * 7 >= 32
 
 
-def test_hf_conversion_of_moe_models_is_a_clear_error():
-    from paratron.checkpoint.hf import name_table
-    from paratron.checkpoint.hf_config import ConversionError
-    with pytest.raises(ConversionError, match="converting MoE models is not implemented yet"):
-        name_table(small(swiglu=True, normalization="RMSNorm", position_embedding_type="rope"), "llama")
+def test_expert_order_of_dropless_routing_is_static_and_equals_nonzero():
+    torch.manual_seed(5)
+    _, rmap = moe.topk_route(torch.randn(37, 8), 2)
+    want = rmap.t().nonzero(as_tuple=True)
+    got = moe.expert_order(rmap, 37 * 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(moe.expert_order(rmap), want))  # without a known count
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_expert_path_compiles_as_one_graph():
+    """--torch-compile compiles the dropless expert path on its own: one graph (no host sync, no
+    break) whose forward and backward equal the eager path's."""
+    torch.manual_seed(6)
+    layer = moe.MoELayer(small(swiglu=True, moe_grouped_gemm=True, hidden_size=32, moe_ffn_hidden_size=16),
+                         Parallel(), dtype=torch.bfloat16)
+    tokens = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    probs, rmap = layer.router(tokens.detach(), 8)
+    args = (layer.experts, tokens, probs, rmap, 16 * 2)
+    want = moe.local_experts(*args)
+    want_grad, = torch.autograd.grad(want.float().square().sum(), tokens)
+    compiled = torch.compile(moe.local_experts, fullgraph=True, dynamic=False, backend="aot_eager")
+    got = compiled(*args)
+    got_grad, = torch.autograd.grad(got.float().square().sum(), tokens)
+    assert layer.experts.used_grouped_mm and torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    layer.compile_experts()
+    assert layer.local is not moe.local_experts  # dropless + grouped: compiled
+    capped = moe.MoELayer(small(moe_grouped_gemm=True, moe_expert_capacity_factor=1.0), Parallel())
+    capped.compile_experts()
+    assert capped.local is moe.local_experts  # token dropping: data-dependent shapes stay eager
 
 
 def test_torch_compile_leaves_the_moe_layer_eager():

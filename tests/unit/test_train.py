@@ -112,7 +112,8 @@ def test_loading_a_checkpoint_of_another_shape_is_a_one_line_error(tmp_path):
     t = Trainer(parse_args(TINY + ["--train-iters", "1", "--save", str(tmp_path / "ck")]))
     t.save()
     with pytest.raises(CheckpointError, match="does not fit this model.*shape"):
-        Trainer(parse_args(TINY + ["--train-iters", "1", "--hidden-size", "128", "--load", str(tmp_path / "ck")]))
+        Trainer(parse_args(TINY + ["--train-iters", "1", "--hidden-size", "128", "--load", str(tmp_path / "ck"),
+                                   "--override-checkpoint-model-args"]))  # (else the saved config is refused first)
 
 
 def test_exit_check_all_reduces_only_when_ranks_can_disagree(monkeypatch):

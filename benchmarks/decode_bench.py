@@ -1,0 +1,193 @@
+"""Generation speed: decode tokens/s at batch 1 and 32 and time to first token, paratron beside HF
+transformers ``generate`` (static cache + torch.compile), same weights, same process.
+
+    python benchmarks/decode_bench.py                      # llama-1b shape, random bf16 weights, one GPU
+    python benchmarks/decode_bench.py --tiny               # a tiny model on the CPU (checks the script)
+
+Both systems run greedy with the same random weights (the paratron model converted to HF with
+``paratron_to_hf``) and never stop early (no end-of-document token). Per batch size: time to first
+token = wall time until the first new token is on the host (prefill and one sampling step); decode tokens/s =
+batch x (N - 1) / (time from the first new token to the last). Each is the median of ``--repeats`` runs after
+warm-up runs (compilation, CUDA graph capture). paratron runs its engine with ``compile=True``
+(torch.compile'd decode step replayed as a CUDA graph) unless ``--no-compile``; HF runs
+``cache_implementation="static"``, compiled on GPU as transformers does it itself (``--hf-compile``).
+Prints a table and JSON lines, and writes a record (record.py) with the JSON rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from record import write_record  # noqa: E402  (benchmarks/record.py)
+
+
+def build(tiny: bool, device, dtype):
+    """(paratron GPTModel, HF LlamaForCausalLM, real vocabulary) with the same random weights."""
+    import transformers
+
+    from paratron.checkpoint.hf import paratron_to_hf
+    from paratron.checkpoint.hf_config import hf_config_from_model_config
+    from paratron.config import parse_args
+    from paratron.model.gpt import GPTModel
+    if tiny:
+        args = ["--config", "tiny", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+                "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+                "--untie-embeddings-and-output-weights", "--init-method-std", "0.3"]  # sharp: no greedy near-ties
+    else:
+        args = ["--config", "llama-1b"]
+    cfg = parse_args(args + ["--mock-data"] if "--mock-data" not in args else args)
+    m, vocab = cfg.model, cfg.data.vocab_size
+    torch.manual_seed(0)
+    model = GPTModel(m, cfg.padded_vocab_size, device=device, dtype=dtype).eval()
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in hf_config_from_model_config(m, vocab, "llama").items()
+                                        if k not in ("architectures", "model_type", "torch_dtype")})
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.load_state_dict(paratron_to_hf(state, m, "llama", vocab), strict=False)
+    hf = hf.to(device=device, dtype=dtype)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return model, hf, vocab, m
+
+
+def paratron_runner(model, vocab, compile_: bool):
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.sampling import SamplingParams
+    engine = Engine(model, vocab, eod=None, compile=compile_)
+
+    def run(prompts: torch.Tensor, n: int, stamp):
+        reqs = [Request(p, SamplingParams(n)) for p in prompts.tolist()]
+        return [r.tokens for r in engine.generate(reqs, on_step=lambda new: stamp())]
+    return run
+
+
+class _Stamps:
+    """A transformers streamer: put() is called with the prompt, then with each new token (on the host)."""
+
+    def __init__(self, stamp):
+        self.stamp, self.calls = stamp, 0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            self.stamp()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_runner(hf, compile_: str):
+    """``compile_``: "auto" (transformers compiles the forward itself when generating with a static cache
+    on a GPU: its default CompileConfig, fullgraph + reduce-overhead), "manual" (the older recipe:
+    ``model.forward = torch.compile(..., mode="reduce-overhead", fullgraph=True)``), or "off"."""
+    hf.generation_config.disable_compile = compile_ != "auto"
+    if compile_ == "manual":
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+
+    def run(prompts: torch.Tensor, n: int, stamp):
+        with torch.no_grad():
+            out = hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              cache_implementation="static", pad_token_id=0, streamer=_Stamps(stamp))
+        return out[:, prompts.shape[1]:].tolist()
+    return run
+
+
+def once(run, prompts, n: int, device) -> tuple[float, float]:
+    """(seconds to the first new token, seconds from it to the last) of one generation."""
+    stamps = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run(prompts, n, lambda: stamps.append(time.perf_counter()))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    return stamps[0] - t0, end - stamps[0]
+
+
+def measure(run, prompts, n: int, repeats: int, warmup: int, device) -> dict:
+    for _ in range(warmup):
+        once(run, prompts, n, device)
+    runs = [once(run, prompts, n, device) for _ in range(repeats)]
+    first = statistics.median(r[0] for r in runs)
+    rest = statistics.median(r[1] for r in runs)
+    b = prompts.shape[0]
+    return {"ttft_ms": round(1000 * first, 2), "decode_tok_s": round(b * (n - 1) / max(rest, 1e-9), 1),
+            "per_token_ms": round(1000 * rest / max(n - 1, 1), 3)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU, few tokens (checks the script)")
+    p.add_argument("--batch", type=int, action="append", help="batch sizes (default 1 and 32)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny: 8)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 256 (tiny: 8)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-compile", action="store_true", help="eager paratron and HF (compiled on GPU by default)")
+    p.add_argument("--no-hf", action="store_true", help="paratron only")
+    p.add_argument("--hf-compile", choices=("auto", "manual", "off"), default="auto",
+                   help="how HF generate is compiled on GPU (see hf_runner; default %(default)s)")
+    p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    compile_ = device.type == "cuda" and not args.no_compile
+    plen = args.prompt_len or (8 if args.tiny else 128)
+    n = args.new_tokens or (8 if args.tiny else 256)
+    batches = args.batch or [1, 32]
+    model, hf, vocab, m = build(args.tiny, device, dtype)
+    name = "tiny" if args.tiny else "llama-1b"
+    hardware = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__} on {hardware}; {name}, prompt {plen}, {n} new tokens, compile {compile_}",
+          flush=True)
+    systems = [("paratron", paratron_runner(model, vocab, compile_))]
+    if not args.no_hf:
+        hf_mode = args.hf_compile if compile_ else "off"
+        systems.append(("hf-static" + ("" if hf_mode == "off" else f"-compile-{hf_mode}"), hf_runner(hf, hf_mode)))
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for b in batches:
+        prompts = torch.randint(0, vocab, (b, plen), generator=g).to(device)
+        outputs = {}
+        for system, run in systems:
+            r = dict(system=system, batch=b, **measure(run, prompts, n, args.repeats, args.warmup, device))
+            outputs[system] = run(prompts, n, lambda: None)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        if len(outputs) == 2:  # same weights, greedy: the tokens should agree (bf16 may flip near-ties)
+            a, c = outputs.values()
+            same = sum(x == y for ra, rc in zip(a, c) for x, y in zip(ra, rc)) / max(sum(len(r) for r in a), 1)
+            rows[-1]["same_tokens_as_paratron"] = round(same, 3)
+    return report(rows, args, name, hardware, plen, n, compile_)
+
+
+def report(rows, args, name, hardware, plen, n, compile_) -> int:
+    hf_of = {r["batch"]: r for r in rows if r["system"].startswith("hf")}
+    lines = ["| system | batch | time to first token ms | decode tokens/s | vs HF |", "|---|---|---|---|---|"]
+    for r in rows:
+        ref = hf_of.get(r["batch"])
+        ratio = f"{r['decode_tok_s'] / ref['decode_tok_s']:.2f}x" if ref and r is not ref else ""
+        lines.append(f"| {r['system']} | {r['batch']} | {r['ttft_ms']} | {r['decode_tok_s']} | {ratio} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    body = table + "\n\n```json\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n"
+    write_record(args.record_dir, f"decode_bench_{name}", f"Decode speed: {name}", hardware,
+                 {"shape": f"prompt {plen} tokens, {n} new tokens, greedy, random weights",
+                  "method": f"median of {args.repeats} after {args.warmup} warm-up runs; compile {compile_}"},
+                 body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The inference KV cache: keys and values of every attention layer, pre-allocated for one batch.
+
+Shapes are static: ``[batch, query groups on this TP rank, capacity, head dim]`` per layer (grouped-query
+attention caches its ``num_query_groups`` heads, not the query heads). Prompts are left-padded, so
+all rows of the batch write the same cache slot at each step and a decode step has the same shapes
+every time (what CUDA graphs and ``torch.compile`` want). Row ``i`` holds ``pad[i]`` padding slots
+first; the token in slot ``j`` has position ``j - pad[i]``.
+
+A forward pass sees the cache through a :class:`CacheView`: the slots it writes (a tensor, so a
+decode step's slot is data, not a shape) and how many slots it attends over.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class KVCache(nn.Module):
+    """Keys and values for ``batch`` rows of up to ``capacity`` tokens. The tensors are buffers (fixed
+    addresses: a captured CUDA graph reads and writes them in place)."""
+
+    def __init__(self, model, batch: int, capacity: int, device=None, dtype=None):
+        super().__init__()
+        cfg = model.config
+        groups = cfg.num_query_groups // model.par.tp_size
+        shape = (batch, groups, capacity, cfg.kv_channels)
+        dtype = dtype or next(model.parameters()).dtype
+        self.batch, self.capacity = batch, capacity
+        for layer in model.decoder.layers:
+            if layer.self_attention is not None:
+                i = layer.self_attention.layer_index
+                self.register_buffer(f"k{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+                self.register_buffer(f"v{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        # pad[i]: padding slots at the start of row i (left padding)
+        self.register_buffer("pad", torch.zeros(batch, dtype=torch.long, device=device), persistent=False)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"k{index}"), getattr(self, f"v{index}")
+
+    def prefill_mask(self, length: int) -> torch.Tensor:
+        """[b, 1, length, length]: causal, padding keys hidden (a padding query sees itself only, so no
+        row of the softmax is empty)."""
+        slots = torch.arange(length, device=self.pad.device)
+        causal = slots[None, :] <= slots[:, None]
+        real_key = slots[None, None, :] >= self.pad[:, None, None]
+        own = slots[None, :] == slots[:, None]
+        return ((causal[None] & real_key) | own[None])[:, None]
+
+    def decode_mask(self, slot: torch.Tensor) -> torch.Tensor:
+        """[b, 1, 1, capacity]: the real slots up to ``slot`` (a 0-d tensor) of each row."""
+        slots = torch.arange(self.capacity, device=self.pad.device)
+        return ((slots[None, :] >= self.pad[:, None]) & (slots[None, :] <= slot))[:, None, None, :]
+
+    def positions(self, slots: torch.Tensor) -> torch.Tensor:
+        """[b, len(slots)] position ids of the tokens in ``slots`` (0 for padding)."""
+        return (slots[None, :] - self.pad[:, None]).clamp(min=0)
+
+
+class CacheView:
+    """What one forward pass does with the cache: write slots ``slots`` (1-d tensor, consecutive) and
+    attend over the first ``length`` slots."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor, length: int):
+        self.cache, self.slots, self.length = cache, slots, length
+
+    def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``, ``v`` ([b, groups, s, d]) of layer ``index``; return the keys and values to attend over."""
+        ck, cv = self.cache.layer(index)
+        ck.index_copy_(2, self.slots, k.to(ck.dtype))
+        cv.index_copy_(2, self.slots, v.to(cv.dtype))
+        return ck[:, :, :self.length], cv[:, :, :self.length]

@@ -1,0 +1,175 @@
+"""``paratron generate`` and ``paratron serve``: sample from a checkpoint, or serve it over HTTP.
+
+    paratron generate --load CKPT --prompt "def fib(" [--prompts-file F] [--json] [--max-new-tokens N]
+                      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STR] [--logprobs]
+    paratron serve --load CKPT [--host 127.0.0.1] [--port 5000] [--max-batch-size 32]
+
+``--load`` is a paratron checkpoint directory (any parallel layout) or a Hugging Face model directory;
+the tokenizer is the one saved with it. Under ``torchrun --nproc-per-node N`` the model is split over
+N tensor-parallel ranks and rank 0 reads the prompts / serves (see docs/inference.md).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import ArgumentParser, ConfigError
+from .sampling import SamplingParams
+
+
+def _common(p: ArgumentParser) -> None:
+    p.add_argument("--load", required=True, metavar="DIR",
+                   help="paratron checkpoint (training's --save directory) or Hugging Face model directory")
+    p.add_argument("--iteration", type=int, help="this checkpoint iteration instead of the latest")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if there is one)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights and KV cache (default: as saved)")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="compile the decode step with torch.compile (and replay it as a CUDA graph on GPUs)")
+    p.add_argument("--tokenizer-model", metavar="PATH",
+                   help="a tokenizer.json / HF directory, when the checkpoint has no tokenizer saved with it")
+
+
+def generate_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="paratron generate", description="Continue prompts with a trained model.")
+    _common(p)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    p.add_argument("--prompts-file", metavar="FILE",
+                   help="one prompt per line; a .jsonl file: one JSON string or {\"prompt\": ...} per line")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the smallest set of probability P")
+    p.add_argument("--seed", type=int, help="seed of the sampling (reproducible output)")
+    p.add_argument("--stop", action="append", default=[], help="stop when the text contains this (repeatable)")
+    p.add_argument("--ignore-eod", action="store_true", help="do not stop at the end-of-document token")
+    p.add_argument("--logprobs", action="store_true", help="with --json: log-probabilities of every token")
+    p.add_argument("--add-bos", action="store_true", help="prepend the end-of-document token (Megatron's add_BOS)")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts generated together")
+    return p
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"--prompts-file {path}: no such file")
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    value = json.loads(line)
+                except ValueError:
+                    raise ConfigError(f"--prompts-file {path}:{n}: not JSON") from None
+                value = value.get("prompt") if isinstance(value, dict) else value
+                if not isinstance(value, str):
+                    raise ConfigError(f"--prompts-file {path}:{n}: expected a string or {{\"prompt\": string}}")
+                prompts.append(value)
+            else:
+                prompts.append(line)
+    if not prompts:
+        raise ConfigError("no prompt: pass --prompt TEXT or --prompts-file FILE")
+    return prompts
+
+
+def open_model(args):
+    """(TextModel, dims) of ``--load`` on this rank; the caller closes the group."""
+    from .engine import Engine
+    from .load import load_for_inference
+    from .runtime import Group, start
+    from .text import TextModel, chat_template
+    dims, device = start(args.device)
+    loaded = load_for_inference(args.load, dims, device, args.dtype, args.iteration)
+    tok = loaded.tokenizer
+    if args.tokenizer_model:
+        tok = _tokenizer(args.tokenizer_model)
+    if tok is None:
+        raise ConfigError(f"--load {args.load}: no tokenizer saved with it; pass --tokenizer-model PATH")
+    engine = Engine(loaded.model, loaded.vocab_size, tok.eod, tok.detokenize, compile=args.torch_compile)
+    return TextModel(Group(engine, dims), tok, loaded.name, chat_template(args.load)), dims
+
+
+def _tokenizer(path: str):
+    """--tokenizer-model: a directory with tokenizer files, or a tokenizer.json."""
+    from ..checkpoint.tokenizer_files import load_tokenizer
+    from ..config import DataConfig
+    from ..data.tokenizers import build_tokenizer
+    if Path(path).is_dir():
+        tok = load_tokenizer(path)
+        if tok is None:
+            raise ConfigError(f"--tokenizer-model {path}: no tokenizer.json, vocab.json + merges.txt or tokenizer.model there")
+        return tok
+    return build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path))
+
+
+def params_from(args) -> SamplingParams:
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                            tuple(args.stop), args.ignore_eod, args.logprobs)
+    problem = params.check()
+    if problem:
+        name, why = problem.split(":", 1)
+        raise ConfigError(f"--{name.replace('_', '-')}:{why}")
+    return params
+
+
+def generate_main(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
+    params = params_from(args)
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size must be >= 1")
+
+    def lead(model) -> None:
+        prompts = read_prompts(args)
+        for start in range(0, len(prompts), args.batch_size):
+            chunk = prompts[start:start + args.batch_size]
+            reqs = model.requests(chunk, params, args.add_bos)
+            problem = model.check(reqs)
+            if problem:
+                raise ConfigError(problem)
+            for text, res in zip(chunk, model.run(reqs)):
+                _print(text, res, args.json)
+    return on_ranks(args, lead)
+
+
+def on_ranks(args, lead) -> int:
+    """Open --load on every rank; rank 0 runs ``lead(model)`` while the others follow its batches."""
+    model, dims = open_model(args)
+    try:
+        if dims.rank == 0:
+            lead(model)
+        else:
+            model.group.follow()
+    finally:
+        model.group.close()
+    return 0
+
+
+def _print(prompt: str, res, as_json: bool) -> None:
+    if as_json:
+        out = {"prompt": prompt, "text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason}
+        if res.logprobs is not None:
+            out.update(logprobs=res.logprobs, prompt_logprobs=res.prompt_logprobs)
+        print(json.dumps(out), flush=True)
+    else:
+        print(prompt + res.text, flush=True)
+
+
+def serve_main(argv: list[str]) -> int:
+    from .server import serve
+    p = ArgumentParser(prog="paratron serve", description="Serve a model over HTTP (Megatron's PUT /api, "
+                       "OpenAI's /v1/completions and /v1/chat/completions).")
+    _common(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--max-batch-size", type=int, default=32, help="requests generated together at most")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0,
+                   help="how long the first waiting request waits for others to join its batch")
+    p.add_argument("--model-name", help="the model's name in the API (default: the --load directory's name)")
+    args = p.parse_args(argv)
+    if args.max_batch_size < 1:
+        raise ConfigError("--max-batch-size must be >= 1")
+    return on_ranks(args, lambda model: serve(model, args.host, args.port, args.max_batch_size,
+                                              args.batch_wait_ms / 1000.0, args.model_name or model.name))
+

@@ -1,0 +1,262 @@
+"""Batched generation with a KV cache: prefill the prompts, then one decode step per new token.
+
+The prompts of a batch are left-padded to the longest (positions and masks account for the
+padding: see cache.py), the prompt runs once through the model filling the cache, and every decode
+step feeds one token per row at the same cache slot. The decode step has static shapes (the batch,
+the cache capacity; the slot is a tensor), so ``compile=True`` compiles it with ``torch.compile``
+and, on CUDA, replays it as a CUDA graph (graphs.py).
+
+At TP > 1 every rank of the tensor-parallel group runs the same calls (``Engine.generate`` with the
+same requests: serve.py's follower loop does it); the logits are gathered over TP and the sampled
+tokens broadcast from TP rank 0, so all ranks carry the same tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..model.layers import ForwardContext
+from ..parallel import comm
+from .cache import CacheView, KVCache
+from .sampling import Sampler, SamplingParams, find_stop
+
+CACHE_ROUND = 64  # cache capacity is rounded up to this (with compile=True: to a power of two, at least this)
+SYNC_EVERY = 16  # decode steps between reads of the tokens by the host (when nothing needs each one at once)
+
+
+@dataclass
+class Request:
+    prompt: list  # token ids
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Result:
+    prompt: list
+    tokens: list  # generated token ids (the end-of-document token not included)
+    finish_reason: str  # "stop" (EOD or a stop string) or "length"
+    text: Optional[str] = None  # decoded, cut before a stop string (when the engine has a detokenizer)
+    logprobs: Optional[list] = None  # of each generated token
+    prompt_logprobs: Optional[list] = None  # of each prompt token (None for the first)
+    top_logprobs: Optional[list] = None  # per generated token: [(token id, log-probability)] most likely first
+
+
+def context_length(cfg) -> int:
+    """The most tokens (prompt + generated) the model can take."""
+    if cfg.position_embedding_type == "learned_absolute":
+        return cfg.max_position_embeddings
+    return max(cfg.max_position_embeddings or 0, cfg.seq_length)
+
+
+class Engine:
+    """Generation from ``model`` (a GPTModel, one pipeline stage, any TP) over token ids.
+
+    ``vocab_size``: the real vocabulary (logits of padded rows are never chosen); ``eod``: the
+    end-of-document token; ``detokenize``: ids -> text, for stop strings and ``Result.text``."""
+
+    def __init__(self, model, vocab_size: int, eod: Optional[int] = None,
+                 detokenize: Optional[Callable[[list], str]] = None, compile: bool = False):
+        if not (model.pre_process and model.post_process):
+            raise ValueError("generation needs the whole model on each rank (pipeline parallelism is not supported)")
+        self.model = model.eval()
+        self.vocab_size, self.eod, self.detokenize = vocab_size, eod, detokenize
+        self.device = next(model.parameters()).device
+        self.context = context_length(model.config)
+        self.tp_group = model.par.tp_group
+        self.tp_src = dist.get_global_rank(self.tp_group, 0) if model.par.tp_size > 1 else 0
+        self.compile = compile
+        self.cache: Optional[KVCache] = None
+        self.graph = None
+
+    # ---- the model passes ---------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, view: CacheView, mask: torch.Tensor,
+                 last_only: bool = False) -> torch.Tensor:
+        """Logits [b, s (1 if last_only), vocab] of ``ids`` [b, s], writing their keys/values to the cache."""
+        m = self.model
+        x = m.embedding(ids, positions)
+        rope = m.rotary(ids.shape[1], positions) if m.rotary is not None else None
+        x = m.decoder(x, ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view))
+        if last_only:
+            x = x[-1:]
+        logits = comm.gather_from_tp(m.output_layer(x, m.output_weight()), self.tp_group)
+        return logits.transpose(0, 1)[..., :self.vocab_size]
+
+    def decode_step(self, tokens: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Logits [b, vocab] after ``tokens`` [b, 1] written at cache slot ``slot`` (0-d tensor): fixed shapes."""
+        cache = self.cache
+        positions = (slot - cache.pad)[:, None].clamp(min=0)
+        view = CacheView(cache, slot.view(1), cache.capacity)
+        return self._forward(tokens, positions, view, cache.decode_mask(slot))[:, 0]
+
+    def prefill(self, ids: torch.Tensor, need_all: bool) -> torch.Tensor:
+        """Logits of the left-padded prompts ``ids`` [b, L]: every position's if ``need_all``, else the last."""
+        slots = torch.arange(ids.shape[1], device=self.device)
+        view = CacheView(self.cache, slots, ids.shape[1])
+        return self._forward(ids, self.cache.positions(slots), view, self.cache.prefill_mask(ids.shape[1]),
+                             last_only=not need_all)
+
+    def _prepare_cache(self, batch: int, capacity: int) -> None:
+        if self.cache is None or self.cache.batch != batch or self.cache.capacity != capacity:
+            self.cache, self.graph = None, None  # free the old one first
+            dtype = next(self.model.parameters()).dtype
+            self.cache = KVCache(self.model, batch, capacity, device=self.device, dtype=dtype)
+        if self.compile and self.graph is None:
+            from .graphs import DecodeRunner
+            self.graph = DecodeRunner(self.decode_step, batch, self.device)
+
+    def _step(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
+        if self.graph is not None:
+            return self.graph(tokens, slot)
+        return self.decode_step(tokens, torch.tensor(slot, device=self.device))
+
+    # ---- generation -------------------------------------------------------------------------
+    def check(self, req: Request) -> Optional[str]:
+        """Why ``req`` cannot be generated ('field: why'), or None."""
+        if not req.prompt:
+            return "prompt: is empty (give at least one token)"
+        if len(req.prompt) >= self.context:
+            return f"prompt: {len(req.prompt)} tokens, the model's context is {self.context} (prompt + new tokens)"
+        bad = [t for t in req.prompt if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            return f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+        return req.params.check()
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request], on_step: Optional[Callable[[list], None]] = None) -> list[Result]:
+        """Continue every request's prompt (one batch). ``on_step(new)``: called after each step with
+        the token id each row got (None for a row already finished)."""
+        for r in requests:
+            problem = self.check(r)
+            if problem:
+                raise ValueError(problem)
+        real = len(requests)
+        if not real:
+            return []
+        if self.compile:  # batch sizes in powers of two: fewer shapes to compile and capture
+            requests = requests + [Request([0], SamplingParams(max_new_tokens=0))] * ((1 << (real - 1).bit_length()) - real)
+        run = _Run(self, requests)
+        run.prefill()
+        run.decode(None if on_step is None else lambda new: on_step(new[:real]))
+        return run.results()[:real]
+
+    def _broadcast(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.model.par.tp_size > 1:
+            dist.broadcast(tokens, self.tp_src, group=self.tp_group)
+        return tokens
+
+
+class _Run:
+    """The state of one batch being generated."""
+
+    def __init__(self, engine: Engine, requests: list[Request]):
+        self.e, self.requests = engine, requests
+        self.params = [r.params for r in requests]
+        b, dev = len(requests), engine.device
+        self.length = max(len(r.prompt) for r in requests)
+        want = self.length + max(p.max_new_tokens for p in self.params)
+        rounded = max(CACHE_ROUND, 1 << (want - 1).bit_length()) if engine.compile else -(-want // CACHE_ROUND) * CACHE_ROUND
+        capacity = min(rounded, engine.context)
+        self.new_max = [min(p.max_new_tokens, capacity - len(r.prompt)) for r, p in zip(requests, self.params)]
+        self.steps = min(max(self.new_max), capacity - self.length)
+        engine._prepare_cache(b, capacity)
+        pads = [self.length - len(r.prompt) for r in requests]
+        engine.cache.pad.copy_(torch.tensor(pads, device=dev))
+        self.ids = torch.tensor([[0] * p + list(r.prompt) for p, r in zip(pads, requests)], device=dev)
+        self.sampler = Sampler(self.params, dev)
+        self.want_logprobs = any(p.logprobs for p in self.params)
+        self.tokens = [[] for _ in requests]
+        self.logprobs = [[] for _ in requests]
+        self.top = [[] for _ in requests]
+        self.n_top = max(p.top_logprobs if p.logprobs else 0 for p in self.params)
+        self.prompt_logprobs = [None] * b
+        self.done = [m <= 0 for m in self.new_max]
+        self.reason = ["length"] * b
+        self.last: Optional[torch.Tensor] = None
+
+    def prefill(self) -> None:
+        logits = self.e.prefill(self.ids, need_all=self.want_logprobs)
+        if self.want_logprobs:
+            for i, r in enumerate(self.requests):
+                if self.params[i].logprobs:
+                    start = self.length - len(r.prompt)
+                    lp = torch.log_softmax(logits[i, start:-1].float(), dim=-1)
+                    got = lp.gather(-1, self.ids[i, start + 1:, None])[:, 0]
+                    self.prompt_logprobs[i] = [None] + got.tolist()
+        self.last = logits[:, -1]
+
+    def decode(self, on_step) -> None:
+        """One step per new token. The host reads the tokens back (a synchronisation) every step when
+        something needs them at once (streaming, stop strings), else every SYNC_EVERY steps: in between
+        the GPU runs ahead, and rows that finish early are known at the next read."""
+        e = self.e
+        every = 1 if on_step is not None or any(p.stop for p in self.params) else SYNC_EVERY
+        pending = []
+        for step in range(self.steps):
+            tok = e._broadcast(self.sampler(self.last))
+            pending.append(self._outputs(tok))
+            final = step == self.steps - 1
+            if len(pending) == every or final:
+                self._flush(pending, on_step)
+                pending = []
+                if all(self.done):
+                    return
+            if not final:
+                self.last = e._step(tok[:, None], self.length + step)
+
+    def _outputs(self, tok: torch.Tensor) -> tuple:
+        """(tokens, their log-probabilities, the top ones) of one step, left on the device."""
+        lp = top = None
+        if self.want_logprobs:
+            full = torch.log_softmax(self.last.float(), dim=-1)
+            lp = full.gather(-1, tok[:, None])[:, 0]
+            if self.n_top:
+                top = full.topk(min(self.n_top, full.shape[-1]), dim=-1)
+        return tok, lp, top
+
+    def _flush(self, pending: list, on_step) -> None:
+        tokens = torch.stack([t for t, _, _ in pending]).tolist()
+        for toks, (_, lp, top) in zip(tokens, pending):
+            tops = None if top is None else [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            new = self._record(toks, None if lp is None else lp.tolist(), tops)
+            if on_step is not None:
+                on_step(new)
+
+    def _record(self, toks: list, lp: Optional[list], top: Optional[list]) -> list:
+        """Append this step's tokens to the unfinished rows, finishing those that stop; the rows' new tokens."""
+        new = [None] * len(toks)
+        for i, t in enumerate(toks):
+            if self.done[i]:
+                continue
+            p = self.params[i]
+            if t == self.e.eod and not p.ignore_eod:
+                self.done[i], self.reason[i] = True, "stop"
+                continue
+            self.tokens[i].append(t)
+            new[i] = t
+            if lp is not None and p.logprobs:
+                self.logprobs[i].append(lp[i])
+                if p.top_logprobs:
+                    self.top[i].append(top[i][:p.top_logprobs])
+            if p.stop and self.e.detokenize is not None and find_stop(self.e.detokenize(self.tokens[i]), p.stop) \
+                    is not None:
+                self.done[i], self.reason[i] = True, "stop"
+            elif len(self.tokens[i]) >= self.new_max[i]:
+                self.done[i] = True
+        return new
+
+    def results(self) -> list[Result]:
+        out = []
+        for i, r in enumerate(self.requests):
+            text = None
+            if self.e.detokenize is not None:
+                text = self.e.detokenize(self.tokens[i])
+                cut = find_stop(text, self.params[i].stop)
+                text = text if cut is None else text[:cut]
+            p = self.params[i]
+            lp = self.logprobs[i] if p.logprobs else None
+            top = self.top[i] if p.logprobs and p.top_logprobs else None
+            out.append(Result(list(r.prompt), self.tokens[i], self.reason[i], text, lp, self.prompt_logprobs[i], top))
+        return out

@@ -1,0 +1,79 @@
+"""Processes for generation: one, or a tensor-parallel group under torchrun where rank 0 leads.
+
+Every rank of ``torchrun --nproc-per-node N paratron generate|serve ...`` holds a TP shard of the model
+(TP = N). Rank 0 reads the prompts (or serves HTTP); before each batch it broadcasts the requests to
+the other ranks over a gloo group (CPU objects; its long timeout lets a server sit idle), then all
+ranks run the same ``Engine.generate``. The others loop in :func:`follow` until rank 0 says stop.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..parallel.dims import ParallelDims, initialize_model_parallel
+from .engine import Engine, Request
+
+IDLE_TIMEOUT = timedelta(days=30)  # followers wait this long for the next request
+
+
+def start(device: Optional[str] = None) -> tuple[ParallelDims, torch.device]:
+    """Process group from torchrun's environment (NCCL on GPUs, gloo on CPU) and TP over all ranks."""
+    want = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if want.startswith("cuda") else torch.device(want)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=IDLE_TIMEOUT)
+    return initialize_model_parallel(world), dev
+
+
+class Group:
+    """Rank 0's side: ``generate`` runs a batch on every rank; ``close`` releases the followers."""
+
+    def __init__(self, engine: Engine, dims: ParallelDims):
+        self.engine, self.dims = engine, dims
+        self.control = None
+        if dims.world_size > 1:
+            self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+    @property
+    def leader(self) -> bool:
+        return self.dims.rank == 0
+
+    def _send(self, message) -> None:
+        if self.control is not None:
+            dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def generate(self, requests: list[Request], on_step: Optional[Callable] = None):
+        for r in requests:  # refused here, before the followers see it
+            problem = self.engine.check(r)
+            if problem:
+                raise ValueError(problem)
+        self._send(("generate", requests))
+        return self.engine.generate(requests, on_step)
+
+    def follow(self) -> None:
+        """Ranks > 0: run every batch rank 0 sends until it sends stop."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.control)
+            kind, payload = box[0]
+            if kind == "stop":
+                return
+            self.engine.generate(payload)
+
+    def close(self) -> None:
+        if not self.leader:
+            return
+        try:
+            self._send(("stop", None))
+        except RuntimeError:  # the followers are gone already (Ctrl-C reaches every rank under torchrun)
+            pass

@@ -1,0 +1,98 @@
+"""Sampling parameters, the next-token choice (greedy, temperature, top-k, top-p) and stop strings.
+
+Every row of a batch has its own parameters, applied as tensors in one pass (a server batches
+requests that asked for different things). A seeded row draws its noise from its own generator, so
+its tokens do not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to continue one prompt. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep every
+    token. Generation stops at ``max_new_tokens``, at the end-of-document token (unless
+    ``ignore_eod``), or when the text contains one of ``stop`` (cut before it). ``logprobs``: return the
+    log-probabilities (of the model's distribution at temperature 1) of the prompt and generated tokens."""
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: tuple = field(default_factory=tuple)
+    ignore_eod: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: also the n most likely tokens and their log-probabilities per step
+
+    def check(self) -> Optional[str]:
+        """The first invalid field as 'name: why', or None."""
+        if self.max_new_tokens < 0:
+            return f"max_new_tokens: must be >= 0 (got {self.max_new_tokens})"
+        if self.temperature < 0:
+            return f"temperature: must be >= 0 (got {self.temperature})"
+        if self.top_k < 0:
+            return f"top_k: must be >= 0 (got {self.top_k})"
+        if self.top_logprobs < 0:
+            return f"top_logprobs: must be >= 0 (got {self.top_logprobs})"
+        if not 0.0 < self.top_p <= 1.0:
+            return f"top_p: must be in (0, 1] (got {self.top_p})"
+        return None
+
+
+class Sampler:
+    """The per-row parameters of one batch as tensors, and the generators of its seeded rows."""
+
+    def __init__(self, params: list[SamplingParams], device):
+        self.greedy = all(p.temperature == 0 for p in params)
+        self.device = device
+        self.temperature = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device)[:, None]
+        self.is_greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
+        self.top_k = torch.tensor([p.top_k for p in params], device=device)[:, None]
+        self.top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        self.use_top_k = any(p.top_k > 0 for p in params)
+        self.use_top_p = any(p.top_p < 1.0 for p in params)
+        self.generators = {}
+        for i, p in enumerate(params):
+            if p.seed is not None and p.temperature > 0:
+                self.generators[i] = torch.Generator(device=device).manual_seed(int(p.seed))
+
+    def _noise(self, shape) -> torch.Tensor:
+        """Exponential(1) noise; seeded rows from their own generators."""
+        q = torch.empty(shape, device=self.device).exponential_()
+        for i, g in self.generators.items():
+            q[i].exponential_(generator=g)
+        return q
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next token of each row from ``logits`` [b, vocab] (any float dtype)."""
+        best = logits.argmax(-1)
+        if self.greedy:
+            return best
+        scaled = logits.float() / self.temperature
+        if self.use_top_k or self.use_top_p:
+            scaled = self._truncate(scaled)
+        probs = torch.softmax(scaled, dim=-1)
+        choice = (probs / self._noise(probs.shape)).argmax(-1)  # a draw from probs (exponential race)
+        return torch.where(self.is_greedy, best, choice)
+
+    def _truncate(self, scaled: torch.Tensor) -> torch.Tensor:
+        """Logits outside each row's top-k / top-p set -> -inf (the most likely token always stays)."""
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(scaled.size(-1), device=scaled.device)[None, :]
+        keep = (rank < self.top_k) | (self.top_k == 0)
+        if self.use_top_p:
+            probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+            keep &= (probs.cumsum(-1) - probs) < self.top_p
+        keep[:, 0] = True
+        masked = ordered.masked_fill(~keep, float("-inf"))
+        return torch.full_like(scaled, float("-inf")).scatter(-1, order, masked)
+
+
+def find_stop(text: str, stops) -> Optional[int]:
+    """Index where the first of ``stops`` starts in ``text``, or None."""
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None

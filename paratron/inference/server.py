@@ -1,0 +1,240 @@
+"""``paratron serve``: a FastAPI app on uvicorn in front of the batched generator.
+
+Routes: Megatron's ``PUT /api``; OpenAI's ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
+with ``stream: true`` as server-sent events), ``GET /v1/models``; ``GET /health``. A bad request (malformed
+JSON, an unknown field, a value out of range, a prompt longer than the context) is a 4xx with an
+OpenAI-style JSON error naming the field; the server goes on.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Optional
+
+from .api import (ApiError, ChatRequest, CompletionRequest, MegatronRequest, chat_logprobs, completion_id,
+                  completion_logprobs, envelope)
+from .batcher import Batcher, Job
+from .sampling import find_stop
+from .text import render_chat
+
+
+def _error_response(err: ApiError):
+    from fastapi.responses import JSONResponse
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _validation_error(exc) -> ApiError:
+    """The first pydantic / JSON problem of a request body as one ApiError naming the field."""
+    e = exc.errors()[0] if exc.errors() else {}
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    field = ".".join(loc) or "body"
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(400, f"body: malformed JSON ({e.get('ctx', {}).get('error', 'cannot parse')})", "body")
+    if kind == "extra_forbidden":
+        return ApiError(400, f"{field}: unknown field", field)
+    if kind == "missing":
+        return ApiError(400, f"{field}: required", field)
+    return ApiError(400, f"{field}: {e.get('msg', 'invalid value')}", field)
+
+
+class Server:
+    """The app's state: the model, the batcher, the model's name."""
+
+    def __init__(self, model, max_batch: int, wait: float, name: str):
+        self.model, self.name = model, name
+        self.default_max = 16
+        self.batcher = Batcher(model.run, max_batch, wait)
+        self.started = int(time.time())
+
+    def _check(self, requests: list, field: str) -> None:
+        """Engine.check's 'name: why' as a 400; a problem of the prompt is named after ``field``."""
+        problem = self.model.check(requests)
+        if problem:
+            name, why = problem.split(":", 1)
+            name = field if name == "prompt" else name
+            raise ApiError(400, f"{name}:{why}", name)
+
+    def _model_name(self, asked: Optional[str]) -> None:
+        if asked is not None and asked != self.name:
+            raise ApiError(404, f"model: {asked!r} is not served here; this server serves {self.name!r}", "model")
+
+    async def submit(self, requests: list, field: str, stream: bool = False) -> Job:
+        self._check(requests, field)
+        job = Job(requests, asyncio.get_running_loop(), stream)
+        self.batcher.submit(job)
+        return job
+
+    async def results(self, job: Job) -> list:
+        try:
+            return await job.future
+        except ValueError as e:
+            raise ApiError(400, str(e), "prompt") from None
+        except Exception as e:  # noqa: BLE001 - a failed batch answers its requests, the server goes on
+            raise ApiError(500, f"generation failed: {e.__class__.__name__}: {e}") from None
+
+    # ---- Megatron -------------------------------------------------------------------------
+    async def megatron(self, body: MegatronRequest) -> dict:
+        params = body.params()
+        requests = self.model.requests(body.prompts, params, body.add_BOS)
+        results = await self.results(await self.submit(requests, "prompts"))
+        text, segments, logprobs = [], [], []
+        for prompt, res in zip(body.prompts, results):
+            text.append(prompt + (res.text or ""))
+            segments.append(self.model.token_text(res.prompt + res.tokens))
+            if body.logprobs:
+                logprobs.append((res.prompt_logprobs or [None])[1:] + (res.logprobs or []))
+        return {"text": text, "segments": segments, "logprobs": logprobs if body.logprobs else None}
+
+    # ---- OpenAI ---------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest):
+        self._model_name(body.model)
+        params = body.params(self.default_max)
+        prompts = [p for p in body.prompts() for _ in range(body.n)]
+        requests = self.model.requests(prompts, params)
+        job = await self.submit(requests, "prompt", body.stream)
+        cid = completion_id("cmpl")
+        if body.stream:
+            return self._stream(job, params.stop, lambda i, delta, reason: envelope(
+                "text_completion", cid, self.name, [{"index": i, "text": delta, "logprobs": None,
+                                                     "finish_reason": reason}]),
+                prefix=[p if body.echo and isinstance(p, str) else "" for p in prompts])
+        results = await self.results(job)
+        choices = []
+        for i, (p, res) in enumerate(zip(prompts, results)):
+            echo = (p if isinstance(p, str) else self.model.tok.detokenize(p)) if body.echo else ""
+            lp = completion_logprobs(self.model, res, body.echo, echo) if body.logprobs is not None else None
+            choices.append({"index": i, "text": echo + (res.text or ""), "logprobs": lp,
+                            "finish_reason": res.finish_reason})
+        return envelope("text_completion", cid, self.name, choices, results)
+
+    async def chat(self, body: ChatRequest):
+        self._model_name(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt, stops = render_chat(messages, self.model.template, self.model.special_tokens())
+        except Exception as e:  # noqa: BLE001 - a template that fails on these messages
+            raise ApiError(400, f"messages: the chat template cannot render them ({e})", "messages") from None
+        params = body.params(self.default_max, stops)
+        requests = self.model.requests([prompt] * body.n, params)
+        job = await self.submit(requests, "messages", body.stream)
+        cid = completion_id("chatcmpl")
+        if body.stream:
+            def chunk(i, delta, reason):
+                d = {"content": delta} if reason is None else {}
+                return envelope("chat.completion.chunk", cid, self.name,
+                                [{"index": i, "delta": d, "logprobs": None, "finish_reason": reason}])
+            first = [envelope("chat.completion.chunk", cid, self.name, [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+                for i in range(body.n)]
+            return self._stream(job, params.stop, chunk, first=first)
+        results = await self.results(job)
+        choices = [{"index": i, "message": {"role": "assistant", "content": res.text or ""},
+                    "logprobs": chat_logprobs(self.model, res) if body.logprobs else None,
+                    "finish_reason": res.finish_reason} for i, res in enumerate(results)]
+        return envelope("chat.completion", cid, self.name, choices, results)
+
+    def _stream(self, job: Job, stops: tuple, chunk, first=(), prefix=None):
+        from fastapi.responses import StreamingResponse
+        streams = [TextStream(self.model.tok.detokenize, stops) for _ in job.requests]
+
+        async def events():
+            for c in first:
+                yield _sse(c)
+            for i, p in enumerate(prefix or []):
+                if p:
+                    yield _sse(chunk(i, p, None))
+            while (step := await job.steps.get()) is not None:
+                for i, tok in enumerate(step):
+                    delta = streams[i].push(tok)
+                    if delta:
+                        yield _sse(chunk(i, delta, None))
+            try:
+                results = await self.results(job)
+            except ApiError as e:
+                yield _sse(e.body())
+                return
+            for i, res in enumerate(results):
+                rest = streams[i].rest(res.text or "")
+                if rest:
+                    yield _sse(chunk(i, rest, None))
+                yield _sse(chunk(i, "", res.finish_reason))
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class TextStream:
+    """The text of one streamed row, sent as it grows. Text that may be the start of a stop string,
+    and a trailing incomplete character, wait until the next token decides."""
+
+    def __init__(self, detokenize, stops: tuple):
+        self.detokenize, self.stops = detokenize, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.tokens: list = []
+        self.sent = ""
+
+    def push(self, token: Optional[int]) -> str:
+        if token is None:
+            return ""
+        self.tokens.append(token)
+        text = self.detokenize(self.tokens)
+        cut = find_stop(text, self.stops)
+        safe = text[:cut] if cut is not None else text[:len(text) - self.hold]
+        return self.rest(safe.rstrip("\ufffd"))
+
+    def rest(self, text: str) -> str:
+        """What of ``text`` (the row's text so far or final) has not been sent; sends it."""
+        if not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def build_app(server: Server):
+    """The FastAPI app of ``server``."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+
+    app = FastAPI(title="paratron", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError):
+        return _error_response(_validation_error(exc))
+
+    app.put("/api")(server.megatron)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.started,
+                                            "owned_by": "paratron"}]}
+
+    @app.get("/health")
+    async def health():
+        if not server.batcher.alive:
+            raise ApiError(503, "the generation thread has stopped")
+        return {"status": "ok", "model": server.name, "batches": server.batcher.batches}
+    return app
+
+
+def serve(model, host: str, port: int, max_batch: int, wait: float, name: str) -> None:
+    """Run the server until interrupted (rank 0; the other ranks follow in runtime.Group.follow)."""
+    import uvicorn
+    server = Server(model, max_batch, wait, name)
+    app = build_app(server)
+    print(f"paratron serve: {name} on http://{host}:{port} (PUT /api, POST /v1/completions, "
+          f"POST /v1/chat/completions, GET /v1/models, GET /health)", flush=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        server.batcher.stop()

@@ -1,0 +1,140 @@
+"""Context parallelism: the sequence of every sample split over the ``--context-parallel-size`` ranks
+of a CP group, and attention across the split.
+
+Layout (Megatron's load balancing): the sequence is cut into 2 x CP chunks of s / (2 CP) tokens and
+CP rank ``r`` holds chunks ``r`` and ``2 CP - 1 - r``, in that order. Under causal attention chunk i
+attends to i + 1 chunks, so every rank has the same work (chunk r's r + 1 plus chunk 2CP-1-r's 2CP - r).
+The split happens in the data path (``BatchLayout.prepare``): tokens, labels, loss mask and position
+ids are sliced with ``split_sequence``, so the whole model (embedding, norms, MLP, output layer and
+loss) only ever sees this rank's 2 chunks; only attention looks across ranks:
+
+- ``p2p`` (default, ring.py): ring attention, K/V blocks passed around the CP ring;
+- ``a2a`` (Ulysses): an all-to-all turns [all heads, s/CP tokens] into [heads/CP, all s tokens],
+  attention runs on the whole sequence, a second all-to-all turns it back; heads (per TP rank) must
+  divide by CP;
+- ``allgather`` and ``a2a+p2p`` (``--hierarchical-context-parallel-sizes``) are refused by
+  config validation until they exist.
+
+Gradients of the (replicated) weights are reduced over the data-and-context-parallel group; the
+loss of a micro-batch is normalised by its token count over the whole CP group (``BatchLayout``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .comm import all_to_all
+from .ring import Ring, chunk_positions, ring_attention
+
+COMM_TYPES = ("p2p", "a2a")
+REFUSED_COMM_TYPES = {"allgather": "the all-gather variant of context parallelism is not implemented yet",
+                      "a2a+p2p": "hierarchical context parallelism (a2a+p2p) is not implemented yet"}
+
+
+# ---- the sequence split ----------------------------------------------------------------------------
+def split_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Chunks ``rank`` and ``2 cp - 1 - rank`` of the 2 cp chunks of ``t`` along ``dim``."""
+    if cp == 1:
+        return t
+    if t.size(dim) % (2 * cp):
+        raise ValueError(f"sequence length {t.size(dim)} is not divisible by 2 x context-parallel size {cp}")
+    chunks = t.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim)
+
+
+def merge_sequence(parts: list, dim: int = 1) -> torch.Tensor:
+    """The inverse of ``split_sequence``: the whole sequence from every rank's part, in rank order."""
+    cp = len(parts)
+    chunks = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        chunks[r], chunks[2 * cp - 1 - r] = part.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def natural_order(cp: int) -> list:
+    """Index, in the rank-ordered list of chunks (rank 0's two, rank 1's two, ...), of each chunk of
+    the sequence in order."""
+    return [2 * k if k < cp else 2 * (2 * cp - 1 - k) + 1 for k in range(2 * cp)]
+
+
+# ---- Ulysses (a2a) -----------------------------------------------------------------------------
+def _heads_to_sequence(x: torch.Tensor, cp: int, group) -> torch.Tensor:
+    """[b, h, 2c, d] (all heads, this rank's 2 chunks) -> [b, h/CP, 2 CP c, d] (h/CP heads, the
+    whole sequence in order)."""
+    b, h, s2, d = x.shape
+    parts = all_to_all(x.reshape(b, cp, h // cp, s2, d).transpose(0, 1), group)  # [CP src, b, h/CP, 2c, d]
+    chunks = parts.reshape(cp, b, h // cp, 2, s2 // 2, d).permute(0, 3, 1, 2, 4, 5).reshape(2 * cp, b, h // cp,
+                                                                                              s2 // 2, d)
+    order = torch.tensor(natural_order(cp), device=x.device)
+    return chunks.index_select(0, order).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s2, d)
+
+
+def _sequence_to_heads(y: torch.Tensor, cp: int, group) -> torch.Tensor:
+    """The inverse of ``_heads_to_sequence``."""
+    b, hc, s, d = y.shape
+    c = s // (2 * cp)
+    chunks = y.reshape(b, hc, 2 * cp, c, d).permute(2, 0, 1, 3, 4)  # [2CP in order, b, hc, c, d]
+    inverse = torch.empty(2 * cp, dtype=torch.long)
+    inverse[torch.tensor(natural_order(cp))] = torch.arange(2 * cp)
+    per_rank = chunks.index_select(0, inverse.to(y.device)).reshape(cp, 2, b, hc, c, d)
+    per_rank = per_rank.permute(0, 2, 3, 1, 4, 5).reshape(cp, b, hc, 2 * c, d)
+    back = all_to_all(per_rank, group)  # [CP (head part), b, hc, 2c, d]
+    return back.transpose(0, 1).reshape(b, cp * hc, 2 * c, d)
+
+
+def document_causal_mask(docs: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] bool, True = may attend: causal within each document of ``docs`` [b, s]."""
+    s = docs.size(1)
+    causal = torch.ones(s, s, dtype=torch.bool, device=docs.device).tril()
+    return (causal & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)
+
+
+def ulysses_attention(q, k, v, cp: int, group, docs: Optional[torch.Tensor] = None):
+    """q [b, h, 2c, d], k/v [b, g, 2c, d]: attention over the whole sequence through two all-to-alls.
+    K/V heads are repeated to the query heads first when the groups do not divide by CP."""
+    h, g = q.size(1), k.size(1)
+    if g % cp:
+        k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
+        g = h
+    q, k, v = (_heads_to_sequence(t, cp, group) for t in (q, k, v))
+    mask = document_causal_mask(docs) if docs is not None else None
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=g != h)
+    return _sequence_to_heads(out, cp, group)
+
+
+# ---- what the model holds --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's context-parallel group and how attention crosses it (``ForwardContext.cp``)."""
+    group: object
+    size: int
+    rank: int
+    comm_type: str = "p2p"
+    ring: Optional[Ring] = None
+    kernel: Optional[str] = None  # the ring's block kernel (ring.KERNELS); None: chosen per device and dtype
+
+    @classmethod
+    def from_dims(cls, dims, comm_type: str = "p2p") -> Optional["ContextParallel"]:
+        """None at CP 1."""
+        if dims.cp == 1:
+            return None
+        if comm_type not in COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {comm_type}: " + REFUSED_COMM_TYPES.get(comm_type, "unknown")
+                             + "; use p2p or a2a")
+        ranks, i = dims.group_ranks["cp"], dims.cp_rank
+        ring = Ring(dims.cp_group, i, dims.cp, ranks[(i + 1) % dims.cp], ranks[(i - 1) % dims.cp])
+        return cls(dims.cp_group, dims.cp, i, comm_type, ring)
+
+    def attention(self, q, k, v, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal (document-causal with ``docs``, the whole sequence's ids [b, s]) attention of this
+        rank's queries q [b, h, 2c, d] over the whole sequence; k/v [b, g, 2c, d] are this rank's."""
+        if self.comm_type == "a2a":
+            return ulysses_attention(q, k, v, self.size, self.group, docs)
+        return ring_attention(q, k, v, self.ring, docs, kernel=self.kernel)
+
+    def positions(self, seq_length: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's tokens."""
+        return chunk_positions(self.rank, self.size, seq_length // (2 * self.size), device)

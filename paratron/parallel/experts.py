@@ -1,0 +1,164 @@
+"""Expert parallelism: taking each token to the ranks that hold its experts, and its outputs back.
+
+The experts of an MoE layer are split over the expert-parallel group ``ep`` (EP rank j holds the
+``L = E / EP`` experts ``[j L, (j+1) L)``) and each expert's FFN over the expert-tensor-parallel
+group ``etp`` (fc1 by output columns, fc2 by input rows, so fc2's outputs are partial sums). Both
+dispatchers move tokens over the group ``etp_ep`` (the G = ETP x EP ranks that together hold one
+copy of every expert; index ``etp + ETP * ep``). The tokens a rank starts with are its own: dense
+data/tensor/sequence parallelism has already split the batch (with tensor parallelism and no
+sequence parallelism the MoE layer splits the sequence over TP first, see ``moe.MoELayer``).
+
+alltoall (default): the rank counts its tokens per expert; one all-gather of those counts over
+``etp_ep`` and one device-to-host copy of the [G, E] table give every split size (this copy is the
+one host synchronisation per layer and forward that an all-to-all with uneven splits needs; backward
+reuses the sizes). The token rows, sorted by expert, are sent with ``all_to_all_single`` to the ETP
+ranks of the EP rank holding their expert (each ETP rank gets the same rows), the received rows are
+reordered by local expert, the experts run, and the reverse all-to-all brings the (partial) outputs
+back, where the ETP parts are summed, weighted by the router probabilities and added per token.
+
+allgather: the tokens, probabilities and routing maps of the group are all-gathered; each rank runs
+its local experts on the gathered tokens routed to them and a reduce-scatter returns every rank the
+sum over the group for its own tokens (no split sizes, so no exchange of counts; more traffic).
+
+Backward of every collective is its mirror (all-to-all with the splits swapped, all-gather <->
+reduce-scatter), written as autograd functions here and in ``comm``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name where it exists
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a layer's experts live, seen from this rank."""
+    num_experts: int
+    ep: int = 1
+    etp: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
+    group: object = None  # the etp x ep process group (None: one rank)
+
+    @classmethod
+    def from_dims(cls, dims, num_experts: int) -> "ExpertLayout":
+        if dims is None:
+            return cls(num_experts)
+        return cls(num_experts, dims.size("ep"), dims.size("etp"), dims.coordinate("ep"), dims.coordinate("etp"),
+                   dims.group("etp_ep"))
+
+    @property
+    def size(self) -> int:
+        return self.ep * self.etp
+
+    @property
+    def local(self) -> int:
+        """Experts on this rank."""
+        return self.num_experts // self.ep
+
+    @property
+    def first(self) -> int:
+        """Global index of this rank's first expert."""
+        return self.ep_rank * self.local
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(g.contiguous(), out_splits, in_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows ``[sum(in_splits[:r]), +in_splits[r])`` of ``x`` go to rank r of ``group``; the result holds
+    what each rank sent here, in rank order (``out_splits[r]`` rows from rank r)."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+def _sorted_rows(routing_map: torch.Tensor, total: int):
+    """(expert, token) of each routed pair, sorted by expert then token; ``total`` pairs (known on the
+    host, so no synchronisation where ``nonzero_static`` exists)."""
+    flat = routing_map.t().reshape(-1)
+    try:
+        idx = torch.nonzero_static(flat, size=total).squeeze(1)
+    except (AttributeError, NotImplementedError, RuntimeError):  # a build or device without it
+        idx = flat.nonzero().squeeze(1)
+    tokens = routing_map.shape[0]
+    return idx // tokens, idx % tokens
+
+
+def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                      run_experts: Callable, lay: ExpertLayout) -> torch.Tensor:
+    """The MoE layer's expert part over ``lay.group`` with all-to-all (see the module docstring).
+    ``run_experts(x, counts, expert_index, host_counts)`` runs the local experts on rows sorted by
+    local expert. Returns [tokens, hidden]."""
+    n_exp, loc, g, etp = lay.num_experts, lay.local, lay.size, lay.etp
+    counts = routing_map.sum(dim=0)
+    table_dev = counts.new_empty(g * n_exp)
+    _all_gather(table_dev, counts, group=lay.group)
+    table_dev = table_dev.view(g, n_exp)
+    table = table_dev.tolist()  # the one host synchronisation: every split size
+    me = lay.etp_rank + etp * lay.ep_rank
+    mine = table[me]
+    per_ep = [sum(mine[j * loc:(j + 1) * loc]) for j in range(lay.ep)]
+    expert_index, token_index = _sorted_rows(routing_map, sum(mine))
+    x = tokens[token_index]
+    send = [per_ep[d // etp] for d in range(g)]  # destination d = etp rank + ETP x EP rank
+    if etp > 1:  # every ETP rank of an EP rank gets that EP rank's rows
+        x = torch.cat([part for part in x.split(per_ep) for _ in range(etp)])
+    local_table = [row[lay.first:lay.first + loc] for row in table]  # [source][local expert]
+    recv = [sum(row) for row in local_table]
+    x = all_to_all(x, recv, send, lay.group)
+    # rows arrive as [source][local expert]; the experts want [local expert][source]
+    host_counts = [sum(row[e] for row in local_table) for e in range(loc)]
+    local_dev = table_dev[:, lay.first:lay.first + loc]
+    order = None
+    row_expert = torch.repeat_interleave(torch.arange(loc, device=x.device).repeat(g), local_dev.reshape(-1),
+                                         output_size=sum(recv))
+    if loc > 1:
+        order = torch.argsort(row_expert, stable=True)
+        x, row_expert = x[order], row_expert[order]
+    y = run_experts(x, local_dev.sum(dim=0), row_expert, host_counts)
+    if order is not None:
+        y = torch.empty_like(y).index_copy(0, order, y)
+    y = all_to_all(y, send, recv, lay.group)
+    if etp > 1:  # sum the ETP ranks' partial outputs of each EP rank's rows
+        parts = y.split(send)
+        y = torch.cat([sum(parts[j * etp:(j + 1) * etp]) for j in range(lay.ep)])
+    y = y * probs[token_index, expert_index].to(y.dtype)[:, None]
+    return torch.zeros_like(tokens).index_add_(0, token_index, y)
+
+
+def allgather_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                       run_experts: Callable, lay: ExpertLayout) -> torch.Tensor:
+    """The MoE layer's expert part over ``lay.group`` with all-gather and reduce-scatter."""
+    x_all = comm.gather_from_sp(tokens, lay.group)
+    probs_all = comm.gather_from_sp(probs, lay.group)
+    map_all = torch.empty(routing_map.numel() * lay.size, dtype=torch.uint8, device=routing_map.device)
+    _all_gather(map_all, routing_map.contiguous().view(torch.uint8).view(-1), group=lay.group)
+    map_all = map_all.view(torch.bool).view(-1, routing_map.shape[1])
+    local_map = map_all[:, lay.first:lay.first + lay.local]
+    expert_index, token_index = local_map.t().nonzero(as_tuple=True)
+    counts = local_map.sum(dim=0)
+    y = run_experts(x_all[token_index], counts, expert_index, None)
+    y = y * probs_all[token_index, lay.first + expert_index].to(y.dtype)[:, None]
+    out = torch.zeros_like(x_all).index_add_(0, token_index, y)
+    return comm.reduce_scatter_to_sp(out, lay.group)
+
+
+DISPATCHERS = {"alltoall": alltoall_dispatch, "allgather": allgather_dispatch}

@@ -1,0 +1,125 @@
+"""A run's processes: the device and default process group from torchrun's environment, the
+ParallelDims and the checkpoint group, all bounded by ``--distributed-timeout-minutes``; and the
+one-line report of a collective that timed out.
+
+Every process group paratron creates (the default one, each group of ParallelDims, the
+checkpoint group) gets the timeout, as Megatron's do; the pipeline's point-to-point waits get it
+too (paratron/parallel/p2p.py). On CPU (gloo) a collective whose peer does not answer raises in
+the waiting rank after the timeout; :func:`timeout_report` turns that into one line naming the
+collective, its group and the rank(s) that did not answer, and ``paratron train`` exits with it.
+With NCCL, torch's watchdog ends the process after the same timeout with its own report.
+"""
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config, ConfigError
+from ..errors import UserError
+from ..parallel.dims import ParallelDims, initialize_model_parallel
+from ..parallel.p2p import PipelineError
+
+
+class DistributedTimeoutError(UserError):
+    """A collective or pipeline transfer that a peer did not answer in time (a hung, stopped or dead
+    rank); reported as one line like every UserError, though the fix is the peer's."""
+
+
+def timeout(cfg: Config) -> timedelta:
+    return timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+
+
+def init_distributed(cfg: Config) -> torch.device:
+    """Device and process group from torchrun's environment: NCCL on GPUs, gloo on CPU."""
+    use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+        use_expandable_segments()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = cfg.parallel.distributed_backend or ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend, timeout=timeout(cfg))
+    return device
+
+
+def use_expandable_segments() -> None:
+    """Let the CUDA caching allocator grow segments in place instead of keeping blocks of fixed
+    sizes, which fragment when micro-batches are large (the user's PYTORCH_CUDA_ALLOC_CONF wins)."""
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return
+    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+              or getattr(torch.cuda.memory, "_set_allocator_settings", None))
+    if setter is not None:
+        setter("expandable_segments:True")
+
+
+def build_dims(cfg: Config) -> ParallelDims:
+    p = cfg.parallel
+    return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                     p.virtual_pipeline_model_parallel_size, p.context_parallel_size,
+                                     p.expert_model_parallel_size, p.expert_tensor_parallel_size,
+                                     timeout=timeout(cfg))
+
+
+def checkpoint_group(cfg: Config):
+    """The gloo group of checkpoint collectives (a background save never interleaves with training's
+    collectives, and no GPU memory is needed for the plans); None without torch.distributed."""
+    if not (dist.is_initialized() and (cfg.ckpt.save or cfg.ckpt.load)):
+        return None
+    return dist.new_group(backend="gloo", timeout=timeout(cfg), group_desc="checkpoint")
+
+
+def _collective(e: BaseException) -> tuple[Optional[str], object]:
+    """(name, process group) of the innermost torch.distributed call in ``e``'s traceback (name None:
+    the error did not come from a collective)."""
+    name, group, tb = None, None, e.__traceback__
+    while tb is not None:
+        f = tb.tb_frame
+        if "torch/distributed" in f.f_code.co_filename.replace(os.sep, "/") and (
+                "group" in f.f_locals or "process_group" in f.f_locals):
+            name = f.f_code.co_name
+            group = f.f_locals.get("group", f.f_locals.get("process_group"))
+        tb = tb.tb_next
+    return name, group
+
+
+def _members(group) -> tuple[list[int], str]:
+    """The global ranks and the name (``group_desc``) of a process group (None: the default one)."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        return dist.get_process_group_ranks(group), getattr(group, "group_desc", "") or "default"
+    except (RuntimeError, ValueError):  # a group torch no longer knows: only the world is certain
+        return list(range(dist.get_world_size())), "default"
+
+
+def timeout_report(e: BaseException, minutes: float) -> Optional[str]:
+    """One line for a collective or pipeline transfer that timed out or lost its peer (None: ``e`` is
+    something else). It names this rank, the collective, its group and the other ranks of the group:
+    one of them did not answer (in a group of two, that one)."""
+    if isinstance(e, PipelineError) and ("timed out" in str(e) or "lost rank" in str(e)):
+        return " ".join(str(e).split())
+    if not isinstance(e, RuntimeError) or not dist.is_initialized():
+        return None
+    op, group = _collective(e)
+    if op is None:
+        return None
+    text, me = str(e).lower(), dist.get_rank()
+    ranks, label = _members(group)
+    peers = [r for r in ranks if r != me]
+    who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {peers}"
+    where = f"rank {me}: {op} on the {label} group (ranks {ranks})"
+    if "timed out" in text or "timeout" in text:
+        return (f"{where} timed out after {minutes:g} min (--distributed-timeout-minutes): {who} did not answer; "
+                "is it stopped, hung (a file system, a deadlock) or dead? Its own log says more")
+    if "connection" in text or "peer" in text or "broken pipe" in text:
+        detail = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(e).split())).split(". ")[0][:160]
+        return f"{where} failed: {who} exited or its connection broke ({detail}); its own log says why"
+    return None

@@ -1,0 +1,83 @@
+"""The model of a rank and the forward step the pipeline schedules call: building the model chunks
+(dtype, FP8 recipe, regional compilation) and Megatron's ``forward_step_func`` / ``loss_func``."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ..config import Config
+from ..model import moe
+from ..model.gpt import GPTModel
+from ..parallel.dims import ParallelDims
+from ..parallel.fp8 import Recipe
+from ..parallel.layout import BatchLayout
+from ..parallel.stages import rank_chunks
+
+
+def params_dtype(cfg: Config) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
+
+
+def compile_options(device: torch.device) -> dict:
+    """Inductor options for the compiled regions. On GPUs, coordinate-descent tuning of the generated
+    Triton kernels (norms, GeLU, residual adds): measured +1.3 % tokens/s on gpt-350m on an H100
+    (benchmarks/results/train_throughput_gpt-350m_20261122_103813.md), for about a minute more of
+    compilation."""
+    return {"coordinate_descent_tuning": True} if device.type == "cuda" else {}
+
+
+def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) -> GPTModel:
+    """``stage``: pre_process / post_process / layer_offset / num_layers of a pipeline chunk."""
+    tr = cfg.train
+    model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
+                     seed=tr.seed, recompute_granularity=tr.recompute_granularity,
+                     recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
+                     fp8=Recipe.from_config(tr), cp_comm_type=cfg.parallel.cp_comm_type, device=device,
+                     dtype=params_dtype(cfg), **stage)
+    model.fused_output_loss = not tr.no_fused_output_loss
+    if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
+        model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check
+    if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
+        for layer in model.decoder.layers:
+            layer.compile(options=compile_options(device))
+        for m in model.modules():
+            if isinstance(m, moe.MoELayer):
+                m.compile_experts(compile_options(device))
+    return model
+
+
+def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) -> list[GPTModel]:
+    """This rank's model: one chunk per virtual pipeline stage (a single one without interleaving)."""
+    chunks = [build_model(cfg, dims, device, **stage) for stage in rank_chunks(cfg, dims.pp_rank)]
+    for c in chunks[1:]:  # one dropout stream for the TP regions of the rank, as with one chunk
+        c.par.rng = chunks[0].par.rng
+    return chunks
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Megatron's convention: (sum of masked token losses, token count, report). The token count is
+    what the micro-batch's loss is divided by (``BatchLayout.microbatch_loss``); the report's n is the
+    same count, so summed over a step it is what --calculate-per-token-loss divides gradients by."""
+    mask = loss_mask.float()
+    total = (output.float() * mask).sum()
+    n = mask.sum()
+    return total, n, {"lm loss": torch.stack([total.detach(), n.detach()])}
+
+
+def make_forward_step(layout: BatchLayout):
+    """Megatron's forward_step_func: the next micro-batch, laid out for this rank by ``layout``
+    (device, sequence slice, position ids), through the model; the loss function gets its mask."""
+    def forward_step(data_iterator, model):
+        b = layout.prepare(next(data_iterator))
+        output = model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
+                       labels=b["labels"], document_ids=b["document_ids"])
+        return output, partial(loss_func, b["loss_mask"])
+    return forward_step
+
+
+def sum_reports(reports: list[dict], device: torch.device) -> torch.Tensor:
+    total = torch.zeros(2, device=device)
+    for r in reports:
+        total += r["lm loss"].to(device)
+    return total

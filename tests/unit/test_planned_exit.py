@@ -1,0 +1,49 @@
+"""Every planned exit says why in one log line; --exit-duration-in-mins counts from start-up (the
+Trainer's construction), as Megatron's, not from the first iteration."""
+import os
+import signal
+
+from paratron.config import parse_args
+from paratron.train.loop import Trainer
+
+FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--mock-data", "--tokenizer-type",
+         "NullTokenizer", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32", "--lr", "1e-3",
+         "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1", "--device", "cpu", "--train-iters", "5"]
+
+
+def run(capsys, *flags, before=None) -> tuple[int, str]:
+    t = Trainer(parse_args(FLAGS + list(flags)))
+    if before:
+        before(t)
+    try:
+        result = t.train()
+    finally:
+        t.close()
+    return result["iteration"], capsys.readouterr().out
+
+
+def test_exit_interval_says_so(capsys):
+    it, out = run(capsys, "--exit-interval", "2")
+    assert it == 2 and " exiting after 2 iterations: --exit-interval 2\n" in out
+
+
+def test_exit_duration_counts_from_start_up(capsys):
+    def started_two_minutes_ago(t):
+        t.start_time -= 120.0
+    it, out = run(capsys, "--exit-duration-in-mins", "1", before=started_two_minutes_ago)
+    assert it == 1 and " exiting after 1 iterations: --exit-duration-in-mins 1 (2.0" in out, out
+
+
+def test_a_signal_says_so(capsys):
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        it, out = run(capsys, "--exit-signal-handler", before=lambda t: os.kill(os.getpid(), signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert it == 1 and " exiting after 1 iterations: SIGTERM (--exit-signal-handler)" in out, out
+
+
+def test_reaching_train_iters_is_no_early_exit(capsys):
+    it, out = run(capsys, "--train-iters", "2", "--exit-interval", "2")
+    assert it == 2 and "exiting after" not in out
