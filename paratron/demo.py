@@ -19,14 +19,6 @@ DEMO_DIR = Path(os.environ.get("PARATRON_DEMO_DIR", "runs/demo"))
 TIME_CAP_MIN = 3.5
 
 
-def whole_lines(text: str, most: int = 4) -> list[str]:
-    """The complete lines of a generated sample (a cut-off last line is left out), at most ``most``."""
-    lines = text.splitlines()
-    if len(lines) > 1 and not text.endswith("\n"):
-        lines = lines[:-1]
-    return [ln.rstrip() for ln in lines if ln.strip()][:most]
-
-
 def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int, on_gpu: bool) -> Config:
     cfg = Config()
     m, tr, op, d, lg, ck = cfg.model, cfg.train, cfg.optim, cfg.data, cfg.log, cfg.ckpt

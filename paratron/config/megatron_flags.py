@@ -80,12 +80,18 @@ def refusal(name: str) -> Optional[str]:
     return GROUP_REASONS.get(group, "not implemented in paratron (no plan yet); remove the flag")
 
 
+# Megatron's negative switches: --no-X sets the (default-on) field X to false.
+NEGATED_FLAGS = {"no_check_for_nan_in_loss_and_grad": "check_for_nan_in_loss_and_grad"}
+
+
 def status(name: str) -> tuple[str, str]:
     """(status, reason) of a Megatron flag; the reason of an implemented flag is its help line."""
     from .help import field_help
     if canonical(name) != name:
         st, reason = status(canonical(name))
         return st, f"= --{canonical(name).replace('_', '-')}: {reason}"
+    if name in NEGATED_FLAGS:
+        return IMPLEMENTED, f"= {'--' + NEGATED_FLAGS[name].replace('_', '-')} false"
     if name in HONOURED_FIELDS:
         return ACCEPTED_STATUS, HONOURED_FIELDS[name]
     if name in FIELD_SECTION:

@@ -14,7 +14,7 @@ import yaml
 
 from ..errors import ArgumentParser, ConfigError, UserError
 from .help import field_help
-from .megatron_flags import canonical, group_of, megatron_flags, refusal, value_problem
+from .megatron_flags import NEGATED_FLAGS, canonical, group_of, megatron_flags, refusal, value_problem
 from .megatron_reasons import ACCEPTED, REFUSED
 from .sections import FIELD_SECTION, FIELD_TYPES, SECTIONS, TOKENIZER_FIELDS, Config, DataConfig, base_type, flag
 from .validate import ConfigProblems
@@ -28,8 +28,6 @@ UNSUPPORTED_MEGATRON_FLAGS = frozenset(REFUSED)
 FLAG_ALIASES = {"override_opt_param_scheduler": ["--override-opt_param-scheduler"],
                 "use_checkpoint_opt_param_scheduler": ["--use-checkpoint-opt_param-scheduler"]}
 
-# Megatron's negative switches: --no-X sets the (default-on) field X to false.
-NEGATED_FLAGS = {"no_check_for_nan_in_loss_and_grad": "check_for_nan_in_loss_and_grad"}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -265,9 +263,12 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None,
         raise ConfigProblems(problems + [str(e)]) from None
     problems += _accepted_problems(values)
     cfg = base if base is not None else Config()
+    yaml_problems = 0
     if "config" in values:
         path = values.pop("config")
+        before = len(problems)
         apply_dict(cfg, load_yaml(path), f"in {path}", problems)
+        yaml_problems = len(problems) - before
     if ({"data_path", "train_data_path"} & values.keys()) and "mock_data" not in values:
         cfg.data.mock_data = False  # real data on the command line replaces a preset's mock data
     for name, value in values.items():
@@ -276,8 +277,9 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None,
         cfg.set(name, value)
     from .from_checkpoint import apply_checkpoint_args
     try:
-        apply_checkpoint_args(cfg)
-        cfg = resolve(cfg, world_size)
+        if not yaml_problems:  # a YAML value that was refused left its field unset: resolve() would only echo it
+            apply_checkpoint_args(cfg)
+            cfg = resolve(cfg, world_size)
     except ConfigProblems as e:
         problems += e.problems
     except UserError as e:

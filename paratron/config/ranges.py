@@ -66,7 +66,7 @@ RANGES: dict[str, Range] = {
     "exit_duration_in_mins": POSITIVE, "seed": AT_LEAST_0, "loss_scale": POSITIVE, "initial_loss_scale": POSITIVE,
     "min_loss_scale": POSITIVE, "loss_scale_window": AT_LEAST_1, "hysteresis": AT_LEAST_1,
     "recompute_num_layers": AT_LEAST_1, "fp8_amax_history_len": AT_LEAST_1, "fp8_margin": AT_LEAST_0,
-    "spiky_loss_factor": ABOVE_1,
+    "spiky_loss_factor": ABOVE_1, "manual_gc_interval": AT_LEAST_0, "empty_unused_memory_level": AT_LEAST_0,
     # optim
     "lr": AT_LEAST_0, "min_lr": AT_LEAST_0, "lr_decay_iters": AT_LEAST_0, "lr_decay_samples": AT_LEAST_0,
     "lr_warmup_iters": AT_LEAST_0, "lr_warmup_fraction": FRACTION_CLOSED, "lr_warmup_samples": AT_LEAST_0,
@@ -78,6 +78,8 @@ RANGES: dict[str, Range] = {
     "vocab_extra_ids": AT_LEAST_0, "tiktoken_num_special_tokens": AT_LEAST_3,
     # log
     "log_interval": AT_LEAST_1, "profile_step_start": AT_LEAST_0, "profile_step_end": AT_LEAST_0,
+    "tensorboard_log_interval": AT_LEAST_1, "tensorboard_queue_size": AT_LEAST_1, "timing_log_level": AT_LEAST_0,
+    "logging_level": AT_LEAST_0,
     # ckpt
     "save_interval": AT_LEAST_1, "ckpt_step": AT_LEAST_0, "ckpt_keep_last": AT_LEAST_0,
 }

@@ -121,7 +121,10 @@ def kill_workers_at_exit() -> None:
     import multiprocessing
 
     def kill_children() -> None:
-        for child in multiprocessing.active_children():
+        children = multiprocessing.active_children()
+        if children:  # torch's SIGCHLD handler would report the killed workers as a failure at exit
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in children:
             child.kill()
     atexit.register(kill_children)
 

@@ -127,10 +127,12 @@ def test_dist_ckpt_strictness_of_each_value():
 def test_strictness_and_checkpoint_args_on_a_real_checkpoint(tmp_path, capsys):
     ck = str(tmp_path / "ck")
     pretrain(parse_args(TINY + ["--train-iters", "1", "--eval-iters", "0", "--save", ck]))
-    untied = TINY + ["--train-iters", "2", "--eval-iters", "0", "--load", ck, "--untie-embeddings-and-output-weights"]
+    untied = TINY + ["--train-iters", "2", "--eval-iters", "0", "--load", ck, "--untie-embeddings-and-output-weights",
+                    "--override-opt_param-scheduler"]
     with pytest.raises(CheckpointError, match="output"):
         Trainer(parse_args(untied))
-    trainer = Trainer(parse_args(untied + ["--dist-ckpt-strictness", "log_unexpected"]))
+    # the model check refuses another model first; on purpose, the strictness decides what is loaded
+    trainer = Trainer(parse_args(untied + ["--dist-ckpt-strictness", "log_unexpected", "--override-checkpoint-model-args"]))
     assert trainer.iteration == 1 and "the rest is loaded" in capsys.readouterr().out
     cfg = parse_args(TINY + ["--train-iters", "2", "--hidden-size", "64", "--num-layers", "3", "--load", ck,
                              "--use-checkpoint-args"])
@@ -145,14 +147,14 @@ def test_strictness_and_checkpoint_args_on_a_real_checkpoint(tmp_path, capsys):
 def test_an_early_stop_says_why(capsys):
     result = pretrain(parse_args(TINY + ["--train-iters", "3", "--eval-iters", "0", "--exit-interval", "1"]))
     assert result["iteration"] == 1 and result["exit_reason"] == "--exit-interval 1"
-    assert " stopping at iteration 1/3: --exit-interval 1" in capsys.readouterr().out
+    assert " exiting after 1 iterations: --exit-interval 1" in capsys.readouterr().out
 
 
 def test_demo_samples_keep_whole_lines_and_tokenizer_reports_its_size(tmp_path):
     from paratron.data.bpe_train import train_bpe_tokenizer, vocabulary_report
     from paratron.demo import whole_lines
-    assert whole_lines("def f(x):\n    return x\n    ret") == ["def f(x):", "    return x"]
-    assert whole_lines("import os\n") == ["import os"] and whole_lines("import o") == ["import o"]
+    assert whole_lines("def f(x):\n    return x\n    ret", "length") == ["def f(x):", "    return x"]
+    assert whole_lines("import os\n", "stop") == ["import os"] and whole_lines("import o", "stop") == ["import o"]
     (tmp_path / "c.txt").write_text("alpha beta gamma delta\n" * 50)
     path = train_bpe_tokenizer([str(tmp_path / "c.txt")], 32000, str(tmp_path / "t.json"))
     report = vocabulary_report(path, 32000, 2)
