@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -197,7 +198,7 @@ def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], all
         try:
             out.append(builder.blend(blend, bounds, sizes[i], i) if bounds and sizes[i] else None)
         except EmptySplit as e:  # a dataset too small for its validation or test share
-            logger.warning(f"WARNING: {e}; training goes on without it")
+            print(f" WARNING: {e}; training goes on without it", file=sys.stderr, flush=True)
             out.append(None)
     return tuple(out)
 

@@ -2,6 +2,7 @@
 exit conditions. Read top to bottom; each parallelism lives in paratron/parallel/."""
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 from pathlib import Path
@@ -54,7 +55,7 @@ class Trainer:
         self.current_global_batch = tr.global_batch_size
         set_seed(tr.seed, self.dims.pp_rank)
         apply_deterministic_mode(tr.deterministic_mode)
-        apply_logging_level(cfg.log.logging_level)
+        self._root_log_level = apply_logging_level(cfg.log.logging_level)
         self.tokenizer = self._build_tokenizer()
         self.models = [wrap_data_parallel(m, cfg, self.dims) for m in build_model_chunks(cfg, self.dims, self.device)]
         self.routers = moe.routers(self.models)  # MoE routers (none in a dense model), found once
@@ -414,6 +415,8 @@ class Trainer:
             self.wait_for_save()
         finally:
             self.log.close()
+            if self._root_log_level is not None:  # --logging-level was for this run only
+                logging.getLogger().setLevel(self._root_log_level)
 
 
 def pretrain(cfg: Config, eval_at_start: bool = False) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+from typing import Optional
 
 import torch
 
@@ -60,9 +61,14 @@ def empty_unused_memory(level: int, at: int, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def apply_logging_level(level) -> None:
-    """--logging-level: the level of Python's root logger for the run (Megatron's meaning)."""
-    if level is not None:
-        import logging
-        logging.basicConfig(level=level)
-        logging.getLogger().setLevel(level)
+def apply_logging_level(level) -> Optional[int]:
+    """--logging-level: the level of Python's root logger for the run (Megatron's meaning). Returns the
+    level it replaced (the trainer puts it back when it closes), None when the flag is not given."""
+    if level is None:
+        return None
+    import logging
+    root = logging.getLogger()
+    previous = root.level
+    logging.basicConfig(level=level)
+    root.setLevel(level)
+    return previous
