@@ -21,7 +21,6 @@ indices first, then the other ranks load them.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -40,7 +39,6 @@ from paratron.data.indices import (
     split_bounds, split_range,
 )
 
-logger = logging.getLogger(__name__)
 
 
 class BlendedDataset(torch.utils.data.Dataset):
