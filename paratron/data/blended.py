@@ -40,7 +40,6 @@ from paratron.data.indices import (
 )
 
 
-
 class BlendedDataset(torch.utils.data.Dataset):
     """`size` samples drawn from `datasets` in proportion to `weights`."""
 
