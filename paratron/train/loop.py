@@ -380,6 +380,7 @@ class Trainer:
                 self._log_exit(start)
                 break
         self.guard.check()
+        self.report.flush()  # the TensorBoard scalars of the steps after the last log line
         if cfg.ckpt.save and last_saved != self.iteration and self.iteration > 0:
             self.save()
         self.wait_for_save()

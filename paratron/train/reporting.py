@@ -129,6 +129,7 @@ class Reporter:
         self.timers = Timers(self.lg.timing_log_level, trainer.device)
         self.writes = bool(self.lg.tensorboard_dir or self.lg.wandb_project)  # the same on every rank
         self._norms: tuple = (None, None, None)  # (iteration, params norm, num zeros)
+        self.pending: list = []  # (iteration, consumed samples, scalars) of steps not written yet (flush)
         if trainer.log.enabled and not self.writes and (self.lg.log_timers_to_tensorboard or
                                                         self.lg.log_memory_to_tensorboard or
                                                         self.lg.log_validation_ppl_to_tensorboard):
@@ -153,10 +154,9 @@ class Reporter:
         empty_unused_memory(t.cfg.train.empty_unused_memory_level, 1, t.device)
         if not self.writes or t.iteration % lg.tensorboard_log_interval != 0:
             return
-        loss_sum, tokens = report.tolist()
         params_norm, zeros = self.norms()
         values = {"learning-rate": t.scheduler.lr, "batch-size": t.current_global_batch,
-                  "lm loss": loss_sum / max(tokens, 1.0), "grad-norm": float(grad_norm),
+                  "lm loss": report[0] / report[1].clamp(min=1.0), "grad-norm": grad_norm,
                   "num-zeros": zeros, "params-norm": params_norm}
         if not lg.no_log_loss_scale_to_tensorboard:
             values["loss-scale"] = t.optimizer.loss_scale
@@ -170,8 +170,22 @@ class Reporter:
             if lg.log_throughput:
                 values["throughput"] = t.flops_per_iter * t.current_global_batch / t.cfg.train.global_batch_size \
                     / seconds / t.dims.world_size / 1e12
-        samples = {k: v for k, v in values.items() if k in VS_SAMPLES or k == "lm loss"}
-        t.log.scalars(t.iteration, values, t.consumed_samples, samples)
+        # Device values (the loss, the grad norm, a dynamic loss scale) are read back together at the next
+        # log line or the end of training: one host synchronisation per window, not one per step.
+        self.pending.append((t.iteration, t.consumed_samples,
+                             {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}))
+
+    def flush(self) -> None:
+        """Write the scalars of the steps since the last flush (their device values in one read-back)."""
+        if not self.pending:
+            return
+        device = [v for _, _, values in self.pending for v in values.values() if isinstance(v, torch.Tensor)]
+        host = iter(torch.stack([v.float().reshape(()).to(self.t.device) for v in device]).tolist() if device else [])
+        for iteration, samples_at, values in self.pending:
+            values = {k: next(host) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+            samples = {k: v for k, v in values.items() if k in VS_SAMPLES or k == "lm loss"}
+            self.t.log.scalars(iteration, values, samples_at, samples)
+        self.pending.clear()
 
     def validation(self, loss: float) -> None:
         t = self.t
@@ -180,6 +194,7 @@ class Reporter:
     def log_line(self, acc: torch.Tensor, iters: int, seconds: float, grad_norm: float) -> None:
         """Megatron's log line of the window of ``iters`` iterations (every rank calls it)."""
         t, tr = self.t, self.t.cfg.train
+        self.flush()
         sums = acc.tolist()
         loss = sums[0] / max(sums[1], 1.0)
         if loss != loss:
