@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from paratron.parallel.context import document_causal_mask
-from paratron.parallel.ring import EFFICIENT, _merge, _additive_mask, _expand, _fold
+from paratron.parallel.ring import EFFICIENT, _additive_mask, _expand, _merge
 
 
 def rel(a, b):
