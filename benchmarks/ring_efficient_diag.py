@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from paratron.parallel.context import document_causal_mask
-from paratron.parallel.ring import EFFICIENT, _additive_mask, _expand, _merge
+from paratron.parallel.ring import EFFICIENT, _additive_mask, _expand, _fold, _merge
 
 
 def rel(a, b):
@@ -35,6 +35,30 @@ def main():
         gr = EFFICIENT.backward(dout, q, k, v, o.to(q.dtype), l, False, same & causal, scale, aux)
         print(name, "one block: out", round(rel(o, want), 4), "dq", round(rel(gr[0], qr.grad), 4),
               "dk", round(rel(gr[1], kr.grad), 4), "dv", round(rel(gr[2], vr.grad), 4))
+        # (a2) one block, layouts: out / dout / q,k,v made contiguous or transposed-contiguous
+        bias = _additive_mask(False, same & causal, q, s, align=16).expand(-1, h, -1, -1)
+        padded = F.pad(l, (0, -(-s // 32) * 32 - s)).contiguous()
+
+        def tc(t):
+            return t.transpose(1, 2).contiguous().transpose(1, 2)
+        print(name, "out strides", tuple(o.stride()), "dout strides", tuple(dout.stride()))
+        for label, fo, fd, fq in (("as is", lambda t: t, lambda t: t, lambda t: t),
+                                  ("out contiguous", lambda t: t.contiguous(), lambda t: t, lambda t: t),
+                                  ("out+dout transposed", tc, tc, lambda t: t),
+                                  ("all transposed", tc, tc, tc)):
+            dq0, dk0, dv0, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                fd(dout), fq(q), fq(_expand(k, h)), fq(_expand(v, h)), bias, fo(o.to(q.dtype)), padded, aux[0], aux[1],
+                0.0, [True, True, True, False], False, scale=scale)
+            print(name, "one block", label, "dq", round(rel(dq0, qr.grad), 4), "dk", round(rel(_fold(dk0, g), kr.grad), 4),
+                  "dv", round(rel(_fold(dv0, g), vr.grad), 4))
+        # (a3) torch's own SDPA autograd with the efficient backend and the same float mask
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        q2, k2, v2 = (t.clone().requires_grad_() for t in (q, _expand(k, h), _expand(v, h)))
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            y = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=bias[:, :, :, :s], scale=scale)
+        y.backward(dout)
+        print(name, "torch sdpa efficient autograd: out", round(rel(y, want), 4), "dq", round(rel(q2.grad, qr.grad), 4),
+              "dk", round(rel(_fold(k2.grad, g), kr.grad), 4))
         # (b) two key halves, merged
         half = s // 2
         parts = [EFFICIENT.forward(q, k[:, :, sl], v[:, :, sl], False, (same & causal)[:, :, sl], scale)
