@@ -68,3 +68,16 @@ def _mscale(scale: float, mscale: float) -> float:
 def yarn_concentration_factor(p: YarnParams) -> float:
     """The factor cos and sin are multiplied by (Megatron: ``_yarn_get_concentration_factor``)."""
     return float(_mscale(p.scaling_factor, p.mscale) / _mscale(p.scaling_factor, p.mscale_all_dim))
+
+
+def yarn_params(cfg) -> YarnParams:
+    """The YaRN knobs of a ModelConfig, Megatron's defaults where a flag is unset."""
+    d = YarnParams()
+    return YarnParams(
+        scaling_factor=cfg.rotary_scaling_factor,
+        original_max_position_embeddings=(cfg.yarn_original_max_position_embeddings
+                                          or d.original_max_position_embeddings),
+        beta_fast=d.beta_fast if cfg.yarn_beta_fast is None else cfg.yarn_beta_fast,
+        beta_slow=d.beta_slow if cfg.yarn_beta_slow is None else cfg.yarn_beta_slow,
+        mscale=cfg.mscale, mscale_all_dim=cfg.mscale_all_dim,
+        round_to_int=cfg.yarn_correction_range_round_to_int)
