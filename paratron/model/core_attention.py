@@ -10,8 +10,9 @@
 
 Both run inside SDPA (no [s, s] float mask, no softmax outside the kernel):
 
-* the window is a boolean mask built once per forward pass (:class:`ForwardContext` memo) and
-  shared by every windowed layer; it is the causal/document mask of the pass and-ed with the band;
+* the window is a mask built once per forward pass (``ForwardContext.memo``, additive, in the
+  activations' dtype, as SDPA would convert a boolean one in every layer) and shared by every
+  windowed layer: the causal/document mask of the pass and-ed with the band;
 * the sink is one extra key whose value is zero. Keys get ``PAD`` extra zero dimensions, the sink
   key has a 1 in the first, and each query head carries ``sink / scale`` there, so its score with
   the sink key is exactly its sink logit (grouped-query heads share keys, so the per-head value
@@ -116,21 +117,31 @@ class CoreAttention(nn.Module):
     def forward(self, q, k, v, ctx, dropout_p: float = 0.0) -> torch.Tensor:
         """q [b, heads, sq, d], k/v [b, groups, sk, d] -> [b, heads, sq, d]."""
         allowed = self._allowed(q, k, ctx)
-        gqa = q.size(1) != k.size(1)
-        if self.softmax_offset is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
-                                                  is_causal=allowed is None, scale=self.scale, enable_gqa=gqa)
-        d = q.size(-1)
-        q, k, v = _with_sink_dims(q, k, v, self.softmax_offset, self.scale)
+        gqa, d, sink = q.size(1) != k.size(1), q.size(-1), self.softmax_offset
+        if allowed is None and sink is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale,
+                                                  enable_gqa=gqa)
+        if sink is not None:
+            q, k, v = _with_sink_dims(q, k, v, sink, self.scale)
         if allowed is None:  # causal, square: a dummy first query lets the sink key lead under is_causal
             q = torch.cat([q.new_zeros(q.shape[:2] + (1, q.size(-1))), q], dim=2)
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale,
                                                  enable_gqa=gqa)
             return out[:, :, 1:, :d]
-        allowed = torch.cat([allowed.new_ones(allowed.shape[:-1] + (1,)), allowed], dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=self.scale,
-                                             enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive(allowed, ctx, q.dtype, sink is not None),
+                                             dropout_p=dropout_p, scale=self.scale, enable_gqa=gqa)
         return out[..., :d]
+
+    def _additive(self, allowed, ctx, dtype, sink: bool) -> torch.Tensor:
+        """``allowed`` as the additive mask SDPA would make of it (0 / -inf, with the sink's open column
+        first), once per forward pass: SDPA would otherwise convert a boolean mask in every layer."""
+        key = ("additive", self.window, tuple(allowed.shape), dtype, sink)
+        if key not in ctx.memo:
+            if sink:
+                allowed = torch.cat([allowed.new_ones(allowed.shape[:-1] + (1,)), allowed], dim=-1)
+            ctx.memo[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+                ~allowed, float("-inf"))
+        return ctx.memo[key]
 
     def _allowed(self, q, k, ctx) -> Optional[torch.Tensor]:
         """Boolean [b or 1, 1, sq, sk] (True = attend) of this layer, or None for plain causal attention
@@ -178,7 +189,7 @@ def _with_sink_dims(q, k, v, sink, scale):
     """q, k, v with ``PAD`` more dimensions and the sink key (zero value) first along the keys."""
     b, h, sq, _ = q.shape
     g, sk = k.size(1), k.size(2)
-    q_extra = (sink.to(q.dtype) / scale).view(1, h, 1, 1).expand(b, h, sq, 1)
+    q_extra = (sink.to(torch.promote_types(q.dtype, torch.float32)) / scale).to(q.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
     q = torch.cat([q, q_extra, q.new_zeros(b, h, sq, PAD - 1)], dim=-1)
     k = torch.cat([k, k.new_zeros(b, g, sk, PAD)], dim=-1)
     v = torch.cat([v, v.new_zeros(b, g, sk, PAD)], dim=-1)

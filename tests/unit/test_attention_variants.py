@@ -79,7 +79,9 @@ def test_window_with_a_document_mask_and_the_window_is_built_once():
     doc_mask = (docs[:, None] == docs[None, :]) & torch.ones(S, S, dtype=torch.bool).tril()
     ctx = ForwardContext(mask=doc_mask[None, None], causal=False)
     out = core(q, k, v, ctx)
-    assert len(ctx.memo) == 1 and core(q, k, v, ctx).equal(out)  # the second layer reuses the mask
+    memo = dict(ctx.memo)  # the band and its additive form with the sink column
+    assert len(memo) == 2 and core(q, k, v, ctx).equal(out)  # a second layer reuses them
+    assert all(ctx.memo[key] is mask for key, mask in memo.items())
     # reference: each query over its allowed keys and the sink, by hand
     kk, vv = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)
     for i in range(S):
