@@ -19,6 +19,10 @@ Both run inside SDPA (no [s, s] float mask, no softmax outside the kernel):
   must sit on the query side). Without a window or mask, a dummy first query lets the sink key
   lead the sequence with ``is_causal`` (the flash kernel's path on CUDA); otherwise the mask gains
   an always-open column.
+
+On CUDA, flash attention takes no mask and the memory-efficient kernel (which does) takes no grouped
+heads, so a masked layer repeats the keys and values to every query head first; the unmasked causal
+path keeps them grouped (flash).
 """
 from __future__ import annotations
 
@@ -128,6 +132,9 @@ class CoreAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale,
                                                  enable_gqa=gqa)
             return out[:, :, 1:, :d]
+        if gqa and q.is_cuda:  # SDPA's masked CUDA kernel (memory-efficient) takes no grouped heads
+            k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+            gqa = False
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive(allowed, ctx, q.dtype, sink is not None),
                                              dropout_p=dropout_p, scale=self.scale, enable_gqa=gqa)
         return out[..., :d]
@@ -139,8 +146,12 @@ class CoreAttention(nn.Module):
         if key not in ctx.memo:
             if sink:
                 allowed = torch.cat([allowed.new_ones(allowed.shape[:-1] + (1,)), allowed], dim=-1)
-            ctx.memo[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-                ~allowed, float("-inf"))
+            # rows padded to a multiple of 16 (the slice is what SDPA sees): its CUDA kernel would
+            # otherwise copy an unaligned mask into an aligned one at every call
+            width = -(-allowed.size(-1) // 16) * 16
+            mask = torch.zeros(allowed.shape[:-1] + (width,), dtype=dtype, device=allowed.device)
+            mask = mask[..., :allowed.size(-1)]
+            ctx.memo[key] = mask.masked_fill_(~allowed, float("-inf"))
         return ctx.memo[key]
 
     def _allowed(self, q, k, ctx) -> Optional[torch.Tensor]:
