@@ -99,7 +99,7 @@ class CoreAttention(nn.Module):
         super().__init__()
         window = parse_window_size(cfg.window_size)
         uses = window_layers(cfg.window_size, cfg.window_attn_skip_freq, cfg.num_layers)[index]
-        self.window = window if uses and window != (-1, -1) else None
+        self.window = window if uses and window[0] != -1 else None  # unbounded left: causal attention itself
         self.softmax_type = cfg.softmax_type
         self.scale = 1.0 / math.sqrt(cfg.kv_channels)
         heads = cfg.num_attention_heads

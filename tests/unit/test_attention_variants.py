@@ -98,6 +98,7 @@ def test_window_layer_pattern_is_megatrons():
     assert window_layers("127,0", None, 3) == [True] * 3
     assert window_layers("127,0", "[1,0]*2", 4) == [True, False, True, False]
     assert window_layers(None, 2, 2) == [False, False]
+    assert CoreAttention(_cfg(window_size="-1,0"), Parallel(), 0).window is None  # causal attention as it is
     assert parse_window_size("(127, 0)") == (127, 0) and parse_window_size("-1,0") == (-1, 0)
     for bad in ("127", "a,0", "5,3", "-2,0"):
         with pytest.raises(ConfigError, match="--window-size"):
