@@ -15,9 +15,11 @@ from ..checkpoint import sharded
 from ..checkpoint import state as cstate
 from ..checkpoint.compat import check_model_config
 from ..checkpoint.pieces import replicated_row
+from ..checkpoint.retention import Retention
 from ..checkpoint.strictness import apply_strictness
 from ..checkpoint.tokenizer_files import save_tokenizer
 from ..config import Config, check_resolved
+from ..config.validate_sched import schedule_of
 from ..model import moe
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims
@@ -34,7 +36,7 @@ from .logger import RunLogger, format_valid_line
 from .metrics import flops_per_iteration, peak_tflops
 from .reporting import Reporter, TimedIterator, wandb_run
 from .runtime import GarbageCollection, apply_deterministic_mode, apply_logging_level, empty_unused_memory
-from .microbatches import MicroBatches
+from .microbatches import MicroBatches, check_batch_sizes
 from .report import end_of_run
 from .step import build_model, build_model_chunks, loss_func, make_forward_step, params_dtype, sum_reports  # noqa: F401
 
@@ -51,7 +53,8 @@ class Trainer:
         check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
         preflight(cfg, self.dims, partial(print, flush=True))  # --save and the other output directories, now
         tr = cfg.train
-        self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size)
+        self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size,
+                                         schedule_of(cfg))
         self.current_global_batch = tr.global_batch_size
         set_seed(tr.seed, self.dims.pp_rank)
         apply_deterministic_mode(tr.deterministic_mode)
@@ -65,8 +68,6 @@ class Trainer:
         self.iteration, self.consumed_samples = 0, 0
         self.skipped, self.nan_iters = 0, 0
         self.forward_backward = get_forward_backward_func(self.dims, 60.0 * cfg.parallel.distributed_timeout_minutes)
-        for m in (self.num_microbatches, tr.global_batch_size // (tr.micro_batch_size * self.dims.dp)):
-            check_pipeline_schedule(self.dims, m)  # the first and the final batch size
         self.layout = BatchLayout.from_config(cfg, self.dims, self.device, params_dtype(cfg))
         self.forward_step = make_forward_step(self.layout)
         logging_rank = self.dims.is_logging_rank
@@ -78,6 +79,7 @@ class Trainer:
         self.ckpt_group = checkpoint_group(cfg)  # checkpoint collectives run on their own gloo group
         if cfg.ckpt.load:
             self.load(cfg.ckpt.load)
+        check_batch_sizes(self.microbatches, self.consumed_samples, self.dims, tr.micro_batch_size)
         data = data if data is not None else self._build_data()
         self.train_iter, self.valid_iter = data[:2]
         self.test_iter = data[2] if len(data) > 2 else None
@@ -216,15 +218,16 @@ class Trainer:
                   "rng": not c.no_save_rng, "layout": self._layout(), "config": self.cfg.to_dict()}
         if self.dims.rank == 0:  # the tokenizer's files beside the weights (generate / serve find them)
             save_tokenizer(c.save, self.cfg.data)
+        keep = Retention(c.ckpt_keep_last, c.save_retain_interval)  # which older checkpoints the save removes
         if c.async_save:
             it = self.iteration
 
             def done(path: Path, seconds: float) -> None:
                 self.log.print(f" saved checkpoint at iteration {it:7d} to {path} (in the background, {seconds:.1f} s)")
-            self.pending_save = sharded.AsyncSave(c.save, it, pieces, common, self.ckpt_group, c.ckpt_keep_last,
+            self.pending_save = sharded.AsyncSave(c.save, it, pieces, common, self.ckpt_group, keep,
                                                   self._pinned, done)
             return sharded.iter_dir(c.save, it)
-        path = sharded.save(c.save, self.iteration, pieces, common, self.ckpt_group, c.ckpt_keep_last)
+        path = sharded.save(c.save, self.iteration, pieces, common, self.ckpt_group, keep)
         self.log.print(f" saved checkpoint at iteration {self.iteration:7d} to {path}")
         return path
 
@@ -344,7 +347,12 @@ class Trainer:
         lg.print(f" training {params / 1e6:.2f}M parameters per rank, "
                  f"{self.dims.describe()}, {tr.train_iters} iterations, global batch {tr.global_batch_size}, "
                  f"{self.num_microbatches} micro-batches of {tr.micro_batch_size}, device {self.device}")
+        micro = self.num_microbatches
         while self.iteration < tr.train_iters:
+            if micro != self.num_microbatches and cfg.ckpt.save and last_saved != self.iteration:
+                self.save()  # as Megatron: a checkpoint whenever the batch-size schedule changes the micro-batch count
+                last_saved = self.iteration
+            micro = self.num_microbatches
             if cfg.log.profile and self.iteration == cfg.log.profile_step_start:
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
                 profiler.__enter__()
