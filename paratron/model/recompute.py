@@ -38,29 +38,36 @@ def active(module: torch.nn.Module) -> bool:
 
 
 class _Discard:
-    """Saved-tensor hooks that store a recipe instead of ``out`` (the result of ``fn(x)``) and redo
-    ``fn(x)`` when backward unpacks it."""
+    """Saved-tensor hooks that store a recipe instead of ``out`` (the result of ``fn(x)``) or of a view
+    of it (a matmul saves its input flattened to 2-D) and redo ``fn(x)`` when backward unpacks it."""
 
     def __init__(self, fn: Callable, x: torch.Tensor, out: torch.Tensor):
-        self.fn, self.x, self.key = fn, x, _key(out)
+        self.fn, self.x = fn, x
+        self.storage = _storage(out)
+        self.layout = (tuple(out.shape), out.stride(), out.storage_offset())
         self.again = None
 
     def pack(self, t: torch.Tensor):
-        return self if _key(t) == self.key else t
+        if self.storage is None or _storage(t) != self.storage:
+            return t
+        return self, tuple(t.shape), t.stride(), t.storage_offset()
 
     def unpack(self, v):
-        if v is not self:
+        if not (isinstance(v, tuple) and v and v[0] is self):
             return v
         if self.again is None:  # once per backward, however many consumers saved it
             with torch.no_grad():
-                self.again = self.fn(self.x)
-        return self.again
+                again = self.fn(self.x)
+            shape, stride, offset = self.layout
+            self.again = torch.as_strided(again, shape, stride, again.storage_offset())
+        _, shape, stride, offset = v
+        return torch.as_strided(self.again, shape, stride, self.again.storage_offset() + offset - self.layout[2])
 
 
-def _key(t: torch.Tensor):
+def _storage(t: torch.Tensor):
     if t.device.type == "meta" or not t.is_floating_point():
         return None
-    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+    return t.untyped_storage().data_ptr(), t.dtype, t.device
 
 
 def discard_output(fn: Callable, x: torch.Tensor, consume: Callable):
