@@ -343,16 +343,9 @@ class Trainer:
         profiler = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        params = sum(m.module.num_parameters() for m in self.models)
-        lg.print(f" training {params / 1e6:.2f}M parameters per rank, "
-                 f"{self.dims.describe()}, {tr.train_iters} iterations, global batch {tr.global_batch_size}, "
-                 f"{self.num_microbatches} micro-batches of {tr.micro_batch_size}, device {self.device}")
-        micro = self.num_microbatches
+        self._announce()
         while self.iteration < tr.train_iters:
-            if micro != self.num_microbatches and cfg.ckpt.save and last_saved != self.iteration:
-                self.save()  # as Megatron: a checkpoint whenever the batch-size schedule changes the micro-batch count
-                last_saved = self.iteration
-            micro = self.num_microbatches
+            last_saved = self._save_on_batch_change(last_saved)
             if cfg.log.profile and self.iteration == cfg.log.profile_step_start:
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
                 profiler.__enter__()
@@ -397,6 +390,22 @@ class Trainer:
         collector.close()
         return {"iteration": self.iteration, "exit_reason": self.exit_reason, "valid_loss": valid_loss,
                 "train_curve": lg.train_curve, "valid_curve": lg.valid_curve}
+
+    def _announce(self) -> None:
+        tr, params = self.cfg.train, sum(m.module.num_parameters() for m in self.models)
+        self._micro = self.num_microbatches  # (what _save_on_batch_change compares with)
+        self.log.print(f" training {params / 1e6:.2f}M parameters per rank, {self.dims.describe()}, {tr.train_iters} "
+                       f"iterations, global batch {tr.global_batch_size}, {self._micro} micro-batches of "
+                       f"{tr.micro_batch_size}, device {self.device}")
+
+    def _save_on_batch_change(self, last_saved: Optional[int]) -> Optional[int]:
+        """As Megatron: with --save, a checkpoint whenever the batch-size schedule (--rampup-batch-size,
+        --step-batch-size-schedule) changes the micro-batch count. Returns the last saved iteration."""
+        micro, self._micro = self._micro, self.num_microbatches
+        if micro != self._micro and self.cfg.ckpt.save and last_saved != self.iteration:
+            self.save()
+            return self.iteration
+        return last_saved
 
     def _final_evaluations(self, valid_loss: Optional[float]) -> Optional[float]:
         """After training: the validation loss unless it was just measured, and (as Megatron) the
