@@ -207,7 +207,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                         ep_rank=ec["ep"], etp_rank=ec["etp"], edp_rank=ec["edp"])
     all_groups = {name: layout_groups(world, s, ax, var)
                   for name, (s, ax, var) in _group_axes(sizes, esizes, order).items()}
-    if layout_groups(world, esizes, expert_axes, ("pp",)) != all_groups["pp"]:
+    if sorted(layout_groups(world, esizes, expert_axes, ("pp",))) != sorted(all_groups["pp"]):
         raise ConfigError(f"order {order}: the expert layout's pipeline groups differ from the dense ones; with "
                           f"PP {pp} the expert-TP {etp} x EP {ep} must equal TP {tp} x CP {cp}")
     # embedding group: first and last stage of each pipeline (for tied embeddings)
