@@ -7,9 +7,9 @@ from paratron.config import ConfigError
 from paratron.parallel.dims import initialize_model_parallel
 from paratron.parallel.pipeline_layout import expand, layout_counts
 from paratron.parallel.stages import chunk_layers
-from tests.dist import run_ranks
 from tests.parallel.common import tiny_config
-from tests.parallel.test_pipeline import run_case, test_pipeline_equals_single_rank as check_case
+from tests.parallel.test_pipeline import reference, run_case, spawn_cases  # noqa: F401  (reference: a fixture)
+from tests.parallel.test_pipeline import test_pipeline_equals_single_rank as check_case
 
 CASES = {  # name -> (world, style, settings); BASE of test_pipeline: 4 layers, 8 micro-batches per step
     # VPP 2 from the layout, uneven chunks (1, 1, 2) and a loss-only last virtual stage
@@ -100,19 +100,8 @@ def _ranks(rank, world, names):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return {style: run_case(style, {}) for style in ("gpt", "llama")}
-
-
-@pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = {}
-    for world in sorted({w for w, _, _ in CASES.values()}):
-        names = [n for n, (w, _, _) in CASES.items() if w == world]
-        per_rank = run_ranks(world, _ranks, names, tmp_dir=tmp_path_factory.mktemp(f"w{world}"))
-        for name in names:
-            out[name] = [r[name] for r in per_rank]
-    return out
+    return spawn_cases(CASES, _ranks, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", list(CASES))
