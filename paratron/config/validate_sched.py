@@ -102,7 +102,9 @@ def validate_recompute(cfg) -> None:
     from ..model.recompute import MISSING, SUPPORTED
     tr, m = cfg.train, cfg.model
     given = tr.recompute_modules is not None
-    mods = list(tr.recompute_modules) if given else ["core_attn"]
+    # Megatron's YAML test configs write the list as one string "[layernorm mlp]": brackets/commas are separators
+    mods = (" ".join(map(str, tr.recompute_modules)).replace("[", " ").replace("]", " ").replace(",", " ").split()
+            if given else ["core_attn"])
     need(not given or tr.recompute_granularity == "selective" or tr.recompute_activations,
          "--recompute-modules needs --recompute-granularity selective (full recomputes whole layers)")
     for name in mods:

@@ -59,6 +59,8 @@ def test_recomputed_modules_give_the_same_gradients(argv, names, monkeypatch):
 
 def test_default_and_refused_modules():
     assert parse_args(BASE + ["--recompute-activations"]).train.recompute_modules == ["core_attn"]
+    assert parse_args(BASE + ["--recompute-granularity", "selective", "--recompute-modules", "[layernorm", "mlp]"]
+                      ).train.recompute_modules == ["layernorm", "mlp"]  # Megatron's YAML configs' spelling
     for extra, match in ((["--recompute-modules", "mla_up_proj"], "multi-latent attention"),
                          (["--recompute-modules", "mhc"], "hyper-connections"),
                          (["--recompute-modules", "core"], "choose from"),
