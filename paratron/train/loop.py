@@ -100,8 +100,11 @@ class Trainer:
     def _build_data(self):
         from ..data import build_data_iterator, build_train_valid_test_datasets, train_valid_test_num_samples
         cfg, tr = self.cfg, self.cfg.train
+        sizes = train_valid_test_num_samples(tr)
+        if tr.step_batch_size_schedule is not None:  # enough for the steps the schedule runs (Megatron: iters x gbs)
+            sizes[0] = max(sizes[0], self.microbatches.samples_for_iters(tr.train_iters))
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length,
-                                                                      tr.seed, train_valid_test_num_samples(tr))
+                                                                      tr.seed, sizes)
         signals = tr.exit_signal_handler or tr.exit_signal_handler_for_dataloader
         if signals and self.cfg.data.num_workers > 0:
             kill_workers_at_exit()

@@ -66,6 +66,18 @@ class MicroBatches:
             iters += (train_samples - consumed) // self.global_batch_size
         return iters
 
+    def samples_for_iters(self, iters: int) -> int:
+        """Samples the first ``iters`` steps of a step schedule consume (counted per entry, as runs of equal
+        steps); without a schedule ``iters`` x the global batch."""
+        if self.steps is None:
+            return iters * self.global_batch_size
+        consumed, left = 0, iters
+        bounds = [t for t, _ in self.steps[1:]] + [None]
+        for (_, batch), end in zip(self.steps, bounds):
+            n = left if end is None else min(left, max(-(-(end - consumed) // batch), 0))
+            consumed, left = consumed + n * batch, left - n
+        return consumed
+
     def _steps_for_samples(self, train_samples: int) -> int:
         """Megatron's loop ``while consumed < train_samples: consumed += batch(consumed)``, counted
         per schedule entry (each entry is a run of equal steps) rather than step by step."""

@@ -54,6 +54,10 @@ def test_batch_sizes_and_train_iters_follow_the_schedule():
     m = MicroBatches(1, 1, 1, steps=steps)
     for n in (1, 16, 17, 999, 1000, 1001, 1040, 5000, 5001, 123457):
         assert m.train_iters_for_samples(n) == megatron_iters(steps, n), n
+    walked = [0]
+    for _ in range(200):
+        walked.append(walked[-1] + m.global_batch(walked[-1]))
+    assert [m.samples_for_iters(i) for i in range(200)] == walked[:200]
 
 
 def test_schedule_flags_validate():
