@@ -79,7 +79,7 @@ class Trainer:
         self.ckpt_group = checkpoint_group(cfg)  # checkpoint collectives run on their own gloo group
         if cfg.ckpt.load:
             self.load(cfg.ckpt.load)
-        check_batch_sizes(self.microbatches, self.consumed_samples, self.dims, tr.micro_batch_size)
+        check_batch_sizes(self.microbatches, self.consumed_samples, self.dims, tr.micro_batch_size, tr.eval_iters > 0)
         data = data if data is not None else self._build_data()
         self.train_iter, self.valid_iter = data[:2]
         self.test_iter = data[2] if len(data) > 2 else None
@@ -171,10 +171,10 @@ class Trainer:
         for m in self.models:
             m.eval()
         total = torch.zeros(2, device=self.device)
-        tr = self.cfg.train
+        tr, n = self.cfg.train, self.microbatches.eval_microbatches(self.consumed_samples)
         for _ in range(tr.eval_iters):
             reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=data_iterator,
-                                            model=self.models, num_microbatches=self.num_microbatches,
+                                            model=self.models, num_microbatches=n,
                                             seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
                                             layout=self.layout, forward_only=True)
             total += sum_reports(reports, self.device)

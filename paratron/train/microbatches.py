@@ -43,6 +43,13 @@ class MicroBatches:
     def num_microbatches(self, consumed_samples: int) -> int:
         return self.global_batch(consumed_samples) // self.per_micro_step
 
+    def eval_microbatches(self, consumed_samples: int) -> int:
+        """Micro-batches of an evaluation step: with a step schedule --global-batch-size's (Megatron's
+        eval_global_batch_size default), else the current training step's (the ramp, as Megatron's did)."""
+        if self.steps is not None:
+            return self.global_batch_size // self.per_micro_step
+        return self.num_microbatches(consumed_samples)
+
     def batch_sizes_from(self, consumed_samples: int) -> list[int]:
         """Every global batch size a run at ``consumed_samples`` can still reach (ascending, no repeats)."""
         if self.steps is not None:
@@ -93,9 +100,11 @@ class MicroBatches:
         return iters
 
 
-def check_batch_sizes(micro: MicroBatches, consumed_samples: int, dims, micro_batch_size: int) -> None:
+def check_batch_sizes(micro: MicroBatches, consumed_samples: int, dims, micro_batch_size: int,
+                      evaluates: bool = True) -> None:
     """Before training (after a resume): every global batch size still to come splits into micro-batches
-    over the data-parallel ranks, in a number the pipeline schedule takes (one-line ConfigErrors)."""
+    over the data-parallel ranks, in a number the pipeline schedule takes, and so does an evaluation
+    step's (``evaluates``) (one-line ConfigErrors)."""
     from ..config import ConfigError
     from ..parallel.pipeline import check_pipeline_schedule
     for gbs in micro.batch_sizes_from(consumed_samples):
@@ -104,3 +113,5 @@ def check_batch_sizes(micro: MicroBatches, consumed_samples: int, dims, micro_ba
                               f"samples or later) is not divisible by --micro-batch-size {micro_batch_size} x "
                               f"data-parallel size {dims.dp}; change the schedule or the layout")
         check_pipeline_schedule(dims, gbs // micro.per_micro_step)
+    if evaluates and micro.steps is not None:
+        check_pipeline_schedule(dims, micro.eval_microbatches(consumed_samples))

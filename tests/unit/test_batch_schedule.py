@@ -43,13 +43,14 @@ def test_schedule_parses_as_megatron():
 
 
 def test_batch_sizes_and_train_iters_follow_the_schedule():
-    mb = MicroBatches(1, 1, 2, steps=[(0, 2), (2, 4), (5, 8)])
+    mb = MicroBatches(2, 1, 2, steps=[(0, 2), (2, 4), (5, 8)])  # --global-batch-size: mbs x dp, as Megatron
     consumed, sizes = 0, []
     for _ in range(5):
         sizes.append(mb.global_batch(consumed))
         consumed += sizes[-1]
     assert sizes == [2, 4, 8, 8, 8] and consumed == 30
     assert [mb.num_microbatches(c) for c in (0, 1, 2, 4, 5, 100)] == [1, 1, 2, 2, 4, 4]
+    assert mb.eval_microbatches(100) == 1  # evaluation steps are --global-batch-size's (Megatron's eval default)
     steps = [(0, 16), (1000, 48), (1030, 64), (5000, 80)]
     m = MicroBatches(1, 1, 1, steps=steps)
     for n in (1, 16, 17, 999, 1000, 1001, 1040, 5000, 5001, 123457):
