@@ -418,8 +418,8 @@ class MoELayer(nn.Module):
         if split:
             out = comm.unscatter_from_sp(out, par.tp_group)
         if self.shared_experts is not None:
-            shared = (checkpoint(self.shared_experts, x, rng=par.rng) if self.recompute_shared and recompute.active(self)
-                      else self.shared_experts(x))  # --recompute-modules shared_experts
+            again = self.recompute_shared and recompute.active(self)  # --recompute-modules shared_experts
+            shared = checkpoint(self.shared_experts, x, rng=par.rng) if again else self.shared_experts(x)
             out = out + shared
         return out if residual is None else out + residual
 

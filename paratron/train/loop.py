@@ -25,7 +25,7 @@ from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims
 from ..parallel import fp8
 from ..parallel.layout import BatchLayout
-from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_func
+from ..parallel.pipeline import get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler

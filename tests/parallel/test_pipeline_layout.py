@@ -13,7 +13,8 @@ from tests.parallel.test_pipeline import test_pipeline_equals_single_rank as che
 
 CASES = {  # name -> (world, style, settings); BASE of test_pipeline: 4 layers, 8 micro-batches per step
     # VPP 2 from the layout, uneven chunks (1, 1, 2) and a loss-only last virtual stage
-    "layout_v2_loss_stage": (2, "gpt", dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|t|tt|L")),
+    "layout_v2_loss_stage": (2, "gpt", dict(pipeline_model_parallel_size=2,
+                                            pipeline_model_parallel_layout="Et|t|tt|L")),
     # an embedding-only first stage, the untied llama model
     "layout_embedding_stage": (2, "llama", dict(pipeline_model_parallel_size=2,
                                                 pipeline_model_parallel_layout="E|t*4L")),
