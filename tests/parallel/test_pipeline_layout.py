@@ -8,16 +8,15 @@ from paratron.parallel.dims import initialize_model_parallel
 from paratron.parallel.pipeline_layout import expand, layout_counts
 from paratron.parallel.stages import chunk_layers
 from tests.parallel.common import tiny_config
-from tests.parallel.test_pipeline import reference, run_case, spawn_cases  # noqa: F401  (reference: a fixture)
+from tests.parallel.test_pipeline import run_case, spawn_cases
 from tests.parallel.test_pipeline import test_pipeline_equals_single_rank as check_case
 
 CASES = {  # name -> (world, style, settings); BASE of test_pipeline: 4 layers, 8 micro-batches per step
     # VPP 2 from the layout, uneven chunks (1, 1, 2) and a loss-only last virtual stage
     "layout_v2_loss_stage": (2, "gpt", dict(pipeline_model_parallel_size=2,
                                             pipeline_model_parallel_layout="Et|t|tt|L")),
-    # an embedding-only first stage, the untied llama model
-    "layout_embedding_stage": (2, "llama", dict(pipeline_model_parallel_size=2,
-                                                pipeline_model_parallel_layout="E|t*4L")),
+    # an embedding-only first stage (the tied output layer's copy on the last)
+    "layout_embedding_stage": (2, "gpt", dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="E|t*4L")),
     # DP outermost: rank 1 is pipeline stage 1 of replica 0
     "tp_pp_dp_mapping": (4, "gpt", dict(pipeline_model_parallel_size=2, use_tp_pp_dp_mapping=True)),
 }
@@ -98,6 +97,11 @@ def _ranks(rank, world, names):
         d = build_dims(cfg)
         out[name]["coords"] = (d.pp_rank, d.dp_rank)
     return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {"gpt": run_case("gpt", {})}
 
 
 @pytest.fixture(scope="module")
