@@ -39,6 +39,8 @@ SIZES = {"num_layers": "2", "hidden_size": "64", "ffn_hidden_size": "128", "num_
          "kv_channels": "16", "seq_length": "64", "max_position_embeddings": "64", "micro_batch_size": "2",
          "global_batch_size": "4", "train_iters": str(ITERS), "eval_iters": "1", "eval_interval": str(ITERS),
          "save_interval": str(ITERS), "log_interval": "1", "lr_decay_iters": str(ITERS), "lr_warmup_iters": "1",
+         "save_retain_interval": str(ITERS), "pipeline_model_parallel_layout": None,
+         "num_virtual_stages_per_pipeline_rank": None,
          "num_experts": "4", "moe_ffn_hidden_size": "64", "moe_shared_expert_intermediate_size": "64",
          "moe_layer_freq": "1", "num_query_groups": "2", "decoder_first_pipeline_num_layers": None,
          "decoder_last_pipeline_num_layers": None, "num_layers_per_virtual_pipeline_stage": None,
@@ -118,6 +120,8 @@ def scale(flags: list[list[str]], tmp: Path, gpt2: tuple[str, str]) -> tuple[lis
             if any("$" in v for v in values):
                 notes.append(f"{f[0]} ${{...}} -> 1")
             argv += [f[0], *[re.sub(r"\$\{?\w+\}?", "1", v) for v in values]]
+    if "step_batch_size_schedule" in names:
+        argv = scale_schedule(argv)
     if "train_iters" not in names:
         argv += ["--train-iters", str(ITERS)]
     if "log_interval" not in names:  # the log line of the last iteration shows that it ran
@@ -134,6 +138,20 @@ def scale(flags: list[list[str]], tmp: Path, gpt2: tuple[str, str]) -> tuple[lis
             notes.append("tokenizer files -> NullTokenizer")
     argv += ["--mock-data", "--device", "cpu", "--num-workers", "0", "--split", "98,1,1"]
     return argv, notes
+
+
+def scale_schedule(argv: list[str]) -> list[str]:
+    """--step-batch-size-schedule with its batch sizes scaled so that the first is the scaled global batch
+    (thresholds kept); a --global-batch-size beside it becomes the scaled final size."""
+    argv = list(argv)
+    i = argv.index("--step-batch-size-schedule") + 1
+    entries = [e.split(":", 1) for e in argv[i].replace(",", " ").split()]
+    first = min(entries, key=lambda e: float(e[0].rstrip("KMBTkmbt") or 0))[1]
+    scaled = [(t, max(int(SIZES["global_batch_size"]) * int(b) // int(first), 1)) for t, b in entries]
+    argv[i] = " ".join(f"{t}:{b - b % int(SIZES['micro_batch_size'])}" for t, b in scaled)
+    if "--global-batch-size" in argv:
+        argv[argv.index("--global-batch-size") + 1] = argv[i].split()[-1].split(":")[1]
+    return argv
 
 
 def tiny_gpt2(tmp: Path) -> tuple[str, str]:

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import os_error_reason
 from .pieces import CheckpointError, Piece, PieceLoadPlanner, PieceSavePlanner, SafeReader
+from .retention import Retention
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
@@ -319,7 +320,7 @@ def _finish(root: Path, iteration: int, tmp: Path, group, keep_last: int) -> Pat
     return final
 
 
-def _publish(root: Path, iteration: int, tmp: Path, final: Path, parts: list, keep_last: int) -> None:
+def _publish(root: Path, iteration: int, tmp: Path, final: Path, parts: list, keep_last) -> None:
     """Rank 0: manifest, rename, latest marker, retention."""
     files = {k: v for part in parts for k, v in part.items()}
     manifest = {"format": FORMAT, "iteration": iteration, "files": files, "crc32": _manifest_crc(files)}
@@ -327,13 +328,19 @@ def _publish(root: Path, iteration: int, tmp: Path, final: Path, parts: list, ke
     old = root / f".{final.name}.old"
     if final.exists():  # a checkpoint of the same iteration: replaced only now that the new one is complete
         os.replace(final, old)
+    previous = _previous_latest(root)
     os.replace(tmp, final)
     write_text_atomic(root / LATEST, str(iteration))
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
-    if keep_last > 0:
-        for it in complete_iterations(root)[keep_last:]:
-            shutil.rmtree(iter_dir(root, it), ignore_errors=True)
+    Retention.of(keep_last).prune(root, iter_dir, complete_iterations(root), iteration, previous)
+
+
+def _previous_latest(root: Path) -> Optional[int]:
+    try:
+        return latest_iteration(root)
+    except CheckpointError:  # an unreadable marker: --save-retain-interval deletes nothing
+        return None
 
 
 def _prepare(root: Path, iteration: int, group) -> Path:

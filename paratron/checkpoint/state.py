@@ -118,5 +118,8 @@ def rng_pieces(state: dict[str, torch.Tensor], dims: ParallelDims) -> list[Piece
 
 
 def layout(dims: ParallelDims, vpp: Optional[int]) -> dict:
-    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp,
-            "vpp": vpp or 1}
+    out = {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp,
+           "vpp": vpp or 1}
+    if dims.order != "tp-cp-ep-dp-pp":  # another rank order: the per-rank states belong to other coordinates
+        out["order"] = dims.order
+    return out

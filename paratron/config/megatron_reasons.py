@@ -97,8 +97,6 @@ REFUSED = {
     "moe_latent_size": PLANNED.format("MoE latent projections"),
     "moe_router_force_load_balancing": PLANNED.format("forced MoE load balancing (random router logits)"),
     "moe_per_layer_logging": PLANNED.format("per-layer MoE loss logging"),
-    "recompute_modules": PLANNED.format("recomputation of named submodules (--recompute-granularity selective|full "
-                                        "exist)"),
     "rotary_interleaved": PLANNED.format("interleaved (RoFormer-style) rotary embeddings"),
     "no_rope_freq": PLANNED.format("skipping RoPE in some layers"),
     "rotary_seq_len_interpolation_factor": PLANNED.format("RoPE sequence-length interpolation"),
@@ -110,16 +108,10 @@ REFUSED = {
     "decoupled_min_lr": PLANNED.format("a separate learning rate for the embedding and output layers"),
     "padded_vocab_size": PLANNED.format("an explicit padded vocabulary (paratron pads to "
                                         "--make-vocab-size-divisible-by x TP)"),
-    "pipeline_model_parallel_layout": PLANNED.format("custom pipeline layouts (use --decoder-first/last-pipeline-"
-                                                     "num-layers)"),
-    "num_virtual_stages_per_pipeline_rank": PLANNED.format("--num-virtual-stages-per-pipeline-rank (use "
-                                                           "--num-layers-per-virtual-pipeline-stage)"),
     "account_for_embedding_in_pipeline_split": PLANNED.format("embedding-aware pipeline splits"),
     "account_for_loss_in_pipeline_split": PLANNED.format("loss-aware pipeline splits"),
     "microbatch_group_size_per_virtual_pipeline_stage": PLANNED.format("micro-batch groups per virtual stage"),
-    "save_retain_interval": PLANNED.format("retained checkpoints (paratron has --ckpt-keep-last K)"),
     "verify_integrity": PLANNED.format("checkpoint file hashing (paratron checks CRC32s of every file)"),
-    "step_batch_size_schedule": PLANNED.format("step-wise batch-size schedules (use --rampup-batch-size)"),
     "eval_global_batch_size": PLANNED.format("a separate evaluation batch size"),
     "check_weight_hash_across_dp_replicas_interval": PLANNED.format("weight-hash checks across DP replicas"),
     "profile_ranks": PLANNED.format("profiling chosen ranks (--profile traces every rank)"),
@@ -131,7 +123,6 @@ REFUSED = {
     "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
     "first_last_layers_bf16": PLANNED.format("keeping the first/last layers in bf16 under FP8"),
     "use_precision_aware_optimizer": GPU.format("Transformer Engine's precision-aware optimizer"),
-    "use_tp_pp_dp_mapping": PLANNED.format("the tp-pp-dp rank order (paratron's is Megatron's default tp-cp-ep-dp-pp)"),
     "disable_gloo_process_groups": NA.format("paratron's checkpoint collectives need their gloo group"),
     "use_nccl_ub": GPU.format("NCCL user-buffer registration"),
     "fsdp_double_buffer": PLANNED.format("Megatron-FSDP"),

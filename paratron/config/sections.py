@@ -184,6 +184,9 @@ class ParallelConfig(Section):
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None  # the virtual pipeline size, Megatron's newer name
+    pipeline_model_parallel_layout: Optional[str] = None  # Megatron's layout string, e.g. "Et*3|(tt|)*2,t|tL"
+    use_tp_pp_dp_mapping: bool = False  # rank order tp-cp-ep-pp-dp (DP varies slowest) instead of tp-cp-ep-dp-pp
     context_parallel_size: int = 1  # the sequence split over CP ranks (paratron/parallel/context.py)
     cp_comm_type: str = "p2p"  # p2p (ring attention) | a2a (Ulysses); allgather, a2a+p2p: errors until they exist
     hierarchical_context_parallel_sizes: Optional[list] = None  # a2a+p2p: an error until it exists
@@ -206,6 +209,7 @@ class TrainConfig(Section):
     micro_batch_size: int = 4
     global_batch_size: Optional[int] = None  # default micro_batch_size * data-parallel size
     rampup_batch_size: Optional[list] = None
+    step_batch_size_schedule: Optional[str] = None  # "THRESHOLD:BS ..." thresholds in tokens (K/M/B/T suffixes)
     train_iters: Optional[int] = None
     train_samples: Optional[int] = None
     eval_interval: int = 1000
@@ -230,6 +234,7 @@ class TrainConfig(Section):
     recompute_granularity: Optional[str] = None  # full | selective
     recompute_method: Optional[str] = None  # uniform | block
     recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[list] = None  # selective recompute of: core_attn (default), layernorm, mlp, moe, ...
     device: Optional[str] = None  # paratron: cuda | cpu; default cuda when available
     torch_compile: bool = False  # paratron: torch.compile each transformer layer (regional compilation)
     no_fused_output_loss: bool = False  # paratron: plain logits + cross-entropy instead of the chunked fused path
@@ -353,6 +358,7 @@ class CheckpointConfig(Section):
     ckpt_step: Optional[int] = None  # load this iteration instead of the latest
     exit_on_missing_checkpoint: bool = False  # --load without a checkpoint is an error instead of a fresh start
     ckpt_keep_last: int = 0  # paratron: keep only the newest K checkpoints under --save (0: keep all)
+    save_retain_interval: Optional[int] = None  # keep checkpoints at multiples of it; delete the other older ones
     dist_ckpt_strictness: str = "assume_ok_unexpected"  # key mismatches on load: Megatron's StrictHandling values
     use_checkpoint_args: bool = False  # the model's shape and tokenizer from the --load checkpoint's config
     override_checkpoint_model_args: bool = False  # paratron: load a checkpoint saved with other model flags

@@ -19,6 +19,7 @@ from typing import Optional
 from ..errors import ConfigError
 from .ranges import check_ranges
 from .validate_attnvar import validate_attention_parallel, validate_attention_variants
+from .validate_sched import check_mapping, schedule_batches, schedule_of, validate_sched
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
 
 TIKTOKEN_PATTERNS = ("v1", "v2")
@@ -346,6 +347,7 @@ def resolve_batch(cfg: Config, data_parallel_size: int) -> None:
     need(gbs % per_step == 0,
          f"--global-batch-size {gbs} is not divisible by --micro-batch-size {tr.micro_batch_size} x "
          f"data-parallel size {data_parallel_size}; adjust one of them")
+    schedule_batches(cfg, data_parallel_size)
     if tr.rampup_batch_size is not None:
         start, inc, _ = tr.rampup_batch_size
         need(start % per_step == 0 and inc % per_step == 0,
@@ -366,11 +368,12 @@ def resolve_world(cfg: Config, world: int) -> None:
     need((world // pp) % (ep * etp) == 0,
          f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not divide the {world // pp} "
          f"ranks of a pipeline stage (world size {world} / PP {pp}); change the expert-parallel sizes")
+    check_mapping(par, world)
     resolve_batch(cfg, dp)
     if tr.global_batch_size is None:
         tr.global_batch_size = tr.micro_batch_size * dp
     if tr.train_iters is None:
-        micro = MicroBatches(tr.global_batch_size, tr.micro_batch_size, dp, tr.rampup_batch_size)
+        micro = MicroBatches(tr.global_batch_size, tr.micro_batch_size, dp, tr.rampup_batch_size, schedule_of(cfg))
         tr.train_iters = micro.train_iters_for_samples(tr.train_samples)
     cfg.world_size = world
 
@@ -414,7 +417,8 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
     given_world = cfg.world_size
     steps = (lambda: validate_model(cfg.model), lambda: validate_parallel(cfg.parallel, cfg.model, cfg.train),
              lambda: validate_train(cfg.train), lambda: validate_fp8(cfg), lambda: validate_optim(cfg.optim),
-             lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data))
+             lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data),
+             lambda: validate_sched(cfg))
     try:
         _run_all([lambda name=name: check_ranges(getattr(cfg, name)) for name in SECTIONS])  # numbers first
         _run_all(steps)  # each section's problem, together

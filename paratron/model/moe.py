@@ -33,9 +33,11 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel import comm
+from ..parallel.random import checkpoint
 from ..parallel.experts import DISPATCHERS, ExpertLayout
 from ..parallel.sharding import ShardSpec, Split, set_spec, shard
 from ..parallel.tensor import init_normal
+from . import recompute
 from .kernels import swiglu, swiglu_reference
 from .layers import MLP, Parallel, output_init
 
@@ -204,12 +206,14 @@ class Router(nn.Module):
             scores, aux_map = aux_loss_scores(logits, self.topk, cfg.moe_router_score_function)
             loss = (switch_aux_loss(scores, aux_map, self.topk, self.partition) if kind == "aux_loss"
                     else seq_aux_loss(scores, aux_map, self.topk, seq_length, self.partition))
-            self._track("load_balancing_loss", loss)
+            if not recompute.recomputing():
+                self._track("load_balancing_loss", loss)
             if cfg.moe_aux_loss_coeff > 0:
                 probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_aux_loss_coeff, self.aux_loss_scale)
         if cfg.moe_z_loss_coeff:
             loss = z_loss(logits) / self.parts
-            self._track("z_loss", loss)
+            if not recompute.recomputing():
+                self._track("z_loss", loss)
             probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_z_loss_coeff, self.aux_loss_scale)
         return probs
 
@@ -220,7 +224,8 @@ class Router(nn.Module):
         probs, routing_map = topk_route(logits, self.topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
                                         cfg.moe_router_topk_scaling_factor, self.expert_bias)
         training = self.training and torch.is_grad_enabled()
-        if training and self.tokens_per_expert is not None:  # the router's choices (before capacity)
+        counted = training and not recompute.recomputing()  # a recomputation in backward is not counted twice
+        if counted and self.tokens_per_expert is not None:  # the router's choices (before capacity)
             self.tokens_per_expert += routing_map.sum(dim=0).float()
         if cfg.moe_expert_capacity_factor is not None:
             capacity = expert_capacity(x.shape[0], self.topk, self.experts, cfg.moe_expert_capacity_factor)
@@ -329,6 +334,7 @@ class Experts(nn.Module):
         self.swiglu_kernel = not cfg.no_bias_swiglu_fusion
         self.grouped = cfg.moe_grouped_gemm
         self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
+        self.recompute_act = False  # --recompute-modules moe_act: the activation's output is not kept
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, counts, rows) -> torch.Tensor:
         """x [tokens sorted by expert, in] times each expert's w [out, in]^T; ``rows``: the padded
@@ -353,12 +359,16 @@ class Experts(nn.Module):
         h = self._mm(x, fc1.weight, counts, rows)
         if fc1.bias is not None:
             h = h + fc1.bias[expert_index]
-        if self.swiglu:
-            h = swiglu(h) if self.swiglu_kernel else swiglu_reference(h)
+        if self.recompute_act and recompute.active(self):
+            out = recompute.discard_output(self._act, h, lambda a: self._mm(a, fc2.weight, counts, rows))
         else:
-            h = F.gelu(h, approximate=self.approx)
-        out = self._mm(h, fc2.weight, counts, rows)
+            out = self._mm(self._act(h), fc2.weight, counts, rows)
         return out + fc2.bias[expert_index] if fc2.bias is not None and self.fc2_bias_here else out
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return swiglu(h) if self.swiglu_kernel else swiglu_reference(h)
+        return F.gelu(h, approximate=self.approx)
 
 
 class MoELayer(nn.Module):
@@ -378,6 +388,7 @@ class MoELayer(nn.Module):
         if cfg.moe_shared_expert_intermediate_size is not None:
             shared = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_intermediate_size)
             self.shared_experts = MLP(shared, par, device, dtype)  # not gated (Megatron gates only Qwen's)
+        self.recompute_shared = False  # --recompute-modules shared_experts
         # dropless: every token goes to top-k experts, so the routed pairs are known in number
         self.dropless = cfg.moe_expert_capacity_factor is None
         self.local = local_experts
@@ -407,7 +418,9 @@ class MoELayer(nn.Module):
         if split:
             out = comm.unscatter_from_sp(out, par.tp_group)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            again = self.recompute_shared and recompute.active(self)  # --recompute-modules shared_experts
+            shared = checkpoint(self.shared_experts, x, rng=par.rng) if again else self.shared_experts(x)
+            out = out + shared
         return out if residual is None else out + residual
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.random import checkpoint, seeded_init
+from . import recompute
 from .layers import Attention, ForwardContext, Norm, Parallel
 from .spec import LayerSpec, build_mixer, build_mlp, layer_specs
 
@@ -31,6 +32,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = build_mixer(spec, cfg, par, device, dtype)
         self.pre_mlp_layernorm = norm() if spec.mlp is not None else None
         self.mlp = build_mlp(spec, cfg, par, device, dtype)
+        self.recompute_norms = self.recompute_mlp = False  # --recompute-modules layernorm / mlp, moe (recompute.py)
 
     def _dropout_off(self) -> bool:
         return not self.training or self.p == 0.0
@@ -43,14 +45,25 @@ class TransformerLayer(nn.Module):
                 return F.dropout(x, self.p, True)
         return F.dropout(x, self.p, True)
 
+    def _normed(self, norm, x: torch.Tensor, then):
+        """``then(norm(x))``; with --recompute-modules layernorm the norm's output is not kept for backward."""
+        if self.recompute_norms and recompute.active(self):
+            return recompute.discard_output(norm, x, then)
+        return then(norm(x))
+
+    def _mlp(self, h: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.recompute_mlp and recompute.active(self):  # --recompute-modules mlp / moe
+            return checkpoint(self.mlp, h, residual, rng=self.par.rng)
+        return self.mlp(h, residual)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.self_attention is not None:
-            x = x + self._dropout(self.self_attention(self.input_layernorm(x), ctx))
+            x = x + self._dropout(self._normed(self.input_layernorm, x, lambda h: self.self_attention(h, ctx)))
         if self.mlp is None:
             return x
         if self.fuse_residual and self._dropout_off():  # fc2's matmul adds the residual
-            return self.mlp(self.pre_mlp_layernorm(x), residual=x)
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+            return self._normed(self.pre_mlp_layernorm, x, lambda h: self._mlp(h, x))
+        return x + self._dropout(self._normed(self.pre_mlp_layernorm, x, self._mlp))
 
 
 class TransformerStack(nn.Module):

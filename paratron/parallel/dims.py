@@ -2,6 +2,8 @@
 
 Rank numbering follows Megatron's ``order="tp-cp-ep-dp-pp"``: the first axis varies fastest, so
 ``rank = tp + cp*TP + dp*TP*CP + pp*TP*CP*DP`` for dense layers (EP does not split the dense layout).
+``order="tp-cp-ep-pp-dp"`` (``--use-tp-pp-dp-mapping``) swaps the two outer axes:
+``rank = tp + cp*TP + pp*TP*CP + dp*TP*CP*PP``, and the expert layout becomes ``tp-ep-pp-dp``.
 Experts use a second layout ``tp-ep-dp-pp`` (expert-TP, EP, expert-DP) whose PP groups equal the
 dense ones. Nothing here is module-level state: build one object per layout and pass it around.
 A group is ``None`` when torch.distributed is not initialised (a one-process run); every
@@ -20,6 +22,9 @@ from ..config import ConfigError
 
 DENSE_AXES = ("tp", "cp", "dp", "pp")
 EXPERT_AXES = ("etp", "ep", "edp", "pp")
+# Megatron's two orders (--use-tp-pp-dp-mapping picks the second): the axes of each layout, fastest first
+ORDERS = {"tp-cp-ep-dp-pp": (DENSE_AXES, EXPERT_AXES),
+          "tp-cp-ep-pp-dp": (("tp", "cp", "pp", "dp"), ("etp", "ep", "pp", "edp"))}
 
 
 @dataclass
@@ -144,21 +149,22 @@ def layout_groups(world: int, sizes: dict[str, int], axes: tuple[str, ...], vary
     return groups
 
 
-def _group_axes(sizes: dict, esizes: dict) -> dict:
+def _group_axes(sizes: dict, esizes: dict, order: str = "tp-cp-ep-dp-pp") -> dict:
     """{group name: (sizes, axes of the layout, the axes its members differ along)}."""
+    dense, expert = ORDERS[order]
     return {
-        "tp": (sizes, DENSE_AXES, ("tp",)),
-        "cp": (sizes, DENSE_AXES, ("cp",)),
-        "dp": (sizes, DENSE_AXES, ("dp",)),
-        "pp": (sizes, DENSE_AXES, ("pp",)),
-        "dp_cp": (sizes, DENSE_AXES, ("cp", "dp")),
-        "tp_cp": (sizes, DENSE_AXES, ("tp", "cp")),
-        "mp": (sizes, DENSE_AXES, ("tp", "pp")),
-        "ep": (esizes, EXPERT_AXES, ("ep",)),
-        "etp": (esizes, EXPERT_AXES, ("etp",)),
-        "edp": (esizes, EXPERT_AXES, ("edp",)),
-        "etp_ep": (esizes, EXPERT_AXES, ("etp", "ep")),  # the ranks holding one copy of every expert
-        "emp": (esizes, EXPERT_AXES, ("etp", "ep", "pp")),  # the experts' model-parallel group
+        "tp": (sizes, dense, ("tp",)),
+        "cp": (sizes, dense, ("cp",)),
+        "dp": (sizes, dense, ("dp",)),
+        "pp": (sizes, dense, ("pp",)),
+        "dp_cp": (sizes, dense, ("cp", "dp")),
+        "tp_cp": (sizes, dense, ("tp", "cp")),
+        "mp": (sizes, dense, ("tp", "pp")),
+        "ep": (esizes, expert, ("ep",)),
+        "etp": (esizes, expert, ("etp",)),
+        "edp": (esizes, expert, ("edp",)),
+        "etp_ep": (esizes, expert, ("etp", "ep")),  # the ranks holding one copy of every expert
+        "emp": (esizes, expert, ("etp", "ep", "pp")),  # the experts' model-parallel group
     }
 
 
@@ -176,8 +182,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     initialized = dist.is_available() and dist.is_initialized()
     world = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
     me = rank if rank is not None else (dist.get_rank() if initialized else 0)
-    if order != "tp-cp-ep-dp-pp":
-        raise ConfigError(f"order {order!r} is not supported; paratron uses Megatron's default tp-cp-ep-dp-pp")
+    if order not in ORDERS:
+        raise ConfigError(f"order {order!r} is not supported; paratron has Megatron's tp-cp-ep-dp-pp (the default) "
+                          "and tp-cp-ep-pp-dp (--use-tp-pp-dp-mapping)")
     tp, pp, cp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
                       expert_model_parallel_size)
     etp = expert_tensor_parallel_size or tp
@@ -191,13 +198,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     edp = world // (pp * etp * ep)
     sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
     esizes = {"etp": etp, "ep": ep, "edp": edp, "pp": pp}
-    c = _coords(me, sizes, DENSE_AXES)
-    ec = _coords(me, esizes, EXPERT_AXES)
+    dense_axes, expert_axes = ORDERS[order]
+    c = _coords(me, sizes, dense_axes)
+    ec = _coords(me, esizes, expert_axes)
     dims = ParallelDims(world_size=world, rank=me, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp,
                         vpp=virtual_pipeline_model_parallel_size, order=order,
                         tp_rank=c["tp"], pp_rank=c["pp"], dp_rank=c["dp"], cp_rank=c["cp"],
                         ep_rank=ec["ep"], etp_rank=ec["etp"], edp_rank=ec["edp"])
-    all_groups = {name: layout_groups(world, s, ax, var) for name, (s, ax, var) in _group_axes(sizes, esizes).items()}
+    all_groups = {name: layout_groups(world, s, ax, var)
+                  for name, (s, ax, var) in _group_axes(sizes, esizes, order).items()}
+    if sorted(layout_groups(world, esizes, expert_axes, ("pp",))) != sorted(all_groups["pp"]):
+        raise ConfigError(f"order {order}: the expert layout's pipeline groups differ from the dense ones; with "
+                          f"PP {pp} the expert-TP {etp} x EP {ep} must equal TP {tp} x CP {cp}")
     # embedding group: first and last stage of each pipeline (for tied embeddings)
     all_groups["embedding"] = [sorted({g[0], g[-1]}) for g in all_groups["pp"]]
     for name, rank_lists in all_groups.items():

@@ -16,6 +16,7 @@ import re
 from typing import Optional
 
 from ..config import ConfigError
+from .pipeline_layout import layout_counts, num_stages
 
 
 def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None,
@@ -50,20 +51,44 @@ def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None,
 
 
 def chunk_layers(num_layers: int, pp: int, vpp: Optional[int] = None, first: Optional[int] = None,
-                 last: Optional[int] = None) -> dict[tuple[int, int], tuple[int, int]]:
-    """{(virtual index v, pipeline rank r): (first global layer, number of layers)} of every chunk."""
+                 last: Optional[int] = None, layout: Optional[str] = None) -> dict[tuple[int, int], tuple[int, int]]:
+    """{(virtual index v, pipeline rank r): (first global layer, number of layers)} of every chunk.
+    ``layout``: a --pipeline-model-parallel-layout string, which fixes every chunk's count."""
     v_size = vpp or 1
-    counts = stage_layer_counts(num_layers, pp, first, last)
-    if v_size > 1 and any(n % v_size for n in counts):
-        raise ConfigError(f"with --virtual-pipeline-model-parallel-size {v_size} every stage's layer count must be "
-                          f"divisible by {v_size}; the stages have {counts} layers")
+    if layout is not None:
+        per_chunk = layout_counts(layout, num_layers, pp)
+    else:
+        counts = stage_layer_counts(num_layers, pp, first, last)
+        if v_size > 1 and any(n % v_size for n in counts):
+            raise ConfigError(f"with --virtual-pipeline-model-parallel-size {v_size} every stage's layer count must "
+                              f"be divisible by {v_size}; the stages have {counts} layers")
+        per_chunk = {(v, r): counts[r] // v_size for v in range(v_size) for r in range(pp)}
     out, offset = {}, 0
     for v in range(v_size):
         for r in range(pp):
-            n = counts[r] // v_size
-            out[(v, r)] = (offset, n)
-            offset += n
+            out[(v, r)] = (offset, per_chunk[(v, r)])
+            offset += per_chunk[(v, r)]
     return out
+
+
+def _virtual_size_of_layout(par) -> Optional[int]:
+    """The virtual size --pipeline-model-parallel-layout or --num-virtual-stages-per-pipeline-rank gives
+    (at most one of them and --num-layers-per-virtual-pipeline-stage, as Megatron); None: neither."""
+    given = [f for f, v in (("--num-layers-per-virtual-pipeline-stage", par.num_layers_per_virtual_pipeline_stage),
+                            ("--num-virtual-stages-per-pipeline-rank", par.num_virtual_stages_per_pipeline_rank),
+                            ("--pipeline-model-parallel-layout", par.pipeline_model_parallel_layout)) if v is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} are mutually exclusive; choose one")
+    if par.pipeline_model_parallel_layout is not None:
+        if par.decoder_first_pipeline_num_layers is not None or par.decoder_last_pipeline_num_layers is not None:
+            raise ConfigError("--pipeline-model-parallel-layout fixes every stage's layers: remove "
+                              "--decoder-first/last-pipeline-num-layers")
+        stages = num_stages(par.pipeline_model_parallel_layout)
+        if stages % par.pipeline_model_parallel_size:
+            raise ConfigError(f"--pipeline-model-parallel-layout has {stages} stages, not a multiple of "
+                              f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size}")
+        return stages // par.pipeline_model_parallel_size
+    return par.num_virtual_stages_per_pipeline_rank
 
 
 def finalize_pipeline(par, num_layers: int) -> Optional[int]:
@@ -72,6 +97,12 @@ def finalize_pipeline(par, num_layers: int) -> Optional[int]:
     pp = par.pipeline_model_parallel_size
     per_v = par.num_layers_per_virtual_pipeline_stage
     vpp = par.virtual_pipeline_model_parallel_size
+    derived = _virtual_size_of_layout(par)
+    if derived is not None:
+        if vpp is not None and vpp != derived:
+            raise ConfigError(f"--virtual-pipeline-model-parallel-size {vpp} contradicts the {derived} virtual stages "
+                              "per rank of --num-virtual-stages-per-pipeline-rank / --pipeline-model-parallel-layout")
+        vpp = derived
     if per_v is not None:
         if per_v < 1 or num_layers % pp or (num_layers // pp) % per_v:
             raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_v} must divide the {num_layers} / {pp} "
@@ -86,7 +117,8 @@ def finalize_pipeline(par, num_layers: int) -> Optional[int]:
             raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1 (got {vpp})")
         if vpp > 1 and pp == 1:
             raise ConfigError("--virtual-pipeline-model-parallel-size needs --pipeline-model-parallel-size > 1")
-    chunk_layers(num_layers, pp, vpp, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers)
+    chunk_layers(num_layers, pp, vpp, par.decoder_first_pipeline_num_layers, par.decoder_last_pipeline_num_layers,
+                 par.pipeline_model_parallel_layout)
     return vpp
 
 
@@ -95,7 +127,7 @@ def rank_chunks(cfg, pp_rank: int) -> list[dict]:
     par = cfg.parallel
     pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
     layout = chunk_layers(cfg.model.num_layers, pp, vpp, par.decoder_first_pipeline_num_layers,
-                          par.decoder_last_pipeline_num_layers)
+                          par.decoder_last_pipeline_num_layers, par.pipeline_model_parallel_layout)
     chunks = []
     for v in range(vpp):
         offset, n = layout[(v, pp_rank)]

@@ -66,6 +66,7 @@ def build_dims(cfg: Config) -> ParallelDims:
     return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                      p.virtual_pipeline_model_parallel_size, p.context_parallel_size,
                                      p.expert_model_parallel_size, p.expert_tensor_parallel_size,
+                                     order="tp-cp-ep-pp-dp" if p.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
                                      timeout=timeout(cfg))
 
 

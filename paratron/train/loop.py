@@ -15,15 +15,17 @@ from ..checkpoint import sharded
 from ..checkpoint import state as cstate
 from ..checkpoint.compat import check_model_config
 from ..checkpoint.pieces import replicated_row
+from ..checkpoint.retention import Retention
 from ..checkpoint.strictness import apply_strictness
 from ..checkpoint.tokenizer_files import save_tokenizer
 from ..config import Config, check_resolved
+from ..config.validate_sched import schedule_of
 from ..model import moe
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims
 from ..parallel import fp8
 from ..parallel.layout import BatchLayout
-from ..parallel.pipeline import check_pipeline_schedule, get_forward_backward_func
+from ..parallel.pipeline import get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
@@ -34,7 +36,7 @@ from .logger import RunLogger, format_valid_line
 from .metrics import flops_per_iteration, peak_tflops
 from .reporting import Reporter, TimedIterator, wandb_run
 from .runtime import GarbageCollection, apply_deterministic_mode, apply_logging_level, empty_unused_memory
-from .microbatches import MicroBatches
+from .microbatches import MicroBatches, check_batch_sizes
 from .report import end_of_run
 from .step import build_model, build_model_chunks, loss_func, make_forward_step, params_dtype, sum_reports  # noqa: F401
 
@@ -51,7 +53,8 @@ class Trainer:
         check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
         preflight(cfg, self.dims, partial(print, flush=True))  # --save and the other output directories, now
         tr = cfg.train
-        self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size)
+        self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size,
+                                         schedule_of(cfg))
         self.current_global_batch = tr.global_batch_size
         set_seed(tr.seed, self.dims.pp_rank)
         apply_deterministic_mode(tr.deterministic_mode)
@@ -65,8 +68,6 @@ class Trainer:
         self.iteration, self.consumed_samples = 0, 0
         self.skipped, self.nan_iters = 0, 0
         self.forward_backward = get_forward_backward_func(self.dims, 60.0 * cfg.parallel.distributed_timeout_minutes)
-        for m in (self.num_microbatches, tr.global_batch_size // (tr.micro_batch_size * self.dims.dp)):
-            check_pipeline_schedule(self.dims, m)  # the first and the final batch size
         self.layout = BatchLayout.from_config(cfg, self.dims, self.device, params_dtype(cfg))
         self.forward_step = make_forward_step(self.layout)
         logging_rank = self.dims.is_logging_rank
@@ -78,6 +79,7 @@ class Trainer:
         self.ckpt_group = checkpoint_group(cfg)  # checkpoint collectives run on their own gloo group
         if cfg.ckpt.load:
             self.load(cfg.ckpt.load)
+        check_batch_sizes(self.microbatches, self.consumed_samples, self.dims, tr.micro_batch_size, tr.eval_iters > 0)
         data = data if data is not None else self._build_data()
         self.train_iter, self.valid_iter = data[:2]
         self.test_iter = data[2] if len(data) > 2 else None
@@ -98,8 +100,11 @@ class Trainer:
     def _build_data(self):
         from ..data import build_data_iterator, build_train_valid_test_datasets, train_valid_test_num_samples
         cfg, tr = self.cfg, self.cfg.train
+        sizes = train_valid_test_num_samples(tr)
+        if tr.step_batch_size_schedule is not None:  # enough for the steps the schedule runs (Megatron: iters x gbs)
+            sizes[0] = max(sizes[0], self.microbatches.samples_for_iters(tr.train_iters))
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length,
-                                                                      tr.seed, train_valid_test_num_samples(tr))
+                                                                      tr.seed, sizes)
         signals = tr.exit_signal_handler or tr.exit_signal_handler_for_dataloader
         if signals and self.cfg.data.num_workers > 0:
             kill_workers_at_exit()
@@ -166,10 +171,10 @@ class Trainer:
         for m in self.models:
             m.eval()
         total = torch.zeros(2, device=self.device)
-        tr = self.cfg.train
+        tr, n = self.cfg.train, self.microbatches.eval_microbatches(self.consumed_samples)
         for _ in range(tr.eval_iters):
             reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=data_iterator,
-                                            model=self.models, num_microbatches=self.num_microbatches,
+                                            model=self.models, num_microbatches=n,
                                             seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
                                             layout=self.layout, forward_only=True)
             total += sum_reports(reports, self.device)
@@ -216,15 +221,16 @@ class Trainer:
                   "rng": not c.no_save_rng, "layout": self._layout(), "config": self.cfg.to_dict()}
         if self.dims.rank == 0:  # the tokenizer's files beside the weights (generate / serve find them)
             save_tokenizer(c.save, self.cfg.data)
+        keep = Retention(c.ckpt_keep_last, c.save_retain_interval)  # which older checkpoints the save removes
         if c.async_save:
             it = self.iteration
 
             def done(path: Path, seconds: float) -> None:
                 self.log.print(f" saved checkpoint at iteration {it:7d} to {path} (in the background, {seconds:.1f} s)")
-            self.pending_save = sharded.AsyncSave(c.save, it, pieces, common, self.ckpt_group, c.ckpt_keep_last,
+            self.pending_save = sharded.AsyncSave(c.save, it, pieces, common, self.ckpt_group, keep,
                                                   self._pinned, done)
             return sharded.iter_dir(c.save, it)
-        path = sharded.save(c.save, self.iteration, pieces, common, self.ckpt_group, c.ckpt_keep_last)
+        path = sharded.save(c.save, self.iteration, pieces, common, self.ckpt_group, keep)
         self.log.print(f" saved checkpoint at iteration {self.iteration:7d} to {path}")
         return path
 
@@ -340,11 +346,9 @@ class Trainer:
         profiler = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        params = sum(m.module.num_parameters() for m in self.models)
-        lg.print(f" training {params / 1e6:.2f}M parameters per rank, "
-                 f"{self.dims.describe()}, {tr.train_iters} iterations, global batch {tr.global_batch_size}, "
-                 f"{self.num_microbatches} micro-batches of {tr.micro_batch_size}, device {self.device}")
+        self._announce()
         while self.iteration < tr.train_iters:
+            last_saved = self._save_on_batch_change(last_saved)
             if cfg.log.profile and self.iteration == cfg.log.profile_step_start:
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
                 profiler.__enter__()
@@ -389,6 +393,22 @@ class Trainer:
         collector.close()
         return {"iteration": self.iteration, "exit_reason": self.exit_reason, "valid_loss": valid_loss,
                 "train_curve": lg.train_curve, "valid_curve": lg.valid_curve}
+
+    def _announce(self) -> None:
+        tr, params = self.cfg.train, sum(m.module.num_parameters() for m in self.models)
+        self._micro = self.num_microbatches  # (what _save_on_batch_change compares with)
+        self.log.print(f" training {params / 1e6:.2f}M parameters per rank, {self.dims.describe()}, {tr.train_iters} "
+                       f"iterations, global batch {tr.global_batch_size}, {self._micro} micro-batches of "
+                       f"{tr.micro_batch_size}, device {self.device}")
+
+    def _save_on_batch_change(self, last_saved: Optional[int]) -> Optional[int]:
+        """As Megatron: with --save, a checkpoint whenever the batch-size schedule (--rampup-batch-size,
+        --step-batch-size-schedule) changes the micro-batch count. Returns the last saved iteration."""
+        micro, self._micro = self._micro, self.num_microbatches
+        if micro != self._micro and self.cfg.ckpt.save and last_saved != self.iteration:
+            self.save()
+            return self.iteration
+        return last_saved
 
     def _final_evaluations(self, valid_loss: Optional[float]) -> Optional[float]:
         """After training: the validation loss unless it was just measured, and (as Megatron) the

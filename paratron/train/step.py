@@ -8,7 +8,7 @@ from functools import partial
 import torch
 
 from ..config import Config
-from ..model import moe
+from ..model import moe, recompute
 from ..model.gpt import GPTModel
 from ..parallel.dims import ParallelDims
 from ..parallel.fp8 import Recipe
@@ -40,6 +40,8 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
                      fp8=Recipe.from_config(tr), cp_comm_type=cfg.parallel.cp_comm_type, device=device,
                      dtype=params_dtype(cfg), **stage)
     model.fused_output_loss = not tr.no_fused_output_loss
+    if tr.recompute_granularity == "selective":  # --recompute-modules (resolved: default core_attn)
+        recompute.apply(model.decoder, tr.recompute_modules)
     if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
         model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check
     if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)

@@ -58,15 +58,20 @@ def reference():
     return {style: run_case(style, {}) for style in ("gpt", "llama")}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def spawn_cases(cases: dict, ranks_fn, tmp_path_factory) -> dict:
+    """{case: [what each rank returned]}: one set of spawned ranks per world size of ``cases``."""
     out = {}
-    for world in sorted({w for w, _, _ in CASES.values()}):
-        names = [n for n, (w, _, _) in CASES.items() if w == world]
-        per_rank = run_ranks(world, _ranks, names, tmp_dir=tmp_path_factory.mktemp(f"w{world}"))
+    for world in sorted({w for w, _, _ in cases.values()}):
+        names = [n for n, (w, _, _) in cases.items() if w == world]
+        per_rank = run_ranks(world, ranks_fn, names, tmp_dir=tmp_path_factory.mktemp(f"w{world}"))
         for name in names:
             out[name] = [r[name] for r in per_rank]
     return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return spawn_cases(CASES, _ranks, tmp_path_factory)
 
 
 def close(a: float, b: float, rtol: float = 1e-5) -> bool:

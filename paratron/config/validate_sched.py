@@ -1,0 +1,139 @@
+"""Validation of the batch-size schedule, checkpoint retention, pipeline layout, rank order and
+selective-recompute flags (called from validate.resolve): --step-batch-size-schedule,
+--save-retain-interval, --use-tp-pp-dp-mapping and --recompute-modules. One-line ConfigErrors."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import ConfigError
+
+SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+
+def need(cond, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _number(text: str, schedule: str) -> int:
+    """A schedule number: an int or float with an optional K/M/B/T suffix, truncated as Megatron's
+    ``int(float(value) * multiplier)``."""
+    t = text.strip().upper()
+    scale = SUFFIXES.get(t[-1:], 1)
+    if scale != 1:
+        t = t[:-1]
+    try:
+        return int(float(t) * scale)
+    except ValueError:
+        raise ConfigError(f"--step-batch-size-schedule {schedule!r}: {text!r} is not a number (K/M/B/T suffixes "
+                          "allowed)") from None
+
+
+def step_schedule(schedule: str, seq_length: Optional[int]) -> list[tuple[int, int]]:
+    """``--step-batch-size-schedule`` as [(threshold in samples, global batch size)], sorted: entries
+    ``THRESHOLD:BS`` separated by spaces or commas; thresholds are tokens, turned into samples by
+    ``// seq_length`` (Megatron passes --seq-length; without one they are samples)."""
+    entries = schedule.replace(",", " ").split()
+    need(entries, "--step-batch-size-schedule is empty; give entries THRESHOLD:BS, the first at threshold 0")
+    out = []
+    for entry in entries:
+        need(":" in entry, f"--step-batch-size-schedule entry {entry!r} is not THRESHOLD:BATCH_SIZE")
+        threshold, batch = entry.split(":", 1)
+        t = _number(threshold, schedule)
+        out.append((t // seq_length if seq_length else t, _number(batch, schedule)))
+    out.sort(key=lambda e: e[0])
+    need(out[0][0] == 0, f"--step-batch-size-schedule {schedule!r}: the first entry must have threshold 0 "
+                         f"(the smallest is {out[0][0]} samples)")
+    for (a, _), (b, _) in zip(out, out[1:]):
+        need(b > a, f"--step-batch-size-schedule {schedule!r}: thresholds must be strictly increasing in samples "
+                    f"(two entries fall on {a} samples after dividing tokens by --seq-length)")
+    for _, bs in out:
+        need(bs > 0, f"--step-batch-size-schedule {schedule!r}: batch sizes must be positive (got {bs})")
+    return out
+
+
+def validate_schedule(cfg) -> None:
+    tr = cfg.train
+    if tr.step_batch_size_schedule is None:
+        return
+    steps = step_schedule(tr.step_batch_size_schedule, cfg.model.seq_length)
+    need(tr.rampup_batch_size is None, "--step-batch-size-schedule and --rampup-batch-size are mutually exclusive; "
+                                       "choose one")
+    final = steps[-1][1]
+    # Megatron refuses any --global-batch-size with a schedule (its own 175B example gives one equal to the
+    # final size); paratron takes the final size and refuses only a different one.
+    need(tr.global_batch_size in (None, final),
+         f"--global-batch-size {tr.global_batch_size} contradicts --step-batch-size-schedule, whose final batch "
+         f"size is {final}; remove --global-batch-size")
+
+
+def schedule_batches(cfg, data_parallel_size: int) -> None:
+    """The final scheduled batch must split into micro-batches over the data-parallel ranks (earlier
+    entries are checked when training starts from its consumed samples, as Megatron allows entries
+    that a resumed, larger run has passed)."""
+    tr = cfg.train
+    if tr.step_batch_size_schedule is None:
+        return
+    final = step_schedule(tr.step_batch_size_schedule, cfg.model.seq_length)[-1][1]
+    per_step = tr.micro_batch_size * data_parallel_size
+    need(final % per_step == 0, f"--step-batch-size-schedule: the final batch size {final} is not divisible by "
+                                f"--micro-batch-size {tr.micro_batch_size} x data-parallel size {data_parallel_size}")
+
+
+def schedule_of(cfg) -> Optional[list[tuple[int, int]]]:
+    """The parsed --step-batch-size-schedule of ``cfg`` (None without one)."""
+    tr = cfg.train
+    return None if tr.step_batch_size_schedule is None else step_schedule(tr.step_batch_size_schedule,
+                                                                          cfg.model.seq_length)
+
+
+def validate_retention(c) -> None:
+    if c.save_retain_interval is None:
+        return
+    need(c.save_retain_interval > 0, f"--save-retain-interval must be > 0 (got {c.save_retain_interval})")
+    if c.save is not None:
+        need(c.save_interval is not None and c.save_retain_interval % c.save_interval == 0,
+             f"--save-retain-interval {c.save_retain_interval} must be a multiple of --save-interval "
+             f"{c.save_interval}")
+
+
+def validate_recompute(cfg) -> None:
+    """--recompute-modules: Megatron's names; the default core_attn; used by --recompute-granularity selective."""
+    from ..model.recompute import MISSING, SUPPORTED
+    tr, m = cfg.train, cfg.model
+    given = tr.recompute_modules is not None
+    # Megatron's YAML test configs write the list as one string "[layernorm mlp]": brackets/commas are separators
+    mods = (" ".join(map(str, tr.recompute_modules)).replace("[", " ").replace("]", " ").replace(",", " ").split()
+            if given else ["core_attn"])
+    need(not given or tr.recompute_granularity == "selective" or tr.recompute_activations,
+         "--recompute-modules needs --recompute-granularity selective (full recomputes whole layers)")
+    for name in mods:
+        need(name not in MISSING, f"--recompute-modules {name}: recomputes {MISSING.get(name)}; remove it")
+        need(name in SUPPORTED, f"--recompute-modules {name}: choose from {', '.join(SUPPORTED)}")
+    if "moe_act" in mods:
+        need(m.moe_grouped_gemm, "--recompute-modules moe_act needs --moe-grouped-gemm (as Megatron)")
+    if "shared_experts" in mods:
+        need(not (m.moe_shared_expert_intermediate_size and m.moe_shared_expert_overlap),
+             "--recompute-modules shared_experts cannot work with --moe-shared-expert-overlap; remove one")
+    if {"layernorm", "moe_act"} & set(mods):
+        need(not tr.torch_compile, "--recompute-modules layernorm/moe_act (output-discarding recomputation) is not "
+                                   "supported with --torch-compile; remove one")
+    tr.recompute_modules = mods
+
+
+def check_mapping(par, world: int) -> None:
+    """--use-tp-pp-dp-mapping (DP outermost): Megatron asks the dense and expert data-parallel sizes to be
+    equal when PP > 1, so that both layouts have the same pipeline groups."""
+    if not par.use_tp_pp_dp_mapping:
+        return
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or tp
+    need(pp == 1 or ep * etp == tp * cp,
+         f"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size {pp} needs expert-TP {etp} x EP {ep} = TP {tp} "
+         f"x CP {cp} (equal data-parallel sizes of the dense and expert layers)")
+
+
+def validate_sched(cfg) -> None:
+    validate_schedule(cfg)
+    validate_retention(cfg.ckpt)
+    validate_recompute(cfg)
