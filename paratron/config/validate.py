@@ -84,7 +84,8 @@ def validate_model(m: ModelConfig) -> None:
 
 MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
                "moe_router_score_function": ("softmax", "sigmoid"), "moe_router_dtype": (None, "fp32", "fp64"),
-               "moe_token_drop_policy": ("probs", "position"), "moe_token_dispatcher_type": ("alltoall", "allgather", "flex")}
+               "moe_token_drop_policy": ("probs", "position"),
+               "moe_token_dispatcher_type": ("alltoall", "allgather", "flex")}
 
 
 def validate_moe(m: ModelConfig) -> None:

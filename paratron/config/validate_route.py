@@ -21,7 +21,8 @@ def validate_routing(m: ModelConfig) -> None:
         need(groups, f"--moe-router-group-topk {group_topk} needs --moe-router-num-groups (the expert groups)")
         need(m.num_experts % groups == 0,
              f"--num-experts {m.num_experts} is not divisible by --moe-router-num-groups {groups}")
-        need(group_topk <= groups, f"--moe-router-group-topk {group_topk} is more than --moe-router-num-groups {groups}")
+        need(group_topk <= groups,
+             f"--moe-router-group-topk {group_topk} is more than --moe-router-num-groups {groups}")
         need(m.moe_router_topk % group_topk == 0 and m.moe_router_topk // group_topk <= m.num_experts // groups,
              f"--moe-router-topk {m.moe_router_topk} must be a multiple of --moe-router-group-topk {group_topk} with "
              f"at most {m.num_experts // groups} (the experts of a group) per group")

@@ -116,8 +116,8 @@ class _Replay:
 def checkpoint(fn, *args, rng=None):
     """``fn(*args)`` under torch.utils.checkpoint (non-reentrant): its activations are recomputed in
     backward, with the same dropout masks. checkpoint replays the default generator itself; ``rng``,
-    the tracker of the TP regions (or a tuple of trackers: also the expert-parallel one), is replayed by the recompute context it takes from ``context_fn``.
-    That context is exited however the recomputation ends, and non-reentrant checkpoint ends it early
+    the tracker of the TP regions (or a tuple of trackers: also the expert-parallel one), is
+    replayed by the recompute context it takes from ``context_fn``. That context is exited however the recomputation ends, and non-reentrant checkpoint ends it early
     (by raising out of ``fn``) once every tensor backward needs is recomputed: code after the call
     to ``fn`` would not run, and the stream would be left part-way through the recomputed draws."""
     rngs = tuple(r for r in (rng if isinstance(rng, tuple) else (rng,)) if r is not None)
