@@ -166,8 +166,8 @@ REFUSED = {
 HONOURED_FIELDS = {
     "timing_log_option": "paratron writes each timer's maximum over ranks to TensorBoard (Megatron's value for every "
                          "option) and prints no timers in the log line, so no option changes its output",
-    "moe_token_dispatcher_type": "alltoall and allgather dispatch the same tokens to the same experts; at expert-"
-                                 "parallel size 1 both are the identity",
+    "moe_token_dispatcher_type": "alltoall, allgather and flex (run as alltoall) dispatch the same tokens to the "
+                                 "same experts; at expert-parallel size 1 all are the identity",
     "moe_shared_expert_overlap": "overlapping the shared expert with token dispatch is scheduling: paratron's one "
                                  "order computes the same numbers",
 }

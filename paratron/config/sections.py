@@ -138,7 +138,7 @@ class ModelConfig(Section):
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False  # scheduling only: accepted, same numbers
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
-    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex (runs as alltoall); none at EP x ETP 1
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex (runs as alltoall)
     moe_flex_dispatcher_backend: str = "deepep"  # deepep | hybridep | ncclep: checked as Megatron, then alltoall
     moe_router_num_groups: Optional[int] = None  # group-limited routing: the experts in this many groups
     moe_router_group_topk: Optional[int] = None  # ... each token choosing its experts in this many groups
