@@ -13,6 +13,7 @@ import torch
 
 from tests.dist import run_ranks
 from tests.parallel.common import assert_close_runs, run_steps, tiny_config
+from tests.parallel.test_data_parallel import train
 
 STEPS = 3
 GROUPED = dict(num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=16, moe_router_score_function="sigmoid",
@@ -65,15 +66,14 @@ def _run(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return run_ranks(4, _run, tmp_dir=tmp_path_factory.mktemp("moe_routing"))
+def references():
+    return {"grouped": train(tiny_config("llama", 1, **GROUPED), STEPS),
+            "sinkhorn": train(tiny_config("llama", 1, **SINKHORN), STEPS)}
 
 
 @pytest.fixture(scope="module")
-def references():
-    from tests.parallel.test_data_parallel import train
-    return {"grouped": train(tiny_config("llama", 1, **GROUPED), STEPS),
-            "sinkhorn": train(tiny_config("llama", 1, **SINKHORN), STEPS)}
+def ranks(tmp_path_factory):
+    return run_ranks(4, _run, tmp_dir=tmp_path_factory.mktemp("moe_routing"))
 
 
 @pytest.mark.parametrize("name", list(RUNS))
