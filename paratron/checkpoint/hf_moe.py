@@ -39,10 +39,10 @@ _FILE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
                "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 # MoE model types paratron does not convert, and the feature that stops it.
 REFUSED_MOE = {
-    "qwen2_moe": "its shared expert is scaled by a sigmoid gate (shared_expert_gate), which paratron's "
-                 "shared experts (--moe-shared-expert-intermediate-size) do not have",
-    "deepseek_v2": "multi-head latent attention and grouped expert routing are not implemented",
-    "deepseek_v3": "multi-head latent attention and grouped expert routing are not implemented",
+    "qwen2_moe": "the converter does not map it (its sigmoid-gated shared expert, shared_expert_gate, is "
+                 "--moe-shared-expert-gate in training, but no qwen2_moe tensor mapping exists)",
+    "deepseek_v2": "multi-head latent attention is not implemented (its grouped routing is --moe-router-group-topk)",
+    "deepseek_v3": "multi-head latent attention is not implemented (its grouped routing is --moe-router-group-topk)",
     "olmoe": "its q/k norms span all heads (paratron's --qk-layernorm is per head)",
 }
 
