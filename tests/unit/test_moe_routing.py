@@ -174,6 +174,24 @@ def test_force_load_balancing_recompute_replays_the_logits():
         torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-7)
 
 
+def test_force_load_balancing_resumes_its_random_stream(tmp_path):
+    """The expert-parallel stream is saved with the other RNG states: 2 steps, save, load, 2 steps
+    draw the random logits of 4 uninterrupted steps (the same losses, bit for bit)."""
+    from paratron.train.loop import Trainer
+    from tests.unit.test_moe import TINY
+    flags = TINY + ["--train-iters", "4", "--moe-router-force-load-balancing"]
+
+    def run(trainer, steps):
+        return [trainer.train_step()[0][0].item() for _ in range(steps)]
+
+    ref = run(Trainer(parse_args(flags)), 4)
+    first = Trainer(parse_args(flags + ["--save", str(tmp_path / "ck")]))
+    got = run(first, 2)
+    first.save()
+    got += run(Trainer(parse_args(flags + ["--load", str(tmp_path / "ck")])), 2)
+    assert got == ref
+
+
 # ---- shared-expert gate -------------------------------------------------------------------------
 
 def test_shared_expert_gate_scales_by_the_sigmoid_of_its_gate():
