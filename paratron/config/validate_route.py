@@ -33,6 +33,8 @@ def validate_routing(m: ModelConfig) -> None:
              "or remove the flag")
     need(m.moe_flex_dispatcher_backend in FLEX_BACKENDS,
          f"--moe-flex-dispatcher-backend {m.moe_flex_dispatcher_backend}: choose one of {', '.join(FLEX_BACKENDS)}")
+    need(m.moe_flex_dispatcher_backend != "ncclep" or m.moe_token_dispatcher_type == "flex",
+         "--moe-flex-dispatcher-backend ncclep needs --moe-token-dispatcher-type flex (as Megatron)")
     if m.moe_token_dispatcher_type == "flex":
         need(not (m.moe_pad_expert_input_to_capacity and m.moe_flex_dispatcher_backend == "deepep"),
              "--moe-pad-expert-input-to-capacity is not supported by the flex dispatcher's deepep backend "

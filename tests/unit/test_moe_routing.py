@@ -256,6 +256,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
     (["--moe-router-group-topk", "2", "--moe-router-num-groups", "4", "--moe-router-topk", "3"], "a multiple of"),
     (["--moe-router-num-groups", "2"], "has no effect without --moe-router-group-topk"),
     (["--moe-flex-dispatcher-backend", "nvshmem"], "choose one of deepep, hybridep, ncclep"),
+    (["--moe-flex-dispatcher-backend", "ncclep"], "ncclep needs --moe-token-dispatcher-type flex"),
     (["--moe-token-dispatcher-type", "flex"], "needs --expert-model-parallel-size x --expert-tensor-parallel-size"),
     (["--moe-shared-expert-gate"], "set --moe-shared-expert-intermediate-size"),
 ])
