@@ -45,7 +45,8 @@ SIZES = {"num_layers": "2", "hidden_size": "64", "ffn_hidden_size": "128", "num_
          "moe_layer_freq": "1", "num_query_groups": "2", "decoder_first_pipeline_num_layers": None,
          "decoder_last_pipeline_num_layers": None, "num_layers_per_virtual_pipeline_stage": None,
          "train_samples": None, "lr_decay_samples": None, "lr_warmup_samples": None, "lr_warmup_fraction": None,
-         "rampup_batch_size": None, "exit_interval": None, "exit_duration_in_mins": None, "moe_router_topk": "2"}
+         "rampup_batch_size": None, "exit_interval": None, "exit_duration_in_mins": None, "moe_router_topk": "2",
+         "moe_router_num_groups": "2", "moe_router_group_topk": "1"}  # 4 experts in 2 groups, top-2 within 1
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
             "expert_model_parallel_size", "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size")
 DATA = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "mock_data", "data_cache_path",

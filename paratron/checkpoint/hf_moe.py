@@ -39,10 +39,10 @@ _FILE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
                "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 # MoE model types paratron does not convert, and the feature that stops it.
 REFUSED_MOE = {
-    "qwen2_moe": "its shared expert is scaled by a sigmoid gate (shared_expert_gate), which paratron's "
-                 "shared experts (--moe-shared-expert-intermediate-size) do not have",
-    "deepseek_v2": "multi-head latent attention and grouped expert routing are not implemented",
-    "deepseek_v3": "multi-head latent attention and grouped expert routing are not implemented",
+    "qwen2_moe": "the converter does not map it (its sigmoid-gated shared expert, shared_expert_gate, is "
+                 "--moe-shared-expert-gate in training, but no qwen2_moe tensor mapping exists)",
+    "deepseek_v2": "multi-head latent attention is not implemented (its grouped routing is --moe-router-group-topk)",
+    "deepseek_v3": "multi-head latent attention is not implemented (its grouped routing is --moe-router-group-topk)",
     "olmoe": "its q/k norms span all heads (paratron's --qk-layernorm is per head)",
 }
 
@@ -112,8 +112,8 @@ def hf_moe_config(cfg: ModelConfig, family: str) -> dict:
 
 def check_moe_representable(cfg: ModelConfig, family: str, need) -> None:
     """``need(cond, what)`` for every MoE setting that ``family`` cannot express (cfg resolved).
-    Training-only settings (load-balancing type, z-loss, dispatcher, grouped GEMM, router dtype) do
-    not change the network and pass; only router_aux_loss_coef is written."""
+    Training-only settings (aux-loss type, z-loss, dispatcher, grouped GEMM, router dtype) do not
+    change the network and pass; only router_aux_loss_coef is written."""
     if family not in MOE_FAMILIES:
         need(cfg.num_experts is None, "mixture-of-experts layers (--num-experts): use --family mixtral or qwen3_moe")
         return
@@ -123,7 +123,12 @@ def check_moe_representable(cfg: ModelConfig, family: str, need) -> None:
     need(not cfg.moe_router_enable_expert_bias, "no expert bias (--moe-router-enable-expert-bias)")
     need(cfg.moe_router_topk_scaling_factor is None, "no --moe-router-topk-scaling-factor")
     need(cfg.moe_expert_capacity_factor is None, "dropless routing only (no --moe-expert-capacity-factor)")
-    need(cfg.moe_shared_expert_intermediate_size is None, "no shared experts (--moe-shared-expert-intermediate-size)")
+    need(cfg.moe_shared_expert_intermediate_size is None, "no shared experts (--moe-shared-expert-intermediate-size, "
+         "gated or not)")
+    need(cfg.moe_router_load_balancing_type != "sinkhorn", "top-k routing: Sinkhorn routing (--moe-router-load-"
+         "balancing-type sinkhorn) weights its experts by sigmoid/softmax scores the HF router does not compute")
+    need(cfg.moe_router_group_topk is None, "no group-limited routing (--moe-router-group-topk)")
+    need(not cfg.moe_router_force_load_balancing, "no random routing (--moe-router-force-load-balancing)")
     if family == "mixtral":
         need(not cfg.moe_router_pre_softmax, "Mixtral renormalises the top-k probabilities: no "
              "--moe-router-pre-softmax (qwen3_moe with norm_topk_prob false has it)")

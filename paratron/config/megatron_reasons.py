@@ -85,18 +85,12 @@ REFUSED = {
     "outer_dp_sharding_strategy": PLANNED.format("Megatron-FSDP"),
     "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
     "overlap_moe_expert_parallel_comm": PLANNED.format("overlapping the expert-parallel all-to-all with computation"),
-    "moe_flex_dispatcher_backend": GPU.format("DeepEP/HybridEP token dispatch"),
     "squared_relu": PLANNED.format("the squared-ReLU activation"),
     "quick_geglu": PLANNED.format("the quick-GeGLU activation"),
     "apply_layernorm_1p": PLANNED.format("zero-centred LayerNorm (--apply-layernorm-1p)"),
     "multi_latent_attention": PLANNED.format("multi-latent attention (DeepSeek)"),
-    "moe_router_num_groups": PLANNED.format("group-limited MoE routing (DeepSeek-V3)"),
-    "moe_router_group_topk": PLANNED.format("group-limited MoE routing (DeepSeek-V3)"),
-    "moe_shared_expert_gate": PLANNED.format("the shared-expert gate"),
     "moe_layer_recompute": PLANNED.format("MoE-layer recomputation"),
     "moe_latent_size": PLANNED.format("MoE latent projections"),
-    "moe_router_force_load_balancing": PLANNED.format("forced MoE load balancing (random router logits)"),
-    "moe_per_layer_logging": PLANNED.format("per-layer MoE loss logging"),
     "rotary_interleaved": PLANNED.format("interleaved (RoFormer-style) rotary embeddings"),
     "no_rope_freq": PLANNED.format("skipping RoPE in some layers"),
     "rotary_seq_len_interpolation_factor": PLANNED.format("RoPE sequence-length interpolation"),
@@ -158,8 +152,8 @@ REFUSED = {
 HONOURED_FIELDS = {
     "timing_log_option": "paratron writes each timer's maximum over ranks to TensorBoard (Megatron's value for every "
                          "option) and prints no timers in the log line, so no option changes its output",
-    "moe_token_dispatcher_type": "alltoall and allgather dispatch the same tokens to the same experts; at expert-"
-                                 "parallel size 1 both are the identity",
+    "moe_token_dispatcher_type": "alltoall, allgather and flex (run as alltoall) dispatch the same tokens to the "
+                                 "same experts; at expert-parallel size 1 all are the identity",
     "moe_shared_expert_overlap": "overlapping the shared expert with token dispatch is scheduling: paratron's one "
                                  "order computes the same numbers",
 }

@@ -151,7 +151,12 @@ class ModelConfig(Section):
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False  # scheduling only: accepted, same numbers
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
-    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather (no token moves at EP x expert-TP 1)
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex (runs as alltoall)
+    moe_flex_dispatcher_backend: str = "deepep"  # deepep | hybridep | ncclep: checked as Megatron, then alltoall
+    moe_router_num_groups: Optional[int] = None  # group-limited routing: the experts in this many groups
+    moe_router_group_topk: Optional[int] = None  # ... each token choosing its experts in this many groups
+    moe_router_force_load_balancing: bool = False  # benchmarking: random router logits (straight-through grad)
+    moe_shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . gate_weight) (Qwen2-MoE)
     # Megatron's deprecated position-embedding switches (issue 19): resolve() maps them onto --position-embedding-type
     use_rotary_position_embeddings: bool = False  # = --position-embedding-type rope
     no_position_embedding: bool = False  # no learned position table: accepted with rope (as Megatron), else an error
@@ -326,6 +331,7 @@ class LogConfig(Section):
     sample_prompt: Optional[str] = None  # paratron: the trained model continues this text at the end (greedy)
     # Megatron's TensorBoard / W&B reporting (paratron/train/reporting.py), Megatron's tags
     tensorboard_log_interval: int = 1  # write the TensorBoard/W&B scalars every N iterations
+    moe_per_layer_logging: bool = False  # each MoE layer's aux losses as moe/<name>_layer_<i> scalars too
     tensorboard_queue_size: int = 1000  # events buffered before the writer flushes
     timing_log_level: int = 0  # timers: 1 forward-backward, all-grads-sync (DP comm), optimizer; 2 + batch-generator
     timing_log_option: str = "minmax"  # max | minmax | all (accepted: TensorBoard gets each timer's max over ranks)

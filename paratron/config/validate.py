@@ -85,9 +85,10 @@ def validate_model(m: ModelConfig) -> None:
     validate_attention_variants(m)
 
 
-MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none"),
+MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
                "moe_router_score_function": ("softmax", "sigmoid"), "moe_router_dtype": (None, "fp32", "fp64"),
-               "moe_token_drop_policy": ("probs", "position"), "moe_token_dispatcher_type": ("alltoall", "allgather")}
+               "moe_token_drop_policy": ("probs", "position"),
+               "moe_token_dispatcher_type": ("alltoall", "allgather", "flex")}
 
 
 def validate_moe(m: ModelConfig) -> None:
@@ -108,6 +109,8 @@ def validate_moe(m: ModelConfig) -> None:
     if m.moe_ffn_hidden_size is None:
         m.moe_ffn_hidden_size = m.ffn_hidden_size
     parse_moe_layer_freq(m.moe_layer_freq, m.num_layers)
+    from .validate_route import validate_routing  # the routing flags of issue 19
+    validate_routing(m)
 
 
 def resolve_model(m: ModelConfig) -> ModelConfig:
@@ -401,6 +404,11 @@ def _run_all(steps) -> None:
         raise ConfigProblems([p for e in errors for p in (e.problems if isinstance(e, ConfigProblems) else [str(e)])])
 
 
+def _validate_routing_parallel(cfg: Config) -> None:
+    from .validate_route import validate_routing_parallel
+    validate_routing_parallel(cfg.parallel, cfg.model, cfg.log)
+
+
 def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
     """Validate ``cfg`` section by section, compute every derived value, and freeze it (in place; also
     returned). ``world_size``: the number of processes of the run (default: ``cfg.world_size`` if set,
@@ -418,7 +426,7 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
     steps = (lambda: validate_model(cfg.model), lambda: validate_parallel(cfg.parallel, cfg.model, cfg.train),
              lambda: validate_train(cfg.train), lambda: validate_fp8(cfg), lambda: validate_optim(cfg.optim),
              lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data),
-             lambda: validate_sched(cfg))
+             lambda: validate_sched(cfg), lambda: _validate_routing_parallel(cfg))
     try:
         _run_all([lambda name=name: check_ranges(getattr(cfg, name)) for name in SECTIONS])  # numbers first
         _run_all(steps)  # each section's problem, together

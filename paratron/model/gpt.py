@@ -17,7 +17,7 @@ from ..parallel import comm
 from ..parallel import fp8 as fp8_mod
 from ..parallel.context import ContextParallel, document_causal_mask
 from ..parallel.dims import ParallelDims
-from ..parallel.random import RNGTracker, seeded_init
+from ..parallel.random import EXPERT_SEED_OFFSET, RNGTracker, seeded_init
 from ..parallel.sharding import update_spec
 from ..parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding, init_normal, linear_cross_entropy,
                                vocab_parallel_cross_entropy)
@@ -87,6 +87,9 @@ class GPTModel(nn.Module):
         rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
         self.par = Parallel(tp_group=tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
                             rng=rng, dims=dims)
+        if cfg.moe_router_force_load_balancing:  # random router logits: Megatron's expert-parallel stream
+            self.par.expert_rng = RNGTracker(seed + 100 * dims.pp_rank, 100 * dims.ep_rank + dims.etp_rank,
+                                             device or "cpu", offset=EXPERT_SEED_OFFSET)
         self.pre_process, self.post_process = pre_process, post_process
         self.cp = ContextParallel.from_dims(dims, cp_comm_type)  # None at CP 1
         self.share_embeddings = not cfg.untie_embeddings_and_output_weights

@@ -32,9 +32,14 @@ class Parallel:
     sequence_parallel: bool = False
     rng: object = None  # RNGTracker for dropout inside tensor-parallel regions (None at TP=1)
     dims: object = None  # the ParallelDims (MoE layers read the expert groups); None: one rank
+    expert_rng: object = None  # RNGTracker of the expert-parallel stream (--moe-router-force-load-balancing)
 
     def fork(self):
         return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
+
+    def trackers(self) -> tuple:
+        """The RNG trackers activation recomputation replays."""
+        return (self.rng, self.expert_rng)
 
 
 @dataclass

@@ -23,6 +23,7 @@ them) and the backward adds their gradient, scaled as the main loss is.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Optional
@@ -40,9 +41,11 @@ from ..parallel.tensor import init_normal
 from . import recompute
 from .kernels import swiglu, swiglu_reference
 from .layers import MLP, Parallel, output_init
+from .routing import RandomLogits, aux_loss_scores, sinkhorn_route, topk_route  # topk_route: also moe's API
 
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
-METRICS = ("load_balancing_loss", "z_loss")
+METRICS = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")  # Megatron's names
+BALANCE_METRIC = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
@@ -70,44 +73,7 @@ def set_aux_loss_scale(routers: list, scale) -> None:
         r.aux_loss_scale = scale
 
 
-# ---- routing (pure functions of the logits) ------------------------------------------------------
-
-def topk_route(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
-               scaling_factor: Optional[float] = None, expert_bias: Optional[torch.Tensor] = None):
-    """Megatron's top-k routing of ``logits`` [tokens, experts]: (probs [tokens, experts], zero off the
-    chosen experts; routing_map, the chosen experts). softmax: top-k of the logits then a softmax over
-    them, or (``pre_softmax``) a softmax over all experts then its top-k. sigmoid: top-k of the sigmoid
-    scores, normalised over the chosen k (DeepSeek-V3). ``expert_bias`` is added to the scores for
-    choosing only; the probabilities are the unbiased scores."""
-    if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits) if pre_softmax else logits
-    else:
-        scores = torch.sigmoid(logits.float()).type_as(logits)
-    choose = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
-    index = torch.topk(choose, topk, dim=-1).indices
-    top = torch.gather(scores, 1, index)
-    if score_function == "softmax" and not pre_softmax:
-        top = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
-    elif score_function == "sigmoid" and topk > 1:
-        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
-    if scaling_factor is not None:
-        top = top * scaling_factor
-    probs = torch.zeros_like(logits).scatter(1, index, top)
-    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, index, True)
-    return probs, routing_map
-
-
-def aux_loss_scores(logits: torch.Tensor, topk: int, score_function: str = "softmax"):
-    """The scores over all experts the load-balancing losses use (softmax; sigmoid normalised per
-    token) and the top-k map of those scores (the expert bias plays no part)."""
-    if score_function == "softmax":
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        scores = torch.sigmoid(logits.float())
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    index = torch.topk(scores, topk, dim=-1).indices
-    return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, index, True)
-
+# ---- load-balancing losses and capacity (the routing itself: routing.py) -----------------------------
 
 def _summed(counts: torch.Tensor, group) -> torch.Tensor:
     """Token counts summed over ``group`` (the ranks sharing the micro-batch's tokens; None: one)."""
@@ -177,9 +143,12 @@ class Router(nn.Module):
     to the probabilities (they reach the router's gradient through MoEAuxLossAutoScaler) and adds
     their detached values to ``metrics``."""
 
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None, partition=None):
-        """``partition``: the group the micro-batch's tokens are split over (TP), or None."""
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None, partition=None, layer: int = 0, random=None):
+        """``partition``: the group the micro-batch's tokens are split over (TP), or None; ``layer``: the
+        global index of the layer (per-layer logging); ``random``: the RNG tracker of the random logits
+        of --moe-router-force-load-balancing (Megatron's expert-parallel stream)."""
         super().__init__()
+        self.layer, self.random = layer, random
         self.cfg, self.topk, self.experts = cfg, cfg.moe_router_topk, cfg.num_experts
         self.partition, self.parts = partition, comm.group_size(partition)
         self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
@@ -202,12 +171,12 @@ class Router(nn.Module):
     def _losses(self, logits: torch.Tensor, probs: torch.Tensor, seq_length: int) -> torch.Tensor:
         cfg = self.cfg
         kind = cfg.moe_router_load_balancing_type
-        if kind != "none":
+        if kind in BALANCE_METRIC:  # sinkhorn balances by its routing, none not at all
             scores, aux_map = aux_loss_scores(logits, self.topk, cfg.moe_router_score_function)
             loss = (switch_aux_loss(scores, aux_map, self.topk, self.partition) if kind == "aux_loss"
                     else seq_aux_loss(scores, aux_map, self.topk, seq_length, self.partition))
             if not recompute.recomputing():
-                self._track("load_balancing_loss", loss)
+                self._track(BALANCE_METRIC[kind], loss)
             if cfg.moe_aux_loss_coeff > 0:
                 probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_aux_loss_coeff, self.aux_loss_scale)
         if cfg.moe_z_loss_coeff:
@@ -217,12 +186,23 @@ class Router(nn.Module):
             probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_z_loss_coeff, self.aux_loss_scale)
         return probs
 
+    def route(self, logits: torch.Tensor):
+        """(probs, routing_map) of the logits: Sinkhorn routing, or top-k (group-limited when asked)."""
+        cfg = self.cfg
+        if cfg.moe_router_load_balancing_type == "sinkhorn":  # Sinkhorn's choice while training (Megatron)
+            return sinkhorn_route(logits, self.topk, self.training)
+        return topk_route(logits, self.topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
+                          cfg.moe_router_topk_scaling_factor, self.expert_bias, cfg.moe_router_num_groups,
+                          cfg.moe_router_group_topk)
+
     def forward(self, x: torch.Tensor, seq_length: int):
         cfg = self.cfg
         dtype = self.dtype or x.dtype
         logits = F.linear(x.to(dtype), self.weight.to(dtype))
-        probs, routing_map = topk_route(logits, self.topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
-                                        cfg.moe_router_topk_scaling_factor, self.expert_bias)
+        if cfg.moe_router_force_load_balancing:  # N(0, 1) logits with a straight-through gradient
+            with self.random.fork() if self.random is not None else contextlib.nullcontext():
+                logits = RandomLogits.apply(logits)
+        probs, routing_map = self.route(logits)
         training = self.training and torch.is_grad_enabled()
         counted = training and not recompute.recomputing()  # a recomputation in backward is not counted twice
         if counted and self.tokens_per_expert is not None:  # the router's choices (before capacity)
@@ -371,23 +351,45 @@ class Experts(nn.Module):
         return F.gelu(h, approximate=self.approx)
 
 
+class SharedExpert(MLP):
+    """--moe-shared-expert-gate: the shared expert's output times sigmoid(x . gate_weight), one gate per
+    token (Qwen2-MoE's shared_expert_gate; Megatron's SharedExpertMLP). ``gate_weight`` [1, hidden] is
+    replicated over TP; under sequence parallelism it sees this rank's sequence shard, so its
+    gradient is a partial sum over TP (as a LayerNorm weight's)."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
+        super().__init__(cfg, par, device, dtype)
+        self.gate_weight = nn.Parameter(torch.empty(1, cfg.hidden_size, device=device, dtype=dtype))
+        init_normal(cfg.init_method_std)(self.gate_weight.data)
+        if par.sequence_parallel:
+            set_spec(self.gate_weight, ShardSpec(sum_over=("tp",)))
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = super().forward(x) * torch.sigmoid(F.linear(x, self.gate_weight))
+        return out if residual is None else out + residual
+
+
 class MoELayer(nn.Module):
     """router -> experts (+ shared expert), on activations [sequence, batch, hidden]."""
 
-    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None, layer: int = 0):
+        """``layer``: the global index of the layer (its per-layer loss tags)."""
         super().__init__()
         self.par = par
         partition = par.tp_group if par.tp_size > 1 else None  # TP ranks route disjoint tokens
-        self.router = Router(cfg, device, dtype, partition)
+        self.router = Router(cfg, device, dtype, partition, layer, par.expert_rng)
         if partition is not None:  # a replicated weight applied to a share of the tokens
             set_spec(self.router.weight, ShardSpec(sum_over=("tp",)))
         self.layout = ExpertLayout.from_dims(par.dims, cfg.num_experts)
         self.experts = Experts(cfg, device, dtype, self.layout)
-        self.dispatch = DISPATCHERS[cfg.moe_token_dispatcher_type] if self.layout.size > 1 else None
+        # flex (DeepEP/HybridEP kernels in Megatron) moves the same tokens to the same experts as alltoall
+        kind = "alltoall" if cfg.moe_token_dispatcher_type == "flex" else cfg.moe_token_dispatcher_type
+        self.dispatch = DISPATCHERS[kind] if self.layout.size > 1 else None
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size is not None:
             shared = dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_intermediate_size)
-            self.shared_experts = MLP(shared, par, device, dtype)  # not gated (Megatron gates only Qwen's)
+            self.shared_experts = (SharedExpert(shared, par, device, dtype) if cfg.moe_shared_expert_gate
+                                   else MLP(shared, par, device, dtype))
         self.recompute_shared = False  # --recompute-modules shared_experts
         # dropless: every token goes to top-k experts, so the routed pairs are known in number
         self.dropless = cfg.moe_expert_capacity_factor is None
@@ -443,19 +445,28 @@ def after_step(routers: list, group=None) -> None:
         r.update_expert_bias(group)
 
 
-def take_metrics(routers: list, device, reduce: bool) -> dict[str, float]:
-    """The load-balancing and z losses averaged over MoE layers, forward passes (and, with ``reduce``,
-    all ranks) since the last call, as Megatron's track_moe_metrics logs them; the sums are reset.
-    Every rank must call it when ``reduce`` (a collective over the default group)."""
-    sums = torch.zeros(2 * len(METRICS), device=device)
+def take_metrics(routers: list, device, reduce: bool, num_layers: int) -> tuple[dict, dict]:
+    """The load-balancing and z losses since the last call (the sums are reset), as Megatron's MoE
+    metrics tracker reports them: (means, per_layer). ``means``: averaged over MoE layers, forward
+    passes (and, with ``reduce``, all ranks). ``per_layer``: Megatron's --moe-per-layer-logging tags
+    ``moe/<name>_layer_<i>`` for every layer i of the ``num_layers`` (0 where a layer has no such loss:
+    a dense layer), each averaged over forward passes and ranks. Every rank must call it when
+    ``reduce`` (one collective over the default group)."""
+    sums = torch.zeros(num_layers, len(METRICS), 2, device=device)  # [layer, metric, (sum, count)]
     for r in routers:
         for i, name in enumerate(METRICS):
             if name in r.metrics:
                 total, n = r.metrics[name]
-                sums[2 * i] += total.to(device)
-                sums[2 * i + 1] += n
+                sums[r.layer, i, 0] += total.to(device)
+                sums[r.layer, i, 1] += n
         r.metrics = {}
     if reduce:
         torch.distributed.all_reduce(sums)
-    values = sums.tolist()
-    return {name: values[2 * i] / values[2 * i + 1] for i, name in enumerate(METRICS) if values[2 * i + 1] > 0}
+    overall = sums.sum(dim=0).tolist()
+    layers = (sums[..., 0] / sums[..., 1].clamp(min=1)).tolist()
+    means, per_layer = {}, {}
+    for i, name in enumerate(METRICS):
+        if overall[i][1] > 0:
+            means[name] = overall[i][0] / overall[i][1]
+            per_layer.update({f"moe/{name}_layer_{k}": layers[k][i] for k in range(num_layers)})
+    return means, per_layer

@@ -81,7 +81,7 @@ def build_mlp(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, dty
     if cfg.num_experts is None:
         raise ConfigError(f"layer {spec.index} is a mixture-of-experts layer: set --num-experts")
     from .moe import MoELayer  # imported here: moe.py builds on layers.py as this module does
-    return MoELayer(cfg, par, device, dtype)
+    return MoELayer(cfg, par, device, dtype, layer=spec.index)
 
 
 # ----------------------------------------------------------------------------------------------

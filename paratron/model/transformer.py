@@ -103,10 +103,10 @@ class TransformerStack(nn.Module):
             k = self.recompute_num_layers
             if self.recompute_method == "uniform":  # checkpoint every chunk of k layers
                 for i in range(0, n, k):
-                    x = checkpoint(self._run, self.layers[i:i + k], x, ctx, rng=self.par.rng)
+                    x = checkpoint(self._run, self.layers[i:i + k], x, ctx, rng=self.par.trackers())
             else:  # block: checkpoint each of the first k layers, run the rest normally
                 for i, layer in enumerate(self.layers):
-                    x = checkpoint(layer, x, ctx, rng=self.par.rng) if i < k else layer(x, ctx)
+                    x = checkpoint(layer, x, ctx, rng=self.par.trackers()) if i < k else layer(x, ctx)
         else:
             x = self._run(self.layers, x, ctx)
         return self.final_layernorm(x) if self.final_layernorm is not None else x

@@ -18,6 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 TP_SEED_OFFSET = 2718
+EXPERT_SEED_OFFSET = 1024  # Megatron's expert-parallel stream: seed + 1024 + 100 x EP rank + expert-TP rank
 
 
 def set_seed(seed: int, pp_rank: int = 0) -> None:
@@ -53,9 +54,10 @@ def seeded_init(seed: int, name: str, device=None):
 class RNGTracker:
     """Holds the generator state of the tensor-parallel region for one device."""
 
-    def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu", offset: int = TP_SEED_OFFSET):
+        """Seeded ``seed + offset + tp_rank`` (``tp_rank``: this rank's index in the stream's group)."""
         self.device = torch.device(device)
-        self.state = self._fresh_state(seed + TP_SEED_OFFSET + tp_rank)
+        self.state = self._fresh_state(seed + offset + tp_rank)
 
     def _get(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
@@ -95,39 +97,43 @@ class RNGTracker:
 
 
 class _Replay:
-    """checkpoint's recompute context for the tracker: the recomputation draws from the stream as the
-    forward found it; on exit the live stream is back as it was before the recomputation."""
+    """checkpoint's recompute context for the trackers: the recomputation draws from the streams as
+    the forward found them; on exit the live streams are back as they were before the recomputation."""
 
-    def __init__(self, rng: RNGTracker, start: torch.Tensor):
-        self.rng, self.start = rng, start
+    def __init__(self, rngs: tuple, starts: list):
+        self.rngs, self.starts = rngs, starts
 
     def __enter__(self):
-        self.live, self.rng.state = self.rng.state, self.start.clone()
+        self.live = [r.state for r in self.rngs]
+        for r, start in zip(self.rngs, self.starts):
+            r.state = start.clone()
 
     def __exit__(self, *exc):
-        self.rng.state = self.live
+        for r, live in zip(self.rngs, self.live):
+            r.state = live
 
 
-def checkpoint(fn, *args, rng: RNGTracker | None = None):
+def checkpoint(fn, *args, rng=None):
     """``fn(*args)`` under torch.utils.checkpoint (non-reentrant): its activations are recomputed in
     backward, with the same dropout masks. checkpoint replays the default generator itself; ``rng``,
-    the tracker of the TP regions, is replayed by the recompute context it takes from ``context_fn``.
-    That context is exited however the recomputation ends, and non-reentrant checkpoint ends it early
+    the tracker of the TP regions (or a tuple of trackers: also the expert-parallel one), is
+    replayed by the recompute context it takes from ``context_fn``. That context is exited however the recomputation ends, and non-reentrant checkpoint ends it early
     (by raising out of ``fn``) once every tensor backward needs is recomputed: code after the call
     to ``fn`` would not run, and the stream would be left part-way through the recomputed draws."""
-    if rng is None:
+    rngs = tuple(r for r in (rng if isinstance(rng, tuple) else (rng,)) if r is not None)
+    if not rngs:
         return torch_checkpoint(fn, *args, use_reentrant=False)
-    return _checkpoint_replaying(fn, args, rng)
+    return _checkpoint_replaying(fn, args, rngs)
 
 
 # Inside a compiled region checkpoint takes no context_fn other than a selective-checkpoint policy,
 # so this one runs eagerly: what it wraps is the attention core (one SDPA call) or whole layers, which
 # are compiled on their own.
 @torch.compiler.disable
-def _checkpoint_replaying(fn, args, rng: RNGTracker):
-    start = rng.state.clone()
+def _checkpoint_replaying(fn, args, rngs: tuple):
+    starts = [r.state.clone() for r in rngs]
     return torch_checkpoint(fn, *args, use_reentrant=False,
-                            context_fn=lambda: (contextlib.nullcontext(), _Replay(rng, start)))
+                            context_fn=lambda: (contextlib.nullcontext(), _Replay(rngs, starts)))
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:

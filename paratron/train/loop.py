@@ -201,9 +201,11 @@ class Trainer:
 
     def _rng_states(self) -> dict:
         states = rng_state(self.device)
-        tracker = self.models[0].module.par.rng
-        if tracker is not None:
-            states["tp_region"] = tracker.state
+        par = self.models[0].module.par
+        if par.rng is not None:
+            states["tp_region"] = par.rng.state
+        if par.expert_rng is not None:  # --moe-router-force-load-balancing
+            states["expert_region"] = par.expert_rng.state
         return states
 
     def save(self) -> Path:

@@ -132,9 +132,10 @@ class Reporter:
         self.pending: list = []  # (iteration, consumed samples, scalars) of steps not written yet (flush)
         if trainer.log.enabled and not self.writes and (self.lg.log_timers_to_tensorboard or
                                                         self.lg.log_memory_to_tensorboard or
-                                                        self.lg.log_validation_ppl_to_tensorboard):
-            trainer.log.print(" WARNING: --log-*-to-tensorboard flags write nothing without --tensorboard-dir "
-                              "(or --wandb-project)")
+                                                        self.lg.log_validation_ppl_to_tensorboard or
+                                                        self.lg.moe_per_layer_logging):
+            trainer.log.print(" WARNING: --log-*-to-tensorboard flags and --moe-per-layer-logging write nothing "
+                              "without --tensorboard-dir (or --wandb-project)")
 
     def norms(self) -> tuple[Optional[float], Optional[int]]:
         """(params norm, zeros in the gradients) of this iteration, as the flags ask; every rank calls it."""
@@ -207,14 +208,14 @@ class Reporter:
         peak_gb = peak_memory_gb(t.device)
         params_norm, zeros = self.norms()  # collectives: every rank
         from ..model import moe
-        moe_losses = (moe.take_metrics(t.routers, t.device, dist.is_initialized())
-                      if t.cfg.model.num_experts is not None else {})  # every rank joins its reduction
+        moe_losses, moe_layers = (moe.take_metrics(t.routers, t.device, dist.is_initialized(), t.cfg.model.num_layers)
+                                  if t.cfg.model.num_experts is not None else ({}, {}))  # every rank joins
         extra = dict(moe_losses, **({"num zeros": float(zeros)} if zeros is not None else {}))
         t.log.print(format_train_line(t.iteration, tr.train_iters, t.consumed_samples, per_iter * 1000.0, tflops,
                                       t.scheduler.lr, gbs, loss, t.optimizer.loss_scale, grad_norm, t.skipped,
                                       t.nan_iters, tokens_s, mfu, peak_gb, params_norm, extra))
         t.log.train(t.iteration, loss)
-        scalars = dict(moe_losses)
+        scalars = dict(moe_losses, **(moe_layers if self.lg.moe_per_layer_logging else {}))
         if self.lg.log_throughput:  # paratron's own throughput tags (the log line always has them)
             scalars.update({"throughput TFLOP/s/GPU": tflops, "tokens per second per GPU": tokens_s, "MFU %": mfu})
         if self.writes:

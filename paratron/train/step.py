@@ -57,7 +57,7 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) ->
     """This rank's model: one chunk per virtual pipeline stage (a single one without interleaving)."""
     chunks = [build_model(cfg, dims, device, **stage) for stage in rank_chunks(cfg, dims.pp_rank)]
     for c in chunks[1:]:  # one dropout stream for the TP regions of the rank, as with one chunk
-        c.par.rng = chunks[0].par.rng
+        c.par.rng, c.par.expert_rng = chunks[0].par.rng, chunks[0].par.expert_rng
     return chunks
 
 

@@ -162,6 +162,11 @@ def test_errors_are_one_line_and_name_the_feature():
             (dict(moe_expert_capacity_factor=1.0), "mixtral", "--moe-expert-capacity-factor"),
             (dict(moe_router_score_function="sigmoid"), "mixtral", "softmax"),
             (dict(moe_shared_expert_intermediate_size=32), "qwen3_moe", "shared experts"),
+            (dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True), "qwen3_moe", "gated or not"),
+            (dict(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1, moe_aux_loss_coeff=0.0), "mixtral",
+             "Sinkhorn routing"),
+            (dict(moe_router_num_groups=2, moe_router_group_topk=1), "mixtral", "--moe-router-group-topk"),
+            (dict(moe_router_force_load_balancing=True), "qwen3_moe", "--moe-router-force-load-balancing"),
             ({}, "mistral", "--num-experts"), ({}, "qwen3_moe", "needs --qk-layernorm")]:
         assert what in err(HC.hf_config_from_model_config, cfg.resolved(**changes), VOCAB, family), changes
     dense = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, swiglu=True, normalization="RMSNorm",

@@ -226,7 +226,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
     (["--moe-expert-capacity-factor", "0"], "--moe-expert-capacity-factor must be > 0"),
     (["--num-experts", "0"], "--num-experts must be >= 1"),
     (["--moe-layer-freq", "[1,0,1]"], "--moe-layer-freq has 3 entries, --num-layers is 2"),
-    (["--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type sinkhorn: choose one"),
+    (["--moe-router-load-balancing-type", "global_aux_loss"], "--moe-router-load-balancing-type global_aux_loss: "),
     (["--moe-router-score-function", "relu"], "--moe-router-score-function relu: choose one"),
     (["--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
     (["--expert-model-parallel-size", "3"], "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),

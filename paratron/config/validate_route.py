@@ -1,0 +1,56 @@
+"""Checks of the MoE routing flags of issue 19 (Sinkhorn routing, group-limited routing, forced load
+balancing, the shared-expert gate, the flex dispatcher), with Megatron's rules; called from
+validate.py once the basic MoE flags are valid."""
+from __future__ import annotations
+
+from .sections import LogConfig, ModelConfig, ParallelConfig
+from .validate import need
+
+FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
+
+
+def validate_routing(m: ModelConfig) -> None:
+    """The model's routing flags (--num-experts given)."""
+    if m.moe_router_load_balancing_type == "sinkhorn":
+        need(m.moe_aux_loss_coeff == 0, f"--moe-router-load-balancing-type sinkhorn balances without an aux loss: "
+             f"remove --moe-aux-loss-coeff {m.moe_aux_loss_coeff} (Megatron refuses it too)")
+        need(m.moe_expert_capacity_factor is None, "--moe-expert-capacity-factor works with aux_loss, seq_aux_loss "
+             "or none load balancing, not sinkhorn")
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if group_topk:
+        need(groups, f"--moe-router-group-topk {group_topk} needs --moe-router-num-groups (the expert groups)")
+        need(m.num_experts % groups == 0,
+             f"--num-experts {m.num_experts} is not divisible by --moe-router-num-groups {groups}")
+        need(group_topk <= groups,
+             f"--moe-router-group-topk {group_topk} is more than --moe-router-num-groups {groups}")
+        need(m.moe_router_topk % group_topk == 0 and m.moe_router_topk // group_topk <= m.num_experts // groups,
+             f"--moe-router-topk {m.moe_router_topk} must be a multiple of --moe-router-group-topk {group_topk} with "
+             f"at most {m.num_experts // groups} (the experts of a group) per group")
+        need(m.moe_router_load_balancing_type != "sinkhorn",
+             "--moe-router-group-topk: Sinkhorn routing ignores the groups; use another load-balancing type")
+    else:
+        need(groups is None, f"--moe-router-num-groups {groups} has no effect without --moe-router-group-topk; set it "
+             "or remove the flag")
+    need(m.moe_flex_dispatcher_backend in FLEX_BACKENDS,
+         f"--moe-flex-dispatcher-backend {m.moe_flex_dispatcher_backend}: choose one of {', '.join(FLEX_BACKENDS)}")
+    need(m.moe_flex_dispatcher_backend != "ncclep" or m.moe_token_dispatcher_type == "flex",
+         "--moe-flex-dispatcher-backend ncclep needs --moe-token-dispatcher-type flex (as Megatron)")
+    if m.moe_token_dispatcher_type == "flex":
+        need(not (m.moe_pad_expert_input_to_capacity and m.moe_flex_dispatcher_backend == "deepep"),
+             "--moe-pad-expert-input-to-capacity is not supported by the flex dispatcher's deepep backend "
+             "(as Megatron); use --moe-flex-dispatcher-backend hybridep or another dispatcher")
+    need(not m.moe_shared_expert_gate or m.moe_shared_expert_intermediate_size is not None,
+         "--moe-shared-expert-gate gates the shared expert: set --moe-shared-expert-intermediate-size")
+
+
+def validate_routing_parallel(par: ParallelConfig, m: ModelConfig, lg: LogConfig) -> None:
+    """Routing flags against the parallel layout and the logging flags."""
+    need(not lg.moe_per_layer_logging or m.num_experts is not None,
+         "--moe-per-layer-logging has no effect without --num-experts; set --num-experts or remove the flag")
+    if m.num_experts is None or m.moe_token_dispatcher_type != "flex":
+        return
+    ranks = par.expert_model_parallel_size * (par.expert_tensor_parallel_size or par.tensor_model_parallel_size)
+    need(ranks > 1 or m.moe_flex_dispatcher_backend == "hybridep",
+         f"--moe-token-dispatcher-type flex with backend {m.moe_flex_dispatcher_backend} needs --expert-model-parallel-"
+         f"size x --expert-tensor-parallel-size > 1 (Megatron's assertion); use alltoall on one expert rank")
+
