@@ -30,6 +30,8 @@ ROPE_SCALING_FIELDS = ("rope_scaling_factor",)
 MOE_FIELDS = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_score_function",
               "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
               "moe_shared_expert_intermediate_size")
+MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "rotary_base")
 DATA_FIELDS = ("vocab_size",)  # the tokenizer's vocabulary (the padding may change with TP: resharding)
 
 
@@ -45,6 +47,8 @@ def _compared(saved: dict, now: dict) -> list[str]:
             names += ROPE_SCALING_FIELDS
     if saved.get("num_experts") is not None or now.get("num_experts") is not None:
         names += MOE_FIELDS
+    if saved.get("multi_latent_attention") or now.get("multi_latent_attention"):
+        names += [n for n in MLA_FIELDS if n not in names]
     return names
 
 

@@ -89,8 +89,9 @@ REFUSED = {
     "squared_relu": PLANNED.format("the squared-ReLU activation"),
     "quick_geglu": PLANNED.format("the quick-GeGLU activation"),
     "apply_layernorm_1p": PLANNED.format("zero-centred LayerNorm (--apply-layernorm-1p)"),
-    "multi_latent_attention": PLANNED.format("multi-latent attention (DeepSeek)"),
-    "rotary_scaling_factor": PLANNED.format("YaRN rotary scaling (multi-latent attention)"),
+    "cache_mla_latents": NA.format("caching multi-latent attention's compressed latents serves Megatron's dynamic "
+                                   "inference backend (FlashMLA), not training"),
+    "mla_down_proj_fusion": GPU.format("Transformer Engine's fused input norm + MLA down projections"),
     "moe_router_num_groups": PLANNED.format("group-limited MoE routing (DeepSeek-V3)"),
     "moe_router_group_topk": PLANNED.format("group-limited MoE routing (DeepSeek-V3)"),
     "moe_shared_expert_gate": PLANNED.format("the shared-expert gate"),
@@ -101,7 +102,6 @@ REFUSED = {
     "recompute_modules": PLANNED.format("recomputation of named submodules (--recompute-granularity selective|full "
                                         "exist)"),
     "rotary_interleaved": PLANNED.format("interleaved (RoFormer-style) rotary embeddings"),
-    "rope_type": PLANNED.format("YaRN RoPE (--rope-type)"),
     "no_rope_freq": PLANNED.format("skipping RoPE in some layers"),
     "rotary_seq_len_interpolation_factor": PLANNED.format("RoPE sequence-length interpolation"),
     "window_size": PLANNED.format("sliding-window attention"),
@@ -201,7 +201,7 @@ GROUP_REASONS = {
     "vision": NA.format("vision models (paratron trains GPT-style language models)"),
     "biencoder": NA.format("retrieval biencoder models"),
     "Logits Distillation": PLANNED.format("knowledge distillation"),
-    "mla": PLANNED.format("multi-latent attention (DeepSeek)"),
+    "mla": PLANNED.format("this multi-latent attention option"),
     "In-process restart": NA.format("NVIDIA Resiliency in-process restart (a cluster service)"),
     "ft_package": NA.format("NVIDIA Resiliency fault-tolerance package (a cluster service)"),
     "straggler": NA.format("NVIDIA Resiliency straggler detection (a cluster service)"),

@@ -19,6 +19,7 @@ from typing import Optional
 from ..errors import ConfigError
 from .ranges import check_ranges
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
+from .validate_mla import validate_mla, validate_mla_parallel
 
 TIKTOKEN_PATTERNS = ("v1", "v2")
 
@@ -79,6 +80,7 @@ def validate_model(m: ModelConfig) -> None:
              "raise --max-position-embeddings")
     need(m.normalization in ("LayerNorm", "RMSNorm"),
          f"--normalization must be LayerNorm or RMSNorm (got {m.normalization})")
+    validate_mla(m, need)
     validate_moe(m)
 
 
@@ -138,6 +140,7 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
     """Parallel sizes against the model; the pipeline layout (derives the virtual size)."""
     validate_context_parallel(par, m)
     validate_experts(par, m)
+    validate_mla_parallel(par, m, need)
     tp = par.tensor_model_parallel_size
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         size = getattr(m, name)
