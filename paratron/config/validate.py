@@ -138,9 +138,9 @@ def validate_experts(par: ParallelConfig, m: ModelConfig) -> None:
 
 def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> None:
     """Parallel sizes against the model; the pipeline layout (derives the virtual size)."""
+    validate_mla_parallel(par, m, need)
     validate_context_parallel(par, m)
     validate_experts(par, m)
-    validate_mla_parallel(par, m, need)
     tp = par.tensor_model_parallel_size
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         size = getattr(m, name)

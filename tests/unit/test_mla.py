@@ -1,0 +1,123 @@
+"""Multi-latent attention (paratron/model/mla.py): logits equal transformers' DeepSeek-V3 with the same
+weights, YaRN pieces against hand-computed values, and the flags' one-line errors."""
+import math
+
+import pytest
+import torch
+
+from paratron.config import ConfigError, ModelConfig
+from paratron.model.gpt import GPTModel
+from paratron.model.mla import softmax_scale, yarn_inv_freq, yarn_mscale
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 96, 32, 4, 2, 24
+SHAPE = dict(kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
+
+
+def paratron_config(q_lora_rank, yarn: bool) -> ModelConfig:
+    return ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=40, num_attention_heads=HEADS,
+                       seq_length=SEQ, max_position_embeddings=SEQ, position_embedding_type="rope",
+                       normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True, disable_bias_linear=True,
+                       untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
+                       multi_latent_attention=True, qk_layernorm=True, q_lora_rank=q_lora_rank,
+                       rope_type="yarn" if yarn else "rope", rotary_base=10000.0,
+                       **(dict(rotary_scaling_factor=40.0, mscale=0.707, mscale_all_dim=0.707) if yarn else {}),
+                       **SHAPE)
+
+
+def hf_model(q_lora_rank, yarn: bool):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn:  # Megatron's MLA YaRN: original length 4096, betas 32 / 1
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=40, num_hidden_layers=LAYERS,
+                           num_attention_heads=HEADS, num_key_value_heads=HEADS, q_lora_rank=q_lora_rank,
+                           kv_lora_rank=SHAPE["kv_lora_rank"], qk_nope_head_dim=SHAPE["qk_head_dim"],
+                           qk_rope_head_dim=SHAPE["qk_pos_emb_head_dim"], v_head_dim=SHAPE["v_head_dim"],
+                           first_k_dense_replace=LAYERS, max_position_embeddings=SEQ, rms_norm_eps=1e-6,
+                           rope_parameters=rope, rope_interleave=True, tie_word_embeddings=False,
+                           attention_bias=False, attention_dropout=0.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(3)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises norms to ones: random weights test them too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def to_paratron(hf: dict, q_lora: bool) -> dict:
+    """HF DeepSeek-V3 names -> paratron's (Megatron's); gate/up stacked into fc1."""
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"], "output_layer.weight": hf["lm_head.weight"]}
+    attn = {"kv_a_proj_with_mqa": "linear_kv_down_proj", "kv_a_layernorm": "kv_layernorm",
+            "kv_b_proj": "linear_kv_up_proj", "o_proj": "linear_proj"}
+    attn.update({"q_a_proj": "linear_q_down_proj", "q_a_layernorm": "q_layernorm", "q_b_proj": "linear_q_up_proj"}
+                if q_lora else {"q_proj": "linear_q_proj"})
+    for i in range(LAYERS):
+        h, p = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[p + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[p + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        for a, b in attn.items():
+            out[p + f"self_attention.{b}.weight"] = hf[h + f"self_attn.{a}.weight"]
+        out[p + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
+        out[p + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    return out
+
+
+@pytest.mark.parametrize("q_lora_rank,yarn", [(24, True), (None, True), (24, False)])
+def test_logits_equal_transformers_deepseek_v3(q_lora_rank, yarn):
+    hf = hf_model(q_lora_rank, yarn)
+    model = GPTModel(paratron_config(q_lora_rank, yarn), VOCAB).eval()
+    model.load_state_dict(to_paratron(hf.state_dict(), q_lora_rank is not None), strict=True)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = model(ids)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_yarn_by_hand():
+    assert yarn_mscale(1.0, 0.707) == 1.0 and yarn_mscale(0.5, 3.0) == 1.0
+    assert yarn_mscale(40.0, 0.707) == pytest.approx(0.1 * 0.707 * math.log(40.0) + 1.0)
+    cfg = ModelConfig(multi_latent_attention=True, qk_head_dim=8, qk_pos_emb_head_dim=4, rotary_scaling_factor=40.0,
+                      mscale_all_dim=1.0).resolved()
+    assert softmax_scale(cfg) == pytest.approx((0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(12))
+    # dim 64, base 10000, original 4096: the ramp runs from dimension pair 10 (floor 10.2) to 23 (ceil 22.1)
+    inv = yarn_inv_freq(64, 10000.0, 40.0)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
+    assert torch.allclose(inv[:11], plain[:11]) and torch.allclose(inv[23:], plain[23:] / 40.0)
+    w = 1 - (16 - 10) / 13  # pair 16 keeps this much of its original frequency
+    assert inv[16].item() == pytest.approx(plain[16].item() / 40.0 * (1 - w) + plain[16].item() * w, rel=1e-6)
+    # factor 1: the ordinary frequencies
+    assert torch.allclose(yarn_inv_freq(16, 10000.0, 1.0), 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(q_lora_rank=8), "--q-lora-rank has no effect without --multi-latent-attention"),
+    (dict(mscale=0.5), "--mscale has no effect without --multi-latent-attention"),
+    (dict(rope_type="yarn"), "--rope-type yarn needs --multi-latent-attention"),
+    (dict(multi_latent_attention=True, group_query_attention=True, num_query_groups=2), "exclude each other"),
+    (dict(multi_latent_attention=True, qk_pos_emb_head_dim=5), "must be even"),
+    (dict(multi_latent_attention=True, rope_type="ntk"), "--rope-type must be rope or yarn"),
+    (dict(multi_latent_attention=True, use_rope_scaling=True), "--use-rope-scaling"),
+    (dict(multi_latent_attention=True, kv_lora_rank=0), "--kv-lora-rank must be >= 1"),
+])
+def test_flag_errors(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**changes).resolved()
+
+
+def test_context_parallel_refused():
+    from paratron.config import Config, finalize
+    cfg = Config()
+    cfg.model.multi_latent_attention = True
+    cfg.parallel.context_parallel_size = 2
+    cfg.model.attention_dropout = 0.0
+    cfg.data.mock_data, cfg.train.train_iters, cfg.optim.lr = True, 1, 1e-3
+    with pytest.raises(ConfigError, match="--multi-latent-attention with --context-parallel-size 2"):
+        finalize(cfg, 2)
