@@ -1,0 +1,56 @@
+"""Multi-latent attention under tensor (+ sequence) and pipeline parallelism equals the one-rank run:
+losses and every parameter after a few training steps (heads split over TP, the down projections and
+the latent norms replicated)."""
+import pytest
+
+from tests.dist import run_ranks
+from tests.parallel.common import assert_close_runs, run_steps, tiny_config
+from tests.parallel.test_pipeline import close, run_case
+
+STEPS = 2
+MLA = dict(multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+           qk_layernorm=True, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+           rotary_scaling_factor=40.0, mscale=0.707, mscale_all_dim=0.707, untie_embeddings_and_output_weights=True)
+
+
+def _config(q_lora_rank, world_size=None, **parallel):
+    return tiny_config("gpt", world_size, **MLA, q_lora_rank=q_lora_rank, **parallel)
+
+
+TP_CASES = {"tp2": (24, dict(tensor_model_parallel_size=2)),
+            "tp2-sp": (24, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+            "tp2-sp-plain-q": (None, dict(tensor_model_parallel_size=2, sequence_parallel=True))}
+
+
+def _tp_ranks(rank, world):  # every case in one spawn of the two ranks
+    return {name: run_steps(_config(q, **parallel), STEPS) for name, (q, parallel) in TP_CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    return run_ranks(2, _tp_ranks, tmp_dir=tmp_path_factory.mktemp("tp"))
+
+
+@pytest.mark.parametrize("name", list(TP_CASES))
+def test_mla_tensor_parallel_equals_single_rank(name, tp_results):
+    ref = run_steps(_config(TP_CASES[name][0]), STEPS)
+    for result in tp_results:
+        assert_close_runs(ref, result[name])
+
+
+def _pp_rank(rank, world, settings):
+    return run_case("gpt", settings)
+
+
+def test_mla_pipeline_equals_single_rank(tmp_path):
+    """PP2 (4 layers, 8 micro-batches per step, the attention core recomputed): the last stage's losses
+    and both stages' parameters equal the one-rank run's."""
+    settings = dict(MLA, q_lora_rank=24, recompute_activations=True)
+    ref = run_case("gpt", settings)
+    ranks = run_ranks(2, _pp_rank, dict(settings, pipeline_model_parallel_size=2), tmp_dir=tmp_path)
+    last = next(r for r in ranks if r["last_stage"])
+    assert all(close(a, b) for a, b in zip(ref["losses"], last["losses"])), (ref["losses"], last["losses"])
+    merged = {n: p for r in ranks for n, p in r["params"].items()}
+    assert merged.keys() == ref["params"].keys()
+    for n, a in ref["params"].items():
+        assert ((a - merged[n]).norm() / a.norm()).item() <= 1e-5, n
