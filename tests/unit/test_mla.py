@@ -121,3 +121,17 @@ def test_context_parallel_refused():
     cfg.data.mock_data, cfg.train.train_iters, cfg.optim.lr = True, 1, 1e-3
     with pytest.raises(ConfigError, match="--multi-latent-attention with --context-parallel-size 2"):
         finalize(cfg, 2)
+
+
+def test_flops_by_hand():
+    """Megatron's MLA FLOPs formula, written out for h 32, 4 heads, q rank 24, kv rank 16, qk 8 + pe 4, v 6."""
+    from paratron.train.metrics import flops_per_iteration
+    cfg = paratron_config(24, True).resolved()
+    q = 24 * (32 + 4 * 12 + 1)
+    kv = 16 * (32 + 4 * (8 + 6) + 1) + 32 * 4
+    attention = 6 * (q + kv + 4 * 6 * 32)
+    core = 6 * (4 * 12 / 2 + 4 * 6 / 2)
+    mlp, logits = 6 * 32 * 40 * 3, 6 * 32 * VOCAB
+    b, s = 2, SEQ
+    expected = b * s * ((mlp + attention) * LAYERS + logits) + b * s * s * core * LAYERS
+    assert flops_per_iteration(cfg, VOCAB, b, s) == pytest.approx(expected, rel=1e-12)
