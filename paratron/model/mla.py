@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +42,7 @@ from ..parallel import comm
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
-from .layers import ForwardContext, Norm, Parallel, apply_rotary, output_init, rope_inv_freq
+from .layers import ForwardContext, Norm, Parallel, Rotary, apply_rotary, output_init, rope_inv_freq
 
 # Megatron's MLATransformerConfig values that its command line does not set (MLA ignores --yarn-*).
 YARN_ORIGINAL_MAX_POSITIONS = 4096
@@ -80,12 +79,12 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return mscale * mscale / math.sqrt(cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
 
 
-class MLARotary(nn.Module):
-    """Rotary tables of MLA's rotary part (cos/sin already multiplied by YaRN's factor), with the
-    interface of layers.Rotary: ``forward(seq_len, position_ids)`` -> (cos, sin) for [s, b, heads, dim]."""
+class MLARotary(Rotary):
+    """Rotary tables of MLA's rotary part (cos/sin already multiplied by YaRN's factor); Rotary's
+    ``forward(seq_len, position_ids)`` -> (cos, sin) for [s, b, heads, dim]."""
 
     def __init__(self, cfg: ModelConfig, device=None):
-        super().__init__()
+        nn.Module.__init__(self)  # Rotary's own tables are for --kv-channels
         where = "meta" if torch.device(device or "cpu").type == "meta" else "cpu"
         d, factor = cfg.qk_pos_emb_head_dim, cfg.rotary_scaling_factor
         if (cfg.rope_type or "yarn") == "yarn":
@@ -98,11 +97,6 @@ class MLARotary(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
-
-    def forward(self, seq_len: int, position_ids: Optional[torch.Tensor]):
-        if position_ids is None:
-            return self.cos[:seq_len, None, None, :], self.sin[:seq_len, None, None, :]
-        return self.cos[position_ids].transpose(0, 1)[:, :, None, :], self.sin[position_ids].transpose(0, 1)[:, :, None, :]
 
 
 def apply_mla_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,8 @@ def test_every_problem_of_a_command_line_is_reported_at_once():
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     err = r.stderr
-    for needle in ("5 problems", "--moe-latent-size (command line) is a Megatron-LM flag that paratron refuses: planned",
+    for needle in ("5 problems",
+                   "--moe-latent-size (command line) is a Megatron-LM flag that paratron refuses: planned",
                    "unknown flag --hiden-size", "did you mean --hidden-size", "--attention-backend weird",
                    "--timing-log-level must be 0, 1 or 2", "--hidden-size 66 is not divisible"):
         assert needle in err, (needle, err)
