@@ -135,3 +135,17 @@ def test_flops_by_hand():
     b, s = 2, SEQ
     expected = b * s * ((mlp + attention) * LAYERS + logits) + b * s * s * core * LAYERS
     assert flops_per_iteration(cfg, VOCAB, b, s) == pytest.approx(expected, rel=1e-12)
+
+
+def test_hf_export_and_generation_refuse_mla():
+    from paratron.checkpoint.hf_config import ConversionError, check_representable
+    from paratron.checkpoint.pieces import CheckpointError
+    from paratron.inference.cache import KVCache
+    from paratron.inference.load import _check_tp
+    cfg = paratron_config(24, True).resolved()
+    with pytest.raises(ConversionError, match="multi-latent attention"):
+        check_representable(cfg, "llama")
+    with pytest.raises(CheckpointError, match="multi-latent attention"):
+        _check_tp(cfg, 1)
+    with pytest.raises(NotImplementedError, match="multi-latent attention"):
+        KVCache(GPTModel(cfg, VOCAB), batch=1, capacity=8)
