@@ -4,7 +4,7 @@ the latent norms replicated)."""
 import pytest
 
 from tests.dist import run_ranks
-from tests.parallel.common import assert_close_runs, run_steps, tiny_config
+from tests.parallel.common import assert_close_runs, global_batches, micro_batches, run_steps, tiny_config
 from tests.parallel.test_pipeline import close, run_case
 
 STEPS = 2
@@ -22,13 +22,16 @@ TP_CASES = {"tp2": (24, dict(tensor_model_parallel_size=2)),
             "tp2-sp-plain-q": (None, dict(tensor_model_parallel_size=2, sequence_parallel=True))}
 
 
-def _tp_ranks(rank, world):  # every case in one spawn of the two ranks
-    return {name: run_steps(_config(q, **parallel), STEPS) for name, (q, parallel) in TP_CASES.items()}
+def _tp_ranks(rank, world, root):  # every case in one spawn of the two ranks
+    out = {name: run_steps(_config(q, **parallel), STEPS) for name, (q, parallel) in TP_CASES.items()}
+    out["reshard"] = _reshard(root)
+    return out
 
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    return run_ranks(2, _tp_ranks, tmp_dir=tmp_path_factory.mktemp("tp"))
+    tmp = tmp_path_factory.mktemp("tp")
+    return run_ranks(2, _tp_ranks, str(tmp / "ckpt"), tmp_dir=tmp)
 
 
 @pytest.mark.parametrize("name", list(TP_CASES))
@@ -54,3 +57,37 @@ def test_mla_pipeline_equals_single_rank(tmp_path):
     assert merged.keys() == ref["params"].keys()
     for n, a in ref["params"].items():
         assert ((a - merged[n]).norm() / a.norm()).item() <= 1e-5, n
+
+
+def _train(layout: dict, steps: range, save=None, load=None) -> list:
+    """Steps ``steps`` of the STEPS-step run at ``layout`` (resuming from ``load``), saved at the end."""
+    import torch
+
+    from paratron.train.loop import Trainer, build_dims
+    cfg = _config(24, **layout, train_iters=STEPS, save=save, load=load)
+    dims = build_dims(cfg)
+    batches = micro_batches(global_batches(cfg, STEPS), cfg, dims.dp_rank, dims.dp)
+    for _ in range(steps.start * cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)):
+        next(batches)  # the samples consumed before this run
+    trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims, data=(batches, None))
+    losses = []
+    for _ in steps:
+        report, _, _ = trainer.train_step()
+        losses.append((report[0] / report[1]).item())
+    if save:
+        trainer.save()
+    trainer.close()
+    return losses
+
+
+def _reshard(root):
+    saver = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    ref = _train(saver, range(STEPS))
+    _train(saver, range(1), save=root)
+    return ref, _train({}, range(1, STEPS), load=root)  # TP1 x DP2
+
+
+def test_mla_checkpoint_reshards(tp_results):
+    """Saved at TP2 + SP after one step, resumed at TP1 x DP2: the next loss is the saving layout's."""
+    for ref, resumed in (r["reshard"] for r in tp_results):
+        assert all(close(a, b) for a, b in zip(ref[1:], resumed)), (ref, resumed)
