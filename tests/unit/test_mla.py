@@ -149,3 +149,20 @@ def test_hf_export_and_generation_refuse_mla():
         _check_tp(cfg, 1)
     with pytest.raises(NotImplementedError, match="multi-latent attention"):
         KVCache(GPTModel(cfg, VOCAB), batch=1, capacity=8)
+
+
+def test_fp8_reaches_the_parallel_projections():
+    """Under FP8 the column-parallel q/kv up projections and linear_proj run in FP8 (emulated here) and
+    stay close to the fp32 model; the replicated down projections keep the weights' dtype."""
+    from paratron.parallel.fp8 import Recipe
+    cfg = paratron_config(24, True)
+    torch.manual_seed(0)
+    ref = GPTModel(cfg, VOCAB).eval()
+    fp8 = GPTModel(cfg, VOCAB, fp8=Recipe(emulate=True)).eval()
+    fp8.load_state_dict(ref.state_dict())
+    names = sorted(n.split(".")[-1] for n, m in fp8.named_modules() if getattr(m, "fp8", None) is not None)
+    assert names == sorted(["linear_q_up_proj", "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2"] * 2)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ref(ids), fp8(ids)
+    assert 0 < (a - b).abs().max().item() < 0.1 * a.abs().max().item()
