@@ -19,7 +19,7 @@ from typing import Optional
 from ..errors import ConfigError
 from .ranges import check_ranges
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
-from .validate_mla import validate_mla, validate_mla_parallel
+from .validate_mla import validate_mla
 
 TIKTOKEN_PATTERNS = ("v1", "v2")
 
@@ -138,7 +138,6 @@ def validate_experts(par: ParallelConfig, m: ModelConfig) -> None:
 
 def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> None:
     """Parallel sizes against the model; the pipeline layout (derives the virtual size)."""
-    validate_mla_parallel(par, m, need)
     validate_context_parallel(par, m)
     validate_experts(par, m)
     tp = par.tensor_model_parallel_size

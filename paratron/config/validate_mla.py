@@ -1,7 +1,7 @@
 """Checks of multi-latent attention's flags (paratron/model/mla.py), called from validate.py."""
 from __future__ import annotations
 
-from .sections import ModelConfig, ParallelConfig, flag
+from .sections import ModelConfig, flag
 
 ROPE_TYPES = ("rope", "yarn")
 YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")
@@ -28,11 +28,3 @@ def validate_mla(m: ModelConfig, need) -> None:
     need(not m.use_rope_scaling, "--use-rope-scaling (Llama-3.1 scaling) does not apply to multi-latent attention, "
          "whose rotary embedding is --rope-type rope|yarn; remove --use-rope-scaling")
 
-
-def validate_mla_parallel(par: ParallelConfig, m: ModelConfig, need) -> None:
-    """MLA under the parallel layouts: TP splits the heads; context parallelism is not implemented."""
-    if not m.multi_latent_attention:
-        return
-    need(par.context_parallel_size == 1, f"--multi-latent-attention with --context-parallel-size "
-         f"{par.context_parallel_size} is not implemented (its query/key and value head dimensions differ); use "
-         "--context-parallel-size 1")

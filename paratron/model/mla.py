@@ -169,14 +169,17 @@ class MLASelfAttention(nn.Module):
         return (c if self.kv_layernorm is None else self.kv_layernorm(c)), k_pe.unsqueeze(2)
 
     def _core(self, q, k, v, ctx: ForwardContext):
+        if ctx.cp is not None:  # the CP kernels take one head dim: values padded to the keys' (as Megatron's THD path)
+            out = ctx.cp.attention(q, k, F.pad(v, (0, q.size(-1) - v.size(-1))), ctx.document_ids, self.scale)
+            return out[..., :v.size(-1)]
         p = self.dropout if self.training else 0.0
         with self.par.fork():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,
                                                   scale=self.scale)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if ctx.kv_cache is not None or ctx.cp is not None:
-            raise NotImplementedError("multi-latent attention has no inference KV cache and no context parallelism")
+        if ctx.kv_cache is not None:
+            raise NotImplementedError("multi-latent attention has no inference KV cache")
         c, k_pe = self._keys_values(x)
         q = self._queries(x)
         s, b = q.shape[:2]

@@ -1,4 +1,4 @@
-"""Multi-latent attention under tensor (+ sequence) and pipeline parallelism equals the one-rank run:
+"""Multi-latent attention under tensor (+ sequence), context and pipeline parallelism equals the one-rank run:
 losses and every parameter after a few training steps (heads split over TP, the down projections and
 the latent norms replicated)."""
 import pytest
@@ -17,13 +17,15 @@ def _config(q_lora_rank, world_size=None, **parallel):
     return tiny_config("gpt", world_size, **MLA, q_lora_rank=q_lora_rank, **parallel)
 
 
-TP_CASES = {"tp2": (24, dict(tensor_model_parallel_size=2)),
+CASES = {"tp2": (24, dict(tensor_model_parallel_size=2)),
             "tp2-sp": (24, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
-            "tp2-sp-plain-q": (None, dict(tensor_model_parallel_size=2, sequence_parallel=True))}
+            "tp2-sp-plain-q": (None, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+            "cp2-ring": (24, dict(context_parallel_size=2)),
+            "cp2-a2a-plain-q": (None, dict(context_parallel_size=2, cp_comm_type="a2a"))}
 
 
 def _tp_ranks(rank, world, root):  # every case in one spawn of the two ranks
-    out = {name: run_steps(_config(q, **parallel), STEPS) for name, (q, parallel) in TP_CASES.items()}
+    out = {name: run_steps(_config(q, **parallel), STEPS) for name, (q, parallel) in CASES.items()}
     out["reshard"] = _reshard(root)
     return out
 
@@ -34,9 +36,9 @@ def tp_results(tmp_path_factory):
     return run_ranks(2, _tp_ranks, str(tmp / "ckpt"), tmp_dir=tmp)
 
 
-@pytest.mark.parametrize("name", list(TP_CASES))
-def test_mla_tensor_parallel_equals_single_rank(name, tp_results):
-    ref = run_steps(_config(TP_CASES[name][0]), STEPS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_mla_layout_equals_single_rank(name, tp_results):
+    ref = run_steps(_config(CASES[name][0]), STEPS)
     for result in tp_results:
         assert_close_runs(ref, result[name])
 

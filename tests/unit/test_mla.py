@@ -112,17 +112,6 @@ def test_flag_errors(changes, match):
         ModelConfig(**changes).resolved()
 
 
-def test_context_parallel_refused():
-    from paratron.config import Config, finalize
-    cfg = Config()
-    cfg.model.multi_latent_attention = True
-    cfg.parallel.context_parallel_size = 2
-    cfg.model.attention_dropout = 0.0
-    cfg.data.mock_data, cfg.train.train_iters, cfg.optim.lr = True, 1, 1e-3
-    with pytest.raises(ConfigError, match="--multi-latent-attention with --context-parallel-size 2"):
-        finalize(cfg, 2)
-
-
 def test_flops_by_hand():
     """Megatron's MLA FLOPs formula, written out for h 32, 4 heads, q rank 24, kv rank 16, qk 8 + pe 4, v 6."""
     from paratron.train.metrics import flops_per_iteration
