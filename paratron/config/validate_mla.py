@@ -25,6 +25,9 @@ def validate_mla(m: ModelConfig, need) -> None:
     need(m.rope_type in (None,) + ROPE_TYPES, f"--rope-type must be rope or yarn (got {m.rope_type})")
     need(m.qk_pos_emb_head_dim % 2 == 0, f"--qk-pos-emb-head-dim {m.qk_pos_emb_head_dim} must be even (rotary "
          "embedding rotates pairs)")
+    need(m.rotary_percent == 1.0 or m.rope_type == "rope", f"--rotary-percent {m.rotary_percent} applies to "
+         "multi-latent attention's --rope-type rope only (YaRN rotates the whole rotary part, as Megatron's); add "
+         "--rope-type rope or remove the flag")
     need(not m.use_rope_scaling, "--use-rope-scaling (Llama-3.1 scaling) does not apply to multi-latent attention, "
          "whose rotary embedding is --rope-type rope|yarn; remove --use-rope-scaling")
 

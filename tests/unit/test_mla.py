@@ -106,6 +106,7 @@ def test_yarn_by_hand():
     (dict(multi_latent_attention=True, rope_type="ntk"), "--rope-type must be rope or yarn"),
     (dict(multi_latent_attention=True, use_rope_scaling=True), "--use-rope-scaling"),
     (dict(multi_latent_attention=True, kv_lora_rank=0), "--kv-lora-rank must be >= 1"),
+    (dict(multi_latent_attention=True, rotary_percent=0.5), "--rotary-percent 0.5 applies to"),
 ])
 def test_flag_errors(changes, match):
     with pytest.raises(ConfigError, match=match):
@@ -155,3 +156,20 @@ def test_fp8_reaches_the_parallel_projections():
     with torch.no_grad():
         a, b = ref(ids), fp8(ids)
     assert 0 < (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+
+
+def test_checkpoint_config_check_compares_mla_fields():
+    from paratron.checkpoint.compat import model_differences
+    from paratron.config import Config, finalize
+
+    def config(**model):
+        cfg = Config()
+        for k, v in dict(multi_latent_attention=True, attention_dropout=0.0, **model).items():
+            cfg.set(k, v)
+        cfg.data.mock_data, cfg.train.train_iters, cfg.optim.lr = True, 1, 1e-3
+        return finalize(cfg, 1)
+
+    saved = config(kv_lora_rank=16).to_dict()
+    assert model_differences(saved, config(kv_lora_rank=16)) == []
+    assert model_differences(saved, config(kv_lora_rank=8)) == [("kv_lora_rank", 16, 8)]
+    assert [d[0] for d in model_differences(saved, config(kv_lora_rank=16, mscale=0.5))] == ["mscale"]
