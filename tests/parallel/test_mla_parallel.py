@@ -4,7 +4,8 @@ the latent norms replicated)."""
 import pytest
 
 from tests.dist import run_ranks
-from tests.parallel.common import assert_close_runs, global_batches, micro_batches, run_steps, tiny_config
+from tests.parallel.common import assert_close_runs, run_steps, tiny_config
+from tests.parallel.test_checkpoint_reshard import _train
 from tests.parallel.test_pipeline import close, run_case
 
 STEPS = 2
@@ -61,32 +62,13 @@ def test_mla_pipeline_equals_single_rank(tmp_path):
         assert ((a - merged[n]).norm() / a.norm()).item() <= 1e-5, n
 
 
-def _train(layout: dict, steps: range, save=None, load=None) -> list:
-    """Steps ``steps`` of the STEPS-step run at ``layout`` (resuming from ``load``), saved at the end."""
-    import torch
-
-    from paratron.train.loop import Trainer, build_dims
-    cfg = _config(24, **layout, train_iters=STEPS, save=save, load=load)
-    dims = build_dims(cfg)
-    batches = micro_batches(global_batches(cfg, STEPS), cfg, dims.dp_rank, dims.dp)
-    for _ in range(steps.start * cfg.train.global_batch_size // (cfg.train.micro_batch_size * dims.dp)):
-        next(batches)  # the samples consumed before this run
-    trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims, data=(batches, None))
-    losses = []
-    for _ in steps:
-        report, _, _ = trainer.train_step()
-        losses.append((report[0] / report[1]).item())
-    if save:
-        trainer.save()
-    trainer.close()
-    return losses
-
-
 def _reshard(root):
-    saver = dict(tensor_model_parallel_size=2, sequence_parallel=True)
-    ref = _train(saver, range(STEPS))
-    _train(saver, range(1), save=root)
-    return ref, _train({}, range(1, STEPS), load=root)  # TP1 x DP2
+    """test_checkpoint_reshard's runs with MLA: saved at TP2 + SP after one step, resumed at TP1 x DP2."""
+    mla = dict(MLA, q_lora_rank=24)
+    saver = dict(mla, tensor_model_parallel_size=2, sequence_parallel=True)
+    ref = _train("gpt", saver, False, range(STEPS))
+    _train("gpt", saver, False, range(1), save=root)
+    return ref, _train("gpt", mla, False, range(1, STEPS), load=root)
 
 
 def test_mla_checkpoint_reshards(tp_results):
