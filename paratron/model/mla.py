@@ -25,8 +25,8 @@ TELinear). Under sequence parallelism they run on this rank's part of the sequen
 summed over TP) and the shared rotary key is gathered over the sequence; without it the shared rotary
 key's gradient, which each rank computes from its own heads, is summed over TP.
 
-YaRN of ordinary attention (``--position-embedding-type yarn``) lives in paratron/model/yarn.py;
-:func:`yarn_inv_freq` and :func:`yarn_mscale` here compute the same formulas for MLA's rotary part.
+:func:`yarn_inv_freq` and :func:`yarn_mscale` are Megatron's YaRN formulas on their own (no config),
+so YaRN for ordinary attention (``--position-embedding-type yarn``) can share them.
 """
 from __future__ import annotations
 
