@@ -33,6 +33,8 @@ MOE_FIELDS = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_r
 ATTENTION_FIELDS = ("window_size", "window_attn_skip_freq", "softmax_type")  # absent from older checkpoints
 YARN_FIELDS = ("rotary_base", "rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
                "yarn_beta_slow", "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim")
+MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "rotary_base")
 DATA_FIELDS = ("vocab_size",)  # the tokenizer's vocabulary (the padding may change with TP: resharding)
 
 
@@ -50,6 +52,8 @@ def _compared(saved: dict, now: dict) -> list[str]:
         names += YARN_FIELDS
     if saved.get("num_experts") is not None or now.get("num_experts") is not None:
         names += MOE_FIELDS
+    if saved.get("multi_latent_attention") or now.get("multi_latent_attention"):
+        names += [n for n in MLA_FIELDS if n not in names]
     return names
 
 

@@ -219,6 +219,7 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
     need(cfg.rotary_percent == 1.0 or cfg.position_embedding_type != "rope", "needs --rotary-percent 1.0")
     need(cfg.window_size is None, "no sliding-window attention (--window-size)")
     need(cfg.softmax_type == "vanilla", f"no attention sinks (--softmax-type {cfg.softmax_type})")
+    need(not cfg.multi_latent_attention, "multi-latent attention (DeepSeek) has no Hugging Face mapping in paratron")
     check_moe_representable(cfg, family, need)
     if family == "gpt2":
         need(cfg.position_embedding_type == "learned_absolute", "needs --position-embedding-type learned_absolute")

@@ -54,6 +54,8 @@ RANGES: dict[str, Range] = {
     "moe_ffn_hidden_size": AT_LEAST_1, "moe_aux_loss_coeff": AT_LEAST_0, "moe_z_loss_coeff": AT_LEAST_0,
     "moe_router_topk_scaling_factor": POSITIVE, "moe_router_bias_update_rate": AT_LEAST_0,
     "moe_expert_capacity_factor": POSITIVE, "moe_shared_expert_intermediate_size": AT_LEAST_1,
+    "q_lora_rank": AT_LEAST_1, "kv_lora_rank": AT_LEAST_1, "qk_head_dim": AT_LEAST_1, "qk_pos_emb_head_dim": AT_LEAST_1,
+    "v_head_dim": AT_LEAST_1, "rotary_scaling_factor": POSITIVE, "mscale": AT_LEAST_0, "mscale_all_dim": AT_LEAST_0,
     # parallel
     "tensor_model_parallel_size": AT_LEAST_1, "pipeline_model_parallel_size": AT_LEAST_1,
     "virtual_pipeline_model_parallel_size": AT_LEAST_1, "num_layers_per_virtual_pipeline_stage": AT_LEAST_1,

@@ -104,7 +104,8 @@ class ModelConfig(Section):
     rotary_percent: float = 1.0
     use_rope_scaling: bool = False  # Llama-3.1-style frequency scaling
     rope_scaling_factor: float = 8.0
-    rope_type: Optional[str] = None  # rope (standard attention takes nothing else; YaRN: --position-embedding-type yarn)
+    rope_type: Optional[str] = None  # rope (standard attention; YaRN: --position-embedding-type yarn); multi-latent
+    # attention: rope | yarn (default yarn, its rotary part)
     # YaRN (--position-embedding-type yarn; paratron/model/yarn.py), Megatron's defaults when unset
     rotary_scaling_factor: float = 1.0  # YaRN: context extension factor
     yarn_original_max_position_embeddings: Optional[int] = None  # YaRN: positions of pre-training (default 4096)
@@ -160,6 +161,13 @@ class ModelConfig(Section):
     # Megatron's deprecated position-embedding switches (issue 19): resolve() maps them onto --position-embedding-type
     use_rotary_position_embeddings: bool = False  # = --position-embedding-type rope
     no_position_embedding: bool = False  # no learned position table: accepted with rope (as Megatron), else an error
+    # Multi-latent attention (DeepSeek-V2/V3; paratron/model/mla.py, docs/model.md)
+    multi_latent_attention: bool = False  # DeepSeek's multi-latent attention in place of the fused-QKV attention
+    q_lora_rank: Optional[int] = None  # rank of the compressed query (none: one plain query projection)
+    kv_lora_rank: int = 32  # rank of the compressed keys and values
+    qk_head_dim: int = 128  # per-head query/key dimension without the rotary part
+    qk_pos_emb_head_dim: int = 64  # per-head rotary query/key dimension (one rotary key shared by all heads)
+    v_head_dim: int = 128  # per-head value dimension
 
     def resolved(self, **changes) -> "ModelConfig":
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query

@@ -21,6 +21,7 @@ from .ranges import check_ranges
 from .validate_attnvar import validate_attention_parallel, validate_attention_variants
 from .validate_sched import check_mapping, schedule_batches, schedule_of, validate_sched
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
+from .validate_mla import validate_mla
 
 TIKTOKEN_PATTERNS = ("v1", "v2")
 
@@ -81,6 +82,7 @@ def validate_model(m: ModelConfig) -> None:
              "raise --max-position-embeddings")
     need(m.normalization in ("LayerNorm", "RMSNorm"),
          f"--normalization must be LayerNorm or RMSNorm (got {m.normalization})")
+    validate_mla(m, need)
     validate_moe(m)
     validate_attention_variants(m)
 

@@ -22,6 +22,8 @@ class KVCache(nn.Module):
     def __init__(self, model, batch: int, capacity: int, device=None, dtype=None):
         super().__init__()
         cfg = model.config
+        if cfg.multi_latent_attention:
+            raise NotImplementedError("the inference KV cache does not hold multi-latent attention's keys/values")
         groups = cfg.num_query_groups // model.par.tp_size
         shape = (batch, groups, capacity, cfg.kv_channels)
         dtype = dtype or next(model.parameters()).dtype

@@ -100,6 +100,9 @@ def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype])
 
 
 def _check_tp(m, tp: int) -> None:
+    if m.multi_latent_attention:
+        raise CheckpointError("a multi-latent attention (DeepSeek) model cannot generate yet: the inference KV "
+                              "cache holds the keys/values of paratron's fused-QKV attention only")
     if m.num_experts is not None and tp > 1:
         raise CheckpointError(f"a mixture-of-experts model generates on one rank only (not {tp} tensor-parallel "
                               "ranks): MoE layers under tensor parallelism are not implemented yet")

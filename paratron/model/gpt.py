@@ -22,6 +22,7 @@ from ..parallel.sharding import update_spec
 from ..parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding, init_normal, linear_cross_entropy,
                                vocab_parallel_cross_entropy)
 from .layers import ForwardContext, Parallel, Rotary
+from .mla import MLARotary
 from .transformer import TransformerStack
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -51,6 +52,13 @@ class Embedding(nn.Module):
             with self.par.fork():
                 return F.dropout(x, self.p, self.training)
         return F.dropout(x, self.p, self.training)
+
+
+def rotary_of(cfg: ModelConfig, device) -> Optional[Rotary]:
+    """The rotary tables of the model: MLA rotates its own rotary part whatever the position embedding."""
+    if cfg.multi_latent_attention:
+        return MLARotary(cfg, device)
+    return Rotary(cfg, device) if cfg.position_embedding_type in ("rope", "yarn") else None
 
 
 class GPTModel(nn.Module):
@@ -99,7 +107,7 @@ class GPTModel(nn.Module):
         if pre_process:
             with seeded_init(seed, "embedding", device):
                 self.embedding = Embedding(cfg, vocab_size, self.par, device, dtype)
-        self.rotary = Rotary(cfg, device) if cfg.position_embedding_type in ("rope", "yarn") else None
+        self.rotary = rotary_of(cfg, device)
         n = cfg.num_layers if num_layers is None else num_layers
         self.decoder = TransformerStack(cfg, self.par, n, layer_offset, final_norm=post_process,
                                         recompute_granularity=recompute_granularity, recompute_method=recompute_method,

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from .layers import MLP, Attention, Parallel
+from .mla import MLASelfAttention
 
 MIXERS = ("attention", "mamba")
 MLPS = ("dense", "moe")
@@ -68,6 +69,10 @@ def build_mixer(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, d
     if spec.mixer is None:
         return None
     if spec.mixer == "attention":
+        if cfg.multi_latent_attention:
+            attention = MLASelfAttention(cfg, par, device, dtype)
+            attention.layer_index = spec.index
+            return attention
         return Attention(cfg, par, device, dtype, layer_index=spec.index)
     raise NotImplementedError(f"layer {spec.index}: Mamba layers are not implemented in paratron yet")
 

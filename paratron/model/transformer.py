@@ -87,7 +87,7 @@ class TransformerStack(nn.Module):
                                      device, dtype) if final_norm else None)
         self.recompute = recompute_granularity
         for layer in self.layers:  # selective: keep the matmul outputs, recompute the attention core
-            if isinstance(layer.self_attention, Attention):
+            if isinstance(layer.self_attention, Attention) or hasattr(layer.self_attention, "recompute_core"):
                 layer.self_attention.recompute_core = recompute_granularity == "selective"
         self.recompute_method = recompute_method
         self.recompute_num_layers = recompute_num_layers or 1

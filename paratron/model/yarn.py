@@ -61,13 +61,14 @@ def yarn_inv_freq(dim: int, base: float, p: YarnParams) -> torch.Tensor:
     return interpolated * (1 - keep) + extrapolated * keep
 
 
-def _mscale(scale: float, mscale: float) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention-temperature factor for a context extended ``scale`` times."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def yarn_concentration_factor(p: YarnParams) -> float:
     """The factor cos and sin are multiplied by (Megatron: ``_yarn_get_concentration_factor``)."""
-    return float(_mscale(p.scaling_factor, p.mscale) / _mscale(p.scaling_factor, p.mscale_all_dim))
+    return float(yarn_mscale(p.scaling_factor, p.mscale) / yarn_mscale(p.scaling_factor, p.mscale_all_dim))
 
 
 def yarn_params(cfg) -> YarnParams:

@@ -92,16 +92,18 @@ def document_causal_mask(docs: torch.Tensor) -> torch.Tensor:
     return (causal & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)
 
 
-def ulysses_attention(q, k, v, cp: int, group, docs: Optional[torch.Tensor] = None):
+def ulysses_attention(q, k, v, cp: int, group, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None):
     """q [b, h, 2c, d], k/v [b, g, 2c, d]: attention over the whole sequence through two all-to-alls.
-    K/V heads are repeated to the query heads first when the groups do not divide by CP."""
+    K/V heads are repeated to the query heads first when the groups do not divide by CP. ``scale``:
+    of the scores (None: 1/sqrt(d))."""
     h, g = q.size(1), k.size(1)
     if g % cp:
         k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
         g = h
     q, k, v = (_heads_to_sequence(t, cp, group) for t in (q, k, v))
     mask = document_causal_mask(docs) if docs is not None else None
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=g != h)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=g != h,
+                                         scale=scale)
     return _sequence_to_heads(out, cp, group)
 
 
@@ -128,12 +130,13 @@ class ContextParallel:
         ring = Ring(dims.cp_group, i, dims.cp, ranks[(i + 1) % dims.cp], ranks[(i - 1) % dims.cp])
         return cls(dims.cp_group, dims.cp, i, comm_type, ring)
 
-    def attention(self, q, k, v, docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attention(self, q, k, v, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
         """Causal (document-causal with ``docs``, the whole sequence's ids [b, s]) attention of this
-        rank's queries q [b, h, 2c, d] over the whole sequence; k/v [b, g, 2c, d] are this rank's."""
+        rank's queries q [b, h, 2c, d] over the whole sequence; k/v [b, g, 2c, d] are this rank's.
+        ``scale``: of the scores (None: 1/sqrt(d))."""
         if self.comm_type == "a2a":
-            return ulysses_attention(q, k, v, self.size, self.group, docs)
-        return ring_attention(q, k, v, self.ring, docs, kernel=self.kernel)
+            return ulysses_attention(q, k, v, self.size, self.group, docs, scale)
+        return ring_attention(q, k, v, self.ring, docs, scale, kernel=self.kernel)
 
     def positions(self, seq_length: int, device=None) -> torch.Tensor:
         """Global positions of this rank's tokens."""

@@ -38,7 +38,8 @@ REFUSED_RECIPES = {  # Megatron's other choices: why paratron refuses them
     "mxfp8": "mxfp8 (per-32-element e8m0 scales) needs Blackwell's MX tensor cores; Hopper has none",
 }
 AMAX_ALGOS = ("max", "most_recent")
-LAYERS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # the FP8 layers of a transformer block
+LAYERS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",  # the FP8 layers of a transformer block
+          "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")  # and multi-latent attention's parallel ones
 FAST_ACCUM_FORWARD = True  # the forward GEMM with Hopper's fast FP8 accumulation (as torchao); backward without
 FUSED_CAST_DEVICES = ("cuda",)  # where amax and the scaled cast run as compiled kernels outside compiled regions
 

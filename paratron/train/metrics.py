@@ -26,8 +26,21 @@ def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int)
         moe_layers = sum(parse_moe_layer_freq(m.moe_layer_freq, L))
         active = m.moe_ffn_hidden_size * m.moe_router_topk + (m.moe_shared_expert_intermediate_size or 0)
         mlp_width = f * (L - moe_layers) + active * moe_layers
-    per_token = 6 * h * mlp_width * e + 6 * (h * (q + 2 * kv) + q * h) * L + 6 * h * V
-    return float(tokens * per_token + batch * seq * seq * 6 * q * L)
+    attention, core = 6 * (h * (q + 2 * kv) + q * h), 6 * q
+    if m.multi_latent_attention:
+        attention, core = mla_attention_terms(m)
+    per_token = 6 * h * mlp_width * e + attention * L + 6 * h * V
+    return float(tokens * per_token + batch * seq * seq * core * L)
+
+
+def mla_attention_terms(m: ModelConfig) -> tuple[float, float]:
+    """Multi-latent attention's FLOPs per token and layer (projections, norms counted as one
+    multiply per element) and the per-token-pair factor of its core (causal as half), as Megatron's."""
+    h, n, pe = m.hidden_size, m.num_attention_heads, m.qk_pos_emb_head_dim
+    q_head = m.qk_head_dim + pe
+    q = h * n * q_head if m.q_lora_rank is None else m.q_lora_rank * (h + n * q_head + 1)
+    kv = m.kv_lora_rank * (h + n * (m.qk_head_dim + m.v_head_dim) + 1) + h * pe
+    return 6 * (q + kv + n * m.v_head_dim * h), 6 * (n * q_head / 2 + n * m.v_head_dim / 2)
 
 
 def peak_tflops(device: torch.device) -> Optional[float]:

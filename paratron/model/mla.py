@@ -1,0 +1,174 @@
+"""Multi-latent attention (DeepSeek-V2/V3), as Megatron-core's ``MLASelfAttention``.
+
+Per token x (after the layer's input norm), with n heads:
+
+* queries: ``q = W_q x`` (``--q-lora-rank`` unset: ``linear_q_proj``), or through a low-rank
+  bottleneck ``q = W_qu norm_q(W_qd x)`` (``linear_q_down_proj`` to ``--q-lora-rank``, then
+  ``linear_q_up_proj``); each head's query is ``--qk-head-dim`` plain dimensions followed by
+  ``--qk-pos-emb-head-dim`` rotary ones;
+* keys and values: ``[c, k_pe] = W_kvd x`` (``linear_kv_down_proj``), ``c`` of ``--kv-lora-rank``
+  dimensions, ``k_pe`` one rotary key of ``--qk-pos-emb-head-dim`` shared by every head; then
+  ``[k_nope, v] = W_kvu norm_kv(c)`` per head (``linear_kv_up_proj``), the key is ``[k_nope, rope(k_pe)]``
+  and the value ``--v-head-dim`` wide;
+* ``norm_q``/``norm_kv`` (``q_layernorm``/``kv_layernorm``, of ``--normalization``) exist with
+  ``--qk-layernorm`` only, as in Megatron's layer specs;
+* softmax scale ``mscale(factor, mscale_all_dim)^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)``;
+* rotary: the rotary part is de-interleaved (even dimensions, then odd) before a rotate-half rotation;
+  ``--rope-type yarn`` (the default with MLA, as Megatron's) uses YaRN frequencies with
+  ``--rotary-scaling-factor``, Megatron's fixed original length 4096 and betas 32/1, and multiplies
+  cos/sin by ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``; ``--rope-type rope`` is plain
+  rotary (``--rotary-base``, ``--rotary-percent``).
+
+Tensor parallelism: the up projections are column-parallel (heads split over TP), ``linear_proj``
+row-parallel; the down projections and the two norms are replicated (Megatron's ``duplicated``
+TELinear). Under sequence parallelism they run on this rank's part of the sequence (their gradients
+summed over TP) and the shared rotary key is gathered over the sequence; without it the shared rotary
+key's gradient, which each rank computes from its own heads, is summed over TP.
+
+YaRN's formulas are paratron/model/yarn.py's, shared with ``--position-embedding-type yarn``.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel import comm
+from ..parallel.random import checkpoint
+from ..parallel.sharding import ShardSpec, set_spec
+from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
+from .layers import ForwardContext, Norm, Parallel, Rotary, apply_rotary, output_init, rope_inv_freq
+from .yarn import YarnParams, yarn_concentration_factor, yarn_inv_freq, yarn_mscale
+
+def mla_yarn(cfg: ModelConfig) -> YarnParams:
+    """MLA's YaRN knobs: --rotary-scaling-factor / --mscale / --mscale-all-dim; the original context and
+    the betas are Megatron's MLATransformerConfig values (4096, 32, 1: its command line's --yarn-* flags reach
+    ordinary attention only)."""
+    return YarnParams(scaling_factor=cfg.rotary_scaling_factor, mscale=cfg.mscale, mscale_all_dim=cfg.mscale_all_dim)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    mscale = yarn_mscale(cfg.rotary_scaling_factor, cfg.mscale_all_dim)
+    return mscale * mscale / math.sqrt(cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
+
+
+class MLARotary(Rotary):
+    """Rotary tables of MLA's rotary part (cos/sin already multiplied by YaRN's factor); Rotary's
+    ``forward(seq_len, position_ids)`` -> (cos, sin) for [s, b, heads, dim]."""
+
+    def __init__(self, cfg: ModelConfig, device=None):
+        nn.Module.__init__(self)  # Rotary's own tables are for --kv-channels
+        where = "meta" if torch.device(device or "cpu").type == "meta" else "cpu"
+        d = cfg.qk_pos_emb_head_dim
+        if (cfg.rope_type or "yarn") == "yarn":
+            p = mla_yarn(cfg)
+            inv, scale = yarn_inv_freq(d, cfg.rotary_base, p), yarn_concentration_factor(p)
+        else:
+            inv, scale = rope_inv_freq(int(d * cfg.rotary_percent), cfg.rotary_base), 1.0
+        pos = torch.arange(max(cfg.max_position_embeddings, cfg.seq_length), dtype=torch.float32, device=where)
+        freqs = torch.outer(pos, inv.to(where))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
+
+
+def apply_mla_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on MLA's layout: the rotated dimensions come in interleaved pairs (DeepSeek's weights),
+    reordered even-then-odd before the rotate-half rotation (the order does not change q . k)."""
+    d = cos.size(-1)
+    rot = torch.cat([x[..., 0:d:2], x[..., 1:d:2]], dim=-1)
+    return apply_rotary(rot if d == x.size(-1) else torch.cat([rot, x[..., d:]], dim=-1), cos, sin)
+
+
+class ReplicatedLinear(nn.Module):
+    """A bias-free linear layer whose whole weight every TP rank holds (Megatron's duplicated linear).
+    ``sequence_parallel``: it sees this rank's part of the sequence, so its gradient is summed over TP."""
+
+    def __init__(self, in_features: int, out_features: int, init_method, sequence_parallel: bool,
+                 device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        init_method(self.weight.data)
+        if sequence_parallel:
+            set_spec(self.weight, ShardSpec(sum_over=("tp",)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MLASelfAttention(nn.Module):
+    """Multi-latent self-attention (module docstring); parameter names are Megatron's."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
+        super().__init__()
+        self.par, self.dropout = par, cfg.attention_dropout
+        self.heads = cfg.num_attention_heads // par.tp_size
+        self.qk, self.pe, self.v = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        self.kv_rank, self.scale = cfg.kv_lora_rank, softmax_scale(cfg)
+        self.recompute_core = False
+        self.layer_index = 0
+        n, sp, init = cfg.num_attention_heads, par.sequence_parallel, init_normal(cfg.init_method_std)
+        column = partial(ColumnParallelLinear, tp_group=par.tp_group, bias=False, sequence_parallel=sp,
+                         init_method=init, device=device, dtype=dtype)
+        replicated = partial(ReplicatedLinear, init_method=init, sequence_parallel=sp, device=device, dtype=dtype)
+        norm = partial(Norm, cfg.normalization, eps=cfg.norm_epsilon, sequence_parallel=sp, device=device, dtype=dtype)
+        self.lora = cfg.q_lora_rank is not None
+        if self.lora:
+            self.linear_q_down_proj = replicated(cfg.hidden_size, cfg.q_lora_rank)
+            self.linear_q_up_proj = column(cfg.q_lora_rank, n * (self.qk + self.pe))
+        else:
+            self.linear_q_proj = column(cfg.hidden_size, n * (self.qk + self.pe))
+        self.linear_kv_down_proj = replicated(cfg.hidden_size, self.kv_rank + self.pe)
+        self.linear_kv_up_proj = column(self.kv_rank, n * (self.qk + self.v))
+        self.q_layernorm = norm(size=cfg.q_lora_rank) if cfg.qk_layernorm and self.lora else None
+        self.kv_layernorm = norm(size=self.kv_rank) if cfg.qk_layernorm else None
+        self.linear_proj = RowParallelLinear(n * self.v, cfg.hidden_size, tp_group=par.tp_group,
+                                             bias=not cfg.disable_bias_linear, sequence_parallel=sp,
+                                             init_method=output_init(cfg), device=device, dtype=dtype)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.lora:
+            return self.linear_q_proj(x)
+        q = self.linear_q_down_proj(x)
+        return self.linear_q_up_proj(q if self.q_layernorm is None else self.q_layernorm(q))
+
+    def _keys_values(self, x: torch.Tensor):
+        """(the latent c after its norm, the shared rotary key over the whole sequence [s, b, 1, pe])."""
+        c, k_pe = self.linear_kv_down_proj(x).split([self.kv_rank, self.pe], dim=-1)
+        if self.par.sequence_parallel:
+            k_pe = comm.gather_from_sp(k_pe, self.par.tp_group)
+        else:  # each rank's gradient comes from its own heads: summed over TP
+            k_pe = comm.copy_to_tp(k_pe, self.par.tp_group)
+        return (c if self.kv_layernorm is None else self.kv_layernorm(c)), k_pe.unsqueeze(2)
+
+    def _core(self, q, k, v, ctx: ForwardContext):
+        if ctx.cp is not None:  # the CP kernels take one head dim: values padded to the keys' (as Megatron's THD path)
+            out = ctx.cp.attention(q, k, F.pad(v, (0, q.size(-1) - v.size(-1))), ctx.document_ids, self.scale)
+            return out[..., :v.size(-1)]
+        p = self.dropout if self.training else 0.0
+        with self.par.fork():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,
+                                                  scale=self.scale)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if ctx.kv_cache is not None:
+            raise NotImplementedError("multi-latent attention has no inference KV cache")
+        c, k_pe = self._keys_values(x)
+        q = self._queries(x)
+        s, b = q.shape[:2]
+        q_nope, q_pe = q.view(s, b, self.heads, self.qk + self.pe).split([self.qk, self.pe], dim=-1)
+        k_nope, v = self.linear_kv_up_proj(c).view(s, b, self.heads, self.qk + self.v).split([self.qk, self.v], -1)
+        if ctx.rope is not None:
+            q_pe, k_pe = apply_mla_rotary(q_pe, *ctx.rope), apply_mla_rotary(k_pe, *ctx.rope)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            out = checkpoint(self._core, q, k, v, ctx, rng=self.par.rng)
+        else:
+            out = self._core(q, k, v, ctx)
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v))
