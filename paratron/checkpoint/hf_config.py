@@ -217,6 +217,11 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
             raise ConversionError(f"{family} cannot represent this model: {what}")
 
     need(cfg.rotary_percent == 1.0 or cfg.position_embedding_type != "rope", "needs --rotary-percent 1.0")
+    for name, what in (("apply_layernorm_1p", "zero-centred norm weights"), ("squared_relu", "the squared-ReLU MLP"),
+                       ("quick_geglu", "the quick-GeGLU MLP"), ("attention_output_gate", "the attention output gate")):
+        need(not getattr(cfg, name), f"{what} (--{name.replace('_', '-')}) has no tensor mapping here")
+    need(cfg.glu_linear_offset == 0.0 and cfg.activation_func_clamp_value is None,
+         "GLU offsets and clamps (--glu-linear-offset, --activation-func-clamp-value) have no mapping here")
     check_moe_representable(cfg, family, need)
     if family == "gpt2":
         need(cfg.position_embedding_type == "learned_absolute", "needs --position-embedding-type learned_absolute")

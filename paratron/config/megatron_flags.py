@@ -81,7 +81,8 @@ def refusal(name: str) -> Optional[str]:
 
 
 # Megatron's negative switches: --no-X sets the (default-on) field X to false.
-NEGATED_FLAGS = {"no_check_for_nan_in_loss_and_grad": "check_for_nan_in_loss_and_grad"}
+NEGATED_FLAGS = {"no_check_for_nan_in_loss_and_grad": "check_for_nan_in_loss_and_grad",
+                 "muon_no_split_qkv": "muon_split_qkv"}
 
 
 def status(name: str) -> tuple[str, str]:

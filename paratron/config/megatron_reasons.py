@@ -56,6 +56,8 @@ ACCEPTED = {
     "cuda_graph_impl": "paratron captures no CUDA graphs: --cuda-graph-impl none is its behaviour",
     "trust_remote_code": "HuggingFaceTokenizer reads tokenizer.json with the tokenizers library, which runs no code "
                          "from the model repository",
+    "no_use_layer_wise_param_layout": "how Megatron's layer-wise Muon optimizer lays its buffers out, not what it "
+                                      "computes: paratron's Muon gives the same update in either layout",
     "data_parallel_sharding_strategy": "read only by --use-megatron-fsdp (refused); without it nothing is sharded that "
                                        "--use-distributed-optimizer does not already shard",
 }
@@ -86,9 +88,6 @@ REFUSED = {
     "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
     "overlap_moe_expert_parallel_comm": PLANNED.format("overlapping the expert-parallel all-to-all with computation"),
     "moe_flex_dispatcher_backend": GPU.format("DeepEP/HybridEP token dispatch"),
-    "squared_relu": PLANNED.format("the squared-ReLU activation"),
-    "quick_geglu": PLANNED.format("the quick-GeGLU activation"),
-    "apply_layernorm_1p": PLANNED.format("zero-centred LayerNorm (--apply-layernorm-1p)"),
     "multi_latent_attention": PLANNED.format("multi-latent attention (DeepSeek)"),
     "rotary_scaling_factor": PLANNED.format("YaRN rotary scaling (multi-latent attention)"),
     "moe_router_num_groups": PLANNED.format("group-limited MoE routing (DeepSeek-V3)"),
@@ -107,12 +106,7 @@ REFUSED = {
     "window_size": PLANNED.format("sliding-window attention"),
     "window_attn_skip_freq": PLANNED.format("sliding-window attention"),
     "softmax_type": PLANNED.format("attention-sink softmax variants"),
-    "glu_linear_offset": PLANNED.format("GLU offsets (gpt-oss)"),
-    "activation_func_clamp_value": PLANNED.format("clamped activations (gpt-oss)"),
     "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
-    "attention_output_gate": PLANNED.format("gated attention output"),
-    "decoupled_lr": PLANNED.format("a separate learning rate for the embedding and output layers"),
-    "decoupled_min_lr": PLANNED.format("a separate learning rate for the embedding and output layers"),
     "padded_vocab_size": PLANNED.format("an explicit padded vocabulary (paratron pads to "
                                         "--make-vocab-size-divisible-by x TP)"),
     "pipeline_model_parallel_layout": PLANNED.format("custom pipeline layouts (use --decoder-first/last-pipeline-"
@@ -141,7 +135,6 @@ REFUSED = {
     "use_nccl_ub": GPU.format("NCCL user-buffer registration"),
     "fsdp_double_buffer": PLANNED.format("Megatron-FSDP"),
     "fsdp_manual_registration": PLANNED.format("Megatron-FSDP"),
-    "no_use_layer_wise_param_layout": PLANNED.format("Megatron-FSDP"),
     "overlap_param_gather_with_optimizer_step": PLANNED.format("overlapping the first all-gather bucket with the "
                                                                "optimizer step"),
     "async_ckpt_use_cpu_shm": NA.format("--async-save stages tensors in pinned CPU memory of the training process"),
@@ -152,7 +145,6 @@ REFUSED = {
     "fine_grained_activation_offloading": PLANNED.format("activation offloading"),
     "offload_modules": PLANNED.format("activation offloading"),
     "use_cpu_initialization": PLANNED.format("CPU initialisation of full weights before sharding"),
-    "disable_bf16_reduced_precision_matmul": PLANNED.format("--disable-bf16-reduced-precision-matmul"),
     "use_transformer_engine_op_fuser": GPU.format("Transformer Engine's operation fuser"),
     "te_rng_tracker": GPU.format("Transformer Engine's RNG tracker"),
     "is_hybrid_model": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
@@ -165,11 +157,12 @@ REFUSED = {
     "fim_rate": PLANNED.format("fill-in-the-middle datasets"),
     "fim_spm_rate": PLANNED.format("fill-in-the-middle datasets"),
     "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
-    "apply_wd_to_qk_layernorm": PLANNED.format("weight decay on the QK LayerNorm weights"),
 }
 
 # Config fields whose only effect is the behaviour paratron always has (read by no other code).
 HONOURED_FIELDS = {
+    "muon_use_syrk": "a Gram-matrix kernel choice (Triton SYRK) with the same numbers: paratron's Newton-Schulz "
+                     "uses plain matmuls",
     "timing_log_option": "paratron writes each timer's maximum over ranks to TensorBoard (Megatron's value for every "
                          "option) and prints no timers in the log line, so no option changes its output",
     "moe_token_dispatcher_type": "alltoall and allgather dispatch the same tokens to the same experts; at expert-"
@@ -185,7 +178,6 @@ PREFIX_REASONS = (
     ("dsa_", PLANNED.format("DeepSeek sparse attention")),
     ("mtp_", PLANNED.format("multi-token prediction (MTP)")),
     ("cuda_graph", GPU.format("CUDA graph capture")),
-    ("muon_", PLANNED.format("the Muon optimizer (paratron has adam)")),
     ("megatron_fsdp", PLANNED.format("Megatron-FSDP")),
     ("fsdp_", PLANNED.format("Megatron-FSDP")),
     ("inference_", NA.format("inference-server options (paratron's generation is `paratron generate`)")),
