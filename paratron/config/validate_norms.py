@@ -27,7 +27,8 @@ def need(cond, msg: str) -> None:
 def validate_variants(m: ModelConfig) -> None:
     """--squared-relu / --quick-geglu / --swiglu, the GLU offset and clamp, as Megatron checks them."""
     acts = [name for name in ("swiglu", "squared_relu", "quick_geglu") if getattr(m, name)]
-    need(len(acts) <= 1, f"{flag(acts[0])} and {flag(acts[-1])} exclude each other; choose one activation")
+    if len(acts) > 1:
+        raise ConfigError(f"{flag(acts[0])} and {flag(acts[1])} exclude each other; choose one activation")
     gated = m.swiglu or m.quick_geglu
     if m.glu_linear_offset != 0.0:
         need(gated, "--glu-linear-offset needs a gated MLP (--quick-geglu or --swiglu)")
