@@ -270,16 +270,16 @@ class OptimConfig(Section):
     decoupled_min_lr: Optional[float] = None  # their minimum LR (default --min-lr); needs --decoupled-lr
     apply_wd_to_qk_layernorm: bool = False  # weight decay on the q/k layernorm weights and biases too
     # Muon (--optimizer muon | dist_muon; paratron/optim/muon.py): Megatron's defaults
-    muon_momentum: float = 0.9
+    muon_momentum: float = 0.9  # Muon's momentum (EMA) coefficient
     muon_split_qkv: bool = True  # --muon-no-split-qkv: orthogonalise the fused QKV matrix whole
-    muon_nesterov: bool = False
+    muon_nesterov: bool = False  # Nesterov momentum: orthogonalise (1 - m) g + m M instead of M
     muon_scale_mode: str = "spectral"  # spectral | unit_rms_norm | shape_scaling
     muon_fp32_matmul_prec: str = "medium"  # medium: Newton-Schulz in bf16; high | highest: fp32
     muon_coefficient_type: str = "quintic"  # simple | quintic | polar_express | cans | aol | deepseekv4 | cubic5
-    muon_num_ns_steps: int = 5
+    muon_num_ns_steps: int = 5  # Newton-Schulz iterations
     muon_tp_mode: str = "duplicated"  # duplicated | distributed: whole matrices; blockwise: each TP shard alone
     muon_use_syrk: bool = False  # a Gram-matrix kernel choice: the same numbers
-    muon_extra_scale_factor: float = 1.0
+    muon_extra_scale_factor: float = 1.0  # multiplies Muon's update (after --muon-scale-mode's factor)
     muon_scalar_optimizer: str = "adam"  # the optimizer of the non-matrix parameters (adam)
 
 
