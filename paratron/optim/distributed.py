@@ -60,7 +60,7 @@ def shard_pieces(models: list[DataParallel]) -> list[Piece]:
 
 
 def bucket_of(pc: Piece):
-    return next(b for b in pc.buffer.buckets if pc.param in b.params)
+    return next(b for b in pc.buffer.buckets if any(p is pc.param for p in b.params))
 
 
 def muon_buckets(models: list[DataParallel], names: dict, op) -> dict:
