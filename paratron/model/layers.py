@@ -82,7 +82,7 @@ class Norm(nn.Module):
             self.bias = nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
-        if sequence_parallel:  # applied to sequence-sharded activations: partial gradients per TP rank
+        if sequence_parallel:  # applied to a share of the activations (sequence or heads): partial gradients per TP rank
             for p in self.parameters():
                 set_spec(p, ShardSpec(sum_over=("tp",)))
 
@@ -204,8 +204,11 @@ class Attention(nn.Module):
                                                sequence_parallel=par.sequence_parallel,
                                                init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
         if cfg.qk_layernorm:
-            self.q_layernorm = Norm.of(cfg, self.d, device=device, dtype=dtype)
-            self.k_layernorm = Norm.of(cfg, self.d, device=device, dtype=dtype)
+            # each TP rank normalises its own heads: the weights' gradients are partial sums over TP (Megatron
+            # sums them over TP in finalize_model_grads)
+            partial = par.tp_size > 1
+            self.q_layernorm = Norm.of(cfg, self.d, partial, device=device, dtype=dtype)
+            self.k_layernorm = Norm.of(cfg, self.d, partial, device=device, dtype=dtype)
         else:
             self.q_layernorm = self.k_layernorm = None
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, tp_group=par.tp_group,
