@@ -26,7 +26,7 @@ from ..parallel.data import DataParallel, GradBuffer
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import spec_of
 from .groups import role_of
-from .muon import Item
+from .muon import Item, Muon, qkv_rows
 from .optimizer import MixedPrecisionAdam
 
 
@@ -95,8 +95,11 @@ class DistributedOptimizer(MixedPrecisionAdam):
                  for m, pc, r in zip(masters, self.pieces, roles)]
         self._setup(masters, roles, [pc.buffer.norm_groups for pc in self.pieces],
                     [spec_of(pc.param).counts_in_norm(dims) for pc in self.pieces], cfg, dims, items)
+        buckets = muon_buckets(models, names, cfg.optim) if cfg.optim.optimizer == "muon" else {}
+        if buckets and self.muon is None:  # no piece of a matrix here, but the bucket gathers need this rank
+            self.muon = Muon([], cfg.optim, dims, qkv_rows(cfg.model))
         if self.muon is not None:
-            self.muon.set_buckets(muon_buckets(models, names, cfg.optim))
+            self.muon.set_buckets(buckets)
 
     def _grads(self) -> list[torch.Tensor]:
         return [g if g.dtype == torch.float32 else g.float() for g in self._grad_views]

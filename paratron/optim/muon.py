@@ -113,6 +113,7 @@ class Muon:
         self.qkv_split = qkv_split if op.muon_split_qkv else None
         self.momentum = [torch.zeros_like(it.master) for it in items]
         self.lr, self.weight_decay = op.lr, op.weight_decay
+        self.buckets: Optional[list] = None  # distributed optimizer: see set_buckets
 
     # ---- the whole matrix --------------------------------------------------------------------
     def _matrix_splits(self, p: torch.nn.Parameter) -> list:
@@ -160,7 +161,7 @@ class Muon:
                 it.master.mul_(1.0 - lr * self.weight_decay)
             buf.lerp_(g, 1.0 - op.muon_momentum)
             updates.append(g.lerp(buf, op.muon_momentum) if op.muon_nesterov else buf)
-        if self.items and self.items[0].bucket is not None:
+        if self.buckets is not None:
             self._step_sharded(updates)
             return
         for it, u in zip(self.items, updates):
