@@ -86,8 +86,9 @@ class MixedPrecisionAdam:
     """The step shared by the plain and the distributed optimizer: AdamW on fp32 master tensors
     (``self.masters``) whose fp32 gradients come from the data-parallel gradient buffer.
 
-    step(): unscale (fp16), global grad norm (one host sync), skip on inf/nan, clip, AdamW, then
-    publish the masters to the model parameters. Subclasses say where the gradients come from, which
+    step(): unscale (fp16), global grad norm (one host sync), skip on inf/nan, clip, AdamW (and Muon
+    for the hidden matrices with --optimizer muon, paratron/optim/muon.py), then publish the masters
+    to the model parameters. Subclasses say where the gradients come from, which
     groups the squared norm is summed over, and how the parameters are updated."""
 
     def _setup(self, masters: list[torch.Tensor], roles: list[Role], norm_sets: list[tuple], counted: list[bool],

@@ -264,3 +264,10 @@ def test_hf_conversion_refuses_the_variants():
     with pytest.raises(ConversionError, match="apply-layernorm-1p"):
         check_representable(model_cfg(apply_layernorm_1p=True, normalization="RMSNorm", swiglu=True,
                                       position_embedding_type="rope", disable_bias_linear=True), "llama")
+
+
+def test_megatron_spellings_parse():
+    from paratron.config import parse_args
+    cfg = parse_args(["--mock-data", "--train-iters", "2", "--lr", "1e-3", "--optimizer", "muon", "--muon-no-split-qkv",
+                      "--muon-use-syrk", "--no-use-layer-wise-param-layout", "--use-distributed-optimizer"])
+    assert cfg.optim.muon_split_qkv is False and cfg.optim.muon_use_syrk is True
