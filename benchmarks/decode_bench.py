@@ -6,9 +6,11 @@ transformers ``generate`` (static cache + torch.compile), same weights, same pro
 
 Both systems run greedy with the same random weights (the paratron model converted to HF with
 ``paratron_to_hf``) and never stop early (no end-of-document token). Per batch size: time to first
-token = wall time until the first new token is on the host (prefill and one sampling step); decode tokens/s =
-batch x (N - 1) / (time from the first new token to the last). Each is the median of ``--repeats`` runs after
-warm-up runs (compilation, CUDA graph capture). paratron runs its engine with ``compile=True``
+token = wall time of a generation of one token (prefill and one sampling step, tokens on the host); decode
+tokens/s = batch x (N - 1) / (time of a generation of N tokens - time to first token), as ../shared/bench's
+hf_generate.py measures it: nothing reads the tokens while they are generated (a per-token callback would
+make paratron's engine read each token back, a host synchronisation per step). Each time is the median of
+``--repeats`` runs after warm-up runs (compilation, CUDA graph capture). paratron runs its engine with ``compile=True``
 (torch.compile'd decode step replayed as a CUDA graph) unless ``--no-compile``; HF runs
 ``cache_implementation="static"``, compiled on GPU as transformers does it itself (``--hf-compile``).
 Prints a table and JSON lines, and writes a record (record.py) with the JSON rows.
@@ -65,25 +67,10 @@ def paratron_runner(model, vocab, compile_: bool):
     from paratron.inference.sampling import SamplingParams
     engine = Engine(model, vocab, eod=None, compile=compile_)
 
-    def run(prompts: torch.Tensor, n: int, stamp):
+    def run(prompts: torch.Tensor, n: int):
         reqs = [Request(p, SamplingParams(n)) for p in prompts.tolist()]
-        return [r.tokens for r in engine.generate(reqs, on_step=lambda new: stamp())]
+        return [r.tokens for r in engine.generate(reqs)]
     return run
-
-
-class _Stamps:
-    """A transformers streamer: put() is called with the prompt, then with each new token (on the host)."""
-
-    def __init__(self, stamp):
-        self.stamp, self.calls = stamp, 0
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls > 1:
-            self.stamp()
-
-    def end(self) -> None:
-        pass
 
 
 def hf_runner(hf, compile_: str):
@@ -94,35 +81,32 @@ def hf_runner(hf, compile_: str):
     if compile_ == "manual":
         hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
 
-    def run(prompts: torch.Tensor, n: int, stamp):
+    def run(prompts: torch.Tensor, n: int):
         with torch.no_grad():
             out = hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              cache_implementation="static", pad_token_id=0, streamer=_Stamps(stamp))
+                              cache_implementation="static", pad_token_id=0)
         return out[:, prompts.shape[1]:].tolist()
     return run
 
 
-def once(run, prompts, n: int, device) -> tuple[float, float]:
-    """(seconds to the first new token, seconds from it to the last) of one generation."""
-    stamps = []
+def timed(run, prompts, n: int, device) -> float:
+    """Seconds of one generation of ``n`` tokens per prompt."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    run(prompts, n, lambda: stamps.append(time.perf_counter()))
+    run(prompts, n)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    end = time.perf_counter()
-    return stamps[0] - t0, end - stamps[0]
+    return time.perf_counter() - t0
 
 
 def measure(run, prompts, n: int, repeats: int, warmup: int, device) -> dict:
     for _ in range(warmup):
-        once(run, prompts, n, device)
-    runs = [once(run, prompts, n, device) for _ in range(repeats)]
-    first = statistics.median(r[0] for r in runs)
-    rest = statistics.median(r[1] for r in runs)
-    b = prompts.shape[0]
-    return {"ttft_ms": round(1000 * first, 2), "decode_tok_s": round(b * (n - 1) / max(rest, 1e-9), 1),
+        timed(run, prompts, 1, device), timed(run, prompts, n, device)
+    first = statistics.median(timed(run, prompts, 1, device) for _ in range(repeats))
+    total = statistics.median(timed(run, prompts, n, device) for _ in range(repeats))
+    rest, b = max(total - first, 1e-9), prompts.shape[0]
+    return {"ttft_ms": round(1000 * first, 2), "decode_tok_s": round(b * (n - 1) / rest, 1),
             "per_token_ms": round(1000 * rest / max(n - 1, 1), 3)}
 
 
@@ -162,7 +146,7 @@ def main() -> int:
         outputs = {}
         for system, run in systems:
             r = dict(system=system, batch=b, **measure(run, prompts, n, args.repeats, args.warmup, device))
-            outputs[system] = run(prompts, n, lambda: None)
+            outputs[system] = run(prompts, n)
             rows.append(r)
             print(json.dumps(r), flush=True)
         if len(outputs) == 2:  # same weights, greedy: the tokens should agree (bf16 may flip near-ties)

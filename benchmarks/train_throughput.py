@@ -41,9 +41,12 @@ def run_paratron(preset: str, flags: list[str], warmup: int, steps: int) -> dict
         torch.cuda.reset_peak_memory_stats()
     t = Trainer(cfg)
     losses = []
+    t0 = time.perf_counter()
     for _ in range(warmup):
         t.train_step()
     sync()
+    warmup_s = time.perf_counter() - t0
+    print(f"  warm-up ({warmup} steps, compilation included): {warmup_s:.0f} s", flush=True)
     start = time.perf_counter()
     for _ in range(steps):
         report, _, _ = t.train_step()
@@ -57,7 +60,8 @@ def run_paratron(preset: str, flags: list[str], warmup: int, steps: int) -> dict
     out = dict(step_ms=round(dt * 1e3, 1), tok_s=round(tokens / dt), tflops=round(flops / dt / 1e12, 1),
                mfu=round(100 * flops / dt / 1e12 / peak, 1),
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else None,
-               loss=round(loss, 3), micro_batch=cfg.train.micro_batch_size, flops_per_token=flops / tokens)
+               loss=round(loss, 3), micro_batch=cfg.train.micro_batch_size, flops_per_token=flops / tokens,
+               warmup_s=round(warmup_s))
     t.close()
     del t
     gc.collect()

@@ -30,12 +30,15 @@ ROPE_SCALING_FIELDS = ("rope_scaling_factor",)
 MOE_FIELDS = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_score_function",
               "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
               "moe_shared_expert_intermediate_size")
+ATTENTION_FIELDS = ("window_size", "window_attn_skip_freq", "softmax_type")  # absent from older checkpoints
+YARN_FIELDS = ("rotary_base", "rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+               "yarn_beta_slow", "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim")
 DATA_FIELDS = ("vocab_size",)  # the tokenizer's vocabulary (the padding may change with TP: resharding)
 
 
 def _compared(saved: dict, now: dict) -> list[str]:
     """The model fields that matter for this pair of configurations."""
-    names = list(MODEL_FIELDS)
+    names = list(MODEL_FIELDS) + list(ATTENTION_FIELDS)
     kinds = {saved.get("position_embedding_type"), now.get("position_embedding_type")}
     if kinds == {"learned_absolute"}:
         names += LEARNED_FIELDS
@@ -43,6 +46,8 @@ def _compared(saved: dict, now: dict) -> list[str]:
         names += ROPE_FIELDS
         if saved.get("use_rope_scaling") or now.get("use_rope_scaling"):
             names += ROPE_SCALING_FIELDS
+    if kinds == {"yarn"}:
+        names += YARN_FIELDS
     if saved.get("num_experts") is not None or now.get("num_experts") is not None:
         names += MOE_FIELDS
     return names

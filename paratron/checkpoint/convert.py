@@ -144,13 +144,13 @@ def training_flags(m, tensor_model_parallel_size: int = 1) -> list[str]:
             continue
         if name == "num_query_groups" and not m.group_query_attention:
             continue
-        if name in ("rotary_base", "rotary_percent") and m.position_embedding_type != "rope":
+        if name in ("rotary_base", "rotary_percent") and m.position_embedding_type not in ("rope", "yarn"):
             continue
         if name == "rope_scaling_factor" and not m.use_rope_scaling:
             continue
         if isinstance(v, bool):
-            if v:
-                out.append(flag(name))
+            if v != f.default:  # a default-on switch is turned off by its --no- form
+                out.append(flag(name) if v else "--no-" + flag(name)[2:])
         elif name in _ALWAYS or name == "num_query_groups" or v != f.default:
             out += [flag(name), str(v)]
     if tensor_model_parallel_size > 1:

@@ -217,6 +217,8 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
             raise ConversionError(f"{family} cannot represent this model: {what}")
 
     need(cfg.rotary_percent == 1.0 or cfg.position_embedding_type != "rope", "needs --rotary-percent 1.0")
+    need(cfg.window_size is None, "no sliding-window attention (--window-size)")
+    need(cfg.softmax_type == "vanilla", f"no attention sinks (--softmax-type {cfg.softmax_type})")
     for name, what in (("apply_layernorm_1p", "zero-centred norm weights"), ("squared_relu", "the squared-ReLU MLP"),
                        ("quick_geglu", "the quick-GeGLU MLP"), ("attention_output_gate", "the attention output gate")):
         need(not getattr(cfg, name), f"{what} (--{name.replace('_', '-')}) has no tensor mapping here")

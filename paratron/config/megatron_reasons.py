@@ -89,7 +89,6 @@ REFUSED = {
     "overlap_moe_expert_parallel_comm": PLANNED.format("overlapping the expert-parallel all-to-all with computation"),
     "moe_flex_dispatcher_backend": GPU.format("DeepEP/HybridEP token dispatch"),
     "multi_latent_attention": PLANNED.format("multi-latent attention (DeepSeek)"),
-    "rotary_scaling_factor": PLANNED.format("YaRN rotary scaling (multi-latent attention)"),
     "moe_router_num_groups": PLANNED.format("group-limited MoE routing (DeepSeek-V3)"),
     "moe_router_group_topk": PLANNED.format("group-limited MoE routing (DeepSeek-V3)"),
     "moe_shared_expert_gate": PLANNED.format("the shared-expert gate"),
@@ -100,12 +99,8 @@ REFUSED = {
     "recompute_modules": PLANNED.format("recomputation of named submodules (--recompute-granularity selective|full "
                                         "exist)"),
     "rotary_interleaved": PLANNED.format("interleaved (RoFormer-style) rotary embeddings"),
-    "rope_type": PLANNED.format("YaRN RoPE (--rope-type)"),
     "no_rope_freq": PLANNED.format("skipping RoPE in some layers"),
     "rotary_seq_len_interpolation_factor": PLANNED.format("RoPE sequence-length interpolation"),
-    "window_size": PLANNED.format("sliding-window attention"),
-    "window_attn_skip_freq": PLANNED.format("sliding-window attention"),
-    "softmax_type": PLANNED.format("attention-sink softmax variants"),
     "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
     "padded_vocab_size": PLANNED.format("an explicit padded vocabulary (paratron pads to "
                                         "--make-vocab-size-divisible-by x TP)"),

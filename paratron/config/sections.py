@@ -99,11 +99,24 @@ class ModelConfig(Section):
     num_query_groups: Optional[int] = None
     seq_length: int = 128
     max_position_embeddings: Optional[int] = None  # default seq_length
-    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | yarn | none
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     use_rope_scaling: bool = False  # Llama-3.1-style frequency scaling
     rope_scaling_factor: float = 8.0
+    rope_type: Optional[str] = None  # rope (standard attention takes nothing else; YaRN: --position-embedding-type yarn)
+    # YaRN (--position-embedding-type yarn; paratron/model/yarn.py), Megatron's defaults when unset
+    rotary_scaling_factor: float = 1.0  # YaRN: context extension factor
+    yarn_original_max_position_embeddings: Optional[int] = None  # YaRN: positions of pre-training (default 4096)
+    yarn_beta_fast: Optional[float] = None  # YaRN: rotations where the ramp starts (default 32)
+    yarn_beta_slow: Optional[float] = None  # YaRN: rotations where the ramp ends (default 1)
+    yarn_correction_range_round_to_int: bool = True  # YaRN: floor/ceil the ramp ends (--no-... keeps fractions)
+    mscale: float = 1.0  # YaRN: attention-factor coefficient (numerator)
+    mscale_all_dim: float = 0.0  # YaRN: attention-factor coefficient (denominator)
+    # Sliding-window attention and attention sinks (paratron/model/core_attention.py)
+    window_size: Optional[str] = None  # "LEFT,RIGHT" tokens (-1: unbounded), e.g. 127,0
+    window_attn_skip_freq: Optional[str] = None  # int N (every Nth layer full) or a 0/1 list expression (1 = window)
+    softmax_type: str = "vanilla"  # vanilla | off-by-one | learnable (per-head sink logits)
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     norm_epsilon: float = 1e-5
     swiglu: bool = False

@@ -18,6 +18,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from .ranges import check_ranges
+from .validate_attnvar import validate_attention_parallel, validate_attention_variants
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
 from .validate_norms import validate_optimizer, validate_run_variants, validate_variants
 
@@ -69,11 +70,11 @@ def validate_model(m: ModelConfig) -> None:
          f"{m.num_query_groups}")
     if m.use_rotary_position_embeddings:  # Megatron's older spelling
         m.position_embedding_type = "rope"
-    need(not m.no_position_embedding or m.position_embedding_type in ("rope", "none"),
+    need(not m.no_position_embedding or m.position_embedding_type in ("rope", "yarn", "none"),
          f"--no-position-embedding with --position-embedding-type {m.position_embedding_type}: Megatron accepts it "
          "only with rope; for no position embedding use --position-embedding-type none")
-    need(m.position_embedding_type in ("learned_absolute", "rope", "none"),
-         f"--position-embedding-type must be learned_absolute, rope or none (got {m.position_embedding_type})")
+    need(m.position_embedding_type in ("learned_absolute", "rope", "yarn", "none"),
+         f"--position-embedding-type must be learned_absolute, rope, yarn or none (got {m.position_embedding_type})")
     if m.position_embedding_type == "learned_absolute":
         need(m.seq_length <= m.max_position_embeddings,
              f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}; "
@@ -81,6 +82,7 @@ def validate_model(m: ModelConfig) -> None:
     need(m.normalization in ("LayerNorm", "RMSNorm"),
          f"--normalization must be LayerNorm or RMSNorm (got {m.normalization})")
     validate_moe(m)
+    validate_attention_variants(m)
     validate_variants(m)
 
 
@@ -139,6 +141,7 @@ def validate_experts(par: ParallelConfig, m: ModelConfig) -> None:
 def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> None:
     """Parallel sizes against the model; the pipeline layout (derives the virtual size)."""
     validate_context_parallel(par, m)
+    validate_attention_parallel(par, m)
     validate_experts(par, m)
     tp = par.tensor_model_parallel_size
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):

@@ -96,7 +96,7 @@ class GPTModel(nn.Module):
         if pre_process:
             with seeded_init(seed, "embedding", device):
                 self.embedding = Embedding(cfg, vocab_size, self.par, device, dtype)
-        self.rotary = Rotary(cfg, device) if cfg.position_embedding_type == "rope" else None
+        self.rotary = Rotary(cfg, device) if cfg.position_embedding_type in ("rope", "yarn") else None
         n = cfg.num_layers if num_layers is None else num_layers
         self.decoder = TransformerStack(cfg, self.par, n, layer_offset, final_norm=post_process,
                                         recompute_granularity=recompute_granularity, recompute_method=recompute_method,

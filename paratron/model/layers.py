@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -19,7 +19,9 @@ from ..config import ModelConfig
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
+from .core_attention import CoreAttention, needs_core_attention
 from .variants import apply_output_gate, is_gated, mlp_activation, qkv_parts
+from .yarn import yarn_concentration_factor, yarn_inv_freq, yarn_params
 
 
 @dataclass
@@ -50,6 +52,7 @@ class ForwardContext:
         attention layer writes its keys and values into it and attends over what it holds, under ``mask``.
     cp: the context-parallel group (paratron/parallel/context.py) when the sequence is split over
         CP ranks: attention then runs across them (ring or all-to-all).
+    memo: what layers derive from this pass once and share (a sliding-window mask).
     """
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     mask: Optional[torch.Tensor] = None
@@ -57,6 +60,7 @@ class ForwardContext:
     causal: bool = True
     kv_cache: object = None
     cp: object = None
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if self.kv_cache is not None and self.cp is not None:
@@ -121,19 +125,27 @@ def rope_inv_freq(dim: int, base: float, scaling: bool = False, factor: float = 
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half form, as Llama/GPT-NeoX), cos/sin cached."""
+    """Rotary position embedding (rotate-half form, as Llama/GPT-NeoX), cos/sin cached. With
+    ``--position-embedding-type yarn``: YaRN's frequencies, cos and sin times its attention factor
+    (Megatron applies that factor to q's and k's rotation alike)."""
 
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
-        self.dim = int(cfg.kv_channels * cfg.rotary_percent)
         # Computed on the CPU (the same numbers whatever the device), or not at all for a meta model.
         where = "meta" if torch.device(device or "cpu").type == "meta" else "cpu"
-        inv = rope_inv_freq(self.dim, cfg.rotary_base, cfg.use_rope_scaling, cfg.rope_scaling_factor).to(where)
+        factor = 1.0
+        if cfg.position_embedding_type == "yarn":  # the whole head (validation refuses --rotary-percent)
+            self.dim, params = cfg.kv_channels, yarn_params(cfg)
+            inv = yarn_inv_freq(self.dim, cfg.rotary_base, params).to(where)
+            factor = yarn_concentration_factor(params)
+        else:
+            self.dim = int(cfg.kv_channels * cfg.rotary_percent)
+            inv = rope_inv_freq(self.dim, cfg.rotary_base, cfg.use_rope_scaling, cfg.rope_scaling_factor).to(where)
         pos = torch.arange(max(cfg.max_position_embeddings, cfg.seq_length), dtype=torch.float32, device=where)
         freqs = torch.outer(pos, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+        self.register_buffer("cos", (emb.cos() * factor).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * factor).to(device), persistent=False)
 
     def forward(self, seq_len: int, position_ids: Optional[torch.Tensor]):
         """cos, sin shaped to broadcast over [s, b, heads, dim]."""
@@ -186,7 +198,7 @@ class Attention(nn.Module):
     split therefore gives each rank whole groups with their queries.
     """
 
-    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None, layer_index: int = 0):
         super().__init__()
         self.par = par
         self.d = cfg.kv_channels
@@ -195,7 +207,7 @@ class Attention(nn.Module):
         self.q_per_group = cfg.num_attention_heads // cfg.num_query_groups
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
-        self.layer_index = 0  # the global layer number (its slot in an inference KV cache); set by build_mixer
+        self.layer_index = layer_index  # the global layer number (its slot in an inference KV cache)
         self.gated = cfg.attention_output_gate
         self.q_rows = self.q_per_group * qkv_parts(cfg)  # query (and gate) heads per group
         qkv_out = (cfg.num_attention_heads * qkv_parts(cfg) + 2 * cfg.num_query_groups) * self.d
@@ -214,12 +226,16 @@ class Attention(nn.Module):
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, tp_group=par.tp_group,
                                              bias=not cfg.disable_bias_linear, sequence_parallel=par.sequence_parallel,
                                              init_method=output_init(cfg), device=device, dtype=dtype)
+        # Sliding window / attention sinks (Megatron's core_attention.softmax_offset); None: plain SDPA
+        self.core_attention = CoreAttention(cfg, par, layer_index, device, dtype) if needs_core_attention(cfg) else None
 
     def _core(self, q, k, v, ctx: ForwardContext):
         if ctx.cp is not None:  # the sequence is split over CP ranks (no dropout: config validation)
             return ctx.cp.attention(q, k, v, ctx.document_ids)
         p = self.dropout if self.training else 0.0
         with self.par.fork():
+            if self.core_attention is not None:
+                return self.core_attention(q, k, v, ctx, p)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,
                                                   enable_gqa=self.groups != self.heads)
 
@@ -245,7 +261,7 @@ class Attention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
             k, v = ctx.kv_cache.update(self.layer_index, k, v)
-        if ctx.kv_cache is not None and s == 1 and self.groups != self.heads:
+        if ctx.kv_cache is not None and s == 1 and self.groups != self.heads and self.core_attention is None:
             out = self._decode_core(q, k, v, ctx.mask)
         elif self.recompute_core and self.training and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, ctx, rng=self.par.rng)

@@ -68,9 +68,7 @@ def build_mixer(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, d
     if spec.mixer is None:
         return None
     if spec.mixer == "attention":
-        attention = Attention(cfg, par, device, dtype)
-        attention.layer_index = spec.index
-        return attention
+        return Attention(cfg, par, device, dtype, layer_index=spec.index)
     raise NotImplementedError(f"layer {spec.index}: Mamba layers are not implemented in paratron yet")
 
 

@@ -178,13 +178,20 @@ def efficient_forward(q, k, v, causal: bool, doc_mask, scale: float):
     return out, lse, (seed, offset)
 
 
+def _heads_inner(t: torch.Tensor) -> torch.Tensor:
+    """[b, h, s, d] laid out as [b, s, h, d] in memory: the layout the memory-efficient kernel's backward
+    reads the output and its gradient in (given [b, h, s, d]-contiguous ones, its dq and dk were off by
+    50-100 % on an H100 while dv was right: benchmarks/ring_efficient_diag.py)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def efficient_backward(dout, q, k, v, out, lse, causal: bool, doc_mask, scale: float, aux=None):
     h, g, sq = q.size(1), k.size(1), q.size(2)
     bias = _additive_mask(causal, doc_mask, q, k.size(2), align=16).expand(-1, h, -1, -1)
     padded = F.pad(lse, (0, -(-sq // 32) * 32 - sq))
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, _expand(k, h), _expand(v, h), bias, out, padded.contiguous(), aux[0], aux[1], 0.0,
-        [True, True, True, False], False, scale=scale)
+        _heads_inner(dout), q, _expand(k, h), _expand(v, h), bias, _heads_inner(out), padded.contiguous(), aux[0],
+        aux[1], 0.0, [True, True, True, False], False, scale=scale)
     return dq, _fold(dk, g), _fold(dv, g)
 
 

@@ -1,0 +1,56 @@
+"""Checks of the attention variants: sliding windows (--window-size, --window-attn-skip-freq), the
+softmax type (attention sinks), --rope-type and YaRN's flags (--position-embedding-type yarn).
+Called from validate.py's resolve steps; every problem is one line naming the flag and the fix."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+YARN_FLAGS = {"rotary_scaling_factor": 1.0, "yarn_original_max_position_embeddings": None, "yarn_beta_fast": None,
+              "yarn_beta_slow": None, "yarn_correction_range_round_to_int": True, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
+def need(cond, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate_attention_variants(m) -> None:
+    """The model-only checks (the window pattern is parsed here, so a bad one fails at resolve)."""
+    from ..model.core_attention import SOFTMAX_TYPES, parse_window_size, window_layers
+    need(m.softmax_type in SOFTMAX_TYPES,
+         f"--softmax-type {m.softmax_type}: choose one of {', '.join(SOFTMAX_TYPES)}")
+    need(m.window_attn_skip_freq is None or m.window_size is not None,
+         "--window-attn-skip-freq has no effect without --window-size; set --window-size LEFT,RIGHT or remove it")
+    window_layers(m.window_size, m.window_attn_skip_freq, m.num_layers)  # raises on a bad value
+    parse_window_size(m.window_size)
+    mla = bool(getattr(m, "multi_latent_attention", False))
+    need(m.rope_type in (None, "rope", "yarn"), f"--rope-type {m.rope_type}: choose rope or yarn")
+    need(mla or m.rope_type != "yarn", "--rope-type yarn is for multi-latent attention (Megatron asserts "
+         "rope for standard attention); use --position-embedding-type yarn for YaRN")
+    if m.position_embedding_type != "yarn":
+        if not mla:
+            given = [k for k, default in YARN_FLAGS.items() if getattr(m, k) != default]
+            need(not given, f"{_flag(given[0]) if given else ''} has no effect without --position-embedding-type "
+                 "yarn; set it or remove the flag")
+        return
+    need(m.rotary_percent == 1.0, "--rotary-percent with --position-embedding-type yarn: Megatron's YaRN rotates "
+         "the whole head (it ignores --rotary-percent); remove --rotary-percent")
+    need(not m.use_rope_scaling, "--use-rope-scaling (Llama-3.1 scaling) and --position-embedding-type yarn exclude "
+         "each other; choose one")
+    need(m.rotary_scaling_factor > 0, f"--rotary-scaling-factor must be > 0 (got {m.rotary_scaling_factor})")
+    for name in ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow"):
+        value = getattr(m, name)
+        need(value is None or value > 0, f"{_flag(name)} must be > 0 (got {value})")
+
+
+def validate_attention_parallel(par, m) -> None:
+    """What the parallel layout cannot run with the variants."""
+    if par.context_parallel_size > 1:
+        need(m.window_size is None, "--window-size with --context-parallel-size > 1 is not implemented "
+             "(the ring and all-to-all paths attend causally); use --context-parallel-size 1")
+        need(m.softmax_type == "vanilla", f"--softmax-type {m.softmax_type} with --context-parallel-size > 1 is not "
+             "implemented; use --context-parallel-size 1")

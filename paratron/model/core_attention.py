@@ -1,0 +1,211 @@
+"""Megatron's attention variants on top of torch SDPA: sliding windows and attention sinks.
+
+* ``--window-size LEFT,RIGHT``: query ``i`` attends to keys ``i - LEFT .. i + RIGHT`` (-1: unbounded;
+  attention stays causal, so RIGHT is 0 in effect), as Transformer Engine / flash-attention count
+  it: ``127,0`` is a window of 128 tokens (Hugging Face's ``sliding_window=128``).
+  ``--window-attn-skip-freq`` says which layers keep full attention (:func:`window_layers`).
+* ``--softmax-type off-by-one | learnable``: a sink logit per query head joins every softmax
+  denominator (0 for off-by-one, a parameter ``core_attention.softmax_offset`` for learnable,
+  gpt-oss's "sinks"); its probability mass attends to nothing.
+
+Both run inside SDPA (no [s, s] float mask, no softmax outside the kernel):
+
+* the window is a mask built once per forward pass (``ForwardContext.memo``, additive, in the
+  activations' dtype, as SDPA would convert a boolean one in every layer) and shared by every
+  windowed layer: the causal/document mask of the pass and-ed with the band;
+* the sink is one extra key whose value is zero. Keys get ``PAD`` extra zero dimensions, the sink
+  key has a 1 in the first, and each query head carries ``sink / scale`` there, so its score with
+  the sink key is exactly its sink logit (grouped-query heads share keys, so the per-head value
+  must sit on the query side). Without a window or mask, a dummy first query lets the sink key
+  lead the sequence with ``is_causal`` (the flash kernel's path on CUDA); otherwise the mask gains
+  an always-open column.
+
+On CUDA, flash attention takes no mask and the memory-efficient kernel (which does) takes no grouped
+heads, so a masked layer repeats the keys and values to every query head first; the unmasked causal
+path keeps them grouped (flash).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError
+from ..parallel.sharding import ShardSpec, Split, set_spec, shard
+from ..parallel import comm
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+PAD = 8  # extra head dimensions carrying the sink score (a multiple of 8 keeps SDPA's fast kernels)
+
+
+def parse_window_size(value: Union[None, str, tuple, list]) -> Optional[tuple[int, int]]:
+    """``--window-size`` -> (left, right), as Megatron's ``tuple_type`` reads "127,0" or "(127,0)"."""
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):
+        parts = list(value)
+    else:
+        parts = [p for p in str(value).strip().strip("()[]").split(",")]
+    try:
+        window = tuple(int(str(p).strip()) for p in parts)
+    except ValueError:
+        raise ConfigError(f"--window-size {value!r}: expected two integers LEFT,RIGHT such as 127,0") from None
+    if len(window) != 2:
+        raise ConfigError(f"--window-size {value!r}: expected two integers LEFT,RIGHT such as 127,0")
+    left, right = window
+    if left < -1 or right < -1:
+        raise ConfigError(f"--window-size {value!r}: sizes are >= 0, or -1 for unbounded")
+    if right > 0:
+        raise ConfigError(f"--window-size {value!r}: GPT attention is causal, so RIGHT must be 0 (or -1)")
+    return left, right
+
+
+def window_layers(window_size, skip_freq: Union[None, int, str, list], num_layers: int) -> list[bool]:
+    """Per global layer (0-based): whether it uses the window (Megatron's ``is_layer_window_attention``
+    with the 1-based layer number). ``skip_freq`` None: every layer; an int N: every Nth layer
+    (N, 2N, ... counted from 1) keeps full attention; a list (or list expression) of 0/1 per layer:
+    1 = window, 0 = full."""
+    if parse_window_size(window_size) is None:
+        return [False] * num_layers
+    if skip_freq is None:
+        return [True] * num_layers
+    from .spec import _list_expression  # the safe parser of Megatron's list expressions
+    flag = "--window-attn-skip-freq"
+    value = _list_expression(skip_freq, num_layers, flag) if isinstance(skip_freq, str) else skip_freq
+    if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
+        raise ConfigError(f"{flag} {skip_freq!r}: expected an int or a list of 0/1 per layer")
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: the frequency must be >= 1")
+        return [(i + 1) % value != 0 for i in range(num_layers)]
+    if any(isinstance(v, bool) or v not in (0, 1) for v in value):
+        raise ConfigError(f"{flag} {list(value)}: entries must be 1 (window) or 0 (full attention)")
+    if len(value) != num_layers:
+        raise ConfigError(f"{flag} has {len(value)} entries, --num-layers is {num_layers}")
+    return [bool(v) for v in value]
+
+
+def needs_core_attention(cfg) -> bool:
+    return parse_window_size(cfg.window_size) is not None or cfg.softmax_type != "vanilla"
+
+
+class CoreAttention(nn.Module):
+    """SDPA with the window of layer ``index`` (when it has one) and the softmax variant."""
+
+    def __init__(self, cfg, par, index: int, device=None, dtype=None):
+        super().__init__()
+        window = parse_window_size(cfg.window_size)
+        uses = window_layers(cfg.window_size, cfg.window_attn_skip_freq, cfg.num_layers)[index]
+        self.window = window if uses and window[0] != -1 else None  # unbounded left: causal attention itself
+        self.softmax_type = cfg.softmax_type
+        self.scale = 1.0 / math.sqrt(cfg.kv_channels)
+        heads = cfg.num_attention_heads
+        if cfg.softmax_type == "learnable":
+            full = torch.empty(heads, device=device, dtype=dtype)
+            nn.init.normal_(full, mean=0.0, std=cfg.init_method_std)  # Megatron: config.init_method
+            spec = ShardSpec(splits=(Split(0, "tp", (heads,)),))
+            tp = (comm.group_rank(par.tp_group), comm.group_size(par.tp_group))
+            self.softmax_offset = set_spec(nn.Parameter(shard(full, spec, {"tp": tp})), spec)
+        elif cfg.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads // par.tp_size, device=device, dtype=dtype),
+                                 persistent=False)
+        else:
+            self.softmax_offset = None
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}, softmax_type={self.softmax_type}"
+
+    def forward(self, q, k, v, ctx, dropout_p: float = 0.0) -> torch.Tensor:
+        """q [b, heads, sq, d], k/v [b, groups, sk, d] -> [b, heads, sq, d]."""
+        allowed = self._allowed(q, k, ctx)
+        gqa, d, sink = q.size(1) != k.size(1), q.size(-1), self.softmax_offset
+        if allowed is None and sink is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale,
+                                                  enable_gqa=gqa)
+        if sink is not None:
+            q, k, v = _with_sink_dims(q, k, v, sink, self.scale)
+        if allowed is None:  # causal, square: a dummy first query lets the sink key lead under is_causal
+            q = torch.cat([q.new_zeros(q.shape[:2] + (1, q.size(-1))), q], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale,
+                                                 enable_gqa=gqa)
+            return out[:, :, 1:, :d]
+        if gqa and q.is_cuda:  # SDPA's masked CUDA kernel (memory-efficient) takes no grouped heads
+            k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+            gqa = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive(allowed, ctx, q.dtype, sink is not None),
+                                             dropout_p=dropout_p, scale=self.scale, enable_gqa=gqa)
+        return out[..., :d]
+
+    def _additive(self, allowed, ctx, dtype, sink: bool) -> torch.Tensor:
+        """``allowed`` as the additive mask SDPA would make of it (0 / -inf, with the sink's open column
+        first), once per forward pass: SDPA would otherwise convert a boolean mask in every layer."""
+        key = ("additive", self.window, tuple(allowed.shape), dtype, sink)
+        if key not in ctx.memo:
+            if sink:
+                allowed = torch.cat([allowed.new_ones(allowed.shape[:-1] + (1,)), allowed], dim=-1)
+            # rows padded to a multiple of 16 (the slice is what SDPA sees): its CUDA kernel would
+            # otherwise copy an unaligned mask into an aligned one at every call
+            width = -(-allowed.size(-1) // 16) * 16
+            mask = torch.zeros(allowed.shape[:-1] + (width,), dtype=dtype, device=allowed.device)
+            mask = mask[..., :allowed.size(-1)]
+            ctx.memo[key] = mask.masked_fill_(~allowed, float("-inf"))
+        return ctx.memo[key]
+
+    def _allowed(self, q, k, ctx) -> Optional[torch.Tensor]:
+        """Boolean [b or 1, 1, sq, sk] (True = attend) of this layer, or None for plain causal attention
+        over a square score matrix."""
+        sq, sk = q.size(2), k.size(2)
+        if self.window is None:
+            if ctx.mask is not None:
+                return ctx.mask
+            if ctx.causal and sq == sk and ctx.kv_cache is None:
+                return None
+            return _base(q, k, ctx)
+        key = ("window", self.window, sq, sk)
+        if key not in ctx.memo:  # once per forward pass, shared by every windowed layer
+            q_at, k_at = _positions(q, k, ctx)
+            left, right = self.window
+            band = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+            if left >= 0:
+                band &= k_at[None, :] >= q_at[:, None] - left
+            if right >= 0:
+                band &= k_at[None, :] <= q_at[:, None] + right
+            ctx.memo[key] = band & _base(q, k, ctx)
+        return ctx.memo[key]
+
+
+def _positions(q, k, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence indices of the queries and keys (cache slots at inference: consecutive per row)."""
+    sq, sk = q.size(2), k.size(2)
+    k_at = torch.arange(sk, device=q.device)
+    if ctx.kv_cache is not None:
+        return ctx.kv_cache.slots.to(q.device), k_at
+    return torch.arange(sq, device=q.device) + (sk - sq), k_at
+
+
+def _base(q, k, ctx) -> torch.Tensor:
+    """The pass's own pattern as a boolean mask: its mask, or causality."""
+    if ctx.mask is not None:
+        return ctx.mask
+    q_at, k_at = _positions(q, k, ctx)
+    if not ctx.causal:
+        return torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device)
+    return k_at[None, :] <= q_at[:, None]
+
+
+def _with_sink_dims(q, k, v, sink, scale):
+    """q, k, v with ``PAD`` more dimensions and the sink key (zero value) first along the keys."""
+    b, h, sq, _ = q.shape
+    g, sk = k.size(1), k.size(2)
+    q_extra = (sink.to(torch.promote_types(q.dtype, torch.float32)) / scale).to(q.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
+    q = torch.cat([q, q_extra, q.new_zeros(b, h, sq, PAD - 1)], dim=-1)
+    k = torch.cat([k, k.new_zeros(b, g, sk, PAD)], dim=-1)
+    v = torch.cat([v, v.new_zeros(b, g, sk, PAD)], dim=-1)
+    sink_key = k.new_zeros(b, g, 1, k.size(-1))
+    sink_key[..., k.size(-1) - PAD] = 1.0
+    k = torch.cat([sink_key, k], dim=2)
+    v = torch.cat([v.new_zeros(b, g, 1, v.size(-1)), v], dim=2)
+    return q, k, v
