@@ -9,6 +9,7 @@ without the distributed optimizer) loads into any other:
     optimizer.fp32_param.{name}        fp32 master weights (only when the model is bf16/fp16)
     optimizer.exp_avg.{name}           Adam moments, fp32
     optimizer.exp_avg_sq.{name}
+    optimizer.muon_momentum.{name}     Muon's momentum, fp32 (instead of the Adam moments of a Muon matrix)
     rng.{generator}                    [world size, n]: row r is rank r's generator state
     fp8.amax_history                   [world size, n]: row r is rank r's amax histories of the
                                        delayed FP8 recipe (restored only into the same layout)
@@ -101,10 +102,15 @@ def optimizer_pieces(optimizer, models: list, dims: ParallelDims, masters_from: 
     """Masters (when they are copies, i.e. mixed precision) and Adam moments of this rank.
     ``masters_from="model."`` reads the masters from the model weights (a checkpoint saved in fp32)."""
     keys = param_keys(models)
+    muon = optimizer.muon
+    momentum = {id(it.master): t for it, t in zip(muon.items, muon.momentum)} if muon is not None else {}
     out = []
     for p, lo, master in optimizer_shards(optimizer):
         key, spec = keys[p], spec_of(p)
-        tensors = {f"optimizer.{s}.": optimizer.adam.state[master][s] for s in OPTIMIZER_STATES}
+        if id(master) in momentum:
+            tensors = {"optimizer.muon_momentum.": momentum[id(master)]}
+        else:
+            tensors = {f"optimizer.{s}.": optimizer.adam.state[master][s] for s in OPTIMIZER_STATES}
         if optimizer.mixed:
             tensors[masters_from or "optimizer.fp32_param."] = master
         for prefix, t in tensors.items():

@@ -82,7 +82,8 @@ def refusal(name: str) -> Optional[str]:
 
 # Megatron's negative switches: --no-X sets the (default-on) field X to false.
 NEGATED_FLAGS = {"no_check_for_nan_in_loss_and_grad": "check_for_nan_in_loss_and_grad",
-                 "no_yarn_correction_range_round_to_int": "yarn_correction_range_round_to_int"}
+                 "no_yarn_correction_range_round_to_int": "yarn_correction_range_round_to_int",
+                 "muon_no_split_qkv": "muon_split_qkv"}
 
 
 def status(name: str) -> tuple[str, str]:

@@ -56,6 +56,8 @@ ACCEPTED = {
     "cuda_graph_impl": "paratron captures no CUDA graphs: --cuda-graph-impl none is its behaviour",
     "trust_remote_code": "HuggingFaceTokenizer reads tokenizer.json with the tokenizers library, which runs no code "
                          "from the model repository",
+    "no_use_layer_wise_param_layout": "how Megatron's layer-wise Muon optimizer lays its buffers out, not what it "
+                                      "computes: paratron's Muon gives the same update in either layout",
     "data_parallel_sharding_strategy": "read only by --use-megatron-fsdp (refused); without it nothing is sharded that "
                                        "--use-distributed-optimizer does not already shard",
 }
@@ -85,9 +87,6 @@ REFUSED = {
     "outer_dp_sharding_strategy": PLANNED.format("Megatron-FSDP"),
     "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
     "overlap_moe_expert_parallel_comm": PLANNED.format("overlapping the expert-parallel all-to-all with computation"),
-    "squared_relu": PLANNED.format("the squared-ReLU activation"),
-    "quick_geglu": PLANNED.format("the quick-GeGLU activation"),
-    "apply_layernorm_1p": PLANNED.format("zero-centred LayerNorm (--apply-layernorm-1p)"),
     "cache_mla_latents": NA.format("caching multi-latent attention's compressed latents serves Megatron's dynamic "
                                    "inference backend (FlashMLA), not training"),
     "mla_down_proj_fusion": GPU.format("Transformer Engine's fused input norm + MLA down projections"),
@@ -96,12 +95,7 @@ REFUSED = {
     "rotary_interleaved": PLANNED.format("interleaved (RoFormer-style) rotary embeddings"),
     "no_rope_freq": PLANNED.format("skipping RoPE in some layers"),
     "rotary_seq_len_interpolation_factor": PLANNED.format("RoPE sequence-length interpolation"),
-    "glu_linear_offset": PLANNED.format("GLU offsets (gpt-oss)"),
-    "activation_func_clamp_value": PLANNED.format("clamped activations (gpt-oss)"),
     "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
-    "attention_output_gate": PLANNED.format("gated attention output"),
-    "decoupled_lr": PLANNED.format("a separate learning rate for the embedding and output layers"),
-    "decoupled_min_lr": PLANNED.format("a separate learning rate for the embedding and output layers"),
     "padded_vocab_size": PLANNED.format("an explicit padded vocabulary (paratron pads to "
                                         "--make-vocab-size-divisible-by x TP)"),
     "account_for_embedding_in_pipeline_split": PLANNED.format("embedding-aware pipeline splits"),
@@ -123,7 +117,6 @@ REFUSED = {
     "use_nccl_ub": GPU.format("NCCL user-buffer registration"),
     "fsdp_double_buffer": PLANNED.format("Megatron-FSDP"),
     "fsdp_manual_registration": PLANNED.format("Megatron-FSDP"),
-    "no_use_layer_wise_param_layout": PLANNED.format("Megatron-FSDP"),
     "overlap_param_gather_with_optimizer_step": PLANNED.format("overlapping the first all-gather bucket with the "
                                                                "optimizer step"),
     "async_ckpt_use_cpu_shm": NA.format("--async-save stages tensors in pinned CPU memory of the training process"),
@@ -134,7 +127,6 @@ REFUSED = {
     "fine_grained_activation_offloading": PLANNED.format("activation offloading"),
     "offload_modules": PLANNED.format("activation offloading"),
     "use_cpu_initialization": PLANNED.format("CPU initialisation of full weights before sharding"),
-    "disable_bf16_reduced_precision_matmul": PLANNED.format("--disable-bf16-reduced-precision-matmul"),
     "use_transformer_engine_op_fuser": GPU.format("Transformer Engine's operation fuser"),
     "te_rng_tracker": GPU.format("Transformer Engine's RNG tracker"),
     "is_hybrid_model": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
@@ -147,11 +139,12 @@ REFUSED = {
     "fim_rate": PLANNED.format("fill-in-the-middle datasets"),
     "fim_spm_rate": PLANNED.format("fill-in-the-middle datasets"),
     "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
-    "apply_wd_to_qk_layernorm": PLANNED.format("weight decay on the QK LayerNorm weights"),
 }
 
 # Config fields whose only effect is the behaviour paratron always has (read by no other code).
 HONOURED_FIELDS = {
+    "muon_use_syrk": "a Gram-matrix kernel choice (Triton SYRK) with the same numbers: paratron's Newton-Schulz "
+                     "uses plain matmuls",
     "timing_log_option": "paratron writes each timer's maximum over ranks to TensorBoard (Megatron's value for every "
                          "option) and prints no timers in the log line, so no option changes its output",
     "moe_token_dispatcher_type": "alltoall, allgather and flex (run as alltoall) dispatch the same tokens to the "
@@ -167,7 +160,6 @@ PREFIX_REASONS = (
     ("dsa_", PLANNED.format("DeepSeek sparse attention")),
     ("mtp_", PLANNED.format("multi-token prediction (MTP)")),
     ("cuda_graph", GPU.format("CUDA graph capture")),
-    ("muon_", PLANNED.format("the Muon optimizer (paratron has adam)")),
     ("megatron_fsdp", PLANNED.format("Megatron-FSDP")),
     ("fsdp_", PLANNED.format("Megatron-FSDP")),
     ("inference_", NA.format("inference-server options (paratron's generation is `paratron generate`)")),

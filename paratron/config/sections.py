@@ -161,6 +161,13 @@ class ModelConfig(Section):
     # Megatron's deprecated position-embedding switches (issue 19): resolve() maps them onto --position-embedding-type
     use_rotary_position_embeddings: bool = False  # = --position-embedding-type rope
     no_position_embedding: bool = False  # no learned position table: accepted with rope (as Megatron), else an error
+    # Megatron's norm, activation and attention variants (paratron/model/variants.py)
+    apply_layernorm_1p: bool = False  # zero-centred norm weights: stored w (initialised 0), applied as 1 + w
+    squared_relu: bool = False  # relu(x)^2 MLP activation
+    quick_geglu: bool = False  # gated x*sigmoid(1.702x) (gpt-oss): quick_gelu(gate) * (up + --glu-linear-offset)
+    glu_linear_offset: float = 0.0  # added to the linear half of a gated MLP before the product
+    activation_func_clamp_value: Optional[float] = None  # gated MLP: gate clamped to <= v, linear half to [-v, v]
+    attention_output_gate: bool = False  # attention output times sigmoid(gate); the gate is a 4th part of QKV
     # Multi-latent attention (DeepSeek-V2/V3; paratron/model/mla.py, docs/model.md)
     multi_latent_attention: bool = False  # DeepSeek's multi-latent attention in place of the fused-QKV attention
     q_lora_rank: Optional[int] = None  # rank of the compressed query (none: one plain query projection)
@@ -264,6 +271,7 @@ class TrainConfig(Section):
     manual_gc_interval: int = 0  # 0: collect only at checkpoints and evaluations
     no_manual_gc_eval: bool = False  # with --manual-gc: no collection around evaluations
     empty_unused_memory_level: int = 0  # 1: return cached CUDA memory after each step; 2: also after evaluation
+    disable_bf16_reduced_precision_matmul: bool = False  # with --bf16: bf16 matmuls reduce in fp32 (torch backend flag)
 
 
 @dataclass(eq=True)
@@ -289,6 +297,21 @@ class OptimConfig(Section):
     clip_grad: float = 1.0
     override_opt_param_scheduler: bool = False  # on resume: the command line's LR schedule
     use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's LR schedule
+    decoupled_lr: Optional[float] = None  # peak LR of the word embedding and output layer (same schedule shape)
+    decoupled_min_lr: Optional[float] = None  # their minimum LR (default --min-lr); needs --decoupled-lr
+    apply_wd_to_qk_layernorm: bool = False  # weight decay on the q/k layernorm weights and biases too
+    # Muon (--optimizer muon | dist_muon; paratron/optim/muon.py): Megatron's defaults
+    muon_momentum: float = 0.9  # Muon's momentum (EMA) coefficient
+    muon_split_qkv: bool = True  # --muon-no-split-qkv: orthogonalise the fused QKV matrix whole
+    muon_nesterov: bool = False  # Nesterov momentum: orthogonalise (1 - m) g + m M instead of M
+    muon_scale_mode: str = "spectral"  # spectral | unit_rms_norm | shape_scaling
+    muon_fp32_matmul_prec: str = "medium"  # medium: Newton-Schulz in bf16; high | highest: fp32
+    muon_coefficient_type: str = "quintic"  # simple | quintic | polar_express | cans | aol | deepseekv4 | cubic5
+    muon_num_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_tp_mode: str = "duplicated"  # duplicated | distributed: whole matrices; blockwise: each TP shard alone
+    muon_use_syrk: bool = False  # a Gram-matrix kernel choice: the same numbers
+    muon_extra_scale_factor: float = 1.0  # multiplies Muon's update (after --muon-scale-mode's factor)
+    muon_scalar_optimizer: str = "adam"  # the optimizer of the non-matrix parameters (adam)
 
 
 @dataclass(eq=True)

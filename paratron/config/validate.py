@@ -22,6 +22,7 @@ from .validate_attnvar import validate_attention_parallel, validate_attention_va
 from .validate_sched import check_mapping, schedule_batches, schedule_of, validate_sched
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
 from .validate_mla import validate_mla
+from .validate_norms import validate_optimizer, validate_run_variants, validate_variants
 
 TIKTOKEN_PATTERNS = ("v1", "v2")
 
@@ -85,6 +86,7 @@ def validate_model(m: ModelConfig) -> None:
     validate_mla(m, need)
     validate_moe(m)
     validate_attention_variants(m)
+    validate_variants(m)
 
 
 MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
@@ -240,8 +242,9 @@ def validate_fp8(cfg: Config) -> None:
     need(not (tr.fp8_recipe == "delayed" and tr.recompute_granularity == "full"),
          "--fp8-recipe delayed with --recompute-granularity full would record each amax twice and recompute "
          "with other scales; use --fp8-recipe tensorwise or selective recomputation")
-    tp, width = par.tensor_model_parallel_size, m.ffn_hidden_size * (2 if m.swiglu else 1)
-    sizes = {"--hidden-size": m.hidden_size, "QKV output per TP rank": (m.num_attention_heads + 2 * m.num_query_groups)
+    tp, width = par.tensor_model_parallel_size, m.ffn_hidden_size * (2 if m.swiglu or m.quick_geglu else 1)
+    heads = m.num_attention_heads * (2 if m.attention_output_gate else 1)
+    sizes = {"--hidden-size": m.hidden_size, "QKV output per TP rank": (heads + 2 * m.num_query_groups)
              * m.kv_channels // tp, "attention width per TP rank": m.num_attention_heads * m.kv_channels // tp,
              "fc1 output per TP rank": width // tp, "--ffn-hidden-size per TP rank": m.ffn_hidden_size // tp,
              "tokens per micro-batch (--micro-batch-size x --seq-length / CP)":
@@ -254,7 +257,6 @@ def validate_fp8(cfg: Config) -> None:
 
 def validate_optim(op) -> None:
     need(op.lr is not None, "set the learning rate with --lr (e.g. --lr 3e-4)")
-    need(op.optimizer == "adam", f"--optimizer {op.optimizer} is not supported; paratron has adam (AdamW)")
     need(op.lr_decay_style in ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
          f"--lr-decay-style must be one of constant, linear, cosine, inverse-square-root, WSD "
          f"(got {op.lr_decay_style})")
@@ -425,7 +427,8 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
     world = world_size or cfg.world_size or world_size_default()
     given = {name: _values(getattr(cfg, name)) for name in SECTIONS}
     given_world = cfg.world_size
-    steps = (lambda: validate_model(cfg.model), lambda: validate_parallel(cfg.parallel, cfg.model, cfg.train),
+    steps = (lambda: validate_optimizer(cfg), lambda: validate_run_variants(cfg), lambda: validate_model(cfg.model),
+             lambda: validate_parallel(cfg.parallel, cfg.model, cfg.train),
              lambda: validate_train(cfg.train), lambda: validate_fp8(cfg), lambda: validate_optim(cfg.optim),
              lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data),
              lambda: validate_sched(cfg), lambda: _validate_routing_parallel(cfg))

@@ -20,7 +20,7 @@ from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention
-from .kernels import swiglu, swiglu_reference
+from .variants import apply_output_gate, is_gated, mlp_activation, qkv_parts
 from .yarn import yarn_concentration_factor, yarn_inv_freq, yarn_params
 
 
@@ -78,21 +78,35 @@ class ForwardContext:
 
 
 class Norm(nn.Module):
-    """LayerNorm (weight + bias) or RMSNorm (weight), computed in fp32."""
+    """LayerNorm (weight + bias) or RMSNorm (weight), computed in fp32. ``zero_centered``
+    (``--apply-layernorm-1p``): the weight is stored as w, initialised to 0, and applied as 1 + w."""
 
-    def __init__(self, kind: str, size: int, eps: float, sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(self, kind: str, size: int, eps: float, sequence_parallel: bool = False, device=None, dtype=None,
+                 zero_centered: bool = False):
         super().__init__()
-        self.kind, self.eps, self.size = kind, eps, (size,)
-        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
+        self.kind, self.eps, self.size, self.zero_centered = kind, eps, (size,), zero_centered
+        init = torch.zeros if zero_centered else torch.ones
+        self.weight = nn.Parameter(init(size, device=device, dtype=dtype))
         if kind == "LayerNorm":
             self.bias = nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
-        if sequence_parallel:  # applied to sequence-sharded activations: partial gradients per TP rank
+        if sequence_parallel:  # applied to a share of the activations (sequence or heads): partial gradients per TP rank
             for p in self.parameters():
                 set_spec(p, ShardSpec(sum_over=("tp",)))
 
+    @classmethod
+    def of(cls, cfg: ModelConfig, size: int, sequence_parallel: bool = False, device=None, dtype=None) -> "Norm":
+        """The model's norm (--normalization, --norm-epsilon, --apply-layernorm-1p) over ``size`` features."""
+        return cls(cfg.normalization, size, cfg.norm_epsilon, sequence_parallel, device, dtype,
+                   zero_centered=cfg.apply_layernorm_1p)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:  # 1 + w in fp32, as Transformer Engine's zero-centred-gamma kernels
+            gamma = self.weight.float() + 1.0
+            if self.kind == "LayerNorm":
+                return F.layer_norm(x.float(), self.size, gamma, self.bias.float(), self.eps).to(x.dtype)
+            return (gamma * F.rms_norm(x.float(), self.size, eps=self.eps)).to(x.dtype)
         if self.kind == "LayerNorm":
             return F.layer_norm(x, self.size, self.weight, self.bias, self.eps)
         return self.weight * F.rms_norm(x.float(), self.size, eps=self.eps).to(x.dtype)
@@ -163,12 +177,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
         super().__init__()
         bias = not cfg.disable_bias_linear
-        self.swiglu, self.approx = cfg.swiglu, ("tanh" if cfg.openai_gelu else "none")
-        self.swiglu_kernel = not cfg.no_bias_swiglu_fusion
-        width = cfg.ffn_hidden_size * (2 if cfg.swiglu else 1)
+        gated = is_gated(cfg)
+        self.activation = mlp_activation(cfg)
+        width = cfg.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=par.tp_group, bias=bias,
                                                sequence_parallel=par.sequence_parallel,
-                                               chunks=2 if cfg.swiglu else 1,
+                                               chunks=2 if gated else 1,
                                                init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
         self.linear_fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group=par.tp_group, bias=bias,
                                             sequence_parallel=par.sequence_parallel, init_method=output_init(cfg),
@@ -176,12 +190,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``residual`` is added to the output (by fc2's matmul where it can)."""
-        h = self.linear_fc1(x)
-        if self.swiglu:
-            h = swiglu(h) if self.swiglu_kernel else swiglu_reference(h)
-        else:
-            h = F.gelu(h, approximate=self.approx)
-        return self.linear_fc2(h, residual)
+        return self.linear_fc2(self.activation(self.linear_fc1(x)), residual)
 
 
 class Attention(nn.Module):
@@ -189,8 +198,9 @@ class Attention(nn.Module):
     context says.
 
     The fused QKV weight is laid out by query group, as Megatron's: for each group g, the rows of
-    its ``heads/groups`` query heads, then its key head, then its value head. A contiguous TP split
-    therefore gives each rank whole groups with their queries.
+    its ``heads/groups`` query heads, then its key head, then its value head (with
+    ``--attention-output-gate``, as many gate heads between the queries and the key). A contiguous TP
+    split therefore gives each rank whole groups with their queries.
     """
 
     def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None, layer_index: int = 0):
@@ -203,14 +213,19 @@ class Attention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
         self.layer_index = layer_index  # the global layer number (its slot in an inference KV cache)
-        qkv_out = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * self.d
+        self.gated = cfg.attention_output_gate
+        self.q_rows = self.q_per_group * qkv_parts(cfg)  # query (and gate) heads per group
+        qkv_out = (cfg.num_attention_heads * qkv_parts(cfg) + 2 * cfg.num_query_groups) * self.d
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp_group=par.tp_group,
                                                bias=(not cfg.disable_bias_linear) or cfg.add_qkv_bias,
                                                sequence_parallel=par.sequence_parallel,
                                                init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
         if cfg.qk_layernorm:
-            self.q_layernorm = Norm(cfg.normalization, self.d, cfg.norm_epsilon, device=device, dtype=dtype)
-            self.k_layernorm = Norm(cfg.normalization, self.d, cfg.norm_epsilon, device=device, dtype=dtype)
+            # each TP rank normalises its own heads: the weights' gradients are partial sums over TP (Megatron
+            # sums them over TP in finalize_model_grads)
+            partial = par.tp_size > 1
+            self.q_layernorm = Norm.of(cfg, self.d, partial, device=device, dtype=dtype)
+            self.k_layernorm = Norm.of(cfg, self.d, partial, device=device, dtype=dtype)
         else:
             self.q_layernorm = self.k_layernorm = None
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, tp_group=par.tp_group,
@@ -238,10 +253,11 @@ class Attention(nn.Module):
         return out.reshape(b, self.heads, 1, self.d)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        qkv = self.linear_qkv(x)  # [s, b, groups * (q_per_group + 2) * d]
+        qkv = self.linear_qkv(x)  # [s, b, groups * (q_rows + 2) * d]
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.groups, self.q_per_group + 2, self.d)
+        qkv = qkv.view(s, b, self.groups, self.q_rows + 2, self.d)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.d)
+        gate = qkv[:, :, :, self.q_per_group: self.q_rows].reshape(s, b, self.heads * self.d) if self.gated else None
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
@@ -257,4 +273,6 @@ class Attention(nn.Module):
         else:
             out = self._core(q, k, v, ctx)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
+        if gate is not None:
+            out = apply_output_gate(out, gate)
         return self.linear_proj(out)

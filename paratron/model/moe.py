@@ -39,7 +39,7 @@ from ..parallel.experts import DISPATCHERS, ExpertLayout
 from ..parallel.sharding import ShardSpec, Split, set_spec, shard
 from ..parallel.tensor import init_normal
 from . import recompute
-from .kernels import swiglu, swiglu_reference
+from .variants import is_gated, mlp_activation
 from .layers import MLP, Parallel, output_init
 from .routing import RandomLogits, aux_loss_scores, sinkhorn_route, topk_route  # topk_route: also moe's API
 
@@ -301,7 +301,7 @@ class Experts(nn.Module):
         super().__init__()
         lay = lay or ExpertLayout(cfg.num_experts)
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
-        blocks = (f, f) if cfg.swiglu else (f,)
+        blocks = (f, f) if is_gated(cfg) else (f,)
         bias = not cfg.disable_bias_linear
         by_expert = Split(0, "ep", (e,))
         fc1_ffn, fc2_ffn = Split(1, "etp", blocks), Split(2, "etp", (f,))
@@ -310,8 +310,7 @@ class Experts(nn.Module):
         self.linear_fc2 = _Weight((e, h, f), (by_expert, fc2_ffn), (by_expert,) if bias else None, output_init(cfg),
                                   lay, device, dtype, bias_sum_over=("etp",) if lay.etp > 1 else ())
         self.fc2_bias_here = lay.etp_rank == 0
-        self.swiglu, self.approx = cfg.swiglu, ("tanh" if cfg.openai_gelu else "none")
-        self.swiglu_kernel = not cfg.no_bias_swiglu_fusion
+        self.activation = mlp_activation(cfg)
         self.grouped = cfg.moe_grouped_gemm
         self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
         self.recompute_act = False  # --recompute-modules moe_act: the activation's output is not kept
@@ -346,9 +345,8 @@ class Experts(nn.Module):
         return out + fc2.bias[expert_index] if fc2.bias is not None and self.fc2_bias_here else out
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            return swiglu(h) if self.swiglu_kernel else swiglu_reference(h)
-        return F.gelu(h, approximate=self.approx)
+        """The activation between fc1 and fc2 (what --recompute-modules moe_act recomputes)."""
+        return self.activation(h)
 
 
 class SharedExpert(MLP):

@@ -25,6 +25,8 @@ from ..config import Config
 from ..parallel.data import DataParallel, GradBuffer
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import spec_of
+from .groups import role_of
+from .muon import Item, Muon, qkv_rows
 from .optimizer import MixedPrecisionAdam
 
 
@@ -57,6 +59,23 @@ def shard_pieces(models: list[DataParallel]) -> list[Piece]:
     return pieces
 
 
+def bucket_of(pc: Piece):
+    return next(b for b in pc.buffer.buckets if any(p is pc.param for p in b.params))
+
+
+def muon_buckets(models: list[DataParallel], names: dict, op) -> dict:
+    """{bucket: [(parameter, name) Muon steps]} of every bucket holding Muon matrices, in buffer order
+    (the same on every rank of a bucket's group: they hold the same layout)."""
+    out = {}
+    for m in models:
+        for buf in m.grad_buffers:
+            for b in buf.buckets:
+                ps = [(p, names[p]) for p in b.params if role_of(names[p], p.dim(), op).matrix]
+                if ps:
+                    out[b] = ps
+    return out
+
+
 class DistributedOptimizer(MixedPrecisionAdam):
     def __init__(self, models: list[DataParallel], cfg: Config, dims: ParallelDims):
         for m in models:
@@ -70,9 +89,17 @@ class DistributedOptimizer(MixedPrecisionAdam):
             self._grad_views = [pc.buffer.grad_data[pc.lo: pc.hi] for pc in self.pieces]
             masters = [v.detach().float().clone() if v.dtype != torch.float32 else v.detach()
                        for v in self._param_views]
-        self._setup(masters, [pc.param.dim() > 1 for pc in self.pieces],
-                    [pc.buffer.norm_groups for pc in self.pieces],
-                    [spec_of(pc.param).counts_in_norm(dims) for pc in self.pieces], cfg, dims)
+        names = {p: name for m in models for name, p in m.named_parameters()}
+        roles = [role_of(names[pc.param], pc.param.dim(), cfg.optim) for pc in self.pieces]
+        items = [Item(m, pc.param, names[pc.param], pc.start, bucket_of(pc)) if r.matrix else None
+                 for m, pc, r in zip(masters, self.pieces, roles)]
+        self._setup(masters, roles, [pc.buffer.norm_groups for pc in self.pieces],
+                    [spec_of(pc.param).counts_in_norm(dims) for pc in self.pieces], cfg, dims, items)
+        buckets = muon_buckets(models, names, cfg.optim) if cfg.optim.optimizer == "muon" else {}
+        if buckets and self.muon is None:  # no piece of a matrix here, but the bucket gathers need this rank
+            self.muon = Muon([], cfg.optim, dims, qkv_rows(cfg.model))
+        if self.muon is not None:
+            self.muon.set_buckets(buckets)
 
     def _grads(self) -> list[torch.Tensor]:
         return [g if g.dtype == torch.float32 else g.float() for g in self._grad_views]

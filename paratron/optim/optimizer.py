@@ -3,6 +3,8 @@ over every parallel group (each replicated parameter counted once)."""
 from __future__ import annotations
 
 import math
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -10,6 +12,7 @@ from ..config import Config
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import REDUCTION_LAYOUTS, norm_groups, spec_of
+from .groups import Role, role_of
 
 
 class ConstantScaler:
@@ -83,24 +86,39 @@ class MixedPrecisionAdam:
     """The step shared by the plain and the distributed optimizer: AdamW on fp32 master tensors
     (``self.masters``) whose fp32 gradients come from the data-parallel gradient buffer.
 
-    step(): unscale (fp16), global grad norm (one host sync), skip on inf/nan, clip, AdamW, then
-    publish the masters to the model parameters. Subclasses say where the gradients come from, which
+    step(): unscale (fp16), global grad norm (one host sync), skip on inf/nan, clip, AdamW (and Muon
+    for the hidden matrices with --optimizer muon, paratron/optim/muon.py), then publish the masters
+    to the model parameters. Subclasses say where the gradients come from, which
     groups the squared norm is summed over, and how the parameters are updated."""
 
-    def _setup(self, masters: list[torch.Tensor], decay: list[bool], norm_sets: list[tuple], counted: list[bool],
-               cfg: Config, dims: ParallelDims) -> None:
-        """``norm_sets``: per master, the groups its squared gradient norm is summed over (its gradient
+    def _setup(self, masters: list[torch.Tensor], roles: list[Role], norm_sets: list[tuple], counted: list[bool],
+               cfg: Config, dims: ParallelDims, muon_items: Optional[list] = None) -> None:
+        """``roles``: per master, its parameter's Role (weight decay, decoupled LR, Muon matrix);
+        ``norm_sets``: per master, the groups its squared gradient norm is summed over (its gradient
         buffer's ``norm_groups``); ``counted``: whether this rank's copy enters the norm at all (not
-        a replica counted on another rank, not a tied copy)."""
+        a replica counted on another rank, not a tied copy); ``muon_items``: per master, the Muon
+        Item of a Muon-stepped master (None elsewhere), with --optimizer muon."""
         op, tr = cfg.optim, cfg.train
         self.dims, self.clip_grad = dims, op.clip_grad
         self.masters, self._norm_sets, self._counted = masters, norm_sets, counted
         self._used_norm_sets = agree_on_norm_sets(set(norm_sets), dims, masters[0].device if masters else "cpu")
-        groups = [{"params": [m for m, d in zip(masters, decay) if d], "weight_decay": op.weight_decay},
-                  {"params": [m for m, d in zip(masters, decay) if not d], "weight_decay": 0.0}]
+        muon_items = muon_items or [None] * len(masters)
+        self._adam_index = [i for i, it in enumerate(muon_items) if it is None]
+        self._muon_index = [i for i, it in enumerate(muon_items) if it is not None]
+        groups: dict = {}
+        for i in self._adam_index:
+            r = roles[i]
+            groups.setdefault((r.decay, r.decoupled), []).append(masters[i])
+        groups = [{"params": ps, "weight_decay": op.weight_decay if decay else 0.0, "decoupled": decoupled}
+                  for (decay, decoupled), ps in sorted(groups.items(), reverse=True)]
         device = masters[0].device if masters else torch.device("cpu")
         kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        self.adam = torch.optim.AdamW(groups, lr=op.lr, betas=(op.adam_beta1, op.adam_beta2), eps=op.adam_eps, **kw)
+        self.adam = torch.optim.AdamW(groups or [{"params": []}], lr=op.lr, betas=(op.adam_beta1, op.adam_beta2),
+                                      eps=op.adam_eps, **kw)
+        self.muon = None
+        if self._muon_index:
+            from .muon import Muon, qkv_rows
+            self.muon = Muon([muon_items[i] for i in self._muon_index], op, dims, qkv_rows(cfg.model))
         if tr.fp16:
             self.scaler = (ConstantScaler(tr.loss_scale) if tr.loss_scale else
                            DynamicScaler(tr.initial_loss_scale, tr.min_loss_scale, tr.loss_scale_window, tr.hysteresis))
@@ -121,9 +139,13 @@ class MixedPrecisionAdam:
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    def set_lr(self, lr: float) -> None:
+    def set_lr(self, lr: float, decoupled_lr: Optional[float] = None) -> None:
+        """The learning rate of the step; ``decoupled_lr``: that of the word embedding and output layer
+        (--decoupled-lr), None: the same."""
         for g in self.adam.param_groups:
-            g["lr"] = lr
+            g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr
+        if self.muon is not None:
+            self.muon.lr = lr
 
     def _norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Sum of squares of ``grads`` (aligned with the masters) over the whole model: for each kind
@@ -164,7 +186,7 @@ class MixedPrecisionAdam:
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         norm_t = self._norm_sq(grads).sqrt()
-        if self.adam.defaults.get("fused") and not isinstance(self.scaler, DynamicScaler):
+        if self.adam.defaults.get("fused") and not isinstance(self.scaler, DynamicScaler) and self.muon is None:
             return self._step_on_device(grads, norm_t)
         norm = norm_t.item()  # one host sync: the dynamic loss scale and the skip are decided here
         found_inf = not math.isfinite(norm)
@@ -175,11 +197,13 @@ class MixedPrecisionAdam:
             coeff = self.clip_grad / (norm + 1e-6)
             if coeff < 1.0:
                 torch._foreach_mul_(grads, coeff)
-        for m, g in zip(self.masters, grads):
-            m.grad = g
+        for i in self._adam_index:
+            self.masters[i].grad = grads[i]
         self.adam.step()
         for m in self.masters:
             m.grad = None
+        if self.muon is not None:
+            self.muon.step([grads[i] for i in self._muon_index])
         self._publish()
         return True, norm
 
@@ -210,6 +234,7 @@ class MixedPrecisionAdam:
         the model's own parameters."""
         n = sum(t.numel() * t.element_size() for s in self.adam.state.values() for t in s.values()
                 if torch.is_tensor(t))
+        n += self.muon.state_bytes() if self.muon is not None else 0
         return n + sum(m.numel() * m.element_size() for m in self._own_masters())
 
     def _own_masters(self) -> list[torch.Tensor]:
@@ -220,12 +245,19 @@ class Optimizer(MixedPrecisionAdam):
     """Every rank holds every master. Model parameters may be bf16/fp16; the optimizer steps fp32
     master copies whose gradients are the ``main_grad`` buffers, then copies the result back."""
 
-    def __init__(self, params: list[torch.nn.Parameter], cfg: Config, dims: ParallelDims):
+    def __init__(self, params: list[torch.nn.Parameter], cfg: Config, dims: ParallelDims,
+                 names: Optional[dict] = None):
+        """``names``: {parameter: its name in the model}, for the parameter-group rules of
+        paratron/optim/groups.py (without it a parameter's role is read off its shape alone)."""
+        from .muon import Item
         self.params = list(params)
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         masters = [p.detach().clone().float() if p.dtype != torch.float32 else p for p in self.params]
-        self._setup(masters, [p.dim() > 1 for p in self.params], [norm_groups(spec_of(p).grad_group, False) for p in self.params],
-                    [spec_of(p).counts_in_norm(dims) for p in self.params], cfg, dims)
+        names = names or {}
+        roles = [role_of(names.get(p, ""), p.dim(), cfg.optim) for p in self.params]
+        items = [Item(m, p, names.get(p, "")) if r.matrix else None for m, p, r in zip(masters, self.params, roles)]
+        self._setup(masters, roles, [norm_groups(spec_of(p).grad_group, False) for p in self.params],
+                    [spec_of(p).counts_in_norm(dims) for p in self.params], cfg, dims, items)
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float() for p in self.params]
@@ -251,4 +283,5 @@ def build_optimizer(models: list, cfg: Config, dims: ParallelDims) -> MixedPreci
     if cfg.parallel.use_distributed_optimizer:
         from .distributed import DistributedOptimizer
         return DistributedOptimizer(models, cfg, dims)
-    return Optimizer([p for m in models for p in m.params], cfg, dims)
+    names = {p: name for m in models for name, p in m.named_parameters()}
+    return Optimizer([p for m in models for p in m.params], cfg, dims, names)

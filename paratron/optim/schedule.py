@@ -3,28 +3,37 @@ then constant | linear | cosine | inverse-square-root | WSD decay to ``--min-lr`
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from ..config import Config, ConfigError
 
 
 class LRScheduler:
     def __init__(self, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int, decay_style: str,
-                 init_lr: float = 0.0, wsd_decay_steps: int = 0, wsd_decay_style: str = "exponential"):
+                 init_lr: float = 0.0, wsd_decay_steps: int = 0, wsd_decay_style: str = "exponential",
+                 decoupled_max_lr: Optional[float] = None, decoupled_min_lr: Optional[float] = None):
+        """``decoupled_max_lr``/``decoupled_min_lr``: the peak and minimum of --decoupled-lr (the word
+        embedding and output layer follow the same schedule between them); None: no decoupled LR."""
         self.max_lr, self.min_lr, self.init_lr = max_lr, min_lr, init_lr
+        self.decoupled_max_lr, self.decoupled_min_lr = decoupled_max_lr, decoupled_min_lr
         self.warmup_steps, self.decay_steps, self.style = warmup_steps, max(decay_steps, 1), decay_style
         self.wsd_decay_steps, self.wsd_style = wsd_decay_steps, wsd_decay_style
         self.num_steps = 0
 
-    def lr_at(self, n: int) -> float:
+    def lr_at(self, n: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
+        """The LR after ``n`` samples; ``max_lr``/``min_lr``: another peak and minimum on the same schedule
+        (a parameter group's, as Megatron's param groups), default the main ones."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         if self.warmup_steps > 0 and n <= self.warmup_steps:
-            return self.init_lr + (self.max_lr - self.init_lr) * n / self.warmup_steps
+            return self.init_lr + (max_lr - self.init_lr) * n / self.warmup_steps
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if n > self.decay_steps:
-            return self.min_lr
+            return min_lr
         if self.style == "inverse-square-root":
             warm = max(self.warmup_steps, 1)
-            return max(self.min_lr, self.max_lr * math.sqrt(warm) / math.sqrt(max(n, 1)))
+            return max(min_lr, max_lr * math.sqrt(warm) / math.sqrt(max(n, 1)))
         ratio = (n - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
         if self.style == "linear":
             coeff = 1.0 - ratio
@@ -38,11 +47,19 @@ class LRScheduler:
                 r = (n - anneal_start) / max(self.wsd_decay_steps, 1)
                 coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
                          "exponential": 2.0 * (0.5 ** r) - 1.0, "minus_sqrt": 1.0 - math.sqrt(r)}[self.wsd_style]
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     @property
     def lr(self) -> float:
         return self.lr_at(self.num_steps)
+
+    @property
+    def decoupled_lr(self) -> Optional[float]:
+        """The LR of the word embedding and output layer now (--decoupled-lr), None without one."""
+        if self.decoupled_max_lr is None:
+            return None
+        low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        return self.lr_at(self.num_steps, self.decoupled_max_lr, low)
 
     def step(self, increment: int) -> float:
         self.num_steps += increment
@@ -90,6 +107,8 @@ SCHEDULE_KEYS = {
     "decay_style": ("style", "--lr-decay-style"),
     "wsd_decay_steps": ("wsd_decay_steps", "WSD decay samples (--lr-wsd-decay-iters/-samples)"),
     "wsd_decay_style": ("wsd_style", "--lr-wsd-decay-style"),
+    "decoupled_max_lr": ("decoupled_max_lr", "--decoupled-lr"),
+    "decoupled_min_lr": ("decoupled_min_lr", "--decoupled-min-lr"),
 }
 
 
@@ -110,4 +129,5 @@ def build_scheduler(cfg: Config, total_samples: int) -> LRScheduler:
         wsd = op.lr_wsd_decay_samples
     else:
         wsd = (op.lr_wsd_decay_iters or 0) * gbs
-    return LRScheduler(op.lr, op.min_lr, warmup, decay, op.lr_decay_style, op.lr_warmup_init, wsd, op.lr_wsd_decay_style)
+    return LRScheduler(op.lr, op.min_lr, warmup, decay, op.lr_decay_style, op.lr_warmup_init, wsd, op.lr_wsd_decay_style,
+                       op.decoupled_lr, op.decoupled_min_lr)

@@ -35,7 +35,8 @@ from .preflight import preflight
 from .logger import RunLogger, format_valid_line
 from .metrics import flops_per_iteration, peak_tflops
 from .reporting import Reporter, TimedIterator, wandb_run
-from .runtime import GarbageCollection, apply_deterministic_mode, apply_logging_level, empty_unused_memory
+from .runtime import (GarbageCollection, apply_bf16_matmul_reduction, apply_deterministic_mode, apply_logging_level,
+                      empty_unused_memory)
 from .microbatches import MicroBatches, check_batch_sizes
 from .report import end_of_run
 from .step import build_model, build_model_chunks, loss_func, make_forward_step, params_dtype, sum_reports  # noqa: F401
@@ -58,13 +59,14 @@ class Trainer:
         self.current_global_batch = tr.global_batch_size
         set_seed(tr.seed, self.dims.pp_rank)
         apply_deterministic_mode(tr.deterministic_mode)
+        apply_bf16_matmul_reduction(cfg)
         self._root_log_level = apply_logging_level(cfg.log.logging_level)
         self.tokenizer = self._build_tokenizer()
         self.models = [wrap_data_parallel(m, cfg, self.dims) for m in build_model_chunks(cfg, self.dims, self.device)]
         self.routers = moe.routers(self.models)  # MoE routers (none in a dense model), found once
         self.optimizer = build_optimizer(self.models, cfg, self.dims)
         self.scheduler = build_scheduler(cfg, tr.train_samples or tr.train_iters * tr.global_batch_size)
-        self.optimizer.set_lr(self.scheduler.lr)
+        self.optimizer.set_lr(self.scheduler.lr, self.scheduler.decoupled_lr)
         self.iteration, self.consumed_samples = 0, 0
         self.skipped, self.nan_iters = 0, 0
         self.forward_backward = get_forward_backward_func(self.dims, 60.0 * cfg.parallel.distributed_timeout_minutes)
@@ -154,7 +156,7 @@ class Trainer:
             moe.after_step(self.routers, self.dims.dp_cp_group if self.dims.dp_cp > 1 else None)
         if isinstance(ok, torch.Tensor) or ok:  # a device-side skip (bf16 inf/nan) still advances, as Megatron's bf16
             self.scheduler.step(gbs)
-            self.optimizer.set_lr(self.scheduler.lr)
+            self.optimizer.set_lr(self.scheduler.lr, self.scheduler.decoupled_lr)
         self.iteration += 1
         self.consumed_samples += gbs
         return self._reduce_dp(report), ok, grad_norm
@@ -278,7 +280,7 @@ class Trainer:
             cstate.set_adam_step(self.optimizer, int(common["optimizer"]["step"]))
             self.optimizer.scaler.load_state_dict(common["optimizer"]["scaler"])
             self.scheduler.resume(common["scheduler"], self.cfg.optim)
-            self.optimizer.set_lr(self.scheduler.lr)
+            self.optimizer.set_lr(self.scheduler.lr, self.scheduler.decoupled_lr)
         else:
             self.optimizer.reload_masters()
         if c.finetune:

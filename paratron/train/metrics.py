@@ -18,6 +18,7 @@ def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int)
     h, f, L, V = m.hidden_size, m.ffn_hidden_size, m.num_layers, padded_vocab
     q = m.kv_channels * m.num_attention_heads
     kv = m.kv_channels * m.num_query_groups
+    gate = q if m.attention_output_gate else 0  # the output gate's rows of the QKV projection
     e = 3 if m.swiglu else 2
     tokens = batch * seq
     mlp_width = f * L  # summed over layers; an MoE layer counts its active experts (top-k) and shared expert
@@ -26,7 +27,7 @@ def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int)
         moe_layers = sum(parse_moe_layer_freq(m.moe_layer_freq, L))
         active = m.moe_ffn_hidden_size * m.moe_router_topk + (m.moe_shared_expert_intermediate_size or 0)
         mlp_width = f * (L - moe_layers) + active * moe_layers
-    attention, core = 6 * (h * (q + 2 * kv) + q * h), 6 * q
+    attention, core = 6 * (h * (q + 2 * kv + gate) + q * h), 6 * q
     if m.multi_latent_attention:
         attention, core = mla_attention_terms(m)
     per_token = 6 * h * mlp_width * e + attention * L + 6 * h * V

@@ -22,6 +22,14 @@ def apply_deterministic_mode(enabled: bool) -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def apply_bf16_matmul_reduction(cfg) -> None:
+    """--disable-bf16-reduced-precision-matmul (with --bf16): bf16 matmuls accumulate in fp32 all the way
+    (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False), as Megatron sets it.
+    A process-wide torch setting; it changes cuBLAS's choice of kernels, on GPU only."""
+    if cfg.train.bf16 and cfg.train.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+
 class GarbageCollection:
     """--manual-gc: Python's automatic collector off for the run; a full collection every
     --manual-gc-interval steps (0: none), around evaluations (unless --no-manual-gc-eval), and at

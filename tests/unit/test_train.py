@@ -36,7 +36,9 @@ def test_loss_falls_on_tiny_preset(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [[], ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
-                                        "rope", "--untie-embeddings-and-output-weights", "--bf16"]])
+                                        "rope", "--untie-embeddings-and-output-weights", "--bf16"],
+                                   ["--optimizer", "muon", "--use-distributed-optimizer", "--decoupled-lr", "6e-3",
+                                    "--apply-layernorm-1p", "--num-experts", "2", "--bf16"]])
 def test_resume_is_bit_exact(tmp_path, extra):
     """2N steps straight == N steps, save, load in a fresh trainer, N more (losses and weights),
     with dropout on so the restored RNG state matters."""

@@ -1,0 +1,44 @@
+"""Which optimizer rules each parameter follows, by Megatron's parameter-group rules:
+
+* weight decay: none for biases and 1-D parameters (norm weights), except the q/k layernorm
+  parameters with ``--apply-wd-to-qk-layernorm``;
+* ``--decoupled-lr``: the word embedding and the output layer (Megatron's
+  ``is_embedding_or_output_parameter``; a pipeline stage's copy of a tied embedding included) follow the
+  LR schedule with their own peak and minimum;
+* ``--optimizer muon``: Muon steps the hidden weight matrices (2-D, neither the word embedding nor the
+  output layer; paratron's stacked expert weights [experts, out, in] are one matrix per expert, as
+  Megatron's per-expert weights); AdamW steps everything else.
+
+Parameters are recognised by their names in the model (``embedding.word_embeddings.weight``, ...).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
+QK_NORMS = ("q_layernorm.", "k_layernorm.")
+
+
+@dataclass(frozen=True)
+class Role:
+    decay: bool  # weight decay applies
+    decoupled: bool  # --decoupled-lr applies (word embedding, output layer)
+    matrix: bool  # Muon steps it (with --optimizer muon)
+
+
+def role_of(name: str, ndim: int, op) -> Role:
+    """The role of parameter ``name`` (its name in the model, any wrapper prefix allowed) with ``ndim``
+    dimensions, under the optim section ``op``."""
+    bias = name.endswith(".bias")
+    no_decay = bias or ndim == 1
+    if op.apply_wd_to_qk_layernorm and any(k in name for k in QK_NORMS):
+        no_decay = False
+    embedding_or_output = name.endswith(EMBEDDING_OR_OUTPUT)
+    stacked_expert = ndim == 3 and ".experts." in f".{name}"
+    matrix = op.optimizer == "muon" and not embedding_or_output and not bias and (ndim == 2 or stacked_expert)
+    return Role(decay=not no_decay, decoupled=op.decoupled_lr is not None and embedding_or_output, matrix=matrix)
+
+
+def roles(models: list, op) -> dict:
+    """{parameter: Role} of every trainable parameter of the model chunks."""
+    return {p: role_of(name, p.dim(), op) for m in models for name, p in m.named_parameters() if p.requires_grad}
