@@ -25,9 +25,10 @@ class Range:
     low_inclusive: bool = True
     high: Optional[float] = None
     high_inclusive: bool = False
+    finite: bool = False  # infinities refused too (bounded ranges refuse them already)
 
     def holds(self, value: float) -> bool:
-        if isinstance(value, float) and math.isnan(value):
+        if isinstance(value, float) and (math.isnan(value) or (self.finite and math.isinf(value))):
             return False
         if self.low is not None and (value < self.low or (value == self.low and not self.low_inclusive)):
             return False
@@ -42,8 +43,15 @@ FRACTION_OPEN_LOW = Range("in (0, 1]", 0, False, 1, True)  # --rotary-percent
 FRACTION_CLOSED = Range("in [0, 1]", 0, True, 1, True)  # --lr-warmup-fraction
 AT_LEAST_3 = Range(">= 3", 3)  # --tiktoken-num-special-tokens (unk, bos, eos)
 ABOVE_1 = Range("> 1", 1, low_inclusive=False)  # --spiky-loss-factor (a factor of the running max)
+FINITE = Range("a finite number", finite=True)  # --glu-linear-offset (any sign)
 
 RANGES: dict[str, Range] = {
+    # issue-19 variants: YaRN, routing groups, GLU offsets/clamps, pipeline stages, decoupled LR, Muon, retention
+    "yarn_original_max_position_embeddings": AT_LEAST_1, "yarn_beta_fast": POSITIVE, "yarn_beta_slow": POSITIVE,
+    "moe_router_num_groups": AT_LEAST_1, "moe_router_group_topk": AT_LEAST_1, "glu_linear_offset": FINITE,
+    "activation_func_clamp_value": POSITIVE, "num_virtual_stages_per_pipeline_rank": AT_LEAST_1,
+    "decoupled_lr": AT_LEAST_0, "decoupled_min_lr": AT_LEAST_0, "muon_momentum": FRACTION,
+    "muon_num_ns_steps": AT_LEAST_1, "muon_extra_scale_factor": POSITIVE, "save_retain_interval": AT_LEAST_1,
     # model
     "num_layers": AT_LEAST_1, "hidden_size": AT_LEAST_1, "ffn_hidden_size": AT_LEAST_1,
     "num_attention_heads": AT_LEAST_1, "kv_channels": AT_LEAST_1, "num_query_groups": AT_LEAST_1,

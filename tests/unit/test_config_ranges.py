@@ -67,6 +67,8 @@ def test_every_numeric_field_has_a_range_and_its_default_is_in_it():
 def _outside(name: str):
     """A value just outside the field's range (None where the range has no such side)."""
     rule, integer = RANGES[name], base_type(FIELD_TYPES[name]) is int
+    if rule.low is None and rule.high is None:  # unbounded but finite
+        return float("inf")
     if rule.low is not None:
         value = rule.low - (1 if integer else 0.5) if rule.low_inclusive else rule.low
     else:
