@@ -19,21 +19,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import write_record  # noqa: E402  (benchmarks/record.py)
+from record import cuda_ms, write_record  # noqa: E402  (benchmarks/record.py)
 
 QK, V = 192, 128
 
 
 def bench(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return cuda_ms(fn, iters)
 
 
 def step_fn(q, k, v, pad: bool):

@@ -33,3 +33,17 @@ def write_record(record_dir, name: str, title: str, hardware: str, facts: dict, 
     path.write_text("\n".join(head) + "\n\n" + body.rstrip() + "\n")
     print(f"record: {path}", flush=True)
     return path
+
+
+def cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Mean milliseconds of ``fn()`` on the current CUDA stream (CUDA events, after ``warmup`` calls)."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters

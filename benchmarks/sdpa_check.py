@@ -2,23 +2,21 @@
 
     python benchmarks/sdpa_check.py
 """
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import cuda_ms  # noqa: E402  (benchmarks/record.py)
+
 SHAPES = {"gpt-350m": (8, 16, 16, 2048, 64), "llama-1b": (4, 32, 8, 2048, 64)}  # b, heads, kv heads, s, d
 
 
-def bench(fn, iters=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+def bench(fn, iters: int = 20) -> float:
+    return cuda_ms(fn, iters)
 
 
 def flex_attention_ms(q, k, v):
