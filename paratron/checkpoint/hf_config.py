@@ -220,6 +220,8 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
     need(cfg.window_size is None, "no sliding-window attention (--window-size)")
     need(cfg.softmax_type == "vanilla", f"no attention sinks (--softmax-type {cfg.softmax_type})")
     need(not cfg.multi_latent_attention, "multi-latent attention (DeepSeek) has no Hugging Face mapping in paratron")
+    need(not cfg.mtp_num_layers, "multi-token prediction layers (--mtp-num-layers) have no Hugging Face mapping in "
+         "paratron")
     for name, what in (("apply_layernorm_1p", "zero-centred norm weights"), ("squared_relu", "the squared-ReLU MLP"),
                        ("quick_geglu", "the quick-GeGLU MLP"), ("attention_output_gate", "the attention output gate")):
         need(not getattr(cfg, name), f"{what} (--{name.replace('_', '-')}) has no tensor mapping here")

@@ -175,6 +175,9 @@ class ModelConfig(Section):
     qk_head_dim: int = 128  # per-head query/key dimension without the rotary part
     qk_pos_emb_head_dim: int = 64  # per-head rotary query/key dimension (one rotary key shared by all heads)
     v_head_dim: int = 128  # per-head value dimension
+    # Multi-token prediction (DeepSeek-V3; paratron/model/mtp.py, docs/model.md)
+    mtp_num_layers: Optional[int] = None  # MTP depths: each predicts one token further with one more layer
+    mtp_loss_scaling_factor: float = 0.1  # the MTP losses' weight: factor / depths x their sum joins the loss
 
     def resolved(self, **changes) -> "ModelConfig":
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query

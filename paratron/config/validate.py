@@ -413,6 +413,11 @@ def _validate_routing_parallel(cfg: Config) -> None:
     validate_routing_parallel(cfg.parallel, cfg.model, cfg.log)
 
 
+def _validate_mtp(cfg: Config) -> None:
+    from .validate_mtp import validate_mtp
+    validate_mtp(cfg)
+
+
 def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
     """Validate ``cfg`` section by section, compute every derived value, and freeze it (in place; also
     returned). ``world_size``: the number of processes of the run (default: ``cfg.world_size`` if set,
@@ -431,7 +436,8 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
              lambda: validate_parallel(cfg.parallel, cfg.model, cfg.train),
              lambda: validate_train(cfg.train), lambda: validate_fp8(cfg), lambda: validate_optim(cfg.optim),
              lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data),
-             lambda: validate_sched(cfg), lambda: _validate_routing_parallel(cfg))
+             lambda: validate_sched(cfg), lambda: _validate_routing_parallel(cfg),
+             lambda: _validate_mtp(cfg))
     try:
         _run_all([lambda name=name: check_ranges(getattr(cfg, name)) for name in SECTIONS])  # numbers first
         _run_all(steps)  # each section's problem, together

@@ -131,6 +131,14 @@ class GPTModel(nn.Module):
                     update_spec(self.output_layer.weight, tied="embedding", copy_of=WORD_EMBEDDING)
         else:
             self.output_layer = None
+        self.mtp = None  # multi-token prediction (model/mtp.py): on a model holding embedding and output layer
+        if cfg.mtp_num_layers:
+            if not (pre_process and post_process):
+                raise ValueError("multi-token prediction needs the embedding and the output layer on one stage "
+                                 "(pipeline size 1)")
+            from .mtp import MultiTokenPrediction
+            self.mtp = MultiTokenPrediction(cfg, self.par, seed, recompute_granularity, device, dtype)
+            fp8_mod.attach(self.mtp, fp8)
         if self.share_embeddings and pre_process and not post_process:  # first stage of a pipeline
             update_spec(self.embedding.word_embeddings.weight, tied="embedding")  # grads summed with the copy
         self.input_tensor: Optional[torch.Tensor] = None
@@ -154,7 +162,8 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                document_ids: Optional[torch.Tensor] = None):
+                document_ids: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
+        """``loss_mask`` [b, s]: read by multi-token prediction only (its losses are averaged over it)."""
         if self.pre_process:
             b, s = input_ids.shape
             pos = position_ids if position_ids is not None else torch.arange(s, device=input_ids.device).expand(b, s)
@@ -170,6 +179,14 @@ class GPTModel(nn.Module):
         if labels is None:
             logits = self.output_layer(x, self.output_weight())  # [s, b, vocab/TP]
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab/TP]
+        loss = self._token_losses(x, labels)
+        if self.mtp is not None and self.training:  # the MTP losses join the backward (not the reported loss)
+            hiddens = self.mtp(x, input_ids, pos, ctx, self.embedding)
+            loss = self.mtp.attach_loss(loss, hiddens, labels, loss_mask, self._token_losses)
+        return loss
+
+    def _token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy [b, s] (fp32) of the output layer on ``x`` [s(/TP), b, h] against ``labels`` [b, s]."""
         target = labels.transpose(0, 1)
         if self.fused_output_loss:  # the logits of the whole batch never exist
             loss = linear_cross_entropy(self.output_layer.enter(x), self.output_weight(), target, self.par.tp_group)

@@ -9,7 +9,7 @@ one of paratron/parallel/stages.py), and layers are numbered in stage order.
 
 paratron's embedding lives on the first stage and its loss on the last one, so ``E`` must open the
 first stage and ``L`` close the last; a stage may hold no transformer layer (an embedding-only or
-loss-only stage). MTP layers (``m``) are refused by name: paratron has no multi-token prediction.
+loss-only stage). MTP layers (``m``) are refused by name: paratron runs multi-token prediction at pipeline size 1 only.
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def layout_counts(layout: str, num_layers: int, pp: int) -> dict[tuple[int, int]
     flag = f"--pipeline-model-parallel-layout {layout!r}"
     stages = expand(layout)
     if "m" in "".join(stages):
-        raise ConfigError(f"{flag}: MTP layers ('m') are not supported: paratron has no multi-token prediction; "
-                          "remove them from the layout")
+        raise ConfigError(f"{flag}: MTP layers ('m') are not supported: paratron runs --mtp-num-layers "
+                          "without pipeline parallelism only; remove them from the layout")
     if len(stages) % pp:
         raise ConfigError(f"{flag} has {len(stages)} stages, not a multiple of --pipeline-model-parallel-size {pp}")
     flat = "".join(stages)

@@ -20,7 +20,7 @@ from ..checkpoint.strictness import apply_strictness
 from ..checkpoint.tokenizer_files import save_tokenizer
 from ..config import Config, check_resolved
 from ..config.validate_sched import schedule_of
-from ..model import moe
+from ..model import moe, mtp
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims
 from ..parallel import fp8
@@ -64,6 +64,7 @@ class Trainer:
         self.tokenizer = self._build_tokenizer()
         self.models = [wrap_data_parallel(m, cfg, self.dims) for m in build_model_chunks(cfg, self.dims, self.device)]
         self.routers = moe.routers(self.models)  # MoE routers (none in a dense model), found once
+        self.mtp_blocks = mtp.blocks(self.models)  # multi-token prediction (--mtp-num-layers)
         self.optimizer = build_optimizer(self.models, cfg, self.dims)
         self.scheduler = build_scheduler(cfg, tr.train_samples or tr.train_iters * tr.global_batch_size)
         self.optimizer.set_lr(self.scheduler.lr, self.scheduler.decoupled_lr)
@@ -139,6 +140,7 @@ class Trainer:
             m.zero_grad_buffer()
         if self.routers:
             moe.before_step(self.routers, self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss)
+        mtp.before_step(self.mtp_blocks, self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss)
         timers = self.report.timers
         with timers("forward-backward"):
             reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,

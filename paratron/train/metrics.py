@@ -14,23 +14,28 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800
 
 def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int) -> float:
     """FLOPs of forward + backward of one iteration (megatron_facts §5, causal attention as half); MoE
-    layers count the top-k experts' and the shared expert's MLPs (Megatron's MoE formula, no router)."""
+    layers count the top-k experts' and the shared expert's MLPs (Megatron's MoE formula, no router).
+    Multi-token prediction (as Megatron's): N more layers of the last layer's kind, each depth's norms
+    (3h) and 2h -> h projection, and N more output-layer matmuls."""
     h, f, L, V = m.hidden_size, m.ffn_hidden_size, m.num_layers, padded_vocab
+    n_mtp = m.mtp_num_layers or 0
     q = m.kv_channels * m.num_attention_heads
     kv = m.kv_channels * m.num_query_groups
     gate = q if m.attention_output_gate else 0  # the output gate's rows of the QKV projection
     e = 3 if m.swiglu else 2
     tokens = batch * seq
-    mlp_width = f * L  # summed over layers; an MoE layer counts its active experts (top-k) and shared expert
+    mlp_width = f * (L + n_mtp)  # summed over layers; an MoE layer counts its active experts (top-k) and shared expert
     if m.num_experts is not None:
         from ..model.spec import parse_moe_layer_freq
-        moe_layers = sum(parse_moe_layer_freq(m.moe_layer_freq, L))
+        pattern = parse_moe_layer_freq(m.moe_layer_freq, L)
+        moe_layers = sum(pattern) + pattern[-1] * n_mtp  # MTP layers are of the last layer's kind
         active = m.moe_ffn_hidden_size * m.moe_router_topk + (m.moe_shared_expert_intermediate_size or 0)
-        mlp_width = f * (L - moe_layers) + active * moe_layers
+        mlp_width = f * (L + n_mtp - moe_layers) + active * moe_layers
     attention, core = 6 * (h * (q + 2 * kv + gate) + q * h), 6 * q
     if m.multi_latent_attention:
         attention, core = mla_attention_terms(m)
-    per_token = 6 * h * mlp_width * e + attention * L + 6 * h * V
+    L += n_mtp
+    per_token = 6 * h * mlp_width * e + attention * L + 6 * n_mtp * (3 * h + 2 * h * h) + 6 * h * V * (n_mtp + 1)
     return float(tokens * per_token + batch * seq * seq * core * L)
 
 

@@ -208,14 +208,19 @@ class Reporter:
         peak_gb = peak_memory_gb(t.device)
         params_norm, zeros = self.norms()  # collectives: every rank
         from ..model import moe
-        moe_losses, moe_layers = (moe.take_metrics(t.routers, t.device, dist.is_initialized(), t.cfg.model.num_layers)
-                                  if t.cfg.model.num_experts is not None else ({}, {}))  # every rank joins
-        extra = dict(moe_losses, **({"num zeros": float(zeros)} if zeros is not None else {}))
+        from ..model import mtp
+        m = t.cfg.model
+        layers = m.num_layers + (m.mtp_num_layers or 0)  # the MTP layers' routers are numbered after the decoder's
+        moe_losses, moe_layers = (moe.take_metrics(t.routers, t.device, dist.is_initialized(), layers)
+                                  if m.num_experts is not None else ({}, {}))  # every rank joins
+        mtp_losses = (mtp.take_metrics(t.mtp_blocks, m.mtp_num_layers, t.device, dist.is_initialized())
+                      if m.mtp_num_layers else {})  # Megatron's "mtp_k loss" (every rank joins)
+        extra = dict(moe_losses, **mtp_losses, **({"num zeros": float(zeros)} if zeros is not None else {}))
         t.log.print(format_train_line(t.iteration, tr.train_iters, t.consumed_samples, per_iter * 1000.0, tflops,
                                       t.scheduler.lr, gbs, loss, t.optimizer.loss_scale, grad_norm, t.skipped,
                                       t.nan_iters, tokens_s, mfu, peak_gb, params_norm, extra))
         t.log.train(t.iteration, loss)
-        scalars = dict(moe_losses, **(moe_layers if self.lg.moe_per_layer_logging else {}))
+        scalars = dict(moe_losses, **mtp_losses, **(moe_layers if self.lg.moe_per_layer_logging else {}))
         if self.lg.log_throughput:  # paratron's own throughput tags (the log line always has them)
             scalars.update({"throughput TFLOP/s/GPU": tflops, "tokens per second per GPU": tokens_s, "MFU %": mfu})
         if self.writes:

@@ -77,7 +77,7 @@ def make_forward_step(layout: BatchLayout):
     def forward_step(data_iterator, model):
         b = layout.prepare(next(data_iterator))
         output = model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
-                       labels=b["labels"], document_ids=b["document_ids"])
+                       labels=b["labels"], document_ids=b["document_ids"], loss_mask=b["loss_mask"])
         return output, partial(loss_func, b["loss_mask"])
     return forward_step
 

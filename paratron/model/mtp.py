@@ -1,0 +1,146 @@
+"""DeepSeek-V3 multi-token prediction (Megatron-core's MultiTokenPredictionBlock), ``--mtp-num-layers N``.
+
+Depth k (1..N) predicts the token k + 1 places ahead. It takes the hidden states of depth k - 1 (depth
+0: the decoder's output after its final norm; depth k >= 1: the previous depth's output after its own
+final norm), the word embedding (the model's, shared) of the input tokens shifted left by k (the
+positions past the end get token 0 and position 0), normalises both (``enorm`` on the embedding,
+``hnorm`` on the hidden states), concatenates [embedding, hidden], projects 2h -> h (``eh_proj``, a
+column-parallel linear gathered over TP), runs one transformer layer built like the decoder's last
+layer (MoE when that one is), and a final norm. The shared output layer turns its output into
+logits; the loss of depth k is the cross-entropy against the labels shifted left by k, averaged over
+the loss mask shifted likewise (shifted-in positions masked out). ``--mtp-loss-scaling-factor`` / N
+times the sum over depths joins the backward through :class:`MoEAuxLossAutoScaler` (scaled as the
+main loss); the reported lm loss stays the main loss and each depth's loss is logged as ``mtp_k loss``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel import comm
+from ..parallel.random import checkpoint, seeded_init
+from ..parallel.tensor import ColumnParallelLinear, init_normal
+from .layers import Attention, ForwardContext, Norm, Parallel
+from .moe import MoEAuxLossAutoScaler
+from .spec import layer_specs
+from .transformer import TransformerLayer
+
+
+def roll_left(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [b, s] shifted one place left along the sequence, the last position filled with 0."""
+    out = torch.roll(t, shifts=-1, dims=-1)
+    out[..., -1] = 0
+    return out
+
+
+class MTPLayer(nn.Module):
+    """One prediction depth; parameter names are Megatron's (``mtp.layers.{k}.enorm.weight``, ...)."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel, depth: int, device=None, dtype=None):
+        super().__init__()
+        self.par = par
+        h, sp = cfg.hidden_size, par.sequence_parallel
+        self.enorm = Norm.of(cfg, h, sp, device, dtype)
+        self.hnorm = Norm.of(cfg, h, sp, device, dtype)
+        self.eh_proj = ColumnParallelLinear(2 * h, h, tp_group=par.tp_group, bias=False, gather_output=True,
+                                            sequence_parallel=sp, init_method=init_normal(cfg.init_method_std),
+                                            device=device, dtype=dtype)
+        # The decoder's last layer's kind (dense or MoE), numbered after the decoder's layers.
+        spec = dataclasses.replace(layer_specs(cfg)[-1], index=cfg.num_layers + depth)
+        self.mtp_model_layer = TransformerLayer(cfg, par, spec, device, dtype)
+        self.final_layernorm = Norm.of(cfg, h, sp, device, dtype)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))  # [s, b, h], gathered
+        if self.par.sequence_parallel:
+            x = comm.scatter_to_sp(x, self.par.tp_group)
+        return self.final_layernorm(self.mtp_model_layer(x, ctx))
+
+
+class MultiTokenPrediction(nn.Module):
+    """The N depths (``mtp.layers``), their losses' backward scale and their logged losses."""
+
+    def __init__(self, cfg: ModelConfig, par: Parallel, seed: Optional[int] = None, recompute: Optional[str] = None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.par, self.recompute = par, recompute
+        layers = []
+        for k in range(cfg.mtp_num_layers):
+            with seeded_init(seed, f"mtp{k}", device):
+                layers.append(MTPLayer(cfg, par, k, device, dtype))
+        self.layers = nn.ModuleList(layers)
+        for layer in self.layers:  # selective recomputation of the attention core, as the decoder's
+            attention = layer.mtp_model_layer.self_attention
+            if isinstance(attention, Attention) or hasattr(attention, "recompute_core"):
+                attention.recompute_core = recompute == "selective"
+        self.scaling = cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers
+        self.loss_scale = 1.0  # the backward scale of the MTP loss (the training loop sets it; see before_step)
+        self.per_token_loss = False  # --calculate-per-token-loss: sums (re-weighted to the main loss's tokens)
+        self.metrics: Optional[torch.Tensor] = None  # [depth, (sum of micro-batch losses, count)], on the device
+
+    def _layer(self, layer: MTPLayer, hidden, embedded, ctx):
+        if self.recompute == "full" and self.training and torch.is_grad_enabled():
+            return checkpoint(layer, hidden, embedded, ctx, rng=self.par.trackers())
+        return layer(hidden, embedded, ctx)
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                ctx: ForwardContext, embedding: Callable) -> list[torch.Tensor]:
+        """The output hidden states of each depth (``hidden``: the decoder's, after its final norm)."""
+        outputs = []
+        for layer in self.layers:
+            input_ids, position_ids = roll_left(input_ids), roll_left(position_ids)
+            hidden = self._layer(layer, hidden, embedding(input_ids, position_ids), ctx)
+            outputs.append(hidden)
+        return outputs
+
+    def _track(self, k: int, loss: torch.Tensor) -> None:
+        if self.metrics is None:
+            self.metrics = torch.zeros(len(self.layers), 2, device=loss.device)
+        self.metrics[k, 0] += loss
+        self.metrics[k, 1] += 1
+
+    def attach_loss(self, output: torch.Tensor, hiddens: list, labels: torch.Tensor,
+                    loss_mask: Optional[torch.Tensor], token_losses: Callable) -> torch.Tensor:
+        """``output`` (the main per-token loss) carrying the MTP loss into the backward.
+        ``token_losses(hidden, labels)``: per-token cross-entropy [b, s] through the shared output layer."""
+        mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+        original_tokens = mask.sum()
+        for k, hidden in enumerate(hiddens):
+            labels, mask = roll_left(labels), roll_left(mask)
+            n = mask.sum().clamp(min=1)
+            total = (token_losses(hidden, labels).float() * mask).sum()
+            if self.training:
+                self._track(k, (total / n).detach())
+            loss = total * (original_tokens / n) if self.per_token_loss else total / n
+            output = MoEAuxLossAutoScaler.apply(output, self.scaling * loss, self.loss_scale)
+        return output
+
+
+# ---- what the training loop does with the MTP block ------------------------------------------------
+
+def blocks(models) -> list[MultiTokenPrediction]:
+    return [m for chunk in models for m in chunk.modules() if isinstance(m, MultiTokenPrediction)]
+
+
+def before_step(mtp_blocks: list, loss_scale, num_microbatches: int, per_token_loss: bool) -> None:
+    """The MTP loss's backward scale for the next step: the main loss's (Megatron's MTPLossAutoScaler)."""
+    for b in mtp_blocks:
+        b.loss_scale = loss_scale if per_token_loss else loss_scale / num_microbatches
+        b.per_token_loss = per_token_loss
+
+
+def take_metrics(mtp_blocks: list, num_layers: int, device, reduce: bool) -> dict:
+    """``{"mtp_k loss": value}`` since the last call (sums reset): each depth's loss averaged over the
+    micro-batches and steps (and, with ``reduce``, over every rank: one collective every rank joins)."""
+    sums = torch.zeros(num_layers, 2, device=device)
+    for b in mtp_blocks:
+        if b.metrics is not None:
+            sums += b.metrics.to(device)
+            b.metrics.zero_()
+    if reduce:
+        torch.distributed.all_reduce(sums)
+    return {f"mtp_{k + 1} loss": (sums[k, 0] / sums[k, 1]).item() for k in range(num_layers) if sums[k, 1] > 0}
