@@ -54,6 +54,8 @@ def _compared(saved: dict, now: dict) -> list[str]:
         names += MOE_FIELDS
     if saved.get("multi_latent_attention") or now.get("multi_latent_attention"):
         names += [n for n in MLA_FIELDS if n not in names]
+    if saved.get("mtp_num_layers") or now.get("mtp_num_layers"):  # the MTP layers' tensors
+        names.append("mtp_num_layers")
     return names
 
 
