@@ -23,6 +23,7 @@ from ..parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding, ini
                                vocab_parallel_cross_entropy)
 from .layers import ForwardContext, Parallel, Rotary
 from .mla import MLARotary
+from .mtp import build as build_mtp
 from .transformer import TransformerStack
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -131,14 +132,8 @@ class GPTModel(nn.Module):
                     update_spec(self.output_layer.weight, tied="embedding", copy_of=WORD_EMBEDDING)
         else:
             self.output_layer = None
-        self.mtp = None  # multi-token prediction (model/mtp.py): on a model holding embedding and output layer
-        if cfg.mtp_num_layers:
-            if not (pre_process and post_process):
-                raise ValueError("multi-token prediction needs the embedding and the output layer on one stage "
-                                 "(pipeline size 1)")
-            from .mtp import MultiTokenPrediction
-            self.mtp = MultiTokenPrediction(cfg, self.par, seed, recompute_granularity, device, dtype)
-            fp8_mod.attach(self.mtp, fp8)
+        self.mtp = build_mtp(cfg, self.par, pre_process and post_process, seed, recompute_granularity, fp8,
+                             device, dtype)  # multi-token prediction (model/mtp.py), None without
         if self.share_embeddings and pre_process and not post_process:  # first stage of a pipeline
             update_spec(self.embedding.word_embeddings.weight, tied="embedding")  # grads summed with the copy
         self.input_tensor: Optional[torch.Tensor] = None

@@ -120,6 +120,21 @@ class MultiTokenPrediction(nn.Module):
         return output
 
 
+def build(cfg: ModelConfig, par: Parallel, whole_model: bool, seed: Optional[int], recompute: Optional[str], fp8,
+          device=None, dtype=None) -> Optional[MultiTokenPrediction]:
+    """The MTP block of a model with --mtp-num-layers (None without); ``whole_model``: this chunk holds the
+    embedding and the output layer (pipeline size 1). ``fp8``: the decoder's FP8 recipe, for its layer too."""
+    if not cfg.mtp_num_layers:
+        return None
+    if not whole_model:
+        raise ValueError("multi-token prediction needs the embedding and the output layer on one stage (pipeline "
+                         "size 1)")
+    from ..parallel import fp8 as fp8_mod
+    block = MultiTokenPrediction(cfg, par, seed, recompute, device, dtype)
+    fp8_mod.attach(block, fp8)
+    return block
+
+
 # ---- what the training loop does with the MTP block ------------------------------------------------
 
 def blocks(models) -> list[MultiTokenPrediction]:
