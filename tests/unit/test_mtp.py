@@ -65,6 +65,7 @@ def test_mtp_loss_and_gradients_equal_hand_computation(per_token):
     model = GPTModel(config(), VOCAB).train()
     ids, labels, mask, pos = batch()
     model.mtp.loss_scale, model.mtp.per_token_loss = 1.0, per_token
+    model.fused_output_loss = not per_token  # both output-layer paths
     out = model(ids, position_ids=pos, labels=labels, loss_mask=mask)
     main_sum, n = (out * mask).sum(), mask.sum()
     (main_sum if per_token else main_sum / n).backward()
@@ -91,6 +92,20 @@ def test_mtp_loss_and_gradients_equal_hand_computation(per_token):
     mtp_part = torch.autograd.grad(mtp, params[0])[0]
     assert mtp_part.norm() > 1e-3 * main_only.norm()
     assert torch.allclose(params[0].grad - main_only, mtp_part, rtol=1e-4, atol=1e-7)
+
+
+def test_full_recomputation_gives_the_same_gradients():
+    ids, labels, mask, pos = batch()
+    grads = []
+    for recompute in (None, "full"):
+        torch.manual_seed(0)
+        model = GPTModel(config(hidden_dropout=0.1), VOCAB, recompute_granularity=recompute).train()
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        out = model(ids, position_ids=pos, labels=labels, loss_mask=mask)
+        ((out * mask).sum() / mask.sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if n.startswith("mtp.")})
+    for n, g in grads[0].items():
+        assert torch.allclose(grads[1][n], g, rtol=1e-5, atol=1e-7), n
 
 
 def test_generation_and_evaluation_ignore_mtp():
