@@ -64,6 +64,7 @@ RANGES: dict[str, Range] = {
     "moe_expert_capacity_factor": POSITIVE, "moe_shared_expert_intermediate_size": AT_LEAST_1,
     "q_lora_rank": AT_LEAST_1, "kv_lora_rank": AT_LEAST_1, "qk_head_dim": AT_LEAST_1, "qk_pos_emb_head_dim": AT_LEAST_1,
     "v_head_dim": AT_LEAST_1, "rotary_scaling_factor": POSITIVE, "mscale": AT_LEAST_0, "mscale_all_dim": AT_LEAST_0,
+    "mtp_num_layers": AT_LEAST_1, "mtp_loss_scaling_factor": FINITE,  # any finite weight, as Megatron
     # parallel
     "tensor_model_parallel_size": AT_LEAST_1, "pipeline_model_parallel_size": AT_LEAST_1,
     "virtual_pipeline_model_parallel_size": AT_LEAST_1, "num_layers_per_virtual_pipeline_stage": AT_LEAST_1,

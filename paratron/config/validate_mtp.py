@@ -14,8 +14,6 @@ def validate_mtp(cfg: Config) -> None:
         need(m.mtp_loss_scaling_factor == DEFAULT_SCALING, "--mtp-loss-scaling-factor has no effect without "
              "--mtp-num-layers; set --mtp-num-layers or remove the flag")
         return
-    need(m.mtp_num_layers >= 1, f"--mtp-num-layers {m.mtp_num_layers} must be at least 1 (leave it unset for no "
-         "multi-token prediction)")
     need(p.pipeline_model_parallel_size == 1, "--mtp-num-layers with --pipeline-model-parallel-size "
          f"{p.pipeline_model_parallel_size}: multi-token prediction runs without pipeline parallelism only in "
          "paratron; use --pipeline-model-parallel-size 1")

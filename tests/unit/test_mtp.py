@@ -132,7 +132,8 @@ def _resolved(world=1, **fields):
 
 
 @pytest.mark.parametrize("fields,world,match", [
-    (dict(mtp_num_layers=0), 1, "--mtp-num-layers 0 must be at least 1"),
+    (dict(mtp_num_layers=0), 1, "--mtp-num-layers must be >= 1"),
+    (dict(mtp_num_layers=1, mtp_loss_scaling_factor=float("nan")), 1, "--mtp-loss-scaling-factor must be a finite"),
     (dict(mtp_loss_scaling_factor=0.2), 1, "--mtp-loss-scaling-factor has no effect without --mtp-num-layers"),
     (dict(mtp_num_layers=1, pipeline_model_parallel_size=2), 2, "--pipeline-model-parallel-size 2"),
     (dict(mtp_num_layers=1, context_parallel_size=2), 2, "--context-parallel-size 2"),
