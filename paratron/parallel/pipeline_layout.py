@@ -9,7 +9,8 @@ one of paratron/parallel/stages.py), and layers are numbered in stage order.
 
 paratron's embedding lives on the first stage and its loss on the last one, so ``E`` must open the
 first stage and ``L`` close the last; a stage may hold no transformer layer (an embedding-only or
-loss-only stage). MTP layers (``m``) are refused by name: paratron runs multi-token prediction at pipeline size 1 only.
+loss-only stage). MTP layers (``m``) are refused by name: paratron runs multi-token prediction at
+pipeline size 1 only.
 """
 from __future__ import annotations
 
