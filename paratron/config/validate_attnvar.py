@@ -7,6 +7,7 @@ from ..errors import ConfigError
 
 YARN_FLAGS = {"rotary_scaling_factor": 1.0, "yarn_original_max_position_embeddings": None, "yarn_beta_fast": None,
               "yarn_beta_slow": None, "yarn_correction_range_round_to_int": True, "mscale": 1.0, "mscale_all_dim": 0.0}
+MLA_YARN_FLAGS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")  # also read by multi-latent attention
 
 
 def need(cond, msg: str) -> None:
@@ -31,11 +32,14 @@ def validate_attention_variants(m) -> None:
     need(m.rope_type in (None, "rope", "yarn"), f"--rope-type {m.rope_type}: choose rope or yarn")
     need(mla or m.rope_type != "yarn", "--rope-type yarn is for multi-latent attention (Megatron asserts "
          "rope for standard attention); use --position-embedding-type yarn for YaRN")
-    if m.position_embedding_type != "yarn":
-        if not mla:
-            given = [k for k, default in YARN_FLAGS.items() if getattr(m, k) != default]
-            need(not given, f"{_flag(given[0]) if given else ''} has no effect without --position-embedding-type "
-                 "yarn; set it or remove the flag")
+    if m.position_embedding_type != "yarn":  # the one check of YaRN flags given without a YaRN to read them
+        given = [k for k, default in YARN_FLAGS.items() if getattr(m, k) != default]
+        own = [k for k in given if k not in MLA_YARN_FLAGS]  # multi-latent attention's YaRN does not read these
+        need(not own, f"{_flag(own[0]) if own else ''} has no effect without --position-embedding-type yarn; set "
+             "it or remove the flag")
+        shared = [k for k in given if k in MLA_YARN_FLAGS and not mla]
+        need(not shared, f"{_flag(shared[0]) if shared else ''} has no effect without --multi-latent-attention or "
+             "--position-embedding-type yarn; set one or remove the flag")
         return
     need(m.rotary_percent == 1.0, "--rotary-percent with --position-embedding-type yarn: Megatron's YaRN rotates "
          "the whole head (it ignores --rotary-percent); remove --rotary-percent")

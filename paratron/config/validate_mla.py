@@ -4,17 +4,14 @@ from __future__ import annotations
 from .sections import ModelConfig, flag
 
 ROPE_TYPES = ("rope", "yarn")
-YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim")
 SHAPE_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
 def validate_mla(m: ModelConfig, need) -> None:
     """The model's MLA flags; without --multi-latent-attention they must be left unset (else they
     would be silently ignored)."""
-    if not m.multi_latent_attention:
-        defaults = {f: ModelConfig.__dataclass_fields__[f].default for f in SHAPE_FIELDS + YARN_FIELDS}
-        yarn_ok = m.position_embedding_type == "yarn"  # YaRN on ordinary attention reads the YaRN flags
-        given = [f for f, d in defaults.items() if getattr(m, f) != d and not (yarn_ok and f in YARN_FIELDS)]
+    if not m.multi_latent_attention:  # (its YaRN flags: validate_attnvar, which YaRN on any attention reads)
+        given = [f for f in SHAPE_FIELDS if getattr(m, f) != ModelConfig.__dataclass_fields__[f].default]
         need(not given, f"{flag(given[0]) if given else ''} has no effect without --multi-latent-attention; "
              "add it or remove the flag")
         return
