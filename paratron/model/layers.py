@@ -18,8 +18,10 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
+from ..parallel import fp8_mlp
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention
+from .kernels import swiglu
 from .variants import apply_output_gate, is_gated, mlp_activation, qkv_parts
 from .yarn import yarn_concentration_factor, yarn_inv_freq, yarn_params
 
@@ -190,7 +192,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``residual`` is added to the output (by fc2's matmul where it can)."""
-        return self.linear_fc2(self.activation(self.linear_fc1(x)), residual)
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if fp8_mlp.applies(fc1, fc2, self.activation is swiglu):  # SwiGLU output and gradient born in FP8
+            return fc2.exit(fp8_mlp.fp8_swiglu_mlp(fc1.enter(x), fc1.weight, fc2.weight, fc1.fp8, fc2.fp8), residual)
+        return fc2(self.activation(fc1(x)), residual)
 
 
 class Attention(nn.Module):

@@ -23,6 +23,7 @@ dequantise -> fp32 matmul: for the CPU unit tests of the numerics only, never ch
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,6 +78,7 @@ class Recipe:
     amax_compute_algo: str = "most_recent"
     margin: int = 0
     emulate: bool = False  # tests only: dequantise + fp32 matmul instead of torch._scaled_mm
+    fuse_mlp: bool = True  # the SwiGLU MLP as one FP8 function (fp8_mlp.py); PARATRON_FP8_FUSED_MLP=0: per layer
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -87,7 +89,9 @@ class Recipe:
         """The recipe of a TrainConfig, None when FP8 is off."""
         if not tr.fp8_format:
             return None
-        return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin)
+        fuse = os.environ.get("PARATRON_FP8_FUSED_MLP", "1") != "0"  # a switch for side-by-side timing
+        return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin,
+                   fuse_mlp=fuse)
 
 
 _compiled: dict = {}

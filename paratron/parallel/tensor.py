@@ -149,11 +149,16 @@ class RowParallelLinear(nn.Module):
                 out = torch.addmm(residual.reshape(-1, self.out_features), x.reshape(-1, x.size(-1)), self.weight.t())
                 return out.view(residual.shape)
             y = _linear(x, self.weight, self.bias, self.fp8)
-        else:
-            y = _linear(x, self.weight, None, self.fp8)
+            return y if residual is None else residual + y
+        return self.exit(_linear(x, self.weight, None, self.fp8), residual)
+
+    def exit(self, y: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The layer's output from its local matmul ``y``: summed over TP (reduce-scattered under SP),
+        then the bias and ``residual`` added."""
+        if comm.group_size(self.tp_group) > 1:
             y = comm.reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else comm.reduce_from_tp(
                 y, self.tp_group)
-            y = y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
         return y if residual is None else residual + y
 
     def extra_repr(self) -> str:

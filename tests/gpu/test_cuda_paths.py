@@ -1,7 +1,7 @@
 """CUDA-only paths, run on the device machine (skipped without a GPU): the fused optimizer step with
 clipping folded into the kernel against the CPU path, a sharded checkpoint of CUDA tensors
 saved, resharded nowhere, loaded and continued, and the Triton SwiGLU kernel (eager and inside a
-compiled region) against the torch expression."""
+compiled region) against the torch expression, and the FP8 SwiGLU kernels against theirs."""
 from __future__ import annotations
 
 import pytest
@@ -93,3 +93,45 @@ def test_swiglu_kernel_matches_torch(compiled):
         for got, want in ((out, ref), (h.grad, ref_h.grad)):
             assert got.dtype == torch.bfloat16
             assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("e5m2", [True, False])
+def test_fp8_swiglu_kernels_match_the_torch_ops(e5m2):
+    """The Triton kernels of parallel/fp8_mlp.py against its torch expressions: the same scale, the
+    same FP8 values but for rare one-step rounding flips (sigmoid's last bit), row-major = transposed."""
+    from paratron.parallel import fp8_mlp
+    torch.manual_seed(0)
+    for m, f in ((4096, 8192), (272, 1000)):  # llama-1b's width; a masked edge in both directions
+        h = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16)
+        dout = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
+        for got, want in ((torch.ops.paratron.swiglu_fp8(h, 0), fp8_mlp.act_fp8_reference(h, 0)),
+                          (torch.ops.paratron.swiglu_fp8_backward(h, dout, e5m2, 0),
+                           fp8_mlp.grad_fp8_reference(h, dout, e5m2, 0))):
+            q, qt, scale = got
+            rq, _, rscale = want
+            assert q.dtype == rq.dtype and q.shape == rq.shape and torch.equal(qt, q.t())
+            assert abs(scale.item() / rscale.item() - 1) < 1e-6
+            differ = (q.float() != rq.float()).float().mean().item()
+            assert differ < 1e-3, differ
+            assert ((q.float() - rq.float()).norm() / rq.float().norm()).item() < 1e-3
+
+
+def test_fused_fp8_mlp_compiled_equals_eager():
+    from paratron.parallel import fp8_mlp
+    from paratron.parallel.fp8 import FP8State, Recipe
+    torch.manual_seed(0)
+    x = torch.randn(4, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(2 * 2048, 1024, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(1024, 2048, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(4, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for fn in (fp8_mlp.fp8_swiglu_mlp, torch.compile(fp8_mlp.fp8_swiglu_mlp)):
+        for t in (x, w1, w2):
+            t.grad = None
+        y = fn(x, w1, w2, FP8State(Recipe()), FP8State(Recipe()))
+        y.backward(g)
+        outs.append([y.detach(), x.grad.clone(), w1.grad.clone(), w2.grad.clone()])
+    ref = fp8_mlp.reference_mlp(x.detach().float(), w1.detach().float(), w2.detach().float())
+    for a, b in zip(*outs):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+    assert ((outs[0][0].float() - ref).norm() / ref.norm()).item() < 0.06

@@ -1,0 +1,126 @@
+"""The fused FP8 SwiGLU MLP (paratron/parallel/fp8_mlp.py) on CPU: its two quantising ops against
+hand-checkable properties, the whole function against the layer-by-layer FP8 path and bf16, and the
+MLP's choice of path. The Triton kernels behind the ops are checked on the GPU (tests/gpu)."""
+import pytest
+import torch
+
+from paratron.config import parse_args
+from paratron.model.layers import MLP, Parallel
+from paratron.parallel import fp8, fp8_mlp
+from paratron.parallel.fp8 import E4M3, E5M2, FP8State, Recipe
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_act_op_scales_to_its_own_amax_and_transposes():
+    torch.manual_seed(0)
+    h = torch.randn(48, 2 * 32, dtype=torch.bfloat16)
+    q, qt, scale = torch.ops.paratron.swiglu_fp8(h, 0)
+    gate, up = h.float().chunk(2, dim=-1)
+    a = torch.nn.functional.silu(gate) * up
+    assert q.dtype == qt.dtype == E4M3 and q.shape == (48, 32) and qt.shape == (32, 48)
+    assert scale.item() == pytest.approx(448.0 / a.abs().max().item(), rel=1e-6)
+    assert q.float().abs().max().item() == 448.0  # the largest value lands on e4m3's largest
+    assert torch.equal(qt, q.t())
+    assert _rel(q.float() / scale, a) < 0.05  # 3 mantissa bits
+    _, _, s2 = torch.ops.paratron.swiglu_fp8(h, 2)  # the margin divides the scale by 2**margin
+    assert s2.item() == pytest.approx(scale.item() / 4, rel=1e-6)
+
+
+@pytest.mark.parametrize("e5m2,dtype,fmax", [(True, E5M2, 57344.0), (False, E4M3, 448.0)])
+def test_grad_op_matches_autograd_of_swiglu(e5m2, dtype, fmax):
+    torch.manual_seed(1)
+    h = torch.randn(32, 2 * 16, dtype=torch.float32, requires_grad=True)
+    dout = torch.randn(32, 16)
+    gate, up = h.chunk(2, dim=-1)
+    (torch.nn.functional.silu(gate) * up).backward(dout)
+    q, qt, scale = torch.ops.paratron.swiglu_fp8_backward(h.detach(), dout, e5m2, 0)
+    assert q.dtype == dtype and q.shape == (32, 32) and torch.equal(qt, q.t())
+    assert scale.item() == pytest.approx(fmax / h.grad.abs().max().item(), rel=1e-6)
+    assert _rel(q.float() / scale, h.grad) < (0.1 if e5m2 else 0.05)
+
+
+def _weights(seed=0, k=64, f=48, n=64):
+    torch.manual_seed(seed)
+    x = torch.randn(2, 16, k, dtype=torch.bfloat16, requires_grad=True)
+    w1 = (torch.randn(2 * f, k) * 0.05).to(torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(n, f) * 0.05).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(2, 16, n, dtype=torch.bfloat16)
+    return x, w1, w2, g
+
+
+def _run(fn, x, w1, w2, g):
+    x, w1, w2 = (t.detach().clone().requires_grad_() for t in (x, w1, w2))
+    y = fn(x, w1, w2)
+    y.backward(g)
+    return y, x.grad, w1.grad, w2.grad
+
+
+@pytest.mark.parametrize("emulate", [True, False])
+def test_fused_mlp_close_to_layer_by_layer_fp8_and_to_bf16(emulate):
+    if not emulate:
+        try:
+            torch._scaled_mm(torch.zeros(16, 16, dtype=E4M3), torch.zeros(16, 16, dtype=E4M3).t(),
+                             torch.tensor(1.0), torch.tensor(1.0), out_dtype=torch.bfloat16)
+        except (RuntimeError, NotImplementedError):
+            pytest.skip("this torch has no CPU torch._scaled_mm for float8")
+    recipe = Recipe(emulate=emulate)
+    x, w1, w2, g = _weights()
+    s = [FP8State(recipe) for _ in range(4)]
+    for st in s:
+        st.trace = []
+    fused = _run(lambda x, a, b: fp8_mlp.fp8_swiglu_mlp(x, a, b, s[0], s[1]), x, w1, w2, g)
+    def per_layer(x, a, b):
+        gate, up = fp8.fp8_linear(x, a, s[2]).chunk(2, dim=-1)
+        return fp8.fp8_linear(torch.nn.functional.silu(gate) * up, b, s[3])
+    layered = _run(per_layer, x, w1, w2, g)
+    exact = _run(lambda x, a, b: fp8_mlp.reference_mlp(x.float(), a.float(), b.float()), x, w1, w2, g)
+    for f, l, e in zip(fused, layered, exact):
+        assert f.dtype == torch.bfloat16 and f.shape == l.shape
+        # same FP8 numbers but for the SwiGLU output / gradient quantised from fp32 instead of bf16
+        assert _rel(f, l) < 0.03, _rel(f, l)
+        assert _rel(f, e) < 0.15 and _rel(f, e) > 0  # FP8's own error (e5m2 gradients), really quantised
+    # every tensor role of both layers was quantised once, in the same formats as per layer
+    assert sorted(s[0].trace + s[1].trace) == sorted(s[2].trace + s[3].trace)
+
+
+def _mlp(flags, recipe):
+    cfg = parse_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+                      "--ffn-hidden-size", "48", "--normalization", "RMSNorm", "--mock-data", "--train-iters", "1",
+                      "--lr", "1e-3", "--micro-batch-size", "2", "--device", "cpu", *flags]).model
+    mlp = MLP(cfg, Parallel(), dtype=torch.bfloat16)
+    mlp.linear_fc1.fp8, mlp.linear_fc2.fp8 = FP8State(recipe), FP8State(recipe)
+    return mlp
+
+
+@pytest.mark.parametrize("flags,recipe,fused", [
+    (["--swiglu", "--disable-bias-linear"], Recipe(emulate=True), True),
+    (["--swiglu", "--disable-bias-linear"], Recipe(emulate=True, fuse_mlp=False), False),
+    (["--swiglu", "--disable-bias-linear"], Recipe(recipe="delayed", emulate=True), False),  # history kept per layer
+    (["--swiglu"], Recipe(emulate=True), False),  # biases
+    (["--swiglu", "--disable-bias-linear", "--no-bias-swiglu-fusion"], Recipe(emulate=True), False),
+    (["--disable-bias-linear"], Recipe(emulate=True), False),  # GeLU
+])
+def test_mlp_takes_the_fused_path_only_where_it_applies(monkeypatch, flags, recipe, fused):
+    calls = []
+    real = fp8_mlp.fp8_swiglu_mlp
+    monkeypatch.setattr(fp8_mlp, "fp8_swiglu_mlp", lambda *a: calls.append(1) or real(*a))
+    mlp = _mlp(flags, recipe)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    res = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    out = mlp(x, res)
+    out.float().sum().backward()
+    assert bool(calls) == fused
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert all(p.grad is not None for p in mlp.parameters())
+
+
+def test_switch_from_the_environment(monkeypatch):
+    monkeypatch.setattr(fp8, "device_problem", lambda device: None)
+    tr = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--micro-batch-size", "2",
+                     "--bf16", "--fp8-format", "hybrid"]).train
+    assert Recipe.from_config(tr).fuse_mlp
+    monkeypatch.setenv("PARATRON_FP8_FUSED_MLP", "0")
+    assert not Recipe.from_config(tr).fuse_mlp
