@@ -33,7 +33,9 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-TILE_M, TILE_F = 64, 64  # tokens x columns per program; both FP8 stores write 64-byte runs
+# tokens x columns per program and warps, chosen per shape by Triton's autotuner on the first call
+TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (32, 256, 4))
+MIN_BM, MIN_BF = min(t[0] for t in TILES), min(t[1] for t in TILES)
 
 
 def applies(fc1, fc2, activation_is_swiglu: bool) -> bool:
@@ -71,6 +73,9 @@ def grad_fp8_reference(h: torch.Tensor, dout: torch.Tensor, e5m2: bool, margin: 
 
 
 if triton is not None:
+    _autotuned = triton.autotune([triton.Config({"BM": bm, "BF": bf}, num_warps=w) for bm, bf, w in TILES],
+                                 key=["M", "F"])
+
     @triton.jit
     def _tile(h_ptr, pid_m, pid_f, M, F, BM: tl.constexpr, BF: tl.constexpr):
         rm = pid_m * BM + tl.arange(0, BM)
@@ -86,6 +91,7 @@ if triton is not None:
         sig = tl.sigmoid(gate)
         return d * up * sig * (1.0 + gate * (1.0 - sig)), d * gate * sig
 
+    @_autotuned
     @triton.jit
     def _act_amax(h_ptr, part_ptr, M, F, BM: tl.constexpr, BF: tl.constexpr):
         pid_m, pid_f = tl.program_id(0), tl.program_id(1)
@@ -93,6 +99,7 @@ if triton is not None:
         a = gate * tl.sigmoid(gate) * up
         tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_f, tl.max(tl.max(tl.abs(a), 1), 0))
 
+    @_autotuned
     @triton.jit
     def _act_cast(h_ptr, scale_ptr, q_ptr, qt_ptr, M, F, FMAX: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
         rm, rf, mask, gate, up = _tile(h_ptr, tl.program_id(0), tl.program_id(1), M, F, BM, BF)
@@ -100,6 +107,7 @@ if triton is not None:
         tl.store(q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], q, mask=mask)
         tl.store(qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
 
+    @_autotuned
     @triton.jit
     def _grad_amax(h_ptr, d_ptr, part_ptr, M, F, BM: tl.constexpr, BF: tl.constexpr):
         pid_m, pid_f = tl.program_id(0), tl.program_id(1)
@@ -109,6 +117,7 @@ if triton is not None:
         top = tl.maximum(tl.max(tl.max(tl.abs(dgate), 1), 0), tl.max(tl.max(tl.abs(dup), 1), 0))
         tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_f, top)
 
+    @_autotuned
     @triton.jit
     def _grad_cast(h_ptr, d_ptr, scale_ptr, q_ptr, qt_ptr, M, F, FMAX: tl.constexpr, BM: tl.constexpr,
                    BF: tl.constexpr):
@@ -131,7 +140,13 @@ def _on_gpu(h: torch.Tensor) -> bool:
 
 
 def _grid(m: int, f: int):
-    return (triton.cdiv(m, TILE_M), triton.cdiv(f, TILE_F))
+    """The launch grid for the tile config the autotuner tries or chose."""
+    return lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(f, meta["BF"]))
+
+
+def _partials(m: int, f: int, device) -> torch.Tensor:
+    """One slot per tile for the smallest tiles (zeros: slots a larger tile leaves unused cannot win)."""
+    return torch.zeros(triton.cdiv(m, MIN_BM) * triton.cdiv(f, MIN_BF), dtype=torch.float32, device=device)
 
 
 @torch.library.custom_op("paratron::swiglu_fp8", mutates_args=())
@@ -141,13 +156,13 @@ def swiglu_fp8(h: torch.Tensor, margin: int) -> tuple[torch.Tensor, torch.Tensor
         return act_fp8_reference(h, margin)
     m, f = h.size(0), h.size(1) // 2
     grid = _grid(m, f)
-    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=h.device)
+    part = _partials(m, f, h.device)
     q = torch.empty(m, f, dtype=E4M3, device=h.device)
     qt = torch.empty(f, m, dtype=E4M3, device=h.device)
     with torch.cuda.device(h.device):
-        _act_amax[grid](h, part, m, f, BM=TILE_M, BF=TILE_F)
+        _act_amax[grid](h, part, m, f)
         scale = compute_scale(part.amax(), FMAX[E4M3], margin)
-        _act_cast[grid](h, scale, q, qt, m, f, FMAX=FMAX[E4M3], BM=TILE_M, BF=TILE_F)
+        _act_cast[grid](h, scale, q, qt, m, f, FMAX=FMAX[E4M3])
     return q, qt, scale
 
 
@@ -167,13 +182,13 @@ def swiglu_fp8_backward(h: torch.Tensor, dout: torch.Tensor, e5m2: bool,
     m, f = h.size(0), h.size(1) // 2
     grid = _grid(m, f)
     dout = dout.contiguous()
-    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=h.device)
+    part = _partials(m, f, h.device)
     q = torch.empty(m, 2 * f, dtype=dtype, device=h.device)
     qt = torch.empty(2 * f, m, dtype=dtype, device=h.device)
     with torch.cuda.device(h.device):
-        _grad_amax[grid](h, dout, part, m, f, BM=TILE_M, BF=TILE_F)
+        _grad_amax[grid](h, dout, part, m, f)
         scale = compute_scale(part.amax(), FMAX[dtype], margin)
-        _grad_cast[grid](h, dout, scale, q, qt, m, f, FMAX=FMAX[dtype], BM=TILE_M, BF=TILE_F)
+        _grad_cast[grid](h, dout, scale, q, qt, m, f, FMAX=FMAX[dtype])
     return q, qt, scale
 
 
