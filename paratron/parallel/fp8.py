@@ -29,12 +29,6 @@ from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
-
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FMAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -84,7 +78,6 @@ class Recipe:
     amax_compute_algo: str = "most_recent"
     margin: int = 0
     emulate: bool = False  # tests only: dequantise + fp32 matmul instead of torch._scaled_mm
-    grad_amax_op: bool = False  # experiment: gradient amaxes as an opaque kernel (PARATRON_FP8_GRAD_AMAX_OP=1)
     fuse_mlp: bool = True  # the SwiGLU MLP as one FP8 function (fp8_mlp.py); PARATRON_FP8_FUSED_MLP=0: per layer
 
     @property
@@ -98,7 +91,7 @@ class Recipe:
             return None
         fuse = os.environ.get("PARATRON_FP8_FUSED_MLP", "1") != "0"  # a switch for side-by-side timing
         return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin,
-                   fuse_mlp=fuse, grad_amax_op=os.environ.get("PARATRON_FP8_GRAD_AMAX_OP", "0") == "1")
+                   fuse_mlp=fuse)
 
 
 _compiled: dict = {}
@@ -113,30 +106,6 @@ def _fused(fn, x: torch.Tensor):
     if fn not in _compiled:
         _compiled[fn] = torch.compile(fn, dynamic=True)
     return _compiled[fn]
-
-
-if triton is not None:
-    @triton.jit
-    def _amax_kernel(x_ptr, part_ptr, n, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + i, mask=i < n, other=0.0).to(tl.float32)
-        tl.store(part_ptr + tl.program_id(0), tl.max(tl.abs(x), 0))
-
-
-@torch.library.custom_op("paratron::amax", mutates_args=())
-def amax_op(x: torch.Tensor) -> torch.Tensor:
-    """max |x| of a CUDA tensor by one Triton pass (an opaque node: Inductor does not fuse it)."""
-    x = x.contiguous()
-    block = 8192
-    part = torch.empty(triton.cdiv(x.numel(), block), dtype=torch.float32, device=x.device)
-    with torch.cuda.device(x.device):
-        _amax_kernel[(part.numel(),)](x, part, x.numel(), BLOCK=block, num_warps=8)
-    return part.amax()
-
-
-@amax_op.register_fake
-def _(x):
-    return x.new_empty((), dtype=torch.float32)
 
 
 class Scaler:
@@ -166,10 +135,7 @@ class Scaler:
 
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
         """The scale to quantise ``x`` with now; records x's amax (delayed)."""
-        if self.recipe.grad_amax_op and self.dtype == self.recipe.grad_dtype and x.is_cuda and triton is not None:
-            current = torch.ops.paratron.amax(x)
-        else:
-            current = _fused(amax, x)(x)
+        current = _fused(amax, x)(x)
         scale = compute_scale(self.reference_amax(current), FMAX[self.dtype], self.recipe.margin)
         self.record(current)
         return scale
