@@ -75,6 +75,10 @@ def test_function_forward_is_the_expression_and_backward_flows_through_the_op():
     assert torch.allclose(y, rms_norm_reference(x, w, EPS), rtol=1e-6, atol=1e-6)
     assert _rel(xa.grad, rdx) < 2e-6 and _rel(wa.grad, rdw) < 2e-6
     assert rms_norm(x, w, EPS).equal(rms_norm_reference(x, w, EPS))  # CPU: the expression
+    # traceable in one graph by torch.compile (the op's fake kernel), with the same gradients
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.compile(lambda a, b: _RMSNorm.apply(a, b, EPS), backend="aot_eager", fullgraph=True)(xc, wc).backward(dy)
+    assert _rel(xc.grad, rdx) < 2e-6 and _rel(wc.grad, rdw) < 2e-6
 
 
 CHECK = r"""
