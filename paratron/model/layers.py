@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,7 +22,6 @@ from ..parallel import fp8_mlp
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention
 from .kernels import swiglu
-from .rmsnorm import rms_norm, triton_available
 from .variants import apply_output_gate, is_gated, mlp_activation, qkv_parts
 from .yarn import yarn_concentration_factor, yarn_inv_freq, yarn_params
 
@@ -98,10 +96,6 @@ class Norm(nn.Module):
         if sequence_parallel:  # applied to a share of the activations (sequence or heads): partial gradients per TP rank
             for p in self.parameters():
                 set_spec(p, ShardSpec(sum_over=("tp",)))
-        # plain RMSNorm on CUDA: the Triton backward of model/rmsnorm.py; PARATRON_RMSNORM=torch keeps the
-        # torch expression (a switch for side-by-side timing)
-        self.triton_backward = (kind == "RMSNorm" and not zero_centered
-                                and os.environ.get("PARATRON_RMSNORM", "") != "torch")
 
     @classmethod
     def of(cls, cfg: ModelConfig, size: int, sequence_parallel: bool = False, device=None, dtype=None) -> "Norm":
@@ -117,8 +111,6 @@ class Norm(nn.Module):
             return (gamma * F.rms_norm(x.float(), self.size, eps=self.eps)).to(x.dtype)
         if self.kind == "LayerNorm":
             return F.layer_norm(x, self.size, self.weight, self.bias, self.eps)
-        if self.triton_backward and x.is_cuda and triton_available():
-            return rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.size, eps=self.eps).to(x.dtype)
 
 
