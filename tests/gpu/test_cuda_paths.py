@@ -1,7 +1,8 @@
 """CUDA-only paths, run on the device machine (skipped without a GPU): the fused optimizer step with
-clipping folded into the kernel against the CPU path, a sharded checkpoint of CUDA tensors
-saved, resharded nowhere, loaded and continued (bf16, and FP8 with the delayed recipe), and the Triton SwiGLU kernel (eager and inside a
-compiled region) against the torch expression, and the FP8 SwiGLU kernels against theirs."""
+clipping folded into the kernel against the CPU path, a sharded checkpoint of CUDA tensors saved,
+resharded nowhere, loaded and continued (bf16, and FP8 with the delayed recipe), the Triton SwiGLU
+kernel (eager and inside a compiled region) against the torch expression, and the FP8 SwiGLU kernels
+against theirs."""
 from __future__ import annotations
 
 import pytest
