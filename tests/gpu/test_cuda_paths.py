@@ -51,29 +51,33 @@ def test_fused_step_skips_inf_gradients():
     assert not bool(ok) and torch.equal(p.detach(), before)
 
 
-def test_cuda_checkpoint_resumes_with_the_same_losses(tmp_path):
+TINY_CUDA_RUN = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+                 "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+                 "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--lr", "1e-3",
+                 "--train-iters", "6", "--bf16", "--eval-iters", "0", "--device", "cuda"]
+
+
+def _straight_and_resumed(flags, tmp_path, runs=1, save_flags=()):
+    """Losses of ``runs`` runs of 6 straight steps, and of 3 steps + save + load + 3 steps."""
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
-    flags = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-             "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data",
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--lr", "1e-3", "--train-iters", "6",
-             "--bf16", "--eval-iters", "0", "--device", "cuda", "--save", str(tmp_path / "ck")]
+    flags = [*flags, "--save", str(tmp_path / "ck")]
 
     def losses(t, n):
-        out = []
-        for _ in range(n):
-            r, _, _ = t.train_step()
-            out.append((r[0] / r[1]).item())
-        return out
+        return [(r[0] / r[1]).item() for r in (t.train_step()[0] for _ in range(n))]
 
-    straight = losses(Trainer(parse_args(flags)), 6)
-    first = Trainer(parse_args(flags + ["--async-save"]))
+    straight = [losses(Trainer(parse_args(flags)), 6) for _ in range(runs)]
+    first = Trainer(parse_args([*flags, *save_flags]))
     got = losses(first, 3)
     first.save()
     first.wait_for_save()
     second = Trainer(parse_args(flags + ["--load", str(tmp_path / "ck")]))
     assert second.iteration == 3
-    got += losses(second, 3)
+    return straight, got + losses(second, 3)
+
+
+def test_cuda_checkpoint_resumes_with_the_same_losses(tmp_path):
+    (straight,), got = _straight_and_resumed(TINY_CUDA_RUN, tmp_path, save_flags=["--async-save"])
     for a, b in zip(straight, got):
         assert abs(a - b) <= 1e-3 * abs(a), (straight, got)
 
@@ -82,27 +86,10 @@ def test_fp8_delayed_resume_continues_the_same_run(tmp_path):
     """FP8 with the delayed recipe: 3 steps, save, load, 3 steps give the losses of 6 straight steps
     (the amax histories travel in the checkpoint). Bitwise when two straight runs agree bitwise (the
     GPU's deterministic path); otherwise within the straight runs' own difference."""
-    from paratron.config import parse_args
-    from paratron.train.loop import Trainer
-    flags = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-             "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data",
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--lr", "1e-3", "--train-iters", "6",
-             "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope",
-             "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16",
-             "--fp8-amax-compute-algo", "max", "--eval-iters", "0", "--device", "cuda", "--save", str(tmp_path / "ck")]
-
-    def losses(t, n):
-        return [(r[0] / r[1]).item() for r in (t.train_step()[0] for _ in range(n))]
-
-    straight = losses(Trainer(parse_args(flags)), 6)
-    again = losses(Trainer(parse_args(flags)), 6)
-    first = Trainer(parse_args(flags))
-    got = losses(first, 3)
-    first.save()
-    first.wait_for_save()
-    second = Trainer(parse_args(flags + ["--load", str(tmp_path / "ck")]))
-    assert second.iteration == 3
-    got += losses(second, 3)
+    flags = [*TINY_CUDA_RUN, "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+             "--position-embedding-type", "rope", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+             "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"]
+    (straight, again), got = _straight_and_resumed(flags, tmp_path, runs=2)
     if straight == again:
         assert got == straight, (straight, got)
     else:
