@@ -160,11 +160,14 @@ class FP8State:
     def scalers(self) -> tuple:
         return self.input, self.weight, self.grad
 
-    def quantize(self, role: str, x: torch.Tensor):
-        scaler = getattr(self, role)
+    def mark(self, role: str) -> None:
+        """Note a quantisation of ``role`` in the trace (also for one made outside this state's scalers)."""
         if self.trace is not None:
-            self.trace.append((role, scaler.dtype))
-        return scaler.quantize(x)
+            self.trace.append((role, getattr(self, role).dtype))
+
+    def quantize(self, role: str, x: torch.Tensor):
+        self.mark(role)
+        return getattr(self, role).quantize(x)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
@@ -181,16 +184,26 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def forward_mm(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, out_dtype: torch.dtype):
+    """x2 [m, k] @ weight^T with both quantised by ``state``: (y, xq, sx, wq, sw)."""
+    xq, sx = state.quantize("input", x2)
+    wq, sw = state.quantize("weight", weight)
+    return scaled_mm(xq, wq.t(), sx, sw, out_dtype, state.recipe.emulate, FAST_ACCUM_FORWARD), xq, sx, wq, sw
+
+
+def input_grad_mm(gq: torch.Tensor, sg: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype,
+                  emulate: bool) -> torch.Tensor:
+    """The input gradient g W: FP8 ``gq`` [m, n] times the forward's FP8 weight ``wq`` [n, k]."""
+    return scaled_mm(gq, column_major(wq), sg, sw, out_dtype, emulate)
+
+
 class _FP8Linear(torch.autograd.Function):
     """y = x W^T with x and W in e4m3; the gradients from the FP8 output gradient and the saved FP8
     copies of x and W (the bf16 x is not kept)."""
 
     @staticmethod
     def forward(ctx, x, weight, state):
-        x2 = x.reshape(-1, x.size(-1))
-        xq, sx = state.quantize("input", x2)
-        wq, sw = state.quantize("weight", weight)
-        y = scaled_mm(xq, wq.t(), sx, sw, x.dtype, state.recipe.emulate, FAST_ACCUM_FORWARD)
+        y, xq, sx, wq, sw = forward_mm(x.reshape(-1, x.size(-1)), weight, state, x.dtype)
         ctx.save_for_backward(xq, wq, sx, sw)
         ctx.state, ctx.x_shape, ctx.w_dtype = state, x.shape, weight.dtype
         return y.view(*x.shape[:-1], weight.size(0))
@@ -203,7 +216,7 @@ class _FP8Linear(torch.autograd.Function):
         gq, sg = state.quantize("grad", g2)
         gx = gw = None
         if ctx.needs_input_grad[0]:  # [m, n] @ [n, k]
-            gx = scaled_mm(gq, column_major(wq), sg, sw, g.dtype, emulate).view(ctx.x_shape)
+            gx = input_grad_mm(gq, sg, wq, sw, g.dtype, emulate).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # [n, m] @ [m, k]
             gw = scaled_mm(gq.t().contiguous(), column_major(xq), sg, sx, ctx.w_dtype, emulate)
         return gx, gw, None

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8 import E4M3, FMAX, FP8State, column_major, compute_scale, scaled_mm, FAST_ACCUM_FORWARD
+from .fp8 import E4M3, FMAX, FP8State, FAST_ACCUM_FORWARD, column_major, compute_scale, forward_mm, input_grad_mm, \
+    scaled_mm
 
 try:
     import triton
@@ -205,16 +206,11 @@ class _FP8SwiGLUMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, s1: FP8State, s2: FP8State):
-        emulate, margin = s1.recipe.emulate, s1.recipe.margin
-        x2 = x.reshape(-1, x.size(-1))
-        xq, sx = s1.quantize("input", x2)
-        w1q, sw1 = s1.quantize("weight", w1)
-        h = scaled_mm(xq, w1q.t(), sx, sw1, x.dtype, emulate, FAST_ACCUM_FORWARD)
-        if s2.trace is not None:
-            s2.trace.append(("input", E4M3))
-        aq, aqt, sa = torch.ops.paratron.swiglu_fp8(h, margin)
+        h, xq, sx, w1q, sw1 = forward_mm(x.reshape(-1, x.size(-1)), w1, s1, x.dtype)
+        s2.mark("input")
+        aq, aqt, sa = torch.ops.paratron.swiglu_fp8(h, s1.recipe.margin)
         w2q, sw2 = s2.quantize("weight", w2)
-        y = scaled_mm(aq, w2q.t(), sa, sw2, x.dtype, emulate, FAST_ACCUM_FORWARD)
+        y = scaled_mm(aq, w2q.t(), sa, sw2, x.dtype, s2.recipe.emulate, FAST_ACCUM_FORWARD)
         ctx.save_for_backward(xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa)
         ctx.s1, ctx.s2, ctx.x_shape, ctx.w_dtype = s1, s2, x.shape, w1.dtype
         return y.view(*x.shape[:-1], w2.size(0))
@@ -225,12 +221,11 @@ class _FP8SwiGLUMLP(torch.autograd.Function):
         s1, s2 = ctx.s1, ctx.s2
         emulate, margin = s1.recipe.emulate, s1.recipe.margin
         gq, sg = s2.quantize("grad", g.reshape(-1, g.size(-1)))
-        dact = scaled_mm(gq, column_major(w2q), sg, sw2, g.dtype, emulate)  # [m, F]
+        dact = input_grad_mm(gq, sg, w2q, sw2, g.dtype, emulate)  # [m, F]
         gw2 = scaled_mm(gq.t().contiguous(), aqt.t(), sg, sa, ctx.w_dtype, emulate)
-        if s1.trace is not None:
-            s1.trace.append(("grad", s1.grad.dtype))
+        s1.mark("grad")
         dhq, dhqt, sdh = torch.ops.paratron.swiglu_fp8_backward(h, dact, s1.grad.dtype != E4M3, margin)
-        gx = scaled_mm(dhq, column_major(w1q), sdh, sw1, g.dtype, emulate).view(ctx.x_shape)
+        gx = input_grad_mm(dhq, sdh, w1q, sw1, g.dtype, emulate).view(ctx.x_shape)
         gw1 = scaled_mm(dhqt, column_major(xq), sdh, sx, ctx.w_dtype, emulate)
         return gx, gw1, gw2, None, None
 
