@@ -13,7 +13,9 @@ scale 1 where amax is 0, inf or NaN, or the quotient overflows). Recipes:
   tensor (``max`` of the history or its ``most_recent`` entry). The scale used for a matmul is
   computed from the history *before* the current amax is recorded; the history is then rolled and the
   current amax written at its head. Before anything is recorded (the first use) the current amax is
-  used, so no step runs with an arbitrary scale.
+  used, so no step runs with an arbitrary scale. After the first training step the scale depends on
+  the history alone (``Scaler.primed``): a compiled layer then writes the FP8 copy in the same pass
+  that computes the tensor, where tensorwise needs one pass for the amax and another for the cast.
 
 Forward: input and weight in e4m3. Backward: the output gradient in e5m2 (``hybrid``) or e4m3
 (``e4m3``); grad_input = g @ W and grad_weight = g^T @ x reuse the FP8 copies saved by the forward.
@@ -109,34 +111,56 @@ def _fused(fn, x: torch.Tensor):
 
 
 class Scaler:
-    """The scale of one tensor role (input, weight or output gradient) of one layer."""
+    """The scale of one tensor role (input, weight or output gradient) of one layer.
+
+    Delayed recipe: ``history`` holds the last amaxes, newest first. ``primed`` (a Python flag, set by
+    :func:`prime` after the first training step and when histories are loaded) says the history can
+    be trusted on its own: the scale then comes from the history alone, so a compiled layer can cast a
+    tensor in the same pass that produces it (the amax is recorded from that pass too). Until then the
+    scale is taken from the history where it holds a positive amax and from the current amax where it
+    does not (the first use), which needs the current amax before the cast."""
 
     def __init__(self, recipe: Recipe, dtype: torch.dtype, device=None):
         self.recipe, self.dtype = recipe, dtype
+        self.delayed = recipe.recipe == "delayed"
         self.history: Optional[torch.Tensor] = None  # delayed: [history_len] amaxes, newest first
-        if recipe.recipe == "delayed" and device is not None:
+        if self.delayed and device is not None:
             self.history = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device)
-        self.recorded = False
+        self.primed = False
 
-    def reference_amax(self, current: torch.Tensor) -> torch.Tensor:
-        """The amax the scale is computed from (the history as it is before ``current`` is recorded)."""
-        if self.recipe.recipe == "tensorwise" or not self.recorded:
-            return current
-        return self.history.amax() if self.recipe.amax_compute_algo == "max" else self.history[0].clone()
+    def _past(self, device) -> torch.Tensor:
+        """The amax the history gives (its max or its newest entry; 0 while it holds nothing)."""
+        if self.history is None:
+            self.history = torch.zeros(self.recipe.amax_history_len, dtype=torch.float32, device=device)
+        return self.history.amax() if self.recipe.amax_compute_algo == "max" else self.history[0]
+
+    def _scale(self, a: torch.Tensor) -> torch.Tensor:
+        return compute_scale(a, FMAX[self.dtype], self.recipe.margin)
+
+    def preset_scale(self, device) -> torch.Tensor:
+        """The scale known before the tensor is seen, as a 0-dim tensor: 0 means "scale from the
+        current amax" (tensorwise; delayed while the history is empty and not primed)."""
+        if not self.delayed:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        past = self._past(device)
+        if self.primed:
+            return self._scale(past)
+        return torch.where(past > 0, self._scale(past), torch.zeros_like(past))
 
     def record(self, current: torch.Tensor) -> None:
-        if self.recipe.recipe != "delayed":
-            return
-        if self.history is None:
-            self.history = torch.zeros(self.recipe.amax_history_len, dtype=torch.float32, device=current.device)
-        self.history.copy_(self.history.roll(1))
-        self.history[0] = current
-        self.recorded = True
+        """Delayed: the history rolled by one with ``current`` at its head (a functional update, so a
+        compiled region can do it)."""
+        if self.delayed:
+            self._past(current.device)
+            self.history.copy_(torch.cat([current.reshape(1).float(), self.history[:-1]]))
 
     def scale_for(self, x: torch.Tensor) -> torch.Tensor:
         """The scale to quantise ``x`` with now; records x's amax (delayed)."""
         current = _fused(amax, x)(x)
-        scale = compute_scale(self.reference_amax(current), FMAX[self.dtype], self.recipe.margin)
+        if not self.delayed:
+            return self._scale(current)
+        past = self._past(x.device)
+        scale = self._scale(past if self.primed else torch.where(past > 0, past, current))
         self.record(current)
         return scale
 
@@ -222,20 +246,9 @@ class _FP8Linear(torch.autograd.Function):
         return gx, gw, None
 
 
-def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
-    return _FP8Linear.apply(x, weight, state)
-
-
-# The delayed recipe keeps Python-side state (the history, whether it holds anything) that a compiled
-# region must not bake in: its linear runs eagerly inside a torch.compile'd layer.
-_fp8_linear_eager = torch.compiler.disable(_fp8_linear)
-
-
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) with FP8 inputs per ``state``'s recipe; output in x's dtype."""
-    if state.recipe.recipe == "delayed":
-        return _fp8_linear_eager(x, weight, state)
-    return _fp8_linear(x, weight, state)
+    return _FP8Linear.apply(x, weight, state)
 
 
 def attach(model: torch.nn.Module, recipe: Optional[Recipe]) -> int:
@@ -280,4 +293,13 @@ def set_histories(states: list, flat: torch.Tensor) -> None:
     """Write a flat copy made by :func:`histories` back (a resumed run goes on with the saved amaxes)."""
     for s, h in zip([s for st in states for s in st.scalers], flat.split(states[0].recipe.amax_history_len)):
         s.history.copy_(h)
-        s.recorded = bool(h.any())
+        s.primed = bool(h.any())
+
+
+def prime(states: list) -> None:
+    """After a training step: every delayed scaler of ``states`` takes its scale from its history alone
+    from now on (the step recorded an amax in each). Flips Python flags that compiled layers are
+    specialised on: they are traced once more, with the single-pass casts."""
+    for st in states:
+        for s in st.scalers:
+            s.primed = True

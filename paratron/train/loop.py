@@ -65,6 +65,7 @@ class Trainer:
         self.models = [wrap_data_parallel(m, cfg, self.dims) for m in build_model_chunks(cfg, self.dims, self.device)]
         self.routers = moe.routers(self.models)  # MoE routers (none in a dense model), found once
         self.mtp_blocks = mtp.blocks(self.models)  # multi-token prediction (--mtp-num-layers)
+        self.fp8_delayed = fp8.delayed_states(self.models)  # the delayed FP8 recipe's layers (primed after a step)
         self.optimizer = build_optimizer(self.models, cfg, self.dims)
         self.scheduler = build_scheduler(cfg, tr.train_samples or tr.train_iters * tr.global_batch_size)
         self.optimizer.set_lr(self.scheduler.lr, self.scheduler.decoupled_lr)
@@ -149,6 +150,7 @@ class Trainer:
                                             layout=self.layout, forward_only=False,
                                             grad_scale=self.optimizer.loss_scale)
         report = sum_reports(reports, self.device)  # [loss sum, loss tokens] of this rank (last stage; else 0)
+        fp8.prime(self.fp8_delayed)  # every delayed FP8 history now holds an amax: scales from it alone
         # --calculate-per-token-loss: the gradients are sums; divide them by the step's global token count
         with timers("all-grads-sync"):
             finalize_model_grads(self.models, self.dims, num_tokens=report[1] if tr.calculate_per_token_loss else None)

@@ -117,41 +117,54 @@ def test_swiglu_kernel_matches_torch(compiled):
 
 @pytest.mark.parametrize("e5m2", [True, False])
 def test_fp8_swiglu_kernels_match_the_torch_ops(e5m2):
-    """The Triton kernels of parallel/fp8_mlp.py against its torch expressions: the same scale, the
-    same FP8 values but for rare one-step rounding flips (sigmoid's last bit), row-major = transposed."""
+    """The Triton kernels of parallel/fp8_mlp.py against its torch expressions, with the tensor's own
+    scale (tensorwise: amax pass + cast pass) and with a preset one (delayed: the cast pass alone, which
+    also returns the amax): the same scale and amax, the same FP8 values but for rare one-step rounding
+    flips (sigmoid's last bit), row-major = transposed."""
     from paratron.parallel import fp8_mlp
     torch.manual_seed(0)
     for m, f in ((4096, 8192), (272, 1000)):  # llama-1b's width; a masked edge in both directions
         h = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16)
         dout = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
-        for got, want in ((torch.ops.paratron.swiglu_fp8(h, 0), fp8_mlp.act_fp8_reference(h, 0)),
-                          (torch.ops.paratron.swiglu_fp8_backward(h, dout, e5m2, 0),
-                           fp8_mlp.grad_fp8_reference(h, dout, e5m2, 0))):
-            q, qt, scale = got
-            rq, _, rscale = want
-            assert q.dtype == rq.dtype and q.shape == rq.shape and torch.equal(qt, q.t())
-            assert abs(scale.item() / rscale.item() - 1) < 1e-6
-            differ = (q.float() != rq.float()).float().mean().item()
-            assert differ < 1e-3, differ
-            assert ((q.float() - rq.float()).norm() / rq.float().norm()).item() < 1e-3
+        for preset in (torch.tensor(0.0, device="cuda"), torch.tensor(37.5, device="cuda")):
+            for got, want in ((torch.ops.paratron.swiglu_fp8(h, preset, 0), fp8_mlp.act_fp8_reference(h, preset, 0)),
+                              (torch.ops.paratron.swiglu_fp8_backward(h, dout, preset, e5m2, 0),
+                               fp8_mlp.grad_fp8_reference(h, dout, preset, e5m2, 0))):
+                q, qt, scale, current = got
+                rq, _, rscale, rcurrent = want
+                assert q.dtype == rq.dtype and q.shape == rq.shape and torch.equal(qt, q.t())
+                assert abs(scale.item() / rscale.item() - 1) < 1e-6
+                assert abs(current.item() / rcurrent.item() - 1) < 1e-6
+                differ = (q.float() != rq.float()).float().mean().item()
+                assert differ < 1e-3, differ
+                assert ((q.float() - rq.float()).norm() / rq.float().norm()).item() < 1e-3
 
 
-def test_fused_fp8_mlp_compiled_equals_eager():
-    from paratron.parallel import fp8_mlp
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fused_fp8_mlp_compiled_equals_eager(recipe):
+    """Eager and Inductor-compiled fused MLP (for delayed: primed after a first call, so the casts are
+    the single-pass ones) give the same outputs, gradients and amax histories."""
+    from paratron.parallel import fp8, fp8_mlp
     from paratron.parallel.fp8 import FP8State, Recipe
     torch.manual_seed(0)
     x = torch.randn(4, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w1 = (torch.randn(2 * 2048, 1024, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
     w2 = (torch.randn(1024, 2048, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
     g = torch.randn(4, 512, 1024, device="cuda", dtype=torch.bfloat16)
-    outs = []
+    outs, hist = [], []
     for fn in (fp8_mlp.fp8_swiglu_mlp, torch.compile(fp8_mlp.fp8_swiglu_mlp)):
-        for t in (x, w1, w2):
-            t.grad = None
-        y = fn(x, w1, w2, FP8State(Recipe()), FP8State(Recipe()))
-        y.backward(g)
+        states = [FP8State(Recipe(recipe=recipe, amax_history_len=8, amax_compute_algo="max"), "cuda")
+                  for _ in range(2)]
+        for call in range(2):
+            for t in (x, w1, w2):
+                t.grad = None
+            y = fn(x * (call + 1), w1, w2, *states)
+            y.backward(g)
+            fp8.prime(states)
         outs.append([y.detach(), x.grad.clone(), w1.grad.clone(), w2.grad.clone()])
-    ref = fp8_mlp.reference_mlp(x.detach().float(), w1.detach().float(), w2.detach().float())
+        hist.append(fp8.histories(states) if recipe == "delayed" else torch.zeros(1))
+    assert torch.allclose(hist[0], hist[1], rtol=1e-3) and (recipe != "delayed" or hist[0].count_nonzero() == 12)
+    ref = fp8_mlp.reference_mlp(2 * x.detach().float(), w1.detach().float(), w2.detach().float())  # the last call's
     rel = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(*outs)]
     assert max(rel) < 1e-2, rel
     err = ((outs[0][0].float() - ref).norm() / ref.norm()).item()

@@ -63,6 +63,23 @@ def test_delayed_history_roll_max_and_most_recent():
     assert m.scale_for(torch.tensor([1.0])).item() == pytest.approx(57344.0 / 6.0, rel=1e-7)  # fp32
 
 
+def test_primed_delayed_scale_comes_from_the_history_alone():
+    """Primed (after a training step), the scale no longer looks at the current amax, even where the
+    history holds none; the preset scale the fused MLP gets is 0 (= use your own amax) only for
+    tensorwise and for an unprimed empty history."""
+    s = Scaler(Recipe(recipe="delayed", amax_history_len=2, amax_compute_algo="max"), E4M3, "cpu")
+    assert s.preset_scale("cpu").item() == 0.0  # nothing recorded: the current amax decides
+    assert s.scale_for(torch.tensor([2.0])).item() == 224.0
+    assert s.preset_scale("cpu").item() == 224.0
+    fp8.prime([type("St", (), {"scalers": (s,)})])
+    assert s.primed and s.scale_for(torch.tensor([8.0])).item() == 224.0  # the history's 2, not 8
+    assert s.history.tolist() == [8.0, 2.0]
+    empty = Scaler(Recipe(recipe="delayed"), E5M2, "cpu")
+    empty.primed = True
+    assert empty.preset_scale("cpu").item() == 1.0 and empty.scale_for(torch.tensor([4.0])).item() == 1.0
+    assert Scaler(Recipe(), E4M3).preset_scale("cpu").item() == 0.0
+
+
 def _linear_case(fmt="hybrid", recipe="tensorwise", emulate=True):
     torch.manual_seed(0)
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)

@@ -17,7 +17,8 @@ def _rel(a, b):
 def test_act_op_scales_to_its_own_amax_and_transposes():
     torch.manual_seed(0)
     h = torch.randn(48, 2 * 32, dtype=torch.bfloat16)
-    q, qt, scale = torch.ops.paratron.swiglu_fp8(h, 0)
+    none = torch.tensor(0.0)  # no preset scale: the tensor's own amax
+    q, qt, scale, current = torch.ops.paratron.swiglu_fp8(h, none, 0)
     gate, up = h.float().chunk(2, dim=-1)
     a = torch.nn.functional.silu(gate) * up
     assert q.dtype == qt.dtype == E4M3 and q.shape == (48, 32) and qt.shape == (32, 48)
@@ -25,8 +26,26 @@ def test_act_op_scales_to_its_own_amax_and_transposes():
     assert q.float().abs().max().item() == 448.0  # the largest value lands on e4m3's largest
     assert torch.equal(qt, q.t())
     assert _rel(q.float() / scale, a) < 0.05  # 3 mantissa bits
-    _, _, s2 = torch.ops.paratron.swiglu_fp8(h, 2)  # the margin divides the scale by 2**margin
+    assert current.item() == pytest.approx(a.abs().max().item(), rel=1e-6)
+    _, _, s2, _ = torch.ops.paratron.swiglu_fp8(h, none, 2)  # the margin divides the scale by 2**margin
     assert s2.item() == pytest.approx(scale.item() / 4, rel=1e-6)
+
+
+def test_act_op_with_a_preset_scale_uses_it_and_saturates():
+    """The delayed recipe's single pass: the given scale, even where it overflows e4m3 (saturated, no
+    NaN), and the current amax for the history."""
+    torch.manual_seed(0)
+    h = torch.randn(48, 2 * 32, dtype=torch.bfloat16)
+    _, _, own, current = torch.ops.paratron.swiglu_fp8(h, torch.tensor(0.0), 0)
+    preset = own * 4  # a history whose amax was a quarter of this tensor's
+    q, qt, scale, current2 = torch.ops.paratron.swiglu_fp8(h, preset, 3)  # (the margin applies to own amaxes only)
+    assert scale.item() == preset.item() and current2.item() == current.item()
+    assert q.float().abs().max().item() == 448.0 and not q.float().isnan().any()
+    assert (q.float().abs() == 448.0).sum() > 1  # several values saturated
+    gate, up = h.float().chunk(2, dim=-1)
+    a = torch.nn.functional.silu(gate) * up
+    small = a.abs() < 448.0 / preset
+    assert _rel(q.float()[small] / scale, a[small]) < 0.05
 
 
 @pytest.mark.parametrize("e5m2,dtype,fmax", [(True, E5M2, 57344.0), (False, E4M3, 448.0)])
@@ -36,10 +55,13 @@ def test_grad_op_matches_autograd_of_swiglu(e5m2, dtype, fmax):
     dout = torch.randn(32, 16)
     gate, up = h.chunk(2, dim=-1)
     (torch.nn.functional.silu(gate) * up).backward(dout)
-    q, qt, scale = torch.ops.paratron.swiglu_fp8_backward(h.detach(), dout, e5m2, 0)
+    q, qt, scale, current = torch.ops.paratron.swiglu_fp8_backward(h.detach(), dout, torch.tensor(0.0), e5m2, 0)
     assert q.dtype == dtype and q.shape == (32, 32) and torch.equal(qt, q.t())
     assert scale.item() == pytest.approx(fmax / h.grad.abs().max().item(), rel=1e-6)
+    assert current.item() == pytest.approx(h.grad.abs().max().item(), rel=1e-6)
     assert _rel(q.float() / scale, h.grad) < (0.1 if e5m2 else 0.05)
+    q2, _, scale2, _ = torch.ops.paratron.swiglu_fp8_backward(h.detach(), dout, scale / 2, e5m2, 0)
+    assert scale2.item() == scale.item() / 2 and _rel(q2.float() / scale2, h.grad) < (0.1 if e5m2 else 0.05)
 
 
 def _weights(seed=0, k=64, f=48, n=64):
@@ -86,6 +108,30 @@ def test_fused_mlp_close_to_layer_by_layer_fp8_and_to_bf16(emulate):
     assert sorted(s[0].trace + s[1].trace) == sorted(s[2].trace + s[3].trace)
 
 
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_fused_mlp_delayed_keeps_the_histories_of_the_layer_by_layer_path(algo):
+    """The delayed recipe through the fused function: unprimed (first step: the current amax where the
+    history is empty) then primed (scales from the history alone); each step records the same amaxes
+    as the per-layer path, the SwiGLU ones up to their bf16 rounding there."""
+    recipe = Recipe(recipe="delayed", amax_history_len=4, amax_compute_algo=algo, emulate=True)
+    s = [FP8State(recipe) for _ in range(4)]
+    def per_layer(x, a, b):
+        gate, up = fp8.fp8_linear(x, a, s[2]).chunk(2, dim=-1)
+        return fp8.fp8_linear(torch.nn.functional.silu(gate) * up, b, s[3])
+    for step in range(3):
+        x, w1, w2, g = _weights(seed=step)
+        x = x * (step + 1)  # amaxes that change from step to step
+        fused = _run(lambda x, a, b: fp8_mlp.fp8_swiglu_mlp(x, a, b, s[0], s[1]), x, w1, w2, g)
+        layered = _run(per_layer, x, w1, w2, g)
+        for f, l in zip(fused, layered):
+            assert _rel(f, l) < 0.03, (step, _rel(f, l))
+        for a, b in zip(s[0].scalers + s[1].scalers, s[2].scalers + s[3].scalers):
+            assert torch.allclose(a.history, b.history, rtol=1e-2), (step, a.history, b.history)
+            assert a.history[step + 1:].eq(0).all() and a.history[:step + 1].gt(0).all()
+        fp8.prime(s)
+    assert all(sc.primed for st in s for sc in st.scalers)
+
+
 def _mlp(flags, recipe):
     cfg = parse_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
                       "--ffn-hidden-size", "48", "--normalization", "RMSNorm", "--mock-data", "--train-iters", "1",
@@ -98,7 +144,7 @@ def _mlp(flags, recipe):
 @pytest.mark.parametrize("flags,recipe,fused", [
     (["--swiglu", "--disable-bias-linear"], Recipe(emulate=True), True),
     (["--swiglu", "--disable-bias-linear"], Recipe(emulate=True, fuse_mlp=False), False),
-    (["--swiglu", "--disable-bias-linear"], Recipe(recipe="delayed", emulate=True), False),  # history kept per layer
+    (["--swiglu", "--disable-bias-linear"], Recipe(recipe="delayed", emulate=True), True),
     (["--swiglu"], Recipe(emulate=True), False),  # biases
     (["--swiglu", "--disable-bias-linear", "--no-bias-swiglu-fusion"], Recipe(emulate=True), False),
     (["--disable-bias-linear"], Recipe(emulate=True), False),  # GeLU
@@ -124,3 +170,30 @@ def test_switch_from_the_environment(monkeypatch):
     assert Recipe.from_config(tr).fuse_mlp
     monkeypatch.setenv("PARATRON_FP8_FUSED_MLP", "0")
     assert not Recipe.from_config(tr).fuse_mlp
+
+
+def test_compiled_delayed_recipe_equals_eager_and_recompiles_once_when_primed():
+    """The delayed recipe traced into a compiled region (AOTAutograd's graphs, run by aot_eager): the
+    history updates of the forward and of the backward happen as in eager mode, for the fused MLP and
+    a per-layer linear; priming specialises the graph once more (scales from the history alone)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    recipe = Recipe(recipe="delayed", amax_history_len=4, amax_compute_algo="max", emulate=True)
+    eager_states, compiled_states = ([FP8State(recipe, "cpu") for _ in range(3)] for _ in range(2))
+
+    def block(x, w1, w2, w3, s):
+        return fp8.fp8_linear(fp8_mlp.fp8_swiglu_mlp(x, w1, w2, s[0], s[1]), w3, s[2])
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    for step in range(4):
+        x, w1, w2, g = _weights(seed=step)
+        w3 = (torch.randn(64, 64) * 0.05).to(torch.bfloat16).requires_grad_()
+        want = _run(lambda x, a, b: block(x * (step + 1), a, b, w3, eager_states), x, w1, w2, g)
+        got = _run(lambda x, a, b: compiled(x * (step + 1), a, b, w3, compiled_states), x, w1, w2, g)
+        for a, b in zip(want, got):
+            assert torch.equal(a, b), step
+        for a, b in zip(*(sum((st.scalers for st in s), ()) for s in (eager_states, compiled_states))):
+            assert torch.equal(a.history, b.history) and a.history[step].gt(0)
+        fp8.prime(eager_states + compiled_states)
+    assert counter.frame_count == 2
