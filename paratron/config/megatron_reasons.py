@@ -15,7 +15,6 @@ ACCEPTED = {
     "attention_backend": SDPA,
     "use_flash_attn": SDPA + " (FlashAttention on GPUs that have it)",
     "no_masked_softmax_fusion": NO_KERNEL + " (SDPA applies the causal mask itself)",
-    "no_bias_gelu_fusion": NO_KERNEL,
     "no_rope_fusion": "paratron's rotary embedding is plain torch ops: there is no fused RoPE kernel to turn off",
     "no_gradient_accumulation_fusion": "weight gradients accumulate into the fp32/bf16 grad buffer by autograd: "
                                        "there is no fused wgrad kernel to turn off",

@@ -124,6 +124,7 @@ class ModelConfig(Section):
     openai_gelu: bool = False  # tanh-approximate GeLU (GPT-2's "gelu_new")
     qk_layernorm: bool = False
     no_bias_swiglu_fusion: bool = False  # SwiGLU as torch ops instead of paratron's Triton kernel (CUDA)
+    no_bias_gelu_fusion: bool = False  # FP8: GeLU (+ fc1 bias) as torch ops instead of the fused FP8 MLP kernels
     no_bias_dropout_fusion: bool = False  # add the residual after fc2 instead of as fc2's matmul operand
     disable_bias_linear: bool = False
     add_qkv_bias: bool = False  # keep QKV bias even with --disable-bias-linear (Qwen2)

@@ -21,8 +21,7 @@ from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel import fp8_mlp
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention
-from .kernels import swiglu
-from .variants import apply_output_gate, is_gated, mlp_activation, qkv_parts
+from .variants import apply_output_gate, fused_fp8_activation, is_gated, mlp_activation, qkv_parts
 from .yarn import yarn_concentration_factor, yarn_inv_freq, yarn_params
 
 
@@ -181,6 +180,7 @@ class MLP(nn.Module):
         bias = not cfg.disable_bias_linear
         gated = is_gated(cfg)
         self.activation = mlp_activation(cfg)
+        self.fp8_act = fused_fp8_activation(cfg)  # the fused FP8 MLP's activation code (None: per layer)
         width = cfg.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=par.tp_group, bias=bias,
                                                sequence_parallel=par.sequence_parallel,
@@ -193,8 +193,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``residual`` is added to the output (by fc2's matmul where it can)."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        if fp8_mlp.applies(fc1, fc2, self.activation is swiglu):  # SwiGLU output and gradient born in FP8
-            return fc2.exit(fp8_mlp.fp8_swiglu_mlp(fc1.enter(x), fc1.weight, fc2.weight, fc1.fp8, fc2.fp8), residual)
+        if fp8_mlp.applies(fc1, fc2, self.fp8_act):  # the activation's output and gradient born in FP8
+            return fc2.exit(fp8_mlp.fused_mlp(fc1.enter(x), fc1.weight, fc1.bias, fc2.weight, fc1.fp8, fc2.fp8,
+                                              self.fp8_act), residual)
         return fc2(self.activation(fc1(x)), residual)
 
 

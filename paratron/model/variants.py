@@ -14,12 +14,13 @@ group's query heads, then as many gate heads, then its key and value heads; the 
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..parallel import fp8_mlp
 from .kernels import swiglu, swiglu_reference
 
 
@@ -58,6 +59,17 @@ def mlp_activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
         return squared_relu
     approx = "tanh" if cfg.openai_gelu else "none"
     return lambda h: F.gelu(h, approximate=approx)
+
+
+def fused_fp8_activation(cfg: ModelConfig) -> Optional[int]:
+    """The activation code of ``parallel.fp8_mlp`` for ``cfg``'s MLP, or None where it has no fused FP8
+    kernel (quick-GeGLU, squared ReLU, an offset or clamp) or the flags ask for the plain path."""
+    if cfg.swiglu:
+        plain = cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None or cfg.no_bias_swiglu_fusion
+        return None if plain else fp8_mlp.SWIGLU
+    if cfg.quick_geglu or cfg.squared_relu or cfg.no_bias_gelu_fusion:
+        return None
+    return fp8_mlp.GELU_TANH if cfg.openai_gelu else fp8_mlp.GELU
 
 
 def qkv_parts(cfg: ModelConfig) -> int:

@@ -1,5 +1,7 @@
-"""The SwiGLU MLP in FP8 as one autograd function: fc1 -> SwiGLU -> fc2, the SwiGLU output and its
-gradient written straight into FP8.
+"""The MLP in FP8 as one autograd function: fc1 -> activation -> fc2 with the activation's output and
+gradient written straight into FP8. Activations: SwiGLU (llama), GeLU exact and tanh-approximate
+(GPT, ``--openai-gelu``), with or without fc1's bias (added inside the kernels; its gradient summed
+there too); fc2's bias is added by ``RowParallelLinear.exit`` as usual. Described below for SwiGLU.
 
 Run layer by layer (``fp8.fp8_linear`` for fc1 and fc2 around the SwiGLU kernel), the tensor between
 the two matmuls makes extra trips through memory: the SwiGLU writes its output in bf16, fc2 reads it
@@ -15,14 +17,17 @@ history records. At llama-1b's shape that moves about 2.4 GB less per layer and 
 16 x 2048 tokens than the per-layer path (tensorwise), and another ~1 GB less with the delayed recipe.
 
 Numerics are those of the recipe (``fp8.py``); the one difference from the layer-by-layer path is that
-the SwiGLU output and gradient are quantised from fp32 instead of from their bf16 rounding. A bias,
-``--glu-linear-offset`` or a clamp keep the layer-by-layer path (the caller decides, ``applies``).
+the activation's output and gradient are quantised from fp32 instead of from their bf16 rounding.
+``--glu-linear-offset``, a clamp, quick-GeGLU, squared ReLU, ``--no-bias-swiglu-fusion`` and
+``--no-bias-gelu-fusion`` keep the layer-by-layer path (``model.variants.fused_fp8_activation``).
 
 The Triton kernels run on CUDA; elsewhere (the CPU tests) the same two ops are torch expressions.
 Triton's CPU interpreter rounds float32 -> float8 differently from the GPU (and from torch), so the
 kernels are checked on the GPU (tests/gpu/test_cuda_paths.py) against the torch expressions here.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,23 +41,43 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+SWIGLU, GELU, GELU_TANH = 0, 1, 2  # the activations of the fused path (``act``)
 # tokens x columns per program and warps, chosen per shape by Triton's autotuner on the first call
 TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (32, 256, 4))
 MIN_BM, MIN_BF = min(t[0] for t in TILES), min(t[1] for t in TILES)
 
 
-def applies(fc1, fc2, activation_is_swiglu: bool) -> bool:
-    """Whether the fused FP8 MLP can replace fc1 -> SwiGLU -> fc2 (no biases; either recipe)."""
+def applies(fc1, fc2, act: Optional[int]) -> bool:
+    """Whether the fused FP8 MLP can replace fc1 -> activation -> fc2 (``act``: one of SWIGLU, GELU,
+    GELU_TANH, or None for an activation it does not have)."""
     s1, s2 = fc1.fp8, fc2.fp8
-    return (activation_is_swiglu and s1 is not None and s2 is not None and s1.recipe.fuse_mlp
-            and fc1.bias is None and fc2.bias is None)
+    return act is not None and s1 is not None and s2 is not None and s1.recipe.fuse_mlp
 
 
 # ---- the two ops, as torch expressions (CPU, and the reference of the kernels) -----------------
-def _swiglu_parts(h: torch.Tensor):
-    gate, up = h.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    return gate, up, sig
+def _act_input(h: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return h.float() if bias is None else h.float() + bias.float()
+
+
+def activation(h: torch.Tensor, act: int) -> torch.Tensor:
+    """The activation of fc1's output ``h`` (with its bias), in h's dtype."""
+    if act == SWIGLU:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh" if act == GELU_TANH else "none")
+
+
+def activation_grad(z: torch.Tensor, d: torch.Tensor, act: int) -> torch.Tensor:
+    """d act(z) / dz for the output gradient ``d`` (the formulas of the kernels; tests check them
+    against autograd)."""
+    if act == SWIGLU:
+        gate, up = z.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        return torch.cat([d * up * sig * (1.0 + gate * (1.0 - sig)), d * gate * sig], dim=-1)
+    if act == GELU:  # Phi(z) + z phi(z)
+        return d * (0.5 * (1.0 + torch.erf(z * 0.7071067811865476)) + z * torch.exp(-0.5 * z * z) * 0.3989422804014327)
+    s = torch.sigmoid(1.5957691216057308 * z * (1.0 + 0.044715 * z * z))  # tanh GeLU = z * s
+    return d * (s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z))
 
 
 def _to_fp8(t: torch.Tensor, preset: torch.Tensor, dtype: torch.dtype, margin: int):
@@ -64,18 +89,18 @@ def _to_fp8(t: torch.Tensor, preset: torch.Tensor, dtype: torch.dtype, margin: i
     return q, q.t().contiguous(), scale, current
 
 
-def act_fp8_reference(h: torch.Tensor, preset: torch.Tensor, margin: int):
-    """silu(gate) * up of h = [gate | up] [m, 2F] in e4m3: (row-major [m, F], transposed [F, m], scale, amax)."""
-    gate, up, sig = _swiglu_parts(h)
-    return _to_fp8(gate * sig * up, preset, E4M3, margin)
+def act_fp8_reference(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.Tensor, act: int, margin: int):
+    """The activation of h (+ bias) in e4m3: (row-major [m, F], transposed [F, m], scale, amax)."""
+    return _to_fp8(activation(_act_input(h, bias), act), preset, E4M3, margin)
 
 
-def grad_fp8_reference(h: torch.Tensor, dout: torch.Tensor, preset: torch.Tensor, e5m2: bool, margin: int):
-    """The SwiGLU gradient d/d[gate | up] [m, 2F] in e5m2 / e4m3: (row-major, transposed [2F, m], scale, amax)."""
-    gate, up, sig = _swiglu_parts(h)
-    d = dout.float()
-    dh = torch.cat([d * up * sig * (1.0 + gate * (1.0 - sig)), d * gate * sig], dim=-1)
-    return _to_fp8(dh, preset, torch.float8_e5m2 if e5m2 else E4M3, margin)
+def grad_fp8_reference(h: torch.Tensor, bias: Optional[torch.Tensor], dout: torch.Tensor, preset: torch.Tensor,
+                       act: int, e5m2: bool, margin: int):
+    """The activation's input gradient for ``dout`` in e5m2 / e4m3 (in fp32): (row-major, transposed,
+    scale, amax, the bias gradient in fp32 (empty without a bias))."""
+    dh = activation_grad(_act_input(h, bias), dout.float(), act)
+    db = dh.sum(0) if bias is not None else h.new_zeros(0, dtype=torch.float32)
+    return (*_to_fp8(dh, preset, torch.float8_e5m2 if e5m2 else E4M3, margin), db)
 
 
 if triton is not None:
@@ -83,75 +108,117 @@ if triton is not None:
                                  key=["M", "F"])
 
     @triton.jit
-    def _tile(h_ptr, pid_m, pid_f, M, F, BM: tl.constexpr, BF: tl.constexpr):
-        rm = pid_m * BM + tl.arange(0, BM)
-        rf = pid_f * BF + tl.arange(0, BF)
+    def _tile(h_ptr, b_ptr, M, F, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+        """This program's tile of fc1's output (+ bias) in fp32: the gate half (the whole output when
+        not gated) and, gated, the matching tile of the up half."""
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rf = tl.program_id(1) * BF + tl.arange(0, BF)
         mask = (rm[:, None] < M) & (rf[None, :] < F)
-        base = h_ptr + rm[:, None].to(tl.int64) * (2 * F) + rf[None, :]
+        base = h_ptr + rm[:, None].to(tl.int64) * (2 * F if GATED else F) + rf[None, :]
         gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(base + F, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            gate += tl.load(b_ptr + rf, mask=rf < F, other=0.0).to(tl.float32)[None, :]
+        up = gate
+        if GATED:
+            up = tl.load(base + F, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                up += tl.load(b_ptr + F + rf, mask=rf < F, other=0.0).to(tl.float32)[None, :]
         return rm, rf, mask, gate, up
 
     @triton.jit
-    def _grads(gate, up, d):
-        sig = tl.sigmoid(gate)
-        return d * up * sig * (1.0 + gate * (1.0 - sig)), d * gate * sig
+    def _act(gate, up, ACT: tl.constexpr):
+        if ACT == 0:  # SwiGLU
+            a = gate * tl.sigmoid(gate) * up
+        elif ACT == 1:  # GeLU: x * Phi(x)
+            a = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+        else:  # tanh GeLU: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+            a = gate * tl.sigmoid(1.5957691216057308 * gate * (1.0 + 0.044715 * gate * gate))
+        return a
 
     @triton.jit
-    def _tile_max(part_ptr, a):
-        """One partial maximum of |a| per program (the slot of its tile)."""
-        tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.max(tl.max(tl.abs(a), 1), 0))
+    def _act_grads(gate, up, d, ACT: tl.constexpr):
+        """d/dgate and d/dup (gated; otherwise the second is the first again) for the output gradient d."""
+        if ACT == 0:
+            sig = tl.sigmoid(gate)
+            dg = d * up * sig * (1.0 + gate * (1.0 - sig))
+            du = d * gate * sig
+        elif ACT == 1:  # Phi(x) + x phi(x)
+            dg = d * (0.5 * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+                      + gate * tl.exp(-0.5 * gate * gate) * 0.3989422804014327)
+            du = dg
+        else:  # s + x s (1 - s) 2u'
+            s = tl.sigmoid(1.5957691216057308 * gate * (1.0 + 0.044715 * gate * gate))
+            dg = d * (s + gate * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * gate * gate))
+            du = dg
+        return dg, du
+
+    @triton.jit
+    def _tile_max(part_ptr, a, mask):
+        """One partial maximum of |a| (inside the mask) per program (the slot of its tile)."""
+        top = tl.max(tl.max(tl.where(mask, tl.abs(a), 0.0), 1), 0)
+        tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), top)
 
     @_autotuned
     @triton.jit
-    def _act_amax(h_ptr, preset_ptr, part_ptr, M, F, BM: tl.constexpr, BF: tl.constexpr):
+    def _act_amax(h_ptr, b_ptr, preset_ptr, part_ptr, M, F, ACT: tl.constexpr, GATED: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
         if tl.load(preset_ptr) > 0:  # the scale is given (delayed recipe): no amax pass
             return
-        pid_m, pid_f = tl.program_id(0), tl.program_id(1)
-        rm, rf, mask, gate, up = _tile(h_ptr, pid_m, pid_f, M, F, BM, BF)
-        a = gate * tl.sigmoid(gate) * up
-        tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_f, tl.max(tl.max(tl.abs(a), 1), 0))
+        rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
+        _tile_max(part_ptr, _act(gate, up, ACT), mask)
 
     @_autotuned
     @triton.jit
-    def _act_cast(h_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, M, F, FMAX: tl.constexpr, BM: tl.constexpr,
-                  BF: tl.constexpr):
-        rm, rf, mask, gate, up = _tile(h_ptr, tl.program_id(0), tl.program_id(1), M, F, BM, BF)
-        a = gate * tl.sigmoid(gate) * up
-        _tile_max(part_ptr, a)
+    def _act_cast(h_ptr, b_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, M, F, FMAX: tl.constexpr, ACT: tl.constexpr,
+                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+        rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
+        a = _act(gate, up, ACT)
+        _tile_max(part_ptr, a, mask)
         q = tl.clamp(a * tl.load(scale_ptr), -FMAX, FMAX).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], q, mask=mask)
         tl.store(qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
 
     @_autotuned
     @triton.jit
-    def _grad_amax(h_ptr, d_ptr, preset_ptr, part_ptr, M, F, BM: tl.constexpr, BF: tl.constexpr):
+    def _grad_amax(h_ptr, b_ptr, d_ptr, preset_ptr, part_ptr, M, F, ACT: tl.constexpr, GATED: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
         if tl.load(preset_ptr) > 0:
             return
-        pid_m, pid_f = tl.program_id(0), tl.program_id(1)
-        rm, rf, mask, gate, up = _tile(h_ptr, pid_m, pid_f, M, F, BM, BF)
+        rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
         d = tl.load(d_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
-        dgate, dup = _grads(gate, up, d)
-        top = tl.maximum(tl.max(tl.max(tl.abs(dgate), 1), 0), tl.max(tl.max(tl.abs(dup), 1), 0))
-        tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_f, top)
+        dg, du = _act_grads(gate, up, d, ACT)
+        top = tl.abs(dg)
+        if GATED:
+            top = tl.maximum(top, tl.abs(du))
+        _tile_max(part_ptr, top, mask)
 
     @_autotuned
     @triton.jit
-    def _grad_cast(h_ptr, d_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, M, F, FMAX: tl.constexpr, BM: tl.constexpr,
-                   BF: tl.constexpr):
-        rm, rf, mask, gate, up = _tile(h_ptr, tl.program_id(0), tl.program_id(1), M, F, BM, BF)
+    def _grad_cast(h_ptr, b_ptr, d_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, db_ptr, M, F, FMAX: tl.constexpr,
+                   ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+        rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
         d = tl.load(d_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
-        dgate, dup = _grads(gate, up, d)
-        _tile_max(part_ptr, tl.maximum(tl.abs(dgate), tl.abs(dup)))
+        dg, du = _act_grads(gate, up, d, ACT)
+        top = tl.abs(dg)
+        if GATED:
+            top = tl.maximum(top, tl.abs(du))
+        _tile_max(part_ptr, top, mask)
         s = tl.load(scale_ptr)
-        qg = tl.clamp(dgate * s, -FMAX, FMAX).to(q_ptr.dtype.element_ty)
-        qu = tl.clamp(dup * s, -FMAX, FMAX).to(q_ptr.dtype.element_ty)
-        row = q_ptr + rm[:, None].to(tl.int64) * (2 * F) + rf[None, :]
-        tl.store(row, qg, mask=mask)
-        tl.store(row + F, qu, mask=mask)
+        width = 2 * F if GATED else F
+        row = q_ptr + rm[:, None].to(tl.int64) * width + rf[None, :]
         col = qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :]
+        qg = tl.clamp(dg * s, -FMAX, FMAX).to(q_ptr.dtype.element_ty)
+        tl.store(row, qg, mask=mask)
         tl.store(col, tl.trans(qg), mask=tl.trans(mask))
-        tl.store(col + F.to(tl.int64) * M, tl.trans(qu), mask=tl.trans(mask))
+        if GATED:
+            qu = tl.clamp(du * s, -FMAX, FMAX).to(q_ptr.dtype.element_ty)
+            tl.store(row + F, qu, mask=mask)
+            tl.store(col + F.to(tl.int64) * M, tl.trans(qu), mask=tl.trans(mask))
+        if HAS_BIAS:  # column sums of this tile's rows (masked rows have d = 0), one row of partials per row tile
+            db = db_ptr + tl.program_id(0).to(tl.int64) * width + rf
+            tl.store(db, tl.sum(dg, 0), mask=rf < F)
+            if GATED:
+                tl.store(db + F, tl.sum(du, 0), mask=rf < F)
 
 
 def _on_gpu(h: torch.Tensor) -> bool:
@@ -170,99 +237,117 @@ def _partials(m: int, f: int, device) -> tuple[torch.Tensor, torch.Tensor]:
                        device=device).unbind(0)
 
 
+def _shape(h: torch.Tensor, act: int) -> tuple[int, int, dict]:
+    """Rows, activation width and the kernels' compile-time switches."""
+    gated = act == SWIGLU
+    return h.size(0), h.size(1) // 2 if gated else h.size(1), dict(ACT=act, GATED=gated)
+
+
 def _fake_outputs(h: torch.Tensor, cols: int, dtype: torch.dtype):
     m = h.size(0)
     scalar = h.new_empty((), dtype=torch.float32)
     return h.new_empty(m, cols, dtype=dtype), h.new_empty(cols, m, dtype=dtype), scalar, scalar.clone()
 
 
-@torch.library.custom_op("paratron::swiglu_fp8", mutates_args=())
-def swiglu_fp8(h: torch.Tensor, preset: torch.Tensor,
-               margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SwiGLU of the contiguous [m, 2F] ``h`` in e4m3, scaled by ``preset`` where it is positive (the
-    delayed recipe: one pass) or by its own amax (two passes): (q, q transposed, scale, amax)."""
+@torch.library.custom_op("paratron::mlp_act_fp8", mutates_args=())
+def mlp_act_fp8(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.Tensor, act: int,
+                margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The activation of the contiguous fc1 output ``h`` (+ ``bias``) in e4m3, scaled by ``preset``
+    where it is positive (the delayed recipe: one pass) or by its own amax (two passes):
+    (q, q transposed, scale, amax)."""
     if not _on_gpu(h):
-        return act_fp8_reference(h, preset, margin)
-    m, f = h.size(0), h.size(1) // 2
+        return act_fp8_reference(h, bias, preset, act, margin)
+    m, f, switches = _shape(h, act)
     grid = _grid(m, f)
     part, part_cast = _partials(m, f, h.device)
     q = torch.empty(m, f, dtype=E4M3, device=h.device)
     qt = torch.empty(f, m, dtype=E4M3, device=h.device)
+    b = h if bias is None else bias
     with torch.cuda.device(h.device):
-        _act_amax[grid](h, preset, part, m, f)
+        _act_amax[grid](h, b, preset, part, m, f, HAS_BIAS=bias is not None, **switches)
         scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[E4M3], margin))
-        _act_cast[grid](h, scale, q, qt, part_cast, m, f, FMAX=FMAX[E4M3])
+        _act_cast[grid](h, b, scale, q, qt, part_cast, m, f, FMAX=FMAX[E4M3], HAS_BIAS=bias is not None, **switches)
     return q, qt, scale, part_cast.amax()
 
 
-@swiglu_fp8.register_fake
-def _(h, preset, margin):
-    return _fake_outputs(h, h.size(1) // 2, E4M3)
+@mlp_act_fp8.register_fake
+def _(h, bias, preset, act, margin):
+    return _fake_outputs(h, _shape(h, act)[1], E4M3)
 
 
-@torch.library.custom_op("paratron::swiglu_fp8_backward", mutates_args=())
-def swiglu_fp8_backward(h: torch.Tensor, dout: torch.Tensor, preset: torch.Tensor, e5m2: bool,
-                        margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The SwiGLU gradient for the output gradient ``dout`` [m, F] in FP8, scaled as :func:`swiglu_fp8`."""
+@torch.library.custom_op("paratron::mlp_act_fp8_backward", mutates_args=())
+def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: torch.Tensor, preset: torch.Tensor,
+                         act: int, e5m2: bool, margin: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The activation's input gradient for ``dout`` [m, F] in FP8, scaled as :func:`mlp_act_fp8`;
+    last, the bias gradient (fp32; empty without a bias)."""
     if not _on_gpu(h):
-        return grad_fp8_reference(h, dout, preset, e5m2, margin)
+        return grad_fp8_reference(h, bias, dout, preset, act, e5m2, margin)
     dtype = torch.float8_e5m2 if e5m2 else E4M3
-    m, f = h.size(0), h.size(1) // 2
+    m, f, switches = _shape(h, act)
+    width = h.size(1)
     grid = _grid(m, f)
     dout = dout.contiguous()
     part, part_cast = _partials(m, f, h.device)
-    q = torch.empty(m, 2 * f, dtype=dtype, device=h.device)
-    qt = torch.empty(2 * f, m, dtype=dtype, device=h.device)
+    q = torch.empty(m, width, dtype=dtype, device=h.device)
+    qt = torch.empty(width, m, dtype=dtype, device=h.device)
+    has_bias = bias is not None
+    db = torch.zeros(triton.cdiv(m, MIN_BM) if has_bias else 0, width, dtype=torch.float32, device=h.device)
+    b = h if bias is None else bias
     with torch.cuda.device(h.device):
-        _grad_amax[grid](h, dout, preset, part, m, f)
+        _grad_amax[grid](h, b, dout, preset, part, m, f, HAS_BIAS=has_bias, **switches)
         scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
-        _grad_cast[grid](h, dout, scale, q, qt, part_cast, m, f, FMAX=FMAX[dtype])
-    return q, qt, scale, part_cast.amax()
+        _grad_cast[grid](h, b, dout, scale, q, qt, part_cast, db, m, f, FMAX=FMAX[dtype], HAS_BIAS=has_bias,
+                         **switches)
+    return q, qt, scale, part_cast.amax(), db.sum(0)
 
 
-@swiglu_fp8_backward.register_fake
-def _(h, dout, preset, e5m2, margin):
-    return _fake_outputs(h, h.size(1), torch.float8_e5m2 if e5m2 else E4M3)
+@mlp_act_fp8_backward.register_fake
+def _(h, bias, dout, preset, act, e5m2, margin):
+    db = h.new_empty(h.size(1) if bias is not None else 0, dtype=torch.float32)
+    return (*_fake_outputs(h, h.size(1), torch.float8_e5m2 if e5m2 else E4M3), db)
 
 
-class _FP8SwiGLUMLP(torch.autograd.Function):
-    """y = SwiGLU(x W1^T) W2^T with every matmul in FP8 (the two layers' own scalers for x, the
-    weights and fc2's output gradient; the SwiGLU output and gradient scaled here)."""
+class _FP8MLP(torch.autograd.Function):
+    """y = act(x W1^T + b1) W2^T with every matmul in FP8 (the two layers' own scalers for x, the
+    weights and fc2's output gradient; the activation's output and gradient scaled here)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, s1: FP8State, s2: FP8State):
+    def forward(ctx, x, w1, b1, w2, s1: FP8State, s2: FP8State, act: int):
         h, xq, sx, w1q, sw1 = forward_mm(x.reshape(-1, x.size(-1)), w1, s1, x.dtype)
         s2.mark("input")
-        aq, aqt, sa, current = torch.ops.paratron.swiglu_fp8(h, s2.input.preset_scale(h.device), s1.recipe.margin)
+        aq, aqt, sa, current = torch.ops.paratron.mlp_act_fp8(h, b1, s2.input.preset_scale(h.device), act,
+                                                              s1.recipe.margin)
         s2.input.record(current)
         w2q, sw2 = s2.quantize("weight", w2)
         y = scaled_mm(aq, w2q.t(), sa, sw2, x.dtype, s2.recipe.emulate, FAST_ACCUM_FORWARD)
-        ctx.save_for_backward(xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa)
-        ctx.s1, ctx.s2, ctx.x_shape, ctx.w_dtype = s1, s2, x.shape, w1.dtype
+        ctx.save_for_backward(xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa, b1)
+        ctx.s1, ctx.s2, ctx.act, ctx.x_shape, ctx.w_dtype = s1, s2, act, x.shape, w1.dtype
         return y.view(*x.shape[:-1], w2.size(0))
 
     @staticmethod
     def backward(ctx, g):
-        xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa = ctx.saved_tensors
+        xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa, b1 = ctx.saved_tensors
         s1, s2 = ctx.s1, ctx.s2
         emulate, margin = s1.recipe.emulate, s1.recipe.margin
         gq, sg = s2.quantize("grad", g.reshape(-1, g.size(-1)))
         dact = input_grad_mm(gq, sg, w2q, sw2, g.dtype, emulate)  # [m, F]
         gw2 = scaled_mm(gq.t().contiguous(), aqt.t(), sg, sa, ctx.w_dtype, emulate)
         s1.mark("grad")
-        dhq, dhqt, sdh, current = torch.ops.paratron.swiglu_fp8_backward(h, dact, s1.grad.preset_scale(h.device),
-                                                                          s1.grad.dtype != E4M3, margin)
+        dhq, dhqt, sdh, current, db = torch.ops.paratron.mlp_act_fp8_backward(
+            h, b1, dact, s1.grad.preset_scale(h.device), ctx.act, s1.grad.dtype != E4M3, margin)
         s1.grad.record(current)
         gx = input_grad_mm(dhq, sdh, w1q, sw1, g.dtype, emulate).view(ctx.x_shape)
         gw1 = scaled_mm(dhqt, column_major(xq), sdh, sx, ctx.w_dtype, emulate)
-        return gx, gw1, gw2, None, None
+        return gx, gw1, None if b1 is None else db.to(b1.dtype), gw2, None, None, None
 
 
-def fp8_swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, s1: FP8State, s2: FP8State) -> torch.Tensor:
-    """``F.linear(swiglu(F.linear(x, w1)), w2)`` in FP8 (the local matmuls of a TP-split MLP)."""
-    return _FP8SwiGLUMLP.apply(x, w1, w2, s1, s2)
+def fused_mlp(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor, s1: FP8State,
+              s2: FP8State, act: int = SWIGLU) -> torch.Tensor:
+    """``F.linear(act(F.linear(x, w1, b1)), w2)`` in FP8 (the local matmuls of a TP-split MLP)."""
+    return _FP8MLP.apply(x, w1, b1, w2, s1, s2, act)
 
 
-def reference_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w1).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+def reference_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1: Optional[torch.Tensor] = None,
+                  act: int = SWIGLU) -> torch.Tensor:
+    return F.linear(activation(F.linear(x, w1, b1), act), w2)

@@ -115,29 +115,39 @@ def test_swiglu_kernel_matches_torch(compiled):
             assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("act,bias", [(0, False), (0, True), (1, True), (2, True), (1, False)])
 @pytest.mark.parametrize("e5m2", [True, False])
-def test_fp8_swiglu_kernels_match_the_torch_ops(e5m2):
-    """The Triton kernels of parallel/fp8_mlp.py against its torch expressions, with the tensor's own
-    scale (tensorwise: amax pass + cast pass) and with a preset one (delayed: the cast pass alone, which
-    also returns the amax): the same scale and amax, the same FP8 values but for rare one-step rounding
-    flips (sigmoid's last bit), row-major = transposed."""
+def test_fp8_mlp_kernels_match_the_torch_ops(act, bias, e5m2):
+    """The Triton kernels of parallel/fp8_mlp.py (SwiGLU 0, GeLU 1, tanh GeLU 2; with an fc1 bias or not)
+    against its torch expressions (the gradient by autograd), with the tensor's own scale (tensorwise:
+    amax pass + cast pass) and with a preset one (delayed: the cast pass alone, which also returns the
+    amax): the same scale, amax and bias gradient, the same FP8 values but for rare one-step rounding
+    flips (transcendentals' last bit), row-major = transposed."""
     from paratron.parallel import fp8_mlp
     torch.manual_seed(0)
     for m, f in ((4096, 8192), (272, 1000)):  # llama-1b's width; a masked edge in both directions
-        h = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16)
+        cols = 2 * f if act == fp8_mlp.SWIGLU else f
+        h = torch.randn(m, cols, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(cols, device="cuda", dtype=torch.bfloat16) if bias else None
         dout = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
         for preset in (torch.tensor(0.0, device="cuda"), torch.tensor(37.5, device="cuda")):
-            for got, want in ((torch.ops.paratron.swiglu_fp8(h, preset, 0), fp8_mlp.act_fp8_reference(h, preset, 0)),
-                              (torch.ops.paratron.swiglu_fp8_backward(h, dout, preset, e5m2, 0),
-                               fp8_mlp.grad_fp8_reference(h, dout, preset, e5m2, 0))):
-                q, qt, scale, current = got
-                rq, _, rscale, rcurrent = want
+            pairs = ((torch.ops.paratron.mlp_act_fp8(h, b, preset, act, 0),
+                      fp8_mlp.act_fp8_reference(h, b, preset, act, 0)),
+                     (torch.ops.paratron.mlp_act_fp8_backward(h, b, dout, preset, act, e5m2, 0),
+                      fp8_mlp.grad_fp8_reference(h, b, dout, preset, act, e5m2, 0)))
+            for got, want in pairs:
+                q, qt, scale, current = got[:4]
+                rq, _, rscale, rcurrent = want[:4]
                 assert q.dtype == rq.dtype and q.shape == rq.shape and torch.equal(qt, q.t())
                 assert abs(scale.item() / rscale.item() - 1) < 1e-6
-                assert abs(current.item() / rcurrent.item() - 1) < 1e-6
+                assert abs(current.item() / rcurrent.item() - 1) < 1e-5
                 differ = (q.float() != rq.float()).float().mean().item()
                 assert differ < 1e-3, differ
                 assert ((q.float() - rq.float()).norm() / rq.float().norm()).item() < 1e-3
+            db, rdb = pairs[1][0][4], pairs[1][1][4]
+            assert db.shape == rdb.shape == ((cols,) if bias else (0,))
+            if bias:
+                assert ((db - rdb).norm() / rdb.norm()).item() < 1e-5
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
@@ -152,13 +162,13 @@ def test_fused_fp8_mlp_compiled_equals_eager(recipe):
     w2 = (torch.randn(1024, 2048, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
     g = torch.randn(4, 512, 1024, device="cuda", dtype=torch.bfloat16)
     outs, hist = [], []
-    for fn in (fp8_mlp.fp8_swiglu_mlp, torch.compile(fp8_mlp.fp8_swiglu_mlp)):
+    for fn in (fp8_mlp.fused_mlp, torch.compile(fp8_mlp.fused_mlp)):
         states = [FP8State(Recipe(recipe=recipe, amax_history_len=8, amax_compute_algo="max"), "cuda")
                   for _ in range(2)]
         for call in range(2):
             for t in (x, w1, w2):
                 t.grad = None
-            y = fn(x * (2 - call), w1, w2, *states)  # the delayed scale of call 1 is from 2x: no saturation
+            y = fn(x * (2 - call), w1, None, w2, *states)  # the delayed scale of call 1 is from 2x: no saturation
             y.backward(g)
             fp8.prime(states)
         outs.append([y.detach(), x.grad.clone(), w1.grad.clone(), w2.grad.clone()])

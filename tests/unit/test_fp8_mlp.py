@@ -18,7 +18,7 @@ def test_act_op_scales_to_its_own_amax_and_transposes():
     torch.manual_seed(0)
     h = torch.randn(48, 2 * 32, dtype=torch.bfloat16)
     none = torch.tensor(0.0)  # no preset scale: the tensor's own amax
-    q, qt, scale, current = torch.ops.paratron.swiglu_fp8(h, none, 0)
+    q, qt, scale, current = torch.ops.paratron.mlp_act_fp8(h, None, none, fp8_mlp.SWIGLU, 0)
     gate, up = h.float().chunk(2, dim=-1)
     a = torch.nn.functional.silu(gate) * up
     assert q.dtype == qt.dtype == E4M3 and q.shape == (48, 32) and qt.shape == (32, 48)
@@ -27,7 +27,7 @@ def test_act_op_scales_to_its_own_amax_and_transposes():
     assert torch.equal(qt, q.t())
     assert _rel(q.float() / scale, a) < 0.05  # 3 mantissa bits
     assert current.item() == pytest.approx(a.abs().max().item(), rel=1e-6)
-    _, _, s2, _ = torch.ops.paratron.swiglu_fp8(h, none, 2)  # the margin divides the scale by 2**margin
+    _, _, s2, _ = torch.ops.paratron.mlp_act_fp8(h, None, none, fp8_mlp.SWIGLU, 2)  # the scale / 2**margin
     assert s2.item() == pytest.approx(scale.item() / 4, rel=1e-6)
 
 
@@ -36,9 +36,9 @@ def test_act_op_with_a_preset_scale_uses_it_and_saturates():
     NaN), and the current amax for the history."""
     torch.manual_seed(0)
     h = torch.randn(48, 2 * 32, dtype=torch.bfloat16)
-    _, _, own, current = torch.ops.paratron.swiglu_fp8(h, torch.tensor(0.0), 0)
+    _, _, own, current = torch.ops.paratron.mlp_act_fp8(h, None, torch.tensor(0.0), fp8_mlp.SWIGLU, 0)
     preset = own * 4  # a history whose amax was a quarter of this tensor's
-    q, qt, scale, current2 = torch.ops.paratron.swiglu_fp8(h, preset, 3)  # (the margin applies to own amaxes only)
+    q, qt, scale, current2 = torch.ops.paratron.mlp_act_fp8(h, None, preset, fp8_mlp.SWIGLU, 3)  # margin: own amax only
     assert scale.item() == preset.item() and current2.item() == current.item()
     assert q.float().abs().max().item() == 448.0 and not q.float().isnan().any()
     assert (q.float().abs() == 448.0).sum() > 1  # several values saturated
@@ -55,13 +55,46 @@ def test_grad_op_matches_autograd_of_swiglu(e5m2, dtype, fmax):
     dout = torch.randn(32, 16)
     gate, up = h.chunk(2, dim=-1)
     (torch.nn.functional.silu(gate) * up).backward(dout)
-    q, qt, scale, current = torch.ops.paratron.swiglu_fp8_backward(h.detach(), dout, torch.tensor(0.0), e5m2, 0)
+    q, qt, scale, current, db = torch.ops.paratron.mlp_act_fp8_backward(h.detach(), None, dout, torch.tensor(0.0),
+                                                                        fp8_mlp.SWIGLU, e5m2, 0)
+    assert db.numel() == 0  # no bias
     assert q.dtype == dtype and q.shape == (32, 32) and torch.equal(qt, q.t())
     assert scale.item() == pytest.approx(fmax / h.grad.abs().max().item(), rel=1e-6)
     assert current.item() == pytest.approx(h.grad.abs().max().item(), rel=1e-6)
     assert _rel(q.float() / scale, h.grad) < (0.1 if e5m2 else 0.05)
-    q2, _, scale2, _ = torch.ops.paratron.swiglu_fp8_backward(h.detach(), dout, scale / 2, e5m2, 0)
+    q2, _, scale2, _, _ = torch.ops.paratron.mlp_act_fp8_backward(h.detach(), None, dout, scale / 2, fp8_mlp.SWIGLU,
+                                                                  e5m2, 0)
     assert scale2.item() == scale.item() / 2 and _rel(q2.float() / scale2, h.grad) < (0.1 if e5m2 else 0.05)
+
+
+@pytest.mark.parametrize("act", [0, 1, 2])
+def test_activation_gradient_formulas_match_autograd(act):
+    torch.manual_seed(2)
+    z = (torch.randn(16, 2 * 24 if act == fp8_mlp.SWIGLU else 24, dtype=torch.float64) * 3).requires_grad_()
+    d = torch.randn(16, 24, dtype=torch.float64)
+    want, = torch.autograd.grad(fp8_mlp.activation(z, act), z, d)
+    assert torch.allclose(fp8_mlp.activation_grad(z.detach(), d, act), want, rtol=1e-10, atol=1e-12)
+
+
+def test_gelu_ops_with_a_bias():
+    """GeLU (exact and tanh) with fc1's bias: the output quantised from gelu(h + b), the gradient
+    from its derivative, the bias gradient the column sums of the fp32 gradient."""
+    torch.manual_seed(3)
+    h = torch.randn(40, 32, dtype=torch.bfloat16)
+    b = torch.randn(32, dtype=torch.bfloat16)
+    dout = torch.randn(40, 32, dtype=torch.bfloat16)
+    none = torch.tensor(0.0)
+    for act, approx in ((fp8_mlp.GELU, "none"), (fp8_mlp.GELU_TANH, "tanh")):
+        z = h.float() + b.float()
+        q, qt, scale, current = torch.ops.paratron.mlp_act_fp8(h, b, none, act, 0)
+        a = torch.nn.functional.gelu(z, approximate=approx)
+        assert q.shape == (40, 32) and torch.equal(qt, q.t()) and current.item() == pytest.approx(a.abs().max().item())
+        assert _rel(q.float() / scale, a) < 0.05
+        zg = z.clone().requires_grad_()
+        torch.nn.functional.gelu(zg, approximate=approx).backward(dout.float())
+        gq, gqt, gscale, _, db = torch.ops.paratron.mlp_act_fp8_backward(h, b, dout, none, act, True, 0)
+        assert gq.shape == (40, 32) and gq.dtype == E5M2 and _rel(gq.float() / gscale, zg.grad) < 0.1
+        assert torch.allclose(db, zg.grad.sum(0), rtol=1e-5, atol=1e-5)
 
 
 def _weights(seed=0, k=64, f=48, n=64):
@@ -93,7 +126,7 @@ def test_fused_mlp_close_to_layer_by_layer_fp8_and_to_bf16(emulate):
     s = [FP8State(recipe) for _ in range(4)]
     for st in s:
         st.trace = []
-    fused = _run(lambda x, a, b: fp8_mlp.fp8_swiglu_mlp(x, a, b, s[0], s[1]), x, w1, w2, g)
+    fused = _run(lambda x, a, b: fp8_mlp.fused_mlp(x, a, None, b, s[0], s[1]), x, w1, w2, g)
     def per_layer(x, a, b):
         gate, up = fp8.fp8_linear(x, a, s[2]).chunk(2, dim=-1)
         return fp8.fp8_linear(torch.nn.functional.silu(gate) * up, b, s[3])
@@ -121,7 +154,7 @@ def test_fused_mlp_delayed_keeps_the_histories_of_the_layer_by_layer_path(algo):
     for step in range(3):
         x, w1, w2, g = _weights(seed=step)
         x = x * (step + 1)  # amaxes that change from step to step
-        fused = _run(lambda x, a, b: fp8_mlp.fp8_swiglu_mlp(x, a, b, s[0], s[1]), x, w1, w2, g)
+        fused = _run(lambda x, a, b: fp8_mlp.fused_mlp(x, a, None, b, s[0], s[1]), x, w1, w2, g)
         layered = _run(per_layer, x, w1, w2, g)
         for f, l in zip(fused, layered):
             assert _rel(f, l) < 0.03, (step, _rel(f, l))
@@ -145,14 +178,19 @@ def _mlp(flags, recipe):
     (["--swiglu", "--disable-bias-linear"], Recipe(emulate=True), True),
     (["--swiglu", "--disable-bias-linear"], Recipe(emulate=True, fuse_mlp=False), False),
     (["--swiglu", "--disable-bias-linear"], Recipe(recipe="delayed", emulate=True), True),
-    (["--swiglu"], Recipe(emulate=True), False),  # biases
+    (["--swiglu"], Recipe(emulate=True), True),  # biases: fc1's in the kernels, fc2's added after
     (["--swiglu", "--disable-bias-linear", "--no-bias-swiglu-fusion"], Recipe(emulate=True), False),
-    (["--disable-bias-linear"], Recipe(emulate=True), False),  # GeLU
+    (["--disable-bias-linear"], Recipe(emulate=True), True),  # GeLU
+    ([], Recipe(emulate=True), True),  # GeLU with biases (GPT)
+    (["--openai-gelu"], Recipe(recipe="delayed", emulate=True), True),
+    (["--no-bias-gelu-fusion"], Recipe(emulate=True), False),
+    (["--squared-relu"], Recipe(emulate=True), False),
+    (["--quick-geglu"], Recipe(emulate=True), False),
 ])
 def test_mlp_takes_the_fused_path_only_where_it_applies(monkeypatch, flags, recipe, fused):
     calls = []
-    real = fp8_mlp.fp8_swiglu_mlp
-    monkeypatch.setattr(fp8_mlp, "fp8_swiglu_mlp", lambda *a: calls.append(1) or real(*a))
+    real = fp8_mlp.fused_mlp
+    monkeypatch.setattr(fp8_mlp, "fused_mlp", lambda *a: calls.append(1) or real(*a))
     mlp = _mlp(flags, recipe)
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
     res = torch.randn(2, 16, 64, dtype=torch.bfloat16)
@@ -182,7 +220,7 @@ def test_compiled_delayed_recipe_equals_eager_and_recompiles_once_when_primed():
     eager_states, compiled_states = ([FP8State(recipe, "cpu") for _ in range(3)] for _ in range(2))
 
     def block(x, w1, w2, w3, s):
-        return fp8.fp8_linear(fp8_mlp.fp8_swiglu_mlp(x, w1, w2, s[0], s[1]), w3, s[2])
+        return fp8.fp8_linear(fp8_mlp.fused_mlp(x, w1, None, w2, s[0], s[1]), w3, s[2])
 
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(block, backend=counter, fullgraph=True)
@@ -197,3 +235,33 @@ def test_compiled_delayed_recipe_equals_eager_and_recompiles_once_when_primed():
             assert torch.equal(a.history, b.history) and a.history[step].gt(0)
         fp8.prime(eager_states + compiled_states)
     assert counter.frame_count == 2
+
+
+@pytest.mark.parametrize("act", [1, 2])
+def test_fused_gelu_mlp_with_bias_close_to_layer_by_layer_fp8(act):
+    """GeLU with fc1's bias through the fused function against fp8_linear + bias + GeLU + fp8_linear:
+    outputs and every gradient, the bias's included, within FP8's rounding of the one tensor quantised
+    differently (the GeLU output / gradient from fp32 instead of bf16)."""
+    approx = "tanh" if act == fp8_mlp.GELU_TANH else "none"
+    torch.manual_seed(5)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    w1 = (torch.randn(96, 64) * 0.05).to(torch.bfloat16)
+    b1 = (torch.randn(96) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(64, 96) * 0.05).to(torch.bfloat16)
+    g = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    s = [FP8State(Recipe(emulate=True)) for _ in range(4)]
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+        y = fn(*leaves)
+        y.backward(g)
+        return [y] + [t.grad for t in leaves]
+
+    fused = run(lambda x, w1, b1, w2: fp8_mlp.fused_mlp(x, w1, b1, w2, s[0], s[1], act))
+    layered = run(lambda x, w1, b1, w2: fp8.fp8_linear(
+        torch.nn.functional.gelu(fp8.fp8_linear(x, w1, s[2]) + b1, approximate=approx), w2, s[3]))
+    exact = run(lambda x, w1, b1, w2: fp8_mlp.reference_mlp(x.float(), w1.float(), w2.float(), b1.float(), act))
+    for f, l, e in zip(fused, layered, exact):
+        assert f.dtype == torch.bfloat16 and f.shape == l.shape
+        assert _rel(f, l) < 0.03, _rel(f, l)
+        assert 0 < _rel(f, e) < 0.15
