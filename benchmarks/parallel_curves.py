@@ -6,8 +6,11 @@ real command line (`torchrun pretrain_gpt.py ...`), side by side.
 
 Each --run is NAME:PROCESSES:FLAGS. Every run logs each iteration; the table gives each run's loss per
 logged step, the largest relative difference from the first run, and tokens/s (all GPUs together,
-mean over the logged steps after the first 5). Writes a Markdown record to --record-dir (default:
-$OUT if set, else benchmarks/results).
+mean over the logged steps after the first 5). ``--compare A:B`` adds the largest and mean relative
+difference of run A from run B (e.g. a layout against its reference next to a noise pair).
+``--concurrent`` starts the one-process runs together, run i on GPU i mod the GPU count, before the
+others (their tokens/s are then not comparable: GPUs may be shared). Writes a Markdown record to
+--record-dir (default: $OUT if set, else benchmarks/results).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,18 +42,37 @@ def parse(stdout: str) -> tuple[dict[int, float], dict[int, float]]:
     return losses, tps
 
 
-def run(name: str, nproc: int, flags: str, base: str, timeout: int) -> dict:
+def start(name: str, nproc: int, flags: str, base: str, gpu: Optional[int] = None) -> dict:
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd += ["pretrain_gpt.py", *shlex.split(base), "--log-interval", "1", "--eval-iters", "0", *shlex.split(flags)]
-    start = time.time()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    losses, tps = parse(r.stdout)
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return {"name": name, "nproc": nproc, "flags": flags, "cmd": " ".join(cmd), "proc": proc, "t0": time.time(),
+            "gpu": gpu}
+
+
+def finish(r: dict, timeout: int) -> dict:
+    try:
+        out, err = r["proc"].communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        r["proc"].kill()
+        out, err = r["proc"].communicate()
+    losses, tps = parse(out)
     steady = [v for k, v in sorted(tps.items()) if k > 5]
-    return {"name": name, "nproc": nproc, "flags": flags, "rc": r.returncode, "losses": losses,
-            "tokens_s": (sum(steady) / len(steady) * nproc) if steady else None, "wall_s": time.time() - start,
-            "cmd": " ".join(cmd), "tail": (r.stdout + r.stderr)[-1500:] if r.returncode else ""}
+    rc = r.pop("proc").returncode
+    r.update(rc=rc, losses=losses, tokens_s=(sum(steady) / len(steady) * r["nproc"]) if steady else None,
+             wall_s=time.time() - r["t0"], tail=(out + err)[-1500:] if rc else "")
+    print(f"{r['name']}: rc {rc}, {len(losses)} logged steps, tokens/s {r['tokens_s']}, {r['wall_s']:.0f} s"
+          + (f" (GPU {r['gpu']})" if r["gpu"] is not None else ""), flush=True)
+    if rc:
+        print(r["tail"], flush=True)
+    return r
+
+
+def rel_diffs(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    return [abs(a[k] - b[k]) / abs(b[k]) for k in b if k in a]
 
 
 def main() -> int:
@@ -57,24 +80,29 @@ def main() -> int:
     p.add_argument("--base", required=True, help="flags common to every run")
     p.add_argument("--run", action="append", required=True, help="NAME:PROCESSES:FLAGS")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--compare", action="append", default=[], help="A:B - relative loss differences of run A from B")
+    p.add_argument("--concurrent", action="store_true", help="start the one-process runs together, one per GPU")
     p.add_argument("--tag", default="parallel_curves")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
-    results = []
-    for spec in args.run:
-        name, nproc, flags = spec.split(":", 2)
-        r = run(name, int(nproc), flags, args.base, args.timeout)
-        print(f"{name}: rc {r['rc']}, {len(r['losses'])} logged steps, tokens/s {r['tokens_s']}, "
-              f"{r['wall_s']:.0f} s", flush=True)
-        if r["rc"]:
-            print(r["tail"], flush=True)
-        results.append(r)
+    specs = [(name, int(nproc), flags) for name, nproc, flags in (s.split(":", 2) for s in args.run)]
+    done: dict[str, dict] = {}
+    if args.concurrent:
+        import torch
+        gpus = max(torch.cuda.device_count(), 1)
+        single = [s for s in specs if s[1] == 1]
+        started = [start(*s, args.base, gpu=i % gpus) for i, s in enumerate(single)]
+        for r in started:
+            done[r["name"]] = finish(r, args.timeout)
+    for s in specs:
+        if s[0] not in done:
+            done[s[0]] = finish(start(*s, args.base), args.timeout)
+    results = [done[s[0]] for s in specs]
     ref = results[0]["losses"]
     lines = ["| run | processes | flags | tokens/s (all GPUs) | max rel. loss diff vs first | final loss |",
              "|---|---|---|---|---|---|"]
     for r in results:
-        common = [k for k in ref if k in r["losses"]]
-        diff = max((abs(r["losses"][k] - ref[k]) / abs(ref[k]) for k in common), default=float("nan"))
+        diff = max(rel_diffs(r["losses"], ref), default=float("nan"))
         final = r["losses"][max(r["losses"])] if r["losses"] else None
         tok = f"{r['tokens_s']:.0f}" if r["tokens_s"] else "-"
         lines.append(f"| {r['name']} | {r['nproc']} | `{r['flags']}` | {tok} | {diff:.2e} | {final} |")
@@ -82,6 +110,13 @@ def main() -> int:
     curve = ["| step | " + " | ".join(r["name"] for r in results) + " |", "|---" * (len(results) + 1) + "|"]
     for k in steps:
         curve.append(f"| {k} | " + " | ".join(f"{r['losses'].get(k, float('nan')):.4f}" for r in results) + " |")
+    if args.compare:
+        lines += ["", "| run | against | max rel. loss diff | mean rel. loss diff | steps |", "|---|---|---|---|---|"]
+        for pair in args.compare:
+            a, b = pair.split(":")
+            d = rel_diffs(done[a]["losses"], done[b]["losses"])
+            lines.append(f"| {a} | {b} | {max(d, default=float('nan')):.2e} | "
+                         f"{(sum(d) / len(d)) if d else float('nan'):.2e} | {len(d)} |")
     table, curves = "\n".join(lines), "\n".join(curve)
     print("\n" + table + "\n\n" + curves)
     import torch
