@@ -143,6 +143,17 @@ def _bool_value(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+class _OnePerModel(argparse.Action):
+    """Megatron's per-layer list (``--cp-comm-type p2p p2p ...``): the one value when every layer has the
+    same; a list that differs is kept as its words for validation to refuse by name."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values[0] if len(set(values)) == 1 else " ".join(values))
+
+
+PER_LAYER_LISTS = ("cp_comm_type",)  # Megatron takes one value per layer; paratron one for the model
+
+
 def add_flags(group, names, defaults: bool = False) -> None:
     """One flag per config field of ``names``. ``defaults``: argparse fills the dataclass defaults
     (else a flag not given is absent from the namespace, so YAML values stay)."""
@@ -159,6 +170,8 @@ def add_flags(group, names, defaults: bool = False) -> None:
             group.add_argument(flag(name), nargs=3, metavar=("START", "INCREMENT", "SAMPLES"), **kw)
         elif tp is list:
             group.add_argument(flag(name), nargs="+", **kw)
+        elif name in PER_LAYER_LISTS:
+            group.add_argument(flag(name), nargs="+", action=_OnePerModel, **kw)
         else:
             group.add_argument(flag(name), type=tp, **kw)
 

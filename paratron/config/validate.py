@@ -172,10 +172,13 @@ def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
     """--context-parallel-size and --cp-comm-type against the model (paratron/parallel/context.py)."""
     from ..parallel.context import COMM_TYPES, REFUSED_COMM_TYPES
     cp, tp, kind = par.context_parallel_size, par.tensor_model_parallel_size, par.cp_comm_type
-    need(kind not in REFUSED_COMM_TYPES, f"--cp-comm-type {kind}: {REFUSED_COMM_TYPES.get(kind)}; use p2p or a2a")
-    need(kind in COMM_TYPES, f"--cp-comm-type must be p2p or a2a (got {kind})")
+    need(" " not in kind, f"--cp-comm-type {kind}: different types for different layers are not supported; give one "
+         "type for every layer (p2p, a2a or allgather)")
+    need(kind not in REFUSED_COMM_TYPES,
+         f"--cp-comm-type {kind}: {REFUSED_COMM_TYPES.get(kind)}; use p2p, a2a or allgather")
+    need(kind in COMM_TYPES, f"--cp-comm-type must be p2p, a2a or allgather (got {kind})")
     need(par.hierarchical_context_parallel_sizes is None, "--hierarchical-context-parallel-sizes: "
-         f"{REFUSED_COMM_TYPES['a2a+p2p']}; remove the flag and use --cp-comm-type p2p or a2a")
+         f"{REFUSED_COMM_TYPES['a2a+p2p']}; remove the flag and use --cp-comm-type p2p, a2a or allgather")
     if cp == 1:
         return
     need(m.seq_length % (2 * cp) == 0, f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size"

@@ -75,7 +75,7 @@ class GPTModel(nn.Module):
     ``fp8``: a ``paratron.parallel.fp8.Recipe`` runs the blocks' QKV, proj, fc1 and fc2 matmuls in FP8.
     With context parallelism (``dims.cp`` > 1) every input is this rank's part of the sequence
     (``paratron/parallel/context.py``), except ``document_ids``, which cover the whole sequence, and
-    ``cp_comm_type`` says how attention crosses the CP ranks (p2p ring or a2a).
+    ``cp_comm_type`` says how attention crosses the CP ranks (p2p ring, a2a or allgather).
     """
 
     def __init__(self, config: ModelConfig, vocab_size: int, max_sequence_length: Optional[int] = None,

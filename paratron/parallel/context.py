@@ -12,8 +12,12 @@ loss) only ever sees this rank's 2 chunks; only attention looks across ranks:
 - ``a2a`` (Ulysses): an all-to-all turns [all heads, s/CP tokens] into [heads/CP, all s tokens],
   attention runs on the whole sequence, a second all-to-all turns it back; heads (per TP rank) must
   divide by CP;
-- ``allgather`` and ``a2a+p2p`` (``--hierarchical-context-parallel-sizes``) are refused by
-  config validation until they exist.
+- ``allgather`` (ring.py): the ring's block pairs and kernels, with every rank's K/V from one
+  all-gather instead of CP - 1 ring steps, and the K/V gradients home by one reduce-scatter: fewer,
+  larger messages (nothing to overlap them with), K/V of the whole sequence in memory while a layer's
+  attention runs;
+- ``a2a+p2p`` (``--hierarchical-context-parallel-sizes``) is refused by config validation until it
+  exists.
 
 Gradients of the (replicated) weights are reduced over the data-and-context-parallel group; the
 loss of a micro-batch is normalised by its token count over the whole CP group (``BatchLayout``).
@@ -27,11 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from .comm import all_to_all
-from .ring import Ring, chunk_positions, ring_attention
+from .ring import Ring, allgather_attention, chunk_positions, ring_attention
 
-COMM_TYPES = ("p2p", "a2a")
-REFUSED_COMM_TYPES = {"allgather": "the all-gather variant of context parallelism is not implemented yet",
-                      "a2a+p2p": "hierarchical context parallelism (a2a+p2p) is not implemented yet"}
+COMM_TYPES = ("p2p", "a2a", "allgather")
+REFUSED_COMM_TYPES = {"a2a+p2p": "hierarchical context parallelism (a2a+p2p) is not implemented yet"}
 
 
 # ---- the sequence split ----------------------------------------------------------------------------
@@ -125,7 +128,7 @@ class ContextParallel:
             return None
         if comm_type not in COMM_TYPES:
             raise ValueError(f"--cp-comm-type {comm_type}: " + REFUSED_COMM_TYPES.get(comm_type, "unknown")
-                             + "; use p2p or a2a")
+                             + "; use p2p, a2a or allgather")
         ranks, i = dims.group_ranks["cp"], dims.cp_rank
         ring = Ring(dims.cp_group, i, dims.cp, ranks[(i + 1) % dims.cp], ranks[(i - 1) % dims.cp])
         return cls(dims.cp_group, dims.cp, i, comm_type, ring)
@@ -136,6 +139,8 @@ class ContextParallel:
         ``scale``: of the scores (None: 1/sqrt(d))."""
         if self.comm_type == "a2a":
             return ulysses_attention(q, k, v, self.size, self.group, docs, scale)
+        if self.comm_type == "allgather":
+            return allgather_attention(q, k, v, self.ring, docs, scale, kernel=self.kernel)
         return ring_attention(q, k, v, self.ring, docs, scale, kernel=self.kernel)
 
     def positions(self, seq_length: int, device=None) -> torch.Tensor:

@@ -23,6 +23,10 @@ visited every rank and one last hop brings it home to the owner of its K/V. The 
 uses the final output and LSE of the forward (as flash attention's backward does), so no block's
 forward is recomputed and nothing of the other ranks' K/V is kept between forward and backward.
 
+``--cp-comm-type allgather`` (``AllGatherAttention``) does the same blocks with the same kernels in the
+same order, but gets every rank's K/V from one all-gather (again in the backward) and sends the dK/dV
+of every block home in one reduce-scatter: fewer, larger messages, none overlapped with compute.
+
 Packed documents: with document ids (``--reset-attention-mask``) each block pair also masks keys of
 other documents; the ids of the whole sequence are on every rank (a few bytes a token), so each
 rank slices the key chunks' ids itself and nothing extra travels.
@@ -274,50 +278,77 @@ def _doc_mask(docs: Optional[torch.Tensor], ring: Ring, src: int, blk: Block, ch
     return docs[:, q_pos, None] == docs[:, None, k_pos]
 
 
+def _ring_order(ring: Ring):
+    """The K/V block sources in the order every variant visits them: the own block first."""
+    return [(ring.rank - step) % ring.size for step in range(ring.size)]
+
+
+def _attend(q, blocks, ring: Ring, docs, scale: float, kernel: Kernel):
+    """Forward over ``blocks`` ((src, K/V of src) pairs in ``_ring_order``): the merged output in q's
+    dtype, the LSE (fp32) and the first block's kernel extra (its backward's ``aux``)."""
+    chunk = q.size(2) // 2
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
+    aux = None
+    for step, (src, kv) in enumerate(blocks):
+        blk = block_plan(ring.rank, src, chunk)
+        o, l, extra = kernel.forward(q[:, :, blk.rows], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], blk.causal,
+                                     _doc_mask(docs, ring, src, blk, chunk), scale)
+        aux = extra if step == 0 else aux
+        _merge(out[:, :, blk.rows], lse[:, :, blk.rows], o, l.float(), first=step == 0)
+    return out.to(q.dtype), lse, aux
+
+
+def _block_grads(ctx, saved, dout, kv, src: int, dq: torch.Tensor):
+    """One block's backward (from ``saved``, the forward's saved tensors: the final output and LSE):
+    adds its dQ into ``dq`` and returns the block, dK and dV (fp32) of the block's key columns."""
+    q, _, _, out, lse, docs = saved
+    chunk = q.size(2) // 2
+    blk = block_plan(ctx.ring.rank, src, chunk)
+    r, c = blk.rows, blk.cols
+    dq_b, dk_b, dv_b = ctx.kernel.backward(dout[:, :, r], q[:, :, r], kv[0][:, :, c], kv[1][:, :, c], out[:, :, r],
+                                           lse[:, :, r], blk.causal, _doc_mask(docs, ctx.ring, src, blk, chunk),
+                                           ctx.scale, ctx.aux)
+    dq[:, :, r] += dq_b
+    return blk, dk_b, dv_b
+
+
+def _save(ctx, q, k, v, out, lse, docs, ring, scale, kernel, aux) -> None:
+    ctx.save_for_backward(q, k, v, out, lse, docs)
+    ctx.ring, ctx.scale, ctx.kernel, ctx.aux = ring, scale, kernel, aux
+
+
 class RingAttention(torch.autograd.Function):
     """out = causal attention of this rank's queries over the whole sequence's keys and values."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, docs: Optional[torch.Tensor], scale: float, kernel_name: Optional[str]):
-        chunk = q.size(2) // 2
         kernel = kernel_for(q, docs is not None, kernel_name)
-        kv = torch.stack([k, v]).contiguous()
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
-            pending = ring.exchange(kv, 1) if step < ring.size - 1 else None
-            blk = block_plan(ring.rank, src, chunk)
-            o, l, extra = kernel.forward(q[:, :, blk.rows], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], blk.causal,
-                                         _doc_mask(docs, ring, src, blk, chunk), scale)
-            aux = extra if step == 0 else aux
-            _merge(out[:, :, blk.rows], lse[:, :, blk.rows], o, l.float(), first=step == 0)
-            if pending is not None:
-                kv = _wait(pending)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.ring, ctx.scale, ctx.kernel, ctx.aux = ring, scale, kernel, aux
+
+        def blocks(kv):  # each block's send to the next rank runs while the block is attended
+            for step, src in enumerate(_ring_order(ring)):
+                pending = ring.exchange(kv, 1) if step < ring.size - 1 else None
+                yield src, kv
+                if pending is not None:
+                    kv = _wait(pending)
+
+        out, lse, aux = _attend(q, blocks(torch.stack([k, v]).contiguous()), ring, docs, scale, kernel)
+        _save(ctx, q, k, v, out, lse, docs, ring, scale, kernel, aux)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, docs = ctx.saved_tensors
-        ring, scale, kernel = ctx.ring, ctx.scale, ctx.kernel
-        chunk = q.size(2) // 2
+        saved = ctx.saved_tensors  # unpacked once (activation recomputation allows no second unpack)
+        q, k, v = saved[:3]
+        ring = ctx.ring
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         grads = None  # the dK/dV accumulator on its way from the previous rank
-        for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
+        for step, src in enumerate(_ring_order(ring)):
             pending = ring.exchange(kv, 1) if step < ring.size - 1 else None
-            blk = block_plan(ring.rank, src, chunk)
-            r = blk.rows
-            dq_b, dk_b, dv_b = kernel.backward(dout[:, :, r], q[:, :, r], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols],
-                                               out[:, :, r], lse[:, :, r], blk.causal,
-                                               _doc_mask(docs, ring, src, blk, chunk), scale, ctx.aux)
-            dq[:, :, r] += dq_b
+            blk, dk_b, dv_b = _block_grads(ctx, saved, dout, kv, src, dq)
             if grads is not None:
                 dkv = _wait(grads)
             dkv[0][:, :, blk.cols] += dk_b
@@ -327,6 +358,45 @@ class RingAttention(torch.autograd.Function):
                 kv = _wait(pending)
         dkv = _wait(grads)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """Every CP rank's K/V: [CP, 2, b, g, 2c, d] (rank order)."""
+    kv = torch.stack([k, v]).contiguous()
+    out = torch.empty((ring.size * 2,) + tuple(kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+    dist.all_gather_into_tensor(out, kv, group=ring.group)
+    return out.view((ring.size,) + tuple(kv.shape))
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """RingAttention's block pairs, kernels and merge order, with every rank's K/V gathered at once
+    (``--cp-comm-type allgather``) instead of passed around the ring, and again in the backward (nothing
+    of the other ranks is kept in between); each rank's dK/dV of every block go home in one
+    reduce-scatter (fp32, summed over the ranks)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, docs: Optional[torch.Tensor], scale: float, kernel_name: Optional[str]):
+        kernel = kernel_for(q, docs is not None, kernel_name)
+        kv = _gather_kv(k, v, ring)
+        out, lse, aux = _attend(q, ((src, kv[src]) for src in _ring_order(ring)), ring, docs, scale, kernel)
+        _save(ctx, q, k, v, out, lse, docs, ring, scale, kernel, aux)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved = ctx.saved_tensors
+        q, k, v = saved[:3]
+        dout = dout.contiguous()
+        kv = _gather_kv(k, v, ctx.ring)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for src in _ring_order(ctx.ring):
+            blk, dk_b, dv_b = _block_grads(ctx, saved, dout, kv[src], src, dq)
+            dkv[src, 0][:, :, blk.cols] += dk_b
+            dkv[src, 1][:, :, blk.cols] += dv_b
+        mine = torch.empty(dkv.shape[1:], dtype=torch.float32, device=q.device)
+        dist.reduce_scatter_tensor(mine, dkv.view((-1,) + tuple(dkv.shape[2:])), group=ctx.ring.group)
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None
 
 
 def _merge(out, lse, o, l, first: bool) -> None:
@@ -347,3 +417,11 @@ def ring_attention(q, k, v, ring: Ring, docs: Optional[torch.Tensor] = None, sca
     a name of KERNELS, else chosen by ``kernel_for``."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
     return RingAttention.apply(q, k, v, ring, docs, scale, kernel)
+
+
+def allgather_attention(q, k, v, ring: Ring, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                        kernel: Optional[str] = None):
+    """``ring_attention``'s contract (the same blocks, kernels and merge order: equal outputs), with
+    K/V all-gathered over ``ring.group`` instead of passed around it."""
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    return AllGatherAttention.apply(q, k, v, ring, docs, scale, kernel)

@@ -1,5 +1,5 @@
-"""Rank functions of test_context_parallel.py: ring (p2p) and Ulysses (a2a) attention against full
-attention on one rank, forward and backward, causal and packed-document masks, with GQA."""
+"""Rank functions of test_context_parallel.py: ring (p2p), Ulysses (a2a) and all-gather attention
+against full attention on one rank, forward and backward, causal and packed-document masks, with GQA."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 from paratron.parallel.context import ContextParallel, document_causal_mask, merge_sequence, split_sequence
 from paratron.parallel.dims import initialize_model_parallel
+
+
+KINDS = ("p2p", "a2a", "allgather", "p2p_flash_cpu", "allgather_flash_cpu")
 
 
 def inputs(seed: int, b=2, h=4, g=2, s=32, d=8):
@@ -47,13 +50,14 @@ def attention_cases(rank: int, world: int) -> dict:
         if world % cp_size:
             continue
         dims = initialize_model_parallel(context_parallel_size=cp_size)
-        for kind in ("p2p", "a2a", "p2p_flash_cpu"):
-            cp = ContextParallel.from_dims(dims, kind[:3])
-            if kind == "p2p_flash_cpu":  # the ring with torch's fused kernel (LSE in and out, as flash on GPU)
+        for kind in KINDS:
+            flash = kind.endswith("_flash_cpu")
+            cp = ContextParallel.from_dims(dims, kind.removesuffix("_flash_cpu"))
+            if flash:  # the ring's blocks with torch's fused kernel (LSE in and out, as flash on GPU)
                 cp = dataclasses.replace(cp, kernel="flash_cpu")
             for name, use_docs in (("causal", False), ("documents", True)):
                 q, k, v, dout, docs = inputs(seed=cp_size)
-                if kind == "p2p_flash_cpu":
+                if flash:
                     q, k, v, dout = (t.float() for t in (q, k, v, dout))
                 docs = docs if use_docs else None
                 want = full_attention(q, k, v, dout, docs)

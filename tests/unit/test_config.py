@@ -226,3 +226,9 @@ def test_package_keeps_files_and_functions_small():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 assert node.end_lineno - node.lineno + 1 <= 60, f"{path.name}: {node.name}"
+
+
+@pytest.mark.parametrize("words,kind", [(["allgather"], "allgather"), (["a2a", "a2a", "a2a"], "a2a")])
+def test_cp_comm_type_takes_megatron_per_layer_lists_that_agree(words, kind):
+    """Megatron's --cp-comm-type is a list, one type per layer; paratron runs one type for the model."""
+    assert parse_args(BASE + ["--cp-comm-type", *words]).parallel.cp_comm_type == kind
