@@ -191,8 +191,6 @@ def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
          f"({heads}) divisible by --context-parallel-size {cp}; use --cp-comm-type p2p")
     need(m.attention_dropout == 0.0, f"--attention-dropout {m.attention_dropout} with --context-parallel-size {cp}: "
          "attention dropout across CP ranks is not implemented; use --attention-dropout 0")
-    need(m.num_experts is None, "--num-experts with --context-parallel-size > 1: mixture-of-experts layers under "
-         "context parallelism are not implemented yet; use --context-parallel-size 1")
 
 
 def validate_train(tr: TrainConfig) -> None:

@@ -144,7 +144,7 @@ class Router(nn.Module):
     their detached values to ``metrics``."""
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None, partition=None, layer: int = 0, random=None):
-        """``partition``: the group the micro-batch's tokens are split over (TP), or None; ``layer``: the
+        """``partition``: the group the micro-batch's tokens are split over (TP, CP), or None; ``layer``: the
         global index of the layer (per-layer logging); ``random``: the RNG tracker of the random logits
         of --moe-router-force-load-balancing (Megatron's expert-parallel stream)."""
         super().__init__()
@@ -218,7 +218,7 @@ class Router(nn.Module):
     @torch.no_grad()
     def update_expert_bias(self, group=None) -> None:
         """One aux-loss-free step from the token counts since the last one (summed over ``group``,
-        the data-parallel ranks, and the TP ranks sharing the tokens), which are then reset."""
+        the data-parallel ranks, and the TP and CP ranks sharing the tokens), which are then reset."""
         if self.expert_bias is None:
             return
         counts = _summed(self.tokens_per_expert, self.partition)
@@ -367,6 +367,16 @@ class SharedExpert(MLP):
         return out if residual is None else out + residual
 
 
+def token_partition(par: Parallel):
+    """The group whose ranks route disjoint shares of a micro-batch's tokens (the balance losses and
+    counts are summed over it): TP ranks (each takes its sequence shard) and CP ranks (each holds its
+    chunks of the sequence); None on one rank."""
+    tp, cp = par.tp_size, par.dims.cp if par.dims is not None else 1
+    if cp > 1:
+        return par.dims.group("tp_cp" if tp > 1 else "cp")
+    return par.tp_group if tp > 1 else None
+
+
 class MoELayer(nn.Module):
     """router -> experts (+ shared expert), on activations [sequence, batch, hidden]."""
 
@@ -374,9 +384,8 @@ class MoELayer(nn.Module):
         """``layer``: the global index of the layer (its per-layer loss tags)."""
         super().__init__()
         self.par = par
-        partition = par.tp_group if par.tp_size > 1 else None  # TP ranks route disjoint tokens
-        self.router = Router(cfg, device, dtype, partition, layer, par.expert_rng)
-        if partition is not None:  # a replicated weight applied to a share of the tokens
+        self.router = Router(cfg, device, dtype, token_partition(par), layer, par.expert_rng)
+        if par.tp_size > 1:  # a weight replicated over TP applied to a share of the tokens (CP: the dense reduce)
             set_spec(self.router.weight, ShardSpec(sum_over=("tp",)))
         self.layout = ExpertLayout.from_dims(par.dims, cfg.num_experts)
         self.experts = Experts(cfg, device, dtype, self.layout)
@@ -431,10 +440,12 @@ def routers(models) -> list[Router]:
     return [m for chunk in models for m in chunk.modules() if isinstance(m, Router)]
 
 
-def before_step(routers: list, loss_scale, num_microbatches: int, per_token_loss: bool) -> None:
+def before_step(routers: list, loss_scale, num_microbatches: int, per_token_loss: bool, cp: int = 1) -> None:
     """The aux losses' backward scale for the next step: the main loss's (the loss scale, over the
-    micro-batch count unless the gradients are divided by the step's token count afterwards)."""
-    set_aux_loss_scale(routers, loss_scale if per_token_loss else loss_scale / num_microbatches)
+    micro-batch count unless the gradients are divided by the step's token count afterwards). Under
+    context parallelism each rank's aux loss is its share of the sequence's and, as the main loss, is
+    multiplied by CP: the gradient average over data x context parallelism divides by it."""
+    set_aux_loss_scale(routers, loss_scale if per_token_loss else loss_scale * cp / num_microbatches)
 
 
 def after_step(routers: list, group=None) -> None:

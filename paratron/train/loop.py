@@ -140,7 +140,8 @@ class Trainer:
         for m in self.models:
             m.zero_grad_buffer()
         if self.routers:
-            moe.before_step(self.routers, self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss)
+            moe.before_step(self.routers, self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss,
+                            self.dims.cp)
         mtp.before_step(self.mtp_blocks, self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss)
         timers = self.report.timers
         with timers("forward-backward"):
@@ -157,7 +158,7 @@ class Trainer:
         with timers("optimizer"):
             ok, grad_norm = self.optimizer.step()
         if self.routers:  # the expert bias update
-            moe.after_step(self.routers, self.dims.dp_cp_group if self.dims.dp_cp > 1 else None)
+            moe.after_step(self.routers, self.dims.dp_group if self.dims.dp > 1 else None)  # CP: the routers' partition
         if isinstance(ok, torch.Tensor) or ok:  # a device-side skip (bf16 inf/nan) still advances, as Megatron's bf16
             self.scheduler.step(gbs)
             self.optimizer.set_lr(self.scheduler.lr, self.scheduler.decoupled_lr)

@@ -1,4 +1,5 @@
 """Expert parallelism on 4 gloo ranks equals one rank within 1e-5 (dropless, fp32): EP 2 and EP 4,
+MoE under context parallelism (CP 4; CP 2 x EP 2; CP 2 x TP 2 x EP 2 with sequence parallelism),
 TP 2 x EP 2 with sequence parallelism (experts also split over expert-TP 2) and without it, TP 2 x EP 2
 with expert-TP 1 (the EP group is the TP group) over the allgather dispatcher, TP 2 with EP 1 and
 expert-TP 1 (experts replicated over TP, tokens split), PP 2 x EP 2, and EP 2 inside DP 4 with the
@@ -32,6 +33,11 @@ LAYOUTS = {  # name: flags on 4 ranks
     "dp4_ep2_distopt": dict(EP2, use_distributed_optimizer=True, overlap_grad_reduce=True),
     # every expert on every rank, each TP rank routing its sequence shard (no token moves)
     "tp2_sp_ep1_etp1": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1),
+    # context parallelism: each CP rank routes its chunks of every sequence (balance losses, expert-bias
+    # counts summed over CP); experts replicated over CP 4, or split over EP 2 inside CP 2 x DP 2
+    "cp4": dict(context_parallel_size=4),
+    "cp2_ep2": dict(context_parallel_size=2, **EP2),
+    "cp2_tp2_sp_ep2": dict(context_parallel_size=2, sequence_parallel=True, **TP2),
 }
 RESUMED = {  # name: flags of the resumed run (the saving run uses the distributed optimizer)
     "ep4": dict(expert_model_parallel_size=4),
