@@ -94,6 +94,9 @@ class Trainer:
                                                   cfg.model.seq_length)
         self.peak = peak_tflops(self.device)
         self.guard = StepGuard.from_config(cfg, self.dims.rank, self.log.print)
+        if tr.fp8_format is not None and self.routers:  # what --fp8-format covers in an MoE model, said once
+            self.log.print(" FP8: attention and dense / shared-expert MLP linears; the routed experts' grouped GEMMs "
+                           "stay in bf16 (FP8 grouped GEMMs are not implemented yet)")
         self.exit_reason: Optional[str] = None  # why training stopped before --train-iters (the exit line's)
 
     # ---- set-up pieces -------------------------------------------------------------------------

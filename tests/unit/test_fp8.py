@@ -248,3 +248,23 @@ def test_fused_casts_equal_eager(monkeypatch, recipe):
     assert len(fp8._compiled) == 2
     assert torch.equal(eager[3], fused[3])  # y
     assert torch.equal(eager[0].grad, fused[0].grad) and torch.equal(eager[1].grad, fused[1].grad)
+
+
+def test_moe_model_says_which_linears_fp8_covers(monkeypatch, capsys):
+    """With --fp8-format an MoE model runs attention and the shared expert in FP8, the routed experts'
+    grouped GEMMs in bf16, and says so once at start-up (CPU standing in for an FP8 GPU)."""
+    from tests.unit.test_train import TINY, losses_of
+    from paratron.train.loop import Trainer
+    monkeypatch.setattr(fp8, "device_problem", lambda device: None)
+    flags = TINY + ["--train-iters", "2", "--bf16", "--fp8-format", "hybrid", "--device", "cpu", "--num-experts", "4",
+                    "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size",
+                    "32", "--moe-grouped-gemm"]
+    trainer = Trainer(parse_args(flags))
+    out = capsys.readouterr().out
+    assert out.count("the routed experts' grouped GEMMs stay in bf16") == 1, out
+    with_state = {n for n, m in trainer.model.named_modules() if getattr(m, "fp8", None) is not None}
+    assert any(n.endswith("linear_qkv") for n in with_state) and any("shared_experts" in n for n in with_state)
+    assert not any(".experts." in n for n in with_state), with_state
+    assert all(torch.isfinite(torch.tensor(losses_of(trainer, 2))))
+    dense = Trainer(parse_args(TINY + ["--train-iters", "1", "--bf16", "--fp8-format", "hybrid", "--device", "cpu"]))
+    assert dense is not None and "grouped GEMMs" not in capsys.readouterr().out
