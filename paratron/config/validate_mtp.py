@@ -17,5 +17,3 @@ def validate_mtp(cfg: Config) -> None:
     need(p.pipeline_model_parallel_size == 1, "--mtp-num-layers with --pipeline-model-parallel-size "
          f"{p.pipeline_model_parallel_size}: multi-token prediction runs without pipeline parallelism only in "
          "paratron; use --pipeline-model-parallel-size 1")
-    need(p.context_parallel_size == 1, f"--mtp-num-layers with --context-parallel-size {p.context_parallel_size}: "
-         "shifting tokens across context-parallel ranks is not implemented; use --context-parallel-size 1")

@@ -177,7 +177,7 @@ class GPTModel(nn.Module):
         loss = self._token_losses(x, labels)
         if self.mtp is not None and self.training:  # the MTP losses join the backward (not the reported loss)
             hiddens = self.mtp(x, input_ids, pos, ctx, self.embedding)
-            loss = self.mtp.attach_loss(loss, hiddens, labels, loss_mask, self._token_losses)
+            loss = self.mtp.attach_loss(loss, hiddens, labels, loss_mask, self._token_losses, ctx.cp)
         return loss
 
     def _token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

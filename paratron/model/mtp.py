@@ -18,10 +18,12 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import ModelConfig
 from ..parallel import comm
+from ..parallel.context import ContextParallel, merge_sequence, split_sequence
 from ..parallel.random import checkpoint, seeded_init
 from ..parallel.tensor import ColumnParallelLinear, init_normal
 from .layers import Attention, ForwardContext, Norm, Parallel
@@ -30,11 +32,25 @@ from .spec import layer_specs
 from .transformer import TransformerLayer
 
 
-def roll_left(t: torch.Tensor) -> torch.Tensor:
-    """``t`` [b, s] shifted one place left along the sequence, the last position filled with 0."""
+def roll_left(t: torch.Tensor, cp: Optional[ContextParallel] = None) -> torch.Tensor:
+    """``t`` [b, s] shifted one place left along the sequence, the last position filled with 0. Under
+    context parallelism (``cp``; ``t`` this rank's two chunks) the whole sequence is gathered from the
+    CP ranks (token ids, positions, labels, masks: a few bytes a token), shifted and split again."""
+    if cp is not None:
+        parts = [torch.empty_like(t) for _ in range(cp.size)]
+        dist.all_gather(parts, t.contiguous(), group=cp.group)
+        return split_sequence(roll_left(merge_sequence(parts, dim=-1)), cp.size, cp.rank, dim=-1)
     out = torch.roll(t, shifts=-1, dims=-1)
     out[..., -1] = 0
     return out
+
+
+def _summed(x: torch.Tensor, cp: Optional[ContextParallel]) -> torch.Tensor:
+    """A detached copy of ``x`` summed over the CP ranks (itself without CP)."""
+    x = x.detach().clone()
+    if cp is not None:
+        dist.all_reduce(x, group=cp.group)
+    return x
 
 
 class MTPLayer(nn.Module):
@@ -92,7 +108,7 @@ class MultiTokenPrediction(nn.Module):
         """The output hidden states of each depth (``hidden``: the decoder's, after its final norm)."""
         outputs = []
         for layer in self.layers:
-            input_ids, position_ids = roll_left(input_ids), roll_left(position_ids)
+            input_ids, position_ids = roll_left(input_ids, ctx.cp), roll_left(position_ids, ctx.cp)
             hidden = self._layer(layer, hidden, embedding(input_ids, position_ids), ctx)
             outputs.append(hidden)
         return outputs
@@ -104,18 +120,23 @@ class MultiTokenPrediction(nn.Module):
         self.metrics[k, 1] += 1
 
     def attach_loss(self, output: torch.Tensor, hiddens: list, labels: torch.Tensor,
-                    loss_mask: Optional[torch.Tensor], token_losses: Callable) -> torch.Tensor:
+                    loss_mask: Optional[torch.Tensor], token_losses: Callable,
+                    cp: Optional[ContextParallel] = None) -> torch.Tensor:
         """``output`` (the main per-token loss) carrying the MTP loss into the backward.
-        ``token_losses(hidden, labels)``: per-token cross-entropy [b, s] through the shared output layer."""
+        ``token_losses(hidden, labels)``: per-token cross-entropy [b, s] through the shared output layer.
+        Under context parallelism (``cp``) the token counts are the CP group's and this rank's loss is its
+        share times CP, as the main loss (the gradient average over DP x CP divides by CP); with
+        --calculate-per-token-loss the gradients are summed instead, so the share is not multiplied."""
+        parts = cp.size if cp is not None else 1
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
-        original_tokens = mask.sum()
+        original_tokens = _summed(mask.sum(), cp)
         for k, hidden in enumerate(hiddens):
-            labels, mask = roll_left(labels), roll_left(mask)
-            n = mask.sum().clamp(min=1)
+            labels, mask = roll_left(labels, cp), roll_left(mask, cp)
+            n = _summed(mask.sum(), cp).clamp(min=1)
             total = (token_losses(hidden, labels).float() * mask).sum()
             if self.training:
-                self._track(k, (total / n).detach())
-            loss = total * (original_tokens / n) if self.per_token_loss else total / n
+                self._track(k, (total * parts / n).detach())  # the mean over the CP ranks is the loss
+            loss = total * (original_tokens / n) if self.per_token_loss else total * parts / n
             output = MoEAuxLossAutoScaler.apply(output, self.scaling * loss, self.loss_scale)
         return output
 

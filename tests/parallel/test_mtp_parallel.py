@@ -1,4 +1,4 @@
-"""Multi-token prediction under tensor (+ sequence) parallelism equals the one-rank run: losses and every
+"""Multi-token prediction under tensor (+ sequence) and context parallelism equals the one-rank run: losses and every
 parameter (the MTP layers' included) after a few training steps, on a DeepSeek-V3-like model (MLA + MoE,
 so the MTP layer is an MoE layer too); and a checkpoint saved at TP2 + SP resumes at TP1 x DP2."""
 import pytest
@@ -14,7 +14,9 @@ MODEL = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_he
              num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2,
              mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
 CASES = {"tp2": dict(tensor_model_parallel_size=2),
-         "tp2-sp": dict(tensor_model_parallel_size=2, sequence_parallel=True)}
+         "tp2-sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+         # the shifted tokens cross the CP ranks' chunks; MLA, MoE and the MTP layer's attention under CP too
+         "cp2": dict(context_parallel_size=2)}
 
 
 def _config(world_size=None, **parallel):

@@ -136,7 +136,6 @@ def _resolved(world=1, **fields):
     (dict(mtp_num_layers=1, mtp_loss_scaling_factor=float("nan")), 1, "--mtp-loss-scaling-factor must be a finite"),
     (dict(mtp_loss_scaling_factor=0.2), 1, "--mtp-loss-scaling-factor has no effect without --mtp-num-layers"),
     (dict(mtp_num_layers=1, pipeline_model_parallel_size=2), 2, "--pipeline-model-parallel-size 2"),
-    (dict(mtp_num_layers=1, context_parallel_size=2), 2, "--context-parallel-size 2"),
     (dict(pipeline_model_parallel_layout="Et|tmL", pipeline_model_parallel_size=2), 2, "MTP layers"),
 ])
 def test_flag_errors(fields, world, match):
@@ -177,3 +176,8 @@ def test_hf_export_refuses_and_checkpoint_config_compares_mtp():
     saved = _resolved(mtp_num_layers=1).to_dict()
     assert model_differences(saved, _resolved(mtp_num_layers=1)) == []
     assert model_differences(saved, _resolved()) == [("mtp_num_layers", 1, None)]
+
+
+def test_context_parallel_is_accepted():
+    """CP shifts the tokens across its ranks (tests/parallel/test_mtp_parallel.py): no longer an error."""
+    assert _resolved(2, mtp_num_layers=1, context_parallel_size=2).parallel.context_parallel_size == 2
