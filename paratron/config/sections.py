@@ -212,8 +212,8 @@ class ParallelConfig(Section):
     pipeline_model_parallel_layout: Optional[str] = None  # Megatron's layout string, e.g. "Et*3|(tt|)*2,t|tL"
     use_tp_pp_dp_mapping: bool = False  # rank order tp-cp-ep-pp-dp (DP varies slowest) instead of tp-cp-ep-dp-pp
     context_parallel_size: int = 1  # the sequence split over CP ranks (paratron/parallel/context.py)
-    cp_comm_type: str = "p2p"  # p2p (ring attention) | a2a (Ulysses) | allgather (K/V gathered); a2a+p2p: an error until it exists
-    hierarchical_context_parallel_sizes: Optional[list] = None  # a2a+p2p: an error until it exists
+    cp_comm_type: str = "p2p"  # p2p (ring attention) | a2a (Ulysses) | allgather (K/V gathered) | a2a+p2p (hierarchical)
+    hierarchical_context_parallel_sizes: Optional[list] = None  # a2a+p2p: [all-to-all size, ring size]
     expert_model_parallel_size: int = 1  # experts split over this many ranks (docs/moe.md)
     expert_tensor_parallel_size: Optional[int] = None  # each expert FFN split over this many ranks; default TP
     sequence_parallel: bool = False

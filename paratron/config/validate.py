@@ -170,15 +170,23 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
 
 def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
     """--context-parallel-size and --cp-comm-type against the model (paratron/parallel/context.py)."""
-    from ..parallel.context import COMM_TYPES, REFUSED_COMM_TYPES
+    from ..parallel.context import COMM_TYPES
     cp, tp, kind = par.context_parallel_size, par.tensor_model_parallel_size, par.cp_comm_type
+    hier = par.hierarchical_context_parallel_sizes
     need(" " not in kind, f"--cp-comm-type {kind}: different types for different layers are not supported; give one "
-         "type for every layer (p2p, a2a or allgather)")
-    need(kind not in REFUSED_COMM_TYPES,
-         f"--cp-comm-type {kind}: {REFUSED_COMM_TYPES.get(kind)}; use p2p, a2a or allgather")
-    need(kind in COMM_TYPES, f"--cp-comm-type must be p2p, a2a or allgather (got {kind})")
-    need(par.hierarchical_context_parallel_sizes is None, "--hierarchical-context-parallel-sizes: "
-         f"{REFUSED_COMM_TYPES['a2a+p2p']}; remove the flag and use --cp-comm-type p2p, a2a or allgather")
+         "type for every layer (p2p, a2a, allgather or a2a+p2p)")
+    need(kind in COMM_TYPES, f"--cp-comm-type must be p2p, a2a, allgather or a2a+p2p (got {kind})")
+    need(kind != "a2a+p2p" or hier is not None, "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes "
+         "A P (the all-to-all and the ring level, A x P = --context-parallel-size)")
+    need(hier is None or kind == "a2a+p2p", "--hierarchical-context-parallel-sizes has no effect without "
+         "--cp-comm-type a2a+p2p; add it or remove the sizes")
+    if hier is not None:
+        need(all(str(x).isdigit() for x in hier), f"--hierarchical-context-parallel-sizes takes whole numbers "
+             f"(got {' '.join(map(str, hier))})")
+        hier = par.hierarchical_context_parallel_sizes = [int(x) for x in hier]
+        need(len(hier) == 2 and min(hier) >= 1 and hier[0] * hier[1] == cp,
+             f"--hierarchical-context-parallel-sizes {' '.join(map(str, hier))}: give two sizes (the all-to-all and "
+             f"the ring level) whose product is --context-parallel-size {cp}")
     if cp == 1:
         return
     need(m.seq_length % (2 * cp) == 0, f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size"
@@ -189,6 +197,9 @@ def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
     heads = m.num_attention_heads // tp
     need(kind != "a2a" or heads % cp == 0, f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank "
          f"({heads}) divisible by --context-parallel-size {cp}; use --cp-comm-type p2p")
+    if kind == "a2a+p2p":
+        need(heads % hier[0] == 0, f"--cp-comm-type a2a+p2p needs the attention heads per tensor-parallel rank "
+             f"({heads}) divisible by the all-to-all size {hier[0]}; use a smaller one")
     need(m.attention_dropout == 0.0, f"--attention-dropout {m.attention_dropout} with --context-parallel-size {cp}: "
          "attention dropout across CP ranks is not implemented; use --attention-dropout 0")
 

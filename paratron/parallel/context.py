@@ -16,8 +16,11 @@ loss) only ever sees this rank's 2 chunks; only attention looks across ranks:
   all-gather instead of CP - 1 ring steps, and the K/V gradients home by one reduce-scatter: fewer,
   larger messages (nothing to overlap them with), K/V of the whole sequence in memory while a layer's
   attention runs;
-- ``a2a+p2p`` (``--hierarchical-context-parallel-sizes``) is refused by config validation until it
-  exists.
+- ``a2a+p2p`` with ``--hierarchical-context-parallel-sizes A P`` (A x P = CP): Ulysses within each
+  group of A consecutive CP ranks (``cp_a2a``), then the ring over the P ranks that hold the same place
+  in their groups (``cp_p2p``). After the all-to-all a rank of ring position j holds, for its H/A heads,
+  the chunks j A .. j A + A - 1 and their mirror images: exactly the ring's two-chunk layout for P ranks
+  with chunks A times longer, so the ring runs unchanged on them.
 
 Gradients of the (replicated) weights are reduced over the data-and-context-parallel group; the
 loss of a micro-batch is normalised by its token count over the whole CP group (``BatchLayout``).
@@ -33,8 +36,7 @@ import torch.nn.functional as F
 from .comm import all_to_all
 from .ring import Ring, allgather_attention, chunk_positions, ring_attention
 
-COMM_TYPES = ("p2p", "a2a", "allgather")
-REFUSED_COMM_TYPES = {"a2a+p2p": "hierarchical context parallelism (a2a+p2p) is not implemented yet"}
+COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
 # ---- the sequence split ----------------------------------------------------------------------------
@@ -95,19 +97,31 @@ def document_causal_mask(docs: torch.Tensor) -> torch.Tensor:
     return (causal & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)
 
 
-def ulysses_attention(q, k, v, cp: int, group, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None):
-    """q [b, h, 2c, d], k/v [b, g, 2c, d]: attention over the whole sequence through two all-to-alls.
-    K/V heads are repeated to the query heads first when the groups do not divide by CP. ``scale``:
-    of the scores (None: 1/sqrt(d))."""
+def _to_sequence(q, k, v, cp: int, group):
+    """The first all-to-all of q, k, v (K/V heads repeated to the query heads first when the groups do
+    not divide by ``cp``)."""
     h, g = q.size(1), k.size(1)
     if g % cp:
         k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
-        g = h
-    q, k, v = (_heads_to_sequence(t, cp, group) for t in (q, k, v))
+    return tuple(_heads_to_sequence(t, cp, group) for t in (q, k, v))
+
+
+def ulysses_attention(q, k, v, cp: int, group, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None):
+    """q [b, h, 2c, d], k/v [b, g, 2c, d]: attention over the whole sequence through two all-to-alls.
+    ``scale``: of the scores (None: 1/sqrt(d))."""
+    q, k, v = _to_sequence(q, k, v, cp, group)
+    g, h = k.size(1), q.size(1)
     mask = document_causal_mask(docs) if docs is not None else None
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=g != h,
                                          scale=scale)
     return _sequence_to_heads(out, cp, group)
+
+
+def _ring(dims, name: str) -> Ring:
+    """This rank's ring over its group ``name`` (global ranks of the neighbours)."""
+    ranks = dims.group_ranks[name]
+    i, n = ranks.index(dims.rank), len(ranks)
+    return Ring(dims.group(name), i, n, ranks[(i + 1) % n], ranks[(i - 1) % n])
 
 
 # ---- what the model holds --------------------------------------------------------------------------
@@ -118,8 +132,9 @@ class ContextParallel:
     size: int
     rank: int
     comm_type: str = "p2p"
-    ring: Optional[Ring] = None
+    ring: Optional[Ring] = None  # a2a+p2p: the ring of the cp_p2p level
     kernel: Optional[str] = None  # the ring's block kernel (ring.KERNELS); None: chosen per device and dtype
+    inner: Optional[tuple] = None  # a2a+p2p: (group, size) of the cp_a2a level
 
     @classmethod
     def from_dims(cls, dims, comm_type: str = "p2p") -> Optional["ContextParallel"]:
@@ -127,11 +142,13 @@ class ContextParallel:
         if dims.cp == 1:
             return None
         if comm_type not in COMM_TYPES:
-            raise ValueError(f"--cp-comm-type {comm_type}: " + REFUSED_COMM_TYPES.get(comm_type, "unknown")
-                             + "; use p2p, a2a or allgather")
-        ranks, i = dims.group_ranks["cp"], dims.cp_rank
-        ring = Ring(dims.cp_group, i, dims.cp, ranks[(i + 1) % dims.cp], ranks[(i - 1) % dims.cp])
-        return cls(dims.cp_group, dims.cp, i, comm_type, ring)
+            raise ValueError(f"--cp-comm-type {comm_type} is not one of {', '.join(COMM_TYPES)}")
+        if comm_type == "a2a+p2p":
+            if "cp_a2a" not in dims.group_ranks:
+                raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes")
+            inner = (dims.group("cp_a2a"), dims.size("cp_a2a"))
+            return cls(dims.cp_group, dims.cp, dims.cp_rank, comm_type, _ring(dims, "cp_p2p"), inner=inner)
+        return cls(dims.cp_group, dims.cp, dims.cp_rank, comm_type, _ring(dims, "cp"))
 
     def attention(self, q, k, v, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
         """Causal (document-causal with ``docs``, the whole sequence's ids [b, s]) attention of this
@@ -141,6 +158,10 @@ class ContextParallel:
             return ulysses_attention(q, k, v, self.size, self.group, docs, scale)
         if self.comm_type == "allgather":
             return allgather_attention(q, k, v, self.ring, docs, scale, kernel=self.kernel)
+        if self.comm_type == "a2a+p2p":
+            group, size = self.inner
+            q, k, v = _to_sequence(q, k, v, size, group)
+            return _sequence_to_heads(ring_attention(q, k, v, self.ring, docs, scale, kernel=self.kernel), size, group)
         return ring_attention(q, k, v, self.ring, docs, scale, kernel=self.kernel)
 
     def positions(self, seq_length: int, device=None) -> torch.Tensor:

@@ -168,17 +168,32 @@ def _group_axes(sizes: dict, esizes: dict, order: str = "tp-cp-ep-dp-pp") -> dic
     }
 
 
+def _hierarchical_cp_groups(cp_groups: list, sizes: list, cp: int) -> dict:
+    """The ``cp_a2a`` (A consecutive CP ranks) and ``cp_p2p`` (every A-th) groups of hierarchical sizes
+    [A, P] within each CP group (its ranks in CP order)."""
+    if len(sizes) != 2 or sizes[0] * sizes[1] != cp:
+        raise ConfigError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: give two sizes (the "
+                          f"all-to-all and the ring level) whose product is --context-parallel-size {cp}")
+    a = sizes[0]
+    return {"cp_a2a": [g[i:i + a] for g in cp_groups for i in range(0, cp, a)],
+            "cp_p2p": [g[i::a] for g in cp_groups for i in range(a)]}
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                               expert_tensor_parallel_size: Optional[int] = None,
                               order: str = "tp-cp-ep-dp-pp", *, world_size: Optional[int] = None,
                               rank: Optional[int] = None, backend: Optional[str] = None,
-                              timeout: Optional[timedelta] = None) -> ParallelDims:
+                              timeout: Optional[timedelta] = None,
+                              hierarchical_context_parallel_sizes: Optional[list] = None) -> ParallelDims:
     """Build the ParallelDims of this process (Megatron's signature). Works without torch.distributed
     when every size is 1. With torch.distributed initialised, every rank must call it (new_group is
     collective). ``timeout`` (``--distributed-timeout-minutes``) bounds every collective of every
-    group, as Megatron's; each group carries its name as its ``group_desc`` (error messages use it)."""
+    group, as Megatron's; each group carries its name as its ``group_desc`` (error messages use it).
+    ``hierarchical_context_parallel_sizes`` [A, P] (A x P = CP) also builds the two levels of
+    ``--cp-comm-type a2a+p2p``: ``cp_a2a``, A consecutive CP ranks, and ``cp_p2p``, the CP ranks that
+    hold the same place in their ``cp_a2a`` group."""
     initialized = dist.is_available() and dist.is_initialized()
     world = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
     me = rank if rank is not None else (dist.get_rank() if initialized else 0)
@@ -210,20 +225,29 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if sorted(layout_groups(world, esizes, expert_axes, ("pp",))) != sorted(all_groups["pp"]):
         raise ConfigError(f"order {order}: the expert layout's pipeline groups differ from the dense ones; with "
                           f"PP {pp} the expert-TP {etp} x EP {ep} must equal TP {tp} x CP {cp}")
+    if hierarchical_context_parallel_sizes:
+        all_groups.update(_hierarchical_cp_groups(all_groups["cp"], hierarchical_context_parallel_sizes, cp))
     # embedding group: first and last stage of each pipeline (for tied embeddings)
     all_groups["embedding"] = [sorted({g[0], g[-1]}) for g in all_groups["pp"]]
+    _make_groups(dims, all_groups, initialized, backend, timeout)
+    return dims
+
+
+def _make_groups(dims: ParallelDims, all_groups: dict, initialized: bool, backend, timeout) -> None:
+    """Record this rank's group of each name and, with torch.distributed, create every group (new_group
+    is collective: every rank calls it for every group, in the same order)."""
+    me = dims.rank
     for name, rank_lists in all_groups.items():
         for ranks in rank_lists:
             if me in ranks:
                 dims.group_ranks[name] = ranks
         if not initialized:
             continue
-        for ranks in rank_lists:  # new_group must be called by every rank for every group, same order
+        for ranks in rank_lists:
             pg = (dist.new_group(ranks, backend=backend, timeout=timeout, group_desc=name) if len(ranks) > 1
                   else None)
             if me in ranks:
                 dims.groups[name] = pg
-    return dims
 
 
 def shutdown_distributed(synchronize: bool = True) -> None:

@@ -67,7 +67,8 @@ def build_dims(cfg: Config) -> ParallelDims:
                                      p.virtual_pipeline_model_parallel_size, p.context_parallel_size,
                                      p.expert_model_parallel_size, p.expert_tensor_parallel_size,
                                      order="tp-cp-ep-pp-dp" if p.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
-                                     timeout=timeout(cfg))
+                                     timeout=timeout(cfg),
+                                     hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes)
 
 
 def checkpoint_group(cfg: Config):

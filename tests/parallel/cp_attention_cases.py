@@ -1,5 +1,5 @@
-"""Rank functions of test_context_parallel.py: ring (p2p), Ulysses (a2a) and all-gather attention
-against full attention on one rank, forward and backward, causal and packed-document masks, with GQA."""
+"""Rank functions of test_context_parallel.py: ring (p2p), Ulysses (a2a), all-gather and hierarchical
+(a2a+p2p) attention against full attention on one rank, forward and backward, causal and packed-document masks, with GQA."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ from paratron.parallel.context import ContextParallel, document_causal_mask, mer
 from paratron.parallel.dims import initialize_model_parallel
 
 
-KINDS = ("p2p", "a2a", "allgather", "p2p_flash_cpu", "allgather_flash_cpu")
+KINDS = ("p2p", "a2a", "allgather", "p2p_flash_cpu", "allgather_flash_cpu", "a2a+p2p")  # a2a+p2p: CP 4 as 2 x 2
 
 
 def inputs(seed: int, b=2, h=4, g=2, s=32, d=8):
@@ -52,6 +52,10 @@ def attention_cases(rank: int, world: int) -> dict:
         dims = initialize_model_parallel(context_parallel_size=cp_size)
         for kind in KINDS:
             flash = kind.endswith("_flash_cpu")
+            if kind == "a2a+p2p":
+                if cp_size != 4:
+                    continue
+                dims = initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
             cp = ContextParallel.from_dims(dims, kind.removesuffix("_flash_cpu"))
             if flash:  # the ring's blocks with torch's fused kernel (LSE in and out, as flash on GPU)
                 cp = dataclasses.replace(cp, kernel="flash_cpu")

@@ -33,7 +33,7 @@ def test_error_classes_share_one_base():
 
 @pytest.mark.parametrize("flags,needle", [
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
-     "--cp-comm-type a2a+p2p: hierarchical context parallelism (a2a+p2p) is not implemented yet"),
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"),
     (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"],
      "--cp-comm-type p2p a2a: different types for different layers are not supported"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 has no effect without --num-experts"),

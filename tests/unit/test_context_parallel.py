@@ -103,8 +103,13 @@ def test_packed_documents_do_not_see_each_other_at_cp1():
     (dict(context_parallel_size=2, pipeline_model_parallel_size=2), 2, "world size 2 is not divisible by TP 1 x PP 2 x CP 2"),
     (dict(context_parallel_size=4, cp_comm_type="a2a", num_attention_heads=2, num_query_groups=2), 4,
      "--cp-comm-type a2a needs the attention heads per tensor-parallel rank (2) divisible by --context-parallel-size 4"),
-    (dict(context_parallel_size=2, cp_comm_type="a2a+p2p"), 2, "--cp-comm-type a2a+p2p: hierarchical"),
-    (dict(hierarchical_context_parallel_sizes=[2, 2]), 1, "--hierarchical-context-parallel-sizes: hierarchical"),
+    (dict(context_parallel_size=2, cp_comm_type="a2a+p2p"), 2,
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"),
+    (dict(hierarchical_context_parallel_sizes=[2, 2]), 1, "--hierarchical-context-parallel-sizes has no effect"),
+    (dict(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 3]), 4,
+     "--hierarchical-context-parallel-sizes 2 3: give two sizes"),
+    (dict(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[4, 1],
+          num_attention_heads=2, num_query_groups=2), 4, "divisible by the all-to-all size 4"),
     (dict(context_parallel_size=2, attention_dropout=0.1), 2, "--attention-dropout 0.1 with --context-parallel-size 2"),
 ])
 def test_bad_context_parallel_settings_are_one_line_errors(settings, world, needle):

@@ -75,8 +75,7 @@ COMPOSED_READS = {"train_data_path": 'f"{name}_data_path"', "valid_data_path": '
 # Fields resolve() turns into other fields, or refuses (validate.py reads them; the code reads the result).
 RESOLVED = {"use_rotary_position_embeddings": "position_embedding_type", "no_position_embedding": "position_embedding_type",
             "recompute_activations": "recompute_granularity", "fp8_hybrid": "fp8_format", "sample_prompt": None,
-            "ckpt_format": None,
-            "hierarchical_context_parallel_sizes": None}  # refused in validation until a2a+p2p exists
+            "ckpt_format": None}
 
 
 def test_no_silent_flag_every_field_is_read_by_the_code():
