@@ -18,7 +18,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from .ranges import check_ranges
-from .validate_attnvar import validate_attention_parallel, validate_attention_variants
+from .validate_attnvar import validate_attention_variants
 from .validate_sched import check_mapping, schedule_batches, schedule_of, validate_sched
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
 from .validate_mla import validate_mla
@@ -147,7 +147,6 @@ def validate_experts(par: ParallelConfig, m: ModelConfig) -> None:
 def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> None:
     """Parallel sizes against the model; the pipeline layout (derives the virtual size)."""
     validate_context_parallel(par, m)
-    validate_attention_parallel(par, m)
     validate_experts(par, m)
     tp = par.tensor_model_parallel_size
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):

@@ -49,12 +49,3 @@ def validate_attention_variants(m) -> None:
     for name in ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow"):
         value = getattr(m, name)
         need(value is None or value > 0, f"{_flag(name)} must be > 0 (got {value})")
-
-
-def validate_attention_parallel(par, m) -> None:
-    """What the parallel layout cannot run with the variants."""
-    if par.context_parallel_size > 1:
-        need(m.window_size is None, "--window-size with --context-parallel-size > 1 is not implemented "
-             "(the ring and all-to-all paths attend causally); use --context-parallel-size 1")
-        need(m.softmax_type == "vanilla", f"--softmax-type {m.softmax_type} with --context-parallel-size > 1 is not "
-             "implemented; use --context-parallel-size 1")

@@ -13,8 +13,8 @@ Both run inside SDPA (no [s, s] float mask, no softmax outside the kernel):
 * the window is a mask built once per forward pass (``ForwardContext.memo``, additive, in the
   activations' dtype, as SDPA would convert a boolean one in every layer) and shared by every
   windowed layer: the causal/document mask of the pass and-ed with the band;
-* the sink is one extra key whose value is zero. Keys get ``PAD`` extra zero dimensions, the sink
-  key has a 1 in the first, and each query head carries ``sink / scale`` there, so its score with
+* the sink is one extra key whose value is zero (``parallel.context.with_sink_dims``). Keys get
+  ``PAD`` extra zero dimensions, the sink key has a 1 in the first, and each query head carries ``sink / scale`` there, so its score with
   the sink key is exactly its sink logit (grouped-query heads share keys, so the per-head value
   must sit on the query side). Without a window or mask, a dummy first query lets the sink key
   lead the sequence with ``is_causal`` (the flash kernel's path on CUDA); otherwise the mask gains
@@ -36,9 +36,9 @@ from torch import nn
 from ..config import ConfigError
 from ..parallel.sharding import ShardSpec, Split, set_spec, shard
 from ..parallel import comm
+from ..parallel.context import with_sink_dims
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-PAD = 8  # extra head dimensions carrying the sink score (a multiple of 8 keeps SDPA's fast kernels)
 
 
 def parse_window_size(value: Union[None, str, tuple, list]) -> Optional[tuple[int, int]]:
@@ -126,7 +126,7 @@ class CoreAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale,
                                                   enable_gqa=gqa)
         if sink is not None:
-            q, k, v = _with_sink_dims(q, k, v, sink, self.scale)
+            q, k, v = with_sink_dims(q, k, v, sink, self.scale)
         if allowed is None:  # causal, square: a dummy first query lets the sink key lead under is_causal
             q = torch.cat([q.new_zeros(q.shape[:2] + (1, q.size(-1))), q], dim=2)
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=self.scale,
@@ -194,18 +194,3 @@ def _base(q, k, ctx) -> torch.Tensor:
     if not ctx.causal:
         return torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device)
     return k_at[None, :] <= q_at[:, None]
-
-
-def _with_sink_dims(q, k, v, sink, scale):
-    """q, k, v with ``PAD`` more dimensions and the sink key (zero value) first along the keys."""
-    b, h, sq, _ = q.shape
-    g, sk = k.size(1), k.size(2)
-    q_extra = (sink.to(torch.promote_types(q.dtype, torch.float32)) / scale).to(q.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
-    q = torch.cat([q, q_extra, q.new_zeros(b, h, sq, PAD - 1)], dim=-1)
-    k = torch.cat([k, k.new_zeros(b, g, sk, PAD)], dim=-1)
-    v = torch.cat([v, v.new_zeros(b, g, sk, PAD)], dim=-1)
-    sink_key = k.new_zeros(b, g, 1, k.size(-1))
-    sink_key[..., k.size(-1) - PAD] = 1.0
-    k = torch.cat([sink_key, k], dim=2)
-    v = torch.cat([v.new_zeros(b, g, 1, v.size(-1)), v], dim=2)
-    return q, k, v

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import comm
 from .comm import all_to_all
 from .ring import Ring, allgather_attention, chunk_positions, ring_attention
 
@@ -106,14 +107,64 @@ def _to_sequence(q, k, v, cp: int, group):
     return tuple(_heads_to_sequence(t, cp, group) for t in (q, k, v))
 
 
-def ulysses_attention(q, k, v, cp: int, group, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None):
+PAD = 8  # extra head dimensions carrying the sink score (a multiple of 8 keeps SDPA's fast kernels)
+
+
+def with_sink_dims(q, k, v, sink, scale):
+    """q, k, v with ``PAD`` more dimensions and a sink key (zero value) first along the keys: keys get
+    zeros there, the sink key a 1 in the first, and each query head carries ``sink / scale``, so its
+    score with the sink key is exactly its sink logit (grouped heads share keys: the per-head value
+    sits on the query side)."""
+    b, h, sq, _ = q.shape
+    g, sk = k.size(1), k.size(2)
+    q_extra = (sink.to(torch.promote_types(q.dtype, torch.float32)) / scale).to(q.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
+    q = torch.cat([q, q_extra, q.new_zeros(b, h, sq, PAD - 1)], dim=-1)
+    k = torch.cat([k, k.new_zeros(b, g, sk, PAD)], dim=-1)
+    v = torch.cat([v, v.new_zeros(b, g, sk, PAD)], dim=-1)
+    sink_key = k.new_zeros(b, g, 1, k.size(-1))
+    sink_key[..., k.size(-1) - PAD] = 1.0
+    k = torch.cat([sink_key, k], dim=2)
+    v = torch.cat([v.new_zeros(b, g, 1, v.size(-1)), v], dim=2)
+    return q, k, v
+
+
+def whole_sequence_attention(q, k, v, docs=None, scale: Optional[float] = None, window=None, sink=None):
+    """Causal (document-causal with ``docs``) attention of whole sequences q [b, h, s, d], k/v
+    [b, g, s, d], with a sliding ``window`` (left, right) and per-head ``sink`` logits when given (then
+    as one boolean [s, s] mask: memory grows with the square of the sequence)."""
+    h, g, d = q.size(1), k.size(1), q.size(-1)
+    scale = d ** -0.5 if scale is None else scale
+    if window is None and sink is None:
+        mask = document_causal_mask(docs) if docs is not None else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=g != h,
+                                              scale=scale)
+    pos = torch.arange(q.size(2), device=q.device)
+    allowed = document_causal_mask(docs) if docs is not None else (pos[None, :] <= pos[:, None])[None, None]
+    if window is not None:
+        allowed = allowed & (pos[None, :] >= pos[:, None] - window[0])
+    if sink is not None:
+        q, k, v = with_sink_dims(q, k, v, sink, scale)
+        allowed = torch.cat([allowed.new_ones(allowed.shape[:-1] + (1,)), allowed], dim=-1)
+    if g != h and q.is_cuda:  # SDPA's masked CUDA kernel takes no grouped heads
+        k, v = (t.repeat_interleave(h // g, dim=1) for t in (k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=k.size(1) != h)
+    return out[..., :d]
+
+
+def _local_heads(sink: Optional[torch.Tensor], group) -> Optional[torch.Tensor]:
+    """The sink logits of the heads this rank holds after the first all-to-all over ``group``."""
+    if sink is None:
+        return None
+    n = sink.numel() // comm.group_size(group)
+    return sink[comm.group_rank(group) * n:(comm.group_rank(group) + 1) * n]
+
+
+def ulysses_attention(q, k, v, cp: int, group, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                      window=None, sink: Optional[torch.Tensor] = None):
     """q [b, h, 2c, d], k/v [b, g, 2c, d]: attention over the whole sequence through two all-to-alls.
-    ``scale``: of the scores (None: 1/sqrt(d))."""
+    ``scale``: of the scores (None: 1/sqrt(d)); ``window``, ``sink``: as ``whole_sequence_attention``."""
     q, k, v = _to_sequence(q, k, v, cp, group)
-    g, h = k.size(1), q.size(1)
-    mask = document_causal_mask(docs) if docs is not None else None
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=g != h,
-                                         scale=scale)
+    out = whole_sequence_attention(q, k, v, docs, scale, window, _local_heads(sink, group))
     return _sequence_to_heads(out, cp, group)
 
 
@@ -150,19 +201,22 @@ class ContextParallel:
             return cls(dims.cp_group, dims.cp, dims.cp_rank, comm_type, _ring(dims, "cp_p2p"), inner=inner)
         return cls(dims.cp_group, dims.cp, dims.cp_rank, comm_type, _ring(dims, "cp"))
 
-    def attention(self, q, k, v, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
+    def attention(self, q, k, v, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None, window=None,
+                  sink: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal (document-causal with ``docs``, the whole sequence's ids [b, s]) attention of this
         rank's queries q [b, h, 2c, d] over the whole sequence; k/v [b, g, 2c, d] are this rank's.
-        ``scale``: of the scores (None: 1/sqrt(d))."""
+        ``scale``: of the scores (None: 1/sqrt(d)); ``window`` (left, right): a sliding window; ``sink``
+        [h]: attention-sink logits (--softmax-type)."""
         if self.comm_type == "a2a":
-            return ulysses_attention(q, k, v, self.size, self.group, docs, scale)
+            return ulysses_attention(q, k, v, self.size, self.group, docs, scale, window, sink)
         if self.comm_type == "allgather":
-            return allgather_attention(q, k, v, self.ring, docs, scale, kernel=self.kernel)
+            return allgather_attention(q, k, v, self.ring, docs, scale, self.kernel, window, sink)
         if self.comm_type == "a2a+p2p":
             group, size = self.inner
             q, k, v = _to_sequence(q, k, v, size, group)
-            return _sequence_to_heads(ring_attention(q, k, v, self.ring, docs, scale, kernel=self.kernel), size, group)
-        return ring_attention(q, k, v, self.ring, docs, scale, kernel=self.kernel)
+            out = ring_attention(q, k, v, self.ring, docs, scale, self.kernel, window, _local_heads(sink, group))
+            return _sequence_to_heads(out, size, group)
+        return ring_attention(q, k, v, self.ring, docs, scale, self.kernel, window, sink)
 
     def positions(self, seq_length: int, device=None) -> torch.Tensor:
         """Global positions of this rank's tokens."""

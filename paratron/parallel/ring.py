@@ -232,13 +232,13 @@ EFFICIENT = Kernel("efficient", efficient_forward, efficient_backward)
 KERNELS = {k.name: k for k in (MATH, FLASH, EFFICIENT, Kernel("flash_cpu", flash_cpu_forward, flash_cpu_backward))}
 
 
-def kernel_for(q: torch.Tensor, documents: bool, name: Optional[str] = None) -> Kernel:
+def kernel_for(q: torch.Tensor, masked: bool, name: Optional[str] = None) -> Kernel:
     """On CUDA: flash for bf16/fp16 causal blocks, the memory-efficient kernel for blocks with a
-    document mask; the fp32 math kernel otherwise (``name`` picks one of KERNELS)."""
+    mask (documents, a sliding window); the fp32 math kernel otherwise (``name`` picks one of KERNELS)."""
     if name is not None:
         return KERNELS[name]
     if q.is_cuda and q.size(-1) % 8 == 0:
-        if documents:
+        if masked:
             return EFFICIENT
         if q.dtype in (torch.bfloat16, torch.float16):
             return FLASH
@@ -269,13 +269,37 @@ def _wait(pending):
     return buf
 
 
-def _doc_mask(docs: Optional[torch.Tensor], ring: Ring, src: int, blk: Block, chunk: int):
-    """[b, sq, sk] True where query and key are in the same document (None without documents)."""
-    if docs is None:
+def _chunk_ranges(rank: int, size: int, chunk: int, part: slice) -> list:
+    """[start, end) of the global positions in ``part`` of rank ``rank``'s two chunks."""
+    ranges = [(rank * chunk, (rank + 1) * chunk), ((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)]
+    return ranges[1:] if part.start == chunk else ranges[:1] if part.stop == chunk else ranges
+
+
+def _block_empty(window, ring: Ring, src: int, blk: Block, chunk: int) -> bool:
+    """Whether no query of the block may attend to any of its keys under the sliding ``window``
+    (left, _): no q in the rows and k in the columns with q - left <= k <= q. Decided from the chunk
+    positions alone (no device work): such blocks are skipped, forward and backward."""
+    if window is None:
+        return False
+    left = window[0]
+    return not any(max(k0, q0) <= min(k1 - 1 + left, q1 - 1)
+                   for q0, q1 in _chunk_ranges(ring.rank, ring.size, chunk, blk.rows)
+                   for k0, k1 in _chunk_ranges(src, ring.size, chunk, blk.cols))
+
+
+def _block_mask(pattern, ring: Ring, src: int, blk: Block, chunk: int, q: torch.Tensor):
+    """[b, sq, sk] True where a query may attend a key besides causality: the same document (``docs``)
+    and within the sliding window; None when neither applies."""
+    docs, window = pattern
+    if docs is None and window is None:
         return None
-    q_pos = chunk_positions(ring.rank, ring.size, chunk, docs.device)[blk.rows]
-    k_pos = chunk_positions(src, ring.size, chunk, docs.device)[blk.cols]
-    return docs[:, q_pos, None] == docs[:, None, k_pos]
+    q_pos = chunk_positions(ring.rank, ring.size, chunk, q.device)[blk.rows]
+    k_pos = chunk_positions(src, ring.size, chunk, q.device)[blk.cols]
+    mask = None if docs is None else docs[:, q_pos, None] == docs[:, None, k_pos]
+    if window is not None:
+        band = (k_pos[None, :] >= q_pos[:, None] - window[0])[None]
+        mask = band.expand(q.size(0), -1, -1) if mask is None else mask & band
+    return mask
 
 
 def _ring_order(ring: Ring):
@@ -283,47 +307,66 @@ def _ring_order(ring: Ring):
     return [(ring.rank - step) % ring.size for step in range(ring.size)]
 
 
-def _attend(q, blocks, ring: Ring, docs, scale: float, kernel: Kernel):
+def _attend(q, blocks, ring: Ring, pattern, sink, scale: float, kernel: Kernel):
     """Forward over ``blocks`` ((src, K/V of src) pairs in ``_ring_order``): the merged output in q's
-    dtype, the LSE (fp32) and the first block's kernel extra (its backward's ``aux``)."""
+    dtype, the LSE (fp32) and the first block's kernel extra (its backward's ``aux``). ``pattern``:
+    (document ids or None, window or None); ``sink``: per-head sink logits or None, merged last as a
+    block whose output is zero and whose LSE is the logit."""
     chunk = q.size(2) // 2
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], NEG_INF, dtype=torch.float32, device=q.device)
     aux = None
     for step, (src, kv) in enumerate(blocks):
         blk = block_plan(ring.rank, src, chunk)
+        if _block_empty(pattern[1], ring, src, blk, chunk):  # never the own block (step 0)
+            continue
         o, l, extra = kernel.forward(q[:, :, blk.rows], kv[0][:, :, blk.cols], kv[1][:, :, blk.cols], blk.causal,
-                                     _doc_mask(docs, ring, src, blk, chunk), scale)
+                                     _block_mask(pattern, ring, src, blk, chunk, q), scale)
         aux = extra if step == 0 else aux
         _merge(out[:, :, blk.rows], lse[:, :, blk.rows], o, l.float(), first=step == 0)
+    if sink is not None:
+        _merge(out, lse, torch.zeros((), device=q.device), sink.float()[None, :, None].expand_as(lse), first=False)
     return out.to(q.dtype), lse, aux
 
 
 def _block_grads(ctx, saved, dout, kv, src: int, dq: torch.Tensor):
     """One block's backward (from ``saved``, the forward's saved tensors: the final output and LSE):
-    adds its dQ into ``dq`` and returns the block, dK and dV (fp32) of the block's key columns."""
-    q, _, _, out, lse, docs = saved
+    adds its dQ into ``dq`` and returns the block, dK and dV (fp32) of the block's key columns (None
+    for a block the window skips)."""
+    q, _, _, out, lse, docs, _ = saved
     chunk = q.size(2) // 2
     blk = block_plan(ctx.ring.rank, src, chunk)
+    if _block_empty(ctx.window, ctx.ring, src, blk, chunk):
+        return blk, None, None
     r, c = blk.rows, blk.cols
+    mask = _block_mask((docs, ctx.window), ctx.ring, src, blk, chunk, q)
     dq_b, dk_b, dv_b = ctx.kernel.backward(dout[:, :, r], q[:, :, r], kv[0][:, :, c], kv[1][:, :, c], out[:, :, r],
-                                           lse[:, :, r], blk.causal, _doc_mask(docs, ctx.ring, src, blk, chunk),
-                                           ctx.scale, ctx.aux)
+                                           lse[:, :, r], blk.causal, mask, ctx.scale, ctx.aux)
     dq[:, :, r] += dq_b
     return blk, dk_b, dv_b
 
 
-def _save(ctx, q, k, v, out, lse, docs, ring, scale, kernel, aux) -> None:
-    ctx.save_for_backward(q, k, v, out, lse, docs)
-    ctx.ring, ctx.scale, ctx.kernel, ctx.aux = ring, scale, kernel, aux
+def _sink_grad(saved, dout) -> Optional[torch.Tensor]:
+    """d loss / d sink logit per head: -sum over rows of p_sink * rowsum(dO * O)."""
+    _, _, _, out, lse, _, sink = saved
+    if sink is None:
+        return None
+    delta = (dout.float() * out.float()).sum(-1)
+    return -(torch.exp(sink.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sink.dtype)
+
+
+def _save(ctx, q, k, v, out, lse, pattern, sink, ring, scale, kernel, aux) -> None:
+    ctx.save_for_backward(q, k, v, out, lse, pattern[0], sink)
+    ctx.ring, ctx.scale, ctx.kernel, ctx.aux, ctx.window = ring, scale, kernel, aux, pattern[1]
 
 
 class RingAttention(torch.autograd.Function):
     """out = causal attention of this rank's queries over the whole sequence's keys and values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, docs: Optional[torch.Tensor], scale: float, kernel_name: Optional[str]):
-        kernel = kernel_for(q, docs is not None, kernel_name)
+    def forward(ctx, q, k, v, sink, ring: Ring, docs: Optional[torch.Tensor], scale: float,
+                kernel_name: Optional[str], window):
+        kernel = kernel_for(q, docs is not None or window is not None, kernel_name)
 
         def blocks(kv):  # each block's send to the next rank runs while the block is attended
             for step, src in enumerate(_ring_order(ring)):
@@ -332,8 +375,8 @@ class RingAttention(torch.autograd.Function):
                 if pending is not None:
                     kv = _wait(pending)
 
-        out, lse, aux = _attend(q, blocks(torch.stack([k, v]).contiguous()), ring, docs, scale, kernel)
-        _save(ctx, q, k, v, out, lse, docs, ring, scale, kernel, aux)
+        out, lse, aux = _attend(q, blocks(torch.stack([k, v]).contiguous()), ring, (docs, window), sink, scale, kernel)
+        _save(ctx, q, k, v, out, lse, (docs, window), sink, ring, scale, kernel, aux)
         return out
 
     @staticmethod
@@ -351,13 +394,15 @@ class RingAttention(torch.autograd.Function):
             blk, dk_b, dv_b = _block_grads(ctx, saved, dout, kv, src, dq)
             if grads is not None:
                 dkv = _wait(grads)
-            dkv[0][:, :, blk.cols] += dk_b
-            dkv[1][:, :, blk.cols] += dv_b
+            if dk_b is not None:
+                dkv[0][:, :, blk.cols] += dk_b
+                dkv[1][:, :, blk.cols] += dv_b
             grads = ring.exchange(dkv, 2)  # on to the next rank (after the last step: home)
             if pending is not None:
                 kv = _wait(pending)
         dkv = _wait(grads)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), _sink_grad(saved, dout),
+                None, None, None, None, None)
 
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
@@ -375,11 +420,13 @@ class AllGatherAttention(torch.autograd.Function):
     reduce-scatter (fp32, summed over the ranks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, docs: Optional[torch.Tensor], scale: float, kernel_name: Optional[str]):
-        kernel = kernel_for(q, docs is not None, kernel_name)
+    def forward(ctx, q, k, v, sink, ring: Ring, docs: Optional[torch.Tensor], scale: float,
+                kernel_name: Optional[str], window):
+        kernel = kernel_for(q, docs is not None or window is not None, kernel_name)
         kv = _gather_kv(k, v, ring)
-        out, lse, aux = _attend(q, ((src, kv[src]) for src in _ring_order(ring)), ring, docs, scale, kernel)
-        _save(ctx, q, k, v, out, lse, docs, ring, scale, kernel, aux)
+        out, lse, aux = _attend(q, ((src, kv[src]) for src in _ring_order(ring)), ring, (docs, window), sink,
+                                scale, kernel)
+        _save(ctx, q, k, v, out, lse, (docs, window), sink, ring, scale, kernel, aux)
         return out
 
     @staticmethod
@@ -392,11 +439,13 @@ class AllGatherAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for src in _ring_order(ctx.ring):
             blk, dk_b, dv_b = _block_grads(ctx, saved, dout, kv[src], src, dq)
-            dkv[src, 0][:, :, blk.cols] += dk_b
-            dkv[src, 1][:, :, blk.cols] += dv_b
+            if dk_b is not None:
+                dkv[src, 0][:, :, blk.cols] += dk_b
+                dkv[src, 1][:, :, blk.cols] += dv_b
         mine = torch.empty(dkv.shape[1:], dtype=torch.float32, device=q.device)
         dist.reduce_scatter_tensor(mine, dkv.view((-1,) + tuple(dkv.shape[2:])), group=ctx.ring.group)
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None
+        return (dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), _sink_grad(saved, dout),
+                None, None, None, None, None)
 
 
 def _merge(out, lse, o, l, first: bool) -> None:
@@ -411,17 +460,18 @@ def _merge(out, lse, o, l, first: bool) -> None:
 
 
 def ring_attention(q, k, v, ring: Ring, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                   kernel: Optional[str] = None):
+                   kernel: Optional[str] = None, window=None, sink: Optional[torch.Tensor] = None):
     """q [b, heads, 2c, d], k/v [b, groups, 2c, d] (this rank's two chunks), ``docs`` [b, s] the
     document ids of the whole sequence or None: the attention output [b, heads, 2c, d]. ``kernel``:
-    a name of KERNELS, else chosen by ``kernel_for``."""
+    a name of KERNELS, else chosen by ``kernel_for``. ``window`` (left, right): a sliding window
+    (blocks wholly outside it are skipped); ``sink`` [heads]: attention-sink logits."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, ring, docs, scale, kernel)
+    return RingAttention.apply(q, k, v, sink, ring, docs, scale, kernel, window)
 
 
 def allgather_attention(q, k, v, ring: Ring, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                        kernel: Optional[str] = None):
+                        kernel: Optional[str] = None, window=None, sink: Optional[torch.Tensor] = None):
     """``ring_attention``'s contract (the same blocks, kernels and merge order: equal outputs), with
     K/V all-gathered over ``ring.group`` instead of passed around it."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    return AllGatherAttention.apply(q, k, v, ring, docs, scale, kernel)
+    return AllGatherAttention.apply(q, k, v, sink, ring, docs, scale, kernel, window)

@@ -34,7 +34,7 @@ def reference(q, k, v, dout, causal: bool):
 def test_flash_block_kernel_is_the_gpu_choice_and_matches_causal_sdpa():
     from paratron.parallel.ring import FLASH, kernel_for
     q, k, v, dout = inputs()
-    assert kernel_for(q, documents=False) is FLASH
+    assert kernel_for(q, masked=False) is FLASH
     out, lse, aux = FLASH.forward(q, k, v, True, None, q.size(-1) ** -0.5)
     want = reference(q, k, v, dout, True)
     assert rel(out, want[0]) < 1e-2 and lse.shape == q.shape[:3] and lse.dtype == torch.float32
@@ -69,7 +69,7 @@ def test_efficient_kernel_with_document_masks_merges_and_backprops():
     q, k, v, dout = inputs()
     s, half, scale = q.size(2), k.size(2) // 2, q.size(-1) ** -0.5
     docs = torch.cat([torch.zeros(2, 100), torch.ones(2, 100), torch.full((2, s - 200), 2.0)], 1).long().cuda()
-    assert kernel_for(q, documents=True) is EFFICIENT
+    assert kernel_for(q, masked=True) is EFFICIENT
     same = docs[:, :, None] == docs[:, None, :]
     causal = torch.ones(s, s, dtype=torch.bool, device="cuda").tril()
     parts = []

@@ -3,7 +3,8 @@
 - Attention: ring (p2p), Ulysses (a2a), all-gather and (CP 4 as 2 x 2) hierarchical a2a+p2p attention at CP 2 and CP 4, forward and backward, equal
   full attention on one rank for causal and packed-document masks with GQA (cp_attention_cases.py).
 - Training (and a forward-only evaluation): CP 2, CP 4, CP2 x TP2 with sequence parallelism, CP2 x PP2, CP2 x DP2 with the
-  distributed optimizer, a2a, allgather, a2a+p2p, packed documents, recomputation, on a Llama-style model (RoPE, GQA):
+  distributed optimizer, a2a, allgather, a2a+p2p, packed documents, sliding windows with attention sinks
+  (ring and a2a), recomputation, on a Llama-style model (RoPE, GQA):
   losses and parameters after 3 steps equal the one-rank run within 1e-5 relative.
 - Checkpoints: what CP 2 saves, a CP 1 run loads (same parameters).
 
@@ -15,11 +16,12 @@ from paratron.parallel.stages import global_named_parameters
 from paratron.parallel.tensor import gather_full
 from tests.dist import run_ranks
 from tests.parallel.common import VOCAB, global_batches, micro_batches, tiny_config
-from tests.parallel.cp_attention_cases import KINDS, attention_cases
+from tests.parallel.cp_attention_cases import KINDS, MASKS, attention_cases
 
 STEPS = 3
 EOD = VOCAB - 1
 DOCS = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+WINDOW_SINKS = dict(window_size="5,0", window_attn_skip_freq=2, softmax_type="learnable")  # gpt-oss's pattern
 CASES = {  # name -> (world, settings); every case is the Llama-style tiny model (RoPE, 8 heads, 4 groups)
     "cp2": (2, dict(context_parallel_size=2)),
     "cp2_a2a_docs": (2, dict(context_parallel_size=2, cp_comm_type="a2a", **DOCS)),
@@ -27,6 +29,8 @@ CASES = {  # name -> (world, settings); every case is the Llama-style tiny model
     "cp4_allgather_docs": (4, dict(context_parallel_size=4, cp_comm_type="allgather", **DOCS)),
     "cp4_a2a_p2p_docs": (4, dict(context_parallel_size=4, cp_comm_type="a2a+p2p",
                                  hierarchical_context_parallel_sizes=[2, 2], **DOCS)),
+    "cp2_window_sinks": (2, dict(context_parallel_size=2, **WINDOW_SINKS)),
+    "cp4_a2a_window_sinks_docs": (4, dict(context_parallel_size=4, cp_comm_type="a2a", **WINDOW_SINKS, **DOCS)),
     "cp2_docs_selective": (2, dict(context_parallel_size=2, recompute_granularity="selective", **DOCS)),
     "cp2_per_token_loss": (2, dict(context_parallel_size=2, calculate_per_token_loss=True)),
     "cp4": (4, dict(context_parallel_size=4)),
@@ -100,10 +104,13 @@ def results(tmp_path_factory):
     return out
 
 
-REFERENCES = {"plain": {}, "docs": DOCS, "per_token": dict(calculate_per_token_loss=True)}
+REFERENCES = {"plain": {}, "docs": DOCS, "per_token": dict(calculate_per_token_loss=True),
+              "window_sinks": WINDOW_SINKS, "window_sinks_docs": dict(WINDOW_SINKS, **DOCS)}
 
 
 def reference_of(settings: dict) -> str:
+    if settings.get("window_size"):
+        return "window_sinks_docs" if settings.get("reset_attention_mask") else "window_sinks"
     return "docs" if settings.get("reset_attention_mask") else "per_token" if settings.get(
         "calculate_per_token_loss") else "plain"
 
@@ -116,7 +123,7 @@ def reference():
 def test_cp_attention_equals_full_attention(results):
     errors = results["attention"]
     assert set(errors) == {(cp, kind, mask) for cp in (2, 4) for kind in KINDS
-                           for mask in ("causal", "documents") if cp == 4 or kind != "a2a+p2p"}
+                           for mask in MASKS if cp == 4 or kind != "a2a+p2p"}
     for case, err in errors.items():
         assert err < 1e-5, f"{case}: relative difference {err:.2e}"
 

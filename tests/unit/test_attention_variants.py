@@ -173,8 +173,6 @@ def _resolve(**model):
     (dict(yarn_beta_fast=16.0, position_embedding_type="rope"), "--yarn-beta-fast has no effect without"),
     (dict(rotary_scaling_factor=4.0), "--rotary-scaling-factor has no effect without"),
     (dict(position_embedding_type="yarn", rotary_percent=0.5), "Megatron's YaRN rotates the whole head"),
-    (dict(window_size="4,0", context_parallel_size=2, attention_dropout=0.0), "--window-size with --context-parallel-size > 1"),
-    (dict(softmax_type="learnable", context_parallel_size=2, attention_dropout=0.0), "--softmax-type learnable with --context-parallel"),
     (dict(window_size="4,2"), "RIGHT must be 0"),
 ])
 def test_config_errors_are_one_line(flags, message):
