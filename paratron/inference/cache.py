@@ -71,3 +71,18 @@ class CacheView:
         ck.index_copy_(2, self.slots, k.to(ck.dtype))
         cv.index_copy_(2, self.slots, v.to(cv.dtype))
         return ck[:, :, :self.length], cv[:, :, :self.length]
+
+
+class RowView(CacheView):
+    """A pass over one row ``row`` of the cache (a prompt joining a running batch: continuous.py):
+    writes its slots of that row only and attends over that row's first ``length`` slots."""
+
+    def __init__(self, cache: KVCache, row: int, slots: torch.Tensor, length: int):
+        super().__init__(cache, slots, length)
+        self.row = row
+
+    def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ck, cv = (t[self.row:self.row + 1] for t in self.cache.layer(index))  # views: written in place
+        ck.index_copy_(2, self.slots, k.to(ck.dtype))
+        cv.index_copy_(2, self.slots, v.to(cv.dtype))
+        return ck[:, :, :self.length], cv[:, :, :self.length]

@@ -167,9 +167,17 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="how long the first waiting request waits for others to join its batch")
     p.add_argument("--model-name", help="the model's name in the API (default: the --load directory's name)")
+    p.add_argument("--continuous-batching", action="store_true",
+                   help="requests join a running batch between decode steps instead of waiting for it to end "
+                        "(one process: tensor parallelism is not supported with it)")
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
         raise ConfigError("--max-batch-size must be >= 1")
-    return on_ranks(args, lambda model: serve(model, args.host, args.port, args.max_batch_size,
-                                              args.batch_wait_ms / 1000.0, args.model_name or model.name))
+
+    def run(model) -> None:
+        if args.continuous_batching and model.group.dims.tp > 1:
+            raise ConfigError("--continuous-batching runs on one process; serve without it under tensor parallelism")
+        serve(model, args.host, args.port, args.max_batch_size, args.batch_wait_ms / 1000.0,
+              args.model_name or model.name, args.continuous_batching)
+    return on_ranks(args, run)
 

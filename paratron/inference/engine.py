@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..model.layers import ForwardContext
 from ..parallel import comm
-from .cache import CacheView, KVCache
+from .cache import CacheView, KVCache, RowView
 from .sampling import Sampler, SamplingParams, find_stop
 
 CACHE_ROUND = 64  # cache capacity is rounded up to this (with compile=True: to a power of two, at least this)
@@ -98,6 +98,18 @@ class Engine:
         return self._forward(ids, self.cache.positions(slots), view, self.cache.prefill_mask(ids.shape[1]),
                              last_only=not need_all)
 
+    def prefill_row(self, row: int, prompt: list, at: int, need_all: bool) -> torch.Tensor:
+        """Logits [L or 1, vocab] of ``prompt`` (L tokens) written into cache row ``row`` at slots
+        at - L .. at - 1 (the row's padding is set to at - L): a prompt joining a running batch."""
+        n = len(prompt)
+        slots = torch.arange(at - n, at, device=self.device)
+        self.cache.pad[row] = at - n
+        keys = torch.arange(at, device=self.device)
+        mask = ((keys[None, :] >= at - n) & (keys[None, :] <= slots[:, None]))[None, None]
+        ids = torch.tensor([prompt], device=self.device)
+        positions = torch.arange(n, device=self.device)[None]
+        return self._forward(ids, positions, RowView(self.cache, row, slots, at), mask, last_only=not need_all)[0]
+
     def _prepare_cache(self, batch: int, capacity: int) -> None:
         if self.cache is None or self.cache.batch != batch or self.cache.capacity != capacity:
             self.cache, self.graph = None, None  # free the old one first
@@ -151,14 +163,15 @@ class Engine:
 class _Run:
     """The state of one batch being generated."""
 
-    def __init__(self, engine: Engine, requests: list[Request]):
-        self.e, self.requests = engine, requests
+    def __init__(self, engine: Engine, requests: list[Request], headroom: int = 1):
+        """``headroom``: the cache holds this many times what the requests need (more requests may join)."""
+        self.e, self.requests = engine, list(requests)
         self.params = [r.params for r in requests]
         b, dev = len(requests), engine.device
         self.length = max(len(r.prompt) for r in requests)
-        want = self.length + max(p.max_new_tokens for p in self.params)
+        want = (self.length + max(p.max_new_tokens for p in self.params)) * headroom
         rounded = max(CACHE_ROUND, 1 << (want - 1).bit_length()) if engine.compile else -(-want // CACHE_ROUND) * CACHE_ROUND
-        capacity = min(rounded, engine.context)
+        capacity = self.capacity = min(rounded, engine.context)
         self.new_max = [min(p.max_new_tokens, capacity - len(r.prompt)) for r, p in zip(requests, self.params)]
         self.steps = min(max(self.new_max), capacity - self.length)
         engine._prepare_cache(b, capacity)
@@ -182,9 +195,7 @@ class _Run:
             for i, r in enumerate(self.requests):
                 if self.params[i].logprobs:
                     start = self.length - len(r.prompt)
-                    lp = torch.log_softmax(logits[i, start:-1].float(), dim=-1)
-                    got = lp.gather(-1, self.ids[i, start + 1:, None])[:, 0]
-                    self.prompt_logprobs[i] = [None] + got.tolist()
+                    self.prompt_logprobs_of(i, logits[i, start:], self.ids[i, start:])
         self.last = logits[:, -1]
 
     def decode(self, on_step) -> None:
@@ -247,16 +258,39 @@ class _Run:
                 self.done[i] = True
         return new
 
+    def result(self, i: int) -> Result:
+        """Row ``i``'s result (its request as generated so far)."""
+        text = None
+        if self.e.detokenize is not None:
+            text = self.e.detokenize(self.tokens[i])
+            cut = find_stop(text, self.params[i].stop)
+            text = text if cut is None else text[:cut]
+        p = self.params[i]
+        lp = self.logprobs[i] if p.logprobs else None
+        top = self.top[i] if p.logprobs and p.top_logprobs else None
+        return Result(list(self.requests[i].prompt), self.tokens[i], self.reason[i], text, lp, self.prompt_logprobs[i],
+                      top)
+
     def results(self) -> list[Result]:
-        out = []
-        for i, r in enumerate(self.requests):
-            text = None
-            if self.e.detokenize is not None:
-                text = self.e.detokenize(self.tokens[i])
-                cut = find_stop(text, self.params[i].stop)
-                text = text if cut is None else text[:cut]
-            p = self.params[i]
-            lp = self.logprobs[i] if p.logprobs else None
-            top = self.top[i] if p.logprobs and p.top_logprobs else None
-            out.append(Result(list(r.prompt), self.tokens[i], self.reason[i], text, lp, self.prompt_logprobs[i], top))
-        return out
+        return [self.result(i) for i in range(len(self.requests))]
+
+    def prompt_logprobs_of(self, i: int, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        """Row ``i``'s prompt log-probabilities from ``logits`` [L, vocab] of its prompt ``ids`` [L]."""
+        lp = torch.log_softmax(logits[:-1].float(), dim=-1)
+        self.prompt_logprobs[i] = [None] + lp.gather(-1, ids[1:, None])[:, 0].tolist()
+
+    def admit(self, i: int, req: Request, at: int) -> None:
+        """``req`` joins the batch in row ``i`` (free: its request is done), its prompt ending at slot
+        ``at``: prefilled into that row, its first token sampled at the next step with the others."""
+        p = req.params
+        self.requests[i], self.params[i] = req, p
+        self.new_max[i] = min(p.max_new_tokens, self.capacity - at)
+        self.tokens[i], self.logprobs[i], self.top[i], self.prompt_logprobs[i] = [], [], [], None
+        self.done[i], self.reason[i] = self.new_max[i] <= 0, "length"
+        self.sampler.set_row(i, p)
+        self.want_logprobs |= p.logprobs
+        self.n_top = max(self.n_top, p.top_logprobs if p.logprobs else 0)
+        logits = self.e.prefill_row(i, list(req.prompt), at, need_all=p.logprobs)
+        if p.logprobs:
+            self.prompt_logprobs_of(i, logits, torch.tensor(req.prompt, device=logits.device))
+        self.last[i] = logits[-1]

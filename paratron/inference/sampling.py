@@ -47,6 +47,7 @@ class Sampler:
     """The per-row parameters of one batch as tensors, and the generators of its seeded rows."""
 
     def __init__(self, params: list[SamplingParams], device):
+        self.params = list(params)
         self.greedy = all(p.temperature == 0 for p in params)
         self.device = device
         self.temperature = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device)[:, None]
@@ -59,6 +60,19 @@ class Sampler:
         for i, p in enumerate(params):
             if p.seed is not None and p.temperature > 0:
                 self.generators[i] = torch.Generator(device=device).manual_seed(int(p.seed))
+
+    def set_row(self, i: int, p: SamplingParams) -> None:
+        """Row ``i`` takes ``p`` (a request joining a running batch; its seed starts a new generator)."""
+        self.params[i] = p
+        self.greedy = all(q.temperature == 0 for q in self.params)
+        self.temperature[i, 0] = max(p.temperature, 1e-6)
+        self.is_greedy[i] = p.temperature == 0
+        self.top_k[i, 0], self.top_p[i, 0] = p.top_k, p.top_p
+        self.use_top_k = any(q.top_k > 0 for q in self.params)
+        self.use_top_p = any(q.top_p < 1.0 for q in self.params)
+        self.generators.pop(i, None)
+        if p.seed is not None and p.temperature > 0:
+            self.generators[i] = torch.Generator(device=self.device).manual_seed(int(p.seed))
 
     def _noise(self, shape) -> torch.Tensor:
         """Exponential(1) noise; seeded rows from their own generators."""

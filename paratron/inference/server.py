@@ -42,10 +42,14 @@ def _validation_error(exc) -> ApiError:
 class Server:
     """The app's state: the model, the batcher, the model's name."""
 
-    def __init__(self, model, max_batch: int, wait: float, name: str):
+    def __init__(self, model, max_batch: int, wait: float, name: str, continuous: bool = False):
         self.model, self.name = model, name
         self.default_max = 16
-        self.batcher = Batcher(model.run, max_batch, wait)
+        if continuous:  # requests join running batches (continuous.py)
+            from .continuous import ContinuousBatcher
+            self.batcher = ContinuousBatcher(model.engine, max_batch, wait)
+        else:
+            self.batcher = Batcher(model.run, max_batch, wait)
         self.started = int(time.time())
 
     def _check(self, requests: list, field: str) -> None:
@@ -227,10 +231,10 @@ def build_app(server: Server):
     return app
 
 
-def serve(model, host: str, port: int, max_batch: int, wait: float, name: str) -> None:
+def serve(model, host: str, port: int, max_batch: int, wait: float, name: str, continuous: bool = False) -> None:
     """Run the server until interrupted (rank 0; the other ranks follow in runtime.Group.follow)."""
     import uvicorn
-    server = Server(model, max_batch, wait, name)
+    server = Server(model, max_batch, wait, name, continuous)
     app = build_app(server)
     print(f"paratron serve: {name} on http://{host}:{port} (PUT /api, POST /v1/completions, "
           f"POST /v1/chat/completions, GET /v1/models, GET /health)", flush=True)

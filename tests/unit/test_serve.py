@@ -1,5 +1,6 @@
 """`paratron serve` on a tiny checkpoint, driven over 127.0.0.1 by the real `openai` client (completions,
-chat, streaming) and by plain HTTP (Megatron's PUT /api, the 4xx cases); 100 concurrent requests."""
+chat, streaming) and by plain HTTP (Megatron's PUT /api, the 4xx cases); 100 concurrent requests, also
+with --continuous-batching."""
 from __future__ import annotations
 
 import asyncio
@@ -42,13 +43,12 @@ class Reference:
         return [r.text for r in self.engine.generate(reqs)]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _server(tmp_path_factory, *flags):
     ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("serve"))
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "paratron", "serve", "--load", str(ckpt), "--port", str(port),
-                             "--max-batch-size", "32", "--model-name", "tiny"], env=env, cwd=ROOT,
+                             "--max-batch-size", "32", "--model-name", "tiny", *flags], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -67,6 +67,17 @@ def server(tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from _server(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def continuous_server(tmp_path_factory):
+    """The same with --continuous-batching: requests join running batches."""
+    yield from _server(tmp_path_factory, "--continuous-batching")
 
 
 def http(url: str, method: str, body) -> tuple[int, dict]:
@@ -117,8 +128,9 @@ def test_megatron_api(server):
                                                         "random_seed": 3})[1]["text"] == seeded["text"]
 
 
-def test_hundred_concurrent_requests(server):
-    url, ref = server
+@pytest.mark.parametrize("kind", ["server", "continuous_server"])
+def test_hundred_concurrent_requests(kind, request):
+    url, ref = request.getfixturevalue(kind)
     words = ["hello", "the quick", "brown fox", "lazy dog", "hello there", "jumps over"]
     prompts = [f"{words[i % 6]} {words[(i // 6) % 6]}" for i in range(100)]
     lengths = [3 + i % 5 for i in range(100)]
