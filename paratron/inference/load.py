@@ -103,12 +103,10 @@ def _check_tp(m, tp: int) -> None:
     if m.multi_latent_attention:
         raise CheckpointError("a multi-latent attention (DeepSeek) model cannot generate yet: the inference KV "
                               "cache holds the keys/values of paratron's fused-QKV attention only")
-    if m.num_experts is not None and tp > 1:
-        raise CheckpointError(f"a mixture-of-experts model generates on one rank only (not {tp} tensor-parallel "
-                              "ranks): MoE layers under tensor parallelism are not implemented yet")
-    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "moe_ffn_hidden_size",
+                 "moe_shared_expert_intermediate_size"):
         size = getattr(m, name)
-        if size % tp:
+        if size is not None and size % tp:
             raise CheckpointError(f"{name} {size} is not divisible by the {tp} tensor-parallel ranks; "
                                   f"run with a world size that divides it")
 

@@ -414,6 +414,9 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         par = self.par
         split = par.tp_size > 1 and not par.sequence_parallel  # replicated over TP: each rank takes a share
+        length = x.size(0)
+        if split and length % par.tp_size:  # generation (a decode step's one token, any prompt): zero rows added
+            x = F.pad(x, (0, 0, 0, 0, 0, -length % par.tp_size))
         xs = comm.scatter_to_sp(x, par.tp_group) if split else x
         s, b, h = xs.shape
         tokens = xs.reshape(-1, h)
@@ -426,6 +429,7 @@ class MoELayer(nn.Module):
         out = out.view(s, b, h)
         if split:
             out = comm.unscatter_from_sp(out, par.tp_group)
+            x, out = x[:length], out[:length]
         if self.shared_experts is not None:
             again = self.recompute_shared and recompute.active(self)  # --recompute-modules shared_experts
             shared = checkpoint(self.shared_experts, x, rng=par.rng) if again else self.shared_experts(x)

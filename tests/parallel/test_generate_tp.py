@@ -1,6 +1,7 @@
 """Generation at TP=2 (gloo) equals TP=1, from a one-rank paratron checkpoint resharded at load and from
-a Hugging Face directory sliced at load; rank 0 leads each batch, rank 1 follows
-(paratron.inference.runtime.Group)."""
+a Hugging Face directory sliced at load (a Llama, and a Mixtral: its experts split over expert-TP, the
+tokens of odd-length prompts and of each decode step padded to share over TP); rank 0 leads each batch,
+rank 1 follows (paratron.inference.runtime.Group)."""
 from __future__ import annotations
 
 import pytest
@@ -37,12 +38,23 @@ def _generate(rank, world, sources):
     return out
 
 
+def _mixtral(d) -> str:
+    from tests.unit.test_generate import hf_models
+    from tests.unit.test_hf_parity import randomize
+    cls, cfg = hf_models()["mixtral"]
+    torch.manual_seed(0)
+    hf = cls(cfg).eval()
+    randomize(hf)
+    hf.save_pretrained(d / "mixtral")
+    return str(d / "mixtral")
+
+
 def test_tp2_generation_equals_tp1(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path)  # saved at TP 1 (vocabulary padded for TP 1), loaded at TP 2
-    sources = [str(ckpt), str(tmp_path / "hf")]
+    sources = [str(ckpt), str(tmp_path / "hf"), _mixtral(tmp_path)]
     one = _generate(0, 1, sources)
     two = run_ranks(2, _generate, sources, tmp_dir=tmp_path)[0]
-    assert len(one) == len(two) == 2
+    assert len(one) == len(two) == 3
     for a, b in zip(one, two):
         for (t1, lp1), (t2, lp2) in zip(a, b):
             assert t1 == t2
