@@ -218,6 +218,9 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
 
     need(cfg.rotary_percent == 1.0 or cfg.position_embedding_type != "rope", "needs --rotary-percent 1.0")
     need(cfg.window_size is None, "no sliding-window attention (--window-size)")
+    need(not cfg.rotary_interleaved and cfg.rotary_seq_len_interpolation_factor is None and cfg.no_rope_freq is None,
+         "its rotary embedding is rotate-half on every layer (no --rotary-interleaved, "
+         "--rotary-seq-len-interpolation-factor or --no-rope-freq)")
     need(cfg.softmax_type == "vanilla", f"no attention sinks (--softmax-type {cfg.softmax_type})")
     need(not cfg.multi_latent_attention, "multi-latent attention (DeepSeek) has no Hugging Face mapping in paratron")
     need(not cfg.mtp_num_layers, "multi-token prediction layers (--mtp-num-layers) have no Hugging Face mapping in "

@@ -91,9 +91,6 @@ REFUSED = {
     "mla_down_proj_fusion": GPU.format("Transformer Engine's fused input norm + MLA down projections"),
     "moe_layer_recompute": PLANNED.format("MoE-layer recomputation"),
     "moe_latent_size": PLANNED.format("MoE latent projections"),
-    "rotary_interleaved": PLANNED.format("interleaved (RoFormer-style) rotary embeddings"),
-    "no_rope_freq": PLANNED.format("skipping RoPE in some layers"),
-    "rotary_seq_len_interpolation_factor": PLANNED.format("RoPE sequence-length interpolation"),
     "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
     "padded_vocab_size": PLANNED.format("an explicit padded vocabulary (paratron pads to "
                                         "--make-vocab-size-divisible-by x TP)"),
@@ -110,7 +107,6 @@ REFUSED = {
     "memory_snapshot_path": GPU.format("CUDA memory-history snapshots"),
     "test_mode": NA.format("Megatron's internal test harness"),
     "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
-    "first_last_layers_bf16": PLANNED.format("keeping the first/last layers in bf16 under FP8"),
     "use_precision_aware_optimizer": GPU.format("Transformer Engine's precision-aware optimizer"),
     "disable_gloo_process_groups": NA.format("paratron's checkpoint collectives need their gloo group"),
     "use_nccl_ub": GPU.format("NCCL user-buffer registration"),

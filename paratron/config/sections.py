@@ -102,6 +102,9 @@ class ModelConfig(Section):
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | yarn | none
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
+    rotary_interleaved: bool = False  # RoFormer-style: rotate interleaved pairs of dimensions (not the two halves)
+    rotary_seq_len_interpolation_factor: Optional[float] = None  # RoPE positions divided by this (interpolation)
+    no_rope_freq: Optional[str] = None  # layers without RoPE (Llama 4's NoPE): N = every Nth, or a 0/1 list (1 = none)
     use_rope_scaling: bool = False  # Llama-3.1-style frequency scaling
     rope_scaling_factor: float = 8.0
     rope_type: Optional[str] = None  # rope (standard attention; YaRN: --position-embedding-type yarn); multi-latent
@@ -270,6 +273,9 @@ class TrainConfig(Section):
     fp8_amax_compute_algo: str = "most_recent"  # delayed: max | most_recent of the history
     fp8_margin: int = 0  # scale = fp8 max / (amax * 2^margin)
     fp8_hybrid: bool = False  # Megatron's older spelling of --fp8-format hybrid
+    first_last_layers_bf16: bool = False  # FP8: the first and last decoder layers stay in bf16
+    num_layers_at_start_in_bf16: int = 1  # with --first-last-layers-bf16: how many first layers
+    num_layers_at_end_in_bf16: int = 1  # with --first-last-layers-bf16: how many last layers
     deterministic_mode: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable runs
     manual_gc: bool = False  # Python's automatic garbage collector off; collect every --manual-gc-interval steps
     manual_gc_interval: int = 0  # 0: collect only at checkpoints and evaluations

@@ -239,6 +239,12 @@ def validate_fp8(cfg: Config) -> None:
     if tr.fp8_hybrid:
         need(tr.fp8_format in (None, "hybrid"), f"--fp8-hybrid contradicts --fp8-format {tr.fp8_format}; choose one")
         tr.fp8_format = "hybrid"
+    if tr.first_last_layers_bf16:
+        start, end = tr.num_layers_at_start_in_bf16, tr.num_layers_at_end_in_bf16
+        need(tr.fp8_format is not None, "--first-last-layers-bf16 has no effect without --fp8-format; add it or "
+             "remove the flag")
+        need(start >= 0 and end >= 0 and start + end <= m.num_layers, f"--num-layers-at-start-in-bf16 {start} and "
+             f"--num-layers-at-end-in-bf16 {end} must be >= 0 and together at most --num-layers {m.num_layers}")
     if tr.fp8_format is None:
         return
     from ..parallel import fp8

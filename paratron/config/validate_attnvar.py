@@ -29,6 +29,7 @@ def validate_attention_variants(m) -> None:
     window_layers(m.window_size, m.window_attn_skip_freq, m.num_layers)  # raises on a bad value
     parse_window_size(m.window_size)
     mla = bool(getattr(m, "multi_latent_attention", False))
+    validate_rope_options(m, mla)
     need(m.rope_type in (None, "rope", "yarn"), f"--rope-type {m.rope_type}: choose rope or yarn")
     need(mla or m.rope_type != "yarn", "--rope-type yarn is for multi-latent attention (Megatron asserts "
          "rope for standard attention); use --position-embedding-type yarn for YaRN")
@@ -49,3 +50,24 @@ def validate_attention_variants(m) -> None:
     for name in ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow"):
         value = getattr(m, name)
         need(value is None or value > 0, f"{_flag(name)} must be > 0 (got {value})")
+
+
+def validate_rope_options(m, mla: bool) -> None:
+    """--rotary-interleaved, --rotary-seq-len-interpolation-factor and --no-rope-freq: rotary embeddings
+    of standard attention (MLA rotates its own part, interleaved already)."""
+    from ..model.core_attention import rope_layers
+    factor = m.rotary_seq_len_interpolation_factor
+    given = [flag for flag, on in (("--rotary-interleaved", m.rotary_interleaved),
+                                   ("--rotary-seq-len-interpolation-factor", factor is not None),
+                                   ("--no-rope-freq", m.no_rope_freq is not None)) if on]
+    if not given:
+        return
+    need(not mla, f"{given[0]} with --multi-latent-attention: MLA rotates its own rotary part (in interleaved "
+         "pairs already); remove the flag")
+    need(m.position_embedding_type in ("rope", "yarn"), f"{given[0]} has no effect without rotary embeddings; add "
+         "--position-embedding-type rope or remove the flag")
+    if factor is not None:
+        need(factor > 0, f"--rotary-seq-len-interpolation-factor must be > 0 (got {factor})")
+        need(m.position_embedding_type == "rope", "--rotary-seq-len-interpolation-factor with "
+             "--position-embedding-type yarn: YaRN scales positions its own way; remove one")
+    rope_layers(m.no_rope_freq, m.num_layers)  # raises on a bad value

@@ -14,11 +14,11 @@ Both run inside SDPA (no [s, s] float mask, no softmax outside the kernel):
   activations' dtype, as SDPA would convert a boolean one in every layer) and shared by every
   windowed layer: the causal/document mask of the pass and-ed with the band;
 * the sink is one extra key whose value is zero (``parallel.context.with_sink_dims``). Keys get
-  ``PAD`` extra zero dimensions, the sink key has a 1 in the first, and each query head carries ``sink / scale`` there, so its score with
-  the sink key is exactly its sink logit (grouped-query heads share keys, so the per-head value
-  must sit on the query side). Without a window or mask, a dummy first query lets the sink key
-  lead the sequence with ``is_causal`` (the flash kernel's path on CUDA); otherwise the mask gains
-  an always-open column.
+  ``PAD`` extra zero dimensions, the sink key has a 1 in the first, and each query head carries
+  ``sink / scale`` there, so its score with the sink key is exactly its sink logit (grouped-query
+  heads share keys, so the per-head value must sit on the query side). Without a window or mask, a
+  dummy first query lets the sink key lead the sequence with ``is_causal`` (the flash kernel's path
+  on CUDA); otherwise the mask gains an always-open column.
 
 On CUDA, flash attention takes no mask and the memory-efficient kernel (which does) takes no grouped
 heads, so a masked layer repeats the keys and values to every query head first; the unmasked causal
@@ -63,6 +63,24 @@ def parse_window_size(value: Union[None, str, tuple, list]) -> Optional[tuple[in
     return left, right
 
 
+def layer_pattern(value: Union[None, int, str, list], num_layers: int, flag: str) -> Union[int, list]:
+    """Megatron's per-layer pattern flags: an int N (every Nth layer, counted from 1) or a list (or list
+    expression) of 0/1 per layer, checked; returned as N or as a list of bools."""
+    from .spec import _list_expression  # the safe parser of Megatron's list expressions
+    parsed = _list_expression(value, num_layers, flag) if isinstance(value, str) else value
+    if isinstance(parsed, bool) or not isinstance(parsed, (int, list, tuple)):
+        raise ConfigError(f"{flag} {value!r}: expected an int or a list of 0/1 per layer")
+    if isinstance(parsed, int):
+        if parsed < 1:
+            raise ConfigError(f"{flag} {parsed}: the frequency must be >= 1")
+        return parsed
+    if any(isinstance(v, bool) or v not in (0, 1) for v in parsed):
+        raise ConfigError(f"{flag} {list(parsed)}: entries must be 0 or 1")
+    if len(parsed) != num_layers:
+        raise ConfigError(f"{flag} has {len(parsed)} entries, --num-layers is {num_layers}")
+    return [bool(v) for v in parsed]
+
+
 def window_layers(window_size, skip_freq: Union[None, int, str, list], num_layers: int) -> list[bool]:
     """Per global layer (0-based): whether it uses the window (Megatron's ``is_layer_window_attention``
     with the 1-based layer number). ``skip_freq`` None: every layer; an int N: every Nth layer
@@ -72,20 +90,20 @@ def window_layers(window_size, skip_freq: Union[None, int, str, list], num_layer
         return [False] * num_layers
     if skip_freq is None:
         return [True] * num_layers
-    from .spec import _list_expression  # the safe parser of Megatron's list expressions
-    flag = "--window-attn-skip-freq"
-    value = _list_expression(skip_freq, num_layers, flag) if isinstance(skip_freq, str) else skip_freq
-    if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
-        raise ConfigError(f"{flag} {skip_freq!r}: expected an int or a list of 0/1 per layer")
-    if isinstance(value, int):
-        if value < 1:
-            raise ConfigError(f"{flag} {value}: the frequency must be >= 1")
-        return [(i + 1) % value != 0 for i in range(num_layers)]
-    if any(isinstance(v, bool) or v not in (0, 1) for v in value):
-        raise ConfigError(f"{flag} {list(value)}: entries must be 1 (window) or 0 (full attention)")
-    if len(value) != num_layers:
-        raise ConfigError(f"{flag} has {len(value)} entries, --num-layers is {num_layers}")
-    return [bool(v) for v in value]
+    pattern = layer_pattern(skip_freq, num_layers, "--window-attn-skip-freq")
+    return pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(num_layers)]
+
+
+def rope_layers(no_rope_freq: Union[None, int, str, list], num_layers: int) -> list[bool]:
+    """Per global layer (0-based): whether it applies the rotary embedding (``--no-rope-freq``, Llama 4's
+    NoPE layers): None: every layer; an int N: every Nth layer (counted from 1) skips it; a list of 0/1
+    per layer: 1 = no RoPE."""
+    if no_rope_freq is None:
+        return [True] * num_layers
+    pattern = layer_pattern(no_rope_freq, num_layers, "--no-rope-freq")
+    if isinstance(pattern, list):
+        return [not v for v in pattern]
+    return [(i + 1) % pattern != 0 for i in range(num_layers)]
 
 
 def needs_core_attention(cfg) -> bool:

@@ -114,7 +114,7 @@ class GPTModel(nn.Module):
                                         recompute_granularity=recompute_granularity, recompute_method=recompute_method,
                                         recompute_num_layers=recompute_num_layers, device=device, dtype=dtype,
                                         seed=seed)
-        fp8_mod.attach(self.decoder, fp8)  # FP8 matmuls in QKV / proj / fc1 / fc2 when a recipe is given
+        fp8_mod.attach(self.decoder, fp8, cfg.num_layers)  # FP8 matmuls in QKV / proj / fc1 / fc2 with a recipe
         if post_process:
             # Tied: drawn from the embedding's stream, so the last stage's copy equals the word embedding.
             with seeded_init(seed, "embedding" if self.share_embeddings else "output_layer", device):

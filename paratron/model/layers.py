@@ -20,7 +20,7 @@ from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel import fp8_mlp
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
-from .core_attention import CoreAttention, needs_core_attention
+from .core_attention import CoreAttention, needs_core_attention, rope_layers
 from .variants import apply_output_gate, fused_fp8_activation, is_gated, mlp_activation, qkv_parts
 from .yarn import yarn_concentration_factor, yarn_inv_freq, yarn_params
 
@@ -148,6 +148,8 @@ class Rotary(nn.Module):
             self.dim = int(cfg.kv_channels * cfg.rotary_percent)
             inv = rope_inv_freq(self.dim, cfg.rotary_base, cfg.use_rope_scaling, cfg.rope_scaling_factor).to(where)
         pos = torch.arange(max(cfg.max_position_embeddings, cfg.seq_length), dtype=torch.float32, device=where)
+        if cfg.rotary_seq_len_interpolation_factor:  # position interpolation: positions squeezed by the factor
+            pos = pos / cfg.rotary_seq_len_interpolation_factor
         freqs = torch.outer(pos, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", (emb.cos() * factor).to(device), persistent=False)
@@ -167,6 +169,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotated = torch.cat([-x2, x1], dim=-1)
     out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
     return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary with the rotated dimensions in interleaved pairs (RoFormer's, ``--rotary-interleaved``;
+    DeepSeek's MLA weights): reordered even-then-odd, then the rotate-half rotation. Applied to queries
+    and keys alike, the reordering does not change q . k, so attention equals the interleaved form's."""
+    d = cos.size(-1)
+    rot = torch.cat([x[..., 0:d:2], x[..., 1:d:2]], dim=-1)
+    return apply_rotary(rot if d == x.size(-1) else torch.cat([rot, x[..., d:]], dim=-1), cos, sin)
 
 
 def output_init(cfg: ModelConfig):
@@ -219,6 +230,9 @@ class Attention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
         self.layer_index = layer_index  # the global layer number (its slot in an inference KV cache)
+        # the rotary embedding of this layer (None: --no-rope-freq makes it a NoPE layer)
+        self.rotate = ((apply_rotary_interleaved if cfg.rotary_interleaved else apply_rotary)
+                       if rope_layers(cfg.no_rope_freq, cfg.num_layers)[min(layer_index, cfg.num_layers - 1)] else None)
         self.gated = cfg.attention_output_gate
         self.q_rows = self.q_per_group * qkv_parts(cfg)  # query (and gate) heads per group
         qkv_out = (cfg.num_attention_heads * qkv_parts(cfg) + 2 * cfg.num_query_groups) * self.d
@@ -269,8 +283,8 @@ class Attention(nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if ctx.rope is not None:
-            q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
+        if ctx.rope is not None and self.rotate is not None:
+            q, k = self.rotate(q, *ctx.rope), self.rotate(k, *ctx.rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
             k, v = ctx.kv_cache.update(self.layer_index, k, v)

@@ -41,7 +41,7 @@ from ..parallel import comm
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
-from .layers import ForwardContext, Norm, Parallel, Rotary, apply_rotary, output_init, rope_inv_freq
+from .layers import ForwardContext, Norm, Parallel, Rotary, apply_rotary_interleaved, output_init, rope_inv_freq
 from .yarn import YarnParams, yarn_concentration_factor, yarn_inv_freq, yarn_mscale
 
 def mla_yarn(cfg: ModelConfig) -> YarnParams:
@@ -76,12 +76,7 @@ class MLARotary(Rotary):
         self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
 
 
-def apply_mla_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary on MLA's layout: the rotated dimensions come in interleaved pairs (DeepSeek's weights),
-    reordered even-then-odd before the rotate-half rotation (the order does not change q . k)."""
-    d = cos.size(-1)
-    rot = torch.cat([x[..., 0:d:2], x[..., 1:d:2]], dim=-1)
-    return apply_rotary(rot if d == x.size(-1) else torch.cat([rot, x[..., d:]], dim=-1), cos, sin)
+apply_mla_rotary = apply_rotary_interleaved  # MLA's rotary dimensions come in interleaved pairs (DeepSeek's weights)
 
 
 class ReplicatedLinear(nn.Module):

@@ -81,6 +81,8 @@ class Recipe:
     margin: int = 0
     emulate: bool = False  # tests only: dequantise + fp32 matmul instead of torch._scaled_mm
     fuse_mlp: bool = True  # the SwiGLU MLP as one FP8 function (fp8_mlp.py); PARATRON_FP8_FUSED_MLP=0: per layer
+    bf16_at_start: int = 0  # --first-last-layers-bf16: the first / last decoder layers stay in the params' dtype
+    bf16_at_end: int = 0
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -92,8 +94,13 @@ class Recipe:
         if not tr.fp8_format:
             return None
         fuse = os.environ.get("PARATRON_FP8_FUSED_MLP", "1") != "0"  # a switch for side-by-side timing
+        edges = (tr.num_layers_at_start_in_bf16, tr.num_layers_at_end_in_bf16) if tr.first_last_layers_bf16 else (0, 0)
         return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin,
-                   fuse_mlp=fuse)
+                   fuse_mlp=fuse, bf16_at_start=edges[0], bf16_at_end=edges[1])
+
+    def in_bf16(self, layer: int, num_layers: int) -> bool:
+        """Whether decoder layer ``layer`` (global, 0-based) of ``num_layers`` stays out of FP8."""
+        return layer < self.bf16_at_start or layer >= num_layers - self.bf16_at_end
 
 
 _compiled: dict = {}
@@ -251,14 +258,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.
     return _FP8Linear.apply(x, weight, state)
 
 
-def attach(model: torch.nn.Module, recipe: Optional[Recipe]) -> int:
+def attach(model: torch.nn.Module, recipe: Optional[Recipe], num_layers: Optional[int] = None) -> int:
     """Give each transformer QKV / proj / fc1 / fc2 layer of ``model`` its own FP8State (embedding and
-    output layer stay in the parameters' dtype). Returns how many layers got one."""
+    output layer stay in the parameters' dtype). ``num_layers``: the decoder's (global) layer count, for
+    the recipe's first / last layers kept out of FP8 (``model`` a decoder stack: its layers' indices).
+    Returns how many layers got one."""
     if recipe is None:
         return 0
+    skip = {id(m) for layer in getattr(model, "layers", []) if num_layers is not None
+            and recipe.in_bf16(layer.index, num_layers) for m in layer.modules()}
     n = 0
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in LAYERS and hasattr(module, "fp8"):
+        if name.rsplit(".", 1)[-1] in LAYERS and hasattr(module, "fp8") and id(module) not in skip:
             module.fp8 = FP8State(recipe, module.weight.device)
             n += 1
     return n

@@ -268,3 +268,26 @@ def test_moe_model_says_which_linears_fp8_covers(monkeypatch, capsys):
     assert all(torch.isfinite(torch.tensor(losses_of(trainer, 2))))
     dense = Trainer(parse_args(TINY + ["--train-iters", "1", "--bf16", "--fp8-format", "hybrid", "--device", "cpu"]))
     assert dense is not None and "grouped GEMMs" not in capsys.readouterr().out
+
+
+def test_first_last_layers_stay_in_bf16(monkeypatch):
+    """--first-last-layers-bf16 (Megatron's): the first N and last M decoder layers get no FP8 state,
+    the others do; it trains; without --fp8-format, or with more edge layers than layers, one-line errors."""
+    from tests.unit.test_train import TINY, losses_of
+    from paratron.config import ConfigError
+    from paratron.train.loop import Trainer
+    monkeypatch.setattr(fp8, "device_problem", lambda device: None)
+    flags = [f for f in TINY] + ["--train-iters", "2", "--bf16", "--fp8-format", "hybrid", "--device", "cpu"]
+    flags[flags.index("--num-layers") + 1] = "4"
+    trainer = Trainer(parse_args(flags + ["--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"]))
+    in_fp8 = {layer.index for layer in trainer.model.module.decoder.layers
+              if all(getattr(m, "fp8", None) is not None for n, m in layer.named_modules() if n.endswith("linear_qkv"))}
+    assert in_fp8 == {1}  # layer 0 (first 1) and layers 2, 3 (last 2) stay in bf16
+    assert all(torch.isfinite(torch.tensor(losses_of(trainer, 2))))
+    everything = Trainer(parse_args(flags))
+    assert all(m.fp8 is not None for n, m in everything.model.named_modules() if n.endswith(fp8.LAYERS))
+    with pytest.raises(ConfigError, match="--first-last-layers-bf16 has no effect without --fp8-format"):
+        parse_args([f for f in flags if f not in ("--fp8-format", "hybrid")] + ["--first-last-layers-bf16"])
+    with pytest.raises(ConfigError, match="together at most --num-layers 4"):
+        parse_args(flags + ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "3",
+                            "--num-layers-at-end-in-bf16", "2"])
