@@ -92,8 +92,6 @@ REFUSED = {
     "moe_layer_recompute": PLANNED.format("MoE-layer recomputation"),
     "moe_latent_size": PLANNED.format("MoE latent projections"),
     "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
-    "padded_vocab_size": PLANNED.format("an explicit padded vocabulary (paratron pads to "
-                                        "--make-vocab-size-divisible-by x TP)"),
     "account_for_embedding_in_pipeline_split": PLANNED.format("embedding-aware pipeline splits"),
     "account_for_loss_in_pipeline_split": PLANNED.format("loss-aware pipeline splits"),
     "microbatch_group_size_per_virtual_pipeline_stage": PLANNED.format("micro-batch groups per virtual stage"),

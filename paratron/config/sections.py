@@ -5,11 +5,9 @@ in Python are the same setting. Fields are grouped in sections (model, parallel,
 log, ckpt); every name is unique across sections, so a flat YAML file or command line maps onto
 exactly one field. ``Config.flat()`` gives Megatron's flat ``args`` view.
 
-A config is writable while it is being built; ``resolve()`` (paratron/config/validate.py) validates
-it, computes every derived value and freezes every section: a later write raises
-:class:`FrozenConfigError` naming the field. Code that needs another config makes a copy:
-``cfg.unfrozen()`` (the values as given, before resolve derived any; resolve it again) or
-``dataclasses.replace(section, field=value)``.
+A config is writable while it is being built; ``resolve()`` (config/validate.py) validates it,
+derives every value and freezes every section (a later write raises :class:`FrozenConfigError`).
+Another config is a copy: ``cfg.unfrozen()`` or ``dataclasses.replace(section, field=value)``.
 """
 from __future__ import annotations
 
@@ -107,8 +105,7 @@ class ModelConfig(Section):
     no_rope_freq: Optional[str] = None  # layers without RoPE (Llama 4's NoPE): N = every Nth, or a 0/1 list (1 = none)
     use_rope_scaling: bool = False  # Llama-3.1-style frequency scaling
     rope_scaling_factor: float = 8.0
-    rope_type: Optional[str] = None  # rope (standard attention; YaRN: --position-embedding-type yarn); multi-latent
-    # attention: rope | yarn (default yarn, its rotary part)
+    rope_type: Optional[str] = None  # rope (standard attention); multi-latent attention: rope | yarn (default yarn)
     # YaRN (--position-embedding-type yarn; paratron/model/yarn.py), Megatron's defaults when unset
     rotary_scaling_factor: float = 1.0  # YaRN: context extension factor
     yarn_original_max_position_embeddings: Optional[int] = None  # YaRN: positions of pre-training (default 4096)
@@ -205,6 +202,7 @@ TransformerConfig = ModelConfig  # Megatron's name for the model-shape config
 @dataclass(eq=True)
 class ParallelConfig(Section):
     _name = "parallel"
+    local_rank: Optional[int] = None  # the legacy launcher's --local-rank (torch.distributed.launch); LOCAL_RANK wins
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
@@ -341,6 +339,7 @@ class DataConfig(Section):
     merge_file: Optional[str] = None
     tokenizer_model: Optional[str] = None
     vocab_size: Optional[int] = None  # resolve() sets the tokenizer's vocabulary size
+    padded_vocab_size: Optional[int] = None  # the model's vocabulary rows (default: the padding of Megatron's)
     null_tokenizer_eod_id: Optional[int] = None
     vocab_extra_ids: int = 0  # SentencePieceTokenizer: <extra_id_i> tokens added
     tiktoken_pattern: str = "v2"  # TikTokenizer: v1 | v2
@@ -459,10 +458,12 @@ class Config(Section):
         the world size it was resolved for."""
         return Config(**{name: getattr(self, name).unfrozen() for name in SECTIONS}, world_size=self.world_size)
 
-    # Derived from frozen fields (never stored, so they cannot go stale).
-    @property
+    @property  # derived from frozen fields (never stored, so they cannot go stale), as data_parallel_size
     def padded_vocab_size(self) -> int:
-        """Megatron's padding of the vocabulary: the next multiple of --make-vocab-size-divisible-by x TP."""
+        """--padded-vocab-size (checked in validation), else Megatron's: the next multiple of
+        --make-vocab-size-divisible-by x TP."""
+        if self.data.padded_vocab_size is not None:
+            return self.data.padded_vocab_size
         if self.data.vocab_size is None:
             raise ConfigError("the vocabulary size is not known: resolve the config (or set --vocab-size)")
         multiple = self.model.make_vocab_size_divisible_by * self.parallel.tensor_model_parallel_size
@@ -492,7 +493,6 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def base_type(tp) -> Any:
-    """``Optional[int]`` -> int."""
+def base_type(tp) -> Any:  # Optional[int] -> int
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if args else tp

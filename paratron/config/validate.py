@@ -404,6 +404,10 @@ def resolve_world(cfg: Config, world: int) -> None:
 
 def _set_vocab(cfg: Config, vocab_size) -> None:
     cfg.data.vocab_size = vocab_size(cfg.data)
+    padded, tp = cfg.data.padded_vocab_size, cfg.parallel.tensor_model_parallel_size
+    if padded is not None:  # --padded-vocab-size: the model's rows as given, checked against the tokenizer and TP
+        need(padded >= cfg.data.vocab_size and padded % tp == 0, f"--padded-vocab-size {padded} must be at least the "
+             f"tokenizer's {cfg.data.vocab_size} tokens and divisible by --tensor-model-parallel-size {tp}")
 
 
 def _run_all(steps) -> None:

@@ -39,7 +39,11 @@ def init_distributed(cfg: Config) -> torch.device:
     use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    given = cfg.parallel.local_rank  # --local-rank of torch.distributed.launch (which also sets LOCAL_RANK)
+    env = os.environ.get("LOCAL_RANK")
+    if given is not None and env is not None and int(env) != given:
+        raise ConfigError(f"--local-rank {given} contradicts LOCAL_RANK={env} from the launcher; remove the flag")
+    local = int(env) if env is not None else (given or 0)
     device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

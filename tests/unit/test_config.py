@@ -232,3 +232,23 @@ def test_package_keeps_files_and_functions_small():
 def test_cp_comm_type_takes_megatron_per_layer_lists_that_agree(words, kind):
     """Megatron's --cp-comm-type is a list, one type per layer; paratron runs one type for the model."""
     assert parse_args(BASE + ["--cp-comm-type", *words]).parallel.cp_comm_type == kind
+
+
+def test_padded_vocab_size_is_taken_as_given_and_checked():
+    cfg = parse_args(BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--padded-vocab-size", "520"])
+    assert cfg.padded_vocab_size == 520
+    assert parse_args(BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]).padded_vocab_size == 512
+    with pytest.raises(ConfigError, match="--padded-vocab-size 400 must be at least the tokenizer's 500"):
+        parse_args(BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--padded-vocab-size", "400"])
+
+
+def test_local_rank_of_the_legacy_launcher(monkeypatch):
+    """torch.distributed.launch passes --local-rank N: accepted; contradicting LOCAL_RANK is an error."""
+    from paratron.train.distributed import init_distributed
+    cfg = parse_args(BASE + ["--local-rank", "0", "--device", "cpu"])
+    assert cfg.parallel.local_rank == 0
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert init_distributed(cfg).type == "cpu"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match="--local-rank 0 contradicts LOCAL_RANK=1"):
+        init_distributed(cfg)
