@@ -92,8 +92,6 @@ REFUSED = {
     "moe_layer_recompute": PLANNED.format("MoE-layer recomputation"),
     "moe_latent_size": PLANNED.format("MoE latent projections"),
     "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
-    "account_for_embedding_in_pipeline_split": PLANNED.format("embedding-aware pipeline splits"),
-    "account_for_loss_in_pipeline_split": PLANNED.format("loss-aware pipeline splits"),
     "microbatch_group_size_per_virtual_pipeline_stage": PLANNED.format("micro-batch groups per virtual stage"),
     "verify_integrity": PLANNED.format("checkpoint file hashing (paratron checks CRC32s of every file)"),
     "eval_global_batch_size": PLANNED.format("a separate evaluation batch size"),

@@ -114,8 +114,7 @@ class ModelConfig(Section):
     yarn_correction_range_round_to_int: bool = True  # YaRN: floor/ceil the ramp ends (--no-... keeps fractions)
     mscale: float = 1.0  # YaRN: attention-factor coefficient (numerator)
     mscale_all_dim: float = 0.0  # YaRN: attention-factor coefficient (denominator)
-    # Sliding-window attention and attention sinks (paratron/model/core_attention.py)
-    window_size: Optional[str] = None  # "LEFT,RIGHT" tokens (-1: unbounded), e.g. 127,0
+    window_size: Optional[str] = None  # sliding window (model/core_attention.py): "LEFT,RIGHT" (-1: unbounded), 127,0
     window_attn_skip_freq: Optional[str] = None  # int N (every Nth layer full) or a 0/1 list expression (1 = window)
     softmax_type: str = "vanilla"  # vanilla | off-by-one | learnable (per-head sink logits)
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
@@ -159,8 +158,7 @@ class ModelConfig(Section):
     moe_router_group_topk: Optional[int] = None  # ... each token choosing its experts in this many groups
     moe_router_force_load_balancing: bool = False  # benchmarking: random router logits (straight-through grad)
     moe_shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . gate_weight) (Qwen2-MoE)
-    # Megatron's deprecated position-embedding switches (issue 19): resolve() maps them onto --position-embedding-type
-    use_rotary_position_embeddings: bool = False  # = --position-embedding-type rope
+    use_rotary_position_embeddings: bool = False  # Megatron's deprecated = --position-embedding-type rope
     no_position_embedding: bool = False  # no learned position table: accepted with rope (as Megatron), else an error
     # Megatron's norm, activation and attention variants (paratron/model/variants.py)
     apply_layernorm_1p: bool = False  # zero-centred norm weights: stored w (initialised 0), applied as 1 + w
@@ -211,6 +209,8 @@ class ParallelConfig(Section):
     decoder_last_pipeline_num_layers: Optional[int] = None
     num_virtual_stages_per_pipeline_rank: Optional[int] = None  # the virtual pipeline size, Megatron's newer name
     pipeline_model_parallel_layout: Optional[str] = None  # Megatron's layout string, e.g. "Et*3|(tt|)*2,t|tL"
+    account_for_embedding_in_pipeline_split: bool = False  # the embedding counts as a layer of the first stage
+    account_for_loss_in_pipeline_split: bool = False  # the loss counts as a layer of the last stage
     use_tp_pp_dp_mapping: bool = False  # rank order tp-cp-ep-pp-dp (DP varies slowest) instead of tp-cp-ep-dp-pp
     context_parallel_size: int = 1  # the sequence split over CP ranks (paratron/parallel/context.py)
     cp_comm_type: str = "p2p"  # p2p (ring attention) | a2a (Ulysses) | allgather (K/V gathered) | a2a+p2p (hierarchical)

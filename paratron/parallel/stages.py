@@ -91,9 +91,41 @@ def _virtual_size_of_layout(par) -> Optional[int]:
     return par.num_virtual_stages_per_pipeline_rank
 
 
+def accounted_layout(par, num_layers: int) -> Optional[str]:
+    """The layout of Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding (loss)
+    counts as one layer of the first (last) virtual stage, and the layers plus those split evenly over
+    the PP x V stages; None without either flag."""
+    extra = [f for f, on in (("--account-for-embedding-in-pipeline-split", par.account_for_embedding_in_pipeline_split),
+                             ("--account-for-loss-in-pipeline-split", par.account_for_loss_in_pipeline_split)) if on]
+    if not extra:
+        return None
+    pp = par.pipeline_model_parallel_size
+    if pp == 1:
+        raise ConfigError(f"{extra[0]} has no effect without --pipeline-model-parallel-size > 1; remove it")
+    given = [f for f, v in (("--pipeline-model-parallel-layout", par.pipeline_model_parallel_layout),
+                            ("--decoder-first-pipeline-num-layers", par.decoder_first_pipeline_num_layers),
+                            ("--decoder-last-pipeline-num-layers", par.decoder_last_pipeline_num_layers),
+                            ("--num-layers-per-virtual-pipeline-stage", par.num_layers_per_virtual_pipeline_stage))
+             if v is not None]
+    if given:
+        raise ConfigError(f"{extra[0]} and {given[0]} both say how layers split over stages; choose one")
+    stages = pp * (par.virtual_pipeline_model_parallel_size or par.num_virtual_stages_per_pipeline_rank or 1)
+    e, loss = int(par.account_for_embedding_in_pipeline_split), int(par.account_for_loss_in_pipeline_split)
+    if (num_layers + e + loss) % stages:
+        raise ConfigError(f"{' and '.join(extra)}: --num-layers {num_layers} + {e + loss} must be divisible by the "
+                          f"{stages} (virtual) pipeline stages")
+    k = (num_layers + e + loss) // stages
+    counts = [k - (e if s == 0 else 0) - (loss if s == stages - 1 else 0) for s in range(stages)]
+    return "|".join(("E" if s == 0 else "") + "t" * n + ("L" if s == stages - 1 else "") for s, n in enumerate(counts))
+
+
 def finalize_pipeline(par, num_layers: int) -> Optional[int]:
     """Config checks of the pipeline layout (called by config.resolve): checks that the layers split and
-    returns the virtual pipeline size (derived from ``--num-layers-per-virtual-pipeline-stage`` when given)."""
+    returns the virtual pipeline size (derived from ``--num-layers-per-virtual-pipeline-stage`` when given).
+    Megatron's --account-for-*-in-pipeline-split become the layout they imply (``accounted_layout``)."""
+    layout = accounted_layout(par, num_layers)
+    if layout is not None:
+        par.pipeline_model_parallel_layout, par.num_virtual_stages_per_pipeline_rank = layout, None
     pp = par.pipeline_model_parallel_size
     per_v = par.num_layers_per_virtual_pipeline_stage
     vpp = par.virtual_pipeline_model_parallel_size

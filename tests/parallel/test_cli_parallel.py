@@ -39,6 +39,12 @@ def test_cli_pp2(single):
     check(single, run(2, "--pipeline-model-parallel-size", "2"))
 
 
+def test_cli_pp2_accounted_split(single):
+    """Megatron's --account-for-embedding/loss-in-pipeline-split: 4 layers as Ett|ttL."""
+    check(single, run(2, "--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split",
+                      "--account-for-loss-in-pipeline-split"))
+
+
 def test_cli_pp4(single):
     check(single, run(4, "--pipeline-model-parallel-size", "4"))
 

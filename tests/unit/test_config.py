@@ -252,3 +252,22 @@ def test_local_rank_of_the_legacy_launcher(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ConfigError, match="--local-rank 0 contradicts LOCAL_RANK=1"):
         init_distributed(cfg)
+
+
+@pytest.mark.parametrize("extra,layout", [
+    (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"], "Ettt|tttL"),
+    (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+      "--virtual-pipeline-model-parallel-size", "2"], "Et|tt|tt|tL"),
+    (["--account-for-embedding-in-pipeline-split"], None),  # 6 + 1 layers do not split over 2 stages
+    (["--account-for-loss-in-pipeline-split", "--virtual-pipeline-model-parallel-size", "2"], None),
+])
+def test_accounted_pipeline_splits_become_layouts(extra, layout):
+    """Megatron's --account-for-embedding/loss-in-pipeline-split: 6 layers on PP 2 (x V) as the layout
+    where the embedding / loss take one layer's place."""
+    args = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--train-iters", "5", "--lr", "1e-3", "--mock-data", "--pipeline-model-parallel-size", "2"]
+    if layout is None:
+        with pytest.raises(ConfigError, match="must be divisible by the"):
+            parse_args(args + extra, world_size=2)
+        return
+    assert parse_args(args + extra, world_size=2).parallel.pipeline_model_parallel_layout == layout
