@@ -132,8 +132,7 @@ class ModelConfig(Section):
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
-    # Mixture of experts (docs/moe.md); no --num-experts: every layer dense.
-    num_experts: Optional[int] = None
+    num_experts: Optional[int] = None  # mixture of experts (docs/moe.md); None: every layer dense
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None  # default --ffn-hidden-size
     moe_layer_freq: str = "1"  # int k (layers 0, k, 2k... MoE) or a list expression such as ([0]*1+[1]*3)*4
@@ -167,15 +166,13 @@ class ModelConfig(Section):
     glu_linear_offset: float = 0.0  # added to the linear half of a gated MLP before the product
     activation_func_clamp_value: Optional[float] = None  # gated MLP: gate clamped to <= v, linear half to [-v, v]
     attention_output_gate: bool = False  # attention output times sigmoid(gate); the gate is a 4th part of QKV
-    # Multi-latent attention (DeepSeek-V2/V3; paratron/model/mla.py, docs/model.md)
-    multi_latent_attention: bool = False  # DeepSeek's multi-latent attention in place of the fused-QKV attention
+    multi_latent_attention: bool = False  # DeepSeek's MLA (model/mla.py) in place of the fused-QKV attention
     q_lora_rank: Optional[int] = None  # rank of the compressed query (none: one plain query projection)
     kv_lora_rank: int = 32  # rank of the compressed keys and values
     qk_head_dim: int = 128  # per-head query/key dimension without the rotary part
     qk_pos_emb_head_dim: int = 64  # per-head rotary query/key dimension (one rotary key shared by all heads)
     v_head_dim: int = 128  # per-head value dimension
-    # Multi-token prediction (DeepSeek-V3; paratron/model/mtp.py, docs/model.md)
-    mtp_num_layers: Optional[int] = None  # MTP depths: each predicts one token further with one more layer
+    mtp_num_layers: Optional[int] = None  # DeepSeek-V3 MTP depths (model/mtp.py): each predicts one token further
     mtp_loss_scaling_factor: float = 0.1  # the MTP losses' weight: factor / depths x their sum joins the loss
 
     def resolved(self, **changes) -> "ModelConfig":
@@ -260,6 +257,8 @@ class TrainConfig(Section):
     recompute_method: Optional[str] = None  # uniform | block
     recompute_num_layers: Optional[int] = None
     recompute_modules: Optional[list] = None  # selective recompute of: core_attn (default), layernorm, mlp, moe, ...
+    moe_layer_recompute: bool = False  # Megatron's older spelling: selective recomputation of the MoE layers ("moe")
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = None  # every N steps: equal weights on every DP rank
     device: Optional[str] = None  # paratron: cuda | cpu; default cuda when available
     torch_compile: bool = False  # paratron: torch.compile each transformer layer (regional compilation)
     no_fused_output_loss: bool = False  # paratron: plain logits + cross-entropy instead of the chunked fused path
@@ -308,8 +307,7 @@ class OptimConfig(Section):
     decoupled_lr: Optional[float] = None  # peak LR of the word embedding and output layer (same schedule shape)
     decoupled_min_lr: Optional[float] = None  # their minimum LR (default --min-lr); needs --decoupled-lr
     apply_wd_to_qk_layernorm: bool = False  # weight decay on the q/k layernorm weights and biases too
-    # Muon (--optimizer muon | dist_muon; paratron/optim/muon.py): Megatron's defaults
-    muon_momentum: float = 0.9  # Muon's momentum (EMA) coefficient
+    muon_momentum: float = 0.9  # Muon's (--optimizer muon | dist_muon; optim/muon.py) momentum coefficient
     muon_split_qkv: bool = True  # --muon-no-split-qkv: orthogonalise the fused QKV matrix whole
     muon_nesterov: bool = False  # Nesterov momentum: orthogonalise (1 - m) g + m M instead of M
     muon_scale_mode: str = "spectral"  # spectral | unit_rms_norm | shape_scaling
@@ -367,6 +365,8 @@ class LogConfig(Section):
     profile: bool = False
     profile_step_start: int = 10
     profile_step_end: int = 12
+    profile_ranks: Optional[list] = None  # the global ranks --profile traces (default: every rank)
+    log_progress: bool = False  # append job progress (start, checkpoints: throughput, tokens) to <save>/progress.txt
     plot_path: Optional[str] = None  # paratron: PNG loss plot; default <tensorboard-dir or save>/loss.png
     sample_prompt: Optional[str] = None  # paratron: the trained model continues this text at the end (greedy)
     # Megatron's TensorBoard / W&B reporting (paratron/train/reporting.py), Megatron's tags

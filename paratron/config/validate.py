@@ -306,6 +306,10 @@ def validate_log(lg) -> None:
         need(importlib.util.find_spec("wandb") is not None,
              "--wandb-project needs the wandb package: pip install 'paratron[wandb]' (or pip install wandb)")
     need(lg.sample_prompt != "", "--sample-prompt: the prompt is empty; give some text")
+    if lg.profile_ranks is not None:
+        need(all(str(r).isdigit() for r in lg.profile_ranks), f"--profile-ranks takes global rank numbers (got "
+             f"{' '.join(map(str, lg.profile_ranks))})")
+        lg.profile_ranks = [int(r) for r in lg.profile_ranks]
 
 
 def validate_sample(cfg) -> None:

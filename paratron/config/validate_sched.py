@@ -101,6 +101,10 @@ def validate_recompute(cfg) -> None:
     """--recompute-modules: Megatron's names; the default core_attn; used by --recompute-granularity selective."""
     from ..model.recompute import MISSING, SUPPORTED
     tr, m = cfg.train, cfg.model
+    if tr.moe_layer_recompute:  # Megatron's older flag: --recompute-granularity selective --recompute-modules moe
+        need(m.num_experts is not None, "--moe-layer-recompute has no effect without --num-experts; remove it")
+        tr.recompute_granularity = "selective"
+        tr.recompute_modules = list(tr.recompute_modules or []) + ["moe"]
     given = tr.recompute_modules is not None
     # Megatron's YAML test configs write the list as one string "[layernorm mlp]": brackets/commas are separators
     mods = (" ".join(map(str, tr.recompute_modules)).replace("[", " ").replace("]", " ").replace(",", " ").split()

@@ -39,10 +39,13 @@ from .runtime import (GarbageCollection, apply_bf16_matmul_reduction, apply_dete
                       empty_unused_memory)
 from .microbatches import MicroBatches, check_batch_sizes
 from .report import end_of_run
+from .watch import ProgressLog, check_weight_hashes, profiled
 from .step import build_model, build_model_chunks, loss_func, make_forward_step, params_dtype, sum_reports  # noqa: F401
 
 
 class Trainer:
+    progress: Optional[ProgressLog] = None  # --log-progress (train() opens it)
+
     def __init__(self, cfg: Config, device: Optional[torch.device] = None, dims: Optional[ParallelDims] = None,
                  data: Optional[tuple] = None):
         """``data`` = (train iterator, valid iterator[, test iterator]) replaces the dataset pipeline (tests use it)."""
@@ -167,6 +170,9 @@ class Trainer:
             self.optimizer.set_lr(self.scheduler.lr, self.scheduler.decoupled_lr)
         self.iteration += 1
         self.consumed_samples += gbs
+        every = tr.check_weight_hash_across_dp_replicas_interval
+        if every and self.iteration % every == 0:  # Megatron's check that the replicas hold the same weights
+            check_weight_hashes(self.models, self.dims, self.iteration)
         return self._reduce_dp(report), ok, grad_norm
 
     def _reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
@@ -241,9 +247,12 @@ class Trainer:
                 self.log.print(f" saved checkpoint at iteration {it:7d} to {path} (in the background, {seconds:.1f} s)")
             self.pending_save = sharded.AsyncSave(c.save, it, pieces, common, self.ckpt_group, keep,
                                                   self._pinned, done)
-            return sharded.iter_dir(c.save, it)
-        path = sharded.save(c.save, self.iteration, pieces, common, self.ckpt_group, keep)
-        self.log.print(f" saved checkpoint at iteration {self.iteration:7d} to {path}")
+            path = sharded.iter_dir(c.save, it)
+        else:
+            path = sharded.save(c.save, self.iteration, pieces, common, self.ckpt_group, keep)
+            self.log.print(f" saved checkpoint at iteration {self.iteration:7d} to {path}")
+        if self.progress is not None:
+            self.progress.saved(self.iteration, self.consumed_samples)
         return path
 
     def wait_for_save(self) -> None:
@@ -361,7 +370,7 @@ class Trainer:
         self._announce()
         while self.iteration < tr.train_iters:
             last_saved = self._save_on_batch_change(last_saved)
-            if cfg.log.profile and self.iteration == cfg.log.profile_step_start:
+            if cfg.log.profile and self.iteration == cfg.log.profile_step_start and profiled(cfg.log, self.dims.rank):
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
                 profiler.__enter__()
             report, ok, grad_norm = self.train_step()
@@ -409,6 +418,7 @@ class Trainer:
     def _announce(self) -> None:
         tr, params = self.cfg.train, sum(m.module.num_parameters() for m in self.models)
         self._micro = self.num_microbatches  # (what _save_on_batch_change compares with)
+        self.progress = ProgressLog(self.cfg, self.dims.rank, self.dims.world_size, self.flops_per_iter, self.iteration)
         self.log.print(f" training {params / 1e6:.2f}M parameters per rank, {self.dims.describe()}, {tr.train_iters} "
                        f"iterations, global batch {tr.global_batch_size}, {self._micro} micro-batches of "
                        f"{tr.micro_batch_size}, device {self.device}")
