@@ -243,8 +243,8 @@ def validate_fp8(cfg: Config) -> None:
         start, end = tr.num_layers_at_start_in_bf16, tr.num_layers_at_end_in_bf16
         need(tr.fp8_format is not None, "--first-last-layers-bf16 has no effect without --fp8-format; add it or "
              "remove the flag")
-        need(start >= 0 and end >= 0 and start + end <= m.num_layers, f"--num-layers-at-start-in-bf16 {start} and "
-             f"--num-layers-at-end-in-bf16 {end} must be >= 0 and together at most --num-layers {m.num_layers}")
+        need(start + end <= m.num_layers, f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 "
+             f"{end} must together be at most --num-layers {m.num_layers}")
     if tr.fp8_format is None:
         return
     from ..parallel import fp8

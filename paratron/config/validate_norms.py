@@ -80,9 +80,7 @@ def validate_optimizer(cfg: Config) -> None:
 
 
 def validate_run_variants(cfg: Config) -> None:
-    """Checks that need two sections: the bf16 matmul switch, --log-progress's file, the hash interval."""
+    """Checks that need two sections: the bf16 matmul switch, --log-progress's file."""
     need(not cfg.train.disable_bf16_reduced_precision_matmul or cfg.train.bf16,
          "--disable-bf16-reduced-precision-matmul needs --bf16 (it changes bf16 matmuls only)")
     need(not cfg.log.log_progress or cfg.ckpt.save, "--log-progress writes <save>/progress.txt: add --save DIR")
-    every = cfg.train.check_weight_hash_across_dp_replicas_interval
-    need(every is None or every >= 1, f"--check-weight-hash-across-dp-replicas-interval must be >= 1 (got {every})")

@@ -288,6 +288,6 @@ def test_first_last_layers_stay_in_bf16(monkeypatch):
     assert all(m.fp8 is not None for n, m in everything.model.named_modules() if n.endswith(fp8.LAYERS))
     with pytest.raises(ConfigError, match="--first-last-layers-bf16 has no effect without --fp8-format"):
         parse_args([f for f in flags if f not in ("--fp8-format", "hybrid")] + ["--first-last-layers-bf16"])
-    with pytest.raises(ConfigError, match="together at most --num-layers 4"):
+    with pytest.raises(ConfigError, match="must together be at most --num-layers 4"):
         parse_args(flags + ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "3",
                             "--num-layers-at-end-in-bf16", "2"])
