@@ -25,7 +25,7 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "qk_layernorm", "disable_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
                 "num_experts")
 LEARNED_FIELDS = ("max_position_embeddings",)  # the learned position table's size
-ROPE_FIELDS = ("rotary_base", "rotary_percent", "use_rope_scaling")
+ROPE_FIELDS = ("rotary_base", "rotary_percent", "use_rope_scaling", "rotary_interleaved", "no_rope_freq")
 ROPE_SCALING_FIELDS = ("rope_scaling_factor",)
 MOE_FIELDS = ("moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_score_function",
               "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",

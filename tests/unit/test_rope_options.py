@@ -84,3 +84,20 @@ def test_hf_export_refuses_what_llama_cannot_express():
     from paratron.checkpoint.hf_config import ConversionError, check_representable
     with pytest.raises(ConversionError, match="rotate-half on every layer"):
         check_representable(_model_cfg(rotary_interleaved=True), "llama")
+
+
+def test_a_checkpoint_with_another_rope_form_is_named():
+    """Resuming with --rotary-interleaved or --no-rope-freq changed would train another function: the
+    comparison of the saved configuration names them."""
+    from paratron.checkpoint.compat import model_differences
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+            "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--position-embedding-type", "rope"]
+    saved = _parse(base).to_dict()
+    got = model_differences(saved, _parse(base + ["--rotary-interleaved", "--no-rope-freq", "2"]))
+    assert {name for name, _, _ in got} == {"rotary_interleaved", "no_rope_freq"}
+    assert not model_differences(saved, _parse(base + ["--rotary-seq-len-interpolation-factor", "2"]))
+
+
+def _parse(argv):
+    from paratron.config import parse_args
+    return parse_args(argv)
