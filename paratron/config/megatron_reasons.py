@@ -93,7 +93,6 @@ REFUSED = {
     "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
     "microbatch_group_size_per_virtual_pipeline_stage": PLANNED.format("micro-batch groups per virtual stage"),
     "verify_integrity": PLANNED.format("checkpoint file hashing (paratron checks CRC32s of every file)"),
-    "eval_global_batch_size": PLANNED.format("a separate evaluation batch size"),
     "log_straggler": PLANNED.format("straggler detection"),
     "record_memory_history": GPU.format("CUDA memory-history snapshots"),
     "memory_snapshot_path": GPU.format("CUDA memory-history snapshots"),

@@ -236,6 +236,7 @@ class TrainConfig(Section):
     train_samples: Optional[int] = None
     eval_interval: int = 1000
     eval_iters: int = 100
+    eval_global_batch_size: Optional[int] = None  # samples of an evaluation step (default: --global-batch-size's)
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = False  # SIGTERM: finish the step, save, exit 0 (DataLoader workers ignore it)

@@ -7,8 +7,9 @@ Data flags (Megatron's, fields of the config's `data` section, a `paratron.confi
 - `mock_data`: synthetic documents (no files), split by `--split` as Megatron's pretrain_gpt.py does.
 
 Sample counts (`train_valid_test_num_samples(cfg.train)`): train = train_samples or train_iters *
-global_batch_size; valid = (train_iters // eval_interval + 1) * eval_iters * global_batch_size; test =
-eval_iters * global_batch_size. A split with zero width or zero samples is None.
+global_batch_size; valid = (train_iters // eval_interval + 1) * eval_iters * the evaluation batch; test =
+eval_iters * the evaluation batch (--eval-global-batch-size, default --global-batch-size). A split with
+zero width or zero samples is None.
 
 A weighted blend asks each member for ceil(ceil(n * w) * 1.005) samples and draws
 sum(ceil(n * w)) samples from them, sample i from argmax_d(w_d * max(i, 1) - taken_d). An
@@ -106,8 +107,9 @@ def train_valid_test_num_samples(tr) -> List[int]:
         raise DataError("give --train-iters or --train-samples")
     eval_iters = 100 if tr.eval_iters is None else int(tr.eval_iters)
     eval_interval = tr.eval_interval or 1000
-    valid = (int(train_iters) // int(eval_interval) + 1) * eval_iters * gbs
-    return [train, valid, eval_iters * gbs]
+    eval_gbs = int(getattr(tr, "eval_global_batch_size", None) or gbs)  # --eval-global-batch-size
+    valid = (int(train_iters) // int(eval_interval) + 1) * eval_iters * eval_gbs
+    return [train, valid, eval_iters * eval_gbs]
 
 
 class EmptySplit(DataError):

@@ -58,7 +58,7 @@ class Trainer:
         preflight(cfg, self.dims, partial(print, flush=True))  # --save and the other output directories, now
         tr = cfg.train
         self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size,
-                                         schedule_of(cfg))
+                                         schedule_of(cfg), tr.eval_global_batch_size)
         self.current_global_batch = tr.global_batch_size
         set_seed(tr.seed, self.dims.pp_rank)
         apply_deterministic_mode(tr.deterministic_mode)

@@ -17,10 +17,12 @@ from typing import Optional, Sequence
 
 class MicroBatches:
     def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 rampup_batch_size: Optional[list] = None, steps: Optional[Sequence[tuple[int, int]]] = None):
+                 rampup_batch_size: Optional[list] = None, steps: Optional[Sequence[tuple[int, int]]] = None,
+                 eval_global_batch_size: Optional[int] = None):
         """``steps``: the parsed step schedule, [(threshold in samples, global batch)] with thresholds
-        increasing from 0 (paratron.config.validate_sched.step_schedule)."""
-        self.global_batch_size = global_batch_size
+        increasing from 0 (paratron.config.validate_sched.step_schedule); ``eval_global_batch_size``:
+        Megatron's --eval-global-batch-size."""
+        self.global_batch_size, self.eval_global_batch_size = global_batch_size, eval_global_batch_size
         self.per_micro_step = micro_batch_size * data_parallel_size  # samples per micro-batch, all ranks
         self.ramp = None
         self.steps = [(int(t), int(b)) for t, b in steps] if steps else None
@@ -44,8 +46,10 @@ class MicroBatches:
         return self.global_batch(consumed_samples) // self.per_micro_step
 
     def eval_microbatches(self, consumed_samples: int) -> int:
-        """Micro-batches of an evaluation step: with a step schedule --global-batch-size's (Megatron's
-        eval_global_batch_size default), else the current training step's (the ramp, as Megatron's did)."""
+        """Micro-batches of an evaluation step: --eval-global-batch-size's; with a step schedule
+        --global-batch-size's (Megatron's default), else the current training step's (the ramp, as Megatron's did)."""
+        if self.eval_global_batch_size is not None:
+            return self.eval_global_batch_size // self.per_micro_step
         if self.steps is not None:
             return self.global_batch_size // self.per_micro_step
         return self.num_microbatches(consumed_samples)
@@ -113,5 +117,8 @@ def check_batch_sizes(micro: MicroBatches, consumed_samples: int, dims, micro_ba
                               f"samples or later) is not divisible by --micro-batch-size {micro_batch_size} x "
                               f"data-parallel size {dims.dp}; change the schedule or the layout")
         check_pipeline_schedule(dims, gbs // micro.per_micro_step)
-    if evaluates and micro.steps is not None:
+    if evaluates and micro.eval_global_batch_size is not None and micro.eval_global_batch_size % micro.per_micro_step:
+        raise ConfigError(f"--eval-global-batch-size {micro.eval_global_batch_size} is not divisible by "
+                          f"--micro-batch-size {micro_batch_size} x data-parallel size {dims.dp}")
+    if evaluates and (micro.steps is not None or micro.eval_global_batch_size is not None):
         check_pipeline_schedule(dims, micro.eval_microbatches(consumed_samples))

@@ -67,3 +67,35 @@ def test_dp_flag_errors(extra, needle):
 ])
 def test_gradient_buffer_dtype(extra, dtype):
     assert grad_buffer_dtype(parse_args(BASE + ["--train-iters", "5"] + extra)) == dtype
+
+
+def test_eval_global_batch_size():
+    """--eval-global-batch-size: an evaluation step's micro-batches, the validation split's samples,
+    and a one-line error when it does not split over the micro-batches."""
+    from types import SimpleNamespace
+
+    from paratron.data.blended import train_valid_test_num_samples
+    from paratron.train.loop import Trainer
+    from tests.unit.test_train import TINY
+    micro = MicroBatches(16, 2, 2, eval_global_batch_size=8)
+    assert micro.eval_microbatches(0) == 2 and micro.num_microbatches(0) == 4
+    tr = SimpleNamespace(global_batch_size=16, train_samples=None, train_iters=10, eval_iters=3, eval_interval=5,
+                         eval_global_batch_size=8)
+    assert train_valid_test_num_samples(tr) == [160, 3 * 3 * 8, 3 * 8]
+    def served(flags) -> int:
+        """Micro-batches one evaluation takes from the validation iterator."""
+        trainer, count = Trainer(parse_args(TINY + ["--train-iters", "2", "--device", "cpu"] + flags)), []
+        inner = trainer.valid_iter
+
+        def counting():
+            for b in inner:
+                count.append(1)
+                yield b
+        trainer.valid_iter = counting()
+        trainer.evaluate()
+        trainer.close()
+        return len(count)
+    assert served(["--eval-global-batch-size", "2"]) == 2  # eval-iters 2 x one micro-batch of 2
+    assert served([]) == 4  # x the global batch's two micro-batches
+    with pytest.raises(ConfigError, match="--eval-global-batch-size 3 is not divisible by --micro-batch-size 2"):
+        Trainer(parse_args(TINY + ["--train-iters", "2", "--eval-global-batch-size", "3", "--device", "cpu"]))
