@@ -167,6 +167,12 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
          "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive; choose one")
 
 
+def whole_numbers(values: list, flag: str) -> list[int]:
+    """A list flag's words (argparse keeps them as strings) as the non-negative ints they must be."""
+    need(all(str(v).isdigit() for v in values), f"{flag} takes whole numbers (got {' '.join(map(str, values))})")
+    return [int(v) for v in values]
+
+
 def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
     """--context-parallel-size and --cp-comm-type against the model (paratron/parallel/context.py)."""
     from ..parallel.context import COMM_TYPES
@@ -180,9 +186,7 @@ def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
     need(hier is None or kind == "a2a+p2p", "--hierarchical-context-parallel-sizes has no effect without "
          "--cp-comm-type a2a+p2p; add it or remove the sizes")
     if hier is not None:
-        need(all(str(x).isdigit() for x in hier), f"--hierarchical-context-parallel-sizes takes whole numbers "
-             f"(got {' '.join(map(str, hier))})")
-        hier = par.hierarchical_context_parallel_sizes = [int(x) for x in hier]
+        hier = par.hierarchical_context_parallel_sizes = whole_numbers(hier, "--hierarchical-context-parallel-sizes")
         need(len(hier) == 2 and min(hier) >= 1 and hier[0] * hier[1] == cp,
              f"--hierarchical-context-parallel-sizes {' '.join(map(str, hier))}: give two sizes (the all-to-all and "
              f"the ring level) whose product is --context-parallel-size {cp}")
@@ -307,9 +311,7 @@ def validate_log(lg) -> None:
              "--wandb-project needs the wandb package: pip install 'paratron[wandb]' (or pip install wandb)")
     need(lg.sample_prompt != "", "--sample-prompt: the prompt is empty; give some text")
     if lg.profile_ranks is not None:
-        need(all(str(r).isdigit() for r in lg.profile_ranks), f"--profile-ranks takes global rank numbers (got "
-             f"{' '.join(map(str, lg.profile_ranks))})")
-        lg.profile_ranks = [int(r) for r in lg.profile_ranks]
+        lg.profile_ranks = whole_numbers(lg.profile_ranks, "--profile-ranks")
 
 
 def validate_sample(cfg) -> None:

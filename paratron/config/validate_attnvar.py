@@ -66,8 +66,6 @@ def validate_rope_options(m, mla: bool) -> None:
          "pairs already); remove the flag")
     need(m.position_embedding_type in ("rope", "yarn"), f"{given[0]} has no effect without rotary embeddings; add "
          "--position-embedding-type rope or remove the flag")
-    if factor is not None:
-        need(factor > 0, f"--rotary-seq-len-interpolation-factor must be > 0 (got {factor})")
-        need(m.position_embedding_type == "rope", "--rotary-seq-len-interpolation-factor with "
-             "--position-embedding-type yarn: YaRN scales positions its own way; remove one")
+    need(factor is None or m.position_embedding_type == "rope", "--rotary-seq-len-interpolation-factor with "
+         "--position-embedding-type yarn: YaRN scales positions its own way; remove one")  # (> 0: ranges.py)
     rope_layers(m.no_rope_freq, m.num_layers)  # raises on a bad value

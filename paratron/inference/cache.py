@@ -65,9 +65,12 @@ class CacheView:
     def __init__(self, cache: KVCache, slots: torch.Tensor, length: int):
         self.cache, self.slots, self.length = cache, slots, length
 
+    def _buffers(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.layer(index)
+
     def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``, ``v`` ([b, groups, s, d]) of layer ``index``; return the keys and values to attend over."""
-        ck, cv = self.cache.layer(index)
+        ck, cv = self._buffers(index)
         ck.index_copy_(2, self.slots, k.to(ck.dtype))
         cv.index_copy_(2, self.slots, v.to(cv.dtype))
         return ck[:, :, :self.length], cv[:, :, :self.length]
@@ -81,8 +84,5 @@ class RowView(CacheView):
         super().__init__(cache, slots, length)
         self.row = row
 
-    def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ck, cv = (t[self.row:self.row + 1] for t in self.cache.layer(index))  # views: written in place
-        ck.index_copy_(2, self.slots, k.to(ck.dtype))
-        cv.index_copy_(2, self.slots, v.to(cv.dtype))
-        return ck[:, :, :self.length], cv[:, :, :self.length]
+    def _buffers(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t[self.row:self.row + 1] for t in self.cache.layer(index))  # views: written in place

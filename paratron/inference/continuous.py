@@ -92,10 +92,7 @@ class _Session:
             rows += len(job.requests)
         idle = Request([0], SamplingParams(max_new_tokens=0))
         requests = [r for job in first for r in job.requests] + [idle] * (batcher.rows - rows)
-        run = self.run_ = _Run(self.e, requests, headroom=HEADROOM)
-        # every row's tokens fit before the cache ends (the first rows all start at the longest prompt)
-        run.new_max = [min(m, run.capacity - run.length) for m in run.new_max]
-        run.done = [m <= 0 for m in run.new_max]
+        self.run_ = _Run(self.e, requests, headroom=HEADROOM)
         self.owner: list = [None] * batcher.rows  # row -> (job, index of the request in the job)
         self.results: dict = {}  # job -> its results so far
         at = 0

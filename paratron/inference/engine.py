@@ -172,8 +172,9 @@ class _Run:
         want = (self.length + max(p.max_new_tokens for p in self.params)) * headroom
         rounded = max(CACHE_ROUND, 1 << (want - 1).bit_length()) if engine.compile else -(-want // CACHE_ROUND) * CACHE_ROUND
         capacity = self.capacity = min(rounded, engine.context)
-        self.new_max = [min(p.max_new_tokens, capacity - len(r.prompt)) for r, p in zip(requests, self.params)]
-        self.steps = min(max(self.new_max), capacity - self.length)
+        # every row starts writing at the longest prompt's end: its tokens fit in the slots after it
+        self.new_max = [min(p.max_new_tokens, capacity - self.length) for p in self.params]
+        self.steps = max(self.new_max)
         engine._prepare_cache(b, capacity)
         pads = [self.length - len(r.prompt) for r in requests]
         engine.cache.pad.copy_(torch.tensor(pads, device=dev))

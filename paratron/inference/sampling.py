@@ -48,31 +48,40 @@ class Sampler:
 
     def __init__(self, params: list[SamplingParams], device):
         self.params = list(params)
-        self.greedy = all(p.temperature == 0 for p in params)
         self.device = device
         self.temperature = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device)[:, None]
         self.is_greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
         self.top_k = torch.tensor([p.top_k for p in params], device=device)[:, None]
         self.top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-        self.use_top_k = any(p.top_k > 0 for p in params)
-        self.use_top_p = any(p.top_p < 1.0 for p in params)
         self.generators = {}
         for i, p in enumerate(params):
-            if p.seed is not None and p.temperature > 0:
-                self.generators[i] = torch.Generator(device=device).manual_seed(int(p.seed))
+            self._seed(i, p)
+
+    @property
+    def greedy(self) -> bool:
+        return all(p.temperature == 0 for p in self.params)
+
+    @property
+    def use_top_k(self) -> bool:
+        return any(p.top_k > 0 for p in self.params)
+
+    @property
+    def use_top_p(self) -> bool:
+        return any(p.top_p < 1.0 for p in self.params)
+
+    def _seed(self, i: int, p: SamplingParams) -> None:
+        """Row ``i``'s own generator when it samples with a seed."""
+        self.generators.pop(i, None)
+        if p.seed is not None and p.temperature > 0:
+            self.generators[i] = torch.Generator(device=self.device).manual_seed(int(p.seed))
 
     def set_row(self, i: int, p: SamplingParams) -> None:
         """Row ``i`` takes ``p`` (a request joining a running batch; its seed starts a new generator)."""
         self.params[i] = p
-        self.greedy = all(q.temperature == 0 for q in self.params)
         self.temperature[i, 0] = max(p.temperature, 1e-6)
         self.is_greedy[i] = p.temperature == 0
         self.top_k[i, 0], self.top_p[i, 0] = p.top_k, p.top_p
-        self.use_top_k = any(q.top_k > 0 for q in self.params)
-        self.use_top_p = any(q.top_p < 1.0 for q in self.params)
-        self.generators.pop(i, None)
-        if p.seed is not None and p.temperature > 0:
-            self.generators[i] = torch.Generator(device=self.device).manual_seed(int(p.seed))
+        self._seed(i, p)
 
     def _noise(self, shape) -> torch.Tensor:
         """Exponential(1) noise; seeded rows from their own generators."""

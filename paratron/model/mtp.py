@@ -32,25 +32,26 @@ from .spec import layer_specs
 from .transformer import TransformerLayer
 
 
-def roll_left(t: torch.Tensor, cp: Optional[ContextParallel] = None) -> torch.Tensor:
-    """``t`` [b, s] shifted one place left along the sequence, the last position filled with 0. Under
-    context parallelism (``cp``; ``t`` this rank's two chunks) the whole sequence is gathered from the
-    CP ranks (token ids, positions, labels, masks: a few bytes a token), shifted and split again."""
-    if cp is not None:
-        parts = [torch.empty_like(t) for _ in range(cp.size)]
-        dist.all_gather(parts, t.contiguous(), group=cp.group)
-        return split_sequence(roll_left(merge_sequence(parts, dim=-1)), cp.size, cp.rank, dim=-1)
+def roll_left(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [b, s] shifted one place left along the sequence, the last position filled with 0."""
     out = torch.roll(t, shifts=-1, dims=-1)
     out[..., -1] = 0
     return out
 
 
-def _summed(x: torch.Tensor, cp: Optional[ContextParallel]) -> torch.Tensor:
-    """A detached copy of ``x`` summed over the CP ranks (itself without CP)."""
-    x = x.detach().clone()
-    if cp is not None:
-        dist.all_reduce(x, group=cp.group)
-    return x
+def _whole(t: torch.Tensor, cp: Optional[ContextParallel]) -> torch.Tensor:
+    """Under context parallelism the whole sequence [b, s] of ``t`` (this rank's two chunks), gathered
+    from the CP ranks once (token ids, positions, labels, masks: a few bytes a token); else ``t``."""
+    if cp is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(cp.size)]
+    dist.all_gather(parts, t.contiguous(), group=cp.group)
+    return merge_sequence(parts, dim=-1)
+
+
+def _mine(t: torch.Tensor, cp: Optional[ContextParallel]) -> torch.Tensor:
+    """This rank's two chunks of the whole sequence ``t`` (``t`` itself without CP)."""
+    return t if cp is None else split_sequence(t, cp.size, cp.rank, dim=-1)
 
 
 class MTPLayer(nn.Module):
@@ -107,9 +108,10 @@ class MultiTokenPrediction(nn.Module):
                 ctx: ForwardContext, embedding: Callable) -> list[torch.Tensor]:
         """The output hidden states of each depth (``hidden``: the decoder's, after its final norm)."""
         outputs = []
+        ids, pos = _whole(input_ids, ctx.cp), _whole(position_ids, ctx.cp)  # shifted whole, used as this rank's
         for layer in self.layers:
-            input_ids, position_ids = roll_left(input_ids, ctx.cp), roll_left(position_ids, ctx.cp)
-            hidden = self._layer(layer, hidden, embedding(input_ids, position_ids), ctx)
+            ids, pos = roll_left(ids), roll_left(pos)
+            hidden = self._layer(layer, hidden, embedding(_mine(ids, ctx.cp), _mine(pos, ctx.cp)), ctx)
             outputs.append(hidden)
         return outputs
 
@@ -129,11 +131,12 @@ class MultiTokenPrediction(nn.Module):
         --calculate-per-token-loss the gradients are summed instead, so the share is not multiplied."""
         parts = cp.size if cp is not None else 1
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
-        original_tokens = _summed(mask.sum(), cp)
+        labels, mask = _whole(labels, cp), _whole(mask, cp)  # token counts of the whole sequence
+        original_tokens = mask.sum()
         for k, hidden in enumerate(hiddens):
-            labels, mask = roll_left(labels, cp), roll_left(mask, cp)
-            n = _summed(mask.sum(), cp).clamp(min=1)
-            total = (token_losses(hidden, labels).float() * mask).sum()
+            labels, mask = roll_left(labels), roll_left(mask)
+            n = mask.sum().clamp(min=1)
+            total = (token_losses(hidden, _mine(labels, cp)).float() * _mine(mask, cp)).sum()
             if self.training:
                 self._track(k, (total * parts / n).detach())  # the mean over the CP ranks is the loss
             loss = total * (original_tokens / n) if self.per_token_loss else total * parts / n

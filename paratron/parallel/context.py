@@ -155,8 +155,8 @@ def _local_heads(sink: Optional[torch.Tensor], group) -> Optional[torch.Tensor]:
     """The sink logits of the heads this rank holds after the first all-to-all over ``group``."""
     if sink is None:
         return None
-    n = sink.numel() // comm.group_size(group)
-    return sink[comm.group_rank(group) * n:(comm.group_rank(group) + 1) * n]
+    n, i = sink.numel() // comm.group_size(group), comm.group_rank(group)
+    return sink[i * n:(i + 1) * n]
 
 
 def ulysses_attention(q, k, v, cp: int, group, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None,

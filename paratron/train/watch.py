@@ -62,8 +62,8 @@ def _fingerprint(p: torch.Tensor) -> torch.Tensor:
     """A 64-bit fingerprint of ``p``'s bytes (0-d int64 on its device)."""
     raw = p.detach().contiguous().view(-1).view(torch.uint8)
     raw = torch.cat([raw, raw.new_zeros(-raw.numel() % 4)]).view(torch.int32).to(torch.int64)
-    weights = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) * 2654435761 + 1
-    return (raw * (weights | 1)).sum()
+    odd = torch.arange(raw.numel(), device=raw.device, dtype=torch.int64) * 2654435762 + 1  # a distinct odd weight each
+    return (raw * odd).sum()
 
 
 def check_weight_hashes(models: list, dims, iteration: int) -> None:
