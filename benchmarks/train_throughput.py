@@ -3,7 +3,9 @@ Hugging Face transformers baseline measured in the same process.
 
     python benchmarks/train_throughput.py --config gpt-350m [--hf] [--variant NAME:FLAGS ...]
 
-Each variant is a set of extra Megatron/paratron flags (e.g. `compiled:--torch-compile`). The step is
+Each variant is a set of extra Megatron/paratron flags (e.g. `compiled:--torch-compile`); a token
+`PARATRON_NAME=VALUE` among them sets that environment switch for the variant alone (e.g.
+`PARATRON_FP8_GRAD_CAST=0`). The step is
 Trainer.train_step: model forward/backward on mock data through the real data path, gradient
 buffer, AdamW on fp32 master weights, LR schedule. Timing: warm-up steps, then CUDA-synchronised
 wall time over the timed steps. Writes a Markdown record (date, hardware, torch, commit, command,
@@ -108,12 +110,18 @@ def main() -> int:
     print(f"torch {torch.__version__} on {device}; preset {args.config}", flush=True)
     rows = []
     for name, flags in variants:
+        env = dict(t.split("=", 1) for t in flags.split() if t.startswith("PARATRON_") and "=" in t)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
-            r = run_paratron(args.config, flags.split(), args.warmup, args.steps)
+            r = run_paratron(args.config, [t for t in flags.split() if t.split("=", 1)[0] not in env],
+                             args.warmup, args.steps)
         except Exception as e:  # record the failure, keep measuring the rest
             import traceback
             traceback.print_exc()
             r = dict(error=repr(e)[:300])
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         r.update(system=f"paratron {name}", flags=flags)
         rows.append(r)
         print(json.dumps(r), flush=True)

@@ -42,8 +42,11 @@ except ImportError:  # CPU-only installs
     triton = None
 
 SWIGLU, GELU, GELU_TANH = 0, 1, 2  # the activations of the fused path (``act``)
+IDENTITY = 3  # no activation: the kernels as a plain cast + transpose (``cast_fp8``)
 # tokens x columns per program and warps, chosen per shape by Triton's autotuner on the first call
 TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8), (32, 256, 4))
+FAST_RCP = False  # GeLU's reciprocal by the approximate instruction (benchmarks/fp8_cast_sweep.py measures it)
+XPOSE = 0  # transpose the FP8 tile (0) or the fp32 one before the cast (1) for the transposed copy
 MIN_BM, MIN_BF = min(t[0] for t in TILES), min(t[1] for t in TILES)
 
 
@@ -105,7 +108,7 @@ def grad_fp8_reference(h: torch.Tensor, bias: Optional[torch.Tensor], dout: torc
 
 if triton is not None:
     _autotuned = triton.autotune([triton.Config({"BM": bm, "BF": bf}, num_warps=w) for bm, bf, w in TILES],
-                                 key=["M", "F"])
+                                 key=["M", "F", "ACT", "HAS_BIAS"])
 
     @triton.jit
     def _tile(h_ptr, b_ptr, M, F, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
@@ -126,37 +129,47 @@ if triton is not None:
         return rm, rf, mask, gate, up
 
     @triton.jit
-    def _normal_cdf_pdf(x):
+    def _reciprocal(x, FAST: tl.constexpr):
+        """1 / x: the hardware's approximate reciprocal (one instruction, ~1 ulp) or a full division."""
+        if FAST:
+            return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        return 1.0 / x
+
+    @triton.jit
+    def _normal_cdf_pdf(x, RCP: tl.constexpr):
         """Phi(x) and phi(x) of the standard normal: erf(x / sqrt 2) by Abramowitz & Stegun 7.1.26 (absolute
         error < 1.5e-7, far below bf16's and FP8's steps) sharing its exp(-x^2 / 2) with phi; a few
         multiply-adds instead of libdevice's erf, which made the GeLU kernels compute-bound."""
         z = tl.abs(x) * 0.7071067811865476
-        t = 1.0 / (1.0 + 0.3275911 * z)
+        t = _reciprocal(1.0 + 0.3275911 * z, RCP)
         e = tl.exp(-z * z)
         poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
         erf = 1.0 - poly * e
         return 0.5 + 0.5 * tl.where(x < 0, -erf, erf), e * 0.3989422804014327
 
     @triton.jit
-    def _act(gate, up, ACT: tl.constexpr):
+    def _act(gate, up, ACT: tl.constexpr, RCP: tl.constexpr):
         if ACT == 0:  # SwiGLU
             a = gate * tl.sigmoid(gate) * up
         elif ACT == 1:  # GeLU: x * Phi(x)
-            cdf, _ = _normal_cdf_pdf(gate)
+            cdf, _ = _normal_cdf_pdf(gate, RCP)
             a = gate * cdf
-        else:  # tanh GeLU: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+        elif ACT == 2:  # tanh GeLU: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
             a = gate * tl.sigmoid(1.5957691216057308 * gate * (1.0 + 0.044715 * gate * gate))
+        else:  # identity
+            a = gate
         return a
 
     @triton.jit
-    def _act_grads(gate, up, d, ACT: tl.constexpr):
+    def _act_grads(gate, up, d, ACT: tl.constexpr, RCP: tl.constexpr):
         """d/dgate and d/dup (gated; otherwise the second is the first again) for the output gradient d."""
         if ACT == 0:
             sig = tl.sigmoid(gate)
             dg = d * up * sig * (1.0 + gate * (1.0 - sig))
             du = d * gate * sig
         elif ACT == 1:  # Phi(x) + x phi(x)
-            cdf, pdf = _normal_cdf_pdf(gate)
+            cdf, pdf = _normal_cdf_pdf(gate, RCP)
             dg = d * (cdf + gate * pdf)
             du = dg
         else:  # s + x s (1 - s) 2u'
@@ -171,35 +184,47 @@ if triton is not None:
         top = tl.max(tl.max(tl.where(mask, tl.abs(a), 0.0), 1), 0)
         tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), top)
 
+    @triton.jit
+    def _store_fp8(row_ptr, col_ptr, v, mask, FMAX: tl.constexpr, XPOSE: tl.constexpr):
+        """v (fp32, scaled) saturated and cast to the outputs' FP8 type, stored row-major at ``row_ptr``
+        and transposed at ``col_ptr``; XPOSE 0 transposes the FP8 tile, 1 the fp32 one (then casts)."""
+        v = tl.clamp(v, -FMAX, FMAX)
+        q = v.to(row_ptr.dtype.element_ty)
+        tl.store(row_ptr, q, mask=mask)
+        if XPOSE == 0:
+            tl.store(col_ptr, tl.trans(q), mask=tl.trans(mask))
+        else:
+            tl.store(col_ptr, tl.trans(v).to(row_ptr.dtype.element_ty), mask=tl.trans(mask))
+
     @_autotuned
     @triton.jit
     def _act_amax(h_ptr, b_ptr, preset_ptr, part_ptr, M, F, ACT: tl.constexpr, GATED: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
         if tl.load(preset_ptr) > 0:  # the scale is given (delayed recipe): no amax pass
             return
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
-        _tile_max(part_ptr, _act(gate, up, ACT), mask)
+        _tile_max(part_ptr, _act(gate, up, ACT, RCP), mask)
 
     @_autotuned
     @triton.jit
     def _act_cast(h_ptr, b_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, M, F, FMAX: tl.constexpr, ACT: tl.constexpr,
-                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RCP: tl.constexpr, XPOSE: tl.constexpr,
+                  BM: tl.constexpr, BF: tl.constexpr):
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
-        a = _act(gate, up, ACT)
+        a = _act(gate, up, ACT, RCP)
         _tile_max(part_ptr, a, mask)
-        q = tl.clamp(a * tl.load(scale_ptr), -FMAX, FMAX).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], q, mask=mask)
-        tl.store(qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+        _store_fp8(q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :],
+                   a * tl.load(scale_ptr), mask, FMAX, XPOSE)
 
     @_autotuned
     @triton.jit
     def _grad_amax(h_ptr, b_ptr, d_ptr, preset_ptr, part_ptr, M, F, ACT: tl.constexpr, GATED: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
         if tl.load(preset_ptr) > 0:
             return
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
         d = tl.load(d_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
-        dg, du = _act_grads(gate, up, d, ACT)
+        dg, du = _act_grads(gate, up, d, ACT, RCP)
         top = tl.abs(dg)
         if GATED:
             top = tl.maximum(top, tl.abs(du))
@@ -208,10 +233,11 @@ if triton is not None:
     @_autotuned
     @triton.jit
     def _grad_cast(h_ptr, b_ptr, d_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, db_ptr, M, F, FMAX: tl.constexpr,
-                   ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+                   ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RCP: tl.constexpr,
+                   XPOSE: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
         d = tl.load(d_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
-        dg, du = _act_grads(gate, up, d, ACT)
+        dg, du = _act_grads(gate, up, d, ACT, RCP)
         top = tl.abs(dg)
         if GATED:
             top = tl.maximum(top, tl.abs(du))
@@ -220,13 +246,9 @@ if triton is not None:
         width = 2 * F if GATED else F
         row = q_ptr + rm[:, None].to(tl.int64) * width + rf[None, :]
         col = qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :]
-        qg = tl.clamp(dg * s, -FMAX, FMAX).to(q_ptr.dtype.element_ty)
-        tl.store(row, qg, mask=mask)
-        tl.store(col, tl.trans(qg), mask=tl.trans(mask))
+        _store_fp8(row, col, dg * s, mask, FMAX, XPOSE)
         if GATED:
-            qu = tl.clamp(du * s, -FMAX, FMAX).to(q_ptr.dtype.element_ty)
-            tl.store(row + F, qu, mask=mask)
-            tl.store(col + F.to(tl.int64) * M, tl.trans(qu), mask=tl.trans(mask))
+            _store_fp8(row + F, col + F.to(tl.int64) * M, du * s, mask, FMAX, XPOSE)
         if HAS_BIAS:  # column sums of this tile's rows (masked rows have d = 0), one row of partials per row tile
             db = db_ptr + tl.program_id(0).to(tl.int64) * width + rf
             tl.store(db, tl.sum(dg, 0), mask=rf < F)
@@ -253,13 +275,30 @@ def _partials(m: int, f: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 def _shape(h: torch.Tensor, act: int) -> tuple[int, int, dict]:
     """Rows, activation width and the kernels' compile-time switches."""
     gated = act == SWIGLU
-    return h.size(0), h.size(1) // 2 if gated else h.size(1), dict(ACT=act, GATED=gated)
+    return h.size(0), h.size(1) // 2 if gated else h.size(1), dict(ACT=act, GATED=gated, RCP=FAST_RCP)
 
 
 def _fake_outputs(h: torch.Tensor, cols: int, dtype: torch.dtype):
     m = h.size(0)
     scalar = h.new_empty((), dtype=torch.float32)
     return h.new_empty(m, cols, dtype=dtype), h.new_empty(cols, m, dtype=dtype), scalar, scalar.clone()
+
+
+def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.Tensor, act: int, dtype: torch.dtype,
+                  margin: int):
+    """The two forward kernels (amax pass, skipped for a preset scale; cast pass): (q, qt, scale, amax)."""
+    m, f, switches = _shape(h, act)
+    grid = _grid(m, f)
+    part, part_cast = _partials(m, f, h.device)
+    q = torch.empty(m, f, dtype=dtype, device=h.device)
+    qt = torch.empty(f, m, dtype=dtype, device=h.device)
+    b = h if bias is None else bias
+    with torch.cuda.device(h.device):
+        _act_amax[grid](h, b, preset, part, m, f, HAS_BIAS=bias is not None, **switches)
+        scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
+        _act_cast[grid](h, b, scale, q, qt, part_cast, m, f, FMAX=FMAX[dtype], HAS_BIAS=bias is not None,
+                        XPOSE=XPOSE, **switches)
+    return q, qt, scale, part_cast.amax()
 
 
 @torch.library.custom_op("paratron::mlp_act_fp8", mutates_args=())
@@ -270,17 +309,24 @@ def mlp_act_fp8(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.Ten
     (q, q transposed, scale, amax)."""
     if not _on_gpu(h):
         return act_fp8_reference(h, bias, preset, act, margin)
-    m, f, switches = _shape(h, act)
-    grid = _grid(m, f)
-    part, part_cast = _partials(m, f, h.device)
-    q = torch.empty(m, f, dtype=E4M3, device=h.device)
-    qt = torch.empty(f, m, dtype=E4M3, device=h.device)
-    b = h if bias is None else bias
-    with torch.cuda.device(h.device):
-        _act_amax[grid](h, b, preset, part, m, f, HAS_BIAS=bias is not None, **switches)
-        scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[E4M3], margin))
-        _act_cast[grid](h, b, scale, q, qt, part_cast, m, f, FMAX=FMAX[E4M3], HAS_BIAS=bias is not None, **switches)
-    return q, qt, scale, part_cast.amax()
+    return _forward_cast(h, bias, preset, act, E4M3, margin)
+
+
+@torch.library.custom_op("paratron::cast_fp8", mutates_args=())
+def cast_fp8(x: torch.Tensor, preset: torch.Tensor, e5m2: bool,
+             margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contiguous 2-D ``x`` in e5m2 / e4m3, row-major and transposed in one pass over x (two for
+    its own amax), scaled as :func:`mlp_act_fp8`: (q, q transposed, scale, amax). Used for the output
+    gradients of the FP8 linears, whose transposed copy is the weight gradient's operand."""
+    dtype = torch.float8_e5m2 if e5m2 else E4M3
+    if not _on_gpu(x):
+        return _to_fp8(x.float(), preset, dtype, margin)
+    return _forward_cast(x, None, preset, IDENTITY, dtype, margin)
+
+
+@cast_fp8.register_fake
+def _(x, preset, e5m2, margin):
+    return _fake_outputs(x, x.size(1), torch.float8_e5m2 if e5m2 else E4M3)
 
 
 @mlp_act_fp8.register_fake
@@ -311,7 +357,7 @@ def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: to
         _grad_amax[grid](h, b, dout, preset, part, m, f, HAS_BIAS=has_bias, **switches)
         scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
         _grad_cast[grid](h, b, dout, scale, q, qt, part_cast, db, m, f, FMAX=FMAX[dtype], HAS_BIAS=has_bias,
-                         **switches)
+                         XPOSE=XPOSE, **switches)
     if not has_bias:
         return q, qt, scale, part_cast.amax(), db.new_zeros(0)
     # the rows of partial sums the last launch wrote (the autotuner's trials of smaller tiles may have left more)
@@ -346,9 +392,9 @@ class _FP8MLP(torch.autograd.Function):
         xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa, b1 = ctx.saved_tensors
         s1, s2 = ctx.s1, ctx.s2
         emulate, margin = s1.recipe.emulate, s1.recipe.margin
-        gq, sg = s2.quantize("grad", g.reshape(-1, g.size(-1)))
+        gq, gqt, sg = s2.quantize_grad(g.reshape(-1, g.size(-1)))
         dact = input_grad_mm(gq, sg, w2q, sw2, g.dtype, emulate)  # [m, F]
-        gw2 = scaled_mm(gq.t().contiguous(), aqt.t(), sg, sa, ctx.w_dtype, emulate)
+        gw2 = scaled_mm(gqt, aqt.t(), sg, sa, ctx.w_dtype, emulate)
         s1.mark("grad")
         dhq, dhqt, sdh, current, db = torch.ops.paratron.mlp_act_fp8_backward(
             h, b1, dact, s1.grad.preset_scale(h.device), ctx.act, s1.grad.dtype != E4M3, margin)

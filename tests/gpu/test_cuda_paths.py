@@ -150,6 +150,25 @@ def test_fp8_mlp_kernels_match_the_torch_ops(act, bias, e5m2):
                 assert ((db - rdb).norm() / rdb.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("e5m2", [True, False])
+def test_fp8_cast_kernel_matches_the_torch_cast(e5m2):
+    """paratron::cast_fp8 (the output gradients' cast: the fused kernels with no activation) against the
+    torch cast: own scale and preset one, byte-equal FP8 (a cast has no transcendental to flip a last
+    bit), the transposed copy equal to the row-major one transposed, the same amax."""
+    from paratron.parallel import fp8_mlp
+    from paratron.parallel.fp8 import E4M3, E5M2
+    torch.manual_seed(0)
+    for m, n in ((4096, 3072), (272, 1000)):
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 30
+        for preset in (torch.tensor(0.0, device="cuda"), torch.tensor(2.5, device="cuda")):
+            q, qt, scale, current = torch.ops.paratron.cast_fp8(x, preset, e5m2, 0)
+            rq, _, rscale, rcurrent = fp8_mlp._to_fp8(x.float(), preset, E5M2 if e5m2 else E4M3, 0)
+            assert q.dtype == rq.dtype and torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+            assert scale.item() == pytest.approx(rscale.item(), rel=1e-6)
+            assert current.item() == pytest.approx(rcurrent.item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_fused_fp8_mlp_compiled_equals_eager(recipe):
     """Eager and Inductor-compiled fused MLP (for delayed: primed after a first call, so the casts are
