@@ -1,6 +1,5 @@
 """Tile configs and code variants of the FP8 cast kernels (paratron/parallel/fp8_mlp.py), each launched
-directly (no autotuner), checked and timed on one GPU: how ``TILES``, ``FAST_RCP`` and ``XPOSE`` there
-were chosen.
+directly (no autotuner), checked and timed on one GPU: how ``TILES`` and ``FAST_RCP`` there were chosen.
 
     python benchmarks/fp8_cast_sweep.py          # prints the table, writes a record ($OUT or benchmarks/results)
 
@@ -41,8 +40,9 @@ def _check(got, want, label: str) -> str:
     q, qt, current = got
     rq, rcurrent = want
     bad = []
-    if not torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8)):
-        bad.append("qt != q.T")
+    xdiff = (qt.view(torch.uint8) != q.t().contiguous().view(torch.uint8)).float().mean().item()
+    if xdiff:
+        bad.append(f"qt != q.T in {xdiff:.1e} of bytes")
     flips = (q.view(torch.uint8) != rq.view(torch.uint8)).float().mean().item()
     if flips > 1e-3:
         bad.append(f"{flips:.1e} bytes differ")
@@ -66,26 +66,26 @@ def sweep_case(kind: str, m: int, f: int, act: int, bias: bool):
         rq, _, _, rcur, rdb = fp8_mlp.grad_fp8_reference(h, b, d, scale, act, True, 0)
     else:
         rq, _, _, rcur = fp8_mlp._to_fp8(h.float(), scale, dtype, 0)
-    q = torch.empty(m, cols, dtype=dtype, device="cuda")
-    qt = torch.empty(cols, m, dtype=dtype, device="cuda")
+    width = f if kind == "fwd" else cols  # the forward writes the activation, the backward fc1's gradient
+    q = torch.empty(m, width, dtype=dtype, device="cuda")
+    qt = torch.empty(width, m, dtype=dtype, device="cuda")
     part = torch.zeros(fp8_mlp.triton.cdiv(m, 32) * fp8_mlp.triton.cdiv(f, 64), device="cuda")
     bb = h if b is None else b
     moved = (h.numel() * 2 + (d.numel() * 2 if kind == "bwd" else 0) + 2 * q.numel()) / 1e6
-    variants = [(r, x) for r in ((False, True) if act in (fp8_mlp.GELU,) else (False,)) for x in (0, 1)]
+    variants = (False, True) if act == fp8_mlp.GELU else (fp8_mlp.FAST_RCP,)
     rows = []
     for bm, bf, warps in TILES:
         grid = (fp8_mlp.triton.cdiv(m, bm), fp8_mlp.triton.cdiv(f, bf))
         db = torch.zeros(grid[0] if bias else 0, cols, device="cuda")
-        for rcp, xpose in variants:
-            sw = dict(ACT=act, GATED=act == fp8_mlp.SWIGLU, HAS_BIAS=bias, RCP=rcp, XPOSE=xpose, BM=bm, BF=bf,
-                      num_warps=warps)
+        for rcp in variants:
+            sw = dict(ACT=act, GATED=act == fp8_mlp.SWIGLU, HAS_BIAS=bias, RCP=rcp, BM=bm, BF=bf, num_warps=warps)
             if kind == "bwd":
                 def launch():
                     fp8_mlp._grad_cast.fn[grid](h, bb, d, scale, q, qt, part, db, m, f, FMAX=FMAX[dtype], **sw)
             else:
                 def launch():
                     fp8_mlp._act_cast.fn[grid](h, bb, scale, q, qt, part, m, f, FMAX=FMAX[dtype], **sw)
-            label = f"{bm}x{bf} w{warps} rcp={int(rcp)} xpose={xpose}"
+            label = f"{bm}x{bf} w{warps} rcp={int(rcp)}"
             try:
                 part.zero_()
                 launch()
@@ -134,7 +134,7 @@ def main() -> None:
         ok = [r for r in rows if not r[3] and r[1] == r[1]]
         if ok:
             top = min(ok, key=lambda r: r[1])
-            current = [r for r in ok if r[0].endswith(f"rcp={int(fp8_mlp.FAST_RCP)} xpose={fp8_mlp.XPOSE}")
+            current = [r for r in ok if r[0].endswith(f"rcp={int(fp8_mlp.FAST_RCP)}")
                        and tuple(int(v) for v in r[0].split()[0].split("x")) + (int(r[0].split()[1][1:]),)
                        in fp8_mlp.TILES]
             cur = min(current, key=lambda r: r[1]) if current else ("-", float("nan"))
