@@ -8,13 +8,14 @@ the two matmuls makes extra trips through memory: the SwiGLU writes its output i
 once for the amax and once more to cast it, and the backward transposes the FP8 copy for the weight
 gradient; in the backward the SwiGLU writes the [tokens, 2F] gradient in bf16 (the largest tensor of
 the block) and fc1 reads it twice (amax, cast) and writes an FP8 copy plus its transpose. Here each
-of the two is computed from the SwiGLU's inputs and written once, in FP8, both row-major (for the next
-matmul) and transposed (for the weight gradient). With the tensorwise recipe that takes two passes:
+of the two is computed from the SwiGLU's inputs and written once, in FP8, row-major (for the next
+matmul); a one-byte transpose kernel then writes its transposed copy (for the weight gradient). With
+the tensorwise recipe the cast takes two passes:
 the first only finds the amax (one partial maximum per tile, no atomics), the second recomputes the
 SwiGLU (or its gradient) and casts. With the delayed recipe, once primed (``fp8.Scaler``), the scale
 is known beforehand and the first pass is skipped: the cast pass also leaves the per-tile maxima the
-history records. At llama-1b's shape that moves about 2.4 GB less per layer and micro-batch of
-16 x 2048 tokens than the per-layer path (tensorwise), and another ~1 GB less with the delayed recipe.
+history records. The same kernels with no activation are ``paratron::cast_fp8``, the FP8 linears'
+output-gradient cast.
 
 Numerics are those of the recipe (``fp8.py``); the one difference from the layer-by-layer path is that
 the activation's output and gradient are quantised from fp32 instead of from their bf16 rounding.
@@ -47,6 +48,7 @@ IDENTITY = 3  # no activation: the kernels as a plain cast + transpose (``cast_f
 # (benchmarks/fp8_cast_sweep.py: the best at every measured shape is among these; 128 x 128 and larger
 # tiles spill registers in the GeLU kernels, 17 ms instead of 0.7)
 TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (32, 256, 4), (64, 256, 8))
+TRANSPOSE_TILES = ((64, 64, 4), (128, 128, 8), (64, 256, 8))  # the one-byte transpose's
 FAST_RCP = True  # GeLU's reciprocal by the approximate instruction: forward 0.64 ms instead of 0.75 (the sweep)
 MIN_BM, MIN_BF = min(t[0] for t in TILES), min(t[1] for t in TILES)
 
@@ -186,12 +188,20 @@ if triton is not None:
         tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), top)
 
     @triton.jit
-    def _store_fp8(row_ptr, col_ptr, v, mask, FMAX: tl.constexpr):
-        """v (fp32, scaled) saturated and cast to the outputs' FP8 type, stored row-major at ``row_ptr``
-        and transposed at ``col_ptr`` (transposing the fp32 tile before the cast measured the same)."""
-        q = tl.clamp(v, -FMAX, FMAX).to(row_ptr.dtype.element_ty)
-        tl.store(row_ptr, q, mask=mask)
-        tl.store(col_ptr, tl.trans(q), mask=tl.trans(mask))
+    def _store_fp8(row_ptr, v, mask, FMAX: tl.constexpr):
+        """v (fp32, scaled) saturated, cast to the output's FP8 type and stored row-major at ``row_ptr``."""
+        tl.store(row_ptr, tl.clamp(v, -FMAX, FMAX).to(row_ptr.dtype.element_ty), mask=mask)
+
+    @triton.autotune([triton.Config({"BM": bm, "BN": bn}, num_warps=w) for bm, bn, w in TRANSPOSE_TILES],
+                     key=["M", "N"])
+    @triton.jit
+    def _transpose(q_ptr, qt_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+        """qt [N, M] = q [M, N] transposed (one byte per element)."""
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        q = tl.load(q_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], mask=mask)
+        tl.store(qt_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
 
     @_autotuned
     @triton.jit
@@ -204,14 +214,13 @@ if triton is not None:
 
     @_autotuned
     @triton.jit
-    def _act_cast(h_ptr, b_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, M, F, FMAX: tl.constexpr, ACT: tl.constexpr,
+    def _act_cast(h_ptr, b_ptr, scale_ptr, q_ptr, part_ptr, M, F, FMAX: tl.constexpr, ACT: tl.constexpr,
                   GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr,
                   BF: tl.constexpr):
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
         a = _act(gate, up, ACT, RCP)
         _tile_max(part_ptr, a, mask)
-        _store_fp8(q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :],
-                   a * tl.load(scale_ptr), mask, FMAX)
+        _store_fp8(q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], a * tl.load(scale_ptr), mask, FMAX)
 
     @_autotuned
     @triton.jit
@@ -229,7 +238,7 @@ if triton is not None:
 
     @_autotuned
     @triton.jit
-    def _grad_cast(h_ptr, b_ptr, d_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, db_ptr, M, F, FMAX: tl.constexpr,
+    def _grad_cast(h_ptr, b_ptr, d_ptr, scale_ptr, q_ptr, part_ptr, db_ptr, M, F, FMAX: tl.constexpr,
                    ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RCP: tl.constexpr,
                    BM: tl.constexpr, BF: tl.constexpr):
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
@@ -242,10 +251,9 @@ if triton is not None:
         s = tl.load(scale_ptr)
         width = 2 * F if GATED else F
         row = q_ptr + rm[:, None].to(tl.int64) * width + rf[None, :]
-        col = qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :]
-        _store_fp8(row, col, dg * s, mask, FMAX)
+        _store_fp8(row, dg * s, mask, FMAX)
         if GATED:
-            _store_fp8(row + F, col + F.to(tl.int64) * M, du * s, mask, FMAX)
+            _store_fp8(row + F, du * s, mask, FMAX)
         if HAS_BIAS:  # column sums of this tile's rows (masked rows have d = 0), one row of partials per row tile
             db = db_ptr + tl.program_id(0).to(tl.int64) * width + rf
             tl.store(db, tl.sum(dg, 0), mask=rf < F)
@@ -260,6 +268,16 @@ def _on_gpu(h: torch.Tensor) -> bool:
 def _grid(m: int, f: int):
     """The launch grid for the tile config the autotuner tries or chose."""
     return lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(f, meta["BF"]))
+
+
+def _transposed(q: torch.Tensor, qt: torch.Tensor) -> None:
+    """qt = q transposed, by the one-byte transpose kernel. The cast kernels write row-major only: with
+    Triton 3.6 a kernel that loads two tensors (SwiGLU's halves; an activation and its gradient) and
+    stores a tile both row-major and transposed wrote wrong bytes in a quarter to a half of the
+    transposed copy (benchmarks/fp8_cast_sweep.py, 2026-11-25); this kernel alone is exact and moves
+    the bytes at 3.9 TB/s on an H200 (ATen's transposing copy of FP8: 1.7 ms instead of 0.14)."""
+    m, n = q.shape
+    _transpose[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))](q, qt, m, n)
 
 
 def _partials(m: int, f: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,8 +311,9 @@ def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.T
     with torch.cuda.device(h.device):
         _act_amax[grid](h, b, preset, part, m, f, HAS_BIAS=bias is not None, **switches)
         scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
-        _act_cast[grid](h, b, scale, q, qt, part_cast, m, f, FMAX=FMAX[dtype], HAS_BIAS=bias is not None,
+        _act_cast[grid](h, b, scale, q, part_cast, m, f, FMAX=FMAX[dtype], HAS_BIAS=bias is not None,
                         **switches)
+        _transposed(q, qt)
     return q, qt, scale, part_cast.amax()
 
 
@@ -353,8 +372,9 @@ def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: to
     with torch.cuda.device(h.device):
         _grad_amax[grid](h, b, dout, preset, part, m, f, HAS_BIAS=has_bias, **switches)
         scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
-        _grad_cast[grid](h, b, dout, scale, q, qt, part_cast, db, m, f, FMAX=FMAX[dtype], HAS_BIAS=has_bias,
+        _grad_cast[grid](h, b, dout, scale, q, part_cast, db, m, f, FMAX=FMAX[dtype], HAS_BIAS=has_bias,
                          **switches)
+        _transposed(q, qt)
     if not has_bias:
         return q, qt, scale, part_cast.amax(), db.new_zeros(0)
     # the rows of partial sums the last launch wrote (the autotuner's trials of smaller tiles may have left more)
