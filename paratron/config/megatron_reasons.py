@@ -59,6 +59,8 @@ ACCEPTED = {
                                       "computes: paratron's Muon gives the same update in either layout",
     "data_parallel_sharding_strategy": "read only by --use-megatron-fsdp (refused); without it nothing is sharded that "
                                        "--use-distributed-optimizer does not already shard",
+    "fp8_interval": "deprecated in Megatron-LM, which ignores it; paratron updates every FP8 scale every step (the "
+                    "value 1)",
 }
 
 # Values an accepted flag may take (others are refused naming the values that hold).
@@ -71,6 +73,7 @@ ACCEPTED_VALUES = {
     "rerun_mode": ("disabled",),
     "cuda_graph_impl": ("none",),
     "data_parallel_sharding_strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
+    "fp8_interval": ("1",),
 }
 
 PLANNED = "planned: {} is not in paratron yet; remove the flag"
@@ -98,6 +101,12 @@ REFUSED = {
     "memory_snapshot_path": GPU.format("CUDA memory-history snapshots"),
     "test_mode": NA.format("Megatron's internal test harness"),
     "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
+    "fp8_output_proj": GPU.format("the output layer in MXFP8, which needs Blackwell's MX tensor cores"),
+    "fp8_quantizer_factory": GPU.format("Transformer Engine's custom quantizer recipes"),
+    "moe_router_padding_for_fp8": PLANNED.format("padding expert token counts for FP8 grouped GEMMs (routed experts "
+                                                 "run in bf16)"),
+    "keep_fp8_transpose_cache": NA.format("it keeps the FP8 weight transposes of Megatron-FSDP with FP8 parameters, "
+                                          "neither of which paratron has"),
     "use_precision_aware_optimizer": GPU.format("Transformer Engine's precision-aware optimizer"),
     "disable_gloo_process_groups": NA.format("paratron's checkpoint collectives need their gloo group"),
     "use_nccl_ub": GPU.format("NCCL user-buffer registration"),

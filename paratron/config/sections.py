@@ -23,8 +23,7 @@ from ..errors import ConfigError, FrozenConfigError
 
 
 class Section:
-    """Base of the config sections: writable until ``resolve()`` freezes it. The freeze state lives
-    in slots, so ``vars(section)`` and ``dataclasses.asdict`` hold only the fields."""
+    """Base of the config sections: writable until ``resolve()`` freezes it (state in slots: not a field)."""
 
     __slots__ = ("_frozen", "_given")  # _given: the values resolve() replaced (what unfrozen() restores)
     _name = "config"
@@ -271,6 +270,7 @@ class TrainConfig(Section):
     fp8_amax_compute_algo: str = "most_recent"  # delayed: max | most_recent of the history
     fp8_margin: int = 0  # scale = fp8 max / (amax * 2^margin)
     fp8_hybrid: bool = False  # Megatron's older spelling of --fp8-format hybrid
+    no_fp8_wgrad: bool = False  # FP8: weight gradients in bf16, from the bf16 input and output gradient
     first_last_layers_bf16: bool = False  # FP8: the first and last decoder layers stay in bf16
     num_layers_at_start_in_bf16: int = 1  # with --first-last-layers-bf16: how many first layers
     num_layers_at_end_in_bf16: int = 1  # with --first-last-layers-bf16: how many last layers

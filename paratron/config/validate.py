@@ -249,6 +249,8 @@ def validate_fp8(cfg: Config) -> None:
              "remove the flag")
         need(start + end <= m.num_layers, f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 "
              f"{end} must together be at most --num-layers {m.num_layers}")
+    need(tr.fp8_format is not None or not tr.no_fp8_wgrad, "--no-fp8-wgrad has no effect without --fp8-format; add it "
+         "or remove the flag")
     if tr.fp8_format is None:
         return
     from ..parallel import fp8

@@ -82,6 +82,7 @@ class Recipe:
     emulate: bool = False  # tests only: dequantise + fp32 matmul instead of torch._scaled_mm
     fuse_mlp: bool = True  # the SwiGLU MLP as one FP8 function (fp8_mlp.py); PARATRON_FP8_FUSED_MLP=0: per layer
     grad_cast_op: bool = True  # output gradients cast by paratron::cast_fp8; PARATRON_FP8_GRAD_CAST=0: by torch ops
+    fp8_wgrad: bool = True  # --no-fp8-wgrad: weight gradients from the bf16 input and output gradient
     bf16_at_start: int = 0  # --first-last-layers-bf16: the first / last decoder layers stay in the params' dtype
     bf16_at_end: int = 0
 
@@ -98,7 +99,8 @@ class Recipe:
         grad_op = os.environ.get("PARATRON_FP8_GRAD_CAST", "1") != "0"
         edges = (tr.num_layers_at_start_in_bf16, tr.num_layers_at_end_in_bf16) if tr.first_last_layers_bf16 else (0, 0)
         return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin,
-                   fuse_mlp=fuse, grad_cast_op=grad_op, bf16_at_start=edges[0], bf16_at_end=edges[1])
+                   fuse_mlp=fuse, grad_cast_op=grad_op, fp8_wgrad=not tr.no_fp8_wgrad, bf16_at_start=edges[0],
+                   bf16_at_end=edges[1])
 
     def in_bf16(self, layer: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer`` (global, 0-based) of ``num_layers`` stays out of FP8."""
@@ -252,25 +254,34 @@ def input_grad_mm(gq: torch.Tensor, sg: torch.Tensor, wq: torch.Tensor, sw: torc
 
 class _FP8Linear(torch.autograd.Function):
     """y = x W^T with x and W in e4m3; the gradients from the FP8 output gradient and the saved FP8
-    copies of x and W (the bf16 x is not kept)."""
+    copies of x and W (the bf16 x is not kept). With ``--no-fp8-wgrad`` (``Recipe.fp8_wgrad`` False)
+    the weight gradient is g^T x in the input's dtype from the bf16 g and x (x kept instead of its FP8
+    copy); the input gradient stays FP8."""
 
     @staticmethod
     def forward(ctx, x, weight, state):
-        y, xq, sx, wq, sw = forward_mm(x.reshape(-1, x.size(-1)), weight, state, x.dtype)
-        ctx.save_for_backward(xq, wq, sx, sw)
+        x2 = x.reshape(-1, x.size(-1))
+        y, xq, sx, wq, sw = forward_mm(x2, weight, state, x.dtype)
+        ctx.save_for_backward(xq if state.recipe.fp8_wgrad else x2, wq, sx, sw)
         ctx.state, ctx.x_shape, ctx.w_dtype = state, x.shape, weight.dtype
         return y.view(*x.shape[:-1], weight.size(0))
 
     @staticmethod
     def backward(ctx, g):
-        xq, wq, sx, sw = ctx.saved_tensors
+        x_saved, wq, sx, sw = ctx.saved_tensors
         state, emulate = ctx.state, ctx.state.recipe.emulate
-        gq, gqt, sg = state.quantize_grad(g.reshape(-1, g.size(-1)))
+        g2 = g.reshape(-1, g.size(-1))
+        if state.recipe.fp8_wgrad:
+            gq, gqt, sg = state.quantize_grad(g2)
+        else:
+            gq, sg = state.quantize("grad", g2)
         gx = gw = None
         if ctx.needs_input_grad[0]:  # [m, n] @ [n, k]
             gx = input_grad_mm(gq, sg, wq, sw, g.dtype, emulate).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:  # [n, m] @ [m, k]
-            gw = scaled_mm(gqt, column_major(xq), sg, sx, ctx.w_dtype, emulate)
+        if ctx.needs_input_grad[1] and state.recipe.fp8_wgrad:  # [n, m] @ [m, k]
+            gw = scaled_mm(gqt, column_major(x_saved), sg, sx, ctx.w_dtype, emulate)
+        elif ctx.needs_input_grad[1]:
+            gw = (g2.t() @ x_saved).to(ctx.w_dtype)
         return gx, gw, None
 
 

@@ -56,8 +56,8 @@ MIN_BM, MIN_BF = min(t[0] for t in TILES), min(t[1] for t in TILES)
 def applies(fc1, fc2, act: Optional[int]) -> bool:
     """Whether the fused FP8 MLP can replace fc1 -> activation -> fc2 (``act``: one of SWIGLU, GELU,
     GELU_TANH, or None for an activation it does not have)."""
-    s1, s2 = fc1.fp8, fc2.fp8
-    return act is not None and s1 is not None and s2 is not None and s1.recipe.fuse_mlp
+    s1, s2 = fc1.fp8, fc2.fp8  # (--no-fp8-wgrad: the per-layer path, whose weight gradients can be bf16)
+    return act is not None and s1 is not None and s2 is not None and s1.recipe.fuse_mlp and s1.recipe.fp8_wgrad
 
 
 # ---- the two ops, as torch expressions (CPU, and the reference of the kernels) -----------------

@@ -291,3 +291,50 @@ def test_first_last_layers_stay_in_bf16(monkeypatch):
     with pytest.raises(ConfigError, match="must together be at most --num-layers 4"):
         parse_args(flags + ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "3",
                             "--num-layers-at-end-in-bf16", "2"])
+
+
+def test_no_fp8_wgrad_keeps_the_weight_gradient_in_bf16(monkeypatch):
+    """--no-fp8-wgrad (--disable-fp8-wgrad; Megatron's fp8_wgrad=False): the weight gradient is the bf16
+    g^T x exactly, the input gradient the same FP8 one as without the flag; the model takes the per-layer
+    path (no fused FP8 MLP) and trains; without --fp8-format the flag is a one-line error."""
+    from tests.unit.test_train import TINY, losses_of
+    from paratron.parallel import fp8_mlp
+    from paratron.train.loop import Trainer
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 32, dtype=torch.bfloat16)
+    w = (torch.randn(48, 32) * 0.1).to(torch.bfloat16)
+    g = torch.randn(4, 8, 48, dtype=torch.bfloat16)
+    grads = []
+    for wgrad in (True, False):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        state = FP8State(Recipe(emulate=True, fp8_wgrad=wgrad))
+        fp8.fp8_linear(xr, wr, state).backward(g)
+        grads.append((xr.grad, wr.grad))
+    assert torch.equal(grads[0][0], grads[1][0])  # input gradient: FP8 either way
+    exact = (g.reshape(-1, 48).t() @ x.reshape(-1, 32)).to(torch.bfloat16)
+    assert torch.equal(grads[1][1], exact) and not torch.equal(grads[0][1], exact)
+    monkeypatch.setattr(fp8, "device_problem", lambda device: None)
+    flags = TINY + ["--train-iters", "2", "--bf16", "--fp8-format", "hybrid", "--device", "cpu", "--swiglu"]
+    for spelling in ("--no-fp8-wgrad", "--disable-fp8-wgrad"):
+        trainer = Trainer(parse_args(flags + [spelling]))
+        layer = trainer.model.module.decoder.layers[0].mlp
+        assert layer.linear_fc1.fp8.recipe.fp8_wgrad is False
+        assert not fp8_mlp.applies(layer.linear_fc1, layer.linear_fc2, fp8_mlp.SWIGLU)
+        assert all(torch.isfinite(torch.tensor(losses_of(trainer, 2))))
+    default = Trainer(parse_args(flags)).model.module.decoder.layers[0].mlp
+    assert fp8_mlp.applies(default.linear_fc1, default.linear_fc2, fp8_mlp.SWIGLU)
+    with pytest.raises(ConfigError, match="--no-fp8-wgrad has no effect without --fp8-format"):
+        parse_args([f for f in flags if f not in ("--fp8-format", "hybrid")] + ["--no-fp8-wgrad"])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--fp8-interval", "2"], "--fp8-interval 2: paratron honours only 1"),
+    (["--fp8-output-proj"], "MXFP8"),
+    (["--keep-fp8-transpose-cache"], "Megatron-FSDP"),
+    (["--moe-router-padding-for-fp8"], "routed experts run in bf16"),
+    (["--fp8-quantizer-factory", "x"], "custom quantizer"),
+])
+def test_megatron_fp8_flags_refused_with_their_reason(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args([*BASE, *flags])
+    assert parse_args([*BASE, "--fp8-interval", "1"]).train.fp8_format is None  # Megatron's default, accepted
