@@ -151,7 +151,10 @@ def main() -> None:
                        in fp8_mlp.TILES]
             cur = min(current, key=lambda r: r[1]) if current else ("-", float("nan"))
             best.append(f"| {name} | {top[0]} | {top[1]:.3f} | {top[2]:.0f} | {cur[0]} | {cur[1]:.3f} |")
-        print(best[-1], flush=True)
+        else:
+            best.append(f"| {name} | no launch passed its check | | | | |")
+        bad = [r for r in rows if r[3] and r[0].startswith("transpose")]
+        print(best[-1] + (f" transpose: {bad[0][3]}" if bad else ""), flush=True)
     table = "\n".join(best) + "\n\nEvery launch:\n\n" + "\n".join(out)
     print(table)
     write_record(args.record_dir, "fp8_cast_sweep", "FP8 cast kernels: tiles and variants",
