@@ -94,7 +94,6 @@ REFUSED = {
     "mla_down_proj_fusion": GPU.format("Transformer Engine's fused input norm + MLA down projections"),
     "moe_latent_size": PLANNED.format("MoE latent projections"),
     "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
-    "microbatch_group_size_per_virtual_pipeline_stage": PLANNED.format("micro-batch groups per virtual stage"),
     "verify_integrity": PLANNED.format("checkpoint file hashing (paratron checks CRC32s of every file)"),
     "log_straggler": PLANNED.format("straggler detection"),
     "record_memory_history": GPU.format("CUDA memory-history snapshots"),

@@ -71,6 +71,7 @@ RANGES: dict[str, Range] = {
     # parallel
     "tensor_model_parallel_size": AT_LEAST_1, "pipeline_model_parallel_size": AT_LEAST_1,
     "virtual_pipeline_model_parallel_size": AT_LEAST_1, "num_layers_per_virtual_pipeline_stage": AT_LEAST_1,
+    "microbatch_group_size_per_virtual_pipeline_stage": AT_LEAST_1,
     "decoder_first_pipeline_num_layers": AT_LEAST_0, "decoder_last_pipeline_num_layers": AT_LEAST_0,
     "context_parallel_size": AT_LEAST_1, "expert_model_parallel_size": AT_LEAST_1,
     "expert_tensor_parallel_size": AT_LEAST_1, "ddp_bucket_size": AT_LEAST_1, "distributed_timeout_minutes": POSITIVE,

@@ -204,6 +204,7 @@ class ParallelConfig(Section):
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     num_virtual_stages_per_pipeline_rank: Optional[int] = None  # the virtual pipeline size, Megatron's newer name
+    microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = None  # interleaved: group size (default PP)
     pipeline_model_parallel_layout: Optional[str] = None  # Megatron's layout string, e.g. "Et*3|(tt|)*2,t|tL"
     account_for_embedding_in_pipeline_split: bool = False  # the embedding counts as a layer of the first stage
     account_for_loss_in_pipeline_split: bool = False  # the loss counts as a layer of the last stage
@@ -270,7 +271,7 @@ class TrainConfig(Section):
     fp8_amax_compute_algo: str = "most_recent"  # delayed: max | most_recent of the history
     fp8_margin: int = 0  # scale = fp8 max / (amax * 2^margin)
     fp8_hybrid: bool = False  # Megatron's older spelling of --fp8-format hybrid
-    no_fp8_wgrad: bool = False  # FP8: weight gradients in bf16, from the bf16 input and output gradient
+    no_fp8_wgrad: bool = False  # FP8: weight gradients in bf16 from the bf16 input and output gradient
     first_last_layers_bf16: bool = False  # FP8: the first and last decoder layers stay in bf16
     num_layers_at_start_in_bf16: int = 1  # with --first-last-layers-bf16: how many first layers
     num_layers_at_end_in_bf16: int = 1  # with --first-last-layers-bf16: how many last layers
@@ -455,8 +456,7 @@ class Config(Section):
         return out
 
     def unfrozen(self) -> "Config":
-        """A writable copy with every section as given (resolve it again after changing it); it keeps
-        the world size it was resolved for."""
+        """A writable copy with every section as given (resolve it again after changing it), same world size."""
         return Config(**{name: getattr(self, name).unfrozen() for name in SECTIONS}, world_size=self.world_size)
 
     @property  # derived from frozen fields (never stored, so they cannot go stale), as data_parallel_size

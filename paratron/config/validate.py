@@ -160,6 +160,8 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
              f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {tp}")
     from ..parallel.stages import finalize_pipeline  # imported here: parallel/ imports this package
     par.virtual_pipeline_model_parallel_size = finalize_pipeline(par, m.num_layers)
+    need(par.microbatch_group_size_per_virtual_pipeline_stage is None or (par.virtual_pipeline_model_parallel_size or 1)
+         > 1, "--microbatch-group-size-per-virtual-pipeline-stage needs virtual pipeline stages; remove it or add them")
     need(not par.overlap_param_gather or par.use_distributed_optimizer,
          "--overlap-param-gather needs --use-distributed-optimizer")
     need(not par.grad_reduce_in_bf16 or tr.bf16, "--grad-reduce-in-bf16 needs --bf16")

@@ -38,6 +38,7 @@ class ParallelDims:
     ep: int = 1
     etp: int = 1
     vpp: Optional[int] = None
+    vpp_group: Optional[int] = None  # the interleaved schedule's micro-batch group size (None: PP)
     order: str = "tp-cp-ep-dp-pp"
     # this rank's coordinates
     tp_rank: int = 0

@@ -16,7 +16,8 @@ it in order) or a list of one per chunk, and ``layout``, a ``BatchLayout`` whose
 what travels between stages (``seq_length`` and ``micro_batch_size`` are accepted for Megatron's
 signature; the layout decides). A schedule is a table per rank, the order of its forwards and
 backwards (1F1B: ``PP - rank - 1`` warm-up forwards, then one forward and one backward in turn, then
-the backwards left; interleaved: the same over the chunks, warm-up ``2 (PP - rank - 1) + (V - 1) PP``).
+the backwards left; interleaved: the same over the chunks in Megatron's order, micro-batches in groups of
+G = ``--microbatch-group-size-per-virtual-pipeline-stage`` (default PP), warm-up ``2 (PP - rank - 1) + (V - 1) G``).
 ``build_plan`` places every rank's actions on a common clock of slots, each action as early as its
 input allows; in each slot a rank runs its action, then exchanges in one batch what was produced in
 that slot with its two neighbours, which do the same in the same slot. Every exchange thus pairs with
@@ -87,53 +88,67 @@ def table_1f1b(pp: int, rank: int, num_microbatches: int, forward_only: bool = F
     return acts + [("B", 0, i) for i in range(m - warmup, m)]
 
 
-def interleaved_warmup(pp: int, vpp: int, rank: int, num_microbatches: int) -> int:
-    """Forwards before the first backward (Megatron: all of them when micro-batches = PP)."""
+def interleaved_warmup(pp: int, vpp: int, rank: int, num_microbatches: int, group: Optional[int] = None) -> int:
+    """Forwards before the first backward (Megatron: all of them when micro-batches = PP):
+    ``2 (PP - rank - 1) + (V - 1) G`` for micro-batch groups of G (default PP)."""
     total = num_microbatches * vpp
     if num_microbatches == pp:
         return total
-    return min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+    return min(2 * (pp - rank - 1) + (vpp - 1) * (group or pp), total)
 
 
-def table_interleaved(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False) -> list[tuple]:
-    """Micro-batches go through the chunks in groups of PP: forward k is chunk (k // PP) % V of
-    micro-batch (k // (PP V)) PP + k % PP; backward k likewise with the chunks in reverse order."""
-    group = pp * vpp
-    total = num_microbatches * vpp
+def forward_order(vpp: int, num_microbatches: int, group: int) -> list[tuple]:
+    """The interleaved schedule's forwards as (chunk, micro-batch), Megatron's order: micro-batches in
+    consecutive groups of ``group`` (the last group takes what is left), each group through chunk 0,
+    then chunk 1, ...; the backwards take the same order with the chunks reversed."""
+    order = []
+    for start in range(0, num_microbatches, group):
+        order += [(c, m) for c in range(vpp) for m in range(start, min(start + group, num_microbatches))]
+    return order
 
-    def micro(k: int) -> int:
-        return (k // group) * pp + k % pp
 
-    def fwd(k: int) -> tuple:
-        return ("F", (k % group) // pp, micro(k))
-
-    def bwd(k: int) -> tuple:
-        return ("B", vpp - 1 - (k % group) // pp, micro(k))
-
+def table_interleaved(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False,
+                      group: Optional[int] = None) -> list[tuple]:
+    """1F1B over the virtual stages: the warm-up forwards, then one forward and one backward in turn, then
+    the backwards left (``--microbatch-group-size-per-virtual-pipeline-stage`` = ``group``, default PP)."""
+    order = forward_order(vpp, num_microbatches, group or pp)
+    fwd = [("F", c, m) for c, m in order]
+    bwd = [("B", vpp - 1 - c, m) for c, m in order]
     if forward_only:
-        return [fwd(k) for k in range(total)]
-    warmup = interleaved_warmup(pp, vpp, rank, num_microbatches)
-    acts = [fwd(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        acts += [fwd(warmup + k), bwd(k)]
-    return acts + [bwd(k) for k in range(total - warmup, total)]
+        return fwd
+    warmup = interleaved_warmup(pp, vpp, rank, num_microbatches, group)
+    acts = fwd[:warmup]
+    for k in range(len(order) - warmup):
+        acts += [fwd[warmup + k], bwd[k]]
+    return acts + bwd[len(order) - warmup:]
 
 
-def schedule_table(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False) -> list[tuple]:
+def schedule_table(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False,
+                   group: Optional[int] = None) -> list[tuple]:
     if vpp > 1:
-        return table_interleaved(pp, vpp, rank, num_microbatches, forward_only)
+        return table_interleaved(pp, vpp, rank, num_microbatches, forward_only, group)
     return table_1f1b(pp, rank, num_microbatches, forward_only)
 
 
 def check_pipeline_schedule(dims: ParallelDims, num_microbatches: int) -> None:
     """Layout checks that need the number of micro-batches per step (known once DP is)."""
-    if num_microbatches < 1:
-        raise ConfigError(f"a step needs at least one micro-batch per data-parallel rank (got {num_microbatches})")
-    if dims.pp > 1 and (dims.vpp or 1) > 1 and num_microbatches % dims.pp:
+    m, pp, group = num_microbatches, dims.pp, dims.vpp_group or dims.pp
+    if m < 1:
+        raise ConfigError(f"a step needs at least one micro-batch per data-parallel rank (got {m})")
+    if pp == 1 or (dims.vpp or 1) == 1:
+        return
+    if dims.vpp_group is None and m % pp:
         raise ConfigError(
-            f"the interleaved pipeline schedule needs the micro-batches per step ({num_microbatches} = "
-            f"--global-batch-size / (--micro-batch-size x data-parallel size)) to be a multiple of "
-            f"--pipeline-model-parallel-size {dims.pp}; change --global-batch-size")
+            f"the interleaved pipeline schedule needs the micro-batches per step ({m} = --global-batch-size / "
+            f"(--micro-batch-size x data-parallel size)) to be a multiple of --pipeline-model-parallel-size {pp}; "
+            "change --global-batch-size")
+    if not pp <= group <= m:
+        raise ConfigError(f"--microbatch-group-size-per-virtual-pipeline-stage {group} must be between "
+                          f"--pipeline-model-parallel-size {pp} and the micro-batches per step ({m})")
+    if 0 < m % group < pp:
+        raise ConfigError(f"the micro-batches per step ({m}) leave a last group of {m % group} (micro-batches mod "
+                          f"--microbatch-group-size-per-virtual-pipeline-stage {group}), fewer than "
+                          f"--pipeline-model-parallel-size {pp}; change --global-batch-size or the group size")
 
 
 # ---- plan: every rank's actions on a common clock, with the transfers of each slot ---------------
@@ -146,13 +161,14 @@ class Slot(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def build_plan(pp: int, vpp: int, num_microbatches: int, forward_only: bool = False) -> tuple:
+def build_plan(pp: int, vpp: int, num_microbatches: int, forward_only: bool = False,
+               group: Optional[int] = None) -> tuple:
     """For each rank, its slots in order (only those where it computes or receives something).
     Virtual stage s = chunk * PP + rank; F of stage s > 0 needs F of s - 1 done in an earlier slot,
     B of stage s < last needs B of s + 1 done in an earlier slot; each action takes the first slot
     after both its dependency and the rank's previous action."""
     last = pp * vpp - 1
-    tables = [schedule_table(pp, vpp, r, num_microbatches, forward_only) for r in range(pp)]
+    tables = [schedule_table(pp, vpp, r, num_microbatches, forward_only, group) for r in range(pp)]
     pos, prev_slot, slot_of = [0] * pp, [-1] * pp, {}
     slots = [dict() for _ in range(pp)]  # rank -> {slot: [action, send, recv_act, recv_grad]}
     waiting, todo = {}, list(range(pp))  # dependency -> the rank blocked on it; ranks to advance
@@ -364,7 +380,7 @@ class PipelineSchedule:
             iters = [data_iterator] * vpp
         run = _Run(d, chunks, iters, forward_step_func, layout, p2p.specs, num_microbatches, forward_only,
                    grad_scale)
-        for slot in build_plan(d.pp, vpp, num_microbatches, forward_only)[d.pp_rank]:
+        for slot in build_plan(d.pp, vpp, num_microbatches, forward_only, d.vpp_group)[d.pp_rank]:
             self._run_slot(run, slot, p2p)
         run.check_done()
         return run.reports

@@ -67,12 +67,14 @@ def use_expandable_segments() -> None:
 
 def build_dims(cfg: Config) -> ParallelDims:
     p = cfg.parallel
-    return initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+    dims = initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                      p.virtual_pipeline_model_parallel_size, p.context_parallel_size,
                                      p.expert_model_parallel_size, p.expert_tensor_parallel_size,
                                      order="tp-cp-ep-pp-dp" if p.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
                                      timeout=timeout(cfg),
                                      hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes)
+    dims.vpp_group = p.microbatch_group_size_per_virtual_pipeline_stage  # (Megatron: a ModelParallelConfig field)
+    return dims
 
 
 def checkpoint_group(cfg: Config):

@@ -53,6 +53,12 @@ def test_cli_pp2_virtual2(single):
     check(single, run(2, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"))
 
 
+def test_cli_pp2_virtual2_groups_of_4(single):
+    """--microbatch-group-size-per-virtual-pipeline-stage 4: the 8 micro-batches in two groups of 4."""
+    check(single, run(2, "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                      "--microbatch-group-size-per-virtual-pipeline-stage", "4"))
+
+
 def test_cli_tp2_pp2(single):
     check(single, run(4, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"))
 

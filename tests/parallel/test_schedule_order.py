@@ -38,11 +38,58 @@ TABLES = {
 }
 
 
+# --microbatch-group-size-per-virtual-pipeline-stage G (Megatron's order: micro-batches in groups of G,
+# the last group taking the rest, each group through chunk 0 then chunk 1; the backwards in the same
+# order with the chunks reversed; warm-up 2 (PP - rank - 1) + (V - 1) G). PP 2, V 2, 5 micro-batches,
+# G 3 is Megatron's docstring example: forwards (micro-batch, chunk) 0 1 2 0 1 2 3 4 3 4 / 0 0 0 1 1 1 0 0 1 1.
+GROUP_TABLES = {
+    (2, 2, 5, 3): ["F0.0 F0.1 F0.2 F1.0 F1.1  F1.2 B1.0 F0.3 B1.1 F0.4 B1.2 F1.3 B0.0 F1.4 B0.1  "
+                   "B0.2 B1.3 B1.4 B0.3 B0.4",
+                   "F0.0 F0.1 F0.2  F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F0.3 B0.0 F0.4 B0.1 F1.3 B0.2 F1.4 B1.3  "
+                   "B1.4 B0.3 B0.4"],
+}
+
+
 @pytest.mark.parametrize("key", list(TABLES))
 def test_tables_match_hand_written(key):
     _, pp, vpp, m = key
     for rank, text in enumerate(TABLES[key]):
         assert schedule_table(pp, vpp, rank, m) == parse(text), f"rank {rank}"
+
+
+def test_group_tables_match_hand_written():
+    for (pp, vpp, m, group), texts in GROUP_TABLES.items():
+        for rank, text in enumerate(texts):
+            assert schedule_table(pp, vpp, rank, m, group=group) == parse(text), f"rank {rank}"
+    for m in (4, 8):  # G = PP is the default schedule
+        assert all(schedule_table(2, 2, r, m, group=2) == schedule_table(2, 2, r, m) for r in range(2))
+    assert [interleaved_warmup(4, 2, r, 16, group=8) for r in range(4)] == [14, 12, 10, 8]
+    plan = build_plan(2, 2, 5, False, 3)
+    assert [[s.action for s in slots if s.action] for slots in plan] == [parse(t) for t in GROUP_TABLES[(2, 2, 5, 3)]]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--microbatch-group-size-per-virtual-pipeline-stage", "2"], "needs virtual pipeline stages"),
+])
+def test_group_flag_needs_interleaving(flags, message):
+    from paratron.config import ConfigError, parse_args
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--config", "tiny", "--mock-data", "--train-iters", "1", *flags])
+
+
+@pytest.mark.parametrize("m,group,message", [
+    (8, 1, "must be between --pipeline-model-parallel-size 2 and the micro-batches per step \\(8\\)"),
+    (4, 6, "must be between"),
+    (7, 3, "leave a last group of 1"),
+    (5, None, "to be a multiple of --pipeline-model-parallel-size 2"),
+])
+def test_group_sizes_checked_against_the_step(m, group, message):
+    from paratron.config import ConfigError
+    from paratron.parallel.dims import ParallelDims
+    from paratron.parallel.pipeline import check_pipeline_schedule
+    with pytest.raises(ConfigError, match=message):
+        check_pipeline_schedule(ParallelDims(pp=2, vpp=2, vpp_group=group), m)
+    check_pipeline_schedule(ParallelDims(pp=2, vpp=2, vpp_group=3), 5)  # 5 mod 3 = 2 >= PP: accepted
 
 
 def test_warmup_counts():
@@ -146,10 +193,11 @@ def expected(pp: int, vpp: int, m: int):
     return losses, grads
 
 
-def _order_rank(rank, world, vpp, m, timeout=60.0):
+def _order_rank(rank, world, vpp, m, timeout=60.0, group=None):
     from paratron.parallel.dims import initialize_model_parallel
     from paratron.parallel.pipeline import get_forward_backward_func
     dims = initialize_model_parallel(1, world, vpp if vpp > 1 else None)
+    dims.vpp_group = group
     out = {}
     for forward_only in (False, True):
         log = []
@@ -165,15 +213,17 @@ def _order_rank(rank, world, vpp, m, timeout=60.0):
     return out
 
 
-@pytest.mark.parametrize("key", [("1f1b", 4, 1, 6), ("interleaved", 2, 2, 4)])
+@pytest.mark.parametrize("key", [("1f1b", 4, 1, 6), ("interleaved", 2, 2, 4), ("grouped", 2, 2, 5, 3)])
 def test_ranks_run_the_table_and_route_every_tensor(tmp_path, key):
-    _, pp, vpp, m = key
-    results = run_ranks(pp, _order_rank, vpp, m, tmp_dir=tmp_path)
+    pp, vpp, m = key[1:4]
+    group = key[4] if len(key) > 4 else None
+    results = run_ranks(pp, _order_rank, vpp, m, 60.0, group, tmp_dir=tmp_path)
     losses, grads = expected(pp, vpp, m)
     for rank, r in enumerate(results):
         train, fwd = r[False], r[True]
-        assert train["log"] == parse(TABLES[key][rank]), f"rank {rank}"
-        assert fwd["log"] == [a for a in schedule_table(pp, vpp, rank, m, True)], f"rank {rank} forward-only"
+        table = GROUP_TABLES[key[1:]] if group else TABLES[key]
+        assert train["log"] == parse(table[rank]), f"rank {rank}"
+        assert fwd["log"] == [a for a in schedule_table(pp, vpp, rank, m, True, group)], f"rank {rank} forward-only"
         assert [a for a in fwd["log"] if a[0] == "B"] == []
         for stage, g in train["grads"].items():
             assert g == pytest.approx(grads[stage], rel=1e-5), f"stage {stage}"
@@ -221,3 +271,15 @@ def test_wrong_shape_is_an_error_on_the_sender():
         p2p.exchange(send_grad=[torch.zeros(SEQ, MBS, HIDDEN, dtype=torch.bfloat16)])
     with pytest.raises(PipelineError, match="would send 2 activation tensor"):
         p2p.exchange(send_act=[torch.zeros(SEQ, MBS, HIDDEN)] * 2)
+
+
+def test_the_flag_reaches_the_schedule(monkeypatch):
+    """build_dims carries --microbatch-group-size-per-virtual-pipeline-stage to the schedule's dims."""
+    from paratron.config import parse_args
+    from paratron.parallel.dims import ParallelDims
+    from paratron.train import distributed
+    monkeypatch.setattr(distributed, "initialize_model_parallel", lambda *a, **k: ParallelDims(pp=2, vpp=2))
+    cfg = parse_args(["--config", "tiny", "--mock-data", "--train-iters", "1", "--num-layers", "4",
+                      "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                      "--microbatch-group-size-per-virtual-pipeline-stage", "4"], world_size=2)
+    assert distributed.build_dims(cfg).vpp_group == 4
