@@ -61,6 +61,7 @@ RANGES: dict[str, Range] = {
     "seq_length": AT_LEAST_1, "max_position_embeddings": AT_LEAST_1, "rotary_base": POSITIVE,
     "rotary_percent": FRACTION_OPEN_LOW, "rope_scaling_factor": POSITIVE, "norm_epsilon": POSITIVE,
     "hidden_dropout": FRACTION, "attention_dropout": FRACTION, "init_method_std": POSITIVE,
+    "embedding_init_method_std": POSITIVE,
     "make_vocab_size_divisible_by": AT_LEAST_1, "num_experts": AT_LEAST_1, "moe_router_topk": AT_LEAST_1,
     "moe_ffn_hidden_size": AT_LEAST_1, "moe_aux_loss_coeff": AT_LEAST_0, "moe_z_loss_coeff": AT_LEAST_0,
     "moe_router_topk_scaling_factor": POSITIVE, "moe_router_bias_update_rate": AT_LEAST_0,

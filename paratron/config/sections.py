@@ -12,76 +12,14 @@ Another config is a copy: ``cfg.unfrozen()`` or ``dataclasses.replace(section, f
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import ConfigError, FrozenConfigError
-
-
-class Section:
-    """Base of the config sections: writable until ``resolve()`` freezes it (state in slots: not a field)."""
-
-    __slots__ = ("_frozen", "_given")  # _given: the values resolve() replaced (what unfrozen() restores)
-    _name = "config"
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in Section.__slots__:
-            return object.__setattr__(self, name, value)
-        if self.is_resolved:
-            where = f"{self._name}.{name}" + (f" ({flag(name)})" if name in FIELD_SECTION else "")
-            raise FrozenConfigError(f"cannot set {where}: the config is frozen after resolve(); make a modified "
-                                    "copy with cfg.unfrozen() and resolve that, or use dataclasses.replace()")
-        if name not in self.__dataclass_fields__:
-            home = f" (it is {FIELD_SECTION[name]}.{name})" if name in FIELD_SECTION else ""
-            raise AttributeError(f"{type(self).__name__} has no field {name}{home}")
-        object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if self.is_resolved:
-            raise FrozenConfigError(f"cannot delete {self._name}.{name}: the config is frozen after resolve()")
-        object.__delattr__(self, name)
-
-    @property
-    def is_resolved(self) -> bool:
-        return getattr(self, "_frozen", False)
-
-    def _freeze(self, given: dict) -> None:
-        """Freeze (lists too); ``given`` holds the values resolve() replaced (what ``unfrozen()`` restores)."""
-        for name in self.__dataclass_fields__:
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, FrozenList(getattr(self, name)))
-        self._given = given
-        self._frozen = True
-
-    def unfrozen(self):
-        """A writable deep copy holding the values as given (before resolve derived any)."""
-        out = copy.deepcopy(self)
-        out._frozen = False
-        given, out._given = getattr(out, "_given", {}), {}
-        for name in out.__dataclass_fields__:
-            if isinstance(getattr(out, name), FrozenList):
-                setattr(out, name, list(getattr(out, name)))
-        for name, value in given.items():
-            setattr(out, name, value)
-        return out
-
-
-class FrozenList(list):
-    """A list field of a resolved config (``--data-path``, ...): equal to the list, but unchangeable."""
-
-    def _refuse(self, *args, **kwargs):
-        raise FrozenConfigError("this list belongs to a config frozen after resolve(); change a copy made with "
-                                "cfg.unfrozen()")
-
-    append = extend = insert = remove = pop = clear = sort = reverse = _refuse
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
-
-    def __reduce__(self):  # copy and pickle rebuild it whole (they would append item by item)
-        return FrozenList, (list(self),)
+from ..errors import ConfigError
+from .section_base import Section
 
 
 @dataclass(eq=True)
@@ -130,6 +68,7 @@ class ModelConfig(Section):
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
+    embedding_init_method_std: Optional[float] = None  # the embeddings' init std (default --init-method-std)
     make_vocab_size_divisible_by: int = 128
     num_experts: Optional[int] = None  # mixture of experts (docs/moe.md); None: every layer dense
     moe_router_topk: int = 2
@@ -456,7 +395,8 @@ class Config(Section):
         return out
 
     def unfrozen(self) -> "Config":
-        """A writable copy with every section as given (resolve it again after changing it), same world size."""
+        """A writable copy with every section as given (resolve it again after changing it); it keeps
+        the world size it was resolved for."""
         return Config(**{name: getattr(self, name).unfrozen() for name in SECTIONS}, world_size=self.world_size)
 
     @property  # derived from frozen fields (never stored, so they cannot go stale), as data_parallel_size

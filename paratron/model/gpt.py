@@ -33,7 +33,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int, par: Parallel, device=None, dtype=None):
         super().__init__()
         self.par, self.p = par, cfg.hidden_dropout
-        init = init_normal(cfg.init_method_std)
+        init = init_normal(embedding_std(cfg))
         self.word_embeddings = VocabParallelEmbedding(vocab_size, cfg.hidden_size, tp_group=par.tp_group,
                                                       init_method=init, device=device, dtype=dtype)
         if cfg.position_embedding_type == "learned_absolute":
@@ -53,6 +53,13 @@ class Embedding(nn.Module):
             with self.par.fork():
                 return F.dropout(x, self.p, self.training)
         return F.dropout(x, self.p, self.training)
+
+
+def embedding_std(cfg: ModelConfig, embedding: bool = True) -> float:
+    """The init std of the word and position embeddings (and of a tied output layer's copy): Megatron's
+    --embedding-init-method-std, by default --init-method-std; ``embedding`` False: --init-method-std."""
+    given = cfg.embedding_init_method_std
+    return cfg.init_method_std if given is None or not embedding else given
 
 
 def rotary_of(cfg: ModelConfig, device) -> Optional[Rotary]:
@@ -118,10 +125,10 @@ class GPTModel(nn.Module):
         if post_process:
             # Tied: drawn from the embedding's stream, so the last stage's copy equals the word embedding.
             with seeded_init(seed, "embedding" if self.share_embeddings else "output_layer", device):
+                init = init_normal(embedding_std(cfg, self.share_embeddings))
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp_group=tp_group, bias=False,
                                                          sequence_parallel=self.par.sequence_parallel,
-                                                         init_method=init_normal(cfg.init_method_std),
-                                                         device=device, dtype=dtype)
+                                                         init_method=init, device=device, dtype=dtype)
             update_spec(self.output_layer.weight, vocab_rows=True)
             if self.share_embeddings:
                 # Tied: the output layer uses the word embedding (on a single-stage model the same tensor).

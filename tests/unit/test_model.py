@@ -150,6 +150,20 @@ def test_init_follows_megatron():
     assert m.decoder.layers[0].self_attention.linear_qkv.bias.abs().sum() == 0
 
 
+def test_embedding_init_std_is_its_own():
+    """--embedding-init-method-std (Megatron's): word and position embeddings (and a tied output layer's
+    copy) drawn with it; the other weights keep --init-method-std; unset, the embeddings do too."""
+    torch.manual_seed(0)
+    m = GPTModel(tiny(hidden_size=256, init_method_std=0.02, embedding_init_method_std=1.0,
+                      untie_embeddings_and_output_weights=True), 1024)
+    assert abs(m.embedding.word_embeddings.weight.std().item() - 1.0) < 0.02
+    assert abs(m.embedding.position_embeddings.weight.std().item() - 1.0) < 0.05
+    assert abs(m.output_layer.weight.std().item() - 0.02) < 0.002
+    assert abs(m.decoder.layers[0].self_attention.linear_qkv.weight.std().item() - 0.02) < 0.002
+    plain = GPTModel(tiny(hidden_size=256, init_method_std=0.02), 1024)
+    assert abs(plain.embedding.word_embeddings.weight.std().item() - 0.02) < 0.002
+
+
 @pytest.mark.parametrize("kw", [{}, LLAMA])
 def test_fused_output_loss_equals_logits_path(kw):
     torch.manual_seed(0)
