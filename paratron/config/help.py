@@ -50,7 +50,7 @@ HELP = {
     "eval_interval": "iterations between evaluations", "eval_iters": "validation batches per evaluation",
     "exit_interval": "stop when the iteration is a multiple of this",
     "exit_duration_in_mins": "stop (and save) after this many minutes",
-    "exit_signal_handler": "save and stop on SIGTERM", "seed": "random seed",
+    "exit_signal_handler": "save and stop on --exit-signal (SIGTERM)", "seed": "random seed",
     "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision with loss scaling",
     "initial_loss_scale": "first dynamic loss scale (fp16)", "min_loss_scale": "lowest dynamic loss scale",
     "loss_scale_window": "good steps before the loss scale doubles", "hysteresis": "overflows tolerated before halving",

@@ -8,6 +8,9 @@ ONE_IMPL = "paratron has one transformer implementation (PyTorch modules with it
 NO_KERNEL = "paratron has no such fused kernel: the plain PyTorch path runs, which is what the flag asks"
 SCHEDULING = "a kernel or scheduling choice with the same numbers: paratron's one path computes the same result"
 
+PRECISION_AWARE = ("read only by Transformer Engine's precision-aware optimizer (--use-precision-aware-optimizer, "
+                   "refused); without it Megatron keeps fp32 there, as paratron does (the value fp32)")
+
 # Accepted: parsed, and paratron's only behaviour is what the flag asks.
 ACCEPTED = {
     "transformer_impl": ONE_IMPL,
@@ -61,6 +64,11 @@ ACCEPTED = {
                                        "--use-distributed-optimizer does not already shard",
     "fp8_interval": "deprecated in Megatron-LM, which ignores it; paratron updates every FP8 scale every step (the "
                     "value 1)",
+    "main_grads_dtype": PRECISION_AWARE, "main_params_dtype": PRECISION_AWARE,
+    "exp_avg_dtype": PRECISION_AWARE, "exp_avg_sq_dtype": PRECISION_AWARE,
+    "dataloader_type": "paratron's loader is Megatron's single-pass sampler (the value single: the shuffled samples "
+                       "in order, resumed at the consumed count); cyclic (a reshuffle every epoch) and external (a "
+                       "loader of your own) are not implemented",
 }
 
 # Values an accepted flag may take (others are refused naming the values that hold).
@@ -74,6 +82,9 @@ ACCEPTED_VALUES = {
     "cuda_graph_impl": ("none",),
     "data_parallel_sharding_strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
     "fp8_interval": ("1",),
+    "main_grads_dtype": ("fp32",), "main_params_dtype": ("fp32",),
+    "exp_avg_dtype": ("fp32",), "exp_avg_sq_dtype": ("fp32",),
+    "dataloader_type": ("single",),
 }
 
 PLANNED = "planned: {} is not in paratron yet; remove the flag"
@@ -100,6 +111,10 @@ REFUSED = {
     "memory_snapshot_path": GPU.format("CUDA memory-history snapshots"),
     "test_mode": NA.format("Megatron's internal test harness"),
     "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
+    "batch_size": NA.format("Megatron-LM removed --batch-size (it stops with an error); use --micro-batch-size"),
+    "sgd_momentum": NA.format("read only by --optimizer sgd, which paratron refuses"),
+    "lion_beta1": NA.format("read only by --optimizer lion, which paratron refuses"),
+    "lion_beta2": NA.format("read only by --optimizer lion, which paratron refuses"),
     "fp8_output_proj": GPU.format("the output layer in MXFP8, which needs Blackwell's MX tensor cores"),
     "fp8_quantizer_factory": GPU.format("Transformer Engine's custom quantizer recipes"),
     "moe_router_padding_for_fp8": PLANNED.format("padding expert token counts for FP8 grouped GEMMs (routed experts "

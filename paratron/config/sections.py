@@ -178,8 +178,9 @@ class TrainConfig(Section):
     eval_global_batch_size: Optional[int] = None  # samples of an evaluation step (default: --global-batch-size's)
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
-    exit_signal_handler: bool = False  # SIGTERM: finish the step, save, exit 0 (DataLoader workers ignore it)
-    exit_signal_handler_for_dataloader: bool = False  # DataLoader workers ignore SIGTERM (implied by the above)
+    exit_signal_handler: bool = False  # --exit-signal: finish the step, save, exit 0 (DataLoader workers ignore it)
+    exit_signal: str = "SIGTERM"  # the signal --exit-signal-handler catches (a signal.Signals name)
+    exit_signal_handler_for_dataloader: bool = False  # DataLoader workers ignore --exit-signal (implied by the above)
     check_for_nan_in_loss_and_grad: bool = True  # stop on a NaN/Inf loss (or grad norm, unless --fp16)
     check_for_spiky_loss: bool = False  # report a loss above --spiky-loss-factor x the running max
     spiky_loss_factor: float = 10.0  # paratron: Megatron's fixed factor, made a flag
@@ -319,6 +320,7 @@ class LogConfig(Section):
     log_timers_to_tensorboard: bool = False  # <timer>-time, iteration-time (and throughput with --log-throughput)
     log_num_zeros_in_grad: bool = False  # num-zeros: gradient entries equal to zero
     log_memory_to_tensorboard: bool = False  # mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes, ...
+    log_memory_interval: Optional[int] = None  # every N iterations (a multiple of --log-interval): a memory line
     log_validation_ppl_to_tensorboard: bool = False  # lm loss validation ppl
     log_world_size_to_tensorboard: bool = False  # world-size
     no_log_loss_scale_to_tensorboard: bool = False  # leave out loss-scale

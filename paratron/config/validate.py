@@ -19,7 +19,7 @@ from typing import Optional
 from ..errors import ConfigError
 from .ranges import check_ranges
 from .validate_attnvar import validate_attention_variants
-from .validate_sched import check_mapping, schedule_batches, schedule_of, validate_sched
+from .validate_sched import check_mapping, schedule_batches, schedule_of, validate_rampup, validate_sched
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
 from .validate_mla import validate_mla
 from .validate_norms import validate_optimizer, validate_run_variants, validate_variants
@@ -227,16 +227,7 @@ def validate_train(tr: TrainConfig) -> None:
     need(tr.empty_unused_memory_level in (0, 1, 2),
          f"--empty-unused-memory-level must be 0, 1 or 2 (got {tr.empty_unused_memory_level})")
     need(tr.check_for_spiky_loss or not tr.exit_on_spiky_loss, "--exit-on-spiky-loss needs --check-for-spiky-loss")
-    if tr.rampup_batch_size is not None:
-        need(len(tr.rampup_batch_size) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
-        tr.rampup_batch_size = [int(v) for v in tr.rampup_batch_size]
-        start, inc, samples = tr.rampup_batch_size
-        need(tr.global_batch_size is not None, "--rampup-batch-size needs --global-batch-size (the final batch size)")
-        need(start >= 1 and inc >= 1 and samples >= 0,
-             f"--rampup-batch-size {start} {inc} {samples}: START and INCREMENT must be >= 1, SAMPLES >= 0")
-        need(start <= tr.global_batch_size and (tr.global_batch_size - start) % inc == 0,
-             f"--rampup-batch-size: --global-batch-size {tr.global_batch_size} minus START {start} must be a "
-             f"non-negative multiple of INCREMENT {inc}")
+    validate_rampup(tr)
 
 
 def validate_fp8(cfg: Config) -> None:

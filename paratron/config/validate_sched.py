@@ -1,8 +1,10 @@
-"""Validation of the batch-size schedule, checkpoint retention, pipeline layout, rank order and
-selective-recompute flags (called from validate.resolve): --step-batch-size-schedule,
---save-retain-interval, --use-tp-pp-dp-mapping and --recompute-modules. One-line ConfigErrors."""
+"""Validation of the batch-size schedules, checkpoint retention, pipeline layout, rank order,
+selective-recompute and run-control flags (called from validate.resolve): --step-batch-size-schedule,
+--rampup-batch-size, --save-retain-interval, --use-tp-pp-dp-mapping, --recompute-modules, --exit-signal
+and --log-memory-interval. One-line ConfigErrors."""
 from __future__ import annotations
 
+import signal
 from typing import Optional
 
 from ..errors import ConfigError
@@ -65,6 +67,32 @@ def validate_schedule(cfg) -> None:
     need(tr.global_batch_size in (None, final),
          f"--global-batch-size {tr.global_batch_size} contradicts --step-batch-size-schedule, whose final batch "
          f"size is {final}; remove --global-batch-size")
+
+
+def validate_rampup(tr) -> None:
+    """--rampup-batch-size START INCREMENT SAMPLES against --global-batch-size (Megatron's rules)."""
+    if tr.rampup_batch_size is None:
+        return
+    need(len(tr.rampup_batch_size) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
+    tr.rampup_batch_size = [int(v) for v in tr.rampup_batch_size]
+    start, inc, samples = tr.rampup_batch_size
+    need(tr.global_batch_size is not None, "--rampup-batch-size needs --global-batch-size (the final batch size)")
+    need(start >= 1 and inc >= 1 and samples >= 0,
+         f"--rampup-batch-size {start} {inc} {samples}: START and INCREMENT must be >= 1, SAMPLES >= 0")
+    need(start <= tr.global_batch_size and (tr.global_batch_size - start) % inc == 0,
+         f"--rampup-batch-size: --global-batch-size {tr.global_batch_size} minus START {start} must be a "
+         f"non-negative multiple of INCREMENT {inc}")
+
+
+def validate_run_control(cfg) -> None:
+    """--exit-signal: a signal name that can be caught (Megatron takes any signal.Signals name);
+    --log-memory-interval: a multiple of --log-interval (Megatron's assertion)."""
+    tr, interval = cfg.train, cfg.log.log_memory_interval
+    need(tr.exit_signal in signal.Signals.__members__ and tr.exit_signal not in ("SIGKILL", "SIGSTOP"),
+         f"--exit-signal {tr.exit_signal} is not a signal a process can catch; use a name such as SIGTERM, SIGINT, "
+         "SIGUSR1 or SIGUSR2")
+    need(interval is None or interval % cfg.log.log_interval == 0,
+         f"--log-memory-interval {interval} must be a multiple of --log-interval {cfg.log.log_interval}")
 
 
 def schedule_batches(cfg, data_parallel_size: int) -> None:
@@ -139,5 +167,6 @@ def check_mapping(par, world: int) -> None:
 
 def validate_sched(cfg) -> None:
     validate_schedule(cfg)
+    validate_run_control(cfg)
     validate_retention(cfg.ckpt)
     validate_recompute(cfg)

@@ -99,14 +99,14 @@ class StepGuard:
 
 
 class StopSignal:
-    """``--exit-signal-handler``: SIGTERM (what SLURM and Kubernetes send before killing a job)
-    only sets :attr:`received`; the loop finishes its step, the ranks agree to stop, save and exit 0.
-    A second signal (during the save) changes nothing; the save is atomic anyway."""
+    """``--exit-signal-handler``: the ``--exit-signal`` (SIGTERM by default: what SLURM and Kubernetes
+    send before killing a job) only sets :attr:`received`; the loop finishes its step, the ranks agree
+    to stop, save and exit 0. A second signal (during the save) changes nothing; the save is atomic anyway."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, name: str = "SIGTERM"):
         self.received = False
         if enabled:
-            signal.signal(signal.SIGTERM, self._handle)
+            signal.signal(signal.Signals[name], self._handle)
 
     def _handle(self, *_) -> None:
         self.received = True
@@ -129,8 +129,8 @@ def kill_workers_at_exit() -> None:
     atexit.register(kill_children)
 
 
-def ignore_sigterm(_worker_id: int) -> None:
-    """DataLoader ``worker_init_fn`` (Megatron's --exit-signal-handler-for-dataloader): the workers
-    live in the job's process group and get its SIGTERM too; they must outlive it until the main
-    process has saved and shuts them down."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def ignore_signal(name: str, _worker_id: int) -> None:
+    """DataLoader ``worker_init_fn`` (Megatron's --exit-signal-handler-for-dataloader; bound to the
+    ``--exit-signal`` name with functools.partial): the workers live in the job's process group and get
+    its signal too; they must outlive it until the main process has saved and shuts them down."""
+    signal.signal(signal.Signals[name], signal.SIG_IGN)

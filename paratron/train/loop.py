@@ -30,7 +30,7 @@ from ..parallel.random import rng_state, set_rng_state, set_seed
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
 from .distributed import build_dims, checkpoint_group, init_distributed  # noqa: F401  (tests import build_dims here)
-from .guards import StepGuard, StopSignal, ignore_sigterm, kill_workers_at_exit
+from .guards import StepGuard, StopSignal, ignore_signal, kill_workers_at_exit
 from .preflight import preflight
 from .logger import RunLogger, format_valid_line
 from .metrics import flops_per_iteration, peak_tflops
@@ -51,7 +51,8 @@ class Trainer:
         """``data`` = (train iterator, valid iterator[, test iterator]) replaces the dataset pipeline (tests use it)."""
         self.start_time = time.time()  # --exit-duration-in-mins counts from start-up, as Megatron's
         self.cfg = cfg
-        self.stop_signal = StopSignal(cfg.train.exit_signal_handler)  # first: a SIGTERM during set-up is kept too
+        # first: a signal during set-up is kept too
+        self.stop_signal = StopSignal(cfg.train.exit_signal_handler, cfg.train.exit_signal)
         self.device = device or init_distributed(cfg)
         self.dims = dims or build_dims(cfg)
         check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
@@ -120,7 +121,7 @@ class Trainer:
             kill_workers_at_exit()
         it = partial(build_data_iterator, micro_batch_size=tr.micro_batch_size, dp_rank=self.dims.dp_rank,
                      dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers,
-                     worker_init_fn=ignore_sigterm if signals else None)
+                     worker_init_fn=partial(ignore_signal, tr.exit_signal) if signals else None)
         train = it(train_ds, consumed_samples=self.consumed_samples, infinite=False)
         valid = it(valid_ds, consumed_samples=0, infinite=True) if valid_ds is not None and tr.eval_iters > 0 else None
         test = it(test_ds, consumed_samples=0, infinite=True) if test_ds is not None and tr.eval_iters > 0 else None
@@ -351,7 +352,7 @@ class Trainer:
         elif tr.exit_duration_in_mins and minutes > tr.exit_duration_in_mins:
             why = f"--exit-duration-in-mins {tr.exit_duration_in_mins:g} ({minutes:.2f} min since start-up)"
         elif self.stop_signal.received:
-            why = "SIGTERM (--exit-signal-handler)"
+            why = f"{tr.exit_signal} (--exit-signal-handler)"
         else:
             why = "another rank's clock or signal (--exit-duration-in-mins / --exit-signal-handler)"
         self.exit_reason = why

@@ -101,6 +101,22 @@ def memory_scalars(device: torch.device) -> dict[str, float]:
     return out
 
 
+def memory_line(device: torch.device, rank: int, when: str) -> str:
+    """Megatron's ``report_memory`` line (--log-memory-interval), in MB: on CUDA the caching allocator's
+    allocated / reserved bytes and their peaks; on a CPU the process's resident memory and its peak."""
+    if device.type == "cuda":
+        s = torch.cuda.memory_stats(device)
+        values = [s["allocated_bytes.all.current"], s["allocated_bytes.all.peak"], s["reserved_bytes.all.current"],
+                  s["reserved_bytes.all.peak"]]
+    else:
+        now = memory_scalars(device).get("mem-allocated-bytes", 0.0)
+        peak = (peak_memory_gb(device) or 0.0) * 2**30
+        values = [now, peak, now, peak]
+    mb = [v / 2**20 for v in values]
+    return (f"[Rank {rank}] ({when}) memory (MB) | allocated: {mb[0]:.1f} | max allocated: {mb[1]:.1f} | "
+            f"reserved: {mb[2]:.1f} | max reserved: {mb[3]:.1f}")
+
+
 def wandb_run(cfg):
     """A W&B run of --wandb-project (offline unless WANDB_MODE says otherwise or WANDB_API_KEY is
     set), or None."""
@@ -226,3 +242,6 @@ class Reporter:
         if self.writes:
             t.log.scalars(t.iteration, scalars, t.consumed_samples, moe_losses)
         t.log.advance(0, loss)
+        every = self.lg.log_memory_interval
+        if every and t.iteration % every == 0 and t.dims.dp_rank == 0:  # each model-parallel rank, as Megatron
+            print(memory_line(t.device, t.dims.rank, f"after {t.iteration} iterations"), flush=True)

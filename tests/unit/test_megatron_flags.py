@@ -162,3 +162,19 @@ def test_split_applies_to_mock_data():
                              "--seq-length", "16", "--max-position-embeddings", "16"])
     train, valid, test = build_train_valid_test_datasets(cfg.data, build_tokenizer(cfg.data), 16, 1, [8, 8, 8])
     assert train is not None and valid is None and test is None
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: paratron honours only single"),
+    (["--exp-avg-dtype", "bf16"], "precision-aware optimizer"),
+    (["--main-params-dtype", "fp16"], "paratron honours only fp32"),
+    (["--batch-size", "4"], "use --micro-batch-size"),
+    (["--sgd-momentum", "0.9"], "--optimizer sgd, which paratron refuses"),
+    (["--lion-beta2", "0.9"], "--optimizer lion, which paratron refuses"),
+])
+def test_megatron_values_paratron_has_are_accepted_the_others_say_why(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(BASE + flags)
+    cfg = parse_args(BASE + ["--dataloader-type", "single", "--main-grads-dtype", "fp32", "--main-params-dtype", "fp32",
+                             "--exp-avg-dtype", "fp32", "--exp-avg-sq-dtype", "fp32"])
+    assert cfg.train.micro_batch_size >= 1

@@ -44,6 +44,37 @@ def test_a_signal_says_so(capsys):
     assert it == 1 and " exiting after 1 iterations: SIGTERM (--exit-signal-handler)" in out, out
 
 
+def test_exit_signal_chooses_the_signal(capsys):
+    """--exit-signal SIGUSR1 (Megatron's): that signal stops the run; SIGTERM is left alone; a signal
+    that cannot be caught, or no signal at all, is a one-line error."""
+    import pytest
+    from paratron.config import ConfigError
+    old = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    try:
+        it, out = run(capsys, "--exit-signal-handler", "--exit-signal", "SIGUSR1",
+                      before=lambda t: os.kill(os.getpid(), signal.SIGUSR1))
+        assert signal.getsignal(signal.SIGTERM) == old[1]
+    finally:
+        signal.signal(signal.SIGUSR1, old[0])
+    assert it == 1 and " exiting after 1 iterations: SIGUSR1 (--exit-signal-handler)" in out, out
+    for bad in ("SIGKILL", "SIGFOO"):
+        with pytest.raises(ConfigError, match=f"--exit-signal {bad} is not a signal a process can catch"):
+            parse_args(FLAGS + ["--exit-signal", bad])
+
+
+def test_log_memory_interval_prints_megatrons_memory_line(capsys):
+    """--log-memory-interval N (a multiple of --log-interval): Megatron's report_memory line every N
+    iterations on data-parallel rank 0."""
+    import pytest
+    from paratron.config import ConfigError
+    it, out = run(capsys, "--train-iters", "4", "--log-memory-interval", "2")
+    lines = [line for line in out.splitlines() if "memory (MB) | allocated:" in line]
+    assert [line.split(")")[0] for line in lines] == ["[Rank 0] (after 2 iterations", "[Rank 0] (after 4 iterations"]
+    assert all("| max allocated: " in line and "| max reserved: " in line for line in lines)
+    with pytest.raises(ConfigError, match="--log-memory-interval 3 must be a multiple of --log-interval 2"):
+        parse_args(FLAGS + ["--log-interval", "2", "--log-memory-interval", "3"])
+
+
 def test_reaching_train_iters_is_no_early_exit(capsys):
     it, out = run(capsys, "--train-iters", "2", "--exit-interval", "2")
     assert it == 2 and "exiting after" not in out
