@@ -144,9 +144,6 @@ REFUSED = {
     "experimental_attention_variant": PLANNED.format("linear/sparse attention variants"),
     "use_mup": PLANNED.format("maximal-update parameterisation"),
     "mup_base_hidden_size": PLANNED.format("maximal-update parameterisation"),
-    "fim_data": PLANNED.format("fill-in-the-middle datasets"),
-    "fim_rate": PLANNED.format("fill-in-the-middle datasets"),
-    "fim_spm_rate": PLANNED.format("fill-in-the-middle datasets"),
     "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
 }
 

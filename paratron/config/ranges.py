@@ -91,6 +91,7 @@ RANGES: dict[str, Range] = {
     "clip_grad": AT_LEAST_0,
     # data
     "num_workers": AT_LEAST_0, "vocab_size": AT_LEAST_1, "null_tokenizer_eod_id": AT_LEAST_0,
+    "fim_rate": FRACTION_CLOSED, "fim_spm_rate": FRACTION_CLOSED, "fim_fragment_rate": FRACTION_CLOSED,
     "vocab_extra_ids": AT_LEAST_0, "tiktoken_num_special_tokens": AT_LEAST_3,
     # log
     "log_interval": AT_LEAST_1, "profile_step_start": AT_LEAST_0, "profile_step_end": AT_LEAST_0,

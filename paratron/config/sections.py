@@ -273,6 +273,18 @@ class DataConfig(Section):
     mock_data: bool = False
     data_cache_path: Optional[str] = None
     num_workers: int = 2
+    # Fill-in-the-middle samples (paratron/data/fim.py; Megatron's names and defaults)
+    fim_data: bool = False  # rewrite samples as prefix/suffix/middle with FIM sentinel tokens
+    fim_rate: float = 0.5  # the chance a document (or, with --fim-split-sample, a sample) is rewritten
+    fim_spm_rate: float = 0.5  # the chance a rewritten one is SPM (suffix first) rather than PSM
+    fim_split_sample: Optional[str] = None  # a token that splits a document into fragments rewritten one by one
+    fim_fragment_rate: Optional[float] = None  # with --fim-split-sample: the chance per fragment
+    fim_no_prefix: Optional[str] = None  # text that exempts a document or fragment starting with it
+    fim_prefix_token: str = "<fim_prefix>"  # the FIM sentinel before the prefix (a token of the tokenizer)
+    fim_middle_token: str = "<fim_middle>"  # the FIM sentinel before the middle
+    fim_suffix_token: str = "<fim_suffix>"  # the FIM sentinel before the suffix
+    fim_pad_token: str = "<fim_pad>"  # pads a rewritten sample that came out shorter (no loss on it)
+    fim_eod_token: str = "<|endoftext|>"  # where FIM cuts a sample into documents
     # The tokenizer flags (TOKENIZER_FIELDS): the same set, defaults and meaning in `paratron preprocess`.
     tokenizer_type: Optional[str] = None
     vocab_file: Optional[str] = None

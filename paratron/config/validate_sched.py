@@ -1,7 +1,7 @@
 """Validation of the batch-size schedules, checkpoint retention, pipeline layout, rank order,
 selective-recompute and run-control flags (called from validate.resolve): --step-batch-size-schedule,
---rampup-batch-size, --save-retain-interval, --use-tp-pp-dp-mapping, --recompute-modules, --exit-signal
-and --log-memory-interval. One-line ConfigErrors."""
+--rampup-batch-size, --save-retain-interval, --use-tp-pp-dp-mapping, --recompute-modules, --exit-signal,
+--log-memory-interval and --fim-*. One-line ConfigErrors."""
 from __future__ import annotations
 
 import signal
@@ -82,6 +82,20 @@ def validate_rampup(tr) -> None:
     need(start <= tr.global_batch_size and (tr.global_batch_size - start) % inc == 0,
          f"--rampup-batch-size: --global-batch-size {tr.global_batch_size} minus START {start} must be a "
          f"non-negative multiple of INCREMENT {inc}")
+
+
+def validate_fim(data) -> None:
+    """--fim-*: no effect without --fim-data (a changed one is an error), not with mock data (nothing to
+    re-tokenize: Megatron refuses it too), and a fragment rate with --fim-split-sample."""
+    import dataclasses
+    if not data.fim_data:
+        changed = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(data)
+                   if f.name.startswith("fim_") and getattr(data, f.name) != f.default]
+        need(not changed, f"{', '.join(changed)}: no effect without --fim-data; add it or remove them")
+        return
+    need(not data.mock_data, "--fim-data needs real data (it re-tokenizes text); --mock-data has none")
+    need(data.fim_split_sample is None or data.fim_fragment_rate is not None,
+         "--fim-split-sample needs --fim-fragment-rate (the chance per fragment)")
 
 
 def validate_run_control(cfg) -> None:
@@ -168,5 +182,6 @@ def check_mapping(par, world: int) -> None:
 def validate_sched(cfg) -> None:
     validate_schedule(cfg)
     validate_run_control(cfg)
+    validate_fim(cfg.data)
     validate_retention(cfg.ckpt)
     validate_recompute(cfg)

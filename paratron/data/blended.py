@@ -31,6 +31,7 @@ import torch
 
 from paratron.data.checks import check_token_ids
 from paratron.data.errors import DataError
+from paratron.data.fim import FIMTransform, GPTFIMDataset
 from paratron.data.gpt_dataset import (
     GPTDataConfig, GPTDataset, MockGPTDataset, MockIndexedData, cached_build,
 )
@@ -117,10 +118,11 @@ class EmptySplit(DataError):
 
 
 class _Builder:
-    def __init__(self, config: GPTDataConfig, allow_build: bool, vocab_size: Optional[int] = None):
+    def __init__(self, config: GPTDataConfig, allow_build: bool, vocab_size: Optional[int] = None, fim=None):
         self.config = config
         self.allow_build = allow_build
         self.vocab_size = vocab_size
+        self.fim = fim  # a FIMTransform (--fim-data): the datasets rewrite their samples with it
         self._indexed = {}
 
     def indexed(self, prefix: str) -> IndexedDataset:
@@ -143,8 +145,8 @@ class _Builder:
                 "change --split"
             )
         documents = np.arange(beg, end, dtype=np.int32)
-        return GPTDataset(data, prefix, documents, size, SPLIT_NAMES[split], self.config,
-                          self.allow_build)
+        args = (data, prefix, documents, size, SPLIT_NAMES[split], self.config, self.allow_build)
+        return GPTDataset(*args) if self.fim is None else GPTFIMDataset(*args, fim=self.fim)
 
     def blend(self, blend, bounds, size: int, split: int):
         prefixes, weights = blend
@@ -178,7 +180,8 @@ def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], all
             out.append(MockGPTDataset(low, None, docs, sizes[i], SPLIT_NAMES[i], config)
                        if sizes[i] else None)
         return tuple(out)
-    builder = _Builder(config, allow_build, tokenizer.vocab_size)
+    fim = FIMTransform(data, tokenizer, config.seed) if getattr(data, "fim_data", False) else None
+    builder = _Builder(config, allow_build, tokenizer.vocab_size, fim)
     per_split = [getattr(data, f"{name}_data_path") for name in SPLIT_NAMES]
     if any(per_split):
         out = []

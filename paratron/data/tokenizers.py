@@ -79,6 +79,19 @@ class Tokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         raise NotImplementedError
 
+    # ---- what fill-in-the-middle samples need (data/fim.py); only tokenizers with special tokens have it
+    def token_id(self, token: str) -> Optional[int]:
+        """The id of ``token`` when the vocabulary has it as one (special) token, else None."""
+        return None
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` without special tokens (FIM cuts it at character positions)."""
+        raise NotImplementedError(f"{type(self).__name__} has no special tokens")
+
+    def ids_of(self, text: str) -> List[int]:
+        """``text``'s ids without the special tokens a tokenizer may add (BOS)."""
+        raise NotImplementedError(f"{type(self).__name__} has no special tokens")
+
     @property
     def unique_identifiers(self) -> Dict[str, object]:
         """What identifies this tokenizer in a dataset cache description."""
@@ -102,6 +115,15 @@ class _HFBased(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_id(self, token: str) -> Optional[int]:
+        return self._tok.token_to_id(token)
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def ids_of(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
 
 
 class GPT2BPETokenizer(_HFBased):

@@ -71,7 +71,9 @@ def _readers() -> str:
 
 # Fields the code reads through a composed name (the reader named here must exist).
 COMPOSED_READS = {"train_data_path": 'f"{name}_data_path"', "valid_data_path": 'f"{name}_data_path"',
-                  "test_data_path": 'f"{name}_data_path"'}
+                  "test_data_path": 'f"{name}_data_path"',
+                  **{f"fim_{role}_token": 'getattr(data, f"fim_{role}_token")'
+                     for role in ("prefix", "middle", "suffix", "pad", "eod")}}
 # Fields resolve() turns into other fields, or refuses (validate.py reads them; the code reads the result).
 RESOLVED = {"use_rotary_position_embeddings": "position_embedding_type", "no_position_embedding": "position_embedding_type",
             "recompute_activations": "recompute_granularity", "fp8_hybrid": "fp8_format", "sample_prompt": None,
