@@ -218,6 +218,7 @@ class TrainConfig(Section):
     deterministic_mode: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable runs
     manual_gc: bool = False  # Python's automatic garbage collector off; collect every --manual-gc-interval steps
     manual_gc_interval: int = 0  # 0: collect only at checkpoints and evaluations
+    train_sync_interval: Optional[int] = None  # every N steps the host waits for the GPU (at most N steps ahead)
     no_manual_gc_eval: bool = False  # with --manual-gc: no collection around evaluations
     empty_unused_memory_level: int = 0  # 1: return cached CUDA memory after each step; 2: also after evaluation
     disable_bf16_reduced_precision_matmul: bool = False  # with --bf16: bf16 matmuls reduce in fp32 (torch backend flag)

@@ -163,9 +163,12 @@ class Reporter:
         return self._norms[1], self._norms[2]
 
     def after_step(self, report: torch.Tensor, grad_norm, seconds: float, collector=None) -> None:
-        """After each step: --manual-gc's collection, --empty-unused-memory-level, and the
-        TensorBoard/W&B scalars of the step (every --tensorboard-log-interval steps)."""
-        t, lg = self.t, self.lg
+        """After each step: --train-sync-interval's wait for the GPU, --manual-gc's collection,
+        --empty-unused-memory-level, and the TensorBoard/W&B scalars of the step (every
+        --tensorboard-log-interval steps)."""
+        t, lg, sync = self.t, self.lg, self.t.cfg.train.train_sync_interval
+        if sync and t.iteration % sync == 0 and t.device.type == "cuda":  # the host at most N steps ahead
+            torch.cuda.synchronize(t.device)
         if collector is not None:
             collector.after_step(t.iteration)
         empty_unused_memory(t.cfg.train.empty_unused_memory_level, 1, t.device)

@@ -78,3 +78,29 @@ def test_log_memory_interval_prints_megatrons_memory_line(capsys):
 def test_reaching_train_iters_is_no_early_exit(capsys):
     it, out = run(capsys, "--train-iters", "2", "--exit-interval", "2")
     assert it == 2 and "exiting after" not in out
+
+
+def test_train_sync_interval_waits_for_the_gpu_every_n_steps(monkeypatch):
+    """--train-sync-interval N (Megatron's): the host waits for the GPU after every N-th step only (a
+    CUDA run; a CPU run has nothing to wait for)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from paratron.train.reporting import Reporter
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    cfg = parse_args(FLAGS + ["--train-sync-interval", "3"])
+    for device, expected in ((torch.device("cuda"), [3, 6]), (torch.device("cpu"), [])):
+        calls.clear()
+        rep = object.__new__(Reporter)
+        rep.lg, rep.writes = cfg.log, False
+        rep.t = SimpleNamespace(cfg=cfg, device=device, iteration=0)
+        synced = []
+        for it in range(1, 8):
+            rep.t.iteration = it
+            before = len(calls)
+            rep.after_step(None, None, 0.0)
+            if len(calls) > before:
+                synced.append(it)
+        assert synced == expected
