@@ -50,7 +50,6 @@ ACCEPTED = {
     "enable_experimental": "paratron gates no features behind it",
     "init_model_with_meta_device": "where initialisation happens, not its values: each rank initialises its own "
                                    "shard of the same weights",
-    "straggler_minmax_count": "read only by --log-straggler, which paratron refuses; nothing else uses it",
     "num_distributed_optimizer_instances": "paratron's distributed optimizer has one instance (the value 1)",
     "rerun_mode": "paratron does not re-run iterations: --rerun-mode disabled is its behaviour",
     "no_use_tokenizer_model_from_checkpoint_args": "--use-checkpoint-args never takes the tokenizer model path "
@@ -106,7 +105,6 @@ REFUSED = {
     "moe_latent_size": PLANNED.format("MoE latent projections"),
     "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
     "verify_integrity": PLANNED.format("checkpoint file hashing (paratron checks CRC32s of every file)"),
-    "log_straggler": PLANNED.format("straggler detection"),
     "record_memory_history": GPU.format("CUDA memory-history snapshots"),
     "memory_snapshot_path": GPU.format("CUDA memory-history snapshots"),
     "test_mode": NA.format("Megatron's internal test harness"),
@@ -185,7 +183,6 @@ GROUP_REASONS = {
     "mla": PLANNED.format("this multi-latent attention option"),
     "In-process restart": NA.format("NVIDIA Resiliency in-process restart (a cluster service)"),
     "ft_package": NA.format("NVIDIA Resiliency fault-tolerance package (a cluster service)"),
-    "straggler": NA.format("NVIDIA Resiliency straggler detection (a cluster service)"),
     "one logger": NA.format("NVIDIA's one-logger telemetry service"),
     "opentelemetry": NA.format("OpenTelemetry export"),
     "workload inspector": NA.format("NVIDIA's workload inspector service"),

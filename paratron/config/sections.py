@@ -322,6 +322,10 @@ class LogConfig(Section):
     profile_step_end: int = 12
     profile_ranks: Optional[list] = None  # the global ranks --profile traces (default: every rank)
     log_progress: bool = False  # append job progress (start, checkpoints: throughput, tokens) to <save>/progress.txt
+    log_straggler: bool = False  # every log interval: the slowest and fastest ranks (forward-backward time, TFLOP/s)
+    straggler_minmax_count: int = 1  # with --log-straggler: also list this many lowest and highest ranks
+    disable_straggler_on_startup: bool = False  # --log-straggler starts off; the control port turns it on
+    straggler_ctrlr_port: int = 65535  # --log-straggler's on/off switch: a connection to this port on rank 0
     plot_path: Optional[str] = None  # paratron: PNG loss plot; default <tensorboard-dir or save>/loss.png
     sample_prompt: Optional[str] = None  # paratron: the trained model continues this text at the end (greedy)
     # Megatron's TensorBoard / W&B reporting (paratron/train/reporting.py), Megatron's tags

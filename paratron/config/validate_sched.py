@@ -100,13 +100,20 @@ def validate_fim(data) -> None:
 
 def validate_run_control(cfg) -> None:
     """--exit-signal: a signal name that can be caught (Megatron takes any signal.Signals name);
-    --log-memory-interval: a multiple of --log-interval (Megatron's assertion)."""
+    --log-memory-interval: a multiple of --log-interval (Megatron's assertion); the --straggler-* flags
+    need --log-straggler."""
     tr, interval = cfg.train, cfg.log.log_memory_interval
     need(tr.exit_signal in signal.Signals.__members__ and tr.exit_signal not in ("SIGKILL", "SIGSTOP"),
          f"--exit-signal {tr.exit_signal} is not a signal a process can catch; use a name such as SIGTERM, SIGINT, "
          "SIGUSR1 or SIGUSR2")
     need(interval is None or interval % cfg.log.log_interval == 0,
          f"--log-memory-interval {interval} must be a multiple of --log-interval {cfg.log.log_interval}")
+    lg = cfg.log
+    extra = [flag for flag, on in (("--disable-straggler-on-startup", lg.disable_straggler_on_startup),
+                                   ("--straggler-minmax-count", lg.straggler_minmax_count != 1),
+                                   ("--straggler-ctrlr-port", lg.straggler_ctrlr_port != 65535)) if on]
+    need(lg.log_straggler or not extra, f"{', '.join(extra)}: no effect without --log-straggler; add it or remove them")
+    need(lg.straggler_ctrlr_port <= 65535, f"--straggler-ctrlr-port {lg.straggler_ctrlr_port} is not a TCP port")
 
 
 def schedule_batches(cfg, data_parallel_size: int) -> None:

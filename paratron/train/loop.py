@@ -39,7 +39,7 @@ from .runtime import (GarbageCollection, apply_bf16_matmul_reduction, apply_dete
                       empty_unused_memory)
 from .microbatches import MicroBatches, check_batch_sizes
 from .report import end_of_run
-from .watch import ProgressLog, check_weight_hashes, profiled
+from .watch import ProgressLog, StragglerWatch, check_weight_hashes, profiled
 from .step import build_model, build_model_chunks, loss_func, make_forward_step, params_dtype, sum_reports  # noqa: F401
 
 
@@ -92,6 +92,7 @@ class Trainer:
         self.train_iter, self.valid_iter = data[:2]
         self.test_iter = data[2] if len(data) > 2 else None
         self.report = Reporter(self)  # TensorBoard/W&B scalars, timers and the log line
+        self.straggler = StragglerWatch(cfg.log, self.device, self.dims.rank, self.dims.world_size)  # --log-straggler
         if cfg.log.timing_log_level >= 2:
             self.train_iter = TimedIterator(self.train_iter, self.report.timers)
         self.flops_per_iter = flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size,
@@ -151,7 +152,7 @@ class Trainer:
                             self.dims.cp)
         mtp.before_step(self.mtp_blocks, self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss)
         timers = self.report.timers
-        with timers("forward-backward"):
+        with timers("forward-backward"), self.straggler.timed():
             reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
                                             model=self.models, num_microbatches=self.num_microbatches,
                                             seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
@@ -458,6 +459,7 @@ class Trainer:
         try:
             self.wait_for_save()
         finally:
+            self.straggler.close()
             self.log.close()
             if self._root_log_level is not None:  # --logging-level was for this run only
                 logging.getLogger().setLevel(self._root_log_level)

@@ -245,6 +245,8 @@ class Reporter:
         if self.writes:
             t.log.scalars(t.iteration, scalars, t.consumed_samples, moe_losses)
         t.log.advance(0, loss)
+        for line in t.straggler.report(iters, t.flops_per_iter * gbs / tr.global_batch_size):  # every rank calls
+            print(line, flush=True)
         every = self.lg.log_memory_interval
         if every and t.iteration % every == 0 and t.dims.dp_rank == 0:  # each model-parallel rank, as Megatron
             print(memory_line(t.device, t.dims.rank, f"after {t.iteration} iterations"), flush=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -89,3 +90,130 @@ def check_weight_hashes(models: list, dims, iteration: int) -> None:
                 raise RuntimeError(f"iteration {iteration}: parameter {name} differs between data-parallel replicas "
                                    f"(global ranks {dims.rank} and {ranks[r]}, group {group_name}); the replicas "
                                    "have diverged: check the GPUs of these ranks")
+
+
+class StragglerWatch:
+    """``--log-straggler`` (Megatron's straggler detector): each rank times its forward-backward (CUDA
+    events on a GPU, no host synchronisation; the wall clock on a CPU) and, every log interval, the ranks
+    gather their time per iteration and estimated TFLOP/s (the step's FLOPs over the ranks, over that
+    time); global rank 0 prints Megatron's line, ``MnRtt/Rnk`` / ``MxRtt/Rnk`` (the shortest and longest
+    time, ms, and its rank) and ``MnEtpt/Rnk`` / ``MxEtpt/Rnk`` (lowest and highest TFLOP/s), and, with
+    ``--straggler-minmax-count N`` (1 < N < world), the N lowest and N highest ranks. Megatron's GPU
+    power, temperature, utilisation and clock columns (NVML) are not there.
+
+    The switch: a TCP connection to ``--straggler-ctrlr-port`` on global rank 0 (``curl host:port``) turns
+    the detector off, or on (``--disable-straggler-on-startup`` starts it off); the change applies at
+    the next log interval, when rank 0 broadcasts the state."""
+
+    def __init__(self, log, device: torch.device, rank: int, world: int):
+        self.enabled = bool(log.log_straggler)
+        self.on = self.enabled and not log.disable_straggler_on_startup
+        self.count, self.device, self.rank, self.world = log.straggler_minmax_count, device, rank, world
+        self._events: list = []
+        self._seconds = 0.0
+        self._toggle = False
+        self._sock = None
+        if self.enabled and rank == 0:
+            self._serve(log.straggler_ctrlr_port)
+
+    def _serve(self, port: int) -> None:
+        import socket
+        import threading
+        try:
+            self._sock = socket.create_server(("", port))
+        except OSError as err:
+            print(f" WARNING: --log-straggler: cannot listen on --straggler-ctrlr-port {port} ({err}); the detector "
+                  "runs without its on/off switch", flush=True)
+            return
+
+        def answer() -> None:
+            while True:
+                try:
+                    conn, _ = self._sock.accept()
+                except OSError:  # closed
+                    return
+                with conn:
+                    conn.recv(1024)
+                    self._toggle = True
+                    msg = f"Will turn StragglerDetector {'OFF' if self.on else 'ON'} at next logging interval"
+                    conn.sendall(f"HTTP/1.0 200 OK\r\nConnection: Close\r\nContent-length: {len(msg)}\r\n\r\n{msg}"
+                                 .encode())
+        threading.Thread(target=answer, name="straggler-switch", daemon=True).start()
+
+    @contextmanager
+    def timed(self):
+        """Around the step's forward-backward."""
+        if not self.on:
+            yield
+            return
+        if self.device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            stop.record()
+            self._events.append((start, stop))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._seconds += time.perf_counter() - t0
+
+    def _take(self) -> float:
+        seconds = self._seconds + sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
+        self._events, self._seconds = [], 0.0
+        return seconds
+
+    def report(self, iterations: int, flops_per_iteration: float) -> list:
+        """Every rank calls it each log interval; the lines global rank 0 prints (none elsewhere)."""
+        if not self.enabled:
+            return []
+        lines = []
+        if self.on and iterations:
+            if self._events:
+                self._events[-1][1].synchronize()
+            per_iter = max(self._take() / iterations, 1e-9)
+            mine = torch.tensor([per_iter, flops_per_iteration / self.world / per_iter / 1e12], dtype=torch.float64,
+                                device=self.device)
+            every = [mine]
+            if dist.is_initialized():
+                every = [torch.empty_like(mine) for _ in range(self.world)]
+                dist.all_gather(every, mine)
+            if self.rank == 0:
+                lines = self._lines([tuple(v.tolist()) for v in every])
+        self._switch()
+        return lines
+
+    def _lines(self, values: list) -> list:
+        ms = sorted((v[0] * 1000.0, r) for r, v in enumerate(values))
+        tf = sorted((v[1], r) for r, v in enumerate(values))
+        out = [f"[{datetime.now():%Y-%m-%d %H:%M:%S}] | MnRtt/Rnk: {ms[0][0]:.2f}ms/{ms[0][1]} | MxRtt/Rnk: "
+               f"{ms[-1][0]:.2f}ms/{ms[-1][1]} | MnEtpt/Rnk: {tf[0][0]:.2f}TF/{tf[0][1]} | MxEtpt/Rnk: "
+               f"{tf[-1][0]:.2f}TF/{tf[-1][1]}"]
+        if 1 < self.count < self.world:
+            out.append(f"^^^^ Bottom {self.count} Ranks with lowest  Etpt(TF): "
+                       + ", ".join(f"{v:.2f}/{r}" for v, r in tf[:self.count]))
+            out.append(f"^^^^ Top    {self.count} Ranks with highest Etpt(TF): "
+                       + ", ".join(f"{v:.2f}/{r}" for v, r in tf[-self.count:]))
+        return out
+
+    def _switch(self) -> None:
+        """Apply a switch request rank 0 received: its new state, broadcast to every rank."""
+        state = torch.tensor([self.on != (self._toggle and self.rank == 0)], dtype=torch.int32, device=self.device)
+        self._toggle = False if self.rank == 0 else self._toggle
+        if dist.is_initialized():
+            dist.broadcast(state, 0)
+        on = bool(state.item())
+        if on != self.on:
+            self._events, self._seconds = [], 0.0  # a fresh window
+            if self.rank == 0:
+                print(f" Toggling StragglerDetector State {'ON' if on else 'OFF'}", flush=True)
+        self.on = on
+
+    def close(self) -> None:
+        if self._sock is not None:
+            import socket
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept()
+            except OSError:
+                pass
+            self._sock.close()
+            self._sock = None
