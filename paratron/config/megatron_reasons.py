@@ -65,9 +65,6 @@ ACCEPTED = {
                     "value 1)",
     "main_grads_dtype": PRECISION_AWARE, "main_params_dtype": PRECISION_AWARE,
     "exp_avg_dtype": PRECISION_AWARE, "exp_avg_sq_dtype": PRECISION_AWARE,
-    "dataloader_type": "paratron's loader is Megatron's single-pass sampler (the value single: the shuffled samples "
-                       "in order, resumed at the consumed count); cyclic (a reshuffle every epoch) and external (a "
-                       "loader of your own) are not implemented",
 }
 
 # Values an accepted flag may take (others are refused naming the values that hold).
@@ -83,7 +80,6 @@ ACCEPTED_VALUES = {
     "fp8_interval": ("1",),
     "main_grads_dtype": ("fp32",), "main_params_dtype": ("fp32",),
     "exp_avg_dtype": ("fp32",), "exp_avg_sq_dtype": ("fp32",),
-    "dataloader_type": ("single",),
 }
 
 PLANNED = "planned: {} is not in paratron yet; remove the flag"

@@ -274,6 +274,8 @@ class DataConfig(Section):
     mock_data: bool = False
     data_cache_path: Optional[str] = None
     num_workers: int = 2
+    dataloader_type: Optional[str] = None  # single (default: the samples in order) | cyclic (reshuffled each epoch)
+    no_data_sharding: bool = False  # cyclic: each rank draws from the whole dataset, not its own bucket
     # Fill-in-the-middle samples (paratron/data/fim.py; Megatron's names and defaults)
     fim_data: bool = False  # rewrite samples as prefix/suffix/middle with FIM sentinel tokens
     fim_rate: float = 0.5  # the chance a document (or, with --fim-split-sample, a sample) is rewritten

@@ -108,6 +108,12 @@ def validate_run_control(cfg) -> None:
          "SIGUSR1 or SIGUSR2")
     need(interval is None or interval % cfg.log.log_interval == 0,
          f"--log-memory-interval {interval} must be a multiple of --log-interval {cfg.log.log_interval}")
+    kind = cfg.data.dataloader_type
+    need(kind != "external", "--dataloader-type external (a loader of your own) is not a command-line option in "
+         "paratron: pass your iterators to paratron.train.loop.Trainer(cfg, data=(train, valid)) instead")
+    need(kind in (None, "single", "cyclic"), f"--dataloader-type must be single or cyclic (got {kind})")
+    need(kind == "cyclic" or not cfg.data.no_data_sharding, "--no-data-sharding has no effect without "
+         "--dataloader-type cyclic; add it or remove the flag")
     lg = cfg.log
     extra = [flag for flag, on in (("--disable-straggler-on-startup", lg.disable_straggler_on_startup),
                                    ("--straggler-minmax-count", lg.straggler_minmax_count != 1),

@@ -62,22 +62,70 @@ class PretrainingSampler:
                 yield list(range(first, last))
 
 
+class CyclicSampler:
+    """Batch sampler of ``--dataloader-type cyclic`` (Megatron's random sampler): epoch after epoch over
+    the dataset, each in a new random order (``torch.randperm`` seeded with the epoch number, as
+    Megatron's), from ``consumed_samples`` (so a resumed run goes on with the same order). An epoch is
+    the dataset's samples less the last partial chunk of micro_batch_size x dp_size. With data sharding
+    (Megatron's default; ``--no-data-sharding`` turns it off) rank r draws, in shuffled order, from its
+    own contiguous bucket of the dataset; without, the epoch's permutation of the whole dataset is dealt
+    to the ranks in turn. Never ends: the caller stops it."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                 data_parallel_size: int, data_sharding: bool = True):
+        self.mbs, self.rank, self.size, self.sharding = micro_batch_size, data_parallel_rank, data_parallel_size, \
+            data_sharding
+        self.total, self.chunk = int(total_samples), micro_batch_size * data_parallel_size
+        self.epoch_samples = self.total - self.total % self.chunk
+        if self.epoch_samples <= 0:
+            raise DataError(f"--dataloader-type cyclic: the dataset of {self.total} samples holds no chunk of "
+                            f"--micro-batch-size x data-parallel size = {self.chunk}")
+        self.consumed = int(consumed_samples)
+        if self.consumed % self.chunk:
+            raise DataError(f"--dataloader-type cyclic: {self.consumed} consumed samples are not whole chunks of "
+                            f"{self.chunk}; resume with the micro-batch size and data-parallel size that saved them")
+
+    def _epoch_indices(self, epoch: int, offset: int) -> List[int]:
+        g = torch.Generator().manual_seed(epoch)
+        if self.sharding:
+            bucket = (self.total // self.chunk) * self.mbs
+            perm = torch.randperm(bucket, generator=g)[offset // self.size:]
+            return (perm + self.rank * bucket).tolist()
+        perm = torch.randperm((self.total // self.mbs) * self.mbs, generator=g)[offset:]
+        return perm[self.rank::self.size].tolist()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        consumed = self.consumed
+        while True:
+            epoch, offset = divmod(consumed, self.epoch_samples)
+            indices = self._epoch_indices(epoch, offset)
+            for k in range((self.epoch_samples - offset) // self.chunk):  # every rank the same count
+                consumed += self.chunk
+                yield indices[k * self.mbs:(k + 1) * self.mbs]
+
+
 def build_data_iterator(
     dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-    num_workers: int = 0, infinite: bool = False, worker_init_fn=None,
+    num_workers: int = 0, infinite: bool = False, worker_init_fn=None, cyclic: bool = False,
+    data_sharding: bool = True,
 ) -> Optional[Iterator[dict]]:
     """An iterator of collated micro-batches (dicts of stacked tensors) for one DP rank.
 
     `num_workers` > 0 loads in background processes (persistent; memory pinned when CUDA is
     there; `worker_init_fn` runs first in each worker). `infinite` restarts the stream from `consumed_samples` each time it runs out, as
-    Megatron's cyclic validation iterator does; otherwise the iterator ends with the data.
-    Returns None for a None dataset."""
+    Megatron's cyclic validation iterator does; otherwise the iterator ends with the data. `cyclic`
+    (``--dataloader-type cyclic``) samples with :class:`CyclicSampler` instead (endless, reshuffled
+    each epoch). Returns None for a None dataset."""
     if dataset is None:
         return None
     total = len(dataset)
-    if infinite and total > 0:
-        consumed_samples %= total
-    sampler = PretrainingSampler(total, consumed_samples, micro_batch_size, dp_rank, dp_size)
+    if cyclic:
+        sampler = CyclicSampler(total, consumed_samples, micro_batch_size, dp_rank, dp_size, data_sharding)
+        infinite = False  # the sampler itself never ends
+    else:
+        if infinite and total > 0:
+            consumed_samples %= total
+        sampler = PretrainingSampler(total, consumed_samples, micro_batch_size, dp_rank, dp_size)
     if infinite and len(sampler) == 0:
         raise DataError(f"dataset of {total} samples holds no full micro-batch chunk of "
                         f"{sampler.chunk} after {consumed_samples} consumed")

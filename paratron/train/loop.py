@@ -122,7 +122,8 @@ class Trainer:
             kill_workers_at_exit()
         it = partial(build_data_iterator, micro_batch_size=tr.micro_batch_size, dp_rank=self.dims.dp_rank,
                      dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers,
-                     worker_init_fn=partial(ignore_signal, tr.exit_signal) if signals else None)
+                     worker_init_fn=partial(ignore_signal, tr.exit_signal) if signals else None,
+                     cyclic=cfg.data.dataloader_type == "cyclic", data_sharding=not cfg.data.no_data_sharding)
         train = it(train_ds, consumed_samples=self.consumed_samples, infinite=False)
         valid = it(valid_ds, consumed_samples=0, infinite=True) if valid_ds is not None and tr.eval_iters > 0 else None
         test = it(test_ds, consumed_samples=0, infinite=True) if test_ds is not None and tr.eval_iters > 0 else None
