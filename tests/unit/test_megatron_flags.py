@@ -167,7 +167,7 @@ def test_split_applies_to_mock_data():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: paratron honours only single"),
+    (["--dataloader-type", "random"], "--dataloader-type must be single or cyclic"),
     (["--exp-avg-dtype", "bf16"], "precision-aware optimizer"),
     (["--main-params-dtype", "fp16"], "paratron honours only fp32"),
     (["--batch-size", "4"], "use --micro-batch-size"),
@@ -177,6 +177,6 @@ def test_split_applies_to_mock_data():
 def test_megatron_values_paratron_has_are_accepted_the_others_say_why(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(BASE + flags)
-    cfg = parse_args(BASE + ["--dataloader-type", "single", "--main-grads-dtype", "fp32", "--main-params-dtype", "fp32",
+    cfg = parse_args(BASE + ["--dataloader-type", "cyclic", "--main-grads-dtype", "fp32", "--main-params-dtype", "fp32",
                              "--exp-avg-dtype", "fp32", "--exp-avg-sq-dtype", "fp32"])
     assert cfg.train.micro_batch_size >= 1
