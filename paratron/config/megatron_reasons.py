@@ -101,8 +101,6 @@ REFUSED = {
     "moe_latent_size": PLANNED.format("MoE latent projections"),
     "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
     "verify_integrity": PLANNED.format("checkpoint file hashing (paratron checks CRC32s of every file)"),
-    "record_memory_history": GPU.format("CUDA memory-history snapshots"),
-    "memory_snapshot_path": GPU.format("CUDA memory-history snapshots"),
     "test_mode": NA.format("Megatron's internal test harness"),
     "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
     "batch_size": NA.format("Megatron-LM removed --batch-size (it stops with an error); use --micro-batch-size"),

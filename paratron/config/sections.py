@@ -323,6 +323,8 @@ class LogConfig(Section):
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: Optional[list] = None  # the global ranks --profile traces (default: every rank)
+    record_memory_history: bool = False  # CUDA allocator history; a snapshot per rank every log interval and at OOM
+    memory_snapshot_path: str = "snapshot.pickle"  # --record-memory-history: <base>_<rank><ext> (_oom_rank_ at OOM)
     log_progress: bool = False  # append job progress (start, checkpoints: throughput, tokens) to <save>/progress.txt
     log_straggler: bool = False  # every log interval: the slowest and fastest ranks (forward-backward time, TFLOP/s)
     straggler_minmax_count: int = 1  # with --log-straggler: also list this many lowest and highest ranks

@@ -115,6 +115,12 @@ def validate_run_control(cfg) -> None:
     need(kind == "cyclic" or not cfg.data.no_data_sharding, "--no-data-sharding has no effect without "
          "--dataloader-type cyclic; add it or remove the flag")
     lg = cfg.log
+    need(lg.memory_snapshot_path == "snapshot.pickle" or lg.record_memory_history,
+         "--memory-snapshot-path has no effect without --record-memory-history; add it or remove the flag")
+    if lg.record_memory_history:
+        import torch
+        need(cfg.train.device != "cpu" and torch.cuda.is_available(), "--record-memory-history records the CUDA "
+             "caching allocator; this run is on the CPU: remove the flag")
     extra = [flag for flag, on in (("--disable-straggler-on-startup", lg.disable_straggler_on_startup),
                                    ("--straggler-minmax-count", lg.straggler_minmax_count != 1),
                                    ("--straggler-ctrlr-port", lg.straggler_ctrlr_port != 65535)) if on]

@@ -39,7 +39,7 @@ from .runtime import (GarbageCollection, apply_bf16_matmul_reduction, apply_dete
                       empty_unused_memory)
 from .microbatches import MicroBatches, check_batch_sizes
 from .report import end_of_run
-from .watch import ProgressLog, StragglerWatch, check_weight_hashes, profiled
+from .watch import ProgressLog, StragglerWatch, check_weight_hashes, profiled, record_memory_history
 from .step import build_model, build_model_chunks, loss_func, make_forward_step, params_dtype, sum_reports  # noqa: F401
 
 
@@ -55,6 +55,7 @@ class Trainer:
         self.stop_signal = StopSignal(cfg.train.exit_signal_handler, cfg.train.exit_signal)
         self.device = device or init_distributed(cfg)
         self.dims = dims or build_dims(cfg)
+        self.memory_history = record_memory_history(cfg.log, self.dims.rank)  # before the model exists
         check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
         preflight(cfg, self.dims, partial(print, flush=True))  # --save and the other output directories, now
         tr = cfg.train

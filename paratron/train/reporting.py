@@ -247,6 +247,9 @@ class Reporter:
         t.log.advance(0, loss)
         for line in t.straggler.report(iters, t.flops_per_iter * gbs / tr.global_batch_size):  # every rank calls
             print(line, flush=True)
+        if t.memory_history:  # --record-memory-history: this rank's snapshot so far
+            from .watch import dump_memory_snapshot
+            dump_memory_snapshot(self.lg, t.dims.rank)
         every = self.lg.log_memory_interval
         if every and t.iteration % every == 0 and t.dims.dp_rank == 0:  # each model-parallel rank, as Megatron
             print(memory_line(t.device, t.dims.rank, f"after {t.iteration} iterations"), flush=True)

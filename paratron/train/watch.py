@@ -33,6 +33,29 @@ def profiled(log, rank: int) -> bool:
     return log.profile_ranks is None or rank in log.profile_ranks
 
 
+def record_memory_history(log, rank: int) -> bool:
+    """``--record-memory-history`` (Megatron's) on the ranks ``--profile-ranks`` names: the CUDA caching
+    allocator records every allocation and free (up to 100,000 events, with Python stacks) from here on,
+    before the model is built, and an out-of-memory error dumps ``<base>_oom_rank_<rank><ext>`` of
+    ``--memory-snapshot-path``. Returns whether it recorded (then :func:`dump_memory_snapshot` writes
+    ``<base>_<rank><ext>``, for PyTorch's memory_viz)."""
+    if not log.record_memory_history or not profiled(log, rank):
+        return False
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=100_000)
+    base, ext = os.path.splitext(log.memory_snapshot_path)
+
+    def on_oom(_device, _alloc, _device_alloc, _device_free) -> None:
+        torch.cuda.memory._dump_snapshot(f"{base}_oom_rank_{rank}{ext}")
+        print(f" [OOM] rank {rank} saved memory snapshot to {base}_oom_rank_{rank}{ext}", flush=True)
+    torch._C._cuda_attach_out_of_memory_observer(on_oom)
+    return True
+
+
+def dump_memory_snapshot(log, rank: int) -> None:
+    base, ext = os.path.splitext(log.memory_snapshot_path)
+    torch.cuda.memory._dump_snapshot(f"{base}_{rank}{ext}")
+
+
 class ProgressLog:
     """``--log-progress``: appends to ``<save>/progress.txt`` on global rank 0 (nothing elsewhere)."""
 

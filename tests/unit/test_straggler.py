@@ -1,6 +1,7 @@
 """--log-straggler (Megatron's straggler detector): the per-interval line of the slowest and fastest
 ranks, its on/off switch on --straggler-ctrlr-port, and on two gloo ranks the slow one is named."""
 import socket
+from types import SimpleNamespace
 import time
 
 import pytest
@@ -77,3 +78,29 @@ def test_the_slow_rank_is_named(tmp_path):
     lines = [line for line in outs[0].splitlines() if "MnRtt/Rnk:" in line]
     assert len(lines) == 3 and not any("MnRtt" in line for line in outs[1].splitlines())
     assert all("ms/1 | MnEtpt/Rnk:" in line and "TF/1 | MxEtpt/Rnk:" in line for line in lines), lines
+
+
+def test_record_memory_history(monkeypatch, tmp_path):
+    """--record-memory-history (Megatron's): on a CPU run a one-line error; on CUDA (the allocator calls
+    stubbed here) the recording starts before the model on the profiled ranks only, an OOM dumps
+    <base>_oom_rank_<r><ext>, and each log line dumps <base>_<r><ext>."""
+    import torch
+
+    from paratron.train import watch
+    with pytest.raises(ConfigError, match="--record-memory-history records the CUDA caching allocator"):
+        parse_args(FLAGS + ["--record-memory-history"])
+    with pytest.raises(ConfigError, match="--memory-snapshot-path has no effect without --record-memory-history"):
+        parse_args(FLAGS + ["--memory-snapshot-path", "x.pickle"])
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(("record", kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", lambda fn: calls.append(("oom", fn)),
+                        raising=False)  # (not in CPU builds)
+    log = SimpleNamespace(record_memory_history=True, memory_snapshot_path=str(tmp_path / "mem.pickle"),
+                          profile_ranks=[1])
+    assert not watch.record_memory_history(log, 0) and calls == []  # rank 0 is not profiled
+    assert watch.record_memory_history(log, 1)
+    assert calls[0] == ("record", {"enabled": "all", "context": "all", "stacks": "python", "max_entries": 100_000})
+    calls[1][1](0, 0, 0, 0)  # the OOM observer
+    watch.dump_memory_snapshot(log, 1)
+    assert [c[1] for c in calls[2:]] == [str(tmp_path / "mem_oom_rank_1.pickle"), str(tmp_path / "mem_1.pickle")]
