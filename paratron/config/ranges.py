@@ -64,6 +64,7 @@ RANGES: dict[str, Range] = {
     "embedding_init_method_std": POSITIVE,
     "make_vocab_size_divisible_by": AT_LEAST_1, "num_experts": AT_LEAST_1, "moe_router_topk": AT_LEAST_1,
     "moe_ffn_hidden_size": AT_LEAST_1, "moe_aux_loss_coeff": AT_LEAST_0, "moe_z_loss_coeff": AT_LEAST_0,
+    "moe_input_jitter_eps": FRACTION,
     "moe_router_topk_scaling_factor": POSITIVE, "moe_router_bias_update_rate": AT_LEAST_0,
     "moe_expert_capacity_factor": POSITIVE, "moe_shared_expert_intermediate_size": AT_LEAST_1,
     "q_lora_rank": AT_LEAST_1, "kv_lora_rank": AT_LEAST_1, "qk_head_dim": AT_LEAST_1, "qk_pos_emb_head_dim": AT_LEAST_1,

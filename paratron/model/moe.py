@@ -198,6 +198,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, seq_length: int):
         cfg = self.cfg
         dtype = self.dtype or x.dtype
+        eps = cfg.moe_input_jitter_eps
+        if eps and self.training:  # Switch Transformer's jitter, on the router's input only (the experts get x)
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)  # default generator: recompute replays it
         logits = F.linear(x.to(dtype), self.weight.to(dtype))
         if cfg.moe_router_force_load_balancing:  # N(0, 1) logits with a straight-through gradient
             with self.random.fork() if self.random is not None else contextlib.nullcontext():

@@ -113,6 +113,36 @@ def test_aux_losses_reach_the_router_without_changing_the_output():
     assert set(layer.router.metrics) == {"load_balancing_loss", "z_loss"}
 
 
+def test_input_jitter_perturbs_the_routing_only_while_training():
+    """--moe-input-jitter-eps (Megatron's; Switch Transformer): while training the router sees its input
+    times U(1 - eps, 1 + eps) noise (the experts the plain input); in evaluation no noise; under
+    activation checkpointing the recomputation draws the same noise (the same gradients)."""
+    from paratron.parallel.random import checkpoint
+    cfg = small(moe_input_jitter_eps=0.3)
+    torch.manual_seed(0)
+    layer = moe.MoELayer(cfg, Parallel())
+    plain = moe.MoELayer(dataclasses.replace(cfg, moe_input_jitter_eps=None), Parallel())
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(8, 2, 16)
+    layer.eval(), plain.eval()
+    assert torch.equal(layer(x), plain(x))
+    layer.train(), plain.train()
+    torch.manual_seed(1)
+    seen = layer.router(x.reshape(-1, 16), 8)[1]
+    assert not torch.equal(seen, plain.router(x.reshape(-1, 16), 8)[1])  # other experts chosen somewhere
+    grads = []
+    for recompute in (False, True):
+        layer.zero_grad()
+        torch.manual_seed(2)
+        xr = x.clone().requires_grad_()
+        out = checkpoint(layer, xr) if recompute else layer(xr)
+        out.square().sum().backward()
+        grads.append([xr.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    with pytest.raises(ConfigError, match=r"--moe-input-jitter-eps must be in \[0, 1\) \(got 1.5\)"):
+        parse_args(["--config", "moe-mini", "--mock-data", "--train-iters", "1", "--moe-input-jitter-eps", "1.5"])
+
+
 # ---- capacity, expert bias ------------------------------------------------------------------------
 
 def test_capacity_drops_by_probs_or_position():
