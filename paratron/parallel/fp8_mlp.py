@@ -331,9 +331,9 @@ def mlp_act_fp8(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.Ten
 @torch.library.custom_op("paratron::cast_fp8", mutates_args=())
 def cast_fp8(x: torch.Tensor, preset: torch.Tensor, e5m2: bool,
              margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The contiguous 2-D ``x`` in e5m2 / e4m3, row-major and transposed in one pass over x (two for
-    its own amax), scaled as :func:`mlp_act_fp8`: (q, q transposed, scale, amax). Used for the output
-    gradients of the FP8 linears, whose transposed copy is the weight gradient's operand."""
+    """The contiguous 2-D ``x`` in e5m2 / e4m3, row-major (one pass over x; two for its own amax) and
+    transposed (from the FP8 copy), scaled as :func:`mlp_act_fp8`: (q, q transposed, scale, amax). Used
+    for the output gradients of the FP8 linears, whose transposed copy is the weight gradient's operand."""
     dtype = torch.float8_e5m2 if e5m2 else E4M3
     if not _on_gpu(x):
         return _to_fp8(x.float(), preset, dtype, margin)
