@@ -103,6 +103,8 @@ REFUSED = {
     "verify_integrity": PLANNED.format("checkpoint file hashing (paratron checks CRC32s of every file)"),
     "test_mode": NA.format("Megatron's internal test harness"),
     "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
+    "checkpoint_activations": NA.format("Megatron-LM removed --checkpoint-activations (it stops); use "
+                                        "--recompute-activations or --recompute-granularity / --recompute-method"),
     "batch_size": NA.format("Megatron-LM removed --batch-size (it stops with an error); use --micro-batch-size"),
     "sgd_momentum": NA.format("read only by --optimizer sgd, which paratron refuses"),
     "lion_beta1": NA.format("read only by --optimizer lion, which paratron refuses"),

@@ -96,7 +96,7 @@ RANGES: dict[str, Range] = {
     "vocab_extra_ids": AT_LEAST_0, "tiktoken_num_special_tokens": AT_LEAST_3,
     # log
     "log_interval": AT_LEAST_1, "profile_step_start": AT_LEAST_0, "profile_step_end": AT_LEAST_0,
-    "log_memory_interval": AT_LEAST_1, "train_sync_interval": AT_LEAST_1, "straggler_minmax_count": AT_LEAST_1,
+    "log_memory_interval": AT_LEAST_1, "train_sync_interval": AT_LEAST_1, "start_eval_at_iter": AT_LEAST_0, "straggler_minmax_count": AT_LEAST_1,
     "straggler_ctrlr_port": AT_LEAST_1,
     "tensorboard_log_interval": AT_LEAST_1, "tensorboard_queue_size": AT_LEAST_1, "timing_log_level": AT_LEAST_0,
     "logging_level": AT_LEAST_0,

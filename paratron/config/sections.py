@@ -177,6 +177,9 @@ class TrainConfig(Section):
     eval_interval: int = 1000
     eval_iters: int = 100
     eval_global_batch_size: Optional[int] = None  # samples of an evaluation step (default: --global-batch-size's)
+    start_eval_at_iter: Optional[int] = None  # no evaluation before this iteration
+    skip_train: bool = False  # evaluate the model as loaded (validation and test), do not train
+    iterations_to_skip: Optional[list] = None  # these steps (1-based) read their batch and train nothing
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = False  # --exit-signal: finish the step, save, exit 0 (DataLoader workers ignore it)

@@ -108,6 +108,11 @@ def validate_run_control(cfg) -> None:
          "SIGUSR1 or SIGUSR2")
     need(interval is None or interval % cfg.log.log_interval == 0,
          f"--log-memory-interval {interval} must be a multiple of --log-interval {cfg.log.log_interval}")
+    if tr.iterations_to_skip is not None:
+        words = [str(v) for v in tr.iterations_to_skip]
+        need(all(w.isdigit() and int(w) >= 1 for w in words),
+             f"--iterations-to-skip takes step numbers >= 1 (got {' '.join(words)})")
+        tr.iterations_to_skip = sorted({int(w) for w in words})
     kind = cfg.data.dataloader_type
     need(kind != "external", "--dataloader-type external (a loader of your own) is not a command-line option in "
          "paratron: pass your iterators to paratron.train.loop.Trainer(cfg, data=(train, valid)) instead")

@@ -32,18 +32,19 @@ from ..optim.schedule import build_scheduler
 from .distributed import build_dims, checkpoint_group, init_distributed  # noqa: F401  (tests import build_dims here)
 from .guards import StepGuard, StopSignal, ignore_signal, kill_workers_at_exit
 from .preflight import preflight
-from .logger import RunLogger, format_valid_line
+from .logger import RunLogger
 from .metrics import flops_per_iteration, peak_tflops
 from .reporting import Reporter, TimedIterator, wandb_run
-from .runtime import (GarbageCollection, apply_bf16_matmul_reduction, apply_deterministic_mode, apply_logging_level,
-                      empty_unused_memory)
+from .runtime import GarbageCollection, apply_bf16_matmul_reduction, apply_deterministic_mode, apply_logging_level
 from .microbatches import MicroBatches, check_batch_sizes
 from .report import end_of_run
+from .evaluation import Evaluation
+from .run_control import RunControl
 from .watch import ProgressLog, StragglerWatch, check_weight_hashes, profiled, record_memory_history
 from .step import build_model, build_model_chunks, loss_func, make_forward_step, params_dtype, sum_reports  # noqa: F401
 
 
-class Trainer:
+class Trainer(Evaluation, RunControl):
     progress: Optional[ProgressLog] = None  # --log-progress (train() opens it)
 
     def __init__(self, cfg: Config, device: Optional[torch.device] = None, dims: Optional[ParallelDims] = None,
@@ -184,25 +185,6 @@ class Trainer:
             dist.all_reduce(t, group=self.dims.dp_cp_group)
         return t
 
-    @torch.no_grad()
-    def evaluate(self, data_iterator=None) -> float:
-        """The loss over --eval-iters steps of the validation data (or of ``data_iterator``)."""
-        data_iterator = data_iterator or self.valid_iter
-        for m in self.models:
-            m.eval()
-        total = torch.zeros(2, device=self.device)
-        tr, n = self.cfg.train, self.microbatches.eval_microbatches(self.consumed_samples)
-        for _ in range(tr.eval_iters):
-            reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=data_iterator,
-                                            model=self.models, num_microbatches=n,
-                                            seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
-                                            layout=self.layout, forward_only=True)
-            total += sum_reports(reports, self.device)
-        for m in self.models:
-            m.train()
-        total = self._reduce_dp(total)
-        return (total[0] / total[1].clamp(min=1)).item()
-
     # ---- checkpoints (format: paratron/checkpoint/sharded.py and state.py) ------------------------
     def _ckpt_pieces(self, optim: bool, rng: Optional[dict], masters_from: Optional[str] = None,
                      model_prefix: Optional[dict] = None, amax: Optional[torch.Tensor] = None) -> list:
@@ -324,55 +306,23 @@ class Trainer:
         self.log.print(" the checkpoint has no FP8 amax history for this layout and recipe: it restarts")
         return None
 
-    def _fold_pending_skips(self) -> None:
-        if self._pending_skips is not None:
-            self.skipped += int(self._pending_skips.item())
-            self._pending_skips = None
-
     # ---- the loop ------------------------------------------------------------------------------
-    def _should_exit(self, start: float) -> bool:
-        tr = self.cfg.train
-        stop = self.iteration >= tr.train_iters  # the iteration-based conditions are the same on every rank
-        stop |= bool(tr.exit_interval and self.iteration % tr.exit_interval == 0)
-        if stop or not (tr.exit_duration_in_mins or tr.exit_signal_handler):
-            return stop
-        # A clock or a signal can differ between ranks: every rank must agree (one all-reduce).
-        stop |= bool(tr.exit_duration_in_mins and (time.time() - start) / 60.0 > tr.exit_duration_in_mins)
-        stop |= self.stop_signal.received
-        if dist.is_initialized():
-            flag = torch.tensor([int(stop)], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag.item())
-        return stop
-
-    def _log_exit(self, start: float) -> None:
-        """The line saying why a run stops early (none when --train-iters is reached)."""
-        tr, minutes = self.cfg.train, (time.time() - start) / 60.0
-        if self.iteration >= tr.train_iters:
-            return
-        if tr.exit_interval and self.iteration % tr.exit_interval == 0:
-            why = f"--exit-interval {tr.exit_interval}"
-        elif tr.exit_duration_in_mins and minutes > tr.exit_duration_in_mins:
-            why = f"--exit-duration-in-mins {tr.exit_duration_in_mins:g} ({minutes:.2f} min since start-up)"
-        elif self.stop_signal.received:
-            why = f"{tr.exit_signal} (--exit-signal-handler)"
-        else:
-            why = "another rank's clock or signal (--exit-duration-in-mins / --exit-signal-handler)"
-        self.exit_reason = why
-        self.log.print(f" exiting after {self.iteration} iterations: {why}")
-
     def train(self) -> dict:
         cfg, tr, lg = self.cfg, self.cfg.train, self.log
         start, step_start = self.start_time, time.time()
         collector = GarbageCollection(tr)
         acc = torch.zeros(2, device=self.device)
         window_iters, window_start = 0, time.time()
-        last_saved, valid_loss = None, None
-        profiler = None
+        last_saved = valid_loss = profiler = None
+        if tr.skip_train:  # --skip-train: the losses of the model as loaded
+            return self._evaluate_only()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._announce()
         while self.iteration < tr.train_iters:
+            if tr.iterations_to_skip and self.iteration + 1 in tr.iterations_to_skip:
+                self._skip_step()
+                continue
             last_saved = self._save_on_batch_change(last_saved)
             if cfg.log.profile and self.iteration == cfg.log.profile_step_start and profiled(cfg.log, self.dims.rank):
                 profiler = torch.profiler.profile(record_shapes=False, with_stack=False)
@@ -381,11 +331,7 @@ class Trainer:
             step_seconds, step_start = time.time() - step_start, time.time()
             self.report.after_step(report, grad_norm, step_seconds, collector)
             self.guard.record(self.iteration, report, grad_norm)
-            if isinstance(ok, torch.Tensor):  # no host sync in the step: count at the next log line
-                skips = (~ok).int()
-                self._pending_skips = skips if self._pending_skips is None else self._pending_skips + skips
-            elif not ok:
-                self.skipped += 1
+            self._count_skip(ok)
             acc += report
             window_iters += 1
             if profiler is not None and self.iteration == cfg.log.profile_step_end:
@@ -400,7 +346,7 @@ class Trainer:
                 self.report.log_line(acc, window_iters, time.time() - window_start, float(grad_norm))
                 acc.zero_()
                 window_iters, window_start = 0, time.time()
-            if self.valid_iter is not None and self.iteration % tr.eval_interval == 0:
+            if self.valid_iter is not None and self._eval_due():
                 valid_loss = self._validate(collector)
             if cfg.ckpt.save and cfg.ckpt.save_interval and self.iteration % cfg.ckpt.save_interval == 0:
                 self.save()
@@ -435,27 +381,6 @@ class Trainer:
             self.save()
             return self.iteration
         return last_saved
-
-    def _final_evaluations(self, valid_loss: Optional[float]) -> Optional[float]:
-        """After training: the validation loss unless it was just measured, and (as Megatron) the
-        test split once, when training ran to its end. Returns the last validation loss."""
-        tr = self.cfg.train
-        if self.valid_iter is not None and tr.eval_iters > 0 and self.iteration % tr.eval_interval:
-            valid_loss = self._validate()
-        if self.test_iter is not None and self.iteration >= tr.train_iters:
-            self.log.print(format_valid_line("the end of training for test data", self.evaluate(self.test_iter)))
-        return valid_loss
-
-    def _validate(self, collector: Optional[GarbageCollection] = None) -> float:
-        if collector is not None:
-            collector.around_eval()
-        loss = self.evaluate()
-        self.log.print(format_valid_line(self.iteration, loss))
-        self.report.validation(loss)
-        empty_unused_memory(self.cfg.train.empty_unused_memory_level, 2, self.device)
-        if collector is not None:
-            collector.around_eval()
-        return loss
 
     def close(self) -> None:
         try:

@@ -104,3 +104,44 @@ def test_train_sync_interval_waits_for_the_gpu_every_n_steps(monkeypatch):
             if len(calls) > before:
                 synced.append(it)
         assert synced == expected
+
+
+def test_iterations_to_skip_read_their_batch_and_train_nothing(capsys):
+    """--iterations-to-skip 2 4 (Megatron's): steps 2 and 4 read their micro-batches (the data stream
+    stays where it would be) and change no weight; the others train as usual."""
+    import torch
+    ran = []
+    t = Trainer(parse_args(FLAGS + ["--iterations-to-skip", "4", "2", "--train-iters", "5"]))
+    step = t.train_step
+
+    def counted():
+        ran.append(t.iteration + 1)
+        return step()
+    t.train_step = counted
+    try:
+        result = t.train()
+        weights = [p.detach().clone() for p in t.model.parameters()]
+        consumed = t.consumed_samples
+    finally:
+        t.close()
+    out = capsys.readouterr().out
+    assert result["iteration"] == 5 and ran == [1, 3, 5] and consumed == 5 * t.cfg.train.global_batch_size
+    assert " skipped iteration 2 (--iterations-to-skip)" in out and " skipped iteration 4 (" in out
+    plain = Trainer(parse_args(FLAGS + ["--train-iters", "5"]))
+    try:
+        plain.train()
+        assert not all(torch.equal(a, b) for a, b in zip(weights, plain.model.parameters()))
+    finally:
+        plain.close()
+
+
+def test_skip_train_only_evaluates_and_start_eval_at_iter(capsys):
+    import pytest
+    from paratron.config import ConfigError
+    it, out = run(capsys, "--skip-train", "--eval-iters", "1", "--eval-interval", "2")
+    assert it == 0 and "validation loss at iteration 0" in out and "iteration        1/" not in out, out
+    it, out = run(capsys, "--eval-iters", "1", "--eval-interval", "1", "--start-eval-at-iter", "4")
+    assert [line.split(" | ")[0].strip() for line in out.splitlines() if "validation loss at iteration" in line] \
+        == ["validation loss at iteration 4", "validation loss at iteration 5"], out
+    with pytest.raises(ConfigError, match="--iterations-to-skip takes step numbers >= 1"):
+        parse_args(FLAGS + ["--iterations-to-skip", "0"])
