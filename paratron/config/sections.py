@@ -304,6 +304,7 @@ class DataConfig(Section):
     tiktoken_pattern: str = "v2"  # TikTokenizer: v1 | v2
     tiktoken_num_special_tokens: int = 1000
     tokenizer_special_tokens: Optional[list] = None
+    tokenizer_hf_no_include_special_tokens: bool = False  # HuggingFaceTokenizer: no BOS/EOS added to the text's ids
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
@@ -313,7 +314,7 @@ class DataConfig(Section):
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",
                     "null_tokenizer_eod_id", "vocab_extra_ids", "tiktoken_pattern", "tiktoken_num_special_tokens",
-                    "tokenizer_special_tokens")
+                    "tokenizer_special_tokens", "tokenizer_hf_no_include_special_tokens")
 
 
 @dataclass(eq=True)

@@ -101,9 +101,10 @@ class Tokenizer:
 class _HFBased(Tokenizer):
     """Shared code of the tokenizers run by the Rust `tokenizers` package."""
 
-    def __init__(self, tok, add_special_tokens: bool):
+    def __init__(self, tok, add_special_tokens: bool, skip_special_in_text: bool = False):
         self._tok = tok
         self._add_special = add_special_tokens
+        self._skip_special_in_text = skip_special_in_text
         self._vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     def tokenize(self, text: str) -> List[int]:
@@ -114,7 +115,7 @@ class _HFBased(Tokenizer):
         return [e.ids for e in encs]
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=self._skip_special_in_text)
 
     def token_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
@@ -151,7 +152,11 @@ def _token_content(value) -> Optional[str]:
 
 
 class HuggingFaceTokenizer(_HFBased):
-    def __init__(self, path: str):
+    """A ``tokenizer.json`` (local). ``include_special_tokens`` (Megatron's; False with
+    ``--tokenizer-hf-no-include-special-tokens``): the text's ids get the special tokens the
+    tokenizer's template adds (a BOS, say), and decoding keeps special tokens; False: neither."""
+
+    def __init__(self, path: str, include_special_tokens: bool = True):
         from tokenizers import Tokenizer as RustTokenizer
 
         if os.path.isdir(path):
@@ -164,7 +169,8 @@ class HuggingFaceTokenizer(_HFBased):
             tok = RustTokenizer.from_file(file)
         except Exception as err:
             raise DataError(f"--tokenizer-model {file}: not a tokenizers JSON file ({err})")
-        super().__init__(tok, add_special_tokens=True)
+        super().__init__(tok, add_special_tokens=include_special_tokens,
+                         skip_special_in_text=not include_special_tokens)
         config: Dict[str, object] = {}
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
             extra = os.path.join(folder, name)
@@ -403,7 +409,8 @@ def build_tokenizer(data) -> Tokenizer:
         merges = _need_file(data.merge_file, "--merge-file", kind)
         return GPT2BPETokenizer(vocab, merges)
     if kind == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(_need_file(data.tokenizer_model, "--tokenizer-model", kind))
+        return HuggingFaceTokenizer(_need_file(data.tokenizer_model, "--tokenizer-model", kind),
+                                    not getattr(data, "tokenizer_hf_no_include_special_tokens", False))
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         model = _need_file(data.tokenizer_model, "--tokenizer-model", kind)
         if kind == "SentencePieceTokenizer":

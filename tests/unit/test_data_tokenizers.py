@@ -204,3 +204,30 @@ def test_tokenizer_train_cli(tmp_path, capsys):
                                  "300", "--output", str(tmp_path / "x.json")]) == 2  # every user error: exit 2
     err = capsys.readouterr().err
     assert "error: --input" in err and "Traceback" not in err
+
+
+def test_hf_special_tokens_switch(bpe_dir, tmp_path):
+    """--tokenizer-hf-no-include-special-tokens (Megatron's): the tokenizer's template adds no BOS to the
+    text's ids and decoding drops special tokens; by default both as the template says. The flag is a
+    tokenizer flag, so `paratron preprocess` takes it too."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from paratron.config.parse import add_tokenizer_args, tokenizer_config
+    rust = RustTokenizer.from_file(str(bpe_dir / "tokenizer.json"))
+    bos = rust.token_to_id("<|endoftext|>")
+    rust.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    path = str(tmp_path / "tokenizer.json")
+    rust.save(path)
+    with_bos = build_tokenizer(_args(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path))
+    plain = build_tokenizer(_args(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path,
+                                  tokenizer_hf_no_include_special_tokens=True))
+    ids = with_bos.tokenize(TEXTS[0])
+    assert ids[0] == bos and plain.tokenize(TEXTS[0]) == ids[1:]
+    assert plain.detokenize(ids) == TEXTS[0] and with_bos.detokenize(ids).startswith("<|endoftext|>")
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_tokenizer_args(parser)
+    args = parser.parse_args(["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", path,
+                              "--tokenizer-hf-no-include-special-tokens"])
+    assert tokenizer_config(args).tokenizer_hf_no_include_special_tokens is True
