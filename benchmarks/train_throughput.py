@@ -120,8 +120,11 @@ def main() -> int:
             import traceback
             traceback.print_exc()
             r = dict(error=repr(e)[:300])
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        for k, v in saved.items():  # the environment as before this variant
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
         r.update(system=f"paratron {name}", flags=flags)
         rows.append(r)
         print(json.dumps(r), flush=True)

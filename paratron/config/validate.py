@@ -19,7 +19,8 @@ from typing import Optional
 from ..errors import ConfigError
 from .ranges import check_ranges
 from .validate_attnvar import validate_attention_variants
-from .validate_sched import check_mapping, schedule_batches, schedule_of, validate_rampup, validate_sched
+from .validate_sched import changed_flags, check_mapping, schedule_batches, schedule_of, validate_rampup, \
+    validate_sched
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
 from .validate_mla import validate_mla
 from .validate_norms import validate_optimizer, validate_run_variants, validate_variants
@@ -98,8 +99,8 @@ MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "s
 def validate_moe(m: ModelConfig) -> None:
     """The mixture-of-experts flags (only checked with --num-experts); fills --moe-ffn-hidden-size."""
     if m.num_experts is None:
-        given = [f.name for f in dataclasses.fields(m) if f.name.startswith("moe_") and getattr(m, f.name) != f.default]
-        need(not given, f"{flag(given[0]) if given else ''} has no effect without --num-experts; set --num-experts "
+        given = changed_flags(m, prefix="moe_")
+        need(not given, f"{given[0] if given else ''} has no effect without --num-experts; set --num-experts "
              "or remove the flag")
         return
     from ..model.spec import parse_moe_layer_freq  # the flag's parser lives with the layer specs

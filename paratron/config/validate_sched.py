@@ -4,6 +4,7 @@ selective-recompute and run-control flags (called from validate.resolve): --step
 --log-memory-interval and --fim-*. One-line ConfigErrors."""
 from __future__ import annotations
 
+import dataclasses
 import signal
 from typing import Optional
 
@@ -84,13 +85,18 @@ def validate_rampup(tr) -> None:
          f"non-negative multiple of INCREMENT {inc}")
 
 
+def changed_flags(section, prefix: str = "", names: tuple = ()) -> list[str]:
+    """The flags of ``section``'s fields (those starting with ``prefix``, or named in ``names``) whose
+    values differ from their defaults: what a flag that has no effect without another one checks."""
+    return [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(section)
+            if ((prefix and f.name.startswith(prefix)) or f.name in names) and getattr(section, f.name) != f.default]
+
+
 def validate_fim(data) -> None:
     """--fim-*: no effect without --fim-data (a changed one is an error), not with mock data (nothing to
     re-tokenize: Megatron refuses it too), and a fragment rate with --fim-split-sample."""
-    import dataclasses
     if not data.fim_data:
-        changed = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(data)
-                   if f.name.startswith("fim_") and getattr(data, f.name) != f.default]
+        changed = changed_flags(data, prefix="fim_")
         need(not changed, f"{', '.join(changed)}: no effect without --fim-data; add it or remove them")
         return
     need(not data.mock_data, "--fim-data needs real data (it re-tokenizes text); --mock-data has none")
@@ -120,15 +126,13 @@ def validate_run_control(cfg) -> None:
     need(kind == "cyclic" or not cfg.data.no_data_sharding, "--no-data-sharding has no effect without "
          "--dataloader-type cyclic; add it or remove the flag")
     lg = cfg.log
-    need(lg.memory_snapshot_path == "snapshot.pickle" or lg.record_memory_history,
+    need(lg.record_memory_history or not changed_flags(lg, names=("memory_snapshot_path",)),
          "--memory-snapshot-path has no effect without --record-memory-history; add it or remove the flag")
     if lg.record_memory_history:
         import torch
         need(cfg.train.device != "cpu" and torch.cuda.is_available(), "--record-memory-history records the CUDA "
              "caching allocator; this run is on the CPU: remove the flag")
-    extra = [flag for flag, on in (("--disable-straggler-on-startup", lg.disable_straggler_on_startup),
-                                   ("--straggler-minmax-count", lg.straggler_minmax_count != 1),
-                                   ("--straggler-ctrlr-port", lg.straggler_ctrlr_port != 65535)) if on]
+    extra = changed_flags(lg, names=("disable_straggler_on_startup", "straggler_minmax_count", "straggler_ctrlr_port"))
     need(lg.log_straggler or not extra, f"{', '.join(extra)}: no effect without --log-straggler; add it or remove them")
     need(lg.straggler_ctrlr_port <= 65535, f"--straggler-ctrlr-port {lg.straggler_ctrlr_port} is not a TCP port")
 

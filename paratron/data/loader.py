@@ -73,8 +73,8 @@ class CyclicSampler:
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
                  data_parallel_size: int, data_sharding: bool = True):
-        self.mbs, self.rank, self.size, self.sharding = micro_batch_size, data_parallel_rank, data_parallel_size, \
-            data_sharding
+        self.mbs, self.rank, self.size = micro_batch_size, data_parallel_rank, data_parallel_size
+        self.sharding = data_sharding
         self.total, self.chunk = int(total_samples), micro_batch_size * data_parallel_size
         self.epoch_samples = self.total - self.total % self.chunk
         if self.epoch_samples <= 0:

@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from .logger import format_train_line
 from .metrics import peak_memory_gb
 from .runtime import empty_unused_memory
+from .watch import dump_memory_snapshot
 
 # Megatron's timer names and the --timing-log-level that shows them (paratron times these).
 TIMER_LEVELS = {"forward-backward": 1, "all-grads-sync": 1, "optimizer": 1, "batch-generator": 2}
@@ -221,7 +222,8 @@ class Reporter:
             t.nan_iters += iters
         per_iter = seconds / max(iters, 1)
         gbs = t.current_global_batch  # of the last step (follows --rampup-batch-size)
-        tflops = t.flops_per_iter * gbs / tr.global_batch_size / per_iter / t.dims.world_size / 1e12
+        flops = t.flops_per_iter * gbs / tr.global_batch_size  # of this step's batch (--rampup-batch-size)
+        tflops = flops / per_iter / t.dims.world_size / 1e12
         tokens_s = gbs * t.cfg.model.seq_length / per_iter / t.dims.world_size
         mfu = 100.0 * tflops / t.peak if t.peak else None
         peak_gb = peak_memory_gb(t.device)
@@ -245,10 +247,9 @@ class Reporter:
         if self.writes:
             t.log.scalars(t.iteration, scalars, t.consumed_samples, moe_losses)
         t.log.advance(0, loss)
-        for line in t.straggler.report(iters, t.flops_per_iter * gbs / tr.global_batch_size):  # every rank calls
+        for line in t.straggler.report(iters, flops):  # every rank calls it
             print(line, flush=True)
         if t.memory_history:  # --record-memory-history: this rank's snapshot so far
-            from .watch import dump_memory_snapshot
             dump_memory_snapshot(self.lg, t.dims.rank)
         every = self.lg.log_memory_interval
         if every and t.iteration % every == 0 and t.dims.dp_rank == 0:  # each model-parallel rank, as Megatron

@@ -220,8 +220,8 @@ class StragglerWatch:
 
     def _switch(self) -> None:
         """Apply a switch request rank 0 received: its new state, broadcast to every rank."""
-        state = torch.tensor([self.on != (self._toggle and self.rank == 0)], dtype=torch.int32, device=self.device)
-        self._toggle = False if self.rank == 0 else self._toggle
+        flip, self._toggle = self._toggle, False  # only rank 0's switch thread sets it
+        state = torch.tensor([self.on != flip], dtype=torch.int32, device=self.device)
         if dist.is_initialized():
             dist.broadcast(state, 0)
         on = bool(state.item())
