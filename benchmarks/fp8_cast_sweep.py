@@ -7,9 +7,11 @@ Cases (delayed recipe: a preset scale, the cast pass alone): the GeLU forward an
 bias at gpt-350m's MLP (micro-batch 32), SwiGLU's at llama-1b's (micro-batch 16), and the plain cast of
 an output gradient (``paratron::cast_fp8``, e5m2) at the QKV and hidden widths. Each launch is checked:
 FP8 bytes equal to the torch expressions but for rare one-step flips (< 1e-3 of them), the amax and the
-bias gradient; then the one-byte transpose kernel that writes the transposed copy, byte-equal to the
-row-major copy transposed. (Writing the transposed tile from the cast kernels themselves gave wrong
-bytes in 25-50 % of the copy under Triton 3.6 wherever they load two tensors: see fp8_mlp.py.) Rows for reference:
+bias gradient; the forward casts' transposed copy (read back after a barrier) byte-equal to the
+row-major one transposed; then the one-byte transpose kernel that writes the backward's transposed copy,
+and a candidate backward kernel that reads its tiles back as the forward does. (Transposing the FP8
+values computed in registers gave wrong bytes in 25-50 % of the copy under Triton 3.6 wherever the
+kernel loads two tensors: see fp8_mlp.py.) Rows for reference:
 Inductor's compiled amax + cast + transpose of the same tensor, and a plain bf16 copy (bandwidth).
 """
 import argparse
@@ -41,34 +43,43 @@ if fp8_mlp.triton is not None:
     tl = fp8_mlp.tl
 
     @fp8_mlp.triton.jit
-    def _act_cast_reload(h_ptr, b_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, M, F, FMAX: tl.constexpr, ACT: tl.constexpr,
-                         GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr,
-                         BF: tl.constexpr):
-        """A candidate for the transposed copy in the cast kernel itself: the library's forward cast, then,
-        after a barrier, the tile just stored read back (from L2) and stored transposed. The miscompiled
-        version converted the layout of the FP8 values the cast produced; this converts loaded bytes, as
-        the exact transpose kernel does."""
-        rm, rf, mask, gate, up = fp8_mlp._tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
-        a = fp8_mlp._act(gate, up, ACT, RCP)
-        fp8_mlp._tile_max(part_ptr, a, mask)
-        row = q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :]
-        fp8_mlp._store_fp8(row, a * tl.load(scale_ptr), mask, FMAX)
+    def _grad_cast_reload(h_ptr, b_ptr, d_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, M, F, FMAX: tl.constexpr,
+                          ACT: tl.constexpr, GATED: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr,
+                          BF: tl.constexpr):
+        """A candidate for the backward (no bias): the library's gradient cast, then, after a barrier, the
+        tiles just stored read back and stored transposed, as the forward cast now does. The miscompiled
+        version converted the layout of the FP8 values computed in registers; this converts loaded bytes."""
+        rm, rf, mask, gate, up = fp8_mlp._tile(h_ptr, b_ptr, M, F, GATED, False, BM, BF)
+        d = tl.load(d_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+        dg, du = fp8_mlp._act_grads(gate, up, d, ACT, RCP)
+        top = tl.abs(dg)
+        if GATED:
+            top = tl.maximum(top, tl.abs(du))
+        fp8_mlp._tile_max(part_ptr, top, mask)
+        s = tl.load(scale_ptr)
+        width = 2 * F if GATED else F
+        row = q_ptr + rm[:, None].to(tl.int64) * width + rf[None, :]
+        fp8_mlp._store_fp8(row, dg * s, mask, FMAX)
+        if GATED:
+            fp8_mlp._store_fp8(row + F, du * s, mask, FMAX)
         tl.debug_barrier()
-        back = tl.load(row, mask=mask)
-        tl.store(qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :], tl.trans(back), mask=tl.trans(mask))
+        col = qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :]
+        tl.store(col, tl.trans(tl.load(row, mask=mask)), mask=tl.trans(mask))
+        if GATED:
+            tl.store(col + F.to(tl.int64) * M, tl.trans(tl.load(row + F, mask=mask)), mask=tl.trans(mask))
 
 
-def _reload_rows(kind, h, bb, scale, q, qt, part, m, f, act, bias, dtype, rq, moved):
-    """The read-back candidate (forward casts only) at the library's tiles: checked and timed."""
+def _reload_rows(kind, h, d, scale, q, qt, part, m, f, act, bias, dtype, rq, moved):
+    """The read-back candidate (backward casts without a bias) at the library's tiles: checked and timed."""
     rows = []
     ref_t = rq.view(torch.uint8).t().contiguous()
-    for bm, bf, warps in fp8_mlp.TILES if kind != "bwd" else ():
+    for bm, bf, warps in fp8_mlp.TILES if kind == "bwd" and not bias else ():
         grid = (fp8_mlp.triton.cdiv(m, bm), fp8_mlp.triton.cdiv(f, bf))
 
         def launch():
-            _act_cast_reload[grid](h, bb, scale, q, qt, part, m, f, FMAX=FMAX[dtype], ACT=act,
-                                   GATED=act == fp8_mlp.SWIGLU, HAS_BIAS=bias, RCP=fp8_mlp.FAST_RCP, BM=bm, BF=bf,
-                                   num_warps=warps)
+            _grad_cast_reload[grid](h, h, d, scale, q, qt, part, m, f, FMAX=FMAX[dtype], ACT=act,
+                                    GATED=act == fp8_mlp.SWIGLU, RCP=fp8_mlp.FAST_RCP, BM=bm, BF=bf,
+                                    num_warps=warps)
         qt.zero_()
         launch()
         torch.cuda.synchronize()
@@ -125,13 +136,17 @@ def sweep_case(kind: str, m: int, f: int, act: int, bias: bool):
                     fp8_mlp._grad_cast.fn[grid](h, bb, d, scale, q, part, db, m, f, FMAX=FMAX[dtype], **sw)
             else:
                 def launch():
-                    fp8_mlp._act_cast.fn[grid](h, bb, scale, q, part, m, f, FMAX=FMAX[dtype], **sw)
+                    fp8_mlp._act_cast.fn[grid](h, bb, scale, q, qt, part, m, f, FMAX=FMAX[dtype], **sw)
             label = f"{bm}x{bf} w{warps} rcp={int(rcp)}"
             try:
                 part.zero_()
+                qt.zero_()
                 launch()
                 torch.cuda.synchronize()
                 problem = _check((q, part.amax()), (rq, rcur), label)
+                if kind != "bwd" and not problem:  # the forward cast writes the transposed copy too
+                    flips = (qt.view(torch.uint8) != q.view(torch.uint8).t()).float().mean().item()
+                    problem = f"{label}: transposed copy, {flips:.1e} of bytes differ" if flips else ""
                 if kind == "bwd" and bias and not problem:
                     if ((db.sum(0) - rdb).norm() / rdb.norm()).item() > 1e-5:
                         problem = f"{label}: bias gradient"
@@ -140,7 +155,7 @@ def sweep_case(kind: str, m: int, f: int, act: int, bias: bool):
                 rows.append((label, float("nan"), 0.0, f"{type(e).__name__}: {str(e)[:80]}"))
                 continue
             rows.append((label, ms, moved / ms, problem))
-    rows += _reload_rows(kind, h, bb, scale, q, qt, part, m, f, act, bias, dtype, rq, moved)
+    rows += _reload_rows(kind, h, d, scale, q, qt, part, m, f, act, bias, dtype, rq, moved)
     ref_t = q.view(torch.uint8).t().contiguous()  # the last launch's q, transposed as bytes
     for bm, bn, warps in fp8_mlp.TRANSPOSE_TILES:
         grid = (fp8_mlp.triton.cdiv(m, bm), fp8_mlp.triton.cdiv(q.size(1), bn))

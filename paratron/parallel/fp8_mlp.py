@@ -9,7 +9,8 @@ once for the amax and once more to cast it, and the backward transposes the FP8 
 gradient; in the backward the SwiGLU writes the [tokens, 2F] gradient in bf16 (the largest tensor of
 the block) and fc1 reads it twice (amax, cast) and writes an FP8 copy plus its transpose. Here each
 of the two is computed from the SwiGLU's inputs and written once, in FP8, row-major (for the next
-matmul); a one-byte transpose kernel then writes its transposed copy (for the weight gradient). With
+matmul) and transposed (for the weight gradient: read back after a barrier in the forward, a one-byte
+transpose kernel in the backward). With
 the tensorwise recipe the cast takes two passes:
 the first only finds the amax (one partial maximum per tile, no atomics), the second recomputes the
 SwiGLU (or its gradient) and casts. With the delayed recipe, once primed (``fp8.Scaler``), the scale
@@ -214,13 +215,20 @@ if triton is not None:
 
     @_autotuned
     @triton.jit
-    def _act_cast(h_ptr, b_ptr, scale_ptr, q_ptr, part_ptr, M, F, FMAX: tl.constexpr, ACT: tl.constexpr,
+    def _act_cast(h_ptr, b_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, M, F, FMAX: tl.constexpr, ACT: tl.constexpr,
                   GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr,
                   BF: tl.constexpr):
+        """The forward cast: the tile stored row-major, then, after a barrier, read back and stored
+        transposed. Transposing the bytes just loaded is exact; transposing the values the cast
+        produced in registers is what Triton 3.6 miscompiles (see ``_transposed``)."""
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
         a = _act(gate, up, ACT, RCP)
         _tile_max(part_ptr, a, mask)
-        _store_fp8(q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], a * tl.load(scale_ptr), mask, FMAX)
+        row = q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :]
+        _store_fp8(row, a * tl.load(scale_ptr), mask, FMAX)
+        tl.debug_barrier()  # bar.sync: the block's stores are visible to all its threads
+        back = tl.load(row, mask=mask)
+        tl.store(qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :], tl.trans(back), mask=tl.trans(mask))
 
     @_autotuned
     @triton.jit
@@ -271,11 +279,13 @@ def _grid(m: int, f: int):
 
 
 def _transposed(q: torch.Tensor, qt: torch.Tensor) -> None:
-    """qt = q transposed, by the one-byte transpose kernel. The cast kernels write row-major only: with
-    Triton 3.6 a kernel that loads two tensors (SwiGLU's halves; an activation and its gradient) and
-    stores a tile both row-major and transposed wrote wrong bytes in a quarter to a half of the
-    transposed copy (benchmarks/fp8_cast_sweep.py, 2026-11-25); this kernel alone is exact and moves
-    the bytes at 3.9 TB/s on an H200 (ATen's transposing copy of FP8: 1.7 ms instead of 0.14)."""
+    """qt = q transposed, by the one-byte transpose kernel (the backward's copy). With Triton 3.6 a
+    kernel that loads two tensors (SwiGLU's halves; an activation and its gradient) and stores the FP8
+    values it computed both row-major and transposed wrote wrong bytes in a quarter to a half of the
+    transposed copy (benchmarks/fp8_cast_sweep.py, 2026-11-25). Transposing loaded bytes is exact: this
+    kernel moves them at 3.9 TB/s on an H200 (ATen's transposing copy of FP8: 1.7 ms instead of 0.14),
+    and the forward cast reads its stored tile back (0.41 ms instead of 0.37 + 0.19 for GeLU at
+    gpt-350m's fc1, H100; the backward kernels' read-back was not tried)."""
     m, n = q.shape
     _transpose[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))](q, qt, m, n)
 
@@ -311,9 +321,8 @@ def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.T
     with torch.cuda.device(h.device):
         _act_amax[grid](h, b, preset, part, m, f, HAS_BIAS=bias is not None, **switches)
         scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
-        _act_cast[grid](h, b, scale, q, part_cast, m, f, FMAX=FMAX[dtype], HAS_BIAS=bias is not None,
+        _act_cast[grid](h, b, scale, q, qt, part_cast, m, f, FMAX=FMAX[dtype], HAS_BIAS=bias is not None,
                         **switches)
-        _transposed(q, qt)
     return q, qt, scale, part_cast.amax()
 
 
