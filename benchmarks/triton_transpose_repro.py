@@ -1,5 +1,6 @@
 """A stand-alone reproducer of the Triton miscompile that made paratron's FP8 cast kernels write their
-transposed copy in a separate kernel (paratron/parallel/fp8_mlp.py, ``_transposed``).
+transposed copy from the bytes they just stored, read back after a barrier (paratron/parallel/fp8_mlp.py,
+``_store_transposed``), instead of from the FP8 values in registers.
 
 A kernel that loads two bf16 tiles (SwiGLU's gate and up halves), computes one FP8 tile from them and
 stores it row-major and transposed writes wrong bytes in about a quarter (64 x 64 tiles, 4 warps) to

@@ -182,7 +182,7 @@ class Scaler:
     def quantize_both(self, x: torch.Tensor):
         """2-D ``x`` quantised row-major and transposed (the weight gradient's operand): (q, qt, scale),
         the scale chosen as by :meth:`quantize`. By default one op (``paratron::cast_fp8``: on CUDA a
-        Triton kernel that reads x once for the cast and the amax, then the one-byte transpose kernel);
+        Triton kernel that reads x once and writes the cast, its transpose and the amax);
         in a compiled region Inductor otherwise fuses the amax into the kernel producing x, which for
         the QKV gradient, assembled from attention's three permuted gradients, ran at a third of the
         speed of the plain assembly. ``PARATRON_FP8_GRAD_CAST=0`` keeps the torch ops (for an A/B)."""

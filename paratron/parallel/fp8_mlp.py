@@ -9,8 +9,7 @@ once for the amax and once more to cast it, and the backward transposes the FP8 
 gradient; in the backward the SwiGLU writes the [tokens, 2F] gradient in bf16 (the largest tensor of
 the block) and fc1 reads it twice (amax, cast) and writes an FP8 copy plus its transpose. Here each
 of the two is computed from the SwiGLU's inputs and written once, in FP8, row-major (for the next
-matmul) and transposed (for the weight gradient: read back after a barrier in the forward, a one-byte
-transpose kernel in the backward). With
+matmul) and transposed (for the weight gradient; the stored tile read back after a barrier). With
 the tensorwise recipe the cast takes two passes:
 the first only finds the amax (one partial maximum per tile, no atomics), the second recomputes the
 SwiGLU (or its gradient) and casts. With the delayed recipe, once primed (``fp8.Scaler``), the scale
@@ -49,7 +48,6 @@ IDENTITY = 3  # no activation: the kernels as a plain cast + transpose (``cast_f
 # (benchmarks/fp8_cast_sweep.py: the best at every measured shape is among these; 128 x 128 and larger
 # tiles spill registers in the GeLU kernels, 17 ms instead of 0.7)
 TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (32, 256, 4), (64, 256, 8))
-TRANSPOSE_TILES = ((64, 64, 4), (128, 128, 8), (64, 256, 8))  # the one-byte transpose's
 FAST_RCP = True  # GeLU's reciprocal by the approximate instruction: forward 0.64 ms instead of 0.75 (the sweep)
 MIN_BM, MIN_BF = min(t[0] for t in TILES), min(t[1] for t in TILES)
 
@@ -193,16 +191,17 @@ if triton is not None:
         """v (fp32, scaled) saturated, cast to the output's FP8 type and stored row-major at ``row_ptr``."""
         tl.store(row_ptr, tl.clamp(v, -FMAX, FMAX).to(row_ptr.dtype.element_ty), mask=mask)
 
-    @triton.autotune([triton.Config({"BM": bm, "BN": bn}, num_warps=w) for bm, bn, w in TRANSPOSE_TILES],
-                     key=["M", "N"])
     @triton.jit
-    def _transpose(q_ptr, qt_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
-        """qt [N, M] = q [M, N] transposed (one byte per element)."""
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        q = tl.load(q_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], mask=mask)
-        tl.store(qt_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
+    def _store_transposed(row_ptr, col_ptr, mask):
+        """The tile just stored row-major at ``row_ptr`` read back and stored transposed at ``col_ptr``
+        (call after ``tl.debug_barrier()``: bar.sync makes the block's stores visible to all its threads).
+        Storing the FP8 values computed in registers transposed is what Triton 3.6 miscompiles in kernels
+        that load two tensors (SwiGLU's halves; an activation and its gradient): 25-50 % of the bytes
+        wrong (benchmarks/fp8_cast_sweep.py, benchmarks/triton_transpose_repro.py, 2026-11-25);
+        transposing loaded bytes is exact at every tile. Cost on an H100: GeLU forward 0.41 ms against 0.37
+        for the row-major cast + 0.19 for a separate one-byte transpose kernel; SwiGLU backward 0.98 against
+        0.75 + 0.38."""
+        tl.store(col_ptr, tl.trans(tl.load(row_ptr, mask=mask)), mask=tl.trans(mask))
 
     @_autotuned
     @triton.jit
@@ -218,17 +217,13 @@ if triton is not None:
     def _act_cast(h_ptr, b_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, M, F, FMAX: tl.constexpr, ACT: tl.constexpr,
                   GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr,
                   BF: tl.constexpr):
-        """The forward cast: the tile stored row-major, then, after a barrier, read back and stored
-        transposed. Transposing the bytes just loaded is exact; transposing the values the cast
-        produced in registers is what Triton 3.6 miscompiles (see ``_transposed``)."""
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
         a = _act(gate, up, ACT, RCP)
         _tile_max(part_ptr, a, mask)
         row = q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :]
         _store_fp8(row, a * tl.load(scale_ptr), mask, FMAX)
-        tl.debug_barrier()  # bar.sync: the block's stores are visible to all its threads
-        back = tl.load(row, mask=mask)
-        tl.store(qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :], tl.trans(back), mask=tl.trans(mask))
+        tl.debug_barrier()
+        _store_transposed(row, qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :], mask)
 
     @_autotuned
     @triton.jit
@@ -246,7 +241,7 @@ if triton is not None:
 
     @_autotuned
     @triton.jit
-    def _grad_cast(h_ptr, b_ptr, d_ptr, scale_ptr, q_ptr, part_ptr, db_ptr, M, F, FMAX: tl.constexpr,
+    def _grad_cast(h_ptr, b_ptr, d_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, db_ptr, M, F, FMAX: tl.constexpr,
                    ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RCP: tl.constexpr,
                    BM: tl.constexpr, BF: tl.constexpr):
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
@@ -262,6 +257,11 @@ if triton is not None:
         _store_fp8(row, dg * s, mask, FMAX)
         if GATED:
             _store_fp8(row + F, du * s, mask, FMAX)
+        tl.debug_barrier()
+        col = qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :]
+        _store_transposed(row, col, mask)
+        if GATED:
+            _store_transposed(row + F, col + F.to(tl.int64) * M, mask)
         if HAS_BIAS:  # column sums of this tile's rows (masked rows have d = 0), one row of partials per row tile
             db = db_ptr + tl.program_id(0).to(tl.int64) * width + rf
             tl.store(db, tl.sum(dg, 0), mask=rf < F)
@@ -276,18 +276,6 @@ def _on_gpu(h: torch.Tensor) -> bool:
 def _grid(m: int, f: int):
     """The launch grid for the tile config the autotuner tries or chose."""
     return lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(f, meta["BF"]))
-
-
-def _transposed(q: torch.Tensor, qt: torch.Tensor) -> None:
-    """qt = q transposed, by the one-byte transpose kernel (the backward's copy). With Triton 3.6 a
-    kernel that loads two tensors (SwiGLU's halves; an activation and its gradient) and stores the FP8
-    values it computed both row-major and transposed wrote wrong bytes in a quarter to a half of the
-    transposed copy (benchmarks/fp8_cast_sweep.py, 2026-11-25). Transposing loaded bytes is exact: this
-    kernel moves them at 3.9 TB/s on an H200 (ATen's transposing copy of FP8: 1.7 ms instead of 0.14),
-    and the forward cast reads its stored tile back (0.41 ms instead of 0.37 + 0.19 for GeLU at
-    gpt-350m's fc1, H100; the backward kernels' read-back was not tried)."""
-    m, n = q.shape
-    _transpose[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))](q, qt, m, n)
 
 
 def _partials(m: int, f: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,9 +369,8 @@ def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: to
     with torch.cuda.device(h.device):
         _grad_amax[grid](h, b, dout, preset, part, m, f, HAS_BIAS=has_bias, **switches)
         scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
-        _grad_cast[grid](h, b, dout, scale, q, part_cast, db, m, f, FMAX=FMAX[dtype], HAS_BIAS=has_bias,
+        _grad_cast[grid](h, b, dout, scale, q, qt, part_cast, db, m, f, FMAX=FMAX[dtype], HAS_BIAS=has_bias,
                          **switches)
-        _transposed(q, qt)
     if not has_bias:
         return q, qt, scale, part_cast.amax(), db.new_zeros(0)
     # the rows of partial sums the last launch wrote (the autotuner's trials of smaller tiles may have left more)
