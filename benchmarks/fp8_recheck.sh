@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The FP8 checks of the cast kernels, in one device command on one GPU (6-9 minutes on a fresh H100: the
-# CUDA tests autotune every shape, 3-5 minutes of it): the CUDA tests of the FP8 paths, the cast kernels' sweep (every tile checked
-# byte by byte, the transpose kernel too), and gpt-350m bf16 / FP8 / FP8 with the output gradients cast
+# The FP8 checks of the cast kernels, in one device command on one GPU (6-9 minutes on a fresh H100;
+# the CUDA tests autotune every shape, 3-5 minutes of it): the CUDA tests of the FP8 paths, the cast
+# kernels' sweep (every tile checked byte by byte, the transposed copy too), and gpt-350m bf16 / FP8 / FP8 with the output gradients cast
 # by torch ops (PARATRON_FP8_GRAD_CAST=0), coordinate-descent tuning off in all three (an A/B, not a
 # best figure: the tuning adds two to five minutes of warm-up per FP8 variant on a fresh machine).
 #   PARATRON_COMMIT=<hash> bash benchmarks/fp8_recheck.sh      # records to $OUT or benchmarks/results
