@@ -188,7 +188,6 @@ GROUP_REASONS = {
     "rerun engine": NA.format("Megatron's rerun state machine"),
     "heterogeneous architecture": PLANNED.format("heterogeneous per-layer architectures"),
     "experimental_attention_variant": PLANNED.format("linear/sparse attention variants"),
-    "sft": PLANNED.format("supervised fine-tuning datasets"),
     "kitchen": NA.format("NVIDIA Kitchen quantisation"),
     "Transformer-Engine": GPU.format("Transformer Engine options"),
 }

@@ -292,6 +292,9 @@ class DataConfig(Section):
     fim_suffix_token: str = "<fim_suffix>"  # the FIM sentinel before the suffix
     fim_pad_token: str = "<fim_pad>"  # pads a rewritten sample that came out shorter (no loss on it)
     fim_eod_token: str = "<|endoftext|>"  # where FIM cuts a sample into documents
+    # Supervised fine-tuning (paratron/data/sft.py): the data paths are JSONL files of chat conversations
+    sft: bool = False  # samples are conversations packed per line, the loss on the assistant turns only
+    sft_tokenizer_prompt_format: str = "nemotron-h-aligned"  # the chat format: nemotron-h-aligned | nemotron-nano-v2 | identity | default (the tokenizer's chat_template)
     # The tokenizer flags (TOKENIZER_FIELDS): the same set, defaults and meaning in `paratron preprocess`.
     tokenizer_type: Optional[str] = None
     vocab_file: Optional[str] = None

@@ -104,6 +104,23 @@ def validate_fim(data) -> None:
          "--fim-split-sample needs --fim-fragment-rate (the chance per fragment)")
 
 
+def validate_sft(data) -> None:
+    """--sft: conversations through a HuggingFace tokenizer (Megatron's SFT tokenizer is one too), real
+    JSONL data, not FIM; --sft-tokenizer-prompt-format a known format, and no effect without --sft."""
+    from ..data.sft import FORMATS
+    if not data.sft:
+        changed = changed_flags(data, prefix="sft_")
+        need(not changed, f"{', '.join(changed)}: no effect without --sft; add it or remove them")
+        return
+    need(data.sft_tokenizer_prompt_format in FORMATS, f"--sft-tokenizer-prompt-format must be one of "
+         f"{', '.join(FORMATS)} (got {data.sft_tokenizer_prompt_format})")
+    need(data.tokenizer_type == "HuggingFaceTokenizer", "--sft renders conversations with a HuggingFace "
+         f"tokenizer's vocabulary; give --tokenizer-type HuggingFaceTokenizer (got {data.tokenizer_type})")
+    need(not data.mock_data, "--sft reads conversations from JSONL files (--data-path); --mock-data has none")
+    need(not data.fim_data, "--sft and --fim-data do not go together: FIM rewrites pretraining text, SFT "
+         "samples are conversations")
+
+
 def validate_run_control(cfg) -> None:
     """--exit-signal: a signal name that can be caught (Megatron takes any signal.Signals name);
     --log-memory-interval: a multiple of --log-interval (Megatron's assertion); the --straggler-* flags
@@ -211,5 +228,6 @@ def validate_sched(cfg) -> None:
     validate_schedule(cfg)
     validate_run_control(cfg)
     validate_fim(cfg.data)
+    validate_sft(cfg.data)
     validate_retention(cfg.ckpt)
     validate_recompute(cfg)

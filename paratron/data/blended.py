@@ -4,7 +4,8 @@ seed, num_samples)`.
 Data flags (Megatron's, fields of the config's `data` section, a `paratron.config.DataConfig`):
 - `data_path`: `[w1] p1 [w2 p2 ...]`, split three ways by `split` (default "969,30,1");
 - `train_data_path` / `valid_data_path` / `test_data_path`: a blend per split, each used whole;
-- `mock_data`: synthetic documents (no files), split by `--split` as Megatron's pretrain_gpt.py does.
+- `mock_data`: synthetic documents (no files), split by `--split` as Megatron's pretrain_gpt.py does;
+- `sft`: the paths are JSONL files of conversations, split by line (paratron/data/sft.py).
 
 Sample counts (`train_valid_test_num_samples(cfg.train)`): train = train_samples or train_iters *
 global_batch_size; valid = (train_iters // eval_interval + 1) * eval_iters * the evaluation batch; test =
@@ -36,6 +37,7 @@ from paratron.data.gpt_dataset import (
     GPTDataConfig, GPTDataset, MockGPTDataset, MockIndexedData, cached_build,
 )
 from paratron.data.indexed import IndexedDataset
+from paratron.data.sft import ConversationTokenizer, SFTDataset, read_jsonl
 from paratron.data.indices import (
     BLEND_SURPLUS, SPLIT_NAMES, blend_sizes, build_blending_indices, normalize, parse_split,
     split_bounds, split_range,
@@ -165,6 +167,27 @@ class _Builder:
         return BlendedDataset(members, weights, total, SPLIT_NAMES[split], cache, self.allow_build)
 
 
+class _SFTBuilder(_Builder):
+    """--sft: the members are JSONL files of conversations (paratron/data/sft.py), split by line."""
+
+    def __init__(self, config: GPTDataConfig, allow_build: bool, tokenize: ConversationTokenizer):
+        super().__init__(config, allow_build)
+        self.tokenize = tokenize
+        self._lines = {}
+
+    def single(self, path: str, bounds, size: Optional[int], split: int) -> SFTDataset:
+        if path not in self._lines:
+            self._lines[path] = read_jsonl(path)
+        lines = self._lines[path]
+        beg, end = split_range(bounds, len(lines))
+        if beg >= end:
+            raise (EmptySplit if split else DataError)(
+                f"{path}: the {SPLIT_NAMES[split]} split ({bounds[0]:.4f}-{bounds[1]:.4f} of {len(lines)} lines, "
+                f"--split {self.config.split}) has no conversations; add data or change --split")
+        return SFTDataset(lines, path, np.arange(beg, end, dtype=np.int64), size, SPLIT_NAMES[split],
+                          self.tokenize, self.config.seq_length)
+
+
 def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], allow_build: bool):
     if data.mock_data:
         if tokenizer.eod is None:
@@ -180,8 +203,11 @@ def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], all
             out.append(MockGPTDataset(low, None, docs, sizes[i], SPLIT_NAMES[i], config)
                        if sizes[i] else None)
         return tuple(out)
-    fim = FIMTransform(data, tokenizer, config.seed) if getattr(data, "fim_data", False) else None
-    builder = _Builder(config, allow_build, tokenizer.vocab_size, fim)
+    if getattr(data, "sft", False):
+        builder = _SFTBuilder(config, allow_build, ConversationTokenizer(tokenizer, data.sft_tokenizer_prompt_format))
+    else:
+        fim = FIMTransform(data, tokenizer, config.seed) if getattr(data, "fim_data", False) else None
+        builder = _Builder(config, allow_build, tokenizer.vocab_size, fim)
     per_split = [getattr(data, f"{name}_data_path") for name in SPLIT_NAMES]
     if any(per_split):
         out = []

@@ -32,6 +32,7 @@ TIKTOKEN_PATTERNS = {
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")  # what chat templates may name
 
 
 def _need_package(name: str, kind: str):
@@ -184,6 +185,13 @@ class HuggingFaceTokenizer(_HFBased):
                     self._eod = tok.token_to_id(cand)
                     break
         self._pad = self._lookup(_token_content(config.get("pad_token")))
+        template = config.get("chat_template")
+        self.chat_template: Optional[str] = template if isinstance(template, str) else None
+        self._special_texts = {k: v for k in SPECIAL_NAMES if (v := _token_content(config.get(k))) is not None}
+
+    def special_texts(self) -> Dict[str, str]:
+        """The special tokens' texts a chat template may name (bos_token, eos_token, unk_token, pad_token)."""
+        return dict(self._special_texts)
 
     def _lookup(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._tok.token_to_id(token)

@@ -43,14 +43,19 @@ def _template_error(message: str):
     raise ValueError(message)
 
 
+def render_template(template: str, messages: list[dict], special: dict, add_generation_prompt: bool) -> str:
+    """A tokenizer's jinja2 chat template applied to ``messages``, as transformers renders it (a sandbox,
+    trimmed blocks, its ``raise_exception`` and ``strftime_now``; ``special``: bos_token, eos_token, ...)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(raise_exception=_template_error, strftime_now=lambda f: datetime.now().strftime(f))
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+
+
 def render_chat(messages: list[dict], template: Optional[str], special: dict) -> tuple[str, tuple]:
     """(prompt text, extra stop strings) of chat ``messages`` [{"role", "content"}]."""
     if template:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals.update(raise_exception=_template_error, strftime_now=lambda f: datetime.now().strftime(f))
-        text = env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)
-        return text, ()
+        return render_template(template, messages, special, True), ()
     lines = [f"{m['role']}: {m['content']}" for m in messages]
     return "\n".join(lines + ["assistant:"]), PLAIN_STOPS
 

@@ -78,7 +78,7 @@ class BatchLayout:
                    hidden_size=cfg.model.hidden_size, dtype=dtype, device=device, tp=dims.tp,
                    sequence_parallel=bool(par.sequence_parallel and dims.tp > 1), cp=dims.cp,
                    cp_rank=dims.cp_rank, cp_group=dims.cp_group,
-                   reset_position_ids=cfg.data.reset_position_ids,
+                   reset_position_ids=cfg.data.reset_position_ids or cfg.data.sft,  # SFT: per conversation
                    calculate_per_token_loss=cfg.train.calculate_per_token_loss,
                    vocab_size=None if cfg.data.no_token_id_check else cfg.data.vocab_size)
 
