@@ -39,9 +39,7 @@ The tokenizer flags ({tokenizer}) are the same set, with the same defaults and m
 
 ## Flags that are errors until their feature exists
 
-A `--cp-comm-type` list naming different types for different layers (context parallelism runs one of
-`p2p`, `a2a`, `allgather` and `a2a+p2p` for the whole model; see docs/parallelism.md) and
-`--attention-dropout` under context parallelism: each is a one-line error, exit code 2. So
+`--attention-dropout` under context parallelism is a one-line error, exit code 2. So
 are flags that would do nothing: `--moe-*` flags, or `--expert-model-parallel-size` /
 `--expert-tensor-parallel-size` above 1, without `--num-experts` (see docs/moe.md). `--sample-prompt
 TEXT` prints the trained model's greedy continuation of TEXT (up to 64 tokens) at the end of training;

@@ -144,14 +144,14 @@ def _bool_value(text: str) -> bool:
 
 
 class _OnePerModel(argparse.Action):
-    """Megatron's per-layer list (``--cp-comm-type p2p p2p ...``): the one value when every layer has the
-    same; a list that differs is kept as its words for validation to refuse by name."""
+    """Megatron's per-layer list (``--cp-comm-type p2p a2a ...``): the one value when every layer has the
+    same, else the words joined by spaces (validation checks there is one per layer)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values[0] if len(set(values)) == 1 else " ".join(values))
 
 
-PER_LAYER_LISTS = ("cp_comm_type",)  # Megatron takes one value per layer; paratron one for the model
+PER_LAYER_LISTS = ("cp_comm_type",)  # Megatron's one value per layer (or one for all)
 
 
 def add_flags(group, names, defaults: bool = False) -> None:

@@ -150,7 +150,7 @@ class ParallelConfig(Section):
     account_for_loss_in_pipeline_split: bool = False  # the loss counts as a layer of the last stage
     use_tp_pp_dp_mapping: bool = False  # rank order tp-cp-ep-pp-dp (DP varies slowest) instead of tp-cp-ep-dp-pp
     context_parallel_size: int = 1  # the sequence split over CP ranks (paratron/parallel/context.py)
-    cp_comm_type: str = "p2p"  # p2p (ring attention) | a2a (Ulysses) | allgather (K/V gathered) | a2a+p2p (hierarchical)
+    cp_comm_type: str = "p2p"  # p2p (ring attention) | a2a (Ulysses) | allgather (K/V gathered) | a2a+p2p (hierarchical); or one per layer
     hierarchical_context_parallel_sizes: Optional[list] = None  # a2a+p2p: [all-to-all size, ring size]
     expert_model_parallel_size: int = 1  # experts split over this many ranks (docs/moe.md)
     expert_tensor_parallel_size: Optional[int] = None  # each expert FFN split over this many ranks; default TP

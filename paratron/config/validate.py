@@ -180,13 +180,13 @@ def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
     """--context-parallel-size and --cp-comm-type against the model (paratron/parallel/context.py)."""
     from ..parallel.context import COMM_TYPES
     cp, tp, kind = par.context_parallel_size, par.tensor_model_parallel_size, par.cp_comm_type
-    hier = par.hierarchical_context_parallel_sizes
-    need(" " not in kind, f"--cp-comm-type {kind}: different types for different layers are not supported; give one "
-         "type for every layer (p2p, a2a, allgather or a2a+p2p)")
-    need(kind in COMM_TYPES, f"--cp-comm-type must be p2p, a2a, allgather or a2a+p2p (got {kind})")
-    need(kind != "a2a+p2p" or hier is not None, "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes "
-         "A P (the all-to-all and the ring level, A x P = --context-parallel-size)")
-    need(hier is None or kind == "a2a+p2p", "--hierarchical-context-parallel-sizes has no effect without "
+    hier, kinds = par.hierarchical_context_parallel_sizes, kind.split()
+    need(len(kinds) in (1, m.num_layers), f"--cp-comm-type {kind}: give one type, or one per layer "
+         f"({m.num_layers} for --num-layers {m.num_layers}; got {len(kinds)})")
+    need(set(kinds) <= set(COMM_TYPES), f"--cp-comm-type must be p2p, a2a, allgather or a2a+p2p (got {kind})")
+    need("a2a+p2p" not in kinds or hier is not None, "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-"
+         "sizes A P (the all-to-all and the ring level, A x P = --context-parallel-size)")
+    need(hier is None or "a2a+p2p" in kinds, "--hierarchical-context-parallel-sizes has no effect without "
          "--cp-comm-type a2a+p2p; add it or remove the sizes")
     if hier is not None:
         hier = par.hierarchical_context_parallel_sizes = whole_numbers(hier, "--hierarchical-context-parallel-sizes")
@@ -201,9 +201,9 @@ def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:
          f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length / CP = {m.seq_length // cp} "
          f"divisible by --tensor-model-parallel-size {tp}")
     heads = m.num_attention_heads // tp
-    need(kind != "a2a" or heads % cp == 0, f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank "
+    need("a2a" not in kinds or heads % cp == 0, f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank "
          f"({heads}) divisible by --context-parallel-size {cp}; use --cp-comm-type p2p")
-    if kind == "a2a+p2p":
+    if "a2a+p2p" in kinds:
         need(heads % hier[0] == 0, f"--cp-comm-type a2a+p2p needs the attention heads per tensor-parallel rank "
              f"({heads}) divisible by the all-to-all size {hier[0]}; use a smaller one")
     need(m.attention_dropout == 0.0, f"--attention-dropout {m.attention_dropout} with --context-parallel-size {cp}: "

@@ -258,7 +258,7 @@ class Attention(nn.Module):
         if ctx.cp is not None:  # the sequence is split over CP ranks (no dropout: config validation)
             core = self.core_attention  # a sliding window and / or sink logits of this layer, if any
             return ctx.cp.attention(q, k, v, ctx.document_ids, window=core.window if core else None,
-                                    sink=core.softmax_offset if core else None)
+                                    sink=core.softmax_offset if core else None, layer=self.layer_index)
         p = self.dropout if self.training else 0.0
         with self.par.fork():
             if self.core_attention is not None:

@@ -142,7 +142,8 @@ class MLASelfAttention(nn.Module):
 
     def _core(self, q, k, v, ctx: ForwardContext):
         if ctx.cp is not None:  # the CP kernels take one head dim: values padded to the keys' (as Megatron's THD path)
-            out = ctx.cp.attention(q, k, F.pad(v, (0, q.size(-1) - v.size(-1))), ctx.document_ids, self.scale)
+            out = ctx.cp.attention(q, k, F.pad(v, (0, q.size(-1) - v.size(-1))), ctx.document_ids, self.scale,
+                                   layer=getattr(self, "layer_index", None))
             return out[..., :v.size(-1)]
         p = self.dropout if self.training else 0.0
         with self.par.fork():

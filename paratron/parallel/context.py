@@ -182,39 +182,49 @@ class ContextParallel:
     group: object
     size: int
     rank: int
-    comm_type: str = "p2p"
-    ring: Optional[Ring] = None  # a2a+p2p: the ring of the cp_p2p level
+    comm_type: str = "p2p"  # one type for every layer, or Megatron's per-layer list as its words
+    ring: Optional[Ring] = None  # the ring over the whole CP group (p2p, allgather)
     kernel: Optional[str] = None  # the ring's block kernel (ring.KERNELS); None: chosen per device and dtype
     inner: Optional[tuple] = None  # a2a+p2p: (group, size) of the cp_a2a level
+    outer: Optional[Ring] = None  # a2a+p2p: the ring of the cp_p2p level
 
     @classmethod
     def from_dims(cls, dims, comm_type: str = "p2p") -> Optional["ContextParallel"]:
-        """None at CP 1."""
+        """None at CP 1. ``comm_type``: one of COMM_TYPES, or one per layer separated by spaces."""
         if dims.cp == 1:
             return None
-        if comm_type not in COMM_TYPES:
-            raise ValueError(f"--cp-comm-type {comm_type} is not one of {', '.join(COMM_TYPES)}")
-        if comm_type == "a2a+p2p":
+        kinds = set(comm_type.split())
+        if not kinds or not kinds <= set(COMM_TYPES):
+            raise ValueError(f"--cp-comm-type {comm_type}: each type must be one of {', '.join(COMM_TYPES)}")
+        inner = outer = None
+        if "a2a+p2p" in kinds:
             if "cp_a2a" not in dims.group_ranks:
                 raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes")
-            inner = (dims.group("cp_a2a"), dims.size("cp_a2a"))
-            return cls(dims.cp_group, dims.cp, dims.cp_rank, comm_type, _ring(dims, "cp_p2p"), inner=inner)
-        return cls(dims.cp_group, dims.cp, dims.cp_rank, comm_type, _ring(dims, "cp"))
+            inner, outer = (dims.group("cp_a2a"), dims.size("cp_a2a")), _ring(dims, "cp_p2p")
+        ring = _ring(dims, "cp") if kinds & {"p2p", "allgather"} else None
+        return cls(dims.cp_group, dims.cp, dims.cp_rank, comm_type, ring, inner=inner, outer=outer)
+
+    def kind(self, layer: Optional[int] = None) -> str:
+        """The comm type of layer ``layer`` (0-based; layers past the list, such as MTP's, take the last
+        layer's type)."""
+        kinds = self.comm_type.split()
+        return kinds[0] if layer is None or len(kinds) == 1 else kinds[min(layer, len(kinds) - 1)]
 
     def attention(self, q, k, v, docs: Optional[torch.Tensor] = None, scale: Optional[float] = None, window=None,
-                  sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  sink: Optional[torch.Tensor] = None, layer: Optional[int] = None) -> torch.Tensor:
         """Causal (document-causal with ``docs``, the whole sequence's ids [b, s]) attention of this
         rank's queries q [b, h, 2c, d] over the whole sequence; k/v [b, g, 2c, d] are this rank's.
         ``scale``: of the scores (None: 1/sqrt(d)); ``window`` (left, right): a sliding window; ``sink``
-        [h]: attention-sink logits (--softmax-type)."""
-        if self.comm_type == "a2a":
+        [h]: attention-sink logits (--softmax-type); ``layer``: whose comm type (a per-layer list)."""
+        kind = self.kind(layer)
+        if kind == "a2a":
             return ulysses_attention(q, k, v, self.size, self.group, docs, scale, window, sink)
-        if self.comm_type == "allgather":
+        if kind == "allgather":
             return allgather_attention(q, k, v, self.ring, docs, scale, self.kernel, window, sink)
-        if self.comm_type == "a2a+p2p":
+        if kind == "a2a+p2p":
             group, size = self.inner
             q, k, v = _to_sequence(q, k, v, size, group)
-            out = ring_attention(q, k, v, self.ring, docs, scale, self.kernel, window, _local_heads(sink, group))
+            out = ring_attention(q, k, v, self.outer, docs, scale, self.kernel, window, _local_heads(sink, group))
             return _sequence_to_heads(out, size, group)
         return ring_attention(q, k, v, self.ring, docs, scale, self.kernel, window, sink)
 

@@ -3,7 +3,8 @@
 - Attention: ring (p2p), Ulysses (a2a), all-gather and (CP 4 as 2 x 2) hierarchical a2a+p2p attention at CP 2 and CP 4, forward and backward, equal
   full attention on one rank for causal and packed-document masks with GQA (cp_attention_cases.py).
 - Training (and a forward-only evaluation): CP 2, CP 4, CP2 x TP2 with sequence parallelism, CP2 x PP2, CP2 x DP2 with the
-  distributed optimizer, a2a, allgather, a2a+p2p, packed documents, sliding windows with attention sinks
+  distributed optimizer, a2a, allgather, a2a+p2p, per-layer types (Megatron's --cp-comm-type list), packed
+  documents, sliding windows with attention sinks
   (ring and a2a), recomputation, on a Llama-style model (RoPE, GQA):
   losses and parameters after 3 steps equal the one-rank run within 1e-5 relative.
 - Checkpoints: what CP 2 saves, a CP 1 run loads (same parameters).
@@ -30,6 +31,9 @@ CASES = {  # name -> (world, settings); every case is the Llama-style tiny model
     "cp4_a2a_p2p_docs": (4, dict(context_parallel_size=4, cp_comm_type="a2a+p2p",
                                  hierarchical_context_parallel_sizes=[2, 2], **DOCS)),
     "cp2_window_sinks": (2, dict(context_parallel_size=2, **WINDOW_SINKS)),
+    "cp2_per_layer_a2a_allgather_docs": (2, dict(context_parallel_size=2, cp_comm_type="a2a allgather", **DOCS)),
+    "cp4_per_layer_p2p_a2a_p2p": (4, dict(context_parallel_size=4, cp_comm_type="a2a+p2p p2p",
+                                          hierarchical_context_parallel_sizes=[2, 2])),
     "cp4_a2a_window_sinks_docs": (4, dict(context_parallel_size=4, cp_comm_type="a2a", **WINDOW_SINKS, **DOCS)),
     "cp2_docs_selective": (2, dict(context_parallel_size=2, recompute_granularity="selective", **DOCS)),
     "cp2_per_token_loss": (2, dict(context_parallel_size=2, calculate_per_token_loss=True)),
@@ -62,6 +66,16 @@ def packed_batches(cfg, steps: int) -> list[dict]:
 
 
 def run_case(settings: dict, save: str | None = None) -> dict:
+    from paratron.parallel.context import ContextParallel
+    kinds, kind = set(), ContextParallel.kind  # the comm types attention used (per-layer lists: each layer's)
+    ContextParallel.kind = lambda self, layer=None: kinds.add(kind(self, layer)) or kind(self, layer)
+    try:
+        return {**_run_case(settings, save), "kinds": kinds}
+    finally:
+        ContextParallel.kind = kind
+
+
+def _run_case(settings: dict, save: str | None = None) -> dict:
     from paratron.train.loop import Trainer, build_dims
     cfg = config(settings, **({"save": save} if save else {}))
     dims = build_dims(cfg)
@@ -134,6 +148,7 @@ def test_context_parallel_training_equals_single_rank(name, results, reference):
     ranks = results[name]
     cp = CASES[name][1]["context_parallel_size"]
     assert set().union(*(r["seen"] for r in ranks)) == {32 // cp}  # the model saw only its shard
+    assert set().union(*(r["kinds"] for r in ranks)) == set(CASES[name][1].get("cp_comm_type", "p2p").split())
     merged = {}
     for r in ranks:
         if r["last_stage"]:

@@ -34,8 +34,8 @@ def test_error_classes_share_one_base():
 @pytest.mark.parametrize("flags,needle", [
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"],
      "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"],
-     "--cp-comm-type p2p a2a: different types for different layers are not supported"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "a2a"],
+     "--cp-comm-type p2p a2a a2a: give one type, or one per layer (2 for --num-layers 2; got 3)"),
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 has no effect without --num-experts"),
     (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 has no effect without --num-experts"),
     (["--sample-prompt", "def", "--pipeline-model-parallel-size", "2"], "--sample-prompt needs the whole model"),

@@ -228,10 +228,18 @@ def test_package_keeps_files_and_functions_small():
                 assert node.end_lineno - node.lineno + 1 <= 60, f"{path.name}: {node.name}"
 
 
-@pytest.mark.parametrize("words,kind", [(["allgather"], "allgather"), (["a2a", "a2a", "a2a"], "a2a")])
-def test_cp_comm_type_takes_megatron_per_layer_lists_that_agree(words, kind):
-    """Megatron's --cp-comm-type is a list, one type per layer; paratron runs one type for the model."""
+@pytest.mark.parametrize("words,kind", [(["allgather"], "allgather"), (["a2a", "a2a", "a2a"], "a2a"),
+                                        (["p2p", "a2a"], "p2p a2a")])
+def test_cp_comm_type_takes_megatron_per_layer_lists(words, kind):
+    """Megatron's --cp-comm-type is one type for all layers or a list, one type per layer (the model's two)."""
     assert parse_args(BASE + ["--cp-comm-type", *words]).parallel.cp_comm_type == kind
+
+
+def test_per_layer_cp_comm_types_pick_each_layers_kind():
+    from paratron.parallel.context import ContextParallel
+    cp = ContextParallel(None, 2, 0, "p2p a2a+p2p allgather")
+    assert [cp.kind(i) for i in (0, 1, 2, 5, None)] == ["p2p", "a2a+p2p", "allgather", "allgather", "p2p"]
+    assert ContextParallel(None, 2, 0, "a2a").kind(7) == "a2a"
 
 
 def test_padded_vocab_size_is_taken_as_given_and_checked():
