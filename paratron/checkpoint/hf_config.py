@@ -225,6 +225,8 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
     need(not cfg.multi_latent_attention, "multi-latent attention (DeepSeek) has no Hugging Face mapping in paratron")
     need(not cfg.mtp_num_layers, "multi-token prediction layers (--mtp-num-layers) have no Hugging Face mapping in "
          "paratron")
+    need(not cfg.use_mup, "muP's attention scale and embedding / logit multipliers (--use-mup) have no keys in its "
+         "config")
     for name, what in (("apply_layernorm_1p", "zero-centred norm weights"), ("squared_relu", "the squared-ReLU MLP"),
                        ("quick_geglu", "the quick-GeGLU MLP"), ("attention_output_gate", "the attention output gate")):
         need(not getattr(cfg, name), f"{what} (--{name.replace('_', '-')}) has no tensor mapping here")

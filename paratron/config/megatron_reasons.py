@@ -136,8 +136,6 @@ REFUSED = {
     "hybrid_layer_pattern": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
     "hybrid_override_pattern": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
     "experimental_attention_variant": PLANNED.format("linear/sparse attention variants"),
-    "use_mup": PLANNED.format("maximal-update parameterisation"),
-    "mup_base_hidden_size": PLANNED.format("maximal-update parameterisation"),
     "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
 }
 

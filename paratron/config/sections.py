@@ -69,6 +69,14 @@ class ModelConfig(Section):
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     embedding_init_method_std: Optional[float] = None  # the embeddings' init std (default --init-method-std)
+    # muP, maximal-update parameterisation (paratron/model/mup.py; Megatron's names and rules)
+    use_mup: bool = False  # width-scaled init, attention 1/d, logit and embedding multipliers, hidden LR and eps / m
+    mup_base_hidden_size: Optional[int] = None  # the width the hyperparameters were tuned at (default --hidden-size)
+    mup_width_mult: float = 1.0  # m = --hidden-size / --mup-base-hidden-size (computed; a value given must equal it)
+    mup_embedding_mult: float = 1.0  # the embeddings times this
+    mup_output_mult: float = 1.0  # the logits times this (left at 1.0: 1/m, as Megatron)
+    mup_base_head_dim: Optional[float] = None  # attention scale sqrt(this) / d ** power (None: 1 / d ** power)
+    mup_attn_scale_power: float = 1.0  # 1.0: muP's 1/d; 0.5: the standard 1/sqrt(d)
     make_vocab_size_divisible_by: int = 128
     num_experts: Optional[int] = None  # mixture of experts (docs/moe.md); None: every layer dense
     moe_router_topk: int = 2

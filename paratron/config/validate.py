@@ -19,6 +19,7 @@ from typing import Optional
 from ..errors import ConfigError
 from .ranges import check_ranges
 from .validate_attnvar import validate_attention_variants
+from .validate_mup import validate_mup
 from .validate_sched import changed_flags, check_mapping, schedule_batches, schedule_of, validate_rampup, \
     validate_sched
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
@@ -85,6 +86,7 @@ def validate_model(m: ModelConfig) -> None:
     need(m.normalization in ("LayerNorm", "RMSNorm"),
          f"--normalization must be LayerNorm or RMSNorm (got {m.normalization})")
     validate_mla(m, need)
+    validate_mup(m, need, changed_flags)
     validate_moe(m)
     validate_attention_variants(m)
     validate_variants(m)

@@ -81,7 +81,7 @@ class Engine:
         x = m.decoder(x, ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view))
         if last_only:
             x = x[-1:]
-        logits = comm.gather_from_tp(m.output_layer(x, m.output_weight()), self.tp_group)
+        logits = comm.gather_from_tp(m.output_layer(m.head_input(x), m.output_weight()), self.tp_group)
         return logits.transpose(0, 1)[..., :self.vocab_size]
 
     def decode_step(self, tokens: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:

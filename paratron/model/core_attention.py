@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import mup
 from ..config import ConfigError
 from ..parallel.sharding import ShardSpec, Split, set_spec, shard
 from ..parallel import comm
@@ -119,11 +120,11 @@ class CoreAttention(nn.Module):
         uses = window_layers(cfg.window_size, cfg.window_attn_skip_freq, cfg.num_layers)[index]
         self.window = window if uses and window[0] != -1 else None  # unbounded left: causal attention itself
         self.softmax_type = cfg.softmax_type
-        self.scale = 1.0 / math.sqrt(cfg.kv_channels)
+        self.scale = mup.softmax_scale(cfg, cfg.kv_channels) or 1.0 / math.sqrt(cfg.kv_channels)
         heads = cfg.num_attention_heads
         if cfg.softmax_type == "learnable":
             full = torch.empty(heads, device=device, dtype=dtype)
-            nn.init.normal_(full, mean=0.0, std=cfg.init_method_std)  # Megatron: config.init_method
+            nn.init.normal_(full, mean=0.0, std=mup.hidden_std(cfg))  # Megatron: config.init_method
             spec = ShardSpec(splits=(Split(0, "tp", (heads,)),))
             tp = (comm.group_rank(par.tp_group), comm.group_size(par.tp_group))
             self.softmax_offset = set_spec(nn.Parameter(shard(full, spec, {"tp": tp})), spec)

@@ -22,6 +22,7 @@ from ..parallel.sharding import update_spec
 from ..parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding, init_normal, linear_cross_entropy,
                                vocab_parallel_cross_entropy)
 from .layers import ForwardContext, Parallel, Rotary
+from . import mup
 from .mla import MLARotary
 from .mtp import build as build_mtp
 from .transformer import TransformerStack
@@ -33,6 +34,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int, par: Parallel, device=None, dtype=None):
         super().__init__()
         self.par, self.p = par, cfg.hidden_dropout
+        self.mult = cfg.mup_embedding_mult if cfg.use_mup else 1.0  # muP's embedding multiplier
         init = init_normal(embedding_std(cfg))
         self.word_embeddings = VocabParallelEmbedding(vocab_size, cfg.hidden_size, tp_group=par.tp_group,
                                                       init_method=init, device=device, dtype=dtype)
@@ -48,6 +50,8 @@ class Embedding(nn.Module):
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
         x = x.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.mult != 1.0:
+            x = x * self.mult
         if self.par.sequence_parallel:
             x = comm.scatter_to_sp(x, self.par.tp_group)
             with self.par.fork():
@@ -57,9 +61,12 @@ class Embedding(nn.Module):
 
 def embedding_std(cfg: ModelConfig, embedding: bool = True) -> float:
     """The init std of the word and position embeddings (and of a tied output layer's copy): Megatron's
-    --embedding-init-method-std, by default --init-method-std; ``embedding`` False: --init-method-std."""
+    --embedding-init-method-std, by default --init-method-std; ``embedding`` False (an untied output
+    layer): --init-method-std, or under muP the embeddings' (unscaled, as Megatron)."""
     given = cfg.embedding_init_method_std
-    return cfg.init_method_std if given is None or not embedding else given
+    if not embedding and not cfg.use_mup:
+        return cfg.init_method_std
+    return cfg.init_method_std if given is None else given
 
 
 def rotary_of(cfg: ModelConfig, device) -> Optional[Rotary]:
@@ -108,7 +115,7 @@ class GPTModel(nn.Module):
                                              device or "cpu", offset=EXPERT_SEED_OFFSET)
         self.pre_process, self.post_process = pre_process, post_process
         self.cp = ContextParallel.from_dims(dims, cp_comm_type)  # None at CP 1
-        self.share_embeddings = not cfg.untie_embeddings_and_output_weights
+        self.share_embeddings, self.output_mult = not cfg.untie_embeddings_and_output_weights, mup.output_mult(cfg)
         # Initial weights: one stream per named piece (see seeded_init), so any pipeline split of the
         # model starts from the weights of the one-stage model built with the same seed.
         self.embedding = None
@@ -179,7 +186,7 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         if labels is None:
-            logits = self.output_layer(x, self.output_weight())  # [s, b, vocab/TP]
+            logits = self.output_layer(self.head_input(x), self.output_weight())  # [s, b, vocab/TP]
             return logits.transpose(0, 1).contiguous()  # [b, s, vocab/TP]
         loss = self._token_losses(x, labels)
         if self.mtp is not None and self.training:  # the MTP losses join the backward (not the reported loss)
@@ -187,9 +194,14 @@ class GPTModel(nn.Module):
             loss = self.mtp.attach_loss(loss, hiddens, labels, loss_mask, self._token_losses, ctx.cp)
         return loss
 
+    def head_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the output layer multiplies: muP's logit multiplier applied to its input (no bias, so
+        the logits are scaled the same)."""
+        return x if self.output_mult == 1.0 else x * self.output_mult
+
     def _token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross-entropy [b, s] (fp32) of the output layer on ``x`` [s(/TP), b, h] against ``labels`` [b, s]."""
-        target = labels.transpose(0, 1)
+        target, x = labels.transpose(0, 1), self.head_input(x)
         if self.fused_output_loss:  # the logits of the whole batch never exist
             loss = linear_cross_entropy(self.output_layer.enter(x), self.output_weight(), target, self.par.tp_group)
         else:

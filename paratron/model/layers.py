@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import mup
 from ..config import ModelConfig
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
@@ -182,7 +183,7 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def output_init(cfg: ModelConfig):
     """Megatron's scaled init for the projections that feed the residual stream."""
-    return init_normal(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+    return init_normal(mup.hidden_std(cfg) / math.sqrt(2.0 * cfg.num_layers))
 
 
 class MLP(nn.Module):
@@ -196,7 +197,7 @@ class MLP(nn.Module):
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=par.tp_group, bias=bias,
                                                sequence_parallel=par.sequence_parallel,
                                                chunks=2 if gated else 1,
-                                               init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
+                                               init_method=init_normal(mup.hidden_std(cfg)), device=device, dtype=dtype)
         self.linear_fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group=par.tp_group, bias=bias,
                                             sequence_parallel=par.sequence_parallel, init_method=output_init(cfg),
                                             device=device, dtype=dtype)
@@ -230,6 +231,7 @@ class Attention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.recompute_core = False
         self.layer_index = layer_index  # the global layer number (its slot in an inference KV cache)
+        self.scale = mup.softmax_scale(cfg, self.d)  # the scores' scale: None is the kernels' 1/sqrt(d)
         # the rotary embedding of this layer (None: --no-rope-freq makes it a NoPE layer)
         self.rotate = ((apply_rotary_interleaved if cfg.rotary_interleaved else apply_rotary)
                        if rope_layers(cfg.no_rope_freq, cfg.num_layers)[min(layer_index, cfg.num_layers - 1)] else None)
@@ -239,7 +241,7 @@ class Attention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, tp_group=par.tp_group,
                                                bias=(not cfg.disable_bias_linear) or cfg.add_qkv_bias,
                                                sequence_parallel=par.sequence_parallel,
-                                               init_method=init_normal(cfg.init_method_std), device=device, dtype=dtype)
+                                               init_method=init_normal(mup.hidden_std(cfg)), device=device, dtype=dtype)
         if cfg.qk_layernorm:
             # each TP rank normalises its own heads: the weights' gradients are partial sums over TP (Megatron
             # sums them over TP in finalize_model_grads)
@@ -257,21 +259,21 @@ class Attention(nn.Module):
     def _core(self, q, k, v, ctx: ForwardContext):
         if ctx.cp is not None:  # the sequence is split over CP ranks (no dropout: config validation)
             core = self.core_attention  # a sliding window and / or sink logits of this layer, if any
-            return ctx.cp.attention(q, k, v, ctx.document_ids, window=core.window if core else None,
+            return ctx.cp.attention(q, k, v, ctx.document_ids, self.scale, window=core.window if core else None,
                                     sink=core.softmax_offset if core else None, layer=self.layer_index)
         p = self.dropout if self.training else 0.0
         with self.par.fork():
             if self.core_attention is not None:
                 return self.core_attention(q, k, v, ctx, p)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,
-                                                  enable_gqa=self.groups != self.heads)
+                                                  enable_gqa=self.groups != self.heads, scale=self.scale)
 
     def _decode_core(self, q, k, v, mask):
         """One new token per row with grouped keys/values: each group's query heads attend as one
         sequence of ``q_per_group`` queries, so the cached keys/values are read once, never repeated."""
         b = q.size(0)
         grouped = q.reshape(b, self.groups, self.q_per_group, self.d)
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)  # mask [b, 1, 1, T] broadcasts
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=self.scale)  # mask [b, 1, 1, T]
         return out.reshape(b, self.heads, 1, self.d)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import mup
 from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel.random import checkpoint
@@ -106,7 +107,7 @@ class MLASelfAttention(nn.Module):
         self.kv_rank, self.scale = cfg.kv_lora_rank, softmax_scale(cfg)
         self.recompute_core = False
         self.layer_index = 0
-        n, sp, init = cfg.num_attention_heads, par.sequence_parallel, init_normal(cfg.init_method_std)
+        n, sp, init = cfg.num_attention_heads, par.sequence_parallel, init_normal(mup.hidden_std(cfg))
         column = partial(ColumnParallelLinear, tp_group=par.tp_group, bias=False, sequence_parallel=sp,
                          init_method=init, device=device, dtype=dtype)
         replicated = partial(ReplicatedLinear, init_method=init, sequence_parallel=sp, device=device, dtype=dtype)

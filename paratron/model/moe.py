@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import mup
 from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel.random import checkpoint
@@ -153,7 +154,7 @@ class Router(nn.Module):
         self.partition, self.parts = partition, comm.group_size(partition)
         self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, device=device, dtype=dtype))
-        init_normal(cfg.init_method_std)(self.weight.data)
+        init_normal(mup.hidden_std(cfg))(self.weight.data)
         if cfg.moe_router_enable_expert_bias:  # saved in checkpoints; updated after each optimizer step
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, device=device, dtype=torch.float32))
             self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, device=device,
@@ -309,7 +310,7 @@ class Experts(nn.Module):
         by_expert = Split(0, "ep", (e,))
         fc1_ffn, fc2_ffn = Split(1, "etp", blocks), Split(2, "etp", (f,))
         self.linear_fc1 = _Weight((e, sum(blocks), h), (by_expert, fc1_ffn), (by_expert, fc1_ffn) if bias else None,
-                                  init_normal(cfg.init_method_std), lay, device, dtype)
+                                  init_normal(mup.hidden_std(cfg)), lay, device, dtype)
         self.linear_fc2 = _Weight((e, h, f), (by_expert, fc2_ffn), (by_expert,) if bias else None, output_init(cfg),
                                   lay, device, dtype, bias_sum_over=("etp",) if lay.etp > 1 else ())
         self.fc2_bias_here = lay.etp_rank == 0
@@ -361,7 +362,7 @@ class SharedExpert(MLP):
     def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
         super().__init__(cfg, par, device, dtype)
         self.gate_weight = nn.Parameter(torch.empty(1, cfg.hidden_size, device=device, dtype=dtype))
-        init_normal(cfg.init_method_std)(self.gate_weight.data)
+        init_normal(mup.hidden_std(cfg))(self.gate_weight.data)
         if par.sequence_parallel:
             set_spec(self.gate_weight, ShardSpec(sum_over=("tp",)))
 

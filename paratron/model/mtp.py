@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import mup
 from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel.context import ContextParallel, merge_sequence, split_sequence
@@ -64,7 +65,7 @@ class MTPLayer(nn.Module):
         self.enorm = Norm.of(cfg, h, sp, device, dtype)
         self.hnorm = Norm.of(cfg, h, sp, device, dtype)
         self.eh_proj = ColumnParallelLinear(2 * h, h, tp_group=par.tp_group, bias=False, gather_output=True,
-                                            sequence_parallel=sp, init_method=init_normal(cfg.init_method_std),
+                                            sequence_parallel=sp, init_method=init_normal(mup.hidden_std(cfg)),
                                             device=device, dtype=dtype)
         # The decoder's last layer's kind (dense or MoE), numbered after the decoder's layers.
         spec = dataclasses.replace(layer_specs(cfg)[-1], index=cfg.num_layers + depth)

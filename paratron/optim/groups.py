@@ -5,6 +5,9 @@
 * ``--decoupled-lr``: the word embedding and the output layer (Megatron's
   ``is_embedding_or_output_parameter``; a pipeline stage's copy of a tied embedding included) follow the
   LR schedule with their own peak and minimum;
+* ``--use-mup`` with a width multiplier m != 1: the hidden weight matrices stepped by Adam (2-D and
+  more; neither the embeddings nor the output layer) take LR / m and Adam epsilon / m (Megatron's muP
+  groups; paratron/model/mup.py);
 * ``--optimizer muon``: Muon steps the hidden weight matrices (2-D, neither the word embedding nor the
   output layer; paratron's stacked expert weights [experts, out, in] are one matrix per expert, as
   Megatron's per-expert weights); AdamW steps everything else.
@@ -16,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
+EMBEDDING_CLASS = EMBEDDING_OR_OUTPUT + ("embedding.position_embeddings.weight",)  # muP's base-LR matrices
 QK_NORMS = ("q_layernorm.", "k_layernorm.")
 
 
@@ -24,11 +28,12 @@ class Role:
     decay: bool  # weight decay applies
     decoupled: bool  # --decoupled-lr applies (word embedding, output layer)
     matrix: bool  # Muon steps it (with --optimizer muon)
+    hidden: bool = False  # muP: a hidden weight matrix stepped by Adam (LR and epsilon / m)
 
 
-def role_of(name: str, ndim: int, op) -> Role:
+def role_of(name: str, ndim: int, op, mup: bool = False) -> Role:
     """The role of parameter ``name`` (its name in the model, any wrapper prefix allowed) with ``ndim``
-    dimensions, under the optim section ``op``."""
+    dimensions, under the optim section ``op``; ``mup``: muP scales the hidden matrices' LR and eps."""
     bias = name.endswith(".bias")
     no_decay = bias or ndim == 1
     if op.apply_wd_to_qk_layernorm and any(k in name for k in QK_NORMS):
@@ -36,7 +41,9 @@ def role_of(name: str, ndim: int, op) -> Role:
     embedding_or_output = name.endswith(EMBEDDING_OR_OUTPUT)
     stacked_expert = ndim == 3 and ".experts." in f".{name}"
     matrix = op.optimizer == "muon" and not embedding_or_output and not bias and (ndim == 2 or stacked_expert)
-    return Role(decay=not no_decay, decoupled=op.decoupled_lr is not None and embedding_or_output, matrix=matrix)
+    hidden = mup and not matrix and ndim >= 2 and not name.endswith(EMBEDDING_CLASS)
+    return Role(decay=not no_decay, decoupled=op.decoupled_lr is not None and embedding_or_output, matrix=matrix,
+                hidden=hidden)
 
 
 def roles(models: list, op) -> dict:

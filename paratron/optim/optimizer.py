@@ -12,6 +12,7 @@ from ..config import Config
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import REDUCTION_LAYOUTS, norm_groups, spec_of
+from ..model import mup
 from .groups import Role, role_of
 
 
@@ -108,9 +109,11 @@ class MixedPrecisionAdam:
         groups: dict = {}
         for i in self._adam_index:
             r = roles[i]
-            groups.setdefault((r.decay, r.decoupled), []).append(masters[i])
-        groups = [{"params": ps, "weight_decay": op.weight_decay if decay else 0.0, "decoupled": decoupled}
-                  for (decay, decoupled), ps in sorted(groups.items(), reverse=True)]
+            groups.setdefault((r.decay, r.decoupled, r.hidden), []).append(masters[i])
+        eps_of = {False: op.adam_eps, True: op.adam_eps / mup.width_mult(cfg.model)}  # muP: hidden eps / m
+        groups = [{"params": ps, "weight_decay": op.weight_decay if decay else 0.0, "decoupled": decoupled,
+                   "hidden": hidden, "eps": eps_of[hidden]}
+                  for (decay, decoupled, hidden), ps in sorted(groups.items(), reverse=True)]
         device = masters[0].device if masters else torch.device("cpu")
         kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
         self.adam = torch.optim.AdamW(groups or [{"params": []}], lr=op.lr, betas=(op.adam_beta1, op.adam_beta2),
@@ -139,11 +142,14 @@ class MixedPrecisionAdam:
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    def set_lr(self, lr: float, decoupled_lr: Optional[float] = None) -> None:
+    def set_lr(self, lr: float, decoupled_lr: Optional[float] = None, hidden_lr: Optional[float] = None) -> None:
         """The learning rate of the step; ``decoupled_lr``: that of the word embedding and output layer
-        (--decoupled-lr), None: the same."""
+        (--decoupled-lr), ``hidden_lr``: that of muP's hidden matrices; None: the same."""
         for g in self.adam.param_groups:
-            g["lr"] = decoupled_lr if g.get("decoupled") and decoupled_lr is not None else lr
+            if g.get("decoupled") and decoupled_lr is not None:
+                g["lr"] = decoupled_lr
+            else:
+                g["lr"] = hidden_lr if g.get("hidden") and hidden_lr is not None else lr
         if self.muon is not None:
             self.muon.lr = lr
 
@@ -254,7 +260,7 @@ class Optimizer(MixedPrecisionAdam):
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         masters = [p.detach().clone().float() if p.dtype != torch.float32 else p for p in self.params]
         names = names or {}
-        roles = [role_of(names.get(p, ""), p.dim(), cfg.optim) for p in self.params]
+        roles = [role_of(names.get(p, ""), p.dim(), cfg.optim, mup.scales_optimizer(cfg.model)) for p in self.params]
         items = [Item(m, p, names.get(p, "")) if r.matrix else None for m, p, r in zip(masters, self.params, roles)]
         self._setup(masters, roles, [norm_groups(spec_of(p).grad_group, False) for p in self.params],
                     [spec_of(p).counts_in_norm(dims) for p in self.params], cfg, dims, items)

@@ -6,15 +6,18 @@ import math
 from typing import Optional
 
 from ..config import Config, ConfigError
+from ..model import mup
 
 
 class LRScheduler:
     def __init__(self, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int, decay_style: str,
                  init_lr: float = 0.0, wsd_decay_steps: int = 0, wsd_decay_style: str = "exponential",
-                 decoupled_max_lr: Optional[float] = None, decoupled_min_lr: Optional[float] = None):
+                 decoupled_max_lr: Optional[float] = None, decoupled_min_lr: Optional[float] = None,
+                 hidden_scale: float = 1.0):
         """``decoupled_max_lr``/``decoupled_min_lr``: the peak and minimum of --decoupled-lr (the word
-        embedding and output layer follow the same schedule between them); None: no decoupled LR."""
-        self.max_lr, self.min_lr, self.init_lr = max_lr, min_lr, init_lr
+        embedding and output layer follow the same schedule between them); None: no decoupled LR.
+        ``hidden_scale``: muP's 1/m, the hidden weight matrices' peak and minimum LR times it."""
+        self.max_lr, self.min_lr, self.init_lr, self.hidden_scale = max_lr, min_lr, init_lr, hidden_scale
         self.decoupled_max_lr, self.decoupled_min_lr = decoupled_max_lr, decoupled_min_lr
         self.warmup_steps, self.decay_steps, self.style = warmup_steps, max(decay_steps, 1), decay_style
         self.wsd_decay_steps, self.wsd_style = wsd_decay_steps, wsd_decay_style
@@ -60,6 +63,17 @@ class LRScheduler:
             return None
         low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
         return self.lr_at(self.num_steps, self.decoupled_max_lr, low)
+
+    @property
+    def hidden_lr(self) -> Optional[float]:
+        """The LR of the hidden weight matrices now under muP (peak and minimum / m), None without it."""
+        if self.hidden_scale == 1.0:
+            return None
+        return self.lr_at(self.num_steps, self.max_lr * self.hidden_scale, self.min_lr * self.hidden_scale)
+
+    def lrs(self) -> tuple:
+        """(LR, decoupled LR, hidden LR) now: what ``set_lr`` of the optimizers takes."""
+        return self.lr, self.decoupled_lr, self.hidden_lr
 
     def step(self, increment: int) -> float:
         self.num_steps += increment
@@ -109,6 +123,7 @@ SCHEDULE_KEYS = {
     "wsd_decay_style": ("wsd_style", "--lr-wsd-decay-style"),
     "decoupled_max_lr": ("decoupled_max_lr", "--decoupled-lr"),
     "decoupled_min_lr": ("decoupled_min_lr", "--decoupled-min-lr"),
+    "hidden_scale": ("hidden_scale", "the hidden matrices' LR factor (--use-mup: --mup-base-hidden-size / --hidden-size)"),
 }
 
 
@@ -130,4 +145,4 @@ def build_scheduler(cfg: Config, total_samples: int) -> LRScheduler:
     else:
         wsd = (op.lr_wsd_decay_iters or 0) * gbs
     return LRScheduler(op.lr, op.min_lr, warmup, decay, op.lr_decay_style, op.lr_warmup_init, wsd, op.lr_wsd_decay_style,
-                       op.decoupled_lr, op.decoupled_min_lr)
+                       op.decoupled_lr, op.decoupled_min_lr, 1.0 / mup.width_mult(cfg.model))

@@ -74,7 +74,7 @@ class Trainer(Evaluation, RunControl):
         self.fp8_delayed = fp8.delayed_states(self.models)  # the delayed FP8 recipe's layers (primed after a step)
         self.optimizer = build_optimizer(self.models, cfg, self.dims)
         self.scheduler = build_scheduler(cfg, tr.train_samples or tr.train_iters * tr.global_batch_size)
-        self.optimizer.set_lr(self.scheduler.lr, self.scheduler.decoupled_lr)
+        self.optimizer.set_lr(*self.scheduler.lrs())
         self.iteration, self.consumed_samples = 0, 0
         self.skipped, self.nan_iters = 0, 0
         self.forward_backward = get_forward_backward_func(self.dims, 60.0 * cfg.parallel.distributed_timeout_minutes)
@@ -172,7 +172,7 @@ class Trainer(Evaluation, RunControl):
             moe.after_step(self.routers, self.dims.dp_group if self.dims.dp > 1 else None)  # CP: the routers' partition
         if isinstance(ok, torch.Tensor) or ok:  # a device-side skip (bf16 inf/nan) still advances, as Megatron's bf16
             self.scheduler.step(gbs)
-            self.optimizer.set_lr(self.scheduler.lr, self.scheduler.decoupled_lr)
+            self.optimizer.set_lr(*self.scheduler.lrs())
         self.iteration += 1
         self.consumed_samples += gbs
         every = tr.check_weight_hash_across_dp_replicas_interval
@@ -283,7 +283,7 @@ class Trainer(Evaluation, RunControl):
             cstate.set_adam_step(self.optimizer, int(common["optimizer"]["step"]))
             self.optimizer.scaler.load_state_dict(common["optimizer"]["scaler"])
             self.scheduler.resume(common["scheduler"], self.cfg.optim)
-            self.optimizer.set_lr(self.scheduler.lr, self.scheduler.decoupled_lr)
+            self.optimizer.set_lr(*self.scheduler.lrs())
         else:
             self.optimizer.reload_masters()
         if c.finetune:
