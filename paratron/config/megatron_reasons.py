@@ -65,6 +65,9 @@ ACCEPTED = {
                     "value 1)",
     "main_grads_dtype": PRECISION_AWARE, "main_params_dtype": PRECISION_AWARE,
     "exp_avg_dtype": PRECISION_AWARE, "exp_avg_sq_dtype": PRECISION_AWARE,
+    "use_fused_weighted_squared_relu": "a kernel choice: Megatron's fused kernel weighs each expert's squared-ReLU "
+                                       "output by its routing probability before fc2, paratron weighs fc2's output "
+                                       "(the same product: that kernel requires experts without biases)",
 }
 
 # Values an accepted flag may take (others are refused naming the values that hold).
@@ -99,7 +102,6 @@ REFUSED = {
                                    "inference backend (FlashMLA), not training"),
     "mla_down_proj_fusion": GPU.format("Transformer Engine's fused input norm + MLA down projections"),
     "moe_latent_size": PLANNED.format("MoE latent projections"),
-    "use_fused_weighted_squared_relu": PLANNED.format("the squared-ReLU activation"),
     "verify_integrity": PLANNED.format("checkpoint file hashing (paratron checks CRC32s of every file)"),
     "test_mode": NA.format("Megatron's internal test harness"),
     "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
