@@ -65,6 +65,9 @@ ACCEPTED = {
                     "value 1)",
     "main_grads_dtype": PRECISION_AWARE, "main_params_dtype": PRECISION_AWARE,
     "exp_avg_dtype": PRECISION_AWARE, "exp_avg_sq_dtype": PRECISION_AWARE,
+    "verify_integrity": "paratron always records every checkpoint file's size and CRC-32 at save and checks them "
+                        "all at load (a damaged latest checkpoint falls back to the previous complete one); Megatron's "
+                        "SHA-256 manifest is the same check, on request",
     "use_fused_weighted_squared_relu": "a kernel choice: Megatron's fused kernel weighs each expert's squared-ReLU "
                                        "output by its routing probability before fc2, paratron weighs fc2's output "
                                        "(the same product: that kernel requires experts without biases)",
@@ -102,7 +105,6 @@ REFUSED = {
                                    "inference backend (FlashMLA), not training"),
     "mla_down_proj_fusion": GPU.format("Transformer Engine's fused input norm + MLA down projections"),
     "moe_latent_size": PLANNED.format("MoE latent projections"),
-    "verify_integrity": PLANNED.format("checkpoint file hashing (paratron checks CRC32s of every file)"),
     "test_mode": NA.format("Megatron's internal test harness"),
     "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
     "checkpoint_activations": NA.format("Megatron-LM removed --checkpoint-activations (it stops); use "
