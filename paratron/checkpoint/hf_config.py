@@ -225,6 +225,7 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
     need(not cfg.multi_latent_attention, "multi-latent attention (DeepSeek) has no Hugging Face mapping in paratron")
     need(not cfg.mtp_num_layers, "multi-token prediction layers (--mtp-num-layers) have no Hugging Face mapping in "
          "paratron")
+    need(cfg.moe_latent_size is None, "MoE latent projections (--moe-latent-size) have no mapping here")
     need(not cfg.use_mup, "muP's attention scale and embedding / logit multipliers (--use-mup) have no keys in its "
          "config")
     for name, what in (("apply_layernorm_1p", "zero-centred norm weights"), ("squared_relu", "the squared-ReLU MLP"),

@@ -104,7 +104,6 @@ REFUSED = {
     "cache_mla_latents": NA.format("caching multi-latent attention's compressed latents serves Megatron's dynamic "
                                    "inference backend (FlashMLA), not training"),
     "mla_down_proj_fusion": GPU.format("Transformer Engine's fused input norm + MLA down projections"),
-    "moe_latent_size": PLANNED.format("MoE latent projections"),
     "test_mode": NA.format("Megatron's internal test harness"),
     "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
     "checkpoint_activations": NA.format("Megatron-LM removed --checkpoint-activations (it stops); use "

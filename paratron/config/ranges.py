@@ -65,7 +65,7 @@ RANGES: dict[str, Range] = {
     "mup_embedding_mult": POSITIVE, "mup_output_mult": POSITIVE, "mup_base_head_dim": POSITIVE,
     "mup_attn_scale_power": FINITE,
     "make_vocab_size_divisible_by": AT_LEAST_1, "num_experts": AT_LEAST_1, "moe_router_topk": AT_LEAST_1,
-    "moe_ffn_hidden_size": AT_LEAST_1, "moe_aux_loss_coeff": AT_LEAST_0, "moe_z_loss_coeff": AT_LEAST_0,
+    "moe_ffn_hidden_size": AT_LEAST_1, "moe_latent_size": AT_LEAST_1, "moe_aux_loss_coeff": AT_LEAST_0, "moe_z_loss_coeff": AT_LEAST_0,
     "moe_input_jitter_eps": FRACTION,
     "moe_router_topk_scaling_factor": POSITIVE, "moe_router_bias_update_rate": AT_LEAST_0,
     "moe_expert_capacity_factor": POSITIVE, "moe_shared_expert_intermediate_size": AT_LEAST_1,

@@ -104,6 +104,7 @@ class ModelConfig(Section):
     moe_router_force_load_balancing: bool = False  # benchmarking: random router logits (straight-through grad)
     moe_input_jitter_eps: Optional[float] = None  # training: the router's input times U(1 - eps, 1 + eps) noise
     moe_shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . gate_weight) (Qwen2-MoE)
+    moe_latent_size: Optional[int] = None  # routed experts work in this width between two projections (latent MoE)
     use_rotary_position_embeddings: bool = False  # Megatron's deprecated = --position-embedding-type rope
     no_position_embedding: bool = False  # no learned position table: accepted with rope (as Megatron), else an error
     # Megatron's norm, activation and attention variants (paratron/model/variants.py)

@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel import fp8_mlp
-from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
+from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention, rope_layers
 from .variants import apply_output_gate, fused_fp8_activation, is_gated, mlp_activation, qkv_parts
 from .yarn import yarn_concentration_factor, yarn_inv_freq, yarn_params
@@ -184,6 +184,17 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def output_init(cfg: ModelConfig):
     """Megatron's scaled init for the projections that feed the residual stream."""
     return init_normal(mup.hidden_std(cfg) / math.sqrt(2.0 * cfg.num_layers))
+
+
+def latent_projections(cfg: ModelConfig, split: bool, device=None, dtype=None) -> tuple:
+    """--moe-latent-size: (hidden -> latent before the routed experts, latent -> hidden after them), each
+    replicated over TP (``split``: each TP rank routes a share of the tokens, so their gradients are summed
+    over TP), with biases unless --disable-bias-linear (Megatron's fc1/fc2_latent_proj); (None, None) without."""
+    latent, h, bias = cfg.moe_latent_size, cfg.hidden_size, not cfg.disable_bias_linear
+    if latent is None:
+        return None, None
+    return (ReplicatedLinear(h, latent, init_normal(mup.hidden_std(cfg)), split, device, dtype, bias),
+            ReplicatedLinear(latent, h, output_init(cfg), split, device, dtype, bias))
 
 
 class MLP(nn.Module):

@@ -40,8 +40,7 @@ from . import mup
 from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel.random import checkpoint
-from ..parallel.sharding import ShardSpec, set_spec
-from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
+from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
 from .layers import ForwardContext, Norm, Parallel, Rotary, apply_rotary_interleaved, output_init, rope_inv_freq
 from .yarn import YarnParams, yarn_concentration_factor, yarn_inv_freq, yarn_mscale
 
@@ -78,22 +77,6 @@ class MLARotary(Rotary):
 
 
 apply_mla_rotary = apply_rotary_interleaved  # MLA's rotary dimensions come in interleaved pairs (DeepSeek's weights)
-
-
-class ReplicatedLinear(nn.Module):
-    """A bias-free linear layer whose whole weight every TP rank holds (Megatron's duplicated linear).
-    ``sequence_parallel``: it sees this rank's part of the sequence, so its gradient is summed over TP."""
-
-    def __init__(self, in_features: int, out_features: int, init_method, sequence_parallel: bool,
-                 device=None, dtype=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        init_method(self.weight.data)
-        if sequence_parallel:
-            set_spec(self.weight, ShardSpec(sum_over=("tp",)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
 
 
 class MLASelfAttention(nn.Module):

@@ -41,7 +41,7 @@ from ..parallel.sharding import ShardSpec, Split, set_spec, shard
 from ..parallel.tensor import init_normal
 from . import recompute
 from .variants import is_gated, mlp_activation
-from .layers import MLP, Parallel, output_init
+from .layers import MLP, Parallel, latent_projections, output_init
 from .routing import RandomLogits, aux_loss_scores, sinkhorn_route, topk_route  # topk_route: also moe's API
 
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
@@ -392,7 +392,10 @@ class MoELayer(nn.Module):
         if par.tp_size > 1:  # a weight replicated over TP applied to a share of the tokens (CP: the dense reduce)
             set_spec(self.router.weight, ShardSpec(sum_over=("tp",)))
         self.layout = ExpertLayout.from_dims(par.dims, cfg.num_experts)
-        self.experts = Experts(cfg, device, dtype, self.layout)
+        latent = cfg.moe_latent_size  # the routed experts work in this width, between two replicated projections
+        self.experts = Experts(cfg if latent is None else dataclasses.replace(cfg, hidden_size=latent), device, dtype,
+                               self.layout)
+        self.fc1_latent_proj, self.fc2_latent_proj = latent_projections(cfg, par.tp_size > 1, device, dtype)
         # flex (DeepEP/HybridEP kernels in Megatron) moves the same tokens to the same experts as alltoall
         kind = "alltoall" if cfg.moe_token_dispatcher_type == "flex" else cfg.moe_token_dispatcher_type
         self.dispatch = DISPATCHERS[kind] if self.layout.size > 1 else None
@@ -425,11 +428,15 @@ class MoELayer(nn.Module):
         s, b, h = xs.shape
         tokens = xs.reshape(-1, h)
         probs, routing_map = self.router(tokens, s)
+        if self.fc1_latent_proj is not None:  # --moe-latent-size: routed on the hidden width, computed in the latent
+            tokens = self.fc1_latent_proj(tokens)
         if self.dispatch is None:  # every expert here
             assignments = tokens.shape[0] * self.router.topk if self.dropless else None
             out = self.local(self.experts, tokens, probs, routing_map, assignments)
         else:
             out = self.dispatch(tokens, probs, routing_map, self.experts, self.layout)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
         out = out.view(s, b, h)
         if split:
             out = comm.unscatter_from_sp(out, par.tp_group)

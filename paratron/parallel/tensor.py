@@ -365,3 +365,22 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     # have none, so a kept buffer is then filled by one matmul (faster than many narrow ones).
     chunk = xf.size(0) if keep and xf.is_cuda else max(1, chunk_bytes // (4 * weight.size(0)))
     return _LinearCrossEntropy.apply(xf, weight, tf, vocab_start, tp_group, chunk, keep).view(shape)
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer whose whole weight (and bias) every TP rank holds (Megatron's duplicated linear).
+    ``sequence_parallel``: it sees this rank's part of the tokens, so its gradients are summed over TP."""
+
+    def __init__(self, in_features: int, out_features: int, init_method, sequence_parallel: bool,
+                 device=None, dtype=None, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        init_method(self.weight.data)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        if sequence_parallel:
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    set_spec(p, ShardSpec(sum_over=("tp",)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)

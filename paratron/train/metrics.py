@@ -15,6 +15,7 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800
 def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int) -> float:
     """FLOPs of forward + backward of one iteration (megatron_facts §5, causal attention as half); MoE
     layers count the top-k experts' and the shared expert's MLPs (Megatron's MoE formula, no router).
+    Latent MoE (--moe-latent-size): the experts in the latent width plus the two projections (Megatron's).
     Multi-token prediction (as Megatron's): N more layers of the last layer's kind, each depth's norms
     (3h) and 2h -> h projection, and N more output-layer matmuls."""
     h, f, L, V = m.hidden_size, m.ffn_hidden_size, m.num_layers, padded_vocab
@@ -25,17 +26,20 @@ def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int)
     e = 3 if m.swiglu else 2
     tokens = batch * seq
     mlp_width = f * (L + n_mtp)  # summed over layers; an MoE layer counts its active experts (top-k) and shared expert
+    latent_proj = 0
     if m.num_experts is not None:
         from ..model.spec import parse_moe_layer_freq
         pattern = parse_moe_layer_freq(m.moe_layer_freq, L)
         moe_layers = sum(pattern) + pattern[-1] * n_mtp  # MTP layers are of the last layer's kind
-        active = m.moe_ffn_hidden_size * m.moe_router_topk + (m.moe_shared_expert_intermediate_size or 0)
+        routed = m.moe_ffn_hidden_size * m.moe_router_topk * (m.moe_latent_size or h) / h  # latent: in h units
+        active = routed + (m.moe_shared_expert_intermediate_size or 0)
         mlp_width = f * (L + n_mtp - moe_layers) + active * moe_layers
+        latent_proj = 12 * h * m.moe_latent_size * moe_layers if m.moe_latent_size else 0  # down + up, fwd + bwd
     attention, core = 6 * (h * (q + 2 * kv + gate) + q * h), 6 * q
     if m.multi_latent_attention:
         attention, core = mla_attention_terms(m)
     L += n_mtp
-    per_token = 6 * h * mlp_width * e + attention * L + 6 * n_mtp * (3 * h + 2 * h * h) + 6 * h * V * (n_mtp + 1)
+    per_token = 6 * h * mlp_width * e + latent_proj + attention * L + 6 * n_mtp * (3 * h + 2 * h * h) + 6 * h * V * (n_mtp + 1)
     return float(tokens * per_token + batch * seq * seq * core * L)
 
 

@@ -1,6 +1,7 @@
 """Expert parallelism on 4 gloo ranks equals one rank within 1e-5 (dropless, fp32): EP 2 and EP 4,
 MoE under context parallelism (CP 4; CP 2 x EP 2; CP 2 x TP 2 x EP 2 with sequence parallelism),
-TP 2 x EP 2 with sequence parallelism (experts also split over expert-TP 2) and without it, TP 2 x EP 2
+TP 2 x EP 2 with sequence parallelism (experts also split over expert-TP 2) and without it (also with MoE
+latent projections, and CP 2 x EP 2 with them), TP 2 x EP 2
 with expert-TP 1 (the EP group is the TP group) over the allgather dispatcher, TP 2 with EP 1 and
 expert-TP 1 (experts replicated over TP, tokens split), PP 2 x EP 2, and EP 2 inside DP 4 with the
 distributed optimizer. Gradient clipping is active in every step (a gradient
@@ -39,6 +40,9 @@ LAYOUTS = {  # name: flags on 4 ranks
     "cp2_ep2": dict(context_parallel_size=2, **EP2),
     "cp2_tp2_sp_ep2": dict(context_parallel_size=2, sequence_parallel=True, **TP2),
 }
+LATENT = dict(MOE, moe_latent_size=16)  # the experts in a 16-wide latent space between two replicated projections
+LATENT_LAYOUTS = {"tp2_ep2_sp": dict(TP2, sequence_parallel=True), "tp2_ep2": TP2,
+                  "cp2_ep2": dict(context_parallel_size=2, **EP2)}
 RESUMED = {  # name: flags of the resumed run (the saving run uses the distributed optimizer)
     "ep4": dict(expert_model_parallel_size=4),
     "tp2_ep2_sp_distopt": dict(TP2, sequence_parallel=True, use_distributed_optimizer=True),
@@ -108,6 +112,8 @@ def _grad_global(p, dims):
 
 def _run(rank: int, world: int, root: str) -> dict:
     out = {name: run_steps(tiny_config("llama", world, **MOE, **flags), STEPS) for name, flags in LAYOUTS.items()}
+    out.update({("latent", name): run_steps(tiny_config("llama", world, **LATENT, **flags), STEPS)
+                for name, flags in LATENT_LAYOUTS.items()})
     out["pp2_ep2"] = _pipeline(tiny_config("llama", world, **MOE, pipeline_model_parallel_size=2, **EP2))
     out["wrong_group"] = _wrong_group(tiny_config("llama", world, **MOE, **EP2))
     out["dispatch"] = _dispatch(rank, world)
@@ -137,6 +143,16 @@ def test_expert_parallel_equals_one_rank(ranks, reference, layout):
     for rank in range(4):
         assert_close_runs(reference, ranks[rank][layout])
     assert reference["losses"][-1] != reference["losses"][0]
+
+
+@pytest.mark.parametrize("layout", list(LATENT_LAYOUTS))
+def test_latent_moe_equals_one_rank(ranks, layout):
+    """--moe-latent-size: the replicated projections' gradients summed over the TP ranks' token shares."""
+    from tests.parallel.test_data_parallel import train
+    reference = train(tiny_config("llama", 1, **LATENT), STEPS)
+    assert any("fc1_latent_proj" in n for n in reference["params"])
+    for rank in range(4):
+        assert_close_runs(reference, ranks[rank][("latent", layout)])
 
 
 def test_clipping_is_active(reference):

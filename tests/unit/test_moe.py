@@ -180,24 +180,30 @@ def naive(layer: moe.MoELayer, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
     tokens = x.reshape(-1, x.shape[-1])
     logits = tokens @ layer.router.weight.t()
     probs, rmap = moe.topk_route(logits, layer.router.topk)
-    e = layer.experts
+    e, down, up = layer.experts, layer.fc1_latent_proj, layer.fc2_latent_proj
     rows = []
     for t in range(tokens.shape[0]):
-        acc = torch.zeros_like(tokens[t])
+        token = tokens[t] if down is None else down.weight @ tokens[t] + down.bias  # latent MoE: routed on x
+        acc = torch.zeros_like(token)
         for i in rmap[t].nonzero().flatten().tolist():
-            h = e.linear_fc1.weight[i] @ tokens[t] + e.linear_fc1.bias[i]
+            h = e.linear_fc1.weight[i] @ token + e.linear_fc1.bias[i]
             h = F.silu(h[: h.numel() // 2]) * h[h.numel() // 2:] if swiglu else F.gelu(h)
             acc = acc + probs[t, i] * (e.linear_fc2.weight[i] @ h + e.linear_fc2.bias[i])
-        rows.append(acc)
+        rows.append(acc if up is None else up.weight @ acc + up.bias)
     out = torch.stack(rows).view_as(x)
     return out + layer.shared_experts(x) if layer.shared_experts is not None else out
 
 
-@pytest.mark.parametrize("swiglu,shared", [(True, None), (False, 12)])
-def test_layer_equals_naive_reference(swiglu, shared):
+@pytest.mark.parametrize("swiglu,shared,latent", [(True, None, None), (False, 12, None), (True, 12, 6)])
+def test_layer_equals_naive_reference(swiglu, shared, latent):
     torch.manual_seed(1)
-    cfg = small(swiglu=swiglu, moe_shared_expert_intermediate_size=shared, moe_router_load_balancing_type="none")
+    cfg = small(swiglu=swiglu, moe_shared_expert_intermediate_size=shared, moe_router_load_balancing_type="none",
+                moe_latent_size=latent)
     layer = moe.MoELayer(cfg, Parallel())
+    if latent:  # the experts' width is the latent one; biases of the projections nonzero to be seen
+        assert layer.experts.linear_fc1.weight.shape == (4, 16, latent)
+        for p in (layer.fc1_latent_proj.bias, layer.fc2_latent_proj.bias):
+            torch.nn.init.normal_(p.data)
     x = torch.randn(8, 2, 16, requires_grad=True)
     g = torch.randn(8, 2, 16)
     out = layer(x)
@@ -235,6 +241,22 @@ def test_moe_model_names_and_layer_freq():
                      "decoder.layers.1.mlp.shared_experts.linear_fc2.weight"]
     w = m.decoder.layers[1].mlp.experts.linear_fc1.weight
     assert w.shape == (4, 16, 16) and w._shard_spec.grad_group == "edp" and w._shard_spec.splits[0].group == "ep"
+
+
+def test_latent_moe_names_flops_and_hf_refusal():
+    m = GPTModel(small(moe_latent_size=4, swiglu=True, disable_bias_linear=True), 64)
+    names = [n for n in m.state_dict() if "layers.0.mlp." in n]
+    assert names == ["decoder.layers.0.mlp.router.weight", "decoder.layers.0.mlp.experts.linear_fc1.weight",
+                     "decoder.layers.0.mlp.experts.linear_fc2.weight", "decoder.layers.0.mlp.fc1_latent_proj.weight",
+                     "decoder.layers.0.mlp.fc2_latent_proj.weight"]
+    plain, latent = small(moe_ffn_hidden_size=8), small(moe_ffn_hidden_size=8, moe_latent_size=4)
+    # per MoE layer and token: the experts' 6 e h f k shrink to latent 4 of hidden 16, plus 12 h r projections
+    tokens, e, k = 2 * 8, 2, 2
+    diff = flops_per_iteration(plain, 64, 2, 8) - flops_per_iteration(latent, 64, 2, 8)
+    assert diff == 2 * tokens * (6 * e * k * 8 * (16 - 4) - 12 * 16 * 4)
+    from paratron.checkpoint.hf_config import ConversionError, check_representable
+    with pytest.raises(ConversionError, match="--moe-latent-size"):
+        check_representable(small(moe_latent_size=4, swiglu=True), "mixtral")
 
 
 def test_flops_count_active_experts():
