@@ -91,6 +91,10 @@ class ConversationTokenizer:
             if not self.template:
                 raise DataError("--sft-tokenizer-prompt-format default uses the tokenizer's chat_template, and "
                                 "its tokenizer_config.json has none; pick another format")
+            import importlib.util
+            if importlib.util.find_spec("jinja2") is None:  # what renders the template
+                raise DataError("--sft-tokenizer-prompt-format default renders the tokenizer's chat_template with "
+                                "jinja2, which is not installed: pip install jinja2")
         self.pad = self._pad_id()
 
     def _pad_id(self) -> int:
