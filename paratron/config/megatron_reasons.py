@@ -159,8 +159,8 @@ PREFIX_REASONS = (
     ("mamba_", NA.format("Mamba layers (paratron trains transformer GPT models)")),
     ("linear_", PLANNED.format("gated-delta-net linear attention")),
     ("dsa_", PLANNED.format("DeepSeek sparse attention")),
-    ("mtp_", PLANNED.format("this multi-token prediction (MTP) option (paratron has --mtp-num-layers and "
-                            "--mtp-loss-scaling-factor)")),
+    ("mtp_", PLANNED.format("this multi-token prediction (MTP) option (paratron has --mtp-num-layers, "
+                            "--mtp-loss-scaling-factor and --mtp-use-repeated-layer)")),
     ("cuda_graph", GPU.format("CUDA graph capture")),
     ("megatron_fsdp", PLANNED.format("Megatron-FSDP")),
     ("fsdp_", PLANNED.format("Megatron-FSDP")),

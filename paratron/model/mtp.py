@@ -11,6 +11,10 @@ logits; the loss of depth k is the cross-entropy against the labels shifted left
 the loss mask shifted likewise (shifted-in positions masked out). ``--mtp-loss-scaling-factor`` / N
 times the sum over depths joins the backward through :class:`MoEAuxLossAutoScaler` (scaled as the
 main loss); the reported lm loss stays the main loss and each depth's loss is logged as ``mtp_k loss``.
+
+``--mtp-use-repeated-layer`` (Megatron's): one MTP layer (``mtp.layers.0``) applied at every depth; an MoE
+in it counts its load-balancing and z losses at 1/N per call, so the N calls add up to one layer's (Megatron
+scales the aux loss so and the z loss only in its log).
 """
 from __future__ import annotations
 
@@ -85,9 +89,14 @@ class MultiTokenPrediction(nn.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel, seed: Optional[int] = None, recompute: Optional[str] = None,
                  device=None, dtype=None):
         super().__init__()
-        self.par, self.recompute = par, recompute
+        self.par, self.recompute, self.depths = par, recompute, cfg.mtp_num_layers
+        built = 1 if cfg.mtp_use_repeated_layer else self.depths
+        if cfg.mtp_use_repeated_layer and cfg.num_experts is not None:  # its MoE's losses: 1/N per call
+            z = cfg.moe_z_loss_coeff
+            cfg = dataclasses.replace(cfg, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff / self.depths,
+                                      moe_z_loss_coeff=None if z is None else z / self.depths)
         layers = []
-        for k in range(cfg.mtp_num_layers):
+        for k in range(built):
             with seeded_init(seed, f"mtp{k}", device):
                 layers.append(MTPLayer(cfg, par, k, device, dtype))
         self.layers = nn.ModuleList(layers)
@@ -110,7 +119,8 @@ class MultiTokenPrediction(nn.Module):
         """The output hidden states of each depth (``hidden``: the decoder's, after its final norm)."""
         outputs = []
         ids, pos = _whole(input_ids, ctx.cp), _whole(position_ids, ctx.cp)  # shifted whole, used as this rank's
-        for layer in self.layers:
+        for k in range(self.depths):
+            layer = self.layers[k % len(self.layers)]  # --mtp-use-repeated-layer: layer 0 at every depth
             ids, pos = roll_left(ids), roll_left(pos)
             hidden = self._layer(layer, hidden, embedding(_mine(ids, ctx.cp), _mine(pos, ctx.cp)), ctx)
             outputs.append(hidden)
@@ -118,7 +128,7 @@ class MultiTokenPrediction(nn.Module):
 
     def _track(self, k: int, loss: torch.Tensor) -> None:
         if self.metrics is None:
-            self.metrics = torch.zeros(len(self.layers), 2, device=loss.device)
+            self.metrics = torch.zeros(self.depths, 2, device=loss.device)
         self.metrics[k, 0] += loss
         self.metrics[k, 1] += 1
 

@@ -94,6 +94,34 @@ def test_mtp_loss_and_gradients_equal_hand_computation(per_token):
     assert torch.allclose(params[0].grad - main_only, mtp_part, rtol=1e-4, atol=1e-7)
 
 
+def test_repeated_layer_is_layer_0_at_every_depth():
+    """--mtp-use-repeated-layer: one MTP layer; the losses and gradients of a model whose N layers all hold
+    its weights (their gradients summed onto it)."""
+    torch.manual_seed(0)
+    one = GPTModel(config(mtp_num_layers=3, mtp_use_repeated_layer=True), VOCAB).train()
+    three = GPTModel(config(mtp_num_layers=3), VOCAB).train()
+    assert [n for n in one.state_dict() if n.startswith("mtp.")] == \
+        [n for n in three.state_dict() if n.startswith("mtp.layers.0.")]
+    state = {n: v for n, v in one.state_dict().items() if not n.startswith("mtp.")}
+    for k in range(3):
+        state.update({n.replace("layers.0.", f"layers.{k}.", 1): v for n, v in one.state_dict().items()
+                      if n.startswith("mtp.")})
+    three.load_state_dict(state)
+    ids, labels, mask, pos = batch()
+    for m in (one, three):
+        m.mtp.loss_scale = 1.0
+        (m(ids, position_ids=pos, labels=labels, loss_mask=mask) * mask).sum().backward()
+    assert one.mtp.metrics.shape == (3, 2) and torch.allclose(one.mtp.metrics, three.mtp.metrics, atol=1e-6)
+    for n, p in one.mtp.layers[0].named_parameters():
+        summed = sum(dict(three.mtp.layers[k].named_parameters())[n].grad for k in range(3))
+        assert torch.allclose(p.grad, summed, atol=1e-6), n
+    moe = GPTModel(config(mtp_num_layers=4, mtp_use_repeated_layer=True, num_experts=2, moe_router_topk=1,
+                          moe_aux_loss_coeff=0.02, moe_z_loss_coeff=1e-3), VOCAB)
+    router = moe.mtp.layers[0].mtp_model_layer.mlp.router
+    assert router.cfg.moe_aux_loss_coeff == pytest.approx(0.005) and router.cfg.moe_z_loss_coeff == pytest.approx(2.5e-4)
+    assert moe.decoder.layers[0].mlp.router.cfg.moe_aux_loss_coeff == 0.02  # the decoder's own: unchanged
+
+
 def test_full_recomputation_gives_the_same_gradients():
     ids, labels, mask, pos = batch()
     grads = []
@@ -135,6 +163,7 @@ def _resolved(world=1, **fields):
     (dict(mtp_num_layers=0), 1, "--mtp-num-layers must be >= 1"),
     (dict(mtp_num_layers=1, mtp_loss_scaling_factor=float("nan")), 1, "--mtp-loss-scaling-factor must be a finite"),
     (dict(mtp_loss_scaling_factor=0.2), 1, "--mtp-loss-scaling-factor has no effect without --mtp-num-layers"),
+    (dict(mtp_use_repeated_layer=True), 1, "--mtp-use-repeated-layer has no effect without --mtp-num-layers"),
     (dict(mtp_num_layers=1, pipeline_model_parallel_size=2), 2, "--pipeline-model-parallel-size 2"),
     (dict(pipeline_model_parallel_layout="Et|tmL", pipeline_model_parallel_size=2), 2, "MTP layers"),
 ])
@@ -147,7 +176,7 @@ def test_flag_errors(fields, world, match):
 def test_megatron_flags_parse():
     from paratron.config.megatron_flags import refusal
     assert refusal("mtp_num_layers") is None and refusal("mtp_loss_scaling_factor") is None
-    assert "multi-token prediction" in refusal("mtp_use_repeated_layer")
+    assert refusal("mtp_use_repeated_layer") is None and "multi-token prediction" in refusal("mtp_detach_heads")
     cfg = _resolved(mtp_num_layers=3)
     assert cfg.model.mtp_num_layers == 3 and cfg.model.mtp_loss_scaling_factor == 0.1  # Megatron's default
 
