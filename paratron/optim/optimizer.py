@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..parallel import comm
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import REDUCTION_LAYOUTS, norm_groups, spec_of
 from ..model import mup
