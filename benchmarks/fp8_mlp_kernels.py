@@ -8,7 +8,7 @@ alone), at the MLP shapes of gpt-350m (micro-batch 32) and llama-1b (micro-batch
 
 GB/s counts the bytes each op must move at least once: fc1's output in bf16 (and the incoming gradient
 for the backward) read, the FP8 output written twice (row-major and transposed; the op also reads the
-row-major copy back for its transpose kernel, not counted).
+row-major tile back, from L2, to store it transposed; not counted).
 """
 import argparse
 import os
