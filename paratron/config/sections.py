@@ -123,6 +123,7 @@ class ModelConfig(Section):
     mtp_num_layers: Optional[int] = None  # DeepSeek-V3 MTP depths (model/mtp.py): each predicts one token further
     mtp_loss_scaling_factor: float = 0.1  # the MTP losses' weight: factor / depths x their sum joins the loss
     mtp_use_repeated_layer: bool = False  # one MTP layer applied at every depth (weights shared)
+    mtp_detach_heads: bool = False  # the MTP losses train the MTP layers only; their gradients clipped by their own norm
 
     def resolved(self, **changes) -> "ModelConfig":
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query

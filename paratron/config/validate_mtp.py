@@ -13,8 +13,9 @@ def validate_mtp(cfg: Config) -> None:
     if m.mtp_num_layers is None:
         need(m.mtp_loss_scaling_factor == DEFAULT_SCALING, "--mtp-loss-scaling-factor has no effect without "
              "--mtp-num-layers; set --mtp-num-layers or remove the flag")
-        need(not m.mtp_use_repeated_layer, "--mtp-use-repeated-layer has no effect without --mtp-num-layers; set "
-             "--mtp-num-layers or remove the flag")
+        for name in ("mtp_use_repeated_layer", "mtp_detach_heads"):
+            need(not getattr(m, name), f"--{name.replace('_', '-')} has no effect without --mtp-num-layers; set "
+                 "--mtp-num-layers or remove the flag")
         return
     need(p.pipeline_model_parallel_size == 1, "--mtp-num-layers with --pipeline-model-parallel-size "
          f"{p.pipeline_model_parallel_size}: multi-token prediction runs without pipeline parallelism only in "

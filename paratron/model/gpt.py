@@ -199,13 +199,15 @@ class GPTModel(nn.Module):
         the logits are scaled the same)."""
         return x if self.output_mult == 1.0 else x * self.output_mult
 
-    def _token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy [b, s] (fp32) of the output layer on ``x`` [s(/TP), b, h] against ``labels`` [b, s]."""
-        target, x = labels.transpose(0, 1), self.head_input(x)
+    def _token_losses(self, x: torch.Tensor, labels: torch.Tensor, detach_weight: bool = False) -> torch.Tensor:
+        """Cross-entropy [b, s] (fp32) of the output layer on ``x`` [s(/TP), b, h] against ``labels`` [b, s];
+        ``detach_weight``: no gradient reaches the output layer (--mtp-detach-heads)."""
+        target, x, w = labels.transpose(0, 1), self.head_input(x), self.output_weight()
+        w = w.detach() if detach_weight else w
         if self.fused_output_loss:  # the logits of the whole batch never exist
-            loss = linear_cross_entropy(self.output_layer.enter(x), self.output_weight(), target, self.par.tp_group)
+            loss = linear_cross_entropy(self.output_layer.enter(x), w, target, self.par.tp_group)
         else:
-            loss = vocab_parallel_cross_entropy(self.output_layer(x, self.output_weight()), target, self.par.tp_group)
+            loss = vocab_parallel_cross_entropy(self.output_layer(x, w), target, self.par.tp_group)
         return loss.transpose(0, 1).contiguous()  # [b, s]
 
     def _context(self, rope, attention_mask, document_ids) -> ForwardContext:

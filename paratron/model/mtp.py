@@ -14,7 +14,10 @@ main loss); the reported lm loss stays the main loss and each depth's loss is lo
 
 ``--mtp-use-repeated-layer`` (Megatron's): one MTP layer (``mtp.layers.0``) applied at every depth; an MoE
 in it counts its load-balancing and z losses at 1/N per call, so the N calls add up to one layer's (Megatron
-scales the aux loss so and the z loss only in its log).
+scales the aux loss so and the z loss only in its log). ``--mtp-detach-heads`` (Megatron's): the MTP
+layers get the decoder's hidden states, the embeddings and the output layer's weight detached, so their
+losses train the MTP layers only; the optimizer clips those layers' gradients by their own norm
+(paratron/optim/groups.py).
 """
 from __future__ import annotations
 
@@ -89,7 +92,7 @@ class MultiTokenPrediction(nn.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel, seed: Optional[int] = None, recompute: Optional[str] = None,
                  device=None, dtype=None):
         super().__init__()
-        self.par, self.recompute, self.depths = par, recompute, cfg.mtp_num_layers
+        self.par, self.recompute, self.depths, self.detach = par, recompute, cfg.mtp_num_layers, cfg.mtp_detach_heads
         built = 1 if cfg.mtp_use_repeated_layer else self.depths
         if cfg.mtp_use_repeated_layer and cfg.num_experts is not None:  # its MoE's losses: 1/N per call
             z = cfg.moe_z_loss_coeff
@@ -119,10 +122,12 @@ class MultiTokenPrediction(nn.Module):
         """The output hidden states of each depth (``hidden``: the decoder's, after its final norm)."""
         outputs = []
         ids, pos = _whole(input_ids, ctx.cp), _whole(position_ids, ctx.cp)  # shifted whole, used as this rank's
+        hidden = hidden.detach() if self.detach else hidden  # --mtp-detach-heads: nothing flows back to the model
         for k in range(self.depths):
             layer = self.layers[k % len(self.layers)]  # --mtp-use-repeated-layer: layer 0 at every depth
             ids, pos = roll_left(ids), roll_left(pos)
-            hidden = self._layer(layer, hidden, embedding(_mine(ids, ctx.cp), _mine(pos, ctx.cp)), ctx)
+            embedded = embedding(_mine(ids, ctx.cp), _mine(pos, ctx.cp))
+            hidden = self._layer(layer, hidden, embedded.detach() if self.detach else embedded, ctx)
             outputs.append(hidden)
         return outputs
 
@@ -136,7 +141,8 @@ class MultiTokenPrediction(nn.Module):
                     loss_mask: Optional[torch.Tensor], token_losses: Callable,
                     cp: Optional[ContextParallel] = None) -> torch.Tensor:
         """``output`` (the main per-token loss) carrying the MTP loss into the backward.
-        ``token_losses(hidden, labels)``: per-token cross-entropy [b, s] through the shared output layer.
+        ``token_losses(hidden, labels, detach_weight)``: per-token cross-entropy [b, s] through the shared
+        output layer (its weight detached with --mtp-detach-heads).
         Under context parallelism (``cp``) the token counts are the CP group's and this rank's loss is its
         share times CP, as the main loss (the gradient average over DP x CP divides by CP); with
         --calculate-per-token-loss the gradients are summed instead, so the share is not multiplied."""
@@ -147,7 +153,7 @@ class MultiTokenPrediction(nn.Module):
         for k, hidden in enumerate(hiddens):
             labels, mask = roll_left(labels), roll_left(mask)
             n = mask.sum().clamp(min=1)
-            total = (token_losses(hidden, _mine(labels, cp)).float() * _mine(mask, cp)).sum()
+            total = (token_losses(hidden, _mine(labels, cp), self.detach).float() * _mine(mask, cp)).sum()
             if self.training:
                 self._track(k, (total * parts / n).detach())  # the mean over the CP ranks is the loss
             loss = total * (original_tokens / n) if self.per_token_loss else total * parts / n

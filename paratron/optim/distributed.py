@@ -25,7 +25,6 @@ from ..config import Config
 from ..parallel.data import DataParallel, GradBuffer
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import spec_of
-from ..model import mup
 from .groups import role_of
 from .muon import Item, Muon, qkv_rows
 from .optimizer import MixedPrecisionAdam
@@ -91,8 +90,7 @@ class DistributedOptimizer(MixedPrecisionAdam):
             masters = [v.detach().float().clone() if v.dtype != torch.float32 else v.detach()
                        for v in self._param_views]
         names = {p: name for m in models for name, p in m.named_parameters()}
-        roles = [role_of(names[pc.param], pc.param.dim(), cfg.optim, mup.scales_optimizer(cfg.model))
-                 for pc in self.pieces]
+        roles = [role_of(names[pc.param], pc.param.dim(), cfg.optim, cfg.model) for pc in self.pieces]
         items = [Item(m, pc.param, names[pc.param], pc.start, bucket_of(pc)) if r.matrix else None
                  for m, pc, r in zip(masters, self.pieces, roles)]
         self._setup(masters, roles, [pc.buffer.norm_groups for pc in self.pieces],

@@ -8,6 +8,8 @@
 * ``--use-mup`` with a width multiplier m != 1: the hidden weight matrices stepped by Adam (2-D and
   more; neither the embeddings nor the output layer) take LR / m and Adam epsilon / m (Megatron's muP
   groups; paratron/model/mup.py);
+* ``--mtp-detach-heads``: the MTP layers' gradients are clipped by their own norm, left out of the
+  model's (the reported) gradient norm (Megatron's ``grad_norm_group`` "mtp");
 * ``--optimizer muon``: Muon steps the hidden weight matrices (2-D, neither the word embedding nor the
   output layer; paratron's stacked expert weights [experts, out, in] are one matrix per expert, as
   Megatron's per-expert weights); AdamW steps everything else.
@@ -29,11 +31,13 @@ class Role:
     decoupled: bool  # --decoupled-lr applies (word embedding, output layer)
     matrix: bool  # Muon steps it (with --optimizer muon)
     hidden: bool = False  # muP: a hidden weight matrix stepped by Adam (LR and epsilon / m)
+    own_norm: bool = False  # --mtp-detach-heads: an MTP layer's, clipped by the MTP layers' own gradient norm
 
 
-def role_of(name: str, ndim: int, op, mup: bool = False) -> Role:
+def role_of(name: str, ndim: int, op, model=None) -> Role:
     """The role of parameter ``name`` (its name in the model, any wrapper prefix allowed) with ``ndim``
-    dimensions, under the optim section ``op``; ``mup``: muP scales the hidden matrices' LR and eps."""
+    dimensions, under the optim section ``op`` and the model section ``model`` (muP, MTP heads)."""
+    from ..model import mup
     bias = name.endswith(".bias")
     no_decay = bias or ndim == 1
     if op.apply_wd_to_qk_layernorm and any(k in name for k in QK_NORMS):
@@ -41,9 +45,11 @@ def role_of(name: str, ndim: int, op, mup: bool = False) -> Role:
     embedding_or_output = name.endswith(EMBEDDING_OR_OUTPUT)
     stacked_expert = ndim == 3 and ".experts." in f".{name}"
     matrix = op.optimizer == "muon" and not embedding_or_output and not bias and (ndim == 2 or stacked_expert)
-    hidden = mup and not matrix and ndim >= 2 and not name.endswith(EMBEDDING_CLASS)
+    scaled = model is not None and mup.scales_optimizer(model)
+    hidden = scaled and not matrix and ndim >= 2 and not name.endswith(EMBEDDING_CLASS)
+    own = model is not None and model.mtp_detach_heads and f".{name}".find(".mtp.layers.") >= 0
     return Role(decay=not no_decay, decoupled=op.decoupled_lr is not None and embedding_or_output, matrix=matrix,
-                hidden=hidden)
+                hidden=hidden, own_norm=own)
 
 
 def roles(models: list, op) -> dict:

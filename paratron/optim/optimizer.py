@@ -15,6 +15,12 @@ from ..model import mup
 from .groups import Role, role_of
 
 
+def _picked(grads: list[torch.Tensor], own: list[bool], which: bool) -> list[torch.Tensor]:
+    """``grads`` with the entries whose ``own`` flag is not ``which`` emptied (same positions: the norm
+    sums keep their alignment with the masters)."""
+    return [g if o == which else g[:0] for g, o in zip(grads, own)]
+
+
 class ConstantScaler:
     def __init__(self, scale: float = 1.0):
         self.scale = float(scale)
@@ -103,6 +109,9 @@ class MixedPrecisionAdam:
         self.masters, self._norm_sets, self._counted = masters, norm_sets, counted
         self._used_norm_sets = agree_on_norm_sets(set(norm_sets), dims, masters[0].device if masters else "cpu")
         muon_items = muon_items or [None] * len(masters)
+        # --mtp-detach-heads (the same on every rank: the norms' collectives must match): which masters the
+        # MTP layers' own norm clips
+        self._own = [r.own_norm for r in roles] if cfg.model.mtp_detach_heads else None
         self._adam_index = [i for i, it in enumerate(muon_items) if it is None]
         self._muon_index = [i for i, it in enumerate(muon_items) if it is not None]
         groups: dict = {}
@@ -190,18 +199,22 @@ class MixedPrecisionAdam:
         grads = self._grads()
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        norm_t = self._norm_sq(grads).sqrt()
-        if self.adam.defaults.get("fused") and not isinstance(self.scaler, DynamicScaler) and self.muon is None:
+        own = self._own
+        norm_t = self._norm_sq(grads if own is None else _picked(grads, own, False)).sqrt()
+        fused = self.adam.defaults.get("fused") and own is None and self.muon is None
+        if fused and not isinstance(self.scaler, DynamicScaler):
             return self._step_on_device(grads, norm_t)
         norm = norm_t.item()  # one host sync: the dynamic loss scale and the skip are decided here
-        found_inf = not math.isfinite(norm)
+        own_norm = self._norm_sq(_picked(grads, own, True)).sqrt().item() if own is not None else 0.0
+        found_inf = not (math.isfinite(norm) and math.isfinite(own_norm))
         self.scaler.update(found_inf)
         if found_inf:
             return False, norm
-        if self.clip_grad and self.clip_grad > 0:
-            coeff = self.clip_grad / (norm + 1e-6)
-            if coeff < 1.0:
-                torch._foreach_mul_(grads, coeff)
+        if self.clip_grad and self.clip_grad > 0:  # the model's gradients by its norm, the MTP heads' by theirs
+            for part, total in ((grads, norm),) if own is None else ((_picked(grads, own, False), norm),
+                                                                     (_picked(grads, own, True), own_norm)):
+                if self.clip_grad / (total + 1e-6) < 1.0:
+                    torch._foreach_mul_(part, self.clip_grad / (total + 1e-6))
         for i in self._adam_index:
             self.masters[i].grad = grads[i]
         self.adam.step()
@@ -259,7 +272,7 @@ class Optimizer(MixedPrecisionAdam):
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         masters = [p.detach().clone().float() if p.dtype != torch.float32 else p for p in self.params]
         names = names or {}
-        roles = [role_of(names.get(p, ""), p.dim(), cfg.optim, mup.scales_optimizer(cfg.model)) for p in self.params]
+        roles = [role_of(names.get(p, ""), p.dim(), cfg.optim, cfg.model) for p in self.params]
         items = [Item(m, p, names.get(p, "")) if r.matrix else None for m, p, r in zip(masters, self.params, roles)]
         self._setup(masters, roles, [norm_groups(spec_of(p).grad_group, False) for p in self.params],
                     [spec_of(p).counts_in_norm(dims) for p in self.params], cfg, dims, items)

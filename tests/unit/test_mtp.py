@@ -122,6 +122,60 @@ def test_repeated_layer_is_layer_0_at_every_depth():
     assert moe.decoder.layers[0].mlp.router.cfg.moe_aux_loss_coeff == 0.02  # the decoder's own: unchanged
 
 
+def test_detached_heads_train_only_the_mtp_layers():
+    """--mtp-detach-heads: the decoder, embedding and output layer get the main loss's gradients only;
+    the MTP layers get theirs, the same as without detaching."""
+    torch.manual_seed(0)
+    grads = {}
+    for detach in (False, True):
+        model = GPTModel(config(mtp_detach_heads=detach), VOCAB).train()
+        ids, labels, mask, pos = batch()
+        model.mtp.loss_scale = 1.0
+        (model(ids, position_ids=pos, labels=labels, loss_mask=mask) * mask).sum().backward()
+        grads[detach] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    plain = GPTModel(config(mtp_num_layers=None, mtp_loss_scaling_factor=0.1), VOCAB).train()  # the same seed
+    ids, labels, mask, pos = batch()
+    (plain(ids, position_ids=pos, labels=labels) * mask).sum().backward()
+    for n, p in plain.named_parameters():  # the main loss's gradients alone
+        assert torch.allclose(grads[True][n], p.grad, atol=1e-6), n
+        assert not torch.allclose(grads[False][n], p.grad, atol=1e-6) or "position" in n, n
+    mtp_names = [n for n in grads[True] if n.startswith("mtp.layers.1.")]  # the last depth sees only its own loss
+    for n in mtp_names:
+        assert torch.allclose(grads[True][n], grads[False][n], atol=1e-6), n
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_detached_heads_are_clipped_by_their_own_norm(distributed):
+    """The gradients that reach Adam: the model's times clip / (its norm), the MTP layers' times clip / (theirs)."""
+    from paratron.config import parse_args
+    from paratron.train.loop import Trainer
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--mock-data",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--train-iters", "2", "--lr", "1e-3",
+             "--num-workers", "0", "--eval-iters", "0", "--mtp-num-layers", "1", "--mtp-detach-heads",
+             "--clip-grad", "1e-3"] + (["--use-distributed-optimizer"] if distributed else [])
+    t = Trainer(parse_args(flags))
+    opt, raw, clipped = t.optimizer, [], []
+    real_grads, real_step = opt._grads, opt.adam.step
+
+    def grads_before_clipping():
+        g = real_grads()
+        raw.extend(x.clone() for x in g)
+        return g
+
+    def adam_step(*args, **kwargs):
+        clipped.extend(m.grad.clone() for m in opt.masters)
+        return real_step(*args, **kwargs)
+    opt._grads, opt.adam.step = grads_before_clipping, adam_step
+    t.train_step()
+    own = opt._own
+    assert any(own) and not all(own)
+    norms = {o: torch.stack([r.square().sum() for r, w in zip(raw, own) if w == o]).sum().sqrt() for o in (False, True)}
+    assert norms[False] > 1e-2 and norms[True] > 1e-2  # both clipped, by different factors
+    for r, c, o in zip(raw, clipped, own):
+        assert torch.allclose(c, r * (1e-3 / (norms[o] + 1e-6)), rtol=1e-5, atol=1e-12)
+
+
 def test_full_recomputation_gives_the_same_gradients():
     ids, labels, mask, pos = batch()
     grads = []
@@ -176,7 +230,8 @@ def test_flag_errors(fields, world, match):
 def test_megatron_flags_parse():
     from paratron.config.megatron_flags import refusal
     assert refusal("mtp_num_layers") is None and refusal("mtp_loss_scaling_factor") is None
-    assert refusal("mtp_use_repeated_layer") is None and "multi-token prediction" in refusal("mtp_detach_heads")
+    assert refusal("mtp_use_repeated_layer") is None and refusal("mtp_detach_heads") is None
+    assert "multi-token prediction" in refusal("mtp_hsm")
     cfg = _resolved(mtp_num_layers=3)
     assert cfg.model.mtp_num_layers == 3 and cfg.model.mtp_loss_scaling_factor == 0.1  # Megatron's default
 
