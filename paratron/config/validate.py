@@ -86,7 +86,7 @@ def validate_model(m: ModelConfig) -> None:
     need(m.normalization in ("LayerNorm", "RMSNorm"),
          f"--normalization must be LayerNorm or RMSNorm (got {m.normalization})")
     validate_mla(m, need)
-    validate_mup(m, need, changed_flags)
+    validate_mup(m)
     validate_moe(m)
     validate_attention_variants(m)
     validate_variants(m)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from .sections import ModelConfig
+from .validate_sched import changed_flags, need
 
 
-def validate_mup(m: ModelConfig, need, changed_flags) -> None:
+def validate_mup(m: ModelConfig) -> None:
     """--mup-* only with --use-mup; a given --mup-width-mult must be --hidden-size / --mup-base-hidden-size
     (Megatron computes it); not with multi-latent attention (its softmax scale is YaRN's mscale)."""
     from ..model import mup

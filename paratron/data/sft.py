@@ -99,9 +99,10 @@ class ConversationTokenizer:
 
     def _pad_id(self) -> int:
         name = self.format.pad_token
-        pad = self.tok.token_id(name) if name is not None else getattr(self.tok, "pad", None)
-        if pad is None and name is None:
-            pad = self.tok.eod
+        if name is not None:
+            pad = self.tok.token_id(name)
+        else:  # the tokenizer's pad token, else its EOS
+            pad = self.tok.pad if getattr(self.tok, "pad", None) is not None else self.tok.eod
         if pad is None:
             what = f"the token {name}" if name else "a pad or EOS token"
             raise DataError(f"--sft-tokenizer-prompt-format {self.name} pads with {what}, which the tokenizer "

@@ -47,7 +47,7 @@ def role_of(name: str, ndim: int, op, model=None) -> Role:
     matrix = op.optimizer == "muon" and not embedding_or_output and not bias and (ndim == 2 or stacked_expert)
     scaled = model is not None and mup.scales_optimizer(model)
     hidden = scaled and not matrix and ndim >= 2 and not name.endswith(EMBEDDING_CLASS)
-    own = model is not None and model.mtp_detach_heads and f".{name}".find(".mtp.layers.") >= 0
+    own = model is not None and model.mtp_detach_heads and ".mtp.layers." in f".{name}"
     return Role(decay=not no_decay, decoupled=op.decoupled_lr is not None and embedding_or_output, matrix=matrix,
                 hidden=hidden, own_norm=own)
 

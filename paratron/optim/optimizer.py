@@ -199,22 +199,23 @@ class MixedPrecisionAdam:
         grads = self._grads()
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        own = self._own
-        norm_t = self._norm_sq(grads if own is None else _picked(grads, own, False)).sqrt()
-        fused = self.adam.defaults.get("fused") and own is None and self.muon is None
-        if fused and not isinstance(self.scaler, DynamicScaler):
-            return self._step_on_device(grads, norm_t)
-        norm = norm_t.item()  # one host sync: the dynamic loss scale and the skip are decided here
-        own_norm = self._norm_sq(_picked(grads, own, True)).sqrt().item() if own is not None else 0.0
-        found_inf = not (math.isfinite(norm) and math.isfinite(own_norm))
+        own = self._own  # --mtp-detach-heads: the model's gradients and the MTP heads', each with its own norm
+        parts = [grads] if own is None else [_picked(grads, own, False), _picked(grads, own, True)]
+        norms_t = [self._norm_sq(part).sqrt() for part in parts]
+        if self.adam.defaults.get("fused") and len(parts) == 1 and self.muon is None and \
+                not isinstance(self.scaler, DynamicScaler):
+            return self._step_on_device(grads, norms_t[0])
+        norms = [n.item() for n in norms_t]  # one host sync: the dynamic loss scale and the skip are decided here
+        norm = norms[0]
+        found_inf = not all(math.isfinite(n) for n in norms)
         self.scaler.update(found_inf)
         if found_inf:
             return False, norm
-        if self.clip_grad and self.clip_grad > 0:  # the model's gradients by its norm, the MTP heads' by theirs
-            for part, total in ((grads, norm),) if own is None else ((_picked(grads, own, False), norm),
-                                                                     (_picked(grads, own, True), own_norm)):
-                if self.clip_grad / (total + 1e-6) < 1.0:
-                    torch._foreach_mul_(part, self.clip_grad / (total + 1e-6))
+        if self.clip_grad and self.clip_grad > 0:
+            for part, total in zip(parts, norms):
+                coeff = self.clip_grad / (total + 1e-6)
+                if coeff < 1.0:
+                    torch._foreach_mul_(part, coeff)
         for i in self._adam_index:
             self.masters[i].grad = grads[i]
         self.adam.step()
