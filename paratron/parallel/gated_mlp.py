@@ -1,0 +1,119 @@
+"""The SwiGLU MLP with the activation inside the GEMMs (Hopper, bf16), on quack's CuTe-DSL kernels.
+
+The plain path runs fc1's GEMM, a SwiGLU kernel over its [tokens, 2F] output and fc2's GEMM; its
+backward runs fc2's input-gradient GEMM, the SwiGLU backward kernel, and the weight GEMMs. Here
+fc1's GEMM applies SwiGLU in its epilogue (``gemm_gated``: it writes the pre-activation, kept for
+the backward, and the activation, fc2's input), and fc2's input-gradient GEMM applies the SwiGLU
+backward in its epilogue (``gemm_dgated``: from the kept pre-activation it writes d[gate, up] and the
+activation again, for fc2's weight gradient). The two elementwise passes over the [tokens, 2F]
+tensor are gone; the activation is not kept between forward and backward.
+
+The kernels read fc1's weight, stored [gate; up] (paratron's and Megatron's layout), as interleaved
+rows ``concat_layout=("B",)``: the pre-activation and its gradient are [g0, u0, g1, u1, ...] along the
+last dimension, and fc1's two backward GEMMs take them in that order (``concat_layout`` again).
+
+quack-kernels (Tri Dao's CuTe-DSL kernel library, https://github.com/Dao-AILab/quack) is an optional
+dependency: without it, on CPUs, on GPUs other than Hopper, with FP8, biases or a SwiGLU variant, and
+with ``PARATRON_GATED_GEMM=0``, the MLP runs the plain path. The torch expressions below (``*_ref``)
+are the same operations in the same layout; the CPU tests run the autograd function on them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+try:  # optional: pip install quack-kernels (Hopper); imported lazily-safe here, used only on CUDA
+    from quack.gemm_interface import gemm as _q_gemm, gemm_act as _q_gemm_act, gemm_dact as _q_gemm_dact
+except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not load on this machine
+    _q_gemm = None
+
+
+def wanted(fused_swiglu: bool, bias: bool, device, dtype) -> bool:
+    """Whether an MLP built on ``device`` in ``dtype`` takes the gated GEMMs: the fused SwiGLU (no offset,
+    clamp or --no-bias-swiglu-fusion), no biases, bf16 on a Hopper GPU, quack importable and
+    ``PARATRON_GATED_GEMM`` not 0. Decided when the model is built (its device is known there, and the
+    compiled forward then only reads the answer)."""
+    if not (fused_swiglu and not bias and dtype == torch.bfloat16 and _q_gemm is not None):
+        return False
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda" or os.environ.get("PARATRON_GATED_GEMM", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def applies(x: torch.Tensor, fc1, fc2) -> bool:
+    """For an MLP that ``wanted`` the gated GEMMs: training (the kernels keep the pre-activation for the
+    backward; generation takes the plain path), no FP8 state, widths the kernels' 16-byte loads take."""
+    return (torch.is_grad_enabled() and x.is_cuda and fc1.fp8 is None and fc2.fp8 is None
+            and fc1.weight.size(1) % 8 == 0 and fc2.weight.size(0) % 8 == 0 and fc2.weight.size(1) % 8 == 0)
+
+
+# ---- the operations, as torch expressions (the reference; CPU tests) ---------------------------
+def interleave(w1: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows -> [g0, u0, g1, u1, ...] rows."""
+    return w1.unflatten(0, (2, -1)).transpose(0, 1).flatten(0, 1)
+
+
+def deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """[g0, u0, g1, u1, ...] rows -> [gate; up] rows."""
+    return t.unflatten(0, (-1, 2)).transpose(0, 1).flatten(0, 1)
+
+
+def gated_ref(x: torch.Tensor, w1: torch.Tensor):
+    """(pre-activation [M, 2F] interleaved, silu(gate) * up [M, F])."""
+    pre = (x.float() @ interleave(w1).float().t())
+    act = torch.nn.functional.silu(pre[:, 0::2]) * pre[:, 1::2]
+    return pre.to(x.dtype), act.to(x.dtype)
+
+
+def dgated_ref(dy: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor):
+    """(d pre-activation [M, 2F] interleaved, the activation [M, F] recomputed from ``pre``)."""
+    dact = dy.float() @ w2.float()
+    gate, up = pre[:, 0::2].float(), pre[:, 1::2].float()
+    sig = torch.sigmoid(gate)
+    dpre = torch.stack((dact * up * sig * (1 + gate * (1 - sig)), dact * gate * sig), dim=-1).flatten(1)
+    return dpre.to(dy.dtype), (gate * sig * up).to(dy.dtype)
+
+
+def _ops(device: torch.device):
+    """(gated, dgated, dx, dw1) for ``device``: quack's kernels on CUDA, the references elsewhere."""
+    if device.type != "cuda":
+        return (gated_ref, dgated_ref, lambda dpre, w1: dpre @ interleave(w1),
+                lambda dpre, x: deinterleave(dpre.t() @ x))
+    return (lambda x, w1: _q_gemm_act(x, w1.t(), activation="swiglu", concat_layout=("B",), tuned=False),
+            lambda dy, w2, pre: _q_gemm_dact(dy, w2, pre, activation="swiglu", tuned=False),
+            lambda dpre, w1: _q_gemm(dpre, w1, concat_layout=("B",), dynamic_scheduler=True, tuned=False),
+            lambda dpre, x: _q_gemm(dpre.t(), x, concat_layout=("out",), dynamic_scheduler=True, tuned=False))
+
+
+class _GatedMLP(torch.autograd.Function):
+    """y = swiglu(x W1^T) W2^T (+ residual) on 2-D ``x``; keeps x and the pre-activation."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, residual):
+        gated, _, _, _ = _ops(x.device)
+        pre, act = gated(x, w1)
+        y = act @ w2.t() if residual is None else torch.addmm(residual, act, w2.t())
+        ctx.save_for_backward(x, w1, w2, pre)
+        ctx.has_residual = residual is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, w2, pre = ctx.saved_tensors
+        _, dgated, dx_of, dw1_of = _ops(x.device)
+        dy = dy.contiguous()
+        dpre, act = dgated(dy, w2, pre)
+        dw2 = dy.t() @ act
+        return dx_of(dpre, w1), dw1_of(dpre, x), dw2, (dy if ctx.has_residual else None)
+
+
+def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``silu(gate) * up`` MLP of ``x [..., H]`` with fc1's weight ``w1 [2F, H]`` ([gate; up] rows) and fc2's
+    ``w2 [H, F]``; ``residual`` (x's shape) is added by fc2's GEMM."""
+    shape = x.shape
+    res = None if residual is None else residual.reshape(-1, w2.size(0))
+    return _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res).view(*shape[:-1], w2.size(0))

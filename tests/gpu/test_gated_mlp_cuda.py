@@ -1,0 +1,67 @@
+"""The gated-GEMM SwiGLU MLP on quack's kernels (Hopper, skipped elsewhere or without quack-kernels):
+value and gradients against the plain bf16 path, eager and inside a compiled region, and the training
+MLP of a llama-shaped model actually taking it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratron.parallel import gated_mlp
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or gated_mlp._q_gemm is None
+    or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU and quack-kernels")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _inputs(m=1000, h=256, f=384):  # m not a multiple of the kernels' 128-row tiles
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, h, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(2 * f, h, device="cuda", generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(h, f, device="cuda", generator=g) * 0.05).bfloat16()
+    res = torch.randn(m, h, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(m, h, device="cuda", generator=g).bfloat16()
+    return x, w1, w2, res, dy
+
+
+def _grads(fn, x, w1, w2, res, dy):
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2, res)]
+    y = fn(*leaves)
+    return [y.detach(), *torch.autograd.grad(y, leaves, dy)]
+
+
+def _plain(x, w1, w2, res):
+    gate, up = (x @ w1.t()).chunk(2, dim=-1)
+    return torch.addmm(res, torch.nn.functional.silu(gate) * up, w2.t())
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gated_gemms_match_the_plain_path(compiled):
+    args = _inputs()
+    fn = gated_mlp.gated_mlp
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+    got, want = _grads(fn, *args), _grads(_plain, *args)
+    for name, a, b in zip(("y", "dx", "dW1", "dW2", "dres"), got, want):
+        assert a.shape == b.shape and _rel(a, b) < 1e-2, (name, _rel(a, b))
+
+
+def test_llama_shaped_mlp_takes_the_gated_path(monkeypatch):
+    from paratron.config import parse_args
+    from paratron.model.layers import MLP, Parallel
+    cfg = parse_args(["--num-layers", "1", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+                      "--ffn-hidden-size", "384", "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+                      "--mock-data", "--train-iters", "1", "--lr", "1e-3", "--micro-batch-size", "2"]).model
+    mlp = MLP(cfg, Parallel(), device="cuda", dtype=torch.bfloat16)
+    assert mlp.gated_gemm
+    calls = []
+    real = gated_mlp.gated_mlp
+    monkeypatch.setattr(gated_mlp, "gated_mlp", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mlp(x, x).float().sum().backward()
+    with torch.no_grad():
+        mlp(x, x)  # generation: the plain path
+    assert len(calls) == 1 and torch.isfinite(x.grad).all()
