@@ -39,29 +39,92 @@ def mlp_rows(m: int, h: int, f: int) -> tuple[list[str], dict]:
     def plain():
         return torch.addmm(res, swiglu(x @ w1.t()), w2.t())
 
-    def gated():
-        return gated_mlp(x, w1, w2, res)
-
+    paths = (("plain", plain), ("gated, fc1 backward on cuBLAS", lambda: gated_mlp(x, w1, w2, res, bwd="cublas")),
+             ("gated, fc1 backward on quack", lambda: gated_mlp(x, w1, w2, res, bwd="quack")))
     outs = {}
-    for name, fn in (("plain", plain), ("gated", gated)):
+    for name, fn in paths:
         for t in (x, res, w1, w2):
             t.grad = None
         y = fn()
         y.backward(dy)
         outs[name] = [y.detach(), x.grad, w1.grad, w2.grad, res.grad]
-    errs = [rel(a, b) for a, b in zip(outs["gated"], outs["plain"])]
     flops = 2 * m * h * 3 * f  # fc1 (2F wide) + fc2
     rows, facts = [], {}
-    for name, fn in (("plain", plain), ("gated", gated)):
+    for name, fn in paths:
         with torch.no_grad():
             fwd = cuda_ms(fn)
         both = cuda_ms(lambda: fn().backward(dy))
         rows.append(f"| {name} | {fwd:.3f} | {flops / fwd / 1e9:.0f} | {both:.3f} | {3 * flops / both / 1e9:.0f} |")
         facts[name] = (fwd, both)
-    rows.append("")
-    rows.append("max relative difference gated vs plain (norm-wise): y {:.2e}, dx {:.2e}, dW1 {:.2e}, dW2 {:.2e}, "
-                "dresidual {:.2e}".format(*errs))
+    for name, _ in paths[1:]:
+        errs = [rel(a, b) for a, b in zip(outs[name], outs["plain"])]
+        rows += ["", f"relative difference (norm-wise) {name} vs plain: y {{:.2e}}, dx {{:.2e}}, dW1 {{:.2e}}, "
+                 "dW2 {:.2e}, dresidual {:.2e}".format(*errs)]
     return rows, facts
+
+
+def part_rows(m: int, h: int, f: int) -> list[str]:
+    """The backward's parts alone: fc2's input gradient + SwiGLU backward, fc1's two GEMMs."""
+    from paratron.parallel import gated_mlp as g
+    from quack.gemm_interface import gemm
+    x = torch.randn(m, h, device="cuda").bfloat16()
+    w1 = (torch.randn(2 * f, h, device="cuda") * 0.02).bfloat16()
+    w2 = (torch.randn(h, f, device="cuda") * 0.02).bfloat16()
+    dy = torch.randn(m, h, device="cuda").bfloat16()
+    pre, _ = g.gated_ref(x, w1)
+    dpre = torch.randn(m, 2 * f, device="cuda").bfloat16()
+    plain_h = torch.cat((pre[:, 0::2], pre[:, 1::2]), dim=-1)
+    gated, dgated, _, _ = g._ops(x.device)
+    cases = [
+        ("fc1 + SwiGLU: cuBLAS + Triton SwiGLU", lambda: torch.ops.paratron.swiglu(x @ w1.t()), 2 * m * h * 2 * f),
+        ("fc1 + SwiGLU: quack gemm_gated", lambda: gated(x, w1), 2 * m * h * 2 * f),
+        ("fc2 dgrad + SwiGLU bwd: cuBLAS + Triton", lambda: torch.ops.paratron.swiglu_backward(plain_h, dy @ w2),
+         2 * m * h * f),
+        ("fc2 dgrad + SwiGLU bwd: quack gemm_dgated", lambda: dgated(dy, w2, pre), 2 * m * h * f),
+        ("fc1 dgrad: cuBLAS (plain layout)", lambda: dpre @ w1, 2 * m * h * 2 * f),
+        ("fc1 dgrad: cuBLAS + weight re-ordered", lambda: g._dx_ref(dpre, w1), 2 * m * h * 2 * f),
+        ("fc1 dgrad: quack concat_layout", lambda: gemm(dpre, w1, concat_layout=("B",), dynamic_scheduler=True,
+                                                      tuned=False), 2 * m * h * 2 * f),
+        ("fc1 wgrad: cuBLAS (plain layout)", lambda: dpre.t() @ x, 2 * m * h * 2 * f),
+        ("fc1 wgrad: cuBLAS + gradient re-ordered", lambda: g._dw1_ref(dpre, x), 2 * m * h * 2 * f),
+        ("fc1 wgrad: quack concat_layout", lambda: gemm(dpre.t(), x, concat_layout=("out",), dynamic_scheduler=True,
+                                                      tuned=False), 2 * m * h * 2 * f),
+    ]
+    rows = []
+    for name, fn, fl in cases:
+        t = cuda_ms(fn)
+        rows.append(f"| {name} | {t:.3f} | {fl / t / 1e9:.0f} |")
+    return rows
+
+
+def config_rows(m: int, h: int, f: int) -> list[str]:
+    """quack's gated forward and dgated backward under other tile configurations than its default."""
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_dgated_tuned, gemm_gated_tuned
+    x = torch.randn(m, h, device="cuda").bfloat16()
+    w1 = (torch.randn(2 * f, h, device="cuda") * 0.02).bfloat16()
+    w2 = (torch.randn(h, f, device="cuda") * 0.02).bfloat16()
+    dy = torch.randn(m, h, device="cuda").bfloat16()
+    pre = torch.empty(m, 2 * f, device="cuda", dtype=torch.bfloat16)
+    act = torch.empty(m, f, device="cuda", dtype=torch.bfloat16)
+    dpre = torch.empty_like(pre)
+    rows = []
+    for tm, tn, pp, cm, cn in ((128, 192, True, 2, 1), (128, 256, False, 2, 1), (256, 128, False, 2, 1),
+                               (256, 192, False, 1, 2), (128, 128, True, 2, 1)):
+        c = GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=False)
+        try:
+            t1 = cuda_ms(lambda: gemm_gated_tuned.fn(x, w1.t(), pre, act, config=c, concat_layout=("B",)))
+        except Exception as e:  # noqa: BLE001
+            t1 = float("nan")
+            print("gated", c, type(e).__name__, str(e)[:200], flush=True)
+        try:
+            t2 = cuda_ms(lambda: gemm_dgated_tuned.fn(dy, w2, pre, dpre, act, config=c))
+        except Exception as e:  # noqa: BLE001
+            t2 = float("nan")
+            print("dgated", c, type(e).__name__, str(e)[:200], flush=True)
+        rows.append(f"| {tm}x{tn} {'pingpong' if pp else 'cooperative'} cluster {cm}x{cn} | {t1:.3f} | "
+                    f"{2 * m * h * 2 * f / t1 / 1e9:.0f} | {t2:.3f} | {2 * m * h * f / t2 / 1e9:.0f} |")
+    return rows
 
 
 def norm_rows(m: int, h: int) -> list[str]:
@@ -119,6 +182,9 @@ def main() -> int:
     body += rows
     print("\n".join(body), flush=True)
     for title, head, fn in (
+            ("Backward parts alone", ["| part | ms | TFLOP/s |", "|---|---|---|"], lambda: part_rows(n, h, f)),
+            ("quack tile configurations", ["| config | gated fwd ms | TFLOP/s | dgated ms | TFLOP/s |",
+                                           "|---|---|---|---|---|"], lambda: config_rows(n, h, f)),
             ("RMSNorm", ["| kernel | forward ms | fwd + bwd ms | rel. diff of y |", "|---|---|---|---|"],
              lambda: norm_rows(n, h)),
             ("fc1 weight gradient accumulated into fp32",

@@ -15,7 +15,8 @@ site=/tmp/quack_site
 if [ ! -d "$site/site" ]; then
     mkdir -p "$site" && tar -xJf .peers/quack/site.tar.xz -C "$site" || exit 1
 fi
-export PYTHONPATH="$PWD:$site/site${PYTHONPATH:+:$PYTHONPATH}"
+# (the .pth file that puts cutlass on the path is not read from PYTHONPATH: named here)
+export PYTHONPATH="$PWD:$site/site:$site/site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
 if ! python -c "import cuda.bindings.driver" 2>/dev/null; then
     [ -d "$site/cb" ] || tar -xJf .peers/quack/cb.tar.xz -C "$site"
     export PYTHONPATH="$PYTHONPATH:$site/cb"
@@ -28,7 +29,8 @@ timeout "${PROBE_S:-150}" python benchmarks/gated_mlp_bench.py --config llama-1b
     | grep -v Warning | tail -30
 bf16="--torch-compile --micro-batch-size 16 --global-batch-size 64"
 timeout "${TRAIN_S:-240}" python benchmarks/train_throughput.py --config llama-1b \
-    --variant "bf16-plain:$bf16 PARATRON_GATED_GEMM=0" --variant "bf16-gated:$bf16" 2>&1 | grep -v Warning | tail -8
+    --variant "bf16-plain:$bf16 PARATRON_GATED_GEMM=0" --variant "bf16-gated:$bf16" \
+    --variant "bf16-gated-quack-bwd:$bf16 PARATRON_GATED_BWD=quack" 2>&1 | grep -v Warning | tail -8
 if [ -d .peers/torchtitan ] && [ "${TORCHTITAN:-1}" = 1 ]; then
     stamp="$(date -u +%Y%m%d_%H%M)"
     VARIANT_TIMEOUT_S=140 TOTAL_BUDGET_S=150 timeout 160 bash .peers/torchtitan/run.sh --variants bf16:16 \

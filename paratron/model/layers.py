@@ -204,7 +204,8 @@ class MLP(nn.Module):
         gated = is_gated(cfg)
         self.activation = mlp_activation(cfg)
         self.fp8_act = fused_fp8_activation(cfg)  # the fused FP8 MLP's activation code (None: per layer)
-        # fc1 -> SwiGLU -> fc2 as two GEMMs with the activation in their epilogues (Hopper, quack)
+        # fc1 -> SwiGLU -> fc2 as two GEMMs with the activation in their epilogues (Hopper, quack): None,
+        # or the library of fc1's backward GEMMs
         self.gated_gemm = gated_mlp.wanted(self.fp8_act == fp8_mlp.SWIGLU, bias, device, dtype)
         width = cfg.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=par.tp_group, bias=bias,
@@ -223,7 +224,8 @@ class MLP(nn.Module):
                                               self.fp8_act), residual)
         if self.gated_gemm and gated_mlp.applies(x, fc1, fc2):
             tp1 = comm.group_size(fc2.tp_group) == 1  # fc2's GEMM adds the residual (not to a TP partial sum)
-            y = gated_mlp.gated_mlp(fc1.enter(x), fc1.weight, fc2.weight, residual if tp1 else None)
+            y = gated_mlp.gated_mlp(fc1.enter(x), fc1.weight, fc2.weight, residual if tp1 else None,
+                                    bwd=self.gated_gemm)
             return fc2.exit(y, None if tp1 else residual)
         return fc2(self.activation(fc1(x)), residual)
 

@@ -30,17 +30,20 @@ except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not 
     _q_gemm = None
 
 
-def wanted(fused_swiglu: bool, bias: bool, device, dtype) -> bool:
+def wanted(fused_swiglu: bool, bias: bool, device, dtype) -> Optional[str]:
     """Whether an MLP built on ``device`` in ``dtype`` takes the gated GEMMs: the fused SwiGLU (no offset,
     clamp or --no-bias-swiglu-fusion), no biases, bf16 on a Hopper GPU, quack importable and
     ``PARATRON_GATED_GEMM`` not 0. Decided when the model is built (its device is known there, and the
-    compiled forward then only reads the answer)."""
+    compiled forward then only reads the answer). The answer names the library of fc1's two backward
+    GEMMs: "cublas", or "quack" with ``PARATRON_GATED_BWD=quack``; None: the plain path."""
     if not (fused_swiglu and not bias and dtype == torch.bfloat16 and _q_gemm is not None):
-        return False
+        return None
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cuda" or os.environ.get("PARATRON_GATED_GEMM", "1") == "0":
-        return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+        return None
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    return "quack" if os.environ.get("PARATRON_GATED_BWD") == "quack" else "cublas"
 
 
 def applies(x: torch.Tensor, fc1, fc2) -> bool:
@@ -77,13 +80,25 @@ def dgated_ref(dy: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor):
     return dpre.to(dy.dtype), (gate * sig * up).to(dy.dtype)
 
 
-def _ops(device: torch.device):
-    """(gated, dgated, dx, dw1) for ``device``: quack's kernels on CUDA, the references elsewhere."""
+def _dx_ref(dpre: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    return dpre @ interleave(w1)
+
+
+def _dw1_ref(dpre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return deinterleave(dpre.t() @ x)
+
+
+def _ops(device: torch.device, bwd: str = "cublas"):
+    """(gated, dgated, dx, dw1) for ``device``: quack's kernels on CUDA, the references elsewhere. fc1's
+    two backward GEMMs run on cuBLAS with fc1's weight (and its gradient) re-ordered by a copy, or with
+    ``bwd="quack"`` on quack's GEMMs that read and write the interleaved order in place."""
     if device.type != "cuda":
-        return (gated_ref, dgated_ref, lambda dpre, w1: dpre @ interleave(w1),
-                lambda dpre, x: deinterleave(dpre.t() @ x))
-    return (lambda x, w1: _q_gemm_act(x, w1.t(), activation="swiglu", concat_layout=("B",), tuned=False),
-            lambda dy, w2, pre: _q_gemm_dact(dy, w2, pre, activation="swiglu", tuned=False),
+        return gated_ref, dgated_ref, _dx_ref, _dw1_ref
+    gated = lambda x, w1: _q_gemm_act(x, w1.t(), activation="swiglu", concat_layout=("B",), tuned=False)  # noqa: E731
+    dgated = lambda dy, w2, pre: _q_gemm_dact(dy, w2, pre, activation="swiglu", tuned=False)  # noqa: E731
+    if bwd != "quack":
+        return gated, dgated, _dx_ref, _dw1_ref
+    return (gated, dgated,
             lambda dpre, w1: _q_gemm(dpre, w1, concat_layout=("B",), dynamic_scheduler=True, tuned=False),
             lambda dpre, x: _q_gemm(dpre.t(), x, concat_layout=("out",), dynamic_scheduler=True, tuned=False))
 
@@ -92,28 +107,28 @@ class _GatedMLP(torch.autograd.Function):
     """y = swiglu(x W1^T) W2^T (+ residual) on 2-D ``x``; keeps x and the pre-activation."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, residual):
+    def forward(ctx, x, w1, w2, residual, bwd):
         gated, _, _, _ = _ops(x.device)
         pre, act = gated(x, w1)
         y = act @ w2.t() if residual is None else torch.addmm(residual, act, w2.t())
         ctx.save_for_backward(x, w1, w2, pre)
-        ctx.has_residual = residual is not None
+        ctx.has_residual, ctx.bwd = residual is not None, bwd
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w1, w2, pre = ctx.saved_tensors
-        _, dgated, dx_of, dw1_of = _ops(x.device)
+        _, dgated, dx_of, dw1_of = _ops(x.device, ctx.bwd)
         dy = dy.contiguous()
         dpre, act = dgated(dy, w2, pre)
         dw2 = dy.t() @ act
-        return dx_of(dpre, w1), dw1_of(dpre, x), dw2, (dy if ctx.has_residual else None)
+        return dx_of(dpre, w1), dw1_of(dpre, x), dw2, (dy if ctx.has_residual else None), None
 
 
 def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+              residual: Optional[torch.Tensor] = None, bwd: str = "cublas") -> torch.Tensor:
     """``silu(gate) * up`` MLP of ``x [..., H]`` with fc1's weight ``w1 [2F, H]`` ([gate; up] rows) and fc2's
-    ``w2 [H, F]``; ``residual`` (x's shape) is added by fc2's GEMM."""
+    ``w2 [H, F]``; ``residual`` (x's shape) is added by fc2's GEMM; ``bwd``: see ``_ops``."""
     shape = x.shape
     res = None if residual is None else residual.reshape(-1, w2.size(0))
-    return _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res).view(*shape[:-1], w2.size(0))
+    return _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, bwd).view(*shape[:-1], w2.size(0))

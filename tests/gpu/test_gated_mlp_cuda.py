@@ -38,10 +38,12 @@ def _plain(x, w1, w2, res):
     return torch.addmm(res, torch.nn.functional.silu(gate) * up, w2.t())
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_gated_gemms_match_the_plain_path(compiled):
+@pytest.mark.parametrize("compiled,bwd", [(False, "cublas"), (False, "quack"), (True, "cublas")])
+def test_gated_gemms_match_the_plain_path(compiled, bwd):
     args = _inputs()
-    fn = gated_mlp.gated_mlp
+
+    def fn(x, w1, w2, res):
+        return gated_mlp.gated_mlp(x, w1, w2, res, bwd=bwd)
     if compiled:
         fn = torch.compile(fn, fullgraph=True)
     got, want = _grads(fn, *args), _grads(_plain, *args)
@@ -59,7 +61,7 @@ def test_llama_shaped_mlp_takes_the_gated_path(monkeypatch):
     assert mlp.gated_gemm
     calls = []
     real = gated_mlp.gated_mlp
-    monkeypatch.setattr(gated_mlp, "gated_mlp", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(gated_mlp, "gated_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mlp(x, x).float().sum().backward()
     with torch.no_grad():
