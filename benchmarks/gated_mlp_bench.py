@@ -1,6 +1,6 @@
 """The SwiGLU MLP of one layer at a preset's shapes, timed alone on the GPU: the plain path (cuBLAS fc1,
 paratron's Triton SwiGLU, cuBLAS fc2 with the residual; backward by autograd) against the gated GEMMs
-(``paratron.parallel.gated_mlp``: quack's gemm_gated / gemm_dgated), forward and forward + backward,
+(``paratron.parallel.quack_kernels``: quack's gemm_gated / gemm_dgated), forward and forward + backward,
 with the largest relative differences of the output and the three gradients between the two. Also
 RMSNorm forward + backward (compiled torch vs quack's) and the weight gradient accumulated into an
 fp32 buffer (cuBLAS + add vs quack's gemm_add_inplace), the other two candidates of the same library.
@@ -28,7 +28,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def mlp_rows(m: int, h: int, f: int) -> tuple[list[str], dict]:
     from paratron.model.kernels import swiglu
-    from paratron.parallel.gated_mlp import gated_mlp
+    from paratron.parallel.quack_kernels import gated_mlp
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(m, h, device="cuda", generator=g) * 1.0).bfloat16().requires_grad_()
     res = torch.randn(m, h, device="cuda", generator=g).bfloat16().requires_grad_()
@@ -48,6 +48,7 @@ def mlp_rows(m: int, h: int, f: int) -> tuple[list[str], dict]:
         y = fn()
         y.backward(dy)
         outs[name] = [y.detach(), x.grad, w1.grad, w2.grad, res.grad]
+    errs = {name: [rel(a, b) for a, b in zip(outs[name], outs["plain"])] for name, _ in paths[1:]}
     flops = 2 * m * h * 3 * f  # fc1 (2F wide) + fc2
     rows, facts = [], {}
     for name, fn in paths:
@@ -56,16 +57,15 @@ def mlp_rows(m: int, h: int, f: int) -> tuple[list[str], dict]:
         both = cuda_ms(lambda: fn().backward(dy))
         rows.append(f"| {name} | {fwd:.3f} | {flops / fwd / 1e9:.0f} | {both:.3f} | {3 * flops / both / 1e9:.0f} |")
         facts[name] = (fwd, both)
-    for name, _ in paths[1:]:
-        errs = [rel(a, b) for a, b in zip(outs[name], outs["plain"])]
+    for name, e in errs.items():  # (measured before the timing loops, which accumulate into .grad)
         rows += ["", f"relative difference (norm-wise) {name} vs plain: y {{:.2e}}, dx {{:.2e}}, dW1 {{:.2e}}, "
-                 "dW2 {:.2e}, dresidual {:.2e}".format(*errs)]
+                 "dW2 {:.2e}, dresidual {:.2e}".format(*e)]
     return rows, facts
 
 
 def part_rows(m: int, h: int, f: int) -> list[str]:
     """The backward's parts alone: fc2's input gradient + SwiGLU backward, fc1's two GEMMs."""
-    from paratron.parallel import gated_mlp as g
+    from paratron.parallel import quack_kernels as g
     from quack.gemm_interface import gemm
     x = torch.randn(m, h, device="cuda").bfloat16()
     w1 = (torch.randn(2 * f, h, device="cuda") * 0.02).bfloat16()

@@ -19,7 +19,7 @@ from . import mup
 from ..config import ModelConfig
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
-from ..parallel import comm, fp8_mlp, gated_mlp
+from ..parallel import comm, fp8_mlp, quack_kernels
 from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention, rope_layers
 from .variants import apply_output_gate, fused_fp8_activation, is_gated, mlp_activation, qkv_parts
@@ -96,6 +96,8 @@ class Norm(nn.Module):
         if sequence_parallel:  # applied to a share of the activations (sequence or heads): partial gradients per TP rank
             for p in self.parameters():
                 set_spec(p, ShardSpec(sum_over=("tp",)))
+        # quack's RMSNorm kernel in training (Hopper, bf16; PARATRON_QUACK_NORM=0 turns it off)
+        self.quack = kind == "RMSNorm" and not zero_centered and quack_kernels.on_hopper(device, dtype, "PARATRON_QUACK_NORM")
 
     @classmethod
     def of(cls, cfg: ModelConfig, size: int, sequence_parallel: bool = False, device=None, dtype=None) -> "Norm":
@@ -111,6 +113,8 @@ class Norm(nn.Module):
             return (gamma * F.rms_norm(x.float(), self.size, eps=self.eps)).to(x.dtype)
         if self.kind == "LayerNorm":
             return F.layer_norm(x, self.size, self.weight, self.bias, self.eps)
+        if self.quack and torch.is_grad_enabled() and x.is_cuda:  # (generation: the torch expression)
+            return quack_kernels.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.size, eps=self.eps).to(x.dtype)
 
 
@@ -206,7 +210,7 @@ class MLP(nn.Module):
         self.fp8_act = fused_fp8_activation(cfg)  # the fused FP8 MLP's activation code (None: per layer)
         # fc1 -> SwiGLU -> fc2 as two GEMMs with the activation in their epilogues (Hopper, quack): None,
         # or the library of fc1's backward GEMMs
-        self.gated_gemm = gated_mlp.wanted(self.fp8_act == fp8_mlp.SWIGLU, bias, device, dtype)
+        self.gated_gemm = quack_kernels.wanted(self.fp8_act == fp8_mlp.SWIGLU, bias, device, dtype)
         width = cfg.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=par.tp_group, bias=bias,
                                                sequence_parallel=par.sequence_parallel,
@@ -222,9 +226,9 @@ class MLP(nn.Module):
         if fp8_mlp.applies(fc1, fc2, self.fp8_act):  # the activation's output and gradient born in FP8
             return fc2.exit(fp8_mlp.fused_mlp(fc1.enter(x), fc1.weight, fc1.bias, fc2.weight, fc1.fp8, fc2.fp8,
                                               self.fp8_act), residual)
-        if self.gated_gemm and gated_mlp.applies(x, fc1, fc2):
+        if self.gated_gemm and quack_kernels.applies(x, fc1, fc2):
             tp1 = comm.group_size(fc2.tp_group) == 1  # fc2's GEMM adds the residual (not to a TP partial sum)
-            y = gated_mlp.gated_mlp(fc1.enter(x), fc1.weight, fc2.weight, residual if tp1 else None,
+            y = quack_kernels.gated_mlp(fc1.enter(x), fc1.weight, fc2.weight, residual if tp1 else None,
                                     bwd=self.gated_gemm)
             return fc2.exit(y, None if tp1 else residual)
         return fc2(self.activation(fc1(x)), residual)

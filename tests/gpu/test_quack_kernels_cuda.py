@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.parallel import gated_mlp
+from paratron.parallel import quack_kernels
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or gated_mlp._q_gemm is None
+    not torch.cuda.is_available() or quack_kernels._q_gemm is None
     or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU and quack-kernels")
 
 
@@ -43,7 +43,7 @@ def test_gated_gemms_match_the_plain_path(compiled, bwd):
     args = _inputs()
 
     def fn(x, w1, w2, res):
-        return gated_mlp.gated_mlp(x, w1, w2, res, bwd=bwd)
+        return quack_kernels.gated_mlp(x, w1, w2, res, bwd=bwd)
     if compiled:
         fn = torch.compile(fn, fullgraph=True)
     got, want = _grads(fn, *args), _grads(_plain, *args)
@@ -60,10 +60,29 @@ def test_llama_shaped_mlp_takes_the_gated_path(monkeypatch):
     mlp = MLP(cfg, Parallel(), device="cuda", dtype=torch.bfloat16)
     assert mlp.gated_gemm
     calls = []
-    real = gated_mlp.gated_mlp
-    monkeypatch.setattr(gated_mlp, "gated_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = quack_kernels.gated_mlp
+    monkeypatch.setattr(quack_kernels, "gated_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mlp(x, x).float().sum().backward()
     with torch.no_grad():
         mlp(x, x)  # generation: the plain path
     assert len(calls) == 1 and torch.isfinite(x.grad).all()
+
+
+def test_rms_norm_matches_the_torch_expression_and_the_norm_takes_it():
+    from paratron.model.layers import Norm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 333, 512, device="cuda", generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(512, device="cuda", generator=g)).bfloat16()
+    dy = torch.randn(3, 333, 512, device="cuda", generator=g).bfloat16()
+
+    def ref(x, w):  # in fp32, one rounding
+        return (w.float() * torch.nn.functional.rms_norm(x.float(), (512,), eps=1e-5)).bfloat16()
+
+    got = _grads(lambda x, w, _a, _b: quack_kernels.rms_norm(x, w, 1e-5), x, w, w, w, dy)[:3]
+    want = _grads(lambda x, w, _a, _b: ref(x, w), x, w, w, w, dy)[:3]
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+    norm = Norm("RMSNorm", 512, 1e-5, device="cuda", dtype=torch.bfloat16)
+    assert norm.quack and not Norm("LayerNorm", 512, 1e-5, device="cuda", dtype=torch.bfloat16).quack
+    assert _rel(norm(x), ref(x, norm.weight.detach())) < 1e-2

@@ -1,6 +1,7 @@
-"""The SwiGLU MLP with the activation inside the GEMMs (Hopper, bf16), on quack's CuTe-DSL kernels.
+"""paratron's uses of quack's CuTe-DSL kernels on Hopper in bf16 training: the SwiGLU MLP with the
+activation inside the GEMMs, and RMSNorm.
 
-The plain path runs fc1's GEMM, a SwiGLU kernel over its [tokens, 2F] output and fc2's GEMM; its
+MLP. The plain path runs fc1's GEMM, a SwiGLU kernel over its [tokens, 2F] output and fc2's GEMM; its
 backward runs fc2's input-gradient GEMM, the SwiGLU backward kernel, and the weight GEMMs. Here
 fc1's GEMM applies SwiGLU in its epilogue (``gemm_gated``: it writes the pre-activation, kept for
 the backward, and the activation, fc2's input), and fc2's input-gradient GEMM applies the SwiGLU
@@ -16,6 +17,11 @@ quack-kernels (Tri Dao's CuTe-DSL kernel library, https://github.com/Dao-AILab/q
 dependency: without it, on CPUs, on GPUs other than Hopper, with FP8, biases or a SwiGLU variant, and
 with ``PARATRON_GATED_GEMM=0``, the MLP runs the plain path. The torch expressions below (``*_ref``)
 are the same operations in the same layout; the CPU tests run the autograd function on them.
+
+RMSNorm: quack's forward and backward kernels (fp32 inside; the weight gradient from per-block
+partial sums) in place of the compiled torch expression: 0.42 against 0.56 ms forward + backward at
+llama-1b's [32768, 2048] on an H100 (benchmarks/results/gated_mlp_llama-1b_20261126_040022.md).
+``PARATRON_QUACK_NORM=0`` turns it off. Generation (no autograd) takes the torch paths.
 """
 from __future__ import annotations
 
@@ -24,24 +30,29 @@ from typing import Optional
 
 import torch
 
-try:  # optional: pip install quack-kernels (Hopper); imported lazily-safe here, used only on CUDA
+try:  # optional: pip install quack-kernels (Hopper); used only on CUDA
+    from quack import rmsnorm as _q_rmsnorm
     from quack.gemm_interface import gemm as _q_gemm, gemm_act as _q_gemm_act, gemm_dact as _q_gemm_dact
 except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not load on this machine
     _q_gemm = None
 
 
+def on_hopper(device, dtype, switch: str) -> bool:
+    """quack's kernels can run for a module built on ``device`` in ``dtype``: quack importable, bf16 on a
+    Hopper GPU, and the environment ``switch`` not 0."""
+    if _q_gemm is None or dtype != torch.bfloat16 or os.environ.get(switch, "1") == "0":
+        return False
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def wanted(fused_swiglu: bool, bias: bool, device, dtype) -> Optional[str]:
     """Whether an MLP built on ``device`` in ``dtype`` takes the gated GEMMs: the fused SwiGLU (no offset,
-    clamp or --no-bias-swiglu-fusion), no biases, bf16 on a Hopper GPU, quack importable and
-    ``PARATRON_GATED_GEMM`` not 0. Decided when the model is built (its device is known there, and the
-    compiled forward then only reads the answer). The answer names the library of fc1's two backward
-    GEMMs: "cublas", or "quack" with ``PARATRON_GATED_BWD=quack``; None: the plain path."""
-    if not (fused_swiglu and not bias and dtype == torch.bfloat16 and _q_gemm is not None):
-        return None
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cuda" or os.environ.get("PARATRON_GATED_GEMM", "1") == "0":
-        return None
-    if torch.cuda.get_device_capability(device)[0] != 9:
+    clamp or --no-bias-swiglu-fusion), no biases, ``on_hopper`` with ``PARATRON_GATED_GEMM``. Decided when
+    the model is built (its device is known there, and the compiled forward then only reads the
+    answer). The answer names the library of fc1's two backward GEMMs: "cublas", or "quack" with
+    ``PARATRON_GATED_BWD=quack``; None: the plain path."""
+    if not (fused_swiglu and not bias and on_hopper(device, dtype, "PARATRON_GATED_GEMM")):
         return None
     return "quack" if os.environ.get("PARATRON_GATED_BWD") == "quack" else "cublas"
 
@@ -132,3 +143,10 @@ def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     shape = x.shape
     res = None if residual is None else residual.reshape(-1, w2.size(0))
     return _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, bwd).view(*shape[:-1], w2.size(0))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` scaled by ``weight`` on quack's kernel (fp32 inside, one rounding; the Norm's
+    torch expression rounds the normalised value before the weight multiplies it). For modules that
+    ``on_hopper`` allowed."""
+    return _q_rmsnorm(x, weight, eps=eps)
