@@ -11,18 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
-site=/tmp/quack_site
-if [ ! -d "$site/site" ]; then
-    mkdir -p "$site" && tar -xJf .peers/quack/site.tar.xz -C "$site" || exit 1
-fi
-# (the .pth file that puts cutlass on the path is not read from PYTHONPATH: named here)
-export PYTHONPATH="$PWD:$site/site:$site/site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
-if ! python -c "import cuda.bindings.driver" 2>/dev/null; then
-    [ -d "$site/cb" ] || tar -xJf .peers/quack/cb.tar.xz -C "$site"
-    export PYTHONPATH="$PYTHONPATH:$site/cb"
-    echo "cuda-python: carried copy"
-fi
-python -c "import quack, cutlass; print('quack', quack.__version__, 'cutlass-dsl', cutlass.__version__)" 2>&1 | tail -2
+. benchmarks/quack_env.sh || exit 1
 export PARATRON_COORDINATE_DESCENT=${PARATRON_COORDINATE_DESCENT:-0}
 timeout "${TEST_S:-150}" python -m pytest -q -x tests/gpu/test_quack_kernels_cuda.py 2>&1 | tail -15
 [ "${PROBE:-1}" = 1 ] && timeout "${PROBE_S:-150}" python benchmarks/gated_mlp_bench.py --config llama-1b \

@@ -1,0 +1,14 @@
+# Source from the repository root on the device: unpacks the carried quack-kernels site
+# (.peers/quack/site.tar.xz, see gated_mlp_check.sh for how it is made) and puts it on PYTHONPATH.
+site=/tmp/quack_site
+if [ ! -d "$site/site" ]; then
+    mkdir -p "$site" && tar -xJf .peers/quack/site.tar.xz -C "$site" || return 1
+fi
+# (the .pth file that puts cutlass on the path is not read from PYTHONPATH: named here)
+export PYTHONPATH="$PWD:$site/site:$site/site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
+if ! python -c "import cuda.bindings.driver" 2>/dev/null; then
+    [ -d "$site/cb" ] || tar -xJf .peers/quack/cb.tar.xz -C "$site"
+    export PYTHONPATH="$PYTHONPATH:$site/cb"
+    echo "cuda-python: carried copy"
+fi
+python -c "import quack, cutlass; print('quack', quack.__version__, 'cutlass-dsl', cutlass.__version__)" 2>&1 | tail -2
