@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -20,6 +21,8 @@ from ..config import ModelConfig
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel import comm, fp8_mlp, quack_kernels
+
+_DECODE_MATH = os.environ.get("PARATRON_DECODE_ATTN") == "math"
 from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention, rope_layers
 from .variants import apply_output_gate, fused_fp8_activation, is_gated, mlp_activation, qkv_parts
@@ -296,6 +299,11 @@ class Attention(nn.Module):
         sequence of ``q_per_group`` queries, so the cached keys/values are read once, never repeated."""
         b = q.size(0)
         grouped = q.reshape(b, self.groups, self.q_per_group, self.d)
+        if _DECODE_MATH:  # experiment: scores, softmax and values as matmuls + one fused softmax kernel
+            scale = self.scale if self.scale is not None else self.d ** -0.5
+            scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # [b, groups, q/group, T]
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+            return torch.matmul(probs, v).reshape(b, self.heads, 1, self.d)
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=self.scale)  # mask [b, 1, 1, T]
         return out.reshape(b, self.heads, 1, self.d)
 
