@@ -7,6 +7,8 @@ warm-up calls (which also trigger compilation) on a side stream, as CUDA graph c
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 WARMUP = 3
@@ -16,7 +18,10 @@ class DecodeRunner:
     """``runner(tokens [b, 1], slot: int) -> logits [b, vocab]`` for one batch size and cache."""
 
     def __init__(self, step, batch: int, device):
-        self.step = torch.compile(step, dynamic=False)
+        # experiment switch: Inductor's coordinate-descent tuning, which also turns one-row matmuls
+        # (batch 1) into Triton reductions it can fuse with their neighbours
+        options = {"coordinate_descent_tuning": True} if os.environ.get("PARATRON_DECODE_CD") == "1" else {}
+        self.step = torch.compile(step, dynamic=False, options=options)
         self.device = torch.device(device)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.slot = torch.zeros((), dtype=torch.long, device=self.device)
