@@ -14,14 +14,26 @@ import torch
 WARMUP = 3
 
 
+SMALL_BATCH = 4  # up to this batch size the decode step is tuned for a single row's matmuls (below)
+
+
+def compile_options(batch: int) -> dict:
+    """Inductor options of the decode step for ``batch`` rows. At batch 1 coordinate-descent tuning also
+    makes Inductor write each one-row matmul as a Triton reduction fused with its neighbours (the norm
+    before it, SwiGLU, the residual add): llama-1b on an H100 decodes 814 instead of 771 tokens/s
+    (benchmarks/results/decode_bench_llama-1b_20261126_042714.md against ..._042354.md). It costs
+    compilation time and gained nothing at batch 32, so only small batches get it.
+    ``PARATRON_DECODE_CD=0`` / ``=1`` forces it off / on."""
+    forced = os.environ.get("PARATRON_DECODE_CD")
+    on = batch <= SMALL_BATCH if forced is None else forced == "1"
+    return {"coordinate_descent_tuning": True} if on else {}
+
+
 class DecodeRunner:
     """``runner(tokens [b, 1], slot: int) -> logits [b, vocab]`` for one batch size and cache."""
 
     def __init__(self, step, batch: int, device):
-        # experiment switch: Inductor's coordinate-descent tuning, which also turns one-row matmuls
-        # (batch 1) into Triton reductions it can fuse with their neighbours
-        options = {"coordinate_descent_tuning": True} if os.environ.get("PARATRON_DECODE_CD") == "1" else {}
-        self.step = torch.compile(step, dynamic=False, options=options)
+        self.step = torch.compile(step, dynamic=False, options=compile_options(batch))
         self.device = torch.device(device)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.slot = torch.zeros((), dtype=torch.long, device=self.device)

@@ -145,7 +145,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.tp_group)
         if comm.group_size(self.tp_group) == 1:
-            if residual is not None and self.bias is None and self.fp8 is None:
+            # (one row - batch-1 decoding - as matmul + add: a compiled step makes that one GEMV kernel)
+            if residual is not None and self.bias is None and self.fp8 is None and x.numel() != x.size(-1):
                 out = torch.addmm(residual.reshape(-1, self.out_features), x.reshape(-1, x.size(-1)), self.weight.t())
                 return out.view(residual.shape)
             y = _linear(x, self.weight, self.bias, self.fp8)
