@@ -22,7 +22,7 @@ from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel import comm, fp8_mlp, quack_kernels
 
-SMALL_DECODE_BATCH = 4  # decode attention as matmuls up to this batch size (Attention._decode_core)
+SMALL_DECODE_BATCH = 1  # decode attention as matmuls up to this batch size (Attention._decode_core)
 _DECODE_SDPA = os.environ.get("PARATRON_DECODE_ATTN") == "sdpa"  # switch for side-by-side timing
 from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention, rope_layers
@@ -301,9 +301,9 @@ class Attention(nn.Module):
         b = q.size(0)
         grouped = q.reshape(b, self.groups, self.q_per_group, self.d)
         if b <= SMALL_DECODE_BATCH and not _DECODE_SDPA:
-            # few rows: scores and values as matmuls around one fused softmax kernel (SDPA's fused kernel
+            # one row: scores and values as matmuls around one fused softmax kernel (SDPA's fused kernel
             # has a block per row and head group only: at batch 1, 771 against 738 tokens/s on llama-1b;
-            # at batch 32 it is the faster one, 19,962 against 18,856)
+            # at batch 32 it is the faster one, 19,962 against 18,856; at 4 the two are even)
             scale = self.scale if self.scale is not None else self.d ** -0.5
             scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # [b, groups, q/group, T]
             probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
