@@ -68,6 +68,11 @@ class CacheView:
     def _buffers(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.layer(index)
 
+    def bounds(self):
+        """(pad [b], slot: 0-d) for a pass of one token per row: each row attends over its slots pad[row] ..
+        slot (what ``KVCache.decode_mask`` allows); None where a mask of its own decides."""
+        return self.cache.pad, self.slots[-1]
+
     def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``, ``v`` ([b, groups, s, d]) of layer ``index``; return the keys and values to attend over."""
         ck, cv = self._buffers(index)
@@ -86,3 +91,6 @@ class RowView(CacheView):
 
     def _buffers(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(t[self.row:self.row + 1] for t in self.cache.layer(index))  # views: written in place
+
+    def bounds(self):
+        return None  # its pass's mask (Engine.prefill_row) decides

@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import mup
+from . import decode_attention, mup
 from ..config import ModelConfig
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel import comm, fp8_mlp, quack_kernels
 
 SMALL_DECODE_BATCH = 1  # decode attention as matmuls up to this batch size (Attention._decode_core)
-_DECODE_SDPA = os.environ.get("PARATRON_DECODE_ATTN") == "sdpa"  # switch for side-by-side timing
+_DECODE_ATTN = os.environ.get("PARATRON_DECODE_ATTN", "")  # "sdpa": SDPA at every batch size (side-by-side timing)
 from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention, rope_layers
 from .variants import apply_output_gate, fused_fp8_activation, is_gated, mlp_activation, qkv_parts
@@ -295,20 +295,24 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,
                                                   enable_gqa=self.groups != self.heads, scale=self.scale)
 
-    def _decode_core(self, q, k, v, mask):
+    def _decode_core(self, q, k, v, ctx: ForwardContext):
         """One new token per row with grouped keys/values: each group's query heads attend as one
         sequence of ``q_per_group`` queries, so the cached keys/values are read once, never repeated."""
         b = q.size(0)
         grouped = q.reshape(b, self.groups, self.q_per_group, self.d)
-        if b <= SMALL_DECODE_BATCH and not _DECODE_SDPA:
+        scale = self.scale if self.scale is not None else self.d ** -0.5
+        bounds = ctx.kv_cache.bounds()
+        if b <= SMALL_DECODE_BATCH and _DECODE_ATTN != "sdpa":
             # one row: scores and values as matmuls around one fused softmax kernel (SDPA's fused kernel
             # has a block per row and head group only: at batch 1, 771 against 738 tokens/s on llama-1b;
             # at batch 32 it is the faster one, 19,962 against 18,856; at 4 the two are even)
-            scale = self.scale if self.scale is not None else self.d ** -0.5
             scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # [b, groups, q/group, T]
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+            probs = scores.masked_fill(~ctx.mask, float("-inf")).softmax(-1).to(v.dtype)
             return torch.matmul(probs, v).reshape(b, self.heads, 1, self.d)
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=self.scale)  # mask [b, 1, 1, T]
+        if bounds is not None and q.is_cuda and _DECODE_ATTN == "" and decode_attention.supported(grouped, k, v):
+            out = decode_attention.decode_attention(grouped, k, v, *bounds, scale)  # one Triton kernel
+        else:
+            out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=ctx.mask, scale=self.scale)  # mask [b,1,1,T]
         return out.reshape(b, self.heads, 1, self.d)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -326,7 +330,7 @@ class Attention(nn.Module):
         if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
             k, v = ctx.kv_cache.update(self.layer_index, k, v)
         if ctx.kv_cache is not None and s == 1 and self.groups != self.heads and self.core_attention is None:
-            out = self._decode_core(q, k, v, ctx.mask)
+            out = self._decode_core(q, k, v, ctx)
         elif self.recompute_core and self.training and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, ctx, rng=self.par.rng)
         else:
