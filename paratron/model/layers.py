@@ -301,7 +301,6 @@ class Attention(nn.Module):
         b = q.size(0)
         grouped = q.reshape(b, self.groups, self.q_per_group, self.d)
         scale = self.scale if self.scale is not None else self.d ** -0.5
-        bounds = ctx.kv_cache.bounds()
         if b <= SMALL_DECODE_BATCH and _DECODE_ATTN != "sdpa":
             # one row: scores and values as matmuls around one fused softmax kernel (SDPA's fused kernel
             # has a block per row and head group only: at batch 1, 771 against 738 tokens/s on llama-1b;
@@ -309,6 +308,7 @@ class Attention(nn.Module):
             scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # [b, groups, q/group, T]
             probs = scores.masked_fill(~ctx.mask, float("-inf")).softmax(-1).to(v.dtype)
             return torch.matmul(probs, v).reshape(b, self.heads, 1, self.d)
+        bounds = ctx.kv_cache.bounds()
         if bounds is not None and q.is_cuda and _DECODE_ATTN == "" and decode_attention.supported(grouped, k, v):
             out = decode_attention.decode_attention(grouped, k, v, *bounds, scale)  # one Triton kernel
         else:
