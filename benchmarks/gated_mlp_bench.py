@@ -135,7 +135,8 @@ def norm_rows(m: int, h: int) -> list[str]:
     compiled = torch.compile(lambda a, b: b * F.rms_norm(a.float(), (h,), eps=1e-5).to(a.dtype))  # paratron's Norm
     rows = []
     ref = None
-    for name, fn in (("compiled torch (paratron's Norm)", lambda: compiled(x, w)), ("quack", lambda: rmsnorm(x, w, eps=1e-5))):
+    for name, fn in (("compiled torch (paratron's Norm)", lambda: compiled(x, w)),
+                     ("quack", lambda: rmsnorm(x, w, eps=1e-5))):
         y = fn()
         ref = y.detach() if ref is None else ref
         with torch.no_grad():

@@ -21,13 +21,13 @@ from ..config import ModelConfig
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel import comm, fp8_mlp, quack_kernels
-
-SMALL_DECODE_BATCH = 1  # decode attention as matmuls up to this batch size (Attention._decode_core)
-_DECODE_ATTN = os.environ.get("PARATRON_DECODE_ATTN", "")  # "sdpa": SDPA at every batch size (side-by-side timing)
 from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention, rope_layers
 from .variants import apply_output_gate, fused_fp8_activation, is_gated, mlp_activation, qkv_parts
 from .yarn import yarn_concentration_factor, yarn_inv_freq, yarn_params
+
+SMALL_DECODE_BATCH = 1  # decode attention as matmuls up to this batch size (Attention._decode_core)
+_DECODE_ATTN = os.environ.get("PARATRON_DECODE_ATTN", "")  # "sdpa": SDPA at every batch size (side-by-side timing)
 
 
 @dataclass
@@ -101,7 +101,8 @@ class Norm(nn.Module):
             for p in self.parameters():
                 set_spec(p, ShardSpec(sum_over=("tp",)))
         # quack's RMSNorm kernel in training (Hopper, bf16; PARATRON_QUACK_NORM=0 turns it off)
-        self.quack = kind == "RMSNorm" and not zero_centered and quack_kernels.on_hopper(device, dtype, "PARATRON_QUACK_NORM")
+        self.quack = (kind == "RMSNorm" and not zero_centered
+                      and quack_kernels.on_hopper(device, dtype, "PARATRON_QUACK_NORM"))
 
     @classmethod
     def of(cls, cfg: ModelConfig, size: int, sequence_parallel: bool = False, device=None, dtype=None) -> "Norm":
@@ -233,7 +234,7 @@ class MLP(nn.Module):
         if self.gated_gemm and quack_kernels.applies(x, fc1, fc2):
             tp1 = comm.group_size(fc2.tp_group) == 1  # fc2's GEMM adds the residual (not to a TP partial sum)
             y = quack_kernels.gated_mlp(fc1.enter(x), fc1.weight, fc2.weight, residual if tp1 else None,
-                                    bwd=self.gated_gemm)
+                                        bwd=self.gated_gemm)
             return fc2.exit(y, None if tp1 else residual)
         return fc2(self.activation(fc1(x)), residual)
 
