@@ -100,8 +100,9 @@ class Norm(nn.Module):
         if sequence_parallel:  # applied to a share of the activations (sequence or heads): partial gradients per TP rank
             for p in self.parameters():
                 set_spec(p, ShardSpec(sum_over=("tp",)))
-        # quack's RMSNorm kernel in training (Hopper, bf16; PARATRON_QUACK_NORM=0 turns it off)
-        self.quack = (kind == "RMSNorm" and not zero_centered
+        # quack's RMSNorm kernel in training (Hopper, bf16, rows of whole 16-byte vectors; PARATRON_QUACK_NORM=0
+        # turns it off)
+        self.quack = (kind == "RMSNorm" and not zero_centered and size % 8 == 0
                       and quack_kernels.on_hopper(device, dtype, "PARATRON_QUACK_NORM"))
 
     @classmethod
