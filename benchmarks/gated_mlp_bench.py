@@ -26,7 +26,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def mlp_rows(m: int, h: int, f: int) -> tuple[list[str], dict]:
+def mlp_rows(m: int, h: int, f: int) -> list[str]:
     from paratron.model.kernels import swiglu
     from paratron.parallel.quack_kernels import gated_mlp
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -50,17 +50,16 @@ def mlp_rows(m: int, h: int, f: int) -> tuple[list[str], dict]:
         outs[name] = [y.detach(), x.grad, w1.grad, w2.grad, res.grad]
     errs = {name: [rel(a, b) for a, b in zip(outs[name], outs["plain"])] for name, _ in paths[1:]}
     flops = 2 * m * h * 3 * f  # fc1 (2F wide) + fc2
-    rows, facts = [], {}
+    rows = []
     for name, fn in paths:
         with torch.no_grad():
             fwd = cuda_ms(fn)
         both = cuda_ms(lambda: fn().backward(dy))
         rows.append(f"| {name} | {fwd:.3f} | {flops / fwd / 1e9:.0f} | {both:.3f} | {3 * flops / both / 1e9:.0f} |")
-        facts[name] = (fwd, both)
     for name, e in errs.items():  # (measured before the timing loops, which accumulate into .grad)
         rows += ["", f"relative difference (norm-wise) {name} vs plain: y {{:.2e}}, dx {{:.2e}}, dW1 {{:.2e}}, "
                  "dW2 {:.2e}, dresidual {:.2e}".format(*e)]
-    return rows, facts
+    return rows
 
 
 def part_rows(m: int, h: int, f: int) -> list[str]:
@@ -74,19 +73,18 @@ def part_rows(m: int, h: int, f: int) -> list[str]:
     pre, _ = g.gated_ref(x, w1)
     dpre = torch.randn(m, 2 * f, device="cuda").bfloat16()
     plain_h = torch.cat((pre[:, 0::2], pre[:, 1::2]), dim=-1)
-    gated, dgated, _, _ = g._ops(x.device)
     cases = [
         ("fc1 + SwiGLU: cuBLAS + Triton SwiGLU", lambda: torch.ops.paratron.swiglu(x @ w1.t()), 2 * m * h * 2 * f),
-        ("fc1 + SwiGLU: quack gemm_gated", lambda: gated(x, w1), 2 * m * h * 2 * f),
+        ("fc1 + SwiGLU: quack gemm_gated", lambda: g._gated(x, w1), 2 * m * h * 2 * f),
         ("fc2 dgrad + SwiGLU bwd: cuBLAS + Triton", lambda: torch.ops.paratron.swiglu_backward(plain_h, dy @ w2),
          2 * m * h * f),
-        ("fc2 dgrad + SwiGLU bwd: quack gemm_dgated", lambda: dgated(dy, w2, pre), 2 * m * h * f),
+        ("fc2 dgrad + SwiGLU bwd: quack gemm_dgated", lambda: g._dgated(dy, w2, pre), 2 * m * h * f),
         ("fc1 dgrad: cuBLAS (plain layout)", lambda: dpre @ w1, 2 * m * h * 2 * f),
-        ("fc1 dgrad: cuBLAS + weight re-ordered", lambda: g._dx_ref(dpre, w1), 2 * m * h * 2 * f),
+        ("fc1 dgrad: cuBLAS + weight re-ordered", lambda: g._dx(dpre, w1, "cublas"), 2 * m * h * 2 * f),
         ("fc1 dgrad: quack concat_layout", lambda: gemm(dpre, w1, concat_layout=("B",), dynamic_scheduler=True,
                                                       tuned=False), 2 * m * h * 2 * f),
         ("fc1 wgrad: cuBLAS (plain layout)", lambda: dpre.t() @ x, 2 * m * h * 2 * f),
-        ("fc1 wgrad: cuBLAS + gradient re-ordered", lambda: g._dw1_ref(dpre, x), 2 * m * h * 2 * f),
+        ("fc1 wgrad: cuBLAS + gradient re-ordered", lambda: g._dw1(dpre, x, "cublas"), 2 * m * h * 2 * f),
         ("fc1 wgrad: quack concat_layout", lambda: gemm(dpre.t(), x, concat_layout=("out",), dynamic_scheduler=True,
                                                       tuned=False), 2 * m * h * 2 * f),
     ]
@@ -179,8 +177,7 @@ def main() -> int:
     h, f, n = m.hidden_size, m.ffn_hidden_size, a.tokens
     body = [f"## SwiGLU MLP, {n} tokens, hidden {h}, ffn {f}", "",
             "| path | forward ms | TFLOP/s | fwd + bwd ms | TFLOP/s |", "|---|---|---|---|---|"]
-    rows, _ = mlp_rows(n, h, f)
-    body += rows
+    body += mlp_rows(n, h, f)
     print("\n".join(body), flush=True)
     for title, head, fn in (
             ("Backward parts alone", ["| part | ms | TFLOP/s |", "|---|---|---|"], lambda: part_rows(n, h, f)),

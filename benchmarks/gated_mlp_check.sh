@@ -5,8 +5,7 @@
 # The device has no internet: quack and its CUDA-DSL runtime travel as .peers/quack/site.tar.xz
 # (`pip install --no-deps --target site quack-kernels==0.3.11 nvidia-cutlass-dsl==4.4.2
 # nvidia-cutlass-dsl-libs-base==4.4.2 apache-tvm-ffi torch-c-dlpack-ext einops` for Python 3.12,
-# tar + xz -9e: ~52 MB; the wheel itself is 74 MB, over the carry limit) and, for machines without
-# cuda-python, .peers/quack/cb.tar.xz (cuda-python 13, cuda-bindings, cuda-pathfinder).
+# tar + xz -9e: ~52 MB; the wheel itself is 74 MB, over the carry limit), unpacked by quack_env.sh.
 #   PARATRON_COMMIT=<hash> bash benchmarks/gated_mlp_check.sh     (carry .peers/quack .peers/torchtitan)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -6,9 +6,5 @@ if [ ! -d "$site/site" ]; then
 fi
 # (the .pth file that puts cutlass on the path is not read from PYTHONPATH: named here)
 export PYTHONPATH="$PWD:$site/site:$site/site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
-if ! python -c "import cuda.bindings.driver" 2>/dev/null; then
-    [ -d "$site/cb" ] || tar -xJf .peers/quack/cb.tar.xz -C "$site"
-    export PYTHONPATH="$PYTHONPATH:$site/cb"
-    echo "cuda-python: carried copy"
-fi
+# cuda-bindings, which cutlass-dsl needs, is in the device image (KINDS.md's package list): not carried
 python -c "import quack, cutlass; print('quack', quack.__version__, 'cutlass-dsl', cutlass.__version__)" 2>&1 | tail -2

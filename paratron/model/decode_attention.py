@@ -29,14 +29,21 @@ except ImportError:  # CPU-only installs
 BLOCK_T = 64  # cached keys per loop iteration
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale where ``allowed``) v as two matmuls around an fp32 softmax (the
+    probabilities in v's dtype): the batch-1 decode path, and with fp32 inputs the reference."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor,
                                slot: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale, over the slots pad[row] <= t <= slot) v, in fp32, in q's dtype."""
     t = torch.arange(k.size(2), device=k.device)
     allowed = ((t[None, :] >= pad[:, None]) & (t[None, :] <= slot))[:, None, None, :]  # [b, 1, 1, T]
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return torch.matmul(probs, v.float()).to(q.dtype)
+    return masked_attention(q.float(), k.float(), v.float(), allowed, scale).to(q.dtype)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -307,9 +307,8 @@ class Attention(nn.Module):
             # one row: scores and values as matmuls around one fused softmax kernel (SDPA's fused kernel
             # has a block per row and head group only: 771 against 738 tokens/s on llama-1b). More rows:
             # the Triton kernel (batch 32: 22,264 against SDPA's 19,654; decode_attention.py)
-            scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # [b, groups, q/group, T]
-            probs = scores.masked_fill(~ctx.mask, float("-inf")).softmax(-1).to(v.dtype)
-            return torch.matmul(probs, v).reshape(b, self.heads, 1, self.d)
+            out = decode_attention.masked_attention(grouped, k, v, ctx.mask, scale)
+            return out.reshape(b, self.heads, 1, self.d)
         bounds = ctx.kv_cache.bounds()
         if bounds is not None and q.is_cuda and _DECODE_ATTN == "" and decode_attention.supported(grouped, k, v):
             out = decode_attention.decode_attention(grouped, k, v, *bounds, scale)  # one Triton kernel

@@ -91,27 +91,33 @@ def dgated_ref(dy: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor):
     return dpre.to(dy.dtype), (gate * sig * up).to(dy.dtype)
 
 
-def _dx_ref(dpre: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+def _gated(x: torch.Tensor, w1: torch.Tensor):
+    """fc1 + SwiGLU: quack's gemm_gated on CUDA, the reference elsewhere."""
+    if not x.is_cuda:
+        return gated_ref(x, w1)
+    return _q_gemm_act(x, w1.t(), activation="swiglu", concat_layout=("B",), tuned=False)
+
+
+def _dgated(dy: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor):
+    """fc2's input gradient + SwiGLU's backward: quack's gemm_dgated on CUDA, the reference elsewhere."""
+    if not dy.is_cuda:
+        return dgated_ref(dy, w2, pre)
+    return _q_gemm_dact(dy, w2, pre, activation="swiglu", tuned=False)
+
+
+def _dx(dpre: torch.Tensor, w1: torch.Tensor, bwd: str) -> torch.Tensor:
+    """fc1's input gradient from the interleaved ``dpre``: cuBLAS with fc1's weight re-ordered by a copy,
+    or with ``bwd="quack"`` (CUDA) quack's GEMM reading the weight in the interleaved order in place."""
+    if bwd == "quack" and dpre.is_cuda:
+        return _q_gemm(dpre, w1, concat_layout=("B",), dynamic_scheduler=True, tuned=False)
     return dpre @ interleave(w1)
 
 
-def _dw1_ref(dpre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _dw1(dpre: torch.Tensor, x: torch.Tensor, bwd: str) -> torch.Tensor:
+    """fc1's weight gradient in the [gate; up] order, as ``_dx`` chooses its GEMM."""
+    if bwd == "quack" and dpre.is_cuda:
+        return _q_gemm(dpre.t(), x, concat_layout=("out",), dynamic_scheduler=True, tuned=False)
     return deinterleave(dpre.t() @ x)
-
-
-def _ops(device: torch.device, bwd: str = "cublas"):
-    """(gated, dgated, dx, dw1) for ``device``: quack's kernels on CUDA, the references elsewhere. fc1's
-    two backward GEMMs run on cuBLAS with fc1's weight (and its gradient) re-ordered by a copy, or with
-    ``bwd="quack"`` on quack's GEMMs that read and write the interleaved order in place."""
-    if device.type != "cuda":
-        return gated_ref, dgated_ref, _dx_ref, _dw1_ref
-    gated = lambda x, w1: _q_gemm_act(x, w1.t(), activation="swiglu", concat_layout=("B",), tuned=False)  # noqa: E731
-    dgated = lambda dy, w2, pre: _q_gemm_dact(dy, w2, pre, activation="swiglu", tuned=False)  # noqa: E731
-    if bwd != "quack":
-        return gated, dgated, _dx_ref, _dw1_ref
-    return (gated, dgated,
-            lambda dpre, w1: _q_gemm(dpre, w1, concat_layout=("B",), dynamic_scheduler=True, tuned=False),
-            lambda dpre, x: _q_gemm(dpre.t(), x, concat_layout=("out",), dynamic_scheduler=True, tuned=False))
 
 
 class _GatedMLP(torch.autograd.Function):
@@ -119,8 +125,7 @@ class _GatedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, residual, bwd):
-        gated, _, _, _ = _ops(x.device)
-        pre, act = gated(x, w1)
+        pre, act = _gated(x, w1)
         y = act @ w2.t() if residual is None else torch.addmm(residual, act, w2.t())
         ctx.save_for_backward(x, w1, w2, pre)
         ctx.has_residual, ctx.bwd = residual is not None, bwd
@@ -129,17 +134,16 @@ class _GatedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w1, w2, pre = ctx.saved_tensors
-        _, dgated, dx_of, dw1_of = _ops(x.device, ctx.bwd)
         dy = dy.contiguous()
-        dpre, act = dgated(dy, w2, pre)
+        dpre, act = _dgated(dy, w2, pre)
         dw2 = dy.t() @ act
-        return dx_of(dpre, w1), dw1_of(dpre, x), dw2, (dy if ctx.has_residual else None), None
+        return _dx(dpre, w1, ctx.bwd), _dw1(dpre, x, ctx.bwd), dw2, (dy if ctx.has_residual else None), None
 
 
 def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               residual: Optional[torch.Tensor] = None, bwd: str = "cublas") -> torch.Tensor:
     """``silu(gate) * up`` MLP of ``x [..., H]`` with fc1's weight ``w1 [2F, H]`` ([gate; up] rows) and fc2's
-    ``w2 [H, F]``; ``residual`` (x's shape) is added by fc2's GEMM; ``bwd``: see ``_ops``."""
+    ``w2 [H, F]``; ``residual`` (x's shape) is added by fc2's GEMM; ``bwd``: see ``_dx``."""
     shape = x.shape
     res = None if residual is None else residual.reshape(-1, w2.size(0))
     return _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, bwd).view(*shape[:-1], w2.size(0))
