@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import decode_attention, mup
+from . import decode_attention, flash_attention, mup
 from ..config import ModelConfig
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
@@ -122,6 +122,13 @@ class Norm(nn.Module):
         if self.quack and torch.is_grad_enabled() and x.is_cuda:  # (generation: the torch expression)
             return quack_kernels.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.size, eps=self.eps).to(x.dtype)
+
+    def keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x), x) for a pre-norm block whose residual is ``x``: on quack's kernel (training) the
+        residual's gradient is added to x's by the norm's backward kernel instead of a separate add."""
+        if self.quack and torch.is_grad_enabled():  # (quack is only ever set for a CUDA module)
+            return quack_kernels.rms_norm_keep(x, self.weight, self.eps)
+        return self(x), x
 
 
 def rope_inv_freq(dim: int, base: float, scaling: bool = False, factor: float = 8.0,
@@ -284,6 +291,8 @@ class Attention(nn.Module):
                                              init_method=output_init(cfg), device=device, dtype=dtype)
         # Sliding window / attention sinks (Megatron's core_attention.softmax_offset); None: plain SDPA
         self.core_attention = CoreAttention(cfg, par, layer_index, device, dtype) if needs_core_attention(cfg) else None
+        # FlashAttention-4 for plain causal attention in training (Hopper, bf16; flash_attention.py)
+        self.flash = self.core_attention is None and flash_attention.wanted(self.d, device, dtype)
 
     def _core(self, q, k, v, ctx: ForwardContext):
         if ctx.cp is not None:  # the sequence is split over CP ranks (no dropout: config validation)
@@ -296,6 +305,30 @@ class Attention(nn.Module):
                 return self.core_attention(q, k, v, ctx, p)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,
                                                   enable_gqa=self.groups != self.heads, scale=self.scale)
+
+    def _flash_applies(self, ctx: ForwardContext) -> bool:
+        """Plain causal attention over the whole sequence, with autograd, without dropout."""
+        return (self.flash and ctx.cp is None and ctx.mask is None and ctx.causal and ctx.kv_cache is None
+                and torch.is_grad_enabled() and not (self.training and self.dropout > 0))
+
+    def _attend(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
+        """q [s, b, heads, d], k / v [s, b, groups, d] -> [s, b, heads * d]."""
+        s, b = q.shape[:2]
+        recompute = self.recompute_core and self.training and torch.is_grad_enabled()
+        if self._flash_applies(ctx):
+            if recompute:
+                return checkpoint(flash_attention.causal_attention, q, k, v, self.scale, rng=self.par.rng)
+            return flash_attention.causal_attention(q, k, v, self.scale)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
+            k, v = ctx.kv_cache.update(self.layer_index, k, v)
+        if ctx.kv_cache is not None and s == 1 and self.groups != self.heads and self.core_attention is None:
+            out = self._decode_core(q, k, v, ctx)
+        elif recompute:
+            out = checkpoint(self._core, q, k, v, ctx, rng=self.par.rng)
+        else:
+            out = self._core(q, k, v, ctx)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
 
     def _decode_core(self, q, k, v, ctx: ForwardContext):
         """One new token per row with grouped keys/values: each group's query heads attend as one
@@ -316,7 +349,9 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=ctx.mask, scale=self.scale)  # mask [b,1,1,T]
         return out.reshape(b, self.heads, 1, self.d)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    takes_residual = True  # forward(x, ctx, residual): linear_proj adds it (in its matmul at TP=1)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, groups * (q_rows + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups, self.q_rows + 2, self.d)
@@ -327,16 +362,7 @@ class Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if ctx.rope is not None and self.rotate is not None:
             q, k = self.rotate(q, *ctx.rope), self.rotate(k, *ctx.rope)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
-            k, v = ctx.kv_cache.update(self.layer_index, k, v)
-        if ctx.kv_cache is not None and s == 1 and self.groups != self.heads and self.core_attention is None:
-            out = self._decode_core(q, k, v, ctx)
-        elif self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(self._core, q, k, v, ctx, rng=self.par.rng)
-        else:
-            out = self._core(q, k, v, ctx)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
+        out = self._attend(q, k, v, ctx)
         if gate is not None:
             out = apply_output_gate(out, gate)
-        return self.linear_proj(out)
+        return self.linear_proj(out, residual)

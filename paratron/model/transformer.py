@@ -51,18 +51,30 @@ class TransformerLayer(nn.Module):
             return recompute.discard_output(norm, x, then)
         return then(norm(x))
 
+    def _normed_residual(self, norm, x: torch.Tensor, then):
+        """``then(norm(x), x)``, x being the residual ``then`` adds (Norm.keep: on quack's kernel the norm's
+        backward then also adds the residual's gradient)."""
+        if self.recompute_norms and recompute.active(self):
+            return recompute.discard_output(norm, x, lambda h: then(h, x))
+        h, x = norm.keep(x)
+        return then(h, x)
+
     def _mlp(self, h: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.recompute_mlp and recompute.active(self):  # --recompute-modules mlp / moe
             return checkpoint(self.mlp, h, residual, rng=self.par.rng)
         return self.mlp(h, residual)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        fused = self.fuse_residual and self._dropout_off()  # the output projections' matmuls add the residual
         if self.self_attention is not None:
-            x = x + self._dropout(self._normed(self.input_layernorm, x, lambda h: self.self_attention(h, ctx)))
+            if fused and getattr(self.self_attention, "takes_residual", False):
+                x = self._normed_residual(self.input_layernorm, x, lambda h, r: self.self_attention(h, ctx, r))
+            else:
+                x = x + self._dropout(self._normed(self.input_layernorm, x, lambda h: self.self_attention(h, ctx)))
         if self.mlp is None:
             return x
-        if self.fuse_residual and self._dropout_off():  # fc2's matmul adds the residual
-            return self._normed(self.pre_mlp_layernorm, x, lambda h: self._mlp(h, x))
+        if fused:
+            return self._normed_residual(self.pre_mlp_layernorm, x, self._mlp)
         return x + self._dropout(self._normed(self.pre_mlp_layernorm, x, self._mlp))
 
 

@@ -90,3 +90,27 @@ def test_rms_norm_matches_the_torch_expression_and_the_norm_takes_it():
     norm = Norm("RMSNorm", 512, 1e-5, device="cuda", dtype=torch.bfloat16)
     assert norm.quack and not Norm("LayerNorm", 512, 1e-5, device="cuda", dtype=torch.bfloat16).quack
     assert _rel(norm(x), ref(x, norm.weight.detach())) < 1e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_norm_keep_sums_the_residual_gradient_in_its_kernel(compiled):
+    """rms_norm_keep on quack's kernels: (norm(x), x) whose backward adds the residual's gradient, against
+    the fp32 torch expression plus autograd's add."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 300, 512, device="cuda", generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(512, device="cuda", generator=g)).bfloat16()
+    dy, dr = (torch.randn(2, 300, 512, device="cuda", generator=g).bfloat16() for _ in range(2))
+
+    def plain(x, w):
+        return (w.float() * torch.nn.functional.rms_norm(x.float(), (512,), eps=1e-5)).bfloat16(), x
+
+    def grads(fn):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y, r = fn(xl, wl)
+        return [y.detach(), *torch.autograd.grad((y.float() * dy.float()).sum() + (r.float() * dr.float()).sum(),
+                                                 (xl, wl))]
+
+    keep = lambda a, b: quack_kernels.rms_norm_keep(a, b, 1e-5)  # noqa: E731
+    got, want = grads(torch.compile(keep, fullgraph=True) if compiled else keep), grads(plain)
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))

@@ -71,3 +71,49 @@ def test_mlp_with_gated_gemms_gives_the_plain_output(monkeypatch, flags):
     mlp.gated_gemm = "cublas"
     got = mlp(x, res)
     assert calls and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_norm_keep_adds_the_residual_gradient_in_the_norm_backward():
+    """rms_norm_keep's reference path: (norm(x), x) whose backward sums the norm's and the residual's
+    gradients of x, as autograd does for the plain expression."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 32, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(32, dtype=torch.float64, requires_grad=True)
+    dy, dr = torch.randn(3, 4, 32, dtype=torch.float64), torch.randn(3, 4, 32, dtype=torch.float64)
+    plain = w * F.rms_norm(x, (32,), eps=1e-5)
+    want = torch.autograd.grad((plain * dy).sum() + (x * dr).sum(), (x, w))
+    y, r = quack_kernels.rms_norm_keep(x, w, 1e-5)
+    got = torch.autograd.grad((y * dy).sum() + (r * dr).sum(), (x, w))
+    assert torch.allclose(y, plain, atol=1e-6) and torch.equal(r, x)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    # only the norm's output used: the residual's gradient is None in the backward
+    y, _ = quack_kernels.rms_norm_keep(x, w, 1e-5)
+    got = torch.autograd.grad((y * dy).sum(), (x, w))
+    want = torch.autograd.grad((w * F.rms_norm(x, (32,), eps=1e-5) * dy).sum(), (x, w))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_layer_with_residual_keeping_norms_gives_the_plain_layer(compiled):
+    """A transformer layer whose norms hand the residual on (Norm.keep, forced onto the reference of
+    quack's kernels here) matches the plain layer's output and gradients, eager and compiled."""
+    from paratron.model.transformer import TransformerLayer
+    from paratron.model.layers import ForwardContext
+    from paratron.model.spec import layer_specs
+    cfg = _cfg("--swiglu", "--disable-bias-linear", "--position-embedding-type", "none", "--attention-dropout", "0",
+               "--hidden-dropout", "0")
+    torch.manual_seed(0)
+    layer = TransformerLayer(cfg, Parallel(), layer_specs(cfg)[0])
+    x = torch.randn(16, 2, 64, requires_grad=True)
+    results = []
+    for keep in (False, True):
+        layer.input_layernorm.quack = layer.pre_mlp_layernorm.quack = keep
+        layer.zero_grad()
+        x.grad = None
+        run = torch.compile(layer, fullgraph=True) if compiled and keep else layer
+        y = run(x, ForwardContext())
+        y.square().sum().backward()
+        results.append([y.detach()] + [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)

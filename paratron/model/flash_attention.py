@@ -1,0 +1,146 @@
+"""FlashAttention-4's Hopper kernels for causal self-attention in training.
+
+torch's SDPA picks cuDNN's fused attention on an H100; at llama-1b's shape (head dim 64, grouped keys)
+its forward + backward took 114 ms per 65,536 tokens, 15 of them in helper kernels (the dO.O row sums,
+the fp32 dQ conversion, a per-group reduction of dK and dV). flash-attn-4 (Tri Dao's FlashAttention in
+the CuTe DSL, https://github.com/Dao-AILab/flash-attention, the ``flash_attn.cute`` package; pure
+Python, compiled at first use) has forward and backward kernels for Hopper that take the grouped keys
+as they are and any batch / sequence / head strides. Here they are wrapped as two torch custom ops
+(``paratron::flash_attn_fwd`` / ``_bwd``) so that a compiled layer keeps them as single nodes.
+
+Layout: q [b, s, heads, d], k / v [b, s, groups, d] -- the transposes of paratron's sequence-first
+activations, no copies; the output is allocated sequence-first ([s, b, heads, d] storage) so that the
+output projection reads it without a copy either.
+
+Chosen when the model is built on a Hopper GPU in bf16 with flash-attn-4 importable (``paratron[hopper]``)
+and the layer has no sliding window or attention sinks; a forward pass takes it when it is plain causal
+attention over the whole sequence with autograd on and no attention dropout (no mask, no context
+parallelism, no KV cache). Everything else, and ``PARATRON_FLASH_ATTN=0``, stays on SDPA. The torch
+expressions below (``*_ref``) are the same operations; the ops run them on CPUs (the tests).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..parallel import quack_kernels
+
+try:  # optional: pip install flash-attn-4 (Hopper / Blackwell); used only on CUDA
+    from flash_attn.cute.interface import _flash_attn_bwd as _fa_bwd, _flash_attn_fwd as _fa_fwd
+except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not load on this machine
+    _fa_fwd = _fa_bwd = None
+
+
+def wanted(head_dim: int, device, dtype) -> bool:
+    """Whether an attention layer built on ``device`` in ``dtype`` takes FlashAttention-4: the package
+    importable, bf16 on a Hopper GPU (with ``PARATRON_FLASH_ATTN`` not 0), a head dimension its Hopper
+    kernels have (a multiple of 8 up to 256)."""
+    return (_fa_fwd is not None and head_dim % 8 == 0 and head_dim <= 256
+            and quack_kernels.on_hopper(device, dtype, "PARATRON_FLASH_ATTN"))
+
+
+# ---- the operations as torch expressions (the reference; CPUs) ---------------------------------
+def _f(t: Tensor) -> Tensor:
+    """``t`` in fp32 at least (the kernels' arithmetic; float64 stays float64 for the tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """Causal scores [b, heads, s, s] in fp32 from q [b, s, heads, d] and grouped k [b, s, groups, d]."""
+    k = k.repeat_interleave(q.size(2) // k.size(2), dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", _f(q), _f(k)) * scale
+    n = q.size(1)
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    return s.masked_fill(~causal, float("-inf"))
+
+
+def attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out [b, s, heads, d] in q's dtype, log-sum-exp of each row's scores [b, heads, s], fp32)."""
+    s = _scores(q, k, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    v = _f(v.repeat_interleave(q.size(2) // v.size(2), dim=2))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]), v)
+    return out.to(q.dtype), lse
+
+
+def attention_bwd_ref(dout, q, k, v, out, lse, scale) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv): softmax attention's backward from the forward's ``out`` and ``lse``; the gradients of
+    a key / value group are summed over its query heads."""
+    rep = q.size(2) // k.size(2)
+    p = torch.exp(_scores(q, k, scale) - lse[..., None])
+    do = _f(dout)
+    kf, vf = (_f(t.repeat_interleave(rep, dim=2)) for t in (k, v))
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
+    ds = p * (dp - (do * _f(out)).sum(-1).transpose(1, 2)[..., None]) * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf)
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, _f(q))
+    dk, dv = (t.unflatten(2, (k.size(2), rep)).sum(3) for t in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---- the custom ops --------------------------------------------------------------------------------
+def _out_like(q: Tensor, v: Tensor) -> Tensor:
+    """The output [b, s, heads, dv] as a view of sequence-first storage [s, b, heads, dv]."""
+    b, s, h = q.shape[:3]
+    return torch.empty((s, b, h, v.size(-1)), dtype=q.dtype, device=q.device).transpose(0, 1)
+
+
+@torch.library.custom_op("paratron::flash_attn_fwd", mutates_args=())
+def _fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    out = _out_like(q, v)
+    if not q.is_cuda:
+        ref, lse = attention_ref(q, k, v, scale)
+        return out.copy_(ref), lse
+    _, lse = _fa_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True, out=out)
+    return out, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, scale):
+    b, s, h = q.shape[:3]
+    return _out_like(q, v), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("paratron::flash_attn_bwd", mutates_args=())
+def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+         scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    if not q.is_cuda:
+        for d, ref in zip((dq, dk, dv), attention_bwd_ref(dout, q, k, v, out, lse, scale)):
+            d.copy_(ref)
+    else:
+        _fa_bwd(q, k, v, out, dout, lse, scale, True, dq=dq, dk=dk, dv=dv)
+    return dq, dk, dv
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, scale):
+    return tuple(torch.empty_like(t) for t in (q, k, v))
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale = scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd(dout, q, k, v, out, lse, ctx.scale)
+    return dq, dk, dv, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale=None) -> Tensor:
+    """Causal attention of sequence-first q [s, b, heads, d], k / v [s, b, groups, d] (grouped heads);
+    returns [s, b, heads * d]. ``scale`` None: 1 / sqrt(d)."""
+    s, b, h, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out, _ = _fwd(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale)
+    return out.transpose(0, 1).reshape(s, b, h * v.size(-1))

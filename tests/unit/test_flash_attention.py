@@ -1,0 +1,110 @@
+"""FlashAttention-4's wrapping (paratron/model/flash_attention.py) on CPU: the torch references of its
+forward (output and log-sum-exp) and backward against SDPA, the custom ops' autograd on sequence-first
+strided views (eager and compiled), and the attention layer's plumbing when it takes the path. The
+kernels themselves: tests/gpu/test_flash_attention_cuda.py."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paratron.config import parse_args
+from paratron.model import flash_attention
+from paratron.model.layers import Attention, ForwardContext, Parallel
+
+
+def _qkv(s=12, b=2, heads=4, groups=2, d=8, dtype=torch.float64, seed=0):
+    """Sequence-first q [s, b, heads, d] and k / v [s, b, groups, d], k and v slices of one tensor (as the
+    layer's fused QKV output), all requiring grad through a leaf."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s, b, heads, d, generator=g, dtype=dtype).requires_grad_()
+    kv = torch.randn(s, b, groups, 2, d, generator=g, dtype=dtype).requires_grad_()
+    return q, kv, kv[:, :, :, 0], kv[:, :, :, 1]
+
+
+def _sdpa(q, k, v, scale):
+    """The same attention through SDPA ([b, heads, s, d], grouped heads) back to [s, b, heads * d]."""
+    s, b, h, d = q.shape
+    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True,
+                                         scale=scale, enable_gqa=True)
+    return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+def test_references_match_sdpa_forward_lse_and_backward():
+    q, _, k, v = _qkv()
+    scale = 1 / math.sqrt(8)
+    bq, bk, bv = (t.detach().transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
+    out, lse = flash_attention.attention_ref(bq, bk, bv, scale)
+    want = _sdpa(q.detach(), k.detach(), v.detach(), scale)
+    assert torch.allclose(out.reshape(want.shape[1], want.shape[0], -1).transpose(0, 1), want, atol=1e-12)
+    scores = torch.einsum("bqhd,bkhd->bhqk", bq, bk.repeat_interleave(2, dim=2)) * scale
+    scores = scores.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
+    assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-12)
+    assert lse.shape == (2, 4, 12)
+    dout = torch.randn_like(bq)
+    got = flash_attention.attention_bwd_ref(dout, bq, bk, bv, out, lse, scale)
+    leaves = [t.clone().requires_grad_() for t in (bq, bk, bv)]
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=True, scale=scale,
+                                         enable_gqa=True).transpose(1, 2)
+    want = torch.autograd.grad(ref, leaves, dout)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_op_on_sequence_first_views_gives_sdpa_values_and_gradients(compiled):
+    q, kv, k, v = _qkv()
+    dy = torch.randn(12, 2, 32, dtype=torch.float64)
+    want = _sdpa(q, k, v, 0.3)
+    want_grads = torch.autograd.grad(want, (q, kv), dy)
+    fn = torch.compile(flash_attention.causal_attention, fullgraph=True) if compiled else flash_attention.causal_attention
+    got = fn(q, k, v, 0.3)
+    assert got.shape == (12, 2, 32) and got.is_contiguous()  # the output projection reads it in place
+    assert torch.allclose(got, want, atol=1e-10)
+    for a, b in zip(torch.autograd.grad(got, (q, kv), dy), want_grads):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def _cfg(*flags):
+    return parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+                       "--num-query-groups", "2", "--group-query-attention", "--seq-length", "16",
+                       "--mock-data", "--train-iters", "1", "--lr", "1e-3", "--micro-batch-size", "2",
+                       "--attention-dropout", "0", "--device", "cpu", *flags]).model
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_attention_layer_on_the_flash_path_gives_the_sdpa_path(recompute):
+    """The layer's plumbing (no permutes, the sequence-first output) with the op on its CPU reference:
+    same output and gradients as the SDPA path, also under --recompute-activations' core recompute."""
+    torch.manual_seed(0)
+    attn = Attention(_cfg(), Parallel(), dtype=torch.float64)
+    attn.recompute_core = recompute
+    assert attn.training and attn.dropout == 0.0
+    x = torch.randn(16, 2, 32, dtype=torch.float64, requires_grad=True)
+    results = []
+    for flash in (False, True):
+        attn.flash = flash
+        attn.zero_grad()
+        x.grad = None
+        y = attn(x, ForwardContext())
+        y.square().sum().backward()
+        results.append([y.detach()] + [p.grad.clone() for p in attn.parameters()] + [x.grad.clone()])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_flash_path_only_for_plain_causal_attention_with_autograd():
+    attn = Attention(_cfg(), Parallel())
+    assert not attn.flash  # CPU: SDPA
+    assert not flash_attention.wanted(64, "cpu", torch.bfloat16)
+    assert not flash_attention.wanted(64, torch.device("cuda", 0), torch.float32)
+    attn.flash = True
+    assert attn._flash_applies(ForwardContext())
+    assert not attn._flash_applies(ForwardContext(mask=torch.ones(1, 1, 4, 4, dtype=torch.bool), causal=False))
+    assert not attn._flash_applies(ForwardContext(causal=False))
+    with torch.no_grad():  # generation and evaluation: SDPA
+        assert not attn._flash_applies(ForwardContext())
+    attn.dropout = 0.1
+    assert not attn._flash_applies(ForwardContext())
+    attn.eval()
+    assert attn._flash_applies(ForwardContext())
