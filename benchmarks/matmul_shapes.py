@@ -42,12 +42,28 @@ def time_ms(fn, operand_sets, reps: int = 20) -> float:
     return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[reps // 2]
 
 
+def _quack_cases(cases):
+    """The same products on quack's GEMM (A [M, K] @ B [K, N], any strides), default tile and autotuned."""
+    from quack.gemm_interface import gemm
+    forms = {"forward x@W^T": lambda x, w, dy: (x, w.t()), "input grad dy@W": lambda x, w, dy: (dy, w),
+             "weight grad dy^T@x": lambda x, w, dy: (dy.t(), x)}
+    out = []
+    for what, _, dims in cases:
+        if what in forms:
+            for tuned in (False, True):
+                out.append((f"quack{'*' if tuned else ''} {what}"[:22],
+                            lambda x, w, dy, f=forms[what], t=tuned: gemm(*f(x, w, dy), tuned=t), dims))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="llama-1b")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch (micro-batch x sequence)")
     p.add_argument("--sets", type=int, default=3)
     p.add_argument("--blas", choices=["cublas", "cublaslt"], default=None, help="torch's preferred BLAS library")
+    p.add_argument("--quack", action="store_true",
+                   help="also time quack-kernels' GEMM on each case (its default tile, and autotuned)")
     args = p.parse_args()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
@@ -68,10 +84,14 @@ def main() -> int:
                  ("weight grad dy^T@x", lambda x, w, dy: dy.t() @ x, (fout, n, fin)),
                  ("weight grad (x^T@dy)^T", lambda x, w, dy: (x.t() @ dy).t(), (fin, n, fout))]
         best_wgrad = None
+        if args.quack:
+            cases += _quack_cases(cases)
         for what, fn, (mm, kk, nn) in cases:
             ms = time_ms(fn, sets)
             tflops = 2 * mm * kk * nn / ms / 1e9
             print(f"{name:8s} {what:22s} {f'{mm}x{kk}x{nn}':>22s} {ms:8.3f} {tflops:8.0f}")
+            if what.startswith("quack"):
+                continue
             if what.startswith("weight"):
                 best_wgrad = ms if best_wgrad is None else min(best_wgrad, ms)
             else:

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..model import kernels
+
 from . import comm
 from .dims import ParallelDims
 from .sharding import norm_groups, spec_of
@@ -232,11 +234,9 @@ class DataParallel(nn.Module):
 
     # ---- gradients ------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
-        if p in self._unwritten:  # first gradient of the step: write it (the buffer is not zero-filled)
-            p.main_grad.copy_(p.grad)
-            self._unwritten.discard(p)
-        else:
-            p.main_grad.add_(p.grad)
+        first = p in self._unwritten  # first gradient of the step: write it (the buffer is not zero-filled)
+        kernels.accumulate_(p.main_grad, p.grad, write=first)
+        self._unwritten.discard(p)
         p.grad = None
         b = self._bucket_of[p]
         if not (self.overlap_grad_reduce and self.is_last_microbatch and b.buffer.n > 1):

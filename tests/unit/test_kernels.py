@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -69,3 +70,36 @@ def test_decode_attention_kernel_matches_torch_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", DECODE], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+ACCUMULATE = r"""
+import torch
+from paratron.model import kernels
+torch.manual_seed(0)
+for n, dtype in ((10_000, torch.bfloat16), (4096, torch.float16), (5, torch.bfloat16)):
+    g = torch.randn(n).to(dtype)
+    acc = torch.randn(n)
+    want_add, want_write = acc + g.float(), g.float()
+    kernels._accumulate[((n + kernels.ACC_BLOCK - 1) // kernels.ACC_BLOCK,)](acc, g, n, WRITE=False,
+                                                                           BLOCK=kernels.ACC_BLOCK)
+    assert torch.equal(acc, want_add), (n, dtype)
+    kernels._accumulate[((n + kernels.ACC_BLOCK - 1) // kernels.ACC_BLOCK,)](acc, g, n, WRITE=True,
+                                                                           BLOCK=kernels.ACC_BLOCK)
+    assert torch.equal(acc, want_write), (n, dtype)
+print("ok")
+"""
+
+
+def test_gradient_accumulation_kernel_adds_and_writes_exactly_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", ACCUMULATE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_accumulate_falls_back_to_torch_on_cpu():
+    from paratron.model import kernels
+    acc, g = torch.ones(7), torch.full((7,), 0.5, dtype=torch.bfloat16)
+    kernels.accumulate_(acc, g, write=False)
+    assert torch.equal(acc, torch.full((7,), 1.5))
+    kernels.accumulate_(acc, g, write=True)
+    assert torch.equal(acc, torch.full((7,), 0.5))

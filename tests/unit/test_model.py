@@ -183,8 +183,9 @@ def test_fused_output_loss_equals_logits_path(kw):
 
 @pytest.mark.parametrize("kw", [{}, LLAMA], ids=["gpt", "llama"])
 def test_residual_inside_fc2_equals_the_separate_add(kw):
-    """Without dropout fc2 adds the residual as its matmul's C operand (bias-free layers); with
-    --no-bias-dropout-fusion it is a separate add. Same loss and gradients either way."""
+    """Without dropout fc2 and the attention's linear_proj add the residual as their matmuls' C operand
+    (bias-free layers); with --no-bias-dropout-fusion it is a separate add. Same loss and gradients
+    either way."""
     torch.manual_seed(0)
     a = GPTModel(tiny(**kw), 128)
     b = GPTModel(tiny(**kw, no_bias_dropout_fusion=True), 128)
@@ -198,7 +199,7 @@ def test_residual_inside_fc2_equals_the_separate_add(kw):
         la = a(ids, labels=ids)
     finally:
         torch.addmm = real_addmm
-    assert len(seen) == (2 if kw else 0)
+    assert len(seen) == (4 if kw else 0)  # two layers, two output projections each
     lb = b(ids, labels=ids)
     assert torch.allclose(la, lb, atol=1e-5)
     la.sum().backward()
