@@ -15,7 +15,8 @@ output projection reads it without a copy either.
 Chosen when the model is built on a Hopper GPU in bf16 with flash-attn-4 importable (``paratron[hopper]``)
 and the layer has no sliding window or attention sinks; a forward pass takes it when it is plain causal
 attention over the whole sequence with autograd on and no attention dropout (no mask, no context
-parallelism, no KV cache). Everything else, and ``PARATRON_FLASH_ATTN=0``, stays on SDPA. The torch
+parallelism, no KV cache). Everything else, and ``PARATRON_FLASH_ATTN=0``, stays on SDPA. Under
+--deterministic-mode the backward takes the kernels' deterministic variant. The torch
 expressions below (``*_ref``) are the same operations; the ops run them on CPUs (the tests).
 """
 from __future__ import annotations
@@ -112,7 +113,9 @@ def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
         for d, ref in zip((dq, dk, dv), attention_bwd_ref(dout, q, k, v, out, lse, scale)):
             d.copy_(ref)
     else:
-        _fa_bwd(q, k, v, out, dout, lse, scale, True, dq=dq, dk=dk, dv=dv)
+        # --deterministic-mode: the kernels' ordered accumulation of dQ (and of grouped heads' dK / dV)
+        _fa_bwd(q, k, v, out, dout, lse, scale, True, dq=dq, dk=dk, dv=dv,
+                deterministic=torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv
 
 

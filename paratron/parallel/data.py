@@ -31,6 +31,7 @@ of that module's parameters, so the next forward overlaps with the gathering.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Optional
 
@@ -195,6 +196,9 @@ class DataParallel(nn.Module):
         self.overlap_param_gather = (overlap_param_gather and use_distributed_optimizer
                                      and any(buf.n > 1 for buf in self.buffers_))
         self._unwritten: set = set()
+        # the micro-batch gradients go into main_grad by one Triton pass (kernels.accumulate_); =0: torch's
+        # copy_ / add_ (for A/B measurements)
+        self._fused_accumulate = os.environ.get("PARATRON_FUSED_ACCUMULATE", "1") != "0"
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         if self.overlap_param_gather:
             for m, buckets in self._gather_points(module).items():
@@ -235,7 +239,12 @@ class DataParallel(nn.Module):
     # ---- gradients ------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
         first = p in self._unwritten  # first gradient of the step: write it (the buffer is not zero-filled)
-        kernels.accumulate_(p.main_grad, p.grad, write=first)
+        if self._fused_accumulate:
+            kernels.accumulate_(p.main_grad, p.grad, write=first)
+        elif first:
+            p.main_grad.copy_(p.grad)
+        else:
+            p.main_grad.add_(p.grad)
         self._unwritten.discard(p)
         p.grad = None
         b = self._bucket_of[p]

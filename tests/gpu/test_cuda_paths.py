@@ -198,3 +198,16 @@ def test_fused_fp8_mlp_compiled_equals_eager(recipe):
     assert max(rel) < 1e-2, rel
     err = ((outs[0][0].float() - ref).norm() / ref.norm()).item()
     assert err < 0.1, err  # two FP8 matmuls in a row (measured 0.066 at this shape: x ~ N(0, 1))
+
+
+def test_gradient_accumulation_kernel_equals_torch_add_and_copy():
+    from paratron.model import kernels
+    torch.manual_seed(0)
+    for n in (16384 * 2048, 4097, 3):
+        g = torch.randn(n, device="cuda").bfloat16()
+        acc = torch.randn(n, device="cuda")
+        want = acc + g.float()
+        kernels.accumulate_(acc, g, write=False)
+        assert torch.equal(acc, want)
+        kernels.accumulate_(acc, g, write=True)
+        assert torch.equal(acc, g.float())
