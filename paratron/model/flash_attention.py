@@ -15,8 +15,10 @@ output projection reads it without a copy either.
 Chosen when the model is built on a Hopper GPU in bf16 with flash-attn-4 importable (``paratron[hopper]``)
 and the layer has no sliding window or attention sinks; a forward pass takes it when it is plain causal
 attention over the whole sequence with autograd on and no attention dropout (no mask, no context
-parallelism, no KV cache). Everything else, and ``PARATRON_FLASH_ATTN=0``, stays on SDPA. Under
---deterministic-mode the backward takes the kernels' deterministic variant. The torch
+parallelism, no KV cache). Everything else, and ``PARATRON_FLASH_ATTN=0``, stays on SDPA; so does
+--deterministic-mode: the backward accumulates dQ with atomics, and the kernels' deterministic variant
+(``deterministic=True``, 4.0.0b10) still gave gradients that differ bit-wise from run to run on an H100
+(benchmarks/results/gpu_tests_flash4_2e5a231.log). The torch
 expressions below (``*_ref``) are the same operations; the ops run them on CPUs (the tests).
 """
 from __future__ import annotations
@@ -113,9 +115,7 @@ def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
         for d, ref in zip((dq, dk, dv), attention_bwd_ref(dout, q, k, v, out, lse, scale)):
             d.copy_(ref)
     else:
-        # --deterministic-mode: the kernels' ordered accumulation of dQ (and of grouped heads' dK / dV)
-        _fa_bwd(q, k, v, out, dout, lse, scale, True, dq=dq, dk=dk, dv=dv,
-                deterministic=torch.are_deterministic_algorithms_enabled())
+        _fa_bwd(q, k, v, out, dout, lse, scale, True, dq=dq, dk=dk, dv=dv)
     return dq, dk, dv
 
 

@@ -307,9 +307,11 @@ class Attention(nn.Module):
                                                   enable_gqa=self.groups != self.heads, scale=self.scale)
 
     def _flash_applies(self, ctx: ForwardContext) -> bool:
-        """Plain causal attention over the whole sequence, with autograd, without dropout."""
+        """Plain causal attention over the whole sequence, with autograd, without dropout, not under
+        --deterministic-mode (flash_attention.py says why)."""
         return (self.flash and ctx.cp is None and ctx.mask is None and ctx.causal and ctx.kv_cache is None
-                and torch.is_grad_enabled() and not (self.training and self.dropout > 0))
+                and torch.is_grad_enabled() and not (self.training and self.dropout > 0)
+                and not torch.are_deterministic_algorithms_enabled())
 
     def _attend(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         """q [s, b, heads, d], k / v [s, b, groups, d] -> [s, b, heads * d]."""

@@ -72,13 +72,3 @@ def test_llama_shaped_layer_takes_flash_attention(monkeypatch):
     y2 = attn(x2, ForwardContext())
     assert ((y.float() - y2.float()).norm() / y2.float().norm()).item() < 2e-2
 
-
-def test_deterministic_mode_gives_bitwise_equal_gradients():
-    q, kv, dy = _inputs(1024, 2, 8, 2, 64)
-    torch.use_deterministic_algorithms(True)
-    try:
-        runs = [_run(flash_attention.causal_attention, q, kv, dy, torch.bfloat16) for _ in range(3)]
-    finally:
-        torch.use_deterministic_algorithms(False)
-    for other in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))

@@ -104,6 +104,11 @@ def test_flash_path_only_for_plain_causal_attention_with_autograd():
     assert not attn._flash_applies(ForwardContext(causal=False))
     with torch.no_grad():  # generation and evaluation: SDPA
         assert not attn._flash_applies(ForwardContext())
+    torch.use_deterministic_algorithms(True)
+    try:  # --deterministic-mode: SDPA (FlashAttention-4's backward accumulates with atomics)
+        assert not attn._flash_applies(ForwardContext())
+    finally:
+        torch.use_deterministic_algorithms(False)
     attn.dropout = 0.1
     assert not attn._flash_applies(ForwardContext())
     attn.eval()
