@@ -3,7 +3,7 @@ accepted (paratron already does what it asks) or refused (planned, GPU-only, not
 from __future__ import annotations
 
 SDPA = ("attention runs through torch's scaled_dot_product_attention, which picks the flash, memory-efficient or math "
-        "kernel itself")
+        "kernel itself (training on H100/H200 with paratron[hopper]: FlashAttention-4's kernels)")
 ONE_IMPL = "paratron has one transformer implementation (PyTorch modules with its own kernels): every name selects it"
 NO_KERNEL = "paratron has no such fused kernel: the plain PyTorch path runs, which is what the flag asks"
 SCHEDULING = "a kernel or scheduling choice with the same numbers: paratron's one path computes the same result"
