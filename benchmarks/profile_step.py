@@ -7,6 +7,8 @@ time the GPU had no kernel running, all from the device timestamps in the profil
 
 With $OUT set, the full per-kernel table goes to $OUT/kernels_<config>.tsv (and the Chrome trace
 to $OUT/trace_<config>.json when PROFILE_TRACE=1; PROFILE_STEPS=N profiles N steps, default 3).
+PROFILE_ORIGIN=<regex> also says which CPU operators (outermost first, with their input shapes) launched
+the GPU work whose names match, e.g. PROFILE_ORIGIN='Memcpy DtoD|direct_copy'.
 """
 import json
 import os
@@ -63,6 +65,29 @@ def trace_kernels(path) -> list[tuple[float, float, str]]:
                   if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)
 
 
+def launch_origins(path, pattern: str, steps: int, n: int = 15) -> list[tuple[float, str]]:
+    """For the kernels / copies whose names match ``pattern``: the chain of CPU operators around the
+    runtime call that launched each (matched by the profiler's correlation ids, nested by time on the
+    launching thread), counted per step, the n most frequent."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and re.search(pattern, e["name"])]
+    runtime = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime" and "args" in e}
+    ops = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op" and "dur" in e:
+            ops[e["tid"]].append(e)
+    chains = defaultdict(int)
+    for k in gpu:
+        r = runtime.get(k.get("args", {}).get("correlation"))
+        if r is None:
+            continue
+        around = sorted((o for o in ops[r["tid"]] if o["ts"] <= r["ts"] <= o["ts"] + o["dur"]), key=lambda o: o["ts"])
+        chain = " > ".join(f"{o['name']}{o.get('args', {}).get('Input Dims', '')}" for o in around[-4:])
+        chains[f"{k['name'][:40]} <- {chain or '(no operator)'}"] += 1
+    return sorted(((c / steps, name) for name, c in chains.items()), reverse=True)[:n]
+
+
 def main():
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
@@ -79,8 +104,9 @@ def main():
         t.train_step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - wall) / steps
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+    origin = os.environ.get("PROFILE_ORIGIN")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=bool(origin)) as prof:
         for _ in range(steps):
             t.train_step()
         torch.cuda.synchronize()
@@ -89,6 +115,7 @@ def main():
         trace = Path(os.environ["OUT"] if keep else tmp) / f"trace_{name}.json"
         prof.export_chrome_trace(str(trace))
         intervals = trace_kernels(trace)
+        origins = launch_origins(trace, origin, steps) if origin else []
     totals, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
     for start, end, kname in intervals:
         totals[kind_of(kname)] += end - start
@@ -109,6 +136,10 @@ def main():
     print(f"idle: {gap_total / steps / 1000:.1f} ms per step; by the kernels around it (ms per step, stretches):")
     for g, c, before, after in gaps:
         print(f"  {g / steps / 1000:6.2f} ms {c / steps:5.0f}x  after {before}  before {after}")
+    if origins:
+        print(f"launched by (per step; PROFILE_ORIGIN={origin}):")
+        for c, chain in origins:
+            print(f"  {c:5.0f}x  {chain[:300]}")
     out = os.environ.get("OUT")
     if out:
         with open(Path(out) / f"kernels_{name}.tsv", "w") as f:
