@@ -41,7 +41,8 @@ from .report import end_of_run
 from .evaluation import Evaluation
 from .run_control import RunControl
 from .watch import ProgressLog, StragglerWatch, check_weight_hashes, profiled, record_memory_history
-from .step import build_model, build_model_chunks, loss_func, make_forward_step, params_dtype, sum_reports  # noqa: F401
+from .step import (build_model, build_model_chunks, hopper_kernels, loss_func, make_forward_step,  # noqa: F401
+                   params_dtype, sum_reports)
 
 
 class Trainer(Evaluation, RunControl):
@@ -372,6 +373,8 @@ class Trainer(Evaluation, RunControl):
         self.log.print(f" training {params / 1e6:.2f}M parameters per rank, {self.dims.describe()}, {tr.train_iters} "
                        f"iterations, global batch {tr.global_batch_size}, {self._micro} micro-batches of "
                        f"{tr.micro_batch_size}, device {self.device}")
+        if self.device.type == "cuda":
+            self.log.print(f" Hopper kernels: {hopper_kernels(m.module for m in self.models)}")
 
     def _save_on_batch_change(self, last_saved: Optional[int]) -> Optional[int]:
         """As Megatron: with --save, a checkpoint whenever the batch-size schedule (--rampup-batch-size,

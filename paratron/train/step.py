@@ -61,6 +61,20 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) ->
     return chunks
 
 
+def hopper_kernels(models) -> str:
+    """Which of the optional Hopper kernels (``paratron[hopper]``) the built model takes in training, as the
+    start-up line says it: a user can see that the extra is installed and used."""
+    from ..model.layers import MLP, Attention, Norm
+    mods = [m for model in models for m in model.modules()]
+    found = [name for name, hit in (
+        ("FlashAttention-4 attention", any(isinstance(m, Attention) and m.flash for m in mods)),
+        ("quack gated-GEMM SwiGLU MLP", any(isinstance(m, MLP) and m.gated_gemm for m in mods)),
+        ("quack RMSNorm", any(isinstance(m, Norm) and m.quack for m in mods))) if hit]
+    if found:
+        return ", ".join(found)
+    return "none (pip install 'paratron[hopper]' adds FlashAttention-4 and quack's kernels on H100/H200 in bf16)"
+
+
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     """Megatron's convention: (sum of masked token losses, token count, report). The token count is
     what the micro-batch's loss is divided by (``BatchLayout.microbatch_loss``); the report's n is the

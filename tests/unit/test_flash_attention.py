@@ -113,3 +113,14 @@ def test_flash_path_only_for_plain_causal_attention_with_autograd():
     assert not attn._flash_applies(ForwardContext())
     attn.eval()
     assert attn._flash_applies(ForwardContext())
+
+
+def test_start_up_line_names_the_hopper_kernels_the_model_takes():
+    from paratron.model.gpt import GPTModel
+    from paratron.train.step import hopper_kernels
+    cfg = _cfg("--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear")
+    model = GPTModel(cfg, 128)
+    assert hopper_kernels([model]).startswith("none (pip install 'paratron[hopper]'")
+    model.decoder.layers[0].self_attention.flash = True
+    model.decoder.final_layernorm.quack = True
+    assert hopper_kernels([model]) == "FlashAttention-4 attention, quack RMSNorm"
