@@ -66,8 +66,8 @@ def run_paratron(preset: str, flags: list[str], warmup: int, steps: int) -> dict
                warmup_s=round(warmup_s))
     t.close()
     del t
-    # compiled code keeps what it captured from this variant's model: a later variant in the same process
-    # read ~6 GB more peak memory (its weights and fp32 masters) until this reset was added
+    # a later variant in the same process read ~6 GB more peak memory (about this variant's weights and fp32
+    # masters); compiled code holding on to this model is the suspect (the reset's effect not yet measured)
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
