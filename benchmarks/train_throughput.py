@@ -66,9 +66,7 @@ def run_paratron(preset: str, flags: list[str], warmup: int, steps: int) -> dict
                warmup_s=round(warmup_s))
     t.close()
     del t
-    # a later variant in the same process read ~6 GB more peak memory (about this variant's weights and fp32
-    # masters); compiled code holding on to this model is the suspect (the reset's effect not yet measured)
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # this variant's compiled code
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

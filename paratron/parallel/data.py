@@ -32,6 +32,7 @@ of that module's parameters, so the next forward overlaps with the gathering.
 from __future__ import annotations
 
 import os
+import weakref
 from contextlib import contextmanager
 from typing import Optional
 
@@ -151,6 +152,17 @@ class GradBuffer:
                                     async_op=True)
 
 
+def _weak_on_grad(dp: "DataParallel"):
+    """``dp._on_grad`` as a hook that does not keep ``dp`` alive."""
+    ref = weakref.ref(dp)
+
+    def hook(p: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_grad(p)
+    return hook
+
+
 def buffer_keys(params: list) -> dict:
     """{(grad group, tied group): parameters, in module order}: one gradient buffer each. A tied
     parameter gets a buffer of its own so that both pipeline copies are sharded identically over
@@ -199,7 +211,10 @@ class DataParallel(nn.Module):
         # the micro-batch gradients go into main_grad by one Triton pass (kernels.accumulate_); =0: torch's
         # copy_ / add_ (for A/B measurements)
         self._fused_accumulate = os.environ.get("PARATRON_FUSED_ACCUMULATE", "1") != "0"
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        # The hooks reach this object through a weak reference: a parameter's hooks are held from C++, where
+        # the garbage collector does not see them, so a bound method there would keep the wrapper, the model
+        # and its weights alive for the life of the process after the trainer is gone.
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_on_grad(self)) for p in self.params]
         if self.overlap_param_gather:
             for m, buckets in self._gather_points(module).items():
                 wait = torch._dynamo.disable(lambda _m, _a, bs=buckets: self._wait_gather(bs))

@@ -166,3 +166,17 @@ def test_log_params_norm_prints_the_weights_norm(capsys):
     plain = parse_args(TINY + ["--train-iters", "1", "--eval-iters", "0"])
     pretrain(plain)
     assert "params norm" not in capsys.readouterr().out
+
+
+def test_a_closed_trainer_releases_its_model():
+    """The gradient hooks on the parameters (held from C++, unseen by the garbage collector) must not keep
+    the data-parallel wrapper, the model and its weights alive once the trainer is gone."""
+    import gc
+    import weakref
+    t = Trainer(parse_args(TINY + ["--train-iters", "2"]))
+    t.train_step()
+    ref = weakref.ref(next(t.models[0].module.parameters()))
+    t.close()
+    del t
+    gc.collect()
+    assert ref() is None
