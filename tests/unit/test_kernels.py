@@ -9,6 +9,13 @@ import torch
 
 pytest.importorskip("triton")
 
+def _interpret(script: str) -> None:
+    """Run ``script`` in a fresh interpreter with Triton's CPU interpreter on; it prints "ok" when its checks hold."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
 CHECK = r"""
 import torch
 from paratron.model.kernels import swiglu_reference
@@ -32,9 +39,7 @@ print("ok")
 
 
 def test_swiglu_kernel_matches_torch_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    _interpret(CHECK)
 
 
 DECODE = r"""
@@ -67,9 +72,7 @@ print("ok")
 
 
 def test_decode_attention_kernel_matches_torch_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", DECODE], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    _interpret(DECODE)
 
 
 ACCUMULATE = r"""
@@ -91,9 +94,7 @@ print("ok")
 
 
 def test_gradient_accumulation_kernel_adds_and_writes_exactly_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", ACCUMULATE], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    _interpret(ACCUMULATE)
 
 
 def test_accumulate_falls_back_to_torch_on_cpu():
