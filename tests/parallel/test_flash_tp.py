@@ -1,0 +1,37 @@
+"""FlashAttention-4's and the residual-keeping RMSNorm's wiring under TP + SP on CPU/gloo: with the
+attention op on its CPU reference (paratron/model/flash_attention.py) and the norm on quack's reference
+(parallel/quack_kernels.py: rms_norm_keep), TP2 + SP training equals the plain one-rank run: each rank's
+heads through the sequence-first op, the residual handed on by the norm and added inside the row-parallel
+output projection after its reduction. The kernels themselves run in tests/gpu."""
+from paratron.model import flash_attention
+from paratron.parallel import quack_kernels
+from tests.dist import run_ranks
+from tests.parallel.common import assert_close_runs, run_steps, tiny_config
+
+STEPS = 3
+
+
+def _rank(rank, world):
+    calls = {"flash": 0, "keep": 0}
+    flash_attention.wanted = lambda *a: True
+    quack_kernels.on_hopper = lambda *a: True  # Norm.quack (and the gated MLP, which stays plain on CPU)
+    real_flash, real_keep = flash_attention.causal_attention, quack_kernels.rms_norm_keep
+
+    def flash(*a):
+        calls["flash"] += 1
+        return real_flash(*a)
+
+    def keep(*a):
+        calls["keep"] += 1
+        return real_keep(*a)
+    flash_attention.causal_attention, quack_kernels.rms_norm_keep = flash, keep
+    out = run_steps(tiny_config("llama", tensor_model_parallel_size=world, sequence_parallel=True), STEPS)
+    out["calls"] = calls
+    return out
+
+
+def test_tp2_sp_flash_attention_and_residual_norms_equal_plain_single_rank(tmp_path):
+    ref = run_steps(tiny_config("llama", world_size=1), STEPS)
+    for r in run_ranks(2, _rank, tmp_dir=tmp_path):
+        assert r["calls"]["flash"] > 0 and r["calls"]["keep"] > 0, r["calls"]
+        assert_close_runs(ref, r)
