@@ -8,12 +8,7 @@ inputs it shares with the other (5 reads + 2 writes of an F-wide tensor per toke
 llama-1b's shape it runs at 2.9 TB/s: SwiGLU forward + backward took 47 ms per 65,536 tokens,
 against 65 ms per 73,728 tokens (58 per 65,536) for Inductor's kernels (benchmarks/results/perf_notes.md).
 
-Gradient accumulation: micro-batch gradients (bf16) go into the fp32 ``main_grad`` buffers one parameter
-at a time; torch's mixed-dtype ``copy_`` / ``add_`` take its unvectorised casting loop (about half the
-memory bandwidth: 8.8 ms per 65,536 tokens on llama-1b at two micro-batches). ``accumulate_`` is one
-vectorised pass.
-
-The SwiGLU kernels are ``torch.library`` custom ops with autograd, so a compiled layer calls them as
+The kernels are ``torch.library`` custom ops with autograd, so a compiled layer calls them as
 opaque nodes. They run on CUDA when Triton is importable; everywhere else (CPU, no Triton)
 ``swiglu`` is the plain torch expression, which is also the reference in the tests.
 """
@@ -31,7 +26,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK = 1024  # columns per program (the last block of a row is masked)
-ACC_BLOCK = 4096  # elements per program of accumulate_
 
 
 def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
@@ -46,30 +40,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return swiglu_reference(h)
 
 
-def accumulate_(acc: torch.Tensor, grad: torch.Tensor, write: bool) -> None:
-    """``acc = grad`` (``write``) or ``acc += grad``, ``acc`` fp32 and ``grad`` bf16/fp16 of the same shape
-    (both contiguous): one vectorised Triton pass on CUDA; torch's copy_ / add_ otherwise."""
-    if (triton is not None and acc.is_cuda and acc.dtype == torch.float32 and grad.dtype in (torch.bfloat16, torch.float16)
-            and acc.is_contiguous() and grad.is_contiguous() and acc.shape == grad.shape):
-        n = acc.numel()
-        with _on(acc):
-            _accumulate[(triton.cdiv(n, ACC_BLOCK),)](acc, grad, n, WRITE=write, BLOCK=ACC_BLOCK)
-    elif write:
-        acc.copy_(grad)
-    else:
-        acc.add_(grad)
-
-
 if triton is not None:
-    @triton.jit
-    def _accumulate(acc_ptr, g_ptr, n, WRITE: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-        if not WRITE:
-            g += tl.load(acc_ptr + offs, mask=mask)
-        tl.store(acc_ptr + offs, g, mask=mask)
-
     @triton.jit
     def _swiglu_fwd(h_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)

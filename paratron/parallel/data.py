@@ -40,7 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model import kernels
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
 
 from . import comm
 from .dims import ParallelDims
@@ -152,6 +156,37 @@ class GradBuffer:
                                     async_op=True)
 
 
+ACC_BLOCK = 4096  # elements per program of the accumulation kernel
+
+
+def accumulate_(acc: torch.Tensor, grad: torch.Tensor, write: bool, fused: bool = True) -> None:
+    """``acc = grad`` (``write``) or ``acc += grad``: a micro-batch gradient into its ``main_grad``. With
+    ``fused``, for fp32 ``acc`` and a bf16/fp16 ``grad`` (contiguous, same shape) on CUDA, one vectorised
+    Triton pass: torch's mixed-dtype copy_ / add_ run its unvectorised casting loop (about half the memory
+    bandwidth; 8.8 ms per 65,536 tokens on llama-1b at two micro-batches). Otherwise torch's copy_ / add_."""
+    if (fused and triton is not None and acc.is_cuda and acc.dtype == torch.float32
+            and grad.dtype in (torch.bfloat16, torch.float16)
+            and acc.is_contiguous() and grad.is_contiguous() and acc.shape == grad.shape):
+        n = acc.numel()
+        with torch.cuda.device(acc.device):
+            _accumulate[(triton.cdiv(n, ACC_BLOCK),)](acc, grad, n, WRITE=write, BLOCK=ACC_BLOCK)
+    elif write:
+        acc.copy_(grad)
+    else:
+        acc.add_(grad)
+
+
+if triton is not None:
+    @triton.jit
+    def _accumulate(acc_ptr, g_ptr, n, WRITE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        if not WRITE:
+            g += tl.load(acc_ptr + offs, mask=mask)
+        tl.store(acc_ptr + offs, g, mask=mask)
+
+
 def _weak_on_grad(dp: "DataParallel"):
     """``dp._on_grad`` as a hook that does not keep ``dp`` alive."""
     ref = weakref.ref(dp)
@@ -208,8 +243,8 @@ class DataParallel(nn.Module):
         self.overlap_param_gather = (overlap_param_gather and use_distributed_optimizer
                                      and any(buf.n > 1 for buf in self.buffers_))
         self._unwritten: set = set()
-        # the micro-batch gradients go into main_grad by one Triton pass (kernels.accumulate_); =0: torch's
-        # copy_ / add_ (for A/B measurements)
+        # the micro-batch gradients go into main_grad by one Triton pass (accumulate_); =0: torch's copy_ /
+        # add_ (for A/B measurements)
         self._fused_accumulate = os.environ.get("PARATRON_FUSED_ACCUMULATE", "1") != "0"
         # The hooks reach this object through a weak reference: a parameter's hooks are held from C++, where
         # the garbage collector does not see them, so a bound method there would keep the wrapper, the model
@@ -253,13 +288,8 @@ class DataParallel(nn.Module):
 
     # ---- gradients ------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
-        first = p in self._unwritten  # first gradient of the step: write it (the buffer is not zero-filled)
-        if self._fused_accumulate:
-            kernels.accumulate_(p.main_grad, p.grad, write=first)
-        elif first:
-            p.main_grad.copy_(p.grad)
-        else:
-            p.main_grad.add_(p.grad)
+        # the first gradient of the step is written (the buffer is not zero-filled), later ones added
+        accumulate_(p.main_grad, p.grad, write=p in self._unwritten, fused=self._fused_accumulate)
         self._unwritten.discard(p)
         p.grad = None
         b = self._bucket_of[p]

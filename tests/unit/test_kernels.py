@@ -1,5 +1,6 @@
-"""The Triton kernels of paratron/model/kernels.py against the torch expressions they replace,
-run through Triton's CPU interpreter (the same kernels run on CUDA in tests/gpu)."""
+"""The Triton kernels of paratron/model/kernels.py, model/decode_attention.py and parallel/data.py (gradient
+accumulation) against the torch expressions they replace, run through Triton's CPU interpreter (the same
+kernels run on CUDA in tests/gpu)."""
 import os
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def test_decode_attention_kernel_matches_torch_in_the_interpreter():
 
 ACCUMULATE = r"""
 import torch
-from paratron.model import kernels
+from paratron.parallel import data as kernels  # the gradient-accumulation kernel lives with its buffers
 torch.manual_seed(0)
 for n, dtype in ((10_000, torch.bfloat16), (4096, torch.float16), (5, torch.bfloat16)):
     g = torch.randn(n).to(dtype)
@@ -98,7 +99,7 @@ def test_gradient_accumulation_kernel_adds_and_writes_exactly_in_the_interpreter
 
 
 def test_accumulate_falls_back_to_torch_on_cpu():
-    from paratron.model import kernels
+    from paratron.parallel import data as kernels
     acc, g = torch.ones(7), torch.full((7,), 0.5, dtype=torch.bfloat16)
     kernels.accumulate_(acc, g, write=False)
     assert torch.equal(acc, torch.full((7,), 1.5))
