@@ -41,7 +41,7 @@ def wanted(head_dim: int, device, dtype) -> bool:
     importable, bf16 on a Hopper GPU (with ``PARATRON_FLASH_ATTN`` not 0), a head dimension its Hopper
     kernels have (a multiple of 8 up to 256)."""
     return (_fa_fwd is not None and head_dim % 8 == 0 and head_dim <= 256
-            and quack_kernels.on_hopper(device, dtype, "PARATRON_FLASH_ATTN"))
+            and quack_kernels.hopper_bf16(device, dtype, "PARATRON_FLASH_ATTN"))
 
 
 # ---- the operations as torch expressions (the reference; CPUs) ---------------------------------

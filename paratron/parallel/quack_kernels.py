@@ -41,13 +41,19 @@ except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not 
     _q_gemm = None
 
 
-def on_hopper(device, dtype, switch: str) -> bool:
-    """quack's kernels can run for a module built on ``device`` in ``dtype``: quack importable, bf16 on a
-    Hopper GPU, and the environment ``switch`` not 0."""
-    if _q_gemm is None or dtype != torch.bfloat16 or os.environ.get(switch, "1") == "0":
+def hopper_bf16(device, dtype, switch: str) -> bool:
+    """A module built on ``device`` in ``dtype`` may take an optional Hopper kernel: bf16 on a Hopper GPU,
+    and the environment ``switch`` not 0."""
+    if dtype != torch.bfloat16 or os.environ.get(switch, "1") == "0":
         return False
     device = torch.device(device) if device is not None else torch.device("cpu")
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def on_hopper(device, dtype, switch: str) -> bool:
+    """quack's kernels can run for a module built on ``device`` in ``dtype``: quack importable and
+    ``hopper_bf16``."""
+    return _q_gemm is not None and hopper_bf16(device, dtype, switch)
 
 
 def wanted(fused_swiglu: bool, bias: bool, device, dtype) -> Optional[str]:
