@@ -66,7 +66,6 @@ def run_paratron(preset: str, flags: list[str], warmup: int, steps: int) -> dict
                warmup_s=round(warmup_s))
     t.close()
     del t
-    torch._dynamo.reset()  # this variant's compiled code
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
