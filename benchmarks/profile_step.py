@@ -8,7 +8,8 @@ time the GPU had no kernel running, all from the device timestamps in the profil
 With $OUT set, the full per-kernel table goes to $OUT/kernels_<config>.tsv (and the Chrome trace
 to $OUT/trace_<config>.json when PROFILE_TRACE=1; PROFILE_STEPS=N profiles N steps, default 3).
 PROFILE_ORIGIN=<regex> also says which CPU operators (outermost first, with their input shapes) launched
-the GPU work whose names match, e.g. PROFILE_ORIGIN='Memcpy DtoD|direct_copy'.
+the GPU work whose names match, e.g. PROFILE_ORIGIN='Memcpy DtoD|direct_copy' (the PROFILE_ORIGIN_TOP most
+frequent chains, default 15).
 """
 import json
 import os
@@ -115,7 +116,8 @@ def main():
         trace = Path(os.environ["OUT"] if keep else tmp) / f"trace_{name}.json"
         prof.export_chrome_trace(str(trace))
         intervals = trace_kernels(trace)
-        origins = launch_origins(trace, origin, steps) if origin else []
+        top = int(os.environ.get("PROFILE_ORIGIN_TOP", "15"))
+        origins = launch_origins(trace, origin, steps, top) if origin else []
     totals, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
     for start, end, kname in intervals:
         totals[kind_of(kname)] += end - start
