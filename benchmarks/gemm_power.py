@@ -1,0 +1,116 @@
+"""Which GEMM kernels are fastest at the GPU's power limit? The step runs at the H100's 700 W cap (SM clock
+~1,400 MHz, benchmarks/results/perf_notes.md, eleventh session), so a kernel's figure alone at full clock
+says little. For llama-1b's heavy GEMM shapes (32,768 tokens) each candidate runs back to back for
+``--seconds`` after ``--warm`` seconds of warm-up at the cap: cuBLAS (torch.mm), quack's GEMM with several
+tile / cluster configurations (when importable), and for the weight gradient the fp32 accumulation two ways
+(bf16 GEMM + an add into the fp32 buffer, or one GEMM with fp32 output accumulating in place, Megatron's
+gradient-accumulation fusion). Reports TFLOP/s with the mean SM clock and power (NVML).
+
+    python benchmarks/gemm_power.py [--seconds 2 --warm 1 --no-quack]
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from paratron.parallel.data import accumulate_  # noqa: E402
+
+CONFIGS = [  # (tile_m, tile_n, cluster_m, cluster_n, pingpong)
+    (128, 192, 2, 1, True), (256, 128, 2, 1, False), (256, 128, 1, 2, False), (256, 192, 2, 1, False),
+    (128, 256, 1, 2, False)]
+
+
+def _nvml():
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return lambda: (pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM), pynvml.nvmlDeviceGetPowerUsage(h) / 1000)
+    except Exception:  # noqa: BLE001 - no NVML: no clock / power columns
+        return None
+
+
+def sustained(fn, flops: float, seconds: float, warm: float, probe) -> tuple[float, float, float]:
+    """(TFLOP/s, mean SM MHz, mean W) of ``fn`` run back to back for ``seconds`` after ``warm``."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm:
+        fn()
+        torch.cuda.synchronize()
+    calls, clocks, watts = 0, [], []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(4):
+            fn()
+        calls += 4
+        torch.cuda.synchronize()
+        if probe:
+            c, w = probe()
+            clocks.append(c)
+            watts.append(w)
+    dt = time.perf_counter() - t0
+    mean = (lambda v: sum(v) / len(v) if v else float("nan"))
+    return calls * flops / dt / 1e12, mean(clocks), mean(watts)
+
+
+def quack_candidates(a, b, out):
+    """{name: callable} for quack's GEMM ``out = a @ b`` with each configuration of CONFIGS."""
+    try:
+        from quack.gemm_config import GemmConfig
+        from quack.gemm_interface import gemm_tuned
+    except Exception as e:  # noqa: BLE001
+        print(f"quack not importable ({type(e).__name__}: {e}); cuBLAS only")
+        return {}
+    raw = getattr(gemm_tuned, "fn", gemm_tuned)
+    found = {}
+    for tm, tn, cm, cn, pp in CONFIGS:
+        cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pp, is_dynamic_persistent=False)
+        found[f"quack {tm}x{tn} c{cm}x{cn} {'pp' if pp else 'coop'}"] = (
+            lambda cfg=cfg: raw(a, b, out, config=cfg))
+    return found
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--warm", type=float, default=1.0)
+    p.add_argument("--no-quack", action="store_true")
+    args = p.parse_args()
+    n, dev, dt = args.tokens, "cuda", torch.bfloat16
+    probe = _nvml()
+    r = lambda *s: torch.randn(*s, device=dev, dtype=dt)  # noqa: E731
+    # (name, A, B): out = A @ B; A / B in the step's layouts
+    shapes = [("fc2 forward act@W2^T", r(n, 8192), r(2048, 8192).t()),
+              ("fc1 input grad dpre@W1", r(n, 16384), r(16384, 2048)),
+              ("fc2 weight grad dy^T@act", r(n, 2048).t(), r(n, 8192)),
+              ("qkv forward x@Wqkv^T", r(n, 2048), r(3072, 2048).t())]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.seconds} s each after {args.warm} s")
+    print("| GEMM | kernel | TFLOP/s | SM MHz | W |\n|---|---|---|---|---|")
+    for name, a, b in shapes:
+        flops = 2 * a.size(0) * a.size(1) * b.size(1)
+        out_ = torch.empty(a.size(0), b.size(1), device=dev, dtype=dt)
+        cands = {"cuBLAS": lambda a=a, b=b, o=out_: torch.mm(a, b, out=o)}
+        if "weight grad" in name:
+            acc = torch.zeros(a.size(0), b.size(1), device=dev, dtype=torch.float32)
+            cands["cuBLAS bf16 + Triton add into fp32"] = lambda a=a, b=b, acc=acc, o=out_: accumulate_(acc, torch.mm(a, b, out=o), write=False)
+            cands["cuBLAS fp32 out, in place (fused)"] = lambda a=a, b=b, acc=acc: torch.addmm(
+                acc, a, b, out_dtype=torch.float32, out=acc)
+        if not args.no_quack:
+            cands.update(quack_candidates(a, b, out_))
+        for kname, fn in cands.items():
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a configuration the kernel refuses: say so, go on
+                print(f"| {name} | {kname} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
+                continue
+            tf, mhz, w = sustained(fn, flops, args.seconds, args.warm, probe)
+            print(f"| {name} | {kname} | {tf:.0f} | {mhz:.0f} | {w:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
