@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from paratron.parallel.data import accumulate_  # noqa: E402
+from paratron.parallel.grad_accumulation import accumulate_  # noqa: E402
 
 CONFIGS = [  # (tile_m, tile_n, cluster_m, cluster_n, pingpong)
     (128, 192, 2, 1, True), (256, 128, 2, 1, False), (256, 128, 1, 2, False), (256, 192, 2, 1, False),

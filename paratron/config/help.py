@@ -40,6 +40,8 @@ HELP = {
     "use_distributed_optimizer": "shard optimizer state over data-parallel ranks (ZeRO-1)",
     "overlap_grad_reduce": "reduce gradient buckets while the backward pass runs",
     "overlap_param_gather": "all-gather parameters of the distributed optimizer while the forward pass runs",
+    "no_gradient_accumulation_fusion": "weight gradients through param.grad and an add into the gradient buffer, "
+                                       "not added there by the weight-gradient GEMM (Megatron's fusion, on by default)",
     "ddp_bucket_size": "elements per gradient-reduction bucket",
     "accumulate_allreduce_grads_in_fp32": "fp32 gradient buffer and reduction under bf16/fp16",
     "distributed_timeout_minutes": "timeout of collective operations",

@@ -19,8 +19,6 @@ ACCEPTED = {
     "use_flash_attn": SDPA + " (FlashAttention on GPUs that have it)",
     "no_masked_softmax_fusion": NO_KERNEL + " (SDPA applies the causal mask itself)",
     "no_rope_fusion": "paratron's rotary embedding is plain torch ops: there is no fused RoPE kernel to turn off",
-    "no_gradient_accumulation_fusion": "weight gradients accumulate into the fp32/bf16 grad buffer by autograd: "
-                                       "there is no fused wgrad kernel to turn off",
     "no_persist_layer_norm": NO_KERNEL,
     "attention_softmax_in_fp32": "SDPA's kernels compute the softmax in fp32 for bf16/fp16 inputs (the math kernel "
                                  "upcasts); the flag asks for exactly that",

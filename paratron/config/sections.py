@@ -169,6 +169,7 @@ class ParallelConfig(Section):
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    no_gradient_accumulation_fusion: bool = False  # weight gradients via param.grad + an add, not into main_grad
     ddp_bucket_size: Optional[int] = None
     accumulate_allreduce_grads_in_fp32: bool = False
     grad_reduce_in_bf16: bool = False  # bf16 gradient buffer and reduction (needs --bf16)

@@ -21,6 +21,7 @@ from ..config import ModelConfig
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel import comm, fp8_mlp, quack_kernels
+from ..parallel.grad_accumulation import mark_fusable
 from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention, rope_layers
 from .variants import apply_output_gate, fused_fp8_activation, is_gated, mlp_activation, qkv_parts
@@ -232,6 +233,10 @@ class MLP(nn.Module):
         self.linear_fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp_group=par.tp_group, bias=bias,
                                             sequence_parallel=par.sequence_parallel, init_method=output_init(cfg),
                                             device=device, dtype=dtype)
+        # their weight gradients may go straight into main_grad (the plain path's linear layers and the gated
+        # GEMMs' backward honour it; fc1's only with its backward GEMMs on cuBLAS); the fused FP8 MLP's layers
+        # have FP8 states, which DataParallel leaves unfused
+        mark_fusable(self.linear_fc2, *(() if self.gated_gemm == "quack" else (self.linear_fc1,)))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``residual`` is added to the output (by fc2's matmul where it can)."""
@@ -289,6 +294,7 @@ class Attention(nn.Module):
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, tp_group=par.tp_group,
                                              bias=not cfg.disable_bias_linear, sequence_parallel=par.sequence_parallel,
                                              init_method=output_init(cfg), device=device, dtype=dtype)
+        mark_fusable(self.linear_qkv, self.linear_proj)  # weight gradients may go into main_grad directly
         # Sliding window / attention sinks (Megatron's core_attention.softmax_offset); None: plain SDPA
         self.core_attention = CoreAttention(cfg, par, layer_index, device, dtype) if needs_core_attention(cfg) else None
         # FlashAttention-4 for plain causal attention in training (Hopper, bf16; flash_attention.py)

@@ -40,14 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
-
 from . import comm
 from .dims import ParallelDims
+from .grad_accumulation import accumulate_, fusable_weights
 from .sharding import norm_groups, spec_of
 
 ALIGN = 64  # elements; keeps parameter views and shard boundaries aligned for fast kernels
@@ -156,37 +151,6 @@ class GradBuffer:
                                     async_op=True)
 
 
-ACC_BLOCK = 4096  # elements per program of the accumulation kernel
-
-
-def accumulate_(acc: torch.Tensor, grad: torch.Tensor, write: bool, fused: bool = True) -> None:
-    """``acc = grad`` (``write``) or ``acc += grad``: a micro-batch gradient into its ``main_grad``. With
-    ``fused``, for fp32 ``acc`` and a bf16/fp16 ``grad`` (contiguous, same shape) on CUDA, one vectorised
-    Triton pass: torch's mixed-dtype copy_ / add_ run its unvectorised casting loop (about half the memory
-    bandwidth; 8.8 ms per 65,536 tokens on llama-1b at two micro-batches). Otherwise torch's copy_ / add_."""
-    if (fused and triton is not None and acc.is_cuda and acc.dtype == torch.float32
-            and grad.dtype in (torch.bfloat16, torch.float16)
-            and acc.is_contiguous() and grad.is_contiguous() and acc.shape == grad.shape):
-        n = acc.numel()
-        with torch.cuda.device(acc.device):
-            _accumulate[(triton.cdiv(n, ACC_BLOCK),)](acc, grad, n, WRITE=write, BLOCK=ACC_BLOCK)
-    elif write:
-        acc.copy_(grad)
-    else:
-        acc.add_(grad)
-
-
-if triton is not None:
-    @triton.jit
-    def _accumulate(acc_ptr, g_ptr, n, WRITE: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-        if not WRITE:
-            g += tl.load(acc_ptr + offs, mask=mask)
-        tl.store(acc_ptr + offs, g, mask=mask)
-
-
 def _weak_on_grad(dp: "DataParallel"):
     """``dp._on_grad`` as a hook that does not keep ``dp`` alive."""
     ref = weakref.ref(dp)
@@ -213,7 +177,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, dims: ParallelDims, *, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
-                 average: bool = True):
+                 average: bool = True, fuse_wgrad: bool = False):
         super().__init__()
         self.module, self.dims = module, dims
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -243,6 +207,11 @@ class DataParallel(nn.Module):
         self.overlap_param_gather = (overlap_param_gather and use_distributed_optimizer
                                      and any(buf.n > 1 for buf in self.buffers_))
         self._unwritten: set = set()
+        # Megatron's gradient-accumulation fusion (grad_accumulation.py): these weights' backward adds their
+        # gradient to main_grad itself; the hook only drops the placeholder autograd hands it
+        self.fused_wgrad = set(fusable_weights(module)) & set(self.params) if fuse_wgrad else set()
+        for p in self.fused_wgrad:
+            p.fuse_wgrad = True
         # the micro-batch gradients go into main_grad by one Triton pass (accumulate_); =0: torch's copy_ /
         # add_ (for A/B measurements)
         self._fused_accumulate = os.environ.get("PARATRON_FUSED_ACCUMULATE", "1") != "0"
@@ -289,7 +258,8 @@ class DataParallel(nn.Module):
     # ---- gradients ------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
         # the first gradient of the step is written (the buffer is not zero-filled), later ones added
-        accumulate_(p.main_grad, p.grad, write=p in self._unwritten, fused=self._fused_accumulate)
+        if p not in self.fused_wgrad:
+            accumulate_(p.main_grad, p.grad, write=p in self._unwritten, fused=self._fused_accumulate)
         self._unwritten.discard(p)
         p.grad = None
         b = self._bucket_of[p]
@@ -319,9 +289,12 @@ class DataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Start a step. Instead of zero-filling the buffers, each parameter's first gradient is
-        copied in (saves a write and a read of the whole buffer); finish_grad_sync zeroes the rest.
+        copied in (saves a write and a read of the whole buffer); finish_grad_sync zeroes the rest. The
+        weights whose backward adds to main_grad (``fused_wgrad``) are zeroed here, in one launch.
         Padding between parameters is zero from construction and never written."""
-        self._unwritten = set(self.params)
+        if self.fused_wgrad:
+            torch._foreach_zero_([p.main_grad for p in self.fused_wgrad])
+        self._unwritten = set(self.params) - self.fused_wgrad
         self.buckets_launched_in_backward = 0
         for b in self.buckets:
             b.grad_work = None
@@ -393,7 +366,8 @@ def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims) -> DataParall
                         overlap_grad_reduce=par.overlap_grad_reduce,
                         use_distributed_optimizer=par.use_distributed_optimizer,
                         overlap_param_gather=par.overlap_param_gather,
-                        average=not cfg.train.calculate_per_token_loss)
+                        average=not cfg.train.calculate_per_token_loss,
+                        fuse_wgrad=not par.no_gradient_accumulation_fusion)
 
 
 def finalize_model_grads(models: list[DataParallel], dims: ParallelDims, num_tokens=None) -> None:

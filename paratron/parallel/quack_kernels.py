@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from .grad_accumulation import main_grad_of, wgrad_accumulate
+
 try:  # optional: pip install quack-kernels (Hopper); used only on CUDA
     from quack import rmsnorm as _q_rmsnorm
     from quack.rmsnorm import rmsnorm_bwd as _q_rmsnorm_bwd, rmsnorm_fwd as _q_rmsnorm_fwd
@@ -131,23 +133,36 @@ def _dw1(dpre: torch.Tensor, x: torch.Tensor, bwd: str) -> torch.Tensor:
 
 
 class _GatedMLP(torch.autograd.Function):
-    """y = swiglu(x W1^T) W2^T (+ residual) on 2-D ``x``; keeps x and the pre-activation."""
+    """y = swiglu(x W1^T) W2^T (+ residual) on 2-D ``x``; keeps x and the pre-activation. ``g1`` / ``g2``:
+    the weights' ``main_grad`` when their gradients are added there by this backward (gradient-accumulation
+    fusion, paratron/parallel/grad_accumulation.py; autograd then gets placeholders), else None."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, residual, bwd):
+    def forward(ctx, x, w1, w2, residual, bwd, g1, g2):
         pre, act = _gated(x, w1)
         y = act @ w2.t() if residual is None else torch.addmm(residual, act, w2.t())
         ctx.save_for_backward(x, w1, w2, pre)
+        ctx.main_grads = g1, g2  # (not saved: they change as they accumulate, by design)
         ctx.has_residual, ctx.bwd = residual is not None, bwd
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w1, w2, pre = ctx.saved_tensors
+        (x, w1, w2, pre), (g1, g2) = ctx.saved_tensors, ctx.main_grads
         dy = dy.contiguous()
         dpre, act = _dgated(dy, w2, pre)
-        dw2 = dy.t() @ act
-        return _dx(dpre, w1, ctx.bwd), _dw1(dpre, x, ctx.bwd), dw2, (dy if ctx.has_residual else None), None
+        if g2 is None:
+            dw2 = dy.t() @ act
+        else:
+            wgrad_accumulate(g2, dy, act, False)
+            dw2 = torch.empty_like(w2)
+        if g1 is None:
+            dw1 = _dw1(dpre, x, ctx.bwd)
+        else:  # cuBLAS's GEMM in the interleaved order, de-interleaved as it is added (the MLP marks fc1's
+            # weight fusable only with fc1's backward on cuBLAS)
+            wgrad_accumulate(g1, dpre, x, True)
+            dw1 = torch.empty_like(w1)
+        return _dx(dpre, w1, ctx.bwd), dw1, dw2, (dy if ctx.has_residual else None), None, None, None
 
 
 def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -156,7 +171,8 @@ def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     ``w2 [H, F]``; ``residual`` (x's shape) is added by fc2's GEMM; ``bwd``: see ``_dx``."""
     shape = x.shape
     res = None if residual is None else residual.reshape(-1, w2.size(0))
-    return _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, bwd).view(*shape[:-1], w2.size(0))
+    return _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, bwd, main_grad_of(w1),
+                           main_grad_of(w2)).view(*shape[:-1], w2.size(0))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

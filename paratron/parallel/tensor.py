@@ -24,6 +24,7 @@ from torch import nn
 from ..errors import DataError
 from . import comm
 from .fp8 import fp8_linear
+from .grad_accumulation import linear
 from .sharding import ShardSpec, Split, local_index, set_spec, shard, spec_of
 
 
@@ -66,12 +67,18 @@ def gather_global(p: torch.Tensor, dims) -> torch.Tensor:
     return full
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8) -> torch.Tensor:
-    """``F.linear``, or with an FP8 state the FP8 matmul followed by the bias."""
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8,
+            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x W^T + b (+ residual)`` (grad_accumulation.linear: the weight gradient fused into ``main_grad``
+    where DataParallel asked for it), or with an FP8 state the FP8 matmul followed by the bias."""
     if fp8 is None:
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias, residual)
+    if getattr(weight, "fuse_wgrad", False):  # DataParallel marks no FP8 layer: an FP8 state attached later
+        raise RuntimeError("an FP8 state was attached to a layer after DataParallel fused its weight gradient; "
+                           "attach FP8 (paratron.parallel.fp8.attach) before wrapping the model")
     y = fp8_linear(x, weight, fp8)
-    return y if bias is None else y + bias
+    y = y if bias is None else y + bias
+    return y if residual is None else residual + y
 
 
 def init_normal(std: float) -> Callable[[torch.Tensor], None]:
@@ -145,12 +152,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.tp_group)
         if comm.group_size(self.tp_group) == 1:
-            # (one row - batch-1 decoding - as matmul + add: a compiled step makes that one GEMV kernel)
-            if residual is not None and self.bias is None and self.fp8 is None and x.numel() != x.size(-1):
-                out = torch.addmm(residual.reshape(-1, self.out_features), x.reshape(-1, x.size(-1)), self.weight.t())
-                return out.view(residual.shape)
-            y = _linear(x, self.weight, self.bias, self.fp8)
-            return y if residual is None else residual + y
+            return _linear(x, self.weight, self.bias, self.fp8, residual)
         return self.exit(_linear(x, self.weight, None, self.fp8), residual)
 
     def exit(self, y: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:

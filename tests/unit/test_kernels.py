@@ -78,7 +78,7 @@ def test_decode_attention_kernel_matches_torch_in_the_interpreter():
 
 ACCUMULATE = r"""
 import torch
-from paratron.parallel import data as kernels  # the gradient-accumulation kernel lives with its buffers
+from paratron.parallel import grad_accumulation as kernels
 torch.manual_seed(0)
 for n, dtype in ((10_000, torch.bfloat16), (4096, torch.float16), (5, torch.bfloat16)):
     g = torch.randn(n).to(dtype)
@@ -90,6 +90,14 @@ for n, dtype in ((10_000, torch.bfloat16), (4096, torch.float16), (5, torch.bflo
     kernels._accumulate[((n + kernels.ACC_BLOCK - 1) // kernels.ACC_BLOCK,)](acc, g, n, WRITE=True,
                                                                            BLOCK=kernels.ACC_BLOCK)
     assert torch.equal(acc, want_write), (n, dtype)
+# fc1's interleaved weight gradient into [gate; up] halves: a row longer than one block, odd row count
+for half, cols in ((3, 5000), (1, 7)):
+    g = torch.randn(2 * half, cols).bfloat16()
+    acc = torch.randn(2 * half, cols)
+    want = acc + torch.cat([g[0::2], g[1::2]]).float()
+    kernels._accumulate_deinterleaved[(2 * half, (cols + kernels.ACC_BLOCK - 1) // kernels.ACC_BLOCK)](
+        acc, g, half, cols, BLOCK=kernels.ACC_BLOCK)
+    assert torch.equal(acc, want), (half, cols)
 print("ok")
 """
 
@@ -99,7 +107,7 @@ def test_gradient_accumulation_kernel_adds_and_writes_exactly_in_the_interpreter
 
 
 def test_accumulate_falls_back_to_torch_on_cpu():
-    from paratron.parallel import data as kernels
+    from paratron.parallel import grad_accumulation as kernels
     acc, g = torch.ones(7), torch.full((7,), 0.5, dtype=torch.bfloat16)
     kernels.accumulate_(acc, g, write=False)
     assert torch.equal(acc, torch.full((7,), 1.5))

@@ -1,0 +1,113 @@
+"""Megatron's gradient-accumulation fusion (paratron/parallel/grad_accumulation.py): weight gradients added
+to ``main_grad`` by the backward itself, against autograd's gradients and the unfused trainer."""
+import pytest
+import torch
+
+from paratron.config import parse_args
+from paratron.parallel import grad_accumulation as ga
+from paratron.parallel import quack_kernels
+from paratron.parallel.tensor import RowParallelLinear
+from paratron.train.loop import Trainer
+
+
+def _fused_weight(out_f, in_f, dtype=torch.float32):
+    w = torch.nn.Parameter(torch.randn(out_f, in_f, dtype=dtype))
+    w.main_grad = torch.zeros(out_f, in_f)
+    w.fuse_wgrad = True
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wgrad_accumulate_adds_the_product_and_deinterleaves(dtype):
+    torch.manual_seed(0)
+    dy, x = torch.randn(9, 6, dtype=dtype), torch.randn(9, 4, dtype=dtype)
+    acc = torch.randn(6, 4)
+    want = acc + dy.float().t() @ x.float()
+    ga.wgrad_accumulate(acc, dy, x, False)
+    torch.testing.assert_close(acc, want, rtol=1e-5, atol=1e-5)
+    acc2 = torch.randn(6, 4)
+    # interleaved rows [g0, u0, g1, u1, g2, u2] -> [g0, g1, g2; u0, u1, u2]
+    product = (dy.t() @ x).float()
+    want2 = acc2 + torch.cat([product[0::2], product[1::2]])
+    ga.wgrad_accumulate(acc2, dy, x, True)
+    torch.testing.assert_close(acc2, want2, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, False), (False, True)])
+def test_fused_linear_puts_the_weight_gradient_in_main_grad(bias, residual):
+    torch.manual_seed(1)
+    w = _fused_weight(5, 3)
+    b = torch.nn.Parameter(torch.randn(5)) if bias else None
+    x = torch.randn(2, 4, 3, requires_grad=True)
+    r = torch.randn(2, 4, 5, requires_grad=True) if residual else None
+    ref_w = w.detach().clone().requires_grad_()
+    ref_b = b.detach().clone().requires_grad_() if bias else None
+    ref_x = x.detach().clone().requires_grad_()
+    ref_r = r.detach().clone().requires_grad_() if residual else None
+    for step in range(2):  # two micro-batches accumulate
+        y = ga.linear(x, w, b, r)
+        ref = torch.nn.functional.linear(ref_x, ref_w, ref_b) + (ref_r if residual else 0)
+        torch.testing.assert_close(y, ref)
+        g = torch.randn_like(y)
+        y.backward(g)
+        ref.backward(g)
+    torch.testing.assert_close(w.main_grad, ref_w.grad)  # the whole sum, in main_grad
+    assert w.grad is not None and w.grad.shape == w.shape  # a placeholder for autograd's hooks
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    if bias:
+        torch.testing.assert_close(b.grad, ref_b.grad)
+    if residual:
+        torch.testing.assert_close(r.grad, ref_r.grad)
+    with torch.no_grad():  # no autograd: the plain matmul, main_grad untouched
+        before = w.main_grad.clone()
+        ga.linear(x, w, b, r)
+    assert torch.equal(w.main_grad, before)
+
+
+def test_gated_mlp_backward_adds_both_weight_gradients_to_main_grad():
+    torch.manual_seed(2)
+    h, f = 8, 4
+    x = torch.randn(6, h, requires_grad=True)
+    w1, w2 = _fused_weight(2 * f, h), _fused_weight(h, f)
+    ref_w1, ref_w2 = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+    g = torch.randn(6, h)
+    quack_kernels.gated_mlp(x, w1, w2).backward(g)
+    quack_kernels.gated_mlp(x.detach(), ref_w1, ref_w2).backward(g)
+    torch.testing.assert_close(w1.main_grad, ref_w1.grad)
+    torch.testing.assert_close(w2.main_grad, ref_w2.grad)
+
+
+def test_an_fp8_state_on_a_fused_weight_is_an_error():
+    layer = RowParallelLinear(4, 4, bias=False)
+    layer.weight.main_grad, layer.weight.fuse_wgrad = torch.zeros(4, 4), True
+    layer.fp8 = object()  # attached after DataParallel marked the weight
+    with pytest.raises(RuntimeError, match="before wrapping"):
+        layer(torch.randn(2, 4))
+
+
+SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--lr", "3e-3", "--num-workers", "0",
+         "--eval-iters", "0", "--log-interval", "100", "--seed", "5", "--train-iters", "3", "--swiglu"]
+
+
+def _train(extra):
+    t = Trainer(parse_args(SMALL + extra))
+    try:
+        fused = {n for n, p in t.models[0].module.named_parameters() if getattr(p, "fuse_wgrad", False)}
+        losses = [t.train_step()[0].tolist() for _ in range(3)]
+        return fused, losses, {n: p.detach().clone() for n, p in t.models[0].module.named_parameters()}
+    finally:
+        t.close()
+
+
+def test_trainer_with_fused_weight_gradients_equals_the_unfused_one():
+    fused, losses, weights = _train([])
+    plain, plain_losses, plain_weights = _train(["--no-gradient-accumulation-fusion"])
+    # the attention's and MLP's four linear layers of each layer; not the embedding, norms, output layer
+    assert fused == {f"decoder.layers.{i}.{m}.weight" for i in range(2) for m in
+                     ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+    assert plain == set()
+    assert losses == plain_losses  # fp32: the same sums
+    for n in weights:
+        torch.testing.assert_close(weights[n], plain_weights[n], rtol=1e-6, atol=1e-7)
