@@ -91,6 +91,14 @@ def _out_like(q: Tensor, v: Tensor) -> Tensor:
     return torch.empty((s, b, h, v.size(-1)), dtype=q.dtype, device=q.device).transpose(0, 1)
 
 
+def _seq_first_like(t: Tensor) -> Tensor:
+    """An empty [b, s, heads, d] tensor in sequence-first storage: the gradients of q, k, v, which the rotary
+    embedding's backward reads beside each other into the QKV gradient ([s, b, ...]). (``empty_like`` of v,
+    a strided slice of the QKV output, would be batch-first: that read was a transposing one.)"""
+    b, s = t.shape[:2]
+    return torch.empty((s, b, *t.shape[2:]), dtype=t.dtype, device=t.device).transpose(0, 1)
+
+
 @torch.library.custom_op("paratron::flash_attn_fwd", mutates_args=())
 def _fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     out = _out_like(q, v)
@@ -110,7 +118,7 @@ def _fwd_fake(q, k, v, scale):
 @torch.library.custom_op("paratron::flash_attn_bwd", mutates_args=())
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
          scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    dq, dk, dv = (_seq_first_like(t) for t in (q, k, v))
     if not q.is_cuda:
         for d, ref in zip((dq, dk, dv), attention_bwd_ref(dout, q, k, v, out, lse, scale)):
             d.copy_(ref)
@@ -121,7 +129,7 @@ def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, scale):
-    return tuple(torch.empty_like(t) for t in (q, k, v))
+    return tuple(_seq_first_like(t) for t in (q, k, v))
 
 
 def _setup(ctx, inputs, output) -> None:
