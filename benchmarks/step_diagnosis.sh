@@ -26,7 +26,7 @@ phase profile; PROFILE_ORIGIN='Memcpy|direct_copy|Fill|nvjet|elementwise' PROFIL
     python benchmarks/profile_step.py --config llama-1b $bf16 --global-batch-size 32 > "$out/profile_origins_$stamp.txt" 2>&1
 grep -A12 "step wall" "$out/profile_origins_$stamp.txt"
 phase end; kill $sampler
-python - "$smi" "$phases" <<'PY'
+python - "$smi" "$phases" <<'PY' | tee -a "$phases"
 import sys, statistics
 from datetime import datetime
 fmt = "%Y/%m/%d %H:%M:%S.%f"
