@@ -3,7 +3,7 @@
 # accumulation fusion, FlashAttention-4, quack's kernels, the CUDA optimizer / checkpoint paths; TESTS=0
 # skips), Inductor's generated code for one llama-1b layer's compiled forward + backward (CODE=1; the kernels
 # the profile names, with their sources), and llama-1b bf16 mb 16 x 4 with and without the fusion beside
-# torchtitan 0.2.2 bf16 at micro-batch 16 (TRAIN=1). Carry .peers/quack .peers/flash .peers/torchtitan.
+# torchtitan 0.2.2 bf16 at micro-batch 16 (TRAIN=1); quack's gated GEMMs per configuration (GATED=1). Carry .peers/quack .peers/flash .peers/torchtitan.
 #   PARATRON_COMMIT=<hash> TRAIN=1 bash benchmarks/fusion_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,10 @@ t.train_step()
 t.close()
 PY
     grep -o "triton_[a-z]*_fused_[A-Za-z0-9_]*" "$out/inductor_code_llama-1b_layer_$stamp.txt" | sort | uniq -c | sort -rn | head -30
+fi
+if [ "${GATED:-0}" = 1 ]; then  # quack's gated MLP GEMMs per tile configuration, at the power limit
+    timeout 240 python benchmarks/gemm_power.py --gated --seconds 2 --warm 1 2>&1 | grep -v Warn \
+        | tee "$out/gemm_power_gated_$stamp.md" | tail -14
 fi
 if [ "${TRAIN:-0}" = 1 ]; then
     bf16="--torch-compile --micro-batch-size 16 --global-batch-size 64"

@@ -18,6 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from paratron.parallel.grad_accumulation import accumulate_  # noqa: E402
 
+GATED_CONFIGS = [(128, 192, 2, 1, True), (128, 128, 2, 1, True), (256, 128, 1, 2, False), (256, 192, 2, 1, False),
+                 (128, 256, 1, 2, False), (256, 128, 2, 1, False)]
 CONFIGS = [  # (tile_m, tile_n, cluster_m, cluster_n, pingpong)
     (128, 192, 2, 1, True), (256, 128, 2, 1, False), (256, 128, 1, 2, False), (256, 192, 2, 1, False),
     (128, 256, 1, 2, False)]
@@ -72,12 +74,33 @@ def quack_candidates(a, b, out):
     return found
 
 
+def gated_candidates(n: int, dev, dt, r) -> list:
+    """[(name, flops, {kernel: callable})]: quack's gated GEMMs of llama-1b's MLP (fc1 + SwiGLU forward, fc2's
+    input gradient + SwiGLU backward) with each configuration of GATED_CONFIGS; the default is what
+    paratron's ``tuned=False`` calls take."""
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_dgated_tuned, gemm_gated_tuned
+    fwd, bwd = getattr(gemm_gated_tuned, "fn", gemm_gated_tuned), getattr(gemm_dgated_tuned, "fn", gemm_dgated_tuned)
+    x, w1, dy, w2 = r(n, 2048), r(16384, 2048), r(n, 2048), r(2048, 8192)
+    pre, act, dpre = r(n, 16384), r(n, 8192), r(n, 16384)
+    rows = [("fc1 + SwiGLU forward (gated)", 2 * n * 2048 * 16384, {}),
+            ("fc2 input grad + SwiGLU backward (dgated)", 2 * n * 2048 * 8192, {})]
+    for tm, tn, cm, cn, pp in GATED_CONFIGS:
+        cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=pp, is_dynamic_persistent=False)
+        name = f"quack {tm}x{tn} c{cm}x{cn} {'pp' if pp else 'coop'}"
+        rows[0][2][name] = lambda cfg=cfg: fwd(x, w1.t(), pre, act, activation="swiglu", config=cfg,
+                                               concat_layout=("B",))
+        rows[1][2][name] = lambda cfg=cfg: bwd(dy, w2, pre, dpre, act, activation="swiglu", config=cfg)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--warm", type=float, default=1.0)
     p.add_argument("--no-quack", action="store_true")
+    p.add_argument("--gated", action="store_true", help="only quack's gated MLP GEMMs, per configuration")
     args = p.parse_args()
     n, dev, dt = args.tokens, "cuda", torch.bfloat16
     probe = _nvml()
@@ -89,6 +112,10 @@ def main() -> int:
               ("qkv forward x@Wqkv^T", r(n, 2048), r(3072, 2048).t())]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.seconds} s each after {args.warm} s")
     print("| GEMM | kernel | TFLOP/s | SM MHz | W |\n|---|---|---|---|---|")
+    if args.gated:
+        for name, flops, cands in gated_candidates(n, dev, dt, r):
+            _table(name, flops, cands, args, probe)
+        return 0
     for name, a, b in shapes:
         flops = 2 * a.size(0) * a.size(1) * b.size(1)
         out_ = torch.empty(a.size(0), b.size(1), device=dev, dtype=dt)
@@ -100,16 +127,21 @@ def main() -> int:
                 acc, a, b, out_dtype=torch.float32, out=acc)
         if not args.no_quack:
             cands.update(quack_candidates(a, b, out_))
-        for kname, fn in cands.items():
-            try:
-                fn()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001 - a configuration the kernel refuses: say so, go on
-                print(f"| {name} | {kname} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
-                continue
-            tf, mhz, w = sustained(fn, flops, args.seconds, args.warm, probe)
-            print(f"| {name} | {kname} | {tf:.0f} | {mhz:.0f} | {w:.0f} |", flush=True)
+        _table(name, flops, cands, args, probe)
     return 0
+
+
+def _table(name: str, flops: float, cands: dict, args, probe) -> None:
+    """One table row per candidate kernel of one GEMM."""
+    for kname, fn in cands.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a configuration the kernel refuses: say so, go on
+            print(f"| {name} | {kname} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
+            continue
+        tf, mhz, w = sustained(fn, flops, args.seconds, args.warm, probe)
+        print(f"| {name} | {kname} | {tf:.0f} | {mhz:.0f} | {w:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
