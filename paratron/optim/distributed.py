@@ -104,8 +104,11 @@ class DistributedOptimizer(MixedPrecisionAdam):
     def _grads(self) -> list[torch.Tensor]:
         return [g if g.dtype == torch.float32 else g.float() for g in self._grad_views]
 
-    def _publish(self) -> None:
-        if self.mixed:
+    def _model_weights(self) -> list:
+        return [v if v.dtype != torch.float32 else None for v in self._param_views]
+
+    def _publish(self, copied: bool = False) -> None:
+        if self.mixed and not copied:
             torch._foreach_copy_(self._param_views, self.masters)
         for m in self.models:
             m.start_param_sync()

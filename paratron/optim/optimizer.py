@@ -3,6 +3,7 @@ over every parallel group (each replicated parameter counted once)."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -12,6 +13,7 @@ from ..config import Config
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import REDUCTION_LAYOUTS, norm_groups, spec_of
 from ..model import mup
+from . import fused_adamw
 from .groups import Role, role_of
 
 
@@ -126,6 +128,11 @@ class MixedPrecisionAdam:
         kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
         self.adam = torch.optim.AdamW(groups or [{"params": []}], lr=op.lr, betas=(op.adam_beta1, op.adam_beta2),
                                       eps=op.adam_eps, **kw)
+        # the on-device step of a mixed-precision run: AdamW and the publishing copy in one Triton pass per
+        # master (fused_adamw.py); PARATRON_FUSED_ADAMW=0: torch's fused AdamW, then the copy (A/B measurements)
+        self._fused_outs = None
+        if self.mixed and fused_adamw.available(device) and os.environ.get("PARATRON_FUSED_ADAMW", "1") != "0":
+            self._fused_outs = {m: t for m, t in zip(masters, self._model_weights()) if t is not None}
         self.muon = None
         if self._muon_index:
             from .muon import Muon, qkv_rows
@@ -141,8 +148,14 @@ class MixedPrecisionAdam:
         """fp32 gradients aligned with ``self.masters`` (views of the buffer where possible)."""
         raise NotImplementedError
 
-    def _publish(self) -> None:
-        """Copy the updated masters into the model parameters."""
+    def _model_weights(self) -> list[Optional[torch.Tensor]]:
+        """Per master, the bf16/fp16 model tensor _publish copies it into (None for an fp32 one, which
+        the master is, or shares its storage with)."""
+        raise NotImplementedError
+
+    def _publish(self, copied: bool = False) -> None:
+        """Copy the updated masters into the model parameters; ``copied``: the AdamW kernel already wrote
+        them (fused_adamw.py)."""
         raise NotImplementedError
 
     # ---- the step -------------------------------------------------------------------------------
@@ -202,8 +215,8 @@ class MixedPrecisionAdam:
         own = self._own  # --mtp-detach-heads: the model's gradients and the MTP heads', each with its own norm
         parts = [grads] if own is None else [_picked(grads, own, False), _picked(grads, own, True)]
         norms_t = [self._norm_sq(part).sqrt() for part in parts]
-        if self.adam.defaults.get("fused") and len(parts) == 1 and self.muon is None and \
-                not isinstance(self.scaler, DynamicScaler):
+        if (self.adam.defaults.get("fused") or self._fused_outs is not None) and len(parts) == 1 and \
+                self.muon is None and not isinstance(self.scaler, DynamicScaler):
             return self._step_on_device(grads, norms_t[0])
         norms = [n.item() for n in norms_t]  # one host sync: the dynamic loss scale and the skip are decided here
         norm = norms[0]
@@ -227,26 +240,40 @@ class MixedPrecisionAdam:
         return True, norm
 
     def _step_on_device(self, grads: list[torch.Tensor], norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same step with no host synchronisation (fused AdamW, no dynamic loss scale): the clip
-        coefficient stays a device tensor and an inf/nan norm skips the update through fused AdamW's
-        ``found_inf``. Returns (update applied, grad norm) as device tensors."""
+        """The same step with no host synchronisation (a fused AdamW, no dynamic loss scale): the clip
+        coefficient stays a device tensor and an inf/nan norm skips the update through the fused AdamW's
+        ``found_inf``. With bf16/fp16 parameters on CUDA the AdamW kernel of fused_adamw.py also writes the
+        model weights (no separate publishing copy); otherwise torch's fused AdamW, then the copy. Returns
+        (update applied, grad norm) as device tensors."""
         found_inf = (~torch.isfinite(norm)).float()
+        grad_scale = None
         if self.clip_grad and self.clip_grad > 0:
             # Clipping inside the fused kernel, which divides each gradient by grad_scale as it reads
             # it: one pass over the gradients fewer than scaling them first.
-            self.adam.grad_scale = ((norm + 1e-6) / self.clip_grad).clamp(min=1.0)
+            grad_scale = ((norm + 1e-6) / self.clip_grad).clamp(min=1.0)
         for m, g in zip(self.masters, grads):
             m.grad = g
+        try:
+            if self._fused_outs is not None:
+                fused_adamw.adamw_step_(self.adam, self._fused_outs, grad_scale, found_inf)
+            else:
+                self._torch_fused_step(grad_scale, found_inf)
+        finally:
+            for m in self.masters:
+                m.grad = None
+        self._publish(copied=self._fused_outs is not None)
+        return found_inf == 0, norm
+
+    def _torch_fused_step(self, grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor) -> None:
+        """torch's fused AdamW over the masters (their ``.grad`` set), with its ``grad_scale`` / ``found_inf``."""
+        if grad_scale is not None:
+            self.adam.grad_scale = grad_scale
         self.adam.found_inf = found_inf
         try:
             self.adam.step()
         finally:
             del self.adam.found_inf
             self.adam.__dict__.pop("grad_scale", None)
-        for m in self.masters:
-            m.grad = None
-        self._publish()
-        return found_inf == 0, norm
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank: Adam moments plus master copies that are not
@@ -281,8 +308,11 @@ class Optimizer(MixedPrecisionAdam):
     def _grads(self) -> list[torch.Tensor]:
         return [p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float() for p in self.params]
 
-    def _publish(self) -> None:
-        if self.mixed:
+    def _model_weights(self) -> list[Optional[torch.Tensor]]:
+        return [p if p.dtype != torch.float32 else None for p in self.params]
+
+    def _publish(self, copied: bool = False) -> None:
+        if self.mixed and not copied:
             torch._foreach_copy_(self.params, self.masters)
 
     def _own_masters(self) -> list[torch.Tensor]:

@@ -1,0 +1,135 @@
+"""AdamW on the fp32 masters that also writes the model's bf16/fp16 weights, in one Triton pass per
+parameter.
+
+The on-device optimizer step of a mixed-precision run (MixedPrecisionAdam._step_on_device) used to run
+torch's fused AdamW over the masters and then copy every master into its model weight
+(``torch._foreach_copy_``), which reads each master a second time and launches a kernel set of its own.
+The kernel here reads the master, its gradient and its two moments once, and writes the master, the
+moments and the rounded model weight in the same pass.
+
+The state stays torch.optim.AdamW's: ``exp_avg``, ``exp_avg_sq`` and the device ``step`` tensor in
+``adam.state[master]``, created as AdamW's fused path creates them, and the hyperparameters are read from
+its param groups at each step, so state_dict, checkpoints and resume see no difference. The formula is
+torch's (decoupled weight decay ``p *= 1 - lr * wd``; ``m`` lerped towards ``g`` by ``1 - beta1``;
+``v = beta2 v + (1 - beta2) g^2``; ``p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``),
+with what torch's fused AdamW takes from our step: ``grad_scale`` (each gradient divided by it as it is
+read: the clip coefficient, which leaves the gradient buffer itself unscaled) and ``found_inf`` (a
+device 0/1 flag: 1 leaves everything, the step counter included, as it was). The step counter is read
+by the kernel from its device tensor, so nothing waits for the host; the bias corrections are computed
+in fp64 from it (``1 - beta^t`` cancels badly in fp32 for beta2 near 1 and small t). ``lr`` and the
+other hyperparameters are plain fp32 kernel arguments: a scheduled learning rate compiles nothing new.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+BLOCK = 4096  # elements per program
+NUM_WARPS = 8
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel can step tensors on ``device`` (CUDA with Triton)."""
+    return triton is not None and torch.device(device).type == "cuda"
+
+
+def _state(adam: torch.optim.Optimizer, master: torch.Tensor) -> dict:
+    """``adam.state[master]``, created as AdamW's fused path creates it on its first step (device fp32
+    step counter at 0, zero moments) where it does not exist yet."""
+    state = adam.state[master]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+    return state
+
+
+def _check(master: torch.Tensor, tensors: list) -> None:
+    if master.dtype != torch.float32:
+        raise ValueError(f"fused AdamW steps fp32 masters, got {master.dtype}")
+    for t in tensors:
+        if t.numel() != master.numel() or not t.is_contiguous() or t.device != master.device:
+            raise ValueError(f"fused AdamW needs contiguous tensors of the master's size and device, got "
+                             f"{tuple(t.shape)} {t.device} (contiguous: {t.is_contiguous()}) for {tuple(master.shape)}")
+
+
+def adamw_step_(adam: torch.optim.AdamW, outs: dict, grad_scale: Optional[torch.Tensor] = None,
+                found_inf: Optional[torch.Tensor] = None) -> None:
+    """One AdamW step of every parameter of ``adam``'s groups that has a ``.grad`` (the fp32 masters),
+    state in ``adam.state``. ``outs``: {master: the model weight (bf16/fp16, contiguous, as many elements)
+    the stepped master is also written into, rounded}; a master absent from it is only stepped.
+    ``grad_scale``: device scalar each gradient is divided by as it is read; ``found_inf``: device 0/1
+    scalar, 1 skips the update and leaves the step counters as they were (torch's fused AdamW's
+    arguments of the same names). One kernel launch per master, plus one for the step counters."""
+    work = []
+    for group in adam.param_groups:
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError("fused AdamW has no amsgrad / maximize")
+        if torch.is_tensor(group["lr"]):
+            raise ValueError("fused AdamW takes the learning rate as a number")
+        work += [(group, m, _state(adam, m)) for m in group["params"] if m.grad is not None]
+    if not work:
+        return
+    # found_inf: the counters do not advance (torch's fused AdamW adds 1, then subtracts found_inf)
+    torch._foreach_add_([s["step"] for _, _, s in work], 1.0 if found_inf is None else 1.0 - found_inf)
+    device = work[0][1].device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for group, m, state in work:
+            _launch(m, state, outs.get(m), group, grad_scale, found_inf)
+
+
+def _launch(master: torch.Tensor, state: dict, out: Optional[torch.Tensor], group: dict,
+            grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> None:
+    """The kernel over one master (``out``: its model weight, or None)."""
+    grad, m, v, step = master.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]
+    _check(master, [grad, m, v] + ([out] if out is not None else []))
+    n = master.numel()
+    if n == 0:
+        return
+    lr, (beta1, beta2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+    _adamw[(triton.cdiv(n, BLOCK),)](
+        master, grad, m, v, out if out is not None else master, step,
+        grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step, n,
+        lr, 1.0 - lr * wd, 1.0 - beta1, beta2, 1.0 - beta2, math.log(beta1), math.log(beta2), eps,
+        HAS_OUT=out is not None, HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None,
+        BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+if triton is not None:
+    @triton.jit
+    def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, step_ptr, scale_ptr, inf_ptr, n,
+               lr, decay, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps,
+               HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr):
+        """AdamW over elements [pid * BLOCK, (pid + 1) * BLOCK) of one master; ``decay`` = 1 - lr * wd,
+        ``log_beta*`` the natural logarithms of the betas (for the bias corrections)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        if HAS_INF:  # an inf/nan gradient norm: nothing is read or written
+            n = tl.where(tl.load(inf_ptr) == 0, n, 0)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0) * decay
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        m = m + one_minus_beta1 * (g - m)  # torch's lerp for a weight below 0.5
+        v = v * beta2 + one_minus_beta2 * (g * g)
+        t = tl.load(step_ptr).to(tl.float64)
+        step_size = (lr / (1.0 - tl.exp(t * log_beta1))).to(tl.float32)
+        bc2_sqrt = tl.sqrt(1.0 - tl.exp(t * log_beta2)).to(tl.float32)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_OUT:
+            tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,143 @@
+"""The AdamW kernel of paratron/optim/fused_adamw.py, run through Triton's CPU interpreter (it runs on
+CUDA in tests/gpu/test_fused_adamw_cuda.py): several steps against torch.optim.AdamW (foreach) on the
+same fp32 masters, with the model weights it writes against the masters rounded by torch; and the
+optimizer's on-device step taking it (no publishing copy) against the plain CPU step."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def _interpret(script: str) -> None:
+    """Run ``script`` in a fresh interpreter with Triton's CPU interpreter on; it prints "ok" when its checks hold."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+KERNEL = r"""
+import torch
+from paratron.optim.fused_adamw import BLOCK, adamw_step_
+torch.manual_seed(0)
+# two groups with their own lr / weight decay / betas / eps; a master over more than one block whose size is
+# not a multiple of it, one with a bf16 and one with an fp16 model weight, one stepped alone (an fp32 parameter)
+shapes = [[(3, BLOCK // 2 + 7), (37,)], [(5, 7)]]
+hyper = [dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, weight_decay=0.0, betas=(0.8, 0.99), eps=1e-6)]
+init = [[torch.randn(s) for s in group] for group in shapes]
+mine = [[t.clone() for t in group] for group in init]
+start = {p: t for p, t in zip(sum(mine, []), sum(init, []))}
+ref = [[t.clone() for t in group] for group in init]
+adam = torch.optim.AdamW([dict(params=ps, **h) for ps, h in zip(mine, hyper)], betas=(0.9, 0.999), eps=1e-8)
+want_adam = torch.optim.AdamW([dict(params=ps, **h) for ps, h in zip(ref, hyper)], betas=(0.9, 0.999), eps=1e-8,
+                              foreach=True)
+outs = {mine[0][0]: mine[0][0].bfloat16(), mine[1][0]: mine[1][0].half()}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def rounded(out, p):
+    # out is p rounded to its dtype: to nearest as torch rounds, or, for bf16, cut (the interpreter's
+    # fp32 -> bf16 conversion truncates; the CUDA test asserts the rounding)
+    cut = (p.view(torch.int32) & ~0xFFFF).view(torch.float32).to(out.dtype) if out.dtype == torch.bfloat16 else None
+    return bool(((out == p.to(out.dtype)) | ((out == cut) if cut is not None else False)).all())
+
+
+def check(step):
+    for p, q in zip(sum(mine, []), sum(ref, [])):
+        # the parameters, and what the steps moved them by (fp32 rounding of the parameters: ~1e-6 of it)
+        assert rel(p, q) <= 1e-7 and rel(p - start[p], q - start[p]) <= 2e-6, (step, p.shape, rel(p, q))
+        s, t = adam.state[p], want_adam.state[q]
+        assert s["step"].item() == t["step"].item() == step, (s["step"], t["step"], step)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert rel(s[k], t[k]) <= 1e-6, (step, k, rel(s[k], t[k]))
+    for p, out in outs.items():
+        assert rounded(out, p), (step, p.shape)
+
+
+# (lr of the first group, grad_scale, found_inf): a scheduled lr, clipping, an overflow, clean steps again
+plan = [(1e-2, None, 0.0), (8e-3, 3.7, 0.0), (6e-3, 2.0, 1.0), (6e-3, 1.0, 0.0), (4e-3, 5.0, 0.0)]
+step = 0
+for lr, scale, inf in plan:
+    adam.param_groups[0]["lr"] = want_adam.param_groups[0]["lr"] = lr
+    grads = [torch.randn_like(p) for p in sum(mine, [])]
+    if inf:
+        grads[1][3] = float("inf")
+        before = [t.clone() for t in sum(mine, [])] + [adam.state[p][k].clone() for p in sum(mine, [])
+                                                         for k in ("exp_avg", "exp_avg_sq")]
+    for p, g in zip(sum(mine, []), grads):
+        p.grad = g
+    adamw_step_(adam, outs, None if scale is None else torch.tensor(scale), torch.tensor(inf))
+    if inf:  # nothing moved, the step counters included
+        after = [t for t in sum(mine, [])] + [adam.state[p][k] for p in sum(mine, []) for k in ("exp_avg", "exp_avg_sq")]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+    else:
+        step += 1
+        for q, g in zip(sum(ref, []), grads):
+            q.grad = g if scale is None else g / scale
+        want_adam.step()
+    check(step)
+print("ok")
+"""
+
+
+def test_adamw_kernel_matches_torch_adamw_in_the_interpreter():
+    _interpret(KERNEL)
+
+
+OPTIMIZER = r"""
+import os
+import torch
+from paratron.config import parse_args
+from paratron.optim import fused_adamw
+from paratron.optim.optimizer import Optimizer
+from paratron.parallel.dims import ParallelDims
+
+cfg = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+                  "--max-position-embeddings", "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-2",
+                  "--mock-data", "--clip-grad", "1.0", "--weight-decay", "0.1", "--bf16"])
+g = torch.Generator().manual_seed(0)
+init = [torch.randn(64, 40, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()]
+grads = [[torch.randn(t.shape, generator=g) * 3 for t in init] for _ in range(3)]
+grads[1][0][0, 0] = float("nan")  # the second step overflows: skipped
+
+
+def no_copy(copied=False):
+    assert copied, "the kernel wrote the model weights: the masters must not be copied into them again"
+
+
+def run(fused):
+    os.environ["PARATRON_FUSED_ADAMW"] = "1" if fused else "0"
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    names = {params[0]: "decoder.layers.0.mlp.linear_fc1.weight", params[1]: "decoder.layers.0.mlp.linear_fc1.bias"}
+    opt = Optimizer(params, cfg, ParallelDims(), names)
+    assert (opt._fused_outs is not None) == fused and len(opt.adam.param_groups) == 2  # with and without decay
+    if fused:
+        opt._publish = no_copy
+    applied = []
+    for gs in grads:
+        for p, gr in zip(params, gs):
+            p.main_grad = gr.clone()
+        applied.append(bool(opt.step()[0]))
+    return params, opt, applied
+
+
+fused_adamw.available = lambda device: True  # the CPU tensors go through the interpreted kernel
+got, opt, applied = run(True)
+want, ref, ref_applied = run(False)
+assert applied == ref_applied == [True, False, True], (applied, ref_applied)
+for p, q, m, n in zip(got, want, opt.masters, ref.masters):
+    cut = (m.view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()  # the interpreter's fp32 -> bf16
+    assert ((p == m.bfloat16()) | (p == cut)).all(), "the model weights are the rounded masters"
+    assert ((m - n).norm() / n.norm()).item() <= 1e-6
+    assert int(opt.adam.state[m]["step"]) == int(ref.adam.state[n]["step"]) == 2
+print("ok")
+"""
+
+
+def test_optimizer_on_device_step_takes_the_kernel_in_the_interpreter():
+    _interpret(OPTIMIZER)
