@@ -12,7 +12,7 @@ stamp="$(date -u +%Y%m%d_%H%M)"
 . benchmarks/quack_env.sh || exit 1
 export PARATRON_COORDINATE_DESCENT=0 PYTHONUNBUFFERED=1
 if [ "${TESTS:-1}" = 1 ]; then
-    timeout "${TEST_S:-280}" python -m pytest -q tests/gpu/test_grad_accumulation_cuda.py tests/gpu/test_quack_kernels_cuda.py \
+    timeout "${TEST_S:-420}" python -m pytest -q tests/gpu/test_grad_accumulation_cuda.py tests/gpu/test_quack_kernels_cuda.py \
         tests/gpu/test_flash_attention_cuda.py tests/gpu/test_cuda_paths.py ${EXTRA_TESTS:-} 2>&1 | grep -v Warn \
         | tee "$out/gpu_tests_fusion_$stamp.log" | tail -8
 fi
