@@ -46,10 +46,11 @@ class Embedding(nn.Module):
             self.position_embeddings = None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(input_ids)  # [b, s, h]
+        # looked up in [s, b] order: the rows come out sequence-first, with no transposing copy forward and
+        # no contiguous copy of the gradient in the embedding's backward
+        x = self.word_embeddings(input_ids.t())  # [s, b, h]
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(position_ids)
-        x = x.transpose(0, 1).contiguous()  # [s, b, h]
+            x = x + self.position_embeddings(position_ids.t())
         if self.mult != 1.0:
             x = x * self.mult
         if self.par.sequence_parallel:
