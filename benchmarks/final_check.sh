@@ -8,9 +8,11 @@ cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
 stamp="$(date -u +%Y%m%d_%H%M)"
 export PYTHONUNBUFFERED=1
-(cd .peers && timeout 200 python3 gptfast_generate.py --batches 1,32 > "$out/gptfast_decode_$stamp.log" 2>&1)
-tail -4 "$out/gptfast_decode_$stamp.log"
-timeout 120 python benchmarks/decode_bench.py --no-hf 2>&1 | grep -v "Warn\|warn\|Extern" | tail -5
+if [ "${DECODE:-1}" = 1 ]; then  # DECODE=0: the training rows only
+    (cd .peers && timeout 200 python3 gptfast_generate.py --batches 1,32 > "$out/gptfast_decode_$stamp.log" 2>&1)
+    tail -4 "$out/gptfast_decode_$stamp.log"
+    timeout 120 python benchmarks/decode_bench.py --no-hf 2>&1 | grep -v "Warn\|warn\|Extern" | tail -5
+fi
 VARIANT_TIMEOUT_S=90 TOTAL_BUDGET_S=150 timeout 160 bash .peers/torchtitan/run.sh --variants bf16:16,float8:16 \
     > "$out/torchtitan_bf16_float8_mb16_$stamp.log" 2>&1
 tail -5 "$out/torchtitan_bf16_float8_mb16_$stamp.log"
