@@ -108,7 +108,7 @@ def build_data_iterator(
     dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
     num_workers: int = 0, infinite: bool = False, worker_init_fn=None, cyclic: bool = False,
     data_sharding: bool = True,
-) -> Optional[Iterator[dict]]:
+) -> Optional[LoaderIterator]:
     """An iterator of collated micro-batches (dicts of stacked tensors) for one DP rank.
 
     `num_workers` > 0 loads in background processes (persistent; memory pinned when CUDA is
@@ -136,11 +136,42 @@ def build_data_iterator(
         pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(0), worker_init_fn=worker_init_fn if num_workers > 0 else None,
     )
-    if not infinite:
-        return iter(loader)
+    return LoaderIterator(loader, endless=infinite)
 
-    def cycle():
-        while True:
-            yield from loader
 
-    return cycle()
+class LoaderIterator:
+    """The micro-batches of a DataLoader: one pass, or (``endless``) restarted from its start point each
+    time it runs out, as Megatron's cyclic validation iterator. One pass starts the loader's workers at
+    once; an endless one at its first batch (a validation stream may never be read).
+
+    :meth:`close` stops the worker processes (the trainer's close() does). Left to the garbage collector,
+    which is what frees a trainer (its gradient hooks make reference cycles), they stop slowly: the
+    collector runs multiprocessing's finalizers first, which end the feeder threads of the loader's index
+    queues, so the workers never get the stop message the iterator's ``__del__`` then sends, and torch waits
+    5 s (its ``MP_STATUS_CHECK_INTERVAL``) for each before terminating it."""
+
+    def __init__(self, loader: DataLoader, endless: bool):
+        self.loader, self.endless = loader, endless
+        self._it = None if endless else iter(loader)
+
+    def __iter__(self) -> "LoaderIterator":
+        return self
+
+    def __next__(self) -> dict:
+        if self.loader is None:  # closed
+            raise StopIteration
+        if self._it is not None:
+            try:
+                return next(self._it)
+            except StopIteration:
+                if not self.endless:
+                    raise
+        self._it = iter(self.loader)  # persistent workers: the same processes, the sampler from its start
+        return next(self._it)
+
+    def close(self) -> None:
+        """Stop the loader's worker processes now (a no-op without workers); the iterator then ends."""
+        it, self._it, self.loader = self._it, None, None
+        shutdown = getattr(it, "_shutdown_workers", None)  # torch's multi-process iterator (idempotent)
+        if shutdown is not None:
+            shutdown()

@@ -91,7 +91,8 @@ class Trainer(Evaluation, RunControl):
         if cfg.ckpt.load:
             self.load(cfg.ckpt.load)
         check_batch_sizes(self.microbatches, self.consumed_samples, self.dims, tr.micro_batch_size, tr.eval_iters > 0)
-        data = data if data is not None else self._build_data()
+        self._loaders = () if data is not None else self._build_data()  # close() stops their workers
+        data = data if data is not None else self._loaders
         self.train_iter, self.valid_iter = data[:2]
         self.test_iter = data[2] if len(data) > 2 else None
         self.report = Reporter(self)  # TensorBoard/W&B scalars, timers and the log line
@@ -389,6 +390,9 @@ class Trainer(Evaluation, RunControl):
         try:
             self.wait_for_save()
         finally:
+            for it in self._loaders:
+                if it is not None:
+                    it.close()
             self.straggler.close()
             self.log.close()
             if self._root_log_level is not None:  # --logging-level was for this run only

@@ -168,15 +168,23 @@ def test_log_params_norm_prints_the_weights_norm(capsys):
     assert "params norm" not in capsys.readouterr().out
 
 
-def test_a_closed_trainer_releases_its_model():
+def test_a_closed_trainer_releases_its_model_and_stops_its_data_workers():
     """The gradient hooks on the parameters (held from C++, unseen by the garbage collector) must not keep
-    the data-parallel wrapper, the model and its weights alive once the trainer is gone."""
+    the data-parallel wrapper, the model and its weights alive once the trainer is gone. close() stops the
+    data loaders' worker processes itself: the garbage collector would take 5 s for each (LoaderIterator)."""
     import gc
+    import multiprocessing
     import weakref
-    t = Trainer(parse_args(TINY + ["--train-iters", "2"]))
+    before = set(multiprocessing.active_children())
+    flags = TINY[:TINY.index("--num-workers")] + TINY[TINY.index("--num-workers") + 2:]
+    t = Trainer(parse_args(flags + ["--num-workers", "2", "--train-iters", "2"]))
     t.train_step()
+    next(t.valid_iter)  # the validation stream starts its workers at its first batch
+    workers = set(multiprocessing.active_children()) - before
+    assert len(workers) == 4  # 2 for training, 2 for validation
     ref = weakref.ref(next(t.models[0].module.parameters()))
     t.close()
+    assert not any(w.is_alive() for w in workers)
     del t
     gc.collect()
     assert ref() is None
