@@ -269,10 +269,13 @@ def _ce_stats(logits: torch.Tensor, local: torch.Tensor, v: int):
 def _ce_grad(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, v: int):
     """softmax - onehot(target) in the logits' dtype: d loss / d logits before the incoming per-token
     gradient is applied."""
-    p = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp()
-    onehot = torch.nn.functional.one_hot(local.clamp(0, v - 1), v).to(p.dtype)
+    p = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp_()
     inside = ((local >= 0) & (local < v)).to(p.dtype).unsqueeze(-1)
-    return (p - onehot * inside).to(logits.dtype)
+    if logits.is_cuda:  # compiled (``_kernel``): Inductor fuses the one-hot into the same pass over the logits
+        onehot = torch.nn.functional.one_hot(local.clamp(0, v - 1), v).to(p.dtype)
+        return (p - onehot * inside).to(logits.dtype)
+    # eager (CPUs): the same values without a [tokens, vocab] fp32 one-hot: -1 added at each local target
+    return p.scatter_add_(-1, local.clamp(0, v - 1).unsqueeze(-1), -inside).to(logits.dtype)
 
 
 def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, v: int) -> None:
