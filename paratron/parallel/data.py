@@ -13,7 +13,10 @@ gradients), each start aligned to 64 elements, and cut into buckets of at least 
 elements; each bucket is padded to a multiple of 64 x (group size) so that it splits into equal,
 aligned shards, one per rank of the group. Each parameter gets ``param.main_grad``, a view into
 its buffer (fp32 by default, so bf16 parameters accumulate micro-batch gradients in fp32); a hook
-run after autograd accumulates a gradient adds it to ``main_grad`` and frees ``param.grad``.
+run after autograd accumulates a gradient adds it to ``main_grad`` and frees ``param.grad``. The linear
+layers' weights (gradient-accumulation fusion, on unless --no-gradient-accumulation-fusion) get their
+gradient added to ``main_grad`` by their backward's GEMM itself (parallel/grad_accumulation.py): the hook
+only frees the placeholder autograd hands it.
 
 Reduction. Each bucket is divided by the data x context parallel size (not with
 ``--calculate-per-token-loss``), then all-reduced, or reduce-scattered in place when the
