@@ -213,8 +213,8 @@ class DataParallel(nn.Module):
         # Megatron's gradient-accumulation fusion (grad_accumulation.py): these weights' backward adds their
         # gradient to main_grad itself; the hook only drops the placeholder autograd hands it
         self.fused_wgrad = set(fusable_weights(module)) & set(self.params) if fuse_wgrad else set()
-        for p in self.fused_wgrad:
-            p.fuse_wgrad = True
+        for p in self.params:  # every parameter says it, so a module wrapped again follows the new wrapper
+            p.fuse_wgrad = p in self.fused_wgrad
         # the micro-batch gradients go into main_grad by one Triton pass (accumulate_); =0: torch's copy_ /
         # add_ (for A/B measurements)
         self._fused_accumulate = os.environ.get("PARATRON_FUSED_ACCUMULATE", "1") != "0"

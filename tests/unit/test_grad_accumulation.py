@@ -111,3 +111,23 @@ def test_trainer_with_fused_weight_gradients_equals_the_unfused_one():
     assert losses == plain_losses  # fp32: the same sums
     for n in weights:
         torch.testing.assert_close(weights[n], plain_weights[n], rtol=1e-6, atol=1e-7)
+
+
+def test_a_module_wrapped_again_without_the_fusion_accumulates_through_the_hook():
+    import gc
+    from paratron.model.layers import Attention, Parallel
+    from paratron.parallel.data import DataParallel
+    from paratron.parallel.dims import ParallelDims
+    att = Attention(parse_args(SMALL).model, Parallel())
+    w = att.linear_qkv.weight
+    first = DataParallel(att, ParallelDims(), fuse_wgrad=True)
+    assert w.fuse_wgrad and w in first.fused_wgrad
+    del first
+    gc.collect()  # (its hooks hold it weakly: they do nothing once it is gone)
+    second = DataParallel(att, ParallelDims(), fuse_wgrad=False)
+    assert not w.fuse_wgrad and not second.fused_wgrad
+    x = torch.randn(3, 2, 32)
+    att.linear_qkv(x).square().sum().backward()
+    ref = w.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x, ref).square().sum().backward()
+    torch.testing.assert_close(w.main_grad, ref.grad)  # the hook added autograd's gradient, not a placeholder
