@@ -25,14 +25,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 KINDS = [("attention", r"flash|fmha|sdpa|cudnn|attention"),
+         ("norm", r"rmsnorm|layer_norm|rms_norm"),  # (before matmul: quack's norms are CUTLASS kernels too)
          ("matmul", r"gemm|cutlass|sm90_xmma|nvjet|matmul|wgmma|cublas"),
          ("optimizer", r"adam|foreach|multi_tensor"),
          ("nccl", r"nccl"),
          ("copy/cast", r"copy|cast|memcpy|memset|fill|cat"),
          ("embedding", r"embedding|index|scatter|gather"),
          ("triton reduction (norms, CE)", r"triton_(red|per)"),
-         ("triton pointwise", r"triton_poi"),
-         ("norm (aten)", r"layer_norm|rms_norm")]
+         ("triton pointwise", r"triton_poi")]
 
 
 def kind_of(name: str) -> str:
