@@ -32,8 +32,8 @@ def user_errors() -> tuple:
 
 def run_train(argv: list[str]) -> int:
     from .config import parse_args
+    cfg = parse_args(argv)  # a flag mistake is reported before the trainer's imports (~2 s) are paid
     from .train.loop import pretrain
-    cfg = parse_args(argv)
     ok = False
     try:
         pretrain(cfg)
