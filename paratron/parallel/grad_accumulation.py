@@ -136,8 +136,9 @@ def _plain(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
     """``x W^T (+ b) (+ residual)``; with autograd on and W marked ``fuse_wgrad`` (by DataParallel), W's
     gradient goes straight into ``W.main_grad``."""
-    if torch.is_grad_enabled() and getattr(weight, "fuse_wgrad", False):
-        return _FusedLinear.apply(x, weight, bias, residual, weight.main_grad)
+    main_grad = main_grad_of(weight)
+    if main_grad is not None:
+        return _FusedLinear.apply(x, weight, bias, residual, main_grad)
     return _plain(x, weight, bias, residual)
 
 

@@ -2,20 +2,12 @@
 CUDA in tests/gpu/test_fused_adamw_cuda.py): several steps against torch.optim.AdamW (foreach) on the
 same fp32 masters, with the model weights it writes against the masters rounded by torch; and the
 optimizer's on-device step taking it (no publishing copy) against the plain CPU step."""
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("triton")
 
+from tests.interpret import interpret as _interpret  # noqa: E402
 
-def _interpret(script: str) -> None:
-    """Run ``script`` in a fresh interpreter with Triton's CPU interpreter on; it prints "ok" when its checks hold."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
 KERNEL = r"""

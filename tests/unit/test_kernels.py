@@ -1,20 +1,12 @@
-"""The Triton kernels of paratron/model/kernels.py, model/decode_attention.py and parallel/data.py (gradient
-accumulation) against the torch expressions they replace, run through Triton's CPU interpreter (the same
+"""The Triton kernels of paratron/model/kernels.py, model/decode_attention.py and parallel/grad_accumulation.py
+(gradient accumulation) against the torch expressions they replace, run through Triton's CPU interpreter (the same
 kernels run on CUDA in tests/gpu)."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-def _interpret(script: str) -> None:
-    """Run ``script`` in a fresh interpreter with Triton's CPU interpreter on; it prints "ok" when its checks hold."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+from tests.interpret import interpret as _interpret  # noqa: E402
 
 
 CHECK = r"""
