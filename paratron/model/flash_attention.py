@@ -24,6 +24,7 @@ expressions below (``*_ref``) are the same operations; the ops run them on CPUs 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -85,23 +86,19 @@ def attention_bwd_ref(dout, q, k, v, out, lse, scale) -> tuple[Tensor, Tensor, T
 
 
 # ---- the custom ops --------------------------------------------------------------------------------
-def _out_like(q: Tensor, v: Tensor) -> Tensor:
-    """The output [b, s, heads, dv] as a view of sequence-first storage [s, b, heads, dv]."""
-    b, s, h = q.shape[:3]
-    return torch.empty((s, b, h, v.size(-1)), dtype=q.dtype, device=q.device).transpose(0, 1)
-
-
-def _seq_first_like(t: Tensor) -> Tensor:
-    """An empty [b, s, heads, d] tensor in sequence-first storage: the gradients of q, k, v, which the rotary
-    embedding's backward reads beside each other into the QKV gradient ([s, b, ...]). (``empty_like`` of v,
-    a strided slice of the QKV output, would be batch-first: that read was a transposing one.)"""
+def _seq_first_like(t: Tensor, last: Optional[int] = None) -> Tensor:
+    """An empty [b, s, heads, d] tensor like ``t`` (last dimension ``last`` if given) as a view of sequence-first
+    storage [s, b, heads, d]: the output, where the output projection reads it without a copy, and the gradients
+    of q, k, v, which the rotary embedding's backward reads beside each other into the QKV gradient ([s, b, ...]).
+    (``empty_like`` of v, a strided slice of the QKV output, would follow its strides' order instead.)"""
     b, s = t.shape[:2]
-    return torch.empty((s, b, *t.shape[2:]), dtype=t.dtype, device=t.device).transpose(0, 1)
+    shape = (s, b, *t.shape[2:-1], t.size(-1) if last is None else last)
+    return torch.empty(shape, dtype=t.dtype, device=t.device).transpose(0, 1)
 
 
 @torch.library.custom_op("paratron::flash_attn_fwd", mutates_args=())
 def _fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    out = _out_like(q, v)
+    out = _seq_first_like(q, v.size(-1))
     if not q.is_cuda:
         ref, lse = attention_ref(q, k, v, scale)
         return out.copy_(ref), lse
@@ -112,7 +109,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]
 @_fwd.register_fake
 def _fwd_fake(q, k, v, scale):
     b, s, h = q.shape[:3]
-    return _out_like(q, v), q.new_empty((b, h, s), dtype=torch.float32)
+    return _seq_first_like(q, v.size(-1)), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.custom_op("paratron::flash_attn_bwd", mutates_args=())
