@@ -80,7 +80,7 @@ def part_rows(m: int, h: int, f: int) -> list[str]:
          2 * m * h * f),
         ("fc2 dgrad + SwiGLU bwd: quack gemm_dgated", lambda: g._dgated(dy, w2, pre), 2 * m * h * f),
         ("fc1 dgrad: cuBLAS (plain layout)", lambda: dpre @ w1, 2 * m * h * 2 * f),
-        ("fc1 dgrad: cuBLAS + weight re-ordered", lambda: g._dx(dpre, w1, "cublas"), 2 * m * h * 2 * f),
+        ("fc1 dgrad: cuBLAS + weight re-ordered", lambda: dpre @ g.interleave(w1), 2 * m * h * 2 * f),
         ("fc1 dgrad: quack concat_layout", lambda: gemm(dpre, w1, concat_layout=("B",), dynamic_scheduler=True,
                                                       tuned=False), 2 * m * h * 2 * f),
         ("fc1 wgrad: cuBLAS (plain layout)", lambda: dpre.t() @ x, 2 * m * h * 2 * f),

@@ -6,7 +6,7 @@ tile / cluster configurations (when importable), and for the weight gradient the
 (bf16 GEMM + an add into the fp32 buffer, or one GEMM with fp32 output accumulating in place, Megatron's
 gradient-accumulation fusion). Reports TFLOP/s with the mean SM clock and power (NVML).
 
-    python benchmarks/gemm_power.py [--seconds 2 --warm 1 --no-quack]
+    python benchmarks/gemm_power.py [--seconds 2 --warm 1 --no-quack] [--gated | --residual]
 """
 import argparse
 import sys
@@ -19,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from paratron.parallel.grad_accumulation import accumulate_  # noqa: E402
 
 GATED_CONFIGS = [(128, 192, 2, 1, True), (128, 128, 2, 1, True), (256, 128, 1, 2, False), (256, 192, 2, 1, False),
-                 (128, 256, 1, 2, False), (256, 128, 2, 1, False)]
+                 (128, 256, 1, 2, False), (256, 128, 2, 1, False), (128, 128, 1, 2, True), (128, 160, 2, 1, True),
+                 (128, 192, 1, 2, True), (192, 128, 2, 1, True)]
+RESIDUAL_SPECS = ["default", "256x128c1x2coop", "128x256c1x2coop", "256x192c2x1coop", "256x128c2x1coop"]
 CONFIGS = [  # (tile_m, tile_n, cluster_m, cluster_n, pingpong)
     (128, 192, 2, 1, True), (256, 128, 2, 1, False), (256, 128, 1, 2, False), (256, 192, 2, 1, False),
     (128, 256, 1, 2, False)]
@@ -74,7 +76,28 @@ def quack_candidates(a, b, out):
     return found
 
 
-def gated_candidates(n: int, dev, dt, r) -> list:
+def residual_candidates(n: int, r) -> list:
+    """[(name, flops, {kernel: callable})]: output projection and fc2 forward with the residual (C) added
+    into a new tensor, and fc1's input gradient from the [gate; up] weight read in the interleaved order:
+    cuBLAS as paratron's plain path runs them, quack_gemm.py's ops per tile configuration."""
+    from paratron.parallel import quack_gemm, quack_kernels
+    rows = []
+    for name, k in (("proj forward + residual", 2048), ("fc2 forward + residual", 8192)):
+        a, w, c = r(n, k), r(2048, k), r(n, 2048)
+        cands = {"cuBLAS addmm (C copied, then GEMM)": lambda a=a, w=w, c=c: torch.addmm(c, a, w.t()),
+                 "cuBLAS addmm in place (no copy)": lambda a=a, w=w, c=c: torch.addmm(c, a, w.t(), out=c)}
+        for spec in RESIDUAL_SPECS:
+            cands[f"quack {spec}"] = lambda a=a, w=w, c=c, spec=spec: quack_gemm.gemm_add(c, a, w, spec)
+        rows.append((name, 2 * n * k * 2048, cands))
+    dpre, w1 = r(n, 16384), r(16384, 2048)
+    cands = {"cuBLAS, weight re-ordered": lambda: dpre @ quack_kernels.interleave(w1)}
+    for spec in RESIDUAL_SPECS:
+        cands[f"quack {spec}"] = lambda spec=spec: quack_gemm.gemm_interleaved(dpre, w1, spec)
+    rows.append(("fc1 input grad, interleaved weight", 2 * n * 16384 * 2048, cands))
+    return rows
+
+
+def gated_candidates(n: int, r) -> list:
     """[(name, flops, {kernel: callable})]: quack's gated GEMMs of llama-1b's MLP (fc1 + SwiGLU forward, fc2's
     input gradient + SwiGLU backward) with each configuration of GATED_CONFIGS; the default is what
     paratron's ``tuned=False`` calls take."""
@@ -101,6 +124,9 @@ def main() -> int:
     p.add_argument("--warm", type=float, default=1.0)
     p.add_argument("--no-quack", action="store_true")
     p.add_argument("--gated", action="store_true", help="only quack's gated MLP GEMMs, per configuration")
+    p.add_argument("--residual", action="store_true",
+                   help="only the GEMMs paratron/parallel/quack_gemm.py configures: C + A@B into a new tensor "
+                        "(torch's addmm copies C first) and fc1's input gradient from the interleaved weight")
     args = p.parse_args()
     n, dev, dt = args.tokens, "cuda", torch.bfloat16
     probe = _nvml()
@@ -112,8 +138,8 @@ def main() -> int:
               ("qkv forward x@Wqkv^T", r(n, 2048), r(3072, 2048).t())]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.seconds} s each after {args.warm} s")
     print("| GEMM | kernel | TFLOP/s | SM MHz | W |\n|---|---|---|---|---|")
-    if args.gated:
-        for name, flops, cands in gated_candidates(n, dev, dt, r):
+    if args.gated or args.residual:
+        for name, flops, cands in (gated_candidates if args.gated else residual_candidates)(n, r):
             _table(name, flops, cands, args, probe)
         return 0
     for name, a, b in shapes:

@@ -6,7 +6,10 @@ the fp32 dQ conversion, a per-group reduction of dK and dV). flash-attn-4 (Tri D
 the CuTe DSL, https://github.com/Dao-AILab/flash-attention, the ``flash_attn.cute`` package; pure
 Python, compiled at first use) has forward and backward kernels for Hopper that take the grouped keys
 as they are and any batch / sequence / head strides. Here they are wrapped as two torch custom ops
-(``paratron::flash_attn_fwd`` / ``_bwd``) so that a compiled layer keeps them as single nodes.
+(``paratron::flash_attn_fwd`` / ``_bwd``) so that a compiled layer keeps them as single nodes. A layer with the
+plain rotary embedding takes ``rotary_causal_attention`` instead (``paratron::flash_attn_rope_fwd`` / ``_bwd``):
+the same kernels from the QKV GEMM's output, with the rotation of q and k in two Triton kernels around them
+(rope_kernels.py says why).
 
 Layout: q [b, s, heads, d], k / v [b, s, groups, d] -- the transposes of paratron's sequence-first
 activations, no copies; the output is allocated sequence-first ([s, b, heads, d] storage) so that the
@@ -29,6 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import rope_kernels
 from ..parallel import quack_kernels
 
 try:  # optional: pip install flash-attn-4 (Hopper / Blackwell); used only on CUDA
@@ -116,12 +120,17 @@ def _fwd_fake(q, k, v, scale):
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
          scale: float) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = (_seq_first_like(t) for t in (q, k, v))
+    _bwd_into(dout, q, k, v, out, lse, scale, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _bwd_into(dout, q, k, v, out, lse, scale, dq, dk, dv) -> None:
+    """FlashAttention-4's backward (CPUs: the reference) into dq, dk, dv ([b, s, heads | groups, d] views)."""
     if not q.is_cuda:
         for d, ref in zip((dq, dk, dv), attention_bwd_ref(dout, q, k, v, out, lse, scale)):
             d.copy_(ref)
     else:
         _fa_bwd(q, k, v, out, dout, lse, scale, True, dq=dq, dk=dk, dv=dv)
-    return dq, dk, dv
 
 
 @_bwd.register_fake
@@ -152,3 +161,79 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale=None) -> Tensor:
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out, _ = _fwd(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale)
     return out.transpose(0, 1).reshape(s, b, h * v.size(-1))
+
+
+# ---- with the rotary embedding of q and k around it (rope_kernels.py) ----------------------------------------
+# One op from the QKV GEMM's output to attention's output: its forward rotates q and k in one kernel and runs
+# FlashAttention-4 on them and on v, a strided slice of the QKV output; its backward allocates the QKV gradient
+# [s, b, groups, q_per_group + 2, d], lets FlashAttention-4 write dv and dk into their slots (its kernels are
+# compiled for any strides that are multiples of 16 bytes with the last dimension contiguous, and
+# ``_validate_tensor`` checks shape, dtype and device only; with grouped heads a postprocess kernel converts its
+# fp32 dK / dV accumulators into them), dq into a buffer of its own (the query heads are not evenly strided
+# inside a group's slots), then one kernel rotates dq into the query slots and dk back in place.
+@torch.library.custom_op("paratron::flash_attn_rope_fwd", mutates_args=())
+def _rope_fwd(qkv5: Tensor, cos: Tensor, sin: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q and k rotated [s, b, heads | groups, d] -- kept for the backward --, out [s, b, heads, d], lse)."""
+    q, k = rope_kernels.rotate_qk(qkv5, cos, sin)
+    out, lse = _fwd(q.transpose(0, 1), k.transpose(0, 1), qkv5[:, :, :, -1].transpose(0, 1), scale)
+    return q, k, out.transpose(0, 1), lse
+
+
+@_rope_fwd.register_fake
+def _rope_fwd_fake(qkv5, cos, sin, scale):
+    s, b, groups, slots, d = qkv5.shape
+    heads = groups * (slots - 2)
+    return (qkv5.new_empty(s, b, heads, d), qkv5.new_empty(s, b, groups, d), qkv5.new_empty(s, b, heads, d),
+            qkv5.new_empty((b, heads, s), dtype=torch.float32))
+
+
+@torch.library.custom_op("paratron::flash_attn_rope_bwd", mutates_args=())
+def _rope_bwd(dout: Tensor, qkv5: Tensor, cos: Tensor, sin: Tensor, q: Tensor, k: Tensor, out: Tensor,
+              lse: Tensor, scale: float) -> Tensor:
+    """The gradient of qkv5 (contiguous) from the output's gradient dout [s, b, heads, d]."""
+    dqkv = qkv5.new_empty(qkv5.shape)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk, dv = dqkv[:, :, :, -2], dqkv[:, :, :, -1]  # FlashAttention-4 writes them in place
+    v = qkv5[:, :, :, -1]
+    _bwd_into(*(t.transpose(0, 1) for t in (dout, q, k, v, out)), lse, scale,
+              *(t.transpose(0, 1) for t in (dq, dk, dv)))
+    rope_kernels.unrotate_into_(dqkv, dq, cos, sin)
+    return dqkv
+
+
+@_rope_bwd.register_fake
+def _rope_bwd_fake(dout, qkv5, cos, sin, q, k, out, lse, scale):
+    return qkv5.new_empty(qkv5.shape)
+
+
+def _rope_setup(ctx, inputs, output) -> None:
+    qkv5, cos, sin, scale = inputs
+    q, k, out, lse = output
+    ctx.save_for_backward(qkv5, cos, sin, q, k, out, lse)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(q, k, lse)  # the rotated q and k are outputs only to be kept for the backward
+    ctx.set_materialize_grads(False)  # no zero gradients made for them
+
+
+def _rope_backward(ctx, dq_unused, dk_unused, dout, dlse_unused):
+    if dout is None:
+        return None, None, None, None
+    qkv5, cos, sin, q, k, out, lse = ctx.saved_tensors
+    return _rope_bwd(dout, qkv5, cos, sin, q, k, out, lse, ctx.scale), None, None, None
+
+
+_rope_fwd.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+def rotary_causal_attention(qkv5: Tensor, cos: Tensor, sin: Tensor, scale, q_per_group: int) -> Tensor:
+    """Causal attention of the QKV GEMM's output viewed [s, b, groups, q_per_group + 2, d] (per group its query
+    heads, its key head, its value head) with the rotary embedding (rotate-half, the whole head) of its queries
+    and keys: ``apply_rotary`` then ``causal_attention`` as one op. cos / sin: [s, d] or [s, 1, 1, d] (no cos / sin
+    gradient). Returns [s, b, heads * d]. ``scale`` None: 1 / sqrt(d)."""
+    s, b, groups, slots, d = qkv5.shape
+    if slots != q_per_group + 2 or cos.numel() != s * d or sin.numel() != s * d:
+        raise ValueError(f"rotary_causal_attention: qkv {tuple(qkv5.shape)} with {q_per_group} queries per group, "
+                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    _, _, out, _ = _rope_fwd(qkv5, cos.reshape(s, d), sin.reshape(s, d), scale)
+    return out.reshape(s, b, groups * q_per_group * d)

@@ -17,6 +17,7 @@ from ..parallel import comm
 from ..parallel import fp8 as fp8_mod
 from ..parallel.context import ContextParallel, document_causal_mask
 from ..parallel.dims import ParallelDims
+from ..parallel.grad_accumulation import mark_fusable
 from ..parallel.random import EXPERT_SEED_OFFSET, RNGTracker, seeded_init
 from ..parallel.sharding import update_spec
 from ..parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding, init_normal, linear_cross_entropy,
@@ -149,6 +150,8 @@ class GPTModel(nn.Module):
             self.output_layer = None
         self.mtp = build_mtp(cfg, self.par, pre_process and post_process, seed, recompute_granularity, fp8,
                              device, dtype)  # multi-token prediction (model/mtp.py), None without
+        if self.embedding is not None and not self.share_embeddings:
+            mark_fusable(self.embedding.word_embeddings)  # (tied, the output layer's matmul uses the table too)
         if self.share_embeddings and pre_process and not post_process:  # first stage of a pipeline
             update_spec(self.embedding.word_embeddings.weight, tied="embedding")  # grads summed with the copy
         self.input_tensor: Optional[torch.Tensor] = None

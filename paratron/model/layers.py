@@ -29,6 +29,8 @@ from .yarn import yarn_concentration_factor, yarn_inv_freq, yarn_params
 
 SMALL_DECODE_BATCH = 1  # decode attention as matmuls up to this batch size (Attention._decode_core)
 _DECODE_ATTN = os.environ.get("PARATRON_DECODE_ATTN", "")  # "sdpa": SDPA at every batch size (side-by-side timing)
+# "0": the rotary embedding of a FlashAttention-4 layer as Inductor compiles it, not inside the attention op
+_FUSED_ROPE = os.environ.get("PARATRON_FUSED_ROPE", "1") != "0"
 
 
 @dataclass
@@ -319,6 +321,26 @@ class Attention(nn.Module):
                 and torch.is_grad_enabled() and not (self.training and self.dropout > 0)
                 and not torch.are_deterministic_algorithms_enabled())
 
+    def _fused_rope_applies(self, ctx: ForwardContext, s: int) -> bool:
+        """The flash path with this layer's rotary embedding inside the attention op
+        (flash_attention.rotary_causal_attention, rope_kernels.py): the plain rotate-half rotation over the whole
+        head with one cos / sin per position ([s, 1, 1, d]: no position_ids), no q / k layernorm, no output gate;
+        ``PARATRON_FUSED_ROPE=0`` turns it off."""
+        if not (_FUSED_ROPE and ctx.rope is not None and self.rotate is apply_rotary and not self.gated
+                and self.q_layernorm is None):
+            return False
+        cos, sin = ctx.rope
+        return (cos.shape == sin.shape == (s, 1, 1, self.d) and not (cos.requires_grad or sin.requires_grad)
+                and self._flash_applies(ctx))
+
+    def _attend_rotary(self, qkv, ctx: ForwardContext) -> torch.Tensor:
+        """qkv [s, b, groups, q_per_group + 2, d] -> [s, b, heads * d]: the rotary embedding of q and k and
+        FlashAttention-4 in one op (under core recompute both are recomputed; qkv and cos / sin are kept)."""
+        args = (qkv, *ctx.rope, self.scale, self.q_per_group)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            return checkpoint(flash_attention.rotary_causal_attention, *args, rng=self.par.rng)
+        return flash_attention.rotary_causal_attention(*args)
+
     def _attend(self, q, k, v, ctx: ForwardContext) -> torch.Tensor:
         """q [s, b, heads, d], k / v [s, b, groups, d] -> [s, b, heads * d]."""
         s, b = q.shape[:2]
@@ -363,6 +385,8 @@ class Attention(nn.Module):
         qkv = self.linear_qkv(x)  # [s, b, groups * (q_rows + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups, self.q_rows + 2, self.d)
+        if self._fused_rope_applies(ctx, s):
+            return self.linear_proj(self._attend_rotary(qkv, ctx), residual)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.d)
         gate = qkv[:, :, :, self.q_per_group: self.q_rows].reshape(s, b, self.heads * self.d) if self.gated else None
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from . import quack_gemm
 from .grad_accumulation import main_grad_of, wgrad_accumulate
 
 try:  # optional: pip install quack-kernels (Hopper); used only on CUDA
@@ -62,8 +63,8 @@ def wanted(fused_swiglu: bool, bias: bool, device, dtype) -> Optional[str]:
     """Whether an MLP built on ``device`` in ``dtype`` takes the gated GEMMs: the fused SwiGLU (no offset,
     clamp or --no-bias-swiglu-fusion), no biases, ``on_hopper`` with ``PARATRON_GATED_GEMM``. Decided when
     the model is built (its device is known there, and the compiled forward then only reads the
-    answer). The answer names the library of fc1's two backward GEMMs: "cublas", or "quack" with
-    ``PARATRON_GATED_BWD=quack``; None: the plain path."""
+    answer). The answer names the library of fc1's weight-gradient GEMM: "cublas" (fusable into main_grad),
+    or "quack" with ``PARATRON_GATED_BWD=quack``; None: the plain path."""
     if not (fused_swiglu and not bias and on_hopper(device, dtype, "PARATRON_GATED_GEMM")):
         return None
     return "quack" if os.environ.get("PARATRON_GATED_BWD") == "quack" else "cublas"
@@ -114,19 +115,22 @@ def _dgated(dy: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor):
     """fc2's input gradient + SwiGLU's backward: quack's gemm_dgated on CUDA, the reference elsewhere."""
     if not dy.is_cuda:
         return dgated_ref(dy, w2, pre)
-    return _q_gemm_dact(dy, w2, pre, activation="swiglu", tuned=False)
+    return quack_gemm.gemm_dgated(dy, w2, pre, quack_gemm.tile("dgated"))
 
 
-def _dx(dpre: torch.Tensor, w1: torch.Tensor, bwd: str) -> torch.Tensor:
-    """fc1's input gradient from the interleaved ``dpre``: cuBLAS with fc1's weight re-ordered by a copy,
-    or with ``bwd="quack"`` (CUDA) quack's GEMM reading the weight in the interleaved order in place."""
-    if bwd == "quack" and dpre.is_cuda:
-        return _q_gemm(dpre, w1, concat_layout=("B",), dynamic_scheduler=True, tuned=False)
+def _dx(dpre: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    """fc1's input gradient from the interleaved ``dpre``: on CUDA quack's GEMM reading the weight in the
+    interleaved order in place (quack_gemm.py, the ``dx`` tiles); with ``dx=off``, and on CPUs, a matmul
+    with fc1's weight re-ordered by a copy."""
+    spec = quack_gemm.tile("dx")
+    if dpre.is_cuda and spec != "off":
+        return quack_gemm.gemm_interleaved(dpre, w1, spec)
     return dpre @ interleave(w1)
 
 
 def _dw1(dpre: torch.Tensor, x: torch.Tensor, bwd: str) -> torch.Tensor:
-    """fc1's weight gradient in the [gate; up] order, as ``_dx`` chooses its GEMM."""
+    """fc1's weight gradient in the [gate; up] order: cuBLAS + a re-ordering copy, or with ``bwd="quack"``
+    (CUDA) quack's GEMM writing the [gate; up] order itself."""
     if bwd == "quack" and dpre.is_cuda:
         return _q_gemm(dpre.t(), x, concat_layout=("out",), dynamic_scheduler=True, tuned=False)
     return deinterleave(dpre.t() @ x)
@@ -140,7 +144,12 @@ class _GatedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, residual, bwd, g1, g2):
         pre, act = _gated(x, w1)
-        y = act @ w2.t() if residual is None else torch.addmm(residual, act, w2.t())
+        if residual is None:
+            y = act @ w2.t()
+        elif quack_gemm.residual_applies(act):  # C read by the epilogue, not copied into the output first
+            y = quack_gemm.gemm_add(residual, act, w2, quack_gemm.tile("residual"))
+        else:
+            y = torch.addmm(residual, act, w2.t())
         ctx.save_for_backward(x, w1, w2, pre)
         ctx.main_grads = g1, g2  # (not saved: they change as they accumulate, by design)
         ctx.has_residual, ctx.bwd = residual is not None, bwd
@@ -162,13 +171,13 @@ class _GatedMLP(torch.autograd.Function):
             # weight fusable only with fc1's backward on cuBLAS)
             wgrad_accumulate(g1, dpre, x, True)
             dw1 = torch.empty_like(w1)
-        return _dx(dpre, w1, ctx.bwd), dw1, dw2, (dy if ctx.has_residual else None), None, None, None
+        return _dx(dpre, w1), dw1, dw2, (dy if ctx.has_residual else None), None, None, None
 
 
 def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               residual: Optional[torch.Tensor] = None, bwd: str = "cublas") -> torch.Tensor:
     """``silu(gate) * up`` MLP of ``x [..., H]`` with fc1's weight ``w1 [2F, H]`` ([gate; up] rows) and fc2's
-    ``w2 [H, F]``; ``residual`` (x's shape) is added by fc2's GEMM; ``bwd``: see ``_dx``."""
+    ``w2 [H, F]``; ``residual`` (x's shape) is added by fc2's GEMM; ``bwd``: see ``_dw1``."""
     shape = x.shape
     res = None if residual is None else residual.reshape(-1, w2.size(0))
     return _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, bwd, main_grad_of(w1),

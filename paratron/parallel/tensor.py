@@ -23,8 +23,9 @@ from torch import nn
 
 from ..errors import DataError
 from . import comm
+from .cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy  # noqa: F401 (their old home)
 from .fp8 import fp8_linear
-from .grad_accumulation import linear
+from .grad_accumulation import embedding, linear
 from .sharding import ShardSpec, Split, local_index, set_spec, shard, spec_of
 
 
@@ -207,170 +208,12 @@ class VocabParallelEmbedding(nn.Module):
         if self.check_ids and ids.device.type == "cpu":
             check_token_ids(ids, self.num_embeddings, "the embedding's input")
         if comm.group_size(self.tp_group) == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return comm.reduce_from_tp(out, self.tp_group)
-
-
-class _VocabParallelCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, vocab_start, group):
-        logits = logits.float()
-        gmax = logits.max(dim=-1).values
-        if comm.group_size(group) > 1:
-            torch.distributed.all_reduce(gmax, op=torch.distributed.ReduceOp.MAX, group=group)
-        shifted = logits - gmax.unsqueeze(-1)
-        per_rank = logits.size(-1)
-        local_t = target - vocab_start
-        outside = (local_t < 0) | (local_t >= per_rank)
-        local_t = local_t.masked_fill(outside, 0)
-        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(picked, group)
-        comm.all_reduce(sum_exp, group)
-        loss = sum_exp.log() - picked
-        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
-        ctx.save_for_backward(exp, local_t, outside)
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        softmax, local_t, outside = ctx.saved_tensors
-        grad = softmax
-        onehot_val = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -onehot_val.unsqueeze(-1))
-        grad.mul_(g.unsqueeze(-1))
-        return grad, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """Per-token cross-entropy of logits split along the vocabulary over ``tp_group``; the full
-    logits are never gathered. At TP=1 this is ``F.cross_entropy(..., reduction='none')``."""
-    if comm.group_size(tp_group) == 1:
-        return F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction="none").view_as(target)
-    vocab_start = comm.group_rank(tp_group) * logits.size(-1)
-    return _VocabParallelCE.apply(logits, target, vocab_start, tp_group)
-
-
-def _ce_stats(logits: torch.Tensor, local: torch.Tensor, v: int):
-    """Per-token max, sum of exp(logit - max) and target logit (0 when the target is not local)."""
-    lg = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    m = lg.max(dim=-1).values
-    sum_exp = (lg - m.unsqueeze(-1)).exp().sum(dim=-1)
-    inside = (local >= 0) & (local < v)
-    picked = lg.gather(-1, local.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1) * inside
-    return m, sum_exp, picked
-
-
-def _ce_grad(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, v: int):
-    """softmax - onehot(target) in the logits' dtype: d loss / d logits before the incoming per-token
-    gradient is applied."""
-    p = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp_()
-    inside = ((local >= 0) & (local < v)).to(p.dtype).unsqueeze(-1)
-    if logits.is_cuda:  # compiled (``_kernel``): Inductor fuses the one-hot into the same pass over the logits
-        onehot = torch.nn.functional.one_hot(local.clamp(0, v - 1), v).to(p.dtype)
-        return (p - onehot * inside).to(logits.dtype)
-    # eager (CPUs): the same values without a [tokens, vocab] fp32 one-hot: -1 added at each local target
-    return p.scatter_add_(-1, local.clamp(0, v - 1).unsqueeze(-1), -inside).to(logits.dtype)
-
-
-def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, v: int) -> None:
-    """``_ce_grad`` written over the logits (one read and one write of the chunk)."""
-    logits.copy_(_ce_grad(logits, lse, local, v))
-
-
-_compiled: dict = {}
-
-
-def _kernel(fn, x: torch.Tensor):
-    """On CUDA the per-chunk math runs as one compiled kernel (one pass over the chunk's logits)."""
-    if not x.is_cuda:
-        return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False, options={"coordinate_descent_tuning": True})
-    return _compiled[fn]
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Output layer and cross-entropy in chunks of tokens, so the fp32 logits of the batch never exist.
-
-    Forward writes each chunk's logits (in the input dtype) into one [tokens, vocab] buffer, reduces
-    them to per-token statistics and overwrites them with softmax - onehot(target). As the incoming
-    gradient g is one scalar per token, backward is then just two matmuls:
-    d/dx = g * (D @ W) and d/dW = D^T @ (g * x). With ``keep=False`` (a buffer that would be too large)
-    nothing is kept and backward recomputes each chunk's logits (one more matmul over the vocabulary).
-    Over a TP group the vocabulary is split and only per-token scalars (max, sum of exp, target
-    logit) are reduced, as in the vocab-parallel cross-entropy."""
-
-    @staticmethod
-    def forward(ctx, x, weight, target, vocab_start, group, chunk, keep):
-        n, v = x.size(0), weight.size(0)
-        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp16 inputs
-        lse = torch.empty(n, dtype=acc, device=x.device)
-        picked = torch.empty(n, dtype=acc, device=x.device)
-        d = torch.empty(n, v, dtype=x.dtype, device=x.device) if keep else None
-        stats, grad_ = _kernel(_ce_stats, x), _kernel(_ce_grad_, x)
-        for i in range(0, n, chunk):
-            local = target[i:i + chunk] - vocab_start
-            logits = torch.mm(x[i:i + chunk], weight.t(), out=d[i:i + chunk]) if keep else x[i:i + chunk] @ weight.t()
-            m, sum_exp, t = stats(logits, local, v)
-            m, sum_exp, t = m.to(acc), sum_exp.to(acc), t.to(acc)
-            if comm.group_size(group) > 1:  # combine the per-rank statistics of the vocabulary shards
-                gm = m.clone()
-                torch.distributed.all_reduce(gm, op=torch.distributed.ReduceOp.MAX, group=group)
-                sum_exp = sum_exp * (m - gm).exp()
-                m = gm
-                comm.all_reduce(sum_exp, group)
-                comm.all_reduce(t, group)
-            lse[i:i + chunk] = m + sum_exp.log()
-            picked[i:i + chunk] = t
-            if keep:
-                grad_(logits, lse[i:i + chunk], local, v)
-        ctx.save_for_backward(x, weight, target, lse, d)
-        ctx.vocab_start, ctx.chunk = vocab_start, chunk
-        return lse - picked
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight, target, lse, d = ctx.saved_tensors
-        g = g.unsqueeze(-1)
-        if d is not None:
-            gx = (d @ weight * g).to(x.dtype)
-            # (x^T D)^T rather than D^T x: cuBLAS runs this form faster at vocabulary sizes
-            # (benchmarks/matmul_shapes.py: 684 vs 634 TFLOP/s at llama-1b's output layer on an H100)
-            gw = ((x * g).to(x.dtype).t() @ d).t()
-            return gx, gw, None, None, None, None, None
-        n, v, chunk = x.size(0), weight.size(0), ctx.chunk
-        gx = torch.empty_like(x)
-        gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-        grad = _kernel(_ce_grad, x)
-        for i in range(0, n, chunk):
-            xc, gc = x[i:i + chunk], g[i:i + chunk]
-            dc = grad(xc @ weight.t(), lse[i:i + chunk], target[i:i + chunk] - ctx.vocab_start, v)
-            gx[i:i + chunk] = dc @ weight * gc
-            gw += dc.t() @ (xc * gc).to(x.dtype)
-        return gx, gw.to(weight.dtype), None, None, None, None, None
-
-
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tp_group=None,
-                         chunk_bytes: int = 2**28, keep_bytes: int = 2**33) -> torch.Tensor:
-    """Per-token cross-entropy of ``x @ weight.T`` (``weight``: this rank's vocabulary rows) without
-    materialising fp32 logits of all tokens; ``x`` [..., h], ``target`` [...]. Equal to
-    ``vocab_parallel_cross_entropy(F.linear(x, weight), target)`` up to rounding. ``chunk_bytes``
-    bounds the fp32 temporaries of one chunk (eager); the gradient buffer (tokens x vocabulary in
-    the input dtype) is kept for backward when it fits in ``keep_bytes``, else recomputed."""
-    shape = target.shape
-    xf, tf = x.reshape(-1, x.size(-1)), target.reshape(-1)
-    vocab_start = comm.group_rank(tp_group) * weight.size(0)
-    keep = xf.size(0) * weight.size(0) * xf.element_size() <= keep_bytes
-    # Chunks bound the fp32 temporaries of the eager statistics; the compiled kernels used on CUDA
-    # have none, so a kept buffer is then filled by one matmul (faster than many narrow ones).
-    chunk = xf.size(0) if keep and xf.is_cuda else max(1, chunk_bytes // (4 * weight.size(0)))
-    return _LinearCrossEntropy.apply(xf, weight, tf, vocab_start, tp_group, chunk, keep).view(shape)
 
 
 class ReplicatedLinear(nn.Module):

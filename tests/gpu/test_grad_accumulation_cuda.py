@@ -24,6 +24,17 @@ def test_fused_wgrad_gemm_and_deinterleaved_add_match_torch():
     assert torch.equal(acc2, want2)
 
 
+def test_embedding_gradient_added_by_atomics_matches_index_add():
+    from paratron.parallel import grad_accumulation as ga
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, 50, (8192,), device="cuda", generator=g)  # many repeats
+    dy = torch.randn(8192, 2048, device="cuda", generator=g).bfloat16()
+    acc = torch.randn(64, 2048, device="cuda", generator=g)
+    want = acc.clone().index_add_(0, ids, dy.float())
+    ga.embedding_accumulate(acc, ids, dy)
+    torch.testing.assert_close(acc, want, rtol=1e-5, atol=1e-4)  # fp32 sums in another order
+
+
 def test_compiled_bf16_run_with_the_fusion_matches_the_unfused_run():
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
@@ -32,7 +43,8 @@ def test_compiled_bf16_run_with_the_fusion_matches_the_unfused_run():
              "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--seq-length", "256",
              "--max-position-embeddings", "256", "--micro-batch-size", "2", "--global-batch-size", "8", "--mock-data",
              "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--lr", "1e-3", "--train-iters", "4",
-             "--bf16", "--eval-iters", "0", "--device", "cuda", "--torch-compile", "--seed", "3"]
+             "--bf16", "--eval-iters", "0", "--device", "cuda", "--torch-compile", "--seed", "3",
+             "--untie-embeddings-and-output-weights"]
 
     def run(extra):
         t = Trainer(parse_args(flags + extra))
@@ -41,7 +53,7 @@ def test_compiled_bf16_run_with_the_fusion_matches_the_unfused_run():
         t.close()
         return fused, losses
     (fused, got), (plain, want) = run([]), run(["--no-gradient-accumulation-fusion"])
-    assert fused == 8 and plain == 0
+    assert fused == 9 and plain == 0  # 4 linear layers x 2 layers + the untied word embedding
     assert got[0] == want[0]  # the first forward does not depend on gradients
     # afterwards the fused run skips one bf16 rounding of each micro-batch's weight gradient
     assert max(abs(a - b) for a, b in zip(got, want)) < 2e-2, (got, want)

@@ -114,3 +114,20 @@ def test_norm_keep_sums_the_residual_gradient_in_its_kernel(compiled):
     got, want = grads(torch.compile(keep, fullgraph=True) if compiled else keep), grads(plain)
     for name, a, b in zip(("y", "dx", "dw"), got, want):
         assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+
+
+@pytest.mark.parametrize("spec", ["default", "256x128c1x2coop", "128x128c2x1pp"])
+def test_configured_quack_gemms_match_torch(spec):
+    """quack_gemm.py's ops with a tile configuration: the residual GEMM (C read by the epilogue into a new
+    tensor), fc1's input gradient reading the interleaved weight, and the dgated backward."""
+    from paratron.parallel import quack_gemm
+    x, w1, w2, res, dy = _inputs(m=1000, h=256, f=384)
+    act = torch.randn(1000, 384, device="cuda").bfloat16()
+    got = quack_gemm.gemm_add(res, act, w2, spec)
+    assert got.data_ptr() != res.data_ptr() and _rel(got, torch.addmm(res, act, w2.t())) < 1e-2
+    dpre = torch.randn(1000, 768, device="cuda").bfloat16()
+    assert _rel(quack_gemm.gemm_interleaved(dpre, w1, spec), dpre @ quack_kernels.interleave(w1)) < 1e-2
+    pre, _ = quack_kernels.gated_ref(x, w1)
+    for a, b in zip(quack_gemm.gemm_dgated(dy, w2, pre, spec),
+                    quack_kernels.dgated_ref(dy, w2, pre)):
+        assert _rel(a, b) < 1e-2

@@ -15,16 +15,20 @@ def _rank(rank, world):
     calls = {"flash": 0, "keep": 0}
     flash_attention.wanted = lambda *a: True
     quack_kernels.on_hopper = lambda *a: True  # Norm.quack (and the gated MLP, which stays plain on CPU)
-    real_flash, real_keep = flash_attention.causal_attention, quack_kernels.rms_norm_keep
+    real_keep = quack_kernels.rms_norm_keep
 
-    def flash(*a):
-        calls["flash"] += 1
-        return real_flash(*a)
+    def counted(fn):  # the plain flash op, or the one with the rotary embedding inside (llama's path)
+        def call(*a):
+            calls["flash"] += 1
+            return fn(*a)
+        return call
 
     def keep(*a):
         calls["keep"] += 1
         return real_keep(*a)
-    flash_attention.causal_attention, quack_kernels.rms_norm_keep = flash, keep
+    flash_attention.causal_attention = counted(flash_attention.causal_attention)
+    flash_attention.rotary_causal_attention = counted(flash_attention.rotary_causal_attention)
+    quack_kernels.rms_norm_keep = keep
     out = run_steps(tiny_config("llama", tensor_model_parallel_size=world, sequence_parallel=True), STEPS)
     out["calls"] = calls
     return out

@@ -101,12 +101,16 @@ def _train(extra):
         t.close()
 
 
-def test_trainer_with_fused_weight_gradients_equals_the_unfused_one():
-    fused, losses, weights = _train([])
-    plain, plain_losses, plain_weights = _train(["--no-gradient-accumulation-fusion"])
-    # the attention's and MLP's four linear layers of each layer; not the embedding, norms, output layer
+@pytest.mark.parametrize("untied", [False, True])
+def test_trainer_with_fused_weight_gradients_equals_the_unfused_one(untied):
+    extra = ["--untie-embeddings-and-output-weights"] if untied else []
+    fused, losses, weights = _train(extra)
+    plain, plain_losses, plain_weights = _train(extra + ["--no-gradient-accumulation-fusion"])
+    # the attention's and MLP's four linear layers of each layer, and an untied word embedding (a tied one
+    # is the output layer's weight too); not the norms, output layer
     assert fused == {f"decoder.layers.{i}.{m}.weight" for i in range(2) for m in
-                     ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+                     ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+                     } | ({"embedding.word_embeddings.weight"} if untied else set())
     assert plain == set()
     assert losses == plain_losses  # fp32: the same sums
     for n in weights:
@@ -131,3 +135,21 @@ def test_a_module_wrapped_again_without_the_fusion_accumulates_through_the_hook(
     ref = w.detach().clone().requires_grad_()
     torch.nn.functional.linear(x, ref).square().sum().backward()
     torch.testing.assert_close(w.main_grad, ref.grad)  # the hook added autograd's gradient, not a placeholder
+
+
+def test_fused_embedding_adds_the_table_gradient_to_main_grad():
+    from paratron.parallel.grad_accumulation import embedding
+    w = torch.randn(10, 4, requires_grad=True)
+    w.main_grad, w.fuse_wgrad = torch.ones(10, 4), True
+    ids = torch.tensor([[1, 3, 1], [9, 0, 1]])  # row 1 three times
+    dy = torch.randn(2, 3, 4)
+    out = embedding(ids, w)
+    assert torch.equal(out, w.detach()[ids])
+    out.backward(dy)
+    ref = torch.ones(10, 4).index_add_(0, ids.flatten(), dy.reshape(-1, 4))
+    torch.testing.assert_close(w.main_grad, ref)
+    w.fuse_wgrad = False  # unmarked: autograd's gradient, main_grad untouched
+    w.grad = None
+    embedding(ids, w).backward(dy)
+    torch.testing.assert_close(w.grad, ref - 1)
+    torch.testing.assert_close(w.main_grad, ref)

@@ -90,6 +90,15 @@ for half, cols in ((3, 5000), (1, 7)):
     kernels._accumulate_deinterleaved[(2 * half, (cols + kernels.ACC_BLOCK - 1) // kernels.ACC_BLOCK)](
         acc, g, half, cols, BLOCK=kernels.ACC_BLOCK)
     assert torch.equal(acc, want), (half, cols)
+# an embedding table's gradient: rows added at their tokens' ids (a repeated id, a row longer than a block)
+for t, h in ((6, 1500), (3, 8)):
+    ids = torch.tensor([2, 0, 2, 5, 2, 1][:t])
+    dy = torch.randn(t, h).bfloat16()
+    acc = torch.randn(6, h)
+    want = acc.clone().index_add_(0, ids, dy.float())
+    kernels._embedding_accumulate[(t, (h + kernels.EMB_BLOCK - 1) // kernels.EMB_BLOCK)](
+        acc, ids, dy, h, BLOCK=kernels.EMB_BLOCK)
+    torch.testing.assert_close(acc, want, rtol=0, atol=1e-6)
 print("ok")
 """
 

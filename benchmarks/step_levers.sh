@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The twelfth session's device checks (H100): the CUDA tests of the changed paths (TESTS=1: quack's configured
+# GEMMs, the embedding's fused gradient, the one-pass cross-entropy, the rotary kernels around FlashAttention-4),
+# the configured quack GEMMs at the power limit (POWER=1: gemm_power.py --residual and --gated), and llama-1b
+# bf16 mb 16 x 4 with each memory-bound pass removed in this round switched back on, one at a time (TRAIN=1),
+# beside torchtitan 0.2.2 bf16 at micro-batch 16 (PEER=1). Carry .peers/quack .peers/flash .peers/torchtitan.
+#   PARATRON_COMMIT=<hash> TESTS=1 POWER=1 bash benchmarks/step_levers.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+stamp="$(date -u +%Y%m%d_%H%M)"
+. benchmarks/quack_env.sh || exit 1
+export PARATRON_COORDINATE_DESCENT=0 PYTHONUNBUFFERED=1
+if [ "${TESTS:-0}" = 1 ]; then
+    timeout "${TEST_S:-300}" python -m pytest -q tests/gpu/test_grad_accumulation_cuda.py tests/gpu/test_quack_kernels_cuda.py \
+        tests/gpu/test_cross_entropy_cuda.py tests/gpu/test_rope_flash_cuda.py tests/gpu/test_flash_attention_cuda.py \
+        ${EXTRA_TESTS:-} 2>&1 | grep -v Warn | tee "$out/gpu_tests_levers_$stamp.log" | tail -12
+fi
+if [ "${POWER:-0}" = 1 ]; then  # kernels at the power limit
+    for mode in residual gated; do
+        timeout 200 python benchmarks/gemm_power.py --$mode --seconds "${POWER_S:-1.5}" --warm 0.75 2>&1 | grep -v Warn \
+            > "$out/gemm_power_${mode}_$stamp.md"
+        cat "$out/gemm_power_${mode}_$stamp.md" | tail -n +4 | cut -c1-110
+    done
+fi
+if [ "${TRAIN:-0}" = 1 ]; then
+    bf16="--torch-compile --micro-batch-size 16 --global-batch-size 64"
+    old="PARATRON_QUACK_TILES=residual=off,dgated=default,dx=off PARATRON_FUSED_ROPE=0 PARATRON_FUSED_CE=0"
+    timeout "${TRAIN_S:-420}" python benchmarks/train_throughput.py --config llama-1b --variant "bf16:$bf16" \
+        --variant "bf16-as-before:$bf16 $old" ${MORE_VARIANTS:-} 2>&1 | grep -v "Warn\|warn" | tail -8
+fi
+if [ "${PEER:-0}" = 1 ]; then
+    VARIANT_TIMEOUT_S=140 TOTAL_BUDGET_S=150 timeout 160 bash .peers/torchtitan/run.sh --variants bf16:16 \
+        > "$out/torchtitan_bf16_mb16_$stamp.log" 2>&1 || echo "torchtitan run failed: see $out/torchtitan_bf16_mb16_$stamp.log"
+    tail -4 "$out/torchtitan_bf16_mb16_$stamp.log"
+fi

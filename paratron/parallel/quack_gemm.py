@@ -1,0 +1,146 @@
+"""quack's CuTe-DSL GEMMs with a chosen tile configuration, as torch custom ops (Hopper, bf16 training).
+
+quack (https://github.com/Dao-AILab/quack) picks a tile configuration by autotuning (``tuned=True``, a
+sweep at first use of each shape) or takes a default one (``tuned=False``: 128x192 tiles, cluster 2x1,
+ping-pong). At the H100's power limit, where the training step runs, the default is not the best
+for every GEMM of the step, and cuBLAS cannot do two of them without an extra pass:
+
+- ``residual``: ``out = C + A @ B`` with ``out`` a new tensor. torch's ``addmm`` copies C into ``out``
+  before the GEMM accumulates into it (a device-to-device copy of the residual stream before every
+  output projection and fc2 GEMM: 64 copies, ~5.6 ms per 65,536 tokens on llama-1b,
+  benchmarks/results/profile_origins_20261126_0906.txt). quack's epilogue reads C and writes ``out``.
+  At the cap (benchmarks/results/gemm_power_residual_20261126_1213.md, 32,768 tokens): the output
+  projection (K 2048) 591 TFLOP/s on quack's default tiles against 540 for addmm with its copy; fc2
+  (K 8192) 649 at best against 657: so quack takes it up to ``RESIDUAL_MAX_K`` only.
+- ``dgated``: fc2's input gradient with SwiGLU's backward in the epilogue (quack_kernels.py): 517
+  TFLOP/s at 128x128 ping-pong against 493 at the default tiles (gemm_power_gated_20261126_1213.md).
+- ``dx``: fc1's input gradient reading its weight in the interleaved [g0, u0, ...] row order in place
+  (no re-ordering copy of the weight per micro-batch): 684 TFLOP/s at 256x128, cluster 1x2, against
+  681 for cuBLAS with the copy: no gain beyond the noise, so off by default.
+
+``PARATRON_QUACK_TILES`` overrides the configuration per use, e.g. ``residual=off,dgated=128x192c2x1pp``
+(``off``: the torch / cuBLAS path; ``default``: quack's default tiles); the defaults below are what
+benchmarks/gemm_power.py measured best. The ops run torch expressions on CPUs (the tests) and wherever
+quack cannot run.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:  # optional: pip install quack-kernels (Hopper); used only on CUDA
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_dgated_tuned as _dgated_tuned, gemm_tuned as _gemm_tuned
+    _gemm_raw = getattr(_gemm_tuned, "fn", _gemm_tuned)  # the kernel without the autotuner around it
+    _dgated_raw = getattr(_dgated_tuned, "fn", _dgated_tuned)
+except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not load on this machine
+    GemmConfig = _gemm_raw = _dgated_raw = None
+
+# tile_m x tile_n, cluster m x n, ping-pong (pp) or cooperative (coop); measured at the power cap
+TILES = {"residual": "default", "dgated": "128x128c2x1pp", "dx": "off"}
+RESIDUAL_MAX_K = 2048  # the residual GEMM goes to quack up to this inner dimension (measured above)
+
+
+def parse(spec: str) -> Optional[dict]:
+    """GemmConfig fields from "256x128c1x2coop" / "128x128c2x1pp"; None for "default" and "off"."""
+    if spec in ("default", "off"):
+        return None
+    try:
+        mn, _, rest = spec.partition("c")
+        tm, tn = (int(v) for v in mn.split("x"))
+        if not rest.endswith(("pp", "coop")):
+            raise ValueError
+        cm, cn = (int(v) for v in rest.removesuffix("pp").removesuffix("coop").split("x"))
+    except ValueError:
+        raise ValueError(f"PARATRON_QUACK_TILES: '{spec}' is not default, off or tiles like 256x128c1x2coop "
+                         "or 128x128c2x1pp") from None
+    return dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=rest.endswith("pp"),
+                is_dynamic_persistent=False)
+
+
+def _tiles(env: Optional[str]) -> dict:
+    """TILES with the ``name=value`` overrides of ``env`` (PARATRON_QUACK_TILES), each value checked."""
+    tiles = dict(TILES)
+    for item in filter(None, (env or "").split(",")):
+        name, _, value = (part.strip() for part in item.partition("="))
+        if name not in TILES or not value:
+            raise ValueError(f"PARATRON_QUACK_TILES: '{item}' is not <{'|'.join(TILES)}>=<tiles|default|off>")
+        parse(value)
+        tiles[name] = value
+    return tiles
+
+
+_TILES = _tiles(os.environ.get("PARATRON_QUACK_TILES"))  # read once: compiled code only reads the answer
+
+
+def tile(name: str) -> str:
+    """The configuration string of use ``name`` ("off", "default" or tiles)."""
+    return _TILES[name]
+
+
+def config(spec: str):
+    """quack's GemmConfig for ``spec``; None (quack's default tiles) for "default"."""
+    fields = parse(spec)
+    return None if fields is None else GemmConfig(**fields)
+
+
+def _runs_here(t: Tensor) -> bool:
+    """quack's Hopper kernels can run on ``t``'s device (bf16, compute capability 9)."""
+    return (_gemm_raw is not None and t.is_cuda and t.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(t.device)[0] == 9)
+
+
+def residual_applies(x: Tensor) -> bool:
+    """Whether ``gemm_add`` should replace torch's addmm for the left operand ``x``: a CUDA bf16 tensor
+    with an inner dimension up to RESIDUAL_MAX_K, quack importable and the ``residual`` use not off (the
+    op itself falls back where the GPU is not Hopper)."""
+    return (_gemm_raw is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.size(-1) <= RESIDUAL_MAX_K
+            and _TILES["residual"] != "off")
+
+
+@torch.library.custom_op("paratron::quack_gemm_add", mutates_args=())
+def gemm_add(c: Tensor, a: Tensor, w: Tensor, spec: str) -> Tensor:
+    """``c + a @ w^T`` (``a`` [M, K], ``w`` [N, K], ``c`` [M, N]) into a new tensor: quack's GEMM reading
+    C in its epilogue with the tiles ``spec``; torch's addmm where quack cannot run."""
+    if not _runs_here(a) or spec == "off":
+        return torch.addmm(c, a, w.t())
+    out = torch.empty(a.size(0), w.size(0), dtype=a.dtype, device=a.device)
+    _gemm_raw(a, w.t(), out, C=c, config=config(spec))
+    return out
+
+
+@gemm_add.register_fake
+def _gemm_add_fake(c, a, w, spec):
+    return a.new_empty(a.size(0), w.size(0))
+
+
+@torch.library.custom_op("paratron::quack_gemm_interleaved", mutates_args=())
+def gemm_interleaved(a: Tensor, w: Tensor, spec: str) -> Tensor:
+    """``a @ interleave(w)`` (``a`` [M, 2F] with interleaved columns, ``w`` [2F, K] in [gate; up] rows):
+    quack reads ``w``'s rows in the interleaved order in place (``concat_layout``); CUDA only."""
+    out = torch.empty(a.size(0), w.size(1), dtype=a.dtype, device=a.device)
+    _gemm_raw(a, w, out, config=config(spec), concat_layout=("B",), dynamic_scheduler=True)
+    return out
+
+
+@gemm_interleaved.register_fake
+def _gemm_interleaved_fake(a, w, spec):
+    return a.new_empty(a.size(0), w.size(1))
+
+
+@torch.library.custom_op("paratron::quack_gemm_dgated", mutates_args=())
+def gemm_dgated(dy: Tensor, w2: Tensor, pre: Tensor, spec: str) -> tuple[Tensor, Tensor]:
+    """(d pre-activation [M, 2F] interleaved, SwiGLU activation [M, F]) from ``dy @ w2`` and the kept
+    pre-activation: quack's gemm_dgated with the tiles ``spec``; CUDA only."""
+    dpre = torch.empty_like(pre)
+    act = torch.empty(pre.size(0), pre.size(1) // 2, dtype=pre.dtype, device=pre.device)
+    _dgated_raw(dy, w2, pre, dpre, act, activation="swiglu", config=config(spec))
+    return dpre, act
+
+
+@gemm_dgated.register_fake
+def _gemm_dgated_fake(dy, w2, pre, spec):
+    return torch.empty_like(pre), pre.new_empty(pre.size(0), pre.size(1) // 2)
