@@ -26,8 +26,12 @@ fi
 if [ "${TRAIN:-0}" = 1 ]; then
     bf16="--torch-compile --micro-batch-size 16 --global-batch-size 64"
     old="PARATRON_QUACK_TILES=residual=off,dgated=default,dx=off PARATRON_FUSED_ROPE=0 PARATRON_FUSED_CE=0"
-    timeout "${TRAIN_S:-420}" python benchmarks/train_throughput.py --config llama-1b --variant "bf16:$bf16" \
-        --variant "bf16-as-before:$bf16 $old" ${MORE_VARIANTS:-} 2>&1 | grep -v "Warn\|warn" | tail -8
+    variants=(--variant "bf16:$bf16" --variant "bf16-as-before:$bf16 $old")
+    # SINGLES="rope-off=PARATRON_FUSED_ROPE=0;ce-off=PARATRON_FUSED_CE=0": one more variant per name=environment
+    IFS=';' read -ra singles <<< "${SINGLES:-}"
+    for one in "${singles[@]}"; do variants+=(--variant "bf16-${one%%=*}:$bf16 ${one#*=}"); done
+    timeout "${TRAIN_S:-420}" python benchmarks/train_throughput.py --config llama-1b "${variants[@]}" 2>&1 \
+        | grep -v "Warn\|warn" | tail -8
 fi
 if [ "${PEER:-0}" = 1 ]; then
     VARIANT_TIMEOUT_S=140 TOTAL_BUDGET_S=150 timeout 160 bash .peers/torchtitan/run.sh --variants bf16:16 \
