@@ -47,6 +47,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--record-dir", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--shape", default="16,2048,8,4,64", help="micro-batch,seq,groups,queries per group,head dim")
+    p.add_argument("--sweep", action="store_true", help="also the kernels at other BLOCK_T / num_warps")
     args = p.parse_args()
     b, s, groups, qpg, d = (int(x) for x in args.shape.split(","))
     qkv5 = torch.randn(s, b, groups, qpg + 2, d, device="cuda").bfloat16().requires_grad_()
@@ -70,8 +71,15 @@ def main() -> None:
     row("Inductor rotation backward (dq, dk, dv -> dqkv)",
         cuda_ms(lambda: torch.autograd.grad(outs, qkv5, (dq, dk, dv), retain_graph=True)),
         2 * qkv_rot + 2 * groups * s * b * d * elt)
-    row("rope_kernels.rotate_qk", cuda_ms(lambda: rope_kernels.rotate_qk(qkv5.detach(), c2, s2)), 2 * qkv_rot)
-    row("rope_kernels.unrotate_into_", cuda_ms(lambda: rope_kernels.unrotate_into_(dqkv, dq, c2, s2)), 2 * qkv_rot)
+    default = (rope_kernels.BLOCK_T, rope_kernels.NUM_WARPS)
+    for block_t, warps in ([default] + [(t, w) for t in (16, 32, 64, 128) for w in (2, 4, 8)
+                                        if (t, w) != default] * args.sweep):
+        rope_kernels.BLOCK_T, rope_kernels.NUM_WARPS = block_t, warps
+        tag = f" (BLOCK_T {block_t}, {warps} warps)"
+        row("rope_kernels.rotate_qk" + tag, cuda_ms(lambda: rope_kernels.rotate_qk(qkv5.detach(), c2, s2)), 2 * qkv_rot)
+        row("rope_kernels.unrotate_into_" + tag, cuda_ms(lambda: rope_kernels.unrotate_into_(dqkv, dq, c2, s2)),
+            2 * qkv_rot)
+    rope_kernels.BLOCK_T, rope_kernels.NUM_WARPS = default
     dy = torch.randn(s, b, heads * d, device="cuda").bfloat16()
     att = ["", "| attention fwd + bwd | ms |", "|---|---|"]
     for name, fused in (("compiled apply_rotary + causal_attention", False), ("rotary_causal_attention", True)):

@@ -45,6 +45,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK_T = 64  # tokens (rows of [s * b]) per program; each program does one group's heads of them
+NUM_WARPS = 4  # (benchmarks/rope_flash_bench.py --sweep times other values)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -90,11 +91,14 @@ def unrotate_into_ref_(dqkv: Tensor, dq: Tensor, cos: Tensor, sin: Tensor) -> No
 
 # ---- the kernels ------------------------------------------------------------------------------------
 if triton is not None:
+    _BY_BITS = tl.constexpr(_INTERPRET)
+
     @triton.jit
     def _round(x, dtype: tl.constexpr):
-        """fp32 ``x`` rounded to ``dtype`` (to nearest, ties to even), kept in fp32. bf16 by its bits: Triton's
-        CPU interpreter truncates when it casts fp32 to bf16, the GPU rounds; this is the same on both."""
-        if dtype == tl.bfloat16:
+        """fp32 ``x`` rounded to ``dtype`` (to nearest, ties to even), kept in fp32. Under Triton's CPU
+        interpreter bf16 by its bits (the interpreter truncates when it casts fp32 to bf16); the GPU's cast
+        rounds to nearest even itself."""
+        if _BY_BITS and dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
             return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
@@ -181,7 +185,7 @@ def _on(t: Tensor):
 def _launch_args(x5: Tensor, cos: Tensor, sin: Tensor) -> tuple:
     s, b, groups, qpg, d = _split(x5)
     grid = (triton.cdiv(s * b, BLOCK_T), groups)
-    meta = dict(QPG=qpg, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), BLOCK_T=BLOCK_T)
+    meta = dict(QPG=qpg, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), BLOCK_T=BLOCK_T, num_warps=NUM_WARPS)
     return grid, (s * b, b), (*x5.stride()[:4], cos.stride(0), sin.stride(0)), meta
 
 

@@ -114,7 +114,7 @@ class _FusedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.main_grad = main_grad  # (not saved: its version changes as it accumulates, by design)
         ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
-        return _plain(x, weight, bias, residual)
+        return _plain(x, weight, bias, residual, training=True)  # (autograd is off inside forward)
 
     @staticmethod
     def backward(ctx, dy):
@@ -125,14 +125,16 @@ class _FusedLinear(torch.autograd.Function):
         return (dy @ weight, torch.empty_like(weight), dbias, dy if ctx.has_residual else None, None)
 
 
-def _plain(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor]) -> Tensor:
+def _plain(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
+           training: Optional[bool] = None) -> Tensor:
     """``x W^T + b + residual``: the residual as the matmul's C operand when there is no bias (one row,
     as in batch-1 decoding, stays matmul + add, which a compiled step makes one GEMV kernel). In bf16
     training on a GPU with quack, quack's GEMM reads C in its epilogue (quack_gemm.py: torch's addmm
-    copies C into its output first)."""
+    copies C into its output first). ``training``: None, autograd's state says."""
     if residual is not None and bias is None and x.numel() != x.size(-1):
         c, a = residual.reshape(-1, weight.size(0)), x.reshape(-1, x.size(-1))
-        if torch.is_grad_enabled() and quack_gemm.residual_applies(a):
+        training = torch.is_grad_enabled() if training is None else training
+        if training and quack_gemm.residual_applies(a):
             return quack_gemm.gemm_add(c, a, weight, quack_gemm.tile("residual")).view(residual.shape)
         return torch.addmm(c, a, weight.t()).view(residual.shape)
     y = F.linear(x, weight, bias)

@@ -153,3 +153,20 @@ def test_fused_embedding_adds_the_table_gradient_to_main_grad():
     embedding(ids, w).backward(dy)
     torch.testing.assert_close(w.grad, ref - 1)
     torch.testing.assert_close(w.main_grad, ref)
+
+
+def test_the_residual_gemm_is_chosen_in_training_inside_the_fused_linear(monkeypatch):
+    """(autograd is off inside an autograd.Function's forward: the fused linear says it is training)"""
+    from paratron.parallel import grad_accumulation as ga, quack_gemm
+    calls = []
+    monkeypatch.setattr(quack_gemm, "residual_applies", lambda a: True)
+    real = quack_gemm.gemm_add
+    monkeypatch.setattr(quack_gemm, "gemm_add", lambda *a: calls.append(1) or real(*a))
+    w = torch.randn(4, 8, requires_grad=True)
+    w.main_grad, w.fuse_wgrad = torch.zeros(4, 8), True
+    x, res = torch.randn(3, 8, requires_grad=True), torch.randn(3, 4)
+    y = ga.linear(x, w, None, res)
+    torch.testing.assert_close(y, res + x @ w.detach().t())
+    with torch.no_grad():
+        ga.linear(x, w, None, res)  # generation: torch's addmm
+    assert len(calls) == 1
