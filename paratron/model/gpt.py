@@ -39,6 +39,8 @@ class Embedding(nn.Module):
         init = init_normal(embedding_std(cfg))
         self.word_embeddings = VocabParallelEmbedding(vocab_size, cfg.hidden_size, tp_group=par.tp_group,
                                                       init_method=init, device=device, dtype=dtype)
+        if cfg.untie_embeddings_and_output_weights:  # (tied, the output layer's matmul uses the table too)
+            mark_fusable(self.word_embeddings)  # its gradient may go into main_grad directly
         if cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, device=device,
                                                     dtype=dtype)
@@ -150,8 +152,6 @@ class GPTModel(nn.Module):
             self.output_layer = None
         self.mtp = build_mtp(cfg, self.par, pre_process and post_process, seed, recompute_granularity, fp8,
                              device, dtype)  # multi-token prediction (model/mtp.py), None without
-        if self.embedding is not None and not self.share_embeddings:
-            mark_fusable(self.embedding.word_embeddings)  # (tied, the output layer's matmul uses the table too)
         if self.share_embeddings and pre_process and not post_process:  # first stage of a pipeline
             update_spec(self.embedding.word_embeddings.weight, tied="embedding")  # grads summed with the copy
         self.input_tensor: Optional[torch.Tensor] = None
