@@ -141,10 +141,10 @@ class GPTModel(nn.Module):
                                                          sequence_parallel=self.par.sequence_parallel,
                                                          init_method=init, device=device, dtype=dtype)
             update_spec(self.output_layer.weight, vocab_rows=True)
+            mark_fusable(self.output_layer)  # its gradient may go into main_grad directly (cross_entropy.py)
             if self.share_embeddings:
                 # Tied: the output layer uses the word embedding (on a single-stage model the same tensor).
                 if pre_process:
-                    del self.output_layer.weight
                     self.output_layer.weight = None
                 else:  # last pipeline stage holds a copy kept equal through the embedding group
                     update_spec(self.output_layer.weight, tied="embedding", copy_of=WORD_EMBEDDING)

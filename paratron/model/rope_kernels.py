@@ -91,12 +91,19 @@ def unrotate_into_ref_(dqkv: Tensor, dq: Tensor, cos: Tensor, sin: Tensor) -> No
 
 # ---- the kernels ------------------------------------------------------------------------------------
 if triton is not None:
+    _BY_BITS = tl.constexpr(_INTERPRET)
+
     @triton.jit
     def _round(x, dtype: tl.constexpr):
-        """fp32 ``x`` rounded to ``dtype`` (to nearest, ties to even), kept in fp32. bf16 by its bits: Triton's
-        CPU interpreter truncates when it casts fp32 to bf16, and on the GPU the cast there and back was not
-        bit-exact against torch either (tests/gpu/test_rope_flash_cuda.py failed with it at e1a62d0)."""
-        if dtype == tl.bfloat16:
+        """fp32 ``x`` rounded to ``dtype`` (to nearest, ties to even), kept in fp32. bf16 on the GPU by the
+        one conversion instruction that rounds so (``cvt.rn.bf16.f32``; Triton's own cast there and back was
+        not bit-exact against torch: tests/gpu/test_rope_flash_cuda.py failed with it at e1a62d0); under
+        Triton's CPU interpreter, which truncates such casts and runs no PTX, by the bits (several integer
+        operations per value: the GPU kernels ran at ~2 TB/s so)."""
+        if dtype == tl.bfloat16 and not _BY_BITS:
+            return tl.inline_asm_elementwise("cvt.rn.bf16.f32 $0, $1;", "=h,r", [x], dtype=tl.bfloat16,
+                                             is_pure=True, pack=1).to(tl.float32)
+        elif dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
             return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
+from .grad_accumulation import main_grad_of
 
 try:
     import triton
@@ -263,9 +264,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     one chunk the statistics and the overwrite are one Triton kernel (``fused_ce_``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, vocab_start, group, chunk, keep):
+    def forward(ctx, x, weight, target, vocab_start, group, chunk, keep, main_grad):
         n, v = x.size(0), weight.size(0)
         ctx.vocab_start, ctx.chunk = vocab_start, chunk
+        ctx.main_grad = main_grad  # (not saved: it changes as it accumulates, by design)
         if _fusable(x, group, n, chunk, keep):
             d = torch.mm(x, weight.t(), out=torch.empty(n, v, dtype=x.dtype, device=x.device))
             lse, loss = fused_ce_(d, target, vocab_start)
@@ -301,10 +303,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         g = g.unsqueeze(-1)
         if d is not None:
             gx = _row_scaled(d @ weight, g, inplace=True)
-            # (x^T D)^T rather than D^T x: cuBLAS runs this form faster at vocabulary sizes
-            # (benchmarks/matmul_shapes.py: 684 vs 634 TFLOP/s at llama-1b's output layer on an H100)
-            gw = (_row_scaled(x, g).t() @ d).t()
-            return gx, gw, None, None, None, None, None
+            gw = _weight_grad(_row_scaled(x, g), d, ctx.main_grad, weight)
+            return gx, gw, None, None, None, None, None, None
         n, v, chunk = x.size(0), weight.size(0), ctx.chunk
         gx = torch.empty_like(x)
         gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
@@ -314,7 +314,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dc = grad(xc @ weight.t(), lse[i:i + chunk], target[i:i + chunk] - ctx.vocab_start, v)
             gx[i:i + chunk] = dc @ weight * gc
             gw += dc.t() @ _row_scaled(xc, gc)
-        return gx, gw.to(weight.dtype), None, None, None, None, None
+        if ctx.main_grad is not None:
+            ctx.main_grad.add_(gw)
+            return gx, torch.empty_like(weight), None, None, None, None, None, None
+        return gx, gw.to(weight.dtype), None, None, None, None, None, None
+
+
+def _weight_grad(xg: torch.Tensor, d: torch.Tensor, main_grad, weight: torch.Tensor):
+    """The output layer's weight gradient d^T xg, computed as (xg^T d)^T: cuBLAS runs this form faster at
+    vocabulary sizes (benchmarks/matmul_shapes.py: 684 vs 634 TFLOP/s at llama-1b's output layer on an H100).
+    With ``main_grad`` (gradient-accumulation fusion, grad_accumulation.py) it is added there instead and
+    autograd gets a placeholder: on CUDA by the GEMM itself (fp32 output accumulating in place into the
+    transposed view), elsewhere the product then an add, as the unfused path sums."""
+    if main_grad is None:
+        return (xg.t() @ d).t()
+    if main_grad.is_cuda and main_grad.dtype != d.dtype:
+        mt = main_grad.t()
+        torch.addmm(mt, xg.t(), d, out_dtype=main_grad.dtype, out=mt)
+    else:
+        main_grad.add_((xg.t() @ d).t())
+    return torch.empty_like(weight)
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tp_group=None,
@@ -331,4 +350,5 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     # Chunks bound the fp32 temporaries of the eager statistics; the compiled kernels used on CUDA
     # have none, so a kept buffer is then filled by one matmul (faster than many narrow ones).
     chunk = xf.size(0) if keep and xf.is_cuda else max(1, chunk_bytes // (4 * weight.size(0)))
-    return _LinearCrossEntropy.apply(xf, weight, tf, vocab_start, tp_group, chunk, keep).view(shape)
+    return _LinearCrossEntropy.apply(xf, weight, tf, vocab_start, tp_group, chunk, keep,
+                                     main_grad_of(weight)).view(shape)

@@ -35,6 +35,19 @@ def test_embedding_gradient_added_by_atomics_matches_index_add():
     torch.testing.assert_close(acc, want, rtol=1e-5, atol=1e-4)  # fp32 sums in another order
 
 
+def test_output_layer_gradient_accumulates_into_the_transposed_main_grad():
+    from paratron.parallel.cross_entropy import _weight_grad
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xg = torch.randn(4096, 512, device="cuda", generator=g).bfloat16()
+    d = torch.randn(4096, 3000, device="cuda", generator=g).bfloat16()
+    w = torch.empty(3000, 512, device="cuda", dtype=torch.bfloat16)
+    main = torch.randn(3000, 512, device="cuda", generator=g)
+    want = main + (xg.float().t() @ d.float()).t()
+    placeholder = _weight_grad(xg, d, main, w)
+    assert placeholder.shape == w.shape and main.is_contiguous()
+    assert ((main - want).norm() / want.norm()).item() < 1e-5  # fp32 output: no bf16 rounding
+
+
 def test_compiled_bf16_run_with_the_fusion_matches_the_unfused_run():
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
@@ -53,7 +66,7 @@ def test_compiled_bf16_run_with_the_fusion_matches_the_unfused_run():
         t.close()
         return fused, losses
     (fused, got), (plain, want) = run([]), run(["--no-gradient-accumulation-fusion"])
-    assert fused == 9 and plain == 0  # 4 linear layers x 2 layers + the untied word embedding
+    assert fused == 10 and plain == 0  # 4 linear layers x 2 layers + the untied word embedding and output layer
     assert got[0] == want[0]  # the first forward does not depend on gradients
     # afterwards the fused run skips one bf16 rounding of each micro-batch's weight gradient
     assert max(abs(a - b) for a, b in zip(got, want)) < 2e-2, (got, want)

@@ -106,11 +106,12 @@ def test_trainer_with_fused_weight_gradients_equals_the_unfused_one(untied):
     extra = ["--untie-embeddings-and-output-weights"] if untied else []
     fused, losses, weights = _train(extra)
     plain, plain_losses, plain_weights = _train(extra + ["--no-gradient-accumulation-fusion"])
-    # the attention's and MLP's four linear layers of each layer, and an untied word embedding (a tied one
-    # is the output layer's weight too); not the norms, output layer
+    # the attention's and MLP's four linear layers of each layer, and untied, the word embedding and the output
+    # layer (tied, they are one tensor, which the embedding's lookup and the output layer's matmul both use
+    # and which is left to autograd); not the norms
     assert fused == {f"decoder.layers.{i}.{m}.weight" for i in range(2) for m in
                      ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-                     } | ({"embedding.word_embeddings.weight"} if untied else set())
+                     } | ({"embedding.word_embeddings.weight", "output_layer.weight"} if untied else set())
     assert plain == set()
     assert losses == plain_losses  # fp32: the same sums
     for n in weights:
