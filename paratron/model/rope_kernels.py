@@ -94,13 +94,15 @@ if triton is not None:
     _BY_BITS = tl.constexpr(_INTERPRET)
 
     @triton.jit
-    def _round(x, dtype: tl.constexpr):
+    def _round(x, dtype: tl.constexpr, BITS: tl.constexpr):
         """fp32 ``x`` rounded to ``dtype`` (to nearest, ties to even), kept in fp32. bf16 on the GPU by the
         one conversion instruction that rounds so (``cvt.rn.bf16.f32``; Triton's own cast there and back was
         not bit-exact against torch: tests/gpu/test_rope_flash_cuda.py failed with it at e1a62d0); under
         Triton's CPU interpreter, which truncates such casts and runs no PTX, by the bits (several integer
-        operations per value: the GPU kernels ran at ~2 TB/s so)."""
-        if dtype == tl.bfloat16 and not _BY_BITS:
+        operations per value: the GPU kernels ran at ~2 TB/s so). ``BITS``: by the bits on the GPU too (the
+        forward kernel: with the instruction it ran at 0.90 against 0.16 ms alone, rope_flash_20261126_125000.md;
+        the backward's went from 0.162 to 0.133 ms)."""
+        if dtype == tl.bfloat16 and not (_BY_BITS or BITS):
             return tl.inline_asm_elementwise("cvt.rn.bf16.f32 $0, $1;", "=h,r", [x], dtype=tl.bfloat16,
                                              is_pure=True, pack=1).to(tl.float32)
         elif dtype == tl.bfloat16:
@@ -111,21 +113,22 @@ if triton is not None:
             return x.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _sum_as_torch(a, b, dtype: tl.constexpr):
+    def _sum_as_torch(a, b, dtype: tl.constexpr, BITS: tl.constexpr):
         """a + b of two fp32 products as torch computes them in ``dtype``: each rounded to it, then the sum
         rounded (returned in fp32, exactly representable in ``dtype``)."""
-        return _round(_round(a, dtype) + _round(b, dtype), dtype)
+        return _round(_round(a, dtype, BITS) + _round(b, dtype, BITS), dtype, BITS)
 
     @triton.jit
-    def _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF: tl.constexpr, mask, dtype: tl.constexpr):
+    def _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF: tl.constexpr, mask, dtype: tl.constexpr,
+                 BITS: tl.constexpr):
         """cos and sin of the tiles' rows, each half [BLOCK_T, BLOCK_H], rounded to ``dtype`` (as
         ``cos.to(x.dtype)``), in fp32."""
         c = cos_ptr + (pos * sc_s)[:, None] + cols[None, :]
         s = sin_ptr + (pos * ss_s)[:, None] + cols[None, :]
-        c1 = _round(tl.load(c, mask=mask).to(tl.float32), dtype)
-        c2 = _round(tl.load(c + HALF, mask=mask).to(tl.float32), dtype)
-        s1 = _round(tl.load(s, mask=mask).to(tl.float32), dtype)
-        s2 = _round(tl.load(s + HALF, mask=mask).to(tl.float32), dtype)
+        c1 = _round(tl.load(c, mask=mask).to(tl.float32), dtype, BITS)
+        c2 = _round(tl.load(c + HALF, mask=mask).to(tl.float32), dtype, BITS)
+        s1 = _round(tl.load(s, mask=mask).to(tl.float32), dtype, BITS)
+        s2 = _round(tl.load(s + HALF, mask=mask).to(tl.float32), dtype, BITS)
         return c1, c2, s1, s2
 
     @triton.jit
@@ -140,13 +143,13 @@ if triton is not None:
         mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
         pos = rows // batch
         dtype = q_ptr.dtype.element_ty
-        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype)
+        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype, True)
         src = x_ptr + (pos * sx_s + (rows % batch) * sx_b + g * sx_g)[:, None] + cols[None, :]
         for j in tl.static_range(QPG + 1):
             x1 = tl.load(src + j * sx_j, mask=mask).to(tl.float32)
             x2 = tl.load(src + j * sx_j + HALF, mask=mask).to(tl.float32)
-            out1 = _sum_as_torch(x1 * c1, -(x2 * s1), dtype)
-            out2 = _sum_as_torch(x2 * c2, x1 * s2, dtype)
+            out1 = _sum_as_torch(x1 * c1, -(x2 * s1), dtype, True)
+            out2 = _sum_as_torch(x2 * c2, x1 * s2, dtype, True)
             if j < QPG:
                 dst = q_ptr + ((rows * groups + g) * QPG + j)[:, None] * (2 * HALF) + cols[None, :]
             else:
@@ -167,7 +170,7 @@ if triton is not None:
         mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
         pos, b = rows // batch, rows % batch
         dtype = dx_ptr.dtype.element_ty
-        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype)
+        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype, False)
         dst = dx_ptr + (pos * sx_s + b * sx_b + g * sx_g)[:, None] + cols[None, :]
         for j in tl.static_range(QPG + 1):
             if j < QPG:
@@ -176,8 +179,8 @@ if triton is not None:
                 src = dst + QPG * sx_j
             g1 = tl.load(src, mask=mask).to(tl.float32)
             g2 = tl.load(src + HALF, mask=mask).to(tl.float32)
-            d1 = _sum_as_torch(g1 * c1, g2 * s2, dtype)
-            d2 = _sum_as_torch(g2 * c2, -(g1 * s1), dtype)
+            d1 = _sum_as_torch(g1 * c1, g2 * s2, dtype, False)
+            d2 = _sum_as_torch(g2 * c2, -(g1 * s1), dtype, False)
             tl.store(dst + j * sx_j, d1.to(dtype), mask=mask)
             tl.store(dst + j * sx_j + HALF, d2.to(dtype), mask=mask)
 
