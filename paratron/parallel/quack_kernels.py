@@ -39,7 +39,7 @@ from .grad_accumulation import main_grad_of, wgrad_accumulate
 try:  # optional: pip install quack-kernels (Hopper); used only on CUDA
     from quack import rmsnorm as _q_rmsnorm
     from quack.rmsnorm import rmsnorm_bwd as _q_rmsnorm_bwd, rmsnorm_fwd as _q_rmsnorm_fwd
-    from quack.gemm_interface import gemm as _q_gemm, gemm_act as _q_gemm_act, gemm_dact as _q_gemm_dact
+    from quack.gemm_interface import gemm as _q_gemm, gemm_act as _q_gemm_act
 except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not load on this machine
     _q_gemm = None
 
