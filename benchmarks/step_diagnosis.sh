@@ -7,10 +7,7 @@
 #   PARATRON_COMMIT=<hash> bash benchmarks/step_diagnosis.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/results}"
-stamp="$(date -u +%Y%m%d_%H%M)"
-. benchmarks/quack_env.sh || exit 1
-export PARATRON_COORDINATE_DESCENT=0 PYTHONUNBUFFERED=1
+. benchmarks/device_run.sh || exit 1
 smi="$out/clocks_$stamp.csv" phases="$out/clock_phases_$stamp.txt"
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv,noheader,nounits -lms 100 > "$smi" 2>&1 &

@@ -7,10 +7,7 @@
 #   PARATRON_COMMIT=<hash> TESTS=1 POWER=1 bash benchmarks/step_levers.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/results}"
-stamp="$(date -u +%Y%m%d_%H%M)"
-. benchmarks/quack_env.sh || exit 1
-export PARATRON_COORDINATE_DESCENT=0 PYTHONUNBUFFERED=1
+. benchmarks/device_run.sh || exit 1
 if [ "${TESTS:-0}" = 1 ]; then
     timeout "${TEST_S:-300}" python -m pytest -q tests/gpu/test_grad_accumulation_cuda.py tests/gpu/test_quack_kernels_cuda.py \
         tests/gpu/test_cross_entropy_cuda.py tests/gpu/test_rope_flash_cuda.py tests/gpu/test_flash_attention_cuda.py \
