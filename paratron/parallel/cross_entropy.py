@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
-from .grad_accumulation import main_grad_of
+from .grad_accumulation import main_grad_of, wgrad_accumulate
 
 try:
     import triton
@@ -323,16 +323,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _weight_grad(xg: torch.Tensor, d: torch.Tensor, main_grad, weight: torch.Tensor):
     """The output layer's weight gradient d^T xg, computed as (xg^T d)^T: cuBLAS runs this form faster at
     vocabulary sizes (benchmarks/matmul_shapes.py: 684 vs 634 TFLOP/s at llama-1b's output layer on an H100).
-    With ``main_grad`` (gradient-accumulation fusion, grad_accumulation.py) it is added there instead and
-    autograd gets a placeholder: on CUDA by the GEMM itself (fp32 output accumulating in place into the
-    transposed view), elsewhere the product then an add, as the unfused path sums."""
+    With ``main_grad`` (gradient-accumulation fusion) it is added there instead, by the same product into the
+    buffer's transposed view (grad_accumulation.wgrad_accumulate), and autograd gets a placeholder."""
     if main_grad is None:
         return (xg.t() @ d).t()
-    if main_grad.is_cuda and main_grad.dtype != d.dtype:
-        mt = main_grad.t()
-        torch.addmm(mt, xg.t(), d, out_dtype=main_grad.dtype, out=mt)
-    else:
-        main_grad.add_((xg.t() @ d).t())
+    wgrad_accumulate(main_grad.t(), xg, d, False)
     return torch.empty_like(weight)
 
 
