@@ -1,0 +1,142 @@
+"""The backward's GEMM-side levers at the H100's power limit, each candidate checked against the current path:
+
+1. ``dgated``: fc2's input gradient + SwiGLU's backward (quack's gemm_dgated, which also writes the activation
+   again) against ``quack_dgated.gemm_dgated_keep`` (the same kernel without that store; the forward's
+   activation kept instead). d[gate, up] must be bit-identical.
+2. ``wgrad``: the weight gradients into the fp32 ``main_grad``: cuBLAS (fc1: bf16 product + the Triton
+   de-interleaving add; the others: fp32 output accumulating in place) against quack's GEMM adding into the
+   buffer by TMA reduce-add (fc1: writing the [gate; up] row order itself, ``concat_layout=("out",)``).
+3. ``attention``: FlashAttention-4 at llama-1b's shape, forward tiles and backward configurations.
+
+Each timed back to back after a warm-up at the cap (benchmarks/gemm_power.py's ``sustained``). Prints tables;
+``--out DIR`` writes them there too.
+
+    python benchmarks/backward_levers.py [--only dgated,wgrad,attention] [--seconds 1.5 --warm 0.75]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gemm_power import _nvml, sustained  # noqa: E402
+from paratron.parallel import quack_dgated, quack_gemm, quack_kernels  # noqa: E402
+from paratron.parallel.grad_accumulation import wgrad_accumulate  # noqa: E402
+
+T, H, F = 32768, 2048, 8192
+DGATED = ["128x128c2x1pp", "128x192c2x1pp", "128x160c2x1pp", "128x128c1x2pp", "128x256c1x2coop"]
+WGRAD = ["256x128c1x2coop", "128x256c2x1coop", "256x128c2x1coop", "128x192c2x1pp"]
+
+
+def _row(name, fn, flops, args, probe, note=""):
+    tf, mhz, w = sustained(fn, flops, args.seconds, args.warm, probe)
+    return f"| {name} | {tf:.0f} | {mhz:.0f} | {w:.0f} | {note} |"
+
+
+def dgated(args, probe) -> list:
+    dy, w2 = torch.randn(T, H, device="cuda").bfloat16(), (torch.randn(H, F, device="cuda") / 64).bfloat16()
+    pre = torch.randn(T, 2 * F, device="cuda").bfloat16()
+    flops = 2 * T * H * F
+    rows = ["| dgated (fc2 dgrad + SwiGLU bwd, 32768 tokens) | TFLOP/s | MHz | W | check |", "|---|---|---|---|---|"]
+    for spec in DGATED:
+        try:
+            ref, _ = quack_gemm.gemm_dgated(dy, w2, pre, spec)
+            keep = quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec))
+            same = "bit-identical" if torch.equal(ref, keep) else f"DIFFERS (max {(ref.float() - keep.float()).abs().max():.3g})"
+            rows.append(_row(f"quack dgated {spec}", lambda: quack_gemm.gemm_dgated(dy, w2, pre, spec), flops, args, probe))
+            rows.append(_row(f"keep-act {spec}", lambda: quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec)),
+                             flops, args, probe, same))
+        except Exception as e:  # noqa: BLE001 - a configuration that does not compile: say so, go on
+            rows.append(f"| {spec} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _quack_add(g, dy, x, spec, interleaved):
+    quack_gemm._gemm_raw(dy.t(), x, g, None, add_to_output=True, config=quack_gemm.config(spec),
+                         concat_layout=("out",) if interleaved else None)
+
+
+def wgrad(args, probe) -> list:
+    rows = ["| weight gradient into fp32 main_grad | TFLOP/s | MHz | W | check |", "|---|---|---|---|---|"]
+    for name, out_f, in_f, inter in (("fc1 [16384, 2048] interleaved", 2 * F, H, True), ("fc2 [2048, 8192]", H, F, False),
+                                     ("qkv [3072, 2048]", 3072, H, False)):
+        dy, x = torch.randn(T, out_f, device="cuda").bfloat16(), torch.randn(T, in_f, device="cuda").bfloat16()
+        ref = torch.zeros(out_f, in_f, device="cuda")
+        wgrad_accumulate(ref, dy, x, inter)
+        g = torch.zeros_like(ref)
+        rows.append(_row(f"{name}: cuBLAS (current)", lambda: wgrad_accumulate(g, dy, x, inter), 2 * T * out_f * in_f, args, probe))
+        for spec in WGRAD:
+            try:
+                g.zero_()
+                _quack_add(g, dy, x, spec, inter)
+                err = ((g - ref).norm() / ref.norm()).item()
+                rows.append(_row(f"{name}: quack add {spec}", lambda: _quack_add(g, dy, x, spec, inter),
+                                 2 * T * out_f * in_f, args, probe, f"rel. diff {err:.2e}"))
+            except Exception as e:  # noqa: BLE001
+                rows.append(f"| {name}: quack {spec} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def attention(args, probe) -> list:
+    from flash_attn.cute import interface as fa
+    b, s, h, kv, d = 16, 2048, 32, 8, 64
+    q = torch.randn(b, s, h, d, device="cuda").bfloat16()
+    k, v = torch.randn(2, b, s, kv, d, device="cuda").bfloat16()
+    out, lse = fa._flash_attn_fwd(q, k, v, causal=True, return_lse=True)
+    dout = torch.randn_like(out)
+    fwd_flops = 4 * b * h * s * s * d / 2
+    rows = ["| FlashAttention-4, b16 s2048 h32 kv8 d64 causal | TFLOP/s | MHz | W | check |", "|---|---|---|---|---|"]
+    for tile in (None, (128, 128), (128, 192), (128, 160), (192, 192)):
+        try:
+            o2, _ = fa._flash_attn_fwd(q, k, v, causal=True, return_lse=True, tile_mn=tile)
+            same = "bit-identical" if torch.equal(o2, out) else f"max diff {(o2.float() - out.float()).abs().max():.3g}"
+            rows.append(_row(f"forward tiles {tile or 'default (192, 128)'}",
+                             lambda: fa._flash_attn_fwd(q, k, v, causal=True, return_lse=True, tile_mn=tile),
+                             fwd_flops, args, probe, same))
+        except Exception as e:  # noqa: BLE001
+            rows.append(f"| forward {tile} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
+        print(rows[-1], flush=True)
+    default = fa._tile_size_bwd_sm90
+    base = default(d, d, True, False)
+    variants = {"default": base, "dQ_swapAB": base.__class__(**{**base.__dict__, "dQ_swapAB": True}),
+                "64x128": base.__class__(**{**base.__dict__, "m_block_size": 64, "AtomLayoutMdQ": 1})}
+    ref = fa._flash_attn_bwd(q, k, v, out, dout, lse, None, True)
+    for name, cfg in variants.items():
+        fa._tile_size_bwd_sm90 = lambda *a, cfg=cfg, **kw: cfg
+        try:
+            got = fa._flash_attn_bwd(q, k, v, out, dout, lse, None, True)
+            err = max(((a.float() - r.float()).norm() / r.float().norm()).item() for a, r in zip(got, ref))
+            rows.append(_row(f"backward {name}", lambda: fa._flash_attn_bwd(q, k, v, out, dout, lse, None, True),
+                             2.5 * fwd_flops, args, probe, f"rel. diff {err:.2e}"))
+        except Exception as e:  # noqa: BLE001
+            rows.append(f"| backward {name} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
+        finally:
+            fa._tile_size_bwd_sm90 = default
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="dgated,wgrad,attention")
+    p.add_argument("--seconds", type=float, default=1.5)
+    p.add_argument("--warm", type=float, default=0.75)
+    p.add_argument("--out", default=None, help="directory for backward_levers.md")
+    args = p.parse_args()
+    probe = _nvml()
+    tables = [{"dgated": dgated, "wgrad": wgrad, "attention": attention}[part](args, probe)
+              for part in args.only.split(",")]
+    text = "\n\n".join("\n".join(t) for t in tables)
+    print(text)
+    if args.out:
+        Path(args.out, "backward_levers.md").write_text(f"# {__doc__.splitlines()[0]}\n\n{torch.cuda.get_device_name()}\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
