@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The twelfth session's device checks (H100): the CUDA tests of the changed paths (TESTS=1: quack's configured
-# GEMMs, the embedding's fused gradient, the one-pass cross-entropy, the rotary kernels around FlashAttention-4),
+# The device checks of the memory-bound and GEMM-side levers (H100): the CUDA tests of the changed paths (TESTS=1:
+# quack's configured GEMMs and the dgated kernel without the activation's store, the fused weight gradients, the
+# embedding's fused gradient, the one-pass cross-entropy, the rotary kernels around FlashAttention-4),
 # the configured quack GEMMs at the power limit (POWER=1: gemm_power.py --residual and --gated), and llama-1b
-# bf16 mb 16 x 4 with each memory-bound pass removed in this round switched back on, one at a time (TRAIN=1),
+# bf16 mb 16 x 4 beside the same with the levers switched back (BEFORE, SINGLES; TRAIN=1),
 # beside torchtitan 0.2.2 bf16 at micro-batch 16 (PEER=1). Carry .peers/quack .peers/flash .peers/torchtitan.
 #   PARATRON_COMMIT=<hash> TESTS=1 POWER=1 bash benchmarks/step_levers.sh
 set -uo pipefail
@@ -22,8 +23,12 @@ if [ "${POWER:-0}" = 1 ]; then  # kernels at the power limit
 fi
 if [ "${TRAIN:-0}" = 1 ]; then
     bf16="--torch-compile --micro-batch-size 16 --global-batch-size 64"
-    old="PARATRON_QUACK_TILES=residual=off,dgated=default,dx=off PARATRON_FUSED_ROPE=0 PARATRON_FUSED_CE=0"
-    variants=(--variant "bf16:$bf16" --variant "bf16-as-before:$bf16 $old")
+    # BEFORE: the environment of the "as before" variant (default: the twelfth session's passes switched back;
+    # empty: no such variant). Each variant runs in its own process (train_throughput.py), so that switches
+    # read at import apply.
+    old="${BEFORE-PARATRON_QUACK_TILES=residual=off,dgated=default,dx=off,wgrad_fc1=off,wgrad_fc2=off PARATRON_KEEP_SWIGLU_ACT=0 PARATRON_FUSED_ROPE=0 PARATRON_FUSED_CE=0}"
+    variants=(--variant "bf16:$bf16")
+    [ -n "$old" ] && variants+=(--variant "bf16-as-before:$bf16 $old")
     # SINGLES="rope-off=PARATRON_FUSED_ROPE=0;ce-off=PARATRON_FUSED_CE=0": one more variant per name=environment
     IFS=';' read -ra singles <<< "${SINGLES:-}"
     for one in "${singles[@]}"; do variants+=(--variant "bf16-${one%%=*}:$bf16 ${one#*=}"); done

@@ -5,7 +5,10 @@ Hugging Face transformers baseline measured in the same process.
 
 Each variant is a set of extra Megatron/paratron flags (e.g. `compiled:--torch-compile`); a token
 `PARATRON_NAME=VALUE` among them sets that environment switch for the variant alone (e.g.
-`PARATRON_FP8_GRAD_CAST=0`). The step is
+`PARATRON_FP8_GRAD_CAST=0`). With more than one variant each runs in a fresh child process: several
+switches are read once when their module is imported (the quack tiles, the fused rotary and cross-entropy),
+so a variant in a process that had already imported paratron would silently measure the first one's
+settings (the twelfth session's side-by-side "switched back" rows did). The step is
 Trainer.train_step: model forward/backward on mock data through the real data path, gradient
 buffer, AdamW on fp32 master weights, LR schedule. Timing: warm-up steps, then CUDA-synchronised
 wall time over the timed steps. Writes a Markdown record (date, hardware, torch, commit, command,
@@ -17,7 +20,9 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,6 +89,30 @@ def run_hf(preset: str, compiled: bool) -> dict:
     return r
 
 
+def run_variant(args, flags: str) -> dict:
+    """One variant in this process: its ``PARATRON_*=value`` tokens set in the environment, the rest flags."""
+    env = dict(t.split("=", 1) for t in flags.split() if t.startswith("PARATRON_") and "=" in t)
+    os.environ.update(env)
+    try:
+        return run_paratron(args.config, [t for t in flags.split() if t.split("=", 1)[0] not in env],
+                            args.warmup, args.steps)
+    except Exception as e:  # record the failure, keep measuring the rest
+        import traceback
+        traceback.print_exc()
+        return dict(error=repr(e)[:300])
+
+
+def run_child(args, name: str, flags: str) -> dict:
+    """One variant in a fresh Python process (its switches read at import as it sets them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "result.json")
+        cmd = [sys.executable, __file__, "--config", args.config, "--warmup", str(args.warmup), "--steps",
+               str(args.steps), "--variant", f"{name}:{flags}", "--child-json", str(out)]
+        cmd += [f"--inductor={kv}" for kv in args.inductor] + ([f"--blas={args.blas}"] if args.blas else [])
+        rc = subprocess.run(cmd).returncode
+        return json.loads(out.read_text()) if out.exists() else dict(error=f"variant process exited with {rc}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="gpt-350m")
@@ -98,6 +127,7 @@ def main() -> int:
     p.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
                    help="torch.backends.cuda.preferred_blas_library for the paratron variants (experiment)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # run_child's: one variant, its result here
     args = p.parse_args()
     for kv in args.inductor:
         import torch._inductor.config as ic
@@ -110,24 +140,13 @@ def main() -> int:
     print(f"torch {torch.__version__} on {device}; preset {args.config}", flush=True)
     rows = []
     for name, flags in variants:
-        env = dict(t.split("=", 1) for t in flags.split() if t.startswith("PARATRON_") and "=" in t)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            r = run_paratron(args.config, [t for t in flags.split() if t.split("=", 1)[0] not in env],
-                             args.warmup, args.steps)
-        except Exception as e:  # record the failure, keep measuring the rest
-            import traceback
-            traceback.print_exc()
-            r = dict(error=repr(e)[:300])
-        for k, v in saved.items():  # the environment as before this variant
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
+        r = run_child(args, name, flags) if len(variants) > 1 else run_variant(args, flags)
         r.update(system=f"paratron {name}", flags=flags)
         rows.append(r)
         print(json.dumps(r), flush=True)
+        if args.child_json:
+            Path(args.child_json).write_text(json.dumps(r))
+            return 0
     for compiled, wanted in ((False, args.hf_eager), (True, args.hf)):
         if not wanted:
             continue

@@ -62,14 +62,14 @@ try:  # optional: quack-kernels (Hopper); imported lazily by nothing else
     class GemmDGatedKeepSm90(_KeepActMixin, GemmSm90):
         pass
 
-    _IMPORTED = True
+    IMPORTED = True
 except Exception:  # noqa: BLE001 - quack / cutlass-dsl not installed, or not loadable on this machine
-    _IMPORTED = False
+    IMPORTED = False
 
 
 def available(t: Tensor) -> bool:
     """The kernel can run on ``t``: quack importable, a bf16 tensor on a compute-capability-9 GPU."""
-    return (_IMPORTED and t.is_cuda and t.dtype == torch.bfloat16
+    return (IMPORTED and t.is_cuda and t.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(t.device)[0] == 9)
 
 
@@ -108,3 +108,16 @@ def gemm_dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, config) -> Tensor:
     epi_args = GemmDGatedKeepSm90.EpilogueArguments(None, rounding_mode=None, sr_seed=None)
     kernel(a, b, d, c, epi_args, make_scheduler_args(clusters, config.max_swizzle_size, semaphore), None, None)
     return dpre
+
+
+@torch.library.custom_op("paratron::quack_gemm_dgated_keep", mutates_args=())
+def dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, spec: str) -> Tensor:
+    """``gemm_dgated_keep`` with the tiles ``spec`` (quack_gemm.py's strings) as one opaque op for
+    compiled backwards. CUDA (Hopper, bf16) only: see ``available``."""
+    from . import quack_gemm
+    return gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec))
+
+
+@dgated_keep.register_fake
+def _dgated_keep_fake(dy, w2, pre, spec):
+    return torch.empty_like(pre)

@@ -12,8 +12,14 @@ for every GEMM of the step, and cuBLAS cannot do two of them without an extra pa
   At the cap (benchmarks/results/gemm_power_residual_20261126_1213.md, 32,768 tokens): the output
   projection (K 2048) 591 TFLOP/s on quack's default tiles against 540 for addmm with its copy; fc2
   (K 8192) 649 at best against 657: so quack takes it up to ``RESIDUAL_MAX_K`` only.
-- ``dgated``: fc2's input gradient with SwiGLU's backward in the epilogue (quack_kernels.py): 517
-  TFLOP/s at 128x128 ping-pong against 493 at the default tiles (gemm_power_gated_20261126_1213.md).
+- ``dgated``: fc2's input gradient with SwiGLU's backward in the epilogue (quack_kernels.py; without
+  the activation's store, quack_dgated.py): 557 TFLOP/s at 128x160 ping-pong against 548 at 128x128 and
+  555 at the default 128x192 (with the store: 514 / 506 / 480; benchmarks/results/backward_levers_20261126_1400.md).
+- ``wgrad_fc1`` / ``wgrad_fc2``: the gated MLP's weight gradients added into the fp32 ``main_grad`` by
+  quack's epilogue (a TMA reduce-add; fc1's in the [gate; up] row order, ``concat_layout``): fc1 688 at
+  256x128 cluster 1x2 against 681 for cuBLAS's bf16 product + the de-interleaving add; fc2 690 at
+  128x256 cluster 2x1 against 675 for cuBLAS accumulating in place (backward_levers_20261126_1400.md). The QKV shape
+  stays on cuBLAS (640 against quack's best 653 there, at tiles that lose elsewhere: not worth a choice).
 - ``dx``: fc1's input gradient reading its weight in the interleaved [g0, u0, ...] row order in place
   (no re-ordering copy of the weight per micro-batch): 684 TFLOP/s at 256x128, cluster 1x2, against
   681 for cuBLAS with the copy: no gain beyond the noise, so off by default.
@@ -40,7 +46,8 @@ except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not 
     GemmConfig = _gemm_raw = _dgated_raw = None
 
 # tile_m x tile_n, cluster m x n, ping-pong (pp) or cooperative (coop); measured at the power cap
-TILES = {"residual": "default", "dgated": "128x128c2x1pp", "dx": "off"}
+TILES = {"residual": "default", "dgated": "128x160c2x1pp", "dx": "off", "wgrad_fc1": "256x128c1x2coop",
+         "wgrad_fc2": "128x256c2x1coop"}
 RESIDUAL_MAX_K = 2048  # the residual GEMM goes to quack up to this inner dimension (measured above)
 
 
@@ -144,3 +151,23 @@ def gemm_dgated(dy: Tensor, w2: Tensor, pre: Tensor, spec: str) -> tuple[Tensor,
 @gemm_dgated.register_fake
 def _gemm_dgated_fake(dy, w2, pre, spec):
     return torch.empty_like(pre), pre.new_empty(pre.size(0), pre.size(1) // 2)
+
+
+def accumulate_applies(main_grad: Tensor, dy: Tensor, spec: str) -> bool:
+    """Whether ``gemm_accumulate`` can add into ``main_grad``: quack runs on ``dy``, a contiguous fp32
+    buffer, the use not off."""
+    return spec != "off" and _runs_here(dy) and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
+
+
+@torch.library.custom_op("paratron::quack_gemm_accumulate", mutates_args=("main_grad",))
+def gemm_accumulate(main_grad: Tensor, dy: Tensor, x: Tensor, interleaved: bool, spec: str) -> None:
+    """``main_grad += dy^T @ x`` by quack's GEMM adding its fp32 result into the buffer (TMA reduce-add);
+    ``interleaved``: ``dy``'s columns are the gated MLP's [g0, u0, ...] order and the rows go to
+    ``main_grad``'s [gate; up] halves. CUDA (Hopper) only: see ``accumulate_applies``."""
+    _gemm_raw(dy.t(), x, main_grad, None, add_to_output=True, config=config(spec),
+              concat_layout=("out",) if interleaved else None)
+
+
+@gemm_accumulate.register_fake
+def _gemm_accumulate_fake(main_grad, dy, x, interleaved, spec):
+    return None

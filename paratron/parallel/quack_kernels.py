@@ -5,9 +5,13 @@ MLP. The plain path runs fc1's GEMM, a SwiGLU kernel over its [tokens, 2F] outpu
 backward runs fc2's input-gradient GEMM, the SwiGLU backward kernel, and the weight GEMMs. Here
 fc1's GEMM applies SwiGLU in its epilogue (``gemm_gated``: it writes the pre-activation, kept for
 the backward, and the activation, fc2's input), and fc2's input-gradient GEMM applies the SwiGLU
-backward in its epilogue (``gemm_dgated``: from the kept pre-activation it writes d[gate, up] and the
-activation again, for fc2's weight gradient). The two elementwise passes over the [tokens, 2F]
-tensor are gone; the activation is not kept between forward and backward.
+backward in its epilogue (``gemm_dgated``: from the kept pre-activation it writes d[gate, up]). The two
+elementwise passes over the [tokens, 2F] tensor are gone. The forward's activation (fc2's input) is kept for
+fc2's weight gradient, and the backward's kernel is quack's without the store that would write it again
+(quack_dgated.py: 557 against 514 TFLOP/s at the power cap, +[tokens, F] bf16 of memory per layer;
+``PARATRON_KEEP_SWIGLU_ACT=0`` keeps only the pre-activation, and quack's kernel rewrites the activation).
+The weight gradients go into ``main_grad`` by quack's GEMM adding into it (``quack_gemm.gemm_accumulate``,
+fc1's in the [gate; up] order) where the tiles ``wgrad_fc1`` / ``wgrad_fc2`` are not off.
 
 The kernels read fc1's weight, stored [gate; up] (paratron's and Megatron's layout), as interleaved
 rows ``concat_layout=("B",)``: the pre-activation and its gradient are [g0, u0, g1, u1, ...] along the
@@ -33,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from . import quack_gemm
+from . import quack_dgated, quack_gemm
 from .grad_accumulation import main_grad_of, wgrad_accumulate
 
 try:  # optional: pip install quack-kernels (Hopper); used only on CUDA
@@ -42,6 +46,8 @@ try:  # optional: pip install quack-kernels (Hopper); used only on CUDA
     from quack.gemm_interface import gemm as _q_gemm, gemm_act as _q_gemm_act
 except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not load on this machine
     _q_gemm = None
+
+KEEP_ACT = os.environ.get("PARATRON_KEEP_SWIGLU_ACT", "1") != "0"  # read once, like the tiles
 
 
 def hopper_bf16(device, dtype, switch: str) -> bool:
@@ -118,6 +124,31 @@ def _dgated(dy: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor):
     return quack_gemm.gemm_dgated(dy, w2, pre, quack_gemm.tile("dgated"))
 
 
+def _dgated_keep(dy: torch.Tensor, w2: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """d pre-activation only (the activation kept from the forward): quack_dgated's kernel on CUDA, the
+    reference elsewhere."""
+    if not dy.is_cuda:
+        return dgated_ref(dy, w2, pre)[0]
+    return quack_dgated.dgated_keep(dy, w2, pre, quack_gemm.tile("dgated"))
+
+
+def _keeps_act(x: torch.Tensor) -> bool:
+    """The forward keeps the activation for the backward: ``KEEP_ACT``, and on CUDA the kernel without the
+    activation's store imported (the gated path runs only where ``wanted`` found Hopper; CPUs: the reference
+    path, the same bookkeeping). No device query here: this runs inside compiled forwards."""
+    return KEEP_ACT and (not x.is_cuda or quack_dgated.IMPORTED)
+
+
+def _wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, interleaved: bool) -> None:
+    """``main_grad += dy^T x`` (rows de-interleaved with ``interleaved``): quack's GEMM adding into the buffer
+    where its tiles (``wgrad_fc1`` / ``wgrad_fc2``) are not off and it runs, else cuBLAS (grad_accumulation)."""
+    spec = quack_gemm.tile("wgrad_fc1" if interleaved else "wgrad_fc2")
+    if quack_gemm.accumulate_applies(main_grad, dy, spec):
+        quack_gemm.gemm_accumulate(main_grad, dy, x, interleaved, spec)
+    else:
+        wgrad_accumulate(main_grad, dy, x, interleaved)
+
+
 def _dx(dpre: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
     """fc1's input gradient from the interleaved ``dpre``: on CUDA quack's GEMM reading the weight in the
     interleaved order in place (quack_gemm.py, the ``dx`` tiles); with ``dx=off``, and on CPUs, a matmul
@@ -150,26 +181,29 @@ class _GatedMLP(torch.autograd.Function):
             y = quack_gemm.gemm_add(residual, act, w2, quack_gemm.tile("residual"))
         else:
             y = torch.addmm(residual, act, w2.t())
-        ctx.save_for_backward(x, w1, w2, pre)
+        ctx.save_for_backward(x, w1, w2, pre, act if _keeps_act(x) else None)
         ctx.main_grads = g1, g2  # (not saved: they change as they accumulate, by design)
         ctx.has_residual, ctx.bwd = residual is not None, bwd
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x, w1, w2, pre), (g1, g2) = ctx.saved_tensors, ctx.main_grads
+        (x, w1, w2, pre, act), (g1, g2) = ctx.saved_tensors, ctx.main_grads
         dy = dy.contiguous()
-        dpre, act = _dgated(dy, w2, pre)
+        if act is None:
+            dpre, act = _dgated(dy, w2, pre)
+        else:
+            dpre = _dgated_keep(dy, w2, pre)
         if g2 is None:
             dw2 = dy.t() @ act
         else:
-            wgrad_accumulate(g2, dy, act, False)
+            _wgrad(g2, dy, act, False)
             dw2 = torch.empty_like(w2)
         if g1 is None:
             dw1 = _dw1(dpre, x, ctx.bwd)
-        else:  # cuBLAS's GEMM in the interleaved order, de-interleaved as it is added (the MLP marks fc1's
-            # weight fusable only with fc1's backward on cuBLAS)
-            wgrad_accumulate(g1, dpre, x, True)
+        else:  # added to main_grad in the [gate; up] order (the MLP marks fc1's weight fusable unless
+            # PARATRON_GATED_BWD=quack asked for the unfused quack GEMM)
+            _wgrad(g1, dpre, x, True)
             dw1 = torch.empty_like(w1)
         return _dx(dpre, w1), dw1, dw2, (dy if ctx.has_residual else None), None, None, None
 

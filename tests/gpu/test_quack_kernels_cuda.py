@@ -131,3 +131,47 @@ def test_configured_quack_gemms_match_torch(spec):
     for a, b in zip(quack_gemm.gemm_dgated(dy, w2, pre, spec),
                     quack_kernels.dgated_ref(dy, w2, pre)):
         assert _rel(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("spec", ["default", "128x160c2x1pp", "128x128c2x1pp"])
+def test_dgated_without_the_activation_store_gives_quacks_gradient_bit_for_bit(spec):
+    """quack_dgated's kernel (quack's dgated epilogue minus the activation's store) against quack's own."""
+    from paratron.parallel import quack_dgated, quack_gemm
+    x, w1, w2, res, dy = _inputs(m=1000, h=256, f=384)
+    pre, _ = quack_kernels.gated_ref(x, w1)
+    got = quack_dgated.dgated_keep(dy, w2, pre, spec)
+    assert quack_dgated.available(dy) and torch.equal(got, quack_gemm.gemm_dgated(dy, w2, pre, spec)[0])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_quack_accumulate_adds_the_weight_gradient_into_main_grad(interleaved):
+    """quack_gemm.gemm_accumulate (TMA reduce-add into the fp32 buffer; fc1's rows to [gate; up]) against
+    the fp32 product added by torch."""
+    from paratron.parallel import quack_gemm
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dy = torch.randn(1000, 768, device="cuda", generator=g).bfloat16()
+    x = torch.randn(1000, 256, device="cuda", generator=g).bfloat16()
+    main = torch.randn(768, 256, device="cuda", generator=g)
+    prod = dy.float().t() @ x.float()
+    want = main + (quack_kernels.deinterleave(prod) if interleaved else prod)
+    spec = quack_gemm.tile("wgrad_fc1" if interleaved else "wgrad_fc2")
+    assert quack_gemm.accumulate_applies(main, dy, spec)
+    quack_gemm.gemm_accumulate(main, dy, x, interleaved, spec)
+    assert _rel(main, want) < 1e-5
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_fused_gated_mlp_backward_fills_main_grad_like_autograd(monkeypatch, keep):
+    """The gated MLP with its weights' gradients fused into main_grad (quack's accumulating GEMMs), with
+    and without the kept activation: main_grad, dx and dres against the plain path's autograd gradients."""
+    monkeypatch.setattr(quack_kernels, "KEEP_ACT", keep)
+    x, w1, w2, res, dy = _inputs()
+    want = _grads(_plain, x, w1, w2, res, dy)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2, res)]
+    for w in leaves[1:3]:
+        w.main_grad, w.fuse_wgrad = torch.zeros(w.shape, device="cuda"), True
+    y = quack_kernels.gated_mlp(*leaves)
+    dx, _, _, dres = torch.autograd.grad(y, leaves, dy)
+    for name, a, b in (("y", y, want[0]), ("dx", dx, want[1]), ("dW1", leaves[1].main_grad, want[2]),
+                       ("dW2", leaves[2].main_grad, want[3]), ("dres", dres, want[4])):
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))

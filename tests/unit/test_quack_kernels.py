@@ -16,8 +16,12 @@ def test_interleave_puts_gate_and_up_rows_in_pairs_and_back():
     assert torch.equal(quack_kernels.deinterleave(quack_kernels.interleave(w)), w)
 
 
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_function_matches_the_plain_mlp_in_value_and_gradients(with_residual):
+@pytest.mark.parametrize("with_residual,keep", [(False, True), (True, True), (True, False)])
+def test_function_matches_the_plain_mlp_in_value_and_gradients(monkeypatch, with_residual, keep):
+    """keep: the forward's activation kept for fc2's weight gradient (else recomputed by the backward)."""
+    monkeypatch.setattr(quack_kernels, "KEEP_ACT", keep)
+    saved = []
+    monkeypatch.setattr(quack_kernels, "_dgated_keep", lambda *a: saved.append(1) or quack_kernels.dgated_ref(*a)[0])
     torch.manual_seed(0)
     h, f = 16, 12
     x = torch.randn(2, 5, h, dtype=torch.float64, requires_grad=True)
@@ -38,6 +42,7 @@ def test_function_matches_the_plain_mlp_in_value_and_gradients(with_residual):
     assert torch.allclose(got_y, plain, rtol=1e-5, atol=1e-5)
     for a, b in zip(got, want):
         assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert saved == ([1] if keep else [])
 
 
 def _cfg(*flags):
