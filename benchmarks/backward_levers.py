@@ -7,6 +7,8 @@
    de-interleaving add; the others: fp32 output accumulating in place) against quack's GEMM adding into the
    buffer by TMA reduce-add (fc1: writing the [gate; up] row order itself, ``concat_layout=("out",)``).
 3. ``attention``: FlashAttention-4 at llama-1b's shape, forward tiles and backward configurations.
+4. ``cudnn``: cuDNN's fused forward (``aten._scaled_dot_product_cudnn_attention``, on the sequence-first views)
+   against FlashAttention-4's, and FlashAttention-4's backward from cuDNN's output and log-sum-exp.
 
 Each timed back to back after a warm-up at the cap (benchmarks/gemm_power.py's ``sustained``). Prints tables;
 ``--out DIR`` writes them there too.
@@ -30,6 +32,8 @@ from paratron.parallel.grad_accumulation import wgrad_accumulate  # noqa: E402
 T, H, F = 32768, 2048, 8192
 DGATED = ["128x128c2x1pp", "128x192c2x1pp", "128x160c2x1pp", "128x128c1x2pp", "128x256c1x2coop"]
 WGRAD = ["256x128c1x2coop", "128x256c2x1coop", "256x128c2x1coop", "128x192c2x1pp"]
+SHAPES = {"fc1": ("fc1 [16384, 2048] interleaved", 2 * F, H, True), "fc2": ("fc2 [2048, 8192]", H, F, False),
+          "qkv": ("qkv [3072, 2048]", 3072, H, False), "proj": ("proj [2048, 2048]", H, H, False)}
 
 
 def _row(name, fn, flops, args, probe, note=""):
@@ -63,14 +67,13 @@ def _quack_add(g, dy, x, spec, interleaved):
 
 def wgrad(args, probe) -> list:
     rows = ["| weight gradient into fp32 main_grad | TFLOP/s | MHz | W | check |", "|---|---|---|---|---|"]
-    for name, out_f, in_f, inter in (("fc1 [16384, 2048] interleaved", 2 * F, H, True), ("fc2 [2048, 8192]", H, F, False),
-                                     ("qkv [3072, 2048]", 3072, H, False)):
+    for name, out_f, in_f, inter in args.shapes:
         dy, x = torch.randn(T, out_f, device="cuda").bfloat16(), torch.randn(T, in_f, device="cuda").bfloat16()
         ref = torch.zeros(out_f, in_f, device="cuda")
         wgrad_accumulate(ref, dy, x, inter)
         g = torch.zeros_like(ref)
         rows.append(_row(f"{name}: cuBLAS (current)", lambda: wgrad_accumulate(g, dy, x, inter), 2 * T * out_f * in_f, args, probe))
-        for spec in WGRAD:
+        for spec in args.wgrad_specs:
             try:
                 g.zero_()
                 _quack_add(g, dy, x, spec, inter)
@@ -122,15 +125,50 @@ def attention(args, probe) -> list:
     return rows
 
 
+def cudnn(args, probe) -> list:
+    from flash_attn.cute import interface as fa
+    b, s, h, kv, d = 16, 2048, 32, 8, 64
+    q = torch.randn(s, b, h, d, device="cuda").bfloat16().transpose(0, 1)  # [b, s, ...] views of [s, b, ...]
+    k, v = (torch.randn(s, b, kv, d, device="cuda").bfloat16().transpose(0, 1) for _ in range(2))
+    scale = d ** -0.5
+
+    def cudnn_fwd():
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True, False, scale=scale)[:2]
+        return o.transpose(1, 2), lse.reshape(b, h, s)
+    out, lse = fa._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True)
+    fwd_flops = 4 * b * h * s * s * d / 2
+    rows = ["| attention forward, sequence-first views | TFLOP/s | MHz | W | check |", "|---|---|---|---|---|"]
+    rows.append(_row("FlashAttention-4 forward", lambda: fa._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True,
+                                                                             return_lse=True), fwd_flops, args, probe))
+    try:
+        o2, lse2 = cudnn_fwd()
+        dout = torch.randn_like(out)
+        ref = fa._flash_attn_bwd(q, k, v, out, dout, lse, scale, True)
+        got = fa._flash_attn_bwd(q, k, v, o2, dout, lse2.contiguous(), scale, True)
+        note = (f"out rel {((o2.float() - out.float()).norm() / out.float().norm()).item():.1e}, lse max "
+                f"{(lse2 - lse).abs().max().item():.1e}, out strides {tuple(o2.stride())}, FA4 bwd from it: grads rel "
+                + "/".join(f"{((a.float() - r.float()).norm() / r.float().norm()).item():.1e}" for a, r in zip(got, ref)))
+        rows.append(_row("cuDNN forward", cudnn_fwd, fwd_flops, args, probe, note))
+    except Exception as e:  # noqa: BLE001
+        rows.append(f"| cuDNN forward | failed: {type(e).__name__}: {str(e)[:160]} | | | |")
+    print("\n".join(rows[-2:]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", default="dgated,wgrad,attention")
+    p.add_argument("--only", default="dgated,wgrad,attention,cudnn")
+    p.add_argument("--wgrad-shapes", default="fc1,fc2,qkv", help="of fc1, fc2, qkv, proj")
+    p.add_argument("--wgrad-specs", default=",".join(WGRAD))
     p.add_argument("--seconds", type=float, default=1.5)
     p.add_argument("--warm", type=float, default=0.75)
     p.add_argument("--out", default=None, help="directory for backward_levers.md")
     args = p.parse_args()
+    args.shapes = [SHAPES[n] for n in args.wgrad_shapes.split(",")]
+    args.wgrad_specs = args.wgrad_specs.split(",")
     probe = _nvml()
-    tables = [{"dgated": dgated, "wgrad": wgrad, "attention": attention}[part](args, probe)
+    tables = [{"dgated": dgated, "wgrad": wgrad, "attention": attention, "cudnn": cudnn}[part](args, probe)
               for part in args.only.split(",")]
     text = "\n\n".join("\n".join(t) for t in tables)
     print(text)

@@ -93,7 +93,7 @@ def gemm_dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, config) -> Tensor:
     output gradient ``dy`` [M, H], fc2's weight ``w2`` [H, F] and the kept pre-activation; ``config``: a
     quack GemmConfig (tiles, cluster, ping-pong) or None for quack's default. Hopper bf16 only."""
     if config is None:
-        from quack.gemm_config import default_config
+        from quack.gemm_interface import default_config
         config = default_config(dy.device)
     dpre = torch.empty_like(pre)
     # quack's (M, N, L) views: A (M, K, 1), B (N, K, 1), D and C as fp32 pairs (M, F, 1)
