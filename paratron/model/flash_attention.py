@@ -6,7 +6,9 @@ the fp32 dQ conversion, a per-group reduction of dK and dV). flash-attn-4 (Tri D
 the CuTe DSL, https://github.com/Dao-AILab/flash-attention, the ``flash_attn.cute`` package; pure
 Python, compiled at first use) has forward and backward kernels for Hopper that take the grouped keys
 as they are and any batch / sequence / head strides. Here they are wrapped as two torch custom ops
-(``paratron::flash_attn_fwd`` / ``_bwd``) so that a compiled layer keeps them as single nodes. A layer with the
+(``paratron::flash_attn_fwd`` / ``_bwd``) so that a compiled layer keeps them as single nodes. The forward
+op runs cuDNN's fused forward instead where it can (6 % faster at the power cap; ``PARATRON_ATTN_FWD=fa4``
+keeps FlashAttention-4's): the backward only needs the forward's output and log-sum-exp. A layer with the
 plain rotary embedding takes ``rotary_causal_attention`` instead (``paratron::flash_attn_rope_fwd`` / ``_bwd``):
 the same kernels from the QKV GEMM's output, with the rotation of q and k in two Triton kernels around them
 (rope_kernels.py says why).
@@ -27,6 +29,7 @@ expressions below (``*_ref``) are the same operations; the ops run them on CPUs 
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -34,6 +37,13 @@ from torch import Tensor
 
 from . import rope_kernels
 from ..parallel import quack_kernels
+
+# the forward kernel: "cudnn" (cuDNN's fused attention, 366 against FlashAttention-4's 344 TFLOP/s at the H100's
+# power cap at llama-1b's shape, benchmarks/results/backward_levers_20261126_1420.md) or "fa4"; the backward is
+# FlashAttention-4's either way (from the forward's output and log-sum-exp). Read once, like the other switches.
+_FWD = os.environ.get("PARATRON_ATTN_FWD", "cudnn")
+if _FWD not in ("cudnn", "fa4"):
+    raise ValueError(f"PARATRON_ATTN_FWD={_FWD!r}: expected cudnn or fa4")
 
 try:  # optional: pip install flash-attn-4 (Hopper / Blackwell); used only on CUDA
     from flash_attn.cute.interface import _flash_attn_bwd as _fa_bwd, _flash_attn_fwd as _fa_fwd
@@ -100,8 +110,25 @@ def _seq_first_like(t: Tensor, last: Optional[int] = None) -> Tensor:
     return torch.empty(shape, dtype=t.dtype, device=t.device).transpose(0, 1)
 
 
+def _cudnn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Optional[tuple[Tensor, Tensor]]:
+    """cuDNN's fused causal forward (the kernel SDPA picks on an H100) on the same views, with its log-sum-exp
+    for FlashAttention-4's backward; None where it does not apply (``PARATRON_ATTN_FWD=fa4``, head dims over
+    128) or its output is not sequence-first (it follows q's layout: then FlashAttention-4's forward runs)."""
+    if _FWD != "cudnn" or q.size(-1) > 128 or v.size(-1) != q.size(-1):
+        return None
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True, False, scale=scale)[:2]
+    out = out.transpose(1, 2)
+    b, _, h, d = out.shape
+    if out.stride() != (h * d, b * h * d, d, 1):  # [b, s, heads, d] viewing [s, b, heads, d] storage
+        return None
+    return out, lse.reshape(q.size(0), q.size(2), q.size(1)).contiguous()
+
+
 @torch.library.custom_op("paratron::flash_attn_fwd", mutates_args=())
 def _fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    if q.is_cuda and (found := _cudnn_fwd(q, k, v, scale)) is not None:
+        return found
     out = _seq_first_like(q, v.size(-1))
     if not q.is_cuda:
         ref, lse = attention_ref(q, k, v, scale)
