@@ -46,7 +46,16 @@ def dgated(args, probe) -> list:
     pre = torch.randn(T, 2 * F, device="cuda").bfloat16()
     flops = 2 * T * H * F
     rows = ["| dgated (fc2 dgrad + SwiGLU bwd, 32768 tokens) | TFLOP/s | MHz | W | check |", "|---|---|---|---|---|"]
-    for spec in DGATED:
+    for spec, stages in ((s, 4) for s in args.c_stages_specs):  # the pre-activation loaded further ahead
+        try:
+            keep = quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec), stages)
+            same = "bit-identical" if torch.equal(quack_gemm.gemm_dgated(dy, w2, pre, spec)[0], keep) else "DIFFERS"
+            rows.append(_row(f"keep-act {spec}, C stages {stages}", lambda: quack_dgated.gemm_dgated_keep(
+                dy, w2, pre, quack_gemm.config(spec), stages), flops, args, probe, same))
+        except Exception as e:  # noqa: BLE001
+            rows.append(f"| {spec} C {stages} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
+        print(rows[-1], flush=True)
+    for spec in args.dgated_specs:
         try:
             ref, _ = quack_gemm.gemm_dgated(dy, w2, pre, spec)
             keep = quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec))
@@ -161,12 +170,16 @@ def main() -> None:
     p.add_argument("--only", default="dgated,wgrad,attention,cudnn")
     p.add_argument("--wgrad-shapes", default="fc1,fc2,qkv", help="of fc1, fc2, qkv, proj")
     p.add_argument("--wgrad-specs", default=",".join(WGRAD))
+    p.add_argument("--dgated-specs", default=",".join(DGATED))
+    p.add_argument("--c-stages-specs", default="", help="dgated keep-act tiles also timed with 4 C stages")
     p.add_argument("--seconds", type=float, default=1.5)
     p.add_argument("--warm", type=float, default=0.75)
     p.add_argument("--out", default=None, help="directory for backward_levers.md")
     args = p.parse_args()
     args.shapes = [SHAPES[n] for n in args.wgrad_shapes.split(",")]
     args.wgrad_specs = args.wgrad_specs.split(",")
+    args.dgated_specs = [x for x in args.dgated_specs.split(",") if x]
+    args.c_stages_specs = [x for x in args.c_stages_specs.split(",") if x]
     probe = _nvml()
     tables = [{"dgated": dgated, "wgrad": wgrad, "attention": attention, "cudnn": cudnn}[part](args, probe)
               for part in args.only.split(",")]
