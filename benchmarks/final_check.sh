@@ -18,6 +18,6 @@ VARIANT_TIMEOUT_S=90 TOTAL_BUDGET_S=150 timeout 160 bash .peers/torchtitan/run.s
 tail -5 "$out/torchtitan_bf16_float8_mb16_$stamp.log"
 . benchmarks/quack_env.sh || exit 1
 fp8="--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
-PARATRON_COORDINATE_DESCENT=0 timeout 200 python benchmarks/train_throughput.py --config llama-1b \
+PARATRON_COORDINATE_DESCENT=0 timeout 300 python benchmarks/train_throughput.py --config llama-1b \
     --variant "bf16:--torch-compile --micro-batch-size 16 --global-batch-size 64" \
     --variant "fp8:--torch-compile --micro-batch-size 16 --global-batch-size 64 $fp8" 2>&1 | grep -v "Warn\|warn" | tail -4
