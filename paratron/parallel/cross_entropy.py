@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ except ImportError:  # CPU-only installs
 # logits is 16 per thread at 8 warps (two 16-byte loads of bf16), 8 blocks per row at a 32k vocabulary,
 # 32 at 128k; the row-scaling pass moves 2048 elements (one llama-1b hidden row) per program.
 CE_BLOCK, CE_WARPS = 4096, 8
+CE_ROW_MAX, CE_ROW_WARPS = 32768, 16  # rows of up to this many logits: one block in registers (``_ce_row``)
 SCALE_BLOCK, SCALE_WARPS = 2048, 4
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -136,17 +138,23 @@ def _on_device(t: torch.Tensor):
 
 
 def fused_ce_(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, block: int = CE_BLOCK,
-              num_warps: int = CE_WARPS):
+              num_warps: int = CE_WARPS, whole_row: Optional[bool] = None):
     """``_ce_stats`` and ``_ce_grad_`` of ``logits`` [n, v] (row-contiguous) in one Triton kernel: returns
-    (lse, loss) [n] fp32 and overwrites ``logits`` with softmax - onehot(target - vocab_start)."""
+    (lse, loss) [n] fp32 and overwrites ``logits`` with softmax - onehot(target - vocab_start). A row of up to
+    CE_ROW_MAX logits is read once (``_ce_row``; ``whole_row`` None: chosen by v), a longer one twice, in
+    ``block``-sized pieces (``_ce_fused``: the second read mostly from L2)."""
     n, v = logits.shape
     assert logits.stride(1) == 1 and target.shape == (n,), (logits.stride(), target.shape)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     loss = torch.empty_like(lse)
+    whole = triton.next_power_of_2(v) <= CE_ROW_MAX if whole_row is None else whole_row
     if n:
+        args = (logits, target, lse, loss, v, logits.stride(0), target.stride(0), vocab_start)
         with _on_device(logits):
-            _ce_fused[(n,)](logits, target, lse, loss, v, logits.stride(0), target.stride(0), vocab_start,
-                            BLOCK=block, num_warps=num_warps)
+            if whole:
+                _ce_row[(n,)](*args, BLOCK=triton.next_power_of_2(v), num_warps=CE_ROW_WARPS)
+            else:
+                _ce_fused[(n,)](*args, BLOCK=block, num_warps=num_warps)
     return lse, loss
 
 
@@ -230,6 +238,27 @@ if triton is not None:
             x = tl.load(base + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             p = _exp(x - lse) - tl.where(inside & (offs == t), 1.0, 0.0)
             tl.store(base + offs, p.to(x_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _ce_row(x_ptr, t_ptr, lse_ptr, loss_ptr, v, stride, t_stride, vocab_start, BLOCK: tl.constexpr):
+        """``_ce_fused`` for a row that fits one block (BLOCK >= v): the row is read once into registers, its
+        max, sum of exp(logit - max) and lse taken from there, then softmax - onehot written. The sum has no
+        rescaling (the max is known before it), otherwise as ``_ce_fused``."""
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * stride
+        cols = tl.arange(0, BLOCK)
+        t = tl.load(t_ptr + row * t_stride).to(tl.int64) - vocab_start
+        inside = (t >= 0) & (t < v)
+        t = tl.minimum(tl.maximum(t, 0), v - 1)
+        picked = tl.where(inside, tl.load(base + t).to(tl.float32), 0.0)
+        mask = cols < v
+        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        lse = m + _log(tl.sum(_exp(x - m), axis=0))
+        tl.store(lse_ptr + row, lse)
+        tl.store(loss_ptr + row, lse - picked)
+        p = _exp(x - lse) - tl.where(inside & (cols == t), 1.0, 0.0)
+        tl.store(base + cols, p.to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _scale_rows(t_ptr, g_ptr, out_ptr, h, t_stride, g_stride, out_stride, BLOCK: tl.constexpr):

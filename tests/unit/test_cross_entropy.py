@@ -29,7 +29,8 @@ def within_one_ulp(got, want):
 # rows: the max in the first block / the last (partial) block / both signs at +-80 / all equal; targets in the
 # first and last columns; vocabulary 1000 = 3 blocks of 256 + 232; a row stride wider than the vocabulary
 n, v, block = 6, 1000, 256
-for dtype, vocab_start in ((torch.bfloat16, 0), (torch.float32, 0), (torch.float16, 300)):
+cases = ((torch.bfloat16, 0), (torch.float32, 0), (torch.float16, 300))
+for whole, (dtype, vocab_start) in [(w, c) for w in (False, True) for c in cases]:  # _ce_fused / _ce_row
     wide = (torch.randn(n, v + 24) * 4).to(dtype)
     wide[0, 3] = 30
     wide[1, 990] = 30
@@ -43,7 +44,7 @@ for dtype, vocab_start in ((torch.bfloat16, 0), (torch.float32, 0), (torch.float
     m, sum_exp, picked = ce._ce_stats(logits, local, v)
     want_lse = m + sum_exp.log()
     before = wide.clone()
-    lse, loss = ce.fused_ce_(logits, target, vocab_start, block=block, num_warps=4)
+    lse, loss = ce.fused_ce_(logits, target, vocab_start, block=block, num_warps=4, whole_row=whole)
     assert lse.dtype == loss.dtype == torch.float32
     assert torch.allclose(lse, want_lse, rtol=0, atol=2e-6), (dtype, (lse - want_lse).abs().max())
     assert torch.equal(loss, lse - picked), dtype  # the target logit is exact
