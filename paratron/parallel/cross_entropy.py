@@ -46,7 +46,9 @@ except ImportError:  # CPU-only installs
 # logits is 16 per thread at 8 warps (two 16-byte loads of bf16), 8 blocks per row at a 32k vocabulary,
 # 32 at 128k; the row-scaling pass moves 2048 elements (one llama-1b hidden row) per program.
 CE_BLOCK, CE_WARPS = 4096, 8
-CE_ROW_MAX, CE_ROW_WARPS = 32768, 16  # rows of up to this many logits: one block in registers (``_ce_row``)
+# rows of up to CE_ROW_MAX logits: one block in registers (``_ce_row``); 32 warps: 1.89 against 2.37 ms for the
+# blocked kernel at llama-1b's [32768, 32768] (benchmarks/results/ce_kernel_bench_e7e9895.md)
+CE_ROW_MAX, CE_ROW_WARPS = 32768, 32
 SCALE_BLOCK, SCALE_WARPS = 2048, 4
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
