@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gemm_power import _nvml, sustained  # noqa: E402
-from paratron.parallel import quack_dgated, quack_gemm, quack_kernels  # noqa: E402
+from paratron.parallel import quack_dgated, quack_gemm  # noqa: E402
 from paratron.parallel.grad_accumulation import wgrad_accumulate  # noqa: E402
 
 T, H, F = 32768, 2048, 8192
@@ -57,12 +57,13 @@ def dgated(args, probe) -> list:
         print(rows[-1], flush=True)
     for spec in args.dgated_specs:
         try:
-            ref, _ = quack_gemm.gemm_dgated(dy, w2, pre, spec)
-            keep = quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec))
-            same = "bit-identical" if torch.equal(ref, keep) else f"DIFFERS (max {(ref.float() - keep.float()).abs().max():.3g})"
-            rows.append(_row(f"quack dgated {spec}", lambda: quack_gemm.gemm_dgated(dy, w2, pre, spec), flops, args, probe))
-            rows.append(_row(f"keep-act {spec}", lambda: quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec)),
-                             flops, args, probe, same))
+            quack = (lambda: quack_gemm.gemm_dgated(dy, w2, pre, spec))  # noqa: E731
+            keep = (lambda: quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec)))  # noqa: E731
+            ref, got = quack()[0], keep()
+            diff = (ref.float() - got.float()).abs().max().item()
+            same = "bit-identical" if torch.equal(ref, got) else f"DIFFERS (max {diff:.3g})"
+            rows.append(_row(f"quack dgated {spec}", quack, flops, args, probe))
+            rows.append(_row(f"keep-act {spec}", keep, flops, args, probe, same))
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile: say so, go on
             rows.append(f"| {spec} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
         print(rows[-1], flush=True)
@@ -81,14 +82,15 @@ def wgrad(args, probe) -> list:
         ref = torch.zeros(out_f, in_f, device="cuda")
         wgrad_accumulate(ref, dy, x, inter)
         g = torch.zeros_like(ref)
-        rows.append(_row(f"{name}: cuBLAS (current)", lambda: wgrad_accumulate(g, dy, x, inter), 2 * T * out_f * in_f, args, probe))
+        flops = 2 * T * out_f * in_f
+        rows.append(_row(f"{name}: cuBLAS (current)", lambda: wgrad_accumulate(g, dy, x, inter), flops, args, probe))
         for spec in args.wgrad_specs:
             try:
                 g.zero_()
                 _quack_add(g, dy, x, spec, inter)
                 err = ((g - ref).norm() / ref.norm()).item()
                 rows.append(_row(f"{name}: quack add {spec}", lambda: _quack_add(g, dy, x, spec, inter),
-                                 2 * T * out_f * in_f, args, probe, f"rel. diff {err:.2e}"))
+                                 flops, args, probe, f"rel. diff {err:.2e}"))
             except Exception as e:  # noqa: BLE001
                 rows.append(f"| {name}: quack {spec} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
             print(rows[-1], flush=True)
@@ -155,9 +157,10 @@ def cudnn(args, probe) -> list:
         dout = torch.randn_like(out)
         ref = fa._flash_attn_bwd(q, k, v, out, dout, lse, scale, True)
         got = fa._flash_attn_bwd(q, k, v, o2, dout, lse2.contiguous(), scale, True)
-        note = (f"out rel {((o2.float() - out.float()).norm() / out.float().norm()).item():.1e}, lse max "
-                f"{(lse2 - lse).abs().max().item():.1e}, out strides {tuple(o2.stride())}, FA4 bwd from it: grads rel "
-                + "/".join(f"{((a.float() - r.float()).norm() / r.float().norm()).item():.1e}" for a, r in zip(got, ref)))
+        rel = (lambda a, r: ((a.float() - r.float()).norm() / r.float().norm()).item())  # noqa: E731
+        grads = "/".join(f"{rel(a, r):.1e}" for a, r in zip(got, ref))
+        note = (f"out rel {rel(o2, out):.1e}, lse max {(lse2 - lse).abs().max().item():.1e}, out strides "
+                f"{tuple(o2.stride())}, FA4 bwd from it: grads rel {grads}")
         rows.append(_row("cuDNN forward", cudnn_fwd, fwd_flops, args, probe, note))
     except Exception as e:  # noqa: BLE001
         rows.append(f"| cuDNN forward | failed: {type(e).__name__}: {str(e)[:160]} | | | |")
@@ -186,7 +189,8 @@ def main() -> None:
     text = "\n\n".join("\n".join(t) for t in tables)
     print(text)
     if args.out:
-        Path(args.out, "backward_levers.md").write_text(f"# {__doc__.splitlines()[0]}\n\n{torch.cuda.get_device_name()}\n\n{text}\n")
+        head = f"# {__doc__.splitlines()[0]}\n\n{torch.cuda.get_device_name()}\n\n"
+        Path(args.out, "backward_levers.md").write_text(head + text + "\n")
 
 
 if __name__ == "__main__":

@@ -112,9 +112,10 @@ def _seq_first_like(t: Tensor, last: Optional[int] = None) -> Tensor:
 
 def _cudnn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Optional[tuple[Tensor, Tensor]]:
     """cuDNN's fused causal forward (the kernel SDPA picks on an H100) on the same views, with its log-sum-exp
-    for FlashAttention-4's backward; None where it does not apply (``PARATRON_ATTN_FWD=fa4``, head dims over
-    128) or its output is not sequence-first (it follows q's layout: then FlashAttention-4's forward runs)."""
-    if _FWD != "cudnn" or q.size(-1) > 128 or v.size(-1) != q.size(-1):
+    for FlashAttention-4's backward; None where it does not apply (``PARATRON_ATTN_FWD=fa4``, no cuDNN, head
+    dims over 128) or its output is not sequence-first (it follows q's layout: then FlashAttention-4's forward
+    runs; GPU tests: tests/gpu/test_flash_attention_cuda.py, test_rope_flash_cuda.py)."""
+    if _FWD != "cudnn" or q.size(-1) > 128 or v.size(-1) != q.size(-1) or not torch.backends.cudnn.is_available():
         return None
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True, False, scale=scale)[:2]

@@ -21,7 +21,11 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-try:  # optional: quack-kernels (Hopper); imported lazily by nothing else
+# the pre-activation's subtiles loaded ahead in the epilogue: quack's 2 (4 measured slower: the A / B pipeline
+# loses a stage, benchmarks/results/backward_levers_20261126_1440.md)
+C_STAGES = 2
+
+try:  # optional: quack-kernels (Hopper)
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -61,9 +65,9 @@ try:  # optional: quack-kernels (Hopper); imported lazily by nothing else
         epi_convert_postact = GemmDefaultEpiMixin.epi_convert_postact
 
     class GemmDGatedKeepSm90(_KeepActMixin, GemmSm90):
-        """``C_STAGES``: how many epilogue subtiles of the pre-activation (C) are loaded ahead (quack: 2);
-        the shared memory for more comes out of the A / B pipeline's stages."""
-        C_STAGES = 2
+        """``C_STAGES``: how many epilogue subtiles of the pre-activation (C) are loaded ahead; the shared
+        memory for more than quack's own choice comes out of the A / B pipeline's stages."""
+        C_STAGES = C_STAGES
 
         @classmethod
         def _compute_stages(cls, tile_mnk, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
@@ -84,9 +88,6 @@ try:  # optional: quack-kernels (Hopper); imported lazily by nothing else
     IMPORTED = True
 except Exception:  # noqa: BLE001 - quack / cutlass-dsl not installed, or not loadable on this machine
     IMPORTED = False
-
-
-C_STAGES = 2  # the pre-activation's subtiles loaded ahead in the epilogue (benchmarks/backward_levers.py)
 
 
 def available(t: Tensor) -> bool:
@@ -114,7 +115,8 @@ def _compiled(tile_mn: tuple, cluster_mn: tuple, pingpong: bool, a_major: str, b
 def gemm_dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, config, c_stages: int = C_STAGES) -> Tensor:
     """d pre-activation [M, 2F] (interleaved [g0, u0, ...], like ``pre``) of the SwiGLU MLP from fc2's
     output gradient ``dy`` [M, H], fc2's weight ``w2`` [H, F] and the kept pre-activation; ``config``: a
-    quack GemmConfig (tiles, cluster, ping-pong) or None for quack's default. Hopper bf16 only."""
+    quack GemmConfig (tiles, cluster, ping-pong; the scheduler is always the dynamic persistent one, as
+    quack's own dgated runs it) or None for quack's default. Hopper bf16 only."""
     if config is None:
         from quack.gemm_interface import default_config
         config = default_config(dy.device)
