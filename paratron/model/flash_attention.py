@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -110,6 +111,9 @@ def _seq_first_like(t: Tensor, last: Optional[int] = None) -> Tensor:
     return torch.empty(shape, dtype=t.dtype, device=t.device).transpose(0, 1)
 
 
+_cudnn_op = torch.ops.aten._scaled_dot_product_cudnn_attention
+
+
 def _cudnn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Optional[tuple[Tensor, Tensor]]:
     """cuDNN's fused causal forward (the kernel SDPA picks on an H100) on the same views, with its log-sum-exp
     for FlashAttention-4's backward; None where it does not apply (``PARATRON_ATTN_FWD=fa4``, no cuDNN, head
@@ -117,8 +121,13 @@ def _cudnn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Optional[tuple[
     runs; GPU tests: tests/gpu/test_flash_attention_cuda.py, test_rope_flash_cuda.py)."""
     if _FWD != "cudnn" or q.size(-1) > 128 or v.size(-1) != q.size(-1) or not torch.backends.cudnn.is_available():
         return None
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True, False, scale=scale)[:2]
+    try:
+        out, lse = _cudnn_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True, False,
+                             scale=scale)[:2]
+    except RuntimeError as e:  # a shape or cuDNN version without this kernel: FlashAttention-4's forward instead
+        warnings.warn(f"cuDNN attention forward unavailable here ({str(e).splitlines()[0][:120]}); "
+                      "using FlashAttention-4's forward", stacklevel=2)
+        return None
     out = out.transpose(1, 2)
     b, _, h, d = out.shape
     if out.stride() != (h * d, b * h * d, d, 1):  # [b, s, heads, d] viewing [s, b, heads, d] storage

@@ -124,3 +124,36 @@ def test_start_up_line_names_the_hopper_kernels_the_model_takes():
     model.decoder.layers[0].self_attention.flash = True
     model.decoder.final_layernorm.quack = True
     assert hopper_kernels([model]) == "FlashAttention-4 attention, quack RMSNorm"
+
+
+def _cudnn_returning(make_out):
+    """A stand-in for cuDNN's op: (out from ``make_out(q)``, lse [b, h, s, 1]) for q [b, h, s, d]."""
+    def op(q, k, v, *args, **kwargs):
+        return make_out(q), torch.zeros(*q.shape[:3], 1)
+    return op
+
+
+def test_cudnn_forward_is_taken_only_with_a_sequence_first_output_and_falls_back_on_errors(monkeypatch):
+    """``_cudnn_fwd`` (the CUDA forward's choice, run here on CPU tensors with the op stood in): cuDNN's
+    output [b, h, s, d] is used when it views sequence-first storage, with lse [b, h, s]; an output in another
+    layout, or an op that raises (a shape this cuDNN lacks: a warning), leaves the forward to FlashAttention-4."""
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(flash_attention, "_FWD", "cudnn")
+    s, b, h, d = 16, 2, 4, 8
+    q = torch.randn(s, b, h, d).transpose(0, 1)  # [b, s, h, d] views of sequence-first storage
+    k = v = torch.randn(s, b, 2, d).transpose(0, 1)
+    seq_first = _cudnn_returning(lambda q: torch.ones(s, b, h, d).permute(1, 2, 0, 3))  # [b, h, s, d] view
+    monkeypatch.setattr(flash_attention, "_cudnn_op", seq_first)
+    out, lse = flash_attention._cudnn_fwd(q, k, v, 0.5)
+    assert out.shape == (b, s, h, d) and out.transpose(0, 1).is_contiguous() and lse.shape == (b, h, s)
+    monkeypatch.setattr(flash_attention, "_cudnn_op", _cudnn_returning(lambda q: torch.ones(b, h, s, d)))
+    assert flash_attention._cudnn_fwd(q, k, v, 0.5) is None  # batch-first output: not what the layer reads
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: no engine for this graph\nmore")
+    monkeypatch.setattr(flash_attention, "_cudnn_op", unsupported)
+    with pytest.warns(UserWarning, match="cuDNN attention forward unavailable here"):
+        assert flash_attention._cudnn_fwd(q, k, v, 0.5) is None
+    monkeypatch.setattr(flash_attention, "_FWD", "fa4")
+    monkeypatch.setattr(flash_attention, "_cudnn_op", seq_first)
+    assert flash_attention._cudnn_fwd(q, k, v, 0.5) is None  # PARATRON_ATTN_FWD=fa4
