@@ -46,18 +46,14 @@ def dgated(args, probe) -> list:
     pre = torch.randn(T, 2 * F, device="cuda").bfloat16()
     flops = 2 * T * H * F
     rows = ["| dgated (fc2 dgrad + SwiGLU bwd, 32768 tokens) | TFLOP/s | MHz | W | check |", "|---|---|---|---|---|"]
-    variants = [(s, 4, None) for s in args.c_stages_specs]  # the pre-activation loaded further ahead
-    variants += [(s.split("/")[0], quack_dgated.C_STAGES, tuple(int(x) for x in s.split("/")[1].split("x")))
-                 for s in args.epi_specs]  # other epilogue subtiles, e.g. 128x128c2x1pp/64x64
-    for spec, stages, epi in variants:
+    for spec, stages in ((s, 4) for s in args.c_stages_specs):  # the pre-activation loaded further ahead
         try:
-            keep = quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec), stages, epi)
+            keep = quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec), stages)
             same = "bit-identical" if torch.equal(quack_gemm.gemm_dgated(dy, w2, pre, spec)[0], keep) else "DIFFERS"
-            rows.append(_row(f"keep-act {spec}, C stages {stages}, epilogue subtile {epi or 'quack'}",
-                             lambda: quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec), stages, epi),
-                             flops, args, probe, same))
+            rows.append(_row(f"keep-act {spec}, C stages {stages}", lambda: quack_dgated.gemm_dgated_keep(
+                dy, w2, pre, quack_gemm.config(spec), stages), flops, args, probe, same))
         except Exception as e:  # noqa: BLE001
-            rows.append(f"| {spec} C {stages} epi {epi} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
+            rows.append(f"| {spec} C {stages} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
         print(rows[-1], flush=True)
     for spec in args.dgated_specs:
         try:
@@ -179,7 +175,6 @@ def main() -> None:
     p.add_argument("--wgrad-specs", default=",".join(WGRAD))
     p.add_argument("--dgated-specs", default=",".join(DGATED))
     p.add_argument("--c-stages-specs", default="", help="dgated keep-act tiles also timed with 4 C stages")
-    p.add_argument("--epi-specs", default="", help="dgated keep-act TILES/EPI, e.g. 128x128c2x1pp/64x64")
     p.add_argument("--seconds", type=float, default=1.5)
     p.add_argument("--warm", type=float, default=0.75)
     p.add_argument("--out", default=None, help="directory for backward_levers.md")
@@ -188,7 +183,6 @@ def main() -> None:
     args.wgrad_specs = args.wgrad_specs.split(",")
     args.dgated_specs = [x for x in args.dgated_specs.split(",") if x]
     args.c_stages_specs = [x for x in args.c_stages_specs.split(",") if x]
-    args.epi_specs = [x for x in args.epi_specs.split(",") if x]
     probe = _nvml()
     tables = [{"dgated": dgated, "wgrad": wgrad, "attention": attention, "cudnn": cudnn}[part](args, probe)
               for part in args.only.split(",")]

@@ -66,15 +66,8 @@ try:  # optional: quack-kernels (Hopper)
 
     class GemmDGatedKeepSm90(_KeepActMixin, GemmSm90):
         """``C_STAGES``: how many epilogue subtiles of the pre-activation (C) are loaded ahead; the shared
-        memory for more than quack's own choice comes out of the A / B pipeline's stages. ``EPI_TILE``: the
-        epilogue's subtile (rows, columns of the output), None for quack's choice (64 x 32 at these tiles)."""
+        memory for more than quack's own choice comes out of the A / B pipeline's stages."""
         C_STAGES = C_STAGES
-        EPI_TILE = None
-
-        def _sm90_compute_tile_shape_or_override(self, tile_mnk, atom_layout_mnk, element_type=None,
-                                                 epi_tile_override=None):
-            return GemmSm90._sm90_compute_tile_shape_or_override(
-                tile_mnk, atom_layout_mnk, element_type, epi_tile_override or self.EPI_TILE)
 
         @classmethod
         def _compute_stages(cls, tile_mnk, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
@@ -87,11 +80,10 @@ try:  # optional: quack-kernels (Hopper)
             per_ab = (tile_mnk[0] * a_dtype.width + tile_mnk[1] * b_dtype.width) * tile_mnk[2] // 8
             return ab - math.ceil(more / per_ab), epi, cls.C_STAGES
 
-    def _kernel_class(c_stages: int, epi_tile: Optional[tuple]):
-        if c_stages == GemmDGatedKeepSm90.C_STAGES and epi_tile is None:
+    def _kernel_class(c_stages: int):
+        if c_stages == GemmDGatedKeepSm90.C_STAGES:
             return GemmDGatedKeepSm90
-        name = f"GemmDGatedKeepC{c_stages}E{'x'.join(map(str, epi_tile or ()))}Sm90"
-        return type(name, (GemmDGatedKeepSm90,), {"C_STAGES": c_stages, "EPI_TILE": epi_tile})
+        return type(f"GemmDGatedKeepC{c_stages}Sm90", (GemmDGatedKeepSm90,), {"C_STAGES": c_stages})
 
     IMPORTED = True
 except Exception:  # noqa: BLE001 - quack / cutlass-dsl not installed, or not loadable on this machine
@@ -105,12 +97,11 @@ def available(t: Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(tile_mn: tuple, cluster_mn: tuple, pingpong: bool, a_major: str, b_major: str, c_stages: int,
-              epi_tile: Optional[tuple]):
+def _compiled(tile_mn: tuple, cluster_mn: tuple, pingpong: bool, a_major: str, b_major: str, c_stages: int):
     """The compiled kernel for one configuration (d[gate, up] and the pre-activation n-major)."""
     bf16 = torch2cute_dtype_map[torch.bfloat16]
     mA, mB, mD, mC, *_ = make_fake_gemm_tensors(bf16, bf16, Float32, Float32, a_major, b_major, "n", "n")
-    cls = _kernel_class(c_stages, epi_tile)
+    cls = _kernel_class(c_stages)
     epi_args = cls.EpilogueArguments(dgate_fn_map["swiglu"])
 
     def set_implicit_dtype(gemm):
@@ -121,8 +112,7 @@ def _compiled(tile_mn: tuple, cluster_mn: tuple, pingpong: bool, a_major: str, b
         post_init=set_implicit_dtype)
 
 
-def gemm_dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, config, c_stages: int = C_STAGES,
-                     epi_tile: Optional[tuple] = None) -> Tensor:
+def gemm_dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, config, c_stages: int = C_STAGES) -> Tensor:
     """d pre-activation [M, 2F] (interleaved [g0, u0, ...], like ``pre``) of the SwiGLU MLP from fc2's
     output gradient ``dy`` [M, H], fc2's weight ``w2`` [H, F] and the kept pre-activation; ``config``: a
     quack GemmConfig (tiles, cluster, ping-pong; the scheduler is always the dynamic persistent one, as
@@ -137,7 +127,7 @@ def gemm_dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, config, c_stages: int 
     d = dpre.view(torch.float32).unsqueeze(0).permute(1, 2, 0)
     c = pre.view(torch.float32).unsqueeze(0).permute(1, 2, 0)
     kernel = _compiled((config.tile_m, config.tile_n), (config.cluster_m, config.cluster_n), config.pingpong,
-                       get_major(a, "m", "k"), get_major(b, "n", "k"), c_stages, epi_tile)
+                       get_major(a, "m", "k"), get_major(b, "n", "k"), c_stages)
     semaphore = torch.zeros(1, dtype=torch.int32, device=dy.device)
     clusters = get_max_active_clusters(config.cluster_m * config.cluster_n)
     epi_args = GemmDGatedKeepSm90.EpilogueArguments(None, rounding_mode=None, sr_seed=None)
