@@ -46,15 +46,6 @@ def dgated(args, probe) -> list:
     pre = torch.randn(T, 2 * F, device="cuda").bfloat16()
     flops = 2 * T * H * F
     rows = ["| dgated (fc2 dgrad + SwiGLU bwd, 32768 tokens) | TFLOP/s | MHz | W | check |", "|---|---|---|---|---|"]
-    for spec, stages in ((s, 4) for s in args.c_stages_specs):  # the pre-activation loaded further ahead
-        try:
-            keep = quack_dgated.gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec), stages)
-            same = "bit-identical" if torch.equal(quack_gemm.gemm_dgated(dy, w2, pre, spec)[0], keep) else "DIFFERS"
-            rows.append(_row(f"keep-act {spec}, C stages {stages}", lambda: quack_dgated.gemm_dgated_keep(
-                dy, w2, pre, quack_gemm.config(spec), stages), flops, args, probe, same))
-        except Exception as e:  # noqa: BLE001
-            rows.append(f"| {spec} C {stages} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
-        print(rows[-1], flush=True)
     for spec in args.dgated_specs:
         try:
             quack = (lambda: quack_gemm.gemm_dgated(dy, w2, pre, spec))  # noqa: E731
@@ -70,11 +61,6 @@ def dgated(args, probe) -> list:
     return rows
 
 
-def _quack_add(g, dy, x, spec, interleaved):
-    quack_gemm._gemm_raw(dy.t(), x, g, None, add_to_output=True, config=quack_gemm.config(spec),
-                         concat_layout=("out",) if interleaved else None)
-
-
 def wgrad(args, probe) -> list:
     rows = ["| weight gradient into fp32 main_grad | TFLOP/s | MHz | W | check |", "|---|---|---|---|---|"]
     for name, out_f, in_f, inter in args.shapes:
@@ -87,9 +73,9 @@ def wgrad(args, probe) -> list:
         for spec in args.wgrad_specs:
             try:
                 g.zero_()
-                _quack_add(g, dy, x, spec, inter)
+                quack_gemm.gemm_accumulate(g, dy, x, inter, spec)
                 err = ((g - ref).norm() / ref.norm()).item()
-                rows.append(_row(f"{name}: quack add {spec}", lambda: _quack_add(g, dy, x, spec, inter),
+                rows.append(_row(f"{name}: quack add {spec}", lambda: quack_gemm.gemm_accumulate(g, dy, x, inter, spec),
                                  flops, args, probe, f"rel. diff {err:.2e}"))
             except Exception as e:  # noqa: BLE001
                 rows.append(f"| {name}: quack {spec} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
@@ -174,7 +160,6 @@ def main() -> None:
     p.add_argument("--wgrad-shapes", default="fc1,fc2,qkv", help="of fc1, fc2, qkv, proj")
     p.add_argument("--wgrad-specs", default=",".join(WGRAD))
     p.add_argument("--dgated-specs", default=",".join(DGATED))
-    p.add_argument("--c-stages-specs", default="", help="dgated keep-act tiles also timed with 4 C stages")
     p.add_argument("--seconds", type=float, default=1.5)
     p.add_argument("--warm", type=float, default=0.75)
     p.add_argument("--out", default=None, help="directory for backward_levers.md")
@@ -182,7 +167,6 @@ def main() -> None:
     args.shapes = [SHAPES[n] for n in args.wgrad_shapes.split(",")]
     args.wgrad_specs = args.wgrad_specs.split(",")
     args.dgated_specs = [x for x in args.dgated_specs.split(",") if x]
-    args.c_stages_specs = [x for x in args.c_stages_specs.split(",") if x]
     probe = _nvml()
     tables = [{"dgated": dgated, "wgrad": wgrad, "attention": attention, "cudnn": cudnn}[part](args, probe)
               for part in args.only.split(",")]

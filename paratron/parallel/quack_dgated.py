@@ -10,20 +10,17 @@ epilogue: the same operations on the accumulator, the same d[gate, up] bit for b
 Only the epilogue's composition changes (quack builds a kernel's epilogue from a list of operations,
 ``_epi_ops``; the activation's store is one of them): the mainloop, tiles and scheduler are quack's. The
 kernel is compiled once per tile configuration and operand layout (CuTe DSL, at first use) and cached.
+(Measured and not kept: loading 4 pre-activation subtiles ahead instead of quack's 2, and other epilogue
+subtiles; benchmarks/results/backward_levers_20261126_1440.md, _1525.md.)
 Hopper (compute capability 9.0) and bf16 only; ``available()`` says whether it can run here.
 """
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
-
-# the pre-activation's subtiles loaded ahead in the epilogue: quack's 2 (4 measured slower: the A / B pipeline
-# loses a stage, benchmarks/results/backward_levers_20261126_1440.md)
-C_STAGES = 2
 
 try:  # optional: quack-kernels (Hopper)
     import cutlass
@@ -65,25 +62,7 @@ try:  # optional: quack-kernels (Hopper)
         epi_convert_postact = GemmDefaultEpiMixin.epi_convert_postact
 
     class GemmDGatedKeepSm90(_KeepActMixin, GemmSm90):
-        """``C_STAGES``: how many epilogue subtiles of the pre-activation (C) are loaded ahead; the shared
-        memory for more than quack's own choice comes out of the A / B pipeline's stages."""
-        C_STAGES = C_STAGES
-
-        @classmethod
-        def _compute_stages(cls, tile_mnk, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
-                            smem_capacity, occupancy):
-            ab, epi, c = super()._compute_stages(tile_mnk, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype,
-                                                 epilogue_args, smem_capacity, occupancy)
-            if c_dtype is None or cls.C_STAGES <= c:
-                return ab, epi, c
-            more = cute.size(epi_tile) * c_dtype.width // 8 * (cls.C_STAGES - c)
-            per_ab = (tile_mnk[0] * a_dtype.width + tile_mnk[1] * b_dtype.width) * tile_mnk[2] // 8
-            return ab - math.ceil(more / per_ab), epi, cls.C_STAGES
-
-    def _kernel_class(c_stages: int):
-        if c_stages == GemmDGatedKeepSm90.C_STAGES:
-            return GemmDGatedKeepSm90
-        return type(f"GemmDGatedKeepC{c_stages}Sm90", (GemmDGatedKeepSm90,), {"C_STAGES": c_stages})
+        pass
 
     IMPORTED = True
 except Exception:  # noqa: BLE001 - quack / cutlass-dsl not installed, or not loadable on this machine
@@ -97,22 +76,21 @@ def available(t: Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(tile_mn: tuple, cluster_mn: tuple, pingpong: bool, a_major: str, b_major: str, c_stages: int):
+def _compiled(tile_mn: tuple, cluster_mn: tuple, pingpong: bool, a_major: str, b_major: str):
     """The compiled kernel for one configuration (d[gate, up] and the pre-activation n-major)."""
     bf16 = torch2cute_dtype_map[torch.bfloat16]
     mA, mB, mD, mC, *_ = make_fake_gemm_tensors(bf16, bf16, Float32, Float32, a_major, b_major, "n", "n")
-    cls = _kernel_class(c_stages)
-    epi_args = cls.EpilogueArguments(dgate_fn_map["swiglu"])
+    epi_args = GemmDGatedKeepSm90.EpilogueArguments(dgate_fn_map["swiglu"])
 
     def set_implicit_dtype(gemm):
         gemm.implicit_dtype = bf16
     return compile_gemm_kernel(
-        cls, bf16, tile_mn, (*cluster_mn, 1), pingpong, True, False, True, (9, 0),
+        GemmDGatedKeepSm90, bf16, tile_mn, (*cluster_mn, 1), pingpong, True, False, True, (9, 0),
         mA, mB, mD, mC, epi_args, make_fake_scheduler_args(True, False, cute.sym_int()), None,
         post_init=set_implicit_dtype)
 
 
-def gemm_dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, config, c_stages: int = C_STAGES) -> Tensor:
+def gemm_dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, config) -> Tensor:
     """d pre-activation [M, 2F] (interleaved [g0, u0, ...], like ``pre``) of the SwiGLU MLP from fc2's
     output gradient ``dy`` [M, H], fc2's weight ``w2`` [H, F] and the kept pre-activation; ``config``: a
     quack GemmConfig (tiles, cluster, ping-pong; the scheduler is always the dynamic persistent one, as
@@ -127,7 +105,7 @@ def gemm_dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, config, c_stages: int 
     d = dpre.view(torch.float32).unsqueeze(0).permute(1, 2, 0)
     c = pre.view(torch.float32).unsqueeze(0).permute(1, 2, 0)
     kernel = _compiled((config.tile_m, config.tile_n), (config.cluster_m, config.cluster_n), config.pingpong,
-                       get_major(a, "m", "k"), get_major(b, "n", "k"), c_stages)
+                       get_major(a, "m", "k"), get_major(b, "n", "k"))
     semaphore = torch.zeros(1, dtype=torch.int32, device=dy.device)
     clusters = get_max_active_clusters(config.cluster_m * config.cluster_n)
     epi_args = GemmDGatedKeepSm90.EpilogueArguments(None, rounding_mode=None, sr_seed=None)
