@@ -18,6 +18,7 @@ Each timed back to back after a warm-up at the cap (benchmarks/gemm_power.py's `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -57,6 +58,11 @@ def dgated(args, probe) -> list:
             rows.append(_row(f"keep-act {spec}", keep, flops, args, probe, same))
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile: say so, go on
             rows.append(f"| {spec} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
+        print(rows[-1], flush=True)
+    for swizzle in args.dgated_swizzles:  # the scheduler's swizzle (a runtime argument: no new kernel)
+        cfg = dataclasses.replace(quack_gemm.config(args.dgated_specs[0]), max_swizzle_size=swizzle)
+        rows.append(_row(f"keep-act {args.dgated_specs[0]} swizzle {swizzle}",
+                         lambda: quack_dgated.gemm_dgated_keep(dy, w2, pre, cfg), flops, args, probe))
         print(rows[-1], flush=True)
     return rows
 
@@ -160,6 +166,8 @@ def main() -> None:
     p.add_argument("--wgrad-shapes", default="fc1,fc2,qkv", help="of fc1, fc2, qkv, proj")
     p.add_argument("--wgrad-specs", default=",".join(WGRAD))
     p.add_argument("--dgated-specs", default=",".join(DGATED))
+    p.add_argument("--dgated-swizzles", default="", help="the first spec's keep-act kernel at these scheduler "
+                   "swizzle sizes (quack's default 8), e.g. 1,2,4,16")
     p.add_argument("--seconds", type=float, default=1.5)
     p.add_argument("--warm", type=float, default=0.75)
     p.add_argument("--out", default=None, help="directory for backward_levers.md")
@@ -167,6 +175,7 @@ def main() -> None:
     args.shapes = [SHAPES[n] for n in args.wgrad_shapes.split(",")]
     args.wgrad_specs = args.wgrad_specs.split(",")
     args.dgated_specs = [x for x in args.dgated_specs.split(",") if x]
+    args.dgated_swizzles = [int(x) for x in args.dgated_swizzles.split(",") if x]
     probe = _nvml()
     tables = [{"dgated": dgated, "wgrad": wgrad, "attention": attention, "cudnn": cudnn}[part](args, probe)
               for part in args.only.split(",")]
