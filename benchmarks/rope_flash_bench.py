@@ -43,43 +43,11 @@ def _attention(qpg: int, fused: bool):
         else unfused, fullgraph=True)
 
 
-def _arith_rows(args, qkv5, c2, s2, dq, dqkv, nbytes) -> list:
-    """Each rounding mode of ``args.arith`` for both kernels: ms, TB/s and whether the output equals the torch
-    expressions' bit for bit."""
-    out = []
-    q_ref, k_ref = rope_kernels.rotate_qk_ref(qkv5, c2, s2)
-    dqkv.normal_()
-    d_ref = dqkv.clone()
-    rope_kernels.unrotate_into_ref_(d_ref, dq, c2, s2)
-    before = rope_kernels.FWD_ARITH, rope_kernels.BWD_ARITH
-    for mode in filter(None, args.arith.split(",")):
-        rope_kernels.FWD_ARITH = rope_kernels.BWD_ARITH = int(mode)
-        try:
-            q, k = rope_kernels.rotate_qk(qkv5, c2, s2)
-            fwd_same = torch.equal(q, q_ref) and torch.equal(k, k_ref)
-            d = dqkv.clone()
-            rope_kernels.unrotate_into_(d, dq, c2, s2)
-            bwd_same = torch.equal(d, d_ref)
-            ms_f = cuda_ms(lambda: rope_kernels.rotate_qk(qkv5, c2, s2))
-            ms_b = cuda_ms(lambda: rope_kernels.unrotate_into_(d, dq, c2, s2))
-            for name, ms, same in (("rotate_qk", ms_f, fwd_same), ("unrotate_into_", ms_b, bwd_same)):
-                out.append(f"| {name} ARITH {mode} ({'bit-exact' if same else 'NOT EXACT'}) | {ms:.4f} | "
-                           f"{nbytes / 1e9:.3f} | {nbytes / ms / 1e9:.2f} |")
-                print(out[-1], flush=True)
-        except Exception as e:  # noqa: BLE001 - a mode that does not compile: say so, go on
-            out.append(f"| ARITH {mode} failed: {type(e).__name__}: {str(e)[:150]} | | | |")
-            print(out[-1], flush=True)
-    rope_kernels.FWD_ARITH, rope_kernels.BWD_ARITH = before
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--record-dir", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--shape", default="16,2048,8,4,64", help="micro-batch,seq,groups,queries per group,head dim")
     p.add_argument("--sweep", action="store_true", help="also the kernels at other BLOCK_T / num_warps")
-    p.add_argument("--arith", default="", help="also these rounding modes of the kernels (rope_kernels.FWD_ARITH), "
-                   "each checked bit for bit against the torch expressions, e.g. 0,1,2,3")
     args = p.parse_args()
     b, s, groups, qpg, d = (int(x) for x in args.shape.split(","))
     qkv5 = torch.randn(s, b, groups, qpg + 2, d, device="cuda").bfloat16().requires_grad_()
@@ -112,7 +80,6 @@ def main() -> None:
         row("rope_kernels.unrotate_into_" + tag, cuda_ms(lambda: rope_kernels.unrotate_into_(dqkv, dq, c2, s2)),
             2 * qkv_rot)
     rope_kernels.BLOCK_T, rope_kernels.NUM_WARPS = default
-    rows += _arith_rows(args, qkv5.detach(), c2, s2, dq, dqkv, 2 * qkv_rot)
     dy = torch.randn(s, b, heads * d, device="cuda").bfloat16()
     att = ["", "| attention fwd + bwd | ms |", "|---|---|"]
     for name, fused in (("compiled apply_rotary + causal_attention", False), ("rotary_causal_attention", True)):

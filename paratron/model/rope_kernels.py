@@ -46,10 +46,6 @@ except ImportError:  # CPU-only installs
 
 BLOCK_T = 64  # tokens (rows of [s * b]) per program; each program does one group's heads of them
 NUM_WARPS = 4  # (benchmarks/rope_flash_bench.py --sweep times other values)
-# How each kernel rounds as torch does on the GPU (``_round``, ``_mul_add``): 0 by the bits, 1 by the rounding
-# conversion instruction, 2 in the tensors' own dtype, 3 by the two-lane conversion instruction. The forward
-# ran at 0.90 against 0.16 ms alone with 1 (rope_flash_20261126_125000.md); the backward 0.133 against 0.162.
-FWD_ARITH, BWD_ARITH = 0, 1
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -98,17 +94,14 @@ if triton is not None:
     _BY_BITS = tl.constexpr(_INTERPRET)
 
     @triton.jit
-    def _round(x, dtype: tl.constexpr, ARITH: tl.constexpr):
+    def _round(x, dtype: tl.constexpr):
         """fp32 ``x`` rounded to ``dtype`` (to nearest, ties to even), kept in fp32. bf16 on the GPU by the
-        conversion instruction that rounds so (``cvt.rn.bf16.f32``, ARITH 1; Triton's own cast there and back
-        was not bit-exact against torch: tests/gpu/test_rope_flash_cuda.py failed with it at e1a62d0), or by its
-        two-lane form (``cvt.rn.bf16x2.f32``, ARITH 3); under Triton's CPU interpreter, which truncates such
-        casts and runs no PTX, and with ARITH 0 on the GPU too, by the bits (several integer operations per
-        value)."""
-        if dtype == tl.bfloat16 and not _BY_BITS and ARITH == 1:
-            return tl.inline_asm_elementwise("cvt.rn.bf16.f32 $0, $1;", "=h,r", [x], dtype=tl.bfloat16,
-                                             is_pure=True, pack=1).to(tl.float32)
-        elif dtype == tl.bfloat16 and not _BY_BITS and ARITH == 3:
+        two-lane conversion instruction that rounds so (``cvt.rn.bf16x2.f32``); Triton's own cast there and back
+        was not bit-exact against torch (tests/gpu/test_rope_flash_cuda.py failed with it at e1a62d0), rounding
+        by the bits ran at ~2 TB/s (the forward 0.171 against 0.133 ms alone, the one-lane instruction 0.135;
+        rope_flash_20261126_160236.md). Under Triton's CPU interpreter, which truncates such casts and runs no
+        PTX, by the bits (several integer operations per value)."""
+        if dtype == tl.bfloat16 and not _BY_BITS:
             return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=tl.bfloat16,
                                              is_pure=True, pack=2).to(tl.float32)
         elif dtype == tl.bfloat16:
@@ -119,48 +112,30 @@ if triton is not None:
             return x.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _sum_as_torch(a, b, dtype: tl.constexpr, ARITH: tl.constexpr):
-        """a + b of two fp32 products as torch computes them in ``dtype``: each rounded to it, then the sum
-        rounded (returned in fp32, exactly representable in ``dtype``)."""
-        return _round(_round(a, dtype, ARITH) + _round(b, dtype, ARITH), dtype, ARITH)
+    def _as(x, dtype: tl.constexpr):
+        """A loaded tile in fp32, rounded to ``dtype``'s values (cos / sin as ``cos.to(x.dtype)``)."""
+        return _round(x.to(tl.float32), dtype)
 
     @triton.jit
-    def _as(x, dtype: tl.constexpr, ARITH: tl.constexpr):
-        """A loaded tile as the arithmetic takes it: in ``dtype`` itself with ARITH 2 (cos / sin rounded to
-        nearest into it), else in fp32 rounded to ``dtype``'s values."""
-        if ARITH == 2 and dtype != tl.float32 and x.dtype != dtype:
-            return x.to(tl.float32).to(dtype, fp_downcast_rounding="rtne")
-        elif ARITH == 2:
-            return x.to(dtype)
-        return _round(x.to(tl.float32), dtype, ARITH)
-
-    @triton.jit
-    def _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF: tl.constexpr, mask, dtype: tl.constexpr,
-                 ARITH: tl.constexpr):
-        """cos and sin of the tiles' rows, each half [BLOCK_T, BLOCK_H], rounded to ``dtype`` (as
-        ``cos.to(x.dtype)``; see ``_as``)."""
+    def _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF: tl.constexpr, mask, dtype: tl.constexpr):
+        """cos and sin of the tiles' rows, each half [BLOCK_T, BLOCK_H], rounded to ``dtype``, in fp32."""
         c = cos_ptr + (pos * sc_s)[:, None] + cols[None, :]
         s = sin_ptr + (pos * ss_s)[:, None] + cols[None, :]
-        return (_as(tl.load(c, mask=mask), dtype, ARITH), _as(tl.load(c + HALF, mask=mask), dtype, ARITH),
-                _as(tl.load(s, mask=mask), dtype, ARITH), _as(tl.load(s + HALF, mask=mask), dtype, ARITH))
+        return (_as(tl.load(c, mask=mask), dtype), _as(tl.load(c + HALF, mask=mask), dtype),
+                _as(tl.load(s, mask=mask), dtype), _as(tl.load(s + HALF, mask=mask), dtype))
 
     @triton.jit
-    def _mul_add(a, ca, b, sb, NEG: tl.constexpr, dtype: tl.constexpr, ARITH: tl.constexpr):
-        """a * ca + b * sb (NEG: a * ca - b * sb) as torch computes it in ``dtype``: each product rounded to
-        it, then the sum; returned in ``dtype``. ARITH 2: ``dtype``'s own operations (each rounds to nearest;
-        the launch turns off the fusion into one fma), else fp32 products (exact for bf16 operands) with
-        ``_round``."""
-        if ARITH == 2:
-            p = a * ca
-            q = b * sb
-            return p - q if NEG else p + q
-        q = b * sb
-        return _sum_as_torch(a * ca, -q if NEG else q, dtype, ARITH).to(dtype)
+    def _mul_add(a, ca, b, sb, NEG: tl.constexpr, dtype: tl.constexpr):
+        """a * ca + b * sb (NEG: a * ca - b * sb) of fp32 tiles holding ``dtype`` values, as torch computes it
+        in ``dtype``: each product (exact in fp32 for bf16 operands) rounded to it, then the sum; returned in
+        ``dtype``."""
+        q = _round(b * sb, dtype)
+        q = -q if NEG else q
+        return _round(_round(a * ca, dtype) + q, dtype).to(dtype)
 
     @triton.jit
     def _rotate_fwd(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, n_rows, batch, sx_s, sx_b, sx_g, sx_j, sc_s, ss_s,
-                    QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                    ARITH: tl.constexpr):
+                    QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
         """One group's query heads and key head of BLOCK_T tokens: out = [x1 c1 - x2 s1, x2 c2 + x1 s2]
         into q [s * b, groups * QPG, 2 * HALF] and k [s * b, groups, 2 * HALF] (contiguous)."""
         rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -170,23 +145,22 @@ if triton is not None:
         mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
         pos = rows // batch
         dtype = q_ptr.dtype.element_ty
-        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype, ARITH)
+        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype)
         src = x_ptr + (pos * sx_s + (rows % batch) * sx_b + g * sx_g)[:, None] + cols[None, :]
         for j in tl.static_range(QPG + 1):
-            x1 = _as(tl.load(src + j * sx_j, mask=mask), dtype, ARITH)
-            x2 = _as(tl.load(src + j * sx_j + HALF, mask=mask), dtype, ARITH)
+            x1 = _as(tl.load(src + j * sx_j, mask=mask), dtype)
+            x2 = _as(tl.load(src + j * sx_j + HALF, mask=mask), dtype)
             if j < QPG:
                 dst = q_ptr + ((rows * groups + g) * QPG + j)[:, None] * (2 * HALF) + cols[None, :]
             else:
                 dst = k_ptr + (rows * groups + g)[:, None] * (2 * HALF) + cols[None, :]
-            tl.store(dst, _mul_add(x1, c1, x2, s1, True, dtype, ARITH), mask=mask)
-            tl.store(dst + HALF, _mul_add(x2, c2, x1, s2, False, dtype, ARITH), mask=mask)
+            tl.store(dst, _mul_add(x1, c1, x2, s1, True, dtype), mask=mask)
+            tl.store(dst + HALF, _mul_add(x2, c2, x1, s2, False, dtype), mask=mask)
 
     @triton.jit
     def _rotate_bwd(dq_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, batch, sq_s, sq_b, sq_h,
                     sx_s, sx_b, sx_g, sx_j, sc_s, ss_s,
-                    QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                    ARITH: tl.constexpr):
+                    QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
         """The rotation's backward d = [g1 c1 + g2 s2, g2 c2 - g1 s1] for one group of BLOCK_T tokens: of dq's
         heads into dx's query slots, and of dx's key slot in place (each element read, then written, by the
         same program)."""
@@ -196,17 +170,17 @@ if triton is not None:
         mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
         pos, b = rows // batch, rows % batch
         dtype = dx_ptr.dtype.element_ty
-        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype, ARITH)
+        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype)
         dst = dx_ptr + (pos * sx_s + b * sx_b + g * sx_g)[:, None] + cols[None, :]
         for j in tl.static_range(QPG + 1):
             if j < QPG:
                 src = dq_ptr + (pos * sq_s + b * sq_b + (g * QPG + j) * sq_h)[:, None] + cols[None, :]
             else:
                 src = dst + QPG * sx_j
-            g1 = _as(tl.load(src, mask=mask), dtype, ARITH)
-            g2 = _as(tl.load(src + HALF, mask=mask), dtype, ARITH)
-            tl.store(dst + j * sx_j, _mul_add(g1, c1, g2, s2, False, dtype, ARITH), mask=mask)
-            tl.store(dst + j * sx_j + HALF, _mul_add(g2, c2, g1, s1, True, dtype, ARITH), mask=mask)
+            g1 = _as(tl.load(src, mask=mask), dtype)
+            g2 = _as(tl.load(src + HALF, mask=mask), dtype)
+            tl.store(dst + j * sx_j, _mul_add(g1, c1, g2, s2, False, dtype), mask=mask)
+            tl.store(dst + j * sx_j + HALF, _mul_add(g2, c2, g1, s1, True, dtype), mask=mask)
 
 
 def _on(t: Tensor):
@@ -214,14 +188,10 @@ def _on(t: Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _launch_args(x5: Tensor, cos: Tensor, sin: Tensor, arith: int) -> tuple:
+def _launch_args(x5: Tensor, cos: Tensor, sin: Tensor) -> tuple:
     s, b, groups, qpg, d = _split(x5)
     grid = (triton.cdiv(s * b, BLOCK_T), groups)
-    arith = 0 if _INTERPRET else arith  # the interpreter: by the bits (it truncates casts, runs no PTX)
-    meta = dict(QPG=qpg, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), BLOCK_T=BLOCK_T, ARITH=arith,
-                num_warps=NUM_WARPS)
-    if arith == 2:
-        meta["enable_fp_fusion"] = False  # a product and the sum fused into one fma would round once
+    meta = dict(QPG=qpg, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), BLOCK_T=BLOCK_T, num_warps=NUM_WARPS)
     return grid, (s * b, b), (*x5.stride()[:4], cos.stride(0), sin.stride(0)), meta
 
 
@@ -234,7 +204,7 @@ def rotate_qk(qkv5: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     q = qkv5.new_empty(s, b, groups * qpg, d)
     k = qkv5.new_empty(s, b, groups, d)
     if q.numel():
-        grid, sizes, strides, meta = _launch_args(qkv5, cos, sin, FWD_ARITH)
+        grid, sizes, strides, meta = _launch_args(qkv5, cos, sin)
         with _on(qkv5):
             _rotate_fwd[grid](qkv5, cos, sin, q, k, *sizes, *strides, **meta)
     return q, k
@@ -247,6 +217,6 @@ def unrotate_into_(dqkv: Tensor, dq: Tensor, cos: Tensor, sin: Tensor) -> None:
     if not usable(dqkv, dq, cos, sin) or dqkv.size(-1) % 2 or dq.dtype != dqkv.dtype:
         return unrotate_into_ref_(dqkv, dq, cos, sin)
     if dqkv.numel():
-        grid, sizes, strides, meta = _launch_args(dqkv, cos, sin, BWD_ARITH)
+        grid, sizes, strides, meta = _launch_args(dqkv, cos, sin)
         with _on(dqkv):
             _rotate_bwd[grid](dq, cos, sin, dqkv, *sizes, *dq.stride()[:3], *strides, **meta)
