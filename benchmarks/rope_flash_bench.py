@@ -43,42 +43,11 @@ def _attention(qpg: int, fused: bool):
         else unfused, fullgraph=True)
 
 
-def _dq_rows(qpg, qkv5, cos, sin, c2, s2, dy, dqkv) -> list:
-    """dQ from FlashAttention-4's fp32 accumulator into the QKV gradient: its postprocess kernel + the rotation's
-    backward of dq and dk, against ``unrotate_accum_into_`` (each way of reading the accumulator, 4 / 8 warps)
-    + the key slot's rotation alone."""
-    conv = flash_dq.caught_conversion(lambda: torch.autograd.backward(_attention(qpg, False)(qkv5, cos, sin), dy))
-    order = flash_dq.learned_order(conv, torch.bfloat16)
-    accum, dq = torch.randn_like(conv["accum"]), torch.empty_like(conv["output"])
-    convert = flash_dq._fa_iface._bwd_postprocess_convert
-    nbytes = accum.numel() * 4 + dqkv[:, :, :, :qpg].numel() * 2 + 2 * dqkv[:, :, :, qpg].numel() * 2
-
-    def unfused():
-        convert(**{**conv, "accum": accum, "output": dq})
-        rope_kernels.unrotate_into_(dqkv, dq.transpose(0, 1), c2, s2)
-
-    def fused():
-        rope_kernels.unrotate_accum_into_(dqkv, accum, order, conv["scale"], c2, s2)
-        rope_kernels.unrotate_into_(dqkv, None, c2, s2)
-    out = []
-    for name, fn, gather, warps in [("FA4 postprocess + unrotate_into_", unfused, True, 8)] + [
-            (f"unrotate_accum_into_ ({'gather' if g else 'loads'}, {w} warps) + key slot", fused, g, w)
-            for g in (True, False) for w in (4, 8)]:
-        rope_kernels.ACCUM_GATHER, rope_kernels.ACCUM_WARPS = gather, warps
-        ms = cuda_ms(fn)
-        out.append(f"| {name} | {ms:.4f} | {nbytes / 1e9:.3f} | {nbytes / ms / 1e9:.2f} |")
-        print(out[-1], flush=True)
-    rope_kernels.ACCUM_GATHER, rope_kernels.ACCUM_WARPS = True, 8
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--record-dir", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--shape", default="16,2048,8,4,64", help="micro-batch,seq,groups,queries per group,head dim")
     p.add_argument("--sweep", action="store_true", help="also the kernels at other BLOCK_T / num_warps")
-    p.add_argument("--by-pos", default="", help="also the kernels' programs over these numbers of positions x the "
-                   "whole batch (rope_kernels.BY_POS), e.g. 4,8,16")
     args = p.parse_args()
     b, s, groups, qpg, d = (int(x) for x in args.shape.split(","))
     qkv5 = torch.randn(s, b, groups, qpg + 2, d, device="cuda").bfloat16().requires_grad_()
@@ -111,18 +80,7 @@ def main() -> None:
         row("rope_kernels.unrotate_into_" + tag, cuda_ms(lambda: rope_kernels.unrotate_into_(dqkv, dq, c2, s2)),
             2 * qkv_rot)
     rope_kernels.BLOCK_T, rope_kernels.NUM_WARPS = default
-    for pos_block, warps in [(int(x), w) for x in filter(None, args.by_pos.split(",")) for w in (4, 8)]:
-        rope_kernels.BY_POS, rope_kernels.POS_BLOCK, rope_kernels.NUM_WARPS = True, pos_block, warps
-        tag = f" (by position, {pos_block} positions, {warps} warps)"
-        q_ref = rope_kernels.rotate_qk_ref(qkv5.detach(), c2, s2)[0]
-        same = "" if torch.equal(rope_kernels.rotate_qk(qkv5.detach(), c2, s2)[0], q_ref) else " NOT EXACT"
-        row("rope_kernels.rotate_qk" + tag + same, cuda_ms(lambda: rope_kernels.rotate_qk(qkv5.detach(), c2, s2)),
-            2 * qkv_rot)
-        row("rope_kernels.unrotate_into_" + tag, cuda_ms(lambda: rope_kernels.unrotate_into_(dqkv, dq, c2, s2)),
-            2 * qkv_rot)
-    rope_kernels.BY_POS, rope_kernels.NUM_WARPS = False, default[1]
     dy = torch.randn(s, b, heads * d, device="cuda").bfloat16()
-    rows += _dq_rows(qpg, qkv5, cos, sin, c2, s2, dy, dqkv)
     att = ["", "| attention fwd + bwd | ms |", "|---|---|"]
     for name, fused, dq_direct in (("compiled apply_rotary + causal_attention", False, True),
                                    ("rotary_causal_attention, dq via FlashAttention-4's postprocess", True, False),

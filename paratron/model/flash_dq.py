@@ -38,7 +38,6 @@ except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not 
 ENABLED = os.environ.get("PARATRON_ROPE_DQ", "1") != "0"  # read once, like the other switches
 # the conversion's arguments that this module reads or sets; the others (tile, threads, MMA layout) it passes on
 _NAMES = {"accum", "output", "scale", "cu_seqlens", "seqused", "hdim", "block_size"}
-_PASSED_ON_NOT = ("accum", "output", "scale", "cu_seqlens", "seqused")  # per call, not the kernel's configuration
 
 
 def _takes(iface) -> bool:
@@ -90,7 +89,7 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             return original(*args, **kwargs)  # dK / dV (or not the call this module expects)
         taken.append(False)
         try:
-            rest = tuple((n, x) for n, x in a.items() if n not in _PASSED_ON_NOT)
+            rest = tuple((n, x) for n, x in a.items() if n not in ("accum", "output", "scale", "cu_seqlens", "seqused"))
             perm = _accum_order(original, rest, q.device, q.dtype)
         except Exception as e:  # noqa: BLE001 - the unfused path then, and say why
             warnings.warn(f"dq from FlashAttention-4's accumulator: {type(e).__name__}: {e}; the unfused path")
@@ -109,28 +108,3 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     if not taken:
         warnings.warn("FlashAttention-4 did not convert dQ as flash_dq expects: the unfused path")
     return dq.transpose(0, 1)
-
-
-def caught_conversion(run) -> dict:
-    """The arguments (by name) of FlashAttention-4's first accumulator conversion (dQ's) while ``run()`` runs a
-    backward, for the tests and benchmarks that check or time the two ways against each other."""
-    original, calls = _fa_iface._bwd_postprocess_convert, []
-
-    def spy(*args, **kwargs):
-        calls.append((args, kwargs))
-        return original(*args, **kwargs)
-    spy.compile_cache = original.compile_cache
-    _fa_iface._bwd_postprocess_convert = spy
-    try:
-        run()
-    finally:
-        _fa_iface._bwd_postprocess_convert = original
-    bound = inspect.signature(original).bind(*calls[0][0], **calls[0][1])
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def learned_order(conversion: dict, dtype: torch.dtype) -> Tensor:
-    """``_accum_order`` for the conversion arguments of ``caught_conversion``."""
-    rest = tuple((n, x) for n, x in conversion.items() if n not in _PASSED_ON_NOT)
-    return _accum_order(_fa_iface._bwd_postprocess_convert, rest, conversion["accum"].device, dtype)

@@ -47,8 +47,6 @@ except ImportError:  # CPU-only installs
 
 BLOCK_T = 64  # tokens (rows of [s * b]) per program; each program does one group's heads of them
 NUM_WARPS = 4  # (benchmarks/rope_flash_bench.py --sweep times other values)
-BY_POS, POS_BLOCK = False, 16  # programs over POS_BLOCK positions x the whole batch (cos / sin loaded once) instead
-ACCUM_GATHER, ACCUM_WARPS = True, 8  # unrotate_accum_into_: how it reads the accumulator (see _unrotate_accum)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -152,10 +150,19 @@ if triton is not None:
         return _round(_round(a * ca, dtype) + q, dtype).to(dtype)
 
     @triton.jit
-    def _fwd_rows(x_ptr, q_ptr, k_ptr, rows, pos, bi, g, groups, mask, cols, c1, c2, s1, s2, sx_s, sx_b, sx_g,
-                  sx_j, QPG: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr):
-        """The forward rotation of rows ``rows`` (tokens at ``pos``, batch index ``bi``) of group ``g``."""
-        src = x_ptr + (pos * sx_s + bi * sx_b + g * sx_g)[:, None] + cols[None, :]
+    def _rotate_fwd(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, n_rows, batch, sx_s, sx_b, sx_g, sx_j, sc_s, ss_s,
+                    QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+        """One group's query heads and key head of BLOCK_T tokens: out = [x1 c1 - x2 s1, x2 c2 + x1 s2]
+        into q [s * b, groups * QPG, 2 * HALF] and k [s * b, groups, 2 * HALF] (contiguous)."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        g = tl.program_id(1).to(tl.int64)
+        groups = tl.num_programs(1)
+        cols = tl.arange(0, BLOCK_H)
+        mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
+        pos = rows // batch
+        dtype = q_ptr.dtype.element_ty
+        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype)
+        src = x_ptr + (pos * sx_s + (rows % batch) * sx_b + g * sx_g)[:, None] + cols[None, :]
         for j in tl.static_range(QPG + 1):
             x1 = _as(tl.load(src + j * sx_j, mask=mask), dtype)
             x2 = _as(tl.load(src + j * sx_j + HALF, mask=mask), dtype)
@@ -167,37 +174,23 @@ if triton is not None:
             tl.store(dst + HALF, _mul_add(x2, c2, x1, s2, False, dtype), mask=mask)
 
     @triton.jit
-    def _rotate_fwd(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, n_rows, batch, sx_s, sx_b, sx_g, sx_j, sc_s, ss_s,
-                    QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BY_POS: tl.constexpr):
-        """One group's query heads and key head of BLOCK_T tokens (BY_POS: of BLOCK_T positions, every batch
-        index, cos / sin loaded once): out = [x1 c1 - x2 s1, x2 c2 + x1 s2] into q [s * b, groups * QPG,
-        2 * HALF] and k [s * b, groups, 2 * HALF] (contiguous)."""
-        blk = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    def _rotate_bwd(dq_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, batch, sq_s, sq_b, sq_h,
+                    sx_s, sx_b, sx_g, sx_j, sc_s, ss_s,
+                    QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+        """The rotation's backward d = [g1 c1 + g2 s2, g2 c2 - g1 s1] for one group of BLOCK_T tokens: of dq's
+        heads into dx's query slots, and of dx's key slot in place (each element read, then written, by the
+        same program)."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         g = tl.program_id(1).to(tl.int64)
-        groups = tl.num_programs(1)
         cols = tl.arange(0, BLOCK_H)
-        dtype = q_ptr.dtype.element_ty
-        if BY_POS:
-            mask = (blk < n_rows // batch)[:, None] & (cols < HALF)[None, :]
-            c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, blk, sc_s, ss_s, cols, HALF, mask, dtype)
-            for bi in range(batch):
-                _fwd_rows(x_ptr, q_ptr, k_ptr, blk * batch + bi, blk, bi, g, groups, mask, cols, c1, c2, s1, s2,
-                          sx_s, sx_b, sx_g, sx_j, QPG, HALF, dtype)
-        else:
-            mask = (blk < n_rows)[:, None] & (cols < HALF)[None, :]
-            c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, blk // batch, sc_s, ss_s, cols, HALF, mask, dtype)
-            _fwd_rows(x_ptr, q_ptr, k_ptr, blk, blk // batch, blk % batch, g, groups, mask, cols, c1, c2, s1, s2,
-                      sx_s, sx_b, sx_g, sx_j, QPG, HALF, dtype)
-
-    @triton.jit
-    def _bwd_rows(dq_ptr, dx_ptr, pos, bi, g, mask, cols, c1, c2, s1, s2, sq_s, sq_b, sq_h, sx_s, sx_b, sx_g,
-                  sx_j, QPG: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr):
-        """The rotation's backward of the tokens at ``pos``, batch index ``bi``, of group ``g``."""
-        dst = dx_ptr + (pos * sx_s + bi * sx_b + g * sx_g)[:, None] + cols[None, :]
+        mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
+        pos, b = rows // batch, rows % batch
+        dtype = dx_ptr.dtype.element_ty
+        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype)
+        dst = dx_ptr + (pos * sx_s + b * sx_b + g * sx_g)[:, None] + cols[None, :]
         for j in tl.static_range(QPG + 1):
             if j < QPG:
-                src = dq_ptr + (pos * sq_s + bi * sq_b + (g * QPG + j) * sq_h)[:, None] + cols[None, :]
+                src = dq_ptr + (pos * sq_s + b * sq_b + (g * QPG + j) * sq_h)[:, None] + cols[None, :]
             else:
                 src = dst + QPG * sx_j
             g1 = _as(tl.load(src, mask=mask), dtype)
@@ -206,40 +199,12 @@ if triton is not None:
             tl.store(dst + j * sx_j + HALF, _mul_add(g2, c2, g1, s1, True, dtype), mask=mask)
 
     @triton.jit
-    def _rotate_bwd(dq_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, batch, sq_s, sq_b, sq_h,
-                    sx_s, sx_b, sx_g, sx_j, sc_s, ss_s,
-                    QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BY_POS: tl.constexpr):
-        """The rotation's backward d = [g1 c1 + g2 s2, g2 c2 - g1 s1] for one group of BLOCK_T tokens (BY_POS:
-        positions, as the forward): of dq's heads into dx's query slots, and of dx's key slot in place (each
-        element read, then written, by the same program)."""
-        blk = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        g = tl.program_id(1).to(tl.int64)
-        cols = tl.arange(0, BLOCK_H)
-        dtype = dx_ptr.dtype.element_ty
-        if BY_POS:
-            mask = (blk < n_rows // batch)[:, None] & (cols < HALF)[None, :]
-            c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, blk, sc_s, ss_s, cols, HALF, mask, dtype)
-            for bi in range(batch):
-                _bwd_rows(dq_ptr, dx_ptr, blk, bi, g, mask, cols, c1, c2, s1, s2, sq_s, sq_b, sq_h, sx_s, sx_b,
-                          sx_g, sx_j, QPG, HALF, dtype)
-        else:
-            mask = (blk < n_rows)[:, None] & (cols < HALF)[None, :]
-            c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, blk // batch, sc_s, ss_s, cols, HALF, mask, dtype)
-            _bwd_rows(dq_ptr, dx_ptr, blk // batch, blk % batch, g, mask, cols, c1, c2, s1, s2, sq_s, sq_b, sq_h,
-                      sx_s, sx_b, sx_g, sx_j, QPG, HALF, dtype)
-
-
-    @triton.jit
     def _unrotate_accum(acc_ptr, perm_ptr, cos_ptr, sin_ptr, dx_ptr, scale, seqlen, groups, acc_b, acc_h,
                         sx_s, sx_b, sx_g, sx_j, sc_s, ss_s, D: tl.constexpr, TILE_ELEMS: tl.constexpr,
-                        QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, TILE: tl.constexpr,
-                        GATHER: tl.constexpr):
+                        QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, TILE: tl.constexpr):
         """One FlashAttention-4 dQ tile (TILE rows of one sequence) of one group's query heads: each element
-        taken from the fp32 accumulator where ``perm`` says, scaled and rounded as FlashAttention-4's postprocess
-        does, then the rotation's backward d = [g1 c1 + g2 s2, g2 c2 - g1 s1] into dx's query slots. GATHER: the
-        tile read whole, in its own order (coalesced), and re-ordered on chip (``tl.gather``); else each element
-        loaded from its place."""
+        read from the fp32 accumulator where ``perm`` says, scaled and rounded as FlashAttention-4's postprocess
+        does, then the rotation's backward d = [g1 c1 + g2 s2, g2 c2 - g1 s1] into dx's query slots."""
         t = tl.program_id(0).to(tl.int64)
         bi, g = tl.program_id(1).to(tl.int64) // groups, tl.program_id(1).to(tl.int64) % groups
         r = tl.arange(0, TILE)
@@ -254,15 +219,8 @@ if triton is not None:
         dst = dx_ptr + (pos * sx_s + bi * sx_b + g * sx_g)[:, None] + cols[None, :]
         for j in tl.static_range(QPG):
             tile = acc_ptr + bi * acc_b + (g * QPG + j) * acc_h + t * TILE_ELEMS
-            if GATHER:
-                whole = tl.load(tile + tl.arange(0, TILE_ELEMS))
-                a1 = tl.reshape(tl.gather(whole, tl.reshape(p1, [TILE * BLOCK_H]), 0), [TILE, BLOCK_H])
-                a2 = tl.reshape(tl.gather(whole, tl.reshape(p2, [TILE * BLOCK_H]), 0), [TILE, BLOCK_H])
-            else:
-                a1 = tl.load(tile + p1, mask=mask)
-                a2 = tl.load(tile + p2, mask=mask)
-            g1 = _round(a1 * scale, dtype)
-            g2 = _round(a2 * scale, dtype)
+            g1 = _round(tl.load(tile + p1, mask=mask) * scale, dtype)
+            g2 = _round(tl.load(tile + p2, mask=mask) * scale, dtype)
             tl.store(dst + j * sx_j, _mul_add(g1, c1, g2, s2, False, dtype), mask=mask)
             tl.store(dst + j * sx_j + HALF, _mul_add(g2, c2, g1, s1, True, dtype), mask=mask)
 
@@ -274,10 +232,8 @@ def _on(t: Tensor):
 
 def _launch_args(x5: Tensor, cos: Tensor, sin: Tensor) -> tuple:
     s, b, groups, qpg, d = _split(x5)
-    block = POS_BLOCK if BY_POS else BLOCK_T
-    grid = (triton.cdiv(s if BY_POS else s * b, block), groups)
-    meta = dict(QPG=qpg, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), BLOCK_T=block, BY_POS=BY_POS,
-                num_warps=NUM_WARPS)
+    grid = (triton.cdiv(s * b, BLOCK_T), groups)
+    meta = dict(QPG=qpg, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), BLOCK_T=BLOCK_T, num_warps=NUM_WARPS)
     return grid, (s * b, b), (*x5.stride()[:4], cos.stride(0), sin.stride(0)), meta
 
 
@@ -324,9 +280,8 @@ def unrotate_accum_into_(dqkv: Tensor, accum: Tensor, perm: Tensor, scale: float
         return
     tile = perm.size(0)
     rows = -(-s // tile) * tile
-    elems = tile * (accum.size(2) // rows)
-    meta = dict(D=d, TILE_ELEMS=elems, QPG=qpg, HALF=d // 2, BLOCK_H=triton.next_power_of_2(d // 2), TILE=tile,
-                GATHER=ACCUM_GATHER and elems & (elems - 1) == 0, num_warps=ACCUM_WARPS)
+    meta = dict(D=d, TILE_ELEMS=tile * (accum.size(2) // rows), QPG=qpg, HALF=d // 2,
+                BLOCK_H=triton.next_power_of_2(d // 2), TILE=tile, num_warps=NUM_WARPS)
     if dqkv.numel():
         with _on(dqkv):
             _unrotate_accum[(rows // tile, b * groups)](

@@ -137,26 +137,36 @@ def test_dq_from_the_accumulator_is_the_postprocess_and_rotation_bit_for_bit(s, 
     real backward) of a random accumulator: ``dq_from_accum_ref`` gives its dq, and the GPU kernel
     ``unrotate_accum_into_`` the query slots that it + ``unrotate_into_`` give, bit for bit."""
     from paratron.model import flash_dq
+    iface = flash_dq._fa_iface
+    original, calls = iface._bwd_postprocess_convert, []
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+    spy.compile_cache = original.compile_cache
     qkv, cos, sin, dy = _inputs(s, b, groups=groups, qpg=qpg)
-    a = flash_dq.caught_conversion(lambda: torch.autograd.grad(_unfused(qkv, cos, sin, groups), qkv, dy))
-    original = flash_dq._fa_iface._bwd_postprocess_convert
+    iface._bwd_postprocess_convert = spy
+    try:
+        torch.autograd.grad(_unfused(qkv, cos, sin, groups), qkv, dy)
+    finally:
+        iface._bwd_postprocess_convert = original
+    import inspect
+    bound = inspect.signature(original).bind(*calls[0][0], **calls[0][1])
+    bound.apply_defaults()
+    a = dict(bound.arguments)
     assert tuple(a["output"].shape) == (b, s, groups * qpg, D)  # dQ is converted first
     accum = torch.randn_like(a["accum"]) * 4
     dq = torch.empty_like(a["output"])
     original(**{**a, "accum": accum, "output": dq})
-    order = flash_dq.learned_order(a, torch.bfloat16)
+    rest = tuple((n, x) for n, x in a.items() if n not in ("accum", "output", "scale", "cu_seqlens", "seqused"))
+    order = flash_dq._accum_order(original, rest, accum.device, torch.bfloat16)
     want_dq = rope_kernels.dq_from_accum_ref(accum, order, a["scale"], s, torch.bfloat16)
     assert torch.equal(want_dq, dq.transpose(0, 1))
     c2, s2 = cos.view(s, D), sin.view(s, D)
     dqkv = torch.randn(s, b, groups, qpg + 2, D, device="cuda").bfloat16()
     want = dqkv.clone()
     rope_kernels.unrotate_into_(want, dq.transpose(0, 1), c2, s2)
-    for gather in (True, False):  # the tile re-ordered on chip, and read element by element
-        rope_kernels.ACCUM_GATHER = gather
-        got = dqkv.clone()
-        try:
-            rope_kernels.unrotate_accum_into_(got, accum, order, a["scale"], c2, s2)
-        finally:
-            rope_kernels.ACCUM_GATHER = True
-        rope_kernels.unrotate_into_(got, None, c2, s2)
-        assert torch.equal(got, want), gather
+    got = dqkv.clone()
+    rope_kernels.unrotate_accum_into_(got, accum, order, a["scale"], c2, s2)
+    rope_kernels.unrotate_into_(got, None, c2, s2)
+    assert torch.equal(got, want)

@@ -123,11 +123,9 @@ import torch
 from paratron.model import rope_kernels as rk
 torch.manual_seed(0)
 # tiles of 4 / 8 rows, a head dimension rounded up in the accumulator (12 -> 32) or not (32), a last tile in part
-# the accumulator read whole and re-ordered on chip, and read element by element
-for (s, b, groups, qpg, d, per_row, tile, dtype), gather in [(case, gather) for gather in (True, False) for case in (
-        (10, 2, 2, 2, 12, 32, 4, torch.bfloat16), (8, 3, 1, 3, 32, 32, 8, torch.float16),
-        (5, 2, 2, 1, 8, 32, 4, torch.float32))]:
-    rk.ACCUM_GATHER = gather
+for s, b, groups, qpg, d, per_row, tile, dtype in ((10, 2, 2, 2, 12, 32, 4, torch.bfloat16),
+                                                   (8, 3, 1, 3, 32, 32, 8, torch.float16),
+                                                   (5, 2, 2, 1, 8, 32, 4, torch.float32)):
     rows = -(-s // tile) * tile
     order = torch.randperm(tile * per_row)[:tile * d].view(tile, d).to(torch.int32)
     accum = torch.randn(b, groups * qpg, rows * per_row) * 5

@@ -127,11 +127,10 @@ from paratron.model.layers import apply_rotary
 torch.manual_seed(0)
 # grouped and plain heads, a head dim whose half is no power of two, bf16 / fp16 / fp32 activations, fp32 or bf16
 # cos / sin, more tokens than one program's block (masked rows), strided cos / sin rows
-# (programs over tokens, and over positions x the batch: BY_POS)
-for (s, b, groups, qpg, d, dtype, cdtype), by_pos in [(case, by_pos) for by_pos in (False, True) for case in (
-        (40, 3, 2, 2, 16, torch.bfloat16, torch.float32), (5, 3, 3, 1, 12, torch.bfloat16, torch.bfloat16),
-        (9, 2, 2, 4, 64, torch.float16, torch.float32), (7, 2, 2, 3, 16, torch.float32, torch.float32))]:
-    rk.BY_POS, rk.POS_BLOCK = by_pos, 4
+for s, b, groups, qpg, d, dtype, cdtype in ((40, 3, 2, 2, 16, torch.bfloat16, torch.float32),
+                                            (5, 3, 3, 1, 12, torch.bfloat16, torch.bfloat16),
+                                            (9, 2, 2, 4, 64, torch.float16, torch.float32),
+                                            (7, 2, 2, 3, 16, torch.float32, torch.float32)):
     exact = dtype != torch.float32
     qkv5 = (torch.randn(s, b, groups * (qpg + 2) * d) * 3).to(dtype).view(s, b, groups, qpg + 2, d)
     ang = torch.randn(s, d // 2) * 3
