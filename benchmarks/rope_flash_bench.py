@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from record import cuda_ms, write_record  # noqa: E402
-from paratron.model import flash_attention, flash_dq, rope_kernels  # noqa: E402
+from paratron.model import flash_attention, rope_kernels  # noqa: E402
 from paratron.model.layers import apply_rotary  # noqa: E402
 
 
@@ -82,10 +82,7 @@ def main() -> None:
     rope_kernels.BLOCK_T, rope_kernels.NUM_WARPS = default
     dy = torch.randn(s, b, heads * d, device="cuda").bfloat16()
     att = ["", "| attention fwd + bwd | ms |", "|---|---|"]
-    for name, fused, dq_direct in (("compiled apply_rotary + causal_attention", False, True),
-                                   ("rotary_causal_attention, dq via FlashAttention-4's postprocess", True, False),
-                                   ("rotary_causal_attention, dq from the accumulator (flash_dq)", True, True)):
-        flash_dq.ENABLED = dq_direct
+    for name, fused in (("compiled apply_rotary + causal_attention", False), ("rotary_causal_attention", True)):
         fn = _attention(qpg, fused)
         ms = cuda_ms(lambda: torch.autograd.backward(fn(qkv5, cos, sin), dy))
         att.append(f"| {name} | {ms:.3f} |")

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import flash_dq, rope_kernels
+from . import rope_kernels
 from ..parallel import quack_kernels
 
 # the forward kernel: "cudnn" (cuDNN's fused attention, 366 against FlashAttention-4's 344 TFLOP/s at the H100's
@@ -229,16 +229,12 @@ def _rope_bwd(dout: Tensor, qkv5: Tensor, cos: Tensor, sin: Tensor, q: Tensor, k
               lse: Tensor, scale: float) -> Tensor:
     """The gradient of qkv5 (contiguous) from the output's gradient dout [s, b, heads, d]."""
     dqkv = qkv5.new_empty(qkv5.shape)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk, dv = dqkv[:, :, :, -2], dqkv[:, :, :, -1]  # FlashAttention-4 writes them in place
     v = qkv5[:, :, :, -1]
-    if flash_dq.applies(q):  # dq from FlashAttention-4's accumulator straight into the query slots
-        dq = flash_dq.backward(*(t.transpose(0, 1) for t in (dout, q, k, v, out)), lse, scale,
-                               dk.transpose(0, 1), dv.transpose(0, 1), dqkv, cos, sin)
-    else:
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        _bwd_into(*(t.transpose(0, 1) for t in (dout, q, k, v, out)), lse, scale,
-                  *(t.transpose(0, 1) for t in (dq, dk, dv)))
-    rope_kernels.unrotate_into_(dqkv, dq, cos, sin)  # dq None: the key slot alone
+    _bwd_into(*(t.transpose(0, 1) for t in (dout, q, k, v, out)), lse, scale,
+              *(t.transpose(0, 1) for t in (dq, dk, dv)))
+    rope_kernels.unrotate_into_(dqkv, dq, cos, sin)
     return dqkv
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -82,27 +81,12 @@ def unrotate_ref(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return g * cos.to(g.dtype) + torch.cat([g2s, -g1s], dim=-1)
 
 
-def unrotate_into_ref_(dqkv: Tensor, dq: Optional[Tensor], cos: Tensor, sin: Tensor) -> None:
-    """``unrotate_into_`` in torch: dqkv's query slots from dq [s, b, heads, d] (None: left as they are), its
-    key slot in place."""
+def unrotate_into_ref_(dqkv: Tensor, dq: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """``unrotate_into_`` in torch: dqkv's query slots from dq [s, b, heads, d], its key slot in place."""
     s, b, groups, qpg, d = _split(dqkv)
     cos5, sin5 = cos[:, None, None, None, :], sin[:, None, None, None, :]
-    if dq is not None:
-        dqkv[:, :, :, :qpg] = unrotate_ref(dq.reshape(s, b, groups, qpg, d), cos5, sin5)
+    dqkv[:, :, :, :qpg] = unrotate_ref(dq.reshape(s, b, groups, qpg, d), cos5, sin5)
     dqkv[:, :, :, qpg] = unrotate_ref(dqkv[:, :, :, qpg], cos5[:, :, :, 0], sin5[:, :, :, 0])
-
-
-def dq_from_accum_ref(accum: Tensor, perm: Tensor, scale: float, seqlen: int, dtype) -> Tensor:
-    """dq [s, b, heads, d] from FlashAttention-4's fp32 dQ accumulator ``accum`` [b, heads, rows * d_rounded]
-    (rows: the sequence rounded up to whole tiles of T): tile t of a head holds its rows [t * T, (t + 1) * T),
-    element (r, c) at ``perm[r, c]`` within the tile (perm [T, d]), as FlashAttention-4's postprocess kernel
-    reads it; scaled in fp32, then rounded to ``dtype`` (that kernel's arithmetic)."""
-    b, heads, n = accum.shape
-    tile, d = perm.shape
-    rows = -(-seqlen // tile) * tile
-    tiles = accum.view(b, heads, rows // tile, tile * (n // rows))[..., perm.flatten().long()]
-    dq = tiles.view(b, heads, rows, d)[:, :, :seqlen]
-    return (dq * scale).to(dtype).permute(2, 0, 1, 3)
 
 
 # ---- the kernels ------------------------------------------------------------------------------------
@@ -198,32 +182,6 @@ if triton is not None:
             tl.store(dst + j * sx_j, _mul_add(g1, c1, g2, s2, False, dtype), mask=mask)
             tl.store(dst + j * sx_j + HALF, _mul_add(g2, c2, g1, s1, True, dtype), mask=mask)
 
-    @triton.jit
-    def _unrotate_accum(acc_ptr, perm_ptr, cos_ptr, sin_ptr, dx_ptr, scale, seqlen, groups, acc_b, acc_h,
-                        sx_s, sx_b, sx_g, sx_j, sc_s, ss_s, D: tl.constexpr, TILE_ELEMS: tl.constexpr,
-                        QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, TILE: tl.constexpr):
-        """One FlashAttention-4 dQ tile (TILE rows of one sequence) of one group's query heads: each element
-        read from the fp32 accumulator where ``perm`` says, scaled and rounded as FlashAttention-4's postprocess
-        does, then the rotation's backward d = [g1 c1 + g2 s2, g2 c2 - g1 s1] into dx's query slots."""
-        t = tl.program_id(0).to(tl.int64)
-        bi, g = tl.program_id(1).to(tl.int64) // groups, tl.program_id(1).to(tl.int64) % groups
-        r = tl.arange(0, TILE)
-        cols = tl.arange(0, BLOCK_H)
-        pos = t * TILE + r
-        in_row = (cols < HALF)[None, :]
-        mask = (pos < seqlen)[:, None] & in_row
-        dtype = dx_ptr.dtype.element_ty
-        p1 = tl.load(perm_ptr + r[:, None] * D + cols[None, :], mask=in_row, other=0)
-        p2 = tl.load(perm_ptr + r[:, None] * D + HALF + cols[None, :], mask=in_row, other=0)
-        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype)
-        dst = dx_ptr + (pos * sx_s + bi * sx_b + g * sx_g)[:, None] + cols[None, :]
-        for j in tl.static_range(QPG):
-            tile = acc_ptr + bi * acc_b + (g * QPG + j) * acc_h + t * TILE_ELEMS
-            g1 = _round(tl.load(tile + p1, mask=mask) * scale, dtype)
-            g2 = _round(tl.load(tile + p2, mask=mask) * scale, dtype)
-            tl.store(dst + j * sx_j, _mul_add(g1, c1, g2, s2, False, dtype), mask=mask)
-            tl.store(dst + j * sx_j + HALF, _mul_add(g2, c2, g1, s1, True, dtype), mask=mask)
-
 
 def _on(t: Tensor):
     """Launch on the tensor's GPU (CPU: Triton's interpreter, in tests)."""
@@ -252,38 +210,13 @@ def rotate_qk(qkv5: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     return q, k
 
 
-def unrotate_into_(dqkv: Tensor, dq: Optional[Tensor], cos: Tensor, sin: Tensor) -> None:
+def unrotate_into_(dqkv: Tensor, dq: Tensor, cos: Tensor, sin: Tensor) -> None:
     """The rotation's backward into the QKV gradient dqkv [s, b, groups, q_per_group + 2, d]: its query slots
-    from dq [s, b, heads, d] (None: left as they are, ``unrotate_accum_into_`` wrote them), its key slot
-    (holding dk) in place; the value slot is left as it is. One kernel where ``usable``."""
-    if (not usable(dqkv, cos, sin) or (dq is not None and (not usable(dq) or dq.dtype != dqkv.dtype))
-            or dqkv.size(-1) % 2):
+    from dq [s, b, heads, d], its key slot (holding dk) in place; the value slot is left as it is. One kernel
+    where ``usable``."""
+    if not usable(dqkv, dq, cos, sin) or dqkv.size(-1) % 2 or dq.dtype != dqkv.dtype:
         return unrotate_into_ref_(dqkv, dq, cos, sin)
-    if dq is None:  # the key slot alone: the same kernel over the [key, value] slots (no query slots)
-        dqkv, dq = dqkv[:, :, :, -2:], dqkv
     if dqkv.numel():
         grid, sizes, strides, meta = _launch_args(dqkv, cos, sin)
         with _on(dqkv):
             _rotate_bwd[grid](dq, cos, sin, dqkv, *sizes, *dq.stride()[:3], *strides, **meta)
-
-
-def unrotate_accum_into_(dqkv: Tensor, accum: Tensor, perm: Tensor, scale: float, cos: Tensor, sin: Tensor) -> None:
-    """dqkv's query slots (dqkv [s, b, groups, q_per_group + 2, d]) from FlashAttention-4's fp32 dQ
-    accumulator, as its postprocess kernel followed by ``unrotate_into_`` would write them, in one pass that
-    writes no separate dq (``dq_from_accum_ref`` says what ``accum`` and ``perm`` are). The key and value
-    slots are left as they are. One kernel where ``usable``."""
-    s, b, groups, qpg, d = _split(dqkv)
-    if not usable(dqkv, cos, sin) or d % 2 or accum.dtype != torch.float32 or not accum.is_contiguous():
-        dq = dq_from_accum_ref(accum, perm, scale, s, dqkv.dtype)
-        dqkv[:, :, :, :qpg] = unrotate_ref(dq.reshape(s, b, groups, qpg, d), cos[:, None, None, None, :],
-                                           sin[:, None, None, None, :])
-        return
-    tile = perm.size(0)
-    rows = -(-s // tile) * tile
-    meta = dict(D=d, TILE_ELEMS=tile * (accum.size(2) // rows), QPG=qpg, HALF=d // 2,
-                BLOCK_H=triton.next_power_of_2(d // 2), TILE=tile, num_warps=NUM_WARPS)
-    if dqkv.numel():
-        with _on(dqkv):
-            _unrotate_accum[(rows // tile, b * groups)](
-                accum, perm, cos, sin, dqkv, float(scale), s, groups, accum.stride(0), accum.stride(1),
-                *dqkv.stride()[:4], cos.stride(0), sin.stride(0), **meta)
