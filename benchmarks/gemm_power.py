@@ -80,12 +80,13 @@ def residual_candidates(n: int, r) -> list:
     """[(name, flops, {kernel: callable})]: output projection and fc2 forward with the residual (C) added
     into a new tensor, and fc1's input gradient from the [gate; up] weight read in the interleaved order:
     cuBLAS as paratron's plain path runs them, quack_gemm.py's ops per tile configuration."""
-    from paratron.parallel import quack_gemm, quack_kernels
+    from paratron.parallel import cublaslt, quack_gemm, quack_kernels
     rows = []
     for name, k in (("proj forward + residual", 2048), ("fc2 forward + residual", 8192)):
         a, w, c = r(n, k), r(2048, k), r(n, 2048)
         cands = {"cuBLAS addmm (C copied, then GEMM)": lambda a=a, w=w, c=c: torch.addmm(c, a, w.t()),
-                 "cuBLAS addmm in place (no copy)": lambda a=a, w=w, c=c: torch.addmm(c, a, w.t(), out=c)}
+                 "cuBLAS addmm in place (no copy)": lambda a=a, w=w, c=c: torch.addmm(c, a, w.t(), out=c),
+                 "cuBLASLt C != D (cublaslt.addmm)": lambda a=a, w=w, c=c: cublaslt._lt_addmm(c, a, w)}
         for spec in RESIDUAL_SPECS:
             cands[f"quack {spec}"] = lambda a=a, w=w, c=c, spec=spec: quack_gemm.gemm_add(c, a, w, spec)
         rows.append((name, 2 * n * k * 2048, cands))

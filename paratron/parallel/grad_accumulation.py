@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import quack_gemm
+from . import cublaslt, quack_gemm
 
 try:
     import triton
@@ -136,7 +136,7 @@ def _plain(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional
         training = torch.is_grad_enabled() if training is None else training
         if training and quack_gemm.residual_applies(a):
             return quack_gemm.gemm_add(c, a, weight, quack_gemm.tile("residual")).view(residual.shape)
-        return torch.addmm(c, a, weight.t()).view(residual.shape)
+        return cublaslt.addmm(c, a, weight).view(residual.shape)
     y = F.linear(x, weight, bias)
     return y if residual is None else residual + y
 
