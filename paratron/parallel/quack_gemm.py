@@ -11,7 +11,9 @@ for every GEMM of the step, and cuBLAS cannot do two of them without an extra pa
   benchmarks/results/profile_origins_20261126_0906.txt). quack's epilogue reads C and writes ``out``.
   At the cap (benchmarks/results/gemm_power_residual_20261126_1213.md, 32,768 tokens): the output
   projection (K 2048) 591 TFLOP/s on quack's default tiles against 540 for addmm with its copy; fc2
-  (K 8192) 649 at best against 657: so quack takes it up to ``RESIDUAL_MAX_K`` only.
+  (K 8192) 649 at best against 657: so quack takes it up to ``RESIDUAL_MAX_K`` only. Off by default since
+  cuBLASLt does the same without the copy (cublaslt.py: 590 against quack's 579 at K 2048, 662 at K 8192;
+  +0.38 % in the step): ``residual=default`` brings quack back.
 - ``dgated``: fc2's input gradient with SwiGLU's backward in the epilogue (quack_kernels.py; without
   the activation's store, quack_dgated.py): 557 TFLOP/s at 128x160 ping-pong against 548 at 128x128 and
   555 at the default 128x192 (with the store: 514 / 506 / 480; benchmarks/results/backward_levers_20261126_1400.md).
@@ -46,7 +48,7 @@ except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not 
     GemmConfig = _gemm_raw = _dgated_raw = None
 
 # tile_m x tile_n, cluster m x n, ping-pong (pp) or cooperative (coop); measured at the power cap
-TILES = {"residual": "default", "dgated": "128x160c2x1pp", "dx": "off", "wgrad_fc1": "256x128c1x2coop",
+TILES = {"residual": "off", "dgated": "128x160c2x1pp", "dx": "off", "wgrad_fc1": "256x128c1x2coop",
          "wgrad_fc2": "128x256c2x1coop"}
 RESIDUAL_MAX_K = 2048  # the residual GEMM goes to quack up to this inner dimension (measured above)
 
