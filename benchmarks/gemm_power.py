@@ -98,6 +98,22 @@ def residual_candidates(n: int, r) -> list:
     return rows
 
 
+def lt_candidates(a, w, out) -> dict:
+    """cuBLASLt's heuristic candidates (cublaslt.py) for out = a @ w^T (w [n, k], rows or columns contiguous),
+    beta 0: the algorithms the first-call timing chooses among."""
+    from paratron.parallel import cublaslt
+    w_rows = w.stride(1) == 1
+    plan = cublaslt._plan(0, a.size(0), w.size(0), a.size(1), a.stride(0), w.stride(0 if w_rows else 1), out.size(1),
+                          out.size(1), w_rows)
+    ref, found = a @ w.t(), {}
+    for i, algo in enumerate(plan.candidates):
+        cublaslt._matmul(plan, algo, 0, out, a, w, out, 0.0)
+        ok = ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+        found[f"cuBLASLt candidate {i}{'' if ok else ' WRONG RESULT'}"] = (
+            lambda algo=algo: cublaslt._matmul(plan, algo, 0, out, a, w, out, 0.0))
+    return found
+
+
 def gated_candidates(n: int, r) -> list:
     """[(name, flops, {kernel: callable})]: quack's gated GEMMs of llama-1b's MLP (fc1 + SwiGLU forward, fc2's
     input gradient + SwiGLU backward) with each configuration of GATED_CONFIGS; the default is what
@@ -124,6 +140,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--warm", type=float, default=1.0)
     p.add_argument("--no-quack", action="store_true")
+    p.add_argument("--lt", action="store_true", help="cuBLASLt's heuristic candidates instead of quack's tiles")
     p.add_argument("--gated", action="store_true", help="only quack's gated MLP GEMMs, per configuration")
     p.add_argument("--residual", action="store_true",
                    help="only the GEMMs paratron/parallel/quack_gemm.py configures: C + A@B into a new tensor "
@@ -137,6 +154,11 @@ def main() -> int:
               ("fc1 input grad dpre@W1", r(n, 16384), r(16384, 2048)),
               ("fc2 weight grad dy^T@act", r(n, 2048).t(), r(n, 8192)),
               ("qkv forward x@Wqkv^T", r(n, 2048), r(3072, 2048).t())]
+    if args.lt:  # and the other GEMMs of the step that run on cuBLAS
+        shapes += [("qkv input grad dqkv@Wqkv", r(n, 3072), r(3072, 2048)),
+                   ("proj input grad dy@Wo", r(n, 2048), r(2048, 2048)),
+                   ("logits x@Wout^T", r(n, 2048), r(32768, 2048).t()),
+                   ("logits input grad dlogits@Wout", r(n, 32768), r(32768, 2048))]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.seconds} s each after {args.warm} s")
     print("| GEMM | kernel | TFLOP/s | SM MHz | W |\n|---|---|---|---|---|")
     if args.gated or args.residual:
@@ -152,7 +174,9 @@ def main() -> int:
             cands["cuBLAS bf16 + Triton add into fp32"] = lambda a=a, b=b, acc=acc, o=out_: accumulate_(acc, torch.mm(a, b, out=o), write=False)
             cands["cuBLAS fp32 out, in place (fused)"] = lambda a=a, b=b, acc=acc: torch.addmm(
                 acc, a, b, out_dtype=torch.float32, out=acc)
-        if not args.no_quack:
+        if args.lt and "weight grad" not in name:
+            cands.update(lt_candidates(a, b.t(), out_))
+        elif not args.no_quack:
             cands.update(quack_candidates(a, b, out_))
         _table(name, flops, cands, args, probe)
     return 0

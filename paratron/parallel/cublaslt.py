@@ -83,19 +83,19 @@ def _workspace(device: int) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, ldd: int) -> tuple:
-    """(matmul descriptor, layouts of A, B, C, D, algorithm) for D [m, n] = C + A [m, k] @ W [n, k]^T, all
-    row-major bf16 with row strides lda / ldw / ldc / ldd. cuBLASLt is column-major: it computes D^T = W A^T,
-    W read transposed."""
+def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, ldd: int, w_rows: bool = True):
+    """A ``_Plan`` for D [m, n] = C + A [m, k] @ W [n, k]^T, bf16 with row strides lda / ldc / ldd; W row-major
+    with row stride ldw (``w_rows``), or the transpose of a row-major [k, n] with row stride ldw. cuBLASLt is
+    column-major: it computes D^T = W A^T."""
     lib = _lib()
     desc = _new(lib.cublasLtMatmulDescCreate, ctypes.c_int(_COMPUTE_32F), ctypes.c_int(_R_32F))
-    for attr, op in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+    for attr, op in ((_DESC_TRANSA, _OP_T if w_rows else _OP_N), (_DESC_TRANSB, _OP_N)):
         value = ctypes.c_int(op)
         _check(lib.cublasLtMatmulDescSetAttribute(desc, ctypes.c_int(attr), ctypes.byref(value),
                                                   ctypes.c_size_t(4)), "MatmulDescSetAttribute")
     layouts = [_new(lib.cublasLtMatrixLayoutCreate, ctypes.c_int(_R_16BF), ctypes.c_uint64(rows),
                     ctypes.c_uint64(cols), ctypes.c_int64(ld))
-               for rows, cols, ld in ((k, n, ldw), (k, m, lda), (n, m, ldc), (n, m, ldd))]
+               for rows, cols, ld in ((k, n, ldw) if w_rows else (n, k, ldw), (k, m, lda), (n, m, ldc), (n, m, ldd))]
     pref = _new(lib.cublasLtMatmulPreferenceCreate)
     size = ctypes.c_uint64(WORKSPACE_BYTES)
     _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, ctypes.c_int(_PREF_MAX_WORKSPACE), ctypes.byref(size),
@@ -123,14 +123,15 @@ def _runs(c: Tensor, a: Tensor, w: Tensor) -> bool:
                and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (c, a, w))
 
 
-def _matmul(plan: _Plan, algo: _Heuristic, device: int, c: Tensor, a: Tensor, w: Tensor, out: Tensor) -> None:
+def _matmul(plan: _Plan, algo: _Heuristic, device: int, c: Tensor, a: Tensor, w: Tensor, out: Tensor,
+            beta: float = 1.0) -> None:
     lw, la, lc, ld = plan.layouts
-    one = ctypes.c_float(1.0)
+    one, beta = ctypes.c_float(1.0), ctypes.c_float(beta)
     with torch.cuda.device(device):
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     _check(_lib().cublasLtMatmul(
         _handle(device), plan.desc, ctypes.byref(one), ctypes.c_void_p(w.data_ptr()), lw,
-        ctypes.c_void_p(a.data_ptr()), la, ctypes.byref(one), ctypes.c_void_p(c.data_ptr()), lc,
+        ctypes.c_void_p(a.data_ptr()), la, ctypes.byref(beta), ctypes.c_void_p(c.data_ptr()), lc,
         ctypes.c_void_p(out.data_ptr()), ld, ctypes.byref(algo.algo), ctypes.c_void_p(_workspace(device).data_ptr()),
         ctypes.c_size_t(WORKSPACE_BYTES), stream), "Matmul")
 
