@@ -86,7 +86,7 @@ def residual_candidates(n: int, r) -> list:
         a, w, c = r(n, k), r(2048, k), r(n, 2048)
         cands = {"cuBLAS addmm (C copied, then GEMM)": lambda a=a, w=w, c=c: torch.addmm(c, a, w.t()),
                  "cuBLAS addmm in place (no copy)": lambda a=a, w=w, c=c: torch.addmm(c, a, w.t(), out=c),
-                 "cuBLASLt C != D (cublaslt.addmm)": lambda a=a, w=w, c=c: cublaslt._lt_addmm(c, a, w)}
+                 "cuBLASLt C != D (cublaslt.addmm, its choice)": lambda a=a, w=w, c=c: cublaslt.addmm(c, a, w)}
         for spec in RESIDUAL_SPECS:
             cands[f"quack {spec}"] = lambda a=a, w=w, c=c, spec=spec: quack_gemm.gemm_add(c, a, w, spec)
         rows.append((name, 2 * n * k * 2048, cands))
@@ -104,7 +104,7 @@ def lt_candidates(a, w, out) -> dict:
     from paratron.parallel import cublaslt
     w_rows = w.stride(1) == 1
     plan = cublaslt._plan(0, a.size(0), w.size(0), a.size(1), a.stride(0), w.stride(0 if w_rows else 1), out.size(1),
-                          out.size(1), w_rows)
+                          out.size(1), w_rows, True)
     ref, found = a @ w.t(), {}
     for i, algo in enumerate(plan.candidates):
         cublaslt._matmul(plan, algo, 0, out, a, w, out, 0.0)
@@ -146,6 +146,7 @@ def main() -> int:
                    help="only the GEMMs paratron/parallel/quack_gemm.py configures: C + A@B into a new tensor "
                         "(torch's addmm copies C first) and fc1's input gradient from the interleaved weight")
     args = p.parse_args()
+    from paratron.parallel import cublaslt
     n, dev, dt = args.tokens, "cuda", torch.bfloat16
     probe = _nvml()
     r = lambda *s: torch.randn(*s, device=dev, dtype=dt)  # noqa: E731
@@ -176,6 +177,7 @@ def main() -> int:
                 acc, a, b, out_dtype=torch.float32, out=acc)
         if args.lt and "weight grad" not in name:
             cands.update(lt_candidates(a, b.t(), out_))
+            cands["cublaslt.mm (its choice)"] = lambda a=a, b=b: cublaslt.mm(a, b.t())
         elif not args.no_quack:
             cands.update(quack_candidates(a, b, out_))
         _table(name, flops, cands, args, probe)

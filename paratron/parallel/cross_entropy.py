@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import comm
+from . import comm, cublaslt
 from .grad_accumulation import main_grad_of, wgrad_accumulate
 
 try:
@@ -300,7 +300,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.vocab_start, ctx.chunk = vocab_start, chunk
         ctx.main_grad = main_grad  # (not saved: it changes as it accumulates, by design)
         if _fusable(x, group, n, chunk, keep):
-            d = torch.mm(x, weight.t(), out=torch.empty(n, v, dtype=x.dtype, device=x.device))
+            d = cublaslt.mm(x, weight)  # cuBLAS or cuBLASLt, the faster at this shape (cublaslt.py)
             lse, loss = fused_ce_(d, target, vocab_start)
             ctx.save_for_backward(x, weight, target, lse, d)
             return loss

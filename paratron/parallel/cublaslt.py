@@ -1,23 +1,31 @@
-"""``out = C + A @ W^T`` into a new tensor by cuBLASLt, which reads C and writes D separately (bf16, CUDA).
+"""cuBLASLt's GEMMs through ctypes (bf16, CUDA): ``C + A @ W^T`` into a new tensor, and ``A @ W^T`` by the faster
+of cuBLAS and cuBLASLt's own candidates.
 
-torch's ``addmm(C, A, W^T)`` copies C into its output and then runs a GEMM that accumulates into it: a
-device-to-device copy of the residual stream before fc2's GEMM in every layer (2.8 ms per 65,536 tokens on
+``addmm``. torch's ``addmm(C, A, W^T)`` copies C into its output and then runs a GEMM that accumulates into it:
+a device-to-device copy of the residual stream before fc2's GEMM in every layer (2.8 ms per 65,536 tokens on
 llama-1b, 32 copies; benchmarks/results/profile_kernels_llama-1b_mb16x2_6d8b1bf.tsv). cuBLASLt's matmul takes C
-and D as two matrices, so the copy is not needed; torch does not expose that form. This module calls the eight
-cuBLASLt functions it needs through ctypes on the library torch itself has loaded (no build step, no other
-dependency; nvmath-python has bindings for the same API, but its import brings cuda-core of a pinned range and its
-FFT and sparse modules to the device for one call). Descriptors, the chosen algorithm and a workspace are made
-once per shape and device; the first call of a shape times the heuristic's first CANDIDATES algorithms on its
-operands and keeps the fastest (cuBLASLt's own order is not the fastest at every shape).
+and D as two matrices, so the copy is not needed; torch does not expose that form.
+
+``mm``. cuBLAS runs the first algorithm of its heuristic; at some of the step's shapes another of the
+heuristic's candidates is faster at the H100's power limit (benchmarks/results/gemm_power_lt_3a54ff2.md: the
+output layer's logits 707 against 669 TFLOP/s, the output projection's input gradient 659 against 639, the QKV
+input gradient 671 against 655; elsewhere cuBLAS's own pick is as fast or faster).
+
+Both time, at the first call of each shape, torch's own call and the heuristic's first CANDIDATES algorithms on
+the call's operands, and keep the fastest (so never slower than torch's call, up to the timing's noise). The
+module calls the eight cuBLASLt functions it needs through ctypes on the library torch itself has loaded (no
+build step, no other dependency; nvmath-python has bindings for the same API, but its import brings cuda-core of
+a pinned range and its FFT and sparse modules to the device for a few calls). Descriptors, candidates and the
+choice are kept per shape and device, with one workspace per device.
 
 Measured on an H100 at its power limit (benchmarks/results/gemm_power_residual_20261126_1633.md, 32,768 tokens):
 llama-1b's output projection + residual (K 2048) 590 TFLOP/s against 528 for addmm with its copy and 579 for
 quack's GEMM reading C (quack_gemm.py), fc2 + residual (K 8192) 662 against 652; in the training step
 (train_throughput_llama-1b_20261126_163313.md) fc2 on cuBLASLt +0.33 %, the output projection too +0.38 % more.
 
-``addmm`` is a torch custom op (one opaque node for compiled graphs). It runs cuBLASLt on CUDA bf16 tensors
-whose rows are contiguous and 16-byte aligned and falls back to torch's addmm elsewhere (CPUs, other dtypes, a
-library or status error: the error is then reported once as a warning).
+The ops are torch custom ops (one opaque node for compiled graphs, with autograd formulas). They run torch's
+call on CPUs, other dtypes, operands cuBLASLt is not given (see ``_runs``), with ``PARATRON_CUBLASLT=0``, and
+after a library or status error (reported once as a warning).
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import ctypes
 import functools
 import os
 import warnings
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -83,10 +92,11 @@ def _workspace(device: int) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, ldd: int, w_rows: bool = True):
+def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, ldd: int, w_rows: bool = True,
+          plain: bool = False):
     """A ``_Plan`` for D [m, n] = C + A [m, k] @ W [n, k]^T, bf16 with row strides lda / ldc / ldd; W row-major
     with row stride ldw (``w_rows``), or the transpose of a row-major [k, n] with row stride ldw. cuBLASLt is
-    column-major: it computes D^T = W A^T."""
+    column-major: it computes D^T = W A^T. ``plain``: for ``mm`` (no C; its own plan and choice)."""
     lib = _lib()
     desc = _new(lib.cublasLtMatmulDescCreate, ctypes.c_int(_COMPUTE_32F), ctypes.c_int(_R_32F))
     for attr, op in ((_DESC_TRANSA, _OP_T if w_rows else _OP_N), (_DESC_TRANSB, _OP_N)):
@@ -110,17 +120,21 @@ def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, ldd
 
 
 class _Plan:
-    """One shape's descriptors, the heuristic's candidate algorithms, and (after the first call) the fastest."""
+    """One shape's descriptors, the heuristic's candidate algorithms, and (after the first call) the fastest of
+    them and torch's own call (``best``: an algorithm, or None for torch's)."""
 
     def __init__(self, desc, layouts, candidates):
         self.desc, self.layouts, self.candidates = desc, layouts, candidates
-        self.best = candidates[0] if len(candidates) == 1 else None
+        self.tuned, self.best = False, None
 
 
-def _runs(c: Tensor, a: Tensor, w: Tensor) -> bool:
-    """cuBLASLt takes these: CUDA bf16 2-D, rows contiguous, row strides and pointers 16-byte aligned."""
-    return all(t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1
-               and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (c, a, w))
+def _runs(c: Optional[Tensor], a: Tensor, w: Tensor) -> bool:
+    """cuBLASLt takes these: CUDA bf16 2-D, 16-byte aligned; A and C with contiguous rows, W with contiguous
+    rows or columns; their strides multiples of 8 elements."""
+    def fits(t: Tensor, major: int) -> bool:
+        return (t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(major) == 1
+                and t.stride(1 - major) % 8 == 0 and t.data_ptr() % 16 == 0)
+    return fits(a, 1) and (c is None or fits(c, 1)) and (fits(w, 1) or fits(w, 0))
 
 
 def _matmul(plan: _Plan, algo: _Heuristic, device: int, c: Tensor, a: Tensor, w: Tensor, out: Tensor,
@@ -136,43 +150,54 @@ def _matmul(plan: _Plan, algo: _Heuristic, device: int, c: Tensor, a: Tensor, w:
         ctypes.c_size_t(WORKSPACE_BYTES), stream), "Matmul")
 
 
-def _fastest(plan: _Plan, device: int, *operands: Tensor) -> _Heuristic:
-    """The candidate algorithm that ran fastest on these operands (CUDA events, best of 3 after a warm-up)."""
+def _fastest(plan: _Plan, run) -> Optional[_Heuristic]:
+    """The fastest of torch's call (None) and the candidate algorithms, ``run(choice)`` running one: CUDA events,
+    the median of 5 after 2 warm-up calls each."""
     times = []
-    for algo in plan.candidates:
-        _matmul(plan, algo, device, *operands)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    choices = [None] + plan.candidates
+    for choice in choices:
+        run(choice)
+        run(choice)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
         events[0].record()
         for e in events[1:]:
-            _matmul(plan, algo, device, *operands)
+            run(choice)
             e.record()
         events[-1].synchronize()
-        times.append(min(a.elapsed_time(b) for a, b in zip(events, events[1:])))
-    return plan.candidates[times.index(min(times))]
+        times.append(sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))[2])
+    return choices[times.index(min(times))]
 
 
-def _lt_addmm(c: Tensor, a: Tensor, w: Tensor) -> Tensor:
+def _lt(c: Optional[Tensor], a: Tensor, w: Tensor, torch_call) -> Tensor:
+    """``c + a @ w^T`` (c None: ``a @ w^T``) into a new tensor by the fastest of ``torch_call`` and cuBLASLt's
+    candidates, timed at the first call of each shape (not while a CUDA graph is captured: cuBLASLt's first)."""
     (m, k), n = a.shape, w.size(0)
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    plan = _plan(device, m, n, k, a.stride(0), w.stride(0), c.stride(0), n)
-    if plan.best is None:  # first call of this shape: time the heuristic's candidates (not while capturing)
+    w_rows = w.stride(1) == 1
+    c_, beta = (out, 0.0) if c is None else (c, 1.0)
+    plan = _plan(device, m, n, k, a.stride(0), w.stride(0 if w_rows else 1), c_.stride(0), n, w_rows, c is None)
+
+    def run(choice):
+        if choice is None:
+            return torch_call()
+        _matmul(plan, choice, device, c_, a, w, out, beta)
+        return out
+    if not plan.tuned:
         if torch.cuda.is_current_stream_capturing():
-            _matmul(plan, plan.candidates[0], device, c, a, w, out)
-            return out
-        plan.best = _fastest(plan, device, c, a, w, out)
-    _matmul(plan, plan.best, device, c, a, w, out)
-    return out
+            return run(plan.candidates[0])
+        plan.best, plan.tuned = _fastest(plan, run), True
+    return run(plan.best)
 
 
 @torch.library.custom_op("paratron::cublaslt_addmm", mutates_args=())
 def addmm(c: Tensor, a: Tensor, w: Tensor) -> Tensor:
     """``c + a @ w^T`` (``a`` [M, K], ``w`` [N, K], ``c`` [M, N]) into a new tensor: cuBLASLt reading C and
-    writing the output separately where it runs (see the module's note), torch's addmm elsewhere."""
+    writing the output separately where it runs and is faster (see the module's note), else torch's addmm."""
     if not ENABLED or c.shape != (a.size(0), w.size(0)) or a.size(1) != w.size(1) or not _runs(c, a, w):
         return torch.addmm(c, a, w.t())
     try:
-        return _lt_addmm(c, a, w)
+        return _lt(c, a, w, lambda: torch.addmm(c, a, w.t()))
     except (RuntimeError, OSError, AttributeError) as e:
         _warn_once(f"{type(e).__name__}: {e}")
         return torch.addmm(c, a, w.t())
@@ -183,19 +208,42 @@ def _addmm_fake(c, a, w):
     return a.new_empty(a.size(0), w.size(0))
 
 
+@torch.library.custom_op("paratron::cublaslt_mm", mutates_args=())
+def mm(a: Tensor, w: Tensor) -> Tensor:
+    """``a @ w^T`` (``a`` [M, K], ``w`` [N, K] with rows or columns contiguous) into a new tensor by the faster
+    of torch's mm and cuBLASLt's candidates for its shape (timed at the first call of each shape)."""
+    if not ENABLED or a.size(1) != w.size(1) or not _runs(None, a, w):
+        return torch.mm(a, w.t())
+    try:
+        return _lt(None, a, w, lambda: torch.mm(a, w.t()))
+    except (RuntimeError, OSError, AttributeError) as e:
+        _warn_once(f"{type(e).__name__}: {e}")
+        return torch.mm(a, w.t())
+
+
+@mm.register_fake
+def _mm_fake(a, w):
+    return a.new_empty(a.size(0), w.size(0))
+
+
 def _setup(ctx, inputs, output) -> None:
-    c, a, w = inputs
-    ctx.save_for_backward(a, w)
+    ctx.save_for_backward(*inputs[-2:])
 
 
-def _backward(ctx, grad):
+def _addmm_backward(ctx, grad):
     a, w = ctx.saved_tensors
     return grad, grad @ w, grad.t() @ a
 
 
-addmm.register_autograd(_backward, setup_context=_setup)
+def _mm_backward(ctx, grad):
+    a, w = ctx.saved_tensors
+    return grad @ w, grad.t() @ a
+
+
+addmm.register_autograd(_addmm_backward, setup_context=_setup)
+mm.register_autograd(_mm_backward, setup_context=_setup)
 
 
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
-    warnings.warn(f"cuBLASLt addmm: {message}; torch's addmm (with its copy of C) instead")
+    warnings.warn(f"cuBLASLt: {message}; torch's matmul instead")

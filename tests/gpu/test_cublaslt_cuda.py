@@ -1,9 +1,8 @@
-"""cuBLASLt's ``C + A @ W^T`` into a new tensor (paratron/parallel/cublaslt.py) on a GPU (skipped elsewhere):
-against torch's addmm and an fp32 reference at the step's shapes and at a strided C, C left as it was, the
-fallback for operands cuBLASLt is not given, and the op inside a compiled function."""
+"""cuBLASLt's GEMMs (paratron/parallel/cublaslt.py) on a GPU (skipped elsewhere): every candidate algorithm of
+the heuristic and the ops' choice against an fp64 reference (no further than twice torch's error) at the
+step's shapes, C strided or not, W with rows or columns contiguous, C left as it was; the fallback for operands
+cuBLASLt is not given; the ops inside a compiled function."""
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
@@ -18,31 +17,42 @@ def _r(*shape, seed=0):
     return torch.randn(*shape, device="cuda", generator=g).bfloat16()
 
 
+def _close(got, want, ref):
+    err, base = (got.double() - ref).abs().max().item(), (want.double() - ref).abs().max().item()
+    assert err <= 2 * base + 1e-6, (err, base)
+
+
 @pytest.mark.parametrize("m,k,n", [(4096, 8192, 2048), (1000, 2048, 2048), (64, 512, 3072)])
-def test_matches_addmm_and_leaves_c_alone(m, k, n):
-    a, w = _r(m, k), _r(n, k) / k ** 0.5
-    c_wide = _r(m, n + 64)
-    for c in (_r(m, n), c_wide[:, :n]):  # contiguous, and rows strided (a view of a wider tensor)
-        before = c.clone()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # cuBLASLt must run, not fall back
-            got = cublaslt._lt_addmm(c, a, w)
-        want = torch.addmm(c, a, w.t())
-        ref = c.double() + a.double() @ w.double().t()
-        assert got.shape == (m, n) and got.is_contiguous() and torch.equal(c, before)
-        err, base = (got.double() - ref).abs().max().item(), (want.double() - ref).abs().max().item()
-        assert err <= 2 * base + 1e-6, (err, base)
+@pytest.mark.parametrize("w_rows", [True, False])
+def test_every_candidate_and_the_choice_against_a_reference(m, k, n, w_rows):
+    a = _r(m, k)
+    w = _r(n, k) / k ** 0.5 if w_rows else (_r(k, n) / k ** 0.5).t()  # rows, or columns, contiguous
+    for c in (_r(m, n), _r(m, n + 64)[:, :n], None):  # contiguous, rows strided, no C
+        before = None if c is None else c.clone()
+        ref = a.double() @ w.double().t() + (0 if c is None else c.double())
+        want = torch.mm(a, w.t()) if c is None else torch.addmm(c, a, w.t())
+        c_, beta = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16), 0.0) if c is None else (c, 1.0)
+        plan = cublaslt._plan(0, m, n, k, k, w.stride(0 if w_rows else 1), c_.stride(0), n, w_rows, c is None)
+        assert plan.candidates
+        for algo in plan.candidates:
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            cublaslt._matmul(plan, algo, 0, c_, a, w, out, beta)
+            _close(out, want, ref)
+        got = cublaslt.mm(a, w) if c is None else cublaslt.addmm(c, a, w)
+        assert got.shape == (m, n) and got.is_contiguous()
+        _close(got, want, ref)
+        assert c is None or torch.equal(c, before)
 
 
-def test_op_falls_back_for_operands_it_is_not_given():
+def test_ops_fall_back_for_operands_they_are_not_given():
     a, w, c = _r(33, 7), _r(5, 7), _r(33, 5)  # rows of 7 / 5 bf16: not 16-byte strides
     assert not cublaslt._runs(c, a, w)
     assert torch.equal(cublaslt.addmm(c, a, w), torch.addmm(c, a, w.t()))
-    a32 = a.float()
-    assert torch.equal(cublaslt.addmm(c.float(), a32, w.float()), torch.addmm(c.float(), a32, w.float().t()))
+    assert torch.equal(cublaslt.mm(a, w), torch.mm(a, w.t()))
+    assert torch.equal(cublaslt.mm(a.float(), w.float()), torch.mm(a.float(), w.float().t()))
 
 
-def test_op_inside_a_compiled_function():
+def test_ops_inside_a_compiled_function():
     a, w, c = _r(512, 1024), _r(256, 1024), _r(512, 256)
-    f = torch.compile(lambda c, a, w: cublaslt.addmm(c, a, w) * 2, fullgraph=True)
-    assert torch.equal(f(c, a, w), cublaslt.addmm(c, a, w) * 2)
+    f = torch.compile(lambda c, a, w: cublaslt.addmm(c, a, w) * 2 + cublaslt.mm(a, w), fullgraph=True)
+    assert torch.equal(f(c, a, w), cublaslt.addmm(c, a, w) * 2 + cublaslt.mm(a, w))

@@ -29,3 +29,13 @@ def test_gradients_are_addmm_gradients():
     c, a, w = leaves
     want = torch.autograd.grad(torch.addmm(c, a, w.t()), leaves, dy)
     assert all(torch.allclose(x, y) for x, y in zip(got, want))
+
+
+def test_mm_on_cpu_and_its_gradients():
+    g = torch.Generator().manual_seed(2)
+    a, w = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in ((5, 4), (3, 4)))
+    assert torch.equal(cublaslt.mm(a, w), torch.mm(a, w.t()))
+    dy = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(cublaslt.mm(a, w), (a, w), dy)
+    want = torch.autograd.grad(torch.mm(a, w.t()), (a, w), dy)
+    assert all(torch.allclose(x, y) for x, y in zip(got, want))
