@@ -12,7 +12,10 @@ output layer's logits 707 against 669 TFLOP/s, the output projection's input gra
 input gradient 671 against 655; elsewhere cuBLAS's own pick is as fast or faster).
 
 Both time, at the first call of each shape, torch's own call and the heuristic's first CANDIDATES algorithms on
-the call's operands, and keep the fastest (so never slower than torch's call, up to the timing's noise). The
+the call's operands, and keep the fastest (so never slower than torch's call, up to the timing's noise); they
+time them again at the shape's RETUNE_AT-th call: the first call's GPU is not yet at the clock it holds in a
+training run (at the power limit the order changes: the logits' fastest candidate there, 707 TFLOP/s, was not
+the first call's pick, profile_kernels_llama-1b_mb16x2_ead243b.tsv). The
 module calls the eight cuBLASLt functions it needs through ctypes on the library torch itself has loaded (no
 build step, no other dependency; nvmath-python has bindings for the same API, but its import brings cuda-core of
 a pinned range and its FFT and sparse modules to the device for a few calls). Descriptors, candidates and the
@@ -44,6 +47,7 @@ _DESC_TRANSA, _DESC_TRANSB, _PREF_MAX_WORKSPACE = 3, 4, 1
 _OP_N, _OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 CANDIDATES = 8  # algorithms asked of the heuristic; the first call of a shape times them and keeps the fastest
+RETUNE_AT = 8  # ... and its RETUNE_AT-th call again, the GPU then at its steady clock (in training: its power limit)
 ENABLED = os.environ.get("PARATRON_CUBLASLT", "1") != "0"  # 0: torch's addmm (read once, like the other switches)
 
 
@@ -125,7 +129,7 @@ class _Plan:
 
     def __init__(self, desc, layouts, candidates):
         self.desc, self.layouts, self.candidates = desc, layouts, candidates
-        self.tuned, self.best = False, None
+        self.calls, self.best = 0, None
 
 
 def _runs(c: Optional[Tensor], a: Tensor, w: Tensor) -> bool:
@@ -183,10 +187,12 @@ def _lt(c: Optional[Tensor], a: Tensor, w: Tensor, torch_call) -> Tensor:
             return torch_call()
         _matmul(plan, choice, device, c_, a, w, out, beta)
         return out
-    if not plan.tuned:
-        if torch.cuda.is_current_stream_capturing():
-            return run(plan.candidates[0])
-        plan.best, plan.tuned = _fastest(plan, run), True
+    plan.calls += 1
+    if plan.calls in (1, RETUNE_AT) and not torch.cuda.is_current_stream_capturing():
+        plan.best = _fastest(plan, run)
+    elif plan.calls == 1:  # (capturing a CUDA graph: cuBLASLt's first candidate, timed at the next call)
+        plan.calls = 0
+        return run(plan.candidates[0])
     return run(plan.best)
 
 

@@ -56,3 +56,13 @@ def test_ops_inside_a_compiled_function():
     a, w, c = _r(512, 1024), _r(256, 1024), _r(512, 256)
     f = torch.compile(lambda c, a, w: cublaslt.addmm(c, a, w) * 2 + cublaslt.mm(a, w), fullgraph=True)
     assert torch.equal(f(c, a, w), cublaslt.addmm(c, a, w) * 2 + cublaslt.mm(a, w))
+
+
+def test_choice_made_again_at_the_retune_call():
+    a, w = _r(2048, 1024), _r(768, 1024)
+    want = torch.mm(a, w.t())
+    ref = a.double() @ w.double().t()
+    plan = cublaslt._plan(0, 2048, 768, 1024, 1024, 1024, 768, 768, True, True)
+    for _ in range(cublaslt.RETUNE_AT + 2):
+        _close(cublaslt.mm(a, w), want, ref)
+    assert plan.calls == cublaslt.RETUNE_AT + 2
