@@ -173,7 +173,7 @@ def _fastest(plan: _Plan, run) -> Optional[_Heuristic]:
 
 
 def _lt(c: Optional[Tensor], a: Tensor, w: Tensor, torch_call) -> Tensor:
-    """``c + a @ w^T`` (c None: ``a @ w^T``) into a new tensor by the fastest of ``torch_call`` and cuBLASLt's
+    """``c + a @ w^T`` (c None: ``a @ w^T``) into a new tensor by the fastest of ``torch_call(out)`` and cuBLASLt's
     candidates, timed at the first call of each shape (not while a CUDA graph is captured: cuBLASLt's first)."""
     (m, k), n = a.shape, w.size(0)
     out = torch.empty(m, n, dtype=a.dtype, device=a.device)
@@ -183,8 +183,8 @@ def _lt(c: Optional[Tensor], a: Tensor, w: Tensor, torch_call) -> Tensor:
     plan = _plan(device, m, n, k, a.stride(0), w.stride(0 if w_rows else 1), c_.stride(0), n, w_rows, c is None)
 
     def run(choice):
-        if choice is None:
-            return torch_call()
+        if choice is None:  # (into ``out`` too: timing the choices allocates nothing more)
+            return torch_call(out)
         _matmul(plan, choice, device, c_, a, w, out, beta)
         return out
     plan.calls += 1
@@ -203,7 +203,7 @@ def addmm(c: Tensor, a: Tensor, w: Tensor) -> Tensor:
     if not ENABLED or c.shape != (a.size(0), w.size(0)) or a.size(1) != w.size(1) or not _runs(c, a, w):
         return torch.addmm(c, a, w.t())
     try:
-        return _lt(c, a, w, lambda: torch.addmm(c, a, w.t()))
+        return _lt(c, a, w, lambda out: torch.addmm(c, a, w.t(), out=out))
     except (RuntimeError, OSError, AttributeError) as e:
         _warn_once(f"{type(e).__name__}: {e}")
         return torch.addmm(c, a, w.t())
@@ -221,7 +221,7 @@ def mm(a: Tensor, w: Tensor) -> Tensor:
     if not ENABLED or a.size(1) != w.size(1) or not _runs(None, a, w):
         return torch.mm(a, w.t())
     try:
-        return _lt(None, a, w, lambda: torch.mm(a, w.t()))
+        return _lt(None, a, w, lambda out: torch.mm(a, w.t(), out=out))
     except (RuntimeError, OSError, AttributeError) as e:
         _warn_once(f"{type(e).__name__}: {e}")
         return torch.mm(a, w.t())
