@@ -47,6 +47,7 @@ _DESC_TRANSA, _DESC_TRANSB, _PREF_MAX_WORKSPACE = 3, 4, 1
 _OP_N, _OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 CANDIDATES = 8  # algorithms asked of the heuristic; the first call of a shape times them and keeps the fastest
+MAX_PLANS = 64  # shapes planned at most (see _plan)
 RETUNE_AT = 8  # ... and its RETUNE_AT-th call again, the GPU then at its steady clock (in training: its power limit)
 ENABLED = os.environ.get("PARATRON_CUBLASLT", "1") != "0"  # 0: torch's addmm (read once, like the other switches)
 
@@ -100,7 +101,11 @@ def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, ldd
           plain: bool = False):
     """A ``_Plan`` for D [m, n] = C + A [m, k] @ W [n, k]^T, bf16 with row strides lda / ldc / ldd; W row-major
     with row stride ldw (``w_rows``), or the transpose of a row-major [k, n] with row stride ldw. cuBLASLt is
-    column-major: it computes D^T = W A^T. ``plain``: for ``mm`` (no C; its own plan and choice)."""
+    column-major: it computes D^T = W A^T. ``plain``: for ``mm`` (no C; its own plan and choice). Past MAX_PLANS
+    shapes ``_Full`` (each new shape costs descriptors and two rounds of timing: a run whose shapes keep changing
+    stays on torch's calls for the rest)."""
+    if _plan.cache_info().currsize >= MAX_PLANS:
+        raise _Full
     lib = _lib()
     desc = _new(lib.cublasLtMatmulDescCreate, ctypes.c_int(_COMPUTE_32F), ctypes.c_int(_R_32F))
     for attr, op in ((_DESC_TRANSA, _OP_T if w_rows else _OP_N), (_DESC_TRANSB, _OP_N)):
@@ -121,6 +126,10 @@ def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, ldd
     if not found:
         raise RuntimeError(f"cuBLASLt found no algorithm for [{m}, {k}] x [{k}, {n}]")
     return _Plan(desc, layouts, found)
+
+
+class _Full(Exception):
+    """MAX_PLANS shapes planned already."""
 
 
 class _Plan:
@@ -204,6 +213,8 @@ def addmm(c: Tensor, a: Tensor, w: Tensor) -> Tensor:
         return torch.addmm(c, a, w.t())
     try:
         return _lt(c, a, w, lambda out: torch.addmm(c, a, w.t(), out=out))
+    except _Full:
+        return torch.addmm(c, a, w.t())
     except (RuntimeError, OSError, AttributeError) as e:
         _warn_once(f"{type(e).__name__}: {e}")
         return torch.addmm(c, a, w.t())
@@ -222,6 +233,8 @@ def mm(a: Tensor, w: Tensor) -> Tensor:
         return torch.mm(a, w.t())
     try:
         return _lt(None, a, w, lambda out: torch.mm(a, w.t(), out=out))
+    except _Full:
+        return torch.mm(a, w.t())
     except (RuntimeError, OSError, AttributeError) as e:
         _warn_once(f"{type(e).__name__}: {e}")
         return torch.mm(a, w.t())

@@ -137,7 +137,9 @@ def _plain(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional
         training = torch.is_grad_enabled() if training is None else training
         if training and quack_gemm.residual_applies(a):
             return quack_gemm.gemm_add(c, a, weight, quack_gemm.tile("residual")).view(residual.shape)
-        return cublaslt.addmm(c, a, weight).view(residual.shape)
+        if training:  # (not in generation: its prompts' lengths vary, and cuBLASLt's choice is made per shape)
+            return cublaslt.addmm(c, a, weight).view(residual.shape)
+        return torch.addmm(c, a, weight.t()).view(residual.shape)
     y = F.linear(x, weight, bias)
     return y if residual is None else residual + y
 

@@ -66,3 +66,10 @@ def test_choice_made_again_at_the_retune_call():
     for _ in range(cublaslt.RETUNE_AT + 2):
         _close(cublaslt.mm(a, w), want, ref)
     assert plan.calls == cublaslt.RETUNE_AT + 2
+
+
+def test_new_shapes_past_max_plans_take_torchs_call(monkeypatch):
+    monkeypatch.setattr(cublaslt, "MAX_PLANS", cublaslt._plan.cache_info().currsize)
+    a, w, c = _r(96, 256), _r(40, 256), _r(96, 40)
+    assert torch.equal(cublaslt.mm(a, w), torch.mm(a, w.t()))
+    assert torch.equal(cublaslt.addmm(c, a, w), torch.addmm(c, a, w.t()))

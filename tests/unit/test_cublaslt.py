@@ -39,3 +39,11 @@ def test_mm_on_cpu_and_its_gradients():
     got = torch.autograd.grad(cublaslt.mm(a, w), (a, w), dy)
     want = torch.autograd.grad(torch.mm(a, w.t()), (a, w), dy)
     assert all(torch.allclose(x, y) for x, y in zip(got, want))
+
+
+def test_no_new_plans_past_max_plans(monkeypatch):
+    """Past MAX_PLANS shapes a new one is refused before any CUDA call (the ops then take torch's call)."""
+    import pytest
+    monkeypatch.setattr(cublaslt, "MAX_PLANS", 0)
+    with pytest.raises(cublaslt._Full):
+        cublaslt._plan(0, 7, 5, 3, 3, 3, 5, 5)
