@@ -49,7 +49,7 @@ WORKSPACE_BYTES = 32 << 20
 CANDIDATES = 8  # algorithms asked of the heuristic; the first call of a shape times them and keeps the fastest
 MAX_PLANS = 64  # shapes planned at most (see _plan)
 RETUNE_AT = 8  # ... and its RETUNE_AT-th call again, the GPU then at its steady clock (in training: its power limit)
-ENABLED = os.environ.get("PARATRON_CUBLASLT", "1") != "0"  # 0: torch's addmm (read once, like the other switches)
+ENABLED = os.environ.get("PARATRON_CUBLASLT", "1") != "0"  # 0: torch's calls (read once, like the other switches)
 
 
 class _Heuristic(ctypes.Structure):
