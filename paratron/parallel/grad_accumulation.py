@@ -126,19 +126,26 @@ class _FusedLinear(torch.autograd.Function):
         return (dx, torch.empty_like(weight), dbias, dy if ctx.has_residual else None, None)
 
 
+def residual_addmm(c: Tensor, a: Tensor, weight: Tensor) -> Tensor:
+    """``c + a W^T`` into a new tensor in training (the residual as the GEMM's C operand, not copied into the
+    output first): quack's GEMM reading C where its ``residual`` tiles are on (quack_gemm.py), else cuBLASLt
+    (cublaslt.py; torch's addmm where that does not run)."""
+    if quack_gemm.residual_applies(a):
+        return quack_gemm.gemm_add(c, a, weight, quack_gemm.tile("residual"))
+    return cublaslt.addmm(c, a, weight)
+
+
 def _plain(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
            training: Optional[bool] = None) -> Tensor:
     """``x W^T + b + residual``: the residual as the matmul's C operand when there is no bias (one row,
-    as in batch-1 decoding, stays matmul + add, which a compiled step makes one GEMV kernel). In bf16
-    training on a GPU with quack, quack's GEMM reads C in its epilogue (quack_gemm.py: torch's addmm
-    copies C into its output first). ``training``: None, autograd's state says."""
+    as in batch-1 decoding, stays matmul + add, which a compiled step makes one GEMV kernel). In training
+    ``residual_addmm`` (torch's addmm copies C into its output first). ``training``: None, autograd's state
+    says."""
     if residual is not None and bias is None and x.numel() != x.size(-1):
         c, a = residual.reshape(-1, weight.size(0)), x.reshape(-1, x.size(-1))
         training = torch.is_grad_enabled() if training is None else training
-        if training and quack_gemm.residual_applies(a):
-            return quack_gemm.gemm_add(c, a, weight, quack_gemm.tile("residual")).view(residual.shape)
         if training:  # (not in generation: its prompts' lengths vary, and cuBLASLt's choice is made per shape)
-            return cublaslt.addmm(c, a, weight).view(residual.shape)
+            return residual_addmm(c, a, weight).view(residual.shape)
         return torch.addmm(c, a, weight.t()).view(residual.shape)
     y = F.linear(x, weight, bias)
     return y if residual is None else residual + y

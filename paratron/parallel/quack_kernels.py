@@ -37,8 +37,8 @@ from typing import Optional
 
 import torch
 
-from . import cublaslt, quack_dgated, quack_gemm
-from .grad_accumulation import main_grad_of, wgrad_accumulate
+from . import quack_dgated, quack_gemm
+from .grad_accumulation import main_grad_of, residual_addmm, wgrad_accumulate
 
 try:  # optional: pip install quack-kernels (Hopper); used only on CUDA
     from quack import rmsnorm as _q_rmsnorm
@@ -177,10 +177,8 @@ class _GatedMLP(torch.autograd.Function):
         pre, act = _gated(x, w1)
         if residual is None:
             y = act @ w2.t()
-        elif quack_gemm.residual_applies(act):  # C read by the epilogue, not copied into the output first
-            y = quack_gemm.gemm_add(residual, act, w2, quack_gemm.tile("residual"))
-        else:  # cuBLASLt reading C and writing a new output (torch's addmm copies C into it first)
-            y = cublaslt.addmm(residual, act, w2)
+        else:  # C read by the GEMM, not copied into the output first
+            y = residual_addmm(residual, act, w2)
         ctx.save_for_backward(x, w1, w2, pre, act if _keeps_act(x) else None)
         ctx.main_grads = g1, g2  # (not saved: they change as they accumulate, by design)
         ctx.has_residual, ctx.bwd = residual is not None, bwd
