@@ -104,7 +104,7 @@ def lt_candidates(a, w, out) -> dict:
     from paratron.parallel import cublaslt
     w_rows = w.stride(1) == 1
     plan = cublaslt._plan(0, a.size(0), w.size(0), a.size(1), a.stride(0), w.stride(0 if w_rows else 1), out.size(1),
-                          out.size(1), w_rows, True)
+                          w_rows, True)
     ref, found = a @ w.t(), {}
     for i, algo in enumerate(plan.candidates):
         cublaslt._matmul(plan, algo, 0, out, a, w, out, 0.0)

@@ -97,11 +97,11 @@ def _workspace(device: int) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, ldd: int, w_rows: bool = True,
+def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, w_rows: bool = True,
           plain: bool = False):
-    """A ``_Plan`` for D [m, n] = C + A [m, k] @ W [n, k]^T, bf16 with row strides lda / ldc / ldd; W row-major
-    with row stride ldw (``w_rows``), or the transpose of a row-major [k, n] with row stride ldw. cuBLASLt is
-    column-major: it computes D^T = W A^T. ``plain``: for ``mm`` (no C; its own plan and choice). Past MAX_PLANS
+    """A ``_Plan`` for D [m, n] (a new, contiguous tensor) = C + A [m, k] @ W [n, k]^T, bf16, A and C with row
+    strides lda / ldc; W row-major with row stride ldw (``w_rows``), or the transpose of a row-major [k, n] with
+    row stride ldw. cuBLASLt is column-major: it computes D^T = W A^T. ``plain``: for ``mm`` (no C; its own plan and choice). Past MAX_PLANS
     shapes ``_Full`` (each new shape costs descriptors and two rounds of timing: a run whose shapes keep changing
     stays on torch's calls for the rest)."""
     if _plan.cache_info().currsize >= MAX_PLANS:
@@ -114,7 +114,7 @@ def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, ldd
                                                   ctypes.c_size_t(4)), "MatmulDescSetAttribute")
     layouts = [_new(lib.cublasLtMatrixLayoutCreate, ctypes.c_int(_R_16BF), ctypes.c_uint64(rows),
                     ctypes.c_uint64(cols), ctypes.c_int64(ld))
-               for rows, cols, ld in ((k, n, ldw) if w_rows else (n, k, ldw), (k, m, lda), (n, m, ldc), (n, m, ldd))]
+               for rows, cols, ld in ((k, n, ldw) if w_rows else (n, k, ldw), (k, m, lda), (n, m, ldc), (n, m, n))]
     pref = _new(lib.cublasLtMatmulPreferenceCreate)
     size = ctypes.c_uint64(WORKSPACE_BYTES)
     _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, ctypes.c_int(_PREF_MAX_WORKSPACE), ctypes.byref(size),
@@ -189,7 +189,7 @@ def _lt(c: Optional[Tensor], a: Tensor, w: Tensor, torch_call) -> Tensor:
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     w_rows = w.stride(1) == 1
     c_, beta = (out, 0.0) if c is None else (c, 1.0)
-    plan = _plan(device, m, n, k, a.stride(0), w.stride(0 if w_rows else 1), c_.stride(0), n, w_rows, c is None)
+    plan = _plan(device, m, n, k, a.stride(0), w.stride(0 if w_rows else 1), c_.stride(0), w_rows, c is None)
 
     def run(choice):
         if choice is None:  # (into ``out`` too: timing the choices allocates nothing more)

@@ -32,7 +32,7 @@ def test_every_candidate_and_the_choice_against_a_reference(m, k, n, w_rows):
         ref = a.double() @ w.double().t() + (0 if c is None else c.double())
         want = torch.mm(a, w.t()) if c is None else torch.addmm(c, a, w.t())
         c_, beta = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16), 0.0) if c is None else (c, 1.0)
-        plan = cublaslt._plan(0, m, n, k, k, w.stride(0 if w_rows else 1), c_.stride(0), n, w_rows, c is None)
+        plan = cublaslt._plan(0, m, n, k, k, w.stride(0 if w_rows else 1), c_.stride(0), w_rows, c is None)
         assert plan.candidates
         for algo in plan.candidates:
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -62,7 +62,7 @@ def test_choice_made_again_at_the_retune_call():
     a, w = _r(2048, 1024), _r(768, 1024)
     want = torch.mm(a, w.t())
     ref = a.double() @ w.double().t()
-    plan = cublaslt._plan(0, 2048, 768, 1024, 1024, 1024, 768, 768, True, True)
+    plan = cublaslt._plan(0, 2048, 768, 1024, 1024, 1024, 768, True, True)
     for _ in range(cublaslt.RETUNE_AT + 2):
         _close(cublaslt.mm(a, w), want, ref)
     assert plan.calls == cublaslt.RETUNE_AT + 2

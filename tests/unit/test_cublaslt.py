@@ -46,4 +46,4 @@ def test_no_new_plans_past_max_plans(monkeypatch):
     import pytest
     monkeypatch.setattr(cublaslt, "MAX_PLANS", 0)
     with pytest.raises(cublaslt._Full):
-        cublaslt._plan(0, 7, 5, 3, 3, 3, 5, 5)
+        cublaslt._plan(0, 7, 5, 3, 3, 3, 5)
