@@ -148,8 +148,8 @@ if triton is not None:
         c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, pos, sc_s, ss_s, cols, HALF, mask, dtype)
         src = x_ptr + (pos * sx_s + (rows % batch) * sx_b + g * sx_g)[:, None] + cols[None, :]
         for j in tl.static_range(QPG + 1):
-            x1 = _as(tl.load(src + j * sx_j, mask=mask), dtype)
-            x2 = _as(tl.load(src + j * sx_j + HALF, mask=mask), dtype)
+            x1 = tl.load(src + j * sx_j, mask=mask).to(tl.float32)  # (dtype's values already)
+            x2 = tl.load(src + j * sx_j + HALF, mask=mask).to(tl.float32)
             if j < QPG:
                 dst = q_ptr + ((rows * groups + g) * QPG + j)[:, None] * (2 * HALF) + cols[None, :]
             else:
@@ -177,8 +177,8 @@ if triton is not None:
                 src = dq_ptr + (pos * sq_s + b * sq_b + (g * QPG + j) * sq_h)[:, None] + cols[None, :]
             else:
                 src = dst + QPG * sx_j
-            g1 = _as(tl.load(src, mask=mask), dtype)
-            g2 = _as(tl.load(src + HALF, mask=mask), dtype)
+            g1 = tl.load(src, mask=mask).to(tl.float32)  # (dtype's values already)
+            g2 = tl.load(src + HALF, mask=mask).to(tl.float32)
             tl.store(dst + j * sx_j, _mul_add(g1, c1, g2, s2, False, dtype), mask=mask)
             tl.store(dst + j * sx_j + HALF, _mul_add(g2, c2, g1, s1, True, dtype), mask=mask)
 
