@@ -1,6 +1,7 @@
 """The output layer's cross-entropy passes at llama-1b's shape, timed alone on the GPU: the compiled statistics
 + overwrite passes against the one-pass Triton kernel of paratron/parallel/cross_entropy.py per (block, warps),
-the same with the whole row held in registers (one read), and the backward's per-token scaling (fp32 multiply + cast against the row-scaling kernel). Prints a table.
+the same with the whole row held in registers (one read; a program per row, or a few per SM each walking
+its rows with the next one loaded ahead), and the backward's per-token scaling (fp32 multiply + cast against the row-scaling kernel). Prints a table.
 
     python benchmarks/ce_kernel_bench.py [--tokens 32768 --vocab 32768]
 """
@@ -43,13 +44,17 @@ def main() -> None:
             work.copy_(logits)
             ce.fused_ce_(work, target, 0, block, warps)
         rows.append((f"fused_ce_ block {block} warps {warps}", cuda_ms(one_pass) - copy_ms))
-    for warps in (8, 16, 32):  # the whole row in registers (_ce_row), one read
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # the whole row in registers (_ce_row), one read: a program per row, or P programs per SM walking the rows
+    # with the next one loaded ahead
+    for warps, per_sm in ((8, 0), (16, 0), (32, 0), (32, 1), (32, 2), (16, 2), (16, 4), (8, 4), (8, 8)):
         ce.CE_ROW_WARPS = warps
 
-        def whole(warps=warps):
+        def whole(per_sm=per_sm):
             work.copy_(logits)
-            ce.fused_ce_(work, target, 0, whole_row=True)
-        rows.append((f"fused_ce_ whole row, warps {warps}", cuda_ms(whole) - copy_ms))
+            ce.fused_ce_(work, target, 0, whole_row=True, programs=per_sm * sms or None)
+        label = "a program per row" if not per_sm else f"{per_sm} programs per SM, next row ahead"
+        rows.append((f"fused_ce_ whole row, warps {warps}, {label}", cuda_ms(whole) - copy_ms))
     print(f"{torch.cuda.get_device_name()}; logits {n} x {v} bf16 (copy {copy_ms:.3f} ms subtracted)")
     print("| pass | ms | TB/s (one read + one write) |\n|---|---|---|")
     for name, ms in rows:

@@ -26,6 +26,7 @@ roundings (the bf16 matmul result, one fp32 multiply, one rounding), so its resu
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Optional
 
@@ -48,7 +49,10 @@ except ImportError:  # CPU-only installs
 CE_BLOCK, CE_WARPS = 4096, 8
 # rows of up to CE_ROW_MAX logits: one block in registers (``_ce_row``); 32 warps: 1.89 against 2.37 ms for the
 # blocked kernel at llama-1b's [32768, 32768] (benchmarks/results/ce_kernel_bench_e7e9895.md)
-CE_ROW_MAX, CE_ROW_WARPS = 32768, 32
+# ... by CE_ROW_PROGRAMS programs per SM, each walking its rows with the next one loaded ahead (0: a program per
+# row). PARATRON_CE_ROW="warps:programs" sets the two (benchmarks/ce_kernel_bench.py times them).
+CE_ROW_MAX = 32768
+CE_ROW_WARPS, CE_ROW_PROGRAMS = (int(x) for x in os.environ.get("PARATRON_CE_ROW", "32:0").split(":"))
 SCALE_BLOCK, SCALE_WARPS = 2048, 4
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -140,11 +144,12 @@ def _on_device(t: torch.Tensor):
 
 
 def fused_ce_(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, block: int = CE_BLOCK,
-              num_warps: int = CE_WARPS, whole_row: Optional[bool] = None):
+              num_warps: int = CE_WARPS, whole_row: Optional[bool] = None, programs: Optional[int] = None):
     """``_ce_stats`` and ``_ce_grad_`` of ``logits`` [n, v] (row-contiguous) in one Triton kernel: returns
     (lse, loss) [n] fp32 and overwrites ``logits`` with softmax - onehot(target - vocab_start). A row of up to
     CE_ROW_MAX logits is read once (``_ce_row``; ``whole_row`` None: chosen by v), a longer one twice, in
-    ``block``-sized pieces (``_ce_fused``: the second read mostly from L2)."""
+    ``block``-sized pieces (``_ce_fused``: the second read mostly from L2). ``programs``: how many programs share
+    the rows of ``_ce_row`` (None: CE_ROW_PROGRAMS per SM on CUDA, or one per row)."""
     n, v = logits.shape
     assert logits.stride(1) == 1 and target.shape == (n,), (logits.stride(), target.shape)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -154,10 +159,18 @@ def fused_ce_(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, 
         args = (logits, target, lse, loss, v, logits.stride(0), target.stride(0), vocab_start)
         with _on_device(logits):
             if whole:
-                _ce_row[(n,)](*args, BLOCK=triton.next_power_of_2(v), num_warps=CE_ROW_WARPS)
+                if programs is None and CE_ROW_PROGRAMS and logits.is_cuda:
+                    programs = CE_ROW_PROGRAMS * _sm_count(logits.device)
+                _ce_row[(n if programs is None else min(n, programs),)](logits, target, lse, loss, n, *args[4:], BLOCK=triton.next_power_of_2(v),
+                                 num_warps=CE_ROW_WARPS)
             else:
                 _ce_fused[(n,)](*args, BLOCK=block, num_warps=num_warps)
     return lse, loss
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _row_scaled(t: torch.Tensor, g: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -242,25 +255,35 @@ if triton is not None:
             tl.store(base + offs, p.to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _ce_row(x_ptr, t_ptr, lse_ptr, loss_ptr, v, stride, t_stride, vocab_start, BLOCK: tl.constexpr):
-        """``_ce_fused`` for a row that fits one block (BLOCK >= v): the row is read once into registers, its
-        max, sum of exp(logit - max) and lse taken from there, then softmax - onehot written. The sum has no
-        rescaling (the max is known before it), otherwise as ``_ce_fused``."""
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride
+    def _ce_row(x_ptr, t_ptr, lse_ptr, loss_ptr, n, v, stride, t_stride, vocab_start, BLOCK: tl.constexpr):
+        """``_ce_fused`` for rows that fit one block (BLOCK >= v), each read once into registers: max, sum of
+        exp(logit - max) and lse from there, then softmax - onehot written. The sum has no rescaling (the max is
+        known before it), otherwise as ``_ce_fused``. Program p takes rows p, p + G, p + 2G, ... (G programs) and
+        loads the next of them before it reduces and writes the current one, so that a row's read is in flight
+        while another is computed (with G = n: one row per program, nothing ahead)."""
+        pid, step = tl.program_id(0), tl.num_programs(0)
         cols = tl.arange(0, BLOCK)
-        t = tl.load(t_ptr + row * t_stride).to(tl.int64) - vocab_start
-        inside = (t >= 0) & (t < v)
-        t = tl.minimum(tl.maximum(t, 0), v - 1)
-        picked = tl.where(inside, tl.load(base + t).to(tl.float32), 0.0)
         mask = cols < v
-        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        m = tl.max(x, axis=0)
-        lse = m + _log(tl.sum(_exp(x - m), axis=0))
-        tl.store(lse_ptr + row, lse)
-        tl.store(loss_ptr + row, lse - picked)
-        p = _exp(x - lse) - tl.where(inside & (cols == t), 1.0, 0.0)
-        tl.store(base + cols, p.to(x_ptr.dtype.element_ty), mask=mask)
+        row = pid.to(tl.int64)
+        # (a row past n: nothing loaded, every column masked; its target read at row n - 1, never used)
+        x_next = tl.load(x_ptr + row * stride + cols, mask=cols < tl.where(row < n, v, 0), other=float("-inf"))
+        t_next = tl.load(t_ptr + tl.minimum(row, n - 1) * t_stride)
+        for _ in range(pid, n, step):
+            x, t = x_next.to(tl.float32), t_next.to(tl.int64) - vocab_start
+            ahead = row + step
+            x_next = tl.load(x_ptr + ahead * stride + cols, mask=cols < tl.where(ahead < n, v, 0),
+                             other=float("-inf"))
+            t_next = tl.load(t_ptr + tl.minimum(ahead, n - 1) * t_stride)
+            inside = (t >= 0) & (t < v)
+            t = tl.minimum(tl.maximum(t, 0), v - 1)
+            picked = tl.sum(tl.where(inside & (cols == t), x, 0.0), axis=0)  # exact: one term, the rest zeros
+            m = tl.max(x, axis=0)
+            lse = m + _log(tl.sum(_exp(x - m), axis=0))
+            tl.store(lse_ptr + row, lse)
+            tl.store(loss_ptr + row, lse - picked)
+            p = _exp(x - lse) - tl.where(inside & (cols == t), 1.0, 0.0)
+            tl.store(x_ptr + row * stride + cols, p.to(x_ptr.dtype.element_ty), mask=mask)
+            row = ahead
 
     @triton.jit
     def _scale_rows(t_ptr, g_ptr, out_ptr, h, t_stride, g_stride, out_stride, BLOCK: tl.constexpr):

@@ -30,7 +30,9 @@ def within_one_ulp(got, want):
 # first and last columns; vocabulary 1000 = 3 blocks of 256 + 232; a row stride wider than the vocabulary
 n, v, block = 6, 1000, 256
 cases = ((torch.bfloat16, 0), (torch.float32, 0), (torch.float16, 300))
-for whole, (dtype, vocab_start) in [(w, c) for w in (False, True) for c in cases]:  # _ce_fused / _ce_row
+# _ce_fused / _ce_row with a program per row / 4 programs over the 6 rows (two of them take a second row)
+for (whole, programs), (dtype, vocab_start) in [(w, c) for w in ((False, None), (True, None), (True, 4))
+                                                for c in cases]:
     wide = (torch.randn(n, v + 24) * 4).to(dtype)
     wide[0, 3] = 30
     wide[1, 990] = 30
@@ -44,7 +46,8 @@ for whole, (dtype, vocab_start) in [(w, c) for w in (False, True) for c in cases
     m, sum_exp, picked = ce._ce_stats(logits, local, v)
     want_lse = m + sum_exp.log()
     before = wide.clone()
-    lse, loss = ce.fused_ce_(logits, target, vocab_start, block=block, num_warps=4, whole_row=whole)
+    lse, loss = ce.fused_ce_(logits, target, vocab_start, block=block, num_warps=4, whole_row=whole,
+                              programs=programs)
     assert lse.dtype == loss.dtype == torch.float32
     assert torch.allclose(lse, want_lse, rtol=0, atol=2e-6), (dtype, (lse - want_lse).abs().max())
     assert torch.equal(loss, lse - picked), dtype  # the target logit is exact
