@@ -53,6 +53,7 @@ CE_BLOCK, CE_WARPS = 4096, 8
 # row). PARATRON_CE_ROW="warps:programs" sets the two (benchmarks/ce_kernel_bench.py times them).
 CE_ROW_MAX = 32768
 CE_ROW_WARPS, CE_ROW_PROGRAMS = (int(x) for x in os.environ.get("PARATRON_CE_ROW", "32:0").split(":"))
+CE_FAST_EXP = os.environ.get("PARATRON_CE_FAST_EXP", "0") == "1"
 SCALE_BLOCK, SCALE_WARPS = 2048, 4
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -144,12 +145,15 @@ def _on_device(t: torch.Tensor):
 
 
 def fused_ce_(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, block: int = CE_BLOCK,
-              num_warps: int = CE_WARPS, whole_row: Optional[bool] = None, programs: Optional[int] = None):
+              num_warps: int = CE_WARPS, whole_row: Optional[bool] = None, programs: Optional[int] = None,
+              fast: Optional[bool] = None):
     """``_ce_stats`` and ``_ce_grad_`` of ``logits`` [n, v] (row-contiguous) in one Triton kernel: returns
     (lse, loss) [n] fp32 and overwrites ``logits`` with softmax - onehot(target - vocab_start). A row of up to
     CE_ROW_MAX logits is read once (``_ce_row``; ``whole_row`` None: chosen by v), a longer one twice, in
     ``block``-sized pieces (``_ce_fused``: the second read mostly from L2). ``programs``: how many programs share
-    the rows of ``_ce_row`` (None: CE_ROW_PROGRAMS per SM on CUDA, or one per row)."""
+    the rows of ``_ce_row`` (None: CE_ROW_PROGRAMS per SM on CUDA, or one per row). ``fast``: the GPU's
+    approximate exp instead of libdevice's (None: CE_FAST_EXP)."""
+    fast = CE_FAST_EXP if fast is None else fast
     n, v = logits.shape
     assert logits.stride(1) == 1 and target.shape == (n,), (logits.stride(), target.shape)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -161,10 +165,11 @@ def fused_ce_(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, 
             if whole:
                 if programs is None and CE_ROW_PROGRAMS and logits.is_cuda:
                     programs = CE_ROW_PROGRAMS * _sm_count(logits.device)
-                _ce_row[(n if programs is None else min(n, programs),)](logits, target, lse, loss, n, *args[4:], BLOCK=triton.next_power_of_2(v),
+                grid = n if programs is None else min(n, programs)
+                _ce_row[(grid,)](logits, target, lse, loss, n, *args[4:], BLOCK=triton.next_power_of_2(v), FAST=fast,
                                  num_warps=CE_ROW_WARPS)
             else:
-                _ce_fused[(n,)](*args, BLOCK=block, num_warps=num_warps)
+                _ce_fused[(n,)](*args, BLOCK=block, FAST=fast, num_warps=num_warps)
     return lse, loss
 
 
@@ -216,7 +221,16 @@ if triton is not None:
             return libdevice.log(x)
 
     @triton.jit
-    def _ce_fused(x_ptr, t_ptr, lse_ptr, loss_ptr, v, stride, t_stride, vocab_start, BLOCK: tl.constexpr):
+    def _expf(x, FAST: tl.constexpr):
+        """exp as libdevice computes it, or with FAST the GPU's approximate 2^x of x log2(e) (``tl.exp``)."""
+        if FAST:
+            return tl.exp(x)
+        else:
+            return _exp(x)
+
+    @triton.jit
+    def _ce_fused(x_ptr, t_ptr, lse_ptr, loss_ptr, v, stride, t_stride, vocab_start, BLOCK: tl.constexpr,
+                  FAST: tl.constexpr):
         """One row of logits per program: statistics, lse and loss, then softmax - onehot in place.
 
         Where the results can differ from ``_ce_stats`` + ``_ce_grad`` (compiled): the max and the target
@@ -241,7 +255,7 @@ if triton is not None:
             x = x.to(tl.float32)
             new_m = tl.maximum(m, tl.max(x, axis=0))
             # exp(m - new_m) is exactly 1 while the max stays (and 0 on the first block: the sums are 0)
-            sums = sums * _exp(m - new_m) + _exp(x - new_m)
+            sums = sums * _expf(m - new_m, FAST) + _expf(x - new_m, FAST)
             m = new_m
         lse = m + _log(tl.sum(sums, axis=0))
         tl.store(lse_ptr + row, lse)
@@ -251,11 +265,12 @@ if triton is not None:
             offs = (blocks - 1 - i) * BLOCK + cols  # last block first: the most recently read
             mask = offs < v
             x = tl.load(base + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            p = _exp(x - lse) - tl.where(inside & (offs == t), 1.0, 0.0)
+            p = _expf(x - lse, FAST) - tl.where(inside & (offs == t), 1.0, 0.0)
             tl.store(base + offs, p.to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _ce_row(x_ptr, t_ptr, lse_ptr, loss_ptr, n, v, stride, t_stride, vocab_start, BLOCK: tl.constexpr):
+    def _ce_row(x_ptr, t_ptr, lse_ptr, loss_ptr, n, v, stride, t_stride, vocab_start, BLOCK: tl.constexpr,
+                FAST: tl.constexpr):
         """``_ce_fused`` for rows that fit one block (BLOCK >= v), each read once into registers: max, sum of
         exp(logit - max) and lse from there, then softmax - onehot written. The sum has no rescaling (the max is
         known before it), otherwise as ``_ce_fused``. Program p takes rows p, p + G, p + 2G, ... (G programs) and
@@ -278,10 +293,10 @@ if triton is not None:
             t = tl.minimum(tl.maximum(t, 0), v - 1)
             picked = tl.sum(tl.where(inside & (cols == t), x, 0.0), axis=0)  # exact: one term, the rest zeros
             m = tl.max(x, axis=0)
-            lse = m + _log(tl.sum(_exp(x - m), axis=0))
+            lse = m + _log(tl.sum(_expf(x - m, FAST), axis=0))
             tl.store(lse_ptr + row, lse)
             tl.store(loss_ptr + row, lse - picked)
-            p = _exp(x - lse) - tl.where(inside & (cols == t), 1.0, 0.0)
+            p = _expf(x - lse, FAST) - tl.where(inside & (cols == t), 1.0, 0.0)
             tl.store(x_ptr + row * stride + cols, p.to(x_ptr.dtype.element_ty), mask=mask)
             row = ahead
 

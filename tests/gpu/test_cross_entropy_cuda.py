@@ -45,6 +45,10 @@ def test_fused_kernel_matches_the_compiled_two_passes(v, vocab_start):
     assert torch.equal(d, grad(logits, lse, local, v))
     other = grad(logits, want_lse, local, v)  # with the two passes' own lse: rare one-unit differences
     assert (d != other).float().mean().item() < 1e-2 and _rel(d, other) < 1e-3
+    fast = logits.clone()  # the GPU's approximate exp: the same up to rare one-unit differences
+    lse_fast, loss_fast = ce.fused_ce_(fast, target, vocab_start, fast=True)
+    assert (lse_fast - want_lse).abs().max().item() <= 2e-5 and torch.equal(loss_fast, lse_fast - picked.float())
+    assert (fast != other).float().mean().item() < 1e-2 and _rel(fast, other) < 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
