@@ -114,30 +114,6 @@ def lt_candidates(a, w, out) -> dict:
     return found
 
 
-def lt_wgrad_candidates(n: int, r) -> list:
-    """[(name, flops, {kernel: callable})]: the weight gradients that go into fp32 main_grad through
-    grad_accumulation.wgrad_accumulate (QKV, output projection, output layer into the transposed view) by torch's
-    addmm with an fp32 output, by each cuBLASLt candidate in place, and by cublaslt.accumulate_ (its choice)."""
-    from paratron.parallel import cublaslt
-    rows = []
-    for name, out, inp, transposed in (("qkv weight grad dy^T@x", 3072, 2048, False),
-                                       ("proj weight grad dy^T@x", 2048, 2048, False),
-                                       ("output layer weight grad (main_grad.t() += x^T@d)", 2048, 32768, True)):
-        dy, x = r(n, out), r(n, inp)
-        acc = torch.zeros(inp, out, device="cuda").t() if transposed else torch.zeros(out, inp, device="cuda")
-        cands = {"cuBLAS fp32 out, in place": lambda dy=dy, x=x, acc=acc: torch.addmm(
-            acc, dy.t(), x, out_dtype=torch.float32, out=acc)}
-        a, w, acc_ = (x.t(), dy.t(), acc.t()) if transposed else (dy.t(), x.t(), acc)  # as accumulate_ turns it
-        plan = cublaslt._plan(0, a.size(0), w.size(0), n, a.stride(1), w.stride(1), w.size(0), False, False, False,
-                              cublaslt._R_32F)
-        for i, algo in enumerate(plan.candidates):
-            cands[f"cuBLASLt candidate {i}"] = (
-                lambda algo=algo, plan=plan, a=a, w=w, acc_=acc_: cublaslt._matmul(plan, algo, 0, acc_, a, w, acc_))
-        cands["cublaslt.accumulate_ (its choice)"] = lambda dy=dy, x=x, acc=acc: cublaslt.accumulate_(acc, dy.t(), x.t())
-        rows.append((name, 2 * n * out * inp, cands))
-    return rows
-
-
 def gated_candidates(n: int, r) -> list:
     """[(name, flops, {kernel: callable})]: quack's gated GEMMs of llama-1b's MLP (fc1 + SwiGLU forward, fc2's
     input gradient + SwiGLU backward) with each configuration of GATED_CONFIGS; the default is what
@@ -165,8 +141,6 @@ def main() -> int:
     p.add_argument("--warm", type=float, default=1.0)
     p.add_argument("--no-quack", action="store_true")
     p.add_argument("--lt", action="store_true", help="cuBLASLt's heuristic candidates instead of quack's tiles")
-    p.add_argument("--lt-wgrad", action="store_true",
-                   help="only the weight gradients into fp32 main_grad: torch's addmm against cuBLASLt's candidates")
     p.add_argument("--gated", action="store_true", help="only quack's gated MLP GEMMs, per configuration")
     p.add_argument("--residual", action="store_true",
                    help="only the GEMMs paratron/parallel/quack_gemm.py configures: C + A@B into a new tensor "
@@ -188,9 +162,8 @@ def main() -> int:
                    ("logits input grad dlogits@Wout", r(n, 32768), r(32768, 2048))]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.seconds} s each after {args.warm} s")
     print("| GEMM | kernel | TFLOP/s | SM MHz | W |\n|---|---|---|---|---|")
-    if args.gated or args.residual or args.lt_wgrad:
-        pick = gated_candidates if args.gated else lt_wgrad_candidates if args.lt_wgrad else residual_candidates
-        for name, flops, cands in pick(n, r):
+    if args.gated or args.residual:
+        for name, flops, cands in (gated_candidates if args.gated else residual_candidates)(n, r):
             _table(name, flops, cands, args, probe)
         return 0
     for name, a, b in shapes:

@@ -11,7 +11,9 @@ overwrite are ONE Triton kernel (``_ce_fused``): a program per row walks the row
 running max and per-lane sums of exp (rescaled when the max grows, online-softmax style) and reads the
 target logit, writes lse and the loss (fp32), then walks the row again, last block first (those were
 read most recently, so mostly still in L2), writing exp(logit - lse) - onehot(target) rounded to the
-logits' dtype in place. It replaces two compiled passes measured on an H100 at 32768 tokens x 32768
+logits' dtype in place. Its exp is the GPU's approximate one (``ex2.approx`` of x log2 e, a few fp32 units
+off libdevice's expf; PARATRON_CE_FAST_EXP=0: libdevice's): with libdevice's the pass is bound by arithmetic
+(3.08 against 1.74 ms alone on an H100, benchmarks/results/ce_kernel_bench_0dc6af3.md). It replaces two compiled passes measured on an H100 at 32768 tokens x 32768
 vocabulary (bf16; benchmarks/results/profile_kernels_llama-1b_mb16x2_7056be8.tsv): the statistics
 pass (1.1 ms, one read of the logits at only 1.9 TB/s), the gradient pass (1.6 ms, a read and a write),
 and the small [tokens] kernels of the per-chunk statistics (sub, log, add, copy_). Over a TP group
@@ -26,7 +28,6 @@ roundings (the bf16 matmul result, one fp32 multiply, one rounding), so its resu
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from typing import Optional
 
@@ -47,13 +48,10 @@ except ImportError:  # CPU-only installs
 # logits is 16 per thread at 8 warps (two 16-byte loads of bf16), 8 blocks per row at a 32k vocabulary,
 # 32 at 128k; the row-scaling pass moves 2048 elements (one llama-1b hidden row) per program.
 CE_BLOCK, CE_WARPS = 4096, 8
-# rows of up to CE_ROW_MAX logits: one block in registers (``_ce_row``); 32 warps: 1.89 against 2.37 ms for the
-# blocked kernel at llama-1b's [32768, 32768] (benchmarks/results/ce_kernel_bench_e7e9895.md)
-# ... by CE_ROW_PROGRAMS programs per SM, each walking its rows with the next one loaded ahead (0: a program per
-# row). PARATRON_CE_ROW="warps:programs" sets the two (benchmarks/ce_kernel_bench.py times them).
-CE_ROW_MAX = 32768
-CE_ROW_WARPS, CE_ROW_PROGRAMS = (int(x) for x in os.environ.get("PARATRON_CE_ROW", "32:0").split(":"))
-CE_FAST_EXP = os.environ.get("PARATRON_CE_FAST_EXP", "0") == "1"
+# exp in the kernel: the GPU's approximate 2^x of x log2(e) (``tl.exp``), or libdevice's expf as the compiled
+# passes compute it (PARATRON_CE_FAST_EXP=0). With libdevice's the pass is bound by its arithmetic, not by memory:
+# 3.08 against 1.74 ms at llama-1b's [32768, 32768] bf16 on an H100 (benchmarks/results/ce_kernel_bench_0dc6af3.md)
+CE_FAST_EXP = os.environ.get("PARATRON_CE_FAST_EXP", "1") != "0"
 SCALE_BLOCK, SCALE_WARPS = 2048, 4
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -145,37 +143,20 @@ def _on_device(t: torch.Tensor):
 
 
 def fused_ce_(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, block: int = CE_BLOCK,
-              num_warps: int = CE_WARPS, whole_row: Optional[bool] = None, programs: Optional[int] = None,
-              fast: Optional[bool] = None):
-    """``_ce_stats`` and ``_ce_grad_`` of ``logits`` [n, v] (row-contiguous) in one Triton kernel: returns
-    (lse, loss) [n] fp32 and overwrites ``logits`` with softmax - onehot(target - vocab_start). A row of up to
-    CE_ROW_MAX logits is read once (``_ce_row``; ``whole_row`` None: chosen by v), a longer one twice, in
-    ``block``-sized pieces (``_ce_fused``: the second read mostly from L2). ``programs``: how many programs share
-    the rows of ``_ce_row`` (None: CE_ROW_PROGRAMS per SM on CUDA, or one per row). ``fast``: the GPU's
-    approximate exp instead of libdevice's (None: CE_FAST_EXP)."""
+              num_warps: int = CE_WARPS, fast: Optional[bool] = None):
+    """``_ce_stats`` and ``_ce_grad_`` of ``logits`` [n, v] (row-contiguous) in one Triton kernel (``_ce_fused``):
+    returns (lse, loss) [n] fp32 and overwrites ``logits`` with softmax - onehot(target - vocab_start).
+    ``fast``: the GPU's approximate exp instead of libdevice's (None: CE_FAST_EXP)."""
     fast = CE_FAST_EXP if fast is None else fast
     n, v = logits.shape
     assert logits.stride(1) == 1 and target.shape == (n,), (logits.stride(), target.shape)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     loss = torch.empty_like(lse)
-    whole = triton.next_power_of_2(v) <= CE_ROW_MAX if whole_row is None else whole_row
     if n:
-        args = (logits, target, lse, loss, v, logits.stride(0), target.stride(0), vocab_start)
         with _on_device(logits):
-            if whole:
-                if programs is None and CE_ROW_PROGRAMS and logits.is_cuda:
-                    programs = CE_ROW_PROGRAMS * _sm_count(logits.device)
-                grid = n if programs is None else min(n, programs)
-                _ce_row[(grid,)](logits, target, lse, loss, n, *args[4:], BLOCK=triton.next_power_of_2(v), FAST=fast,
-                                 num_warps=CE_ROW_WARPS)
-            else:
-                _ce_fused[(n,)](*args, BLOCK=block, FAST=fast, num_warps=num_warps)
+            _ce_fused[(n,)](logits, target, lse, loss, v, logits.stride(0), target.stride(0), vocab_start,
+                            BLOCK=block, FAST=fast, num_warps=num_warps)
     return lse, loss
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _row_scaled(t: torch.Tensor, g: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -200,9 +181,9 @@ def scale_rows(t: torch.Tensor, g: torch.Tensor, out: torch.Tensor, block: int =
 
 
 if triton is not None:
-    # exp and log as CUDA computes them: the compiled passes this replaces call libdevice's exp (Inductor's
-    # default, without fast math) and the lse was torch's logf, also libdevice's. Triton's interpreter has no
-    # libdevice: there numpy's float32 exp / log (the CPU tests allow their last-bit differences).
+    # exp and log as CUDA computes them (``_expf`` without FAST, and the lse's log): the compiled passes call
+    # libdevice's exp (Inductor's default, without fast math) and torch's logf is libdevice's too. Triton's
+    # interpreter has no libdevice: there numpy's float32 exp / log (the CPU tests allow last-bit differences).
     if os.environ.get("TRITON_INTERPRET") == "1":
         @triton.jit
         def _exp(x):
@@ -239,7 +220,8 @@ if triton is not None:
         exp(old max - max) (one extra rounding each time the max grows), and the summation order is this
         kernel's (per lane, then across lanes), not Inductor's. So lse can differ in its last bits, and a
         gradient element then by one unit in the last place of the logits' dtype. Given the same lse,
-        the loss (lse - target logit) and the gradient are the same fp32 operations rounded the same way."""
+        the loss (lse - target logit) and the gradient are the same fp32 operations rounded the same way
+        (without FAST; with it each exp is a few fp32 units off, and a gradient element rarely one unit)."""
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
         cols = tl.arange(0, BLOCK)
@@ -267,38 +249,6 @@ if triton is not None:
             x = tl.load(base + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             p = _expf(x - lse, FAST) - tl.where(inside & (offs == t), 1.0, 0.0)
             tl.store(base + offs, p.to(x_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _ce_row(x_ptr, t_ptr, lse_ptr, loss_ptr, n, v, stride, t_stride, vocab_start, BLOCK: tl.constexpr,
-                FAST: tl.constexpr):
-        """``_ce_fused`` for rows that fit one block (BLOCK >= v), each read once into registers: max, sum of
-        exp(logit - max) and lse from there, then softmax - onehot written. The sum has no rescaling (the max is
-        known before it), otherwise as ``_ce_fused``. Program p takes rows p, p + G, p + 2G, ... (G programs) and
-        loads the next of them before it reduces and writes the current one, so that a row's read is in flight
-        while another is computed (with G = n: one row per program, nothing ahead)."""
-        pid, step = tl.program_id(0), tl.num_programs(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < v
-        row = pid.to(tl.int64)
-        # (a row past n: nothing loaded, every column masked; its target read at row n - 1, never used)
-        x_next = tl.load(x_ptr + row * stride + cols, mask=cols < tl.where(row < n, v, 0), other=float("-inf"))
-        t_next = tl.load(t_ptr + tl.minimum(row, n - 1) * t_stride)
-        for _ in range(pid, n, step):
-            x, t = x_next.to(tl.float32), t_next.to(tl.int64) - vocab_start
-            ahead = row + step
-            x_next = tl.load(x_ptr + ahead * stride + cols, mask=cols < tl.where(ahead < n, v, 0),
-                             other=float("-inf"))
-            t_next = tl.load(t_ptr + tl.minimum(ahead, n - 1) * t_stride)
-            inside = (t >= 0) & (t < v)
-            t = tl.minimum(tl.maximum(t, 0), v - 1)
-            picked = tl.sum(tl.where(inside & (cols == t), x, 0.0), axis=0)  # exact: one term, the rest zeros
-            m = tl.max(x, axis=0)
-            lse = m + _log(tl.sum(_expf(x - m, FAST), axis=0))
-            tl.store(lse_ptr + row, lse)
-            tl.store(loss_ptr + row, lse - picked)
-            p = _expf(x - lse, FAST) - tl.where(inside & (cols == t), 1.0, 0.0)
-            tl.store(x_ptr + row * stride + cols, p.to(x_ptr.dtype.element_ty), mask=mask)
-            row = ahead
 
     @triton.jit
     def _scale_rows(t_ptr, g_ptr, out_ptr, h, t_stride, g_stride, out_stride, BLOCK: tl.constexpr):

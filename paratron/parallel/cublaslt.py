@@ -46,8 +46,7 @@ _COMPUTE_32F, _R_32F, _R_16BF = 68, 0, 14
 _DESC_TRANSA, _DESC_TRANSB, _PREF_MAX_WORKSPACE = 3, 4, 1
 _OP_N, _OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
-# algorithms asked of the heuristic; the first call of a shape times them and keeps the fastest
-CANDIDATES = int(os.environ.get("PARATRON_CUBLASLT_CANDIDATES", "8"))
+CANDIDATES = 8  # algorithms asked of the heuristic; the first call of a shape times them and keeps the fastest
 MAX_PLANS = 64  # shapes planned at most (see _plan)
 RETUNE_AT = 8  # ... and its RETUNE_AT-th call again, the GPU then at its steady clock (in training: its power limit)
 ENABLED = os.environ.get("PARATRON_CUBLASLT", "1") != "0"  # 0: torch's calls (read once, like the other switches)
@@ -99,26 +98,23 @@ def _workspace(device: int) -> Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, w_rows: bool = True,
-          plain: bool = False, a_rows: bool = True, out_type: int = _R_16BF):
-    """A ``_Plan`` for D [m, n] (contiguous) = C + A [m, k] @ W [n, k]^T, bf16 operands, C and D of ``out_type``
-    (bf16, or fp32 for ``accumulate_``), C with row stride ldc; A row-major with row stride lda (``a_rows``) or
-    the transpose of a row-major [k, m]; W row-major with row stride ldw (``w_rows``), or the transpose of a
-    row-major [k, n]. cuBLASLt is column-major: it computes D^T = W A^T. ``plain``: for ``mm`` (no C; its own
-    plan and choice). Past MAX_PLANS
+          plain: bool = False):
+    """A ``_Plan`` for D [m, n] (a new, contiguous tensor) = C + A [m, k] @ W [n, k]^T, bf16, A and C with row
+    strides lda / ldc; W row-major with row stride ldw (``w_rows``), or the transpose of a row-major [k, n] with
+    row stride ldw. cuBLASLt is column-major: it computes D^T = W A^T. ``plain``: for ``mm`` (no C; its own plan and choice). Past MAX_PLANS
     shapes ``_Full`` (each new shape costs descriptors and two rounds of timing: a run whose shapes keep changing
     stays on torch's calls for the rest)."""
     if _plan.cache_info().currsize >= MAX_PLANS:
         raise _Full
     lib = _lib()
     desc = _new(lib.cublasLtMatmulDescCreate, ctypes.c_int(_COMPUTE_32F), ctypes.c_int(_R_32F))
-    for attr, op in ((_DESC_TRANSA, _OP_T if w_rows else _OP_N), (_DESC_TRANSB, _OP_N if a_rows else _OP_T)):
+    for attr, op in ((_DESC_TRANSA, _OP_T if w_rows else _OP_N), (_DESC_TRANSB, _OP_N)):
         value = ctypes.c_int(op)
         _check(lib.cublasLtMatmulDescSetAttribute(desc, ctypes.c_int(attr), ctypes.byref(value),
                                                   ctypes.c_size_t(4)), "MatmulDescSetAttribute")
-    shapes = ((k, n, ldw) if w_rows else (n, k, ldw), (k, m, lda) if a_rows else (m, k, lda), (n, m, ldc), (n, m, n))
-    layouts = [_new(lib.cublasLtMatrixLayoutCreate, ctypes.c_int(_R_16BF if i < 2 else out_type),
-                    ctypes.c_uint64(rows), ctypes.c_uint64(cols), ctypes.c_int64(ld))
-               for i, (rows, cols, ld) in enumerate(shapes)]
+    layouts = [_new(lib.cublasLtMatrixLayoutCreate, ctypes.c_int(_R_16BF), ctypes.c_uint64(rows),
+                    ctypes.c_uint64(cols), ctypes.c_int64(ld))
+               for rows, cols, ld in ((k, n, ldw) if w_rows else (n, k, ldw), (k, m, lda), (n, m, ldc), (n, m, n))]
     pref = _new(lib.cublasLtMatmulPreferenceCreate)
     size = ctypes.c_uint64(WORKSPACE_BYTES)
     _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, ctypes.c_int(_PREF_MAX_WORKSPACE), ctypes.byref(size),
@@ -145,14 +141,13 @@ class _Plan:
         self.calls, self.best = 0, None
 
 
-def _runs(c: Optional[Tensor], a: Tensor, w: Tensor, a_columns: bool = False) -> bool:
-    """cuBLASLt takes these: CUDA bf16 2-D, 16-byte aligned; A (or with ``a_columns`` its columns) and C with
-    contiguous rows, W with contiguous rows or columns; their strides multiples of 8 elements."""
+def _runs(c: Optional[Tensor], a: Tensor, w: Tensor) -> bool:
+    """cuBLASLt takes these: CUDA bf16 2-D, 16-byte aligned; A and C with contiguous rows, W with contiguous
+    rows or columns; their strides multiples of 8 elements."""
     def fits(t: Tensor, major: int) -> bool:
         return (t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(major) == 1
                 and t.stride(1 - major) % 8 == 0 and t.data_ptr() % 16 == 0)
-    return ((fits(a, 1) or a_columns and fits(a, 0)) and (c is None or fits(c, 1))
-            and (fits(w, 1) or fits(w, 0)))
+    return fits(a, 1) and (c is None or fits(c, 1)) and (fits(w, 1) or fits(w, 0))
 
 
 def _matmul(plan: _Plan, algo: _Heuristic, device: int, c: Tensor, a: Tensor, w: Tensor, out: Tensor,
@@ -201,57 +196,13 @@ def _lt(c: Optional[Tensor], a: Tensor, w: Tensor, torch_call) -> Tensor:
             return torch_call(out)
         _matmul(plan, choice, device, c_, a, w, out, beta)
         return out
-    return run(_choice(plan, run))
-
-
-def _choice(plan: _Plan, timed_run) -> Optional[_Heuristic]:
-    """What this call of ``plan``'s shape runs: at its first and RETUNE_AT-th call the fastest of the choices,
-    each run by ``timed_run(choice)``; while a CUDA graph is captured, cuBLASLt's first candidate (timed at the
-    next call)."""
     plan.calls += 1
     if plan.calls in (1, RETUNE_AT) and not torch.cuda.is_current_stream_capturing():
-        plan.best = _fastest(plan, timed_run)
-    elif plan.calls == 1:
+        plan.best = _fastest(plan, run)
+    elif plan.calls == 1:  # (capturing a CUDA graph: cuBLASLt's first candidate, timed at the next call)
         plan.calls = 0
-        return plan.candidates[0]
-    return plan.best
-
-
-def accumulate_(acc: Tensor, a: Tensor, w: Tensor) -> None:
-    """``acc += a @ w^T`` in place, fp32 ``acc`` [M, N] (rows or columns contiguous), bf16 ``a`` [M, K] and ``w``
-    [N, K] (each with rows or columns contiguous): a weight gradient added to its fp32 ``main_grad``
-    (grad_accumulation.wgrad_accumulate), by the fastest of torch's addmm with an fp32 output and cuBLASLt's
-    candidates. The choice is timed writing a scratch [M, N] (C read, D written elsewhere: the same traffic),
-    so that ``acc`` is added to once. CUDA tensors; training only (called from backward)."""
-    if not acc.is_contiguous() and acc.t().is_contiguous():  # acc^T += w a^T
-        acc, a, w = acc.t(), w, a
-
-    def torch_call(out):
-        return torch.addmm(acc, a, w.t(), out_dtype=torch.float32, out=out)
-    if not (ENABLED and acc.is_cuda and acc.dtype == torch.float32 and acc.is_contiguous() and acc.data_ptr() % 16 == 0
-            and acc.shape == (a.size(0), w.size(0)) and a.size(1) == w.size(1) and _runs(None, a, w, True)):
-        torch_call(acc)
-        return
-    try:
-        (m, k), n = a.shape, w.size(0)
-        device = a.device.index if a.device.index is not None else torch.cuda.current_device()
-        a_rows, w_rows = a.stride(1) == 1, w.stride(1) == 1
-        plan = _plan(device, m, n, k, a.stride(0 if a_rows else 1), w.stride(0 if w_rows else 1), n, w_rows, False,
-                     a_rows, _R_32F)
-        scratch = []
-
-        def run(choice, out):
-            return torch_call(out) if choice is None else _matmul(plan, choice, device, acc, a, w, out)
-
-        def timed(choice):
-            scratch or scratch.append(torch.empty_like(acc))
-            run(choice, scratch[0])
-        run(_choice(plan, timed), acc)
-    except _Full:
-        torch_call(acc)
-    except (RuntimeError, OSError, AttributeError) as e:
-        _warn_once(f"{type(e).__name__}: {e}")
-        torch_call(acc)
+        return run(plan.candidates[0])
+    return run(plan.best)
 
 
 @torch.library.custom_op("paratron::cublaslt_addmm", mutates_args=())

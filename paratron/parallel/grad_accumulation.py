@@ -17,7 +17,6 @@ hooks that count a bucket's gradients (--overlap-grad-reduce) run as before.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -33,7 +32,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 ACC_BLOCK = 4096  # elements per program of the accumulation kernels
-LT_WGRAD = os.environ.get("PARATRON_CUBLASLT_WGRAD", "1") != "0"  # 0: torch's addmm for the fused weight gradients
 
 
 def accumulate_(acc: Tensor, grad: Tensor, write: bool, fused: bool = True) -> None:
@@ -99,9 +97,7 @@ def wgrad_accumulate(main_grad: Tensor, dy: Tensor, x: Tensor, interleaved: bool
         accumulate_deinterleaved_(main_grad, dy.t() @ x)
     elif main_grad.dtype == dy.dtype or not main_grad.is_cuda:  # (CPUs: the product in the buffer's dtype)
         main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
-    elif LT_WGRAD:  # bf16 operands, fp32 output accumulating in place: cuBLAS or cuBLASLt, the faster
-        cublaslt.accumulate_(main_grad, dy.t(), x.t())
-    else:
+    else:  # bf16 operands, fp32 output accumulating in place
         torch.addmm(main_grad, dy.t(), x, out_dtype=main_grad.dtype, out=main_grad)
 
 
