@@ -24,7 +24,9 @@ for every GEMM of the step, and cuBLAS cannot do two of them without an extra pa
   stays on cuBLAS (640 against quack's best 653 there, at tiles that lose elsewhere: not worth a choice).
 - ``dx``: fc1's input gradient reading its weight in the interleaved [g0, u0, ...] row order in place
   (no re-ordering copy of the weight per micro-batch): 684 TFLOP/s at 256x128, cluster 1x2, against
-  681 for cuBLAS with the copy: no gain beyond the noise, so off by default.
+  681 for cuBLAS with the copy alone; in the step the GEMM takes the same time as cuBLAS's (99.8 against
+  ~100 ms per 65,536 tokens) and the copy's 1.43 ms is gone: GPU busy 742.6 against 745.0 ms in one command
+  (benchmarks/results/profile_kernels_llama-1b_mb16x2_7e718b0_{default,dx}.tsv).
 
 ``PARATRON_QUACK_TILES`` overrides the configuration per use, e.g. ``residual=off,dgated=128x192c2x1pp``
 (``off``: the torch / cuBLAS path; ``default``: quack's default tiles); the defaults below are what
@@ -48,7 +50,7 @@ except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not 
     GemmConfig = _gemm_raw = _dgated_raw = None
 
 # tile_m x tile_n, cluster m x n, ping-pong (pp) or cooperative (coop); measured at the power cap
-TILES = {"residual": "off", "dgated": "128x160c2x1pp", "dx": "off", "wgrad_fc1": "256x128c1x2coop",
+TILES = {"residual": "off", "dgated": "128x160c2x1pp", "dx": "256x128c1x2coop", "wgrad_fc1": "256x128c1x2coop",
          "wgrad_fc2": "128x256c2x1coop"}
 RESIDUAL_MAX_K = 2048  # the residual GEMM goes to quack up to this inner dimension (measured above)
 
