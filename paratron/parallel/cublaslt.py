@@ -49,6 +49,7 @@ WORKSPACE_BYTES = 32 << 20
 CANDIDATES = 8  # algorithms asked of the heuristic; the first call of a shape times them and keeps the fastest
 MAX_PLANS = 64  # shapes planned at most (see _plan)
 RETUNE_AT = 8  # ... and its RETUNE_AT-th call again, the GPU then at its steady clock (in training: its power limit)
+TIMING_ROUNDS = 3  # rounds over the choices when timing them (see _fastest)
 ENABLED = os.environ.get("PARATRON_CUBLASLT", "1") != "0"  # 0: torch's calls (read once, like the other switches)
 
 
@@ -164,21 +165,23 @@ def _matmul(plan: _Plan, algo: _Heuristic, device: int, c: Tensor, a: Tensor, w:
 
 
 def _fastest(plan: _Plan, run) -> Optional[_Heuristic]:
-    """The fastest of torch's call (None) and the candidate algorithms, ``run(choice)`` running one: CUDA events,
-    the median of 5 after 2 warm-up calls each."""
-    times = []
+    """The fastest of torch's call (None) and the candidate algorithms, ``run(choice)`` running one: TIMING_ROUNDS
+    rounds over all the choices in turn, each choice a warm-up call and 3 timed (CUDA events) per round; a choice's
+    time is the sum over the rounds of its median. Taking the rounds in turn spreads a drift of the clock (the GPU
+    settling at its power limit) over every choice instead of charging it to the ones timed last."""
     choices = [None] + plan.candidates
-    for choice in choices:
-        run(choice)
-        run(choice)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
-        events[0].record()
-        for e in events[1:]:
+    totals = [0.0] * len(choices)
+    for _ in range(TIMING_ROUNDS):
+        for i, choice in enumerate(choices):
             run(choice)
-            e.record()
-        events[-1].synchronize()
-        times.append(sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))[2])
-    return choices[times.index(min(times))]
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            events[0].record()
+            for e in events[1:]:
+                run(choice)
+                e.record()
+            events[-1].synchronize()
+            totals[i] += sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))[1]
+    return choices[totals.index(min(totals))]
 
 
 def _lt(c: Optional[Tensor], a: Tensor, w: Tensor, torch_call) -> Tensor:
