@@ -1,6 +1,7 @@
 """The output layer's cross-entropy passes at llama-1b's shape, timed alone on the GPU: the compiled statistics
 + overwrite passes against the one-pass Triton kernel of paratron/parallel/cross_entropy.py per (block, warps),
-with libdevice's exp and with the GPU's approximate exp, and the backward's per-token scaling (fp32 multiply + cast against the row-scaling kernel). Prints a table.
+with libdevice's exp and with the GPU's approximate exp, and the backward's per-token scaling (fp32 multiply +
+cast against the row-scaling kernel). Prints a table.
 
     python benchmarks/ce_kernel_bench.py [--tokens 32768 --vocab 32768]
 """

@@ -75,7 +75,8 @@ def main() -> None:
                 t_f = _ms(f)
             t_fb = _ms(fb)
             t_b = t_fb - t_f
-            print(f"| {name} | {t_f:.3f} | {fwd_flops / t_f / 1e9:.0f} | {t_fb:.3f} | {2.5 * fwd_flops / t_b / 1e9:.0f} |")
+            print(f"| {name} | {t_f:.3f} | {fwd_flops / t_f / 1e9:.0f} | {t_fb:.3f} "
+                  f"| {2.5 * fwd_flops / t_b / 1e9:.0f} |")
 
 
 if __name__ == "__main__":

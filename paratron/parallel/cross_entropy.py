@@ -13,10 +13,11 @@ target logit, writes lse and the loss (fp32), then walks the row again, last blo
 read most recently, so mostly still in L2), writing exp(logit - lse) - onehot(target) rounded to the
 logits' dtype in place. Its exp is the GPU's approximate one (``ex2.approx`` of x log2 e, a few fp32 units
 off libdevice's expf; PARATRON_CE_FAST_EXP=0: libdevice's): with libdevice's the pass is bound by arithmetic
-(3.08 against 1.74 ms alone on an H100, benchmarks/results/ce_kernel_bench_0dc6af3.md). It replaces two compiled passes measured on an H100 at 32768 tokens x 32768
-vocabulary (bf16; benchmarks/results/profile_kernels_llama-1b_mb16x2_7056be8.tsv): the statistics
-pass (1.1 ms, one read of the logits at only 1.9 TB/s), the gradient pass (1.6 ms, a read and a write),
-and the small [tokens] kernels of the per-chunk statistics (sub, log, add, copy_). Over a TP group
+(3.08 against 1.74 ms alone on an H100, benchmarks/results/ce_kernel_bench_0dc6af3.md). It replaces two
+compiled passes measured on an H100 at 32768 tokens x 32768 vocabulary (bf16;
+benchmarks/results/profile_kernels_llama-1b_mb16x2_7056be8.tsv): the statistics pass (1.1 ms, one read of
+the logits at only 1.9 TB/s), the gradient pass (1.6 ms, a read and a write), and the small [tokens] kernels
+of the per-chunk statistics (sub, log, add, copy_). Over a TP group
 (statistics reduced across ranks between the two passes) the two compiled passes remain.
 
 In backward each token's incoming gradient g (fp32) scales the rows of D @ W and of x before the
@@ -44,10 +45,10 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-# Launch parameters of the kernels below: the cross-entropy reads a row in blocks of 8192 logits at 8 warps (4 at
-# a 32k vocabulary; with the approximate exp 1.62 ms against 1.74-2.16 for the other blocks and warps at llama-1b's
-# [32768, 32768] on an H100, benchmarks/results/ce_kernel_bench_56356ff.md); the row-scaling pass moves 2048
-# elements (one llama-1b hidden row) per program (0.092 ms, within 2 % of the others measured).
+# Launch parameters of the kernels below: the cross-entropy reads a row in blocks of 8192 logits at 8 warps (4
+# blocks per row at a 32k vocabulary; with the approximate exp 1.62 ms against 1.74-2.16 for the other blocks and
+# warps at llama-1b's [32768, 32768] on an H100, benchmarks/results/ce_kernel_bench_56356ff.md); the row-scaling
+# pass moves 2048 elements (one llama-1b hidden row) per program (0.092 ms, within 2 % of the others measured).
 CE_BLOCK, CE_WARPS = 8192, 8
 # exp in the kernel: the GPU's approximate 2^x of x log2(e) (``tl.exp``), or libdevice's expf as the compiled
 # passes compute it (PARATRON_CE_FAST_EXP=0). With libdevice's the pass is bound by its arithmetic, not by memory:

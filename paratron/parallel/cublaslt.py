@@ -102,9 +102,9 @@ def _plan(device: int, m: int, n: int, k: int, lda: int, ldw: int, ldc: int, w_r
           plain: bool = False):
     """A ``_Plan`` for D [m, n] (a new, contiguous tensor) = C + A [m, k] @ W [n, k]^T, bf16, A and C with row
     strides lda / ldc; W row-major with row stride ldw (``w_rows``), or the transpose of a row-major [k, n] with
-    row stride ldw. cuBLASLt is column-major: it computes D^T = W A^T. ``plain``: for ``mm`` (no C; its own plan and choice). Past MAX_PLANS
-    shapes ``_Full`` (each new shape costs descriptors and two rounds of timing: a run whose shapes keep changing
-    stays on torch's calls for the rest)."""
+    row stride ldw. cuBLASLt is column-major: it computes D^T = W A^T. ``plain``: for ``mm`` (no C; its own plan
+    and choice). Past MAX_PLANS shapes ``_Full`` (each new shape costs descriptors and two timings: a run whose
+    shapes keep changing stays on torch's calls for the rest)."""
     if _plan.cache_info().currsize >= MAX_PLANS:
         raise _Full
     lib = _lib()
