@@ -22,6 +22,6 @@ s = s.replace(old_args, old_args + f' "--training.global_batch_size", "{gb}",')
 s = s.replace(old_tok, f"tok = {gb} * a.seq  # the global batch's tokens per optimizer step")
 open(path, "w").write(s)
 PY
-VARIANT_TIMEOUT_S=200 TOTAL_BUDGET_S=210 timeout 220 bash "$copy/run.sh" --variants bf16:16 \
-    > "$out/torchtitan_bf16_mb16_gb${gb}_$(date -u +%Y%m%d_%H%M).log" 2>&1
-tail -4 "$out"/torchtitan_bf16_mb16_gb"${gb}"_*.log | tail -4
+log="$out/torchtitan_bf16_mb16_gb${gb}_$(date -u +%Y%m%d_%H%M).log"
+VARIANT_TIMEOUT_S=200 TOTAL_BUDGET_S=210 timeout 220 bash "$copy/run.sh" --variants bf16:16 > "$log" 2>&1
+tail -4 "$log"
