@@ -19,8 +19,9 @@ def _rel(a, b):
 @pytest.mark.parametrize("v, vocab_start", [(32768, 0), (32000, 0), (128256, 0), (32768, 16384), (1000, 0)])
 def test_fused_kernel_matches_the_compiled_two_passes(v, vocab_start):
     """With libdevice's exp (bit for bit where the same fp32 operations run), then the GPU's approximate exp.
-    32000: a last block shorter than the kernel's; 128256: llama-3's vocabulary; a vocab_start with targets outside the shard (not on the
-    fused path in training, which is TP=1, but the kernel masks them); 1000: a small whole row."""
+    32000: a last block shorter than the kernel's; 128256: llama-3's vocabulary; a vocab_start with targets
+    outside the shard (not on the fused path in training, which is TP=1, but the kernel masks them); 1000: a row
+    shorter than one block."""
     from paratron.parallel import cross_entropy as ce
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = 2048
