@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Callable, Optional
 
 import torch
@@ -106,9 +105,7 @@ def _launch(master: torch.Tensor, state: dict, out: Optional[torch.Tensor], grou
     if n == 0:
         return
     lr, (beta1, beta2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
-    blocks = triton.cdiv(n, BLOCK)
-    cap = int(os.environ.get("PARATRON_ADAMW_PROGRAMS", "0"))  # experiment: at most this many programs
-    _adamw[(min(blocks, cap) if cap > 0 else blocks,)](
+    _adamw[(triton.cdiv(n, BLOCK),)](
         master, grad, m, v, out if out is not None else master, step,
         grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step, n,
         lr, 1.0 - lr * wd, 1.0 - beta1, beta2, 1.0 - beta2, math.log(beta1), math.log(beta2), eps,
@@ -123,17 +120,9 @@ if triton is not None:
                HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr):
         """AdamW over elements [pid * BLOCK, (pid + 1) * BLOCK) of one master; ``decay`` = 1 - lr * wd,
         ``log_beta*`` the natural logarithms of the betas (for the bias corrections)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         if HAS_INF:  # an inf/nan gradient norm: nothing is read or written
             n = tl.where(tl.load(inf_ptr) == 0, n, 0)
-        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, tl.num_programs(0).to(tl.int64) * BLOCK):
-            _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, step_ptr, scale_ptr, start + tl.arange(0, BLOCK), n,
-                         lr, decay, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps,
-                         HAS_OUT, HAS_SCALE)
-
-    @triton.jit
-    def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, step_ptr, scale_ptr, offs, n,
-                     lr, decay, one_minus_beta1, beta2, one_minus_beta2, log_beta1, log_beta2, eps,
-                     HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr):
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_SCALE:

@@ -59,10 +59,7 @@ class StepOverlap:
     parameters); ``masters``: {parameter: its fp32 master}."""
 
     def __init__(self, wrappers: list, masters: dict):
-        device = next(iter(masters.values())).device
-        self.stream = torch.cuda.Stream(device=device)
-        if os.environ.get("PARATRON_OPTIMIZER_OVERLAP") == "priority":  # experiment: compute before the step
-            torch.cuda.set_stream(torch.cuda.Stream(device=device, priority=-1))
+        self.stream = torch.cuda.Stream(device=next(iter(masters.values())).device)
         self.wrappers = wrappers
         pieces = [piece for w in wrappers for piece in forward_pieces(w.module)]
         self.batches = [[masters[p] for p in ps if p in masters] for _, ps in pieces]
