@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -63,16 +63,13 @@ def _check(master: torch.Tensor, tensors: list) -> None:
 
 
 def adamw_step_(adam: torch.optim.AdamW, outs: dict, grad_scale: Optional[torch.Tensor] = None,
-                found_inf: Optional[torch.Tensor] = None, batches: Optional[list] = None,
-                after_batch: Optional[Callable[[int], None]] = None) -> None:
+                found_inf: Optional[torch.Tensor] = None) -> None:
     """One AdamW step of every parameter of ``adam``'s groups that has a ``.grad`` (the fp32 masters),
     state in ``adam.state``. ``outs``: {master: the model weight (bf16/fp16, contiguous, as many elements)
     the stepped master is also written into, rounded}; a master absent from it is only stepped.
     ``grad_scale``: device scalar each gradient is divided by as it is read; ``found_inf``: device 0/1
     scalar, 1 skips the update and leaves the step counters as they were (torch's fused AdamW's
-    arguments of the same names). One kernel launch per master, plus one for the step counters.
-    ``batches``: the masters in the launch order, in batches (every master of ``adam`` in one of them);
-    ``after_batch(i)`` is called once batch i is launched, for every batch (overlap.py)."""
+    arguments of the same names). One kernel launch per master, plus one for the step counters."""
     work = []
     for group in adam.param_groups:
         if group.get("amsgrad") or group.get("maximize"):
@@ -80,20 +77,14 @@ def adamw_step_(adam: torch.optim.AdamW, outs: dict, grad_scale: Optional[torch.
         if torch.is_tensor(group["lr"]):
             raise ValueError("fused AdamW takes the learning rate as a number")
         work += [(group, m, _state(adam, m)) for m in group["params"] if m.grad is not None]
-    if work:  # found_inf: the counters do not advance (torch's fused AdamW adds 1, then subtracts found_inf)
-        torch._foreach_add_([s["step"] for _, _, s in work], 1.0 if found_inf is None else 1.0 - found_inf)
-    of = {id(m): (group, m, state) for group, m, state in work}
-    if batches is None:
-        batches = [[m for _, m, _ in work]]
-    elif sum(len(b) for b in batches) != len({id(m) for group in adam.param_groups for m in group["params"]}):
-        raise ValueError("fused AdamW: the launch batches must hold every master once")
-    device = work[0][1].device if work else None
-    with torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext():
-        for i, batch in enumerate(batches):
-            for group, m, state in (of[id(m)] for m in batch if id(m) in of):
-                _launch(m, state, outs.get(m), group, grad_scale, found_inf)
-            if after_batch is not None:
-                after_batch(i)
+    if not work:
+        return
+    # found_inf: the counters do not advance (torch's fused AdamW adds 1, then subtracts found_inf)
+    torch._foreach_add_([s["step"] for _, _, s in work], 1.0 if found_inf is None else 1.0 - found_inf)
+    device = work[0][1].device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for group, m, state in work:
+            _launch(m, state, outs.get(m), group, grad_scale, found_inf)
 
 
 def _launch(master: torch.Tensor, state: dict, out: Optional[torch.Tensor], group: dict,

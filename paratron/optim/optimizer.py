@@ -206,10 +206,9 @@ class MixedPrecisionAdam:
         return int(self._model_sum(self._grads(), lambda ts: sum((t == 0).sum() for t in ts), torch.float64).item())
 
     @torch.no_grad()
-    def step(self, overlap=None) -> tuple[bool | torch.Tensor, float | torch.Tensor]:
+    def step(self) -> tuple[bool | torch.Tensor, float | torch.Tensor]:
         """Returns (update applied, grad norm), as Python values, or as device tensors when the step
-        ran without a host sync (see _step_on_device). Skips the update on inf/nan gradients.
-        ``overlap``: a StepOverlap (overlap.py) the fused on-device AdamW runs on, beside the next forward."""
+        ran without a host sync (see _step_on_device). Skips the update on inf/nan gradients."""
         grads = self._grads()
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
@@ -218,7 +217,7 @@ class MixedPrecisionAdam:
         norms_t = [self._norm_sq(part).sqrt() for part in parts]
         if (self.adam.defaults.get("fused") or self._fused_outs is not None) and len(parts) == 1 and \
                 self.muon is None and not isinstance(self.scaler, DynamicScaler):
-            return self._step_on_device(grads, norms_t[0], overlap)
+            return self._step_on_device(grads, norms_t[0])
         norms = [n.item() for n in norms_t]  # one host sync: the dynamic loss scale and the skip are decided here
         norm = norms[0]
         found_inf = not all(math.isfinite(n) for n in norms)
@@ -240,8 +239,7 @@ class MixedPrecisionAdam:
         self._publish()
         return True, norm
 
-    def _step_on_device(self, grads: list[torch.Tensor], norm: torch.Tensor,
-                        overlap=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step_on_device(self, grads: list[torch.Tensor], norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The same step with no host synchronisation (a fused AdamW, no dynamic loss scale): the clip
         coefficient stays a device tensor and an inf/nan norm skips the update through the fused AdamW's
         ``found_inf``. With bf16/fp16 parameters on CUDA the AdamW kernel of fused_adamw.py also writes the
@@ -256,10 +254,7 @@ class MixedPrecisionAdam:
         for m, g in zip(self.masters, grads):
             m.grad = g
         try:
-            if self._fused_outs is not None and overlap is not None:
-                overlap.run(lambda batches, after: fused_adamw.adamw_step_(
-                    self.adam, self._fused_outs, grad_scale, found_inf, batches, after), [grad_scale, found_inf])
-            elif self._fused_outs is not None:
+            if self._fused_outs is not None:
                 fused_adamw.adamw_step_(self.adam, self._fused_outs, grad_scale, found_inf)
             else:
                 self._torch_fused_step(grad_scale, found_inf)
@@ -290,10 +285,6 @@ class MixedPrecisionAdam:
 
     def _own_masters(self) -> list[torch.Tensor]:
         return []
-
-    def overlap_masters(self) -> Optional[dict]:
-        """{parameter: master} for a step beside the next forward (overlap.py); None: not this optimizer."""
-        return None
 
 
 class Optimizer(MixedPrecisionAdam):
@@ -326,14 +317,6 @@ class Optimizer(MixedPrecisionAdam):
 
     def _own_masters(self) -> list[torch.Tensor]:
         return self.masters if self.mixed else []
-
-    def overlap_masters(self) -> Optional[dict]:
-        """{parameter: its master} where the step may run beside the next forward (overlap.py): the fused
-        on-device AdamW over fp32 gradient buffers, one norm, no Muon, no dynamic loss scale; else None."""
-        if self._fused_outs is None or self._own is not None or self.muon is not None or \
-                isinstance(self.scaler, DynamicScaler) or any(p.main_grad.dtype != torch.float32 for p in self.params):
-            return None
-        return dict(zip(self.params, self.masters))
 
     @torch.no_grad()
     def reload_masters(self) -> None:

@@ -210,7 +210,6 @@ class DataParallel(nn.Module):
         self.overlap_param_gather = (overlap_param_gather and use_distributed_optimizer
                                      and any(buf.n > 1 for buf in self.buffers_))
         self._unwritten: set = set()
-        self.fused_grads_zeroed = False  # the optimizer step zeroed them beside the next forward (optim/overlap.py)
         # Megatron's gradient-accumulation fusion (grad_accumulation.py): these weights' backward adds their
         # gradient to main_grad itself; the hook only drops the placeholder autograd hands it
         self.fused_wgrad = set(fusable_weights(module)) & set(self.params) if fuse_wgrad else set()
@@ -294,12 +293,10 @@ class DataParallel(nn.Module):
     def zero_grad_buffer(self) -> None:
         """Start a step. Instead of zero-filling the buffers, each parameter's first gradient is
         copied in (saves a write and a read of the whole buffer); finish_grad_sync zeroes the rest. The
-        weights whose backward adds to main_grad (``fused_wgrad``) are zeroed here, in one launch, unless
-        the last optimizer step already did (``fused_grads_zeroed``, optim/overlap.py).
+        weights whose backward adds to main_grad (``fused_wgrad``) are zeroed here, in one launch.
         Padding between parameters is zero from construction and never written."""
-        if self.fused_wgrad and not self.fused_grads_zeroed:
+        if self.fused_wgrad:
             torch._foreach_zero_([p.main_grad for p in self.fused_wgrad])
-        self.fused_grads_zeroed = False
         self._unwritten = set(self.params) - self.fused_wgrad
         self.buckets_launched_in_backward = 0
         for b in self.buckets:

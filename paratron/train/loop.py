@@ -27,7 +27,6 @@ from ..parallel import fp8
 from ..parallel.layout import BatchLayout
 from ..parallel.pipeline import get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
-from ..optim.overlap import StepOverlap, enabled as overlap_enabled
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
 from .distributed import build_dims, checkpoint_group, init_distributed  # noqa: F401  (tests import build_dims here)
@@ -75,7 +74,6 @@ class Trainer(Evaluation, RunControl):
         self.mtp_blocks = mtp.blocks(self.models)  # multi-token prediction (--mtp-num-layers)
         self.fp8_delayed = fp8.delayed_states(self.models)  # the delayed FP8 recipe's layers (primed after a step)
         self.optimizer = build_optimizer(self.models, cfg, self.dims)
-        self.overlap = self._step_overlap()
         self.scheduler = build_scheduler(cfg, tr.train_samples or tr.train_iters * tr.global_batch_size)
         self.optimizer.set_lr(*self.scheduler.lrs())
         self.iteration, self.consumed_samples = 0, 0
@@ -171,7 +169,7 @@ class Trainer(Evaluation, RunControl):
         with timers("all-grads-sync"):
             finalize_model_grads(self.models, self.dims, num_tokens=report[1] if tr.calculate_per_token_loss else None)
         with timers("optimizer"):
-            ok, grad_norm = self.optimizer.step(self.overlap)
+            ok, grad_norm = self.optimizer.step()
         if self.routers:  # the expert bias update
             moe.after_step(self.routers, self.dims.dp_group if self.dims.dp > 1 else None)  # CP: the routers' partition
         if isinstance(ok, torch.Tensor) or ok:  # a device-side skip (bf16 inf/nan) still advances, as Megatron's bf16
@@ -181,24 +179,8 @@ class Trainer(Evaluation, RunControl):
         self.consumed_samples += gbs
         every = tr.check_weight_hash_across_dp_replicas_interval
         if every and self.iteration % every == 0:  # Megatron's check that the replicas hold the same weights
-            self.wait_for_optimizer()
             check_weight_hashes(self.models, self.dims, self.iteration)
         return self._reduce_dp(report), ok, grad_norm
-
-    def _step_overlap(self) -> Optional[StepOverlap]:
-        """The optimizer step beside the next step's forward (optim/overlap.py), where it applies: CUDA, the
-        plain optimizer's fused AdamW; not with --log-num-zeros-in-grad (it reads the gradients after the
-        step, which the overlapped step zeroes)."""
-        masters = self.optimizer.overlap_masters()
-        if masters is None or not overlap_enabled(self.device) or self.cfg.log.log_num_zeros_in_grad:
-            return None
-        return StepOverlap(self.models, masters)
-
-    def wait_for_optimizer(self) -> None:
-        """Make the current stream wait for the last optimizer step's update, which may still be running
-        beside it (optim/overlap.py): before reading the weights other than through a forward."""
-        if self.overlap is not None:
-            self.overlap.wait()
 
     def _reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
         if self.dims.dp_cp > 1:
@@ -234,7 +216,6 @@ class Trainer(Evaluation, RunControl):
         """Save a checkpoint of this iteration under --save (in the background with --async-save)."""
         c = self.cfg.ckpt
         self.guard.check()  # never a checkpoint of a step whose loss or gradients are not finite
-        self.wait_for_optimizer()
         self.wait_for_save()
         self._fold_pending_skips()
         pieces = self._ckpt_pieces(not c.no_save_optim, None if c.no_save_rng else self._rng_states(),
@@ -376,7 +357,6 @@ class Trainer(Evaluation, RunControl):
                 self._log_exit(start)
                 break
         self.guard.check()
-        self.wait_for_optimizer()  # (what follows and the caller may read the weights)
         self.report.flush()  # the TensorBoard scalars of the steps after the last log line
         if cfg.ckpt.save and last_saved != self.iteration and self.iteration > 0:
             self.save()

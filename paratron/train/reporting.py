@@ -158,8 +158,6 @@ class Reporter:
         """(params norm, zeros in the gradients) of this iteration, as the flags ask; every rank calls it."""
         t = self.t
         if self._norms[0] != t.iteration:
-            if self.lg.log_params_norm:
-                t.wait_for_optimizer()
             pn = t.optimizer.params_norm() if self.lg.log_params_norm else None
             nz = t.optimizer.num_zeros_in_grad() if self.lg.log_num_zeros_in_grad else None
             self._norms = (t.iteration, pn, nz)

@@ -68,38 +68,3 @@ def test_fused_adamw_step_matches_torch_fused_adamw_and_the_copy(monkeypatch, pr
     assert all(p.dtype == params[0].dtype != torch.float32 for p in params)
     weights = [(w, o) for w, o in zip(opt._model_weights(), opt.masters) if w is not None]
     assert weights and all(torch.equal(w, o.to(w.dtype)) for w, o in weights), "the weights: masters rounded to nearest"
-
-
-def _train(monkeypatch, overlap: bool, flags: list[str]):
-    """Six training steps with the optimizer step beside the next forward (optim/overlap.py) or on the
-    compute stream: (losses, fp32 masters, model weights) after waiting for the last update."""
-    from paratron.config import parse_args
-    from paratron.train.loop import Trainer
-    monkeypatch.setenv("PARATRON_OPTIMIZER_OVERLAP", "1" if overlap else "0")
-    torch.manual_seed(0)
-    t = Trainer(parse_args(flags))
-    assert (t.overlap is not None) == overlap
-    fused = [p for m in t.models for p in m.fused_wgrad]
-    assert fused, "no weight adds its gradient into main_grad: the overlapped zeroing is not exercised"
-    losses = [(r[0] / r[1]).item() for r in (t.train_step()[0] for _ in range(6))]
-    t.wait_for_optimizer()
-    params = [p.detach().clone() for m in t.models for p in m.params]
-    masters = [m.clone() for m in t.optimizer.masters]
-    t.close()
-    return losses, masters, params
-
-
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_optimizer_step_beside_the_next_forward_is_bit_identical(monkeypatch, compiled):
-    """Two micro-batches a step (the fused weight gradients accumulate, so their zeroing on the side stream
-    matters), clipping on: the same losses, masters and weights, bit for bit, as the step on the compute
-    stream; with --torch-compile the pieces' hooks run at the compiled layers' entry."""
-    flags = FLAGS + ["--bf16"]
-    flags[flags.index("--train-iters") + 1] = "6"
-    flags[flags.index("--global-batch-size") + 1] = "4"
-    flags += ["--torch-compile"] if compiled else []
-    got, ref = _train(monkeypatch, True, flags), _train(monkeypatch, False, flags)
-    assert got[0] == ref[0], (got[0], ref[0])
-    assert len(set(got[0])) > 1, "the loss did not move: the steps changed nothing"
-    for a, b in zip(got[1] + got[2], ref[1] + ref[2]):
-        assert torch.equal(a, b), (tuple(a.shape), (a.float() - b.float()).abs().max())
