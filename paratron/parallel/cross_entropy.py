@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm, cublaslt
-from .grad_accumulation import main_grad_of, take_unwritten, wgrad_accumulate
+from .grad_accumulation import main_grad_of, wgrad_accumulate
 
 try:
     import triton
@@ -335,8 +335,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dc = grad(xc @ weight.t(), lse[i:i + chunk], target[i:i + chunk] - ctx.vocab_start, v)
             gx[i:i + chunk] = dc @ weight * gc
             gw += dc.t() @ _row_scaled(xc, gc)
-        if ctx.main_grad is not None:  # (the step's first gradient written: grad_accumulation.take_unwritten)
-            ctx.main_grad.copy_(gw) if take_unwritten(ctx.main_grad) else ctx.main_grad.add_(gw)
+        if ctx.main_grad is not None:
+            ctx.main_grad.add_(gw)
             return gx, torch.empty_like(weight), None, None, None, None, None, None
         return gx, gw.to(weight.dtype), None, None, None, None, None, None
 

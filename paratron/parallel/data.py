@@ -45,7 +45,7 @@ from torch import nn
 
 from . import comm
 from .dims import ParallelDims
-from .grad_accumulation import accumulate_, fusable_weights, mark_unwritten, take_unwritten, unwritten
+from .grad_accumulation import accumulate_, fusable_weights
 from .sharding import norm_groups, spec_of
 
 ALIGN = 64  # elements; keeps parameter views and shard boundaries aligned for fast kernels
@@ -218,9 +218,6 @@ class DataParallel(nn.Module):
         # the micro-batch gradients go into main_grad by one Triton pass (accumulate_); =0: torch's copy_ /
         # add_ (for A/B measurements)
         self._fused_accumulate = os.environ.get("PARATRON_FUSED_ACCUMULATE", "1") != "0"
-        # the fused weights' buffers are not zero-filled at the start of a step: their first weight-gradient
-        # GEMM writes them (grad_accumulation.take_unwritten); =0: zero-filled, every GEMM adds (A/B measurements)
-        self._first_write = os.environ.get("PARATRON_FIRST_WRITE", "1") != "0"
         # The hooks reach this object through a weak reference: a parameter's hooks are held from C++, where
         # the garbage collector does not see them, so a bound method there would keep the wrapper, the model
         # and its weights alive for the life of the process after the trainer is gone.
@@ -266,10 +263,6 @@ class DataParallel(nn.Module):
         # the first gradient of the step is written (the buffer is not zero-filled), later ones added
         if p not in self.fused_wgrad:
             accumulate_(p.main_grad, p.grad, write=p in self._unwritten, fused=self._fused_accumulate)
-        elif unwritten(p.main_grad):
-            raise RuntimeError(f"the fused weight gradient of a {tuple(p.shape)} parameter went into its main_grad "
-                               "without taking the step's first-write mark: its buffer holds the last step's values "
-                               "(set PARATRON_FIRST_WRITE=0 to zero-fill the fused buffers instead, and report this)")
         self._unwritten.discard(p)
         p.grad = None
         b = self._bucket_of[p]
@@ -289,9 +282,6 @@ class DataParallel(nn.Module):
         for p in self._unwritten:  # parameters that got no gradient this step
             p.main_grad.zero_()
         self._unwritten.clear()
-        for p in self.fused_wgrad:  # fused ones that got none: still flagged (grad_accumulation.take_unwritten)
-            if take_unwritten(p.main_grad):
-                p.main_grad.zero_()
         for b in self.buckets:
             if b.grad_work is None:  # not launched in backward (or a one-rank group: scaled only)
                 b.buffer.start_grad_reduce(b)
@@ -303,12 +293,9 @@ class DataParallel(nn.Module):
     def zero_grad_buffer(self) -> None:
         """Start a step. Instead of zero-filling the buffers, each parameter's first gradient is
         copied in (saves a write and a read of the whole buffer); finish_grad_sync zeroes the rest. The
-        weights whose backward adds to main_grad (``fused_wgrad``) are flagged instead: their first
-        weight-gradient GEMM of the step writes the buffer (``grad_accumulation.take_unwritten``).
+        weights whose backward adds to main_grad (``fused_wgrad``) are zeroed here, in one launch.
         Padding between parameters is zero from construction and never written."""
-        if self.fused_wgrad and self._first_write:  # their first GEMM of the step writes instead
-            mark_unwritten([p.main_grad for p in self.fused_wgrad])
-        elif self.fused_wgrad:
+        if self.fused_wgrad:
             torch._foreach_zero_([p.main_grad for p in self.fused_wgrad])
         self._unwritten = set(self.params) - self.fused_wgrad
         self.buckets_launched_in_backward = 0

@@ -32,43 +32,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 ACC_BLOCK = 4096  # elements per program of the accumulation kernels
-# The step's first gradient of a fused weight is written into its main_grad, not added to a zero-filled buffer
-# (no zero-fill, and no read of the zeros by an accumulating GEMM). DataParallel marks the fused main_grads at
-# the start of a step; the accumulating op that comes first writes and clears the mark. The marks are the
-# start addresses of the unwritten main_grads, kept on the gradient buffer's storage object (an attribute of
-# that name): the ops of a compiled backward get other tensor objects aliasing the same memory, whose
-# storage is the same object.
-UNWRITTEN = "paratron_unwritten"
-
-
-def _marks(t: Tensor, create: bool = False) -> Optional[set]:
-    storage = t.untyped_storage()
-    marks = getattr(storage, UNWRITTEN, None)
-    if marks is None and create:
-        marks = set()
-        setattr(storage, UNWRITTEN, marks)
-    return marks
-
-
-def mark_unwritten(main_grads: list) -> None:
-    """Say that these main_grads hold nothing of the step yet: their first gradient is written."""
-    for g in main_grads:
-        _marks(g, create=True).add(g.data_ptr())
-
-
-def unwritten(main_grad: Tensor) -> bool:
-    """Whether ``main_grad`` (or a view of it starting where it starts, e.g. transposed) is still marked."""
-    marks = _marks(main_grad)
-    return bool(marks) and main_grad.data_ptr() in marks
-
-
-def take_unwritten(main_grad: Tensor) -> bool:
-    """Whether ``main_grad`` holds nothing of this step yet (its first gradient is to be written, not
-    added); the mark is cleared, as the caller writes it now."""
-    if unwritten(main_grad):
-        _marks(main_grad).discard(main_grad.data_ptr())
-        return True
-    return False
 
 
 def accumulate_(acc: Tensor, grad: Tensor, write: bool, fused: bool = True) -> None:
@@ -88,21 +51,19 @@ def accumulate_(acc: Tensor, grad: Tensor, write: bool, fused: bool = True) -> N
         acc.add_(grad)
 
 
-def accumulate_deinterleaved_(acc: Tensor, grad: Tensor, write: bool = False) -> None:
-    """``acc += grad`` (``acc = grad`` with ``write``) with ``grad``'s rows interleaved ([g0, u0, g1, u1,
-    ...]) and ``acc``'s in halves ([gate; up]): the gated MLP's fc1 weight gradient, which its GEMMs produce
-    interleaved. One Triton pass on CUDA (contiguous fp32 ``acc``, bf16/fp16 ``grad``); torch's strided
-    copy / add elsewhere."""
+def accumulate_deinterleaved_(acc: Tensor, grad: Tensor) -> None:
+    """``acc += grad`` with ``grad``'s rows interleaved ([g0, u0, g1, u1, ...]) and ``acc``'s in halves
+    ([gate; up]): the gated MLP's fc1 weight gradient, which its GEMMs produce interleaved. One Triton pass
+    on CUDA (contiguous fp32 ``acc``, bf16/fp16 ``grad``); torch's strided add elsewhere."""
     rows = acc.size(0)
     if (triton is not None and acc.is_cuda and acc.dtype == torch.float32 and grad.dtype != torch.float32
             and acc.is_contiguous() and grad.is_contiguous() and acc.shape == grad.shape and rows % 2 == 0):
         cols = acc.numel() // rows
         with torch.cuda.device(acc.device):
             _accumulate_deinterleaved[(rows, triton.cdiv(cols, ACC_BLOCK))](acc, grad, rows // 2, cols,
-                                                                           WRITE=write, BLOCK=ACC_BLOCK)
+                                                                           BLOCK=ACC_BLOCK)
     else:
-        halves = grad.reshape(rows // 2, 2, -1).transpose(0, 1)
-        acc.view(2, rows // 2, -1).copy_(halves) if write else acc.view(2, rows // 2, -1).add_(halves)
+        acc.view(2, rows // 2, -1).add_(grad.reshape(rows // 2, 2, -1).transpose(0, 1))
 
 
 if triton is not None:
@@ -116,16 +77,14 @@ if triton is not None:
         tl.store(acc_ptr + offs, g, mask=mask)
 
     @triton.jit
-    def _accumulate_deinterleaved(acc_ptr, g_ptr, half, cols, WRITE: tl.constexpr, BLOCK: tl.constexpr):
+    def _accumulate_deinterleaved(acc_ptr, g_ptr, half, cols, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # destination row: [gate; up] order
         src = (row % half) * 2 + row // half  # its row in the interleaved gradient
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < cols
         dst = acc_ptr + row.to(tl.int64) * cols + offs
         g = tl.load(g_ptr + src.to(tl.int64) * cols + offs, mask=mask).to(tl.float32)
-        if not WRITE:
-            g += tl.load(dst, mask=mask)
-        tl.store(dst, g, mask=mask)
+        tl.store(dst, tl.load(dst, mask=mask) + g, mask=mask)
 
 
 # ---- the fused weight gradient -----------------------------------------------------------------------
@@ -133,15 +92,13 @@ if triton is not None:
 def wgrad_accumulate(main_grad: Tensor, dy: Tensor, x: Tensor, interleaved: bool) -> None:
     """``main_grad += dy^T @ x`` (``dy`` [tokens, out], ``x`` [tokens, in]); with ``interleaved`` the
     product's rows are the gated MLP's interleaved order and are added to ``main_grad``'s [gate; up]
-    halves. A custom op so that a compiled backward keeps it as one opaque node mutating the buffer.
-    The step's first gradient is written instead (``take_unwritten``)."""
-    beta = 0 if take_unwritten(main_grad) else 1
+    halves. A custom op so that a compiled backward keeps it as one opaque node mutating the buffer."""
     if interleaved:
-        accumulate_deinterleaved_(main_grad, dy.t() @ x, write=beta == 0)
+        accumulate_deinterleaved_(main_grad, dy.t() @ x)
     elif main_grad.dtype == dy.dtype or not main_grad.is_cuda:  # (CPUs: the product in the buffer's dtype)
-        main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype), beta=beta)
-    else:  # bf16 operands, fp32 output accumulating in place (beta 0: written; cuBLAS then reads no C)
-        torch.addmm(main_grad, dy.t(), x, beta=beta, out_dtype=main_grad.dtype, out=main_grad)
+        main_grad.addmm_(dy.t().to(main_grad.dtype), x.to(main_grad.dtype))
+    else:  # bf16 operands, fp32 output accumulating in place
+        torch.addmm(main_grad, dy.t(), x, out_dtype=main_grad.dtype, out=main_grad)
 
 
 @wgrad_accumulate.register_fake
@@ -208,10 +165,7 @@ def embedding_accumulate(main_grad: Tensor, ids: Tensor, dy: Tensor) -> None:
     """``main_grad[ids[t]] += dy[t]`` for every token t (``ids`` [T], ``dy`` [T, h]): an embedding table's
     gradient. On CUDA outside --deterministic-mode one Triton pass of fp32 atomic adds (the order of the
     adds to a repeated token's row varies from run to run); elsewhere torch's embedding backward (sorted,
-    deterministic) sums the rows first and the sum is added, as on the unfused path. The step's first
-    gradient is added to a buffer zero-filled here (``take_unwritten``: the rows no token touches stay 0)."""
-    if take_unwritten(main_grad):
-        main_grad.zero_()
+    deterministic) sums the rows first and the sum is added, as on the unfused path."""
     if (triton is not None and main_grad.is_cuda and main_grad.dtype == torch.float32 and dy.is_contiguous()
             and main_grad.is_contiguous() and not torch.are_deterministic_algorithms_enabled()):
         t, h = dy.shape

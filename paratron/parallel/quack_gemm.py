@@ -167,10 +167,8 @@ def accumulate_applies(main_grad: Tensor, dy: Tensor, spec: str) -> bool:
 def gemm_accumulate(main_grad: Tensor, dy: Tensor, x: Tensor, interleaved: bool, spec: str) -> None:
     """``main_grad += dy^T @ x`` by quack's GEMM adding its fp32 result into the buffer (TMA reduce-add);
     ``interleaved``: ``dy``'s columns are the gated MLP's [g0, u0, ...] order and the rows go to
-    ``main_grad``'s [gate; up] halves. CUDA (Hopper) only: see ``accumulate_applies``. The step's first
-    gradient is stored instead (``grad_accumulation.take_unwritten``: no read of a zero-filled buffer)."""
-    from .grad_accumulation import take_unwritten
-    _gemm_raw(dy.t(), x, main_grad, None, add_to_output=not take_unwritten(main_grad), config=config(spec),
+    ``main_grad``'s [gate; up] halves. CUDA (Hopper) only: see ``accumulate_applies``."""
+    _gemm_raw(dy.t(), x, main_grad, None, add_to_output=True, config=config(spec),
               concat_layout=("out",) if interleaved else None)
 
 

@@ -1,7 +1,6 @@
 """Gradient-accumulation fusion on CUDA (paratron/parallel/grad_accumulation.py): the bf16 x bf16 -> fp32
 in-place GEMM and the de-interleaving Triton add against torch, and a compiled bf16 llama-shaped run (gated
-MLP, FlashAttention where installed) with the fusion against --no-gradient-accumulation-fusion, and with the
-step's first weight gradient written (the default) against zero-filled buffers (PARATRON_FIRST_WRITE=0)."""
+MLP, FlashAttention where installed) with the fusion against --no-gradient-accumulation-fusion."""
 from __future__ import annotations
 
 import pytest
@@ -49,47 +48,6 @@ def test_output_layer_gradient_accumulates_into_the_transposed_main_grad():
     assert ((main - want).norm() / want.norm()).item() < 1e-5  # fp32 output: no bf16 rounding
 
 
-def _writes_then_adds(op, main, product):
-    """``op()`` on a marked ``main`` holding garbage writes ``product`` (and clears the mark); again, it adds."""
-    from paratron.parallel import grad_accumulation as ga
-    ga.mark_unwritten([main])
-    op()
-    assert not ga.unwritten(main)
-    first = main.clone()
-    torch.testing.assert_close(first, product, rtol=1e-5, atol=1e-4)
-    op()
-    torch.testing.assert_close(main, first + product, rtol=1e-5, atol=1e-4)
-
-
-def test_the_first_gradient_of_a_step_is_written_by_each_fused_path():
-    """Each way a fused weight gradient goes into main_grad writes the step's first one into a buffer that was
-    not zero-filled (PARATRON_FIRST_WRITE, grad_accumulation.take_unwritten): cuBLAS (plain and de-interleaved),
-    quack's GEMM (stored instead of reduce-added; where it runs), the output layer's transposed view, the
-    embedding (zero-filled by its op, then the atomics)."""
-    from paratron.parallel import grad_accumulation as ga, quack_gemm
-    from paratron.parallel.cross_entropy import _weight_grad
-    g = torch.Generator(device="cuda").manual_seed(0)
-    dy, x = (torch.randn(4096, n, device="cuda", generator=g).bfloat16() for n in (768, 512))
-    plain = dy.float().t() @ x.float()
-    halves = torch.cat([plain[0::2], plain[1::2]])
-    for interleaved, want in ((False, plain), (True, halves)):
-        main = torch.randn(768, 512, device="cuda", generator=g)
-        _writes_then_adds(lambda: ga.wgrad_accumulate(main, dy, x, interleaved), main, want)
-        spec = quack_gemm.tile("wgrad_fc1")
-        if quack_gemm.accumulate_applies(main, dy, spec):
-            main = torch.randn(768, 512, device="cuda", generator=g)
-            _writes_then_adds(lambda: quack_gemm.gemm_accumulate(main, dy, x, interleaved, spec), main, want)
-    d = torch.randn(4096, 768, device="cuda", generator=g).bfloat16()
-    main = torch.randn(768, 512, device="cuda", generator=g)
-    w = torch.empty(768, 512, device="cuda", dtype=torch.bfloat16)
-    _writes_then_adds(lambda: _weight_grad(x, d, main, w), main, (x.float().t() @ d.float()).t())
-    ids = torch.randint(0, 50, (8192,), device="cuda", generator=g)
-    emb = torch.randn(8192, 256, device="cuda", generator=g).bfloat16()
-    main = torch.randn(64, 256, device="cuda", generator=g)
-    _writes_then_adds(lambda: ga.embedding_accumulate(main, ids, emb), main,
-                      torch.zeros(64, 256, device="cuda").index_add_(0, ids, emb.float()))
-
-
 def test_compiled_bf16_run_with_the_fusion_matches_the_unfused_run():
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
@@ -112,12 +70,3 @@ def test_compiled_bf16_run_with_the_fusion_matches_the_unfused_run():
     assert got[0] == want[0]  # the first forward does not depend on gradients
     # afterwards the fused run skips one bf16 rounding of each micro-batch's weight gradient
     assert max(abs(a - b) for a, b in zip(got, want)) < 2e-2, (got, want)
-    # the fused buffers zero-filled at each step instead of written by their first GEMM: the same run up to the
-    # GEMMs cuBLAS may choose with and without a C to add (quack's store and reduce-add of a tile are equal)
-    import os
-    os.environ["PARATRON_FIRST_WRITE"] = "0"
-    try:
-        _, zeroed = run([])
-    finally:
-        del os.environ["PARATRON_FIRST_WRITE"]
-    assert got[0] == zeroed[0] and max(abs(a - b) for a, b in zip(got, zeroed)) < 2e-3, (got, zeroed)

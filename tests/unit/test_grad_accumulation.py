@@ -118,36 +118,6 @@ def test_trainer_with_fused_weight_gradients_equals_the_unfused_one(untied):
         torch.testing.assert_close(weights[n], plain_weights[n], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_the_first_micro_batch_writes_the_fused_buffers_as_zero_filling_would(monkeypatch, compiled):
-    """Without the zero-fill of the fused weights' main_grad (their first weight-gradient GEMM of a step writes,
-    grad_accumulation.take_unwritten) the same losses and weights, bit for bit, as with it
-    (PARATRON_FIRST_WRITE=0), over 3 steps of 2 micro-batches; compiled too (the ops of a compiled backward
-    get other tensor objects aliasing the buffer: the marks are found through its storage)."""
-    extra = ["--untie-embeddings-and-output-weights"] + (["--torch-compile"] if compiled else [])
-    monkeypatch.setenv("PARATRON_FIRST_WRITE", "1")
-    _, losses, weights = _train(extra)
-    monkeypatch.setenv("PARATRON_FIRST_WRITE", "0")
-    _, zeroed_losses, zeroed_weights = _train(extra)
-    assert losses == zeroed_losses
-    assert all(torch.equal(weights[n], zeroed_weights[n]) for n in weights)
-
-
-def test_a_fused_gradient_that_misses_the_first_write_mark_is_an_error(monkeypatch):
-    """A fused weight's buffer not zero-filled must be written by its first GEMM: an accumulation that did not
-    take the mark (here: never taken) is refused, not trained on with last step's values."""
-    from paratron.parallel import grad_accumulation
-    real = grad_accumulation.take_unwritten
-    monkeypatch.setattr(grad_accumulation, "take_unwritten", lambda g: False)
-    t = Trainer(parse_args(SMALL + ["--untie-embeddings-and-output-weights"]))
-    try:
-        with pytest.raises(RuntimeError, match="first-write mark"):
-            t.train_step()
-    finally:
-        monkeypatch.setattr(grad_accumulation, "take_unwritten", real)
-        t.close()
-
-
 def test_a_module_wrapped_again_without_the_fusion_accumulates_through_the_hook():
     import gc
     from paratron.model.layers import Attention, Parallel
