@@ -26,12 +26,9 @@ def compile_options(device: torch.device) -> dict:
     (benchmarks/results/train_throughput_gpt-350m_20261122_103813.md), for about a minute more of
     compilation. PARATRON_COORDINATE_DESCENT=0 turns it off (an FP8 llama-1b layer has many more
     Triton kernels to tune: its first compile on a fresh machine took over 4 minutes with it)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or os.environ.get("PARATRON_COORDINATE_DESCENT", "1") == "0":
         return {}
-    opts = {} if os.environ.get("PARATRON_COORDINATE_DESCENT", "1") == "0" else {"coordinate_descent_tuning": True}
-    if os.environ.get("PARATRON_CUDAGRAPHS") == "1":  # experiment: each compiled layer's graphs as CUDA graphs
-        opts["triton.cudagraphs"] = True
-    return opts
+    return {"coordinate_descent_tuning": True}
 
 
 def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) -> GPTModel:
