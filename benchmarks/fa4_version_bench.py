@@ -8,21 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-
-def _ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    events[0].record()
-    for e in events[1:]:
-        fn()
-        e.record()
-    events[-1].synchronize()
-    return sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))[reps // 2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import cuda_median_ms as _ms  # noqa: E402
 
 
 def _version(name: str) -> str:

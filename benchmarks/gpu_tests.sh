@@ -5,12 +5,12 @@
 #   PARATRON_COMMIT=<hash> PART=1 bash benchmarks/gpu_tests.sh     # then PART=2 in a second call
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${PART:-1}" in 1|2) ;; *) echo "PART must be 1 or 2, got '${PART}'" >&2; exit 2 ;; esac
 files=(tests/gpu/test_*.py)
 half=$(( (${#files[@]} + 1) / 2 ))
 case "${PART:-1}" in
     1) chosen=("${files[@]:0:$half}") ;;
     2) chosen=("${files[@]:$half}") ;;
+    *) echo "PART must be 1 or 2, got '${PART}'" >&2; exit 2 ;;
 esac
 . benchmarks/device_run.sh || exit 1
 echo "part ${PART:-1}: ${chosen[*]}"

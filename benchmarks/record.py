@@ -35,6 +35,20 @@ def write_record(record_dir, name: str, title: str, hardware: str, facts: dict, 
     return path
 
 
+def cuda_median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of a call of ``fn()`` (each call between two CUDA events, after ``warmup`` calls)."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for e in events[1:]:
+        fn()
+        e.record()
+    events[-1].synchronize()
+    return sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))[iters // 2]
+
+
 def cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     """Mean milliseconds of ``fn()`` on the current CUDA stream (CUDA events, after ``warmup`` calls)."""
     import torch
