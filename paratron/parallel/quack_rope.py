@@ -92,30 +92,33 @@ try:  # optional: quack-kernels (Hopper)
             return (tile_m, self.rope_dim)
 
         @cute.jit
+        def _rotated(self, params, row, col, x, rot):
+            """x * cos + rot * sin at (row, col), each product and the sum rounded to bf16."""
+            pos, i = row // self.rope_batch, col % self.rope_dim
+            c = params.mRopeCos[pos, i].to(Float32)
+            s = params.mRopeSin[pos, i].to(Float32)
+            a = (x * c).to(BFloat16).to(Float32)
+            b = (rot * s).to(BFloat16).to(Float32)
+            return (a + b).to(BFloat16).to(Float32)
+
+        @cute.jit
         def epi_visit_subtile(self, params, epi_loop_tensors, tRS_rD, tRS_rC=None):
             mine, zero, m0, n0 = epi_loop_tensors["mRope"]
             partner = _partners(zero, cute.size(tRS_rD), self.rope_dim)
             if n0 + mine[0][1] < self.rope_cols:  # the subtile is one head: rotated or not as a whole
-                x = cute.make_rmem_tensor_like(tRS_rD, Float32)
-                x.store(tRS_rD.load().to(BFloat16).to(Float32))  # the GEMM's output as stored in bf16
-                rot = cute.make_rmem_tensor_like(tRS_rD, Float32)
-                cos = cute.make_rmem_tensor_like(tRS_rD, Float32)
-                sin = cute.make_rmem_tensor_like(tRS_rD, Float32)
                 for r in cutlass.range_constexpr(cute.size(tRS_rD)):
-                    row, col = m0 + mine[r][0], n0 + mine[r][1]
-                    pos, i = row // self.rope_batch, col % self.rope_dim
-                    cos[r] = params.mRopeCos[pos, i].to(Float32)
-                    sin[r] = params.mRopeSin[pos, i].to(Float32)
                     p, first = partner[r]
-                    rot[r] = -x[p] if first else x[p]
-                a = (x.load() * cos.load()).to(BFloat16).to(Float32)
-                b = (rot.load() * sin.load()).to(BFloat16).to(Float32)
-                tRS_rD.store((a + b).to(BFloat16).to(Float32))
+                    if const_expr(first):  # each pair once, both halves together: no register arrays
+                        x1 = tRS_rD[r].to(BFloat16).to(Float32)  # the GEMM's output as stored in bf16
+                        x2 = tRS_rD[p].to(BFloat16).to(Float32)
+                        tRS_rD[r] = self._rotated(params, m0 + mine[r][0], n0 + mine[r][1], x1, -x2)
+                        tRS_rD[p] = self._rotated(params, m0 + mine[p][0], n0 + mine[p][1], x2, x1)
             return None
 
     def _partners(zero, n: int, d: int) -> list:
         """For each register of a subtile, (the register holding its rotate-half partner: column +- d/2 of
-        the same row, whether it is in the first half of its head), read off thread 0's coordinates when the kernel is traced (every thread's registers
+        the same row; whether it is in the first half of its head), read off thread 0's coordinates when the
+        kernel is traced (every thread's registers
         hold the same pattern, shifted by the thread's own offset, which stays inside the half)."""
         coords = [tuple(int(c) for c in zero[r]) for r in range(n)]
         where = {c: r for r, c in enumerate(coords)}
