@@ -92,38 +92,52 @@ try:  # optional: quack-kernels (Hopper)
             return (tile_m, self.rope_dim)
 
         @cute.jit
-        def _rotated(self, params, row, col, x, rot):
-            """x * cos + rot * sin at (row, col), each product and the sum rounded to bf16."""
-            pos, i = row // self.rope_batch, col % self.rope_dim
-            c = params.mRopeCos[pos, i].to(Float32)
-            s = params.mRopeSin[pos, i].to(Float32)
-            a = (x * c).to(BFloat16).to(Float32)
-            b = (rot * s).to(BFloat16).to(Float32)
-            return (a + b).to(BFloat16).to(Float32)
+        def _pair(self, table, pos, col):
+            """The table's two bf16 values at (pos, col), (pos, col + 1) (col even, in a head's first half) as
+            fp32: one 4-byte load from the table viewed as int32 pairs."""
+            word = cute.make_rmem_tensor(cute.make_layout(1), Int32)
+            word[0] = table[pos, (col % self.rope_dim) // 2]
+            two = cute.recast_tensor(word, BFloat16)
+            return two[0].to(Float32), two[1].to(Float32)
 
         @cute.jit
         def epi_visit_subtile(self, params, epi_loop_tensors, tRS_rD, tRS_rC=None):
             mine, zero, m0, n0 = epi_loop_tensors["mRope"]
-            partner = _partners(zero, cute.size(tRS_rD), self.rope_dim)
+            quads = _quads(zero, cute.size(tRS_rD), self.rope_dim)
             if n0 + mine[0][1] < self.rope_cols:  # the subtile is one head: rotated or not as a whole
-                for r in cutlass.range_constexpr(cute.size(tRS_rD)):
-                    p, first = partner[r]
-                    if const_expr(first):  # each pair once, both halves together: no register arrays
-                        x1 = tRS_rD[r].to(BFloat16).to(Float32)  # the GEMM's output as stored in bf16
-                        x2 = tRS_rD[p].to(BFloat16).to(Float32)
-                        tRS_rD[r] = self._rotated(params, m0 + mine[r][0], n0 + mine[r][1], x1, -x2)
-                        tRS_rD[p] = self._rotated(params, m0 + mine[p][0], n0 + mine[p][1], x2, x1)
+                for r, p in quads:  # columns c, c + 1 of the first half (registers r, r + 1), c + d/2, ... (p, p + 1)
+                    pos, col = (m0 + mine[r][0]) // self.rope_batch, n0 + mine[r][1]
+                    c0, c1 = self._pair(params.mRopeCos, pos, col)
+                    s0, s1 = self._pair(params.mRopeSin, pos, col)
+                    for j, c, s in ((0, c0, s0), (1, c1, s1)):
+                        x1 = tRS_rD[r + j].to(BFloat16).to(Float32)  # the GEMM's output as stored in bf16
+                        x2 = tRS_rD[p + j].to(BFloat16).to(Float32)
+                        tRS_rD[r + j] = _round(_round(x1 * c) + _round(-x2 * s))
+                        tRS_rD[p + j] = _round(_round(x2 * c) + _round(x1 * s))
             return None
 
-    def _partners(zero, n: int, d: int) -> list:
-        """For each register of a subtile, (the register holding its rotate-half partner: column +- d/2 of
-        the same row; whether it is in the first half of its head), read off thread 0's coordinates when the
-        kernel is traced (every thread's registers
-        hold the same pattern, shifted by the thread's own offset, which stays inside the half)."""
+    @cute.jit
+    def _round(v):
+        """v rounded to bf16 (to nearest even), as fp32."""
+        return v.to(BFloat16).to(Float32)
+
+    def _quads(zero, n: int, d: int) -> list:
+        """The subtile's registers as (r, p): r, r + 1 hold columns c, c + 1 of a head's first half (c even),
+        p, p + 1 columns c + d/2, c + d/2 + 1 of the same row, read off thread 0's coordinates when the kernel
+        is traced (every thread's registers hold the same pattern, shifted by the thread's own offset, which
+        keeps a column in its half and c even)."""
         coords = [tuple(int(c) for c in zero[r]) for r in range(n)]
         where = {c: r for r, c in enumerate(coords)}
-        return [(where[(m, c + d // 2)], True) if c % d < d // 2 else (where[(m, c - d // 2)], False)
-                for m, c in coords]
+        quads = []
+        for r, (m, c) in enumerate(coords):
+            if c % d < d // 2 and c % 2 == 0:
+                p = where[(m, c + d // 2)]
+                if where.get((m, c + 1)) != r + 1 or where.get((m, c + d // 2 + 1)) != p + 1:
+                    raise ValueError(f"quack_rope: register layout {coords[:8]}... has no adjacent column pairs")
+                quads.append((r, p))
+        if 4 * len(quads) != n:
+            raise ValueError(f"quack_rope: {len(quads)} register quads for {n} registers")
+        return quads
 
     class GemmRopeSm90(GemmRopeMixin, GemmSm90):
         pass
@@ -145,7 +159,7 @@ def _compiled(tile_mn: tuple, cluster_mn: tuple, pingpong: bool, batch: int, rop
     bf16 = torch2cute_dtype_map[torch.bfloat16]
     mA, mB, mD, _, *_ = make_fake_gemm_tensors(bf16, bf16, bf16, None, "k", "k", "n", "n")
     positions = cute.sym_int()
-    table = make_fake_tensor(bf16, (positions, d), divisibility=8)
+    table = make_fake_tensor(Int32, (positions, d // 4), divisibility=4)
     epi_args = GemmRopeSm90.EpilogueArguments(table, table)
 
     def configure(gemm):
@@ -180,9 +194,15 @@ def gemm_rope(x: Tensor, w: Tensor, cos: Tensor, sin: Tensor, batch: int, rope_c
                        batch, rope_cols, d)
     clusters = get_max_active_clusters(config.cluster_m * config.cluster_n)
     views = [t.unsqueeze(0).permute(1, 2, 0) for t in (x, w, out)]  # quack's (M|N, K|N, L) views
-    epi_args = GemmRopeSm90.EpilogueArguments(cos.contiguous(), sin.contiguous())
+    epi_args = GemmRopeSm90.EpilogueArguments(*(_half_pairs(t) for t in (cos, sin)))
     kernel(*views, None, epi_args, make_scheduler_args(clusters, config.max_swizzle_size, None), None, None)
     return out
+
+
+def _half_pairs(table: Tensor) -> Tensor:
+    """A cos / sin table [positions, d] (bf16; its two halves equal, as the model's rotate-half tables are
+    built) as the kernel reads it: the first half, viewed as int32 pairs [positions, d/4]."""
+    return table[:, : table.size(1) // 2].to(torch.bfloat16).contiguous().view(torch.int32)
 
 
 def gemm_rope_ref(x: Tensor, w: Tensor, cos: Tensor, sin: Tensor, batch: int, rope_cols: int) -> Tensor:
@@ -201,7 +221,13 @@ def gemm_rope_ref(x: Tensor, w: Tensor, cos: Tensor, sin: Tensor, batch: int, ro
 def perm_weight(w: Tensor, groups: int, q_per_group: int) -> Tensor:
     """The QKV weight's rows from Megatron's grouped order (per group its query heads, its key head, its
     value head) to [all query heads | all key heads | all value heads], each part in group order (query
-    head h of the result is group h // q_per_group's): one copy."""
-    w5 = w.view(groups, q_per_group + 2, -1, w.size(-1))
-    return torch.cat((w5[:, :q_per_group].flatten(0, 2), w5[:, q_per_group].flatten(0, 1),
-                      w5[:, q_per_group + 1].flatten(0, 1)))
+    head h of the result is group h // q_per_group's): one gather of whole rows."""
+    return w.index_select(0, _perm_rows(groups, q_per_group, w.size(0) // (groups * (q_per_group + 2)), w.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _perm_rows(groups: int, q_per_group: int, d: int, device) -> Tensor:
+    """``perm_weight``'s row indices."""
+    rows = torch.arange(groups * (q_per_group + 2) * d).view(groups, q_per_group + 2, d)
+    return torch.cat((rows[:, :q_per_group].flatten(), rows[:, q_per_group].flatten(),
+                      rows[:, q_per_group + 1].flatten())).to(device)
