@@ -33,6 +33,8 @@ try:  # optional: quack-kernels (Hopper)
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, const_expr
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
     from quack.cute_dsl_utils import get_max_active_clusters, mlir_namedtuple, torch2cute_dtype_map
     from quack.compile_utils import make_fake_tensor
     from quack.epi_ops import EpiOp
@@ -110,16 +112,20 @@ try:  # optional: quack-kernels (Hopper)
                     c0, c1 = self._pair(params.mRopeCos, pos, col)
                     s0, s1 = self._pair(params.mRopeSin, pos, col)
                     for j, c, s in ((0, c0, s0), (1, c1, s1)):
-                        x1 = tRS_rD[r + j].to(BFloat16).to(Float32)  # the GEMM's output as stored in bf16
-                        x2 = tRS_rD[p + j].to(BFloat16).to(Float32)
+                        x1 = _round(tRS_rD[r + j])  # the GEMM's output as stored in bf16
+                        x2 = _round(tRS_rD[p + j])
                         tRS_rD[r + j] = _round(_round(x1 * c) + _round(-x2 * s))
                         tRS_rD[p + j] = _round(_round(x2 * c) + _round(x1 * s))
             return None
 
-    @cute.jit
-    def _round(v):
-        """v rounded to bf16 (to nearest even), as fp32."""
-        return v.to(BFloat16).to(Float32)
+    @dsl_user_op
+    def _round(v, *, loc=None, ip=None):
+        """v rounded to bf16 (to nearest even), as fp32. Inline PTX, opaque to the compiler: written as
+        casts, LLVM narrowed the product / sum and its rounding into bf16 arithmetic and contracted a
+        product into the sum's FMA, skipping a rounding (1-2 bf16 units off the eager rotation on an H100)."""
+        return Float32(llvm.inline_asm(T.f32(), [Float32(v).ir_value(loc=loc, ip=ip)],
+                                       "{\n .reg .b16 h;\n cvt.rn.bf16.f32 h, $1;\n cvt.f32.bf16 $0, h;\n}",
+                                       "=f,f", has_side_effects=False, is_align_stack=False))
 
     def _quads(zero, n: int, d: int) -> list:
         """The subtile's registers as (r, p): r, r + 1 hold columns c, c + 1 of a head's first half (c even),
