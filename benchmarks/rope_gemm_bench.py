@@ -82,10 +82,15 @@ def main() -> None:
         exact_all &= exact
         if not exact:
             bad = (fused != ref).nonzero()
-            r0, c0 = bad[0].tolist()
-            print(f"{spec}: {len(bad)} of {fused.numel()} differ; first at row {r0} col {c0}: fused "
-                  f"{fused[r0, c0].item()} ref {ref[r0, c0].item()} product {plain[r0, c0].item()}; columns "
+            print(f"{spec}: {len(bad)} of {fused.numel()} differ; columns "
                   f"{sorted(set((bad[:, 1] % a.d).tolist()))[:16]}", flush=True)
+            for r0, c0 in bad[:4].tolist():
+                i, pos = c0 % a.d, r0 // a.batch
+                pc = c0 + a.d // 2 if i < a.d // 2 else c0 - a.d // 2
+                print(f"  row {r0} col {c0} (pos {pos}, i {i}): fused {fused[r0, c0].item()} ref "
+                      f"{ref[r0, c0].item()} x {plain[r0, c0].item()} partner x {plain[r0, pc].item()} cos "
+                      f"{cos[pos, i].item()} sin {sin[pos, i].item()} fused partner {fused[r0, pc].item()} "
+                      f"ref partner {ref[r0, pc].item()}", flush=True)
         cublas_diff = (plain.float() - (x @ wp.t()).float()).abs().max().item()
 
         def run(cfg=cfg):

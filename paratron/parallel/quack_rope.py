@@ -111,11 +111,31 @@ try:  # optional: quack-kernels (Hopper)
                     pos, col = (m0 + mine[r][0]) // self.rope_batch, n0 + mine[r][1]
                     c0, c1 = self._pair(params.mRopeCos, pos, col)
                     s0, s1 = self._pair(params.mRopeSin, pos, col)
-                    for j, c, s in ((0, c0, s0), (1, c1, s1)):
-                        x1 = _round(tRS_rD[r + j])  # the GEMM's output as stored in bf16
-                        x2 = _round(tRS_rD[p + j])
-                        tRS_rD[r + j] = _round(_round(x1 * c) + _round(-x2 * s))
-                        tRS_rD[p + j] = _round(_round(x2 * c) + _round(x1 * s))
+                    if const_expr(_EPI == "vector"):
+                        regs = (r, r + 1, p, p + 1)
+                        x = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                        rot = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                        cs = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                        sn = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                        for k in cutlass.range_constexpr(4):
+                            x[k] = tRS_rD[regs[k]]
+                            cs[k] = c0 if k % 2 == 0 else c1
+                            sn[k] = s0 if k % 2 == 0 else s1
+                        xs = x.load().to(BFloat16).to(Float32)
+                        x.store(xs)
+                        for k in cutlass.range_constexpr(4):
+                            rot[k] = -x[(k + 2) % 4] if k < 2 else x[(k + 2) % 4]
+                        a = (x.load() * cs.load()).to(BFloat16).to(Float32)
+                        b = (rot.load() * sn.load()).to(BFloat16).to(Float32)
+                        x.store((a + b).to(BFloat16).to(Float32))
+                        for k in cutlass.range_constexpr(4):
+                            tRS_rD[regs[k]] = x[k]
+                    else:
+                        for j, c, s in ((0, c0, s0), (1, c1, s1)):
+                            x1 = _round(tRS_rD[r + j])  # the GEMM's output as stored in bf16
+                            x2 = _round(tRS_rD[p + j])
+                            tRS_rD[r + j] = _round(_round(x1 * c) + _round(-x2 * s))
+                            tRS_rD[p + j] = _round(_round(x2 * c) + _round(x1 * s))
             return None
 
     @dsl_user_op
@@ -151,6 +171,9 @@ try:  # optional: quack-kernels (Hopper)
     IMPORTED = True
 except Exception:  # noqa: BLE001 - quack / cutlass-dsl not installed, or not loadable on this machine
     IMPORTED = False
+
+
+_EPI = __import__("os").environ.get("PARATRON_ROPE_EPI", "pair")  # (an experiment's switch)
 
 
 def available(t: Tensor) -> bool:
