@@ -33,8 +33,6 @@ try:  # optional: quack-kernels (Hopper)
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, const_expr
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T, dsl_user_op
     from quack.cute_dsl_utils import get_max_active_clusters, mlir_namedtuple, torch2cute_dtype_map
     from quack.compile_utils import make_fake_tensor
     from quack.epi_ops import EpiOp
@@ -94,58 +92,39 @@ try:  # optional: quack-kernels (Hopper)
             return (tile_m, self.rope_dim)
 
         @cute.jit
-        def _pair(self, table, pos, col):
-            """The table's two bf16 values at (pos, col), (pos, col + 1) (col even, in a head's first half) as
-            fp32: one 4-byte load from the table viewed as int32 pairs."""
-            word = cute.make_rmem_tensor(cute.make_layout(1), Int32)
-            word[0] = table[pos, (col % self.rope_dim) // 2]
-            two = cute.recast_tensor(word, BFloat16)
-            return two[0].to(Float32), two[1].to(Float32)
-
-        @cute.jit
         def epi_visit_subtile(self, params, epi_loop_tensors, tRS_rD, tRS_rC=None):
             mine, zero, m0, n0 = epi_loop_tensors["mRope"]
             quads = _quads(zero, cute.size(tRS_rD), self.rope_dim)
             if n0 + mine[0][1] < self.rope_cols:  # the subtile is one head: rotated or not as a whole
-                for r, p in quads:  # columns c, c + 1 of the first half (registers r, r + 1), c + d/2, ... (p, p + 1)
-                    pos, col = (m0 + mine[r][0]) // self.rope_batch, n0 + mine[r][1]
-                    c0, c1 = self._pair(params.mRopeCos, pos, col)
-                    s0, s1 = self._pair(params.mRopeSin, pos, col)
-                    if const_expr(_EPI == "vector"):
-                        regs = (r, r + 1, p, p + 1)
-                        x = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-                        rot = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-                        cs = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-                        sn = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-                        for k in cutlass.range_constexpr(4):
-                            x[k] = tRS_rD[regs[k]]
-                            cs[k] = c0 if k % 2 == 0 else c1
-                            sn[k] = s0 if k % 2 == 0 else s1
-                        xs = x.load().to(BFloat16).to(Float32)
-                        x.store(xs)
-                        for k in cutlass.range_constexpr(4):
-                            rot[k] = -x[(k + 2) % 4] if k < 2 else x[(k + 2) % 4]
-                        a = (x.load() * cs.load()).to(BFloat16).to(Float32)
-                        b = (rot.load() * sn.load()).to(BFloat16).to(Float32)
-                        x.store((a + b).to(BFloat16).to(Float32))
-                        for k in cutlass.range_constexpr(4):
-                            tRS_rD[regs[k]] = x[k]
-                    else:
-                        for j, c, s in ((0, c0, s0), (1, c1, s1)):
-                            x1 = _round(tRS_rD[r + j])  # the GEMM's output as stored in bf16
-                            x2 = _round(tRS_rD[p + j])
-                            tRS_rD[r + j] = _round(_round(x1 * c) + _round(-x2 * s))
-                            tRS_rD[p + j] = _round(_round(x2 * c) + _round(x1 * s))
+                # every quad's cos / sin pair first (independent loads, one latency), each as one int32
+                words = [cute.make_rmem_tensor(cute.make_layout(len(quads), stride=1), Int32) for _ in range(2)]
+                for q in cutlass.range_constexpr(len(quads)):
+                    r = quads[q][0]
+                    pos = (m0 + mine[r][0]) // self.rope_batch
+                    k = ((n0 + mine[r][1]) % self.rope_dim) // 2
+                    words[0][q] = params.mRopeCos[pos, k]
+                    words[1][q] = params.mRopeSin[pos, k]
+                cos, sin = (cute.recast_tensor(w, BFloat16) for w in words)  # [c0, c1] of quad q at 2q, 2q + 1
+                x = cute.make_rmem_tensor(cute.make_layout(4, stride=1), Float32)
+                rot = cute.make_rmem_tensor(cute.make_layout(4, stride=1), Float32)
+                cs = cute.make_rmem_tensor(cute.make_layout(4, stride=1), Float32)
+                sn = cute.make_rmem_tensor(cute.make_layout(4, stride=1), Float32)
+                for q in cutlass.range_constexpr(len(quads)):
+                    r, p = quads[q]
+                    regs = (r, r + 1, p, p + 1)  # columns c, c + 1, c + d/2, c + d/2 + 1
+                    for k in cutlass.range_constexpr(4):
+                        x[k] = tRS_rD[regs[k]]
+                        cs[k] = cos[2 * q + k % 2].to(Float32)
+                        sn[k] = sin[2 * q + k % 2].to(Float32)
+                    x.store(x.load().to(BFloat16).to(Float32))  # the GEMM's output as stored in bf16
+                    for k in cutlass.range_constexpr(4):  # rotate_half: [-x2, x1]
+                        rot[k] = -x[k + 2] if k < 2 else x[k - 2]
+                    a = (x.load() * cs.load()).to(BFloat16).to(Float32)  # each product rounded, then the sum
+                    b = (rot.load() * sn.load()).to(BFloat16).to(Float32)
+                    x.store((a + b).to(BFloat16).to(Float32))
+                    for k in cutlass.range_constexpr(4):
+                        tRS_rD[regs[k]] = x[k]
             return None
-
-    @dsl_user_op
-    def _round(v, *, loc=None, ip=None):
-        """v rounded to bf16 (to nearest even), as fp32. Inline PTX, opaque to the compiler: written as
-        casts, LLVM narrowed the product / sum and its rounding into bf16 arithmetic and contracted a
-        product into the sum's FMA, skipping a rounding (1-2 bf16 units off the eager rotation on an H100)."""
-        return Float32(llvm.inline_asm(T.f32(), [Float32(v).ir_value(loc=loc, ip=ip)],
-                                       "{\n .reg .b16 h;\n cvt.rn.bf16.f32 h, $1;\n cvt.f32.bf16 $0, h;\n}",
-                                       "=f,f", has_side_effects=False, is_align_stack=False))
 
     def _quads(zero, n: int, d: int) -> list:
         """The subtile's registers as (r, p): r, r + 1 hold columns c, c + 1 of a head's first half (c even),
@@ -171,9 +150,6 @@ try:  # optional: quack-kernels (Hopper)
     IMPORTED = True
 except Exception:  # noqa: BLE001 - quack / cutlass-dsl not installed, or not loadable on this machine
     IMPORTED = False
-
-
-_EPI = __import__("os").environ.get("PARATRON_ROPE_EPI", "pair")  # (an experiment's switch)
 
 
 def available(t: Tensor) -> bool:
