@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from record import cuda_median_ms, write_record  # noqa: E402
 from paratron.model import rope_kernels  # noqa: E402
-from paratron.parallel import quack_rope  # noqa: E402
+import rope_gemm_kernel as quack_rope  # noqa: E402
 
 
 def _config(spec: str) -> quack_rope.Config:
