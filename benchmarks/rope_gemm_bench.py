@@ -1,6 +1,6 @@
-"""The QKV GEMM with the rotary embedding in its epilogue (paratron/parallel/quack_rope.py) against today's
+"""The QKV GEMM with the rotary embedding in its epilogue (benchmarks/rope_gemm_kernel.py) against today's
 path, at llama-1b's attention shape on the GPU: cuBLAS's QKV GEMM + rope_kernels.rotate_qk, against the
-weight's row permutation + quack_rope.gemm_rope per tile configuration. Checks first that the epilogue's
+weight's row permutation + rope_gemm_kernel.gemm_rope per tile configuration. Checks first that the epilogue's
 rotation is bit-identical to the torch rotation (apply_rotary's rounding) of the same kernel's unrotated
 output, and how far that output is from cuBLAS's product. Writes a record.
 
