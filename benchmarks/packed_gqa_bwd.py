@@ -108,12 +108,16 @@ def _mask(pack: int):
 
 
 @contextlib.contextmanager
-def _packed_symbols(pack: int):
-    """FlashAttention-4's backward module with the packed block range, mask and sequence length while traced."""
-    names = ("BlockInfo", "AttentionMask", "SeqlenInfoQK", "assume_tensor_aligned")
+def _packed_symbols(pack: int, longest_first: bool):
+    """FlashAttention-4's backward module with the packed block range, mask and sequence length while traced;
+    ``longest_first``: its L2-swizzled scheduler (each head group's key blocks in order, the longest first)
+    instead of the plain one, whose order leaves the last wave with CTAs of up to 4x the grouped kernel's work."""
+    names = ("BlockInfo", "AttentionMask", "SeqlenInfoQK", "assume_tensor_aligned", "SingleTileScheduler")
     saved = {n: getattr(fb, n) for n in names}
     fb.BlockInfo, fb.AttentionMask, fb.SeqlenInfoQK, fb.assume_tensor_aligned = (
         _block_info(pack), _mask(pack), _Seqlen, _aligned)
+    if longest_first:
+        fb.SingleTileScheduler = fb.SingleTileLPTBwdScheduler
     try:
         yield
     finally:
@@ -122,7 +126,7 @@ def _packed_symbols(pack: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(pack: int, groups: int, d: int):
+def _compiled(pack: int, groups: int, d: int, longest_first: bool = True):
     """The backward kernel for ``groups`` key heads of ``pack`` query heads each, head dimension ``d``."""
     cfg = fi._tile_size_bwd_sm90(d, d, True, False)
     obj = fb.FlashAttentionBackwardSm90(
@@ -155,7 +159,7 @@ def _compiled(pack: int, groups: int, d: int):
     k, v, dk, dv = (fake(BFloat16, (b, s, groups, d)) for _ in range(4))
     lse, dpsum = (fake(Float32, (b, groups, sp)) for _ in range(2))
     dq_accum = fake(Float32, (b, groups, acc))
-    with _packed_symbols(pack):
+    with _packed_symbols(pack, longest_first):
         kernel = cute.compile(packed, q, k, v, do, lse, dpsum, dq_accum, dk, dv, Float32(1.0),
                               make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
     return kernel, cfg
@@ -167,14 +171,14 @@ def _packed_order(t: torch.Tensor, groups: int, pack: int) -> torch.Tensor:
     return t.view(b, groups, pack, s).transpose(2, 3).reshape(b, groups, s * pack)
 
 
-def packed_bwd(dout, q, k, v, out, lse, scale, dk, dv):
+def packed_bwd(dout, q, k, v, out, lse, scale, dk, dv, longest_first: bool = True):
     """dq (as [b, s, heads, d], a view of a [b, groups, s, pack, d] buffer) of causal attention with grouped
     keys; dk / dv written into the given [b, s, groups, d] views. q / dout / out [b, s, heads, d] with each
     token's heads adjacent (paratron's sequence-first activations, transposed), lse [b, heads, s] fp32."""
     b, s, heads, d = q.shape
     groups = k.size(2)
     pack = heads // groups
-    kernel, cfg = _compiled(pack, groups, d)
+    kernel, cfg = _compiled(pack, groups, d, longest_first)
     if s % cfg.m_block_size or s % cfg.n_block_size:
         raise ValueError(f"packed_bwd: sequence {s} is not a multiple of the tiles")
     dpsum = torch.empty(b, heads, s, dtype=torch.float32, device=q.device)
@@ -208,16 +212,19 @@ def main() -> None:
     ref = tuple(fa._seq_first_like(t) for t in (q, k, v))
     fa._bwd_into(dout, q, k, v, out, lse, scale, *ref)
     dk, dv = (fa._seq_first_like(t) for t in (k, v))
-    dq = packed_bwd(dout, q, k, v, out, lse, scale, dk, dv)
     rows = []
-    for name, mine, theirs in (("dq", dq, ref[0]), ("dk", dk, ref[1]), ("dv", dv, ref[2])):
-        diff = (mine.float() - theirs.float()).abs().max().item()
-        rel = diff / theirs.float().abs().max().item()
-        rows.append(f"| {name} | {diff:.3g} | {rel:.3g} |")
-        print(rows[-1], flush=True)
+    for order in (True, False):
+        dq = packed_bwd(dout, q, k, v, out, lse, scale, dk, dv, order)
+        for name, mine, theirs in (("dq", dq, ref[0]), ("dk", dk, ref[1]), ("dv", dv, ref[2])):
+            diff = (mine.float() - theirs.float()).abs().max().item()
+            rel = diff / theirs.float().abs().max().item()
+            rows.append(f"| {name} ({'longest first' if order else 'plain order'}) | {diff:.3g} | {rel:.3g} |")
+            print(rows[-1], flush=True)
     times = []
     for name, fn in (("FlashAttention-4 (grouped)", lambda: fa._bwd_into(dout, q, k, v, out, lse, scale, *ref)),
-                     ("packed rows", lambda: packed_bwd(dout, q, k, v, out, lse, scale, dk, dv))):
+                     ("packed rows, longest first", lambda: packed_bwd(dout, q, k, v, out, lse, scale, dk, dv)),
+                     ("packed rows, plain order", lambda: packed_bwd(dout, q, k, v, out, lse, scale, dk, dv, False)),
+                     ("FlashAttention-4 (grouped), again", lambda: fa._bwd_into(dout, q, k, v, out, lse, scale, *ref))):
         end = time.time() + 1.5
         while time.time() < end:
             fn()
