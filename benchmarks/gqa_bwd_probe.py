@@ -8,14 +8,13 @@ group sums would then be one more pass, timed too). Sizes the "packed GQA" backw
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from record import cuda_median_ms, write_record  # noqa: E402
+from record import at_power_limit, cuda_median_ms, write_record  # noqa: E402
 from paratron.model import flash_attention as fa  # noqa: E402
 
 
@@ -35,10 +34,7 @@ def main() -> None:
 
         def bwd(kk=kk, vv=vv, grads=grads):
             fa._bwd_into(dout, q, kk, vv, out, lse, scale, *grads)
-        end = time.time() + 1.5
-        while time.time() < end:  # at the power limit
-            bwd()
-            torch.cuda.synchronize()
+        at_power_limit(bwd)
         rows.append(f"| {name} | {cuda_median_ms(bwd):.4f} |")
         print(rows[-1], flush=True)
     dk32 = torch.randn(b, s, h, d, device=dev, dtype=bf16)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,7 +204,7 @@ def packed_bwd(dout, q, k, v, out, lse, scale, dk, dv, longest_first: bool = Tru
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from record import cuda_median_ms, write_record
+    from record import at_power_limit, cuda_median_ms, write_record
     from paratron.model import flash_attention as fa
     b, s, h, g, d = 16, 2048, 32, 8, 64
     dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -231,10 +230,7 @@ def main() -> None:
                      ("packed rows, longest first", lambda: packed_bwd(dout, q, k, v, out, lse, scale, dk, dv)),
                      ("packed rows, plain order", lambda: packed_bwd(dout, q, k, v, out, lse, scale, dk, dv, False)),
                      ("FlashAttention-4 (grouped), again", lambda: fa._bwd_into(dout, q, k, v, out, lse, scale, *ref))):
-        end = time.time() + 1.5
-        while time.time() < end:
-            fn()
-            torch.cuda.synchronize()
+        at_power_limit(fn)
         times.append(f"| {name} | {cuda_median_ms(fn):.4f} |")
         print(times[-1], flush=True)
     body = "\n".join([f"b {b}, s {s}, {h} query heads, {g} groups, d {d}, causal; median of 20 after 1.5 s at the "

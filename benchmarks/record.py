@@ -35,6 +35,18 @@ def write_record(record_dir, name: str, title: str, hardware: str, facts: dict, 
     return path
 
 
+def at_power_limit(fn, seconds: float = 1.5) -> None:
+    """Call ``fn()`` for ``seconds`` (synchronising every 20 calls), so that the GPU sits at its power limit, where
+    the training step runs, when a kernel is timed next."""
+    import time
+    import torch
+    end = time.time() + seconds
+    while time.time() < end:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+
+
 def cuda_median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of a call of ``fn()`` (each call between two CUDA events, after ``warmup`` calls)."""
     import torch

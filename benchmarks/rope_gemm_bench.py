@@ -10,33 +10,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from record import cuda_median_ms, write_record  # noqa: E402
+from record import at_power_limit, cuda_median_ms, write_record  # noqa: E402
 from paratron.model import rope_kernels  # noqa: E402
-import rope_gemm_kernel as quack_rope  # noqa: E402
+import rope_gemm_kernel  # noqa: E402
 
 
-def _config(spec: str) -> quack_rope.Config:
+def _config(spec: str) -> rope_gemm_kernel.Config:
     """"128x192c2x1pp" -> Config."""
     tiles, rest = spec.split("c", 1)
     tm, tn = (int(v) for v in tiles.split("x"))
     cm, cn = int(rest[0]), int(rest[2])
-    return quack_rope.Config(tm, tn, cm, cn, rest.endswith("pp"))
-
-
-def _at_cap(fn, seconds: float) -> None:
-    """Run ``fn`` for ``seconds`` so that the GPU sits at its power limit when timed."""
-    end = time.time() + seconds
-    while time.time() < end:
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
+    return rope_gemm_kernel.Config(tm, tn, cm, cn, rest.endswith("pp"))
 
 
 def main() -> None:
@@ -62,7 +52,7 @@ def main() -> None:
     freqs = torch.outer(torch.arange(a.seq, dtype=torch.float32), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos().to(dev, bf16), emb.sin().to(dev, bf16)
-    wp = quack_rope.perm_weight(w, a.groups, qpg)
+    wp = rope_gemm_kernel.perm_weight(w, a.groups, qpg)
     def today():
         qkv = x @ w.t()
         rope_kernels.rotate_qk(qkv.view(a.seq, a.batch, a.groups, qpg + 2, a.d), cos, sin)
@@ -71,12 +61,12 @@ def main() -> None:
     for spec in a.configs.split(","):
         cfg = _config(spec)
         try:
-            plain = quack_rope.gemm_rope(x, wp, cos, sin, a.batch, 0, cfg)
-            fused = quack_rope.gemm_rope(x, wp, cos, sin, a.batch, rope_cols, cfg)
+            plain = rope_gemm_kernel.gemm_rope(x, wp, cos, sin, a.batch, 0, cfg)
+            fused = rope_gemm_kernel.gemm_rope(x, wp, cos, sin, a.batch, rope_cols, cfg)
         except Exception as e:  # noqa: BLE001 - a configuration the kernel does not take: reported
             rows.append(f"| {spec} | failed: {type(e).__name__}: {str(e).splitlines()[0][:100]} | | | |")
             continue
-        ref = quack_rope.gemm_rope_ref(plain, torch.eye(n_out, device=dev, dtype=bf16), cos, sin, a.batch,
+        ref = rope_gemm_kernel.gemm_rope_ref(plain, torch.eye(n_out, device=dev, dtype=bf16), cos, sin, a.batch,
                                        rope_cols)
         exact = torch.equal(fused, ref)
         exact_all &= exact
@@ -94,21 +84,21 @@ def main() -> None:
         cublas_diff = (plain.float() - (x @ wp.t()).float()).abs().max().item()
 
         def run(cfg=cfg):
-            quack_rope.gemm_rope(x, quack_rope.perm_weight(w, a.groups, qpg), cos, sin, a.batch, rope_cols, cfg)
-        _at_cap(run, a.cap_s)
+            rope_gemm_kernel.gemm_rope(x, rope_gemm_kernel.perm_weight(w, a.groups, qpg), cos, sin, a.batch, rope_cols, cfg)
+        at_power_limit(run, a.cap_s)
         ms = cuda_median_ms(run)
         today_ms = cuda_median_ms(today)
-        bare = cuda_median_ms(lambda cfg=cfg: quack_rope.gemm_rope(x, wp, cos, sin, a.batch, 0, cfg))
+        bare = cuda_median_ms(lambda cfg=cfg: rope_gemm_kernel.gemm_rope(x, wp, cos, sin, a.batch, 0, cfg))
         flops = 2 * t * a.hidden * n_out
         rows.append(f"| {spec} | {exact} | {cublas_diff:.3g} | {ms:.4f} | {flops / ms / 1e9:.0f} | {bare:.4f} | {today_ms:.4f} |")
         print(rows[-1], flush=True)
 
-    _at_cap(today, a.cap_s)
+    at_power_limit(today, a.cap_s)
     base = cuda_median_ms(today)
     gemm_only = cuda_median_ms(lambda: x @ w.t())
     qkv5 = (x @ w.t()).view(a.seq, a.batch, a.groups, qpg + 2, a.d)
     rot_only = cuda_median_ms(lambda: rope_kernels.rotate_qk(qkv5, cos, sin))
-    perm_only = cuda_median_ms(lambda: quack_rope.perm_weight(w, a.groups, qpg))
+    perm_only = cuda_median_ms(lambda: rope_gemm_kernel.perm_weight(w, a.groups, qpg))
     body = "\n".join([
         f"Shape: tokens {t} (seq {a.seq} x batch {a.batch}), hidden {a.hidden}, {a.heads} query heads / "
         f"{a.groups} groups of d {a.d}: QKV output {n_out} columns, {rope_cols} rotated.",

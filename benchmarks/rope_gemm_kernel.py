@@ -34,13 +34,13 @@ from torch import Tensor
 try:  # optional: quack-kernels (Hopper)
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, const_expr
+    from cutlass import BFloat16, Float32, Int32
     from quack.cute_dsl_utils import get_max_active_clusters, mlir_namedtuple, torch2cute_dtype_map
     from quack.compile_utils import make_fake_tensor
     from quack.epi_ops import EpiOp
     from quack.gemm_default_epi import GemmDefaultEpiMixin
     from quack.gemm_sm90 import GemmSm90
-    from quack.gemm_tvm_ffi_utils import (compile_gemm_kernel, get_major, make_fake_gemm_tensors,
+    from quack.gemm_tvm_ffi_utils import (compile_gemm_kernel, make_fake_gemm_tensors,
                                           make_fake_scheduler_args, make_scheduler_args)
     from quack.sm90_utils import partition_for_epilogue
 
