@@ -201,6 +201,24 @@ def packed_bwd(dout, q, k, v, out, lse, scale, dk, dv, longest_first: bool = Tru
     return buf.permute(0, 2, 1, 3, 4).reshape(b, s, heads, d)
 
 
+def _kernels(variants: dict, calls: int = 10) -> list:
+    """Markdown rows: each variant's kernels (profiled over ``calls`` calls) with their GPU ms per call."""
+    from torch.profiler import ProfilerActivity, profile
+    from record import at_power_limit
+    rows = []
+    for name, fn in variants.items():
+        at_power_limit(fn)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0)):
+            ms = getattr(e, "device_time_total", 0) / 1000 / calls
+            if ms >= 0.002:
+                rows.append(f"| {name} | {e.key[:90]} | {e.count / calls:g} | {ms:.4f} |")
+    return rows
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -233,9 +251,16 @@ def main() -> None:
         at_power_limit(fn)
         times.append(f"| {name} | {cuda_median_ms(fn):.4f} |")
         print(times[-1], flush=True)
+    kr, vr = (t.repeat_interleave(h // g, dim=2) for t in (k, v))
+    rep = tuple(fa._seq_first_like(t) for t in (q, kr, vr))
+    kernels = _kernels({"grouped": lambda: fa._bwd_into(dout, q, k, v, out, lse, scale, *ref),
+                        "repeated to 32 heads": lambda: fa._bwd_into(dout, q, kr, vr, out, lse, scale, *rep),
+                        "packed, longest first": lambda: packed_bwd(dout, q, k, v, out, lse, scale, dk, dv)})
     body = "\n".join([f"b {b}, s {s}, {h} query heads, {g} groups, d {d}, causal; median of 20 after 1.5 s at the "
                       "power limit.", "", "| gradient | max abs diff vs FlashAttention-4 | relative to its max |",
-                      "|---|---|---|", *rows, "", "| backward | ms |", "|---|---|", *times])
+                      "|---|---|---|", *rows, "", "| backward | ms |", "|---|---|", *times, "",
+                      "Kernels (torch profiler, 10 calls each after 1.5 s at the power limit):", "",
+                      "| variant | kernel | launches per call | GPU ms per call |", "|---|---|---|---|", *kernels])
     print(body)
     write_record(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results", "packed_gqa_bwd",
                  "FlashAttention-4's backward with packed query heads", torch.cuda.get_device_name(), {}, body)
