@@ -82,7 +82,8 @@ def unrotate_ref(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def unrotate_into_ref_(dqkv: Tensor, dq: Tensor, cos: Tensor, sin: Tensor) -> None:
-    """``unrotate_into_`` in torch: dqkv's query slots from dq [s, b, heads, d], its key slot in place."""
+    """``unrotate_into_`` in torch: dqkv's query slots from dq [s, b, heads, d] (or [s, b, groups, q_per_group,
+    d]), its key slot in place."""
     s, b, groups, qpg, d = _split(dqkv)
     cos5, sin5 = cos[:, None, None, None, :], sin[:, None, None, None, :]
     dqkv[:, :, :, :qpg] = unrotate_ref(dq.reshape(s, b, groups, qpg, d), cos5, sin5)
@@ -158,7 +159,7 @@ if triton is not None:
             tl.store(dst + HALF, _mul_add(x2, c2, x1, s2, False, dtype), mask=mask)
 
     @triton.jit
-    def _rotate_bwd(dq_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, batch, sq_s, sq_b, sq_h,
+    def _rotate_bwd(dq_ptr, cos_ptr, sin_ptr, dx_ptr, n_rows, batch, sq_s, sq_b, sq_g, sq_j,
                     sx_s, sx_b, sx_g, sx_j, sc_s, ss_s,
                     QPG: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
         """The rotation's backward d = [g1 c1 + g2 s2, g2 c2 - g1 s1] for one group of BLOCK_T tokens: of dq's
@@ -174,7 +175,7 @@ if triton is not None:
         dst = dx_ptr + (pos * sx_s + b * sx_b + g * sx_g)[:, None] + cols[None, :]
         for j in tl.static_range(QPG + 1):
             if j < QPG:
-                src = dq_ptr + (pos * sq_s + b * sq_b + (g * QPG + j) * sq_h)[:, None] + cols[None, :]
+                src = dq_ptr + (pos * sq_s + b * sq_b + g * sq_g + j * sq_j)[:, None] + cols[None, :]
             else:
                 src = dst + QPG * sx_j
             g1 = tl.load(src, mask=mask).to(tl.float32)  # (dtype's values already)
@@ -212,11 +213,14 @@ def rotate_qk(qkv5: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
 
 def unrotate_into_(dqkv: Tensor, dq: Tensor, cos: Tensor, sin: Tensor) -> None:
     """The rotation's backward into the QKV gradient dqkv [s, b, groups, q_per_group + 2, d]: its query slots
-    from dq [s, b, heads, d], its key slot (holding dk) in place; the value slot is left as it is. One kernel
-    where ``usable``."""
+    from dq [s, b, heads, d] or [s, b, groups, q_per_group, d] (any strides: the packed backward's buffer is
+    [b, groups, s, q_per_group, d] storage), its key slot (holding dk) in place; the value slot is left as it is.
+    One kernel where ``usable``."""
     if not usable(dqkv, dq, cos, sin) or dqkv.size(-1) % 2 or dq.dtype != dqkv.dtype:
         return unrotate_into_ref_(dqkv, dq, cos, sin)
     if dqkv.numel():
+        s, b, groups, qpg, d = _split(dqkv)
+        dq5 = dq if dq.dim() == 5 else dq.view(s, b, groups, qpg, d)
         grid, sizes, strides, meta = _launch_args(dqkv, cos, sin)
         with _on(dqkv):
-            _rotate_bwd[grid](dq, cos, sin, dqkv, *sizes, *dq.stride()[:3], *strides, **meta)
+            _rotate_bwd[grid](dq5, cos, sin, dqkv, *sizes, *dq5.stride()[:4], *strides, **meta)

@@ -157,6 +157,12 @@ for s, b, groups, qpg, d, dtype, cdtype in ((40, 3, 2, 2, 16, torch.bfloat16, to
     ref = dqkv.clone()
     rk.unrotate_into_ref_(ref, dq, cos, sin)
     assert ok(got, ref)
+    # dq read in place from the packed backward's buffer, [b, groups, s, q_per_group, d] storage
+    packed = dq.view(s, b, groups, qpg, d).permute(1, 2, 0, 3, 4).contiguous()
+    for fn in (rk.unrotate_into_, rk.unrotate_into_ref_):
+        got5 = dqkv.clone()
+        fn(got5, packed.permute(2, 0, 1, 3, 4), cos, sin)
+        assert torch.equal(got5, got if fn is rk.unrotate_into_ else ref), fn
 # the whole op on the kernels (the attention on its CPU reference) against apply_rotary + causal_attention
 qkv = torch.randn(12, 2, 2 * 4 * 16, dtype=torch.float32, requires_grad=True)
 cos, sin = (f(torch.randn(12, 1, 1, 8).repeat(1, 1, 1, 2)) for f in (torch.cos, torch.sin))
