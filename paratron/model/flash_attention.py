@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import rope_kernels
+from . import flash_packed, rope_kernels
 from ..parallel import quack_kernels
 
 # the forward kernel: "cudnn" (cuDNN's fused attention, 366 against FlashAttention-4's 344 TFLOP/s at the H100's
@@ -229,11 +229,15 @@ def _rope_bwd(dout: Tensor, qkv5: Tensor, cos: Tensor, sin: Tensor, q: Tensor, k
               lse: Tensor, scale: float) -> Tensor:
     """The gradient of qkv5 (contiguous) from the output's gradient dout [s, b, heads, d]."""
     dqkv = qkv5.new_empty(qkv5.shape)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk, dv = dqkv[:, :, :, -2], dqkv[:, :, :, -1]  # FlashAttention-4 writes them in place
     v = qkv5[:, :, :, -1]
-    _bwd_into(*(t.transpose(0, 1) for t in (dout, q, k, v, out)), lse, scale,
-              *(t.transpose(0, 1) for t in (dq, dk, dv)))
+    args = tuple(t.transpose(0, 1) for t in (dout, q, k, v, out))
+    if flash_packed.applies(args[1], args[2], args[0]):  # a group's query heads in one CTA (flash_packed.py)
+        dq = flash_packed.backward(*args, lse, scale, dk.transpose(0, 1), dv.transpose(0, 1))
+        rope_kernels.unrotate_into_(dqkv, dq.permute(2, 0, 1, 3, 4), cos, sin)  # its buffer read in place
+        return dqkv
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _bwd_into(*args, lse, scale, *(t.transpose(0, 1) for t in (dq, dk, dv)))
     rope_kernels.unrotate_into_(dqkv, dq, cos, sin)
     return dqkv
 
