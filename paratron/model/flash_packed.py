@@ -36,6 +36,7 @@ import torch
 ENABLED = os.environ.get("PARATRON_PACKED_GQA_BWD", "0") == "1"  # read once, like the other switches
 VERSION = "4.0.0b10"  # the FlashAttention-4 whose module symbols are swapped while tracing
 
+
 def _packed_order(t: torch.Tensor, groups: int, pack: int) -> torch.Tensor:
     """[b, groups * pack, s] -> [b, groups, s * pack], row s * pack + j from head g * pack + j."""
     b, _, s = t.shape
@@ -59,7 +60,6 @@ try:  # optional: flash-attn-4 + quack-kernels (Hopper)
             return tuple(_assume(x, divby) for x in s)
         return s if isinstance(s, int) else cute.assume(s, divby=divby)
 
-
     def _aligned(t):
         """FlashAttention-4's ``assume_tensor_aligned`` for strides that may be nested (the packed rows)."""
         if t is None:
@@ -69,7 +69,6 @@ try:  # optional: flash-attn-4 + quack-kernels (Hopper)
         return cute.make_tensor(t.iterator, cute.make_layout(t.shape, stride=(*(_assume(x, divby) for x in st[:-1]),
                                                                               st[-1])))
 
-
     class _Seqlen:
         """SeqlenInfoQK whose query length may be a hierarchical mode (its size: the packed rows)."""
 
@@ -78,7 +77,6 @@ try:  # optional: flash-attn-4 + quack-kernels (Hopper)
             if isinstance(seqlen_q_static, tuple):
                 seqlen_q_static = cute.size(seqlen_q_static)
             return SeqlenInfoQK.create(batch_idx, seqlen_q_static, *args, **kwargs)
-
 
     def _block_info(pack: int):
         @dataclass(frozen=True)
@@ -90,7 +88,6 @@ try:  # optional: flash-attn-4 + quack-kernels (Hopper)
             def get_m_block_min_max(self, seqlen_info, n_block):
                 return (n_block * self.tile_n * pack) // self.tile_m, cute.ceil_div(seqlen_info.seqlen_q, self.tile_m)
         return _PackedBlockInfo
-
 
     def _mask(pack: int):
         @dataclass(frozen=True)
@@ -115,7 +112,6 @@ try:  # optional: flash-attn-4 + quack-kernels (Hopper)
                         acc[r, c] = -Float32.inf if zero[r, 0][1] < limit else acc[r, c]
         return _PackedMask
 
-
     @contextlib.contextmanager
     def _packed_symbols(pack: int, longest_first: bool):
         """FlashAttention-4's backward module with the packed block range, mask and sequence length while traced;
@@ -132,7 +128,6 @@ try:  # optional: flash-attn-4 + quack-kernels (Hopper)
         finally:
             for n, v in saved.items():
                 setattr(fb, n, v)
-
 
     @functools.lru_cache(maxsize=None)
     def _compiled(pack: int, groups: int, d: int, longest_first: bool = True):
@@ -172,7 +167,6 @@ try:  # optional: flash-attn-4 + quack-kernels (Hopper)
             kernel = cute.compile(packed, q, k, v, do, lse, dpsum, dq_accum, dk, dv, Float32(1.0),
                                   make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
         return kernel, cfg
-
 
     def backward(dout, q, k, v, out, lse, scale, dk, dv, longest_first: bool = True):
         """dq as a [b, groups, s, q_per_group, d] buffer, of causal attention with grouped keys; dk / dv written
