@@ -197,7 +197,9 @@ except Exception:  # noqa: BLE001 - not installed, or not loadable on this machi
     IMPORTED = False
 
 
+@functools.lru_cache(maxsize=1)
 def _version() -> str:
+    """The installed flash-attn-4's version ("" if none); looked up once (``applies`` runs in every backward)."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         return version("flash-attn-4")
