@@ -16,17 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from record import at_power_limit, cuda_median_ms, write_record  # noqa: E402
 from paratron.model import flash_attention as fa  # noqa: E402
+from packed_gqa_bwd import attention_inputs  # noqa: E402
 
 
 def main() -> None:
     b, s, h, g, d = 16, 2048, 32, 8, 64
     dev, bf16 = torch.device("cuda"), torch.bfloat16
-    torch.manual_seed(0)
-    q = torch.randn(s, b, h, d, device=dev, dtype=bf16).transpose(0, 1)
-    k, v = (torch.randn(s, b, g, d, device=dev, dtype=bf16).transpose(0, 1) for _ in range(2))
-    scale = d ** -0.5
-    out, lse = fa._fwd(q, k, v, scale)
-    dout = torch.randn_like(out)
+    q, k, v, scale, out, lse, dout = attention_inputs(b, s, h, g, d)
     rows = []
     for name, kk, vv in (("grouped (8 kv heads)", k, v),
                          ("repeated to 32 heads", *(t.repeat_interleave(h // g, dim=2) for t in (k, v)))):

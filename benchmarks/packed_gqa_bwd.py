@@ -47,17 +47,24 @@ def _kernels(variants: dict, calls: int = 10) -> list:
     return rows
 
 
-def main() -> None:
-    from record import at_power_limit, cuda_median_ms, write_record
+def attention_inputs(b=16, s=2048, h=32, g=8, d=64):
+    """llama-1b's attention backward inputs on the GPU, as the model holds them ([b, s, heads, d] views of
+    sequence-first storage): (q, k, v, scale, out, lse, dout), the forward by the model's op."""
     from paratron.model import flash_attention as fa
-    b, s, h, g, d = 16, 2048, 32, 8, 64
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
     q = torch.randn(s, b, h, d, device=dev, dtype=bf16).transpose(0, 1)
     k, v = (torch.randn(s, b, g, d, device=dev, dtype=bf16).transpose(0, 1) for _ in range(2))
     scale = d ** -0.5
     out, lse = fa._fwd(q, k, v, scale)
-    dout = torch.randn(s, b, h, d, device=dev, dtype=bf16).transpose(0, 1)
+    return q, k, v, scale, out, lse, torch.randn(s, b, h, d, device=dev, dtype=bf16).transpose(0, 1)
+
+
+def main() -> None:
+    from record import at_power_limit, cuda_median_ms, write_record
+    from paratron.model import flash_attention as fa
+    b, s, h, g, d = 16, 2048, 32, 8, 64
+    q, k, v, scale, out, lse, dout = attention_inputs(b, s, h, g, d)
     ref = tuple(fa._seq_first_like(t) for t in (q, k, v))
     fa._bwd_into(dout, q, k, v, out, lse, scale, *ref)
     dk, dv = (fa._seq_first_like(t) for t in (k, v))

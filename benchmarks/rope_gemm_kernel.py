@@ -21,7 +21,7 @@ the kernel is traced (``_partners``).
 The kernel is quack's Hopper GEMM (``GemmSm90``: its mainloop, tiles and scheduler) with an epilogue
 composed from quack's parts plus one operation of ours (``_RopeTables``: the cos / sin tables and each
 register's coordinates). The torch expression (``gemm_rope_ref``) is the same computation, the bench's
-reference. ``available()`` says whether the kernel can run here.
+reference. Hopper and bf16 only (``IMPORTED``: quack and cutlass-dsl load here).
 """
 from __future__ import annotations
 
@@ -152,12 +152,6 @@ try:  # optional: quack-kernels (Hopper)
     IMPORTED = True
 except Exception:  # noqa: BLE001 - quack / cutlass-dsl not installed, or not loadable on this machine
     IMPORTED = False
-
-
-def available(t: Tensor) -> bool:
-    """The kernel can run on ``t``: quack importable, a bf16 tensor on a compute-capability-9 GPU."""
-    return (IMPORTED and t.is_cuda and t.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(t.device)[0] == 9)
 
 
 @functools.lru_cache(maxsize=None)
