@@ -20,8 +20,8 @@ What it takes, outside FlashAttention-4's files:
     view has uniform strides; the rotary backward reads it in place (rope_kernels.unrotate_into_).
 Numbers: dQ as FlashAttention-4's (the same atomics, in another order), dK / dV summed over the group in fp32
 in registers instead of fp32 atomics: equal to bf16 rounding (2.4e-3 of the largest value at llama-1b's shape).
-The symbols it swaps are FlashAttention-4 4.0.0b10's; ``applies`` is False for any other version. Off unless
-``PARATRON_PACKED_GQA_BWD=1`` until measured in the training step (flash_attention.py takes it in the rotary
+The symbols it swaps are FlashAttention-4 4.0.0b10's; ``applies`` is False for any other version. On by default (llama-1b bf16 step
++1.0 % on an H100), ``PARATRON_PACKED_GQA_BWD=0`` switches it off (flash_attention.py takes it in the rotary
 layers' backward). Hopper, bf16, causal self-attention of equal lengths, sequence a multiple of 128, head
 dimension 64 or less (the swapped-operand configuration the packed mask is written for).
 """
@@ -33,7 +33,7 @@ import os
 
 import torch
 
-ENABLED = os.environ.get("PARATRON_PACKED_GQA_BWD", "0") == "1"  # read once, like the other switches
+ENABLED = os.environ.get("PARATRON_PACKED_GQA_BWD", "1") != "0"  # read once, like the other switches
 VERSION = "4.0.0b10"  # the FlashAttention-4 whose module symbols are swapped while tracing
 
 
