@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 20's runs on two GPUs of one host (nvidia-h100-x2 / nvidia-h200-x2), one part per device call:
+#   PART=parity  run 5: the parity layouts of the CPU tests (TP2, TP2+SP, PP2, PP2 with virtual stages, DP2,
+#                DP2 + distributed optimizer, CP2; EP2 on a mixture-of-experts model) through the real command
+#                line with NCCL in fp32, against the one-GPU run: losses within 1e-5 relative at every step.
+# Records: $OUT (on the device) or benchmarks/results, via benchmarks/parallel_curves.py.
+#   PARATRON_COMMIT=<hash> PART=parity bash benchmarks/two_gpu.sh
+# SMOKE=1 runs the same layouts on the CPU with gloo and 3 iterations (checks the script, not the claim).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+iters=20
+device=()
+if [ "${SMOKE:-0}" = 1 ]; then iters=3; device=(--device cpu); fi
+# llama-style (RMSNorm, SwiGLU, rotary, 8 heads in 4 groups), fp32, no dropout: every layout computes the same
+# function, so the losses differ only by the order of fp32 sums
+base="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 4
+ --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear
+ --untie-embeddings-and-output-weights --seq-length 256 --max-position-embeddings 256 --micro-batch-size 2
+ --global-batch-size 16 --train-iters $iters --lr 1e-3 --lr-warmup-iters 2 --adam-eps 1e-6 --mock-data
+ --tokenizer-type NullTokenizer --vocab-size 4096 --make-vocab-size-divisible-by 128 --hidden-dropout 0
+ --attention-dropout 0 --num-workers 0 ${device[*]}"
+base="$(echo $base)"  # one line
+moe="--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2"
+case "${PART:-parity}" in
+    parity)
+        timeout "${DENSE_S:-400}" python benchmarks/parallel_curves.py --tag nccl_parity_dense --timeout 200 \
+            --base="$base" --run "one:1:" \
+            --run "tp2:2:--tensor-model-parallel-size 2" \
+            --run "tp2-sp:2:--tensor-model-parallel-size 2 --sequence-parallel" \
+            --run "pp2:2:--pipeline-model-parallel-size 2" \
+            --run "pp2-vpp:2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1" \
+            --run "dp2:2:" \
+            --run "dp2-zero1:2:--use-distributed-optimizer" \
+            --run "cp2:2:--context-parallel-size 2" 2>&1 | grep -v "Warn\|warn" | tail -36
+        timeout "${MOE_S:-150}" python benchmarks/parallel_curves.py --tag nccl_parity_moe --timeout 120 \
+            --base="$base $moe" --run "one:1:" \
+            --run "ep2:2:--expert-model-parallel-size 2" 2>&1 | grep -v "Warn\|warn" | tail -6 ;;
+    *) echo "PART must be parity, got '${PART}'" >&2; exit 2 ;;
+esac
