@@ -2,7 +2,9 @@
 # Issue 20's runs on two GPUs of one host (nvidia-h100-x2 / nvidia-h200-x2), one part per device call:
 #   PART=parity  run 5: the parity layouts of the CPU tests (TP2, TP2+SP, PP2, PP2 with virtual stages, DP2,
 #                DP2 + distributed optimizer, CP2; EP2 on a mixture-of-experts model) through the real command
-#                line with NCCL in fp32, against the one-GPU run: losses within 1e-5 relative at every step.
+#                line with NCCL in fp32, against the one-GPU run: losses within 1e-5 relative at every step;
+#                the MoE runs beside the one-GPU run repeated (its noise) and with --deterministic-mode
+#   PART=parity-moe  the MoE half of it alone
 # Records: $OUT (on the device) or benchmarks/results, via benchmarks/parallel_curves.py.
 #   PARATRON_COMMIT=<hash> PART=parity bash benchmarks/two_gpu.sh
 # SMOKE=1 runs the same layouts on the CPU with gloo and 3 iterations (checks the script, not the claim).
@@ -22,6 +24,13 @@ base="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-att
  --attention-dropout 0 --num-workers 0 ${device[*]}"
 base="$(echo $base)"  # one line
 moe="--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2"
+moe_parity() {  # EP2 against one GPU, with the one-GPU run's own run-to-run noise, and both deterministic
+    timeout "${MOE_S:-200}" python benchmarks/parallel_curves.py --tag nccl_parity_moe --timeout 120 \
+        --base="$base $moe" --run "one:1:" --run "one-again:1:" \
+        --run "ep2:2:--expert-model-parallel-size 2" --run "one-det:1:--deterministic-mode" \
+        --run "ep2-det:2:--expert-model-parallel-size 2 --deterministic-mode" \
+        --compare ep2:one --compare one-again:one --compare ep2-det:one-det 2>&1 | grep -v "Warn\|warn" | tail -34
+}
 case "${PART:-parity}" in
     parity)
         timeout "${DENSE_S:-400}" python benchmarks/parallel_curves.py --tag nccl_parity_dense --timeout 200 \
@@ -33,8 +42,7 @@ case "${PART:-parity}" in
             --run "dp2:2:" \
             --run "dp2-zero1:2:--use-distributed-optimizer" \
             --run "cp2:2:--context-parallel-size 2" 2>&1 | grep -v "Warn\|warn" | tail -36
-        timeout "${MOE_S:-150}" python benchmarks/parallel_curves.py --tag nccl_parity_moe --timeout 120 \
-            --base="$base $moe" --run "one:1:" \
-            --run "ep2:2:--expert-model-parallel-size 2" 2>&1 | grep -v "Warn\|warn" | tail -6 ;;
-    *) echo "PART must be parity, got '${PART}'" >&2; exit 2 ;;
+        moe_parity ;;
+    parity-moe) moe_parity ;;
+    *) echo "PART must be parity or parity-moe, got '${PART}'" >&2; exit 2 ;;
 esac
