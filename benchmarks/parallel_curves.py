@@ -29,17 +29,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
-def parse(stdout: str) -> tuple[dict[int, float], dict[int, float]]:
-    losses, tps = {}, {}
+def parse(stdout: str) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Per logged iteration: the lm loss, the tokens/s per GPU and the grad norm (where logged)."""
+    losses, tps, norms = {}, {}, {}
     for line in stdout.splitlines():
         m = re.search(r"iteration\s+(\d+)/", line)
         lm = re.search(r"lm loss: ([0-9.E+-]+) \|", line)
-        tm = re.search(r"tokens per second per GPU: ([0-9.]+)", line)
-        if m and lm:
-            losses[int(m.group(1))] = float(lm.group(1))
-            if tm:
-                tps[int(m.group(1))] = float(tm.group(1))
-    return losses, tps
+        if not (m and lm):
+            continue
+        it = int(m.group(1))
+        losses[it] = float(lm.group(1))
+        for pattern, into in ((r"tokens per second per GPU: ([0-9.]+)", tps), (r"grad norm: ([0-9.E+-]+)", norms)):
+            found = re.search(pattern, line)
+            if found:
+                into[it] = float(found.group(1))
+    return losses, tps, norms
 
 
 def start(name: str, nproc: int, flags: str, base: str, gpu: Optional[int] = None) -> dict:
@@ -59,10 +63,10 @@ def finish(r: dict, timeout: int) -> dict:
     except subprocess.TimeoutExpired:
         r["proc"].kill()
         out, err = r["proc"].communicate()
-    losses, tps = parse(out)
+    losses, tps, norms = parse(out)
     steady = [v for k, v in sorted(tps.items()) if k > 5]
     rc = r.pop("proc").returncode
-    r.update(rc=rc, losses=losses, tokens_s=(sum(steady) / len(steady) * r["nproc"]) if steady else None,
+    r.update(rc=rc, losses=losses, grad_norms=norms, tokens_s=(sum(steady) / len(steady) * r["nproc"]) if steady else None,
              wall_s=time.time() - r["t0"], tail=(out + err)[-1500:] if rc else "")
     print(f"{r['name']}: rc {rc}, {len(losses)} logged steps, tokens/s {r['tokens_s']}, {r['wall_s']:.0f} s"
           + (f" (GPU {r['gpu']})" if r["gpu"] is not None else ""), flush=True)
@@ -108,8 +112,12 @@ def main() -> int:
         lines.append(f"| {r['name']} | {r['nproc']} | `{r['flags']}` | {tok} | {diff:.2e} | {final} |")
     steps = sorted(ref)
     curve = ["| step | " + " | ".join(r["name"] for r in results) + " |", "|---" * (len(results) + 1) + "|"]
-    for k in steps:
-        curve.append(f"| {k} | " + " | ".join(f"{r['losses'].get(k, float('nan')):.4f}" for r in results) + " |")
+    for k in steps:  # as logged (Megatron's 6 decimals), so that a 1e-6 difference shows
+        curve.append(f"| {k} | " + " | ".join(f"{r['losses'].get(k, float('nan')):.6f}" for r in results) + " |")
+    if any(r["grad_norms"] for r in results):
+        curve += ["", "Grad norm per step:", "", curve[0], curve[1]]
+        curve += [f"| {k} | " + " | ".join(f"{r['grad_norms'].get(k, float('nan')):.3f}" for r in results) + " |"
+                  for k in steps]
     if args.compare:
         lines += ["", "| run | against | max rel. loss diff | mean rel. loss diff | steps |", "|---|---|---|---|---|"]
         for pair in args.compare:

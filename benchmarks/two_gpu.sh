@@ -24,12 +24,17 @@ base="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-att
  --attention-dropout 0 --num-workers 0 ${device[*]}"
 base="$(echo $base)"  # one line
 moe="--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2"
-moe_parity() {  # EP2 against one GPU, with the one-GPU run's own run-to-run noise, and both deterministic
+# EP2 against one GPU, beside the one-GPU run repeated (run-to-run noise), at micro-batch 4 (other GEMM shapes:
+# a rounding-only change), EP1 over two GPUs (DP2 alone), and EP2 / one GPU with --deterministic-mode. On two
+# H100s at b38ba3a EP2 differed from one GPU by 8.3e-5 (max rel.) while gloo gives 1.7e-7: the runs beside it
+# tell a rounding effect of the expert GEMMs' shapes from a difference in the EP2 path.
+moe_parity() {
     timeout "${MOE_S:-200}" python benchmarks/parallel_curves.py --tag nccl_parity_moe --timeout 120 \
-        --base="$base $moe" --run "one:1:" --run "one-again:1:" \
-        --run "ep2:2:--expert-model-parallel-size 2" --run "one-det:1:--deterministic-mode" \
+        --base="$base $moe" --run "one:1:" --run "one-again:1:" --run "one-mb4:1:--micro-batch-size 4" \
+        --run "dp2:2:" --run "ep2:2:--expert-model-parallel-size 2" --run "one-det:1:--deterministic-mode" \
         --run "ep2-det:2:--expert-model-parallel-size 2 --deterministic-mode" \
-        --compare ep2:one --compare one-again:one --compare ep2-det:one-det 2>&1 | grep -v "Warn\|warn" | tail -34
+        --compare ep2:one --compare dp2:one --compare one-mb4:one --compare one-again:one \
+        --compare ep2-det:one-det 2>&1 | grep -v "Warn\|warn" | tail -60
 }
 case "${PART:-parity}" in
     parity)
