@@ -3,7 +3,7 @@
 #   PART=parity  run 5: the parity layouts of the CPU tests (TP2, TP2+SP, PP2, PP2 with virtual stages, DP2,
 #                DP2 + distributed optimizer, CP2; EP2 on a mixture-of-experts model) through the real command
 #                line with NCCL in fp32, against the one-GPU run: losses within 1e-5 relative at every step;
-#                the MoE runs beside the one-GPU run repeated (its noise) and with --deterministic-mode
+#                the MoE runs beside their noise references (moe_parity below)
 #   PART=parity-moe  the MoE half of it alone
 # Records: $OUT (on the device) or benchmarks/results, via benchmarks/parallel_curves.py.
 #   PARATRON_COMMIT=<hash> PART=parity bash benchmarks/two_gpu.sh
@@ -24,17 +24,19 @@ base="--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-att
  --attention-dropout 0 --num-workers 0 ${device[*]}"
 base="$(echo $base)"  # one line
 moe="--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2"
-# EP2 against one GPU, beside the one-GPU run repeated (run-to-run noise), at micro-batch 4 (other GEMM shapes:
-# a rounding-only change), EP1 over two GPUs (DP2 alone), and EP2 / one GPU with --deterministic-mode. On two
-# H100s at b38ba3a EP2 differed from one GPU by 8.3e-5 (max rel.) while gloo gives 1.7e-7: the runs beside it
-# tell a rounding effect of the expert GEMMs' shapes from a difference in the EP2 path.
+# EP2 against one GPU, beside the one-GPU run repeated (run-to-run noise) and EP1 over two GPUs (DP2 alone);
+# then the same without the aux loss, where micro-batch 4 instead of 2 changes only the expert GEMMs' shapes
+# (with the aux loss it also changes the tokens each balance term sums over: 2e-5 on gloo), a rounding
+# reference. On two H100s at b38ba3a EP2 differed from one GPU by 8.3e-5 (max rel.), with and without
+# --deterministic-mode, while gloo gives 1.7e-7: these runs tell rounding from a difference in the EP2 path.
 moe_parity() {
-    timeout "${MOE_S:-200}" python benchmarks/parallel_curves.py --tag nccl_parity_moe --timeout 120 \
-        --base="$base $moe" --run "one:1:" --run "one-again:1:" --run "one-mb4:1:--micro-batch-size 4" \
-        --run "dp2:2:" --run "ep2:2:--expert-model-parallel-size 2" --run "one-det:1:--deterministic-mode" \
-        --run "ep2-det:2:--expert-model-parallel-size 2 --deterministic-mode" \
-        --compare ep2:one --compare dp2:one --compare one-mb4:one --compare one-again:one \
-        --compare ep2-det:one-det 2>&1 | grep -v "Warn\|warn" | tail -60
+    local noaux="--moe-aux-loss-coeff 0"
+    timeout "${MOE_S:-300}" python benchmarks/parallel_curves.py --tag nccl_parity_moe --timeout 120 \
+        --base="$base $moe" --run "one:1:" --run "one-again:1:" --run "dp2:2:" \
+        --run "ep2:2:--expert-model-parallel-size 2" --run "one-noaux:1:$noaux" \
+        --run "one-noaux-mb4:1:$noaux --micro-batch-size 4" --run "ep2-noaux:2:$noaux --expert-model-parallel-size 2" \
+        --compare ep2:one --compare dp2:one --compare one-again:one --compare ep2-noaux:one-noaux \
+        --compare one-noaux-mb4:one-noaux 2>&1 | grep -v "Warn\|warn" | tail -60
 }
 case "${PART:-parity}" in
     parity)
