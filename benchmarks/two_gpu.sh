@@ -5,6 +5,14 @@
 #                line with NCCL in fp32, against the one-GPU run: losses within 1e-5 relative at every step;
 #                the MoE runs beside their noise references (moe_parity below)
 #   PART=parity-moe  the MoE half of it alone
+#   PART=moe     run 1: moe-mini (bf16, grouped GEMM) on real text for 50 steps: EP1 on one GPU, EP1 over two
+#                (DP2: the noise reference, another reduction order) and EP2; tokens/s of each run
+#   PART=fp8     run 3: llama-1b TP2 + SP + FP8 (hybrid, delayed) against TP1 FP8 over 100 steps of real text,
+#                beside FP8's and bf16's own noise (the same at another micro-batch split)
+#   PART=cp      run 2: benchmarks/cp_bench.py (llama-1b at 32k / 64k / 128k, CP1 and CP2, 50-step curves)
+#   PART=serve   run 4: benchmarks/tp_decode_bench.py (TP2 generation beside TP1: greedy tokens, decode speed)
+# The real text (moe, fp8) is the Python standard library with an 8,192-token BPE, built on the machine by
+# paratron.data.corpus.prepare_demo_data into .peers/text unless it is there (carry it to save ~a minute).
 # Records: $OUT (on the device) or benchmarks/results, via benchmarks/parallel_curves.py.
 #   PARATRON_COMMIT=<hash> PART=parity bash benchmarks/two_gpu.sh
 # SMOKE=1 runs the same layouts on the CPU with gloo and 3 iterations (checks the script, not the claim).
@@ -38,6 +46,12 @@ moe_parity() {
         --compare ep2:one --compare dp2:one --compare one-again:one --compare ep2-noaux:one-noaux \
         --compare one-noaux-mb4:one-noaux 2>&1 | grep -v "Warn\|warn" | tail -60
 }
+text_data() {  # the data flags of the real-text runs
+    [ -f .peers/text/stdlib_text_document.idx ] || python -c "from paratron.data.corpus import prepare_demo_data
+prepare_demo_data('.peers/text', vocab_size=8192, max_bytes=24 << 20, workers=8)" >&2 || return 1
+    echo "--data-path .peers/text/stdlib_text_document --tokenizer-type HuggingFaceTokenizer
+ --tokenizer-model .peers/text/tokenizer.json --split 100,0,0"
+}
 case "${PART:-parity}" in
     parity)
         timeout "${DENSE_S:-400}" python benchmarks/parallel_curves.py --tag nccl_parity_dense --timeout 200 \
@@ -51,5 +65,23 @@ case "${PART:-parity}" in
             --run "cp2:2:--context-parallel-size 2" 2>&1 | grep -v "Warn\|warn" | tail -36
         moe_parity ;;
     parity-moe) moe_parity ;;
-    *) echo "PART must be parity or parity-moe, got '${PART}'" >&2; exit 2 ;;
+    moe)
+        data="$(text_data)" || exit 1
+        timeout "${MOE_S:-500}" python benchmarks/parallel_curves.py --tag moe_ep2_text --timeout 240 \
+            --base="--config moe-mini --bf16 --micro-batch-size 4 --global-batch-size 8 --train-iters 50 --lr 3e-4
+ --lr-warmup-iters 5 $(echo $data)" --run "ep1:1:" --run "ep1-dp2:2:" --run "ep2:2:--expert-model-parallel-size 2" \
+            --compare ep2:ep1 --compare ep1-dp2:ep1 2>&1 | grep -v "Warn\|warn" | tail -70 ;;
+    fp8)
+        data="$(text_data)" || exit 1
+        f8="--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
+        timeout "${FP8_S:-560}" python benchmarks/parallel_curves.py --tag tp2_sp_fp8_llama1b_text --timeout 200 \
+            --base="--config llama-1b --bf16 --micro-batch-size 4 --global-batch-size 8 --train-iters 100 --lr 3e-4
+ --min-lr 3e-5 --lr-warmup-iters 10 $(echo $data)" --run "tp1-fp8:1:$f8" --run "tp1-fp8-mb2:1:--micro-batch-size 2 $f8" \
+            --run "tp1-bf16:1:" --run "tp1-bf16-mb2:1:--micro-batch-size 2" \
+            --run "tp2-sp-fp8:2:--tensor-model-parallel-size 2 --sequence-parallel $f8" \
+            --compare tp2-sp-fp8:tp1-fp8 --compare tp1-fp8-mb2:tp1-fp8 --compare tp1-bf16-mb2:tp1-bf16 \
+            --compare tp1-bf16:tp1-fp8 --concurrent 2>&1 | grep -v "Warn\|warn" | tail -16 ;;
+    cp) timeout "${CP_S:-580}" python benchmarks/cp_bench.py --config llama-1b --timeout 280 2>&1 | grep -v "Warn\|warn" | tail -30 ;;
+    serve) timeout "${SERVE_S:-580}" python benchmarks/tp_decode_bench.py --timeout 280 2>&1 | grep -v "Warn\|warn" | tail -12 ;;
+    *) echo "PART must be parity, parity-moe, moe, fp8, cp or serve, got '${PART}'" >&2; exit 2 ;;
 esac
