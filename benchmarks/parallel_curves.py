@@ -66,7 +66,8 @@ def finish(r: dict, timeout: int) -> dict:
     losses, tps, norms = parse(out)
     steady = [v for k, v in sorted(tps.items()) if k > 5]
     rc = r.pop("proc").returncode
-    r.update(rc=rc, losses=losses, grad_norms=norms, tokens_s=(sum(steady) / len(steady) * r["nproc"]) if steady else None,
+    r.update(rc=rc, losses=losses, grad_norms=norms,
+             tokens_s=(sum(steady) / len(steady) * r["nproc"]) if steady else None,
              wall_s=time.time() - r["t0"], tail=(out + err)[-1500:] if rc else "")
     print(f"{r['name']}: rc {rc}, {len(losses)} logged steps, tokens/s {r['tokens_s']}, {r['wall_s']:.0f} s"
           + (f" (GPU {r['gpu']})" if r["gpu"] is not None else ""), flush=True)

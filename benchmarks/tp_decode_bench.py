@@ -104,7 +104,8 @@ def launch(args, tp: int, weights: Path, result: Path) -> dict:
 
 def table(runs: list[dict], batches: list[int]) -> str:
     ref = runs[0].get("tokens")
-    head = "| TP | greedy tokens equal to TP 1's | " + " | ".join(f"batch {b}: TTFT ms / decode tokens/s" for b in batches)
+    head = "| TP | greedy tokens equal to TP 1's | " + " | ".join(
+        f"batch {b}: TTFT ms / decode tokens/s" for b in batches)
     lines = [head + " |", "|---" * (len(batches) + 2) + "|"]
     for r in runs:
         if "failed" in r:
