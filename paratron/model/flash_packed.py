@@ -23,7 +23,8 @@ in registers instead of fp32 atomics: equal to bf16 rounding (2.4e-3 of the larg
 The symbols it swaps are FlashAttention-4 4.0.0b10's; ``applies`` is False for any other version. On by
 default (llama-1b bf16 step +1.0 % on an H100), ``PARATRON_PACKED_GQA_BWD=0`` switches it off
 (flash_attention.py takes it in the rotary layers' backward). Hopper, bf16, causal self-attention of equal
-lengths, sequence a multiple of 128, head dimension 64 or less (the swapped-operand configuration the packed mask is written for).
+lengths, sequence a multiple of 128, head dimension 64 or less (the swapped-operand configuration the packed
+mask is written for).
 """
 from __future__ import annotations
 
