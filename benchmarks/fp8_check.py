@@ -1,4 +1,4 @@
-"""FP8 linear layers (paratron/parallel/fp8.py) at llama-1b's shapes: accuracy and speed.
+"""FP8 linear layers (paratron/fp8/linear.py) at llama-1b's shapes: accuracy and speed.
 
     python benchmarks/fp8_check.py [--recipe tensorwise|delayed] [--format hybrid|e4m3] [--no-train]
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from paratron.parallel import fp8  # noqa: E402
+from paratron import fp8  # noqa: E402
 
 TOKENS = 4 * 2048
 LAYERS = {"linear_qkv": (2048, (32 + 2 * 8) * 64), "linear_proj": (2048, 2048),

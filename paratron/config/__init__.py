@@ -10,6 +10,7 @@ from ..errors import ConfigError, FrozenConfigError
 from .docs import reference_markdown
 from .parse import (ACCEPTED_NO_OP_FLAGS, PRESET_DIR, UNSUPPORTED_MEGATRON_FLAGS, add_tokenizer_args, apply_dict,
                     build_parser, load_yaml, parse_args, presets, suggest, tokenizer_config)
+from .kernels import KernelConfig
 from .sections import (FIELD_SECTION, FIELD_TYPES, SECTIONS, TOKENIZER_FIELDS, CheckpointConfig, Config, DataConfig,
                        LogConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, TransformerConfig, flag)
 from .validate import (check_resolved, finalize, resolve, resolve_batch, resolve_model, validate_tokenizer,
@@ -19,7 +20,8 @@ __all__ = [
     "ConfigError", "FrozenConfigError", "reference_markdown", "ACCEPTED_NO_OP_FLAGS", "PRESET_DIR",
     "UNSUPPORTED_MEGATRON_FLAGS", "add_tokenizer_args", "apply_dict", "build_parser", "load_yaml", "parse_args",
     "presets", "suggest", "tokenizer_config", "FIELD_SECTION", "FIELD_TYPES", "SECTIONS", "TOKENIZER_FIELDS",
-    "CheckpointConfig", "Config", "DataConfig", "LogConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "CheckpointConfig", "Config", "KernelConfig", "DataConfig", "LogConfig", "ModelConfig", "OptimConfig",
+    "ParallelConfig",
     "TrainConfig", "TransformerConfig", "flag", "check_resolved", "finalize", "resolve", "resolve_batch",
     "resolve_model", "validate_tokenizer", "world_size_default",
 ]

@@ -15,10 +15,8 @@ PRECISION_AWARE = ("read only by Transformer Engine's precision-aware optimizer 
 ACCEPTED = {
     "transformer_impl": ONE_IMPL,
     "use_mcore_models": "paratron's model is the Megatron-Core GPT model (the only one)",
-    "attention_backend": SDPA,
     "use_flash_attn": SDPA + " (FlashAttention on GPUs that have it)",
     "no_masked_softmax_fusion": NO_KERNEL + " (SDPA applies the causal mask itself)",
-    "no_rope_fusion": "paratron's rotary embedding is plain torch ops: there is no fused RoPE kernel to turn off",
     "no_persist_layer_norm": NO_KERNEL,
     "attention_softmax_in_fp32": "SDPA's kernels compute the softmax in fp32 for bf16/fp16 inputs (the math kernel "
                                  "upcasts); the flag asks for exactly that",
@@ -74,7 +72,6 @@ ACCEPTED = {
 # Values an accepted flag may take (others are refused naming the values that hold).
 ACCEPTED_VALUES = {
     "transformer_impl": ("transformer_engine", "local"),
-    "attention_backend": ("auto", "flash", "fused", "unfused", "local"),
     "cross_entropy_fusion_impl": ("native", "te"),
     "async_strategy": ("nvrx", "mcore"),
     "num_distributed_optimizer_instances": ("1",),

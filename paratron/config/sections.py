@@ -2,7 +2,7 @@
 
 ``--hidden-size 1024`` on the command line, ``hidden_size: 1024`` in YAML and ``cfg.model.hidden_size``
 in Python are the same setting. Fields are grouped in sections (model, parallel, train, optim, data,
-log, ckpt); every name is unique across sections, so a flat YAML file or command line maps onto
+log, ckpt, kernels); every name is unique across sections, so a flat YAML file or command line maps onto
 exactly one field. ``Config.flat()`` gives Megatron's flat ``args`` view.
 
 A config is writable while it is being built; ``resolve()`` (config/validate.py) validates it,
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from .kernels import KernelConfig
 from .section_base import Section
 
 
@@ -402,6 +403,7 @@ SECTIONS = {
     "data": DataConfig,
     "log": LogConfig,
     "ckpt": CheckpointConfig,
+    "kernels": KernelConfig,
 }
 
 
@@ -414,6 +416,7 @@ class Config(Section):
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     world_size: Optional[int] = None  # the number of processes; resolve() sets it (not a flag)
 
     def flat(self) -> argparse.Namespace:

@@ -22,6 +22,7 @@ from .validate_attnvar import validate_attention_variants
 from .validate_mup import validate_mup
 from .validate_sched import changed_flags, check_mapping, schedule_batches, schedule_of, validate_rampup, \
     validate_sched
+from .kernels import check_kernels
 from .sections import SECTIONS, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig, flag
 from .validate_mla import validate_mla
 from .validate_norms import validate_optimizer, validate_run_variants, validate_variants
@@ -249,7 +250,7 @@ def validate_fp8(cfg: Config) -> None:
          "or remove the flag")
     if tr.fp8_format is None:
         return
-    from ..parallel import fp8
+    from .. import fp8
     need(tr.fp8_format in fp8.FORMATS, f"--fp8-format must be e4m3 or hybrid (got {tr.fp8_format})")
     need(tr.fp8_recipe not in fp8.REFUSED_RECIPES,
          f"--fp8-recipe {tr.fp8_recipe} is not supported: {fp8.REFUSED_RECIPES.get(tr.fp8_recipe)}; "
@@ -462,7 +463,7 @@ def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
              lambda: validate_train(cfg.train), lambda: validate_fp8(cfg), lambda: validate_optim(cfg.optim),
              lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data),
              lambda: validate_sched(cfg), lambda: _validate_routing_parallel(cfg),
-             lambda: _validate_mtp(cfg))
+             lambda: _validate_mtp(cfg), lambda: check_kernels(cfg.kernels))
     try:
         _run_all([lambda name=name: check_ranges(getattr(cfg, name)) for name in SECTIONS])  # numbers first
         _run_all(steps)  # each section's problem, together

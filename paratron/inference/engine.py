@@ -117,7 +117,8 @@ class Engine:
             self.cache = KVCache(self.model, batch, capacity, device=self.device, dtype=dtype)
         if self.compile and self.graph is None:
             from .graphs import DecodeRunner
-            self.graph = DecodeRunner(self.decode_step, batch, self.device)
+            self.graph = DecodeRunner(self.decode_step, batch, self.device,
+                                     self.model.kernels.kernel_decode_coordinate_descent)
 
     def _step(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
         if self.graph is not None:

@@ -7,8 +7,6 @@ warm-up calls (which also trigger compilation) on a side stream, as CUDA graph c
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 WARMUP = 3
@@ -17,24 +15,22 @@ WARMUP = 3
 SMALL_BATCH = 1  # up to this batch size the decode step is tuned for a single row's matmuls (below)
 
 
-def compile_options(batch: int) -> dict:
+def compile_options(batch: int, switch: str = "auto") -> dict:
     """Inductor options of the decode step for ``batch`` rows. At batch 1 coordinate-descent tuning also
     makes Inductor write each one-row matmul as a Triton reduction fused with its neighbours (the norm
-    before it, SwiGLU, the residual add): llama-1b on an H100 decodes 814 instead of 771 tokens/s
-    (benchmarks/results/decode_bench_llama-1b_20261126_042714.md against ..._042354.md), 897 with fc2's
-    residual add fused too (..._043044.md). Inductor writes matmuls that way for one row only, so larger
-    batches skip the tuning (it costs compilation time: 2,866 tokens/s at batch 4 with it, 2,874 without).
-    ``PARATRON_DECODE_CD=0`` / ``=1`` forces it off / on."""
-    forced = os.environ.get("PARATRON_DECODE_CD")
-    on = batch <= SMALL_BATCH if forced is None else forced == "1"
+    before it, SwiGLU, the residual add), which decodes faster
+    (benchmarks/results/decode_bench_llama-1b_20261126_042714.md).
+    Inductor writes matmuls that way for one row only, so larger batches skip the tuning (it costs compilation
+    time for no gain there). ``switch``: ``--kernel-decode-coordinate-descent`` (on / off force it)."""
+    on = batch <= SMALL_BATCH if switch == "auto" else switch == "on"
     return {"coordinate_descent_tuning": True} if on else {}
 
 
 class DecodeRunner:
     """``runner(tokens [b, 1], slot: int) -> logits [b, vocab]`` for one batch size and cache."""
 
-    def __init__(self, step, batch: int, device):
-        self.step = torch.compile(step, dynamic=False, options=compile_options(batch))
+    def __init__(self, step, batch: int, device, switch: str = "auto"):
+        self.step = torch.compile(step, dynamic=False, options=compile_options(batch, switch))
         self.device = torch.device(device)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.slot = torch.zeros((), dtype=torch.long, device=self.device)

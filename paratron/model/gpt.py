@@ -13,15 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..config.kernels import KernelConfig
 from ..parallel import comm
-from ..parallel import fp8 as fp8_mod
+from .. import fp8 as fp8_mod
 from ..parallel.context import ContextParallel, document_causal_mask
 from ..parallel.dims import ParallelDims
-from ..parallel.grad_accumulation import mark_fusable
+from ..parallel.linear import mark_fusable
 from ..parallel.random import EXPERT_SEED_OFFSET, RNGTracker, seeded_init
 from ..parallel.sharding import update_spec
 from ..parallel.tensor import (ColumnParallelLinear, VocabParallelEmbedding, init_normal, linear_cross_entropy,
-                               vocab_parallel_cross_entropy)
+                               set_cublaslt, vocab_parallel_cross_entropy)
 from .layers import ForwardContext, Parallel, Rotary
 from . import mup
 from .mla import MLARotary
@@ -90,7 +91,9 @@ class GPTModel(nn.Module):
     Megatron's ([b, 1, s, s] bool, True = masked out, the causal pattern included); without it attention
     is causal. ``document_ids`` [b, s] (packed documents, ``--reset-attention-mask``) make it causal
     within each document. The rotary tables and the mask go down to attention in one ForwardContext.
-    ``fp8``: a ``paratron.parallel.fp8.Recipe`` runs the blocks' QKV, proj, fc1 and fc2 matmuls in FP8.
+    ``kernels``: the kernel switches (``paratron.config.KernelConfig``, the run's ``cfg.kernels``; None: the
+    defaults, each path taken where the device and packages allow). ``fp8``: a ``paratron.fp8.Recipe`` runs the
+    blocks' QKV, proj, fc1 and fc2 matmuls in FP8.
     With context parallelism (``dims.cp`` > 1) every input is this rank's part of the sequence
     (``paratron/parallel/context.py``), except ``document_ids``, which cover the whole sequence, and
     ``cp_comm_type`` says how attention crosses the CP ranks (p2p ring, a2a or allgather).
@@ -101,7 +104,8 @@ class GPTModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True, layer_offset: int = 0,
                  num_layers: Optional[int] = None, recompute_granularity: Optional[str] = None,
                  recompute_method: Optional[str] = None, recompute_num_layers: Optional[int] = None,
-                 fp8: Optional[fp8_mod.Recipe] = None, cp_comm_type: str = "p2p", device=None, dtype=None):
+                 fp8: Optional[fp8_mod.Recipe] = None, cp_comm_type: str = "p2p",
+                 kernels: Optional[KernelConfig] = None, device=None, dtype=None):
         super().__init__()
         # A resolved copy (the caller's config is never written; a resolved one is used as it is).
         cfg = config.resolved(**({} if max_sequence_length is None else dict(
@@ -112,8 +116,9 @@ class GPTModel(nn.Module):
         tp_group = dims.tp_group
         # Dropout inside TP regions: a stream per TP rank, and per pipeline stage as Megatron's.
         rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
+        self.kernels = kernels if kernels is not None else KernelConfig()  # the switches (config/kernels.py)
         self.par = Parallel(tp_group=tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
-                            rng=rng, dims=dims)
+                            rng=rng, dims=dims, kernels=self.kernels)
         if cfg.moe_router_force_load_balancing:  # random router logits: Megatron's expert-parallel stream
             self.par.expert_rng = RNGTracker(seed + 100 * dims.pp_rank, 100 * dims.ep_rank + dims.etp_rank,
                                              device or "cpu", offset=EXPERT_SEED_OFFSET)
@@ -154,6 +159,7 @@ class GPTModel(nn.Module):
                              device, dtype)  # multi-token prediction (model/mtp.py), None without
         if self.share_embeddings and pre_process and not post_process:  # first stage of a pipeline
             update_spec(self.embedding.word_embeddings.weight, tied="embedding")  # grads summed with the copy
+        set_cublaslt(self, self.kernels.kernel_cublaslt != "off")
         self.input_tensor: Optional[torch.Tensor] = None
         self.fused_output_loss = True  # chunked output layer + cross-entropy (False: plain logits path)
 
@@ -209,7 +215,10 @@ class GPTModel(nn.Module):
         target, x, w = labels.transpose(0, 1), self.head_input(x), self.output_weight()
         w = w.detach() if detach_weight else w
         if self.fused_output_loss:  # the logits of the whole batch never exist
-            loss = linear_cross_entropy(self.output_layer.enter(x), w, target, self.par.tp_group)
+            k = self.kernels
+            loss = linear_cross_entropy(self.output_layer.enter(x), w, target, self.par.tp_group,
+                                        kernel="compiled" if k.kernel_cross_entropy == "compiled" else "triton",
+                                        fast_exp=k.kernel_ce_fast_exp == "on", cublaslt=k.kernel_cublaslt != "off")
         else:
             loss = vocab_parallel_cross_entropy(self.output_layer(x, w), target, self.par.tp_group)
         return loss.transpose(0, 1).contiguous()  # [b, s]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -16,32 +15,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import decode_attention, flash_attention, mup
+from . import mup
 from ..config import ModelConfig
+from ..config.kernels import KernelConfig
+from ..fp8 import mlp as fp8_mlp
+from ..config.kernels import parse_quack_tiles
+from ..kernels import decode_attention, flash_attention, quack_gemm, quack_mlp, quack_norm
+from ..kernels.rotary import apply_rotary
 from ..parallel.random import checkpoint
 from ..parallel.sharding import ShardSpec, set_spec
-from ..parallel import comm, fp8_mlp, quack_kernels
-from ..parallel.grad_accumulation import mark_fusable
+from ..parallel import comm
+from ..parallel.linear import main_grad_of, mark_fusable
 from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
 from .core_attention import CoreAttention, needs_core_attention, rope_layers
 from .variants import apply_output_gate, fused_fp8_activation, is_gated, mlp_activation, qkv_parts
 from .yarn import yarn_concentration_factor, yarn_inv_freq, yarn_params
 
 SMALL_DECODE_BATCH = 1  # decode attention as matmuls up to this batch size (Attention._decode_core)
-_DECODE_ATTN = os.environ.get("PARATRON_DECODE_ATTN", "")  # "sdpa": SDPA at every batch size (side-by-side timing)
-# "0": the rotary embedding of a FlashAttention-4 layer as Inductor compiles it, not inside the attention op
-_FUSED_ROPE = os.environ.get("PARATRON_FUSED_ROPE", "1") != "0"
 
 
 @dataclass
 class Parallel:
-    """What a layer needs to know about parallelism (built by GPTModel from ParallelDims)."""
+    """What a layer needs to know when it is built besides the model config: parallelism (from ParallelDims)
+    and the kernel switches. Built by GPTModel."""
     tp_group: object = None
     tp_size: int = 1
     sequence_parallel: bool = False
     rng: object = None  # RNGTracker for dropout inside tensor-parallel regions (None at TP=1)
     dims: object = None  # the ParallelDims (MoE layers read the expert groups); None: one rank
     expert_rng: object = None  # RNGTracker of the expert-parallel stream (--moe-router-force-load-balancing)
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # the kernel switches (config/kernels.py)
 
     def fork(self):
         return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
@@ -91,7 +94,7 @@ class Norm(nn.Module):
     (``--apply-layernorm-1p``): the weight is stored as w, initialised to 0, and applied as 1 + w."""
 
     def __init__(self, kind: str, size: int, eps: float, sequence_parallel: bool = False, device=None, dtype=None,
-                 zero_centered: bool = False):
+                 zero_centered: bool = False, kernel: str = "auto"):
         super().__init__()
         self.kind, self.eps, self.size, self.zero_centered = kind, eps, (size,), zero_centered
         init = torch.zeros if zero_centered else torch.ones
@@ -103,16 +106,18 @@ class Norm(nn.Module):
         if sequence_parallel:  # applied to a share of the activations (sequence or heads): partial gradients per TP rank
             for p in self.parameters():
                 set_spec(p, ShardSpec(sum_over=("tp",)))
-        # quack's RMSNorm kernel in training (Hopper, bf16, rows of whole 16-byte vectors; PARATRON_QUACK_NORM=0
-        # turns it off)
-        self.quack = (kind == "RMSNorm" and not zero_centered and size % 8 == 0
-                      and quack_kernels.on_hopper(device, dtype, "PARATRON_QUACK_NORM"))
+        # quack's RMSNorm kernel in training (Hopper, bf16, rows of whole 16-byte vectors; ``kernel``: the
+        # --kernel-rmsnorm switch)
+        self.quack = (kernel != "torch" and kind == "RMSNorm" and not zero_centered and size % 8 == 0
+                      and quack_norm.available(device, dtype))
 
     @classmethod
-    def of(cls, cfg: ModelConfig, size: int, sequence_parallel: bool = False, device=None, dtype=None) -> "Norm":
-        """The model's norm (--normalization, --norm-epsilon, --apply-layernorm-1p) over ``size`` features."""
+    def of(cls, cfg: ModelConfig, size: int, sequence_parallel: bool = False, device=None, dtype=None,
+           kernels: Optional[KernelConfig] = None) -> "Norm":
+        """The model's norm (--normalization, --norm-epsilon, --apply-layernorm-1p) over ``size`` features;
+        ``kernels``: the switches (--kernel-rmsnorm)."""
         return cls(cfg.normalization, size, cfg.norm_epsilon, sequence_parallel, device, dtype,
-                   zero_centered=cfg.apply_layernorm_1p)
+                   zero_centered=cfg.apply_layernorm_1p, kernel=(kernels or KernelConfig()).kernel_rmsnorm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.zero_centered:  # 1 + w in fp32, as Transformer Engine's zero-centred-gamma kernels
@@ -123,14 +128,14 @@ class Norm(nn.Module):
         if self.kind == "LayerNorm":
             return F.layer_norm(x, self.size, self.weight, self.bias, self.eps)
         if self.quack and torch.is_grad_enabled() and x.is_cuda:  # (generation: the torch expression)
-            return quack_kernels.rms_norm(x, self.weight, self.eps)
+            return quack_norm.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.size, eps=self.eps).to(x.dtype)
 
     def keep(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x), x) for a pre-norm block whose residual is ``x``: on quack's kernel (training) the
         residual's gradient is added to x's by the norm's backward kernel instead of a separate add."""
         if self.quack and torch.is_grad_enabled():  # (quack is only ever set for a CUDA module)
-            return quack_kernels.rms_norm_keep(x, self.weight, self.eps)
+            return quack_norm.rms_norm_keep(x, self.weight, self.eps)
         return self(x), x
 
 
@@ -183,15 +188,6 @@ class Rotary(nn.Module):
         return self.cos[position_ids].transpose(0, 1)[:, :, None, :], self.sin[position_ids].transpose(0, 1)[:, :, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    d = cos.size(-1)
-    rot, rest = x[..., :d], x[..., d:]
-    x1, x2 = rot.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-    return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)
-
-
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary with the rotated dimensions in interleaved pairs (RoFormer's, ``--rotary-interleaved``;
     DeepSeek's MLA weights): reordered even-then-odd, then the rotate-half rotation. Applied to queries
@@ -224,9 +220,13 @@ class MLP(nn.Module):
         gated = is_gated(cfg)
         self.activation = mlp_activation(cfg)
         self.fp8_act = fused_fp8_activation(cfg)  # the fused FP8 MLP's activation code (None: per layer)
-        # fc1 -> SwiGLU -> fc2 as two GEMMs with the activation in their epilogues (Hopper, quack): None,
-        # or the library of fc1's backward GEMMs
-        self.gated_gemm = quack_kernels.wanted(self.fp8_act == fp8_mlp.SWIGLU, bias, device, dtype)
+        # fc1 -> SwiGLU -> fc2 as two GEMMs with the activation in their epilogues (Hopper, quack;
+        # --kernel-gated-mlp): None, or the library of fc1's backward GEMMs
+        k = par.kernels
+        self.gated_gemm = (quack_mlp.wanted(self.fp8_act == fp8_mlp.SWIGLU, bias, device, dtype,
+                                            k.kernel_gated_mlp_wgrad) if k.kernel_gated_mlp != "torch" else None)
+        self.keep_act = k.kernel_keep_swiglu_activation == "on"
+        self.tiles = quack_gemm.tiles(parse_quack_tiles(k.kernel_quack_tiles)) if self.gated_gemm else None
         width = cfg.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=par.tp_group, bias=bias,
                                                sequence_parallel=par.sequence_parallel,
@@ -246,10 +246,11 @@ class MLP(nn.Module):
         if fp8_mlp.applies(fc1, fc2, self.fp8_act):  # the activation's output and gradient born in FP8
             return fc2.exit(fp8_mlp.fused_mlp(fc1.enter(x), fc1.weight, fc1.bias, fc2.weight, fc1.fp8, fc2.fp8,
                                               self.fp8_act), residual)
-        if self.gated_gemm and quack_kernels.applies(x, fc1, fc2):
+        if self.gated_gemm and quack_mlp.applies(x, fc1, fc2):
             tp1 = comm.group_size(fc2.tp_group) == 1  # fc2's GEMM adds the residual (not to a TP partial sum)
-            y = quack_kernels.gated_mlp(fc1.enter(x), fc1.weight, fc2.weight, residual if tp1 else None,
-                                        bwd=self.gated_gemm)
+            grads = (main_grad_of(fc1.weight), main_grad_of(fc2.weight))
+            y = quack_mlp.gated_mlp(fc1.enter(x), fc1.weight, fc2.weight, residual if tp1 else None,
+                                    bwd=self.gated_gemm, main_grads=grads, keep_act=self.keep_act, tiles=self.tiles)
             return fc2.exit(y, None if tp1 else residual)
         return fc2(self.activation(fc1(x)), residual)
 
@@ -289,8 +290,8 @@ class Attention(nn.Module):
             # each TP rank normalises its own heads: the weights' gradients are partial sums over TP (Megatron
             # sums them over TP in finalize_model_grads)
             partial = par.tp_size > 1
-            self.q_layernorm = Norm.of(cfg, self.d, partial, device=device, dtype=dtype)
-            self.k_layernorm = Norm.of(cfg, self.d, partial, device=device, dtype=dtype)
+            self.q_layernorm = Norm.of(cfg, self.d, partial, device=device, dtype=dtype, kernels=par.kernels)
+            self.k_layernorm = Norm.of(cfg, self.d, partial, device=device, dtype=dtype, kernels=par.kernels)
         else:
             self.q_layernorm = self.k_layernorm = None
         self.linear_proj = RowParallelLinear(cfg.num_attention_heads * self.d, cfg.hidden_size, tp_group=par.tp_group,
@@ -299,8 +300,15 @@ class Attention(nn.Module):
         mark_fusable(self.linear_qkv, self.linear_proj)  # weight gradients may go into main_grad directly
         # Sliding window / attention sinks (Megatron's core_attention.softmax_offset); None: plain SDPA
         self.core_attention = CoreAttention(cfg, par, layer_index, device, dtype) if needs_core_attention(cfg) else None
-        # FlashAttention-4 for plain causal attention in training (Hopper, bf16; flash_attention.py)
-        self.flash = self.core_attention is None and flash_attention.wanted(self.d, device, dtype)
+        # FlashAttention-4 for plain causal attention in training (Hopper, bf16; kernels/flash_attention.py), as
+        # --attention-backend says: auto / fused (cuDNN's forward where it runs), flash; unfused / local: SDPA
+        k = par.kernels
+        self.flash = (k.attention_backend in ("auto", "fused", "flash") and self.core_attention is None
+                      and flash_attention.wanted(self.d, device, dtype))
+        self.cudnn_fwd = k.attention_backend != "flash"
+        self.packed_bwd = k.kernel_packed_gqa_backward != "off"  # experimental (kernels/experimental)
+        self.fused_rope = not k.no_rope_fusion
+        self.decode_kernel = k.kernel_decode_attention  # auto / triton: the Triton decode kernel; sdpa
 
     def _core(self, q, k, v, ctx: ForwardContext):
         if ctx.cp is not None:  # the sequence is split over CP ranks (no dropout: config validation)
@@ -323,10 +331,10 @@ class Attention(nn.Module):
 
     def _fused_rope_applies(self, ctx: ForwardContext, s: int) -> bool:
         """The flash path with this layer's rotary embedding inside the attention op
-        (flash_attention.rotary_causal_attention, rope_kernels.py): the plain rotate-half rotation over the whole
+        (flash_attention.rotary_causal_attention, kernels/rotary.py): the plain rotate-half rotation over the whole
         head with one cos / sin per position ([s, 1, 1, d]: no position_ids), no q / k layernorm, no output gate;
-        ``PARATRON_FUSED_ROPE=0`` turns it off."""
-        if not (_FUSED_ROPE and ctx.rope is not None and self.rotate is apply_rotary and not self.gated
+        ``--no-rope-fusion`` turns it off."""
+        if not (self.fused_rope and ctx.rope is not None and self.rotate is apply_rotary and not self.gated
                 and self.q_layernorm is None):
             return False
         cos, sin = ctx.rope
@@ -336,7 +344,7 @@ class Attention(nn.Module):
     def _attend_rotary(self, qkv, ctx: ForwardContext) -> torch.Tensor:
         """qkv [s, b, groups, q_per_group + 2, d] -> [s, b, heads * d]: the rotary embedding of q and k and
         FlashAttention-4 in one op (under core recompute both are recomputed; qkv and cos / sin are kept)."""
-        args = (qkv, *ctx.rope, self.scale, self.q_per_group)
+        args = (qkv, *ctx.rope, self.scale, self.q_per_group, self.cudnn_fwd, self.packed_bwd)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             return checkpoint(flash_attention.rotary_causal_attention, *args, rng=self.par.rng)
         return flash_attention.rotary_causal_attention(*args)
@@ -347,8 +355,9 @@ class Attention(nn.Module):
         recompute = self.recompute_core and self.training and torch.is_grad_enabled()
         if self._flash_applies(ctx):
             if recompute:
-                return checkpoint(flash_attention.causal_attention, q, k, v, self.scale, rng=self.par.rng)
-            return flash_attention.causal_attention(q, k, v, self.scale)
+                return checkpoint(flash_attention.causal_attention, q, k, v, self.scale, self.cudnn_fwd,
+                                  rng=self.par.rng)
+            return flash_attention.causal_attention(q, k, v, self.scale, self.cudnn_fwd)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
             k, v = ctx.kv_cache.update(self.layer_index, k, v)
@@ -366,14 +375,14 @@ class Attention(nn.Module):
         b = q.size(0)
         grouped = q.reshape(b, self.groups, self.q_per_group, self.d)
         scale = self.scale if self.scale is not None else self.d ** -0.5
-        if b <= SMALL_DECODE_BATCH and _DECODE_ATTN != "sdpa":
+        if b <= SMALL_DECODE_BATCH and self.decode_kernel != "sdpa":
             # one row: scores and values as matmuls around one fused softmax kernel (SDPA's fused kernel
-            # has a block per row and head group only: 771 against 738 tokens/s on llama-1b). More rows:
-            # the Triton kernel (batch 32: 22,264 against SDPA's 19,654; decode_attention.py)
+            # has a block per row and head group only). More rows: the Triton kernel (kernels/decode_attention.py)
             out = decode_attention.masked_attention(grouped, k, v, ctx.mask, scale)
             return out.reshape(b, self.heads, 1, self.d)
         bounds = ctx.kv_cache.bounds()
-        if bounds is not None and q.is_cuda and _DECODE_ATTN == "" and decode_attention.supported(grouped, k, v):
+        if (bounds is not None and q.is_cuda and self.decode_kernel != "sdpa"
+                and decode_attention.supported(grouped, k, v)):
             out = decode_attention.decode_attention(grouped, k, v, *bounds, scale)  # one Triton kernel
         else:
             out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=ctx.mask, scale=self.scale)  # mask [b,1,1,T]

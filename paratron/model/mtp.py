@@ -69,15 +69,15 @@ class MTPLayer(nn.Module):
         super().__init__()
         self.par = par
         h, sp = cfg.hidden_size, par.sequence_parallel
-        self.enorm = Norm.of(cfg, h, sp, device, dtype)
-        self.hnorm = Norm.of(cfg, h, sp, device, dtype)
+        self.enorm = Norm.of(cfg, h, sp, device, dtype, par.kernels)
+        self.hnorm = Norm.of(cfg, h, sp, device, dtype, par.kernels)
         self.eh_proj = ColumnParallelLinear(2 * h, h, tp_group=par.tp_group, bias=False, gather_output=True,
                                             sequence_parallel=sp, init_method=init_normal(mup.hidden_std(cfg)),
                                             device=device, dtype=dtype)
         # The decoder's last layer's kind (dense or MoE), numbered after the decoder's layers.
         spec = dataclasses.replace(layer_specs(cfg)[-1], index=cfg.num_layers + depth)
         self.mtp_model_layer = TransformerLayer(cfg, par, spec, device, dtype)
-        self.final_layernorm = Norm.of(cfg, h, sp, device, dtype)
+        self.final_layernorm = Norm.of(cfg, h, sp, device, dtype, par.kernels)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))  # [s, b, h], gathered
@@ -170,7 +170,7 @@ def build(cfg: ModelConfig, par: Parallel, whole_model: bool, seed: Optional[int
     if not whole_model:
         raise ValueError("multi-token prediction needs the embedding and the output layer on one stage (pipeline "
                          "size 1)")
-    from ..parallel import fp8 as fp8_mod
+    from .. import fp8 as fp8_mod
     block = MultiTokenPrediction(cfg, par, seed, recompute, device, dtype)
     fp8_mod.attach(block, fp8)
     return block

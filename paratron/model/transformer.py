@@ -26,7 +26,7 @@ class TransformerLayer(nn.Module):
         self.fuse_residual = not cfg.no_bias_dropout_fusion
 
         def norm():
-            return Norm.of(cfg, cfg.hidden_size, par.sequence_parallel, device, dtype)
+            return Norm.of(cfg, cfg.hidden_size, par.sequence_parallel, device, dtype, par.kernels)
 
         self.input_layernorm = norm() if spec.mixer is not None else None
         self.self_attention = build_mixer(spec, cfg, par, device, dtype)
@@ -95,7 +95,8 @@ class TransformerStack(nn.Module):
             with seeded_init(seed, f"layer{spec.index}", device) if seed is not None else contextlib.nullcontext():
                 layers.append(TransformerLayer(cfg, par, spec, device, dtype))
         self.layers = nn.ModuleList(layers)
-        self.final_layernorm = Norm.of(cfg, cfg.hidden_size, par.sequence_parallel, device, dtype) if final_norm else None
+        self.final_layernorm = (Norm.of(cfg, cfg.hidden_size, par.sequence_parallel, device, dtype, par.kernels)
+                                if final_norm else None)
         self.recompute = recompute_granularity
         for layer in self.layers:  # selective: keep the matmul outputs, recompute the attention core
             if isinstance(layer.self_attention, Attention) or hasattr(layer.self_attention, "recompute_core"):

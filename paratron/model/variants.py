@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..parallel import fp8_mlp
-from .kernels import swiglu, swiglu_reference
+from ..fp8 import mlp as fp8_mlp
+from ..kernels.swiglu import swiglu, swiglu_reference
 
 
 def is_gated(cfg: ModelConfig) -> bool:

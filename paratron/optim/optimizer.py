@@ -3,7 +3,6 @@ over every parallel group (each replicated parameter counted once)."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -13,7 +12,7 @@ from ..config import Config
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import REDUCTION_LAYOUTS, norm_groups, spec_of
 from ..model import mup
-from . import fused_adamw
+from ..kernels import fused_adamw
 from .groups import Role, role_of
 
 
@@ -129,9 +128,9 @@ class MixedPrecisionAdam:
         self.adam = torch.optim.AdamW(groups or [{"params": []}], lr=op.lr, betas=(op.adam_beta1, op.adam_beta2),
                                       eps=op.adam_eps, **kw)
         # the on-device step of a mixed-precision run: AdamW and the publishing copy in one Triton pass per
-        # master (fused_adamw.py); PARATRON_FUSED_ADAMW=0: torch's fused AdamW, then the copy (A/B measurements)
+        # master (kernels/fused_adamw.py); --kernel-fused-adamw off: torch's fused AdamW, then the copy
         self._fused_outs = None
-        if self.mixed and fused_adamw.available(device) and os.environ.get("PARATRON_FUSED_ADAMW", "1") != "0":
+        if self.mixed and fused_adamw.available(device) and cfg.kernels.kernel_fused_adamw != "off":
             self._fused_outs = {m: t for m, t in zip(masters, self._model_weights()) if t is not None}
         self.muon = None
         if self._muon_index:

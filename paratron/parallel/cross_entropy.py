@@ -12,7 +12,7 @@ running max and per-lane sums of exp (rescaled when the max grows, online-softma
 target logit, writes lse and the loss (fp32), then walks the row again, last block first (those were
 read most recently, so mostly still in L2), writing exp(logit - lse) - onehot(target) rounded to the
 logits' dtype in place. Its exp is the GPU's approximate one (``ex2.approx`` of x log2 e, a few fp32 units
-off libdevice's expf; PARATRON_CE_FAST_EXP=0: libdevice's): with libdevice's the pass is bound by arithmetic
+off libdevice's expf; ``--kernel-ce-fast-exp off``: libdevice's): with libdevice's the pass is bound by arithmetic
 (3.08 against 1.74 ms alone on an H100, benchmarks/results/ce_kernel_bench_0dc6af3.md). It replaces two
 compiled passes measured on an H100 at 32768 tokens x 32768 vocabulary (bf16;
 benchmarks/results/profile_kernels_llama-1b_mb16x2_7056be8.tsv): the statistics pass (1.1 ms, one read of
@@ -23,39 +23,21 @@ of the per-chunk statistics (sub, log, add, copy_). Over a TP group
 In backward each token's incoming gradient g (fp32) scales the rows of D @ W and of x before the
 weight-gradient matmul; ``bf16 * fp32`` in torch made an fp32 [tokens, hidden] tensor and then cast
 it (a 357 us fp32 multiply and a 90 us cast in the same profile, twice per micro-batch).
-``_row_scaled`` does ``(t.float() * g).to(t.dtype)`` in one Triton pass instead, with the same
+``row_scaled`` does ``(t.float() * g).to(t.dtype)`` in one Triton pass instead, with the same
 roundings (the bf16 matmul result, one fp32 multiply, one rounding), so its results are bit-identical.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from . import comm, cublaslt
-from .grad_accumulation import main_grad_of, wgrad_accumulate
-
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-except ImportError:  # CPU-only installs
-    triton = None
-
-# Launch parameters of the kernels below: the cross-entropy reads a row in blocks of 8192 logits at 8 warps (4
-# blocks per row at a 32k vocabulary; with the approximate exp 1.62 ms against 1.74-2.16 for the other blocks and
-# warps at llama-1b's [32768, 32768] on an H100, benchmarks/results/ce_kernel_bench_56356ff.md); the row-scaling
-# pass moves 2048 elements (one llama-1b hidden row) per program (0.092 ms, within 2 % of the others measured).
-CE_BLOCK, CE_WARPS = 8192, 8
-# exp in the kernel: the GPU's approximate 2^x of x log2(e) (``tl.exp``), or libdevice's expf as the compiled
-# passes compute it (PARATRON_CE_FAST_EXP=0). With libdevice's the pass is bound by its arithmetic, not by memory:
-# 3.08 against 1.74 ms at llama-1b's [32768, 32768] bf16 on an H100 (benchmarks/results/ce_kernel_bench_0dc6af3.md)
-CE_FAST_EXP = os.environ.get("PARATRON_CE_FAST_EXP", "1") != "0"
-SCALE_BLOCK, SCALE_WARPS = 2048, 4
-_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from . import comm
+from ..kernels import cublaslt
+from ..kernels.accumulate import wgrad_accumulate
+from .linear import main_grad_of
+from ..kernels.cross_entropy import FUSED_DTYPES, fused_ce_, row_scaled, triton
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -138,138 +120,11 @@ def _kernel(fn, x: torch.Tensor):
     return _compiled[fn]
 
 
-def _on_device(t: torch.Tensor):
-    """The context a Triton launch on ``t`` needs: its CUDA device current (nothing for CPU tensors, which
-    only Triton's interpreter runs)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def fused_ce_(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0, block: int = CE_BLOCK,
-              num_warps: int = CE_WARPS, fast: Optional[bool] = None):
-    """``_ce_stats`` and ``_ce_grad_`` of ``logits`` [n, v] (row-contiguous) in one Triton kernel (``_ce_fused``):
-    returns (lse, loss) [n] fp32 and overwrites ``logits`` with softmax - onehot(target - vocab_start).
-    ``fast``: the GPU's approximate exp instead of libdevice's (None: CE_FAST_EXP)."""
-    fast = CE_FAST_EXP if fast is None else fast
-    n, v = logits.shape
-    assert logits.stride(1) == 1 and target.shape == (n,), (logits.stride(), target.shape)
-    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    loss = torch.empty_like(lse)
-    if n:
-        with _on_device(logits):
-            _ce_fused[(n,)](logits, target, lse, loss, v, logits.stride(0), target.stride(0), vocab_start,
-                            BLOCK=block, FAST=fast, num_warps=num_warps)
-    return lse, loss
-
-
-def _row_scaled(t: torch.Tensor, g: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-    """``(t * g).to(t.dtype)`` for ``t`` [n, h] and a per-row ``g`` [n, 1]: on CUDA (bf16/fp16 ``t``, fp32
-    ``g``) one Triton pass, written over ``t`` with ``inplace``, with the same values (t widened exactly,
-    one fp32 multiply, one round to nearest even); torch's expression elsewhere."""
-    if not (triton is not None and t.is_cuda and t.dim() == 2 and t.is_contiguous() and t.size(0) > 0
-            and t.dtype in (torch.bfloat16, torch.float16) and g.dtype == torch.float32 and g.shape == (t.size(0), 1)):
-        return (t * g).to(t.dtype)
-    return scale_rows(t, g, t if inplace else torch.empty(t.shape, dtype=t.dtype, device=t.device))
-
-
-def scale_rows(t: torch.Tensor, g: torch.Tensor, out: torch.Tensor, block: int = SCALE_BLOCK,
-               num_warps: int = SCALE_WARPS) -> torch.Tensor:
-    """``out = (t.float() * g).to(out.dtype)`` by the Triton kernel (``t``, ``out``: [n, h] with unit column
-    stride; ``g``: [n, 1] fp32, any row stride, 0 included)."""
-    n, h = t.shape
-    with _on_device(t):
-        _scale_rows[(n, triton.cdiv(h, block))](t, g, out, h, t.stride(0), g.stride(0), out.stride(0),
-                                                  BLOCK=block, num_warps=num_warps)
-    return out
-
-
-if triton is not None:
-    # exp and log as CUDA computes them (``_expf`` without FAST, and the lse's log): the compiled passes call
-    # libdevice's exp (Inductor's default, without fast math) and torch's logf is libdevice's too. Triton's
-    # interpreter has no libdevice: there numpy's float32 exp / log (the CPU tests allow last-bit differences).
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        @triton.jit
-        def _exp(x):
-            return tl.exp(x)
-
-        @triton.jit
-        def _log(x):
-            return tl.log(x)
-    else:
-        @triton.jit
-        def _exp(x):
-            return libdevice.exp(x)
-
-        @triton.jit
-        def _log(x):
-            return libdevice.log(x)
-
-    @triton.jit
-    def _expf(x, FAST: tl.constexpr):
-        """exp as libdevice computes it, or with FAST the GPU's approximate 2^x of x log2(e) (``tl.exp``)."""
-        if FAST:
-            return tl.exp(x)
-        else:
-            return _exp(x)
-
-    @triton.jit
-    def _ce_fused(x_ptr, t_ptr, lse_ptr, loss_ptr, v, stride, t_stride, vocab_start, BLOCK: tl.constexpr,
-                  FAST: tl.constexpr):
-        """One row of logits per program: statistics, lse and loss, then softmax - onehot in place.
-
-        Where the results can differ from ``_ce_stats`` + ``_ce_grad`` (compiled): the max and the target
-        logit are exact; the sum of exp adds the same fp32 terms exp(logit - max) from the block holding the
-        row's max on, but earlier blocks were summed against a smaller running max and rescaled by
-        exp(old max - max) (one extra rounding each time the max grows), and the summation order is this
-        kernel's (per lane, then across lanes), not Inductor's. So lse can differ in its last bits, and a
-        gradient element then by one unit in the last place of the logits' dtype. Given the same lse,
-        the loss (lse - target logit) and the gradient are the same fp32 operations rounded the same way
-        (without FAST; with it each exp is a few fp32 units off, and a gradient element rarely one unit)."""
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride
-        cols = tl.arange(0, BLOCK)
-        t = tl.load(t_ptr + row * t_stride).to(tl.int64) - vocab_start
-        inside = (t >= 0) & (t < v)
-        t = tl.minimum(tl.maximum(t, 0), v - 1)  # the clamped column, as _ce_stats / _ce_grad gather it
-        picked = tl.where(inside, tl.load(base + t).to(tl.float32), 0.0)
-        m = float("-inf")
-        sums = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, v, BLOCK):
-            offs = start + cols
-            x = tl.load(base + offs, mask=offs < v, other=float("-inf"), eviction_policy="evict_last")
-            x = x.to(tl.float32)
-            new_m = tl.maximum(m, tl.max(x, axis=0))
-            # exp(m - new_m) is exactly 1 while the max stays (and 0 on the first block: the sums are 0)
-            sums = sums * _expf(m - new_m, FAST) + _expf(x - new_m, FAST)
-            m = new_m
-        lse = m + _log(tl.sum(sums, axis=0))
-        tl.store(lse_ptr + row, lse)
-        tl.store(loss_ptr + row, lse - picked)
-        blocks = tl.cdiv(v, BLOCK)
-        for i in range(0, blocks):
-            offs = (blocks - 1 - i) * BLOCK + cols  # last block first: the most recently read
-            mask = offs < v
-            x = tl.load(base + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            p = _expf(x - lse, FAST) - tl.where(inside & (offs == t), 1.0, 0.0)
-            tl.store(base + offs, p.to(x_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _scale_rows(t_ptr, g_ptr, out_ptr, h, t_stride, g_stride, out_stride, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < h
-        g = tl.load(g_ptr + row * g_stride)
-        x = tl.load(t_ptr + row * t_stride + offs, mask=mask).to(tl.float32)
-        tl.store(out_ptr + row * out_stride + offs, (x * g).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_FUSED = os.environ.get("PARATRON_FUSED_CE", "1") != "0"  # "0": the compiled two passes (side-by-side timing)
-
-
-def _fusable(x: torch.Tensor, group, n: int, chunk: int, keep: bool) -> bool:
-    """Whether the forward takes ``fused_ce_``: a kept buffer on CUDA, one chunk, one TP rank, and
-    ``PARATRON_FUSED_CE`` not 0."""
-    return (_FUSED and triton is not None and keep and x.is_cuda and x.dtype in _FUSED_DTYPES and 0 < n <= chunk
-            and comm.group_size(group) == 1)
+def _fusable(x: torch.Tensor, group, n: int, chunk: int, keep: bool, kernel: str) -> bool:
+    """Whether the forward takes ``fused_ce_``: the ``triton`` kernel asked (``--kernel-cross-entropy``), a kept
+    buffer on CUDA, one chunk, one TP rank."""
+    return (kernel == "triton" and triton is not None and keep and x.is_cuda and x.dtype in FUSED_DTYPES
+            and 0 < n <= chunk and comm.group_size(group) == 1)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -285,13 +140,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     one chunk the statistics and the overwrite are one Triton kernel (``fused_ce_``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, vocab_start, group, chunk, keep, main_grad):
+    def forward(ctx, x, weight, target, vocab_start, group, chunk, keep, main_grad, kernel, fast_exp, lt):
         n, v = x.size(0), weight.size(0)
         ctx.vocab_start, ctx.chunk = vocab_start, chunk
         ctx.main_grad = main_grad  # (not saved: it changes as it accumulates, by design)
-        if _fusable(x, group, n, chunk, keep):
-            d = cublaslt.mm(x, weight)  # cuBLAS or cuBLASLt, the faster at this shape (cublaslt.py)
-            lse, loss = fused_ce_(d, target, vocab_start)
+        if _fusable(x, group, n, chunk, keep, kernel):
+            d = cublaslt.mm(x, weight, lt)  # cuBLAS or cuBLASLt, the faster at this shape (kernels/cublaslt.py)
+            lse, loss = fused_ce_(d, target, vocab_start, fast=fast_exp)
             ctx.save_for_backward(x, weight, target, lse, d)
             return loss
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp16 inputs
@@ -323,9 +178,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x, weight, target, lse, d = ctx.saved_tensors
         g = g.unsqueeze(-1)
         if d is not None:
-            gx = _row_scaled(d @ weight, g, inplace=True)
-            gw = _weight_grad(_row_scaled(x, g), d, ctx.main_grad, weight)
-            return gx, gw, None, None, None, None, None, None
+            gx = row_scaled(d @ weight, g, inplace=True)
+            gw = _weight_grad(row_scaled(x, g), d, ctx.main_grad, weight)
+            return gx, gw, None, None, None, None, None, None, None, None, None
         n, v, chunk = x.size(0), weight.size(0), ctx.chunk
         gx = torch.empty_like(x)
         gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
@@ -334,18 +189,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             xc, gc = x[i:i + chunk], g[i:i + chunk]
             dc = grad(xc @ weight.t(), lse[i:i + chunk], target[i:i + chunk] - ctx.vocab_start, v)
             gx[i:i + chunk] = dc @ weight * gc
-            gw += dc.t() @ _row_scaled(xc, gc)
+            gw += dc.t() @ row_scaled(xc, gc)
         if ctx.main_grad is not None:
             ctx.main_grad.add_(gw)
-            return gx, torch.empty_like(weight), None, None, None, None, None, None
-        return gx, gw.to(weight.dtype), None, None, None, None, None, None
+            return gx, torch.empty_like(weight), None, None, None, None, None, None, None, None, None
+        return gx, gw.to(weight.dtype), None, None, None, None, None, None, None, None, None
 
 
 def _weight_grad(xg: torch.Tensor, d: torch.Tensor, main_grad, weight: torch.Tensor):
     """The output layer's weight gradient d^T xg, computed as (xg^T d)^T: cuBLAS runs this form faster at
     vocabulary sizes (benchmarks/matmul_shapes.py: 684 vs 634 TFLOP/s at llama-1b's output layer on an H100).
     With ``main_grad`` (gradient-accumulation fusion) it is added there instead, by the same product into the
-    buffer's transposed view (grad_accumulation.wgrad_accumulate), and autograd gets a placeholder."""
+    buffer's transposed view (linear.wgrad_accumulate), and autograd gets a placeholder."""
     if main_grad is None:
         return (xg.t() @ d).t()
     wgrad_accumulate(main_grad.t(), xg, d, False)
@@ -353,12 +208,15 @@ def _weight_grad(xg: torch.Tensor, d: torch.Tensor, main_grad, weight: torch.Ten
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tp_group=None,
-                         chunk_bytes: int = 2**28, keep_bytes: int = 2**33) -> torch.Tensor:
+                         chunk_bytes: int = 2**28, keep_bytes: int = 2**33, kernel: str = "triton",
+                         fast_exp: bool = True, cublaslt: bool = True) -> torch.Tensor:
     """Per-token cross-entropy of ``x @ weight.T`` (``weight``: this rank's vocabulary rows) without
     materialising fp32 logits of all tokens; ``x`` [..., h], ``target`` [...]. Equal to
     ``vocab_parallel_cross_entropy(F.linear(x, weight), target)`` up to rounding. ``chunk_bytes``
     bounds the fp32 temporaries of one chunk (eager); the gradient buffer (tokens x vocabulary in
-    the input dtype) is kept for backward when it fits in ``keep_bytes``, else recomputed."""
+    the input dtype) is kept for backward when it fits in ``keep_bytes``, else recomputed. ``kernel`` /
+    ``fast_exp``, ``cublaslt``: the kernel switches ``--kernel-cross-entropy`` (triton: the one Triton pass where
+    it applies; compiled: the two compiled passes), ``--kernel-ce-fast-exp`` and ``--kernel-cublaslt``."""
     shape = target.shape
     xf, tf = x.reshape(-1, x.size(-1)), target.reshape(-1)
     vocab_start = comm.group_rank(tp_group) * weight.size(0)
@@ -366,5 +224,5 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     # Chunks bound the fp32 temporaries of the eager statistics; the compiled kernels used on CUDA
     # have none, so a kept buffer is then filled by one matmul (faster than many narrow ones).
     chunk = xf.size(0) if keep and xf.is_cuda else max(1, chunk_bytes // (4 * weight.size(0)))
-    return _LinearCrossEntropy.apply(xf, weight, tf, vocab_start, tp_group, chunk, keep,
-                                     main_grad_of(weight)).view(shape)
+    return _LinearCrossEntropy.apply(xf, weight, tf, vocab_start, tp_group, chunk, keep, main_grad_of(weight),
+                                     kernel, fast_exp, cublaslt).view(shape)

@@ -15,7 +15,7 @@ aligned shards, one per rank of the group. Each parameter gets ``param.main_grad
 its buffer (fp32 by default, so bf16 parameters accumulate micro-batch gradients in fp32); a hook
 run after autograd accumulates a gradient adds it to ``main_grad`` and frees ``param.grad``. The linear
 layers' weights (gradient-accumulation fusion, on unless --no-gradient-accumulation-fusion) get their
-gradient added to ``main_grad`` by their backward's GEMM itself (parallel/grad_accumulation.py): the hook
+gradient added to ``main_grad`` by their backward's GEMM itself (parallel/linear.py): the hook
 only frees the placeholder autograd hands it.
 
 Reduction. Each bucket is divided by the data x context parallel size (not with
@@ -34,7 +34,6 @@ of that module's parameters, so the next forward overlaps with the gathering.
 """
 from __future__ import annotations
 
-import os
 import weakref
 from contextlib import contextmanager
 from typing import Optional
@@ -45,7 +44,8 @@ from torch import nn
 
 from . import comm
 from .dims import ParallelDims
-from .grad_accumulation import accumulate_, fusable_weights
+from .linear import fusable_weights
+from ..kernels.accumulate import accumulate_
 from .sharding import norm_groups, spec_of
 
 ALIGN = 64  # elements; keeps parameter views and shard boundaries aligned for fast kernels
@@ -180,7 +180,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, dims: ParallelDims, *, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
-                 average: bool = True, fuse_wgrad: bool = False):
+                 average: bool = True, fuse_wgrad: bool = False, fused_accumulate: bool = True):
         super().__init__()
         self.module, self.dims = module, dims
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -210,14 +210,14 @@ class DataParallel(nn.Module):
         self.overlap_param_gather = (overlap_param_gather and use_distributed_optimizer
                                      and any(buf.n > 1 for buf in self.buffers_))
         self._unwritten: set = set()
-        # Megatron's gradient-accumulation fusion (grad_accumulation.py): these weights' backward adds their
+        # Megatron's gradient-accumulation fusion (linear.py): these weights' backward adds their
         # gradient to main_grad itself; the hook only drops the placeholder autograd hands it
         self.fused_wgrad = set(fusable_weights(module)) & set(self.params) if fuse_wgrad else set()
         for p in self.params:  # every parameter says it, so a module wrapped again follows the new wrapper
             p.fuse_wgrad = p in self.fused_wgrad
-        # the micro-batch gradients go into main_grad by one Triton pass (accumulate_); =0: torch's copy_ /
-        # add_ (for A/B measurements)
-        self._fused_accumulate = os.environ.get("PARATRON_FUSED_ACCUMULATE", "1") != "0"
+        # the micro-batch gradients go into main_grad by one Triton pass (accumulate_) unless
+        # --kernel-fused-accumulate off (torch's copy_ / add_)
+        self._fused_accumulate = fused_accumulate
         # The hooks reach this object through a weak reference: a parameter's hooks are held from C++, where
         # the garbage collector does not see them, so a bound method there would keep the wrapper, the model
         # and its weights alive for the life of the process after the trainer is gone.
@@ -370,7 +370,8 @@ def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims) -> DataParall
                         use_distributed_optimizer=par.use_distributed_optimizer,
                         overlap_param_gather=par.overlap_param_gather,
                         average=not cfg.train.calculate_per_token_loss,
-                        fuse_wgrad=not par.no_gradient_accumulation_fusion)
+                        fuse_wgrad=not par.no_gradient_accumulation_fusion,
+                        fused_accumulate=cfg.kernels.kernel_fused_accumulate != "off")
 
 
 def finalize_model_grads(models: list[DataParallel], dims: ParallelDims, num_tokens=None) -> None:

@@ -9,7 +9,7 @@ checkpoints: a column-parallel weight is split along dim 0 in ``chunks`` blocks 
 [gate; up]), a row-parallel weight along dim 1; a replicated bias applied to sequence-sharded
 activations has its gradient summed over the TP group.
 
-A Column/RowParallelLinear with an ``fp8`` state (set by ``paratron.parallel.fp8.attach``) runs its
+A Column/RowParallelLinear with an ``fp8`` state (set by ``paratron.fp8.linear.attach``) runs its
 own matmul in FP8 (``fp8_linear``); the collectives around it (the SP all-gather, the TP reductions)
 still move the activations' dtype (bf16), and the bias and residual are added after the matmul.
 """
@@ -24,8 +24,8 @@ from torch import nn
 from ..errors import DataError
 from . import comm
 from .cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy  # noqa: F401 (their old home)
-from .fp8 import fp8_linear
-from .grad_accumulation import embedding, linear
+from .linear import embedding, linear
+from ..fp8.linear import fp8_linear
 from .sharding import ShardSpec, Split, local_index, set_spec, shard, spec_of
 
 
@@ -69,17 +69,26 @@ def gather_global(p: torch.Tensor, dims) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8,
-            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x W^T + b (+ residual)`` (grad_accumulation.linear: the weight gradient fused into ``main_grad``
-    where DataParallel asked for it), or with an FP8 state the FP8 matmul followed by the bias."""
+            residual: Optional[torch.Tensor] = None, cublaslt: bool = True) -> torch.Tensor:
+    """``x W^T + b (+ residual)`` (linear.linear: the weight gradient fused into ``main_grad`` where
+    DataParallel asked for it; ``cublaslt``: the layer's ``--kernel-cublaslt`` switch), or with an FP8 state the
+    FP8 matmul followed by the bias."""
     if fp8 is None:
-        return linear(x, weight, bias, residual)
+        return linear(x, weight, bias, residual, cublaslt)
     if getattr(weight, "fuse_wgrad", False):  # DataParallel marks no FP8 layer: an FP8 state attached later
         raise RuntimeError("an FP8 state was attached to a layer after DataParallel fused its weight gradient; "
-                           "attach FP8 (paratron.parallel.fp8.attach) before wrapping the model")
+                           "attach FP8 (paratron.fp8.linear.attach) before wrapping the model")
     y = fp8_linear(x, weight, fp8)
     y = y if bias is None else y + bias
     return y if residual is None else residual + y
+
+
+def set_cublaslt(model: nn.Module, on: bool) -> None:
+    """The ``--kernel-cublaslt`` switch of every parallel linear layer of ``model`` (set once, when the model is
+    built): its GEMMs through cuBLASLt's timed choice where that runs, else torch's calls."""
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.cublaslt = on
 
 
 def init_normal(std: float) -> Callable[[torch.Tensor], None]:
@@ -105,11 +114,12 @@ class ColumnParallelLinear(nn.Module):
             self.bias = _param(torch.zeros(out_features, device=device, dtype=dtype), 0, chunks, tp_group)
         else:
             self.register_parameter("bias", None)
-        self.fp8 = None  # an FP8State: the matmul in FP8 (paratron.parallel.fp8)
+        self.fp8 = None  # an FP8State: the matmul in FP8 (paratron.fp8.linear.attach)
+        self.cublaslt = True  # the --kernel-cublaslt switch (set_cublaslt)
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``weight`` overrides the layer's own (a tied output layer passes the embedding table)."""
-        y = (_linear(self.enter(x), self.weight, self.bias, self.fp8) if weight is None
+        y = (_linear(self.enter(x), self.weight, self.bias, self.fp8, cublaslt=self.cublaslt) if weight is None
              else F.linear(self.enter(x), weight, self.bias))
         return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
@@ -145,7 +155,8 @@ class RowParallelLinear(nn.Module):
                 set_spec(self.bias, ShardSpec(sum_over=("tp",)))
         else:
             self.register_parameter("bias", None)
-        self.fp8 = None  # an FP8State: the matmul in FP8 (paratron.parallel.fp8)
+        self.fp8 = None  # an FP8State: the matmul in FP8 (paratron.fp8.linear.attach)
+        self.cublaslt = True  # the --kernel-cublaslt switch (set_cublaslt)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``residual``: added to the output (at TP=1 without bias inside the matmul, as its C operand;
@@ -153,8 +164,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.tp_group)
         if comm.group_size(self.tp_group) == 1:
-            return _linear(x, self.weight, self.bias, self.fp8, residual)
-        return self.exit(_linear(x, self.weight, None, self.fp8), residual)
+            return _linear(x, self.weight, self.bias, self.fp8, residual, self.cublaslt)
+        return self.exit(_linear(x, self.weight, None, self.fp8, cublaslt=self.cublaslt), residual)
 
     def exit(self, y: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The layer's output from its local matmul ``y``: summed over TP (reduce-scattered under SP),

@@ -23,7 +23,8 @@ from ..config.validate_sched import schedule_of
 from ..model import moe, mtp
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims
-from ..parallel import fp8
+from .. import fp8
+from ..kernels import switches
 from ..parallel.layout import BatchLayout
 from ..parallel.pipeline import get_forward_backward_func
 from ..parallel.random import rng_state, set_rng_state, set_seed
@@ -42,7 +43,7 @@ from .evaluation import Evaluation
 from .run_control import RunControl
 from .watch import ProgressLog, StragglerWatch, check_weight_hashes, profiled, record_memory_history
 from .step import (build_model, build_model_chunks, hopper_kernels, loss_func, make_forward_step,  # noqa: F401
-                   params_dtype, sum_reports)
+                   params_dtype, resolve_kernels, sum_reports)
 
 
 class Trainer(Evaluation, RunControl):
@@ -56,6 +57,8 @@ class Trainer(Evaluation, RunControl):
         # first: a signal during set-up is kept too
         self.stop_signal = StopSignal(cfg.train.exit_signal_handler, cfg.train.exit_signal)
         self.device = device or init_distributed(cfg)
+        self.kernels_asked = cfg.kernels  # the switches as given; cfg.kernels below: as they run here
+        self.cfg = cfg = resolve_kernels(cfg, self.device)
         self.dims = dims or build_dims(cfg)
         self.memory_history = record_memory_history(cfg.log, self.dims.rank)  # before the model exists
         check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
@@ -374,6 +377,9 @@ class Trainer(Evaluation, RunControl):
         self.log.print(f" training {params / 1e6:.2f}M parameters per rank, {self.dims.describe()}, {tr.train_iters} "
                        f"iterations, global batch {tr.global_batch_size}, {self._micro} micro-batches of "
                        f"{tr.micro_batch_size}, device {self.device}")
+        for line in switches.startup_lines(self.kernels_asked, self.device, params_dtype(self.cfg),
+                                           tr.deterministic_mode):
+            self.log.print(line)
         if self.device.type == "cuda":
             self.log.print(f" Hopper kernels: {hopper_kernels(m.module for m in self.models)}")
 

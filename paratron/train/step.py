@@ -2,16 +2,17 @@
 (dtype, FP8 recipe, regional compilation) and Megatron's ``forward_step_func`` / ``loss_func``."""
 from __future__ import annotations
 
-import os
+import dataclasses
 from functools import partial
 
 import torch
 
 from ..config import Config
+from ..kernels import switches
 from ..model import moe, recompute
 from ..model.gpt import GPTModel
 from ..parallel.dims import ParallelDims
-from ..parallel.fp8 import Recipe
+from ..fp8.recipe import Recipe
 from ..parallel.layout import BatchLayout
 from ..parallel.stages import rank_chunks
 
@@ -20,13 +21,26 @@ def params_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
 
 
-def compile_options(device: torch.device) -> dict:
+def resolve_kernels(cfg: Config, device: torch.device) -> Config:
+    """``cfg`` with its kernel switches resolved for ``device`` and the run's dtype (each ``auto`` replaced by the
+    path that runs: kernels/switches.py), frozen as the rest; ``cfg.kernels.unfrozen()`` gives them as asked.
+    The checkpoint's saved config then says what trained the model."""
+    asked = cfg.kernels
+    runs = switches.resolve(asked, device, params_dtype(cfg), cfg.train.deterministic_mode)
+    runs._freeze({f.name: getattr(asked, f.name) for f in dataclasses.fields(runs)
+                  if getattr(asked, f.name) != getattr(runs, f.name)})
+    out = dataclasses.replace(cfg, kernels=runs)
+    out._freeze({})
+    return out
+
+
+def compile_options(device: torch.device, switch: str = "auto") -> dict:
     """Inductor options for the compiled regions. On GPUs, coordinate-descent tuning of the generated
-    Triton kernels (norms, GeLU, residual adds): measured +1.3 % tokens/s on gpt-350m on an H100
-    (benchmarks/results/train_throughput_gpt-350m_20261122_103813.md), for about a minute more of
-    compilation. PARATRON_COORDINATE_DESCENT=0 turns it off (an FP8 llama-1b layer has many more
-    Triton kernels to tune: its first compile on a fresh machine took over 4 minutes with it)."""
-    if device.type != "cuda" or os.environ.get("PARATRON_COORDINATE_DESCENT", "1") == "0":
+    Triton kernels (norms, GeLU, residual adds): faster steps for about a minute more of compilation
+    (benchmarks/results/train_throughput_gpt-350m_20261122_103813.md). ``switch``:
+    ``--kernel-compile-coordinate-descent`` (off: an FP8 llama-1b layer has many more Triton kernels to tune,
+    and its first compile on a fresh machine takes minutes longer with it)."""
+    if device.type != "cuda" or switch == "off":
         return {}
     return {"coordinate_descent_tuning": True}
 
@@ -37,7 +51,8 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
     model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
                      seed=tr.seed, recompute_granularity=tr.recompute_granularity,
                      recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                     fp8=Recipe.from_config(tr), cp_comm_type=cfg.parallel.cp_comm_type, device=device,
+                     fp8=Recipe.from_config(tr, cfg.kernels), cp_comm_type=cfg.parallel.cp_comm_type,
+                     kernels=cfg.kernels, device=device,
                      dtype=params_dtype(cfg), **stage)
     model.fused_output_loss = not tr.no_fused_output_loss
     if tr.recompute_granularity == "selective":  # --recompute-modules (resolved: default core_attn)
@@ -46,10 +61,10 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
         model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check
     if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
         for layer in model.decoder.layers:
-            layer.compile(options=compile_options(device))
+            layer.compile(options=compile_options(device, cfg.kernels.kernel_compile_coordinate_descent))
         for m in model.modules():
             if isinstance(m, moe.MoELayer):
-                m.compile_experts(compile_options(device))
+                m.compile_experts(compile_options(device, cfg.kernels.kernel_compile_coordinate_descent))
     return model
 
 

@@ -23,6 +23,7 @@ def test_fused_kernel_matches_the_compiled_two_passes(v, vocab_start):
     outside the shard (not on the fused path in training, which is TP=1, but the kernel masks them); 1000: a row
     shorter than one block."""
     from paratron.parallel import cross_entropy as ce
+    from paratron.kernels import cross_entropy as kce
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = 2048
     logits = (torch.randn(n, v, device="cuda", generator=gen) * 3).bfloat16()
@@ -38,7 +39,7 @@ def test_fused_kernel_matches_the_compiled_two_passes(v, vocab_start):
     m, sum_exp, picked = stats(logits, local, v)
     want_lse = m.float() + sum_exp.float().log()
     d = logits.clone()
-    lse, loss = ce.fused_ce_(d, target, vocab_start, fast=False)
+    lse, loss = kce.fused_ce_(d, target, vocab_start, fast=False)
     # the sum of exp: other summation order and rescalings (a few fp32 units); max and target logit exact
     assert (lse - want_lse).abs().max().item() <= 2e-5
     assert torch.equal(loss, lse - picked.float())
@@ -47,7 +48,7 @@ def test_fused_kernel_matches_the_compiled_two_passes(v, vocab_start):
     other = grad(logits, want_lse, local, v)  # with the two passes' own lse: rare one-unit differences
     assert (d != other).float().mean().item() < 1e-2 and _rel(d, other) < 1e-3
     fast = logits.clone()  # the GPU's approximate exp: the same up to rare one-unit differences
-    lse_fast, loss_fast = ce.fused_ce_(fast, target, vocab_start, fast=True)
+    lse_fast, loss_fast = kce.fused_ce_(fast, target, vocab_start, fast=True)
     assert (lse_fast - want_lse).abs().max().item() <= 2e-5 and torch.equal(loss_fast, lse_fast - picked.float())
     assert (fast != other).float().mean().item() < 1e-2 and _rel(fast, other) < 1e-3
 
@@ -55,6 +56,7 @@ def test_fused_kernel_matches_the_compiled_two_passes(v, vocab_start):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_row_scaling_is_bit_identical_to_torch(dtype):
     from paratron.parallel import cross_entropy as ce
+    from paratron.kernels import cross_entropy as kce
     gen = torch.Generator(device="cuda").manual_seed(1)
     t = (torch.randn(4096, 2050, device="cuda", generator=gen) * 4).to(dtype)  # 2050: a partial second block
     t[0, 0] = torch.finfo(dtype).max  # overflows to inf in both
@@ -62,8 +64,8 @@ def test_row_scaling_is_bit_identical_to_torch(dtype):
               torch.tensor(0.37, device="cuda").expand(4096).unsqueeze(-1)):  # a row stride of 0 (loss.sum())
         want = (t * g).to(dtype)
         before = t.clone()
-        assert torch.equal(ce._row_scaled(t, g), want) and torch.equal(t, before)
-        assert torch.equal(ce._row_scaled(t, g, inplace=True), want) and torch.equal(t, want)
+        assert torch.equal(kce.row_scaled(t, g), want) and torch.equal(t, before)
+        assert torch.equal(kce.row_scaled(t, g, inplace=True), want) and torch.equal(t, want)
         t = before
 
 
@@ -81,6 +83,7 @@ def _loss_and_grads(x, w, t, g, weighted):
 @pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "sum"])
 def test_linear_cross_entropy_llama_1b_size(monkeypatch, weighted):
     from paratron.parallel import cross_entropy as ce
+    from paratron.kernels import cross_entropy as kce
     gen = torch.Generator(device="cuda").manual_seed(2)
     n, h, v = 4096, 2048, 32768
     x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
@@ -102,7 +105,7 @@ def test_linear_cross_entropy_llama_1b_size(monkeypatch, weighted):
 
     # backward: exactly the expressions it replaced, on the buffer the forward kept
     d = torch.mm(x, w.t())
-    ce.fused_ce_(d, t)
+    kce.fused_ce_(d, t)
     gcol = g.unsqueeze(-1)
     assert torch.equal(gx, (d @ w * gcol).to(x.dtype))
     assert torch.equal(gw, ((x * gcol).to(x.dtype).t() @ d).t())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.parallel import cublaslt
+from paratron.kernels import cublaslt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -99,7 +99,7 @@ def test_fp8_delayed_resume_continues_the_same_run(tmp_path):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_swiglu_kernel_matches_torch(compiled):
-    from paratron.model.kernels import swiglu, swiglu_reference
+    from paratron.kernels.swiglu import swiglu, swiglu_reference
     torch.manual_seed(0)
     fn = torch.compile(lambda t: swiglu(t) * 2.0) if compiled else (lambda t: swiglu(t) * 2.0)
     for shape in ((2048, 4, 2 * 8192), (3, 5, 2 * 1000)):
@@ -123,7 +123,7 @@ def test_fp8_mlp_kernels_match_the_torch_ops(act, bias, e5m2):
     amax pass + cast pass) and with a preset one (delayed: the cast pass alone, which also returns the
     amax): the same scale, amax and bias gradient, the same FP8 values but for rare one-step rounding
     flips (transcendentals' last bit), row-major = transposed."""
-    from paratron.parallel import fp8_mlp
+    from paratron.fp8 import mlp as fp8_mlp
     torch.manual_seed(0)
     for m, f in ((4096, 8192), (272, 1000)):  # llama-1b's width; a masked edge in both directions
         cols = 2 * f if act == fp8_mlp.SWIGLU else f
@@ -155,8 +155,8 @@ def test_fp8_cast_kernel_matches_the_torch_cast(e5m2):
     """paratron::cast_fp8 (the output gradients' cast: the fused kernels with no activation) against the
     torch cast: own scale and preset one, byte-equal FP8 (a cast has no transcendental to flip a last
     bit), the transposed copy equal to the row-major one transposed, the same amax."""
-    from paratron.parallel import fp8_mlp
-    from paratron.parallel.fp8 import E4M3, E5M2
+    from paratron.fp8 import mlp as fp8_mlp
+    from paratron.fp8 import E4M3, E5M2
     torch.manual_seed(0)
     for m, n in ((4096, 3072), (272, 1000)):
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 30
@@ -173,8 +173,9 @@ def test_fp8_cast_kernel_matches_the_torch_cast(e5m2):
 def test_fused_fp8_mlp_compiled_equals_eager(recipe):
     """Eager and Inductor-compiled fused MLP (for delayed: primed after a first call, so the casts are
     the single-pass ones) give the same outputs, gradients and amax histories."""
-    from paratron.parallel import fp8, fp8_mlp
-    from paratron.parallel.fp8 import FP8State, Recipe
+    from paratron import fp8
+    from paratron.fp8 import mlp as fp8_mlp
+    from paratron.fp8 import FP8State, Recipe
     torch.manual_seed(0)
     x = torch.randn(4, 512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w1 = (torch.randn(2 * 2048, 1024, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.model.decode_attention import decode_attention, decode_attention_reference
+from paratron.kernels.decode_attention import decode_attention, decode_attention_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paratron.model import flash_attention
+from paratron.kernels import flash_attention
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or flash_attention._fa_fwd is None

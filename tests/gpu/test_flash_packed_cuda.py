@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.model import flash_attention, flash_packed, rope_kernels
+from paratron.kernels import flash_attention, rotary as rope_kernels
+from paratron.kernels.experimental import flash_packed
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not flash_packed.IMPORTED or flash_attention._fa_fwd is None

@@ -120,7 +120,7 @@ def test_norm_keep_sums_the_residual_gradient_in_its_kernel(compiled):
 def test_configured_quack_gemms_match_torch(spec):
     """quack_gemm.py's ops with a tile configuration: the residual GEMM (C read by the epilogue into a new
     tensor), fc1's input gradient reading the interleaved weight, and the dgated backward."""
-    from paratron.parallel import quack_gemm
+    from paratron.kernels import quack_gemm
     x, w1, w2, res, dy = _inputs(m=1000, h=256, f=384)
     act = torch.randn(1000, 384, device="cuda").bfloat16()
     got = quack_gemm.gemm_add(res, act, w2, spec)
@@ -136,7 +136,8 @@ def test_configured_quack_gemms_match_torch(spec):
 @pytest.mark.parametrize("spec", ["default", "128x160c2x1pp", "128x128c2x1pp"])
 def test_dgated_without_the_activation_store_gives_quacks_gradient_bit_for_bit(spec):
     """quack_dgated's kernel (quack's dgated epilogue minus the activation's store) against quack's own."""
-    from paratron.parallel import quack_dgated, quack_gemm
+    from paratron.kernels import quack_gemm
+    from paratron.kernels.experimental import quack_dgated
     x, w1, w2, res, dy = _inputs(m=1000, h=256, f=384)
     pre, _ = quack_kernels.gated_ref(x, w1)
     got = quack_dgated.dgated_keep(dy, w2, pre, spec)
@@ -147,7 +148,7 @@ def test_dgated_without_the_activation_store_gives_quacks_gradient_bit_for_bit(s
 def test_quack_accumulate_adds_the_weight_gradient_into_main_grad(interleaved):
     """quack_gemm.gemm_accumulate (TMA reduce-add into the fp32 buffer; fc1's rows to [gate; up]) against
     the fp32 product added by torch."""
-    from paratron.parallel import quack_gemm
+    from paratron.kernels import quack_gemm
     g = torch.Generator(device="cuda").manual_seed(1)
     dy = torch.randn(1000, 768, device="cuda", generator=g).bfloat16()
     x = torch.randn(1000, 256, device="cuda", generator=g).bfloat16()

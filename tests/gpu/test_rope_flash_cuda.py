@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paratron.model import flash_attention, layers, rope_kernels
+from paratron.kernels import flash_attention, rotary as rope_kernels
+from paratron.model import layers
 from paratron.model.layers import apply_rotary
 
 pytestmark = pytest.mark.skipif(

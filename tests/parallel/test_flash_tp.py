@@ -1,10 +1,10 @@
 """FlashAttention-4's and the residual-keeping RMSNorm's wiring under TP + SP on CPU/gloo: with the
-attention op on its CPU reference (paratron/model/flash_attention.py) and the norm on quack's reference
-(parallel/quack_kernels.py: rms_norm_keep), TP2 + SP training equals the plain one-rank run: each rank's
+attention op on its CPU reference (paratron/kernels/flash_attention.py) and the norm on quack's reference
+(kernels/quack_norm.py: rms_norm_keep), TP2 + SP training equals the plain one-rank run: each rank's
 heads through the sequence-first op, the residual handed on by the norm and added inside the row-parallel
 output projection after its reduction. The kernels themselves run in tests/gpu."""
-from paratron.model import flash_attention
-from paratron.parallel import quack_kernels
+from paratron.kernels import flash_attention
+from paratron.kernels import quack_norm
 from tests.dist import run_ranks
 from tests.parallel.common import assert_close_runs, run_steps, tiny_config
 
@@ -14,8 +14,8 @@ STEPS = 3
 def _rank(rank, world):
     calls = {"flash": 0, "keep": 0}
     flash_attention.wanted = lambda *a: True
-    quack_kernels.on_hopper = lambda *a: True  # Norm.quack (and the gated MLP, which stays plain on CPU)
-    real_keep = quack_kernels.rms_norm_keep
+    quack_norm.available = lambda *a: True  # Norm.quack
+    real_keep = quack_norm.rms_norm_keep
 
     def counted(fn):  # the plain flash op, or the one with the rotary embedding inside (llama's path)
         def call(*a):
@@ -28,7 +28,7 @@ def _rank(rank, world):
         return real_keep(*a)
     flash_attention.causal_attention = counted(flash_attention.causal_attention)
     flash_attention.rotary_causal_attention = counted(flash_attention.rotary_causal_attention)
-    quack_kernels.rms_norm_keep = keep
+    quack_norm.rms_norm_keep = keep
     out = run_steps(tiny_config("llama", tensor_model_parallel_size=world, sequence_parallel=True), STEPS)
     out["calls"] = calls
     return out

@@ -3,7 +3,7 @@ shards, so only approximately equal). CPU stands in for an FP8 GPU: this torch r
 on CPU, and the device check is switched off in every rank."""
 import torch
 
-from paratron.parallel import fp8
+from paratron import fp8
 from tests.dist import run_ranks
 from tests.parallel.common import run_steps, tiny_config
 

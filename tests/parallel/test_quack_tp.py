@@ -2,7 +2,7 @@
 references (the same interleaved layout), TP2 + SP training equals the plain one-rank run, so fc1's
 gathered input, fc2's partial sum reduced after the fused function and the residual added after the
 reduction are right. The kernels themselves run in tests/gpu."""
-from paratron.parallel import quack_kernels
+from paratron.kernels import quack_mlp as quack_kernels
 from tests.dist import run_ranks
 from tests.parallel.common import assert_close_runs, run_steps, tiny_config
 

@@ -1,4 +1,4 @@
-"""The Triton kernels of paratron/parallel/cross_entropy.py (the fused cross-entropy pass and the row scaling of
+"""The Triton kernels of paratron/kernels/cross_entropy.py (the fused cross-entropy pass and the row scaling of
 its backward) against the torch expressions they replace, run through Triton's CPU interpreter (they run on
 CUDA in tests/gpu/test_cross_entropy_cuda.py, where the roundings are compared bit for bit). The interpreter
 rounds fp32 -> bf16 by truncation and computes exp / log with numpy, so here a bf16 result may be one unit
@@ -8,6 +8,8 @@ import torch
 
 from paratron.parallel import cross_entropy as ce
 
+from paratron.kernels import cross_entropy as kce
+
 pytest.importorskip("triton")
 
 from tests.interpret import interpret as _interpret  # noqa: E402
@@ -15,6 +17,7 @@ from tests.interpret import interpret as _interpret  # noqa: E402
 FUSED = r"""
 import torch
 from paratron.parallel import cross_entropy as ce
+from paratron.kernels import cross_entropy as kce
 torch.manual_seed(0)
 
 
@@ -46,7 +49,7 @@ for fast, (dtype, vocab_start) in [(f, c) for f in (False, True) for c in cases]
     m, sum_exp, picked = ce._ce_stats(logits, local, v)
     want_lse = m + sum_exp.log()
     before = wide.clone()
-    lse, loss = ce.fused_ce_(logits, target, vocab_start, block=block, num_warps=4, fast=fast)
+    lse, loss = kce.fused_ce_(logits, target, vocab_start, block=block, num_warps=4, fast=fast)
     assert lse.dtype == loss.dtype == torch.float32
     assert torch.allclose(lse, want_lse, rtol=0, atol=2e-6), (dtype, (lse - want_lse).abs().max())
     assert torch.equal(loss, lse - picked), dtype  # the target logit is exact
@@ -69,6 +72,7 @@ def test_fused_cross_entropy_kernel_matches_the_two_passes_in_the_interpreter():
 SCALE = r"""
 import torch
 from paratron.parallel import cross_entropy as ce
+from paratron.kernels import cross_entropy as kce
 torch.manual_seed(0)
 
 
@@ -82,10 +86,10 @@ for dtype in (torch.bfloat16, torch.float16):
     for g in (torch.rand(n, 1) * 5, torch.full((1, 1), 0.37).expand(n, 1)):  # the second: row stride 0
         exact = t.float() * g  # the one fp32 product torch's (t * g).to(dtype) rounds
         want = cut(exact) if dtype == torch.bfloat16 else exact.to(dtype)  # (the interpreter truncates to bf16)
-        out = ce.scale_rows(t, g, torch.empty_like(t), block=256, num_warps=4)
+        out = kce.scale_rows(t, g, torch.empty_like(t), block=256, num_warps=4)
         assert out.dtype == dtype and torch.equal(out, want), dtype
         same = t.clone()
-        assert ce.scale_rows(same, g, same, block=256, num_warps=4) is same and torch.equal(same, want), dtype
+        assert kce.scale_rows(same, g, same, block=256, num_warps=4) is same and torch.equal(same, want), dtype
 print("ok")
 """
 
@@ -98,6 +102,7 @@ WHOLE = r"""
 import torch
 import torch.nn.functional as F
 from paratron.parallel import cross_entropy as ce
+from paratron.kernels import cross_entropy as kce
 torch.manual_seed(0)
 x = torch.randn(7, 16).bfloat16().requires_grad_()
 w = torch.randn(300, 16).bfloat16().requires_grad_()
@@ -139,6 +144,6 @@ def test_linear_cross_entropy_through_the_fused_kernel_matches_eager_in_the_inte
 def test_row_scaling_off_cuda_is_torchs_expression():
     t = torch.randn(4, 6).bfloat16()
     g = torch.rand(4, 1)
-    assert torch.equal(ce._row_scaled(t, g), (t * g).to(t.dtype))
-    assert torch.equal(ce._row_scaled(t, g, inplace=True), (t * g).to(t.dtype))
-    assert not ce._fusable(t, None, 4, 4, True)  # no CUDA: the two-pass code
+    assert torch.equal(kce.row_scaled(t, g), (t * g).to(t.dtype))
+    assert torch.equal(kce.row_scaled(t, g, inplace=True), (t * g).to(t.dtype))
+    assert not ce._fusable(t, None, 4, 4, True, "triton")  # no CUDA: the two-pass code

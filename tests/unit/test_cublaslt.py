@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from paratron.parallel import cublaslt
+from paratron.kernels import cublaslt
 
 
 def test_cpu_is_torch_addmm_eager_and_compiled():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from paratron.config import parse_args
-from paratron.model import flash_attention
+from paratron.kernels import flash_attention
 from paratron.model.layers import Attention, ForwardContext, Parallel
 
 
@@ -138,7 +138,6 @@ def test_cudnn_forward_is_taken_only_with_a_sequence_first_output_and_falls_back
     output [b, h, s, d] is used when it views sequence-first storage, with lse [b, h, s]; an output in another
     layout, or an op that raises (a shape this cuDNN lacks: a warning), leaves the forward to FlashAttention-4."""
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
-    monkeypatch.setattr(flash_attention, "_FWD", "cudnn")
     s, b, h, d = 16, 2, 4, 8
     q = torch.randn(s, b, h, d).transpose(0, 1)  # [b, s, h, d] views of sequence-first storage
     k = v = torch.randn(s, b, 2, d).transpose(0, 1)
@@ -154,6 +153,8 @@ def test_cudnn_forward_is_taken_only_with_a_sequence_first_output_and_falls_back
     monkeypatch.setattr(flash_attention, "_cudnn_op", unsupported)
     with pytest.warns(UserWarning, match="cuDNN attention forward unavailable here"):
         assert flash_attention._cudnn_fwd(q, k, v, 0.5) is None
-    monkeypatch.setattr(flash_attention, "_FWD", "fa4")
     monkeypatch.setattr(flash_attention, "_cudnn_op", seq_first)
-    assert flash_attention._cudnn_fwd(q, k, v, 0.5) is None  # PARATRON_ATTN_FWD=fa4
+    calls = []
+    monkeypatch.setattr(flash_attention, "_cudnn_fwd", lambda *a: calls.append(1))
+    flash_attention._fwd(q, k, v, 0.5, False)  # --attention-backend flash: FlashAttention-4's forward
+    assert flash_attention._cudnn_fwd(q, k, v, 0.5) is None and calls == [1]  # (only the direct call)

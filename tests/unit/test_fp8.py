@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from paratron.config import ConfigError, parse_args
-from paratron.parallel import fp8
-from paratron.parallel.fp8 import E4M3, E5M2, FP8State, Recipe, Scaler
+from paratron import fp8
+from paratron.fp8 import recipe as fp8_recipe
+from paratron.fp8 import E4M3, E5M2, FP8State, Recipe, Scaler
 from paratron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 BASE = ["--mock-data", "--train-iters", "2", "--lr", "1e-3", "--micro-batch-size", "2", "--device", "cpu"]
@@ -242,10 +243,10 @@ def test_fp8_check_benchmark_runs_on_cpu():
 def test_fused_casts_equal_eager(monkeypatch, recipe):
     """The compiled amax / cast kernels (used on CUDA outside compiled regions) give the eager bits."""
     eager = _linear_case(recipe=recipe)
-    monkeypatch.setattr(fp8, "FUSED_CAST_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(fp8, "_compiled", {})
+    monkeypatch.setattr(fp8_recipe, "FUSED_CAST_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(fp8_recipe, "_compiled", {})
     fused = _linear_case(recipe=recipe)
-    assert len(fp8._compiled) == 2
+    assert len(fp8_recipe._compiled) == 2
     assert torch.equal(eager[3], fused[3])  # y
     assert torch.equal(eager[0].grad, fused[0].grad) and torch.equal(eager[1].grad, fused[1].grad)
 
@@ -298,7 +299,7 @@ def test_no_fp8_wgrad_keeps_the_weight_gradient_in_bf16(monkeypatch):
     g^T x exactly, the input gradient the same FP8 one as without the flag; the model takes the per-layer
     path (no fused FP8 MLP) and trains; without --fp8-format the flag is a one-line error."""
     from tests.unit.test_train import TINY, losses_of
-    from paratron.parallel import fp8_mlp
+    from paratron.fp8 import mlp as fp8_mlp
     from paratron.train.loop import Trainer
     torch.manual_seed(0)
     x = torch.randn(4, 8, 32, dtype=torch.bfloat16)

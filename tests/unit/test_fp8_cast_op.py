@@ -5,8 +5,8 @@ import dataclasses
 
 import torch
 
-from paratron.parallel import fp8
-from paratron.parallel.fp8 import E4M3, E5M2, FP8State, Recipe
+from paratron import fp8
+from paratron.fp8 import E4M3, E5M2, FP8State, Recipe
 
 
 def test_cast_op_scales_by_preset_or_own_amax():

@@ -6,8 +6,9 @@ import torch
 
 from paratron.config import parse_args
 from paratron.model.layers import MLP, Parallel
-from paratron.parallel import fp8, fp8_mlp
-from paratron.parallel.fp8 import E4M3, E5M2, FP8State, Recipe
+from paratron import fp8
+from paratron.fp8 import mlp as fp8_mlp
+from paratron.fp8 import E4M3, E5M2, FP8State, Recipe
 
 
 def _rel(a, b):
@@ -201,13 +202,14 @@ def test_mlp_takes_the_fused_path_only_where_it_applies(monkeypatch, flags, reci
     assert all(p.grad is not None for p in mlp.parameters())
 
 
-def test_switch_from_the_environment(monkeypatch):
+def test_switch_from_the_config(monkeypatch):
     monkeypatch.setattr(fp8, "device_problem", lambda device: None)
-    tr = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--micro-batch-size", "2",
-                     "--bf16", "--fp8-format", "hybrid"]).train
-    assert Recipe.from_config(tr).fuse_mlp
-    monkeypatch.setenv("PARATRON_FP8_FUSED_MLP", "0")
-    assert not Recipe.from_config(tr).fuse_mlp
+    flags = ["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--micro-batch-size", "2", "--bf16",
+             "--fp8-format", "hybrid"]
+    cfg = parse_args(flags)
+    assert Recipe.from_config(cfg.train, cfg.kernels).fuse_mlp
+    cfg = parse_args(flags + ["--kernel-fp8-fused-mlp", "off"])
+    assert not Recipe.from_config(cfg.train, cfg.kernels).fuse_mlp
 
 
 def test_compiled_delayed_recipe_equals_eager_and_recompiles_once_when_primed():

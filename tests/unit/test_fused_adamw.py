@@ -12,7 +12,7 @@ from tests.interpret import interpret as _interpret  # noqa: E402
 
 KERNEL = r"""
 import torch
-from paratron.optim.fused_adamw import BLOCK, adamw_step_
+from paratron.kernels.fused_adamw import BLOCK, adamw_step_
 torch.manual_seed(0)
 # two groups with their own lr / weight decay / betas / eps; a master over more than one block whose size is
 # not a multiple of it, one with a bf16 and one with an fp16 model weight, one stepped alone (an fp32 parameter)
@@ -85,13 +85,14 @@ OPTIMIZER = r"""
 import os
 import torch
 from paratron.config import parse_args
-from paratron.optim import fused_adamw
+from paratron.kernels import fused_adamw
 from paratron.optim.optimizer import Optimizer
 from paratron.parallel.dims import ParallelDims
 
-cfg = parse_args(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
-                  "--max-position-embeddings", "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-2",
-                  "--mock-data", "--clip-grad", "1.0", "--weight-decay", "0.1", "--bf16"])
+flags = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
+         "--max-position-embeddings", "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-2",
+         "--mock-data", "--clip-grad", "1.0", "--weight-decay", "0.1", "--bf16"]
+cfg_fused, cfg_plain = parse_args(flags), parse_args(flags + ["--kernel-fused-adamw", "off"])
 g = torch.Generator().manual_seed(0)
 init = [torch.randn(64, 40, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()]
 grads = [[torch.randn(t.shape, generator=g) * 3 for t in init] for _ in range(3)]
@@ -103,7 +104,7 @@ def no_copy(copied=False):
 
 
 def run(fused):
-    os.environ["PARATRON_FUSED_ADAMW"] = "1" if fused else "0"
+    cfg = cfg_fused if fused else cfg_plain
     params = [torch.nn.Parameter(t.clone()) for t in init]
     names = {params[0]: "decoder.layers.0.mlp.linear_fc1.weight", params[1]: "decoder.layers.0.mlp.linear_fc1.bias"}
     opt = Optimizer(params, cfg, ParallelDims(), names)

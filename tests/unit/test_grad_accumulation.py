@@ -1,11 +1,12 @@
-"""Megatron's gradient-accumulation fusion (paratron/parallel/grad_accumulation.py): weight gradients added
+"""Megatron's gradient-accumulation fusion (paratron/parallel/linear.py, kernels/accumulate.py): weight gradients added
 to ``main_grad`` by the backward itself, against autograd's gradients and the unfused trainer."""
 import pytest
 import torch
 
 from paratron.config import parse_args
-from paratron.parallel import grad_accumulation as ga
-from paratron.parallel import quack_kernels
+from paratron.kernels import accumulate, quack_mlp as quack_kernels
+from paratron.parallel import linear as ga
+from paratron.parallel.linear import main_grad_of
 from paratron.parallel.tensor import RowParallelLinear
 from paratron.train.loop import Trainer
 
@@ -23,13 +24,13 @@ def test_wgrad_accumulate_adds_the_product_and_deinterleaves(dtype):
     dy, x = torch.randn(9, 6, dtype=dtype), torch.randn(9, 4, dtype=dtype)
     acc = torch.randn(6, 4)
     want = acc + dy.float().t() @ x.float()
-    ga.wgrad_accumulate(acc, dy, x, False)
+    accumulate.wgrad_accumulate(acc, dy, x, False)
     torch.testing.assert_close(acc, want, rtol=1e-5, atol=1e-5)
     acc2 = torch.randn(6, 4)
     # interleaved rows [g0, u0, g1, u1, g2, u2] -> [g0, g1, g2; u0, u1, u2]
     product = (dy.t() @ x).float()
     want2 = acc2 + torch.cat([product[0::2], product[1::2]])
-    ga.wgrad_accumulate(acc2, dy, x, True)
+    accumulate.wgrad_accumulate(acc2, dy, x, True)
     torch.testing.assert_close(acc2, want2, rtol=1e-6, atol=1e-6)
 
 
@@ -71,7 +72,7 @@ def test_gated_mlp_backward_adds_both_weight_gradients_to_main_grad():
     w1, w2 = _fused_weight(2 * f, h), _fused_weight(h, f)
     ref_w1, ref_w2 = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
     g = torch.randn(6, h)
-    quack_kernels.gated_mlp(x, w1, w2).backward(g)
+    quack_kernels.gated_mlp(x, w1, w2, main_grads=(main_grad_of(w1), main_grad_of(w2))).backward(g)
     quack_kernels.gated_mlp(x.detach(), ref_w1, ref_w2).backward(g)
     torch.testing.assert_close(w1.main_grad, ref_w1.grad)
     torch.testing.assert_close(w2.main_grad, ref_w2.grad)
@@ -139,7 +140,7 @@ def test_a_module_wrapped_again_without_the_fusion_accumulates_through_the_hook(
 
 
 def test_fused_embedding_adds_the_table_gradient_to_main_grad():
-    from paratron.parallel.grad_accumulation import embedding
+    from paratron.parallel.linear import embedding
     w = torch.randn(10, 4, requires_grad=True)
     w.main_grad, w.fuse_wgrad = torch.ones(10, 4), True
     ids = torch.tensor([[1, 3, 1], [9, 0, 1]])  # row 1 three times
@@ -158,7 +159,7 @@ def test_fused_embedding_adds_the_table_gradient_to_main_grad():
 
 def test_the_residual_gemm_is_chosen_in_training_inside_the_fused_linear(monkeypatch):
     """(autograd is off inside an autograd.Function's forward: the fused linear says it is training)"""
-    from paratron.parallel import grad_accumulation as ga, quack_gemm
+    from paratron.kernels import quack_gemm
     calls = []
     monkeypatch.setattr(quack_gemm, "residual_applies", lambda a: True)
     real = quack_gemm.gemm_add

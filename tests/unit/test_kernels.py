@@ -1,4 +1,4 @@
-"""The Triton kernels of paratron/model/kernels.py, model/decode_attention.py and parallel/grad_accumulation.py
+"""The Triton kernels of paratron/kernels/swiglu.py, kernels/decode_attention.py and kernels/accumulate.py
 (gradient accumulation) against the torch expressions they replace, run through Triton's CPU interpreter (the same
 kernels run on CUDA in tests/gpu)."""
 import pytest
@@ -11,7 +11,7 @@ from tests.interpret import interpret as _interpret  # noqa: E402
 
 CHECK = r"""
 import torch
-from paratron.model.kernels import swiglu_reference
+from paratron.kernels.swiglu import swiglu_reference
 torch.manual_seed(0)
 # odd sizes: a column block that is partly masked, more than one block per row, leading dims
 for shape, dtype, tol in (((5, 3, 2 * 1500), torch.float32, 1e-6), ((7, 2 * 64), torch.bfloat16, 1e-2),
@@ -38,7 +38,7 @@ def test_swiglu_kernel_matches_torch_in_the_interpreter():
 DECODE = r"""
 import torch
 import torch.nn.functional as F
-from paratron.model.decode_attention import decode_attention_reference
+from paratron.kernels.decode_attention import decode_attention_reference
 torch.manual_seed(0)
 # rows with different padding (one whose first 64-slot block is all padding), slots short of the
 # capacity (never read), fp32 and bf16, head dims 16 and 64, 1 and 4 queries per group
@@ -70,7 +70,7 @@ def test_decode_attention_kernel_matches_torch_in_the_interpreter():
 
 ACCUMULATE = r"""
 import torch
-from paratron.parallel import grad_accumulation as kernels
+from paratron.kernels import accumulate as kernels
 torch.manual_seed(0)
 for n, dtype in ((10_000, torch.bfloat16), (4096, torch.float16), (5, torch.bfloat16)):
     g = torch.randn(n).to(dtype)
@@ -108,7 +108,7 @@ def test_gradient_accumulation_kernel_adds_and_writes_exactly_in_the_interpreter
 
 
 def test_accumulate_falls_back_to_torch_on_cpu():
-    from paratron.parallel import grad_accumulation as kernels
+    from paratron.kernels import accumulate as kernels
     acc, g = torch.ones(7), torch.full((7,), 0.5, dtype=torch.bfloat16)
     kernels.accumulate_(acc, g, write=False)
     assert torch.equal(acc, torch.full((7,), 1.5))

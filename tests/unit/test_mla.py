@@ -145,7 +145,7 @@ def test_hf_export_and_generation_refuse_mla():
 def test_fp8_reaches_the_parallel_projections():
     """Under FP8 the column-parallel q/kv up projections and linear_proj run in FP8 (emulated here) and
     stay close to the fp32 model; the replicated down projections keep the weights' dtype."""
-    from paratron.parallel.fp8 import Recipe
+    from paratron.fp8 import Recipe
     cfg = paratron_config(24, True)
     torch.manual_seed(0)
     ref = GPTModel(cfg, VOCAB).eval()

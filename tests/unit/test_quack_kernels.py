@@ -1,4 +1,4 @@
-"""The gated-GEMM SwiGLU MLP (paratron/parallel/quack_kernels.py) on CPU: its autograd function on the torch
+"""The gated-GEMM SwiGLU MLP (paratron/kernels/quack_mlp.py) on CPU: its autograd function on the torch
 reference operations (the interleaved [g0, u0, g1, u1, ...] layout of quack's kernels) against the
 plain MLP's values and gradients, and when the MLP takes it. The kernels themselves: tests/gpu."""
 import pytest
@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from paratron.config import parse_args
 from paratron.model.layers import MLP, Norm, Parallel
-from paratron.parallel import quack_kernels
+from paratron.kernels import quack_mlp as quack_kernels, quack_norm
 
 
 def test_interleave_puts_gate_and_up_rows_in_pairs_and_back():
@@ -19,9 +19,9 @@ def test_interleave_puts_gate_and_up_rows_in_pairs_and_back():
 @pytest.mark.parametrize("with_residual,keep", [(False, True), (True, True), (True, False)])
 def test_function_matches_the_plain_mlp_in_value_and_gradients(monkeypatch, with_residual, keep):
     """keep: the forward's activation kept for fc2's weight gradient (else recomputed by the backward)."""
-    monkeypatch.setattr(quack_kernels, "KEEP_ACT", keep)
     saved = []
-    monkeypatch.setattr(quack_kernels, "_dgated_keep", lambda *a: saved.append(1) or quack_kernels.dgated_ref(*a)[0])
+    monkeypatch.setattr(quack_kernels, "_dgated_keep",
+                        lambda *a: saved.append(1) or quack_kernels.dgated_ref(*a[:3])[0])
     torch.manual_seed(0)
     h, f = 16, 12
     x = torch.randn(2, 5, h, dtype=torch.float64, requires_grad=True)
@@ -35,7 +35,7 @@ def test_function_matches_the_plain_mlp_in_value_and_gradients(monkeypatch, with
     leaves = [t for t in (x, w1, w2, res) if t is not None]
     want = torch.autograd.grad(plain, leaves, dy)
 
-    got_y = quack_kernels.gated_mlp(x, w1, w2, res)
+    got_y = quack_kernels.gated_mlp(x, w1, w2, res, keep_act=keep)
     got = torch.autograd.grad(got_y, leaves, dy)
     assert got_y.shape == plain.shape == (2, 5, h)
     # the references compute in float32, as the kernels do
@@ -87,13 +87,13 @@ def test_norm_keep_adds_the_residual_gradient_in_the_norm_backward():
     dy, dr = torch.randn(3, 4, 32, dtype=torch.float64), torch.randn(3, 4, 32, dtype=torch.float64)
     plain = w * F.rms_norm(x, (32,), eps=1e-5)
     want = torch.autograd.grad((plain * dy).sum() + (x * dr).sum(), (x, w))
-    y, r = quack_kernels.rms_norm_keep(x, w, 1e-5)
+    y, r = quack_norm.rms_norm_keep(x, w, 1e-5)
     got = torch.autograd.grad((y * dy).sum() + (r * dr).sum(), (x, w))
     assert torch.allclose(y, plain, atol=1e-6) and torch.equal(r, x)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     # only the norm's output used: the residual's gradient is None in the backward
-    y, _ = quack_kernels.rms_norm_keep(x, w, 1e-5)
+    y, _ = quack_norm.rms_norm_keep(x, w, 1e-5)
     got = torch.autograd.grad((y * dy).sum(), (x, w))
     want = torch.autograd.grad((w * F.rms_norm(x, (32,), eps=1e-5) * dy).sum(), (x, w))
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want))

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.config import ModelConfig
-from paratron.model import flash_attention, layers
+from paratron.config import KernelConfig, ModelConfig
+from paratron.kernels import flash_attention
+from paratron.model import layers
 from paratron.model.layers import Attention, ForwardContext, Parallel, Rotary, apply_rotary
 
 S, B, HEADS, GROUPS, D = 8, 2, 4, 2, 16
@@ -88,7 +89,7 @@ def test_attention_layer_takes_the_op_and_gives_the_unfused_flash_path(monkeypat
     monkeypatch.setattr(flash_attention, "rotary_causal_attention", lambda *a: calls.append(1) or real(*a))
     results = []
     for fused in (False, True):
-        monkeypatch.setattr(layers, "_FUSED_ROPE", fused)
+        attn.fused_rope = fused
         attn.zero_grad()
         x.grad = None
         y = attn(x, ForwardContext(rope=rope))
@@ -116,13 +117,12 @@ def test_op_only_for_the_plain_rotation_of_a_flash_layer(monkeypatch):
                dict(attention_output_gate=True), dict(no_rope_freq="[1]")):
         cfg = _cfg(**kw)
         assert not applies(Attention(cfg, Parallel()), ForwardContext(rope=Rotary(cfg)(S, None))), kw
-    monkeypatch.setattr(layers, "_FUSED_ROPE", False)  # PARATRON_FUSED_ROPE=0
-    assert not applies(Attention(_cfg(), Parallel()))
+    assert not applies(Attention(_cfg(), Parallel(kernels=KernelConfig(no_rope_fusion=True))))  # --no-rope-fusion
 
 
 KERNELS = r"""
 import torch
-from paratron.model import flash_attention, rope_kernels as rk
+from paratron.kernels import flash_attention, rotary as rk
 from paratron.model.layers import apply_rotary
 torch.manual_seed(0)
 # grouped and plain heads, a head dim whose half is no power of two, bf16 / fp16 / fp32 activations, fp32 or bf16

@@ -1,30 +1,14 @@
-"""The MLP in FP8 as one autograd function: fc1 -> activation -> fc2 with the activation's output and
-gradient written straight into FP8. Activations: SwiGLU (llama), GeLU exact and tanh-approximate
-(GPT, ``--openai-gelu``), with or without fc1's bias (added inside the kernels; its gradient summed
-there too); fc2's bias is added by ``RowParallelLinear.exit`` as usual. Described below for SwiGLU.
+"""FP8 formats and casts: the e4m3 / e5m2 types, amax, Transformer Engine's scale formula, quantise and
+dequantise (torch expressions), and the Triton kernels that write an MLP activation (or its gradient, or a plain
+tensor: ``paratron::cast_fp8``) straight into FP8, row-major and transposed, with its amax. The torch
+expressions here (``act_fp8_reference``, ``grad_fp8_reference``) are the kernels' references; the kernels run
+on CUDA only. Triton's CPU interpreter rounds float32 -> float8 differently from the GPU (and from torch), so
+the kernels are checked on the GPU (tests/gpu/test_cuda_paths.py) against the references.
 
-Run layer by layer (``fp8.fp8_linear`` for fc1 and fc2 around the SwiGLU kernel), the tensor between
-the two matmuls makes extra trips through memory: the SwiGLU writes its output in bf16, fc2 reads it
-once for the amax and once more to cast it, and the backward transposes the FP8 copy for the weight
-gradient; in the backward the SwiGLU writes the [tokens, 2F] gradient in bf16 (the largest tensor of
-the block) and fc1 reads it twice (amax, cast) and writes an FP8 copy plus its transpose. Here each
-of the two is computed from the SwiGLU's inputs and written once, in FP8, row-major (for the next
-matmul) and transposed (for the weight gradient; the stored tile read back after a barrier). With
-the tensorwise recipe the cast takes two passes:
-the first only finds the amax (one partial maximum per tile, no atomics), the second recomputes the
-SwiGLU (or its gradient) and casts. With the delayed recipe, once primed (``fp8.Scaler``), the scale
-is known beforehand and the first pass is skipped: the cast pass also leaves the per-tile maxima the
-history records. The same kernels with no activation are ``paratron::cast_fp8``, the FP8 linears'
-output-gradient cast.
-
-Numerics are those of the recipe (``fp8.py``); the one difference from the layer-by-layer path is that
-the activation's output and gradient are quantised from fp32 instead of from their bf16 rounding.
-``--glu-linear-offset``, a clamp, quick-GeGLU, squared ReLU, ``--no-bias-swiglu-fusion`` and
-``--no-bias-gelu-fusion`` keep the layer-by-layer path (``model.variants.fused_fp8_activation``).
-
-The Triton kernels run on CUDA; elsewhere (the CPU tests) the same two ops are torch expressions.
-Triton's CPU interpreter rounds float32 -> float8 differently from the GPU (and from torch), so the
-kernels are checked on the GPU (tests/gpu/test_cuda_paths.py) against the torch expressions here.
+Scale: a tensor ``x`` is stored as ``q = saturate(x * scale)`` with ``scale = fmax / (amax * 2**margin)``
+(``fmax`` = 448 for e4m3, 57344 for e5m2; scale 1 where amax is 0, inf or NaN, or the quotient overflows).
+The recipes that choose the amax are in paratron/fp8/recipe.py; the fused MLP that calls these kernels in
+paratron/fp8/mlp.py.
 """
 from __future__ import annotations
 
@@ -33,33 +17,58 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .fp8 import E4M3, FMAX, FP8State, FAST_ACCUM_FORWARD, column_major, compute_scale, forward_mm, input_grad_mm, \
-    scaled_mm
-
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
 
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FMAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-dim fp32 tensor (no host sync)."""
+    return x.detach().abs().amax().float()
+
+
+def compute_scale(a: torch.Tensor, fmax: float, margin: int = 0) -> torch.Tensor:
+    """fmax / (a * 2**margin) in fp32; 1 where a is 0 / inf / NaN or the quotient is not finite."""
+    a = a.float()
+    scale = fmax / (a * (2.0 ** margin))
+    ok = torch.isfinite(a) & (a > 0) & torch.isfinite(scale)
+    return torch.where(ok, scale, torch.ones_like(scale))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(x * scale) saturated to +-fmax of ``dtype`` and cast to it (a plain cast of an out-of-range
+    value would give NaN in e4m3fn)."""
+    fmax = FMAX[dtype]
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() / scale).to(dtype)
+
 SWIGLU, GELU, GELU_TANH = 0, 1, 2  # the activations of the fused path (``act``)
+
+
 IDENTITY = 3  # no activation: the kernels as a plain cast + transpose (``cast_fp8``)
+
+
 # tokens x columns per program and warps, chosen per shape by Triton's autotuner on the first call
 # (benchmarks/fp8_cast_sweep.py: the best at every measured shape is among these; 128 x 128 and larger
 # tiles spill registers in the GeLU kernels, 17 ms instead of 0.7)
 TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (32, 256, 4), (64, 256, 8))
+
+
 FAST_RCP = True  # GeLU's reciprocal by the approximate instruction: forward 0.64 ms instead of 0.75 (the sweep)
+
+
 MIN_BM, MIN_BF = min(t[0] for t in TILES), min(t[1] for t in TILES)
 
 
-def applies(fc1, fc2, act: Optional[int]) -> bool:
-    """Whether the fused FP8 MLP can replace fc1 -> activation -> fc2 (``act``: one of SWIGLU, GELU,
-    GELU_TANH, or None for an activation it does not have)."""
-    s1, s2 = fc1.fp8, fc2.fp8  # (--no-fp8-wgrad: the per-layer path, whose weight gradients can be bf16)
-    return act is not None and s1 is not None and s2 is not None and s1.recipe.fuse_mlp and s1.recipe.fp8_wgrad
-
-
-# ---- the two ops, as torch expressions (CPU, and the reference of the kernels) -----------------
 def _act_input(h: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return h.float() if bias is None else h.float() + bias.float()
 
@@ -342,11 +351,6 @@ def _(x, preset, e5m2, margin):
     return _fake_outputs(x, x.size(1), torch.float8_e5m2 if e5m2 else E4M3)
 
 
-@mlp_act_fp8.register_fake
-def _(h, bias, preset, act, margin):
-    return _fake_outputs(h, _shape(h, act)[1], E4M3)
-
-
 @torch.library.custom_op("paratron::mlp_act_fp8_backward", mutates_args=())
 def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: torch.Tensor, preset: torch.Tensor,
                          act: int, e5m2: bool, margin: int
@@ -377,52 +381,12 @@ def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: to
     return q, qt, scale, part_cast.amax(), db[:triton.cdiv(m, _grad_cast.best_config.kwargs["BM"])].sum(0)
 
 
+@mlp_act_fp8.register_fake
+def _(h, bias, preset, act, margin):
+    return _fake_outputs(h, _shape(h, act)[1], E4M3)
+
+
 @mlp_act_fp8_backward.register_fake
 def _(h, bias, dout, preset, act, e5m2, margin):
     db = h.new_empty(h.size(1) if bias is not None else 0, dtype=torch.float32)
     return (*_fake_outputs(h, h.size(1), torch.float8_e5m2 if e5m2 else E4M3), db)
-
-
-class _FP8MLP(torch.autograd.Function):
-    """y = act(x W1^T + b1) W2^T with every matmul in FP8 (the two layers' own scalers for x, the
-    weights and fc2's output gradient; the activation's output and gradient scaled here)."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, s1: FP8State, s2: FP8State, act: int):
-        h, xq, sx, w1q, sw1 = forward_mm(x.reshape(-1, x.size(-1)), w1, s1, x.dtype)
-        s2.mark("input")
-        aq, aqt, sa, current = torch.ops.paratron.mlp_act_fp8(h, b1, s2.input.preset_scale(h.device), act,
-                                                              s1.recipe.margin)
-        s2.input.record(current)
-        w2q, sw2 = s2.quantize("weight", w2)
-        y = scaled_mm(aq, w2q.t(), sa, sw2, x.dtype, s2.recipe.emulate, FAST_ACCUM_FORWARD)
-        ctx.save_for_backward(xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa, b1)
-        ctx.s1, ctx.s2, ctx.act, ctx.x_shape, ctx.w_dtype = s1, s2, act, x.shape, w1.dtype
-        return y.view(*x.shape[:-1], w2.size(0))
-
-    @staticmethod
-    def backward(ctx, g):
-        xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa, b1 = ctx.saved_tensors
-        s1, s2 = ctx.s1, ctx.s2
-        emulate, margin = s1.recipe.emulate, s1.recipe.margin
-        gq, gqt, sg = s2.quantize_grad(g.reshape(-1, g.size(-1)))
-        dact = input_grad_mm(gq, sg, w2q, sw2, g.dtype, emulate)  # [m, F]
-        gw2 = scaled_mm(gqt, aqt.t(), sg, sa, ctx.w_dtype, emulate)
-        s1.mark("grad")
-        dhq, dhqt, sdh, current, db = torch.ops.paratron.mlp_act_fp8_backward(
-            h, b1, dact, s1.grad.preset_scale(h.device), ctx.act, s1.grad.dtype != E4M3, margin)
-        s1.grad.record(current)
-        gx = input_grad_mm(dhq, sdh, w1q, sw1, g.dtype, emulate).view(ctx.x_shape)
-        gw1 = scaled_mm(dhqt, column_major(xq), sdh, sx, ctx.w_dtype, emulate)
-        return gx, gw1, None if b1 is None else db.to(b1.dtype), gw2, None, None, None
-
-
-def fused_mlp(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor, s1: FP8State,
-              s2: FP8State, act: int = SWIGLU) -> torch.Tensor:
-    """``F.linear(act(F.linear(x, w1, b1)), w2)`` in FP8 (the local matmuls of a TP-split MLP)."""
-    return _FP8MLP.apply(x, w1, b1, w2, s1, s2, act)
-
-
-def reference_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1: Optional[torch.Tensor] = None,
-                  act: int = SWIGLU) -> torch.Tensor:
-    return F.linear(activation(F.linear(x, w1, b1), act), w2)

@@ -17,11 +17,11 @@ What it takes, outside FlashAttention-4's files:
     sequence length from the hierarchical mode, and its L2-swizzled scheduler (the longest key blocks first: the
     packed CTAs are 4x longer), swapped into FlashAttention-4's backward module only while the kernel is traced;
   * dQ converted by FlashAttention-4's postprocess into a [b, groups, s, q_per_group, d] buffer, whose packed
-    view has uniform strides; the rotary backward reads it in place (rope_kernels.unrotate_into_).
+    view has uniform strides; the rotary backward reads it in place (rotary.unrotate_into_).
 Numbers: dQ as FlashAttention-4's (the same atomics, in another order), dK / dV summed over the group in fp32
 in registers instead of fp32 atomics: equal to bf16 rounding (2.4e-3 of the largest value at llama-1b's shape).
 The symbols it swaps are FlashAttention-4 4.0.0b10's; ``applies`` is False for any other version. On by
-default (llama-1b bf16 step +1.0 % on an H100), ``PARATRON_PACKED_GQA_BWD=0`` switches it off
+default (a faster training step on Hopper), ``--kernel-packed-gqa-backward off`` switches it off
 (flash_attention.py takes it in the rotary layers' backward). Hopper, bf16, causal self-attention of equal
 lengths, sequence a multiple of 128, head dimension 64 or less (the swapped-operand configuration the packed
 mask is written for).
@@ -34,7 +34,6 @@ import os
 
 import torch
 
-ENABLED = os.environ.get("PARATRON_PACKED_GQA_BWD", "1") != "0"  # read once, like the other switches
 VERSION = "4.0.0b10"  # the FlashAttention-4 whose module symbols are swapped while tracing
 
 
@@ -209,11 +208,11 @@ def _version() -> str:
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, dout: torch.Tensor) -> bool:
-    """The packed backward takes q / dout [b, s, heads, d] and k [b, s, groups, d]: switched on, importable, the
+    """The packed backward takes q / dout [b, s, heads, d] and k [b, s, groups, d]: importable, the
     FlashAttention-4 it was written against, CUDA bf16, grouped, each token's heads adjacent in q and dout, s a
     multiple of 128, d <= 64."""
     b, s, heads, d = q.shape
     groups = k.size(2)
-    return (ENABLED and IMPORTED and q.is_cuda and q.dtype == torch.bfloat16 and heads > groups
+    return (IMPORTED and q.is_cuda and q.dtype == torch.bfloat16 and heads > groups
             and heads % groups == 0 and s % 128 == 0 and d <= 64 and d % 32 == 0 and q.stride(2) == d
             and dout.stride(2) == d and q.stride(3) == dout.stride(3) == 1 and _version() == VERSION)

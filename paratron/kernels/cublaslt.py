@@ -27,14 +27,15 @@ quack's GEMM reading C (quack_gemm.py), fc2 + residual (K 8192) 662 against 652;
 (train_throughput_llama-1b_20261126_163313.md) fc2 on cuBLASLt +0.33 %, the output projection too +0.38 % more.
 
 The ops are torch custom ops (one opaque node for compiled graphs, with autograd formulas). They run torch's
-call on CPUs, other dtypes, operands cuBLASLt is not given (see ``_runs``), with ``PARATRON_CUBLASLT=0``, and
+call on CPUs, other dtypes, operands cuBLASLt is not given (see ``_runs``), with ``enabled`` False (the
+``--kernel-cublaslt`` switch), under torch's deterministic algorithms (``--deterministic-mode``: the timed
+choice of algorithm could differ from run to run), and
 after a library or status error (reported once as a warning).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import warnings
 from typing import Optional
 
@@ -50,7 +51,6 @@ CANDIDATES = 8  # algorithms asked of the heuristic; the first call of a shape t
 MAX_PLANS = 64  # shapes planned at most (see _plan)
 RETUNE_AT = 8  # ... and its RETUNE_AT-th call again, the GPU then at its steady clock (in training: its power limit)
 TIMING_ROUNDS = 3  # rounds over the choices when timing them (see _fastest)
-ENABLED = os.environ.get("PARATRON_CUBLASLT", "1") != "0"  # 0: torch's calls (read once, like the other switches)
 
 
 class _Heuristic(ctypes.Structure):
@@ -144,7 +144,11 @@ class _Plan:
 
 def _runs(c: Optional[Tensor], a: Tensor, w: Tensor) -> bool:
     """cuBLASLt takes these: CUDA bf16 2-D, 16-byte aligned; A and C with contiguous rows, W with contiguous
-    rows or columns; their strides multiples of 8 elements."""
+    rows or columns; their strides multiples of 8 elements. Not under torch's deterministic algorithms
+    (``--deterministic-mode``): the choice of algorithm is timed, so two runs could choose differently."""
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+
     def fits(t: Tensor, major: int) -> bool:
         return (t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(major) == 1
                 and t.stride(1 - major) % 8 == 0 and t.data_ptr() % 16 == 0)
@@ -209,10 +213,11 @@ def _lt(c: Optional[Tensor], a: Tensor, w: Tensor, torch_call) -> Tensor:
 
 
 @torch.library.custom_op("paratron::cublaslt_addmm", mutates_args=())
-def addmm(c: Tensor, a: Tensor, w: Tensor) -> Tensor:
+def addmm(c: Tensor, a: Tensor, w: Tensor, enabled: bool = True) -> Tensor:
     """``c + a @ w^T`` (``a`` [M, K], ``w`` [N, K], ``c`` [M, N]) into a new tensor: cuBLASLt reading C and
-    writing the output separately where it runs and is faster (see the module's note), else torch's addmm."""
-    if not ENABLED or c.shape != (a.size(0), w.size(0)) or a.size(1) != w.size(1) or not _runs(c, a, w):
+    writing the output separately where it runs and is faster (see the module's note), else torch's addmm.
+    ``enabled``: the ``--kernel-cublaslt`` switch (False: torch's addmm)."""
+    if not enabled or c.shape != (a.size(0), w.size(0)) or a.size(1) != w.size(1) or not _runs(c, a, w):
         return torch.addmm(c, a, w.t())
     try:
         return _lt(c, a, w, lambda out: torch.addmm(c, a, w.t(), out=out))
@@ -224,15 +229,16 @@ def addmm(c: Tensor, a: Tensor, w: Tensor) -> Tensor:
 
 
 @addmm.register_fake
-def _addmm_fake(c, a, w):
+def _addmm_fake(c, a, w, enabled=True):
     return a.new_empty(a.size(0), w.size(0))
 
 
 @torch.library.custom_op("paratron::cublaslt_mm", mutates_args=())
-def mm(a: Tensor, w: Tensor) -> Tensor:
+def mm(a: Tensor, w: Tensor, enabled: bool = True) -> Tensor:
     """``a @ w^T`` (``a`` [M, K], ``w`` [N, K] with rows or columns contiguous) into a new tensor by the faster
-    of torch's mm and cuBLASLt's candidates for its shape (timed at the first call of each shape)."""
-    if not ENABLED or a.size(1) != w.size(1) or not _runs(None, a, w):
+    of torch's mm and cuBLASLt's candidates for its shape (timed at the first call of each shape); ``enabled``:
+    the ``--kernel-cublaslt`` switch (False: torch's mm)."""
+    if not enabled or a.size(1) != w.size(1) or not _runs(None, a, w):
         return torch.mm(a, w.t())
     try:
         return _lt(None, a, w, lambda out: torch.mm(a, w.t(), out=out))
@@ -244,22 +250,22 @@ def mm(a: Tensor, w: Tensor) -> Tensor:
 
 
 @mm.register_fake
-def _mm_fake(a, w):
+def _mm_fake(a, w, enabled=True):
     return a.new_empty(a.size(0), w.size(0))
 
 
 def _setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[-2:])
+    ctx.save_for_backward(*inputs[-3:-1])  # a, w (the last input is the switch)
 
 
 def _addmm_backward(ctx, grad):
     a, w = ctx.saved_tensors
-    return grad, grad @ w, grad.t() @ a
+    return grad, grad @ w, grad.t() @ a, None
 
 
 def _mm_backward(ctx, grad):
     a, w = ctx.saved_tensors
-    return grad @ w, grad.t() @ a
+    return grad @ w, grad.t() @ a, None
 
 
 addmm.register_autograd(_addmm_backward, setup_context=_setup)

@@ -14,7 +14,7 @@ for every GEMM of the step, and cuBLAS cannot do two of them without an extra pa
   (K 8192) 649 at best against 657: so quack takes it up to ``RESIDUAL_MAX_K`` only. Off by default since
   cuBLASLt does the same without the copy (cublaslt.py: 590 against quack's 579 at K 2048, 662 at K 8192;
   +0.38 % in the step): ``residual=default`` brings quack back.
-- ``dgated``: fc2's input gradient with SwiGLU's backward in the epilogue (quack_kernels.py; without
+- ``dgated``: fc2's input gradient with SwiGLU's backward in the epilogue (kernels/quack_mlp.py; without
   the activation's store, quack_dgated.py): 557 TFLOP/s at 128x160 ping-pong against 548 at 128x128 and
   555 at the default 128x192 (with the store: 514 / 506 / 480; benchmarks/results/backward_levers_20261126_1400.md).
 - ``wgrad_fc1`` / ``wgrad_fc2``: the gated MLP's weight gradients added into the fp32 ``main_grad`` by
@@ -28,14 +28,14 @@ for every GEMM of the step, and cuBLAS cannot do two of them without an extra pa
   ~100 ms per 65,536 tokens) and the copy's 1.43 ms is gone: GPU busy 742.6 against 745.0 ms in one command
   (benchmarks/results/profile_kernels_llama-1b_mb16x2_7e718b0_{default,dx}.tsv).
 
-``PARATRON_QUACK_TILES`` overrides the configuration per use, e.g. ``residual=off,dgated=128x192c2x1pp``
+``--kernel-quack-tiles`` overrides the configuration of the gated MLP's uses, e.g. ``dgated=128x192c2x1pp``
 (``off``: the torch / cuBLAS path; ``default``: quack's default tiles); the defaults below are what
-benchmarks/gemm_power.py measured best. The ops run torch expressions on CPUs (the tests) and wherever
+benchmarks/matmul_shapes.py measured best. The residual GEMM keeps its default (off: measured no faster).
+The ops run torch expressions on CPUs (the tests) and wherever
 quack cannot run.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -66,30 +66,27 @@ def parse(spec: str) -> Optional[dict]:
             raise ValueError
         cm, cn = (int(v) for v in rest.removesuffix("pp").removesuffix("coop").split("x"))
     except ValueError:
-        raise ValueError(f"PARATRON_QUACK_TILES: '{spec}' is not default, off or tiles like 256x128c1x2coop "
+        raise ValueError(f"quack tiles: '{spec}' is not default, off or tiles like 256x128c1x2coop "
                          "or 128x128c2x1pp") from None
     return dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=rest.endswith("pp"),
                 is_dynamic_persistent=False)
 
 
-def _tiles(env: Optional[str]) -> dict:
-    """TILES with the ``name=value`` overrides of ``env`` (PARATRON_QUACK_TILES), each value checked."""
-    tiles = dict(TILES)
-    for item in filter(None, (env or "").split(",")):
-        name, _, value = (part.strip() for part in item.partition("="))
-        if name not in TILES or not value:
-            raise ValueError(f"PARATRON_QUACK_TILES: '{item}' is not <{'|'.join(TILES)}>=<tiles|default|off>")
+def tiles(overrides: Optional[dict] = None) -> dict:
+    """TILES with the ``{use: tiles}`` of ``--kernel-quack-tiles`` (parsed by the config), each value checked."""
+    out = dict(TILES)
+    for name, value in (overrides or {}).items():
+        if name not in TILES:
+            raise ValueError(f"quack tiles: no GEMM use '{name}' (one of {', '.join(TILES)})")
         parse(value)
-        tiles[name] = value
-    return tiles
+        out[name] = value
+    return out
 
 
-_TILES = _tiles(os.environ.get("PARATRON_QUACK_TILES"))  # read once: compiled code only reads the answer
-
-
-def tile(name: str) -> str:
-    """The configuration string of use ``name`` ("off", "default" or tiles)."""
-    return _TILES[name]
+def tile(name: str, chosen: Optional[dict] = None) -> str:
+    """The configuration string of use ``name`` ("off", "default" or tiles) in ``chosen`` (a ``tiles()``
+    answer; None: the defaults)."""
+    return (chosen or TILES)[name]
 
 
 def config(spec: str):
@@ -109,7 +106,7 @@ def residual_applies(x: Tensor) -> bool:
     with an inner dimension up to RESIDUAL_MAX_K, quack importable and the ``residual`` use not off (the
     op itself falls back where the GPU is not Hopper)."""
     return (_gemm_raw is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.size(-1) <= RESIDUAL_MAX_K
-            and _TILES["residual"] != "off")
+            and TILES["residual"] != "off")
 
 
 @torch.library.custom_op("paratron::quack_gemm_add", mutates_args=())

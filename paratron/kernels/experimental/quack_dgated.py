@@ -1,6 +1,6 @@
 """fc2's input gradient with SwiGLU's backward in the epilogue, without writing the activation again.
 
-quack's ``gemm_dgated`` (the gated MLP's backward, quack_kernels.py) writes three things from each output
+quack's ``gemm_dgated`` (the gated MLP's backward, kernels/quack_mlp.py) writes three things from each output
 tile: d[gate, up] and the SwiGLU activation recomputed from the kept pre-activation, which fc2's weight
 gradient needs. When the forward's activation is kept instead (it is fc2's input: the forward writes it
 anyway), the second write is 0.54 GB per call on llama-1b (32,768 tokens x 8,192 bf16) out of the

@@ -1,8 +1,5 @@
 """FP8 matmuls for the transformer's linear layers (``--fp8-format``, ``--fp8-recipe``).
 
-Lives in ``parallel`` next to the tensor-parallel layers that call it (``parallel/tensor.py``); the
-model package imports from ``parallel``, never the other way round.
-
 Scaling, as Transformer Engine / Megatron define it: a tensor ``x`` is stored as
 ``q = saturate(x * scale)`` in an FP8 type and read back as ``q / scale``, with
 ``scale = fmax / (amax * 2**margin)`` (``fmax`` = 448 for e4m3, 57344 for e5m2; ``amax`` = max |x|;
@@ -25,15 +22,13 @@ dequantise -> fp32 matmul: for the CPU unit tests of the numerics only, never ch
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-FMAX = {E4M3: 448.0, E5M2: 57344.0}
+from ..kernels.fp8_cast import E4M3, E5M2, FMAX, amax, cast_fp8, compute_scale, dequantize, quantize  # noqa: F401
+
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "delayed")
 REFUSED_RECIPES = {  # Megatron's other choices: why paratron refuses them
@@ -47,30 +42,6 @@ FAST_ACCUM_FORWARD = True  # the forward GEMM with Hopper's fast FP8 accumulatio
 FUSED_CAST_DEVICES = ("cuda",)  # where amax and the scaled cast run as compiled kernels outside compiled regions
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a 0-dim fp32 tensor (no host sync)."""
-    return x.detach().abs().amax().float()
-
-
-def compute_scale(a: torch.Tensor, fmax: float, margin: int = 0) -> torch.Tensor:
-    """fmax / (a * 2**margin) in fp32; 1 where a is 0 / inf / NaN or the quotient is not finite."""
-    a = a.float()
-    scale = fmax / (a * (2.0 ** margin))
-    ok = torch.isfinite(a) & (a > 0) & torch.isfinite(scale)
-    return torch.where(ok, scale, torch.ones_like(scale))
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(x * scale) saturated to +-fmax of ``dtype`` and cast to it (a plain cast of an out-of-range
-    value would give NaN in e4m3fn)."""
-    fmax = FMAX[dtype]
-    return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() / scale).to(dtype)
-
-
 @dataclass(frozen=True)
 class Recipe:
     """The FP8 settings of a run (TrainConfig's fp8_* fields)."""
@@ -80,8 +51,8 @@ class Recipe:
     amax_compute_algo: str = "most_recent"
     margin: int = 0
     emulate: bool = False  # tests only: dequantise + fp32 matmul instead of torch._scaled_mm
-    fuse_mlp: bool = True  # the SwiGLU MLP as one FP8 function (fp8_mlp.py); PARATRON_FP8_FUSED_MLP=0: per layer
-    grad_cast_op: bool = True  # output gradients cast by paratron::cast_fp8; PARATRON_FP8_GRAD_CAST=0: by torch ops
+    fuse_mlp: bool = True  # the MLP as one FP8 function (fp8/mlp.py; --kernel-fp8-fused-mlp): else per layer
+    grad_cast_op: bool = True  # output gradients cast by paratron::cast_fp8 (--kernel-fp8-grad-cast): else torch ops
     fp8_wgrad: bool = True  # --no-fp8-wgrad: weight gradients from the bf16 input and output gradient
     bf16_at_start: int = 0  # --first-last-layers-bf16: the first / last decoder layers stay in the params' dtype
     bf16_at_end: int = 0
@@ -91,12 +62,13 @@ class Recipe:
         return E5M2 if self.format == "hybrid" else E4M3
 
     @classmethod
-    def from_config(cls, tr) -> Optional["Recipe"]:
-        """The recipe of a TrainConfig, None when FP8 is off."""
+    def from_config(cls, tr, kernels=None) -> Optional["Recipe"]:
+        """The recipe of a TrainConfig and the run's kernel switches (``kernels``: a KernelConfig; None: the
+        defaults), None when FP8 is off."""
         if not tr.fp8_format:
             return None
-        fuse = os.environ.get("PARATRON_FP8_FUSED_MLP", "1") != "0"  # switches for side-by-side timing
-        grad_op = os.environ.get("PARATRON_FP8_GRAD_CAST", "1") != "0"
+        fuse = kernels is None or kernels.kernel_fp8_fused_mlp != "off"
+        grad_op = kernels is None or kernels.kernel_fp8_grad_cast != "off"
         edges = (tr.num_layers_at_start_in_bf16, tr.num_layers_at_end_in_bf16) if tr.first_last_layers_bf16 else (0, 0)
         return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin,
                    fuse_mlp=fuse, grad_cast_op=grad_op, fp8_wgrad=not tr.no_fp8_wgrad, bf16_at_start=edges[0],
@@ -185,7 +157,7 @@ class Scaler:
         Triton kernel that reads x once and writes the cast, its transpose and the amax);
         in a compiled region Inductor otherwise fuses the amax into the kernel producing x, which for
         the QKV gradient, assembled from attention's three permuted gradients, ran at a third of the
-        speed of the plain assembly. ``PARATRON_FP8_GRAD_CAST=0`` keeps the torch ops (for an A/B)."""
+        speed of the plain assembly. ``--kernel-fp8-grad-cast off`` keeps the torch ops."""
         if not self.recipe.grad_cast_op:
             q, scale = self.quantize(x)
             return q, q.t().contiguous(), scale
@@ -252,100 +224,5 @@ def input_grad_mm(gq: torch.Tensor, sg: torch.Tensor, wq: torch.Tensor, sw: torc
     return scaled_mm(gq, column_major(wq), sg, sw, out_dtype, emulate)
 
 
-class _FP8Linear(torch.autograd.Function):
-    """y = x W^T with x and W in e4m3; the gradients from the FP8 output gradient and the saved FP8
-    copies of x and W (the bf16 x is not kept). With ``--no-fp8-wgrad`` (``Recipe.fp8_wgrad`` False)
-    the weight gradient is g^T x in the input's dtype from the bf16 g and x (x kept instead of its FP8
-    copy); the input gradient stays FP8."""
-
-    @staticmethod
-    def forward(ctx, x, weight, state):
-        x2 = x.reshape(-1, x.size(-1))
-        y, xq, sx, wq, sw = forward_mm(x2, weight, state, x.dtype)
-        ctx.save_for_backward(xq if state.recipe.fp8_wgrad else x2, wq, sx, sw)
-        ctx.state, ctx.x_shape, ctx.w_dtype = state, x.shape, weight.dtype
-        return y.view(*x.shape[:-1], weight.size(0))
-
-    @staticmethod
-    def backward(ctx, g):
-        x_saved, wq, sx, sw = ctx.saved_tensors
-        state, emulate = ctx.state, ctx.state.recipe.emulate
-        g2 = g.reshape(-1, g.size(-1))
-        if state.recipe.fp8_wgrad:
-            gq, gqt, sg = state.quantize_grad(g2)
-        else:
-            gq, sg = state.quantize("grad", g2)
-        gx = gw = None
-        if ctx.needs_input_grad[0]:  # [m, n] @ [n, k]
-            gx = input_grad_mm(gq, sg, wq, sw, g.dtype, emulate).view(ctx.x_shape)
-        if ctx.needs_input_grad[1] and state.recipe.fp8_wgrad:  # [n, m] @ [m, k]
-            gw = scaled_mm(gqt, column_major(x_saved), sg, sx, ctx.w_dtype, emulate)
-        elif ctx.needs_input_grad[1]:
-            gw = (g2.t() @ x_saved).to(ctx.w_dtype)
-        return gx, gw, None
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias) with FP8 inputs per ``state``'s recipe; output in x's dtype."""
-    return _FP8Linear.apply(x, weight, state)
-
-
-def attach(model: torch.nn.Module, recipe: Optional[Recipe], num_layers: Optional[int] = None) -> int:
-    """Give each transformer QKV / proj / fc1 / fc2 layer of ``model`` its own FP8State (embedding and
-    output layer stay in the parameters' dtype). ``num_layers``: the decoder's (global) layer count, for
-    the recipe's first / last layers kept out of FP8 (``model`` a decoder stack: its layers' indices).
-    Returns how many layers got one."""
-    if recipe is None:
-        return 0
-    skip = {id(m) for layer in getattr(model, "layers", []) if num_layers is not None
-            and recipe.in_bf16(layer.index, num_layers) for m in layer.modules()}
-    n = 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in LAYERS and hasattr(module, "fp8") and id(module) not in skip:
-            module.fp8 = FP8State(recipe, module.weight.device)
-            n += 1
-    return n
-
-
-def device_problem(device: str) -> Optional[str]:
-    """Why FP8 matmuls cannot run on ``device`` ('cpu' / 'cuda'), or None when they can."""
-    need = "--fp8-format needs an FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); this run is on "
-    if device != "cuda" or not torch.cuda.is_available():
-        return need + "cpu"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
-        return need + f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
-    return None
-
-
 # ---- the delayed recipe's amax histories in checkpoints ----------------------------------------
-def delayed_states(models) -> list:
-    """The FP8States of the delayed recipe in ``models``, in module order (the same on every run of
-    the same layout)."""
-    return [m.fp8 for model in models for m in model.modules()
-            if getattr(m, "fp8", None) is not None and m.fp8.recipe.recipe == "delayed"]
 
-
-def histories(states: list) -> Optional[torch.Tensor]:
-    """One flat copy of every amax history of ``states`` (None when there are none)."""
-    hs = [s.history for st in states for s in st.scalers]
-    return torch.cat(hs) if hs and all(h is not None for h in hs) else None
-
-
-def set_histories(states: list, flat: torch.Tensor) -> None:
-    """Write a flat copy made by :func:`histories` back (a resumed run goes on with the saved amaxes)."""
-    for s, h in zip([s for st in states for s in st.scalers], flat.split(states[0].recipe.amax_history_len)):
-        s.history.copy_(h)
-        s.primed = bool(h.any())
-
-
-def prime(states: list) -> None:
-    """After a training step: every delayed scaler of ``states`` takes its scale from its history alone
-    from now on (the step recorded an amax in each). Flips Python flags that compiled layers are
-    specialised on: they are traced once more, with the single-pass casts."""
-    for st in states:
-        for s in st.scalers:
-            s.primed = True
-
-
-from . import fp8_mlp  # noqa: E402,F401  (registers paratron::cast_fp8, which Scaler.quantize_both calls)

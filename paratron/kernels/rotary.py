@@ -50,6 +50,17 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding, rotate-half form, of the first ``cos.size(-1)`` dimensions of ``x`` (the rest
+    passes): the reference of the kernels here, and what the model runs outside them."""
+    d = cos.size(-1)
+    rot, rest = x[..., :d], x[..., d:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)
+
+
 def usable(*tensors: Tensor) -> bool:
     """Whether the kernels run on these tensors: Triton importable, on CUDA (or under Triton's interpreter),
     the first one in a dtype the kernels take, every last dimension contiguous."""
@@ -66,7 +77,6 @@ def _split(qkv5: Tensor) -> tuple[int, int, int, int, int]:
 def rotate_qk_ref(qkv5: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """(q [s, b, heads, d], k [s, b, groups, d]) rotated, contiguous, from qkv5 [s, b, groups, qpg + 2, d] and
     cos / sin [s, d]: the model's ``apply_rotary`` itself."""
-    from .layers import apply_rotary  # layers imports this module (through flash_attention)
     s, b, groups, qpg, d = _split(qkv5)
     cos, sin = cos[:, None, None, :], sin[:, None, None, :]
     q = qkv5[:, :, :, :qpg].reshape(s, b, groups * qpg, d)

@@ -7,11 +7,11 @@ the CuTe DSL, https://github.com/Dao-AILab/flash-attention, the ``flash_attn.cut
 Python, compiled at first use) has forward and backward kernels for Hopper that take the grouped keys
 as they are and any batch / sequence / head strides. Here they are wrapped as two torch custom ops
 (``paratron::flash_attn_fwd`` / ``_bwd``) so that a compiled layer keeps them as single nodes. The forward
-op runs cuDNN's fused forward instead where it can (6 % faster at the power cap; ``PARATRON_ATTN_FWD=fa4``
+op runs cuDNN's fused forward instead where it can and ``cudnn`` is set (``--attention-backend fused``; ``flash``
 keeps FlashAttention-4's): the backward only needs the forward's output and log-sum-exp. A layer with the
 plain rotary embedding takes ``rotary_causal_attention`` instead (``paratron::flash_attn_rope_fwd`` / ``_bwd``):
 the same kernels from the QKV GEMM's output, with the rotation of q and k in two Triton kernels around them
-(rope_kernels.py says why).
+(rotary.py says why).
 
 Layout: q [b, s, heads, d], k / v [b, s, groups, d] -- the transposes of paratron's sequence-first
 activations, no copies; the output is allocated sequence-first ([s, b, heads, d] storage) so that the
@@ -20,31 +20,24 @@ output projection reads it without a copy either.
 Chosen when the model is built on a Hopper GPU in bf16 with flash-attn-4 importable (``paratron[hopper]``)
 and the layer has no sliding window or attention sinks; a forward pass takes it when it is plain causal
 attention over the whole sequence with autograd on and no attention dropout (no mask, no context
-parallelism, no KV cache). Everything else, and ``PARATRON_FLASH_ATTN=0``, stays on SDPA; so does
+parallelism, no KV cache). Everything else, and ``--attention-backend unfused|local``, stays on SDPA; so does
 --deterministic-mode: the backward accumulates dQ with atomics, and the kernels' deterministic variant
 (``deterministic=True``, 4.0.0b10) still gave gradients that differ bit-wise from run to run on an H100
-(benchmarks/results/gpu_tests_flash4_2e5a231.log). The torch
+(a GPU test run of the deterministic variant). The torch
 expressions below (``*_ref``) are the same operations; the ops run them on CPUs (the tests).
 """
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import flash_packed, rope_kernels
-from ..parallel import quack_kernels
-
-# the forward kernel: "cudnn" (cuDNN's fused attention, 366 against FlashAttention-4's 344 TFLOP/s at the H100's
-# power cap at llama-1b's shape, benchmarks/results/backward_levers_20261126_1420.md) or "fa4"; the backward is
-# FlashAttention-4's either way (from the forward's output and log-sum-exp). Read once, like the other switches.
-_FWD = os.environ.get("PARATRON_ATTN_FWD", "cudnn")
-if _FWD not in ("cudnn", "fa4"):
-    raise ValueError(f"PARATRON_ATTN_FWD={_FWD!r}: expected cudnn or fa4")
+from . import rotary
+from .experimental import flash_packed
+from .hardware import hopper_bf16
 
 try:  # optional: pip install flash-attn-4 (Hopper / Blackwell); used only on CUDA
     from flash_attn.cute.interface import _flash_attn_bwd as _fa_bwd, _flash_attn_fwd as _fa_fwd
@@ -52,12 +45,16 @@ except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not 
     _fa_fwd = _fa_bwd = None
 
 
+def available(device, dtype) -> bool:
+    """FlashAttention-4 can run for a module built on ``device`` in ``dtype``: the package importable, bf16 on a
+    Hopper GPU."""
+    return _fa_fwd is not None and hopper_bf16(device, dtype)
+
+
 def wanted(head_dim: int, device, dtype) -> bool:
-    """Whether an attention layer built on ``device`` in ``dtype`` takes FlashAttention-4: the package
-    importable, bf16 on a Hopper GPU (with ``PARATRON_FLASH_ATTN`` not 0), a head dimension its Hopper
-    kernels have (a multiple of 8 up to 256)."""
-    return (_fa_fwd is not None and head_dim % 8 == 0 and head_dim <= 256
-            and quack_kernels.hopper_bf16(device, dtype, "PARATRON_FLASH_ATTN"))
+    """Whether an attention layer built on ``device`` in ``dtype`` can take FlashAttention-4: ``available`` and
+    a head dimension its Hopper kernels have (a multiple of 8 up to 256)."""
+    return head_dim % 8 == 0 and head_dim <= 256 and available(device, dtype)
 
 
 # ---- the operations as torch expressions (the reference; CPUs) ---------------------------------
@@ -116,10 +113,10 @@ _cudnn_op = torch.ops.aten._scaled_dot_product_cudnn_attention
 
 def _cudnn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Optional[tuple[Tensor, Tensor]]:
     """cuDNN's fused causal forward (the kernel SDPA picks on an H100) on the same views, with its log-sum-exp
-    for FlashAttention-4's backward; None where it does not apply (``PARATRON_ATTN_FWD=fa4``, no cuDNN, head
+    for FlashAttention-4's backward; None where it does not apply (no cuDNN, head
     dims over 128) or its output is not sequence-first (it follows q's layout: then FlashAttention-4's forward
     runs; GPU tests: tests/gpu/test_flash_attention_cuda.py, test_rope_flash_cuda.py)."""
-    if _FWD != "cudnn" or q.size(-1) > 128 or v.size(-1) != q.size(-1) or not torch.backends.cudnn.is_available():
+    if q.size(-1) > 128 or v.size(-1) != q.size(-1) or not torch.backends.cudnn.is_available():
         return None
     try:
         out, lse = _cudnn_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, True, False,
@@ -136,8 +133,8 @@ def _cudnn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Optional[tuple[
 
 
 @torch.library.custom_op("paratron::flash_attn_fwd", mutates_args=())
-def _fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    if q.is_cuda and (found := _cudnn_fwd(q, k, v, scale)) is not None:
+def _fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, cudnn: bool) -> tuple[Tensor, Tensor]:
+    if q.is_cuda and cudnn and (found := _cudnn_fwd(q, k, v, scale)) is not None:
         return found
     out = _seq_first_like(q, v.size(-1))
     if not q.is_cuda:
@@ -148,7 +145,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, scale):
+def _fwd_fake(q, k, v, scale, cudnn):
     b, s, h = q.shape[:3]
     return _seq_first_like(q, v.size(-1)), q.new_empty((b, h, s), dtype=torch.float32)
 
@@ -176,7 +173,7 @@ def _bwd_fake(dout, q, k, v, out, lse, scale):
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, k, v, scale = inputs
+    q, k, v, scale, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.scale = scale
@@ -185,22 +182,23 @@ def _setup(ctx, inputs, output) -> None:
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _bwd(dout, q, k, v, out, lse, ctx.scale)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None
 
 
 _fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale=None) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale=None, cudnn: bool = True) -> Tensor:
     """Causal attention of sequence-first q [s, b, heads, d], k / v [s, b, groups, d] (grouped heads);
-    returns [s, b, heads * d]. ``scale`` None: 1 / sqrt(d)."""
+    returns [s, b, heads * d]. ``scale`` None: 1 / sqrt(d). ``cudnn``: cuDNN's fused forward where it runs
+    (``--attention-backend fused``), else FlashAttention-4's."""
     s, b, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out, _ = _fwd(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale)
+    out, _ = _fwd(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, cudnn)
     return out.transpose(0, 1).reshape(s, b, h * v.size(-1))
 
 
-# ---- with the rotary embedding of q and k around it (rope_kernels.py) ----------------------------------------
+# ---- with the rotary embedding of q and k around it (rotary.py) ----------------------------------------
 # One op from the QKV GEMM's output to attention's output: its forward rotates q and k in one kernel and runs
 # FlashAttention-4 on them and on v, a strided slice of the QKV output; its backward allocates the QKV gradient
 # [s, b, groups, q_per_group + 2, d], lets FlashAttention-4 write dv and dk into their slots (its kernels are
@@ -209,15 +207,17 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale=None) -> Tensor:
 # fp32 dK / dV accumulators into them), dq into a buffer of its own (the query heads are not evenly strided
 # inside a group's slots), then one kernel rotates dq into the query slots and dk back in place.
 @torch.library.custom_op("paratron::flash_attn_rope_fwd", mutates_args=())
-def _rope_fwd(qkv5: Tensor, cos: Tensor, sin: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(q and k rotated [s, b, heads | groups, d] -- kept for the backward --, out [s, b, heads, d], lse)."""
-    q, k = rope_kernels.rotate_qk(qkv5, cos, sin)
-    out, lse = _fwd(q.transpose(0, 1), k.transpose(0, 1), qkv5[:, :, :, -1].transpose(0, 1), scale)
+def _rope_fwd(qkv5: Tensor, cos: Tensor, sin: Tensor, scale: float, cudnn: bool,
+              packed: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q and k rotated [s, b, heads | groups, d] -- kept for the backward --, out [s, b, heads, d], lse).
+    ``packed``: the backward may take the experimental packed grouped-key kernel (kernels/experimental)."""
+    q, k = rotary.rotate_qk(qkv5, cos, sin)
+    out, lse = _fwd(q.transpose(0, 1), k.transpose(0, 1), qkv5[:, :, :, -1].transpose(0, 1), scale, cudnn)
     return q, k, out.transpose(0, 1), lse
 
 
 @_rope_fwd.register_fake
-def _rope_fwd_fake(qkv5, cos, sin, scale):
+def _rope_fwd_fake(qkv5, cos, sin, scale, cudnn, packed):
     s, b, groups, slots, d = qkv5.shape
     heads = groups * (slots - 2)
     return (qkv5.new_empty(s, b, heads, d), qkv5.new_empty(s, b, groups, d), qkv5.new_empty(s, b, heads, d),
@@ -226,55 +226,57 @@ def _rope_fwd_fake(qkv5, cos, sin, scale):
 
 @torch.library.custom_op("paratron::flash_attn_rope_bwd", mutates_args=())
 def _rope_bwd(dout: Tensor, qkv5: Tensor, cos: Tensor, sin: Tensor, q: Tensor, k: Tensor, out: Tensor,
-              lse: Tensor, scale: float) -> Tensor:
+              lse: Tensor, scale: float, packed: bool) -> Tensor:
     """The gradient of qkv5 (contiguous) from the output's gradient dout [s, b, heads, d]."""
     dqkv = qkv5.new_empty(qkv5.shape)
     dk, dv = dqkv[:, :, :, -2], dqkv[:, :, :, -1]  # FlashAttention-4 writes them in place
     v = qkv5[:, :, :, -1]
     args = tuple(t.transpose(0, 1) for t in (dout, q, k, v, out))
-    if flash_packed.applies(args[1], args[2], args[0]):  # a group's query heads in one CTA (flash_packed.py)
+    if packed and flash_packed.applies(args[1], args[2], args[0]):  # a group's query heads in one CTA
         dq = flash_packed.backward(*args, lse, scale, dk.transpose(0, 1), dv.transpose(0, 1))
-        rope_kernels.unrotate_into_(dqkv, dq.permute(2, 0, 1, 3, 4), cos, sin)  # its buffer read in place
+        rotary.unrotate_into_(dqkv, dq.permute(2, 0, 1, 3, 4), cos, sin)  # its buffer read in place
         return dqkv
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _bwd_into(*args, lse, scale, *(t.transpose(0, 1) for t in (dq, dk, dv)))
-    rope_kernels.unrotate_into_(dqkv, dq, cos, sin)
+    rotary.unrotate_into_(dqkv, dq, cos, sin)
     return dqkv
 
 
 @_rope_bwd.register_fake
-def _rope_bwd_fake(dout, qkv5, cos, sin, q, k, out, lse, scale):
+def _rope_bwd_fake(dout, qkv5, cos, sin, q, k, out, lse, scale, packed):
     return qkv5.new_empty(qkv5.shape)
 
 
 def _rope_setup(ctx, inputs, output) -> None:
-    qkv5, cos, sin, scale = inputs
+    qkv5, cos, sin, scale, _, packed = inputs
     q, k, out, lse = output
     ctx.save_for_backward(qkv5, cos, sin, q, k, out, lse)
-    ctx.scale = scale
+    ctx.scale, ctx.packed = scale, packed
     ctx.mark_non_differentiable(q, k, lse)  # the rotated q and k are outputs only to be kept for the backward
     ctx.set_materialize_grads(False)  # no zero gradients made for them
 
 
 def _rope_backward(ctx, dq_unused, dk_unused, dout, dlse_unused):
     if dout is None:
-        return None, None, None, None
+        return None, None, None, None, None, None
     qkv5, cos, sin, q, k, out, lse = ctx.saved_tensors
-    return _rope_bwd(dout, qkv5, cos, sin, q, k, out, lse, ctx.scale), None, None, None
+    return _rope_bwd(dout, qkv5, cos, sin, q, k, out, lse, ctx.scale, ctx.packed), None, None, None, None, None
 
 
 _rope_fwd.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 
-def rotary_causal_attention(qkv5: Tensor, cos: Tensor, sin: Tensor, scale, q_per_group: int) -> Tensor:
+def rotary_causal_attention(qkv5: Tensor, cos: Tensor, sin: Tensor, scale, q_per_group: int, cudnn: bool = True,
+                            packed: bool = True) -> Tensor:
     """Causal attention of the QKV GEMM's output viewed [s, b, groups, q_per_group + 2, d] (per group its query
     heads, its key head, its value head) with the rotary embedding (rotate-half, the whole head) of its queries
     and keys: ``apply_rotary`` then ``causal_attention`` as one op. cos / sin: [s, d] or [s, 1, 1, d] (no cos / sin
-    gradient). Returns [s, b, heads * d]. ``scale`` None: 1 / sqrt(d)."""
+    gradient). Returns [s, b, heads * d]. ``scale`` None: 1 / sqrt(d). ``cudnn`` as ``causal_attention``;
+    ``packed``: the backward may take the experimental packed grouped-key kernel where it applies."""
     s, b, groups, slots, d = qkv5.shape
     if slots != q_per_group + 2 or cos.numel() != s * d or sin.numel() != s * d:
         raise ValueError(f"rotary_causal_attention: qkv {tuple(qkv5.shape)} with {q_per_group} queries per group, "
                          f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    _, _, out, _ = _rope_fwd(qkv5, cos.reshape(s, d), sin.reshape(s, d), scale)
+    _, _, out, _ = _rope_fwd(qkv5, cos.reshape(s, d), sin.reshape(s, d), scale, cudnn, packed)
     return out.reshape(s, b, groups * q_per_group * d)

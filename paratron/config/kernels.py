@@ -1,0 +1,98 @@
+"""The kernel switches: one field per choice of code path (which attention kernel, which GEMM library, which
+fusion), the ``kernels:`` section of a YAML file and ``--kernel-...`` flags (Megatron's own flag where one
+exists: ``--attention-backend``, ``--no-rope-fusion``).
+
+``auto`` asks for the fastest path the device, the dtype and the installed packages allow; ``on`` / a named
+path asks for that path, which still steps aside (to the plain torch path) where it cannot run; ``off`` / the
+plain name never takes it. The training run resolves ``auto`` into what will run before it builds the model
+(paratron/kernels/switches.py), prints asked / available / runs at start-up, and the checkpoint's saved
+config holds what ran. Shape conditions (a head size FlashAttention-4 has no kernel for, a width quack's
+loads cannot take) are checked per module as it is built: the record says what may run, the modules run it
+where it fits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .section_base import Section
+
+AUTO_ON_OFF = ("auto", "on", "off")
+# the legal values of every switch (the first is the default)
+CHOICES: dict[str, tuple] = {
+    "attention_backend": ("auto", "flash", "fused", "unfused", "local"),
+    "kernel_packed_gqa_backward": AUTO_ON_OFF,
+    "kernel_decode_attention": ("auto", "triton", "sdpa"),
+    "kernel_rmsnorm": ("auto", "quack", "torch"),
+    "kernel_gated_mlp": ("auto", "quack", "torch"),
+    "kernel_gated_mlp_wgrad": ("cublas", "quack"),
+    "kernel_keep_swiglu_activation": ("on", "off"),
+    "kernel_cublaslt": AUTO_ON_OFF,
+    "kernel_fused_accumulate": AUTO_ON_OFF,
+    "kernel_cross_entropy": ("auto", "triton", "compiled"),
+    "kernel_ce_fast_exp": ("on", "off"),
+    "kernel_fused_adamw": AUTO_ON_OFF,
+    "kernel_fp8_fused_mlp": ("on", "off"),
+    "kernel_fp8_grad_cast": ("on", "off"),
+    "kernel_compile_coordinate_descent": AUTO_ON_OFF,
+    "kernel_decode_coordinate_descent": AUTO_ON_OFF,
+}
+QUACK_TILE_USES = ("dgated", "dx", "wgrad_fc1", "wgrad_fc2")  # the gated MLP's GEMMs whose tiles can be set
+
+
+@dataclass(eq=True)
+class KernelConfig(Section):
+    _name = "kernels"
+    # Megatron's: auto | flash (FlashAttention-4 forward and backward) | fused (cuDNN's fused forward with
+    # FlashAttention-4's backward) | unfused / local (torch SDPA); auto: fused where it runs, else SDPA
+    attention_backend: str = "auto"
+    no_rope_fusion: bool = False  # rotary embedding as torch ops, not inside the FlashAttention-4 op
+    kernel_packed_gqa_backward: str = "auto"  # experimental: FA4's backward over packed grouped keys (4.0.0b10 only)
+    kernel_decode_attention: str = "auto"  # generation's attention over the KV cache: triton kernel | sdpa
+    kernel_rmsnorm: str = "auto"  # RMSNorm in training: quack's kernels (Hopper, bf16) | torch
+    kernel_gated_mlp: str = "auto"  # SwiGLU MLP with the activation in quack's GEMM epilogues (Hopper) | torch
+    kernel_gated_mlp_wgrad: str = "cublas"  # fc1's weight gradient of the gated MLP: cublas (into main_grad) | quack
+    kernel_keep_swiglu_activation: str = "on"  # gated MLP: keep the activation for fc2's weight gradient
+    kernel_quack_tiles: str = "default"  # gated MLP GEMM tiles: default, or use=tiles,... e.g. dx=256x128c1x2coop
+    kernel_cublaslt: str = "auto"  # GEMMs through cuBLASLt with a timed choice of algorithm (off: torch's calls)
+    kernel_fused_accumulate: str = "auto"  # micro-batch gradients added into main_grad by one Triton pass
+    kernel_cross_entropy: str = "auto"  # output layer's loss: one Triton pass | two compiled passes
+    kernel_ce_fast_exp: str = "on"  # the cross-entropy kernel's approximate exp (off: libdevice's expf)
+    kernel_fused_adamw: str = "auto"  # AdamW + the bf16 copy of the weights in one Triton pass
+    kernel_fp8_fused_mlp: str = "on"  # FP8: the MLP as one function writing its activation in FP8 (off: per layer)
+    kernel_fp8_grad_cast: str = "on"  # FP8: output gradients cast by one kernel (off: torch ops)
+    kernel_compile_coordinate_descent: str = "auto"  # torch.compile's coordinate-descent tuning of the layers
+    kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch sizes > 1)
+
+
+def parse_quack_tiles(spec: str) -> dict:
+    """``use=tiles,...`` of --kernel-quack-tiles -> {use: tiles}; "default" -> {}. Tiles are "default",
+    "off" or tile_m x tile_n, cluster m x n, ping-pong or cooperative: 256x128c1x2coop, 128x160c2x1pp."""
+    out: dict = {}
+    for item in filter(None, (spec or "").split(",")):
+        if item.strip() == "default":
+            continue
+        use, _, value = (part.strip() for part in item.partition("="))
+        if use not in QUACK_TILE_USES or not _tiles_ok(value):
+            raise ConfigError(f"--kernel-quack-tiles {spec}: '{item}' is not <{'|'.join(QUACK_TILE_USES)}>="
+                              "<default|off|TMxTNcCMxCN(pp|coop)>, e.g. dx=256x128c1x2coop")
+        out[use] = value
+    return out
+
+
+def _tiles_ok(value: str) -> bool:
+    if value in ("default", "off"):
+        return True
+    mn, sep, rest = value.partition("c")
+    body = rest.removesuffix("pp").removesuffix("coop")
+    parts = mn.split("x") + body.split("x")
+    return bool(sep) and rest != body and len(parts) == 4 and all(p.isdigit() for p in parts)
+
+
+def check_kernels(k: KernelConfig) -> None:
+    """Every switch holds one of its values; the tiles parse."""
+    for name, choices in CHOICES.items():
+        value = getattr(k, name)
+        if value not in choices:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: choose one of {', '.join(choices)}")
+    parse_quack_tiles(k.kernel_quack_tiles)

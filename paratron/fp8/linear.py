@@ -1,0 +1,105 @@
+"""The FP8 linear: ``y = x W^T`` with x and W in e4m3 and the output gradient in e5m2 (``hybrid``) or e4m3,
+the gradients from the FP8 copies the forward saved; the layers that take it (``attach``), the device check,
+and the delayed recipe's amax histories as checkpoints store them. The scaling recipes are in
+paratron/fp8/recipe.py; the casts in paratron/kernels/fp8_cast.py."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .recipe import LAYERS, FP8State, Recipe, column_major, forward_mm, input_grad_mm, scaled_mm
+
+class _FP8Linear(torch.autograd.Function):
+    """y = x W^T with x and W in e4m3; the gradients from the FP8 output gradient and the saved FP8
+    copies of x and W (the bf16 x is not kept). With ``--no-fp8-wgrad`` (``Recipe.fp8_wgrad`` False)
+    the weight gradient is g^T x in the input's dtype from the bf16 g and x (x kept instead of its FP8
+    copy); the input gradient stays FP8."""
+
+    @staticmethod
+    def forward(ctx, x, weight, state):
+        x2 = x.reshape(-1, x.size(-1))
+        y, xq, sx, wq, sw = forward_mm(x2, weight, state, x.dtype)
+        ctx.save_for_backward(xq if state.recipe.fp8_wgrad else x2, wq, sx, sw)
+        ctx.state, ctx.x_shape, ctx.w_dtype = state, x.shape, weight.dtype
+        return y.view(*x.shape[:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx, g):
+        x_saved, wq, sx, sw = ctx.saved_tensors
+        state, emulate = ctx.state, ctx.state.recipe.emulate
+        g2 = g.reshape(-1, g.size(-1))
+        if state.recipe.fp8_wgrad:
+            gq, gqt, sg = state.quantize_grad(g2)
+        else:
+            gq, sg = state.quantize("grad", g2)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:  # [m, n] @ [n, k]
+            gx = input_grad_mm(gq, sg, wq, sw, g.dtype, emulate).view(ctx.x_shape)
+        if ctx.needs_input_grad[1] and state.recipe.fp8_wgrad:  # [n, m] @ [m, k]
+            gw = scaled_mm(gqt, column_major(x_saved), sg, sx, ctx.w_dtype, emulate)
+        elif ctx.needs_input_grad[1]:
+            gw = (g2.t() @ x_saved).to(ctx.w_dtype)
+        return gx, gw, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) with FP8 inputs per ``state``'s recipe; output in x's dtype."""
+    return _FP8Linear.apply(x, weight, state)
+
+
+def attach(model: torch.nn.Module, recipe: Optional[Recipe], num_layers: Optional[int] = None) -> int:
+    """Give each transformer QKV / proj / fc1 / fc2 layer of ``model`` its own FP8State (embedding and
+    output layer stay in the parameters' dtype). ``num_layers``: the decoder's (global) layer count, for
+    the recipe's first / last layers kept out of FP8 (``model`` a decoder stack: its layers' indices).
+    Returns how many layers got one."""
+    if recipe is None:
+        return 0
+    skip = {id(m) for layer in getattr(model, "layers", []) if num_layers is not None
+            and recipe.in_bf16(layer.index, num_layers) for m in layer.modules()}
+    n = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in LAYERS and hasattr(module, "fp8") and id(module) not in skip:
+            module.fp8 = FP8State(recipe, module.weight.device)
+            n += 1
+    return n
+
+
+def device_problem(device: str) -> Optional[str]:
+    """Why FP8 matmuls cannot run on ``device`` ('cpu' / 'cuda'), or None when they can."""
+    need = "--fp8-format needs an FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); this run is on "
+    if device != "cuda" or not torch.cuda.is_available():
+        return need + "cpu"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return need + f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
+    return None
+
+
+def delayed_states(models) -> list:
+    """The FP8States of the delayed recipe in ``models``, in module order (the same on every run of
+    the same layout)."""
+    return [m.fp8 for model in models for m in model.modules()
+            if getattr(m, "fp8", None) is not None and m.fp8.recipe.recipe == "delayed"]
+
+
+def histories(states: list) -> Optional[torch.Tensor]:
+    """One flat copy of every amax history of ``states`` (None when there are none)."""
+    hs = [s.history for st in states for s in st.scalers]
+    return torch.cat(hs) if hs and all(h is not None for h in hs) else None
+
+
+def set_histories(states: list, flat: torch.Tensor) -> None:
+    """Write a flat copy made by :func:`histories` back (a resumed run goes on with the saved amaxes)."""
+    for s, h in zip([s for st in states for s in st.scalers], flat.split(states[0].recipe.amax_history_len)):
+        s.history.copy_(h)
+        s.primed = bool(h.any())
+
+
+def prime(states: list) -> None:
+    """After a training step: every delayed scaler of ``states`` takes its scale from its history alone
+    from now on (the step recorded an amax in each). Flips Python flags that compiled layers are
+    specialised on: they are traced once more, with the single-pass casts."""
+    for st in states:
+        for s in st.scalers:
+            s.primed = True

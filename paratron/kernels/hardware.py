@@ -1,0 +1,13 @@
+"""What the device offers the optional kernels: a Hopper GPU in bf16 (quack's and FlashAttention-4's
+kernels are built for compute capability 9.0)."""
+from __future__ import annotations
+
+import torch
+
+
+def hopper_bf16(device, dtype) -> bool:
+    """A module built on ``device`` in ``dtype`` may take an optional Hopper kernel: bf16 on a Hopper GPU."""
+    if dtype != torch.bfloat16:
+        return False
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9

@@ -1,0 +1,99 @@
+"""The kernel switches resolved for a run: each ``auto`` of the ``kernels`` config section (config/kernels.py)
+becomes the path that will run on this device, in this dtype, with the packages installed; an explicit choice
+stays as asked. ``table`` gives what was asked, what is available and what runs, for the start-up lines and
+the docs. The training run stores the resolved record in its config, so the checkpoint says what trained the
+model."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..config.kernels import CHOICES, KernelConfig
+from . import cublaslt, decode_attention, flash_attention, fused_adamw, quack_mlp, quack_norm  # noqa: F401
+from .experimental import flash_packed
+
+try:
+    import triton  # noqa: F401
+    _TRITON = True
+except ImportError:
+    _TRITON = False
+
+
+def availability(device, dtype, deterministic: bool = False) -> dict:
+    """{switch: (what ``auto`` resolves to, why)} for a model on ``device`` in ``dtype``."""
+    cuda = torch.device(device).type == "cuda"
+    fa4 = flash_attention.available(device, dtype)
+    quack = quack_mlp.available(device, dtype)
+    triton_gpu = cuda and _TRITON
+    why_fa4 = "FlashAttention-4 on Hopper in bf16" if fa4 else "needs flash-attn-4 (paratron[hopper]), Hopper, bf16"
+    why_quack = "quack-kernels on Hopper in bf16" if quack else "needs quack-kernels (paratron[hopper]), Hopper, bf16"
+    packed = fa4 and flash_packed.IMPORTED and flash_packed._version() == flash_packed.VERSION
+    return {
+        "attention_backend": ("fused" if fa4 and not deterministic else "unfused",
+                              "deterministic mode: SDPA" if fa4 and deterministic else why_fa4),
+        "no_rope_fusion": (not fa4, why_fa4),
+        "kernel_packed_gqa_backward": ("on" if packed else "off",
+                                       f"flash-attn-4 {flash_packed.VERSION} on Hopper" if packed
+                                       else f"needs flash-attn-4 {flash_packed.VERSION} exactly, Hopper, bf16"),
+        "kernel_decode_attention": ("triton" if triton_gpu else "sdpa", "Triton on CUDA" if triton_gpu
+                                    else "needs Triton and CUDA"),
+        "kernel_rmsnorm": ("quack" if quack_norm.available(device, dtype) else "torch", why_quack),
+        "kernel_gated_mlp": ("quack" if quack else "torch", why_quack),
+        "kernel_cublaslt": ("on" if cuda and not deterministic else "off",
+                            "deterministic mode: its timed choice could differ between runs" if deterministic
+                            else "cuBLASLt on CUDA in bf16" if cuda else "CUDA only"),
+        "kernel_fused_accumulate": ("on" if triton_gpu else "off", "Triton on CUDA" if triton_gpu
+                                    else "needs Triton and CUDA"),
+        "kernel_cross_entropy": ("triton" if triton_gpu else "compiled", "Triton on CUDA" if triton_gpu
+                                 else "needs Triton and CUDA"),
+        "kernel_fused_adamw": ("on" if fused_adamw.available(device) else "off",
+                               "Triton on CUDA" if fused_adamw.available(device) else "needs Triton and CUDA"),
+        "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
+                                              if cuda else "CUDA only"),
+        "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),
+    }
+
+
+def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False) -> KernelConfig:
+    """A copy of ``asked`` with every ``auto`` replaced by what runs here (``no_rope_fusion``: set where the
+    fused rotary attention cannot run)."""
+    found = availability(device, dtype, deterministic)
+    changes = {name: found[name][0] for name in found
+               if name != "no_rope_fusion" and getattr(asked, name) == "auto"}
+    if found["no_rope_fusion"][0]:
+        changes["no_rope_fusion"] = True
+    out = dataclasses.replace(asked.unfrozen() if asked.is_resolved else asked, **changes)
+    return out
+
+
+def table(asked: KernelConfig, runs: KernelConfig, found: Optional[dict] = None) -> list[tuple]:
+    """(flag, asked, runs, why) per switch, in the section's order."""
+    found = found or {}
+    rows = []
+    for f in dataclasses.fields(KernelConfig):
+        why = found.get(f.name, ("", ""))[1]
+        rows.append((f"--{f.name.replace('_', '-')}", getattr(asked, f.name), getattr(runs, f.name), why))
+    return rows
+
+
+def startup_lines(asked: KernelConfig, device, dtype, deterministic: bool = False) -> list[str]:
+    """The start-up lines: every switch as asked -> as it runs, and why where ``auto`` decided."""
+    found = availability(device, dtype, deterministic)
+    runs = resolve(asked, device, dtype, deterministic)
+    lines = [" kernel switches (asked -> runs; config/kernels.py):"]
+    for flag, a, r, why in table(asked, runs, found):
+        note = f"  [{why}]" if a != r and why else ""
+        lines.append(f"   {flag} {a}" + (f" -> {r}" if a != r else "") + note)
+    return lines
+
+
+def choices_markdown() -> str:
+    """The switches as a Markdown table (flag, values, default) for docs/performance.md."""
+    out = ["| switch | values (first: default) |", "|---|---|"]
+    for f in dataclasses.fields(KernelConfig):
+        values = CHOICES.get(f.name)
+        shown = " / ".join(values) if values else ("true / false" if f.type in (bool, "bool") else "see --help")
+        out.append(f"| `--{f.name.replace('_', '-')}` | {shown} |")
+    return "\n".join(out)
