@@ -20,10 +20,9 @@ SMALL_BATCH = 1  # up to this batch size the decode step is tuned for a single r
 def compile_options(batch: int) -> dict:
     """Inductor options of the decode step for ``batch`` rows. At batch 1 coordinate-descent tuning also
     makes Inductor write each one-row matmul as a Triton reduction fused with its neighbours (the norm
-    before it, SwiGLU, the residual add): llama-1b on an H100 decodes 814 instead of 771 tokens/s
-    (benchmarks/results/decode_bench_llama-1b_20261126_042714.md against ..._042354.md), 897 with fc2's
-    residual add fused too (..._043044.md). Inductor writes matmuls that way for one row only, so larger
-    batches skip the tuning (it costs compilation time: 2,866 tokens/s at batch 4 with it, 2,874 without).
+    before it, SwiGLU, the residual add), which makes batch-1 decoding faster on an H100
+    (benchmarks/results/decode_bench_llama-1b_20261126_043044.md). Inductor writes matmuls that way for one row
+    only, so larger batches skip the tuning (it costs compilation time and gains nothing there).
     ``PARATRON_DECODE_CD=0`` / ``=1`` forces it off / on."""
     forced = os.environ.get("PARATRON_DECODE_CD")
     on = batch <= SMALL_BATCH if forced is None else forced == "1"

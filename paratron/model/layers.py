@@ -368,8 +368,8 @@ class Attention(nn.Module):
         scale = self.scale if self.scale is not None else self.d ** -0.5
         if b <= SMALL_DECODE_BATCH and _DECODE_ATTN != "sdpa":
             # one row: scores and values as matmuls around one fused softmax kernel (SDPA's fused kernel
-            # has a block per row and head group only: 771 against 738 tokens/s on llama-1b). More rows:
-            # the Triton kernel (batch 32: 22,264 against SDPA's 19,654; decode_attention.py)
+            # has a block per row and head group only). More rows: the Triton kernel (decode_attention.py;
+            # faster than SDPA's at batch 32: benchmarks/results/decode_bench_llama-1b_20261126_045119.md)
             out = decode_attention.masked_attention(grouped, k, v, ctx.mask, scale)
             return out.reshape(b, self.heads, 1, self.d)
         bounds = ctx.kv_cache.bounds()

@@ -22,10 +22,10 @@ def params_dtype(cfg: Config) -> torch.dtype:
 
 def compile_options(device: torch.device) -> dict:
     """Inductor options for the compiled regions. On GPUs, coordinate-descent tuning of the generated
-    Triton kernels (norms, GeLU, residual adds): measured +1.3 % tokens/s on gpt-350m on an H100
+    Triton kernels (norms, GeLU, residual adds): a faster step on gpt-350m on an H100
     (benchmarks/results/train_throughput_gpt-350m_20261122_103813.md), for about a minute more of
     compilation. PARATRON_COORDINATE_DESCENT=0 turns it off (an FP8 llama-1b layer has many more
-    Triton kernels to tune: its first compile on a fresh machine took over 4 minutes with it)."""
+    Triton kernels to tune: its first compile on a fresh machine takes minutes longer with it)."""
     if device.type != "cuda" or os.environ.get("PARATRON_COORDINATE_DESCENT", "1") == "0":
         return {}
     return {"coordinate_descent_tuning": True}
