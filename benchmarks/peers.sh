@@ -68,7 +68,7 @@ if [ ${#variants[@]} -gt 0 ] || [ ${#hf[@]} -gt 0 ]; then
 fi
 if want moe; then
     python benchmarks/train_throughput.py --config moe-mini --record-dir "$out" \
-        --variant "moe:--torch-compile --moe-grouped-gemm --micro-batch-size $moe_mb" 2>&1 | grep -v "Warn\|warn" | tail -3
+        --variant "moe:--torch-compile --moe-grouped-gemm --micro-batch-size $moe_mb --global-batch-size $moe_mb" 2>&1 | grep -v "Warn\|warn" | tail -3
 fi
 if want decode || want hf; then
     nohf=(--no-hf)
