@@ -29,6 +29,7 @@ test-fast: $(VENV)/.installed
 
 docs: $(VENV)/.installed
 	$(BIN)/python tools/gen_config_docs.py
+	$(BIN)/python tools/gen_layout.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

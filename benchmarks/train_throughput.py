@@ -78,8 +78,8 @@ def run_paratron(preset: str, flags: list[str], warmup: int, steps: int) -> dict
 
 
 def run_hf(preset: str, compiled: bool) -> dict:
-    """The peers' baseline (../shared/bench/peers.py, carried as .peers/peers.py), same process."""
-    sys.path.insert(0, str(ROOT / ".peers"))
+    """The peers' baseline (../shared/bench/peers.py, carried in $PEERS_DIR, default .peers/), same process."""
+    sys.path.insert(0, os.environ.get("PEERS_DIR") or str(ROOT / ".peers"))
     import peers  # noqa: E402  (only present where carried)
     torch.cuda.reset_peak_memory_stats()
     r = peers.hf(peers.CONFIGS[preset], compiled)
@@ -120,7 +120,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--variant", action="append", default=[],
                    help="NAME:FLAGS, e.g. 'compiled:--torch-compile --micro-batch-size 8' (repeatable)")
-    p.add_argument("--hf", action="store_true", help="also run HF transformers + torch.compile (needs .peers/)")
+    p.add_argument("--hf", action="store_true", help="also run HF transformers + torch.compile (needs peers.py in $PEERS_DIR or .peers/)")
     p.add_argument("--hf-eager", action="store_true", help="also run HF transformers eager")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set torch._inductor.config.KEY (an experiment knob, e.g. coordinate_descent_tuning=True)")

@@ -18,10 +18,10 @@ SMALL_BATCH = 1  # up to this batch size the decode step is tuned for a single r
 def compile_options(batch: int, switch: str = "auto") -> dict:
     """Inductor options of the decode step for ``batch`` rows. At batch 1 coordinate-descent tuning also
     makes Inductor write each one-row matmul as a Triton reduction fused with its neighbours (the norm
-    before it, SwiGLU, the residual add), which decodes faster
-    (benchmarks/results/decode_bench_llama-1b_20261126_042714.md).
-    Inductor writes matmuls that way for one row only, so larger batches skip the tuning (it costs compilation
-    time for no gain there). ``switch``: ``--kernel-decode-coordinate-descent`` (on / off force it)."""
+    before it, SwiGLU, the residual add), which makes batch-1 decoding faster on an H100
+    (benchmarks/results/decode_bench_llama-1b_20261126_043044.md). Inductor writes matmuls that way for one row
+    only, so larger batches skip the tuning (it costs compilation time and gains nothing there). ``switch``:
+    ``--kernel-decode-coordinate-descent`` (on / off force it)."""
     on = batch <= SMALL_BATCH if switch == "auto" else switch == "on"
     return {"coordinate_descent_tuning": True} if on else {}
 

@@ -4,10 +4,9 @@ Grouped-query decoding attends ``q_per_group`` query heads of each key/value gro
 that group's cached keys: q ``[b, groups, q_per_group, d]`` against k, v ``[b, groups, capacity, d]``.
 The keys a row may see are its real slots up to the current one: ``pad[row] <= t <= slot`` (the cache
 is left-padded; ``paratron/inference/cache.py``). SDPA's fused kernel, given that as a mask, runs one
-block of 64 query rows per (row, group) for 4 real queries over the whole capacity: 14 us per layer at
-batch 32 on llama-1b (H100), a third of the decode step's non-GEMM time
-(benchmarks/results/decode_kernels_b32.tsv). This kernel runs one program per (row, group), computes the
-mask from ``pad`` and ``slot`` itself and stops at ``slot``: the cache beyond it is never read. ``slot``
+block of 64 query rows per (row, group) for 4 real queries over the whole capacity. This kernel runs one
+program per (row, group), computes the mask from ``pad`` and ``slot`` itself and stops at ``slot``: the cache
+beyond it is never read. ``slot``
 and ``pad`` are read from device memory, so a captured CUDA graph replays it for every step.
 
 On CPUs, or without Triton, :func:`decode_attention` is the torch expression

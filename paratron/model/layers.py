@@ -377,7 +377,8 @@ class Attention(nn.Module):
         scale = self.scale if self.scale is not None else self.d ** -0.5
         if b <= SMALL_DECODE_BATCH and self.decode_kernel != "sdpa":
             # one row: scores and values as matmuls around one fused softmax kernel (SDPA's fused kernel
-            # has a block per row and head group only). More rows: the Triton kernel (kernels/decode_attention.py)
+            # has a block per row and head group only). More rows: the Triton kernel (kernels/decode_attention.py;
+            # faster than SDPA's at batch 32: benchmarks/results/decode_bench_llama-1b_20261126_045119.md)
             out = decode_attention.masked_attention(grouped, k, v, ctx.mask, scale)
             return out.reshape(b, self.heads, 1, self.d)
         bounds = ctx.kv_cache.bounds()

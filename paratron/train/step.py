@@ -36,10 +36,10 @@ def resolve_kernels(cfg: Config, device: torch.device) -> Config:
 
 def compile_options(device: torch.device, switch: str = "auto") -> dict:
     """Inductor options for the compiled regions. On GPUs, coordinate-descent tuning of the generated
-    Triton kernels (norms, GeLU, residual adds): faster steps for about a minute more of compilation
-    (benchmarks/results/train_throughput_gpt-350m_20261122_103813.md). ``switch``:
-    ``--kernel-compile-coordinate-descent`` (off: an FP8 llama-1b layer has many more Triton kernels to tune,
-    and its first compile on a fresh machine takes minutes longer with it)."""
+    Triton kernels (norms, GeLU, residual adds): a faster step on gpt-350m on an H100
+    (benchmarks/results/train_throughput_gpt-350m_20261122_103813.md), for about a minute more of
+    compilation. ``switch``: ``--kernel-compile-coordinate-descent`` (off: an FP8 llama-1b layer has many more
+    Triton kernels to tune: its first compile on a fresh machine takes minutes longer with it)."""
     if device.type != "cuda" or switch == "off":
         return {}
     return {"coordinate_descent_tuning": True}
