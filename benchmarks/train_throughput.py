@@ -3,12 +3,9 @@ Hugging Face transformers baseline measured in the same process.
 
     python benchmarks/train_throughput.py --config gpt-350m [--hf] [--variant NAME:FLAGS ...]
 
-Each variant is a set of extra Megatron/paratron flags (e.g. `compiled:--torch-compile`); a token
-`PARATRON_NAME=VALUE` among them sets that environment switch for the variant alone (e.g.
-`PARATRON_FP8_GRAD_CAST=0`). With more than one variant each runs in a fresh child process: several
-switches are read once when their module is imported (the quack tiles, the fused rotary and cross-entropy),
-so a variant in a process that had already imported paratron would silently measure the first one's
-settings (the twelfth session's side-by-side "switched back" rows did). The step is
+Each variant is a set of extra Megatron/paratron flags (e.g. `compiled:--torch-compile`, or a kernel switch
+such as `--kernel-fp8-grad-cast off`). With more than one variant each runs in a fresh child process (its
+compiled kernels and allocator state its own). The step is
 Trainer.train_step: model forward/backward on mock data through the real data path, gradient
 buffer, AdamW on fp32 master weights, LR schedule. Timing: warm-up steps, then CUDA-synchronised
 wall time over the timed steps. Writes a Markdown record (date, hardware, torch, commit, command,
@@ -90,12 +87,9 @@ def run_hf(preset: str, compiled: bool) -> dict:
 
 
 def run_variant(args, flags: str) -> dict:
-    """One variant in this process: its ``PARATRON_*=value`` tokens set in the environment, the rest flags."""
-    env = dict(t.split("=", 1) for t in flags.split() if t.startswith("PARATRON_") and "=" in t)
-    os.environ.update(env)
+    """One variant in this process."""
     try:
-        return run_paratron(args.config, [t for t in flags.split() if t.split("=", 1)[0] not in env],
-                            args.warmup, args.steps)
+        return run_paratron(args.config, flags.split(), args.warmup, args.steps)
     except Exception as e:  # record the failure, keep measuring the rest
         import traceback
         traceback.print_exc()
@@ -103,7 +97,7 @@ def run_variant(args, flags: str) -> dict:
 
 
 def run_child(args, name: str, flags: str) -> dict:
-    """One variant in a fresh Python process (its switches read at import as it sets them)."""
+    """One variant in a fresh Python process."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "result.json")
         cmd = [sys.executable, __file__, "--config", args.config, "--warmup", str(args.warmup), "--steps",

@@ -150,17 +150,16 @@ def _dw1(dpre: torch.Tensor, x: torch.Tensor, bwd: str) -> torch.Tensor:
 class _GatedMLP(torch.autograd.Function):
     """y = swiglu(x W1^T) W2^T (+ residual) on 2-D ``x``; keeps x and the pre-activation. ``g1`` / ``g2``:
     the weights' ``main_grad`` when their gradients are added there by this backward (gradient-accumulation
-    fusion, paratron/parallel/linear.py; autograd then gets placeholders), else None. ``opts``: (fc1's
-    weight-gradient library, keep the activation, the GEMM tiles)."""
+    fusion, paratron/parallel/linear.py; autograd then gets placeholders), else None. ``bwd``: fc1's
+    weight-gradient library; ``keep``: keep the activation; ``tiles``: the GEMM tiles as (use, spec) pairs."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, residual, g1, g2, opts):
+    def forward(ctx, x, w1, w2, residual, g1, g2, bwd, keep, tiles):
         pre, act = _gated(x, w1)
         if residual is None:
             y = act @ w2.t()
         else:  # C read by the GEMM, not copied into the output first
             y = residual_addmm(residual, act, w2)
-        bwd, keep, tiles = opts
         ctx.save_for_backward(x, w1, w2, pre, act if _keeps_act(x, keep) else None)
         ctx.main_grads = g1, g2  # (not saved: they change as they accumulate, by design)
         ctx.has_residual, ctx.bwd, ctx.tiles = residual is not None, bwd, tiles
@@ -168,7 +167,7 @@ class _GatedMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        (x, w1, w2, pre, act), (g1, g2), tiles = ctx.saved_tensors, ctx.main_grads, ctx.tiles
+        (x, w1, w2, pre, act), (g1, g2), tiles = ctx.saved_tensors, ctx.main_grads, dict(ctx.tiles)
         dy = dy.contiguous()
         if act is None:
             dpre, act = _dgated(dy, w2, pre, tiles)
@@ -185,7 +184,7 @@ class _GatedMLP(torch.autograd.Function):
             # --kernel-gated-mlp-wgrad quack asked for the unfused quack GEMM)
             _wgrad(g1, dpre, x, True, tiles)
             dw1 = torch.empty_like(w1)
-        return _dx(dpre, w1, tiles), dw1, dw2, (dy if ctx.has_residual else None), None, None, None
+        return _dx(dpre, w1, tiles), dw1, dw2, (dy if ctx.has_residual else None), None, None, None, None, None
 
 
 def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, residual: Optional[torch.Tensor] = None,
@@ -197,5 +196,6 @@ def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, residual: Opt
     the activation for fc2's weight gradient; ``tiles``: a ``quack_gemm.tiles()`` answer (None: the defaults)."""
     shape = x.shape
     res = None if residual is None else residual.reshape(-1, w2.size(0))
-    opts = (bwd, keep_act, quack_gemm.tiles() if tiles is None else tiles)
-    return _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, *main_grads, opts).view(*shape[:-1], w2.size(0))
+    pairs = tuple(sorted((quack_gemm.tiles() if tiles is None else tiles).items()))
+    y = _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, *main_grads, bwd, keep_act, pairs)
+    return y.view(*shape[:-1], w2.size(0))
