@@ -62,7 +62,7 @@ def mlp_activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def fused_fp8_activation(cfg: ModelConfig) -> Optional[int]:
-    """The activation code of ``parallel.fp8_mlp`` for ``cfg``'s MLP, or None where it has no fused FP8
+    """The activation code of ``paratron.fp8.mlp`` for ``cfg``'s MLP, or None where it has no fused FP8
     kernel (quick-GeGLU, squared ReLU, an offset or clamp) or the flags ask for the plain path."""
     if cfg.swiglu:
         plain = cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None or cfg.no_bias_swiglu_fusion

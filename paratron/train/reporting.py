@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..model import moe, mtp
 from .logger import format_train_line
 from .metrics import peak_memory_gb
 from .runtime import empty_unused_memory
@@ -146,6 +147,8 @@ class Reporter:
         self.timers = Timers(self.lg.timing_log_level, trainer.device)
         self.writes = bool(self.lg.tensorboard_dir or self.lg.wandb_project)  # the same on every rank
         self._norms: tuple = (None, None, None)  # (iteration, params norm, num zeros)
+        self.routers = moe.routers(trainer.models)  # the MoE losses' sources (none in a dense model), found once
+        self.mtp_blocks = mtp.blocks(trainer.models)  # the "mtp_k loss" sources (--mtp-num-layers)
         self.pending: list = []  # (iteration, consumed samples, scalars) of steps not written yet (flush)
         if trainer.log.enabled and not self.writes and (self.lg.log_timers_to_tensorboard or
                                                         self.lg.log_memory_to_tensorboard or
@@ -228,13 +231,11 @@ class Reporter:
         mfu = 100.0 * tflops / t.peak if t.peak else None
         peak_gb = peak_memory_gb(t.device)
         params_norm, zeros = self.norms()  # collectives: every rank
-        from ..model import moe
-        from ..model import mtp
         m = t.cfg.model
         layers = m.num_layers + (m.mtp_num_layers or 0)  # the MTP layers' routers are numbered after the decoder's
-        moe_losses, moe_layers = (moe.take_metrics(t.routers, t.device, dist.is_initialized(), layers)
+        moe_losses, moe_layers = (moe.take_metrics(self.routers, t.device, dist.is_initialized(), layers)
                                   if m.num_experts is not None else ({}, {}))  # every rank joins
-        mtp_losses = (mtp.take_metrics(t.mtp_blocks, m.mtp_num_layers, t.device, dist.is_initialized())
+        mtp_losses = (mtp.take_metrics(self.mtp_blocks, m.mtp_num_layers, t.device, dist.is_initialized())
                       if m.mtp_num_layers else {})  # Megatron's "mtp_k loss" (every rank joins)
         extra = dict(moe_losses, **mtp_losses, **({"num zeros": float(zeros)} if zeros is not None else {}))
         t.log.print(format_train_line(t.iteration, tr.train_iters, t.consumed_samples, per_iter * 1000.0, tflops,

@@ -1,0 +1,160 @@
+"""The checkpoints of the Trainer (a mixin of paratron.train.loop.Trainer): what a training checkpoint
+holds of this rank (model, optimizer, random generators, the delayed FP8 recipe's amax histories), saving
+it under --save (in the background with --async-save), resuming from --load in any parallel layout, and
+the save Megatron makes when the batch-size schedule changes the micro-batch count. The format is
+paratron/checkpoint/sharded.py and state.py."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..checkpoint import sharded
+from ..checkpoint import state as cstate
+from ..checkpoint.compat import check_model_config
+from ..checkpoint.pieces import replicated_row
+from ..checkpoint.retention import Retention
+from ..checkpoint.strictness import apply_strictness
+from ..checkpoint.tokenizer_files import save_tokenizer
+from .. import fp8
+from ..parallel.random import rng_state, set_rng_state
+from .distributed import checkpoint_group
+
+
+class Checkpointing:
+    pending_save: Optional[sharded.AsyncSave] = None  # the --async-save in flight
+
+    def _init_checkpointing(self) -> None:
+        self.pending_save = None
+        self._pinned: dict = {}  # reused pinned CPU buffers of --async-save
+        self.ckpt_group = checkpoint_group(self.cfg)  # checkpoint collectives run on their own gloo group
+
+    def _ckpt_pieces(self, optim: bool, rng: Optional[dict], masters_from: Optional[str] = None,
+                     model_prefix: Optional[dict] = None, amax: Optional[torch.Tensor] = None) -> list:
+        pieces = cstate.model_pieces(self.models, self.dims, model_prefix)
+        if optim:
+            cstate.ensure_adam_state(self.optimizer)
+            pieces += cstate.optimizer_pieces(self.optimizer, self.models, self.dims, masters_from)
+        if rng is not None:
+            pieces += cstate.rng_pieces(rng, self.dims)
+        if amax is not None:  # the delayed FP8 recipe's amax histories, one row per rank
+            pieces.append(replicated_row(cstate.FP8_HISTORY, amax, self.dims.rank, self.dims.world_size))
+        return pieces
+
+    def _layout(self) -> dict:
+        return cstate.layout(self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size)
+
+    def _rng_states(self) -> dict:
+        states = rng_state(self.device)
+        par = self.models[0].module.par
+        if par.rng is not None:
+            states["tp_region"] = par.rng.state
+        if par.expert_rng is not None:  # --moe-router-force-load-balancing
+            states["expert_region"] = par.expert_rng.state
+        return states
+
+    def save(self) -> Path:
+        """Save a checkpoint of this iteration under --save (in the background with --async-save)."""
+        c = self.cfg.ckpt
+        self.guard.check()  # never a checkpoint of a step whose loss or gradients are not finite
+        self.wait_for_save()
+        self._fold_pending_skips()
+        pieces = self._ckpt_pieces(not c.no_save_optim, None if c.no_save_rng else self._rng_states(),
+                                   amax=fp8.histories(fp8.delayed_states(self.models)))
+        common = {"consumed_samples": self.consumed_samples, "skipped_iterations": self.skipped,
+                  "scheduler": self.scheduler.state_dict(),
+                  "optimizer": None if c.no_save_optim else {"step": cstate.adam_step(self.optimizer),
+                                                             "scaler": self.optimizer.scaler.state_dict()},
+                  "rng": not c.no_save_rng, "layout": self._layout(), "config": self.cfg.to_dict()}
+        if self.dims.rank == 0:  # the tokenizer's files beside the weights (generate / serve find them)
+            save_tokenizer(c.save, self.cfg.data)
+        keep = Retention(c.ckpt_keep_last, c.save_retain_interval)  # which older checkpoints the save removes
+        if c.async_save:
+            it = self.iteration
+
+            def done(path: Path, seconds: float) -> None:
+                self.log.print(f" saved checkpoint at iteration {it:7d} to {path} (in the background, {seconds:.1f} s)")
+            self.pending_save = sharded.AsyncSave(c.save, it, pieces, common, self.ckpt_group, keep,
+                                                  self._pinned, done)
+            path = sharded.iter_dir(c.save, it)
+        else:
+            path = sharded.save(c.save, self.iteration, pieces, common, self.ckpt_group, keep)
+            self.log.print(f" saved checkpoint at iteration {self.iteration:7d} to {path}")
+        if self.progress is not None:
+            self.progress.saved(self.iteration, self.consumed_samples)
+        return path
+
+    def wait_for_save(self) -> None:
+        """Block until a background save has finished (its error, if any, is raised here)."""
+        if self.pending_save is not None:
+            pending, self.pending_save = self.pending_save, None
+            pending.wait()
+
+    def load(self, root: str) -> None:
+        """Resume from the latest complete checkpoint under ``root``, in any parallel layout."""
+        c = self.cfg.ckpt
+        d = sharded.find_checkpoint(root, self.ckpt_group, self.log.print, c.ckpt_step)
+        if d is None:
+            if c.exit_on_missing_checkpoint:
+                raise sharded.CheckpointError(f"no checkpoint found in {root} (--exit-on-missing-checkpoint)")
+            self.log.print(f" no checkpoint found in {root}; training from scratch")
+            return
+        common = sharded.read_common(d)
+        check_model_config(common, self.cfg, d, self.log.print)  # before any tensor is read
+        saved = sharded.tensor_shapes(d)
+        same_layout = common.get("layout") == self._layout()
+        optim = not (c.finetune or c.no_load_optim) and common.get("optimizer") is not None
+        rng = not (c.finetune or c.no_load_rng) and bool(common.get("rng"))
+        if rng and not same_layout:
+            self.log.print(f" WARNING: {d} was saved with another parallel layout ({common.get('layout')}): "
+                           "the random generators restart from --seed")
+            rng = False
+        # fp32 weights come from fp32 masters when the checkpoint has them; masters from fp32 weights
+        # when it has none (saved without mixed precision).
+        masters = "model." if self.optimizer.mixed and not any(k.startswith("optimizer.fp32_param.") for k in saved) \
+            else None
+        prefix = {k: "optimizer.fp32_param." for p, k in cstate.param_keys(self.models).items()
+                  if p.dtype == torch.float32 and f"optimizer.fp32_param.{k}" in saved}
+        states = self._rng_states() if rng else None  # overwritten by the load
+        amax = self._amax_target(saved, same_layout)
+        pieces = apply_strictness(self._ckpt_pieces(optim, states, masters, prefix, amax), saved,
+                                  c.dist_ckpt_strictness, self.log.print, self.ckpt_group)
+        sharded.load(d, pieces, self.ckpt_group)
+        if amax is not None:
+            fp8.set_histories(fp8.delayed_states(self.models), amax)
+        if optim:
+            cstate.set_adam_step(self.optimizer, int(common["optimizer"]["step"]))
+            self.optimizer.scaler.load_state_dict(common["optimizer"]["scaler"])
+            self.scheduler.resume(common["scheduler"], self.cfg.optim)
+            self.optimizer.set_lr(*self.scheduler.lrs())
+        else:
+            self.optimizer.reload_masters()
+        if c.finetune:
+            self.log.print(f" loaded weights from {d} (iteration {common['iteration']}) for fine-tuning")
+            return
+        self.iteration, self.consumed_samples = int(common["iteration"]), int(common["consumed_samples"])
+        self.skipped = int(common.get("skipped_iterations", 0))
+        if states is not None:  # (the TP-region state was loaded in place: it is the tracker's own tensor)
+            set_rng_state(states, self.device)
+        self.log.print(f" resumed from {d} at iteration {self.iteration} ({self.consumed_samples} samples)")
+
+    def _amax_target(self, saved: dict, same_layout: bool) -> Optional[torch.Tensor]:
+        """Where to load the delayed FP8 recipe's amax histories into; None (they restart) when this
+        run has none or the checkpoint has none of this shape (another layout or recipe, a bf16 run)."""
+        flat = fp8.histories(fp8.delayed_states(self.models))
+        if flat is None:
+            return None
+        if same_layout and saved.get(cstate.FP8_HISTORY, ((),))[0] == (self.dims.world_size, flat.numel()):
+            return torch.empty_like(flat)
+        self.log.print(" the checkpoint has no FP8 amax history for this layout and recipe: it restarts")
+        return None
+
+    def _save_on_batch_change(self, last_saved: Optional[int]) -> Optional[int]:
+        """As Megatron: with --save, a checkpoint whenever the batch-size schedule (--rampup-batch-size,
+        --step-batch-size-schedule) changes the micro-batch count. Returns the last saved iteration."""
+        micro, self._micro = self._micro, self.num_microbatches
+        if micro != self._micro and self.cfg.ckpt.save and last_saved != self.iteration:
+            self.save()
+            return self.iteration
+        return last_saved
