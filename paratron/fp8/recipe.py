@@ -156,8 +156,9 @@ class Scaler:
         the scale chosen as by :meth:`quantize`. By default one op (``paratron::cast_fp8``: on CUDA a
         Triton kernel that reads x once and writes the cast, its transpose and the amax);
         in a compiled region Inductor otherwise fuses the amax into the kernel producing x, which for
-        the QKV gradient, assembled from attention's three permuted gradients, ran at a third of the
-        speed of the plain assembly. ``--kernel-fp8-grad-cast off`` keeps the torch ops."""
+        the QKV gradient, assembled from attention's three permuted gradients, ran far slower than the
+        plain assembly (benchmarks/results/profile_kernels_gpt-350m_fp8delayed_fusedgelu_mb32x2_5fe9ba3.tsv).
+        ``--kernel-fp8-grad-cast off`` keeps the torch ops."""
         if not self.recipe.grad_cast_op:
             q, scale = self.quantize(x)
             return q, q.t().contiguous(), scale

@@ -27,8 +27,9 @@ ACC_BLOCK = 4096  # elements per program of the accumulation kernels
 def accumulate_(acc: Tensor, grad: Tensor, write: bool, fused: bool = True) -> None:
     """``acc = grad`` (``write``) or ``acc += grad``: a micro-batch gradient into its ``main_grad``. With
     ``fused``, for fp32 ``acc`` and a bf16/fp16 ``grad`` (contiguous, same shape) on CUDA, one vectorised
-    Triton pass: torch's mixed-dtype copy_ / add_ run its unvectorised casting loop (about half the memory
-    bandwidth; 8.8 ms per 65,536 tokens on llama-1b at two micro-batches). Otherwise torch's copy_ / add_."""
+    Triton pass: torch's mixed-dtype copy_ / add_ run its unvectorised casting loop, well below the memory
+    bandwidth (those two kernels in llama-1b's step profile:
+    benchmarks/results/profile_kernels_llama-1b_mb16x2_flash4_e7bfd57_h200.tsv). Otherwise torch's copy_ / add_."""
     if (fused and triton is not None and acc.is_cuda and acc.dtype == torch.float32
             and grad.dtype in (torch.bfloat16, torch.float16)
             and acc.is_contiguous() and grad.is_contiguous() and acc.shape == grad.shape):

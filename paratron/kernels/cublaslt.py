@@ -2,29 +2,30 @@
 of cuBLAS and cuBLASLt's own candidates.
 
 ``addmm``. torch's ``addmm(C, A, W^T)`` copies C into its output and then runs a GEMM that accumulates into it:
-a device-to-device copy of the residual stream before fc2's GEMM in every layer (2.8 ms per 65,536 tokens on
-llama-1b, 32 copies; benchmarks/results/profile_kernels_llama-1b_mb16x2_6d8b1bf.tsv). cuBLASLt's matmul takes C
-and D as two matrices, so the copy is not needed; torch does not expose that form.
+a device-to-device copy of the residual stream before fc2's GEMM in every layer (one copy per layer and
+micro-batch in llama-1b's step profile: benchmarks/results/profile_kernels_llama-1b_mb16x2_6d8b1bf.tsv). cuBLASLt's
+matmul takes C and D as two matrices, so the copy is not needed; torch does not expose that form.
 
 ``mm``. cuBLAS runs the first algorithm of its heuristic; at some of the step's shapes another of the
-heuristic's candidates is faster at the H100's power limit (benchmarks/results/gemm_power_lt_3a54ff2.md: the
-output layer's logits 707 against 669 TFLOP/s, the output projection's input gradient 659 against 639, the QKV
-input gradient 671 against 655; elsewhere cuBLAS's own pick is as fast or faster).
+heuristic's candidates is faster at the H100's power limit: the output layer's logits, the output projection's
+input gradient and the QKV input gradient; elsewhere cuBLAS's own pick is as fast or faster
+(benchmarks/results/gemm_power_lt_3a54ff2.md).
 
 Both time, at the first call of each shape, torch's own call and the heuristic's first CANDIDATES algorithms on
 the call's operands, and keep the fastest (so never slower than torch's call, up to the timing's noise); they
 time them again at the shape's RETUNE_AT-th call: the first call's GPU is not yet at the clock it holds in a
-training run (at the power limit the order changes: the logits' fastest candidate there, 707 TFLOP/s, was not
-the first call's pick, profile_kernels_llama-1b_mb16x2_ead243b.tsv). The
+training run (at the power limit the order changes: the logits' fastest candidate there was not the first
+call's pick, benchmarks/results/profile_kernels_llama-1b_mb16x2_ead243b.tsv). The
 module calls the eight cuBLASLt functions it needs through ctypes on the library torch itself has loaded (no
 build step, no other dependency; nvmath-python has bindings for the same API, but its import brings cuda-core of
 a pinned range and its FFT and sparse modules to the device for a few calls). Descriptors, candidates and the
 choice are kept per shape and device, with one workspace per device.
 
-Measured on an H100 at its power limit (benchmarks/results/gemm_power_residual_20261126_1633.md, 32,768 tokens):
-llama-1b's output projection + residual (K 2048) 590 TFLOP/s against 528 for addmm with its copy and 579 for
-quack's GEMM reading C (quack_gemm.py), fc2 + residual (K 8192) 662 against 652; in the training step
-(train_throughput_llama-1b_20261126_163313.md) fc2 on cuBLASLt +0.33 %, the output projection too +0.38 % more.
+Measured on an H100 at its power limit with llama-1b's shapes: the output projection + residual (K 2048) on
+cuBLASLt is faster than addmm with its copy and than quack's GEMM reading C (quack_gemm.py), and fc2 + residual
+(K 8192) faster than addmm (benchmarks/results/gemm_power_residual_20261126_1633.md); in the training step, measured in
+one command, fc2 on cuBLASLt and then the output projection too each gave a small gain
+(benchmarks/results/train_throughput_llama-1b_20261126_163313.md).
 
 The ops are torch custom ops (one opaque node for compiled graphs, with autograd formulas). They run torch's
 call on CPUs, other dtypes, operands cuBLASLt is not given (see ``_runs``), with ``enabled`` False (the

@@ -1,17 +1,19 @@
 """FlashAttention-4's Hopper kernels for causal self-attention in training.
 
 torch's SDPA picks cuDNN's fused attention on an H100; at llama-1b's shape (head dim 64, grouped keys)
-its forward + backward took 114 ms per 65,536 tokens, 15 of them in helper kernels (the dO.O row sums,
-the fp32 dQ conversion, a per-group reduction of dK and dV). flash-attn-4 (Tri Dao's FlashAttention in
-the CuTe DSL, https://github.com/Dao-AILab/flash-attention, the ``flash_attn.cute`` package; pure
-Python, compiled at first use) has forward and backward kernels for Hopper that take the grouped keys
+its backward runs helper kernels besides the attention kernels (the dO.O row sums, the fp32 dQ conversion, a
+per-group reduction of dK and dV), a visible share of attention's time in the step's profile
+(benchmarks/results/profile_kernels_llama-1b_mb16x2_9e7a219_20261122_1049.tsv). flash-attn-4 (Tri Dao's
+FlashAttention in the CuTe DSL, https://github.com/Dao-AILab/flash-attention, the ``flash_attn.cute`` package;
+pure Python, compiled at first use) has forward and backward kernels for Hopper that take the grouped keys
 as they are and any batch / sequence / head strides. Here they are wrapped as two torch custom ops
 (``paratron::flash_attn_fwd`` / ``_bwd``) so that a compiled layer keeps them as single nodes. The forward
 op runs cuDNN's fused forward instead where it can and ``cudnn`` is set (``--attention-backend fused``; ``flash``
-keeps FlashAttention-4's): the backward only needs the forward's output and log-sum-exp. A layer with the
-plain rotary embedding takes ``rotary_causal_attention`` instead (``paratron::flash_attn_rope_fwd`` / ``_bwd``):
-the same kernels from the QKV GEMM's output, with the rotation of q and k in two Triton kernels around them
-(rotary.py says why).
+keeps FlashAttention-4's): it is the faster forward at llama-1b's shape at the power limit
+(benchmarks/results/backward_levers_20261126_1420.md), and the backward only needs the forward's output and
+log-sum-exp. A layer with the plain rotary embedding takes ``rotary_causal_attention`` instead
+(``paratron::flash_attn_rope_fwd`` / ``_bwd``): the same kernels from the QKV GEMM's output, with the rotation
+of q and k in two Triton kernels around them (rotary.py says why).
 
 Layout: q [b, s, heads, d], k / v [b, s, groups, d] -- the transposes of paratron's sequence-first
 activations, no copies; the output is allocated sequence-first ([s, b, heads, d] storage) so that the
@@ -23,7 +25,7 @@ attention over the whole sequence with autograd on and no attention dropout (no 
 parallelism, no KV cache). Everything else, and ``--attention-backend unfused|local``, stays on SDPA; so does
 --deterministic-mode: the backward accumulates dQ with atomics, and the kernels' deterministic variant
 (``deterministic=True``, 4.0.0b10) still gave gradients that differ bit-wise from run to run on an H100
-(a GPU test run of the deterministic variant). The torch
+(a GPU test run of the deterministic variant: benchmarks/results/gpu_tests_flash4_2e5a231.log). The torch
 expressions below (``*_ref``) are the same operations; the ops run them on CPUs (the tests).
 """
 from __future__ import annotations

@@ -58,12 +58,13 @@ IDENTITY = 3  # no activation: the kernels as a plain cast + transpose (``cast_f
 
 
 # tokens x columns per program and warps, chosen per shape by Triton's autotuner on the first call
-# (benchmarks/fp8_cast_sweep.py: the best at every measured shape is among these; 128 x 128 and larger
-# tiles spill registers in the GeLU kernels, 17 ms instead of 0.7)
+# (the best at every measured shape is among these; 128 x 128 and larger tiles spill registers in the GeLU
+# kernels and run many times slower: benchmarks/results/fp8_cast_sweep_20261125_224721.md, from a probe kept
+# under the git tag lab-notebook-2026-12-02)
 TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (32, 256, 4), (64, 256, 8))
 
 
-FAST_RCP = True  # GeLU's reciprocal by the approximate instruction: forward 0.64 ms instead of 0.75 (the sweep)
+FAST_RCP = True  # GeLU's reciprocal by the approximate instruction: a faster GeLU forward (the sweep's record above)
 
 
 MIN_BM, MIN_BF = min(t[0] for t in TILES), min(t[1] for t in TILES)
@@ -205,11 +206,12 @@ if triton is not None:
         """The tile just stored row-major at ``row_ptr`` read back and stored transposed at ``col_ptr``
         (call after ``tl.debug_barrier()``: bar.sync makes the block's stores visible to all its threads).
         Storing the FP8 values computed in registers transposed is what Triton 3.6 miscompiles in kernels
-        that load two tensors (SwiGLU's halves; an activation and its gradient): 25-50 % of the bytes
-        wrong (benchmarks/fp8_cast_sweep.py, benchmarks/triton_transpose_repro.py, 2026-11-25);
-        transposing loaded bytes is exact at every tile. Cost on an H100: GeLU forward 0.41 ms against 0.37
-        for the row-major cast + 0.19 for a separate one-byte transpose kernel; SwiGLU backward 0.98 against
-        0.75 + 0.38."""
+        that load two tensors (SwiGLU's halves; an activation and its gradient): part of the transposed
+        bytes wrong (benchmarks/results/fp8_transposed_copy_bug_20261125.md; the sweep and the reproducer are
+        probes kept under the git tag lab-notebook-2026-12-02); transposing loaded bytes is exact at every
+        tile. Cost on an H100: the cast with this read-back takes less time than the row-major cast followed
+        by a separate one-byte transpose kernel, for GeLU's forward and SwiGLU's backward
+        (benchmarks/results/fp8_cast_sweep_20261126_011121.md)."""
         tl.store(col_ptr, tl.trans(tl.load(row_ptr, mask=mask)), mask=tl.trans(mask))
 
     @_autotuned

@@ -3,34 +3,39 @@
 quack (https://github.com/Dao-AILab/quack) picks a tile configuration by autotuning (``tuned=True``, a
 sweep at first use of each shape) or takes a default one (``tuned=False``: 128x192 tiles, cluster 2x1,
 ping-pong). At the H100's power limit, where the training step runs, the default is not the best
-for every GEMM of the step, and cuBLAS cannot do two of them without an extra pass:
+for every GEMM of the step (benchmarks/results/gemm_power_20261126_0915.md), and cuBLAS cannot do two of them
+without an extra pass:
 
 - ``residual``: ``out = C + A @ B`` with ``out`` a new tensor. torch's ``addmm`` copies C into ``out``
   before the GEMM accumulates into it (a device-to-device copy of the residual stream before every
-  output projection and fc2 GEMM: 64 copies, ~5.6 ms per 65,536 tokens on llama-1b,
+  output projection and fc2 GEMM, two per layer and micro-batch on llama-1b,
   benchmarks/results/profile_origins_20261126_0906.txt). quack's epilogue reads C and writes ``out``.
-  At the cap (benchmarks/results/gemm_power_residual_20261126_1213.md, 32,768 tokens): the output
-  projection (K 2048) 591 TFLOP/s on quack's default tiles against 540 for addmm with its copy; fc2
-  (K 8192) 649 at best against 657: so quack takes it up to ``RESIDUAL_MAX_K`` only. Off by default since
-  cuBLASLt does the same without the copy (cublaslt.py: 590 against quack's 579 at K 2048, 662 at K 8192;
-  +0.38 % in the step): ``residual=default`` brings quack back.
+  At the cap, the output projection (K 2048) on quack's default tiles is faster than addmm with its copy;
+  fc2 (K 8192) is slower at quack's best tiles (benchmarks/results/gemm_power_residual_20261126_1213.md):
+  so quack takes it up to ``RESIDUAL_MAX_K`` only. Off by default since cuBLASLt does the same without the
+  copy and is faster than quack at both shapes (cublaslt.py;
+  benchmarks/results/gemm_power_residual_20261126_1633.md): ``residual=default`` brings quack back.
 - ``dgated``: fc2's input gradient with SwiGLU's backward in the epilogue (kernels/quack_mlp.py; without
-  the activation's store, quack_dgated.py): 557 TFLOP/s at 128x160 ping-pong against 548 at 128x128 and
-  555 at the default 128x192 (with the store: 514 / 506 / 480; benchmarks/results/backward_levers_20261126_1400.md).
+  the activation's store, quack_dgated.py): 128x160 ping-pong is the fastest of the measured tiles, ahead of
+  128x128 and the default 128x192, with the store and without it
+  (benchmarks/results/backward_levers_20261126_1400.md).
 - ``wgrad_fc1`` / ``wgrad_fc2``: the gated MLP's weight gradients added into the fp32 ``main_grad`` by
-  quack's epilogue (a TMA reduce-add; fc1's in the [gate; up] row order, ``concat_layout``): fc1 688 at
-  256x128 cluster 1x2 against 681 for cuBLAS's bf16 product + the de-interleaving add; fc2 690 at
-  128x256 cluster 2x1 against 675 for cuBLAS accumulating in place (backward_levers_20261126_1400.md). The QKV shape
-  stays on cuBLAS (640 against quack's best 653 there, at tiles that lose elsewhere: not worth a choice).
+  quack's epilogue (a TMA reduce-add; fc1's in the [gate; up] row order, ``concat_layout``): fc1 at
+  256x128 cluster 1x2 slightly faster than cuBLAS's bf16 product + the de-interleaving add; fc2 at
+  128x256 cluster 2x1 faster than cuBLAS accumulating in place. The QKV shape stays on cuBLAS (quack's best
+  there is only marginally faster, at tiles that lose elsewhere: not worth a choice)
+  (benchmarks/results/backward_levers_20261126_1400.md).
 - ``dx``: fc1's input gradient reading its weight in the interleaved [g0, u0, ...] row order in place
-  (no re-ordering copy of the weight per micro-batch): 684 TFLOP/s at 256x128, cluster 1x2, against
-  681 for cuBLAS with the copy alone; in the step the GEMM takes the same time as cuBLAS's (99.8 against
-  ~100 ms per 65,536 tokens) and the copy's 1.43 ms is gone: GPU busy 742.6 against 745.0 ms in one command
-  (benchmarks/results/profile_kernels_llama-1b_mb16x2_7e718b0_{default,dx}.tsv).
+  (no re-ordering copy of the weight per micro-batch), at 256x128, cluster 1x2: in the step the GEMM takes
+  the same time as cuBLAS's and the copy is gone, so the GPU is busy for less time per step (two profiles
+  of one command, default and dx:
+  benchmarks/results/profile_kernels_llama-1b_mb16x2_7e718b0_{default,dx}.tsv).
 
 ``--kernel-quack-tiles`` overrides the configuration of the gated MLP's uses, e.g. ``dgated=128x192c2x1pp``
-(``off``: the torch / cuBLAS path; ``default``: quack's default tiles); the defaults below are what
-benchmarks/matmul_shapes.py measured best. The residual GEMM keeps its default (off: measured no faster).
+(``off``: the torch / cuBLAS path; ``default``: quack's default tiles); the defaults below are the
+configurations measured best at the power cap (the records above; the probe that timed them is kept under the
+git tag lab-notebook-2026-12-02, and benchmarks/matmul_shapes.py --quack times quack's GEMM beside cuBLAS).
+The residual GEMM keeps its default (off: measured no faster than cuBLASLt).
 The ops run torch expressions on CPUs (the tests) and wherever
 quack cannot run.
 """
@@ -49,7 +54,8 @@ try:  # optional: pip install quack-kernels (Hopper); used only on CUDA
 except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries do not load on this machine
     GemmConfig = _gemm_raw = _dgated_raw = None
 
-# tile_m x tile_n, cluster m x n, ping-pong (pp) or cooperative (coop); measured at the power cap
+# tile_m x tile_n, cluster m x n, ping-pong (pp) or cooperative (coop); measured at the power cap (records in the
+# module's docstring)
 TILES = {"residual": "off", "dgated": "128x160c2x1pp", "dx": "256x128c1x2coop", "wgrad_fc1": "256x128c1x2coop",
          "wgrad_fc2": "128x256c2x1coop"}
 RESIDUAL_MAX_K = 2048  # the residual GEMM goes to quack up to this inner dimension (measured above)

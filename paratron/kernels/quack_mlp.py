@@ -8,7 +8,8 @@ the backward, and the activation, fc2's input), and fc2's input-gradient GEMM ap
 backward in its epilogue (``gemm_dgated``: from the kept pre-activation it writes d[gate, up]). The two
 elementwise passes over the [tokens, 2F] tensor are gone. The forward's activation (fc2's input) is kept for
 fc2's weight gradient, and the backward's kernel is quack's without the store that would write it again
-(experimental/quack_dgated.py: faster at the cost of [tokens, F] bf16 of memory per layer;
+(experimental/quack_dgated.py: faster at the cost of [tokens, F] bf16 of memory per layer,
+benchmarks/results/backward_levers_20261126_1400.md;
 ``--kernel-keep-swiglu-activation off`` keeps only the pre-activation, and quack's kernel rewrites it).
 The weight gradients go into ``main_grad`` by quack's GEMM adding into it (``quack_gemm.gemm_accumulate``,
 fc1's in the [gate; up] order) where the tiles ``wgrad_fc1`` / ``wgrad_fc2`` are not off.

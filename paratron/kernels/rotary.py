@@ -4,19 +4,18 @@ Attention's QKV GEMM writes [s, b, groups * (q_per_group + 2) * d], viewed [s, b
 (Megatron's grouped layout: per group its query heads, its key head, its value head). FlashAttention-4 wants
 q [s, b, heads, d] and k [s, b, groups, d] with the rotation applied; it takes v as the strided slice of that
 view. Under torch.compile Inductor generated the rotation's kernels itself: on an H100 at llama-1b's shape
-(32 query heads, 8 groups, head dim 64, seq 2048, micro-batch 16, bf16) ~113 us per layer and micro-batch
-forward, and backward one kernel of 200 us, which reads FlashAttention-4's separate dq, dk and dv and writes
-the [s, b, groups, 6, d] QKV gradient at only ~2 TB/s, plus one of 26 us: 10.8 ms of a ~760 ms step per
-65,536 tokens (benchmarks/results/profile_kernels_llama-1b_mb16x2_7056be8.tsv).
+(32 query heads, 8 groups, head dim 64, seq 2048, micro-batch 16, bf16) one kernel per layer and micro-batch
+forward, and backward one kernel, which reads FlashAttention-4's separate dq, dk and dv and writes the
+[s, b, groups, 6, d] QKV gradient well below the memory bandwidth, plus a smaller one: together a visible
+share of the step (benchmarks/results/profile_kernels_llama-1b_mb16x2_7056be8.tsv).
 
 Here each direction is one memory-bound pass:
   * ``rotate_qk`` (forward): reads the query and key slots of the QKV view once and writes q and k rotated,
-    contiguous. At llama-1b's shape 40 heads of 128 bytes read and 40 written per token: 335 MB per layer and
-    micro-batch.
+    contiguous. At llama-1b's shape 40 heads of 128 bytes read and 40 written per token.
   * ``unrotate_into_`` (backward): FlashAttention-4's backward writes dv and dk straight into their slots of
     the QKV gradient (flash_attention.py) and dq into a buffer of its own (a group's query heads are not evenly
     strided inside the QKV layout); this kernel writes the rotation's backward of dq into the query slots and
-    rotates dk back in place: 32 + 8 heads read and written per token, 335 MB. Inductor's two kernels also
+    rotates dk back in place: 32 + 8 heads read and written per token. Inductor's two kernels also
     copied dv into the QKV gradient and wrote the rotated dk to a buffer that the second one read again.
 The rotation's backward is its transpose: out = x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]
 gives dx = dout * cos + rotate_half^T(dout * sin), rotate_half^T(y) = [y2, -y1].
@@ -45,7 +44,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK_T = 64  # tokens (rows of [s * b]) per program; each program does one group's heads of them
-NUM_WARPS = 4  # (benchmarks/rope_flash_bench.py --sweep times other values)
+NUM_WARPS = 4  # (other values were timed by a probe kept under the git tag lab-notebook-2026-12-02)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -108,10 +107,10 @@ if triton is not None:
     def _round(x, dtype: tl.constexpr):
         """fp32 ``x`` rounded to ``dtype`` (to nearest, ties to even), kept in fp32. bf16 on the GPU by the
         two-lane conversion instruction that rounds so (``cvt.rn.bf16x2.f32``); Triton's own cast there and back
-        was not bit-exact against torch (tests/gpu/test_rope_flash_cuda.py failed with it at e1a62d0), rounding
-        by the bits ran at ~2 TB/s (the forward 0.171 against 0.133 ms alone, the one-lane instruction 0.135;
-        rope_flash_20261126_160236.md). Under Triton's CPU interpreter, which truncates such casts and runs no
-        PTX, by the bits (several integer operations per value)."""
+        was not bit-exact against torch (tests/gpu/test_rope_flash_cuda.py failed with it), and rounding by the
+        bits is slower than the conversion instruction, the two-lane one at least as fast as the one-lane one (the
+        kernels alone: benchmarks/results/rope_flash_20261126_160236.md). Under Triton's CPU interpreter, which
+        truncates such casts and runs no PTX, by the bits (several integer operations per value)."""
         if dtype == tl.bfloat16 and not _BY_BITS:
             return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=tl.bfloat16,
                                              is_pure=True, pack=2).to(tl.float32)

@@ -5,8 +5,8 @@ backward writes d/dgate and d/dup into the two halves of one [.., 2F] gradient; 
 that concatenation as a pointwise kernel over the 2F outputs in which each half re-reads the
 inputs it shares with the other (5 reads + 2 writes of an F-wide tensor per token instead of
 3 + 2). The Triton kernel here walks the F columns once and stores both halves. On an H100 at
-llama-1b's shape it runs at 2.9 TB/s: SwiGLU forward + backward took 47 ms per 65,536 tokens,
-against 65 ms per 73,728 tokens (58 per 65,536) for Inductor's kernels (benchmarks/results/perf_notes.md).
+llama-1b's shape it runs near the memory bandwidth, and SwiGLU forward + backward took less of the step per
+token than with Inductor's kernels (benchmarks/results/perf_notes.md, its third session's table).
 
 The kernels are ``torch.library`` custom ops with autograd, so a compiled layer calls them as
 opaque nodes. They run on CUDA when Triton is importable; everywhere else (CPU, no Triton)

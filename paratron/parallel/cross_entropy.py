@@ -12,17 +12,18 @@ running max and per-lane sums of exp (rescaled when the max grows, online-softma
 target logit, writes lse and the loss (fp32), then walks the row again, last block first (those were
 read most recently, so mostly still in L2), writing exp(logit - lse) - onehot(target) rounded to the
 logits' dtype in place. Its exp is the GPU's approximate one (``ex2.approx`` of x log2 e, a few fp32 units
-off libdevice's expf; ``--kernel-ce-fast-exp off``: libdevice's): with libdevice's the pass is bound by arithmetic
-(3.08 against 1.74 ms alone on an H100, benchmarks/results/ce_kernel_bench_0dc6af3.md). It replaces two
+off libdevice's expf; ``--kernel-ce-fast-exp off``: libdevice's): with libdevice's the pass is bound by
+arithmetic, much slower than with the approximate exp (the kernel alone on an H100:
+benchmarks/results/ce_kernel_bench_0dc6af3.md). It replaces two
 compiled passes measured on an H100 at 32768 tokens x 32768 vocabulary (bf16;
-benchmarks/results/profile_kernels_llama-1b_mb16x2_7056be8.tsv): the statistics pass (1.1 ms, one read of
-the logits at only 1.9 TB/s), the gradient pass (1.6 ms, a read and a write), and the small [tokens] kernels
+benchmarks/results/profile_kernels_llama-1b_mb16x2_7056be8.tsv): the statistics pass (one read of the logits,
+well below the memory bandwidth), the gradient pass (a read and a write), and the small [tokens] kernels
 of the per-chunk statistics (sub, log, add, copy_). Over a TP group
 (statistics reduced across ranks between the two passes) the two compiled passes remain.
 
 In backward each token's incoming gradient g (fp32) scales the rows of D @ W and of x before the
 weight-gradient matmul; ``bf16 * fp32`` in torch made an fp32 [tokens, hidden] tensor and then cast
-it (a 357 us fp32 multiply and a 90 us cast in the same profile, twice per micro-batch).
+it (an fp32 multiply and a cast in the same profile, twice per micro-batch).
 ``row_scaled`` does ``(t.float() * g).to(t.dtype)`` in one Triton pass instead, with the same
 roundings (the bf16 matmul result, one fp32 multiply, one rounding), so its results are bit-identical.
 """
@@ -198,7 +199,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _weight_grad(xg: torch.Tensor, d: torch.Tensor, main_grad, weight: torch.Tensor):
     """The output layer's weight gradient d^T xg, computed as (xg^T d)^T: cuBLAS runs this form faster at
-    vocabulary sizes (benchmarks/matmul_shapes.py: 684 vs 634 TFLOP/s at llama-1b's output layer on an H100).
+    vocabulary sizes (llama-1b's output layer on an H100, timed by benchmarks/matmul_shapes.py:
+    benchmarks/results/matmul_shapes_20261126_0906.txt).
     With ``main_grad`` (gradient-accumulation fusion) it is added there instead, by the same product into the
     buffer's transposed view (linear.wgrad_accumulate), and autograd gets a placeholder."""
     if main_grad is None:
@@ -222,7 +224,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     vocab_start = comm.group_rank(tp_group) * weight.size(0)
     keep = xf.size(0) * weight.size(0) * xf.element_size() <= keep_bytes
     # Chunks bound the fp32 temporaries of the eager statistics; the compiled kernels used on CUDA
-    # have none, so a kept buffer is then filled by one matmul (faster than many narrow ones).
+    # have none, so a kept buffer is then filled by one matmul rather than many narrow ones.
     chunk = xf.size(0) if keep and xf.is_cuda else max(1, chunk_bytes // (4 * weight.size(0)))
     return _LinearCrossEntropy.apply(xf, weight, tf, vocab_start, tp_group, chunk, keep, main_grad_of(weight),
                                      kernel, fast_exp, cublaslt).view(shape)

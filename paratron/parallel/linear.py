@@ -86,7 +86,8 @@ class _FusedEmbedding(torch.autograd.Function):
 def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     """``F.embedding(ids, weight)``; with autograd on and the table marked ``fuse_wgrad`` (by DataParallel),
     its gradient goes straight into ``weight.main_grad``: no [vocab, h] gradient is zeroed, scattered,
-    sorted and added (about 2 ms per 65,536 tokens on llama-1b)."""
+    sorted and added (those passes in llama-1b's step profile:
+    benchmarks/results/profile_kernels_llama-1b_mb16x2_7056be8.tsv)."""
     main_grad = main_grad_of(weight)
     if main_grad is not None:
         return _FusedEmbedding.apply(ids, weight, main_grad)

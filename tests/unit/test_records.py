@@ -14,10 +14,6 @@ MAX_SCRIPTS = 20
 # Cited but not in the tree yet: the record of the fresh H200 run that docs/performance.md's table quotes (remove
 # the entry when the record lands; test_pending_is_still_pending fails once it is there).
 PENDING_RECORDS = {"house_h200_20261202.md"}
-# Deleted probes still named by docstrings of the kernel files that are moving to paratron/kernels and
-# paratron/fp8 (their docstrings are rewritten with the move; remove each entry then).
-PENDING_SCRIPTS = {"fp8_cast_sweep.py", "triton_transpose_repro.py", "rope_flash_bench.py", "packed_gqa_bwd.py",
-                   "gemm_power.py"}
 # benchmarks/results/NAME, where NAME may hold one or more {a,b} alternatives (``..._{default,dx}.tsv``)
 CITED_PATH = re.compile(r"benchmarks/results/((?:[A-Za-z0-9_.\-]|\{[A-Za-z0-9_.,\-]+\})+)")
 # a commit hash: 7-40 hex characters with at least one digit and one letter, a word of its own
@@ -75,9 +71,6 @@ def test_every_cited_record_exists():
 
 def test_pending_is_still_pending():
     assert not [f for f in PENDING_RECORDS if (RESULTS / f).is_file()], "a pending record landed: drop it from the set"
-    named = "\n".join(citing_texts().values())
-    stale = [s for s in PENDING_SCRIPTS if f"benchmarks/{s}" not in named or (ROOT / "benchmarks" / s).is_file()]
-    assert not stale, f"no longer pending, drop from PENDING_SCRIPTS: {stale}"
 
 
 def test_the_checks_can_fail(tmp_path):
@@ -97,8 +90,7 @@ def test_benchmark_scripts_at_most_20():
 def test_cited_benchmark_scripts_exist():
     texts = citing_texts()
     cited = {(where, m) for where, t in texts.items() for m in re.findall(r"benchmarks/(\w+\.(?:py|sh))\b", t)}
-    gone = sorted(f"{where}: benchmarks/{name}" for where, name in cited
-                  if not (ROOT / "benchmarks" / name).is_file() and name not in PENDING_SCRIPTS)
+    gone = sorted(f"{where}: benchmarks/{name}" for where, name in cited if not (ROOT / "benchmarks" / name).is_file())
     assert not gone, gone
 
 

@@ -5,9 +5,10 @@ FlashAttention-4 4.0.0b10's Hopper backward runs one CTA per (key block, query h
 zero-filled before and converted after. Here the same kernel class runs as if there were ``groups`` heads of
 ``q_per_group`` x s query rows (row = position * q_per_group + head in group), so one CTA walks a group's query
 heads for its key block and keeps dK / dV in registers, stored once in bf16 (the kernel's own path for
-ungrouped heads). At llama-1b's attention on an H100: main kernel 1.370 against 1.463 ms, no dK / dV fills or
-conversions; 1.711 against 1.915 ms per backward, ~6.5 ms per 65,536 tokens
-(benchmarks/results/packed_gqa_bwd_20261126_230214.md; ``benchmarks/packed_gqa_bwd.py`` checks and times it).
+ungrouped heads). At llama-1b's attention on an H100 the main kernel is faster, the dK / dV fills and
+conversions are gone, and the whole backward takes less time per call
+(benchmarks/results/packed_gqa_bwd_20261126_230214.md; the probe that checks and times it is kept under the git
+tag lab-notebook-2026-12-02).
 What it takes, outside FlashAttention-4's files:
   * q and dO as CuTe tensors whose row mode is hierarchical, (q_per_group, s):(d, s-stride): a group's heads are
     adjacent in paratron's sequence-first activations, so no copy;
@@ -19,9 +20,11 @@ What it takes, outside FlashAttention-4's files:
   * dQ converted by FlashAttention-4's postprocess into a [b, groups, s, q_per_group, d] buffer, whose packed
     view has uniform strides; the rotary backward reads it in place (rotary.unrotate_into_).
 Numbers: dQ as FlashAttention-4's (the same atomics, in another order), dK / dV summed over the group in fp32
-in registers instead of fp32 atomics: equal to bf16 rounding (2.4e-3 of the largest value at llama-1b's shape).
+in registers instead of fp32 atomics: equal up to bf16 rounding (the differences at llama-1b's shape are in the
+record above).
 The symbols it swaps are FlashAttention-4 4.0.0b10's; ``applies`` is False for any other version. On by
-default (a faster training step on Hopper), ``--kernel-packed-gqa-backward off`` switches it off
+default (a faster training step on Hopper: benchmarks/results/train_throughput_llama-1b_20261126_235016.md),
+``--kernel-packed-gqa-backward off`` switches it off
 (flash_attention.py takes it in the rotary layers' backward). Hopper, bf16, causal self-attention of equal
 lengths, sequence a multiple of 128, head dimension 64 or less (the swapped-operand configuration the packed
 mask is written for).

@@ -3,15 +3,17 @@
 quack's ``gemm_dgated`` (the gated MLP's backward, kernels/quack_mlp.py) writes three things from each output
 tile: d[gate, up] and the SwiGLU activation recomputed from the kept pre-activation, which fc2's weight
 gradient needs. When the forward's activation is kept instead (it is fc2's input: the forward writes it
-anyway), the second write is 0.54 GB per call on llama-1b (32,768 tokens x 8,192 bf16) out of the
-epilogue's 2.7 GB. ``GemmDGatedKeepSm90`` is quack's Hopper kernel with that store taken out of its
-epilogue: the same operations on the accumulator, the same d[gate, up] bit for bit, one output fewer.
+anyway), the second write is one of the epilogue's five [tokens, F]-wide bf16 transfers (it reads the
+[tokens, 2F] pre-activation and writes its [tokens, 2F] gradient besides). ``GemmDGatedKeepSm90`` is quack's
+Hopper kernel with that store taken out of its epilogue: the same operations on the accumulator, the same
+d[gate, up] bit for bit, one output fewer.
 
 Only the epilogue's composition changes (quack builds a kernel's epilogue from a list of operations,
 ``_epi_ops``; the activation's store is one of them): the mainloop, tiles and scheduler are quack's. The
 kernel is compiled once per tile configuration and operand layout (CuTe DSL, at first use) and cached.
-(Measured and not kept: loading 4 pre-activation subtiles ahead instead of quack's 2, and other epilogue
-subtiles; benchmarks/results/backward_levers_20261126_1440.md, _1525.md.)
+(Measured and not kept, both slower: loading 4 pre-activation subtiles ahead instead of quack's 2,
+benchmarks/results/backward_levers_20261126_1440.md; and other epilogue subtiles,
+benchmarks/results/backward_levers_20261126_1525.md.)
 Hopper (compute capability 9.0) and bf16 only; ``available()`` says whether it can run here.
 """
 from __future__ import annotations
