@@ -53,6 +53,7 @@ def test_op_matches_sdpa(shape, compiled):
 
 def test_llama_shaped_layer_takes_flash_attention(monkeypatch):
     from paratron.config import parse_args
+    from paratron.model.attention import build_core
     from paratron.model.layers import Attention, ForwardContext, Parallel
     cfg = parse_args(["--num-layers", "1", "--hidden-size", "512", "--num-attention-heads", "8",
                       "--group-query-attention", "--num-query-groups", "2", "--seq-length", "256",
@@ -67,7 +68,7 @@ def test_llama_shaped_layer_takes_flash_attention(monkeypatch):
     y = attn(x, ForwardContext())
     y.float().square().sum().backward()
     assert calls and torch.isfinite(x.grad).all()
-    attn.flash = False
+    attn.core_attention = build_core(cfg, Parallel(), device="cuda", dtype=torch.bfloat16, flash=False)
     x2 = x.detach().clone().requires_grad_()
     y2 = attn(x2, ForwardContext())
     assert ((y.float() - y2.float()).norm() / y2.float().norm()).item() < 2e-2

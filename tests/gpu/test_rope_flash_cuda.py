@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from paratron.kernels import flash_attention, rotary as rope_kernels
-from paratron.model import layers
 from paratron.model.layers import apply_rotary
 
 pytestmark = pytest.mark.skipif(
@@ -108,12 +107,12 @@ def test_compiled_llama_shaped_layer_takes_the_op(monkeypatch):
                       "--train-iters", "1", "--lr", "1e-3", "--micro-batch-size", "2"]).model
     attn = Attention(cfg, Parallel(), device="cuda", dtype=torch.bfloat16)
     rope = tuple(t.cuda() for t in Rotary(cfg)(256, None))
-    assert attn.flash and attn._fused_rope_applies(ForwardContext(rope=rope), 256)
+    assert attn.flash and attn.core_attention.fuses_rotary(ForwardContext(rope=rope), 256)
     x = torch.randn(256, 2, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(256, 2, 512, device="cuda", dtype=torch.bfloat16)
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(layers, "_FUSED_ROPE", fused)
+        monkeypatch.setattr(attn.core_attention, "fused_rope", fused)
         ops = []
 
         def backend(gm, example_inputs):

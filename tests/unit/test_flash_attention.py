@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from paratron.config import parse_args
 from paratron.kernels import flash_attention
+from paratron.model.attention import build_core
 from paratron.model.layers import Attention, ForwardContext, Parallel
 
 
@@ -77,13 +78,15 @@ def test_attention_layer_on_the_flash_path_gives_the_sdpa_path(recompute):
     """The layer's plumbing (no permutes, the sequence-first output) with the op on its CPU reference:
     same output and gradients as the SDPA path, also under --recompute-activations' core recompute."""
     torch.manual_seed(0)
-    attn = Attention(_cfg(), Parallel(), dtype=torch.float64)
+    cfg = _cfg()
+    attn = Attention(cfg, Parallel(), dtype=torch.float64)
     attn.recompute_core = recompute
-    assert attn.training and attn.dropout == 0.0
+    assert attn.training and attn.core_attention.dropout == 0.0
     x = torch.randn(16, 2, 32, dtype=torch.float64, requires_grad=True)
     results = []
     for flash in (False, True):
-        attn.flash = flash
+        attn.core_attention = build_core(cfg, Parallel(), flash=flash)  # the flash core on the op's CPU reference
+        assert attn.flash == flash
         attn.zero_grad()
         x.grad = None
         y = attn(x, ForwardContext())
@@ -98,21 +101,21 @@ def test_flash_path_only_for_plain_causal_attention_with_autograd():
     assert not attn.flash  # CPU: SDPA
     assert not flash_attention.wanted(64, "cpu", torch.bfloat16)
     assert not flash_attention.wanted(64, torch.device("cuda", 0), torch.float32)
-    attn.flash = True
-    assert attn._flash_applies(ForwardContext())
-    assert not attn._flash_applies(ForwardContext(mask=torch.ones(1, 1, 4, 4, dtype=torch.bool), causal=False))
-    assert not attn._flash_applies(ForwardContext(causal=False))
+    core = build_core(_cfg(), Parallel(), flash=True)  # the flash core, forced on the CPU
+    assert core.applies(ForwardContext())
+    assert not core.applies(ForwardContext(mask=torch.ones(1, 1, 4, 4, dtype=torch.bool), causal=False))
+    assert not core.applies(ForwardContext(causal=False))
     with torch.no_grad():  # generation and evaluation: SDPA
-        assert not attn._flash_applies(ForwardContext())
+        assert not core.applies(ForwardContext())
     torch.use_deterministic_algorithms(True)
     try:  # --deterministic-mode: SDPA (FlashAttention-4's backward accumulates with atomics)
-        assert not attn._flash_applies(ForwardContext())
+        assert not core.applies(ForwardContext())
     finally:
         torch.use_deterministic_algorithms(False)
-    attn.dropout = 0.1
-    assert not attn._flash_applies(ForwardContext())
-    attn.eval()
-    assert attn._flash_applies(ForwardContext())
+    core.dropout = 0.1
+    assert not core.applies(ForwardContext())
+    core.eval()
+    assert core.applies(ForwardContext())
 
 
 def test_start_up_line_names_the_hopper_kernels_the_model_takes():
@@ -121,7 +124,7 @@ def test_start_up_line_names_the_hopper_kernels_the_model_takes():
     cfg = _cfg("--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear")
     model = GPTModel(cfg, 128)
     assert hopper_kernels([model]).startswith("none (pip install 'paratron[hopper]'")
-    model.decoder.layers[0].self_attention.flash = True
+    model.decoder.layers[0].self_attention.core_attention = build_core(model.config, model.par, flash=True)
     model.decoder.final_layernorm.quack = True
     assert hopper_kernels([model]) == "FlashAttention-4 attention, quack RMSNorm"
 

@@ -5,6 +5,7 @@ import torch
 
 from paratron.config import ConfigError, parse_args
 from paratron.model import layers, moe
+from paratron.model.attention import SDPAttention
 from paratron.parallel.dims import ParallelDims
 from paratron.train.step import build_model
 
@@ -14,7 +15,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24", "--moe-grouped-gemm",
        "--moe-shared-expert-intermediate-size", "16", "--moe-aux-loss-coeff", "0.01", "--swiglu"]
 COUNTED = {  # module name -> (class, method) whose calls show the recomputation
-    "core_attn": (layers.Attention, "_core"), "layernorm": (layers.Norm, "forward"), "mlp": (layers.MLP, "forward"),
+    "core_attn": (SDPAttention, "core"), "layernorm": (layers.Norm, "forward"), "mlp": (layers.MLP, "forward"),
     "moe": (moe.Router, "forward"), "shared_experts": (layers.MLP, "forward"), "moe_act": (moe.Experts, "_act"),
 }
 

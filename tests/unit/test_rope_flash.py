@@ -10,7 +10,7 @@ import torch
 
 from paratron.config import KernelConfig, ModelConfig
 from paratron.kernels import flash_attention
-from paratron.model import layers
+from paratron.model.attention import build_core
 from paratron.model.layers import Attention, ForwardContext, Parallel, Rotary, apply_rotary
 
 S, B, HEADS, GROUPS, D = 8, 2, 4, 2, 16
@@ -80,8 +80,10 @@ def _cfg(**kw) -> ModelConfig:
 @pytest.mark.parametrize("recompute", [False, True])
 def test_attention_layer_takes_the_op_and_gives_the_unfused_flash_path(monkeypatch, recompute):
     torch.manual_seed(0)
-    attn = Attention(_cfg(rotary_base=2), Parallel(), dtype=torch.float64)
-    attn.flash, attn.recompute_core = True, recompute  # the flash path on its CPU reference
+    cfg = _cfg(rotary_base=2)
+    attn = Attention(cfg, Parallel(), dtype=torch.float64)
+    attn.core_attention = build_core(cfg, Parallel(), flash=True)  # the flash path on its CPU reference
+    attn.recompute_core = recompute
     rope = tuple(t.double() for t in Rotary(_cfg(rotary_base=2))(S, None))
     x = torch.randn(S, B, 64, dtype=torch.float64, requires_grad=True)
     calls = []
@@ -89,7 +91,7 @@ def test_attention_layer_takes_the_op_and_gives_the_unfused_flash_path(monkeypat
     monkeypatch.setattr(flash_attention, "rotary_causal_attention", lambda *a: calls.append(1) or real(*a))
     results = []
     for fused in (False, True):
-        attn.fused_rope = fused
+        attn.core_attention.fused_rope = fused
         attn.zero_grad()
         x.grad = None
         y = attn(x, ForwardContext(rope=rope))
@@ -104,20 +106,20 @@ def test_op_only_for_the_plain_rotation_of_a_flash_layer(monkeypatch):
     rope = Rotary(_cfg())(S, None)
     ctx = ForwardContext(rope=rope)
 
-    def applies(attn, ctx=ctx, flash=True):
-        attn.flash = flash
-        return attn._fused_rope_applies(ctx, S)
+    def applies(cfg, ctx=ctx, flash=True, par=Parallel()):
+        """Whether a layer of ``cfg`` built with (``flash``) or without the flash core takes the op."""
+        return build_core(cfg, par, flash=flash).fuses_rotary(ctx, S)
 
-    assert applies(Attention(_cfg(), Parallel()))
-    assert not applies(Attention(_cfg(), Parallel()), flash=False)  # SDPA: rotated by Inductor as before
-    assert not applies(Attention(_cfg(), Parallel()), ForwardContext())  # no rope
+    assert applies(_cfg())
+    assert not applies(_cfg(), flash=False)  # SDPA: rotated by Inductor as before
+    assert not applies(_cfg(), ForwardContext())  # no rope
     positions = torch.arange(S).flip(0)[None].expand(B, S)
-    assert not applies(Attention(_cfg(), Parallel()), ForwardContext(rope=Rotary(_cfg())(S, positions)))
+    assert not applies(_cfg(), ForwardContext(rope=Rotary(_cfg())(S, positions)))
     for kw in (dict(rotary_interleaved=True), dict(rotary_percent=0.5), dict(qk_layernorm=True),
                dict(attention_output_gate=True), dict(no_rope_freq="[1]")):
         cfg = _cfg(**kw)
-        assert not applies(Attention(cfg, Parallel()), ForwardContext(rope=Rotary(cfg)(S, None))), kw
-    assert not applies(Attention(_cfg(), Parallel(kernels=KernelConfig(no_rope_fusion=True))))  # --no-rope-fusion
+        assert not applies(cfg, ForwardContext(rope=Rotary(cfg)(S, None))), kw
+    assert not applies(_cfg(), par=Parallel(kernels=KernelConfig(no_rope_fusion=True)))  # --no-rope-fusion
 
 
 KERNELS = r"""

@@ -1,0 +1,66 @@
+"""What a layer knows besides its activations: when it is built (:class:`Parallel`: parallelism and the kernel
+switches) and for one forward pass (:class:`ForwardContext`: rotary tables, mask, KV cache, CP group)."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..config.kernels import KernelConfig
+
+
+@dataclass
+class Parallel:
+    """What a layer needs to know when it is built besides the model config: parallelism (from ParallelDims)
+    and the kernel switches. Built by GPTModel."""
+    tp_group: object = None
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    rng: object = None  # RNGTracker for dropout inside tensor-parallel regions (None at TP=1)
+    dims: object = None  # the ParallelDims (MoE layers read the expert groups); None: one rank
+    expert_rng: object = None  # RNGTracker of the expert-parallel stream (--moe-router-force-load-balancing)
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # the kernel switches (config/kernels.py)
+
+    def fork(self):
+        return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
+
+    def trackers(self) -> tuple:
+        """The RNG trackers activation recomputation replays."""
+        return (self.rng, self.expert_rng)
+
+
+@dataclass
+class ForwardContext:
+    """What attention needs to know about one forward pass besides the activations. GPTModel.forward
+    builds it once and passes it down the stack.
+
+    rope: (cos, sin) broadcasting over [s, b, heads, dim], or None (no rotary embedding).
+    mask: [b, 1, s, s] bool, True = may attend: the whole pattern, causality included; or None.
+    document_ids: [b, s] document of each token of packed sequences (``--reset-attention-mask``), of
+        the whole sequence even under context parallelism: attention is causal within documents.
+        Without CP, GPTModel turns them into ``mask``; under CP the ring's blocks mask with them.
+    causal: each position attends to itself and the ones before (False with a mask: it says all).
+    kv_cache: the inference KV cache of this pass (paratron/inference/cache.py ``CacheView``): each
+        attention layer writes its keys and values into it and attends over what it holds, under ``mask``.
+    cp: the context-parallel group (paratron/parallel/context.py) when the sequence is split over
+        CP ranks: attention then runs across them (ring or all-to-all).
+    memo: what layers derive from this pass once and share (a sliding-window mask).
+    """
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    mask: Optional[torch.Tensor] = None
+    document_ids: Optional[torch.Tensor] = None
+    causal: bool = True
+    kv_cache: object = None
+    cp: object = None
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.kv_cache is not None and self.cp is not None:
+            raise NotImplementedError("ForwardContext: a KV cache under context parallelism is not implemented")
+        if self.causal and self.mask is not None:
+            raise ValueError("a mask is the whole attention pattern: pass causal=False with it")
+        if self.cp is not None and self.mask is not None:
+            raise ValueError("a dense attention mask cannot be split over context-parallel ranks: give "
+                             "document_ids (--reset-attention-mask) instead")
