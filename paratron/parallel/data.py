@@ -46,7 +46,7 @@ from . import comm
 from .dims import ParallelDims
 from .linear import fusable_weights
 from ..kernels.accumulate import accumulate_
-from .sharding import norm_groups, spec_of
+from .sharding import norm_groups, spec_of, update_spec
 
 ALIGN = 64  # elements; keeps parameter views and shard boundaries aligned for fast kernels
 # Megatron's default bucket size with --overlap-grad-reduce: max(40M, 1M x dp) elements.
@@ -213,8 +213,8 @@ class DataParallel(nn.Module):
         # Megatron's gradient-accumulation fusion (linear.py): these weights' backward adds their
         # gradient to main_grad itself; the hook only drops the placeholder autograd hands it
         self.fused_wgrad = set(fusable_weights(module)) & set(self.params) if fuse_wgrad else set()
-        for p in self.params:  # every parameter says it, so a module wrapped again follows the new wrapper
-            p.fuse_wgrad = p in self.fused_wgrad
+        for p in self.params:  # every parameter's spec says it, so a module wrapped again follows the new wrapper
+            update_spec(p, fuse_wgrad=p in self.fused_wgrad)
         # the micro-batch gradients go into main_grad by one Triton pass (accumulate_) unless
         # --kernel-fused-accumulate off (torch's copy_ / add_)
         self._fused_accumulate = fused_accumulate

@@ -3,9 +3,9 @@ gradient-accumulation fusion (on unless ``--no-gradient-accumulation-fusion``): 
 gradient straight into the fp32 ``main_grad`` buffer of paratron/parallel/data.py (kernels in
 paratron/kernels/accumulate.py), so the bf16 gradient is never written, read back and added.
 
-Which weights take it: those a layer marked ``wgrad_fusable`` (every training use of the weight goes through
-``linear`` below or the gated MLP's own backward, which both honour the mark) whose layer has no FP8 state;
-``DataParallel`` then sets ``param.fuse_wgrad`` and skips them in its hook. Autograd still gets a gradient for
+Which weights take it: those a layer marked ``wgrad_fusable`` in their ShardSpec (every training use of the
+weight goes through ``linear`` below or the gated MLP's own backward, which both honour the mark) whose layer
+has no FP8 state; ``DataParallel`` then sets the spec's ``fuse_wgrad`` and skips them in its hook. Autograd still gets a gradient for
 each of them (an uninitialised placeholder: its allocation is all it costs), so the hooks that count a
 bucket's gradients (--overlap-grad-reduce) run as before.
 """
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .sharding import REPLICATED, spec_of, update_spec
 from ..kernels import cublaslt
 from ..kernels.accumulate import embedding_accumulate, residual_addmm, wgrad_accumulate
 
@@ -97,7 +98,12 @@ def embedding(ids: Tensor, weight: Tensor) -> Tensor:
 def main_grad_of(weight: Tensor) -> Optional[Tensor]:
     """``weight.main_grad`` when its gradient is to be added there by the backward (``fuse_wgrad``), else
     None; for code with its own weight-gradient GEMMs (the gated MLP)."""
-    return weight.main_grad if torch.is_grad_enabled() and getattr(weight, "fuse_wgrad", False) else None
+    return weight.main_grad if torch.is_grad_enabled() and fused_wgrad(weight) else None
+
+
+def fused_wgrad(weight: Tensor) -> bool:
+    """Whether DataParallel fuses ``weight``'s gradient accumulation (its ShardSpec's ``fuse_wgrad``)."""
+    return getattr(weight, "_shard_spec", REPLICATED).fuse_wgrad
 
 
 def mark_fusable(*layers) -> None:
@@ -105,7 +111,7 @@ def mark_fusable(*layers) -> None:
     VocabParallelEmbedding) goes through ``linear`` / ``embedding`` or honours ``main_grad_of``:
     DataParallel may then fuse their weight gradients."""
     for layer in layers:
-        layer.weight.wgrad_fusable = True
+        update_spec(layer.weight, wgrad_fusable=True)
 
 
 def fusable_weights(module: torch.nn.Module) -> list:
@@ -113,4 +119,4 @@ def fusable_weights(module: torch.nn.Module) -> list:
     their layer, trainable, and the layer without an FP8 state (FP8 matmuls have their own backward)."""
     return [m.weight for m in module.modules()
             if isinstance(getattr(m, "weight", None), torch.nn.Parameter) and m.weight.requires_grad
-            and getattr(m.weight, "wgrad_fusable", False) and getattr(m, "fp8", None) is None]
+            and spec_of(m.weight).wgrad_fusable and getattr(m, "fp8", None) is None]

@@ -17,6 +17,10 @@ A parameter is a piece of a *global* tensor (its shape in the one-rank model). T
   ``copy_of`` names the parameter a copy stands for (the copy is saved under that name and not
   counted in the gradient norm).
 - ``vocab_rows``: dimension 0 is the padded vocabulary (its padding may differ between layouts).
+- ``wgrad_fusable``: every training use of the weight goes through the linear dispatch (parallel/linear.py) or
+  code that honours ``fuse_wgrad`` (the gated MLP), so its gradient may be added to ``main_grad`` by the
+  weight-gradient GEMM itself (set by the layer, ``mark_fusable``).
+- ``fuse_wgrad``: it is (set by DataParallel, with Megatron's gradient-accumulation fusion on).
 
 The parallel layers attach a spec when they create a parameter (``set_spec``); everything else
 (gradient buffers, the norm, checkpoints, gathering a full tensor) reads it with :func:`spec_of`.
@@ -72,6 +76,8 @@ class ShardSpec:
     tied: Optional[str] = None
     copy_of: Optional[str] = None
     vocab_rows: bool = False
+    wgrad_fusable: bool = False
+    fuse_wgrad: bool = False
 
     def split_of(self, dim: int) -> Optional[Split]:
         return next((s for s in self.splits if s.dim == dim), None)

@@ -24,7 +24,7 @@ from torch import nn
 from ..errors import DataError
 from . import comm
 from .cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy  # noqa: F401 (their old home)
-from .linear import embedding, linear
+from .linear import embedding, fused_wgrad, linear
 from ..fp8.linear import fp8_linear
 from .sharding import ShardSpec, Split, local_index, set_spec, shard, spec_of
 
@@ -75,7 +75,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     FP8 matmul followed by the bias."""
     if fp8 is None:
         return linear(x, weight, bias, residual, cublaslt)
-    if getattr(weight, "fuse_wgrad", False):  # DataParallel marks no FP8 layer: an FP8 state attached later
+    if fused_wgrad(weight):  # DataParallel marks no FP8 layer: an FP8 state attached later
         raise RuntimeError("an FP8 state was attached to a layer after DataParallel fused its weight gradient; "
                            "attach FP8 (paratron.fp8.linear.attach) before wrapping the model")
     y = fp8_linear(x, weight, fp8)

@@ -202,7 +202,7 @@ def test_fused_fp8_mlp_compiled_equals_eager(recipe):
 
 
 def test_gradient_accumulation_kernel_equals_torch_add_and_copy():
-    from paratron.parallel import grad_accumulation as kernels
+    from paratron.kernels import accumulate as kernels
     torch.manual_seed(0)
     for n in (16384 * 2048, 4097, 3):
         g = torch.randn(n, device="cuda").bfloat16()

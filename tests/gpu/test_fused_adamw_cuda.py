@@ -1,5 +1,5 @@
 """The optimizer step of a small bf16 / fp16 model on CUDA with the AdamW kernel of
-paratron/optim/fused_adamw.py (PARATRON_FUSED_ADAMW=1, the default) against torch's fused AdamW and
+paratron/kernels/fused_adamw.py (--kernel-fused-adamw auto, the default) against torch's fused AdamW and
 the publishing copy (=0), plain and distributed optimizer: the same masters, Adam moments, step counters
 and applied/skipped steps over a few steps with clipping, a scheduled learning rate, a separate
 embedding learning rate and an overflowing step; the model weights the kernel wrote are its masters
@@ -26,8 +26,7 @@ def _run(monkeypatch, fused: bool, flags: list[str]):
     """Four optimizer steps on the same gradients (the third overflows): (parameters, optimizer, applied)."""
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
-    monkeypatch.setenv("PARATRON_FUSED_ADAMW", "1" if fused else "0")
-    t = Trainer(parse_args(flags))
+    t = Trainer(parse_args(flags + ([] if fused else ["--kernel-fused-adamw", "off"])))
     opt = t.optimizer
     assert (opt._fused_outs is not None) == fused
     params = [p for m in t.models for p in m.params]

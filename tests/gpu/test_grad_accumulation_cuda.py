@@ -1,4 +1,4 @@
-"""Gradient-accumulation fusion on CUDA (paratron/parallel/grad_accumulation.py): the bf16 x bf16 -> fp32
+"""Gradient-accumulation fusion on CUDA (paratron/parallel/linear.py, kernels/accumulate.py): the bf16 x bf16 -> fp32
 in-place GEMM and the de-interleaving Triton add against torch, and a compiled bf16 llama-shaped run (gated
 MLP, FlashAttention where installed) with the fusion against --no-gradient-accumulation-fusion."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_fused_wgrad_gemm_and_deinterleaved_add_match_torch():
-    from paratron.parallel import grad_accumulation as ga
+    from paratron.kernels import accumulate as ga
     g = torch.Generator(device="cuda").manual_seed(0)
     dy, x = (torch.randn(4096, n, device="cuda", generator=g).bfloat16() for n in (768, 512))
     acc = torch.randn(768, 512, device="cuda", generator=g)
@@ -25,7 +25,7 @@ def test_fused_wgrad_gemm_and_deinterleaved_add_match_torch():
 
 
 def test_embedding_gradient_added_by_atomics_matches_index_add():
-    from paratron.parallel import grad_accumulation as ga
+    from paratron.kernels import accumulate as ga
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, 50, (8192,), device="cuda", generator=g)  # many repeats
     dy = torch.randn(8192, 2048, device="cuda", generator=g).bfloat16()
@@ -50,6 +50,7 @@ def test_output_layer_gradient_accumulates_into_the_transposed_main_grad():
 
 def test_compiled_bf16_run_with_the_fusion_matches_the_unfused_run():
     from paratron.config import parse_args
+    from paratron.parallel.linear import fused_wgrad
     from paratron.train.loop import Trainer
     flags = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--group-query-attention",
              "--num-query-groups", "2", "--ffn-hidden-size", "512", "--swiglu", "--disable-bias-linear",
@@ -61,7 +62,7 @@ def test_compiled_bf16_run_with_the_fusion_matches_the_unfused_run():
 
     def run(extra):
         t = Trainer(parse_args(flags + extra))
-        fused = sum(getattr(p, "fuse_wgrad", False) for p in t.models[0].module.parameters())
+        fused = sum(fused_wgrad(p) for p in t.models[0].module.parameters())
         losses = [(r[0] / r[1]).item() for r in (t.train_step()[0] for _ in range(4))]
         t.close()
         return fused, losses

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.parallel import quack_kernels
+from paratron.kernels import quack_mlp as quack_kernels, quack_norm
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or quack_kernels._q_gemm is None
@@ -84,7 +84,7 @@ def test_rms_norm_matches_the_torch_expression_and_the_norm_takes_it():
         y = fn(xl, wl)
         return [y.detach(), *torch.autograd.grad(y, (xl, wl), dy)]
 
-    got, want = grads(lambda a, b: quack_kernels.rms_norm(a, b, 1e-5)), grads(ref)
+    got, want = grads(lambda a, b: quack_norm.rms_norm(a, b, 1e-5)), grads(ref)
     for name, a, b in zip(("y", "dx", "dw"), got, want):
         assert _rel(a, b) < 1e-2, (name, _rel(a, b))
     norm = Norm("RMSNorm", 512, 1e-5, device="cuda", dtype=torch.bfloat16)
@@ -110,7 +110,7 @@ def test_norm_keep_sums_the_residual_gradient_in_its_kernel(compiled):
         return [y.detach(), *torch.autograd.grad((y.float() * dy.float()).sum() + (r.float() * dr.float()).sum(),
                                                  (xl, wl))]
 
-    keep = lambda a, b: quack_kernels.rms_norm_keep(a, b, 1e-5)  # noqa: E731
+    keep = lambda a, b: quack_norm.rms_norm_keep(a, b, 1e-5)  # noqa: E731
     got, want = grads(torch.compile(keep, fullgraph=True) if compiled else keep), grads(plain)
     for name, a, b in zip(("y", "dx", "dw"), got, want):
         assert _rel(a, b) < 1e-2, (name, _rel(a, b))
@@ -165,13 +165,12 @@ def test_quack_accumulate_adds_the_weight_gradient_into_main_grad(interleaved):
 def test_fused_gated_mlp_backward_fills_main_grad_like_autograd(monkeypatch, keep):
     """The gated MLP with its weights' gradients fused into main_grad (quack's accumulating GEMMs), with
     and without the kept activation: main_grad, dx and dres against the plain path's autograd gradients."""
-    monkeypatch.setattr(quack_kernels, "KEEP_ACT", keep)
     x, w1, w2, res, dy = _inputs()
     want = _grads(_plain, x, w1, w2, res, dy)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, res)]
     for w in leaves[1:3]:
-        w.main_grad, w.fuse_wgrad = torch.zeros(w.shape, device="cuda"), True
-    y = quack_kernels.gated_mlp(*leaves)
+        w.main_grad = torch.zeros(w.shape, device="cuda")
+    y = quack_kernels.gated_mlp(*leaves, main_grads=(leaves[1].main_grad, leaves[2].main_grad), keep_act=keep)
     dx, _, _, dres = torch.autograd.grad(y, leaves, dy)
     for name, a, b in (("y", y, want[0]), ("dx", dx, want[1]), ("dW1", leaves[1].main_grad, want[2]),
                        ("dW2", leaves[2].main_grad, want[3]), ("dres", dres, want[4])):

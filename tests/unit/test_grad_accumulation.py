@@ -6,7 +6,8 @@ import torch
 from paratron.config import parse_args
 from paratron.kernels import accumulate, quack_mlp as quack_kernels
 from paratron.parallel import linear as ga
-from paratron.parallel.linear import main_grad_of
+from paratron.parallel.linear import fused_wgrad, main_grad_of
+from paratron.parallel.sharding import update_spec
 from paratron.parallel.tensor import RowParallelLinear
 from paratron.train.loop import Trainer
 
@@ -14,7 +15,7 @@ from paratron.train.loop import Trainer
 def _fused_weight(out_f, in_f, dtype=torch.float32):
     w = torch.nn.Parameter(torch.randn(out_f, in_f, dtype=dtype))
     w.main_grad = torch.zeros(out_f, in_f)
-    w.fuse_wgrad = True
+    update_spec(w, fuse_wgrad=True)
     return w
 
 
@@ -80,7 +81,8 @@ def test_gated_mlp_backward_adds_both_weight_gradients_to_main_grad():
 
 def test_an_fp8_state_on_a_fused_weight_is_an_error():
     layer = RowParallelLinear(4, 4, bias=False)
-    layer.weight.main_grad, layer.weight.fuse_wgrad = torch.zeros(4, 4), True
+    layer.weight.main_grad = torch.zeros(4, 4)
+    update_spec(layer.weight, fuse_wgrad=True)
     layer.fp8 = object()  # attached after DataParallel marked the weight
     with pytest.raises(RuntimeError, match="before wrapping"):
         layer(torch.randn(2, 4))
@@ -95,7 +97,7 @@ SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 def _train(extra):
     t = Trainer(parse_args(SMALL + extra))
     try:
-        fused = {n for n, p in t.models[0].module.named_parameters() if getattr(p, "fuse_wgrad", False)}
+        fused = {n for n, p in t.models[0].module.named_parameters() if fused_wgrad(p)}
         losses = [t.train_step()[0].tolist() for _ in range(3)]
         return fused, losses, {n: p.detach().clone() for n, p in t.models[0].module.named_parameters()}
     finally:
@@ -127,11 +129,11 @@ def test_a_module_wrapped_again_without_the_fusion_accumulates_through_the_hook(
     att = Attention(parse_args(SMALL).model, Parallel())
     w = att.linear_qkv.weight
     first = DataParallel(att, ParallelDims(), fuse_wgrad=True)
-    assert w.fuse_wgrad and w in first.fused_wgrad
+    assert fused_wgrad(w) and w in first.fused_wgrad
     del first
     gc.collect()  # (its hooks hold it weakly: they do nothing once it is gone)
     second = DataParallel(att, ParallelDims(), fuse_wgrad=False)
-    assert not w.fuse_wgrad and not second.fused_wgrad
+    assert not fused_wgrad(w) and not second.fused_wgrad
     x = torch.randn(3, 2, 32)
     att.linear_qkv(x).square().sum().backward()
     ref = w.detach().clone().requires_grad_()
@@ -142,7 +144,8 @@ def test_a_module_wrapped_again_without_the_fusion_accumulates_through_the_hook(
 def test_fused_embedding_adds_the_table_gradient_to_main_grad():
     from paratron.parallel.linear import embedding
     w = torch.randn(10, 4, requires_grad=True)
-    w.main_grad, w.fuse_wgrad = torch.ones(10, 4), True
+    w.main_grad = torch.ones(10, 4)
+    update_spec(w, fuse_wgrad=True)
     ids = torch.tensor([[1, 3, 1], [9, 0, 1]])  # row 1 three times
     dy = torch.randn(2, 3, 4)
     out = embedding(ids, w)
@@ -150,7 +153,7 @@ def test_fused_embedding_adds_the_table_gradient_to_main_grad():
     out.backward(dy)
     ref = torch.ones(10, 4).index_add_(0, ids.flatten(), dy.reshape(-1, 4))
     torch.testing.assert_close(w.main_grad, ref)
-    w.fuse_wgrad = False  # unmarked: autograd's gradient, main_grad untouched
+    update_spec(w, fuse_wgrad=False)  # unmarked: autograd's gradient, main_grad untouched
     w.grad = None
     embedding(ids, w).backward(dy)
     torch.testing.assert_close(w.grad, ref - 1)
@@ -165,7 +168,8 @@ def test_the_residual_gemm_is_chosen_in_training_inside_the_fused_linear(monkeyp
     real = quack_gemm.gemm_add
     monkeypatch.setattr(quack_gemm, "gemm_add", lambda *a: calls.append(1) or real(*a))
     w = torch.randn(4, 8, requires_grad=True)
-    w.main_grad, w.fuse_wgrad = torch.zeros(4, 8), True
+    w.main_grad = torch.zeros(4, 8)
+    update_spec(w, fuse_wgrad=True)
     x, res = torch.randn(3, 8, requires_grad=True), torch.randn(3, 4)
     y = ga.linear(x, w, None, res)
     torch.testing.assert_close(y, res + x @ w.detach().t())
