@@ -45,7 +45,7 @@ class KernelConfig(Section):
     _name = "kernels"
     # Megatron's: auto | flash (FlashAttention-4 forward and backward) | fused (cuDNN's fused forward with
     # FlashAttention-4's backward) | unfused / local (torch SDPA); auto: fused where it runs, else SDPA
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # training attention: flash (FA4) | fused (cuDNN fwd + FA4 bwd) | unfused (SDPA)
     no_rope_fusion: bool = False  # rotary embedding as torch ops, not inside the FlashAttention-4 op
     kernel_packed_gqa_backward: str = "auto"  # experimental: FA4's backward over packed grouped keys (4.0.0b10 only)
     kernel_decode_attention: str = "auto"  # generation's attention over the KV cache: triton kernel | sdpa

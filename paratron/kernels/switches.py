@@ -89,11 +89,22 @@ def startup_lines(asked: KernelConfig, device, dtype, deterministic: bool = Fals
     return lines
 
 
-def choices_markdown() -> str:
-    """The switches as a Markdown table (flag, values, default) for docs/performance.md."""
-    out = ["| switch | values (first: default) |", "|---|---|"]
+def choices_markdown(help_of=None) -> str:
+    """The switches as a Markdown table (flag, YAML key under ``kernels:``, values with the default first, what
+    it chooses) for docs/performance.md; ``help_of(name)``: a field's one-line help (config/help.py)."""
+    out = ["| flag | values (default first) | chooses |", "|---|---|---|"]
     for f in dataclasses.fields(KernelConfig):
         values = CHOICES.get(f.name)
-        shown = " / ".join(values) if values else ("true / false" if f.type in (bool, "bool") else "see --help")
-        out.append(f"| `--{f.name.replace('_', '-')}` | {shown} |")
-    return "\n".join(out)
+        default = getattr(KernelConfig(), f.name)
+        shown = " / ".join(values) if values else f"{default} (default)" if not isinstance(default, bool) \
+            else "false / true"
+        what = help_of(f.name).replace("|", "/") if help_of else ""
+        out.append(f"| `--{f.name.replace('_', '-')}` | {shown} | {what} |")
+    return "\n".join(out) + "\n"
+
+
+def write_switches_table(text: str, table: str) -> str:
+    """``text`` (docs/performance.md) with ``table`` between its switches markers."""
+    begin, end = "<!-- switches:begin -->\n", "<!-- switches:end -->"
+    head, rest = text.split(begin, 1)
+    return head + begin + table + end + rest.split(end, 1)[1]

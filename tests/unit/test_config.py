@@ -279,3 +279,15 @@ def test_accounted_pipeline_splits_become_layouts(extra, layout):
             parse_args(args + extra, world_size=2)
         return
     assert parse_args(args + extra, world_size=2).parallel.pipeline_model_parallel_layout == layout
+
+
+def test_performance_doc_switch_table_is_current():
+    """docs/performance.md's kernel-switch table is generated from the kernels section (make docs)."""
+    from pathlib import Path
+    from paratron.config.help import field_help
+    from paratron.kernels.switches import choices_markdown, write_switches_table
+    doc = Path(__file__).resolve().parents[2] / "docs" / "performance.md"
+    text = doc.read_text()
+    assert text == write_switches_table(text, choices_markdown(field_help)), \
+        "regenerate with: python tools/gen_config_docs.py"
+    assert "--kernel-cublaslt" in text.split("<!-- switches:begin -->")[1]
