@@ -8,7 +8,8 @@ import signal
 from .batch_schedule import step_schedule
 from .rules import changed_flags, need
 from .sections import Config, TrainConfig
-from .values import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_REFUSED_RECIPES, RECOMPUTE_MISSING, RECOMPUTE_SUPPORTED
+from .values import (FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_REFUSED_RECIPES, RECOMPUTE_MISSING,
+                     RECOMPUTE_SUPPORTED)
 
 
 def validate_train(tr: TrainConfig) -> None:

@@ -267,7 +267,8 @@ def resolve_alone(cfg: Config, world_size: Optional[int] = None) -> Config:
     """``resolve(cfg, world_size)`` with what the config holds alone: no tokenizer file, no checkpoint."""
     need = "parse with paratron.train.resolve.parse_args (as `paratron train` does)"
     if cfg.ckpt.use_checkpoint_args and cfg.ckpt.load:
-        raise ConfigError(f"--use-checkpoint-args reads the checkpoint under --load, which paratron.config does not; {need}")
+        raise ConfigError(f"--use-checkpoint-args reads the checkpoint under --load, which paratron.config does "
+                          f"not; {need}")
     return resolve_config(cfg, world_size)
 
 

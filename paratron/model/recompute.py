@@ -15,8 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..config.values import RECOMPUTE_CHECKPOINTED as CHECKPOINTED, RECOMPUTE_DISCARDED as DISCARDED
-from ..config.values import RECOMPUTE_MISSING as MISSING, RECOMPUTE_SUPPORTED as SUPPORTED  # noqa: F401
+from ..config.values import RECOMPUTE_MISSING as MISSING, RECOMPUTE_SUPPORTED as SUPPORTED  # noqa: F401 (the names)
 
 
 def recomputing() -> bool:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..model import moe, mtp
 from .logger import format_train_line
 from .metrics import peak_memory_gb
 from .runtime import empty_unused_memory
@@ -228,8 +229,6 @@ class Reporter:
         mfu = 100.0 * tflops / t.peak if t.peak else None
         peak_gb = peak_memory_gb(t.device)
         params_norm, zeros = self.norms()  # collectives: every rank
-        from ..model import moe
-        from ..model import mtp
         m = t.cfg.model
         layers = m.num_layers + (m.mtp_num_layers or 0)  # the MTP layers' routers are numbered after the decoder's
         moe_losses, moe_layers = (moe.take_metrics(t.routers, t.device, dist.is_initialized(), layers)
