@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from paratron.checkpoint import sharded
+from paratron.checkpoint.state import sharded_state_dict
 from paratron.config import TransformerConfig
 from paratron.data.gpt_dataset import GPTDataConfig, MockGPTDataset, MockIndexedData
 from paratron.model.gpt import GPTModel
@@ -36,7 +37,7 @@ def initialize_distributed(tensor_model_parallel_size: int = 2):
 
 def model_provider(dims, device) -> GPTModel:
     config = TransformerConfig(num_layers=2, hidden_size=12, num_attention_heads=4, hidden_dropout=0.0,
-                               attention_dropout=0.0)
+                               attention_dropout=0.0, seq_length=SEQ).resolved()
     return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, dims=dims, device=device)
 
 
@@ -81,9 +82,9 @@ def main():
     root = tempfile.mkdtemp() if dims.rank == 0 else None
     holder = [root]
     dist.broadcast_object_list(holder, src=0)
-    path = sharded.save(holder[0], 5, model.sharded_state_dict(), {"example": True})
+    path = sharded.save(holder[0], 5, sharded_state_dict(model), {"example": True})
     fresh = model_provider(dims, device)
-    sharded.load(sharded.find_checkpoint(holder[0]), fresh.sharded_state_dict())
+    sharded.load(sharded.find_checkpoint(holder[0]), sharded_state_dict(fresh))
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     if dims.rank == 0:
         print(f"checkpoint saved to {path} and reloaded: {'identical' if same else 'DIFFERENT'}", flush=True)

@@ -31,7 +31,7 @@ def user_errors() -> tuple:
 
 
 def run_train(argv: list[str]) -> int:
-    from .config import parse_args
+    from .train.resolve import parse_args
     cfg = parse_args(argv)  # a flag mistake is reported before the trainer's imports (~2 s) are paid
     from .train.loop import pretrain
     ok = False

@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from ..config import SECTIONS, Config, DataConfig, ModelConfig, flag
 from . import sharded
 from .hf_config import FAMILIES, ConversionError
 
@@ -70,7 +71,6 @@ def _warn(msg: str) -> None:  # not silenced by --quiet: it says which iteration
 def _saved_config(common: dict, where: Path):
     """The run's Config from common.json (sections of Config.to_dict()), its model section resolved
     (the run's other sections are as saved: their files need not exist here)."""
-    from ..config import SECTIONS, Config
     raw = common.get("config")
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
         raise ConversionError(f"{where} has no model configuration (common.json 'config')")
@@ -136,7 +136,6 @@ _ALWAYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"
 
 def training_flags(m, tensor_model_parallel_size: int = 1) -> list[str]:
     """Megatron flags that build exactly the model ``m`` (a ModelConfig)."""
-    from ..config import ModelConfig, flag
     out = []
     for f in dataclasses.fields(ModelConfig):
         v, name = getattr(m, f.name), f.name
@@ -272,7 +271,6 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
     only, whole tensors: any layout loads it); returns the model flags to train it with.
     ``tensor_model_parallel_size`` is the TP of the printed command, whose padded vocabulary the
     checkpoint gets (so that run's padded rows are zeros, not its initialization)."""
-    from ..config import Config, DataConfig
     from ..parallel.dims import ParallelDims
     from .hf import hf_to_paratron, load_hf_dir
     from .hf_config import model_config_from_hf, padded_vocab_size

@@ -28,7 +28,7 @@ import re
 import torch
 
 from ..config import ModelConfig
-from ..model.spec import parse_moe_layer_freq
+from ..config.layer_patterns import parse_moe_layer_freq
 
 __all__ = ["MOE_FAMILIES", "moe_config_kwargs", "hf_moe_config", "check_moe_representable", "moe_layer_rows",
            "stack_experts", "unstack_experts", "stack_expert_gate_up", "unstack_expert_gate_up", "per_expert_state"]

@@ -45,6 +45,13 @@ def param_keys(models: list) -> dict:
     return out
 
 
+def sharded_state_dict(model) -> list[Piece]:
+    """Megatron's ``GPTModel.sharded_state_dict()``: this rank's parameters of ``model`` as checkpoint
+    pieces, chunks of the one-rank model's tensors with their offsets; ``paratron.checkpoint.sharded.save``
+    / ``load`` write and read them in any parallel layout."""
+    return model_pieces([model], model.dims)
+
+
 def model_pieces(models: list, dims: ParallelDims, prefix: dict | None = None) -> list[Piece]:
     """Every parameter of this rank. ``prefix``: {name: checkpoint prefix} for names read from
     elsewhere than ``model.`` (fp32 params from the fp32 masters of a mixed-precision checkpoint)."""

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+from ..config.values import STRICTNESS  # noqa: F401 (the --dist-ckpt-strictness modes)
 from .pieces import Piece
 
-STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
-              "return_unexpected", "return_all", "ignore_all")
 
 
 def _kind(key: str) -> str:

@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from ..config import TOKENIZER_FIELDS, DataConfig
+
 SUBDIR = "tokenizer"
 RECORD = "tokenizer.paratron.json"
 _HF_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json")
@@ -58,7 +60,6 @@ def save_tokenizer(root, data) -> Optional[Path]:
         return None
     d = Path(root) / SUBDIR
     d.mkdir(parents=True, exist_ok=True)
-    from ..config import TOKENIZER_FIELDS
     record = {f: getattr(data, f, None) for f in TOKENIZER_FIELDS}
     hf = data.tokenizer_type == "HuggingFaceTokenizer"
     for name, paths in files.items():
@@ -89,7 +90,6 @@ def export_tokenizer(out_dir, data) -> list[str]:
 
 
 def _data_from(record: dict, base: Path):
-    from ..config import DataConfig
     known = {f.name for f in dataclasses.fields(DataConfig)}
     values = {k: v for k, v in record.items() if k in known}
     for name in _FILE_FIELDS:
@@ -101,7 +101,6 @@ def _data_from(record: dict, base: Path):
 def tokenizer_config(path, data=None):
     """The DataConfig (tokenizer fields) to build the tokenizer of checkpoint / HF directory ``path``:
     its ``tokenizer/`` copy, the HF files at its top, or ``data`` (the run's own flags); None if none."""
-    from ..config import DataConfig
     root = Path(path)
     for d in (root / SUBDIR, root):
         if (d / RECORD).is_file():

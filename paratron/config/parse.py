@@ -8,7 +8,7 @@ import dataclasses
 import difflib
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
@@ -17,7 +17,9 @@ from .help import field_help
 from .megatron_flags import NEGATED_FLAGS, canonical, group_of, megatron_flags, refusal, value_problem
 from .megatron_reasons import ACCEPTED, REFUSED
 from .sections import FIELD_SECTION, FIELD_TYPES, SECTIONS, TOKENIZER_FIELDS, Config, DataConfig, base_type, flag
-from .validate import ConfigProblems
+from .check_data import validate_tokenizer
+from .resolution import resolve as resolve_config
+from .rules import ConfigProblems
 
 # The Megatron flags that are not config fields: accepted (paratron already does what they ask) or
 # refused by name, with the reason (paratron/config/megatron_reasons.py).
@@ -183,7 +185,6 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
 
 def tokenizer_config(args) -> DataConfig:
     """A DataConfig holding the tokenizer flags of parsed ``args``, validated as training validates them."""
-    from .validate import validate_tokenizer
     d = DataConfig(**{name: getattr(args, name) for name in TOKENIZER_FIELDS})
     validate_tokenizer(d)
     return d
@@ -262,13 +263,23 @@ def _accepted_problems(values: dict) -> list[str]:
     return out
 
 
-def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None,
-               world_size: Optional[int] = None) -> Config:
-    """Build a Config from YAML (``--config``) overridden by flags, then ``resolve()`` it (for
-    ``world_size`` processes; by default torch.distributed's or torchrun's WORLD_SIZE, else 1).
+def resolve_alone(cfg: Config, world_size: Optional[int] = None) -> Config:
+    """``resolve(cfg, world_size)`` with what the config holds alone: no tokenizer file, no checkpoint."""
+    need = "parse with paratron.train.resolve.parse_args (as `paratron train` does)"
+    if cfg.ckpt.use_checkpoint_args and cfg.ckpt.load:
+        raise ConfigError(f"--use-checkpoint-args reads the checkpoint under --load, which paratron.config does "
+                          f"not; {need}")
+    return resolve_config(cfg, world_size)
+
+
+def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None, world_size: Optional[int] = None,
+               *, resolve: Callable[[Config, Optional[int]], Config] = resolve_alone) -> Config:
+    """Build a Config from YAML (``--config``) overridden by flags, then resolve it (for ``world_size``
+    processes; by default torch.distributed's or torchrun's WORLD_SIZE, else 1) with ``resolve(cfg,
+    world_size)``: by default :func:`resolve_alone`, which reads no file (a tokenizer with files and
+    --use-checkpoint-args need paratron.train.resolve.parse_args, which passes the run's resolve).
     Every problem of the command line (flags, values, YAML, validation) is reported at once: one
     :class:`ConfigProblems` (a ConfigError) listing them all."""
-    from .validate import resolve
     argv, problems = screen_argv(list(sys.argv[1:] if argv is None else argv))
     try:
         values = vars(build_parser().parse_args(argv))
@@ -288,10 +299,8 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None,
         if name == "rampup_batch_size":
             value = [int(v) for v in value]
         cfg.set(name, value)
-    from .from_checkpoint import apply_checkpoint_args
     try:
         if not yaml_problems:  # a YAML value that was refused left its field unset: resolve() would only echo it
-            apply_checkpoint_args(cfg)
             cfg = resolve(cfg, world_size)
     except ConfigProblems as e:
         problems += e.problems

@@ -5,7 +5,7 @@ in Python are the same setting. Fields are grouped in sections (model, parallel,
 log, ckpt, kernels); every name is unique across sections, so a flat YAML file or command line maps onto
 exactly one field. ``Config.flat()`` gives Megatron's flat ``args`` view.
 
-A config is writable while it is being built; ``resolve()`` (config/validate.py) validates it,
+A config is writable while it is being built; ``resolve()`` (config/resolution.py) validates it,
 derives every value and freezes every section (a later write raises :class:`FrozenConfigError`).
 Another config is a copy: ``cfg.unfrozen()`` or ``dataclasses.replace(section, field=value)``.
 """
@@ -135,7 +135,7 @@ class ModelConfig(Section):
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise TypeError(f"ModelConfig has no field {unknown[0]}")
-        from .validate import resolve_model
+        from .resolution import resolve_model  # (resolution.py builds on this module)
         out = self.unfrozen()
         for name, value in changes.items():
             setattr(out, name, value)

@@ -36,6 +36,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..config.values import SFT_PROMPT_FORMATS
+from .chat_template import render_template
 from .errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -70,12 +72,11 @@ class PromptFormat:
     assistant_prefix_len: int = 0
 
 
-FORMATS: Dict[str, PromptFormat] = {
-    "nemotron-h-aligned": PromptFormat(_h_aligned, "<SPECIAL_233>"),
-    "nemotron-nano-v2": PromptFormat(_nano_v2, "<unk>", assistant_prefix_len=3),
-    "identity": PromptFormat(lambda role, content: content, "<unk>"),
-    "default": PromptFormat(None, None),
-}
+FORMATS: Dict[str, PromptFormat] = dict(zip(SFT_PROMPT_FORMATS, (  # the names: paratron/config/values.py
+    PromptFormat(_h_aligned, "<SPECIAL_233>"),
+    PromptFormat(_nano_v2, "<unk>", assistant_prefix_len=3),
+    PromptFormat(lambda role, content: content, "<unk>"),
+    PromptFormat(None, None))))
 
 
 class ConversationTokenizer:
@@ -112,7 +113,6 @@ class ConversationTokenizer:
     def __call__(self, conversation: List[dict]) -> Tuple[List[int], List[bool]]:
         """(ids, loss flags) of one conversation: a flag per id, True where the id is a target."""
         if self.template is not None:
-            from paratron.inference.text import render_template  # jinja2: the serve/test extras
             text = render_template(self.template, conversation, self.tok.special_texts(), False)
             ids = self.tok.ids_of(text)
             return ids, [True] * len(ids)

@@ -23,6 +23,7 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence
 
+from paratron.config.values import TOKENIZER_TYPES
 from paratron.data.errors import DataError
 
 TIKTOKEN_PATTERNS = {
@@ -398,13 +399,6 @@ class ByteLevelTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "NullTokenizer",
-    "ByteLevelTokenizer",
-)
 
 
 def build_tokenizer(data) -> Tokenizer:

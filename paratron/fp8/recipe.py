@@ -27,15 +27,11 @@ from typing import Optional
 
 import torch
 
+from ..config.values import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_REFUSED_RECIPES
 from ..kernels.fp8_cast import E4M3, E5M2, FMAX, amax, cast_fp8, compute_scale, dequantize, quantize  # noqa: F401
 
-FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "delayed")
-REFUSED_RECIPES = {  # Megatron's other choices: why paratron refuses them
-    "blockwise": "blockwise (1x128 / 128x128 block scales) needs block-scaled FP8 GEMMs that paratron does not have",
-    "mxfp8": "mxfp8 (per-32-element e8m0 scales) needs Blackwell's MX tensor cores; Hopper has none",
-}
-AMAX_ALGOS = ("max", "most_recent")
+# the legal values (the config validates the flags with these)
+FORMATS, RECIPES, REFUSED_RECIPES, AMAX_ALGOS = FP8_FORMATS, FP8_RECIPES, FP8_REFUSED_RECIPES, FP8_AMAX_ALGOS
 LAYERS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",  # the FP8 layers of a transformer block
           "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")  # and multi-latent attention's parallel ones
 FAST_ACCUM_FORWARD = True  # the forward GEMM with Hopper's fast FP8 accumulation (as torchao); backward without

@@ -17,6 +17,7 @@ import torch
 
 from ..checkpoint import sharded
 from ..checkpoint.pieces import CheckpointError
+from ..checkpoint.state import sharded_state_dict
 from ..checkpoint.tokenizer_files import load_tokenizer
 from ..model.gpt import GPTModel
 from ..parallel.dims import ParallelDims
@@ -64,7 +65,7 @@ def load_paratron(root: Path, dims: ParallelDims, device, dtype: Optional[torch.
         raise CheckpointError(f"{d / sharded.COMMON} has no data.vocab_size: the real vocabulary size is unknown")
     _check_tp(cfg.model, dims.tp)
     model = _model(cfg.model, padded_vocab_size(vocab, cfg.model, dims.tp), dims, device, dtype or _saved_dtype(d))
-    pieces, casts = model.sharded_state_dict(), []
+    pieces, casts = sharded_state_dict(model), []
     saved = sharded.tensor_shapes(d)
     for p in pieces:  # the checkpoint's dtype may differ from the one asked for: read, then cast
         if p.key in saved and saved[p.key][1] != p.tensor.dtype:
@@ -90,7 +91,7 @@ def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype])
     emb = state["embedding.word_embeddings.weight"]
     model = _model(m, padded, dims, device, dtype or emb.dtype)
     with torch.no_grad():
-        for p in model.sharded_state_dict():
+        for p in sharded_state_dict(model):
             full = state.get(p.key[len("model."):])
             if full is None:
                 continue

@@ -13,11 +13,11 @@ one line per message then ``assistant:``; with it, generation also stops at a ne
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
 from ..checkpoint.tokenizer_files import SUBDIR
+from ..data.chat_template import render_template
 from .engine import Request, Result
 from .sampling import SamplingParams
 
@@ -36,20 +36,6 @@ def chat_template(path) -> Optional[str]:
                 return None
             return value if isinstance(value, str) else None
     return None
-
-
-def _template_error(message: str):
-    """What chat templates call to refuse a conversation (as transformers provides it)."""
-    raise ValueError(message)
-
-
-def render_template(template: str, messages: list[dict], special: dict, add_generation_prompt: bool) -> str:
-    """A tokenizer's jinja2 chat template applied to ``messages``, as transformers renders it (a sandbox,
-    trimmed blocks, its ``raise_exception`` and ``strftime_now``; ``special``: bos_token, eos_token, ...)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals.update(raise_exception=_template_error, strftime_now=lambda f: datetime.now().strftime(f))
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
 
 
 def render_chat(messages: list[dict], template: Optional[str], special: dict) -> tuple[str, tuple]:

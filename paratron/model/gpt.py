@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..config.kernels import KernelConfig
 from ..parallel import comm
 from .. import fp8 as fp8_mod
@@ -81,6 +81,19 @@ def rotary_of(cfg: ModelConfig, device) -> Optional[Rotary]:
     return Rotary(cfg, device) if cfg.position_embedding_type in ("rope", "yarn") else None
 
 
+def resolved_config(config: ModelConfig, max_sequence_length: Optional[int] = None) -> ModelConfig:
+    """The model config GPTModel builds from: resolved by the caller (the model never resolves one), and
+    for ``max_sequence_length`` positions when one is given (Megatron's argument)."""
+    if not config.is_resolved:
+        raise ConfigError("GPTModel takes a resolved ModelConfig: pass config.resolved() (or the model section "
+                          "of a config from parse_args / resolve)")
+    if max_sequence_length is not None and max_sequence_length != config.max_position_embeddings:
+        raise ConfigError(f"GPTModel(max_sequence_length={max_sequence_length}) with a config resolved for "
+                          f"--max-position-embeddings {config.max_position_embeddings}: pass config.resolved("
+                          f"max_position_embeddings={max_sequence_length}) instead")
+    return config
+
+
 class GPTModel(nn.Module):
     """Decoder LM. ``pre_process``/``post_process`` say whether this pipeline stage holds the
     embedding / the final norm, output layer and loss; ``layer_offset``/``num_layers`` which blocks.
@@ -107,12 +120,9 @@ class GPTModel(nn.Module):
                  fp8: Optional[fp8_mod.Recipe] = None, cp_comm_type: str = "p2p",
                  kernels: Optional[KernelConfig] = None, device=None, dtype=None):
         super().__init__()
-        # A resolved copy (the caller's config is never written; a resolved one is used as it is).
-        cfg = config.resolved(**({} if max_sequence_length is None else dict(
-            max_position_embeddings=max_sequence_length, seq_length=min(config.seq_length, max_sequence_length))))
+        cfg = resolved_config(config, max_sequence_length)
         self.config, self.vocab_size = cfg, vocab_size
-        dims = dims or ParallelDims()
-        self.dims = dims
+        self.dims = dims = dims or ParallelDims()
         tp_group = dims.tp_group
         # Dropout inside TP regions: a stream per TP rank, and per pipeline stage as Megatron's.
         rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
@@ -162,13 +172,6 @@ class GPTModel(nn.Module):
         set_cublaslt(self, self.kernels.kernel_cublaslt != "off")
         self.input_tensor: Optional[torch.Tensor] = None
         self.fused_output_loss = True  # chunked output layer + cross-entropy (False: plain logits path)
-
-    def sharded_state_dict(self) -> list:
-        """This rank's parameters as checkpoint pieces: chunks of the one-rank model's tensors with
-        their offsets (paratron/checkpoint/state.py); ``paratron.checkpoint.sharded.save`` / ``load``
-        write and read them in any parallel layout."""
-        from ..checkpoint.state import model_pieces
-        return model_pieces([self], self.dims)
 
     # Megatron's pipeline convention: non-first stages take their input through this.
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:

@@ -47,15 +47,3 @@ def softmax_scale(cfg, head_dim: int) -> Optional[float]:
         return None
     base = 1.0 if cfg.mup_base_head_dim is None else math.sqrt(cfg.mup_base_head_dim)
     return base / head_dim ** cfg.mup_attn_scale_power
-
-
-def resolve(cfg) -> None:
-    """Megatron's derived values, set on the (unfrozen) model section: m from the base width, and the
-    output multiplier 1/m when it was left at 1.0. Idempotent (a resolved section resolves to itself)."""
-    if not cfg.use_mup:
-        return
-    base = cfg.mup_base_hidden_size or cfg.hidden_size
-    cfg.mup_base_hidden_size = base
-    cfg.mup_width_mult = cfg.hidden_size / base
-    if cfg.mup_output_mult == 1.0 and cfg.mup_width_mult != 1.0:
-        cfg.mup_output_mult = 1.0 / cfg.mup_width_mult

@@ -15,16 +15,7 @@ from typing import Callable
 
 import torch
 
-CHECKPOINTED = ("core_attn", "mlp", "moe", "shared_experts")
-DISCARDED = ("layernorm", "moe_act")
-SUPPORTED = CHECKPOINTED + DISCARDED
-MISSING = {  # Megatron's other names: the module they recompute is not in paratron
-    "mla_up_proj": "multi-latent attention (paratron has none)",
-    "gdn_norm_out": "gated-delta-net attention (paratron has none)",
-    "gdp_in_proj": "gated-delta-product attention (paratron has none)",
-    "gdp_qkv": "gated-delta-product attention (paratron has none)",
-    "mhc": "hyper-connections (paratron has none)",
-}
+from ..config.values import RECOMPUTE_MISSING as MISSING, RECOMPUTE_SUPPORTED as SUPPORTED  # noqa: F401 (the names)
 
 
 def recomputing() -> bool:

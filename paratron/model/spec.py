@@ -14,13 +14,13 @@ do not exist yet).
 """
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
+from ..config.layer_patterns import parse_moe_layer_freq
 from .layers import MLP, Attention, Parallel
 from .mla import MLASelfAttention
 
@@ -93,30 +93,6 @@ def build_mlp(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, dty
 # Megatron's flag values
 # ----------------------------------------------------------------------------------------------
 
-def parse_moe_layer_freq(value: Union[int, str, Sequence[int]], num_layers: int) -> list[int]:
-    """``--moe-layer-freq`` -> 0/1 per layer (1 = MoE), as Megatron reads it.
-
-    An int k (or its string) makes layers 0, k, 2k, ... MoE. A list, or a string holding a Python
-    list expression (``[1,0,1,0]``, ``([0]*1+[1]*3)*4``), is the pattern itself and must have
-    ``num_layers`` entries of 0 or 1. The string is parsed, never evaluated: list literals, integers,
-    ``+``, ``*`` and parentheses are all it may contain."""
-    flag = "--moe-layer-freq"
-    if isinstance(value, str):
-        value = _list_expression(value, num_layers, flag)
-    if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
-        raise ConfigError(f"{flag} {value!r}: expected an int or a list of 0/1 per layer")
-    if isinstance(value, int):
-        if value < 1:
-            raise ConfigError(f"{flag} {value}: the frequency must be >= 1")
-        return [int(i % value == 0) for i in range(num_layers)]
-    pattern = list(value)
-    if any(isinstance(v, bool) or v not in (0, 1) for v in pattern):
-        raise ConfigError(f"{flag} {pattern}: entries must be 0 (dense) or 1 (MoE)")
-    if len(pattern) != num_layers:
-        raise ConfigError(f"{flag} has {len(pattern)} entries, --num-layers is {num_layers}")
-    return pattern
-
-
 def parse_hybrid_override_pattern(pattern: Union[str, Sequence[str]], num_layers: int) -> list[str]:
     """``--hybrid-override-pattern`` -> its symbols, one per layer (M Mamba, * attention, - MLP, E MoE)."""
     flag = "--hybrid-override-pattern"
@@ -127,38 +103,3 @@ def parse_hybrid_override_pattern(pattern: Union[str, Sequence[str]], num_layers
     if len(symbols) != num_layers:
         raise ConfigError(f"{flag} {''.join(symbols)!r} has {len(symbols)} layers, --num-layers is {num_layers}")
     return symbols
-
-
-def _list_expression(text: str, limit: int, flag: str) -> Union[int, list]:
-    """The value of ``text`` made of int and list literals, + and *; lists longer than ``limit`` are
-    refused while being built (so ``[1]*10**12``-like input costs nothing)."""
-    try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError:
-        raise ConfigError(f"{flag} {text!r} is neither an int nor a list expression") from None
-
-    def value(node):
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.List):
-            return [value(e) for e in node.elts]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            a, b = value(node.left), value(node.right)
-            kinds = {type(a), type(b)}
-            if isinstance(node.op, ast.Add) and len(kinds) == 1:  # int + int, list + list
-                out = a + b
-            elif isinstance(node.op, ast.Mult) and kinds == {int}:
-                out = a * b
-            elif isinstance(node.op, ast.Mult) and kinds == {int, list}:  # list * int, int * list
-                seq, times = (a, b) if isinstance(a, list) else (b, a)
-                if len(seq) * times > limit:
-                    raise ConfigError(f"{flag} {text!r} has more entries than the {limit} layers")
-                out = seq * times
-            else:
-                raise ConfigError(f"{flag} {text!r}: cannot apply {type(node.op).__name__} to these operands")
-            if isinstance(out, list) and len(out) > limit:
-                raise ConfigError(f"{flag} {text!r} has more entries than the {limit} layers")
-            return out
-        raise ConfigError(f"{flag} {text!r}: only int and list literals, + and * are allowed")
-
-    return value(tree.body)

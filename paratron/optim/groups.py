@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model import mup
+
 EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
 EMBEDDING_CLASS = EMBEDDING_OR_OUTPUT + ("embedding.position_embeddings.weight",)  # muP's base-LR matrices
 QK_NORMS = ("q_layernorm.", "k_layernorm.")
@@ -37,7 +39,6 @@ class Role:
 def role_of(name: str, ndim: int, op, model=None) -> Role:
     """The role of parameter ``name`` (its name in the model, any wrapper prefix allowed) with ``ndim``
     dimensions, under the optim section ``op`` and the model section ``model`` (muP, MTP heads)."""
-    from ..model import mup
     bias = name.endswith(".bias")
     no_decay = bias or ndim == 1
     if op.apply_wd_to_qk_layernorm and any(k in name for k in QK_NORMS):

@@ -33,11 +33,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..config.values import COMM_TYPES
 from . import comm
 from .comm import all_to_all
 from .ring import Ring, allgather_attention, chunk_positions, ring_attention
 
-COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
 # ---- the sequence split ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, check_resolved
-from ..config.validate_sched import schedule_of
+from ..config.batch_schedule import schedule_of
 from ..parallel.data import finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims
 from ..kernels import switches
@@ -29,6 +29,7 @@ from .metrics import flops_per_iteration, peak_tflops
 from .reporting import Reporter, TimedIterator, wandb_run
 from .runtime import GarbageCollection, apply_bf16_matmul_reduction, apply_deterministic_mode, apply_logging_level
 from .microbatches import MicroBatches, check_batch_sizes
+from .resolve import check_device
 from .report import end_of_run
 from .checkpointing import Checkpointing
 from .evaluation import Evaluation
@@ -54,6 +55,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.dims = dims or build_dims(cfg)
         self.memory_history = record_memory_history(cfg.log, self.dims.rank)  # before the model exists
         check_resolved(cfg, self.dims.world_size)  # derived values (global batch, train iters, vocab) are in cfg
+        check_device(cfg)  # (a config resolved by paratron.config alone was not)
         preflight(cfg, self.dims, partial(print, flush=True))  # --save and the other output directories, now
         tr = cfg.train
         self.microbatches = MicroBatches(tr.global_batch_size, tr.micro_batch_size, self.dims.dp, tr.rampup_batch_size,

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from ..config import ModelConfig
+from ..config.layer_patterns import parse_moe_layer_freq
 
 # Dense bf16 peak TFLOP/s by device-name fragment (vendor datasheets, SXM parts).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
@@ -28,7 +29,6 @@ def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int)
     mlp_width = f * (L + n_mtp)  # summed over layers; an MoE layer counts its active experts (top-k) and shared expert
     latent_proj = 0
     if m.num_experts is not None:
-        from ..model.spec import parse_moe_layer_freq
         pattern = parse_moe_layer_freq(m.moe_layer_freq, L)
         moe_layers = sum(pattern) + pattern[-1] * n_mtp  # MTP layers are of the last layer's kind
         routed = m.moe_ffn_hidden_size * m.moe_router_topk * (m.moe_latent_size or h) / h  # latent: in h units

@@ -11,6 +11,7 @@ from ..config import Config
 from ..kernels import switches
 from ..model import moe, recompute
 from ..model.gpt import GPTModel
+from ..model.layers import MLP, Attention, Norm
 from ..parallel.dims import ParallelDims
 from ..fp8.recipe import Recipe
 from ..parallel.layout import BatchLayout
@@ -79,7 +80,6 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) ->
 def hopper_kernels(models) -> str:
     """Which of the optional Hopper kernels (``paratron[hopper]``) the built model takes in training, as the
     start-up line says it: a user can see that the extra is installed and used."""
-    from ..model.layers import MLP, Attention, Norm
     mods = [m for model in models for m in model.modules()]
     found = [name for name, hit in (
         ("FlashAttention-4 attention", any(isinstance(m, Attention) and m.flash for m in mods)),

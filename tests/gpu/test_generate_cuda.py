@@ -18,7 +18,7 @@ def test_cuda_graph_decode_equals_eager():
                     swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
                     hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
-    model = GPTModel(m, 512, device="cuda", dtype=torch.float32).eval()
+    model = GPTModel(m.resolved(), 512, device="cuda", dtype=torch.float32).eval()
     eager, graphed = Engine(model, 500), Engine(model, 500, compile=True)
     for batch, n in ((3, 40), (3, 40), (8, 100)):
         g = torch.Generator().manual_seed(batch + n)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from paratron.config import ConfigError
-from paratron.parallel.stages import chunk_layers, global_named_parameters, stage_layer_counts
+from paratron.config.pipeline_split import chunk_layers, stage_layer_counts
+from paratron.parallel.stages import global_named_parameters
 from paratron.parallel.tensor import gather_full
 from tests.dist import run_ranks
 from tests.parallel.common import global_batches, micro_batches, tiny_config

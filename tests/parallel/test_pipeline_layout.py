@@ -5,7 +5,7 @@ import pytest
 
 from paratron.config import ConfigError
 from paratron.parallel.dims import initialize_model_parallel
-from paratron.parallel.pipeline_layout import expand, layout_counts
+from paratron.config.pipeline_split import expand, layout_counts
 from paratron.parallel.stages import chunk_layers
 from tests.parallel.common import tiny_config
 from tests.parallel.test_pipeline import run_case, spawn_cases

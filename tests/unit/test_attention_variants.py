@@ -113,7 +113,7 @@ def _model(**kw):
                     normalization="RMSNorm", swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
                     **kw)
     torch.manual_seed(0)
-    model = GPTModel(m, 128, seed=3).eval()
+    model = GPTModel(m.resolved(), 128, seed=3).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape) * (0.3 if p.dim() < 2 or "emb" in name else p.shape[1] ** -0.5) +

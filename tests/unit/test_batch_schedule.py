@@ -9,7 +9,7 @@ from paratron.checkpoint import sharded
 from paratron.checkpoint.pieces import Piece
 from paratron.checkpoint.retention import Retention
 from paratron.config import ConfigError, parse_args
-from paratron.config.validate_sched import step_schedule
+from paratron.config.batch_schedule import step_schedule
 from paratron.train.loop import Trainer
 from paratron.train.microbatches import MicroBatches
 

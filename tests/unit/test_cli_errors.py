@@ -84,7 +84,7 @@ def test_every_command_reports_a_user_error_as_one_line_and_exit_2(tmp_path, cap
 # ---- one tokenizer flag set ---------------------------------------------------------------------
 def test_tiktoken_pattern_is_a_training_flag(tmp_path):
     pytest.importorskip("tiktoken")
-    from paratron.config import parse_args
+    from paratron.train.resolve import parse_args
     from paratron.data.tokenizers import TIKTOKEN_PATTERNS, build_tokenizer
     from tests.data_helpers import write_tiktoken_file
     path = write_tiktoken_file(tmp_path / "v.tiktoken")
@@ -99,7 +99,7 @@ def test_tiktoken_pattern_is_a_training_flag(tmp_path):
 
 def test_vocab_extra_ids_give_one_vocabulary_in_preprocess_and_train(tmp_path):
     pytest.importorskip("sentencepiece")
-    from paratron.config import parse_args
+    from paratron.train.resolve import parse_args
     from paratron.data.indexed import IndexedDataset
     from paratron.data.preprocess import main as preprocess_main
     from paratron.data.tokenizers import build_tokenizer

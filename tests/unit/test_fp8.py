@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from paratron.config import ConfigError, parse_args
+from paratron.config import ConfigError
+from paratron.train.resolve import parse_args
 from paratron import fp8
 from paratron.fp8 import recipe as fp8_recipe
 from paratron.fp8 import E4M3, E5M2, FP8State, Recipe, Scaler

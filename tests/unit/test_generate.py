@@ -83,7 +83,7 @@ def tiny_model(style="llama"):
         m.normalization, m.swiglu, m.position_embedding_type = "RMSNorm", True, "rope"
         m.group_query_attention, m.num_query_groups, m.disable_bias_linear = True, 2, True
     torch.manual_seed(0)
-    model = GPTModel(m, 128, seed=3).eval()
+    model = GPTModel(m.resolved(), 128, seed=3).eval()
     sharpen(model, 1)
     return model
 

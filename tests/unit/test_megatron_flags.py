@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from paratron.config import ConfigError, parse_args
+from paratron.config import ConfigError
+from paratron.train.resolve import parse_args
 from paratron.config.docs import megatron_flags_markdown
 from paratron.config.megatron_flags import (ACCEPTED_STATUS, IMPLEMENTED, REFUSED_STATUS, megatron_flags, status)
 from paratron.config.megatron_reasons import ACCEPTED, GROUP_REASONS, HONOURED_FIELDS, PREFIX_REASONS, REFUSED
@@ -64,7 +65,7 @@ def test_every_flag_the_scripts_use_has_a_stated_answer():
 
 def _readers() -> str:
     skip = {"sections.py", "help.py", "megatron_flags.py", "megatron_reasons.py", "docs.py", "parse.py", "__init__.py",
-            "validate.py"}
+            "resolution.py"}
     return "\n".join(p.read_text() for p in (ROOT / "paratron").rglob("*.py")
                      if not (p.parent.name == "config" and p.name in skip))
 
@@ -74,7 +75,7 @@ COMPOSED_READS = {"train_data_path": 'f"{name}_data_path"', "valid_data_path": '
                   "test_data_path": 'f"{name}_data_path"',
                   **{f"fim_{role}_token": 'getattr(data, f"fim_{role}_token")'
                      for role in ("prefix", "middle", "suffix", "pad", "eod")}}
-# Fields resolve() turns into other fields, or refuses (validate.py reads them; the code reads the result).
+# Fields resolve() turns into other fields, or refuses (config/check_*.py read them; the code reads the result).
 RESOLVED = {"use_rotary_position_embeddings": "position_embedding_type", "no_position_embedding": "position_embedding_type",
             "recompute_activations": "recompute_granularity", "fp8_hybrid": "fp8_format", "sample_prompt": None,
             "ckpt_format": None}
@@ -89,7 +90,7 @@ def test_no_silent_flag_every_field_is_read_by_the_code():
             assert COMPOSED_READS[name] in code, name
             continue
         if name in RESOLVED:
-            validate = (ROOT / "paratron" / "config" / "validate.py").read_text()
+            validate = "\n".join(p.read_text() for p in (ROOT / "paratron" / "config").glob("check_*.py"))
             assert re.search(rf"\.{name}\b", validate) and (RESOLVED[name] is None or f".{RESOLVED[name]}" in code), name
             continue
         assert re.search(rf"\.{name}\b|[\"']{name}[\"']", code), f"--{name} is parsed but no code reads it"

@@ -10,7 +10,7 @@ import torch
 
 from paratron.checkpoint.pieces import CheckpointError, Piece
 from paratron.checkpoint.strictness import apply_strictness, mismatches
-from paratron.config import parse_args
+from paratron.train.resolve import parse_args
 from paratron.train.loop import Trainer, pretrain
 from paratron.train.runtime import GarbageCollection
 

@@ -72,7 +72,7 @@ def to_paratron(hf: dict, q_lora: bool) -> dict:
 @pytest.mark.parametrize("q_lora_rank,yarn", [(24, True), (None, True), (24, False)])
 def test_logits_equal_transformers_deepseek_v3(q_lora_rank, yarn):
     hf = hf_model(q_lora_rank, yarn)
-    model = GPTModel(paratron_config(q_lora_rank, yarn), VOCAB).eval()
+    model = GPTModel(paratron_config(q_lora_rank, yarn).resolved(), VOCAB).eval()
     model.load_state_dict(to_paratron(hf.state_dict(), q_lora_rank is not None), strict=True)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -139,7 +139,7 @@ def test_hf_export_and_generation_refuse_mla():
     with pytest.raises(CheckpointError, match="multi-latent attention"):
         _check_tp(cfg, 1)
     with pytest.raises(NotImplementedError, match="multi-latent attention"):
-        KVCache(GPTModel(cfg, VOCAB), batch=1, capacity=8)
+        KVCache(GPTModel(cfg.resolved(), VOCAB), batch=1, capacity=8)
 
 
 def test_fp8_reaches_the_parallel_projections():
@@ -148,8 +148,8 @@ def test_fp8_reaches_the_parallel_projections():
     from paratron.fp8 import Recipe
     cfg = paratron_config(24, True)
     torch.manual_seed(0)
-    ref = GPTModel(cfg, VOCAB).eval()
-    fp8 = GPTModel(cfg, VOCAB, fp8=Recipe(emulate=True)).eval()
+    ref = GPTModel(cfg.resolved(), VOCAB).eval()
+    fp8 = GPTModel(cfg.resolved(), VOCAB, fp8=Recipe(emulate=True)).eval()
     fp8.load_state_dict(ref.state_dict())
     names = sorted(n.split(".")[-1] for n, m in fp8.named_modules() if getattr(m, "fp8", None) is not None)
     assert names == sorted(["linear_q_up_proj", "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2"] * 2)

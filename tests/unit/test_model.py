@@ -61,7 +61,7 @@ def test_impossible_layout_is_a_clear_error():
                                                                                  group_query_attention=True)])
 def test_model_shapes_and_backward(kw):
     torch.manual_seed(0)
-    m = GPTModel(tiny(**kw), 128)
+    m = GPTModel(tiny(**kw).resolved(), 128)
     ids = torch.randint(0, 128, (2, 16))
     logits = m(ids)
     assert logits.shape == (2, 16, 128)
@@ -75,7 +75,7 @@ def test_model_shapes_and_backward(kw):
 
 def test_causality():
     torch.manual_seed(0)
-    m = GPTModel(tiny(**LLAMA), 128).eval()
+    m = GPTModel(tiny(**LLAMA).resolved(), 128).eval()
     a = torch.randint(0, 128, (1, 16))
     b = a.clone()
     b[0, 10:] = (b[0, 10:] + 1) % 128
@@ -86,9 +86,9 @@ def test_causality():
 def test_gqa_equals_repeated_kv_heads():
     """A GQA model equals the MHA model whose k/v heads are copies of the group's."""
     torch.manual_seed(0)
-    g = GPTModel(tiny(**LLAMA), 128).eval()
+    g = GPTModel(tiny(**LLAMA).resolved(), 128).eval()
     mha_cfg = tiny(**dict(LLAMA, group_query_attention=False, num_query_groups=None))
-    m = GPTModel(mha_cfg, 128).eval()
+    m = GPTModel(mha_cfg.resolved(), 128).eval()
     sd = g.state_dict()
     d, heads, groups = 16, 4, 2
     for i in range(2):
@@ -129,9 +129,10 @@ def test_llama3_rope_scaling_changes_only_low_frequencies():
 @pytest.mark.parametrize("gran,method", [("full", "uniform"), ("full", "block"), ("selective", None)])
 def test_recompute_gives_the_same_gradients(gran, method):
     torch.manual_seed(0)
-    ref = GPTModel(tiny(**LLAMA), 128)
+    ref = GPTModel(tiny(**LLAMA).resolved(), 128)
     torch.manual_seed(0)
-    rc = GPTModel(tiny(**LLAMA), 128, recompute_granularity=gran, recompute_method=method, recompute_num_layers=1)
+    rc = GPTModel(tiny(**LLAMA).resolved(), 128, recompute_granularity=gran, recompute_method=method,
+                  recompute_num_layers=1)
     ids = torch.randint(0, 128, (2, 16))
     ref(ids, labels=ids).mean().backward()
     rc(ids, labels=ids).mean().backward()
@@ -142,7 +143,7 @@ def test_recompute_gives_the_same_gradients(gran, method):
 def test_init_follows_megatron():
     torch.manual_seed(0)
     cfg = tiny(num_layers=8, hidden_size=256, num_attention_heads=4, init_method_std=0.02)
-    m = GPTModel(cfg, 1024)
+    m = GPTModel(cfg.resolved(), 1024)
     proj = m.decoder.layers[0].self_attention.linear_proj.weight
     qkv = m.decoder.layers[0].self_attention.linear_qkv.weight
     assert abs(qkv.std().item() - 0.02) < 0.002
@@ -155,20 +156,20 @@ def test_embedding_init_std_is_its_own():
     copy) drawn with it; the other weights keep --init-method-std; unset, the embeddings do too."""
     torch.manual_seed(0)
     m = GPTModel(tiny(hidden_size=256, init_method_std=0.02, embedding_init_method_std=1.0,
-                      untie_embeddings_and_output_weights=True), 1024)
+                      untie_embeddings_and_output_weights=True).resolved(), 1024)
     assert abs(m.embedding.word_embeddings.weight.std().item() - 1.0) < 0.02
     assert abs(m.embedding.position_embeddings.weight.std().item() - 1.0) < 0.05
     assert abs(m.output_layer.weight.std().item() - 0.02) < 0.002
     assert abs(m.decoder.layers[0].self_attention.linear_qkv.weight.std().item() - 0.02) < 0.002
-    plain = GPTModel(tiny(hidden_size=256, init_method_std=0.02), 1024)
+    plain = GPTModel(tiny(hidden_size=256, init_method_std=0.02).resolved(), 1024)
     assert abs(plain.embedding.word_embeddings.weight.std().item() - 0.02) < 0.002
 
 
 @pytest.mark.parametrize("kw", [{}, LLAMA])
 def test_fused_output_loss_equals_logits_path(kw):
     torch.manual_seed(0)
-    a = GPTModel(tiny(**kw), 128)
-    b = GPTModel(tiny(**kw), 128)
+    a = GPTModel(tiny(**kw).resolved(), 128)
+    b = GPTModel(tiny(**kw).resolved(), 128)
     b.load_state_dict(a.state_dict())
     b.fused_output_loss = False
     ids = torch.randint(0, 128, (3, 16))
@@ -187,8 +188,8 @@ def test_residual_inside_fc2_equals_the_separate_add(kw):
     (bias-free layers); with --no-bias-dropout-fusion it is a separate add. Same loss and gradients
     either way."""
     torch.manual_seed(0)
-    a = GPTModel(tiny(**kw), 128)
-    b = GPTModel(tiny(**kw, no_bias_dropout_fusion=True), 128)
+    a = GPTModel(tiny(**kw).resolved(), 128)
+    b = GPTModel(tiny(**kw, no_bias_dropout_fusion=True).resolved(), 128)
     b.load_state_dict(a.state_dict())
     assert a.decoder.layers[0].fuse_residual and not b.decoder.layers[0].fuse_residual
     seen = []  # the fused path really runs addmm on the bias-free (Llama) layers

@@ -165,7 +165,7 @@ def test_force_load_balancing_recompute_replays_the_logits():
     grads = []
     for recompute in (None, "full"):
         torch.manual_seed(0)
-        model = GPTModel(ModelConfig(**kw), 64, recompute_granularity=recompute, recompute_method="uniform",
+        model = GPTModel(ModelConfig(**kw).resolved(), 64, recompute_granularity=recompute, recompute_method="uniform",
                          recompute_num_layers=1 if recompute else None)
         tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
         model(tokens, labels=tokens).float().sum().backward()

@@ -62,7 +62,7 @@ def reference(model: GPTModel, ids, labels, mask, pos):
 @pytest.mark.parametrize("per_token", [False, True])
 def test_mtp_loss_and_gradients_equal_hand_computation(per_token):
     torch.manual_seed(0)
-    model = GPTModel(config(), VOCAB).train()
+    model = GPTModel(config().resolved(), VOCAB).train()
     ids, labels, mask, pos = batch()
     model.mtp.loss_scale, model.mtp.per_token_loss = 1.0, per_token
     model.fused_output_loss = not per_token  # both output-layer paths
@@ -98,8 +98,8 @@ def test_repeated_layer_is_layer_0_at_every_depth():
     """--mtp-use-repeated-layer: one MTP layer; the losses and gradients of a model whose N layers all hold
     its weights (their gradients summed onto it)."""
     torch.manual_seed(0)
-    one = GPTModel(config(mtp_num_layers=3, mtp_use_repeated_layer=True), VOCAB).train()
-    three = GPTModel(config(mtp_num_layers=3), VOCAB).train()
+    one = GPTModel(config(mtp_num_layers=3, mtp_use_repeated_layer=True).resolved(), VOCAB).train()
+    three = GPTModel(config(mtp_num_layers=3).resolved(), VOCAB).train()
     assert [n for n in one.state_dict() if n.startswith("mtp.")] == \
         [n for n in three.state_dict() if n.startswith("mtp.layers.0.")]
     state = {n: v for n, v in one.state_dict().items() if not n.startswith("mtp.")}
@@ -116,7 +116,7 @@ def test_repeated_layer_is_layer_0_at_every_depth():
         summed = sum(dict(three.mtp.layers[k].named_parameters())[n].grad for k in range(3))
         assert torch.allclose(p.grad, summed, atol=1e-6), n
     moe = GPTModel(config(mtp_num_layers=4, mtp_use_repeated_layer=True, num_experts=2, moe_router_topk=1,
-                          moe_aux_loss_coeff=0.02, moe_z_loss_coeff=1e-3), VOCAB)
+                          moe_aux_loss_coeff=0.02, moe_z_loss_coeff=1e-3).resolved(), VOCAB)
     router = moe.mtp.layers[0].mtp_model_layer.mlp.router
     assert router.cfg.moe_aux_loss_coeff == pytest.approx(0.005) and router.cfg.moe_z_loss_coeff == pytest.approx(2.5e-4)
     assert moe.decoder.layers[0].mlp.router.cfg.moe_aux_loss_coeff == 0.02  # the decoder's own: unchanged
@@ -128,12 +128,13 @@ def test_detached_heads_train_only_the_mtp_layers():
     torch.manual_seed(0)
     grads = {}
     for detach in (False, True):
-        model = GPTModel(config(mtp_detach_heads=detach), VOCAB).train()
+        model = GPTModel(config(mtp_detach_heads=detach).resolved(), VOCAB).train()
         ids, labels, mask, pos = batch()
         model.mtp.loss_scale = 1.0
         (model(ids, position_ids=pos, labels=labels, loss_mask=mask) * mask).sum().backward()
         grads[detach] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    plain = GPTModel(config(mtp_num_layers=None, mtp_loss_scaling_factor=0.1), VOCAB).train()  # the same seed
+    plain = GPTModel(config(mtp_num_layers=None, mtp_loss_scaling_factor=0.1).resolved(),
+                     VOCAB).train()  # the same seed
     ids, labels, mask, pos = batch()
     (plain(ids, position_ids=pos, labels=labels) * mask).sum().backward()
     for n, p in plain.named_parameters():  # the main loss's gradients alone
@@ -181,7 +182,7 @@ def test_full_recomputation_gives_the_same_gradients():
     grads = []
     for recompute in (None, "full"):
         torch.manual_seed(0)
-        model = GPTModel(config(hidden_dropout=0.1), VOCAB, recompute_granularity=recompute).train()
+        model = GPTModel(config(hidden_dropout=0.1).resolved(), VOCAB, recompute_granularity=recompute).train()
         torch.manual_seed(1)  # the same dropout masks in both runs
         out = model(ids, position_ids=pos, labels=labels, loss_mask=mask)
         ((out * mask).sum() / mask.sum()).backward()
@@ -194,8 +195,8 @@ def test_generation_and_evaluation_ignore_mtp():
     """In eval mode (and without labels) the MTP layers do not run: the outputs are those of the model
     without MTP holding the same other weights, and nothing is logged."""
     torch.manual_seed(0)
-    model = GPTModel(config(), VOCAB).eval()
-    plain = GPTModel(config(mtp_num_layers=None, mtp_loss_scaling_factor=0.1), VOCAB).eval()
+    model = GPTModel(config().resolved(), VOCAB).eval()
+    plain = GPTModel(config(mtp_num_layers=None, mtp_loss_scaling_factor=0.1).resolved(), VOCAB).eval()
     missing = plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")})
     assert not missing.missing_keys
     ids, labels, mask, pos = batch()

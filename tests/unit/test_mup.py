@@ -19,7 +19,7 @@ FLAGS = ["--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "32"
 
 
 def model(**kw):
-    return GPTModel(ModelConfig(**{"hidden_size": 64, **LLAMA, **kw}), 256, seed=3).eval()
+    return GPTModel(ModelConfig(**{"hidden_size": 64, **LLAMA, **kw}).resolved(), 256, seed=3).eval()
 
 
 def test_width_multiplier_and_output_multiplier_are_derived_as_megatron():

@@ -27,85 +27,19 @@ path keeps them grouped (flash).
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import mup
-from ...config import ConfigError
+from ...config.layer_patterns import layer_pattern, parse_window_size, rope_layers, window_layers  # noqa: F401
+from ...config.values import SOFTMAX_TYPES  # noqa: F401
 from ...parallel.sharding import ShardSpec, Split, set_spec, shard
 from ...parallel import comm
 from ...parallel.context import with_sink_dims
 from .sdpa import SDPAttention
-
-SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-
-
-def parse_window_size(value: Union[None, str, tuple, list]) -> Optional[tuple[int, int]]:
-    """``--window-size`` -> (left, right), as Megatron's ``tuple_type`` reads "127,0" or "(127,0)"."""
-    if value is None:
-        return None
-    if isinstance(value, (tuple, list)):
-        parts = list(value)
-    else:
-        parts = [p for p in str(value).strip().strip("()[]").split(",")]
-    try:
-        window = tuple(int(str(p).strip()) for p in parts)
-    except ValueError:
-        raise ConfigError(f"--window-size {value!r}: expected two integers LEFT,RIGHT such as 127,0") from None
-    if len(window) != 2:
-        raise ConfigError(f"--window-size {value!r}: expected two integers LEFT,RIGHT such as 127,0")
-    left, right = window
-    if left < -1 or right < -1:
-        raise ConfigError(f"--window-size {value!r}: sizes are >= 0, or -1 for unbounded")
-    if right > 0:
-        raise ConfigError(f"--window-size {value!r}: GPT attention is causal, so RIGHT must be 0 (or -1)")
-    return left, right
-
-
-def layer_pattern(value: Union[None, int, str, list], num_layers: int, flag: str) -> Union[int, list]:
-    """Megatron's per-layer pattern flags: an int N (every Nth layer, counted from 1) or a list (or list
-    expression) of 0/1 per layer, checked; returned as N or as a list of bools."""
-    from ..spec import _list_expression  # the safe parser of Megatron's list expressions
-    parsed = _list_expression(value, num_layers, flag) if isinstance(value, str) else value
-    if isinstance(parsed, bool) or not isinstance(parsed, (int, list, tuple)):
-        raise ConfigError(f"{flag} {value!r}: expected an int or a list of 0/1 per layer")
-    if isinstance(parsed, int):
-        if parsed < 1:
-            raise ConfigError(f"{flag} {parsed}: the frequency must be >= 1")
-        return parsed
-    if any(isinstance(v, bool) or v not in (0, 1) for v in parsed):
-        raise ConfigError(f"{flag} {list(parsed)}: entries must be 0 or 1")
-    if len(parsed) != num_layers:
-        raise ConfigError(f"{flag} has {len(parsed)} entries, --num-layers is {num_layers}")
-    return [bool(v) for v in parsed]
-
-
-def window_layers(window_size, skip_freq: Union[None, int, str, list], num_layers: int) -> list[bool]:
-    """Per global layer (0-based): whether it uses the window (Megatron's ``is_layer_window_attention``
-    with the 1-based layer number). ``skip_freq`` None: every layer; an int N: every Nth layer
-    (N, 2N, ... counted from 1) keeps full attention; a list (or list expression) of 0/1 per layer:
-    1 = window, 0 = full."""
-    if parse_window_size(window_size) is None:
-        return [False] * num_layers
-    if skip_freq is None:
-        return [True] * num_layers
-    pattern = layer_pattern(skip_freq, num_layers, "--window-attn-skip-freq")
-    return pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(num_layers)]
-
-
-def rope_layers(no_rope_freq: Union[None, int, str, list], num_layers: int) -> list[bool]:
-    """Per global layer (0-based): whether it applies the rotary embedding (``--no-rope-freq``, Llama 4's
-    NoPE layers): None: every layer; an int N: every Nth layer (counted from 1) skips it; a list of 0/1
-    per layer: 1 = no RoPE."""
-    if no_rope_freq is None:
-        return [True] * num_layers
-    pattern = layer_pattern(no_rope_freq, num_layers, "--no-rope-freq")
-    if isinstance(pattern, list):
-        return [not v for v in pattern]
-    return [(i + 1) % pattern != 0 for i in range(num_layers)]
 
 
 def needs_core_attention(cfg) -> bool:

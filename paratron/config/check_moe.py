@@ -1,12 +1,37 @@
-"""Checks of the MoE routing flags of issue 19 (Sinkhorn routing, group-limited routing, forced load
-balancing, the shared-expert gate, the flex dispatcher), with Megatron's rules; called from
-validate.py once the basic MoE flags are valid."""
+"""Checks of the mixture-of-experts flags: the basic MoE flags (only with --num-experts), the routing
+flags of issue 19 (Sinkhorn, group-limited routing, the shared-expert gate, the flex dispatcher) with
+Megatron's rules, and the expert-parallel sizes against them."""
 from __future__ import annotations
 
-from .sections import LogConfig, ModelConfig, ParallelConfig
-from .validate import need
+from .layer_patterns import parse_moe_layer_freq
+from .rules import changed_flags, need
+from .sections import LogConfig, ModelConfig, ParallelConfig, flag
 
+MOE_CHOICES = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
+               "moe_router_score_function": ("softmax", "sigmoid"), "moe_router_dtype": (None, "fp32", "fp64"),
+               "moe_token_drop_policy": ("probs", "position"),
+               "moe_token_dispatcher_type": ("alltoall", "allgather", "flex")}
 FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
+
+
+def validate_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts flags (only checked with --num-experts); fills --moe-ffn-hidden-size."""
+    if m.num_experts is None:
+        given = changed_flags(m, prefix="moe_")
+        need(not given, f"{given[0] if given else ''} has no effect without --num-experts; set --num-experts "
+             "or remove the flag")
+        return
+    need(1 <= m.moe_router_topk <= m.num_experts,
+         f"--moe-router-topk {m.moe_router_topk} must be between 1 and --num-experts {m.num_experts}")
+    for name, choices in MOE_CHOICES.items():
+        value = getattr(m, name)
+        need(value in choices, f"{flag(name)} {value}: choose one of {', '.join(str(c) for c in choices)}")
+    need(not m.moe_pad_expert_input_to_capacity or m.moe_expert_capacity_factor is not None,
+         "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if m.moe_ffn_hidden_size is None:
+        m.moe_ffn_hidden_size = m.ffn_hidden_size
+    parse_moe_layer_freq(m.moe_layer_freq, m.num_layers)
+    validate_routing(m)
 
 
 def validate_routing(m: ModelConfig) -> None:
@@ -43,6 +68,24 @@ def validate_routing(m: ModelConfig) -> None:
          "--moe-shared-expert-gate gates the shared expert: set --moe-shared-expert-intermediate-size")
 
 
+def validate_experts(par: ParallelConfig, m: ModelConfig) -> None:
+    """Expert-parallel sizes against the MoE flags; --expert-tensor-parallel-size defaults to TP (as
+    Megatron). Whether EP x expert-TP divides the world is checked with the world size."""
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    if m.num_experts is None:
+        for name, size in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+            need(size is None or size <= 1, f"{flag(name)} {size} has no effect without --num-experts; set "
+                 "--num-experts or remove the flag")
+        return
+    need(m.num_experts % ep == 0, f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size "
+         f"{ep}; change one of them")
+    if etp is None:
+        etp = par.expert_tensor_parallel_size = par.tensor_model_parallel_size
+    need(etp >= 1, f"--expert-tensor-parallel-size must be >= 1 (got {etp})")
+    need(m.moe_ffn_hidden_size % etp == 0, f"--moe-ffn-hidden-size {m.moe_ffn_hidden_size} is not divisible by "
+         f"--expert-tensor-parallel-size {etp}")
+
+
 def validate_routing_parallel(par: ParallelConfig, m: ModelConfig, lg: LogConfig) -> None:
     """Routing flags against the parallel layout and the logging flags."""
     need(not lg.moe_per_layer_logging or m.num_experts is not None,
@@ -53,4 +96,3 @@ def validate_routing_parallel(par: ParallelConfig, m: ModelConfig, lg: LogConfig
     need(ranks > 1 or m.moe_flex_dispatcher_backend == "hybridep",
          f"--moe-token-dispatcher-type flex with backend {m.moe_flex_dispatcher_backend} needs --expert-model-parallel-"
          f"size x --expert-tensor-parallel-size > 1 (Megatron's assertion); use alltoall on one expert rank")
-

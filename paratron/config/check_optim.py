@@ -1,12 +1,11 @@
-"""Validation of Megatron's norm/activation/attention variants, the decoupled learning rate and the
-Muon optimizer (called from ``resolve()``; one-line errors)."""
+"""Checks of the optimizer section: the learning-rate schedule, the decoupled learning rate, --optimizer
+and the Muon flags."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from ..errors import ConfigError
-from .sections import Config, ModelConfig, OptimConfig, flag
+from .rules import need
+from .sections import Config, OptimConfig, flag
 
 OPTIMIZERS = ("adam", "muon", "dist_muon")
 REFUSED_OPTIMIZERS = ("sgd", "lion", "soap", "adaptive_muon")
@@ -19,29 +18,18 @@ MUON_CHOICES = {
 }
 
 
-def need(cond, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
-def validate_variants(m: ModelConfig) -> None:
-    """--squared-relu / --quick-geglu / --swiglu, the GLU offset and clamp, as Megatron checks them."""
-    acts = [name for name in ("swiglu", "squared_relu", "quick_geglu") if getattr(m, name)]
-    if len(acts) > 1:
-        raise ConfigError(f"{flag(acts[0])} and {flag(acts[1])} exclude each other; choose one activation")
-    gated = m.swiglu or m.quick_geglu
-    if m.glu_linear_offset != 0.0:
-        need(gated, "--glu-linear-offset needs a gated MLP (--quick-geglu or --swiglu)")
-        need(not m.swiglu or m.no_bias_swiglu_fusion, "--glu-linear-offset with --swiglu: Megatron's fused SwiGLU "
-             "has no offset; use --quick-geglu or add --no-bias-swiglu-fusion")
-    clamp = m.activation_func_clamp_value
-    if clamp is not None:
-        need(gated, "--activation-func-clamp-value needs a gated MLP (--quick-geglu or --swiglu)")
-        need(math.isfinite(clamp) and clamp > 0, f"--activation-func-clamp-value must be finite and > 0 (got {clamp})")
-        if m.swiglu:
-            need(m.num_experts is not None, "--activation-func-clamp-value with --swiglu needs --num-experts "
-                 "(Megatron clamps SwiGLU only in MoE models)")
-            need(m.glu_linear_offset == 0.0, "--activation-func-clamp-value with --swiglu needs --glu-linear-offset 0")
+def validate_optim(op) -> None:
+    need(op.lr is not None, "set the learning rate with --lr (e.g. --lr 3e-4)")
+    need(op.lr_decay_style in ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+         f"--lr-decay-style must be one of constant, linear, cosine, inverse-square-root, WSD "
+         f"(got {op.lr_decay_style})")
+    need(op.lr_wsd_decay_style in ("linear", "cosine", "exponential", "minus_sqrt"),
+         "--lr-wsd-decay-style must be linear, cosine, exponential or minus_sqrt")
+    if op.lr_warmup_fraction is not None:
+        need(op.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive")
+    need(op.min_lr <= op.lr, f"--min-lr {op.min_lr} is larger than --lr {op.lr}")
+    need(not (op.override_opt_param_scheduler and op.use_checkpoint_opt_param_scheduler),
+         "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive; choose one")
 
 
 def validate_lr_groups(op: OptimConfig) -> None:
@@ -77,10 +65,3 @@ def validate_optimizer(cfg: Config) -> None:
     need(op.muon_coefficient_type != "cubic5" or op.muon_num_ns_steps == 5,
          "--muon-coefficient-type cubic5 is a fixed 5-step schedule: use --muon-num-ns-steps 5")
     need(0.0 <= op.muon_momentum < 1.0, f"--muon-momentum must be in [0, 1) (got {op.muon_momentum})")
-
-
-def validate_run_variants(cfg: Config) -> None:
-    """Checks that need two sections: the bf16 matmul switch, --log-progress's file."""
-    need(not cfg.train.disable_bf16_reduced_precision_matmul or cfg.train.bf16,
-         "--disable-bf16-reduced-precision-matmul needs --bf16 (it changes bf16 matmuls only)")
-    need(not cfg.log.log_progress or cfg.ckpt.save, "--log-progress writes <save>/progress.txt: add --save DIR")

@@ -1,0 +1,71 @@
+"""Checks of the data section: the data sources, the tokenizer flags (shared by train and preprocess),
+fill-in-the-middle (--fim-*) and supervised fine-tuning (--sft-*)."""
+from __future__ import annotations
+
+import difflib
+
+from ..errors import ConfigError
+from .ranges import check_ranges
+from .rules import changed_flags, need
+from .sections import DataConfig
+from .values import SFT_PROMPT_FORMATS, TIKTOKEN_PATTERNS, TOKENIZER_TYPES
+
+
+def validate_data(d: DataConfig) -> None:
+    have_data = d.mock_data or d.data_path or d.train_data_path
+    need(bool(have_data), "no training data: pass --data-path PREFIX (or --train-data-path) or --mock-data")
+    need(not (d.mock_data and (d.data_path or d.train_data_path)),
+         "--mock-data and --data-path are mutually exclusive; choose one")
+    if d.tokenizer_type is None and (d.vocab_file or d.merge_file):
+        d.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default tokenizer (pretrain_gpt.py)
+    need(d.tokenizer_type in (None, "GPT2BPETokenizer") or not (d.vocab_file or d.merge_file),
+         f"--vocab-file/--merge-file are read only by GPT2BPETokenizer, not --tokenizer-type {d.tokenizer_type}; "
+         "remove them or use --tokenizer-type GPT2BPETokenizer")
+    if d.tokenizer_type is None and d.mock_data:
+        # No tokenizer flags with mock data: a NullTokenizer over the GPT-2 vocabulary size (its EOD,
+        # vocab_size - 1 = 50256, is GPT-2's end-of-text id).
+        d.tokenizer_type = "NullTokenizer"
+        d.vocab_size = d.vocab_size or 50257
+    validate_tokenizer(d)
+
+
+def validate_tokenizer(d: DataConfig) -> None:
+    """The tokenizer flags (shared by train and preprocess)."""
+    check_ranges(d)
+    need(d.tokenizer_type is not None, "set the tokenizer with --tokenizer-type (and its files); see docs/data.md")
+    if d.tokenizer_type not in TOKENIZER_TYPES:
+        close = ([t for t in TOKENIZER_TYPES if t.lower().startswith(d.tokenizer_type.lower())]
+                 or difflib.get_close_matches(d.tokenizer_type, TOKENIZER_TYPES, n=1))
+        hint = f"did you mean {close[0]}?" if close else f"choose one of {', '.join(TOKENIZER_TYPES)}"
+        raise ConfigError(f"--tokenizer-type {d.tokenizer_type} is not supported; {hint}")
+    if d.tokenizer_type == "NullTokenizer":
+        need(d.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size N")
+    need(d.tiktoken_pattern in TIKTOKEN_PATTERNS, f"--tiktoken-pattern must be v1 or v2 (got {d.tiktoken_pattern})")
+
+
+def validate_fim(data) -> None:
+    """--fim-*: no effect without --fim-data (a changed one is an error), not with mock data (nothing to
+    re-tokenize: Megatron refuses it too), and a fragment rate with --fim-split-sample."""
+    if not data.fim_data:
+        changed = changed_flags(data, prefix="fim_")
+        need(not changed, f"{', '.join(changed)}: no effect without --fim-data; add it or remove them")
+        return
+    need(not data.mock_data, "--fim-data needs real data (it re-tokenizes text); --mock-data has none")
+    need(data.fim_split_sample is None or data.fim_fragment_rate is not None,
+         "--fim-split-sample needs --fim-fragment-rate (the chance per fragment)")
+
+
+def validate_sft(data) -> None:
+    """--sft: conversations through a HuggingFace tokenizer (Megatron's SFT tokenizer is one too), real
+    JSONL data, not FIM; --sft-tokenizer-prompt-format a known format, and no effect without --sft."""
+    if not data.sft:
+        changed = changed_flags(data, prefix="sft_")
+        need(not changed, f"{', '.join(changed)}: no effect without --sft; add it or remove them")
+        return
+    need(data.sft_tokenizer_prompt_format in SFT_PROMPT_FORMATS, f"--sft-tokenizer-prompt-format must be one of "
+         f"{', '.join(SFT_PROMPT_FORMATS)} (got {data.sft_tokenizer_prompt_format})")
+    need(data.tokenizer_type == "HuggingFaceTokenizer", "--sft renders conversations with a HuggingFace "
+         f"tokenizer's vocabulary; give --tokenizer-type HuggingFaceTokenizer (got {data.tokenizer_type})")
+    need(not data.mock_data, "--sft reads conversations from JSONL files (--data-path); --mock-data has none")
+    need(not data.fim_data, "--sft and --fim-data do not go together: FIM rewrites pretraining text, SFT "
+         "samples are conversations")

@@ -1,0 +1,46 @@
+"""The legal values of the config's choice flags, one definition each: the config checks a flag against
+its table at resolve, and the module that implements the choice imports the same table."""
+from __future__ import annotations
+
+# --tokenizer-type (paratron/data/tokenizers.py) and --tiktoken-pattern
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "NullTokenizer",
+    "ByteLevelTokenizer",
+)
+TIKTOKEN_PATTERNS = ("v1", "v2")
+
+# --sft-tokenizer-prompt-format (paratron/data/sft.py)
+SFT_PROMPT_FORMATS = ("nemotron-h-aligned", "nemotron-nano-v2", "identity", "default")
+
+# --dist-ckpt-strictness (paratron/checkpoint/strictness.py)
+STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+              "return_unexpected", "return_all", "ignore_all")
+
+# --cp-comm-type (paratron/parallel/context.py)
+COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+
+# --softmax-type (paratron/model/core_attention.py)
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+# --recompute-modules (paratron/model/recompute.py): checkpointed modules, output-discarding ones
+RECOMPUTE_CHECKPOINTED = ("core_attn", "mlp", "moe", "shared_experts")
+RECOMPUTE_DISCARDED = ("layernorm", "moe_act")
+RECOMPUTE_SUPPORTED = RECOMPUTE_CHECKPOINTED + RECOMPUTE_DISCARDED
+RECOMPUTE_MISSING = {  # Megatron's other names: the module they recompute is not in paratron
+    "mla_up_proj": "multi-latent attention (paratron has none)",
+    "gdn_norm_out": "gated-delta-net attention (paratron has none)",
+    "gdp_in_proj": "gated-delta-product attention (paratron has none)",
+    "gdp_qkv": "gated-delta-product attention (paratron has none)",
+    "mhc": "hyper-connections (paratron has none)",
+}
+
+# --fp8-format, --fp8-recipe, --fp8-amax-compute-algo (the FP8 layers; paratron/parallel/fp8.py keeps a copy
+# until it moves to paratron/fp8/, which imports these)
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "delayed")
+FP8_REFUSED_RECIPES = {  # Megatron's other choices: why paratron refuses them
+    "blockwise": "blockwise (1x128 / 128x128 block scales) needs block-scaled FP8 GEMMs that paratron does not have",
+    "mxfp8": "mxfp8 (per-32-element e8m0 scales) needs Blackwell's MX tensor cores; Hopper has none",
+}
+FP8_AMAX_ALGOS = ("max", "most_recent")

@@ -1,0 +1,82 @@
+"""The run's resolve: :func:`paratron.config.resolve` with the facts the config package does not read (it
+imports nothing above paratron.errors): the vocabulary size from the tokenizer's files, the model of the
+``--load`` checkpoint for ``--use-checkpoint-args``, and whether the device runs FP8. ``paratron train``,
+pretrain_gpt.py and the Trainer resolve with it:
+
+    cfg = parse_args(argv)          # paratron.config.parse_args, with the run's resolve
+    cfg = resolve(cfg, world_size)  # an unresolved Config; a resolved one is checked and returned as it is
+
+``--use-checkpoint-args``: the model's shape and tokenizer come from the config stored in the ``--load``
+checkpoint (its ``common.json``), as Megatron overrides its model arguments from the checkpoint's. Flags
+given on the command line for those fields are replaced; parallel sizes, the schedule and the data stay
+the run's own (paratron reshards any layout).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .. import config
+from ..config import FIELD_SECTION, TOKENIZER_FIELDS, Config, ConfigError
+from ..data.tokenizers import tokenizer_vocab_size
+
+# The data-section fields taken with the model: the tokenizer (its vocabulary sizes the embedding).
+CHECKPOINT_DATA_FIELDS = tuple(n for n in TOKENIZER_FIELDS if n != "vocab_size")
+
+
+def apply_checkpoint_args(cfg: Config) -> None:
+    """Overwrite ``cfg``'s model fields and tokenizer flags with the ones of the latest checkpoint
+    under --load (before resolve). No checkpoint: an error with --exit-on-missing-checkpoint, else
+    the flags stay (a fresh start, as Megatron)."""
+    c = cfg.ckpt
+    if not c.use_checkpoint_args or not c.load:
+        return
+    from ..checkpoint import sharded  # (here: torch.distributed.checkpoint costs a second at start-up)
+    done = sharded.complete_iterations(c.load)  # the files are verified when the run loads them
+    it = c.ckpt_step if c.ckpt_step is not None else (max(done) if done else None)
+    d = sharded.iter_dir(c.load, it) if it is not None else None
+    if d is None or not (d / sharded.COMMON).is_file():
+        if c.exit_on_missing_checkpoint:
+            raise ConfigError(f"--use-checkpoint-args: no checkpoint in {c.load} (--exit-on-missing-checkpoint)")
+        return
+    saved = sharded.read_common(d).get("config")
+    if not isinstance(saved, dict) or "model" not in saved:
+        raise ConfigError(f"--use-checkpoint-args: {d} holds no paratron config; give the model flags instead")
+    for name, value in saved["model"].items():
+        if FIELD_SECTION.get(name) == "model":
+            cfg.set(name, value)
+    for name in CHECKPOINT_DATA_FIELDS:
+        if name in saved.get("data", {}):
+            cfg.set(name, saved["data"][name])
+
+
+def check_device(cfg: Config) -> None:
+    """FP8 matmuls need a GPU that has them (--fp8-format)."""
+    if cfg.train.fp8_format is not None:
+        from .. import fp8  # (here: a flag mistake is reported before torch is imported)
+        problem = fp8.device_problem("cpu" if cfg.train.device == "cpu" else "cuda")
+        if problem is not None:
+            raise ConfigError(problem)
+
+
+def resolve(cfg: Config, world_size: Optional[int] = None) -> Config:
+    """``cfg`` resolved for ``world_size`` processes (see :func:`paratron.config.resolve`), its vocabulary
+    size read from the tokenizer's files and the device checked. A resolved config (one that
+    paratron.config resolved alone too) is checked for the device and returned as it is."""
+    if cfg.is_resolved:
+        config.resolve(cfg, world_size)  # the world-size check
+        check_device(cfg)
+        return cfg
+    return config.resolve(cfg, world_size, vocab_size=tokenizer_vocab_size, checks=(check_device,))
+
+
+def resolve_with_checkpoint_args(cfg: Config, world_size: Optional[int] = None) -> Config:
+    """:func:`resolve` after ``--use-checkpoint-args`` took the checkpoint's model (what parse_args does)."""
+    apply_checkpoint_args(cfg)
+    return resolve(cfg, world_size)
+
+
+def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None,
+               world_size: Optional[int] = None) -> Config:
+    """:func:`paratron.config.parse_args` with the run's resolve: flags and YAML, ``--use-checkpoint-args``,
+    the tokenizer's vocabulary and the device (every problem of the command line reported at once)."""
+    return config.parse_args(argv, base, world_size, resolve=resolve_with_checkpoint_args)
