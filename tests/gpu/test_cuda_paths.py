@@ -156,13 +156,14 @@ def test_fp8_cast_kernel_matches_the_torch_cast(e5m2):
     torch cast: own scale and preset one, byte-equal FP8 (a cast has no transcendental to flip a last
     bit), the transposed copy equal to the row-major one transposed, the same amax."""
     from paratron.fp8 import mlp as fp8_mlp
+    from paratron.kernels import fp8_cast
     from paratron.fp8 import E4M3, E5M2
     torch.manual_seed(0)
     for m, n in ((4096, 3072), (272, 1000)):
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 30
         for preset in (torch.tensor(0.0, device="cuda"), torch.tensor(2.5, device="cuda")):
             q, qt, scale, current = torch.ops.paratron.cast_fp8(x, preset, e5m2, 0)
-            rq, _, rscale, rcurrent = fp8_mlp._to_fp8(x.float(), preset, E5M2 if e5m2 else E4M3, 0)
+            rq, _, rscale, rcurrent = fp8_cast._to_fp8(x.float(), preset, E5M2 if e5m2 else E4M3, 0)
             assert q.dtype == rq.dtype and torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
             assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
             assert scale.item() == pytest.approx(rscale.item(), rel=1e-6)
