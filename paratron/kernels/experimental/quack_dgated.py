@@ -119,7 +119,7 @@ def gemm_dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, config) -> Tensor:
 def dgated_keep(dy: Tensor, w2: Tensor, pre: Tensor, spec: str) -> Tensor:
     """``gemm_dgated_keep`` with the tiles ``spec`` (quack_gemm.py's strings) as one opaque op for
     compiled backwards. CUDA (Hopper, bf16) only: see ``available``."""
-    from . import quack_gemm
+    from .. import quack_gemm
     return gemm_dgated_keep(dy, w2, pre, quack_gemm.config(spec))
 
 
