@@ -11,9 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 MAX_SCRIPTS = 20
-# Cited but not in the tree yet: the record of the fresh H200 run that docs/performance.md's table quotes (remove
-# the entry when the record lands; test_pending_is_still_pending fails once it is there).
-PENDING_RECORDS = {"house_h200_20261202.md"}
 # benchmarks/results/NAME, where NAME may hold one or more {a,b} alternatives (``..._{default,dx}.tsv``)
 CITED_PATH = re.compile(r"benchmarks/results/((?:[A-Za-z0-9_.\-]|\{[A-Za-z0-9_.,\-]+\})+)")
 # a commit hash: 7-40 hex characters with at least one digit and one letter, a word of its own
@@ -65,12 +62,8 @@ def test_every_record_is_cited():
 
 
 def test_every_cited_record_exists():
-    gone = [m for m in missing(citing_texts()) if m.rsplit("/", 1)[1] not in PENDING_RECORDS]
+    gone = missing(citing_texts())
     assert not gone, gone
-
-
-def test_pending_is_still_pending():
-    assert not [f for f in PENDING_RECORDS if (RESULTS / f).is_file()], "a pending record landed: drop it from the set"
 
 
 def test_the_checks_can_fail(tmp_path):
