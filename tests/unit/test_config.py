@@ -35,6 +35,10 @@ def test_unsupported_megatron_flag_is_named():
     (["--lr-decay-style", "exp"], "--lr-decay-style"),
     (["--seq-length", "64", "--max-position-embeddings", "32"], "exceeds --max-position-embeddings"),
     (["--hidden-size", "abc"], "invalid int value"),
+    (["--kernel-cublaslt", "maybe"], "--kernel-cublaslt maybe: choose one of auto, on, off"),
+    (["--attention-backend", "xformers"], "--attention-backend xformers: choose one of"),
+    (["--kernel-quack-tiles", "dx=big"], "--kernel-quack-tiles dx=big"),
+    (["--kernel-quack-tiles", "qkv=256x128c1x2coop"], "is not <dgated|dx|wgrad_fc1|wgrad_fc2>"),
 ])
 def test_validation_errors_are_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:
