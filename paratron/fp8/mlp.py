@@ -37,12 +37,6 @@ from .recipe import FAST_ACCUM_FORWARD, FP8State, column_major, forward_mm, inpu
 from ..kernels.fp8_cast import (E4M3, GELU, GELU_TANH, IDENTITY, SWIGLU, act_fp8_reference, activation,  # noqa: F401
                                 activation_grad, cast_fp8, grad_fp8_reference, mlp_act_fp8, mlp_act_fp8_backward)
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs
-    triton = None
-
 
 def applies(fc1, fc2, act: Optional[int]) -> bool:
     """Whether the fused FP8 MLP can replace fc1 -> activation -> fc2 (``act``: one of SWIGLU, GELU,

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..config.kernels import CHOICES, KernelConfig
-from . import cublaslt, decode_attention, flash_attention, fused_adamw, quack_mlp, quack_norm  # noqa: F401
+from . import flash_attention, fused_adamw, quack_mlp, quack_norm
 from .experimental import flash_packed
 
 try:

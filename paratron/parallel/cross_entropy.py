@@ -29,8 +29,6 @@ roundings (the bf16 matmul result, one fp32 multiply, one rounding), so its resu
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
