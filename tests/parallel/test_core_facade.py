@@ -202,3 +202,41 @@ def test_docs_library_examples_run(capsys):
     parallel_state.destroy_model_parallel()
     out = capsys.readouterr().out
     assert out.count("trained: loss") == 2, out
+
+
+def _facade_optimizer_run(rank: int, world: int) -> dict:
+    """Four steps of get_megatron_optimizer on the facade at TP = world; the getters and the DP group."""
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(123)
+    ps = parallel_state
+    out = {"tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+           "dp": (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())}
+    one = torch.ones(())
+    if world > 1:  # a DP group of one rank: a collective over it must not reach the TP peer
+        torch.distributed.all_reduce(one, group=parallel_state.get_data_parallel_group())
+    out["dp_sum"] = float(one)
+    module = GPTModel(config=config(), vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = DistributedDataParallel(config=module.config, ddp_config=DistributedDataParallelConfig(), module=module)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+    schedule, data, out["losses"] = get_forward_backward_func(), batches(2), []
+    for _ in range(4):
+        optimizer.zero_grad()
+        reports = schedule(forward_step_func=forward_step, data_iterator=iter(data), model=model, num_microbatches=2,
+                           seq_length=SEQ, micro_batch_size=2)
+        finalize_model_grads([model])
+        out["norm"] = optimizer.step()[1]
+        out["losses"].append(sum(float(r["lm loss"]) for r in reports))
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_facade_optimizer_tp2_matches_one_process(tmp_path):
+    from tests.dist import run_ranks
+    ref = _facade_optimizer_run(0, 1)
+    got = run_ranks(2, _facade_optimizer_run, tmp_dir=tmp_path)
+    assert [g["tp"] for g in got] == [(0, 2), (1, 2)] and [g["dp"] for g in got] == [(0, 1), (0, 1)]
+    assert [g["dp_sum"] for g in got] == [1.0, 1.0]
+    for g in got:
+        assert g["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert g["norm"] == pytest.approx(ref["norm"], rel=1e-4)

@@ -58,7 +58,8 @@ ACCEPTED = {
     "moe_permute_fusion": False, "moe_router_fusion": False, "moe_per_layer_logging": False,
     "moe_layer_recompute": False, "moe_flex_dispatcher_backend": "deepep", "moe_enable_deepep": False,
     "enable_cuda_graph": False, "cuda_graph_impl": "none", "clone_scatter_output_in_embedding": True,
-    "use_te_rng_tracker": False, "config_logger_dir": "", "flash_decode": False, "transformer_impl": "transformer_engine",
+    "use_te_rng_tracker": False, "config_logger_dir": "", "flash_decode": False,
+    "transformer_impl": "transformer_engine",
     "disable_bf16_reduced_precision_matmul": False, "init_model_with_meta_device": False,
 }
 

@@ -79,7 +79,8 @@ class GPTModel(_GPTModel):
             raise ConfigError(f"GPTModel.forward({given[0]}=...) is not supported by paratron.core")
         return super().forward(input_ids, position_ids, attention_mask, labels, document_ids, loss_mask)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
         """{prefix + state-dict key: ShardedTensor}: each tensor of ``state_dict()`` with its name in the
         one-rank model and its place there, for ``dist_checkpointing.save`` / ``load`` (any layout)."""
         if sharded_offsets:
