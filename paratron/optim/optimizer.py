@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, ConfigError, KernelConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import REDUCTION_LAYOUTS, norm_groups, spec_of
 from ..model import mup
@@ -333,3 +333,17 @@ def build_optimizer(models: list, cfg: Config, dims: ParallelDims) -> MixedPreci
         return DistributedOptimizer(models, cfg, dims)
     names = {p: name for m in models for name, p in m.named_parameters()}
     return Optimizer([p for m in models for p in m.params], cfg, dims, names)
+
+
+def hand_built_config(model: ModelConfig, optim: OptimConfig, train: Optional[TrainConfig] = None,
+                      use_distributed_optimizer: bool = False, kernels: Optional[KernelConfig] = None) -> Config:
+    """What ``build_optimizer`` reads, for a model built by hand (no run config): the model's resolved config,
+    the optim section, the train section's precision and loss-scale fields (default: fp32, no scaling),
+    ``--use-distributed-optimizer`` (the chunks then wrapped with ``use_distributed_optimizer=True``) and the
+    kernel switches. ``build_optimizer(chunks, hand_built_config(model.config, OptimConfig(lr=1e-3)), dims)``."""
+    if optim.lr is None:
+        raise ConfigError("the optimizer needs a learning rate: OptimConfig(lr=...)")
+    return Config(model=model, optim=optim, train=train or TrainConfig(),
+                  parallel=ParallelConfig(use_distributed_optimizer=use_distributed_optimizer),
+                  kernels=kernels or KernelConfig())
+

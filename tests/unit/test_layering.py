@@ -31,6 +31,12 @@ def test_layers_point_down():
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
 
 
+def test_nothing_imports_the_megatron_core_facade():
+    """paratron.core holds the one piece of global state (its compatibility object); the library stays explicit."""
+    bad = sorted(f"{at}: {pkg} imports core" for pkg, dep, at in imports() if dep == "core" and pkg != "core")
+    assert not bad, "imports of paratron.core from below it:\n" + "\n".join(bad)
+
+
 def test_no_cycle_between_packages():
     graph = {}
     for pkg, dep, at in imports():

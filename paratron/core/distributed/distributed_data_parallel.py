@@ -1,0 +1,91 @@
+"""Megatron Core's DistributedDataParallel: paratron's DataParallel (gradient buffers and buckets,
+paratron/parallel/data.py) on the ParallelDims of ``parallel_state``.
+
+One addition for loops written against torch optimizers (Megatron's tutorial steps ``torch.optim.Adam``):
+after ``finalize_model_grads`` every parameter's ``.grad`` is its reduced gradient (a view of
+``main_grad``), and the next forward starts a fresh step of the buffer (``zero_grad_buffer()``, which
+Megatron's loops call themselves; calling it is still right). paratron's and the facade's optimizers
+read ``main_grad`` directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ...config import ConfigError
+from ...parallel.data import DataParallel
+from ..parallel_state import current_dims
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """Megatron's fields; those paratron has no counterpart for are accepted when left at their default."""
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    align_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    num_distributed_optimizer_instances: int = 1
+    check_for_nan_in_grad: bool = False
+    check_for_large_grads: bool = False
+    bucket_size: Optional[int] = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+    average_in_collective: bool = False
+    fp8_param_gather: bool = False
+    use_custom_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: Optional[int] = None
+    preserve_fp32_weights: bool = True
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+
+    def __post_init__(self):
+        for name in ("fp8_param_gather", "use_custom_fsdp", "nccl_ub", "fsdp_double_buffer"):
+            if getattr(self, name):
+                raise ConfigError(f"DistributedDataParallelConfig({name}=True) is not supported by paratron.core")
+        if self.num_distributed_optimizer_instances != 1:
+            raise ConfigError("DistributedDataParallelConfig(num_distributed_optimizer_instances > 1) is not "
+                              "supported by paratron.core")
+
+
+class DistributedDataParallel(DataParallel):
+    """Megatron's constructor; ``module`` is the facade's (or paratron's) GPTModel, ``config`` its config."""
+
+    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
+                 disable_bucketing: bool = False, **_megatron_only):
+        low = next(module.parameters()).dtype
+        grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 or low == torch.float32 else low
+        super().__init__(module, current_dims(), grad_dtype=grad_dtype,
+                         bucket_size=None if disable_bucketing else ddp_config.bucket_size,
+                         overlap_grad_reduce=ddp_config.overlap_grad_reduce,
+                         use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+                         overlap_param_gather=ddp_config.overlap_param_gather)
+        self.config, self.ddp_config = config, ddp_config
+        self.grads_published = False  # finalize_model_grads set .grad; the next forward starts a step
+
+    def publish_grads(self) -> None:
+        """Each parameter's ``.grad`` = its reduced gradient (for torch optimizers), until the next step."""
+        for p in self.params:
+            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+        self.grads_published = True
+
+    def zero_grad_buffer(self) -> None:
+        """Start a step: the buffers take the next gradients afresh (and ``.grad`` is dropped)."""
+        if getattr(self, "grads_published", False):
+            for p in self.params:
+                p.grad = None
+            self.grads_published = False
+        super().zero_grad_buffer()
+
+    def forward(self, *args, **kwargs):
+        if self.grads_published:
+            self.zero_grad_buffer()
+        return super().forward(*args, **kwargs)
+
+    def broadcast_params(self) -> None:
+        """Megatron copies data-parallel rank 0's parameters to the others; paratron's ranks build
+        identical parameters from the seed, so there is nothing to copy."""

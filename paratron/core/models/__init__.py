@@ -1,0 +1,1 @@
+"""Megatron Core's ``models``: the GPT family (``models.gpt``)."""
