@@ -30,7 +30,7 @@ from .reporting import Reporter, TimedIterator, wandb_run
 from .runtime import GarbageCollection, apply_bf16_matmul_reduction, apply_deterministic_mode, apply_logging_level
 from .microbatches import MicroBatches, check_batch_sizes
 from .resolve import check_device
-from .report import end_of_run
+from .report import check_sample_prompt, end_of_run
 from .checkpointing import Checkpointing
 from .evaluation import Evaluation
 from .hooks import StepContext, StepHooks
@@ -104,7 +104,9 @@ class Trainer(Checkpointing, Evaluation, RunControl):
     # ---- set-up pieces -------------------------------------------------------------------------
     def _build_tokenizer(self):
         from ..data import build_tokenizer
-        return build_tokenizer(self.cfg.data)  # resolve() stored its vocabulary size in cfg.data.vocab_size
+        tokenizer = build_tokenizer(self.cfg.data)  # resolve() stored its vocabulary size in cfg.data.vocab_size
+        check_sample_prompt(self.cfg, tokenizer)  # at start-up, not after the run
+        return tokenizer
 
     def _build_data(self):
         from ..data import build_data_iterator, build_train_valid_test_datasets, train_valid_test_num_samples

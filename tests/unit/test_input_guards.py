@@ -83,3 +83,14 @@ def test_a_save_directory_without_room_for_one_checkpoint_is_an_error_before_ste
     assert "--no-save-space-check" in err
     assert main(flags + ["--no-save-space-check"]) in (0, 2)  # starts: the save itself may then fail
     assert " iteration        1/" in capsys.readouterr().out
+
+
+def test_a_sample_prompt_the_tokenizer_cannot_read_is_an_error_before_step_1(capsys):
+    assert main(["train", *FLAGS, "--train-iters", "1", "--sample-prompt", "hello"]) == 2
+    err = one_error_line(capsys)
+    assert "--sample-prompt 'hello' cannot be tokenized by --tokenizer-type NullTokenizer" in err, err
+    assert '--sample-prompt "1 2 3"' in err
+    assert main(["train", *FLAGS, "--train-iters", "1", "--sample-prompt", "1 2 300"]) == 2  # past --vocab-size
+    assert "token id 300 outside the vocabulary" in one_error_line(capsys)
+    assert main(["train", *FLAGS, "--train-iters", "1", "--sample-prompt", "1 2 3"]) == 0
+    assert " sample: '1 2 3" in capsys.readouterr().out
