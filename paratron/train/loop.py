@@ -22,7 +22,7 @@ from ..parallel.random import set_seed
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
 from .distributed import build_dims, init_distributed  # noqa: F401  (tests import build_dims here)
-from .guards import StepGuard, StopSignal, ignore_signal, kill_workers_at_exit
+from .guards import StepGuard, StopSignal, data_worker_init, kill_workers_at_exit
 from .preflight import preflight
 from .logger import RunLogger
 from .metrics import flops_per_iteration, peak_tflops
@@ -121,7 +121,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
             kill_workers_at_exit()
         it = partial(build_data_iterator, micro_batch_size=tr.micro_batch_size, dp_rank=self.dims.dp_rank,
                      dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers,
-                     worker_init_fn=partial(ignore_signal, tr.exit_signal) if signals else None,
+                     worker_init_fn=partial(data_worker_init, tr.exit_signal if signals else None),
                      cyclic=cfg.data.dataloader_type == "cyclic", data_sharding=not cfg.data.no_data_sharding)
         train = it(train_ds, consumed_samples=self.consumed_samples, infinite=False)
         valid = it(valid_ds, consumed_samples=0, infinite=True) if valid_ds is not None and tr.eval_iters > 0 else None

@@ -2,6 +2,7 @@
 flag given twice, warned about), with one line naming the flag."""
 import shutil
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,38 @@ def test_a_sample_prompt_the_tokenizer_cannot_read_is_an_error_before_step_1(cap
     assert "token id 300 outside the vocabulary" in one_error_line(capsys)
     assert main(["train", *FLAGS, "--train-iters", "1", "--sample-prompt", "1 2 3"]) == 0
     assert " sample: '1 2 3" in capsys.readouterr().out
+
+
+WORKER = """
+import multiprocessing as mp, sys
+from paratron.train.guards import data_worker_init
+
+def worker(q, quiet):
+    if quiet:
+        data_worker_init(None, 0)
+    q.put(b"x" * (1 << 20))  # the main process is gone: its end of the pipe is closed
+    q.close()
+    q.join_thread()
+
+if __name__ == "__main__":
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    q._reader.close()
+    p = ctx.Process(target=worker, args=(q, sys.argv[1] == "quiet"))
+    p.start()
+    p.join()
+"""
+
+
+def test_a_data_worker_whose_main_process_is_gone_prints_no_traceback(tmp_path):
+    """SIGTERM without --exit-signal-handler ends the main process; a DataLoader worker then writing to it
+    printed the queue feeder's BrokenPipeError / ConnectionResetError traceback."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "w.py").write_text(WORKER)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    run = [subprocess.run([sys.executable, str(tmp_path / "w.py"), how], capture_output=True, text=True, env=env,
+                          timeout=60) for how in ("plain", "quiet")]
+    assert "BrokenPipeError" in run[0].stderr  # what a worker prints without it
+    assert run[1].returncode == 0 and run[1].stderr == "", run[1].stderr
