@@ -313,9 +313,7 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None, 
     Every problem of the command line (flags, values, YAML, validation) is reported at once: one
     :class:`ConfigProblems` (a ConfigError) listing them all."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
-        for warning in repeated_flags(argv):
-            print(warning, file=sys.stderr, flush=True)
+    warnings = repeated_flags(argv)
     argv, problems = screen_argv(argv)
     try:
         values = vars(build_parser().parse_args(argv))
@@ -343,5 +341,8 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None, 
     except UserError as e:
         problems.append(str(e))
     if problems:
-        raise ConfigProblems(problems)
+        raise ConfigProblems(problems)  # (the errors alone: a repeated flag is then beside the point)
+    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+        for warning in warnings:
+            print(warning, file=sys.stderr, flush=True)
     return cfg
