@@ -7,9 +7,9 @@ Layouts: one process with dropout, two processes DP2, two processes TP2 with dro
 mock data, --save-interval 2, 12 iterations. Each layout first runs uninterrupted (the reference).
 
 kill -9 trial: the job is the automatic-restart recipe, `torchrun --max-restarts 1 ... --save CK
---load CK`. One worker is killed (the ranks of each layout in turn, so that every rank is) with SIGKILL after a random iteration, either
-mid-step (after a random delay) or mid-save (as soon as the save's `.iter_*.partial` directory
-appears). torchrun restarts the workers, they resume from the latest complete checkpoint and finish.
+--load CK`. One worker is killed (the ranks of each layout in turn, so that every rank is) with SIGKILL
+after a random iteration, either mid-step (after a random delay) or mid-save (as soon as the save's
+`.iter_*.partial` directory appears). torchrun restarts the workers, they resume from the latest complete checkpoint and finish.
 Counted: resumed (exit 0, the last iteration reached) and identical (every logged loss, before and
 after the restart, equal to the reference's).
 
