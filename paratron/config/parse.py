@@ -342,7 +342,7 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None, 
         problems.append(str(e))
     if problems:
         raise ConfigProblems(problems)  # (the errors alone: a repeated flag is then beside the point)
-    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank; in the run's log, as its other warnings
         for warning in warnings:
-            print(warning, file=sys.stderr, flush=True)
+            print(f" {warning}", flush=True)
     return cfg

@@ -56,8 +56,8 @@ def test_save_retain_interval_needs_a_save_interval_above_0(tmp_path):
 def test_a_flag_given_twice_with_different_values_warns(capsys):
     cfg = parse_args(FLAGS + ["--train-iters", "1", "--lr", "2e-3"])
     assert cfg.optim.lr == 2e-3  # the last one, as argparse and Megatron
-    err = capsys.readouterr().err
-    assert "WARNING: --lr is given 2 times (1e-3, 2e-3); the last one, 2e-3, is used" in err, err
+    out = capsys.readouterr().out
+    assert " WARNING: --lr is given 2 times (1e-3, 2e-3); the last one, 2e-3, is used" in out, out
     assert repeated_flags(["--lr", "1e-3", "--lr=1e-3", "--bf16", "--bf16"]) == []  # the same value: no word
     assert repeated_flags(["--data-path", "a", "b", "--mock-data", "--data-path", "a"]) == [
         "WARNING: --data-path is given 2 times (a b, a); the last one, a, is used"]
