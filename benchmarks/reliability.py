@@ -7,9 +7,9 @@ Layouts: one process with dropout, two processes DP2, two processes TP2 with dro
 mock data, --save-interval 2, 12 iterations. Each layout first runs uninterrupted (the reference).
 
 kill -9 trial: the job is the automatic-restart recipe, `torchrun --max-restarts 1 ... --save CK
---load CK`. One worker, of a random rank, is killed with SIGKILL after a random iteration, either
-mid-step (after a random delay) or mid-save (as soon as the save's `.iter_*.partial` directory
-appears). torchrun restarts the workers, they resume from the latest complete checkpoint and finish.
+--load CK`. One worker is killed (the ranks of each layout in turn, so that every rank is) with SIGKILL
+after a random iteration, either mid-step (after a random delay) or mid-save (as soon as the save's
+`.iter_*.partial` directory appears). torchrun restarts the workers, they resume from the latest complete checkpoint and finish.
 Counted: resumed (exit 0, the last iteration reached) and identical (every logged loss, before and
 after the restart, equal to the reference's).
 
@@ -171,10 +171,10 @@ def wait_for_partial(ck: Path, timeout: float = 60) -> bool:
     return False
 
 
-def kill_trial(rng: random.Random, layout: str, ref: dict, workdir: Path, n: int) -> dict:
+def kill_trial(rng: random.Random, layout: str, ref: dict, workdir: Path, n: int, rank: int) -> dict:
     nproc, extra = LAYOUTS[layout]
     ck = workdir / f"kill{n}"
-    after, rank, mid_save = rng.randint(1, ITERS - 2), rng.randrange(nproc), rng.random() < 0.5
+    after, mid_save = rng.randint(1, ITERS - 2), rng.random() < 0.5
     job = Job([torchrun_cmd(nproc, extra + ["--save", str(ck), "--load", str(ck)], restarts=1)], [env()])
     trial = {"kind": "kill-9", "layout": layout, "rank": rank, "after_iteration": after,
              "point": "mid-save" if mid_save else "mid-step"}
@@ -199,6 +199,13 @@ def kill_trial(rng: random.Random, layout: str, ref: dict, workdir: Path, n: int
     if not trial["identical"]:
         trial["tail"] = job.output()[-2000:]
     return trial
+
+
+def kill_rank(n: int, layout: str) -> int:
+    """The rank killed in kill trial ``n``: each layout's trials take its ranks in turn (0, 1, 0, 1, ...),
+    so every rank is killed (a random draw can miss one: the record before this drew rank 0 alone for
+    some layouts), whatever the number of trials."""
+    return (n // len(LAYOUTS)) % LAYOUTS[layout][0]
 
 
 def sigterm_trial(rng: random.Random, layout: str, ref: dict, workdir: Path, n: int) -> dict:
@@ -232,6 +239,8 @@ def summary(trials: list[dict]) -> dict:
     kills = [t for t in trials if t["kind"] == "kill-9"]
     terms = [t for t in trials if t["kind"] == "SIGTERM"]
     return {"kill-9": {"trials": len(kills), "resumed": sum(t["resumed"] for t in kills),
+                       "killed per rank": {str(r): sum(t["rank"] == r for t in kills)
+                                           for r in sorted({t["rank"] for t in kills})},
                        "identical": sum(t["identical"] for t in kills),
                        "mid-save": sum(t["point"] == "mid-save" for t in kills),
                        "mid-save caught (partial directory seen)": sum(bool(t.get("save_caught")) for t in kills)},
@@ -259,8 +268,8 @@ def main() -> None:
     trials = []
     with tempfile.TemporaryDirectory(prefix="paratron_reliability_") as tmp:
         for n in range(args.kill_trials):
-            trials.append(kill_trial(rng, list(LAYOUTS)[n % len(LAYOUTS)], refs[list(LAYOUTS)[n % len(LAYOUTS)]],
-                                     Path(tmp), n))
+            layout = list(LAYOUTS)[n % len(LAYOUTS)]
+            trials.append(kill_trial(rng, layout, refs[layout], Path(tmp), n, kill_rank(n, layout)))
             report(trials[-1])
         for n in range(args.sigterm_trials):
             layout = list(LAYOUTS)[n % len(LAYOUTS)]

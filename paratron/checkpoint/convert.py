@@ -296,7 +296,7 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
         raise ConversionError(f"cannot read the weights in {src}: {e.__class__.__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
     padded = padded_vocab_size(vocab, m, tp)
-    state = hf_to_paratron(hf_state, m, family, padded)
+    state = hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab)
     if dtype is not None:
         state = {k: (v.to(_dtype(dtype)) if v.is_floating_point() else v) for k, v in state.items()}
     log(f"converted {len(state)} tensors ({sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters), "

@@ -275,8 +275,10 @@ def _normalize_hf_names(hf_state: dict, family: str, tied: bool) -> dict:
     return out
 
 
-def hf_to_paratron(hf_state: dict, cfg: ModelConfig, family: str, padded_vocab_size: int) -> dict:
+def hf_to_paratron(hf_state: dict, cfg: ModelConfig, family: str, padded_vocab_size: int,
+                   vocab_size: Optional[int] = None) -> dict:
     """A Hugging Face state dict -> a state dict for ``GPTModel(cfg, padded_vocab_size)`` at TP=1.
+    ``vocab_size``: config.json's, which must be the embedding's rows (as transformers requires).
 
     Embedding (and untied output) rows beyond the Hugging Face vocabulary are zeros. Tensors keep
     their dtype and copied ones may share memory with ``hf_state``. For tied models a stored
@@ -298,6 +300,9 @@ def hf_to_paratron(hf_state: dict, cfg: ModelConfig, family: str, padded_vocab_s
     if len(vocab_rows) != 1:
         raise ConversionError(f"embedding and output layer have different vocabulary sizes {sorted(vocab_rows)}")
     vocab = vocab_rows.pop()
+    if vocab_size is not None and vocab != vocab_size:
+        raise ConversionError(f"config.json has vocab_size {vocab_size} but the {family} embedding has {vocab} rows; "
+                              "the config and the weights do not match (transformers refuses them too)")
     if vocab > padded_vocab_size:
         raise ConversionError(f"vocabulary of {vocab} rows does not fit padded_vocab_size {padded_vocab_size}")
     shapes = _paratron_shapes(cfg, padded_vocab_size)

@@ -20,6 +20,6 @@ def validate_retention(c) -> None:
         return
     need(c.save_retain_interval > 0, f"--save-retain-interval must be > 0 (got {c.save_retain_interval})")
     if c.save is not None:
-        need(c.save_interval is not None and c.save_retain_interval % c.save_interval == 0,
+        need(bool(c.save_interval) and c.save_retain_interval % c.save_interval == 0,
              f"--save-retain-interval {c.save_retain_interval} must be a multiple of --save-interval "
              f"{c.save_interval}")

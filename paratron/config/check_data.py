@@ -3,6 +3,8 @@ fill-in-the-middle (--fim-*) and supervised fine-tuning (--sft-*)."""
 from __future__ import annotations
 
 import difflib
+import math
+import re
 
 from ..errors import ConfigError
 from .ranges import check_ranges
@@ -27,6 +29,28 @@ def validate_data(d: DataConfig) -> None:
         d.tokenizer_type = "NullTokenizer"
         d.vocab_size = d.vocab_size or 50257
     validate_tokenizer(d)
+    split_numbers(d.split)
+
+
+def split_numbers(split: str) -> list[float]:
+    """``--split 969,30,1`` -> [969.0, 30.0, 1.0]: one to three numbers >= 0, separated by commas (or
+    Megatron's slashes), not all zero. Megatron reads any run of digits and dots (``99,abc`` as 99, ``99,-1,2``
+    as 99,1,2); paratron refuses what is not a number instead of training on another split."""
+    text = str(split).strip()
+    parts = [p.strip() for p in re.split(r"[,/]", text)]
+    out = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            raise ConfigError(f"--split {text!r}: {part!r} is not a number; give up to three proportions "
+                              "train,valid,test such as 969,30,1") from None
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"--split {text!r}: {part} is not a proportion >= 0; give up to three such as 969,30,1")
+        out.append(value)
+    need(len(out) <= 3, f"--split {text!r}: at most three numbers (train, valid, test)")
+    need(sum(out) > 0, f"--split {text!r}: needs at least one positive number")
+    return out
 
 
 def validate_tokenizer(d: DataConfig) -> None:

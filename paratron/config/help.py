@@ -92,7 +92,7 @@ HELP = {
     "profile_step_start": "first profiled iteration", "profile_step_end": "iteration after the last profiled one",
     # ckpt
     "save": "checkpoint directory to write", "load": "checkpoint directory to resume from",
-    "save_interval": "iterations between checkpoints", "finetune": "load weights only; start at iteration 0",
+    "save_interval": "iterations between checkpoints (0: only at the end, as Megatron)", "finetune": "load weights only; start at iteration 0",
     "no_load_optim": "do not load the optimizer state", "no_load_rng": "do not load the random generators",
     "no_save_optim": "do not save the optimizer state", "no_save_rng": "do not save the random generators",
 }

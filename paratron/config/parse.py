@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -79,15 +80,28 @@ def _check_known(name: str, source: str) -> None:
         raise ConfigError(problem)
 
 
-def apply_dict(cfg: Config, values: dict, source: str, problems: Optional[list] = None) -> None:
-    """Apply a flat or sectioned mapping of Megatron-named settings (from YAML). ``problems``: a list
-    that collects each problem (else the first raises)."""
+def section_problem(name: str, section: Optional[str], source: str) -> Optional[str]:
+    """A key placed under the wrong YAML section (``hidden_size`` under ``train:``): the problem, naming
+    the section it belongs to (None when in place, flat, or not a config field)."""
+    home = FIELD_SECTION.get(NEGATED_FLAGS.get(name, name))
+    if section is None or home is None or home == section:
+        return None
+    return f"{name} ({source}) is under {section}: but belongs under {home}:; move it there"
+
+
+def apply_dict(cfg: Config, values: dict, source: str, problems: Optional[list] = None,
+               section: Optional[str] = None) -> None:
+    """Apply a flat or sectioned mapping of Megatron-named settings (from YAML); a key under the wrong
+    section is a problem. ``problems``: a list that collects each problem (else the first raises)."""
     out = [] if problems is None else problems
     for key, value in values.items():
-        if key in SECTIONS and isinstance(value, dict):
-            apply_dict(cfg, value, source, out)
+        if key in SECTIONS and isinstance(value, dict) and section is None:
+            apply_dict(cfg, value, source, out, key)
             continue
         name = canonical(str(key).replace("-", "_"))
+        if section_problem(name, section, source):
+            out.append(section_problem(name, section, source))
+            continue
         if name in NEGATED_FLAGS:
             try:
                 cfg.set(NEGATED_FLAGS[name], not _coerce(NEGATED_FLAGS[name], value))
@@ -252,6 +266,24 @@ def screen_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return kept, problems
 
 
+def repeated_flags(argv: list[str]) -> list[str]:
+    """One warning per flag given more than once with different values (argparse, as Megatron's, keeps
+    the last one without a word: ``--lr 1e-3 ... --lr 2e-3`` is often a script edited in one place only)."""
+    seen: dict = {}
+    name, values = None, []
+    for tok in [*argv, "--"]:
+        if _flag_name(tok) is not None or tok == "--":
+            if name is not None:
+                seen.setdefault(canonical(name), []).append(" ".join(values) or "(no value)")
+            name, values = _flag_name(tok), []
+            if name is not None and "=" in tok:
+                values.append(tok.split("=", 1)[1])
+        elif name is not None:
+            values.append(tok)
+    return [f"WARNING: {flag(n)} is given {len(v)} times ({', '.join(v)}); the last one, {v[-1]}, is used"
+            for n, v in seen.items() if len(set(v)) > 1 and n not in ("help",)]
+
+
 def _accepted_problems(values: dict) -> list[str]:
     out = []
     for key in [k for k in values if k.startswith("_accepted_")]:
@@ -280,7 +312,9 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None, 
     --use-checkpoint-args need paratron.train.resolve.parse_args, which passes the run's resolve).
     Every problem of the command line (flags, values, YAML, validation) is reported at once: one
     :class:`ConfigProblems` (a ConfigError) listing them all."""
-    argv, problems = screen_argv(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    warnings = repeated_flags(argv)
+    argv, problems = screen_argv(argv)
     try:
         values = vars(build_parser().parse_args(argv))
     except ConfigError as e:
@@ -307,5 +341,8 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None, 
     except UserError as e:
         problems.append(str(e))
     if problems:
-        raise ConfigProblems(problems)
+        raise ConfigProblems(problems)  # (the errors alone: a repeated flag is then beside the point)
+    if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank; in the run's log, as its other warnings
+        for warning in warnings:
+            print(f" {warning}", flush=True)
     return cfg

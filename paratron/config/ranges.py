@@ -103,7 +103,7 @@ RANGES: dict[str, Range] = {
     "tensorboard_log_interval": AT_LEAST_1, "tensorboard_queue_size": AT_LEAST_1, "timing_log_level": AT_LEAST_0,
     "logging_level": AT_LEAST_0,
     # ckpt
-    "save_interval": AT_LEAST_1, "ckpt_step": AT_LEAST_0, "ckpt_keep_last": AT_LEAST_0,
+    "save_interval": AT_LEAST_0, "ckpt_step": AT_LEAST_0, "ckpt_keep_last": AT_LEAST_0,
 }
 
 

@@ -393,6 +393,7 @@ class CheckpointConfig(Section):
     dist_ckpt_strictness: str = "assume_ok_unexpected"  # key mismatches on load: Megatron's StrictHandling values
     use_checkpoint_args: bool = False  # the model's shape and tokenizer from the --load checkpoint's config
     override_checkpoint_model_args: bool = False  # paratron: load a checkpoint saved with other model flags
+    no_save_space_check: bool = False  # paratron: start even when --save has no room for one checkpoint
 
 
 SECTIONS = {

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from paratron.data.errors import DataError
+from paratron.errors import os_error_reason
 from paratron.data.indices import build_gpt_indices
 
 logger = logging.getLogger(__name__)
@@ -123,15 +124,35 @@ def cache_paths(cache_dir: str, description: str, kind: str, split: str, names: 
     return base + "description.txt", {name: base + name + ".npy" for name in names}
 
 
+def load_cached(paths: dict, names: Sequence[str]):
+    """(the cached arrays, None), or (None, (file, reason)) for the first that cannot be read whole (a
+    truncated or overwritten .npy: a save killed by something else than our atomic rename, a full disk)."""
+    arrays = []
+    for name in names:
+        try:
+            array = np.load(paths[name], mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError) as err:
+            return None, (paths[name], str(err))
+        if array.dtype.hasobject or array.ndim not in (1, 2):
+            return None, (paths[name], f"an array of {array.ndim} dimensions, {array.dtype}: not an index")
+        arrays.append(array)
+    return tuple(arrays), None
+
+
 def cached_build(cache_dir, description, kind, split, names, build, allow_build=True):
     """Load index arrays from the cache when all are there; else build them (and save them when
-    allowed). Building is deterministic, so a rank that finds no cache may build too."""
+    allowed). Building is deterministic, so a rank that finds no cache may build too. A damaged cache
+    file is rebuilt with a warning naming it; when it cannot be rewritten, a DataError names it."""
     if not cache_dir:
         return build()
     desc_path, paths = cache_paths(cache_dir, description, kind, split, names)
+    damaged = None
     if all(os.path.isfile(p) for p in [desc_path, *paths.values()]):
         logger.info("loading %s %s indices from %s", kind, split, cache_dir)
-        return tuple(np.load(paths[n], mmap_mode="r", allow_pickle=False) for n in names)
+        arrays, damaged = load_cached(paths, names)
+        if arrays is not None:
+            return arrays
+        logger.warning("WARNING: damaged %s index cache file %s (%s); rebuilding the %s indices", kind, *damaged, split)
     arrays = build()
     if allow_build:
         try:
@@ -142,6 +163,10 @@ def cached_build(cache_dir, description, kind, split, names, build, allow_build=
                 f.write(description)
             os.replace(desc_path + f".tmp-{os.getpid()}", desc_path)
         except OSError as err:
+            if damaged:
+                raise DataError(f"the index cache file {damaged[0]} is damaged ({damaged[1]}) and cannot be "
+                                f"rebuilt in {cache_dir} ({os_error_reason(err)}); delete it or choose another "
+                                "--data-cache-path") from None
             logger.warning("cannot cache %s indices in %s: %s", kind, cache_dir, err)
     return arrays
 

@@ -125,16 +125,38 @@ class IndexedDataset:
                 f"{ipath}: corrupt index: document indices must run from 0 to {n}, found "
                 f"{int(self.document_indices[0])}..{int(self.document_indices[-1])}"
             )
+        if np.any(np.diff(self.document_indices) < 0):
+            raise DataError(f"{ipath}: corrupt index: document indices decrease at document "
+                            f"{int(np.flatnonzero(np.diff(self.document_indices) < 0)[0])}")
         if not os.path.isfile(bpath):
             raise DataError(f"{bpath}: no such data file (the index {ipath} exists)")
         bin_size = os.path.getsize(bpath)
-        need = 0
-        if n:
-            need = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * dtype.itemsize
+        need = self._check_layout(ipath)
         if bin_size != need:
             what = "truncated" if bin_size < need else "longer than its index says"
             raise DataError(f"{bpath}: data file {what}: {bin_size} bytes, index needs {need}")
         self._bin = np.memmap(bpath, dtype=dtype, mode="r") if bin_size and self.mmap_bin else np.empty(0, dtype)
+
+    def _check_layout(self, ipath: str, chunk: int = 1 << 22) -> int:
+        """The .bin size the index describes, after checking (one vectorised pass, in chunks) that the
+        sequences lie back to back from byte 0 (as every writer puts them): each length >= 0 and each
+        pointer the previous pointer plus the previous length (the caller compares the end with the
+        .bin's size). Garbled lengths or pointers would otherwise read shifted tokens without a word."""
+        lengths, pointers, item = self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize
+        at = 0  # the byte where the next sequence must start
+        for lo in range(0, len(lengths), chunk):
+            size = lengths[lo:lo + chunk].astype(np.int64) * item
+            expect = at + np.cumsum(size) - size
+            bad = np.flatnonzero((size < 0) | (pointers[lo:lo + chunk] != expect))
+            if len(bad):
+                i = lo + int(bad[0])
+                doc = int(np.searchsorted(self.document_indices, i, side="right")) - 1
+                raise DataError(
+                    f"{ipath}: corrupt index at sequence {i} (document {doc}): length {int(lengths[i])} at byte "
+                    f"{int(pointers[i])}, but the sequences before it end at byte {int(expect[bad[0]])}; rebuild "
+                    "the dataset (tools/preprocess_data.py)")
+            at += int(size.sum())
+        return at
 
     def __getstate__(self):
         return {"prefix": self.prefix, "multimodal": self.multimodal, "mmap_bin": self.mmap_bin}

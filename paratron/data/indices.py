@@ -16,12 +16,13 @@ same arrays, same dtypes), so sample i of a paratron dataset holds the tokens Me
 from __future__ import annotations
 
 import math
-import re
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from paratron.config.check_data import split_numbers
 from paratron.data.errors import DataError
+from paratron.errors import ConfigError
 
 SPLIT_NAMES = ("train", "valid", "test")
 # When the last epoch supplies fewer samples than this fraction of an epoch, shuffle it apart.
@@ -32,13 +33,12 @@ BLEND_SURPLUS = 0.005
 
 def parse_split(split: str) -> List[float]:
     """'969,30,1' -> normalised [train, valid, test] fractions (missing entries are 0)."""
-    numbers = [float(x) for x in re.findall(r"[.0-9]+", str(split))]
-    if len(numbers) > 3:
-        raise DataError(f"--split {split!r}: at most three numbers (train, valid, test)")
+    try:
+        numbers = split_numbers(split)
+    except ConfigError as e:
+        raise DataError(str(e)) from None
     numbers += [0.0] * (3 - len(numbers))
     total = float(np.sum(np.array(numbers, dtype=np.float64)))
-    if not total > 0:
-        raise DataError(f"--split {split!r}: needs at least one positive number")
     return (np.array(numbers, dtype=np.float64) / total).tolist()
 
 

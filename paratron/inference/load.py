@@ -87,7 +87,7 @@ def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype])
     _check_tp(m, dims.tp)
     hf_state, _ = load_hf_dir(src)
     padded = padded_vocab_size(vocab, m, dims.tp)
-    state = hf_to_paratron(hf_state, m, family, padded)
+    state = hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab)
     emb = state["embedding.word_embeddings.weight"]
     model = _model(m, padded, dims, device, dtype or emb.dtype)
     with torch.no_grad():

@@ -231,14 +231,45 @@ def build_app(server: Server):
     return app
 
 
+GRACE_SECONDS = 30  # on SIGTERM / SIGINT: how long requests in flight may take to finish
+
+
+def _web_server(config):
+    """A uvicorn server that, stopped by SIGTERM or SIGINT, finishes the requests in flight (at most
+    GRACE_SECONDS) and returns, instead of re-raising the signal afterwards (uvicorn's default: the process
+    then dies of it, exit 143). ``.stopped_by``: the signal's name, or None."""
+    import signal
+
+    import uvicorn
+
+    class WebServer(uvicorn.Server):
+        stopped_by: Optional[str] = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.stopped_by is None:
+                self.stopped_by = signal.Signals(sig).name
+                print(f"paratron serve: {self.stopped_by} received; finishing the requests in flight "
+                      f"(at most {GRACE_SECONDS} s)", flush=True)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a clean exit 0 once shut down, not death by the signal
+    return WebServer(config)
+
+
 def serve(model, host: str, port: int, max_batch: int, wait: float, name: str, continuous: bool = False) -> None:
-    """Run the server until interrupted (rank 0; the other ranks follow in runtime.Group.follow)."""
+    """Run the server until SIGTERM or SIGINT (rank 0; the other ranks follow in runtime.Group.follow),
+    then finish the requests in flight and return."""
     import uvicorn
     server = Server(model, max_batch, wait, name, continuous)
     app = build_app(server)
     print(f"paratron serve: {name} on http://{host}:{port} (PUT /api, POST /v1/completions, "
           f"POST /v1/chat/completions, GET /v1/models, GET /health)", flush=True)
+    web = _web_server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                     timeout_graceful_shutdown=GRACE_SECONDS))
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        web.run()
     finally:
         server.batcher.stop()
+    if not web.started:  # (uvicorn logged why: the port in use, ...)
+        raise SystemExit(3)
+    print(f"paratron serve: shut down ({web.stopped_by or 'stopped'}) after {server.batcher.batches} batch(es)",
+          flush=True)

@@ -129,6 +129,25 @@ def kill_workers_at_exit() -> None:
     atexit.register(kill_children)
 
 
+def _feeder_error(error: BaseException, _obj) -> None:
+    """A DataLoader worker's queue feeder thread failed: silent when the main process has gone (killed by
+    SIGTERM without --exit-signal-handler, or by torchrun): its pipe is closed and the worker exits at its
+    next check; a traceback of that ``ConnectionResetError`` would only hide the real cause."""
+    if isinstance(error, (BrokenPipeError, ConnectionResetError, EOFError)):
+        return
+    import traceback
+    traceback.print_exc()
+
+
+def data_worker_init(signal_name: Optional[str], worker_id: int) -> None:
+    """Every DataLoader worker's ``worker_init_fn``: quiet when the main process is gone (above), and
+    ignoring ``signal_name`` when given (--exit-signal-handler: :func:`ignore_signal`)."""
+    import multiprocessing.queues
+    multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(_feeder_error)  # (this worker process only)
+    if signal_name:
+        ignore_signal(signal_name, worker_id)
+
+
 def ignore_signal(name: str, _worker_id: int) -> None:
     """DataLoader ``worker_init_fn`` (Megatron's --exit-signal-handler-for-dataloader; bound to the
     ``--exit-signal`` name with functools.partial): the workers live in the job's process group and get

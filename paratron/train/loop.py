@@ -22,7 +22,7 @@ from ..parallel.random import set_seed
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
 from .distributed import build_dims, init_distributed  # noqa: F401  (tests import build_dims here)
-from .guards import StepGuard, StopSignal, ignore_signal, kill_workers_at_exit
+from .guards import StepGuard, StopSignal, data_worker_init, kill_workers_at_exit
 from .preflight import preflight
 from .logger import RunLogger
 from .metrics import flops_per_iteration, peak_tflops
@@ -30,7 +30,7 @@ from .reporting import Reporter, TimedIterator, wandb_run
 from .runtime import GarbageCollection, apply_bf16_matmul_reduction, apply_deterministic_mode, apply_logging_level
 from .microbatches import MicroBatches, check_batch_sizes
 from .resolve import check_device
-from .report import end_of_run
+from .report import check_sample_prompt, end_of_run
 from .checkpointing import Checkpointing
 from .evaluation import Evaluation
 from .hooks import StepContext, StepHooks
@@ -104,7 +104,9 @@ class Trainer(Checkpointing, Evaluation, RunControl):
     # ---- set-up pieces -------------------------------------------------------------------------
     def _build_tokenizer(self):
         from ..data import build_tokenizer
-        return build_tokenizer(self.cfg.data)  # resolve() stored its vocabulary size in cfg.data.vocab_size
+        tokenizer = build_tokenizer(self.cfg.data)  # resolve() stored its vocabulary size in cfg.data.vocab_size
+        check_sample_prompt(self.cfg, tokenizer)  # at start-up, not after the run
+        return tokenizer
 
     def _build_data(self):
         from ..data import build_data_iterator, build_train_valid_test_datasets, train_valid_test_num_samples
@@ -119,7 +121,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
             kill_workers_at_exit()
         it = partial(build_data_iterator, micro_batch_size=tr.micro_batch_size, dp_rank=self.dims.dp_rank,
                      dp_size=self.dims.dp, num_workers=self.cfg.data.num_workers,
-                     worker_init_fn=partial(ignore_signal, tr.exit_signal) if signals else None,
+                     worker_init_fn=partial(data_worker_init, tr.exit_signal if signals else None),
                      cyclic=cfg.data.dataloader_type == "cyclic", data_sharding=not cfg.data.no_data_sharding)
         train = it(train_ds, consumed_samples=self.consumed_samples, infinite=False)
         valid = it(valid_ds, consumed_samples=0, infinite=True) if valid_ds is not None and tr.eval_iters > 0 else None

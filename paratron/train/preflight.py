@@ -3,8 +3,9 @@
 probe file is written and removed, and a directory that cannot take files is one line naming the
 flag, the path and the reason. An unusable ``--save`` is thus found at start-up, not at the first
 save ``--save-interval`` iterations later. The free space under ``--save`` is reported beside the
-estimated size of one checkpoint, with a warning when it will not hold two (a save needs room for
-the new checkpoint while the previous one is kept).
+estimated size of one checkpoint: an error before step 1 when it cannot hold one (unless
+``--no-save-space-check``), a warning when it will not hold two (a save needs room for the new
+checkpoint while the previous one is kept).
 """
 from __future__ import annotations
 
@@ -74,9 +75,21 @@ def preflight(cfg: Config, dims: ParallelDims, say: Callable[[str], None]) -> No
     problem = _agree(problem)
     if problem:
         raise StorageError(problem)
-    if cfg.ckpt.save and dims.is_logging_rank:
-        need, free = checkpoint_bytes(cfg), shutil.disk_usage(cfg.ckpt.save).free
-        say(f" --save {cfg.ckpt.save}: {_gib(free)} free; one checkpoint takes about {_gib(need)}")
-        if free < 2 * need:
-            say(f" WARNING: --save {cfg.ckpt.save} has room for {free // max(need, 1)} checkpoint(s); a save "
-                "keeps the previous one until the new one is complete, so it needs room for two")
+    problem = _agree(space_problem(cfg, say) if cfg.ckpt.save and dims.is_logging_rank else None)
+    if problem:
+        raise StorageError(problem)
+
+
+def space_problem(cfg: Config, say: Callable[[str], None]) -> Optional[str]:
+    """Report the free space under --save beside one checkpoint's size; the problem when not even one
+    fits (unless --no-save-space-check), a warning when two do not."""
+    need, free = checkpoint_bytes(cfg), shutil.disk_usage(cfg.ckpt.save).free
+    say(f" --save {cfg.ckpt.save}: {_gib(free)} free; one checkpoint takes about {_gib(need)}")
+    if free < need and not cfg.ckpt.no_save_space_check:
+        return (f"--save {cfg.ckpt.save} has {_gib(free)} free but one checkpoint of this run takes about "
+                f"{_gib(need)}: the first save would fail; free space, choose another --save, or pass "
+                "--no-save-space-check to start anyway")
+    if free < 2 * need:
+        say(f" WARNING: --save {cfg.ckpt.save} has room for {free // max(need, 1)} checkpoint(s); a save "
+            "keeps the previous one until the new one is complete, so it needs room for two")
+    return None

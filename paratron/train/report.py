@@ -4,6 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import ConfigError
+
+
+def check_sample_prompt(cfg, tokenizer) -> None:
+    """Tokenize --sample-prompt at start-up, so that a prompt the tokenizer cannot read is one line before
+    step 1, not a traceback after the whole run (NullTokenizer reads only token ids: ``--sample-prompt "1 2 3"``)."""
+    if cfg.log.sample_prompt is None:
+        return
+    try:
+        tokenizer.tokenize(cfg.log.sample_prompt)
+    except (ValueError, KeyError, TypeError, UnicodeError) as e:
+        hint = (" (NullTokenizer reads token ids separated by spaces, e.g. --sample-prompt \"1 2 3\")"
+                if type(tokenizer).__name__ == "NullTokenizer" else "")
+        raise ConfigError(f"--sample-prompt {cfg.log.sample_prompt!r} cannot be tokenized by --tokenizer-type "
+                          f"{cfg.data.tokenizer_type}: {e}{hint}") from None
+
 
 def end_of_run(trainer, result: dict) -> None:
     cfg, lg = trainer.cfg, trainer.log
