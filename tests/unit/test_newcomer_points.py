@@ -19,3 +19,27 @@ def test_batch_mistakes_are_reported_with_the_other_problems():
     assert len(e.value.problems) == 4, e.value.problems
     assert "--num-attention-heads" in text and "not divisible by --micro-batch-size 4" in text
     assert "minus START 3" in text and "must be multiples of --micro-batch-size" in text
+
+
+@pytest.mark.parametrize("kind", ["rope", "learned_absolute"])
+def test_seq_length_beyond_max_position_embeddings_is_refused_as_megatron_does(kind):
+    flags = BASE + ["--position-embedding-type", kind, "--seq-length", "64"]
+    with pytest.raises(ConfigProblems, match="--seq-length 64 exceeds --max-position-embeddings 32"):
+        parse_args(flags)
+
+
+def test_one_seed_gives_each_prompt_of_a_request_its_own_draws():
+    from paratron.inference.engine import Engine
+    from paratron.inference.sampling import SamplingParams
+    from paratron.inference.text import TextModel
+    from tests.unit.test_generate import VOCAB, tiny_model
+    engine = Engine(tiny_model(), VOCAB)
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
+    prompt = [5, 6, 7, 8]
+    batch = TextModel.requests(None, [prompt, prompt, prompt], sp)  # token-id prompts: no tokenizer needed
+    tokens = [r.tokens for r in engine.generate(batch)]
+    assert tokens[0] != tokens[1] and tokens[1] != tokens[2], tokens
+    again = [r.tokens for r in engine.generate(TextModel.requests(None, [prompt, prompt, prompt], sp))]
+    alone = engine.generate(TextModel.requests(None, [prompt], sp))[0].tokens
+    later = engine.generate(TextModel.requests(None, [prompt], sp, first=1))[0].tokens
+    assert again == tokens and alone == tokens[0] and later == tokens[1]  # reproducible, batch-independent
