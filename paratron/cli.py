@@ -73,6 +73,8 @@ def dispatch(argv: list[str]) -> int:
         from .data.preprocess import main as preprocess_main
         return preprocess_main(rest)
     if cmd == "tokenizer":
+        if rest[:1] in (["-h"], ["--help"]):  # the one subcommand's help
+            rest = ["train", "--help"]
         if not rest or rest[0] != "train":
             from .errors import ConfigError
             raise ConfigError("usage: paratron tokenizer train --input FILES --vocab-size N --output DIR")

@@ -43,3 +43,29 @@ def test_one_seed_gives_each_prompt_of_a_request_its_own_draws():
     alone = engine.generate(TextModel.requests(None, [prompt], sp))[0].tokens
     later = engine.generate(TextModel.requests(None, [prompt], sp, first=1))[0].tokens
     assert again == tokens and alone == tokens[0] and later == tokens[1]  # reproducible, batch-independent
+
+
+def test_tokenizer_help_exits_0(capsys):
+    from paratron.cli import main
+    with pytest.raises(SystemExit) as e:  # argparse's --help
+        main(["tokenizer", "--help"])
+    assert e.value.code == 0 and "--vocab-size" in capsys.readouterr().out
+
+
+def test_convert_from_hf_keeps_the_tokenizer_so_the_checkpoint_serves(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import shutil
+    from paratron.checkpoint.convert import main as convert
+    from paratron.data.bpe_train import train_bpe_tokenizer
+    from paratron.inference.load import load_for_inference
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 40)
+    tok = train_bpe_tokenizer([str(tmp_path / "corpus.txt")], 300, str(tmp_path / "tok" / "tokenizer.json"))
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    shutil.copy(tok, tmp_path / "hf" / "tokenizer.json")
+    assert convert(["--from", "hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt"), "--quiet"]) == 0
+    assert (tmp_path / "ckpt" / "tokenizer" / "tokenizer.json").is_file()
+    shutil.rmtree(tmp_path / "hf")  # the checkpoint stands alone
+    loaded = load_for_inference(tmp_path / "ckpt")
+    assert loaded.tokenizer is not None and loaded.tokenizer.detokenize(loaded.tokenizer.tokenize("def f")) == "def f"
