@@ -69,3 +69,14 @@ def test_convert_from_hf_keeps_the_tokenizer_so_the_checkpoint_serves(tmp_path):
     shutil.rmtree(tmp_path / "hf")  # the checkpoint stands alone
     loaded = load_for_inference(tmp_path / "ckpt")
     assert loaded.tokenizer is not None and loaded.tokenizer.detokenize(loaded.tokenizer.tokenize("def f")) == "def f"
+
+
+def test_a_long_evaluation_is_announced_before_it_runs():
+    from types import SimpleNamespace
+    from paratron.train.evaluation import Evaluation
+    said = []
+    trainer = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(eval_iters=100)),
+                              log=SimpleNamespace(print=said.append))
+    Evaluation._announce_long_evaluation(trainer, 0.5)  # 100 steps of 0.5 s
+    Evaluation._announce_long_evaluation(trainer, 0.01)  # 1 s: no line
+    assert said == [" evaluating 100 steps (--eval-iters 100), about 50 s ..."]
