@@ -249,7 +249,8 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.progress = ProgressLog(self.cfg, self.dims.rank, self.dims.world_size, self.flops_per_iter, self.iteration)
         self.log.print(f" training {params / 1e6:.2f}M parameters per rank, {self.dims.describe()}, {tr.train_iters} "
                        f"iterations, global batch {tr.global_batch_size}, {self._micro} micro-batches of "
-                       f"{tr.micro_batch_size}, device {self.device}")
+                       f"{tr.micro_batch_size}, device {self.device}"
+                       + (f" ({torch.get_num_threads()} threads, --cpu-threads)" if self.device.type == "cpu" else ""))
         for line in switches.startup_lines(self.kernels_asked, self.device, params_dtype(self.cfg),
                                            tr.deterministic_mode):
             self.log.print(line)

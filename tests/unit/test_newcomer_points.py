@@ -80,3 +80,28 @@ def test_a_long_evaluation_is_announced_before_it_runs():
     Evaluation._announce_long_evaluation(trainer, 0.5)  # 100 steps of 0.5 s
     Evaluation._announce_long_evaluation(trainer, 0.01)  # 1 s: no line
     assert said == [" evaluating 100 steps (--eval-iters 100), about 50 s ..."]
+
+
+def test_demo_logs_often_on_cpu_and_names_only_files_it_wrote(tmp_path):
+    from types import SimpleNamespace
+    from paratron.demo import log_interval, written
+    assert log_interval(500, on_gpu=False) == 10 and log_interval(1500, on_gpu=True) == 125
+    cfg = SimpleNamespace(ckpt=SimpleNamespace(save=str(tmp_path / "ck")),
+                          log=SimpleNamespace(tensorboard_dir=str(tmp_path / "tb")))
+    assert written(cfg, {"plot": None}) == []  # stopped before its first log line: no plot, no checkpoint
+    (tmp_path / "ck" / "iter_0000010").mkdir(parents=True)
+    (tmp_path / "tb").mkdir()
+    lines = written(cfg, {"plot": tmp_path / "loss.png"})
+    assert [x.split(":")[0] for x in lines] == ["checkpoint", "tensorboard", "loss plot"]
+
+
+def test_cpu_threads_default_is_the_cores_over_the_local_processes(monkeypatch):
+    import os
+    from paratron.train.distributed import cpu_threads
+    cores = len(os.sched_getaffinity(0))
+    cfg = parse_args(BASE)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert cpu_threads(cfg) == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))
+    assert cpu_threads(cfg) == 1
+    assert cpu_threads(parse_args(BASE + ["--cpu-threads", "3"])) == 3
