@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, resolve
+from .config import Config
 from .errors import ArgumentParser
 
 DEMO_DIR = Path(os.environ.get("PARATRON_DEMO_DIR", "runs/demo"))
@@ -38,11 +38,20 @@ def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int
     d.num_workers = 0  # the corpus is small and in memory maps; a worker would only compete for cores
     d.data_cache_path = str(workdir / "index-cache")
     lg.log_interval = log_interval(iters, on_gpu)
+    tr.cpu_threads = None if on_gpu else demo_threads()
     tr.exit_duration_in_mins = TIME_CAP_MIN  # a slow machine still finishes within ~5 minutes (and says so)
     lg.tensorboard_dir = str(workdir / "tensorboard")
     lg.plot_path = str(workdir / "loss.png")
     ck.save = str(workdir / "checkpoints")
+    from .train.resolve import resolve  # the run's resolve: it reads the tokenizer's vocabulary size
     return resolve(cfg)
+
+
+def demo_threads() -> int:
+    """Every core but one: on a 2-core machine shared with anything else, one thread trained 2-4x faster
+    than two, and at most ~15 % slower on a quiet one (benchmarks/results/cpu_threads.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 def log_interval(iters: int, on_gpu: bool) -> int:

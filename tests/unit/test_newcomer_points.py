@@ -105,3 +105,11 @@ def test_cpu_threads_default_is_the_cores_over_the_local_processes(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))
     assert cpu_threads(cfg) == 1
     assert cpu_threads(parse_args(BASE + ["--cpu-threads", "3"])) == 3
+
+
+def test_demo_config_resolves_with_its_tokenizer(tmp_path):
+    from paratron.data.corpus import prepare_demo_data
+    from paratron.demo import demo_config
+    prefix, tok = prepare_demo_data(str(tmp_path / "data"), vocab_size=400, max_bytes=200_000)
+    cfg = demo_config(tmp_path, prefix, tok, 20, on_gpu=False)
+    assert cfg.data.vocab_size == 400 and cfg.log.log_interval == 1 and cfg.train.cpu_threads >= 1
