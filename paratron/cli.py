@@ -19,6 +19,8 @@ commands:
   convert --to hf|--from hf ...                   convert checkpoints to and from Hugging Face
   generate --load CKPT --prompt TEXT [...]        continue prompts with a checkpoint or HF model
   serve --load CKPT [--port 5000]                 HTTP server: Megatron's PUT /api and OpenAI's /v1 API
+  launch [torchrun flags] COMMAND [flags]         torchrun for a paratron command; a user error ends
+                                                  with its one line and exit code 2
   config-docs                                     print the configuration reference (Markdown)
 
 `paratron train --help` lists every training flag."""
@@ -71,6 +73,8 @@ def dispatch(argv: list[str]) -> int:
         from .data.preprocess import main as preprocess_main
         return preprocess_main(rest)
     if cmd == "tokenizer":
+        if rest[:1] in (["-h"], ["--help"]):  # the one subcommand's help
+            rest = ["train", "--help"]
         if not rest or rest[0] != "train":
             from .errors import ConfigError
             raise ConfigError("usage: paratron tokenizer train --input FILES --vocab-size N --output DIR")
@@ -82,6 +86,9 @@ def dispatch(argv: list[str]) -> int:
     if cmd in ("generate", "serve"):
         from .inference import cli as inference_cli
         return (inference_cli.generate_main if cmd == "generate" else inference_cli.serve_main)(rest)
+    if cmd == "launch":
+        from .launch import launch_main
+        return launch_main(rest)
     if cmd == "config-docs":
         from .config import reference_markdown
         print(reference_markdown())
@@ -89,7 +96,7 @@ def dispatch(argv: list[str]) -> int:
     from .config import ConfigError
     import difflib
     close = difflib.get_close_matches(cmd, ["train", "demo", "preprocess", "tokenizer", "convert", "generate", "serve",
-                                         "config-docs"], n=1)
+                                         "launch", "config-docs"], n=1)
     hint = f"; did you mean `paratron {close[0]}`?" if close else "; run `paratron --help`"
     raise ConfigError(f"unknown command {cmd!r}{hint}")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, resolve
+from .config import Config
 from .errors import ArgumentParser
 
 DEMO_DIR = Path(os.environ.get("PARATRON_DEMO_DIR", "runs/demo"))
@@ -37,12 +37,40 @@ def demo_config(workdir: Path, data_prefix: str, tokenizer_json: str, iters: int
     d.tokenizer_type, d.tokenizer_model = "HuggingFaceTokenizer", tokenizer_json
     d.num_workers = 0  # the corpus is small and in memory maps; a worker would only compete for cores
     d.data_cache_path = str(workdir / "index-cache")
-    lg.log_interval = max(iters // 12, 1)
+    lg.log_interval = log_interval(iters, on_gpu)
+    tr.cpu_threads = None if on_gpu else demo_threads()
     tr.exit_duration_in_mins = TIME_CAP_MIN  # a slow machine still finishes within ~5 minutes (and says so)
     lg.tensorboard_dir = str(workdir / "tensorboard")
     lg.plot_path = str(workdir / "loss.png")
     ck.save = str(workdir / "checkpoints")
+    from .train.resolve import resolve  # the run's resolve: it reads the tokenizer's vocabulary size
     return resolve(cfg)
+
+
+def demo_threads() -> int:
+    """Every core but one: on a 2-core machine shared with anything else, one thread trained 2-4x faster
+    than two, and at most ~15 % slower on a quiet one (benchmarks/results/cpu_threads.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
+def log_interval(iters: int, on_gpu: bool) -> int:
+    """About 20 log lines within the time cap: on a GPU the run ends well inside it (a line every
+    iters / 12); a 2-core CPU does ~0.7 s an iteration (issue 48's runs), so every 10 iterations is a
+    line every ~7 s, and still one a minute on a machine ten times slower."""
+    return max(iters // 12, 1) if on_gpu else max(1, min(10, iters // 12))
+
+
+def written(cfg: Config, result: dict) -> list[str]:
+    """The 'what: where' lines of the files the run actually wrote (no plot without a logged loss)."""
+    out = []
+    if cfg.ckpt.save and Path(cfg.ckpt.save).is_dir() and any(Path(cfg.ckpt.save).glob("iter_*")):
+        out.append(f"checkpoint:  {cfg.ckpt.save}")
+    if cfg.log.tensorboard_dir and Path(cfg.log.tensorboard_dir).is_dir():
+        out.append(f"tensorboard: {cfg.log.tensorboard_dir}  (tensorboard --logdir {cfg.log.tensorboard_dir})")
+    if result.get("plot"):
+        out.append(f"loss plot:   {result['plot']}")
+    return out
 
 
 def whole_lines(text: str, finish_reason: str) -> list[str]:
@@ -83,8 +111,8 @@ def run_demo(argv: list[str]) -> int:
     tok = trainer.tokenizer
     model = trainer.model.module
     if result["iteration"] < iters:
-        print(f"\nthe demo trained {result['iteration']} of its {iters} iterations: {result['exit_reason']} "
-              f"(its time cap on this machine; --train-iters {result['iteration']} fits in it)")
+        print(f"\nthe time cap stopped the demo after {result['iteration']} of its {iters} iterations "
+              f"({result['exit_reason']}; --train-iters {result['iteration']} fits in it on this machine)")
     print("\nSamples from the trained model (temperature 0.7, top-k 20; whole lines):")
     engine = Engine(model, cfg.data.vocab_size, tok.eod, tok.detokenize)
     prompts = ("def", "import", "class")
@@ -95,7 +123,5 @@ def run_demo(argv: list[str]) -> int:
     if len(curve) >= 2:
         first, last = curve[0][1], curve[-1][1]
         print(f"\nvalidation loss {first:.3f} -> {last:.3f} ({100 * (first - last) / first:.0f} % lower)")
-    print(f"checkpoint:  {cfg.ckpt.save}\ntensorboard: {cfg.log.tensorboard_dir}  "
-          f"(tensorboard --logdir {cfg.log.tensorboard_dir})\nloss plot:   {cfg.log.plot_path}\n"
-          f"total time:  {time.time() - t0:.0f} s")
+    print("\n".join(written(cfg, result) + [f"total time:  {time.time() - t0:.0f} s"]))
     return 0

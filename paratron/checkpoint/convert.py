@@ -275,6 +275,7 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
     from .hf import hf_to_paratron, load_hf_dir
     from .hf_config import model_config_from_hf, padded_vocab_size
     from .state import layout
+    from .tokenizer_files import SUBDIR, save_tokenizer, tokenizer_config
     log = log or _Log(True)
     src, save = Path(input), Path(save)
     tp = int(tensor_model_parallel_size)
@@ -307,8 +308,14 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
               "layout": layout(ParallelDims(), None), "config": cfg.to_dict(),
               "converted_from": {"hf": str(src.resolve()), "family": family}}
     tensors = {"model." + k: v.contiguous() for k, v in state.items()}
+    tok_data = tokenizer_config(src)  # the HF tokenizer files travel with the weights, as training saves do
+
+    def write(tmp: Path) -> None:
+        sharded.save_full(tmp, 0, tensors, common)
+        saved = save_tokenizer(tmp, tok_data) if tok_data is not None else None
+        log(f"tokenizer saved with it ({SUBDIR}/)" if saved else f"no tokenizer files in {src}: none saved with it")
     log(f"writing a paratron checkpoint (iteration 0, model weights only) to {save}")
-    _write_staged(save, old, lambda tmp: sharded.save_full(tmp, 0, tensors, common), last=sharded.LATEST)
+    _write_staged(save, old + ([SUBDIR] if (save / SUBDIR).is_dir() else []), write, last=sharded.LATEST)
     flags = training_flags(m, tp)
     launcher = "pretrain_gpt.py" if tp == 1 else f"torchrun --nproc-per-node {tp} pretrain_gpt.py"
     log("done. Train from it with (add your data, tokenizer and training flags; any parallel layout loads it):")

@@ -47,10 +47,10 @@ def validate_model(m: ModelConfig) -> None:
          "only with rope; for no position embedding use --position-embedding-type none")
     need(m.position_embedding_type in ("learned_absolute", "rope", "yarn", "none"),
          f"--position-embedding-type must be learned_absolute, rope, yarn or none (got {m.position_embedding_type})")
-    if m.position_embedding_type == "learned_absolute":
-        need(m.seq_length <= m.max_position_embeddings,
-             f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}; "
-             "raise --max-position-embeddings")
+    need(m.seq_length <= m.max_position_embeddings,  # Megatron's rule, whatever the position embedding
+         f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings} (Megatron "
+         f"requires max >= seq length for every --position-embedding-type, {m.position_embedding_type} included); "
+         "raise --max-position-embeddings")
     need(m.normalization in ("LayerNorm", "RMSNorm"),
          f"--normalization must be LayerNorm or RMSNorm (got {m.normalization})")
     validate_mla(m)

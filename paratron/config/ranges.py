@@ -54,7 +54,7 @@ RANGES: dict[str, Range] = {
     "muon_num_ns_steps": AT_LEAST_1, "muon_extra_scale_factor": POSITIVE, "save_retain_interval": AT_LEAST_1,
     "rotary_seq_len_interpolation_factor": POSITIVE, "local_rank": AT_LEAST_0, "padded_vocab_size": AT_LEAST_1,
     "check_weight_hash_across_dp_replicas_interval": AT_LEAST_1, "num_layers_at_start_in_bf16": AT_LEAST_0,
-    "num_layers_at_end_in_bf16": AT_LEAST_0, "eval_global_batch_size": AT_LEAST_1,
+    "num_layers_at_end_in_bf16": AT_LEAST_0, "eval_global_batch_size": AT_LEAST_1, "cpu_threads": AT_LEAST_1,
     # model
     "num_layers": AT_LEAST_1, "hidden_size": AT_LEAST_1, "ffn_hidden_size": AT_LEAST_1,
     "num_attention_heads": AT_LEAST_1, "kv_channels": AT_LEAST_1, "num_query_groups": AT_LEAST_1,

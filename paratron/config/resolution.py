@@ -65,35 +65,45 @@ def world_size_default() -> int:
 
 def resolve_batch(cfg: Config, data_parallel_size: int) -> None:
     """Check that the global batch (and a ramp's sizes) split into micro-batches over ``data_parallel_size``
-    data-parallel ranks. Writes nothing."""
+    data-parallel ranks; every problem together. Writes nothing."""
     tr = cfg.train
     per_step = tr.micro_batch_size * data_parallel_size
     gbs = tr.global_batch_size if tr.global_batch_size is not None else per_step
-    need(gbs % per_step == 0,
-         f"--global-batch-size {gbs} is not divisible by --micro-batch-size {tr.micro_batch_size} x "
-         f"data-parallel size {data_parallel_size}; adjust one of them")
-    schedule_batches(cfg, data_parallel_size)
-    if tr.rampup_batch_size is not None:
-        start, inc, _ = tr.rampup_batch_size
-        need(start % per_step == 0 and inc % per_step == 0,
-             f"--rampup-batch-size START {start} and INCREMENT {inc} must be multiples of --micro-batch-size "
-             f"{tr.micro_batch_size} x data-parallel size {data_parallel_size}")
+
+    def ramp() -> None:
+        if tr.rampup_batch_size is not None:
+            start, inc, _ = tr.rampup_batch_size
+            need(start % per_step == 0 and inc % per_step == 0,
+                 f"--rampup-batch-size START {start} and INCREMENT {inc} must be multiples of --micro-batch-size "
+                 f"{tr.micro_batch_size} x data-parallel size {data_parallel_size}")
+    _run_all([lambda: need(gbs % per_step == 0,
+                           f"--global-batch-size {gbs} is not divisible by --micro-batch-size {tr.micro_batch_size} "
+                           f"x data-parallel size {data_parallel_size}; adjust one of them"),
+              lambda: schedule_batches(cfg, data_parallel_size), ramp])
+
+
+def check_world(cfg: Config, world: int) -> None:
+    """Every problem of the parallel sizes and the batch sizes against ``world`` processes, together
+    (the batch sizes only when the world splits into data-parallel ranks). Writes nothing."""
+    par = cfg.parallel
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    splits = world >= 1 and world % (tp * pp * cp) == 0
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or tp
+    _run_all([lambda: need(splits, f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp} = "
+                                   f"{tp * pp * cp}; change the parallel sizes or the number of processes"),
+              lambda: need((world // pp) % (ep * etp) == 0,
+                           f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not divide "
+                           f"the {world // pp} ranks of a pipeline stage (world size {world} / PP {pp}); change the "
+                           "expert-parallel sizes"),
+              lambda: check_mapping(par, world),
+              lambda: resolve_batch(cfg, world // (tp * pp * cp)) if splits else None])
 
 
 def resolve_world(cfg: Config, world: int) -> None:
     """The data-parallel size of ``world`` processes; the global batch default; --train-iters of --train-samples."""
     par, tr = cfg.parallel, cfg.train
-    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
-    need(world >= 1 and world % (tp * pp * cp) == 0,
-         f"world size {world} is not divisible by TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp}; "
-         "change the parallel sizes or the number of processes")
-    dp = world // (tp * pp * cp)
-    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size or tp
-    need((world // pp) % (ep * etp) == 0,
-         f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does not divide the {world // pp} "
-         f"ranks of a pipeline stage (world size {world} / PP {pp}); change the expert-parallel sizes")
-    check_mapping(par, world)
-    resolve_batch(cfg, dp)
+    check_world(cfg, world)
+    dp = world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size)
     if tr.global_batch_size is None:
         tr.global_batch_size = tr.micro_batch_size * dp
     if tr.train_iters is None:
@@ -171,12 +181,12 @@ def resolve(cfg: Config, world_size: Optional[int] = None, *,
              lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data),
              lambda: validate_across(cfg),
              lambda: validate_routing_parallel(cfg.parallel, cfg.model, cfg.log), lambda: validate_mtp(cfg),
-             lambda: check_kernels(cfg.kernels))
+             lambda: check_kernels(cfg.kernels), lambda: validate_sample(cfg),
+             lambda: check_world(cfg, world))  # the world's and the batch's problems with the others
     try:
         _run_all([lambda name=name: check_ranges(getattr(cfg, name)) for name in SECTIONS])  # numbers first
         _run_all(steps)  # each section's problem, together
-        validate_sample(cfg)
-        resolve_world(cfg, world)  # these need every section valid
+        resolve_world(cfg, world)  # needs every section valid
         _set_vocab(cfg, vocab_size)
         _run_all([lambda check=check: check(cfg) for check in checks])
     except Exception:

@@ -218,6 +218,7 @@ class TrainConfig(Section):
     moe_layer_recompute: bool = False  # Megatron's older spelling: selective recomputation of the MoE layers ("moe")
     check_weight_hash_across_dp_replicas_interval: Optional[int] = None  # every N steps: equal weights on every DP rank
     device: Optional[str] = None  # paratron: cuda | cpu; default cuda when available
+    cpu_threads: Optional[int] = None  # paratron: torch's intra-op threads on CPU; default: cores / local processes
     torch_compile: bool = False  # paratron: torch.compile each transformer layer (regional compilation)
     no_fused_output_loss: bool = False  # paratron: plain logits + cross-entropy instead of the chunked fused path
     calculate_per_token_loss: bool = False  # loss = sum over the step's tokens / their count (else per micro-batch mean)

@@ -226,7 +226,8 @@ def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], all
         try:
             out.append(builder.blend(blend, bounds, sizes[i], i) if bounds and sizes[i] else None)
         except EmptySplit as e:  # a dataset too small for its validation or test share
-            print(f" WARNING: {e}; training goes on without it", file=sys.stderr, flush=True)
+            if allow_build:  # the rank that builds (rank 0, or the only process) says it, once a run
+                print(f" WARNING: {e}; training goes on without it", file=sys.stderr, flush=True)
             out.append(None)
     return tuple(out)
 

@@ -124,7 +124,7 @@ def generate_main(argv: list[str]) -> int:
         prompts = read_prompts(args)
         for start in range(0, len(prompts), args.batch_size):
             chunk = prompts[start:start + args.batch_size]
-            reqs = model.requests(chunk, params, args.add_bos)
+            reqs = model.requests(chunk, params, args.add_bos, first=start)
             problem = model.check(reqs)
             if problem:
                 raise ConfigError(problem)

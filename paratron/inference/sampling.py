@@ -2,7 +2,8 @@
 
 Every row of a batch has its own parameters, applied as tensors in one pass (a server batches
 requests that asked for different things). A seeded row draws its noise from its own generator, so
-its tokens do not depend on what else is in the batch.
+its tokens do not depend on what else is in the batch; the prompts of one request (several ``--prompt``,
+a list ``prompt``, ``n`` choices) share its seed but not its draws: prompt j seeds with (seed, j).
 """
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ class SamplingParams:
     ignore_eod: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: also the n most likely tokens and their log-probabilities per step
+    seed_offset: int = 0  # which prompt of its request this is: its generator starts from (seed, seed_offset)
+
+    def row_seed(self) -> Optional[int]:
+        """The seed of this prompt's generator: ``seed`` itself for the first prompt of a request, a
+        different one (a fixed mix of seed and offset) for each further prompt."""
+        if self.seed is None or self.seed_offset == 0:
+            return self.seed
+        return (int(self.seed) * 6364136223846793005 + self.seed_offset * 1442695040888963407) % (1 << 63)
 
     def check(self) -> Optional[str]:
         """The first invalid field as 'name: why', or None."""
@@ -73,7 +82,7 @@ class Sampler:
         """Row ``i``'s own generator when it samples with a seed."""
         self.generators.pop(i, None)
         if p.seed is not None and p.temperature > 0:
-            self.generators[i] = torch.Generator(device=self.device).manual_seed(int(p.seed))
+            self.generators[i] = torch.Generator(device=self.device).manual_seed(p.row_seed())
 
     def set_row(self, i: int, p: SamplingParams) -> None:
         """Row ``i`` takes ``p`` (a request joining a running batch; its seed starts a new generator)."""

@@ -12,6 +12,8 @@ one line per message then ``assistant:``; with it, generation also stops at a ne
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 from typing import Optional
@@ -59,9 +61,12 @@ class TextModel:
             ids = [self.tok.eod] + ids
         return ids
 
-    def requests(self, prompts: list, params: SamplingParams, add_bos: bool = False) -> list[Request]:
-        """One request per prompt (text, or a list of token ids)."""
-        return [Request(p if isinstance(p, list) else self.encode(p, add_bos), params) for p in prompts]
+    def requests(self, prompts: list, params: SamplingParams, add_bos: bool = False, first: int = 0) -> list[Request]:
+        """One request per prompt (text, or a list of token ids); prompt j (counted from ``first``) of a
+        seeded request gets its own draws (SamplingParams.seed_offset j)."""
+        return [Request(p if isinstance(p, list) else self.encode(p, add_bos),
+                        params if params.seed is None else dataclasses.replace(params, seed_offset=first + j))
+                for j, p in enumerate(prompts)]
 
     def check(self, requests: list[Request]) -> Optional[str]:
         return next((p for p in (self.engine.check(r) for r in requests) if p), None)

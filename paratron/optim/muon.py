@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..parallel.comm import all_gather_single
 from ..parallel.sharding import spec_of
 
 COEFFICIENTS = {
@@ -182,7 +183,7 @@ class Muon:
                 full[a: a + u.numel()] = u.view(-1)
             if buf.n > 1:
                 shard = full[lo - bucket.start: hi - bucket.start].clone()
-                dist.all_gather_into_tensor(full, shard, group=buf.group)
+                all_gather_single(full, shard, group=buf.group)
             for p, name in self.bucket_params[bucket]:
                 a = buf.offsets[p] - bucket.start
                 orth = self.orthogonalize(full[a: a + p.numel()].view(p.shape), p, name).reshape(-1)

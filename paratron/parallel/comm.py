@@ -20,6 +20,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch >= 2.11 names the tensor-in/tensor-out collectives ``*_single`` and deprecates the older names
+# (a FutureWarning on every rank of every TP/SP run); every module of paratron calls these two.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -52,7 +57,7 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     x = x.contiguous()
     if dim == 0:
         out = torch.empty((n * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=group)
+        all_gather_single(out, x, group=group)
         return out
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x, group=group)
@@ -67,7 +72,7 @@ def _reduce_scatter0(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter dim 0 of size {x.size(0)} over {n} ranks")
     x = x.contiguous()
     out = torch.empty((x.size(0) // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    reduce_scatter_single(out, x, group=group)
     return out
 
 

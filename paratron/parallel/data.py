@@ -52,8 +52,8 @@ ALIGN = 64  # elements; keeps parameter views and shard boundaries aligned for f
 # Megatron's default bucket size with --overlap-grad-reduce: max(40M, 1M x dp) elements.
 DEFAULT_BUCKET_MIN, DEFAULT_BUCKET_PER_RANK = 40_000_000, 1_000_000
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = comm.reduce_scatter_single
+_all_gather = comm.all_gather_single
 
 
 def _round_up(x: int, m: int) -> int:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import comm
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name where it exists
+_all_gather = comm.all_gather_single
 
 
 @dataclass(frozen=True)

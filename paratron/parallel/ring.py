@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .comm import all_gather_single, reduce_scatter_single
+
 NEG_INF = float("-inf")
 
 
@@ -409,7 +411,7 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
     """Every CP rank's K/V: [CP, 2, b, g, 2c, d] (rank order)."""
     kv = torch.stack([k, v]).contiguous()
     out = torch.empty((ring.size * 2,) + tuple(kv.shape[1:]), dtype=kv.dtype, device=kv.device)
-    dist.all_gather_into_tensor(out, kv, group=ring.group)
+    all_gather_single(out, kv, group=ring.group)
     return out.view((ring.size,) + tuple(kv.shape))
 
 
@@ -443,7 +445,7 @@ class AllGatherAttention(torch.autograd.Function):
                 dkv[src, 0][:, :, blk.cols] += dk_b
                 dkv[src, 1][:, :, blk.cols] += dv_b
         mine = torch.empty(dkv.shape[1:], dtype=torch.float32, device=q.device)
-        dist.reduce_scatter_tensor(mine, dkv.view((-1,) + tuple(dkv.shape[2:])), group=ctx.ring.group)
+        reduce_scatter_single(mine, dkv.view((-1,) + tuple(dkv.shape[2:])), group=ctx.ring.group)
         return (dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), _sink_grad(saved, dout),
                 None, None, None, None, None)
 

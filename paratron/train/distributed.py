@@ -45,6 +45,8 @@ def init_distributed(cfg: Config) -> torch.device:
         raise ConfigError(f"--local-rank {given} contradicts LOCAL_RANK={env} from the launcher; remove the flag")
     local = int(env) if env is not None else (given or 0)
     device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if not use_cuda:
+        torch.set_num_threads(cpu_threads(cfg))
     if use_cuda:
         torch.cuda.set_device(device)
         use_expandable_segments()
@@ -52,6 +54,16 @@ def init_distributed(cfg: Config) -> torch.device:
         backend = cfg.parallel.distributed_backend or ("nccl" if use_cuda else "gloo")
         dist.init_process_group(backend, timeout=timeout(cfg))
     return device
+
+
+def cpu_threads(cfg: Config) -> int:
+    """The intra-op threads of this process on CPU: ``--cpu-threads``, else the cores this process may use
+    divided by the processes torchrun started on this machine (measured: issue 48's record in
+    benchmarks/results/cpu_threads.md; torch's own default takes every core in every process)."""
+    if cfg.train.cpu_threads is not None:
+        return cfg.train.cpu_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def use_expandable_segments() -> None:

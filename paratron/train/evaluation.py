@@ -3,6 +3,7 @@
 the end of training and --skip-train's evaluation of a loaded model."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -10,6 +11,8 @@ import torch
 from .logger import format_valid_line
 from .runtime import GarbageCollection, empty_unused_memory
 from .step import sum_reports
+
+LONG_EVALUATION_S = 10.0  # an evaluation expected to take longer is announced first
 
 
 class Evaluation:
@@ -21,7 +24,10 @@ class Evaluation:
             m.eval()
         total = torch.zeros(2, device=self.device)
         tr, n = self.cfg.train, self.microbatches.eval_microbatches(self.consumed_samples)
-        for _ in range(tr.eval_iters):
+        start = time.monotonic()
+        for step in range(tr.eval_iters):
+            if step == 1:
+                self._announce_long_evaluation(time.monotonic() - start)
             reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=data_iterator,
                                             model=self.models, num_microbatches=n,
                                             seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
@@ -31,6 +37,14 @@ class Evaluation:
             m.train()
         total = self._reduce_dp(total)
         return (total[0] / total[1].clamp(min=1)).item()
+
+    def _announce_long_evaluation(self, first_step_s: float) -> None:
+        """One line before an evaluation that will take a while (over 10 s at the first step's pace), so
+        that a quiet console is not taken for a hang (Megatron's default --eval-iters is 100)."""
+        eval_iters = self.cfg.train.eval_iters
+        expected = first_step_s * eval_iters
+        if expected > LONG_EVALUATION_S:
+            self.log.print(f" evaluating {eval_iters} steps (--eval-iters {eval_iters}), about {expected:.0f} s ...")
 
     def _eval_due(self) -> bool:
         """An evaluation at this iteration: every --eval-interval, from --start-eval-at-iter on."""

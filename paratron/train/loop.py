@@ -251,7 +251,8 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.progress = ProgressLog(self.cfg, self.dims.rank, self.dims.world_size, self.flops_per_iter, self.iteration)
         self.log.print(f" training {params / 1e6:.2f}M parameters per rank, {self.dims.describe()}, {tr.train_iters} "
                        f"iterations, global batch {tr.global_batch_size}, {self._micro} micro-batches of "
-                       f"{tr.micro_batch_size}, device {self.device}")
+                       f"{tr.micro_batch_size}, device {self.device}"
+                       + (f" ({threads(torch.get_num_threads())}, --cpu-threads)" if self.device.type == "cpu" else ""))
         for line in switches.startup_lines(self.kernels_asked, self.device, params_dtype(self.cfg),
                                            tr.deterministic_mode):
             self.log.print(line)
@@ -269,6 +270,10 @@ class Trainer(Checkpointing, Evaluation, RunControl):
             self.log.close()
             if self._root_log_level is not None:  # --logging-level was for this run only
                 logging.getLogger().setLevel(self._root_log_level)
+
+
+def threads(n: int) -> str:
+    return f"{n} thread" + ("s" if n != 1 else "")
 
 
 def pretrain(cfg: Config, eval_at_start: bool = False) -> dict:

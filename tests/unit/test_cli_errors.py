@@ -141,3 +141,20 @@ def test_preprocess_subprocess_uses_the_same_convention(tmp_path):
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "--tokenizer-type Null is not supported; did you mean NullTokenizer?" in r.stderr
+
+
+def test_under_torchrun_a_higher_rank_waits_and_every_rank_writes_the_error_file(tmp_path, monkeypatch, capsys):
+    import json
+    from paratron import errors
+    slept = []
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    monkeypatch.setattr(errors.signal, "signal", lambda *a: None)
+    for rank in (0, 3):
+        path = tmp_path / f"{rank}.json"
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        errors.report_user_error("x: error: bad")
+        assert json.loads(path.read_text())["message"] == "x: error: bad"
+    assert slept == [errors.rank_grace_s(3)] and errors.rank_grace_s(3) > 0
+    assert capsys.readouterr().err == "x: error: bad\nx: error: bad\n"
