@@ -13,6 +13,7 @@ where it fits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..errors import ConfigError
 from .section_base import Section
@@ -73,20 +74,24 @@ def parse_quack_tiles(spec: str) -> dict:
         if item.strip() == "default":
             continue
         use, _, value = (part.strip() for part in item.partition("="))
-        if use not in QUACK_TILE_USES or not _tiles_ok(value):
+        if use not in QUACK_TILE_USES or (value not in ("default", "off") and tile_fields(value) is None):
             raise ConfigError(f"--kernel-quack-tiles {spec}: '{item}' is not <{'|'.join(QUACK_TILE_USES)}>="
                               "<default|off|TMxTNcCMxCN(pp|coop)>, e.g. dx=256x128c1x2coop")
         out[use] = value
     return out
 
 
-def _tiles_ok(value: str) -> bool:
-    if value in ("default", "off"):
-        return True
+def tile_fields(value: str) -> Optional[dict]:
+    """quack's GemmConfig fields of one tile spec, "256x128c1x2coop" (tile m x n, cluster m x n, cooperative) or
+    "128x160c2x1pp" (ping-pong); None when ``value`` is not one."""
     mn, sep, rest = value.partition("c")
     body = rest.removesuffix("pp").removesuffix("coop")
     parts = mn.split("x") + body.split("x")
-    return bool(sep) and rest != body and len(parts) == 4 and all(p.isdigit() for p in parts)
+    if not (sep and rest != body and len(parts) == 4 and all(p.isdigit() for p in parts)):
+        return None
+    tm, tn, cm, cn = (int(p) for p in parts)
+    return dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=rest.endswith("pp"),
+                is_dynamic_persistent=False)
 
 
 def check_kernels(k: KernelConfig) -> None:

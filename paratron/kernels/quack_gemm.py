@@ -46,6 +46,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..config.kernels import tile_fields
+
 try:  # optional: pip install quack-kernels (Hopper); used only on CUDA
     from quack.gemm_config import GemmConfig
     from quack.gemm_interface import gemm_dgated_tuned as _dgated_tuned, gemm_tuned as _gemm_tuned
@@ -65,17 +67,11 @@ def parse(spec: str) -> Optional[dict]:
     """GemmConfig fields from "256x128c1x2coop" / "128x128c2x1pp"; None for "default" and "off"."""
     if spec in ("default", "off"):
         return None
-    try:
-        mn, _, rest = spec.partition("c")
-        tm, tn = (int(v) for v in mn.split("x"))
-        if not rest.endswith(("pp", "coop")):
-            raise ValueError
-        cm, cn = (int(v) for v in rest.removesuffix("pp").removesuffix("coop").split("x"))
-    except ValueError:
+    fields = tile_fields(spec)  # the config's parser (--kernel-quack-tiles): one definition of the format
+    if fields is None:
         raise ValueError(f"quack tiles: '{spec}' is not default, off or tiles like 256x128c1x2coop "
-                         "or 128x128c2x1pp") from None
-    return dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, pingpong=rest.endswith("pp"),
-                is_dynamic_persistent=False)
+                         "or 128x128c2x1pp")
+    return fields
 
 
 def tiles(overrides: Optional[dict] = None) -> dict:

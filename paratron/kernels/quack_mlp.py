@@ -188,15 +188,21 @@ class _GatedMLP(torch.autograd.Function):
         return _dx(dpre, w1, tiles), dw1, dw2, (dy if ctx.has_residual else None), None, None, None, None, None
 
 
+def tile_pairs(overrides: Optional[dict] = None) -> tuple:
+    """The GEMM tiles (``quack_gemm.tiles``, with ``--kernel-quack-tiles``' overrides) as sorted (use, spec) pairs:
+    the form the autograd function takes (a constant a compiled forward reads). Made once, when the MLP is built."""
+    return tuple(sorted(quack_gemm.tiles(overrides).items()))
+
+
 def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, residual: Optional[torch.Tensor] = None,
               bwd: str = "cublas", main_grads: tuple = (None, None), keep_act: bool = True,
               tiles: Optional[dict] = None) -> torch.Tensor:
     """``silu(gate) * up`` MLP of ``x [..., H]`` with fc1's weight ``w1 [2F, H]`` ([gate; up] rows) and fc2's
     ``w2 [H, F]``; ``residual`` (x's shape) is added by fc2's GEMM; ``bwd``: see ``_dw1``; ``main_grads``: the
     weights' fp32 gradient buffers their backward adds into (None: autograd's gradients); ``keep_act``: keep
-    the activation for fc2's weight gradient; ``tiles``: a ``quack_gemm.tiles()`` answer (None: the defaults)."""
+    the activation for fc2's weight gradient; ``tiles``: ``tile_pairs()`` of the run's tiles (None: the defaults)."""
     shape = x.shape
     res = None if residual is None else residual.reshape(-1, w2.size(0))
-    pairs = tuple(sorted((quack_gemm.tiles() if tiles is None else tiles).items()))
+    pairs = tile_pairs() if tiles is None else tiles
     y = _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, *main_grads, bwd, keep_act, pairs)
     return y.view(*shape[:-1], w2.size(0))

@@ -78,10 +78,10 @@ def table(asked: KernelConfig, runs: KernelConfig, found: Optional[dict] = None)
     return rows
 
 
-def startup_lines(asked: KernelConfig, device, dtype, deterministic: bool = False) -> list[str]:
-    """The start-up lines: every switch as asked -> as it runs, and why where ``auto`` decided."""
+def startup_lines(asked: KernelConfig, runs: KernelConfig, device, dtype, deterministic: bool = False) -> list[str]:
+    """The start-up lines: every switch as asked -> as it runs (``runs``: ``resolve``'s answer), and why where
+    ``auto`` decided."""
     found = availability(device, dtype, deterministic)
-    runs = resolve(asked, device, dtype, deterministic)
     lines = [" kernel switches (asked -> runs; config/kernels.py):"]
     for flag, a, r, why in table(asked, runs, found):
         note = f"  [{why}]" if a != r and why else ""

@@ -11,7 +11,7 @@ from . import mup
 from ..config import ModelConfig
 from ..config.kernels import parse_quack_tiles
 from ..fp8 import mlp as fp8_mlp
-from ..kernels import quack_gemm, quack_mlp
+from ..kernels import quack_mlp
 from ..parallel import comm
 from ..parallel.linear import main_grad_of, mark_fusable
 from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
@@ -48,7 +48,7 @@ class MLP(nn.Module):
         self.gated_gemm = (quack_mlp.wanted(self.fp8_act == fp8_mlp.SWIGLU, bias, device, dtype,
                                             k.kernel_gated_mlp_wgrad) if k.kernel_gated_mlp != "torch" else None)
         self.keep_act = k.kernel_keep_swiglu_activation == "on"
-        self.tiles = quack_gemm.tiles(parse_quack_tiles(k.kernel_quack_tiles)) if self.gated_gemm else None
+        self.tiles = quack_mlp.tile_pairs(parse_quack_tiles(k.kernel_quack_tiles)) if self.gated_gemm else None
         width = cfg.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=par.tp_group, bias=bias,
                                                sequence_parallel=par.sequence_parallel,

@@ -253,7 +253,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
                        f"iterations, global batch {tr.global_batch_size}, {self._micro} micro-batches of "
                        f"{tr.micro_batch_size}, device {self.device}"
                        + (f" ({threads(torch.get_num_threads())}, --cpu-threads)" if self.device.type == "cpu" else ""))
-        for line in switches.startup_lines(self.kernels_asked, self.device, params_dtype(self.cfg),
+        for line in switches.startup_lines(self.kernels_asked, self.cfg.kernels, self.device, params_dtype(self.cfg),
                                            tr.deterministic_mode):
             self.log.print(line)
         if self.device.type == "cuda":
