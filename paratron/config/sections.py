@@ -447,6 +447,17 @@ class Config(Section):
         the world size it was resolved for."""
         return Config(**{name: getattr(self, name).unfrozen() for name in SECTIONS}, world_size=self.world_size)
 
+    def with_section(self, name: str, section: Section) -> "Config":
+        """A frozen copy of this resolved config with section ``name`` replaced by ``section``, a copy of it
+        resolved further by the run (the kernel switches for the device); ``unfrozen()`` still gives the values
+        as given."""
+        given = getattr(self, name).unfrozen()
+        section._freeze({f: getattr(given, f) for f in section.__dataclass_fields__
+                         if getattr(given, f) != getattr(section, f)})
+        out = dataclasses.replace(self, **{name: section})
+        out._freeze({})
+        return out
+
     @property  # derived from frozen fields (never stored, so they cannot go stale), as data_parallel_size
     def padded_vocab_size(self) -> int:
         """--padded-vocab-size (checked in validation), else Megatron's: the next multiple of

@@ -2,7 +2,6 @@
 (dtype, FP8 recipe, regional compilation) and Megatron's ``forward_step_func`` / ``loss_func``."""
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import torch
@@ -26,13 +25,8 @@ def resolve_kernels(cfg: Config, device: torch.device) -> Config:
     """``cfg`` with its kernel switches resolved for ``device`` and the run's dtype (each ``auto`` replaced by the
     path that runs: kernels/switches.py), frozen as the rest; ``cfg.kernels.unfrozen()`` gives them as asked.
     The checkpoint's saved config then says what trained the model."""
-    asked = cfg.kernels
-    runs = switches.resolve(asked, device, params_dtype(cfg), cfg.train.deterministic_mode)
-    runs._freeze({f.name: getattr(asked, f.name) for f in dataclasses.fields(runs)
-                  if getattr(asked, f.name) != getattr(runs, f.name)})
-    out = dataclasses.replace(cfg, kernels=runs)
-    out._freeze({})
-    return out
+    return cfg.with_section("kernels", switches.resolve(cfg.kernels, device, params_dtype(cfg),
+                                                        cfg.train.deterministic_mode))
 
 
 def compile_options(device: torch.device, switch: str = "auto") -> dict:
