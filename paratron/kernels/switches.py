@@ -29,7 +29,7 @@ def availability(device, dtype, deterministic: bool = False) -> dict:
     triton_gpu = cuda and _TRITON
     why_fa4 = "FlashAttention-4 on Hopper in bf16" if fa4 else "needs flash-attn-4 (paratron[hopper]), Hopper, bf16"
     why_quack = "quack-kernels on Hopper in bf16" if quack else "needs quack-kernels (paratron[hopper]), Hopper, bf16"
-    packed = fa4 and flash_packed.IMPORTED and flash_packed._version() == flash_packed.VERSION
+    packed = fa4 and flash_packed.pinned()
     return {
         "attention_backend": ("fused" if fa4 and not deterministic else "unfused",
                               "deterministic mode: SDPA" if fa4 and deterministic else why_fa4),

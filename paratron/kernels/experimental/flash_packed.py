@@ -200,13 +200,18 @@ except Exception:  # noqa: BLE001 - not installed, or not loadable on this machi
 
 
 @functools.lru_cache(maxsize=1)
-def _version() -> str:
+def installed_version() -> str:
     """The installed flash-attn-4's version ("" if none); looked up once (``applies`` runs in every backward)."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         return version("flash-attn-4")
     except PackageNotFoundError:
         return ""
+
+
+def pinned() -> bool:
+    """The kernel's pin holds: importable, and the installed flash-attn-4 is the version it was written against."""
+    return IMPORTED and installed_version() == VERSION
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, dout: torch.Tensor) -> bool:
@@ -217,4 +222,4 @@ def applies(q: torch.Tensor, k: torch.Tensor, dout: torch.Tensor) -> bool:
     groups = k.size(2)
     return (IMPORTED and q.is_cuda and q.dtype == torch.bfloat16 and heads > groups
             and heads % groups == 0 and s % 128 == 0 and d <= 64 and d % 32 == 0 and q.stride(2) == d
-            and dout.stride(2) == d and q.stride(3) == dout.stride(3) == 1 and _version() == VERSION)
+            and dout.stride(2) == d and q.stride(3) == dout.stride(3) == 1 and pinned())
