@@ -52,7 +52,7 @@ def test_flags_need_log_straggler():
 
 
 def _two_ranks(rank, world, port):
-    """DP 2: rank 1's forward steps sleep 50 ms; the output each rank printed."""
+    """DP 2: rank 1's forward steps sleep 150 ms; the output each rank printed."""
     import contextlib
     import io
     t = Trainer(parse_args(FLAGS + ["--log-straggler", "--straggler-ctrlr-port", str(port), "--global-batch-size",
@@ -61,7 +61,7 @@ def _two_ranks(rank, world, port):
 
     def slow(*a, **k):
         if rank == 1:
-            time.sleep(0.05)
+            time.sleep(0.15)
         return step(*a, **k)
     t.forward_step = slow
     buf = io.StringIO()
@@ -77,7 +77,9 @@ def test_the_slow_rank_is_named(tmp_path):
     outs = run_ranks(2, _two_ranks, free_port(), tmp_dir=tmp_path)
     lines = [line for line in outs[0].splitlines() if "MnRtt/Rnk:" in line]
     assert len(lines) == 3 and not any("MnRtt" in line for line in outs[1].splitlines())
-    assert all("ms/1 | MnEtpt/Rnk:" in line and "TF/1 | MxEtpt/Rnk:" in line for line in lines), lines
+    # The first interval also holds each rank's one-time warm-up (rank 0's can outweigh the sleep on a busy
+    # machine), so the slow rank is checked in the steady intervals.
+    assert all("ms/1 | MnEtpt/Rnk:" in line and "TF/1 | MxEtpt/Rnk:" in line for line in lines[1:]), lines
 
 
 def test_record_memory_history(monkeypatch, tmp_path):
