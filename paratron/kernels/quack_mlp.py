@@ -152,15 +152,16 @@ class _GatedMLP(torch.autograd.Function):
     """y = swiglu(x W1^T) W2^T (+ residual) on 2-D ``x``; keeps x and the pre-activation. ``g1`` / ``g2``:
     the weights' ``main_grad`` when their gradients are added there by this backward (gradient-accumulation
     fusion, paratron/parallel/linear.py; autograd then gets placeholders), else None. ``bwd``: fc1's
-    weight-gradient library; ``keep``: keep the activation; ``tiles``: the GEMM tiles as (use, spec) pairs."""
+    weight-gradient library; ``keep``: keep the activation; ``tiles``: the GEMM tiles as (use, spec) pairs;
+    ``lt``: the ``--kernel-cublaslt`` switch of fc2's residual GEMM where quack's does not run."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, residual, g1, g2, bwd, keep, tiles):
+    def forward(ctx, x, w1, w2, residual, g1, g2, bwd, keep, tiles, lt):
         pre, act = _gated(x, w1)
         if residual is None:
             y = act @ w2.t()
         else:  # C read by the GEMM, not copied into the output first
-            y = residual_addmm(residual, act, w2)
+            y = residual_addmm(residual, act, w2, lt)
         ctx.save_for_backward(x, w1, w2, pre, act if _keeps_act(x, keep) else None)
         ctx.main_grads = g1, g2  # (not saved: they change as they accumulate, by design)
         ctx.has_residual, ctx.bwd, ctx.tiles = residual is not None, bwd, tiles
@@ -185,7 +186,7 @@ class _GatedMLP(torch.autograd.Function):
             # --kernel-gated-mlp-wgrad quack asked for the unfused quack GEMM)
             _wgrad(g1, dpre, x, True, tiles)
             dw1 = torch.empty_like(w1)
-        return _dx(dpre, w1, tiles), dw1, dw2, (dy if ctx.has_residual else None), None, None, None, None, None
+        return _dx(dpre, w1, tiles), dw1, dw2, (dy if ctx.has_residual else None), None, None, None, None, None, None
 
 
 def tile_pairs(overrides: Optional[dict] = None) -> tuple:
@@ -196,13 +197,14 @@ def tile_pairs(overrides: Optional[dict] = None) -> tuple:
 
 def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, residual: Optional[torch.Tensor] = None,
               bwd: str = "cublas", main_grads: tuple = (None, None), keep_act: bool = True,
-              tiles: Optional[dict] = None) -> torch.Tensor:
+              tiles: Optional[dict] = None, cublaslt: bool = True) -> torch.Tensor:
     """``silu(gate) * up`` MLP of ``x [..., H]`` with fc1's weight ``w1 [2F, H]`` ([gate; up] rows) and fc2's
     ``w2 [H, F]``; ``residual`` (x's shape) is added by fc2's GEMM; ``bwd``: see ``_dw1``; ``main_grads``: the
     weights' fp32 gradient buffers their backward adds into (None: autograd's gradients); ``keep_act``: keep
-    the activation for fc2's weight gradient; ``tiles``: ``tile_pairs()`` of the run's tiles (None: the defaults)."""
+    the activation for fc2's weight gradient; ``tiles``: ``tile_pairs()`` of the run's tiles (None: the defaults);
+    ``cublaslt``: the ``--kernel-cublaslt`` switch of fc2's GEMM with the residual."""
     shape = x.shape
     res = None if residual is None else residual.reshape(-1, w2.size(0))
     pairs = tile_pairs() if tiles is None else tiles
-    y = _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, *main_grads, bwd, keep_act, pairs)
+    y = _GatedMLP.apply(x.reshape(-1, shape[-1]), w1, w2, res, *main_grads, bwd, keep_act, pairs, cublaslt)
     return y.view(*shape[:-1], w2.size(0))

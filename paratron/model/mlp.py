@@ -72,6 +72,7 @@ class MLP(nn.Module):
             tp1 = comm.group_size(fc2.tp_group) == 1  # fc2's GEMM adds the residual (not to a TP partial sum)
             grads = (main_grad_of(fc1.weight), main_grad_of(fc2.weight))
             y = quack_mlp.gated_mlp(fc1.enter(x), fc1.weight, fc2.weight, residual if tp1 else None,
-                                    bwd=self.gated_gemm, main_grads=grads, keep_act=self.keep_act, tiles=self.tiles)
+                                    bwd=self.gated_gemm, main_grads=grads, keep_act=self.keep_act, tiles=self.tiles,
+                                    cublaslt=fc2.cublaslt)
             return fc2.exit(y, None if tp1 else residual)
         return fc2(self.activation(fc1(x)), residual)

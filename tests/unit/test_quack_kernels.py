@@ -45,6 +45,16 @@ def test_function_matches_the_plain_mlp_in_value_and_gradients(monkeypatch, with
     assert saved == ([1] if keep else [])
 
 
+@pytest.mark.parametrize("lt", [True, False])
+def test_residual_gemm_takes_the_cublaslt_switch(monkeypatch, lt):
+    """--kernel-cublaslt reaches fc2's GEMM with the residual on the gated path (it was always on there)."""
+    asked = []
+    monkeypatch.setattr(quack_kernels, "residual_addmm", lambda c, a, w, on=True: asked.append(on) or c + a @ w.t())
+    x, w1, w2, res = torch.randn(3, 8), torch.randn(12, 8), torch.randn(8, 6), torch.randn(3, 8)
+    quack_kernels.gated_mlp(x, w1, w2, res, cublaslt=lt)
+    assert asked == [lt]
+
+
 def _cfg(*flags):
     return parse_args(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
                        "--ffn-hidden-size", "48", "--normalization", "RMSNorm", "--mock-data", "--train-iters", "1",
