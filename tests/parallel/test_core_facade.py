@@ -24,7 +24,8 @@ from paratron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from paratron.core.pipeline_parallel import get_forward_backward_func
 from paratron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from paratron.core.tokenizers import MegatronTokenizer
-from paratron.core.transformer import TransformerConfig
+from paratron.core.transformer import AttnBackend, TransformerConfig
+from paratron.kernels import switches
 from paratron.model.gpt import GPTModel as ParatronGPT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,6 +103,21 @@ def test_transformer_config_maps_megatron_names_and_refuses_by_name():
         config(activation_func=F.relu)
     with pytest.raises(TypeError, match="not_a_megatron_field"):
         config(not_a_megatron_field=1)
+
+
+def test_attention_backend_and_deterministic_mode_choose_the_kernel_switches(state, monkeypatch):
+    """Megatron's attention_backend (enum or name) is --attention-backend; deterministic_mode resolves the
+    switches as a --deterministic-mode run does; the model built from the config holds them."""
+    asked = []
+    resolve = switches.resolve
+    monkeypatch.setattr(switches, "resolve", lambda k, d, t, det=False: asked.append(det) or resolve(k, d, t, det))
+    model = GPTModel(config=config(attention_backend=AttnBackend.unfused, deterministic_mode=True),
+                     transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ)
+    assert (model.kernels.attention_backend, asked) == ("unfused", [True])
+    assert config(attention_backend="flash").kernel_config("cpu", torch.float32).attention_backend == "flash"
+    assert config().kernel_config("cpu", torch.float32).kernel_cublaslt == "off"
+    with pytest.raises(ConfigError, match="attention_backend='fast'.*auto, flash, fused, unfused, local"):
+        config(attention_backend="fast")
 
 
 def test_facade_gpt_model_is_paratrons_model_from_the_same_seed(state):

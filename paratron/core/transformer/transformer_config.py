@@ -6,6 +6,9 @@ Three kinds of field:
   ``add_bias_linear=False`` -> ``disable_bias_linear``, ``gated_linear_unit`` + ``activation_func`` ->
   ``swiglu`` / ``quick_geglu`` ..., ``num_moe_experts`` -> ``num_experts``, the rest by the same name);
   recomputation, ``sequence_parallel`` and ``params_dtype`` go to paratron's GPTModel arguments;
+* kernels: ``attention_backend`` (Megatron's AttnBackend or its name) and ``deterministic_mode`` choose
+  paratron's kernel switches (``kernel_config(device, dtype)``: --attention-backend, and under
+  deterministic mode SDPA attention and torch's GEMMs, as a training run's --deterministic-mode does);
 * accepted: harmless here (fusions, communication overlap, parallel sizes, which come from
   ``parallel_state``, initialisation on CPU, callbacks); kept, changing nothing;
 * unsupported: given another value than Megatron's default, a ConfigError names the field.
@@ -22,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ...config import ConfigError, ModelConfig
+from ...config.kernels import CHOICES, KernelConfig
+from ...kernels import switches
 
 SAME_NAME = (  # Megatron's field = paratron's ModelConfig field
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "hidden_dropout",
@@ -46,12 +51,12 @@ ACCEPTED = {
     "hierarchical_context_parallel_sizes": None, "perform_initialization": True, "use_cpu_initialization": False,
     "fp16": False, "bf16": False, "pipeline_dtype": None, "autocast_dtype": None, "enable_autocast": False,
     "timers": None, "finalize_model_grads_func": None, "grad_scale_func": None, "no_sync_func": None,
-    "grad_sync_func": None, "param_sync_func": None, "deterministic_mode": False,
+    "grad_sync_func": None, "param_sync_func": None,
     "gradient_accumulation_fusion": False, "async_tensor_model_parallel_allreduce": False, "tp_comm_overlap": False,
     "cross_entropy_loss_fusion": False, "cross_entropy_fusion_impl": "native", "variable_seq_lengths": False,
     "overlap_p2p_comm": False, "batch_p2p_comm": True, "batch_p2p_sync": True, "use_ring_exchange_p2p": False,
     "deallocate_pipeline_outputs": False, "microbatch_group_size_per_vp_stage": None, "barrier_with_L1_time": True,
-    "attention_backend": None, "attention_softmax_in_fp32": True, "apply_query_key_layer_scaling": False,
+    "attention_softmax_in_fp32": True, "apply_query_key_layer_scaling": False,
     "bias_activation_fusion": False, "masked_softmax_fusion": False, "persist_layer_norm": False,
     "memory_efficient_layer_norm": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
     "distribute_saved_activations": False, "disable_parameter_transpose_cache": False, "test_mode": False,
@@ -160,6 +165,9 @@ class _Mapped:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    # to paratron's kernel switches (kernel_config)
+    attention_backend: Any = "auto"
+    deterministic_mode: bool = False
 
     def __post_init__(self):
         for name, default in UNSUPPORTED.items():
@@ -169,6 +177,22 @@ class _Mapped:
         if not (self.num_layers and self.hidden_size and self.num_attention_heads):
             raise ConfigError("TransformerConfig needs num_layers, hidden_size and num_attention_heads")
         self._activation()  # refused early, by name
+        self._backend()
+
+    def _backend(self) -> str:
+        """``attention_backend`` as --attention-backend's value (Megatron's AttnBackend member or its name)."""
+        name = getattr(self.attention_backend, "name", self.attention_backend)
+        name = "auto" if name is None else str(name)
+        if name not in CHOICES["attention_backend"]:
+            raise ConfigError(f"TransformerConfig(attention_backend={name!r}): paratron.core takes one of "
+                              + ", ".join(CHOICES["attention_backend"]))
+        return name
+
+    def kernel_config(self, device, dtype) -> KernelConfig:
+        """The kernel switches of a model on ``device`` in ``dtype``: ``attention_backend`` as asked, every other
+        switch ``auto`` resolved there (deterministic mode: the paths a --deterministic-mode run takes)."""
+        asked = KernelConfig(attention_backend=self._backend())
+        return switches.resolve(asked, device if device is not None else "cpu", dtype, bool(self.deterministic_mode))
 
     def _activation(self) -> dict:
         name = getattr(self.activation_func, "__name__", repr(self.activation_func))

@@ -64,7 +64,9 @@ class GPTModel(_GPTModel):
                          seed=COMPAT.seed if COMPAT.seed is not None else DEFAULT_SEED,
                          pre_process=pre_process, post_process=post_process, layer_offset=offset, num_layers=count,
                          recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
-                         recompute_num_layers=config.recompute_num_layers, device=device, dtype=config.params_dtype)
+                         recompute_num_layers=config.recompute_num_layers,
+                         kernels=config.kernel_config(device, config.params_dtype), device=device,
+                         dtype=config.params_dtype)
         self.transformer_config = config
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, decoder_input=None, labels=None,
