@@ -75,6 +75,7 @@ class Engine:
         self.tp_src = dist.get_global_rank(self.tp_group, 0) if model.par.tp_size > 1 else 0
         self.compile = compile
         self.num_speculative_tokens = num_speculative_tokens
+        self.acceptance = None  # speculative decoding's counts of the last generate (speculative.Acceptance)
         self.cache: Optional[KVCache] = None
         self.graph = None
 

@@ -41,12 +41,16 @@ from .engine import _Run
 
 @dataclass
 class Acceptance:
-    """Speculative decoding's counts over one ``generate``: drafts proposed and accepted (per unfinished row and
-    step), verification passes and tokens kept."""
+    """Speculative decoding's counts over one ``generate`` (or several, added): drafts proposed and accepted,
+    verification passes of a row and tokens they kept (unfinished rows only)."""
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
     tokens: int = 0
+
+    def add(self, other: "Acceptance") -> None:
+        for name in ("drafted", "accepted", "steps", "tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
     def rate(self) -> float:
@@ -199,7 +203,7 @@ class SpeculativeRun(_Run):
         kept = min(accepted[i] for i in live) + 1
         self.stats.drafted += k * len(live)
         self.stats.accepted += sum(accepted[i] for i in live)
-        self.stats.steps += 1
+        self.stats.steps += len(live)
         self.stats.tokens += kept * len(live)
         at = torch.arange(k + 1, device=a.device)[None, :]
         chosen = torch.where(at < a[:, None], torch.cat([drafts, x[:, None]], 1), x[:, None])
