@@ -76,6 +76,7 @@ class Engine:
         self.compile = compile
         self.num_speculative_tokens = num_speculative_tokens
         self.acceptance = None  # speculative decoding's counts of the last generate (speculative.Acceptance)
+        self.speculative_steps = None  # speculative decoding's fixed-shape passes for the cache (speculative.Steps)
         self.cache: Optional[KVCache] = None
         self.graph = None
 
@@ -126,7 +127,7 @@ class Engine:
 
     def _prepare_cache(self, batch: int, capacity: int) -> None:
         if self.cache is None or self.cache.batch != batch or self.cache.capacity != capacity:
-            self.cache, self.graph = None, None  # free the old one first
+            self.cache, self.graph, self.speculative_steps = None, None, None  # free the old ones first
             dtype = next(self.model.parameters()).dtype
             self.cache = KVCache(self.model, batch, capacity, device=self.device, dtype=dtype,
                                  mtp_depths=self.num_speculative_tokens)

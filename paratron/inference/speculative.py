@@ -100,7 +100,7 @@ def draft(engine, sampler, hidden: torch.Tensor, slots: torch.Tensor, stream: to
     m, cache = engine.model, engine.cache
     mask, positions = window_mask(cache, slots), cache.positions(slots)
     rope = m.rotary(len(slots), positions) if m.rotary is not None else None
-    drafts, qs, end = [], [], int(slots[-1])
+    drafts, qs = [], []
     for depth in range(1, k + 1):
         ahead = slots + depth
         embedded = m.embedding(stream[:, ahead], cache.positions(ahead))
@@ -108,8 +108,10 @@ def draft(engine, sampler, hidden: torch.Tensor, slots: torch.Tensor, stream: to
         layer = m.mtp.layers[(depth - 1) % len(m.mtp.layers)]
         hidden = layer(hidden, embedded, ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view))
         logits = engine.logits(hidden[-1:])[:, 0]
-        token = engine._broadcast(sampler(logits))
-        stream[:, end + depth + 1] = token
+        token = sampler(logits)  # greedy: the argmax of logits gathered alike on every TP rank
+        if not sampler.greedy:
+            token = engine._broadcast(token)
+        stream.index_copy_(1, slots[-1:] + depth + 1, token[:, None])
         drafts.append(token)
         if not sampler.greedy:
             qs.append(sampler.probs(logits))
@@ -141,14 +143,81 @@ def accept(sampler, logits: torch.Tensor, drafts: torch.Tensor, q: Optional[torc
     return a, torch.where(sampler.is_greedy, best[rows, a], sampler.draw(residual))
 
 
+class Steps:
+    """The fixed-shape passes of one batch size and cache, kept by the engine across ``generate`` calls: the
+    verification of K + 1 tokens at a slot, and greedy drafting over a window of 2K positions; with ``compile``
+    each is compiled and, on CUDA, replayed as a CUDA graph (graphs.DecodeRunner), else run as it is."""
+
+    def __init__(self, engine, k: int):
+        self.e, self.k, cache = engine, k, engine.cache
+        b, dev = cache.batch, engine.device
+        self.stream = torch.zeros(b, cache.capacity + k + 2, dtype=torch.long, device=dev)  # each slot's token
+        self.greedy = None  # the all-greedy sampler the drafting pass was built with
+        self.verifier = self.drafter = None
+        if engine.compile:
+            from .graphs import DecodeRunner
+            switch = engine.model.kernels.kernel_decode_coordinate_descent
+            self.verifier = _Runner(DecodeRunner(self.verify, b, dev, switch),
+                                    torch.zeros(b, k + 1, dtype=torch.long, device=dev))
+            h = engine.model.config.hidden_size
+            dtype = next(engine.model.parameters()).dtype
+            self.drafter = _Runner(DecodeRunner(self._draft, b, dev, switch),
+                                   torch.zeros(2 * k, b, h, device=dev, dtype=dtype))
+
+    def verify(self, tokens: torch.Tensor, slot: torch.Tensor) -> tuple:
+        """(hidden [s, b, h], logits [b, s, vocab]) of ``tokens`` [b, s] written from cache slot ``slot`` (0-d)."""
+        e = self.e
+        slots = slot + torch.arange(tokens.shape[1], device=tokens.device)
+        return self._pass(tokens, slots)
+
+    def _pass(self, tokens, slots) -> tuple:
+        e = self.e
+        hidden = e.hidden(tokens, e.cache.positions(slots), CacheView(e.cache, slots, e.cache.capacity),
+                          window_mask(e.cache, slots))
+        return hidden, e.logits(hidden)
+
+    def _draft(self, window: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        slots = start + torch.arange(window.shape[0], device=window.device)
+        return draft(self.e, self.greedy, window, slots, self.stream, self.k)[0]
+
+    def run_verify(self, tokens: torch.Tensor, slot: int) -> tuple:
+        if self.verifier is not None and tokens.shape[1] == self.k + 1:
+            return self.verifier(tokens, slot)
+        return self.verify(tokens, torch.tensor(slot, device=tokens.device))
+
+    def run_draft(self, sampler, window: torch.Tensor, start: int, k: int) -> tuple:
+        """Drafts [b, k] and q (as :func:`draft`) over the window starting at slot ``start``."""
+        if sampler.greedy and k == self.k and len(window) == 2 * self.k:  # the fixed-shape pass
+            self.greedy = self.greedy or sampler
+            if self.drafter is not None:
+                return self.drafter(window, start), None
+            return self._draft(window, torch.tensor(start, device=window.device)), None
+        slots = torch.arange(start, start + len(window), device=window.device)
+        return draft(self.e, sampler, window, slots, self.stream, k)
+
+
+class _Runner:
+    """A DecodeRunner whose input is ``example``'s shape and dtype instead of one token per row."""
+
+    def __init__(self, runner, example: torch.Tensor):
+        runner.tokens = example
+        self.runner = runner
+
+    def __call__(self, x: torch.Tensor, slot: int):
+        return self.runner(x, slot)
+
+
 class SpeculativeRun(_Run):
     """One batch generated with speculative decoding (module docstring)."""
 
     def __init__(self, engine, requests):
         super().__init__(engine, requests)
         self.k = engine.num_speculative_tokens
-        b = len(self.requests)
-        self.stream = torch.zeros(b, self.capacity + self.k + 2, dtype=torch.long, device=engine.device)
+        steps = engine.speculative_steps
+        if steps is None or steps.stream.shape != (engine.cache.batch, engine.cache.capacity + self.k + 2):
+            steps = engine.speculative_steps = Steps(engine, self.k)
+        self.steps, self.stream = steps, steps.stream
+        self.stream.zero_()
         self.stream[:, :self.length] = self.ids
         self.stats = engine.acceptance = Acceptance()
         self.window: Optional[torch.Tensor] = None  # the main model's hidden states the MTP depths run over next
@@ -179,20 +248,16 @@ class SpeculativeRun(_Run):
             self.stream[:, n + 1] = tok
             drafts, q = torch.zeros(len(self.done), 0, dtype=torch.long, device=e.device), None
             if k:
-                window = torch.arange(self.start, n + 1, device=e.device)
-                drafts, q = draft(e, self.sampler, self.window, window, self.stream, k)
-            slots = torch.arange(n + 1, n + 2 + k, device=e.device)
-            hidden = e.hidden(torch.cat([tok[:, None], drafts], 1), e.cache.positions(slots),
-                              CacheView(e.cache, slots, e.cache.capacity), window_mask(e.cache, slots))
-            logits = e.logits(hidden)
+                drafts, q = self.steps.run_draft(self.sampler, self.window, self.start, k)
+            hidden, logits = self.steps.run_verify(torch.cat([tok[:, None], drafts], 1), n + 1)
             a, x = e._broadcast(torch.stack(accept(self.sampler, logits, drafts, q))).unbind(0)
             kept, chosen = self._keep(a, x, drafts, logits, on_step)
             tok = chosen[:, kept - 1]
-            before = min(self.k - 1, n + 1 - self.start)  # positions the depths run over again next step
-            self.window = torch.cat([self.window[len(self.window) - before:], hidden[:kept]])
-            self.start = n + 1 - before
+            # the depths run again over the last 2K verified positions (at least the K - 1 before this step's)
+            self.window = torch.cat([self.window, hidden[:kept]])[-2 * self.k:]
             self.stream[:, n + 2:n + 2 + kept] = chosen[:, :kept]
             n += kept
+            self.start = n + 1 - len(self.window)
 
     def _keep(self, a: torch.Tensor, x: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor, on_step) -> tuple:
         """Record the tokens the batch keeps this step: the fewest any unfinished row accepted, plus one (row r's
