@@ -177,13 +177,13 @@ def test_spec_decode_benchmark_runs_tiny_on_cpu(tmp_path, monkeypatch):
     import json
     import runpy
     from pathlib import Path
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "spec_decode_bench.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_bench.py"
     monkeypatch.setattr("sys.argv", [str(script), "--tiny", "--repeats", "1", "--warmup", "0", "--new-tokens", "4",
                                      "--num-speculative-tokens", "1", "--record-dir", str(tmp_path)])
     with pytest.raises(SystemExit) as done:
         runpy.run_path(str(script), run_name="__main__")
     assert done.value.code == 0
-    record = next(tmp_path.glob("spec_decode_bench_tiny_*.md")).read_text()
+    record = next(tmp_path.glob("decode_bench_speculative_tiny_*.md")).read_text()
     rows = [json.loads(line) for line in record.split("```json\n")[1].split("```")[0].splitlines()]
     assert [r["system"] for r in rows] == ["plain", "speculative k=1"]
     assert rows[1]["same_tokens_as_plain"] == 1.0 and 0.0 <= rows[1]["acceptance"] <= 1.0
