@@ -137,12 +137,19 @@ def spec_report(rows, args, name, hardware, plen, n, compile_) -> int:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['batch']} | {r['decode_tok_s']} | {r.get('speedup', '')} | "
-                     f"{r.get('acceptance', '')} | {r.get('tokens_per_pass', '')} | {r.get('same_tokens_as_plain', '')} |")
+                     f"{r.get('acceptance', '')} | {r.get('tokens_per_pass', '')} | "
+                     f"{r.get('same_tokens_as_plain', '')} |")
+    return write(args, rows, lines, f"decode_bench_speculative_{name}", f"Speculative decoding: {name}", hardware,
+                 f"batch {args.batch}, {args.prompt_kind} prompts of {plen} tokens, {n} new tokens, greedy", compile_)
+
+
+def write(args, rows, lines, stem, title, hardware, shape, compile_) -> int:
+    """Print the table ``lines`` and write the record with the rows as JSON lines."""
     table = "\n".join(lines)
     print("\n" + table)
     body = table + "\n\n```json\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n"
-    write_record(args.record_dir, f"decode_bench_speculative_{name}", f"Speculative decoding: {name}", hardware,
-                 {"shape": f"batch {args.batch}, {args.prompt_kind} prompts of {plen} tokens, {n} new tokens, greedy",
+    write_record(args.record_dir, stem, title, hardware,
+                 {"shape": shape,
                   "method": f"median of {args.repeats} after {args.warmup} warm-up runs; compile {compile_}"},
                  body)
     return 0
@@ -260,14 +267,8 @@ def report(rows, args, name, hardware, plen, n, compile_) -> int:
         ref = hf_of.get(r["batch"])
         ratio = f"{r['decode_tok_s'] / ref['decode_tok_s']:.2f}x" if ref and r is not ref else ""
         lines.append(f"| {r['system']} | {r['batch']} | {r['ttft_ms']} | {r['decode_tok_s']} | {ratio} |")
-    table = "\n".join(lines)
-    print("\n" + table)
-    body = table + "\n\n```json\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n"
-    write_record(args.record_dir, f"decode_bench_{name}", f"Decode speed: {name}", hardware,
-                 {"shape": f"prompt {plen} tokens, {n} new tokens, greedy, random weights",
-                  "method": f"median of {args.repeats} after {args.warmup} warm-up runs; compile {compile_}"},
-                 body)
-    return 0
+    return write(args, rows, lines, f"decode_bench_{name}", f"Decode speed: {name}", hardware,
+                 f"prompt {plen} tokens, {n} new tokens, greedy, random weights", compile_)
 
 
 if __name__ == "__main__":

@@ -212,7 +212,10 @@ class _Run:
         self.last: Optional[torch.Tensor] = None
 
     def prefill(self) -> None:
-        logits = self.e.prefill(self.ids, need_all=self.want_logprobs)
+        self.took_prompt(self.e.prefill(self.ids, need_all=self.want_logprobs))
+
+    def took_prompt(self, logits: torch.Tensor) -> None:
+        """The prompt pass's logits [b, L or 1, vocab]: the prompt log-probabilities (rows that ask) and the last."""
         if self.want_logprobs:
             for i, r in enumerate(self.requests):
                 if self.params[i].logprobs:

@@ -228,13 +228,7 @@ class SpeculativeRun(_Run):
         slots = torch.arange(self.length, device=e.device)
         view = CacheView(e.cache, slots, self.length)
         self.window = e.hidden(self.ids, e.cache.positions(slots), view, e.cache.prefill_mask(self.length))
-        logits = e.logits(self.window if self.want_logprobs else self.window[-1:])
-        if self.want_logprobs:
-            for i, r in enumerate(self.requests):
-                if self.params[i].logprobs:
-                    start = self.length - len(r.prompt)
-                    self.prompt_logprobs_of(i, logits[i, start:], self.ids[i, start:])
-        self.last = logits[:, -1]
+        self.took_prompt(e.logits(self.window if self.want_logprobs else self.window[-1:]))
 
     def decode(self, on_step) -> None:
         """Steps of draft, verify, accept until every row is done (``on_step`` called per kept token)."""
