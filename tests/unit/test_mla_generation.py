@@ -111,3 +111,14 @@ def test_deepseek_conversion_round_trips_and_refuses(converted):
                      (dict(n_group=2, topk_group=1, num_experts_per_tok=3), "group-limited")):
         with pytest.raises(ConversionError, match=why):
             model_config_from_hf(deepseek_config(**bad).to_dict())
+
+
+def test_paratron_mla_checkpoint_exports_as_deepseek_v3(converted, tmp_path):
+    """``paratron convert --to hf`` of the converted checkpoint picks deepseek_v3 and gives transformers' logits."""
+    from paratron.checkpoint.convert import to_hf
+    hf, d = converted
+    to_hf(d / "ckpt", tmp_path / "back")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert torch.allclose(again(ids).logits, hf(ids).logits, atol=1e-5)
