@@ -83,6 +83,14 @@ def test_speculative_sampling_is_seeded_and_stops():
     assert a[0].tokens == b[0].tokens and len(a[0].tokens) == 11 and len(a[1].tokens) == 5
     plain = Engine(model, VOCAB).generate([Request(PROMPTS[1], SamplingParams(max_new_tokens=5))])[0]
     assert a[1].tokens == plain.tokens
+    greedy = Engine(model, VOCAB).generate([Request(PROMPTS[0], SamplingParams(max_new_tokens=10))])[0].tokens
+    eod, detok = greedy[4], (lambda ids: "".join(f"<{i}>" for i in ids))  # noqa: E731
+    for kw, sp in ((dict(eod=eod), SamplingParams(max_new_tokens=10)),  # stops at the end-of-document token
+                   (dict(detokenize=detok), SamplingParams(max_new_tokens=10, stop=(f"<{greedy[3]}>",)))):
+        want = Engine(model, VOCAB, **kw).generate([Request(PROMPTS[0], sp)])[0]
+        got = Engine(model, VOCAB, num_speculative_tokens=2, **kw).generate([Request(PROMPTS[0], sp)])[0]
+        assert (got.tokens, got.finish_reason, got.text) == (want.tokens, "stop", want.text)
+        assert len(got.tokens) < 10
 
 
 class _Enumerating:
