@@ -9,8 +9,9 @@ step keeps the longest prefix the target agrees with, plus one token of the targ
   ended on, depth 1 takes the main model's hidden state at the last verified position and ``t``, and gives
   draft d_1; depth k takes depth k - 1's output and d_{k-1}. Each depth has its own KV cache (keyed
   ``num_layers + k - 1`` in cache.py), filled as in training from the committed tokens: every step each
-  depth runs over the positions verified in it plus the K - 1 before them (whose entries used drafts the
-  last time), so an entry that used a draft token is rewritten once the real token is known.
+  depth runs again over the last 2K verified positions (which hold this step's new ones and the K - 1 before
+  them, whose entries used drafts the last time), so an entry that used a draft token is rewritten once the
+  real token is known. After the prompt the window has a fixed size, 2K.
 * **Verification.** ``[t, d_1 .. d_K]`` run through the main model at the next K + 1 cache slots; row i of
   its logits is the target distribution p_i of the token after them. A greedy row accepts d_i while it is
   the argmax of p_{i-1} (so its tokens are plain greedy decoding's, token for token). A sampled row (its
@@ -23,9 +24,15 @@ step keeps the longest prefix the target agrees with, plus one token of the targ
   never reads past a query's own slot. A row that accepted more drops its extra tokens (greedy: it finds
   them again; sampled: each kept token still has the target's distribution). At batch 1 nothing is dropped.
 
+* **Graphs.** The verification of K + 1 tokens and greedy drafting over the 2K-position window have fixed
+  shapes (:class:`Steps`, kept by the engine per cache): with ``compile`` they are compiled and, on CUDA,
+  replayed as CUDA graphs; the other passes (the first after the prompt, sampled drafting, the last steps
+  with fewer drafts) run eagerly.
+
 ``Engine.acceptance`` holds the drafted and accepted counts of the last ``generate`` (rate = accepted /
-drafted) and the mean tokens per verification pass. The paged engine can take :func:`draft` and
-:func:`accept` as they are: they see one step's logits, drafts and sampler only.
+drafted) and the mean tokens per row and verification pass. For a paged engine: :func:`draft` needs a
+cache view per depth and the window's hidden states, :func:`accept` only one step's logits, drafts and
+sampler.
 """
 from __future__ import annotations
 
@@ -166,7 +173,6 @@ class Steps:
 
     def verify(self, tokens: torch.Tensor, slot: torch.Tensor) -> tuple:
         """(hidden [s, b, h], logits [b, s, vocab]) of ``tokens`` [b, s] written from cache slot ``slot`` (0-d)."""
-        e = self.e
         slots = slot + torch.arange(tokens.shape[1], device=tokens.device)
         return self._pass(tokens, slots)
 
