@@ -3,6 +3,15 @@ transformers ``generate`` (static cache + torch.compile), same weights, same pro
 
     python benchmarks/decode_bench.py                      # llama-1b shape, random bf16 weights, one GPU
     python benchmarks/decode_bench.py --tiny               # a tiny model on the CPU (checks the script)
+    python benchmarks/decode_bench.py --load CKPT --num-speculative-tokens 1 --num-speculative-tokens 2
+
+With ``--num-speculative-tokens K`` (repeatable) it measures speculative decoding from MTP depths instead: plain
+decoding beside speculative decoding with each K, at ``--batch`` (default 1), on ``--load`` (a checkpoint trained
+with ``--mtp-num-layers N >= K``; ``--tiny``: a random tiny model with 2 depths). Prompts: ``--prompt-kind
+counting`` (default there) continues (s, s + 1, ...) mod vocab, the documents of ``--mock-data``; ``random``
+draws token ids. Each speculative row records its acceptance (accepted / drafted over the timed generation),
+tokens kept per verification pass, and whether its tokens equal plain decoding's (greedy: they must, up to bf16
+near-ties).
 
 Both systems run greedy with the same random weights (the paratron model converted to HF with
 ``paratron_to_hf``) and never stop early (no end-of-document token). Per batch size: time to first
@@ -62,6 +71,91 @@ def build(tiny: bool, device, dtype):
     return model, hf, vocab, m
 
 
+def build_mtp(args, device, dtype):
+    """(model, real vocabulary, name)."""
+    if args.load:
+        from paratron.inference.load import load_for_inference
+        loaded = load_for_inference(args.load, device=device, dtype={torch.bfloat16: "bf16"}.get(dtype, "fp32"))
+        return loaded.model, loaded.vocab_size, Path(args.load).name
+    from paratron.config import parse_args
+    from paratron.model.gpt import GPTModel
+    cfg = parse_args(["--config", "tiny", "--mock-data", "--normalization", "RMSNorm", "--swiglu",
+                      "--position-embedding-type", "rope", "--mtp-num-layers", "2", "--init-method-std", "0.3"])
+    torch.manual_seed(0)
+    model = GPTModel(cfg.model, cfg.padded_vocab_size, device=device, dtype=dtype).eval()
+    return model, cfg.data.vocab_size, "tiny"
+
+
+def spec_runner(model, vocab: int, compile_: bool, k: int):
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.sampling import SamplingParams
+    engine = Engine(model, vocab, eod=None, compile=compile_, num_speculative_tokens=k)
+
+    def run(prompts: torch.Tensor, n: int):
+        return [r.tokens for r in engine.generate([Request(p, SamplingParams(n)) for p in prompts.tolist()])]
+    return engine, run
+
+
+def prompts_of(kind: str, batch: int, length: int, vocab: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    if kind == "random":
+        return torch.randint(0, vocab, (batch, length), generator=g).to(device)
+    starts = torch.randint(1, vocab, (batch, 1), generator=g)
+    return ((starts + torch.arange(length)[None]) % vocab).to(device)
+
+
+def speculative_main(args, device, dtype, compile_: bool) -> int:
+    """Plain decoding beside speculative decoding with each --num-speculative-tokens K (module docstring)."""
+    plen, n = args.prompt_len or (8 if args.tiny else 128), args.new_tokens or (8 if args.tiny else 256)
+    model, vocab, name = build_mtp(args, device, dtype)
+    hardware = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    args.batch = args.batch[0] if args.batch else 1  # one batch size (the first given)
+    print(f"torch {torch.__version__} on {hardware}; {name}, batch {args.batch}, {args.prompt_kind} prompts of "
+          f"{plen}, {n} new tokens, compile {compile_}", flush=True)
+    prompts = prompts_of(args.prompt_kind, args.batch, plen, vocab, device)
+    rows, plain_tokens = [], None
+    for k in [0] + (args.num_speculative_tokens or [1, 2]):
+        engine, run = spec_runner(model, vocab, compile_, k)
+        row = dict(system="plain" if k == 0 else f"speculative k={k}", batch=args.batch,
+                   **measure(run, prompts, n, args.repeats, args.warmup, device))
+        tokens = run(prompts, n)
+        if k == 0:
+            plain_tokens = tokens
+        else:
+            s = engine.acceptance
+            same = sum(x == y for a, b in zip(tokens, plain_tokens) for x, y in zip(a, b))
+            row.update(acceptance=round(s.rate, 4), tokens_per_pass=round(s.tokens_per_step, 3),
+                       same_tokens_as_plain=round(same / max(sum(map(len, plain_tokens)), 1), 3),
+                       speedup=round(row["decode_tok_s"] / rows[0]["decode_tok_s"], 3))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return spec_report(rows, args, name, hardware, plen, n, compile_)
+
+
+def spec_report(rows, args, name, hardware, plen, n, compile_) -> int:
+    lines = ["| system | batch | decode tokens/s | speedup | acceptance | tokens per pass | same tokens |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['batch']} | {r['decode_tok_s']} | {r.get('speedup', '')} | "
+                     f"{r.get('acceptance', '')} | {r.get('tokens_per_pass', '')} | "
+                     f"{r.get('same_tokens_as_plain', '')} |")
+    return write(args, rows, lines, f"decode_bench_speculative_{name}", f"Speculative decoding: {name}", hardware,
+                 f"batch {args.batch}, {args.prompt_kind} prompts of {plen} tokens, {n} new tokens, greedy", compile_)
+
+
+def write(args, rows, lines, stem, title, hardware, shape, compile_) -> int:
+    """Print the table ``lines`` and write the record with the rows as JSON lines."""
+    table = "\n".join(lines)
+    print("\n" + table)
+    body = table + "\n\n```json\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n"
+    write_record(args.record_dir, stem, title, hardware,
+                 {"shape": shape,
+                  "method": f"median of {args.repeats} after {args.warmup} warm-up runs; compile {compile_}"},
+                 body)
+    return 0
+
+
+
 def paratron_runner(model, vocab, compile_: bool):
     from paratron.inference.engine import Engine, Request
     from paratron.inference.sampling import SamplingParams
@@ -113,7 +207,8 @@ def measure(run, prompts, n: int, repeats: int, warmup: int, device) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU, few tokens (checks the script)")
-    p.add_argument("--batch", type=int, action="append", help="batch sizes (default 1 and 32)")
+    p.add_argument("--batch", type=int, action="append",
+                   help="batch sizes (default 1 and 32; with --num-speculative-tokens one, default 1)")
     p.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny: 8)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 256 (tiny: 8)")
     p.add_argument("--repeats", type=int, default=3)
@@ -123,10 +218,19 @@ def main() -> int:
     p.add_argument("--hf-compile", choices=("auto", "manual", "off"), default="auto",
                    help="how HF generate is compiled on GPU (see hf_runner; default %(default)s)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--num-speculative-tokens", type=int, action="append",
+                   help="measure speculative decoding with K drafts (repeatable) beside plain decoding")
+    p.add_argument("--load", help="with --num-speculative-tokens: a checkpoint trained with --mtp-num-layers")
+    p.add_argument("--prompt-kind", choices=("counting", "random"), default="counting",
+                   help="with --num-speculative-tokens: the prompts (default %(default)s)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     compile_ = device.type == "cuda" and not args.no_compile
+    if args.num_speculative_tokens:
+        if not (args.load or args.tiny):
+            p.error("--num-speculative-tokens needs --load CKPT (trained with --mtp-num-layers) or --tiny")
+        return speculative_main(args, device, dtype, compile_)
     plen = args.prompt_len or (8 if args.tiny else 128)
     n = args.new_tokens or (8 if args.tiny else 256)
     batches = args.batch or [1, 32]
@@ -163,14 +267,8 @@ def report(rows, args, name, hardware, plen, n, compile_) -> int:
         ref = hf_of.get(r["batch"])
         ratio = f"{r['decode_tok_s'] / ref['decode_tok_s']:.2f}x" if ref and r is not ref else ""
         lines.append(f"| {r['system']} | {r['batch']} | {r['ttft_ms']} | {r['decode_tok_s']} | {ratio} |")
-    table = "\n".join(lines)
-    print("\n" + table)
-    body = table + "\n\n```json\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n"
-    write_record(args.record_dir, f"decode_bench_{name}", f"Decode speed: {name}", hardware,
-                 {"shape": f"prompt {plen} tokens, {n} new tokens, greedy, random weights",
-                  "method": f"median of {args.repeats} after {args.warmup} warm-up runs; compile {compile_}"},
-                 body)
-    return 0
+    return write(args, rows, lines, f"decode_bench_{name}", f"Decode speed: {name}", hardware,
+                 f"prompt {plen} tokens, {n} new tokens, greedy, random weights", compile_)
 
 
 if __name__ == "__main__":

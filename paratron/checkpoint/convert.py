@@ -115,8 +115,10 @@ def read_checkpoint(root, iteration: Optional[int] = None, log=None) -> tuple:
 def default_family(m) -> str:
     """The Hugging Face family of a paratron model: LayerNorm + GeLU -> gpt2; RMSNorm + SwiGLU -> llama,
     or qwen2 with q/k/v-only biases, qwen3 with --qk-layernorm; with --num-experts, qwen3_moe with
-    --qk-layernorm, else mixtral. Mistral is never chosen (a Llama without biases is both): pass
-    --family mistral."""
+    --qk-layernorm, else mixtral; with --multi-latent-attention, deepseek_v3. Mistral is never chosen (a Llama
+    without biases is both): pass --family mistral."""
+    if m.multi_latent_attention:
+        return "deepseek_v3"
     if m.normalization == "LayerNorm" and not m.swiglu:
         return "gpt2"
     if m.num_experts is not None:

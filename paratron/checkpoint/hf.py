@@ -1,4 +1,5 @@
-"""Hugging Face <-> paratron checkpoint conversion (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE).
+"""Hugging Face <-> paratron checkpoint conversion (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE,
+DeepSeek-V3).
 
 The whole mapping is one fixed table (:func:`name_table`): every paratron tensor has one row naming
 the Hugging Face tensor(s) it comes from and how it is reshaped. Most rows are plain copies; the few
@@ -32,6 +33,7 @@ import torch
 from ..config import ModelConfig
 from ..model.gpt import GPTModel
 from .hf_config import ConversionError, check_family, check_representable, hf_config_from_model_config
+from .hf_deepseek import deepseek_layer_rows
 from .hf_moe import (MOE_FAMILIES, moe_layer_rows, per_expert_state, stack_expert_gate_up, stack_experts,
                      unstack_expert_gate_up, unstack_experts)
 
@@ -95,6 +97,7 @@ _LLAMA_TOP = [
 _TABLES = {"gpt2": (_GPT2_TOP, "transformer.h.{i}.", _GPT2_LAYER)}
 for _fam in ("llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES:
     _TABLES[_fam] = (_LLAMA_TOP, "model.layers.{i}.", _LLAMA_LAYER)
+_TABLES["deepseek_v3"] = (_LLAMA_TOP, "model.layers.{i}.", _LLAMA_LAYER + deepseek_layer_rows())
 
 
 def _paratron_shapes(cfg: ModelConfig, padded_vocab: int) -> dict[str, tuple]:
@@ -111,7 +114,7 @@ def name_table(cfg: ModelConfig, family: str) -> list[tuple[str, tuple[str, ...]
     check_family(family)
     check_representable(cfg, family)
     top, layer_prefix, layer = _TABLES[family]
-    if family in MOE_FAMILIES:
+    if cfg.num_experts is not None:
         layer = layer + moe_layer_rows(cfg, family)
     by_name = {p: (hf, how) for p, hf, how in top}
     for i in range(cfg.num_layers):
@@ -260,7 +263,7 @@ def _normalize_hf_names(hf_state: dict, family: str, tied: bool) -> dict:
     and with its causal-mask buffers (``attn.bias``/``attn.masked_bias``), old Llama ``rotary_emb.inv_freq``
     buffers, ``lm_head.weight`` stored next to tied embeddings (transformers ignores it then too), and
     transformers 5's fused in-memory experts (:func:`~paratron.checkpoint.hf_moe.per_expert_state`)."""
-    if family in MOE_FAMILIES:
+    if family in MOE_FAMILIES + ("deepseek_v3",):
         hf_state = per_expert_state(hf_state, family)
     out = {}
     bare_gpt2 = family == "gpt2" and "transformer.wte.weight" not in hf_state and "wte.weight" in hf_state

@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` <-> paratron :class:`~paratron.config.ModelConfig` (GPT-2, Llama,
 Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral and Qwen3-MoE, whose experts are read and
-written by :mod:`paratron.checkpoint.hf_moe`).
+written by :mod:`paratron.checkpoint.hf_moe`, and DeepSeek-V3: :mod:`paratron.checkpoint.hf_deepseek`).
 
 :func:`model_config_from_hf` turns a Hugging Face config into the ModelConfig that builds the same
 network (with the vocabulary size and the family, the ``model_type``), and
@@ -22,6 +22,7 @@ from typing import Any
 
 from ..config import ModelConfig
 from ..errors import UserError
+from .hf_deepseek import check_deepseek, deepseek_config, deepseek_hf_config
 from .hf_moe import MOE_FAMILIES, REFUSED_MOE, check_moe_representable, hf_moe_config, moe_config_kwargs
 
 __all__ = ["ConversionError", "FAMILIES", "family_of", "model_config_from_hf", "hf_config_from_model_config",
@@ -32,10 +33,10 @@ class ConversionError(UserError, ValueError):
     """The checkpoint or config cannot be converted; the message is one line naming what and why."""
 
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES + ("deepseek_v3",)
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # The dense family whose attention, norms and biases a mixture-of-experts family has.
 _BASE = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
 # paratron's Llama-3 rope scaling has these fixed (paratron/model/layers.py: rope_inv_freq).
@@ -111,6 +112,8 @@ def model_config_from_hf(hf_config: Any) -> tuple[ModelConfig, int, str]:
     vocab = int(_need(d, "vocab_size"))
     if family == "gpt2":
         return _gpt2_config(d), vocab, family
+    if family == "deepseek_v3":
+        return deepseek_config(d, _rope_params(d)), vocab, family
     return _llama_config(d, family), vocab, family
 
 
@@ -222,7 +225,7 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
          "its rotary embedding is rotate-half on every layer (no --rotary-interleaved, "
          "--rotary-seq-len-interpolation-factor or --no-rope-freq)")
     need(cfg.softmax_type == "vanilla", f"no attention sinks (--softmax-type {cfg.softmax_type})")
-    need(not cfg.multi_latent_attention, "multi-latent attention (DeepSeek) has no Hugging Face mapping in paratron")
+    need(family == "deepseek_v3" or not cfg.multi_latent_attention, "multi-latent attention needs --family deepseek_v3")
     need(not cfg.mtp_num_layers, "multi-token prediction layers (--mtp-num-layers) have no Hugging Face mapping in "
          "paratron")
     need(cfg.moe_latent_size is None, "MoE latent projections (--moe-latent-size) have no mapping here")
@@ -233,6 +236,8 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
         need(not getattr(cfg, name), f"{what} (--{name.replace('_', '-')}) has no tensor mapping here")
     need(cfg.glu_linear_offset == 0.0 and cfg.activation_func_clamp_value is None,
          "GLU offsets and clamps (--glu-linear-offset, --activation-func-clamp-value) have no mapping here")
+    if family == "deepseek_v3":
+        return check_deepseek(cfg, need)
     check_moe_representable(cfg, family, need)
     if family == "gpt2":
         need(cfg.position_embedding_type == "learned_absolute", "needs --position-embedding-type learned_absolute")
@@ -281,6 +286,8 @@ def hf_config_from_model_config(cfg: ModelConfig, vocab_size: int, family: str) 
                    embd_pdrop=cfg.hidden_dropout, attn_pdrop=cfg.attention_dropout,
                    scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
         return out
+    if family == "deepseek_v3":
+        return {**out, **deepseek_hf_config(cfg)}
     out.update(hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
                num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
                head_dim=cfg.kv_channels, hidden_act="silu", max_position_embeddings=cfg.max_position_embeddings,

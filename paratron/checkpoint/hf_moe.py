@@ -36,13 +36,14 @@ __all__ = ["MOE_FAMILIES", "moe_config_kwargs", "hf_moe_config", "check_moe_repr
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 # family -> (the MoE block's prefix inside a layer in checkpoint files, expert names of gate, up, down)
 _FILE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
-               "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+               "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+               "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}  # (hf_deepseek.py: its config)
 # MoE model types paratron does not convert, and the feature that stops it.
 REFUSED_MOE = {
     "qwen2_moe": "the converter does not map it (its sigmoid-gated shared expert, shared_expert_gate, is "
                  "--moe-shared-expert-gate in training, but no qwen2_moe tensor mapping exists)",
-    "deepseek_v2": "multi-head latent attention is not implemented (its grouped routing is --moe-router-group-topk)",
-    "deepseek_v3": "multi-head latent attention is not implemented (its grouped routing is --moe-router-group-topk)",
+    "deepseek_v2": "its routing (softmax scores, group-limited by the best expert of each group) is not mapped; "
+                   "deepseek_v3 converts",
     "olmoe": "its q/k norms span all heads (paratron's --qk-layernorm is per head)",
 }
 

@@ -96,8 +96,10 @@ REFUSED = {
     "outer_dp_sharding_strategy": PLANNED.format("Megatron-FSDP"),
     "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
     "overlap_moe_expert_parallel_comm": PLANNED.format("overlapping the expert-parallel all-to-all with computation"),
-    "cache_mla_latents": NA.format("caching multi-latent attention's compressed latents serves Megatron's dynamic "
-                                   "inference backend (FlashMLA), not training"),
+    "cache_mla_latents": NA.format("caching multi-latent attention's compressed latents is an inference choice, not "
+                                   "training's (`paratron generate` / `serve` always cache the latents)"),
+    "num_speculative_tokens": NA.format("speculative decoding is an inference option: pass --num-speculative-tokens "
+                                        "to `paratron generate` / `paratron serve`"),
     "mla_down_proj_fusion": GPU.format("Transformer Engine's fused input norm + MLA down projections"),
     "test_mode": NA.format("Megatron's internal test harness"),
     "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),

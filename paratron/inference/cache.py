@@ -1,8 +1,10 @@
 """The inference KV cache: keys and values of every attention layer, pre-allocated for one batch.
 
-Shapes are static: ``[batch, query groups on this TP rank, capacity, head dim]`` per layer (grouped-query
-attention caches its ``num_query_groups`` heads, not the query heads). Prompts are left-padded, so
-all rows of the batch write the same cache slot at each step and a decode step has the same shapes
+Shapes are static: ``[batch, heads, capacity, width]`` per layer and tensor, as the layer's ``cache_dims()``
+says: grouped-query attention caches keys and values of its ``num_query_groups`` heads on this TP rank (not the
+query heads); multi-latent attention caches its compressed latent ``c`` (``--kv-lora-rank`` wide) and its
+rotated shared key (``--qk-pos-emb-head-dim``), one 'head' each, in the ``k`` and ``v`` tensors. Prompts are
+left-padded, so all rows of the batch write the same cache slot at each step and a decode step has the same shapes
 every time (what CUDA graphs and ``torch.compile`` want). Row ``i`` holds ``pad[i]`` padding slots
 first; the token in slot ``j`` has position ``j - pad[i]``.
 
@@ -19,20 +21,16 @@ class KVCache(nn.Module):
     """Keys and values for ``batch`` rows of up to ``capacity`` tokens. The tensors are buffers (fixed
     addresses: a captured CUDA graph reads and writes them in place)."""
 
-    def __init__(self, model, batch: int, capacity: int, device=None, dtype=None):
+    def __init__(self, model, batch: int, capacity: int, device=None, dtype=None, mtp_depths: int = 0):
+        """``mtp_depths``: also a cache for each of the first N multi-token prediction depths (speculative
+        decoding drafts with them: speculative.py), keyed ``num_layers + k`` for depth k + 1."""
         super().__init__()
-        cfg = model.config
-        if cfg.multi_latent_attention:
-            raise NotImplementedError("the inference KV cache does not hold multi-latent attention's keys/values")
-        groups = cfg.num_query_groups // model.par.tp_size
-        shape = (batch, groups, capacity, cfg.kv_channels)
         dtype = dtype or next(model.parameters()).dtype
         self.batch, self.capacity = batch, capacity
-        for layer in model.decoder.layers:
-            if layer.self_attention is not None:
-                i = layer.self_attention.layer_index
-                self.register_buffer(f"k{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-                self.register_buffer(f"v{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        for index, attention in attention_layers(model, mtp_depths):
+            for name, (heads, width) in zip("kv", attention.cache_dims()):
+                buffer = torch.zeros(batch, heads, capacity, width, device=device, dtype=dtype)
+                self.register_buffer(f"{name}{index}", buffer, persistent=False)
         # pad[i]: padding slots at the start of row i (left padding)
         self.register_buffer("pad", torch.zeros(batch, dtype=torch.long, device=device), persistent=False)
 
@@ -56,6 +54,18 @@ class KVCache(nn.Module):
     def positions(self, slots: torch.Tensor) -> torch.Tensor:
         """[b, len(slots)] position ids of the tokens in ``slots`` (0 for padding)."""
         return (slots[None, :] - self.pad[:, None]).clamp(min=0)
+
+
+def attention_layers(model, mtp_depths: int = 0):
+    """(cache key, attention module) of every layer that caches: the decoder's, then the first ``mtp_depths``
+    multi-token prediction depths (one key per depth, also when --mtp-use-repeated-layer shares one layer)."""
+    for layer in model.decoder.layers:
+        if layer.self_attention is not None:
+            yield layer.self_attention.layer_index, layer.self_attention
+    if mtp_depths:
+        layers = model.mtp.layers
+        for k in range(mtp_depths):
+            yield model.config.num_layers + k, layers[k % len(layers)].mtp_model_layer.self_attention
 
 
 class CacheView:

@@ -11,6 +11,7 @@ N tensor-parallel ranks and rank 0 reads the prompts / serves (see docs/inferenc
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..errors import ArgumentParser, ConfigError
@@ -27,6 +28,9 @@ def _common(p: ArgumentParser) -> None:
                    help="compile the decode step with torch.compile (and replay it as a CUDA graph on GPUs)")
     p.add_argument("--tokenizer-model", metavar="PATH",
                    help="a tokenizer.json / HF directory, when the checkpoint has no tokenizer saved with it")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding (Megatron's flag): draft K tokens per step with the checkpoint's "
+                        "multi-token prediction depths (--mtp-num-layers >= K) and verify them in one pass")
 
 
 def generate_parser() -> ArgumentParser:
@@ -87,7 +91,14 @@ def open_model(args):
         tok = _tokenizer(args.tokenizer_model)
     if tok is None:
         raise ConfigError(f"--load {args.load}: no tokenizer saved with it; pass --tokenizer-model PATH")
-    engine = Engine(loaded.model, loaded.vocab_size, tok.eod, tok.detokenize, compile=args.torch_compile)
+    try:
+        engine = Engine(loaded.model, loaded.vocab_size, tok.eod, tok.detokenize, compile=args.torch_compile,
+                        num_speculative_tokens=args.num_speculative_tokens)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.num_speculative_tokens and dims.rank == 0:
+        print(f"speculative decoding: --num-speculative-tokens {args.num_speculative_tokens} (drafts from the "
+              f"model's multi-token prediction depths 1..{args.num_speculative_tokens})", file=sys.stderr, flush=True)
     return TextModel(Group(engine, dims), tok, loaded.name, chat_template(args.load)), dims
 
 
@@ -121,7 +132,9 @@ def generate_main(argv: list[str]) -> int:
         raise ConfigError("--batch-size must be >= 1")
 
     def lead(model) -> None:
+        from .speculative import Acceptance
         prompts = read_prompts(args)
+        total = None
         for start in range(0, len(prompts), args.batch_size):
             chunk = prompts[start:start + args.batch_size]
             reqs = model.requests(chunk, params, args.add_bos, first=start)
@@ -130,7 +143,19 @@ def generate_main(argv: list[str]) -> int:
                 raise ConfigError(problem)
             for text, res in zip(chunk, model.run(reqs)):
                 _print(text, res, args.json)
+            if model.engine.acceptance is not None:  # speculative decoding's counts of this batch
+                total = total or Acceptance()
+                total.add(model.engine.acceptance)
+        if total is not None:
+            print(speculative_summary(total), file=sys.stderr, flush=True)
     return on_ranks(args, lead)
+
+
+def speculative_summary(s) -> str:
+    """Speculative decoding's acceptance (speculative.Acceptance), one line."""
+    return (f"speculative decoding: {s.accepted} of {s.drafted} drafted tokens accepted (rate {s.rate:.3f}), "
+            f"{s.tokens_per_step:.2f} tokens per row and verification pass" if s.steps else
+            "speculative decoding: no verification pass ran")
 
 
 def on_ranks(args, lead) -> int:
@@ -175,6 +200,8 @@ def serve_main(argv: list[str]) -> int:
         raise ConfigError("--max-batch-size must be >= 1")
 
     def run(model) -> None:
+        if args.continuous_batching and args.num_speculative_tokens:
+            raise ConfigError("--num-speculative-tokens runs on the batch engine; serve without --continuous-batching")
         if args.continuous_batching and model.group.dims.tp > 1:
             raise ConfigError("--continuous-batching runs on one process; serve without it under tensor parallelism")
         serve(model, args.host, args.port, args.max_batch_size, args.batch_wait_ms / 1000.0,

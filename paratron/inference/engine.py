@@ -58,9 +58,15 @@ class Engine:
     end-of-document token; ``detokenize``: ids -> text, for stop strings and ``Result.text``."""
 
     def __init__(self, model, vocab_size: int, eod: Optional[int] = None,
-                 detokenize: Optional[Callable[[list], str]] = None, compile: bool = False):
+                 detokenize: Optional[Callable[[list], str]] = None, compile: bool = False,
+                 num_speculative_tokens: int = 0):
+        """``num_speculative_tokens`` k > 0: speculative decoding, k tokens drafted per step by the model's own
+        multi-token prediction depths and verified in one pass (speculative.py)."""
         if not (model.pre_process and model.post_process):
             raise ValueError("generation needs the whole model on each rank (pipeline parallelism is not supported)")
+        if num_speculative_tokens:
+            from .speculative import check_speculative
+            check_speculative(model, num_speculative_tokens)
         self.model = model.eval()
         self.vocab_size, self.eod, self.detokenize = vocab_size, eod, detokenize
         self.device = next(model.parameters()).device
@@ -68,6 +74,9 @@ class Engine:
         self.tp_group = model.par.tp_group
         self.tp_src = dist.get_global_rank(self.tp_group, 0) if model.par.tp_size > 1 else 0
         self.compile = compile
+        self.num_speculative_tokens = num_speculative_tokens
+        self.acceptance = None  # speculative decoding's counts of the last generate (speculative.Acceptance)
+        self.speculative_steps = None  # speculative decoding's fixed-shape passes for the cache (speculative.Steps)
         self.cache: Optional[KVCache] = None
         self.graph = None
 
@@ -75,12 +84,18 @@ class Engine:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, view: CacheView, mask: torch.Tensor,
                  last_only: bool = False) -> torch.Tensor:
         """Logits [b, s (1 if last_only), vocab] of ``ids`` [b, s], writing their keys/values to the cache."""
+        x = self.hidden(ids, positions, view, mask)
+        return self.logits(x[-1:] if last_only else x)
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, view: CacheView, mask: torch.Tensor) -> torch.Tensor:
+        """The decoder's output [s, b, h] (after its final norm) of ``ids`` [b, s], writing the cache."""
         m = self.model
-        x = m.embedding(ids, positions)
         rope = m.rotary(ids.shape[1], positions) if m.rotary is not None else None
-        x = m.decoder(x, ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view))
-        if last_only:
-            x = x[-1:]
+        return m.decoder(m.embedding(ids, positions), ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [b, s, vocab] (the real vocabulary, gathered over TP) of hidden states ``x`` [s, b, h]."""
+        m = self.model
         logits = comm.gather_from_tp(m.output_layer(m.head_input(x), m.output_weight()), self.tp_group)
         return logits.transpose(0, 1)[..., :self.vocab_size]
 
@@ -112,9 +127,10 @@ class Engine:
 
     def _prepare_cache(self, batch: int, capacity: int) -> None:
         if self.cache is None or self.cache.batch != batch or self.cache.capacity != capacity:
-            self.cache, self.graph = None, None  # free the old one first
+            self.cache, self.graph, self.speculative_steps = None, None, None  # free the old ones first
             dtype = next(self.model.parameters()).dtype
-            self.cache = KVCache(self.model, batch, capacity, device=self.device, dtype=dtype)
+            self.cache = KVCache(self.model, batch, capacity, device=self.device, dtype=dtype,
+                                 mtp_depths=self.num_speculative_tokens)
         if self.compile and self.graph is None:
             from .graphs import DecodeRunner
             self.graph = DecodeRunner(self.decode_step, batch, self.device,
@@ -150,7 +166,11 @@ class Engine:
             return []
         if self.compile:  # batch sizes in powers of two: fewer shapes to compile and capture
             requests = requests + [Request([0], SamplingParams(max_new_tokens=0))] * ((1 << (real - 1).bit_length()) - real)
-        run = _Run(self, requests)
+        if self.num_speculative_tokens:
+            from .speculative import SpeculativeRun
+            run = SpeculativeRun(self, requests)
+        else:
+            run = _Run(self, requests)
         run.prefill()
         run.decode(None if on_step is None else lambda new: on_step(new[:real]))
         return run.results()[:real]
@@ -192,7 +212,10 @@ class _Run:
         self.last: Optional[torch.Tensor] = None
 
     def prefill(self) -> None:
-        logits = self.e.prefill(self.ids, need_all=self.want_logprobs)
+        self.took_prompt(self.e.prefill(self.ids, need_all=self.want_logprobs))
+
+    def took_prompt(self, logits: torch.Tensor) -> None:
+        """The prompt pass's logits [b, L or 1, vocab]: the prompt log-probabilities (rows that ask) and the last."""
         if self.want_logprobs:
             for i, r in enumerate(self.requests):
                 if self.params[i].logprobs:

@@ -101,9 +101,6 @@ def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype])
 
 
 def _check_tp(m, tp: int) -> None:
-    if m.multi_latent_attention:
-        raise CheckpointError("a multi-latent attention (DeepSeek) model cannot generate yet: the inference KV "
-                              "cache holds the keys/values of paratron's fused-QKV attention only")
     for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "moe_ffn_hidden_size",
                  "moe_shared_expert_intermediate_size"):
         size = getattr(m, name)

@@ -104,12 +104,24 @@ class Sampler:
         best = logits.argmax(-1)
         if self.greedy:
             return best
+        return torch.where(self.is_greedy, best, self.draw(self.probs(logits)))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each sampled row's distribution [b, vocab] (fp32) under its temperature, top-k and top-p (a greedy
+        row's is meaningless: it takes the argmax)."""
         scaled = logits.float() / self.temperature
         if self.use_top_k or self.use_top_p:
             scaled = self._truncate(scaled)
-        probs = torch.softmax(scaled, dim=-1)
-        choice = (probs / self._noise(probs.shape)).argmax(-1)  # a draw from probs (exponential race)
-        return torch.where(self.is_greedy, best, choice)
+        return torch.softmax(scaled, dim=-1)
+
+    def draw(self, weights: torch.Tensor) -> torch.Tensor:
+        """One index per row drawn with probability proportional to ``weights`` [b, n] (>= 0, not necessarily
+        normalised): an exponential race, seeded rows from their own generators."""
+        return (weights / self._noise(weights.shape)).argmax(-1)
+
+    def uniform(self, n: int) -> torch.Tensor:
+        """[b, n] uniform draws in (0, 1], seeded rows from their own generators."""
+        return torch.exp(-self._noise((len(self.params), n)))
 
     def _truncate(self, scaled: torch.Tensor) -> torch.Tensor:
         """Logits outside each row's top-k / top-p set -> -inf (the most likely token always stays)."""

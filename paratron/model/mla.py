@@ -134,16 +134,24 @@ class MLASelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, dropout_p=p, is_causal=ctx.causal,
                                                   scale=self.scale)
 
+    def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of the two tensors an inference KV cache keeps per token: the normed latent ``c``
+        and the rotated shared key ``k_pe``, one 'head' each (the per-head keys and values are never cached)."""
+        return (1, self.kv_rank), (1, self.pe)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if ctx.kv_cache is not None:
-            raise NotImplementedError("multi-latent attention has no inference KV cache")
         c, k_pe = self._keys_values(x)
         q = self._queries(x)
         s, b = q.shape[:2]
         q_nope, q_pe = q.view(s, b, self.heads, self.qk + self.pe).split([self.qk, self.pe], dim=-1)
-        k_nope, v = self.linear_kv_up_proj(c).view(s, b, self.heads, self.qk + self.v).split([self.qk, self.v], -1)
         if ctx.rope is not None:
             q_pe, k_pe = apply_mla_rotary(q_pe, *ctx.rope), apply_mla_rotary(k_pe, *ctx.rope)
+        if ctx.kv_cache is not None:  # inference: cache the latent and the rotary key, attend over the cache
+            c, k_pe = ctx.kv_cache.update(self.layer_index, c.permute(1, 0, 2)[:, None], k_pe.permute(1, 2, 0, 3))
+            if c.size(2) > s:  # decoding / verifying: attend in the latent space (absorbed projections)
+                return self.linear_proj(self._absorbed(q_nope, q_pe, c, k_pe, ctx.mask))
+            c, k_pe = c[:, 0].transpose(0, 1), k_pe.permute(2, 0, 1, 3)  # the prompt pass: [T, b, ...] as below
+        k_nope, v = self.linear_kv_up_proj(c).view(-1, b, self.heads, self.qk + self.v).split([self.qk, self.v], -1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
@@ -152,3 +160,19 @@ class MLASelfAttention(nn.Module):
         else:
             out = self._core(q, k, v, ctx)
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v))
+
+    def _absorbed(self, q_nope, q_pe, c, k_pe, mask) -> torch.Tensor:
+        """Attention over the cached latents without expanding them to per-head keys and values (DeepSeek's
+        absorbed decode): ``W_UK`` (the key half of ``linear_kv_up_proj``) goes into the query,
+        q_nope . (W_UK c) = (W_UK^T q_nope) . c, and ``W_UV`` (its value half) applies to the attention-weighted
+        latent. q_nope [s, b, heads, qk], q_pe [s, b, heads, pe]; the cache's c [b, 1, T, rank], k_pe [b, 1, T, pe];
+        ``mask`` [b, 1, s, T] (True: may attend) -> [s, b, heads * v]."""
+        if mask is None:
+            raise ValueError("multi-latent attention over a KV cache needs the pass's mask")
+        w = self.linear_kv_up_proj.weight.view(self.heads, self.qk + self.v, self.kv_rank)
+        q_latent = torch.einsum("sbhd,hdr->bhsr", q_nope, w[:, :self.qk])
+        scores = q_latent @ c.transpose(-1, -2) + q_pe.permute(1, 2, 0, 3) @ k_pe.transpose(-1, -2)  # [b, h, s, T]
+        scores = (scores.float() * self.scale).masked_fill(~mask, float("-inf"))
+        latent = torch.softmax(scores, dim=-1).to(c.dtype) @ c  # [b, heads, s, rank]
+        out = torch.einsum("bhsr,hvr->sbhv", latent, w[:, self.qk:])
+        return out.reshape(out.shape[0], out.shape[1], self.heads * self.v)

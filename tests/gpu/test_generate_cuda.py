@@ -30,3 +30,28 @@ def test_cuda_graph_decode_equals_eager():
             assert r.tokens == w.tokens
             assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(w.logprobs), atol=1e-3)
     assert graphed.graph is not None and graphed.graph.graph is not None  # captured and replayed
+
+
+def test_cuda_graph_speculative_equals_plain():
+    """Speculative decoding with --torch-compile (verification and greedy drafting replayed as CUDA graphs) gives
+    plain greedy decoding's tokens, over two batches (the graphs captured once, replayed again)."""
+    from paratron.config import ModelConfig
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.sampling import SamplingParams
+    from paratron.model.gpt import GPTModel
+    m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
+                    num_query_groups=2, seq_length=256, max_position_embeddings=256, normalization="RMSNorm",
+                    swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
+                    hidden_dropout=0.0, attention_dropout=0.0, mtp_num_layers=2)
+    torch.manual_seed(0)
+    model = GPTModel(m.resolved(), 512, device="cuda", dtype=torch.float32).eval()
+    plain, spec = Engine(model, 500), Engine(model, 500, compile=True, num_speculative_tokens=2)
+    for batch in (1, 1, 4):
+        g = torch.Generator().manual_seed(batch)
+        reqs = [Request(torch.randint(0, 500, (9 + 2 * i,), generator=g).tolist(), SamplingParams(60, logprobs=True))
+                for i in range(batch)]
+        for w, r in zip(plain.generate(reqs), spec.generate(reqs)):
+            assert r.tokens == w.tokens
+            assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(w.logprobs), atol=1e-3)
+    steps = spec.speculative_steps
+    assert steps.verifier.runner.graph is not None and steps.drafter.runner.graph is not None

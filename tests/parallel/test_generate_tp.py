@@ -1,6 +1,7 @@
 """Generation at TP=2 (gloo) equals TP=1, from a one-rank paratron checkpoint resharded at load and from
-a Hugging Face directory sliced at load (a Llama, and a Mixtral: its experts split over expert-TP, the
-tokens of odd-length prompts and of each decode step padded to share over TP); rank 0 leads each batch,
+a Hugging Face directory sliced at load (a Llama; a Mixtral: its experts split over expert-TP, the
+tokens of odd-length prompts and of each decode step padded to share over TP; a DeepSeek-V3: multi-latent
+attention's heads split over TP over its replicated latent cache, sigmoid-routed experts); rank 0 leads each batch,
 rank 1 follows (paratron.inference.runtime.Group)."""
 from __future__ import annotations
 
@@ -49,12 +50,18 @@ def _mixtral(d) -> str:
     return str(d / "mixtral")
 
 
+def _deepseek(d) -> str:
+    from tests.unit.test_mla_generation import deepseek_model
+    deepseek_model().save_pretrained(d / "deepseek")
+    return str(d / "deepseek")
+
+
 def test_tp2_generation_equals_tp1(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path)  # saved at TP 1 (vocabulary padded for TP 1), loaded at TP 2
-    sources = [str(ckpt), str(tmp_path / "hf"), _mixtral(tmp_path)]
+    sources = [str(ckpt), str(tmp_path / "hf"), _mixtral(tmp_path), _deepseek(tmp_path)]
     one = _generate(0, 1, sources)
     two = run_ranks(2, _generate, sources, tmp_dir=tmp_path)[0]
-    assert len(one) == len(two) == 3
+    assert len(one) == len(two) == 4
     for a, b in zip(one, two):
         for (t1, lp1), (t2, lp2) in zip(a, b):
             assert t1 == t2

@@ -128,18 +128,15 @@ def test_flops_by_hand():
     assert flops_per_iteration(cfg, VOCAB, b, s) == pytest.approx(expected, rel=1e-12)
 
 
-def test_hf_export_and_generation_refuse_mla():
+def test_hf_export_needs_deepseek_family_and_the_cache_holds_latents():
     from paratron.checkpoint.hf_config import ConversionError, check_representable
-    from paratron.checkpoint.pieces import CheckpointError
     from paratron.inference.cache import KVCache
-    from paratron.inference.load import _check_tp
     cfg = paratron_config(24, True).resolved()
-    with pytest.raises(ConversionError, match="multi-latent attention"):
+    with pytest.raises(ConversionError, match="multi-latent attention needs --family deepseek_v3"):
         check_representable(cfg, "llama")
-    with pytest.raises(CheckpointError, match="multi-latent attention"):
-        _check_tp(cfg, 1)
-    with pytest.raises(NotImplementedError, match="multi-latent attention"):
-        KVCache(GPTModel(cfg.resolved(), VOCAB), batch=1, capacity=8)
+    cache = KVCache(GPTModel(cfg, VOCAB), batch=2, capacity=8)
+    assert cache.layer(0)[0].shape == (2, 1, 8, SHAPE["kv_lora_rank"])  # the latent c
+    assert cache.layer(0)[1].shape == (2, 1, 8, SHAPE["qk_pos_emb_head_dim"])  # the shared rotary key
 
 
 def test_fp8_reaches_the_parallel_projections():

@@ -94,6 +94,10 @@ class Attention(nn.Module):
         mark_fusable(self.linear_qkv, self.linear_proj)  # weight gradients may go into main_grad directly
         self.core_attention = build_core(cfg, par, layer_index, device, dtype)
 
+    def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, width) of the keys and of the values an inference KV cache keeps per token (this rank's groups)."""
+        return (self.groups, self.d), (self.groups, self.d)
+
     @property
     def flash(self) -> bool:
         """Whether this layer's core is FlashAttention-4 (the start-up line names it)."""
