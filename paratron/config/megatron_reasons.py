@@ -55,8 +55,6 @@ ACCEPTED = {
                          "from the model repository",
     "no_use_layer_wise_param_layout": "how Megatron's layer-wise Muon optimizer lays its buffers out, not what it "
                                       "computes: paratron's Muon gives the same update in either layout",
-    "data_parallel_sharding_strategy": "read only by --use-megatron-fsdp (refused); without it nothing is sharded that "
-                                       "--use-distributed-optimizer does not already shard",
     "fp8_interval": "deprecated in Megatron-LM, which ignores it; paratron updates every FP8 scale every step (the "
                     "value 1)",
     "main_grads_dtype": PRECISION_AWARE, "main_params_dtype": PRECISION_AWARE,
@@ -77,7 +75,6 @@ ACCEPTED_VALUES = {
     "num_distributed_optimizer_instances": ("1",),
     "rerun_mode": ("disabled",),
     "cuda_graph_impl": ("none",),
-    "data_parallel_sharding_strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
     "fp8_interval": ("1",),
     "main_grads_dtype": ("fp32",), "main_params_dtype": ("fp32",),
     "exp_avg_dtype": ("fp32",), "exp_avg_sq_dtype": ("fp32",),
@@ -91,8 +88,8 @@ GPU = "GPU-only ({}); paratron does not implement it; remove the flag"
 REFUSED = {
     "tp_comm_overlap": GPU.format("Transformer Engine userbuffers overlap of TP communication"),
     "tp_comm_overlap_cfg": GPU.format("Transformer Engine userbuffers overlap of TP communication"),
-    "use_torch_fsdp2": PLANNED.format("FSDP (--use-torch-fsdp2)"),
-    "use_megatron_fsdp": PLANNED.format("Megatron-FSDP"),
+    "use_torch_fsdp2": NA.format("paratron shards data parallelism with its own code: --use-megatron-fsdp with "
+                                 "--data-parallel-sharding-strategy optim | optim_grads | optim_grads_params"),
     "outer_dp_sharding_strategy": PLANNED.format("Megatron-FSDP"),
     "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
     "overlap_moe_expert_parallel_comm": PLANNED.format("overlapping the expert-parallel all-to-all with computation"),
@@ -100,7 +97,6 @@ REFUSED = {
                                    "inference backend (FlashMLA), not training"),
     "mla_down_proj_fusion": GPU.format("Transformer Engine's fused input norm + MLA down projections"),
     "test_mode": NA.format("Megatron's internal test harness"),
-    "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
     "checkpoint_activations": NA.format("Megatron-LM removed --checkpoint-activations (it stops); use "
                                         "--recompute-activations or --recompute-granularity / --recompute-method"),
     "batch_size": NA.format("Megatron-LM removed --batch-size (it stops with an error); use --micro-batch-size"),

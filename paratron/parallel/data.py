@@ -42,11 +42,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
+from . import comm, zero
 from .dims import ParallelDims
 from .linear import fusable_weights
 from ..kernels.accumulate import accumulate_
 from .sharding import norm_groups, spec_of, update_spec
+from ..config.values import sharding_level
+from .finalize import finalize_model_grads, global_token_count  # noqa: F401  (their home was this module)
 
 ALIGN = 64  # elements; keeps parameter views and shard boundaries aligned for fast kernels
 # Megatron's default bucket size with --overlap-grad-reduce: max(40M, 1M x dp) elements.
@@ -67,6 +69,7 @@ class Bucket:
         self.index, self.buffer, self.params, self.start, self.end = index, buffer, params, start, end
         self.grad_work = None  # async reduce in flight (or finished, until finish_grad_sync)
         self.gather_work = None  # async parameter all-gather in flight
+        self.grad_full = self.param_full = None  # ZeRO-2/3: the bucket's own full storage (zero.py)
         self.pending: set = set()  # parameters whose last-micro-batch gradient has not arrived
 
     @property
@@ -87,39 +90,113 @@ class GradBuffer:
 
     def __init__(self, params: list, dims: ParallelDims, grad_group: str, tied: Optional[str], *,
                  grad_dtype: torch.dtype, bucket_size: Optional[int], distributed: bool, average: bool,
-                 first_index: int = 0):
+                 first_index: int = 0, level: Optional[int] = None, unit_of: Optional[dict] = None):
+        """``level``: what is sharded (paratron/config/values.py sharding_level; default 1 with
+        ``distributed``, else 0); a one-rank group shards nothing more than ZeRO-1. ``unit_of``: {parameter:
+        ZeRO-3 unit}, where buckets are cut (paratron/parallel/zero.py)."""
         self.params, self.grad_group, self.tied = params, grad_group, tied
         self.group = dims.group(grad_group)
         self.n, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
+        level = int(distributed) if level is None else level
+        self.level = level if self.n > 1 else min(level, 1)
         # Megatron averages dense and expert gradients alike over data x context parallelism (an
         # expert's gradient already sums the tokens its EP peers sent it); none with per-token loss.
         self.divisor = dims.size("dp_cp") if average else 1
         self.norm_groups = norm_groups(grad_group, distributed)
-        self.buckets, self.offsets, total = self._layout(bucket_size, first_index)
+        self.buckets, self.offsets, total = self._layout(bucket_size, first_index,
+                                                         unit_of if self.level == 3 else None)
         device = params[0].device
-        self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
-        self.param_data = None
+        self.grad_data = self.param_data = self.grad_shard_data = self.param_shard_data = None
+        if self.level >= 2:  # full gradients per bucket, only during a step (zero.py); the shard stays
+            self.grad_shard_data = torch.zeros(total // self.n, dtype=grad_dtype, device=device)
+            for b in self.buckets:
+                b.grad_full = torch.zeros(b.numel, dtype=grad_dtype, device=device)
+        else:
+            self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
         if distributed:
             dtypes = {p.dtype for p in params}
             if len(dtypes) > 1:
                 raise ValueError(f"the distributed optimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
-            self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device)
+            if self.level == 3:
+                self.param_shard_data = torch.zeros(total // self.n, dtype=params[0].dtype, device=device)
+                for b in self.buckets:
+                    b.param_full = torch.zeros(b.numel, dtype=params[0].dtype, device=device)
+            else:
+                self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device)
+        self._place(params)
+
+    def _place(self, params: list) -> None:
+        """Point each parameter's ``main_grad`` (and ``data``, distributed) into the buffer; under ZeRO-2/3
+        keep only the shards."""
+        bucket = {p: b for b in self.buckets for p in b.params}
         with torch.no_grad():
             for p in params:
-                off = self.offsets[p]
-                p.main_grad = self.grad_data[off: off + p.numel()].view_as(p)
-                if self.param_data is not None:
-                    view = self.param_data[off: off + p.numel()].view_as(p)
+                b = bucket[p]
+                off = self.offsets[p] - b.start
+                p.main_grad = self.grad_full(b)[off: off + p.numel()].view_as(p)
+                if self.level >= 1:
+                    view = self.param_full(b)[off: off + p.numel()].view_as(p)
                     view.copy_(p.data)
                     p.data = view
+            for b in self.buckets:
+                if self.level == 3:
+                    lo, hi = b.shard_range()
+                    self.param_shard(b).copy_(b.param_full[lo - b.start: hi - b.start])
+                    zero.free(b.param_full)
+                if self.level >= 2:
+                    zero.free(b.grad_full)
 
-    def _layout(self, bucket_size: Optional[int], first_index: int):
+    def grad_full(self, b: "Bucket") -> torch.Tensor:
+        """The bucket's whole gradient (under ZeRO-2/3 only between its first gradient and its reduction)."""
+        return b.grad_full if self.grad_data is None else self.grad_data[b.start: b.end]
+
+    def param_full(self, b: "Bucket") -> torch.Tensor:
+        return b.param_full if self.param_data is None else self.param_data[b.start: b.end]
+
+    def _shard(self, data: Optional[torch.Tensor], full: Optional[torch.Tensor], b: "Bucket") -> torch.Tensor:
+        if data is not None:  # the shard storage of ZeRO-2/3: bucket after bucket
+            return data[b.start // self.n: b.end // self.n]
+        lo, hi = b.shard_range()
+        return full[lo: hi]
+
+    def grad_shard(self, b: "Bucket") -> torch.Tensor:
+        """This rank's shard of the bucket's reduced gradient."""
+        return self._shard(self.grad_shard_data, self.grad_data, b)
+
+    def param_shard(self, b: "Bucket") -> torch.Tensor:
+        """This rank's shard of the bucket's parameters (what the distributed optimizer updates)."""
+        return self._shard(self.param_shard_data, self.param_data, b)
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """The storage of the gradients after the reduction (scaled with --calculate-per-token-loss)."""
+        return [self.grad_data if self.grad_shard_data is None else self.grad_shard_data]
+
+    def ensure_grads(self, b: "Bucket") -> None:
+        """ZeRO-2/3: the bucket's full gradient storage, zeroed, at its first gradient of the step."""
+        if self.level >= 2 and zero.allocate(b.grad_full):
+            b.grad_full.zero_()
+
+    def gather_params(self, b: "Bucket") -> int:
+        """ZeRO-3: all-gather the bucket's parameters unless they are gathered; returns 1 if it gathered.
+        The parameters' version counter is kept: autograd's saved views of them read the gathered values."""
+        if not zero.allocate(b.param_full):
+            return 0
+        with torch.autograd._unsafe_preserve_version_counter(b.param_full):
+            _all_gather(b.param_full, self.param_shard(b), group=self.group)
+        return 1
+
+    def _layout(self, bucket_size: Optional[int], first_index: int, unit_of: Optional[dict] = None):
         """Buckets over the parameters in reverse order (the order backward produces their
         gradients), each start aligned to ALIGN elements, each bucket padded to ALIGN x n so that it
-        splits into equal aligned shards; returns (buckets, offsets, total size)."""
+        splits into equal aligned shards (and, with ``unit_of``, cut where the unit changes); returns
+        (buckets, offsets, total size)."""
         buckets, offsets, current = [], {}, []
         start = pos = 0
         for p in reversed(self.params):
+            if current and unit_of is not None and unit_of[p] != unit_of[current[-1]]:
+                end = _round_up(pos, ALIGN * self.n)
+                buckets.append(Bucket(first_index + len(buckets), self, current, start, end))
+                start, pos, current = end, end, []
             pos = _round_up(pos, ALIGN)
             offsets[p] = pos
             pos += p.numel()
@@ -137,21 +214,25 @@ class GradBuffer:
     def start_grad_reduce(self, b: Bucket) -> None:
         """Scale the bucket and start its reduction (only the scaling when the group is one rank: an
         expert buffer whose expert-data-parallel group is smaller than data x context parallelism)."""
-        g = self.grad_data[b.start: b.end]
+        g = self.grad_full(b)
         if self.divisor != 1:
             g.div_(self.divisor)  # Megatron scales before the collective
         if self.n == 1:
             return
-        if self.param_data is not None:
-            lo, hi = b.shard_range()
-            b.grad_work = _reduce_scatter(self.grad_data[lo: hi], g, group=self.group, async_op=True)
+        if self.level >= 1:
+            b.grad_work = _reduce_scatter(self.grad_shard(b), g, group=self.group, async_op=True)
         else:
             b.grad_work = dist.all_reduce(g, group=self.group, async_op=True)
 
+    def finish_grad_reduce(self, b: Bucket) -> None:
+        if b.grad_work is not None:
+            b.grad_work.wait()
+            b.grad_work = None
+        if self.level >= 2:
+            zero.free(b.grad_full)
+
     def start_param_gather(self, b: Bucket) -> None:
-        lo, hi = b.shard_range()
-        b.gather_work = _all_gather(self.param_data[b.start: b.end], self.param_data[lo: hi], group=self.group,
-                                    async_op=True)
+        b.gather_work = _all_gather(self.param_full(b), self.param_shard(b), group=self.group, async_op=True)
 
 
 def _weak_on_grad(dp: "DataParallel"):
@@ -180,36 +261,38 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, dims: ParallelDims, *, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
-                 average: bool = True, fuse_wgrad: bool = False, fused_accumulate: bool = True):
+                 average: bool = True, fuse_wgrad: bool = False, fused_accumulate: bool = True,
+                 sharding: Optional[int] = None):
+        """``sharding``: 2 (ZeRO-2) or 3 (ZeRO-3) shard the gradients, and the parameters with 3
+        (paratron/parallel/zero.py); default: 1 with ``use_distributed_optimizer`` (ZeRO-1), else 0."""
         super().__init__()
         self.module, self.dims = module, dims
         self.overlap_grad_reduce = overlap_grad_reduce
-        self.use_distributed_optimizer = use_distributed_optimizer
+        self.sharding = int(use_distributed_optimizer) if sharding is None else sharding
+        self.use_distributed_optimizer = use_distributed_optimizer = self.sharding >= 1
         self.is_last_microbatch = True  # the schedule sets it False (no_sync) on the other micro-batches
         self.buckets_launched_in_backward = 0  # counted per step, for tests and logs
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.buffers_: list[GradBuffer] = []
-        for (group, tied), params in buffer_keys(self.params).items():
-            n = dims.size(group)
-            size = bucket_size
-            if size is None and overlap_grad_reduce:
-                size = max(DEFAULT_BUCKET_MIN, DEFAULT_BUCKET_PER_RANK * n)
-            first = sum(len(b.buckets) for b in self.buffers_)
-            self.buffers_.append(GradBuffer(params, dims, group, tied, grad_dtype=grad_dtype, bucket_size=size,
-                                            distributed=use_distributed_optimizer, average=average,
-                                            first_index=first))
+        self._build_buffers(grad_dtype, bucket_size, average)
         self.buckets = [b for buf in self.buffers_ for b in buf.buckets]
-        # what finalize_model_grads does after the reduction, read off the specs once
-        self.partial_grads: dict[str, list] = {}  # group: gradients to sum over it (ShardSpec.sum_over)
+        # what finalize_model_grads does after the reduction, read off the specs once: the gradients to sum
+        # over a group (ShardSpec.sum_over), the tied copies' (the parts of them this rank holds)
+        self.partial_grads: dict[str, list] = {}
         for p in self.params:
             for name in spec_of(p).sum_over:
-                self.partial_grads.setdefault(name, []).append(p.main_grad)
+                self.partial_grads.setdefault(name, []).extend(zero.grad_views(self.buffer_of_param(p), p))
         self.tied_params = [p for p in self.params if spec_of(p).tied is not None]
+        self.tied_grads = [(spec_of(p).tied, g) for p in self.tied_params
+                           for g in zero.grad_views(self.buffer_of_param(p), p)]
         self.tied_checked = False  # the pipeline stages agreed on their tied copies (once per run)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self.overlap_param_gather = (overlap_param_gather and use_distributed_optimizer
                                      and any(buf.n > 1 for buf in self.buffers_))
         self._unwritten: set = set()
+        self.units = None  # ZeRO-3: the per-unit gathering (zero.py)
+        if any(buf.level == 3 for buf in self.buffers_):
+            self.units = zero.ParamUnits(module, self._bucket_of, self._unit_of)
+        fuse_wgrad = fuse_wgrad and self.sharding < 2  # ZeRO-2/3 allocate main_grad at the first gradient
         # Megatron's gradient-accumulation fusion (linear.py): these weights' backward adds their
         # gradient to main_grad itself; the hook only drops the placeholder autograd hands it
         self.fused_wgrad = set(fusable_weights(module)) & set(self.params) if fuse_wgrad else set()
@@ -228,14 +311,30 @@ class DataParallel(nn.Module):
                 self._hooks.append(m.register_forward_pre_hook(wait))
         self.zero_grad_buffer()
 
+    def _build_buffers(self, grad_dtype: torch.dtype, bucket_size: Optional[int], average: bool) -> None:
+        """One GradBuffer per key of buffer_keys (ZeRO-3: buckets cut at the units of zero.py)."""
+        self._unit_of = zero.unit_index(self.module, self.params) if self.sharding == 3 else None
+        self.buffers_: list[GradBuffer] = []
+        for (group, tied), params in buffer_keys(self.params).items():
+            size = bucket_size
+            if size is None and self.overlap_grad_reduce:
+                size = max(DEFAULT_BUCKET_MIN, DEFAULT_BUCKET_PER_RANK * self.dims.size(group))
+            first = sum(len(b.buckets) for b in self.buffers_)
+            self.buffers_.append(GradBuffer(params, self.dims, group, tied, grad_dtype=grad_dtype, bucket_size=size,
+                                            distributed=self.sharding >= 1, average=average, first_index=first,
+                                            level=self.sharding, unit_of=self._unit_of))
+
+    def buffer_of_param(self, p: torch.Tensor) -> GradBuffer:
+        return next(buf for buf in self.buffers_ if p in buf.offsets)
+
     @property
     def grad_buffers(self) -> list[GradBuffer]:
         return self.buffers_
 
     @property
     def grad_buffer(self) -> torch.Tensor:
-        """The storage of the dense parameters' gradients (the first buffer)."""
-        return self.buffers_[0].grad_data
+        """The storage of the dense parameters' gradients (the first buffer; its shard under ZeRO-2/3)."""
+        return self.buffers_[0].reduced_grads()[0]
 
     def buffer_of(self, p: torch.Tensor) -> GradBuffer:
         return self._bucket_of[p].buffer
@@ -261,11 +360,14 @@ class DataParallel(nn.Module):
     # ---- gradients ------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
         # the first gradient of the step is written (the buffer is not zero-filled), later ones added
+        b = self._bucket_of[p]
+        b.buffer.ensure_grads(b)
         if p not in self.fused_wgrad:
             accumulate_(p.main_grad, p.grad, write=p in self._unwritten, fused=self._fused_accumulate)
         self._unwritten.discard(p)
         p.grad = None
-        b = self._bucket_of[p]
+        if self.units is not None:
+            self.units.on_grad(p)
         if not (self.overlap_grad_reduce and self.is_last_microbatch and b.buffer.n > 1):
             return
         if b.grad_work is not None:
@@ -280,15 +382,15 @@ class DataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """After the last backward of the step: reduce the buckets not reduced yet, wait for all."""
         for p in self._unwritten:  # parameters that got no gradient this step
+            b = self._bucket_of[p]
+            b.buffer.ensure_grads(b)
             p.main_grad.zero_()
         self._unwritten.clear()
         for b in self.buckets:
             if b.grad_work is None:  # not launched in backward (or a one-rank group: scaled only)
                 b.buffer.start_grad_reduce(b)
         for b in self.buckets:
-            if b.grad_work is not None:
-                b.grad_work.wait()
-                b.grad_work = None
+            b.buffer.finish_grad_reduce(b)
 
     def zero_grad_buffer(self) -> None:
         """Start a step. Instead of zero-filling the buffers, each parameter's first gradient is
@@ -315,15 +417,19 @@ class DataParallel(nn.Module):
     def scale_grads(self, factor) -> None:
         """Multiply every gradient by ``factor`` (a number or a 0-d tensor)."""
         for buf in self.buffers_:
-            buf.grad_data.mul_(factor)
+            for t in buf.reduced_grads():
+                t.mul_(factor)
 
     # ---- parameters (distributed optimizer) -----------------------------------------------------
     def start_param_sync(self) -> None:
-        """All-gather every bucket's updated shards; in the background with overlap_param_gather."""
+        """All-gather every bucket's updated shards; in the background with overlap_param_gather. ZeRO-3:
+        drop the gathered parameters instead (stale now; each unit gathers its own when it runs)."""
+        if self.units is not None:
+            self.units.free_all()
         if not self.use_distributed_optimizer:
             return
         for b in reversed(self.buckets):  # the first layers' bucket first: the forward needs it first
-            if b.buffer.n > 1:
+            if b.buffer.n > 1 and b.buffer.level < 3:
                 b.buffer.start_param_gather(b)
         if not self.overlap_param_gather:
             self.finish_param_sync()
@@ -342,11 +448,29 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def state_dict(self, *args, **kwargs):
+    @contextmanager
+    def gathered(self):
+        """Every parameter whole for the block (ZeRO-3 gathers them all, then frees them; changes made
+        to them are not kept, the shards are the parameters)."""
         self.finish_param_sync()
-        return self.module.state_dict(*args, **kwargs)
+        if self.units is None:
+            yield self.module
+            return
+        self.units.gather_all()
+        try:
+            yield self.module
+        finally:
+            self.units.free_all()
+
+    def state_dict(self, *args, **kwargs):
+        with self.gathered():
+            sd = self.module.state_dict(*args, **kwargs)
+            return sd if self.units is None else {k: v.detach().clone() for k, v in sd.items()}
 
     def load_state_dict(self, *args, **kwargs):
+        if self.units is not None:
+            raise RuntimeError("a ZeRO-3 model loads its parameters from a checkpoint's pieces "
+                               "(paratron.checkpoint.sharded.load); load_state_dict would only fill gathered copies")
         self.finish_param_sync()
         return self.module.load_state_dict(*args, **kwargs)
 
@@ -368,74 +492,7 @@ def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims) -> DataParall
     return DataParallel(module, dims, grad_dtype=grad_buffer_dtype(cfg), bucket_size=par.ddp_bucket_size,
                         overlap_grad_reduce=par.overlap_grad_reduce,
                         use_distributed_optimizer=par.use_distributed_optimizer,
-                        overlap_param_gather=par.overlap_param_gather,
+                        overlap_param_gather=par.overlap_param_gather, sharding=sharding_level(par),
                         average=not cfg.train.calculate_per_token_loss,
                         fuse_wgrad=not par.no_gradient_accumulation_fusion,
                         fused_accumulate=cfg.kernels.kernel_fused_accumulate != "off")
-
-
-def finalize_model_grads(models: list[DataParallel], dims: ParallelDims, num_tokens=None) -> None:
-    """After the last backward of a step: each gradient buffer's reduction over its group, then the
-    sums of partial gradients over model-parallel groups (``spec.sum_over``: sequence-parallel
-    replicated parameters over TP), then the sum of tied copies over their group (the word
-    embedding's two pipeline copies over the embedding group). After a reduce-scatter only this
-    rank's shard of each gradient is right; the later sums keep it right because the ranks of those
-    groups share one buffer layout, and a tied parameter has a buffer of its own.
-
-    ``num_tokens`` (``--calculate-per-token-loss``): this rank's loss-token count of the step (known
-    on the last pipeline stage); the gradients, summed rather than averaged over data parallelism,
-    are divided by the global count."""
-    for m in models:
-        m.finish_grad_sync()
-    partial: dict = {}
-    for m in models:
-        for name, grads in m.partial_grads.items():
-            partial.setdefault(name, []).extend(grads)
-    for name in sorted(partial):
-        if dims.size(name) > 1:
-            _all_reduce_flat(partial[name], dims.group(name))
-    tied = [p for m in models for p in m.tied_params]
-    if dims.pp > 1 and dims.embedding_group is not None and not models[0].tied_checked:
-        _check_tied_embedding(len(tied), dims, models[0].grad_buffer.device)
-        models[0].tied_checked = True
-    for p in tied:
-        if dims.size(spec_of(p).tied) > 1:
-            dist.all_reduce(p.main_grad, group=dims.group(spec_of(p).tied))
-    if num_tokens is not None:
-        total = global_token_count(num_tokens, dims, models[0].grad_buffer.device)
-        for m in models:
-            m.scale_grads(1.0 / total.clamp(min=1))
-
-
-def global_token_count(num_tokens, dims: ParallelDims, device) -> torch.Tensor:
-    """The step's loss-token count over the pipeline (from its last stage) and data x context
-    parallelism, as a 0-d fp64 tensor on ``device`` (exact far beyond fp32's 2^24)."""
-    n = torch.as_tensor(num_tokens, device=device).detach().to(torch.float64).reshape(()).clone()
-    if dims.pp > 1:
-        dist.broadcast(n, src=dims.pp_peer(dims.pp - 1 - dims.pp_rank), group=dims.pp_group)
-    if dims.dp_cp > 1:
-        dist.all_reduce(n, group=dims.dp_cp_group)
-    return n
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _check_tied_embedding(count: int, dims: ParallelDims, device) -> None:
-    """Once per run: the first and last pipeline stage must hold the same number of tied copies
-    (``ShardSpec.tied``), or the all-reduce above would hang."""
-    lo = torch.tensor([count], device=device)
-    hi = lo.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=dims.embedding_group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=dims.embedding_group)
-    if lo.item() != hi.item():
-        raise RuntimeError(
-            f"the first and last pipeline stages hold {lo.item()} and {hi.item()} tied parameters: the first "
-            "stage's word embedding and the last stage's output-layer copy both need ShardSpec.tied = "
-            "'embedding' (their gradients are summed over the embedding group)")
