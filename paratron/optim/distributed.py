@@ -116,6 +116,9 @@ class DistributedOptimizer(MixedPrecisionAdam):
     def _grads(self) -> list[torch.Tensor]:
         return [g if g.dtype == torch.float32 else g.float() for g in self._grad_views]
 
+    def _model_tensors(self) -> list:
+        return self._param_views
+
     def _model_weights(self) -> list:
         return [v if v.dtype != torch.float32 else None for v in self._param_views]
 
@@ -135,3 +138,4 @@ class DistributedOptimizer(MixedPrecisionAdam):
             m.finish_param_sync()
         if self.mixed:
             torch._foreach_copy_(self.masters, self._param_views)
+        self.reload_offloaded()

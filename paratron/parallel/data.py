@@ -290,9 +290,9 @@ class DataParallel(nn.Module):
                                      and any(buf.n > 1 for buf in self.buffers_))
         self._unwritten: set = set()
         self.units = None  # ZeRO-3: the per-unit gathering (zero.py)
-        if any(buf.level == 3 for buf in self.buffers_):
-            self.units = zero.ParamUnits(module, self._bucket_of, self._unit_of)
-        fuse_wgrad = fuse_wgrad and self.sharding < 2  # ZeRO-2/3 allocate main_grad at the first gradient
+        if any(buf.level >= 2 for buf in self.buffers_):
+            self.units = zero.ParamUnits(module, self._bucket_of, self._unit_of,
+                                         any(buf.level == 3 for buf in self.buffers_))
         # Megatron's gradient-accumulation fusion (linear.py): these weights' backward adds their
         # gradient to main_grad itself; the hook only drops the placeholder autograd hands it
         self.fused_wgrad = set(fusable_weights(module)) & set(self.params) if fuse_wgrad else set()
@@ -313,7 +313,7 @@ class DataParallel(nn.Module):
 
     def _build_buffers(self, grad_dtype: torch.dtype, bucket_size: Optional[int], average: bool) -> None:
         """One GradBuffer per key of buffer_keys (ZeRO-3: buckets cut at the units of zero.py)."""
-        self._unit_of = zero.unit_index(self.module, self.params) if self.sharding == 3 else None
+        self._unit_of = zero.unit_index(self.module, self.params) if self.sharding >= 2 else None
         self.buffers_: list[GradBuffer] = []
         for (group, tied), params in buffer_keys(self.params).items():
             size = bucket_size
@@ -397,8 +397,9 @@ class DataParallel(nn.Module):
         copied in (saves a write and a read of the whole buffer); finish_grad_sync zeroes the rest. The
         weights whose backward adds to main_grad (``fused_wgrad``) are zeroed here, in one launch.
         Padding between parameters is zero from construction and never written."""
-        if self.fused_wgrad:
-            torch._foreach_zero_([p.main_grad for p in self.fused_wgrad])
+        zeroed = [p.main_grad for p in self.fused_wgrad if self._bucket_of[p].buffer.level < 2]
+        if zeroed:  # (ZeRO-2/3: zeroed when their bucket gets its storage, zero.py)
+            torch._foreach_zero_(zeroed)
         self._unwritten = set(self.params) - self.fused_wgrad
         self.buckets_launched_in_backward = 0
         for b in self.buckets:

@@ -81,12 +81,15 @@ def _first_grad_tensor(output):
 
 
 class ParamUnits:
-    """ZeRO-3's per-unit gathering and freeing of one DataParallel's parameters (see the module doc)."""
+    """The per-unit hooks of one DataParallel (see the module doc). ZeRO-3 (``params_sharded``): gather and
+    free the parameters. ZeRO-2 and 3: give a unit's gradient buckets their storage when its backward
+    starts, so that the weight-gradient GEMMs add into ``main_grad`` (gradient-accumulation fusion)."""
 
-    def __init__(self, root: nn.Module, bucket_of: dict, units_of: dict):
+    def __init__(self, root: nn.Module, bucket_of: dict, units_of: dict, params_sharded: bool):
         self.units = find_units(root)
-        self.buckets = [sorted({bucket_of[p] for p in units_of if units_of[p] == i}, key=lambda b: -b.index)
-                        for i in range(len(self.units))]
+        self.params_sharded = params_sharded
+        self.buckets = [sorted({bucket_of[p] for p in units_of if units_of[p] == i and bucket_of[p].buffer.level >= 2},
+                               key=lambda b: -b.index) for i in range(len(self.units))]
         self.params = [[p for p in units_of if units_of[p] == i] for i in range(len(self.units))]
         self.unit_of = units_of
         self.pending: list = [None] * len(self.units)  # parameters whose gradient this backward still owes
@@ -95,17 +98,21 @@ class ParamUnits:
         for i, u in enumerate(self.units):
             if not self.buckets[i]:
                 continue
-            pre = torch._dynamo.disable(lambda _m, _a, i=i: self.gather(i))
+            if params_sharded:
+                pre = torch._dynamo.disable(lambda _m, _a, i=i: self.gather(i))
+                self.handles.append(u.register_forward_pre_hook(pre))
             post = torch._dynamo.disable(lambda _m, _a, out, i=i: self._after_forward(i, out))
-            self.handles += [u.register_forward_pre_hook(pre), u.register_forward_hook(post)]
+            self.handles.append(u.register_forward_hook(post))
 
     def gather(self, i: int) -> None:
         for b in self.buckets[i]:
-            self.gathers += b.buffer.gather_params(b)
+            if b.buffer.level == 3:
+                self.gathers += b.buffer.gather_params(b)
 
     def release(self, i: int) -> None:
         for b in self.buckets[i]:
-            free(b.param_full)
+            if b.buffer.level == 3:
+                free(b.param_full)
 
     def free_all(self) -> None:
         """Drop every gathered parameter (after the optimizer step they are stale)."""
@@ -121,15 +128,18 @@ class ParamUnits:
         t = _first_grad_tensor(output)
         if t is not None:
             t.register_hook(lambda g, i=i: self._before_backward(i))
-        if not in_backward():
+        if self.params_sharded and not in_backward():
             self.release(i)
 
     def _before_backward(self, i: int) -> None:
-        self.gather(i)
-        self.pending[i] = set(self.params[i])
+        for b in self.buckets[i]:
+            b.buffer.ensure_grads(b)
+        if self.params_sharded:
+            self.gather(i)
+            self.pending[i] = set(self.params[i])
 
     def on_grad(self, p) -> None:
-        """A parameter's gradient of this backward is in: free its unit after the last one."""
+        """A parameter's gradient of this backward is in: free its unit's parameters after the last one."""
         i = self.unit_of[p]
         pending = self.pending[i]
         if pending is None:
