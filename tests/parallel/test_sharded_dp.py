@@ -51,7 +51,8 @@ def train(cfg, steps: int = STEPS, save_after: int | None = None, nan_at: int | 
     out = {"losses": []}
     try:
         for _ in range(steps):
-            report, _, _ = t.train_step()
+            report, _, norm = t.train_step()
+            t.guard.record(t.iteration, report, norm)  # (as Trainer.train does: the NaN check)
             out["losses"].append((report[0] / report[1]).item())
             if save_after is not None and t.iteration == save_after:
                 t.save()
@@ -121,7 +122,7 @@ def _world4(rank, world, root):
     out["z3_to_dp4_zero1"] = train(tiny_config(use_distributed_optimizer=True, load=f"{root}/z3"), steps=1)
     out["z3_to_tp2_zero3"] = train(tiny_config(**fsdp("optim_grads_params", tensor_model_parallel_size=2,
                                                       load=f"{root}/z3")), steps=1)
-    train(tiny_config(use_distributed_optimizer=True, save=f"{root}/z1"), steps=2, save_after=2)
+    out["z1_save"] = train(tiny_config(use_distributed_optimizer=True, save=f"{root}/z1"), save_after=2)
     out["z1_to_dp4_zero3"] = train(tiny_config(**fsdp("optim_grads_params", load=f"{root}/z1")), steps=1)
     return out
 
@@ -200,7 +201,7 @@ def test_resume_across_strategies_sizes_tp_and_offload(dp2, dp4, reference, worl
 def test_per_rank_bytes_equal_the_predicted_shares(dp2, dp4):
     for results in (dp2, dp4):
         for r in results:
-            for name in (*STRATEGIES, "tp2sp_optim_grads_params", "moe_ep2_optim_grads_params", "offload"):
+            for name in (*STRATEGIES, "tp2sp_optim_grads_params", "moe_ep2_optim_grads_params"):
                 if name not in r:
                     continue
                 got, pred, pad = r[name]["bytes"], r[name]["predicted"], r[name]["padding"]
