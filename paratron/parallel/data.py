@@ -39,200 +39,16 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from . import comm, zero
+from . import fp8_gather, zero
+from .buffers import ALIGN, DEFAULT_BUCKET_MIN, DEFAULT_BUCKET_PER_RANK, Bucket, GradBuffer  # noqa: F401
 from .dims import ParallelDims
+from .finalize import finalize_model_grads, global_token_count  # noqa: F401  (their home was this module)
 from .linear import fusable_weights
 from ..kernels.accumulate import accumulate_
-from .sharding import norm_groups, spec_of, update_spec
+from .sharding import spec_of, update_spec
 from ..config.values import sharding_level
-from .finalize import finalize_model_grads, global_token_count  # noqa: F401  (their home was this module)
-
-ALIGN = 64  # elements; keeps parameter views and shard boundaries aligned for fast kernels
-# Megatron's default bucket size with --overlap-grad-reduce: max(40M, 1M x dp) elements.
-DEFAULT_BUCKET_MIN, DEFAULT_BUCKET_PER_RANK = 40_000_000, 1_000_000
-
-_reduce_scatter = comm.reduce_scatter_single
-_all_gather = comm.all_gather_single
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-class Bucket:
-    """A contiguous range [start, end) of one GradBuffer's storage holding whole parameters."""
-
-    def __init__(self, index: int, buffer: "GradBuffer", params: list, start: int, end: int):
-        self.index, self.buffer, self.params, self.start, self.end = index, buffer, params, start, end
-        self.grad_work = None  # async reduce in flight (or finished, until finish_grad_sync)
-        self.gather_work = None  # async parameter all-gather in flight
-        self.grad_full = self.param_full = None  # ZeRO-2/3: the bucket's own full storage (zero.py)
-        self.pending: set = set()  # parameters whose last-micro-batch gradient has not arrived
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-    def shard_range(self) -> tuple[int, int]:
-        """This rank's [lo, hi) of the bucket, in its buffer's coordinates."""
-        size = self.numel // self.buffer.n
-        lo = self.start + self.buffer.rank * size
-        return lo, lo + size
-
-
-class GradBuffer:
-    """The gradients of the parameters that are reduced alike (same group, same divisor, same
-    tied-ness), contiguous and cut into buckets; with the distributed optimizer their parameters
-    too. ``norm_groups``: the groups a squared gradient norm of these parameters is summed over."""
-
-    def __init__(self, params: list, dims: ParallelDims, grad_group: str, tied: Optional[str], *,
-                 grad_dtype: torch.dtype, bucket_size: Optional[int], distributed: bool, average: bool,
-                 first_index: int = 0, level: Optional[int] = None, unit_of: Optional[dict] = None):
-        """``level``: what is sharded (paratron/config/values.py sharding_level; default 1 with
-        ``distributed``, else 0); a one-rank group shards nothing more than ZeRO-1. ``unit_of``: {parameter:
-        ZeRO-3 unit}, where buckets are cut (paratron/parallel/zero.py)."""
-        self.params, self.grad_group, self.tied = params, grad_group, tied
-        self.group = dims.group(grad_group)
-        self.n, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
-        level = int(distributed) if level is None else level
-        self.level = level if self.n > 1 else min(level, 1)
-        # Megatron averages dense and expert gradients alike over data x context parallelism (an
-        # expert's gradient already sums the tokens its EP peers sent it); none with per-token loss.
-        self.divisor = dims.size("dp_cp") if average else 1
-        self.norm_groups = norm_groups(grad_group, distributed)
-        self.buckets, self.offsets, total = self._layout(bucket_size, first_index,
-                                                         unit_of if self.level == 3 else None)
-        device = params[0].device
-        self.grad_data = self.param_data = self.grad_shard_data = self.param_shard_data = None
-        if self.level >= 2:  # full gradients per bucket, only during a step (zero.py); the shard stays
-            self.grad_shard_data = torch.zeros(total // self.n, dtype=grad_dtype, device=device)
-            for b in self.buckets:
-                b.grad_full = torch.zeros(b.numel, dtype=grad_dtype, device=device)
-        else:
-            self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
-        if distributed:
-            dtypes = {p.dtype for p in params}
-            if len(dtypes) > 1:
-                raise ValueError(f"the distributed optimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
-            if self.level == 3:
-                self.param_shard_data = torch.zeros(total // self.n, dtype=params[0].dtype, device=device)
-                for b in self.buckets:
-                    b.param_full = torch.zeros(b.numel, dtype=params[0].dtype, device=device)
-            else:
-                self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device)
-        self._place(params)
-
-    def _place(self, params: list) -> None:
-        """Point each parameter's ``main_grad`` (and ``data``, distributed) into the buffer; under ZeRO-2/3
-        keep only the shards."""
-        bucket = {p: b for b in self.buckets for p in b.params}
-        with torch.no_grad():
-            for p in params:
-                b = bucket[p]
-                off = self.offsets[p] - b.start
-                p.main_grad = self.grad_full(b)[off: off + p.numel()].view_as(p)
-                if self.level >= 1:
-                    view = self.param_full(b)[off: off + p.numel()].view_as(p)
-                    view.copy_(p.data)
-                    p.data = view
-            for b in self.buckets:
-                if self.level == 3:
-                    lo, hi = b.shard_range()
-                    self.param_shard(b).copy_(b.param_full[lo - b.start: hi - b.start])
-                    zero.free(b.param_full)
-                if self.level >= 2:
-                    zero.free(b.grad_full)
-
-    def grad_full(self, b: "Bucket") -> torch.Tensor:
-        """The bucket's whole gradient (under ZeRO-2/3 only between its first gradient and its reduction)."""
-        return b.grad_full if self.grad_data is None else self.grad_data[b.start: b.end]
-
-    def param_full(self, b: "Bucket") -> torch.Tensor:
-        return b.param_full if self.param_data is None else self.param_data[b.start: b.end]
-
-    def _shard(self, data: Optional[torch.Tensor], full: Optional[torch.Tensor], b: "Bucket") -> torch.Tensor:
-        if data is not None:  # the shard storage of ZeRO-2/3: bucket after bucket
-            return data[b.start // self.n: b.end // self.n]
-        lo, hi = b.shard_range()
-        return full[lo: hi]
-
-    def grad_shard(self, b: "Bucket") -> torch.Tensor:
-        """This rank's shard of the bucket's reduced gradient."""
-        return self._shard(self.grad_shard_data, self.grad_data, b)
-
-    def param_shard(self, b: "Bucket") -> torch.Tensor:
-        """This rank's shard of the bucket's parameters (what the distributed optimizer updates)."""
-        return self._shard(self.param_shard_data, self.param_data, b)
-
-    def reduced_grads(self) -> list[torch.Tensor]:
-        """The storage of the gradients after the reduction (scaled with --calculate-per-token-loss)."""
-        return [self.grad_data if self.grad_shard_data is None else self.grad_shard_data]
-
-    def ensure_grads(self, b: "Bucket") -> None:
-        """ZeRO-2/3: the bucket's full gradient storage, zeroed, at its first gradient of the step."""
-        if self.level >= 2 and zero.allocate(b.grad_full):
-            b.grad_full.zero_()
-
-    def gather_params(self, b: "Bucket") -> int:
-        """ZeRO-3: all-gather the bucket's parameters unless they are gathered; returns 1 if it gathered.
-        The parameters' version counter is kept: autograd's saved views of them read the gathered values."""
-        if not zero.allocate(b.param_full):
-            return 0
-        with torch.autograd._unsafe_preserve_version_counter(b.param_full):
-            _all_gather(b.param_full, self.param_shard(b), group=self.group)
-        return 1
-
-    def _layout(self, bucket_size: Optional[int], first_index: int, unit_of: Optional[dict] = None):
-        """Buckets over the parameters in reverse order (the order backward produces their
-        gradients), each start aligned to ALIGN elements, each bucket padded to ALIGN x n so that it
-        splits into equal aligned shards (and, with ``unit_of``, cut where the unit changes); returns
-        (buckets, offsets, total size)."""
-        buckets, offsets, current = [], {}, []
-        start = pos = 0
-        for p in reversed(self.params):
-            if current and unit_of is not None and unit_of[p] != unit_of[current[-1]]:
-                end = _round_up(pos, ALIGN * self.n)
-                buckets.append(Bucket(first_index + len(buckets), self, current, start, end))
-                start, pos, current = end, end, []
-            pos = _round_up(pos, ALIGN)
-            offsets[p] = pos
-            pos += p.numel()
-            current.append(p)
-            if bucket_size is not None and pos - start >= bucket_size:
-                end = _round_up(pos, ALIGN * self.n)
-                buckets.append(Bucket(first_index + len(buckets), self, current, start, end))
-                start, pos, current = end, end, []
-        if current:
-            end = _round_up(pos, ALIGN * self.n)
-            buckets.append(Bucket(first_index + len(buckets), self, current, start, end))
-            start = end
-        return buckets, offsets, start
-
-    def start_grad_reduce(self, b: Bucket) -> None:
-        """Scale the bucket and start its reduction (only the scaling when the group is one rank: an
-        expert buffer whose expert-data-parallel group is smaller than data x context parallelism)."""
-        g = self.grad_full(b)
-        if self.divisor != 1:
-            g.div_(self.divisor)  # Megatron scales before the collective
-        if self.n == 1:
-            return
-        if self.level >= 1:
-            b.grad_work = _reduce_scatter(self.grad_shard(b), g, group=self.group, async_op=True)
-        else:
-            b.grad_work = dist.all_reduce(g, group=self.group, async_op=True)
-
-    def finish_grad_reduce(self, b: Bucket) -> None:
-        if b.grad_work is not None:
-            b.grad_work.wait()
-            b.grad_work = None
-        if self.level >= 2:
-            zero.free(b.grad_full)
-
-    def start_param_gather(self, b: Bucket) -> None:
-        b.gather_work = _all_gather(self.param_full(b), self.param_shard(b), group=self.group, async_op=True)
 
 
 def _weak_on_grad(dp: "DataParallel"):
@@ -246,15 +62,16 @@ def _weak_on_grad(dp: "DataParallel"):
     return hook
 
 
-def buffer_keys(params: list) -> dict:
-    """{(grad group, tied group): parameters, in module order}: one gradient buffer each. A tied
+def buffer_keys(params: list, fp8: frozenset = frozenset()) -> dict:
+    """{(grad group, tied group, in fp8): parameters, in module order}: one gradient buffer each. A tied
     parameter gets a buffer of its own so that both pipeline copies are sharded identically over
-    data parallelism (the sum over the embedding group after a reduce-scatter relies on it)."""
+    data parallelism (the sum over the embedding group after a reduce-scatter relies on it); so do the
+    FP8 weights gathered in FP8 (``fp8``, --fp8-param-gather)."""
     keys: dict = {}
     for p in params:
         spec = spec_of(p)
-        keys.setdefault((spec.grad_group, spec.tied), []).append(p)
-    return dict(sorted(keys.items(), key=lambda kv: (kv[0][0] != "dp_cp", kv[0][1] is not None)))
+        keys.setdefault((spec.grad_group, spec.tied, p in fp8), []).append(p)
+    return dict(sorted(keys.items(), key=lambda kv: (kv[0][0] != "dp_cp", kv[0][1] is not None, kv[0][2])))
 
 
 class DataParallel(nn.Module):
@@ -262,9 +79,10 @@ class DataParallel(nn.Module):
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
                  average: bool = True, fuse_wgrad: bool = False, fused_accumulate: bool = True,
-                 sharding: Optional[int] = None):
+                 sharding: Optional[int] = None, fp8_param_gather: bool = False):
         """``sharding``: 2 (ZeRO-2) or 3 (ZeRO-3) shard the gradients, and the parameters with 3
-        (paratron/parallel/zero.py); default: 1 with ``use_distributed_optimizer`` (ZeRO-1), else 0."""
+        (paratron/parallel/zero.py); default: 1 with ``use_distributed_optimizer`` (ZeRO-1), else 0.
+        ``fp8_param_gather``: the FP8 linear weights are all-gathered in FP8 (paratron/parallel/fp8_gather.py)."""
         super().__init__()
         self.module, self.dims = module, dims
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -273,7 +91,8 @@ class DataParallel(nn.Module):
         self.is_last_microbatch = True  # the schedule sets it False (no_sync) on the other micro-batches
         self.buckets_launched_in_backward = 0  # counted per step, for tests and logs
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self._build_buffers(grad_dtype, bucket_size, average)
+        fp8 = frozenset(fp8_gather.fp8_weights(module)) if fp8_param_gather and self.sharding >= 1 else frozenset()
+        self._build_buffers(grad_dtype, bucket_size, average, fp8)
         self.buckets = [b for buf in self.buffers_ for b in buf.buckets]
         # what finalize_model_grads does after the reduction, read off the specs once: the gradients to sum
         # over a group (ShardSpec.sum_over), the tied copies' (the parts of them this rank holds)
@@ -311,18 +130,19 @@ class DataParallel(nn.Module):
                 self._hooks.append(m.register_forward_pre_hook(wait))
         self.zero_grad_buffer()
 
-    def _build_buffers(self, grad_dtype: torch.dtype, bucket_size: Optional[int], average: bool) -> None:
+    def _build_buffers(self, grad_dtype: torch.dtype, bucket_size: Optional[int], average: bool,
+                       fp8: frozenset) -> None:
         """One GradBuffer per key of buffer_keys (ZeRO-3: buckets cut at the units of zero.py)."""
         self._unit_of = zero.unit_index(self.module, self.params) if self.sharding >= 2 else None
         self.buffers_: list[GradBuffer] = []
-        for (group, tied), params in buffer_keys(self.params).items():
+        for (group, tied, in_fp8), params in buffer_keys(self.params, fp8).items():
             size = bucket_size
             if size is None and self.overlap_grad_reduce:
                 size = max(DEFAULT_BUCKET_MIN, DEFAULT_BUCKET_PER_RANK * self.dims.size(group))
             first = sum(len(b.buckets) for b in self.buffers_)
             self.buffers_.append(GradBuffer(params, self.dims, group, tied, grad_dtype=grad_dtype, bucket_size=size,
                                             distributed=self.sharding >= 1, average=average, first_index=first,
-                                            level=self.sharding, unit_of=self._unit_of))
+                                            level=self.sharding, unit_of=self._unit_of, fp8=in_fp8))
 
     def buffer_of_param(self, p: torch.Tensor) -> GradBuffer:
         return next(buf for buf in self.buffers_ if p in buf.offsets)
@@ -494,6 +314,7 @@ def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims) -> DataParall
                         overlap_grad_reduce=par.overlap_grad_reduce,
                         use_distributed_optimizer=par.use_distributed_optimizer,
                         overlap_param_gather=par.overlap_param_gather, sharding=sharding_level(par),
+                        fp8_param_gather=par.fp8_param_gather,
                         average=not cfg.train.calculate_per_token_loss,
                         fuse_wgrad=not par.no_gradient_accumulation_fusion,
                         fused_accumulate=cfg.kernels.kernel_fused_accumulate != "off")
