@@ -50,6 +50,9 @@ def validate_sharding(par: ParallelConfig, tr: TrainConfig) -> None:
     need(not (kind == "optim_grads_params" and par.use_megatron_fsdp and par.overlap_param_gather),
          "--overlap-param-gather with --data-parallel-sharding-strategy optim_grads_params is not implemented "
          "(each layer gathers its parameters when its forward and backward start); remove --overlap-param-gather")
+    need(not (kind == "optim_grads_params" and par.use_megatron_fsdp and tr.check_weight_hash_across_dp_replicas_interval),
+         "--check-weight-hash-across-dp-replicas-interval with --data-parallel-sharding-strategy optim_grads_params: "
+         "the data-parallel ranks hold different shards, not replicas; remove the interval")
     if par.fp8_param_gather:
         need(tr.fp8_format is not None or tr.fp8_hybrid, "--fp8-param-gather needs FP8 training (--fp8-format); "
              "remove it or add --fp8-format")
