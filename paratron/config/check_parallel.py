@@ -47,9 +47,6 @@ def validate_sharding(par: ParallelConfig, tr: TrainConfig) -> None:
         need(kind != "no_shard" or not par.use_distributed_optimizer, "--data-parallel-sharding-strategy no_shard "
              "contradicts --use-distributed-optimizer (which shards the optimizer state: strategy optim); choose one")
         par.use_distributed_optimizer = kind != "no_shard"
-    need(not (kind == "optim_grads_params" and par.use_megatron_fsdp and par.overlap_param_gather),
-         "--overlap-param-gather with --data-parallel-sharding-strategy optim_grads_params is not implemented "
-         "(each layer gathers its parameters when its forward and backward start); remove --overlap-param-gather")
     need(not (kind == "optim_grads_params" and par.use_megatron_fsdp and tr.check_weight_hash_across_dp_replicas_interval),
          "--check-weight-hash-across-dp-replicas-interval with --data-parallel-sharding-strategy optim_grads_params: "
          "the data-parallel ranks hold different shards, not replicas; remove the interval")

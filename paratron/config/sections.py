@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from .kernels import KernelConfig
-from .section_base import Section
+from .section_base import Section, base_type, flag  # noqa: F401  (flag, base_type: imported from here)
 
 
 @dataclass(eq=True)
@@ -493,11 +493,3 @@ for _sec, _cls in SECTIONS.items():
         FIELD_SECTION[_f.name] = _sec
         FIELD_TYPES[_f.name] = _hints[_f.name]
 
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def base_type(tp) -> Any:  # Optional[int] -> int
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if args else tp

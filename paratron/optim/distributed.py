@@ -25,6 +25,7 @@ from ..config import Config
 from ..parallel.data import DataParallel, GradBuffer
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import spec_of
+from . import offload
 from .groups import role_of
 from .muon import Item, Muon, qkv_rows
 from .optimizer import MixedPrecisionAdam
@@ -124,7 +125,7 @@ class DistributedOptimizer(MixedPrecisionAdam):
 
     def _publish(self, copied: bool = False) -> None:
         if self.mixed and not copied:
-            torch._foreach_copy_(self._param_views, self.masters)
+            offload.copy_all(self._param_views, self.masters)
         for m in self.models:
             m.start_param_sync()
 
@@ -137,5 +138,5 @@ class DistributedOptimizer(MixedPrecisionAdam):
         for m in self.models:
             m.finish_param_sync()
         if self.mixed:
-            torch._foreach_copy_(self.masters, self._param_views)
+            offload.copy_all(self.masters, self._param_views)
         self.reload_offloaded()

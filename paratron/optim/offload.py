@@ -66,3 +66,31 @@ class HostState:
         """The host masters from the model tensors (after loading weights into them)."""
         for i in self.indices:
             masters[i].copy_(sources[i])
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i: one foreach copy per device pair that has one (an offloaded
+    master and its model tensor are on different devices)."""
+    groups: dict = {}
+    for d, s in zip(dst, src):
+        groups.setdefault((d.device, s.device), ([], []))
+        groups[(d.device, s.device)][0].append(d)
+        groups[(d.device, s.device)][1].append(s)
+    for (a, b), (ds, ss) in groups.items():
+        if a == b:
+            torch._foreach_copy_(ds, ss)
+        else:
+            for d, s in zip(ds, ss):
+                d.copy_(s, non_blocking=True)
+
+
+def norms(ts: list[torch.Tensor], device) -> torch.Tensor:
+    """The L2 norm of each tensor, on ``device`` (one foreach norm per device the tensors are on)."""
+    out = [None] * len(ts)
+    by_device: dict = {}
+    for i, t in enumerate(ts):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        for i, n in zip(idx, torch._foreach_norm([ts[i] for i in idx])):
+            out[i] = n.to(device)
+    return torch.stack(out)

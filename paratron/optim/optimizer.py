@@ -192,8 +192,7 @@ class MixedPrecisionAdam:
         of gradient buffer (the same on every rank, see agree_on_norm_sets), the local sum over this
         rank's counted tensors, summed over the buffer's norm groups."""
         device = self._device()
-        return self._model_sum(grads, lambda ts: torch.stack([n.to(device) for n in torch._foreach_norm(ts)]
-                                                             ).float().square().sum())
+        return self._model_sum(grads, lambda ts: offload.norms(ts, device).float().square().sum())
 
     def _model_sum(self, tensors: list[torch.Tensor], local, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``local(counted tensors)`` summed over the whole model, each element counted once (as the norm)."""
@@ -352,7 +351,7 @@ class Optimizer(MixedPrecisionAdam):
 
     def _publish(self, copied: bool = False) -> None:
         if self.mixed and not copied:
-            torch._foreach_copy_(self.params, self.masters)
+            offload.copy_all(self.params, self.masters)
 
     def _own_masters(self) -> list[torch.Tensor]:
         return self.masters if self.mixed else []

@@ -141,17 +141,30 @@ class GradBuffer:
         if self.level >= 2 and zero.allocate(b.grad_full):
             b.grad_full.zero_()
 
-    def gather_params(self, b: "Bucket") -> int:
-        """ZeRO-3: all-gather the bucket's parameters unless they are gathered; returns 1 if it gathered.
-        The parameters' version counter is kept: autograd's saved views of them read the gathered values."""
+    def gather_params(self, b: "Bucket", async_op: bool = False) -> int:
+        """ZeRO-3: all-gather the bucket's parameters unless they are gathered (or wait for a prefetch of
+        them: ``async_op`` starts one); returns 1 if it started a gather. The parameters' version counter
+        is kept: autograd's saved views of them read the gathered values."""
+        if b.gather_work is not None:
+            if not async_op:
+                b.gather_work.wait()
+                b.gather_work = None
+            return 0
         if not zero.allocate(b.param_full):
             return 0
         with torch.autograd._unsafe_preserve_version_counter(b.param_full):
-            if self.fp8:
+            if self.fp8:  # (at once: the dequantisation follows the gather)
                 fp8_gather.gather(self, b, b.param_full)
             else:
-                _all_gather(b.param_full, self.param_shard(b), group=self.group)
+                b.gather_work = _all_gather(b.param_full, self.param_shard(b), group=self.group, async_op=async_op)
         return 1
+
+    def free_params(self, b: "Bucket") -> None:
+        """ZeRO-3: drop the bucket's gathered parameters (after any gather of them in flight)."""
+        if b.gather_work is not None:
+            b.gather_work.wait()
+            b.gather_work = None
+        zero.free(b.param_full)
 
     def _layout(self, bucket_size: Optional[int], first_index: int, unit_of: Optional[dict] = None):
         """Buckets over the parameters in reverse order (the order backward produces their

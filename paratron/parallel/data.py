@@ -106,12 +106,12 @@ class DataParallel(nn.Module):
         self.tied_checked = False  # the pipeline stages agreed on their tied copies (once per run)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self.overlap_param_gather = (overlap_param_gather and use_distributed_optimizer
-                                     and any(buf.n > 1 for buf in self.buffers_))
+                                     and any(buf.n > 1 and buf.level < 3 for buf in self.buffers_))
         self._unwritten: set = set()
         self.units = None  # ZeRO-3: the per-unit gathering (zero.py)
         if any(buf.level >= 2 for buf in self.buffers_):
             self.units = zero.ParamUnits(module, self._bucket_of, self._unit_of,
-                                         any(buf.level == 3 for buf in self.buffers_))
+                                         any(buf.level == 3 for buf in self.buffers_), overlap_param_gather)
         # Megatron's gradient-accumulation fusion (linear.py): these weights' backward adds their
         # gradient to main_grad itself; the hook only drops the placeholder autograd hands it
         self.fused_wgrad = set(fusable_weights(module)) & set(self.params) if fuse_wgrad else set()

@@ -17,7 +17,9 @@ all-gathered before its forward and freed after it; gathered again when the grad
 arrives in backward (a hook on the output tensor) and freed once every parameter of the unit has its
 gradient. Under gradient accumulation this happens in every micro-batch (the parameters are never kept
 gathered between micro-batches: the memory ZeRO-3 is for). A forward that runs inside backward (activation
-recomputation) gathers and does not free: the backward that follows needs the parameters.
+recomputation) gathers and does not free: the backward that follows needs the parameters. With
+--overlap-param-gather a unit's forward also starts the all-gather of the next unit in the background (its
+backward: of the previous unit), and that unit waits for it when it starts.
 """
 from __future__ import annotations
 
@@ -85,34 +87,42 @@ class ParamUnits:
     free the parameters. ZeRO-2 and 3: give a unit's gradient buckets their storage when its backward
     starts, so that the weight-gradient GEMMs add into ``main_grad`` (gradient-accumulation fusion)."""
 
-    def __init__(self, root: nn.Module, bucket_of: dict, units_of: dict, params_sharded: bool):
+    def __init__(self, root: nn.Module, bucket_of: dict, units_of: dict, params_sharded: bool,
+                 prefetch: bool = False):
+        """``prefetch`` (--overlap-param-gather): a unit's forward starts the gather of the next unit's
+        parameters in the background, its backward that of the previous unit."""
         self.units = find_units(root)
-        self.params_sharded = params_sharded
+        self.params_sharded, self.prefetch = params_sharded, prefetch
         self.buckets = [sorted({bucket_of[p] for p in units_of if units_of[p] == i and bucket_of[p].buffer.level >= 2},
                                key=lambda b: -b.index) for i in range(len(self.units))]
         self.params = [[p for p in units_of if units_of[p] == i] for i in range(len(self.units))]
         self.unit_of = units_of
         self.pending: list = [None] * len(self.units)  # parameters whose gradient this backward still owes
-        self.gathers = 0  # all-gathers run (a count for tests and logs)
+        self.gathers = 0  # bucket all-gathers run at once (a count for tests and logs)
+        self.prefetches = 0  # units whose gather was started ahead
         self.handles = []
         for i, u in enumerate(self.units):
             if not self.buckets[i]:
                 continue
             if params_sharded:
-                pre = torch._dynamo.disable(lambda _m, _a, i=i: self.gather(i))
+                pre = torch._dynamo.disable(lambda _m, _a, i=i: self.gather(i, 0 if in_backward() else i + 1))
                 self.handles.append(u.register_forward_pre_hook(pre))
             post = torch._dynamo.disable(lambda _m, _a, out, i=i: self._after_forward(i, out))
             self.handles.append(u.register_forward_hook(post))
 
-    def gather(self, i: int) -> None:
+    def gather(self, i: int, then: int = 0) -> None:
+        """Unit ``i``'s parameters, now; with ``prefetch``, start those of unit ``then`` (not the root)."""
         for b in self.buckets[i]:
             if b.buffer.level == 3:
                 self.gathers += b.buffer.gather_params(b)
+        if self.prefetch and 0 < then < len(self.units):
+            started = [b.buffer.gather_params(b, async_op=True) for b in self.buckets[then] if b.buffer.level == 3]
+            self.prefetches += any(started)
 
     def release(self, i: int) -> None:
         for b in self.buckets[i]:
             if b.buffer.level == 3:
-                free(b.param_full)
+                b.buffer.free_params(b)
 
     def free_all(self) -> None:
         """Drop every gathered parameter (after the optimizer step they are stale)."""
@@ -135,7 +145,7 @@ class ParamUnits:
         for b in self.buckets[i]:
             b.buffer.ensure_grads(b)
         if self.params_sharded:
-            self.gather(i)
+            self.gather(i, i - 1)
             self.pending[i] = set(self.params[i])
 
     def on_grad(self, p) -> None:

@@ -61,7 +61,7 @@ def train(cfg, steps: int = STEPS, save_after: int | None = None, nan_at: int | 
         t.close()
         return {"error": str(e)}
     out["bytes"], out["predicted"], out["padding"] = per_rank_state_bytes(t.models, t.optimizer), *_predicted(t)
-    out["host"] = sorted({str(m.device) for m in t.optimizer.masters})
+    out["prefetches"] = sum(m.units.prefetches for m in t.models if m.units is not None)
     params = {}
     for m in t.models:
         with m.gathered():
@@ -95,7 +95,7 @@ def _world2(rank, world, root):
     out["zero2_overlap"] = train(tiny_config(**fsdp("optim_grads", overlap_grad_reduce=True, overlap_param_gather=True,
                                                     ddp_bucket_size=BUCKET)))
     out["zero3_overlap"] = train(tiny_config(**fsdp("optim_grads_params", overlap_grad_reduce=True,
-                                                    ddp_bucket_size=BUCKET)))
+                                                    overlap_param_gather=True, ddp_bucket_size=BUCKET)))
     out["zero3_recompute"] = train(tiny_config(**fsdp("optim_grads_params", recompute_granularity="full",
                                                       recompute_method="uniform", recompute_num_layers=1)))
     out["zero1_bf16"] = train(tiny_config(use_distributed_optimizer=True, bf16=True))
@@ -116,6 +116,7 @@ def _world4(rank, world, root):
     for s in ("optim_grads", "optim_grads_params"):
         out[f"tp2sp_{s}"] = train(tiny_config(**fsdp(s, tensor_model_parallel_size=2, sequence_parallel=True)))
     out["pp2_optim_grads_params"] = train(tiny_config(**fsdp("optim_grads_params", pipeline_model_parallel_size=2)))
+    out["cp2_optim_grads_params"] = train(tiny_config(**fsdp("optim_grads_params", context_parallel_size=2)))
     out["moe_ep2_optim_grads_params"] = train(tiny_config("llama", **MOE, **fsdp(
         "optim_grads_params", expert_model_parallel_size=2)))
     # resume: the DP2 ZeRO-3 checkpoint at DP4 ZeRO-1 and at TP2 x DP2 ZeRO-3; a DP4 ZeRO-1 one at DP4 ZeRO-3
@@ -172,7 +173,8 @@ def assert_same(ref: dict, got: dict, last: int = STEPS, rtol: float = 1e-5) -> 
 
 
 CASES2 = [*STRATEGIES, "zero2_overlap", "zero3_overlap", "zero3_recompute", "zero3_save", "offload", "offload_plain"]
-CASES4 = [*STRATEGIES, "tp2sp_optim_grads", "tp2sp_optim_grads_params", "pp2_optim_grads_params"]
+CASES4 = [*STRATEGIES, "tp2sp_optim_grads", "tp2sp_optim_grads_params", "pp2_optim_grads_params",
+          "cp2_optim_grads_params"]
 
 
 @pytest.mark.parametrize("world,name", [(2, c) for c in CASES2] + [(4, c) for c in CASES4])
@@ -221,6 +223,14 @@ def test_offload_keeps_half_the_optimizer_on_the_host(dp2):
         assert 0.3 * b["optimizer"] <= b["optimizer_host"] <= b["optimizer"]
         assert r["offload_plain"]["bytes"]["optimizer_host"] > 0
         assert r["no_shard"]["bytes"]["optimizer_host"] == 0
+
+
+def test_overlap_param_gather_prefetches_the_next_layer_under_zero3(dp2):
+    """Each micro-batch's forward starts layer 1's gather from the root's and layer 2's from layer 1's, its
+    backward layer 1's from layer 2's (the root is never prefetched): 3 per micro-batch, 2 micro-batches a step."""
+    for r in dp2:
+        assert r["zero3_overlap"]["prefetches"] == 3 * 2 * STEPS
+        assert r["optim_grads_params"]["prefetches"] == 0
 
 
 def test_nan_gradient_in_one_shard_stops_every_rank(dp2):

@@ -30,8 +30,6 @@ def test_megatron_fsdp_flags_parse_and_set_the_level(strategy, level):
     (dict(data_parallel_sharding_strategy="optim_grads"), "has no effect without --use-megatron-fsdp"),
     (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="zero3"), "must be one of no_shard"),
     (dict(use_megatron_fsdp=True, use_distributed_optimizer=True), "no_shard contradicts --use-distributed-opt"),
-    (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params", overlap_param_gather=True),
-     "--overlap-param-gather with --data-parallel-sharding-strategy optim_grads_params is not implemented"),
     (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
           check_weight_hash_across_dp_replicas_interval=10), "hold different shards, not replicas"),
     (dict(fp8_param_gather=True, use_distributed_optimizer=True), "--fp8-param-gather needs FP8 training"),
