@@ -146,12 +146,14 @@ def main() -> int:
         a, b = (windows(results[k][0].get("losses", [])) for k in ("bf16 gather", "fp8 gather"))
         diff = max((abs(x - y) / abs(x) for x, y in zip(a, b)), default=None)
         ok = diff is not None and len(a) == len(b) and diff <= 0.01
-        verdict = f"largest relative difference of 10-step mean losses: {diff} (limit 0.01: {'met' if ok else 'NOT met'})"
+        verdict = (f"largest relative difference of 10-step mean losses: {diff} "
+                   f"(limit 0.01: {'met' if ok else 'NOT met'})")
     table = "\n".join(rows)
     print("\n" + table + "\n\n" + verdict)
+    facts = {"runs": "; ".join(f"`{c}`" for _, c in results.values()),
+             "method": f"{args.steps} steps; tokens/s over the steps after the first 2"}
     write_record(args.record_dir, f"fit_memory_{args.mode}_{args.gpus}gpu", f"Fitting bigger models: {args.mode}",
-                 f"{args.gpus} x {device}", {"runs": "; ".join(f"`{c}`" for _, c in results.values()),
-                                             "method": f"{args.steps} steps; tokens/s over the steps after the first 2"},
+                 f"{args.gpus} x {device}", facts,
                  f"{table}\n\n{verdict}\n\nlosses: {json.dumps({k: r.get('losses') for k, (r, _) in results.items()})}")
     return 0 if ok else 1
 

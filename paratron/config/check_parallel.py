@@ -47,7 +47,8 @@ def validate_sharding(par: ParallelConfig, tr: TrainConfig) -> None:
         need(kind != "no_shard" or not par.use_distributed_optimizer, "--data-parallel-sharding-strategy no_shard "
              "contradicts --use-distributed-optimizer (which shards the optimizer state: strategy optim); choose one")
         par.use_distributed_optimizer = kind != "no_shard"
-    need(not (kind == "optim_grads_params" and par.use_megatron_fsdp and tr.check_weight_hash_across_dp_replicas_interval),
+    zero3 = kind == "optim_grads_params" and par.use_megatron_fsdp
+    need(not (zero3 and tr.check_weight_hash_across_dp_replicas_interval),
          "--check-weight-hash-across-dp-replicas-interval with --data-parallel-sharding-strategy optim_grads_params: "
          "the data-parallel ranks hold different shards, not replicas; remove the interval")
     if par.fp8_param_gather:

@@ -21,6 +21,7 @@ from tests.parallel.common import global_batches, micro_batches, tiny_config
 STEPS = 3
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 BUCKET = 4000  # elements: several buckets per buffer
+pytestmark = pytest.mark.slow  # (one launch of 2 ranks and one of 4, about 25 cases)
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True,
            moe_router_dtype="fp32")
 
