@@ -99,6 +99,8 @@ def _world2(rank, world, root):
                                                     overlap_param_gather=True, ddp_bucket_size=BUCKET)))
     out["zero3_recompute"] = train(tiny_config(**fsdp("optim_grads_params", recompute_granularity="full",
                                                       recompute_method="uniform", recompute_num_layers=1)))
+    out["zero1_per_token"] = train(tiny_config(use_distributed_optimizer=True, calculate_per_token_loss=True))
+    out["zero3_per_token"] = train(tiny_config(**fsdp("optim_grads_params", calculate_per_token_loss=True)))
     out["zero1_bf16"] = train(tiny_config(use_distributed_optimizer=True, bf16=True))
     out["zero3_bf16"] = train(tiny_config(**fsdp("optim_grads_params", bf16=True)))
     out["zero3_nan"] = train(tiny_config(**fsdp("optim_grads_params")), nan_at=1)
@@ -192,6 +194,12 @@ def test_bf16_zero3_equals_zero1_and_moe_expert_sharding_equals_one_rank(dp2, dp
         assert abs(a - b) <= 1e-5 * abs(a)
     assert_same(zero1, zero3, rtol=1e-4)
     assert_same(reference["moe"], merged(dp4, "moe_ep2_optim_grads_params"))
+
+
+def test_per_token_loss_scales_the_gradient_shards(dp2):
+    """--calculate-per-token-loss divides the reduced gradients by the global token count: under ZeRO-3 the
+    shards, as ZeRO-1 its whole buffer."""
+    assert_same(merged(dp2, "zero1_per_token"), merged(dp2, "zero3_per_token"))
 
 
 @pytest.mark.parametrize("world,name", [(2, "off_to_zero1"), (2, "z3_to_offload"), (4, "z3_to_dp4_zero1"),
