@@ -31,6 +31,11 @@ contiguous storage with the same layout (``param.data`` is a view into it). Afte
 updated its shard, ``start_param_sync()`` all-gathers each bucket; with ``overlap_param_gather`` the
 all-gathers run in the background and a forward pre-hook on each module waits only for the buckets
 of that module's parameters, so the next forward overlaps with the gathering.
+
+Sharded gradients and parameters (ZeRO-2/3, ``--use-megatron-fsdp --data-parallel-sharding-strategy``): the
+same buffers keep only this rank's shard between steps; paratron/parallel/zero.py says when a bucket's full
+gradients and parameters exist. The buffers themselves are in paratron/parallel/buffers.py, the fix-ups
+after the reduction in paratron/parallel/finalize.py.
 """
 from __future__ import annotations
 
