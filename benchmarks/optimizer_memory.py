@@ -9,25 +9,50 @@ that Adam has created its state; the figure is ``optimizer.state_bytes()``.
     python benchmarks/optimizer_memory.py [--dp 4]
 
 prints one line per precision and exits non-zero if a ratio is above 30 %.
+
+On GPUs, fitting bigger models on the real training step (Trainer.train_step under torchrun):
+
+    python benchmarks/optimizer_memory.py offload [--gpus 1] [--shape "..."] [--offload "..."] [--steps 10]
+    python benchmarks/optimizer_memory.py fp8-gather --gpus 2 [--shape "..."] [--steps 100]
+    python benchmarks/optimizer_memory.py strategies --gpus 8 [--shape "..."] [--steps 20]
+
+offload: the shape without offload (expected: CUDA out of memory, recorded as such with the peak it reached)
+and with ``--offload`` flags (default ``--optimizer-cpu-offload --optimizer-offload-fraction 0.5``): tokens/s,
+peak memory, bytes per rank of parameters / gradients / optimizer state (device and host).
+fp8-gather: FP8 training under ZeRO-3 with and without ``--fp8-param-gather`` for ``--steps`` steps (needs 2+
+GPUs: on one there is no all-gather); the verdict compares the two loss curves (largest relative difference
+of the mean loss over windows of 10 steps, limit 1 %).
+strategies: tokens/s and peak memory per GPU of each ``--data-parallel-sharding-strategy``.
+Each run is `torchrun --standalone --nproc-per-node G` of this file in worker mode; a Markdown record (date,
+hardware, torch, commit, commands, table) goes to --record-dir (default: $OUT if set, else benchmarks/results).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import socket
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from record import write_record  # noqa: E402  (benchmarks/record.py)
 from paratron.config import Config, finalize  # noqa: E402
 from paratron.parallel.dims import shutdown_distributed  # noqa: E402
 
 LIMIT = 0.30
+GPU_MODES = ("offload", "fp8-gather", "strategies", "worker")
 
 
 def small_config(precision: str, distributed: bool, dp: int) -> Config:
@@ -95,12 +120,140 @@ def report(single: dict, sharded: dict, dp: int) -> list[tuple[str, float]]:
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] in GPU_MODES:
+        return fit_main()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dp", type=int, default=4)
     args = ap.parse_args()
     single = {p: measure(p, False) for p in ("fp32", "bf16")}
     sharded = run_distributed(args.dp)
     return 0 if all(r <= LIMIT for _, r in report(single, sharded, args.dp)) else 1
+
+
+# Llama-3-8B's shape: 8.0 B parameters; bf16 weights + fp32 gradients + fp32 masters and Adam moments are
+# 18 bytes a parameter (144 GB) without offload, 12 with half the optimizer offloaded.
+SHAPE_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+            "--group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type "
+            "rope --untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 128256 --seq-length 2048 "
+            "--max-position-embeddings 2048 --micro-batch-size 1 --bf16 --recompute-granularity full "
+            "--recompute-method uniform --recompute-num-layers 1 --mock-data --tokenizer-type NullTokenizer --lr 1e-4")
+SMALL = "--config llama-1b --bf16 --micro-batch-size 4 --mock-data --lr 3e-4"
+FP8 = "--fp8-format hybrid --fp8-recipe tensorwise"
+ZERO3 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def worker(args) -> None:
+    """One rank of a run (under torchrun): ``--steps`` steps, the losses, speed and memory as JSON."""
+    import torch
+    from paratron.config import parse_args
+    from paratron.optim.memory import per_rank_state_bytes
+    from paratron.parallel.dims import shutdown_distributed
+    from paratron.train.loop import Trainer
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    flags = [*shlex.split(args.flags), "--train-iters", str(args.steps + 1), "--eval-iters", "0",
+             "--log-interval", "1000000"]
+    mbs = parse_args(flags, world_size=1).train.micro_batch_size
+    cfg = parse_args(flags + ["--global-batch-size", str(mbs * args.micro_batches * world)])
+    out: dict = {"gpus": world, "losses": []}
+    try:
+        trainer = Trainer(cfg)
+        start = None
+        for i in range(args.steps):
+            if i == min(2, args.steps - 1):
+                torch.cuda.synchronize()
+                start, timed = time.perf_counter(), args.steps - i
+            report, _, _ = trainer.train_step()
+            out["losses"].append(float(report[0] / report[1]) if report[1] > 0 else None)
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - start) / timed
+        out.update(step_ms=round(dt * 1e3, 1), tok_s=round(cfg.train.global_batch_size * cfg.model.seq_length / dt),
+                   bytes={k: round(v / 2**30, 2) for k, v in per_rank_state_bytes(trainer.models,
+                                                                                  trainer.optimizer).items()})
+        trainer.close()
+    except torch.cuda.OutOfMemoryError as e:
+        out["oom"] = " ".join(str(e).split())[:200]
+    out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.result).write_text(json.dumps(out))
+    shutdown_distributed()
+
+
+def run_gpus(gpus: int, flags: str, args) -> tuple[dict, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
+               str(Path(__file__).resolve()), "worker", "--result", str(result), "--steps", str(args.steps),
+               "--micro-batches", str(args.micro_batches), "--flags", flags]
+        print("$ " + shlex.join(cmd), flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT)
+        if not result.is_file():
+            return {"gpus": gpus, "error": f"exit {proc.returncode}"}, shlex.join(cmd)
+        return json.loads(result.read_text()), shlex.join(cmd)
+
+
+def row(label: str, r: dict) -> str:
+    b = r.get("bytes", {})
+    state = " / ".join(str(b.get(k)) for k in ("params", "grads", "optimizer", "optimizer_host")) if b else "-"
+    what = r.get("oom") and f"out of memory: {r['oom']}" or r.get("error") or "trained"
+    return f"| {label} | {r.get('gpus')} | {r.get('tok_s', '-')} | {r.get('step_ms', '-')} | {r.get('peak_gb')} | " \
+           f"{state} | {what} |"
+
+
+def windows(losses: list, n: int = 10) -> list:
+    vals = [x for x in losses if x is not None]
+    return [sum(vals[i: i + n]) / len(vals[i: i + n]) for i in range(0, len(vals), n)]
+
+
+def fit_main() -> int:
+    """The GPU modes (offload, fp8-gather, strategies) and ``worker``, one rank of their runs."""
+    p = argparse.ArgumentParser(description="Fitting bigger models on GPUs (the module doc)")
+    p.add_argument("mode", choices=GPU_MODES)
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--shape", default=None, help="model, batch and precision flags (default: per mode)")
+    p.add_argument("--offload", default="--optimizer-cpu-offload --optimizer-offload-fraction 0.5")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--flags", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.mode == "worker":
+        worker(args)
+        return 0
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    args.steps = args.steps or {"offload": 10, "fp8-gather": 100, "strategies": 20}[args.mode]
+    shape = args.shape or (SHAPE_8B if args.mode == "offload" else SMALL)
+    if args.mode == "offload":
+        runs = {"no offload": shape, "offload": f"{shape} {args.offload}"}
+    elif args.mode == "fp8-gather":
+        runs = {"bf16 gather": f"{shape} {FP8} {ZERO3}", "fp8 gather": f"{shape} {FP8} {ZERO3} --fp8-param-gather"}
+    else:
+        runs = {s: f"{shape} --use-megatron-fsdp --data-parallel-sharding-strategy {s}" for s in STRATEGIES}
+    results = {label: run_gpus(args.gpus, flags, args) for label, flags in runs.items()}
+    rows = ["| run | GPUs | tokens/s | step ms | peak GB | GiB/rank params / grads / optimizer / host | result |",
+            "|---|---|---|---|---|---|---|"] + [row(label, r) for label, (r, _) in results.items()]
+    ok, verdict = True, ""
+    if args.mode == "offload":
+        a, b = results["no offload"][0], results["offload"][0]
+        ok = "oom" in a and "tok_s" in b
+        verdict = f"no offload: {'out of memory' if 'oom' in a else 'trained'}; offload: " \
+                  f"{'trained' if 'tok_s' in b else 'failed'} ({'as intended' if ok else 'NOT the intended outcome'})"
+    elif args.mode == "fp8-gather":
+        a, b = (windows(results[k][0].get("losses", [])) for k in ("bf16 gather", "fp8 gather"))
+        diff = max((abs(x - y) / abs(x) for x, y in zip(a, b)), default=None)
+        ok = diff is not None and len(a) == len(b) and diff <= 0.01
+        verdict = (f"largest relative difference of 10-step mean losses: {diff} "
+                   f"(limit 0.01: {'met' if ok else 'NOT met'})")
+    table = "\n".join(rows)
+    print("\n" + table + "\n\n" + verdict)
+    facts = {"runs": "; ".join(f"`{c}`" for _, c in results.values()),
+             "method": f"{args.steps} steps; tokens/s over the steps after the first 2"}
+    write_record(args.record_dir, f"optimizer_memory_{args.mode}_{args.gpus}gpu", f"Fitting bigger models: {args.mode}",
+                 f"{args.gpus} x {device}", facts,
+                 f"{table}\n\n{verdict}\n\nlosses: {json.dumps({k: r.get('losses') for k, (r, _) in results.items()})}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

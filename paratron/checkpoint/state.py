@@ -15,7 +15,7 @@ without the distributed optimizer) loads into any other:
                                        delayed FP8 recipe (restored only into the same layout)
 
 The optimizer tensors of the plain optimizer are whole tensor-parallel shards; those of the
-distributed optimizer are flat ranges of them (its data-parallel shard), cut into rectangles of the
+distributed optimizer (and the parameters under ZeRO-3) are flat ranges of them (its data-parallel shard), cut into rectangles of the
 global tensor by :func:`~paratron.checkpoint.sharded.flat_pieces`. Scalars (iteration, consumed
 samples, scheduler, loss scaler, Adam's step count, the layout and the config) go to common.json.
 """
@@ -28,6 +28,7 @@ import torch
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import coords_of, spec_of
 from ..parallel.stages import global_name, unwrap
+from ..parallel.zero import sharded_model_views
 from .pieces import Piece, flat_pieces, replicated_row, tensor_pieces
 
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
@@ -56,9 +57,16 @@ def model_pieces(models: list, dims: ParallelDims, prefix: dict | None = None) -
     """Every parameter of this rank. ``prefix``: {name: checkpoint prefix} for names read from
     elsewhere than ``model.`` (fp32 params from the fp32 masters of a mixed-precision checkpoint)."""
     prefix = prefix or {}
-    return [pc for p, key in param_keys(models).items()
-            for pc in tensor_pieces(prefix.get(key, "model.") + key, p.data, spec_of(p), coords_of(spec_of(p), dims))
-            ] + buffer_pieces(models)
+    shards = sharded_model_views(models)  # ZeRO-3: a parameter is this rank's flat ranges of it
+    out = []
+    for p, key in param_keys(models).items():
+        name, spec = prefix.get(key, "model.") + key, spec_of(p)
+        if p in shards:
+            out += [pc for lo, view in shards[p]
+                    for pc in flat_pieces(name, view, tuple(p.shape), lo, spec, coords_of(spec, dims))]
+        else:
+            out += tensor_pieces(name, p.data, spec, coords_of(spec, dims))
+    return out + buffer_pieces(models)
 
 
 def buffer_pieces(models: list) -> list[Piece]:

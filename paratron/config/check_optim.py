@@ -30,6 +30,7 @@ def validate_optim(op) -> None:
     need(op.min_lr <= op.lr, f"--min-lr {op.min_lr} is larger than --lr {op.lr}")
     need(not (op.override_opt_param_scheduler and op.use_checkpoint_opt_param_scheduler),
          "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are mutually exclusive; choose one")
+    validate_offload(op)
 
 
 def validate_lr_groups(op: OptimConfig) -> None:
@@ -40,6 +41,15 @@ def validate_lr_groups(op: OptimConfig) -> None:
     low = op.min_lr if op.decoupled_min_lr is None else op.decoupled_min_lr
     need(op.decoupled_lr >= low >= 0.0, f"--decoupled-lr {op.decoupled_lr} must be >= its minimum LR {low} >= 0 "
          "(--decoupled-min-lr, default --min-lr)")
+
+
+def validate_offload(op) -> None:
+    """--optimizer-cpu-offload and --optimizer-offload-fraction (paratron/optim/offload.py)."""
+    f = op.optimizer_offload_fraction
+    need(0.0 <= f <= 1.0, f"--optimizer-offload-fraction must be in [0, 1] (got {f})")
+    if op.optimizer_cpu_offload:
+        need(op.optimizer == "adam", f"--optimizer-cpu-offload with --optimizer {op.optimizer} is not implemented "
+             "(the host update is AdamW's); use --optimizer adam or remove the offload")
 
 
 def validate_optimizer(cfg: Config) -> None:
@@ -59,6 +69,10 @@ def validate_optimizer(cfg: Config) -> None:
         op.optimizer = "muon"
         cfg.parallel.use_distributed_optimizer = True
     need(not cfg.train.fp16, "--optimizer muon with --fp16 is not supported (as in Megatron); use --bf16")
+    par = cfg.parallel
+    need(not (par.use_megatron_fsdp and par.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")),
+         f"--optimizer muon with --data-parallel-sharding-strategy {par.data_parallel_sharding_strategy} is not "
+         "implemented (Muon gathers whole gradient buckets); use strategy optim or --optimizer adam")
     for name, choices in MUON_CHOICES.items():
         need(getattr(op, name) in choices, f"{flag(name)} {getattr(op, name)}: choose one of {', '.join(choices)}")
     need(op.muon_num_ns_steps >= 1, f"--muon-num-ns-steps must be >= 1 (got {op.muon_num_ns_steps})")

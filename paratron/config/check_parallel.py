@@ -7,7 +7,7 @@ from .check_moe import validate_experts
 from .pipeline_split import finalize_pipeline
 from .rules import need, whole_numbers
 from .sections import ModelConfig, ParallelConfig, TrainConfig, flag
-from .values import COMM_TYPES
+from .values import COMM_TYPES, SHARDING_STRATEGIES
 
 
 def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> None:
@@ -27,11 +27,35 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
     par.virtual_pipeline_model_parallel_size = finalize_pipeline(par, m.num_layers)
     need(par.microbatch_group_size_per_virtual_pipeline_stage is None or (par.virtual_pipeline_model_parallel_size or 1)
          > 1, "--microbatch-group-size-per-virtual-pipeline-stage needs virtual pipeline stages; remove it or add them")
+    validate_sharding(par, tr)
     need(not par.overlap_param_gather or par.use_distributed_optimizer,
          "--overlap-param-gather needs --use-distributed-optimizer")
     need(not par.grad_reduce_in_bf16 or tr.bf16, "--grad-reduce-in-bf16 needs --bf16")
     need(not (par.grad_reduce_in_bf16 and par.accumulate_allreduce_grads_in_fp32),
          "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive; choose one")
+
+
+def validate_sharding(par: ParallelConfig, tr: TrainConfig) -> None:
+    """--use-megatron-fsdp, --data-parallel-sharding-strategy and --fp8-param-gather. A strategy that shards
+    anything turns the distributed optimizer on (it owns the shards)."""
+    kind = par.data_parallel_sharding_strategy
+    need(kind in SHARDING_STRATEGIES, f"--data-parallel-sharding-strategy must be one of "
+         f"{', '.join(SHARDING_STRATEGIES)} (got {kind})")
+    need(par.use_megatron_fsdp or kind == "no_shard", f"--data-parallel-sharding-strategy {kind} has no effect "
+         "without --use-megatron-fsdp; add it (or use --use-distributed-optimizer alone for optim)")
+    if par.use_megatron_fsdp:
+        need(kind != "no_shard" or not par.use_distributed_optimizer, "--data-parallel-sharding-strategy no_shard "
+             "contradicts --use-distributed-optimizer (which shards the optimizer state: strategy optim); choose one")
+        par.use_distributed_optimizer = kind != "no_shard"
+    zero3 = kind == "optim_grads_params" and par.use_megatron_fsdp
+    need(not (zero3 and tr.check_weight_hash_across_dp_replicas_interval),
+         "--check-weight-hash-across-dp-replicas-interval with --data-parallel-sharding-strategy optim_grads_params: "
+         "the data-parallel ranks hold different shards, not replicas; remove the interval")
+    if par.fp8_param_gather:
+        need(tr.fp8_format is not None or tr.fp8_hybrid, "--fp8-param-gather needs FP8 training (--fp8-format); "
+             "remove it or add --fp8-format")
+        need(par.use_distributed_optimizer, "--fp8-param-gather needs a parameter all-gather: add "
+             "--use-distributed-optimizer or --use-megatron-fsdp with a sharding strategy other than no_shard")
 
 
 def validate_context_parallel(par: ParallelConfig, m: ModelConfig) -> None:

@@ -55,8 +55,8 @@ ACCEPTED = {
                          "from the model repository",
     "no_use_layer_wise_param_layout": "how Megatron's layer-wise Muon optimizer lays its buffers out, not what it "
                                       "computes: paratron's Muon gives the same update in either layout",
-    "data_parallel_sharding_strategy": "read only by --use-megatron-fsdp (refused); without it nothing is sharded that "
-                                       "--use-distributed-optimizer does not already shard",
+    "outer_dp_sharding_strategy": "paratron shards over one data-parallel level (--data-parallel-sharding-strategy), "
+                                  "none over an outer one: the value no_shard",
     "fp8_interval": "deprecated in Megatron-LM, which ignores it; paratron updates every FP8 scale every step (the "
                     "value 1)",
     "main_grads_dtype": PRECISION_AWARE, "main_params_dtype": PRECISION_AWARE,
@@ -71,13 +71,13 @@ ACCEPTED = {
 
 # Values an accepted flag may take (others are refused naming the values that hold).
 ACCEPTED_VALUES = {
+    "outer_dp_sharding_strategy": ("no_shard",),
     "transformer_impl": ("transformer_engine", "local"),
     "cross_entropy_fusion_impl": ("native", "te"),
     "async_strategy": ("nvrx", "mcore"),
     "num_distributed_optimizer_instances": ("1",),
     "rerun_mode": ("disabled",),
     "cuda_graph_impl": ("none",),
-    "data_parallel_sharding_strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
     "fp8_interval": ("1",),
     "main_grads_dtype": ("fp32",), "main_params_dtype": ("fp32",),
     "exp_avg_dtype": ("fp32",), "exp_avg_sq_dtype": ("fp32",),
@@ -91,9 +91,8 @@ GPU = "GPU-only ({}); paratron does not implement it; remove the flag"
 REFUSED = {
     "tp_comm_overlap": GPU.format("Transformer Engine userbuffers overlap of TP communication"),
     "tp_comm_overlap_cfg": GPU.format("Transformer Engine userbuffers overlap of TP communication"),
-    "use_torch_fsdp2": PLANNED.format("FSDP (--use-torch-fsdp2)"),
-    "use_megatron_fsdp": PLANNED.format("Megatron-FSDP"),
-    "outer_dp_sharding_strategy": PLANNED.format("Megatron-FSDP"),
+    "use_torch_fsdp2": NA.format("paratron shards data parallelism with its own code: --use-megatron-fsdp with "
+                                 "--data-parallel-sharding-strategy optim | optim_grads | optim_grads_params"),
     "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
     "overlap_moe_expert_parallel_comm": PLANNED.format("overlapping the expert-parallel all-to-all with computation"),
     "cache_mla_latents": NA.format("caching multi-latent attention's compressed latents is an inference choice, not "
@@ -102,7 +101,6 @@ REFUSED = {
                                         "to `paratron generate` / `paratron serve`"),
     "mla_down_proj_fusion": GPU.format("Transformer Engine's fused input norm + MLA down projections"),
     "test_mode": NA.format("Megatron's internal test harness"),
-    "fp8_param_gather": GPU.format("FP8 parameter all-gather of Transformer Engine"),
     "checkpoint_activations": NA.format("Megatron-LM removed --checkpoint-activations (it stops); use "
                                         "--recompute-activations or --recompute-granularity / --recompute-method"),
     "batch_size": NA.format("Megatron-LM removed --batch-size (it stops with an error); use --micro-batch-size"),
@@ -118,8 +116,9 @@ REFUSED = {
     "use_precision_aware_optimizer": GPU.format("Transformer Engine's precision-aware optimizer"),
     "disable_gloo_process_groups": NA.format("paratron's checkpoint collectives need their gloo group"),
     "use_nccl_ub": GPU.format("NCCL user-buffer registration"),
-    "fsdp_double_buffer": PLANNED.format("Megatron-FSDP"),
-    "fsdp_manual_registration": PLANNED.format("Megatron-FSDP"),
+    "fsdp_double_buffer": PLANNED.format("Megatron-FSDP's double-buffered all-gather memory (paratron's ZeRO-3 "
+                                         "gives a layer's parameters their memory when it gathers them)"),
+    "fsdp_manual_registration": GPU.format("NCCL user-buffer registration of Megatron-FSDP's buffers"),
     "overlap_param_gather_with_optimizer_step": PLANNED.format("overlapping the first all-gather bucket with the "
                                                                "optimizer step"),
     "async_ckpt_use_cpu_shm": NA.format("--async-save stages tensors in pinned CPU memory of the training process"),
@@ -159,8 +158,10 @@ PREFIX_REASONS = (
     ("mtp_", PLANNED.format("this multi-token prediction (MTP) option (paratron has --mtp-num-layers, "
                             "--mtp-loss-scaling-factor and --mtp-use-repeated-layer)")),
     ("cuda_graph", GPU.format("CUDA graph capture")),
-    ("megatron_fsdp", PLANNED.format("Megatron-FSDP")),
-    ("fsdp_", PLANNED.format("Megatron-FSDP")),
+    ("megatron_fsdp", PLANNED.format("this Megatron-FSDP option (paratron's sharding is --use-megatron-fsdp with "
+                                     "--data-parallel-sharding-strategy)")),
+    ("fsdp_", PLANNED.format("this Megatron-FSDP option (paratron's sharding is --use-megatron-fsdp with "
+                             "--data-parallel-sharding-strategy)")),
     ("inference_", NA.format("inference-server options (paratron's generation is `paratron generate`)")),
     ("rl_", NA.format("reinforcement-learning training")),
     ("grpo_", NA.format("reinforcement-learning training (GRPO)")),

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from .kernels import KernelConfig
-from .section_base import Section
+from .section_base import Section, base_type, flag  # noqa: F401  (flag, base_type: imported from here)
 
 
 @dataclass(eq=True)
@@ -170,6 +170,9 @@ class ParallelConfig(Section):
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    use_megatron_fsdp: bool = False  # sharded data parallelism (--data-parallel-sharding-strategy; paratron's own code)
+    data_parallel_sharding_strategy: str = "no_shard"  # no_shard | optim | optim_grads | optim_grads_params (ZeRO-0..3)
+    fp8_param_gather: bool = False  # FP8 linear weights all-gathered in FP8 with their scales (ZeRO-1/3 and FP8)
     no_gradient_accumulation_fusion: bool = False  # weight gradients via param.grad + an add, not into main_grad
     ddp_bucket_size: Optional[int] = None
     accumulate_allreduce_grads_in_fp32: bool = False
@@ -262,6 +265,8 @@ class OptimConfig(Section):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    optimizer_cpu_offload: bool = False  # fp32 masters and Adam moments on the host; their update runs there
+    optimizer_offload_fraction: float = 1.0  # with --optimizer-cpu-offload: the share of master elements offloaded
     clip_grad: float = 1.0
     override_opt_param_scheduler: bool = False  # on resume: the command line's LR schedule
     use_checkpoint_opt_param_scheduler: bool = False  # on resume: the checkpoint's LR schedule
@@ -488,11 +493,3 @@ for _sec, _cls in SECTIONS.items():
         FIELD_SECTION[_f.name] = _sec
         FIELD_TYPES[_f.name] = _hints[_f.name]
 
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def base_type(tp) -> Any:  # Optional[int] -> int
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if args else tp

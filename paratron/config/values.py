@@ -17,6 +17,19 @@ SFT_PROMPT_FORMATS = ("nemotron-h-aligned", "nemotron-nano-v2", "identity", "def
 STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
               "return_unexpected", "return_all", "ignore_all")
 
+# --data-parallel-sharding-strategy (paratron/parallel/data.py): index = what is sharded (ZeRO stage)
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def sharding_level(par) -> int:
+    """What a resolved parallel section shards over data parallelism: 0 nothing, 1 the optimizer state
+    (--use-distributed-optimizer), 2 also the gradients, 3 also the parameters (--use-megatron-fsdp with
+    --data-parallel-sharding-strategy)."""
+    if par.use_megatron_fsdp:
+        return SHARDING_STRATEGIES.index(par.data_parallel_sharding_strategy)
+    return int(par.use_distributed_optimizer)
+
+
 # --cp-comm-type (paratron/parallel/context.py)
 COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 

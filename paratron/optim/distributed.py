@@ -25,6 +25,7 @@ from ..config import Config
 from ..parallel.data import DataParallel, GradBuffer
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import spec_of
+from . import offload
 from .groups import role_of
 from .muon import Item, Muon, qkv_rows
 from .optimizer import MixedPrecisionAdam
@@ -37,6 +38,18 @@ class Piece:
     param: torch.nn.Parameter
     lo: int  # this rank's range in the buffer's storage
     hi: int
+    bucket: object = None  # the Bucket it lies in
+
+    def _shard(self, shard: torch.Tensor) -> torch.Tensor:
+        return shard[self.lo - self.bucket.shard_range()[0]: self.hi - self.bucket.shard_range()[0]]
+
+    def grad(self) -> torch.Tensor:
+        """The piece of the reduced gradient (the buffer's shard storage under ZeRO-2/3)."""
+        return self._shard(self.buffer.grad_shard(self.bucket))
+
+    def data(self) -> torch.Tensor:
+        """The piece of the parameters this rank updates (the shard storage under ZeRO-3)."""
+        return self._shard(self.buffer.param_shard(self.bucket))
 
     @property
     def start(self) -> int:
@@ -55,12 +68,12 @@ def shard_pieces(models: list[DataParallel]) -> list[Piece]:
                     start = buf.offsets[p]
                     a, z = max(lo, start), min(hi, start + p.numel())
                     if a < z:
-                        pieces.append(Piece(i, buf, p, a, z))
+                        pieces.append(Piece(i, buf, p, a, z, b))
     return pieces
 
 
 def bucket_of(pc: Piece):
-    return next(b for b in pc.buffer.buckets if any(p is pc.param for p in b.params))
+    return pc.bucket
 
 
 def muon_buckets(models: list[DataParallel], names: dict, op) -> dict:
@@ -79,14 +92,14 @@ def muon_buckets(models: list[DataParallel], names: dict, op) -> dict:
 class DistributedOptimizer(MixedPrecisionAdam):
     def __init__(self, models: list[DataParallel], cfg: Config, dims: ParallelDims):
         for m in models:
-            if any(buf.param_data is None for buf in m.grad_buffers):
+            if any(buf.param_data is None and buf.param_shard_data is None for buf in m.grad_buffers):
                 raise ValueError("the distributed optimizer needs the model wrapped with use_distributed_optimizer=True")
         self.models, self.dims = models, dims
         self.pieces = shard_pieces(models)
         self.mixed = any(pc.param.dtype != torch.float32 for pc in self.pieces)
         with torch.no_grad():
-            self._param_views = [pc.buffer.param_data[pc.lo: pc.hi] for pc in self.pieces]
-            self._grad_views = [pc.buffer.grad_data[pc.lo: pc.hi] for pc in self.pieces]
+            self._param_views = [pc.data() for pc in self.pieces]
+            self._grad_views = [pc.grad() for pc in self.pieces]
             masters = [v.detach().float().clone() if v.dtype != torch.float32 else v.detach()
                        for v in self._param_views]
         names = {p: name for m in models for name, p in m.named_parameters()}
@@ -104,12 +117,15 @@ class DistributedOptimizer(MixedPrecisionAdam):
     def _grads(self) -> list[torch.Tensor]:
         return [g if g.dtype == torch.float32 else g.float() for g in self._grad_views]
 
+    def _model_tensors(self) -> list:
+        return self._param_views
+
     def _model_weights(self) -> list:
         return [v if v.dtype != torch.float32 else None for v in self._param_views]
 
     def _publish(self, copied: bool = False) -> None:
         if self.mixed and not copied:
-            torch._foreach_copy_(self._param_views, self.masters)
+            offload.copy_all(self._param_views, self.masters)
         for m in self.models:
             m.start_param_sync()
 
@@ -122,4 +138,5 @@ class DistributedOptimizer(MixedPrecisionAdam):
         for m in self.models:
             m.finish_param_sync()
         if self.mixed:
-            torch._foreach_copy_(self.masters, self._param_views)
+            offload.copy_all(self.masters, self._param_views)
+        self.reload_offloaded()

@@ -13,6 +13,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.sharding import REDUCTION_LAYOUTS, norm_groups, spec_of
 from ..model import mup
 from ..kernels import fused_adamw
+from . import offload
 from .groups import Role, role_of
 
 
@@ -115,6 +116,10 @@ class MixedPrecisionAdam:
         self._own = [r.own_norm for r in roles] if cfg.model.mtp_detach_heads else None
         self._adam_index = [i for i, it in enumerate(muon_items) if it is None]
         self._muon_index = [i for i, it in enumerate(muon_items) if it is not None]
+        self.host = None  # --optimizer-cpu-offload: the masters (and their Adam moments) in host memory
+        if op.optimizer_cpu_offload:
+            self.host = offload.HostState(masters, offload.host_indices(masters, self._adam_index,
+                                                                        op.optimizer_offload_fraction))
         groups: dict = {}
         for i in self._adam_index:
             r = roles[i]
@@ -123,14 +128,15 @@ class MixedPrecisionAdam:
         groups = [{"params": ps, "weight_decay": op.weight_decay if decay else 0.0, "decoupled": decoupled,
                    "hidden": hidden, "eps": eps_of[hidden]}
                   for (decay, decoupled, hidden), ps in sorted(groups.items(), reverse=True)]
-        device = masters[0].device if masters else torch.device("cpu")
-        kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        device = self._device()
+        kw = {"fused": True} if device.type == "cuda" and self.host is None else {"foreach": True}
         self.adam = torch.optim.AdamW(groups or [{"params": []}], lr=op.lr, betas=(op.adam_beta1, op.adam_beta2),
                                       eps=op.adam_eps, **kw)
         # the on-device step of a mixed-precision run: AdamW and the publishing copy in one Triton pass per
         # master (kernels/fused_adamw.py); --kernel-fused-adamw off: torch's fused AdamW, then the copy
         self._fused_outs = None
-        if self.mixed and fused_adamw.available(device) and cfg.kernels.kernel_fused_adamw != "off":
+        if self.mixed and fused_adamw.available(device) and cfg.kernels.kernel_fused_adamw != "off" and \
+                self.host is None:
             self._fused_outs = {m: t for m, t in zip(masters, self._model_weights()) if t is not None}
         self.muon = None
         if self._muon_index:
@@ -142,7 +148,15 @@ class MixedPrecisionAdam:
         else:
             self.scaler = ConstantScaler(1.0)
 
+    def _device(self) -> torch.device:
+        """Where the model's tensors are (an offloaded master is on the host)."""
+        return self._model_tensors()[0].device if self.masters else torch.device("cpu")
+
     # ---- what subclasses provide ----------------------------------------------------------------
+    def _model_tensors(self) -> list[torch.Tensor]:
+        """Per master, the model tensor it is the master of (the parameter, or its distributed shard)."""
+        raise NotImplementedError
+
     def _grads(self) -> list[torch.Tensor]:
         """fp32 gradients aligned with ``self.masters`` (views of the buffer where possible)."""
         raise NotImplementedError
@@ -177,11 +191,12 @@ class MixedPrecisionAdam:
         """Sum of squares of ``grads`` (aligned with the masters) over the whole model: for each kind
         of gradient buffer (the same on every rank, see agree_on_norm_sets), the local sum over this
         rank's counted tensors, summed over the buffer's norm groups."""
-        return self._model_sum(grads, lambda ts: torch.stack(torch._foreach_norm(ts)).float().square().sum())
+        device = self._device()
+        return self._model_sum(grads, lambda ts: offload.norms(ts, device).float().square().sum())
 
     def _model_sum(self, tensors: list[torch.Tensor], local, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``local(counted tensors)`` summed over the whole model, each element counted once (as the norm)."""
-        device = self.masters[0].device if self.masters else "cpu"
+        device = self._device()
         total = torch.zeros((), device=device, dtype=dtype)
         for groups in self._used_norm_sets:
             counted = [g for g, s, c in zip(tensors, self._norm_sets, self._counted) if c and s == groups]
@@ -215,6 +230,7 @@ class MixedPrecisionAdam:
         parts = [grads] if own is None else [_picked(grads, own, False), _picked(grads, own, True)]
         norms_t = [self._norm_sq(part).sqrt() for part in parts]
         if (self.adam.defaults.get("fused") or self._fused_outs is not None) and len(parts) == 1 and \
+                self.host is None and \
                 self.muon is None and not isinstance(self.scaler, DynamicScaler):
             return self._step_on_device(grads, norms_t[0])
         norms = [n.item() for n in norms_t]  # one host sync: the dynamic loss scale and the skip are decided here
@@ -228,15 +244,24 @@ class MixedPrecisionAdam:
                 coeff = self.clip_grad / (total + 1e-6)
                 if coeff < 1.0:
                     torch._foreach_mul_(part, coeff)
+        host = self.host.grads_to_host(grads) if self.host is not None else {}
         for i in self._adam_index:
-            self.masters[i].grad = grads[i]
+            self.masters[i].grad = host.get(i, grads[i])
         self.adam.step()
         for m in self.masters:
             m.grad = None
         if self.muon is not None:
             self.muon.step([grads[i] for i in self._muon_index])
+        if self.host is not None and not self.mixed:  # (mixed: _publish copies every master)
+            self.host.copy_back(self.masters, self._model_tensors())
         self._publish()
         return True, norm
+
+    def reload_offloaded(self) -> None:
+        """After loading weights: the offloaded masters of an fp32 model (no master copies in the
+        checkpoint) from the model tensors."""
+        if self.host is not None and not self.mixed:
+            self.host.reload(self.masters, self._model_tensors())
 
     def _step_on_device(self, grads: list[torch.Tensor], norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The same step with no host synchronisation (a fused AdamW, no dynamic loss scale): the clip
@@ -280,7 +305,18 @@ class MixedPrecisionAdam:
         n = sum(t.numel() * t.element_size() for s in self.adam.state.values() for t in s.values()
                 if torch.is_tensor(t))
         n += self.muon.state_bytes() if self.muon is not None else 0
-        return n + sum(m.numel() * m.element_size() for m in self._own_masters())
+        own = self.masters if self.host is not None and not self.mixed else self._own_masters()
+        return n + sum(m.numel() * m.element_size() for m in own)
+
+    def host_state_bytes(self) -> int:
+        """The part of state_bytes() in host memory (--optimizer-cpu-offload): offloaded masters and their
+        moments (the host copies of their gradients, as many bytes as the masters, are not counted)."""
+        if self.host is None:
+            return 0
+        ms = [self.masters[i] for i in self.host.indices]
+        n = sum(t.numel() * t.element_size() for m in ms for t in self.adam.state.get(m, {}).values()
+                if torch.is_tensor(t) and t.dim() > 0)
+        return n + self.host.bytes(self.masters)
 
     def _own_masters(self) -> list[torch.Tensor]:
         return []
@@ -310,9 +346,12 @@ class Optimizer(MixedPrecisionAdam):
     def _model_weights(self) -> list[Optional[torch.Tensor]]:
         return [p if p.dtype != torch.float32 else None for p in self.params]
 
+    def _model_tensors(self) -> list[torch.Tensor]:
+        return self.params
+
     def _publish(self, copied: bool = False) -> None:
         if self.mixed and not copied:
-            torch._foreach_copy_(self.params, self.masters)
+            offload.copy_all(self.params, self.masters)
 
     def _own_masters(self) -> list[torch.Tensor]:
         return self.masters if self.mixed else []
@@ -323,6 +362,7 @@ class Optimizer(MixedPrecisionAdam):
         if self.mixed:
             for m, p in zip(self.masters, self.params):
                 m.copy_(p)
+        self.reload_offloaded()
 
 
 def build_optimizer(models: list, cfg: Config, dims: ParallelDims) -> MixedPrecisionAdam:

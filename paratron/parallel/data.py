@@ -31,6 +31,11 @@ contiguous storage with the same layout (``param.data`` is a view into it). Afte
 updated its shard, ``start_param_sync()`` all-gathers each bucket; with ``overlap_param_gather`` the
 all-gathers run in the background and a forward pre-hook on each module waits only for the buckets
 of that module's parameters, so the next forward overlaps with the gathering.
+
+Sharded gradients and parameters (ZeRO-2/3, ``--use-megatron-fsdp --data-parallel-sharding-strategy``): the
+same buffers keep only this rank's shard between steps; paratron/parallel/zero.py says when a bucket's full
+gradients and parameters exist. The buffers themselves are in paratron/parallel/buffers.py, the fix-ups
+after the reduction in paratron/parallel/finalize.py.
 """
 from __future__ import annotations
 
@@ -39,119 +44,16 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from . import comm
+from . import fp8_gather, zero
+from .buffers import ALIGN, DEFAULT_BUCKET_MIN, DEFAULT_BUCKET_PER_RANK, Bucket, GradBuffer  # noqa: F401
 from .dims import ParallelDims
+from .finalize import finalize_model_grads, global_token_count  # noqa: F401  (their home was this module)
 from .linear import fusable_weights
 from ..kernels.accumulate import accumulate_
-from .sharding import norm_groups, spec_of, update_spec
-
-ALIGN = 64  # elements; keeps parameter views and shard boundaries aligned for fast kernels
-# Megatron's default bucket size with --overlap-grad-reduce: max(40M, 1M x dp) elements.
-DEFAULT_BUCKET_MIN, DEFAULT_BUCKET_PER_RANK = 40_000_000, 1_000_000
-
-_reduce_scatter = comm.reduce_scatter_single
-_all_gather = comm.all_gather_single
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-class Bucket:
-    """A contiguous range [start, end) of one GradBuffer's storage holding whole parameters."""
-
-    def __init__(self, index: int, buffer: "GradBuffer", params: list, start: int, end: int):
-        self.index, self.buffer, self.params, self.start, self.end = index, buffer, params, start, end
-        self.grad_work = None  # async reduce in flight (or finished, until finish_grad_sync)
-        self.gather_work = None  # async parameter all-gather in flight
-        self.pending: set = set()  # parameters whose last-micro-batch gradient has not arrived
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
-
-    def shard_range(self) -> tuple[int, int]:
-        """This rank's [lo, hi) of the bucket, in its buffer's coordinates."""
-        size = self.numel // self.buffer.n
-        lo = self.start + self.buffer.rank * size
-        return lo, lo + size
-
-
-class GradBuffer:
-    """The gradients of the parameters that are reduced alike (same group, same divisor, same
-    tied-ness), contiguous and cut into buckets; with the distributed optimizer their parameters
-    too. ``norm_groups``: the groups a squared gradient norm of these parameters is summed over."""
-
-    def __init__(self, params: list, dims: ParallelDims, grad_group: str, tied: Optional[str], *,
-                 grad_dtype: torch.dtype, bucket_size: Optional[int], distributed: bool, average: bool,
-                 first_index: int = 0):
-        self.params, self.grad_group, self.tied = params, grad_group, tied
-        self.group = dims.group(grad_group)
-        self.n, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
-        # Megatron averages dense and expert gradients alike over data x context parallelism (an
-        # expert's gradient already sums the tokens its EP peers sent it); none with per-token loss.
-        self.divisor = dims.size("dp_cp") if average else 1
-        self.norm_groups = norm_groups(grad_group, distributed)
-        self.buckets, self.offsets, total = self._layout(bucket_size, first_index)
-        device = params[0].device
-        self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
-        self.param_data = None
-        if distributed:
-            dtypes = {p.dtype for p in params}
-            if len(dtypes) > 1:
-                raise ValueError(f"the distributed optimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
-            self.param_data = torch.zeros(total, dtype=params[0].dtype, device=device)
-        with torch.no_grad():
-            for p in params:
-                off = self.offsets[p]
-                p.main_grad = self.grad_data[off: off + p.numel()].view_as(p)
-                if self.param_data is not None:
-                    view = self.param_data[off: off + p.numel()].view_as(p)
-                    view.copy_(p.data)
-                    p.data = view
-
-    def _layout(self, bucket_size: Optional[int], first_index: int):
-        """Buckets over the parameters in reverse order (the order backward produces their
-        gradients), each start aligned to ALIGN elements, each bucket padded to ALIGN x n so that it
-        splits into equal aligned shards; returns (buckets, offsets, total size)."""
-        buckets, offsets, current = [], {}, []
-        start = pos = 0
-        for p in reversed(self.params):
-            pos = _round_up(pos, ALIGN)
-            offsets[p] = pos
-            pos += p.numel()
-            current.append(p)
-            if bucket_size is not None and pos - start >= bucket_size:
-                end = _round_up(pos, ALIGN * self.n)
-                buckets.append(Bucket(first_index + len(buckets), self, current, start, end))
-                start, pos, current = end, end, []
-        if current:
-            end = _round_up(pos, ALIGN * self.n)
-            buckets.append(Bucket(first_index + len(buckets), self, current, start, end))
-            start = end
-        return buckets, offsets, start
-
-    def start_grad_reduce(self, b: Bucket) -> None:
-        """Scale the bucket and start its reduction (only the scaling when the group is one rank: an
-        expert buffer whose expert-data-parallel group is smaller than data x context parallelism)."""
-        g = self.grad_data[b.start: b.end]
-        if self.divisor != 1:
-            g.div_(self.divisor)  # Megatron scales before the collective
-        if self.n == 1:
-            return
-        if self.param_data is not None:
-            lo, hi = b.shard_range()
-            b.grad_work = _reduce_scatter(self.grad_data[lo: hi], g, group=self.group, async_op=True)
-        else:
-            b.grad_work = dist.all_reduce(g, group=self.group, async_op=True)
-
-    def start_param_gather(self, b: Bucket) -> None:
-        lo, hi = b.shard_range()
-        b.gather_work = _all_gather(self.param_data[b.start: b.end], self.param_data[lo: hi], group=self.group,
-                                    async_op=True)
+from .sharding import spec_of, update_spec
+from ..config.values import sharding_level
 
 
 def _weak_on_grad(dp: "DataParallel"):
@@ -165,51 +67,56 @@ def _weak_on_grad(dp: "DataParallel"):
     return hook
 
 
-def buffer_keys(params: list) -> dict:
-    """{(grad group, tied group): parameters, in module order}: one gradient buffer each. A tied
+def buffer_keys(params: list, fp8: frozenset = frozenset()) -> dict:
+    """{(grad group, tied group, in fp8): parameters, in module order}: one gradient buffer each. A tied
     parameter gets a buffer of its own so that both pipeline copies are sharded identically over
-    data parallelism (the sum over the embedding group after a reduce-scatter relies on it)."""
+    data parallelism (the sum over the embedding group after a reduce-scatter relies on it); so do the
+    FP8 weights gathered in FP8 (``fp8``, --fp8-param-gather)."""
     keys: dict = {}
     for p in params:
         spec = spec_of(p)
-        keys.setdefault((spec.grad_group, spec.tied), []).append(p)
-    return dict(sorted(keys.items(), key=lambda kv: (kv[0][0] != "dp_cp", kv[0][1] is not None)))
+        keys.setdefault((spec.grad_group, spec.tied, p in fp8), []).append(p)
+    return dict(sorted(keys.items(), key=lambda kv: (kv[0][0] != "dp_cp", kv[0][1] is not None, kv[0][2])))
 
 
 class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, dims: ParallelDims, *, grad_dtype: torch.dtype = torch.float32,
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
-                 average: bool = True, fuse_wgrad: bool = False, fused_accumulate: bool = True):
+                 average: bool = True, fuse_wgrad: bool = False, fused_accumulate: bool = True,
+                 sharding: Optional[int] = None, fp8_param_gather: bool = False):
+        """``sharding``: 2 (ZeRO-2) or 3 (ZeRO-3) shard the gradients, and the parameters with 3
+        (paratron/parallel/zero.py); default: 1 with ``use_distributed_optimizer`` (ZeRO-1), else 0.
+        ``fp8_param_gather``: the FP8 linear weights are all-gathered in FP8 (paratron/parallel/fp8_gather.py)."""
         super().__init__()
         self.module, self.dims = module, dims
         self.overlap_grad_reduce = overlap_grad_reduce
-        self.use_distributed_optimizer = use_distributed_optimizer
+        self.sharding = int(use_distributed_optimizer) if sharding is None else sharding
+        self.use_distributed_optimizer = use_distributed_optimizer = self.sharding >= 1
         self.is_last_microbatch = True  # the schedule sets it False (no_sync) on the other micro-batches
         self.buckets_launched_in_backward = 0  # counted per step, for tests and logs
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.buffers_: list[GradBuffer] = []
-        for (group, tied), params in buffer_keys(self.params).items():
-            n = dims.size(group)
-            size = bucket_size
-            if size is None and overlap_grad_reduce:
-                size = max(DEFAULT_BUCKET_MIN, DEFAULT_BUCKET_PER_RANK * n)
-            first = sum(len(b.buckets) for b in self.buffers_)
-            self.buffers_.append(GradBuffer(params, dims, group, tied, grad_dtype=grad_dtype, bucket_size=size,
-                                            distributed=use_distributed_optimizer, average=average,
-                                            first_index=first))
+        fp8 = frozenset(fp8_gather.fp8_weights(module)) if fp8_param_gather and self.sharding >= 1 else frozenset()
+        self._build_buffers(grad_dtype, bucket_size, average, fp8)
         self.buckets = [b for buf in self.buffers_ for b in buf.buckets]
-        # what finalize_model_grads does after the reduction, read off the specs once
-        self.partial_grads: dict[str, list] = {}  # group: gradients to sum over it (ShardSpec.sum_over)
+        # what finalize_model_grads does after the reduction, read off the specs once: the gradients to sum
+        # over a group (ShardSpec.sum_over), the tied copies' (the parts of them this rank holds)
+        self.partial_grads: dict[str, list] = {}
         for p in self.params:
             for name in spec_of(p).sum_over:
-                self.partial_grads.setdefault(name, []).append(p.main_grad)
+                self.partial_grads.setdefault(name, []).extend(zero.grad_views(self.buffer_of_param(p), p))
         self.tied_params = [p for p in self.params if spec_of(p).tied is not None]
+        self.tied_grads = [(spec_of(p).tied, g) for p in self.tied_params
+                           for g in zero.grad_views(self.buffer_of_param(p), p)]
         self.tied_checked = False  # the pipeline stages agreed on their tied copies (once per run)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self.overlap_param_gather = (overlap_param_gather and use_distributed_optimizer
-                                     and any(buf.n > 1 for buf in self.buffers_))
+                                     and any(buf.n > 1 and buf.level < 3 for buf in self.buffers_))
         self._unwritten: set = set()
+        self.units = None  # ZeRO-3: the per-unit gathering (zero.py)
+        if any(buf.level >= 2 for buf in self.buffers_):
+            self.units = zero.ParamUnits(module, self._bucket_of, self._unit_of,
+                                         any(buf.level == 3 for buf in self.buffers_), overlap_param_gather)
         # Megatron's gradient-accumulation fusion (linear.py): these weights' backward adds their
         # gradient to main_grad itself; the hook only drops the placeholder autograd hands it
         self.fused_wgrad = set(fusable_weights(module)) & set(self.params) if fuse_wgrad else set()
@@ -228,14 +135,31 @@ class DataParallel(nn.Module):
                 self._hooks.append(m.register_forward_pre_hook(wait))
         self.zero_grad_buffer()
 
+    def _build_buffers(self, grad_dtype: torch.dtype, bucket_size: Optional[int], average: bool,
+                       fp8: frozenset) -> None:
+        """One GradBuffer per key of buffer_keys (ZeRO-3: buckets cut at the units of zero.py)."""
+        self._unit_of = zero.unit_index(self.module, self.params) if self.sharding >= 2 else None
+        self.buffers_: list[GradBuffer] = []
+        for (group, tied, in_fp8), params in buffer_keys(self.params, fp8).items():
+            size = bucket_size
+            if size is None and self.overlap_grad_reduce:
+                size = max(DEFAULT_BUCKET_MIN, DEFAULT_BUCKET_PER_RANK * self.dims.size(group))
+            first = sum(len(b.buckets) for b in self.buffers_)
+            self.buffers_.append(GradBuffer(params, self.dims, group, tied, grad_dtype=grad_dtype, bucket_size=size,
+                                            distributed=self.sharding >= 1, average=average, first_index=first,
+                                            level=self.sharding, unit_of=self._unit_of, fp8=in_fp8))
+
+    def buffer_of_param(self, p: torch.Tensor) -> GradBuffer:
+        return next(buf for buf in self.buffers_ if p in buf.offsets)
+
     @property
     def grad_buffers(self) -> list[GradBuffer]:
         return self.buffers_
 
     @property
     def grad_buffer(self) -> torch.Tensor:
-        """The storage of the dense parameters' gradients (the first buffer)."""
-        return self.buffers_[0].grad_data
+        """The storage of the dense parameters' gradients (the first buffer; its shard under ZeRO-2/3)."""
+        return self.buffers_[0].reduced_grads()[0]
 
     def buffer_of(self, p: torch.Tensor) -> GradBuffer:
         return self._bucket_of[p].buffer
@@ -261,11 +185,14 @@ class DataParallel(nn.Module):
     # ---- gradients ------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
         # the first gradient of the step is written (the buffer is not zero-filled), later ones added
+        b = self._bucket_of[p]
+        b.buffer.ensure_grads(b)
         if p not in self.fused_wgrad:
             accumulate_(p.main_grad, p.grad, write=p in self._unwritten, fused=self._fused_accumulate)
         self._unwritten.discard(p)
         p.grad = None
-        b = self._bucket_of[p]
+        if self.units is not None:
+            self.units.on_grad(p)
         if not (self.overlap_grad_reduce and self.is_last_microbatch and b.buffer.n > 1):
             return
         if b.grad_work is not None:
@@ -280,23 +207,24 @@ class DataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """After the last backward of the step: reduce the buckets not reduced yet, wait for all."""
         for p in self._unwritten:  # parameters that got no gradient this step
+            b = self._bucket_of[p]
+            b.buffer.ensure_grads(b)
             p.main_grad.zero_()
         self._unwritten.clear()
         for b in self.buckets:
             if b.grad_work is None:  # not launched in backward (or a one-rank group: scaled only)
                 b.buffer.start_grad_reduce(b)
         for b in self.buckets:
-            if b.grad_work is not None:
-                b.grad_work.wait()
-                b.grad_work = None
+            b.buffer.finish_grad_reduce(b)
 
     def zero_grad_buffer(self) -> None:
         """Start a step. Instead of zero-filling the buffers, each parameter's first gradient is
         copied in (saves a write and a read of the whole buffer); finish_grad_sync zeroes the rest. The
         weights whose backward adds to main_grad (``fused_wgrad``) are zeroed here, in one launch.
         Padding between parameters is zero from construction and never written."""
-        if self.fused_wgrad:
-            torch._foreach_zero_([p.main_grad for p in self.fused_wgrad])
+        zeroed = [p.main_grad for p in self.fused_wgrad if self._bucket_of[p].buffer.level < 2]
+        if zeroed:  # (ZeRO-2/3: zeroed when their bucket gets its storage, zero.py)
+            torch._foreach_zero_(zeroed)
         self._unwritten = set(self.params) - self.fused_wgrad
         self.buckets_launched_in_backward = 0
         for b in self.buckets:
@@ -315,15 +243,19 @@ class DataParallel(nn.Module):
     def scale_grads(self, factor) -> None:
         """Multiply every gradient by ``factor`` (a number or a 0-d tensor)."""
         for buf in self.buffers_:
-            buf.grad_data.mul_(factor)
+            for t in buf.reduced_grads():
+                t.mul_(factor)
 
     # ---- parameters (distributed optimizer) -----------------------------------------------------
     def start_param_sync(self) -> None:
-        """All-gather every bucket's updated shards; in the background with overlap_param_gather."""
+        """All-gather every bucket's updated shards; in the background with overlap_param_gather. ZeRO-3:
+        drop the gathered parameters instead (stale now; each unit gathers its own when it runs)."""
+        if self.units is not None:
+            self.units.free_all()
         if not self.use_distributed_optimizer:
             return
         for b in reversed(self.buckets):  # the first layers' bucket first: the forward needs it first
-            if b.buffer.n > 1:
+            if b.buffer.n > 1 and b.buffer.level < 3:
                 b.buffer.start_param_gather(b)
         if not self.overlap_param_gather:
             self.finish_param_sync()
@@ -342,11 +274,29 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def state_dict(self, *args, **kwargs):
+    @contextmanager
+    def gathered(self):
+        """Every parameter whole for the block (ZeRO-3 gathers them all, then frees them; changes made
+        to them are not kept, the shards are the parameters)."""
         self.finish_param_sync()
-        return self.module.state_dict(*args, **kwargs)
+        if self.units is None:
+            yield self.module
+            return
+        self.units.gather_all()
+        try:
+            yield self.module
+        finally:
+            self.units.free_all()
+
+    def state_dict(self, *args, **kwargs):
+        with self.gathered():
+            sd = self.module.state_dict(*args, **kwargs)
+            return sd if self.units is None else {k: v.detach().clone() for k, v in sd.items()}
 
     def load_state_dict(self, *args, **kwargs):
+        if self.units is not None:
+            raise RuntimeError("a ZeRO-3 model loads its parameters from a checkpoint's pieces "
+                               "(paratron.checkpoint.sharded.load); load_state_dict would only fill gathered copies")
         self.finish_param_sync()
         return self.module.load_state_dict(*args, **kwargs)
 
@@ -368,74 +318,8 @@ def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims) -> DataParall
     return DataParallel(module, dims, grad_dtype=grad_buffer_dtype(cfg), bucket_size=par.ddp_bucket_size,
                         overlap_grad_reduce=par.overlap_grad_reduce,
                         use_distributed_optimizer=par.use_distributed_optimizer,
-                        overlap_param_gather=par.overlap_param_gather,
+                        overlap_param_gather=par.overlap_param_gather, sharding=sharding_level(par),
+                        fp8_param_gather=par.fp8_param_gather,
                         average=not cfg.train.calculate_per_token_loss,
                         fuse_wgrad=not par.no_gradient_accumulation_fusion,
                         fused_accumulate=cfg.kernels.kernel_fused_accumulate != "off")
-
-
-def finalize_model_grads(models: list[DataParallel], dims: ParallelDims, num_tokens=None) -> None:
-    """After the last backward of a step: each gradient buffer's reduction over its group, then the
-    sums of partial gradients over model-parallel groups (``spec.sum_over``: sequence-parallel
-    replicated parameters over TP), then the sum of tied copies over their group (the word
-    embedding's two pipeline copies over the embedding group). After a reduce-scatter only this
-    rank's shard of each gradient is right; the later sums keep it right because the ranks of those
-    groups share one buffer layout, and a tied parameter has a buffer of its own.
-
-    ``num_tokens`` (``--calculate-per-token-loss``): this rank's loss-token count of the step (known
-    on the last pipeline stage); the gradients, summed rather than averaged over data parallelism,
-    are divided by the global count."""
-    for m in models:
-        m.finish_grad_sync()
-    partial: dict = {}
-    for m in models:
-        for name, grads in m.partial_grads.items():
-            partial.setdefault(name, []).extend(grads)
-    for name in sorted(partial):
-        if dims.size(name) > 1:
-            _all_reduce_flat(partial[name], dims.group(name))
-    tied = [p for m in models for p in m.tied_params]
-    if dims.pp > 1 and dims.embedding_group is not None and not models[0].tied_checked:
-        _check_tied_embedding(len(tied), dims, models[0].grad_buffer.device)
-        models[0].tied_checked = True
-    for p in tied:
-        if dims.size(spec_of(p).tied) > 1:
-            dist.all_reduce(p.main_grad, group=dims.group(spec_of(p).tied))
-    if num_tokens is not None:
-        total = global_token_count(num_tokens, dims, models[0].grad_buffer.device)
-        for m in models:
-            m.scale_grads(1.0 / total.clamp(min=1))
-
-
-def global_token_count(num_tokens, dims: ParallelDims, device) -> torch.Tensor:
-    """The step's loss-token count over the pipeline (from its last stage) and data x context
-    parallelism, as a 0-d fp64 tensor on ``device`` (exact far beyond fp32's 2^24)."""
-    n = torch.as_tensor(num_tokens, device=device).detach().to(torch.float64).reshape(()).clone()
-    if dims.pp > 1:
-        dist.broadcast(n, src=dims.pp_peer(dims.pp - 1 - dims.pp_rank), group=dims.pp_group)
-    if dims.dp_cp > 1:
-        dist.all_reduce(n, group=dims.dp_cp_group)
-    return n
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _check_tied_embedding(count: int, dims: ParallelDims, device) -> None:
-    """Once per run: the first and last pipeline stage must hold the same number of tied copies
-    (``ShardSpec.tied``), or the all-reduce above would hang."""
-    lo = torch.tensor([count], device=device)
-    hi = lo.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=dims.embedding_group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=dims.embedding_group)
-    if lo.item() != hi.item():
-        raise RuntimeError(
-            f"the first and last pipeline stages hold {lo.item()} and {hi.item()} tied parameters: the first "
-            "stage's word embedding and the last stage's output-layer copy both need ShardSpec.tied = "
-            "'embedding' (their gradients are summed over the embedding group)")

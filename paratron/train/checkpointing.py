@@ -128,6 +128,7 @@ class Checkpointing:
             self.optimizer.scaler.load_state_dict(common["optimizer"]["scaler"])
             self.scheduler.resume(common["scheduler"], self.cfg.optim)
             self.optimizer.set_lr(*self.scheduler.lrs())
+            self.optimizer.reload_offloaded()  # an fp32 model's offloaded masters: from the loaded weights
         else:
             self.optimizer.reload_masters()
         if c.finetune:

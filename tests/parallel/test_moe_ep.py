@@ -55,10 +55,10 @@ def _wrong_group(cfg) -> dict:
 
     real = data.buffer_keys
 
-    def dense_only(params):
+    def dense_only(params, fp8=frozenset()):
         merged: dict = {}
-        for (group, tied), ps in real(params).items():
-            merged.setdefault(("dp_cp" if group == "edp" else group, tied), []).extend(ps)
+        for (group, tied, in_fp8), ps in real(params, fp8).items():
+            merged.setdefault(("dp_cp" if group == "edp" else group, tied, in_fp8), []).extend(ps)
         return merged
 
     data.buffer_keys = dense_only
