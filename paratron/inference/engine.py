@@ -70,17 +70,22 @@ class Engine:
         self.compile = compile
         self.cache: Optional[KVCache] = None
         self.graph = None
+        self.peak_cache_bytes = 0  # the largest KV cache allocated so far (the server's /health reports it)
 
     # ---- the model passes ---------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, view: CacheView, mask: torch.Tensor,
-                 last_only: bool = False) -> torch.Tensor:
-        """Logits [b, s (1 if last_only), vocab] of ``ids`` [b, s], writing their keys/values to the cache."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, view, mask: Optional[torch.Tensor],
+                 last_only: bool = False, pick: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [b, s (1 if last_only, len(pick) if given), vocab] of ``ids`` [b, s], writing their keys/values
+        to the cache (``view``: a CacheView, or the paged engine's PagedView); ``pick``: the positions whose
+        logits are wanted."""
         m = self.model
         x = m.embedding(ids, positions)
         rope = m.rotary(ids.shape[1], positions) if m.rotary is not None else None
         x = m.decoder(x, ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view))
         if last_only:
             x = x[-1:]
+        elif pick is not None:
+            x = x.index_select(0, pick)
         logits = comm.gather_from_tp(m.output_layer(m.head_input(x), m.output_weight()), self.tp_group)
         return logits.transpose(0, 1)[..., :self.vocab_size]
 
@@ -115,6 +120,8 @@ class Engine:
             self.cache, self.graph = None, None  # free the old one first
             dtype = next(self.model.parameters()).dtype
             self.cache = KVCache(self.model, batch, capacity, device=self.device, dtype=dtype)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, sum(b.numel() * b.element_size()
+                                                                   for b in self.cache.buffers()))
         if self.compile and self.graph is None:
             from .graphs import DecodeRunner
             self.graph = DecodeRunner(self.decode_step, batch, self.device,
