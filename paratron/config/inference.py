@@ -9,6 +9,8 @@ the server runs the fixed-batch engine (engine.py), optionally with ``--continuo
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -65,21 +67,33 @@ def check_inference(c: InferenceConfig) -> None:
                           f"{', '.join(EVICTION_POLICIES)}")
 
 
+def field_help() -> dict[str, str]:
+    """Each field's comment in the class above: its one-line help."""
+    out = {}
+    for line in inspect.getsource(InferenceConfig).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+=[^#]+#\s*(.+)", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
 def add_arguments(parser) -> None:
     """The fields as ``paratron serve`` flags (booleans are switches; ``--no-...`` for prefix caching, as
     Megatron has)."""
-    defaults = InferenceConfig()
+    defaults, helps = InferenceConfig(), field_help()
     for f in dataclasses.fields(InferenceConfig):
         flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
         if isinstance(default, bool):
-            parser.add_argument(flag, dest=f.name, action="store_true", default=default)
+            parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=helps[f.name])
             continue
         kind = {"inference_dynamic_batching_buffer_size_gb": float,
                 "inference_dynamic_batching_memory_fraction": float,
                 "inference_dynamic_batching_prefix_caching_eviction_policy": str}.get(f.name, int)
-        parser.add_argument(flag, dest=f.name, type=kind, default=default)
+        parser.add_argument(flag, dest=f.name, type=kind, default=default, metavar="V",
+                            help=helps[f.name].replace("%", "%%") + f" (default {default})")
     parser.add_argument("--no-inference-dynamic-batching-prefix-caching",
-                        dest="inference_dynamic_batching_prefix_caching", action="store_false")
+                        dest="inference_dynamic_batching_prefix_caching", action="store_false",
+                        help="no prefix caching (the default)")
 
 
 def from_args(args) -> InferenceConfig:

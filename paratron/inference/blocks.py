@@ -44,7 +44,6 @@ class BlockAllocator:
         self.key_of: dict[int, bytes] = {}
         self.by_key: dict[bytes, int] = {}
         self.evictable: collections.OrderedDict = collections.OrderedDict()  # LRU: oldest release first
-        self.hits = 0  # blocks found in the prefix cache
         self.peak = 0  # most blocks held at once
 
     @property
@@ -102,7 +101,6 @@ class BlockAllocator:
                 self.evictable.pop(b, None)
             self.refs[b] += 1
             out.append(b)
-        self.hits += len(out)
         self.peak = max(self.peak, self.used)
         return out
 

@@ -102,6 +102,12 @@ class PagedEngine:
     def idle(self) -> bool:
         return self.sched.idle
 
+    def abort(self) -> None:
+        """Drop every waiting and running request (after a failed step), releasing their blocks."""
+        for seq in list(self.sched.running):
+            self.sched.finish(seq)
+        self.sched.waiting.clear()
+
     def generate(self, requests: list[Request], on_token: Optional[Callable] = None) -> list[Result]:
         """Every request at once, stepped until all are done (offline use and tests)."""
         for r in requests:
@@ -237,5 +243,5 @@ class PagedEngine:
         """What /health reports about the pool."""
         b = self.blocks
         return {"kv_blocks": self.num_blocks - 1, "kv_blocks_used": b.used, "kv_blocks_peak": b.peak,
-                "kv_bytes_peak": b.peak * self.block_bytes, "prefix_cache_hit_blocks": b.hits,
+                "kv_bytes_peak": b.peak * self.block_bytes, "prefix_cache_hit_blocks": self.sched.prefix_hits,
                 "preemptions": self.sched.preemptions, "steps": self.steps}

@@ -67,6 +67,7 @@ class Scheduler:
         self.waiting: collections.deque = collections.deque()
         self.running: list[Seq] = []
         self.preemptions = 0
+        self.prefix_hits = 0  # blocks of admitted requests found in the prefix cache
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -149,12 +150,14 @@ class Scheduler:
     def _admit(self, plan: list, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_requests:
             seq = self.waiting[0]
-            if not seq.blocks:
-                self._reuse_prefix(seq)
+            self._reuse_prefix(seq)
             n = self._take(seq, budget)
-            if not n or not self._grow(seq, seq.computed + n):
+            if not n or not self._grow(seq, seq.computed + n):  # a waiting request holds no blocks
+                self.blocks.release(seq.blocks)
+                seq.blocks, seq.keys, seq.computed = [], [], 0
                 break
             self.waiting.popleft()
+            self.prefix_hits += len(seq.keys)
             self.running.append(seq)
             plan.append((seq, n))
             budget -= n
