@@ -1,8 +1,8 @@
 """The paged engine (paratron/inference/paged.py) on a tiny Llama on CPU: 64 concurrent requests of mixed lengths
 give each one's alone result; prefix-cache hits give the tokens of misses; a tiny block pool preempts and
 recomputes without losing a request or changing an output; seeded sampling and log-probabilities equal the
-fixed-batch engine's; the block allocator's reference counts and eviction; the paged attention's reference and
-Triton kernel (interpreter) against dense attention."""
+fixed-batch engine's; the block allocator's reference counts and eviction; the paged attention's reference
+against dense attention (its Triton kernel against the reference: tests/unit/test_kernels.py)."""
 from __future__ import annotations
 
 import random
@@ -149,31 +149,3 @@ def test_paged_attention_reference_equals_dense_attention():
         vals = v_pool[t].reshape(-1, g, d)[:lengths[i]].transpose(0, 1)
         want = masked_attention(q[i], keys, vals, torch.ones(1, dtype=torch.bool), 0.3)
         assert torch.allclose(got[i], want, atol=1e-5)
-
-
-KERNEL = r"""
-import torch
-from paratron.kernels.paged_attention import paged_attention_reference
-torch.manual_seed(0)
-# block sizes under (not a power of two) and over the kernel's 64-key tile; tokens of one request at different
-# lengths; tables whose unused entries point anywhere (never read); bf16 and fp32
-for bs, g, qpg, d, dtype, tol in ((5, 2, 4, 16, torch.bfloat16, 2e-2), (128, 1, 2, 16, torch.float32, 1e-5)):
-    blocks = 40
-    k_pool, v_pool = torch.randn(2, blocks, bs, g, d).to(dtype)
-    tables = torch.randint(1, blocks, (3, 200 // bs + 2))
-    lengths = torch.tensor([1, 37, 130, 64])
-    rows = torch.tensor([0, 0, 1, 2])
-    q = torch.randn(4, g, qpg, d).to(dtype)
-    got = torch.ops.paratron.paged_attention(q, k_pool, v_pool, tables, rows, lengths, 0.25)
-    want = paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, 0.25)
-    assert got.shape == q.shape and got.dtype == dtype and torch.isfinite(got).all()
-    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    assert err <= tol, (bs, g, qpg, d, dtype, err)
-print("ok")
-"""
-
-
-def test_paged_attention_kernel_matches_the_reference_in_the_interpreter():
-    pytest.importorskip("triton")
-    from tests.interpret import interpret
-    interpret(KERNEL)
