@@ -1,6 +1,6 @@
 """`paratron serve` on a tiny checkpoint, driven over 127.0.0.1 by the real `openai` client (completions,
 chat, streaming) and by plain HTTP (Megatron's PUT /api, the 4xx cases); 100 concurrent requests, also
-with --continuous-batching."""
+with --continuous-batching and with the paged engine (--inference-dynamic-batching)."""
 from __future__ import annotations
 
 import asyncio
@@ -80,6 +80,15 @@ def continuous_server(tmp_path_factory):
     yield from _server(tmp_path_factory, "--continuous-batching")
 
 
+@pytest.fixture(scope="module")
+def paged_server(tmp_path_factory):
+    """The same with the paged engine: small blocks and step budget (chunked prefill, prefix caching)."""
+    yield from _server(tmp_path_factory, "--inference-dynamic-batching", "--inference-dynamic-batching-block-size",
+                       "4", "--inference-dynamic-batching-max-tokens", "48", "--enable-chunked-prefill",
+                       "--inference-dynamic-batching-num-blocks", "160", "--inference-dynamic-batching-prefix-caching",
+                       "--inference-dynamic-batching-prefix-caching-eviction-policy", "lru")
+
+
 def http(url: str, method: str, body) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -90,8 +99,9 @@ def http(url: str, method: str, body) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_openai_client_completions_chat_and_streaming(server):
-    url, ref = server
+@pytest.mark.parametrize("kind", ["server", "paged_server"])
+def test_openai_client_completions_chat_and_streaming(kind, request):
+    url, ref = request.getfixturevalue(kind)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     assert [m.id for m in client.models.list().data] == ["tiny"]
     want = ref.texts(["hello world"], 6)[0]
@@ -128,7 +138,7 @@ def test_megatron_api(server):
                                                         "random_seed": 3})[1]["text"] == seeded["text"]
 
 
-@pytest.mark.parametrize("kind", ["server", "continuous_server"])
+@pytest.mark.parametrize("kind", ["server", "continuous_server", "paged_server"])
 def test_hundred_concurrent_requests(kind, request):
     url, ref = request.getfixturevalue(kind)
     words = ["hello", "the quick", "brown fox", "lazy dog", "hello there", "jumps over"]
