@@ -11,6 +11,9 @@ SCHEDULING = "a kernel or scheduling choice with the same numbers: paratron's on
 PRECISION_AWARE = ("read only by Transformer Engine's precision-aware optimizer (--use-precision-aware-optimizer, "
                    "refused); without it Megatron keeps fp32 there, as paratron does (the value fp32)")
 
+SERVE_ONLY = ("a `paratron serve` flag (the serving engine: paratron/config/inference.py), not a training one: "
+              "give it to paratron serve")
+
 # Accepted: parsed, and paratron's only behaviour is what the flag asks.
 ACCEPTED = {
     "transformer_impl": ONE_IMPL,
@@ -159,7 +162,8 @@ PREFIX_REASONS = (
     ("cuda_graph", GPU.format("CUDA graph capture")),
     ("megatron_fsdp", PLANNED.format("Megatron-FSDP")),
     ("fsdp_", PLANNED.format("Megatron-FSDP")),
-    ("inference_", NA.format("inference-server options (paratron's generation is `paratron generate`)")),
+    ("inference_", NA.format("this inference-server option (paratron serve implements --inference-dynamic-batching "
+                             "and its block, token, request, prefix-caching and CUDA-graph flags)")),
     ("rl_", NA.format("reinforcement-learning training")),
     ("grpo_", NA.format("reinforcement-learning training (GRPO)")),
     ("moe_routing_trace", PLANNED.format("MoE routing traces")),
@@ -168,7 +172,8 @@ PREFIX_REASONS = (
 # Refused by Megatron argument group (everything else of the group).
 GROUP_REASONS = {
     "rl": NA.format("reinforcement-learning training"),
-    "inference": NA.format("inference-server options (paratron's generation is `paratron generate`)"),
+    "inference": NA.format("this inference-server option (paratron serve implements --inference-dynamic-batching "
+                           "and its block, token, request, prefix-caching and CUDA-graph flags)"),
     "vision": NA.format("vision models (paratron trains GPT-style language models)"),
     "biencoder": NA.format("retrieval biencoder models"),
     "Logits Distillation": PLANNED.format("knowledge distillation"),
