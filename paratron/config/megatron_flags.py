@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .inference import FIELDS as SERVE_FIELDS
-from .megatron_reasons import (ACCEPTED, ACCEPTED_VALUES, GROUP_REASONS, HONOURED_FIELDS, PREFIX_REASONS, REFUSED,
-                               SERVE_ONLY)
+from .megatron_reasons import ACCEPTED, ACCEPTED_VALUES, GROUP_REASONS, HONOURED_FIELDS, PREFIX_REASONS, REFUSED
 from .sections import FIELD_SECTION
 
 ARGS_FILE = Path(__file__).with_name("megatron_args.tsv")
@@ -73,8 +71,6 @@ def refusal(name: str) -> Optional[str]:
     name = canonical(name)
     if name in FIELD_SECTION or name in ACCEPTED:
         return None
-    if name in SERVE_FIELDS or name == "no_inference_dynamic_batching_prefix_caching":
-        return SERVE_ONLY
     if name in REFUSED:
         return REFUSED[name]
     for prefix, reason in PREFIX_REASONS:

@@ -2,6 +2,8 @@
 accepted (paratron already does what it asks) or refused (planned, GPU-only, not applicable)."""
 from __future__ import annotations
 
+from .inference import FIELDS as SERVE_FIELDS
+
 SDPA = ("attention runs through torch's scaled_dot_product_attention, which picks the flash, memory-efficient or math "
         "kernel itself (training on H100/H200 with paratron[hopper]: FlashAttention-4's kernels)")
 ONE_IMPL = "paratron has one transformer implementation (PyTorch modules with its own kernels): every name selects it"
@@ -10,9 +12,6 @@ SCHEDULING = "a kernel or scheduling choice with the same numbers: paratron's on
 
 PRECISION_AWARE = ("read only by Transformer Engine's precision-aware optimizer (--use-precision-aware-optimizer, "
                    "refused); without it Megatron keeps fp32 there, as paratron does (the value fp32)")
-
-SERVE_ONLY = ("a `paratron serve` flag (the serving engine: paratron/config/inference.py), not a training one: "
-              "give it to paratron serve")
 
 # Accepted: parsed, and paratron's only behaviour is what the flag asks.
 ACCEPTED = {
@@ -88,6 +87,8 @@ ACCEPTED_VALUES = {
 
 PLANNED = "planned: {} is not in paratron yet; remove the flag"
 NA = "not applicable: {}; remove the flag"
+SERVE_ONLY = NA.format("a `paratron serve` flag (the serving engine, paratron/config/inference.py), not a training "
+                       "one: give it to paratron serve")
 GPU = "GPU-only ({}); paratron does not implement it; remove the flag"
 
 # Refused by name (the flags GPT/Llama/MoE scripts use most).
@@ -138,6 +139,8 @@ REFUSED = {
     "hybrid_override_pattern": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
     "experimental_attention_variant": PLANNED.format("linear/sparse attention variants"),
     "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
+    # implemented by paratron serve (config/inference.py), refused by training
+    **{name: SERVE_ONLY for name in SERVE_FIELDS + ("no_inference_dynamic_batching_prefix_caching",)},
 }
 
 # Config fields whose only effect is the behaviour paratron always has (read by no other code).
