@@ -75,7 +75,7 @@ def percentiles(xs: list) -> tuple:
     return pick(0.5), pick(0.99)
 
 
-async def drive(url: str, reqs: list) -> dict:
+async def drive(url: str, reqs: list, model: str = "m") -> dict:
     """Every request at its arrival time through the openai client (streaming); the timings."""
     import openai
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
@@ -84,7 +84,7 @@ async def drive(url: str, reqs: list) -> dict:
     async def one(at, prompt, n):
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         sent, stamps = time.perf_counter(), []
-        stream = await client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=0, stream=True)
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 stamps.append(time.perf_counter())

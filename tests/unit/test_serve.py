@@ -190,3 +190,22 @@ def test_chat_template_of_the_tokenizer():
     assert text == "<|user|>hi</s><|assistant|>" and stops == ()
     with pytest.raises(ValueError, match="no system"):
         render_chat([{"role": "system", "content": "x"}], "{{ raise_exception('no system') }}", {})
+
+
+def test_serve_load_benchmark_drives_a_server(paged_server):
+    """benchmarks/serve_load.py's load (seeded, a shared prefix, Poisson arrivals) and its openai-client driver
+    against the paged server: every request streams, the timings add up."""
+    import importlib.util
+    import types
+    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = types.SimpleNamespace(requests=6, rate=40.0, prompt_min=2, prompt_max=10, new_min=2, new_max=5, seed=0,
+                                 shared_prefix=3, tiny=True)
+    reqs = bench.load(args)
+    assert reqs == bench.load(args) and len({tuple(p[:3]) for _, p, _ in reqs}) == 1  # seeded; the shared prefix
+    assert [at for at, _, _ in reqs] == sorted(at for at, _, _ in reqs) and reqs[-1][0] > 0
+    out = asyncio.run(bench.drive(paged_server[0], reqs, "tiny"))
+    assert out["output_tokens"] > 0 and len(out["ttft"]) == len(out["e2e"]) <= len(reqs)
+    assert len(out["itl"]) == out["output_tokens"] - len(out["ttft"]) and min(out["ttft"]) > 0
+    assert bench.percentiles([0.001, 0.002, 0.003]) == (2.0, 3.0)
