@@ -239,6 +239,13 @@ class PagedEngine:
                       list(s.logprobs) if p.logprobs else None, s.prompt_logprobs if p.logprobs else None,
                       list(s.top) if p.logprobs and p.top_logprobs else None)
 
+    def startup_line(self) -> str:
+        """What the pool and the decode path came to (the server prints it when it starts)."""
+        graphs = f"CUDA graphs for batches {self.graphs.sizes}" if self.graphs is not None else "no CUDA graphs"
+        attention = "Triton kernel" if self.kernel and self.device.type == "cuda" else "torch reference"
+        return (f" paged engine: {self.num_blocks - 1} blocks of {self.block_size} tokens "
+                f"({(self.num_blocks - 1) * self.block_bytes / 2 ** 30:.3f} GB), paged attention: {attention}, {graphs}")
+
     def stats(self) -> dict:
         """What /health reports about the pool."""
         b = self.blocks

@@ -7,7 +7,8 @@ blocks a request can hold]. Buckets are powers of two up to ``--inference-dynami
 bucket >= r, its padding rows writing into the scratch block 0 and attending over it alone (their logits are
 dropped). Inputs are copied into fixed tensors, the pool is written in place, and each bucket's graph is
 captured after WARMUP eager calls (which let lazy initialisation happen outside the capture), into one memory
-pool shared by all buckets. A step larger than the largest bucket runs eagerly.
+pool shared by all buckets. A step larger than the largest bucket runs eagerly. Under ``--torch-compile`` the step
+is compiled (Inductor) before it is captured.
 """
 from __future__ import annotations
 
@@ -42,11 +43,17 @@ class DecodeGraphs:
         self.out: dict = {}
         self.calls: dict = {}
         self.pool = None
+        # --torch-compile: the step compiled once per bucket (torch's recompile limit, 8 shapes by default, leaves
+        # larger buckets eager; still graphed)
+        self.forward = torch.compile(self._forward, dynamic=False) if engine.e.compile else self._forward
+
+    def _forward(self, ids, positions, slots, tables, rows, lengths) -> torch.Tensor:
+        e = self.engine
+        return e.e._forward(ids, positions, PagedView(e.cache, slots, tables, rows, lengths, e.kernel), None)[0]
 
     def _step(self, b: int) -> torch.Tensor:
-        e = self.engine
-        view = PagedView(e.cache, self.slots[:b], self.tables[:b], self.rows[:b], self.lengths[:b], e.kernel)
-        return e.e._forward(self.ids[:, :b], self.positions[:, :b], view, None)[0]
+        return self.forward(self.ids[:, :b], self.positions[:, :b], self.slots[:b], self.tables[:b], self.rows[:b],
+                            self.lengths[:b])
 
     def _fill(self, b: int, ids, positions, slots, tables, lengths) -> None:
         """The step's inputs into the fixed tensors, padded to ``b`` rows (two host-to-device copies)."""

@@ -53,6 +53,7 @@ class Server:
             from .paged import PagedEngine
             from .paged_batcher import PagedBatcher
             self.engine = PagedEngine(model.engine, self.limits)
+            print(self.engine.startup_line(), flush=True)
             self.batcher = PagedBatcher(self.engine)
         elif continuous:  # requests join running batches (continuous.py)
             from .continuous import ContinuousBatcher

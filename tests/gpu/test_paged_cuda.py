@@ -1,6 +1,6 @@
 """The paged engine on the GPU: the paged-attention Triton kernel against its torch reference in bf16 at llama-1b's
 decode shapes; the engine with CUDA-graphed decode buckets gives the tokens of the eager engine (graphs off) for
-concurrent mixed-length requests, with graphs replayed."""
+concurrent mixed-length requests, with graphs replayed (and with the step compiled, --torch-compile)."""
 from __future__ import annotations
 
 import random
@@ -26,13 +26,14 @@ def test_paged_kernel_matches_the_reference_in_bf16():
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
 
 
-def test_graphed_decode_gives_the_eager_tokens():
+@pytest.mark.parametrize("compile", [False, True])
+def test_graphed_decode_gives_the_eager_tokens(compile):
     from paratron.config.inference import InferenceConfig
     from paratron.inference.engine import Engine, Request
     from paratron.inference.paged import PagedEngine
     from paratron.inference.sampling import SamplingParams
     from tests.unit.test_generate import VOCAB, tiny_model
-    engine = Engine(tiny_model().cuda(), VOCAB)
+    engine = Engine(tiny_model().cuda(), VOCAB, compile=compile)
     rng = random.Random(0)
     reqs = [Request([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 20))],
                     SamplingParams(max_new_tokens=rng.randint(4, 20))) for _ in range(24)]
