@@ -35,8 +35,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the llama-1b shape of ../shared/bench/hf_generate.py and hf_cb.py (the peers' runs)
 LLAMA_1B = dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096, rope_theta=500000.0)
+                num_key_value_heads=8, vocab_size=32768, max_position_embeddings=4096, rope_theta=500000.0,
+                tie_word_embeddings=False)
 TINY = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=300, max_position_embeddings=128)
 
