@@ -189,9 +189,12 @@ class PagedEngine:
                 seq.prompt_logprobs = [None] + seq.prompt_acc
 
     def _sample(self, ready: list[Seq], last: torch.Tensor, on_token) -> list[Seq]:
-        sampler = Sampler([s.params for s in ready], self.device,
-                          {i: s.generator for i, s in enumerate(ready) if s.generator is not None})
-        tok = sampler(last).tolist()
+        if all(s.params.temperature == 0 for s in ready):  # greedy: no per-row tensors to build
+            tok = last.argmax(-1).tolist()
+        else:
+            sampler = Sampler([s.params for s in ready], self.device,
+                              {i: s.generator for i, s in enumerate(ready) if s.generator is not None})
+            tok = sampler(last).tolist()
         full = lp = top = None
         if any(s.params.logprobs for s in ready):
             full = torch.log_softmax(last.float(), dim=-1)
