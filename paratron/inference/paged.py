@@ -126,6 +126,8 @@ class PagedEngine:
         generated (None: the request ended without a new token)."""
         plan = self.sched.schedule()
         if not plan:
+            if not self.idle:  # (the checks of ``check`` keep every request schedulable: a bug if not)
+                raise RuntimeError(f"the paged engine cannot schedule its {len(self.sched.waiting)} waiting requests")
             return []
         self.steps += 1
         logits, picks = self._run(plan)

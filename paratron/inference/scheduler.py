@@ -129,11 +129,12 @@ class Scheduler:
         return budget
 
     def _take(self, seq: Seq, budget: int) -> int:
-        """Tokens of ``seq``'s prompt to compute this step within ``budget`` (0: none fit)."""
-        n = min(seq.need, budget) if self.chunked else (seq.need if seq.need <= budget else 0)
+        """Tokens of ``seq``'s prompt to compute this step within ``budget`` (0: none fit). A preempted request is
+        recomputed in chunks even without chunked prefill (its prompt and tokens may exceed a step)."""
+        chunked = self.chunked or seq.preempted > 0
+        n = min(seq.need, budget) if chunked else (seq.need if seq.need <= budget else 0)
         while n > 0 and self.blocks_for(seq, seq.computed + n) > self.blocks.available:
-            n = (self.blocks.available + len(seq.blocks)) * self.blocks.block_size - seq.computed \
-                if self.chunked else 0
+            n = (self.blocks.available + len(seq.blocks)) * self.blocks.block_size - seq.computed if chunked else 0
         return max(n, 0)
 
     def _prefills(self, plan: list, budget: int) -> int:

@@ -78,11 +78,14 @@ def test_prefix_cache_hits_give_the_tokens_of_misses(engine, policy):
 
 @pytest.mark.parametrize("chunked", [True, False])
 def test_preemption_under_a_tiny_pool_loses_nothing_and_changes_nothing(engine, chunked):
-    reqs = mixed(24, 2)
-    paged = PagedEngine(engine, config(num_blocks=9, max_tokens=24, enable_chunked_prefill=chunked,
+    reqs = mixed(16, 10)
+    for r in reqs:  # without chunked prefill, preempted requests hold more tokens than a step (20) takes
+        r.params.max_new_tokens = 8 if chunked else 25
+    blocks = 9 if chunked else 14
+    paged = PagedEngine(engine, config(num_blocks=blocks, max_tokens=20, enable_chunked_prefill=chunked,
                                        prefix_caching=True, prefix_caching_eviction_policy="lru"))
     got = paged.generate(reqs)
-    assert paged.stats()["preemptions"] > 0 and paged.stats()["kv_blocks_peak"] == 8
+    assert paged.stats()["preemptions"] > 0 and paged.stats()["kv_blocks_peak"] == blocks - 1
     assert [g.tokens for g in got] == [engine.generate([r])[0].tokens for r in reqs]
 
 
