@@ -91,7 +91,8 @@ async def drive(url: str, reqs: list, model: str = "m") -> dict:
             if chunk.choices and chunk.choices[0].text:
                 stamps.append(time.perf_counter())
         return sent, stamps
-    done = await asyncio.gather(*(one(*r) for r in reqs))
+    async with client:  # (closed after: the server's shutdown waits for open connections)
+        done = await asyncio.gather(*(one(*r) for r in reqs))
     end = max(s[-1] for _, s in done if s)
     return {"output_tokens": sum(len(s) for _, s in done), "wall_s": end - t0,
             "ttft": [s[0] - sent for sent, s in done if s], "e2e": [s[-1] - sent for sent, s in done if s],
