@@ -152,3 +152,29 @@ def test_paged_attention_reference_equals_dense_attention():
         vals = v_pool[t].reshape(-1, g, d)[:lengths[i]].transpose(0, 1)
         want = masked_attention(q[i], keys, vals, torch.ones(1, dtype=torch.bool), 0.3)
         assert torch.allclose(got[i], want, atol=1e-5)
+
+
+def test_decode_graph_inputs_padded_to_a_bucket_give_the_eager_logits(engine):
+    """The CUDA-graph path's host side on CPU (the graphs themselves: tests/gpu/test_paged_cuda.py): a decode step
+    padded to its bucket (padding rows in the scratch block, full-width tables) gives the eager step's logits."""
+    from paratron.inference.paged_graphs import DecodeGraphs, buckets
+    assert buckets(256, 16) == [1, 2, 4, 8, 16, 32, 64, 128, 256] and buckets(6, 3) == [1, 2, 4]
+    paged = PagedEngine(engine, config(max_tokens=64))
+    for r in mixed(5, 7):
+        paged.add(r)
+    paged.step()
+    while paged.sched.waiting or any(s.need > 1 for s in paged.sched.running):  # until every request decodes
+        paged.step()
+    plan = paged.sched.schedule()
+    assert len(plan) >= 3 and all(n == 1 for _, n in plan)
+    with torch.no_grad():
+        want, _ = paged._run(plan)  # (writes the step's keys and values; the padded step writes the same)
+    graphs = DecodeGraphs(paged, 4)
+    bs = paged.block_size
+    pos = [s.computed for s, _ in plan]
+    graphs._fill(8, [s.tokens[p] for (s, _), p in zip(plan, pos)], pos,
+                 [s.blocks[p // bs] * bs + p % bs for (s, _), p in zip(plan, pos)], [s.blocks for s, _ in plan],
+                 [p + 1 for p in pos])
+    with torch.no_grad():
+        got = graphs._step(8)
+    assert got.shape[0] == 8 and torch.allclose(got[:len(plan)], want, atol=1e-5)
