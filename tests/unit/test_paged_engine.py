@@ -1,8 +1,9 @@
 """The paged engine (paratron/inference/paged.py) on a tiny Llama on CPU: 64 concurrent requests of mixed lengths
 give each one's alone result; prefix-cache hits give the tokens of misses; a tiny block pool preempts and
 recomputes without losing a request or changing an output; seeded sampling and log-probabilities equal the
-fixed-batch engine's; the block allocator's reference counts and eviction; the paged attention's reference
-against dense attention (its Triton kernel against the reference: tests/unit/test_kernels.py)."""
+fixed-batch engine's; GPT-2 style models too; the block allocator's reference counts and eviction; the paged
+attention's reference against dense attention (its Triton kernel against the reference: tests/unit/test_kernels.py);
+the CUDA-graph path's padded inputs."""
 from __future__ import annotations
 
 import random
@@ -57,6 +58,14 @@ def test_64_concurrent_mixed_requests_equal_each_alone(engine):
         assert got.tokens == want.tokens and got.finish_reason == want.finish_reason, r.prompt
     for r, got in zip(reqs[:8], together):  # and the fixed-batch engine's
         assert got.tokens == engine.generate([r])[0].tokens
+
+
+def test_learned_positions_and_plain_heads_too():
+    """GPT-2 style (learned absolute positions, a key/value head per query head) through the paged engine."""
+    gpt = Engine(tiny_model("gpt"), VOCAB)
+    reqs = mixed(12, 5)
+    got = PagedEngine(gpt, config(max_tokens=16)).generate(reqs)
+    assert [g.tokens for g in got] == [gpt.generate([r])[0].tokens for r in reqs]
 
 
 @pytest.mark.parametrize("policy", ["lru", "ref_zero"])
