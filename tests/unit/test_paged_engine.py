@@ -1,7 +1,7 @@
 """The paged engine (paratron/inference/paged.py) on a tiny Llama on CPU: 64 concurrent requests of mixed lengths
 give each one's alone result; prefix-cache hits give the tokens of misses; a tiny block pool preempts and
 recomputes without losing a request or changing an output; seeded sampling and log-probabilities equal the
-fixed-batch engine's; GPT-2 style models too; the block allocator's reference counts and eviction; the paged
+fixed-batch engine's; GPT-2 style and MoE models too; the block allocator's reference counts and eviction; the paged
 attention's reference against dense attention (its Triton kernel against the reference: tests/unit/test_kernels.py);
 the CUDA-graph path's padded inputs."""
 from __future__ import annotations
@@ -60,12 +60,28 @@ def test_64_concurrent_mixed_requests_equal_each_alone(engine):
         assert got.tokens == engine.generate([r])[0].tokens
 
 
-def test_learned_positions_and_plain_heads_too():
-    """GPT-2 style (learned absolute positions, a key/value head per query head) through the paged engine."""
-    gpt = Engine(tiny_model("gpt"), VOCAB)
+def tiny_moe():
+    from paratron.config import ModelConfig
+    from paratron.model.gpt import GPTModel
+    from tests.unit.test_generate import sharpen
+    m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=64, max_position_embeddings=64,
+                    hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm", swiglu=True,
+                    position_embedding_type="rope", group_query_attention=True, num_query_groups=2,
+                    disable_bias_linear=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+    torch.manual_seed(0)
+    model = GPTModel(m.resolved(), 128, seed=3).eval()
+    sharpen(model, 1)
+    return model
+
+
+@pytest.mark.parametrize("style", ["gpt", "moe"])
+def test_learned_positions_plain_heads_and_experts_too(style):
+    """GPT-2 style (learned absolute positions, a key/value head per query head) and a mixture of experts through
+    the paged engine: each request's tokens alone."""
+    other = Engine(tiny_model("gpt") if style == "gpt" else tiny_moe(), VOCAB)
     reqs = mixed(12, 5)
-    got = PagedEngine(gpt, config(max_tokens=16)).generate(reqs)
-    assert [g.tokens for g in got] == [gpt.generate([r])[0].tokens for r in reqs]
+    got = PagedEngine(other, config(max_tokens=16)).generate(reqs)
+    assert [g.tokens for g in got] == [other.generate([r])[0].tokens for r in reqs]
 
 
 @pytest.mark.parametrize("policy", ["lru", "ref_zero"])
