@@ -2,6 +2,8 @@
 accepted (paratron already does what it asks) or refused (planned, GPU-only, not applicable)."""
 from __future__ import annotations
 
+from .inference import FIELDS as SERVE_FIELDS
+
 SDPA = ("attention runs through torch's scaled_dot_product_attention, which picks the flash, memory-efficient or math "
         "kernel itself (training on H100/H200 with paratron[hopper]: FlashAttention-4's kernels)")
 ONE_IMPL = "paratron has one transformer implementation (PyTorch modules with its own kernels): every name selects it"
@@ -85,6 +87,8 @@ ACCEPTED_VALUES = {
 
 PLANNED = "planned: {} is not in paratron yet; remove the flag"
 NA = "not applicable: {}; remove the flag"
+SERVE_ONLY = NA.format("a `paratron serve` flag (the serving engine, paratron/config/inference.py), not a training "
+                       "one: give it to paratron serve")
 GPU = "GPU-only ({}); paratron does not implement it; remove the flag"
 
 # Refused by name (the flags GPT/Llama/MoE scripts use most).
@@ -136,6 +140,8 @@ REFUSED = {
     "hybrid_override_pattern": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
     "experimental_attention_variant": PLANNED.format("linear/sparse attention variants"),
     "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
+    # implemented by paratron serve (config/inference.py), refused by training
+    **{name: SERVE_ONLY for name in SERVE_FIELDS + ("no_inference_dynamic_batching_prefix_caching",)},
 }
 
 # Config fields whose only effect is the behaviour paratron always has (read by no other code).
@@ -162,7 +168,8 @@ PREFIX_REASONS = (
                                      "--data-parallel-sharding-strategy)")),
     ("fsdp_", PLANNED.format("this Megatron-FSDP option (paratron's sharding is --use-megatron-fsdp with "
                              "--data-parallel-sharding-strategy)")),
-    ("inference_", NA.format("inference-server options (paratron's generation is `paratron generate`)")),
+    ("inference_", NA.format("this inference-server option (paratron serve implements --inference-dynamic-batching "
+                             "and its block, token, request, prefix-caching and CUDA-graph flags)")),
     ("rl_", NA.format("reinforcement-learning training")),
     ("grpo_", NA.format("reinforcement-learning training (GRPO)")),
     ("moe_routing_trace", PLANNED.format("MoE routing traces")),
@@ -171,7 +178,8 @@ PREFIX_REASONS = (
 # Refused by Megatron argument group (everything else of the group).
 GROUP_REASONS = {
     "rl": NA.format("reinforcement-learning training"),
-    "inference": NA.format("inference-server options (paratron's generation is `paratron generate`)"),
+    "inference": NA.format("this inference-server option (paratron serve implements --inference-dynamic-batching "
+                           "and its block, token, request, prefix-caching and CUDA-graph flags)"),
     "vision": NA.format("vision models (paratron trains GPT-style language models)"),
     "biencoder": NA.format("retrieval biencoder models"),
     "Logits Distillation": PLANNED.format("knowledge distillation"),

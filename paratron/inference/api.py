@@ -19,9 +19,10 @@ from .sampling import SamplingParams
 class ApiError(Exception):
     """A request the server refuses: HTTP ``status`` with an OpenAI-style error body naming ``param``."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, retry_after: Optional[int] = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..config import inference
 from ..errors import ArgumentParser, ConfigError
 from .sampling import SamplingParams
 
@@ -195,16 +196,25 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--continuous-batching", action="store_true",
                    help="requests join a running batch between decode steps instead of waiting for it to end "
                         "(one process: tensor parallelism is not supported with it)")
+    inference.add_arguments(p)
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
         raise ConfigError("--max-batch-size must be >= 1")
+    limits = inference.from_args(args)
+    if args.continuous_batching and limits.inference_dynamic_batching:
+        raise ConfigError("--continuous-batching and --inference-dynamic-batching are two engines: choose one")
 
     def run(model) -> None:
-        if args.continuous_batching and args.num_speculative_tokens:
-            raise ConfigError("--num-speculative-tokens runs on the batch engine; serve without --continuous-batching")
-        if args.continuous_batching and model.group.dims.tp > 1:
-            raise ConfigError("--continuous-batching runs on one process; serve without it under tensor parallelism")
+        for name in ("continuous_batching", "inference_dynamic_batching"):
+            if getattr(args, name) and args.num_speculative_tokens:
+                raise ConfigError(f"--num-speculative-tokens runs on the fixed-batch engine; serve without "
+                                  f"--{name.replace('_', '-')}")
+        for name in ("continuous_batching", "inference_dynamic_batching"):
+            if getattr(args, name) and model.group.dims.tp > 1:
+                raise ConfigError(f"--{name.replace('_', '-')} runs on one process; serve without it under tensor "
+                                  "parallelism")
+        print("\n".join(inference.startup_lines(limits)), flush=True)
         serve(model, args.host, args.port, args.max_batch_size, args.batch_wait_ms / 1000.0,
-              args.model_name or model.name, args.continuous_batching)
+              args.model_name or model.name, args.continuous_batching, limits)
     return on_ranks(args, run)
 

@@ -79,15 +79,22 @@ class Engine:
         self.speculative_steps = None  # speculative decoding's fixed-shape passes for the cache (speculative.Steps)
         self.cache: Optional[KVCache] = None
         self.graph = None
+        self.peak_cache_bytes = 0  # the largest KV cache allocated so far (the server's /health reports it)
 
     # ---- the model passes ---------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, view: CacheView, mask: torch.Tensor,
-                 last_only: bool = False) -> torch.Tensor:
-        """Logits [b, s (1 if last_only), vocab] of ``ids`` [b, s], writing their keys/values to the cache."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, view, mask: Optional[torch.Tensor],
+                 last_only: bool = False, pick: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [b, s (1 if last_only, len(pick) if given), vocab] of ``ids`` [b, s], writing their keys/values
+        to the cache (``view``: a CacheView, or the paged engine's PagedView); ``pick``: the positions whose
+        logits are wanted."""
         x = self.hidden(ids, positions, view, mask)
-        return self.logits(x[-1:] if last_only else x)
+        if last_only:
+            x = x[-1:]
+        elif pick is not None:
+            x = x.index_select(0, pick)
+        return self.logits(x)
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, view: CacheView, mask: torch.Tensor) -> torch.Tensor:
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, view, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """The decoder's output [s, b, h] (after its final norm) of ``ids`` [b, s], writing the cache."""
         m = self.model
         rope = m.rotary(ids.shape[1], positions) if m.rotary is not None else None
@@ -131,6 +138,8 @@ class Engine:
             dtype = next(self.model.parameters()).dtype
             self.cache = KVCache(self.model, batch, capacity, device=self.device, dtype=dtype,
                                  mtp_depths=self.num_speculative_tokens)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, sum(b.numel() * b.element_size()
+                                                                   for b in self.cache.buffers()))
         if self.compile and self.graph is None:
             from .graphs import DecodeRunner
             self.graph = DecodeRunner(self.decode_step, batch, self.device,

@@ -55,7 +55,9 @@ class SamplingParams:
 class Sampler:
     """The per-row parameters of one batch as tensors, and the generators of its seeded rows."""
 
-    def __init__(self, params: list[SamplingParams], device):
+    def __init__(self, params: list[SamplingParams], device, generators: Optional[dict] = None):
+        """``generators``: {row: generator} to draw from instead of seeding new ones (the paged engine's
+        requests keep theirs from step to step: :func:`row_generator`)."""
         self.params = list(params)
         self.device = device
         self.temperature = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device)[:, None]
@@ -63,6 +65,9 @@ class Sampler:
         self.top_k = torch.tensor([p.top_k for p in params], device=device)[:, None]
         self.top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
         self.generators = {}
+        if generators is not None:
+            self.generators = dict(generators)
+            return
         for i, p in enumerate(params):
             self._seed(i, p)
 
@@ -81,8 +86,9 @@ class Sampler:
     def _seed(self, i: int, p: SamplingParams) -> None:
         """Row ``i``'s own generator when it samples with a seed."""
         self.generators.pop(i, None)
-        if p.seed is not None and p.temperature > 0:
-            self.generators[i] = torch.Generator(device=self.device).manual_seed(p.row_seed())
+        g = row_generator(p, self.device)
+        if g is not None:
+            self.generators[i] = g
 
     def set_row(self, i: int, p: SamplingParams) -> None:
         """Row ``i`` takes ``p`` (a request joining a running batch; its seed starts a new generator)."""
@@ -134,6 +140,13 @@ class Sampler:
         keep[:, 0] = True
         masked = ordered.masked_fill(~keep, float("-inf"))
         return torch.full_like(scaled, float("-inf")).scatter(-1, order, masked)
+
+
+def row_generator(p: SamplingParams, device) -> Optional[torch.Generator]:
+    """The generator a seeded, sampling row draws from (None: greedy or unseeded)."""
+    if p.seed is not None and p.temperature > 0:
+        return torch.Generator(device=device).manual_seed(p.row_seed())
+    return None
 
 
 def find_stop(text: str, stops) -> Optional[int]:

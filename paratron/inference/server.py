@@ -21,7 +21,7 @@ from .text import render_chat
 
 def _error_response(err: ApiError):
     from fastapi.responses import JSONResponse
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _validation_error(exc) -> ApiError:
@@ -40,21 +40,35 @@ def _validation_error(exc) -> ApiError:
 
 
 class Server:
-    """The app's state: the model, the batcher, the model's name."""
+    """The app's state: the model, the batcher, the model's name. ``limits``: config/inference.py's
+    InferenceConfig (the engine and the queue limits; None: its defaults)."""
 
-    def __init__(self, model, max_batch: int, wait: float, name: str, continuous: bool = False):
+    def __init__(self, model, max_batch: int, wait: float, name: str, continuous: bool = False, limits=None):
+        from ..config.inference import InferenceConfig
         self.model, self.name = model, name
+        self.limits = limits or InferenceConfig()
         self.default_max = 16
-        if continuous:  # requests join running batches (continuous.py)
+        self.engine = None  # the paged engine, when the config asks for it
+        if self.limits.inference_dynamic_batching:  # one pool of KV blocks, requests join between steps (paged.py)
+            from .paged import PagedEngine
+            from .paged_batcher import PagedBatcher
+            self.engine = PagedEngine(model.engine, self.limits)
+            print(self.engine.startup_line(), flush=True)
+            self.batcher = PagedBatcher(self.engine)
+        elif continuous:  # requests join running batches (continuous.py)
             from .continuous import ContinuousBatcher
             self.batcher = ContinuousBatcher(model.engine, max_batch, wait)
         else:
             self.batcher = Batcher(model.run, max_batch, wait)
         self.started = int(time.time())
+        self.queued = [0, 0]  # requests and tokens (prompt + max new) submitted and not yet answered
+        self.answered = 0
 
     def _check(self, requests: list, field: str) -> None:
         """Engine.check's 'name: why' as a 400; a problem of the prompt is named after ``field``."""
         problem = self.model.check(requests)
+        if problem is None and self.engine is not None:
+            problem = next((p for p in map(self.engine.check, requests) if p), None)
         if problem:
             name, why = problem.split(":", 1)
             name = field if name == "prompt" else name
@@ -66,9 +80,39 @@ class Server:
 
     async def submit(self, requests: list, field: str, stream: bool = False) -> Job:
         self._check(requests, field)
+        tokens = sum(len(r.prompt) + r.params.max_new_tokens for r in requests)
+        self._admit(len(requests), tokens)
         job = Job(requests, asyncio.get_running_loop(), stream)
+        self.queued[0] += len(requests)
+        self.queued[1] += tokens
+        job.future.add_done_callback(lambda _: self._answered(len(requests), tokens))
         self.batcher.submit(job)
         return job
+
+    def _answered(self, requests: int, tokens: int) -> None:
+        self.queued[0] -= requests
+        self.queued[1] -= tokens
+        self.answered += requests
+
+    def retry_after(self) -> int:
+        """Seconds until the requests queued now are likely answered, at the rate answered so far (1..60)."""
+        rate = self.answered / max(time.time() - self.started, 1e-3)
+        return int(min(60, max(1, -(-self.queued[0] // max(rate, 1e-3)))))
+
+    def _admit(self, requests: int, tokens: int) -> None:
+        """503 while the generation thread is down, 429 past --serve-max-queued-requests / -tokens; both with
+        Retry-After."""
+        if not self.batcher.alive:
+            raise ApiError(503, "the generation thread has stopped; the server cannot generate", retry_after=60)
+        most, most_tokens = self.limits.serve_max_queued_requests, self.limits.serve_max_queued_tokens
+        if most and self.queued[0] + requests > most:
+            raise ApiError(429, f"too many requests in flight: {self.queued[0]} queued or running, the server "
+                                f"takes {most} (--serve-max-queued-requests); retry later",
+                           retry_after=self.retry_after())
+        if most_tokens and self.queued[1] + tokens > most_tokens:
+            raise ApiError(429, f"too many tokens in flight: {self.queued[1]} (prompt + max new tokens) queued or "
+                                f"running, the server takes {most_tokens} (--serve-max-queued-tokens); retry later",
+                           retry_after=self.retry_after())
 
     async def results(self, job: Job) -> list:
         try:
@@ -226,8 +270,13 @@ def build_app(server: Server):
     @app.get("/health")
     async def health():
         if not server.batcher.alive:
-            raise ApiError(503, "the generation thread has stopped")
-        return {"status": "ok", "model": server.name, "batches": server.batcher.batches}
+            raise ApiError(503, "the generation thread has stopped", retry_after=60)
+        out = {"status": "ok", "model": server.name, "batches": server.batcher.batches, "queued": server.queued[0]}
+        if server.engine is not None:
+            out.update(server.engine.stats())
+        else:
+            out["kv_bytes_peak"] = server.model.engine.peak_cache_bytes
+        return out
     return app
 
 
@@ -255,11 +304,12 @@ def _web_server(config):
     return WebServer(config)
 
 
-def serve(model, host: str, port: int, max_batch: int, wait: float, name: str, continuous: bool = False) -> None:
+def serve(model, host: str, port: int, max_batch: int, wait: float, name: str, continuous: bool = False,
+          limits=None) -> None:
     """Run the server until SIGTERM or SIGINT (rank 0; the other ranks follow in runtime.Group.follow),
-    then finish the requests in flight and return."""
+    then finish the requests in flight and return. ``limits``: the InferenceConfig (engine, queue limits)."""
     import uvicorn
-    server = Server(model, max_batch, wait, name, continuous)
+    server = Server(model, max_batch, wait, name, continuous, limits)
     app = build_app(server)
     print(f"paratron serve: {name} on http://{host}:{port} (PUT /api, POST /v1/completions, "
           f"POST /v1/chat/completions, GET /v1/models, GET /health)", flush=True)

@@ -43,7 +43,8 @@ class ForwardContext:
         Without CP, GPTModel turns them into ``mask``; under CP the ring's blocks mask with them.
     causal: each position attends to itself and the ones before (False with a mask: it says all).
     kv_cache: the inference KV cache of this pass (paratron/inference/cache.py ``CacheView``): each
-        attention layer writes its keys and values into it and attends over what it holds, under ``mask``.
+        attention layer writes its keys and values into it and attends over what it holds, under ``mask``;
+        a view with ``paged = True`` (inference/paged_cache.py) stores and attends itself (``attend``).
     cp: the context-parallel group (paratron/parallel/context.py) when the sequence is split over
         CP ranks: attention then runs across them (ring or all-to-all).
     memo: what layers derive from this pass once and share (a sliding-window mask).

@@ -1,6 +1,6 @@
 """`paratron serve` on a tiny checkpoint, driven over 127.0.0.1 by the real `openai` client (completions,
 chat, streaming) and by plain HTTP (Megatron's PUT /api, the 4xx cases); 100 concurrent requests, also
-with --continuous-batching."""
+with --continuous-batching and with the paged engine (--inference-dynamic-batching)."""
 from __future__ import annotations
 
 import asyncio
@@ -80,6 +80,15 @@ def continuous_server(tmp_path_factory):
     yield from _server(tmp_path_factory, "--continuous-batching")
 
 
+@pytest.fixture(scope="module")
+def paged_server(tmp_path_factory):
+    """The same with the paged engine: small blocks and step budget (chunked prefill, prefix caching)."""
+    yield from _server(tmp_path_factory, "--inference-dynamic-batching", "--inference-dynamic-batching-block-size",
+                       "4", "--inference-dynamic-batching-max-tokens", "48", "--enable-chunked-prefill",
+                       "--inference-dynamic-batching-num-blocks", "160", "--inference-dynamic-batching-prefix-caching",
+                       "--inference-dynamic-batching-prefix-caching-eviction-policy", "lru")
+
+
 def http(url: str, method: str, body) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -90,8 +99,9 @@ def http(url: str, method: str, body) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_openai_client_completions_chat_and_streaming(server):
-    url, ref = server
+@pytest.mark.parametrize("kind", ["server", "paged_server"])
+def test_openai_client_completions_chat_and_streaming(kind, request):
+    url, ref = request.getfixturevalue(kind)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     assert [m.id for m in client.models.list().data] == ["tiny"]
     want = ref.texts(["hello world"], 6)[0]
@@ -128,7 +138,7 @@ def test_megatron_api(server):
                                                         "random_seed": 3})[1]["text"] == seeded["text"]
 
 
-@pytest.mark.parametrize("kind", ["server", "continuous_server"])
+@pytest.mark.parametrize("kind", ["server", "continuous_server", "paged_server"])
 def test_hundred_concurrent_requests(kind, request):
     url, ref = request.getfixturevalue(kind)
     words = ["hello", "the quick", "brown fox", "lazy dog", "hello there", "jumps over"]
@@ -180,3 +190,22 @@ def test_chat_template_of_the_tokenizer():
     assert text == "<|user|>hi</s><|assistant|>" and stops == ()
     with pytest.raises(ValueError, match="no system"):
         render_chat([{"role": "system", "content": "x"}], "{{ raise_exception('no system') }}", {})
+
+
+def test_serve_load_benchmark_drives_a_server(paged_server):
+    """benchmarks/serve_load.py's load (seeded, a shared prefix, Poisson arrivals) and its openai-client driver
+    against the paged server: every request streams, the timings add up."""
+    import importlib.util
+    import types
+    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = types.SimpleNamespace(requests=6, rate=40.0, prompt_min=2, prompt_max=10, new_min=2, new_max=5, seed=0,
+                                 shared_prefix=3, tiny=True)
+    reqs = bench.load(args)
+    assert reqs == bench.load(args) and len({tuple(p[:3]) for _, p, _ in reqs}) == 1  # seeded; the shared prefix
+    assert [at for at, _, _ in reqs] == sorted(at for at, _, _ in reqs) and reqs[-1][0] > 0
+    out = asyncio.run(bench.drive(paged_server[0], reqs, "tiny"))
+    assert out["output_tokens"] > 0 and len(out["ttft"]) == len(out["e2e"]) <= len(reqs)
+    assert len(out["itl"]) == out["output_tokens"] - len(out["ttft"]) and min(out["ttft"]) > 0
+    assert bench.percentiles([0.001, 0.002, 0.003]) == (2.0, 3.0)

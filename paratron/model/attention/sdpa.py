@@ -56,6 +56,11 @@ class SDPAttention(nn.Module):
                              "context parallelism (build the model with the ParallelDims it runs under)")
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if getattr(ctx.kv_cache, "paged", False):  # the paged engine's step: the view stores and attends
+            if not self.decodes:
+                raise NotImplementedError("the paged KV cache has no sliding-window / attention-sink attention")
+            out = ctx.kv_cache.attend(self.layer_index, q, k, v, self.scale)  # inference/paged_cache.py
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
         if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
             k, v = ctx.kv_cache.update(self.layer_index, k, v)
         if ctx.kv_cache is not None and s == 1 and self.decode is not None:

@@ -1,0 +1,220 @@
+"""Serving under load: N requests with Poisson arrivals through ``paratron serve`` (the openai client, streaming),
+and the same load through transformers' continuous batching.
+
+The load (seeded, shipped with the script): request i arrives at the sum of i exponential gaps of mean
+1 / --rate seconds (--rate 0: all at once); its prompt is uniform random token ids, its length uniform in
+[--prompt-min, --prompt-max], after --shared-prefix tokens common to all; its output length uniform in [--new-min, --new-max], greedy, no end-of-document
+stop (the tokenizer has none), so each request runs to its own length. The model: random weights of the llama-1b
+shape (bf16 on a GPU) or, with --tiny, a 2-layer model on CPU (a smoke test of the script, not a figure), saved as
+a Hugging Face directory with a word-level tokenizer that gives every token id its own text ("<id>"), so each
+streamed chunk is one token.
+
+Engines (--engines, comma-separated): ``paged`` (--inference-dynamic-batching, with --serve-flags), ``fixed``
+(today's fixed-batch server), ``continuous`` (--continuous-batching), ``hf`` (transformers' generate_batch
+manager in this process: requests added at their arrival times; it hands back whole results, so TTFT and
+inter-token latency are not measured for it, only output tokens/s and end-to-end latency). Per engine: output
+tokens/s over the run (first arrival to last token), TTFT and inter-token latency p50 / p99, end-to-end latency
+p50 / p99, peak KV-cache bytes (the server's /health). One JSON line per engine, then a Markdown table.
+
+    python benchmarks/serve_load.py --tiny                    # CPU smoke test
+    python benchmarks/serve_load.py --requests 256 --rate 20 --engines paged,fixed,hf
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# the llama-1b shape of ../shared/bench/hf_generate.py and hf_cb.py (the peers' runs)
+LLAMA_1B = dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=32768, max_position_embeddings=4096, rope_theta=500000.0,
+                tie_word_embeddings=False)
+TINY = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=300, max_position_embeddings=128)
+
+
+def load(args) -> list[tuple[float, list, int]]:
+    """(arrival s, prompt ids, new tokens) of every request."""
+    rng, at, out = random.Random(args.seed), 0.0, []
+    vocab = (TINY if args.tiny else LLAMA_1B)["vocab_size"]
+    shared = [rng.randrange(1, vocab) for _ in range(args.shared_prefix)]
+    for _ in range(args.requests):
+        prompt = shared + [rng.randrange(1, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
+        out.append((at, prompt, rng.randint(args.new_min, args.new_max)))
+        at += rng.expovariate(args.rate) if args.rate > 0 else 0.0
+    return out
+
+
+def model_dir(args, d: Path) -> Path:
+    """Random weights of the shape, saved as a Hugging Face directory with a word-level tokenizer."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    shape = TINY if args.tiny else LLAMA_1B
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, eos_token_id=None, bos_token_id=None))
+    model.to(torch.float32 if args.tiny else torch.bfloat16).save_pretrained(d)
+    vocab = {f"<{i}>": i for i in range(shape["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.Fuse()
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+def percentiles(xs: list) -> tuple:
+    xs = sorted(xs)
+    pick = lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 2) if xs else None  # noqa: E731
+    return pick(0.5), pick(0.99)
+
+
+async def drive(url: str, reqs: list, model: str = "m") -> dict:
+    """Every request at its arrival time through the openai client (streaming); the timings."""
+    import openai
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    t0 = time.perf_counter()
+
+    async def one(at, prompt, n):
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        sent, stamps = time.perf_counter(), []
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                stamps.append(time.perf_counter())
+        return sent, stamps
+    async with client:  # (closed after: the server's shutdown waits for open connections)
+        done = await asyncio.gather(*(one(*r) for r in reqs))
+    end = max(s[-1] for _, s in done if s)
+    return {"output_tokens": sum(len(s) for _, s in done), "wall_s": end - t0,
+            "ttft": [s[0] - sent for sent, s in done if s], "e2e": [s[-1] - sent for sent, s in done if s],
+            "itl": [b - a for _, s in done for a, b in zip(s, s[1:])]}
+
+
+def serve(args, d: Path, engine: str, reqs: list) -> dict:
+    """``paratron serve`` with the engine's flags, the load through it, its /health."""
+    from tests.dist import free_port
+    port = free_port()
+    flags = {"paged": ["--inference-dynamic-batching", *args.serve_flags.split()], "fixed": [],
+             "continuous": ["--continuous-batching"]}[engine]
+    if not args.tiny:
+        flags += ["--torch-compile"]
+    proc = subprocess.Popen([sys.executable, "-m", "paratron", "serve", "--load", str(d), "--port", str(port),
+                             "--model-name", "m", "--max-batch-size", str(args.max_batch), *flags],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise SystemExit(f"serve_load: the {engine} server exited with {proc.returncode}")
+                time.sleep(0.5)
+        asyncio.run(drive(url, reqs[:min(4, len(reqs))]))  # warm-up (compilation, graphs)
+        out = asyncio.run(drive(url, reqs))
+        with urllib.request.urlopen(url + "/health") as r:
+            out["kv_bytes_peak"] = json.loads(r.read()).get("kv_bytes_peak")
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def hf(args, d: Path, reqs: list) -> dict:
+    """transformers' continuous batching manager, requests added at their arrival times."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+    dev = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    model = transformers.AutoModelForCausalLM.from_pretrained(d).to(dev).eval()
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        manager = model.init_continuous_batching(generation_config=GenerationConfig(max_new_tokens=args.new_max, **kw))
+        manager.start()
+        got, t0 = {}, time.perf_counter()
+
+        def collect():
+            while len(got) < len(reqs):
+                res = manager.get_result(timeout=3600)
+                got[res.request_id] = (time.perf_counter(), len(res.generated_tokens))
+        reader = threading.Thread(target=collect)
+        reader.start()
+        sent = []
+        for i, (at, prompt, n) in enumerate(reqs):
+            time.sleep(max(0.0, t0 + at - time.perf_counter()))
+            sent.append(time.perf_counter())
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
+        reader.join()
+        manager.stop(block=True)
+    end = max(t for t, _ in got.values())
+    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
+    return {"output_tokens": sum(n for _, n in got.values()), "wall_s": end - t0, "ttft": [], "itl": [],
+            "e2e": [got[f"r{i}"][0] - s for i, s in enumerate(sent)], "kv_bytes_peak": peak,
+            "note": f"transformers {transformers.__version__}; peak bytes: all CUDA memory (weights included)"}
+
+
+def main(argv=None) -> None:
+    a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a.add_argument("--requests", type=int, default=256)
+    a.add_argument("--rate", type=float, default=20.0, help="mean arrivals per second (0: all at once)")
+    a.add_argument("--prompt-min", type=int, default=64)
+    a.add_argument("--prompt-max", type=int, default=512)
+    a.add_argument("--new-min", type=int, default=64)
+    a.add_argument("--new-max", type=int, default=256)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with (prefix caching)")
+    a.add_argument("--engines", default="paged,fixed,hf")
+    a.add_argument("--max-batch", type=int, default=32, help="--max-batch-size of the fixed-batch servers")
+    a.add_argument("--serve-flags", default="--enable-chunked-prefill --inference-dynamic-batching-block-size 64 "
+                                            "--inference-dynamic-batching-max-tokens 8192",
+                   help="the paged server's flags")
+    a.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU, few short requests (smoke test)")
+    args = a.parse_args(argv)
+    if args.tiny:
+        args.requests, args.prompt_min, args.prompt_max, args.new_min, args.new_max = 12, 2, 20, 2, 8
+        args.serve_flags = "--enable-chunked-prefill --inference-dynamic-batching-block-size 4 " \
+                           "--inference-dynamic-batching-max-tokens 32 --inference-dynamic-batching-num-blocks 200"
+    reqs = load(args)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        d = model_dir(args, Path(tmp))
+        for engine in args.engines.split(","):
+            r = hf(args, d, reqs) if engine == "hf" else serve(args, d, engine, reqs)
+            row = {"engine": engine, "requests": len(reqs), "rate": args.rate,
+                   "output_tokens_per_s": round(r["output_tokens"] / r["wall_s"], 1), "output_tokens": r["output_tokens"],
+                   "ttft_ms_p50_p99": percentiles(r["ttft"]), "itl_ms_p50_p99": percentiles(r["itl"]),
+                   "e2e_ms_p50_p99": percentiles(r["e2e"]), "kv_bytes_peak": r.get("kv_bytes_peak"),
+                   "note": r.get("note", "")}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    table = ["| engine | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | e2e p50 / p99 ms | peak KV bytes |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['engine']} | {r['output_tokens_per_s']} | {r['ttft_ms_p50_p99']} | {r['itl_ms_p50_p99']} | "
+                     f"{r['e2e_ms_p50_p99']} | {r['kv_bytes_peak']} |")
+    print("\n" + "\n".join(table))
+    if not args.tiny:  # a figure: the dated record (the smoke test writes none)
+        import torch
+        from record import write_record
+        hardware = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+        facts = {"load": f"{args.requests} requests, Poisson rate {args.rate}/s, prompts {args.shared_prefix} shared + "
+                         f"U[{args.prompt_min}, {args.prompt_max}], outputs U[{args.new_min}, {args.new_max}], "
+                         f"seed {args.seed}",
+                 "paged flags": args.serve_flags}
+        write_record(os.environ.get("OUT") or ROOT / "benchmarks" / "results", "serve_load", "Serving under load",
+                     hardware, facts, "\n".join(table) + "\n\n" + "\n".join(json.dumps(r) for r in rows))
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+    main()

@@ -1,0 +1,259 @@
+"""The paged engine (``--inference-dynamic-batching``): requests of any length run together over one pool of KV
+blocks, joining and leaving between any two steps.
+
+A step (:meth:`PagedEngine.step`) asks the scheduler (scheduler.py) which tokens to compute: one per decoding
+request and chunks of prompts, within the token budget. They are packed into one sequence and run through the
+model once: each attention layer writes their keys and values into their requests' blocks and attends through
+the block tables (paged_cache.py, kernels/paged_attention.py). The logits of each request's last computed token
+give its next token (its own sampling parameters and generator; stop conditions as the fixed-batch engine's).
+A step of decodes only is replayed from a CUDA graph of its batch-size bucket on GPUs (paged_graphs.py).
+
+Greedy and seeded results equal each request generated alone (tests/unit/test_paged_engine.py). One process
+(tensor parallelism: the fixed-batch engine).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Optional
+
+import torch
+
+from .blocks import BlockAllocator
+from .engine import Engine, Request, Result
+from .paged_cache import PagedKVCache, PagedView
+from .sampling import Sampler, find_stop, row_generator
+from .scheduler import Scheduler, Seq
+
+
+def pool_blocks(engine: Engine, cfg, dtype: torch.dtype) -> int:
+    """The pool's block count: --inference-dynamic-batching-num-blocks, else the buffer size in GB, else the
+    memory fraction of the GPU's free memory, else (CPU) enough for every request at the full context."""
+    bs = cfg.inference_dynamic_batching_block_size
+    per = PagedKVCache.block_bytes(engine.model, bs, dtype)
+    if cfg.inference_dynamic_batching_num_blocks is not None:
+        return cfg.inference_dynamic_batching_num_blocks
+    if cfg.inference_dynamic_batching_buffer_size_gb is not None:
+        return max(2, int(cfg.inference_dynamic_batching_buffer_size_gb * 2 ** 30 // per))
+    if engine.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(engine.device)
+        return max(2, int(free * cfg.inference_dynamic_batching_memory_fraction // per))
+    return cfg.inference_dynamic_batching_max_requests * -(-engine.context // bs) + 1
+
+
+class PagedEngine:
+    """Continuous batching over a paged KV cache for ``engine``'s model (an :class:`Engine` at TP 1), as
+    ``cfg`` (config/inference.py's InferenceConfig) says."""
+
+    def __init__(self, engine: Engine, cfg):
+        if engine.model.par.tp_size > 1:
+            raise ValueError("the paged engine runs on one process; serve with the fixed-batch engine under "
+                             "tensor parallelism")
+        if engine.model.config.multi_latent_attention:
+            raise ValueError("the paged KV cache holds paratron's fused-QKV attention only (no multi-latent "
+                             "attention cache)")
+        self.e, self.cfg = engine, cfg
+        self.device = engine.device
+        dtype = next(engine.model.parameters()).dtype
+        self.block_size = cfg.inference_dynamic_batching_block_size
+        self.num_blocks = pool_blocks(engine, cfg, dtype)
+        self.cache = PagedKVCache(engine.model, self.num_blocks, self.block_size, self.device, dtype)
+        self.block_bytes = PagedKVCache.block_bytes(engine.model, self.block_size, dtype)
+        self.blocks = BlockAllocator(self.num_blocks, self.block_size, cfg.inference_dynamic_batching_prefix_caching,
+                                     cfg.inference_dynamic_batching_prefix_caching_eviction_policy)
+        self.sched = Scheduler(self.blocks, cfg.inference_dynamic_batching_max_requests,
+                               cfg.inference_dynamic_batching_max_tokens, cfg.enable_chunked_prefill)
+        self.kernel = engine.model.kernels.kernel_decode_attention != "sdpa"
+        self.ids = itertools.count()
+        self.steps = 0
+        self.graphs = None
+        if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0:
+            from .paged_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self, cfg.inference_dynamic_batching_num_cuda_graphs)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def check(self, req: Request) -> Optional[str]:
+        """Why ``req`` cannot run here ('field: why'), or None."""
+        problem = self.e.check(req)
+        if problem:
+            return problem
+        n = len(req.prompt)
+        if n > self.cfg.inference_dynamic_batching_max_tokens and not self.cfg.enable_chunked_prefill:
+            return (f"prompt: {n} tokens, more than a step's {self.cfg.inference_dynamic_batching_max_tokens} "
+                    "(--inference-dynamic-batching-max-tokens; or serve with --enable-chunked-prefill)")
+        kept = n + min(req.params.max_new_tokens, self.e.context - n) - 1
+        need = -(-kept // self.block_size)
+        if need > self.num_blocks - 1:
+            return (f"prompt: prompt + max_tokens need {need} KV blocks, the pool holds {self.num_blocks - 1} "
+                    "(raise --inference-dynamic-batching-buffer-size-gb / -num-blocks)")
+        return None
+
+    def add(self, req: Request, owner=None) -> Seq:
+        """Queue ``req`` (checked by the caller); ``owner``: whatever the caller wants back with it."""
+        p = req.params
+        seq = Seq(next(self.ids), req, min(p.max_new_tokens, self.e.context - len(req.prompt)),
+                  tokens=list(req.prompt), generator=row_generator(p, self.device), owner=owner)
+        if seq.new_max <= 0 and not p.logprobs:
+            seq.done = True
+        else:
+            self.sched.add(seq)
+        return seq
+
+    @property
+    def idle(self) -> bool:
+        return self.sched.idle
+
+    def abort(self) -> None:
+        """Drop every waiting and running request (after a failed step), releasing their blocks."""
+        for seq in list(self.sched.running):
+            self.sched.finish(seq)
+        self.sched.waiting.clear()
+
+    def generate(self, requests: list[Request], on_token: Optional[Callable] = None) -> list[Result]:
+        """Every request at once, stepped until all are done (offline use and tests)."""
+        for r in requests:
+            problem = self.check(r)
+            if problem:
+                raise ValueError(problem)
+        seqs = [self.add(r) for r in requests]
+        while not self.idle:
+            self.step(on_token)
+        return [self.result(s) for s in seqs]
+
+    # ---- one step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, on_token: Optional[Callable] = None) -> list[Seq]:
+        """Schedule and run one step; the requests that finished in it. ``on_token(seq, token)``: each token
+        generated (None: the request ended without a new token)."""
+        plan = self.sched.schedule()
+        if not plan:
+            if not self.idle:  # (the checks of ``check`` keep every request schedulable: a bug if not)
+                raise RuntimeError(f"the paged engine cannot schedule its {len(self.sched.waiting)} waiting requests")
+            return []
+        self.steps += 1
+        logits, picks = self._run(plan)
+        for seq, n in plan:
+            seq.computed += n
+            self.sched.register_full(seq)
+        self._prompt_logprobs(plan, logits, picks)
+        ready = [seq for seq, _ in plan if seq.computed == len(seq.tokens)]
+        finished = [s for s in ready if s.new_max <= 0]  # asked for prompt log-probabilities only
+        for s in finished:
+            s.done = True
+        ready = [s for s in ready if s.new_max > 0]
+        if ready:
+            finished += self._sample(ready, logits[torch.tensor([picks[s.id][-1] for s in ready])], on_token)
+        for s in finished:
+            self.sched.finish(s)
+            if on_token is not None and s.new_max <= 0:
+                on_token(s, None)
+        return finished
+
+    def _run(self, plan: list) -> tuple[torch.Tensor, dict]:
+        """The model over the step's packed tokens: logits of the picked positions, {seq id: their rows}."""
+        bs, ids, pos, slots, rows, lengths, pick, picks = self.block_size, [], [], [], [], [], [], {}
+        for r, (seq, n) in enumerate(plan):
+            at = range(seq.computed, seq.computed + n)
+            base = len(ids)
+            ids += seq.tokens[seq.computed:seq.computed + n]
+            pos += at
+            slots += [seq.blocks[q // bs] * bs + q % bs for q in at]
+            rows += [r] * n
+            lengths += [q + 1 for q in at]
+            every = seq.params.logprobs and seq.prompt_logprobs is None
+            mine = list(range(base, base + n)) if every else [base + n - 1]
+            picks[seq.id] = list(range(len(pick), len(pick) + len(mine)))
+            pick += mine
+        if self.graphs is not None and all(n == 1 for _, n in plan) and len(pick) == len(plan):
+            out = self.graphs(ids, pos, slots, [seq.blocks for seq, _ in plan], lengths)
+            if out is not None:
+                return out, picks
+        width = max(len(seq.blocks) for seq, _ in plan)
+        t = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
+        tables = t([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in plan])
+        view = PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel)
+        logits = self.e._forward(t([ids]), t([pos]), view, None, pick=t(pick))
+        return logits[0], picks
+
+    def _prompt_logprobs(self, plan: list, logits: torch.Tensor, picks: dict) -> None:
+        """Log-probabilities of the prompt tokens, chunk by chunk, for requests that asked for them."""
+        for seq, n in plan:
+            if not (seq.params.logprobs and seq.prompt_logprobs is None):
+                continue
+            start = seq.computed - n
+            if start == 0:
+                seq.prompt_acc = []
+            lp = torch.log_softmax(logits[picks[seq.id]].float(), dim=-1)
+            nxt = [q + 1 for q in range(start, seq.computed) if q + 1 < seq.prompt_len]
+            if nxt:
+                ids = torch.tensor([seq.tokens[q] for q in nxt], device=lp.device)
+                seq.prompt_acc += lp[:len(nxt)].gather(-1, ids[:, None])[:, 0].tolist()
+            if seq.computed >= seq.prompt_len:
+                seq.prompt_logprobs = [None] + seq.prompt_acc
+
+    def _sample(self, ready: list[Seq], last: torch.Tensor, on_token) -> list[Seq]:
+        if all(s.params.temperature == 0 for s in ready):  # greedy: no per-row tensors to build
+            tok = last.argmax(-1).tolist()
+        else:
+            sampler = Sampler([s.params for s in ready], self.device,
+                              {i: s.generator for i, s in enumerate(ready) if s.generator is not None})
+            tok = sampler(last).tolist()
+        full = lp = top = None
+        if any(s.params.logprobs for s in ready):
+            full = torch.log_softmax(last.float(), dim=-1)
+            lp = full.gather(-1, torch.tensor(tok, device=full.device)[:, None])[:, 0].tolist()
+            n_top = max(s.params.top_logprobs for s in ready)
+            if n_top:
+                values, indices = full.topk(min(n_top, full.size(-1)), dim=-1)
+                top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        finished = []
+        for i, (s, t) in enumerate(zip(ready, tok)):
+            got = self._record(s, t, None if lp is None else lp[i], None if top is None else top[i])
+            if on_token is not None:
+                on_token(s, got)
+            if s.done:
+                finished.append(s)
+        return finished
+
+    def _record(self, s: Seq, t: int, lp, top) -> Optional[int]:
+        """Token ``t`` for ``s`` (None when it ends ``s`` without being kept: the end-of-document token)."""
+        p = s.params
+        if t == self.e.eod and not p.ignore_eod:
+            s.done, s.reason = True, "stop"
+            return None
+        s.generated.append(t)
+        s.tokens.append(t)
+        if p.logprobs:
+            s.logprobs.append(lp)
+            if p.top_logprobs:
+                s.top.append(top[:p.top_logprobs])
+        detok = self.e.detokenize
+        if p.stop and detok is not None and find_stop(detok(s.generated), p.stop) is not None:
+            s.done, s.reason = True, "stop"
+        elif len(s.generated) >= s.new_max:
+            s.done = True
+        return t
+
+    def result(self, s: Seq) -> Result:
+        p = s.params
+        text = None
+        if self.e.detokenize is not None:
+            text = self.e.detokenize(s.generated)
+            cut = find_stop(text, p.stop)
+            text = text if cut is None else text[:cut]
+        return Result(list(s.request.prompt), list(s.generated), s.reason, text,
+                      list(s.logprobs) if p.logprobs else None, s.prompt_logprobs if p.logprobs else None,
+                      list(s.top) if p.logprobs and p.top_logprobs else None)
+
+    def startup_line(self) -> str:
+        """What the pool and the decode path came to (the server prints it when it starts)."""
+        graphs = f"CUDA graphs for batches {self.graphs.sizes}" if self.graphs is not None else "no CUDA graphs"
+        attention = "Triton kernel" if self.kernel and self.device.type == "cuda" else "torch reference"
+        return (f" paged engine: {self.num_blocks - 1} blocks of {self.block_size} tokens "
+                f"({(self.num_blocks - 1) * self.block_bytes / 2 ** 30:.3f} GB), paged attention: {attention}, {graphs}")
+
+    def stats(self) -> dict:
+        """What /health reports about the pool."""
+        b = self.blocks
+        return {"kv_blocks": self.num_blocks - 1, "kv_blocks_used": b.used, "kv_blocks_peak": b.peak,
+                "kv_bytes_peak": b.peak * self.block_bytes, "prefix_cache_hit_blocks": self.sched.prefix_hits,
+                "preemptions": self.sched.preemptions, "steps": self.steps}

@@ -1,0 +1,77 @@
+"""The paged KV cache: one pool of blocks per attention layer, and the view a forward pass of the paged engine
+sees it through.
+
+The model-facing interface (what ``SDPAttention.attend`` calls when ``ForwardContext.kv_cache`` is a view with
+``paged = True``) is one method::
+
+    out = view.attend(layer_index, q, k, v, scale)   # q [1, heads, n, d], k / v [1, groups, n, d] -> like q
+
+The pass's ``n`` tokens are the new tokens of every request of the step, packed into one sequence (batch 1,
+``positions`` as each token's place in its own request). ``attend`` writes their keys and values at
+``slots`` (flat pool slots: block * block_size + offset) and returns each token's attention over its own
+request's cached tokens up to itself (kernels/paged_attention.py). Another cache layout (multi-latent
+attention's latent cache) plugs in as another view class with its own ``attend``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..kernels.paged_attention import paged_attention
+
+
+class PagedKVCache(nn.Module):
+    """Keys and values of every attention layer in ``num_blocks`` blocks of ``block_size`` tokens:
+    ``[num_blocks, block_size, groups on this TP rank, head dim]`` per layer (buffers: fixed addresses)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, device=None, dtype=None):
+        super().__init__()
+        cfg = model.config
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks, block_size, cfg.num_query_groups // model.par.tp_size, cfg.kv_channels)
+        dtype = dtype or next(model.parameters()).dtype
+        for layer in model.decoder.layers:
+            if layer.self_attention is not None:
+                i = layer.self_attention.layer_index
+                self.register_buffer(f"k{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+                self.register_buffer(f"v{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"k{index}"), getattr(self, f"v{index}")
+
+    @staticmethod
+    def block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block over every attention layer (keys and values)."""
+        cfg = model.config
+        layers = sum(1 for layer in model.decoder.layers if layer.self_attention is not None)
+        per = block_size * (cfg.num_query_groups // model.par.tp_size) * cfg.kv_channels
+        return 2 * layers * per * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class PagedView:
+    """One step's tokens in the pool: ``slots`` [n] where each token's keys / values go, ``tables`` [r, blocks]
+    the block table of each request of the step, ``rows`` [n] each token's table row, ``lengths`` [n] how many
+    cached tokens each token sees (its position + 1). ``kernel``: the Triton kernel on CUDA (else the torch
+    reference)."""
+    cache: PagedKVCache
+    slots: torch.Tensor
+    tables: torch.Tensor
+    rows: torch.Tensor
+    lengths: torch.Tensor
+    kernel: bool = True
+    paged = True
+
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> torch.Tensor:
+        """Store ``k`` / ``v`` [1, groups, n, d] of layer ``index``; q [1, heads, n, d] over the cached tokens."""
+        ck, cv = self.cache.layer(index)
+        groups, d = ck.shape[2], ck.shape[3]
+        ck.view(-1, groups, d).index_copy_(0, self.slots, k[0].transpose(0, 1).to(ck.dtype))
+        cv.view(-1, groups, d).index_copy_(0, self.slots, v[0].transpose(0, 1).to(cv.dtype))
+        n, heads = q.size(2), q.size(1)
+        grouped = q[0].transpose(0, 1).reshape(n, groups, heads // groups, d)
+        out = paged_attention(grouped, ck, cv, self.tables, self.rows, self.lengths,
+                              scale if scale is not None else d ** -0.5, self.kernel)
+        return out.reshape(n, heads, d).transpose(0, 1)[None]

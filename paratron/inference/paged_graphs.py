@@ -1,0 +1,97 @@
+"""CUDA graphs of the paged engine's decode-only steps, one per batch-size bucket (GPUs only).
+
+A step whose requests all decode (one token each, no prompt log-probabilities) has the shapes of its batch
+size alone: the packed tokens [1, b], their slots, lengths and table rows [b], the block tables [b, the most
+blocks a request can hold]. Buckets are powers of two up to ``--inference-dynamic-batching-max-requests``, the
+``--inference-dynamic-batching-num-cuda-graphs`` smallest of them; a step of ``r`` requests runs in the smallest
+bucket >= r, its padding rows writing into the scratch block 0 and attending over it alone (their logits are
+dropped). Inputs are copied into fixed tensors, the pool is written in place, and each bucket's graph is
+captured after WARMUP eager calls (which let lazy initialisation happen outside the capture), into one memory
+pool shared by all buckets. A step larger than the largest bucket runs eagerly. Under ``--torch-compile`` the step
+is compiled (Inductor) before it is captured.
+"""
+from __future__ import annotations
+
+import torch
+
+from .paged_cache import PagedView
+
+WARMUP = 2
+
+
+def buckets(max_requests: int, count: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, ... capped at ``max_requests``, the ``count`` smallest."""
+    sizes = sorted({min(1 << i, max_requests) for i in range(max_requests.bit_length() + 1)})
+    return sizes[:count]
+
+
+class DecodeGraphs:
+    """``graphs(ids, positions, slots, tables, lengths) -> logits [r, vocab]`` (None when ``r`` has no bucket)."""
+
+    def __init__(self, engine, count: int):
+        self.engine = engine
+        self.sizes = buckets(engine.cfg.inference_dynamic_batching_max_requests, count)
+        most, dev = self.sizes[-1], engine.device
+        self.width = -(-engine.e.context // engine.block_size)  # the most blocks one request holds
+        self.ids = torch.zeros(1, most, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(1, most, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(most, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(most, self.width, dtype=torch.long, device=dev)
+        self.rows = torch.arange(most, device=dev)
+        self.lengths = torch.ones(most, dtype=torch.long, device=dev)
+        self.graphs: dict = {}
+        self.out: dict = {}
+        self.calls: dict = {}
+        self.pool = None
+        # --torch-compile: the step compiled once per bucket (torch's recompile limit, 8 shapes by default, leaves
+        # larger buckets eager; still graphed)
+        self.forward = torch.compile(self._forward, dynamic=False) if engine.e.compile else self._forward
+
+    def _forward(self, ids, positions, slots, tables, rows, lengths) -> torch.Tensor:
+        e = self.engine
+        return e.e._forward(ids, positions, PagedView(e.cache, slots, tables, rows, lengths, e.kernel), None)[0]
+
+    def _step(self, b: int) -> torch.Tensor:
+        return self.forward(self.ids[:, :b], self.positions[:, :b], self.slots[:b], self.tables[:b], self.rows[:b],
+                            self.lengths[:b])
+
+    def _fill(self, b: int, ids, positions, slots, tables, lengths) -> None:
+        """The step's inputs into the fixed tensors, padded to ``b`` rows (two host-to-device copies)."""
+        pad = b - len(ids)
+        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [0] * pad, lengths + [1] * pad])
+        self.ids[0, :b].copy_(host[0])
+        self.positions[0, :b].copy_(host[1])
+        self.slots[:b].copy_(host[2])
+        self.lengths[:b].copy_(host[3])
+        rows = [t + [0] * (self.width - len(t)) for t in tables] + [[0] * self.width] * pad
+        self.tables[:b].copy_(torch.tensor(rows))
+
+    def __call__(self, ids, positions, slots, tables, lengths):
+        r = len(ids)
+        b = next((s for s in self.sizes if s >= r), None)
+        if b is None:
+            return None
+        self._fill(b, ids, positions, slots, tables, lengths)
+        if b not in self.graphs:
+            self.calls[b] = self.calls.get(b, 0) + 1
+            if self.calls[b] <= WARMUP:
+                return self._warm(b)[:r]
+            self._capture(b)
+        self.graphs[b].replay()
+        return self.out[b][:r]
+
+    def _warm(self, b: int) -> torch.Tensor:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = self._step(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def _capture(self, b: int) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.out[b] = self._step(b)
+        self.graphs[b] = graph

@@ -1,0 +1,119 @@
+"""Attention of packed query tokens over a paged KV cache (the paged engine's steps), as one Triton kernel.
+
+A step of the paged engine (paratron/inference/paged.py) packs the new tokens of every request it runs (one per
+decoding request, a chunk of the prompt per prefilling one) into one sequence. Token ``i`` belongs to the
+request of block-table row ``rows[i]`` and sees that request's first ``lengths[i]`` cached tokens (itself and
+everything before it: causal within its request). The keys and values live in one pool per layer,
+``[num_blocks, block_size, groups, d]``; cached token ``t`` of row ``r`` is at block ``tables[r, t //
+block_size]``, slot ``t % block_size``.
+
+q is ``[tokens, groups, q_per_group, d]`` (each key/value group's query heads read its keys once). The kernel
+runs one program per (token, group) and walks the token's blocks ``BLOCK_T`` keys at a time, looking each key's
+block up in the table (any block size works), with the online softmax of decode_attention.py. Lengths, rows and
+tables are read from device memory, so a captured CUDA graph replays it with new ones.
+
+:func:`paged_attention_reference` is the same in plain torch (each token's blocks gathered into a dense
+sequence): what runs on CPUs and what the tests compare the kernel with (on CPU through Triton's interpreter).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+BLOCK_T = 64  # cached keys per loop iteration
+
+
+def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                              rows: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale over each token's first ``lengths[i]`` cached tokens) v, in fp32, in q's dtype."""
+    n, g, qpg, d = q.shape
+    bs = k_pool.size(1)
+    table = tables[rows]  # [n, blocks]
+    span = table.size(1) * bs
+    keys = k_pool[table].reshape(n, span, g, d).permute(0, 2, 1, 3)  # [n, g, span, d]
+    vals = v_pool[table].reshape(n, span, g, d).permute(0, 2, 1, 3)
+    allowed = (torch.arange(span, device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    # the softmax spelled out: torch's CPU softmax splits even tiny inputs over its threads, which waits
+    # tens of milliseconds per call on a busy machine
+    probs = (scores - scores.amax(-1, keepdim=True)).exp()
+    probs = probs / probs.sum(-1, keepdim=True)
+    return torch.matmul(probs, vals.float()).to(q.dtype)
+
+
+def supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """The kernel's shapes: a power-of-two head dim of 16..256, at most 128 queries per group, the pool
+    contiguous along the head dim."""
+    d = q.size(-1)
+    return triton is not None and 16 <= d <= 256 and d & (d - 1) == 0 and q.size(2) <= 128 and k_pool.stride(-1) == 1
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                    rows: torch.Tensor, lengths: torch.Tensor, scale: float, kernel: bool = True) -> torch.Tensor:
+    """``[tokens, groups, q_per_group, d]``: the Triton kernel on CUDA where it applies (``kernel``), else the
+    reference."""
+    if kernel and q.is_cuda and supported(q, k_pool):
+        return torch.ops.paratron.paged_attention(q.contiguous(), k_pool, v_pool, tables, rows, lengths, scale)
+    return paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, scale)
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, row_ptr, len_ptr, out_ptr, groups, scale, stab,
+                      sqn, sqg, sqh, skb, skt, skg, svb, svt, svg, son, sog, soh,
+                      QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr):
+        pid = tl.program_id(0)
+        i, g = pid // groups, pid % groups
+        heads, cols = tl.arange(0, QB), tl.arange(0, D)
+        q = tl.load(q_ptr + i * sqn + g * sqg + heads[:, None] * sqh + cols[None, :], mask=heads[:, None] < QPG,
+                    other=0.0).to(tl.float32)
+        table = tab_ptr + tl.load(row_ptr + i) * stab
+        end = tl.load(len_ptr + i)  # this token sees cached tokens [0, end)
+        m = tl.full([QB], float("-inf"), tl.float32)
+        total = tl.zeros([QB], tl.float32)
+        acc = tl.zeros([QB, D], tl.float32)
+        for start in range(0, end, BT):
+            t = start + tl.arange(0, BT)
+            ok = t < end
+            block = tl.load(table + t // BS, mask=ok, other=0).to(tl.int64)
+            at = block * skb + (t % BS) * skt + g * skg
+            keys = tl.load(k_ptr + at[:, None] + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(keys)) * scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            vat = block * svb + (t % BS) * svt + g * svg
+            vals = tl.load(v_ptr + vat[:, None] + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, vals)
+            m = m_new
+        out = acc / total[:, None]
+        tl.store(out_ptr + i * son + g * sog + heads[:, None] * soh + cols[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=heads[:, None] < QPG)
+
+    @torch.library.custom_op("paratron::paged_attention", mutates_args=())
+    def _paged_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                  rows: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        n, groups, qpg, d = q.shape
+        out = torch.empty_like(q)
+        if out.numel():
+            with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+                _paged_kernel[(n * groups,)](
+                    q, k_pool, v_pool, tables, rows, lengths, out, groups, scale, tables.stride(0),
+                    q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+                    v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                    QPG=qpg, QB=max(16, triton.next_power_of_2(qpg)), D=d, BS=k_pool.size(1), BT=BLOCK_T)
+        return out
+
+    @_paged_op.register_fake
+    def _(q, k_pool, v_pool, tables, rows, lengths, scale):
+        return torch.empty_like(q)
