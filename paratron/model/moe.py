@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import mup
+from ..fp8 import experts as fp8_experts
 from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel.random import checkpoint
@@ -244,6 +245,7 @@ class _Weight(nn.Module):
         def part(full, spec):
             return set_spec(nn.Parameter(shard(full, spec, coords)), spec)
 
+        self.fp8 = None  # the FP8State of --fp8-format (paratron.fp8.linear.attach): grouped GEMMs in FP8
         full = torch.empty(shape, device=device, dtype=dtype)
         init(full)
         self.weight = part(full, ShardSpec(splits=splits, grad_group="edp"))
@@ -319,13 +321,15 @@ class Experts(nn.Module):
         self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
         self.recompute_act = False  # --recompute-modules moe_act: the activation's output is not kept
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, counts, rows) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, counts, rows, fp8=None) -> torch.Tensor:
         """x [tokens sorted by expert, in] times each expert's w [out, in]^T; ``rows``: the padded
         layout of :func:`aligned_rows` (grouped GEMM), or None (one matmul per expert); ``counts``: a
-        list of rows per expert (or a tensor of them)."""
+        list of rows per expert (or a tensor of them); ``fp8``: the weight's FP8State (FP8 grouped GEMM)."""
         if rows is not None:
             dest, ends, size = rows
             padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
+            if fp8 is not None:
+                return fp8_experts.fp8_grouped_mm(padded, w, ends, fp8)[dest]
             return torch._grouped_mm(padded, w.transpose(1, 2), offs=ends)[dest]
         parts = torch.split(x, counts if isinstance(counts, list) else counts.tolist())
         return torch.cat([p @ w[i].t() for i, p in enumerate(parts)])
@@ -335,17 +339,20 @@ class Experts(nn.Module):
         """``x``: the tokens sorted by (local) expert, ``counts[i]`` of them for expert i (``host_counts``:
         the same as a list, when known); ``expert_index`` the expert of each row."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        grouped = self.grouped and grouped_mm_usable(x, fc1.weight.shape[1], fc1.weight.shape[2], fc2.weight.shape[1])
+        fp8 = fc1.fp8 is not None  # FP8 experts always take the grouped layout (FP8 has no per-expert loop)
+        grouped = fp8 or (self.grouped and grouped_mm_usable(x, fc1.weight.shape[1], fc1.weight.shape[2],
+                                                              fc2.weight.shape[1]))
         self.used_grouped_mm = grouped
-        rows = aligned_rows(counts, expert_index) if grouped else None  # from the device counts: no sync
+        align = fp8_experts.alignment(fc1.fp8) if fp8 else 8
+        rows = aligned_rows(counts, expert_index, align) if grouped else None  # from the device counts: no sync
         counts = host_counts if host_counts is not None else counts
-        h = self._mm(x, fc1.weight, counts, rows)
+        h = self._mm(x, fc1.weight, counts, rows, fc1.fp8)
         if fc1.bias is not None:
             h = h + fc1.bias[expert_index]
         if self.recompute_act and recompute.active(self):
-            out = recompute.discard_output(self._act, h, lambda a: self._mm(a, fc2.weight, counts, rows))
+            out = recompute.discard_output(self._act, h, lambda a: self._mm(a, fc2.weight, counts, rows, fc2.fp8))
         else:
-            out = self._mm(self._act(h), fc2.weight, counts, rows)
+            out = self._mm(self._act(h), fc2.weight, counts, rows, fc2.fp8)
         return out + fc2.bias[expert_index] if fc2.bias is not None and self.fc2_bias_here else out
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
