@@ -267,12 +267,14 @@ def grouped_mm_usable(x: torch.Tensor, *sizes: int) -> bool:
 def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 8):
     """A layout for grouped GEMM with each expert's rows starting at a multiple of ``align`` (what
     the CUDA kernels want of the token dimension, as torchtitan pads it): the padded row of each
-    sorted row, the padded group ends (int32), and a row count that bounds them without a host sync."""
+    sorted row, the padded group ends (int32), and a row count that bounds them without a host sync (a
+    multiple of ``align``)."""
     padded = (counts + align - 1) // align * align
     ends = padded.cumsum(0)
     shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - start, per expert
     dest = torch.arange(expert_index.numel(), device=counts.device) + shift[expert_index]
-    return dest, ends.to(torch.int32), expert_index.numel() + counts.numel() * (align - 1)
+    bound = expert_index.numel() + counts.numel() * (align - 1)
+    return dest, ends.to(torch.int32), -(-bound // align) * align  # whole multiples: 16-byte strides of transposes
 
 
 def expert_order(routing_map: torch.Tensor, assignments: Optional[int] = None):
