@@ -26,7 +26,7 @@ reduce-scatter), written as autograd functions here and in ``comm``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,33 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
+class _Arrived(torch.autograd.Function):
+    """The rows an asynchronous all-to-all has delivered (``received``), joined to the graph of the rows sent
+    (``x``): backward sends the gradients back with the splits swapped (synchronously)."""
+
+    @staticmethod
+    def forward(ctx, x, received, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        return received
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(g.contiguous(), out_splits, in_splits, ctx.group), None, None, None, None
+
+
+def all_to_all_overlapped(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                          meanwhile: Callable):
+    """:func:`all_to_all` started asynchronously, ``meanwhile()`` computed while the rows travel, then the
+    wait: (the rows received, what ``meanwhile`` returned)."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    handle = dist.all_to_all_single(out, x.detach().contiguous(), list(out_splits), list(in_splits), group=group,
+                                    async_op=True)
+    side = meanwhile()
+    handle.wait()
+    return _Arrived.apply(x, out, list(out_splits), list(in_splits), group), side
+
+
 def _sorted_rows(routing_map: torch.Tensor, total: int):
     """(expert, token) of each routed pair, sorted by expert then token; ``total`` pairs (known on the
     host, so no synchronisation where ``nonzero_static`` exists)."""
@@ -103,10 +130,11 @@ def _sorted_rows(routing_map: torch.Tensor, total: int):
 
 
 def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                      run_experts: Callable, lay: ExpertLayout) -> torch.Tensor:
+                      run_experts: Callable, lay: ExpertLayout, meanwhile: Optional[Callable] = None):
     """The MoE layer's expert part over ``lay.group`` with all-to-all (see the module docstring).
     ``run_experts(x, counts, expert_index, host_counts)`` runs the local experts on rows sorted by
-    local expert. Returns [tokens, hidden]."""
+    local expert. Returns [tokens, hidden]; with ``meanwhile`` (--moe-shared-expert-overlap: the shared
+    expert), (that, what ``meanwhile()`` returned, computed while the dispatch all-to-all is in flight)."""
     n_exp, loc, g, etp = lay.num_experts, lay.local, lay.size, lay.etp
     counts = routing_map.sum(dim=0)
     table_dev = counts.new_empty(g * n_exp)
@@ -123,7 +151,10 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
         x = torch.cat([part for part in x.split(per_ep) for _ in range(etp)])
     local_table = [row[lay.first:lay.first + loc] for row in table]  # [source][local expert]
     recv = [sum(row) for row in local_table]
-    x = all_to_all(x, recv, send, lay.group)
+    if meanwhile is not None:
+        x, side = all_to_all_overlapped(x, recv, send, lay.group, meanwhile)
+    else:
+        x = all_to_all(x, recv, send, lay.group)
     # rows arrive as [source][local expert]; the experts want [local expert][source]
     host_counts = [sum(row[e] for row in local_table) for e in range(loc)]
     local_dev = table_dev[:, lay.first:lay.first + loc]
@@ -141,7 +172,8 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
         parts = y.split(send)
         y = torch.cat([sum(parts[j * etp:(j + 1) * etp]) for j in range(lay.ep)])
     y = y * probs[token_index, expert_index].to(y.dtype)[:, None]
-    return torch.zeros_like(tokens).index_add_(0, token_index, y)
+    out = torch.zeros_like(tokens).index_add_(0, token_index, y)
+    return out if meanwhile is None else (out, side)
 
 
 def allgather_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,

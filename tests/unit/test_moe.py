@@ -396,7 +396,7 @@ def test_aligned_rows_for_grouped_gemm():
     expert = torch.repeat_interleave(torch.arange(4), counts)
     dest, ends, size = moe.aligned_rows(counts, expert)
     assert dest.tolist() == [0, 1, 2, 8, 9, 10, 11, 12, 13, 14, 15, 16, 24]
-    assert ends.tolist() == [8, 8, 24, 32] and ends.dtype == torch.int32 and size == 13 + 4 * 7 >= 32
+    assert ends.tolist() == [8, 8, 24, 32] and ends.dtype == torch.int32 and size == 48  # 13 + 4 * 7, to 8s
 
 
 def test_expert_order_of_dropless_routing_is_static_and_equals_nonzero():
