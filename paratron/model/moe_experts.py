@@ -13,7 +13,7 @@ from torch import nn
 from . import mup, recompute
 from ..config import ModelConfig
 from ..fp8 import experts as fp8_experts
-from ..parallel.experts import ExpertLayout
+from ..parallel.experts import ExpertLayout, aligned_rows
 from ..parallel.sharding import ShardSpec, Split, set_spec, shard
 from ..parallel.tensor import init_normal
 from .layers import output_init
@@ -49,19 +49,6 @@ def grouped_mm_usable(x: torch.Tensor, *sizes: int) -> bool:
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     return x.device.type == "cpu"
-
-
-def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 8):
-    """A layout for grouped GEMM with each expert's rows starting at a multiple of ``align`` (what
-    the CUDA kernels want of the token dimension, as torchtitan pads it): the padded row of each
-    sorted row, the padded group ends (int32), and a row count that bounds them without a host sync (a
-    multiple of ``align``)."""
-    padded = (counts + align - 1) // align * align
-    ends = padded.cumsum(0)
-    shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - start, per expert
-    dest = torch.arange(expert_index.numel(), device=counts.device) + shift[expert_index]
-    bound = expert_index.numel() + counts.numel() * (align - 1)
-    return dest, ends.to(torch.int32), -(-bound // align) * align  # whole multiples: 16-byte strides of transposes
 
 
 def expert_order(routing_map: torch.Tensor, assignments: Optional[int] = None):
@@ -105,8 +92,7 @@ def fused_local_experts(experts: "Experts", tokens: torch.Tensor, probs: torch.T
     """:func:`local_experts` with the permutation fused (--moe-permute-fusion): one gather takes the tokens
     straight into the padded expert rows, and one scatter-add takes the outputs, weighted by their
     probabilities, straight back to their tokens (torch ops that Inductor fuses under --torch-compile)."""
-    align = fp8_experts.alignment(experts.linear_fc1.fp8) if experts.linear_fc1.fp8 is not None else 8
-    src, weight, row_expert, ends = padded_layout(routing_map, probs, assignments, align)
+    src, weight, row_expert, ends = padded_layout(routing_map, probs, assignments, experts.row_alignment())
     y = experts.padded(F.pad(tokens, (0, 0, 0, 1))[src], ends, row_expert)
     out = tokens.new_zeros(tokens.shape[0] + 1, tokens.shape[1])
     return out.index_add_(0, src, y * weight.to(y.dtype)[:, None])[:-1]
@@ -135,6 +121,7 @@ class Experts(nn.Module):
         self.grouped = cfg.moe_grouped_gemm
         self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
         self.recompute_act = False  # --recompute-modules moe_act: the activation's output is not kept
+        self.permute_fusion = cfg.moe_permute_fusion  # the alltoall dispatcher reads it (duck-typed)
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, counts, rows, fp8=None) -> torch.Tensor:
         """x [tokens sorted by expert, in] times each expert's w [out, in]^T; ``rows``: the padded
@@ -153,14 +140,16 @@ class Experts(nn.Module):
                 host_counts: Optional[list] = None) -> torch.Tensor:
         """``x``: the tokens sorted by (local) expert, ``counts[i]`` of them for expert i (``host_counts``:
         the same as a list, when known); ``expert_index`` the expert of each row."""
-        fc1 = self.linear_fc1
-        fp8 = fc1.fp8 is not None  # FP8 experts always take the grouped layout (FP8 has no per-expert loop)
-        grouped = self.takes_grouped(x)
+        grouped = self.takes_grouped(x)  # FP8 experts always take the grouped layout (no per-expert loop)
         self.used_grouped_mm = grouped
-        align = fp8_experts.alignment(fc1.fp8) if fp8 else 8
-        rows = aligned_rows(counts, expert_index, align) if grouped else None  # from the device counts: no sync
+        rows = aligned_rows(counts, expert_index, self.row_alignment()) if grouped else None  # no host sync
         counts = host_counts if host_counts is not None else counts
         return self._ffn(x, lambda a, m: self._mm(a, m.weight, counts, rows, m.fp8), expert_index)
+
+    def row_alignment(self) -> int:
+        """Each expert's rows start at a multiple of this in the grouped layout (FP8: its recipe's)."""
+        fp8 = self.linear_fc1.fp8
+        return fp8_experts.alignment(fp8) if fp8 is not None else 8
 
     def takes_grouped(self, x: torch.Tensor) -> bool:
         """Whether the experts run as grouped GEMMs on ``x``'s device and dtype (always in FP8)."""

@@ -117,6 +117,32 @@ def all_to_all_overlapped(x: torch.Tensor, out_splits: list[int], in_splits: lis
     return _Arrived.apply(x, out, list(out_splits), list(in_splits), group), side
 
 
+def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 8):
+    """A layout for grouped GEMM with each expert's rows starting at a multiple of ``align`` (what
+    the CUDA kernels want of the token dimension, as torchtitan pads it): the padded row of each
+    sorted row, the padded group ends (int32), and a row count that bounds them without a host sync (a
+    multiple of ``align``)."""
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - start, per expert
+    dest = torch.arange(expert_index.numel(), device=counts.device) + shift[expert_index]
+    bound = expert_index.numel() + counts.numel() * (align - 1)
+    return dest, ends.to(torch.int32), -(-bound // align) * align  # whole multiples: 16-byte strides of transposes
+
+
+def _fused_rows(experts, x: torch.Tensor, row_expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """--moe-permute-fusion on the received rows (in [source][local expert] order): one gather takes them
+    straight into the padded grouped layout, the experts run there (``experts.padded``), and one copy puts
+    each output back at its received row (padding rows all land on one spare row, dropped)."""
+    order = torch.argsort(row_expert, stable=True)
+    dest, ends, size = aligned_rows(counts, row_expert[order], experts.row_alignment())
+    received = x.shape[0]
+    src = torch.full((size,), received, dtype=torch.long, device=x.device).index_copy(0, dest, order)
+    padded_expert = torch.zeros(size, dtype=torch.long, device=x.device).index_copy(0, dest, row_expert[order])
+    y = experts.padded(torch.nn.functional.pad(x, (0, 0, 0, 1))[src], ends, padded_expert)
+    return y.new_zeros(received + 1, y.shape[1]).index_copy(0, src, y)[:-1]
+
+
 def _sorted_rows(routing_map: torch.Tensor, total: int):
     """(expert, token) of each routed pair, sorted by expert then token; ``total`` pairs (known on the
     host, so no synchronisation where ``nonzero_static`` exists)."""
@@ -161,12 +187,15 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
     order = None
     row_expert = torch.repeat_interleave(torch.arange(loc, device=x.device).repeat(g), local_dev.reshape(-1),
                                          output_size=sum(recv))
-    if loc > 1:
-        order = torch.argsort(row_expert, stable=True)
-        x, row_expert = x[order], row_expert[order]
-    y = run_experts(x, local_dev.sum(dim=0), row_expert, host_counts)
-    if order is not None:
-        y = torch.empty_like(y).index_copy(0, order, y)
+    if getattr(run_experts, "permute_fusion", False) and run_experts.takes_grouped(x):
+        y = _fused_rows(run_experts, x, row_expert, local_dev.sum(dim=0))
+    else:
+        if loc > 1:
+            order = torch.argsort(row_expert, stable=True)
+            x, row_expert = x[order], row_expert[order]
+        y = run_experts(x, local_dev.sum(dim=0), row_expert, host_counts)
+        if order is not None:
+            y = torch.empty_like(y).index_copy(0, order, y)
     y = all_to_all(y, send, recv, lay.group)
     if etp > 1:  # sum the ETP ranks' partial outputs of each EP rank's rows
         parts = y.split(send)
