@@ -224,9 +224,8 @@ class TrainConfig(Section):
     torch_compile: bool = False  # paratron: torch.compile each transformer layer (regional compilation)
     no_fused_output_loss: bool = False  # paratron: plain logits + cross-entropy instead of the chunked fused path
     calculate_per_token_loss: bool = False  # loss = sum over the step's tokens / their count (else per micro-batch mean)
-    # FP8 matmuls in the transformer layers (paratron/parallel/fp8.py); Megatron's names and defaults
-    fp8_format: Optional[str] = None  # e4m3 | hybrid (e5m2 gradients); needs --bf16 and a Hopper/Ada GPU
-    fp8_recipe: str = "delayed"  # tensorwise (current amax) | delayed (amax history)
+    fp8_format: Optional[str] = None  # FP8 matmuls (paratron/fp8/): e4m3 | hybrid (e5m2 gradients); --bf16, Hopper/Ada
+    fp8_recipe: str = "delayed"  # tensorwise (current amax) | delayed (amax history) | blockwise (1x128, 128x128 tiles)
     fp8_amax_history_len: int = 1  # delayed: amaxes kept per tensor
     fp8_amax_compute_algo: str = "most_recent"  # delayed: max | most_recent of the history
     fp8_margin: int = 0  # scale = fp8 max / (amax * 2^margin)

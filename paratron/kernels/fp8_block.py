@@ -99,7 +99,8 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
     b, inv_b = b.contiguous(), sb.reciprocal().contiguous()  # b^T column-major, as _scaled_mm's second operand
     # torch's layout checks: a's scales [M, K/128] column-major; b^T's [K/128, N/128] (blocks) or [K/128, N]
     scale_b = inv_b.t() if b_blocks else _column_major(inv_b).t()
-    return torch._scaled_mm(a.contiguous(), b.t(), scale_a=_column_major(sa.reciprocal()), scale_b=scale_b, out_dtype=out_dtype)
+    return torch._scaled_mm(a.contiguous(), b.t(), scale_a=_column_major(sa.reciprocal()), scale_b=scale_b,
+                            out_dtype=out_dtype)
 
 
 def gemm_choice(device) -> tuple[str, str]:

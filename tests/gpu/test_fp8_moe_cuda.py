@@ -71,7 +71,7 @@ def test_scaled_grouped_mm_equals_emulation(recipe):
     outs = []
     for emulate in (False, True):
         xr, wr = padded.clone().requires_grad_(), w.clone().requires_grad_()
-        state = FP8State(Recipe(format="hybrid", recipe=recipe, emulate=emulate, grouped_gemm="scaled_grouped_mm"))
+        state = FP8State(Recipe(format="e4m3", recipe=recipe, emulate=emulate, grouped_gemm="scaled_grouped_mm"))
         y = fp8_grouped_mm(xr, wr, ends, state)
         y.backward(g)
         outs.append((y[dest], xr.grad[dest], wr.grad))

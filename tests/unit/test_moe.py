@@ -299,11 +299,12 @@ def test_moe_flags_without_experts_are_refused():
 
 
 def test_config_defaults():
-    cfg = parse_args(BASE + ["--ffn-hidden-size", "24", "--moe-token-dispatcher-type", "allgather",
-                             "--moe-shared-expert-overlap"])
+    cfg = parse_args(BASE + ["--ffn-hidden-size", "24", "--moe-token-dispatcher-type", "allgather"])
     m = cfg.model
     assert (m.moe_ffn_hidden_size, m.moe_router_topk, m.moe_router_load_balancing_type, m.moe_aux_loss_coeff,
             m.moe_expert_capacity_factor) == (24, 2, "aux_loss", 0.0, None)
+    with pytest.raises(ConfigError, match="--moe-shared-expert-overlap computes the shared expert under the alltoall"):
+        parse_args(BASE + ["--moe-token-dispatcher-type", "allgather", "--moe-shared-expert-overlap"])
 
 
 # ---- training -------------------------------------------------------------------------------------
