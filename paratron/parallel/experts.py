@@ -15,6 +15,9 @@ reuses the sizes). The token rows, sorted by expert, are sent with ``all_to_all_
 ranks of the EP rank holding their expert (each ETP rank gets the same rows), the received rows are
 reordered by local expert, the experts run, and the reverse all-to-all brings the (partial) outputs
 back, where the ETP parts are summed, weighted by the router probabilities and added per token.
+With ``meanwhile`` (--moe-shared-expert-overlap) the dispatch all-to-all is started asynchronously and
+``meanwhile()`` (the shared expert) runs before the wait; with experts that ask for it
+(--moe-permute-fusion) the received rows go into the padded grouped layout by one gather.
 
 allgather: the tokens, probabilities and routing maps of the group are all-gathered; each rank runs
 its local experts on the gathered tokens routed to them and a reduce-scatter returns every rank the

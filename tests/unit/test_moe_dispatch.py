@@ -97,15 +97,23 @@ def test_fused_expert_path_compiles_as_one_graph():
     assert layer.local is not moe.local_experts
 
 
-@pytest.mark.parametrize("fusion", [True, False])
-def test_no_host_reads_in_the_dropless_grouped_moe_layer(fusion):
+@pytest.mark.parametrize("fusion,recipe", [(True, None), (False, None), (True, "delayed"), (True, "blockwise")])
+def test_no_host_reads_in_the_dropless_grouped_moe_layer(fusion, recipe):
+    from paratron import fp8
+    from paratron.fp8 import Recipe
     torch.manual_seed(3)
-    layer = moe.MoELayer(_cfg(moe_permute_fusion=fusion, moe_shared_expert_intermediate_size=16), Parallel())
+    width = 128 if recipe == "blockwise" else 32  # blockwise: whole 128 x 128 weight blocks per expert
+    layer = moe.MoELayer(_cfg(moe_permute_fusion=fusion, moe_shared_expert_intermediate_size=16, hidden_size=width,
+                              moe_ffn_hidden_size=width // 2 if recipe != "blockwise" else 128), Parallel())
+    if recipe is not None:  # the routed experts in FP8 (emulated GEMMs; the scales stay on the device)
+        assert fp8.attach(layer.experts, Recipe(format="e4m3", recipe=recipe, emulate=True)) == 2
     layer.train()
-    x = torch.randn(8, 2, 32, requires_grad=True)
+    x = torch.randn(8, 2, width, requires_grad=True)
     with HostReads() as reads:
         layer(x).square().sum().backward()
     assert reads.seen == [], reads.seen
+    if recipe is not None:
+        return
     # the counter is live: the loop over experts reads the counts, token dropping reads the kept pairs
     for cfg in (_cfg(moe_grouped_gemm=False), _cfg(moe_expert_capacity_factor=1.0)):
         with HostReads() as reads:
