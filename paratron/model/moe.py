@@ -290,6 +290,7 @@ class MoELayer(nn.Module):
                                and self.dispatch is DISPATCHERS["alltoall"])
         # dropless: every token goes to top-k experts, so the routed pairs are known in number
         self.dropless = cfg.moe_expert_capacity_factor is None
+        self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity  # ... or padded to capacity: known too
         self.local = local_experts
         self.permute_fusion = cfg.moe_permute_fusion  # where the experts take the grouped layout (see forward)
 
@@ -320,18 +321,7 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(tokens, s)
         if self.fc1_latent_proj is not None:  # --moe-latent-size: routed on the hidden width, computed in the latent
             tokens = self.fc1_latent_proj(tokens)
-        shared = None
-        if self.dispatch is None:  # every expert here
-            assignments = tokens.shape[0] * self.router.topk if self.dropless else None
-            local = self.local
-            if local is local_experts:  # not compiled: the fused permutation where it applies
-                local = self._local_fn(tokens)
-            out = local(self.experts, tokens, probs, routing_map, assignments)
-        elif self.overlap_shared:  # --moe-shared-expert-overlap: the shared expert under the dispatch all-to-all
-            out, shared = self.dispatch(tokens, probs, routing_map, self.experts, self.layout,
-                                        meanwhile=lambda: self._shared(x[:length] if split else x))
-        else:
-            out = self.dispatch(tokens, probs, routing_map, self.experts, self.layout)
+        out, shared = self._routed(tokens, probs, routing_map, lambda: self._shared(x[:length] if split else x))
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         out = out.view(s, b, h)
@@ -341,6 +331,27 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + (shared if shared is not None else self._shared(x))
         return out if residual is None else out + residual
+
+    def _routed(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, shared_fn):
+        """(the routed experts' output, the shared expert's when it ran under the dispatch, else None).
+        With --moe-pad-expert-input-to-capacity every rank routes exactly ``capacity`` rows to each expert,
+        so the pairs and the all-to-all's split sizes are known without reading the counts."""
+        capacity = None
+        if self.pad_to_capacity:
+            capacity = expert_capacity(tokens.shape[0], self.router.topk, self.router.experts,
+                                       self.router.cfg.moe_expert_capacity_factor)
+        if self.dispatch is None:  # every expert here
+            assignments = tokens.shape[0] * self.router.topk if self.dropless else None
+            assignments = capacity * self.router.experts if capacity is not None else assignments
+            local = self.local
+            if local is local_experts:  # not compiled: the fused permutation where it applies
+                local = self._local_fn(tokens)
+            return local(self.experts, tokens, probs, routing_map, assignments), None
+        if self.dispatch is not DISPATCHERS["alltoall"]:
+            return self.dispatch(tokens, probs, routing_map, self.experts, self.layout), None
+        if self.overlap_shared:  # --moe-shared-expert-overlap: the shared expert under the dispatch all-to-all
+            return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, shared_fn, capacity)
+        return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, None, capacity), None
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's output (recomputed in backward with --recompute-modules shared_experts)."""

@@ -158,18 +158,31 @@ def _sorted_rows(routing_map: torch.Tensor, total: int):
     return idx // tokens, idx % tokens
 
 
-def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                      run_experts: Callable, lay: ExpertLayout, meanwhile: Optional[Callable] = None):
-    """The MoE layer's expert part over ``lay.group`` with all-to-all (see the module docstring).
-    ``run_experts(x, counts, expert_index, host_counts)`` runs the local experts on rows sorted by
-    local expert. Returns [tokens, hidden]; with ``meanwhile`` (--moe-shared-expert-overlap: the shared
-    expert), (that, what ``meanwhile()`` returned, computed while the dispatch all-to-all is in flight)."""
-    n_exp, loc, g, etp = lay.num_experts, lay.local, lay.size, lay.etp
+def _count_table(routing_map: torch.Tensor, lay: ExpertLayout, capacity: Optional[int]):
+    """Rows per (rank, expert) of the group, on the device and on the host: exchanged and read back (the
+    one host synchronisation), or with ``capacity`` (every rank's routing padded to it) known as it is."""
+    g, n_exp = lay.size, lay.num_experts
+    if capacity is not None:
+        return (torch.full((g, n_exp), capacity, dtype=torch.long, device=routing_map.device),
+                [[capacity] * n_exp for _ in range(g)])
     counts = routing_map.sum(dim=0)
     table_dev = counts.new_empty(g * n_exp)
     _all_gather(table_dev, counts, group=lay.group)
     table_dev = table_dev.view(g, n_exp)
-    table = table_dev.tolist()  # the one host synchronisation: every split size
+    return table_dev, table_dev.tolist()
+
+
+def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                      run_experts: Callable, lay: ExpertLayout, meanwhile: Optional[Callable] = None,
+                      capacity: Optional[int] = None):
+    """The MoE layer's expert part over ``lay.group`` with all-to-all (see the module docstring).
+    ``run_experts(x, counts, expert_index, host_counts)`` runs the local experts on rows sorted by
+    local expert. Returns [tokens, hidden]; with ``meanwhile`` (--moe-shared-expert-overlap: the shared
+    expert), (that, what ``meanwhile()`` returned, computed while the dispatch all-to-all is in flight).
+    ``capacity``: every rank routes exactly that many rows to each expert (--moe-pad-expert-input-to-capacity):
+    no count exchange and no host read."""
+    loc, g, etp = lay.local, lay.size, lay.etp
+    table_dev, table = _count_table(routing_map, lay, capacity)
     me = lay.etp_rank + etp * lay.ep_rank
     mine = table[me]
     per_ep = [sum(mine[j * loc:(j + 1) * loc]) for j in range(lay.ep)]

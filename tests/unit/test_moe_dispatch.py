@@ -142,3 +142,27 @@ def test_shared_expert_runs_while_the_dispatch_all_to_all_is_in_flight(monkeypat
     assert events == ["start", "shared", "wait"] and side == 7 and torch.equal(y, x)
     (y * 3).sum().backward()
     assert events[-1] == "sync" and torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def test_alltoall_padded_to_capacity_reads_no_counts(monkeypatch):
+    """--moe-pad-expert-input-to-capacity: every rank routes exactly ``capacity`` rows per expert, so the alltoall
+    dispatcher neither exchanges nor reads the counts (one rank, the collective a copy): no host read, and the
+    one-rank expert path's output and gradients."""
+    from paratron.parallel import experts as ep
+
+    def copy(out, inp, out_splits=None, in_splits=None, group=None, async_op=False):
+        out.copy_(inp)
+    monkeypatch.setattr(ep.dist, "all_to_all_single", copy)
+    torch.manual_seed(7)
+    layer = moe.MoELayer(_cfg(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True), Parallel())
+    tokens = torch.randn(16, 32, requires_grad=True)
+    probs, rmap = layer.router(tokens.detach(), 8)
+    capacity = moe.expert_capacity(16, 2, 4, 1.0)
+    assert (rmap.sum(dim=0) == capacity).all()
+    with HostReads() as reads:
+        got = ep.alltoall_dispatch(tokens, probs, rmap, layer.experts, ep.ExpertLayout(4), capacity=capacity)
+        g_got, = torch.autograd.grad(got.square().sum(), tokens)
+    assert reads.seen == [], reads.seen
+    want = moe.local_experts(layer.experts, tokens, probs, rmap, capacity * 4)
+    g_want, = torch.autograd.grad(want.square().sum(), tokens)
+    assert torch.allclose(got, want, atol=1e-6) and torch.allclose(g_got, g_want, atol=1e-5)
