@@ -60,6 +60,7 @@ fp8="--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-
 variants=()
 want bf16 && variants+=(--variant "bf16:$dense")
 want fp8 && variants+=(--variant "fp8:$dense $fp8")
+want fp8 && variants+=(--variant "fp8-blockwise:$dense --fp8-format e4m3 --fp8-recipe blockwise")
 hf=()
 want hf && hf=(--hf)
 if [ ${#variants[@]} -gt 0 ] || [ ${#hf[@]} -gt 0 ]; then
@@ -67,8 +68,12 @@ if [ ${#variants[@]} -gt 0 ] || [ ${#hf[@]} -gt 0 ]; then
         | grep -v "Warn\|warn" | tail -6
 fi
 if want moe; then
-    python benchmarks/train_throughput.py --config moe-mini --record-dir "$out" \
-        --variant "moe:--torch-compile --moe-grouped-gemm --micro-batch-size $moe_mb --global-batch-size $moe_mb" 2>&1 | grep -v "Warn\|warn" | tail -3
+    moe="--torch-compile --moe-grouped-gemm --micro-batch-size $moe_mb --global-batch-size $moe_mb"
+    python benchmarks/train_throughput.py --config moe-mini --record-dir "$out" --variant "moe:$moe" \
+        --variant "moe-fused:$moe --moe-permute-fusion" \
+        --variant "moe-fp8:$moe --moe-permute-fusion --fp8-format hybrid --fp8-recipe tensorwise" \
+        --variant "moe-fp8-blockwise:$moe --moe-permute-fusion --fp8-format e4m3 --fp8-recipe blockwise" 2>&1 \
+        | grep -v "Warn\|warn" | tail -6
 fi
 if want decode || want hf; then
     nohf=(--no-hf)

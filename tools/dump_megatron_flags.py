@@ -4,7 +4,10 @@ paratron/config/megatron_args.tsv) from a Megatron-LM checkout, by building its 
     python tools/dump_megatron_flags.py /path/to/Megatron-LM
 
 The checkout's ``megatron/training/arguments.py`` is imported (with the venv's torch) and its
-``add_megatron_arguments`` parser is walked: every ``--flag`` with its argument group and arity.
+``add_megatron_arguments`` parser is walked, with the extra argument group ``pretrain_gpt.py`` adds
+(``megatron/post_training/arguments.py``'s ``add_modelopt_args``, group "modelopt-generic", where
+``--enable-gpt-oss`` and ``--export-force-local-attention`` live): every ``--flag`` with its argument
+group and arity.
 ``uses`` counts the GPT/Llama/MoE example scripts and functional-test configs of the checkout that
 name the flag (examples/{gpt3,llama,mixtral,megatron_fsdp,gptoss}, post-training model
 definitions, tests/functional_tests/test_cases/{gpt,moe,mixtral} training configs).
@@ -31,7 +34,8 @@ def megatron_actions(repo: Path) -> list[tuple[str, str, str]]:
         typing.override = lambda f: f
     sys.path.insert(0, str(repo))
     from megatron.training import arguments
-    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    from megatron.post_training.arguments import add_modelopt_args  # pretrain_gpt.py's extra_args_provider
+    parser = add_modelopt_args(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     rows = []
     for group in parser._action_groups:
         for action in group._group_actions:
@@ -64,7 +68,8 @@ def main() -> None:
     commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "-q", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     rows, uses = megatron_actions(repo), script_uses(repo)
-    head = f"# Megatron-LM {version['__version__']} commit {commit or 'unknown'}: megatron/training/arguments.py\n"
+    head = (f"# Megatron-LM {version['__version__']} commit {commit or 'unknown'}: megatron/training/arguments.py"
+            " + megatron/post_training/arguments.py\n")
     (ROOT / "tests/data/megatron_flags.tsv").write_text(
         head + "# flag\tgroup\tnargs\tuses\n" + "".join(f"{f}\t{g}\t{n}\t{uses[f]}\n" for f, g, n in rows))
     (ROOT / "paratron/config/megatron_args.tsv").write_text(

@@ -21,8 +21,17 @@ SHAPE_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_d
 DEFAULT_SCALING = ModelConfig.__dataclass_fields__["mtp_loss_scaling_factor"].default
 
 
+# --enable-gpt-oss: the YaRN values Megatron's post-training builder sets (those of HF's gpt-oss configs)
+GPT_OSS_YARN = {"position_embedding_type": "yarn", "rotary_scaling_factor": 32.0,
+                "yarn_original_max_position_embeddings": 131072, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 0.0, "yarn_correction_range_round_to_int": False}
+
+
 def validate_model(m: ModelConfig) -> None:
     """Checks of the model's shape; fills Megatron's derived defaults."""
+    if m.enable_gpt_oss:  # as Megatron, the preset replaces whatever YaRN values were given
+        for name, value in GPT_OSS_YARN.items():
+            setattr(m, name, value)
     need(m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None,
          f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
          "change one of them or set --kv-channels")

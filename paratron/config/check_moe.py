@@ -64,6 +64,9 @@ def validate_routing(m: ModelConfig) -> None:
         need(not (m.moe_pad_expert_input_to_capacity and m.moe_flex_dispatcher_backend == "deepep"),
              "--moe-pad-expert-input-to-capacity is not supported by the flex dispatcher's deepep backend "
              "(as Megatron); use --moe-flex-dispatcher-backend hybridep or another dispatcher")
+    need(not m.moe_shared_expert_overlap or m.moe_token_dispatcher_type in ("alltoall", "flex"),
+         "--moe-shared-expert-overlap computes the shared expert under the alltoall dispatch's all-to-all: use "
+         "--moe-token-dispatcher-type alltoall or flex (as Megatron)")
     need(not m.moe_shared_expert_gate or m.moe_shared_expert_intermediate_size is not None,
          "--moe-shared-expert-gate gates the shared expert: set --moe-shared-expert-intermediate-size")
 

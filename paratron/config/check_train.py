@@ -96,8 +96,10 @@ def validate_fp8(cfg: Config) -> None:
     need(tr.fp8_format in FP8_FORMATS, f"--fp8-format must be e4m3 or hybrid (got {tr.fp8_format})")
     need(tr.fp8_recipe not in FP8_REFUSED_RECIPES,
          f"--fp8-recipe {tr.fp8_recipe} is not supported: {FP8_REFUSED_RECIPES.get(tr.fp8_recipe)}; "
-         "use tensorwise or delayed")
-    need(tr.fp8_recipe in FP8_RECIPES, f"--fp8-recipe must be tensorwise or delayed (got {tr.fp8_recipe})")
+         "use tensorwise, delayed or blockwise")
+    need(tr.fp8_recipe in FP8_RECIPES, f"--fp8-recipe must be tensorwise, delayed or blockwise (got {tr.fp8_recipe})")
+    need(tr.fp8_recipe != "blockwise" or tr.fp8_format == "e4m3", "--fp8-recipe blockwise keeps every tensor in e4m3 "
+         "(DeepSeek-V3's recipe, as Transformer Engine's); use --fp8-format e4m3")
     need(tr.fp8_amax_compute_algo in FP8_AMAX_ALGOS,
          f"--fp8-amax-compute-algo must be max or most_recent (got {tr.fp8_amax_compute_algo})")
     need(tr.bf16, "--fp8-format needs --bf16 (FP8 matmuls with bf16 weights and activations)")
@@ -111,8 +113,13 @@ def validate_fp8(cfg: Config) -> None:
              "fc1 output per TP rank": width // tp, "--ffn-hidden-size per TP rank": m.ffn_hidden_size // tp,
              "tokens per micro-batch (--micro-batch-size x --seq-length / CP)":
                  tr.micro_batch_size * m.seq_length // par.context_parallel_size}
+    if m.num_experts is not None:
+        sizes["--moe-ffn-hidden-size per expert-TP rank"] = (m.moe_ffn_hidden_size or m.ffn_hidden_size) // (
+            par.expert_tensor_parallel_size or tp)
+    align = 128 if tr.fp8_recipe == "blockwise" else 16  # blockwise: whole 128-wide tiles (cuBLAS's blockwise GEMM)
     for name, size in sizes.items():
-        need(size % 16 == 0, f"--fp8-format needs FP8 GEMM sizes that are multiples of 16; {name} is {size}")
+        need(size % align == 0, f"--fp8-format{' --fp8-recipe blockwise' if align == 128 else ''} needs FP8 GEMM "
+             f"sizes that are multiples of {align}; {name} is {size}")
 
 
 def validate_recompute(cfg) -> None:

@@ -35,6 +35,8 @@ CHOICES: dict[str, tuple] = {
     "kernel_fused_adamw": AUTO_ON_OFF,
     "kernel_fp8_fused_mlp": ("on", "off"),
     "kernel_fp8_grad_cast": ("on", "off"),
+    "kernel_fp8_block_gemm": ("auto", "scaled_mm", "dequant"),
+    "kernel_fp8_grouped_gemm": ("auto", "scaled_grouped_mm", "dequant"),
     "kernel_compile_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_coordinate_descent": AUTO_ON_OFF,
 }
@@ -62,6 +64,8 @@ class KernelConfig(Section):
     kernel_fused_adamw: str = "auto"  # AdamW + the bf16 copy of the weights in one Triton pass
     kernel_fp8_fused_mlp: str = "on"  # FP8: the MLP as one function writing its activation in FP8 (off: per layer)
     kernel_fp8_grad_cast: str = "on"  # FP8: output gradients cast by one kernel (off: torch ops)
+    kernel_fp8_block_gemm: str = "auto"  # blockwise FP8 GEMMs: scaled_mm (cuBLAS block scales) | dequant (bf16 GEMM)
+    kernel_fp8_grouped_gemm: str = "auto"  # routed experts in FP8: scaled_grouped_mm (torch) | dequant (bf16 GEMM)
     kernel_compile_coordinate_descent: str = "auto"  # torch.compile's coordinate-descent tuning of the layers
     kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch sizes > 1)
 

@@ -29,7 +29,10 @@ ACCEPTED = {
     "cross_entropy_loss_fusion": "paratron's output layer and loss are already one fused, chunked cross-entropy "
                                  "(--no-fused-output-loss turns it off)",
     "cross_entropy_fusion_impl": "paratron's own fused cross-entropy runs for every value (native | te)",
-    "moe_permute_fusion": SCHEDULING,
+    "moe_router_padding_for_fp8": "paratron's FP8 expert GEMMs always pad each expert's rows with zero rows to the "
+                                  "GEMM's alignment (16; 128 under --fp8-recipe blockwise), which changes no output",
+    "export_force_local_attention": "ModelOpt export's choice of Megatron's local attention module over Transformer "
+                                    "Engine's: paratron has one attention implementation of its own, not TE's",
     "moe_router_fusion": SCHEDULING,
     "use_dist_ckpt": "checkpoints are always distributed (torch.distributed.checkpoint, --ckpt-format torch_dist)",
     "auto_detect_ckpt_format": "paratron reads one format (torch_dist) and checks each checkpoint's manifest before "
@@ -98,7 +101,9 @@ REFUSED = {
     "use_torch_fsdp2": NA.format("paratron shards data parallelism with its own code: --use-megatron-fsdp with "
                                  "--data-parallel-sharding-strategy optim | optim_grads | optim_grads_params"),
     "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
-    "overlap_moe_expert_parallel_comm": PLANNED.format("overlapping the expert-parallel all-to-all with computation"),
+    "overlap_moe_expert_parallel_comm": PLANNED.format("Megatron's combined 1F1B schedule overlapping one "
+                                                       "micro-batch's expert all-to-all with another's attention "
+                                                       "(--moe-shared-expert-overlap overlaps the shared expert)"),
     "cache_mla_latents": NA.format("caching multi-latent attention's compressed latents is an inference choice, not "
                                    "training's (`paratron generate` / `serve` always cache the latents)"),
     "num_speculative_tokens": NA.format("speculative decoding is an inference option: pass --num-speculative-tokens "
@@ -113,8 +118,6 @@ REFUSED = {
     "lion_beta2": NA.format("read only by --optimizer lion, which paratron refuses"),
     "fp8_output_proj": GPU.format("the output layer in MXFP8, which needs Blackwell's MX tensor cores"),
     "fp8_quantizer_factory": GPU.format("Transformer Engine's custom quantizer recipes"),
-    "moe_router_padding_for_fp8": PLANNED.format("padding expert token counts for FP8 grouped GEMMs (routed experts "
-                                                 "run in bf16)"),
     "keep_fp8_transpose_cache": NA.format("it keeps the FP8 weight transposes of Megatron-FSDP with FP8 parameters, "
                                           "neither of which paratron has"),
     "use_precision_aware_optimizer": GPU.format("Transformer Engine's precision-aware optimizer"),
@@ -129,7 +132,8 @@ REFUSED = {
     "overlap_p2p_communication_warmup_flush": PLANNED.format("overlapped pipeline warm-up/flush communication"),
     "defer_embedding_wgrad_compute": PLANNED.format("deferred embedding weight-gradient GEMMs"),
     "wgrad_deferral_limit": PLANNED.format("deferred embedding weight-gradient GEMMs"),
-    "delay_wgrad_compute": PLANNED.format("delayed weight-gradient computation"),
+    "delay_wgrad_compute": PLANNED.format("delayed weight-gradient computation (it serves "
+                                          "--overlap-moe-expert-parallel-comm's schedule)"),
     "fine_grained_activation_offloading": PLANNED.format("activation offloading"),
     "offload_modules": PLANNED.format("activation offloading"),
     "use_cpu_initialization": PLANNED.format("CPU initialisation of full weights before sharding"),
@@ -152,8 +156,6 @@ HONOURED_FIELDS = {
                          "option) and prints no timers in the log line, so no option changes its output",
     "moe_token_dispatcher_type": "alltoall, allgather and flex (run as alltoall) dispatch the same tokens to the "
                                  "same experts; at expert-parallel size 1 all are the identity",
-    "moe_shared_expert_overlap": "overlapping the shared expert with token dispatch is scheduling: paratron's one "
-                                 "order computes the same numbers",
 }
 
 # Refused by name prefix (families of flags).
@@ -197,4 +199,6 @@ GROUP_REASONS = {
     "experimental_attention_variant": PLANNED.format("linear/sparse attention variants"),
     "kitchen": NA.format("NVIDIA Kitchen quantisation"),
     "Transformer-Engine": GPU.format("Transformer Engine options"),
+    "modelopt-generic": NA.format("NVIDIA Model Optimizer (ModelOpt) export, quantisation and distillation options "
+                                  "of Megatron's post-training builder"),
 }

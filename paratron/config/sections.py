@@ -52,6 +52,7 @@ class ModelConfig(Section):
     yarn_correction_range_round_to_int: bool = True  # YaRN: floor/ceil the ramp ends (--no-... keeps fractions)
     mscale: float = 1.0  # YaRN: attention-factor coefficient (numerator)
     mscale_all_dim: float = 0.0  # YaRN: attention-factor coefficient (denominator)
+    enable_gpt_oss: bool = False  # GPT-OSS preset: YaRN with HF gpt-oss's values (factor 32 over 131072 positions)
     window_size: Optional[str] = None  # sliding window (model/core_attention.py): "LEFT,RIGHT" (-1: unbounded), 127,0
     window_attn_skip_freq: Optional[str] = None  # int N (every Nth layer full) or a 0/1 list expression (1 = window)
     softmax_type: str = "vanilla"  # vanilla | off-by-one | learnable (per-head sink logits)
@@ -96,8 +97,9 @@ class ModelConfig(Section):
     moe_token_drop_policy: str = "probs"  # probs | position
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_shared_expert_overlap: bool = False  # scheduling only: accepted, same numbers
+    moe_shared_expert_overlap: bool = False  # alltoall EP: the shared expert runs while the dispatch all-to-all flies
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
+    moe_permute_fusion: bool = False  # grouped GEMM: tokens gathered straight into the padded expert rows and back
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex (runs as alltoall)
     moe_flex_dispatcher_backend: str = "deepep"  # deepep | hybridep | ncclep: checked as Megatron, then alltoall
     moe_router_num_groups: Optional[int] = None  # group-limited routing: the experts in this many groups
@@ -225,9 +227,8 @@ class TrainConfig(Section):
     torch_compile: bool = False  # paratron: torch.compile each transformer layer (regional compilation)
     no_fused_output_loss: bool = False  # paratron: plain logits + cross-entropy instead of the chunked fused path
     calculate_per_token_loss: bool = False  # loss = sum over the step's tokens / their count (else per micro-batch mean)
-    # FP8 matmuls in the transformer layers (paratron/parallel/fp8.py); Megatron's names and defaults
-    fp8_format: Optional[str] = None  # e4m3 | hybrid (e5m2 gradients); needs --bf16 and a Hopper/Ada GPU
-    fp8_recipe: str = "delayed"  # tensorwise (current amax) | delayed (amax history)
+    fp8_format: Optional[str] = None  # FP8 matmuls (paratron/fp8/): e4m3 | hybrid (e5m2 gradients); --bf16, Hopper/Ada
+    fp8_recipe: str = "delayed"  # tensorwise (current amax) | delayed (amax history) | blockwise (1x128, 128x128 tiles)
     fp8_amax_history_len: int = 1  # delayed: amaxes kept per tensor
     fp8_amax_compute_algo: str = "most_recent"  # delayed: max | most_recent of the history
     fp8_margin: int = 0  # scale = fp8 max / (amax * 2^margin)

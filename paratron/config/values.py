@@ -51,9 +51,8 @@ RECOMPUTE_MISSING = {  # Megatron's other names: the module they recompute is no
 # --fp8-format, --fp8-recipe, --fp8-amax-compute-algo (the FP8 layers; paratron/parallel/fp8.py keeps a copy
 # until it moves to paratron/fp8/, which imports these)
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "delayed")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
 FP8_REFUSED_RECIPES = {  # Megatron's other choices: why paratron refuses them
-    "blockwise": "blockwise (1x128 / 128x128 block scales) needs block-scaled FP8 GEMMs that paratron does not have",
     "mxfp8": "mxfp8 (per-32-element e8m0 scales) needs Blackwell's MX tensor cores; Hopper has none",
 }
 FP8_AMAX_ALGOS = ("max", "most_recent")

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from .blockwise import block_linear
 from .recipe import LAYERS, FP8State, Recipe, column_major, forward_mm, input_grad_mm, scaled_mm
 
 class _FP8Linear(torch.autograd.Function):
@@ -45,6 +46,8 @@ class _FP8Linear(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) with FP8 inputs per ``state``'s recipe; output in x's dtype."""
+    if state.recipe.recipe == "blockwise":
+        return block_linear(x, weight, state)
     return _FP8Linear.apply(x, weight, state)
 
 

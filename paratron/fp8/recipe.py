@@ -6,6 +6,8 @@ Scaling, as Transformer Engine / Megatron define it: a tensor ``x`` is stored as
 scale 1 where amax is 0, inf or NaN, or the quotient overflows). Recipes:
 
 * ``tensorwise`` (current scaling): the amax of the tensor being quantised, now.
+* ``blockwise``: DeepSeek-V3's scaling, a scale per 1 x 128 tile of activations and gradients and per
+  128 x 128 block of weights, every tensor in e4m3 (paratron/fp8/blockwise.py, kernels/fp8_block.py).
 * ``delayed``: the amax comes from a history of the last ``--fp8-amax-history-len`` amaxes of that
   tensor (``max`` of the history or its ``most_recent`` entry). The scale used for a matmul is
   computed from the history *before* the current amax is recorded; the history is then rolled and the
@@ -52,6 +54,8 @@ class Recipe:
     fp8_wgrad: bool = True  # --no-fp8-wgrad: weight gradients from the bf16 input and output gradient
     bf16_at_start: int = 0  # --first-last-layers-bf16: the first / last decoder layers stay in the params' dtype
     bf16_at_end: int = 0
+    block_gemm: str = "dequant"  # blockwise recipe's GEMMs (--kernel-fp8-block-gemm): scaled_mm | dequant
+    grouped_gemm: str = "dequant"  # routed experts' FP8 GEMMs (--kernel-fp8-grouped-gemm): scaled_grouped_mm | dequant
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -65,10 +69,13 @@ class Recipe:
             return None
         fuse = kernels is None or kernels.kernel_fp8_fused_mlp != "off"
         grad_op = kernels is None or kernels.kernel_fp8_grad_cast != "off"
+        block = getattr(kernels, "kernel_fp8_block_gemm", "auto")
+        grouped = getattr(kernels, "kernel_fp8_grouped_gemm", "auto")
         edges = (tr.num_layers_at_start_in_bf16, tr.num_layers_at_end_in_bf16) if tr.first_last_layers_bf16 else (0, 0)
         return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin,
                    fuse_mlp=fuse, grad_cast_op=grad_op, fp8_wgrad=not tr.no_fp8_wgrad, bf16_at_start=edges[0],
-                   bf16_at_end=edges[1])
+                   bf16_at_end=edges[1], block_gemm="dequant" if block == "auto" else block,
+                   grouped_gemm="dequant" if grouped == "auto" else grouped)
 
     def in_bf16(self, layer: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer`` (global, 0-based) of ``num_layers`` stays out of FP8."""

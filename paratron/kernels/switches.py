@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..config.kernels import CHOICES, KernelConfig
-from . import flash_attention, fused_adamw, quack_mlp, quack_norm
+from . import flash_attention, fp8_block, fp8_grouped, fused_adamw, quack_mlp, quack_norm
 from .experimental import flash_packed
 
 try:
@@ -50,6 +50,8 @@ def availability(device, dtype, deterministic: bool = False) -> dict:
                                  else "needs Triton and CUDA"),
         "kernel_fused_adamw": ("on" if fused_adamw.available(device) else "off",
                                "Triton on CUDA" if fused_adamw.available(device) else "needs Triton and CUDA"),
+        "kernel_fp8_block_gemm": fp8_block.gemm_choice(device),
+        "kernel_fp8_grouped_gemm": fp8_grouped.gemm_choice(device),
         "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
                                               if cuda else "CUDA only"),
         "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),

@@ -37,11 +37,12 @@ from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel.random import checkpoint
 from ..parallel.experts import DISPATCHERS, ExpertLayout
-from ..parallel.sharding import ShardSpec, Split, set_spec, shard
+from ..parallel.sharding import ShardSpec, set_spec
 from ..parallel.tensor import init_normal
 from . import recompute
-from .variants import is_gated, mlp_activation
-from .layers import MLP, Parallel, latent_projections, output_init
+from .layers import MLP, Parallel, latent_projections
+from .moe_experts import (Experts, aligned_rows, expert_order, fused_local_experts,  # noqa: F401 (moe's API)
+                          grouped_mm_usable, local_experts, padded_layout)
 from .routing import RandomLogits, aux_loss_scores, sinkhorn_route, topk_route  # topk_route: also moe's API
 
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
@@ -232,127 +233,6 @@ class Router(nn.Module):
         counts.zero_()
 
 
-class _Weight(nn.Module):
-    """Holds one stacked expert tensor (so its name is experts.linear_fc1.weight, as Megatron's): this
-    rank's part of the global [experts, ...] tensor, drawn full-size and cut by ``splits`` (experts
-    over EP, the FFN dimension over expert-TP); gradients reduced over the expert-data-parallel group."""
-
-    def __init__(self, shape, splits, bias_splits, init, lay: ExpertLayout, device, dtype, bias_sum_over=()):
-        super().__init__()
-        coords = {"ep": (lay.ep_rank, lay.ep), "etp": (lay.etp_rank, lay.etp)}
-
-        def part(full, spec):
-            return set_spec(nn.Parameter(shard(full, spec, coords)), spec)
-
-        full = torch.empty(shape, device=device, dtype=dtype)
-        init(full)
-        self.weight = part(full, ShardSpec(splits=splits, grad_group="edp"))
-        self.bias = None
-        if bias_splits is not None:
-            self.bias = part(torch.zeros(shape[:2], device=device, dtype=dtype),  # [experts, outputs]
-                             ShardSpec(splits=bias_splits, grad_group="edp", sum_over=bias_sum_over))
-
-
-def grouped_mm_usable(x: torch.Tensor, *sizes: int) -> bool:
-    """Whether torch._grouped_mm runs here: the build has it; on CUDA bf16 on sm90+; 16-byte rows."""
-    if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in sizes):
-        return False
-    if x.is_cuda:
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return x.device.type == "cpu"
-
-
-def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 8):
-    """A layout for grouped GEMM with each expert's rows starting at a multiple of ``align`` (what
-    the CUDA kernels want of the token dimension, as torchtitan pads it): the padded row of each
-    sorted row, the padded group ends (int32), and a row count that bounds them without a host sync."""
-    padded = (counts + align - 1) // align * align
-    ends = padded.cumsum(0)
-    shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - start, per expert
-    dest = torch.arange(expert_index.numel(), device=counts.device) + shift[expert_index]
-    return dest, ends.to(torch.int32), expert_index.numel() + counts.numel() * (align - 1)
-
-
-def expert_order(routing_map: torch.Tensor, assignments: Optional[int] = None):
-    """(expert_index, token_index) of every routed (token, expert) pair of ``routing_map`` [tokens,
-    experts], sorted by expert then token. ``assignments``: how many pairs there are when that is
-    known in advance (dropless routing: tokens x top-k); the shapes are then static, so there is no
-    host synchronisation and the expert path compiles."""
-    by_expert = routing_map.t()
-    if assignments is not None and hasattr(torch, "nonzero_static"):
-        pairs = torch.nonzero_static(by_expert, size=assignments)
-        return pairs[:, 0], pairs[:, 1]
-    return by_expert.nonzero(as_tuple=True)
-
-
-def local_experts(experts: "Experts", tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                  assignments: Optional[int]) -> torch.Tensor:
-    """Every expert on this rank: tokens sorted by expert, the experts' MLPs, and the outputs weighted
-    by their probabilities and summed back per token."""
-    expert_index, token_index = expert_order(routing_map, assignments)
-    y = experts(tokens[token_index], routing_map.sum(dim=0), expert_index)
-    y = y * probs[token_index, expert_index].to(y.dtype)[:, None]
-    return torch.zeros_like(tokens).index_add_(0, token_index, y)
-
-
-class Experts(nn.Module):
-    """This rank's experts' MLPs, parts of fc1 [experts, ffn (x2 with SwiGLU), hidden] and fc2
-    [experts, hidden, ffn]: experts [first, first + local) of ``lay``, fc1 by output rows and fc2 by
-    input columns over expert-TP (then fc2's outputs are partial sums, and its bias is added on
-    expert-TP rank 0 only)."""
-
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None, lay: Optional[ExpertLayout] = None):
-        super().__init__()
-        lay = lay or ExpertLayout(cfg.num_experts)
-        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
-        blocks = (f, f) if is_gated(cfg) else (f,)
-        bias = not cfg.disable_bias_linear
-        by_expert = Split(0, "ep", (e,))
-        fc1_ffn, fc2_ffn = Split(1, "etp", blocks), Split(2, "etp", (f,))
-        self.linear_fc1 = _Weight((e, sum(blocks), h), (by_expert, fc1_ffn), (by_expert, fc1_ffn) if bias else None,
-                                  init_normal(mup.hidden_std(cfg)), lay, device, dtype)
-        self.linear_fc2 = _Weight((e, h, f), (by_expert, fc2_ffn), (by_expert,) if bias else None, output_init(cfg),
-                                  lay, device, dtype, bias_sum_over=("etp",) if lay.etp > 1 else ())
-        self.fc2_bias_here = lay.etp_rank == 0
-        self.activation = mlp_activation(cfg)
-        self.grouped = cfg.moe_grouped_gemm
-        self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
-        self.recompute_act = False  # --recompute-modules moe_act: the activation's output is not kept
-
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, counts, rows) -> torch.Tensor:
-        """x [tokens sorted by expert, in] times each expert's w [out, in]^T; ``rows``: the padded
-        layout of :func:`aligned_rows` (grouped GEMM), or None (one matmul per expert); ``counts``: a
-        list of rows per expert (or a tensor of them)."""
-        if rows is not None:
-            dest, ends, size = rows
-            padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
-            return torch._grouped_mm(padded, w.transpose(1, 2), offs=ends)[dest]
-        parts = torch.split(x, counts if isinstance(counts, list) else counts.tolist())
-        return torch.cat([p @ w[i].t() for i, p in enumerate(parts)])
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_index: torch.Tensor,
-                host_counts: Optional[list] = None) -> torch.Tensor:
-        """``x``: the tokens sorted by (local) expert, ``counts[i]`` of them for expert i (``host_counts``:
-        the same as a list, when known); ``expert_index`` the expert of each row."""
-        fc1, fc2 = self.linear_fc1, self.linear_fc2
-        grouped = self.grouped and grouped_mm_usable(x, fc1.weight.shape[1], fc1.weight.shape[2], fc2.weight.shape[1])
-        self.used_grouped_mm = grouped
-        rows = aligned_rows(counts, expert_index) if grouped else None  # from the device counts: no sync
-        counts = host_counts if host_counts is not None else counts
-        h = self._mm(x, fc1.weight, counts, rows)
-        if fc1.bias is not None:
-            h = h + fc1.bias[expert_index]
-        if self.recompute_act and recompute.active(self):
-            out = recompute.discard_output(self._act, h, lambda a: self._mm(a, fc2.weight, counts, rows))
-        else:
-            out = self._mm(self._act(h), fc2.weight, counts, rows)
-        return out + fc2.bias[expert_index] if fc2.bias is not None and self.fc2_bias_here else out
-
-    def _act(self, h: torch.Tensor) -> torch.Tensor:
-        """The activation between fc1 and fc2 (what --recompute-modules moe_act recomputes)."""
-        return self.activation(h)
-
-
 class SharedExpert(MLP):
     """--moe-shared-expert-gate: the shared expert's output times sigmoid(x . gate_weight), one gate per
     token (Qwen2-MoE's shared_expert_gate; Megatron's SharedExpertMLP). ``gate_weight`` [1, hidden] is
@@ -405,15 +285,26 @@ class MoELayer(nn.Module):
             self.shared_experts = (SharedExpert(shared, par, device, dtype) if cfg.moe_shared_expert_gate
                                    else MLP(shared, par, device, dtype))
         self.recompute_shared = False  # --recompute-modules shared_experts
+        # --moe-shared-expert-overlap: the shared expert computed while the alltoall dispatch's rows travel
+        self.overlap_shared = (cfg.moe_shared_expert_overlap and self.shared_experts is not None
+                               and self.dispatch is DISPATCHERS["alltoall"])
         # dropless: every token goes to top-k experts, so the routed pairs are known in number
         self.dropless = cfg.moe_expert_capacity_factor is None
+        self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity  # ... or padded to capacity: known too
         self.local = local_experts
+        self.permute_fusion = cfg.moe_permute_fusion  # where the experts take the grouped layout (see forward)
+
+    def _local_fn(self, tokens: Optional[torch.Tensor] = None):
+        """The EP-1 expert path: with --moe-permute-fusion and the grouped layout, the fused permutation."""
+        if self.permute_fusion and (tokens is None or self.experts.takes_grouped(tokens)):
+            return fused_local_experts
+        return local_experts
 
     def compile_experts(self, options: Optional[dict] = None) -> None:
         """--torch-compile: the expert path (sort, grouped GEMMs, SwiGLU, weighted sum) as one compiled
         region when its shapes are static (dropless routing, grouped GEMM)."""
         if self.dropless and self.experts.grouped:
-            self.local = torch.compile(local_experts, dynamic=False, options=options)
+            self.local = torch.compile(self._local_fn(), dynamic=False, options=options)
 
     # Outside the layer's compiled region under --torch-compile: the router's running sums and the aux
     # losses' backward scale, which changes between steps; the expert path is compiled on its own.
@@ -430,11 +321,7 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(tokens, s)
         if self.fc1_latent_proj is not None:  # --moe-latent-size: routed on the hidden width, computed in the latent
             tokens = self.fc1_latent_proj(tokens)
-        if self.dispatch is None:  # every expert here
-            assignments = tokens.shape[0] * self.router.topk if self.dropless else None
-            out = self.local(self.experts, tokens, probs, routing_map, assignments)
-        else:
-            out = self.dispatch(tokens, probs, routing_map, self.experts, self.layout)
+        out, shared = self._routed(tokens, probs, routing_map, lambda: self._shared(x[:length] if split else x))
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         out = out.view(s, b, h)
@@ -442,10 +329,34 @@ class MoELayer(nn.Module):
             out = comm.unscatter_from_sp(out, par.tp_group)
             x, out = x[:length], out[:length]
         if self.shared_experts is not None:
-            again = self.recompute_shared and recompute.active(self)  # --recompute-modules shared_experts
-            shared = checkpoint(self.shared_experts, x, rng=par.rng) if again else self.shared_experts(x)
-            out = out + shared
+            out = out + (shared if shared is not None else self._shared(x))
         return out if residual is None else out + residual
+
+    def _routed(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, shared_fn):
+        """(the routed experts' output, the shared expert's when it ran under the dispatch, else None).
+        With --moe-pad-expert-input-to-capacity every rank routes exactly ``capacity`` rows to each expert,
+        so the pairs and the all-to-all's split sizes are known without reading the counts."""
+        capacity = None
+        if self.pad_to_capacity:
+            capacity = expert_capacity(tokens.shape[0], self.router.topk, self.router.experts,
+                                       self.router.cfg.moe_expert_capacity_factor)
+        if self.dispatch is None:  # every expert here
+            assignments = tokens.shape[0] * self.router.topk if self.dropless else None
+            assignments = capacity * self.router.experts if capacity is not None else assignments
+            local = self.local
+            if local is local_experts:  # not compiled: the fused permutation where it applies
+                local = self._local_fn(tokens)
+            return local(self.experts, tokens, probs, routing_map, assignments), None
+        if self.dispatch is not DISPATCHERS["alltoall"]:
+            return self.dispatch(tokens, probs, routing_map, self.experts, self.layout), None
+        if self.overlap_shared:  # --moe-shared-expert-overlap: the shared expert under the dispatch all-to-all
+            return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, shared_fn, capacity)
+        return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, None, capacity), None
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output (recomputed in backward with --recompute-modules shared_experts)."""
+        again = self.recompute_shared and recompute.active(self)
+        return checkpoint(self.shared_experts, x, rng=self.par.rng) if again else self.shared_experts(x)
 
 
 # ---- what the training loop does with MoE layers ------------------------------------------------

@@ -15,6 +15,9 @@ reuses the sizes). The token rows, sorted by expert, are sent with ``all_to_all_
 ranks of the EP rank holding their expert (each ETP rank gets the same rows), the received rows are
 reordered by local expert, the experts run, and the reverse all-to-all brings the (partial) outputs
 back, where the ETP parts are summed, weighted by the router probabilities and added per token.
+With ``meanwhile`` (--moe-shared-expert-overlap) the dispatch all-to-all is started asynchronously and
+``meanwhile()`` (the shared expert) runs before the wait; with experts that ask for it
+(--moe-permute-fusion) the received rows go into the padded grouped layout by one gather.
 
 allgather: the tokens, probabilities and routing maps of the group are all-gathered; each rank runs
 its local experts on the gathered tokens routed to them and a reduce-scatter returns every rank the
@@ -26,7 +29,7 @@ reduce-scatter), written as autograd functions here and in ``comm``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -90,6 +93,59 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
+class _Arrived(torch.autograd.Function):
+    """The rows an asynchronous all-to-all has delivered (``received``), joined to the graph of the rows sent
+    (``x``): backward sends the gradients back with the splits swapped (synchronously)."""
+
+    @staticmethod
+    def forward(ctx, x, received, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        return received
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(g.contiguous(), out_splits, in_splits, ctx.group), None, None, None, None
+
+
+def all_to_all_overlapped(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                          meanwhile: Callable):
+    """:func:`all_to_all` started asynchronously, ``meanwhile()`` computed while the rows travel, then the
+    wait: (the rows received, what ``meanwhile`` returned)."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    handle = dist.all_to_all_single(out, x.detach().contiguous(), list(out_splits), list(in_splits), group=group,
+                                    async_op=True)
+    side = meanwhile()
+    handle.wait()
+    return _Arrived.apply(x, out, list(out_splits), list(in_splits), group), side
+
+
+def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 8):
+    """A layout for grouped GEMM with each expert's rows starting at a multiple of ``align`` (what
+    the CUDA kernels want of the token dimension, as torchtitan pads it): the padded row of each
+    sorted row, the padded group ends (int32), and a row count that bounds them without a host sync (a
+    multiple of ``align``)."""
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - start, per expert
+    dest = torch.arange(expert_index.numel(), device=counts.device) + shift[expert_index]
+    bound = expert_index.numel() + counts.numel() * (align - 1)
+    return dest, ends.to(torch.int32), -(-bound // align) * align  # whole multiples: 16-byte strides of transposes
+
+
+def _fused_rows(experts, x: torch.Tensor, row_expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """--moe-permute-fusion on the received rows (in [source][local expert] order): one gather takes them
+    straight into the padded grouped layout, the experts run there (``experts.padded``), and one copy puts
+    each output back at its received row (padding rows all land on one spare row, dropped)."""
+    order = torch.argsort(row_expert, stable=True)
+    dest, ends, size = aligned_rows(counts, row_expert[order], experts.row_alignment())
+    received = x.shape[0]
+    src = torch.full((size,), received, dtype=torch.long, device=x.device).index_copy(0, dest, order)
+    padded_expert = torch.zeros(size, dtype=torch.long, device=x.device).index_copy(0, dest, row_expert[order])
+    y = experts.padded(torch.nn.functional.pad(x, (0, 0, 0, 1))[src], ends, padded_expert)
+    return y.new_zeros(received + 1, y.shape[1]).index_copy(0, src, y)[:-1]
+
+
 def _sorted_rows(routing_map: torch.Tensor, total: int):
     """(expert, token) of each routed pair, sorted by expert then token; ``total`` pairs (known on the
     host, so no synchronisation where ``nonzero_static`` exists)."""
@@ -102,17 +158,31 @@ def _sorted_rows(routing_map: torch.Tensor, total: int):
     return idx // tokens, idx % tokens
 
 
-def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                      run_experts: Callable, lay: ExpertLayout) -> torch.Tensor:
-    """The MoE layer's expert part over ``lay.group`` with all-to-all (see the module docstring).
-    ``run_experts(x, counts, expert_index, host_counts)`` runs the local experts on rows sorted by
-    local expert. Returns [tokens, hidden]."""
-    n_exp, loc, g, etp = lay.num_experts, lay.local, lay.size, lay.etp
+def _count_table(routing_map: torch.Tensor, lay: ExpertLayout, capacity: Optional[int]):
+    """Rows per (rank, expert) of the group, on the device and on the host: exchanged and read back (the
+    one host synchronisation), or with ``capacity`` (every rank's routing padded to it) known as it is."""
+    g, n_exp = lay.size, lay.num_experts
+    if capacity is not None:
+        return (torch.full((g, n_exp), capacity, dtype=torch.long, device=routing_map.device),
+                [[capacity] * n_exp for _ in range(g)])
     counts = routing_map.sum(dim=0)
     table_dev = counts.new_empty(g * n_exp)
     _all_gather(table_dev, counts, group=lay.group)
     table_dev = table_dev.view(g, n_exp)
-    table = table_dev.tolist()  # the one host synchronisation: every split size
+    return table_dev, table_dev.tolist()
+
+
+def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                      run_experts: Callable, lay: ExpertLayout, meanwhile: Optional[Callable] = None,
+                      capacity: Optional[int] = None):
+    """The MoE layer's expert part over ``lay.group`` with all-to-all (see the module docstring).
+    ``run_experts(x, counts, expert_index, host_counts)`` runs the local experts on rows sorted by
+    local expert. Returns [tokens, hidden]; with ``meanwhile`` (--moe-shared-expert-overlap: the shared
+    expert), (that, what ``meanwhile()`` returned, computed while the dispatch all-to-all is in flight).
+    ``capacity``: every rank routes exactly that many rows to each expert (--moe-pad-expert-input-to-capacity):
+    no count exchange and no host read."""
+    loc, g, etp = lay.local, lay.size, lay.etp
+    table_dev, table = _count_table(routing_map, lay, capacity)
     me = lay.etp_rank + etp * lay.ep_rank
     mine = table[me]
     per_ep = [sum(mine[j * loc:(j + 1) * loc]) for j in range(lay.ep)]
@@ -123,25 +193,32 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
         x = torch.cat([part for part in x.split(per_ep) for _ in range(etp)])
     local_table = [row[lay.first:lay.first + loc] for row in table]  # [source][local expert]
     recv = [sum(row) for row in local_table]
-    x = all_to_all(x, recv, send, lay.group)
+    if meanwhile is not None:
+        x, side = all_to_all_overlapped(x, recv, send, lay.group, meanwhile)
+    else:
+        x = all_to_all(x, recv, send, lay.group)
     # rows arrive as [source][local expert]; the experts want [local expert][source]
     host_counts = [sum(row[e] for row in local_table) for e in range(loc)]
     local_dev = table_dev[:, lay.first:lay.first + loc]
     order = None
     row_expert = torch.repeat_interleave(torch.arange(loc, device=x.device).repeat(g), local_dev.reshape(-1),
                                          output_size=sum(recv))
-    if loc > 1:
-        order = torch.argsort(row_expert, stable=True)
-        x, row_expert = x[order], row_expert[order]
-    y = run_experts(x, local_dev.sum(dim=0), row_expert, host_counts)
-    if order is not None:
-        y = torch.empty_like(y).index_copy(0, order, y)
+    if getattr(run_experts, "permute_fusion", False) and run_experts.takes_grouped(x):
+        y = _fused_rows(run_experts, x, row_expert, local_dev.sum(dim=0))
+    else:
+        if loc > 1:
+            order = torch.argsort(row_expert, stable=True)
+            x, row_expert = x[order], row_expert[order]
+        y = run_experts(x, local_dev.sum(dim=0), row_expert, host_counts)
+        if order is not None:
+            y = torch.empty_like(y).index_copy(0, order, y)
     y = all_to_all(y, send, recv, lay.group)
     if etp > 1:  # sum the ETP ranks' partial outputs of each EP rank's rows
         parts = y.split(send)
         y = torch.cat([sum(parts[j * etp:(j + 1) * etp]) for j in range(lay.ep)])
     y = y * probs[token_index, expert_index].to(y.dtype)[:, None]
-    return torch.zeros_like(tokens).index_add_(0, token_index, y)
+    out = torch.zeros_like(tokens).index_add_(0, token_index, y)
+    return out if meanwhile is None else (out, side)
 
 
 def allgather_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,

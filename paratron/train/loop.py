@@ -97,8 +97,9 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.peak = peak_tflops(self.device)
         self.guard = StepGuard.from_config(cfg, self.dims.rank, self.log.print)
         if tr.fp8_format is not None and self.report.routers:  # what --fp8-format covers in an MoE model, said once
-            self.log.print(" FP8: attention and dense / shared-expert MLP linears; the routed experts' grouped GEMMs "
-                           "stay in bf16 (FP8 grouped GEMMs are not implemented yet)")
+            self.log.print(f" FP8 ({tr.fp8_recipe}): attention, dense / shared-expert MLP linears and the routed "
+                           "experts' grouped GEMMs (forward, input and weight gradients); router and output layer "
+                           "stay in bf16")
         self.exit_reason: Optional[str] = None  # why training stopped before --train-iters (the exit line's)
 
     # ---- set-up pieces -------------------------------------------------------------------------

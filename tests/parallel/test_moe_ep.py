@@ -8,7 +8,8 @@ distributed optimizer. Gradient clipping is active in every step (a gradient
 reduced over the wrong group, or counted twice in the norm, changes the update). Reducing the
 expert gradients over the data-parallel group instead of the expert-data-parallel one is shown to
 break the equality. A checkpoint saved at EP 2 resumes at EP 1, EP 4 and TP 2 x EP 2. The two
-dispatchers give the one-rank layer's outputs and gradients."""
+dispatchers (alltoall also with --moe-permute-fusion's fused gather / copy of the received rows) give the
+one-rank layer's outputs and gradients."""
 from __future__ import annotations
 
 import pytest
@@ -88,7 +89,10 @@ def _dispatch(rank: int, world: int) -> dict:
         lay = ExpertLayout.from_dims(dims, 8)
         torch.manual_seed(5)
         experts = moe.Experts(cfg, lay=lay)
-        for kind, fn in DISPATCHERS.items():
+        variants = [(kind, fn, False) for kind, fn in DISPATCHERS.items()] + [
+            ("alltoall_fused", DISPATCHERS["alltoall"], True)]  # --moe-permute-fusion on the received rows
+        for kind, fn, fused in variants:
+            experts.grouped = experts.permute_fusion = fused
             x = tokens_all[rank].clone().requires_grad_()
             probs, rmap = moe.topk_route(logits_all[rank].clone().requires_grad_(), 2)
             probs.retain_grad()
@@ -194,7 +198,7 @@ def test_dispatchers_equal_one_rank_layer(ranks, layout):
     y = experts(x[token_index], rmap.sum(0), expert_index) * probs[token_index, expert_index][:, None]
     y = torch.zeros(48, 16).index_add(0, token_index, y)
     (y * torch.arange(16.0)).sum().backward()
-    for kind in ("alltoall", "allgather"):
+    for kind in ("alltoall", "allgather", "alltoall_fused"):
         for rank in range(4):
             got = ranks[rank]["dispatch"][(layout, kind)]
             rows = slice(12 * rank, 12 * (rank + 1))

@@ -1,7 +1,9 @@
 """The routing flags of issue 19 on 4 gloo ranks equal one rank within 1e-5 (fp32, clipped steps):
 DeepSeek-V3-style group-limited routing (sigmoid scores, expert bias, 8 experts in 4 groups, top-4
 within 2 groups, scaled) with a gated shared expert at EP 2, TP 2 x EP 2 with sequence parallelism,
-and TP 2 x EP 2 without it over the flex dispatcher (hybridep backend: paratron's alltoall); Sinkhorn
+and TP 2 x EP 2 without it over the flex dispatcher (hybridep backend: paratron's alltoall), EP 2 and TP 2 x
+EP 2 with the shared expert overlapped with the dispatch all-to-all, EP 2 with token dropping padded to
+capacity (the split sizes known without a count exchange); Sinkhorn
 top-1 routing at EP 2 (each rank's micro-batch is one of the reference's, so Sinkhorn balances the
 same tokens). Under TP 2 x EP 2 each TP rank balances its own sequence shard (as Megatron's routers
 under sequence parallelism): the Sinkhorn MoE layer's outputs and input gradients there equal the
@@ -24,6 +26,9 @@ GROUPED = dict(num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=16, moe_rou
                moe_grouped_gemm=True, moe_router_dtype="fp32", clip_grad=0.05)
 SINKHORN = dict(num_experts=4, moe_router_topk=1, moe_ffn_hidden_size=32, moe_router_load_balancing_type="sinkhorn",
                 moe_z_loss_coeff=1e-3, moe_router_dtype="fp32", clip_grad=0.05)
+CAPACITY = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_expert_capacity_factor=1.0,
+                moe_pad_expert_input_to_capacity=True, moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True,
+                moe_router_dtype="fp32", clip_grad=0.05)
 TP2 = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
 RUNS = {  # name: (MoE flags, layout flags on 4 ranks)
     "grouped_ep2": (GROUPED, dict(expert_model_parallel_size=2)),
@@ -31,6 +36,11 @@ RUNS = {  # name: (MoE flags, layout flags on 4 ranks)
     "grouped_tp2_ep2_flex": (GROUPED, dict(TP2, moe_token_dispatcher_type="flex",
                                            moe_flex_dispatcher_backend="hybridep")),
     "sinkhorn_ep2": (SINKHORN, dict(expert_model_parallel_size=2)),
+    # --moe-shared-expert-overlap: the gated shared expert computed while the dispatch all-to-all is in flight
+    "grouped_ep2_overlap": (GROUPED, dict(expert_model_parallel_size=2, moe_shared_expert_overlap=True)),
+    "grouped_tp2_ep2_overlap": (GROUPED, dict(TP2, moe_shared_expert_overlap=True)),
+    # padded to capacity: the all-to-all's split sizes known without exchanging or reading the counts
+    "capacity_ep2": (CAPACITY, dict(expert_model_parallel_size=2)),
 }
 LAYER = dict(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=16, num_experts=8, moe_router_topk=1,
              moe_ffn_hidden_size=8, swiglu=True, moe_router_load_balancing_type="sinkhorn")
@@ -68,7 +78,8 @@ def _run(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def references():
     return {"grouped": train(tiny_config("llama", 1, **GROUPED), STEPS),
-            "sinkhorn": train(tiny_config("llama", 1, **SINKHORN), STEPS)}
+            "sinkhorn": train(tiny_config("llama", 1, **SINKHORN), STEPS),
+            "capacity": train(tiny_config("llama", 1, **CAPACITY), STEPS)}
 
 
 @pytest.fixture(scope="module")

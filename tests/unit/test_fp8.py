@@ -173,7 +173,10 @@ def test_model_attaches_fp8_to_the_four_block_layers_only():
     (["--fp8-hybrid", "--bf16"], "this run is on cpu"),
     (["--fp8-format", "hybrid"], "--fp8-format needs --bf16"),
     (["--fp8-format", "e5m2", "--bf16"], "--fp8-format must be e4m3 or hybrid"),
-    (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise is not supported"),
+    (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise keeps every tensor "
+     "in e4m3"),
+    (["--fp8-format", "e4m3", "--bf16", "--fp8-recipe", "blockwise", "--hidden-size", "64"],
+     "--fp8-recipe blockwise needs FP8 GEMM sizes that are multiples of 128; --hidden-size is 64"),
     (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "mxfp8"], "Blackwell"),
     (["--fp8-format", "hybrid", "--bf16", "--fp8-amax-compute-algo", "mean"], "max or most_recent"),
     (["--fp8-format", "e4m3", "--fp8-hybrid", "--bf16"], "contradicts"),
@@ -253,8 +256,8 @@ def test_fused_casts_equal_eager(monkeypatch, recipe):
 
 
 def test_moe_model_says_which_linears_fp8_covers(monkeypatch, capsys):
-    """With --fp8-format an MoE model runs attention and the shared expert in FP8, the routed experts'
-    grouped GEMMs in bf16, and says so once at start-up (CPU standing in for an FP8 GPU)."""
+    """With --fp8-format an MoE model runs attention, the shared expert and the routed experts' grouped
+    GEMMs in FP8, and says so once at start-up (CPU standing in for an FP8 GPU)."""
     from tests.unit.test_train import TINY, losses_of
     from paratron.train.loop import Trainer
     monkeypatch.setattr(fp8, "device_problem", lambda device: None)
@@ -263,10 +266,10 @@ def test_moe_model_says_which_linears_fp8_covers(monkeypatch, capsys):
                     "32", "--moe-grouped-gemm"]
     trainer = Trainer(parse_args(flags))
     out = capsys.readouterr().out
-    assert out.count("the routed experts' grouped GEMMs stay in bf16") == 1, out
+    assert out.count("routed experts' grouped GEMMs (forward, input and weight gradients)") == 1, out
     with_state = {n for n, m in trainer.model.named_modules() if getattr(m, "fp8", None) is not None}
     assert any(n.endswith("linear_qkv") for n in with_state) and any("shared_experts" in n for n in with_state)
-    assert not any(".experts." in n for n in with_state), with_state
+    assert any(n.endswith(".experts.linear_fc1") for n in with_state), with_state
     assert all(torch.isfinite(torch.tensor(losses_of(trainer, 2))))
     dense = Trainer(parse_args(TINY + ["--train-iters", "1", "--bf16", "--fp8-format", "hybrid", "--device", "cpu"]))
     assert dense is not None and "grouped GEMMs" not in capsys.readouterr().out
@@ -333,7 +336,6 @@ def test_no_fp8_wgrad_keeps_the_weight_gradient_in_bf16(monkeypatch):
     (["--fp8-interval", "2"], "--fp8-interval 2: paratron honours only 1"),
     (["--fp8-output-proj"], "MXFP8"),
     (["--keep-fp8-transpose-cache"], "Megatron-FSDP"),
-    (["--moe-router-padding-for-fp8"], "routed experts run in bf16"),
     (["--fp8-quantizer-factory", "x"], "custom quantizer"),
 ])
 def test_megatron_fp8_flags_refused_with_their_reason(flags, message):

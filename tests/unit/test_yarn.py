@@ -44,3 +44,19 @@ def test_hand_computed_pieces():
     assert yarn_concentration_factor(p) == pytest.approx(0.1 * math.log(4.0) + 1.0)
     assert yarn_concentration_factor(YarnParams(40.0, mscale=0.707, mscale_all_dim=0.707)) == pytest.approx(1.0)
     assert yarn_concentration_factor(YarnParams(1.0)) == 1.0
+
+
+def test_enable_gpt_oss_is_megatrons_yarn_preset_and_the_modelopt_flags_have_answers():
+    """--enable-gpt-oss (Megatron's post-training group) sets the YaRN values of HF's gpt-oss configs over what
+    was given; --export-force-local-attention is accepted (one attention implementation), the other
+    modelopt-generic flags are refused by name."""
+    from paratron.config import ConfigError
+    from paratron.train.resolve import parse_args
+    base = ["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--position-embedding-type", "rope"]
+    m = parse_args(base + ["--enable-gpt-oss", "--export-force-local-attention"]).model
+    assert (m.position_embedding_type, m.rotary_scaling_factor, m.yarn_original_max_position_embeddings,
+            m.yarn_beta_fast, m.yarn_beta_slow, m.mscale, m.mscale_all_dim, m.yarn_correction_range_round_to_int) == (
+        "yarn", 32.0, 131072, 32.0, 1.0, 1.0, 0.0, False)
+    assert parse_args(base).model.position_embedding_type == "rope"
+    with pytest.raises(ConfigError, match="--export-quant-cfg .*Model Optimizer"):
+        parse_args(base + ["--export-quant-cfg", "fp8"])

@@ -1,0 +1,63 @@
+"""The FP8 linear of ``--fp8-recipe blockwise`` (DeepSeek-V3's scaling): activations and gradients with a scale
+per 1 x 128 tile along the dimension each GEMM sums over, weights with a scale per 128 x 128 block, all e4m3.
+
+Forward ``y = x W^T``: x in tiles along K (its rows), W in blocks. Backward: the input gradient ``g W`` from
+g in tiles along N and the forward's FP8 weight (a 128 x 128 block is one block either way round, so its
+scales are transposed, not recomputed); the weight gradient ``g^T x`` sums over the tokens, so it takes g^T
+and x^T in tiles along the tokens (x^T quantised in the forward and kept instead of x; with
+``--no-fp8-wgrad`` x itself is kept and the weight gradient is g^T x in the input's dtype). The scales and
+GEMMs are paratron/kernels/fp8_block.py."""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.fp8_block import block_mm, quantize_blocks, quantize_tiles
+from .recipe import E4M3, FP8State
+
+
+def block_path(state: FP8State) -> str:
+    """The GEMM path of the blockwise recipe (kernels/fp8_block.py's BLOCK_GEMMS)."""
+    return "emulate" if state.recipe.emulate else state.recipe.block_gemm
+
+
+class _BlockLinear(torch.autograd.Function):
+    """y = x W^T with blockwise-scaled e4m3 operands (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, state):
+        margin, path = state.recipe.margin, block_path(state)
+        x2 = x.reshape(-1, x.size(-1))
+        state.mark("input")
+        xq, sx = quantize_tiles(x2, E4M3, margin)
+        state.mark("weight")
+        wq, sw = quantize_blocks(weight, E4M3, margin)
+        y = block_mm(xq, sx, wq, sw, True, x.dtype, path)
+        if state.recipe.fp8_wgrad:
+            xtq, sxt = quantize_tiles(x2.t(), E4M3, margin)
+            ctx.save_for_backward(xtq, sxt, wq, sw)
+        else:
+            ctx.save_for_backward(x2, None, wq, sw)
+        ctx.state, ctx.x_shape, ctx.w_dtype, ctx.path = state, x.shape, weight.dtype, path
+        return y.view(*x.shape[:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx, g):
+        x_saved, sxt, wq, sw = ctx.saved_tensors
+        state, path, margin = ctx.state, ctx.path, ctx.state.recipe.margin
+        g2 = g.reshape(-1, g.size(-1))
+        state.mark("grad")
+        gx = gw = None
+        if ctx.needs_input_grad[0]:  # [M, N] (tiles along N) times W [N, K] (blocks, transposed)
+            gq, sg = quantize_tiles(g2, E4M3, margin)
+            gx = block_mm(gq, sg, wq.t(), sw.t(), True, g.dtype, path).view(ctx.x_shape)
+        if ctx.needs_input_grad[1] and sxt is not None:  # g^T [N, M] times x [M, K], both in tiles along M
+            gtq, sgt = quantize_tiles(g2.t(), E4M3, margin)
+            gw = block_mm(gtq, sgt, x_saved, sxt, False, ctx.w_dtype, path)
+        elif ctx.needs_input_grad[1]:
+            gw = (g2.t() @ x_saved).to(ctx.w_dtype)
+        return gx, gw, None
+
+
+def block_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) in blockwise-scaled FP8; output in x's dtype."""
+    return _BlockLinear.apply(x, weight, state)

@@ -1,0 +1,105 @@
+"""FP8 for the routed experts: their grouped GEMMs (forward, input gradient, weight gradient) with the run's
+recipe. Tensorwise and delayed: one scale for the rows of all local experts, one for all their weights and
+one for the output gradient (the layer's FP8State, as a dense linear's); blockwise: 1 x 128 tiles of the rows
+and gradients along the summed dimension, a 128 x 128 block scale per expert weight block.
+
+The rows come sorted by expert and padded so that each expert's rows start at a multiple of the GEMM's
+alignment (``kernels.fp8_grouped.align_for``: 16, or 128 so that a blockwise tile along the tokens never holds
+two experts' rows; the padding rows are zero and come back as zero). The GEMMs are
+paratron/kernels/fp8_grouped.py; no path reads the group sizes on the host."""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.fp8_block import quantize_tiles, quantize_blocks
+from ..kernels.fp8_grouped import align_for, grouped_forward, grouped_wgrad
+from .recipe import E4M3, FP8State
+
+
+def scale_kind(state: FP8State) -> str:
+    return "block" if state.recipe.recipe == "blockwise" else "tensor"
+
+
+def alignment(state: FP8State) -> int:
+    """Each expert's rows start at a multiple of this under ``state``'s recipe."""
+    return align_for(scale_kind(state))
+
+
+def grouped_path(state: FP8State, kind: str) -> str:
+    """emulate (tests), the switch's torch._scaled_grouped_mm (tensor scales only), else dequant."""
+    if state.recipe.emulate:
+        return "emulate"
+    return "scaled_grouped_mm" if kind == "tensor" and state.recipe.grouped_gemm == "scaled_grouped_mm" else "dequant"
+
+
+def _weight_blocks(w: torch.Tensor, margin: int):
+    """Each expert's weight [E, N, K] in 128 x 128 blocks (N a multiple of 128: the config checks it)."""
+    e, n, k = w.shape
+    if n % 128:
+        raise ValueError(f"blockwise FP8 experts need weight rows in multiples of 128 (got {n})")
+    q, s = quantize_blocks(w.reshape(e * n, k), E4M3, margin)
+    return q.view(e, n, k), s
+
+
+def _transposed_blocks(wq: torch.Tensor, sw: torch.Tensor):
+    """[E, N, K] in blocks -> [E, K, N] in blocks (the same blocks, their scales transposed per expert)."""
+    e, n, k = wq.shape
+    s = sw.view(e, n // 128, -1).transpose(1, 2).reshape(-1, n // 128)
+    return wq.transpose(1, 2).contiguous(), s.contiguous()
+
+
+def _quantize_rows(x: torch.Tensor, state: FP8State, kind: str):
+    """(xq, sx, xq^T, sx^T): the rows for the forward and, transposed, for the weight gradient."""
+    if kind == "block":
+        xq, sx = quantize_tiles(x, E4M3, state.recipe.margin)
+        xtq, sxt = quantize_tiles(x.t(), E4M3, state.recipe.margin)
+        return xq, sx, xtq, sxt
+    xq, sx = state.quantize("input", x)
+    return xq, sx, xq.t().contiguous(), sx
+
+
+class _FP8GroupedMM(torch.autograd.Function):
+    """Rows ``x`` [S, K] of expert e times ``w[e]``^T ([E, N, K]); ``ends``: each expert's end row (int32)."""
+
+    @staticmethod
+    def forward(ctx, x, w, ends, state):
+        kind = scale_kind(state)
+        path = grouped_path(state, kind)
+        if kind == "block":
+            state.mark("input")
+            state.mark("weight")
+        xq, sx, xtq, sxt = _quantize_rows(x, state, kind)
+        wq, sw = _weight_blocks(w, state.recipe.margin) if kind == "block" else state.quantize("weight", w)
+        y = grouped_forward(xq, sx, wq, sw, ends, kind, x.dtype, path)
+        keep = (xtq, sxt) if state.recipe.fp8_wgrad else (x, None)
+        ctx.save_for_backward(*keep, wq, sw, ends)
+        ctx.state, ctx.kind, ctx.path, ctx.w_dtype = state, kind, path, w.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x_saved, sxt, wq, sw, ends = ctx.saved_tensors
+        state, kind, path = ctx.state, ctx.kind, ctx.path
+        if path == "scaled_grouped_mm" and state.grad.dtype != E4M3:  # torch's grouped FP8 GEMM takes e4m3 only:
+            path = "dequant"  # hybrid's e5m2 gradients go through the bf16 GEMM of the dequantised operands
+        g = g.contiguous()
+        if kind == "block":
+            state.mark("grad")
+            gq, sg = quantize_tiles(g, E4M3, state.recipe.margin)
+            gtq, sgt = quantize_tiles(g.t(), E4M3, state.recipe.margin)
+            wt, swt = _transposed_blocks(wq, sw)
+        else:
+            gq, gtq, sg = state.quantize_grad(g)
+            sgt, wt, swt = sg, wq.transpose(1, 2).contiguous(), sw
+        gx = grouped_forward(gq, sg, wt, swt, ends, kind, g.dtype, path) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1] and sxt is not None:
+            gw = grouped_wgrad(gtq, sgt, x_saved, sxt, ends, kind, ctx.w_dtype, path)
+        elif ctx.needs_input_grad[1]:  # --no-fp8-wgrad: from the bf16 rows and output gradient
+            gw = torch._grouped_mm(g.t(), x_saved, offs=ends).to(ctx.w_dtype)
+        return gx, gw, None, None
+
+
+def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, state: FP8State) -> torch.Tensor:
+    """The experts' ``x_e w_e^T`` in FP8 per ``state``'s recipe; rows padded as the module docstring says."""
+    return _FP8GroupedMM.apply(x, w, ends, state)

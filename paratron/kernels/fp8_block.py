@@ -1,0 +1,115 @@
+"""Blockwise FP8 scaling (DeepSeek-V3's recipe, ``--fp8-recipe blockwise``) and its GEMMs.
+
+A tensor is cut into tiles along its rows: ``tiles`` gives each 1 x 128 run of a row (activations and
+gradients) its own scale, ``blocks`` each 128 x 128 square (weights). A scale is what the values are
+multiplied by before the cast, ``fmax / (amax * 2**margin)`` of its tile (1 where the tile is all zero),
+the same rule as the tensorwise recipe's (kernels/fp8_cast.py), applied per tile. Sizes that are not
+multiples of 128 leave a partial last tile, scaled by its own amax.
+
+GEMMs of blockwise operands, :func:`block_mm` (``a`` [M, K] in 1 x 128 tiles, ``b`` [N, K] in tiles or
+blocks, both along K; returns a b^T [M, N]), by one of three paths (``--kernel-fp8-block-gemm``):
+
+* ``scaled_mm``: ``torch._scaled_mm`` with float32 block scales, cuBLAS's blockwise FP8 GEMM (Hopper,
+  CUDA >= 12.9; torch checks the layouts: a's scales [M, K/128] column-major, b's [K/128, N/128]);
+* ``dequant``: both operands dequantised to bf16 and multiplied by torch's bf16 GEMM: the recipe's numbers
+  (what the FP8 copies hold) without FP8 speed, on any GPU;
+* ``emulate``: dequantised to fp32 and multiplied in fp32, the reference of the CPU tests.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8_cast import E4M3, FMAX, compute_scale
+
+TILE = 128
+BLOCK_GEMMS = ("scaled_mm", "dequant", "emulate")
+
+
+def _ceil(n: int, d: int = TILE) -> int:
+    return -(-n // d)
+
+
+def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``x`` [r, c] with zero rows / columns added up to [rows, cols]."""
+    return torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
+
+
+def tile_scales(x: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0) -> torch.Tensor:
+    """The scale of each 1 x 128 tile of ``x`` [M, K]: [M, ceil(K / 128)] fp32."""
+    m, k = x.shape
+    amax = _padded(x.float().abs(), m, _ceil(k) * TILE).view(m, _ceil(k), TILE).amax(dim=2)
+    return compute_scale(amax, FMAX[dtype], margin)
+
+
+def block_scales(w: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0) -> torch.Tensor:
+    """The scale of each 128 x 128 block of ``w`` [N, K]: [ceil(N / 128), ceil(K / 128)] fp32."""
+    n, k = w.shape
+    nb, kb = _ceil(n), _ceil(k)
+    amax = _padded(w.float().abs(), nb * TILE, kb * TILE).view(nb, TILE, kb, TILE).amax(dim=(1, 3))
+    return compute_scale(amax, FMAX[dtype], margin)
+
+
+def expand(scale: torch.Tensor, rows: int, cols: int, row_block: int) -> torch.Tensor:
+    """Per-element scales [rows, cols] of tile scales (``row_block`` 1) or block scales (128)."""
+    return scale.repeat_interleave(row_block, 0)[:rows].repeat_interleave(TILE, 1)[:, :cols]
+
+
+def _cast(x: torch.Tensor, full_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    fmax = FMAX[dtype]
+    return (x.float() * full_scale).clamp(-fmax, fmax).to(dtype)
+
+
+def quantize_tiles(x: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0):
+    """``x`` [M, K] in FP8 with a scale per 1 x 128 tile: (q [M, K], scales [M, ceil(K/128)])."""
+    s = tile_scales(x, dtype, margin)
+    return _cast(x, expand(s, *x.shape, 1), dtype), s
+
+
+def quantize_blocks(w: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0):
+    """``w`` [N, K] in FP8 with a scale per 128 x 128 block: (q [N, K], scales [ceil(N/128), ceil(K/128)])."""
+    s = block_scales(w, dtype, margin)
+    return _cast(w, expand(s, *w.shape, TILE), dtype), s
+
+
+def dequantize_tiles(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() / expand(s, *q.shape, 1)).to(dtype)
+
+
+def dequantize_blocks(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() / expand(s, *q.shape, TILE)).to(dtype)
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor, b_blocks: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Either kind of operand back in ``dtype`` (``b_blocks``: 128 x 128 block scales, else 1 x 128 tiles)."""
+    return dequantize_blocks(q, s, dtype) if b_blocks else dequantize_tiles(q, s, dtype)
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_blocks: bool,
+             out_dtype: torch.dtype, path: str) -> torch.Tensor:
+    """a b^T for FP8 ``a`` [M, K] (scales ``sa`` per 1 x 128 tile) and ``b`` [N, K] (scales ``sb`` per
+    128 x 128 block when ``b_blocks``, else per 1 x 128 tile), by ``path`` (one of BLOCK_GEMMS)."""
+    if path == "emulate":
+        return (dequantize_tiles(a, sa) @ dequantize(b, sb, b_blocks).t()).to(out_dtype)
+    if path == "dequant":
+        return dequantize_tiles(a, sa, out_dtype) @ dequantize(b, sb, b_blocks, out_dtype).t()
+    b, inv_b = b.contiguous(), sb.reciprocal().contiguous()  # b^T column-major, as _scaled_mm's second operand
+    # torch's layout checks: a's scales [M, K/128] column-major; b^T's [K/128, N/128] (blocks) or [K/128, N]
+    scale_b = inv_b.t() if b_blocks else _column_major(inv_b).t()
+    return torch._scaled_mm(a.contiguous(), b.t(), scale_a=_column_major(sa.reciprocal()), scale_b=scale_b,
+                            out_dtype=out_dtype)
+
+
+def gemm_choice(device) -> tuple[str, str]:
+    """What ``--kernel-fp8-block-gemm auto`` runs on ``device``, and why: cuBLAS's blockwise FP8 GEMM needs a
+    Hopper GPU and CUDA >= 12.9 (torch's check); elsewhere the bf16 GEMM of the dequantised operands."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return "dequant", "needs CUDA (Hopper, CUDA >= 12.9)"
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if torch.cuda.get_device_capability(dev) != (9, 0) or cuda < (12, 9):
+        return "dequant", "cuBLAS's blockwise FP8 GEMM needs Hopper (sm90) and CUDA >= 12.9"
+    return "scaled_mm", "torch._scaled_mm with block scales (Hopper, CUDA >= 12.9)"

@@ -1,0 +1,79 @@
+"""Grouped GEMMs of FP8 operands: the routed experts' three matmuls (forward, input gradient, weight gradient)
+over rows sorted by expert, each expert's rows starting at a multiple of the alignment (``ends``: the int32
+end row of each expert, as ``torch._grouped_mm`` takes them).
+
+Scales come in two kinds: ``tensor`` (one fp32 scale per operand: the tensorwise and delayed recipes) and
+``block`` (kernels/fp8_block.py: 1 x 128 tiles along the summed dimension for activations and gradients,
+128 x 128 blocks for each expert's weight). Paths (``--kernel-fp8-grouped-gemm``):
+
+* ``scaled_grouped_mm``: ``torch._scaled_grouped_mm`` (Hopper), tensor scales only, given as the row /
+  column scales it takes (the one scale repeated: the same products);
+* ``dequant``: the FP8 operands dequantised to bf16 and multiplied by ``torch._grouped_mm`` (the recipe's
+  numbers without FP8 speed; the path of block scales on every GPU, torch having no blockwise grouped GEMM);
+* ``emulate``: dequantised to fp32 and multiplied by ``torch._grouped_mm`` in fp32 (the CPU tests' reference).
+
+None of them reads the group sizes on the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8_block import TILE, dequantize_blocks, dequantize_tiles
+from .fp8_cast import dequantize
+
+GROUPED_GEMMS = ("scaled_grouped_mm", "dequant", "emulate")
+
+
+def _deq(q: torch.Tensor, s: torch.Tensor, kind: str, blocks: bool, dtype: torch.dtype) -> torch.Tensor:
+    if kind == "tensor":
+        return dequantize(q, s, dtype)
+    if not blocks:
+        return dequantize_tiles(q, s, dtype)
+    e, n, k = q.shape  # each expert's weight in 128 x 128 blocks (n a multiple of 128: blocks stay in one expert)
+    return dequantize_blocks(q.reshape(e * n, k), s, dtype).view(e, n, k)
+
+
+def _work_dtype(path: str, out_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if path == "emulate" else out_dtype
+
+
+def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, ends: torch.Tensor,
+                    kind: str, out_dtype: torch.dtype, path: str) -> torch.Tensor:
+    """Rows of ``a`` [S, K] of expert e times ``b[e]``^T ([E, N, K]): [S, N]. Block scales: ``sa`` per
+    1 x 128 tile of a's rows, ``sb`` per 128 x 128 block of ``b`` viewed [E N, K]."""
+    if path == "scaled_grouped_mm":
+        rows, cols = sa.reciprocal().expand(a.shape[0]), sb.reciprocal().expand(b.shape[0], b.shape[1])
+        return torch._scaled_grouped_mm(a, b.transpose(-2, -1), rows.contiguous(), cols.contiguous(), offs=ends,
+                                        out_dtype=out_dtype)
+    dt = _work_dtype(path, out_dtype)
+    out = torch._grouped_mm(_deq(a, sa, kind, False, dt), _deq(b, sb, kind, True, dt).transpose(-2, -1), offs=ends)
+    return out.to(out_dtype)
+
+
+def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torch.Tensor, ends: torch.Tensor,
+                  kind: str, out_dtype: torch.dtype, path: str) -> torch.Tensor:
+    """Each expert's ``g_e^T x_e`` [E, N, K] from ``gt`` = g^T [N, S] and ``xt`` = x^T [K, S] (block scales: 1 x 128
+    tiles along S, which never straddle two experts when each expert's rows start at a multiple of 128)."""
+    groups = ends.numel()
+    if path == "scaled_grouped_mm":
+        rows = sg.reciprocal().expand(groups * gt.shape[0]).contiguous()
+        cols = sx.reciprocal().expand(groups * xt.shape[0]).contiguous()
+        return torch._scaled_grouped_mm(gt, xt.t(), rows, cols, offs=ends, out_dtype=out_dtype)
+    dt = _work_dtype(path, out_dtype)
+    out = torch._grouped_mm(_deq(gt, sg, kind, False, dt), _deq(xt, sx, kind, False, dt).t(), offs=ends)
+    return out.to(out_dtype)
+
+
+def align_for(kind: str) -> int:
+    """The row alignment of each expert's group: 128 for block scales (whole tiles per expert), else 16."""
+    return TILE if kind == "block" else 16
+
+
+def gemm_choice(device) -> tuple[str, str]:
+    """What ``--kernel-fp8-grouped-gemm auto`` runs on ``device``, and why."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return "dequant", "needs CUDA (Hopper)"
+    if not hasattr(torch, "_scaled_grouped_mm") or torch.cuda.get_device_capability(dev) != (9, 0):
+        return "dequant", "torch._scaled_grouped_mm runs on Hopper (sm90)"
+    return "scaled_grouped_mm", "torch._scaled_grouped_mm on Hopper (tensorwise / delayed recipes)"

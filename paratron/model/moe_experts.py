@@ -1,0 +1,190 @@
+"""The routed experts of an MoE layer (paratron/model/moe.py): their stacked fc1 / fc2 weights, the
+layout of the rows sorted by expert (grouped GEMM or one matmul per expert, bf16 or FP8), and the expert
+path when every expert is on this rank, with the permutation as separate gathers or fused
+(--moe-permute-fusion)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import mup, recompute
+from ..config import ModelConfig
+from ..fp8 import experts as fp8_experts
+from ..parallel.experts import ExpertLayout, aligned_rows
+from ..parallel.sharding import ShardSpec, Split, set_spec, shard
+from ..parallel.tensor import init_normal
+from .layers import output_init
+from .variants import is_gated, mlp_activation
+
+
+class _Weight(nn.Module):
+    """Holds one stacked expert tensor (so its name is experts.linear_fc1.weight, as Megatron's): this
+    rank's part of the global [experts, ...] tensor, drawn full-size and cut by ``splits`` (experts
+    over EP, the FFN dimension over expert-TP); gradients reduced over the expert-data-parallel group."""
+
+    def __init__(self, shape, splits, bias_splits, init, lay: ExpertLayout, device, dtype, bias_sum_over=()):
+        super().__init__()
+        coords = {"ep": (lay.ep_rank, lay.ep), "etp": (lay.etp_rank, lay.etp)}
+
+        def part(full, spec):
+            return set_spec(nn.Parameter(shard(full, spec, coords)), spec)
+
+        self.fp8 = None  # the FP8State of --fp8-format (paratron.fp8.linear.attach): grouped GEMMs in FP8
+        full = torch.empty(shape, device=device, dtype=dtype)
+        init(full)
+        self.weight = part(full, ShardSpec(splits=splits, grad_group="edp"))
+        self.bias = None
+        if bias_splits is not None:
+            self.bias = part(torch.zeros(shape[:2], device=device, dtype=dtype),  # [experts, outputs]
+                             ShardSpec(splits=bias_splits, grad_group="edp", sum_over=bias_sum_over))
+
+
+def grouped_mm_usable(x: torch.Tensor, *sizes: int) -> bool:
+    """Whether torch._grouped_mm runs here: the build has it; on CUDA bf16 on sm90+; 16-byte rows."""
+    if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in sizes):
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu"
+
+
+def expert_order(routing_map: torch.Tensor, assignments: Optional[int] = None):
+    """(expert_index, token_index) of every routed (token, expert) pair of ``routing_map`` [tokens,
+    experts], sorted by expert then token. ``assignments``: how many pairs there are when that is
+    known in advance (dropless routing: tokens x top-k); the shapes are then static, so there is no
+    host synchronisation and the expert path compiles."""
+    by_expert = routing_map.t()
+    if assignments is not None and hasattr(torch, "nonzero_static"):
+        pairs = torch.nonzero_static(by_expert, size=assignments)
+        return pairs[:, 0], pairs[:, 1]
+    return by_expert.nonzero(as_tuple=True)
+
+
+def local_experts(experts: "Experts", tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                  assignments: Optional[int]) -> torch.Tensor:
+    """Every expert on this rank: tokens sorted by expert, the experts' MLPs, and the outputs weighted
+    by their probabilities and summed back per token."""
+    expert_index, token_index = expert_order(routing_map, assignments)
+    y = experts(tokens[token_index], routing_map.sum(dim=0), expert_index)
+    y = y * probs[token_index, expert_index].to(y.dtype)[:, None]
+    return torch.zeros_like(tokens).index_add_(0, token_index, y)
+
+
+def padded_layout(routing_map: torch.Tensor, probs: torch.Tensor, assignments: Optional[int], align: int):
+    """--moe-permute-fusion's layout: for each row of the padded grouped-GEMM input (each expert's rows
+    starting at a multiple of ``align``), the token it reads (``src``; padding rows read the zero row after
+    the last token), the router probability it is weighted by (0 for padding), and its expert; with the
+    groups' end rows. All on the device (no host synchronisation with ``assignments``)."""
+    expert_index, token_index = expert_order(routing_map, assignments)
+    dest, ends, size = aligned_rows(routing_map.sum(dim=0), expert_index, align)
+    tokens = routing_map.shape[0]
+    src = torch.full((size,), tokens, dtype=torch.long, device=probs.device).index_copy(0, dest, token_index)
+    weight = probs.new_zeros(size).index_copy(0, dest, probs[token_index, expert_index])
+    row_expert = torch.zeros(size, dtype=torch.long, device=probs.device).index_copy(0, dest, expert_index)
+    return src, weight, row_expert, ends
+
+
+def fused_local_experts(experts: "Experts", tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                        assignments: Optional[int]) -> torch.Tensor:
+    """:func:`local_experts` with the permutation fused (--moe-permute-fusion): one gather takes the tokens
+    straight into the padded expert rows, and one scatter-add takes the outputs, weighted by their
+    probabilities, straight back to their tokens (torch ops that Inductor fuses under --torch-compile)."""
+    src, weight, row_expert, ends = padded_layout(routing_map, probs, assignments, experts.row_alignment())
+    y = experts.padded(F.pad(tokens, (0, 0, 0, 1))[src], ends, row_expert)
+    out = tokens.new_zeros(tokens.shape[0] + 1, tokens.shape[1])
+    return out.index_add_(0, src, y * weight.to(y.dtype)[:, None])[:-1]
+
+
+class Experts(nn.Module):
+    """This rank's experts' MLPs, parts of fc1 [experts, ffn (x2 with SwiGLU), hidden] and fc2
+    [experts, hidden, ffn]: experts [first, first + local) of ``lay``, fc1 by output rows and fc2 by
+    input columns over expert-TP (then fc2's outputs are partial sums, and its bias is added on
+    expert-TP rank 0 only)."""
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None, lay: Optional[ExpertLayout] = None):
+        super().__init__()
+        lay = lay or ExpertLayout(cfg.num_experts)
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+        blocks = (f, f) if is_gated(cfg) else (f,)
+        bias = not cfg.disable_bias_linear
+        by_expert = Split(0, "ep", (e,))
+        fc1_ffn, fc2_ffn = Split(1, "etp", blocks), Split(2, "etp", (f,))
+        self.linear_fc1 = _Weight((e, sum(blocks), h), (by_expert, fc1_ffn), (by_expert, fc1_ffn) if bias else None,
+                                  init_normal(mup.hidden_std(cfg)), lay, device, dtype)
+        self.linear_fc2 = _Weight((e, h, f), (by_expert, fc2_ffn), (by_expert,) if bias else None, output_init(cfg),
+                                  lay, device, dtype, bias_sum_over=("etp",) if lay.etp > 1 else ())
+        self.fc2_bias_here = lay.etp_rank == 0
+        self.activation = mlp_activation(cfg)
+        self.grouped = cfg.moe_grouped_gemm
+        self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
+        self.recompute_act = False  # --recompute-modules moe_act: the activation's output is not kept
+        self.permute_fusion = cfg.moe_permute_fusion  # the alltoall dispatcher reads it (duck-typed)
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, counts, rows, fp8=None) -> torch.Tensor:
+        """x [tokens sorted by expert, in] times each expert's w [out, in]^T; ``rows``: the padded
+        layout of :func:`aligned_rows` (grouped GEMM), or None (one matmul per expert); ``counts``: a
+        list of rows per expert (or a tensor of them); ``fp8``: the weight's FP8State (FP8 grouped GEMM)."""
+        if rows is not None:
+            dest, ends, size = rows
+            padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
+            if fp8 is not None:
+                return fp8_experts.fp8_grouped_mm(padded, w, ends, fp8)[dest]
+            return torch._grouped_mm(padded, w.transpose(1, 2), offs=ends)[dest]
+        parts = torch.split(x, counts if isinstance(counts, list) else counts.tolist())
+        return torch.cat([p @ w[i].t() for i, p in enumerate(parts)])
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_index: torch.Tensor,
+                host_counts: Optional[list] = None) -> torch.Tensor:
+        """``x``: the tokens sorted by (local) expert, ``counts[i]`` of them for expert i (``host_counts``:
+        the same as a list, when known); ``expert_index`` the expert of each row."""
+        grouped = self.takes_grouped(x)  # FP8 experts always take the grouped layout (no per-expert loop)
+        self.used_grouped_mm = grouped
+        rows = aligned_rows(counts, expert_index, self.row_alignment()) if grouped else None  # no host sync
+        counts = host_counts if host_counts is not None else counts
+        return self._ffn(x, lambda a, m: self._mm(a, m.weight, counts, rows, m.fp8), expert_index)
+
+    def row_alignment(self) -> int:
+        """Each expert's rows start at a multiple of this in the grouped layout (FP8: its recipe's)."""
+        fp8 = self.linear_fc1.fp8
+        return fp8_experts.alignment(fp8) if fp8 is not None else 8
+
+    def takes_grouped(self, x: torch.Tensor) -> bool:
+        """Whether the experts run as grouped GEMMs on ``x``'s device and dtype (always in FP8)."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        return fc1.fp8 is not None or (self.grouped and grouped_mm_usable(x, fc1.weight.shape[1], fc1.weight.shape[2],
+                                                                           fc2.weight.shape[1]))
+
+    def padded(self, x: torch.Tensor, ends: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
+        """The experts on rows already in the padded grouped layout (:func:`padded_layout`). The grouped GEMM
+        writes no row past the last group, in its output nor in its input's gradient: both are masked to zero
+        there, so no bias gradient or FP8 amax reads those rows."""
+        self.used_grouped_mm = True
+        valid = (torch.arange(x.shape[0], device=x.device) < ends[-1])[:, None]
+
+        def mm(a: torch.Tensor, m: _Weight) -> torch.Tensor:
+            a = torch.where(valid, a, 0.0)
+            if m.fp8 is not None:
+                y = fp8_experts.fp8_grouped_mm(a, m.weight, ends, m.fp8)
+            else:
+                y = torch._grouped_mm(a, m.weight.transpose(1, 2), offs=ends)
+            return torch.where(valid, y, 0.0)
+        return self._ffn(x, mm, row_expert)
+
+    def _ffn(self, x: torch.Tensor, mm, expert_index: torch.Tensor) -> torch.Tensor:
+        """fc1 -> activation -> fc2 with ``mm(rows, weight module)`` for the grouped matmuls."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        h = mm(x, fc1)
+        if fc1.bias is not None:
+            h = h + fc1.bias[expert_index]
+        if self.recompute_act and recompute.active(self):
+            out = recompute.discard_output(self._act, h, lambda a: mm(a, fc2))
+        else:
+            out = mm(self._act(h), fc2)
+        return out + fc2.bias[expert_index] if fc2.bias is not None and self.fc2_bias_here else out
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        """The activation between fc1 and fc2 (what --recompute-modules moe_act recomputes)."""
+        return self.activation(h)

@@ -1,0 +1,117 @@
+"""Issue 46's GPU paths (skipped without CUDA): the blockwise FP8 GEMM through torch._scaled_mm's block scales
+and the routed experts' FP8 GEMMs through torch._scaled_grouped_mm, each against the CPU-tested emulation of
+the same FP8 operands; the MoE layer in FP8 against bf16; and no host synchronisation in the forward and
+backward of the dropless grouped MoE layer (CUDA's sync debug mode set to raise)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratron.fp8 import FP8State, Recipe
+from paratron.fp8.experts import fp8_grouped_mm
+from paratron.kernels import fp8_block as fb
+from paratron.kernels import fp8_grouped
+from paratron.model import moe
+from paratron.model.layers import Parallel
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.skipif(not _hopper(), reason="Hopper")
+@pytest.mark.parametrize("b_blocks", [True, False])
+def test_blockwise_scaled_mm_equals_emulation(b_blocks):
+    assert fb.gemm_choice("cuda")[0] == "scaled_mm", fb.gemm_choice("cuda")
+    torch.manual_seed(0)
+    a, b = torch.randn(256, 512, device="cuda"), torch.randn(384, 512, device="cuda")
+    aq, sa = fb.quantize_tiles(a)
+    bq, sb = fb.quantize_blocks(b) if b_blocks else fb.quantize_tiles(b)
+    got = fb.block_mm(aq, sa, bq, sb, b_blocks, torch.bfloat16, "scaled_mm")
+    want = fb.block_mm(aq, sa, bq, sb, b_blocks, torch.float32, "emulate")
+    assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.skipif(not _hopper(), reason="Hopper")
+def test_blockwise_linear_on_the_gpu_equals_emulation():
+    from paratron import fp8
+    torch.manual_seed(1)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(384, 512, device="cuda") * 0.05).to(torch.bfloat16)
+    g = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for emulate in (False, True):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        state = FP8State(Recipe(format="e4m3", recipe="blockwise", emulate=emulate, block_gemm="scaled_mm"))
+        y = fp8.fp8_linear(xr, wr, state)
+        y.backward(g)
+        outs.append((y, xr.grad, wr.grad))
+    for got, want in zip(*outs):
+        assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.skipif(not _hopper(), reason="Hopper")
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_scaled_grouped_mm_equals_emulation(recipe):
+    assert fp8_grouped.gemm_choice("cuda")[0] == "scaled_grouped_mm"
+    torch.manual_seed(2)
+    counts = torch.tensor([100, 0, 37, 250], device="cuda")
+    expert_index = torch.repeat_interleave(torch.arange(4, device="cuda"), counts)
+    dest, ends, size = moe.aligned_rows(counts, expert_index, 16)
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+    padded = x.new_zeros(size, 256).index_copy(0, dest, x)
+    w = (torch.randn(4, 512, 256, device="cuda") * 0.05).to(torch.bfloat16)
+    g = torch.randn(size, 512, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for emulate in (False, True):
+        xr, wr = padded.clone().requires_grad_(), w.clone().requires_grad_()
+        state = FP8State(Recipe(format="e4m3", recipe=recipe, emulate=emulate, grouped_gemm="scaled_grouped_mm"))
+        y = fp8_grouped_mm(xr, wr, ends, state)
+        y.backward(g)
+        outs.append((y[dest], xr.grad[dest], wr.grad))
+    for got, want in zip(*outs):
+        assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_moe_layer_in_fp8_close_to_bf16_on_the_gpu(recipe):
+    from paratron import fp8
+    from paratron.kernels import switches
+    from tests.unit.test_moe_dispatch import _cfg
+    if not _hopper():
+        pytest.skip("FP8 GEMMs: Hopper")
+    torch.manual_seed(3)
+    cfg = _cfg(hidden_size=256, moe_ffn_hidden_size=256, disable_bias_linear=True, moe_permute_fusion=True)
+    layer = moe.MoELayer(cfg, Parallel(), device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(256, 2, 256, device="cuda", dtype=torch.bfloat16)
+    ref = layer(x)
+    found = switches.availability("cuda", torch.bfloat16)
+    fp8.attach(layer, Recipe(format="e4m3" if recipe == "blockwise" else "hybrid", recipe=recipe,
+                             block_gemm=found["kernel_fp8_block_gemm"][0],
+                             grouped_gemm=found["kernel_fp8_grouped_gemm"][0]))
+    out = layer(x.clone().requires_grad_())
+    out.float().square().sum().backward()
+    assert _rel(out, ref) < 0.1 and torch.isfinite(layer.experts.linear_fc1.weight.grad).all()
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_dropless_grouped_moe_layer_never_synchronises(fusion):
+    from tests.unit.test_moe_dispatch import _cfg
+    torch.manual_seed(4)
+    dtype = torch.bfloat16 if _hopper() else torch.float32
+    layer = moe.MoELayer(_cfg(moe_permute_fusion=fusion, moe_shared_expert_intermediate_size=16), Parallel(),
+                         device="cuda", dtype=dtype).train()
+    x = torch.randn(64, 2, 32, device="cuda", dtype=dtype, requires_grad=True)
+    layer(x).float().square().sum().backward()  # warm-up: lazy initialisations may synchronise once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x).float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,123 @@
+"""FP8 for the routed experts (paratron/fp8/experts.py, kernels/fp8_grouped.py) on CPU, by emulation
+(quantise -> dequantise -> fp32 grouped matmul): the three grouped GEMMs against per-expert products
+written out by hand for the tensorwise, delayed and blockwise recipes, the padding rows, --no-fp8-wgrad,
+and the MoE layer with FP8 states attached against the bf16 layer."""
+import pytest
+import torch
+
+from paratron import fp8
+from paratron.fp8 import E4M3, E5M2, FP8State, Recipe
+from paratron.fp8.experts import fp8_grouped_mm
+from paratron.kernels import fp8_block as fb
+from paratron.model.moe import aligned_rows
+
+
+def _deq_tensor(t, dtype):
+    s = fp8.compute_scale(fp8.amax(t), fp8.FMAX[dtype])
+    return fp8.dequantize(fp8.quantize(t, s, dtype), s)
+
+
+def _case(counts, k, n, align, seed=0):
+    torch.manual_seed(seed)
+    counts_t = torch.tensor(counts)
+    expert_index = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+    dest, ends, size = aligned_rows(counts_t, expert_index, align)
+    rows = int(counts_t.sum())
+    x = torch.randn(rows, k)
+    padded = x.new_zeros(size, k).index_copy(0, dest, x).requires_grad_()
+    w = (torch.randn(len(counts), n, k) * 0.1).requires_grad_()
+    g = torch.randn(size, n)
+    return padded, w, g, dest, ends
+
+
+def _groups(ends):
+    starts = [0] + ends.tolist()[:-1]
+    return list(zip(starts, ends.tolist()))
+
+
+@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "hybrid"), ("delayed", "e4m3")])
+def test_tensor_scaled_grouped_gemms_by_hand(recipe, fmt):
+    x, w, g, dest, ends = _case([3, 0, 5], 32, 48, 16)
+    state = FP8State(Recipe(format=fmt, recipe=recipe, emulate=True))
+    y = fp8_grouped_mm(x, w, ends, state)
+    y.backward(g)
+    gdt = E5M2 if fmt == "hybrid" else E4M3
+    xd, wd, gd = _deq_tensor(x.detach(), E4M3), _deq_tensor(w.detach(), E4M3), _deq_tensor(g, gdt)
+    for e, (a, b) in enumerate(_groups(ends)):
+        assert torch.allclose(y[a:b], xd[a:b] @ wd[e].t(), atol=1e-5)
+        assert torch.allclose(x.grad[a:b], gd[a:b] @ wd[e], atol=1e-5)
+        assert torch.allclose(w.grad[e], gd[a:b].t() @ xd[a:b], atol=1e-4)
+    pad = torch.ones(int(ends[-1]), dtype=torch.bool)  # rows past the last group are never read
+    pad[dest] = False
+    assert (y[:int(ends[-1])][pad] == 0).all() and pad.any()  # padding rows inside the groups come back zero
+    if recipe == "delayed":  # the amaxes went into the experts' histories
+        assert state.input.history[0].item() == x.detach().abs().max().item()
+        assert state.grad.history[0].item() == g.abs().max().item()
+
+
+def test_blockwise_grouped_gemms_by_hand():
+    """Rows in 1 x 128 tiles along K (forward) and along the tokens (weight gradient: each expert's rows start
+    at a multiple of 128, so no tile holds two experts); each expert's weight in 128 x 128 blocks."""
+    x, w, g, dest, ends = _case([130, 20], 128, 256, 128)
+    state = FP8State(Recipe(format="e4m3", recipe="blockwise", emulate=True))
+    y = fp8_grouped_mm(x, w, ends, state)
+    y.backward(g)
+    assert ends.tolist() == [256, 384]
+    tiles = lambda t: fb.dequantize_tiles(*fb.quantize_tiles(t))  # noqa: E731
+    xd, gd = tiles(x.detach()), tiles(g)
+    gtd, xtd = tiles(g.t()).t(), tiles(x.detach().t()).t()  # along the tokens
+    for e, (a, b) in enumerate(_groups(ends)):
+        wd = fb.dequantize_blocks(*fb.quantize_blocks(w.detach()[e]))
+        assert torch.allclose(y[a:b], xd[a:b] @ wd.t(), atol=1e-5)
+        assert torch.allclose(x.grad[a:b], gd[a:b] @ wd, atol=1e-5)
+        assert torch.allclose(w.grad[e], gtd[a:b].t() @ xtd[a:b], atol=1e-4)
+    exact = g[:256].t() @ x.detach()[:256]
+    assert (w.grad[0] - exact).norm() / exact.norm() < 0.05
+
+
+def test_no_fp8_wgrad_gives_the_exact_expert_weight_gradient():
+    x, w, g, _, ends = _case([16, 16], 32, 32, 16)
+    fp8_grouped_mm(x, w, ends, FP8State(Recipe(emulate=True, fp8_wgrad=False))).backward(g)
+    for e, (a, b) in enumerate(_groups(ends)):
+        assert torch.allclose(w.grad[e], g[a:b].t() @ x.detach()[a:b], atol=1e-5)
+
+
+def test_dequant_path_equals_emulation_within_bf16():
+    x, w, g, _, ends = _case([20, 12], 32, 48, 16)
+    out = {}
+    for emulate in (True, False):
+        state = FP8State(Recipe(emulate=emulate, grouped_gemm="dequant"))
+        out[emulate] = fp8_grouped_mm(x.detach().bfloat16(), w.detach().bfloat16(), ends, state).float()
+    end = int(ends[-1])  # rows past the last group are never written
+    assert torch.allclose(out[False][:end], out[True][:end], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("recipe,hidden", [("tensorwise", 32), ("blockwise", 128)])
+def test_moe_layer_in_fp8_is_close_to_bf16(recipe, hidden):
+    """The MoE layer's routed experts with FP8 states (attach): forward and expert gradients close to the
+    same layer without them, and every expert GEMM went through FP8 (the states' traces)."""
+    from paratron.model.layers import Parallel
+    from paratron.model.moe import MoELayer
+    from paratron.train.resolve import parse_args
+    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--num-layers", "1", "--hidden-size",
+                      str(hidden), "--num-attention-heads", "2", "--seq-length", "16", "--num-experts", "4",
+                      "--moe-router-topk", "2", "--moe-ffn-hidden-size", str(hidden), "--swiglu",
+                      "--disable-bias-linear", "--moe-grouped-gemm"]).model
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, Parallel())
+    x = torch.randn(16, 2, hidden)
+    ref = layer(x.clone().requires_grad_())
+    ref.square().sum().backward()
+    ref_grads = [layer.experts.linear_fc1.weight.grad.clone(), layer.experts.linear_fc2.weight.grad.clone()]
+    layer.zero_grad()
+    fmt = "e4m3" if recipe == "blockwise" else "hybrid"
+    assert fp8.attach(layer, Recipe(format=fmt, recipe=recipe, emulate=True)) == 2
+    for m in (layer.experts.linear_fc1, layer.experts.linear_fc2):
+        m.fp8.trace = []
+    out = layer(x.clone().requires_grad_())
+    out.square().sum().backward()
+    assert 0 < (out - ref).norm() / ref.norm() < 0.1
+    for got, want in zip([layer.experts.linear_fc1.weight.grad, layer.experts.linear_fc2.weight.grad], ref_grads):
+        assert 0 < (got - want).norm() / want.norm() < 0.15
+    for m in (layer.experts.linear_fc1, layer.experts.linear_fc2):
+        assert [r for r, _ in m.fp8.trace] == ["input", "weight", "grad"]
