@@ -55,15 +55,13 @@ def validate_hybrid(m: ModelConfig) -> None:
          "--hybrid-layer-pattern exclude each other; give the pattern")
     need(0 <= m.hybrid_attention_ratio and 0 <= m.hybrid_mlp_ratio and m.hybrid_attention_ratio + m.hybrid_mlp_ratio
          <= 1, "--hybrid-attention-ratio and --hybrid-mlp-ratio are shares of the layers: each >= 0, their sum <= 1")
-    if ratios:
+    if m.hybrid_layer_pattern is None and (ratios or m.is_hybrid_model):  # (no ratio: every layer Mamba-2)
         m.hybrid_layer_pattern = pattern_from_ratios(m.num_layers, m.hybrid_attention_ratio, m.hybrid_mlp_ratio)
         m.hybrid_attention_ratio = m.hybrid_mlp_ratio = 0.0
     pattern = m.hybrid_layer_pattern
     if pattern is not None:
         _check_pattern(pattern)
         m.num_layers, m.is_hybrid_model = len(pattern.replace("|", "")), True
-    need(not m.is_hybrid_model or pattern is not None, "--is-hybrid-model needs --hybrid-layer-pattern (one "
-         "symbol per layer: M Mamba-2, G Gated DeltaNet, * attention, - MLP, E MoE)")
     variant = m.experimental_attention_variant
     need(variant in (None,) + GDN_NAMES, f"--experimental-attention-variant {variant}: paratron has gated_delta_net "
          "(gdn); gdn2 and dsa are not implemented, remove the flag")

@@ -15,7 +15,7 @@ class HybridFields:
     hybrid_override_pattern: Optional[str] = None  # Megatron's deprecated name of --hybrid-layer-pattern
     hybrid_attention_ratio: float = 0.0  # older Megatron: no pattern, this share of the layers attention (evenly)
     hybrid_mlp_ratio: float = 0.0  # older Megatron: ... and this share MLP layers, the rest Mamba-2
-    is_hybrid_model: bool = False  # set by a hybrid pattern or ratio (Megatron reads it from them too)
+    is_hybrid_model: bool = False  # a hybrid stack (set by a pattern); alone: every layer Mamba-2 (pretrain_hybrid.py)
     spec: Optional[list] = None  # Megatron's "module function" stack spec: its GPT and hybrid/Mamba names accepted
     mamba_state_dim: int = 128  # Mamba-2: SSM state size per head (B and C width per group)
     mamba_head_dim: int = 64  # Mamba-2: channels per head
