@@ -57,13 +57,19 @@ class GatedDeltaNet(nn.Module):
                                           sequence_parallel=par.sequence_parallel, init_method=output_init(cfg),
                                           device=device, dtype=dtype)
         self.fla = use_fla(par)
+        self.conv_width = cfg.linear_conv_kernel_dim
+
+    def state_shapes(self, batch: int) -> tuple[tuple, tuple]:
+        """Generation's cache of this layer (this TP rank's share): the convolution's last inputs, the state."""
+        return (batch, self.conv_width - 1, 2 * self.nk * self.dk + self.nv * self.dv), (batch, self.nv, self.dk,
+                                                                                        self.dv)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         qk, v, nv = self.nk * self.dk, self.nv * self.dv, self.nv
         qkv, z, beta, alpha = self.in_proj(x).transpose(0, 1).split([2 * qk + v, v, nv, nv], dim=-1)
         b, s = z.shape[:2]
-        reset = resets_of(ctx.document_ids)
         cache = ctx.kv_cache.recurrent(self.layer_index) if ctx.kv_cache is not None else None
+        reset = cache.reset if cache is not None else resets_of(ctx.document_ids)
         qkv, conv_state = causal_conv(qkv, self.conv1d_weight, self.conv1d_bias, reset,
                                       cache.conv if cache is not None else None)
         q, k, vs = F.silu(qkv).float().split([qk, qk, v], dim=-1)

@@ -87,12 +87,16 @@ class MambaMixer(nn.Module):
                                           device=device, dtype=dtype)
         self.fla = use_fla(par)
 
+    def state_shapes(self, batch: int) -> tuple[tuple, tuple]:
+        """Generation's cache of this layer (this TP rank's share): the convolution's last inputs, the SSM state."""
+        return (batch, CONV_WIDTH - 1, self.d_inner + 2 * self.groups * self.n), (batch, self.heads, self.p, self.n)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         di, bc, h = self.d_inner, self.groups * self.n, self.heads
         z, xbc, dt = self.in_proj(x).transpose(0, 1).split([di, di + 2 * bc, h], dim=-1)  # [b, s, ...]
         b, s = z.shape[:2]
-        reset = resets_of(ctx.document_ids)
         cache = ctx.kv_cache.recurrent(self.layer_index) if ctx.kv_cache is not None else None
+        reset = cache.reset if cache is not None else resets_of(ctx.document_ids)
         xbc, conv_state = causal_conv(xbc, self.conv1d_weight, self.conv1d_bias, reset,
                                       cache.conv if cache is not None else None)
         xs, B, C = F.silu(xbc).split([di, bc, bc], dim=-1)
