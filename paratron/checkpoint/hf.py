@@ -1,4 +1,5 @@
-"""Hugging Face <-> paratron checkpoint conversion (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE).
+"""Hugging Face <-> paratron checkpoint conversion (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE; Mamba-2
+and Nemotron-H hybrid stacks in :mod:`paratron.checkpoint.hf_hybrid`).
 
 The whole mapping is one fixed table (:func:`name_table`): every paratron tensor has one row naming
 the Hugging Face tensor(s) it comes from and how it is reshaped. Most rows are plain copies; the few
@@ -32,6 +33,7 @@ import torch
 from ..config import ModelConfig
 from ..model.gpt import GPTModel
 from .hf_config import ConversionError, check_family, check_representable, hf_config_from_model_config
+from .hf_hybrid import HYBRID_FAMILIES, hybrid_rows
 from .hf_moe import (MOE_FAMILIES, moe_layer_rows, per_expert_state, stack_expert_gate_up, stack_experts,
                      unstack_expert_gate_up, unstack_experts)
 
@@ -110,14 +112,17 @@ def name_table(cfg: ModelConfig, family: str) -> list[tuple[str, tuple[str, ...]
     experts_gate_up. (A Qwen3-MoE layer has the dense or the MoE rows, as paratron's layer has.)"""
     check_family(family)
     check_representable(cfg, family)
-    top, layer_prefix, layer = _TABLES[family]
-    if family in MOE_FAMILIES:
-        layer = layer + moe_layer_rows(cfg, family)
-    by_name = {p: (hf, how) for p, hf, how in top}
-    for i in range(cfg.num_layers):
-        hp = layer_prefix.format(i=i)
-        for p, hf, how in layer:
-            by_name[f"decoder.layers.{i}.{p}"] = (tuple(hp + n for n in hf), how)
+    if family in HYBRID_FAMILIES:
+        by_name = hybrid_rows(cfg, family)
+    else:
+        top, layer_prefix, layer = _TABLES[family]
+        if family in MOE_FAMILIES:
+            layer = layer + moe_layer_rows(cfg, family)
+        by_name = {p: (hf, how) for p, hf, how in top}
+        for i in range(cfg.num_layers):
+            hp = layer_prefix.format(i=i)
+            for p, hf, how in layer:
+                by_name[f"decoder.layers.{i}.{p}"] = (tuple(hp + n for n in hf), how)
     rows = []
     for p in _paratron_shapes(cfg, 1):
         if p not in by_name:  # check_representable should make this unreachable

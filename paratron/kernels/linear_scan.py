@@ -2,7 +2,8 @@
 chunked references (kernels/ssd.py, kernels/gated_delta.py; one step of the recurrence when decoding a
 token), ``fla`` flash-linear-attention's chunked Triton kernels (the pure-Python wheel ``fla-core``, on CUDA;
 docs/design.md says why this library). Packed documents reach fla as variable-length sequences (cu_seqlens over
-the flattened batch, and no final state comes back); the references take the resets themselves. Shapes as kernels/ssd.py."""
+the flattened batch, and no final state comes back); the references take the resets themselves. Shapes as
+kernels/ssd.py."""
 from __future__ import annotations
 
 import importlib.util

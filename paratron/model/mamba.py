@@ -68,6 +68,7 @@ class MambaMixer(nn.Module):
     def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None, layer_index: int = 0):
         super().__init__()
         tp, self.layer_index, self.chunk = par.tp_size, layer_index, cfg.mamba_chunk_size
+        self.dt_min = cfg.mamba_dt_limit_min
         heads, self.p, self.n = mamba_heads(cfg), cfg.mamba_head_dim, cfg.mamba_state_dim
         groups, d_inner = cfg.mamba_num_groups, mamba_heads(cfg) * cfg.mamba_head_dim
         self.heads, self.groups, self.d_inner = heads // tp, groups // tp, d_inner // tp
@@ -101,6 +102,8 @@ class MambaMixer(nn.Module):
                                       cache.conv if cache is not None else None)
         xs, B, C = F.silu(xbc).split([di, bc, bc], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
+        if self.dt_min > 0:
+            dt = dt.clamp(min=self.dt_min)
         A = -torch.exp(self.A_log.float())
         xs = xs.reshape(b, s, h, self.p)
         y, state = ssd(xs.float(), dt, A, B.reshape(b, s, self.groups, self.n).float(),

@@ -69,7 +69,8 @@ def layer_specs(cfg: ModelConfig, moe_layers: Optional[Sequence[int]] = None,
     moe = [0] * n if moe_layers is None else parse_moe_layer_freq(list(moe_layers), n)
     gdn = (linear_attention_layers(cfg.linear_attention_freq, n) if cfg.experimental_attention_variant is not None
            else [False] * n)
-    return [LayerSpec(i, "gdn" if g else "attention", "moe" if m else "dense") for i, (m, g) in enumerate(zip(moe, gdn))]
+    return [LayerSpec(i, "gdn" if g else "attention", "moe" if m else "dense")
+            for i, (m, g) in enumerate(zip(moe, gdn))]
 
 
 def build_mixer(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, dtype=None) -> Optional[nn.Module]:

@@ -1,0 +1,131 @@
+"""Hugging Face <-> paratron for hybrid stacks: ``mamba2`` (Mamba2ForCausalLM: Mamba-2 layers only) and
+``nemotron_h`` (NemotronHForCausalLM: Mamba-2, attention and squared-ReLU MLP layers by its layer types).
+
+Every tensor is a plain copy (or the vocabulary padding): paratron's Mamba-2 in_proj is Hugging Face's
+[z | x | B | C | dt], its convolution weight nn.Conv1d's [channels, 1, width], its gated norm grouped the same
+way. NemotronH's attention (no rotary embedding) has separate q/k/v projections, fused as Llama's are. Not
+mapped (refused by name): NemotronH's MoE layers (E) and multi-token prediction, Qwen3-Next's Gated DeltaNet
+layout (docs/hybrid.md).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from ..config import ModelConfig
+from ..config.check_hybrid import mamba_heads
+from ..model.mamba import CONV_WIDTH
+
+HYBRID_FAMILIES = ("mamba2", "nemotron_h")
+ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+PREFIX = {"mamba2": "backbone.", "nemotron_h": "model."}
+LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # NemotronH's names
+_MAMBA = [("input_layernorm.weight", "norm.weight")] + [
+    (f"self_attention.{p}", f"mixer.{h}") for p, h in (
+        ("in_proj.weight", "in_proj.weight"), ("conv1d_weight", "conv1d.weight"), ("conv1d_bias", "conv1d.bias"),
+        ("dt_bias", "dt_bias"), ("A_log", "A_log"), ("D", "D"), ("norm.weight", "norm.weight"),
+        ("out_proj.weight", "out_proj.weight"))]
+
+
+def _mamba_fields(d: dict, heads: int, head_dim: int, state: str, chunk: int, dt_min: float) -> dict:
+    return dict(mamba_num_heads=heads, mamba_head_dim=head_dim, mamba_state_dim=int(d[state]),
+                mamba_num_groups=int(d.get("n_groups", 1)), mamba_chunk_size=chunk, mamba_dt_limit_min=dt_min)
+
+
+def hybrid_model_config(d: dict, family: str, need: Callable) -> ModelConfig:
+    """config.json of a hybrid family -> ModelConfig (``need(cond, what)`` raises ConversionError)."""
+    h = int(d["hidden_size"])
+    need(int(d.get("conv_kernel", CONV_WIDTH)) == CONV_WIDTH, f"a convolution of {CONV_WIDTH} taps (got "
+         f"conv_kernel {d.get('conv_kernel')})")
+    need(not d.get("use_bias", False) and d.get("use_conv_bias", True), "in/out projections without biases and a "
+         "convolution with one (use_bias false, use_conv_bias true)")
+    groups = int(d.get("n_groups", 1))
+    common = dict(hidden_size=h, num_attention_heads=groups, kv_channels=max(h // groups, 1),
+                  position_embedding_type="none", normalization="RMSNorm",
+                  norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)),
+                  disable_bias_linear=True, untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", True),
+                  hidden_dropout=0.0, attention_dropout=0.0, init_method_std=float(d.get("initializer_range", 0.02)))
+    if family == "mamba2":
+        n = int(d.get("num_hidden_layers", d.get("n_layer", 0)))
+        limit = d.get("time_step_limit") or (0.0, math.inf)
+        need(math.isinf(limit[1]), f"no upper dt limit (time_step_limit {list(limit)})")
+        need(d.get("rms_norm", True), "the gated RMSNorm (rms_norm true)")
+        return ModelConfig(**common, hybrid_layer_pattern="M" * n, seq_length=4096,
+                           **_mamba_fields(d, int(d["num_heads"]), int(d["head_dim"]), "state_size",
+                                           int(d.get("chunk_size", 256)), float(limit[0])))
+    types = d.get("layers_block_type") or d.get("layer_types")
+    symbols = {v: k for k, v in LAYER_TYPES.items()}
+    pattern = "".join(symbols.get(t, "?") for t in types)
+    need("?" not in pattern, f"layer types {sorted(set(types) - symbols.keys())} are not NemotronH's")
+    need("E" not in pattern, "MoE layers (moe): NemotronH's routed experts have no mapping in paratron yet")
+    need(not d.get("num_nextn_predict_layers"), "multi-token prediction layers have no mapping here")
+    need(not d.get("attention_bias") and not d.get("mlp_bias"), "attention and MLP without biases")
+    act = d.get("mlp_hidden_act", "relu2")
+    need(act == "relu2", f"the squared-ReLU MLP (mlp_hidden_act {act})")
+    heads = int(d["num_attention_heads"])
+    common.update(num_attention_heads=heads, kv_channels=int(d.get("head_dim") or h // heads),
+                  group_query_attention=True, num_query_groups=int(d.get("num_key_value_heads") or heads),
+                  ffn_hidden_size=int(d["intermediate_size"]), squared_relu=True)
+    positions = int(d.get("max_position_embeddings", 4096))
+    return ModelConfig(**common, hybrid_layer_pattern=pattern, seq_length=positions,
+                       **_mamba_fields(d, int(d["mamba_num_heads"]), int(d["mamba_head_dim"]), "ssm_state_size",
+                                       int(d.get("chunk_size", 128)), float(d.get("time_step_min", 0.001))))
+
+
+def check_hybrid_representable(cfg: ModelConfig, family: str, need: Callable) -> None:
+    """Raise (through ``need``) when the paratron model has something ``family`` cannot express."""
+    pattern = (cfg.hybrid_layer_pattern or "").replace("|", "")
+    need(bool(pattern), "needs a hybrid stack (--hybrid-layer-pattern)")
+    allowed = "M" if family == "mamba2" else "M*-"
+    need(set(pattern) <= set(allowed), f"its layers are {' '.join(allowed)} only (the pattern is {pattern})")
+    need(cfg.normalization == "RMSNorm" and cfg.disable_bias_linear and not cfg.apply_layernorm_1p,
+         "needs --normalization RMSNorm and --disable-bias-linear")
+    need(cfg.position_embedding_type == "none", "its attention has no position embedding (--position-embedding-type "
+         "none)")
+    if "-" in pattern:
+        need(cfg.squared_relu and not cfg.swiglu, "its MLP is squared ReLU (--squared-relu)")
+    if "*" in pattern:
+        need(not (cfg.qk_layernorm or cfg.attention_output_gate or cfg.multi_latent_attention)
+             and cfg.softmax_type == "vanilla" and cfg.window_size is None, "plain grouped-query attention")
+    need(not cfg.mtp_num_layers and not cfg.use_mup, "no multi-token prediction or muP")
+    need(mamba_heads(cfg) * cfg.mamba_head_dim % cfg.hidden_size == 0, "Mamba-2 heads x head dim a multiple of the "
+         "hidden size (its config has an integer expand)")
+
+
+def hybrid_hf_config(cfg: ModelConfig, family: str) -> dict[str, Any]:
+    """The family's config.json keys for ``cfg`` (beside the common ones hf_config writes)."""
+    heads = mamba_heads(cfg)
+    mamba = dict(n_groups=cfg.mamba_num_groups, conv_kernel=CONV_WIDTH, use_bias=False, use_conv_bias=True,
+                 layer_norm_epsilon=cfg.norm_epsilon, chunk_size=cfg.mamba_chunk_size,
+                 expand=heads * cfg.mamba_head_dim // cfg.hidden_size, hidden_size=cfg.hidden_size)
+    if family == "mamba2":
+        return dict(mamba, num_hidden_layers=cfg.num_layers, num_heads=heads, head_dim=cfg.mamba_head_dim,
+                    state_size=cfg.mamba_state_dim, rms_norm=True, residual_in_fp32=True,
+                    time_step_limit=[cfg.mamba_dt_limit_min, math.inf])
+    return dict(mamba, layers_block_type=[LAYER_TYPES[s] for s in cfg.hybrid_layer_pattern.replace("|", "")],
+                mamba_num_heads=heads, mamba_head_dim=cfg.mamba_head_dim, ssm_state_size=cfg.mamba_state_dim,
+                time_step_min=cfg.mamba_dt_limit_min, num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
+                intermediate_size=cfg.ffn_hidden_size, mlp_hidden_act="relu2", attention_bias=False, mlp_bias=False,
+                max_position_embeddings=cfg.max_position_embeddings, num_nextn_predict_layers=0)
+
+
+def hybrid_rows(cfg: ModelConfig, family: str) -> dict[str, tuple[tuple[str, ...], str]]:
+    """{paratron name: (Hugging Face names, reshape)} of every tensor of the hybrid model."""
+    pre = PREFIX[family]
+    rows = {"embedding.word_embeddings.weight": ((pre + "embeddings.weight",), "vocab"),
+            "decoder.final_layernorm.weight": ((pre + "norm_f.weight",), "copy"),
+            "output_layer.weight": (("lm_head.weight",), "vocab")}
+    for i, s in enumerate(cfg.hybrid_layer_pattern.replace("|", "")):
+        hp, pp = f"{pre}layers.{i}.", f"decoder.layers.{i}."
+        if s == "M":
+            rows.update({pp + p: ((hp + h,), "copy") for p, h in _MAMBA})
+        elif s == "*":
+            rows[pp + "input_layernorm.weight"] = ((hp + "norm.weight",), "copy")
+            rows[pp + "self_attention.linear_qkv.weight"] = (tuple(f"{hp}mixer.{x}_proj.weight" for x in "qkv"), "qkv")
+            rows[pp + "self_attention.linear_proj.weight"] = ((hp + "mixer.o_proj.weight",), "copy")
+        else:
+            rows[pp + "pre_mlp_layernorm.weight"] = ((hp + "norm.weight",), "copy")
+            rows[pp + "mlp.linear_fc1.weight"] = ((hp + "mixer.up_proj.weight",), "copy")
+            rows[pp + "mlp.linear_fc2.weight"] = ((hp + "mixer.down_proj.weight",), "copy")
+    return rows
