@@ -100,3 +100,14 @@ def test_chunk_length_does_not_change_the_numbers():
         with torch.no_grad():
             outs.append(model(ids))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_hybrid_mini_preset():
+    """configs/hybrid-mini.yaml: the Nemotron-H-like pattern, about 1B parameters (counted on the meta device)."""
+    from paratron.train.resolve import parse_args
+    cfg = parse_args(["--config", "hybrid-mini"]).model
+    specs = layer_specs(cfg)
+    assert cfg.num_layers == 36 and [s.mixer for s in specs].count("mamba") == 16
+    assert [s.mixer for s in specs].count("attention") == 4 and [s.mlp for s in specs].count("dense") == 16
+    n = sum(p.numel() for p in GPTModel(cfg, 32768, device="meta").parameters())
+    assert 0.9e9 < n < 1.2e9, n
