@@ -19,6 +19,9 @@ from ..model.mamba import CONV_WIDTH
 HYBRID_FAMILIES = ("mamba2", "nemotron_h")
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
 PREFIX = {"mamba2": "backbone.", "nemotron_h": "model."}
+# NemotronH clamps dt at time_step_min and needs it positive (its dt initialisation takes its log): a floor of 0
+# (Megatron's) is written as this, which changes dt only where softplus' input is below about -20.7.
+NO_FLOOR = 1e-9
 LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # NemotronH's names
 _MAMBA = [("input_layernorm.weight", "norm.weight")] + [
     (f"self_attention.{p}", f"mixer.{h}") for p, h in (
@@ -104,7 +107,7 @@ def hybrid_hf_config(cfg: ModelConfig, family: str) -> dict[str, Any]:
                     time_step_limit=[cfg.mamba_dt_limit_min, math.inf])
     return dict(mamba, layers_block_type=[LAYER_TYPES[s] for s in cfg.hybrid_layer_pattern.replace("|", "")],
                 mamba_num_heads=heads, mamba_head_dim=cfg.mamba_head_dim, ssm_state_size=cfg.mamba_state_dim,
-                time_step_min=cfg.mamba_dt_limit_min, num_attention_heads=cfg.num_attention_heads,
+                time_step_min=cfg.mamba_dt_limit_min or NO_FLOOR, num_attention_heads=cfg.num_attention_heads,
                 num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
                 intermediate_size=cfg.ffn_hidden_size, mlp_hidden_act="relu2", attention_bias=False, mlp_bias=False,
                 max_position_embeddings=cfg.max_position_embeddings, num_nextn_predict_layers=0)
