@@ -270,6 +270,8 @@ def _normalize_hf_names(hf_state: dict, family: str, tied: bool) -> dict:
     out = {}
     bare_gpt2 = family == "gpt2" and "transformer.wte.weight" not in hf_state and "wte.weight" in hf_state
     for name, t in hf_state.items():
+        if family == "nemotron_h" and name.startswith("model."):  # transformers' in-memory names
+            name = "backbone." + name[len("model."):]
         if bare_gpt2 and not name.startswith("lm_head."):
             name = "transformer." + name
         if family == "gpt2" and (name.endswith(".attn.bias") or name.endswith(".attn.masked_bias")):
@@ -413,7 +415,8 @@ def save_hf_dir(path, state: dict, cfg: ModelConfig, family: str, vocab_size: in
         hf = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf.items()}
     hf = _standalone(hf)
     config = hf_config_from_model_config(cfg, vocab_size, family)
-    emb_name = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
+    emb_name = ("transformer.wte.weight" if family == "gpt2" else "backbone.embeddings.weight"
+                if family in HYBRID_FAMILIES else "model.embed_tokens.weight")
     config["torch_dtype"] = _dtype_name(hf[emb_name].dtype)
     config.update(extra_config or {})
     save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

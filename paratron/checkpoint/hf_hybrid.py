@@ -18,7 +18,8 @@ from ..model.mamba import CONV_WIDTH
 
 HYBRID_FAMILIES = ("mamba2", "nemotron_h")
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
-PREFIX = {"mamba2": "backbone.", "nemotron_h": "model."}
+# the names in the files (NemotronH's modules are named model.* in memory, backbone.* on disk: both are read)
+PREFIX = {"mamba2": "backbone.", "nemotron_h": "backbone."}
 # NemotronH clamps dt at time_step_min and needs it positive (its dt initialisation takes its log): a floor of 0
 # (Megatron's) is written as this, which changes dt only where softplus' input is below about -20.7.
 NO_FLOOR = 1e-9

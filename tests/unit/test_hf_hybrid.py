@@ -54,10 +54,9 @@ def test_converted_back_loads_in_transformers(name, tmp_path):
     hf = hf_model(name)
     model, vocab, _ = to_paratron(hf)
     cfg, family = model.config, HC.family_of(hf.config)
-    config = HC.hf_config_from_model_config(cfg, vocab, family)
-    state = H.paratron_to_hf(model.state_dict(), cfg, family, vocab)
-    back = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-    back.load_state_dict(state, strict=True)
+    H.save_hf_dir(tmp_path / "hf", model.state_dict(), cfg, family, vocab)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert type(back) is type(hf)
     ids, _ = tokens(s=12)
     with torch.no_grad():
         torch.testing.assert_close(back.eval()(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
