@@ -19,7 +19,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("kind", ["ssd", "gdn"])
 @pytest.mark.parametrize("docs", [1, 3])
 def test_fla_equals_reference(kind, docs):
-    from benchmarks.hybrid_bench import scan_inputs
+    from benchmarks.matmul_shapes import scan_inputs
     from paratron.kernels.linear_scan import gated_delta, ssd
     fn = ssd if kind == "ssd" else gated_delta
     torch.manual_seed(0)
@@ -37,7 +37,7 @@ def test_fla_equals_reference(kind, docs):
 @pytest.mark.parametrize("kind", ["ssd", "gdn"])
 def test_decode_continues_the_fla_prefill(kind):
     """The final state of fla's prefill, then one sequential step, equals the reference over the whole sequence."""
-    from benchmarks.hybrid_bench import scan_inputs
+    from benchmarks.matmul_shapes import scan_inputs
     from paratron.kernels.linear_scan import gated_delta, ssd
     fn = ssd if kind == "ssd" else gated_delta
     torch.manual_seed(1)

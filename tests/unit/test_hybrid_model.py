@@ -111,3 +111,12 @@ def test_hybrid_mini_preset():
     assert [s.mixer for s in specs].count("attention") == 4 and [s.mlp for s in specs].count("dense") == 16
     n = sum(p.numel() for p in GPTModel(cfg, 32768, device="meta").parameters())
     assert 0.9e9 < n < 1.2e9, n
+
+
+def test_flops_of_split_layers_equal_the_dense_formula():
+    """An attention-only layer then an MLP-only one ('*-') count what one transformer layer does."""
+    from paratron.train.metrics import flops_per_iteration
+    dense = ModelConfig(**{**SMALL, "num_layers": 2}).resolved()
+    split = hybrid(hybrid_layer_pattern="*-*-")
+    assert flops_per_iteration(split, 128, 2, 16) == flops_per_iteration(dense, 128, 2, 16)
+    assert flops_per_iteration(hybrid(hybrid_layer_pattern="M-*-"), 128, 2, 16) != flops_per_iteration(dense, 128, 2, 16)
