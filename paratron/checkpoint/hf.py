@@ -33,7 +33,8 @@ import torch
 from ..config import ModelConfig
 from ..model.gpt import GPTModel
 from .hf_config import ConversionError, check_family, check_representable, hf_config_from_model_config
-from .hf_hybrid import HYBRID_FAMILIES, hybrid_rows
+from .hf_hybrid import (HYBRID_FAMILIES, HYBRID_RESHAPES, gated_qkv_to_hf, gated_qkv_to_paratron, hybrid_hf_shapes,
+                        hybrid_rows, qkvz_ba_to_hf, qkvz_ba_to_paratron)
 from .hf_moe import (MOE_FAMILIES, moe_layer_rows, per_expert_state, stack_expert_gate_up, stack_experts,
                      unstack_expert_gate_up, unstack_experts)
 
@@ -188,6 +189,8 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _to_paratron(how: str, ts: list, cfg: ModelConfig, padded_vocab: int) -> torch.Tensor:
+    if how in HYBRID_RESHAPES:
+        return (qkvz_ba_to_paratron if how == "qkvz_ba" else gated_qkv_to_paratron)(*ts, cfg)
     if how == "copy":
         return ts[0]
     if how == "conv1d":
@@ -208,6 +211,8 @@ def _to_paratron(how: str, ts: list, cfg: ModelConfig, padded_vocab: int) -> tor
 
 
 def _to_hf(how: str, t: torch.Tensor, cfg: ModelConfig, vocab_size: int) -> list:
+    if how in HYBRID_RESHAPES:
+        return (qkvz_ba_to_hf if how == "qkvz_ba" else gated_qkv_to_hf)(t, cfg)
     if how == "copy":
         return [t]
     if how == "conv1d":
@@ -231,6 +236,8 @@ def _hf_shapes(how: str, pshape: tuple, cfg: ModelConfig, vocab_size: int) -> li
     """The Hugging Face shapes that a paratron tensor of shape ``pshape`` comes from."""
     rest = tuple(pshape[1:])
     d, heads, groups = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
+    if how in HYBRID_RESHAPES:
+        return hybrid_hf_shapes(how, pshape, cfg)
     if how == "copy":
         return [tuple(pshape)]
     if how == "conv1d":
@@ -416,7 +423,7 @@ def save_hf_dir(path, state: dict, cfg: ModelConfig, family: str, vocab_size: in
     hf = _standalone(hf)
     config = hf_config_from_model_config(cfg, vocab_size, family)
     emb_name = ("transformer.wte.weight" if family == "gpt2" else "backbone.embeddings.weight"
-                if family in HYBRID_FAMILIES else "model.embed_tokens.weight")
+                if family in ("mamba2", "nemotron_h") else "model.embed_tokens.weight")
     config["torch_dtype"] = _dtype_name(hf[emb_name].dtype)
     config.update(extra_config or {})
     save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

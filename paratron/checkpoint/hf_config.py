@@ -228,9 +228,9 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
         if not cond:
             raise ConversionError(f"{family} cannot represent this model: {what}")
 
-    if family in HYBRID_FAMILIES or cfg.hybrid_layer_pattern is not None:
-        need(family in HYBRID_FAMILIES, "its layers are transformer layers (this is a hybrid stack: use mamba2 or "
-             "nemotron_h)")
+    if family in HYBRID_FAMILIES or cfg.hybrid_layer_pattern is not None or cfg.experimental_attention_variant:
+        need(family in HYBRID_FAMILIES, "its layers are transformer layers (this is a hybrid stack: use mamba2, "
+             "nemotron_h or qwen3_next)")
         return check_hybrid_representable(cfg, family, need)
     need(cfg.rotary_percent == 1.0 or cfg.position_embedding_type != "rope", "needs --rotary-percent 1.0")
     need(cfg.window_size is None, "no sliding-window attention (--window-size)")

@@ -1,6 +1,6 @@
 """The Gated DeltaNet mixer (Qwen3-Next's linear attention; Megatron's ``--experimental-attention-variant
 gated_delta_net`` and hybrid symbol G): in-projection to q, k, v, the output gate z, beta and alpha; a short
-causal convolution over [q, k, v] with SiLU; L2-normalised q and k; the gated delta rule (kernels/gated_delta.py)
+causal convolution over [q, k, v] (no bias) with SiLU; L2-normalised q and k; the gated delta rule (kernels/gated_delta.py)
 with beta = sigmoid(b) and the log-decay g = -exp(A_log) softplus(alpha + dt_bias); a per-head RMSNorm gated by
 silu(z); the out-projection.
 
@@ -32,6 +32,11 @@ from .norms import GatedRMSNorm
 QK_NORM_EPS = 1e-6  # the L2 norm's epsilon (fla's, Megatron's and Qwen3-Next's)
 
 
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension (fla's l2norm, which Megatron and Qwen3-Next use)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + QK_NORM_EPS)
+
+
 class GatedDeltaNet(nn.Module):
     """forward(x [s, b, hidden], ctx, residual) -> [s, b, hidden]."""
 
@@ -49,7 +54,7 @@ class GatedDeltaNet(nn.Module):
                                             blocks=(qk, qk, v, v, nv, nv),
                                             init_method=init_normal(mup.hidden_std(cfg)), device=device, dtype=dtype)
         self.conv1d_weight, self.conv1d_bias = conv_params(2 * qk + v, (qk, qk, v), cfg.linear_conv_kernel_dim, par,
-                                                           device, dtype)
+                                                           device, dtype, bias=False)  # (Megatron's, Qwen3-Next's)
         self.dt_bias, self.A_log = decay_params(nv, par, device, dtype)
         self.out_norm = GatedRMSNorm(self.dv, self.dv, cfg.norm_epsilon, before_gate=True, partial=tp > 1,
                                      device=device, dtype=dtype)
@@ -74,8 +79,7 @@ class GatedDeltaNet(nn.Module):
                                       cache.conv if cache is not None else None)
         q, k, vs = F.silu(qkv).float().split([qk, qk, v], dim=-1)
         rep = self.nv // self.nk  # each key head serves this many consecutive value heads
-        q, k = (F.normalize(t.reshape(b, s, self.nk, self.dk), dim=-1, eps=QK_NORM_EPS).repeat_interleave(rep, dim=2)
-                for t in (q, k))
+        q, k = (l2_normalize(t.reshape(b, s, self.nk, self.dk)).repeat_interleave(rep, dim=2) for t in (q, k))
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
         o, state = gated_delta(q, k, vs.reshape(b, s, nv, self.dv), g, beta.float().sigmoid(), reset,
                                cache.ssm if cache is not None else None, self.chunk,

@@ -37,11 +37,13 @@ CONV_WIDTH = 4  # Megatron's and Hugging Face's d_conv
 DT_RANGE, DT_FLOOR, A_RANGE = (1e-3, 0.1), 1e-4, (1.0, 16.0)  # Megatron's initialisation ranges
 
 
-def conv_params(channels: int, blocks: tuple, width: int, par: Parallel, device, dtype) -> tuple:
-    """The depthwise convolution's weight [channels, 1, width] and bias, nn.Conv1d's initialisation, split over
-    TP in ``blocks``."""
+def conv_params(channels: int, blocks: tuple, width: int, par: Parallel, device, dtype, bias: bool = True) -> tuple:
+    """The depthwise convolution's weight [channels, 1, width] and bias (None without), nn.Conv1d's
+    initialisation, split over TP in ``blocks``."""
     bound = 1 / math.sqrt(width)
     w = torch.empty(channels, 1, width, device=device, dtype=dtype).uniform_(-bound, bound)
+    if not bias:
+        return tp_param(w, par.tp_group, blocks), None
     b = torch.empty(channels, device=device, dtype=dtype).uniform_(-bound, bound)
     return tp_param(w, par.tp_group, blocks), tp_param(b, par.tp_group, blocks)
 

@@ -21,6 +21,13 @@ CASES = {
     "mamba2-untied": ("mamba2", dict(MAMBA, num_hidden_layers=2, tie_word_embeddings=False)),
     "mamba2-tied": ("mamba2", dict(MAMBA, num_hidden_layers=1, tie_word_embeddings=True)),
     # a dt floor of 0.6 (time_step_min: NemotronH clamps dt there) that binds for part of the tokens
+    "qwen3_next": ("qwen3_next", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
+                                      linear_num_key_heads=2, linear_num_value_heads=4, num_experts=0,
+                                      mlp_only_layers=[0, 1, 2, 3], rms_norm_eps=1e-6, max_position_embeddings=64,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5},
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)),
     "nemotron_h": ("nemotron_h", dict(hidden_size=32, hybrid_override_pattern="M*-M", num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=8, intermediate_size=48, ssm_state_size=8,
                                       mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8,
@@ -49,7 +56,7 @@ def test_logits_and_greedy_equal_transformers(name):
         assert out.tokens == hf(seq).logits[0, 4:-1].argmax(-1).tolist()  # each one transformers' greedy choice
 
 
-@pytest.mark.parametrize("name", ["mamba2-untied", "nemotron_h"])
+@pytest.mark.parametrize("name", ["mamba2-untied", "nemotron_h", "qwen3_next"])
 def test_converted_back_loads_in_transformers(name, tmp_path):
     hf = hf_model(name)
     model, vocab, _ = to_paratron(hf)
@@ -71,5 +78,5 @@ def test_refusals():
                       mamba_head_dim=8, mamba_num_groups=2, linear_num_key_heads=2, linear_num_value_heads=4)
     with pytest.raises(HC.ConversionError, match="its layers are M"):
         HC.hf_config_from_model_config(gdn, VOCAB, "nemotron_h")
-    with pytest.raises(HC.ConversionError, match="use mamba2 or nemotron_h"):
+    with pytest.raises(HC.ConversionError, match="use mamba2, nemotron_h or qwen3_next"):
         HC.hf_config_from_model_config(gdn, VOCAB, "llama")
