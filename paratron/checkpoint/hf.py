@@ -1,5 +1,5 @@
-"""Hugging Face <-> paratron checkpoint conversion (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE; Mamba-2
-and Nemotron-H hybrid stacks in :mod:`paratron.checkpoint.hf_hybrid`).
+"""Hugging Face <-> paratron checkpoint conversion (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE; Mamba-2,
+Nemotron-H and Qwen3-Next hybrid stacks in :mod:`paratron.checkpoint.hf_hybrid`).
 
 The whole mapping is one fixed table (:func:`name_table`): every paratron tensor has one row naming
 the Hugging Face tensor(s) it comes from and how it is reshaped. Most rows are plain copies; the few
