@@ -120,3 +120,13 @@ def test_flops_of_split_layers_equal_the_dense_formula():
     split = hybrid(hybrid_layer_pattern="*-*-")
     assert flops_per_iteration(split, 128, 2, 16) == flops_per_iteration(dense, 128, 2, 16)
     assert flops_per_iteration(hybrid(hybrid_layer_pattern="M-*-"), 128, 2, 16) != flops_per_iteration(dense, 128, 2, 16)
+
+
+def test_moe_layers_in_the_pattern():
+    torch.manual_seed(0)
+    cfg = hybrid(hybrid_layer_pattern="M*E", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+    assert [(s.mixer, s.mlp) for s in layer_specs(cfg)] == [("mamba", None), ("attention", None), (None, "moe")]
+    model = GPTModel(cfg, 64)
+    ids, labels = batch()
+    model(ids, labels=labels).mean().backward()
+    assert model.decoder.layers[2].mlp.router.weight.grad.abs().sum() > 0
