@@ -8,14 +8,15 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core (benchmarks/README.md)")
 
 
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+@needs_fla
 @pytest.mark.parametrize("kind", ["ssd", "gdn"])
 @pytest.mark.parametrize("docs", [1, 3])
 def test_fla_equals_reference(kind, docs):
@@ -34,6 +35,7 @@ def test_fla_equals_reference(kind, docs):
         assert _rel(a, b) < 2e-3
 
 
+@needs_fla
 @pytest.mark.parametrize("kind", ["ssd", "gdn"])
 def test_decode_continues_the_fla_prefill(kind):
     """The final state of fla's prefill, then one sequential step, equals the reference over the whole sequence."""
@@ -48,6 +50,7 @@ def test_decode_continues_the_fla_prefill(kind):
     assert _rel(step[:, 0], full[:, 128]) < 2e-3
 
 
+@needs_fla
 def test_hybrid_training_step_fla_equals_torch():
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
