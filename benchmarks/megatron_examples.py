@@ -175,7 +175,8 @@ def run_one(rel: str, flags: list[list[str]]) -> dict:
         argv, notes = scale(flags, tmp, tiny_gpt2(tmp))
         t0 = time.time()
         env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-        r = subprocess.run([sys.executable, ENTRY.get(rel, "pretrain_gpt.py"), *argv], cwd=ROOT, capture_output=True, text=True,
+        r = subprocess.run([sys.executable, ENTRY.get(rel, "pretrain_gpt.py"), *argv], cwd=ROOT, capture_output=True,
+                           text=True,
                            timeout=600, env=env)
     done = re.search(rf"iteration\s+{ITERS}/\s*{ITERS} \|", r.stdout) is not None
     if r.returncode == 0 and done:

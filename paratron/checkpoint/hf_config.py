@@ -36,7 +36,8 @@ class ConversionError(UserError, ValueError):
 
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES + HYBRID_FAMILIES
-_ARCHITECTURES = {**HYBRID_ARCHITECTURES, "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+_ARCHITECTURES = {**HYBRID_ARCHITECTURES, "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                  "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM"}
 # The dense family whose attention, norms and biases a mixture-of-experts family has.

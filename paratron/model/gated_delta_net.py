@@ -1,8 +1,8 @@
 """The Gated DeltaNet mixer (Qwen3-Next's linear attention; Megatron's ``--experimental-attention-variant
 gated_delta_net`` and hybrid symbol G): in-projection to q, k, v, the output gate z, beta and alpha; a short
-causal convolution over [q, k, v] (no bias) with SiLU; L2-normalised q and k; the gated delta rule (kernels/gated_delta.py)
-with beta = sigmoid(b) and the log-decay g = -exp(A_log) softplus(alpha + dt_bias); a per-head RMSNorm gated by
-silu(z); the out-projection.
+causal convolution over [q, k, v] (no bias) with SiLU; L2-normalised q and k; the gated delta rule
+(kernels/gated_delta.py) with beta = sigmoid(b) and the log-decay g = -exp(A_log) softplus(alpha + dt_bias); a
+per-head RMSNorm gated by silu(z); the out-projection.
 
 Sizes are Megatron's --linear-* flags: --linear-num-key-heads query/key heads of --linear-key-head-dim,
 --linear-num-value-heads value heads of --linear-value-head-dim (each key head serves value/key consecutive
