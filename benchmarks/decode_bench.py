@@ -12,6 +12,7 @@ counting`` (default there) continues (s, s + 1, ...) mod vocab, the documents of
 draws token ids. Each speculative row records its acceptance (accepted / drafted over the timed generation),
 tokens kept per verification pass, and whether its tokens equal plain decoding's (greedy: they must, up to bf16
 near-ties).
+    python benchmarks/decode_bench.py --config hybrid-mini --family nemotron_h   # a hybrid stack
 
 Both systems run greedy with the same random weights (the paratron model converted to HF with
 ``paratron_to_hf``) and never stop early (no end-of-document token). Per batch size: time to first
@@ -21,7 +22,8 @@ hf_generate.py measures it: nothing reads the tokens while they are generated (a
 make paratron's engine read each token back, a host synchronisation per step). Each time is the median of
 ``--repeats`` runs after warm-up runs (compilation, CUDA graph capture). paratron runs its engine with ``compile=True``
 (torch.compile'd decode step replayed as a CUDA graph) unless ``--no-compile``; HF runs
-``cache_implementation="static"``, compiled on GPU as transformers does it itself (``--hf-compile``).
+``cache_implementation="static"``, compiled on GPU as transformers does it itself (``--hf-compile``); a hybrid
+family (``--family nemotron_h``) runs ``generate`` with its own cache, eager.
 Prints a table and JSON lines, and writes a record (record.py) with the JSON rows.
 """
 from __future__ import annotations
@@ -42,29 +44,34 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
-def build(tiny: bool, device, dtype):
-    """(paratron GPTModel, HF LlamaForCausalLM, real vocabulary) with the same random weights."""
+def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "llama"):
+    """(paratron GPTModel, the Hugging Face model of ``family``, real vocabulary) with the same random weights."""
     import transformers
 
     from paratron.checkpoint.hf import paratron_to_hf
     from paratron.checkpoint.hf_config import hf_config_from_model_config
     from paratron.config import parse_args
     from paratron.model.gpt import GPTModel
-    if tiny:
+    if tiny and family == "llama":
         args = ["--config", "tiny", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
                 "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
                 "--untie-embeddings-and-output-weights", "--init-method-std", "0.3"]  # sharp: no greedy near-ties
+    elif tiny:  # a tiny hybrid stack (nemotron_h)
+        args = ["--config", "tiny", "--hybrid-layer-pattern", "M*-M", "--normalization", "RMSNorm",
+                "--squared-relu", "--position-embedding-type", "none", "--disable-bias-linear", "--mamba-state-dim",
+                "16", "--mamba-head-dim", "16", "--mamba-num-groups", "2", "--untie-embeddings-and-output-weights",
+                "--init-method-std", "0.3"]
     else:
-        args = ["--config", "llama-1b"]
+        args = ["--config", preset]
     cfg = parse_args(args + ["--mock-data"] if "--mock-data" not in args else args)
     m, vocab = cfg.model, cfg.data.vocab_size
     torch.manual_seed(0)
     model = GPTModel(m, cfg.padded_vocab_size, device=device, dtype=dtype).eval()
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in hf_config_from_model_config(m, vocab, "llama").items()
-                                        if k not in ("architectures", "model_type", "torch_dtype")})
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    hf.load_state_dict(paratron_to_hf(state, m, "llama", vocab), strict=False)
+    hf_cfg = hf_config_from_model_config(m, vocab, family)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "torch_dtype"})
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.load_state_dict(_in_memory_names(paratron_to_hf(state, m, family, vocab), family), strict=False)
     hf = hf.to(device=device, dtype=dtype)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
@@ -155,6 +162,12 @@ def write(args, rows, lines, stem, title, hardware, shape, compile_) -> int:
     return 0
 
 
+def _in_memory_names(state: dict, family: str) -> dict:
+    """NemotronH's files name its modules backbone.*, its in-memory model model.*."""
+    if family != "nemotron_h":
+        return state
+    return {("model." + k[len("backbone."):] if k.startswith("backbone.") else k): v for k, v in state.items()}
+
 
 def paratron_runner(model, vocab, compile_: bool):
     from paratron.inference.engine import Engine, Request
@@ -167,7 +180,7 @@ def paratron_runner(model, vocab, compile_: bool):
     return run
 
 
-def hf_runner(hf, compile_: str):
+def hf_runner(hf, compile_: str, static: bool = True):
     """``compile_``: "auto" (transformers compiles the forward itself when generating with a static cache
     on a GPU: its default CompileConfig, fullgraph + reduce-overhead), "manual" (the older recipe:
     ``model.forward = torch.compile(..., mode="reduce-overhead", fullgraph=True)``), or "off"."""
@@ -177,8 +190,8 @@ def hf_runner(hf, compile_: str):
 
     def run(prompts: torch.Tensor, n: int):
         with torch.no_grad():
-            out = hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              cache_implementation="static", pad_token_id=0)
+            out = hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                              **({"cache_implementation": "static"} if static else {}))
         return out[:, prompts.shape[1]:].tolist()
     return run
 
@@ -215,6 +228,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-compile", action="store_true", help="eager paratron and HF (compiled on GPU by default)")
     p.add_argument("--no-hf", action="store_true", help="paratron only")
+    p.add_argument("--config", default="llama-1b", help="the preset (hybrid-mini: a hybrid stack)")
+    p.add_argument("--family", default="llama", help="the Hugging Face family of the baseline (hybrid-mini: "
+                   "nemotron_h)")
     p.add_argument("--hf-compile", choices=("auto", "manual", "off"), default="auto",
                    help="how HF generate is compiled on GPU (see hf_runner; default %(default)s)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
@@ -234,15 +250,18 @@ def main() -> int:
     plen = args.prompt_len or (8 if args.tiny else 128)
     n = args.new_tokens or (8 if args.tiny else 256)
     batches = args.batch or [1, 32]
-    model, hf, vocab, m = build(args.tiny, device, dtype)
-    name = "tiny" if args.tiny else "llama-1b"
+    model, hf, vocab, m = build(args.tiny, device, dtype, args.config, args.family)
+    name = "tiny" if args.tiny else args.config
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {hardware}; {name}, prompt {plen}, {n} new tokens, compile {compile_}",
           flush=True)
     systems = [("paratron", paratron_runner(model, vocab, compile_))]
     if not args.no_hf:
         hf_mode = args.hf_compile if compile_ else "off"
-        systems.append(("hf-static" + ("" if hf_mode == "off" else f"-compile-{hf_mode}"), hf_runner(hf, hf_mode)))
+        static = args.family == "llama"  # (a hybrid model's recurrent cache is transformers' own, not a static one)
+        hf_mode = hf_mode if static else "off"
+        systems.append(("hf-static" + ("" if hf_mode == "off" else f"-compile-{hf_mode}") if static else "hf",
+                        hf_runner(hf, hf_mode, static)))
     rows = []
     g = torch.Generator().manual_seed(0)
     for b in batches:

@@ -5,6 +5,12 @@ operand layouts the step uses and, for the weight gradient, the transposed formu
 operands (several sets rotated so no run reads from a warm L2).
 
     python benchmarks/matmul_shapes.py --config llama-1b --tokens 32768
+    python benchmarks/matmul_shapes.py --scans [--tokens 8192]   # Mamba-2 / Gated DeltaNet scans, fla vs torch
+
+``--scans``: the linear-recurrence scans of hybrid stacks (kernels/linear_scan.py) instead of the matmuls: Mamba-2's
+SSD at hybrid-mini's heads (64 x 64, 8 groups, state 128) and the gated delta rule at Qwen3-Next's (32 value heads,
+128 x 128), 4 packed documents per row, forward and forward + backward, fla-core's kernels (``--kernel-linear-scan
+fla``) against the torch references, with the largest relative difference of outputs and gradients.
 """
 from __future__ import annotations
 
@@ -26,6 +32,45 @@ def shapes(preset: str) -> list[tuple[str, int, int]]:
     qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d
     return [("qkv", h, qkv), ("proj", m.num_attention_heads * d, h), ("fc1", h, f * (2 if m.swiglu else 1)),
             ("fc2", f, h), ("output", h, cfg.padded_vocab_size)]
+
+
+def scan_inputs(kind: str, b: int, s: int, device, docs: int = 4):
+    """Random inputs of one scan, ``ssd`` at hybrid-mini's head shapes or ``gdn`` at Qwen3-Next's, and the document
+    starts of ``docs`` packed documents per row."""
+    from paratron.kernels.ssd import resets_of
+    f, sp = dict(device=device, dtype=torch.float32), torch.nn.functional.softplus
+    ids = torch.arange(s, device=device)[None].expand(b, s) * docs // s
+    if kind == "ssd":
+        h, p, g, n = 64, 64, 8, 128
+        x = dict(x=torch.randn(b, s, h, p, **f), dt=sp(torch.randn(b, s, h, **f) - 3), A=-torch.rand(h, **f) * 8,
+                 B=torch.randn(b, s, g, n, **f), C=torch.randn(b, s, g, n, **f))
+    else:
+        h, d, unit = 32, 128, torch.nn.functional.normalize
+        x = dict(q=unit(torch.randn(b, s, h, d, **f), dim=-1), k=unit(torch.randn(b, s, h, d, **f), dim=-1),
+                 v=torch.randn(b, s, h, d, **f), g=-sp(torch.randn(b, s, h, **f)), beta=torch.rand(b, s, h, **f))
+    return x, resets_of(ids)
+
+
+def scans(tokens: int) -> None:
+    """Forward and forward + backward ms of each scan on each available kernel, and the difference to torch's."""
+    from paratron.kernels.linear_scan import fla_available, gated_delta, ssd
+    dev = torch.device("cuda")
+    b, s = max(tokens // 2048, 1), min(tokens, 2048)
+    kernels = ["torch"] + (["fla"] if fla_available(dev) else [])
+    print(f"{'scan':5s} {'kernel':6s} {'batch x seq':>12s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'max rel. diff':>14s}")
+    for kind, fn in (("ssd", ssd), ("gdn", gated_delta)):
+        x, reset = scan_inputs(kind, b, s, dev)
+        ref = None
+        for k in kernels:
+            leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+            y = fn(**leaves, reset=reset, kernel=k)[0]
+            outs = [y.detach(), *torch.autograd.grad((y * y).sum(), list(leaves.values()))]
+            ref = ref or outs
+            diff = max(((a - r).norm() / r.norm()).item() for a, r in zip(outs, ref))
+            fwd = time_ms(lambda: fn(**leaves, reset=reset, kernel=k), [()])
+            both = time_ms(lambda: torch.autograd.grad(fn(**leaves, reset=reset, kernel=k)[0].sum(),
+                                                       list(leaves.values())), [()])
+            print(f"{kind:5s} {k:6s} {f'{b}x{s}':>12s} {fwd:8.3f} {both:11.3f} {diff:14.2e}")
 
 
 def time_ms(fn, operand_sets, reps: int = 20) -> float:
@@ -62,11 +107,16 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch (micro-batch x sequence)")
     p.add_argument("--sets", type=int, default=3)
     p.add_argument("--blas", choices=["cublas", "cublaslt"], default=None, help="torch's preferred BLAS library")
+    p.add_argument("--scans", action="store_true", help="time the hybrid stacks' scans (fla vs torch) instead")
     p.add_argument("--quack", action="store_true",
                    help="also time quack-kernels' GEMM on each case (its default tile, and autotuned)")
     args = p.parse_args()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
+    if args.scans:
+        print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; scans, {args.tokens} tokens")
+        scans(args.tokens)
+        return 0
     dev, dt, n = "cuda", torch.bfloat16, args.tokens
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; {args.config}, {n} tokens; "
           f"BLAS {torch.backends.cuda.preferred_blas_library()}")

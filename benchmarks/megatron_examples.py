@@ -6,7 +6,8 @@ The flags of each script (tests/data/megatron_example_scripts.json; ``--megatron
 again from a Megatron-LM checkout) are kept as the script has them, except the sizes (layers, widths,
 heads, experts, sequence, batch, iterations), the parallel degrees (all 1), the data (``--mock-data``;
 GPT-2 vocab/merges files are replaced by a tiny generated pair, other tokenizer files by a NullTokenizer)
-and the paths (a temporary directory). Each scaled command line runs ``pretrain_gpt.py --device cpu``;
+and the paths (a temporary directory). Each scaled command line runs ``pretrain_gpt.py --device cpu`` (the hybrid
+script ``pretrain_hybrid.py``, with its pattern scaled to 5 layers and Mamba-2 sizes that fit the width);
 the table says whether it ran to the end or stopped with a one-line refusal, and which.
 """
 from __future__ import annotations
@@ -30,7 +31,10 @@ EXAMPLES = ("examples/gpt3/train_gpt3_175b_distributed.sh", "examples/llama/trai
             "examples/gptoss/02_train.sh", "examples/post_training/modelopt/conf/Qwen/Qwen3-8B.sh",
             "examples/post_training/modelopt/conf/meta-llama/Llama-3.1-8B-Instruct.sh",
             "examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-V2-Lite.sh",
-            "examples/post_training/modelopt/conf/Qwen/Qwen3-30B-A3B.sh")
+            "examples/post_training/modelopt/conf/Qwen/Qwen3-30B-A3B.sh", "examples/mamba/train.sh")
+ENTRY = {"examples/mamba/train.sh": "pretrain_hybrid.py"}  # the script's entry point (default pretrain_gpt.py)
+# a hybrid script's scaled pattern, and Mamba-2 sizes that fit the scaled width (Megatron's defaults need >= 512)
+HYBRID_SIZES = ["--mamba-state-dim", "16", "--mamba-head-dim", "16", "--mamba-num-groups", "2"]
 CONFIGS_PER_DIR = 6  # functional-test configs taken from each directory (spread over its sorted list)
 CONFIG_DIRS = ("tests/functional_tests/test_cases/gpt", "tests/functional_tests/test_cases/moe",
                "tests/functional_tests/test_cases/mixtral")
@@ -46,7 +50,8 @@ SIZES = {"num_layers": "2", "hidden_size": "64", "ffn_hidden_size": "128", "num_
          "decoder_last_pipeline_num_layers": None, "num_layers_per_virtual_pipeline_stage": None,
          "train_samples": None, "lr_decay_samples": None, "lr_warmup_samples": None, "lr_warmup_fraction": None,
          "rampup_batch_size": None, "exit_interval": None, "exit_duration_in_mins": None, "moe_router_topk": "2",
-         "moe_router_num_groups": "2", "moe_router_group_topk": "1"}  # 4 experts in 2 groups, top-2 within 1
+         "moe_router_num_groups": "2", "moe_router_group_topk": "1",  # 4 experts in 2 groups, top-2 within 1
+         "hybrid_layer_pattern": "M-M*-"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
             "expert_model_parallel_size", "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size")
 DATA = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "mock_data", "data_cache_path",
@@ -123,6 +128,8 @@ def scale(flags: list[list[str]], tmp: Path, gpt2: tuple[str, str]) -> tuple[lis
             argv += [f[0], *[re.sub(r"\$\{?\w+\}?", "1", v) for v in values]]
     if "step_batch_size_schedule" in names:
         argv = scale_schedule(argv)
+    if "hybrid_layer_pattern" in names:
+        argv += HYBRID_SIZES
     if "train_iters" not in names:
         argv += ["--train-iters", str(ITERS)]
     if "log_interval" not in names:  # the log line of the last iteration shows that it ran
@@ -168,7 +175,8 @@ def run_one(rel: str, flags: list[list[str]]) -> dict:
         argv, notes = scale(flags, tmp, tiny_gpt2(tmp))
         t0 = time.time()
         env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-        r = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT, capture_output=True, text=True,
+        r = subprocess.run([sys.executable, ENTRY.get(rel, "pretrain_gpt.py"), *argv], cwd=ROOT, capture_output=True,
+                           text=True,
                            timeout=600, env=env)
     done = re.search(rf"iteration\s+{ITERS}/\s*{ITERS} \|", r.stdout) is not None
     if r.returncode == 0 and done:

@@ -2,6 +2,7 @@
 Hugging Face transformers baseline measured in the same process.
 
     python benchmarks/train_throughput.py --config gpt-350m [--hf] [--variant NAME:FLAGS ...]
+    python benchmarks/train_throughput.py --config hybrid-mini --hf-family nemotron_h
 
 Each variant is a set of extra Megatron/paratron flags (e.g. `compiled:--torch-compile`, or a kernel switch
 such as `--kernel-fp8-grad-cast off`). With more than one variant each runs in a fresh child process (its
@@ -9,7 +10,10 @@ compiled kernels and allocator state its own). The step is
 Trainer.train_step: model forward/backward on mock data through the real data path, gradient
 buffer, AdamW on fp32 master weights, LR schedule. Timing: warm-up steps, then CUDA-synchronised
 wall time over the timed steps. Writes a Markdown record (date, hardware, torch, commit, command,
-table) to --record-dir (default: $OUT if set, else benchmarks/results).
+table) to --record-dir (default: $OUT if set, else benchmarks/results). ``--hf-family F`` builds the Hugging Face
+baseline from the preset itself (paratron's config converted to family F's config.json, transformers' own
+model of that family with its own initialisation, bf16, torch.compile, torch's fused AdamW, the same micro-batch
+and sequence): the baseline for presets that peers.py does not know (hybrid-mini: NemotronH).
 """
 from __future__ import annotations
 
@@ -86,6 +90,38 @@ def run_hf(preset: str, compiled: bool) -> dict:
     return r
 
 
+def run_hf_family(preset: str, family: str, warmup: int, steps: int) -> dict:
+    """transformers' model of ``family`` built from ``preset``'s config, compiled, one micro-batch per step."""
+    import transformers
+
+    from paratron.checkpoint.hf_config import hf_config_from_model_config
+    from paratron.config import parse_args
+    cfg = parse_args(["--config", preset])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hf_cfg = hf_config_from_model_config(cfg.model, cfg.data.vocab_size, family)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "torch_dtype"})
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=torch.bfloat16).train()
+    compiled = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
+    ids = torch.randint(0, cfg.data.vocab_size, (b, s + 1), device=device)
+
+    def step():
+        compiled(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(warmup):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    return dict(step_ms=round(dt * 1e3, 1), tok_s=round(b * s / dt),
+                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None)
+
+
 def run_variant(args, flags: str) -> dict:
     """One variant in this process."""
     try:
@@ -116,6 +152,8 @@ def main() -> int:
                    help="NAME:FLAGS, e.g. 'compiled:--torch-compile --micro-batch-size 8' (repeatable)")
     p.add_argument("--hf", action="store_true", help="also run HF transformers + torch.compile (needs peers.py in $PEERS_DIR or .peers/)")
     p.add_argument("--hf-eager", action="store_true", help="also run HF transformers eager")
+    p.add_argument("--hf-family", default=None, help="also run transformers' model of this family (e.g. nemotron_h) "
+                   "built from the preset, compiled")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set torch._inductor.config.KEY (an experiment knob, e.g. coordinate_descent_tuning=True)")
     p.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
@@ -149,6 +187,14 @@ def main() -> int:
         except Exception as e:
             r = dict(error=repr(e)[:300])
         r.update(system="hf-compile" if compiled else "hf-eager", flags="")
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    if args.hf_family:
+        try:
+            r = run_hf_family(args.config, args.hf_family, args.warmup, args.steps)
+        except Exception as e:
+            r = dict(error=repr(e)[:300])
+        r.update(system="hf-compile", flags=f"transformers {args.hf_family}")
         rows.append(r)
         print(json.dumps(r), flush=True)
     hf_tok = next((r["tok_s"] for r in rows if r["system"] == "hf-compile" and "tok_s" in r), None)

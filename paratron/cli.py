@@ -107,14 +107,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     return run_command("paratron", dispatch, sys.argv[1:] if argv is None else argv)
 
 
-def pretrain_main(argv: Optional[list[str]] = None) -> int:
-    """`pretrain_gpt.py`: Megatron's entry point, same flags; errors as `paratron train`'s."""
+def pretrain_main(argv: Optional[list[str]] = None, prog: str = "pretrain_gpt.py", hybrid: bool = False) -> int:
+    """`pretrain_gpt.py`: Megatron's entry point, same flags; errors as `paratron train`'s. ``hybrid``
+    (`pretrain_hybrid.py`, `pretrain_mamba.py`): a hybrid stack, all Mamba-2 layers unless
+    --hybrid-layer-pattern (or the ratio flags) say otherwise, as Megatron's."""
     from .errors import run_command
 
     def run(args: list[str]) -> int:
         if args in (["-h"], ["--help"]):
             from .config import build_parser
-            build_parser("pretrain_gpt.py").print_help()
+            build_parser(prog).print_help()
             return 0
+        if hybrid and "--is-hybrid-model" not in args:
+            args = [*args, "--is-hybrid-model"]
         return run_train(args)
-    return run_command("pretrain_gpt.py", run, sys.argv[1:] if argv is None else argv)
+    return run_command(prog, run, sys.argv[1:] if argv is None else argv)

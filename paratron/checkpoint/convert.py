@@ -116,9 +116,14 @@ def default_family(m) -> str:
     """The Hugging Face family of a paratron model: LayerNorm + GeLU -> gpt2; RMSNorm + SwiGLU -> llama,
     or qwen2 with q/k/v-only biases, qwen3 with --qk-layernorm; with --num-experts, qwen3_moe with
     --qk-layernorm, else mixtral; with --multi-latent-attention, deepseek_v3. Mistral is never chosen (a Llama
-    without biases is both): pass --family mistral."""
+    without biases is both): pass --family mistral. A hybrid stack: mamba2 when every layer is Mamba-2, else
+    nemotron_h; Gated DeltaNet mixers (--experimental-attention-variant): qwen3_next."""
     if m.multi_latent_attention:
         return "deepseek_v3"
+    if m.experimental_attention_variant is not None:
+        return "qwen3_next"
+    if m.hybrid_layer_pattern is not None:
+        return "mamba2" if set(m.hybrid_layer_pattern.replace("|", "")) == {"M"} else "nemotron_h"
     if m.normalization == "LayerNorm" and not m.swiglu:
         return "gpt2"
     if m.num_experts is not None:

@@ -1,5 +1,5 @@
 """Hugging Face <-> paratron checkpoint conversion (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE,
-DeepSeek-V3).
+DeepSeek-V3; Mamba-2, Nemotron-H and Qwen3-Next hybrid stacks in :mod:`paratron.checkpoint.hf_hybrid`).
 
 The whole mapping is one fixed table (:func:`name_table`): every paratron tensor has one row naming
 the Hugging Face tensor(s) it comes from and how it is reshaped. Most rows are plain copies; the few
@@ -34,6 +34,8 @@ from ..config import ModelConfig
 from ..model.gpt import GPTModel
 from .hf_config import ConversionError, check_family, check_representable, hf_config_from_model_config
 from .hf_deepseek import deepseek_layer_rows
+from .hf_hybrid import (HYBRID_FAMILIES, HYBRID_RESHAPES, gated_qkv_to_hf, gated_qkv_to_paratron, hybrid_hf_shapes,
+                        hybrid_rows, qkvz_ba_to_hf, qkvz_ba_to_paratron)
 from .hf_moe import (MOE_FAMILIES, moe_layer_rows, per_expert_state, stack_expert_gate_up, stack_experts,
                      unstack_expert_gate_up, unstack_experts)
 
@@ -113,14 +115,17 @@ def name_table(cfg: ModelConfig, family: str) -> list[tuple[str, tuple[str, ...]
     experts_gate_up. (A Qwen3-MoE layer has the dense or the MoE rows, as paratron's layer has.)"""
     check_family(family)
     check_representable(cfg, family)
-    top, layer_prefix, layer = _TABLES[family]
-    if cfg.num_experts is not None:
-        layer = layer + moe_layer_rows(cfg, family)
-    by_name = {p: (hf, how) for p, hf, how in top}
-    for i in range(cfg.num_layers):
-        hp = layer_prefix.format(i=i)
-        for p, hf, how in layer:
-            by_name[f"decoder.layers.{i}.{p}"] = (tuple(hp + n for n in hf), how)
+    if family in HYBRID_FAMILIES:
+        by_name = hybrid_rows(cfg, family)
+    else:
+        top, layer_prefix, layer = _TABLES[family]
+        if cfg.num_experts is not None:
+            layer = layer + moe_layer_rows(cfg, family)
+        by_name = {p: (hf, how) for p, hf, how in top}
+        for i in range(cfg.num_layers):
+            hp = layer_prefix.format(i=i)
+            for p, hf, how in layer:
+                by_name[f"decoder.layers.{i}.{p}"] = (tuple(hp + n for n in hf), how)
     rows = []
     for p in _paratron_shapes(cfg, 1):
         if p not in by_name:  # check_representable should make this unreachable
@@ -186,6 +191,8 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _to_paratron(how: str, ts: list, cfg: ModelConfig, padded_vocab: int) -> torch.Tensor:
+    if how in HYBRID_RESHAPES:
+        return (qkvz_ba_to_paratron if how == "qkvz_ba" else gated_qkv_to_paratron)(*ts, cfg)
     if how == "copy":
         return ts[0]
     if how == "conv1d":
@@ -206,6 +213,8 @@ def _to_paratron(how: str, ts: list, cfg: ModelConfig, padded_vocab: int) -> tor
 
 
 def _to_hf(how: str, t: torch.Tensor, cfg: ModelConfig, vocab_size: int) -> list:
+    if how in HYBRID_RESHAPES:
+        return (qkvz_ba_to_hf if how == "qkvz_ba" else gated_qkv_to_hf)(t, cfg)
     if how == "copy":
         return [t]
     if how == "conv1d":
@@ -229,6 +238,8 @@ def _hf_shapes(how: str, pshape: tuple, cfg: ModelConfig, vocab_size: int) -> li
     """The Hugging Face shapes that a paratron tensor of shape ``pshape`` comes from."""
     rest = tuple(pshape[1:])
     d, heads, groups = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
+    if how in HYBRID_RESHAPES:
+        return hybrid_hf_shapes(how, pshape, cfg)
     if how == "copy":
         return [tuple(pshape)]
     if how == "conv1d":
@@ -268,6 +279,8 @@ def _normalize_hf_names(hf_state: dict, family: str, tied: bool) -> dict:
     out = {}
     bare_gpt2 = family == "gpt2" and "transformer.wte.weight" not in hf_state and "wte.weight" in hf_state
     for name, t in hf_state.items():
+        if family == "nemotron_h" and name.startswith("model."):  # transformers' in-memory names
+            name = "backbone." + name[len("model."):]
         if bare_gpt2 and not name.startswith("lm_head."):
             name = "transformer." + name
         if family == "gpt2" and (name.endswith(".attn.bias") or name.endswith(".attn.masked_bias")):
@@ -411,7 +424,8 @@ def save_hf_dir(path, state: dict, cfg: ModelConfig, family: str, vocab_size: in
         hf = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf.items()}
     hf = _standalone(hf)
     config = hf_config_from_model_config(cfg, vocab_size, family)
-    emb_name = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
+    emb_name = ("transformer.wte.weight" if family == "gpt2" else "backbone.embeddings.weight"
+                if family in ("mamba2", "nemotron_h") else "model.embed_tokens.weight")
     config["torch_dtype"] = _dtype_name(hf[emb_name].dtype)
     config.update(extra_config or {})
     save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

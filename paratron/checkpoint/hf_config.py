@@ -23,6 +23,9 @@ from typing import Any
 from ..config import ModelConfig
 from ..errors import UserError
 from .hf_deepseek import check_deepseek, deepseek_config, deepseek_hf_config
+from .hf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
+from .hf_hybrid import (HYBRID_FAMILIES, check_hybrid_representable, hybrid_hf_config,
+                        hybrid_model_config)
 from .hf_moe import MOE_FAMILIES, REFUSED_MOE, check_moe_representable, hf_moe_config, moe_config_kwargs
 
 __all__ = ["ConversionError", "FAMILIES", "family_of", "model_config_from_hf", "hf_config_from_model_config",
@@ -33,8 +36,9 @@ class ConversionError(UserError, ValueError):
     """The checkpoint or config cannot be converted; the message is one line naming what and why."""
 
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES + ("deepseek_v3",)
-_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES + ("deepseek_v3",) + HYBRID_FAMILIES
+_ARCHITECTURES = {**HYBRID_ARCHITECTURES, "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                  "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # The dense family whose attention, norms and biases a mixture-of-experts family has.
@@ -114,7 +118,16 @@ def model_config_from_hf(hf_config: Any) -> tuple[ModelConfig, int, str]:
         return _gpt2_config(d), vocab, family
     if family == "deepseek_v3":
         return deepseek_config(d, _rope_params(d)), vocab, family
+    if family in HYBRID_FAMILIES:
+        return hybrid_model_config(d, family, _config_need(family)).resolved(), vocab, family
     return _llama_config(d, family), vocab, family
+
+
+def _config_need(family: str):
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise ConversionError(f"paratron cannot represent this {family} model: it needs {what}")
+    return need
 
 
 def _gpt2_config(d: dict) -> ModelConfig:
@@ -219,6 +232,10 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
         if not cond:
             raise ConversionError(f"{family} cannot represent this model: {what}")
 
+    if family in HYBRID_FAMILIES or cfg.hybrid_layer_pattern is not None or cfg.experimental_attention_variant:
+        need(family in HYBRID_FAMILIES, "its layers are transformer layers (this is a hybrid stack: use mamba2, "
+             "nemotron_h or qwen3_next)")
+        return check_hybrid_representable(cfg, family, need)
     need(cfg.rotary_percent == 1.0 or cfg.position_embedding_type != "rope", "needs --rotary-percent 1.0")
     need(cfg.window_size is None, "no sliding-window attention (--window-size)")
     need(not cfg.rotary_interleaved and cfg.rotary_seq_len_interpolation_factor is None and cfg.no_rope_freq is None,
@@ -278,6 +295,8 @@ def hf_config_from_model_config(cfg: ModelConfig, vocab_size: int, family: str) 
                            "vocab_size": int(vocab_size), "torch_dtype": "float32", "tie_word_embeddings": tied,
                            "initializer_range": cfg.init_method_std, "use_cache": True,
                            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    if family in HYBRID_FAMILIES:
+        return {**out, **hybrid_hf_config(cfg, family)}
     if family == "gpt2":
         out.update(n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_attention_heads,
                    n_inner=cfg.ffn_hidden_size, n_positions=cfg.max_position_embeddings,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ConfigError
+from .check_hybrid import validate_hybrid
 from .check_moe import validate_moe
 from .layer_patterns import parse_window_size, rope_layers, window_layers
 from .rules import changed_flags, need
@@ -29,6 +30,7 @@ GPT_OSS_YARN = {"position_embedding_type": "yarn", "rotary_scaling_factor": 32.0
 
 def validate_model(m: ModelConfig) -> None:
     """Checks of the model's shape; fills Megatron's derived defaults."""
+    validate_hybrid(m)  # first: a hybrid pattern sets --num-layers
     if m.enable_gpt_oss:  # as Megatron, the preset replaces whatever YaRN values were given
         for name, value in GPT_OSS_YARN.items():
             setattr(m, name, value)

@@ -3,6 +3,7 @@ the pipeline layout (which derives the virtual size), the rank order, and what s
 needs. The sizes against the number of processes are checked in resolve.py (resolve_world)."""
 from __future__ import annotations
 
+from .check_hybrid import validate_hybrid_parallel
 from .check_moe import validate_experts
 from .pipeline_split import finalize_pipeline
 from .rules import need, whole_numbers
@@ -24,6 +25,7 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
     if par.sequence_parallel or (m.num_experts is not None and tp > 1):  # MoE splits the sequence over TP
         need(m.seq_length % tp == 0,
              f"--sequence-parallel needs --seq-length {m.seq_length} divisible by --tensor-model-parallel-size {tp}")
+    validate_hybrid_parallel(par, m)  # (a pattern's '|' stages become the pipeline layout)
     par.virtual_pipeline_model_parallel_size = finalize_pipeline(par, m.num_layers)
     need(par.microbatch_group_size_per_virtual_pipeline_stage is None or (par.virtual_pipeline_model_parallel_size or 1)
          > 1, "--microbatch-group-size-per-virtual-pipeline-stage needs virtual pipeline stages; remove it or add them")

@@ -39,6 +39,7 @@ CHOICES: dict[str, tuple] = {
     "kernel_fp8_grouped_gemm": ("auto", "scaled_grouped_mm", "dequant"),
     "kernel_compile_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_coordinate_descent": AUTO_ON_OFF,
+    "kernel_linear_scan": ("auto", "fla", "torch"),
 }
 QUACK_TILE_USES = ("dgated", "dx", "wgrad_fc1", "wgrad_fc2")  # the gated MLP's GEMMs whose tiles can be set
 
@@ -68,6 +69,7 @@ class KernelConfig(Section):
     kernel_fp8_grouped_gemm: str = "auto"  # routed experts in FP8: scaled_grouped_mm (torch) | dequant (bf16 GEMM)
     kernel_compile_coordinate_descent: str = "auto"  # torch.compile's coordinate-descent tuning of the layers
     kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch sizes > 1)
+    kernel_linear_scan: str = "auto"  # Mamba-2 / Gated DeltaNet scans: fla-core's Triton kernels (CUDA) | torch
 
 
 def parse_quack_tiles(spec: str) -> dict:

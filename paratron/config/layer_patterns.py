@@ -72,6 +72,16 @@ def layer_pattern(value: Union[None, int, str, list], num_layers: int, flag: str
     return [bool(v) for v in parsed]
 
 
+def linear_attention_layers(freq: Union[None, int, str, list], num_layers: int) -> list[bool]:
+    """``--linear-attention-freq`` per global layer: whether it is a linear-attention (Gated DeltaNet) layer. An int
+    N: every Nth layer (N, 2N, ... counted from 1) keeps softmax attention, the others are linear; a list (or list
+    expression) of 0/1 per layer: 1 = linear (Megatron's reading)."""
+    pattern = layer_pattern(freq, num_layers, "--linear-attention-freq")
+    if isinstance(pattern, int):
+        return [(i + 1) % pattern != 0 for i in range(num_layers)]
+    return pattern
+
+
 def window_layers(window_size, skip_freq: Union[None, int, str, list], num_layers: int) -> list[bool]:
     """Per global layer (0-based): whether it uses the window (Megatron's ``is_layer_window_attention``
     with the 1-based layer number). ``skip_freq`` None: every layer; an int N: every Nth layer

@@ -139,10 +139,6 @@ REFUSED = {
     "use_cpu_initialization": PLANNED.format("CPU initialisation of full weights before sharding"),
     "use_transformer_engine_op_fuser": GPU.format("Transformer Engine's operation fuser"),
     "te_rng_tracker": GPU.format("Transformer Engine's RNG tracker"),
-    "is_hybrid_model": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
-    "hybrid_layer_pattern": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
-    "hybrid_override_pattern": NA.format("hybrid Mamba models (paratron trains transformer GPT models)"),
-    "experimental_attention_variant": PLANNED.format("linear/sparse attention variants"),
     "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
     # implemented by paratron serve (config/inference.py), refused by training
     **{name: SERVE_ONLY for name in SERVE_FIELDS + ("no_inference_dynamic_batching_prefix_caching",)},
@@ -160,9 +156,9 @@ HONOURED_FIELDS = {
 
 # Refused by name prefix (families of flags).
 PREFIX_REASONS = (
-    ("mamba_", NA.format("Mamba layers (paratron trains transformer GPT models)")),
-    ("linear_", PLANNED.format("gated-delta-net linear attention")),
-    ("dsa_", PLANNED.format("DeepSeek sparse attention")),
+    ("mamba_", PLANNED.format("this Mamba option (paratron has --mamba-state-dim, --mamba-head-dim, "
+                              "--mamba-num-groups and --mamba-num-heads)")),
+        ("dsa_", PLANNED.format("DeepSeek sparse attention")),
     ("mtp_", PLANNED.format("this multi-token prediction (MTP) option (paratron has --mtp-num-layers, "
                             "--mtp-loss-scaling-factor and --mtp-use-repeated-layer)")),
     ("cuda_graph", GPU.format("CUDA graph capture")),

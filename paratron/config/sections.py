@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from .hybrid_fields import HybridFields
 from .kernels import KernelConfig
 from .section_base import Section, base_type, flag  # noqa: F401  (flag, base_type: imported from here)
 
 
 @dataclass(eq=True)
-class ModelConfig(Section):
+class ModelConfig(Section, HybridFields):
     _name = "model"
     num_layers: int = 2
     hidden_size: int = 64

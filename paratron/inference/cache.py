@@ -10,6 +10,10 @@ first; the token in slot ``j`` has position ``j - pad[i]``.
 
 A forward pass sees the cache through a :class:`CacheView`: the slots it writes (a tensor, so a
 decode step's slot is data, not a shape) and how many slots it attends over.
+
+Mamba-2 and Gated DeltaNet layers keep no keys and values: their cache is the recurrent state (fp32) and the
+last inputs of their short convolution, one of each per row (:class:`RecurrentView`). A prefill starts them
+from zero, with a document start at each row's first real token, so the left padding never enters them.
 """
 from __future__ import annotations
 
@@ -27,8 +31,13 @@ class KVCache(nn.Module):
         super().__init__()
         dtype = dtype or next(model.parameters()).dtype
         self.batch, self.capacity = batch, capacity
-        for index, attention in attention_layers(model, mtp_depths):
-            for name, (heads, width) in zip("kv", attention.cache_dims()):
+        for index, mixer in attention_layers(model, mtp_depths):
+            if hasattr(mixer, "state_shapes"):  # a recurrent layer: conv and SSM states
+                conv, ssm = mixer.state_shapes(batch)
+                self.register_buffer(f"conv{index}", torch.zeros(conv, device=device, dtype=dtype), persistent=False)
+                self.register_buffer(f"ssm{index}", torch.zeros(ssm, device=device), persistent=False)
+                continue
+            for name, (heads, width) in zip("kv", mixer.cache_dims()):
                 buffer = torch.zeros(batch, heads, capacity, width, device=device, dtype=dtype)
                 self.register_buffer(f"{name}{index}", buffer, persistent=False)
         # pad[i]: padding slots at the start of row i (left padding)
@@ -36,6 +45,10 @@ class KVCache(nn.Module):
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"k{index}"), getattr(self, f"v{index}")
+
+    def states(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(convolution state, SSM state) of the recurrent layer ``index``."""
+        return getattr(self, f"conv{index}"), getattr(self, f"ssm{index}")
 
     def prefill_mask(self, length: int) -> torch.Tensor:
         """[b, 1, length, length]: causal, padding keys hidden (a padding query sees itself only, so no
@@ -78,6 +91,17 @@ class CacheView:
     def _buffers(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.layer(index)
 
+    def recurrent(self, index: int) -> "RecurrentView":
+        """The states of the Mamba-2 / DeltaNet layer ``index`` for this pass: a prefill (the pass writes the slots
+        from 0 on) starts from zero with a document start at each row's first real token."""
+        conv, ssm = self.cache.states(index)
+        n = self.slots.numel()
+        if self.length != n:  # decoding: go on from the states
+            return RecurrentView(conv, ssm, prefill=False)
+        pad = self.cache.pad[:, None]
+        reset = (torch.arange(n, device=pad.device)[None, :] == pad) & (pad > 0)
+        return RecurrentView(conv, ssm, prefill=True, reset=reset)
+
     def bounds(self):
         """(pad [b], slot: 0-d) for a pass of one token per row: each row attends over its slots pad[row] ..
         slot (what ``KVCache.decode_mask`` allows); None where a mask of its own decides."""
@@ -104,3 +128,28 @@ class RowView(CacheView):
 
     def bounds(self):
         return None  # its pass's mask (Engine.prefill_row) decides
+
+    def recurrent(self, index: int) -> "RecurrentView":
+        """A new prompt in this row: its states start from zero (views of the row: written in place)."""
+        conv, ssm = (t[self.row:self.row + 1] for t in self.cache.states(index))
+        return RecurrentView(conv, ssm, prefill=True)
+
+
+class RecurrentView:
+    """A recurrent layer's states in one pass: ``conv`` and ``ssm`` to start from (None in a prefill: zeros),
+    ``reset`` [b, s] the document starts of a prefill (None: none), ``update`` stores the pass's final states."""
+
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, prefill: bool, reset=None):
+        self._conv, self._ssm, self.prefill, self.reset = conv, ssm, prefill, reset
+
+    @property
+    def conv(self):
+        return None if self.prefill else self._conv
+
+    @property
+    def ssm(self):
+        return None if self.prefill else self._ssm
+
+    def update(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        self._conv.copy_(conv)
+        self._ssm.copy_(ssm)

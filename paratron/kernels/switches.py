@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..config.kernels import CHOICES, KernelConfig
-from . import flash_attention, fp8_block, fp8_grouped, fused_adamw, quack_mlp, quack_norm
+from . import flash_attention, fp8_block, fp8_grouped, fused_adamw, linear_scan, quack_mlp, quack_norm
 from .experimental import flash_packed
 
 try:
@@ -55,6 +55,9 @@ def availability(device, dtype, deterministic: bool = False) -> dict:
         "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
                                               if cuda else "CUDA only"),
         "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),
+        "kernel_linear_scan": ("fla" if linear_scan.fla_available(device) else "torch",
+                               "fla-core's Triton kernels on CUDA" if linear_scan.fla_available(device)
+                               else "needs fla-core and CUDA"),
     }
 
 

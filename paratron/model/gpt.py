@@ -239,7 +239,7 @@ class GPTModel(nn.Module):
             mask = document_causal_mask(document_ids)
             if attention_mask is not None:
                 mask = mask & ~attention_mask
-            return ForwardContext(rope=rope, mask=mask, causal=False)
+            return ForwardContext(rope=rope, mask=mask, causal=False, document_ids=document_ids)
         if attention_mask is None:
             return ForwardContext(rope=rope)
         return ForwardContext(rope=rope, mask=~attention_mask, causal=False)

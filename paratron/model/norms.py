@@ -63,3 +63,30 @@ class Norm(nn.Module):
         if self.quack and torch.is_grad_enabled():  # (quack is only ever set for a CUDA module)
             return quack_norm.rms_norm_keep(x, self.weight, self.eps)
         return self(x), x
+
+
+class GatedRMSNorm(nn.Module):
+    """The gated RMSNorm of Mamba-2 and Gated DeltaNet, in fp32 over groups of ``group_size`` features (a Mamba-2
+    group's channels; a DeltaNet value head): ``before_gate`` False (Mamba-2): w * rms_norm(y * silu(z)); True
+    (Gated DeltaNet): w * rms_norm(y) * silu(z). ``weight``: the parameter (split over TP by the mixer, or
+    ``size`` ones replicated); ``partial``: applied to a share of the heads under TP, so its gradient is summed
+    over TP."""
+
+    def __init__(self, size: int, group_size: int, eps: float, before_gate: bool, weight: Optional[nn.Parameter] = None,
+                 partial: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.group_size, self.eps, self.before_gate = group_size, eps, before_gate
+        self.weight = weight if weight is not None else nn.Parameter(torch.ones(size, device=device, dtype=dtype))
+        if partial:
+            set_spec(self.weight, ShardSpec(sum_over=("tp",)))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype, gate = y.dtype, F.silu(z.float())
+        y = y.float() if self.before_gate else y.float() * gate
+        shape = y.shape
+        y = F.rms_norm(y.reshape(*shape[:-1], -1, self.group_size), (self.group_size,), eps=self.eps).reshape(shape)
+        if self.weight.numel() == self.group_size:  # one weight for every head
+            y = (y.reshape(*shape[:-1], -1, self.group_size) * self.weight.float()).reshape(shape)
+        else:
+            y = y * self.weight.float()
+        return (y * gate if self.before_gate else y).to(dtype)

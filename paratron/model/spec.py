@@ -5,12 +5,13 @@ Megatron describes mixed stacks with two flags, whose values are parsed here:
 
 * ``--moe-layer-freq``: an int k (layer i is MoE when ``i % k == 0``), or a Python list expression of
   0/1 entries such as ``([0]*1+[1]*3)*4`` (1 = MoE), one entry per layer;
-* ``--hybrid-override-pattern``: one character per layer, ``M`` Mamba, ``*`` attention, ``-`` MLP,
-  ``E`` MoE. A hybrid layer is a mixer or an MLP, not both, each with its own norm and residual.
+* ``--hybrid-layer-pattern`` (or its deprecated name ``--hybrid-override-pattern``): one character per layer,
+  ``M`` Mamba-2, ``G`` Gated DeltaNet, ``*`` attention, ``-`` MLP, ``E`` MoE (``|`` between pipeline stages).
+  A hybrid layer is a mixer or an MLP, not both, each with its own norm and residual.
 
-:func:`layer_specs` places MoE layers by ``--moe-layer-freq`` when ``--num-experts`` is set (or by the
-parsed patterns given as arguments); building a "mamba" part is a NotImplementedError (Mamba layers
-do not exist yet).
+and ``--experimental-attention-variant gated_delta_net`` with ``--linear-attention-freq`` makes the mixer of
+a GPT layer (mixer and MLP) Gated DeltaNet except on every Nth layer. :func:`layer_specs` reads these from the
+model config (or takes parsed patterns as arguments).
 """
 from __future__ import annotations
 
@@ -20,20 +21,23 @@ from typing import Optional, Sequence, Union
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
-from ..config.layer_patterns import parse_moe_layer_freq
+from ..config.layer_patterns import linear_attention_layers, parse_moe_layer_freq
+from .gated_delta_net import GatedDeltaNet
 from .layers import MLP, Attention, Parallel
+from .mamba import MambaMixer
 from .mla import MLASelfAttention
 
-MIXERS = ("attention", "mamba")
+MIXERS = ("attention", "mamba", "gdn")
 MLPS = ("dense", "moe")
 # Megatron's hybrid symbols -> (mixer, mlp) of the layer.
-HYBRID = {"M": ("mamba", None), "*": ("attention", None), "-": (None, "dense"), "E": (None, "moe")}
+HYBRID = {"M": ("mamba", None), "G": ("gdn", None), "*": ("attention", None), "-": (None, "dense"),
+          "E": (None, "moe")}
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     """Layer ``index`` of the whole decoder (the i of ``decoder.layers.{i}`` in the one-stage model),
-    its token mixer (attention | mamba) and its MLP (dense | moe); None where a hybrid layer has none."""
+    its token mixer (attention | mamba | gdn) and its MLP (dense | moe); None where a hybrid layer has none."""
     index: int
     mixer: Optional[str] = "attention"
     mlp: Optional[str] = "dense"
@@ -56,12 +60,17 @@ def layer_specs(cfg: ModelConfig, moe_layers: Optional[Sequence[int]] = None,
     if moe_layers is not None and hybrid_layers is not None:
         raise ConfigError("--moe-layer-freq and --hybrid-override-pattern exclude each other "
                           "(a hybrid pattern places its MoE layers with E)")
+    if hybrid_layers is None and moe_layers is None and cfg.hybrid_layer_pattern is not None:
+        hybrid_layers = cfg.hybrid_layer_pattern
     if hybrid_layers is not None:
         return [LayerSpec(i, *HYBRID[s]) for i, s in enumerate(parse_hybrid_override_pattern(hybrid_layers, n))]
     if moe_layers is None and cfg.num_experts is not None:
         moe_layers = parse_moe_layer_freq(cfg.moe_layer_freq, n)
     moe = [0] * n if moe_layers is None else parse_moe_layer_freq(list(moe_layers), n)
-    return [LayerSpec(i, "attention", "moe" if m else "dense") for i, m in enumerate(moe)]
+    gdn = (linear_attention_layers(cfg.linear_attention_freq, n) if cfg.experimental_attention_variant is not None
+           else [False] * n)
+    return [LayerSpec(i, "gdn" if g else "attention", "moe" if m else "dense")
+            for i, (m, g) in enumerate(zip(moe, gdn))]
 
 
 def build_mixer(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, dtype=None) -> Optional[nn.Module]:
@@ -74,7 +83,9 @@ def build_mixer(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, d
             attention.layer_index = spec.index
             return attention
         return Attention(cfg, par, device, dtype, layer_index=spec.index)
-    raise NotImplementedError(f"layer {spec.index}: Mamba layers are not implemented in paratron yet")
+    if spec.mixer == "mamba":
+        return MambaMixer(cfg, par, device, dtype, layer_index=spec.index)
+    return GatedDeltaNet(cfg, par, device, dtype, layer_index=spec.index)
 
 
 def build_mlp(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, dtype=None) -> Optional[nn.Module]:
@@ -94,12 +105,14 @@ def build_mlp(spec: LayerSpec, cfg: ModelConfig, par: Parallel, device=None, dty
 # ----------------------------------------------------------------------------------------------
 
 def parse_hybrid_override_pattern(pattern: Union[str, Sequence[str]], num_layers: int) -> list[str]:
-    """``--hybrid-override-pattern`` -> its symbols, one per layer (M Mamba, * attention, - MLP, E MoE)."""
-    flag = "--hybrid-override-pattern"
-    symbols = list(pattern)
+    """``--hybrid-layer-pattern`` -> its symbols, one per layer (M Mamba-2, G Gated DeltaNet, * attention, - MLP,
+    E MoE; the pipeline boundaries ``|`` dropped)."""
+    flag = "--hybrid-layer-pattern"
+    symbols = [s for s in pattern if s != "|"]
     bad = sorted(set(symbols) - HYBRID.keys())
     if bad:
-        raise ConfigError(f"{flag} {''.join(symbols)!r}: {bad} not among M (Mamba), * (attention), - (MLP), E (MoE)")
+        raise ConfigError(f"{flag} {''.join(symbols)!r}: {bad} not among M (Mamba-2), G (Gated DeltaNet), "
+                          "* (attention), - (MLP), E (MoE)")
     if len(symbols) != num_layers:
         raise ConfigError(f"{flag} {''.join(symbols)!r} has {len(symbols)} layers, --num-layers is {num_layers}")
     return symbols

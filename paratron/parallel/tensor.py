@@ -29,11 +29,19 @@ from ..fp8.linear import fp8_linear
 from .sharding import ShardSpec, Split, local_index, set_spec, shard, spec_of
 
 
-def _param(full: torch.Tensor, dim: int, chunks: int, group, **spec) -> nn.Parameter:
-    """This TP rank's part of ``full``: ``chunks`` equal blocks along ``dim``, each split over ``group``."""
-    split = Split(dim, "tp", (full.size(dim) // chunks,) * chunks)
+def _param(full: torch.Tensor, dim: int, chunks: int, group, blocks: Optional[tuple] = None, **spec) -> nn.Parameter:
+    """This TP rank's part of ``full``: ``chunks`` equal blocks along ``dim`` (or blocks of the sizes
+    ``blocks``), each split over ``group``."""
+    split = Split(dim, "tp", tuple(blocks) if blocks is not None else (full.size(dim) // chunks,) * chunks)
     s = ShardSpec(splits=(split,), **spec)
     return set_spec(nn.Parameter(shard(full, s, {"tp": (comm.group_rank(group), comm.group_size(group))})), s)
+
+
+def tp_param(full: torch.Tensor, group, blocks: Optional[tuple] = None, dim: int = 0) -> nn.Parameter:
+    """A parameter split over TP along ``dim``: each of ``blocks`` (sizes along ``dim``; default one block) cut
+    into contiguous parts, one per rank, this rank's parts concatenated (a Mamba-2 layer's per-head vectors, its
+    convolution over [x, B, C])."""
+    return _param(full, dim, 1, group, blocks)
 
 
 def _gathered(t: torch.Tensor, split: Split, group, n: int) -> torch.Tensor:
@@ -100,18 +108,21 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, chunks: int = 1,
-                 init_method: Optional[Callable] = None, device=None, dtype=None):
+                 init_method: Optional[Callable] = None, device=None, dtype=None, blocks: Optional[tuple] = None):
+        """``chunks`` equal output blocks, or ``blocks`` of these sizes, each split over TP (fused projections)."""
         super().__init__()
         tp = comm.group_size(tp_group)
-        if out_features % (tp * chunks):
+        if blocks is not None and (sum(blocks) != out_features or any(b % tp for b in blocks)):
+            raise ValueError(f"output blocks {blocks} do not add up to {out_features} or are not divisible by TP {tp}")
+        if blocks is None and out_features % (tp * chunks):
             raise ValueError(f"output size {out_features} not divisible by {chunks} x TP {tp}")
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
         full = torch.empty(out_features, in_features, device=device, dtype=dtype)
         (init_method or init_normal(0.02))(full)
-        self.weight = _param(full, 0, chunks, tp_group)
+        self.weight = _param(full, 0, chunks, tp_group, blocks)
         if bias:
-            self.bias = _param(torch.zeros(out_features, device=device, dtype=dtype), 0, chunks, tp_group)
+            self.bias = _param(torch.zeros(out_features, device=device, dtype=dtype), 0, chunks, tp_group, blocks)
         else:
             self.register_parameter("bias", None)
         self.fp8 = None  # an FP8State: the matmul in FP8 (paratron.fp8.linear.attach)

@@ -19,6 +19,8 @@ def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int)
     Latent MoE (--moe-latent-size): the experts in the latent width plus the two projections (Megatron's).
     Multi-token prediction (as Megatron's): N more layers of the last layer's kind, each depth's norms
     (3h) and 2h -> h projection, and N more output-layer matmuls."""
+    if m.hybrid_layer_pattern is not None or m.experimental_attention_variant is not None:
+        return hybrid_flops_per_iteration(m, padded_vocab, batch, seq)
     h, f, L, V = m.hidden_size, m.ffn_hidden_size, m.num_layers, padded_vocab
     n_mtp = m.mtp_num_layers or 0
     q = m.kv_channels * m.num_attention_heads
@@ -41,6 +43,32 @@ def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int)
     L += n_mtp
     per_token = 6 * h * mlp_width * e + latent_proj + attention * L + 6 * n_mtp * (3 * h + 2 * h * h) + 6 * h * V * (n_mtp + 1)
     return float(tokens * per_token + batch * seq * seq * core * L)
+
+
+def hybrid_flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int) -> float:
+    """FLOPs of forward + backward of one iteration of a stack with Mamba-2 / Gated DeltaNet layers, layer by layer
+    (docs/hybrid.md): every matmul 6 x its weights per token; attention's core as in the dense formula; Mamba-2's
+    scan 12 x d_inner x state per token (state update and read-out, forward + backward), the gated delta rule's
+    18 x value heads x key dim x value dim (read, update, read-out); the convolutions and norms not counted."""
+    from ..config.check_hybrid import mamba_heads
+    from ..model.spec import layer_specs
+    h, V, tokens = m.hidden_size, padded_vocab, batch * seq
+    q, kv = m.kv_channels * m.num_attention_heads, m.kv_channels * m.num_query_groups
+    gate = q if m.attention_output_gate else 0
+    di, bc = mamba_heads(m) * m.mamba_head_dim, 2 * m.mamba_num_groups * m.mamba_state_dim
+    qk, v, nv = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim, \
+        m.linear_num_value_heads
+    mixer = {"attention": 6 * (h * (q + 2 * kv + gate) + q * h),
+             "mamba": 6 * (h * (2 * di + bc + mamba_heads(m)) + di * h) + 12 * di * m.mamba_state_dim,
+             "gdn": 6 * (h * (2 * qk + 2 * v + 2 * nv) + v * h)
+             + 18 * nv * m.linear_key_head_dim * m.linear_value_head_dim}
+    e = 3 if m.swiglu else 2
+    routed = (m.moe_ffn_hidden_size or 0) * m.moe_router_topk + (m.moe_shared_expert_intermediate_size or 0)
+    mlp = {"dense": 6 * h * m.ffn_hidden_size * e, "moe": 6 * h * routed * e, None: 0}
+    specs = layer_specs(m)
+    per_token = sum(mixer.get(s.mixer, 0) + mlp[s.mlp] for s in specs) + 6 * h * V
+    attention_layers = sum(s.mixer == "attention" for s in specs)
+    return float(tokens * per_token + batch * seq * seq * 6 * q * attention_layers)
 
 
 def mla_attention_terms(m: ModelConfig) -> tuple[float, float]:

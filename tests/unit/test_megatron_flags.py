@@ -115,14 +115,14 @@ def test_docs_megatron_flags_is_current():
 
 
 def test_every_problem_of_a_command_line_is_reported_at_once():
-    r = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE, "--linear-attention-freq", "4", "--hiden-size", "64",
+    r = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE, "--dsa-indexer-n-heads", "4", "--hiden-size", "64",
                         "--attention-backend", "weird", "--timing-log-level", "7", "--hidden-size", "66",
                         "--dist-ckpt-strictness", "log_all", "--use-flash-attn"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     err = r.stderr
     for needle in ("5 problems",
-                   "--linear-attention-freq (command line) is a Megatron-LM flag that paratron refuses: planned",
+                   "--dsa-indexer-n-heads (command line) is a Megatron-LM flag that paratron refuses: planned",
                    "unknown flag --hiden-size", "did you mean --hidden-size", "--attention-backend weird",
                    "--timing-log-level must be 0, 1 or 2", "--hidden-size 66 is not divisible"):
         assert needle in err, (needle, err)
@@ -133,8 +133,8 @@ def test_accepted_flags_parse_in_yaml_and_command_line(tmp_path):
     cfg = parse_args(BASE + ["--config", str(tmp_path / "a.yaml"), "--attention-backend", "auto", "--no-rope-fusion",
                              "--dist-ckpt-optim-fully-reshardable", "--ckpt-format", "torch_dist"])
     assert cfg.ckpt.ckpt_format == "torch_dist"
-    (tmp_path / "b.yaml").write_text("transformer_impl: inference_optimized\nlinear_attention_freq: 8\n")
-    with pytest.raises(ConfigError, match="2 problems.*transformer-impl inference_optimized.*--linear-attention-freq"):
+    (tmp_path / "b.yaml").write_text("transformer_impl: inference_optimized\ndsa_indexer_n_heads: 8\n")
+    with pytest.raises(ConfigError, match="2 problems.*transformer-impl inference_optimized.*--dsa-indexer-n-heads"):
         parse_args(BASE + ["--config", str(tmp_path / "b.yaml")])
 
 

@@ -1,0 +1,277 @@
+"""Hugging Face <-> paratron for hybrid stacks: ``mamba2`` (Mamba2ForCausalLM: Mamba-2 layers only) and
+``nemotron_h`` (NemotronHForCausalLM: Mamba-2, attention and squared-ReLU MLP layers by its layer types).
+
+Every tensor is a plain copy (or the vocabulary padding): paratron's Mamba-2 in_proj is Hugging Face's
+[z | x | B | C | dt], its convolution weight nn.Conv1d's [channels, 1, width], its gated norm grouped the same
+way. NemotronH's attention (no rotary embedding) has separate q/k/v projections, fused as Llama's are. Not
+mapped (refused by name): NemotronH's MoE layers (E) and multi-token prediction. ``qwen3_next``
+(Qwen3NextForCausalLM with dense MLP layers): Gated DeltaNet layers, whose per-key-head interleaved in_proj_qkvz /
+in_proj_ba are regrouped into paratron's [q | k | v | z | b | a], beside gated attention (q_proj's per-head
+[query; gate] rows regrouped by query group), zero-centred norms; its MoE layers are refused by name.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..config import ModelConfig
+from ..config.check_hybrid import mamba_heads
+from ..model.mamba import CONV_WIDTH
+
+HYBRID_FAMILIES = ("mamba2", "nemotron_h", "qwen3_next")
+ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM"}
+HYBRID_RESHAPES = ("qkvz_ba", "gated_qkv")  # Qwen3-Next's (the others are hf.py's)
+# the names in the files (NemotronH's modules are named model.* in memory, backbone.* on disk: both are read)
+PREFIX = {"mamba2": "backbone.", "nemotron_h": "backbone."}
+# NemotronH clamps dt at time_step_min and needs it positive (its dt initialisation takes its log): a floor of 0
+# (Megatron's) is written as this, which changes dt only where softplus' input is below about -20.7.
+NO_FLOOR = 1e-9
+LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # NemotronH's names
+_MAMBA = [("input_layernorm.weight", "norm.weight")] + [
+    (f"self_attention.{p}", f"mixer.{h}") for p, h in (
+        ("in_proj.weight", "in_proj.weight"), ("conv1d_weight", "conv1d.weight"), ("conv1d_bias", "conv1d.bias"),
+        ("dt_bias", "dt_bias"), ("A_log", "A_log"), ("D", "D"), ("norm.weight", "norm.weight"),
+        ("out_proj.weight", "out_proj.weight"))]
+
+
+def _mamba_fields(d: dict, heads: int, head_dim: int, state: str, chunk: int, dt_min: float) -> dict:
+    return dict(mamba_num_heads=heads, mamba_head_dim=head_dim, mamba_state_dim=int(d[state]),
+                mamba_num_groups=int(d.get("n_groups", 1)), mamba_chunk_size=chunk, mamba_dt_limit_min=dt_min)
+
+
+def hybrid_model_config(d: dict, family: str, need: Callable) -> ModelConfig:
+    """config.json of a hybrid family -> ModelConfig (``need(cond, what)`` raises ConversionError)."""
+    if family == "qwen3_next":
+        return qwen3_next_model_config(d, need)
+    h = int(d["hidden_size"])
+    need(int(d.get("conv_kernel", CONV_WIDTH)) == CONV_WIDTH, f"a convolution of {CONV_WIDTH} taps (got "
+         f"conv_kernel {d.get('conv_kernel')})")
+    need(not d.get("use_bias", False) and d.get("use_conv_bias", True), "in/out projections without biases and a "
+         "convolution with one (use_bias false, use_conv_bias true)")
+    groups = int(d.get("n_groups", 1))
+    common = dict(hidden_size=h, num_attention_heads=groups, kv_channels=max(h // groups, 1),
+                  position_embedding_type="none", normalization="RMSNorm",
+                  norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)),
+                  disable_bias_linear=True, untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", True),
+                  hidden_dropout=0.0, attention_dropout=0.0, init_method_std=float(d.get("initializer_range", 0.02)))
+    if family == "mamba2":
+        n = int(d.get("num_hidden_layers", d.get("n_layer", 0)))
+        limit = d.get("time_step_limit") or (0.0, math.inf)
+        need(math.isinf(limit[1]), f"no upper dt limit (time_step_limit {list(limit)})")
+        need(d.get("rms_norm", True), "the gated RMSNorm (rms_norm true)")
+        return ModelConfig(**common, hybrid_layer_pattern="M" * n, seq_length=4096,
+                           **_mamba_fields(d, int(d["num_heads"]), int(d["head_dim"]), "state_size",
+                                           int(d.get("chunk_size", 256)), float(limit[0])))
+    types = d.get("layers_block_type") or d.get("layer_types")
+    symbols = {v: k for k, v in LAYER_TYPES.items()}
+    pattern = "".join(symbols.get(t, "?") for t in types)
+    need("?" not in pattern, f"layer types {sorted(set(types) - symbols.keys())} are not NemotronH's")
+    need("E" not in pattern, "MoE layers (moe): NemotronH's routed experts have no mapping in paratron yet")
+    need(not d.get("num_nextn_predict_layers"), "multi-token prediction layers have no mapping here")
+    need(not d.get("attention_bias") and not d.get("mlp_bias"), "attention and MLP without biases")
+    act = d.get("mlp_hidden_act", "relu2")
+    need(act == "relu2", f"the squared-ReLU MLP (mlp_hidden_act {act})")
+    heads = int(d["num_attention_heads"])
+    common.update(num_attention_heads=heads, kv_channels=int(d.get("head_dim") or h // heads),
+                  group_query_attention=True, num_query_groups=int(d.get("num_key_value_heads") or heads),
+                  ffn_hidden_size=int(d["intermediate_size"]), squared_relu=True)
+    positions = int(d.get("max_position_embeddings", 4096))
+    return ModelConfig(**common, hybrid_layer_pattern=pattern, seq_length=positions,
+                       **_mamba_fields(d, int(d["mamba_num_heads"]), int(d["mamba_head_dim"]), "ssm_state_size",
+                                       int(d.get("chunk_size", 128)), float(d.get("time_step_min", 0.001))))
+
+
+def check_hybrid_representable(cfg: ModelConfig, family: str, need: Callable) -> None:
+    """Raise (through ``need``) when the paratron model has something ``family`` cannot express."""
+    if family == "qwen3_next":
+        return check_qwen3_next(cfg, need)
+    pattern = (cfg.hybrid_layer_pattern or "").replace("|", "")
+    need(bool(pattern), "needs a hybrid stack (--hybrid-layer-pattern)")
+    allowed = "M" if family == "mamba2" else "M*-"
+    need(set(pattern) <= set(allowed), f"its layers are {' '.join(allowed)} only (the pattern is {pattern})")
+    need(cfg.normalization == "RMSNorm" and cfg.disable_bias_linear and not cfg.apply_layernorm_1p,
+         "needs --normalization RMSNorm and --disable-bias-linear")
+    need(cfg.position_embedding_type == "none", "its attention has no position embedding (--position-embedding-type "
+         "none)")
+    if "-" in pattern:
+        need(cfg.squared_relu and not cfg.swiglu, "its MLP is squared ReLU (--squared-relu)")
+    if "*" in pattern:
+        need(not (cfg.qk_layernorm or cfg.attention_output_gate or cfg.multi_latent_attention)
+             and cfg.softmax_type == "vanilla" and cfg.window_size is None, "plain grouped-query attention")
+    need(not cfg.mtp_num_layers and not cfg.use_mup, "no multi-token prediction or muP")
+    need(mamba_heads(cfg) * cfg.mamba_head_dim % cfg.hidden_size == 0, "Mamba-2 heads x head dim a multiple of the "
+         "hidden size (its config has an integer expand)")
+
+
+def hybrid_hf_config(cfg: ModelConfig, family: str) -> dict[str, Any]:
+    """The family's config.json keys for ``cfg`` (beside the common ones hf_config writes)."""
+    if family == "qwen3_next":
+        return qwen3_next_hf_config(cfg)
+    heads = mamba_heads(cfg)
+    mamba = dict(n_groups=cfg.mamba_num_groups, conv_kernel=CONV_WIDTH, use_bias=False, use_conv_bias=True,
+                 layer_norm_epsilon=cfg.norm_epsilon, chunk_size=cfg.mamba_chunk_size,
+                 expand=heads * cfg.mamba_head_dim // cfg.hidden_size, hidden_size=cfg.hidden_size)
+    if family == "mamba2":
+        return dict(mamba, num_hidden_layers=cfg.num_layers, num_heads=heads, head_dim=cfg.mamba_head_dim,
+                    state_size=cfg.mamba_state_dim, rms_norm=True, residual_in_fp32=True,
+                    time_step_limit=[cfg.mamba_dt_limit_min, math.inf])
+    return dict(mamba, layers_block_type=[LAYER_TYPES[s] for s in cfg.hybrid_layer_pattern.replace("|", "")],
+                mamba_num_heads=heads, mamba_head_dim=cfg.mamba_head_dim, ssm_state_size=cfg.mamba_state_dim,
+                time_step_min=cfg.mamba_dt_limit_min or NO_FLOOR, num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
+                intermediate_size=cfg.ffn_hidden_size, mlp_hidden_act="relu2", attention_bias=False, mlp_bias=False,
+                max_position_embeddings=cfg.max_position_embeddings, num_nextn_predict_layers=0)
+
+
+def hybrid_rows(cfg: ModelConfig, family: str) -> dict[str, tuple[tuple[str, ...], str]]:
+    """{paratron name: (Hugging Face names, reshape)} of every tensor of the hybrid model."""
+    if family == "qwen3_next":
+        from ..model.spec import layer_specs
+        return qwen3_next_rows(cfg, layer_specs(cfg))
+    pre = PREFIX[family]
+    rows = {"embedding.word_embeddings.weight": ((pre + "embeddings.weight",), "vocab"),
+            "decoder.final_layernorm.weight": ((pre + "norm_f.weight",), "copy"),
+            "output_layer.weight": (("lm_head.weight",), "vocab")}
+    for i, s in enumerate(cfg.hybrid_layer_pattern.replace("|", "")):
+        hp, pp = f"{pre}layers.{i}.", f"decoder.layers.{i}."
+        if s == "M":
+            rows.update({pp + p: ((hp + h,), "copy") for p, h in _MAMBA})
+        elif s == "*":
+            rows[pp + "input_layernorm.weight"] = ((hp + "norm.weight",), "copy")
+            rows[pp + "self_attention.linear_qkv.weight"] = (tuple(f"{hp}mixer.{x}_proj.weight" for x in "qkv"), "qkv")
+            rows[pp + "self_attention.linear_proj.weight"] = ((hp + "mixer.o_proj.weight",), "copy")
+        else:
+            rows[pp + "pre_mlp_layernorm.weight"] = ((hp + "norm.weight",), "copy")
+            rows[pp + "mlp.linear_fc1.weight"] = ((hp + "mixer.up_proj.weight",), "copy")
+            rows[pp + "mlp.linear_fc2.weight"] = ((hp + "mixer.down_proj.weight",), "copy")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen3-Next: Gated DeltaNet layers beside gated attention, in a GPT stack (dense MLP layers only here)
+# ----------------------------------------------------------------------------------------------
+
+def qwen3_next_model_config(d: dict, need: Callable) -> ModelConfig:
+    """Qwen3NextForCausalLM's config.json -> ModelConfig (every MLP dense: ``mlp_only_layers`` covers the layers)."""
+    n = int(d["num_hidden_layers"])
+    dense = d.get("num_experts", 0) == 0 or set(range(n)) <= set(d.get("mlp_only_layers") or [])
+    need(dense, "dense MLP layers only (mlp_only_layers listing every layer): its mixture-of-experts layers have "
+         "no mapping in paratron yet")
+    need(not d.get("attention_bias"), "attention without biases")
+    types = d.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    rope = d.get("rope_parameters") or {}
+    heads = int(d["num_attention_heads"])
+    return ModelConfig(
+        num_layers=n, hidden_size=int(d["hidden_size"]), ffn_hidden_size=int(d["intermediate_size"]), swiglu=True,
+        num_attention_heads=heads, group_query_attention=True, num_query_groups=int(d["num_key_value_heads"]),
+        kv_channels=int(d.get("head_dim") or int(d["hidden_size"]) // heads), qk_layernorm=True,
+        attention_output_gate=True, apply_layernorm_1p=True, normalization="RMSNorm",
+        norm_epsilon=float(d.get("rms_norm_eps", 1e-6)), position_embedding_type="rope",
+        rotary_base=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+        rotary_percent=float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))),
+        seq_length=int(d.get("max_position_embeddings", 4096)), disable_bias_linear=True,
+        untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", False), hidden_dropout=0.0,
+        attention_dropout=0.0, experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=str([int(t == "linear_attention") for t in types]),
+        linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+        linear_key_head_dim=int(d["linear_key_head_dim"]), linear_value_head_dim=int(d["linear_value_head_dim"]),
+        linear_num_key_heads=int(d["linear_num_key_heads"]), linear_num_value_heads=int(d["linear_num_value_heads"]),
+        init_method_std=float(d.get("initializer_range", 0.02)))
+
+
+def check_qwen3_next(cfg: ModelConfig, need: Callable) -> None:
+    need(cfg.experimental_attention_variant is not None and cfg.hybrid_layer_pattern is None,
+         "Gated DeltaNet layers by --experimental-attention-variant gated_delta_net")
+    need(cfg.swiglu and cfg.normalization == "RMSNorm" and cfg.apply_layernorm_1p and cfg.qk_layernorm
+         and cfg.attention_output_gate and cfg.disable_bias_linear and cfg.position_embedding_type == "rope",
+         "--swiglu --normalization RMSNorm --apply-layernorm-1p --qk-layernorm --attention-output-gate "
+         "--disable-bias-linear --position-embedding-type rope")
+    need(cfg.num_experts is None and not cfg.mtp_num_layers, "dense MLPs, no multi-token prediction")
+
+
+def qwen3_next_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    from ..config.layer_patterns import linear_attention_layers
+    types = ["linear_attention" if g else "full_attention"
+             for g in linear_attention_layers(cfg.linear_attention_freq, cfg.num_layers)]
+    return dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
+                head_dim=cfg.kv_channels, hidden_act="silu", rms_norm_eps=cfg.norm_epsilon,
+                max_position_embeddings=cfg.max_position_embeddings, attention_bias=False, layer_types=types,
+                rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base,
+                                 "partial_rotary_factor": cfg.rotary_percent},
+                linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, linear_key_head_dim=cfg.linear_key_head_dim,
+                linear_value_head_dim=cfg.linear_value_head_dim, linear_num_key_heads=cfg.linear_num_key_heads,
+                linear_num_value_heads=cfg.linear_num_value_heads, num_experts=0,
+                mlp_only_layers=list(range(cfg.num_layers)), decoder_sparse_step=1)
+
+
+def qwen3_next_rows(cfg: ModelConfig, specs) -> dict[str, tuple[tuple[str, ...], str]]:
+    rows = {"embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab"),
+            "decoder.final_layernorm.weight": (("model.norm.weight",), "copy"),
+            "output_layer.weight": (("lm_head.weight",), "vocab")}
+    for s in specs:
+        hp, pp = f"model.layers.{s.index}.", f"decoder.layers.{s.index}."
+        rows[pp + "input_layernorm.weight"] = ((hp + "input_layernorm.weight",), "copy")
+        rows[pp + "pre_mlp_layernorm.weight"] = ((hp + "post_attention_layernorm.weight",), "copy")
+        rows[pp + "mlp.linear_fc1.weight"] = ((hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"), "gate_up")
+        rows[pp + "mlp.linear_fc2.weight"] = ((hp + "mlp.down_proj.weight",), "copy")
+        a, m = pp + "self_attention.", hp + ("linear_attn." if s.mixer == "gdn" else "self_attn.")
+        if s.mixer == "gdn":
+            rows[a + "in_proj.weight"] = ((m + "in_proj_qkvz.weight", m + "in_proj_ba.weight"), "qkvz_ba")
+            rows.update({a + p: ((m + h,), "copy") for p, h in (
+                ("conv1d_weight", "conv1d.weight"), ("dt_bias", "dt_bias"), ("A_log", "A_log"),
+                ("out_norm.weight", "norm.weight"), ("out_proj.weight", "out_proj.weight"))})
+        else:
+            rows[a + "linear_qkv.weight"] = (tuple(m + f"{x}_proj.weight" for x in "qkv"), "gated_qkv")
+            rows[a + "linear_proj.weight"] = ((m + "o_proj.weight",), "copy")
+            rows[a + "q_layernorm.weight"] = ((m + "q_norm.weight",), "copy")
+            rows[a + "k_layernorm.weight"] = ((m + "k_norm.weight",), "copy")
+    return rows
+
+
+def qkvz_ba_to_paratron(qkvz: torch.Tensor, ba: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Qwen3-Next's per-key-head [q_i, k_i, v_i, z_i] and [b_i, a_i] rows -> paratron's [q | k | v | z | b | a]."""
+    nk, dk, dv, r = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, \
+        cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    q, k, v, z = qkvz.reshape(nk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = ba.reshape(nk, 2 * r, -1).split([r, r], dim=1)
+    return torch.cat([t.reshape(-1, qkvz.shape[-1]) for t in (q, k, v, z, b, a)])
+
+
+def qkvz_ba_to_hf(w: torch.Tensor, cfg: ModelConfig) -> list:
+    nk, dk, dv, r = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, \
+        cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    q, k, v, z, b, a = (t.reshape(nk, -1, w.shape[-1]) for t in w.split([nk * dk, nk * dk, nk * r * dv,
+                                                                          nk * r * dv, nk * r, nk * r]))
+    return [torch.cat([q, k, v, z], dim=1).reshape(-1, w.shape[-1]), torch.cat([b, a], dim=1).reshape(-1, w.shape[-1])]
+
+
+def gated_qkv_to_paratron(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Per-head [query; gate] rows of q_proj, k_proj, v_proj -> paratron's QKV by group: its query heads, their gate
+    heads, its key head, its value head."""
+    g, d = cfg.num_query_groups, cfg.kv_channels
+    per = cfg.num_attention_heads // g
+    qg = qg.reshape(g, per, 2, d, -1)
+    parts = [qg[:, :, 0].reshape(g, per * d, -1), qg[:, :, 1].reshape(g, per * d, -1), k.reshape(g, d, -1),
+             v.reshape(g, d, -1)]
+    return torch.cat(parts, dim=1).reshape(-1, qg.shape[-1])
+
+
+def gated_qkv_to_hf(w: torch.Tensor, cfg: ModelConfig) -> list:
+    g, d = cfg.num_query_groups, cfg.kv_channels
+    per = cfg.num_attention_heads // g
+    q, gate, k, v = w.reshape(g, -1, w.shape[-1]).split([per * d, per * d, d, d], dim=1)
+    qg = torch.stack([q.reshape(g, per, d, -1), gate.reshape(g, per, d, -1)], dim=2)
+    return [qg.reshape(-1, w.shape[-1]), k.reshape(-1, w.shape[-1]), v.reshape(-1, w.shape[-1])]
+
+
+def hybrid_hf_shapes(how: str, pshape: tuple, cfg: ModelConfig) -> list[tuple]:
+    h = pshape[-1]
+    if how == "qkvz_ba":
+        nv = cfg.linear_num_value_heads
+        return [(pshape[0] - 2 * nv, h), (2 * nv, h)]
+    d, heads, groups = cfg.kv_channels, cfg.num_attention_heads, cfg.num_query_groups
+    return [(2 * heads * d, h), (groups * d, h), (groups * d, h)]

@@ -1,0 +1,66 @@
+"""The scans of Mamba-2 (SSD) and Gated DeltaNet, by the ``--kernel-linear-scan`` switch: ``torch`` runs the
+chunked references (kernels/ssd.py, kernels/gated_delta.py; one step of the recurrence when decoding a
+token), ``fla`` flash-linear-attention's chunked Triton kernels (the pure-Python wheel ``fla-core``, on CUDA;
+docs/design.md says why this library). Packed documents reach fla as variable-length sequences (cu_seqlens over
+the flattened batch, and no final state comes back); the references take the resets themselves. Shapes as
+kernels/ssd.py."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+
+from .gated_delta import gated_delta_chunked, gated_delta_sequential
+from .ssd import _heads, ssd_chunked, ssd_sequential
+
+
+def fla_available(device) -> bool:
+    """fla-core importable and a CUDA device (its kernels are Triton kernels for GPUs)."""
+    return torch.device(device or "cpu").type == "cuda" and importlib.util.find_spec("fla") is not None
+
+
+def _cu_seqlens(reset: torch.Tensor) -> torch.Tensor:
+    """The start of every document of the flattened batch [b * s] (rows start documents too), and its end."""
+    b, s = reset.shape
+    starts = reset.clone()
+    starts[:, 0] = True
+    idx = starts.flatten().nonzero().flatten()
+    return torch.cat([idx, idx.new_tensor([b * s])]).to(torch.int32)
+
+
+def _varlen(reset: Optional[torch.Tensor], *ts):
+    """fla's layout for packed documents: batch 1, each document a sequence of cu_seqlens."""
+    if reset is None:
+        return None, ts
+    return _cu_seqlens(reset), tuple(t.reshape(1, -1, *t.shape[2:]) for t in ts)
+
+
+def ssd(x, dt, A, B, C, reset=None, state=None, chunk_size: int = 128, kernel: str = "torch"):
+    """(y [b, s, h, p], final state [b, h, p, n]) of Mamba-2's scan."""
+    if x.size(1) == 1 and state is not None:  # decoding: one step of the recurrence
+        return ssd_sequential(x, dt, A, B, C, reset, state)
+    if kernel != "fla":
+        return ssd_chunked(x, dt, A, B, C, reset, state, chunk_size)
+    from fla.ops.simple_gla import chunk_simple_gla  # simple GLA: a scalar decay per head, as Mamba-2's
+    b, s, h, _ = x.shape
+    cu, (q, k, v, g) = _varlen(reset, _heads(C, h), _heads(B, h), x * dt[..., None], dt * A)
+    init = None if state is None else state.transpose(-1, -2).contiguous()
+    y, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=init, output_final_state=True,
+                                cu_seqlens=cu)
+    return y.reshape(b, s, *y.shape[2:]), None if cu is not None else final.transpose(-1, -2)
+
+
+def gated_delta(q, k, v, g, beta, reset=None, state=None, chunk_size: int = 64, kernel: str = "torch",
+                scale: Optional[float] = None):
+    """(o [b, s, h, dv], final state [b, h, dk, dv]) of the gated delta rule (q, k already L2-normalised)."""
+    if q.size(1) == 1 and state is not None:
+        return gated_delta_sequential(q, k, v, g, beta, reset, state, scale)
+    if kernel != "fla":
+        return gated_delta_chunked(q, k, v, g, beta, reset, state, scale, chunk_size)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    b, s = q.shape[:2]
+    cu, (q, k, v, g, beta) = _varlen(reset, q, k, v, g, beta)
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
+                                      cu_seqlens=cu)
+    return o.reshape(b, s, *o.shape[2:]), None if cu is not None else final

@@ -1,0 +1,93 @@
+"""On CUDA: flash-linear-attention's chunked kernels (--kernel-linear-scan fla, kernels/linear_scan.py) against the
+torch references for Mamba-2's SSD and the gated delta rule, forward and gradients, with packed documents; the
+decode step from the prefill's states; a hybrid model's training step on fla equal to the torch path."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core (benchmarks/README.md)")
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@needs_fla
+@pytest.mark.parametrize("kind", ["ssd", "gdn"])
+@pytest.mark.parametrize("docs", [1, 3])
+def test_fla_equals_reference(kind, docs):
+    from benchmarks.matmul_shapes import scan_inputs
+    from paratron.kernels.linear_scan import gated_delta, ssd
+    fn = ssd if kind == "ssd" else gated_delta
+    torch.manual_seed(0)
+    x, reset = scan_inputs(kind, 2, 512, torch.device("cuda"), docs=docs)
+    reset = reset if docs > 1 else None
+    outs = {}
+    for k in ("torch", "fla"):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+        y = fn(**leaves, reset=reset, kernel=k)[0]
+        outs[k] = [y.detach(), *torch.autograd.grad((y * y).sum(), list(leaves.values()))]
+    for a, b in zip(outs["fla"], outs["torch"]):
+        assert _rel(a, b) < 2e-3
+
+
+@needs_fla
+@pytest.mark.parametrize("kind", ["ssd", "gdn"])
+def test_decode_continues_the_fla_prefill(kind):
+    """The final state of fla's prefill, then one sequential step, equals the reference over the whole sequence."""
+    from benchmarks.matmul_shapes import scan_inputs
+    from paratron.kernels.linear_scan import gated_delta, ssd
+    fn = ssd if kind == "ssd" else gated_delta
+    torch.manual_seed(1)
+    x, _ = scan_inputs(kind, 2, 129, torch.device("cuda"))
+    full = fn(**x, kernel="torch")[0]
+    _, state = fn(**{n: t[:, :128] if t.dim() > 1 else t for n, t in x.items()}, kernel="fla")
+    step = fn(**{n: t[:, 128:] if t.dim() > 1 else t for n, t in x.items()}, state=state, kernel="fla")[0]
+    assert _rel(step[:, 0], full[:, 128]) < 2e-3
+
+
+@needs_fla
+def test_hybrid_training_step_fla_equals_torch():
+    from paratron.config import parse_args
+    from paratron.train.loop import Trainer
+    flags = ["--hybrid-layer-pattern", "MG*-", "--hidden-size", "256", "--num-attention-heads", "4",
+             "--mamba-head-dim", "64", "--mamba-num-groups", "2", "--linear-num-key-heads", "2",
+             "--linear-num-value-heads", "4", "--linear-key-head-dim", "64", "--linear-value-head-dim", "64",
+             "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+             "--train-iters", "3", "--eval-iters", "0", "--bf16", "--device", "cuda", "--normalization", "RMSNorm",
+             "--position-embedding-type", "none", "--disable-bias-linear"]
+    losses = {}
+    for k in ("torch", "fla"):
+        t = Trainer(parse_args(flags + ["--kernel-linear-scan", k]))
+        losses[k] = [float(r[0] / r[1]) for r, _, _ in (t.train_step() for _ in range(3))]
+        t.close()
+    for a, b in zip(losses["fla"], losses["torch"]):
+        assert abs(a - b) <= 2e-2 * abs(b), losses
+
+
+def test_hybrid_generation_compiled_equals_eager():
+    """A hybrid stack's greedy tokens with the compiled decode step (a CUDA graph over the recurrent states) equal
+    the eager engine's."""
+    from paratron.config import ModelConfig
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.sampling import SamplingParams
+    from paratron.model.gpt import GPTModel
+    cfg = ModelConfig(hybrid_layer_pattern="MG*-", hidden_size=128, num_attention_heads=4, normalization="RMSNorm",
+                      position_embedding_type="none", disable_bias_linear=True, mamba_head_dim=32, mamba_num_groups=2,
+                      mamba_state_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                      linear_value_head_dim=32, init_method_std=0.3, hidden_dropout=0.0,
+                      attention_dropout=0.0).resolved()
+    torch.manual_seed(0)
+    model = GPTModel(cfg, 256, device="cuda", dtype=torch.float32).eval()
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [3, 40, 41]]
+    out = {}
+    for compiled in (False, True):
+        engine = Engine(model, 256, compile=compiled)
+        out[compiled] = [r.tokens for r in engine.generate([Request(p, SamplingParams(max_new_tokens=8))
+                                                            for p in prompts])]
+    assert out[True] == out[False]

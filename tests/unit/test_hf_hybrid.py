@@ -1,0 +1,82 @@
+"""Hugging Face both ways for hybrid stacks: tiny random Mamba2ForCausalLM and NemotronHForCausalLM models converted
+to paratron give their logits (fp32, within 1e-5) and their greedy tokens; converted back, transformers loads
+them and gives the same logits. What the mapping cannot express is refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from paratron.checkpoint import hf as H  # noqa: E402
+from paratron.checkpoint import hf_config as HC  # noqa: E402
+from paratron.config import ModelConfig  # noqa: E402
+from paratron.inference.engine import Engine, Request  # noqa: E402
+from paratron.inference.sampling import SamplingParams  # noqa: E402
+from tests.unit.test_hf_parity import VOCAB, build_hf, to_paratron, tokens  # noqa: E402
+
+MAMBA = dict(hidden_size=32, state_size=8, head_dim=8, num_heads=8, n_groups=2, expand=2, conv_kernel=4,
+             chunk_size=8, layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+CASES = {
+    "mamba2-untied": ("mamba2", dict(MAMBA, num_hidden_layers=2, tie_word_embeddings=False)),
+    "mamba2-tied": ("mamba2", dict(MAMBA, num_hidden_layers=1, tie_word_embeddings=True)),
+    # a dt floor of 0.6 (time_step_min: NemotronH clamps dt there) that binds for part of the tokens
+    "qwen3_next": ("qwen3_next", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
+                                      linear_num_key_heads=2, linear_num_value_heads=4, num_experts=0,
+                                      mlp_only_layers=[0, 1, 2, 3], rms_norm_eps=1e-6, max_position_embeddings=64,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5},
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+    "nemotron_h": ("nemotron_h", dict(hidden_size=32, hybrid_override_pattern="M*-M", num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, intermediate_size=48, ssm_state_size=8,
+                                      mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8,
+                                      time_step_min=0.6, tie_word_embeddings=False, bos_token_id=0,
+                                      eos_token_id=0, pad_token_id=0)),
+}
+
+
+def hf_model(name):
+    model_type, kw = CASES[name]
+    return build_hf(model_type, dict(kw, vocab_size=VOCAB))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_and_greedy_equal_transformers(name):
+    hf = hf_model(name)
+    model, vocab, _ = to_paratron(hf)
+    ids, _ = tokens(s=12)
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = model(ids)[..., :vocab]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    out = Engine(model, vocab).generate([Request(ids[0, :5].tolist(), SamplingParams(max_new_tokens=6))])[0]
+    seq = torch.tensor([ids[0, :5].tolist() + out.tokens])
+    with torch.no_grad():
+        assert out.tokens == hf(seq).logits[0, 4:-1].argmax(-1).tolist()  # each one transformers' greedy choice
+
+
+@pytest.mark.parametrize("name", ["mamba2-untied", "nemotron_h", "qwen3_next"])
+def test_converted_back_loads_in_transformers(name, tmp_path):
+    hf = hf_model(name)
+    model, vocab, _ = to_paratron(hf)
+    cfg, family = model.config, HC.family_of(hf.config)
+    H.save_hf_dir(tmp_path / "hf", model.state_dict(), cfg, family, vocab)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert type(back) is type(hf)
+    ids, _ = tokens(s=12)
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_refusals():
+    with pytest.raises(HC.ConversionError, match="MoE layers"):
+        HC.model_config_from_hf(dict(CASES["nemotron_h"][1], model_type="nemotron_h", vocab_size=VOCAB,
+                                     layers_block_type=["linear_attention", "moe"]))
+    gdn = ModelConfig(hidden_size=32, num_attention_heads=4, hybrid_layer_pattern="MG", normalization="RMSNorm",
+                      disable_bias_linear=True, position_embedding_type="none", mamba_state_dim=8,
+                      mamba_head_dim=8, mamba_num_groups=2, linear_num_key_heads=2, linear_num_value_heads=4)
+    with pytest.raises(HC.ConversionError, match="its layers are M"):
+        HC.hf_config_from_model_config(gdn, VOCAB, "nemotron_h")
+    with pytest.raises(HC.ConversionError, match="use mamba2, nemotron_h or qwen3_next"):
+        HC.hf_config_from_model_config(gdn, VOCAB, "llama")
