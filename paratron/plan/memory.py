@@ -73,14 +73,32 @@ def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int)
     return out
 
 
-def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, par=None,
-                ranks: Optional[dict] = None, split: Optional[Split] = None) -> Memory:
-    """Memory of pipeline rank ``pp_rank``; ``ranks``/``split``: this rank's coordinates (default: the
-    fullest data-parallel shard, tensor/expert rank 0)."""
+def state_key(layout: Layout) -> Layout:
+    """The layout with what model state does not depend on cleared (the search's cache key)."""
+    return layout.replace(micro_batch=1, global_batch=1, recompute=None, recompute_num_layers=None, fp8=False,
+                          fp8_param_gather=False, overlap_param_gather=False, seq_length=1)
+
+
+def rank_state(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, par=None, ranks: Optional[dict] = None,
+               split: Optional[Split] = None, cache: Optional[dict] = None) -> tuple[list, list, State]:
+    """(chunks, their tensors, the state) of pipeline rank ``pp_rank``; ``cache``: a dict kept between calls."""
+    key = (state_key(layout), vocab, pp_rank)
+    if cache is not None and key in cache and ranks is None and split is None:
+        return cache[key]
     split = split or Split(layout.tp, layout.ep, layout.etp)
     chunks = rank_chunks(model, layout, pp_rank, par)
     tensors = chunk_tensors(model, vocab, layout, chunks, split)
-    st = state(tensors, layout, ranks or {})
+    out = chunks, tensors, state(tensors, layout, ranks or {})
+    if cache is not None and ranks is None and split is None:
+        cache[key] = out
+    return out
+
+
+def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, par=None,
+                ranks: Optional[dict] = None, split: Optional[Split] = None, cache: Optional[dict] = None) -> Memory:
+    """Memory of pipeline rank ``pp_rank``; ``ranks``/``split``: this rank's coordinates (default: the
+    fullest data-parallel shard, tensor/expert rank 0)."""
+    chunks, tensors, st = rank_state(model, vocab, layout, pp_rank, par, ranks, split, cache)
     pattern = moe_pattern(model)
     flight = in_flight(layout, pp_rank)
     acts = working = 0

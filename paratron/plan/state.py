@@ -61,17 +61,29 @@ def lay_out(tensors: list[Tensor], group: str, n: int, bucket_size) -> Buffer:
     buf.shard_elems, buf.shard_pieces = [0] * n, [0] * n
     buf.largest_bucket = max((e - s for s, e in buckets), default=0)
     buf.count = len(tensors)
+    elems, pieces = [0] * (n + 1), [0] * (n + 1)  # difference arrays over the shards of a bucket
     it = iter(spans)
     span = next(it, None)
     for s, e in buckets:
         size = (e - s) // n
         while span is not None and span[0] < e:
             a, b = span
-            for r in range((a - s) // size, (b - 1 - s) // size + 1):
-                lo, hi = s + r * size, s + (r + 1) * size
-                buf.shard_elems[r] += min(b, hi) - max(a, lo)
-                buf.shard_pieces[r] += 1
+            r0, r1 = (a - s) // size, (b - 1 - s) // size
+            pieces[r0] += 1
+            pieces[r1 + 1] -= 1
+            if r0 == r1:
+                buf.shard_elems[r0] += b - a
+            else:  # partial first and last shards, whole shards between
+                buf.shard_elems[r0] += s + (r0 + 1) * size - a
+                buf.shard_elems[r1] += b - (s + r1 * size)
+                elems[r0 + 1] += size
+                elems[r1] -= size
             span = next(it, None)
+    run_e = run_p = 0
+    for r in range(n):
+        run_e, run_p = run_e + elems[r], run_p + pieces[r]
+        buf.shard_elems[r] += run_e
+        buf.shard_pieces[r] = run_p
     return buf
 
 
