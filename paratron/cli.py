@@ -36,6 +36,10 @@ def user_errors() -> tuple:
 def run_train(argv: list[str]) -> int:
     from .train.resolve import parse_args
     cfg = parse_args(argv)  # a flag mistake is reported before the trainer's imports (~2 s) are paid
+    if cfg.train.dry_run:  # the memory plan alone: no trainer, no process group
+        from .plan.memory import dry_run
+        dry_run(cfg)
+        return 0
     from .train.loop import pretrain
     ok = False
     try:

@@ -3,19 +3,22 @@ accounting of Korthikanti et al. (2022, "Reducing Activation Recomputation in La
 term by term for paratron's layers (what each of them saves, counted on CPU by
 tests/unit/test_plan_activations.py with saved-tensor hooks):
 
-* per norm: its input (RMSNorm: and its normalised input) in the activation dtype, its fp32 statistics;
+* per norm: its input (RMSNorm: in fp32, and its normalised input), its fp32 statistics;
 * the inputs of the QKV and fc1 (or router) matmuls;
 * attention: the fused QKV output, the rotated queries and keys (rope), the attention output and the fp32
   log-sum-exp per head (flash / memory-efficient attention keep no s x s scores: Korthikanti's 5as/h term
-  is gone); selective recomputation (core_attn) keeps the output projection's input instead;
+  is gone); selective recomputation (core_attn) keeps the output projection's input instead; context
+  parallelism's ring adds its contiguous K/V and merged log-sum-exp;
 * the MLP: fc1's output and the activation's output (gated: fc1 output 2f, activation f, fc2 input f);
 * MoE: the router's fp32 logits and routing indices, and per routed token (top-k) the permuted input,
-  the expert MLP's tensors and the unpermute's;
+  the expert MLP's tensors and the unpermute's (with expert parallelism: the all-to-all's buffers too;
+  the share of routed tokens a rank gets is taken as even);
 * dropout masks (1 byte, CUDA's dropout; torch's CPU dropout keeps a mask in the activation dtype) when
   --hidden-dropout > 0: after the embedding, attention and the MLP.
 
-Tensor parallelism divides the attention and MLP terms; the norm and matmul-input terms only with
-sequence parallelism. Full recomputation keeps a recomputed layer's input alone. A pipeline stage holds
+Tensor parallelism divides the attention and MLP terms; sequence parallelism also the norms' terms. The
+column-parallel matmuls keep their whole input: under sequence parallelism paratron saves the all-gathered
+input for the weight gradient (Megatron saves the shard and gathers it again in backward). Full recomputation keeps a recomputed layer's input alone. A pipeline stage holds
 the micro-batches in flight of its schedule (1F1B: PP - rank; interleaved: Megatron's warm-up count)."""
 from __future__ import annotations
 
@@ -45,9 +48,10 @@ def dims_of(model: ModelConfig) -> tuple[int, int, int]:
 
 
 def norm_bytes(model: ModelConfig, a: int) -> int:
-    """Per token: what one norm saves (input, RMSNorm's normalised input, fp32 statistics)."""
+    """Per token: what one norm saves. LayerNorm: its input and fp32 statistics; RMSNorm (computed in fp32,
+    model/norms.py): the fp32 input, the statistic, and the normalised input cast back for the weight."""
     h = model.hidden_size
-    return (h * a + 2 * FP32) if model.normalization == "LayerNorm" else (2 * h * a + FP32)
+    return (h * a + 2 * FP32) if model.normalization == "LayerNorm" else (h * FP32 + h * a + FP32)
 
 
 def attention_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
@@ -56,6 +60,8 @@ def attention_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     out = (q * (2 if model.attention_output_gate else 1) + 2 * kv) * a + q * a
     if model.position_embedding_type in ("rope", "yarn") or model.multi_latent_attention:
         out += (q + kv) * a
+    if layout.cp > 1:  # the ring keeps its own contiguous K/V of the local chunk and the merged log-sum-exp
+        out += 2 * kv * a + heads * FP32
     return out + (0 if layout.recompute == "selective" else heads * FP32)
 
 
@@ -65,24 +71,26 @@ def mlp_bytes(model: ModelConfig, ffn: int, a: int) -> int:
 
 
 def moe_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
-    """Per token of the layer's input: router logits and indices, then top-k routed copies."""
+    """Per token of the layer's input on this rank: router logits and indices, then top-k routed copies (under
+    sequence parallelism each TP rank routes its own tokens), and the shared expert (a TP-split MLP)."""
     h, k, f = model.hidden_size, model.moe_router_topk, model.moe_ffn_hidden_size // layout.etp
     gated = model.swiglu or model.quick_geglu
     router = model.num_experts * FP32 + k * (2 * FP32 + 3 * INDEX)
-    routed = k * (3 * h + (4 if gated else 2) * f) * a
-    shared = mlp_bytes(model, model.moe_shared_expert_intermediate_size, a) // layout.tp \
-        if model.moe_shared_expert_intermediate_size else 0
-    return router + routed + shared
+    routed = k * ((3 if layout.ep == 1 else 5) * h + (4 if gated else 2) * f) * a  # EP: all-to-all buffers
+    per_rank = (router + routed) // (layout.tp if layout.sequence_parallel else 1)
+    shared = model.moe_shared_expert_intermediate_size
+    return per_rank + (mlp_bytes(model, shared, a) // layout.tp if shared else 0)
 
 
 def layer_bytes(model: ModelConfig, layout: Layout, is_moe: bool) -> LayerBytes:
     """One layer, one micro-batch, this rank."""
     a, h, t = layout.param_bytes, model.hidden_size, layout.tp
     tokens = layout.micro_batch * layout.seq_length // layout.cp
-    sp = 2 * norm_bytes(model, a) + 2 * h * a + (2 * h if model.hidden_dropout > 0 else 0)
+    sp = 2 * norm_bytes(model, a) + (2 * h if model.hidden_dropout > 0 else 0)
     split = attention_bytes(model, layout, a)
     mlp = moe_bytes(model, layout, a) if is_moe else mlp_bytes(model, model.ffn_hidden_size, a) // t
-    per_token = (sp // t if layout.sequence_parallel else sp) + split // t + mlp
+    inputs = 2 * h * a  # the QKV and fc1 (router) matmuls' inputs, all-gathered first under SP
+    per_token = (sp // t if layout.sequence_parallel else sp) + inputs + split // t + mlp
     keep = h * a // (t if layout.sequence_parallel else 1)
     return LayerBytes(tokens * per_token, tokens * keep)
 
@@ -91,8 +99,9 @@ def head_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
     """The last stage's final norm, output matmul input and logits-sized loss tensor, one micro-batch."""
     a, t = layout.param_bytes, layout.tp
     tokens = layout.micro_batch * layout.seq_length // layout.cp
-    sp = norm_bytes(model, a) + model.hidden_size * a
-    return tokens * ((sp // t if layout.sequence_parallel else sp) + vocab // t * a + 2 * INDEX)
+    sp = norm_bytes(model, a)
+    inputs = model.hidden_size * a  # the output layer's input, all-gathered under SP
+    return tokens * ((sp // t if layout.sequence_parallel else sp) + inputs + vocab // t * a + 2 * INDEX)
 
 
 def in_flight(layout: Layout, pp_rank: int) -> int:

@@ -12,7 +12,7 @@ import argparse
 from typing import Optional
 
 from ..config import Config, parse_args
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from .cost import GPUS, HOST_GBPS, MATMUL_EFFICIENCY, Cluster, step_time
 from .layout import layout_of
 from .memory import ALLOCATOR_SLACK, GIB, describe, fullest
@@ -45,12 +45,18 @@ def plan_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_config(rest: list[str], gpus: int) -> Config:
+def model_config(rest: list[str], gpus: int, fallback: bool = True) -> tuple[Config, bool]:
     """The model's config from the remaining flags, resolved for the cluster (a run length and learning rate
-    are filled in when missing: the plan does not train)."""
+    are filled in when missing: the plan does not train), and whether its own layout runs there (else it is
+    resolved with the parallel flags and micro-batch the plan varies left out)."""
     extra = [] if any(a in rest for a in ("--train-iters", "--train-samples")) else ["--train-iters", "1"]
     extra += [] if "--lr" in rest else ["--lr", "1e-4"]
-    return parse_args(rest + extra, world_size=gpus)
+    try:
+        return parse_args(rest + extra, world_size=gpus), True
+    except UserError:
+        if not fallback:
+            raise
+        return parse_args(kept_flags(rest) + extra + ["--micro-batch-size", "1"], world_size=gpus), False
 
 
 def kept_flags(rest: list[str]) -> list[str]:
@@ -106,20 +112,39 @@ def explain(c: Candidate, rest: list[str], cluster: Cluster) -> list[str]:
             f"  run: {command(c, rest, cluster)}"]
 
 
+def runnable(found: list[Candidate], rest: list[str], cluster: Cluster, top: int) -> tuple[list, dict]:
+    """The first ``top`` fitting candidates whose command line the config accepts; {reason: count} of the
+    others passed over (a combination of flags paratron refuses)."""
+    out, refused = [], {}
+    for c in found:
+        if c.time is None or len(out) == top:
+            break
+        argv = command(c, rest, cluster).split(" -m paratron train ")[1].split()
+        try:
+            model_config(argv, cluster.gpus, fallback=False)
+            out.append(c)
+        except UserError as e:
+            reason = str(e).splitlines()[-1][:120]
+            refused[reason] = refused.get(reason, 0) + 1
+    return out, refused
+
+
 def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, n_explain: int) -> list[str]:
     m, base = cfg.model, layout_of(cfg)
     found = search(m, cfg.data.vocab_size, m.make_vocab_size_divisible_by, cluster, base, fp8, cfg.data.padded_vocab_size)
-    fits = [c for c in found if c.time is not None]
+    fits, refused = runnable(found, rest, cluster, top)
     lines = [f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
              f"({m.num_query_groups} query groups), ffn {m.ffn_hidden_size}"
              + (f", {m.num_experts} experts top-{m.moe_router_topk}" if m.num_experts else "")
              + f"; global batch {base.global_batch} x sequence {base.seq_length}",
              f"cluster: {cluster.gpus} x {cluster.kind or 'GPU'} ({cluster.memory / GIB:.1f} GiB each), "
              f"{cluster.gpus_per_node} per node",
-             f"derivation: {len(found)} layouts considered, {len(fits)} fit; memory = weights + gradients + optimizer"
+             f"derivation: {len(found)} layouts considered, {sum(c.time is not None for c in found)} fit; memory = weights + gradients + optimizer"
              f" + activations + comm buffers, + {ALLOCATOR_SLACK:.0%} allocator slack (assumed); time = FLOPs at "
              f"{cluster.matmul_efficiency:.0%} of the dense peak (assumed) + recompute + bubble + exposed "
-             "communication (docs/plan.md)", "", HEADER]
+             "communication (docs/plan.md)"]
+    lines += [f"passed over {n} fitting layout(s) the config refuses: {why}" for why, n in refused.items()]
+    lines += ["", HEADER]
     lines += [row(i + 1, c) for i, c in enumerate(fits[:top])]
     if not fits:
         lines += [row(i + 1, c) for i, c in enumerate(sorted(found, key=lambda c: c.memory.total)[:top])]
@@ -154,7 +179,8 @@ def plan_main(argv: Optional[list[str]] = None) -> int:
     cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu.lower(), args.gpu_memory_gib, args.intra_node_gbps,
                       args.inter_node_gbps, args.matmul_efficiency, args.host_gbps)
     cluster.spec()
-    cfg = model_config(rest, args.gpus)
-    for line in report(cfg, cluster, rest, args.fp8, args.top, args.explain) + ["", as_given(cfg, cluster)]:
+    cfg, runs = model_config(rest, args.gpus)
+    given = [as_given(cfg, cluster)] if runs else ["as given: the config's own layout does not run on this cluster"]
+    for line in report(cfg, cluster, rest, args.fp8, args.top, args.explain) + [""] + given:
         print(line)
     return 0

@@ -10,7 +10,7 @@ from typing import Optional
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .flops import flops_per_iteration
+from .flops import flops_per_iteration, mla_attention_terms
 from .layout import Layout
 
 GB = 1e9
@@ -91,8 +91,9 @@ def ring(n: int) -> float:
 
 def core_flops(model: ModelConfig, batch: int, seq: int) -> float:
     """The attention core's FLOPs of an iteration: megatron_facts section 5's s^2 term (causal as half)."""
-    q = model.kv_channels * model.num_attention_heads
-    return 6.0 * batch * seq * seq * q * model.num_layers
+    per_pair = mla_attention_terms(model)[1] if model.multi_latent_attention else \
+        6.0 * model.kv_channels * model.num_attention_heads
+    return float(batch) * seq * seq * per_pair * model.num_layers
 
 
 def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, grad_bytes: int,
@@ -104,11 +105,12 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
     core = core_flops(model, L.global_batch, L.seq_length)
     dense_peak, peak = cluster.peak(False) * cluster.matmul_efficiency, cluster.peak(L.fp8) * cluster.matmul_efficiency
     per_gpu = 1.0 / L.world
-    layer_share = 1.0 - 6.0 * h * vocab * L.global_batch * L.seq_length / total  # all but the output layer
-    compute = per_gpu * ((total - core) * (layer_share if L.fp8 else 0) / peak
-                         + (total - core) * (1 - layer_share if L.fp8 else 1) / dense_peak + core / dense_peak)
-    extra = {"full": 1 / 3 * layer_share, "selective": core / total / 3}.get(L.recompute, 0.0)
-    recompute = compute * extra
+    head = 6.0 * h * vocab * L.global_batch * L.seq_length  # the output layer (never FP8)
+    layers_mm = total - core - head  # the layers' matmuls: FP8 with --fp8-format
+    compute = per_gpu * (layers_mm / peak + (head + core) / dense_peak)
+    # full: the layers' forward again (a third of their forward + backward); selective: the attention core's
+    recompute = per_gpu * {"full": (layers_mm / peak + core / dense_peak) / 3,
+                           "selective": core / dense_peak / 3}.get(L.recompute, 0.0)
     bubble = (compute + recompute) * (L.pp - 1) / (L.vpp * m)
     tokens = L.micro_batch * L.seq_length // L.cp
     layers = model.num_layers / L.pp
@@ -122,11 +124,16 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
         if model.num_experts else 0.0
     pp = 2 * act / (L.tp if L.sequence_parallel else 1) * m * L.vpp / cluster.bandwidth(L.world) if L.pp > 1 else 0.0
     dp_bw = cluster.bandwidth(L.tp * L.cp * L.dp)
-    n = L.dp * L.cp
-    dp_comm = (2 if L.zero == 0 else 1) * ring(n) * grad_bytes / dp_bw + (ring(n) * param_bytes_dp / dp_bw
-                                                                        if L.zero >= 1 else 0.0)
-    if L.zero >= 3:  # parameters gathered for forward and again for backward, each micro-batch
-        dp_comm += 2 * m * ring(n) * param_bytes_dp * n / dp_bw
-    dp = max(0.0, dp_comm - (compute + recompute) * 2 / 3)  # overlapped with the backward (paratron's buckets)
+    n, busy = L.dp * L.cp, compute + recompute
+    full_grads = grad_bytes * (n if L.zero >= 2 else 1)  # ZeRO-2/3 hold a shard: the collectives move all of it
+    full_weights = param_bytes_dp * (n if L.zero >= 3 else 1)
+    if L.zero <= 1:  # all-reduce (or reduce-scatter) bucket by bucket during the last micro-batch's backward
+        dp = max(0.0, (2 if L.zero == 0 else 1) * ring(n) * full_grads / dp_bw - busy * 2 / 3 / m)
+    else:  # no full gradient buffer: a reduce-scatter every micro-batch, during each backward
+        dp = max(0.0, m * ring(n) * full_grads / dp_bw - busy * 2 / 3)
+    if L.zero in (1, 2):  # the updated weights all-gathered during the next step's first forward
+        dp += max(0.0, ring(n) * full_weights / dp_bw - busy / 3 / m)
+    if L.zero == 3:  # every layer gathered for each micro-batch's forward and again for its backward, prefetched
+        dp += max(0.0, 2 * m * ring(n) * full_weights / dp_bw - busy)
     offload = L.offload_fraction * (grad_bytes + param_bytes_dp) / (cluster.host_gbps * GB)
     return StepTime(compute, recompute, bubble, tp, cp, ep, pp, dp, offload)

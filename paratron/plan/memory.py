@@ -51,7 +51,7 @@ class Memory:
 
 def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int) -> int:
     """Transient buffers of the collectives, per rank: pipeline send/receive of one micro-batch's hidden
-    states (both directions), the sequence-parallel all-gather of a matmul input, the experts' all-to-all
+    states (both directions), the experts' all-to-all
     (top-k copies there and back), ZeRO-2's gradient bucket before its reduce-scatter and ZeRO-3's gathered
     layer (two with --overlap-param-gather: the next one is prefetched; FP8 weights with --fp8-param-gather)."""
     a, h = layout.param_bytes, model.hidden_size
@@ -59,8 +59,6 @@ def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int)
     out = 0
     if layout.pp > 1:
         out += 2 * tokens * h * a // (layout.tp if layout.sequence_parallel else 1)
-    if layout.sequence_parallel:
-        out += tokens * h * a
     if model.num_experts and layout.ep > 1:
         out += 2 * tokens * model.moe_router_topk * h * a
     if layout.zero >= 2:
@@ -140,3 +138,13 @@ def startup_lines(cfg: Config, pp_rank: Optional[int] = None) -> list[str]:
     if mem.host:
         lines.append(f"   host (optimizer offload): {gib(mem.host)}")
     return lines
+
+
+def dry_run(cfg: Config) -> dict:
+    """``--dry-run``: the memory plan printed (once per job), nothing built; the result of a run that trained
+    no step."""
+    import os
+    if os.environ.get("RANK", "0") == "0":
+        for line in startup_lines(cfg):
+            print(line, flush=True)
+    return {"iteration": 0, "exit_reason": "dry run", "valid_loss": None, "train_curve": [], "valid_curve": []}

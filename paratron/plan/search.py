@@ -51,7 +51,8 @@ def parallel_shapes(model: ModelConfig, cluster: Cluster, global_batch: int, seq
     """(tp, pp, vpp, cp, ep, etp, dp) the model and cluster allow."""
     n, node = cluster.gpus, cluster.gpus_per_node
     heads_ok = math.gcd(model.num_attention_heads, model.num_query_groups)
-    for tp, pp, cp in product(divisors(heads_ok, node), divisors(model.num_layers, n), (1, 2, 4, 8)):
+    cps = (1, 2, 4, 8) if model.attention_dropout == 0 else (1,)  # no attention dropout across CP ranks
+    for tp, pp, cp in product(divisors(heads_ok, node), divisors(model.num_layers, n), cps):
         if n % (tp * pp * cp) or seq % (2 * cp) and cp > 1:
             continue
         dp = n // (tp * pp * cp)
@@ -89,7 +90,7 @@ def dp_bytes(model: ModelConfig, vocab: int, layout: Layout, cache: dict) -> tup
 
 def search(model: ModelConfig, vocab: int, multiple: int, cluster: Cluster, base: Layout, fp8: bool = False,
            padded: Optional[int] = None) -> list[Candidate]:
-    """Every candidate layout, those that fit first by tokens/s, then the others by memory. ``vocab``: the
+    """Every candidate layout (of each group the first that fits), ranked by :func:`rank_key`. ``vocab``: the
     tokenizer's vocabulary, padded per TP size by ``multiple`` (or ``padded`` when given)."""
     out, limit, cache = [], cluster.memory, {}
     for group in candidates(model, cluster, base, fp8):
@@ -102,4 +103,12 @@ def search(model: ModelConfig, vocab: int, multiple: int, cluster: Cluster, base
             if fits or layout is group[-1]:
                 out.append(Candidate(layout, mem, time))
                 break
-    return sorted(out, key=lambda c: (c.time is None, -c.tokens_per_s, c.memory.total))
+    return sorted(out, key=rank_key)
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Fits first; then tokens/s (to 4 significant digits: a tie when all communication is hidden); then the
+    fewest model-parallel ranks (the model has no cost for small matmuls); then memory."""
+    L = c.layout
+    speed = float(f"{c.tokens_per_s:.4g}")
+    return c.time is None, -speed, L.tp * L.pp * L.vpp * L.cp * L.ep, c.memory.total

@@ -3,7 +3,6 @@ exit conditions. Read top to bottom; each parallelism lives in paratron/parallel
 from __future__ import annotations
 
 import logging
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -27,7 +26,7 @@ from .guards import StepGuard, StopSignal, data_worker_init, kill_workers_at_exi
 from .preflight import preflight
 from .logger import RunLogger
 from .metrics import flops_per_iteration, peak_tflops
-from ..plan.memory import startup_lines as memory_lines
+from ..plan.memory import dry_run, startup_lines as memory_lines
 from .reporting import Reporter, TimedIterator, wandb_run
 from .runtime import GarbageCollection, apply_bf16_matmul_reduction, apply_deterministic_mode, apply_logging_level
 from .microbatches import MicroBatches, check_batch_sizes
@@ -255,7 +254,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
                        f"iterations, global batch {tr.global_batch_size}, {self._micro} micro-batches of "
                        f"{tr.micro_batch_size}, device {self.device}"
                        + (f" ({threads(torch.get_num_threads())}, --cpu-threads)" if self.device.type == "cpu" else ""))
-        for line in memory_lines(self.cfg, self.dims.pp_rank):
+        for line in memory_lines(self.cfg):  # the fullest pipeline rank's
             self.log.print(line)
         for line in switches.startup_lines(self.kernels_asked, self.cfg.kernels, self.device, params_dtype(self.cfg),
                                            tr.deterministic_mode):
@@ -285,10 +284,7 @@ def pretrain(cfg: Config, eval_at_start: bool = False) -> dict:
     ``eval_at_start`` also measures the validation loss of the untrained model (the demo does).
     ``--dry-run``: the memory plan of the layout is printed and nothing is built."""
     if cfg.train.dry_run:
-        if int(os.environ.get("RANK", "0")) == 0:
-            for line in memory_lines(cfg):
-                print(line, flush=True)
-        return {"iteration": 0, "exit_reason": "dry run", "valid_loss": None, "train_curve": [], "valid_curve": []}
+        return dry_run(cfg)
     trainer = Trainer(cfg)
     try:
         if eval_at_start and trainer.valid_iter is not None:

@@ -1,8 +1,7 @@
 """``paratron plan`` on clusters it cannot measure: a ranking with its derivation and command lines; and
 ``--dry-run``, which prints the start-up memory plan and builds nothing."""
-import pytest
-
 from paratron.cli import main
+from paratron.config import parse_args
 from paratron.plan.layout import layout_of
 from paratron.plan.memory import fullest
 from tests.parallel.common import tiny_config
@@ -40,9 +39,11 @@ def test_llama_70b_on_64_h100(capsys):
     assert speeds == sorted(speeds, reverse=True)
     assert all(float(r.split()[-3]) <= 80e9 / 2**30 for r in rows)  # what fits an 80 GB H100
     assert "torchrun --nnodes 8 --nproc-per-node 8 -m paratron train" in out and "memory (pipeline rank" in out
+    for run in [line.split(" -m paratron train ")[1] for line in out.splitlines() if "  run: " in line]:
+        cfg = parse_args(run.split() + ["--train-iters", "1", "--lr", "1e-4"], world_size=64)  # the command runs
+        assert fullest(cfg.model, cfg.padded_vocab_size, layout_of(cfg), cfg.parallel).total <= 80e9
 
 
-@pytest.mark.slow
 def test_deepseek_style_moe_on_256_h100(capsys):
     out = plan(capsys, ["--gpus", "256", "--gpu", "h100", "--top", "3", "--explain", "1", *COMMON, *DEEPSEEK_MOE])
     assert len(ranked(out)) == 3 and "64 experts top-6" in out and "time: compute" in out
@@ -53,6 +54,17 @@ def test_dry_run_prints_the_memory_plan_and_builds_nothing(capsys):
     assert main(["train", *argv]) == 0
     out = capsys.readouterr().out
     assert "memory plan" in out and "optimizer" in out and "iteration" not in out
+
+
+def test_trainer_prints_the_memory_plan_at_start_up(capsys):
+    import torch
+    from paratron.train.loop import Trainer
+    cfg = tiny_config("llama", world_size=1)
+    trainer = Trainer(cfg, device=torch.device("cpu"), data=(iter([]), None))
+    trainer._announce()
+    trainer.close()
+    out = capsys.readouterr().out
+    assert "memory plan (each rank, no_shard sharding, recompute none): predicted peak" in out and "gradients" in out
 
 
 def test_startup_lines_name_the_fullest_pipeline_rank():
