@@ -56,7 +56,7 @@ def model_config(rest: list[str], gpus: int, fallback: bool = True) -> tuple[Con
     except UserError:
         if not fallback:
             raise
-        return parse_args(kept_flags(rest) + extra + ["--micro-batch-size", "1"], world_size=gpus), False
+        return parse_args(kept_flags(rest) + extra + ["--micro-batch-size", "1"], world_size=1), False
 
 
 def kept_flags(rest: list[str]) -> list[str]:
@@ -88,6 +88,7 @@ def command(c: Candidate, rest: list[str], cluster: Cluster) -> str:
     elif L.recompute == "selective":
         flags += ["--recompute-granularity selective"]
     flags += [f"--optimizer-cpu-offload --optimizer-offload-fraction {L.offload_fraction:g}"] if L.offload_fraction else []
+    flags += ["--fp8-format hybrid"] if L.fp8 and "--fp8-format" not in rest else []
     launch = f"torchrun --nnodes {nodes} --nproc-per-node {min(cluster.gpus, cluster.gpus_per_node)}"
     return f"{launch} -m paratron train {' '.join(kept_flags(rest) + flags)}"
 
@@ -178,7 +179,9 @@ def plan_main(argv: Optional[list[str]] = None) -> int:
         raise ConfigError("--gpus and --gpus-per-node must be >= 1")
     cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu.lower(), args.gpu_memory_gib, args.intra_node_gbps,
                       args.inter_node_gbps, args.matmul_efficiency, args.host_gbps)
-    cluster.spec()
+    cluster.spec()  # an unknown --gpu, before the model's flags
+    if args.fp8 and cluster.spec()[2] is None:
+        raise ConfigError(f"--fp8: {cluster.kind} has no FP8 matmuls; plan without --fp8 (or for h100 / h200)")
     cfg, runs = model_config(rest, args.gpus)
     given = [as_given(cfg, cluster)] if runs else ["as given: the config's own layout does not run on this cluster"]
     for line in report(cfg, cluster, rest, args.fp8, args.top, args.explain) + [""] + given:

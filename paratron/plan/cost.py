@@ -40,7 +40,7 @@ class Cluster:
             return (None, GPUS["h100"][1], GPUS["h100"][2], GPUS["h100"][3], GPUS["h100"][4])
         if self.kind not in GPUS:
             raise ConfigError(f"--gpu {self.kind}: unknown GPU kind; use one of {', '.join(GPUS)} "
-                              "or give --gpu-memory-gib and the bandwidths")
+                              "(--gpu-memory-gib and --intra-node-gbps / --inter-node-gbps override its figures)")
         return GPUS[self.kind]
 
     @property
