@@ -73,7 +73,10 @@ def attention(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
     if cfg.qk_layernorm:
         out += norm(f"{prefix}.q_layernorm", cfg, d) + norm(f"{prefix}.k_layernorm", cfg, d)
     out += [Tensor(f"{prefix}.linear_proj.weight", h * part(cfg.num_attention_heads * d, s.tp, s.tp_rank))]
-    return out + ([Tensor(f"{prefix}.linear_proj.bias", h)] if not cfg.disable_bias_linear else [])
+    out += [Tensor(f"{prefix}.linear_proj.bias", h)] if not cfg.disable_bias_linear else []
+    if cfg.softmax_type == "learnable":  # a sink logit per head (model/attention/windowed.py)
+        out.append(Tensor(f"{prefix}.core_attention.softmax_offset", part(cfg.num_attention_heads, s.tp, s.tp_rank)))
+    return out
 
 
 def mla(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
@@ -85,14 +88,15 @@ def mla(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
         out.append(Tensor(f"{prefix}.linear_q_proj.weight", part(heads * qk, s.tp, s.tp_rank) * h))
     else:
         out.append(Tensor(f"{prefix}.linear_q_down_proj.weight", cfg.q_lora_rank * h))
-        out += norm(f"{prefix}.q_layernorm", cfg, cfg.q_lora_rank) if cfg.qk_layernorm else []
         out.append(Tensor(f"{prefix}.linear_q_up_proj.weight", part(heads * qk, s.tp, s.tp_rank) * cfg.q_lora_rank))
     out.append(Tensor(f"{prefix}.linear_kv_down_proj.weight", (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) * h))
-    out += norm(f"{prefix}.kv_layernorm", cfg, cfg.kv_lora_rank) if cfg.qk_layernorm else []
     up = heads * (cfg.qk_head_dim + cfg.v_head_dim)
     out.append(Tensor(f"{prefix}.linear_kv_up_proj.weight", part(up, s.tp, s.tp_rank) * cfg.kv_lora_rank))
+    if cfg.qk_layernorm:
+        out += norm(f"{prefix}.q_layernorm", cfg, cfg.q_lora_rank) if cfg.q_lora_rank is not None else []
+        out += norm(f"{prefix}.kv_layernorm", cfg, cfg.kv_lora_rank)
     out.append(Tensor(f"{prefix}.linear_proj.weight", h * part(heads * cfg.v_head_dim, s.tp, s.tp_rank)))
-    return out
+    return out + ([Tensor(f"{prefix}.linear_proj.bias", h)] if not cfg.disable_bias_linear else [])
 
 
 def moe(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
@@ -107,9 +111,9 @@ def moe(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
     out += [Tensor(f"{prefix}.experts.linear_fc1.bias", local * fc1, "edp")] if bias else []
     out.append(Tensor(f"{prefix}.experts.linear_fc2.weight", local * h * fc2, "edp"))
     out += [Tensor(f"{prefix}.experts.linear_fc2.bias", local * h, "edp")] if bias else []
-    if cfg.moe_shared_expert_intermediate_size:
-        out += mlp(f"{prefix}.shared_experts", cfg, cfg.moe_shared_expert_intermediate_size, s)
+    if cfg.moe_shared_expert_intermediate_size:  # (a module's own parameters come before its children's)
         out += [Tensor(f"{prefix}.shared_experts.gate_weight", h)] if cfg.moe_shared_expert_gate else []
+        out += mlp(f"{prefix}.shared_experts", cfg, cfg.moe_shared_expert_intermediate_size, s)
     return out
 
 
