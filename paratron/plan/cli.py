@@ -15,7 +15,7 @@ from ..config import Config, parse_args
 from ..errors import ConfigError, UserError
 from .cost import GPUS, HOST_GBPS, MATMUL_EFFICIENCY, Cluster, step_time
 from .layout import layout_of
-from .memory import ALLOCATOR_SLACK, GIB, describe, fullest
+from .memory import ALLOCATOR_SLACK, GIB, describe, fullest, not_modelled
 from .search import Candidate, dp_bytes, search
 
 # The flags a plan's command line sets itself (the user's values for them are replaced).
@@ -183,6 +183,9 @@ def plan_main(argv: Optional[list[str]] = None) -> int:
     if args.fp8 and cluster.spec()[2] is None:
         raise ConfigError(f"--fp8: {cluster.kind} has no FP8 matmuls; plan without --fp8 (or for h100 / h200)")
     cfg, runs = model_config(rest, args.gpus)
+    if not_modelled(cfg):
+        raise ConfigError(f"paratron plan does not model {not_modelled(cfg)} yet (docs/plan.md); remove it to plan "
+                          "the rest")
     given = [as_given(cfg, cluster)] if runs else ["as given: the config's own layout does not run on this cluster"]
     for line in report(cfg, cluster, rest, args.fp8, args.top, args.explain) + [""] + given:
         print(line)

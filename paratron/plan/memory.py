@@ -9,7 +9,7 @@ from typing import Optional
 from ..config import Config, ModelConfig
 from .activations import FP32, chunk_bytes, in_flight
 from .layout import Layout, layout_of
-from .shapes import Split, moe_pattern
+from .shapes import Split, moe_pattern, unsupported
 from .state import State, chunk_tensors, rank_chunks, state
 
 GIB = 1024 ** 3
@@ -125,9 +125,20 @@ def describe(mem: Memory) -> str:
     return ", ".join(f"{name} {gib(n)}" for name, n in mem.parts())
 
 
+def not_modelled(cfg: Config) -> Optional[str]:
+    """What of this run the memory model does not count (None: all of it)."""
+    missing = unsupported(cfg.model)
+    if missing:
+        return missing
+    return f"--optimizer {cfg.optim.optimizer}" if cfg.optim.optimizer != "adam" else None
+
+
 def startup_lines(cfg: Config, pp_rank: Optional[int] = None) -> list[str]:
     """The memory lines every run prints at start-up: this rank's (``pp_rank``) or the fullest rank's
-    predicted peak and its parts."""
+    predicted peak and its parts (one line saying why not, for a run the model does not count)."""
+    missing = not_modelled(cfg)
+    if missing:
+        return [f" memory plan: not available for runs with {missing} (docs/plan.md)"]
     layout = layout_of(cfg)
     mem = (fullest(cfg.model, cfg.padded_vocab_size, layout, cfg.parallel) if pp_rank is None
            else rank_memory(cfg.model, cfg.padded_vocab_size, layout, pp_rank, cfg.parallel))

@@ -105,10 +105,15 @@ def compare(rank, world, strategy):
 def test_state_bytes_equal_the_tensors(strategy, tmp_path):
     if strategy not in ("no_shard", "optim") and "data_parallel_sharding_strategy" not in FIELD_SECTION:
         pytest.skip(f"--data-parallel-sharding-strategy {strategy} is not in this paratron's config yet")
-    for rank, results in enumerate(run_ranks(4, compare, strategy, tmp_dir=tmp_path)):
+    ranks = run_ranks(4, compare, strategy, tmp_dir=tmp_path)
+    for rank, results in enumerate(ranks):
         for style, extra, got, want, acts in results:
             assert got == want, f"rank {rank} {style} {extra}: measured {got}, predicted {want}"
-            if acts is not None:  # TP + SP, CP: within 3 % of the saved tensors; EP within 8 %: the model takes
-                # the routed tokens as shared evenly, and 64 tokens routed at random are not
-                tol = 0.08 if extra.get("expert_model_parallel_size", 1) > 1 else 0.03
-                assert abs(acts[1] / acts[0] - 1) < tol, f"rank {rank} {style} {extra}: activations {acts}"
+            if acts is not None and extra.get("expert_model_parallel_size", 1) == 1:  # TP + SP, CP: each rank
+                assert abs(acts[1] / acts[0] - 1) < 0.03, f"rank {rank} {style} {extra}: activations {acts}"
+    for i, (style, extra, _, _, acts) in enumerate(ranks[0]):
+        if acts is not None and extra.get("expert_model_parallel_size", 1) > 1:
+            # EP: the model shares the routed tokens evenly; 64 tokens routed at random are not, so the ranks'
+            # sum is compared, within 5 % (each rank's share moved by up to ~10 % in these runs, the sum ~3 %)
+            measured, predicted = (sum(r[i][4][j] for r in ranks) for j in (0, 1))
+            assert abs(predicted / measured - 1) < 0.05, f"{style} {extra}: activations {measured} vs {predicted}"

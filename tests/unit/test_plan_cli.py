@@ -67,6 +67,12 @@ def test_trainer_prints_the_memory_plan_at_start_up(capsys):
     assert "memory plan (each rank, no_shard sharding, recompute none): predicted peak" in out and "gradients" in out
 
 
+def test_a_run_the_plan_cannot_count_says_so_and_still_starts():
+    from paratron.plan.memory import startup_lines
+    cfg = tiny_config("llama", world_size=1, mtp_num_layers=1)
+    assert startup_lines(cfg) == [" memory plan: not available for runs with --mtp-num-layers (docs/plan.md)"]
+
+
 def test_startup_lines_name_the_fullest_pipeline_rank():
     cfg = tiny_config("llama", world_size=4, num_layers=4, pipeline_model_parallel_size=4)
     mem = fullest(cfg.model, cfg.padded_vocab_size, layout_of(cfg), cfg.parallel)
