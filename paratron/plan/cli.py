@@ -41,7 +41,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-gbps", type=float, default=HOST_GBPS, help="host <-> GPU GB/s (optimizer offload)")
     p.add_argument("--fp8", action="store_true", help="plan FP8 matmuls (--fp8-format) on Hopper")
     p.add_argument("--top", type=int, default=10, help="layouts listed")
-    p.add_argument("--explain", type=int, default=3, help="layouts given with their derivation and command")
+    p.add_argument("--explain", type=int, default=None,
+                   help="layouts given with their memory and time by part and their command (default: all listed)")
     return p
 
 
@@ -187,6 +188,7 @@ def plan_main(argv: Optional[list[str]] = None) -> int:
         raise ConfigError(f"paratron plan does not model {not_modelled(cfg)} yet (docs/plan.md); remove it to plan "
                           "the rest")
     given = [as_given(cfg, cluster)] if runs else ["as given: the config's own layout does not run on this cluster"]
-    for line in report(cfg, cluster, rest, args.fp8, args.top, args.explain) + [""] + given:
+    explained = args.top if args.explain is None else args.explain
+    for line in report(cfg, cluster, rest, args.fp8, args.top, explained) + [""] + given:
         print(line)
     return 0
