@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import Config, ModelConfig
+from ..config import Config, ConfigError, ModelConfig
 from .activations import FP32, chunk_bytes, in_flight
 from .layout import Layout, layout_of
 from .shapes import Split, moe_pattern, unsupported
@@ -140,8 +140,11 @@ def startup_lines(cfg: Config, pp_rank: Optional[int] = None) -> list[str]:
     if missing:
         return [f" memory plan: not available for runs with {missing} (docs/plan.md)"]
     layout = layout_of(cfg)
-    mem = (fullest(cfg.model, cfg.padded_vocab_size, layout, cfg.parallel) if pp_rank is None
-           else rank_memory(cfg.model, cfg.padded_vocab_size, layout, pp_rank, cfg.parallel))
+    try:
+        mem = (fullest(cfg.model, cfg.padded_vocab_size, layout, cfg.parallel) if pp_rank is None
+               else rank_memory(cfg.model, cfg.padded_vocab_size, layout, pp_rank, cfg.parallel))
+    except ConfigError as e:  # a layout the planner cannot split (the run itself checked it already)
+        return [f" memory plan: not available ({e})"]
     where = f"pipeline rank {mem.pp_rank}" if layout.pp > 1 else "each rank"
     lines = [f" memory plan ({where}, {layout.sharding} sharding, recompute {layout.recompute or 'none'}): "
              f"predicted peak {gib(mem.peak)} allocated, {gib(mem.total)} with allocator slack",
