@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import Config, ConfigError, ModelConfig
-from .activations import FP32, chunk_bytes, in_flight
+from .activations import chunk_bytes, in_flight
 from .layout import Layout, layout_of
 from .shapes import Split, moe_pattern, unsupported
 from .state import State, chunk_tensors, rank_chunks, state
@@ -107,8 +107,7 @@ def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, pa
     layer_params = max((sum(t.numel for t in ts if ".layers." in t.name) // max(1, c[1])
                         for ts, c in zip(tensors, chunks)), default=0)
     return Memory(st.weights, st.grads, st.optimizer, acts, working, comm_bytes(model, layout, st, layer_params),
-                  st.host + (int(st.params * FP32 * layout.offload_fraction) if layout.offload_fraction else 0),
-                  pp_rank)
+                  st.host, pp_rank)
 
 
 def fullest(model: ModelConfig, vocab: int, layout: Layout, par=None) -> Memory:

@@ -138,6 +138,7 @@ class State:
     optimizer: int
     host: int = 0
     params: int = 0  # parameters (elements) of this rank's chunks
+    owned: int = 0  # elements this rank's optimizer steps (its shards with ZeRO)
     largest_bucket: int = 0  # elements of the largest gradient bucket
 
 
@@ -148,7 +149,7 @@ def optimizer_bytes(elems: int, pieces: int, mixed: bool) -> int:
 def state(chunks_tensors: list[list], layout: Layout, ranks: dict) -> State:
     """``ranks``: this rank's index in each gradient group ({"dp_cp": r, "edp": r}; missing: the largest
     shard over the group's ranks, the planner's worst case)."""
-    weights = grads = opt = params = largest = 0
+    weights = grads = opt = params = largest = owned = 0
     for tensors in chunks_tensors:
         for buf in buffers(tensors, layout):
             params += buf.numel
@@ -159,10 +160,13 @@ def state(chunks_tensors: list[list], layout: Layout, ranks: dict) -> State:
                 weights += buf.numel * layout.param_bytes
                 grads += buf.total * layout.grad_bytes
                 opt += optimizer_bytes(buf.numel, buf.count, layout.mixed)
+                owned += buf.numel
                 continue
+            owned += buf.shard_elems[idx]
             opt += optimizer_bytes(buf.shard_elems[idx], buf.shard_pieces[idx], layout.mixed)
             weights += (buf.total // buf.n if layout.zero >= 3 else buf.total) * layout.param_bytes
             grads += (buf.total // buf.n if layout.zero >= 2 else buf.total) * layout.grad_bytes
-    host = int(opt * layout.offload_fraction)
-    return State(weights, grads, opt - host, host, params, largest)
+    moved = int(opt * layout.offload_fraction)
+    grads_copy = int(owned * 4 * layout.offload_fraction)  # the fp32 gradients the host's optimizer steps from
+    return State(weights, grads, opt - moved, moved + grads_copy, params, largest, owned)
 
