@@ -117,7 +117,8 @@ def fullest(model: ModelConfig, vocab: int, layout: Layout, par=None) -> Memory:
 
 
 def gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """Bytes in GiB (MiB below one GiB: the tiny models of a first run)."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2 ** 20:.1f} MiB"
 
 
 def describe(mem: Memory) -> str:
