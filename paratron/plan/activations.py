@@ -111,6 +111,8 @@ def in_flight(layout: Layout, pp_rank: int) -> int:
         return 1
     if layout.vpp == 1:
         return min(layout.pp - pp_rank, m)
+    if m == layout.pp:  # Megatron's interleaved schedule: every chunk micro-batch is a warm-up one
+        return m * layout.vpp
     return min((layout.pp - pp_rank - 1) * 2 + (layout.vpp - 1) * layout.pp + 1, m * layout.vpp)
 
 

@@ -1,7 +1,8 @@
 """The planner's per-rank bytes of weights, gradient buffers and optimizer state equal the bytes of the real
 tensors of a Trainer after one step, on every rank of 4 gloo processes, for eleven layouts over TP (+SP), PP
 (+ virtual stages), CP, DP, EP (MoE) and multi-latent attention, with each data-parallel sharding strategy the config accepts; and
-the activation bytes of the layouts without pipelining against what autograd saves on each rank."""
+the activation bytes each rank holds at the peak of a training step (the pipeline's micro-batches in flight
+included) against what autograd really keeps for backward."""
 import pytest
 import torch
 
@@ -57,27 +58,52 @@ def predicted(cfg, dims) -> tuple[int, int, int]:
     return st.weights, st.grads, st.optimizer
 
 
-def saved_activation_bytes(trainer, batch) -> int:
-    """Bytes autograd saves for backward in one micro-batch's forward on this rank (each storage once, no
-    parameters), as tests/unit/test_plan_activations.py counts them."""
-    model = trainer.models[0]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
+class LiveSaved:
+    """Saved-tensor hooks that keep the bytes autograd holds for backward (each storage once, no parameters)
+    and their peak over a training step: a saved tensor counts until its graph lets it go."""
 
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.forward_step(iter([batch]), model)
-    return sum(seen.values())
+    def __init__(self, params: set):
+        self.params, self.refs, self.sizes, self.live, self.peak = params, {}, {}, 0, 0
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.params:
+            return t
+        if not self.refs.get(ptr):
+            self.sizes[ptr] = t.untyped_storage().nbytes()
+            self.live += self.sizes[ptr]
+            self.peak = max(self.peak, self.live)
+        self.refs[ptr] = self.refs.get(ptr, 0) + 1
+        return Held(self, ptr, t)
+
+    @staticmethod
+    def unpack(held):
+        return held.t if isinstance(held, Held) else held
+
+    def drop(self, ptr) -> None:
+        self.refs[ptr] -= 1
+        if not self.refs[ptr]:
+            self.live -= self.sizes.pop(ptr)
 
 
-def activations(cfg, dims, trainer, batch) -> tuple[int, int]:
-    """(measured, predicted) activation bytes of one micro-batch (layouts without pipelining)."""
+class Held:
+    def __init__(self, owner: LiveSaved, ptr: int, t):
+        self.owner, self.ptr, self.t = owner, ptr, t
+
+    def __del__(self):
+        self.owner.drop(self.ptr)
+
+
+def activations(cfg, dims, trainer) -> tuple[int, int]:
+    """(measured peak, predicted) activation bytes of this rank over one training step (all its micro-batches,
+    the pipeline schedule's in flight)."""
+    live = LiveSaved({p.untyped_storage().data_ptr() for m in trainer.models for p in m.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+        trainer.train_step()
     split = Split(dims.tp, dims.ep, dims.etp, dims.tp_rank, dims.ep_rank, dims.etp_rank)
-    predicted = rank_memory(cfg.model, cfg.padded_vocab_size, layout_of(cfg), 0, cfg.parallel, split=split).activations
-    return saved_activation_bytes(trainer, batch), predicted
+    predicted = rank_memory(cfg.model, cfg.padded_vocab_size, layout_of(cfg), dims.pp_rank, cfg.parallel,
+                            split=split).activations
+    return live.peak, predicted
 
 
 def compare(rank, world, strategy):
@@ -87,15 +113,14 @@ def compare(rank, world, strategy):
     for style, extra in LAYOUTS:
         cfg = tiny_config(style, **extra, **strategy_flags(strategy))
         dims = build_dims(cfg)
-        data = micro_batches(global_batches(cfg, 1), cfg, dims.dp_rank, dims.dp)
+        data = micro_batches(global_batches(cfg, 2), cfg, dims.dp_rank, dims.dp)
         trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims, data=(data, None))
         trainer.train_step()
-        acts = None
-        if strategy == "no_shard" and cfg.parallel.pipeline_model_parallel_size == 1 and not extra.get(
-                "multi_latent_attention"):  # (MLA's activations are an approximation: docs/plan.md)
-            batch = next(micro_batches(global_batches(cfg, 1, seed=3), cfg, dims.dp_rank, dims.dp))
-            acts = activations(cfg, dims, trainer, batch)
-        out.append((style, extra, measured(trainer), predicted(cfg, dims), acts))
+        state_bytes = measured(trainer), predicted(cfg, dims)
+        acts = None  # (MLA's activations are an approximation: docs/plan.md)
+        if strategy == "no_shard" and not extra.get("multi_latent_attention"):
+            acts = activations(cfg, dims, trainer)
+        out.append((style, extra, *state_bytes, acts))
         trainer.close()
     return out
 
@@ -109,7 +134,7 @@ def test_state_bytes_equal_the_tensors(strategy, tmp_path):
     for rank, results in enumerate(ranks):
         for style, extra, got, want, acts in results:
             assert got == want, f"rank {rank} {style} {extra}: measured {got}, predicted {want}"
-            if acts is not None and extra.get("expert_model_parallel_size", 1) == 1:  # TP + SP, CP: each rank
+            if acts is not None and extra.get("expert_model_parallel_size", 1) == 1:  # TP + SP, PP, CP: each rank
                 assert abs(acts[1] / acts[0] - 1) < 0.03, f"rank {rank} {style} {extra}: activations {acts}"
     for i, (style, extra, _, _, acts) in enumerate(ranks[0]):
         if acts is not None and extra.get("expert_model_parallel_size", 1) > 1:
