@@ -24,7 +24,7 @@ SET_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "
              "--micro-batch-size", "--sequence-parallel", "--use-distributed-optimizer", "--recompute-granularity",
              "--recompute-method", "--recompute-num-layers", "--data-parallel-sharding-strategy",
              "--optimizer-cpu-offload", "--optimizer-offload-fraction", "--overlap-grad-reduce",
-             "--overlap-param-gather", "--recompute-activations")
+             "--overlap-param-gather", "--recompute-activations", "--use-megatron-fsdp")
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -83,7 +83,8 @@ def command(c: Candidate, rest: list[str], cluster: Cluster) -> str:
     if L.sharding == "optim":
         flags += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     elif L.sharding != "no_shard":
-        flags += [f"--data-parallel-sharding-strategy {L.sharding}", "--overlap-grad-reduce", "--overlap-param-gather"]
+        flags += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {L.sharding}", "--overlap-grad-reduce",
+                  "--overlap-param-gather"]
     if L.recompute == "full":
         flags += ["--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"]
     elif L.recompute == "selective":

@@ -108,7 +108,8 @@ def search(model: ModelConfig, vocab: int, multiple: int, cluster: Cluster, base
 
 def rank_key(c: Candidate) -> tuple:
     """Fits first; then tokens/s (to 4 significant digits: a tie when all communication is hidden); then the
-    fewest model-parallel ranks (the model has no cost for small matmuls); then memory."""
+    fewest model-parallel ranks and the least sharding (the model has no cost for small matmuls nor for a
+    collective's latency); then memory."""
     L = c.layout
     speed = float(f"{c.tokens_per_s:.4g}")
-    return c.time is None, -speed, L.tp * L.pp * L.vpp * L.cp * L.ep, c.memory.total
+    return c.time is None, -speed, L.tp * L.pp * L.vpp * L.cp * L.ep, L.zero, c.memory.total

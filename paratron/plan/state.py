@@ -3,10 +3,12 @@ paratron/parallel/data.py lays the gradient buffers out (per model chunk, one bu
 tied pair; parameters in reverse module order, each start aligned to 64 elements, buckets padded to
 64 x the group size) and paratron/optim shards them (ZeRO-1: each rank owns one equal shard of every
 bucket). ZeRO-2 and ZeRO-3 (``--data-parallel-sharding-strategy optim_grads | optim_grads_params``) keep
-only that shard of the gradients, and of the weights, between uses; ``--optimizer-offload-fraction`` moves
+only that shard of the gradients, and of the weights, between uses (ZeRO-3's buckets end where a decoder
+layer, its unit of gathering, ends); ``--optimizer-offload-fraction`` moves
 that share of the fp32 masters and Adam moments (with their gradients' fp32 copy) to the host."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
@@ -14,6 +16,7 @@ from ..config.pipeline_split import chunk_layers
 from .layout import Layout
 from .shapes import Split, Tensor, chunk, moe_pattern
 
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 ALIGN = 64  # paratron/parallel/data.py's alignment of parameters and shards
 BUCKET_MIN, BUCKET_PER_RANK = 40_000_000, 1_000_000  # Megatron's default bucket with --overlap-grad-reduce
 ADAM_BYTES = 8  # two fp32 moments per element
@@ -38,10 +41,22 @@ class Buffer:
     count: int = 0  # parameters
 
 
-def spans_and_buckets(tensors: list[Tensor], n: int, bucket_size) -> tuple[list, list]:
-    """[(start, end)] of each parameter and [(start, end)] of each bucket, as GradBuffer._layout."""
-    spans, buckets, start, pos, open_ = [], [], 0, 0, False
+def unit(name: str) -> int:
+    """The ZeRO-3 unit of a parameter: its decoder layer, or -1 for the rest of the model (the root unit)."""
+    match = LAYER.match(name)
+    return int(match.group(1)) if match else -1
+
+
+def spans_and_buckets(tensors: list[Tensor], n: int, bucket_size, by_unit: bool = False) -> tuple[list, list]:
+    """[(start, end)] of each parameter and [(start, end)] of each bucket, as GradBuffer._layout (``by_unit``:
+    ZeRO-3's buckets also end where the unit changes)."""
+    spans, buckets, start, pos, open_, last = [], [], 0, 0, False, None
     for t in reversed(tensors):
+        if open_ and by_unit and unit(t.name) != last:
+            end = round_up(pos, ALIGN * n)
+            buckets.append((start, end))
+            start, pos = end, end
+        last = unit(t.name)
         pos = round_up(pos, ALIGN)
         spans.append((pos, pos + t.numel))
         pos += t.numel
@@ -55,8 +70,8 @@ def spans_and_buckets(tensors: list[Tensor], n: int, bucket_size) -> tuple[list,
     return spans, buckets
 
 
-def lay_out(tensors: list[Tensor], group: str, n: int, bucket_size) -> Buffer:
-    spans, buckets = spans_and_buckets(tensors, n, bucket_size)
+def lay_out(tensors: list[Tensor], group: str, n: int, bucket_size, by_unit: bool = False) -> Buffer:
+    spans, buckets = spans_and_buckets(tensors, n, bucket_size, by_unit)
     buf = Buffer(group, n, buckets[-1][1] if buckets else 0, sum(t.numel for t in tensors))
     buf.shard_elems, buf.shard_pieces = [0] * n, [0] * n
     buf.largest_bucket = max((e - s for s, e in buckets), default=0)
@@ -126,7 +141,7 @@ def buffers(tensors: list[Tensor], layout: Layout) -> list[Buffer]:
     out = []
     for (group, tied), ts in sorted(keys.items(), key=lambda kv: (kv[0][0] != "dp_cp", kv[0][1] is not None)):
         n = group_size(layout, group)
-        out.append(lay_out(ts, group, n, bucket_size_of(layout, n)))
+        out.append(lay_out(ts, group, n, bucket_size_of(layout, n), by_unit=layout.zero >= 3 and n > 1))
     return out
 
 
@@ -156,7 +171,8 @@ def state(chunks_tensors: list[list], layout: Layout, ranks: dict) -> State:
             largest = max(largest, buf.largest_bucket)
             r = ranks.get(buf.group)
             idx = r if r is not None else max(range(buf.n), key=lambda i: buf.shard_elems[i])
-            if layout.zero == 0:
+            level = layout.zero if buf.n > 1 else min(layout.zero, 1)  # one rank: nothing more to shard
+            if level == 0:
                 weights += buf.numel * layout.param_bytes
                 grads += buf.total * layout.grad_bytes
                 opt += optimizer_bytes(buf.numel, buf.count, layout.mixed)
@@ -164,8 +180,8 @@ def state(chunks_tensors: list[list], layout: Layout, ranks: dict) -> State:
                 continue
             owned += buf.shard_elems[idx]
             opt += optimizer_bytes(buf.shard_elems[idx], buf.shard_pieces[idx], layout.mixed)
-            weights += (buf.total // buf.n if layout.zero >= 3 else buf.total) * layout.param_bytes
-            grads += (buf.total // buf.n if layout.zero >= 2 else buf.total) * layout.grad_bytes
+            weights += (buf.total // buf.n if level >= 3 else buf.total) * layout.param_bytes
+            grads += (buf.total // buf.n if level >= 2 else buf.total) * layout.grad_bytes
     moved = int(opt * layout.offload_fraction)
     grads_copy = int(owned * 4 * layout.offload_fraction)  # the fp32 gradients the host's optimizer steps from
     return State(weights, grads, opt - moved, moved + grads_copy, params, largest, owned)

@@ -32,7 +32,8 @@ def test_each_zero_stage_shards_one_more_kind_of_state():
     assert zero["optim"].optimizer == pytest.approx(zero["no_shard"].optimizer / 4, rel=0.05)
     assert zero["optim"].grads == zero["no_shard"].grads and zero["optim_grads"].grads == zero["optim"].grads // 4
     assert zero["optim_grads"].weights == zero["optim"].weights
-    assert zero["optim_grads_params"].weights == zero["optim"].weights // 4
+    # (ZeRO-3's buckets end at each layer, so a little more padding than ZeRO-1's quarter)
+    assert zero["optim_grads_params"].weights == pytest.approx(zero["optim"].weights / 4, rel=0.02)
     assert zero["optim_grads_params"].comm > zero["optim_grads"].comm > zero["optim"].comm  # bucket, gathered layer
 
 
