@@ -1,7 +1,7 @@
 """Training throughput of paratron's real training step on one device, optionally beside the
 Hugging Face transformers baseline measured in the same process.
 
-    python benchmarks/train_throughput.py --config gpt-350m [--hf] [--variant NAME:FLAGS ...]
+    python benchmarks/train_throughput.py --config gpt-350m [--hf] [--variant NAME:FLAGS ...] [--plan h200]
     python benchmarks/train_throughput.py --config hybrid-mini --hf-family nemotron_h
 
 Each variant is a set of extra Megatron/paratron flags (e.g. `compiled:--torch-compile`, or a kernel switch
@@ -13,7 +13,9 @@ wall time over the timed steps. Writes a Markdown record (date, hardware, torch,
 table) to --record-dir (default: $OUT if set, else benchmarks/results). ``--hf-family F`` builds the Hugging Face
 baseline from the preset itself (paratron's config converted to family F's config.json, transformers' own
 model of that family with its own initialisation, bf16, torch.compile, torch's fused AdamW, the same micro-batch
-and sequence): the baseline for presets that peers.py does not know (hybrid-mini: NemotronH).
+and sequence): the baseline for presets that peers.py does not know (hybrid-mini: NemotronH). ``--plan KIND``: each
+variant's peak memory and step time beside what ``paratron plan``'s models predict for it on that GPU kind
+(docs/plan.md).
 """
 from __future__ import annotations
 
@@ -39,12 +41,26 @@ def sync():
         torch.cuda.synchronize()
 
 
-def run_paratron(preset: str, flags: list[str], warmup: int, steps: int) -> dict:
+def predicted(cfg, kind: str, efficiency: float) -> dict:
+    """paratron plan's peak allocated memory (GiB) and step time (ms) of the run's layout on one ``kind`` GPU."""
+    from paratron.plan.cost import Cluster, step_time
+    from paratron.plan.layout import layout_of
+    from paratron.plan.memory import rank_memory
+    from paratron.plan.search import dp_bytes
+    layout, v = layout_of(cfg), cfg.padded_vocab_size
+    mem = rank_memory(cfg.model, v, layout, 0, cfg.parallel)
+    t = step_time(cfg.model, v, layout, Cluster(1, 1, kind, matmul_efficiency=efficiency), *dp_bytes(cfg.model, v,
+                                                                                                  layout, {}))
+    return dict(plan_mem_gib=round(mem.peak / 2**30, 2), plan_step_ms=round(t.total * 1e3, 1))
+
+
+def run_paratron(preset: str, flags: list[str], warmup: int, steps: int, plan=None) -> dict:
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
     from paratron.train.metrics import flops_per_iteration, peak_tflops
     cfg = parse_args(["--config", preset, "--train-iters", str(warmup + steps + 1), "--eval-iters", "0",
                       "--log-interval", "1000000", *flags])
+    plan_row = predicted(cfg, *plan) if plan else {}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t = Trainer(cfg)
@@ -69,7 +85,10 @@ def run_paratron(preset: str, flags: list[str], warmup: int, steps: int) -> dict
                mfu=round(100 * flops / dt / 1e12 / peak, 1),
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else None,
                loss=round(loss, 3), micro_batch=cfg.train.micro_batch_size, flops_per_token=flops / tokens,
-               warmup_s=round(warmup_s))
+               warmup_s=round(warmup_s), **plan_row)
+    if plan and torch.cuda.is_available():
+        out["mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        out["reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     t.close()
     del t
     gc.collect()
@@ -125,7 +144,8 @@ def run_hf_family(preset: str, family: str, warmup: int, steps: int) -> dict:
 def run_variant(args, flags: str) -> dict:
     """One variant in this process."""
     try:
-        return run_paratron(args.config, flags.split(), args.warmup, args.steps)
+        plan = (args.plan, args.plan_efficiency) if args.plan else None
+        return run_paratron(args.config, flags.split(), args.warmup, args.steps, plan)
     except Exception as e:  # record the failure, keep measuring the rest
         import traceback
         traceback.print_exc()
@@ -139,8 +159,21 @@ def run_child(args, name: str, flags: str) -> dict:
         cmd = [sys.executable, __file__, "--config", args.config, "--warmup", str(args.warmup), "--steps",
                str(args.steps), "--variant", f"{name}:{flags}", "--child-json", str(out)]
         cmd += [f"--inductor={kv}" for kv in args.inductor] + ([f"--blas={args.blas}"] if args.blas else [])
+        cmd += [f"--plan={args.plan}", f"--plan-efficiency={args.plan_efficiency}"] if args.plan else []
         rc = subprocess.run(cmd).returncode
         return json.loads(out.read_text()) if out.exists() else dict(error=f"variant process exited with {rc}")
+
+
+def plan_table(rows: list[dict]) -> str:
+    """Predicted against measured, per variant (paratron plan's acceptance: memory 10 %, time 20 %)."""
+    out = ["| variant | predicted GiB | max allocated GiB | error | max reserved GiB | predicted ms | step ms | error |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "plan_mem_gib" in r and r.get("mem_gib"):
+            out.append(f"| {r['system']} `{r['flags']}` | {r['plan_mem_gib']} | {r['mem_gib']} | "
+                       f"{r['plan_mem_gib'] / r['mem_gib'] - 1:+.1%} | {r['reserved_gib']} | {r['plan_step_ms']} | "
+                       f"{r['step_ms']} | {r['plan_step_ms'] / r['step_ms'] - 1:+.1%} |")
+    return "\n".join(out)
 
 
 def main() -> int:
@@ -158,6 +191,9 @@ def main() -> int:
                    help="set torch._inductor.config.KEY (an experiment knob, e.g. coordinate_descent_tuning=True)")
     p.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
                    help="torch.backends.cuda.preferred_blas_library for the paratron variants (experiment)")
+    p.add_argument("--plan", default=None, metavar="GPU_KIND",
+                   help="also the plan's predicted peak memory and step time of each variant (h100 | h200 | a100)")
+    p.add_argument("--plan-efficiency", type=float, default=0.5, help="the plan's --matmul-efficiency")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # run_child's: one variant, its result here
     args = p.parse_args()
@@ -205,6 +241,8 @@ def main() -> int:
         lines.append(f"| {r['system']} | `{r['flags']}` | {r.get('step_ms')} | {r.get('tok_s')} | {r.get('tflops')} | "
                      f"{r.get('mfu')} | {r.get('peak_mem_gb')} | {r.get('loss')} | {ratio} |"
                      + (f" error: {r['error']}" if "error" in r else ""))
+    if args.plan:
+        lines += ["", plan_table(rows)]
     table = "\n".join(lines)
     print("\n" + table)
     write_record(args.record_dir, f"train_throughput_{args.config}", f"Training throughput: {args.config}", device,

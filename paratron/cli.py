@@ -1,4 +1,4 @@
-"""`paratron` command line: train | demo | preprocess | tokenizer train | convert | generate | serve |
+"""`paratron` command line: train | demo | preprocess | tokenizer train | convert | generate | serve | plan |
 config-docs.
 
 User mistakes (bad flags, bad data, unreadable checkpoints: paratron.errors.UserError) end with one
@@ -19,6 +19,7 @@ commands:
   convert --to hf|--from hf ...                   convert checkpoints to and from Hugging Face
   generate --load CKPT --prompt TEXT [...]        continue prompts with a checkpoint or HF model
   serve --load CKPT [--port 5000]                 HTTP server: Megatron's PUT /api and OpenAI's /v1 API
+  plan --gpus N [--gpu h100] [model flags]          the layouts that fit, ranked by predicted tokens/s
   launch [torchrun flags] COMMAND [flags]         torchrun for a paratron command; a user error ends
                                                   with its one line and exit code 2
   config-docs                                     print the configuration reference (Markdown)
@@ -35,6 +36,10 @@ def user_errors() -> tuple:
 def run_train(argv: list[str]) -> int:
     from .train.resolve import parse_args
     cfg = parse_args(argv)  # a flag mistake is reported before the trainer's imports (~2 s) are paid
+    if cfg.train.dry_run:  # the memory plan alone: no trainer, no process group
+        from .plan.memory import dry_run
+        dry_run(cfg)
+        return 0
     from .train.loop import pretrain
     ok = False
     try:
@@ -86,6 +91,9 @@ def dispatch(argv: list[str]) -> int:
     if cmd in ("generate", "serve"):
         from .inference import cli as inference_cli
         return (inference_cli.generate_main if cmd == "generate" else inference_cli.serve_main)(rest)
+    if cmd == "plan":
+        from .plan.cli import plan_main
+        return plan_main(rest)
     if cmd == "launch":
         from .launch import launch_main
         return launch_main(rest)

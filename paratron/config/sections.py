@@ -245,6 +245,7 @@ class TrainConfig(Section):
     no_manual_gc_eval: bool = False  # with --manual-gc: no collection around evaluations
     empty_unused_memory_level: int = 0  # 1: return cached CUDA memory after each step; 2: also after evaluation
     disable_bf16_reduced_precision_matmul: bool = False  # with --bf16: bf16 matmuls reduce in fp32 (torch backend flag)
+    dry_run: bool = False  # paratron: print the memory plan (docs/plan.md), then stop before building the model
 
 
 @dataclass(eq=True)

@@ -26,6 +26,7 @@ from .guards import StepGuard, StopSignal, data_worker_init, kill_workers_at_exi
 from .preflight import preflight
 from .logger import RunLogger
 from .metrics import flops_per_iteration, peak_tflops
+from ..plan.memory import dry_run, startup_lines as memory_lines
 from .reporting import Reporter, TimedIterator, wandb_run
 from .runtime import GarbageCollection, apply_bf16_matmul_reduction, apply_deterministic_mode, apply_logging_level
 from .microbatches import MicroBatches, check_batch_sizes
@@ -254,6 +255,8 @@ class Trainer(Checkpointing, Evaluation, RunControl):
                        f"iterations, global batch {tr.global_batch_size}, {self._micro} micro-batches of "
                        f"{tr.micro_batch_size}, device {self.device}"
                        + (f" ({threads(torch.get_num_threads())}, --cpu-threads)" if self.device.type == "cpu" else ""))
+        for line in memory_lines(self.cfg):  # the fullest pipeline rank's
+            self.log.print(line)
         for line in switches.startup_lines(self.kernels_asked, self.cfg.kernels, self.device, params_dtype(self.cfg),
                                            tr.deterministic_mode):
             self.log.print(line)
@@ -279,7 +282,10 @@ def threads(n: int) -> str:
 
 def pretrain(cfg: Config, eval_at_start: bool = False) -> dict:
     """Train as ``pretrain_gpt.py`` does; returns the final iteration and loss curves.
-    ``eval_at_start`` also measures the validation loss of the untrained model (the demo does)."""
+    ``eval_at_start`` also measures the validation loss of the untrained model (the demo does).
+    ``--dry-run``: the memory plan of the layout is printed and nothing is built."""
+    if cfg.train.dry_run:
+        return dry_run(cfg)
     trainer = Trainer(cfg)
     try:
         if eval_at_start and trainer.valid_iter is not None:

@@ -5,7 +5,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "paratron"
 NOT = {"kernels": {"model", "parallel", "train"}, "fp8": {"model", "parallel", "train"}, "parallel": {"model", "train"},
-       "model": {"checkpoint", "inference", "train"}}  # config: nothing but itself and errors
+       "model": {"checkpoint", "inference", "train"},
+       # the planner is pure arithmetic over the config: nothing that builds or runs a model
+       "plan": {"model", "parallel", "train", "kernels", "fp8", "optim", "data", "checkpoint", "inference", "core"}}
+# config: nothing but itself and errors
 
 
 def imports():

@@ -1,0 +1,143 @@
+"""Activation memory: the bytes autograd keeps for the backward pass, per layer and micro-batch, in the
+accounting of Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"),
+term by term for paratron's layers (what each of them saves, counted on CPU by
+tests/unit/test_plan_activations.py with saved-tensor hooks):
+
+* per norm: its input (RMSNorm: in fp32, and its normalised input), its fp32 statistics;
+* the inputs of the QKV and fc1 (or router) matmuls;
+* attention: the fused QKV output, the rotated queries and keys (rope), the attention output and the fp32
+  log-sum-exp per head (flash / memory-efficient attention keep no s x s scores: Korthikanti's 5as/h term
+  is gone); selective recomputation (core_attn) keeps the output projection's input instead; context
+  parallelism's ring adds its contiguous K/V and merged log-sum-exp;
+* the MLP: fc1's output and the activation's output (gated: fc1 output 2f, activation f, fc2 input f);
+* MoE: the router's fp32 logits and routing indices, and per routed token (top-k) the permuted input,
+  the expert MLP's tensors and the unpermute's (with expert parallelism: the all-to-all's buffers too;
+  the share of routed tokens a rank gets is taken as even);
+* dropout masks (1 byte, CUDA's dropout; torch's CPU dropout keeps a mask in the activation dtype) when
+  --hidden-dropout > 0: after the embedding, attention and the MLP.
+
+Tensor parallelism divides the attention and MLP terms; sequence parallelism also the norms' terms. The
+column-parallel matmuls keep their whole input: under sequence parallelism paratron saves the all-gathered
+input for the weight gradient (Megatron saves the shard and gathers it again in backward). Full recomputation keeps a recomputed layer's input alone. A pipeline stage holds
+the micro-batches in flight of its schedule (1F1B: PP - rank; interleaved: Megatron's warm-up count)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from .layout import Layout
+
+FP32, INDEX = 4, 8
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """Bytes one layer saves for one micro-batch on one rank: replicated over TP without sequence parallelism
+    (``sp``), split over TP (``tp``); ``input``: what full recomputation keeps."""
+    full: int
+    input: int
+
+
+def dims_of(model: ModelConfig) -> tuple[int, int, int]:
+    """(query width, key width, heads) of one layer's attention."""
+    heads = model.num_attention_heads
+    if model.multi_latent_attention:  # queries and keys of qk + rope dims per head (values taken as keys)
+        d = model.qk_head_dim + model.qk_pos_emb_head_dim
+        return heads * d, heads * d, heads
+    return heads * model.kv_channels, model.num_query_groups * model.kv_channels, heads
+
+
+def norm_bytes(model: ModelConfig, a: int) -> int:
+    """Per token: what one norm saves. LayerNorm: its input and fp32 statistics; RMSNorm (computed in fp32,
+    model/norms.py): the fp32 input, the statistic, and the normalised input cast back for the weight."""
+    h = model.hidden_size
+    return (h * a + 2 * FP32) if model.normalization == "LayerNorm" else (h * FP32 + h * a + FP32)
+
+
+def attention_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
+    """Per token, before the TP split: QKV output, rotated q and k, the output, the log-sum-exp."""
+    q, kv, heads = dims_of(model)
+    out = (q * (2 if model.attention_output_gate else 1) + 2 * kv) * a + q * a
+    if model.position_embedding_type in ("rope", "yarn") or model.multi_latent_attention:
+        out += (q + kv) * a
+    if layout.cp > 1:  # the ring keeps its own contiguous K/V of the local chunk and the merged log-sum-exp
+        out += 2 * kv * a + heads * FP32
+    return out + (0 if layout.recompute == "selective" else heads * FP32)
+
+
+def mlp_bytes(model: ModelConfig, ffn: int, a: int) -> int:
+    gated = model.swiglu or model.quick_geglu
+    return (4 if gated else 2) * ffn * a
+
+
+def moe_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
+    """Per token of the layer's input on this rank: router logits and indices, then top-k routed copies (under
+    sequence parallelism each TP rank routes its own tokens), and the shared expert (a TP-split MLP)."""
+    h, k, f = model.hidden_size, model.moe_router_topk, model.moe_ffn_hidden_size // layout.etp
+    gated = model.swiglu or model.quick_geglu
+    router = model.num_experts * FP32 + k * (2 * FP32 + 3 * INDEX)
+    routed = k * ((3 if layout.ep == 1 else 5) * h + (4 if gated else 2) * f) * a  # EP: all-to-all buffers
+    per_rank = (router + routed) // (layout.tp if layout.sequence_parallel else 1)
+    shared = model.moe_shared_expert_intermediate_size
+    return per_rank + (mlp_bytes(model, shared, a) // layout.tp if shared else 0)
+
+
+def layer_bytes(model: ModelConfig, layout: Layout, is_moe: bool) -> LayerBytes:
+    """One layer, one micro-batch, this rank."""
+    a, h, t = layout.param_bytes, model.hidden_size, layout.tp
+    tokens = layout.micro_batch * layout.seq_length // layout.cp
+    sp = 2 * norm_bytes(model, a) + (2 * h if model.hidden_dropout > 0 else 0)
+    split = attention_bytes(model, layout, a)
+    mlp = moe_bytes(model, layout, a) if is_moe else mlp_bytes(model, model.ffn_hidden_size, a) // t
+    inputs = 2 * h * a  # the QKV and fc1 (router) matmuls' inputs, all-gathered first under SP
+    per_token = (sp // t if layout.sequence_parallel else sp) + inputs + split // t + mlp
+    keep = h * a // (t if layout.sequence_parallel else 1)
+    return LayerBytes(tokens * per_token, tokens * keep)
+
+
+def head_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
+    """The last stage's final norm, output matmul input and logits-sized loss tensor, one micro-batch."""
+    a, t = layout.param_bytes, layout.tp
+    tokens = layout.micro_batch * layout.seq_length // layout.cp
+    sp = norm_bytes(model, a)
+    inputs = model.hidden_size * a  # the output layer's input, all-gathered under SP
+    return tokens * ((sp // t if layout.sequence_parallel else sp) + inputs + vocab // t * a + 2 * INDEX)
+
+
+def in_flight(layout: Layout, pp_rank: int) -> int:
+    """Micro-batches (interleaved: chunk micro-batches) whose activations a pipeline rank holds at once."""
+    m = layout.microbatches
+    if layout.pp == 1:
+        return 1
+    if layout.vpp == 1:
+        return min(layout.pp - pp_rank, m)
+    if m == layout.pp:  # Megatron's interleaved schedule: every chunk micro-batch is a warm-up one
+        return m * layout.vpp
+    return min((layout.pp - pp_rank - 1) * 2 + (layout.vpp - 1) * layout.pp + 1, m * layout.vpp)
+
+
+def edge_bytes(model: ModelConfig, layout: Layout, vocab: int, pre: bool, post: bool) -> int:
+    """The embedding's dropout mask (first chunk) and the loss head (last chunk), one micro-batch."""
+    tokens = layout.micro_batch * layout.seq_length // layout.cp
+    mask = tokens * model.hidden_size // (layout.tp if layout.sequence_parallel else 1)
+    return (mask if pre and model.hidden_dropout > 0 else 0) + (head_bytes(model, layout, vocab) if post else 0)
+
+
+def chunk_bytes(model: ModelConfig, layout: Layout, layers: list, vocab: int, pre: bool,
+                post: bool) -> tuple[int, int]:
+    """(saved bytes of one micro-batch through this chunk, the backward's working set: the largest layer, or
+    with full recomputation the largest group recomputed at once). ``layers``: the chunk's MoE flags (0/1
+    per layer); full recomputation keeps inputs only (Megatron's --recompute-method uniform: every
+    --recompute-num-layers layers one input; block: the first --recompute-num-layers layers' inputs, the
+    others whole)."""
+    per = [layer_bytes(model, layout, bool(x)) for x in layers]
+    if layout.recompute != "full" or not per:
+        return sum(p.full for p in per) + edge_bytes(model, layout, vocab, pre, post), \
+            max((p.full for p in per), default=0)
+    n = min(layout.recompute_num_layers or 1, len(per))  # (the model recomputes one layer at a time without it)
+    if layout.recompute_method == "block":  # the first n layers recomputed, the rest kept whole
+        saved, working = sum(p.input for p in per[:n]) + sum(p.full for p in per[n:]), max(p.full for p in per)
+    else:  # uniform: groups of n layers, each keeping its first input; backward recomputes one group at a time
+        groups = [per[i: i + n] for i in range(0, len(per), n)]
+        saved, working = sum(g[0].input for g in groups), max(sum(p.full for p in g) for g in groups)
+    return saved + edge_bytes(model, layout, vocab, pre, post), working

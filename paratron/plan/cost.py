@@ -1,0 +1,139 @@
+"""Step time of a layout: matmul FLOPs (Megatron's formula, paratron/plan/flops.py) at a stated fraction of
+the GPU's dense peak, recomputation's extra forward, the pipeline bubble, and each collective's volume over
+the bandwidth of the link its group spans (NVLink inside a node, the network across nodes), exposed unless
+it overlaps compute as paratron overlaps it. Every constant that is not the user's is named in
+:class:`Cluster` with its source; docs/plan.md lists the assumptions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .flops import flops_per_iteration, mla_attention_terms
+from .layout import Layout
+
+GB = 1e9
+GIB = 1024 ** 3
+# kind: (memory GiB (the vendor's GB, in GiB), dense bf16 TFLOP/s, dense fp8 TFLOP/s or None,
+#        NVLink GB/s per GPU and direction, network GB/s per GPU) from the vendors' datasheets (SXM parts,
+#        one 400 Gb/s NIC per H100/H200, 200 Gb/s per A100)
+GPUS = {"h100": (80 * GB / GIB, 989.0, 1979.0, 450.0, 50.0), "h200": (141 * GB / GIB, 989.0, 1979.0, 450.0, 50.0),
+        "a100": (80 * GB / GIB, 312.0, None, 300.0, 25.0), "a100-40gb": (40 * GB / GIB, 312.0, None, 300.0, 25.0)}
+MATMUL_EFFICIENCY = 0.5  # assumed fraction of the dense peak a layer's matmuls reach (--matmul-efficiency)
+HOST_GBPS = 25.0  # assumed host <-> GPU copy bandwidth (PCIe 5 x16, per direction) for optimizer offload
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int = 8
+    kind: Optional[str] = "h100"
+    memory_gib: Optional[float] = None  # default: the kind's
+    intra_gbps: Optional[float] = None  # GB/s per GPU inside a node (default: the kind's NVLink)
+    inter_gbps: Optional[float] = None  # GB/s per GPU across nodes (default: the kind's network)
+    matmul_efficiency: float = MATMUL_EFFICIENCY
+    host_gbps: float = HOST_GBPS
+
+    def spec(self) -> tuple:
+        if self.kind is None:
+            return (None, GPUS["h100"][1], GPUS["h100"][2], GPUS["h100"][3], GPUS["h100"][4])
+        if self.kind not in GPUS:
+            raise ConfigError(f"--gpu {self.kind}: unknown GPU kind; use one of {', '.join(GPUS)} "
+                              "(--gpu-memory-gib and --intra-node-gbps / --inter-node-gbps override its figures)")
+        return GPUS[self.kind]
+
+    @property
+    def memory(self) -> int:
+        gib = self.memory_gib if self.memory_gib is not None else self.spec()[0]
+        if gib is None:
+            raise ConfigError("give --gpu KIND or --gpu-memory-gib")
+        return int(gib * GIB)
+
+    def peak(self, fp8: bool) -> float:
+        bf16, f8 = self.spec()[1:3]
+        return (f8 if fp8 and f8 else bf16) * 1e12
+
+    def bandwidth(self, extent: int) -> float:
+        """Bytes/s per GPU of a group whose ranks span ``extent`` consecutive ranks (Megatron's order)."""
+        intra, inter = self.spec()[3:5]
+        if extent <= self.gpus_per_node:
+            return (self.intra_gbps or intra) * GB
+        return (self.inter_gbps or inter) * GB
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step, by part (the exposed share of each collective)."""
+    compute: float
+    recompute: float
+    bubble: float
+    tp: float
+    cp: float
+    ep: float
+    pp: float
+    dp: float
+    offload: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts().values())
+
+    def parts(self) -> dict:
+        return {k: getattr(self, k) for k in ("compute", "recompute", "bubble", "tp", "cp", "ep", "pp", "dp",
+                                              "offload")}
+
+
+def ring(n: int) -> float:
+    """The per-rank traffic factor of a ring all-gather or reduce-scatter over n ranks."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def core_flops(model: ModelConfig, batch: int, seq: int) -> float:
+    """The attention core's FLOPs of an iteration: megatron_facts section 5's s^2 term (causal as half)."""
+    per_pair = mla_attention_terms(model)[1] if model.multi_latent_attention else \
+        6.0 * model.kv_channels * model.num_attention_heads
+    return float(batch) * seq * seq * per_pair * model.num_layers
+
+
+def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, grad_bytes: int,
+              param_bytes_dp: int) -> StepTime:
+    """``grad_bytes`` / ``param_bytes_dp``: this rank's gradient and weight bytes that data parallelism
+    reduces and gathers each step."""
+    L, m, a, h = layout, layout.microbatches, layout.param_bytes, model.hidden_size
+    total = flops_per_iteration(model, vocab, L.global_batch, L.seq_length)
+    core = core_flops(model, L.global_batch, L.seq_length)
+    dense_peak, peak = cluster.peak(False) * cluster.matmul_efficiency, cluster.peak(L.fp8) * cluster.matmul_efficiency
+    per_gpu = 1.0 / L.world
+    head = 6.0 * h * vocab * L.global_batch * L.seq_length  # the output layer (never FP8)
+    layers_mm = total - core - head  # the layers' matmuls: FP8 with --fp8-format
+    compute = per_gpu * (layers_mm / peak + (head + core) / dense_peak)
+    # full: the layers' forward again (a third of their forward + backward); selective: the attention core's
+    recompute = per_gpu * {"full": (layers_mm / peak + core / dense_peak) / 3,
+                           "selective": core / dense_peak / 3}.get(L.recompute, 0.0)
+    bubble = (compute + recompute) * (L.pp - 1) / (L.vpp * m)
+    tokens = L.micro_batch * L.seq_length // L.cp
+    layers = model.num_layers / L.pp
+    act = tokens * h * a
+    tp = 4 * 2 * ring(L.tp) * act * layers * m / cluster.bandwidth(L.tp)
+    kv = model.kv_channels * model.num_query_groups
+    cp_comm = 3 * (L.cp - 1) * tokens * 2 * kv * a * layers * m / cluster.bandwidth(L.tp * L.cp)
+    cp = max(0.0, cp_comm - core * per_gpu / dense_peak)  # the ring overlaps the attention core only
+    moe_layers = layers if model.num_experts else 0
+    ep = 4 * ring(L.ep) * tokens * model.moe_router_topk * h * a * moe_layers * m / cluster.bandwidth(L.ep * L.etp) \
+        if model.num_experts else 0.0
+    pp = 2 * act / (L.tp if L.sequence_parallel else 1) * m * L.vpp / cluster.bandwidth(L.world) if L.pp > 1 else 0.0
+    dp_bw = cluster.bandwidth(L.tp * L.cp * L.dp)
+    n, busy = L.dp * L.cp, compute + recompute
+    full_grads = grad_bytes * (n if L.zero >= 2 else 1)  # ZeRO-2/3 hold a shard: the collectives move all of it
+    full_weights = param_bytes_dp * (n if L.zero >= 3 else 1)
+    if L.zero <= 1:  # all-reduce (or reduce-scatter) bucket by bucket during the last micro-batch's backward
+        dp = max(0.0, (2 if L.zero == 0 else 1) * ring(n) * full_grads / dp_bw - busy * 2 / 3 / m)
+    else:  # no full gradient buffer: a reduce-scatter every micro-batch, during each backward
+        dp = max(0.0, m * ring(n) * full_grads / dp_bw - busy * 2 / 3)
+    if L.zero in (1, 2):  # the updated weights all-gathered during the next step's first forward
+        dp += max(0.0, ring(n) * full_weights / dp_bw - busy / 3 / m)
+    if L.zero == 3:  # every layer gathered for each micro-batch's forward and again for its backward, prefetched
+        dp += max(0.0, 2 * m * ring(n) * full_weights / dp_bw - busy)
+    offload = L.offload_fraction * (grad_bytes + param_bytes_dp) / (cluster.host_gbps * GB)
+    return StepTime(compute, recompute, bubble, tp, cp, ep, pp, dp, offload)

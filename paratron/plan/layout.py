@@ -1,0 +1,110 @@
+"""One candidate layout of a run, everything the memory and time models read: the parallel sizes, the
+data-parallel sharding strategy (ZeRO-1/2/3), recomputation, optimizer offload, micro-batch, precision.
+:func:`layout_of` reads it from a resolved config; the search builds them directly."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import FIELD_SECTION, Config
+
+# Megatron's --data-parallel-sharding-strategy values: what data parallelism shards besides nothing.
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+ZERO = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    sharding: str = "no_shard"  # STRATEGIES
+    recompute: Optional[str] = None  # None | selective | full
+    recompute_method: str = "uniform"  # full: uniform | block
+    recompute_num_layers: Optional[int] = None  # full: --recompute-num-layers (None: 1, as the model)
+    micro_batch: int = 1
+    global_batch: int = 1
+    seq_length: int = 2048
+    param_bytes: int = 2  # the model's weights: 2 (bf16/fp16) or 4 (fp32)
+    grad_bytes: int = 4  # the gradient buffers: fp32 unless --grad-reduce-in-bf16 (or fp16 without fp32 grads)
+    fp8: bool = False
+    fp8_param_gather: bool = False
+    offload_fraction: float = 0.0  # share of fp32 masters and Adam moments kept on the host
+    bucket_size: Optional[int] = None  # --ddp-bucket-size: elements per gradient bucket
+    overlap_grad_reduce: bool = False  # without a bucket size: Megatron's default buckets (else one per buffer)
+    overlap_param_gather: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """The experts' data-parallel size."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    @property
+    def microbatches(self) -> int:
+        return max(1, self.global_batch // (self.micro_batch * self.dp))
+
+    @property
+    def zero(self) -> int:
+        return ZERO[self.sharding]
+
+    @property
+    def mixed(self) -> bool:
+        """fp32 masters beside lower-precision weights."""
+        return self.param_bytes < 4
+
+    def replace(self, **changes) -> "Layout":
+        return dataclasses.replace(self, **changes)
+
+
+def field(cfg: Config, name: str, default):
+    """A config field that may not exist in this version of paratron (a flag of another branch): its value,
+    else ``default``."""
+    return cfg.get(name) if name in FIELD_SECTION else default
+
+
+def sharding_of(cfg: Config) -> str:
+    given = field(cfg, "data_parallel_sharding_strategy", None)
+    if given is not None and given != "no_shard":
+        return given
+    return "optim" if cfg.parallel.use_distributed_optimizer else "no_shard"
+
+
+def precision_of(cfg: Config) -> tuple[int, int]:
+    """(weight bytes, gradient-buffer bytes) of the run, by Megatron's rule for the gradient dtype."""
+    tr, par = cfg.train, cfg.parallel
+    if tr.bf16:
+        return 2, 2 if par.grad_reduce_in_bf16 else 4
+    if tr.fp16:
+        return 2, 4 if par.accumulate_allreduce_grads_in_fp32 else 2
+    return 4, 4
+
+
+def layout_of(cfg: Config) -> Layout:
+    """The layout a resolved config runs."""
+    par, tr = cfg.parallel, cfg.train
+    param_bytes, grad_bytes = precision_of(cfg)
+    offload = field(cfg, "optimizer_offload_fraction", 1.0) if field(cfg, "optimizer_cpu_offload", False) else 0.0
+    dp = cfg.data_parallel_size
+    return Layout(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
+                  vpp=par.virtual_pipeline_model_parallel_size or 1, cp=par.context_parallel_size,
+                  ep=par.expert_model_parallel_size,
+                  etp=par.expert_tensor_parallel_size or par.tensor_model_parallel_size, dp=dp,
+                  sequence_parallel=par.sequence_parallel and par.tensor_model_parallel_size > 1,
+                  sharding=sharding_of(cfg), recompute=tr.recompute_granularity,
+                  recompute_method=tr.recompute_method or "uniform",
+                  recompute_num_layers=tr.recompute_num_layers if tr.recompute_granularity == "full" else None,
+                  micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_length=cfg.model.seq_length,
+                  param_bytes=param_bytes, grad_bytes=grad_bytes, fp8=tr.fp8_format is not None,
+                  fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
+                  bucket_size=par.ddp_bucket_size, overlap_grad_reduce=par.overlap_grad_reduce,
+                  overlap_param_gather=par.overlap_param_gather)

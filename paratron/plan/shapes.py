@@ -1,0 +1,157 @@
+"""The parameters one rank holds, as the model builds them: name, elements on this rank, the gradient group
+they are reduced over and whether they are a tied pair's copy, in module order (the order the gradient
+buffers lay them out in, reversed). Read off the resolved model config and the layout alone, so the planner
+can count a 405B model on a laptop; tests/unit/test_plan_memory.py compares it with the real model's tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import ModelConfig
+from ..config.layer_patterns import parse_moe_layer_freq
+from ..errors import ConfigError
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    numel: int  # elements on this rank
+    group: str = "dp_cp"  # the gradient's data-parallel group: dp_cp (dense) | edp (experts)
+    tied: Optional[str] = None  # "embedding": a tied pair's copy on a pipeline's first or last stage
+
+
+@dataclass(frozen=True)
+class Split:
+    """This rank's place on the axes that cut parameters: tensor, expert and expert-tensor parallelism."""
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    tp_rank: int = 0
+    ep_rank: int = 0
+    etp_rank: int = 0
+
+
+def part(n: int, size: int, rank: int) -> int:
+    """Elements of ``n`` on rank ``rank`` of ``size`` when cut as equally as possible."""
+    return n // size + (1 if rank < n % size else 0)
+
+
+def unsupported(cfg: ModelConfig) -> Optional[str]:
+    """What of this model the memory model does not count yet (None: everything)."""
+    for name, on in (("--mtp-num-layers", cfg.mtp_num_layers), ("--moe-latent-size", cfg.moe_latent_size),
+                     ("--hybrid-layer-pattern", cfg.hybrid_layer_pattern),
+                     ("--experimental-attention-variant", cfg.experimental_attention_variant)):
+        if on:
+            return name
+    return None
+
+
+def norm(prefix: str, cfg: ModelConfig, size: int) -> list[Tensor]:
+    out = [Tensor(prefix + ".weight", size)]
+    return out + [Tensor(prefix + ".bias", size)] if cfg.normalization == "LayerNorm" else out
+
+
+def mlp(prefix: str, cfg: ModelConfig, ffn: int, s: Split) -> list[Tensor]:
+    """A dense MLP (or a shared expert) of width ``ffn``, split over TP."""
+    width = ffn * (2 if (cfg.swiglu or cfg.quick_geglu) else 1)
+    bias = not cfg.disable_bias_linear
+    out = [Tensor(f"{prefix}.linear_fc1.weight", part(width, s.tp, s.tp_rank) * cfg.hidden_size)]
+    out += [Tensor(f"{prefix}.linear_fc1.bias", part(width, s.tp, s.tp_rank))] if bias else []
+    out += [Tensor(f"{prefix}.linear_fc2.weight", cfg.hidden_size * part(ffn, s.tp, s.tp_rank))]
+    return out + ([Tensor(f"{prefix}.linear_fc2.bias", cfg.hidden_size)] if bias else [])
+
+
+def attention(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
+    if cfg.multi_latent_attention:
+        return mla(prefix, cfg, s)
+    d, h = cfg.kv_channels, cfg.hidden_size
+    parts = 2 if cfg.attention_output_gate else 1
+    qkv = (cfg.num_attention_heads * parts + 2 * cfg.num_query_groups) * d
+    rows = part(qkv, s.tp, s.tp_rank)
+    out = [Tensor(f"{prefix}.linear_qkv.weight", rows * h)]
+    out += [Tensor(f"{prefix}.linear_qkv.bias", rows)] if (not cfg.disable_bias_linear or cfg.add_qkv_bias) else []
+    if cfg.qk_layernorm:
+        out += norm(f"{prefix}.q_layernorm", cfg, d) + norm(f"{prefix}.k_layernorm", cfg, d)
+    out += [Tensor(f"{prefix}.linear_proj.weight", h * part(cfg.num_attention_heads * d, s.tp, s.tp_rank))]
+    out += [Tensor(f"{prefix}.linear_proj.bias", h)] if not cfg.disable_bias_linear else []
+    if cfg.softmax_type == "learnable":  # a sink logit per head (model/attention/windowed.py)
+        out.append(Tensor(f"{prefix}.core_attention.softmax_offset", part(cfg.num_attention_heads, s.tp, s.tp_rank)))
+    return out
+
+
+def mla(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
+    """Multi-latent attention: replicated down projections, TP-split up projections (model/mla.py)."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    qk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+    out = []
+    if cfg.q_lora_rank is None:
+        out.append(Tensor(f"{prefix}.linear_q_proj.weight", part(heads * qk, s.tp, s.tp_rank) * h))
+    else:
+        out.append(Tensor(f"{prefix}.linear_q_down_proj.weight", cfg.q_lora_rank * h))
+        out.append(Tensor(f"{prefix}.linear_q_up_proj.weight", part(heads * qk, s.tp, s.tp_rank) * cfg.q_lora_rank))
+    out.append(Tensor(f"{prefix}.linear_kv_down_proj.weight", (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) * h))
+    up = heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    out.append(Tensor(f"{prefix}.linear_kv_up_proj.weight", part(up, s.tp, s.tp_rank) * cfg.kv_lora_rank))
+    if cfg.qk_layernorm:
+        out += norm(f"{prefix}.q_layernorm", cfg, cfg.q_lora_rank) if cfg.q_lora_rank is not None else []
+        out += norm(f"{prefix}.kv_layernorm", cfg, cfg.kv_lora_rank)
+    out.append(Tensor(f"{prefix}.linear_proj.weight", h * part(heads * cfg.v_head_dim, s.tp, s.tp_rank)))
+    return out + ([Tensor(f"{prefix}.linear_proj.bias", h)] if not cfg.disable_bias_linear else [])
+
+
+def moe(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
+    """Router (replicated), this rank's experts (cut over EP, each over expert-TP), the shared expert."""
+    h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts
+    width = f * (2 if (cfg.swiglu or cfg.quick_geglu) else 1)
+    local = part(e, s.ep, s.ep_rank)
+    fc1, fc2 = part(width, s.etp, s.etp_rank), part(f, s.etp, s.etp_rank)
+    bias = not cfg.disable_bias_linear
+    out = [Tensor(f"{prefix}.router.weight", e * h)]
+    out.append(Tensor(f"{prefix}.experts.linear_fc1.weight", local * fc1 * h, "edp"))
+    out += [Tensor(f"{prefix}.experts.linear_fc1.bias", local * fc1, "edp")] if bias else []
+    out.append(Tensor(f"{prefix}.experts.linear_fc2.weight", local * h * fc2, "edp"))
+    out += [Tensor(f"{prefix}.experts.linear_fc2.bias", local * h, "edp")] if bias else []
+    if cfg.moe_shared_expert_intermediate_size:  # (a module's own parameters come before its children's)
+        out += [Tensor(f"{prefix}.shared_experts.gate_weight", h)] if cfg.moe_shared_expert_gate else []
+        out += mlp(f"{prefix}.shared_experts", cfg, cfg.moe_shared_expert_intermediate_size, s)
+    return out
+
+
+def layer(cfg: ModelConfig, index: int, is_moe: bool, s: Split) -> list[Tensor]:
+    p = f"decoder.layers.{index}"
+    out = norm(f"{p}.input_layernorm", cfg, cfg.hidden_size) + attention(f"{p}.self_attention", cfg, s)
+    out += norm(f"{p}.pre_mlp_layernorm", cfg, cfg.hidden_size)
+    return out + (moe(f"{p}.mlp", cfg, s) if is_moe else mlp(f"{p}.mlp", cfg, cfg.ffn_hidden_size, s))
+
+
+def moe_pattern(cfg: ModelConfig) -> list[int]:
+    if not cfg.num_experts:
+        return [0] * cfg.num_layers
+    return parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers)
+
+
+def chunk(cfg: ModelConfig, vocab: int, s: Split, first: int, count: int, pre: bool, post: bool,
+          pattern: Optional[list[int]] = None) -> list[Tensor]:
+    """The parameters of one model chunk (global layers first .. first+count-1) in module order.
+    ``vocab``: the padded vocabulary; ``pre``/``post``: the chunk holds the embedding / the output layer."""
+    missing = unsupported(cfg)
+    if missing:
+        raise ConfigError(f"paratron plan does not count models with {missing} yet; remove it to plan the rest")
+    pattern = pattern if pattern is not None else moe_pattern(cfg)
+    tied = not cfg.untie_embeddings_and_output_weights
+    out = []
+    if pre:
+        out.append(Tensor(WORD_EMBEDDING, part(vocab, s.tp, s.tp_rank) * cfg.hidden_size,
+                          tied="embedding" if tied and not post else None))
+        if cfg.position_embedding_type == "learned_absolute":
+            out.append(Tensor("embedding.position_embeddings.weight", cfg.max_position_embeddings * cfg.hidden_size))
+    for i in range(first, first + count):
+        out += layer(cfg, i, bool(pattern[i]), s)
+    if post:
+        out += norm("decoder.final_layernorm", cfg, cfg.hidden_size)
+        if not tied or not pre:
+            out.append(Tensor("output_layer.weight", part(vocab, s.tp, s.tp_rank) * cfg.hidden_size,
+                              tied="embedding" if tied else None))
+    return out

@@ -1,0 +1,59 @@
+"""The planner's model-state arithmetic where the config cannot be run yet (ZeRO-2/3 and optimizer offload, by
+their semantics: tests/parallel/test_plan_state.py compares the strategies paratron runs with the tensors), and
+the layout search's invariants."""
+import pytest
+
+from paratron.plan.cost import Cluster, step_time
+from paratron.plan.layout import Layout
+from paratron.plan.memory import rank_memory
+from paratron.plan.search import dp_bytes
+from paratron.plan.state import lay_out
+from paratron.plan.shapes import Tensor
+from tests.parallel.common import tiny_config
+
+MODEL = tiny_config("llama", world_size=1, num_layers=4).model
+BASE = Layout(dp=4, param_bytes=2, grad_bytes=4, micro_batch=1, global_batch=8, seq_length=32)
+
+
+def state_of(**changes):
+    return rank_memory(MODEL, 512, BASE.replace(**changes), 0)
+
+
+def test_shards_cover_the_buffer_once():
+    tensors = [Tensor(f"t{i}", n) for i, n in enumerate([1000, 64, 3, 70000, 129, 5000])]
+    for n, bucket in ((1, None), (4, None), (3, 6000), (8, 100)):
+        buf = lay_out(tensors, "dp_cp", n, bucket)
+        assert sum(buf.shard_elems) == buf.numel == sum(t.numel for t in tensors)
+        assert buf.total % (64 * n) == 0 and sum(buf.shard_pieces) >= len(tensors)
+
+
+def test_each_zero_stage_shards_one_more_kind_of_state():
+    zero = {s: state_of(sharding=s) for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
+    assert zero["optim"].optimizer == pytest.approx(zero["no_shard"].optimizer / 4, rel=0.05)
+    assert zero["optim"].grads == zero["no_shard"].grads and zero["optim_grads"].grads == zero["optim"].grads // 4
+    assert zero["optim_grads"].weights == zero["optim"].weights
+    # (ZeRO-3's buckets end at each layer, so a little more padding than ZeRO-1's quarter)
+    assert zero["optim_grads_params"].weights == pytest.approx(zero["optim"].weights / 4, rel=0.02)
+    assert zero["optim_grads_params"].comm > zero["optim_grads"].comm > zero["optim"].comm  # bucket, gathered layer
+
+
+def test_offload_moves_the_optimizer_state_to_the_host():
+    kept, moved = state_of(sharding="optim"), state_of(sharding="optim", offload_fraction=1.0)
+    assert moved.optimizer == 0 and moved.host >= kept.optimizer and moved.peak < kept.peak
+    half = state_of(sharding="optim", offload_fraction=0.5)
+    assert half.optimizer == pytest.approx(kept.optimizer / 2, abs=1)
+
+
+def test_recomputation_and_micro_batch_move_activations_the_right_way():
+    none, sel, full = (state_of(recompute=r).activations for r in (None, "selective", "full"))
+    assert full < sel < none
+    assert state_of(micro_batch=2).activations == 2 * state_of(micro_batch=1).activations
+
+
+def test_more_exposed_communication_is_slower():
+    cluster = Cluster(4, 4, "h100")
+    layouts = [BASE.replace(sharding=s) for s in ("optim", "optim_grads_params")]
+    times = [step_time(MODEL, 512, L, cluster, *dp_bytes(MODEL, 512, L, {})) for L in layouts]
+    assert times[1].dp >= times[0].dp and times[0].compute == times[1].compute
+    slow = Cluster(4, 1, "h100", inter_gbps=0.001)  # every GPU its own node, a slow network
+    assert step_time(MODEL, 512, layouts[0], slow, *dp_bytes(MODEL, 512, layouts[0], {})).dp > times[0].dp

@@ -1,0 +1,31 @@
+"""The planner's parameter list (paratron/plan/shapes.py) is the model's: the same names, in module order, with
+the same elements, for the model variants it counts (one rank; tests/parallel/test_plan_state.py checks the
+splits over TP, PP, EP on gloo)."""
+import pytest
+import torch
+
+from paratron.plan.layout import layout_of
+from paratron.plan.shapes import Split
+from paratron.plan.state import chunk_tensors, rank_chunks
+from paratron.train.loop import build_dims, build_model_chunks
+from tests.parallel.common import tiny_config
+
+MLA = dict(multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8,
+           position_embedding_type="rope")
+VARIANTS = [("gpt", {}), ("llama", {}), ("gpt", dict(untie_embeddings_and_output_weights=True)),
+            ("llama", dict(qk_layernorm=True, attention_output_gate=True)),
+            ("llama", dict(softmax_type="learnable")), ("llama", dict(add_qkv_bias=True)),
+            ("gpt", dict(normalization="RMSNorm", squared_relu=True)),
+            ("gpt", MLA), ("gpt", dict(q_lora_rank=24, qk_layernorm=True, **MLA)),
+            ("llama", dict(num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=48,
+                           moe_shared_expert_gate=True)),
+            ("gpt", dict(num_experts=4, moe_router_topk=1, moe_layer_freq=2))]
+
+
+@pytest.mark.parametrize("style,extra", VARIANTS, ids=[f"{s}-{'-'.join(e) or 'plain'}" for s, e in VARIANTS])
+def test_parameter_list_is_the_models(style, extra):
+    cfg = tiny_config(style, world_size=1, **extra)
+    model = build_model_chunks(cfg, build_dims(cfg), torch.device("meta"))[0]
+    layout = layout_of(cfg)
+    planned = chunk_tensors(cfg.model, cfg.padded_vocab_size, layout, rank_chunks(cfg.model, layout, 0), Split())[0]
+    assert [(t.name, t.numel) for t in planned] == [(n, p.numel()) for n, p in model.named_parameters()]
