@@ -26,7 +26,8 @@ def finalize_model_grads(models: list, dims: ParallelDims, num_tokens=None) -> N
         for name, grads in m.partial_grads.items():
             partial.setdefault(name, []).extend(grads)
     for name in sorted(partial):
-        if dims.size(name) > 1:
+        # (a ZeRO-3 shard may hold none of them: then neither do the group's other ranks, which share its layout)
+        if dims.size(name) > 1 and partial[name]:
             _all_reduce_flat(partial[name], dims.group(name))
     tied = [p for m in models for p in m.tied_params]
     if dims.pp > 1 and dims.embedding_group is not None and not models[0].tied_checked:

@@ -36,14 +36,6 @@ def strategy_flags(strategy: str) -> dict:
     return dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy)
 
 
-def layouts(strategy: str) -> list:
-    """ZeRO-3 with TP + SP stops in finalize_model_grads on gloo (an empty list all-reduced) at the time of
-    writing: those layouts are left out for it until that is fixed."""
-    if strategy == "optim_grads_params":
-        return [(style, extra) for style, extra in LAYOUTS if not extra.get("sequence_parallel")]
-    return LAYOUTS
-
-
 def measured(trainer) -> tuple[int, int, int]:
     """(weights, gradient buffers, optimizer state) bytes this rank's tensors hold."""
     weights = grads = 0
@@ -121,7 +113,7 @@ def compare(rank, world, strategy):
     from paratron.train.loop import Trainer, build_dims
     from tests.parallel.common import global_batches, micro_batches, tiny_config
     out = []
-    for style, extra in layouts(strategy):
+    for style, extra in LAYOUTS:
         cfg = tiny_config(style, **extra, **strategy_flags(strategy))
         dims = build_dims(cfg)
         data = micro_batches(global_batches(cfg, 2), cfg, dims.dp_rank, dims.dp)
