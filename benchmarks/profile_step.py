@@ -4,6 +4,11 @@ time the GPU had no kernel running, all from the device timestamps in the profil
 (the stretches covered by no kernel, memset or memcpy).
 
     python benchmarks/profile_step.py --config gpt-350m [extra flags...]
+    python benchmarks/profile_step.py --decode --batch 1 [--new-tokens 64] [--no-compile]
+
+``--decode``: where a decode step's time goes instead: one generation (llama-1b shape, random bf16 weights,
+paratron's engine with its compiled decode step replayed as a CUDA graph); per generated token: wall time, GPU
+busy and idle time, kernels by kind and the top kernels ($OUT/decode_kernels_b<batch>.tsv).
 
 With $OUT set, the full per-kernel table goes to $OUT/kernels_<config>.tsv (and the Chrome trace
 to $OUT/trace_<config>.json when PROFILE_TRACE=1; PROFILE_STEPS=N profiles N steps, default 3).
@@ -90,6 +95,8 @@ def launch_origins(path, pattern: str, steps: int, n: int = 15) -> list[tuple[fl
 
 
 def main():
+    if sys.argv[1:2] == ["--decode"]:
+        return decode_main(sys.argv[1:])
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
     args = sys.argv[1:]
@@ -151,5 +158,64 @@ def main():
     t.close()
 
 
+
+def decode_main(argv: list) -> int:
+    """``--decode``: one generation of the llama-1b shape profiled (module docstring)."""
+    import argparse
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from decode_bench import build, paratron_runner
+    p = argparse.ArgumentParser(description="where a decode step's time goes on the GPU")
+    p.add_argument("--decode", action="store_true")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--no-compile", action="store_true")
+    a = p.parse_args(argv)
+    device = torch.device("cuda")
+    model, _, vocab, _ = build(False, device, torch.bfloat16)
+    run = paratron_runner(model, vocab, not a.no_compile)
+    prompts = torch.randint(0, vocab, (a.batch, a.prompt_len), device=device)
+    n = a.new_tokens
+    for _ in range(2):
+        run(prompts, n)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run(prompts, n)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / n
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+        run(prompts, n)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        intervals = trace_kernels(trace)
+    by_name, count, kinds = defaultdict(float), defaultdict(int), defaultdict(float)
+    for s, e, name in intervals:
+        by_name[name] += e - s
+        count[name] += 1
+        kinds[kind_of(name)] += e - s
+    span = max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals)
+    _, idle = idle_by_neighbours(intervals)
+    print(f"batch {a.batch}: {1000 * wall:.3f} ms per token unprofiled ({a.batch / wall:.0f} tokens/s); "
+          f"profiled span {span / n / 1000:.3f} ms per token, GPU busy {(span - idle) / n / 1000:.3f}, "
+          f"idle {idle / n / 1000:.3f} (prefill included)")
+    for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:30s} {v / n:8.1f} us per token")
+    print("top kernels (us per token, launches per token):")
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1])
+    for k, v in rows[:30]:
+        print(f"  {v / n:8.1f} us {count[k] / n:6.1f}x  {k[:130]}")
+    out = os.environ.get("OUT")
+    if out:
+        with open(Path(out) / f"decode_kernels_b{a.batch}.tsv", "w") as f:
+            f.write("us_per_token\tlaunches_per_token\tkind\tkernel\n")
+            for k, v in rows:
+                f.write(f"{v / n:.2f}\t{count[k] / n:.2f}\t{kind_of(k)}\t{k}\n")
+    return 0
+
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
