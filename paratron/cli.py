@@ -12,7 +12,7 @@ from typing import Optional
 USAGE = """usage: paratron <command> [flags]
 
 commands:
-  train [--config FILE|PRESET] [Megatron flags]   train a model (no flags: the embedded demo)
+  train [--config FILE|PRESET] [Megatron flags]   train a model (no flags: the embedded demo; --model bert: BERT)
   demo                                            the embedded demo: Python stdlib corpus -> BPE -> train
   preprocess [Megatron preprocess_data.py flags]  JSONL -> .bin/.idx
   tokenizer train --input ... --vocab-size N --output DIR   train a byte-level BPE tokenizer
@@ -107,14 +107,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     return run_command("paratron", dispatch, sys.argv[1:] if argv is None else argv)
 
 
-def pretrain_main(argv: Optional[list[str]] = None) -> int:
-    """`pretrain_gpt.py`: Megatron's entry point, same flags; errors as `paratron train`'s."""
+def pretrain_main(argv: Optional[list[str]] = None, model: str = "gpt") -> int:
+    """`pretrain_gpt.py` / `pretrain_bert.py` (``model`` "bert": `--model bert` first): Megatron's entry points,
+    same flags; errors as `paratron train`'s."""
     from .errors import run_command
+    prog = f"pretrain_{model}.py"
 
     def run(args: list[str]) -> int:
         if args in (["-h"], ["--help"]):
             from .config import build_parser
-            build_parser("pretrain_gpt.py").print_help()
+            build_parser(prog).print_help()
             return 0
-        return run_train(args)
-    return run_command("pretrain_gpt.py", run, sys.argv[1:] if argv is None else argv)
+        return run_train(args if model == "gpt" else ["--model", model, *args])
+    return run_command(prog, run, sys.argv[1:] if argv is None else argv)
