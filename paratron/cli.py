@@ -1,5 +1,5 @@
 """`paratron` command line: train | demo | preprocess | tokenizer train | convert | generate | serve |
-config-docs.
+fill-mask | config-docs.
 
 User mistakes (bad flags, bad data, unreadable checkpoints: paratron.errors.UserError) end with one
 line on stderr, ``<command>: error: <message>``, and exit code 2, never a traceback.
@@ -19,6 +19,7 @@ commands:
   convert --to hf|--from hf ...                   convert checkpoints to and from Hugging Face
   generate --load CKPT --prompt TEXT [...]        continue prompts with a checkpoint or HF model
   serve --load CKPT [--port 5000]                 HTTP server: Megatron's PUT /api and OpenAI's /v1 API
+  fill-mask --load CKPT --text "a [MASK] b"       a BERT's top tokens for each [MASK]
   launch [torchrun flags] COMMAND [flags]         torchrun for a paratron command; a user error ends
                                                   with its one line and exit code 2
   config-docs                                     print the configuration reference (Markdown)
@@ -83,6 +84,9 @@ def dispatch(argv: list[str]) -> int:
     if cmd == "convert":
         from .checkpoint.convert import main as convert_main
         return convert_main(rest)
+    if cmd == "fill-mask":
+        from .inference.fill_mask import fill_mask_main
+        return fill_mask_main(rest)
     if cmd in ("generate", "serve"):
         from .inference import cli as inference_cli
         return (inference_cli.generate_main if cmd == "generate" else inference_cli.serve_main)(rest)
@@ -96,6 +100,7 @@ def dispatch(argv: list[str]) -> int:
     from .config import ConfigError
     import difflib
     close = difflib.get_close_matches(cmd, ["train", "demo", "preprocess", "tokenizer", "convert", "generate", "serve",
+                                         "fill-mask",
                                          "launch", "config-docs"], n=1)
     hint = f"; did you mean `paratron {close[0]}`?" if close else "; run `paratron --help`"
     raise ConfigError(f"unknown command {cmd!r}{hint}")
