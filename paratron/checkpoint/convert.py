@@ -272,24 +272,10 @@ def _read_hf_config(src: Path) -> dict:
         raise ConversionError(f"{src / 'config.json'} is not valid JSON (line {e.lineno})") from None
 
 
-def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[str] = None, force: bool = False,
-            log=None) -> list[str]:
-    """Hugging Face directory ``input`` -> paratron checkpoint ``save`` (iteration 0, model weights
-    only, whole tensors: any layout loads it); returns the model flags to train it with.
-    ``tensor_model_parallel_size`` is the TP of the printed command, whose padded vocabulary the
-    checkpoint gets (so that run's padded rows are zeros, not its initialization)."""
-    from ..parallel.dims import ParallelDims
+def _hf_state(src: Path, hf_config: dict, tp: int, log):
+    """(ModelConfig, vocabulary, family, paratron state, padded vocabulary) of the Hugging Face model in ``src``."""
     from .hf import hf_to_paratron, load_hf_dir
     from .hf_config import model_config_from_hf, padded_vocab_size
-    from .state import layout
-    from .tokenizer_files import SUBDIR, save_tokenizer, tokenizer_config
-    log = log or _Log(True)
-    src, save = Path(input), Path(save)
-    tp = int(tensor_model_parallel_size)
-    if tp < 1:
-        raise ConversionError(f"--tensor-model-parallel-size must be >= 1 (got {tp})")
-    hf_config = _read_hf_config(src)
-    old = _check_output(save, _PARATRON_CKPT_FILES, force, "a paratron checkpoint", "--save")
     bert = hf_config.get("model_type") in ("bert", "megatron-bert")
     if bert:
         from .hf_bert import bert_config_from_hf, bert_hf_to_paratron
@@ -312,6 +298,27 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
     padded = padded_vocab_size(vocab, m, tp)
     state = (bert_hf_to_paratron(hf_state, m, padded, binary) if bert
              else hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab))
+    return m, vocab, family, state, padded
+
+
+def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[str] = None, force: bool = False,
+            log=None) -> list[str]:
+    """Hugging Face directory ``input`` -> paratron checkpoint ``save`` (iteration 0, model weights
+    only, whole tensors: any layout loads it); returns the model flags to train it with.
+    ``tensor_model_parallel_size`` is the TP of the printed command, whose padded vocabulary the
+    checkpoint gets (so that run's padded rows are zeros, not its initialization)."""
+    from ..parallel.dims import ParallelDims
+    from .state import layout
+    from .tokenizer_files import SUBDIR, save_tokenizer, tokenizer_config
+    log = log or _Log(True)
+    src, save = Path(input), Path(save)
+    tp = int(tensor_model_parallel_size)
+    if tp < 1:
+        raise ConversionError(f"--tensor-model-parallel-size must be >= 1 (got {tp})")
+    hf_config = _read_hf_config(src)
+    old = _check_output(save, _PARATRON_CKPT_FILES, force, "a paratron checkpoint", "--save")
+    m, vocab, family, state, padded = _hf_state(src, hf_config, tp, log)
+    bert = family == "megatron-bert"
     if dtype is not None:
         state = {k: (v.to(_dtype(dtype)) if v.is_floating_point() else v) for k, v in state.items()}
     log(f"converted {len(state)} tensors ({sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters), "

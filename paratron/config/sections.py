@@ -330,7 +330,7 @@ class DataConfig(Section):
     eod_mask_loss: bool = False
     no_mmap_bin_files: bool = False  # read each .bin file into memory instead of memory-mapping it
     no_token_id_check: bool = False  # paratron: skip the check of each micro-batch's ids against the vocabulary
-    mask_prob: float = 0.15  # BERT: the share of tokens masked (80 % [MASK], 10 % random, 10 % kept)
+    mask_prob: float = 0.15  # BERT: the share of tokens masked (of them 0.8 [MASK], 0.1 a random id, 0.1 kept)
     short_seq_prob: float = 0.1  # BERT: the chance a sample's target length is drawn shorter than --seq-length
 
 
