@@ -177,6 +177,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
                                         model=self.models, num_microbatches=ctx.num_microbatches,
                                         seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
                                         layout=self.layout, forward_only=False, grad_scale=ctx.loss_scale)
+        self.report.note_extras(reports)  # BERT's sentence-order loss, for the log line
         return sum_reports(reports, self.device)
 
     def _check_weight_hashes(self) -> None:

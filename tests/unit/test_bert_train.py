@@ -3,6 +3,8 @@ masks (`paratron fill-mask`), converts to Hugging Face's MegatronBertForPreTrain
 BERT's bad input is a one-line error before step 1 (a GPT checkpoint loaded as BERT, CP, GPT-only flags)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -26,7 +28,11 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bert_train")
     prefix, vocab = bert_data(tmp)
     data = ["--data-path", prefix, "--vocab-file", vocab, "--split", "98,2,0"]
-    assert main(["train", "--model", "bert", *TINY, *data, "--train-iters", "2", "--save", str(tmp / "ckpt")]) == 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["train", "--model", "bert", *TINY, *data, "--train-iters", "2", "--save", str(tmp / "ckpt")]) == 0
+    lines = [ln for ln in out.getvalue().splitlines() if "iteration        2/" in ln]
+    assert lines and "| lm loss: " in lines[0] and "| sop loss: " in lines[0], out.getvalue()[-2000:]
     return tmp, data
 
 
