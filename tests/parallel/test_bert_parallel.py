@@ -93,6 +93,7 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 * abs(a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_bert_layout_equals_single_rank(name, results, reference):
     merged = {}
@@ -109,6 +110,7 @@ def test_bert_layout_equals_single_rank(name, results, reference):
         assert err <= 1e-5, f"{name} {n}: relative difference {err:.2e}"
 
 
+@pytest.mark.slow
 def test_bert_checkpoint_reshards(results, reference):
     """Saved at TP2 + SP after one step, resumed at DP2: the next losses are the one-rank run's."""
     for r in results:

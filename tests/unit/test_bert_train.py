@@ -36,6 +36,7 @@ def trained(tmp_path_factory):
     return tmp, data
 
 
+@pytest.mark.slow
 def test_fill_mask_and_hf_round_trip(trained, capsys):
     tmp, data = trained
     ckpt = str(tmp / "ckpt")
@@ -61,6 +62,7 @@ def test_fill_mask_and_hf_round_trip(trained, capsys):
     assert back.predict("The [MASK] value.", 2)[0].ids == fm.predict("The [MASK] value.", 2)[0].ids
 
 
+@pytest.mark.slow
 def test_gpt_checkpoint_loaded_as_bert_is_one_line(trained, tmp_path, capsys):
     tmp, data = trained
     gpt = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
