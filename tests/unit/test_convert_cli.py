@@ -368,9 +368,9 @@ def test_errors_are_one_line(ckpts, hf_dir, tmp_path, capsys):
     assert _snapshot(taken_hf) == before_hf and _snapshot(taken_ckpt) == before_ckpt
 
     # The real command line, in a fresh process: no traceback.
-    r = subprocess.run([sys.executable, "-m", "paratron", "convert", *map(str, cases["unsupported model_type 'bert'"])],
+    r = subprocess.run([sys.executable, "-m", "paratron", "convert", *map(str, cases["post-LayerNorm"])],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "Traceback" not in r.stderr and "unsupported model_type" in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "post-LayerNorm" in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
 
 
