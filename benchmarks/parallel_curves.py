@@ -11,6 +11,18 @@ difference of run A from run B (e.g. a layout against its reference next to a no
 ``--concurrent`` starts the one-process runs together, run i on GPU i mod the GPU count, before the
 others (their tokens/s are then not comparable: GPUs may be shared). Writes a Markdown record to
 --record-dir (default: $OUT if set, else benchmarks/results).
+
+``--docstring-data DIR`` prepares real English text first (the standard library's docstrings,
+paratron.data.corpus.prepare_docstring_data: a WordPiece vocabulary, BERT sentence data and GPT document
+data) and replaces ``{BERT_DATA}``, ``{GPT_DATA}`` and ``{VOCAB}`` in the flags: a tiny BERT beside a GPT of
+the same size (``--model bert`` in a run's flags makes it BERT):
+
+    python benchmarks/parallel_curves.py --docstring-data /tmp/doc --tag bert_text_curve_cpu \
+        --base "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
+        --max-position-embeddings 64 --micro-batch-size 16 --global-batch-size 16 --train-iters 200 --lr 1e-3 \
+        --lr-warmup-iters 20 --vocab-file {VOCAB} --split 95,5,0 --num-workers 0 --device cpu" \
+        --run "bert:1:--model bert --data-path {BERT_DATA}" --run "gpt:1:--data-path {GPT_DATA} \
+        --tokenizer-type BertWordPieceLowerCase"
 """
 from __future__ import annotations
 
@@ -89,7 +101,15 @@ def main() -> int:
     p.add_argument("--concurrent", action="store_true", help="start the one-process runs together, one per GPU")
     p.add_argument("--tag", default="parallel_curves")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--docstring-data", help="prepare the stdlib docstrings as BERT/GPT data in this directory")
     args = p.parse_args()
+    if args.docstring_data:
+        sys.path.insert(0, str(ROOT))
+        from paratron.data.corpus import prepare_docstring_data
+        data = prepare_docstring_data(args.docstring_data)
+        for key, value in (("{BERT_DATA}", data["bert"]), ("{GPT_DATA}", data["gpt"]), ("{VOCAB}", data["vocab"])):
+            args.base, args.run = args.base.replace(key, value), [r.replace(key, value) for r in args.run]
+        print(f"docstring data: {data['documents']} documents in {args.docstring_data}", flush=True)
     specs = [(name, int(nproc), flags) for name, nproc, flags in (s.split(":", 2) for s in args.run)]
     done: dict[str, dict] = {}
     if args.concurrent:

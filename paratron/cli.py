@@ -1,5 +1,5 @@
 """`paratron` command line: train | demo | preprocess | tokenizer train | convert | generate | serve | plan |
-config-docs.
+fill-mask | config-docs.
 
 User mistakes (bad flags, bad data, unreadable checkpoints: paratron.errors.UserError) end with one
 line on stderr, ``<command>: error: <message>``, and exit code 2, never a traceback.
@@ -12,7 +12,7 @@ from typing import Optional
 USAGE = """usage: paratron <command> [flags]
 
 commands:
-  train [--config FILE|PRESET] [Megatron flags]   train a model (no flags: the embedded demo)
+  train [--config FILE|PRESET] [Megatron flags]   train a model (no flags: the embedded demo; --model bert: BERT)
   demo                                            the embedded demo: Python stdlib corpus -> BPE -> train
   preprocess [Megatron preprocess_data.py flags]  JSONL -> .bin/.idx
   tokenizer train --input ... --vocab-size N --output DIR   train a byte-level BPE tokenizer
@@ -20,6 +20,7 @@ commands:
   generate --load CKPT --prompt TEXT [...]        continue prompts with a checkpoint or HF model
   serve --load CKPT [--port 5000]                 HTTP server: Megatron's PUT /api and OpenAI's /v1 API
   plan --gpus N [--gpu h100] [model flags]          the layouts that fit, ranked by predicted tokens/s
+  fill-mask --load CKPT --text "a [MASK] b"       a BERT's top tokens for each [MASK]
   launch [torchrun flags] COMMAND [flags]         torchrun for a paratron command; a user error ends
                                                   with its one line and exit code 2
   config-docs                                     print the configuration reference (Markdown)
@@ -88,6 +89,9 @@ def dispatch(argv: list[str]) -> int:
     if cmd == "convert":
         from .checkpoint.convert import main as convert_main
         return convert_main(rest)
+    if cmd == "fill-mask":
+        from .inference.fill_mask import fill_mask_main
+        return fill_mask_main(rest)
     if cmd in ("generate", "serve"):
         from .inference import cli as inference_cli
         return (inference_cli.generate_main if cmd == "generate" else inference_cli.serve_main)(rest)
@@ -104,6 +108,7 @@ def dispatch(argv: list[str]) -> int:
     from .config import ConfigError
     import difflib
     close = difflib.get_close_matches(cmd, ["train", "demo", "preprocess", "tokenizer", "convert", "generate", "serve",
+                                         "fill-mask",
                                          "launch", "config-docs"], n=1)
     hint = f"; did you mean `paratron {close[0]}`?" if close else "; run `paratron --help`"
     raise ConfigError(f"unknown command {cmd!r}{hint}")
@@ -115,11 +120,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     return run_command("paratron", dispatch, sys.argv[1:] if argv is None else argv)
 
 
-def pretrain_main(argv: Optional[list[str]] = None, prog: str = "pretrain_gpt.py", hybrid: bool = False) -> int:
-    """`pretrain_gpt.py`: Megatron's entry point, same flags; errors as `paratron train`'s. ``hybrid``
-    (`pretrain_hybrid.py`, `pretrain_mamba.py`): a hybrid stack, all Mamba-2 layers unless
-    --hybrid-layer-pattern (or the ratio flags) say otherwise, as Megatron's."""
+def pretrain_main(argv: Optional[list[str]] = None, model: str = "gpt", prog: Optional[str] = None,
+                  hybrid: bool = False) -> int:
+    """`pretrain_gpt.py` / `pretrain_bert.py` / `pretrain_t5.py` (``model`` "bert", "t5": `--model` first):
+    Megatron's entry points, same flags; errors as `paratron train`'s. ``hybrid`` (`pretrain_hybrid.py`,
+    `pretrain_mamba.py`): a hybrid stack, all Mamba-2 layers unless --hybrid-layer-pattern (or the ratio flags)
+    say otherwise, as Megatron's."""
     from .errors import run_command
+    prog = prog or f"pretrain_{model}.py"
 
     def run(args: list[str]) -> int:
         if args in (["-h"], ["--help"]):
@@ -128,5 +136,5 @@ def pretrain_main(argv: Optional[list[str]] = None, prog: str = "pretrain_gpt.py
             return 0
         if hybrid and "--is-hybrid-model" not in args:
             args = [*args, "--is-hybrid-model"]
-        return run_train(args)
+        return run_train(args if model == "gpt" else ["--model", model, *args])
     return run_command(prog, run, sys.argv[1:] if argv is None else argv)

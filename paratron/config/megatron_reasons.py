@@ -100,7 +100,8 @@ REFUSED = {
     "tp_comm_overlap_cfg": GPU.format("Transformer Engine userbuffers overlap of TP communication"),
     "use_torch_fsdp2": NA.format("paratron shards data parallelism with its own code: --use-megatron-fsdp with "
                                  "--data-parallel-sharding-strategy optim | optim_grads | optim_grads_params"),
-    "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
+    "split_sentences": NA.format("sentence splitting is a preprocessing flag: pass it to paratron preprocess / "
+                                  "tools/preprocess_data.py (BERT data)"),
     "overlap_moe_expert_parallel_comm": PLANNED.format("Megatron's combined 1F1B schedule overlapping one "
                                                        "micro-batch's expert all-to-all with another's attention "
                                                        "(--moe-shared-expert-overlap overlaps the shared expert)"),

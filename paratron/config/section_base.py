@@ -73,6 +73,7 @@ class FrozenList(list):
 
 
 def flag(name: str) -> str:
+    """A field's command-line flag: ``hidden_size`` -> ``--hidden-size``."""
     return "--" + name.replace("_", "-")
 
 

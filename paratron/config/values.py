@@ -6,8 +6,10 @@ from __future__ import annotations
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "NullTokenizer",
-    "ByteLevelTokenizer",
+    "ByteLevelTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
 )
+WORDPIECE_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")  # a BERT vocab.txt (--vocab-file)
+MODELS = ("gpt", "bert")  # --model (pretrain_gpt.py / pretrain_bert.py)
 TIKTOKEN_PATTERNS = ("v1", "v2")
 
 # --sft-tokenizer-prompt-format (paratron/data/sft.py)

@@ -19,6 +19,7 @@ from ..checkpoint import sharded
 from ..checkpoint.pieces import CheckpointError
 from ..checkpoint.state import sharded_state_dict
 from ..checkpoint.tokenizer_files import load_tokenizer
+from ..model.bert import BertModel
 from ..model.gpt import GPTModel
 from ..parallel.dims import ParallelDims
 
@@ -40,8 +41,9 @@ def is_hf_dir(path: Path) -> bool:
 
 
 def _model(m, padded_vocab: int, dims: ParallelDims, device, dtype) -> GPTModel:
+    cls = BertModel if m.model == "bert" else GPTModel  # (--model bert: fill-mask only, inference/fill_mask.py)
     with torch.device(device):  # the random init is overwritten; build it where it will run
-        model = GPTModel(m, padded_vocab, dims=dims, device=device, dtype=dtype)
+        model = cls(m, padded_vocab, dims=dims, device=device, dtype=dtype)
     model.par.rng = None  # no dropout in inference: no RNG forks (which a CUDA graph could not capture)
     return model.eval()
 
@@ -82,12 +84,17 @@ def load_paratron(root: Path, dims: ParallelDims, device, dtype: Optional[torch.
 
 def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype]) -> Loaded:
     from ..checkpoint.hf import hf_to_paratron, load_hf_dir
+    from ..checkpoint.hf_bert import bert_config_from_hf, bert_hf_to_paratron
     from ..checkpoint.hf_config import model_config_from_hf, padded_vocab_size
-    m, vocab, family = model_config_from_hf(json.loads((src / "config.json").read_text()))
+    d = json.loads((src / "config.json").read_text())
+    bert = d.get("model_type") in ("bert", "megatron-bert")
+    m, vocab, family = bert_config_from_hf(d) if bert else model_config_from_hf(d)
     _check_tp(m, dims.tp)
     hf_state, _ = load_hf_dir(src)
     padded = padded_vocab_size(vocab, m, dims.tp)
-    state = hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab)
+    state = (bert_hf_to_paratron(hf_state, m, padded, family) if bert
+             else hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab))
+    family = "megatron-bert" if bert else family
     emb = state["embedding.word_embeddings.weight"]
     model = _model(m, padded, dims, device, dtype or emb.dtype)
     with torch.no_grad():

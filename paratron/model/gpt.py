@@ -33,7 +33,12 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int, par: Parallel, device=None, dtype=None):
+    """Word (+ learned absolute position) (+ tokentype) embeddings, then dropout (Megatron-core's
+    LanguageModelEmbedding). ``num_tokentypes`` > 0 adds ``tokentype_embeddings`` [num_tokentypes, h] (BERT's
+    segment A / B), drawn after the other tables from the same stream, so a model without it is unchanged."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, par: Parallel, device=None, dtype=None,
+                 num_tokentypes: int = 0):
         super().__init__()
         self.par, self.p = par, cfg.hidden_dropout
         self.mult = cfg.mup_embedding_mult if cfg.use_mup else 1.0  # muP's embedding multiplier
@@ -48,13 +53,24 @@ class Embedding(nn.Module):
             init(self.position_embeddings.weight.data)
         else:
             self.position_embeddings = None
+        self.tokentype_embeddings = None
+        if num_tokentypes > 0:
+            self.tokentype_embeddings = nn.Embedding(num_tokentypes, cfg.hidden_size, device=device, dtype=dtype)
+            init(self.tokentype_embeddings.weight.data)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids / position_ids / tokentype_ids [b, s] -> [s(/TP with SP), b, h]; ``tokentype_ids`` are
+        required when the embedding has tokentypes (and refused when it has none)."""
         # looked up in [s, b] order: the rows come out sequence-first, with no transposing copy forward and
         # no contiguous copy of the gradient in the embedding's backward
         x = self.word_embeddings(input_ids.t())  # [s, b, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids.t())
+        if (tokentype_ids is None) != (self.tokentype_embeddings is None):
+            raise ValueError("tokentype_ids are given exactly when the embedding has tokentypes (num_tokentypes > 0)")
+        if tokentype_ids is not None:
+            x = x + self.tokentype_embeddings(tokentype_ids.t())
         if self.mult != 1.0:
             x = x * self.mult
         if self.par.sequence_parallel:
@@ -94,6 +110,51 @@ def resolved_config(config: ModelConfig, max_sequence_length: Optional[int] = No
     return config
 
 
+def parallel_of(cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool, seed: int, kernels: KernelConfig,
+                device) -> Parallel:
+    """What the layers of a model on ``dims`` need when built: TP group, sequence parallelism, the dropout stream
+    of the TP regions (one per TP rank and pipeline stage, as Megatron's) and the kernel switches."""
+    rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
+    par = Parallel(tp_group=dims.tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
+                   rng=rng, dims=dims, kernels=kernels)
+    if cfg.moe_router_force_load_balancing:  # random router logits: Megatron's expert-parallel stream
+        par.expert_rng = RNGTracker(seed + 100 * dims.pp_rank, 100 * dims.ep_rank + dims.etp_rank,
+                                    device or "cpu", offset=EXPERT_SEED_OFFSET)
+    return par
+
+
+def output_layer_of(cfg: ModelConfig, vocab_size: int, par: Parallel, seed: int, tied: bool, pre_process: bool,
+                    bias: bool = False, fusable: bool = True, device=None, dtype=None) -> ColumnParallelLinear:
+    """The vocabulary-parallel output layer of the last stage. Tied: drawn from the embedding's stream, so the
+    last stage's copy equals the word embedding; on a one-stage model it has no weight of its own (the word
+    embedding is passed in), on a pipeline's last stage a copy kept equal through the embedding group.
+    ``fusable``: every use of its weight honours ``main_grad`` (GPT's fused output loss does; a plain
+    ``layer(x, weight)`` call does not)."""
+    with seeded_init(seed, "embedding" if tied else "output_layer", device):
+        init = init_normal(embedding_std(cfg, tied))
+        layer = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp_group=par.tp_group, bias=bias,
+                                     sequence_parallel=par.sequence_parallel, init_method=init, device=device,
+                                     dtype=dtype)
+    for p in (layer.weight, layer.bias):
+        if p is not None:
+            update_spec(p, vocab_rows=True)
+    if fusable:
+        mark_fusable(layer)  # its gradient may go into main_grad directly (cross_entropy.py)
+    if tied:
+        if pre_process:
+            layer.weight = None
+        else:
+            update_spec(layer.weight, tied="embedding", copy_of=WORD_EMBEDDING)
+    return layer
+
+
+def tie_first_stage(model: nn.Module, pre_process: bool, post_process: bool) -> None:
+    """A tied word embedding on the first stage of a pipeline: its gradients are summed with the last stage's
+    copy (through the embedding group)."""
+    if model.share_embeddings and pre_process and not post_process:
+        update_spec(model.embedding.word_embeddings.weight, tied="embedding")
+
+
 class GPTModel(nn.Module):
     """Decoder LM. ``pre_process``/``post_process`` say whether this pipeline stage holds the
     embedding / the final norm, output layer and loss; ``layer_offset``/``num_layers`` which blocks.
@@ -124,14 +185,8 @@ class GPTModel(nn.Module):
         self.config, self.vocab_size = cfg, vocab_size
         self.dims = dims = dims or ParallelDims()
         tp_group = dims.tp_group
-        # Dropout inside TP regions: a stream per TP rank, and per pipeline stage as Megatron's.
-        rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
         self.kernels = kernels if kernels is not None else KernelConfig()  # the switches (config/kernels.py)
-        self.par = Parallel(tp_group=tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
-                            rng=rng, dims=dims, kernels=self.kernels)
-        if cfg.moe_router_force_load_balancing:  # random router logits: Megatron's expert-parallel stream
-            self.par.expert_rng = RNGTracker(seed + 100 * dims.pp_rank, 100 * dims.ep_rank + dims.etp_rank,
-                                             device or "cpu", offset=EXPERT_SEED_OFFSET)
+        self.par = parallel_of(cfg, dims, sequence_parallel, seed, self.kernels, device)
         self.pre_process, self.post_process = pre_process, post_process
         self.cp = ContextParallel.from_dims(dims, cp_comm_type)  # None at CP 1
         self.share_embeddings, self.output_mult = not cfg.untie_embeddings_and_output_weights, mup.output_mult(cfg)
@@ -148,27 +203,11 @@ class GPTModel(nn.Module):
                                         recompute_num_layers=recompute_num_layers, device=device, dtype=dtype,
                                         seed=seed)
         fp8_mod.attach(self.decoder, fp8, cfg.num_layers)  # FP8 matmuls in QKV / proj / fc1 / fc2 with a recipe
-        if post_process:
-            # Tied: drawn from the embedding's stream, so the last stage's copy equals the word embedding.
-            with seeded_init(seed, "embedding" if self.share_embeddings else "output_layer", device):
-                init = init_normal(embedding_std(cfg, self.share_embeddings))
-                self.output_layer = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp_group=tp_group, bias=False,
-                                                         sequence_parallel=self.par.sequence_parallel,
-                                                         init_method=init, device=device, dtype=dtype)
-            update_spec(self.output_layer.weight, vocab_rows=True)
-            mark_fusable(self.output_layer)  # its gradient may go into main_grad directly (cross_entropy.py)
-            if self.share_embeddings:
-                # Tied: the output layer uses the word embedding (on a single-stage model the same tensor).
-                if pre_process:
-                    self.output_layer.weight = None
-                else:  # last pipeline stage holds a copy kept equal through the embedding group
-                    update_spec(self.output_layer.weight, tied="embedding", copy_of=WORD_EMBEDDING)
-        else:
-            self.output_layer = None
+        self.output_layer = (output_layer_of(cfg, vocab_size, self.par, seed, self.share_embeddings, pre_process,
+                                             device=device, dtype=dtype) if post_process else None)
         self.mtp = build_mtp(cfg, self.par, pre_process and post_process, seed, recompute_granularity, fp8,
                              device, dtype)  # multi-token prediction (model/mtp.py), None without
-        if self.share_embeddings and pre_process and not post_process:  # first stage of a pipeline
-            update_spec(self.embedding.word_embeddings.weight, tied="embedding")  # grads summed with the copy
+        tie_first_stage(self, pre_process, post_process)
         set_cublaslt(self, self.kernels.kernel_cublaslt != "off")
         self.input_tensor: Optional[torch.Tensor] = None
         self.fused_output_loss = True  # chunked output layer + cross-entropy (False: plain logits path)

@@ -76,7 +76,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.skipped, self.nan_iters = 0, 0
         self.forward_backward = get_forward_backward_func(self.dims, 60.0 * cfg.parallel.distributed_timeout_minutes)
         self.layout = BatchLayout.from_config(cfg, self.dims, self.device, params_dtype(cfg))
-        self.forward_step = make_forward_step(self.layout)
+        self.forward_step = make_forward_step(self.layout, cfg.model.model)
         logging_rank = self.dims.is_logging_rank
         self.log = RunLogger(logging_rank, tr.train_iters, cfg.log.tensorboard_dir,
                              queue_size=cfg.log.tensorboard_queue_size, wandb_run=wandb_run(cfg) if logging_rank else None)
@@ -116,8 +116,13 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         sizes = train_valid_test_num_samples(tr)
         if tr.step_batch_size_schedule is not None:  # enough for the steps the schedule runs (Megatron: iters x gbs)
             sizes[0] = max(sizes[0], self.microbatches.samples_for_iters(tr.train_iters))
+        builder = None
+        if cfg.model.model == "bert":  # Megatron's BERT samples (data/bert_dataset.py)
+            from ..data.bert_dataset import BertDataConfig, bert_builder
+            config = BertDataConfig.from_config(cfg.data, cfg.model, self.tokenizer, cfg.model.seq_length, tr.seed)
+            builder = bert_builder(config, self.tokenizer)
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length,
-                                                                      tr.seed, sizes)
+                                                                      tr.seed, sizes, make_builder=builder)
         signals = tr.exit_signal_handler or tr.exit_signal_handler_for_dataloader
         if signals and self.cfg.data.num_workers > 0:
             kill_workers_at_exit()
@@ -174,6 +179,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
                                         model=self.models, num_microbatches=ctx.num_microbatches,
                                         seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
                                         layout=self.layout, forward_only=False, grad_scale=ctx.loss_scale)
+        self.report.note_extras(reports)  # BERT's sentence-order loss, for the log line
         return sum_reports(reports, self.device)
 
     def _check_weight_hashes(self) -> None:

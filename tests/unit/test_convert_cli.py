@@ -349,7 +349,7 @@ def test_errors_are_one_line(ckpts, hf_dir, tmp_path, capsys):
         "per-rank checkpoint (rank_*.pt) of an older paratron": ["--to", "hf", "--load", old, "--output",
                                                                    tmp_path / "o10"],
         "already holds a Hugging Face checkpoint": ["--to", "hf", "--load", ckpts["llama"], "--output", taken_hf],
-        "unsupported model_type 'bert'": ["--from", "hf", "--input", bert, "--save", tmp_path / "o6"],
+        "post-LayerNorm": ["--from", "hf", "--input", bert, "--save", tmp_path / "o6"],
         "has no config.json": ["--from", "hf", "--input", empty, "--save", tmp_path / "o7"],
         "already holds a paratron checkpoint": ["--from", "hf", "--input", hf_dir, "--save", taken_ckpt],
         "not divisible by --tensor-model-parallel-size 3": ["--from", "hf", "--input", hf_dir, "--save",
@@ -368,9 +368,9 @@ def test_errors_are_one_line(ckpts, hf_dir, tmp_path, capsys):
     assert _snapshot(taken_hf) == before_hf and _snapshot(taken_ckpt) == before_ckpt
 
     # The real command line, in a fresh process: no traceback.
-    r = subprocess.run([sys.executable, "-m", "paratron", "convert", *map(str, cases["unsupported model_type 'bert'"])],
+    r = subprocess.run([sys.executable, "-m", "paratron", "convert", *map(str, cases["post-LayerNorm"])],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "Traceback" not in r.stderr and "unsupported model_type" in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "post-LayerNorm" in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
 
 

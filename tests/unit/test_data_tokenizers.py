@@ -171,7 +171,8 @@ def test_factory_errors(tmp_path):
         (_args(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path)),
          "no tokenizer.json"),
         (_args(tokenizer_type="NullTokenizer"), "--vocab-size"),
-        (_args(tokenizer_type="BertWordPieceCase"), "not supported"),
+        (_args(tokenizer_type="BertWordPieceCase"), "needs --vocab-file"),
+        (_args(tokenizer_type="MultimodalTokenizer"), "not supported"),
         (_args(tokenizer_type="TikTokenizer", tokenizer_model=write_tiktoken_file(
             tmp_path / "t.tiktoken"), vocab_size=99999), "--vocab-size"),
     ]
