@@ -7,7 +7,7 @@ import functools
 import inspect
 import re
 
-from . import kernels, sections
+from . import encdec, kernels, sections
 
 HELP = {
     # model
@@ -102,7 +102,7 @@ HELP = {
 def _source_comments() -> dict[str, str]:
     """``name: type = default  # comment`` lines of sections.py and kernels.py: {name: comment}."""
     out = {}
-    for line in (inspect.getsource(sections) + inspect.getsource(kernels)).splitlines():
+    for line in (inspect.getsource(sections) + inspect.getsource(kernels) + inspect.getsource(encdec)).splitlines():
         m = re.match(r"    ([a-z][a-z0-9_]*): [^=]+=.*?#\s*(.+)$", line)
         if m:
             out[m.group(1)] = m.group(2).replace("paratron: ", "").strip()

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from .encdec import EncoderDecoderFields, SpanCorruptionFields
 from .kernels import KernelConfig
 from .section_base import Section
 
 
 @dataclass(eq=True)
-class ModelConfig(Section):
+class ModelConfig(Section, EncoderDecoderFields):
     _name = "model"
     num_layers: int = 2
     hidden_size: int = 64
@@ -282,7 +283,7 @@ class OptimConfig(Section):
 
 
 @dataclass(eq=True)
-class DataConfig(Section):
+class DataConfig(Section, SpanCorruptionFields):
     _name = "data"
     data_path: Optional[list] = None
     split: str = "969,30,1"

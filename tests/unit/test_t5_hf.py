@@ -1,0 +1,79 @@
+"""T5 v1.1 <-> transformers' T5ForConditionalGeneration: a random small model's logits equal both ways (fp32)."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+transformers = pytest.importorskip("transformers")
+
+from paratron.checkpoint.hf_t5 import (model_config_from_t5, paratron_to_t5, t5_config_from_model_config,
+                                       t5_to_paratron)
+from paratron.checkpoint.hf_config import ConversionError
+from paratron.model.t5 import T5Model
+
+VOCAB = 100
+
+
+def hf_model(seed=0):
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,
+                                num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
+                                feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0)
+    torch.manual_seed(seed)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # HF's init leaves the relative tables and norms at values that hide mistakes
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+        model.shared.weight.mul_(0.1)  # logits of order 1: the 1e-5 below is about the computation, not their size
+    return model
+
+
+def inputs():
+    g = torch.Generator().manual_seed(1)
+    enc = torch.randint(2, VOCAB, (2, 14), generator=g)
+    dec = torch.randint(2, VOCAB, (2, 9), generator=g)
+    pad = torch.ones(2, 14, dtype=torch.bool)
+    pad[1, 10:] = False
+    return enc, dec, pad
+
+
+def paratron_from(hf):
+    cfg = model_config_from_t5(hf.config.to_dict(), seq_length=32).resolved()
+    model = T5Model(cfg, 128).eval()
+    model.load_state_dict(t5_to_paratron(hf.state_dict(), cfg, 128))
+    return model, cfg
+
+
+def test_hf_to_paratron_logits_equal():
+    hf = hf_model()
+    model, _ = paratron_from(hf)
+    enc, dec, pad = inputs()
+    with torch.no_grad():
+        want = hf(input_ids=enc, attention_mask=pad.long(), decoder_input_ids=dec).logits
+        got = model(enc, dec, encoder_padding_mask=pad)[..., :VOCAB]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_paratron_to_hf_logits_equal(tmp_path):
+    hf = hf_model(seed=3)
+    model, cfg = paratron_from(hf)
+    with torch.no_grad():  # new weights on the paratron side, then back to transformers
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    # written as a model directory: transformers 5 ties lm_head to shared in memory, and keeps them apart
+    # when a checkpoint holds two different tensors
+    (tmp_path / "config.json").write_text(json.dumps(t5_config_from_model_config(cfg, VOCAB)))
+    save_file(paratron_to_t5(model.state_dict(), cfg, VOCAB), str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    back = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path)
+    assert not torch.equal(back.lm_head.weight, back.shared.weight)
+    enc, dec, pad = inputs()
+    with torch.no_grad():
+        want = model.eval()(enc, dec, encoder_padding_mask=pad)[..., :VOCAB]
+        got = back.eval()(input_ids=enc, attention_mask=pad.long(), decoder_input_ids=dec).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_refuses_tied_t5():
+    with pytest.raises(ConversionError, match="rescales the decoder output"):
+        model_config_from_t5({"feed_forward_proj": "gated-gelu", "tie_word_embeddings": True, "num_layers": 1})
