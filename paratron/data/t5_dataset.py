@@ -1,0 +1,157 @@
+"""T5Dataset: Megatron's span corruption over an indexed dataset (megatron-core's T5MaskedWordPieceDataset, the
+same samples for the same seed).
+
+A sample is a run of whole sentences of one document (data/masking.py ``build_sample_mapping``; made with
+``--split-sentences`` a document has many, else one) cut to a target length of ``--encoder-seq-length`` - 2 (or
+shorter with ``--short-seq-prob``). About ``--mask-prob`` of its tokens are masked in spans of whole words whose
+length is drawn from a geometric distribution (p 0.2, at most 10: Megatron's T5 settings; the mean span is a few
+words). Each span is replaced in the encoder's input by the next sentinel (``<extra_id_0>``, ``<extra_id_1>``, ...,
+``--vocab-extra-ids`` of them in the tokenizer); the decoder reads ``[BOS] sentinel span sentinel span ...`` and
+predicts ``sentinel span sentinel span ... [EOS]``. Each sample draws from its own ``RandomState(seed + index)``.
+
+Sample keys (Megatron's): ``text_enc`` [se], ``text_dec`` / ``labels`` / ``loss_mask`` [sd], ``enc_mask`` /
+``dec_mask`` (1 = a real token), ``truncated``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .errors import DataError
+from .masking import Masking, build_sample_mapping, masked_spans, word_candidates
+
+PAD_FALLBACK = -1  # Megatron's pad id when the tokenizer's is missing or is also its EOS / EOD
+
+
+@dataclass(frozen=True)
+class SpanVocab:
+    """What span corruption needs of a tokenizer. ``continuation``: ids of WordPiece ``##`` pieces."""
+    sentinels: tuple
+    bos: int
+    eos: int
+    pad: int = PAD_FALLBACK
+    mask: Optional[int] = None
+    boundaries: frozenset = frozenset()  # [CLS], [SEP]: never masked
+    continuation: frozenset = field(default=frozenset(), repr=False)
+
+    @classmethod
+    def of(cls, tokenizer, vocab_extra_ids: int) -> "SpanVocab":
+        """From a paratron (or Megatron) tokenizer: ``<extra_id_i>`` sentinels, BOS / EOS, pad, [CLS] / [SEP] and
+        the ``##`` pieces of its vocabulary (``inv_vocab``) where it has them."""
+        ids = [_token(tokenizer, f"<extra_id_{i}>") for i in range(vocab_extra_ids)]
+        if vocab_extra_ids < 1 or None in ids:
+            raise DataError(f"T5 span corruption needs --vocab-extra-ids N sentinels <extra_id_0>..<extra_id_N-1> in "
+                            f"the tokenizer (--vocab-extra-ids is {vocab_extra_ids}; missing: "
+                            f"{'all' if vocab_extra_ids < 1 else ids.index(None)}); give --vocab-extra-ids 100")
+        bos = _special(tokenizer, "bos", ("[BOS]", "<BOS>", "<s>"))
+        eos = _special(tokenizer, "eos", ("[EOS]", "<EOS>", "</s>"))
+        if bos is None or eos is None:
+            raise DataError(f"T5 span corruption needs BOS and EOS tokens; {type(tokenizer).__name__} has "
+                            f"{'no BOS' if bos is None else 'no EOS'}")
+        pad = getattr(tokenizer, "pad", None)
+        if pad is None or pad in (eos, getattr(tokenizer, "eod", None)):
+            pad = PAD_FALLBACK
+        inv = getattr(tokenizer, "inv_vocab", None) or {}
+        return cls(tuple(ids), bos, eos, pad, _special(tokenizer, "mask", ("[MASK]", "<MASK>")),
+                   frozenset(t for t in (_special(tokenizer, "cls", ("[CLS]", "<CLS>")),
+                                         _special(tokenizer, "sep", ("[SEP]", "<SEP>"))) if t is not None),
+                   frozenset(i for i, piece in inv.items() if str(piece).startswith("##")))
+
+
+def _token(tokenizer, text: str) -> Optional[int]:
+    finder = getattr(tokenizer, "token_id", None)
+    found = finder(text) if finder is not None else None
+    return found if found is not None else getattr(tokenizer, "vocab", {}).get(text)
+
+
+def _special(tokenizer, attr: str, names) -> Optional[int]:
+    try:
+        value = getattr(tokenizer, attr, None)
+    except (AttributeError, NotImplementedError):
+        value = None
+    if value is not None:
+        return int(value)
+    for name in names:
+        found = _token(tokenizer, name)
+        if found is not None:
+            return found
+    return None
+
+
+@dataclass(frozen=True)
+class T5DataConfig:
+    seed: int
+    encoder_seq_length: int
+    decoder_seq_length: int
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    masking: Masking = Masking()
+
+
+class T5Dataset(torch.utils.data.Dataset):
+    """``documents``: the split's document numbers (contiguous); ``num_samples`` None: one epoch."""
+
+    def __init__(self, indexed, documents: np.ndarray, num_samples: Optional[int], config: T5DataConfig,
+                 vocab: SpanVocab, sample_index: Optional[np.ndarray] = None):
+        self.indexed, self.config, self.vocab = indexed, config, vocab
+        self.masking = Masking(mask_prob=config.mask_prob, max_ngram=config.masking.max_ngram,
+                               full_word=config.masking.full_word, geometric=config.masking.geometric)
+        if sample_index is None:
+            docs = np.asarray(indexed.document_indices)[np.append(documents, documents[-1] + 1)]
+            epochs = np.iinfo(np.int32).max - 1 if num_samples is not None else 1
+            sample_index = build_sample_mapping(docs, np.asarray(indexed.sequence_lengths), epochs,
+                                                num_samples or np.iinfo(np.int64).max, config.encoder_seq_length - 2,
+                                                config.short_seq_prob, config.seed, 1)
+        self.sample_index = sample_index
+
+    def __len__(self) -> int:
+        return len(self.sample_index)
+
+    def __getitem__(self, idx: int) -> dict:
+        first, end, target = (int(x) for x in self.sample_index[idx])
+        rng = np.random.RandomState(seed=(self.config.seed + idx) % 2 ** 32)
+        tokens = [int(t) for i in range(first, end) for t in self.indexed[i]]
+        truncated = len(tokens) > target
+        tokens = tokens[:target]
+        v = self.vocab
+        words = word_candidates(tokens, v.boundaries.__contains__, v.continuation.__contains__,
+                                self.masking.full_word)
+        tokens, spans = masked_spans(tokens, target, words, self.masking, rng, lambda: v.mask)
+        return self.assemble(tokens, spans, truncated)
+
+    def assemble(self, tokens: list, spans: list, truncated: bool) -> dict:
+        """The encoder input with each span replaced by its sentinel, the decoder's input and labels, padded."""
+        v, c = self.vocab, self.config
+        if len(spans) > len(v.sentinels):
+            raise DataError(f"a sample has {len(spans)} masked spans but the tokenizer only {len(v.sentinels)} "
+                            "sentinels: raise --vocab-extra-ids")
+        sentinels = deque(v.sentinels)
+        enc, dec_in, dec_out, start = [], [v.bos], [], 0
+        for positions, labels in spans:
+            sentinel = sentinels.popleft()
+            enc.extend(tokens[start:positions[0]])
+            enc.append(sentinel)
+            dec_in.extend([sentinel, *labels])
+            dec_out.extend([sentinel, *labels])
+            start = positions[-1] + 1
+        enc.extend(tokens[start:])
+        dec_out.append(v.eos)
+        n_dec = len(dec_in)
+        if len(enc) > c.encoder_seq_length or n_dec > c.decoder_seq_length:
+            raise DataError(f"a T5 sample needs {len(enc)} encoder / {n_dec} decoder tokens, more than "
+                            f"--encoder-seq-length {c.encoder_seq_length} / --decoder-seq-length "
+                            f"{c.decoder_seq_length}: raise --decoder-seq-length")
+        enc = np.pad(np.array(enc, dtype=np.int64), (0, c.encoder_seq_length - len(enc)), constant_values=v.pad)
+        dec_in = np.pad(np.array(dec_in, dtype=np.int64), (0, c.decoder_seq_length - n_dec), constant_values=v.pad)
+        labels = np.pad(np.array(dec_out, dtype=np.int64), (0, c.decoder_seq_length - n_dec), constant_values=-1)
+        enc_mask, dec_mask = (enc != v.pad).astype(np.int64), (dec_in != v.pad).astype(np.int64)
+        loss_mask = np.zeros(c.decoder_seq_length, dtype=np.int64)
+        loss_mask[:n_dec] = 1
+        for t in (enc, dec_in, labels):  # padding as a token id the embedding can look up
+            t[t == v.pad] = 0
+        return {"text_enc": enc, "text_dec": dec_in, "labels": labels, "loss_mask": loss_mask,
+                "truncated": int(truncated), "enc_mask": enc_mask, "dec_mask": dec_mask}
