@@ -41,7 +41,14 @@ class ForwardContext:
     document_ids: [b, s] document of each token of packed sequences (``--reset-attention-mask``), of
         the whole sequence even under context parallelism: attention is causal within documents.
         Without CP, GPTModel turns them into ``mask``; under CP the ring's blocks mask with them.
-    causal: each position attends to itself and the ones before (False with a mask: it says all).
+    causal: each position attends to itself and the ones before; False: bidirectional (an encoder: every
+        position attends to every key allowed by ``mask`` / ``padding_mask``). False with a mask: it says all.
+    padding_mask: [b, s] bool, True = a real token: keys at False positions are never attended to (the
+        queries there still compute, and their outputs are meaningless). With it, ``__post_init__`` folds
+        the pattern into ``mask`` (causal: lower triangle and keys; bidirectional: [b, 1, 1, s] keys only,
+        broadcast) and sets ``causal`` False, so every core that honours ``mask`` honours it (SDPA, the
+        window / sink core, MLA; FlashAttention-4 hands a masked pass to SDPA). Under context parallelism
+        or with a KV cache it is refused. ``padding_mask`` stays set for cores that want it as given.
     kv_cache: the inference KV cache of this pass (paratron/inference/cache.py ``CacheView``): each
         attention layer writes its keys and values into it and attends over what it holds, under ``mask``.
     cp: the context-parallel group (paratron/parallel/context.py) when the sequence is split over
@@ -52,6 +59,7 @@ class ForwardContext:
     mask: Optional[torch.Tensor] = None
     document_ids: Optional[torch.Tensor] = None
     causal: bool = True
+    padding_mask: Optional[torch.Tensor] = None
     kv_cache: object = None
     cp: object = None
     memo: dict = field(default_factory=dict, repr=False, compare=False)
@@ -64,3 +72,34 @@ class ForwardContext:
         if self.cp is not None and self.mask is not None:
             raise ValueError("a dense attention mask cannot be split over context-parallel ranks: give "
                              "document_ids (--reset-attention-mask) instead")
+        if self.cp is not None and not self.causal:
+            raise ValueError("bidirectional attention under context parallelism is not implemented (BERT and T5 "
+                             "refuse --context-parallel-size > 1)")
+        if self.padding_mask is not None:
+            self._fold_padding()
+
+    @classmethod
+    def bidirectional(cls, padding_mask: Optional[torch.Tensor] = None, rope=None) -> "ForwardContext":
+        """An encoder's pass: every position attends to every real token (``padding_mask`` [b, s] bool, True =
+        real; None: all are)."""
+        return cls(rope=rope, causal=False, padding_mask=padding_mask)
+
+    def _fold_padding(self) -> None:
+        if self.cp is not None:
+            raise ValueError("a padding mask under context parallelism is not implemented (BERT and T5 refuse "
+                             "--context-parallel-size > 1)")
+        if self.kv_cache is not None:
+            raise ValueError("a padding mask with an inference KV cache is not implemented")
+        pad = self.padding_mask
+        if pad.dtype != torch.bool or pad.dim() != 2:
+            raise ValueError(f"padding_mask must be bool [batch, seq] (True = real token), got {pad.dtype} "
+                             f"{tuple(pad.shape)}")
+        keys = pad[:, None, None, :]  # [b, 1, 1, s]
+        if self.mask is not None:
+            self.mask = self.mask & keys
+        elif self.causal:
+            s = pad.size(1)
+            self.mask = torch.ones(s, s, dtype=torch.bool, device=pad.device).tril() & keys
+        else:
+            self.mask = keys
+        self.causal = False

@@ -33,7 +33,12 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int, par: Parallel, device=None, dtype=None):
+    """Word (+ learned absolute position) (+ tokentype) embeddings, then dropout (Megatron-core's
+    LanguageModelEmbedding). ``num_tokentypes`` > 0 adds ``tokentype_embeddings`` [num_tokentypes, h] (BERT's
+    segment A / B), drawn after the other tables from the same stream, so a model without it is unchanged."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, par: Parallel, device=None, dtype=None,
+                 num_tokentypes: int = 0):
         super().__init__()
         self.par, self.p = par, cfg.hidden_dropout
         self.mult = cfg.mup_embedding_mult if cfg.use_mup else 1.0  # muP's embedding multiplier
@@ -48,13 +53,24 @@ class Embedding(nn.Module):
             init(self.position_embeddings.weight.data)
         else:
             self.position_embeddings = None
+        self.tokentype_embeddings = None
+        if num_tokentypes > 0:
+            self.tokentype_embeddings = nn.Embedding(num_tokentypes, cfg.hidden_size, device=device, dtype=dtype)
+            init(self.tokentype_embeddings.weight.data)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids / position_ids / tokentype_ids [b, s] -> [s(/TP with SP), b, h]; ``tokentype_ids`` are
+        required when the embedding has tokentypes (and refused when it has none)."""
         # looked up in [s, b] order: the rows come out sequence-first, with no transposing copy forward and
         # no contiguous copy of the gradient in the embedding's backward
         x = self.word_embeddings(input_ids.t())  # [s, b, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids.t())
+        if (tokentype_ids is None) != (self.tokentype_embeddings is None):
+            raise ValueError("tokentype_ids are given exactly when the embedding has tokentypes (num_tokentypes > 0)")
+        if tokentype_ids is not None:
+            x = x + self.tokentype_embeddings(tokentype_ids.t())
         if self.mult != 1.0:
             x = x * self.mult
         if self.par.sequence_parallel:

@@ -33,13 +33,14 @@ def rank_chunks(cfg, pp_rank: int) -> list[dict]:
     return chunks
 
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.")
 
 
 def global_name(name: str, layer_offset: int) -> str:
     """A chunk's parameter name with its layer index made global (``decoder.layers.0.x`` on a chunk
-    starting at layer 6 is ``decoder.layers.6.x``): the name in the one-stage model."""
-    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+    starting at layer 6 is ``decoder.layers.6.x``; ``encoder.layers`` of an encoder alike): the name in the
+    one-stage model."""
+    return _LAYER.sub(lambda m: f"{m.group(1)}.layers.{int(m.group(2)) + layer_offset}.", name)
 
 
 def unwrap(module):
