@@ -9,6 +9,7 @@ import math
 from ..errors import ConfigError
 from .check_moe import validate_moe
 from .layer_patterns import parse_window_size, rope_layers, window_layers
+from .check_t5 import resolve_encoder_decoder
 from .rules import changed_flags, need
 from .sections import Config, ModelConfig, flag
 from .values import SOFTMAX_TYPES
@@ -23,6 +24,7 @@ DEFAULT_SCALING = ModelConfig.__dataclass_fields__["mtp_loss_scaling_factor"].de
 
 def validate_model(m: ModelConfig) -> None:
     """Checks of the model's shape; fills Megatron's derived defaults."""
+    resolve_encoder_decoder(m)  # T5's --encoder-num-layers / --encoder-seq-length
     need(m.hidden_size % m.num_attention_heads == 0 or m.kv_channels is not None,
          f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
          "change one of them or set --kv-channels")

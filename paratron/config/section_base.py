@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import typing
 from typing import Any
 
 from ..errors import FrozenConfigError
@@ -69,3 +70,13 @@ class FrozenList(list):
 
     def __reduce__(self):  # copy and pickle rebuild it whole (they would append item by item)
         return FrozenList, (list(self),)
+
+
+def flag(name: str) -> str:
+    """A field's command-line flag: ``hidden_size`` -> ``--hidden-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def base_type(tp) -> Any:  # Optional[int] -> int
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from ..errors import ConfigError
 from .encdec import EncoderDecoderFields, SpanCorruptionFields
 from .kernels import KernelConfig
-from .section_base import Section
+from .section_base import Section, base_type, flag  # noqa: F401 (flag, base_type: imported from here)
 
 
 @dataclass(eq=True)
@@ -126,6 +126,7 @@ class ModelConfig(Section, EncoderDecoderFields):
     mtp_loss_scaling_factor: float = 0.1  # the MTP losses' weight: factor / depths x their sum joins the loss
     mtp_use_repeated_layer: bool = False  # one MTP layer applied at every depth (weights shared)
     mtp_detach_heads: bool = False  # the MTP losses train the MTP layers only; their gradients clipped by their own norm
+    model: str = "gpt"  # paratron: the model family, gpt | t5 (Megatron picks it by script: pretrain_t5.py)
 
     def resolved(self, **changes) -> "ModelConfig":
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query
@@ -489,11 +490,3 @@ for _sec, _cls in SECTIONS.items():
         FIELD_SECTION[_f.name] = _sec
         FIELD_TYPES[_f.name] = _hints[_f.name]
 
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def base_type(tp) -> Any:  # Optional[int] -> int
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if args else tp

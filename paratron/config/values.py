@@ -9,6 +9,7 @@ TOKENIZER_TYPES = (
     "ByteLevelTokenizer",
 )
 TIKTOKEN_PATTERNS = ("v1", "v2")
+MODELS = ("gpt", "t5")  # --model (pretrain_gpt.py / pretrain_t5.py)
 
 # --sft-tokenizer-prompt-format (paratron/data/sft.py)
 SFT_PROMPT_FORMATS = ("nemotron-h-aligned", "nemotron-nano-v2", "identity", "default")

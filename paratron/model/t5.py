@@ -130,9 +130,7 @@ class T5Model(OutputHead, nn.Module):
     @staticmethod
     def cross_context(encoder_padding: Optional[torch.Tensor]) -> ForwardContext:
         """Cross-attention's pass: every decoder token attends to every real encoder token."""
-        if encoder_padding is None:
-            return ForwardContext(causal=False)
-        return ForwardContext(mask=encoder_padding[:, None, None, :], causal=False)
+        return ForwardContext.bidirectional(encoder_padding)
 
     def encode(self, ids: torch.Tensor, padding: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The encoder's output [se(/TP), b, h] (after its final norm)."""
