@@ -10,19 +10,24 @@ from ..errors import ConfigError
 from .ranges import check_ranges
 from .rules import changed_flags, need
 from .sections import DataConfig
-from .values import SFT_PROMPT_FORMATS, TIKTOKEN_PATTERNS, TOKENIZER_TYPES
+from .values import SFT_PROMPT_FORMATS, TIKTOKEN_PATTERNS, TOKENIZER_TYPES, WORDPIECE_TYPES
 
 
-def validate_data(d: DataConfig) -> None:
+def validate_data(d: DataConfig, default_tokenizer: str = "GPT2BPETokenizer") -> None:
+    """``default_tokenizer``: the --tokenizer-type a --vocab-file means when none is given (pretrain_gpt.py's
+    GPT2BPETokenizer; pretrain_bert.py's BertWordPieceLowerCase)."""
     have_data = d.mock_data or d.data_path or d.train_data_path
     need(bool(have_data), "no training data: pass --data-path PREFIX (or --train-data-path) or --mock-data")
     need(not (d.mock_data and (d.data_path or d.train_data_path)),
          "--mock-data and --data-path are mutually exclusive; choose one")
     if d.tokenizer_type is None and (d.vocab_file or d.merge_file):
-        d.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default tokenizer (pretrain_gpt.py)
-    need(d.tokenizer_type in (None, "GPT2BPETokenizer") or not (d.vocab_file or d.merge_file),
-         f"--vocab-file/--merge-file are read only by GPT2BPETokenizer, not --tokenizer-type {d.tokenizer_type}; "
-         "remove them or use --tokenizer-type GPT2BPETokenizer")
+        d.tokenizer_type = default_tokenizer  # Megatron's default tokenizer of the entry point
+    wordpiece = d.tokenizer_type in WORDPIECE_TYPES
+    need(d.tokenizer_type in (None, "GPT2BPETokenizer") or not (d.vocab_file or d.merge_file) or wordpiece,
+         f"--vocab-file/--merge-file are read only by GPT2BPETokenizer (and --vocab-file by BertWordPiece*), not "
+         f"--tokenizer-type {d.tokenizer_type}; remove them or use --tokenizer-type GPT2BPETokenizer")
+    need(not (wordpiece and d.merge_file), f"--tokenizer-type {d.tokenizer_type} reads --vocab-file only: remove "
+         "--merge-file")
     if d.tokenizer_type is None and d.mock_data:
         # No tokenizer flags with mock data: a NullTokenizer over the GPT-2 vocabulary size (its EOD,
         # vocab_size - 1 = 50256, is GPT-2's end-of-text id).

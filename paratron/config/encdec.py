@@ -1,7 +1,7 @@
 """The config fields of encoder-decoder models (T5, ``--model t5``): the two stacks' depths and lengths, T5's
-relative position buckets and its v1.1 options, and the span-corruption data flags. Mixed into
-:class:`~paratron.config.sections.ModelConfig` and ``DataConfig`` (sections.py), which they are part of: the
-flags are Megatron's (``--encoder-num-layers`` ...), the help comments are read from this file too."""
+relative position buckets and its v1.1 options. Mixed into :class:`~paratron.config.sections.ModelConfig`
+(sections.py), which they are part of: the flags are Megatron's (``--encoder-num-layers`` ...) or paratron's
+(``--geglu``, ``--softmax-scale``); the help comments are read from this file too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,8 +19,3 @@ class EncoderDecoderFields:
     geglu: bool = False  # paratron: gated GeLU MLP, gelu(gate) * up (T5 v1.1; with --openai-gelu the tanh GeLU)
     softmax_scale: Optional[float] = None  # paratron: the attention scores' scale (default 1/sqrt(head dim); T5: 1)
 
-
-@dataclass(eq=True)
-class SpanCorruptionFields:
-    mask_prob: float = 0.15  # T5 / BERT data: fraction of the tokens masked (T5: in spans replaced by sentinels)
-    short_seq_prob: float = 0.1  # T5 / BERT data: chance a sample's target length is drawn shorter

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Optional
 from ..errors import UserError
 from .batch_schedule import MicroBatches, schedule_of
 from .check_ckpt import validate_ckpt, validate_retention
+from .check_bert import default_tokenizer, validate_model_family
 from .check_data import validate_data, validate_fim, validate_sft
 from .check_log import validate_log
 from .check_t5 import validate_t5
@@ -156,6 +157,7 @@ def validate_across(cfg: Config) -> None:
     validate_sft(cfg.data)
     validate_retention(cfg.ckpt)
     validate_recompute(cfg)
+    validate_model_family(cfg)
     validate_t5(cfg)
 
 
@@ -180,7 +182,8 @@ def resolve(cfg: Config, world_size: Optional[int] = None, *,
     steps = (lambda: validate_optimizer(cfg), lambda: validate_run_variants(cfg), lambda: validate_model(cfg.model),
              lambda: validate_parallel(cfg.parallel, cfg.model, cfg.train),
              lambda: validate_train(cfg.train), lambda: validate_fp8(cfg), lambda: validate_optim(cfg.optim),
-             lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log), lambda: validate_data(cfg.data),
+             lambda: validate_ckpt(cfg.ckpt), lambda: validate_log(cfg.log),
+             lambda: validate_data(cfg.data, default_tokenizer(cfg.model)),
              lambda: validate_across(cfg),
              lambda: validate_routing_parallel(cfg.parallel, cfg.model, cfg.log), lambda: validate_mtp(cfg),
              lambda: check_kernels(cfg.kernels), lambda: validate_sample(cfg),

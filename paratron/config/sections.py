@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from .encdec import EncoderDecoderFields, SpanCorruptionFields
+from .encdec import EncoderDecoderFields
 from .kernels import KernelConfig
 from .section_base import Section, base_type, flag  # noqa: F401 (flag, base_type: imported from here)
 
@@ -126,7 +126,9 @@ class ModelConfig(Section, EncoderDecoderFields):
     mtp_loss_scaling_factor: float = 0.1  # the MTP losses' weight: factor / depths x their sum joins the loss
     mtp_use_repeated_layer: bool = False  # one MTP layer applied at every depth (weights shared)
     mtp_detach_heads: bool = False  # the MTP losses train the MTP layers only; their gradients clipped by their own norm
-    model: str = "gpt"  # paratron: the model family, gpt | t5 (Megatron picks it by script: pretrain_t5.py)
+    model: str = "gpt"  # paratron: the model family, gpt | bert | t5 (Megatron picks it by script: pretrain_bert.py)
+    bert_no_binary_head: bool = False  # BERT without the pooler + sentence-order head (and without tokentypes)
+    bert_embedder_type: str = "megatron"  # megatron (huggingface: refused, Megatron's retrieval embedder)
 
     def resolved(self, **changes) -> "ModelConfig":
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query
@@ -284,7 +286,7 @@ class OptimConfig(Section):
 
 
 @dataclass(eq=True)
-class DataConfig(Section, SpanCorruptionFields):
+class DataConfig(Section):
     _name = "data"
     data_path: Optional[list] = None
     split: str = "969,30,1"
@@ -329,6 +331,8 @@ class DataConfig(Section, SpanCorruptionFields):
     eod_mask_loss: bool = False
     no_mmap_bin_files: bool = False  # read each .bin file into memory instead of memory-mapping it
     no_token_id_check: bool = False  # paratron: skip the check of each micro-batch's ids against the vocabulary
+    mask_prob: float = 0.15  # BERT: the share of tokens masked (80 % [MASK], 10 % random, 10 % kept); T5: in spans
+    short_seq_prob: float = 0.1  # BERT / T5: the chance a sample's target length is drawn shorter than the longest
 
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",

@@ -6,10 +6,11 @@ from __future__ import annotations
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "NullTokenizer",
-    "ByteLevelTokenizer",
+    "ByteLevelTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
 )
+WORDPIECE_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")  # a BERT vocab.txt (--vocab-file)
+MODELS = ("gpt", "bert", "t5")  # --model (pretrain_gpt.py / pretrain_bert.py / pretrain_t5.py)
 TIKTOKEN_PATTERNS = ("v1", "v2")
-MODELS = ("gpt", "t5")  # --model (pretrain_gpt.py / pretrain_t5.py)
 
 # --sft-tokenizer-prompt-format (paratron/data/sft.py)
 SFT_PROMPT_FORMATS = ("nemotron-h-aligned", "nemotron-nano-v2", "identity", "default")

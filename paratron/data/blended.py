@@ -188,7 +188,11 @@ class _SFTBuilder(_Builder):
                           self.tokenize, self.config.seq_length)
 
 
-def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], allow_build: bool):
+def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], allow_build: bool,
+               make_builder: Optional[Callable] = None):
+    """``make_builder(allow_build)``: the builder of another kind of dataset (BERT's), else GPT's."""
+    if make_builder is not None:
+        return _build_splits(data, make_builder(allow_build), sizes, allow_build)
     if data.mock_data:
         if tokenizer.eod is None:
             raise DataError("--mock-data: the tokenizer has no EOD token")
@@ -208,6 +212,11 @@ def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], all
     else:
         fim = FIMTransform(data, tokenizer, config.seed) if getattr(data, "fim_data", False) else None
         builder = _Builder(config, allow_build, tokenizer.vocab_size, fim)
+    return _build_splits(data, builder, sizes, allow_build)
+
+
+def _build_splits(data, builder: _Builder, sizes: Sequence[int], allow_build: bool):
+    """(train, valid, test) of the data paths: per-split blends, or one blend split by --split."""
     per_split = [getattr(data, f"{name}_data_path") for name in SPLIT_NAMES]
     if any(per_split):
         out = []
@@ -235,15 +244,17 @@ def _build_all(data, tokenizer, config: GPTDataConfig, sizes: Sequence[int], all
 def build_train_valid_test_datasets(
     data, tokenizer, seq_length: int, seed: int, num_samples: Sequence[int],
     rank: Optional[int] = None, barrier: Optional[Callable[[], None]] = None,
+    make_builder: Optional[Callable] = None,
 ):
     """(train, valid, test) datasets (any may be None) of the data section `data` (a
     `paratron.config.DataConfig`) for samples of `seq_length` tokens, shuffled with `seed`, with
     `num_samples` = (train, valid, test) samples (`train_valid_test_num_samples(cfg.train)`).
 
     Distributed: rank 0 builds and caches the indices, then `barrier()`, then the other ranks
-    load them. `rank`/`barrier` default to torch.distributed's when it is initialised."""
+    load them. `rank`/`barrier` default to torch.distributed's when it is initialised. `make_builder(allow_build)`:
+    the builder of another kind of dataset (paratron/data/bert_dataset.py's), else GPT's."""
     config = GPTDataConfig.from_config(data, tokenizer, seq_length, seed)
-    build = partial(_build_all, data, tokenizer, config, list(num_samples))
+    build = partial(_build_all, data, tokenizer, config, list(num_samples), make_builder=make_builder)
     if barrier is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, barrier = torch.distributed.get_rank(), torch.distributed.barrier
     if barrier is None or rank is None:

@@ -32,6 +32,7 @@ import numpy as np
 from paratron.config import add_tokenizer_args, tokenizer_config
 from paratron.data.errors import DataError
 from paratron.data.indexed import IndexedDatasetWriter, token_dtype
+from paratron.data.sentences import split_sentences
 from paratron.data.tokenizers import build_tokenizer
 from paratron.errors import ArgumentParser, run_command
 
@@ -50,10 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--json-keys", nargs="+", default=["text"],
                        help="keys to extract; one output dataset per key")
     group.add_argument("--split-sentences", action="store_true",
-                       help="not supported (needs NLTK punkt); give a key a list of sentences")
+                       help="one sequence per sentence (paratron's rule-based splitter, data/sentences.py: punkt's "
+                            "main rules, not NLTK); outputs PREFIX_KEY_sentence.bin/.idx")
     group.add_argument("--keep-newlines", action="store_true",
-                       help="only matters with --split-sentences (accepted for compatibility)")
-    group.add_argument("--lang", default="english", help="(sentence splitting only)")
+                       help="with --split-sentences: newlines after a sentence stay in it")
+    group.add_argument("--lang", default="english",
+                       help="with --split-sentences: english only (its abbreviations)")
     group = parser.add_argument_group("tokenization process")
     group.add_argument("--append-eod", action="store_true",
                        help="append the tokenizer's EOD id to every non-empty document")
@@ -78,13 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
 _STATE: Dict[str, object] = {}
 
 
-def _init_worker(tok_cfg, keys, append_eod: bool, in_process: bool = False) -> None:
+def _init_worker(tok_cfg, keys, append_eod: bool, in_process: bool = False, split=None) -> None:
+    """``split``: None, or (keep_newlines,) to split each string into sentences (--split-sentences)."""
     if not in_process:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     tokenizer = build_tokenizer(tok_cfg)
     _STATE.update(
         tokenizer=tokenizer, keys=list(keys), append_eod=append_eod,
-        dtype=token_dtype(tokenizer.vocab_size),
+        dtype=token_dtype(tokenizer.vocab_size), split=split,
     )
 
 
@@ -106,7 +110,8 @@ def _parse_line(raw: bytes, keys: List[str]):
             return f"missing key {key!r}"
         value = obj[key]
         if isinstance(value, str):
-            out.append([value])
+            split = _STATE.get("split")
+            out.append(split_sentences(value, split[0]) if split else [value])
         elif isinstance(value, list) and all(isinstance(v, str) for v in value):
             out.append(value)
         else:
@@ -228,9 +233,8 @@ class _Progress:
 
 
 def _check_job_flags(args) -> None:
-    if args.split_sentences:
-        raise DataError("--split-sentences: not supported (Megatron splits with NLTK punkt, "
-                        "which paratron does not ship); give the key a list of sentences instead")
+    if args.lang != "english":
+        raise DataError(f"--lang {args.lang}: paratron's sentence splitter knows english only")
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be at least 1")
     if args.partitions < 1 or args.workers % args.partitions:
@@ -246,7 +250,9 @@ def preprocess(args) -> Dict[str, object]:
     if args.append_eod and tokenizer.eod is None:
         raise DataError(f"--append-eod: tokenizer {args.tokenizer_type} has no EOD token")
     dtype = token_dtype(tokenizer.vocab_size)
-    prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    level = "sentence" if args.split_sentences else "document"
+    prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
+    split = (args.keep_newlines,) if args.split_sentences else None
     total = None if any(f.endswith(".gz") for f in files) else sum(map(os.path.getsize, files))
     progress = _Progress(total, args.log_interval, args.no_progress)
     skipped: List[Tuple[str, int, str]] = []
@@ -268,13 +274,13 @@ def preprocess(args) -> Dict[str, object]:
         writers = [stack.enter_context(IndexedDatasetWriter(p, dtype)) for p in prefixes]
         try:
             if args.workers == 1:
-                _init_worker(tok_cfg, args.json_keys, args.append_eod, in_process=True)
+                _init_worker(tok_cfg, args.json_keys, args.append_eod, in_process=True, split=split)
                 for chunk in _read_chunks(files):
                     consume(encode_chunk(chunk))
             else:
                 ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
                 with ctx.Pool(args.workers, initializer=_init_worker,
-                              initargs=(tok_cfg, args.json_keys, args.append_eod)) as pool:
+                              initargs=(tok_cfg, args.json_keys, args.append_eod, False, split)) as pool:
                     pending: deque = deque()
                     for chunk in _read_chunks(files):  # at most ~3 chunks a worker in flight
                         pending.append(pool.apply_async(encode_chunk, (chunk,)))

@@ -1,7 +1,7 @@
 """T5Dataset: Megatron's span corruption over an indexed dataset (megatron-core's T5MaskedWordPieceDataset, the
 same samples for the same seed).
 
-A sample is a run of whole sentences of one document (data/masking.py ``build_sample_mapping``; made with
+A sample is a run of whole sentences of one document (data/bert_indices.py ``build_mapping``; made with
 ``--split-sentences`` a document has many, else one) cut to a target length of ``--encoder-seq-length`` - 2 (or
 shorter with ``--short-seq-prob``). About ``--mask-prob`` of its tokens are masked in spans of whole words whose
 length is drawn from a geometric distribution (p 0.2, at most 10: Megatron's T5 settings; the mean span is a few
@@ -21,8 +21,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .bert_indices import build_mapping
 from .errors import DataError
-from .masking import Masking, build_sample_mapping, masked_spans, word_candidates
+from .masking import MaskingConfig, candidates_of, mask_tokens
 
 PAD_FALLBACK = -1  # Megatron's pad id when the tokenizer's is missing or is also its EOS / EOD
 
@@ -89,7 +90,11 @@ class T5DataConfig:
     decoder_seq_length: int
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
-    masking: Masking = Masking()
+
+    @property
+    def masking(self) -> MaskingConfig:
+        """Megatron's T5 masking (pretrain_t5.py): N-grams of up to 10 whole words, N geometric, no permutation."""
+        return MaskingConfig(probability=self.mask_prob, max_ngram=10, whole_word=True, geometric=True)
 
 
 class T5Dataset(torch.utils.data.Dataset):
@@ -97,15 +102,11 @@ class T5Dataset(torch.utils.data.Dataset):
 
     def __init__(self, indexed, documents: np.ndarray, num_samples: Optional[int], config: T5DataConfig,
                  vocab: SpanVocab, sample_index: Optional[np.ndarray] = None):
-        self.indexed, self.config, self.vocab = indexed, config, vocab
-        self.masking = Masking(mask_prob=config.mask_prob, max_ngram=config.masking.max_ngram,
-                               full_word=config.masking.full_word, geometric=config.masking.geometric)
-        if sample_index is None:
+        self.indexed, self.config, self.vocab, self.masking = indexed, config, vocab, config.masking
+        if sample_index is None:  # one [BOS] and one [EOS] besides the sample's tokens
             docs = np.asarray(indexed.document_indices)[np.append(documents, documents[-1] + 1)]
-            epochs = np.iinfo(np.int32).max - 1 if num_samples is not None else 1
-            sample_index = build_sample_mapping(docs, np.asarray(indexed.sequence_lengths), epochs,
-                                                num_samples or np.iinfo(np.int64).max, config.encoder_seq_length - 2,
-                                                config.short_seq_prob, config.seed, 1)
+            sample_index = build_mapping(docs, np.asarray(indexed.sequence_lengths), num_samples,
+                                         config.encoder_seq_length - 2, config.short_seq_prob, config.seed, 1)
         self.sample_index = sample_index
 
     def __len__(self) -> int:
@@ -118,9 +119,8 @@ class T5Dataset(torch.utils.data.Dataset):
         truncated = len(tokens) > target
         tokens = tokens[:target]
         v = self.vocab
-        words = word_candidates(tokens, v.boundaries.__contains__, v.continuation.__contains__,
-                                self.masking.full_word)
-        tokens, spans = masked_spans(tokens, target, words, self.masking, rng, lambda: v.mask)
+        words = candidates_of(tokens, v.boundaries, v.continuation.__contains__, self.masking.whole_word)
+        tokens, _, _, spans = mask_tokens(tokens, target, self.masking, words, lambda _: v.mask, rng)
         return self.assemble(tokens, spans, truncated)
 
     def assemble(self, tokens: list, spans: list, truncated: bool) -> dict:

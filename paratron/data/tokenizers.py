@@ -12,6 +12,7 @@ Megatron's tokenizer of the same type on the same files:
 - TikTokenizer: a local .tiktoken file (base64 token and rank per line) or Megatron's JSON vocab.
 - NullTokenizer: the text is whitespace-separated integer ids (already tokenized data).
 - ByteLevelTokenizer: UTF-8 bytes are the ids.
+- BertWordPieceLowerCase / BertWordPieceCase: a BERT vocab.txt (paratron/data/wordpiece.py).
 
 Nothing here touches the network: every path must be a local file.
 """
@@ -426,6 +427,9 @@ def build_tokenizer(data) -> Tokenizer:
             num_special_tokens=data.tiktoken_num_special_tokens or 1000,
             special_tokens=data.tokenizer_special_tokens,
         )
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        from paratron.data.wordpiece import BertWordPieceTokenizer
+        return BertWordPieceTokenizer(_need_file(data.vocab_file, "--vocab-file", kind), kind.endswith("LowerCase"))
     if kind == "NullTokenizer":
         return NullTokenizer(data.vocab_size, data.null_tokenizer_eod_id)
     if kind == "ByteLevelTokenizer":

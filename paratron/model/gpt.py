@@ -141,6 +141,48 @@ class OutputHead:
         return loss.transpose(0, 1).contiguous()  # [b, s]
 
 
+def parallel_of(cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool, seed: int, kernels: KernelConfig,
+                device) -> Parallel:
+    """What the layers of a model on ``dims`` need when built: TP group, sequence parallelism, the dropout stream
+    of the TP regions (one per TP rank and pipeline stage, as Megatron's) and the kernel switches."""
+    rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
+    par = Parallel(tp_group=dims.tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
+                   rng=rng, dims=dims, kernels=kernels)
+    if cfg.moe_router_force_load_balancing:  # random router logits: Megatron's expert-parallel stream
+        par.expert_rng = RNGTracker(seed + 100 * dims.pp_rank, 100 * dims.ep_rank + dims.etp_rank,
+                                    device or "cpu", offset=EXPERT_SEED_OFFSET)
+    return par
+
+
+def output_layer_of(cfg: ModelConfig, vocab_size: int, par: Parallel, seed: int, tied: bool, pre_process: bool,
+                    bias: bool = False, device=None, dtype=None) -> ColumnParallelLinear:
+    """The vocabulary-parallel output layer of the last stage. Tied: drawn from the embedding's stream, so the
+    last stage's copy equals the word embedding; on a one-stage model it has no weight of its own (the word
+    embedding is passed in), on a pipeline's last stage a copy kept equal through the embedding group."""
+    with seeded_init(seed, "embedding" if tied else "output_layer", device):
+        init = init_normal(embedding_std(cfg, tied))
+        layer = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp_group=par.tp_group, bias=bias,
+                                     sequence_parallel=par.sequence_parallel, init_method=init, device=device,
+                                     dtype=dtype)
+    for p in (layer.weight, layer.bias):
+        if p is not None:
+            update_spec(p, vocab_rows=True)
+    mark_fusable(layer)  # its gradient may go into main_grad directly (cross_entropy.py)
+    if tied:
+        if pre_process:
+            layer.weight = None
+        else:
+            update_spec(layer.weight, tied="embedding", copy_of=WORD_EMBEDDING)
+    return layer
+
+
+def tie_first_stage(model: nn.Module, pre_process: bool, post_process: bool) -> None:
+    """A tied word embedding on the first stage of a pipeline: its gradients are summed with the last stage's
+    copy (through the embedding group)."""
+    if model.share_embeddings and pre_process and not post_process:
+        update_spec(model.embedding.word_embeddings.weight, tied="embedding")
+
+
 class GPTModel(OutputHead, nn.Module):
     """Decoder LM. ``pre_process``/``post_process`` say whether this pipeline stage holds the
     embedding / the final norm, output layer and loss; ``layer_offset``/``num_layers`` which blocks.
@@ -171,14 +213,8 @@ class GPTModel(OutputHead, nn.Module):
         self.config, self.vocab_size = cfg, vocab_size
         self.dims = dims = dims or ParallelDims()
         tp_group = dims.tp_group
-        # Dropout inside TP regions: a stream per TP rank, and per pipeline stage as Megatron's.
-        rng = RNGTracker(seed + 100 * dims.pp_rank, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
         self.kernels = kernels if kernels is not None else KernelConfig()  # the switches (config/kernels.py)
-        self.par = Parallel(tp_group=tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
-                            rng=rng, dims=dims, kernels=self.kernels)
-        if cfg.moe_router_force_load_balancing:  # random router logits: Megatron's expert-parallel stream
-            self.par.expert_rng = RNGTracker(seed + 100 * dims.pp_rank, 100 * dims.ep_rank + dims.etp_rank,
-                                             device or "cpu", offset=EXPERT_SEED_OFFSET)
+        self.par = parallel_of(cfg, dims, sequence_parallel, seed, self.kernels, device)
         self.pre_process, self.post_process = pre_process, post_process
         self.cp = ContextParallel.from_dims(dims, cp_comm_type)  # None at CP 1
         self.share_embeddings, self.output_mult = not cfg.untie_embeddings_and_output_weights, mup.output_mult(cfg)
@@ -195,27 +231,11 @@ class GPTModel(OutputHead, nn.Module):
                                         recompute_num_layers=recompute_num_layers, device=device, dtype=dtype,
                                         seed=seed)
         fp8_mod.attach(self.decoder, fp8, cfg.num_layers)  # FP8 matmuls in QKV / proj / fc1 / fc2 with a recipe
-        if post_process:
-            # Tied: drawn from the embedding's stream, so the last stage's copy equals the word embedding.
-            with seeded_init(seed, "embedding" if self.share_embeddings else "output_layer", device):
-                init = init_normal(embedding_std(cfg, self.share_embeddings))
-                self.output_layer = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp_group=tp_group, bias=False,
-                                                         sequence_parallel=self.par.sequence_parallel,
-                                                         init_method=init, device=device, dtype=dtype)
-            update_spec(self.output_layer.weight, vocab_rows=True)
-            mark_fusable(self.output_layer)  # its gradient may go into main_grad directly (cross_entropy.py)
-            if self.share_embeddings:
-                # Tied: the output layer uses the word embedding (on a single-stage model the same tensor).
-                if pre_process:
-                    self.output_layer.weight = None
-                else:  # last pipeline stage holds a copy kept equal through the embedding group
-                    update_spec(self.output_layer.weight, tied="embedding", copy_of=WORD_EMBEDDING)
-        else:
-            self.output_layer = None
+        self.output_layer = (output_layer_of(cfg, vocab_size, self.par, seed, self.share_embeddings, pre_process,
+                                             device=device, dtype=dtype) if post_process else None)
         self.mtp = build_mtp(cfg, self.par, pre_process and post_process, seed, recompute_granularity, fp8,
                              device, dtype)  # multi-token prediction (model/mtp.py), None without
-        if self.share_embeddings and pre_process and not post_process:  # first stage of a pipeline
-            update_spec(self.embedding.word_embeddings.weight, tied="embedding")  # grads summed with the copy
+        tie_first_stage(self, pre_process, post_process)
         set_cublaslt(self, self.kernels.kernel_cublaslt != "off")
         self.input_tensor: Optional[torch.Tensor] = None
         self.fused_output_loss = True  # chunked output layer + cross-entropy (False: plain logits path)

@@ -126,8 +126,8 @@ def test_flag_errors(tmp_path, tok_path):
     inp = write_jsonl(tmp_path / "in.jsonl", ["x"])
     proc = run_cli(_flags(tok_path, inp, tmp_path / "o", "--workers", "3", "--partitions", "2"))
     _assert_one_line_error(proc, "--partitions 2")
-    proc = run_cli(_flags(tok_path, inp, tmp_path / "o", "--workers", "1", "--split-sentences"))
-    _assert_one_line_error(proc, "--split-sentences")
+    proc = run_cli(_flags(tok_path, inp, tmp_path / "o", "--workers", "1", "--split-sentences", "--lang", "german"))
+    _assert_one_line_error(proc, "--lang german")
     proc = run_cli(["--input", inp, "--output-prefix", tmp_path / "o", "--workers", "1",
                     "--tokenizer-type", "NullTokenizer"])
     _assert_one_line_error(proc, "--vocab-size")

@@ -1,0 +1,63 @@
+"""BERT's WordPiece tokenizers (Megatron's ``--tokenizer-type BertWordPieceLowerCase | BertWordPieceCase`` with
+``--vocab-file vocab.txt``, one token per line, the id its line number), run by the Rust ``tokenizers``
+package's BERT pipeline (normaliser: lower-casing and accent stripping for LowerCase, CJK spacing; punctuation
+and whitespace split; greedy longest-match WordPiece with ``##`` continuations).
+
+Besides the interface of paratron/data/tokenizers.py a WordPiece tokenizer has what BERT's data needs:
+``cls`` / ``sep`` / ``mask`` / ``pad`` ids ([CLS], [SEP], [MASK], [PAD]), ``eod`` = [SEP] (Megatron's),
+``continues(id)`` (a ``##`` piece: whole-word masking) and ``inv_vocab`` (id -> token, in id order).
+Ids of text are without [CLS] / [SEP]: the datasets add them.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from paratron.data.errors import DataError
+from paratron.data.tokenizers import _HFBased
+
+SPECIALS = ("[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]")
+
+
+def read_vocab(path: str) -> List[str]:
+    with open(path, encoding="utf-8") as f:
+        tokens = [line.rstrip("\n").rstrip("\r") for line in f]
+    while tokens and tokens[-1] == "":
+        tokens.pop()
+    return tokens
+
+
+class BertWordPieceTokenizer(_HFBased):
+    def __init__(self, vocab_file: str, lower_case: bool):
+        from tokenizers import BertWordPieceTokenizer as Impl
+
+        tokens = read_vocab(vocab_file)
+        missing = [t for t in SPECIALS if t not in tokens]
+        if missing:
+            raise DataError(f"--vocab-file {vocab_file}: a BERT vocabulary needs {', '.join(missing)}")
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise DataError(f"--vocab-file {vocab_file}: a token appears on two lines")
+        tok = Impl(vocab, lowercase=lower_case, strip_accents=lower_case, clean_text=True,
+                   handle_chinese_chars=True, wordpieces_prefix="##")
+        super().__init__(tok, add_special_tokens=False, skip_special_in_text=True)
+        self.lower_case, self._tokens = lower_case, tokens
+        self.cls, self.sep, self.mask, self._pad = (vocab[t] for t in SPECIALS[:4])
+        self._eod = self.sep
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return dict(enumerate(self._tokens))
+
+    def continues(self, token_id: int) -> bool:
+        """Whether the token continues a word (a WordPiece ``##`` piece)."""
+        return self._tokens[int(token_id)].startswith("##")
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_id(self, token: str) -> Optional[int]:
+        return self._tok.token_to_id(token)
+
+    @property
+    def unique_identifiers(self) -> Dict[str, object]:
+        return {"class": type(self).__name__, "vocab_size": self.vocab_size, "lower_case": self.lower_case}
