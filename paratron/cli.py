@@ -107,14 +107,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     return run_command("paratron", dispatch, sys.argv[1:] if argv is None else argv)
 
 
-def pretrain_main(argv: Optional[list[str]] = None) -> int:
-    """`pretrain_gpt.py`: Megatron's entry point, same flags; errors as `paratron train`'s."""
+def pretrain_main(argv: Optional[list[str]] = None, model: str = "gpt") -> int:
+    """`pretrain_gpt.py` (``model`` gpt) / `pretrain_t5.py` (t5): Megatron's entry points, same flags; errors as
+    `paratron train`'s (``paratron train --model MODEL``)."""
     from .errors import run_command
+    script = f"pretrain_{model}.py"
 
     def run(args: list[str]) -> int:
         if args in (["-h"], ["--help"]):
             from .config import build_parser
-            build_parser("pretrain_gpt.py").print_help()
+            build_parser(script).print_help()
             return 0
-        return run_train(args)
-    return run_command("pretrain_gpt.py", run, sys.argv[1:] if argv is None else argv)
+        return run_train(args if model == "gpt" else ["--model", model, *args])
+    return run_command(script, run, sys.argv[1:] if argv is None else argv)

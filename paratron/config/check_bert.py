@@ -8,7 +8,7 @@ from .values import MODELS
 
 def default_tokenizer(model) -> str:
     """The --tokenizer-type a --vocab-file means without one: Megatron's default of the model's entry point."""
-    return "BertWordPieceLowerCase" if model.model == "bert" else "GPT2BPETokenizer"
+    return "BertWordPieceLowerCase" if model.model in ("bert", "t5") else "GPT2BPETokenizer"
 
 
 def validate_model_family(cfg) -> None:

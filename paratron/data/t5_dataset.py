@@ -14,6 +14,8 @@ Sample keys (Megatron's): ``text_enc`` [se], ``text_dec`` / ``labels`` / ``loss_
 """
 from __future__ import annotations
 
+import json
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -23,6 +25,7 @@ import torch
 
 from .bert_indices import build_mapping
 from .errors import DataError
+from .gpt_dataset import cached_build
 from .masking import MaskingConfig, candidates_of, mask_tokens
 
 PAD_FALLBACK = -1  # Megatron's pad id when the tokenizer's is missing or is also its EOS / EOD
@@ -90,6 +93,17 @@ class T5DataConfig:
     decoder_seq_length: int
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
+    vocab_extra_ids: int = 100
+    data_cache_path: Optional[str] = None
+    split: Optional[str] = None
+    mmap_bin_files: bool = True
+
+    @classmethod
+    def from_config(cls, data, model, seed: int) -> "T5DataConfig":
+        """From the run's data and model sections."""
+        return cls(int(seed), int(model.encoder_seq_length), int(model.decoder_seq_length), float(data.mask_prob),
+                   float(data.short_seq_prob), int(data.vocab_extra_ids), data.data_cache_path, data.split,
+                   not data.no_mmap_bin_files)
 
     @property
     def masking(self) -> MaskingConfig:
@@ -98,15 +112,27 @@ class T5DataConfig:
 
 
 class T5Dataset(torch.utils.data.Dataset):
-    """``documents``: the split's document numbers (contiguous); ``num_samples`` None: one epoch."""
+    """``documents``: the split's document numbers (contiguous); ``num_samples`` None: one epoch. The sample index
+    is cached as the BERT dataset's (``--data-cache-path``) when ``path_prefix`` or a cache path is given."""
+
+    kind = "T5MaskedWordPieceDataset"
 
     def __init__(self, indexed, documents: np.ndarray, num_samples: Optional[int], config: T5DataConfig,
-                 vocab: SpanVocab, sample_index: Optional[np.ndarray] = None):
+                 vocab: SpanVocab, sample_index: Optional[np.ndarray] = None, path_prefix: Optional[str] = None,
+                 split_name: str = "train", allow_build: bool = True):
         self.indexed, self.config, self.vocab, self.masking = indexed, config, vocab, config.masking
         if sample_index is None:  # one [BOS] and one [EOS] besides the sample's tokens
             docs = np.asarray(indexed.document_indices)[np.append(documents, documents[-1] + 1)]
-            sample_index = build_mapping(docs, np.asarray(indexed.sequence_lengths), num_samples,
-                                         config.encoder_seq_length - 2, config.short_seq_prob, config.seed, 1)
+            description = json.dumps({
+                "class": self.kind, "dataset_path": path_prefix, "num_samples": num_samples, "split": config.split,
+                "index_split": split_name, "random_seed": config.seed, "sequence_length": config.encoder_seq_length,
+                "short_sequence_probability": config.short_seq_prob,
+                "documents": [int(documents[0]), int(documents[-1]) + 1]}, indent=4)
+            cache = config.data_cache_path or (os.path.join(path_prefix, "cache", f"{self.kind}_indices")
+                                               if path_prefix else None)
+            (sample_index,) = cached_build(cache, description, self.kind, split_name, ("sample_index",), lambda: (
+                build_mapping(docs, np.asarray(indexed.sequence_lengths), num_samples, config.encoder_seq_length - 2,
+                              config.short_seq_prob, config.seed, 1),), allow_build)
         self.sample_index = sample_index
 
     def __len__(self) -> int:
@@ -155,3 +181,15 @@ class T5Dataset(torch.utils.data.Dataset):
             t[t == v.pad] = 0
         return {"text_enc": enc, "text_dec": dec_in, "labels": labels, "loss_mask": loss_mask,
                 "truncated": int(truncated), "enc_mask": enc_mask, "dec_mask": dec_mask}
+
+
+def t5_builder(config: T5DataConfig, tokenizer):
+    """``make_builder`` of ``build_train_valid_test_datasets`` for T5: splits over documents, as Megatron's masked
+    datasets."""
+    from .bert_dataset import document_builder  # (bert_dataset.py imports the data package as this one)
+    vocab = SpanVocab.of(tokenizer, config.vocab_extra_ids)
+
+    def make(indexed, prefix, documents, size, split_name, allow_build):
+        return T5Dataset(indexed, documents, size, config, vocab, path_prefix=prefix, split_name=split_name,
+                         allow_build=allow_build)
+    return document_builder(make, config, tokenizer)

@@ -22,13 +22,11 @@ from torch import nn
 from ..config import ModelConfig
 from ..config.kernels import KernelConfig
 from ..parallel.dims import ParallelDims
-from ..parallel.linear import mark_fusable
-from ..parallel.random import RNGTracker, seeded_init
-from ..parallel.sharding import update_spec
-from ..parallel.tensor import ColumnParallelLinear, init_normal, set_cublaslt
-from .context import ForwardContext, Parallel
+from ..parallel.random import seeded_init
+from ..parallel.tensor import init_normal, set_cublaslt
+from .context import ForwardContext
 from .cross_attention import DecoderStack
-from .gpt import Embedding, OutputHead, embedding_std, resolved_config
+from .gpt import Embedding, OutputHead, output_layer_of, parallel_of, resolved_config
 from .relative import RelativePositionBias
 from .transformer import TransformerStack
 
@@ -66,10 +64,8 @@ class T5Model(OutputHead, nn.Module):
         cfg = resolved_config(config)
         self.config, self.vocab_size = cfg, vocab_size
         self.dims = dims = dims or ParallelDims()
-        rng = RNGTracker(seed, dims.tp_rank, device or "cpu") if dims.tp > 1 else None
         self.kernels = kernels if kernels is not None else KernelConfig()
-        self.par = Parallel(tp_group=dims.tp_group, tp_size=dims.tp, sequence_parallel=sequence_parallel and dims.tp > 1,
-                            rng=rng, dims=dims, kernels=self.kernels)
+        self.par = parallel_of(cfg, dims, sequence_parallel, seed, self.kernels, device)
         self.pre_process = self.post_process = True
         self.share_embeddings, self.output_mult = not cfg.untie_embeddings_and_output_weights, 1.0
         self.encoder_layers, self.decoder_layers = stack_depths(cfg)
@@ -84,15 +80,8 @@ class T5Model(OutputHead, nn.Module):
         self.encoder = TransformerStack(cfg, self.par, self.encoder_layers, recompute_method=recompute_method,
                                         recompute_num_layers=recompute_num_layers, **recompute)
         self.decoder = DecoderStack(cfg, self.par, self.decoder_layers, **recompute)
-        with seeded_init(seed, "embedding" if self.share_embeddings else "output_layer", device):
-            self.output_layer = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp_group=dims.tp_group, bias=False,
-                                                     sequence_parallel=self.par.sequence_parallel,
-                                                     init_method=init_normal(embedding_std(cfg, self.share_embeddings)),
-                                                     device=device, dtype=dtype)
-        update_spec(self.output_layer.weight, vocab_rows=True)
-        mark_fusable(self.output_layer)
-        if self.share_embeddings:
-            self.output_layer.weight = None  # the word embedding's transpose
+        self.output_layer = output_layer_of(cfg, vocab_size, self.par, seed, self.share_embeddings, True,
+                                            device=device, dtype=dtype)
         set_cublaslt(self, self.kernels.kernel_cublaslt != "off")
         self.fused_output_loss = True
         self.input_tensor = None

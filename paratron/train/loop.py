@@ -75,7 +75,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.skipped, self.nan_iters = 0, 0
         self.forward_backward = get_forward_backward_func(self.dims, 60.0 * cfg.parallel.distributed_timeout_minutes)
         self.layout = BatchLayout.from_config(cfg, self.dims, self.device, params_dtype(cfg))
-        self.forward_step = make_forward_step(self.layout)
+        self.forward_step = make_forward_step(self.layout, cfg.model.model)
         logging_rank = self.dims.is_logging_rank
         self.log = RunLogger(logging_rank, tr.train_iters, cfg.log.tensorboard_dir,
                              queue_size=cfg.log.tensorboard_queue_size, wandb_run=wandb_run(cfg) if logging_rank else None)
@@ -94,6 +94,9 @@ class Trainer(Checkpointing, Evaluation, RunControl):
             self.train_iter = TimedIterator(self.train_iter, self.report.timers)
         self.flops_per_iter = flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size,
                                                   cfg.model.seq_length)
+        if cfg.model.model == "t5":
+            from .t5_step import t5_flops_per_iteration
+            self.flops_per_iter = t5_flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size)
         self.peak = peak_tflops(self.device)
         self.guard = StepGuard.from_config(cfg, self.dims.rank, self.log.print)
         if tr.fp8_format is not None and self.report.routers:  # what --fp8-format covers in an MoE model, said once
@@ -114,8 +117,12 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         sizes = train_valid_test_num_samples(tr)
         if tr.step_batch_size_schedule is not None:  # enough for the steps the schedule runs (Megatron: iters x gbs)
             sizes[0] = max(sizes[0], self.microbatches.samples_for_iters(tr.train_iters))
+        make = None
+        if cfg.model.model == "t5":  # span corruption (paratron/data/t5_dataset.py)
+            from .t5_step import t5_data_builder
+            make = t5_data_builder(cfg, self.tokenizer)
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length,
-                                                                      tr.seed, sizes)
+                                                                      tr.seed, sizes, make_builder=make)
         signals = tr.exit_signal_handler or tr.exit_signal_handler_for_dataloader
         if signals and self.cfg.data.num_workers > 0:
             kill_workers_at_exit()

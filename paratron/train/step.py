@@ -64,7 +64,11 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
 
 
 def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) -> list[GPTModel]:
-    """This rank's model: one chunk per virtual pipeline stage (a single one without interleaving)."""
+    """This rank's model: one chunk per virtual pipeline stage (a single one without interleaving); T5's (which
+    runs without pipelining) one T5Model."""
+    if cfg.model.model == "t5":
+        from .t5_step import build_t5_model
+        return [build_t5_model(cfg, dims, device, params_dtype(cfg))]
     chunks = [build_model(cfg, dims, device, **stage) for stage in rank_chunks(cfg, dims.pp_rank)]
     for c in chunks[1:]:  # one dropout stream for the TP regions of the rank, as with one chunk
         c.par.rng, c.par.expert_rng = chunks[0].par.rng, chunks[0].par.expert_rng
@@ -94,9 +98,13 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     return total, n, {"lm loss": torch.stack([total.detach(), n.detach()])}
 
 
-def make_forward_step(layout: BatchLayout):
+def make_forward_step(layout: BatchLayout, model: str = "gpt"):
     """Megatron's forward_step_func: the next micro-batch, laid out for this rank by ``layout``
-    (device, sequence slice, position ids), through the model; the loss function gets its mask."""
+    (device, sequence slice, position ids), through the model; the loss function gets its mask. ``model``:
+    --model (T5's batches: paratron/train/t5_step.py)."""
+    if model == "t5":
+        from .t5_step import make_t5_forward_step
+        return make_t5_forward_step(layout, loss_func)
     def forward_step(data_iterator, model):
         b = layout.prepare(next(data_iterator))
         output = model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],
