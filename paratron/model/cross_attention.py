@@ -99,6 +99,7 @@ class DecoderStack(nn.Module):
                  device=None, dtype=None, seed: Optional[int] = None):
         super().__init__()
         self.par, self.recompute = par, recompute_granularity
+        self.layer_offset = 0  # (the checkpoint's names: T5 is never split over pipeline stages)
         layers = []
         for i in range(num_layers):
             with seeded_init(seed, f"decoder.layer{i}", device) if seed is not None else contextlib.nullcontext():
