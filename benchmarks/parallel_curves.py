@@ -4,6 +4,10 @@ real command line (`torchrun pretrain_gpt.py ...`), side by side.
     python benchmarks/parallel_curves.py --base "--config gpt-350m --train-iters 50" \
         --run "tp1:1:" --run "tp2-sp:2:--tensor-model-parallel-size 2 --sequence-parallel"
 
+``--docstrings DIR`` first writes real English text into DIR (the standard library's docstrings, sentence- and
+document-level .bin/.idx and a WordPiece vocab.txt), for runs of other models on real text (T5 beside GPT:
+benchmarks/README.md).
+
 Each --run is NAME:PROCESSES:FLAGS. Every run logs each iteration; the table gives each run's loss per
 logged step, the largest relative difference from the first run, and tokens/s (all GPUs together,
 mean over the logged steps after the first 5). ``--compare A:B`` adds the largest and mean relative
@@ -15,17 +19,22 @@ others (their tokens/s are then not comparable: GPUs may be shared). Writes a Ma
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # a BERT vocabulary's (--docstrings)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
 from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
@@ -44,6 +53,46 @@ def parse(stdout: str) -> tuple[dict[int, float], dict[int, float], dict[int, fl
             if found:
                 into[it] = float(found.group(1))
     return losses, tps, norms
+
+
+def docstrings(limit: int) -> list[str]:
+    """Docstrings of at least 200 characters from the standard library's modules, in file order."""
+    out = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in [tree, *ast.walk(tree)]:
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 200:
+                    out.append(" ".join(doc.split()))
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def prepare_docstrings(work: Path, docs: int = 4000) -> int:
+    """``--docstrings DIR``: real English text for the runs to train on, in DIR: ``s_text_sentence`` (one sequence
+    per sentence: BERT / T5 data), ``d_text_document`` (one per document: GPT data), ``vocab.txt`` (a WordPiece
+    vocabulary of 2000 trained on it, for --tokenizer-type BertWordPieceLowerCase). Returns the documents."""
+    from tokenizers import BertWordPieceTokenizer
+    work.mkdir(parents=True, exist_ok=True)
+
+    texts = docstrings(docs)
+    corpus = work / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = BertWordPieceTokenizer(lowercase=True)
+    tok.train_from_iterator(texts, vocab_size=2000, min_frequency=2, special_tokens=SPECIALS)
+    vocab = work / "vocab.txt"
+    vocab.write_text("".join(t + "\n" for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])))
+    from paratron.data.preprocess import main
+    base = ["--input", str(corpus), "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab),
+            "--workers", "1", "--no-progress"]
+    assert main(base + ["--output-prefix", str(work / "s"), "--split-sentences"]) == 0
+    assert main(base + ["--output-prefix", str(work / "d")]) == 0
+    return len(texts)
 
 
 def start(name: str, nproc: int, flags: str, base: str, gpu: Optional[int] = None) -> dict:
@@ -88,8 +137,14 @@ def main() -> int:
     p.add_argument("--compare", action="append", default=[], help="A:B - relative loss differences of run A from B")
     p.add_argument("--concurrent", action="store_true", help="start the one-process runs together, one per GPU")
     p.add_argument("--tag", default="parallel_curves")
+    p.add_argument("--docstrings", metavar="DIR", help="first write real text to train on into DIR (the standard "
+                   "library's docstrings: DIR/s_text_sentence, DIR/d_text_document, DIR/vocab.txt)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
+    facts = {}
+    if args.docstrings:
+        n = prepare_docstrings(Path(args.docstrings))
+        facts["text"] = f"{n} docstrings of the standard library of Python {sys.version.split()[0]} (--docstrings)"
     specs = [(name, int(nproc), flags) for name, nproc, flags in (s.split(":", 2) for s in args.run)]
     done: dict[str, dict] = {}
     if args.concurrent:
@@ -132,7 +187,8 @@ def main() -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     write_record(args.record_dir, args.tag, args.tag,
                  f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} x {device}",
-                 {"base flags": f"`{args.base}`", "commands": "; ".join(f"`{r['cmd']}`" for r in results)},
+                 {**facts, "base flags": f"`{args.base}`",
+                  "commands": "; ".join(f"`{r['cmd']}`" for r in results)},
                  table + "\n\nLoss per step:\n\n" + curves)
     return 0 if all(r["rc"] == 0 for r in results) else 1
 

@@ -13,7 +13,7 @@ class EncoderDecoderFields:
     encoder_num_layers: Optional[int] = None  # T5: encoder layers (default --num-layers; Megatron's alias of it)
     decoder_num_layers: Optional[int] = None  # T5: decoder layers (default the encoder's)
     encoder_seq_length: Optional[int] = None  # T5: encoder tokens per sample (default --seq-length)
-    decoder_seq_length: Optional[int] = None  # T5: decoder tokens per sample (default 128, Megatron's T5 example's)
+    decoder_seq_length: Optional[int] = None  # T5: decoder tokens per sample (default the encoder's)
     relative_attention_num_buckets: int = 32  # --position-embedding-type relative: buckets of key-query distance
     relative_attention_max_distance: int = 128  # --position-embedding-type relative: distance of the last bucket
     geglu: bool = False  # paratron: gated GeLU MLP, gelu(gate) * up (T5 v1.1; with --openai-gelu the tanh GeLU)

@@ -25,7 +25,7 @@ from .distributed import build_dims, init_distributed  # noqa: F401  (tests impo
 from .guards import StepGuard, StopSignal, data_worker_init, kill_workers_at_exit
 from .preflight import preflight
 from .logger import RunLogger
-from .metrics import flops_per_iteration, peak_tflops
+from .metrics import peak_tflops
 from .reporting import Reporter, TimedIterator, wandb_run
 from .runtime import GarbageCollection, apply_bf16_matmul_reduction, apply_deterministic_mode, apply_logging_level
 from .microbatches import MicroBatches, check_batch_sizes
@@ -36,8 +36,8 @@ from .evaluation import Evaluation
 from .hooks import StepContext, StepHooks
 from .run_control import RunControl
 from .watch import ProgressLog, StragglerWatch, check_weight_hashes, profiled, record_memory_history
-from .step import (build_model, build_model_chunks, hopper_kernels, loss_func, make_forward_step,  # noqa: F401
-                   params_dtype, resolve_kernels, sum_reports)
+from .step import (build_model, build_model_chunks, hopper_kernels, iteration_flops, loss_func,  # noqa: F401
+                   make_forward_step, params_dtype, resolve_kernels, sum_reports)
 
 class Trainer(Checkpointing, Evaluation, RunControl):
     progress: Optional[ProgressLog] = None  # --log-progress (train() opens it)
@@ -92,11 +92,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.straggler = StragglerWatch(cfg.log, self.device, self.dims.rank, self.dims.world_size)  # --log-straggler
         if cfg.log.timing_log_level >= 2:
             self.train_iter = TimedIterator(self.train_iter, self.report.timers)
-        self.flops_per_iter = flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size,
-                                                  cfg.model.seq_length)
-        if cfg.model.model == "t5":
-            from .t5_step import t5_flops_per_iteration
-            self.flops_per_iter = t5_flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size)
+        self.flops_per_iter = iteration_flops(cfg)
         self.peak = peak_tflops(self.device)
         self.guard = StepGuard.from_config(cfg, self.dims.rank, self.log.print)
         if tr.fp8_format is not None and self.report.routers:  # what --fp8-format covers in an MoE model, said once

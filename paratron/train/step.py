@@ -15,6 +15,7 @@ from ..parallel.dims import ParallelDims
 from ..fp8.recipe import Recipe
 from ..parallel.layout import BatchLayout
 from ..parallel.stages import rank_chunks
+from .metrics import flops_per_iteration
 
 
 def params_dtype(cfg: Config) -> torch.dtype:
@@ -73,6 +74,14 @@ def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) ->
     for c in chunks[1:]:  # one dropout stream for the TP regions of the rank, as with one chunk
         c.par.rng, c.par.expert_rng = chunks[0].par.rng, chunks[0].par.expert_rng
     return chunks
+
+
+def iteration_flops(cfg: Config) -> float:
+    """FLOPs of one iteration at the global batch: GPT's formula (metrics.py), T5's (t5_step.py)."""
+    if cfg.model.model == "t5":
+        from .t5_step import t5_flops_per_iteration
+        return t5_flops_per_iteration(cfg.model, cfg.padded_vocab_size, cfg.train.global_batch_size)
+    return flops_per_iteration(cfg.model, cfg.padded_vocab_size, cfg.train.global_batch_size, cfg.model.seq_length)
 
 
 def hopper_kernels(models) -> str:
