@@ -118,49 +118,58 @@ def _layer_pairs(stack: str, i: int, decoder: bool) -> list[tuple[str, str]]:
     return pairs
 
 
+def _plain_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(paratron, Hugging Face) names of every tensor copied as it is."""
+    out = []
+    for stack, n in zip(("encoder", "decoder"), _stacks(cfg)):
+        out += [(f"{stack}_relative_pos_emb.relative_attention_bias.weight",
+                 f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+                (f"{stack}.final_layernorm.weight", f"{stack}.final_layer_norm.weight")]
+        out += [pair for i in range(n) for pair in _layer_pairs(stack, i, stack == "decoder")]
+    return out
+
+
+def _layers(cfg: ModelConfig):
+    """(decoder?, Hugging Face prefix, paratron prefix, MLP sublayer) of every layer of both stacks."""
+    for stack, n in zip(("encoder", "decoder"), _stacks(cfg)):
+        for i in range(n):
+            dec = stack == "decoder"
+            yield dec, f"{stack}.block.{i}.layer", f"{stack}.layers.{i}", f"{stack}.block.{i}.layer.{2 if dec else 1}"
+
+
 def t5_to_paratron(hf: dict, cfg: ModelConfig, padded_vocab_size: int) -> dict:
     """A T5ForConditionalGeneration state dict -> paratron T5Model's (TP 1)."""
-    heads, out = cfg.num_attention_heads, {}
+    heads = cfg.num_attention_heads
+    out = {mine: hf[theirs] for mine, theirs in _plain_pairs(cfg)}
     out["embedding.word_embeddings.weight"] = _pad_rows(hf["shared.weight"], padded_vocab_size)
     out["output_layer.weight"] = _pad_rows(hf.get("lm_head.weight", hf["shared.weight"]), padded_vocab_size)
-    for stack, n in zip(("encoder", "decoder"), _stacks(cfg)):
-        out[f"{stack}_relative_pos_emb.relative_attention_bias.weight"] = \
-            hf[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
-        out[f"{stack}.final_layernorm.weight"] = hf[f"{stack}.final_layer_norm.weight"]
-        for i in range(n):
-            dec, hfl, p = stack == "decoder", f"{stack}.block.{i}.layer", f"{stack}.layers.{i}"
-            out.update({mine: hf[theirs] for mine, theirs in _layer_pairs(stack, i, dec)})
-            att = f"{hfl}.0.SelfAttention"
-            out[f"{p}.self_attention.linear_qkv.weight"] = fuse_qkv(*(hf[f"{att}.{x}.weight"] for x in "qkv"), heads,
-                                                                    heads)
-            ff = f"{hfl}.{2 if dec else 1}.DenseReluDense"
-            out[f"{p}.mlp.linear_fc1.weight"] = fuse_gate_up(hf[f"{ff}.wi_0.weight"], hf[f"{ff}.wi_1.weight"])
-            if dec:
-                out[f"{p}.cross_attention.linear_kv.weight"] = _kv(hf[f"{hfl}.1.EncDecAttention.k.weight"],
-                                                                   hf[f"{hfl}.1.EncDecAttention.v.weight"], heads)
+    for dec, hfl, p, mlp in _layers(cfg):
+        att = f"{hfl}.0.SelfAttention"
+        out[f"{p}.self_attention.linear_qkv.weight"] = fuse_qkv(*(hf[f"{att}.{x}.weight"] for x in "qkv"), heads,
+                                                                heads)
+        ff = f"{mlp}.DenseReluDense"
+        out[f"{p}.mlp.linear_fc1.weight"] = fuse_gate_up(hf[f"{ff}.wi_0.weight"], hf[f"{ff}.wi_1.weight"])
+        if dec:
+            cross = f"{hfl}.1.EncDecAttention"
+            out[f"{p}.cross_attention.linear_kv.weight"] = _kv(hf[f"{cross}.k.weight"], hf[f"{cross}.v.weight"],
+                                                               heads)
     return {k: v.clone() for k, v in out.items()}
 
 
 def paratron_to_t5(state: dict, cfg: ModelConfig, vocab_size: int) -> dict:
     """paratron T5Model's state dict (TP 1) -> T5ForConditionalGeneration's."""
     check_t5_representable(cfg)
-    heads, out = cfg.num_attention_heads, {}
+    heads = cfg.num_attention_heads
+    out = {theirs: state[mine] for mine, theirs in _plain_pairs(cfg)}
     out["shared.weight"] = state["embedding.word_embeddings.weight"][:vocab_size]
     out["lm_head.weight"] = state["output_layer.weight"][:vocab_size]
-    for stack, n in zip(("encoder", "decoder"), _stacks(cfg)):
-        out[f"{stack}.embed_tokens.weight"] = out["shared.weight"]
-        out[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = \
-            state[f"{stack}_relative_pos_emb.relative_attention_bias.weight"]
-        out[f"{stack}.final_layer_norm.weight"] = state[f"{stack}.final_layernorm.weight"]
-        for i in range(n):
-            dec, hfl, p = stack == "decoder", f"{stack}.block.{i}.layer", f"{stack}.layers.{i}"
-            out.update({theirs: state[mine] for mine, theirs in _layer_pairs(stack, i, dec)})
-            q, k, v = split_qkv(state[f"{p}.self_attention.linear_qkv.weight"], heads, heads)
-            out.update({f"{hfl}.0.SelfAttention.{x}.weight": t for x, t in zip("qkv", (q, k, v))})
-            ff = f"{hfl}.{2 if dec else 1}.DenseReluDense"
-            out[f"{ff}.wi_0.weight"], out[f"{ff}.wi_1.weight"] = split_gate_up(state[f"{p}.mlp.linear_fc1.weight"])
-            if dec:
-                k, v = _split_kv(state[f"{p}.cross_attention.linear_kv.weight"], heads)
-                out[f"{hfl}.1.EncDecAttention.k.weight"], out[f"{hfl}.1.EncDecAttention.v.weight"] = k, v
+    out["encoder.embed_tokens.weight"] = out["decoder.embed_tokens.weight"] = out["shared.weight"]
+    for dec, hfl, p, mlp in _layers(cfg):
+        q, k, v = split_qkv(state[f"{p}.self_attention.linear_qkv.weight"], heads, heads)
+        out.update({f"{hfl}.0.SelfAttention.{x}.weight": t for x, t in zip("qkv", (q, k, v))})
+        ff = f"{mlp}.DenseReluDense"
+        out[f"{ff}.wi_0.weight"], out[f"{ff}.wi_1.weight"] = split_gate_up(state[f"{p}.mlp.linear_fc1.weight"])
+        if dec:
+            k, v = _split_kv(state[f"{p}.cross_attention.linear_kv.weight"], heads)
+            out[f"{hfl}.1.EncDecAttention.k.weight"], out[f"{hfl}.1.EncDecAttention.v.weight"] = k, v
     return {k: v.contiguous().clone() for k, v in out.items()}
-
