@@ -95,3 +95,17 @@ def test_greedy_generation_equals_transformers():
     sampled = [generate_t5(model, enc, pad.long(), SamplingParams(max_new_tokens=6, temperature=1.0, top_k=5,
                                                                     seed=3), VOCAB, eos=None) for _ in range(2)]
     assert sampled[0].shape == (2, 6) and sampled[0].tolist() == sampled[1].tolist()  # seeded: repeatable
+
+
+def test_load_hf_t5_directory_for_generation(tmp_path):
+    """``paratron generate --load HF_T5_DIR`` reads it as a T5Model with transformers' logits."""
+    from paratron.inference.load import is_t5, load_for_inference
+    hf = hf_model(seed=7)
+    hf.save_pretrained(tmp_path)
+    assert is_t5(tmp_path)
+    loaded = load_for_inference(tmp_path)
+    enc, dec, pad = inputs()
+    with torch.no_grad():
+        want = hf(input_ids=enc, attention_mask=pad.long(), decoder_input_ids=dec).logits
+        got = loaded.model(enc, dec, encoder_padding_mask=pad)[..., :VOCAB]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
