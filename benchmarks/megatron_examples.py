@@ -5,8 +5,10 @@
 The flags of each script (tests/data/megatron_example_scripts.json; ``--megatron PATH`` extracts them
 again from a Megatron-LM checkout) are kept as the script has them, except the sizes (layers, widths,
 heads, experts, sequence, batch, iterations), the parallel degrees (all 1), the data (``--mock-data``;
-GPT-2 vocab/merges files are replaced by a tiny generated pair, other tokenizer files by a NullTokenizer)
-and the paths (a temporary directory). Each scaled command line runs ``pretrain_gpt.py --device cpu``;
+GPT-2 vocab/merges files are replaced by a tiny generated pair, other tokenizer files by a NullTokenizer; a
+BERT script gets a small generated sentence-level dataset and its WordPiece vocab.txt, made by
+``paratron preprocess --split-sentences``) and the paths (a temporary directory). Each scaled command line runs
+``pretrain_gpt.py --device cpu`` (``pretrain_bert.py`` for examples/bert);
 the table says whether it ran to the end or stopped with a one-line refusal, and which.
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "data" / "megatron_example_scripts.json"
-EXAMPLES = ("examples/gpt3/train_gpt3_175b_distributed.sh", "examples/llama/train_llama3_8b_h100_fp8.sh",
+EXAMPLES = ("examples/gpt3/train_gpt3_175b_distributed.sh", "examples/bert/train_bert_340m_distributed.sh",
+            "examples/llama/train_llama3_8b_h100_fp8.sh",
             "examples/mixtral/train_mixtral_8x7b_distributed.sh",
             "examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh", "examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh",
             "examples/gptoss/02_train.sh", "examples/post_training/modelopt/conf/Qwen/Qwen3-8B.sh",
@@ -101,8 +104,19 @@ def extract(megatron: Path) -> dict[str, list[list[str]]]:
     return out
 
 
-def scale(flags: list[list[str]], tmp: Path, gpt2: tuple[str, str]) -> tuple[list[str], list[str]]:
-    """(scaled argv, notes) of a script's flags."""
+def is_bert(rel: str) -> bool:
+    return "/bert/" in rel
+
+
+def tiny_bert(tmp: Path) -> tuple[str, str]:
+    """(prefix of a small sentence-level dataset, its vocab.txt): tests/bert_helpers.py's generated corpus."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from bert_helpers import bert_data
+    return bert_data(tmp, docs=400)
+
+
+def scale(flags: list[list[str]], tmp: Path, gpt2: tuple[str, str], bert=None) -> tuple[list[str], list[str]]:
+    """(scaled argv, notes) of a script's flags; ``bert``: (data prefix, vocab.txt) of a BERT script."""
     names = {f[0][2:].replace("-", "_") for f in flags}
     argv, notes = [], []
     for f in flags:
@@ -131,6 +145,9 @@ def scale(flags: list[list[str]], tmp: Path, gpt2: tuple[str, str]) -> tuple[lis
         argv += ["--lr", "1e-4"]
         notes.append("no training flags: --lr 1e-4 added")
     types = [f[1] for f in flags if f[0] == "--tokenizer-type" and len(f) > 1]
+    if bert is not None:  # pretrain_bert.py's default tokenizer reads the vocab.txt; real sentence data
+        return argv + ["--data-path", bert[0], "--vocab-file", bert[1], "--device", "cpu", "--num-workers", "0",
+                       "--split", "949,50,1"], notes
     if {"vocab_file", "merge_file"} & names and types in ([], ["GPT2BPETokenizer"]):
         argv += ["--vocab-file", gpt2[0], "--merge-file", gpt2[1]]
     else:
@@ -165,10 +182,11 @@ def tiny_gpt2(tmp: Path) -> tuple[str, str]:
 def run_one(rel: str, flags: list[list[str]]) -> dict:
     with tempfile.TemporaryDirectory(prefix="mlm-example-") as d:
         tmp = Path(d)
-        argv, notes = scale(flags, tmp, tiny_gpt2(tmp))
+        argv, notes = scale(flags, tmp, tiny_gpt2(tmp), tiny_bert(tmp) if is_bert(rel) else None)
         t0 = time.time()
         env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-        r = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT, capture_output=True, text=True,
+        script = "pretrain_bert.py" if is_bert(rel) else "pretrain_gpt.py"
+        r = subprocess.run([sys.executable, script, *argv], cwd=ROOT, capture_output=True, text=True,
                            timeout=600, env=env)
     done = re.search(rf"iteration\s+{ITERS}/\s*{ITERS} \|", r.stdout) is not None
     if r.returncode == 0 and done:

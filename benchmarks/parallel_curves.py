@@ -4,10 +4,6 @@ real command line (`torchrun pretrain_gpt.py ...`), side by side.
     python benchmarks/parallel_curves.py --base "--config gpt-350m --train-iters 50" \
         --run "tp1:1:" --run "tp2-sp:2:--tensor-model-parallel-size 2 --sequence-parallel"
 
-``--docstrings DIR`` first writes real English text into DIR (the standard library's docstrings, sentence- and
-document-level .bin/.idx and a WordPiece vocab.txt), for runs of other models on real text (T5 beside GPT:
-benchmarks/README.md).
-
 Each --run is NAME:PROCESSES:FLAGS. Every run logs each iteration; the table gives each run's loss per
 logged step, the largest relative difference from the first run, and tokens/s (all GPUs together,
 mean over the logged steps after the first 5). ``--compare A:B`` adds the largest and mean relative
@@ -15,26 +11,33 @@ difference of run A from run B (e.g. a layout against its reference next to a no
 ``--concurrent`` starts the one-process runs together, run i on GPU i mod the GPU count, before the
 others (their tokens/s are then not comparable: GPUs may be shared). Writes a Markdown record to
 --record-dir (default: $OUT if set, else benchmarks/results).
+
+``--docstring-data DIR`` prepares real English text first (the standard library's docstrings,
+paratron.data.corpus.prepare_docstring_data: a WordPiece vocabulary, BERT sentence data and GPT document
+data) and replaces ``{BERT_DATA}``, ``{GPT_DATA}`` and ``{VOCAB}`` in the flags: a tiny BERT beside a GPT of
+the same size (``--model bert`` in a run's flags makes it BERT):
+
+    python benchmarks/parallel_curves.py --docstring-data /tmp/doc --tag bert_text_curve_cpu \
+        --base "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \
+        --max-position-embeddings 64 --micro-batch-size 16 --global-batch-size 16 --train-iters 200 --lr 1e-3 \
+        --lr-warmup-iters 20 --vocab-file {VOCAB} --split 95,5,0 --num-workers 0 --device cpu" \
+        --run "bert:1:--model bert --data-path {BERT_DATA}" --run "gpt:1:--data-path {GPT_DATA} \
+        --tokenizer-type BertWordPieceLowerCase"
 """
 from __future__ import annotations
 
 import argparse
-import ast
-import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # a BERT vocabulary's (--docstrings)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT))
 from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
@@ -53,46 +56,6 @@ def parse(stdout: str) -> tuple[dict[int, float], dict[int, float], dict[int, fl
             if found:
                 into[it] = float(found.group(1))
     return losses, tps, norms
-
-
-def docstrings(limit: int) -> list[str]:
-    """Docstrings of at least 200 characters from the standard library's modules, in file order."""
-    out = []
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            continue
-        for node in [tree, *ast.walk(tree)]:
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= 200:
-                    out.append(" ".join(doc.split()))
-        if len(out) >= limit:
-            break
-    return out[:limit]
-
-
-def prepare_docstrings(work: Path, docs: int = 4000) -> int:
-    """``--docstrings DIR``: real English text for the runs to train on, in DIR: ``s_text_sentence`` (one sequence
-    per sentence: BERT / T5 data), ``d_text_document`` (one per document: GPT data), ``vocab.txt`` (a WordPiece
-    vocabulary of 2000 trained on it, for --tokenizer-type BertWordPieceLowerCase). Returns the documents."""
-    from tokenizers import BertWordPieceTokenizer
-    work.mkdir(parents=True, exist_ok=True)
-
-    texts = docstrings(docs)
-    corpus = work / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    tok = BertWordPieceTokenizer(lowercase=True)
-    tok.train_from_iterator(texts, vocab_size=2000, min_frequency=2, special_tokens=SPECIALS)
-    vocab = work / "vocab.txt"
-    vocab.write_text("".join(t + "\n" for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])))
-    from paratron.data.preprocess import main
-    base = ["--input", str(corpus), "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab),
-            "--workers", "1", "--no-progress"]
-    assert main(base + ["--output-prefix", str(work / "s"), "--split-sentences"]) == 0
-    assert main(base + ["--output-prefix", str(work / "d")]) == 0
-    return len(texts)
 
 
 def start(name: str, nproc: int, flags: str, base: str, gpu: Optional[int] = None) -> dict:
@@ -137,14 +100,16 @@ def main() -> int:
     p.add_argument("--compare", action="append", default=[], help="A:B - relative loss differences of run A from B")
     p.add_argument("--concurrent", action="store_true", help="start the one-process runs together, one per GPU")
     p.add_argument("--tag", default="parallel_curves")
-    p.add_argument("--docstrings", metavar="DIR", help="first write real text to train on into DIR (the standard "
-                   "library's docstrings: DIR/s_text_sentence, DIR/d_text_document, DIR/vocab.txt)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--docstring-data", help="prepare the stdlib docstrings as BERT/GPT data in this directory")
     args = p.parse_args()
-    facts = {}
-    if args.docstrings:
-        n = prepare_docstrings(Path(args.docstrings))
-        facts["text"] = f"{n} docstrings of the standard library of Python {sys.version.split()[0]} (--docstrings)"
+    if args.docstring_data:
+        sys.path.insert(0, str(ROOT))
+        from paratron.data.corpus import prepare_docstring_data
+        data = prepare_docstring_data(args.docstring_data)
+        for key, value in (("{BERT_DATA}", data["bert"]), ("{GPT_DATA}", data["gpt"]), ("{VOCAB}", data["vocab"])):
+            args.base, args.run = args.base.replace(key, value), [r.replace(key, value) for r in args.run]
+        print(f"docstring data: {data['documents']} documents in {args.docstring_data}", flush=True)
     specs = [(name, int(nproc), flags) for name, nproc, flags in (s.split(":", 2) for s in args.run)]
     done: dict[str, dict] = {}
     if args.concurrent:
@@ -187,8 +152,7 @@ def main() -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     write_record(args.record_dir, args.tag, args.tag,
                  f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} x {device}",
-                 {**facts, "base flags": f"`{args.base}`",
-                  "commands": "; ".join(f"`{r['cmd']}`" for r in results)},
+                 {"base flags": f"`{args.base}`", "commands": "; ".join(f"`{r['cmd']}`" for r in results)},
                  table + "\n\nLoss per step:\n\n" + curves)
     return 0 if all(r["rc"] == 0 for r in results) else 1
 

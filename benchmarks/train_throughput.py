@@ -2,7 +2,8 @@
 Hugging Face transformers baseline measured in the same process.
 
     python benchmarks/train_throughput.py --config gpt-350m [--hf] [--variant NAME:FLAGS ...]
-    python benchmarks/train_throughput.py --t5 [--t5-micro-batch-size 32] [--steps 20]   (T5 beside HF: t5_main)
+    python benchmarks/train_throughput.py --t5 [--micro-batch-size 32] [--steps 20]   # T5-220M (--tiny --t5-eager: CPU)
+    python benchmarks/train_throughput.py --bert [--hf] [--micro-batch-size 8]   # BERT-340M (--tiny: CPU check)
 
 Each variant is a set of extra Megatron/paratron flags (e.g. `compiled:--torch-compile`, or a kernel switch
 such as `--kernel-fp8-grad-cast off`). With more than one variant each runs in a fresh child process (its
@@ -182,11 +183,11 @@ def t5_main(args) -> int:
     relative buckets, RMSNorm, gated GeLU, no biases, untied head), paratron's T5Model with each layer compiled
     beside transformers' T5ForConditionalGeneration with torch.compile: the same batch and numerics (bf16 weights
     and activations, torch's AdamW on them on both sides), tokens/s (encoder + decoder tokens), TFLOP/s by
-    paratron's T5 FLOPs formula (paratron/train/t5_step.py) and MFU. ``--t5-tiny --t5-eager``: a CPU check."""
+    paratron's T5 FLOPs formula (paratron/train/t5_step.py) and MFU. ``--tiny --t5-eager``: a CPU check."""
     from paratron.train.metrics import peak_tflops
     from paratron.train.t5_step import t5_flops_per_iteration
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    s, b = T5_SIZES["tiny" if args.t5_tiny else "220m"], args.t5_micro_batch_size
+    s, b = T5_SIZES["tiny" if args.tiny else "220m"], args.micro_batch_size
     flops, peak = t5_flops_per_iteration(t5_config(s), s["vocab"], b), peak_tflops(device)
     rows = []
     for name, make in (("paratron T5Model", t5_paratron_step), ("HF T5" + ("" if args.t5_eager else " + compile"),
@@ -197,10 +198,113 @@ def t5_main(args) -> int:
         rows.append(f"| {name} | {sec * 1e3:.1f} | {b * (s['enc'] + s['dec']) / sec:,.0f} | {tflops:.1f} | {mfu} |")
     table = "\n".join(["| model | ms / step | tokens/s | TFLOP/s | MFU |", "|---|---|---|---|---|", *rows])
     print(table)
-    if not args.t5_tiny:
+    if not args.tiny:
         hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         write_record(args.record_dir, "train_throughput_t5-220m", "T5-220M training throughput beside HF + compile",
                      hw, {"batch": f"{b} x ({s['enc']} encoder + {s['dec']} decoder tokens)"}, table)
+    return 0
+
+
+# ---- --bert: BERT-340M beside transformers' BertForPreTraining ------------------------------------
+
+BERT_340M = dict(layers=24, hidden=1024, heads=16, seq=512, vocab=30522)
+TINY = dict(layers=2, hidden=64, heads=4, seq=64, vocab=512)
+
+
+def bert_flops_per_token(m: dict) -> float:
+    h, L, s, V = m["hidden"], m["layers"], m["seq"], m["vocab"]
+    return 6 * (12 * L * h * h + h * h + h * V) + 12 * L * s * h
+
+
+def bert_batches(m: dict, mbs: int, n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        s = m["seq"]
+        text = torch.randint(5, m["vocab"], (mbs, s), generator=g)
+        real = torch.arange(s).expand(mbs, s) < torch.randint(s // 2, s + 1, (mbs, 1), generator=g)
+        masked = (torch.rand(mbs, s, generator=g) < 0.15) & real
+        out.append({"text": text * real, "types": (torch.arange(s) >= s // 2).long().expand(mbs, s) * real,
+                    "labels": torch.where(masked, text, -1), "is_random": torch.randint(0, 2, (mbs,), generator=g),
+                    "loss_mask": masked.long(), "padding_mask": real.long()})
+    return out
+
+
+def bert_measure(step, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
+def run_bert_paratron(m: dict, mbs: int, warmup: int, steps: int, tiny: bool) -> float:
+    from paratron.config import parse_args
+    from paratron.train.loop import Trainer
+    flags = ["--model", "bert", "--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
+             "--num-attention-heads", str(m["heads"]), "--seq-length", str(m["seq"]), "--max-position-embeddings",
+             str(m["seq"]), "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs), "--train-iters",
+             str(warmup + steps + 1), "--lr", "1e-4", "--data-path", "unused", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", str(m["vocab"]), "--eval-iters", "0", "--log-interval", "1000000"]
+    flags += [] if tiny else ["--bf16", "--torch-compile"]
+    cfg = parse_args(flags)
+    data = iter(bert_batches(m, mbs, warmup + steps))
+    trainer = Trainer(cfg, data=(data, None))
+    dt = bert_measure(trainer.train_step, warmup, steps)
+    trainer.close()
+    return dt
+
+
+def run_bert_hf(m: dict, mbs: int, warmup: int, steps: int, tiny: bool) -> float:
+    import transformers
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = transformers.BertConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], num_hidden_layers=m["layers"],
+                                     num_attention_heads=m["heads"], intermediate_size=4 * m["hidden"],
+                                     max_position_embeddings=m["seq"], attn_implementation="sdpa")
+    model = transformers.BertForPreTraining(config).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    fwd = model if tiny else torch.compile(model)
+    data = [{k: v.to(device) for k, v in b.items()} for b in bert_batches(m, mbs, 1)]
+    b = data[0]
+    labels = torch.where(b["labels"] >= 0, b["labels"], -100)
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=not tiny):
+            out = fwd(input_ids=b["text"], attention_mask=b["padding_mask"], token_type_ids=b["types"],
+                      labels=labels, next_sentence_label=b["is_random"])
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return bert_measure(step, warmup, steps)
+
+
+def bert_main(args) -> int:
+    """--bert: BERT-340M (paratron's BertModel, ``--model bert``) beside transformers' BertForPreTraining +
+    torch.compile at the same batch (bf16 compute, fp32 master weights and AdamW); --tiny: a CPU check."""
+    m = TINY if args.tiny else BERT_340M
+    warmup, steps = (1, 2) if args.tiny else (args.warmup, args.steps)
+    mbs = args.micro_batch_size
+    tokens, fpt = mbs * m["seq"], bert_flops_per_token(m)
+    rows = ["| system | step ms | tokens/s | TFLOP/s | MFU % | peak GB |", "|---|---|---|---|---|---|"]
+    systems = [("paratron", run_bert_paratron)] + ([("transformers + torch.compile", run_bert_hf)] if args.hf else [])
+    for name, fn in systems:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        dt = fn(m, mbs, warmup, steps, args.tiny)
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
+        tflops = tokens * fpt / dt / 1e12
+        rows.append(f"| {name} | {dt * 1e3:.1f} | {tokens / dt:.0f} | {tflops:.1f} | {100 * tflops / 989:.1f} | "
+                    f"{peak:.1f} |")
+        print(rows[-1], flush=True)
+        gc.collect()
+    hardware = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    write_record(args.record_dir, "train_throughput_bert" + ("_tiny" if args.tiny else "_340m"),
+                 "BERT training throughput: paratron beside transformers + torch.compile", hardware,
+                 {"model": str(m), "micro batch": str(mbs), "FLOPs per token": "6 x (12 L h^2 + h^2 + h V) + 12 L s h "
+                  "(bidirectional attention), the same for both"}, "\n".join(rows))
     return 0
 
 
@@ -219,11 +323,15 @@ def main() -> int:
                    help="torch.backends.cuda.preferred_blas_library for the paratron variants (experiment)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # run_child's: one variant, its result here
-    p.add_argument("--t5", action="store_true", help="T5-220M beside HF T5 + torch.compile instead (t5_main)")
-    p.add_argument("--t5-micro-batch-size", type=int, default=32)
-    p.add_argument("--t5-tiny", action="store_true", help="--t5 at a tiny size (a CPU check of the script)")
+    p.add_argument("--t5", action="store_true", help="T5-220M beside HF T5 + torch.compile instead (t5_main; "
+                   "--micro-batch-size, --tiny as --bert's)")
     p.add_argument("--t5-eager", action="store_true", help="--t5 without torch.compile on either side")
+    p.add_argument("--bert", action="store_true", help="BERT-340M (--hf: beside transformers' BertForPreTraining)")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="--bert / --t5: the micro-batch")
+    p.add_argument("--tiny", action="store_true", help="--bert / --t5: a CPU check (2 layers, hidden 64)")
     args = p.parse_args()
+    if args.bert:
+        return bert_main(args)
     if args.t5:
         return t5_main(args)
     for kv in args.inductor:

@@ -1,5 +1,5 @@
 """`paratron` command line: train | demo | preprocess | tokenizer train | convert | generate | serve |
-config-docs.
+fill-mask | config-docs.
 
 User mistakes (bad flags, bad data, unreadable checkpoints: paratron.errors.UserError) end with one
 line on stderr, ``<command>: error: <message>``, and exit code 2, never a traceback.
@@ -12,13 +12,14 @@ from typing import Optional
 USAGE = """usage: paratron <command> [flags]
 
 commands:
-  train [--config FILE|PRESET] [Megatron flags]   train a model (no flags: the embedded demo)
+  train [--config FILE|PRESET] [Megatron flags]   train a model (no flags: the embedded demo; --model bert: BERT)
   demo                                            the embedded demo: Python stdlib corpus -> BPE -> train
   preprocess [Megatron preprocess_data.py flags]  JSONL -> .bin/.idx
   tokenizer train --input ... --vocab-size N --output DIR   train a byte-level BPE tokenizer
   convert --to hf|--from hf ...                   convert checkpoints to and from Hugging Face
   generate --load CKPT --prompt TEXT [...]        continue prompts with a checkpoint or HF model
   serve --load CKPT [--port 5000]                 HTTP server: Megatron's PUT /api and OpenAI's /v1 API
+  fill-mask --load CKPT --text "a [MASK] b"       a BERT's top tokens for each [MASK]
   launch [torchrun flags] COMMAND [flags]         torchrun for a paratron command; a user error ends
                                                   with its one line and exit code 2
   config-docs                                     print the configuration reference (Markdown)
@@ -83,6 +84,9 @@ def dispatch(argv: list[str]) -> int:
     if cmd == "convert":
         from .checkpoint.convert import main as convert_main
         return convert_main(rest)
+    if cmd == "fill-mask":
+        from .inference.fill_mask import fill_mask_main
+        return fill_mask_main(rest)
     if cmd in ("generate", "serve"):
         from .inference import cli as inference_cli
         return (inference_cli.generate_main if cmd == "generate" else inference_cli.serve_main)(rest)
@@ -96,6 +100,7 @@ def dispatch(argv: list[str]) -> int:
     from .config import ConfigError
     import difflib
     close = difflib.get_close_matches(cmd, ["train", "demo", "preprocess", "tokenizer", "convert", "generate", "serve",
+                                         "fill-mask",
                                          "launch", "config-docs"], n=1)
     hint = f"; did you mean `paratron {close[0]}`?" if close else "; run `paratron --help`"
     raise ConfigError(f"unknown command {cmd!r}{hint}")
@@ -108,15 +113,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def pretrain_main(argv: Optional[list[str]] = None, model: str = "gpt") -> int:
-    """`pretrain_gpt.py` (``model`` gpt) / `pretrain_t5.py` (t5): Megatron's entry points, same flags; errors as
-    `paratron train`'s (``paratron train --model MODEL``)."""
+    """`pretrain_gpt.py` / `pretrain_bert.py` / `pretrain_t5.py` (``model`` "bert" / "t5": `--model MODEL` first): Megatron's entry points,
+    same flags; errors as `paratron train`'s."""
     from .errors import run_command
-    script = f"pretrain_{model}.py"
+    prog = f"pretrain_{model}.py"
 
     def run(args: list[str]) -> int:
         if args in (["-h"], ["--help"]):
             from .config import build_parser
-            build_parser(script).print_help()
+            build_parser(prog).print_help()
             return 0
         return run_train(args if model == "gpt" else ["--model", model, *args])
-    return run_command(script, run, sys.argv[1:] if argv is None else argv)
+    return run_command(prog, run, sys.argv[1:] if argv is None else argv)

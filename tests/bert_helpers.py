@@ -7,9 +7,6 @@ import random
 
 from data_helpers import WORDS, write_jsonl
 
-BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
 def bert_corpus(path, docs: int = 120, seed: int = 0) -> str:
     rng = random.Random(seed)
     texts = []
@@ -23,20 +20,13 @@ def bert_corpus(path, docs: int = 120, seed: int = 0) -> str:
 
 
 def train_wordpiece_vocab(workdir, corpus_jsonl: str, vocab_size: int = 160) -> str:
-    """vocab.txt (one token a line) of a WordPiece model trained on the corpus; small enough for ``##`` pieces."""
+    """vocab.txt of a WordPiece model trained on the corpus; small enough for ``##`` pieces."""
     import json
 
-    from tokenizers import BertWordPieceTokenizer
+    from paratron.data.wordpiece import train_wordpiece_vocab as train
 
     texts = [json.loads(line)["text"] for line in open(corpus_jsonl, encoding="utf-8")]
-    tok = BertWordPieceTokenizer(lowercase=True)
-    tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=1, special_tokens=BERT_SPECIALS,
-                            limit_alphabet=200)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    path = os.path.join(str(workdir), "vocab.txt")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("".join(t + "\n" for t, _ in vocab))
-    return path
+    return train(texts, os.path.join(str(workdir), "vocab.txt"), vocab_size)
 
 
 def bert_data(workdir, docs: int = 120, vocab_size: int = 160):

@@ -54,6 +54,8 @@ def _compared(saved: dict, now: dict) -> list[str]:
         names += MOE_FIELDS
     if saved.get("multi_latent_attention") or now.get("multi_latent_attention"):
         names += [n for n in MLA_FIELDS if n not in names]
+    if now.get("model") == "bert":  # the binary head's tensors
+        names += ["bert_no_binary_head"]
     if saved.get("mtp_num_layers") or now.get("mtp_num_layers"):  # the MTP layers' tensors
         names.append("mtp_num_layers")
     return names
@@ -85,6 +87,11 @@ def check_model_config(common: dict, cfg: Config, where: Path, warn: Callable[[s
     saved: Optional[dict] = common.get("config")
     if not saved:
         return
+    family = saved.get("model", {}).get("model", "gpt")  # (checkpoints before --model hold GPT models)
+    if family != cfg.model.model:
+        raise CheckpointError(f"{where} holds a {family.upper()} model (--model {family}) but this run builds "
+                              f"{cfg.model.model.upper()} (--model {cfg.model.model}); load a "
+                              f"{cfg.model.model.upper()} checkpoint or train from scratch")
     diffs = model_differences(saved, cfg, vocab="converted_from" not in common)
     if not diffs:
         return

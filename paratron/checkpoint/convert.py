@@ -233,7 +233,10 @@ def to_hf(load, output, family: Optional[str] = None, iteration: Optional[int] =
         raise ConversionError(f"unknown family {family!r}; paratron converts {', '.join(FAMILIES)}")
     old = _check_output(output, _HF_CKPT_FILES, force, "a Hugging Face checkpoint", "--output")
     cfg, vocab, it, state = read_checkpoint(load, iteration, log)
-    fam = family or default_family(cfg.model)
+    bert = cfg.model.model == "bert"
+    if bert and family not in (None, "megatron-bert"):
+        raise ConversionError(f"--family {family}: {load} holds a BERT, which converts to megatron-bert only")
+    fam = "megatron-bert" if bert else family or default_family(cfg.model)
     rows = state["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in state else "?"
     log(f"writing Hugging Face {fam} ({'given' if family else 'from the model config'}), vocabulary {vocab} "
         f"(padded {rows} in paratron), dtype {dtype or 'as saved'}, to {output}")
@@ -244,7 +247,11 @@ def to_hf(load, output, family: Optional[str] = None, iteration: Optional[int] =
         extra.update({} if eod is None else {"eos_token_id": eod})
 
     def write(tmp: Path) -> None:
-        save_hf_dir(tmp, state, cfg.model, fam, vocab, dtype=_dtype(dtype), extra_config=extra)
+        if bert:
+            from .hf_bert import save_bert_hf_dir
+            save_bert_hf_dir(tmp, state, cfg.model, vocab, _dtype(dtype), extra)
+        else:
+            save_hf_dir(tmp, state, cfg.model, fam, vocab, dtype=_dtype(dtype), extra_config=extra)
         files = export_tokenizer(tmp, tok) if tok is not None else []
         log(f"tokenizer files: {', '.join(files)}" if files else "no tokenizer files to export (none recorded)")
     _write_staged(output, old, write)
@@ -265,25 +272,17 @@ def _read_hf_config(src: Path) -> dict:
         raise ConversionError(f"{src / 'config.json'} is not valid JSON (line {e.lineno})") from None
 
 
-def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[str] = None, force: bool = False,
-            log=None) -> list[str]:
-    """Hugging Face directory ``input`` -> paratron checkpoint ``save`` (iteration 0, model weights
-    only, whole tensors: any layout loads it); returns the model flags to train it with.
-    ``tensor_model_parallel_size`` is the TP of the printed command, whose padded vocabulary the
-    checkpoint gets (so that run's padded rows are zeros, not its initialization)."""
-    from ..parallel.dims import ParallelDims
+def _hf_state(src: Path, hf_config: dict, tp: int, log):
+    """(ModelConfig, vocabulary, family, paratron state, padded vocabulary) of the Hugging Face model in ``src``."""
     from .hf import hf_to_paratron, load_hf_dir
     from .hf_config import model_config_from_hf, padded_vocab_size
-    from .state import layout
-    from .tokenizer_files import SUBDIR, save_tokenizer, tokenizer_config
-    log = log or _Log(True)
-    src, save = Path(input), Path(save)
-    tp = int(tensor_model_parallel_size)
-    if tp < 1:
-        raise ConversionError(f"--tensor-model-parallel-size must be >= 1 (got {tp})")
-    hf_config = _read_hf_config(src)
-    old = _check_output(save, _PARATRON_CKPT_FILES, force, "a paratron checkpoint", "--save")
-    m, vocab, family = model_config_from_hf(hf_config)
+    bert = hf_config.get("model_type") in ("bert", "megatron-bert")
+    if bert:
+        from .hf_bert import bert_config_from_hf, bert_hf_to_paratron
+        m, vocab, binary = bert_config_from_hf(hf_config)
+        family = "megatron-bert"
+    else:
+        m, vocab, family = model_config_from_hf(hf_config)
     log(f"reading {src} ({family}: {m.num_layers} layers, hidden {m.hidden_size}, vocabulary {vocab})")
     for name, size in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.num_query_groups),
                        ("ffn_hidden_size", m.ffn_hidden_size)):
@@ -297,7 +296,29 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
         raise ConversionError(f"cannot read the weights in {src}: {e.__class__.__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
     padded = padded_vocab_size(vocab, m, tp)
-    state = hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab)
+    state = (bert_hf_to_paratron(hf_state, m, padded, binary) if bert
+             else hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab))
+    return m, vocab, family, state, padded
+
+
+def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[str] = None, force: bool = False,
+            log=None) -> list[str]:
+    """Hugging Face directory ``input`` -> paratron checkpoint ``save`` (iteration 0, model weights
+    only, whole tensors: any layout loads it); returns the model flags to train it with.
+    ``tensor_model_parallel_size`` is the TP of the printed command, whose padded vocabulary the
+    checkpoint gets (so that run's padded rows are zeros, not its initialization)."""
+    from ..parallel.dims import ParallelDims
+    from .state import layout
+    from .tokenizer_files import SUBDIR, save_tokenizer, tokenizer_config
+    log = log or _Log(True)
+    src, save = Path(input), Path(save)
+    tp = int(tensor_model_parallel_size)
+    if tp < 1:
+        raise ConversionError(f"--tensor-model-parallel-size must be >= 1 (got {tp})")
+    hf_config = _read_hf_config(src)
+    old = _check_output(save, _PARATRON_CKPT_FILES, force, "a paratron checkpoint", "--save")
+    m, vocab, family, state, padded = _hf_state(src, hf_config, tp, log)
+    bert = family == "megatron-bert"
     if dtype is not None:
         state = {k: (v.to(_dtype(dtype)) if v.is_floating_point() else v) for k, v in state.items()}
     log(f"converted {len(state)} tensors ({sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters), "
@@ -316,8 +337,9 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
         log(f"tokenizer saved with it ({SUBDIR}/)" if saved else f"no tokenizer files in {src}: none saved with it")
     log(f"writing a paratron checkpoint (iteration 0, model weights only) to {save}")
     _write_staged(save, old + ([SUBDIR] if (save / SUBDIR).is_dir() else []), write, last=sharded.LATEST)
-    flags = training_flags(m, tp)
-    launcher = "pretrain_gpt.py" if tp == 1 else f"torchrun --nproc-per-node {tp} pretrain_gpt.py"
+    flags = [f for f in training_flags(m, tp) if f not in ("--model", "bert")]
+    script = "pretrain_bert.py" if bert else "pretrain_gpt.py"
+    launcher = script if tp == 1 else f"torchrun --nproc-per-node {tp} {script}"
     log("done. Train from it with (add your data, tokenizer and training flags; any parallel layout loads it):")
     print(f"  {launcher} {shlex.join(flags)} --load {shlex.quote(str(save))} --finetune", flush=True)
     tok = (f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {shlex.quote(str(src))}"

@@ -73,7 +73,8 @@ def export_tokenizer(out_dir, data) -> list[str]:
     """Copy the tokenizer of ``data`` into a Hugging Face directory ``out_dir``; the names written."""
     kind = getattr(data, "tokenizer_type", None)
     files = _files(data) if kind else {}
-    names = {"vocab_file": "vocab.json", "merge_file": "merges.txt"}
+    names = {"vocab_file": "vocab.txt" if str(kind).startswith("BertWordPiece") else "vocab.json",
+             "merge_file": "merges.txt"}
     written = []
     for field, paths in files.items():
         for i, p in enumerate(paths):
@@ -110,6 +111,11 @@ def tokenizer_config(path, data=None):
     if (root / "vocab.json").is_file() and (root / "merges.txt").is_file():
         return DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(root / "vocab.json"),
                           merge_file=str(root / "merges.txt"))
+    if (root / "vocab.txt").is_file():  # a BERT WordPiece vocabulary (Hugging Face's BERT directories)
+        cased = json.loads((root / "tokenizer_config.json").read_text()).get("do_lower_case") is False \
+            if (root / "tokenizer_config.json").is_file() else False
+        return DataConfig(tokenizer_type="BertWordPieceCase" if cased else "BertWordPieceLowerCase",
+                          vocab_file=str(root / "vocab.txt"))
     if (root / "tokenizer.model").is_file():
         return DataConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model=str(root / "tokenizer.model"))
     if data is not None and getattr(data, "tokenizer_type", None):  # the run's flags, if their files are still there

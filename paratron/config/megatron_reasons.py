@@ -94,7 +94,8 @@ REFUSED = {
     "use_torch_fsdp2": PLANNED.format("FSDP (--use-torch-fsdp2)"),
     "use_megatron_fsdp": PLANNED.format("Megatron-FSDP"),
     "outer_dp_sharding_strategy": PLANNED.format("Megatron-FSDP"),
-    "split_sentences": NA.format("sentence splitting is a preprocessing option of Megatron's BERT data"),
+    "split_sentences": NA.format("sentence splitting is a preprocessing flag: pass it to paratron preprocess / "
+                                  "tools/preprocess_data.py (BERT data)"),
     "overlap_moe_expert_parallel_comm": PLANNED.format("overlapping the expert-parallel all-to-all with computation"),
     "cache_mla_latents": NA.format("caching multi-latent attention's compressed latents serves Megatron's dynamic "
                                    "inference backend (FlashMLA), not training"),

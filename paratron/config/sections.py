@@ -331,7 +331,7 @@ class DataConfig(Section):
     eod_mask_loss: bool = False
     no_mmap_bin_files: bool = False  # read each .bin file into memory instead of memory-mapping it
     no_token_id_check: bool = False  # paratron: skip the check of each micro-batch's ids against the vocabulary
-    mask_prob: float = 0.15  # BERT: the share of tokens masked (80/10/10: [MASK], random, kept); T5: in spans
+    mask_prob: float = 0.15  # BERT: the share of tokens masked (of them 0.8 [MASK], 0.1 a random id, 0.1 kept); T5: in spans
     short_seq_prob: float = 0.1  # BERT / T5: the chance a sample's target length is drawn shorter than the longest
 
 

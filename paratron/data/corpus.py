@@ -112,3 +112,46 @@ def prepare_demo_data(
     with open(stamp_path, "w") as f:
         json.dump(stamp, f)
     return data_prefix, tokenizer
+
+
+def stdlib_docstring_corpus(out_jsonl: str) -> int:
+    """English prose from the standard library: one JSON line per module, its module, class and function
+    docstrings (of more than four words) whitespace-joined, kept when it has at least two sentences. Returns
+    the number of documents written."""
+    import ast
+
+    n = 0
+    with open(out_jsonl, "w", encoding="utf-8") as out:
+        for _, path in stdlib_source_files():
+            try:
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            docs = [ast.get_docstring(node) for node in ast.walk(tree)
+                    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+            text = " ".join(" ".join(d.split()) for d in docs if d and len(d.split()) > 4)
+            if text.count(". ") >= 2:
+                out.write(json.dumps({"text": text}) + "\n")
+                n += 1
+    return n
+
+
+def prepare_docstring_data(workdir: str, vocab_size: int = 4000) -> Dict[str, str]:
+    """The stdlib docstrings as BERT and GPT data under ``workdir``: a WordPiece vocab.txt trained on them,
+    ``{prefix}_text_sentence`` (--split-sentences, BERT's) and ``{prefix}_text_document`` (--append-eod,
+    GPT's), both tokenized with BertWordPieceLowerCase. Returns {"bert", "gpt", "vocab", "documents"}."""
+    from paratron.data.preprocess import build_parser, preprocess
+    from paratron.data.wordpiece import train_wordpiece_vocab
+
+    os.makedirs(workdir, exist_ok=True)
+    corpus, vocab = os.path.join(workdir, "docstrings.jsonl"), os.path.join(workdir, "vocab.txt")
+    documents = stdlib_docstring_corpus(corpus)
+    with open(corpus, encoding="utf-8") as f:
+        train_wordpiece_vocab((json.loads(line)["text"] for line in f), vocab, vocab_size)
+    common = ["--input", corpus, "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab,
+              "--workers", "1", "--no-progress"]
+    for level, extra in (("bert", ["--split-sentences"]), ("gpt", ["--append-eod"])):
+        preprocess(build_parser().parse_args([*common, "--output-prefix", os.path.join(workdir, level), *extra]))
+    return {"bert": os.path.join(workdir, "bert_text_sentence"), "gpt": os.path.join(workdir, "gpt_text_document"),
+            "vocab": vocab, "documents": str(documents)}

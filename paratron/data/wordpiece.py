@@ -70,3 +70,17 @@ class BertWordPieceTokenizer(_HFBased):
     @property
     def unique_identifiers(self) -> Dict[str, object]:
         return {"class": type(self).__name__, "vocab_size": self.vocab_size, "lower_case": self.lower_case}
+
+
+def train_wordpiece_vocab(texts, out_path: str, vocab_size: int, lower_case: bool = True) -> str:
+    """Train a WordPiece vocabulary on ``texts`` (the ``tokenizers`` package's BERT trainer) and write it as a
+    BERT vocab.txt (the special tokens first: [PAD] [UNK] [CLS] [SEP] [MASK]); returns ``out_path``."""
+    from tokenizers import BertWordPieceTokenizer as Impl
+
+    tok = Impl(lowercase=lower_case, strip_accents=lower_case)
+    tok.train_from_iterator(list(texts), vocab_size=vocab_size, min_frequency=1, limit_alphabet=200,
+                            special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    ordered = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    with open(out_path, "w", encoding="utf-8") as f:
+        f.write("".join(t + "\n" for t, _ in ordered))
+    return out_path

@@ -82,6 +82,9 @@ def open_model(args):
     from .text import TextModel, chat_template
     dims, device = start(args.device)
     loaded = load_for_inference(args.load, dims, device, args.dtype, args.iteration)
+    if loaded.model.config.model == "bert":
+        raise ConfigError(f"--load {args.load} holds a BERT: it fills masks (paratron fill-mask), it does not "
+                          "generate text")
     tok = loaded.tokenizer
     if args.tokenizer_model:
         tok = _tokenizer(args.tokenizer_model)

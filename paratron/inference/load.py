@@ -19,6 +19,7 @@ from ..checkpoint import sharded
 from ..checkpoint.pieces import CheckpointError
 from ..checkpoint.state import sharded_state_dict
 from ..checkpoint.tokenizer_files import load_tokenizer
+from ..model.bert import BertModel
 from ..model.gpt import GPTModel
 from ..parallel.dims import ParallelDims
 
@@ -40,12 +41,13 @@ def is_hf_dir(path: Path) -> bool:
 
 
 def _model(m, padded_vocab: int, dims: ParallelDims, device, dtype) -> GPTModel:
+    cls = BertModel if m.model == "bert" else GPTModel  # (--model bert: fill-mask only, inference/fill_mask.py)
     with torch.device(device):  # the random init is overwritten; build it where it will run
         if m.model == "t5":  # an encoder-decoder (paratron/inference/t5_generate.py generates with it)
             from ..model.t5 import T5Model
             model = T5Model(m, padded_vocab, dims, device=device, dtype=dtype)
         else:
-            model = GPTModel(m, padded_vocab, dims=dims, device=device, dtype=dtype)
+            model = cls(m, padded_vocab, dims=dims, device=device, dtype=dtype)
     model.par.rng = None  # no dropout in inference: no RNG forks (which a CUDA graph could not capture)
     return model.eval()
 
@@ -86,20 +88,26 @@ def load_paratron(root: Path, dims: ParallelDims, device, dtype: Optional[torch.
 
 def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype]) -> Loaded:
     from ..checkpoint.hf import hf_to_paratron, load_hf_dir
+    from ..checkpoint.hf_bert import bert_config_from_hf, bert_hf_to_paratron
     from ..checkpoint.hf_config import model_config_from_hf, padded_vocab_size
     from ..checkpoint.hf_t5 import model_config_from_t5, t5_to_paratron
-    hf_config = json.loads((src / "config.json").read_text())
-    if hf_config.get("model_type") == "t5":
-        m, vocab, family = model_config_from_t5(hf_config), int(hf_config["vocab_size"]), "t5"
+    d = json.loads((src / "config.json").read_text())
+    bert, t5 = d.get("model_type") in ("bert", "megatron-bert"), d.get("model_type") == "t5"
+    if t5:
+        m, vocab, family = model_config_from_t5(d), int(d["vocab_size"]), "t5"
         m.model = "t5"
         m = m.resolved()
     else:
-        m, vocab, family = model_config_from_hf(hf_config)
+        m, vocab, family = bert_config_from_hf(d) if bert else model_config_from_hf(d)
     _check_tp(m, dims.tp)
     hf_state, _ = load_hf_dir(src)
     padded = padded_vocab_size(vocab, m, dims.tp)
-    state = (t5_to_paratron(hf_state, m, padded) if family == "t5"
-             else hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab))
+    if t5:
+        state = t5_to_paratron(hf_state, m, padded)
+    else:
+        state = (bert_hf_to_paratron(hf_state, m, padded, family) if bert
+                 else hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab))
+    family = "megatron-bert" if bert else family
     emb = state["embedding.word_embeddings.weight"]
     model = _model(m, padded, dims, device, dtype or emb.dtype)
     with torch.no_grad():

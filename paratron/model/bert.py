@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fp8 as fp8_mod
 from ..config import ConfigError, ModelConfig
 from ..config.kernels import KernelConfig
 from ..parallel import comm
@@ -100,14 +101,13 @@ class BertModel(GPTModel):
                                         recompute_granularity=recompute_granularity, recompute_method=recompute_method,
                                         recompute_num_layers=recompute_num_layers, device=device, dtype=dtype,
                                         seed=seed)
-        from .. import fp8 as fp8_mod
         fp8_mod.attach(self.encoder, fp8, cfg.num_layers)
         self.output_layer = self.lm_head = self.pooler = self.binary_head = None
         if post_process:
             with seeded_init(seed, "lm_head", device):
                 self.lm_head = BertLMHead(cfg, self.par.sequence_parallel, device, dtype)
             self.output_layer = output_layer_of(cfg, vocab_size, self.par, seed, self.share_embeddings, pre_process,
-                                                bias=True, device=device, dtype=dtype)
+                                                bias=True, fusable=False, device=device, dtype=dtype)
             if self.add_binary_head:
                 with seeded_init(seed, "binary_head", device):
                     self.binary_head = ReplicatedLinear(cfg.hidden_size, 2, init_normal(cfg.init_method_std), False,

@@ -155,10 +155,12 @@ def parallel_of(cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool, s
 
 
 def output_layer_of(cfg: ModelConfig, vocab_size: int, par: Parallel, seed: int, tied: bool, pre_process: bool,
-                    bias: bool = False, device=None, dtype=None) -> ColumnParallelLinear:
+                    bias: bool = False, fusable: bool = True, device=None, dtype=None) -> ColumnParallelLinear:
     """The vocabulary-parallel output layer of the last stage. Tied: drawn from the embedding's stream, so the
     last stage's copy equals the word embedding; on a one-stage model it has no weight of its own (the word
-    embedding is passed in), on a pipeline's last stage a copy kept equal through the embedding group."""
+    embedding is passed in), on a pipeline's last stage a copy kept equal through the embedding group.
+    ``fusable``: every use of its weight honours ``main_grad`` (GPT's fused output loss does; a plain
+    ``layer(x, weight)`` call does not)."""
     with seeded_init(seed, "embedding" if tied else "output_layer", device):
         init = init_normal(embedding_std(cfg, tied))
         layer = ColumnParallelLinear(cfg.hidden_size, vocab_size, tp_group=par.tp_group, bias=bias,
@@ -167,7 +169,8 @@ def output_layer_of(cfg: ModelConfig, vocab_size: int, par: Parallel, seed: int,
     for p in (layer.weight, layer.bias):
         if p is not None:
             update_spec(p, vocab_rows=True)
-    mark_fusable(layer)  # its gradient may go into main_grad directly (cross_entropy.py)
+    if fusable:
+        mark_fusable(layer)  # its gradient may go into main_grad directly (cross_entropy.py)
     if tied:
         if pre_process:
             layer.weight = None

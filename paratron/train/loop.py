@@ -113,12 +113,16 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         sizes = train_valid_test_num_samples(tr)
         if tr.step_batch_size_schedule is not None:  # enough for the steps the schedule runs (Megatron: iters x gbs)
             sizes[0] = max(sizes[0], self.microbatches.samples_for_iters(tr.train_iters))
-        make = None
-        if cfg.model.model == "t5":  # span corruption (paratron/data/t5_dataset.py)
+        builder = None
+        if cfg.model.model == "bert":  # Megatron's BERT samples (data/bert_dataset.py)
+            from ..data.bert_dataset import BertDataConfig, bert_builder
+            config = BertDataConfig.from_config(cfg.data, cfg.model, self.tokenizer, cfg.model.seq_length, tr.seed)
+            builder = bert_builder(config, self.tokenizer)
+        elif cfg.model.model == "t5":  # span corruption (data/t5_dataset.py)
             from .t5_step import t5_data_builder
-            make = t5_data_builder(cfg, self.tokenizer)
+            builder = t5_data_builder(cfg, self.tokenizer)
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length,
-                                                                      tr.seed, sizes, make_builder=make)
+                                                                      tr.seed, sizes, make_builder=builder)
         signals = tr.exit_signal_handler or tr.exit_signal_handler_for_dataloader
         if signals and self.cfg.data.num_workers > 0:
             kill_workers_at_exit()
@@ -175,6 +179,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
                                         model=self.models, num_microbatches=ctx.num_microbatches,
                                         seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
                                         layout=self.layout, forward_only=False, grad_scale=ctx.loss_scale)
+        self.report.note_extras(reports)  # BERT's sentence-order loss, for the log line
         return sum_reports(reports, self.device)
 
     def _check_weight_hashes(self) -> None:

@@ -150,6 +150,7 @@ class Reporter:
         self.routers = moe.routers(trainer.models)  # the MoE losses' sources (none in a dense model), found once
         self.mtp_blocks = mtp.blocks(trainer.models)  # the "mtp_k loss" sources (--mtp-num-layers)
         self.pending: list = []  # (iteration, consumed samples, scalars) of steps not written yet (flush)
+        self.extras: dict = {}  # the loss functions' other reports ([sum, count]; BERT's "sop loss") this window
         if trainer.log.enabled and not self.writes and (self.lg.log_timers_to_tensorboard or
                                                         self.lg.log_memory_to_tensorboard or
                                                         self.lg.log_validation_ppl_to_tensorboard or
@@ -211,6 +212,23 @@ class Reporter:
             self.t.log.scalars(iteration, values, samples_at, samples)
         self.pending.clear()
 
+    def note_extras(self, reports: list[dict]) -> None:
+        """Add the micro-batches' reports other than ``lm loss`` (each [sum, count]) to the window's."""
+        for r in reports:
+            for name, value in r.items():
+                if name != "lm loss":
+                    self.extras[name] = self.extras.get(name, 0) + value.detach().to(self.t.device)
+
+    def take_extras(self) -> dict:
+        """The window's other losses, each its sum over the data-parallel ranks / their count (Megatron's
+        average over the data-parallel group); the ranks of a pipeline stage hold the same names."""
+        out = {}
+        for name, value in sorted(self.extras.items()):
+            value = self.t._reduce_dp(value.clone())
+            out[name] = (value[0] / value[1].clamp(min=1)).item()
+        self.extras.clear()
+        return out
+
     def validation(self, loss: float) -> None:
         t = self.t
         t.log.valid(t.iteration, loss, t.consumed_samples, self.lg.log_validation_ppl_to_tensorboard)
@@ -237,7 +255,8 @@ class Reporter:
                                   if m.num_experts is not None else ({}, {}))  # every rank joins
         mtp_losses = (mtp.take_metrics(self.mtp_blocks, m.mtp_num_layers, t.device, dist.is_initialized())
                       if m.mtp_num_layers else {})  # Megatron's "mtp_k loss" (every rank joins)
-        extra = dict(moe_losses, **mtp_losses, **({"num zeros": float(zeros)} if zeros is not None else {}))
+        extra = dict(self.take_extras(), **moe_losses, **mtp_losses,
+                     **({"num zeros": float(zeros)} if zeros is not None else {}))
         t.log.print(format_train_line(t.iteration, tr.train_iters, t.consumed_samples, per_iter * 1000.0, tflops,
                                       t.scheduler.lr, gbs, loss, t.optimizer.loss_scale, grad_norm, t.skipped,
                                       t.nan_iters, tokens_s, mfu, peak_gb, params_norm, extra))

@@ -5,15 +5,18 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from ..config import Config
 from ..kernels import switches
 from ..model import moe, recompute
+from ..model.bert import BertModel
 from ..model.gpt import GPTModel
 from ..model.layers import MLP, Attention, Norm
 from ..parallel.dims import ParallelDims
 from ..fp8.recipe import Recipe
 from ..parallel.layout import BatchLayout
+from ..parallel.tensor import check_token_ids
 from ..parallel.stages import rank_chunks
 from .metrics import flops_per_iteration
 
@@ -44,13 +47,15 @@ def compile_options(device: torch.device, switch: str = "auto") -> dict:
 def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) -> GPTModel:
     """``stage``: pre_process / post_process / layer_offset / num_layers of a pipeline chunk."""
     tr = cfg.train
-    model = GPTModel(cfg.model, cfg.padded_vocab_size, dims=dims, sequence_parallel=cfg.parallel.sequence_parallel,
-                     seed=tr.seed, recompute_granularity=tr.recompute_granularity,
-                     recompute_method=tr.recompute_method, recompute_num_layers=tr.recompute_num_layers,
-                     fp8=Recipe.from_config(tr, cfg.kernels), cp_comm_type=cfg.parallel.cp_comm_type,
-                     kernels=cfg.kernels, device=device,
-                     dtype=params_dtype(cfg), **stage)
-    model.fused_output_loss = not tr.no_fused_output_loss
+    common = dict(dims=dims, sequence_parallel=cfg.parallel.sequence_parallel, seed=tr.seed,
+                  recompute_granularity=tr.recompute_granularity, recompute_method=tr.recompute_method,
+                  recompute_num_layers=tr.recompute_num_layers, fp8=Recipe.from_config(tr, cfg.kernels),
+                  kernels=cfg.kernels, device=device, dtype=params_dtype(cfg), **stage)
+    if cfg.model.model == "bert":  # Megatron's BertModel (model/bert.py)
+        model = BertModel(cfg.model, cfg.padded_vocab_size, **common)
+    else:
+        model = GPTModel(cfg.model, cfg.padded_vocab_size, cp_comm_type=cfg.parallel.cp_comm_type, **common)
+        model.fused_output_loss = not tr.no_fused_output_loss
     if tr.recompute_granularity == "selective":  # --recompute-modules (resolved: default core_attn)
         recompute.apply(model.decoder, tr.recompute_modules)
     if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
@@ -107,13 +112,43 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     return total, n, {"lm loss": torch.stack([total.detach(), n.detach()])}
 
 
+def bert_loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output):
+    """pretrain_bert.py's loss: the masked-LM mean over the masked tokens plus, with the binary head, the
+    sentence-order cross-entropy averaged over the micro-batch. As (sum, count, report): the LM sum plus the
+    binary loss times the count, so the micro-batch's loss (sum / count) is Megatron's; the report holds the LM
+    loss (``lm loss``) and the binary one (``sop loss``, [mean, 1])."""
+    lm, binary = output
+    total, n, report = loss_func(loss_mask, lm)
+    if binary is not None:
+        sop = F.cross_entropy(binary.float(), sentence_order.long(), ignore_index=-1)
+        total = total + sop * n.clamp(min=1)
+        report["sop loss"] = torch.stack([sop.detach(), torch.ones_like(sop.detach())])
+    return total, n, report
+
+
+def make_bert_forward_step(layout: BatchLayout):
+    """pretrain_bert.py's forward_step: a BertDataset micro-batch (text, types, labels, is_random, loss_mask,
+    padding_mask) on the device through the model (no sequence slicing: BERT refuses context parallelism)."""
+    def forward_step(data_iterator, model):
+        b = {k: v.to(layout.device, non_blocking=True) for k, v in next(data_iterator).items()}
+        if layout.vocab_size is not None:
+            check_token_ids(b["text"], layout.vocab_size, "the micro-batch's tokens")
+        output = model(b["text"], padding_mask=b["padding_mask"], tokentype_ids=b["types"].clamp(min=0),
+                       lm_labels=b["labels"])
+        return output, partial(bert_loss_func, b["loss_mask"], b["is_random"])
+    return forward_step
+
+
 def make_forward_step(layout: BatchLayout, model: str = "gpt"):
     """Megatron's forward_step_func: the next micro-batch, laid out for this rank by ``layout``
-    (device, sequence slice, position ids), through the model; the loss function gets its mask. ``model``:
-    --model (T5's batches: paratron/train/t5_step.py)."""
+    (device, sequence slice, position ids), through the model; the loss function gets its mask.
+    ``model``: --model (bert: ``make_bert_forward_step``; t5: paratron/train/t5_step.py)."""
+    if model == "bert":
+        return make_bert_forward_step(layout)
     if model == "t5":
         from .t5_step import make_t5_forward_step
         return make_t5_forward_step(layout, loss_func)
+
     def forward_step(data_iterator, model):
         b = layout.prepare(next(data_iterator))
         output = model(b["tokens"], position_ids=b["position_ids"], attention_mask=b["attention_mask"],

@@ -349,7 +349,7 @@ def test_errors_are_one_line(ckpts, hf_dir, tmp_path, capsys):
         "per-rank checkpoint (rank_*.pt) of an older paratron": ["--to", "hf", "--load", old, "--output",
                                                                    tmp_path / "o10"],
         "already holds a Hugging Face checkpoint": ["--to", "hf", "--load", ckpts["llama"], "--output", taken_hf],
-        "unsupported model_type 'bert'": ["--from", "hf", "--input", bert, "--save", tmp_path / "o6"],
+        "post-LayerNorm": ["--from", "hf", "--input", bert, "--save", tmp_path / "o6"],
         "has no config.json": ["--from", "hf", "--input", empty, "--save", tmp_path / "o7"],
         "already holds a paratron checkpoint": ["--from", "hf", "--input", hf_dir, "--save", taken_ckpt],
         "not divisible by --tensor-model-parallel-size 3": ["--from", "hf", "--input", hf_dir, "--save",
