@@ -173,3 +173,20 @@ def paratron_to_t5(state: dict, cfg: ModelConfig, vocab_size: int) -> dict:
             k, v = _split_kv(state[f"{p}.cross_attention.linear_kv.weight"], heads)
             out[f"{hfl}.1.EncDecAttention.k.weight"], out[f"{hfl}.1.EncDecAttention.v.weight"] = k, v
     return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def save_t5_hf_dir(path, state: dict, cfg: ModelConfig, vocab_size: int, dtype=None, extra_config=None):
+    """A Hugging Face T5ForConditionalGeneration directory (model.safetensors + config.json) of a paratron T5."""
+    from .hf import write_hf_dir
+    return write_hf_dir(path, paratron_to_t5(state, cfg, vocab_size), t5_config_from_model_config(cfg, vocab_size),
+                        "shared.weight", dtype, extra_config)
+
+
+def t5_state_from_hf(hf_config: dict, hf_state: dict, tp: int = 1):
+    """(ModelConfig of --model t5, vocabulary, paratron state, padded vocabulary) of a Hugging Face T5."""
+    from .hf_config import padded_vocab_size
+    m = model_config_from_t5(hf_config)
+    m.model = "t5"
+    vocab = int(hf_config["vocab_size"])
+    padded = padded_vocab_size(vocab, m, tp)
+    return m, vocab, t5_to_paratron(hf_state, m, padded), padded

@@ -109,3 +109,19 @@ def test_load_hf_t5_directory_for_generation(tmp_path):
         want = hf(input_ids=enc, attention_mask=pad.long(), decoder_input_ids=dec).logits
         got = loaded.model(enc, dec, encoder_padding_mask=pad)[..., :VOCAB]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_convert_round_trip_through_a_paratron_checkpoint(tmp_path):
+    """paratron convert --from hf (T5 directory -> checkpoint) then --to hf: transformers' logits again."""
+    from paratron.checkpoint.convert import from_hf, to_hf
+    hf = hf_model(seed=9)
+    hf.save_pretrained(tmp_path / "hf")
+    flags = from_hf(tmp_path / "hf", tmp_path / "ckpt")
+    assert "--decoder-num-layers" in flags and "--geglu" in flags
+    to_hf(tmp_path / "ckpt", tmp_path / "back")
+    back = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "back").eval()
+    enc, dec, pad = inputs()
+    with torch.no_grad():
+        want = hf(input_ids=enc, attention_mask=pad.long(), decoder_input_ids=dec).logits
+        got = back(input_ids=enc, attention_mask=pad.long(), decoder_input_ids=dec).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
