@@ -48,9 +48,11 @@ class SpanVocab:
         the ``##`` pieces of its vocabulary (``inv_vocab``) where it has them."""
         ids = [_token(tokenizer, f"<extra_id_{i}>") for i in range(vocab_extra_ids)]
         if vocab_extra_ids < 1 or None in ids:
-            raise DataError(f"T5 span corruption needs --vocab-extra-ids N sentinels <extra_id_0>..<extra_id_N-1> in "
-                            f"the tokenizer (--vocab-extra-ids is {vocab_extra_ids}; missing: "
-                            f"{'all' if vocab_extra_ids < 1 else ids.index(None)}); give --vocab-extra-ids 100")
+            first = "<extra_id_0>" if vocab_extra_ids < 1 else f"<extra_id_{ids.index(None)}>"
+            raise DataError(f"T5 span corruption needs the sentinels <extra_id_0>..<extra_id_N-1> (--vocab-extra-ids "
+                            f"N, here {vocab_extra_ids}) in the tokenizer, and {type(tokenizer).__name__} has no "
+                            f"{first}: use a tokenizer that adds them (BertWordPieceLowerCase / BertWordPieceCase, "
+                            "SentencePieceTokenizer) or one whose vocabulary has them")
         bos = _special(tokenizer, "bos", ("[BOS]", "<BOS>", "<s>"))
         eos = _special(tokenizer, "eos", ("[EOS]", "<EOS>", "</s>"))
         if bos is None or eos is None:
