@@ -3,6 +3,7 @@ Hugging Face transformers baseline measured in the same process.
 
     python benchmarks/train_throughput.py --config gpt-350m [--hf] [--variant NAME:FLAGS ...] [--plan h200]
     python benchmarks/train_throughput.py --config hybrid-mini --hf-family nemotron_h
+    python benchmarks/train_throughput.py --t5 [--micro-batch-size 32] [--steps 20]   # T5-220M (--tiny --t5-eager: CPU)
     python benchmarks/train_throughput.py --bert [--hf] [--micro-batch-size 8]   # BERT-340M (--tiny: CPU check)
 
 Each variant is a set of extra Megatron/paratron flags (e.g. `compiled:--torch-compile`, or a kernel switch
@@ -177,6 +178,102 @@ def plan_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+T5_SIZES = {"220m": dict(layers=12, hidden=768, heads=12, kv=64, ffn=3072, enc=512, dec=128, vocab=32128),
+         "tiny": dict(layers=2, hidden=64, heads=4, kv=16, ffn=128, enc=64, dec=32, vocab=512)}
+
+
+def t5_config(s: dict):
+    from paratron.config import ModelConfig
+    return ModelConfig(model="t5", num_layers=s["layers"], decoder_num_layers=s["layers"], hidden_size=s["hidden"],
+                       num_attention_heads=s["heads"], kv_channels=s["kv"], ffn_hidden_size=s["ffn"],
+                       seq_length=s["enc"], encoder_seq_length=s["enc"], decoder_seq_length=s["dec"],
+                       position_embedding_type="relative", normalization="RMSNorm", norm_epsilon=1e-6, geglu=True,
+                       openai_gelu=True, disable_bias_linear=True, untie_embeddings_and_output_weights=True,
+                       softmax_scale=1.0, hidden_dropout=0.0, attention_dropout=0.0).resolved()
+
+
+def t5_batch(s: dict, b: int, device):
+    g = torch.Generator().manual_seed(0)
+    enc = torch.randint(2, s["vocab"], (b, s["enc"]), generator=g).to(device)
+    dec = torch.randint(2, s["vocab"], (b, s["dec"]), generator=g).to(device)
+    return enc, dec, dec.roll(-1, 1)
+
+
+def t5_paratron_step(s: dict, b: int, device, compile_: bool = True):
+    from paratron.model.t5 import T5Model
+    model = T5Model(t5_config(s), s["vocab"], device=device, dtype=torch.bfloat16)
+    for layer in [*model.encoder.layers, *model.decoder.layers] if compile_ else []:  # regional, as --torch-compile
+        layer.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    enc, dec, labels = t5_batch(s, b, device)
+
+    def step():
+        loss = model(enc, dec, labels=labels).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def t5_hf_step(s: dict, b: int, device, compile_: bool = True):
+    import transformers
+    cfg = transformers.T5Config(vocab_size=s["vocab"], d_model=s["hidden"], d_kv=s["kv"], d_ff=s["ffn"],
+                                num_layers=s["layers"], num_heads=s["heads"], feed_forward_proj="gated-gelu",
+                                tie_word_embeddings=False, dropout_rate=0.0, decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg).to(device, torch.bfloat16)
+    compiled = torch.compile(model) if compile_ else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    enc, dec, labels = t5_batch(s, b, device)
+
+    def step():
+        loss = compiled(input_ids=enc, decoder_input_ids=dec, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def t5_timed(step, steps: int, device) -> float:
+    """Seconds per step after two warm-up steps (compilation)."""
+    for _ in range(2):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t) / steps
+
+
+def t5_main(args) -> int:
+    """``--t5``: T5 (the sizes of Megatron's examples/t5/train_t5_220m_distributed.sh in the T5 v1.1 layout:
+    relative buckets, RMSNorm, gated GeLU, no biases, untied head), paratron's T5Model with each layer compiled
+    beside transformers' T5ForConditionalGeneration with torch.compile: the same batch and numerics (bf16 weights
+    and activations, torch's AdamW on them on both sides), tokens/s (encoder + decoder tokens), TFLOP/s by
+    paratron's T5 FLOPs formula (paratron/train/t5_step.py) and MFU. ``--tiny --t5-eager``: a CPU check."""
+    from paratron.train.metrics import peak_tflops
+    from paratron.train.t5_step import t5_flops_per_iteration
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    s, b = T5_SIZES["tiny" if args.tiny else "220m"], args.micro_batch_size
+    flops, peak = t5_flops_per_iteration(t5_config(s), s["vocab"], b), peak_tflops(device)
+    rows = []
+    for name, make in (("paratron T5Model", t5_paratron_step), ("HF T5" + ("" if args.t5_eager else " + compile"),
+                                                                t5_hf_step)):
+        sec = t5_timed(make(s, b, device, not args.t5_eager), args.steps, device)
+        tflops = flops / sec / 1e12
+        mfu = f"{100 * tflops / peak:.1f} %" if peak else "n/a"
+        rows.append(f"| {name} | {sec * 1e3:.1f} | {b * (s['enc'] + s['dec']) / sec:,.0f} | {tflops:.1f} | {mfu} |")
+    table = "\n".join(["| model | ms / step | tokens/s | TFLOP/s | MFU |", "|---|---|---|---|---|", *rows])
+    print(table)
+    if not args.tiny:
+        hw = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        write_record(args.record_dir, "train_throughput_t5-220m", "T5-220M training throughput beside HF + compile",
+                     hw, {"batch": f"{b} x ({s['enc']} encoder + {s['dec']} decoder tokens)"}, table)
+    return 0
+
+
 # ---- --bert: BERT-340M beside transformers' BertForPreTraining ------------------------------------
 
 BERT_340M = dict(layers=24, hidden=1024, heads=16, seq=512, vocab=30522)
@@ -300,12 +397,17 @@ def main() -> int:
     p.add_argument("--plan-efficiency", type=float, default=0.5, help="the plan's --matmul-efficiency")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # run_child's: one variant, its result here
+    p.add_argument("--t5", action="store_true", help="T5-220M beside HF T5 + torch.compile instead (t5_main; "
+                   "--micro-batch-size, --tiny as --bert's)")
+    p.add_argument("--t5-eager", action="store_true", help="--t5 without torch.compile on either side")
     p.add_argument("--bert", action="store_true", help="BERT-340M (--hf: beside transformers' BertForPreTraining)")
-    p.add_argument("--micro-batch-size", type=int, default=8, help="--bert: the micro-batch")
-    p.add_argument("--tiny", action="store_true", help="--bert: a CPU check (2 layers, hidden 64, no bf16 / compile)")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="--bert / --t5: the micro-batch")
+    p.add_argument("--tiny", action="store_true", help="--bert / --t5: a CPU check (2 layers, hidden 64)")
     args = p.parse_args()
     if args.bert:
         return bert_main(args)
+    if args.t5:
+        return t5_main(args)
     for kv in args.inductor:
         import torch._inductor.config as ic
         key, value = kv.split("=", 1)

@@ -240,10 +240,12 @@ def to_hf(load, output, family: Optional[str] = None, iteration: Optional[int] =
         raise ConversionError(f"unknown family {family!r}; paratron converts {', '.join(FAMILIES)}")
     old = _check_output(output, _HF_CKPT_FILES, force, "a Hugging Face checkpoint", "--output")
     cfg, vocab, it, state = read_checkpoint(load, iteration, log)
-    bert = cfg.model.model == "bert"
+    bert, t5 = cfg.model.model == "bert", cfg.model.model == "t5"
     if bert and family not in (None, "megatron-bert"):
         raise ConversionError(f"--family {family}: {load} holds a BERT, which converts to megatron-bert only")
-    fam = "megatron-bert" if bert else family or default_family(cfg.model)
+    if t5 and family not in (None, "t5"):
+        raise ConversionError(f"--family {family}: {load} holds a T5, which converts to t5 (T5 v1.1) only")
+    fam = "megatron-bert" if bert else "t5" if t5 else family or default_family(cfg.model)
     rows = state["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in state else "?"
     log(f"writing Hugging Face {fam} ({'given' if family else 'from the model config'}), vocabulary {vocab} "
         f"(padded {rows} in paratron), dtype {dtype or 'as saved'}, to {output}")
@@ -257,6 +259,9 @@ def to_hf(load, output, family: Optional[str] = None, iteration: Optional[int] =
         if bert:
             from .hf_bert import save_bert_hf_dir
             save_bert_hf_dir(tmp, state, cfg.model, vocab, _dtype(dtype), extra)
+        elif t5:
+            from .hf_t5 import save_t5_hf_dir
+            save_t5_hf_dir(tmp, state, cfg.model, vocab, _dtype(dtype), extra)
         else:
             save_hf_dir(tmp, state, cfg.model, fam, vocab, dtype=_dtype(dtype), extra_config=extra)
         files = export_tokenizer(tmp, tok) if tok is not None else []
@@ -284,6 +289,12 @@ def _hf_state(src: Path, hf_config: dict, tp: int, log):
     from .hf import hf_to_paratron, load_hf_dir
     from .hf_config import model_config_from_hf, padded_vocab_size
     bert = hf_config.get("model_type") in ("bert", "megatron-bert")
+    if hf_config.get("model_type") == "t5":  # T5 v1.1 (paratron/checkpoint/hf_t5.py)
+        from .hf_t5 import t5_state_from_hf
+        m, vocab, state, padded = t5_state_from_hf(hf_config, load_hf_dir(src)[0], tp)
+        log(f"reading {src} (t5: {m.num_layers} + {m.decoder_num_layers} layers, hidden {m.hidden_size}, "
+            f"vocabulary {vocab})")
+        return m, vocab, "t5", state, padded
     if bert:
         from .hf_bert import bert_config_from_hf, bert_hf_to_paratron
         m, vocab, binary = bert_config_from_hf(hf_config)
@@ -344,8 +355,8 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
         log(f"tokenizer saved with it ({SUBDIR}/)" if saved else f"no tokenizer files in {src}: none saved with it")
     log(f"writing a paratron checkpoint (iteration 0, model weights only) to {save}")
     _write_staged(save, old + ([SUBDIR] if (save / SUBDIR).is_dir() else []), write, last=sharded.LATEST)
-    flags = [f for f in training_flags(m, tp) if f not in ("--model", "bert")]
-    script = "pretrain_bert.py" if bert else "pretrain_gpt.py"
+    flags = [f for f in training_flags(m, tp) if f not in ("--model", "bert", "t5")]
+    script = "pretrain_bert.py" if bert else "pretrain_t5.py" if family == "t5" else "pretrain_gpt.py"
     launcher = script if tp == 1 else f"torchrun --nproc-per-node {tp} {script}"
     log("done. Train from it with (add your data, tokenizer and training flags; any parallel layout loads it):")
     print(f"  {launcher} {shlex.join(flags)} --load {shlex.quote(str(save))} --finetune", flush=True)

@@ -412,6 +412,16 @@ def save_hf_dir(path, state: dict, cfg: ModelConfig, family: str, vocab_size: in
     ``dtype`` casts floating-point tensors (default: keep them); ``extra_config`` is merged into
     config.json (e.g. ``{"eos_token_id": 50256}``). Returns the directory.
     """
+    emb_name = ("transformer.wte.weight" if family == "gpt2" else "backbone.embeddings.weight"
+                if family in ("mamba2", "nemotron_h") else "model.embed_tokens.weight")
+    return write_hf_dir(path, paratron_to_hf(state, cfg, family, vocab_size),
+                        hf_config_from_model_config(cfg, vocab_size, family), emb_name, dtype, extra_config)
+
+
+def write_hf_dir(path, hf: dict, config: dict, dtype_of: str, dtype: Optional[torch.dtype] = None,
+                 extra_config: Optional[dict] = None) -> Path:
+    """``hf`` (Hugging Face tensors) as ``model.safetensors`` and ``config`` (with ``torch_dtype``: the dtype of
+    tensor ``dtype_of``, and ``extra_config`` merged) as ``config.json`` in the new or empty directory ``path``."""
     from safetensors.torch import save_file
 
     out_dir = Path(path)
@@ -419,14 +429,10 @@ def save_hf_dir(path, state: dict, cfg: ModelConfig, family: str, vocab_size: in
     stale = [f for f in _WEIGHT_FILES[1:] if (out_dir / f).exists()]
     if stale:
         raise ConversionError(f"{out_dir} already holds {', '.join(stale)}; save into an empty directory")
-    hf = paratron_to_hf(state, cfg, family, vocab_size)
     if dtype is not None:
         hf = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf.items()}
     hf = _standalone(hf)
-    config = hf_config_from_model_config(cfg, vocab_size, family)
-    emb_name = ("transformer.wte.weight" if family == "gpt2" else "backbone.embeddings.weight"
-                if family in ("mamba2", "nemotron_h") else "model.embed_tokens.weight")
-    config["torch_dtype"] = _dtype_name(hf[emb_name].dtype)
+    config = dict(config, torch_dtype=_dtype_name(hf[dtype_of].dtype))
     config.update(extra_config or {})
     save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out_dir / "model.safetensors", 0o666 & ~current_umask())  # safetensors writes 0600

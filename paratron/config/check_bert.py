@@ -8,21 +8,23 @@ from .values import MODELS
 
 def default_tokenizer(model) -> str:
     """The --tokenizer-type a --vocab-file means without one: Megatron's default of the model's entry point."""
-    return "BertWordPieceLowerCase" if model.model == "bert" else "GPT2BPETokenizer"
+    return "BertWordPieceLowerCase" if model.model in ("bert", "t5") else "GPT2BPETokenizer"
 
 
 def validate_model_family(cfg) -> None:
     m, d = cfg.model, cfg.data
     need(m.model in MODELS, f"--model {m.model}: choose one of {', '.join(MODELS)}")
+    if m.model in ("bert", "t5"):
+        need(0.0 < d.mask_prob < 1.0, f"--mask-prob {d.mask_prob}: a probability strictly between 0 and 1")
+        need(0.0 <= d.short_seq_prob <= 1.0, f"--short-seq-prob {d.short_seq_prob}: a probability in [0, 1]")
     if m.model != "bert":
-        changed = changed_flags(m, names=("bert_no_binary_head", "bert_embedder_type")) + changed_flags(
-            d, names=("mask_prob", "short_seq_prob"))
-        need(not changed, f"{', '.join(changed)}: read only by BERT; add --model bert (or run pretrain_bert.py)")
+        changed = changed_flags(m, names=("bert_no_binary_head", "bert_embedder_type")) + (changed_flags(
+            d, names=("mask_prob", "short_seq_prob")) if m.model == "gpt" else [])
+        need(not changed, f"{', '.join(changed)}: read only by BERT (--mask-prob, --short-seq-prob: and T5); add "
+             "--model bert (or run pretrain_bert.py)")
         return
     need(m.bert_embedder_type == "megatron", f"--bert-embedder-type {m.bert_embedder_type}: paratron builds "
          "Megatron's embedder only (huggingface is Megatron's retrieval embedder); remove the flag")
-    need(0.0 < d.mask_prob < 1.0, f"--mask-prob {d.mask_prob}: a probability strictly between 0 and 1")
-    need(0.0 <= d.short_seq_prob <= 1.0, f"--short-seq-prob {d.short_seq_prob}: a probability in [0, 1]")
     refused = (
         (cfg.parallel.context_parallel_size > 1, "--context-parallel-size > 1 (BERT's bidirectional attention "
          "under context parallelism is not implemented)"),

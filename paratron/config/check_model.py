@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from .check_hybrid import validate_hybrid
 from .check_moe import validate_moe
 from .layer_patterns import parse_window_size, rope_layers, window_layers
+from .check_t5 import resolve_encoder_decoder
 from .rules import changed_flags, need
 from .sections import Config, ModelConfig, flag
 from .values import SOFTMAX_TYPES
@@ -31,6 +32,7 @@ GPT_OSS_YARN = {"position_embedding_type": "yarn", "rotary_scaling_factor": 32.0
 def validate_model(m: ModelConfig) -> None:
     """Checks of the model's shape; fills Megatron's derived defaults."""
     validate_hybrid(m)  # first: a hybrid pattern sets --num-layers
+    resolve_encoder_decoder(m)  # T5's --encoder-num-layers / --encoder-seq-length
     if m.enable_gpt_oss:  # as Megatron, the preset replaces whatever YaRN values were given
         for name, value in GPT_OSS_YARN.items():
             setattr(m, name, value)
@@ -56,8 +58,9 @@ def validate_model(m: ModelConfig) -> None:
     need(not m.no_position_embedding or m.position_embedding_type in ("rope", "yarn", "none"),
          f"--no-position-embedding with --position-embedding-type {m.position_embedding_type}: Megatron accepts it "
          "only with rope; for no position embedding use --position-embedding-type none")
-    need(m.position_embedding_type in ("learned_absolute", "rope", "yarn", "none"),
-         f"--position-embedding-type must be learned_absolute, rope, yarn or none (got {m.position_embedding_type})")
+    need(m.position_embedding_type in ("learned_absolute", "rope", "yarn", "none", "relative"),
+         "--position-embedding-type must be learned_absolute, rope, yarn, none or relative (T5) (got "
+         f"{m.position_embedding_type})")
     need(m.seq_length <= m.max_position_embeddings,  # Megatron's rule, whatever the position embedding
          f"--seq-length {m.seq_length} exceeds --max-position-embeddings {m.max_position_embeddings} (Megatron "
          f"requires max >= seq length for every --position-embedding-type, {m.position_embedding_type} included); "
@@ -174,10 +177,10 @@ def validate_rope_options(m, mla: bool) -> None:
 
 def validate_variants(m: ModelConfig) -> None:
     """--squared-relu / --quick-geglu / --swiglu, the GLU offset and clamp, as Megatron checks them."""
-    acts = [name for name in ("swiglu", "squared_relu", "quick_geglu") if getattr(m, name)]
+    acts = [name for name in ("swiglu", "squared_relu", "quick_geglu", "geglu") if getattr(m, name)]
     if len(acts) > 1:
         raise ConfigError(f"{flag(acts[0])} and {flag(acts[1])} exclude each other; choose one activation")
-    gated = m.swiglu or m.quick_geglu
+    gated = m.swiglu or m.quick_geglu or m.geglu
     if m.glu_linear_offset != 0.0:
         need(gated, "--glu-linear-offset needs a gated MLP (--quick-geglu or --swiglu)")
         need(not m.swiglu or m.no_bias_swiglu_fusion, "--glu-linear-offset with --swiglu: Megatron's fused SwiGLU "

@@ -7,7 +7,7 @@ import functools
 import inspect
 import re
 
-from . import hybrid_fields, kernels, sections
+from . import encdec, hybrid_fields, kernels, sections
 
 HELP = {
     # model
@@ -102,8 +102,8 @@ HELP = {
 def _source_comments() -> dict[str, str]:
     """``name: type = default  # comment`` lines of sections.py, kernels.py and hybrid_fields.py: {name: comment}."""
     out = {}
-    for line in (inspect.getsource(sections) + inspect.getsource(kernels)
-                 + inspect.getsource(hybrid_fields)).splitlines():
+    for line in (inspect.getsource(sections) + inspect.getsource(kernels) + inspect.getsource(hybrid_fields)
+                 + inspect.getsource(encdec)).splitlines():
         m = re.match(r"    ([a-z][a-z0-9_]*): [^=]+=.*?#\s*(.+)$", line)
         if m:
             out[m.group(1)] = m.group(2).replace("paratron: ", "").strip()

@@ -26,6 +26,7 @@ from .check_ckpt import validate_ckpt, validate_retention
 from .check_bert import default_tokenizer, validate_model_family
 from .check_data import validate_data, validate_fim, validate_sft
 from .check_log import validate_log
+from .check_t5 import validate_t5
 from .check_model import validate_model, validate_mtp
 from .check_moe import validate_routing_parallel
 from .check_optim import validate_optim, validate_optimizer
@@ -157,6 +158,7 @@ def validate_across(cfg: Config) -> None:
     validate_retention(cfg.ckpt)
     validate_recompute(cfg)
     validate_model_family(cfg)
+    validate_t5(cfg)
 
 
 def resolve(cfg: Config, world_size: Optional[int] = None, *,

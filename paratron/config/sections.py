@@ -20,12 +20,13 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from .hybrid_fields import HybridFields
+from .encdec import EncoderDecoderFields
 from .kernels import KernelConfig
 from .section_base import Section, base_type, flag  # noqa: F401  (flag, base_type: imported from here)
 
 
 @dataclass(eq=True)
-class ModelConfig(Section, HybridFields):
+class ModelConfig(Section, HybridFields, EncoderDecoderFields):
     _name = "model"
     num_layers: int = 2
     hidden_size: int = 64
@@ -128,9 +129,6 @@ class ModelConfig(Section, HybridFields):
     mtp_loss_scaling_factor: float = 0.1  # the MTP losses' weight: factor / depths x their sum joins the loss
     mtp_use_repeated_layer: bool = False  # one MTP layer applied at every depth (weights shared)
     mtp_detach_heads: bool = False  # the MTP losses train the MTP layers only; their gradients clipped by their own norm
-    model: str = "gpt"  # paratron: the model family, gpt | bert (Megatron picks it by script: pretrain_bert.py)
-    bert_no_binary_head: bool = False  # BERT without the pooler + sentence-order head (and without tokentypes)
-    bert_embedder_type: str = "megatron"  # megatron (huggingface: refused, Megatron's retrieval embedder)
 
     def resolved(self, **changes) -> "ModelConfig":
         """This model config validated, with Megatron's derived defaults (head dim, FFN size, query
@@ -338,8 +336,8 @@ class DataConfig(Section):
     eod_mask_loss: bool = False
     no_mmap_bin_files: bool = False  # read each .bin file into memory instead of memory-mapping it
     no_token_id_check: bool = False  # paratron: skip the check of each micro-batch's ids against the vocabulary
-    mask_prob: float = 0.15  # BERT: the share of tokens masked (of them 0.8 [MASK], 0.1 a random id, 0.1 kept)
-    short_seq_prob: float = 0.1  # BERT: the chance a sample's target length is drawn shorter than --seq-length
+    mask_prob: float = 0.15  # BERT: the share of tokens masked (of them 0.8 [MASK], 0.1 a random id, 0.1 kept); T5: in spans
+    short_seq_prob: float = 0.1  # BERT / T5: the chance a sample's target length is drawn shorter than the longest
 
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",

@@ -9,7 +9,7 @@ TOKENIZER_TYPES = (
     "ByteLevelTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
 )
 WORDPIECE_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")  # a BERT vocab.txt (--vocab-file)
-MODELS = ("gpt", "bert")  # --model (pretrain_gpt.py / pretrain_bert.py)
+MODELS = ("gpt", "bert", "t5")  # --model (pretrain_gpt.py / pretrain_bert.py / pretrain_t5.py)
 TIKTOKEN_PATTERNS = ("v1", "v2")
 
 # --sft-tokenizer-prompt-format (paratron/data/sft.py)

@@ -146,11 +146,19 @@ class BertDataset(torch.utils.data.Dataset):
 def bert_builder(config: BertDataConfig, tokenizer):
     """``make_builder`` of ``build_train_valid_test_datasets`` for BERT: splits over documents, as Megatron's
     masked datasets (their unit is the document, not the sentence)."""
+    def make(indexed, prefix, documents, size, split_name, allow_build):
+        return BertDataset(indexed, prefix, documents, size, split_name, config, tokenizer, allow_build)
+    return document_builder(make, config, tokenizer)
+
+
+def document_builder(make, config, tokenizer):
+    """A ``make_builder`` whose datasets split over documents (BERT's, T5's): ``make(indexed, prefix, documents,
+    size, split name, allow_build)`` builds one split of one indexed dataset."""
     from paratron.data.blended import EmptySplit, _Builder
     from paratron.data.indices import SPLIT_NAMES, split_range
 
-    class BertBuilder(_Builder):
-        def single(self, prefix: str, bounds, size: Optional[int], split: int) -> BertDataset:
+    class DocumentBuilder(_Builder):
+        def single(self, prefix: str, bounds, size: Optional[int], split: int):
             data = self.indexed(prefix)
             beg, end = split_range(bounds, data.num_documents)
             if beg >= end:
@@ -158,7 +166,6 @@ def bert_builder(config: BertDataConfig, tokenizer):
                     f"{prefix}: the {SPLIT_NAMES[split]} split ({bounds[0]:.4f}-{bounds[1]:.4f} of "
                     f"{data.num_documents} documents, --split {config.split}) has no documents; add data or "
                     "change --split")
-            return BertDataset(data, prefix, np.arange(beg, end, dtype=np.int64), size, SPLIT_NAMES[split],
-                               config, tokenizer, self.allow_build)
+            return make(data, prefix, np.arange(beg, end, dtype=np.int64), size, SPLIT_NAMES[split], self.allow_build)
 
-    return lambda allow_build: BertBuilder(config, allow_build, tokenizer.vocab_size)
+    return lambda allow_build: DocumentBuilder(config, allow_build, tokenizer.vocab_size)

@@ -429,7 +429,8 @@ def build_tokenizer(data) -> Tokenizer:
         )
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         from paratron.data.wordpiece import BertWordPieceTokenizer
-        return BertWordPieceTokenizer(_need_file(data.vocab_file, "--vocab-file", kind), kind.endswith("LowerCase"))
+        return BertWordPieceTokenizer(_need_file(data.vocab_file, "--vocab-file", kind), kind.endswith("LowerCase"),
+                                      data.vocab_extra_ids or 0)
     if kind == "NullTokenizer":
         return NullTokenizer(data.vocab_size, data.null_tokenizer_eod_id)
     if kind == "ByteLevelTokenizer":

@@ -27,10 +27,16 @@ def read_vocab(path: str) -> List[str]:
 
 
 class BertWordPieceTokenizer(_HFBased):
-    def __init__(self, vocab_file: str, lower_case: bool):
+    """``vocab_extra_ids`` N > 0 (``--vocab-extra-ids``, T5): [BOS], [EOS] and the sentinels <extra_id_0> ..
+    <extra_id_N-1> are appended to the vocabulary where it lacks them (Megatron's BERT WordPiece tokenizer's
+    additions), each one token in text."""
+
+    def __init__(self, vocab_file: str, lower_case: bool, vocab_extra_ids: int = 0):
         from tokenizers import BertWordPieceTokenizer as Impl
 
         tokens = read_vocab(vocab_file)
+        added = ["[BOS]", "[EOS]", *(f"<extra_id_{i}>" for i in range(vocab_extra_ids))] if vocab_extra_ids else []
+        tokens += [t for t in added if t not in tokens]
         missing = [t for t in SPECIALS if t not in tokens]
         if missing:
             raise DataError(f"--vocab-file {vocab_file}: a BERT vocabulary needs {', '.join(missing)}")
@@ -39,7 +45,10 @@ class BertWordPieceTokenizer(_HFBased):
             raise DataError(f"--vocab-file {vocab_file}: a token appears on two lines")
         tok = Impl(vocab, lowercase=lower_case, strip_accents=lower_case, clean_text=True,
                    handle_chinese_chars=True, wordpieces_prefix="##")
+        if added:
+            tok.add_special_tokens(added)
         super().__init__(tok, add_special_tokens=False, skip_special_in_text=True)
+        self.bos, self.eos = (vocab[t] if t in vocab else None for t in ("[BOS]", "[EOS]"))
         self.lower_case, self._tokens = lower_case, tokens
         self.cls, self.sep, self.mask, self._pad = (vocab[t] for t in SPECIALS[:4])
         self._eod = self.sep

@@ -134,6 +134,10 @@ def generate_main(argv: list[str]) -> int:
     params = params_from(args)
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
+    from .load import is_t5
+    if is_t5(args.load):  # encoder-decoder generation (one process)
+        from .t5_generate import generate_main as t5_main
+        return t5_main(args, params)
 
     def lead(model) -> None:
         from .speculative import Acceptance

@@ -43,7 +43,11 @@ def is_hf_dir(path: Path) -> bool:
 def _model(m, padded_vocab: int, dims: ParallelDims, device, dtype) -> GPTModel:
     cls = BertModel if m.model == "bert" else GPTModel  # (--model bert: fill-mask only, inference/fill_mask.py)
     with torch.device(device):  # the random init is overwritten; build it where it will run
-        model = cls(m, padded_vocab, dims=dims, device=device, dtype=dtype)
+        if m.model == "t5":  # an encoder-decoder (paratron/inference/t5_generate.py generates with it)
+            from ..model.t5 import T5Model
+            model = T5Model(m, padded_vocab, dims, device=device, dtype=dtype)
+        else:
+            model = cls(m, padded_vocab, dims=dims, device=device, dtype=dtype)
     model.par.rng = None  # no dropout in inference: no RNG forks (which a CUDA graph could not capture)
     return model.eval()
 
@@ -86,14 +90,23 @@ def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype])
     from ..checkpoint.hf import hf_to_paratron, load_hf_dir
     from ..checkpoint.hf_bert import bert_config_from_hf, bert_hf_to_paratron
     from ..checkpoint.hf_config import model_config_from_hf, padded_vocab_size
+    from ..checkpoint.hf_t5 import model_config_from_t5, t5_to_paratron
     d = json.loads((src / "config.json").read_text())
-    bert = d.get("model_type") in ("bert", "megatron-bert")
-    m, vocab, family = bert_config_from_hf(d) if bert else model_config_from_hf(d)
+    bert, t5 = d.get("model_type") in ("bert", "megatron-bert"), d.get("model_type") == "t5"
+    if t5:
+        m, vocab, family = model_config_from_t5(d), int(d["vocab_size"]), "t5"
+        m.model = "t5"
+        m = m.resolved()
+    else:
+        m, vocab, family = bert_config_from_hf(d) if bert else model_config_from_hf(d)
     _check_tp(m, dims.tp)
     hf_state, _ = load_hf_dir(src)
     padded = padded_vocab_size(vocab, m, dims.tp)
-    state = (bert_hf_to_paratron(hf_state, m, padded, family) if bert
-             else hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab))
+    if t5:
+        state = t5_to_paratron(hf_state, m, padded)
+    else:
+        state = (bert_hf_to_paratron(hf_state, m, padded, family) if bert
+                 else hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab))
     family = "megatron-bert" if bert else family
     emb = state["embedding.word_embeddings.weight"]
     model = _model(m, padded, dims, device, dtype or emb.dtype)
@@ -114,6 +127,18 @@ def _check_tp(m, tp: int) -> None:
         if size is not None and size % tp:
             raise CheckpointError(f"{name} {size} is not divisible by the {tp} tensor-parallel ranks; "
                                   f"run with a world size that divides it")
+
+
+def is_t5(path) -> bool:
+    """Whether ``path`` holds a T5 (a paratron checkpoint of --model t5, or a Hugging Face T5 directory)."""
+    from ..checkpoint.convert import _saved_config
+    root = Path(path)
+    if not root.is_dir():
+        return False
+    if is_hf_dir(root):
+        return json.loads((root / "config.json").read_text()).get("model_type") == "t5"
+    d = sharded.find_checkpoint(root, group=sharded.SOLO, warn=lambda m: None)
+    return d is not None and _saved_config(sharded.read_common(d), d).model.model == "t5"
 
 
 def load_for_inference(path, dims: Optional[ParallelDims] = None, device="cpu", dtype: Optional[str] = None,

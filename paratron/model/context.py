@@ -37,7 +37,9 @@ class ForwardContext:
     builds it once and passes it down the stack.
 
     rope: (cos, sin) broadcasting over [s, b, heads, dim], or None (no rotary embedding).
-    mask: [b, 1, s, s] bool, True = may attend: the whole pattern, causality included; or None.
+    mask: [b, 1, s, s] bool, True = may attend: the whole pattern, causality included; or None. A float mask is
+        added to the scores instead (T5's relative position bias with the pattern folded in, [b, heads/TP, q, k]:
+        paratron/model/t5.py ``attention_mask``; the SDPA core takes it).
     document_ids: [b, s] document of each token of packed sequences (``--reset-attention-mask``), of
         the whole sequence even under context parallelism: attention is causal within documents.
         Without CP, GPTModel turns them into ``mask``; under CP the ring's blocks mask with them.

@@ -110,6 +110,37 @@ def resolved_config(config: ModelConfig, max_sequence_length: Optional[int] = No
     return config
 
 
+class OutputHead:
+    """The language-model output of a model (GPT's, T5's): ``output_layer`` over the last hidden states, tied to
+    ``embedding.word_embeddings`` when it has no weight of its own, and the token losses through the fused
+    output layer + cross-entropy (``fused_output_loss``) or plain logits. The model sets ``output_layer``,
+    ``embedding``, ``output_mult``, ``kernels``, ``par`` and ``fused_output_loss``."""
+
+    def output_weight(self) -> torch.Tensor:
+        if self.output_layer.weight is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def head_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the output layer multiplies: muP's logit multiplier applied to its input (no bias, so
+        the logits are scaled the same)."""
+        return x if self.output_mult == 1.0 else x * self.output_mult
+
+    def _token_losses(self, x: torch.Tensor, labels: torch.Tensor, detach_weight: bool = False) -> torch.Tensor:
+        """Cross-entropy [b, s] (fp32) of the output layer on ``x`` [s(/TP), b, h] against ``labels`` [b, s];
+        ``detach_weight``: no gradient reaches the output layer (--mtp-detach-heads)."""
+        target, x, w = labels.transpose(0, 1), self.head_input(x), self.output_weight()
+        w = w.detach() if detach_weight else w
+        if self.fused_output_loss:  # the logits of the whole batch never exist
+            k = self.kernels
+            loss = linear_cross_entropy(self.output_layer.enter(x), w, target, self.par.tp_group,
+                                        kernel="compiled" if k.kernel_cross_entropy == "compiled" else "triton",
+                                        fast_exp=k.kernel_ce_fast_exp == "on", cublaslt=k.kernel_cublaslt != "off")
+        else:
+            loss = vocab_parallel_cross_entropy(self.output_layer(x, w), target, self.par.tp_group)
+        return loss.transpose(0, 1).contiguous()  # [b, s]
+
+
 def parallel_of(cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool, seed: int, kernels: KernelConfig,
                 device) -> Parallel:
     """What the layers of a model on ``dims`` need when built: TP group, sequence parallelism, the dropout stream
@@ -155,7 +186,7 @@ def tie_first_stage(model: nn.Module, pre_process: bool, post_process: bool) -> 
         update_spec(model.embedding.word_embeddings.weight, tied="embedding")
 
 
-class GPTModel(nn.Module):
+class GPTModel(OutputHead, nn.Module):
     """Decoder LM. ``pre_process``/``post_process`` say whether this pipeline stage holds the
     embedding / the final norm, output layer and loss; ``layer_offset``/``num_layers`` which blocks.
 
@@ -216,11 +247,6 @@ class GPTModel(nn.Module):
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
         self.input_tensor = tensor
 
-    def output_weight(self) -> torch.Tensor:
-        if self.output_layer.weight is not None:
-            return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
-
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 document_ids: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
@@ -245,25 +271,6 @@ class GPTModel(nn.Module):
             hiddens = self.mtp(x, input_ids, pos, ctx, self.embedding)
             loss = self.mtp.attach_loss(loss, hiddens, labels, loss_mask, self._token_losses, ctx.cp)
         return loss
-
-    def head_input(self, x: torch.Tensor) -> torch.Tensor:
-        """What the output layer multiplies: muP's logit multiplier applied to its input (no bias, so
-        the logits are scaled the same)."""
-        return x if self.output_mult == 1.0 else x * self.output_mult
-
-    def _token_losses(self, x: torch.Tensor, labels: torch.Tensor, detach_weight: bool = False) -> torch.Tensor:
-        """Cross-entropy [b, s] (fp32) of the output layer on ``x`` [s(/TP), b, h] against ``labels`` [b, s];
-        ``detach_weight``: no gradient reaches the output layer (--mtp-detach-heads)."""
-        target, x, w = labels.transpose(0, 1), self.head_input(x), self.output_weight()
-        w = w.detach() if detach_weight else w
-        if self.fused_output_loss:  # the logits of the whole batch never exist
-            k = self.kernels
-            loss = linear_cross_entropy(self.output_layer.enter(x), w, target, self.par.tp_group,
-                                        kernel="compiled" if k.kernel_cross_entropy == "compiled" else "triton",
-                                        fast_exp=k.kernel_ce_fast_exp == "on", cublaslt=k.kernel_cublaslt != "off")
-        else:
-            loss = vocab_parallel_cross_entropy(self.output_layer(x, w), target, self.par.tp_group)
-        return loss.transpose(0, 1).contiguous()  # [b, s]
 
     def _context(self, rope, attention_mask, document_ids) -> ForwardContext:
         """What attention needs: ``attention_mask`` is Megatron's (True = masked out, causality

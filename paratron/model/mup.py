@@ -42,7 +42,10 @@ def output_mult(cfg) -> float:
 
 
 def softmax_scale(cfg, head_dim: int) -> Optional[float]:
-    """The attention scores' scale under muP, None without it (the kernels' 1/sqrt(d))."""
+    """The attention scores' scale: --softmax-scale when given (T5: 1), muP's under muP, else None (the
+    kernels' 1/sqrt(d))."""
+    if cfg.softmax_scale is not None:
+        return cfg.softmax_scale
     if not cfg.use_mup:
         return None
     base = 1.0 if cfg.mup_base_head_dim is None else math.sqrt(cfg.mup_base_head_dim)

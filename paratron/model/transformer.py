@@ -65,15 +65,22 @@ class TransformerLayer(nn.Module):
         return self.mlp(h, residual)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        fused = self.fuse_residual and self._dropout_off()  # the output projections' matmuls add the residual
-        if self.self_attention is not None:
-            if fused and getattr(self.self_attention, "takes_residual", False):
-                x = self._normed_residual(self.input_layernorm, x, lambda h, r: self.self_attention(h, ctx, r))
-            else:
-                x = x + self._dropout(self._normed(self.input_layernorm, x, lambda h: self.self_attention(h, ctx)))
+        return self._feed(self._mix(self.input_layernorm, self.self_attention, x, ctx))
+
+    def _mix(self, norm, mixer, x: torch.Tensor, *args) -> torch.Tensor:
+        """``x + mixer(norm(x), *args)``: the residual added by the mixer's output projection where it takes one
+        (the decoder's cross-attention shares this with self-attention)."""
+        if mixer is None:
+            return x
+        if self.fuse_residual and self._dropout_off() and getattr(mixer, "takes_residual", False):
+            return self._normed_residual(norm, x, lambda h, r: mixer(h, *args, r))
+        return x + self._dropout(self._normed(norm, x, lambda h: mixer(h, *args)))
+
+    def _feed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + mlp(norm(x))`` (x itself in a layer without an MLP)."""
         if self.mlp is None:
             return x
-        if fused:
+        if self.fuse_residual and self._dropout_off():  # the output projections' matmuls add the residual
             return self._normed_residual(self.pre_mlp_layernorm, x, self._mlp)
         return x + self._dropout(self._normed(self.pre_mlp_layernorm, x, self._mlp))
 

@@ -4,8 +4,8 @@ MLP activations (dense and expert MLPs alike; ``h`` is fc1's output, ``[gate | l
 last dimension when the MLP is gated):
 
 * GeLU (default; ``--openai-gelu``: the tanh approximation) and ``--squared-relu``: relu(h)^2;
-* gated: ``act(gate) * (linear + --glu-linear-offset)`` with act = SiLU (``--swiglu``) or
-  quick-GeLU x*sigmoid(1.702x) (``--quick-geglu``, gpt-oss); with ``--activation-func-clamp-value v``
+* gated: ``act(gate) * (linear + --glu-linear-offset)`` with act = SiLU (``--swiglu``),
+  quick-GeLU x*sigmoid(1.702x) (``--quick-geglu``, gpt-oss) or GeLU (``--geglu``, T5 v1.1); with ``--activation-func-clamp-value v``
   the gate is first clamped to at most v and the linear half to [-v, v] (gpt-oss's clamps).
 
 Attention output gate (``--attention-output-gate``): the QKV projection has, per query group, the
@@ -26,7 +26,7 @@ from ..kernels.swiglu import swiglu, swiglu_reference
 
 def is_gated(cfg: ModelConfig) -> bool:
     """Whether fc1 produces [gate | linear] (twice the FFN width)."""
-    return cfg.swiglu or cfg.quick_geglu
+    return cfg.swiglu or cfg.quick_geglu or cfg.geglu
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -55,9 +55,11 @@ def mlp_activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
         return swiglu_reference if cfg.no_bias_swiglu_fusion else swiglu
     if cfg.quick_geglu:
         return lambda h: glu(h, quick_gelu, offset, clamp)
+    approx = "tanh" if cfg.openai_gelu else "none"
+    if cfg.geglu:  # T5 v1.1's gated GeLU
+        return lambda h: glu(h, lambda g: F.gelu(g, approximate=approx), offset, clamp)
     if cfg.squared_relu:
         return squared_relu
-    approx = "tanh" if cfg.openai_gelu else "none"
     return lambda h: F.gelu(h, approximate=approx)
 
 
@@ -67,7 +69,7 @@ def fused_fp8_activation(cfg: ModelConfig) -> Optional[int]:
     if cfg.swiglu:
         plain = cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None or cfg.no_bias_swiglu_fusion
         return None if plain else fp8_mlp.SWIGLU
-    if cfg.quick_geglu or cfg.squared_relu or cfg.no_bias_gelu_fusion:
+    if cfg.quick_geglu or cfg.geglu or cfg.squared_relu or cfg.no_bias_gelu_fusion:
         return None
     return fp8_mlp.GELU_TANH if cfg.openai_gelu else fp8_mlp.GELU
 

@@ -25,7 +25,7 @@ from .distributed import build_dims, init_distributed  # noqa: F401  (tests impo
 from .guards import StepGuard, StopSignal, data_worker_init, kill_workers_at_exit
 from .preflight import preflight
 from .logger import RunLogger
-from .metrics import flops_per_iteration, peak_tflops
+from .metrics import peak_tflops
 from ..plan.memory import dry_run, startup_lines as memory_lines
 from .reporting import Reporter, TimedIterator, wandb_run
 from .runtime import GarbageCollection, apply_bf16_matmul_reduction, apply_deterministic_mode, apply_logging_level
@@ -37,8 +37,8 @@ from .evaluation import Evaluation
 from .hooks import StepContext, StepHooks
 from .run_control import RunControl
 from .watch import ProgressLog, StragglerWatch, check_weight_hashes, profiled, record_memory_history
-from .step import (build_model, build_model_chunks, hopper_kernels, loss_func, make_forward_step,  # noqa: F401
-                   params_dtype, resolve_kernels, sum_reports)
+from .step import (build_model, build_model_chunks, hopper_kernels, iteration_flops, loss_func,  # noqa: F401
+                   make_forward_step, params_dtype, resolve_kernels, sum_reports)
 
 class Trainer(Checkpointing, Evaluation, RunControl):
     progress: Optional[ProgressLog] = None  # --log-progress (train() opens it)
@@ -93,8 +93,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.straggler = StragglerWatch(cfg.log, self.device, self.dims.rank, self.dims.world_size)  # --log-straggler
         if cfg.log.timing_log_level >= 2:
             self.train_iter = TimedIterator(self.train_iter, self.report.timers)
-        self.flops_per_iter = flops_per_iteration(cfg.model, cfg.padded_vocab_size, tr.global_batch_size,
-                                                  cfg.model.seq_length)
+        self.flops_per_iter = iteration_flops(cfg)
         self.peak = peak_tflops(self.device)
         self.guard = StepGuard.from_config(cfg, self.dims.rank, self.log.print)
         if tr.fp8_format is not None and self.report.routers:  # what --fp8-format covers in an MoE model, said once
@@ -121,6 +120,9 @@ class Trainer(Checkpointing, Evaluation, RunControl):
             from ..data.bert_dataset import BertDataConfig, bert_builder
             config = BertDataConfig.from_config(cfg.data, cfg.model, self.tokenizer, cfg.model.seq_length, tr.seed)
             builder = bert_builder(config, self.tokenizer)
+        elif cfg.model.model == "t5":  # span corruption (data/t5_dataset.py)
+            from .t5_step import t5_data_builder
+            builder = t5_data_builder(cfg, self.tokenizer)
         train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg.data, self.tokenizer, cfg.model.seq_length,
                                                                       tr.seed, sizes, make_builder=builder)
         signals = tr.exit_signal_handler or tr.exit_signal_handler_for_dataloader

@@ -18,6 +18,7 @@ from ..fp8.recipe import Recipe
 from ..parallel.layout import BatchLayout
 from ..parallel.tensor import check_token_ids
 from ..parallel.stages import rank_chunks
+from .metrics import flops_per_iteration
 
 
 def params_dtype(cfg: Config) -> torch.dtype:
@@ -69,11 +70,23 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
 
 
 def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) -> list[GPTModel]:
-    """This rank's model: one chunk per virtual pipeline stage (a single one without interleaving)."""
+    """This rank's model: one chunk per virtual pipeline stage (a single one without interleaving); T5's (which
+    runs without pipelining) one T5Model."""
+    if cfg.model.model == "t5":
+        from .t5_step import build_t5_model
+        return [build_t5_model(cfg, dims, device, params_dtype(cfg))]
     chunks = [build_model(cfg, dims, device, **stage) for stage in rank_chunks(cfg, dims.pp_rank)]
     for c in chunks[1:]:  # one dropout stream for the TP regions of the rank, as with one chunk
         c.par.rng, c.par.expert_rng = chunks[0].par.rng, chunks[0].par.expert_rng
     return chunks
+
+
+def iteration_flops(cfg: Config) -> float:
+    """FLOPs of one iteration at the global batch: GPT's formula (metrics.py), T5's (t5_step.py)."""
+    if cfg.model.model == "t5":
+        from .t5_step import t5_flops_per_iteration
+        return t5_flops_per_iteration(cfg.model, cfg.padded_vocab_size, cfg.train.global_batch_size)
+    return flops_per_iteration(cfg.model, cfg.padded_vocab_size, cfg.train.global_batch_size, cfg.model.seq_length)
 
 
 def hopper_kernels(models) -> str:
@@ -129,9 +142,12 @@ def make_bert_forward_step(layout: BatchLayout):
 def make_forward_step(layout: BatchLayout, model: str = "gpt"):
     """Megatron's forward_step_func: the next micro-batch, laid out for this rank by ``layout``
     (device, sequence slice, position ids), through the model; the loss function gets its mask.
-    ``model``: --model (bert: ``make_bert_forward_step``)."""
+    ``model``: --model (bert: ``make_bert_forward_step``; t5: paratron/train/t5_step.py)."""
     if model == "bert":
         return make_bert_forward_step(layout)
+    if model == "t5":
+        from .t5_step import make_t5_forward_step
+        return make_t5_forward_step(layout, loss_func)
 
     def forward_step(data_iterator, model):
         b = layout.prepare(next(data_iterator))

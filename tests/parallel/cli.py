@@ -17,13 +17,13 @@ LOSS = re.compile(r"lm loss: ([0-9.E+-]+) \|")
 
 
 def run_pretrain(nproc: int, flags: list[str], iters: int, timeout: int = 300,
-                 log_dir: Optional[Path] = None) -> list[float]:
-    """The per-iteration losses of one run; a hang is killed (torchrun and every rank) and fails."""
+                 log_dir: Optional[Path] = None, script: str = "pretrain_gpt.py") -> list[float]:
+    """The per-iteration losses of one run of ``script``; a hang is killed (torchrun and every rank) and fails."""
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(cmd + ["pretrain_gpt.py", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd + [script, *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
