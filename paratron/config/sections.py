@@ -1,13 +1,11 @@
 """The config's sections: dataclasses whose field names are Megatron-LM's flag names.
 
-``--hidden-size 1024`` on the command line, ``hidden_size: 1024`` in YAML and ``cfg.model.hidden_size``
-in Python are the same setting. Fields are grouped in sections (model, parallel, train, optim, data,
-log, ckpt, kernels); every name is unique across sections, so a flat YAML file or command line maps onto
-exactly one field. ``Config.flat()`` gives Megatron's flat ``args`` view.
-
-A config is writable while it is being built; ``resolve()`` (config/resolution.py) validates it,
-derives every value and freezes every section (a later write raises :class:`FrozenConfigError`).
-Another config is a copy: ``cfg.unfrozen()`` or ``dataclasses.replace(section, field=value)``.
+``--hidden-size 1024`` on the command line, ``hidden_size: 1024`` in YAML and ``cfg.model.hidden_size`` in Python
+are the same setting. Fields are grouped in sections (model, parallel, train, optim, data, log, ckpt, kernels);
+every name is unique across sections, so a flat YAML file or command line maps onto exactly one field.
+``Config.flat()`` gives Megatron's flat ``args`` view. A config is writable while it is being built;
+``resolve()`` (config/resolution.py) validates it, derives every value and freezes every section (a later write
+raises :class:`FrozenConfigError`). Another config is a copy: ``cfg.unfrozen()`` or ``dataclasses.replace(...)``.
 """
 from __future__ import annotations
 
