@@ -1,7 +1,8 @@
 """The config fields of the model family (``--model gpt | bert | t5``), BERT's heads and encoder-decoder models
 (T5): the two stacks' depths and lengths, T5's relative position buckets and its v1.1 options. Mixed into
-:class:`~paratron.config.sections.ModelConfig` (sections.py), which they are part of: the flags are Megatron's (``--encoder-num-layers`` ...) or paratron's
-(``--geglu``, ``--softmax-scale``); the help comments are read from this file too."""
+:class:`~paratron.config.sections.ModelConfig` (sections.py), which they are part of: the flags are Megatron's
+(``--encoder-num-layers`` ...) or paratron's (``--geglu``, ``--softmax-scale``); the help comments are read from
+this file too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
