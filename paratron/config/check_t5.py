@@ -34,7 +34,6 @@ def validate_t5(cfg) -> None:
         m.decoder_num_layers = m.num_layers
     if m.decoder_seq_length is None:
         m.decoder_seq_length = m.seq_length
-    need(m.decoder_num_layers >= 1, f"--decoder-num-layers {m.decoder_num_layers}: T5 needs a decoder (>= 1 layer)")
     need(m.position_embedding_type != "learned_absolute" or m.decoder_seq_length <= m.max_position_embeddings,
          f"--decoder-seq-length {m.decoder_seq_length} exceeds --max-position-embeddings {m.max_position_embeddings}")
     need(d.vocab_extra_ids >= 1, "--model t5: span corruption replaces each masked span by a sentinel token: give "

@@ -55,6 +55,19 @@ RANGES: dict[str, Range] = {
     "rotary_seq_len_interpolation_factor": POSITIVE, "local_rank": AT_LEAST_0, "padded_vocab_size": AT_LEAST_1,
     "check_weight_hash_across_dp_replicas_interval": AT_LEAST_1, "num_layers_at_start_in_bf16": AT_LEAST_0,
     "num_layers_at_end_in_bf16": AT_LEAST_0, "eval_global_batch_size": AT_LEAST_1, "cpu_threads": AT_LEAST_1,
+    # encoder-decoder (T5) and BERT data
+    "encoder_num_layers": AT_LEAST_1, "decoder_num_layers": AT_LEAST_1, "encoder_seq_length": AT_LEAST_1,
+    "decoder_seq_length": AT_LEAST_1, "relative_attention_num_buckets": AT_LEAST_1,
+    "relative_attention_max_distance": AT_LEAST_1, "softmax_scale": POSITIVE,
+    "mask_prob": Range("in (0, 1)", 0, False, 1, False), "short_seq_prob": FRACTION_CLOSED,
+    # hybrid stacks (Mamba-2, Gated DeltaNet)
+    "hybrid_attention_ratio": FRACTION_CLOSED, "hybrid_mlp_ratio": FRACTION_CLOSED, "mamba_state_dim": AT_LEAST_1,
+    "mamba_head_dim": AT_LEAST_1, "mamba_num_groups": AT_LEAST_1, "mamba_num_heads": AT_LEAST_1,
+    "mamba_dt_limit_min": AT_LEAST_0, "mamba_chunk_size": AT_LEAST_1, "linear_conv_kernel_dim": AT_LEAST_1,
+    "linear_key_head_dim": AT_LEAST_1, "linear_value_head_dim": AT_LEAST_1, "linear_num_key_heads": AT_LEAST_1,
+    "linear_num_value_heads": AT_LEAST_1,
+    # sharded optimizer
+    "optimizer_offload_fraction": FRACTION_CLOSED,
     # model
     "num_layers": AT_LEAST_1, "hidden_size": AT_LEAST_1, "ffn_hidden_size": AT_LEAST_1,
     "num_attention_heads": AT_LEAST_1, "kv_channels": AT_LEAST_1, "num_query_groups": AT_LEAST_1,

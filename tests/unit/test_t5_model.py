@@ -37,7 +37,7 @@ def test_recompute_same_gradients(granularity):
      "Megatron refuses pipeline parallelism for T5"),
     (["--model", "t5", "--vocab-extra-ids", "10", "--context-parallel-size", "2"], "--context-parallel-size > 1"),
     (["--model", "t5"], "--vocab-extra-ids"),
-    (["--model", "t5", "--vocab-extra-ids", "10", "--decoder-num-layers", "0"], "T5 needs a decoder"),
+    (["--model", "t5", "--vocab-extra-ids", "10", "--decoder-num-layers", "0"], "--decoder-num-layers must be >= 1"),
 ])
 def test_config_errors(flags, message):
     from paratron.train.resolve import parse_args
