@@ -136,8 +136,10 @@ class OutputHead:
             loss = linear_cross_entropy(self.output_layer.enter(x), w, target, self.par.tp_group,
                                         kernel="compiled" if k.kernel_cross_entropy == "compiled" else "triton",
                                         fast_exp=k.kernel_ce_fast_exp == "on", cublaslt=k.kernel_cublaslt != "off")
-        else:
-            loss = vocab_parallel_cross_entropy(self.output_layer(x, w), target, self.par.tp_group)
+        else:  # the layer's own weight through its own call, which honours a gradient fused into main_grad
+            own = self.output_layer.weight is not None and not detach_weight
+            logits = self.output_layer(x) if own else self.output_layer(x, w)
+            loss = vocab_parallel_cross_entropy(logits, target, self.par.tp_group)
         return loss.transpose(0, 1).contiguous()  # [b, s]
 
 
