@@ -131,14 +131,7 @@ def run_hf_family(preset: str, family: str, warmup: int, steps: int) -> dict:
         compiled(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    for _ in range(warmup):
-        step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync()
-    dt = (time.perf_counter() - t0) / steps
+    dt = bert_measure(step, warmup, steps)
     return dict(step_ms=round(dt * 1e3, 1), tok_s=round(b * s / dt),
                 peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else None)
 
@@ -300,6 +293,7 @@ def bert_batches(m: dict, mbs: int, n: int, seed: int = 0) -> list[dict]:
 
 
 def bert_measure(step, warmup: int, steps: int) -> float:
+    """Seconds per call of ``step`` after ``warmup`` calls (the device synchronised around the timed ones)."""
     for _ in range(warmup):
         step()
     sync()
