@@ -9,8 +9,8 @@ multiples of 128 leave a partial last tile, scaled by its own amax.
 GEMMs of blockwise operands, :func:`block_mm` (``a`` [M, K] in 1 x 128 tiles, ``b`` [N, K] in tiles or
 blocks, both along K; returns a b^T [M, N]), by one of three paths (``--kernel-fp8-block-gemm``):
 
-* ``scaled_mm``: ``torch._scaled_mm`` with float32 block scales, cuBLAS's blockwise FP8 GEMM (Hopper,
-  CUDA >= 12.9; torch checks the layouts: a's scales [M, K/128] column-major, b's [K/128, N/128]);
+* ``scaled_mm``: ``torch.nn.functional.scaled_mm`` with float32 block scales, cuBLAS's blockwise FP8 GEMM
+  (Hopper, CUDA >= 12.9; the scale layouts it checks are ``scaled_mm_scales``'s);
 * ``dequant``: both operands dequantised to bf16 and multiplied by torch's bf16 GEMM: the recipe's numbers
   (what the FP8 copies hold) without FP8 speed, on any GPU;
 * ``emulate``: dequantised to fp32 and multiplied in fp32, the reference of the CPU tests.
@@ -88,6 +88,21 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def scaled_mm_scales(sa: torch.Tensor, sb: torch.Tensor, b_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse scales laid out as cuBLAS's blockwise GEMM reads them through ``F.scaled_mm``: a's 1 x 128
+    tile scales [M, K/128] column-major; b's 128 x 128 block scales [N/128, K/128] with the K blocks padded to
+    a multiple of 4 and transposed ([K4, N/128], column-major), or b's tile scales [N, K/128] column-major.
+    torch's older ``_scaled_mm`` took unpadded block scales without complaint and read past them when K/128
+    was not a multiple of 4 (seen on an H200: ``benchmarks/results/fp8_blockwise_layout_h200_20261202.md``)."""
+    inv_b = sb.reciprocal()
+    if b_blocks:
+        kb = inv_b.shape[1]
+        scale_b = torch.nn.functional.pad(inv_b, (0, -kb % 4)).t() if kb % 4 else inv_b.contiguous().t()
+    else:
+        scale_b = _column_major(inv_b)
+    return _column_major(sa.reciprocal()), scale_b
+
+
 def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_blocks: bool,
              out_dtype: torch.dtype, path: str) -> torch.Tensor:
     """a b^T for FP8 ``a`` [M, K] (scales ``sa`` per 1 x 128 tile) and ``b`` [N, K] (scales ``sb`` per
@@ -96,11 +111,11 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
         return (dequantize_tiles(a, sa) @ dequantize(b, sb, b_blocks).t()).to(out_dtype)
     if path == "dequant":
         return dequantize_tiles(a, sa, out_dtype) @ dequantize(b, sb, b_blocks, out_dtype).t()
-    b, inv_b = b.contiguous(), sb.reciprocal().contiguous()  # b^T column-major, as _scaled_mm's second operand
-    # torch's layout checks: a's scales [M, K/128] column-major; b^T's [K/128, N/128] (blocks) or [K/128, N]
-    scale_b = inv_b.t() if b_blocks else _column_major(inv_b).t()
-    return torch._scaled_mm(a.contiguous(), b.t(), scale_a=_column_major(sa.reciprocal()), scale_b=scale_b,
-                            out_dtype=out_dtype)
+    kinds = torch.nn.functional.ScalingType
+    scale_a, scale_b = scaled_mm_scales(sa, sb, b_blocks)
+    return torch.nn.functional.scaled_mm(a.contiguous(), b.contiguous().t(), scale_a, kinds.BlockWise1x128, scale_b,
+                                         kinds.BlockWise128x128 if b_blocks else kinds.BlockWise1x128,
+                                         output_dtype=out_dtype)
 
 
 def gemm_choice(device) -> tuple[str, str]:
@@ -112,4 +127,4 @@ def gemm_choice(device) -> tuple[str, str]:
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     if torch.cuda.get_device_capability(dev) != (9, 0) or cuda < (12, 9):
         return "dequant", "cuBLAS's blockwise FP8 GEMM needs Hopper (sm90) and CUDA >= 12.9"
-    return "scaled_mm", "torch._scaled_mm with block scales (Hopper, CUDA >= 12.9)"
+    return "scaled_mm", "torch's scaled_mm with block scales (Hopper, CUDA >= 12.9)"

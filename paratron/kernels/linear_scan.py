@@ -2,7 +2,8 @@
 chunked references (kernels/ssd.py, kernels/gated_delta.py; one step of the recurrence when decoding a
 token), ``fla`` flash-linear-attention's chunked Triton kernels (the pure-Python wheel ``fla-core``, on CUDA;
 docs/design.md says why this library). Packed documents reach fla as variable-length sequences (cu_seqlens over
-the flattened batch, and no final state comes back); the references take the resets themselves. Shapes as
+the flattened batch; a row's state starts its first document and its last document's is the row's final
+state); the references take the resets themselves. Shapes as
 kernels/ssd.py."""
 from __future__ import annotations
 
@@ -15,9 +16,37 @@ from .gated_delta import gated_delta_chunked, gated_delta_sequential
 from .ssd import _heads, ssd_chunked, ssd_sequential
 
 
+FLA_BAD_TRITON = ((3, 4, 0), (3, 7, 1))  # fla-core's own check (its issue #640): wrong gated backward on Hopper
+
+
+def _version(text: str) -> tuple:
+    return tuple(int(p) for p in (text.split("+")[0].split(".") + ["0", "0"])[:3] if p.isdigit())
+
+
+def fla_refusal() -> Optional[str]:
+    """Why fla-core's kernels cannot train here, or None. fla-core 0.6 itself refuses its gated backward
+    (both scans use it) on Hopper with Triton in [3.4.0, 3.7.1) unless tilelang is installed: that Triton
+    compiles it to wrong results (fla-core issue #640). torch 2.11 ships Triton 3.6."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None
+    if importlib.util.find_spec("tilelang") is not None or importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+    low, high = FLA_BAD_TRITON
+    if low <= _version(triton.__version__) < high:
+        return (f"fla-core's gated backward is wrong with Triton {triton.__version__} on Hopper (fla-core issue "
+                "#640): install Triton >= 3.7.1 or tilelang, or use --kernel-linear-scan torch")
+    return None
+
+
+def fla_installed() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
 def fla_available(device) -> bool:
-    """fla-core importable and a CUDA device (its kernels are Triton kernels for GPUs)."""
-    return torch.device(device or "cpu").type == "cuda" and importlib.util.find_spec("fla") is not None
+    """fla-core importable, a CUDA device (its kernels are Triton kernels for GPUs), and no known fault of
+    fla-core with this Triton on this GPU (``fla_refusal``)."""
+    return torch.device(device or "cpu").type == "cuda" and fla_installed() and fla_refusal() is None
 
 
 def _cu_seqlens(reset: torch.Tensor) -> torch.Tensor:
@@ -36,6 +65,21 @@ def _varlen(reset: Optional[torch.Tensor], *ts):
     return _cu_seqlens(reset), tuple(t.reshape(1, -1, *t.shape[2:]) for t in ts)
 
 
+def _doc_init(reset, cu: Optional[torch.Tensor], s: int, state: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """fla's initial states of the packed documents: each row's state starts the row's first document (unless
+    the row's first position is itself a reset), the documents that start inside a row start from zero."""
+    if cu is None or state is None:
+        return state
+    kept = state * (~reset[:, 0]).to(state.dtype).view(-1, *[1] * (state.dim() - 1))
+    first = (cu[:-1] % s == 0).nonzero().flatten()
+    return state.new_zeros(cu.numel() - 1, *state.shape[1:]).index_copy(0, first, kept)
+
+
+def _row_final(cu: Optional[torch.Tensor], s: int, final: torch.Tensor) -> torch.Tensor:
+    """Each row's final state from fla's per-document ones: the state of the document that ends the row."""
+    return final if cu is None else final.index_select(0, (cu[1:] % s == 0).nonzero().flatten())
+
+
 def ssd(x, dt, A, B, C, reset=None, state=None, chunk_size: int = 128, kernel: str = "torch"):
     """(y [b, s, h, p], final state [b, h, p, n]) of Mamba-2's scan."""
     if x.size(1) == 1 and state is not None:  # decoding: one step of the recurrence
@@ -46,9 +90,9 @@ def ssd(x, dt, A, B, C, reset=None, state=None, chunk_size: int = 128, kernel: s
     b, s, h, _ = x.shape
     cu, (q, k, v, g) = _varlen(reset, _heads(C, h), _heads(B, h), x * dt[..., None], dt * A)
     init = None if state is None else state.transpose(-1, -2).contiguous()
-    y, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=init, output_final_state=True,
-                                cu_seqlens=cu)
-    return y.reshape(b, s, *y.shape[2:]), None if cu is not None else final.transpose(-1, -2)
+    y, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=_doc_init(reset, cu, s, init),
+                                output_final_state=True, cu_seqlens=cu)
+    return y.reshape(b, s, *y.shape[2:]), _row_final(cu, s, final).transpose(-1, -2)
 
 
 def gated_delta(q, k, v, g, beta, reset=None, state=None, chunk_size: int = 64, kernel: str = "torch",
@@ -61,6 +105,6 @@ def gated_delta(q, k, v, g, beta, reset=None, state=None, chunk_size: int = 64, 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     b, s = q.shape[:2]
     cu, (q, k, v, g, beta) = _varlen(reset, q, k, v, g, beta)
-    o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
-                                      cu_seqlens=cu)
-    return o.reshape(b, s, *o.shape[2:]), None if cu is not None else final
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=_doc_init(reset, cu, s, state),
+                                      output_final_state=True, cu_seqlens=cu)
+    return o.reshape(b, s, *o.shape[2:]), _row_final(cu, s, final)

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ..config.kernels import CHOICES, KernelConfig
+from ..errors import ConfigError
 from . import flash_attention, fp8_block, fp8_grouped, fused_adamw, linear_scan, quack_mlp, quack_norm
 from .experimental import flash_packed
 
@@ -55,15 +56,23 @@ def availability(device, dtype, deterministic: bool = False) -> dict:
         "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
                                               if cuda else "CUDA only"),
         "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),
-        "kernel_linear_scan": ("fla" if linear_scan.fla_available(device) else "torch",
-                               "fla-core's Triton kernels on CUDA" if linear_scan.fla_available(device)
-                               else "needs fla-core and CUDA"),
+        "kernel_linear_scan": _linear_scan(device),
     }
+
+
+def _linear_scan(device) -> tuple[str, str]:
+    if linear_scan.fla_available(device):
+        return "fla", "fla-core's Triton kernels on CUDA"
+    if torch.device(device).type == "cuda" and linear_scan.fla_installed() and linear_scan.fla_refusal():
+        return "torch", linear_scan.fla_refusal().split(": install")[0]
+    return "torch", "needs fla-core and CUDA"
 
 
 def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False) -> KernelConfig:
     """A copy of ``asked`` with every ``auto`` replaced by what runs here (``no_rope_fusion``: set where the
     fused rotary attention cannot run)."""
+    if asked.kernel_linear_scan == "fla" and torch.device(device).type == "cuda" and linear_scan.fla_refusal():
+        raise ConfigError(f"--kernel-linear-scan fla: {linear_scan.fla_refusal()}")
     found = availability(device, dtype, deterministic)
     changes = {name: found[name][0] for name in found
                if name != "no_rope_fusion" and getattr(asked, name) == "auto"}

@@ -14,7 +14,6 @@ generation ``ctx.kv_cache`` holds this layer's convolution and SSM states (parat
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Optional
 
@@ -26,7 +25,7 @@ from . import mup
 from ..config import ModelConfig
 from ..config.check_hybrid import mamba_heads
 from ..kernels.causal_conv import causal_conv
-from ..kernels.linear_scan import ssd
+from ..kernels.linear_scan import fla_installed, fla_refusal, ssd
 from ..kernels.ssd import resets_of
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal, tp_param
 from .context import ForwardContext, Parallel
@@ -58,8 +57,10 @@ def decay_params(heads: int, par: Parallel, device, dtype, a_range=A_RANGE) -> t
 
 
 def use_fla(par: Parallel) -> bool:
-    """The --kernel-linear-scan switch asks for fla (or auto) and fla-core is installed (CUDA checked per call)."""
-    return par.kernels.kernel_linear_scan != "torch" and importlib.util.find_spec("fla") is not None
+    """The --kernel-linear-scan switch asks for fla, or auto where fla-core is installed and can train here
+    (kernels/linear_scan.fla_refusal; CUDA checked per call)."""
+    asked = par.kernels.kernel_linear_scan
+    return asked == "fla" or (asked == "auto" and fla_installed() and fla_refusal() is None)
 
 
 class MambaMixer(nn.Module):

@@ -129,3 +129,22 @@ def test_kernel_switches_resolve_on_cpu_and_reject_bad_values():
     with pytest.raises(ConfigError, match="--kernel-fp8-block-gemm cutlass: choose one of auto, scaled_mm, dequant"):
         parse_args([*BASE, "--kernel-fp8-block-gemm", "cutlass"])
     assert Recipe.from_config(parse_args([*BASE, "--kernel-fp8-block-gemm", "scaled_mm"]).train) is None
+
+
+@pytest.mark.parametrize("n,k", [(384, 512), (512, 384), (256, 1280)])
+def test_scaled_mm_scale_layouts(n, k):
+    """What cuBLAS's blockwise GEMM reads (torch's scaled_mm checks): a's tile scales column-major; block scales
+    with their K blocks padded to a multiple of 4, then transposed; the values are the inverse scales, the
+    padding past them never read as a block's scale."""
+    from paratron.kernels.fp8_block import block_scales, scaled_mm_scales, tile_scales
+    m = 256
+    sa, sb = tile_scales(torch.randn(m, k)), block_scales(torch.randn(n, k))
+    scale_a, scale_b = scaled_mm_scales(sa, sb, True)
+    kb, k4 = k // 128, -(-(k // 128) // 4) * 4
+    assert scale_a.shape == (m, kb) and scale_a.stride() == (1, m)
+    assert torch.equal(scale_a, sa.reciprocal())
+    assert scale_b.shape == (k4, n // 128) and scale_b.stride() == (1, k4)
+    assert torch.equal(scale_b[:kb], sb.reciprocal().t())
+    st = tile_scales(torch.randn(n, k))
+    _, scale_t = scaled_mm_scales(sa, st, False)
+    assert scale_t.shape == (n, kb) and scale_t.stride() == (1, n) and torch.equal(scale_t, st.reciprocal())

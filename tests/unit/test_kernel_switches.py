@@ -2,6 +2,7 @@
 errors: tests/unit/test_config.py), ``auto`` resolved to what runs on the device, the start-up lines, and the checkpoint's saved config."""
 import json
 
+import pytest
 import torch
 
 from paratron.config import KernelConfig, build_parser, parse_args
@@ -48,3 +49,34 @@ def test_start_up_lines_and_the_checkpoint_config_say_what_ran(tmp_path, capsys)
     assert saved["kernel_rmsnorm"] == "torch"
     assert t.cfg.kernels.unfrozen().kernel_cublaslt == "auto"  # the value as asked is kept
     json.dumps(saved)  # plain values
+
+
+@pytest.mark.parametrize("version,capability,tilelang,refused", [
+    ("3.6.0", (9, 0), False, True), ("3.4.0", (9, 0), False, True), ("3.7.1", (9, 0), False, False),
+    ("3.3.1", (9, 0), False, False), ("3.6.0", (8, 0), False, False), ("3.6.0", (9, 0), True, False)])
+def test_fla_refusal_follows_fla_cores_own_check(monkeypatch, version, capability, tilelang, refused):
+    """fla-core 0.6 refuses its gated backward on Hopper with Triton in [3.4.0, 3.7.1) unless tilelang is
+    installed; the switch knows it before a run starts (auto takes torch, an explicit fla is refused)."""
+    import importlib.util
+    import sys
+    import types
+
+    from paratron.config.kernels import KernelConfig
+    from paratron.errors import ConfigError
+    from paratron.kernels import linear_scan, switches
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name in ("triton", "fla") or (name == "tilelang" and tilelang)
+                        else None if name == "tilelang" else real(name, *a))
+    reason = linear_scan.fla_refusal()
+    assert (reason is not None) == refused
+    if refused:
+        assert version in reason and "--kernel-linear-scan torch" in reason
+        with pytest.raises(ConfigError, match="--kernel-linear-scan fla"):
+            switches.resolve(KernelConfig(kernel_linear_scan="fla"), "cuda", torch.bfloat16)
+        assert switches._linear_scan("cuda")[0] == "torch"
+    else:
+        assert switches._linear_scan("cuda")[0] == "fla"
