@@ -11,7 +11,8 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800
 
 
 def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int) -> float:
-    """FLOPs of forward + backward of one iteration (megatron_facts §5, causal attention as half); MoE
+    """FLOPs of forward + backward of one iteration (megatron_facts §5, causal attention as half; BERT's
+    bidirectional attention whole, with its LM head's dense layer; the binary head's h x h not counted); MoE
     layers count the top-k experts' and the shared expert's MLPs (Megatron's MoE formula, no router).
     Latent MoE (--moe-latent-size): the experts in the latent width plus the two projections (Megatron's).
     Multi-token prediction (as Megatron's): N more layers of the last layer's kind, each depth's norms
@@ -32,11 +33,13 @@ def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int)
         active = routed + (m.moe_shared_expert_intermediate_size or 0)
         mlp_width = f * (L + n_mtp - moe_layers) + active * moe_layers
         latent_proj = 12 * h * m.moe_latent_size * moe_layers if m.moe_latent_size else 0  # down + up, fwd + bwd
-    attention, core = 6 * (h * (q + 2 * kv + gate) + q * h), 6 * q
+    bert = m.model == "bert"  # bidirectional: the whole score matrix, and the LM head's dense h -> h
+    attention, core = 6 * (h * (q + 2 * kv + gate) + q * h), 6 * q * (2 if bert else 1)
     if m.multi_latent_attention:
         attention, core = mla_attention_terms(m)
     L += n_mtp
     per_token = 6 * h * mlp_width * e + latent_proj + attention * L + 6 * n_mtp * (3 * h + 2 * h * h) + 6 * h * V * (n_mtp + 1)
+    per_token += 6 * h * h if bert else 0
     return float(tokens * per_token + batch * seq * seq * core * L)
 
 

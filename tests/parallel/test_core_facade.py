@@ -256,3 +256,50 @@ def test_facade_optimizer_tp2_matches_one_process(tmp_path):
     for g in got:
         assert g["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert g["norm"] == pytest.approx(ref["norm"], rel=1e-4)
+
+
+def _facade_sharded_run(rank: int, world: int, strategy: str) -> list:
+    """Four steps of the facade at DP = world with Megatron-FSDP's sharding strategy (every rank the same
+    micro-batches, so the averaged gradient is one process's)."""
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(123)
+    module = GPTModel(config=config(), vocab_size=VOCAB, max_sequence_length=SEQ)
+    fsdp = strategy != "no_shard"
+    ddp = DistributedDataParallelConfig(use_megatron_fsdp=fsdp, data_parallel_sharding_strategy=strategy,
+                                        use_distributed_optimizer=fsdp)
+    model = DistributedDataParallel(config=module.config, ddp_config=ddp, module=module)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=fsdp), [model])
+    schedule, data, losses = get_forward_backward_func(), batches(2), []
+    for _ in range(4):
+        optimizer.zero_grad()
+        reports = schedule(forward_step_func=forward_step, data_iterator=iter(data), model=model, num_microbatches=2,
+                           seq_length=SEQ, micro_batch_size=2)
+        finalize_model_grads([model])
+        optimizer.step()
+        losses.append(sum(float(r["lm loss"]) for r in reports))
+    parallel_state.destroy_model_parallel()
+    return [model.sharding, losses]
+
+
+@pytest.mark.parametrize("strategy,level", [("optim", 1), ("optim_grads", 2), ("optim_grads_params", 3)])
+def test_facade_megatron_fsdp_strategies_match_one_process(tmp_path, strategy, level):
+    """DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=...): ZeRO-1/2/3
+    on paratron's buffers through the facade, DP 2 on gloo, the one-process losses."""
+    from tests.dist import run_ranks
+    ref = _facade_sharded_run(0, 1, "no_shard")[1]
+    for got_level, losses in run_ranks(2, _facade_sharded_run, strategy, tmp_dir=tmp_path):
+        assert got_level == level and losses == pytest.approx(ref, rel=1e-5)
+
+
+def test_facade_sharding_strategy_needs_fsdp_and_the_distributed_optimizer(state):
+    with pytest.raises(ConfigError, match="use_megatron_fsdp=True"):
+        DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads")
+    with pytest.raises(ConfigError, match="one of no_shard"):
+        DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="zero3")
+    module = GPTModel(config=config(), vocab_size=VOCAB, max_sequence_length=SEQ)
+    ddp = DistributedDataParallelConfig(use_custom_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")
+    model = DistributedDataParallel(config=module.config, ddp_config=ddp, module=module)
+    assert model.sharding == 3
+    with pytest.raises(ConfigError, match="use_distributed_optimizer=True"):
+        get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])

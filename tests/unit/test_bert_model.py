@@ -80,3 +80,25 @@ def test_logits_equal_transformers_both_ways(masked_lm, layernorm_1p):
 def test_post_layernorm_bert_is_refused_by_name():
     with pytest.raises(ConversionError, match="post-LayerNorm"):
         bert_config_from_hf({"model_type": "bert", "hidden_size": 32})
+
+
+def test_bert_flops_count_the_whole_attention_and_the_lm_head():
+    """The log line's TFLOP/s and MFU for BERT: bidirectional attention is the whole score matrix (GPT's
+    formula counts causal attention as half) and the LM head's dense layer adds 6 h^2 per token; the same count
+    as the GPU benchmark's (benchmarks/train_throughput.py --bert)."""
+    import sys
+    from pathlib import Path
+    from paratron.config import ModelConfig
+    from paratron.plan.flops import flops_per_iteration
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from train_throughput import BERT_340M, bert_flops_per_token
+    m = BERT_340M
+    base = dict(num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
+                seq_length=m["seq"], max_position_embeddings=m["seq"])
+    bert = ModelConfig(model="bert", **base).resolved()
+    gpt = ModelConfig(**base).resolved()
+    per_token = flops_per_iteration(bert, m["vocab"], 2, m["seq"]) / (2 * m["seq"])
+    assert per_token == pytest.approx(bert_flops_per_token(m), rel=1e-12)
+    h, s, L = m["hidden"], m["seq"], m["layers"]
+    gap = flops_per_iteration(bert, m["vocab"], 1, s) - flops_per_iteration(gpt, m["vocab"], 1, s)
+    assert gap == pytest.approx(s * 6 * h * h + s * s * 6 * h * L, rel=1e-12)

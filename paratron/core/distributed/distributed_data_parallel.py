@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ...config import ConfigError
+from ...config.values import SHARDING_STRATEGIES
 from ...parallel.data import DataParallel
 from ..parallel_state import current_dims
 
@@ -34,7 +35,8 @@ class DistributedDataParallelConfig:
     pad_buckets_for_high_nccl_busbw: bool = False
     average_in_collective: bool = False
     fp8_param_gather: bool = False
-    use_custom_fsdp: bool = False
+    use_megatron_fsdp: bool = False  # with data_parallel_sharding_strategy: ZeRO-1/2/3 on paratron's buffers
+    use_custom_fsdp: bool = False  # Megatron Core's earlier name of use_megatron_fsdp
     data_parallel_sharding_strategy: str = "no_shard"
     gradient_reduce_div_fusion: bool = True
     suggested_communication_unit_size: Optional[int] = None
@@ -44,12 +46,32 @@ class DistributedDataParallelConfig:
     fsdp_double_buffer: bool = False
 
     def __post_init__(self):
-        for name in ("fp8_param_gather", "use_custom_fsdp", "nccl_ub", "fsdp_double_buffer"):
+        for name in ("fp8_param_gather", "nccl_ub", "fsdp_double_buffer"):
             if getattr(self, name):
                 raise ConfigError(f"DistributedDataParallelConfig({name}=True) is not supported by paratron.core")
+        if self.data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
+            raise ConfigError(f"DistributedDataParallelConfig(data_parallel_sharding_strategy="
+                              f"{self.data_parallel_sharding_strategy!r}): one of {', '.join(SHARDING_STRATEGIES)}")
+        if self.data_parallel_sharding_strategy != "no_shard" and not self.fsdp:
+            raise ConfigError("DistributedDataParallelConfig(data_parallel_sharding_strategy="
+                              f"{self.data_parallel_sharding_strategy!r}) takes effect with use_megatron_fsdp=True, "
+                              "as in Megatron Core: set it, or use_distributed_optimizer=True alone for ZeRO-1")
         if self.num_distributed_optimizer_instances != 1:
             raise ConfigError("DistributedDataParallelConfig(num_distributed_optimizer_instances > 1) is not "
                               "supported by paratron.core")
+
+
+    @property
+    def fsdp(self) -> bool:
+        return self.use_megatron_fsdp or self.use_custom_fsdp
+
+    @property
+    def sharding(self) -> int:
+        """What is sharded over data parallelism (config/values.sharding_level): the strategy's ZeRO stage under
+        Megatron-FSDP, else 1 with the distributed optimizer (ZeRO-1), else 0."""
+        if self.fsdp:
+            return SHARDING_STRATEGIES.index(self.data_parallel_sharding_strategy)
+        return int(self.use_distributed_optimizer)
 
 
 class DistributedDataParallel(DataParallel):
@@ -63,12 +85,15 @@ class DistributedDataParallel(DataParallel):
                          bucket_size=None if disable_bucketing else ddp_config.bucket_size,
                          overlap_grad_reduce=ddp_config.overlap_grad_reduce,
                          use_distributed_optimizer=ddp_config.use_distributed_optimizer,
-                         overlap_param_gather=ddp_config.overlap_param_gather)
+                         overlap_param_gather=ddp_config.overlap_param_gather, sharding=ddp_config.sharding)
         self.config, self.ddp_config = config, ddp_config
         self.grads_published = False  # finalize_model_grads set .grad; the next forward starts a step
 
     def publish_grads(self) -> None:
-        """Each parameter's ``.grad`` = its reduced gradient (for torch optimizers), until the next step."""
+        """Each parameter's ``.grad`` = its reduced gradient (for torch optimizers), until the next step. Not
+        under ZeRO-2/3 (sharded gradients: each rank holds only its shard; get_megatron_optimizer steps them)."""
+        if self.sharding >= 2:
+            return
         for p in self.params:
             p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
         self.grads_published = True

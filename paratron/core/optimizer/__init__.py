@@ -105,6 +105,11 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list, no_weigh
     if not all(hasattr(c, "grad_buffers") for c in chunks):
         raise ConfigError("get_megatron_optimizer needs the model chunks wrapped in "
                           "paratron.core.distributed.DistributedDataParallel")
+    sharded = max(c.sharding for c in chunks)
+    if sharded and not config.use_distributed_optimizer:
+        raise ConfigError("the model chunks shard the optimizer state over data parallelism (DistributedDataParallel"
+                          "Config's sharding strategy or distributed optimizer): OptimizerConfig(use_distributed_"
+                          "optimizer=True)")
     cfg = config.paratron(unwrap(chunks[0]).config)
     return MegatronOptimizer(build_optimizer(chunks, cfg, current_dims()), chunks)
 
