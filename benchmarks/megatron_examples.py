@@ -8,8 +8,9 @@ heads, experts, sequence, batch, iterations), the parallel degrees (all 1), the 
 GPT-2 vocab/merges files are replaced by a tiny generated pair, other tokenizer files by a NullTokenizer; a
 BERT script gets a small generated sentence-level dataset and its WordPiece vocab.txt, made by
 ``paratron preprocess --split-sentences``) and the paths (a temporary directory). Each scaled command line runs
-``pretrain_gpt.py --device cpu`` (``pretrain_bert.py`` for examples/bert; the hybrid script
-``pretrain_hybrid.py``, with its pattern scaled to 5 layers and Mamba-2 sizes that fit the width);
+``pretrain_gpt.py --device cpu`` (``pretrain_bert.py`` for examples/bert, ``pretrain_t5.py`` for examples/t5, on the
+generated sentence data; the hybrid script ``pretrain_hybrid.py``, with its pattern scaled to 5 layers and Mamba-2
+sizes that fit the width);
 the table says whether it ran to the end or stopped with a one-line refusal, and which.
 """
 from __future__ import annotations
@@ -34,8 +35,11 @@ EXAMPLES = ("examples/gpt3/train_gpt3_175b_distributed.sh", "examples/bert/train
             "examples/gptoss/02_train.sh", "examples/post_training/modelopt/conf/Qwen/Qwen3-8B.sh",
             "examples/post_training/modelopt/conf/meta-llama/Llama-3.1-8B-Instruct.sh",
             "examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-V2-Lite.sh",
-            "examples/post_training/modelopt/conf/Qwen/Qwen3-30B-A3B.sh", "examples/mamba/train.sh")
-ENTRY = {"examples/mamba/train.sh": "pretrain_hybrid.py"}  # the script's entry point (default pretrain_gpt.py)
+            "examples/post_training/modelopt/conf/Qwen/Qwen3-30B-A3B.sh", "examples/mamba/train.sh",
+            "examples/t5/train_t5_220m_distributed.sh")
+# each script's entry point (default pretrain_gpt.py)
+ENTRY = {"examples/mamba/train.sh": "pretrain_hybrid.py", "examples/bert/train_bert_340m_distributed.sh": "pretrain_bert.py",
+         "examples/t5/train_t5_220m_distributed.sh": "pretrain_t5.py"}
 # a hybrid script's scaled pattern, and Mamba-2 sizes that fit the scaled width (Megatron's defaults need >= 512)
 HYBRID_SIZES = ["--mamba-state-dim", "16", "--mamba-head-dim", "16", "--mamba-num-groups", "2"]
 CONFIGS_PER_DIR = 6  # functional-test configs taken from each directory (spread over its sorted list)
@@ -54,7 +58,8 @@ SIZES = {"num_layers": "2", "hidden_size": "64", "ffn_hidden_size": "128", "num_
          "train_samples": None, "lr_decay_samples": None, "lr_warmup_samples": None, "lr_warmup_fraction": None,
          "rampup_batch_size": None, "exit_interval": None, "exit_duration_in_mins": None, "moe_router_topk": "2",
          "moe_router_num_groups": "2", "moe_router_group_topk": "1",  # 4 experts in 2 groups, top-2 within 1
-         "hybrid_layer_pattern": "M-M*-"}
+         "hybrid_layer_pattern": "M-M*-", "encoder_num_layers": "2", "decoder_num_layers": "1",
+         "encoder_seq_length": "64", "decoder_seq_length": "32"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
             "expert_model_parallel_size", "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size")
 DATA = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "mock_data", "data_cache_path",
@@ -110,7 +115,8 @@ def extract(megatron: Path) -> dict[str, list[list[str]]]:
 
 
 def is_bert(rel: str) -> bool:
-    return "/bert/" in rel
+    """BERT and T5 scripts read sentence-level data and a WordPiece vocab.txt."""
+    return "/bert/" in rel or "/t5/" in rel
 
 
 def tiny_bert(tmp: Path) -> tuple[str, str]:
@@ -192,7 +198,7 @@ def run_one(rel: str, flags: list[list[str]]) -> dict:
         argv, notes = scale(flags, tmp, tiny_gpt2(tmp), tiny_bert(tmp) if is_bert(rel) else None)
         t0 = time.time()
         env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-        script = "pretrain_bert.py" if is_bert(rel) else ENTRY.get(rel, "pretrain_gpt.py")
+        script = ENTRY.get(rel, "pretrain_gpt.py")
         r = subprocess.run([sys.executable, script, *argv], cwd=ROOT, capture_output=True, text=True,
                            timeout=600, env=env)
     done = re.search(rf"iteration\s+{ITERS}/\s*{ITERS} \|", r.stdout) is not None

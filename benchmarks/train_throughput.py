@@ -22,6 +22,7 @@ variant's peak memory and step time beside what ``paratron plan``'s models predi
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -304,7 +305,7 @@ def bert_measure(step, warmup: int, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def run_bert_paratron(m: dict, mbs: int, warmup: int, steps: int, tiny: bool) -> float:
+def run_bert_paratron(m: dict, mbs: int, warmup: int, steps: int, tiny: bool, extra: tuple = ()) -> float:
     from paratron.config import parse_args
     from paratron.train.loop import Trainer
     flags = ["--model", "bert", "--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
@@ -313,7 +314,7 @@ def run_bert_paratron(m: dict, mbs: int, warmup: int, steps: int, tiny: bool) ->
              str(warmup + steps + 1), "--lr", "1e-4", "--data-path", "unused", "--tokenizer-type", "NullTokenizer",
              "--vocab-size", str(m["vocab"]), "--eval-iters", "0", "--log-interval", "1000000"]
     flags += [] if tiny else ["--bf16", "--torch-compile"]
-    cfg = parse_args(flags)
+    cfg = parse_args(flags + list(extra))
     data = iter(bert_batches(m, mbs, warmup + steps))
     trainer = Trainer(cfg, data=(data, None))
     dt = bert_measure(trainer.train_step, warmup, steps)
@@ -352,7 +353,10 @@ def bert_main(args) -> int:
     mbs = args.micro_batch_size
     tokens, fpt = mbs * m["seq"], bert_flops_per_token(m)
     rows = ["| system | step ms | tokens/s | TFLOP/s | MFU % | peak GB |", "|---|---|---|---|---|---|"]
-    systems = [("paratron", run_bert_paratron)] + ([("transformers + torch.compile", run_bert_hf)] if args.hf else [])
+    variants = [v.split(":", 1) if ":" in v else (v, "") for v in args.variant]  # paratron's runs, flags added
+    systems = [(f"paratron {name}", functools.partial(run_bert_paratron, extra=tuple(flags.split())))
+               for name, flags in variants] or [("paratron", run_bert_paratron)]
+    systems += [("transformers + torch.compile", run_bert_hf)] if args.hf else []
     for name, fn in systems:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -366,7 +370,8 @@ def bert_main(args) -> int:
     hardware = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     write_record(args.record_dir, "train_throughput_bert" + ("_tiny" if args.tiny else "_340m"),
                  "BERT training throughput: paratron beside transformers + torch.compile", hardware,
-                 {"model": str(m), "micro batch": str(mbs), "FLOPs per token": "6 x (12 L h^2 + h^2 + h V) + 12 L s h "
+                 {"model": str(m), "micro batch": str(mbs), "variants": "; ".join(args.variant) or "none",
+                  "FLOPs per token": "6 x (12 L h^2 + h^2 + h V) + 12 L s h "
                   "(bidirectional attention), the same for both"}, "\n".join(rows))
     return 0
 
@@ -394,7 +399,8 @@ def main() -> int:
     p.add_argument("--t5", action="store_true", help="T5-220M beside HF T5 + torch.compile instead (t5_main; "
                    "--micro-batch-size, --tiny as --bert's)")
     p.add_argument("--t5-eager", action="store_true", help="--t5 without torch.compile on either side")
-    p.add_argument("--bert", action="store_true", help="BERT-340M (--hf: beside transformers' BertForPreTraining)")
+    p.add_argument("--bert", action="store_true", help="BERT-340M (--hf: beside transformers' BertForPreTraining; "
+                   "--variant NAME:FLAGS: paratron runs with those flags added, one after another)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="--bert / --t5: the micro-batch")
     p.add_argument("--tiny", action="store_true", help="--bert / --t5: a CPU check (2 layers, hidden 64)")
     args = p.parse_args()
