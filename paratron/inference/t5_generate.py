@@ -9,6 +9,7 @@ its end token (``eos``) is finished and continues with the padding id, as Huggin
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -51,6 +52,10 @@ def generate_t5(model, input_ids: torch.Tensor, attention_mask: Optional[torch.T
 
 def generate_main(args, params: SamplingParams) -> int:
     """``paratron generate`` of a T5 checkpoint or Hugging Face T5 directory (one process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun: the launch, not a switch
+    if world > 1:
+        raise ConfigError(f"T5 generation runs in one process, not {world}: run `paratron generate` without torchrun "
+                          "(or with --nproc-per-node 1)")
     from .cli import _print, read_prompts
     from .load import load_for_inference
     loaded = load_for_inference(args.load, None, args.device or "cpu", args.dtype, args.iteration)

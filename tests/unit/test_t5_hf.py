@@ -125,3 +125,17 @@ def test_convert_round_trip_through_a_paratron_checkpoint(tmp_path):
         want = hf(input_ids=enc, attention_mask=pad.long(), decoder_input_ids=dec).logits
         got = back(input_ids=enc, attention_mask=pad.long(), decoder_input_ids=dec).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_t5_generation_under_several_ranks_is_one_line(monkeypatch, tmp_path):
+    """T5 generation is one process: under torchrun with two ranks it stops with one line before loading
+    anything (each rank would otherwise generate and print the same answers)."""
+    import types
+
+    from paratron.errors import ConfigError
+    from paratron.inference.sampling import SamplingParams
+    from paratron.inference.t5_generate import generate_main
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = types.SimpleNamespace(load=str(tmp_path / "missing"), device="cpu", dtype=None, iteration=None)
+    with pytest.raises(ConfigError, match="one process, not 2"):
+        generate_main(args, SamplingParams(max_new_tokens=2))
