@@ -177,17 +177,24 @@ def test_schedule_takes_megatrons_two_value_loss_func(state):
         torch.testing.assert_close(got[n], p.grad, msg=n)
 
 
+def steps(model, optimizer, micro_batches: int, n: int = 4):
+    """``n`` training steps of Megatron's loop on the facade: (the schedule's loss reports, optimizer.step()'s
+    triple) per step."""
+    schedule, data = get_forward_backward_func(), batches(micro_batches)
+    for _ in range(n):
+        optimizer.zero_grad()
+        reports = schedule(forward_step_func=forward_step, data_iterator=iter(data), model=model,
+                           num_microbatches=micro_batches, seq_length=SEQ, micro_batch_size=2)
+        finalize_model_grads([model])
+        yield reports, optimizer.step()
+
+
 def test_get_megatron_optimizer_steps_a_hand_built_model(state):
     module = GPTModel(config=config(), vocab_size=VOCAB, max_sequence_length=SEQ)
     model = DistributedDataParallel(config=module.config, ddp_config=DistributedDataParallelConfig(), module=module)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, clip_grad=1.0), [model])
-    schedule, data, losses = get_forward_backward_func(), batches(1), []
-    for _ in range(4):
-        optimizer.zero_grad()
-        reports = schedule(forward_step_func=forward_step, data_iterator=iter(data), model=model, num_microbatches=1,
-                           seq_length=SEQ, micro_batch_size=2)
-        finalize_model_grads([model])
-        applied, norm, zeros = optimizer.step()
+    losses = []
+    for reports, (applied, norm, zeros) in steps(model, optimizer, 1):
         assert applied and norm > 0 and zeros is None
         losses.append(float(reports[0]["lm loss"]))
     assert losses[-1] < losses[0] and optimizer.param_groups[0]["lr"] == 1e-2
@@ -235,13 +242,9 @@ def _facade_optimizer_run(rank: int, world: int) -> dict:
     module = GPTModel(config=config(), vocab_size=VOCAB, max_sequence_length=SEQ)
     model = DistributedDataParallel(config=module.config, ddp_config=DistributedDataParallelConfig(), module=module)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
-    schedule, data, out["losses"] = get_forward_backward_func(), batches(2), []
-    for _ in range(4):
-        optimizer.zero_grad()
-        reports = schedule(forward_step_func=forward_step, data_iterator=iter(data), model=model, num_microbatches=2,
-                           seq_length=SEQ, micro_batch_size=2)
-        finalize_model_grads([model])
-        out["norm"] = optimizer.step()[1]
+    out["losses"] = []
+    for reports, result in steps(model, optimizer, 2):
+        out["norm"] = result[1]
         out["losses"].append(sum(float(r["lm loss"]) for r in reports))
     parallel_state.destroy_model_parallel()
     return out
@@ -270,14 +273,7 @@ def _facade_sharded_run(rank: int, world: int, strategy: str) -> list:
                                         use_distributed_optimizer=fsdp)
     model = DistributedDataParallel(config=module.config, ddp_config=ddp, module=module)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_distributed_optimizer=fsdp), [model])
-    schedule, data, losses = get_forward_backward_func(), batches(2), []
-    for _ in range(4):
-        optimizer.zero_grad()
-        reports = schedule(forward_step_func=forward_step, data_iterator=iter(data), model=model, num_microbatches=2,
-                           seq_length=SEQ, micro_batch_size=2)
-        finalize_model_grads([model])
-        optimizer.step()
-        losses.append(sum(float(r["lm loss"]) for r in reports))
+    losses = [sum(float(r["lm loss"]) for r in reports) for reports, _ in steps(model, optimizer, 2)]
     parallel_state.destroy_model_parallel()
     return [model.sharding, losses]
 
