@@ -1,1 +1,1 @@
-"""Megatron Core's ``models``: the GPT family (``models.gpt``)."""
+"""Megatron Core's ``models``: the GPT family (``models.gpt``) and BERT (``models.bert``)."""
