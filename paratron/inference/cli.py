@@ -216,10 +216,9 @@ def serve_main(argv: list[str]) -> int:
             if getattr(args, name) and args.num_speculative_tokens:
                 raise ConfigError(f"--num-speculative-tokens runs on the fixed-batch engine; serve without "
                                   f"--{name.replace('_', '-')}")
-        for name in ("continuous_batching", "inference_dynamic_batching"):
-            if getattr(args, name) and model.group.dims.tp > 1:
-                raise ConfigError(f"--{name.replace('_', '-')} runs on one process; serve without it under tensor "
-                                  "parallelism")
+        if args.continuous_batching and model.group.dims.tp > 1:
+            raise ConfigError("--continuous-batching runs on one process; under tensor parallelism serve with "
+                              "--inference-dynamic-batching (the paged engine) or the fixed-batch engine")
         print("\n".join(inference.startup_lines(limits)), flush=True)
         serve(model, args.host, args.port, args.max_batch_size, args.batch_wait_ms / 1000.0,
               args.model_name or model.name, args.continuous_batching, limits)

@@ -8,8 +8,11 @@ the block tables (paged_cache.py, kernels/paged_attention.py). The logits of eac
 give its next token (its own sampling parameters and generator; stop conditions as the fixed-batch engine's).
 A step of decodes only is replayed from a CUDA graph of its batch-size bucket on GPUs (paged_graphs.py).
 
-Greedy and seeded results equal each request generated alone (tests/unit/test_paged_engine.py). One process
-(tensor parallelism: the fixed-batch engine).
+Greedy and seeded results equal each request generated alone (tests/unit/test_paged_engine.py). Under tensor
+parallelism every rank holds its share of the KV heads and runs the same scheduler: the engine is built through
+``runtime.Group.paged``, the pool's block count is the smallest any rank can hold, rank 0 sends the requests it
+added with each step (the followers add them in the same order and step too: ``Group.follow``), and each step's
+tokens are rank 0's (tests/parallel/test_paged_tp.py).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import itertools
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from .blocks import BlockAllocator
 from .engine import Engine, Request, Result
@@ -44,10 +48,10 @@ class PagedEngine:
     """Continuous batching over a paged KV cache for ``engine``'s model (an :class:`Engine` at TP 1), as
     ``cfg`` (config/inference.py's InferenceConfig) says."""
 
-    def __init__(self, engine: Engine, cfg):
-        if engine.model.par.tp_size > 1:
-            raise ValueError("the paged engine runs on one process; serve with the fixed-batch engine under "
-                             "tensor parallelism")
+    def __init__(self, engine: Engine, cfg, group=None):
+        """``group``: the tensor-parallel ranks' runtime.Group (built by ``Group.paged`` under TP > 1)."""
+        if engine.model.par.tp_size > 1 and group is None:
+            raise ValueError("under tensor parallelism the paged engine is built on every rank by runtime.Group.paged")
         if engine.model.config.multi_latent_attention:
             raise ValueError("the paged KV cache holds paratron's fused-QKV attention only (no multi-latent "
                              "attention cache)")
@@ -55,7 +59,9 @@ class PagedEngine:
         self.device = engine.device
         dtype = next(engine.model.parameters()).dtype
         self.block_size = cfg.inference_dynamic_batching_block_size
-        self.num_blocks = pool_blocks(engine, cfg, dtype)
+        self.group = group if engine.model.par.tp_size > 1 else None
+        self.pending: list[Request] = []  # rank 0 under TP: the requests added since the last step
+        self.num_blocks = self._agreed(pool_blocks(engine, cfg, dtype))
         self.cache = PagedKVCache(engine.model, self.num_blocks, self.block_size, self.device, dtype)
         self.block_bytes = PagedKVCache.block_bytes(engine.model, self.block_size, dtype)
         self.blocks = BlockAllocator(self.num_blocks, self.block_size, cfg.inference_dynamic_batching_prefix_caching,
@@ -69,6 +75,19 @@ class PagedEngine:
         if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0:
             from .paged_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, cfg.inference_dynamic_batching_num_cuda_graphs)
+
+    def _agreed(self, blocks: int) -> int:
+        """The pool's block count every TP rank can hold (their free memory differs): the same scheduling."""
+        if self.group is None:
+            return blocks
+        t = torch.tensor([blocks], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.e.tp_group)
+        return int(t.item())
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0 of a TP group (it sends each step's new requests), or the one process."""
+        return self.group is None or self.group.leader
 
     # ---- requests ---------------------------------------------------------------------------
     def check(self, req: Request) -> Optional[str]:
@@ -90,6 +109,8 @@ class PagedEngine:
     def add(self, req: Request, owner=None) -> Seq:
         """Queue ``req`` (checked by the caller); ``owner``: whatever the caller wants back with it."""
         p = req.params
+        if self.group is not None and self.group.leader:
+            self.pending.append(req)
         seq = Seq(next(self.ids), req, min(p.max_new_tokens, self.e.context - len(req.prompt)),
                   tokens=list(req.prompt), generator=row_generator(p, self.device), owner=owner)
         if seq.new_max <= 0 and not p.logprobs:
@@ -104,6 +125,9 @@ class PagedEngine:
 
     def abort(self) -> None:
         """Drop every waiting and running request (after a failed step), releasing their blocks."""
+        if self.group is not None and self.group.leader:
+            self.pending = []
+            self.group.send(("abort", None))
         for seq in list(self.sched.running):
             self.sched.finish(seq)
         self.sched.waiting.clear()
@@ -124,6 +148,9 @@ class PagedEngine:
     def step(self, on_token: Optional[Callable] = None) -> list[Seq]:
         """Schedule and run one step; the requests that finished in it. ``on_token(seq, token)``: each token
         generated (None: the request ended without a new token)."""
+        if self.group is not None and self.group.leader:
+            self.group.send(("step", self.pending))  # the followers add these and step with rank 0
+            self.pending = []
         plan = self.sched.schedule()
         if not plan:
             if not self.idle:  # (the checks of ``check`` keep every request schedulable: a bug if not)
@@ -197,6 +224,8 @@ class PagedEngine:
             sampler = Sampler([s.params for s in ready], self.device,
                               {i: s.generator for i, s in enumerate(ready) if s.generator is not None})
             tok = sampler(last).tolist()
+        if self.group is not None:  # every rank keeps rank 0's tokens
+            tok = self.e._broadcast(torch.tensor(tok, device=self.device)).tolist()
         full = lp = top = None
         if any(s.params.logprobs for s in ready):
             full = torch.log_softmax(last.float(), dim=-1)

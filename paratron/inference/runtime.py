@@ -3,7 +3,8 @@
 Every rank of ``torchrun --nproc-per-node N paratron generate|serve ...`` holds a TP shard of the model
 (TP = N). Rank 0 reads the prompts (or serves HTTP); before each batch it broadcasts the requests to
 the other ranks over a gloo group (CPU objects; its long timeout lets a server sit idle), then all
-ranks run the same ``Engine.generate``. The others loop in :func:`follow` until rank 0 says stop.
+ranks run the same ``Engine.generate``; with the paged engine (``paged``), rank 0 sends each step's new
+requests and all ranks step together. The others loop in :func:`follow` until rank 0 says stop.
 """
 from __future__ import annotations
 
@@ -48,32 +49,54 @@ class Group:
     def leader(self) -> bool:
         return self.dims.rank == 0
 
-    def _send(self, message) -> None:
+    def send(self, message) -> None:
+        """Rank 0: ``message`` (kind, payload) to the followers (nothing on one process)."""
         if self.control is not None:
             dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def paged(self, cfg):
+        """Rank 0: the paged engine (``cfg``: the InferenceConfig), built on every rank of the group."""
+        from .paged import PagedEngine
+        self.send(("paged", cfg))
+        return PagedEngine(self.engine, cfg, self)
 
     def generate(self, requests: list[Request], on_step: Optional[Callable] = None):
         for r in requests:  # refused here, before the followers see it
             problem = self.engine.check(r)
             if problem:
                 raise ValueError(problem)
-        self._send(("generate", requests))
+        self.send(("generate", requests))
         return self.engine.generate(requests, on_step)
 
     def follow(self) -> None:
-        """Ranks > 0: run every batch rank 0 sends until it sends stop."""
+        """Ranks > 0: run every batch rank 0 sends until it sends stop; with the paged engine, every step with
+        the requests rank 0 added before it."""
+        paged = None
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0, group=self.control)
             kind, payload = box[0]
             if kind == "stop":
                 return
-            self.engine.generate(payload)
+            if kind == "generate":
+                self.engine.generate(payload)
+            elif kind == "paged":
+                from .paged import PagedEngine
+                paged = PagedEngine(self.engine, payload, self)
+            elif kind == "step":
+                for request in payload:
+                    paged.add(request)
+                try:
+                    paged.step()
+                except Exception:  # noqa: BLE001 - as rank 0's step fails too; its "abort" follows
+                    paged.abort()
+            elif kind == "abort":
+                paged.abort()
 
     def close(self) -> None:
         if not self.leader:
             return
         try:
-            self._send(("stop", None))
+            self.send(("stop", None))
         except RuntimeError:  # the followers are gone already (Ctrl-C reaches every rank under torchrun)
             pass

@@ -1,0 +1,74 @@
+"""`torchrun --nproc-per-node 2 -m paratron serve --inference-dynamic-batching`: the paged engine served at TP = 2
+(gloo) answers concurrent greedy completions with the tokens of the same server at TP = 1."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+from tests.dist import free_port  # noqa: E402
+from tests.tiny_generation import make_tiny_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGED = ["--inference-dynamic-batching", "--inference-dynamic-batching-block-size", "4",
+         "--inference-dynamic-batching-num-blocks", "64", "--inference-dynamic-batching-max-tokens", "16",
+         "--enable-chunked-prefill"]
+PROMPTS = ["hello world", "the quick brown fox jumps", "hello there", "over the lazy dog and the quick"]
+
+
+def _serve(ckpt: Path, port: int, nproc: int) -> subprocess.Popen:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    proc = subprocess.Popen(launch + ["-m", "paratron", "serve", "--load", str(ckpt), "--port", str(port), *PAGED],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise AssertionError("the server did not start:\n" + proc.communicate()[0])
+            time.sleep(0.5)
+
+
+def _complete(port: int, prompt: str) -> str:
+    body = json.dumps({"prompt": prompt, "max_tokens": 12, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def _answers(ckpt: Path, nproc: int) -> tuple[list[str], str]:
+    port = free_port()
+    proc = _serve(ckpt, port, nproc)
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: they join the running steps
+            texts = list(pool.map(lambda p: _complete(port, p), PROMPTS))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out = proc.communicate()[0]
+    return texts, out
+
+
+def test_paged_server_tp2_answers_as_tp1(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path)
+    one, _ = _answers(ckpt, 1)
+    two, log = _answers(ckpt, 2)
+    assert "paged engine: 63 blocks of 4 tokens" in log, log
+    assert two == one and all(one), (one, two)

@@ -1,0 +1,53 @@
+"""The paged engine at TP = 2 (gloo) equals TP = 1: mixed-length requests with chunked prefill, a shared prefix
+through the prefix cache, a pool small enough to preempt, greedy, seeded sampling and log-probabilities; rank 0
+leads every step and rank 1 follows (paratron.inference.runtime.Group.paged / follow)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from paratron.config.inference import InferenceConfig  # noqa: E402
+from paratron.inference.engine import Engine, Request  # noqa: E402
+from paratron.inference.load import load_for_inference  # noqa: E402
+from paratron.inference.runtime import Group  # noqa: E402
+from paratron.inference.sampling import SamplingParams  # noqa: E402
+from paratron.parallel.dims import initialize_model_parallel  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
+from tests.tiny_generation import make_tiny_checkpoint  # noqa: E402
+
+SHARED = [7, 8, 9, 10, 11, 12, 13, 14]
+PROMPTS = [SHARED + [20, 21], [5, 6], SHARED + [30], [3, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [11, 12, 13]]
+PARAMS = [SamplingParams(max_new_tokens=9, logprobs=True), SamplingParams(max_new_tokens=12),
+          SamplingParams(max_new_tokens=7, temperature=1.0, seed=5), SamplingParams(max_new_tokens=10),
+          SamplingParams(max_new_tokens=6, logprobs=True, top_k=5, temperature=0.7, seed=1)]
+CFG = InferenceConfig(inference_dynamic_batching=True, inference_dynamic_batching_block_size=4,
+                      inference_dynamic_batching_num_blocks=12, inference_dynamic_batching_max_tokens=8,
+                      enable_chunked_prefill=True, inference_dynamic_batching_prefix_caching=True)
+
+
+def _paged(rank, world, source):
+    dims = initialize_model_parallel(world)
+    loaded = load_for_inference(source, dims)
+    group = Group(Engine(loaded.model, loaded.vocab_size), dims)
+    if rank != 0:
+        group.follow()
+        return None
+    engine = group.paged(CFG)
+    results = engine.generate([Request(p, sp) for p, sp in zip(PROMPTS, PARAMS)])
+    again = engine.generate([Request([1, 2], SamplingParams(max_new_tokens=3))])  # a second round, blocks reused
+    group.close()
+    return [(r.tokens, r.logprobs) for r in results + again], engine.sched.preemptions, engine.sched.prefix_hits
+
+
+def test_paged_engine_tp2_equals_tp1(tmp_path):
+    source = str(make_tiny_checkpoint(tmp_path))  # saved at TP 1, loaded at TP 2
+    one, preempted, hits = _paged(0, 1, source)
+    two = run_ranks(2, _paged, source, tmp_dir=tmp_path)[0]
+    assert preempted > 0 and hits > 0  # the small pool preempted and the shared prefix was reused
+    assert two[1:] == (preempted, hits)
+    for (t1, lp1), (t2, lp2) in zip(one, two[0]):
+        assert t1 == t2
+        if lp1 is not None:
+            assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-4)
