@@ -72,7 +72,8 @@ class PagedEngine:
         self.ids = itertools.count()
         self.steps = 0
         self.graphs = None
-        if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0:
+        # (under TP the graphs would capture the collectives too: not run on several GPUs yet, so not taken)
+        if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0 and self.group is None:
             from .paged_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, cfg.inference_dynamic_batching_num_cuda_graphs)
 
@@ -275,7 +276,8 @@ class PagedEngine:
 
     def startup_line(self) -> str:
         """What the pool and the decode path came to (the server prints it when it starts)."""
-        graphs = f"CUDA graphs for batches {self.graphs.sizes}" if self.graphs is not None else "no CUDA graphs"
+        graphs = f"CUDA graphs for batches {self.graphs.sizes}" if self.graphs is not None else \
+            "no CUDA graphs" + (" (tensor parallel)" if self.group is not None else "")
         attention = "Triton kernel" if self.kernel and self.device.type == "cuda" else "torch reference"
         return (f" paged engine: {self.num_blocks - 1} blocks of {self.block_size} tokens "
                 f"({(self.num_blocks - 1) * self.block_bytes / 2 ** 30:.3f} GB), paged attention: {attention}, {graphs}")
