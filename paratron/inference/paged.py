@@ -45,8 +45,8 @@ def pool_blocks(engine: Engine, cfg, dtype: torch.dtype) -> int:
 
 
 class PagedEngine:
-    """Continuous batching over a paged KV cache for ``engine``'s model (an :class:`Engine` at TP 1), as
-    ``cfg`` (config/inference.py's InferenceConfig) says."""
+    """Continuous batching over a paged KV cache for ``engine``'s model (an :class:`Engine`; under TP its rank's
+    shard), as ``cfg`` (config/inference.py's InferenceConfig) says."""
 
     def __init__(self, engine: Engine, cfg, group=None):
         """``group``: the tensor-parallel ranks' runtime.Group (built by ``Group.paged`` under TP > 1)."""
@@ -84,11 +84,6 @@ class PagedEngine:
         t = torch.tensor([blocks], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.e.tp_group)
         return int(t.item())
-
-    @property
-    def leads(self) -> bool:
-        """Rank 0 of a TP group (it sends each step's new requests), or the one process."""
-        return self.group is None or self.group.leader
 
     # ---- requests ---------------------------------------------------------------------------
     def check(self, req: Request) -> Optional[str]:
