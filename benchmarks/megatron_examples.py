@@ -11,7 +11,8 @@ BERT script gets a small generated sentence-level dataset and its WordPiece voca
 ``pretrain_gpt.py --device cpu`` (``pretrain_bert.py`` for examples/bert, ``pretrain_t5.py`` for examples/t5, on the
 generated sentence data; the hybrid script ``pretrain_hybrid.py``, with its pattern scaled to 5 layers and Mamba-2
 sizes that fit the width);
-the table says whether it ran to the end or stopped with a one-line refusal, and which.
+the table says whether it ran to the end or stopped with a one-line refusal, and which. Scripts that log
+to W&B need the wandb package (``pip install 'paratron[wandb]'``; offline mode), as they would in a real run.
 """
 from __future__ import annotations
 
