@@ -52,9 +52,6 @@ class PagedEngine:
         """``group``: the tensor-parallel ranks' runtime.Group (built by ``Group.paged`` under TP > 1)."""
         if engine.model.par.tp_size > 1 and group is None:
             raise ValueError("under tensor parallelism the paged engine is built on every rank by runtime.Group.paged")
-        if engine.model.config.multi_latent_attention:
-            raise ValueError("the paged KV cache holds paratron's fused-QKV attention only (no multi-latent "
-                             "attention cache)")
         self.e, self.cfg = engine, cfg
         self.device = engine.device
         dtype = next(engine.model.parameters()).dtype
@@ -72,8 +69,10 @@ class PagedEngine:
         self.ids = itertools.count()
         self.steps = 0
         self.graphs = None
-        # (under TP the graphs would capture the collectives too: not run on several GPUs yet, so not taken)
-        if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0 and self.group is None:
+        # (not taken under TP, whose graphs would capture the collectives too, nor for multi-latent attention:
+        # neither has run on a GPU yet)
+        self.graphed = self.group is None and not engine.model.config.multi_latent_attention
+        if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0 and self.graphed:
             from .paged_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, cfg.inference_dynamic_batching_num_cuda_graphs)
 
@@ -272,7 +271,7 @@ class PagedEngine:
     def startup_line(self) -> str:
         """What the pool and the decode path came to (the server prints it when it starts)."""
         graphs = f"CUDA graphs for batches {self.graphs.sizes}" if self.graphs is not None else \
-            "no CUDA graphs" + (" (tensor parallel)" if self.group is not None else "")
+            "no CUDA graphs" + ("" if self.graphed else " (tensor parallel or multi-latent attention: not yet)")
         attention = "Triton kernel" if self.kernel and self.device.type == "cuda" else "torch reference"
         return (f" paged engine: {self.num_blocks - 1} blocks of {self.block_size} tokens "
                 f"({(self.num_blocks - 1) * self.block_bytes / 2 ** 30:.3f} GB), paged attention: {attention}, {graphs}")

@@ -9,8 +9,10 @@ The model-facing interface (what ``SDPAttention.attend`` calls when ``ForwardCon
 The pass's ``n`` tokens are the new tokens of every request of the step, packed into one sequence (batch 1,
 ``positions`` as each token's place in its own request). ``attend`` writes their keys and values at
 ``slots`` (flat pool slots: block * block_size + offset) and returns each token's attention over its own
-request's cached tokens up to itself (kernels/paged_attention.py). Another cache layout (multi-latent
-attention's latent cache) plugs in as another view class with its own ``attend``.
+request's cached tokens up to itself (kernels/paged_attention.py). Multi-latent attention caches one row per
+token instead, its normed latent and rotated shared key ``[c ; k_pe]``, and calls ``attend_latent``: absorbed
+attention is grouped-query attention with one group whose keys are those rows and whose values are their first
+``rank`` entries, so the same kernel serves it (the output's latent part is kept).
 """
 from __future__ import annotations
 
@@ -28,26 +30,39 @@ class PagedKVCache(nn.Module):
 
     def __init__(self, model, num_blocks: int, block_size: int, device=None, dtype=None):
         super().__init__()
-        cfg = model.config
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks, block_size, cfg.num_query_groups // model.par.tp_size, cfg.kv_channels)
+        self.latent = model.config.multi_latent_attention
+        shape = (num_blocks, block_size, *self.row_shape(model))
         dtype = dtype or next(model.parameters()).dtype
         for layer in model.decoder.layers:
             if layer.self_attention is not None:
                 i = layer.self_attention.layer_index
-                self.register_buffer(f"k{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-                self.register_buffer(f"v{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+                for name in ("kv",) if self.latent else ("k", "v"):
+                    self.register_buffer(f"{name}{i}", torch.zeros(shape, device=device, dtype=dtype),
+                                         persistent=False)
+
+    @staticmethod
+    def row_shape(model) -> tuple[int, int]:
+        """What one token keeps per layer: [groups on this TP rank, head dim] of keys (and as much of values), or
+        multi-latent attention's one row [1, rank + rope dim] (the latent is the same on every TP rank)."""
+        cfg = model.config
+        if cfg.multi_latent_attention:
+            return 1, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+        return cfg.num_query_groups // model.par.tp_size, cfg.kv_channels
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.latent:
+            pool = getattr(self, f"kv{index}")
+            return pool, pool
         return getattr(self, f"k{index}"), getattr(self, f"v{index}")
 
     @staticmethod
     def block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one block over every attention layer (keys and values)."""
-        cfg = model.config
+        """Bytes of one block over every attention layer (keys and values, or the latent rows)."""
         layers = sum(1 for layer in model.decoder.layers if layer.self_attention is not None)
-        per = block_size * (cfg.num_query_groups // model.par.tp_size) * cfg.kv_channels
-        return 2 * layers * per * torch.empty((), dtype=dtype).element_size()
+        groups, width = PagedKVCache.row_shape(model)
+        tensors = 1 if model.config.multi_latent_attention else 2
+        return tensors * layers * block_size * groups * width * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
@@ -75,3 +90,11 @@ class PagedView:
         out = paged_attention(grouped, ck, cv, self.tables, self.rows, self.lengths,
                               scale if scale is not None else d ** -0.5, self.kernel)
         return out.reshape(n, heads, d).transpose(0, 1)[None]
+
+    def attend_latent(self, index: int, q: torch.Tensor, row: torch.Tensor, scale: float) -> torch.Tensor:
+        """Multi-latent attention: store ``row`` [n, rank + pe] (the pass's latents and rotated keys) of layer
+        ``index``; ``q`` [n, heads, rank + pe] (queries absorbed into the latent space, and their rotary part)
+        over the cached rows -> the attention-weighted rows [n, heads, rank + pe]."""
+        pool, _ = self.cache.layer(index)
+        pool.view(-1, pool.size(-1)).index_copy_(0, self.slots, row.to(pool.dtype))
+        return paged_attention(q[:, None], pool, pool, self.tables, self.rows, self.lengths, scale, self.kernel)[:, 0]

@@ -146,6 +146,8 @@ class MLASelfAttention(nn.Module):
         q_nope, q_pe = q.view(s, b, self.heads, self.qk + self.pe).split([self.qk, self.pe], dim=-1)
         if ctx.rope is not None:
             q_pe, k_pe = apply_mla_rotary(q_pe, *ctx.rope), apply_mla_rotary(k_pe, *ctx.rope)
+        if getattr(ctx.kv_cache, "paged", False):  # the paged engine: latent rows in its blocks (paged_cache.py)
+            return self.linear_proj(self._paged(ctx.kv_cache, q_nope, q_pe, c, k_pe))
         if ctx.kv_cache is not None:  # inference: cache the latent and the rotary key, attend over the cache
             c, k_pe = ctx.kv_cache.update(self.layer_index, c.permute(1, 0, 2)[:, None], k_pe.permute(1, 2, 0, 3))
             if c.size(2) > s:  # decoding / verifying: attend in the latent space (absorbed projections)
@@ -160,6 +162,16 @@ class MLASelfAttention(nn.Module):
         else:
             out = self._core(q, k, v, ctx)
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v))
+
+    def _paged(self, view, q_nope, q_pe, c, k_pe) -> torch.Tensor:
+        """The absorbed attention of ``_absorbed`` over the paged engine's latent rows: the pass is one packed
+        sequence (batch 1) of every request's new tokens; each attends over its own request's rows (the view's
+        block tables). -> [n, 1, heads * v]."""
+        w = self.linear_kv_up_proj.weight.view(self.heads, self.qk + self.v, self.kv_rank)
+        q = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope[:, 0], w[:, :self.qk]), q_pe[:, 0]], dim=-1)
+        rows = view.attend_latent(self.layer_index, q, torch.cat([c[:, 0], k_pe[:, 0, 0]], dim=-1), self.scale)
+        out = torch.einsum("nhr,hvr->nhv", rows[..., :self.kv_rank], w[:, self.qk:])
+        return out.reshape(out.size(0), 1, self.heads * self.v)
 
     def _absorbed(self, q_nope, q_pe, c, k_pe, mask) -> torch.Tensor:
         """Attention over the cached latents without expanding them to per-head keys and values (DeepSeek's

@@ -1,6 +1,7 @@
 """The paged engine at TP = 2 (gloo) equals TP = 1: mixed-length requests with chunked prefill, a shared prefix
-through the prefix cache, a pool small enough to preempt, greedy, seeded sampling and log-probabilities; rank 0
-leads every step and rank 1 follows (paratron.inference.runtime.Group.paged / follow)."""
+through the prefix cache, a pool small enough to preempt, greedy, seeded sampling and log-probabilities, for a
+Llama and a DeepSeek-V3 (multi-latent attention); rank 0 leads every step and rank 1 follows
+(paratron.inference.runtime.Group.paged / follow)."""
 from __future__ import annotations
 
 import pytest
@@ -41,8 +42,15 @@ def _paged(rank, world, source):
     return [(r.tokens, r.logprobs) for r in results + again], engine.sched.preemptions, engine.sched.prefix_hits
 
 
-def test_paged_engine_tp2_equals_tp1(tmp_path):
-    source = str(make_tiny_checkpoint(tmp_path))  # saved at TP 1, loaded at TP 2
+@pytest.mark.parametrize("model", ["llama", "deepseek"])
+def test_paged_engine_tp2_equals_tp1(tmp_path, model):
+    """A Llama checkpoint saved at TP 1 and loaded at TP 2; a DeepSeek-V3 (multi-latent attention: heads split
+    over TP, the latent rows whole on every rank) from its Hugging Face directory."""
+    if model == "llama":
+        source = str(make_tiny_checkpoint(tmp_path))
+    else:
+        from tests.parallel.test_generate_tp import _deepseek
+        source = _deepseek(tmp_path)
     one, preempted, hits = _paged(0, 1, source)
     two = run_ranks(2, _paged, source, tmp_dir=tmp_path)[0]
     assert preempted > 0 and hits > 0  # the small pool preempted and the shared prefix was reused

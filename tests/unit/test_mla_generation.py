@@ -122,3 +122,34 @@ def test_paratron_mla_checkpoint_exports_as_deepseek_v3(converted, tmp_path):
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         assert torch.allclose(again(ids).logits, hf(ids).logits, atol=1e-5)
+
+
+def test_paged_engine_serves_multi_latent_attention(converted):
+    """The paged engine's latent rows ([c ; k_pe] per token, one 'group' of the paged attention): a shared prefix
+    through the prefix cache, then mixed-length requests with chunked prefill in a pool small enough to preempt,
+    give the fixed-batch engine's greedy tokens and log-probabilities (transformers' DeepSeek-V3, above)."""
+    from paratron.config.inference import InferenceConfig
+    from paratron.inference.paged import PagedEngine
+    _, d = converted
+    loaded = load_for_inference(d / "ckpt")
+    engine = Engine(loaded.model, loaded.vocab_size)
+    shared = [20, 21, 22, 23, 24, 25, 26, 27]
+    params = SamplingParams(max_new_tokens=9, logprobs=True)
+    plain = SamplingParams(max_new_tokens=9)  # (a request for prompt log-probabilities computes its whole prompt)
+    first = [Request(shared + [30, 31], plain), Request(shared + [40], plain)]
+    mixed = [Request(p, params) for p in PROMPTS + [shared + [50], [9] * 13]]
+    cfg = InferenceConfig(inference_dynamic_batching=True, inference_dynamic_batching_block_size=4,
+                          inference_dynamic_batching_num_blocks=14, inference_dynamic_batching_max_tokens=8,
+                          enable_chunked_prefill=True, inference_dynamic_batching_prefix_caching=True,
+                          inference_dynamic_batching_prefix_caching_eviction_policy="lru")
+    paged = PagedEngine(engine, cfg)
+    assert "(tensor parallel or multi-latent attention: not yet)" in paged.startup_line()
+    got = [paged.generate([r])[0] for r in first]  # one after another: the second reuses the first's blocks
+    assert paged.sched.prefix_hits == 2
+    got += paged.generate(mixed)
+    assert paged.sched.preemptions > 0
+    for r, res in zip(first + mixed, got):
+        want = engine.generate([r])[0]
+        assert res.tokens == want.tokens, r.prompt
+        if r.params.logprobs:
+            assert torch.allclose(torch.tensor(res.logprobs), torch.tensor(want.logprobs), atol=1e-4), r.prompt
