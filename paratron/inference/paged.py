@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..model.attention.windowed import needs_core_attention
 from .blocks import BlockAllocator
 from .engine import Engine, Request, Result
 from .paged_cache import PagedKVCache, PagedView
@@ -69,9 +70,10 @@ class PagedEngine:
         self.ids = itertools.count()
         self.steps = 0
         self.graphs = None
-        # (not taken under TP, whose graphs would capture the collectives too, nor for multi-latent attention:
-        # neither has run on a GPU yet)
-        self.graphed = self.group is None and not engine.model.config.multi_latent_attention
+        # (not taken under TP, whose graphs would capture the collectives too, for multi-latent attention or for
+        # windows / sinks, which attend through the torch reference: none of them has run on a GPU yet)
+        m = engine.model.config
+        self.graphed = self.group is None and not m.multi_latent_attention and not needs_core_attention(m)
         if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0 and self.graphed:
             from .paged_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, cfg.inference_dynamic_batching_num_cuda_graphs)
@@ -271,7 +273,8 @@ class PagedEngine:
     def startup_line(self) -> str:
         """What the pool and the decode path came to (the server prints it when it starts)."""
         graphs = f"CUDA graphs for batches {self.graphs.sizes}" if self.graphs is not None else \
-            "no CUDA graphs" + ("" if self.graphed else " (tensor parallel or multi-latent attention: not yet)")
+            "no CUDA graphs" + ("" if self.graphed else " (tensor parallel, multi-latent attention, windows or sinks: "
+                                "not yet)")
         attention = "Triton kernel" if self.kernel and self.device.type == "cuda" else "torch reference"
         return (f" paged engine: {self.num_blocks - 1} blocks of {self.block_size} tokens "
                 f"({(self.num_blocks - 1) * self.block_bytes / 2 ** 30:.3f} GB), paged attention: {attention}, {graphs}")

@@ -79,8 +79,10 @@ class PagedView:
     kernel: bool = True
     paged = True
 
-    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> torch.Tensor:
-        """Store ``k`` / ``v`` [1, groups, n, d] of layer ``index``; q [1, heads, n, d] over the cached tokens."""
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale, window=None,
+               sinks=None) -> torch.Tensor:
+        """Store ``k`` / ``v`` [1, groups, n, d] of layer ``index``; q [1, heads, n, d] over the cached tokens
+        (``window``: the last window + 1 of them; ``sinks``: a logit per head in every softmax's denominator)."""
         ck, cv = self.cache.layer(index)
         groups, d = ck.shape[2], ck.shape[3]
         ck.view(-1, groups, d).index_copy_(0, self.slots, k[0].transpose(0, 1).to(ck.dtype))
@@ -88,7 +90,7 @@ class PagedView:
         n, heads = q.size(2), q.size(1)
         grouped = q[0].transpose(0, 1).reshape(n, groups, heads // groups, d)
         out = paged_attention(grouped, ck, cv, self.tables, self.rows, self.lengths,
-                              scale if scale is not None else d ** -0.5, self.kernel)
+                              scale if scale is not None else d ** -0.5, self.kernel, window, sinks)
         return out.reshape(n, heads, d).transpose(0, 1)[None]
 
     def attend_latent(self, index: int, q: torch.Tensor, row: torch.Tensor, scale: float) -> torch.Tensor:

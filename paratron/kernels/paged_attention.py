@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 
+from typing import Optional
+
 import torch
 
 try:
@@ -31,22 +33,32 @@ BLOCK_T = 64  # cached keys per loop iteration
 
 
 def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                              rows: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale over each token's first ``lengths[i]`` cached tokens) v, in fp32, in q's dtype."""
+                              rows: torch.Tensor, lengths: torch.Tensor, scale: float, window: Optional[int] = None,
+                              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(q k^T * scale over each token's first ``lengths[i]`` cached tokens) v, in fp32, in q's dtype.
+    ``window``: only the last ``window + 1`` of them (a sliding window of LEFT = ``window``); ``sinks``: a logit
+    per query head [g * qpg] that joins each softmax's denominator and attends to nothing (gpt-oss's sinks)."""
     n, g, qpg, d = q.shape
     bs = k_pool.size(1)
     table = tables[rows]  # [n, blocks]
     span = table.size(1) * bs
     keys = k_pool[table].reshape(n, span, g, d).permute(0, 2, 1, 3)  # [n, g, span, d]
     vals = v_pool[table].reshape(n, span, g, d).permute(0, 2, 1, 3)
-    allowed = (torch.arange(span, device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
+    at = torch.arange(span, device=q.device)[None, :]
+    allowed = at < lengths[:, None]
+    if window is not None:
+        allowed = allowed & (at >= lengths[:, None] - 1 - window)
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     # the softmax spelled out: torch's CPU softmax splits even tiny inputs over its threads, which waits
     # tens of milliseconds per call on a busy machine
-    probs = (scores - scores.amax(-1, keepdim=True)).exp()
-    probs = probs / probs.sum(-1, keepdim=True)
-    return torch.matmul(probs, vals.float()).to(q.dtype)
+    top = scores.amax(-1, keepdim=True)
+    sink = None if sinks is None else sinks.float().view(1, g, qpg, 1)
+    if sink is not None:
+        top = torch.maximum(top, sink)
+    probs = (scores - top).exp()
+    total = probs.sum(-1, keepdim=True) + (0 if sink is None else (sink - top).exp())
+    return torch.matmul(probs / total, vals.float()).to(q.dtype)
 
 
 def supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
@@ -57,12 +69,13 @@ def supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                    rows: torch.Tensor, lengths: torch.Tensor, scale: float, kernel: bool = True) -> torch.Tensor:
-    """``[tokens, groups, q_per_group, d]``: the Triton kernel on CUDA where it applies (``kernel``), else the
-    reference."""
-    if kernel and q.is_cuda and supported(q, k_pool):
+                    rows: torch.Tensor, lengths: torch.Tensor, scale: float, kernel: bool = True,
+                    window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[tokens, groups, q_per_group, d]``: the Triton kernel on CUDA where it applies (``kernel``; neither a
+    sliding window nor sinks yet), else the reference."""
+    if kernel and q.is_cuda and supported(q, k_pool) and window is None and sinks is None:
         return torch.ops.paratron.paged_attention(q.contiguous(), k_pool, v_pool, tables, rows, lengths, scale)
-    return paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, scale)
+    return paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, scale, window, sinks)
 
 
 if triton is not None:

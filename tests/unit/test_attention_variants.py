@@ -191,3 +191,26 @@ def test_megatron_command_line_spellings():
     m = cfg.model
     assert (m.window_size, m.window_attn_skip_freq, m.softmax_type, m.rope_type) == ("127,0", "2", "learnable", "rope")
     assert m.rotary_scaling_factor == 32.0 and m.yarn_correction_range_round_to_int is False
+
+
+def test_paged_engine_windows_and_sinks_equal_the_fixed_engine():
+    """gpt-oss's attention (a sliding window on every other layer, learnable sinks) through the paged engine: its
+    block tables keep every token, each windowed layer attends over the last window + 1 of them with the sinks in
+    the softmax (kernels/paged_attention.py's reference); chunked prefill and preemption change nothing."""
+    from paratron.config.inference import InferenceConfig
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.paged import PagedEngine
+    from paratron.inference.sampling import SamplingParams
+    engine = Engine(_model(window_size="3,0", window_attn_skip_freq="2", softmax_type="learnable"), 100)
+    reqs = [Request(p, SamplingParams(max_new_tokens=8, logprobs=True))
+            for p in ([5, 6, 7, 8, 9, 10, 11], [11, 12], [3, 40, 41, 42], list(range(20, 33)))]
+    cfg = InferenceConfig(inference_dynamic_batching=True, inference_dynamic_batching_block_size=4,
+                          inference_dynamic_batching_num_blocks=10, inference_dynamic_batching_max_tokens=6,
+                          enable_chunked_prefill=True)
+    paged = PagedEngine(engine, cfg)
+    got = paged.generate(reqs)
+    assert paged.sched.preemptions > 0
+    for r, res in zip(reqs, got):
+        want = engine.generate([r])[0]
+        assert res.tokens == want.tokens, r.prompt
+        torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)

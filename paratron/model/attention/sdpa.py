@@ -57,9 +57,7 @@ class SDPAttention(nn.Module):
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if getattr(ctx.kv_cache, "paged", False):  # the paged engine's step: the view stores and attends
-            if not self.decodes:
-                raise NotImplementedError("the paged KV cache has no sliding-window / attention-sink attention")
-            out = ctx.kv_cache.attend(self.layer_index, q, k, v, self.scale)  # inference/paged_cache.py
+            out = ctx.kv_cache.attend(self.layer_index, q, k, v, self.scale, **self.paged_options())  # paged_cache.py
             return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
         if ctx.kv_cache is not None:  # inference: store this pass's keys/values, attend over the cache
             k, v = ctx.kv_cache.update(self.layer_index, k, v)
@@ -70,6 +68,10 @@ class SDPAttention(nn.Module):
         else:
             out = self.core(q, k, v, ctx)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.d)
+
+    def paged_options(self) -> dict:
+        """What the paged cache's attention needs beyond causality (windowed.py: the window and the sinks)."""
+        return {}
 
     def core(self, q, k, v, ctx) -> torch.Tensor:
         """[b, heads, s, d] -> [b, heads, s, d] with this layer's dropout (on the TP rank's RNG stream)."""

@@ -75,6 +75,10 @@ class WindowedAttention(SDPAttention):
     def extra_repr(self) -> str:
         return f"window={self.window}, softmax_type={self.softmax_type}"
 
+    def paged_options(self) -> dict:
+        """The paged engine's attention (kernels/paged_attention.py): this layer's window and sink logits."""
+        return {"window": None if self.window is None else self.window[0], "sinks": self.softmax_offset}
+
     def forward(self, q, k, v, ctx, dropout_p: float = 0.0) -> torch.Tensor:
         """q [b, heads, sq, d], k/v [b, groups, sk, d] -> [b, heads, sq, d]."""
         allowed = self._allowed(q, k, ctx)
