@@ -71,7 +71,7 @@ class PagedEngine:
         self.steps = 0
         self.graphs = None
         # (not taken under TP, whose graphs would capture the collectives too, for multi-latent attention or for
-        # windows / sinks, which attend through the torch reference: none of them has run on a GPU yet)
+        # windows / sinks: none of them has run on a GPU yet)
         m = engine.model.config
         self.graphed = self.group is None and not m.multi_latent_attention and not needs_core_attention(m)
         if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0 and self.graphed:

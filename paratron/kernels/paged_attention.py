@@ -71,29 +71,33 @@ def supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                     rows: torch.Tensor, lengths: torch.Tensor, scale: float, kernel: bool = True,
                     window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[tokens, groups, q_per_group, d]``: the Triton kernel on CUDA where it applies (``kernel``; neither a
-    sliding window nor sinks yet), else the reference."""
-    if kernel and q.is_cuda and supported(q, k_pool) and window is None and sinks is None:
-        return torch.ops.paratron.paged_attention(q.contiguous(), k_pool, v_pool, tables, rows, lengths, scale)
+    """``[tokens, groups, q_per_group, d]``: the Triton kernel on CUDA where it applies (``kernel``), else the
+    reference; ``window`` / ``sinks`` as the reference's."""
+    if kernel and q.is_cuda and supported(q, k_pool):
+        return torch.ops.paratron.paged_attention(q.contiguous(), k_pool, v_pool, tables, rows, lengths, scale,
+                                                  -1 if window is None else window,
+                                                  None if sinks is None else sinks.float().contiguous())
     return paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, scale, window, sinks)
 
 
 if triton is not None:
     @triton.jit
-    def _paged_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, row_ptr, len_ptr, out_ptr, groups, scale, stab,
+    def _paged_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, row_ptr, len_ptr, out_ptr, sink_ptr, groups, scale, window, stab,
                       sqn, sqg, sqh, skb, skt, skg, svb, svt, svg, son, sog, soh,
-                      QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr):
+                      QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
+                      SINK: tl.constexpr):
         pid = tl.program_id(0)
         i, g = pid // groups, pid % groups
         heads, cols = tl.arange(0, QB), tl.arange(0, D)
         q = tl.load(q_ptr + i * sqn + g * sqg + heads[:, None] * sqh + cols[None, :], mask=heads[:, None] < QPG,
                     other=0.0).to(tl.float32)
         table = tab_ptr + tl.load(row_ptr + i) * stab
-        end = tl.load(len_ptr + i)  # this token sees cached tokens [0, end)
+        end = tl.load(len_ptr + i)  # this token sees cached tokens [first, end)
+        first = tl.maximum(end - 1 - window, 0) if window >= 0 else 0
         m = tl.full([QB], float("-inf"), tl.float32)
         total = tl.zeros([QB], tl.float32)
         acc = tl.zeros([QB, D], tl.float32)
-        for start in range(0, end, BT):
+        for start in range(first, end, BT):
             t = start + tl.arange(0, BT)
             ok = t < end
             block = tl.load(table + t // BS, mask=ok, other=0).to(tl.int64)
@@ -109,24 +113,34 @@ if triton is not None:
             vals = tl.load(v_ptr + vat[:, None] + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, vals)
             m = m_new
+        if SINK:  # the head's sink logit joins the denominator and attends to nothing
+            sink = tl.load(sink_ptr + g * QPG + heads, mask=heads < QPG, other=float("-inf"))
+            m_new = tl.maximum(m, sink)
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.exp(sink - m_new)
+            acc = acc * alpha[:, None]
         out = acc / total[:, None]
         tl.store(out_ptr + i * son + g * sog + heads[:, None] * soh + cols[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=heads[:, None] < QPG)
 
     @torch.library.custom_op("paratron::paged_attention", mutates_args=())
     def _paged_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                  rows: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+                  rows: torch.Tensor, lengths: torch.Tensor, scale: float, window: int = -1,
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``window`` -1: none; ``sinks``: fp32 [groups * q_per_group] or None."""
         n, groups, qpg, d = q.shape
         out = torch.empty_like(q)
         if out.numel():
             with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
                 _paged_kernel[(n * groups,)](
-                    q, k_pool, v_pool, tables, rows, lengths, out, groups, scale, tables.stride(0),
-                    q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-                    v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                    QPG=qpg, QB=max(16, triton.next_power_of_2(qpg)), D=d, BS=k_pool.size(1), BT=BLOCK_T)
+                    q, k_pool, v_pool, tables, rows, lengths, out, q if sinks is None else sinks, groups, scale,
+                    window, tables.stride(0), q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0),
+                    k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+                    out.stride(0), out.stride(1), out.stride(2),
+                    QPG=qpg, QB=max(16, triton.next_power_of_2(qpg)), D=d, BS=k_pool.size(1), BT=BLOCK_T,
+                    SINK=sinks is not None)
         return out
 
     @_paged_op.register_fake
-    def _(q, k_pool, v_pool, tables, rows, lengths, scale):
+    def _(q, k_pool, v_pool, tables, rows, lengths, scale, window=-1, sinks=None):
         return torch.empty_like(q)

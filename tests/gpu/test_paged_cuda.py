@@ -1,5 +1,5 @@
 """The paged engine on the GPU: the paged-attention Triton kernel against its torch reference in bf16 at llama-1b's
-decode shapes; the engine with CUDA-graphed decode buckets gives the tokens of the eager engine (graphs off) for
+decode shapes (with a sliding window and sinks too); the engine with CUDA-graphed decode buckets gives the tokens of the eager engine (graphs off) for
 concurrent mixed-length requests, with graphs replayed (and with the step compiled, --torch-compile)."""
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from paratron.kernels.paged_attention import paged_attention, paged_attention_re
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_paged_kernel_matches_the_reference_in_bf16():
+@pytest.mark.parametrize("window,sinks", [(None, False), (127, False), (None, True), (31, True)])
+def test_paged_kernel_matches_the_reference_in_bf16(window, sinks):
+    """Plain causal, a sliding window, gpt-oss's sinks, both."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks, bs, g, qpg, d = 600, 64, 8, 4, 64
     k_pool, v_pool = (torch.randn(blocks, bs, g, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
@@ -21,8 +23,9 @@ def test_paged_kernel_matches_the_reference_in_bf16():
     rows = torch.arange(32, device="cuda")
     lengths = torch.randint(1, 640, (32,), device="cuda", generator=gen)
     q = torch.randn(32, g, qpg, d, device="cuda", generator=gen).bfloat16()
-    got = paged_attention(q, k_pool, v_pool, tables, rows, lengths, 0.125)
-    want = paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, 0.125)
+    sink = torch.randn(g * qpg, device="cuda", generator=gen) if sinks else None
+    got = paged_attention(q, k_pool, v_pool, tables, rows, lengths, 0.125, window=window, sinks=sink)
+    want = paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, 0.125, window, sink)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
 
 

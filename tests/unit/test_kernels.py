@@ -81,6 +81,16 @@ for bs, g, qpg, d, dtype, tol in ((5, 2, 4, 16, torch.bfloat16, 2e-2), (128, 1, 
     assert got.shape == q.shape and got.dtype == dtype and torch.isfinite(got).all()
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
     assert err <= tol, (bs, g, qpg, d, dtype, err)
+    # a sliding window (the last window + 1 cached tokens) and a sink logit per head (gpt-oss)
+    sinks = torch.randn(g * qpg)
+    for window, sink in ((3, None), (70, None), (None, sinks), (5, sinks)):
+        got = torch.ops.paratron.paged_attention(q, k_pool, v_pool, tables, rows, lengths, 0.25,
+                                                 -1 if window is None else window, sink)
+        want = paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, 0.25, window, sink)
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err <= tol, (bs, window, sink is not None, dtype, err)
+    plain = paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, 0.25)
+    assert not torch.allclose(plain.float(), want.float(), atol=1e-2)  # the window and sinks change the output
 print("ok")
 """
 
