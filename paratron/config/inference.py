@@ -77,11 +77,13 @@ def field_help() -> dict[str, str]:
     return out
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser, serve: bool = True) -> None:
     """The fields as ``paratron serve`` flags (booleans are switches; ``--no-...`` for prefix caching, as
-    Megatron has)."""
+    Megatron has); ``serve=False``: the engine's fields alone (``paratron generate``: no request queue)."""
     defaults, helps = InferenceConfig(), field_help()
     for f in dataclasses.fields(InferenceConfig):
+        if not serve and f.name.startswith("serve_"):
+            continue
         flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
         if isinstance(default, bool):
             parser.add_argument(flag, dest=f.name, action="store_true", default=default, help=helps[f.name])
@@ -97,8 +99,8 @@ def add_arguments(parser) -> None:
 
 
 def from_args(args) -> InferenceConfig:
-    """The section from parsed ``paratron serve`` arguments, checked."""
-    out = InferenceConfig(**{name: getattr(args, name) for name in FIELDS})
+    """The section from parsed ``paratron serve`` (or ``generate``) arguments, checked."""
+    out = InferenceConfig(**{name: getattr(args, name) for name in FIELDS if hasattr(args, name)})
     check_inference(out)
     return out
 

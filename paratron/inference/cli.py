@@ -50,7 +50,11 @@ def generate_parser() -> ArgumentParser:
     p.add_argument("--ignore-eod", action="store_true", help="do not stop at the end-of-document token")
     p.add_argument("--logprobs", action="store_true", help="with --json: log-probabilities of every token")
     p.add_argument("--add-bos", action="store_true", help="prepend the end-of-document token (Megatron's add_BOS)")
-    p.add_argument("--batch-size", type=int, default=32, help="prompts generated together")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="prompts generated together by the fixed-batch engine (default 32; the paged engine takes "
+                        "every prompt at once and runs --inference-dynamic-batching-max-requests of them)")
+    from ..config import inference
+    inference.add_arguments(p, serve=False)
     return p
 
 
@@ -130,21 +134,36 @@ def params_from(args) -> SamplingParams:
 
 
 def generate_main(argv: list[str]) -> int:
+    from ..config import inference
     args = generate_parser().parse_args(argv)
     params = params_from(args)
-    if args.batch_size < 1:
+    limits = inference.from_args(args)
+    if limits.inference_dynamic_batching:
+        for flag, given in (("--batch-size", args.batch_size is not None),
+                            ("--num-speculative-tokens", args.num_speculative_tokens)):
+            if given:
+                raise ConfigError(f"{flag} is the fixed-batch engine's; with --inference-dynamic-batching every prompt "
+                                  "goes to the paged engine at once (--inference-dynamic-batching-max-requests run "
+                                  "together)")
+    batch = 32 if args.batch_size is None else args.batch_size
+    if batch < 1:
         raise ConfigError("--batch-size must be >= 1")
     from .load import is_t5
     if is_t5(args.load):  # encoder-decoder generation (one process)
+        if limits.inference_dynamic_batching:
+            raise ConfigError("--inference-dynamic-batching: T5 generates on the fixed-batch engine (no paged "
+                              "encoder-decoder cache)")
         from .t5_generate import generate_main as t5_main
         return t5_main(args, params)
+    if limits.inference_dynamic_batching:
+        return on_ranks(args, lambda model: generate_paged(model, args, params, limits))
 
     def lead(model) -> None:
         from .speculative import Acceptance
         prompts = read_prompts(args)
         total = None
-        for start in range(0, len(prompts), args.batch_size):
-            chunk = prompts[start:start + args.batch_size]
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start:start + batch]
             reqs = model.requests(chunk, params, args.add_bos, first=start)
             problem = model.check(reqs)
             if problem:
@@ -157,6 +176,20 @@ def generate_main(argv: list[str]) -> int:
         if total is not None:
             print(speculative_summary(total), file=sys.stderr, flush=True)
     return on_ranks(args, lead)
+
+
+def generate_paged(model, args, params, limits) -> None:
+    """``paratron generate --inference-dynamic-batching``: every prompt into the paged engine at once (requests
+    join and leave between steps), the answers printed in the prompts' order."""
+    engine = model.group.paged(limits)
+    prompts = read_prompts(args)
+    reqs = model.requests(prompts, params, args.add_bos)
+    problem = model.check(reqs) or next((p for p in map(engine.check, reqs) if p), None)
+    if problem:
+        raise ConfigError(problem)
+    print(engine.startup_line(), file=sys.stderr, flush=True)
+    for text, res in zip(prompts, engine.generate(reqs)):
+        _print(text, res, args.json)
 
 
 def speculative_summary(s) -> str:

@@ -217,3 +217,24 @@ def test_decode_benchmark_runs_tiny_on_cpu(tmp_path, monkeypatch, capsys):
     assert {(r["system"], r["batch"]) for r in rows} == {(s, b) for s in ("paratron", "hf-static") for b in (1, 32)}
     assert all(r["same_tokens_as_paratron"] == 1.0 for r in rows if r["system"] == "hf-static")  # same weights
     assert "| paratron | 32 |" in capsys.readouterr().out
+
+
+def test_generate_command_on_the_paged_engine(tiny_checkpoint, capsys, tmp_path):
+    """``paratron generate --inference-dynamic-batching``: every prompt into the paged engine at once (offline
+    batches, RL rollouts), the answers in the prompts' order and equal to the fixed-batch engine's; the fixed
+    engine's --batch-size is refused by name beside it."""
+    from paratron.cli import main
+    d = tiny_checkpoint
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\nthe quick brown fox\nhello there\nover the lazy dog and\n")
+    paged = ["--inference-dynamic-batching", "--inference-dynamic-batching-block-size", "4",
+             "--inference-dynamic-batching-max-tokens", "8", "--enable-chunked-prefill"]
+    common = ["generate", "--load", str(d / "ckpt"), "--prompts-file", str(prompts), "--json", "--max-new-tokens", "6",
+              "--ignore-eod"]
+    assert main(common) == 0
+    fixed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(common + paged) == 0
+    out = capsys.readouterr()
+    assert [json.loads(line) for line in out.out.splitlines()] == fixed and "paged engine:" in out.err
+    assert main(common + paged + ["--batch-size", "2"]) == 2
+    assert "--batch-size is the fixed-batch engine's" in capsys.readouterr().err
