@@ -29,6 +29,9 @@ def _common(p: ArgumentParser) -> None:
                    help="compile the decode step with torch.compile (and replay it as a CUDA graph on GPUs)")
     p.add_argument("--tokenizer-model", metavar="PATH",
                    help="a tokenizer.json / HF directory, when the checkpoint has no tokenizer saved with it")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="N",
+                   help="under torchrun: split a mixture of experts' experts over N of the ranks (Megatron's flag; "
+                        "attention stays split over all of them)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding (Megatron's flag): draft K tokens per step with the checkpoint's "
                         "multi-token prediction depths (--mtp-num-layers >= K) and verify them in one pass")
@@ -89,7 +92,7 @@ def open_model(args):
     from .load import load_for_inference
     from .runtime import Group, start
     from .text import TextModel, chat_template
-    dims, device = start(args.device)
+    dims, device = start(args.device, args.expert_model_parallel_size)
     loaded = load_for_inference(args.load, dims, device, args.dtype, args.iteration)
     if loaded.model.config.model == "bert":
         raise ConfigError(f"--load {args.load} holds a BERT: it fills masks (paratron fill-mask), it does not "

@@ -69,7 +69,7 @@ def load_paratron(root: Path, dims: ParallelDims, device, dtype: Optional[torch.
     vocab = int(cfg.data.vocab_size or 0)
     if not vocab:
         raise CheckpointError(f"{d / sharded.COMMON} has no data.vocab_size: the real vocabulary size is unknown")
-    _check_tp(cfg.model, dims.tp)
+    _check_layout(cfg.model, dims)
     model = _model(cfg.model, padded_vocab_size(vocab, cfg.model, dims.tp), dims, device, dtype or _saved_dtype(d))
     pieces, casts = sharded_state_dict(model), []
     saved = sharded.tensor_shapes(d)
@@ -99,7 +99,7 @@ def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype])
         m = m.resolved()
     else:
         m, vocab, family = bert_config_from_hf(d) if bert else model_config_from_hf(d)
-    _check_tp(m, dims.tp)
+    _check_layout(m, dims)
     hf_state, _ = load_hf_dir(src)
     padded = padded_vocab_size(vocab, m, dims.tp)
     if t5:
@@ -120,13 +120,20 @@ def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype])
     return Loaded(model, vocab, load_tokenizer(src), src.resolve().name, f"Hugging Face {family}")
 
 
-def _check_tp(m, tp: int) -> None:
-    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "moe_ffn_hidden_size",
-                 "moe_shared_expert_intermediate_size"):
+def _check_layout(m, dims: ParallelDims) -> None:
+    """One line where the model cannot split over the launch: heads and widths over TP, the routed experts'
+    width over expert-TP and their number over EP (--expert-model-parallel-size)."""
+    tp, etp, ep = dims.tp, dims.size("etp"), dims.size("ep")
+    checks = [(name, tp, "tensor-parallel") for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                                                          "moe_shared_expert_intermediate_size")]
+    for name, ranks, what in checks + [("moe_ffn_hidden_size", etp, "expert-tensor-parallel"),
+                                       ("num_experts", ep, "expert-parallel")]:
         size = getattr(m, name)
-        if size is not None and size % tp:
-            raise CheckpointError(f"{name} {size} is not divisible by the {tp} tensor-parallel ranks; "
-                                  f"run with a world size that divides it")
+        if size is not None and size % ranks:
+            raise CheckpointError(f"{name} {size} is not divisible by the {ranks} {what} ranks; "
+                                  f"run with a world size (or --expert-model-parallel-size) that divides it")
+    if ep > 1 and not m.num_experts:
+        raise CheckpointError(f"--expert-model-parallel-size {ep}: the model has no experts to split")
 
 
 def is_t5(path) -> bool:

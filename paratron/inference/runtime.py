@@ -22,18 +22,23 @@ from .engine import Engine, Request
 IDLE_TIMEOUT = timedelta(days=30)  # followers wait this long for the next request
 
 
-def start(device: Optional[str] = None) -> tuple[ParallelDims, torch.device]:
-    """Process group from torchrun's environment (NCCL on GPUs, gloo on CPU) and TP over all ranks."""
+def start(device: Optional[str] = None, ep: int = 1) -> tuple[ParallelDims, torch.device]:
+    """Process group from torchrun's environment (NCCL on GPUs, gloo on CPU) and TP over all ranks; ``ep``
+    (--expert-model-parallel-size): a mixture of experts' experts split over that many of them too (each rank
+    holds num_experts / ep whole experts; tokens reach them by all-to-all)."""
     want = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if want.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but no CUDA device is visible; use --device cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ep < 1 or world % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep}: must divide the {world} process(es) of the launch")
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if want.startswith("cuda") else torch.device(want)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=IDLE_TIMEOUT)
-    return initialize_model_parallel(world), dev
+    return initialize_model_parallel(world, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=1 if ep > 1 else None), dev
 
 
 class Group:

@@ -1,4 +1,4 @@
-"""Generation at TP=2 (gloo) equals TP=1, from a one-rank paratron checkpoint resharded at load and from
+"""Generation at TP=2 (gloo) equals TP=1, and with the experts split over EP=2 too, from a one-rank paratron checkpoint resharded at load and from
 a Hugging Face directory sliced at load (a Llama; a Mixtral: its experts split over expert-TP, the
 tokens of odd-length prompts and of each decode step padded to share over TP; a DeepSeek-V3: multi-latent
 attention's heads split over TP over its replicated latent cache, sigmoid-routed experts); rank 0 leads each batch,
@@ -23,8 +23,9 @@ PARAMS = [SamplingParams(max_new_tokens=8, logprobs=True), SamplingParams(max_ne
           SamplingParams(max_new_tokens=6, logprobs=True, top_k=5, temperature=0.7, seed=1)]
 
 
-def _generate(rank, world, sources):
-    dims = initialize_model_parallel(world)
+def _generate(rank, world, sources, ep=1):
+    dims = initialize_model_parallel(world, expert_model_parallel_size=ep, expert_tensor_parallel_size=1 if ep > 1
+                                     else None)
     out = []
     for source in sources:  # a paratron checkpoint, and a Hugging Face directory
         loaded = load_for_inference(source, dims)
@@ -67,3 +68,26 @@ def test_tp2_generation_equals_tp1(tmp_path):
             assert t1 == t2
             if lp1 is not None:
                 assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-4)
+
+
+def _local_experts(rank, world, source):
+    from paratron.inference.runtime import start
+    import os
+    os.environ["WORLD_SIZE"] = str(world)
+    dims, _ = start("cpu", ep=world)
+    model = load_for_inference(source, dims).model
+    return sorted({m.layout.local for m in model.modules() if hasattr(m, "layout")})
+
+
+def test_expert_parallel_generation_equals_tp1(tmp_path):
+    """--expert-model-parallel-size 2 on two ranks (runtime.start): each rank holds half of the experts (whole) and
+    tokens reach them by all-to-all; Mixtral and DeepSeek-V3 generate TP 1's tokens and log-probabilities."""
+    sources = [_mixtral(tmp_path), _deepseek(tmp_path)]
+    one = _generate(0, 1, sources)
+    two = run_ranks(2, _generate, sources, 2, tmp_dir=tmp_path)[0]
+    for a, b in zip(one, two):
+        for (t1, lp1), (t2, lp2) in zip(a, b):
+            assert t1 == t2
+            if lp1 is not None:
+                assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-4)
+    assert run_ranks(2, _local_experts, sources[0], tmp_dir=tmp_path) == [[2], [2]]  # Mixtral's 4 experts, 2 a rank

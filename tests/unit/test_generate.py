@@ -238,3 +238,10 @@ def test_generate_command_on_the_paged_engine(tiny_checkpoint, capsys, tmp_path)
     assert [json.loads(line) for line in out.out.splitlines()] == fixed and "paged engine:" in out.err
     assert main(common + paged + ["--batch-size", "2"]) == 2
     assert "--batch-size is the fixed-batch engine's" in capsys.readouterr().err
+
+
+def test_expert_parallel_size_must_divide_the_launch(tiny_checkpoint, capsys):
+    from paratron.cli import main
+    assert main(["generate", "--load", str(tiny_checkpoint / "ckpt"), "--prompt", "x",
+                 "--expert-model-parallel-size", "2"]) == 2
+    assert "--expert-model-parallel-size 2: must divide the 1 process(es)" in capsys.readouterr().err
