@@ -28,8 +28,9 @@ CFG = InferenceConfig(inference_dynamic_batching=True, inference_dynamic_batchin
                       enable_chunked_prefill=True, inference_dynamic_batching_prefix_caching=True)
 
 
-def _paged(rank, world, source):
-    dims = initialize_model_parallel(world)
+def _paged(rank, world, source, ep=1):
+    dims = initialize_model_parallel(world, expert_model_parallel_size=ep, expert_tensor_parallel_size=1 if ep > 1
+                                     else None)
     loaded = load_for_inference(source, dims)
     group = Group(Engine(loaded.model, loaded.vocab_size), dims)
     if rank != 0:
@@ -42,17 +43,18 @@ def _paged(rank, world, source):
     return [(r.tokens, r.logprobs) for r in results + again], engine.sched.preemptions, engine.sched.prefix_hits
 
 
-@pytest.mark.parametrize("model", ["llama", "deepseek"])
-def test_paged_engine_tp2_equals_tp1(tmp_path, model):
+@pytest.mark.parametrize("model,ep", [("llama", 1), ("deepseek", 1), ("deepseek", 2)])
+def test_paged_engine_tp2_equals_tp1(tmp_path, model, ep):
     """A Llama checkpoint saved at TP 1 and loaded at TP 2; a DeepSeek-V3 (multi-latent attention: heads split
-    over TP, the latent rows whole on every rank) from its Hugging Face directory."""
+    over TP, the latent rows whole on every rank) from its Hugging Face directory, its experts also split whole
+    over EP 2."""
     if model == "llama":
         source = str(make_tiny_checkpoint(tmp_path))
     else:
         from tests.parallel.test_generate_tp import _deepseek
         source = _deepseek(tmp_path)
     one, preempted, hits = _paged(0, 1, source)
-    two = run_ranks(2, _paged, source, tmp_dir=tmp_path)[0]
+    two = run_ranks(2, _paged, source, ep, tmp_dir=tmp_path)[0]
     assert preempted > 0 and hits > 0  # the small pool preempted and the shared prefix was reused
     assert two[1:] == (preempted, hits)
     for (t1, lp1), (t2, lp2) in zip(one, two[0]):
