@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..model.attention.windowed import needs_core_attention
 from .blocks import BlockAllocator
 from .engine import Engine, Request, Result
-from .paged_cache import PagedKVCache, PagedView
+from .paged_cache import PagedKVCache, PagedView, StateRows
 from .sampling import Sampler, find_stop, row_generator
 from .scheduler import Scheduler, Seq
 
@@ -60,7 +60,13 @@ class PagedEngine:
         self.group = group if engine.model.par.tp_size > 1 else None
         self.pending: list[Request] = []  # rank 0 under TP: the requests added since the last step
         self.num_blocks = self._agreed(pool_blocks(engine, cfg, dtype))
-        self.cache = PagedKVCache(engine.model, self.num_blocks, self.block_size, self.device, dtype)
+        recurrent = PagedKVCache.recurrent(engine.model)
+        if recurrent and cfg.inference_dynamic_batching_prefix_caching:
+            raise ValueError("prefix caching shares attention blocks, and a Mamba-2 / Gated DeltaNet layer keeps no "
+                             "state per block: serve this model without --inference-dynamic-batching-prefix-caching")
+        rows = cfg.inference_dynamic_batching_max_requests if recurrent else 0
+        self.cache = PagedKVCache(engine.model, self.num_blocks, self.block_size, self.device, dtype, rows)
+        self.states = StateRows(rows) if recurrent else None
         self.block_bytes = PagedKVCache.block_bytes(engine.model, self.block_size, dtype)
         self.blocks = BlockAllocator(self.num_blocks, self.block_size, cfg.inference_dynamic_batching_prefix_caching,
                                      cfg.inference_dynamic_batching_prefix_caching_eviction_policy)
@@ -73,7 +79,8 @@ class PagedEngine:
         # (not taken under TP, whose graphs would capture the collectives too, for multi-latent attention or for
         # windows / sinks: none of them has run on a GPU yet)
         m = engine.model.config
-        self.graphed = self.group is None and not m.multi_latent_attention and not needs_core_attention(m)
+        self.graphed = (self.group is None and not m.multi_latent_attention and not needs_core_attention(m)
+                        and self.states is None)
         if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0 and self.graphed:
             from .paged_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, cfg.inference_dynamic_batching_num_cuda_graphs)
@@ -128,6 +135,8 @@ class PagedEngine:
         for seq in list(self.sched.running):
             self.sched.finish(seq)
         self.sched.waiting.clear()
+        if self.states is not None:
+            self.states.clear()
 
     def generate(self, requests: list[Request], on_token: Optional[Callable] = None) -> list[Result]:
         """Every request at once, stepped until all are done (offline use and tests)."""
@@ -168,12 +177,15 @@ class PagedEngine:
             finished += self._sample(ready, logits[torch.tensor([picks[s.id][-1] for s in ready])], on_token)
         for s in finished:
             self.sched.finish(s)
+            if self.states is not None:
+                self.states.release(s)
             if on_token is not None and s.new_max <= 0:
                 on_token(s, None)
         return finished
 
-    def _run(self, plan: list) -> tuple[torch.Tensor, dict]:
-        """The model over the step's packed tokens: logits of the picked positions, {seq id: their rows}."""
+    def _pack(self, plan: list) -> tuple:
+        """The step's tokens packed into one sequence: (ids, positions, slots, table rows, lengths, the positions
+        whose logits are wanted, {seq id: their rows among those})."""
         bs, ids, pos, slots, rows, lengths, pick, picks = self.block_size, [], [], [], [], [], [], {}
         for r, (seq, n) in enumerate(plan):
             at = range(seq.computed, seq.computed + n)
@@ -187,16 +199,36 @@ class PagedEngine:
             mine = list(range(base, base + n)) if every else [base + n - 1]
             picks[seq.id] = list(range(len(pick), len(pick) + len(mine)))
             pick += mine
+        return ids, pos, slots, rows, lengths, pick, picks
+
+    def _run(self, plan: list) -> tuple[torch.Tensor, dict]:
+        """The model over the step's packed tokens: logits of the picked positions, {seq id: their rows}."""
+        if self.states is not None:
+            return self._run_each(plan)
+        ids, pos, slots, rows, lengths, pick, picks = self._pack(plan)
         if self.graphs is not None and all(n == 1 for _, n in plan) and len(pick) == len(plan):
             out = self.graphs(ids, pos, slots, [seq.blocks for seq, _ in plan], lengths)
             if out is not None:
                 return out, picks
+        return self._forward(plan, ids, pos, slots, rows, lengths, pick), picks
+
+    def _forward(self, plan, ids, pos, slots, rows, lengths, pick, state=None) -> torch.Tensor:
         width = max(len(seq.blocks) for seq, _ in plan)
         t = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
         tables = t([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in plan])
-        view = PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel)
-        logits = self.e._forward(t([ids]), t([pos]), view, None, pick=t(pick))
-        return logits[0], picks
+        view = PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel, state)
+        return self.e._forward(t([ids]), t([pos]), view, None, pick=t(pick))[0]
+
+    def _run_each(self, plan: list) -> tuple[torch.Tensor, dict]:
+        """A model with Mamba-2 / Gated DeltaNet layers: each request's tokens in a pass of their own, its
+        recurrent states read from and written to its state row (fresh at its first token)."""
+        out, picks = [], {}
+        for seq, n in plan:
+            ids, pos, slots, rows, lengths, pick, mine = self._pack([(seq, n)])
+            picks[seq.id] = [sum(len(o) for o in out) + i for i in mine[seq.id]]
+            out.append(self._forward([(seq, n)], ids, pos, slots, rows, lengths, pick,
+                                     (self.states.row(seq, self.sched), seq.computed == 0)))
+        return torch.cat(out), picks
 
     def _prompt_logprobs(self, plan: list, logits: torch.Tensor, picks: dict) -> None:
         """Log-probabilities of the prompt tokens, chunk by chunk, for requests that asked for them."""
@@ -273,8 +305,8 @@ class PagedEngine:
     def startup_line(self) -> str:
         """What the pool and the decode path came to (the server prints it when it starts)."""
         graphs = f"CUDA graphs for batches {self.graphs.sizes}" if self.graphs is not None else \
-            "no CUDA graphs" + ("" if self.graphed else " (tensor parallel, multi-latent attention, windows or sinks: "
-                                "not yet)")
+            "no CUDA graphs" + ("" if self.graphed else " (tensor parallel, multi-latent attention, windows, sinks "
+                                "or recurrent layers: not yet)")
         attention = "Triton kernel" if self.kernel and self.device.type == "cuda" else "torch reference"
         return (f" paged engine: {self.num_blocks - 1} blocks of {self.block_size} tokens "
                 f"({(self.num_blocks - 1) * self.block_bytes / 2 ** 30:.3f} GB), paged attention: {attention}, {graphs}")

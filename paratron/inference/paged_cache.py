@@ -17,10 +17,12 @@ attention is grouped-query attention with one group whose keys are those rows an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
 
+from .cache import RecurrentView
 from ..kernels.paged_attention import paged_attention
 
 
@@ -28,18 +30,31 @@ class PagedKVCache(nn.Module):
     """Keys and values of every attention layer in ``num_blocks`` blocks of ``block_size`` tokens:
     ``[num_blocks, block_size, groups on this TP rank, head dim]`` per layer (buffers: fixed addresses)."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, device=None, dtype=None):
+    def __init__(self, model, num_blocks: int, block_size: int, device=None, dtype=None, state_rows: int = 0):
+        """``state_rows``: the recurrent states of Mamba-2 / Gated DeltaNet layers, one row per running request
+        (their convolution and SSM states are not paged: a request keeps one row of each)."""
         super().__init__()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.latent = model.config.multi_latent_attention
         shape = (num_blocks, block_size, *self.row_shape(model))
         dtype = dtype or next(model.parameters()).dtype
-        for layer in model.decoder.layers:
-            if layer.self_attention is not None:
-                i = layer.self_attention.layer_index
-                for name in ("kv",) if self.latent else ("k", "v"):
-                    self.register_buffer(f"{name}{i}", torch.zeros(shape, device=device, dtype=dtype),
-                                         persistent=False)
+        for mixer in _mixers(model):
+            i = mixer.layer_index
+            if hasattr(mixer, "state_shapes"):
+                conv, ssm = mixer.state_shapes(state_rows)
+                self.register_buffer(f"conv{i}", torch.zeros(conv, device=device, dtype=dtype), persistent=False)
+                self.register_buffer(f"ssm{i}", torch.zeros(ssm, device=device), persistent=False)
+                continue
+            for name in ("kv",) if self.latent else ("k", "v"):
+                self.register_buffer(f"{name}{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    @staticmethod
+    def recurrent(model) -> bool:
+        """Whether the model has Mamba-2 / Gated DeltaNet layers (their states are kept per request)."""
+        return any(hasattr(m, "state_shapes") for m in _mixers(model))
+
+    def states(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"conv{index}"), getattr(self, f"ssm{index}")
 
     @staticmethod
     def row_shape(model) -> tuple[int, int]:
@@ -59,10 +74,40 @@ class PagedKVCache(nn.Module):
     @staticmethod
     def block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of one block over every attention layer (keys and values, or the latent rows)."""
-        layers = sum(1 for layer in model.decoder.layers if layer.self_attention is not None)
+        layers = sum(1 for m in _mixers(model) if not hasattr(m, "state_shapes"))
         groups, width = PagedKVCache.row_shape(model)
         tensors = 1 if model.config.multi_latent_attention else 2
         return tensors * layers * block_size * groups * width * torch.empty((), dtype=dtype).element_size()
+
+
+def _mixers(model):
+    """The token mixer (attention, Mamba-2, Gated DeltaNet) of every decoder layer that has one."""
+    return [layer.self_attention for layer in model.decoder.layers if layer.self_attention is not None]
+
+
+class StateRows:
+    """Which row of the recurrent-state buffers each running request holds: taken at its first pass, given back
+    when it finishes; a preempted request's row is taken back when another needs one (it starts afresh anyway)."""
+
+    def __init__(self, rows: int):
+        self.free, self.held = list(range(rows)), {}
+
+    def row(self, seq, sched) -> int:
+        if seq.id not in self.held:
+            if not self.free:
+                running = {s.id for s in sched.running}
+                for sid in [sid for sid in self.held if sid not in running]:
+                    self.free.append(self.held.pop(sid))
+            self.held[seq.id] = self.free.pop()
+        return self.held[seq.id]
+
+    def release(self, seq) -> None:
+        if seq.id in self.held:
+            self.free.append(self.held.pop(seq.id))
+
+    def clear(self) -> None:
+        self.free += list(self.held.values())
+        self.held.clear()
 
 
 @dataclass
@@ -77,7 +122,15 @@ class PagedView:
     rows: torch.Tensor
     lengths: torch.Tensor
     kernel: bool = True
+    state: Optional[tuple] = None  # (state row, fresh): a pass of one request of a model with recurrent layers
     paged = True
+
+    def recurrent(self, index: int) -> RecurrentView:
+        """Layer ``index``'s convolution and SSM states of this pass's request (views of its row: written in place);
+        fresh at the request's first token."""
+        row, fresh = self.state
+        conv, ssm = self.cache.states(index)
+        return RecurrentView(conv[row:row + 1], ssm[row:row + 1], prefill=fresh)
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale, window=None,
                sinks=None) -> torch.Tensor:

@@ -57,3 +57,29 @@ def test_prompt_joining_a_row_starts_from_fresh_states():
         torch.testing.assert_close(got, want[:-1], atol=1e-5, rtol=1e-5)
         step = engine.decode_step(torch.tensor([[1], [7]]), torch.tensor(9))
     torch.testing.assert_close(step[1, :VOCAB], want[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_engine_keeps_a_state_row_per_request():
+    """A hybrid stack (Mamba-2, Gated DeltaNet, attention) through the paged engine: each request's tokens run in a
+    pass of their own over its row of recurrent states (chunked prefill carries the states between chunks), the
+    attention layer through the blocks; a pool small enough to preempt; the fixed-batch engine's tokens and
+    log-probabilities; prefix caching refused by name."""
+    import pytest
+    from paratron.config.inference import InferenceConfig
+    from paratron.inference.paged import PagedEngine
+    engine = Engine(model(), VOCAB)
+    params = SamplingParams(max_new_tokens=8, logprobs=True)
+    reqs = [Request(p, params) for p in PROMPTS + [list(range(20, 27)), [9] * 6]]  # (a context of 16)
+    cfg = dict(inference_dynamic_batching=True, inference_dynamic_batching_block_size=4,
+               inference_dynamic_batching_num_blocks=10, inference_dynamic_batching_max_tokens=6,
+               enable_chunked_prefill=True, inference_dynamic_batching_max_requests=3)
+    paged = PagedEngine(engine, InferenceConfig(**cfg))
+    got = paged.generate(reqs)
+    assert paged.sched.preemptions > 0 and "recurrent layers: not yet" in paged.startup_line()
+    assert not paged.states.held and len(paged.states.free) == 3  # every row given back
+    for r, res in zip(reqs, got):
+        want = engine.generate([r])[0]
+        assert res.tokens == want.tokens, r.prompt
+        torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="without --inference-dynamic-batching-prefix-caching"):
+        PagedEngine(engine, InferenceConfig(**cfg, inference_dynamic_batching_prefix_caching=True))

@@ -143,7 +143,7 @@ def test_paged_engine_serves_multi_latent_attention(converted):
                           enable_chunked_prefill=True, inference_dynamic_batching_prefix_caching=True,
                           inference_dynamic_batching_prefix_caching_eviction_policy="lru")
     paged = PagedEngine(engine, cfg)
-    assert "multi-latent attention, windows or sinks: not yet" in paged.startup_line()
+    assert "multi-latent attention, windows, sinks or recurrent layers: not yet" in paged.startup_line()
     got = [paged.generate([r])[0] for r in first]  # one after another: the second reuses the first's blocks
     assert paged.sched.prefix_hits == 2
     got += paged.generate(mixed)
