@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
 from ..model.attention.windowed import needs_core_attention
 from .blocks import BlockAllocator
 from .engine import Engine, Request, Result
@@ -62,8 +63,8 @@ class PagedEngine:
         self.num_blocks = self._agreed(pool_blocks(engine, cfg, dtype))
         recurrent = PagedKVCache.recurrent(engine.model)
         if recurrent and cfg.inference_dynamic_batching_prefix_caching:
-            raise ValueError("prefix caching shares attention blocks, and a Mamba-2 / Gated DeltaNet layer keeps no "
-                             "state per block: serve this model without --inference-dynamic-batching-prefix-caching")
+            raise ConfigError("prefix caching shares attention blocks, and a Mamba-2 / Gated DeltaNet layer keeps no "
+                              "state per block: serve this model without --inference-dynamic-batching-prefix-caching")
         rows = cfg.inference_dynamic_batching_max_requests if recurrent else 0
         self.cache = PagedKVCache(engine.model, self.num_blocks, self.block_size, self.device, dtype, rows)
         self.states = StateRows(rows) if recurrent else None

@@ -87,7 +87,10 @@ class Group:
                 self.engine.generate(payload)
             elif kind == "paged":
                 from .paged import PagedEngine
-                paged = PagedEngine(self.engine, payload, self)
+                try:
+                    paged = PagedEngine(self.engine, payload, self)
+                except ConfigError:  # rank 0 stops with the same line and sends stop
+                    paged = None
             elif kind == "step":
                 for request in payload:
                     paged.add(request)

@@ -66,6 +66,7 @@ def test_paged_engine_keeps_a_state_row_per_request():
     log-probabilities; prefix caching refused by name."""
     import pytest
     from paratron.config.inference import InferenceConfig
+    from paratron.config import ConfigError
     from paratron.inference.paged import PagedEngine
     engine = Engine(model(), VOCAB)
     params = SamplingParams(max_new_tokens=8, logprobs=True)
@@ -81,5 +82,5 @@ def test_paged_engine_keeps_a_state_row_per_request():
         want = engine.generate([r])[0]
         assert res.tokens == want.tokens, r.prompt
         torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="without --inference-dynamic-batching-prefix-caching"):
+    with pytest.raises(ConfigError, match="without --inference-dynamic-batching-prefix-caching"):
         PagedEngine(engine, InferenceConfig(**cfg, inference_dynamic_batching_prefix_caching=True))
