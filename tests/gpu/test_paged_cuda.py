@@ -47,3 +47,38 @@ def test_graphed_decode_gives_the_eager_tokens(compile):
     got, want = graphed.generate(reqs), eager.generate(reqs)
     assert graphed.graphs is not None and graphed.graphs.graphs  # some bucket was captured and replayed
     assert [r.tokens for r in got] == [r.tokens for r in want]
+
+
+def _models_on_cuda(kind: str):
+    """(model on CUDA, vocabulary) of each kind the paged engine serves beside grouped-query attention."""
+    if kind == "windows":
+        from tests.unit.test_attention_variants import _model
+        return _model(window_size="3,0", window_attn_skip_freq="2", softmax_type="learnable").cuda(), 100
+    if kind == "hybrid":
+        from tests.unit.test_hybrid_generate import VOCAB, model
+        return model().cuda(), VOCAB
+    import tempfile
+    from pathlib import Path
+    from paratron.inference.load import load_for_inference
+    from tests.unit.test_mla_generation import deepseek_model
+    d = Path(tempfile.mkdtemp())
+    deepseek_model().save_pretrained(d / "hf")
+    loaded = load_for_inference(d / "hf", device=torch.device("cuda"))
+    return loaded.model, loaded.vocab_size
+
+
+@pytest.mark.parametrize("kind", ["windows", "hybrid", "mla"])
+def test_windows_recurrent_and_latent_models_equal_the_fixed_engine(kind):
+    """gpt-oss's windows and sinks (the kernel's window start and sink), a hybrid stack's state rows and multi-latent
+    attention's latent rows through the paged engine on CUDA: the fixed-batch engine's greedy tokens."""
+    from paratron.config.inference import InferenceConfig
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.paged import PagedEngine
+    from paratron.inference.sampling import SamplingParams
+    model, vocab = _models_on_cuda(kind)
+    engine = Engine(model, vocab)
+    reqs = [Request(p, SamplingParams(max_new_tokens=6)) for p in ([5, 6, 7, 8, 9, 10, 11], [11, 12], [3, 40, 41])]
+    paged = PagedEngine(engine, InferenceConfig(inference_dynamic_batching_block_size=4,
+                                                inference_dynamic_batching_max_tokens=8, enable_chunked_prefill=True,
+                                                inference_dynamic_batching_num_blocks=40))
+    assert [r.tokens for r in paged.generate(reqs)] == [engine.generate([r])[0].tokens for r in reqs]
