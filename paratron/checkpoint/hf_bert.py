@@ -167,26 +167,11 @@ def hf_bert_config(cfg: ModelConfig, vocab: int) -> dict[str, Any]:
 
 
 def save_bert_hf_dir(path, state: dict, cfg: ModelConfig, vocab: int, dtype=None, extra_config=None):
-    """A Hugging Face MegatronBert directory (model.safetensors + config.json) of a paratron BERT state."""
-    import json
-    import os
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    from .hf import _standalone, current_umask
-
-    out_dir = Path(path)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """A Hugging Face MegatronBert directory (model.safetensors + config.json) of a paratron BERT state, written as
+    every Hugging Face export is (checkpoint/hf.py's write_hf_dir: into a new or empty directory)."""
+    from .hf import write_hf_dir
     hf = bert_paratron_to_hf(state, cfg, vocab, not cfg.bert_no_binary_head)
-    hf.pop("cls.predictions.decoder.weight") if not cfg.untie_embeddings_and_output_weights else None
-    if dtype is not None:
-        hf = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf.items()}
-    hf = _standalone(hf)
-    config = hf_bert_config(cfg, vocab)
-    config["torch_dtype"] = str(hf["bert.embeddings.word_embeddings.weight"].dtype).replace("torch.", "")
-    config.update(extra_config or {})
-    save_file(hf, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(out_dir / "model.safetensors", 0o666 & ~current_umask())
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out_dir
+    if not cfg.untie_embeddings_and_output_weights:  # tied: transformers ties the decoder to the embedding
+        hf.pop("cls.predictions.decoder.weight")
+    return write_hf_dir(path, hf, hf_bert_config(cfg, vocab), "bert.embeddings.word_embeddings.weight", dtype,
+                        extra_config)
