@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import queue
 import time
-from typing import Optional
 
 import torch
 

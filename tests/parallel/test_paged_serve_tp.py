@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 from tests.dist import free_port  # noqa: E402
+from tests.servers import wait_until_healthy  # noqa: E402
 from tests.tiny_generation import make_tiny_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,16 +31,7 @@ def _serve(ckpt: Path, port: int, nproc: int) -> subprocess.Popen:
     proc = subprocess.Popen(launch + ["-m", "paratron", "serve", "--load", str(ckpt), "--port", str(port), *PAGED],
                             env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.time() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                raise AssertionError("the server did not start:\n" + proc.communicate()[0])
-            time.sleep(0.5)
+    return wait_until_healthy(proc, port, 180, kill=lambda: os.killpg(proc.pid, signal.SIGKILL))
 
 
 def _complete(port: int, prompt: str) -> str:

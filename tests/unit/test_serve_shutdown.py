@@ -8,8 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 from tests.dist import free_port  # noqa: E402
+from tests.servers import wait_until_healthy  # noqa: E402
 from tests.tiny_generation import make_tiny_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,16 +25,7 @@ def _start(ckpt: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "paratron", "serve", "--load", str(ckpt), "--port", str(port)],
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise AssertionError("the server did not start:\n" + proc.communicate()[0])
-            time.sleep(0.3)
+    return wait_until_healthy(proc, port, 120)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM])

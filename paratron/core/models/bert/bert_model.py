@@ -12,13 +12,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from ....config import ConfigError
 from ....model.bert import BertModel as _BertModel
-from ...parallel_state import COMPAT
 from ..gpt.gpt_layer_specs import LayerSpec
-from ..gpt.gpt_model import DEFAULT_SEED, GPTModel, _stage_layers
+from ..gpt.gpt_model import GPTModel, build_kwargs
 from .bert_layer_specs import bert_layer_local_spec
 
 
@@ -44,17 +41,8 @@ class BertModel(_BertModel):
                                         bert_no_binary_head=not add_binary_head,
                                         position_embedding_type=position_embedding_type,
                                         untie_embeddings_and_output_weights=not share_embeddings_and_output_weights)
-        dims = COMPAT.require()
-        offset, count = _stage_layers(model_cfg.num_layers, dims, vp_stage)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        super().__init__(model_cfg, vocab_size, max_sequence_length, dims, add_binary_head=add_binary_head,
-                         sequence_parallel=config.sequence_parallel,
-                         seed=COMPAT.seed if COMPAT.seed is not None else DEFAULT_SEED,
-                         pre_process=pre_process, post_process=post_process, layer_offset=offset, num_layers=count,
-                         recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
-                         recompute_num_layers=config.recompute_num_layers,
-                         kernels=config.kernel_config(device, config.params_dtype), device=device,
-                         dtype=config.params_dtype)
+        super().__init__(model_cfg, vocab_size, max_sequence_length, add_binary_head=add_binary_head,
+                         **build_kwargs(config, model_cfg, pre_process, post_process, vp_stage))
         self.transformer_config = config
 
     def forward(self, input_ids, attention_mask, tokentype_ids=None, lm_labels=None, inference_params=None):

@@ -36,6 +36,20 @@ def _stage_layers(num_layers: int, dims, vp_stage: Optional[int]) -> tuple[int, 
     return ((vp_stage or 0) * dims.pp + dims.pp_rank) * per, per
 
 
+def build_kwargs(config, model_cfg, pre_process: bool, post_process: bool, vp_stage: Optional[int]) -> dict:
+    """What a facade model passes paratron's model beside its config: the ParallelDims of ``parallel_state``, this
+    pipeline chunk's layers, the seed, recomputation, the kernel switches, the device and dtype."""
+    dims = COMPAT.require()
+    offset, count = _stage_layers(model_cfg.num_layers, dims, vp_stage)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    return dict(dims=dims, sequence_parallel=config.sequence_parallel,
+                seed=COMPAT.seed if COMPAT.seed is not None else DEFAULT_SEED, pre_process=pre_process,
+                post_process=post_process, layer_offset=offset, num_layers=count,
+                recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
+                recompute_num_layers=config.recompute_num_layers,
+                kernels=config.kernel_config(device, config.params_dtype), device=device, dtype=config.params_dtype)
+
+
 class GPTModel(_GPTModel):
     def __init__(self, config, transformer_layer_spec: Optional[LayerSpec] = None, vocab_size: int = 0,
                  max_sequence_length: int = 0, pre_process: bool = True, post_process: bool = True,
@@ -56,17 +70,8 @@ class GPTModel(_GPTModel):
                                         position_embedding_type=position_embedding_type,
                                         untie_embeddings_and_output_weights=not share_embeddings_and_output_weights,
                                         **(rope if position_embedding_type in ("rope", "yarn") else {}))
-        dims = COMPAT.require()
-        offset, count = _stage_layers(model_cfg.num_layers, dims, vp_stage)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        super().__init__(model_cfg, vocab_size, max_sequence_length, dims,
-                         sequence_parallel=config.sequence_parallel,
-                         seed=COMPAT.seed if COMPAT.seed is not None else DEFAULT_SEED,
-                         pre_process=pre_process, post_process=post_process, layer_offset=offset, num_layers=count,
-                         recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
-                         recompute_num_layers=config.recompute_num_layers,
-                         kernels=config.kernel_config(device, config.params_dtype), device=device,
-                         dtype=config.params_dtype)
+        super().__init__(model_cfg, vocab_size, max_sequence_length,
+                         **build_kwargs(config, model_cfg, pre_process, post_process, vp_stage))
         self.transformer_config = config
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, decoder_input=None, labels=None,
