@@ -221,10 +221,25 @@ class PagedEngine:
         return self.e._forward(t([ids]), t([pos]), view, None, pick=t(pick))[0]
 
     def _run_each(self, plan: list) -> tuple[torch.Tensor, dict]:
-        """A model with Mamba-2 / Gated DeltaNet layers: each request's tokens in a pass of their own, its
-        recurrent states read from and written to its state row (fresh at its first token)."""
+        """A model with Mamba-2 / Gated DeltaNet layers: the decoding requests in one pass of a token per batch row
+        over their gathered state rows, each other request's tokens (prompt chunks) in a pass of their own over its
+        row (fresh at its first token); attention layers through the blocks either way."""
         out, picks = [], {}
+        latent = self.e.model.config.multi_latent_attention  # (its attention takes one packed row only)
+        decodes = [(seq, n) for seq, n in plan if n == 1 and seq.computed > 0 and not latent]
+        batched = {seq.id for seq, _ in decodes}
+        if decodes:
+            ids, pos, slots, rows, lengths, _, mine = self._pack(decodes)
+            t = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
+            width = max(len(seq.blocks) for seq, _ in decodes)
+            tables = t([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in decodes])
+            state = (t([self.states.row(seq, self.sched) for seq, _ in decodes]), False)
+            view = PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel, state)
+            out.append(self.e._forward(t(ids)[:, None], t(pos)[:, None], view, None)[:, 0])
+            picks.update(mine)
         for seq, n in plan:
+            if seq.id in batched:
+                continue
             ids, pos, slots, rows, lengths, pick, mine = self._pack([(seq, n)])
             picks[seq.id] = [sum(len(o) for o in out) + i for i in mine[seq.id]]
             out.append(self._forward([(seq, n)], ids, pos, slots, rows, lengths, pick,

@@ -126,25 +126,30 @@ class PagedView:
     paged = True
 
     def recurrent(self, index: int) -> RecurrentView:
-        """Layer ``index``'s convolution and SSM states of this pass's request (views of its row: written in place);
-        fresh at the request's first token."""
+        """Layer ``index``'s convolution and SSM states of this pass: one request's (views of its row: written in
+        place; fresh at its first token), or a batched decode's rows (gathered, written back by ``update``)."""
         row, fresh = self.state
         conv, ssm = self.cache.states(index)
+        if isinstance(row, torch.Tensor):
+            return GatheredStates(conv, ssm, row)
         return RecurrentView(conv[row:row + 1], ssm[row:row + 1], prefill=fresh)
+
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale, window=None,
                sinks=None) -> torch.Tensor:
-        """Store ``k`` / ``v`` [1, groups, n, d] of layer ``index``; q [1, heads, n, d] over the cached tokens
-        (``window``: the last window + 1 of them; ``sinks``: a logit per head in every softmax's denominator)."""
+        """Store ``k`` / ``v`` [b, groups, s, d] of layer ``index``; q [b, heads, s, d] over the cached tokens
+        (``window``: the last window + 1 of them; ``sinks``: a logit per head in every softmax's denominator). The
+        pass's b x s tokens are the view's, row by row (one packed row, or one token per row of a batched decode)."""
         ck, cv = self.cache.layer(index)
         groups, d = ck.shape[2], ck.shape[3]
-        ck.view(-1, groups, d).index_copy_(0, self.slots, k[0].transpose(0, 1).to(ck.dtype))
-        cv.view(-1, groups, d).index_copy_(0, self.slots, v[0].transpose(0, 1).to(cv.dtype))
-        n, heads = q.size(2), q.size(1)
-        grouped = q[0].transpose(0, 1).reshape(n, groups, heads // groups, d)
+        b, heads, s = q.shape[:3]
+        tokens = lambda t: t.permute(0, 2, 1, 3).reshape(b * s, t.size(1), d)  # noqa: E731
+        ck.view(-1, groups, d).index_copy_(0, self.slots, tokens(k).to(ck.dtype))
+        cv.view(-1, groups, d).index_copy_(0, self.slots, tokens(v).to(cv.dtype))
+        grouped = tokens(q).reshape(b * s, groups, heads // groups, d)
         out = paged_attention(grouped, ck, cv, self.tables, self.rows, self.lengths,
                               scale if scale is not None else d ** -0.5, self.kernel, window, sinks)
-        return out.reshape(n, heads, d).transpose(0, 1)[None]
+        return out.reshape(b, s, heads, d).permute(0, 2, 1, 3)
 
     def attend_latent(self, index: int, q: torch.Tensor, row: torch.Tensor, scale: float) -> torch.Tensor:
         """Multi-latent attention: store ``row`` [n, rank + pe] (the pass's latents and rotated keys) of layer
@@ -153,3 +158,15 @@ class PagedView:
         pool, _ = self.cache.layer(index)
         pool.view(-1, pool.size(-1)).index_copy_(0, self.slots, row.to(pool.dtype))
         return paged_attention(q[:, None], pool, pool, self.tables, self.rows, self.lengths, scale, self.kernel)[:, 0]
+
+
+class GatheredStates(RecurrentView):
+    """The states of several requests' rows for one decode pass (a batch row each): read gathered, written back."""
+
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, rows: torch.Tensor):
+        super().__init__(conv.index_select(0, rows), ssm.index_select(0, rows), prefill=False)
+        self.pools, self.rows = (conv, ssm), rows
+
+    def update(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        self.pools[0].index_copy_(0, self.rows, conv.to(self.pools[0].dtype))
+        self.pools[1].index_copy_(0, self.rows, ssm.to(self.pools[1].dtype))
