@@ -28,7 +28,7 @@ CFG = InferenceConfig(inference_dynamic_batching=True, inference_dynamic_batchin
                       enable_chunked_prefill=True, inference_dynamic_batching_prefix_caching=True)
 
 
-def _paged(rank, world, source, ep=1):
+def _paged(rank, world, source, ep=1, cfg=CFG):
     dims = initialize_model_parallel(world, expert_model_parallel_size=ep, expert_tensor_parallel_size=1 if ep > 1
                                      else None)
     loaded = load_for_inference(source, dims)
@@ -36,7 +36,7 @@ def _paged(rank, world, source, ep=1):
     if rank != 0:
         group.follow()
         return None
-    engine = group.paged(CFG)
+    engine = group.paged(cfg)
     results = engine.generate([Request(p, sp) for p, sp in zip(PROMPTS, PARAMS)])
     again = engine.generate([Request([1, 2], SamplingParams(max_new_tokens=3))])  # a second round, blocks reused
     group.close()
@@ -57,6 +57,25 @@ def test_paged_engine_tp2_equals_tp1(tmp_path, model, ep):
     two = run_ranks(2, _paged, source, ep, tmp_dir=tmp_path)[0]
     assert preempted > 0 and hits > 0  # the small pool preempted and the shared prefix was reused
     assert two[1:] == (preempted, hits)
+    for (t1, lp1), (t2, lp2) in zip(one, two[0]):
+        assert t1 == t2
+        if lp1 is not None:
+            assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "qwen3_next"])
+def test_paged_engine_tp2_equals_tp1_for_hybrid_stacks(tmp_path, name):
+    """NemotronH (Mamba-2 heads and groups split over TP, their state rows too) and Qwen3-Next (Gated DeltaNet)
+    from their Hugging Face directories: the paged engine at TP 2 gives TP 1's tokens (no prefix caching: a
+    recurrent state is not kept per block)."""
+    import dataclasses
+    from tests.unit.test_hf_hybrid import hf_model
+    hf_model(name).save_pretrained(tmp_path / name)
+    cfg = dataclasses.replace(CFG, inference_dynamic_batching_prefix_caching=False,
+                              inference_dynamic_batching_max_requests=3)
+    one, preempted, _ = _paged(0, 1, str(tmp_path / name), 1, cfg)
+    two = run_ranks(2, _paged, str(tmp_path / name), 1, cfg, tmp_dir=tmp_path)[0]
+    assert preempted > 0 and two[1] == preempted
     for (t1, lp1), (t2, lp2) in zip(one, two[0]):
         assert t1 == t2
         if lp1 is not None:
