@@ -107,7 +107,9 @@ def serve(args, d: Path, engine: str, reqs: list) -> dict:
              "continuous": ["--continuous-batching"]}[engine]
     if not args.tiny:
         flags += ["--torch-compile"]
-    proc = subprocess.Popen([sys.executable, "-m", "paratron", "serve", "--load", str(d), "--port", str(port),
+    launch = [sys.executable] if args.nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                        "--nproc-per-node", str(args.nproc)]
+    proc = subprocess.Popen([*launch, "-m", "paratron", "serve", "--load", str(d), "--port", str(port),
                              "--model-name", "m", "--max-batch-size", str(args.max_batch), *flags],
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
@@ -178,6 +180,8 @@ def main(argv=None) -> None:
     a.add_argument("--serve-flags", default="--enable-chunked-prefill --inference-dynamic-batching-block-size 64 "
                                             "--inference-dynamic-batching-max-tokens 8192",
                    help="the paged server's flags")
+    a.add_argument("--nproc", type=int, default=1,
+                   help="paratron's servers under torchrun on this many processes (tensor parallelism)")
     a.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU, few short requests (smoke test)")
     args = a.parse_args(argv)
     if args.tiny:
