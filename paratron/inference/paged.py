@@ -31,9 +31,10 @@ from .sampling import Sampler, find_stop, row_generator
 from .scheduler import Scheduler, Seq
 
 
-def pool_blocks(engine: Engine, cfg, dtype: torch.dtype) -> int:
+def pool_blocks(engine: Engine, cfg, dtype: torch.dtype, reserved: int = 0) -> int:
     """The pool's block count: --inference-dynamic-batching-num-blocks, else the buffer size in GB, else the
-    memory fraction of the GPU's free memory, else (CPU) enough for every request at the full context."""
+    memory fraction of the GPU's free memory less ``reserved`` bytes (a hybrid stack's state rows), else (CPU)
+    enough for every request at the full context."""
     bs = cfg.inference_dynamic_batching_block_size
     per = PagedKVCache.block_bytes(engine.model, bs, dtype)
     if cfg.inference_dynamic_batching_num_blocks is not None:
@@ -42,7 +43,7 @@ def pool_blocks(engine: Engine, cfg, dtype: torch.dtype) -> int:
         return max(2, int(cfg.inference_dynamic_batching_buffer_size_gb * 2 ** 30 // per))
     if engine.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(engine.device)
-        return max(2, int(free * cfg.inference_dynamic_batching_memory_fraction // per))
+        return max(2, int((free * cfg.inference_dynamic_batching_memory_fraction - reserved) // per))
     return cfg.inference_dynamic_batching_max_requests * -(-engine.context // bs) + 1
 
 
@@ -60,12 +61,13 @@ class PagedEngine:
         self.block_size = cfg.inference_dynamic_batching_block_size
         self.group = group if engine.model.par.tp_size > 1 else None
         self.pending: list[Request] = []  # rank 0 under TP: the requests added since the last step
-        self.num_blocks = self._agreed(pool_blocks(engine, cfg, dtype))
         recurrent = PagedKVCache.recurrent(engine.model)
         if recurrent and cfg.inference_dynamic_batching_prefix_caching:
             raise ConfigError("prefix caching shares attention blocks, and a Mamba-2 / Gated DeltaNet layer keeps no "
                               "state per block: serve this model without --inference-dynamic-batching-prefix-caching")
         rows = cfg.inference_dynamic_batching_max_requests if recurrent else 0
+        self.state_bytes = PagedKVCache.state_bytes(engine.model, rows, dtype)
+        self.num_blocks = self._agreed(pool_blocks(engine, cfg, dtype, self.state_bytes))
         self.cache = PagedKVCache(engine.model, self.num_blocks, self.block_size, self.device, dtype, rows)
         self.states = StateRows(rows) if recurrent else None
         self.block_bytes = PagedKVCache.block_bytes(engine.model, self.block_size, dtype)
@@ -324,8 +326,11 @@ class PagedEngine:
             "no CUDA graphs" + ("" if self.graphed else " (tensor parallel, multi-latent attention, windows, sinks "
                                 "or recurrent layers: not yet)")
         attention = "Triton kernel" if self.kernel and self.device.type == "cuda" else "torch reference"
+        rows = self.cfg.inference_dynamic_batching_max_requests
+        states = "" if self.states is None else f", recurrent states: {rows} rows ({self.state_bytes / 2 ** 30:.3f} GB)"
         return (f" paged engine: {self.num_blocks - 1} blocks of {self.block_size} tokens "
-                f"({(self.num_blocks - 1) * self.block_bytes / 2 ** 30:.3f} GB), paged attention: {attention}, {graphs}")
+                f"({(self.num_blocks - 1) * self.block_bytes / 2 ** 30:.3f} GB){states}, paged attention: {attention}, "
+                f"{graphs}")
 
     def stats(self) -> dict:
         """What /health reports about the pool."""

@@ -16,6 +16,7 @@ attention is grouped-query attention with one group whose keys are those rows an
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +48,16 @@ class PagedKVCache(nn.Module):
                 continue
             for name in ("kv",) if self.latent else ("k", "v"):
                 self.register_buffer(f"{name}{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    @staticmethod
+    def state_bytes(model, rows: int, dtype: torch.dtype) -> int:
+        """Bytes of ``rows`` requests' recurrent states (convolution states in ``dtype``, SSM states in fp32)."""
+        total = 0
+        for m in _mixers(model):
+            if hasattr(m, "state_shapes"):
+                conv, ssm = m.state_shapes(rows)
+                total += math.prod(conv) * torch.empty((), dtype=dtype).element_size() + math.prod(ssm) * 4
+        return total
 
     @staticmethod
     def recurrent(model) -> bool:

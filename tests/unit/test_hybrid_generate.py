@@ -77,6 +77,8 @@ def test_paged_engine_keeps_a_state_row_per_request():
     paged = PagedEngine(engine, InferenceConfig(**cfg))
     got = paged.generate(reqs)
     assert paged.sched.preemptions > 0 and "recurrent layers: not yet" in paged.startup_line()
+    held = sum(b.numel() * b.element_size() for n, b in paged.cache.named_buffers() if n.startswith(("conv", "ssm")))
+    assert paged.state_bytes == held > 0 and "recurrent states: 3 rows" in paged.startup_line()  # (reserved on GPUs)
     assert not paged.states.held and len(paged.states.free) == 3  # every row given back
     for r, res in zip(reqs, got):
         want = engine.generate([r])[0]
