@@ -44,11 +44,11 @@ def pool_blocks(engine: Engine, cfg, dtype: torch.dtype, reserved: int = 0) -> i
     if engine.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(engine.device)
         room = free * cfg.inference_dynamic_batching_memory_fraction - reserved
-        if room < 2 * per:
+        if reserved and room < 2 * per:
             raise ConfigError(f"the recurrent states of {cfg.inference_dynamic_batching_max_requests} requests "
                               f"({reserved / 2 ** 30:.2f} GB) leave no room for KV blocks: lower "
                               "--inference-dynamic-batching-max-requests")
-        return int(room // per)
+        return max(2, int(room // per))
     return cfg.inference_dynamic_batching_max_requests * -(-engine.context // bs) + 1
 
 
