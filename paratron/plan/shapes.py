@@ -40,7 +40,7 @@ def part(n: int, size: int, rank: int) -> int:
 
 def unsupported(cfg: ModelConfig) -> Optional[str]:
     """What of this model the memory model does not count yet (None: everything)."""
-    for name, on in (("--mtp-num-layers", cfg.mtp_num_layers), ("--moe-latent-size", cfg.moe_latent_size),
+    for name, on in (("--moe-latent-size", cfg.moe_latent_size),
                      ("--hybrid-layer-pattern", cfg.hybrid_layer_pattern),
                      ("--experimental-attention-variant", cfg.experimental_attention_variant)):
         if on:
@@ -119,11 +119,25 @@ def moe(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
     return out
 
 
-def layer(cfg: ModelConfig, index: int, is_moe: bool, s: Split) -> list[Tensor]:
-    p = f"decoder.layers.{index}"
+def layer(cfg: ModelConfig, index: int, is_moe: bool, s: Split, prefix: Optional[str] = None) -> list[Tensor]:
+    p = prefix or f"decoder.layers.{index}"
     out = norm(f"{p}.input_layernorm", cfg, cfg.hidden_size) + attention(f"{p}.self_attention", cfg, s)
     out += norm(f"{p}.pre_mlp_layernorm", cfg, cfg.hidden_size)
     return out + (moe(f"{p}.mlp", cfg, s) if is_moe else mlp(f"{p}.mlp", cfg, cfg.ffn_hidden_size, s))
+
+
+def mtp(cfg: ModelConfig, s: Split, last_is_moe: bool) -> list[Tensor]:
+    """Multi-token prediction's depths on the last stage (model/mtp.py): two norms, the 2h -> h projection (its
+    output rows over TP), a layer of the decoder's last layer's kind, a final norm; one set with
+    --mtp-use-repeated-layer."""
+    h, out = cfg.hidden_size, []
+    for k in range(1 if cfg.mtp_use_repeated_layer else cfg.mtp_num_layers):
+        p = f"mtp.layers.{k}"
+        out += norm(f"{p}.enorm", cfg, h) + norm(f"{p}.hnorm", cfg, h)
+        out.append(Tensor(f"{p}.eh_proj.weight", part(h, s.tp, s.tp_rank) * 2 * h))
+        out += layer(cfg, cfg.num_layers + k, last_is_moe, s, prefix=f"{p}.mtp_model_layer")
+        out += norm(f"{p}.final_layernorm", cfg, h)
+    return out
 
 
 def moe_pattern(cfg: ModelConfig) -> list[int]:
@@ -154,4 +168,7 @@ def chunk(cfg: ModelConfig, vocab: int, s: Split, first: int, count: int, pre: b
         if not tied or not pre:
             out.append(Tensor("output_layer.weight", part(vocab, s.tp, s.tp_rank) * cfg.hidden_size,
                               tied="embedding" if tied else None))
+        if cfg.mtp_num_layers:
+            full = pattern if len(pattern) == cfg.num_layers else moe_pattern(cfg)
+            out += mtp(cfg, s, bool(full[-1]))
     return out

@@ -69,8 +69,8 @@ def test_trainer_prints_the_memory_plan_at_start_up(capsys):
 
 def test_a_run_the_plan_cannot_count_says_so_and_still_starts():
     from paratron.plan.memory import startup_lines
-    cfg = tiny_config("llama", world_size=1, mtp_num_layers=1)
-    assert startup_lines(cfg) == [" memory plan: not available for runs with --mtp-num-layers (docs/plan.md)"]
+    cfg = tiny_config("llama", world_size=1, moe_latent_size=16, num_experts=4, moe_router_topk=2)
+    assert startup_lines(cfg) == [" memory plan: not available for runs with --moe-latent-size (docs/plan.md)"]
 
 
 def test_startup_lines_name_the_fullest_pipeline_rank():

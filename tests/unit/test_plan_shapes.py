@@ -19,7 +19,9 @@ VARIANTS = [("gpt", {}), ("llama", {}), ("gpt", dict(untie_embeddings_and_output
             ("gpt", MLA), ("gpt", dict(q_lora_rank=24, qk_layernorm=True, **MLA)),
             ("llama", dict(num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=48,
                            moe_shared_expert_gate=True)),
-            ("gpt", dict(num_experts=4, moe_router_topk=1, moe_layer_freq=2))]
+            ("gpt", dict(num_experts=4, moe_router_topk=1, moe_layer_freq=2)),
+            ("llama", dict(mtp_num_layers=2)), ("llama", dict(mtp_num_layers=2, mtp_use_repeated_layer=True)),
+            ("llama", dict(mtp_num_layers=1, num_experts=4, moe_router_topk=2))]
 
 
 @pytest.mark.parametrize("style,extra", VARIANTS, ids=[f"{s}-{'-'.join(e) or 'plain'}" for s, e in VARIANTS])
