@@ -72,12 +72,14 @@ def mlp_bytes(model: ModelConfig, ffn: int, a: int) -> int:
 
 def moe_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     """Per token of the layer's input on this rank: router logits and indices, then top-k routed copies (under
-    sequence parallelism each TP rank routes its own tokens), and the shared expert (a TP-split MLP)."""
-    h, k, f = model.hidden_size, model.moe_router_topk, model.moe_ffn_hidden_size // layout.etp
+    sequence parallelism each TP rank routes its own tokens; --moe-latent-size: in the latent width, with the
+    combined latent output kept for its projection back), and the shared expert (a TP-split MLP)."""
+    h, k, f = model.moe_latent_size or model.hidden_size, model.moe_router_topk, model.moe_ffn_hidden_size // layout.etp
     gated = model.swiglu or model.quick_geglu
     router = model.num_experts * FP32 + k * (2 * FP32 + 3 * INDEX)
     routed = k * ((3 if layout.ep == 1 else 5) * h + (4 if gated else 2) * f) * a  # EP: all-to-all buffers
-    per_rank = (router + routed) // (layout.tp if layout.sequence_parallel else 1)
+    latent = h * a if model.moe_latent_size else 0  # the combined latent output, the latent -> hidden input
+    per_rank = (router + routed + latent) // (layout.tp if layout.sequence_parallel else 1)
     shared = model.moe_shared_expert_intermediate_size
     return per_rank + (mlp_bytes(model, shared, a) // layout.tp if shared else 0)
 

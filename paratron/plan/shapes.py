@@ -40,8 +40,7 @@ def part(n: int, size: int, rank: int) -> int:
 
 def unsupported(cfg: ModelConfig) -> Optional[str]:
     """What of this model the memory model does not count yet (None: everything)."""
-    for name, on in (("--moe-latent-size", cfg.moe_latent_size),
-                     ("--hybrid-layer-pattern", cfg.hybrid_layer_pattern),
+    for name, on in (("--hybrid-layer-pattern", cfg.hybrid_layer_pattern),
                      ("--experimental-attention-variant", cfg.experimental_attention_variant)):
         if on:
             return name
@@ -102,17 +101,22 @@ def mla(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
 
 
 def moe(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
-    """Router (replicated), this rank's experts (cut over EP, each over expert-TP), the shared expert."""
-    h, f, e = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts
+    """Router (replicated), this rank's experts (cut over EP, each over expert-TP; --moe-latent-size: in the latent
+    width, between two replicated projections), the shared expert."""
+    h, f, e = cfg.moe_latent_size or cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts
     width = f * (2 if (cfg.swiglu or cfg.quick_geglu) else 1)
     local = part(e, s.ep, s.ep_rank)
     fc1, fc2 = part(width, s.etp, s.etp_rank), part(f, s.etp, s.etp_rank)
     bias = not cfg.disable_bias_linear
-    out = [Tensor(f"{prefix}.router.weight", e * h)]
+    out = [Tensor(f"{prefix}.router.weight", e * cfg.hidden_size)]
     out.append(Tensor(f"{prefix}.experts.linear_fc1.weight", local * fc1 * h, "edp"))
     out += [Tensor(f"{prefix}.experts.linear_fc1.bias", local * fc1, "edp")] if bias else []
     out.append(Tensor(f"{prefix}.experts.linear_fc2.weight", local * h * fc2, "edp"))
     out += [Tensor(f"{prefix}.experts.linear_fc2.bias", local * h, "edp")] if bias else []
+    if cfg.moe_latent_size:  # hidden -> latent before the experts, latent -> hidden after (model/mlp.py)
+        for name, rows, cols in (("fc1_latent_proj", h, cfg.hidden_size), ("fc2_latent_proj", cfg.hidden_size, h)):
+            out.append(Tensor(f"{prefix}.{name}.weight", rows * cols))
+            out += [Tensor(f"{prefix}.{name}.bias", rows)] if bias else []
     if cfg.moe_shared_expert_intermediate_size:  # (a module's own parameters come before its children's)
         out += [Tensor(f"{prefix}.shared_experts.gate_weight", h)] if cfg.moe_shared_expert_gate else []
         out += mlp(f"{prefix}.shared_experts", cfg, cfg.moe_shared_expert_intermediate_size, s)

@@ -1,6 +1,6 @@
 """The planner's per-rank bytes of weights, gradient buffers and optimizer state equal the bytes of the real
-tensors of a Trainer after one step, on every rank of 4 gloo processes, for twelve layouts over TP (+SP), PP
-(+ virtual stages), CP, DP, EP (MoE), multi-latent attention and multi-token prediction, with each data-parallel sharding strategy the config accepts; and
+tensors of a Trainer after one step, on every rank of 4 gloo processes, for thirteen layouts over TP (+SP), PP
+(+ virtual stages), CP, DP, EP (MoE, latent MoE), multi-latent attention and multi-token prediction, with each data-parallel sharding strategy the config accepts; and
 the activation bytes each rank holds at the peak of a training step (the pipeline's micro-batches in flight
 included) against what autograd really keeps for backward."""
 import pytest
@@ -27,7 +27,9 @@ LAYOUTS = [("gpt", {}), ("llama", dict(bf16=True, ddp_bucket_size=2000)),
            ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
                           expert_tensor_parallel_size=1, **MOE)),
            ("gpt", dict(tensor_model_parallel_size=2, **MLA)),
-           ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True, mtp_num_layers=2, bf16=True))]
+           ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True, mtp_num_layers=2, bf16=True)),
+           ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                          expert_tensor_parallel_size=1, moe_latent_size=16, **MOE))]
 
 
 def strategy_flags(strategy: str) -> dict:

@@ -34,7 +34,9 @@ CASES = [("gpt", {}), ("llama", {}), ("llama", dict(recompute_granularity="selec
          ("llama", dict(num_layers=3, num_experts=8, moe_router_topk=2, moe_shared_expert_intermediate_size=64,
                         moe_layer_freq="[0,1,1]")),
          ("llama", dict(mtp_num_layers=2)), ("gpt", dict(mtp_num_layers=1)), ("llama", dict(mtp_num_layers=1, bf16=True)),
-         ("llama", dict(mtp_num_layers=1, num_experts=4, moe_router_topk=2))]
+         ("llama", dict(mtp_num_layers=1, num_experts=4, moe_router_topk=2)),
+         ("llama", dict(num_experts=4, moe_router_topk=2, moe_latent_size=16)),
+         ("gpt", dict(num_experts=4, moe_router_topk=2, moe_latent_size=32, bf16=True))]
 
 
 @pytest.mark.parametrize("style,extra", CASES, ids=[f"{s}-{'-'.join(e) or 'plain'}" for s, e in CASES])

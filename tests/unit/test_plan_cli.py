@@ -69,8 +69,9 @@ def test_trainer_prints_the_memory_plan_at_start_up(capsys):
 
 def test_a_run_the_plan_cannot_count_says_so_and_still_starts():
     from paratron.plan.memory import startup_lines
-    cfg = tiny_config("llama", world_size=1, moe_latent_size=16, num_experts=4, moe_router_topk=2)
-    assert startup_lines(cfg) == [" memory plan: not available for runs with --moe-latent-size (docs/plan.md)"]
+    cfg = tiny_config("llama", world_size=1, hybrid_layer_pattern="M*", mamba_head_dim=16, mamba_num_groups=2,
+                      mamba_state_dim=16)
+    assert startup_lines(cfg) == [" memory plan: not available for runs with --hybrid-layer-pattern (docs/plan.md)"]
 
 
 def test_startup_lines_name_the_fullest_pipeline_rank():

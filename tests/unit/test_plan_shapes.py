@@ -21,7 +21,9 @@ VARIANTS = [("gpt", {}), ("llama", {}), ("gpt", dict(untie_embeddings_and_output
                            moe_shared_expert_gate=True)),
             ("gpt", dict(num_experts=4, moe_router_topk=1, moe_layer_freq=2)),
             ("llama", dict(mtp_num_layers=2)), ("llama", dict(mtp_num_layers=2, mtp_use_repeated_layer=True)),
-            ("llama", dict(mtp_num_layers=1, num_experts=4, moe_router_topk=2))]
+            ("llama", dict(mtp_num_layers=1, num_experts=4, moe_router_topk=2)),
+            ("llama", dict(num_experts=4, moe_router_topk=2, moe_latent_size=16, moe_shared_expert_intermediate_size=48)),
+            ("gpt", dict(num_experts=4, moe_router_topk=2, moe_latent_size=16))]
 
 
 @pytest.mark.parametrize("style,extra", VARIANTS, ids=[f"{s}-{'-'.join(e) or 'plain'}" for s, e in VARIANTS])
