@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from .layout import Layout
+from .shapes import moe_pattern
 
 FP32, INDEX = 4, 8
 
@@ -106,7 +107,7 @@ def head_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
     return tokens * ((sp // t if layout.sequence_parallel else sp) + inputs + vocab // t * a + 2 * INDEX)
 
 
-def mtp_bytes(model: ModelConfig, layout: Layout, vocab: int, last_is_moe: bool) -> int:
+def mtp_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
     """Multi-token prediction's depths on the last stage, one micro-batch: per depth a layer of the last layer's
     kind, its own loss head, and per token the embedding's norm, the hidden state's norm (whose input, the decoder's
     normed output, is already kept: LayerNorm's input, or RMSNorm's in fp32), the 2h -> h projection's (gathered)
@@ -118,7 +119,7 @@ def mtp_bytes(model: ModelConfig, layout: Layout, vocab: int, last_is_moe: bool)
     shared = h * a if model.normalization == "LayerNorm" else (h * FP32 if a == FP32 else 0)
     norms = 2 * norm_bytes(model, a) - shared
     per_token = (norms // t if layout.sequence_parallel else norms) + 2 * h * a + INDEX
-    layer = layer_bytes(model, layout, last_is_moe).full
+    layer = layer_bytes(model, layout, bool(moe_pattern(model)[-1])).full
     if layout.recompute == "full":
         per_token, layer = h * a // (t if layout.sequence_parallel else 1) + INDEX, 0
     return model.mtp_num_layers * (layer + head_bytes(model, layout, vocab) + tokens * per_token)
@@ -140,15 +141,8 @@ def edge_bytes(model: ModelConfig, layout: Layout, vocab: int, pre: bool, post: 
     """The embedding's dropout mask (first chunk) and the loss head (last chunk), one micro-batch."""
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     mask = tokens * model.hidden_size // (layout.tp if layout.sequence_parallel else 1)
-    mtp = mtp_bytes(model, layout, vocab, _last_is_moe(model)) if post else 0
+    mtp = mtp_bytes(model, layout, vocab) if post else 0
     return (mask if pre and model.hidden_dropout > 0 else 0) + (head_bytes(model, layout, vocab) if post else 0) + mtp
-
-
-def _last_is_moe(model: ModelConfig) -> bool:
-    if not model.num_experts:
-        return False
-    from ..config.layer_patterns import parse_moe_layer_freq
-    return bool(parse_moe_layer_freq(model.moe_layer_freq, model.num_layers)[-1])
 
 
 def chunk_bytes(model: ModelConfig, layout: Layout, layers: list, vocab: int, pre: bool,

@@ -130,11 +130,11 @@ def layer(cfg: ModelConfig, index: int, is_moe: bool, s: Split, prefix: Optional
     return out + (moe(f"{p}.mlp", cfg, s) if is_moe else mlp(f"{p}.mlp", cfg, cfg.ffn_hidden_size, s))
 
 
-def mtp(cfg: ModelConfig, s: Split, last_is_moe: bool) -> list[Tensor]:
+def mtp(cfg: ModelConfig, s: Split) -> list[Tensor]:
     """Multi-token prediction's depths on the last stage (model/mtp.py): two norms, the 2h -> h projection (its
     output rows over TP), a layer of the decoder's last layer's kind, a final norm; one set with
     --mtp-use-repeated-layer."""
-    h, out = cfg.hidden_size, []
+    h, out, last_is_moe = cfg.hidden_size, [], bool(moe_pattern(cfg)[-1])
     for k in range(1 if cfg.mtp_use_repeated_layer else cfg.mtp_num_layers):
         p = f"mtp.layers.{k}"
         out += norm(f"{p}.enorm", cfg, h) + norm(f"{p}.hnorm", cfg, h)
@@ -173,6 +173,5 @@ def chunk(cfg: ModelConfig, vocab: int, s: Split, first: int, count: int, pre: b
             out.append(Tensor("output_layer.weight", part(vocab, s.tp, s.tp_rank) * cfg.hidden_size,
                               tied="embedding" if tied else None))
         if cfg.mtp_num_layers:
-            full = pattern if len(pattern) == cfg.num_layers else moe_pattern(cfg)
-            out += mtp(cfg, s, bool(full[-1]))
+            out += mtp(cfg, s)
     return out

@@ -16,8 +16,8 @@ from ..config.pipeline_split import chunk_layers
 from .layout import Layout
 from .shapes import Split, Tensor, chunk, moe_pattern
 
-LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-MTP_LAYER, MTP_UNITS = re.compile(r"^mtp\.layers\.(\d+)\."), 1 << 20  # (unit ids past any decoder layer's)
+UNIT = re.compile(r"^(decoder|mtp)\.layers\.(\d+)\.")
+MTP_UNITS = 1 << 20  # the ids of multi-token prediction's units: past any decoder layer's
 ALIGN = 64  # paratron/parallel/data.py's alignment of parameters and shards
 BUCKET_MIN, BUCKET_PER_RANK = 40_000_000, 1_000_000  # Megatron's default bucket with --overlap-grad-reduce
 ADAM_BYTES = 8  # two fp32 moments per element
@@ -45,11 +45,10 @@ class Buffer:
 def unit(name: str) -> int:
     """The ZeRO-3 unit of a parameter: its decoder layer (or multi-token prediction depth: every element of a
     top-level ModuleList is a unit), or -1 for the rest of the model (the root unit)."""
-    match = LAYER.match(name)
-    if match:
-        return int(match.group(1))
-    match = MTP_LAYER.match(name)
-    return MTP_UNITS + int(match.group(1)) if match else -1
+    match = UNIT.match(name)
+    if match is None:
+        return -1
+    return int(match.group(2)) + (MTP_UNITS if match.group(1) == "mtp" else 0)
 
 
 def spans_and_buckets(tensors: list[Tensor], n: int, bucket_size, by_unit: bool = False) -> tuple[list, list]:
