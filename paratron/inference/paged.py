@@ -220,37 +220,42 @@ class PagedEngine:
                 return out, picks
         return self._forward(plan, ids, pos, slots, rows, lengths, pick), picks
 
-    def _forward(self, plan, ids, pos, slots, rows, lengths, pick, state=None) -> torch.Tensor:
+    def _tensor(self, x) -> torch.Tensor:
+        return torch.tensor(x, device=self.device)
+
+    def _view(self, plan, slots, rows, lengths, state=None) -> PagedView:
+        """The cache as the pass of ``plan``'s tokens sees it (``state``: PagedView's)."""
         width = max(len(seq.blocks) for seq, _ in plan)
-        t = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
-        tables = t([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in plan])
-        view = PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel, state)
-        return self.e._forward(t([ids]), t([pos]), view, None, pick=t(pick))[0]
+        tables = self._tensor([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in plan])
+        t = self._tensor
+        return PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel, state)
+
+    def _forward(self, plan, ids, pos, slots, rows, lengths, pick, state=None) -> torch.Tensor:
+        """Logits of the ``pick`` positions of ``plan``'s tokens packed into one sequence."""
+        t = self._tensor
+        return self.e._forward(t([ids]), t([pos]), self._view(plan, slots, rows, lengths, state), None, pick=t(pick))[0]
 
     def _run_each(self, plan: list) -> tuple[torch.Tensor, dict]:
         """A model with Mamba-2 / Gated DeltaNet layers: the decoding requests in one pass of a token per batch row
         over their gathered state rows, each other request's tokens (prompt chunks) in a pass of their own over its
         row (fresh at its first token); attention layers through the blocks either way."""
-        out, picks = [], {}
+        out, picks, done = [], {}, 0
         latent = self.e.model.config.multi_latent_attention  # (its attention takes one packed row only)
         decodes = [(seq, n) for seq, n in plan if n == 1 and seq.computed > 0 and not latent]
-        batched = {seq.id for seq, _ in decodes}
         if decodes:
-            ids, pos, slots, rows, lengths, _, mine = self._pack(decodes)
-            t = lambda x: torch.tensor(x, device=self.device)  # noqa: E731
-            width = max(len(seq.blocks) for seq, _ in decodes)
-            tables = t([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in decodes])
-            state = (t([self.states.row(seq, self.sched) for seq, _ in decodes]), False)
-            view = PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel, state)
-            out.append(self.e._forward(t(ids)[:, None], t(pos)[:, None], view, None)[:, 0])
-            picks.update(mine)
+            ids, pos, slots, rows, lengths, _, picks = self._pack(decodes)
+            state = (self._tensor([self.states.row(seq, self.sched) for seq, _ in decodes]), False)
+            view = self._view(decodes, slots, rows, lengths, state)
+            out.append(self.e._forward(self._tensor(ids)[:, None], self._tensor(pos)[:, None], view, None)[:, 0])
+            done = len(decodes)
         for seq, n in plan:
-            if seq.id in batched:
+            if seq.id in picks:  # (decoded above)
                 continue
             ids, pos, slots, rows, lengths, pick, mine = self._pack([(seq, n)])
-            picks[seq.id] = [sum(len(o) for o in out) + i for i in mine[seq.id]]
+            picks[seq.id] = [done + i for i in mine[seq.id]]
             out.append(self._forward([(seq, n)], ids, pos, slots, rows, lengths, pick,
                                      (self.states.row(seq, self.sched), seq.computed == 0)))
+            done += len(pick)
         return torch.cat(out), picks
 
     def _prompt_logprobs(self, plan: list, logits: torch.Tensor, picks: dict) -> None:

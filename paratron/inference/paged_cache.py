@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .cache import RecurrentView
 from ..kernels.paged_attention import paged_attention
+from .cache import RecurrentView
 
 
 class PagedKVCache(nn.Module):
@@ -39,30 +39,25 @@ class PagedKVCache(nn.Module):
         self.latent = model.config.multi_latent_attention
         shape = (num_blocks, block_size, *self.row_shape(model))
         dtype = dtype or next(model.parameters()).dtype
+        for i, conv, ssm in _state_shapes(model, state_rows):
+            self.register_buffer(f"conv{i}", torch.zeros(conv, device=device, dtype=dtype), persistent=False)
+            self.register_buffer(f"ssm{i}", torch.zeros(ssm, device=device), persistent=False)
         for mixer in _mixers(model):
-            i = mixer.layer_index
-            if hasattr(mixer, "state_shapes"):
-                conv, ssm = mixer.state_shapes(state_rows)
-                self.register_buffer(f"conv{i}", torch.zeros(conv, device=device, dtype=dtype), persistent=False)
-                self.register_buffer(f"ssm{i}", torch.zeros(ssm, device=device), persistent=False)
-                continue
-            for name in ("kv",) if self.latent else ("k", "v"):
-                self.register_buffer(f"{name}{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+            if not hasattr(mixer, "state_shapes"):
+                for name in ("kv",) if self.latent else ("k", "v"):
+                    self.register_buffer(f"{name}{mixer.layer_index}", torch.zeros(shape, device=device, dtype=dtype),
+                                         persistent=False)
 
     @staticmethod
     def state_bytes(model, rows: int, dtype: torch.dtype) -> int:
         """Bytes of ``rows`` requests' recurrent states (convolution states in ``dtype``, SSM states in fp32)."""
-        total = 0
-        for m in _mixers(model):
-            if hasattr(m, "state_shapes"):
-                conv, ssm = m.state_shapes(rows)
-                total += math.prod(conv) * torch.empty((), dtype=dtype).element_size() + math.prod(ssm) * 4
-        return total
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum(math.prod(conv) * size + math.prod(ssm) * 4 for _, conv, ssm in _state_shapes(model, rows))
 
     @staticmethod
     def recurrent(model) -> bool:
         """Whether the model has Mamba-2 / Gated DeltaNet layers (their states are kept per request)."""
-        return any(hasattr(m, "state_shapes") for m in _mixers(model))
+        return bool(_state_shapes(model, 0))
 
     def states(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"conv{index}"), getattr(self, f"ssm{index}")
@@ -94,6 +89,11 @@ class PagedKVCache(nn.Module):
 def _mixers(model):
     """The token mixer (attention, Mamba-2, Gated DeltaNet) of every decoder layer that has one."""
     return [layer.self_attention for layer in model.decoder.layers if layer.self_attention is not None]
+
+
+def _state_shapes(model, rows: int) -> list[tuple]:
+    """(layer index, convolution state shape, SSM state shape) of each recurrent layer, for ``rows`` requests."""
+    return [(m.layer_index, *m.state_shapes(rows)) for m in _mixers(model) if hasattr(m, "state_shapes")]
 
 
 class StateRows:
@@ -144,7 +144,6 @@ class PagedView:
         if isinstance(row, torch.Tensor):
             return GatheredStates(conv, ssm, row)
         return RecurrentView(conv[row:row + 1], ssm[row:row + 1], prefill=fresh)
-
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale, window=None,
                sinks=None) -> torch.Tensor:

@@ -50,10 +50,8 @@ class Server:
         self.default_max = 16
         self.engine = None  # the paged engine, when the config asks for it
         if self.limits.inference_dynamic_batching:  # one pool of KV blocks, requests join between steps (paged.py)
-            from .paged import PagedEngine
             from .paged_batcher import PagedBatcher
-            self.engine = model.group.paged(self.limits) if hasattr(model, "group") else PagedEngine(model.engine,
-                                                                                                     self.limits)
+            self.engine = model.group.paged(self.limits)  # built on every TP rank (runtime.Group)
             print(self.engine.startup_line(), flush=True)
             self.batcher = PagedBatcher(self.engine)
         elif continuous:  # requests join running batches (continuous.py)
