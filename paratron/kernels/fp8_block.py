@@ -96,8 +96,7 @@ def scaled_mm_scales(sa: torch.Tensor, sb: torch.Tensor, b_blocks: bool) -> tupl
     was not a multiple of 4 (seen on an H200: ``benchmarks/results/fp8_blockwise_layout_h200_20261202.md``)."""
     inv_b = sb.reciprocal()
     if b_blocks:
-        kb = inv_b.shape[1]
-        scale_b = torch.nn.functional.pad(inv_b, (0, -kb % 4)).t() if kb % 4 else inv_b.contiguous().t()
+        scale_b = torch.nn.functional.pad(inv_b, (0, -inv_b.shape[1] % 4)).t()  # (a contiguous copy: padded or not)
     else:
         scale_b = _column_major(inv_b)
     return _column_major(sa.reciprocal()), scale_b

@@ -43,10 +43,14 @@ def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def fla_usable() -> bool:
+    """fla-core importable and no known fault of it with this Triton on this GPU (``fla_refusal``)."""
+    return fla_installed() and fla_refusal() is None
+
+
 def fla_available(device) -> bool:
-    """fla-core importable, a CUDA device (its kernels are Triton kernels for GPUs), and no known fault of
-    fla-core with this Triton on this GPU (``fla_refusal``)."""
-    return torch.device(device or "cpu").type == "cuda" and fla_installed() and fla_refusal() is None
+    """``fla_usable`` on a CUDA device (fla-core's kernels are Triton kernels for GPUs)."""
+    return torch.device(device or "cpu").type == "cuda" and fla_usable()
 
 
 def _cu_seqlens(reset: torch.Tensor) -> torch.Tensor:

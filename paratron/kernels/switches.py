@@ -63,9 +63,8 @@ def availability(device, dtype, deterministic: bool = False) -> dict:
 def _linear_scan(device) -> tuple[str, str]:
     if linear_scan.fla_available(device):
         return "fla", "fla-core's Triton kernels on CUDA"
-    if torch.device(device).type == "cuda" and linear_scan.fla_installed() and linear_scan.fla_refusal():
-        return "torch", linear_scan.fla_refusal().split(": install")[0]
-    return "torch", "needs fla-core and CUDA"
+    refusal = linear_scan.fla_refusal() if torch.device(device).type == "cuda" and linear_scan.fla_installed() else None
+    return "torch", refusal.split(": install")[0] if refusal else "needs fla-core and CUDA"
 
 
 def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False) -> KernelConfig:

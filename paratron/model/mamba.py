@@ -25,7 +25,7 @@ from . import mup
 from ..config import ModelConfig
 from ..config.check_hybrid import mamba_heads
 from ..kernels.causal_conv import causal_conv
-from ..kernels.linear_scan import fla_installed, fla_refusal, ssd
+from ..kernels.linear_scan import fla_usable, ssd
 from ..kernels.ssd import resets_of
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal, tp_param
 from .context import ForwardContext, Parallel
@@ -60,7 +60,7 @@ def use_fla(par: Parallel) -> bool:
     """The --kernel-linear-scan switch asks for fla, or auto where fla-core is installed and can train here
     (kernels/linear_scan.fla_refusal; CUDA checked per call)."""
     asked = par.kernels.kernel_linear_scan
-    return asked == "fla" or (asked == "auto" and fla_installed() and fla_refusal() is None)
+    return asked == "fla" or (asked == "auto" and fla_usable())
 
 
 class MambaMixer(nn.Module):
