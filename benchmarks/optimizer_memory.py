@@ -20,7 +20,8 @@ offload: the shape without offload (expected: CUDA out of memory, recorded as su
 and with ``--offload`` flags (default ``--optimizer-cpu-offload --optimizer-offload-fraction 0.5``): tokens/s,
 peak memory, bytes per rank of parameters / gradients / optimizer state (device and host).
 fp8-gather: FP8 training under ZeRO-3 with and without ``--fp8-param-gather`` for ``--steps`` steps (needs 2+
-GPUs: on one there is no all-gather); the verdict compares the two loss curves (largest relative difference
+ranks: on one there is no all-gather; ``--ranks-per-gpu 2`` runs two ranks on each GPU over gloo, which moves the
+collectives through the host: the numerics of the FP8 gather without NCCL's speed); the verdict compares the two loss curves (largest relative difference
 of the mean loss over windows of 10 steps, limit 1 %).
 strategies: tokens/s and peak memory per GPU of each ``--data-parallel-sharding-strategy``.
 Each run is `torchrun --standalone --nproc-per-node G` of this file in worker mode; a Markdown record (date,
@@ -151,11 +152,13 @@ def worker(args) -> None:
     from paratron.parallel.dims import shutdown_distributed
     from paratron.train.loop import Trainer
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.ranks_per_gpu > 1:  # several ranks on one GPU: NCCL refuses that, gloo takes CUDA tensors
+        os.environ["LOCAL_RANK"] = str(int(os.environ["LOCAL_RANK"]) // args.ranks_per_gpu)
     flags = [*shlex.split(args.flags), "--train-iters", str(args.steps + 1), "--eval-iters", "0",
              "--log-interval", "1000000"]
     mbs = parse_args(flags, world_size=1).train.micro_batch_size
     cfg = parse_args(flags + ["--global-batch-size", str(mbs * args.micro_batches * world)])
-    out: dict = {"gpus": world, "losses": []}
+    out: dict = {"gpus": world // args.ranks_per_gpu, "ranks": world, "losses": []}
     try:
         trainer = Trainer(cfg)
         start = None
@@ -182,9 +185,11 @@ def worker(args) -> None:
 def run_gpus(gpus: int, flags: str, args) -> tuple[dict, str]:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(gpus * args.ranks_per_gpu),
                str(Path(__file__).resolve()), "worker", "--result", str(result), "--steps", str(args.steps),
-               "--micro-batches", str(args.micro_batches), "--flags", flags]
+               "--micro-batches", str(args.micro_batches), "--ranks-per-gpu", str(args.ranks_per_gpu), "--flags",
+               flags + (" --distributed-backend gloo" if args.ranks_per_gpu > 1 else "")]
         print("$ " + shlex.join(cmd), flush=True)
         proc = subprocess.run(cmd, cwd=ROOT)
         if not result.is_file():
@@ -196,7 +201,7 @@ def row(label: str, r: dict) -> str:
     b = r.get("bytes", {})
     state = " / ".join(str(b.get(k)) for k in ("params", "grads", "optimizer", "optimizer_host")) if b else "-"
     what = r.get("oom") and f"out of memory: {r['oom']}" or r.get("error") or "trained"
-    return f"| {label} | {r.get('gpus')} | {r.get('tok_s', '-')} | {r.get('step_ms', '-')} | {r.get('peak_gb')} | " \
+    return f"| {label} | {r.get('gpus')} ({r.get('ranks')}) | {r.get('tok_s', '-')} | {r.get('step_ms', '-')} | {r.get('peak_gb')} | " \
            f"{state} | {what} |"
 
 
@@ -214,6 +219,7 @@ def fit_main() -> int:
     p.add_argument("--offload", default="--optimizer-cpu-offload --optimizer-offload-fraction 0.5")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--ranks-per-gpu", type=int, default=1, help="ranks on each GPU (> 1: gloo, not NCCL)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     p.add_argument("--flags", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -232,7 +238,7 @@ def fit_main() -> int:
     else:
         runs = {s: f"{shape} --use-megatron-fsdp --data-parallel-sharding-strategy {s}" for s in STRATEGIES}
     results = {label: run_gpus(args.gpus, flags, args) for label, flags in runs.items()}
-    rows = ["| run | GPUs | tokens/s | step ms | peak GB | GiB/rank params / grads / optimizer / host | result |",
+    rows = ["| run | GPUs (ranks) | tokens/s | step ms | peak GB | GiB/rank params / grads / optimizer / host | result |",
             "|---|---|---|---|---|---|---|"] + [row(label, r) for label, (r, _) in results.items()]
     ok, verdict = True, ""
     if args.mode == "offload":
