@@ -96,7 +96,9 @@ def scaled_mm_scales(sa: torch.Tensor, sb: torch.Tensor, b_blocks: bool) -> tupl
     was not a multiple of 4 (seen on an H200: ``benchmarks/results/fp8_blockwise_layout_h200_20261202.md``)."""
     inv_b = sb.reciprocal()
     if b_blocks:
-        scale_b = torch.nn.functional.pad(inv_b, (0, -inv_b.shape[1] % 4)).t()  # (a contiguous copy: padded or not)
+        # pad's result keeps a transposed input's strides when nothing is padded (the input gradient's GEMM
+        # reads the weight's scales as a transposed view): made row-major before the transpose
+        scale_b = torch.nn.functional.pad(inv_b, (0, -inv_b.shape[1] % 4)).contiguous().t()
     else:
         scale_b = _column_major(inv_b)
     return _column_major(sa.reciprocal()), scale_b

@@ -79,12 +79,21 @@ def adamw_step_(adam: torch.optim.AdamW, outs: dict, grad_scale: Optional[torch.
         work += [(group, m, _state(adam, m)) for m in group["params"] if m.grad is not None]
     if not work:
         return
-    # found_inf: the counters do not advance (torch's fused AdamW adds 1, then subtracts found_inf)
-    torch._foreach_add_([s["step"] for _, _, s in work], 1.0 if found_inf is None else 1.0 - found_inf)
+    advance_steps([s["step"] for _, _, s in work], found_inf)
     device = work[0][1].device
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         for group, m, state in work:
             _launch(m, state, outs.get(m), group, grad_scale, found_inf)
+
+
+def advance_steps(steps: list, found_inf: Optional[torch.Tensor]) -> None:
+    """Each step counter + 1, or + 0 where ``found_inf`` is 1 (torch's fused AdamW adds 1, then subtracts
+    found_inf), without reading found_inf on the host: a 0-dim tensor where foreach takes a Scalar is read by
+    ``.item()``, a host synchronisation every step; a list of tensors is not."""
+    if found_inf is None:
+        torch._foreach_add_(steps, 1.0)
+    else:
+        torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))
 
 
 def _launch(master: torch.Tensor, state: dict, out: Optional[torch.Tensor], group: dict,

@@ -93,7 +93,8 @@ if triton is not None:
                     other=0.0).to(tl.float32)
         table = tab_ptr + tl.load(row_ptr + i) * stab
         end = tl.load(len_ptr + i)  # this token sees cached tokens [first, end)
-        first = tl.maximum(end - 1 - window, 0) if window >= 0 else 0
+        # (window < 0: none; one expression of the loaded length's type, Triton's ternary needs one type)
+        first = tl.where(window >= 0, tl.maximum(end - 1 - window, 0), 0).to(end.dtype)
         m = tl.full([QB], float("-inf"), tl.float32)
         total = tl.zeros([QB], tl.float32)
         acc = tl.zeros([QB, D], tl.float32)

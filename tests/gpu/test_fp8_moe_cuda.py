@@ -39,12 +39,13 @@ def test_blockwise_scaled_mm_equals_emulation(b_blocks):
 
 
 @pytest.mark.skipif(not _hopper(), reason="Hopper")
-def test_blockwise_linear_on_the_gpu_equals_emulation():
+@pytest.mark.parametrize("k,n", [(512, 384), (384, 512)])  # (the second: the input gradient's K blocks unpadded)
+def test_blockwise_linear_on_the_gpu_equals_emulation(k, n):
     from paratron import fp8
     torch.manual_seed(1)
-    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(384, 512, device="cuda") * 0.05).to(torch.bfloat16)
-    g = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") * 0.05).to(torch.bfloat16)
+    g = torch.randn(256, n, device="cuda", dtype=torch.bfloat16)
     outs = []
     for emulate in (False, True):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()

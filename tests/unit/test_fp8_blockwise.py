@@ -145,6 +145,11 @@ def test_scaled_mm_scale_layouts(n, k):
     assert torch.equal(scale_a, sa.reciprocal())
     assert scale_b.shape == (k4, n // 128) and scale_b.stride() == (1, k4)
     assert torch.equal(scale_b[:kb], sb.reciprocal().t())
+    # the input gradient's GEMM reads the weight's block scales transposed (a view): the same layout
+    sbt = block_scales(torch.randn(k, n)).t()
+    _, scale_bt = scaled_mm_scales(sa, sbt, True)
+    assert scale_bt.shape == (k4, n // 128) and scale_bt.stride() == (1, k4)
+    assert torch.equal(scale_bt[:kb], sbt.reciprocal().t())
     st = tile_scales(torch.randn(n, k))
     _, scale_t = scaled_mm_scales(sa, st, False)
     assert scale_t.shape == (n, kb) and scale_t.stride() == (1, n) and torch.equal(scale_t, st.reciprocal())
