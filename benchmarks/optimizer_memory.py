@@ -131,14 +131,21 @@ def main() -> int:
     return 0 if all(r <= LIMIT for _, r in report(single, sharded, args.dp)) else 1
 
 
-# Llama-3-8B's shape: 8.0 B parameters; bf16 weights + fp32 gradients + fp32 masters and Adam moments are
-# 18 bytes a parameter (144 GB) without offload, 12 with half the optimizer offloaded.
-SHAPE_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+# Llama-3-8B's width with 36 layers instead of 32: 8.9 B parameters; bf16 weights + fp32 gradients + fp32
+# masters and Adam moments are 18 bytes a parameter (160 GB: more than an H200's 141 GB) without offload, 12
+# (107 GB) with half the optimizer offloaded. (Llama-3-8B itself, 144 GB, still fit an H200 without offload:
+# benchmarks/results/optimizer_memory_offload_1gpu_20261202_160730.md.)
+SHAPE_9B = ("--num-layers 36 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
             "--group-query-attention --num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type "
             "rope --untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 128256 --seq-length 2048 "
             "--max-position-embeddings 2048 --micro-batch-size 1 --bf16 --recompute-granularity full "
             "--recompute-method uniform --recompute-num-layers 1 --mock-data --tokenizer-type NullTokenizer --lr 1e-4")
 SMALL = "--config llama-1b --bf16 --micro-batch-size 4 --mock-data --lr 3e-4"
+# real English text (the standard library's docstrings, prepared where the benchmark runs): a 125M GPT does not
+# memorise it within 100 steps as it does mock data, whose losses fall to 0.1 and make relative gaps meaningless
+TEXT = ("--config gpt-125m --bf16 --micro-batch-size 2 --seq-length 1024 --max-position-embeddings 1024 "
+        "--data-path {GPT_DATA} --vocab-file {VOCAB} --tokenizer-type BertWordPieceLowerCase --split 100,0,0 "
+        "--lr 3e-4 --num-workers 0")
 FP8 = "--fp8-format hybrid --fp8-recipe tensorwise"
 ZERO3 = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -147,10 +154,10 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 def worker(args) -> None:
     """One rank of a run (under torchrun): ``--steps`` steps, the losses, speed and memory as JSON."""
     import torch
-    from paratron.config import parse_args
     from paratron.optim.memory import per_rank_state_bytes
     from paratron.parallel.dims import shutdown_distributed
     from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args  # (the tokenizer's vocabulary size read from its files)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.ranks_per_gpu > 1:  # several ranks on one GPU: NCCL refuses that, gloo takes CUDA tensors
         os.environ["LOCAL_RANK"] = str(int(os.environ["LOCAL_RANK"]) // args.ranks_per_gpu)
@@ -230,7 +237,11 @@ def fit_main() -> int:
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     args.steps = args.steps or {"offload": 10, "fp8-gather": 100, "strategies": 20}[args.mode]
-    shape = args.shape or (SHAPE_8B if args.mode == "offload" else SMALL)
+    shape = args.shape or {"offload": SHAPE_9B, "fp8-gather": TEXT}.get(args.mode, SMALL)
+    if "{GPT_DATA}" in shape:
+        from paratron.data.corpus import prepare_docstring_data
+        data = prepare_docstring_data(tempfile.mkdtemp(prefix="docstrings_"))
+        shape = shape.replace("{GPT_DATA}", data["gpt"]).replace("{VOCAB}", data["vocab"])
     if args.mode == "offload":
         runs = {"no offload": shape, "offload": f"{shape} {args.offload}"}
     elif args.mode == "fp8-gather":

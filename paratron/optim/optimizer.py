@@ -129,7 +129,9 @@ class MixedPrecisionAdam:
                    "hidden": hidden, "eps": eps_of[hidden]}
                   for (decay, decoupled, hidden), ps in sorted(groups.items(), reverse=True)]
         device = self._device()
-        kw = {"fused": True} if device.type == "cuda" and self.host is None else {"foreach": True}
+        # torch's fused AdamW on the GPU; with offload also for the host's masters (its CPU kernel: one pass
+        # over the state instead of foreach's dozen, measured 6.5x faster on a 2-core host)
+        kw = {"fused": True} if device.type == "cuda" and (self.host is None or fused_on_host()) else {"foreach": True}
         self.adam = torch.optim.AdamW(groups or [{"params": []}], lr=op.lr, betas=(op.adam_beta1, op.adam_beta2),
                                       eps=op.adam_eps, **kw)
         # the on-device step of a mixed-precision run: AdamW and the publishing copy in one Triton pass per
@@ -387,3 +389,8 @@ def hand_built_config(model: ModelConfig, optim: OptimConfig, train: Optional[Tr
                   parallel=ParallelConfig(use_distributed_optimizer=use_distributed_optimizer),
                   kernels=kernels or KernelConfig())
 
+
+def fused_on_host() -> bool:
+    """Whether this torch has a fused AdamW kernel for CPU tensors (torch >= 2.4)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    return "cpu" in _get_fused_kernels_supported_devices()
