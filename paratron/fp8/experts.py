@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.fp8_block import quantize_tiles, quantize_blocks
+from ..kernels.fp8_cast import dequantize
 from ..kernels.fp8_grouped import align_for, grouped_forward, grouped_wgrad
 from .recipe import E4M3, FP8State
 
@@ -80,9 +81,9 @@ class _FP8GroupedMM(torch.autograd.Function):
     def backward(ctx, g):
         x_saved, sxt, wq, sw, ends = ctx.saved_tensors
         state, kind, path = ctx.state, ctx.kind, ctx.path
-        if path == "scaled_grouped_mm" and state.grad.dtype != E4M3:  # torch's grouped FP8 GEMM takes e4m3 only:
-            path = "dequant"  # hybrid's e5m2 gradients go through the bf16 GEMM of the dequantised operands
         g = g.contiguous()
+        if backward_path(state, path) == "bf16":
+            return (*bf16_grads(g, x_saved, sxt, wq, sw, ends, ctx.needs_input_grad[:2], ctx.w_dtype), None, None)
         if kind == "block":
             state.mark("grad")
             gq, sg = quantize_tiles(g, E4M3, state.recipe.margin)
@@ -98,6 +99,28 @@ class _FP8GroupedMM(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:  # --no-fp8-wgrad: from the bf16 rows and output gradient
             gw = torch._grouped_mm(g.t(), x_saved, offs=ends).to(ctx.w_dtype)
         return gx, gw, None, None
+
+
+def backward_path(state: FP8State, path: str) -> str:
+    """The backward's GEMM path: the forward's, except that torch's grouped FP8 GEMM takes e4m3 operands only,
+    so hybrid's e5m2 output gradients take "bf16" there (:func:`bf16_grads`)."""
+    return "bf16" if path == "scaled_grouped_mm" and state.grad.dtype != E4M3 else path
+
+
+def bf16_grads(g: torch.Tensor, x_saved: torch.Tensor, sxt, wq: torch.Tensor, sw: torch.Tensor, ends: torch.Tensor,
+               needs: tuple, w_dtype: torch.dtype) -> tuple:
+    """(input gradient, weight gradient) of hybrid's experts where the grouped GEMM cannot take e5m2: the output
+    gradient stays in its own dtype and meets the dequantised FP8 weight and rows (the forward's operands) in
+    torch's grouped GEMM. Casting it to e5m2 and back, as an FP8 GEMM would read it, only cost two passes over
+    it and lost precision (measured: benchmarks/results/moe_peers_h200_20261202.md, FP8 hybrid below bf16).
+    ``x_saved``: x^T in FP8 with scale ``sxt`` (--fp8-wgrad), else the rows x themselves (``sxt`` None)."""
+    gx = gw = None
+    if needs[0]:
+        gx = torch._grouped_mm(g, dequantize(wq, sw, g.dtype), offs=ends)
+    if needs[1]:
+        x = x_saved if sxt is None else dequantize(x_saved, sxt, g.dtype).t()
+        gw = torch._grouped_mm(g.t(), x, offs=ends).to(w_dtype)
+    return gx, gw
 
 
 def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, state: FP8State) -> torch.Tensor:
