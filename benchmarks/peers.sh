@@ -60,6 +60,7 @@ fp8="--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-
 variants=()
 want bf16 && variants+=(--variant "bf16:$dense")
 want fp8 && variants+=(--variant "fp8:$dense $fp8")
+want fp8 && variants+=(--variant "fp8-tensorwise:$dense --fp8-format e4m3 --fp8-recipe tensorwise")
 want fp8 && variants+=(--variant "fp8-blockwise:$dense --fp8-format e4m3 --fp8-recipe blockwise")
 hf=()
 want hf && hf=(--hf)
@@ -72,6 +73,7 @@ if want moe; then
     python benchmarks/train_throughput.py --config moe-mini --record-dir "$out" --variant "moe:$moe" \
         --variant "moe-fused:$moe --moe-permute-fusion" \
         --variant "moe-fp8:$moe --moe-permute-fusion --fp8-format hybrid --fp8-recipe tensorwise" \
+        --variant "moe-fp8-e4m3:$moe --moe-permute-fusion --fp8-format e4m3 --fp8-recipe tensorwise" \
         --variant "moe-fp8-blockwise:$moe --moe-permute-fusion --fp8-format e4m3 --fp8-recipe blockwise" 2>&1 \
         | grep -v "Warn\|warn" | tail -6
 fi
