@@ -24,9 +24,11 @@ from typing import Any, Optional
 from .blocks import BlockAllocator, chain_keys
 
 
-@dataclass
+@dataclass(eq=False)
 class Seq:
-    """One request in the paged engine: its tokens so far (prompt, then generated) and its blocks."""
+    """One request in the paged engine: its tokens so far (prompt, then generated) and its blocks. Compared by
+    identity (``eq=False``): the field-wise equality a dataclass generates made every ``seq in running`` build
+    and compare tuples of all fields, O(n^2) such comparisons a step at hundreds of running requests."""
     id: int
     request: Any  # engine.Request
     new_max: int  # tokens it may generate (max_new_tokens within the context)
@@ -115,15 +117,17 @@ class Scheduler:
         return plan
 
     def _decodes(self, plan: list, budget: int) -> int:
+        preempted: set = set()  # ids of the requests this pass preempted (running shrinks from its end)
         for seq in list(self.running):
-            if seq not in self.running or seq.need != 1 or seq.computed < seq.prompt_len or budget < 1:
+            if id(seq) in preempted or seq.need != 1 or seq.computed < seq.prompt_len or budget < 1:
                 continue
             while not self._grow(seq, seq.computed + 1):
                 victim = self.running[-1]
                 self.preempt(victim)
+                preempted.add(id(victim))
                 if victim is seq:
                     break
-            if seq in self.running:
+            if id(seq) not in preempted:
                 plan.append((seq, 1))
                 budget -= 1
         return budget

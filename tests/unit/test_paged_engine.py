@@ -203,3 +203,11 @@ def test_decode_graph_inputs_padded_to_a_bucket_give_the_eager_logits(engine):
     with torch.no_grad():
         got = graphs._step(8)
     assert got.shape[0] == 8 and torch.allclose(got[:len(plan)], want, atol=1e-5)
+
+
+def test_requests_compare_by_identity():
+    """Two requests with equal fields are two requests: the scheduler's membership tests and removals stay
+    identity checks (field-wise equality made each step's scheduling quadratic in the running requests)."""
+    from paratron.inference.scheduler import Seq
+    a, b = Seq(1, None, 4, tokens=[5, 6]), Seq(1, None, 4, tokens=[5, 6])
+    assert a != b and a == a and len({a, b}) == 2
