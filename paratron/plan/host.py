@@ -51,8 +51,8 @@ def tiny_copy(cfg: Config, layers: int) -> Config:
     m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_channels = layers, 64, 4, 16
     m.num_query_groups = max(1, 4 // groups) if m.group_query_attention else None
     m.ffn_hidden_size, m.seq_length, m.max_position_embeddings = 128, 16, 16
-    if m.num_experts:
-        m.moe_ffn_hidden_size = 32
+    if m.num_experts:  # every layer of the MoE kind (a pattern of the model's layers does not fit one or two)
+        m.moe_ffn_hidden_size, m.moe_layer_freq = 32, 1
         m.moe_shared_expert_intermediate_size = 32 if m.moe_shared_expert_intermediate_size else None
     m.mtp_num_layers = None
     c.train.micro_batch_size, c.train.global_batch_size, c.train.torch_compile = 1, 1, False
