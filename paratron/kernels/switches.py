@@ -22,15 +22,30 @@ except ImportError:
     _TRITON = False
 
 
-def availability(device, dtype, deterministic: bool = False) -> dict:
-    """{switch: (what ``auto`` resolves to, why)} for a model on ``device`` in ``dtype``."""
+def offer(device, dtype) -> dict:
+    """What ``device`` in ``dtype`` offers the optional kernels, with the packages installed here."""
     cuda = torch.device(device).type == "cuda"
     fa4 = flash_attention.available(device, dtype)
-    quack = quack_mlp.available(device, dtype)
-    triton_gpu = cuda and _TRITON
+    return dict(cuda=cuda, fa4=fa4, quack=quack_mlp.available(device, dtype),
+                quack_norm=quack_norm.available(device, dtype), packed=fa4 and flash_packed.pinned(),
+                triton_gpu=cuda and _TRITON, fused_adamw=fused_adamw.available(device))
+
+
+def offer_of_kind(hopper_bf16: bool, cuda: bool = True) -> dict:
+    """What a GPU offers the optional kernels with ``paratron[hopper]`` installed (FlashAttention-4, quack,
+    Triton), without the device at hand: what ``paratron plan`` assumes of a GPU kind (``hopper_bf16``: a Hopper
+    GPU and a bf16 model). The packed grouped-key backward (one pinned flash-attn-4 version) is taken as absent."""
+    return dict(cuda=cuda, fa4=hopper_bf16, quack=hopper_bf16, quack_norm=hopper_bf16, packed=False,
+                triton_gpu=cuda, fused_adamw=cuda)
+
+
+def availability(device, dtype, deterministic: bool = False, offered: Optional[dict] = None) -> dict:
+    """{switch: (what ``auto`` resolves to, why)} for a model on ``device`` in ``dtype`` (``offered``: what the
+    device offers, default ``offer(device, dtype)``; the FP8 GEMMs' and the scans' choices read ``device``)."""
+    o = offered or offer(device, dtype)
+    cuda, fa4, quack, packed, triton_gpu = o["cuda"], o["fa4"], o["quack"], o["packed"], o["triton_gpu"]
     why_fa4 = "FlashAttention-4 on Hopper in bf16" if fa4 else "needs flash-attn-4 (paratron[hopper]), Hopper, bf16"
     why_quack = "quack-kernels on Hopper in bf16" if quack else "needs quack-kernels (paratron[hopper]), Hopper, bf16"
-    packed = fa4 and flash_packed.pinned()
     return {
         "attention_backend": ("fused" if fa4 and not deterministic else "unfused",
                               "deterministic mode: SDPA" if fa4 and deterministic else why_fa4),
@@ -40,7 +55,7 @@ def availability(device, dtype, deterministic: bool = False) -> dict:
                                        else f"needs flash-attn-4 {flash_packed.VERSION} exactly, Hopper, bf16"),
         "kernel_decode_attention": ("triton" if triton_gpu else "sdpa", "Triton on CUDA" if triton_gpu
                                     else "needs Triton and CUDA"),
-        "kernel_rmsnorm": ("quack" if quack_norm.available(device, dtype) else "torch", why_quack),
+        "kernel_rmsnorm": ("quack" if o["quack_norm"] else "torch", why_quack),
         "kernel_gated_mlp": ("quack" if quack else "torch", why_quack),
         "kernel_cublaslt": ("on" if cuda and not deterministic else "off",
                             "deterministic mode: its timed choice could differ between runs" if deterministic
@@ -49,8 +64,8 @@ def availability(device, dtype, deterministic: bool = False) -> dict:
                                     else "needs Triton and CUDA"),
         "kernel_cross_entropy": ("triton" if triton_gpu else "compiled", "Triton on CUDA" if triton_gpu
                                  else "needs Triton and CUDA"),
-        "kernel_fused_adamw": ("on" if fused_adamw.available(device) else "off",
-                               "Triton on CUDA" if fused_adamw.available(device) else "needs Triton and CUDA"),
+        "kernel_fused_adamw": ("on" if o["fused_adamw"] else "off",
+                               "Triton on CUDA" if o["fused_adamw"] else "needs Triton and CUDA"),
         "kernel_fp8_block_gemm": fp8_block.gemm_choice(device),
         "kernel_fp8_grouped_gemm": fp8_grouped.gemm_choice(device),
         "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
@@ -67,12 +82,13 @@ def _linear_scan(device) -> tuple[str, str]:
     return "torch", refusal.split(": install")[0] if refusal else "needs fla-core and CUDA"
 
 
-def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False) -> KernelConfig:
+def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False,
+            offered: Optional[dict] = None) -> KernelConfig:
     """A copy of ``asked`` with every ``auto`` replaced by what runs here (``no_rope_fusion``: set where the
-    fused rotary attention cannot run)."""
+    fused rotary attention cannot run); ``offered``: see ``availability``."""
     if asked.kernel_linear_scan == "fla" and torch.device(device).type == "cuda" and linear_scan.fla_refusal():
         raise ConfigError(f"--kernel-linear-scan fla: {linear_scan.fla_refusal()}")
-    found = availability(device, dtype, deterministic)
+    found = availability(device, dtype, deterministic, offered)
     changes = {name: found[name][0] for name in found
                if name != "no_rope_fusion" and getattr(asked, name) == "auto"}
     if found["no_rope_fusion"][0]:

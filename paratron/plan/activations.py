@@ -3,13 +3,17 @@ accounting of Korthikanti et al. (2022, "Reducing Activation Recomputation in La
 term by term for paratron's layers (what each of them saves, counted on CPU by
 tests/unit/test_plan_activations.py with saved-tensor hooks):
 
-* per norm: its input (RMSNorm: in fp32, and its normalised input), its fp32 statistics;
+* per norm: its input (RMSNorm: in fp32, and its normalised input; on quack's kernel its input as it is),
+  its fp32 statistics;
 * the inputs of the QKV and fc1 (or router) matmuls;
 * attention: the fused QKV output, the rotated queries and keys (rope), the attention output and the fp32
   log-sum-exp per head (flash / memory-efficient attention keep no s x s scores: Korthikanti's 5as/h term
   is gone); selective recomputation (core_attn) keeps the output projection's input instead; context
   parallelism's ring adds its contiguous K/V and merged log-sum-exp;
-* the MLP: fc1's output and the activation's output (gated: fc1 output 2f, activation f, fc2 input f);
+* the MLP: fc1's output and the activation's output (gated: fc1 output 2f, activation f, fc2 input f; quack's
+  gated GEMMs: the pre-activation 2f and the activation f, which is fc2's input);
+* FP8 (tensorwise / delayed recipes): each linear keeps the FP8 copy of its input (1 byte), not the input; the
+  fused FP8 MLP keeps fc1's output in bf16 and the activation in FP8;
 * MoE: the router's fp32 logits and routing indices, and per routed token (top-k) the permuted input,
   the expert MLP's tensors and the unpermute's (with expert parallelism: the all-to-all's buffers too;
   the share of routed tokens a rank gets is taken as even);
@@ -18,7 +22,10 @@ tests/unit/test_plan_activations.py with saved-tensor hooks):
 
 Tensor parallelism divides the attention and MLP terms; sequence parallelism also the norms' terms. The
 column-parallel matmuls keep their whole input: under sequence parallelism paratron saves the all-gathered
-input for the weight gradient (Megatron saves the shard and gathers it again in backward). Full recomputation keeps a recomputed layer's input alone. A pipeline stage holds
+input for the weight gradient (Megatron saves the shard and gathers it again in backward). Which kernels the
+layers run (``layout.paths``, paths.py: the switches resolved for the planned GPU kind) decides the norm's, the
+MLP's and the rotary embedding's terms: on Hopper quack's RMSNorm and gated GEMMs and FlashAttention-4's op with
+the rotary embedding inside, whose rotated q and k selective recomputation recomputes rather than keeps. Full recomputation keeps a recomputed layer's input alone. A pipeline stage holds
 the micro-batches in flight of its schedule (1F1B: PP - rank; interleaved: Megatron's warm-up count)."""
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from .layout import Layout
+from .paths import Paths
 from .shapes import moe_pattern
 
 FP32, INDEX = 4, 8
@@ -48,26 +56,39 @@ def dims_of(model: ModelConfig) -> tuple[int, int, int]:
     return heads * model.kv_channels, model.num_query_groups * model.kv_channels, heads
 
 
-def norm_bytes(model: ModelConfig, a: int) -> int:
+def norm_bytes(model: ModelConfig, a: int, paths: Paths = Paths()) -> int:
     """Per token: what one norm saves. LayerNorm: its input and fp32 statistics; RMSNorm (computed in fp32,
-    model/norms.py): the fp32 input, the statistic, and the normalised input cast back for the weight."""
+    model/norms.py): the fp32 input, the statistic, and the normalised input cast back for the weight; on quack's
+    kernel (kernels/quack_norm.py ``_NormKeep``): its input in the model's dtype and the statistic."""
     h = model.hidden_size
-    return (h * a + 2 * FP32) if model.normalization == "LayerNorm" else (h * FP32 + h * a + FP32)
+    if model.normalization == "LayerNorm":
+        return h * a + 2 * FP32
+    return h * a + FP32 if paths.quack_norm else h * FP32 + h * a + FP32
 
 
 def attention_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     """Per token, before the TP split: QKV output, rotated q and k, the output, the log-sum-exp."""
-    q, kv, heads = dims_of(model)
-    out = (q * (2 if model.attention_output_gate else 1) + 2 * kv) * a + q * a
-    if model.position_embedding_type in ("rope", "yarn") or model.multi_latent_attention:
+    q, kv, heads, p = *dims_of(model), layout.paths
+    selective = layout.recompute == "selective"
+    proj_input = (0 if selective else q * a) + q if p.fp8_inputs else q * a  # FP8: the projection's own copy
+    out = (q * (2 if model.attention_output_gate else 1) + 2 * kv) * a + proj_input
+    rotated_kept = not (selective and p.fused_rope)  # the fused op's rotated q, k recomputed with the core
+    if (model.position_embedding_type in ("rope", "yarn") or model.multi_latent_attention) and rotated_kept:
         out += (q + kv) * a
     if layout.cp > 1:  # the ring keeps its own contiguous K/V of the local chunk and the merged log-sum-exp
         out += 2 * kv * a + heads * FP32
-    return out + (0 if layout.recompute == "selective" else heads * FP32)
+    return out + (0 if selective else heads * FP32)
 
 
-def mlp_bytes(model: ModelConfig, ffn: int, a: int) -> int:
+def mlp_bytes(model: ModelConfig, ffn: int, a: int, paths: Paths = Paths()) -> int:
+    """Per token, before the TP split (fc1's input is counted with the layer's inputs)."""
     gated = model.swiglu or model.quick_geglu
+    if paths.gated_gemm and gated:  # kernels/quack_mlp.py _GatedMLP: the pre-activation (and the activation)
+        return (3 if paths.keep_act else 2) * ffn * a
+    if paths.fp8_mlp:  # fp8/mlp.py _FP8MLP: fc1's output in bf16, the activation's FP8 copy
+        return (2 if gated else 1) * ffn * a + ffn
+    if paths.fp8_inputs:  # per layer: the activation's input (and gated, silu's output), fc2's FP8 input copy
+        return (3 if gated else 1) * ffn * a + ffn
     return (4 if gated else 2) * ffn * a
 
 
@@ -82,17 +103,20 @@ def moe_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     latent = h * a if model.moe_latent_size else 0  # the combined latent output, the latent -> hidden input
     per_rank = (router + routed + latent) // (layout.tp if layout.sequence_parallel else 1)
     shared = model.moe_shared_expert_intermediate_size
-    return per_rank + (mlp_bytes(model, shared, a) // layout.tp if shared else 0)
+    return per_rank + (mlp_bytes(model, shared, a, layout.paths) // layout.tp if shared else 0)
 
 
 def layer_bytes(model: ModelConfig, layout: Layout, is_moe: bool) -> LayerBytes:
     """One layer, one micro-batch, this rank."""
     a, h, t = layout.param_bytes, model.hidden_size, layout.tp
     tokens = layout.micro_batch * layout.seq_length // layout.cp
-    sp = 2 * norm_bytes(model, a) + (2 * h if model.hidden_dropout > 0 else 0)
+    sp = 2 * norm_bytes(model, a, layout.paths) + (2 * h if model.hidden_dropout > 0 else 0)
     split = attention_bytes(model, layout, a)
-    mlp = moe_bytes(model, layout, a) if is_moe else mlp_bytes(model, model.ffn_hidden_size, a) // t
-    inputs = 2 * h * a  # the QKV and fc1 (router) matmuls' inputs, all-gathered first under SP
+    mlp = moe_bytes(model, layout, a) if is_moe else mlp_bytes(model, model.ffn_hidden_size, a, layout.paths) // t
+    # the QKV and fc1 (router) matmuls' inputs, all-gathered first under SP (FP8: their FP8 copies; the router's
+    # input stays in bf16)
+    qkv_in = h * (1 if layout.paths.fp8_inputs else a)
+    inputs = qkv_in + (h * a if is_moe else qkv_in)
     per_token = (sp // t if layout.sequence_parallel else sp) + inputs + split // t + mlp
     keep = h * a // (t if layout.sequence_parallel else 1)
     return LayerBytes(tokens * per_token, tokens * keep)
@@ -102,7 +126,7 @@ def head_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
     """The last stage's final norm, output matmul input and logits-sized loss tensor, one micro-batch."""
     a, t = layout.param_bytes, layout.tp
     tokens = layout.micro_batch * layout.seq_length // layout.cp
-    sp = norm_bytes(model, a)
+    sp = norm_bytes(model, a, layout.paths)
     inputs = model.hidden_size * a  # the output layer's input, all-gathered under SP
     return tokens * ((sp // t if layout.sequence_parallel else sp) + inputs + vocab // t * a + 2 * INDEX)
 
@@ -117,7 +141,7 @@ def mtp_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
     a, h, t = layout.param_bytes, model.hidden_size, layout.tp
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     shared = h * a if model.normalization == "LayerNorm" else (h * FP32 if a == FP32 else 0)
-    norms = 2 * norm_bytes(model, a) - shared
+    norms = 2 * norm_bytes(model, a, layout.paths) - shared
     per_token = (norms // t if layout.sequence_parallel else norms) + 2 * h * a + INDEX
     layer = layer_bytes(model, layout, bool(moe_pattern(model)[-1])).full
     if layout.recompute == "full":

@@ -133,7 +133,7 @@ def runnable(found: list[Candidate], rest: list[str], cluster: Cluster, top: int
 
 
 def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, n_explain: int) -> list[str]:
-    m, base = cfg.model, layout_of(cfg)
+    m, base = cfg.model, layout_of(cfg, cluster.kind)
     found = search(m, cfg.data.vocab_size, m.make_vocab_size_divisible_by, cluster, base, fp8, cfg.data.padded_vocab_size)
     fits, refused = runnable(found, rest, cluster, top)
     lines = [f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
@@ -159,7 +159,7 @@ def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, 
 
 def as_given(cfg: Config, cluster: Cluster) -> str:
     """The config's own layout, memory and time."""
-    layout = layout_of(cfg)
+    layout = layout_of(cfg, cluster.kind)
     mem = fullest(cfg.model, cfg.padded_vocab_size, layout, cfg.parallel)
     fits = mem.total <= cluster.memory
     line = f"as given: {describe(mem)}; {'fits' if fits else 'does NOT fit'}"

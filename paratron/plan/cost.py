@@ -11,6 +11,7 @@ from typing import Optional
 from ..config import ModelConfig
 from ..errors import ConfigError
 from .flops import flops_per_iteration, mla_attention_terms
+from .host import ADAM_BYTES, HOST_ADAM_GBPS, HOST_OP_US
 from .layout import Layout
 
 GB = 1e9
@@ -34,6 +35,7 @@ class Cluster:
     inter_gbps: Optional[float] = None  # GB/s per GPU across nodes (default: the kind's network)
     matmul_efficiency: float = MATMUL_EFFICIENCY
     host_gbps: float = HOST_GBPS
+    host_adam_gbps: float = HOST_ADAM_GBPS
 
     def spec(self) -> tuple:
         if self.kind is None:
@@ -74,6 +76,7 @@ class StepTime:
     pp: float
     dp: float
     offload: float
+    host: float = 0.0  # the host's issue time beyond the GPU's (host.py): the exposed share
 
     @property
     def total(self) -> float:
@@ -81,7 +84,7 @@ class StepTime:
 
     def parts(self) -> dict:
         return {k: getattr(self, k) for k in ("compute", "recompute", "bubble", "tp", "cp", "ep", "pp", "dp",
-                                              "offload")}
+                                              "offload", "host")}
 
 
 def ring(n: int) -> float:
@@ -136,4 +139,22 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
     if L.zero == 3:  # every layer gathered for each micro-batch's forward and again for its backward, prefetched
         dp += max(0.0, 2 * m * ring(n) * full_weights / dp_bw - busy)
     offload = L.offload_fraction * (grad_bytes + param_bytes_dp) / (cluster.host_gbps * GB)
-    return StepTime(compute, recompute, bubble, tp, cp, ep, pp, dp, offload)
+    offload += L.offload_fraction * host_adam(grad_bytes // L.grad_bytes, cluster)
+    return StepTime(compute, recompute, bubble, tp, cp, ep, pp, dp, offload,
+                    host_exposed(model, L, cluster, compute + recompute + bubble))
+
+
+def host_adam(params: int, cluster: Cluster) -> float:
+    """Seconds of the host's Adam over ``params`` offloaded parameters (host.py), after the backward."""
+    return params * ADAM_BYTES / (cluster.host_adam_gbps * GB)
+
+
+def host_exposed(model: ModelConfig, L: Layout, cluster: Cluster, gpu: float) -> float:
+    """The host's issue time of the step's micro-batches beyond the GPU's time ``gpu``: each micro-batch runs at
+    the slower of the two (host.py). Full recomputation issues the layers' forward again (a third of their
+    forward + backward operations, taken as); a compiled step's host time is not counted (``host_ops`` zero)."""
+    layer_ops, rest = L.host_ops
+    if not layer_ops or cluster.kind not in HOST_OP_US:
+        return 0.0
+    ops = layer_ops * model.num_layers / L.pp * (4 / 3 if L.recompute == "full" else 1) + rest
+    return max(0.0, L.microbatches * ops * HOST_OP_US[cluster.kind] * 1e-6 - gpu)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import FIELD_SECTION, Config
+from .host import ops_per_layer
+from .paths import Paths, paths_of
 
 # Megatron's --data-parallel-sharding-strategy values: what data parallelism shards besides nothing.
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -39,6 +41,8 @@ class Layout:
     bucket_size: Optional[int] = None  # --ddp-bucket-size: elements per gradient bucket
     overlap_grad_reduce: bool = False  # without a bucket size: Megatron's default buckets (else one per buffer)
     overlap_param_gather: bool = False
+    paths: Paths = Paths()  # the layers' code paths on the planned GPU (paths.py); default: the torch paths
+    host_ops: tuple = (0, 0)  # eager aten operations of (one layer, the rest) fwd + bwd (host.py; GPU plans only)
 
     @property
     def world(self) -> int:
@@ -89,8 +93,9 @@ def precision_of(cfg: Config) -> tuple[int, int]:
     return 4, 4
 
 
-def layout_of(cfg: Config) -> Layout:
-    """The layout a resolved config runs."""
+def layout_of(cfg: Config, kind: Optional[str] = None) -> Layout:
+    """The layout a resolved config runs, its layers' paths those of a ``kind`` GPU (paths.py; None: as resolved
+    here)."""
     par, tr = cfg.parallel, cfg.train
     param_bytes, grad_bytes = precision_of(cfg)
     offload = field(cfg, "optimizer_offload_fraction", 1.0) if field(cfg, "optimizer_cpu_offload", False) else 0.0
@@ -107,4 +112,5 @@ def layout_of(cfg: Config) -> Layout:
                   param_bytes=param_bytes, grad_bytes=grad_bytes, fp8=tr.fp8_format is not None,
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
                   bucket_size=par.ddp_bucket_size, overlap_grad_reduce=par.overlap_grad_reduce,
-                  overlap_param_gather=par.overlap_param_gather)
+                  overlap_param_gather=par.overlap_param_gather, paths=paths_of(cfg, kind),
+                  host_ops=ops_per_layer(cfg) if kind is not None and not tr.torch_compile else (0, 0))

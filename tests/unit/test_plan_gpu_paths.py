@@ -1,0 +1,82 @@
+"""The planner's GPU-path terms against what the fused kernels' autograd functions save, run on the CPU through
+their references (quack's RMSNorm and gated GEMMs), the paths a Hopper kind resolves to, and the host model's
+operation count against a count of the aten operations of a tiny model's forward and backward."""
+import torch
+
+from paratron.kernels import quack_mlp, quack_norm
+from paratron.plan.activations import mlp_bytes, norm_bytes
+from paratron.plan.cost import Cluster, host_exposed
+from paratron.plan.host import HOST_OP_US, OpCounter, count_ops, ops_per_layer, tiny_copy
+from paratron.plan.layout import layout_of
+from paratron.plan.paths import Paths
+from tests.parallel.common import tiny_config
+
+
+def saved(fn, *args) -> int:
+    """Bytes of the distinct storages ``fn`` saves for backward, the leaf inputs that require grad (weights)
+    left out."""
+    skip = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor) and a.requires_grad}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
+
+
+def test_hopper_kind_takes_the_fused_paths_and_cpu_the_torch_ones():
+    cfg = tiny_config("llama", world_size=1, bf16=True)
+    assert layout_of(cfg, "h200").paths.quack_norm and layout_of(cfg, "h200").paths.gated_gemm
+    assert layout_of(cfg, "h200").paths.fused_rope
+    assert not layout_of(cfg, "a100").paths.quack_norm and not layout_of(cfg, "a100").paths.gated_gemm
+    assert layout_of(cfg).paths == Paths()
+    asked_torch = tiny_config("llama", world_size=1, bf16=True, kernel_rmsnorm="torch", kernel_gated_mlp="torch")
+    assert not layout_of(asked_torch, "h200").paths.quack_norm and not layout_of(asked_torch, "h200").paths.gated_gemm
+
+
+def test_quack_norm_saves_what_the_plan_counts():
+    cfg = tiny_config("llama", world_size=1, bf16=True)
+    tokens, h = 48, cfg.model.hidden_size
+    x = torch.randn(tokens, h, dtype=torch.bfloat16, requires_grad=False)
+    w = torch.ones(h, dtype=torch.bfloat16, requires_grad=True)
+    got = saved(lambda a, b: quack_norm.rms_norm_keep(a.clone(), b, 1e-5), x, w)
+    assert got == tokens * norm_bytes(cfg.model, 2, Paths(quack_norm=True))
+    assert got < tokens * norm_bytes(cfg.model, 2, Paths())  # the torch path keeps an fp32 copy besides
+
+
+def test_gated_gemms_save_what_the_plan_counts():
+    cfg = tiny_config("llama", world_size=1, bf16=True)
+    tokens, h, f = 48, cfg.model.hidden_size, cfg.model.ffn_hidden_size
+    x = torch.randn(tokens, h, dtype=torch.bfloat16)
+    w1 = torch.randn(2 * f, h, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(h, f, dtype=torch.bfloat16, requires_grad=True)
+    for keep in (True, False):
+        got = saved(lambda a, b, c: quack_mlp.gated_mlp(a.clone(), b, c, keep_act=keep), x, w1, w2)
+        fc1_input = tokens * h * 2  # counted with the layer's matmul inputs
+        assert got == fc1_input + tokens * mlp_bytes(cfg.model, f, 2, Paths(gated_gemm=True, keep_act=keep))
+
+
+def test_host_operation_count_is_the_dispatch_count():
+    cfg = tiny_config("llama", world_size=1)
+    layer, rest = ops_per_layer(cfg)
+    for n in (1, 3):
+        assert count_ops(tiny_copy(cfg, n)) == n * layer + rest
+    assert ops_per_layer(tiny_config("llama", world_size=1, num_experts=4, moe_router_topk=2))[0] > layer
+    with OpCounter() as c:
+        torch.ones(3).add(1)
+    assert c.count == 2
+
+
+def test_host_time_exposed_only_beyond_the_gpu():
+    cfg = tiny_config("llama", world_size=1, bf16=True)
+    layout = layout_of(cfg, "h200")
+    layer, rest = layout.host_ops
+    issue = layout.microbatches * (layer * cfg.model.num_layers + rest) * HOST_OP_US["h200"] * 1e-6
+    cluster = Cluster(1, 1, "h200")
+    assert abs(host_exposed(cfg.model, layout, cluster, 0.0) - issue) < 1e-9
+    assert host_exposed(cfg.model, layout, cluster, issue * 2) == 0.0
+    assert layout_of(tiny_config("llama", world_size=1, torch_compile=True), "h200").host_ops == (0, 0)
