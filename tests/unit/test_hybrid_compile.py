@@ -1,6 +1,7 @@
 """Hybrid layers under --torch-compile: the Mamba-2 and Gated DeltaNet mixers trace as one graph each (forward
 and backward, packed-document resets included) with the scans' recomputation (--kernel-linear-scan-recompute)
-inside it, and a tiny hybrid model compiled as --torch-compile does trains with eager's losses."""
+inside it, and a tiny hybrid model compiled as --torch-compile does trains with eager's losses; the scans'
+recomputation nested in the layers' (--recompute-granularity full) keeps the gradients."""
 import dataclasses
 
 import pytest
@@ -84,3 +85,23 @@ def test_compiled_hybrid_model_trains_with_eager_losses():
     assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"], dict(counters["graph_break"])
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=0)
     assert runs[0][2] < runs[0][0]  # the steps train (the same batch, both without documents)
+
+
+@pytest.mark.parametrize("granularity", [None, "full"])
+def test_scan_recompute_keeps_the_model_gradients(granularity):
+    """A tiny hybrid model's gradients (packed documents) with the scans recomputed equal those without, alone
+    and nested in whole-layer recomputation (the scans then run a third time in the backward)."""
+    from paratron.config.kernels import KernelConfig
+    grads = []
+    for recompute in ("off", "on"):
+        torch.manual_seed(0)
+        kw = dict(recompute_granularity=granularity, recompute_method="uniform", recompute_num_layers=1)
+        model = GPTModel(hybrid(hybrid_layer_pattern="MG*-", mamba_chunk_size=4), 64,
+                         kernels=dataclasses.replace(KernelConfig(), kernel_linear_scan_recompute=recompute),
+                         **(kw if granularity else {}))
+        ids, labels = batch()
+        model(ids, labels=labels, document_ids=DOCS).mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(g.abs().sum() > 0 for g in grads[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
