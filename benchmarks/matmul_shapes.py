@@ -6,11 +6,20 @@ operands (several sets rotated so no run reads from a warm L2).
 
     python benchmarks/matmul_shapes.py --config llama-1b --tokens 32768
     python benchmarks/matmul_shapes.py --scans [--tokens 8192]   # Mamba-2 / Gated DeltaNet scans, fla vs torch
+    python benchmarks/matmul_shapes.py --scan-memory [--tokens 512] [--device cpu]   # one hybrid layer's activations
 
 ``--scans``: the linear-recurrence scans of hybrid stacks (kernels/linear_scan.py) instead of the matmuls: Mamba-2's
 SSD at hybrid-mini's heads (64 x 64, 8 groups, state 128) and the gated delta rule at Qwen3-Next's (32 value heads,
 128 x 128), 4 packed documents per row, forward and forward + backward, fla-core's kernels (``--kernel-linear-scan
-fla``) against the torch references, with the largest relative difference of outputs and gradients.
+fla``) against the torch references (also with their recomputation, ``--kernel-linear-scan-recompute on``), with
+the largest relative difference of outputs and gradients.
+
+``--scan-memory``: what one Mamba-2 and one Gated DeltaNet layer (hybrid-mini's shapes; Gated DeltaNet with
+Megatron's default 16 key and 32 value heads of 128) keep for backward and their forward + backward time, torch
+scans in fp32 with ``--kernel-linear-scan-recompute`` off and on, at ``--tokens`` (one row up to 2048, as --scans).
+"saved" counts the distinct storages autograd saves during the forward (saved_tensors_hooks; the weights left
+out); the time is the median of 3 passes, off and on interleaved; on CUDA also the peak memory of a pass. Writes a
+record (benchmarks/record.py) to $OUT if set, else benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -56,21 +65,99 @@ def scans(tokens: int) -> None:
     from paratron.kernels.linear_scan import fla_available, gated_delta, ssd
     dev = torch.device("cuda")
     b, s = max(tokens // 2048, 1), min(tokens, 2048)
-    kernels = ["torch"] + (["fla"] if fla_available(dev) else [])
-    print(f"{'scan':5s} {'kernel':6s} {'batch x seq':>12s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'max rel. diff':>14s}")
+    kernels = [("torch", False), ("torch", True)] + ([("fla", False)] if fla_available(dev) else [])
+    print(f"{'scan':5s} {'kernel':9s} {'batch x seq':>12s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'max rel. diff':>14s}")
     for kind, fn in (("ssd", ssd), ("gdn", gated_delta)):
         x, reset = scan_inputs(kind, b, s, dev)
         ref = None
-        for k in kernels:
+        for k, again in kernels:
             leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
-            y = fn(**leaves, reset=reset, kernel=k)[0]
+            y = fn(**leaves, reset=reset, kernel=k, recompute=again)[0]
             outs = [y.detach(), *torch.autograd.grad((y * y).sum(), list(leaves.values()))]
             ref = ref or outs
             diff = max(((a - r).norm() / r.norm()).item() for a, r in zip(outs, ref))
             fwd = time_ms(lambda: fn(**leaves, reset=reset, kernel=k), [()])
-            both = time_ms(lambda: torch.autograd.grad(fn(**leaves, reset=reset, kernel=k)[0].sum(),
+            both = time_ms(lambda: torch.autograd.grad(fn(**leaves, reset=reset, kernel=k, recompute=again)[0].sum(),
                                                        list(leaves.values())), [()])
-            print(f"{kind:5s} {k:6s} {f'{b}x{s}':>12s} {fwd:8.3f} {both:11.3f} {diff:14.2e}")
+            name = k + ("+rec" if again else "")
+            print(f"{kind:5s} {name:9s} {f'{b}x{s}':>12s} {fwd:8.3f} {both:11.3f} {diff:14.2e}")
+
+
+def _layer_saved_bytes(layer, x) -> int:
+    """Bytes of the distinct storages autograd saves in ``layer``'s forward, its weights left out."""
+    from paratron.model.context import ForwardContext
+    seen, total = {p.untyped_storage().data_ptr() for p in layer.parameters()}, [0]
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total[0] += t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, ForwardContext())
+    return total[0]
+
+
+def _layer_pass(layer, x) -> float:
+    """Seconds of one forward + backward of ``layer``."""
+    import time
+    from paratron.model.context import ForwardContext
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    layer(x, ForwardContext()).square().mean().backward()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def scan_memory(tokens: int, device: str, reps: int = 3) -> list[str]:
+    """The --scan-memory table's rows: per layer and recomputation, saved MiB, median fwd+bwd ms (peak MiB)."""
+    import dataclasses
+    import statistics
+    from paratron.config import ModelConfig
+    from paratron.model.context import Parallel
+    from paratron.model.gated_delta_net import GatedDeltaNet
+    from paratron.model.mamba import MambaMixer
+    b, s = max(tokens // 2048, 1), min(tokens, 2048)
+    cfg = ModelConfig(hybrid_layer_pattern="MG", hidden_size=2048, num_attention_heads=16, seq_length=s,
+                      mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8, normalization="RMSNorm",
+                      position_embedding_type="none", disable_bias_linear=True, hidden_dropout=0.0,
+                      attention_dropout=0.0, linear_num_key_heads=16, linear_num_value_heads=32).resolved()
+    cuda = torch.device(device).type == "cuda"
+    rows = ["| layer | recompute | saved MiB | fwd+bwd ms |" + (" peak MiB |" if cuda else ""),
+            "|---" * (5 if cuda else 4) + "|"]
+    for cls in (MambaMixer, GatedDeltaNet):
+        layers, times = {}, {"off": [], "on": []}
+        for again in times:
+            torch.manual_seed(0)
+            k = dataclasses.replace(Parallel().kernels, kernel_linear_scan="torch", kernel_linear_scan_recompute=again)
+            layers[again] = cls(cfg, Parallel(kernels=k), device=device)
+        x = torch.randn(s, b, 2048, device=device, requires_grad=True)
+        for _ in range(reps + 1):  # the first pass of each warms up
+            for again, layer in layers.items():
+                times[again].append(_layer_pass(layer, x))
+        for again, layer in layers.items():
+            peak = ""
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                _layer_pass(layer, x)
+                peak = f" {torch.cuda.max_memory_allocated() / 2**20:.0f} |"
+            rows.append(f"| {cls.__name__} | {again} | {_layer_saved_bytes(layer, x) / 2**20:.1f} | "
+                        f"{statistics.median(times[again][1:]) * 1e3:.0f} |{peak}")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def scan_memory_record(tokens: int, device: str) -> None:
+    import os
+    from benchmarks.record import write_record
+    rows = scan_memory(tokens, device)
+    cuda = torch.device(device).type == "cuda"
+    write_record(os.environ.get("OUT") or Path(__file__).resolve().parent / "results", "scan_memory",
+                 "One hybrid layer's saved activations and time, torch scans, recomputation off / on",
+                 torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads",
+                 {"shape": f"{tokens} tokens, fp32 scans"}, "\n".join(rows))
 
 
 def time_ms(fn, operand_sets, reps: int = 20) -> float:
@@ -108,11 +195,17 @@ def main() -> int:
     p.add_argument("--sets", type=int, default=3)
     p.add_argument("--blas", choices=["cublas", "cublaslt"], default=None, help="torch's preferred BLAS library")
     p.add_argument("--scans", action="store_true", help="time the hybrid stacks' scans (fla vs torch) instead")
+    p.add_argument("--scan-memory", action="store_true",
+                   help="one hybrid layer's saved activations and time, scan recomputation off / on, instead")
+    p.add_argument("--device", default="cuda", help="--scan-memory's device (cpu or cuda)")
     p.add_argument("--quack", action="store_true",
                    help="also time quack-kernels' GEMM on each case (its default tile, and autotuned)")
     args = p.parse_args()
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
+    if args.scan_memory:
+        scan_memory_record(args.tokens, args.device)
+        return 0
     if args.scans:
         print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; scans, {args.tokens} tokens")
         scans(args.tokens)

@@ -40,6 +40,7 @@ CHOICES: dict[str, tuple] = {
     "kernel_compile_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_coordinate_descent": AUTO_ON_OFF,
     "kernel_linear_scan": ("auto", "fla", "torch"),
+    "kernel_linear_scan_recompute": ("on", "off"),
 }
 QUACK_TILE_USES = ("dgated", "dx", "wgrad_fc1", "wgrad_fc2")  # the gated MLP's GEMMs whose tiles can be set
 
@@ -70,6 +71,7 @@ class KernelConfig(Section):
     kernel_compile_coordinate_descent: str = "auto"  # torch.compile's coordinate-descent tuning of the layers
     kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch sizes > 1)
     kernel_linear_scan: str = "auto"  # Mamba-2 / Gated DeltaNet scans: fla-core's Triton kernels (CUDA) | torch
+    kernel_linear_scan_recompute: str = "on"  # torch scans: intra-chunk products recomputed in backward (less memory)
 
 
 def parse_quack_tiles(spec: str) -> dict:

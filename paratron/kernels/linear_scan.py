@@ -11,6 +11,7 @@ import importlib.util
 from typing import Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .gated_delta import gated_delta_chunked, gated_delta_sequential
 from .ssd import _heads, ssd_chunked, ssd_sequential
@@ -84,12 +85,25 @@ def _row_final(cu: Optional[torch.Tensor], s: int, final: torch.Tensor) -> torch
     return final if cu is None else final.index_select(0, (cu[1:] % s == 0).nonzero().flatten())
 
 
-def ssd(x, dt, A, B, C, reset=None, state=None, chunk_size: int = 128, kernel: str = "torch"):
-    """(y [b, s, h, p], final state [b, h, p, n]) of Mamba-2's scan."""
+def recomputed(fn, *args, recompute: bool = True):
+    """``fn(*args)``; with ``recompute`` (and gradients wanted) its backward recomputes ``fn``'s intermediates
+    from ``args`` instead of keeping them (torch's non-reentrant checkpoint, which torch.compile traces into the
+    layer's graph). For the chunked torch scans: their intra-chunk [chunk x chunk] products dominate a hybrid
+    layer's activations, the inputs are a small part (docs/hybrid.md)."""
+    wanted = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    if not (recompute and wanted):
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+def ssd(x, dt, A, B, C, reset=None, state=None, chunk_size: int = 128, kernel: str = "torch",
+        recompute: bool = False):
+    """(y [b, s, h, p], final state [b, h, p, n]) of Mamba-2's scan; ``recompute``: the torch scan's
+    intermediates recomputed in backward (``recomputed``)."""
     if x.size(1) == 1 and state is not None:  # decoding: one step of the recurrence
         return ssd_sequential(x, dt, A, B, C, reset, state)
     if kernel != "fla":
-        return ssd_chunked(x, dt, A, B, C, reset, state, chunk_size)
+        return recomputed(ssd_chunked, x, dt, A, B, C, reset, state, chunk_size, recompute=recompute)
     from fla.ops.simple_gla import chunk_simple_gla  # simple GLA: a scalar decay per head, as Mamba-2's
     b, s, h, _ = x.shape
     cu, (q, k, v, g) = _varlen(reset, _heads(C, h), _heads(B, h), x * dt[..., None], dt * A)
@@ -100,12 +114,14 @@ def ssd(x, dt, A, B, C, reset=None, state=None, chunk_size: int = 128, kernel: s
 
 
 def gated_delta(q, k, v, g, beta, reset=None, state=None, chunk_size: int = 64, kernel: str = "torch",
-                scale: Optional[float] = None):
-    """(o [b, s, h, dv], final state [b, h, dk, dv]) of the gated delta rule (q, k already L2-normalised)."""
+                scale: Optional[float] = None, recompute: bool = False):
+    """(o [b, s, h, dv], final state [b, h, dk, dv]) of the gated delta rule (q, k already L2-normalised);
+    ``recompute`` as ``ssd``'s."""
     if q.size(1) == 1 and state is not None:
         return gated_delta_sequential(q, k, v, g, beta, reset, state, scale)
     if kernel != "fla":
-        return gated_delta_chunked(q, k, v, g, beta, reset, state, scale, chunk_size)
+        return recomputed(gated_delta_chunked, q, k, v, g, beta, reset, state, scale, chunk_size,
+                          recompute=recompute)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     b, s = q.shape[:2]
     cu, (q, k, v, g, beta) = _varlen(reset, q, k, v, g, beta)

@@ -62,6 +62,7 @@ class GatedDeltaNet(nn.Module):
                                           sequence_parallel=par.sequence_parallel, init_method=output_init(cfg),
                                           device=device, dtype=dtype)
         self.fla = use_fla(par)
+        self.recompute = par.kernels.kernel_linear_scan_recompute == "on"
         self.conv_width = cfg.linear_conv_kernel_dim
 
     def state_shapes(self, batch: int) -> tuple[tuple, tuple]:
@@ -83,7 +84,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
         o, state = gated_delta(q, k, vs.reshape(b, s, nv, self.dv), g, beta.float().sigmoid(), reset,
                                cache.ssm if cache is not None else None, self.chunk,
-                               "fla" if self.fla and x.is_cuda else "torch")
+                               "fla" if self.fla and x.is_cuda else "torch", recompute=self.recompute)
         if cache is not None:
             cache.update(conv_state, state)
         o = self.out_norm(o.to(x.dtype), z.reshape(b, s, nv, self.dv)).reshape(b, s, v)

@@ -90,6 +90,7 @@ class MambaMixer(nn.Module):
                                           sequence_parallel=par.sequence_parallel, init_method=output_init(cfg),
                                           device=device, dtype=dtype)
         self.fla = use_fla(par)
+        self.recompute = par.kernels.kernel_linear_scan_recompute == "on"
 
     def state_shapes(self, batch: int) -> tuple[tuple, tuple]:
         """Generation's cache of this layer (this TP rank's share): the convolution's last inputs, the SSM state."""
@@ -108,13 +109,13 @@ class MambaMixer(nn.Module):
         if self.dt_min > 0:
             dt = dt.clamp(min=self.dt_min)
         A = -torch.exp(self.A_log.float())
-        xs = xs.reshape(b, s, h, self.p)
-        y, state = ssd(xs.float(), dt, A, B.reshape(b, s, self.groups, self.n).float(),
+        xs = xs.reshape(b, s, h, self.p).float()  # one fp32 copy: the scan's input and the D skip's
+        y, state = ssd(xs, dt, A, B.reshape(b, s, self.groups, self.n).float(),
                        C.reshape(b, s, self.groups, self.n).float(), reset,
                        cache.ssm if cache is not None else None, self.chunk,
-                       "fla" if self.fla and x.is_cuda else "torch")
+                       "fla" if self.fla and x.is_cuda else "torch", self.recompute)
         if cache is not None:
             cache.update(conv_state, state)
-        y = y + xs.float() * self.D.float()[:, None]
+        y = y + xs * self.D.float()[:, None]
         y = self.norm(y.reshape(b, s, di).to(x.dtype), z)
         return self.out_proj(y.transpose(0, 1), residual)

@@ -60,13 +60,19 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
         recompute.apply(model.decoder, tr.recompute_modules)
     if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
         model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check
-    if tr.torch_compile:  # regional: each layer compiled in place (one code object, reused)
-        for layer in model.decoder.layers:
-            layer.compile(options=compile_options(device, cfg.kernels.kernel_compile_coordinate_descent))
-        for m in model.modules():
-            if isinstance(m, moe.MoELayer):
-                m.compile_experts(compile_options(device, cfg.kernels.kernel_compile_coordinate_descent))
+    if tr.torch_compile:
+        compile_layers(model, device, cfg.kernels.kernel_compile_coordinate_descent)
     return model
+
+
+def compile_layers(model: torch.nn.Module, device: torch.device, switch: str = "auto") -> None:
+    """--torch-compile: regional compilation, each decoder layer compiled in place (one code object, reused),
+    and the dropless expert paths of MoE layers on their own."""
+    for layer in model.decoder.layers:
+        layer.compile(options=compile_options(device, switch))
+    for m in model.modules():
+        if isinstance(m, moe.MoELayer):
+            m.compile_experts(compile_options(device, switch))
 
 
 def build_model_chunks(cfg: Config, dims: ParallelDims, device: torch.device) -> list[GPTModel]:

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from paratron.kernels import linear_scan
 from paratron.kernels.causal_conv import causal_conv
 from paratron.kernels.gated_delta import gated_delta_chunked, gated_delta_sequential
 from paratron.kernels.ssd import resets_of, ssd_chunked, ssd_sequential
@@ -107,3 +108,50 @@ def test_causal_conv_resets_and_state():
     late[:, S - 2] = True  # a document begins 2 positions before the end: the oldest state entry is dropped
     state = causal_conv(x, w, bias, late)[1]
     assert torch.equal(state[:, 0], torch.zeros_like(state[:, 0])) and torch.equal(state[:, 1:], x[:, -2:])
+
+
+def saved_bytes(fn, inputs) -> tuple[int, int]:
+    """(bytes of the distinct storages autograd saves for backward while ``fn`` runs, bytes of ``inputs``)."""
+    seen, total = set(), [0]
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total[0] += t.untyped_storage().nbytes()
+        return t
+    inputs = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(**inputs)
+    return total[0], sum(v.numel() * v.element_size() for v in inputs.values())
+
+
+SCANS = [(linear_scan.ssd, ssd_inputs), (linear_scan.gated_delta, gdn_inputs)]
+
+
+@pytest.mark.parametrize("scan,inputs", SCANS, ids=["ssd", "gated_delta"])
+def test_recompute_gives_the_same_values_and_gradients(scan, inputs):
+    """--kernel-linear-scan-recompute on: the chunked torch scans recompute their intermediates in backward;
+    outputs, final states and every gradient (fp64, packed-document resets, an initial state) are the ones
+    of the scan that keeps them."""
+    x = inputs(torch.Generator().manual_seed(4))
+    reset = resets_of(DOCS)
+    want = run(scan, x, reset=reset, chunk_size=4, recompute=False)
+    got = run(scan, x, reset=reset, chunk_size=4, recompute=True)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("scan,inputs", SCANS, ids=["ssd", "gated_delta"])
+def test_recompute_keeps_only_the_inputs(scan, inputs):
+    """Without recomputation the chunked scan saves its [chunk x chunk] products (several times its inputs);
+    with it, autograd saves the inputs only (the checkpoint saves its arguments through the same hooks; its
+    own hooks keep recipes for the rest). Fails if the switch is silently ignored."""
+    x = inputs(torch.Generator().manual_seed(5))
+    kept, size = saved_bytes(lambda **t: scan(**t, reset=resets_of(DOCS), chunk_size=4, recompute=False), x)
+    again, _ = saved_bytes(lambda **t: scan(**t, reset=resets_of(DOCS), chunk_size=4, recompute=True), x)
+    assert kept > 3 * size, (kept, size)
+    assert again <= size + DOCS.numel(), (again, size)  # the inputs and the resets (one byte each)
+    with torch.no_grad():  # no graph: no checkpoint either (generation's prefill)
+        assert saved_bytes(lambda **t: scan(**t, chunk_size=4, recompute=True), x)[0] == 0
