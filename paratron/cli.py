@@ -97,7 +97,8 @@ def dispatch(argv: list[str]) -> int:
         return (inference_cli.generate_main if cmd == "generate" else inference_cli.serve_main)(rest)
     if cmd == "plan":
         from .plan.cli import plan_main
-        return plan_main(rest)
+        from .train.host_ops import host_ops_for
+        return plan_main(rest, host_ops_for)
     if cmd == "launch":
         from .launch import launch_main
         return launch_main(rest)

@@ -132,8 +132,9 @@ def runnable(found: list[Candidate], rest: list[str], cluster: Cluster, top: int
     return out, refused
 
 
-def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, n_explain: int) -> list[str]:
-    m, base = cfg.model, layout_of(cfg, cluster.kind)
+def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, n_explain: int,
+           host_ops: tuple = (0, 0)) -> list[str]:
+    m, base = cfg.model, layout_of(cfg, cluster.kind, host_ops)
     found = search(m, cfg.data.vocab_size, m.make_vocab_size_divisible_by, cluster, base, fp8, cfg.data.padded_vocab_size)
     fits, refused = runnable(found, rest, cluster, top)
     lines = [f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
@@ -157,9 +158,9 @@ def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, 
     return lines
 
 
-def as_given(cfg: Config, cluster: Cluster) -> str:
+def as_given(cfg: Config, cluster: Cluster, host_ops: tuple = (0, 0)) -> str:
     """The config's own layout, memory and time."""
-    layout = layout_of(cfg, cluster.kind)
+    layout = layout_of(cfg, cluster.kind, host_ops)
     mem = fullest(cfg.model, cfg.padded_vocab_size, layout, cfg.parallel)
     fits = mem.total <= cluster.memory
     line = f"as given: {describe(mem)}; {'fits' if fits else 'does NOT fit'}"
@@ -170,7 +171,9 @@ def as_given(cfg: Config, cluster: Cluster) -> str:
     return line
 
 
-def plan_main(argv: Optional[list[str]] = None) -> int:
+def plan_main(argv: Optional[list[str]] = None, count_host_ops=None) -> int:
+    """``count_host_ops(cfg, kind)``: the eager operations of (one layer, the rest) (paratron/train/host_ops.py,
+    which builds a tiny model: the planner does not); None plans without the host's issue time."""
     argv = list(argv or [])
     if argv[:1] in (["-h"], ["--help"]):
         plan_parser().print_help()
@@ -188,8 +191,9 @@ def plan_main(argv: Optional[list[str]] = None) -> int:
     if not_modelled(cfg):
         raise ConfigError(f"paratron plan does not model {not_modelled(cfg)} yet (docs/plan.md); remove it to plan "
                           "the rest")
-    given = [as_given(cfg, cluster)] if runs else ["as given: the config's own layout does not run on this cluster"]
+    host_ops = count_host_ops(cfg, cluster.kind) if count_host_ops is not None else (0, 0)
+    given = [as_given(cfg, cluster, host_ops)] if runs else ["as given: the config's own layout does not run on this cluster"]
     explained = args.top if args.explain is None else args.explain
-    for line in report(cfg, cluster, rest, args.fp8, args.top, explained) + [""] + given:
+    for line in report(cfg, cluster, rest, args.fp8, args.top, explained, host_ops) + [""] + given:
         print(line)
     return 0

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import FIELD_SECTION, Config
-from .host import ops_per_layer
 from .paths import Paths, paths_of
 
 # Megatron's --data-parallel-sharding-strategy values: what data parallelism shards besides nothing.
@@ -93,9 +92,10 @@ def precision_of(cfg: Config) -> tuple[int, int]:
     return 4, 4
 
 
-def layout_of(cfg: Config, kind: Optional[str] = None) -> Layout:
+def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0)) -> Layout:
     """The layout a resolved config runs, its layers' paths those of a ``kind`` GPU (paths.py; None: as resolved
-    here)."""
+    here); ``host_ops``: the eager operations of (one layer, the rest), counted by the caller
+    (train/host_ops.host_ops_for; (0, 0): no host time)."""
     par, tr = cfg.parallel, cfg.train
     param_bytes, grad_bytes = precision_of(cfg)
     offload = field(cfg, "optimizer_offload_fraction", 1.0) if field(cfg, "optimizer_cpu_offload", False) else 0.0
@@ -113,4 +113,4 @@ def layout_of(cfg: Config, kind: Optional[str] = None) -> Layout:
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
                   bucket_size=par.ddp_bucket_size, overlap_grad_reduce=par.overlap_grad_reduce,
                   overlap_param_gather=par.overlap_param_gather, paths=paths_of(cfg, kind),
-                  host_ops=ops_per_layer(cfg) if kind is not None and not tr.torch_compile else (0, 0))
+                  host_ops=host_ops)

@@ -35,11 +35,10 @@ class Paths:
 def _resolved(cfg: Config, kind: Optional[str]):
     """The kernel switches as the run on ``kind`` resolves them (config already resolved: as they are)."""
     from ..kernels import switches
-    from ..train.step import params_dtype
     k = cfg.kernels
     if kind is None and not any(getattr(k, name) == "auto" for name in CHOICES):
         return k
-    dtype = params_dtype(cfg)
+    dtype = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
     offered = None if kind is None else switches.offer_of_kind(kind in HOPPER and dtype == torch.bfloat16)
     return switches.resolve(k, "cpu", dtype, bool(cfg.train.deterministic_mode), offered)
 

@@ -6,8 +6,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2] / "paratron"
 NOT = {"kernels": {"model", "parallel", "train"}, "fp8": {"model", "parallel", "train"}, "parallel": {"model", "train"},
        "model": {"checkpoint", "inference", "train"},
-       # the planner is pure arithmetic over the config: nothing that builds or runs a model
-       "plan": {"model", "parallel", "train", "kernels", "fp8", "optim", "data", "checkpoint", "inference", "core"}}
+       # the planner is arithmetic over the config, with the kernel switches' resolution and the model's and FP8's
+       # own conditions on which path a layer takes: nothing that builds or runs a model (the host's operation
+       # count, which runs a tiny one, is train/host_ops.py's, passed in)
+       "plan": {"parallel", "train", "optim", "data", "checkpoint", "inference", "core"}}
 # config: nothing but itself and errors
 
 

@@ -6,7 +6,8 @@ import torch
 from paratron.kernels import quack_mlp, quack_norm
 from paratron.plan.activations import mlp_bytes, norm_bytes
 from paratron.plan.cost import Cluster, host_exposed
-from paratron.plan.host import HOST_OP_US, OpCounter, count_ops, ops_per_layer, tiny_copy
+from paratron.plan.host import HOST_OP_US
+from paratron.train.host_ops import OpCounter, count_ops, host_ops_for, ops_per_layer, tiny_copy
 from paratron.plan.layout import layout_of
 from paratron.plan.paths import Paths
 from tests.parallel.common import tiny_config
@@ -73,10 +74,12 @@ def test_host_operation_count_is_the_dispatch_count():
 
 def test_host_time_exposed_only_beyond_the_gpu():
     cfg = tiny_config("llama", world_size=1, bf16=True)
-    layout = layout_of(cfg, "h200")
+    layout = layout_of(cfg, "h200", host_ops_for(cfg, "h200"))
     layer, rest = layout.host_ops
+    assert layer > 0 and rest > 0
     issue = layout.microbatches * (layer * cfg.model.num_layers + rest) * HOST_OP_US["h200"] * 1e-6
     cluster = Cluster(1, 1, "h200")
     assert abs(host_exposed(cfg.model, layout, cluster, 0.0) - issue) < 1e-9
     assert host_exposed(cfg.model, layout, cluster, issue * 2) == 0.0
-    assert layout_of(tiny_config("llama", world_size=1, torch_compile=True), "h200").host_ops == (0, 0)
+    assert host_ops_for(tiny_config("llama", world_size=1, torch_compile=True), "h200") == (0, 0)
+    assert host_ops_for(cfg, None) == (0, 0)

@@ -1,0 +1,74 @@
+"""The eager aten operations one micro-batch of a model issues from the host, counted (paratron plan's host
+model, paratron/plan/host.py, takes them): one layer's forward and backward and the rest's (embedding, final
+norm, loss head), run once on the CPU at tiny widths with the same structure (norms, activation, experts, FP8
+recipe) under a dispatch mode that counts the aten operations. Here, in train, because it builds a model; the
+planner is given the counts (``paratron plan`` and benchmarks/train_throughput.py pass them)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..config import Config, finalize
+from .distributed import build_dims
+from .step import build_model_chunks
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched (views and metadata included: each is a host call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tiny_copy(cfg: Config, layers: int) -> Config:
+    """``cfg``'s model at tiny widths with ``layers`` layers, on one rank, eager: the same operations per layer."""
+    c = cfg.unfrozen()
+    m = c.model
+    groups = max(1, m.num_attention_heads // max(1, m.num_query_groups or m.num_attention_heads))
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_channels = layers, 64, 4, 16
+    m.num_query_groups = max(1, 4 // groups) if m.group_query_attention else None
+    m.ffn_hidden_size, m.seq_length, m.max_position_embeddings = 128, 16, 16
+    if m.num_experts:  # every layer of the MoE kind (a pattern of the model's layers does not fit one or two)
+        m.moe_ffn_hidden_size, m.moe_layer_freq = 32, 1
+        m.moe_shared_expert_intermediate_size = 32 if m.moe_shared_expert_intermediate_size else None
+    m.mtp_num_layers = None
+    c.train.micro_batch_size, c.train.global_batch_size, c.train.torch_compile = 1, 1, False
+    c.train.recompute_granularity = None
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        c.set(name, 1)
+    c.set("virtual_pipeline_model_parallel_size", None)
+    c.set("expert_tensor_parallel_size", None)
+    c.data.mock_data, c.data.vocab_size, m.make_vocab_size_divisible_by = True, 512, 32
+    return finalize(c, 1)
+
+
+def count_ops(cfg: Config) -> int:
+    """aten operations of one forward and backward of ``cfg``'s model (one micro-batch) on the CPU."""
+    model = build_model_chunks(cfg, build_dims(cfg), torch.device("cpu"))[0]
+    tokens = torch.randint(0, 500, (1, cfg.model.seq_length), generator=torch.Generator().manual_seed(0))
+    with OpCounter() as counter:
+        model(tokens, labels=tokens).float().sum().backward()
+    return counter.count
+
+
+def ops_per_layer(cfg: Config) -> tuple[int, int]:
+    """(operations of one layer's forward + backward, of the rest: embedding, final norm, loss head), counted on
+    tiny copies of one and two layers. MoE models count the layer of their first MoE kind."""
+    n1, n2 = count_ops(tiny_copy(cfg, 1)), count_ops(tiny_copy(cfg, 2))
+    return n2 - n1, 2 * n1 - n2
+
+
+def host_ops_for(cfg: Config, kind: Optional[str]) -> tuple[int, int]:
+    """What a GPU plan of ``kind`` takes as the host's operations: counted for an eager run, (0, 0) when the
+    plan is not for a GPU or the run compiles its layers (--torch-compile: Inductor's code issues them)."""
+    if kind is None or cfg.train.torch_compile:
+        return 0, 0
+    return ops_per_layer(cfg)
