@@ -9,11 +9,14 @@ shape (bf16 on a GPU) or, with --tiny, a 2-layer model on CPU (a smoke test of t
 a Hugging Face directory with a word-level tokenizer that gives every token id its own text ("<id>"), so each
 streamed chunk is one token.
 
-Engines (--engines, comma-separated): ``paged`` (--inference-dynamic-batching, with --serve-flags), ``fixed``
+Engines (--engines, comma-separated): ``offline`` (the paged engine in this process with --serve-flags, every
+request at once: the in-process peer of transformers' manager), ``paged`` (--inference-dynamic-batching, with
+--serve-flags), ``fixed``
 (today's fixed-batch server), ``continuous`` (--continuous-batching), ``hf`` (transformers' generate_batch
 manager in this process: requests added at their arrival times; it hands back whole results, so TTFT and
 inter-token latency are not measured for it, only output tokens/s and end-to-end latency). Per engine: output
-tokens/s over the run (first arrival to last token), TTFT and inter-token latency p50 / p99, end-to-end latency
+tokens/s over the run (first arrival to last token), TTFT and inter-token latency p50 / p99 (between
+streamed chunks: one token each unless the server fell behind and joined a few), end-to-end latency
 p50 / p99, peak KV-cache bytes (the server's /health). One JSON line per engine, then a Markdown table.
 
     python benchmarks/serve_load.py --tiny                    # CPU smoke test
@@ -77,26 +80,52 @@ def percentiles(xs: list) -> tuple:
     return pick(0.5), pick(0.99)
 
 
-async def drive(url: str, reqs: list, model: str = "m") -> dict:
-    """Every request at its arrival time through the openai client (streaming); the timings."""
+def tokens_in(text: str) -> int:
+    """Tokens in a streamed text of model_dir's tokenizer, whose every token reads "<id>"."""
+    return text.count("<")
+
+
+async def drive(url: str, reqs: list, t0: float, model: str = "m", count=tokens_in) -> list:
+    """Each request at its arrival time after ``t0`` (time.time()) through the openai client (streaming):
+    (sent, [time of each streamed text chunk], tokens streamed (``count`` of each chunk's text)) per request."""
     import openai
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
-    t0 = time.perf_counter()
 
     async def one(at, prompt, n):
-        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-        sent, stamps = time.perf_counter(), []
+        await asyncio.sleep(max(0.0, t0 + at - time.time()))
+        sent, stamps, tokens = time.time(), [], 0
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
-                stamps.append(time.perf_counter())
-        return sent, stamps
+                stamps.append(time.time())
+                tokens += count(chunk.choices[0].text)
+        return sent, stamps, tokens
     async with client:  # (closed after: the server's shutdown waits for open connections)
-        done = await asyncio.gather(*(one(*r) for r in reqs))
-    end = max(s[-1] for _, s in done if s)
-    return {"output_tokens": sum(len(s) for _, s in done), "wall_s": end - t0,
-            "ttft": [s[0] - sent for sent, s in done if s], "e2e": [s[-1] - sent for sent, s in done if s],
-            "itl": [b - a for _, s in done for a, b in zip(s, s[1:])]}
+        return await asyncio.gather(*(one(*r) for r in reqs))
+
+
+def _client(url: str, reqs: list, t0: float, model: str = "m", count=tokens_in) -> list:
+    return asyncio.run(drive(url, reqs, t0, model, count))
+
+
+def drive_all(url: str, reqs: list, clients: int, model: str = "m", count=tokens_in) -> dict:
+    """The load from ``clients`` processes (request i from process i mod clients), all timed from one start: one
+    Python client parses a few thousand streamed chunks a second, fewer than a fast server sends; the timings."""
+    t0 = time.time() + (2.0 if clients > 1 else 0.0)  # (the processes start before the first arrival)
+    if clients == 1:
+        done = _client(url, reqs, t0, model, count)
+    else:
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = pool.map(_client, [url] * clients, [reqs[i::clients] for i in range(clients)], [t0] * clients,
+                             [model] * clients, [count] * clients)
+            done = [r for part in parts for r in part]
+    end = max(s[-1] for _, s, _ in done if s)
+    # (a chunk holds the tokens of the steps that queued while the server sent the last one: ITL is between chunks)
+    return {"output_tokens": sum(n for _, _, n in done), "wall_s": end - t0,
+            "ttft": [s[0] - sent for sent, s, _ in done if s], "e2e": [s[-1] - sent for sent, s, _ in done if s],
+            "itl": [b - a for _, s, _ in done for a, b in zip(s, s[1:])]}
 
 
 def serve(args, d: Path, engine: str, reqs: list) -> dict:
@@ -122,14 +151,39 @@ def serve(args, d: Path, engine: str, reqs: list) -> dict:
                 if proc.poll() is not None:
                     raise SystemExit(f"serve_load: the {engine} server exited with {proc.returncode}")
                 time.sleep(0.5)
-        asyncio.run(drive(url, reqs[:min(4, len(reqs))]))  # warm-up (compilation, graphs)
-        out = asyncio.run(drive(url, reqs))
+        drive_all(url, reqs[:min(4, len(reqs))], 1)  # warm-up (compilation, graphs)
+        out = drive_all(url, reqs, args.clients)
         with urllib.request.urlopen(url + "/health") as r:
             out["kv_bytes_peak"] = json.loads(r.read()).get("kv_bytes_peak")
         return out
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def offline(args, d: Path, reqs: list) -> dict:
+    """The paged engine in this process (``paratron generate --inference-dynamic-batching``'s path, the server's
+    flags), every request given at once: the offline case, as transformers' manager runs in-process."""
+    from paratron.config import inference
+    from paratron.inference.cli import generate_parser, open_model
+    from paratron.inference.engine import Request
+    from paratron.inference.sampling import SamplingParams
+    flags = ["--load", str(d), "--inference-dynamic-batching", *args.serve_flags.split()]
+    cli = generate_parser().parse_args(flags + ([] if args.tiny else ["--torch-compile"]))
+    model, _ = open_model(cli)
+    engine = model.group.paged(inference.from_args(cli))
+    requests = [Request(list(prompt), SamplingParams(max_new_tokens=n, ignore_eod=True)) for _, prompt, n in reqs]
+    engine.generate(requests[:min(4, len(requests))])  # warm-up (compilation, graphs)
+    first: dict = {}
+
+    def on_token(seq, token):
+        first.setdefault(seq.id, time.perf_counter())
+    t0 = time.perf_counter()
+    results = engine.generate(requests, on_token)
+    wall = time.perf_counter() - t0
+    return {"output_tokens": sum(len(r.tokens) for r in results), "wall_s": wall,
+            "ttft": [t - t0 for t in first.values()], "itl": [], "e2e": [], "kv_bytes_peak":
+            engine.stats().get("kv_bytes_peak"), "note": "in-process, all requests at once (--rate not used)"}
 
 
 def hf(args, d: Path, reqs: list) -> dict:
@@ -182,6 +236,8 @@ def main(argv=None) -> None:
                    help="the paged server's flags")
     a.add_argument("--nproc", type=int, default=1,
                    help="paratron's servers under torchrun on this many processes (tensor parallelism)")
+    a.add_argument("--clients", type=int, default=1, help="client processes driving the load (one Python client "
+                   "parses a few thousand streamed chunks a second)")
     a.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU, few short requests (smoke test)")
     args = a.parse_args(argv)
     if args.tiny:
@@ -193,7 +249,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = model_dir(args, Path(tmp))
         for engine in args.engines.split(","):
-            r = hf(args, d, reqs) if engine == "hf" else serve(args, d, engine, reqs)
+            r = hf(args, d, reqs) if engine == "hf" else offline(args, d, reqs) if engine == "offline" else \
+                serve(args, d, engine, reqs)
             row = {"engine": engine, "requests": len(reqs), "rate": args.rate,
                    "output_tokens_per_s": round(r["output_tokens"] / r["wall_s"], 1), "output_tokens": r["output_tokens"],
                    "ttft_ms_p50_p99": percentiles(r["ttft"]), "itl_ms_p50_p99": percentiles(r["itl"]),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from .batcher import Job
+from .batcher import Job, step_all
 from .paged import PagedEngine
 
 
@@ -85,8 +85,7 @@ class PagedBatcher:
                     job.fail(err)
                 self.results.clear()
                 continue
-            for job, toks in self.tokens.items():
-                job.step(toks)
+            step_all(list(self.tokens.items()))  # (every job of a server shares its event loop)
             self.tokens.clear()
             for seq in finished:
                 self._done(seq)

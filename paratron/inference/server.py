@@ -192,9 +192,19 @@ class Server:
             for i, p in enumerate(prefix or []):
                 if p:
                     yield _sse(chunk(i, p, None))
-            while (step := await job.steps.get()) is not None:
-                for i, tok in enumerate(step):
-                    delta = streams[i].push(tok)
+            ended = False
+            while not ended:
+                deltas = [""] * len(streams)
+                steps = [await job.steps.get()]
+                while not job.steps.empty():  # the steps that queued while the last chunk went out: one chunk
+                    steps.append(job.steps.get_nowait())
+                for step in steps:
+                    if step is None:
+                        ended = True
+                        break
+                    for i, tok in enumerate(step):
+                        deltas[i] += streams[i].push(tok)
+                for i, delta in enumerate(deltas):
                     if delta:
                         yield _sse(chunk(i, delta, None))
             try:
@@ -224,12 +234,29 @@ class TextStream:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.tokens: list = []
         self.sent = ""
+        self.text = ""  # the text of tokens[:read], final (no incomplete character at its end)
+        self.start = self.read = 0  # tokens[start:read]: the context the next tokens are decoded after
+
+    def _text(self) -> str:
+        """The row's text: only the tokens since ``start`` decoded (with the last ones as context, so that a
+        tokenizer's joining of pieces comes out as in a whole decode), not the whole row each token."""
+        window = self.detokenize(self.tokens[self.start:])
+        before = self.detokenize(self.tokens[self.start:self.read])
+        if not window.startswith(before):  # a decoder that rewrites the context: decode the whole row
+            self.text, self.start, self.read = "", 0, 0
+            return self._text()
+        new = window[len(before):]
+        if new.endswith("\ufffd"):  # an incomplete character: the next token decides
+            return self.text + new
+        self.text += new
+        self.start, self.read = self.read, len(self.tokens)
+        return self.text
 
     def push(self, token: Optional[int]) -> str:
         if token is None:
             return ""
         self.tokens.append(token)
-        text = self.detokenize(self.tokens)
+        text = self._text()
         cut = find_stop(text, self.stops)
         safe = text[:cut] if cut is not None else text[:len(text) - self.hold]
         return self.rest(safe.rstrip("\ufffd"))

@@ -205,7 +205,9 @@ def test_serve_load_benchmark_drives_a_server(paged_server):
     reqs = bench.load(args)
     assert reqs == bench.load(args) and len({tuple(p[:3]) for _, p, _ in reqs}) == 1  # seeded; the shared prefix
     assert [at for at, _, _ in reqs] == sorted(at for at, _, _ in reqs) and reqs[-1][0] > 0
-    out = asyncio.run(bench.drive(paged_server[0], reqs, "tiny"))
-    assert out["output_tokens"] > 0 and len(out["ttft"]) == len(out["e2e"]) <= len(reqs)
-    assert len(out["itl"]) == out["output_tokens"] - len(out["ttft"]) and min(out["ttft"]) > 0
+    chunks = []
+    out = bench.drive_all(paged_server[0], reqs, 1, "tiny", count=lambda text: chunks.append(text) or 1)
+    assert out["output_tokens"] == len(chunks) > 0 and len(out["ttft"]) == len(out["e2e"]) <= len(reqs)
+    assert len(out["itl"]) == len(chunks) - len(out["ttft"]) and min(out["ttft"]) > 0
+    assert bench.tokens_in("<12><7>") == 2
     assert bench.percentiles([0.001, 0.002, 0.003]) == (2.0, 3.0)
