@@ -86,16 +86,8 @@ def scans(tokens: int) -> None:
 def _layer_saved_bytes(layer, x) -> int:
     """Bytes of the distinct storages autograd saves in ``layer``'s forward, its weights left out."""
     from paratron.model.context import ForwardContext
-    seen, total = {p.untyped_storage().data_ptr() for p in layer.parameters()}, [0]
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total[0] += t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, ForwardContext())
-    return total[0]
+    from paratron.model.recompute import saved_storage_bytes
+    return saved_storage_bytes(lambda: layer(x, ForwardContext()), skip=list(layer.parameters()))[0]
 
 
 def _layer_pass(layer, x) -> float:

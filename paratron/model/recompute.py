@@ -85,3 +85,19 @@ def apply(stack, modules) -> None:
         if moe:
             layer.mlp.recompute_shared = "shared_experts" in names
             layer.mlp.experts.recompute_act = "moe_act" in names
+
+
+def saved_storage_bytes(run: Callable, skip=()) -> tuple[int, object]:
+    """(bytes of the distinct storages autograd saves for backward while ``run()`` runs, its result), the
+    storages of the tensors in ``skip`` (a layer's weights) left out: what recomputation trades (tests and
+    benchmarks/matmul_shapes.py measure it)."""
+    seen, total = {t.untyped_storage().data_ptr() for t in skip}, [0]
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total[0] += t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return total[0], out

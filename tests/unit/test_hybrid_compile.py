@@ -11,6 +11,7 @@ from paratron.model.context import ForwardContext, Parallel
 from paratron.model.gated_delta_net import GatedDeltaNet
 from paratron.model.gpt import GPTModel
 from paratron.model.mamba import MambaMixer
+from paratron.model.recompute import saved_storage_bytes
 from paratron.train.step import compile_layers
 
 from .test_hybrid_model import batch, hybrid
@@ -24,18 +25,10 @@ def par(recompute: str) -> Parallel:
 
 def step(fn, x):
     """(output, input gradient, bytes of the distinct storages autograd saved) of one forward and backward."""
-    seen, total = set(), [0]
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total[0] += t.untyped_storage().nbytes()
-        return t
     x = x.clone().requires_grad_(True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fn(x)
+    total, y = saved_storage_bytes(lambda: fn(x))
     y.square().sum().backward()
-    return y.detach(), x.grad, total[0]
+    return y.detach(), x.grad, total
 
 
 @pytest.mark.parametrize("mixer", [MambaMixer, GatedDeltaNet])

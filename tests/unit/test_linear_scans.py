@@ -8,6 +8,7 @@ from paratron.kernels import linear_scan
 from paratron.kernels.causal_conv import causal_conv
 from paratron.kernels.gated_delta import gated_delta_chunked, gated_delta_sequential
 from paratron.kernels.ssd import resets_of, ssd_chunked, ssd_sequential
+from paratron.model.recompute import saved_storage_bytes
 
 B, S, H, G = 2, 11, 4, 2
 DOCS = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2],  # a document starts on a chunk boundary (4), mid-chunk
@@ -112,17 +113,9 @@ def test_causal_conv_resets_and_state():
 
 def saved_bytes(fn, inputs) -> tuple[int, int]:
     """(bytes of the distinct storages autograd saves for backward while ``fn`` runs, bytes of ``inputs``)."""
-    seen, total = set(), [0]
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total[0] += t.untyped_storage().nbytes()
-        return t
     inputs = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(**inputs)
-    return total[0], sum(v.numel() * v.element_size() for v in inputs.values())
+    total, _ = saved_storage_bytes(lambda: fn(**inputs))
+    return total, sum(v.numel() * v.element_size() for v in inputs.values())
 
 
 SCANS = [(linear_scan.ssd, ssd_inputs), (linear_scan.gated_delta, gdn_inputs)]
