@@ -50,13 +50,18 @@ def _transposed_blocks(wq: torch.Tensor, sw: torch.Tensor):
 
 
 def _quantize_rows(x: torch.Tensor, state: FP8State, kind: str):
-    """(xq, sx, xq^T, sx^T): the rows for the forward and, transposed, for the weight gradient."""
+    """(xq, sx, xq^T, sx^T): the rows for the forward and, transposed, for the weight gradient (None, None
+    with --no-fp8-wgrad, which keeps the bf16 rows instead). Tensorwise / delayed: both from one read of x
+    (the scaler's ``quantize_both``, as the dense layers' gradients)."""
+    wgrad = state.recipe.fp8_wgrad
     if kind == "block":
         xq, sx = quantize_tiles(x, E4M3, state.recipe.margin)
-        xtq, sxt = quantize_tiles(x.t(), E4M3, state.recipe.margin)
-        return xq, sx, xtq, sxt
-    xq, sx = state.quantize("input", x)
-    return xq, sx, xq.t().contiguous(), sx
+        return (xq, sx, *quantize_tiles(x.t(), E4M3, state.recipe.margin)) if wgrad else (xq, sx, None, None)
+    if not wgrad:
+        return (*state.quantize("input", x), None, None)
+    state.mark("input")
+    xq, xtq, sx = state.input.quantize_both(x)
+    return xq, sx, xtq, sx
 
 
 class _FP8GroupedMM(torch.autograd.Function):
