@@ -392,5 +392,8 @@ def hand_built_config(model: ModelConfig, optim: OptimConfig, train: Optional[Tr
 
 def fused_on_host() -> bool:
     """Whether this torch has a fused AdamW kernel for CPU tensors (torch >= 2.4)."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    try:  # (a private helper of torch's optimizers: where it is missing, foreach as before)
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return False
     return "cpu" in _get_fused_kernels_supported_devices()

@@ -1,7 +1,7 @@
 """The code paths a layout's layers take on the planned GPU: the kernel switches (config/kernels.py) resolved as
 the training run resolves them (kernels/switches.py), for a GPU kind instead of the device at hand, and the
 model's own conditions of each path (model/norms.py, model/mlp.py, model/attention/flash.py). What the layers save
-for backward (activations.py) and how many operations the host issues (host.py) depend on them.
+for backward (activations.py) depend on them.
 
 ``kind`` None plans the paths of the machine the config is resolved on: a CPU, or a run's own already resolved
 switches (the start-up lines of a training run)."""
@@ -25,11 +25,8 @@ class Paths:
     gated_gemm: bool = False  # SwiGLU MLP in quack's GEMM epilogues: keeps the pre-activation (and the activation)
     keep_act: bool = True  # --kernel-keep-swiglu-activation (the gated GEMMs' activation kept for fc2's wgrad)
     fused_rope: bool = False  # the rotary embedding inside FlashAttention-4's op (recomputed with it: selective)
-    flash: bool = False  # FlashAttention-4 (or cuDNN's forward) for the attention core
     fp8_inputs: bool = False  # FP8 linears keep their inputs' FP8 copies (1 byte), not the bf16 inputs
     fp8_mlp: bool = False  # the fused FP8 MLP: keeps fc1's input in FP8, its output in bf16, the activation in FP8
-    compiled: bool = False  # --torch-compile: each layer one compiled region
-    gpu: bool = False  # a GPU plan (host issue time counted, host.py)
 
 
 def _resolved(cfg: Config, kind: Optional[str]):
@@ -61,5 +58,4 @@ def paths_of(cfg: Config, kind: Optional[str] = None) -> Paths:
     rope = flash and not k.no_rope_fusion and m.position_embedding_type == "rope" and m.attention_dropout == 0
     fp8 = recipe is not None and recipe.fp8_wgrad and recipe.recipe != "blockwise"
     fp8_mlp_on = fp8 and recipe.fuse_mlp and fused_fp8_activation(m) is not None
-    return Paths(norm, gated, k.kernel_keep_swiglu_activation == "on", rope, flash, fp8, fp8_mlp_on,
-                 bool(cfg.train.torch_compile), kind is not None)
+    return Paths(norm, gated, k.kernel_keep_swiglu_activation == "on", rope, fp8, fp8_mlp_on)
