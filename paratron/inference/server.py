@@ -192,21 +192,17 @@ class Server:
             for i, p in enumerate(prefix or []):
                 if p:
                     yield _sse(chunk(i, p, None))
-            ended = False
-            while not ended:
-                deltas = [""] * len(streams)
+            while True:
                 steps = [await job.steps.get()]
                 while not job.steps.empty():  # the steps that queued while the last chunk went out: one chunk
                     steps.append(job.steps.get_nowait())
-                for step in steps:
-                    if step is None:
-                        ended = True
-                        break
-                    for i, tok in enumerate(step):
-                        deltas[i] += streams[i].push(tok)
-                for i, delta in enumerate(deltas):
+                ended = steps[-1] is None  # (the end is the last thing a job queues)
+                for i, stream in enumerate(streams):
+                    delta = "".join(stream.push(step[i]) for step in steps if step is not None)
                     if delta:
                         yield _sse(chunk(i, delta, None))
+                if ended:
+                    break
             try:
                 results = await self.results(job)
             except ApiError as e:

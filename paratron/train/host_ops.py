@@ -16,14 +16,18 @@ from .step import build_model_chunks
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten operations dispatched (views and metadata included: each is a host call)."""
+    """The aten operations dispatched, by name (views and metadata included: each is a host call)."""
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.ops: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.ops)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 
 

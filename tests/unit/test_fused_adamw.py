@@ -141,20 +141,11 @@ def test_step_counters_advance_without_reading_found_inf_on_the_host(found):
     """found_inf stays a device tensor: no ``_local_scalar_dense`` (an ``.item()``: on CUDA a host
     synchronisation every step, seen by benchmarks/host_sync.py on an H200), and the counters move by 1 - found."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
     from paratron.kernels.fused_adamw import advance_steps
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from paratron.train.host_ops import OpCounter
 
     steps = [torch.full((), 3.0), torch.full((), 5.0)]
-    with Ops() as seen:
+    with OpCounter() as seen:
         advance_steps(steps, torch.tensor(found))
     assert not [op for op in seen.ops if "_local_scalar_dense" in op], seen.ops
     assert [s.item() for s in steps] == [4.0 - found, 6.0 - found]
