@@ -113,8 +113,9 @@ def run_hf(preset: str, compiled: bool) -> dict:
     return r
 
 
-def run_hf_family(preset: str, family: str, warmup: int, steps: int) -> dict:
-    """transformers' model of ``family`` built from ``preset``'s config, compiled, one micro-batch per step."""
+def run_hf_family(preset: str, family: str, warmup: int, steps: int, micro_batch: int | None = None) -> dict:
+    """transformers' model of ``family`` built from ``preset``'s config, compiled, one micro-batch per step (the
+    preset's micro-batch unless ``micro_batch``)."""
     import transformers
 
     from paratron.checkpoint.hf_config import hf_config_from_model_config
@@ -126,7 +127,7 @@ def run_hf_family(preset: str, family: str, warmup: int, steps: int) -> dict:
     model = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=torch.bfloat16).train()
     compiled = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
+    b, s = micro_batch or cfg.train.micro_batch_size, cfg.model.seq_length
     ids = torch.randint(0, cfg.data.vocab_size, (b, s + 1), device=device)
 
     def step():
@@ -388,6 +389,8 @@ def main() -> int:
     p.add_argument("--hf-eager", action="store_true", help="also run HF transformers eager")
     p.add_argument("--hf-family", default=None, help="also run transformers' model of this family (e.g. nemotron_h) "
                    "built from the preset, compiled")
+    p.add_argument("--hf-micro-batch-size", type=int, default=None,
+                   help="--hf-family: its micro-batch (default the preset's; give the paratron variants the same)")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set torch._inductor.config.KEY (an experiment knob, e.g. coordinate_descent_tuning=True)")
     p.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
@@ -439,7 +442,7 @@ def main() -> int:
         print(json.dumps(r), flush=True)
     if args.hf_family:
         try:
-            r = run_hf_family(args.config, args.hf_family, args.warmup, args.steps)
+            r = run_hf_family(args.config, args.hf_family, args.warmup, args.steps, args.hf_micro_batch_size)
         except Exception as e:
             r = dict(error=repr(e)[:300])
         r.update(system="hf-compile", flags=f"transformers {args.hf_family}")
