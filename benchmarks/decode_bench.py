@@ -229,8 +229,8 @@ def main() -> int:
     p.add_argument("--no-compile", action="store_true", help="eager paratron and HF (compiled on GPU by default)")
     p.add_argument("--no-hf", action="store_true", help="paratron only")
     p.add_argument("--config", default="llama-1b", help="the preset (hybrid-mini: a hybrid stack)")
-    p.add_argument("--family", default="llama", help="the Hugging Face family of the baseline (hybrid-mini: "
-                   "nemotron_h)")
+    p.add_argument("--family", default=None, help="the Hugging Face family of the baseline (default: nemotron_h "
+                   "for a hybrid preset, else llama)")
     p.add_argument("--hf-compile", choices=("auto", "manual", "off"), default="auto",
                    help="how HF generate is compiled on GPU (see hf_runner; default %(default)s)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
@@ -240,6 +240,7 @@ def main() -> int:
     p.add_argument("--prompt-kind", choices=("counting", "random"), default="counting",
                    help="with --num-speculative-tokens: the prompts (default %(default)s)")
     args = p.parse_args()
+    args.family = args.family or ("nemotron_h" if "hybrid" in args.config else "llama")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     compile_ = device.type == "cuda" and not args.no_compile

@@ -112,3 +112,25 @@ def test_hybrid_generation_compiled_equals_eager():
         out[compiled] = [r.tokens for r in engine.generate([Request(p, SamplingParams(max_new_tokens=8))
                                                             for p in prompts])]
     assert out[True] == out[False]
+
+
+@pytest.mark.parametrize("kind", ["ssd", "gdn"])
+def test_compiled_torch_scan_equals_the_recurrence(kind):
+    """The path a hybrid model trains on where fla-core cannot (Hopper with torch 2.11's Triton): the chunked torch
+    scan with its products recomputed in backward, compiled, against the sequential recurrence on the GPU, both in
+    fp32 as the mixers run them: outputs, final states and the inputs' gradients, three packed documents per row."""
+    from benchmarks.matmul_shapes import scan_inputs
+    from paratron.kernels.gated_delta import gated_delta_sequential
+    from paratron.kernels.linear_scan import gated_delta, ssd
+    from paratron.kernels.ssd import ssd_sequential
+    torch.manual_seed(0)
+    x, reset = scan_inputs(kind, 2, 256, torch.device("cuda"), docs=3)
+    fn, ref = (ssd, ssd_sequential) if kind == "ssd" else (gated_delta, gated_delta_sequential)
+    fast = torch.compile(lambda **kw: fn(**kw, reset=reset, kernel="torch", recompute=True), fullgraph=True)
+    outs = {}
+    for name, run in (("fast", fast), ("ref", lambda **kw: ref(**kw, reset=reset))):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+        y, final = run(**leaves)
+        outs[name] = [y.detach(), final.detach()] + list(torch.autograd.grad((y * y).sum(), list(leaves.values())))
+    for a, b in zip(outs["fast"], outs["ref"]):
+        assert _rel(a, b) < 2e-3  # TF32 off (torch's default): the chunking's summation order only
