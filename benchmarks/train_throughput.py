@@ -2,7 +2,8 @@
 Hugging Face transformers baseline measured in the same process.
 
     python benchmarks/train_throughput.py --config gpt-350m [--hf] [--variant NAME:FLAGS ...] [--plan h200]
-    python benchmarks/train_throughput.py --config hybrid-mini --hf-family nemotron_h
+    python benchmarks/train_throughput.py --config hybrid-mini --hf-family nemotron_h --hf-micro-batch-size 2 \
+        --variant "compiled-mb2:--torch-compile --micro-batch-size 2 --global-batch-size 2"
     python benchmarks/train_throughput.py --t5 [--micro-batch-size 32] [--steps 20]   # T5-220M (--tiny --t5-eager: CPU)
     python benchmarks/train_throughput.py --bert [--hf] [--micro-batch-size 8]   # BERT-340M (--tiny: CPU check)
 
@@ -14,8 +15,8 @@ buffer, AdamW on fp32 master weights, LR schedule. Timing: warm-up steps, then C
 wall time over the timed steps. Writes a Markdown record (date, hardware, torch, commit, command,
 table) to --record-dir (default: $OUT if set, else benchmarks/results). ``--hf-family F`` builds the Hugging Face
 baseline from the preset itself (paratron's config converted to family F's config.json, transformers' own
-model of that family with its own initialisation, bf16, torch.compile, torch's fused AdamW, the same micro-batch
-and sequence): the baseline for presets that peers.py does not know (hybrid-mini: NemotronH). ``--plan KIND``: each
+model of that family with its own initialisation, bf16, torch.compile, torch's fused AdamW, the sequence and the
+preset's micro-batch or ``--hf-micro-batch-size``: give the paratron variants the same): the baseline for presets that peers.py does not know (hybrid-mini: NemotronH). ``--plan KIND``: each
 variant's peak memory and step time beside what ``paratron plan``'s models predict for it on that GPU kind
 (docs/plan.md).
 """
