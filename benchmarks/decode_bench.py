@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -44,8 +45,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
-def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "llama"):
-    """(paratron GPTModel, the Hugging Face model of ``family``, real vocabulary) with the same random weights."""
+def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "llama", gemv: Optional[str] = None):
+    """(paratron GPTModel, the Hugging Face model of ``family``, real vocabulary) with the same random weights;
+    ``gemv``: paratron's --kernel-decode-gemv (None: the default)."""
     import transformers
 
     from paratron.checkpoint.hf import paratron_to_hf
@@ -63,10 +65,11 @@ def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "ll
                 "--init-method-std", "0.3"]
     else:
         args = ["--config", preset]
+    args += ["--kernel-decode-gemv", gemv] if gemv else []
     cfg = parse_args(args + ["--mock-data"] if "--mock-data" not in args else args)
     m, vocab = cfg.model, cfg.data.vocab_size
     torch.manual_seed(0)
-    model = GPTModel(m, cfg.padded_vocab_size, device=device, dtype=dtype).eval()
+    model = GPTModel(m, cfg.padded_vocab_size, kernels=cfg.kernels if gemv else None, device=device, dtype=dtype).eval()
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     hf_cfg = hf_config_from_model_config(m, vocab, family)
     config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "torch_dtype"})
@@ -236,6 +239,8 @@ def main() -> int:
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     p.add_argument("--num-speculative-tokens", type=int, action="append",
                    help="measure speculative decoding with K drafts (repeatable) beside plain decoding")
+    p.add_argument("--kernel-decode-gemv", choices=("auto", "triton", "torch"), default=None,
+                   help="paratron's decode-step linear layers (kernels/gemv.py; triton needs a GPU)")
     p.add_argument("--load", help="with --num-speculative-tokens: a checkpoint trained with --mtp-num-layers")
     p.add_argument("--prompt-kind", choices=("counting", "random"), default="counting",
                    help="with --num-speculative-tokens: the prompts (default %(default)s)")
@@ -251,8 +256,9 @@ def main() -> int:
     plen = args.prompt_len or (8 if args.tiny else 128)
     n = args.new_tokens or (8 if args.tiny else 256)
     batches = args.batch or [1, 32]
-    model, hf, vocab, m = build(args.tiny, device, dtype, args.config, args.family)
-    name = "tiny" if args.tiny else args.config
+    model, hf, vocab, m = build(args.tiny, device, dtype, args.config, args.family, args.kernel_decode_gemv)
+    name = ("tiny" if args.tiny else args.config) + (f"_gemv-{args.kernel_decode_gemv}" if args.kernel_decode_gemv
+                                                      else "")
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {hardware}; {name}, prompt {plen}, {n} new tokens, compile {compile_}",
           flush=True)

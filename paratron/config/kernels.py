@@ -24,6 +24,7 @@ CHOICES: dict[str, tuple] = {
     "attention_backend": ("auto", "flash", "fused", "unfused", "local"),
     "kernel_packed_gqa_backward": AUTO_ON_OFF,
     "kernel_decode_attention": ("auto", "triton", "sdpa"),
+    "kernel_decode_gemv": ("auto", "triton", "torch"),
     "kernel_rmsnorm": ("auto", "quack", "torch"),
     "kernel_gated_mlp": ("auto", "quack", "torch"),
     "kernel_gated_mlp_wgrad": ("cublas", "quack"),
@@ -54,6 +55,9 @@ class KernelConfig(Section):
     no_rope_fusion: bool = False  # rotary embedding as torch ops, not inside the FlashAttention-4 op
     kernel_packed_gqa_backward: str = "auto"  # experimental: FA4's backward over packed grouped keys (4.0.0b10 only)
     kernel_decode_attention: str = "auto"  # generation's attention over the KV cache: triton kernel | sdpa
+    # the decode step's linear layers at <= 8 rows: triton (kernels/gemv.py, streaming the weights; CUDA only,
+    # refused on CPU) | torch (F.linear); auto: torch for now, triton once measured on a GPU
+    kernel_decode_gemv: str = "auto"  # decode steps' linear layers, <= 8 rows: triton GEMV | torch (auto: torch)
     kernel_rmsnorm: str = "auto"  # RMSNorm in training: quack's kernels (Hopper, bf16) | torch
     kernel_gated_mlp: str = "auto"  # SwiGLU MLP with the activation in quack's GEMM epilogues (Hopper) | torch
     kernel_gated_mlp_wgrad: str = "cublas"  # fc1's weight gradient of the gated MLP: cublas (into main_grad) | quack

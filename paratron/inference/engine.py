@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
 from ..model.layers import ForwardContext
 from ..parallel import comm
 from .cache import CacheView, KVCache, RowView
@@ -51,6 +52,14 @@ def context_length(cfg) -> int:
     return max(cfg.max_position_embeddings or 0, cfg.seq_length)
 
 
+def decode_gemv(switch: str, device) -> bool:
+    """Whether decode steps run their linear layers through the GEMV kernel (kernels/gemv.py):
+    ``--kernel-decode-gemv triton`` (auto keeps torch until the kernel is measured on a GPU), refused off CUDA."""
+    if switch == "triton" and torch.device(device).type != "cuda":
+        raise ConfigError("--kernel-decode-gemv triton: the GEMV kernel needs a CUDA device (choose torch or auto)")
+    return switch == "triton"
+
+
 class Engine:
     """Generation from ``model`` (a GPTModel, one pipeline stage, any TP) over token ids.
 
@@ -74,6 +83,7 @@ class Engine:
         self.tp_group = model.par.tp_group
         self.tp_src = dist.get_global_rank(self.tp_group, 0) if model.par.tp_size > 1 else 0
         self.compile = compile
+        self.gemv = decode_gemv(model.kernels.kernel_decode_gemv, self.device)  # decode steps' linear layers
         self.num_speculative_tokens = num_speculative_tokens
         self.acceptance = None  # speculative decoding's counts of the last generate (speculative.Acceptance)
         self.speculative_steps = None  # speculative decoding's fixed-shape passes for the cache (speculative.Steps)
@@ -83,27 +93,31 @@ class Engine:
 
     # ---- the model passes ---------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, view, mask: Optional[torch.Tensor],
-                 last_only: bool = False, pick: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 last_only: bool = False, pick: Optional[torch.Tensor] = None, gemv: bool = False) -> torch.Tensor:
         """Logits [b, s (1 if last_only, len(pick) if given), vocab] of ``ids`` [b, s], writing their keys/values
         to the cache (``view``: a CacheView, or the paged engine's PagedView); ``pick``: the positions whose
-        logits are wanted."""
-        x = self.hidden(ids, positions, view, mask)
+        logits are wanted; ``gemv``: a decode step's linear layers through kernels/gemv.py (``self.gemv``)."""
+        x = self.hidden(ids, positions, view, mask, gemv)
         if last_only:
             x = x[-1:]
         elif pick is not None:
             x = x.index_select(0, pick)
-        return self.logits(x)
+        return self.logits(x, gemv)
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, view, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, view, mask: Optional[torch.Tensor],
+               gemv: bool = False) -> torch.Tensor:
         """The decoder's output [s, b, h] (after its final norm) of ``ids`` [b, s], writing the cache."""
         m = self.model
         rope = m.rotary(ids.shape[1], positions) if m.rotary is not None else None
-        return m.decoder(m.embedding(ids, positions), ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view))
+        ctx = ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view, gemv=gemv)
+        return m.decoder(m.embedding(ids, positions), ctx)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, gemv: bool = False) -> torch.Tensor:
         """Logits [b, s, vocab] (the real vocabulary, gathered over TP) of hidden states ``x`` [s, b, h]."""
         m = self.model
-        logits = comm.gather_from_tp(m.output_layer(m.head_input(x), m.output_weight()), self.tp_group)
+        head = m.head_input(x)
+        out = m.output_layer(head, m.output_weight(), gemv=True) if gemv else m.output_layer(head, m.output_weight())
+        logits = comm.gather_from_tp(out, self.tp_group)
         return logits.transpose(0, 1)[..., :self.vocab_size]
 
     def decode_step(self, tokens: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
@@ -111,7 +125,7 @@ class Engine:
         cache = self.cache
         positions = (slot - cache.pad)[:, None].clamp(min=0)
         view = CacheView(cache, slot.view(1), cache.capacity)
-        return self._forward(tokens, positions, view, cache.decode_mask(slot))[:, 0]
+        return self._forward(tokens, positions, view, cache.decode_mask(slot), gemv=self.gemv)[:, 0]
 
     def prefill(self, ids: torch.Tensor, need_all: bool) -> torch.Tensor:
         """Logits of the left-padded prompts ``ids`` [b, L]: every position's if ``need_all``, else the last."""

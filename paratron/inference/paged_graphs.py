@@ -49,7 +49,8 @@ class DecodeGraphs:
 
     def _forward(self, ids, positions, slots, tables, rows, lengths) -> torch.Tensor:
         e = self.engine
-        return e.e._forward(ids, positions, PagedView(e.cache, slots, tables, rows, lengths, e.kernel), None)[0]
+        view = PagedView(e.cache, slots, tables, rows, lengths, e.kernel)
+        return e.e._forward(ids, positions, view, None, gemv=e.e.gemv)[0]  # (--kernel-decode-gemv)
 
     def _step(self, b: int) -> torch.Tensor:
         return self.forward(self.ids[:, :b], self.positions[:, :b], self.slots[:b], self.tables[:b], self.rows[:b],

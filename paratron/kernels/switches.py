@@ -55,6 +55,8 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
                                        else f"needs flash-attn-4 {flash_packed.VERSION} exactly, Hopper, bf16"),
         "kernel_decode_attention": ("triton" if triton_gpu else "sdpa", "Triton on CUDA" if triton_gpu
                                     else "needs Triton and CUDA"),
+        # triton once measured: the GEMV kernel (kernels/gemv.py) has not run on a GPU yet
+        "kernel_decode_gemv": ("torch", "the Triton GEMV is not measured on a GPU yet"),
         "kernel_rmsnorm": ("quack" if o["quack_norm"] else "torch", why_quack),
         "kernel_gated_mlp": ("quack" if quack else "torch", why_quack),
         "kernel_cublaslt": ("on" if cuda and not deterministic else "off",
@@ -88,6 +90,9 @@ def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False,
     fused rotary attention cannot run); ``offered``: see ``availability``."""
     if asked.kernel_linear_scan == "fla" and torch.device(device).type == "cuda" and linear_scan.fla_refusal():
         raise ConfigError(f"--kernel-linear-scan fla: {linear_scan.fla_refusal()}")
+    if asked.kernel_decode_gemv == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
+        raise ConfigError("--kernel-decode-gemv triton: the GEMV kernel needs Triton and a CUDA device "
+                          "(choose torch or auto here)")
     found = availability(device, dtype, deterministic, offered)
     changes = {name: found[name][0] for name in found
                if name != "no_rope_fusion" and getattr(asked, name) == "auto"}

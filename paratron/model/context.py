@@ -57,6 +57,9 @@ class ForwardContext:
     cp: the context-parallel group (paratron/parallel/context.py) when the sequence is split over
         CP ranks: attention then runs across them (ring or all-to-all).
     memo: what layers derive from this pass once and share (a sliding-window mask).
+    gemv: an inference engine's decode step under ``--kernel-decode-gemv triton``: the dense layers' linear
+        layers (attention's qkv and output projections, the MLP) run through the GEMV kernel
+        (paratron/kernels/gemv.py) where it takes their shapes (CUDA, <= 8 rows). Never set in training.
     """
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     mask: Optional[torch.Tensor] = None
@@ -65,6 +68,7 @@ class ForwardContext:
     padding_mask: Optional[torch.Tensor] = None
     kv_cache: object = None
     cp: object = None
+    gemv: bool = False
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):

@@ -11,7 +11,8 @@ from . import mup
 from ..config import ModelConfig
 from ..config.kernels import parse_quack_tiles
 from ..fp8 import mlp as fp8_mlp
-from ..kernels import quack_mlp
+from ..kernels import gemv as gemv_kernel, quack_mlp
+from ..kernels.swiglu import swiglu, swiglu_reference
 from ..parallel import comm
 from ..parallel.linear import main_grad_of, mark_fusable
 from ..parallel.tensor import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, init_normal
@@ -36,6 +37,8 @@ def latent_projections(cfg: ModelConfig, split: bool, device=None, dtype=None) -
 
 
 class MLP(nn.Module):
+    takes_gemv = True  # forward(x, residual, gemv=True): a decode step's linear layers through kernels/gemv.py
+
     def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None):
         super().__init__()
         bias = not cfg.disable_bias_linear
@@ -49,6 +52,8 @@ class MLP(nn.Module):
                                             k.kernel_gated_mlp_wgrad) if k.kernel_gated_mlp != "torch" else None)
         self.keep_act = k.kernel_keep_swiglu_activation == "on"
         self.tiles = quack_mlp.tile_pairs(parse_quack_tiles(k.kernel_quack_tiles)) if self.gated_gemm else None
+        # a decode step's SwiGLU of fc1's [gate; up] halves in the GEMV kernel's epilogue (plain SwiGLU only)
+        self.gemv_swiglu = cfg.swiglu and self.activation in (swiglu, swiglu_reference)
         width = cfg.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp_group=par.tp_group, bias=bias,
                                                sequence_parallel=par.sequence_parallel,
@@ -62,9 +67,12 @@ class MLP(nn.Module):
         # have FP8 states, which DataParallel leaves unfused
         mark_fusable(self.linear_fc2, *(() if self.gated_gemm == "quack" else (self.linear_fc1,)))
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``residual`` is added to the output (by fc2's matmul where it can)."""
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, gemv: bool = False) -> torch.Tensor:
+        """``residual`` is added to the output (by fc2's matmul where it can); ``gemv``: a decode step under
+        ``--kernel-decode-gemv triton`` (``ForwardContext.gemv``)."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if gemv and fc1.fp8 is None and fc2.fp8 is None:
+            return self._gemv(x, residual)
         if fp8_mlp.applies(fc1, fc2, self.fp8_act):  # the activation's output and gradient born in FP8
             return fc2.exit(fp8_mlp.fused_mlp(fc1.enter(x), fc1.weight, fc1.bias, fc2.weight, fc1.fp8, fc2.fp8,
                                               self.fp8_act), residual)
@@ -76,3 +84,13 @@ class MLP(nn.Module):
                                     cublaslt=fc2.cublaslt)
             return fc2.exit(y, None if tp1 else residual)
         return fc2(self.activation(fc1(x)), residual)
+
+    def _gemv(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """The decode step's MLP through the GEMV kernel: SwiGLU in fc1's epilogue where the activation is plain
+        SwiGLU (kernels/gemv.py falls back to torch where it cannot run)."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if self.gemv_swiglu:
+            h = gemv_kernel.swiglu(fc1.enter(x), fc1.weight, fc1.bias)
+        else:
+            h = self.activation(fc1(x, gemv=True))
+        return fc2(h, residual, gemv=True)

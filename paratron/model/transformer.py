@@ -59,13 +59,17 @@ class TransformerLayer(nn.Module):
         h, x = norm.keep(x)
         return then(h, x)
 
-    def _mlp(self, h: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, residual: Optional[torch.Tensor] = None, gemv: bool = False) -> torch.Tensor:
+        """``gemv``: a decode step's linear layers through kernels/gemv.py (``ForwardContext.gemv``), in an MLP
+        that takes it."""
+        if gemv and getattr(self.mlp, "takes_gemv", False):
+            return self.mlp(h, residual, gemv=True)
         if self.recompute_mlp and recompute.active(self):  # --recompute-modules mlp / moe
             return checkpoint(self.mlp, h, residual, rng=self.par.rng)
         return self.mlp(h, residual)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self._feed(self._mix(self.input_layernorm, self.self_attention, x, ctx))
+        return self._feed(self._mix(self.input_layernorm, self.self_attention, x, ctx), ctx.gemv)
 
     def _mix(self, norm, mixer, x: torch.Tensor, *args) -> torch.Tensor:
         """``x + mixer(norm(x), *args)``: the residual added by the mixer's output projection where it takes one
@@ -76,13 +80,14 @@ class TransformerLayer(nn.Module):
             return self._normed_residual(norm, x, lambda h, r: mixer(h, *args, r))
         return x + self._dropout(self._normed(norm, x, lambda h: mixer(h, *args)))
 
-    def _feed(self, x: torch.Tensor) -> torch.Tensor:
-        """``x + mlp(norm(x))`` (x itself in a layer without an MLP)."""
+    def _feed(self, x: torch.Tensor, gemv: bool = False) -> torch.Tensor:
+        """``x + mlp(norm(x))`` (x itself in a layer without an MLP); ``gemv``: see ``_mlp``."""
         if self.mlp is None:
             return x
+        mlp = (lambda h, r=None: self._mlp(h, r, gemv=True)) if gemv else self._mlp
         if self.fuse_residual and self._dropout_off():  # the output projections' matmuls add the residual
-            return self._normed_residual(self.pre_mlp_layernorm, x, self._mlp)
-        return x + self._dropout(self._normed(self.pre_mlp_layernorm, x, self._mlp))
+            return self._normed_residual(self.pre_mlp_layernorm, x, mlp)
+        return x + self._dropout(self._normed(self.pre_mlp_layernorm, x, mlp))
 
 
 class TransformerStack(nn.Module):

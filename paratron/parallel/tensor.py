@@ -26,6 +26,7 @@ from . import comm
 from .cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy  # noqa: F401 (their old home)
 from .linear import embedding, fused_wgrad, linear
 from ..fp8.linear import fp8_linear
+from ..kernels import gemv as gemv_kernel
 from .sharding import ShardSpec, Split, local_index, set_spec, shard, spec_of
 
 
@@ -77,10 +78,13 @@ def gather_global(p: torch.Tensor, dims) -> torch.Tensor:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], fp8,
-            residual: Optional[torch.Tensor] = None, cublaslt: bool = True) -> torch.Tensor:
+            residual: Optional[torch.Tensor] = None, cublaslt: bool = True, gemv: bool = False) -> torch.Tensor:
     """``x W^T + b (+ residual)`` (linear.linear: the weight gradient fused into ``main_grad`` where
     DataParallel asked for it; ``cublaslt``: the layer's ``--kernel-cublaslt`` switch), or with an FP8 state the
-    FP8 matmul followed by the bias."""
+    FP8 matmul followed by the bias. ``gemv``: a decode step under ``--kernel-decode-gemv triton`` (no autograd):
+    the GEMV kernel where it takes the shapes (kernels/gemv.py)."""
+    if gemv and fp8 is None:
+        return gemv_kernel.linear(x, weight, bias, residual)
     if fp8 is None:
         return linear(x, weight, bias, residual, cublaslt)
     if fused_wgrad(weight):  # DataParallel marks no FP8 layer: an FP8 state attached later
@@ -128,10 +132,14 @@ class ColumnParallelLinear(nn.Module):
         self.fp8 = None  # an FP8State: the matmul in FP8 (paratron.fp8.linear.attach)
         self.cublaslt = True  # the --kernel-cublaslt switch (set_cublaslt)
 
-    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``weight`` overrides the layer's own (a tied output layer passes the embedding table)."""
-        y = (_linear(self.enter(x), self.weight, self.bias, self.fp8, cublaslt=self.cublaslt) if weight is None
-             else F.linear(self.enter(x), weight, self.bias))
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None, gemv: bool = False) -> torch.Tensor:
+        """``weight`` overrides the layer's own (a tied output layer passes the embedding table); ``gemv``: see
+        ``_linear``."""
+        if weight is not None and gemv:
+            y = gemv_kernel.linear(self.enter(x), weight, self.bias)
+        else:
+            y = (_linear(self.enter(x), self.weight, self.bias, self.fp8, cublaslt=self.cublaslt, gemv=gemv)
+                 if weight is None else F.linear(self.enter(x), weight, self.bias))
         return comm.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,14 +177,14 @@ class RowParallelLinear(nn.Module):
         self.fp8 = None  # an FP8State: the matmul in FP8 (paratron.fp8.linear.attach)
         self.cublaslt = True  # the --kernel-cublaslt switch (set_cublaslt)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, gemv: bool = False) -> torch.Tensor:
         """``residual``: added to the output (at TP=1 without bias inside the matmul, as its C operand;
-        under FP8 after the FP8 matmul)."""
+        under FP8 after the FP8 matmul); ``gemv``: see ``_linear``."""
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.tp_group)
         if comm.group_size(self.tp_group) == 1:
-            return _linear(x, self.weight, self.bias, self.fp8, residual, self.cublaslt)
-        return self.exit(_linear(x, self.weight, None, self.fp8, cublaslt=self.cublaslt), residual)
+            return _linear(x, self.weight, self.bias, self.fp8, residual, self.cublaslt, gemv)
+        return self.exit(_linear(x, self.weight, None, self.fp8, cublaslt=self.cublaslt, gemv=gemv), residual)
 
     def exit(self, y: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The layer's output from its local matmul ``y``: summed over TP (reduce-scattered under SP),

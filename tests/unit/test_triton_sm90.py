@@ -28,3 +28,17 @@ def test_paged_attention_kernel_compiles_for_sm90(sink, index):
              "row_ptr": index, "len_ptr": index, "sink_ptr": "*fp32", "scale": "fp32"}
     out = compile_sm90(pa._paged_kernel, types, {"QPG": 4, "QB": 16, "D": 64, "BS": 16, "BT": 32, "SINK": sink})
     assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
+
+
+@pytest.mark.parametrize("split,gated", [(1, False), (4, False), (2, True)])
+def test_decode_gemv_kernel_compiles_for_sm90(split, gated):
+    """kernels/gemv.py: plain and split K (atomics, the counter), fc1's fused SwiGLU, with bias and residual."""
+    from paratron.kernels import gemv
+    if not hasattr(gemv, "_gemv_kernel"):
+        pytest.skip("paratron's kernels module did not see Triton")
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16", "out_ptr": "*bf16",
+             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    for config in (gemv.CONFIGS[0], gemv.CONFIGS[-1]):
+        out = compile_sm90(gemv._gemv_kernel, types, dict(HAS_BIAS=True, HAS_RES=not gated, GATED=gated,
+                                                          SPLIT_K=split, BLOCK_M=gemv.BLOCK_M, **config.kwargs))
+        assert "cubin" in out.asm and len(out.asm["cubin"]) > 0

@@ -105,11 +105,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         recompute = self.recompute_core and self.training and torch.is_grad_enabled()
-        qkv = self.linear_qkv(x)  # [s, b, groups * (q_rows + 2) * d]
+        qkv = self.linear_qkv(x, gemv=ctx.gemv)  # [s, b, groups * (q_rows + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups, self.q_rows + 2, self.d)
         if self.core_attention.fuses_rotary(ctx, s):  # the rotary embedding inside the core's op (flash.py)
-            return self.linear_proj(self.core_attention.attend_rotary(qkv, ctx, recompute), residual)
+            return self.linear_proj(self.core_attention.attend_rotary(qkv, ctx, recompute), residual, ctx.gemv)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.d)
         gate = qkv[:, :, :, self.q_per_group: self.q_rows].reshape(s, b, self.heads * self.d) if self.gated else None
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
@@ -120,4 +120,4 @@ class Attention(nn.Module):
         out = self.core_attention.attend(q, k, v, ctx, recompute)  # [s, b, heads * d]
         if gate is not None:
             out = apply_output_gate(out, gate)
-        return self.linear_proj(out, residual)
+        return self.linear_proj(out, residual, ctx.gemv)
