@@ -52,7 +52,8 @@ def predicted(cfg, kind: str, efficiency: float) -> dict:
     from paratron.plan.memory import rank_memory
     from paratron.plan.search import dp_bytes
     from paratron.train.host_ops import host_ops_for
-    layout, v = layout_of(cfg, kind, host_ops_for(cfg, kind)), cfg.padded_vocab_size
+    from paratron.train.traffic import traffic_for
+    layout, v = layout_of(cfg, kind, host_ops_for(cfg, kind), traffic_for(cfg, kind)), cfg.padded_vocab_size
     mem = rank_memory(cfg.model, v, layout, 0, cfg.parallel)
     t = step_time(cfg.model, v, layout, Cluster(1, 1, kind, matmul_efficiency=efficiency), *dp_bytes(cfg.model, v,
                                                                                                   layout, {}))

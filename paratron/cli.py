@@ -98,7 +98,8 @@ def dispatch(argv: list[str]) -> int:
     if cmd == "plan":
         from .plan.cli import plan_main
         from .train.host_ops import host_ops_for
-        return plan_main(rest, host_ops_for)
+        from .train.traffic import traffic_for
+        return plan_main(rest, host_ops_for, traffic_for)
     if cmd == "launch":
         from .launch import launch_main
         return launch_main(rest)

@@ -133,8 +133,8 @@ def runnable(found: list[Candidate], rest: list[str], cluster: Cluster, top: int
 
 
 def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, n_explain: int,
-           host_ops: tuple = (0, 0)) -> list[str]:
-    m, base = cfg.model, layout_of(cfg, cluster.kind, host_ops)
+           host_ops: tuple = (0, 0), traffic=None) -> list[str]:
+    m, base = cfg.model, layout_of(cfg, cluster.kind, host_ops, traffic)
     found = search(m, cfg.data.vocab_size, m.make_vocab_size_divisible_by, cluster, base, fp8, cfg.data.padded_vocab_size)
     fits, refused = runnable(found, rest, cluster, top)
     lines = [f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
@@ -145,7 +145,8 @@ def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, 
              f"{cluster.gpus_per_node} per node",
              f"derivation: {len(found)} layouts considered, {sum(c.time is not None for c in found)} fit; memory = weights + gradients + optimizer"
              f" + activations + comm buffers, + {ALLOCATOR_SLACK:.0%} allocator slack (assumed); time = FLOPs at "
-             f"{cluster.matmul_efficiency:.0%} of the dense peak (assumed) + recompute + bubble + exposed "
+             f"{cluster.matmul_efficiency:.0%} of the dense peak (assumed) + memory-bound bytes at "
+             f"{cluster.memory_efficiency:.0%} of the memory bandwidth (assumed) + recompute + bubble + exposed "
              "communication (docs/plan.md)"]
     lines += [f"passed over {n} fitting layout(s) the config refuses: {why}" for why, n in refused.items()]
     lines += ["", HEADER]
@@ -158,9 +159,9 @@ def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, 
     return lines
 
 
-def as_given(cfg: Config, cluster: Cluster, host_ops: tuple = (0, 0)) -> str:
+def as_given(cfg: Config, cluster: Cluster, host_ops: tuple = (0, 0), traffic=None) -> str:
     """The config's own layout, memory and time."""
-    layout = layout_of(cfg, cluster.kind, host_ops)
+    layout = layout_of(cfg, cluster.kind, host_ops, traffic)
     mem = fullest(cfg.model, cfg.padded_vocab_size, layout, cfg.parallel)
     fits = mem.total <= cluster.memory
     line = f"as given: {describe(mem)}; {'fits' if fits else 'does NOT fit'}"
@@ -171,9 +172,11 @@ def as_given(cfg: Config, cluster: Cluster, host_ops: tuple = (0, 0)) -> str:
     return line
 
 
-def plan_main(argv: Optional[list[str]] = None, count_host_ops=None) -> int:
+def plan_main(argv: Optional[list[str]] = None, count_host_ops=None, count_traffic=None) -> int:
     """``count_host_ops(cfg, kind)``: the eager operations of (one layer, the rest) (paratron/train/host_ops.py,
-    which builds a tiny model: the planner does not); None plans without the host's issue time."""
+    which builds a tiny model: the planner does not); None plans without the host's issue time.
+    ``count_traffic(cfg, kind)``: the memory-bound kernels' bytes (paratron/train/traffic.py); None plans without
+    them."""
     argv = list(argv or [])
     if argv[:1] in (["-h"], ["--help"]):
         plan_parser().print_help()
@@ -192,8 +195,9 @@ def plan_main(argv: Optional[list[str]] = None, count_host_ops=None) -> int:
         raise ConfigError(f"paratron plan does not model {not_modelled(cfg)} yet (docs/plan.md); remove it to plan "
                           "the rest")
     host_ops = count_host_ops(cfg, cluster.kind) if count_host_ops is not None else (0, 0)
-    given = [as_given(cfg, cluster, host_ops)] if runs else ["as given: the config's own layout does not run on this cluster"]
+    traffic = count_traffic(cfg, cluster.kind) if count_traffic is not None else None
+    given = [as_given(cfg, cluster, host_ops, traffic)] if runs else ["as given: the config's own layout does not run on this cluster"]
     explained = args.top if args.explain is None else args.explain
-    for line in report(cfg, cluster, rest, args.fp8, args.top, explained, host_ops) + [""] + given:
+    for line in report(cfg, cluster, rest, args.fp8, args.top, explained, host_ops, traffic) + [""] + given:
         print(line)
     return 0

@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from .flops import flops_per_iteration, mla_attention_terms
 from .host import ADAM_BYTES, HOST_ADAM_GBPS, HOST_OP_US
 from .layout import Layout
+from .traffic import MEMORY_EFFICIENCY, bandwidth, step_bytes
 
 GB = 1e9
 GIB = 1024 ** 3
@@ -36,6 +37,7 @@ class Cluster:
     matmul_efficiency: float = MATMUL_EFFICIENCY
     host_gbps: float = HOST_GBPS
     host_adam_gbps: float = HOST_ADAM_GBPS
+    memory_efficiency: float = MEMORY_EFFICIENCY  # fraction of HBM bandwidth the non-matmul kernels reach
 
     def spec(self) -> tuple:
         if self.kind is None:
@@ -68,6 +70,7 @@ class Cluster:
 class StepTime:
     """Seconds of one step, by part (the exposed share of each collective)."""
     compute: float
+    memory: float  # the memory-bound kernels (traffic.py): norms, activations, casts, loss pieces, optimizer
     recompute: float
     bubble: float
     tp: float
@@ -83,7 +86,7 @@ class StepTime:
         return sum(self.parts().values())
 
     def parts(self) -> dict:
-        return {k: getattr(self, k) for k in ("compute", "recompute", "bubble", "tp", "cp", "ep", "pp", "dp",
+        return {k: getattr(self, k) for k in ("compute", "memory", "recompute", "bubble", "tp", "cp", "ep", "pp", "dp",
                                               "offload", "host")}
 
 
@@ -114,7 +117,9 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
     # full: the layers' forward again (a third of their forward + backward); selective: the attention core's
     recompute = per_gpu * {"full": (layers_mm / peak + core / dense_peak) / 3,
                            "selective": core / dense_peak / 3}.get(L.recompute, 0.0)
-    bubble = (compute + recompute) * (L.pp - 1) / (L.vpp * m)
+    params = grad_bytes // L.grad_bytes * (L.dp * L.cp if L.zero >= 2 else 1)  # a ZeRO-2/3 shard: the whole
+    memory = step_bytes(model, L, params) / (bandwidth(cluster.kind) * cluster.memory_efficiency)
+    bubble = (compute + memory + recompute) * (L.pp - 1) / (L.vpp * m)
     tokens = L.micro_batch * L.seq_length // L.cp
     layers = model.num_layers / L.pp
     act = tokens * h * a
@@ -127,7 +132,7 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
         if model.num_experts else 0.0
     pp = 2 * act / (L.tp if L.sequence_parallel else 1) * m * L.vpp / cluster.bandwidth(L.world) if L.pp > 1 else 0.0
     dp_bw = cluster.bandwidth(L.tp * L.cp * L.dp)
-    n, busy = L.dp * L.cp, compute + recompute
+    n, busy = L.dp * L.cp, compute + memory + recompute
     full_grads = grad_bytes * (n if L.zero >= 2 else 1)  # ZeRO-2/3 hold a shard: the collectives move all of it
     full_weights = param_bytes_dp * (n if L.zero >= 3 else 1)
     if L.zero <= 1:  # all-reduce (or reduce-scatter) bucket by bucket during the last micro-batch's backward
@@ -140,8 +145,8 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
         dp += max(0.0, 2 * m * ring(n) * full_weights / dp_bw - busy)
     offload = L.offload_fraction * (grad_bytes + param_bytes_dp) / (cluster.host_gbps * GB)
     offload += L.offload_fraction * host_adam(grad_bytes // L.grad_bytes, cluster)
-    return StepTime(compute, recompute, bubble, tp, cp, ep, pp, dp, offload,
-                    host_exposed(model, L, cluster, compute + recompute + bubble))
+    return StepTime(compute, memory, recompute, bubble, tp, cp, ep, pp, dp, offload,
+                    host_exposed(model, L, cluster, busy + bubble))
 
 
 def host_adam(params: int, cluster: Cluster) -> float:

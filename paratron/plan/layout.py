@@ -9,6 +9,7 @@ from typing import Optional
 
 from ..config import FIELD_SECTION, Config
 from .paths import Paths, paths_of
+from .traffic import Traffic
 
 # Megatron's --data-parallel-sharding-strategy values: what data parallelism shards besides nothing.
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -42,6 +43,8 @@ class Layout:
     overlap_param_gather: bool = False
     paths: Paths = Paths()  # the layers' code paths on the planned GPU (paths.py); default: the torch paths
     host_ops: tuple = (0, 0)  # eager aten operations of (one layer, the rest) fwd + bwd (host.py; GPU plans only)
+    compiled: bool = False  # --torch-compile: the layers' non-matmul operations fused (traffic.py)
+    traffic: Optional[Traffic] = None  # counted bytes of the memory-bound kernels (traffic.py; GPU plans only)
 
     @property
     def world(self) -> int:
@@ -92,10 +95,12 @@ def precision_of(cfg: Config) -> tuple[int, int]:
     return 4, 4
 
 
-def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0)) -> Layout:
+def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
+              traffic: Optional[Traffic] = None) -> Layout:
     """The layout a resolved config runs, its layers' paths those of a ``kind`` GPU (paths.py; None: as resolved
     here); ``host_ops``: the eager operations of (one layer, the rest), counted by the caller
-    (train/host_ops.host_ops_for; (0, 0): no host time)."""
+    (train/host_ops.host_ops_for; (0, 0): no host time); ``traffic``: the memory-bound kernels' bytes, counted by
+    the caller (train/traffic.traffic_for; None: not counted)."""
     par, tr = cfg.parallel, cfg.train
     param_bytes, grad_bytes = precision_of(cfg)
     offload = field(cfg, "optimizer_offload_fraction", 1.0) if field(cfg, "optimizer_cpu_offload", False) else 0.0
@@ -113,4 +118,4 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0))
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
                   bucket_size=par.ddp_bucket_size, overlap_grad_reduce=par.overlap_grad_reduce,
                   overlap_param_gather=par.overlap_param_gather, paths=paths_of(cfg, kind),
-                  host_ops=host_ops)
+                  host_ops=host_ops, compiled=bool(tr.torch_compile), traffic=traffic)

@@ -1,0 +1,229 @@
+"""The bytes a micro-batch's memory-bound kernels move, counted (paratron plan's time model,
+paratron/plan/traffic.py, takes them): one layer's forward and backward and the rest's (embedding, final norm, loss
+head), run on the CPU at the model's widths and two short sequences under a dispatch mode that records each aten
+operation's input and output bytes by the region of paratron's code that issued it (the innermost paratron file
+of the forward's call stack; in the backward the stack autograd's anomaly mode kept for the node). Matmuls and
+the attention core are left out (their time is the FLOPs'), views and allocations move nothing. Here, in train,
+because it builds a model; the planner is given the counts."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..config import Config, finalize
+from ..plan.traffic import Traffic
+from .distributed import build_dims
+from .step import build_model_chunks
+
+# Operations whose bytes are not counted: matmuls (their time is the FLOPs') and the attention core (FlashAttention
+# on the GPU: its traffic is inside its FLOP time), by name fragment.
+MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._grouped_mm.", "aten._scaled_mm.",
+           "aten._scaled_grouped_mm.", "cublaslt_addmm", "aten.linear.", "aten.matmul.")
+ATTENTION = ("attention",)
+MOVES_NOTHING = ("empty", "_unsafe_view", "detach", "lift_fresh", "_local_scalar_dense")
+REGIONS = {"model/norms.py": "norm", "kernels/rotary.py": "rope", "model/rotary.py": "rope",
+           "kernels/swiglu.py": "swiglu", "parallel/cross_entropy.py": "loss", "kernels/cross_entropy.py": "loss",
+           "kernels/accumulate.py": "accumulate"}
+OWN = ("paratron/train/traffic.py",)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """The bytes a kernel touches of ``t``: its elements, at most its storage's (a broadcast view reads once)."""
+    if t.device.type == "meta" or not t.is_floating_point() and t.dtype not in (torch.int64, torch.int32,
+                                                                               torch.bool, torch.int8, torch.uint8):
+        return 0
+    return min(t.numel(), t.untyped_storage().nbytes() // t.element_size()) * t.element_size()
+
+
+def region_of(files: list[str]) -> str:
+    """The region of the innermost paratron file of a call stack (``other`` where no table entry)."""
+    inner = [f.split("/paratron/", 1)[1] for f in files if "/paratron/" in f and not f.endswith(OWN)]
+    if not inner:
+        return "other"
+    region = REGIONS.get(inner[-1], "other")
+    if region == "swiglu" and any(f.endswith("model/moe_experts.py") for f in inner):
+        return "swiglu-experts"
+    return region
+
+
+def current_region() -> tuple[str, str]:
+    """(region, phase F/B) of the operation being dispatched."""
+    node = torch._C._current_autograd_node()
+    if node is not None:
+        lines = node.metadata.get("traceback_") or []
+        return region_of([line.split('"')[1] for line in lines if '"' in line]), "B"
+    files, frame = [], sys._getframe()
+    while frame is not None:
+        files.append(frame.f_code.co_filename)
+        frame = frame.f_back
+    return region_of(files[::-1]), "F"
+
+
+class Runs:
+    """Fused accounting: a run of consecutive counted operations of one label is one kernel, which reads the
+    storages entering it once and writes a storage once when something outside the run reads it."""
+
+    def __init__(self):
+        self.bytes: dict = {}
+        self.run, self.label, self.n = None, None, 0
+        self.producer: dict = {}  # storage -> (run, label, bytes) of the run that last wrote it
+        self.read: set = set()
+        self.written: set = set()
+
+    def _add(self, label, n: int) -> None:
+        self.bytes[label] = self.bytes.get(label, 0) + n
+
+    def reads(self, key, n: int, run) -> None:
+        """A read of storage ``key`` (``n`` bytes) by ``run`` (None: an uncounted operation)."""
+        made = self.producer.get(key)
+        if made is not None and made[0] != run and (made[0], key) not in self.written:
+            self.written.add((made[0], key))
+            self._add(made[1], made[2])
+        if run is not None and (made is None or made[0] != run) and key not in self.read:
+            self.read.add(key)
+            self._add(self.label, n)
+
+    def op(self, label, ins: list, outs: list) -> None:
+        """A counted operation of ``label`` (None: uncounted, which ends the run)."""
+        if label is None or label != self.label:
+            self.n, self.label, self.read = self.n + 1, label, set()
+            self.run = None if label is None else self.n
+        for key, n in ins:
+            self.reads(key, n, self.run)
+        for key, n in outs:
+            self.producer[key] = (self.run, label, n)
+            self.written.discard((self.run, key))
+
+
+def storages(tensors) -> list[tuple[int, int]]:
+    """(storage key, bytes touched) of each tensor in a pytree of arguments or results."""
+    return [(t.untyped_storage().data_ptr(), nbytes(t)) for t in tree_flatten(tensors)[0]
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+
+
+class ByteCounter(TorchDispatchMode):
+    """Each counted aten operation's bytes by (region, phase): ``eager`` (inputs + outputs) and ``fused.bytes``
+    (per region's runs, Runs); ``compiled.bytes`` by phase, every run of counted operations fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.eager: dict = {}
+        self.fused, self.compiled = Runs(), Runs()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if func.is_view:
+            return out
+        ins, outs = storages((args, kwargs)), storages(out)
+        if any(s in name for s in MOVES_NOTHING):  # a fresh allocation: whoever wrote its memory before is gone
+            for key, _ in outs if "empty" in name else ():
+                self.fused.producer.pop(key, None)
+                self.compiled.producer.pop(key, None)
+            return out
+        if any(s in name for s in MATMULS + ATTENTION):
+            self.fused.op(None, ins, outs)
+            self.compiled.op(None, ins, outs)
+            return out
+        label = current_region()
+        self.eager[label] = self.eager.get(label, 0) + sum(n for _, n in ins) + sum(n for _, n in outs)
+        self.fused.op(label, ins, outs)
+        self.compiled.op(label[1], ins, outs)
+        return out
+
+
+WIDTHS = ("hidden_size", "ffn_hidden_size", "kv_channels", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+NARROW_TO = 512  # the hidden size the counted copy is narrowed towards (the CPU's time: FP8 matmuls are slow there)
+
+
+def narrowing(cfg: Config) -> int:
+    """The power of two the counted copy divides every width by (hidden, FFN, head, expert, vocabulary): an
+    elementwise operation's bytes per token grow as one of those widths, so the counts are multiplied back."""
+    m, k = cfg.model, 1
+    widths = [getattr(m, w) for w in WIDTHS if getattr(m, w)] + [cfg.padded_vocab_size]
+    while m.hidden_size // (2 * k) >= NARROW_TO and all(w % (2 * k * 8) == 0 for w in widths):
+        k *= 2
+    return 1 if m.multi_latent_attention else k
+
+
+def short_copy(cfg: Config, layers: int, seq: int, k: int = 1) -> Config:
+    """``cfg``'s model at its widths / ``k`` with ``layers`` layers and a ``seq``-token sequence, on one rank,
+    eager."""
+    c = cfg.unfrozen()
+    m = c.model
+    m.num_layers, m.seq_length, m.mtp_num_layers = layers, seq, None
+    for w in WIDTHS:
+        if getattr(m, w):
+            setattr(m, w, getattr(m, w) // k)
+    c.data.vocab_size, m.make_vocab_size_divisible_by = cfg.padded_vocab_size // k, 8
+    if m.num_experts:  # every layer of the MoE kind (a pattern of the model's layers does not fit one or two)
+        m.moe_layer_freq = 1
+    c.train.micro_batch_size, c.train.global_batch_size, c.train.torch_compile = 1, 1, False
+    c.train.recompute_granularity = None
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        c.set(name, 1)
+    c.set("virtual_pipeline_model_parallel_size", None)
+    c.set("expert_tensor_parallel_size", None)
+    c.data.mock_data = True
+    return finalize(c, 1)
+
+
+def count_bytes(cfg: Config) -> dict:
+    """{(region, phase, "eager" / "fused") or ("compiled", phase): bytes} of one forward and backward on the CPU."""
+    model = build_model_chunks(cfg, build_dims(cfg), torch.device("cpu"))[0]
+    tokens = torch.randint(0, min(500, cfg.data.vocab_size), (1, cfg.model.seq_length),
+                           generator=torch.Generator().manual_seed(0))
+    with torch.autograd.set_detect_anomaly(True, check_nan=False), ByteCounter() as c:
+        model(tokens, labels=tokens).float().sum().backward()
+    out = {(*k, "eager"): n for k, n in c.eager.items()}
+    out.update({(*k, "fused"): n for k, n in c.fused.bytes.items() if k is not None})
+    out.update({("compiled", k): n for k, n in c.compiled.bytes.items() if k is not None})
+    return out
+
+
+def linear(counts: dict, seqs: tuple) -> dict:
+    """{key: per layer or rest, as (fixed, per token) fitted through the two sequences' counts}."""
+    (s1, a), (s2, b) = zip(seqs, counts)
+    out = {}
+    for k in set(a) | set(b):
+        x, y = a.get(k, 0), b.get(k, 0)
+        per = (y - x) / (s2 - s1)
+        out[k] = (x - per * s1, per)
+    return out
+
+
+def split(one: dict, two: dict) -> tuple[dict, dict]:
+    """(one layer's, the rest's) of the counts of one- and two-layer copies."""
+    keys = set(one) | set(two)
+    return ({k: two.get(k, 0) - one.get(k, 0) for k in keys}, {k: 2 * one.get(k, 0) - two.get(k, 0) for k in keys})
+
+
+SEQS = (32, 64)  # the two sequence lengths counted (tokens of one micro-batch): bytes = fixed + per token x tokens
+
+
+def traffic_of(cfg: Config) -> Traffic:
+    """The counted bytes of one layer and of the rest (plan/traffic.Traffic), fixed and per token: counted on a
+    copy narrowed by ``narrowing``, per-token bytes multiplied back by the factor, fixed ones (weight-sized:
+    two widths) by its square."""
+    k = narrowing(cfg)
+    runs = [split(count_bytes(short_copy(cfg, 1, s, k)), count_bytes(short_copy(cfg, 2, s, k))) for s in SEQS]
+    layer, rest = ({key: (fixed * k * k, tok * k) for key, (fixed, tok) in linear([r[i] for r in runs], SEQS).items()}
+                   for i in (0, 1))
+
+    def rows(d: dict) -> tuple:
+        regions = sorted({k[:2] for k in d if k[0] != "compiled"})
+        return tuple((r, p, *d.get((r, p, "eager"), (0, 0)), *d.get((r, p, "fused"), (0, 0))) for r, p in regions)
+
+    def compiled(d: dict, phases=("F", "B")) -> tuple:
+        return tuple(sum(d.get(("compiled", p), (0, 0))[i] for p in phases) for i in (0, 1))
+    return Traffic(rows(layer), rows(rest), compiled(layer) + compiled(rest), compiled(layer, ("F",)))
+
+
+def traffic_for(cfg: Config, kind: Optional[str]) -> Optional[Traffic]:
+    """What a GPU plan of ``kind`` takes as the step's memory-bound bytes: counted (None: not a GPU plan)."""
+    return None if kind is None else traffic_of(cfg)

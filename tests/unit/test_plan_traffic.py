@@ -1,0 +1,81 @@
+"""The plan's memory-bound time (paratron/plan/traffic.py) and its counted bytes (paratron/train/traffic.py)."""
+import torch
+
+from paratron.plan.cost import Cluster, step_time
+from paratron.plan.layout import Layout, layout_of
+from paratron.plan.paths import Paths
+from paratron.plan.search import dp_bytes
+from paratron.plan.traffic import HBM_GBPS, Traffic, optimizer_bytes, region_bytes, step_bytes
+from paratron.train.traffic import SEQS, ByteCounter, count_bytes, linear, short_copy, split, traffic_of
+from tests.parallel.common import tiny_config
+
+
+def test_counted_bytes_of_known_operations():
+    x, w = torch.ones(8, 16, dtype=torch.bfloat16), torch.ones(16, 4, dtype=torch.bfloat16)
+    with ByteCounter() as c:
+        y = x.t().t() * 2  # views move nothing; the multiply reads x and writes y (256 bytes each)
+        z = y + 1  # reads y, writes z
+        z @ w  # a matmul: not counted, but its read of z ends the fused run (z written)
+        z.exp()  # a new run: reads z again, writes its output (never read: not written in the fused count)
+    assert c.eager == {("other", "F"): 256 * 6}
+    # fused: run 1 reads x and writes z (y stays inside), run 2 reads z
+    assert c.fused.bytes[("other", "F")] == 256 * 3
+    assert c.compiled.bytes["F"] == 256 * 3
+
+
+def test_optimizer_bytes_per_parameter():
+    # bf16 weights, fp32 gradients: norm read 4; AdamW reads master 4, grad 4, moments 8, writes master 4,
+    # moments 8, the bf16 weight 2; zeroing 4
+    assert optimizer_bytes(2, 4) == 4 + (4 + 4 + 8) + (4 + 8 + 2) + 4
+    assert optimizer_bytes(4, 4) == 4 + (4 + 4 + 8) + (4 + 8) + 4
+
+
+def test_regions_take_the_planned_paths():
+    rows = (("norm", "F", 10.0, 1.0, 4.0, 0.5), ("rope", "B", 0.0, 3.0, 0.0, 1.0), ("other", "B", 0.0, 2.0, 0.0, 1.0),
+            ("loss", "F", 0.0, 8.0, 0.0, 2.0))
+    # torch paths: norm, rope and other eager, the loss fused
+    assert region_bytes(rows, Paths(), 100) == 10 + 100 + 300 + 200 + 200
+    # quack's norm fused, the rotary inside FlashAttention-4: nothing
+    assert region_bytes(rows, Paths(quack_norm=True, fused_rope=True), 100) == 4 + 50 + 200 + 200
+    assert region_bytes(rows, Paths(), 100, forward_only=True) == 10 + 100 + 200
+
+
+def test_step_bytes_scale_with_tokens_layers_and_micro_batches():
+    t = Traffic(layer=(("other", "F", 0.0, 3.0, 0.0, 1.0), ("other", "B", 5.0, 7.0, 0.0, 1.0)),
+                rest=(("other", "F", 11.0, 2.0, 0.0, 1.0),), compiled=(1.0, 2.0, 3.0, 4.0), compiled_forward=(0.5, 1.0))
+    L = Layout(micro_batch=2, global_batch=8, seq_length=16, traffic=t)
+    model = tiny_config("gpt", world_size=1).model  # 2 layers
+    tokens, opt = 32, 1000 * optimizer_bytes(2, 4)
+    eager = 4 * (2 * (5 + 10 * tokens) + 11 + 2 * tokens) + opt
+    assert step_bytes(model, L, 1000) == eager
+    full = 4 * (2 * (5 + 13 * tokens) + 11 + 2 * tokens) + opt  # the layers' forward again
+    assert step_bytes(model, L.replace(recompute="full"), 1000) == full
+    assert step_bytes(model, L.replace(compiled=True), 1000) == 4 * (2 * (1 + 2 * tokens) + 3 + 4 * tokens) + opt
+    # ZeRO-1 over 2 ranks: each steps half the parameters; offload 1.0: none on the GPU
+    assert step_bytes(model, L.replace(dp=2, global_batch=16, sharding="optim"), 1000) == eager - opt / 2
+    assert step_bytes(model, L.replace(offload_fraction=1.0), 1000) == eager - opt
+    assert step_bytes(model, L.replace(traffic=None), 1000) == 0.0
+
+
+def test_step_time_charges_the_bytes_at_the_memory_bandwidth():
+    cfg = tiny_config("gpt", world_size=1, bf16=True)
+    t = Traffic(layer=(("other", "F", 0.0, 1e6, 0.0, 0.0),))
+    L, v = layout_of(cfg, "h200", traffic=t), cfg.padded_vocab_size
+    grads, weights = dp_bytes(cfg.model, v, L, {})
+    cluster = Cluster(1, 1, "h200", memory_efficiency=0.5)
+    got = step_time(cfg.model, v, L, cluster, grads, weights).memory
+    assert abs(got - step_bytes(cfg.model, L, grads // 4) / (HBM_GBPS["h200"] * 1e9 * 0.5)) < 1e-15
+    assert got > 0 and step_time(cfg.model, v, L.replace(traffic=None), cluster, grads, weights).memory == 0.0
+
+
+def test_counted_bytes_are_fixed_plus_per_token():
+    """The fit through two sequence lengths predicts the count at a third."""
+    cfg = tiny_config("llama", world_size=1, bf16=True)
+    one, two = (count_bytes(short_copy(cfg, n, 48)) for n in (1, 2))
+    layer, _ = split(one, two)
+    fitted = linear([split(count_bytes(short_copy(cfg, 1, s)), count_bytes(short_copy(cfg, 2, s)))[0] for s in SEQS],
+                    SEQS)
+    for key, n in layer.items():
+        assert abs(fitted[key][0] + fitted[key][1] * 48 - n) <= 0.02 * abs(n) + 64, key
+    t = traffic_of(cfg)
+    assert {r[0] for r in t.layer} >= {"norm", "rope", "swiglu"} and t.compiled[1] > 0
