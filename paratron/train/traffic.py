@@ -137,17 +137,24 @@ class ByteCounter(TorchDispatchMode):
 
 
 WIDTHS = ("hidden_size", "ffn_hidden_size", "kv_channels", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+MLA_WIDTHS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 NARROW_TO = 512  # the hidden size the counted copy is narrowed towards (the CPU's time: FP8 matmuls are slow there)
 
 
+def widths_of(cfg: Config) -> tuple:
+    """The width fields narrowed: hidden, FFN, head, expert and (multi-latent attention) the latent ranks and
+    head dimensions."""
+    return WIDTHS + (MLA_WIDTHS if cfg.model.multi_latent_attention else ())
+
+
 def narrowing(cfg: Config) -> int:
-    """The power of two the counted copy divides every width by (hidden, FFN, head, expert, vocabulary): an
-    elementwise operation's bytes per token grow as one of those widths, so the counts are multiplied back."""
+    """The power of two the counted copy divides every width by (widths_of and the vocabulary): an elementwise
+    operation's bytes per token grow as one of those widths, so the counts are multiplied back."""
     m, k = cfg.model, 1
-    widths = [getattr(m, w) for w in WIDTHS if getattr(m, w)] + [cfg.padded_vocab_size]
+    widths = [getattr(m, w) for w in widths_of(cfg) if getattr(m, w)] + [cfg.padded_vocab_size]
     while m.hidden_size // (2 * k) >= NARROW_TO and all(w % (2 * k * 8) == 0 for w in widths):
         k *= 2
-    return 1 if m.multi_latent_attention else k
+    return k
 
 
 def short_copy(cfg: Config, layers: int, seq: int, k: int = 1) -> Config:
@@ -156,7 +163,7 @@ def short_copy(cfg: Config, layers: int, seq: int, k: int = 1) -> Config:
     c = cfg.unfrozen()
     m = c.model
     m.num_layers, m.seq_length, m.mtp_num_layers = layers, seq, None
-    for w in WIDTHS:
+    for w in widths_of(cfg):
         if getattr(m, w):
             setattr(m, w, getattr(m, w) // k)
     c.data.vocab_size, m.make_vocab_size_divisible_by = cfg.padded_vocab_size // k, 8
