@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kernels.paged_attention import paged_attention
+from ..kernels.paged_attention import paged_attention, paged_store
 from .cache import RecurrentView
 
 
@@ -154,8 +154,8 @@ class PagedView:
         groups, d = ck.shape[2], ck.shape[3]
         b, heads, s = q.shape[:3]
         tokens = lambda t: t.permute(0, 2, 1, 3).reshape(b * s, t.size(1), d)  # noqa: E731
-        ck.view(-1, groups, d).index_copy_(0, self.slots, tokens(k).to(ck.dtype))
-        cv.view(-1, groups, d).index_copy_(0, self.slots, tokens(v).to(cv.dtype))
+        paged_store(ck, self.slots, tokens(k))
+        paged_store(cv, self.slots, tokens(v))
         grouped = tokens(q).reshape(b * s, groups, heads // groups, d)
         out = paged_attention(grouped, ck, cv, self.tables, self.rows, self.lengths,
                               scale if scale is not None else d ** -0.5, self.kernel, window, sinks)
@@ -166,7 +166,7 @@ class PagedView:
         ``index``; ``q`` [n, heads, rank + pe] (queries absorbed into the latent space, and their rotary part)
         over the cached rows -> the attention-weighted rows [n, heads, rank + pe]."""
         pool, _ = self.cache.layer(index)
-        pool.view(-1, pool.size(-1)).index_copy_(0, self.slots, row.to(pool.dtype))
+        paged_store(pool, self.slots, row.view(-1, 1, row.size(-1)))
         return paged_attention(q[:, None], pool, pool, self.tables, self.rows, self.lengths, scale, self.kernel)[:, 0]
 
 

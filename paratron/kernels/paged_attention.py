@@ -61,6 +61,20 @@ def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     return torch.matmul(probs / total, vals.float()).to(q.dtype)
 
 
+@torch.library.custom_op("paratron::paged_store", mutates_args=("pool",))
+def paged_store(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write ``rows`` [n, ...] into ``pool`` [num_blocks, block_size, ...] at the flat token slots ``slots`` [n], in
+    place. An operator of its own so that a compiled step writes the pool where it lies: Inductor took the plain
+    ``index_copy_`` into a view of the pool as a copy of the whole pool per layer on a GPU (gigabytes at a pool
+    sized to the free memory)."""
+    pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, rows.to(pool.dtype))
+
+
+@paged_store.register_fake
+def _(pool, slots, rows):
+    return None
+
+
 def supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """The kernel's shapes: a power-of-two head dim of 16..256, at most 128 queries per group, the pool
     contiguous along the head dim."""

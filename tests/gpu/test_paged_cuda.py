@@ -49,6 +49,30 @@ def test_graphed_decode_gives_the_eager_tokens(compile):
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
+def test_compiled_decode_writes_the_pool_in_place():
+    """A compiled graphed decode step over a pool of 100,000 blocks allocates nothing near the pool's size: the
+    keys and values go into the pool where it lies (kernels/paged_attention.paged_store), not into a copy of it."""
+    from paratron.config.inference import InferenceConfig
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.paged import PagedEngine
+    from paratron.inference.sampling import SamplingParams
+    from tests.unit.test_generate import VOCAB, tiny_model
+    engine = Engine(tiny_model().cuda(), VOCAB, compile=True)
+    paged = PagedEngine(engine, InferenceConfig(inference_dynamic_batching_block_size=16,
+                                                inference_dynamic_batching_num_blocks=100_000))
+    pool = paged.cache.layer(0)[0]
+    pool_bytes = pool.numel() * pool.element_size()
+    reqs = [Request([1 + i, 2, 3], SamplingParams(max_new_tokens=12)) for i in range(8)]
+    paged.generate(reqs[:2])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    paged.generate(reqs)
+    torch.cuda.synchronize()
+    assert paged.graphs is not None and paged.graphs.graphs
+    assert torch.cuda.max_memory_allocated() - before < pool_bytes / 2, (torch.cuda.max_memory_allocated(), before)
+
+
 def _models_on_cuda(kind: str):
     """(model on CUDA, vocabulary) of each kind the paged engine serves beside grouped-query attention."""
     if kind == "windows":
