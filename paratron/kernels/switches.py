@@ -55,8 +55,8 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
                                        else f"needs flash-attn-4 {flash_packed.VERSION} exactly, Hopper, bf16"),
         "kernel_decode_attention": ("triton" if triton_gpu else "sdpa", "Triton on CUDA" if triton_gpu
                                     else "needs Triton and CUDA"),
-        # triton once measured: the GEMV kernel (kernels/gemv.py) has not run on a GPU yet
-        "kernel_decode_gemv": ("torch", "the Triton GEMV is not measured on a GPU yet"),
+        # the Triton GEMV (kernels/gemv.py) measured slower than Inductor's fused reductions at batch 1 (docs/inference.md)
+        "kernel_decode_gemv": ("torch", "Inductor's fused reductions measured faster than the Triton GEMV"),
         "kernel_rmsnorm": ("quack" if o["quack_norm"] else "torch", why_quack),
         "kernel_gated_mlp": ("quack" if quack else "torch", why_quack),
         "kernel_cublaslt": ("on" if cuda and not deterministic else "off",
