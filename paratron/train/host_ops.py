@@ -43,6 +43,13 @@ def tiny_copy(cfg: Config, layers: int) -> Config:
         m.moe_ffn_hidden_size, m.moe_layer_freq = 32, 1
         m.moe_shared_expert_intermediate_size = 32 if m.moe_shared_expert_intermediate_size else None
     m.mtp_num_layers = None
+    c.data.vocab_size, m.make_vocab_size_divisible_by = 512, 32
+    return one_rank_eager(c)
+
+
+def one_rank_eager(c: Config) -> Config:
+    """The unfrozen copy ``c`` finalized as one rank's run of one micro-batch, eager, without recomputation, on mock
+    data (the counted copies of host_ops and traffic)."""
     c.train.micro_batch_size, c.train.global_batch_size, c.train.torch_compile = 1, 1, False
     c.train.recompute_granularity = None
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -50,7 +57,7 @@ def tiny_copy(cfg: Config, layers: int) -> Config:
         c.set(name, 1)
     c.set("virtual_pipeline_model_parallel_size", None)
     c.set("expert_tensor_parallel_size", None)
-    c.data.mock_data, c.data.vocab_size, m.make_vocab_size_divisible_by = True, 512, 32
+    c.data.mock_data = True
     return finalize(c, 1)
 
 

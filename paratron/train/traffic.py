@@ -14,9 +14,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..config import Config, finalize
+from ..config import Config
 from ..plan.traffic import Traffic
 from .distributed import build_dims
+from .host_ops import one_rank_eager
 from .step import build_model_chunks
 
 # Operations whose bytes are not counted: matmuls (their time is the FLOPs') and the attention core (FlashAttention
@@ -169,15 +170,7 @@ def short_copy(cfg: Config, layers: int, seq: int, k: int = 1) -> Config:
     c.data.vocab_size, m.make_vocab_size_divisible_by = cfg.padded_vocab_size // k, 8
     if m.num_experts:  # every layer of the MoE kind (a pattern of the model's layers does not fit one or two)
         m.moe_layer_freq = 1
-    c.train.micro_batch_size, c.train.global_batch_size, c.train.torch_compile = 1, 1, False
-    c.train.recompute_granularity = None
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size"):
-        c.set(name, 1)
-    c.set("virtual_pipeline_model_parallel_size", None)
-    c.set("expert_tensor_parallel_size", None)
-    c.data.mock_data = True
-    return finalize(c, 1)
+    return one_rank_eager(c)
 
 
 def count_bytes(cfg: Config) -> dict:
