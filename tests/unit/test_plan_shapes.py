@@ -24,6 +24,15 @@ VARIANTS = [("gpt", {}), ("llama", {}), ("gpt", dict(untie_embeddings_and_output
             ("llama", dict(mtp_num_layers=1, num_experts=4, moe_router_topk=2)),
             ("llama", dict(num_experts=4, moe_router_topk=2, moe_latent_size=16, moe_shared_expert_intermediate_size=48)),
             ("gpt", dict(num_experts=4, moe_router_topk=2, moe_latent_size=16))]
+# hybrid stacks (docs/hybrid.md): every layer kind of a pattern, Gated DeltaNet in a GPT stack
+HYBRID = dict(normalization="RMSNorm", position_embedding_type="none", disable_bias_linear=True,
+              mamba_state_dim=8, mamba_head_dim=16, mamba_num_groups=2, linear_key_head_dim=8,
+              linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+VARIANTS += [("gpt", dict(hybrid_layer_pattern="M*G-E", num_experts=4, moe_router_topk=2, **HYBRID)),
+             ("gpt", dict(hybrid_layer_pattern="MM-*", squared_relu=True, mamba_num_heads=4, **HYBRID)),
+             ("llama", dict(experimental_attention_variant="gated_delta_net", linear_attention_freq="2",
+                            num_layers=4, qk_layernorm=True, attention_output_gate=True,
+                            **{**HYBRID, "position_embedding_type": "rope"}))]
 
 
 @pytest.mark.parametrize("style,extra", VARIANTS, ids=[f"{s}-{'-'.join(e) or 'plain'}" for s, e in VARIANTS])
