@@ -9,7 +9,7 @@ from typing import Optional
 from ..config import Config, ConfigError, ModelConfig
 from .activations import chunk_bytes, in_flight
 from .layout import Layout, layout_of
-from .shapes import Split, moe_pattern, unsupported
+from .shapes import Split, layer_kinds, unsupported
 from .state import State, chunk_tensors, rank_chunks, state
 
 GIB = 1024 ** 3
@@ -97,11 +97,11 @@ def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, pa
     """Memory of pipeline rank ``pp_rank``; ``ranks``/``split``: this rank's coordinates (default: the
     fullest data-parallel shard, tensor/expert rank 0)."""
     chunks, tensors, st = rank_state(model, vocab, layout, pp_rank, par, ranks, split, cache)
-    pattern = moe_pattern(model)
+    kinds = layer_kinds(model)
     flight = in_flight(layout, pp_rank)
     acts = working = 0
     for first, count, pre, post in chunks:
-        saved, work = chunk_bytes(model, layout, pattern[first: first + count], vocab, pre, post)
+        saved, work = chunk_bytes(model, layout, kinds[first: first + count], vocab, pre, post)
         acts += saved * flight // layout.vpp  # interleaved: the chunk micro-batches in flight, spread over chunks
         working = max(working, work)
     layer_params = max((sum(t.numel for t in ts if ".layers." in t.name) // max(1, c[1])
