@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from .layout import Layout
 from .paths import Paths
-from .shapes import moe_pattern
+from .shapes import CONV_WIDTH, layer_kinds
+from ..config.check_hybrid import mamba_heads
 
 FP32, INDEX = 4, 8
 
@@ -73,8 +74,11 @@ def attention_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     proj_input = (0 if selective else q * a) + q if p.fp8_inputs else q * a  # FP8: the projection's own copy
     out = (q * (2 if model.attention_output_gate else 1) + 2 * kv) * a + proj_input
     rotated_kept = not (selective and p.fused_rope)  # the fused op's rotated q, k recomputed with the core
-    if (model.position_embedding_type in ("rope", "yarn") or model.multi_latent_attention) and rotated_kept:
+    rotated = model.position_embedding_type in ("rope", "yarn") or model.multi_latent_attention
+    if rotated and rotated_kept:
         out += (q + kv) * a
+    elif not rotated and model.num_query_groups < heads:
+        out += q * a  # unrotated grouped queries: a copy (self_attention.py cuts them out of each group's rows)
     if layout.cp > 1:  # the ring keeps its own contiguous K/V of the local chunk and the merged log-sum-exp
         out += 2 * kv * a + heads * FP32
     return out + (0 if selective else heads * FP32)
@@ -106,20 +110,61 @@ def moe_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     return per_rank + (mlp_bytes(model, shared, a, layout.paths) // layout.tp if shared else 0)
 
 
-def layer_bytes(model: ModelConfig, layout: Layout, is_moe: bool) -> LayerBytes:
-    """One layer, one micro-batch, this rank."""
+def mamba_bytes(model: ModelConfig, layout: Layout, a: int) -> tuple[int, int]:
+    """Mamba-2's mixer on the torch scans with --kernel-linear-scan-recompute on (model/mamba.py): (per token,
+    per sequence) bytes on this rank, its heads and groups (TP). Per token: the convolution's output (silu's
+    input), the scan's fp32 inputs x, B, C and dt, softplus's input, the gate's fp32 z (in fp32 the whole in_proj
+    output it is a view of), the gated norm's y and gate, its input, statistic and output, out_proj's input,
+    the convolution's input (padded: taps - 1 rows more per sequence)."""
+    t, p = layout.tp, model.mamba_head_dim
+    heads, groups = mamba_heads(model) // t, model.mamba_num_groups // t
+    di, bc = heads * p, groups * model.mamba_state_dim
+    conv = di + 2 * bc
+    z = (2 * di + 2 * bc + heads) * FP32 if a == FP32 else di * FP32
+    per_token = 2 * conv * a + conv * FP32 + 2 * heads * FP32 + z + 4 * di * FP32 + groups * FP32 + di * a
+    return per_token, (CONV_WIDTH - 1) * conv * a
+
+
+def gdn_bytes(model: ModelConfig, layout: Layout, a: int) -> tuple[int, int]:
+    """Gated DeltaNet's mixer on the torch scans with recomputation (model/gated_delta_net.py), as mamba_bytes:
+    per token the convolution's output, its fp32 silu output, the L2 norms' statistics, the repeated q and k, the
+    decay's and beta's fp32 pieces, the gate's fp32 z, the per-head norm's input, statistic, output, product and
+    gate, out_proj's input, the convolution's (padded) input."""
+    t, dk = layout.tp, model.linear_key_head_dim
+    nk, nv = model.linear_num_key_heads // t, model.linear_num_value_heads // t
+    qk, v = nk * dk, nv * model.linear_value_head_dim
+    conv = 2 * qk + v
+    z = (2 * qk + 2 * v + 2 * nv) * FP32 if a == FP32 else v * FP32
+    per_token = 2 * conv * a + conv * FP32 + (2 * nk + 5 * nv + 2 * nv * dk) * FP32 + z + 4 * v * FP32 + v * a
+    return per_token, (model.linear_conv_kernel_dim - 1) * conv * a
+
+
+LINEAR_MIXERS = {"mamba": mamba_bytes, "gdn": gdn_bytes}
+
+
+def layer_bytes(model: ModelConfig, layout: Layout, kind: tuple) -> LayerBytes:
+    """One layer of ``kind`` (mixer, MLP) (shapes.layer_kinds), one micro-batch, this rank."""
     a, h, t = layout.param_bytes, model.hidden_size, layout.tp
     tokens = layout.micro_batch * layout.seq_length // layout.cp
-    sp = 2 * norm_bytes(model, a, layout.paths) + (2 * h if model.hidden_dropout > 0 else 0)
-    split = attention_bytes(model, layout, a)
-    mlp = moe_bytes(model, layout, a) if is_moe else mlp_bytes(model, model.ffn_hidden_size, a, layout.paths) // t
-    # the QKV and fc1 (router) matmuls' inputs, all-gathered first under SP (FP8: their FP8 copies; the router's
-    # input stays in bf16)
+    mixer, ffn = kind
+    blocks = (mixer is not None) + (ffn is not None)  # each pre-normed (and dropped out) on its own
+    sp = blocks * (norm_bytes(model, a, layout.paths) + (h if model.hidden_dropout > 0 else 0))
+    # the QKV and fc1 (router, in_proj) matmuls' inputs, all-gathered first under SP (FP8: their FP8 copies; the
+    # router's input stays in bf16)
     qkv_in = h * (1 if layout.paths.fp8_inputs else a)
-    inputs = qkv_in + (h * a if is_moe else qkv_in)
-    per_token = (sp // t if layout.sequence_parallel else sp) + inputs + split // t + mlp
+    inputs, split, own, fixed = 0, 0, 0, 0
+    if mixer == "attention":
+        inputs, split = qkv_in, attention_bytes(model, layout, a)
+    elif mixer is not None:
+        own, fixed = LINEAR_MIXERS[mixer](model, layout, a)
+        inputs += h * a
+    if ffn == "moe":
+        inputs, own = inputs + h * a, own + moe_bytes(model, layout, a)
+    elif ffn is not None:
+        inputs, own = inputs + qkv_in, own + mlp_bytes(model, model.ffn_hidden_size, a, layout.paths) // t
+    per_token = (sp // t if layout.sequence_parallel else sp) + inputs + split // t + own
     keep = h * a // (t if layout.sequence_parallel else 1)
-    return LayerBytes(tokens * per_token, tokens * keep)
+    return LayerBytes(tokens * per_token + layout.micro_batch * fixed, tokens * keep)
 
 
 def head_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
@@ -143,7 +188,7 @@ def mtp_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
     shared = h * a if model.normalization == "LayerNorm" else (h * FP32 if a == FP32 else 0)
     norms = 2 * norm_bytes(model, a, layout.paths) - shared
     per_token = (norms // t if layout.sequence_parallel else norms) + 2 * h * a + INDEX
-    layer = layer_bytes(model, layout, bool(moe_pattern(model)[-1])).full
+    layer = layer_bytes(model, layout, layer_kinds(model)[-1]).full
     if layout.recompute == "full":
         per_token, layer = h * a // (t if layout.sequence_parallel else 1) + INDEX, 0
     return model.mtp_num_layers * (layer + head_bytes(model, layout, vocab) + tokens * per_token)
@@ -172,11 +217,11 @@ def edge_bytes(model: ModelConfig, layout: Layout, vocab: int, pre: bool, post: 
 def chunk_bytes(model: ModelConfig, layout: Layout, layers: list, vocab: int, pre: bool,
                 post: bool) -> tuple[int, int]:
     """(saved bytes of one micro-batch through this chunk, the backward's working set: the largest layer, or
-    with full recomputation the largest group recomputed at once). ``layers``: the chunk's MoE flags (0/1
-    per layer); full recomputation keeps inputs only (Megatron's --recompute-method uniform: every
+    with full recomputation the largest group recomputed at once). ``layers``: the chunk's layer kinds
+    (shapes.layer_kinds); full recomputation keeps inputs only (Megatron's --recompute-method uniform: every
     --recompute-num-layers layers one input; block: the first --recompute-num-layers layers' inputs, the
     others whole)."""
-    per = [layer_bytes(model, layout, bool(x)) for x in layers]
+    per = [layer_bytes(model, layout, kind) for kind in layers]
     if layout.recompute != "full" or not per:
         return sum(p.full for p in per) + edge_bytes(model, layout, vocab, pre, post), \
             max((p.full for p in per), default=0)

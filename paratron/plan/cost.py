@@ -10,9 +10,10 @@ from typing import Optional
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .flops import flops_per_iteration, mla_attention_terms
+from .flops import attention_layers, flops_per_iteration, mla_attention_terms
 from .host import ADAM_BYTES, HOST_ADAM_GBPS, HOST_OP_US
 from .layout import Layout
+from .shapes import layer_kinds
 from .traffic import MEMORY_EFFICIENCY, bandwidth, step_bytes
 
 GB = 1e9
@@ -96,10 +97,11 @@ def ring(n: int) -> float:
 
 
 def core_flops(model: ModelConfig, batch: int, seq: int) -> float:
-    """The attention core's FLOPs of an iteration: megatron_facts section 5's s^2 term (causal as half)."""
+    """The attention core's FLOPs of an iteration: megatron_facts section 5's s^2 term (causal as half), over the
+    layers whose mixer is attention (a hybrid stack's Mamba-2 / Gated DeltaNet layers have none)."""
     per_pair = mla_attention_terms(model)[1] if model.multi_latent_attention else \
         6.0 * model.kv_channels * model.num_attention_heads
-    return float(batch) * seq * seq * per_pair * model.num_layers
+    return float(batch) * seq * seq * per_pair * attention_layers(model)
 
 
 def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, grad_bytes: int,
@@ -121,13 +123,15 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
     memory = step_bytes(model, L, params) / (bandwidth(cluster.kind) * cluster.memory_efficiency)
     bubble = (compute + memory + recompute) * (L.pp - 1) / (L.vpp * m)
     tokens = L.micro_batch * L.seq_length // L.cp
-    layers = model.num_layers / L.pp
     act = tokens * h * a
-    tp = 4 * 2 * ring(L.tp) * act * layers * m / cluster.bandwidth(L.tp)
+    kinds = layer_kinds(model)  # per block (a mixer or an MLP): an all-reduce forward, one backward
+    blocks = sum((mixer is not None) + (ffn is not None) for mixer, ffn in kinds) / L.pp
+    tp = 4 * ring(L.tp) * act * blocks * m / cluster.bandwidth(L.tp)
     kv = model.kv_channels * model.num_query_groups
-    cp_comm = 3 * (L.cp - 1) * tokens * 2 * kv * a * layers * m / cluster.bandwidth(L.tp * L.cp)
+    attn = attention_layers(model) / L.pp
+    cp_comm = 3 * (L.cp - 1) * tokens * 2 * kv * a * attn * m / cluster.bandwidth(L.tp * L.cp)
     cp = max(0.0, cp_comm - core * per_gpu / dense_peak)  # the ring overlaps the attention core only
-    moe_layers = layers if model.num_experts else 0
+    moe_layers = sum(ffn == "moe" for _, ffn in kinds) / L.pp
     ep = 4 * ring(L.ep) * tokens * model.moe_router_topk * h * a * moe_layers * m / cluster.bandwidth(L.ep * L.etp) \
         if model.num_experts else 0.0
     pp = 2 * act / (L.tp if L.sequence_parallel else 1) * m * L.vpp / cluster.bandwidth(L.world) if L.pp > 1 else 0.0

@@ -9,7 +9,7 @@ from typing import Optional
 from ..config import Config, ConfigError, ModelConfig
 from .activations import chunk_bytes, in_flight
 from .layout import Layout, layout_of
-from .shapes import Split, moe_pattern, unsupported
+from .shapes import Split, layer_kinds, unsupported
 from .state import State, chunk_tensors, rank_chunks, state
 
 GIB = 1024 ** 3
@@ -97,11 +97,11 @@ def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, pa
     """Memory of pipeline rank ``pp_rank``; ``ranks``/``split``: this rank's coordinates (default: the
     fullest data-parallel shard, tensor/expert rank 0)."""
     chunks, tensors, st = rank_state(model, vocab, layout, pp_rank, par, ranks, split, cache)
-    pattern = moe_pattern(model)
+    kinds = layer_kinds(model)
     flight = in_flight(layout, pp_rank)
     acts = working = 0
     for first, count, pre, post in chunks:
-        saved, work = chunk_bytes(model, layout, pattern[first: first + count], vocab, pre, post)
+        saved, work = chunk_bytes(model, layout, kinds[first: first + count], vocab, pre, post)
         acts += saved * flight // layout.vpp  # interleaved: the chunk micro-batches in flight, spread over chunks
         working = max(working, work)
     layer_params = max((sum(t.numel for t in ts if ".layers." in t.name) // max(1, c[1])
@@ -127,10 +127,27 @@ def describe(mem: Memory) -> str:
 
 def not_modelled(cfg: Config) -> Optional[str]:
     """What of this run the memory model does not count (None: all of it)."""
-    missing = unsupported(cfg.model)
+    missing = unsupported(cfg.model) or linear_scans_not_modelled(cfg)
     if missing:
         return missing
     return f"--optimizer {cfg.optim.optimizer}" if cfg.optim.optimizer != "adam" else None
+
+
+def linear_scans_not_modelled(cfg: Config) -> Optional[str]:
+    """What of a stack's Mamba-2 / Gated DeltaNet layers the activations do not count, with the reason: only the
+    torch scans with recomputation are (``auto`` plans torch: fla-core is refused for training on Hopper with the
+    Triton torch 2.11 ships, docs/hybrid.md)."""
+    if not any(mixer in ("mamba", "gdn") for mixer, _ in layer_kinds(cfg.model)):
+        return None
+    k = cfg.kernels
+    if k.kernel_linear_scan == "fla":
+        return "--kernel-linear-scan fla (fla-core's saved tensors are not counted; plan the torch scans)"
+    if k.kernel_linear_scan_recompute == "off":
+        return ("--kernel-linear-scan-recompute off (the torch scans' kept [chunk x chunk] products are not "
+                "counted; plan with on)")
+    if cfg.train.fp8_format is not None:
+        return "--fp8-format with Mamba-2 / Gated DeltaNet layers (their FP8 copies are not counted)"
+    return None
 
 
 def startup_lines(cfg: Config, pp_rank: Optional[int] = None) -> list[str]:

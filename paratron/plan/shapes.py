@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import ModelConfig
-from ..config.layer_patterns import parse_moe_layer_freq
+from ..config.check_hybrid import mamba_heads
+from ..config.layer_patterns import linear_attention_layers, parse_moe_layer_freq
 from ..errors import ConfigError
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
+CONV_WIDTH = 4  # Mamba-2's convolution taps (model/mamba.py; not a flag)
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,26 @@ def part(n: int, size: int, rank: int) -> int:
     return n // size + (1 if rank < n % size else 0)
 
 
+# Megatron's hybrid symbols -> (mixer, MLP) of the layer, as model/spec.py builds them.
+HYBRID = {"M": ("mamba", None), "G": ("gdn", None), "*": ("attention", None), "-": (None, "dense"),
+          "E": (None, "moe")}
+
+
 def unsupported(cfg: ModelConfig) -> Optional[str]:
-    """What of this model the memory model does not count yet (None: everything)."""
-    for name, on in (("--hybrid-layer-pattern", cfg.hybrid_layer_pattern),
-                     ("--experimental-attention-variant", cfg.experimental_attention_variant)):
-        if on:
-            return name
+    """What of this model the memory model does not count yet, with the reason (None: everything; the kernel
+    switches' and the run's own refusals are memory.not_modelled's)."""
     return None
+
+
+def layer_kinds(cfg: ModelConfig) -> list[tuple]:
+    """(mixer, MLP) of every layer, as model/spec.py's layer_specs: attention | mamba | gdn | None and dense | moe |
+    None (a hybrid pattern's layer has one of the two)."""
+    n = cfg.num_layers
+    if cfg.hybrid_layer_pattern is not None:
+        return [HYBRID[s] for s in cfg.hybrid_layer_pattern if s != "|"]
+    moe = parse_moe_layer_freq(cfg.moe_layer_freq, n) if cfg.num_experts else [0] * n
+    gdn = linear_attention_layers(cfg.linear_attention_freq, n) if cfg.experimental_attention_variant else [0] * n
+    return [("gdn" if g else "attention", "moe" if m else "dense") for m, g in zip(moe, gdn)]
 
 
 def norm(prefix: str, cfg: ModelConfig, size: int) -> list[Tensor]:
@@ -123,41 +138,73 @@ def moe(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
     return out
 
 
-def layer(cfg: ModelConfig, index: int, is_moe: bool, s: Split, prefix: Optional[str] = None) -> list[Tensor]:
-    p = prefix or f"decoder.layers.{index}"
-    out = norm(f"{p}.input_layernorm", cfg, cfg.hidden_size) + attention(f"{p}.self_attention", cfg, s)
-    out += norm(f"{p}.pre_mlp_layernorm", cfg, cfg.hidden_size)
-    return out + (moe(f"{p}.mlp", cfg, s) if is_moe else mlp(f"{p}.mlp", cfg, cfg.ffn_hidden_size, s))
+def mamba(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
+    """Mamba-2's mixer (model/mamba.py): its own parameters (the convolution, dt_bias, A_log, D) before in_proj,
+    the gated norm and out_proj; every block cut over TP by whole heads and groups."""
+    heads = mamba_heads(cfg)
+    di, bc = heads * cfg.mamba_head_dim, cfg.mamba_num_groups * cfg.mamba_state_dim
+    di_r, bc_r, h_r = (part(n, s.tp, s.tp_rank) for n in (di, bc, heads))
+    conv = di_r + 2 * bc_r
+    return [Tensor(f"{prefix}.conv1d_weight", conv * CONV_WIDTH), Tensor(f"{prefix}.conv1d_bias", conv),
+            Tensor(f"{prefix}.dt_bias", h_r), Tensor(f"{prefix}.A_log", h_r), Tensor(f"{prefix}.D", h_r),
+            Tensor(f"{prefix}.in_proj.weight", (2 * di_r + 2 * bc_r + h_r) * cfg.hidden_size),
+            Tensor(f"{prefix}.norm.weight", di_r), Tensor(f"{prefix}.out_proj.weight", cfg.hidden_size * di_r)]
+
+
+def gated_delta_net(prefix: str, cfg: ModelConfig, s: Split) -> list[Tensor]:
+    """Gated DeltaNet's mixer (model/gated_delta_net.py): the bias-free convolution, dt_bias, A_log, then in_proj,
+    the per-head norm (replicated) and out_proj; whole key heads (and the value heads they serve) per TP rank."""
+    nk, nv = (part(n, s.tp, s.tp_rank) for n in (cfg.linear_num_key_heads, cfg.linear_num_value_heads))
+    qk, v = nk * cfg.linear_key_head_dim, nv * cfg.linear_value_head_dim
+    return [Tensor(f"{prefix}.conv1d_weight", (2 * qk + v) * cfg.linear_conv_kernel_dim),
+            Tensor(f"{prefix}.dt_bias", nv), Tensor(f"{prefix}.A_log", nv),
+            Tensor(f"{prefix}.in_proj.weight", (2 * qk + 2 * v + 2 * nv) * cfg.hidden_size),
+            Tensor(f"{prefix}.out_norm.weight", cfg.linear_value_head_dim),
+            Tensor(f"{prefix}.out_proj.weight", cfg.hidden_size * v)]
+
+
+MIXERS = {"attention": attention, "mamba": mamba, "gdn": gated_delta_net}
+
+
+def layer(cfg: ModelConfig, index: int, kind: tuple, s: Split, prefix: Optional[str] = None) -> list[Tensor]:
+    """One decoder layer of ``kind`` (mixer, MLP) (layer_kinds): each part after its own norm."""
+    p, (mixer, ffn), out = prefix or f"decoder.layers.{index}", kind, []
+    if mixer is not None:
+        out += norm(f"{p}.input_layernorm", cfg, cfg.hidden_size) + MIXERS[mixer](f"{p}.self_attention", cfg, s)
+    if ffn is not None:
+        out += norm(f"{p}.pre_mlp_layernorm", cfg, cfg.hidden_size)
+        out += moe(f"{p}.mlp", cfg, s) if ffn == "moe" else mlp(f"{p}.mlp", cfg, cfg.ffn_hidden_size, s)
+    return out
 
 
 def mtp(cfg: ModelConfig, s: Split) -> list[Tensor]:
     """Multi-token prediction's depths on the last stage (model/mtp.py): two norms, the 2h -> h projection (its
     output rows over TP), a layer of the decoder's last layer's kind, a final norm; one set with
     --mtp-use-repeated-layer."""
-    h, out, last_is_moe = cfg.hidden_size, [], bool(moe_pattern(cfg)[-1])
+    h, out, last = cfg.hidden_size, [], layer_kinds(cfg)[-1]
     for k in range(1 if cfg.mtp_use_repeated_layer else cfg.mtp_num_layers):
         p = f"mtp.layers.{k}"
         out += norm(f"{p}.enorm", cfg, h) + norm(f"{p}.hnorm", cfg, h)
         out.append(Tensor(f"{p}.eh_proj.weight", part(h, s.tp, s.tp_rank) * 2 * h))
-        out += layer(cfg, cfg.num_layers + k, last_is_moe, s, prefix=f"{p}.mtp_model_layer")
+        out += layer(cfg, cfg.num_layers + k, last, s, prefix=f"{p}.mtp_model_layer")
         out += norm(f"{p}.final_layernorm", cfg, h)
     return out
 
 
 def moe_pattern(cfg: ModelConfig) -> list[int]:
-    if not cfg.num_experts:
-        return [0] * cfg.num_layers
-    return parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers)
+    """1 where a layer's MLP is MoE, per layer."""
+    return [int(k[1] == "moe") for k in layer_kinds(cfg)]
 
 
 def chunk(cfg: ModelConfig, vocab: int, s: Split, first: int, count: int, pre: bool, post: bool,
-          pattern: Optional[list[int]] = None) -> list[Tensor]:
+          kinds: Optional[list[tuple]] = None) -> list[Tensor]:
     """The parameters of one model chunk (global layers first .. first+count-1) in module order.
-    ``vocab``: the padded vocabulary; ``pre``/``post``: the chunk holds the embedding / the output layer."""
+    ``vocab``: the padded vocabulary; ``pre``/``post``: the chunk holds the embedding / the output layer;
+    ``kinds``: layer_kinds(cfg), when the caller has them."""
     missing = unsupported(cfg)
     if missing:
         raise ConfigError(f"paratron plan does not count models with {missing} yet; remove it to plan the rest")
-    pattern = pattern if pattern is not None else moe_pattern(cfg)
+    kinds = kinds if kinds is not None else layer_kinds(cfg)
     tied = not cfg.untie_embeddings_and_output_weights
     out = []
     if pre:
@@ -166,7 +213,7 @@ def chunk(cfg: ModelConfig, vocab: int, s: Split, first: int, count: int, pre: b
         if cfg.position_embedding_type == "learned_absolute":
             out.append(Tensor("embedding.position_embeddings.weight", cfg.max_position_embeddings * cfg.hidden_size))
     for i in range(first, first + count):
-        out += layer(cfg, i, bool(pattern[i]), s)
+        out += layer(cfg, i, kinds[i], s)
     if post:
         out += norm("decoder.final_layernorm", cfg, cfg.hidden_size)
         if not tied or not pre:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig
 from ..config.pipeline_split import chunk_layers
 from .layout import Layout
-from .shapes import Split, Tensor, chunk, moe_pattern
+from .shapes import Split, Tensor, chunk, layer_kinds
 
 UNIT = re.compile(r"^(decoder|mtp)\.layers\.(\d+)\.")
 MTP_UNITS = 1 << 20  # the ids of multi-token prediction's units: past any decoder layer's
@@ -133,8 +133,8 @@ def rank_chunks(model: ModelConfig, layout: Layout, pp_rank: int, par=None) -> l
 
 
 def chunk_tensors(model: ModelConfig, vocab: int, layout: Layout, chunks: list[tuple], split: Split) -> list[list]:
-    pattern = moe_pattern(model)
-    return [chunk(model, vocab, split, first, count, pre, post, pattern) for first, count, pre, post in chunks]
+    kinds = layer_kinds(model)
+    return [chunk(model, vocab, split, first, count, pre, post, kinds) for first, count, pre, post in chunks]
 
 
 def buffers(tensors: list[Tensor], layout: Layout) -> list[Buffer]:

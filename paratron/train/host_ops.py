@@ -31,9 +31,10 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tiny_copy(cfg: Config, layers: int) -> Config:
-    """``cfg``'s model at tiny widths with ``layers`` layers, on one rank, eager: the same operations per layer."""
-    c = cfg.unfrozen()
+def tiny_copy(cfg: Config, layers: int, kind: Optional[dict] = None) -> Config:
+    """``cfg``'s model at tiny widths with ``layers`` layers (of one ``kind``: kind_copies'), on one rank, eager:
+    the same operations per layer."""
+    c = as_kind(cfg.unfrozen(), kind or {}, layers)
     m = c.model
     groups = max(1, m.num_attention_heads // max(1, m.num_query_groups or m.num_attention_heads))
     m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_channels = layers, 64, 4, 16
@@ -43,8 +44,38 @@ def tiny_copy(cfg: Config, layers: int) -> Config:
         m.moe_ffn_hidden_size, m.moe_layer_freq = 32, 1
         m.moe_shared_expert_intermediate_size = 32 if m.moe_shared_expert_intermediate_size else None
     m.mtp_num_layers = None
+    m.mamba_head_dim, m.mamba_num_groups, m.mamba_state_dim, m.mamba_num_heads = 16, 2, 16, None
+    m.linear_key_head_dim, m.linear_value_head_dim, m.linear_num_key_heads = 16, 16, 2
+    m.linear_num_value_heads = 2 * max(1, cfg.model.linear_num_value_heads // cfg.model.linear_num_key_heads)
     c.data.vocab_size, m.make_vocab_size_divisible_by = 512, 32
     return one_rank_eager(c)
+
+
+def kind_copies(cfg: Config) -> list[tuple[float, dict]]:
+    """(share of the layers, model fields) of each distinct layer kind of a hybrid stack, whose one- and two-layer
+    copies are counted apart and summed by the pattern's multiplicities; [(1.0, {})] for a uniform stack (MoE
+    models count their MoE kind: see ops_per_layer)."""
+    m, n = cfg.model, cfg.model.num_layers
+    if m.hybrid_layer_pattern is not None:
+        symbols = [s for s in m.hybrid_layer_pattern if s != "|"]
+        return [(symbols.count(s) / n, {"hybrid_layer_pattern": s}) for s in dict.fromkeys(symbols)]
+    if m.experimental_attention_variant is not None:
+        from ..config.layer_patterns import linear_attention_layers
+        linear = linear_attention_layers(m.linear_attention_freq, n)
+        return [(sum(g == x for g in linear) / n, {"linear_attention_freq": f"[{int(x)}]"}) for x in (True, False)
+                if x in linear]
+    return [(1.0, {})]
+
+
+def as_kind(c: Config, fields: dict, layers: int) -> Config:
+    """The unfrozen copy ``c`` with ``layers`` layers all of one kind (``fields``: kind_copies')."""
+    m = c.model
+    if "hybrid_layer_pattern" in fields:  # (one rank: the pattern's pipeline stages dropped)
+        m.hybrid_layer_pattern = fields["hybrid_layer_pattern"] * layers
+        c.set("pipeline_model_parallel_layout", None)
+    if "linear_attention_freq" in fields:
+        m.linear_attention_freq = "[" + ",".join([fields["linear_attention_freq"][1:-1]] * layers) + "]"
+    return c
 
 
 def one_rank_eager(c: Config) -> Config:
@@ -72,9 +103,13 @@ def count_ops(cfg: Config) -> int:
 
 def ops_per_layer(cfg: Config) -> tuple[int, int]:
     """(operations of one layer's forward + backward, of the rest: embedding, final norm, loss head), counted on
-    tiny copies of one and two layers. MoE models count the layer of their first MoE kind."""
-    n1, n2 = count_ops(tiny_copy(cfg, 1)), count_ops(tiny_copy(cfg, 2))
-    return n2 - n1, 2 * n1 - n2
+    tiny copies of one and two layers. MoE models count the layer of their first MoE kind; hybrid stacks each
+    kind of layer apart, one layer the mean over the pattern (kind_copies)."""
+    layer = rest = 0.0
+    for share, kind in kind_copies(cfg):
+        n1, n2 = count_ops(tiny_copy(cfg, 1, kind)), count_ops(tiny_copy(cfg, 2, kind))
+        layer, rest = layer + share * (n2 - n1), rest + share * (2 * n1 - n2)
+    return round(layer), round(rest)
 
 
 def host_ops_for(cfg: Config, kind: Optional[str]) -> tuple[int, int]:

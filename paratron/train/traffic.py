@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from ..config import Config
 from ..plan.traffic import Traffic
 from .distributed import build_dims
-from .host_ops import one_rank_eager
+from .host_ops import as_kind, kind_copies, one_rank_eager
 from .step import build_model_chunks
 
 # Operations whose bytes are not counted: matmuls (their time is the FLOPs') and the attention core (FlashAttention
@@ -138,6 +138,7 @@ class ByteCounter(TorchDispatchMode):
 
 
 WIDTHS = ("hidden_size", "ffn_hidden_size", "kv_channels", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+LINEAR_WIDTHS = ("linear_key_head_dim", "linear_value_head_dim", "mamba_num_heads")  # (Mamba-2's heads follow hidden)
 MLA_WIDTHS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 NARROW_TO = 512  # the hidden size the counted copy is narrowed towards (the CPU's time: FP8 matmuls are slow there)
 
@@ -145,7 +146,8 @@ NARROW_TO = 512  # the hidden size the counted copy is narrowed towards (the CPU
 def widths_of(cfg: Config) -> tuple:
     """The width fields narrowed: hidden, FFN, head, expert and (multi-latent attention) the latent ranks and
     head dimensions."""
-    return WIDTHS + (MLA_WIDTHS if cfg.model.multi_latent_attention else ())
+    hybrid = cfg.model.hybrid_layer_pattern is not None or cfg.model.experimental_attention_variant is not None
+    return WIDTHS + (MLA_WIDTHS if cfg.model.multi_latent_attention else ()) + (LINEAR_WIDTHS if hybrid else ())
 
 
 def narrowing(cfg: Config) -> int:
@@ -158,10 +160,10 @@ def narrowing(cfg: Config) -> int:
     return k
 
 
-def short_copy(cfg: Config, layers: int, seq: int, k: int = 1) -> Config:
-    """``cfg``'s model at its widths / ``k`` with ``layers`` layers and a ``seq``-token sequence, on one rank,
-    eager."""
-    c = cfg.unfrozen()
+def short_copy(cfg: Config, layers: int, seq: int, k: int = 1, kind: Optional[dict] = None) -> Config:
+    """``cfg``'s model at its widths / ``k`` with ``layers`` layers (of one ``kind``: host_ops.kind_copies') and a
+    ``seq``-token sequence, on one rank, eager."""
+    c = as_kind(cfg.unfrozen(), kind or {}, layers)
     m = c.model
     m.num_layers, m.seq_length, m.mtp_num_layers = layers, seq, None
     for w in widths_of(cfg):
@@ -206,14 +208,35 @@ def split(one: dict, two: dict) -> tuple[dict, dict]:
 SEQS = (32, 64)  # the two sequence lengths counted (tokens of one micro-batch): bytes = fixed + per token x tokens
 
 
+def seqs_of(cfg: Config) -> tuple:
+    """The two sequence lengths counted: SEQS, or for Mamba-2 / Gated DeltaNet layers two and four whole chunks of
+    their scans (so that the intra-chunk work per token is the run's, as with chunks of --mamba-chunk-size)."""
+    m = cfg.model
+    if m.hybrid_layer_pattern is None and m.experimental_attention_variant is None:
+        return SEQS
+    return 2 * m.mamba_chunk_size, 4 * m.mamba_chunk_size
+
+
+def kind_bytes(cfg: Config, kind: dict, k: int, seqs: tuple) -> tuple[dict, dict]:
+    """{key: (fixed, per token)} of one layer of ``kind`` and of the rest, multiplied back from the narrowed copy."""
+    runs = [split(count_bytes(short_copy(cfg, 1, s, k, kind)), count_bytes(short_copy(cfg, 2, s, k, kind)))
+            for s in seqs]
+    return tuple({key: (fixed * k * k, tok * k) for key, (fixed, tok) in linear([r[i] for r in runs], seqs).items()}
+                 for i in (0, 1))
+
+
 def traffic_of(cfg: Config) -> Traffic:
     """The counted bytes of one layer and of the rest (plan/traffic.Traffic), fixed and per token: counted on a
     copy narrowed by ``narrowing``, per-token bytes multiplied back by the factor, fixed ones (weight-sized:
-    two widths) by its square."""
-    k = narrowing(cfg)
-    runs = [split(count_bytes(short_copy(cfg, 1, s, k)), count_bytes(short_copy(cfg, 2, s, k))) for s in SEQS]
-    layer, rest = ({key: (fixed * k * k, tok * k) for key, (fixed, tok) in linear([r[i] for r in runs], SEQS).items()}
-                   for i in (0, 1))
+    two widths) by its square. A hybrid stack counts each kind of layer apart (host_ops.kind_copies): one layer is
+    the mean over the pattern, so that the layers' sum is the pattern's."""
+    k, seqs, layer, rest = narrowing(cfg), seqs_of(cfg), {}, {}
+    for share, kind in kind_copies(cfg):
+        one, others = kind_bytes(cfg, kind, k, seqs)
+        for into, got in ((layer, one), (rest, others)):
+            for key, (fixed, tok) in got.items():
+                f0, t0 = into.get(key, (0.0, 0.0))
+                into[key] = (f0 + share * fixed, t0 + share * tok)
 
     def rows(d: dict) -> tuple:
         regions = sorted({k[:2] for k in d if k[0] != "compiled"})

@@ -39,6 +39,18 @@ CASES = [("gpt", {}), ("llama", {}), ("llama", dict(recompute_granularity="selec
          ("gpt", dict(num_experts=4, moe_router_topk=2, moe_latent_size=32, bf16=True))]
 
 
+# hybrid stacks on the torch scans with recomputation (docs/plan.md): each layer kind alone and mixed, fp32 and bf16
+HYBRID = dict(normalization="RMSNorm", position_embedding_type="none", disable_bias_linear=True,
+              untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=4,
+              mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2, linear_key_head_dim=16,
+              linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+CASES += [("gpt", dict(hybrid_layer_pattern="M", **HYBRID)), ("gpt", dict(hybrid_layer_pattern="G", **HYBRID)),
+          ("gpt", dict(hybrid_layer_pattern="M*G-", squared_relu=True, **HYBRID)),
+          ("gpt", dict(hybrid_layer_pattern="MG*E", num_experts=4, moe_router_topk=2, bf16=True, **HYBRID)),
+          ("llama", dict(experimental_attention_variant="gated_delta_net", linear_attention_freq="2", num_layers=2,
+                         **{**HYBRID, "position_embedding_type": "rope"}))]
+
+
 @pytest.mark.parametrize("style,extra", CASES, ids=[f"{s}-{'-'.join(e) or 'plain'}" for s, e in CASES])
 def test_activation_bytes_match_saved_tensors(style, extra):
     cfg = tiny_config(style, world_size=1, **extra)
