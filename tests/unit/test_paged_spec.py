@@ -156,3 +156,30 @@ def test_refused_by_name_and_reported():
     paged = build_paged(Engine(mtp_model(), VOCAB, num_speculative_tokens=2), config())
     assert isinstance(paged, SpeculativePagedEngine) and "up to 2 drafts" in paged.startup_line()
     assert type(build_paged(Engine(mtp_model(), VOCAB), config())) is PagedEngine
+
+
+def test_server_thread_streams_every_kept_token():
+    """The server's paged thread (paged_batcher.py) with drafts: a step keeps several tokens of a request, each is
+    streamed (in order) and the stream equals the answer."""
+    import asyncio
+
+    from paratron.inference.batcher import Job
+    from paratron.inference.paged_batcher import PagedBatcher
+    model = bigram_drafter(mtp_model(layers=1), attention=3.0, noise=0.3)
+    engine = build_paged(Engine(model, VOCAB, num_speculative_tokens=2), config())
+
+    async def run():
+        job = Job([Request([5, 6, 7, 8, 9, 10, 11], SamplingParams(max_new_tokens=12)),
+                   Request([3, 40, 41, 42], SamplingParams(max_new_tokens=7))], asyncio.get_running_loop(), stream=True)
+        batcher = PagedBatcher(engine)
+        batcher.submit(job)
+        results = await job.future
+        steps = []
+        while (step := await job.steps.get()) is not None:
+            steps.append(step)
+        batcher.stop()
+        return results, steps
+    results, steps = asyncio.run(run())
+    for i, res in enumerate(results):
+        assert [s[i] for s in steps if s[i] is not None] == res.tokens and len(res.tokens) > 5
+    assert len(steps) > engine.steps - 3 and engine.stats()["speculative_tokens_per_step"] > 1.5
