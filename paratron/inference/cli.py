@@ -142,12 +142,10 @@ def generate_main(argv: list[str]) -> int:
     params = params_from(args)
     limits = inference.from_args(args)
     if limits.inference_dynamic_batching:
-        for flag, given in (("--batch-size", args.batch_size is not None),
-                            ("--num-speculative-tokens", args.num_speculative_tokens)):
-            if given:
-                raise ConfigError(f"{flag} is the fixed-batch engine's; with --inference-dynamic-batching every prompt "
-                                  "goes to the paged engine at once (--inference-dynamic-batching-max-requests run "
-                                  "together)")
+        if args.batch_size is not None:
+            raise ConfigError("--batch-size is the fixed-batch engine's; with --inference-dynamic-batching every "
+                              "prompt goes to the paged engine at once (--inference-dynamic-batching-max-requests "
+                              "run together)")
     batch = 32 if args.batch_size is None else args.batch_size
     if batch < 1:
         raise ConfigError("--batch-size must be >= 1")
@@ -193,6 +191,8 @@ def generate_paged(model, args, params, limits) -> None:
     print(engine.startup_line(), file=sys.stderr, flush=True)
     for text, res in zip(prompts, engine.generate(reqs)):
         _print(text, res, args.json)
+    if getattr(engine, "acceptance", None) is not None:  # the speculative paged engine's counts (paged_spec.py)
+        print(speculative_summary(engine.acceptance), file=sys.stderr, flush=True)
 
 
 def speculative_summary(s) -> str:
@@ -248,10 +248,9 @@ def serve_main(argv: list[str]) -> int:
         raise ConfigError("--continuous-batching and --inference-dynamic-batching are two engines: choose one")
 
     def run(model) -> None:
-        for name in ("continuous_batching", "inference_dynamic_batching"):
-            if getattr(args, name) and args.num_speculative_tokens:
-                raise ConfigError(f"--num-speculative-tokens runs on the fixed-batch engine; serve without "
-                                  f"--{name.replace('_', '-')}")
+        if args.continuous_batching and args.num_speculative_tokens:
+            raise ConfigError("--num-speculative-tokens runs on the fixed-batch and the paged engines; serve without "
+                              "--continuous-batching")
         if args.continuous_batching and model.group.dims.tp > 1:
             raise ConfigError("--continuous-batching runs on one process; under tensor parallelism serve with "
                               "--inference-dynamic-batching (the paged engine) or the fixed-batch engine")

@@ -19,7 +19,7 @@ class PagedBatcher:
         self.engine = engine
         self.queue: queue.Queue = queue.Queue()
         self.results: dict = {}  # job -> its results so far
-        self.tokens: dict = {}  # streaming job -> this step's tokens
+        self.tokens: dict = {}  # streaming job -> this step's token lists (one token per request in each)
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name="paratron-paged", daemon=True)
         self.thread.start()
@@ -68,8 +68,11 @@ class PagedBatcher:
 
     def _on_token(self, seq, token) -> None:
         job, k = seq.owner
-        if job.steps is not None:
-            self.tokens.setdefault(job, [None] * len(job.requests))[k] = token
+        if job.steps is not None:  # (a speculative step keeps several tokens of a request: one list each)
+            steps = self.tokens.setdefault(job, [[None] * len(job.requests)])
+            if steps[-1][k] is not None:
+                steps.append([None] * len(job.requests))
+            steps[-1][k] = token
 
     def _loop(self) -> None:
         while not (self.stopping and self.engine.idle):
@@ -85,7 +88,8 @@ class PagedBatcher:
                     job.fail(err)
                 self.results.clear()
                 continue
-            step_all(list(self.tokens.items()))  # (every job of a server shares its event loop)
+            # (every job of a server shares its event loop)
+            step_all([(job, step) for job, steps in self.tokens.items() for step in steps])
             self.tokens.clear()
             for seq in finished:
                 self._done(seq)

@@ -61,9 +61,9 @@ class Group:
 
     def paged(self, cfg):
         """Rank 0: the paged engine (``cfg``: the InferenceConfig), built on every rank of the group."""
-        from .paged import PagedEngine
+        from .paged_spec import build_paged
         self.send(("paged", cfg))
-        return PagedEngine(self.engine, cfg, self)
+        return build_paged(self.engine, cfg, self)
 
     def generate(self, requests: list[Request], on_step: Optional[Callable] = None):
         for r in requests:  # refused here, before the followers see it
@@ -86,9 +86,9 @@ class Group:
             if kind == "generate":
                 self.engine.generate(payload)
             elif kind == "paged":
-                from .paged import PagedEngine
+                from .paged_spec import build_paged
                 try:
-                    paged = PagedEngine(self.engine, payload, self)
+                    paged = build_paged(self.engine, payload, self)
                 except ConfigError:  # rank 0 stops with the same line and sends stop
                     paged = None
             elif kind == "step":

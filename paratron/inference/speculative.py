@@ -30,9 +30,8 @@ step keeps the longest prefix the target agrees with, plus one token of the targ
   with fewer drafts) run eagerly.
 
 ``Engine.acceptance`` holds the drafted and accepted counts of the last ``generate`` (rate = accepted /
-drafted) and the mean tokens per row and verification pass. For a paged engine: :func:`draft` needs a
-cache view per depth and the window's hidden states, :func:`accept` only one step's logits, drafts and
-sampler.
+drafted) and the mean tokens per row and verification pass. The paged engine (paged_spec.py) drafts through
+:func:`depth_layer` and :func:`draft_token` over its own paged depth pools and accepts with :func:`accept`.
 """
 from __future__ import annotations
 
@@ -112,17 +111,28 @@ def draft(engine, sampler, hidden: torch.Tensor, slots: torch.Tensor, stream: to
         ahead = slots + depth
         embedded = m.embedding(stream[:, ahead], cache.positions(ahead))
         view = DepthView(cache, slots, m.config.num_layers + depth - 1)
-        layer = m.mtp.layers[(depth - 1) % len(m.mtp.layers)]
-        hidden = layer(hidden, embedded, ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view))
-        logits = engine.logits(hidden[-1:])[:, 0]
-        token = sampler(logits)  # greedy: the argmax of logits gathered alike on every TP rank
-        if not sampler.greedy:
-            token = engine._broadcast(token)
+        hidden = depth_layer(m, depth)(hidden, embedded, ForwardContext(rope=rope, mask=mask, causal=False,
+                                                                         kv_cache=view))
+        token, q = draft_token(engine, sampler, engine.logits(hidden[-1:])[:, 0])
         stream.index_copy_(1, slots[-1:] + depth + 1, token[:, None])
         drafts.append(token)
-        if not sampler.greedy:
-            qs.append(sampler.probs(logits))
+        if q is not None:
+            qs.append(q)
     return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+
+
+def depth_layer(model, depth: int):
+    """The MTP layer that drafts at ``depth`` (1-based; one layer serves every depth with a repeated layer)."""
+    return model.mtp.layers[(depth - 1) % len(model.mtp.layers)]
+
+
+def draft_token(engine, sampler, logits: torch.Tensor) -> tuple:
+    """(the draft of each row [b], its distribution q [b, vocab] or None when every row is greedy) from a depth's
+    ``logits`` [b, vocab]: the fixed-batch and the paged engine draft alike."""
+    token = sampler(logits)  # greedy: the argmax of logits gathered alike on every TP rank
+    if sampler.greedy:
+        return token, None
+    return engine._broadcast(token), sampler.probs(logits)
 
 
 def accept(sampler, logits: torch.Tensor, drafts: torch.Tensor, q: Optional[torch.Tensor]) -> tuple:

@@ -178,8 +178,15 @@ def test_generate_command_speculative(tmp_path, capsys):
     out = capsys.readouterr()
     assert json.loads(out.out)["tokens"] == plain["tokens"]
     assert "--num-speculative-tokens 1" in out.err and "drafted tokens accepted (rate" in out.err
-    assert main(common + ["--num-speculative-tokens", "2"]) == 2
-    assert "draft at most 1" in capsys.readouterr().err
+    paged = ["--inference-dynamic-batching", "--inference-dynamic-batching-block-size", "4",
+             "--inference-dynamic-batching-max-tokens", "4", "--enable-chunked-prefill"]
+    assert main(common + paged + ["--num-speculative-tokens", "1"]) == 0  # the paged engine drafts too
+    out = capsys.readouterr()
+    assert json.loads(out.out)["tokens"] == plain["tokens"]
+    assert "speculative decoding: up to 1 drafts" in out.err and "drafted tokens accepted (rate" in out.err
+    for more in ([], paged):
+        assert main(common + more + ["--num-speculative-tokens", "2"]) == 2
+        assert "draft at most 1" in capsys.readouterr().err
 
 
 def test_spec_decode_benchmark_runs_tiny_on_cpu(tmp_path, monkeypatch):
