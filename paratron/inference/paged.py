@@ -31,12 +31,13 @@ from .sampling import Sampler, find_stop, row_generator
 from .scheduler import Scheduler, Seq
 
 
-def pool_blocks(engine: Engine, cfg, dtype: torch.dtype, reserved: int = 0) -> int:
+def pool_blocks(engine: Engine, cfg, dtype: torch.dtype, reserved: int = 0, extra_layers: int = 0) -> int:
     """The pool's block count: --inference-dynamic-batching-num-blocks, else the buffer size in GB, else the
     memory fraction of the GPU's free memory less ``reserved`` bytes (a hybrid stack's state rows), else (CPU)
-    enough for every request at the full context."""
+    enough for every request at the full context. A block's bytes count ``extra_layers`` more layers' pools (the
+    MTP depths of speculative decoding, which use the same block tables)."""
     bs = cfg.inference_dynamic_batching_block_size
-    per = PagedKVCache.block_bytes(engine.model, bs, dtype)
+    per = PagedKVCache.block_bytes(engine.model, bs, dtype, extra_layers)
     if cfg.inference_dynamic_batching_num_blocks is not None:
         return cfg.inference_dynamic_batching_num_blocks
     if cfg.inference_dynamic_batching_buffer_size_gb is not None:
@@ -72,10 +73,11 @@ class PagedEngine:
                               "state per block: serve this model without --inference-dynamic-batching-prefix-caching")
         rows = cfg.inference_dynamic_batching_max_requests if recurrent else 0
         self.state_bytes = PagedKVCache.state_bytes(engine.model, rows, dtype)
-        self.num_blocks = self._agreed(pool_blocks(engine, cfg, dtype, self.state_bytes))
+        depths = self.extra_pool_layers(engine)
+        self.num_blocks = self._agreed(pool_blocks(engine, cfg, dtype, self.state_bytes, depths))
         self.cache = PagedKVCache(engine.model, self.num_blocks, self.block_size, self.device, dtype, rows)
         self.states = StateRows(rows) if recurrent else None
-        self.block_bytes = PagedKVCache.block_bytes(engine.model, self.block_size, dtype)
+        self.block_bytes = PagedKVCache.block_bytes(engine.model, self.block_size, dtype, depths)
         self.blocks = BlockAllocator(self.num_blocks, self.block_size, cfg.inference_dynamic_batching_prefix_caching,
                                      cfg.inference_dynamic_batching_prefix_caching_eviction_policy)
         self.sched = Scheduler(self.blocks, cfg.inference_dynamic_batching_max_requests,
@@ -92,6 +94,12 @@ class PagedEngine:
         if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0 and self.graphed:
             from .paged_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, cfg.inference_dynamic_batching_num_cuda_graphs)
+
+    @staticmethod
+    def extra_pool_layers(engine: Engine) -> int:
+        """Pools of one layer's shape that share the main pool's block tables (none; the speculative engine's MTP
+        depths), counted when the pool is sized."""
+        return 0
 
     def _agreed(self, blocks: int) -> int:
         """The pool's block count every TP rank can hold (their free memory differs): the same scheduling."""

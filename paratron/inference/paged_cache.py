@@ -78,9 +78,10 @@ class PagedKVCache(nn.Module):
         return getattr(self, f"k{index}"), getattr(self, f"v{index}")
 
     @staticmethod
-    def block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one block over every attention layer (keys and values, or the latent rows)."""
-        layers = sum(1 for m in _mixers(model) if not hasattr(m, "state_shapes"))
+    def block_bytes(model, block_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+        """Bytes of one block over every attention layer (keys and values, or the latent rows) and ``extra_layers``
+        pools of a layer's shape (the MTP depths' of speculative decoding)."""
+        layers = sum(1 for m in _mixers(model) if not hasattr(m, "state_shapes")) + extra_layers
         groups, width = PagedKVCache.row_shape(model)
         tensors = 1 if model.config.multi_latent_attention else 2
         return tensors * layers * block_size * groups * width * torch.empty((), dtype=dtype).element_size()

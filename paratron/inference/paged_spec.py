@@ -125,6 +125,11 @@ class SpeculativePagedEngine(PagedEngine):
         self.windows: dict = {}  # seq id -> (its window's first position, the main model's hidden states [w, h])
         self.acceptance = Acceptance()
 
+    @staticmethod
+    def extra_pool_layers(engine: Engine) -> int:
+        """One pool per drafted depth, beside the main layers' (the GPU's pool is sized for them all)."""
+        return engine.num_speculative_tokens
+
     def abort(self) -> None:
         super().abort()
         self.windows.clear()

@@ -183,3 +183,20 @@ def test_server_thread_streams_every_kept_token():
     for i, res in enumerate(results):
         assert [s[i] for s in steps if s[i] is not None] == res.tokens and len(res.tokens) > 5
     assert len(steps) > engine.steps - 3 and engine.stats()["speculative_tokens_per_step"] > 1.5
+
+
+def test_pool_sized_with_the_depths_pools(models):
+    """A pool given in GB holds the main layers' blocks and the K depths' of the same blocks: with K depths the
+    block costs (layers + K) / layers as much, so fewer blocks fit, and all of them fit the buffer."""
+    model = models["rejected"]
+    gb = 64 * 2 ** -20
+    cfg = config(num_blocks=None, buffer_size_gb=gb)
+    plain = PagedEngine(Engine(model, VOCAB), cfg)
+    spec = build_paged(Engine(model, VOCAB, num_speculative_tokens=2), cfg)
+    layers = len(model.decoder.layers)
+    assert spec.block_bytes * layers == plain.block_bytes * (layers + 2)
+    assert spec.num_blocks < plain.num_blocks
+    held = plain.num_blocks * plain.block_bytes  # the main pool's tensors, and then the depths'
+    held_spec = sum(t.numel() * t.element_size() for t in spec.cache.buffers())
+    held_spec += sum(p.k.numel() * p.k.element_size() * (1 if p.v is p.k else 2) for p in spec.depths)
+    assert held <= gb * 2 ** 30 and held_spec <= gb * 2 ** 30
