@@ -6,7 +6,9 @@ request and chunks of prompts, within the token budget. They are packed into one
 model once: each attention layer writes their keys and values into their requests' blocks and attends through
 the block tables (paged_cache.py, kernels/paged_attention.py). The logits of each request's last computed token
 give its next token (its own sampling parameters and generator; stop conditions as the fixed-batch engine's).
-A step of decodes only is replayed from a CUDA graph of its batch-size bucket on GPUs (paged_graphs.py).
+A step of decodes only is replayed from a CUDA graph of its batch-size bucket on GPUs (paged_graphs.py). A model
+with Mamba-2 / Gated DeltaNet layers keeps a row of recurrent states per request: its decodes run in a pass of a
+token per batch row, its prompt chunks packed into one more pass, a document each (``_run_recurrent``).
 
 Greedy and seeded results equal each request generated alone (tests/unit/test_paged_engine.py). Under tensor
 parallelism every rank holds its share of the KV heads and runs the same scheduler: the engine is built through

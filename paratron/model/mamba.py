@@ -10,7 +10,9 @@ norm's groups stay whole on one rank. Under sequence parallelism in_proj gathers
 reduce-scatters it, as attention's projections do.
 
 Packed documents (``ctx.document_ids``) reset the convolution and the scan at each document start. In
-generation ``ctx.kv_cache`` holds this layer's convolution and SSM states (paratron/inference/cache.py).
+generation ``ctx.kv_cache`` holds this layer's convolution and SSM states (paratron/inference/cache.py); when its
+view has ``cu_seqlens`` (the paged engine's packed prompt chunks) the pass is one row of several requests, each
+going on from its own states (kernels/varlen.py).
 """
 from __future__ import annotations
 

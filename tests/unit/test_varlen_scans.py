@@ -84,8 +84,8 @@ def test_causal_conv_packed_documents_equal_each_alone():
     gen = torch.Generator().manual_seed(2)
     lengths, c, width = [1, 2, 5, 3, 8, 1], 6, 4
     cu, total = offsets(lengths), sum(lengths)
-    x, w, bias = torch.randn(1, total, c, generator=gen), torch.randn(c, 1, width, generator=gen), torch.randn(c,
-                                                                                                             generator=gen)
+    x, w = torch.randn(1, total, c, generator=gen), torch.randn(c, 1, width, generator=gen)
+    bias = torch.randn(c, generator=gen)
     states = torch.randn(len(lengths), width - 1, c, generator=gen)
     for state in (states, None):
         out, new = causal_conv(x, w, bias, state=state, cu_seqlens=cu)
