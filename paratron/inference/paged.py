@@ -253,7 +253,8 @@ class PagedEngine:
         if chunks:
             ids, pos, slots, rows, lengths, pick, mine = self._pack(chunks)
             picks.update({sid: [len(decodes) + i for i in p] for sid, p in mine.items()})
-            cu = self._tensor(list(itertools.accumulate((n for _, n in chunks), initial=0))).to(torch.int32)
+            cu = torch.tensor(list(itertools.accumulate((n for _, n in chunks), initial=0)), dtype=torch.int32,
+                              device=self.device)  # each request's chunk a document of the packed row
             out.append(self._forward(chunks, ids, pos, slots, rows, lengths, pick, self._states(chunks, cu)))
         return torch.cat(out), picks
 
