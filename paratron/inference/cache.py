@@ -137,7 +137,11 @@ class RowView(CacheView):
 
 class RecurrentView:
     """A recurrent layer's states in one pass: ``conv`` and ``ssm`` to start from (None in a prefill: zeros),
-    ``reset`` [b, s] the document starts of a prefill (None: none), ``update`` stores the pass's final states."""
+    ``reset`` [b, s] the document starts of a prefill (None: none), ``update`` stores the pass's final states.
+    ``cu_seqlens`` (the paged engine's packed prompt chunks, paged_cache.py ``GatheredStates``): the pass is one
+    row of several requests' tokens, ``conv`` / ``ssm`` hold a state per request (kernels/varlen.py)."""
+
+    cu_seqlens = None
 
     def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, prefill: bool, reset=None):
         self._conv, self._ssm, self.prefill, self.reset = conv, ssm, prefill, reset

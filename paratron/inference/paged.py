@@ -6,7 +6,9 @@ request and chunks of prompts, within the token budget. They are packed into one
 model once: each attention layer writes their keys and values into their requests' blocks and attends through
 the block tables (paged_cache.py, kernels/paged_attention.py). The logits of each request's last computed token
 give its next token (its own sampling parameters and generator; stop conditions as the fixed-batch engine's).
-A step of decodes only is replayed from a CUDA graph of its batch-size bucket on GPUs (paged_graphs.py).
+A step of decodes only is replayed from a CUDA graph of its batch-size bucket on GPUs (paged_graphs.py). A model
+with Mamba-2 / Gated DeltaNet layers keeps a row of recurrent states per request: its decodes run in a pass of a
+token per batch row, its prompt chunks packed into one more pass, a document each (``_run_recurrent``).
 
 Greedy and seeded results equal each request generated alone (tests/unit/test_paged_engine.py). Under tensor
 parallelism every rank holds its share of the KV heads and runs the same scheduler: the engine is built through
@@ -26,7 +28,7 @@ from ..errors import ConfigError
 from ..model.attention.windowed import needs_core_attention
 from .blocks import BlockAllocator
 from .engine import Engine, Request, Result
-from .paged_cache import PagedKVCache, PagedView, StateRows
+from .paged_cache import PagedKVCache, PagedView, PassStates, StateRows
 from .sampling import Sampler, find_stop, row_generator
 from .scheduler import Scheduler, Seq
 
@@ -220,7 +222,7 @@ class PagedEngine:
     def _run(self, plan: list) -> tuple[torch.Tensor, dict]:
         """The model over the step's packed tokens: logits of the picked positions, {seq id: their rows}."""
         if self.states is not None:
-            return self._run_each(plan)
+            return self._run_recurrent(plan)
         ids, pos, slots, rows, lengths, pick, picks = self._pack(plan)
         if self.graphs is not None and all(n == 1 for _, n in plan) and len(pick) == len(plan):
             out = self.graphs(ids, pos, slots, [seq.blocks for seq, _ in plan], lengths)
@@ -243,28 +245,32 @@ class PagedEngine:
         t = self._tensor
         return self.e._forward(t([ids]), t([pos]), self._view(plan, slots, rows, lengths, state), None, pick=t(pick))[0]
 
-    def _run_each(self, plan: list) -> tuple[torch.Tensor, dict]:
+    def _run_recurrent(self, plan: list) -> tuple[torch.Tensor, dict]:
         """A model with Mamba-2 / Gated DeltaNet layers: the decoding requests in one pass of a token per batch row
-        over their gathered state rows, each other request's tokens (prompt chunks) in a pass of their own over its
-        row (fresh at its first token); attention layers through the blocks either way."""
-        out, picks, done = [], {}, 0
+        over their gathered state rows, every other request's tokens (prompt chunks) packed into one more pass, a
+        document per request over its row (fresh at its first token; kernels/varlen.py); attention layers through
+        the blocks either way."""
+        out, picks = [], {}
         latent = self.e.model.config.multi_latent_attention  # (its attention takes one packed row only)
         decodes = [(seq, n) for seq, n in plan if n == 1 and seq.computed > 0 and not latent]
         if decodes:
             ids, pos, slots, rows, lengths, _, picks = self._pack(decodes)
-            state = (self._tensor([self.states.row(seq, self.sched) for seq, _ in decodes]), False)
-            view = self._view(decodes, slots, rows, lengths, state)
+            view = self._view(decodes, slots, rows, lengths, self._states(decodes))
             out.append(self.e._forward(self._tensor(ids)[:, None], self._tensor(pos)[:, None], view, None)[:, 0])
-            done = len(decodes)
-        for seq, n in plan:
-            if seq.id in picks:  # (decoded above)
-                continue
-            ids, pos, slots, rows, lengths, pick, mine = self._pack([(seq, n)])
-            picks[seq.id] = [done + i for i in mine[seq.id]]
-            out.append(self._forward([(seq, n)], ids, pos, slots, rows, lengths, pick,
-                                     (self.states.row(seq, self.sched), seq.computed == 0)))
-            done += len(pick)
+        chunks = [(seq, n) for seq, n in plan if seq.id not in picks]
+        if chunks:
+            ids, pos, slots, rows, lengths, pick, mine = self._pack(chunks)
+            picks.update({sid: [len(decodes) + i for i in p] for sid, p in mine.items()})
+            cu = torch.tensor(list(itertools.accumulate((n for _, n in chunks), initial=0)), dtype=torch.int32,
+                              device=self.device)  # each request's chunk a document of the packed row
+            out.append(self._forward(chunks, ids, pos, slots, rows, lengths, pick, self._states(chunks, cu)))
         return torch.cat(out), picks
+
+    def _states(self, plan: list, cu_seqlens: Optional[torch.Tensor] = None) -> PassStates:
+        """The state rows of ``plan``'s requests for one pass (taken at a request's first pass)."""
+        rows = self._tensor([self.states.row(seq, self.sched) for seq, _ in plan])
+        fresh = self._tensor([seq.computed == 0 for seq, _ in plan]) if cu_seqlens is not None else None
+        return PassStates(rows, fresh, cu_seqlens)
 
     def _prompt_logprobs(self, plan: list, logits: torch.Tensor, picks: dict) -> None:
         """Log-probabilities of the prompt tokens, chunk by chunk, for requests that asked for them."""

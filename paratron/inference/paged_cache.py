@@ -134,17 +134,15 @@ class PagedView:
     rows: torch.Tensor
     lengths: torch.Tensor
     kernel: bool = True
-    state: Optional[tuple] = None  # (state row, fresh): a pass of one request of a model with recurrent layers
+    state: Optional["PassStates"] = None  # the recurrent-state rows of the pass (models with recurrent layers)
     paged = True
 
     def recurrent(self, index: int) -> RecurrentView:
-        """Layer ``index``'s convolution and SSM states of this pass: one request's (views of its row: written in
-        place; fresh at its first token), or a batched decode's rows (gathered, written back by ``update``)."""
-        row, fresh = self.state
+        """Layer ``index``'s convolution and SSM states of this pass: the rows of its requests, gathered (fresh
+        ones zeroed) and written back by ``update``; one per batch row of a decode pass, or one per document of
+        the packed prompt chunks (``cu_seqlens``)."""
         conv, ssm = self.cache.states(index)
-        if isinstance(row, torch.Tensor):
-            return GatheredStates(conv, ssm, row)
-        return RecurrentView(conv[row:row + 1], ssm[row:row + 1], prefill=fresh)
+        return GatheredStates(conv, ssm, self.state)
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale, window=None,
                sinks=None) -> torch.Tensor:
@@ -171,12 +169,26 @@ class PagedView:
         return paged_attention(q[:, None], pool, pool, self.tables, self.rows, self.lengths, scale, self.kernel)[:, 0]
 
 
-class GatheredStates(RecurrentView):
-    """The states of several requests' rows for one decode pass (a batch row each): read gathered, written back."""
+@dataclass
+class PassStates:
+    """The recurrent-state rows of one pass of the paged engine: ``rows`` [r] each request's row; ``fresh`` [r]
+    bool (or None) the requests at their first token, whose states start from zero; ``cu_seqlens`` [r + 1] the
+    packed pass's document offsets (one document per request, kernels/varlen.py), or None for a decode pass (a
+    token per batch row)."""
+    rows: torch.Tensor
+    fresh: Optional[torch.Tensor] = None
+    cu_seqlens: Optional[torch.Tensor] = None
 
-    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, rows: torch.Tensor):
-        super().__init__(conv.index_select(0, rows), ssm.index_select(0, rows), prefill=False)
-        self.pools, self.rows = (conv, ssm), rows
+
+class GatheredStates(RecurrentView):
+    """The states of several requests' rows for one pass: read gathered (zeros for fresh requests), written back."""
+
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, rows: PassStates):
+        gathered = [t.index_select(0, rows.rows) for t in (conv, ssm)]
+        if rows.fresh is not None:
+            gathered = [t.masked_fill(rows.fresh.view(-1, *[1] * (t.dim() - 1)), 0) for t in gathered]
+        super().__init__(*gathered, prefill=False)
+        self.pools, self.rows, self.cu_seqlens = (conv, ssm), rows.rows, rows.cu_seqlens
 
     def update(self, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         self.pools[0].index_copy_(0, self.rows, conv.to(self.pools[0].dtype))

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .ssd import _chunks, chunk_decays
+from .ssd import DocStates, _chunks, chunk_decays
 
 
 def gated_delta_sequential(q, k, v, g, beta, reset: Optional[torch.Tensor] = None,
@@ -47,8 +47,9 @@ def gated_delta_sequential(q, k, v, g, beta, reset: Optional[torch.Tensor] = Non
 
 def gated_delta_chunked(q, k, v, g, beta, reset: Optional[torch.Tensor] = None,
                         state: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                        chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [b, s, h, dv], final state [b, h, dk, dv]) of the recurrence, computed chunk by chunk."""
+                        chunk_size: int = 64, starts: Optional[list] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [b, s, h, dv], final state [b, h, dk, dv]) of the recurrence, computed chunk by chunk; ``starts`` as
+    kernels/ssd.py's ``ssd_chunked`` (chunk-aligned packed documents, a state each)."""
     b, s, h, dk = k.shape
     scale = dk ** -0.5 if scale is None else scale
     n = min(chunk_size, s)
@@ -64,11 +65,15 @@ def gated_delta_chunked(q, k, v, g, beta, reset: Optional[torch.Tensor] = None,
     w = torch.linalg.solve_triangular(system, bc * start[..., None] * kc, upper=False, unitriangular=True)
     attn = (qc @ kc.transpose(-1, -2)) * L
     to_end = L[..., -1, :, None]  # [b, c, h, n, 1]: decay from each position to the chunk's end
-    S = state if state is not None else v.new_zeros(b, h, dk, v.size(-1))
+    docs = None if starts is None else DocStates(starts, state, kc.size(1))
+    S = state if state is not None and docs is None else v.new_zeros(b, h, dk, v.size(-1))
     out = []
     for c in range(kc.size(1)):
+        S = S if docs is None else docs.enter(c, S)
         u = u0[:, c] - w[:, c] @ S  # the updates given the state entering the chunk
         out.append((start[:, c, :, :, None] * qc[:, c]) @ S + attn[:, c] @ u)
         S = start[:, c, :, -1, None, None] * S + (kc[:, c] * to_end[:, c]).transpose(-1, -2) @ u
+        if docs is not None:
+            docs.leave(c, S)
     o = torch.stack(out, dim=1).transpose(2, 3)  # [b, c, n, h, dv]
-    return o.reshape(b, -1, h, v.size(-1))[:, :s], S
+    return o.reshape(b, -1, h, v.size(-1))[:, :s], S if docs is None else docs.finals()

@@ -3,7 +3,9 @@ chunked references (kernels/ssd.py, kernels/gated_delta.py; one step of the recu
 token), ``fla`` flash-linear-attention's chunked Triton kernels (the pure-Python wheel ``fla-core``, on CUDA;
 docs/design.md says why this library). Packed documents reach fla as variable-length sequences (cu_seqlens over
 the flattened batch; a row's state starts its first document and its last document's is the row's final
-state); the references take the resets themselves. Shapes as
+state); the references take the resets themselves. With ``cu_seqlens`` (one packed row of documents, a state
+each: the paged engine's prompt chunks) both take the documents as they are: fla's variable-length kernels with
+a row of initial and final states per document, the references of kernels/varlen.py. Shapes as
 kernels/ssd.py."""
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .gated_delta import gated_delta_chunked, gated_delta_sequential
 from .ssd import _heads, ssd_chunked, ssd_sequential
+from .varlen import gated_delta_varlen, ssd_varlen
 
 
 FLA_BAD_TRITON = ((3, 4, 0), (3, 7, 1))  # fla-core's own check (its issue #640): wrong gated backward on Hopper
@@ -97,9 +100,12 @@ def recomputed(fn, *args, recompute: bool = True):
 
 
 def ssd(x, dt, A, B, C, reset=None, state=None, chunk_size: int = 128, kernel: str = "torch",
-        recompute: bool = False):
+        recompute: bool = False, cu_seqlens: Optional[torch.Tensor] = None):
     """(y [b, s, h, p], final state [b, h, p, n]) of Mamba-2's scan; ``recompute``: the torch scan's
-    intermediates recomputed in backward (``recomputed``)."""
+    intermediates recomputed in backward (``recomputed``). ``cu_seqlens``: x [1, total, ...] packs documents
+    (kernels/varlen.py), ``state`` and the final state are [documents, h, p, n] (``reset`` unused)."""
+    if cu_seqlens is not None:
+        return _ssd_packed(x, dt, A, B, C, cu_seqlens, state, chunk_size, kernel)
     if x.size(1) == 1 and state is not None:  # decoding: one step of the recurrence
         return ssd_sequential(x, dt, A, B, C, reset, state)
     if kernel != "fla":
@@ -114,9 +120,11 @@ def ssd(x, dt, A, B, C, reset=None, state=None, chunk_size: int = 128, kernel: s
 
 
 def gated_delta(q, k, v, g, beta, reset=None, state=None, chunk_size: int = 64, kernel: str = "torch",
-                scale: Optional[float] = None, recompute: bool = False):
+                scale: Optional[float] = None, recompute: bool = False, cu_seqlens: Optional[torch.Tensor] = None):
     """(o [b, s, h, dv], final state [b, h, dk, dv]) of the gated delta rule (q, k already L2-normalised);
-    ``recompute`` as ``ssd``'s."""
+    ``recompute`` and ``cu_seqlens`` as ``ssd``'s."""
+    if cu_seqlens is not None:
+        return _gated_delta_packed(q, k, v, g, beta, cu_seqlens, state, chunk_size, kernel, scale)
     if q.size(1) == 1 and state is not None:
         return gated_delta_sequential(q, k, v, g, beta, reset, state, scale)
     if kernel != "fla":
@@ -128,3 +136,23 @@ def gated_delta(q, k, v, g, beta, reset=None, state=None, chunk_size: int = 64, 
     o, final = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=_doc_init(reset, cu, s, state),
                                       output_final_state=True, cu_seqlens=cu)
     return o.reshape(b, s, *o.shape[2:]), _row_final(cu, s, final)
+
+
+def _ssd_packed(x, dt, A, B, C, cu, state, chunk_size: int, kernel: str):
+    """Packed documents with a state each: fla's variable-length scan returns a final state per document."""
+    if kernel != "fla":
+        return ssd_varlen(x, dt, A, B, C, cu, state, chunk_size)
+    from fla.ops.simple_gla import chunk_simple_gla
+    h = x.size(2)
+    init = None if state is None else state.transpose(-1, -2).contiguous()
+    y, final = chunk_simple_gla(_heads(C, h), _heads(B, h), x * dt[..., None], g=dt * A, scale=1.0,
+                                initial_state=init, output_final_state=True, cu_seqlens=cu.to(torch.int32))
+    return y, final.transpose(-1, -2)
+
+
+def _gated_delta_packed(q, k, v, g, beta, cu, state, chunk_size: int, kernel: str, scale: Optional[float]):
+    if kernel != "fla":
+        return gated_delta_varlen(q, k, v, g, beta, cu, state, scale, chunk_size)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
+                                  cu_seqlens=cu.to(torch.int32))

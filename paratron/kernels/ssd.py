@@ -77,9 +77,36 @@ def chunk_decays(a: torch.Tensor, reset: Optional[torch.Tensor]) -> tuple[torch.
     return L, start
 
 
+class DocStates:
+    """The documents of one packed row laid out chunk-aligned (kernels/varlen.py: each starts a chunk):
+    ``starts`` the chunks that begin a document (ascending, the first 0), ``init`` [documents, ...] each one's
+    initial state (None: zeros). The chunked scans ask ``enter`` for the state entering each chunk and hand
+    ``leave`` the state after it; ``finals`` [documents, ...] are the states after each document's last chunk."""
+
+    def __init__(self, starts: list, init: Optional[torch.Tensor], chunks: int):
+        self.first = {c: i for i, c in enumerate(starts)}
+        self.last = {c: i for i, c in enumerate([c - 1 for c in starts[1:]] + [chunks - 1])}
+        self.init, self.out = init, [None] * len(starts)
+
+    def enter(self, c: int, S: torch.Tensor) -> torch.Tensor:
+        i = self.first.get(c)
+        if i is None:
+            return S
+        return torch.zeros_like(S) if self.init is None else self.init[i:i + 1].to(S.dtype)
+
+    def leave(self, c: int, S: torch.Tensor) -> None:
+        if c in self.last:
+            self.out[self.last[c]] = S
+
+    def finals(self) -> torch.Tensor:
+        return torch.cat(self.out)
+
+
 def ssd_chunked(x, dt, A, B, C, reset: Optional[torch.Tensor] = None, state: Optional[torch.Tensor] = None,
-                chunk_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [b, s, h, p], final state [b, h, p, n]) of the recurrence, computed chunk by chunk."""
+                chunk_size: int = 128, starts: Optional[list] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [b, s, h, p], final state [b, h, p, n]) of the recurrence, computed chunk by chunk. ``starts``: a packed
+    row (b = 1) of chunk-aligned documents (:class:`DocStates`; ``state`` and the final state are then
+    [documents, h, p, n])."""
     b, s, h, p = x.shape
     q = min(chunk_size, s)
     xdt = _chunks(x * dt[..., None], q)  # padding: no input, decay 1 (the final state is unchanged)
@@ -89,14 +116,18 @@ def ssd_chunked(x, dt, A, B, C, reset: Optional[torch.Tensor] = None, state: Opt
     y = torch.einsum("bcijh,bcjhp->bcihp", torch.einsum("bcihn,bcjhn->bcijh", Ch, Bh) * L, xdt)
     # each chunk's own contribution to the state at its end (L's last row: decay from j to the end)
     local = torch.einsum("bcjh,bcjhn,bcjhp->bchpn", L[:, :, -1], Bh, xdt)
-    S = state if state is not None else x.new_zeros(b, h, p, B.size(-1))
+    docs = None if starts is None else DocStates(starts, state, xdt.size(1))
+    S = state if state is not None and docs is None else x.new_zeros(b, h, p, B.size(-1))
     carried = []
     for c in range(xdt.size(1)):  # between chunks: the state carried over each boundary
+        S = S if docs is None else docs.enter(c, S)
         carried.append(S)
         S = start[:, c, -1, :, None, None] * S + local[:, c]
+        if docs is not None:
+            docs.leave(c, S)
     carried = torch.stack(carried, dim=1)  # [b, c, h, p, n]: the state entering each chunk
     y = y + torch.einsum("bcihn,bchpn,bcih->bcihp", Ch, carried, start)
-    return y.reshape(b, -1, h, p)[:, :s], S
+    return y.reshape(b, -1, h, p)[:, :s], S if docs is None else docs.finals()
 
 
 def resets_of(document_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -76,15 +76,16 @@ class GatedDeltaNet(nn.Module):
         b, s = z.shape[:2]
         cache = ctx.kv_cache.recurrent(self.layer_index) if ctx.kv_cache is not None else None
         reset = cache.reset if cache is not None else resets_of(ctx.document_ids)
+        cu = cache.cu_seqlens if cache is not None else None  # packed requests, a state each (paged engine)
         qkv, conv_state = causal_conv(qkv, self.conv1d_weight, self.conv1d_bias, reset,
-                                      cache.conv if cache is not None else None)
+                                      cache.conv if cache is not None else None, cu)
         q, k, vs = F.silu(qkv).float().split([qk, qk, v], dim=-1)
         rep = self.nv // self.nk  # each key head serves this many consecutive value heads
         q, k = (l2_normalize(t.reshape(b, s, self.nk, self.dk)).repeat_interleave(rep, dim=2) for t in (q, k))
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
         o, state = gated_delta(q, k, vs.reshape(b, s, nv, self.dv), g, beta.float().sigmoid(), reset,
                                cache.ssm if cache is not None else None, self.chunk,
-                               "fla" if self.fla and x.is_cuda else "torch", recompute=self.recompute)
+                               "fla" if self.fla and x.is_cuda else "torch", recompute=self.recompute, cu_seqlens=cu)
         if cache is not None:
             cache.update(conv_state, state)
         o = self.out_norm(o.to(x.dtype), z.reshape(b, s, nv, self.dv)).reshape(b, s, v)

@@ -10,7 +10,9 @@ norm's groups stay whole on one rank. Under sequence parallelism in_proj gathers
 reduce-scatters it, as attention's projections do.
 
 Packed documents (``ctx.document_ids``) reset the convolution and the scan at each document start. In
-generation ``ctx.kv_cache`` holds this layer's convolution and SSM states (paratron/inference/cache.py).
+generation ``ctx.kv_cache`` holds this layer's convolution and SSM states (paratron/inference/cache.py); when its
+view has ``cu_seqlens`` (the paged engine's packed prompt chunks) the pass is one row of several requests, each
+going on from its own states (kernels/varlen.py).
 """
 from __future__ import annotations
 
@@ -102,8 +104,9 @@ class MambaMixer(nn.Module):
         b, s = z.shape[:2]
         cache = ctx.kv_cache.recurrent(self.layer_index) if ctx.kv_cache is not None else None
         reset = cache.reset if cache is not None else resets_of(ctx.document_ids)
+        cu = cache.cu_seqlens if cache is not None else None  # packed requests, a state each (paged engine)
         xbc, conv_state = causal_conv(xbc, self.conv1d_weight, self.conv1d_bias, reset,
-                                      cache.conv if cache is not None else None)
+                                      cache.conv if cache is not None else None, cu)
         xs, B, C = F.silu(xbc).split([di, bc, bc], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if self.dt_min > 0:
@@ -113,7 +116,7 @@ class MambaMixer(nn.Module):
         y, state = ssd(xs, dt, A, B.reshape(b, s, self.groups, self.n).float(),
                        C.reshape(b, s, self.groups, self.n).float(), reset,
                        cache.ssm if cache is not None else None, self.chunk,
-                       "fla" if self.fla and x.is_cuda else "torch", self.recompute)
+                       "fla" if self.fla and x.is_cuda else "torch", self.recompute, cu)
         if cache is not None:
             cache.update(conv_state, state)
         y = y + xs * self.D.float()[:, None]

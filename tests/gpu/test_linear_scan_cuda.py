@@ -134,3 +134,23 @@ def test_compiled_torch_scan_equals_the_recurrence(kind):
         outs[name] = [y.detach(), final.detach()] + list(torch.autograd.grad((y * y).sum(), list(leaves.values())))
     for a, b in zip(outs["fast"], outs["ref"]):
         assert _rel(a, b) < 2e-3  # TF32 off (torch's default): the chunking's summation order only
+
+
+@needs_fla
+@pytest.mark.parametrize("kind", ["ssd", "gdn"])
+def test_fla_packed_documents_with_states_equal_reference(kind):
+    """The paged engine's packed prompt chunks on fla (``cu_seqlens`` and a state per document) against the torch
+    reference (kernels/varlen.py): outputs and every document's final state, lengths 1, off and on the chunk."""
+    from benchmarks.matmul_shapes import scan_inputs
+    from paratron.kernels.linear_scan import gated_delta, ssd
+    fn = ssd if kind == "ssd" else gated_delta
+    torch.manual_seed(2)
+    lengths = [1, 70, 64, 3, 200, 1, 129]
+    x, _ = scan_inputs(kind, 1, sum(lengths), torch.device("cuda"))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    shape = fn(**{n: t[:, :2] if t.dim() > 1 else t for n, t in x.items()}, kernel="torch")[1].shape[1:]
+    state = torch.randn(len(lengths), *shape, device="cuda") * 0.1
+    ref = fn(**x, state=state, cu_seqlens=cu, kernel="torch")
+    got = fn(**x, state=state, cu_seqlens=cu, kernel="fla")
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and _rel(a, b) < 2e-3

@@ -60,9 +60,10 @@ def test_prompt_joining_a_row_starts_from_fresh_states():
 
 
 def test_paged_engine_keeps_a_state_row_per_request():
-    """A hybrid stack (Mamba-2, Gated DeltaNet, attention) through the paged engine: each request's tokens run in a
-    pass of their own over its row of recurrent states (chunked prefill carries the states between chunks), the
-    attention layer through the blocks; a pool small enough to preempt; the fixed-batch engine's tokens and
+    """A hybrid stack (Mamba-2, Gated DeltaNet, attention) through the paged engine: each request keeps a row of
+    recurrent states (a step's prompt chunks packed into one pass, a document each over its row; chunked prefill
+    carries the states between chunks), the attention layer through the blocks; a pool small enough to preempt
+    (a preempted request's reused row starts afresh); the fixed-batch engine's tokens and
     log-probabilities; prefix caching refused by name."""
     import pytest
     from paratron.config.inference import InferenceConfig
