@@ -261,8 +261,9 @@ class PagedEngine:
         if chunks:
             ids, pos, slots, rows, lengths, pick, mine = self._pack(chunks)
             picks.update({sid: [len(decodes) + i for i in p] for sid, p in mine.items()})
-            cu = torch.tensor(list(itertools.accumulate((n for _, n in chunks), initial=0)), dtype=torch.int32,
-                              device=self.device)  # each request's chunk a document of the packed row
+            # each request's chunk a document of the packed row; the offsets stay on the host (the torch scans lay
+            # the documents out by them without reading the GPU; fla and the convolution copy them over)
+            cu = torch.tensor(list(itertools.accumulate((n for _, n in chunks), initial=0)), dtype=torch.int32)
             out.append(self._forward(chunks, ids, pos, slots, rows, lengths, pick, self._states(chunks, cu)))
         return torch.cat(out), picks
 

@@ -54,7 +54,7 @@ def causal_conv_varlen(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     k, c = w.size(1), x.size(-1)
     cu = cu_seqlens.to(device=x.device, dtype=torch.long)
     d, total = cu.numel() - 1, x.size(1)
-    doc = torch.repeat_interleave(torch.arange(d, device=x.device), cu.diff())
+    doc = torch.repeat_interleave(torch.arange(d, device=x.device), cu.diff(), output_size=total)  # no host read
     past = state if state is not None else x.new_zeros(d, k - 1, c)
     # every document's state then its tokens, one after another: document i's tokens move i + 1 states on
     taps = torch.arange(k - 1, device=x.device)

@@ -146,7 +146,7 @@ def _ssd_packed(x, dt, A, B, C, cu, state, chunk_size: int, kernel: str):
     h = x.size(2)
     init = None if state is None else state.transpose(-1, -2).contiguous()
     y, final = chunk_simple_gla(_heads(C, h), _heads(B, h), x * dt[..., None], g=dt * A, scale=1.0,
-                                initial_state=init, output_final_state=True, cu_seqlens=cu.to(torch.int32))
+                                initial_state=init, output_final_state=True, cu_seqlens=cu.to(x.device, torch.int32))
     return y, final.transpose(-1, -2)
 
 
@@ -155,4 +155,4 @@ def _gated_delta_packed(q, k, v, g, beta, cu, state, chunk_size: int, kernel: st
         return gated_delta_varlen(q, k, v, g, beta, cu, state, scale, chunk_size)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True,
-                                  cu_seqlens=cu.to(torch.int32))
+                                  cu_seqlens=cu.to(q.device, torch.int32))

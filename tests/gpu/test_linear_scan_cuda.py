@@ -154,3 +154,27 @@ def test_fla_packed_documents_with_states_equal_reference(kind):
     got = fn(**x, state=state, cu_seqlens=cu, kernel="fla")
     for a, b in zip(got, ref):
         assert a.shape == b.shape and _rel(a, b) < 2e-3
+
+
+@pytest.mark.parametrize("kind", ["ssd", "gdn"])
+def test_packed_documents_read_nothing_back_with_host_offsets(kind):
+    """The paged engine keeps a packed pass's offsets on the host: the torch scans and the packed convolution then
+    run without a host synchronisation (CUDA's sync debug mode raises on one)."""
+    from benchmarks.matmul_shapes import scan_inputs
+    from paratron.kernels.causal_conv import causal_conv_varlen
+    from paratron.kernels.linear_scan import gated_delta, ssd
+    fn = ssd if kind == "ssd" else gated_delta
+    torch.manual_seed(3)
+    lengths = [1, 70, 3]
+    x, _ = scan_inputs(kind, 1, sum(lengths), torch.device("cuda"))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    conv_in, weight = torch.randn(1, sum(lengths), 8, device="cuda"), torch.randn(8, 1, 4, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fn(**x, cu_seqlens=cu, kernel="torch")
+        conv = causal_conv_varlen(conv_in, weight, None, cu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = fn(**x, cu_seqlens=cu.cuda(), kernel="torch")
+    assert all(torch.equal(a, b) for a, b in zip(out, ref)) and conv[0].shape == conv_in.shape
