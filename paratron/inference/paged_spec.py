@@ -23,8 +23,15 @@ the step's one packed pass, beside the other requests' prompt chunks.
   token's own position), blocks past the new length go back to the allocator, and the prefix cache only
   registers full blocks of computed (so accepted) tokens.
 
-Refused by name: hybrid models (their recurrent states cannot roll back), tensor parallelism (the drafting
-passes are not run on the followers). Speculative steps run uncaptured (no CUDA graphs).
+* **Tensor parallelism.** Every rank runs the same step over its share of the KV heads (of the main layers and
+  of each depth's pool): the same schedule, drafting passes, verification and acceptance. The logits are
+  gathered over TP, and the decisions that steer the scheduler are rank 0's, broadcast: each depth's drafts
+  (before the next depth reads them) and each group's accepted counts and following tokens, as the first
+  tokens after a prompt are (PagedEngine._sample). Seeded requests draw alike on every rank (same generator,
+  same draws), so their generators stay in step.
+
+Refused by name: hybrid models (their recurrent states cannot roll back). Speculative steps run uncaptured (no
+CUDA graphs).
 """
 from __future__ import annotations
 
@@ -102,9 +109,6 @@ def refusal(engine: Engine) -> Optional[str]:
     if PagedKVCache.recurrent(engine.model):
         return (f"--num-speculative-tokens {k} with --inference-dynamic-batching: the Mamba-2 / Gated DeltaNet "
                 "states of a hybrid model cannot roll back rejected drafts (serve it without speculation)")
-    if engine.model.par.tp_size > 1:
-        return (f"--num-speculative-tokens {k} with --inference-dynamic-batching: not under tensor parallelism "
-                "(the drafting passes do not run on the followers); use --tensor-model-parallel-size 1 or no drafts")
     return None
 
 
@@ -138,6 +142,9 @@ class SpeculativePagedEngine(PagedEngine):
     @torch.no_grad()
     def step(self, on_token: Optional[Callable] = None) -> list[Seq]:
         """As PagedEngine.step, decodes verifying their drafts (module docstring)."""
+        if self.group is not None and self.group.leader:
+            self.group.send(("step", self.pending))  # the followers add these and step with rank 0
+            self.pending = []
         plan = self.sched.schedule()
         if not plan:
             if not self.idle:
@@ -256,6 +263,8 @@ class SpeculativePagedEngine(PagedEngine):
                                  kv_cache=dataclasses.replace(view, cache=self.depths[depth - 1]))
             x = depth_layer(m, depth)(x, m.embedding(ids, ahead), ctx)
             token, q = draft_token(self.e, sampler, self.e.logits(x.index_select(0, lasts))[0])
+            if q is None:  # (sampled drafts are broadcast already) every TP rank goes on with rank 0's
+                token = self.e._broadcast(token)
             for stream, d in zip(streams, token.tolist()):
                 stream.append(d)
             drafts.append(token)
@@ -276,7 +285,7 @@ class SpeculativePagedEngine(PagedEngine):
             drafts = torch.tensor([proposed.get(s.id, []) for s in seqs], dtype=torch.long,
                                   device=self.device).view(len(seqs), k)
             dq = torch.stack([q[s.id] for s in seqs]) if k and not sampler.greedy else None
-            a, x = accept(sampler, rows, drafts, dq)
+            a, x = self.e._broadcast(torch.stack(accept(sampler, rows, drafts, dq))).unbind(0)  # rank 0's, on all
             for s, ai, xi, lg in zip(seqs, a.tolist(), x.tolist(), rows):
                 self.acceptance.add(Acceptance(drafted=k, accepted=ai, steps=1, tokens=ai + 1))
                 self._keep(s, proposed.get(s.id, [])[:ai] + [xi], lg, on_token)

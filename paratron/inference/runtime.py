@@ -73,16 +73,17 @@ class Group:
         self.send(("generate", requests))
         return self.engine.generate(requests, on_step)
 
-    def follow(self) -> None:
+    def follow(self):
         """Ranks > 0: run every batch rank 0 sends until it sends stop; with the paged engine, every step with
-        the requests rank 0 added before it."""
+        the requests rank 0 added before it. Returns the last paged engine built (None: none), its pool as the
+        steps left it."""
         paged = None
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0, group=self.control)
             kind, payload = box[0]
             if kind == "stop":
-                return
+                return paged
             if kind == "generate":
                 self.engine.generate(payload)
             elif kind == "paged":
