@@ -185,14 +185,7 @@ class PagedEngine:
         for seq, n in plan:
             seq.computed += n
             self.sched.register_full(seq)
-        self._prompt_logprobs(plan, logits, picks)
-        ready = [seq for seq, _ in plan if seq.computed == len(seq.tokens)]
-        finished = [s for s in ready if s.new_max <= 0]  # asked for prompt log-probabilities only
-        for s in finished:
-            s.done = True
-        ready = [s for s in ready if s.new_max > 0]
-        if ready:
-            finished += self._sample(ready, logits[torch.tensor([picks[s.id][-1] for s in ready])], on_token)
+        finished = self._next_tokens(plan, logits, picks, on_token)
         for s in finished:
             self.sched.finish(s)
             if self.states is not None:
@@ -272,6 +265,19 @@ class PagedEngine:
         rows = self._tensor([self.states.row(seq, self.sched) for seq, _ in plan])
         fresh = self._tensor([seq.computed == 0 for seq, _ in plan]) if cu_seqlens is not None else None
         return PassStates(rows, fresh, cu_seqlens)
+
+    def _next_tokens(self, plan: list, logits: torch.Tensor, picks: dict, on_token) -> list[Seq]:
+        """After a pass over ``plan`` (its tokens counted as computed): the prompt log-probabilities asked for, and a
+        token sampled for each request whose tokens are all computed; the requests that finished."""
+        self._prompt_logprobs(plan, logits, picks)
+        ready = [seq for seq, _ in plan if seq.computed == len(seq.tokens)]
+        finished = [s for s in ready if s.new_max <= 0]  # asked for prompt log-probabilities only
+        for s in finished:
+            s.done = True
+        ready = [s for s in ready if s.new_max > 0]
+        if ready:
+            finished += self._sample(ready, logits[torch.tensor([picks[s.id][-1] for s in ready])], on_token)
+        return finished
 
     def _prompt_logprobs(self, plan: list, logits: torch.Tensor, picks: dict) -> None:
         """Log-probabilities of the prompt tokens, chunk by chunk, for requests that asked for them."""

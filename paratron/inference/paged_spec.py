@@ -202,15 +202,7 @@ class SpeculativePagedEngine(PagedEngine):
             self._extend(seq, seq.computed, hidden[offsets[seq.id]:offsets[seq.id] + n])
             seq.computed += n
             self.sched.register_full(seq)
-        self._prompt_logprobs(prefills, logits, picks)
-        ready = [seq for seq, _ in prefills if seq.computed == len(seq.tokens)]
-        finished = [s for s in ready if s.new_max <= 0]  # asked for prompt log-probabilities only
-        for s in finished:
-            s.done = True
-        ready = [s for s in ready if s.new_max > 0]
-        if ready:
-            finished += self._sample(ready, logits[torch.tensor([picks[s.id][-1] for s in ready])], on_token)
-        return finished
+        return self._next_tokens(prefills, logits, picks, on_token)
 
     # ---- drafting ---------------------------------------------------------------------------
     def _sampler(self, seqs: list[Seq]) -> Sampler:

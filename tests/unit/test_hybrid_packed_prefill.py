@@ -15,20 +15,12 @@ from paratron.inference.paged import PagedEngine
 from paratron.inference.sampling import SamplingParams
 from paratron.model.gpt import GPTModel
 from tests.unit.test_hybrid_model import hybrid
+from tests.threads import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 VOCAB = 64
 MODELS = {"nemotron_h": dict(hybrid_layer_pattern="M*M-"), "qwen3_next": dict(hybrid_layer_pattern="G*G-"),
           "latent": dict(hybrid_layer_pattern="M*G-", multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8,
                          qk_pos_emb_head_dim=8, v_head_dim=8)}  # (its decodes join the packed pass)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: torch's intra-op threads only wait on each other on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def model(kw: dict) -> GPTModel:

@@ -19,6 +19,7 @@ from paratron.inference.engine import Engine, Request  # noqa: E402
 from paratron.inference.paged import PagedEngine  # noqa: E402
 from paratron.inference.sampling import SamplingParams  # noqa: E402
 from tests.unit.test_generate import VOCAB, tiny_model  # noqa: E402
+from tests.threads import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
 def config(**kw) -> InferenceConfig:
@@ -32,15 +33,6 @@ def mixed(n: int, seed: int, longest: int = 20) -> list[Request]:
     rng = random.Random(seed)
     return [Request([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, longest))],
                     SamplingParams(max_new_tokens=rng.randint(1, 12))) for _ in range(n)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: torch's intra-op threads only wait on each other (seconds on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

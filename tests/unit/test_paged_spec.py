@@ -20,6 +20,7 @@ from paratron.inference.paged_spec import SpeculativePagedEngine, build_paged
 from paratron.inference.sampling import SamplingParams
 from tests.unit.test_generate import VOCAB
 from tests.unit.test_speculative import bigram_drafter, mtp_model
+from tests.threads import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
 def config(**kw) -> InferenceConfig:
@@ -33,14 +34,6 @@ def mixed(n: int, seed: int) -> list[Request]:
     return [Request([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 18))],
                     SamplingParams(max_new_tokens=rng.randint(1, 14), logprobs=i % 3 == 0, top_logprobs=i % 2))
             for i in range(n)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
