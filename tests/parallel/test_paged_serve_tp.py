@@ -1,5 +1,6 @@
 """`torchrun --nproc-per-node 2 -m paratron serve --inference-dynamic-batching`: the paged engine served at TP = 2
-(gloo) answers concurrent greedy completions with the tokens of the same server at TP = 1."""
+(gloo) answers concurrent greedy completions with the tokens of the same server at TP = 1; with speculative
+decoding from a checkpoint's MTP depths (`--num-speculative-tokens`) at TP = 2, with the plain server's at TP = 1."""
 from __future__ import annotations
 
 import json
@@ -26,9 +27,10 @@ PAGED = ["--inference-dynamic-batching", "--inference-dynamic-batching-block-siz
 PROMPTS = ["hello world", "the quick brown fox jumps", "hello there", "over the lazy dog and the quick"]
 
 
-def _serve(ckpt: Path, port: int, nproc: int) -> subprocess.Popen:
+def _serve(ckpt: Path, port: int, nproc: int, extra: tuple = ()) -> subprocess.Popen:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    proc = subprocess.Popen(launch + ["-m", "paratron", "serve", "--load", str(ckpt), "--port", str(port), *PAGED],
+    proc = subprocess.Popen(launch + ["-m", "paratron", "serve", "--load", str(ckpt), "--port", str(port), *PAGED,
+                                      *extra],
                             env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     return wait_until_healthy(proc, port, 180, kill=lambda: os.killpg(proc.pid, signal.SIGKILL))
@@ -41,12 +43,12 @@ def _complete(port: int, prompt: str) -> str:
         return json.loads(r.read())["choices"][0]["text"]
 
 
-def _answers(ckpt: Path, nproc: int) -> tuple[list[str], str]:
+def _answers(ckpt: Path, nproc: int, extra: tuple = (), prompts: list = PROMPTS) -> tuple[list[str], str]:
     port = free_port()
-    proc = _serve(ckpt, port, nproc)
+    proc = _serve(ckpt, port, nproc, extra)
     try:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: they join the running steps
-            texts = list(pool.map(lambda p: _complete(port, p), PROMPTS))
+        with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: they join the running steps
+            texts = list(pool.map(lambda p: _complete(port, p), prompts))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -62,4 +64,19 @@ def test_paged_server_tp2_answers_as_tp1(tmp_path):
     one, _ = _answers(ckpt, 1)
     two, log = _answers(ckpt, 2)
     assert "paged engine: 63 blocks of 4 tokens" in log, log
+    assert two == one and all(one), (one, two)
+
+
+def test_paged_speculative_server_tp2_answers_as_plain_tp1(tmp_path):
+    """A checkpoint trained with one MTP depth (the tiny preset, token-id prompts), served with drafts at TP = 2:
+    the greedy texts of the plain server at TP = 1, and the start-up line says it drafts."""
+    from paratron.config import parse_args
+    from paratron.train.loop import pretrain
+    pretrain(parse_args(["--config", "tiny", "--train-iters", "1", "--eval-iters", "0", "--mtp-num-layers", "1",
+                         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+                         "--global-batch-size", "1", "--save", str(tmp_path)]))
+    prompts = ["7 8 9", "1 2 3 4 5 6", "40 41", "9 9 9 9 9 9 9 9 9"]
+    one, _ = _answers(tmp_path, 1, prompts=prompts)
+    two, log = _answers(tmp_path, 2, ("--num-speculative-tokens", "1"), prompts)
+    assert "speculative decoding: up to 1 drafts" in log, log
     assert two == one and all(one), (one, two)
