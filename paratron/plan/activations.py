@@ -122,7 +122,29 @@ def mamba_bytes(model: ModelConfig, layout: Layout, a: int) -> tuple[int, int]:
     conv = di + 2 * bc
     z = (2 * di + 2 * bc + heads) * FP32 if a == FP32 else di * FP32
     per_token = 2 * conv * a + conv * FP32 + 2 * heads * FP32 + z + 4 * di * FP32 + groups * FP32 + di * a
-    return per_token, (CONV_WIDTH - 1) * conv * a
+    fixed = (CONV_WIDTH - 1) * conv * a
+    if not layout.paths.scan_recompute:  # the scan's own tensors; the per-group fp32 B, C copies then unkept
+        fixed += ssd_kept(model, layout, heads) - layout.seq_length * (2 * bc * FP32 if a != FP32 else 0)
+    return per_token, fixed
+
+
+def chunking(chunk: int, s: int) -> tuple[int, int]:
+    """(chunk length, chunks) of a chunked torch scan over ``s`` positions (kernels/ssd._chunks: padded to whole
+    chunks)."""
+    q = min(chunk, s)
+    return q, -(-s // q)
+
+
+def ssd_kept(model: ModelConfig, layout: Layout, heads: int) -> int:
+    """Per sequence: what kernels/ssd.ssd_chunked saves with --kernel-linear-scan-recompute off, beside its inputs
+    (x, dt, A kept anyway). Per (padded) position, in fp32: the decays L, the C.B scores and their product with L
+    ([chunk] per head each), five per-head copies of B or C and products of them ([state] per head), three of
+    x dt ([head dim] per head), the decay from the chunk's start (and its mask, a byte); per chunk: the state
+    entering it and its copy stacked for the output ([head dim x state] per head)."""
+    p, n = model.mamba_head_dim, model.mamba_state_dim
+    q, chunks = chunking(model.mamba_chunk_size, layout.seq_length)
+    per_position = (3 * q + 5 * n + 3 * p + 1) * heads * FP32 + heads
+    return chunks * q * per_position + chunks * 2 * heads * p * n * FP32
 
 
 def gdn_bytes(model: ModelConfig, layout: Layout, a: int) -> tuple[int, int]:
@@ -136,7 +158,25 @@ def gdn_bytes(model: ModelConfig, layout: Layout, a: int) -> tuple[int, int]:
     conv = 2 * qk + v
     z = (2 * qk + 2 * v + 2 * nv) * FP32 if a == FP32 else v * FP32
     per_token = 2 * conv * a + conv * FP32 + (2 * nk + 5 * nv + 2 * nv * dk) * FP32 + z + 4 * v * FP32 + v * a
-    return per_token, (model.linear_conv_kernel_dim - 1) * conv * a
+    fixed = (model.linear_conv_kernel_dim - 1) * conv * a
+    if not layout.paths.scan_recompute:  # the rule's own tensors; the repeated queries and the decays then unkept
+        fixed += gated_delta_kept(model, layout, nv) - layout.seq_length * (nv * dk + nv) * FP32
+    return per_token, fixed
+
+
+def gated_delta_kept(model: ModelConfig, layout: Layout, nv: int) -> int:
+    """Per sequence: what kernels/gated_delta.gated_delta_chunked saves with --kernel-linear-scan-recompute off,
+    beside its inputs. Per (padded) position and value head, in fp32: seven [chunk] rows (the decays, k.k and
+    q.k scores, their masked and beta-scaled products, the triangular system, the loop's score copies), seven
+    [key dim] (the matmuls' copies of q and k, the scaled q, the triangular solve for the keys, the keys decayed
+    to the chunk's end), two [value dim] (the solve for the values, the updates), two scalars (the decay from
+    the chunk's start, times beta) and a byte (its mask); per chunk the state entering it, and from the second
+    chunk on two [chunk x key dim] copies (the keys' solve sliced, the decayed queries)."""
+    dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+    q, chunks = chunking(min(model.mamba_chunk_size, 64), layout.seq_length)  # model/gated_delta_net.py's chunk
+    per_position = (7 * q + 7 * dk + 2 * dv + 2) * nv * FP32 + nv
+    copies = 2 if layout.micro_batch > 1 else 1  # a one-row batch's solve is sliced without a copy
+    return chunks * q * per_position + (chunks * dk * dv + (chunks - 1) * copies * q * dk) * nv * FP32
 
 
 LINEAR_MIXERS = {"mamba": mamba_bytes, "gdn": gdn_bytes}

@@ -149,7 +149,8 @@ def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, 
              f"{cluster.memory_efficiency:.0%} of the memory bandwidth (assumed) + recompute + bubble + exposed "
              "communication (docs/plan.md)"]
     if m.hybrid_layer_pattern is not None or m.experimental_attention_variant is not None:
-        lines.append("hybrid stack: parameters, activations (torch scans, recomputed), FLOPs, memory-bound bytes and "
+        scans = "recomputed" if base.paths.scan_recompute else "intra-chunk products kept"
+        lines.append(f"hybrid stack: parameters, activations (torch scans, {scans}), FLOPs, memory-bound bytes and "
                      "host operations counted per layer kind (docs/plan.md)")
     lines += [f"passed over {n} fitting layout(s) the config refuses: {why}" for why, n in refused.items()]
     lines += ["", HEADER]

@@ -135,16 +135,19 @@ def not_modelled(cfg: Config) -> Optional[str]:
 
 def linear_scans_not_modelled(cfg: Config) -> Optional[str]:
     """What of a stack's Mamba-2 / Gated DeltaNet layers the activations do not count, with the reason: only the
-    torch scans with recomputation are (``auto`` plans torch: fla-core is refused for training on Hopper with the
-    Triton torch 2.11 ships, docs/hybrid.md)."""
+    torch scans are, with and without their recomputation (``auto`` plans torch: fla-core is refused for training
+    on Hopper with the Triton torch 2.11 ships, docs/hybrid.md)."""
     if not any(mixer in ("mamba", "gdn") for mixer, _ in layer_kinds(cfg.model)):
         return None
     k = cfg.kernels
     if k.kernel_linear_scan == "fla":
         return "--kernel-linear-scan fla (fla-core's saved tensors are not counted; plan the torch scans)"
     if k.kernel_linear_scan_recompute == "off":
-        return ("--kernel-linear-scan-recompute off (the torch scans' kept [chunk x chunk] products are not "
-                "counted; plan with on)")
+        chunks = {min(cfg.model.mamba_chunk_size, 64) if mixer == "gdn" else cfg.model.mamba_chunk_size
+                  for mixer, _ in layer_kinds(cfg.model) if mixer in ("mamba", "gdn")}
+        if any(cfg.model.seq_length % q or cfg.model.seq_length < 2 * q for q in chunks):
+            return ("--kernel-linear-scan-recompute off with a sequence that is not two or more whole scan chunks "
+                    "(--mamba-chunk-size: the padded and the single-chunk scans' saved copies are not counted)")
     if cfg.train.fp8_format is not None:
         return "--fp8-format with Mamba-2 / Gated DeltaNet layers (their FP8 copies are not counted)"
     return None

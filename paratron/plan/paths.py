@@ -27,6 +27,7 @@ class Paths:
     fused_rope: bool = False  # the rotary embedding inside FlashAttention-4's op (recomputed with it: selective)
     fp8_inputs: bool = False  # FP8 linears keep their inputs' FP8 copies (1 byte), not the bf16 inputs
     fp8_mlp: bool = False  # the fused FP8 MLP: keeps fc1's input in FP8, its output in bf16, the activation in FP8
+    scan_recompute: bool = True  # --kernel-linear-scan-recompute on: the torch scans keep their inputs only
 
 
 def _resolved(cfg: Config, kind: Optional[str]):
@@ -58,4 +59,5 @@ def paths_of(cfg: Config, kind: Optional[str] = None) -> Paths:
     rope = flash and not k.no_rope_fusion and m.position_embedding_type == "rope" and m.attention_dropout == 0
     fp8 = recipe is not None and recipe.fp8_wgrad and recipe.recipe != "blockwise"
     fp8_mlp_on = fp8 and recipe.fuse_mlp and fused_fp8_activation(m) is not None
-    return Paths(norm, gated, k.kernel_keep_swiglu_activation == "on", rope, fp8, fp8_mlp_on)
+    return Paths(norm, gated, k.kernel_keep_swiglu_activation == "on", rope, fp8, fp8_mlp_on,
+                 k.kernel_linear_scan_recompute == "on")

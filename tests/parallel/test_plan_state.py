@@ -1,8 +1,10 @@
 """The planner's per-rank bytes of weights, gradient buffers and optimizer state equal the bytes of the real
-tensors of a Trainer after one step, on every rank of 4 gloo processes, for thirteen layouts over TP (+SP), PP
-(+ virtual stages), CP, DP, EP (MoE, latent MoE), multi-latent attention and multi-token prediction, with each data-parallel sharding strategy the config accepts; and
-the activation bytes each rank holds at the peak of a training step (the pipeline's micro-batches in flight
-included) against what autograd really keeps for backward."""
+tensors of a Trainer after one step, on every rank of 4 gloo processes, for fifteen layouts over TP (+SP), PP
+(+ virtual stages), CP, DP, EP (MoE, latent MoE), multi-latent attention, multi-token prediction and hybrid
+stacks (Mamba-2, Gated DeltaNet, attention, MLP and MoE layers under TP2 + SP x EP2; without MoE under TP2 + SP),
+with each data-parallel sharding strategy the config accepts; and the activation bytes each rank holds at the
+peak of a training step (the pipeline's micro-batches in flight included) against what autograd really keeps
+for backward."""
 import pytest
 import torch
 
@@ -17,6 +19,13 @@ from tests.dist import run_ranks
 MLA = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
            v_head_dim=8, position_embedding_type="rope", qk_layernorm=True)
 MOE = dict(num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=48, bf16=True)
+# a NemotronH-like hybrid stack: Mamba-2, Gated DeltaNet, attention, dense MLP and MoE layers (heads, groups and key
+# heads split over TP2; the experts over EP2)
+HYBRID = dict(hybrid_layer_pattern="MG*-E", normalization="RMSNorm", position_embedding_type="none",
+              disable_bias_linear=True, untie_embeddings_and_output_weights=True, group_query_attention=True,
+              num_query_groups=4, squared_relu=True, mamba_state_dim=8, mamba_head_dim=16, mamba_num_groups=2,
+              mamba_chunk_size=8, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+              linear_num_value_heads=4)
 LAYOUTS = [("gpt", {}), ("llama", dict(bf16=True, ddp_bucket_size=2000)),
            ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True, bf16=True)),
            ("gpt", dict(pipeline_model_parallel_size=2)), ("llama", dict(tensor_model_parallel_size=2,
@@ -29,7 +38,10 @@ LAYOUTS = [("gpt", {}), ("llama", dict(bf16=True, ddp_bucket_size=2000)),
            ("gpt", dict(tensor_model_parallel_size=2, **MLA)),
            ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True, mtp_num_layers=2, bf16=True)),
            ("llama", dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
-                          expert_tensor_parallel_size=1, moe_latent_size=16, **MOE))]
+                          expert_tensor_parallel_size=1, moe_latent_size=16, **MOE)),
+           ("gpt", dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
+                        expert_tensor_parallel_size=1, **HYBRID, **MOE)),
+           ("gpt", dict(tensor_model_parallel_size=2, sequence_parallel=True, **{**HYBRID, "hybrid_layer_pattern": "MG*-"}))]
 
 
 def strategy_flags(strategy: str) -> dict:

@@ -49,6 +49,12 @@ CASES += [("gpt", dict(hybrid_layer_pattern="M", **HYBRID)), ("gpt", dict(hybrid
           ("gpt", dict(hybrid_layer_pattern="MG*E", num_experts=4, moe_router_topk=2, bf16=True, **HYBRID)),
           ("llama", dict(experimental_attention_variant="gated_delta_net", linear_attention_freq="2", num_layers=2,
                          **{**HYBRID, "position_embedding_type": "rope"}))]
+# --kernel-linear-scan-recompute off: the scans' intra-chunk products kept (four chunks of 8 per sequence)
+OFF = dict(kernel_linear_scan_recompute="off", mamba_chunk_size=8, **HYBRID)
+CASES += [("gpt", dict(hybrid_layer_pattern="M", **OFF)),
+          ("gpt", dict(hybrid_layer_pattern="G", micro_batch_size=1, **OFF)),
+          ("gpt", dict(hybrid_layer_pattern="M*G-", squared_relu=True, micro_batch_size=4, **OFF)),
+          ("gpt", dict(hybrid_layer_pattern="MG*E", num_experts=4, moe_router_topk=2, bf16=True, **OFF))]
 
 
 @pytest.mark.parametrize("style,extra", CASES, ids=[f"{s}-{'-'.join(e) or 'plain'}" for s, e in CASES])

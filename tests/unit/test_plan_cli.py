@@ -69,14 +69,15 @@ def test_trainer_prints_the_memory_plan_at_start_up(capsys):
 
 def test_a_run_the_plan_cannot_count_says_so_and_still_starts():
     from paratron.plan.memory import startup_lines
-    cfg = tiny_config("llama", world_size=1, hybrid_layer_pattern="M*", mamba_head_dim=16, mamba_num_groups=2,
-                      mamba_state_dim=16, kernel_linear_scan_recompute="off")
-    assert startup_lines(cfg) == [" memory plan: not available for runs with --kernel-linear-scan-recompute off (the "
-                                  "torch scans' kept [chunk x chunk] products are not counted; plan with on) "
-                                  "(docs/plan.md)"]
-    counted = tiny_config("llama", world_size=1, hybrid_layer_pattern="M*", mamba_head_dim=16, mamba_num_groups=2,
-                          mamba_state_dim=16)
-    assert "predicted peak" in startup_lines(counted)[0]
+    mamba = dict(hybrid_layer_pattern="M*", mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16,
+                 kernel_linear_scan_recompute="off")
+    cfg = tiny_config("llama", world_size=1, **mamba)  # a sequence of 32 in one chunk of 128
+    assert startup_lines(cfg) == [" memory plan: not available for runs with --kernel-linear-scan-recompute off with "
+                                  "a sequence that is not two or more whole scan chunks (--mamba-chunk-size: the "
+                                  "padded and the single-chunk scans' saved copies are not counted) (docs/plan.md)"]
+    for counted in (tiny_config("llama", world_size=1, **mamba, mamba_chunk_size=8),
+                    tiny_config("llama", world_size=1, **{**mamba, "kernel_linear_scan_recompute": "on"})):
+        assert "predicted peak" in startup_lines(counted)[0]
 
 
 def test_startup_lines_name_the_fullest_pipeline_rank():
