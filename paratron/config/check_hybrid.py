@@ -96,6 +96,17 @@ def mamba_heads(m: ModelConfig) -> int:
     return m.mamba_num_heads if m.mamba_num_heads is not None else 2 * m.hidden_size // m.mamba_head_dim
 
 
+def is_hybrid_stack(m: ModelConfig) -> bool:
+    """Whether the stack is laid out by a hybrid pattern or mixes Gated DeltaNet layers in (counted layer by layer,
+    not by the transformer's formula)."""
+    return m.hybrid_layer_pattern is not None or m.experimental_attention_variant is not None
+
+
+def gdn_chunk_size(m: ModelConfig) -> int:
+    """The gated delta rule's scan chunk: --mamba-chunk-size, at most 64."""
+    return min(m.mamba_chunk_size, 64)
+
+
 def uses(m: ModelConfig, symbol: str) -> bool:
     """Whether the model has a layer of this hybrid symbol (G also through --experimental-attention-variant)."""
     if symbol == "G" and m.experimental_attention_variant is not None:

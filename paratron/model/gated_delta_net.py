@@ -20,6 +20,7 @@ from torch import nn
 
 from . import mup
 from ..config import ModelConfig
+from ..config.check_hybrid import gdn_chunk_size
 from ..kernels.causal_conv import causal_conv
 from ..kernels.linear_scan import gated_delta
 from ..kernels.ssd import resets_of
@@ -44,7 +45,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig, par: Parallel, device=None, dtype=None, layer_index: int = 0):
         super().__init__()
-        tp, self.layer_index, self.chunk = par.tp_size, layer_index, min(cfg.mamba_chunk_size, 64)
+        tp, self.layer_index, self.chunk = par.tp_size, layer_index, gdn_chunk_size(cfg)
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.nk, self.nv = nk // tp, nv // tp

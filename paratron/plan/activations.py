@@ -32,10 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..config.check_hybrid import gdn_chunk_size, mamba_heads
 from .layout import Layout
 from .paths import Paths
 from .shapes import CONV_WIDTH, layer_kinds
-from ..config.check_hybrid import mamba_heads
 
 FP32, INDEX = 4, 8
 
@@ -173,7 +173,7 @@ def gated_delta_kept(model: ModelConfig, layout: Layout, nv: int) -> int:
     the chunk's start, times beta) and a byte (its mask); per chunk the state entering it, and from the second
     chunk on two [chunk x key dim] copies (the keys' solve sliced, the decayed queries)."""
     dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
-    q, chunks = chunking(min(model.mamba_chunk_size, 64), layout.seq_length)  # model/gated_delta_net.py's chunk
+    q, chunks = chunking(gdn_chunk_size(model), layout.seq_length)
     per_position = (7 * q + 7 * dk + 2 * dv + 2) * nv * FP32 + nv
     copies = 2 if layout.micro_batch > 1 else 1  # a one-row batch's solve is sliced without a copy
     return chunks * q * per_position + (chunks * dk * dv + (chunks - 1) * copies * q * dk) * nv * FP32

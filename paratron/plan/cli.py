@@ -12,6 +12,7 @@ import argparse
 from typing import Optional
 
 from ..config import Config, parse_args
+from ..config.check_hybrid import is_hybrid_stack
 from ..errors import ConfigError, UserError
 from .cost import GPUS, HOST_GBPS, MATMUL_EFFICIENCY, Cluster, step_time
 from .layout import layout_of
@@ -148,7 +149,7 @@ def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, 
              f"{cluster.matmul_efficiency:.0%} of the dense peak (assumed) + memory-bound bytes at "
              f"{cluster.memory_efficiency:.0%} of the memory bandwidth (assumed) + recompute + bubble + exposed "
              "communication (docs/plan.md)"]
-    if m.hybrid_layer_pattern is not None or m.experimental_attention_variant is not None:
+    if is_hybrid_stack(m):
         scans = "recomputed" if base.paths.scan_recompute else "intra-chunk products kept"
         lines.append(f"hybrid stack: parameters, activations (torch scans, {scans}), FLOPs, memory-bound bytes and "
                      "host operations counted per layer kind (docs/plan.md)")

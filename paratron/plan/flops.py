@@ -3,7 +3,7 @@ divides by (paratron/train/metrics.py) and what the planner's time model (paratr
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..config.check_hybrid import mamba_heads
+from ..config.check_hybrid import is_hybrid_stack, mamba_heads
 from ..config.layer_patterns import parse_moe_layer_freq
 from .shapes import layer_kinds
 
@@ -16,7 +16,7 @@ def flops_per_iteration(m: ModelConfig, padded_vocab: int, batch: int, seq: int)
     """FLOPs of forward + backward of one iteration: Megatron's formula (transformer_flops), or layer by layer for a
     stack with Mamba-2 / Gated DeltaNet layers (hybrid_flops_per_iteration): what the trainer's log line and the
     planner both count."""
-    if m.hybrid_layer_pattern is not None or m.experimental_attention_variant is not None:
+    if is_hybrid_stack(m):
         return hybrid_flops_per_iteration(m, padded_vocab, batch, seq)
     return transformer_flops(m, padded_vocab, batch, seq)
 

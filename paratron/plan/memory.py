@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import Config, ConfigError, ModelConfig
+from ..config.check_hybrid import gdn_chunk_size
 from .activations import chunk_bytes, in_flight
 from .layout import Layout, layout_of
 from .shapes import Split, layer_kinds, unsupported
@@ -143,7 +144,7 @@ def linear_scans_not_modelled(cfg: Config) -> Optional[str]:
     if k.kernel_linear_scan == "fla":
         return "--kernel-linear-scan fla (fla-core's saved tensors are not counted; plan the torch scans)"
     if k.kernel_linear_scan_recompute == "off":
-        chunks = {min(cfg.model.mamba_chunk_size, 64) if mixer == "gdn" else cfg.model.mamba_chunk_size
+        chunks = {gdn_chunk_size(cfg.model) if mixer == "gdn" else cfg.model.mamba_chunk_size
                   for mixer, _ in layer_kinds(cfg.model) if mixer in ("mamba", "gdn")}
         if any(cfg.model.seq_length % q or cfg.model.seq_length < 2 * q for q in chunks):
             return ("--kernel-linear-scan-recompute off with a sequence that is not two or more whole scan chunks "

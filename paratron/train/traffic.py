@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..config import Config
+from ..config.check_hybrid import is_hybrid_stack
 from ..plan.traffic import Traffic
 from .distributed import build_dims
 from .host_ops import as_kind, kind_copies, one_rank_eager
@@ -146,8 +147,8 @@ NARROW_TO = 512  # the hidden size the counted copy is narrowed towards (the CPU
 def widths_of(cfg: Config) -> tuple:
     """The width fields narrowed: hidden, FFN, head, expert and (multi-latent attention) the latent ranks and
     head dimensions."""
-    hybrid = cfg.model.hybrid_layer_pattern is not None or cfg.model.experimental_attention_variant is not None
-    return WIDTHS + (MLA_WIDTHS if cfg.model.multi_latent_attention else ()) + (LINEAR_WIDTHS if hybrid else ())
+    return WIDTHS + (MLA_WIDTHS if cfg.model.multi_latent_attention else ()) + \
+        (LINEAR_WIDTHS if is_hybrid_stack(cfg.model) else ())
 
 
 def narrowing(cfg: Config) -> int:
@@ -212,7 +213,7 @@ def seqs_of(cfg: Config) -> tuple:
     """The two sequence lengths counted: SEQS, or for Mamba-2 / Gated DeltaNet layers two and four whole chunks of
     their scans (so that the intra-chunk work per token is the run's, as with chunks of --mamba-chunk-size)."""
     m = cfg.model
-    if m.hybrid_layer_pattern is None and m.experimental_attention_variant is None:
+    if not is_hybrid_stack(m):
         return SEQS
     return 2 * m.mamba_chunk_size, 4 * m.mamba_chunk_size
 
