@@ -55,6 +55,17 @@ def pool_blocks(engine: Engine, cfg, dtype: torch.dtype, reserved: int = 0, extr
     return cfg.inference_dynamic_batching_max_requests * -(-engine.context // bs) + 1
 
 
+def log_probs(logits: torch.Tensor, tokens: list, n_top: int) -> tuple[list, Optional[list]]:
+    """(the log-probability of ``tokens[i]`` under row i of ``logits`` [n, vocab], each row's ``n_top`` most likely
+    [(token, log-probability)] or None when ``n_top`` is 0)."""
+    full = torch.log_softmax(logits.float(), dim=-1)
+    lp = full.gather(-1, torch.tensor(tokens, device=full.device)[:, None])[:, 0].tolist()
+    if not n_top:
+        return lp, None
+    values, indices = full.topk(min(n_top, full.size(-1)), dim=-1)
+    return lp, [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+
+
 class PagedEngine:
     """Continuous batching over a paged KV cache for ``engine``'s model (an :class:`Engine`; under TP its rank's
     shard), as ``cfg`` (config/inference.py's InferenceConfig) says."""
@@ -181,18 +192,27 @@ class PagedEngine:
                 raise RuntimeError(f"the paged engine cannot schedule its {len(self.sched.waiting)} waiting requests")
             return []
         self.steps += 1
+        finished = self._advance(plan, on_token)
+        for s in finished:
+            self._release(s)
+            if on_token is not None and s.new_max <= 0:
+                on_token(s, None)
+        return finished
+
+    def _advance(self, plan: list, on_token) -> list[Seq]:
+        """The model over the scheduled ``plan``: its tokens computed, the next ones chosen; the requests that
+        finished."""
         logits, picks = self._run(plan)
         for seq, n in plan:
             seq.computed += n
             self.sched.register_full(seq)
-        finished = self._next_tokens(plan, logits, picks, on_token)
-        for s in finished:
-            self.sched.finish(s)
-            if self.states is not None:
-                self.states.release(s)
-            if on_token is not None and s.new_max <= 0:
-                on_token(s, None)
-        return finished
+        return self._next_tokens(plan, logits, picks, on_token)
+
+    def _release(self, s: Seq) -> None:
+        """What a finished request held: its blocks and its state row."""
+        self.sched.finish(s)
+        if self.states is not None:
+            self.states.release(s)
 
     def _pack(self, plan: list) -> tuple:
         """The step's tokens packed into one sequence: (ids, positions, slots, table rows, lengths, the positions
@@ -299,19 +319,12 @@ class PagedEngine:
         if all(s.params.temperature == 0 for s in ready):  # greedy: no per-row tensors to build
             tok = last.argmax(-1).tolist()
         else:
-            sampler = Sampler([s.params for s in ready], self.device,
-                              {i: s.generator for i, s in enumerate(ready) if s.generator is not None})
-            tok = sampler(last).tolist()
+            tok = self._sampler(ready)(last).tolist()
         if self.group is not None:  # every rank keeps rank 0's tokens
             tok = self.e._broadcast(torch.tensor(tok, device=self.device)).tolist()
-        full = lp = top = None
+        lp = top = None
         if any(s.params.logprobs for s in ready):
-            full = torch.log_softmax(last.float(), dim=-1)
-            lp = full.gather(-1, torch.tensor(tok, device=full.device)[:, None])[:, 0].tolist()
-            n_top = max(s.params.top_logprobs for s in ready)
-            if n_top:
-                values, indices = full.topk(min(n_top, full.size(-1)), dim=-1)
-                top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+            lp, top = log_probs(last, tok, max(s.params.top_logprobs for s in ready))
         finished = []
         for i, (s, t) in enumerate(zip(ready, tok)):
             got = self._record(s, t, None if lp is None else lp[i], None if top is None else top[i])
@@ -320,6 +333,11 @@ class PagedEngine:
             if s.done:
                 finished.append(s)
         return finished
+
+    def _sampler(self, seqs: list[Seq]) -> Sampler:
+        """The sampler of ``seqs``' rows: their parameters and seeded generators."""
+        return Sampler([s.params for s in seqs], self.device,
+                       {i: s.generator for i, s in enumerate(seqs) if s.generator is not None})
 
     def _record(self, s: Seq, t: int, lp, top) -> Optional[int]:
         """Token ``t`` for ``s`` (None when it ends ``s`` without being kept: the end-of-document token)."""

@@ -37,16 +37,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from ..errors import ConfigError
 from ..model.layers import ForwardContext
 from .engine import Engine
-from .paged import PagedEngine
+from .paged import PagedEngine, log_probs
 from .paged_cache import PagedKVCache
-from .sampling import Sampler
 from .scheduler import Scheduler, Seq
 from .speculative import Acceptance, accept, depth_layer, draft_token
 
@@ -139,18 +138,8 @@ class SpeculativePagedEngine(PagedEngine):
         self.windows.clear()
 
     # ---- one step ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, on_token: Optional[Callable] = None) -> list[Seq]:
-        """As PagedEngine.step, decodes verifying their drafts (module docstring)."""
-        if self.group is not None and self.group.leader:
-            self.group.send(("step", self.pending))  # the followers add these and step with rank 0
-            self.pending = []
-        plan = self.sched.schedule()
-        if not plan:
-            if not self.idle:
-                raise RuntimeError(f"the paged engine cannot schedule its {len(self.sched.waiting)} waiting requests")
-            return []
-        self.steps += 1
+    def _advance(self, plan: list, on_token) -> list[Seq]:
+        """As PagedEngine._advance, decodes verifying their drafts (module docstring)."""
         decoding = [seq for seq, _ in plan if seq.id in self.sched.drafts]
         proposed, q = self._draft([(seq, self.sched.drafts[seq.id]) for seq in decoding])
         plan = [(seq, 1 + len(proposed.get(seq.id, ()))) if seq.id in self.sched.drafts else (seq, n)
@@ -162,13 +151,11 @@ class SpeculativePagedEngine(PagedEngine):
             del seq.tokens[seq.computed + 1:]
         prefills = [(seq, n) for seq, n in plan if seq.id not in self.sched.drafts]
         finished = self._prefilled(prefills, hidden, logits, picks, offsets, on_token)
-        finished += self._accept(decoding, proposed, q, hidden, logits, picks, offsets, on_token)
-        for s in finished:
-            self.sched.finish(s)
-            self.windows.pop(s.id, None)
-            if on_token is not None and s.new_max <= 0:
-                on_token(s, None)
-        return finished
+        return finished + self._accept(decoding, proposed, q, hidden, logits, picks, offsets, on_token)
+
+    def _release(self, s: Seq) -> None:
+        super()._release(s)
+        self.windows.pop(s.id, None)
 
     def _verify(self, plan: list) -> tuple:
         """The main model over the step's packed tokens: (hidden states [n, h], logits of the picked positions,
@@ -205,10 +192,6 @@ class SpeculativePagedEngine(PagedEngine):
         return self._next_tokens(prefills, logits, picks, on_token)
 
     # ---- drafting ---------------------------------------------------------------------------
-    def _sampler(self, seqs: list[Seq]) -> Sampler:
-        return Sampler([s.params for s in seqs], self.device,
-                       {i: s.generator for i, s in enumerate(seqs) if s.generator is not None})
-
     def _draft(self, wanted: list) -> tuple[dict, dict]:
         """({seq id: its drafts}, {seq id: their distributions [k, vocab]} when any row samples) of the decodes
         ``wanted`` [(seq, k)] with k > 0 and a window that ends at their last computed position."""
@@ -291,16 +274,11 @@ class SpeculativePagedEngine(PagedEngine):
 
     def _keep(self, s: Seq, chosen: list, logits: torch.Tensor, on_token) -> None:
         """Record ``chosen`` (row i predicted by ``logits[i]``) for ``s`` until one ends it."""
-        p = s.params
-        full = torch.log_softmax(logits.float(), dim=-1) if p.logprobs else None
+        lp = top = None
+        if s.params.logprobs:
+            lp, top = log_probs(logits[:len(chosen)], chosen, s.params.top_logprobs)
         for i, t in enumerate(chosen):
-            lp = top = None
-            if full is not None:
-                lp = full[i, t].item()
-                if p.top_logprobs:
-                    values, indices = full[i].topk(min(p.top_logprobs, full.size(-1)))
-                    top = list(zip(indices.tolist(), values.tolist()))
-            got = self._record(s, t, lp, top)
+            got = self._record(s, t, None if lp is None else lp[i], None if top is None else top[i])
             if on_token is not None:
                 on_token(s, got)
             if s.done:
