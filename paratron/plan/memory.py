@@ -10,7 +10,7 @@ from ..config import Config, ConfigError, ModelConfig
 from ..config.check_hybrid import gdn_chunk_size
 from .activations import chunk_bytes, in_flight
 from .layout import Layout, layout_of
-from .shapes import Split, layer_kinds, unsupported
+from .shapes import Split, layer_kinds
 from .state import State, chunk_tensors, rank_chunks, state
 
 GIB = 1024 ** 3
@@ -128,7 +128,7 @@ def describe(mem: Memory) -> str:
 
 def not_modelled(cfg: Config) -> Optional[str]:
     """What of this run the memory model does not count (None: all of it)."""
-    missing = unsupported(cfg.model) or linear_scans_not_modelled(cfg)
+    missing = linear_scans_not_modelled(cfg)
     if missing:
         return missing
     return f"--optimizer {cfg.optim.optimizer}" if cfg.optim.optimizer != "adam" else None

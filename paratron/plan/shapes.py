@@ -10,7 +10,6 @@ from typing import Optional
 from ..config import ModelConfig
 from ..config.check_hybrid import mamba_heads
 from ..config.layer_patterns import linear_attention_layers, parse_moe_layer_freq
-from ..errors import ConfigError
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 CONV_WIDTH = 4  # Mamba-2's convolution taps (model/mamba.py; not a flag)
@@ -43,12 +42,6 @@ def part(n: int, size: int, rank: int) -> int:
 # Megatron's hybrid symbols -> (mixer, MLP) of the layer, as model/spec.py builds them.
 HYBRID = {"M": ("mamba", None), "G": ("gdn", None), "*": ("attention", None), "-": (None, "dense"),
           "E": (None, "moe")}
-
-
-def unsupported(cfg: ModelConfig) -> Optional[str]:
-    """What of this model the memory model does not count yet, with the reason (None: everything; the kernel
-    switches' and the run's own refusals are memory.not_modelled's)."""
-    return None
 
 
 def layer_kinds(cfg: ModelConfig) -> list[tuple]:
@@ -201,9 +194,6 @@ def chunk(cfg: ModelConfig, vocab: int, s: Split, first: int, count: int, pre: b
     """The parameters of one model chunk (global layers first .. first+count-1) in module order.
     ``vocab``: the padded vocabulary; ``pre``/``post``: the chunk holds the embedding / the output layer;
     ``kinds``: layer_kinds(cfg), when the caller has them."""
-    missing = unsupported(cfg)
-    if missing:
-        raise ConfigError(f"paratron plan does not count models with {missing} yet; remove it to plan the rest")
     kinds = kinds if kinds is not None else layer_kinds(cfg)
     tied = not cfg.untie_embeddings_and_output_weights
     out = []
