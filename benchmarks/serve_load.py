@@ -173,7 +173,8 @@ def offline(args, d: Path, reqs: list) -> dict:
     model, _ = open_model(cli)
     engine = model.group.paged(inference.from_args(cli))
     requests = [Request(list(prompt), SamplingParams(max_new_tokens=n, ignore_eod=True)) for _, prompt, n in reqs]
-    engine.generate(requests[:min(4, len(requests))])  # warm-up (compilation, graphs)
+    engine.warm_up()  # every decode bucket's graph, as the server does at start-up
+    engine.generate(requests[:min(4, len(requests))])  # warm-up of the prefill path
     first: dict = {}
 
     def on_token(seq, token):

@@ -108,6 +108,12 @@ class PagedEngine:
             from .paged_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, cfg.inference_dynamic_batching_num_cuda_graphs)
 
+    def warm_up(self) -> None:
+        """Compile and capture every decode step's CUDA graph now (the server does it at start-up), not at the
+        first requests that need one. Nothing to do without graphs."""
+        if self.graphs is not None:
+            self.graphs.warm_up()
+
     @staticmethod
     def extra_pool_layers(engine: Engine) -> int:
         """Pools of one layer's shape that share the main pool's block tables (none; the speculative engine's MTP

@@ -8,7 +8,10 @@ bucket >= r, its padding rows writing into the scratch block 0 and attending ove
 dropped). Inputs are copied into fixed tensors, the pool is written in place, and each bucket's graph is
 captured after WARMUP eager calls (which let lazy initialisation happen outside the capture), into one memory
 pool shared by all buckets. A step larger than the largest bucket runs eagerly. Under ``--torch-compile`` the step
-is compiled (Inductor) before it is captured.
+is compiled (Inductor) before it is captured: once for batch 1 and once with the batch size symbolic for every
+larger bucket (torch's automatic dynamic shapes), not once per bucket. :meth:`DecodeGraphs.warm_up` compiles and
+captures every bucket before the first request (the server does it at start-up), so that no request waits for
+a compilation.
 """
 from __future__ import annotations
 
@@ -43,9 +46,8 @@ class DecodeGraphs:
         self.out: dict = {}
         self.calls: dict = {}
         self.pool = None
-        # --torch-compile: the step compiled once per bucket (torch's recompile limit, 8 shapes by default, leaves
-        # larger buckets eager; still graphed)
-        self.forward = torch.compile(self._forward, dynamic=False) if engine.e.compile else self._forward
+        # --torch-compile: two compilations (batch 1, then the batch size symbolic) for all the buckets
+        self.forward = torch.compile(self._forward, dynamic=None) if engine.e.compile else self._forward
 
     def _forward(self, ids, positions, slots, tables, rows, lengths) -> torch.Tensor:
         e = self.engine
@@ -80,6 +82,12 @@ class DecodeGraphs:
             self._capture(b)
         self.graphs[b].replay()
         return self.out[b][:r]
+
+    def warm_up(self) -> None:
+        """Compile and capture every bucket now: steps of padding rows only (they write into the scratch block 0)."""
+        for b in self.sizes:
+            while b not in self.graphs:
+                self([0] * b, [0] * b, [0] * b, [[0]] * b, [1] * b)
 
     def _warm(self, b: int) -> torch.Tensor:
         stream = torch.cuda.Stream()

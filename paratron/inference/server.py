@@ -52,6 +52,7 @@ class Server:
         if self.limits.inference_dynamic_batching:  # one pool of KV blocks, requests join between steps (paged.py)
             from .paged_batcher import PagedBatcher
             self.engine = model.group.paged(self.limits)  # built on every TP rank (runtime.Group)
+            self.engine.warm_up()  # every decode bucket compiled and captured before the first request
             print(self.engine.startup_line(), flush=True)
             self.batcher = PagedBatcher(self.engine)
         elif continuous:  # requests join running batches (continuous.py)

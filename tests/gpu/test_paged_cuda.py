@@ -49,6 +49,32 @@ def test_graphed_decode_gives_the_eager_tokens(compile):
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
+def test_warm_up_captures_every_bucket_in_two_compilations():
+    """warm_up compiles and captures every bucket before any request: batch 1 and one symbolic batch size for
+    the larger buckets (a compilation per bucket would count one graph per bucket), and the graphs it captured
+    give the eager engine's tokens."""
+    from torch._dynamo.utils import counters
+    from paratron.config.inference import InferenceConfig
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.paged import PagedEngine
+    from paratron.inference.sampling import SamplingParams
+    from tests.unit.test_generate import VOCAB, tiny_model
+    engine = Engine(tiny_model().cuda(), VOCAB, compile=True)
+    base = dict(inference_dynamic_batching_block_size=16, inference_dynamic_batching_num_blocks=400,
+                inference_dynamic_batching_max_requests=64)
+    paged = PagedEngine(engine, InferenceConfig(**base))
+    torch._dynamo.reset()
+    counters.clear()
+    paged.warm_up()
+    assert sorted(paged.graphs.graphs) == paged.graphs.sizes == [1, 2, 4, 8, 16, 32, 64]
+    assert counters["stats"]["unique_graphs"] < len(paged.graphs.sizes), dict(counters["stats"])
+    rng = random.Random(1)
+    reqs = [Request([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 30))],
+                    SamplingParams(max_new_tokens=rng.randint(2, 24))) for _ in range(40)]
+    eager = PagedEngine(engine, InferenceConfig(**base, inference_dynamic_batching_num_cuda_graphs=0))
+    assert [r.tokens for r in paged.generate(reqs)] == [r.tokens for r in eager.generate(reqs)]
+
+
 def test_compiled_decode_writes_the_pool_in_place():
     """A compiled graphed decode step over a pool of 100,000 blocks allocates nothing near the pool's size: the
     keys and values go into the pool where it lies (kernels/paged_attention.paged_store), not into a copy of it."""
