@@ -108,6 +108,7 @@ class PagedEngine:
             from .paged_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, cfg.inference_dynamic_batching_num_cuda_graphs)
 
+    @torch.no_grad()
     def warm_up(self) -> None:
         """Compile and capture every decode step's CUDA graph now (the server does it at start-up), not at the
         first requests that need one. Nothing to do without graphs."""
