@@ -99,3 +99,32 @@ def test_narrowed_counts_scale_back_to_the_full_widths(monkeypatch):
     assert tr.narrowing(cfg) == 2 and abs(halved - full) <= 0.12 * full, (halved, full)
     monkeypatch.setattr(tr, "widths_of", lambda c: tr.WIDTHS)
     assert abs(per_token(128) - full) > 0.2 * full
+
+
+PROFILE = "benchmarks/results/profile_kernels_moe-mini_mb4_selective_eager_h200_20261203.tsv"
+
+
+def profile_ms(pick) -> float:
+    """ms per step of the profile record's kernels that ``pick(kind, name)`` selects."""
+    import csv
+    with open(PROFILE) as f:
+        return sum(float(r["ms_per_step"]) for r in csv.DictReader(f, delimiter="\t") if pick(r["kind"], r["kernel"]))
+
+
+def test_memory_bound_time_and_grouped_gemms_against_the_moe_profile():
+    """moe-mini mb4 selective on one H200 (docs/plan.md): the plan's memory-bound time against the profiled
+    kernels that are neither matmuls nor the attention core, and the experts' grouped GEMMs' fraction of the
+    dense peak (Megatron's expert FLOPs over their kernels' time) against the assumed matmul efficiency."""
+    from paratron.config import parse_args
+    from paratron.plan.cost import GPUS, MATMUL_EFFICIENCY
+    from paratron.train.traffic import traffic_for
+    cfg = parse_args(["--config", "moe-mini", "--micro-batch-size", "4", "--global-batch-size", "4",
+                      "--recompute-granularity", "selective"])
+    L, v = layout_of(cfg, "h200", traffic=traffic_for(cfg, "h200")), cfg.padded_vocab_size
+    planned = step_time(cfg.model, v, L, Cluster(1, 1, "h200"), *dp_bytes(cfg.model, v, L, {})).memory * 1e3
+    measured = profile_ms(lambda kind, name: kind not in ("matmul", "attention"))
+    assert abs(planned / measured - 1) < 0.10, (planned, measured)
+    m = cfg.model
+    expert_flops = 6 * m.hidden_size * m.moe_ffn_hidden_size * 3 * m.moe_router_topk * 4 * m.seq_length * m.num_layers
+    grouped = profile_ms(lambda kind, name: "GroupProblem" in name and "prepare" not in name) * 1e-3
+    assert expert_flops / grouped / (GPUS["h200"][1] * 1e12) > MATMUL_EFFICIENCY
