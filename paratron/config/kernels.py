@@ -40,6 +40,7 @@ CHOICES: dict[str, tuple] = {
     "kernel_fp8_grouped_gemm": ("auto", "scaled_grouped_mm", "dequant"),
     "kernel_compile_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_coordinate_descent": AUTO_ON_OFF,
+    "kernel_moe_compile": ("layer", "experts"),
     "kernel_linear_scan": ("auto", "fla", "torch"),
     "kernel_linear_scan_recompute": ("on", "off"),
 }
@@ -74,6 +75,7 @@ class KernelConfig(Section):
     kernel_fp8_grouped_gemm: str = "auto"  # routed experts in FP8: scaled_grouped_mm (torch) | dequant (bf16 GEMM)
     kernel_compile_coordinate_descent: str = "auto"  # torch.compile's coordinate-descent tuning of the layers
     kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch sizes > 1)
+    kernel_moe_compile: str = "layer"  # --torch-compile's MoE layers: compiled whole with their layer | experts alone
     kernel_linear_scan: str = "auto"  # Mamba-2 / Gated DeltaNet scans: fla-core's Triton kernels (CUDA) | torch
     kernel_linear_scan_recompute: str = "on"  # torch scans: intra-chunk products recomputed in backward (less memory)
 

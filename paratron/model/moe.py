@@ -52,27 +52,31 @@ BALANCE_METRIC = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_b
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
     """Identity on ``output``; in backward, ``aux_loss`` receives the gradient ``scale`` (what
-    d(loss)/d(loss) is for the main loss: the loss scale over the micro-batch count)."""
+    d(loss)/d(loss) is for the main loss: the loss scale over the micro-batch count). ``scale``: a number or
+    a 0-dim tensor (the router's: a compiled layer reads it at run time, so a new scale compiles nothing)."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
-        ctx.scale = scale
+        if isinstance(scale, torch.Tensor):
+            ctx.save_for_backward(aux_loss, scale)
+            ctx.scale = None
+        else:
+            ctx.save_for_backward(aux_loss)
+            ctx.scale = scale
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        (aux_loss,) = ctx.saved_tensors
-        scale = ctx.scale
-        if isinstance(scale, torch.Tensor):
-            scale = scale.to(aux_loss.device, aux_loss.dtype)
+        aux_loss, *rest = ctx.saved_tensors
+        scale = rest[0].to(aux_loss.device, aux_loss.dtype) if rest else ctx.scale
         return grad_output, torch.ones_like(aux_loss) * scale, None
 
 
 def set_aux_loss_scale(routers: list, scale) -> None:
-    """The backward scale of the routers' aux losses (the training loop: loss scale / micro-batches)."""
+    """The backward scale of the routers' aux losses (the training loop: loss scale / micro-batches), a number
+    or a 0-dim tensor, written into each router's device buffer."""
     for r in routers:
-        r.aux_loss_scale = scale
+        r.aux_loss_scale.fill_(scale)
 
 
 # ---- load-balancing losses and capacity (the routing itself: routing.py) -----------------------------
@@ -143,7 +147,11 @@ class Router(nn.Module):
     """``weight`` [experts, hidden] (no bias), applied in --moe-router-dtype. Returns (probs,
     routing_map) of the tokens [tokens, hidden]; while training, attaches the load-balancing losses
     to the probabilities (they reach the router's gradient through MoEAuxLossAutoScaler) and adds
-    their detached values to ``metrics``."""
+    their detached values to ``metric_sums``.
+
+    Everything that changes between steps is a device tensor updated in place, so that a compiled layer
+    neither recompiles nor reads anything back: the running sums (``metric_sums``, ``tokens_per_expert``),
+    the aux losses' backward scale, and whether this forward is a recomputation (``recompute.counted``)."""
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None, partition=None, layer: int = 0, random=None):
         """``partition``: the group the micro-batch's tokens are split over (TP, CP), or None; ``layer``: the
@@ -162,29 +170,36 @@ class Router(nn.Module):
                                                                   dtype=torch.float32), persistent=False)
         else:
             self.expert_bias = self.tokens_per_expert = None
-        self.metrics: dict[str, tuple] = {}  # name: (sum, forward passes) until read
-        self.aux_loss_scale = 1.0  # the aux losses' backward scale (set_aux_loss_scale)
+        # [METRICS, (sum, forward passes)] until take_metrics reads them; the aux losses' backward scale
+        self.register_buffer("metric_sums", torch.zeros(len(METRICS), 2, device=device), persistent=False)
+        self.register_buffer("aux_loss_scale", torch.ones((), device=device), persistent=False)
 
-    def _track(self, name: str, value: torch.Tensor) -> None:
+    @property
+    def metrics(self) -> dict:
+        """{name: (sum, forward passes)} of the losses tracked since the last take_metrics (reads the counts on
+        the host: for tests and inspection)."""
+        counts = self.metric_sums[:, 1].tolist()
+        return {name: (self.metric_sums[i, 0], int(counts[i])) for i, name in enumerate(METRICS) if counts[i] > 0}
+
+    def _track(self, name: str, value: torch.Tensor, counted: torch.Tensor) -> None:
+        """Adds ``value`` and one pass to the sums, times ``counted`` (0 in a recomputation: not counted twice)."""
         v = value.detach().float() * self.parts  # a share of the tokens' loss: the mean over ranks is right
-        total, n = self.metrics.get(name, (0.0, 0))
-        self.metrics[name] = (total + v, n + 1)
+        self.metric_sums[METRICS.index(name)] += torch.stack((v, torch.ones_like(v))) * counted
 
-    def _losses(self, logits: torch.Tensor, probs: torch.Tensor, seq_length: int) -> torch.Tensor:
+    def _losses(self, logits: torch.Tensor, probs: torch.Tensor, seq_length: int,
+                counted: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         kind = cfg.moe_router_load_balancing_type
         if kind in BALANCE_METRIC:  # sinkhorn balances by its routing, none not at all
             scores, aux_map = aux_loss_scores(logits, self.topk, cfg.moe_router_score_function)
             loss = (switch_aux_loss(scores, aux_map, self.topk, self.partition) if kind == "aux_loss"
                     else seq_aux_loss(scores, aux_map, self.topk, seq_length, self.partition))
-            if not recompute.recomputing():
-                self._track(BALANCE_METRIC[kind], loss)
+            self._track(BALANCE_METRIC[kind], loss, counted)
             if cfg.moe_aux_loss_coeff > 0:
                 probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_aux_loss_coeff, self.aux_loss_scale)
         if cfg.moe_z_loss_coeff:
             loss = z_loss(logits) / self.parts
-            if not recompute.recomputing():
-                self._track("z_loss", loss)
+            self._track("z_loss", loss, counted)
             probs = MoEAuxLossAutoScaler.apply(probs, loss * cfg.moe_z_loss_coeff, self.aux_loss_scale)
         return probs
 
@@ -209,15 +224,15 @@ class Router(nn.Module):
                 logits = RandomLogits.apply(logits)
         probs, routing_map = self.route(logits)
         training = self.training and torch.is_grad_enabled()
-        counted = training and not recompute.recomputing()  # a recomputation in backward is not counted twice
-        if counted and self.tokens_per_expert is not None:  # the router's choices (before capacity)
-            self.tokens_per_expert += routing_map.sum(dim=0).float()
+        counted = recompute.counted(logits.detach()) if training else None  # 0: a recomputation in backward
+        if training and self.tokens_per_expert is not None:  # the router's choices (before capacity)
+            self.tokens_per_expert += routing_map.sum(dim=0).float() * counted
         if cfg.moe_expert_capacity_factor is not None:
             capacity = expert_capacity(x.shape[0], self.topk, self.experts, cfg.moe_expert_capacity_factor)
             probs, routing_map = apply_capacity(probs, routing_map, capacity, cfg.moe_token_drop_policy,
                                                 cfg.moe_pad_expert_input_to_capacity)
         if training:
-            probs = self._losses(logits, probs, seq_length)
+            probs = self._losses(logits, probs, seq_length, counted)
         return probs, routing_map
 
     @torch.no_grad()
@@ -293,6 +308,7 @@ class MoELayer(nn.Module):
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity  # ... or padded to capacity: known too
         self.local = local_experts
         self.permute_fusion = cfg.moe_permute_fusion  # where the experts take the grouped layout (see forward)
+        self.compile_whole = True  # --torch-compile traces the layer with its transformer layer (compile_experts: not)
 
     def _local_fn(self, tokens: Optional[torch.Tensor] = None):
         """The EP-1 expert path: with --moe-permute-fusion and the grouped layout, the fused permutation."""
@@ -301,15 +317,24 @@ class MoELayer(nn.Module):
         return local_experts
 
     def compile_experts(self, options: Optional[dict] = None) -> None:
-        """--torch-compile: the expert path (sort, grouped GEMMs, SwiGLU, weighted sum) as one compiled
-        region when its shapes are static (dropless routing, grouped GEMM)."""
+        """--kernel-moe-compile experts (and an MoE layer outside the compiled decoder layers: MTP's): the layer
+        runs eagerly, outside any compiled region around it, and its expert path (sort, grouped GEMMs, SwiGLU,
+        weighted sum) is one compiled region of its own when its shapes are static (dropless routing, grouped
+        GEMM)."""
+        self.compile_whole = False
         if self.dropless and self.experts.grouped:
             self.local = torch.compile(self._local_fn(), dynamic=False, options=options)
 
-    # Outside the layer's compiled region under --torch-compile: the router's running sums and the aux
-    # losses' backward scale, which changes between steps; the expert path is compiled on its own.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Under --torch-compile traced with the transformer layer (router, expert path, shared expert), except
+        the paths that read the device on the host (see _routed); with compile_experts, eager."""
+        return self._forward(x, residual) if self.compile_whole else self._eager_forward(x, residual)
+
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        return self._forward(x, residual)
+
+    def _forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         par = self.par
         split = par.tp_size > 1 and not par.sequence_parallel  # replicated over TP: each rank takes a share
         length = x.size(0)
@@ -335,7 +360,9 @@ class MoELayer(nn.Module):
     def _routed(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, shared_fn):
         """(the routed experts' output, the shared expert's when it ran under the dispatch, else None).
         With --moe-pad-expert-input-to-capacity every rank routes exactly ``capacity`` rows to each expert,
-        so the pairs and the all-to-all's split sizes are known without reading the counts."""
+        so the pairs and the all-to-all's split sizes are known without reading the counts. The grouped
+        expert path with a known number of pairs is traced with the layer; the others read the device on
+        the host (the counts, the kept pairs, the all-to-all's split sizes) and run as eager islands."""
         capacity = None
         if self.pad_to_capacity:
             capacity = expert_capacity(tokens.shape[0], self.router.topk, self.router.experts,
@@ -346,7 +373,21 @@ class MoELayer(nn.Module):
             local = self.local
             if local is local_experts:  # not compiled: the fused permutation where it applies
                 local = self._local_fn(tokens)
+            if assignments is None or not self.experts.takes_grouped(tokens):
+                return self._eager_local(local, tokens, probs, routing_map, assignments), None
             return local(self.experts, tokens, probs, routing_map, assignments), None
+        return self._dispatched(tokens, probs, routing_map, shared_fn, capacity)
+
+    @torch.compiler.disable
+    def _eager_local(self, local, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                     assignments: Optional[int]) -> torch.Tensor:
+        """EP 1 with shapes from the data (token dropping: ``nonzero``) or one matmul per expert (the counts)."""
+        return local(self.experts, tokens, probs, routing_map, assignments)
+
+    @torch.compiler.disable
+    def _dispatched(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, shared_fn,
+                    capacity: Optional[int]):
+        """EP x expert-TP > 1: the dispatchers (the alltoall's split sizes are read on the host), eagerly."""
         if self.dispatch is not DISPATCHERS["alltoall"]:
             return self.dispatch(tokens, probs, routing_map, self.experts, self.layout), None
         if self.overlap_shared:  # --moe-shared-expert-overlap: the shared expert under the dispatch all-to-all
@@ -389,12 +430,8 @@ def take_metrics(routers: list, device, reduce: bool, num_layers: int) -> tuple[
     ``reduce`` (one collective over the default group)."""
     sums = torch.zeros(num_layers, len(METRICS), 2, device=device)  # [layer, metric, (sum, count)]
     for r in routers:
-        for i, name in enumerate(METRICS):
-            if name in r.metrics:
-                total, n = r.metrics[name]
-                sums[r.layer, i, 0] += total.to(device)
-                sums[r.layer, i, 1] += n
-        r.metrics = {}
+        sums[r.layer] += r.metric_sums.to(device)
+        r.metric_sums.zero_()
     if reduce:
         torch.distributed.all_reduce(sums)
     overall = sums.sum(dim=0).tolist()

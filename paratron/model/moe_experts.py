@@ -43,12 +43,13 @@ class _Weight(nn.Module):
 
 
 def grouped_mm_usable(x: torch.Tensor, *sizes: int) -> bool:
-    """Whether torch._grouped_mm runs here: the build has it; on CUDA bf16 on sm90+; 16-byte rows."""
+    """Whether torch._grouped_mm runs here: the build has it; on CUDA bf16 on sm90+; 16-byte rows. On CPU any
+    dtype eagerly, bf16 under torch.compile (its meta function takes bf16 only)."""
     if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in sizes):
         return False
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return x.device.type == "cpu"
+    return x.device.type == "cpu" and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
 
 
 def expert_order(routing_map: torch.Tensor, assignments: Optional[int] = None):

@@ -24,6 +24,20 @@ def recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@torch.library.custom_op("paratron::counted", mutates_args=())
+def counted(like: torch.Tensor) -> torch.Tensor:
+    """1.0 (a 0-dim fp32 tensor on ``like``'s device) in a forward pass, 0.0 when it runs as a recomputation
+    inside a backward pass: what a running sum (the router's losses and token counts) multiplies its addend
+    by. An operator of its own, so that a compiled layer asks at run time (no graph break, no recompilation,
+    no host read of a device value) instead of tracing :func:`recomputing` once."""
+    return torch.full((), 0.0 if recomputing() else 1.0, device=like.device)
+
+
+@counted.register_fake
+def _counted_fake(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty((), device=like.device)
+
+
 def active(module: torch.nn.Module) -> bool:
     return module.training and torch.is_grad_enabled()
 

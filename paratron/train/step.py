@@ -61,17 +61,21 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
     if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
         model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check
     if tr.torch_compile:
-        compile_layers(model, device, cfg.kernels.kernel_compile_coordinate_descent)
+        compile_layers(model, device, cfg.kernels.kernel_compile_coordinate_descent, cfg.kernels.kernel_moe_compile)
     return model
 
 
-def compile_layers(model: torch.nn.Module, device: torch.device, switch: str = "auto") -> None:
-    """--torch-compile: regional compilation, each decoder layer compiled in place (one code object, reused),
-    and the dropless expert paths of MoE layers on their own."""
+def compile_layers(model: torch.nn.Module, device: torch.device, switch: str = "auto",
+                   moe_compile: str = "layer") -> None:
+    """--torch-compile: regional compilation, each decoder layer compiled in place (one code object, reused).
+    An MoE layer is traced with its decoder layer (``moe_compile`` "layer", --kernel-moe-compile) except the
+    paths that read the device on the host (MoELayer._routed); with "experts", and for MoE layers outside the
+    decoder layers (MTP's), the layer runs eagerly and its dropless grouped expert path is compiled on its own."""
     for layer in model.decoder.layers:
         layer.compile(options=compile_options(device, switch))
+    whole = {id(m) for layer in model.decoder.layers for m in layer.modules()} if moe_compile == "layer" else set()
     for m in model.modules():
-        if isinstance(m, moe.MoELayer):
+        if isinstance(m, moe.MoELayer) and id(m) not in whole:
             m.compile_experts(compile_options(device, switch))
 
 

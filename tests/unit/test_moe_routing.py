@@ -214,8 +214,8 @@ def test_take_metrics_gives_megatrons_per_layer_tags():
                       moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2,
                       moe_z_loss_coeff=1e-3).resolved()
     a, b = moe.Router(cfg, layer=1), moe.Router(cfg, layer=2)
-    a.metrics = {"seq_load_balancing_loss": (T(2.0), 2), "z_loss": (T(6.0), 2)}
-    b.metrics = {"seq_load_balancing_loss": (T(5.0), 2), "z_loss": (T(2.0), 2)}
+    a.metric_sums.copy_(T([[0.0, 0.0], [2.0, 2.0], [6.0, 2.0]]))  # [METRICS, (sum, forward passes)]
+    b.metric_sums.copy_(T([[0.0, 0.0], [5.0, 2.0], [2.0, 2.0]]))
     means, layers = moe.take_metrics([a, b], "cpu", False, 3)
     assert means == {"seq_load_balancing_loss": 1.75, "z_loss": 2.0}
     assert layers == {"moe/seq_load_balancing_loss_layer_0": 0.0, "moe/seq_load_balancing_loss_layer_1": 1.0,
