@@ -73,12 +73,14 @@ def trace_kernels(path) -> list[tuple[float, float, str]]:
 
 def launch_origins(path, pattern: str, steps: int, n: int = 15) -> list[tuple[float, str]]:
     """For the kernels / copies whose names match ``pattern``: the chain of CPU operators around the
-    runtime call that launched each (matched by the profiler's correlation ids, nested by time on the
+    runtime or driver call that launched each (matched by the profiler's correlation ids, nested by time on the
     launching thread), counted per step, the n most frequent."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and re.search(pattern, e["name"])]
-    runtime = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime" and "args" in e}
+    # runtime calls and driver calls (cuBLASLt launches its kernels through the driver API: cuLaunchKernelEx)
+    runtime = {e["args"].get("correlation"): e for e in events
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "args" in e}
     ops = defaultdict(list)
     for e in events:
         if e.get("cat") == "cpu_op" and "dur" in e:
