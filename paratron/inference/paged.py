@@ -6,7 +6,8 @@ request and chunks of prompts, within the token budget. They are packed into one
 model once: each attention layer writes their keys and values into their requests' blocks and attends through
 the block tables (paged_cache.py, kernels/paged_attention.py). The logits of each request's last computed token
 give its next token (its own sampling parameters and generator; stop conditions as the fixed-batch engine's).
-A step of decodes only is replayed from a CUDA graph of its batch-size bucket on GPUs (paged_graphs.py). A model
+A step of decodes only is replayed from a CUDA graph of its batch-size bucket on GPUs (paged_graphs.py); under
+``--torch-compile`` the other steps run compiled, their sizes symbolic (``MixedStep``). A model
 with Mamba-2 / Gated DeltaNet layers keeps a row of recurrent states per request: its decodes run in a pass of a
 token per batch row, its prompt chunks packed into one more pass, a document each (``_run_recurrent``).
 
@@ -107,11 +108,17 @@ class PagedEngine:
         if self.device.type == "cuda" and cfg.inference_dynamic_batching_num_cuda_graphs > 0 and self.graphed:
             from .paged_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, cfg.inference_dynamic_batching_num_cuda_graphs)
+        self.mixed = None  # --torch-compile: the other steps compiled with symbolic sizes (paged_graphs.py)
+        if engine.compile and self.graphed:
+            from .paged_graphs import MixedStep
+            self.mixed = MixedStep(self)
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Compile and capture every decode step's CUDA graph now (the server does it at start-up), not at the
-        first requests that need one. Nothing to do without graphs."""
+        """Compile the steps and capture every decode step's CUDA graph now (the server does it at start-up), not
+        at the first requests that need them. Nothing to do without --torch-compile or graphs."""
+        if self.mixed is not None:
+            self.mixed.warm_up()
         if self.graphs is not None:
             self.graphs.warm_up()
 
@@ -262,6 +269,8 @@ class PagedEngine:
 
     def _forward(self, plan, ids, pos, slots, rows, lengths, pick, state=None) -> torch.Tensor:
         """Logits of the ``pick`` positions of ``plan``'s tokens packed into one sequence."""
+        if state is None and self.mixed is not None:
+            return self.mixed(plan, ids, pos, slots, rows, lengths, pick)
         t = self._tensor
         return self.e._forward(t([ids]), t([pos]), self._view(plan, slots, rows, lengths, state), None, pick=t(pick))[0]
 

@@ -104,3 +104,38 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             self.out[b] = self._step(b)
         self.graphs[b] = graph
+
+
+class MixedStep:
+    """``--torch-compile``: the steps that are not decode-only (prompt chunks beside decodes, or more decoding
+    requests than the largest bucket), compiled once with their sizes symbolic: the tokens, the requests and the
+    picked positions. A padding token is added to every step (its own table row of the scratch block 0, its
+    logits picked and dropped), so that none of those sizes is 1 (torch specialises sizes 0 and 1, which would
+    compile again); the block tables have the fixed width of the most blocks a request holds."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.width = -(-engine.e.context // engine.block_size)
+        self.forward = torch.compile(self._forward, dynamic=True)
+
+    def _forward(self, ids, positions, slots, tables, rows, lengths, pick) -> torch.Tensor:
+        e = self.engine
+        view = PagedView(e.cache, slots, tables, rows, lengths, e.kernel)
+        return e.e._forward(ids, positions, view, None, pick=pick)[0]
+
+    def warm_up(self) -> None:
+        """Compile now, on a step of padding tokens (the scratch block's) whose sizes all differ (tables width w,
+        w + 2 rows, w + 3 picks, w + 4 tokens): torch gives equal sizes one symbol, and a later step where they
+        differ would compile again."""
+        t, w = self.engine._tensor, self.width
+        zeros = [0] * (w + 4)
+        self.forward(t([zeros]), t([zeros]), t(zeros), t([[0] * w] * (w + 2)), t(zeros), t([1] * (w + 4)),
+                     t(list(range(w + 3))))
+
+    def __call__(self, plan, ids, positions, slots, rows, lengths, pick) -> torch.Tensor:
+        """Logits of the ``pick`` positions of ``plan``'s packed tokens (``PagedEngine._pack``'s lists)."""
+        t, r = self.engine._tensor, len(plan)
+        tables = [seq.blocks + [0] * (self.width - len(seq.blocks)) for seq, _ in plan] + [[0] * self.width]
+        out = self.forward(t([ids + [0]]), t([positions + [0]]), t(slots + [0]), t(tables), t(rows + [r]),
+                           t(lengths + [1]), t(pick + [len(ids)]))
+        return out[:-1]

@@ -122,7 +122,7 @@ class SpeculativePagedEngine(PagedEngine):
         self.k = engine.num_speculative_tokens
         self.sched = SpecScheduler(self.blocks, cfg.inference_dynamic_batching_max_requests,
                                    cfg.inference_dynamic_batching_max_tokens, cfg.enable_chunked_prefill, self.k)
-        self.graphs = None  # speculative steps run uncaptured
+        self.graphs = self.mixed = None  # speculative steps run uncaptured and uncompiled
         dtype = next(engine.model.parameters()).dtype
         self.depths = depth_pools(engine.model, self.num_blocks, self.block_size, self.k, self.device, dtype)
         self.windows: dict = {}  # seq id -> (its window's first position, the main model's hidden states [w, h])
