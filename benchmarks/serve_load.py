@@ -175,6 +175,7 @@ def offline(args, d: Path, reqs: list) -> dict:
     requests = [Request(list(prompt), SamplingParams(max_new_tokens=n, ignore_eod=True)) for _, prompt, n in reqs]
     engine.warm_up()  # every decode bucket's graph, as the server does at start-up
     engine.generate(requests[:min(4, len(requests))])  # warm-up of the prefill path
+    engine.steps, engine.step_s, engine.wait_s = 0, 0.0, 0.0  # the timed run's steps only
     first: dict = {}
 
     def on_token(seq, token):
@@ -184,7 +185,9 @@ def offline(args, d: Path, reqs: list) -> dict:
     wall = time.perf_counter() - t0
     return {"output_tokens": sum(len(r.tokens) for r in results), "wall_s": wall,
             "ttft": [t - t0 for t in first.values()], "itl": [], "e2e": [], "kv_bytes_peak":
-            engine.stats().get("kv_bytes_peak"), "note": "in-process, all requests at once (--rate not used)"}
+            engine.stats().get("kv_bytes_peak"), "note": "in-process, all requests at once (--rate not used); "
+            "per step: {step_ms_mean} ms, {device_wait_ms_mean} ms of it waiting for the device's tokens".format(
+                **engine.stats())}
 
 
 def hf(args, d: Path, reqs: list) -> dict:

@@ -20,6 +20,7 @@ tokens are rank 0's (tests/parallel/test_paged_tp.py).
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Callable, Optional
 
 import torch
@@ -99,6 +100,7 @@ class PagedEngine:
         self.kernel = engine.model.kernels.kernel_decode_attention != "sdpa"
         self.ids = itertools.count()
         self.steps = 0
+        self.step_s = self.wait_s = 0.0  # time in steps, and waiting there for the device's tokens
         self.graphs = None
         # (not taken under TP, whose graphs would capture the collectives too, for multi-latent attention or for
         # windows / sinks: none of them has run on a GPU yet)
@@ -206,11 +208,13 @@ class PagedEngine:
                 raise RuntimeError(f"the paged engine cannot schedule its {len(self.sched.waiting)} waiting requests")
             return []
         self.steps += 1
+        start = time.perf_counter()
         finished = self._advance(plan, on_token)
         for s in finished:
             self._release(s)
             if on_token is not None and s.new_max <= 0:
                 on_token(s, None)
+        self.step_s += time.perf_counter() - start
         return finished
 
     def _advance(self, plan: list, on_token) -> list[Seq]:
@@ -312,7 +316,9 @@ class PagedEngine:
             s.done = True
         ready = [s for s in ready if s.new_max > 0]
         if ready:
-            finished += self._sample(ready, logits[torch.tensor([picks[s.id][-1] for s in ready])], on_token)
+            rows = [picks[s.id][-1] for s in ready]
+            same = len(rows) == logits.size(0) and rows == list(range(len(rows)))  # (a decode step: every row)
+            finished += self._sample(ready, logits if same else logits[torch.tensor(rows)], on_token)
         return finished
 
     def _prompt_logprobs(self, plan: list, logits: torch.Tensor, picks: dict) -> None:
@@ -332,10 +338,10 @@ class PagedEngine:
                 seq.prompt_logprobs = [None] + seq.prompt_acc
 
     def _sample(self, ready: list[Seq], last: torch.Tensor, on_token) -> list[Seq]:
-        if all(s.params.temperature == 0 for s in ready):  # greedy: no per-row tensors to build
-            tok = last.argmax(-1).tolist()
-        else:
-            tok = self._sampler(ready)(last).tolist()
+        chosen = last.argmax(-1) if all(s.params.temperature == 0 for s in ready) else self._sampler(ready)(last)
+        start = time.perf_counter()
+        tok = chosen.tolist()  # (the host waits here for the step's device work)
+        self.wait_s += time.perf_counter() - start
         if self.group is not None:  # every rank keeps rank 0's tokens
             tok = self.e._broadcast(torch.tensor(tok, device=self.device)).tolist()
         lp = top = None
@@ -402,4 +408,6 @@ class PagedEngine:
         b = self.blocks
         return {"kv_blocks": self.num_blocks - 1, "kv_blocks_used": b.used, "kv_blocks_peak": b.peak,
                 "kv_bytes_peak": b.peak * self.block_bytes, "prefix_cache_hit_blocks": self.sched.prefix_hits,
-                "preemptions": self.sched.preemptions, "steps": self.steps}
+                "preemptions": self.sched.preemptions, "steps": self.steps,
+                "step_ms_mean": round(1000 * self.step_s / max(self.steps, 1), 3),
+                "device_wait_ms_mean": round(1000 * self.wait_s / max(self.steps, 1), 3)}

@@ -203,3 +203,13 @@ def test_requests_compare_by_identity():
     from paratron.inference.scheduler import Seq
     a, b = Seq(1, None, 4, tokens=[5, 6]), Seq(1, None, 4, tokens=[5, 6])
     assert a != b and a == a and len({a, b}) == 2
+
+
+def test_stats_report_the_step_time_and_the_wait_for_the_device(engine):
+    paged = PagedEngine(engine, InferenceConfig(inference_dynamic_batching_block_size=4,
+                                                inference_dynamic_batching_num_blocks=100))
+    assert paged.stats()["step_ms_mean"] == 0.0
+    paged.generate([Request([1 + i, 2, 3], SamplingParams(max_new_tokens=5)) for i in range(3)])
+    s = paged.stats()
+    assert s["steps"] >= 5 and s["step_ms_mean"] > 0
+    assert 0 <= s["device_wait_ms_mean"] <= s["step_ms_mean"]
