@@ -34,6 +34,7 @@ class InferenceConfig(Section):
     inference_dynamic_batching_prefix_caching: bool = False  # share full blocks of identical prompt prefixes
     inference_dynamic_batching_prefix_caching_eviction_policy: str = "ref_zero"  # ref_zero | lru
     inference_dynamic_batching_num_cuda_graphs: int = 16  # decode-step CUDA graphs (batch buckets; 0: none)
+    inference_dynamic_batching_async_steps: bool = False  # paratron: schedule step n+1 while step n runs
     serve_max_queued_requests: int = 1024  # paratron: requests waiting or running; more are a 429 (0: no limit)
     serve_max_queued_tokens: int = 0  # paratron: prompt + max new tokens waiting or running; 429 (0: no limit)
 

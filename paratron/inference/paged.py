@@ -250,19 +250,24 @@ class PagedEngine:
             pick += mine
         return ids, pos, slots, rows, lengths, pick, picks
 
-    def _run(self, plan: list) -> tuple[torch.Tensor, dict]:
-        """The model over the step's packed tokens: logits of the picked positions, {seq id: their rows}."""
+    def _run(self, plan: list, patch: Optional[Callable] = None) -> tuple[torch.Tensor, dict]:
+        """The model over the step's packed tokens: logits of the picked positions, {seq id: their rows}.
+        ``patch(ids)``: fills the packed ids [tokens] on the device before the pass (paged_async.py)."""
         if self.states is not None:
             return self._run_recurrent(plan)
         ids, pos, slots, rows, lengths, pick, picks = self._pack(plan)
         if self.graphs is not None and all(n == 1 for _, n in plan) and len(pick) == len(plan):
-            out = self.graphs(ids, pos, slots, [seq.blocks for seq, _ in plan], lengths)
+            out = self.graphs(ids, pos, slots, [seq.blocks for seq, _ in plan], lengths, patch)
             if out is not None:
                 return out, picks
-        return self._forward(plan, ids, pos, slots, rows, lengths, pick), picks
+        return self._forward(plan, ids, pos, slots, rows, lengths, pick, patch=patch), picks
 
     def _tensor(self, x) -> torch.Tensor:
-        return torch.tensor(x, device=self.device)
+        """``x`` on the engine's device; on a GPU copied from pinned memory, so that the copy does not wait for the
+        work already queued on the device."""
+        if self.device.type != "cuda":
+            return torch.tensor(x, device=self.device)
+        return torch.tensor(x).pin_memory().to(self.device, non_blocking=True)
 
     def _view(self, plan, slots, rows, lengths, state=None) -> PagedView:
         """The cache as the pass of ``plan``'s tokens sees it (``state``: PagedView's)."""
@@ -271,12 +276,15 @@ class PagedEngine:
         t = self._tensor
         return PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel, state)
 
-    def _forward(self, plan, ids, pos, slots, rows, lengths, pick, state=None) -> torch.Tensor:
+    def _forward(self, plan, ids, pos, slots, rows, lengths, pick, state=None, patch=None) -> torch.Tensor:
         """Logits of the ``pick`` positions of ``plan``'s tokens packed into one sequence."""
         if state is None and self.mixed is not None:
-            return self.mixed(plan, ids, pos, slots, rows, lengths, pick)
+            return self.mixed(plan, ids, pos, slots, rows, lengths, pick, patch)
         t = self._tensor
-        return self.e._forward(t([ids]), t([pos]), self._view(plan, slots, rows, lengths, state), None, pick=t(pick))[0]
+        packed = t([ids])
+        if patch is not None:
+            patch(packed[0])
+        return self.e._forward(packed, t([pos]), self._view(plan, slots, rows, lengths, state), None, pick=t(pick))[0]
 
     def _run_recurrent(self, plan: list) -> tuple[torch.Tensor, dict]:
         """A model with Mamba-2 / Gated DeltaNet layers: the decoding requests in one pass of a token per batch row
@@ -361,14 +369,16 @@ class PagedEngine:
         return Sampler([s.params for s in seqs], self.device,
                        {i: s.generator for i, s in enumerate(seqs) if s.generator is not None})
 
-    def _record(self, s: Seq, t: int, lp, top) -> Optional[int]:
-        """Token ``t`` for ``s`` (None when it ends ``s`` without being kept: the end-of-document token)."""
+    def _record(self, s: Seq, t: int, lp, top, placed: bool = False) -> Optional[int]:
+        """Token ``t`` for ``s`` (None when it ends ``s`` without being kept: the end-of-document token);
+        ``placed``: already in ``s.tokens`` (paged_async.py)."""
         p = s.params
         if t == self.e.eod and not p.ignore_eod:
             s.done, s.reason = True, "stop"
             return None
         s.generated.append(t)
-        s.tokens.append(t)
+        if not placed:
+            s.tokens.append(t)
         if p.logprobs:
             s.logprobs.append(lp)
             if p.top_logprobs:

@@ -22,6 +22,13 @@ from .paged_cache import PagedView
 WARMUP = 2
 
 
+def pinned(rows) -> torch.Tensor:
+    """``rows`` as a host tensor in pinned memory: its copies to the GPU do not wait for the device's queue (torch's
+    host allocator keeps the memory until they are done); plain memory without a GPU."""
+    host = torch.tensor(rows)
+    return host.pin_memory() if torch.cuda.is_available() else host
+
+
 def buckets(max_requests: int, count: int) -> list[int]:
     """Batch sizes with a graph: 1, 2, 4, ... capped at ``max_requests``, the ``count`` smallest."""
     sizes = sorted({min(1 << i, max_requests) for i in range(max_requests.bit_length() + 1)})
@@ -61,20 +68,23 @@ class DecodeGraphs:
     def _fill(self, b: int, ids, positions, slots, tables, lengths) -> None:
         """The step's inputs into the fixed tensors, padded to ``b`` rows (two host-to-device copies)."""
         pad = b - len(ids)
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [0] * pad, lengths + [1] * pad])
-        self.ids[0, :b].copy_(host[0])
-        self.positions[0, :b].copy_(host[1])
-        self.slots[:b].copy_(host[2])
-        self.lengths[:b].copy_(host[3])
+        host = pinned([ids + [0] * pad, positions + [0] * pad, slots + [0] * pad, lengths + [1] * pad])
+        self.ids[0, :b].copy_(host[0], non_blocking=True)
+        self.positions[0, :b].copy_(host[1], non_blocking=True)
+        self.slots[:b].copy_(host[2], non_blocking=True)
+        self.lengths[:b].copy_(host[3], non_blocking=True)
         rows = [t + [0] * (self.width - len(t)) for t in tables] + [[0] * self.width] * pad
-        self.tables[:b].copy_(torch.tensor(rows))
+        self.tables[:b].copy_(pinned(rows), non_blocking=True)
 
-    def __call__(self, ids, positions, slots, tables, lengths):
+    def __call__(self, ids, positions, slots, tables, lengths, patch=None):
+        """``patch(ids)``: fills ids on the device after they are copied in (paged_async.py)."""
         r = len(ids)
         b = next((s for s in self.sizes if s >= r), None)
         if b is None:
             return None
         self._fill(b, ids, positions, slots, tables, lengths)
+        if patch is not None:
+            patch(self.ids[0, :r])
         if b not in self.graphs:
             self.calls[b] = self.calls.get(b, 0) + 1
             if self.calls[b] <= WARMUP:
@@ -132,10 +142,14 @@ class MixedStep:
         self.forward(t([zeros]), t([zeros]), t(zeros), t([[0] * w] * (w + 2)), t(zeros), t([1] * (w + 4)),
                      t(list(range(w + 3))))
 
-    def __call__(self, plan, ids, positions, slots, rows, lengths, pick) -> torch.Tensor:
-        """Logits of the ``pick`` positions of ``plan``'s packed tokens (``PagedEngine._pack``'s lists)."""
+    def __call__(self, plan, ids, positions, slots, rows, lengths, pick, patch=None) -> torch.Tensor:
+        """Logits of the ``pick`` positions of ``plan``'s packed tokens (``PagedEngine._pack``'s lists);
+        ``patch(ids)``: fills ids on the device first (paged_async.py)."""
         t, r = self.engine._tensor, len(plan)
         tables = [seq.blocks + [0] * (self.width - len(seq.blocks)) for seq, _ in plan] + [[0] * self.width]
-        out = self.forward(t([ids + [0]]), t([positions + [0]]), t(slots + [0]), t(tables), t(rows + [r]),
+        packed = t([ids + [0]])
+        if patch is not None:
+            patch(packed[0, :len(ids)])
+        out = self.forward(packed, t([positions + [0]]), t(slots + [0]), t(tables), t(rows + [r]),
                            t(lengths + [1]), t(pick + [len(ids)]))
         return out[:-1]

@@ -51,7 +51,11 @@ from .speculative import Acceptance, accept, depth_layer, draft_token
 
 
 def build_paged(engine: Engine, cfg, group=None) -> PagedEngine:
-    """The paged engine for ``engine``: speculative when ``engine.num_speculative_tokens`` > 0."""
+    """The paged engine for ``engine``: speculative when ``engine.num_speculative_tokens`` > 0; its steps
+    asynchronous with --inference-dynamic-batching-async-steps (paged_async.py, which refuses speculation)."""
+    if cfg.inference_dynamic_batching_async_steps:
+        from .paged_async import AsyncPagedEngine
+        return AsyncPagedEngine(engine, cfg, group)
     if engine.num_speculative_tokens:
         return SpeculativePagedEngine(engine, cfg, group)
     return PagedEngine(engine, cfg, group)

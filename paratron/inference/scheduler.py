@@ -46,6 +46,7 @@ class Seq:
     generator: Any = None  # its own sampling generator (seeded sampling), kept across preemptions
     owner: Any = None  # the server's (job, index)
     preempted: int = 0
+    unresolved: int = 0  # tokens chosen on the device and not yet read back (placeholders: paged_async.py)
 
     @property
     def params(self):
@@ -104,6 +105,8 @@ class Scheduler:
         seq.blocks = []
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:  # (preempted while its last token was being read back)
+            self.waiting.remove(seq)
 
     def schedule(self) -> list[tuple[Seq, int]]:
         """The (request, tokens to compute) of the next step, in packing order; [] when there is nothing."""
@@ -111,7 +114,9 @@ class Scheduler:
         budget = self._decodes(plan, self.max_tokens)
         budget = self._prefills(plan, budget)
         self._admit(plan, budget)
-        if not plan and self.running:  # prefills holding blocks that none can extend: free the last one
+        # prefills holding blocks that none can extend: free the last one (a request with nothing to compute is
+        # waiting for its last token to be read back: paged_async.py)
+        if not plan and any(s.need > 0 for s in self.running):
             self.preempt(self.running[-1])
             return self.schedule()
         return plan

@@ -75,6 +75,31 @@ def test_warm_up_captures_every_bucket_in_two_compilations():
     assert [r.tokens for r in paged.generate(reqs)] == [r.tokens for r in eager.generate(reqs)]
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_async_steps_give_the_plain_tokens_through_graphs_and_compiled_steps(compile):
+    """--inference-dynamic-batching-async-steps on a GPU: pinned copies, events, placeholders written into the
+    graphed and compiled steps' ids on the device; the same tokens as the plain engine, nothing left in flight."""
+    from paratron.config.inference import InferenceConfig
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.paged import PagedEngine
+    from paratron.inference.paged_async import AsyncPagedEngine
+    from paratron.inference.sampling import SamplingParams
+    from tests.unit.test_generate import VOCAB, tiny_model
+    engine = Engine(tiny_model().cuda(), VOCAB, compile=compile)
+    rng = random.Random(2)
+    reqs = [Request([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 30))],
+                    SamplingParams(max_new_tokens=rng.randint(2, 24), temperature=0.0 if i % 3 else 0.8, seed=i))
+            for i in range(40)]
+    base = dict(inference_dynamic_batching_block_size=16, inference_dynamic_batching_max_tokens=64,
+                enable_chunked_prefill=True, inference_dynamic_batching_num_blocks=300)
+    fast = AsyncPagedEngine(engine, InferenceConfig(**base, inference_dynamic_batching_async_steps=True))
+    fast.warm_up()
+    got = fast.generate(reqs)
+    want = PagedEngine(engine, InferenceConfig(**base)).generate(reqs)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert fast.inflight is None and fast.blocks.used == 0
+
+
 def test_compiled_decode_writes_the_pool_in_place():
     """A compiled graphed decode step over a pool of 100,000 blocks allocates nothing near the pool's size: the
     keys and values go into the pool where it lies (kernels/paged_attention.paged_store), not into a copy of it."""
