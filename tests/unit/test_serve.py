@@ -89,6 +89,14 @@ def paged_server(tmp_path_factory):
                        "--inference-dynamic-batching-prefix-caching-eviction-policy", "lru")
 
 
+@pytest.fixture(scope="module")
+def async_server(tmp_path_factory):
+    """The paged engine with asynchronous steps (--inference-dynamic-batching-async-steps)."""
+    yield from _server(tmp_path_factory, "--inference-dynamic-batching", "--inference-dynamic-batching-block-size",
+                       "4", "--inference-dynamic-batching-max-tokens", "48", "--enable-chunked-prefill",
+                       "--inference-dynamic-batching-num-blocks", "160", "--inference-dynamic-batching-async-steps")
+
+
 def http(url: str, method: str, body) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -99,7 +107,7 @@ def http(url: str, method: str, body) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-@pytest.mark.parametrize("kind", ["server", "paged_server"])
+@pytest.mark.parametrize("kind", ["server", "paged_server", "async_server"])
 def test_openai_client_completions_chat_and_streaming(kind, request):
     url, ref = request.getfixturevalue(kind)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
@@ -138,7 +146,7 @@ def test_megatron_api(server):
                                                         "random_seed": 3})[1]["text"] == seeded["text"]
 
 
-@pytest.mark.parametrize("kind", ["server", "continuous_server", "paged_server"])
+@pytest.mark.parametrize("kind", ["server", "continuous_server", "paged_server", "async_server"])
 def test_hundred_concurrent_requests(kind, request):
     url, ref = request.getfixturevalue(kind)
     words = ["hello", "the quick", "brown fox", "lazy dog", "hello there", "jumps over"]
