@@ -175,7 +175,7 @@ def offline(args, d: Path, reqs: list) -> dict:
     requests = [Request(list(prompt), SamplingParams(max_new_tokens=n, ignore_eod=True)) for _, prompt, n in reqs]
     engine.warm_up()  # every decode bucket's graph, as the server does at start-up
     engine.generate(requests[:min(4, len(requests))])  # warm-up of the prefill path
-    engine.steps, engine.step_s, engine.wait_s = 0, 0.0, 0.0  # the timed run's steps only
+    engine.steps, engine.step_s, engine.wait_s, engine.decode_steps, engine.decode_s = 0, 0.0, 0.0, 0, 0.0
     first: dict = {}
 
     def on_token(seq, token):
@@ -186,8 +186,9 @@ def offline(args, d: Path, reqs: list) -> dict:
     return {"output_tokens": sum(len(r.tokens) for r in results), "wall_s": wall,
             "ttft": [t - t0 for t in first.values()], "itl": [], "e2e": [], "kv_bytes_peak":
             engine.stats().get("kv_bytes_peak"), "note": "in-process, all requests at once (--rate not used); "
-            "per step: {step_ms_mean} ms, {device_wait_ms_mean} ms of it waiting for the device's tokens".format(
-                **engine.stats())}
+            "per step: {step_ms_mean} ms, {device_wait_ms_mean} ms of it waiting for the device's tokens; "
+            "{decode_steps} steps of decodes only, {decode_step_ms_mean} ms each; the others {mixed_step_ms_mean} ms "
+            "each".format(**engine.stats())}
 
 
 def hf(args, d: Path, reqs: list) -> dict:

@@ -101,6 +101,7 @@ class PagedEngine:
         self.ids = itertools.count()
         self.steps = 0
         self.step_s = self.wait_s = 0.0  # time in steps, and waiting there for the device's tokens
+        self.decode_steps, self.decode_s = 0, 0.0  # of which the steps of decodes only
         self.graphs = None
         # (not taken under TP, whose graphs would capture the collectives too, for multi-latent attention or for
         # windows / sinks: none of them has run on a GPU yet)
@@ -214,7 +215,11 @@ class PagedEngine:
             self._release(s)
             if on_token is not None and s.new_max <= 0:
                 on_token(s, None)
-        self.step_s += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.step_s += took
+        if all(n == 1 for _, n in plan):
+            self.decode_steps += 1
+            self.decode_s += took
         return finished
 
     def _advance(self, plan: list, on_token) -> list[Seq]:
@@ -420,4 +425,8 @@ class PagedEngine:
                 "kv_bytes_peak": b.peak * self.block_bytes, "prefix_cache_hit_blocks": self.sched.prefix_hits,
                 "preemptions": self.sched.preemptions, "steps": self.steps,
                 "step_ms_mean": round(1000 * self.step_s / max(self.steps, 1), 3),
-                "device_wait_ms_mean": round(1000 * self.wait_s / max(self.steps, 1), 3)}
+                "device_wait_ms_mean": round(1000 * self.wait_s / max(self.steps, 1), 3),
+                "decode_steps": self.decode_steps,
+                "decode_step_ms_mean": round(1000 * self.decode_s / max(self.decode_steps, 1), 3),
+                "mixed_step_ms_mean": round(1000 * (self.step_s - self.decode_s)
+                                            / max(self.steps - self.decode_steps, 1), 3)}

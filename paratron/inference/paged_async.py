@@ -94,7 +94,11 @@ class AsyncPagedEngine(PagedEngine):
             self.steps += 1
         elif not finished and not self.idle:
             raise RuntimeError(f"the paged engine cannot schedule its {len(self.sched.waiting)} waiting requests")
-        self.step_s += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.step_s += took
+        if plan and all(n == 1 for _, n in plan):
+            self.decode_steps += 1
+            self.decode_s += took
         return finished
 
     def _launch(self, plan: list) -> Launched:

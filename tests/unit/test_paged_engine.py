@@ -213,3 +213,4 @@ def test_stats_report_the_step_time_and_the_wait_for_the_device(engine):
     s = paged.stats()
     assert s["steps"] >= 5 and s["step_ms_mean"] > 0
     assert 0 <= s["device_wait_ms_mean"] <= s["step_ms_mean"]
+    assert 0 < s["decode_steps"] < s["steps"] and s["decode_step_ms_mean"] > 0 and s["mixed_step_ms_mean"] > 0
