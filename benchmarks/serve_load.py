@@ -21,6 +21,7 @@ p50 / p99, peak KV-cache bytes (the server's /health). One JSON line per engine,
 
     python benchmarks/serve_load.py --tiny                    # CPU smoke test
     python benchmarks/serve_load.py --requests 256 --rate 20 --engines paged,fixed,hf
+    python benchmarks/serve_load.py --requests 256 --rate 0 --engines offline --profile   # kernels per step
 """
 from __future__ import annotations
 
@@ -183,12 +184,44 @@ def offline(args, d: Path, reqs: list) -> dict:
     t0 = time.perf_counter()
     results = engine.generate(requests, on_token)
     wall = time.perf_counter() - t0
+    if args.profile:  # the same load again under the profiler: where the device's time goes
+        profile_run(engine, requests)
     return {"output_tokens": sum(len(r.tokens) for r in results), "wall_s": wall,
             "ttft": [t - t0 for t in first.values()], "itl": [], "e2e": [], "kv_bytes_peak":
             engine.stats().get("kv_bytes_peak"), "note": "in-process, all requests at once (--rate not used); "
             "per step: {step_ms_mean} ms, {device_wait_ms_mean} ms of it waiting for the device's tokens; "
             "{decode_steps} steps of decodes only, {decode_step_ms_mean} ms each; the others {mixed_step_ms_mean} ms "
             "each".format(**engine.stats())}
+
+
+def profile_run(engine, requests: list, top: int = 25) -> None:
+    """``--profile``: the offline load once more under torch.profiler; GPU time by kind of kernel, the top
+    kernels with their launches per step, and the time the GPU had no kernel running (profile_step.py's
+    reading of the trace)."""
+    import torch
+    from profile_step import idle_by_neighbours, kind_of, trace_kernels
+    if not torch.cuda.is_available():
+        raise SystemExit("serve_load: --profile reads the GPU's kernels: run it on a GPU")
+    steps = engine.steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.generate(requests)
+        torch.cuda.synchronize()
+    steps = engine.steps - steps
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
+        kernels = trace_kernels(Path(tmp) / "trace.json")
+    by_name, count, kinds = {}, {}, {}
+    for start, end, name in kernels:
+        by_name[name] = by_name.get(name, 0.0) + end - start
+        count[name] = count.get(name, 0) + 1
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + end - start
+    span = kernels[-1][1] - kernels[0][0]
+    _, idle = idle_by_neighbours(kernels)
+    print(f"profile: {steps} steps, span {span / 1000:.1f} ms, GPU idle {idle / 1000:.1f} ms; per step:")
+    for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:30s} {v / steps / 1000:8.3f} ms")
+    for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {v / steps / 1000:8.3f} ms {count[k] / steps:6.1f}x  {k[:120]}")
 
 
 def hf(args, d: Path, reqs: list) -> dict:
@@ -243,6 +276,7 @@ def main(argv=None) -> None:
                    help="paratron's servers under torchrun on this many processes (tensor parallelism)")
     a.add_argument("--clients", type=int, default=1, help="client processes driving the load (one Python client "
                    "parses a few thousand streamed chunks a second)")
+    a.add_argument("--profile", action="store_true", help="offline: the load once more under the profiler (GPU)")
     a.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU, few short requests (smoke test)")
     args = a.parse_args(argv)
     if args.tiny:
