@@ -12,6 +12,11 @@ runs one program per (token, group) and walks the token's blocks ``BLOCK_T`` key
 block up in the table (any block size works), with the online softmax of decode_attention.py. Lengths, rows and
 tables are read from device memory, so a captured CUDA graph replays it with new ones.
 
+Prompt chunks: with ``tiles`` ([n_tiles, 2]: the first packed token of each tile and how many, consecutive
+tokens of one request) the kernel runs one program per (tile, group) instead, its tokens' queries in one tile
+(``tile_tokens`` of them): the tile's keys and values are read once for all its tokens rather than once per
+token, each token still seeing only its own first ``lengths[i]`` (causal within the tile).
+
 :func:`paged_attention_reference` is the same in plain torch (each token's blocks gathered into a dense
 sequence): what runs on CPUs and what the tests compare the kernel with (on CPU through Triton's interpreter).
 """
@@ -75,6 +80,28 @@ def _(pool, slots, rows):
     return None
 
 
+TILE_ROWS = 64  # query rows (tokens x a group's query heads) of one program of the tiled kernel
+
+
+def tile_tokens(q_per_group: int) -> int:
+    """Tokens per tile of the tiled kernel for ``q_per_group`` query heads per key/value group."""
+    return max(1, TILE_ROWS // _pow2(q_per_group))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def tiles_of(chunks: list[int], q_per_group: int) -> list[list[int]]:
+    """[first token, count] of each tile of packed chunks of ``chunks[j]`` consecutive tokens each (one request
+    each, in packing order)."""
+    per, out, base = tile_tokens(q_per_group), [], 0
+    for n in chunks:
+        out += [[base + k, min(per, n - k)] for k in range(0, n, per)]
+        base += n
+    return out
+
+
 def supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """The kernel's shapes: a power-of-two head dim of 16..256, at most 128 queries per group, the pool
     contiguous along the head dim."""
@@ -84,13 +111,16 @@ def supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                     rows: torch.Tensor, lengths: torch.Tensor, scale: float, kernel: bool = True,
-                    window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[tokens, groups, q_per_group, d]``: the Triton kernel on CUDA where it applies (``kernel``), else the
-    reference; ``window`` / ``sinks`` as the reference's."""
+                    window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+                    tiles: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[tokens, groups, q_per_group, d]``: the Triton kernel on CUDA where it applies (``kernel``; the tiled one
+    with ``tiles``), else the reference; ``window`` / ``sinks`` as the reference's."""
     if kernel and q.is_cuda and supported(q, k_pool):
-        return torch.ops.paratron.paged_attention(q.contiguous(), k_pool, v_pool, tables, rows, lengths, scale,
-                                                  -1 if window is None else window,
-                                                  None if sinks is None else sinks.float().contiguous())
+        args = (q.contiguous(), k_pool, v_pool, tables, rows, lengths)
+        rest = (-1 if window is None else window, None if sinks is None else sinks.float().contiguous())
+        if tiles is not None:
+            return torch.ops.paratron.paged_prefill(*args, tiles, scale, *rest)
+        return torch.ops.paratron.paged_attention(*args, scale, *rest)
     return paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, scale, window, sinks)
 
 
@@ -158,4 +188,80 @@ if triton is not None:
 
     @_paged_op.register_fake
     def _(q, k_pool, v_pool, tables, rows, lengths, scale, window=-1, sinks=None):
+        return torch.empty_like(q)
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_tile_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, row_ptr, len_ptr, tile_ptr, out_ptr, sink_ptr, groups, scale,
+                           window, stab, sqn, sqg, sqh, skb, skt, skg, svb, svt, svg, son, sog, soh,
+                           QPG: tl.constexpr, QP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                           BT: tl.constexpr, SINK: tl.constexpr):
+        pid = tl.program_id(0)
+        tile, g = pid // groups, pid % groups
+        first_token, count = tl.load(tile_ptr + 2 * tile), tl.load(tile_ptr + 2 * tile + 1)
+        r, cols = tl.arange(0, R), tl.arange(0, D)
+        j, h = r // QP, r % QP  # row r: the tile's token j, the group's query head h
+        valid = (j < count) & (h < QPG)
+        tok = first_token + j
+        q = tl.load(q_ptr + tok[:, None] * sqn + g * sqg + h[:, None] * sqh + cols[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.float32)
+        end = tl.load(len_ptr + tok, mask=valid, other=0)  # row r's token sees cached tokens [lo, end)
+        lo = tl.where(window >= 0, tl.maximum(end - 1 - window, 0), 0).to(end.dtype)
+        table = tab_ptr + tl.load(row_ptr + first_token) * stab
+        start0 = tl.min(tl.where(valid, lo, 1 << 30))
+        stop = tl.max(end)
+        m = tl.full([R], float("-inf"), tl.float32)
+        total = tl.zeros([R], tl.float32)
+        acc = tl.zeros([R, D], tl.float32)
+        for start in range(start0, stop, BT):
+            t = start + tl.arange(0, BT)
+            ok = t < stop
+            block = tl.load(table + t // BS, mask=ok, other=0).to(tl.int64)
+            keys = tl.load(k_ptr + (block * skb + (t % BS) * skt + g * skg)[:, None] + cols[None, :],
+                           mask=ok[:, None], other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(keys)) * scale
+            seen = (t[None, :] < end[:, None]) & (t[None, :] >= lo[:, None])
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row that has seen no key yet)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            vals = tl.load(v_ptr + (block * svb + (t % BS) * svt + g * svg)[:, None] + cols[None, :],
+                           mask=ok[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, vals)
+            m = m_new
+        if SINK:
+            sink = tl.load(sink_ptr + g * QPG + h, mask=valid, other=float("-inf"))
+            m_new = tl.maximum(m, sink)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            total = total * alpha + tl.exp(sink - m_safe)
+            acc = acc * alpha[:, None]
+        out = acc / total[:, None]
+        tl.store(out_ptr + tok[:, None] * son + g * sog + h[:, None] * soh + cols[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+    @torch.library.custom_op("paratron::paged_prefill", mutates_args=())
+    def _paged_prefill_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                          rows: torch.Tensor, lengths: torch.Tensor, tiles: torch.Tensor, scale: float,
+                          window: int = -1, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The tiled kernel: ``tiles`` [n_tiles, 2] (first packed token, count) of consecutive tokens of one row."""
+        n, groups, qpg, d = q.shape
+        out = torch.empty_like(q)
+        if out.numel() and tiles.numel():
+            qp = _pow2(qpg)
+            with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+                _paged_tile_kernel[(tiles.size(0) * groups,)](
+                    q, k_pool, v_pool, tables, rows, lengths, tiles.contiguous(), out,
+                    q if sinks is None else sinks, groups, scale, window, tables.stride(0), q.stride(0), q.stride(1),
+                    q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0),
+                    v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                    QPG=qpg, QP=qp, R=max(16, qp * tile_tokens(qpg)), D=d, BS=k_pool.size(1), BT=BLOCK_T,
+                    SINK=sinks is not None)
+        return out
+
+    @_paged_prefill_op.register_fake
+    def _(q, k_pool, v_pool, tables, rows, lengths, tiles, scale, window=-1, sinks=None):
         return torch.empty_like(q)

@@ -95,6 +95,38 @@ print("ok")
 """
 
 
+TILED = r"""
+from paratron.kernels.paged_attention import paged_attention_reference, tiles_of, tile_tokens
+torch.manual_seed(1)
+# packed chunks of three requests (a prompt chunk longer than a tile, one after a cached prefix, a decode token),
+# tiles of consecutive tokens of one request, causal within a tile; windows and sinks; bf16 and fp32
+for bs, g, qpg, d, dtype, tol in ((5, 2, 4, 16, torch.bfloat16, 2e-2), (64, 1, 2, 16, torch.float32, 1e-5)):
+    blocks = 60
+    k_pool, v_pool = torch.randn(2, blocks, bs, g, d).to(dtype)
+    tables = torch.randint(1, blocks, (3, 300 // bs + 2))
+    chunks, starts = [37, 20, 1], [0, 90, 140]  # tokens computed this pass, cached before it
+    rows = torch.cat([torch.full((n,), r) for r, n in enumerate(chunks)])
+    lengths = torch.cat([torch.arange(s + 1, s + n + 1) for s, n in zip(starts, chunks)])
+    q = torch.randn(len(rows), g, qpg, d).to(dtype)
+    tiles = torch.tensor(tiles_of(chunks, qpg))
+    assert tiles[:, 1].sum() == len(rows) and tiles[:, 1].max() == tile_tokens(qpg)
+    sinks = torch.randn(g * qpg)
+    for window, sink in ((None, None), (3, None), (30, sinks), (None, sinks)):
+        got = torch.ops.paratron.paged_prefill(q, k_pool, v_pool, tables, rows, lengths, tiles, 0.25,
+                                               -1 if window is None else window, sink)
+        want = paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, 0.25, window, sink)
+        assert got.shape == q.shape and torch.isfinite(got).all()
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err <= tol, (bs, qpg, window, sink is not None, dtype, err)
+print("ok")
+"""
+
+
+def test_tiled_paged_attention_kernel_matches_torch_in_the_interpreter():
+    """The paged kernel's tiled form for prompt chunks (kernels/paged_attention.py, ``tiles``)."""
+    _interpret("import torch\n" + TILED)
+
+
 def test_decode_attention_kernels_match_torch_in_the_interpreter():
     """The fixed-batch decode kernel and the paged engine's (kernels/paged_attention.py), in one interpreter."""
     _interpret(DECODE.replace('print("ok")', "") + PAGED)
