@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from ..model.attention.windowed import needs_core_attention
 from .blocks import BlockAllocator
 from .engine import Engine, Request, Result
+from ..kernels.paged_attention import tiles_of
 from .paged_cache import PagedKVCache, PagedView, PassStates, StateRows
 from .sampling import Sampler, find_stop, row_generator
 from .scheduler import Scheduler, Seq
@@ -98,6 +99,7 @@ class PagedEngine:
         self.sched = Scheduler(self.blocks, cfg.inference_dynamic_batching_max_requests,
                                cfg.inference_dynamic_batching_max_tokens, cfg.enable_chunked_prefill)
         self.kernel = engine.model.kernels.kernel_decode_attention != "sdpa"
+        self.q_per_group = engine.model.config.num_attention_heads // engine.model.config.num_query_groups
         self.ids = itertools.count()
         self.steps = 0
         self.step_s = self.wait_s = 0.0  # time in steps, and waiting there for the device's tokens
@@ -279,7 +281,14 @@ class PagedEngine:
         width = max(len(seq.blocks) for seq, _ in plan)
         tables = self._tensor([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in plan])
         t = self._tensor
-        return PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel, state)
+        return PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel, state, self._tiles(plan))
+
+    def _tiles(self, plan: list, extra: int = 0) -> Optional[torch.Tensor]:
+        """The tiles of a pass with prompt chunks (None for decodes only, a token per row: the kernel's plain
+        form); ``extra`` more single-token tiles after them (MixedStep's padding token)."""
+        if all(n == 1 for _, n in plan) and not extra:
+            return None
+        return self._tensor(tiles_of([n for _, n in plan] + [1] * extra, self.q_per_group))
 
     def _forward(self, plan, ids, pos, slots, rows, lengths, pick, state=None, patch=None) -> torch.Tensor:
         """Logits of the ``pick`` positions of ``plan``'s tokens packed into one sequence."""

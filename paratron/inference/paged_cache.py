@@ -127,7 +127,8 @@ class PagedView:
     """One step's tokens in the pool: ``slots`` [n] where each token's keys / values go, ``tables`` [r, blocks]
     the block table of each request of the step, ``rows`` [n] each token's table row, ``lengths`` [n] how many
     cached tokens each token sees (its position + 1). ``kernel``: the Triton kernel on CUDA (else the torch
-    reference)."""
+    reference). ``tiles`` [n_tiles, 2]: the pass's tokens in tiles of one request's consecutive tokens (prompt
+    chunks: kernels/paged_attention.py's tiled form), or None (a token per program)."""
     cache: PagedKVCache
     slots: torch.Tensor
     tables: torch.Tensor
@@ -135,6 +136,7 @@ class PagedView:
     lengths: torch.Tensor
     kernel: bool = True
     state: Optional["PassStates"] = None  # the recurrent-state rows of the pass (models with recurrent layers)
+    tiles: Optional[torch.Tensor] = None
     paged = True
 
     def recurrent(self, index: int) -> RecurrentView:
@@ -157,7 +159,7 @@ class PagedView:
         paged_store(cv, self.slots, tokens(v))
         grouped = tokens(q).reshape(b * s, groups, heads // groups, d)
         out = paged_attention(grouped, ck, cv, self.tables, self.rows, self.lengths,
-                              scale if scale is not None else d ** -0.5, self.kernel, window, sinks)
+                              scale if scale is not None else d ** -0.5, self.kernel, window, sinks, self.tiles)
         return out.reshape(b, s, heads, d).permute(0, 2, 1, 3)
 
     def attend_latent(self, index: int, q: torch.Tensor, row: torch.Tensor, scale: float) -> torch.Tensor:

@@ -128,19 +128,19 @@ class MixedStep:
         self.width = -(-engine.e.context // engine.block_size)
         self.forward = torch.compile(self._forward, dynamic=True)
 
-    def _forward(self, ids, positions, slots, tables, rows, lengths, pick) -> torch.Tensor:
+    def _forward(self, ids, positions, slots, tables, rows, lengths, pick, tiles) -> torch.Tensor:
         e = self.engine
-        view = PagedView(e.cache, slots, tables, rows, lengths, e.kernel)
+        view = PagedView(e.cache, slots, tables, rows, lengths, e.kernel, tiles=tiles)
         return e.e._forward(ids, positions, view, None, pick=pick)[0]
 
     def warm_up(self) -> None:
         """Compile now, on a step of padding tokens (the scratch block's) whose sizes all differ (tables width w,
-        w + 2 rows, w + 3 picks, w + 4 tokens): torch gives equal sizes one symbol, and a later step where they
-        differ would compile again."""
+        w + 1 tiles, w + 2 rows, w + 3 picks, w + 5 tokens): torch gives equal sizes one symbol, and a later step
+        where they differ would compile again."""
         t, w = self.engine._tensor, self.width
-        zeros = [0] * (w + 4)
-        self.forward(t([zeros]), t([zeros]), t(zeros), t([[0] * w] * (w + 2)), t(zeros), t([1] * (w + 4)),
-                     t(list(range(w + 3))))
+        zeros = [0] * (w + 5)
+        self.forward(t([zeros]), t([zeros]), t(zeros), t([[0] * w] * (w + 2)), t(zeros), t([1] * (w + 5)),
+                     t(list(range(w + 3))), t([[0, 5]] + [[i, 1] for i in range(5, w + 5)]))
 
     def __call__(self, plan, ids, positions, slots, rows, lengths, pick, patch=None) -> torch.Tensor:
         """Logits of the ``pick`` positions of ``plan``'s packed tokens (``PagedEngine._pack``'s lists);
@@ -151,5 +151,5 @@ class MixedStep:
         if patch is not None:
             patch(packed[0, :len(ids)])
         out = self.forward(packed, t([positions + [0]]), t(slots + [0]), t(tables), t(rows + [r]),
-                           t(lengths + [1]), t(pick + [len(ids)]))
+                           t(lengths + [1]), t(pick + [len(ids)]), self.engine._tiles(plan, extra=1))
         return out[:-1]

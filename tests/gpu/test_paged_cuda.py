@@ -29,6 +29,25 @@ def test_paged_kernel_matches_the_reference_in_bf16(window, sinks):
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("window,sinks", [(None, False), (100, True)])
+def test_tiled_kernel_over_prompt_chunks_matches_the_reference_in_bf16(window, sinks):
+    """The tiled form (prompt chunks: a tile of a request's consecutive tokens per program) on the GPU."""
+    from paratron.kernels.paged_attention import tiles_of
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    blocks, bs, g, qpg, d = 600, 64, 8, 4, 64
+    k_pool, v_pool = (torch.randn(blocks, bs, g, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    chunks, cached = [300, 1, 77, 512], [0, 400, 200, 0]
+    tables = torch.randint(1, blocks, (4, 12), device="cuda", generator=gen)
+    rows = torch.cat([torch.full((n,), r) for r, n in enumerate(chunks)]).cuda()
+    lengths = torch.cat([torch.arange(c + 1, c + n + 1) for c, n in zip(cached, chunks)]).cuda()
+    q = torch.randn(len(rows), g, qpg, d, device="cuda", generator=gen).bfloat16()
+    sink = torch.randn(g * qpg, device="cuda", generator=gen) if sinks else None
+    tiles = torch.tensor(tiles_of(chunks, qpg), device="cuda")
+    got = paged_attention(q, k_pool, v_pool, tables, rows, lengths, 0.125, window=window, sinks=sink, tiles=tiles)
+    want = paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, 0.125, window, sink)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_graphed_decode_gives_the_eager_tokens(compile):
     from paratron.config.inference import InferenceConfig
