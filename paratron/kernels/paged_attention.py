@@ -126,6 +126,31 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 if triton is not None:
     @triton.jit
+    def _cached(ptr, block, t, ok, sb, st, sg, g, cols, BS: tl.constexpr):
+        """Cached tokens ``t`` of group ``g`` (in blocks ``block``, slot t % BS) as [len(t), D] fp32; zeros where
+        not ``ok``."""
+        at = block * sb + (t % BS) * st + g * sg
+        return tl.load(ptr + at[:, None] + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _absorb(s, vals, m, total, acc):
+        """Scores ``s`` [rows, keys] (-inf: not seen) and their values [keys, D] into each row's online softmax
+        (running max ``m``, denominator ``total``, weighted sum ``acc``); a row that has seen no key stays empty."""
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        return m_new, total * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, vals)
+
+    @triton.jit
+    def _sunk(sink, m, total, acc):
+        """(denominator, weighted sum) with each row's sink logit in the denominator (it attends to nothing)."""
+        m_new = tl.maximum(m, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        return total * alpha + tl.exp(sink - m_safe), acc * alpha[:, None]
+
+    @triton.jit
     def _paged_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, row_ptr, len_ptr, out_ptr, sink_ptr, groups, scale, window, stab,
                       sqn, sqg, sqh, skb, skt, skg, svb, svt, svg, son, sog, soh,
                       QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
@@ -146,24 +171,14 @@ if triton is not None:
             t = start + tl.arange(0, BT)
             ok = t < end
             block = tl.load(table + t // BS, mask=ok, other=0).to(tl.int64)
-            at = block * skb + (t % BS) * skt + g * skg
-            keys = tl.load(k_ptr + at[:, None] + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            keys = _cached(k_ptr, block, t, ok, skb, skt, skg, g, cols, BS)
             s = tl.dot(q, tl.trans(keys)) * scale
             s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            vat = block * svb + (t % BS) * svt + g * svg
-            vals = tl.load(v_ptr + vat[:, None] + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, vals)
-            m = m_new
+            vals = _cached(v_ptr, block, t, ok, svb, svt, svg, g, cols, BS)
+            m, total, acc = _absorb(s, vals, m, total, acc)
         if SINK:  # the head's sink logit joins the denominator and attends to nothing
             sink = tl.load(sink_ptr + g * QPG + heads, mask=heads < QPG, other=float("-inf"))
-            m_new = tl.maximum(m, sink)
-            alpha = tl.exp(m - m_new)
-            total = total * alpha + tl.exp(sink - m_new)
-            acc = acc * alpha[:, None]
+            total, acc = _sunk(sink, m, total, acc)
         out = acc / total[:, None]
         tl.store(out_ptr + i * son + g * sog + heads[:, None] * soh + cols[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=heads[:, None] < QPG)
@@ -218,27 +233,15 @@ if triton is not None:
             t = start + tl.arange(0, BT)
             ok = t < stop
             block = tl.load(table + t // BS, mask=ok, other=0).to(tl.int64)
-            keys = tl.load(k_ptr + (block * skb + (t % BS) * skt + g * skg)[:, None] + cols[None, :],
-                           mask=ok[:, None], other=0.0).to(tl.float32)
+            keys = _cached(k_ptr, block, t, ok, skb, skt, skg, g, cols, BS)
             s = tl.dot(q, tl.trans(keys)) * scale
             seen = (t[None, :] < end[:, None]) & (t[None, :] >= lo[:, None])
             s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row that has seen no key yet)
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            vals = tl.load(v_ptr + (block * svb + (t % BS) * svt + g * svg)[:, None] + cols[None, :],
-                           mask=ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, vals)
-            m = m_new
+            vals = _cached(v_ptr, block, t, ok, svb, svt, svg, g, cols, BS)
+            m, total, acc = _absorb(s, vals, m, total, acc)
         if SINK:
             sink = tl.load(sink_ptr + g * QPG + h, mask=valid, other=float("-inf"))
-            m_new = tl.maximum(m, sink)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            total = total * alpha + tl.exp(sink - m_safe)
-            acc = acc * alpha[:, None]
+            total, acc = _sunk(sink, m, total, acc)
         out = acc / total[:, None]
         tl.store(out_ptr + tok[:, None] * son + g * sog + h[:, None] * soh + cols[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
