@@ -157,6 +157,11 @@ class SpeculativePagedEngine(PagedEngine):
         finished = self._prefilled(prefills, hidden, logits, picks, offsets, on_token)
         return finished + self._accept(decoding, proposed, q, hidden, logits, picks, offsets, on_token)
 
+    def _tiles(self, plan: list, extra: int = 0):
+        """None: the speculative passes lay their tokens out themselves (drafts after each request's last token),
+        so they attend a token per program."""
+        return None
+
     def _release(self, s: Seq) -> None:
         super()._release(s)
         self.windows.pop(s.id, None)
