@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..model.attention.windowed import needs_core_attention
+from .block_tables import BlockTables
 from .blocks import BlockAllocator
 from .engine import Engine, Request, Result
 from ..kernels.paged_attention import tiles_of
@@ -98,6 +99,8 @@ class PagedEngine:
                                      cfg.inference_dynamic_batching_prefix_caching_eviction_policy)
         self.sched = Scheduler(self.blocks, cfg.inference_dynamic_batching_max_requests,
                                cfg.inference_dynamic_batching_max_tokens, cfg.enable_chunked_prefill)
+        self.tables = BlockTables(cfg.inference_dynamic_batching_max_requests, -(-engine.context // self.block_size),
+                                  self.device, self._tensor, lambda: self.sched.running)
         self.kernel = engine.model.kernels.kernel_decode_attention != "sdpa"
         self.q_per_group = engine.model.config.num_attention_heads // engine.model.config.num_query_groups
         self.ids = itertools.count()
@@ -183,6 +186,7 @@ class PagedEngine:
         for seq in list(self.sched.running):
             self.sched.finish(seq)
         self.sched.waiting.clear()
+        self.tables.clear()
         if self.states is not None:
             self.states.clear()
 
@@ -236,6 +240,7 @@ class PagedEngine:
     def _release(self, s: Seq) -> None:
         """What a finished request held: its blocks and its state row."""
         self.sched.finish(s)
+        self.tables.release(s)
         if self.states is not None:
             self.states.release(s)
 
@@ -264,7 +269,7 @@ class PagedEngine:
             return self._run_recurrent(plan)
         ids, pos, slots, rows, lengths, pick, picks = self._pack(plan)
         if self.graphs is not None and all(n == 1 for _, n in plan) and len(pick) == len(plan):
-            out = self.graphs(ids, pos, slots, [seq.blocks for seq, _ in plan], lengths, patch)
+            out = self.graphs(ids, pos, slots, self.tables.rows_for([seq for seq, _ in plan]), lengths, patch)
             if out is not None:
                 return out, picks
         return self._forward(plan, ids, pos, slots, rows, lengths, pick, patch=patch), picks
@@ -278,15 +283,15 @@ class PagedEngine:
 
     def _view(self, plan, slots, rows, lengths, state=None) -> PagedView:
         """The cache as the pass of ``plan``'s tokens sees it (``state``: PagedView's)."""
-        width = max(len(seq.blocks) for seq, _ in plan)
-        tables = self._tensor([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in plan])
+        at = self.tables.rows_for([seq for seq, _ in plan])
         t = self._tensor
-        return PagedView(self.cache, t(slots), tables, t(rows), t(lengths), self.kernel, state, self._tiles(plan))
+        return PagedView(self.cache, t(slots), self.tables.table, t([at[r] for r in rows]), t(lengths), self.kernel,
+                         state, self._tiles(plan))
 
     def _tiles(self, plan: list, extra: int = 0) -> Optional[torch.Tensor]:
         """The tiles of a pass with prompt chunks (None for decodes only, a token per row: the kernel's plain
         form); ``extra`` more single-token tiles after them (MixedStep's padding token)."""
-        if all(n == 1 for _, n in plan) and not extra:
+        if not any(n > 1 for _, n in plan) and not extra:
             return None
         return self._tensor(tiles_of([n for _, n in plan] + [1] * extra, self.q_per_group))
 

@@ -1,13 +1,13 @@
 """CUDA graphs of the paged engine's decode-only steps, one per batch-size bucket (GPUs only).
 
 A step whose requests all decode (one token each, no prompt log-probabilities) has the shapes of its batch
-size alone: the packed tokens [1, b], their slots, lengths and table rows [b], the block tables [b, the most
-blocks a request can hold]. Buckets are powers of two up to ``--inference-dynamic-batching-max-requests``, the
+size alone: the packed tokens [1, b], their slots, lengths and block-table rows [b]; the block tables are the
+engine's own device tensor (block_tables.py, one fixed shape), read in place. Buckets are powers of two up to ``--inference-dynamic-batching-max-requests``, the
 ``--inference-dynamic-batching-num-cuda-graphs`` smallest of them; a step of ``r`` requests runs in the smallest
 bucket >= r, its padding rows writing into the scratch block 0 and attending over it alone (their logits are
 dropped). Inputs are copied into fixed tensors, the pool is written in place, and each bucket's graph is
 captured after WARMUP eager calls (which let lazy initialisation happen outside the capture), into one memory
-pool shared by all buckets. A step larger than the largest bucket runs eagerly. Under ``--torch-compile`` the step
+pool shared by all buckets. A step larger than the largest bucket runs as the other steps do. Under ``--torch-compile`` the step
 is compiled (Inductor) before it is captured: once for batch 1 and once with the batch size symbolic for every
 larger bucket (torch's automatic dynamic shapes), not once per bucket. :meth:`DecodeGraphs.warm_up` compiles and
 captures every bucket before the first request (the server does it at start-up), so that no request waits for
@@ -36,18 +36,17 @@ def buckets(max_requests: int, count: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """``graphs(ids, positions, slots, tables, lengths) -> logits [r, vocab]`` (None when ``r`` has no bucket)."""
+    """``graphs(ids, positions, slots, rows, lengths) -> logits [r, vocab]`` (None when ``r`` has no bucket);
+    ``rows``: each request's row of the engine's block tables (block_tables.py), which the graphs read in place."""
 
     def __init__(self, engine, count: int):
         self.engine = engine
         self.sizes = buckets(engine.cfg.inference_dynamic_batching_max_requests, count)
         most, dev = self.sizes[-1], engine.device
-        self.width = -(-engine.e.context // engine.block_size)  # the most blocks one request holds
         self.ids = torch.zeros(1, most, dtype=torch.long, device=dev)
         self.positions = torch.zeros(1, most, dtype=torch.long, device=dev)
         self.slots = torch.zeros(most, dtype=torch.long, device=dev)
-        self.tables = torch.zeros(most, self.width, dtype=torch.long, device=dev)
-        self.rows = torch.arange(most, device=dev)
+        self.rows = torch.zeros(most, dtype=torch.long, device=dev)
         self.lengths = torch.ones(most, dtype=torch.long, device=dev)
         self.graphs: dict = {}
         self.out: dict = {}
@@ -62,27 +61,28 @@ class DecodeGraphs:
         return e.e._forward(ids, positions, view, None, gemv=e.e.gemv)[0]  # (--kernel-decode-gemv)
 
     def _step(self, b: int) -> torch.Tensor:
-        return self.forward(self.ids[:, :b], self.positions[:, :b], self.slots[:b], self.tables[:b], self.rows[:b],
-                            self.lengths[:b])
+        return self.forward(self.ids[:, :b], self.positions[:, :b], self.slots[:b], self.engine.tables.table,
+                            self.rows[:b], self.lengths[:b])
 
-    def _fill(self, b: int, ids, positions, slots, tables, lengths) -> None:
-        """The step's inputs into the fixed tensors, padded to ``b`` rows (two host-to-device copies)."""
+    def _fill(self, b: int, ids, positions, slots, rows, lengths) -> None:
+        """The step's inputs into the fixed tensors, padded to ``b`` rows (one pinned host tensor; padding rows read
+        the block tables' row 0, the scratch block)."""
         pad = b - len(ids)
-        host = pinned([ids + [0] * pad, positions + [0] * pad, slots + [0] * pad, lengths + [1] * pad])
+        host = pinned([ids + [0] * pad, positions + [0] * pad, slots + [0] * pad, lengths + [1] * pad,
+                       rows + [0] * pad])
         self.ids[0, :b].copy_(host[0], non_blocking=True)
         self.positions[0, :b].copy_(host[1], non_blocking=True)
         self.slots[:b].copy_(host[2], non_blocking=True)
         self.lengths[:b].copy_(host[3], non_blocking=True)
-        rows = [t + [0] * (self.width - len(t)) for t in tables] + [[0] * self.width] * pad
-        self.tables[:b].copy_(pinned(rows), non_blocking=True)
+        self.rows[:b].copy_(host[4], non_blocking=True)
 
-    def __call__(self, ids, positions, slots, tables, lengths, patch=None):
+    def __call__(self, ids, positions, slots, rows, lengths, patch=None):
         """``patch(ids)``: fills ids on the device after they are copied in (paged_async.py)."""
         r = len(ids)
         b = next((s for s in self.sizes if s >= r), None)
         if b is None:
             return None
-        self._fill(b, ids, positions, slots, tables, lengths)
+        self._fill(b, ids, positions, slots, rows, lengths)
         if patch is not None:
             patch(self.ids[0, :r])
         if b not in self.graphs:
@@ -97,7 +97,7 @@ class DecodeGraphs:
         """Compile and capture every bucket now: steps of padding rows only (they write into the scratch block 0)."""
         for b in self.sizes:
             while b not in self.graphs:
-                self([0] * b, [0] * b, [0] * b, [[0]] * b, [1] * b)
+                self([0] * b, [0] * b, [0] * b, [0] * b, [1] * b)
 
     def _warm(self, b: int) -> torch.Tensor:
         stream = torch.cuda.Stream()
@@ -121,11 +121,10 @@ class MixedStep:
     requests than the largest bucket), compiled once with their sizes symbolic: the tokens, the requests and the
     picked positions. A padding token is added to every step (its own table row of the scratch block 0, its
     logits picked and dropped), so that none of those sizes is 1 (torch specialises sizes 0 and 1, which would
-    compile again); the block tables have the fixed width of the most blocks a request holds."""
+    compile again); the block tables are the engine's (block_tables.py), a fixed shape."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.width = -(-engine.e.context // engine.block_size)
         self.forward = torch.compile(self._forward, dynamic=True)
 
     def _forward(self, ids, positions, slots, tables, rows, lengths, pick, tiles) -> torch.Tensor:
@@ -134,22 +133,23 @@ class MixedStep:
         return e.e._forward(ids, positions, view, None, pick=pick)[0]
 
     def warm_up(self) -> None:
-        """Compile now, on a step of padding tokens (the scratch block's) whose sizes all differ (tables width w,
-        w + 1 tiles, w + 2 rows, w + 3 picks, w + 5 tokens): torch gives equal sizes one symbol, and a later step
-        where they differ would compile again."""
-        t, w = self.engine._tensor, self.width
+        """Compile now, on a step of padding tokens (the scratch block's) whose sizes all differ from each other
+        and from the block tables' (w = their rows + width; w + 1 tiles, w + 3 picks, w + 5 tokens): torch gives
+        equal sizes one symbol, and a later step where they differ would compile again."""
+        t, table = self.engine._tensor, self.engine.tables.table
+        w = table.size(0) + table.size(1)
         zeros = [0] * (w + 5)
-        self.forward(t([zeros]), t([zeros]), t(zeros), t([[0] * w] * (w + 2)), t(zeros), t([1] * (w + 5)),
-                     t(list(range(w + 3))), t([[0, 5]] + [[i, 1] for i in range(5, w + 5)]))
+        self.forward(t([zeros]), t([zeros]), t(zeros), table, t(zeros), t([1] * (w + 5)), t(list(range(w + 3))),
+                     t([[0, 5]] + [[i, 1] for i in range(5, w + 5)]))
 
     def __call__(self, plan, ids, positions, slots, rows, lengths, pick, patch=None) -> torch.Tensor:
         """Logits of the ``pick`` positions of ``plan``'s packed tokens (``PagedEngine._pack``'s lists);
         ``patch(ids)``: fills ids on the device first (paged_async.py)."""
-        t, r = self.engine._tensor, len(plan)
-        tables = [seq.blocks + [0] * (self.width - len(seq.blocks)) for seq, _ in plan] + [[0] * self.width]
+        e = self.engine
+        t, at = e._tensor, e.tables.rows_for([seq for seq, _ in plan])
         packed = t([ids + [0]])
         if patch is not None:
             patch(packed[0, :len(ids)])
-        out = self.forward(packed, t([positions + [0]]), t(slots + [0]), t(tables), t(rows + [r]),
-                           t(lengths + [1]), t(pick + [len(ids)]), self.engine._tiles(plan, extra=1))
+        out = self.forward(packed, t([positions + [0]]), t(slots + [0]), e.tables.table, t([at[r] for r in rows] + [0]),
+                           t(lengths + [1]), t(pick + [len(ids)]), e._tiles(plan, extra=1))
         return out[:-1]

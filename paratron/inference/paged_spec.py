@@ -300,6 +300,7 @@ class SpeculativePagedEngine(PagedEngine):
         if len(s.blocks) > keep:
             self.blocks.release(s.blocks[keep:])
             del s.blocks[keep:]
+            self.tables.truncate(s, keep)
         self.sched.register_full(s)
 
     def startup_line(self) -> str:

@@ -190,8 +190,8 @@ def test_decode_graph_inputs_padded_to_a_bucket_give_the_eager_logits(engine):
     bs = paged.block_size
     pos = [s.computed for s, _ in plan]
     graphs._fill(8, [s.tokens[p] for (s, _), p in zip(plan, pos)], pos,
-                 [s.blocks[p // bs] * bs + p % bs for (s, _), p in zip(plan, pos)], [s.blocks for s, _ in plan],
-                 [p + 1 for p in pos])
+                 [s.blocks[p // bs] * bs + p % bs for (s, _), p in zip(plan, pos)],
+                 paged.tables.rows_for([s for s, _ in plan]), [p + 1 for p in pos])
     with torch.no_grad():
         got = graphs._step(8)
     assert got.shape[0] == 8 and torch.allclose(got[:len(plan)], want, atol=1e-5)
