@@ -62,6 +62,16 @@ def idle_by_neighbours(kernels, n=12):
     return rows[:n], sum(r[0] for r in rows)
 
 
+def tally(intervals) -> tuple[dict, dict, dict]:
+    """(us by kernel name, launches by kernel name, us by kind) of ``trace_kernels``' intervals."""
+    by_name, count, kinds = defaultdict(float), defaultdict(int), defaultdict(float)
+    for start, end, name in intervals:
+        by_name[name] += end - start
+        count[name] += 1
+        kinds[kind_of(name)] += end - start
+    return by_name, count, kinds
+
+
 def trace_kernels(path) -> list[tuple[float, float, str]]:
     """(start us, end us, name) of every kernel, memset and memcpy on the GPU in a Chrome trace
     written by torch.profiler (the device's own timestamps)."""
@@ -127,11 +137,7 @@ def main():
         intervals = trace_kernels(trace)
         top = int(os.environ.get("PROFILE_ORIGIN_TOP", "15"))
         origins = launch_origins(trace, origin, steps, top) if origin else []
-    totals, by_name, count = defaultdict(float), defaultdict(float), defaultdict(int)
-    for start, end, kname in intervals:
-        totals[kind_of(kname)] += end - start
-        by_name[kname] += end - start
-        count[kname] += 1
+    by_name, count, totals = tally(intervals)
     all_us = sum(totals.values())
     span = (max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals)) / steps if intervals else 0.0
     gaps, gap_total = idle_by_neighbours(intervals)
@@ -193,11 +199,7 @@ def decode_main(argv: list) -> int:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
         intervals = trace_kernels(trace)
-    by_name, count, kinds = defaultdict(float), defaultdict(int), defaultdict(float)
-    for s, e, name in intervals:
-        by_name[name] += e - s
-        count[name] += 1
-        kinds[kind_of(name)] += e - s
+    by_name, count, kinds = tally(intervals)
     span = max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals)
     _, idle = idle_by_neighbours(intervals)
     print(f"batch {a.batch}: {1000 * wall:.3f} ms per token unprofiled ({a.batch / wall:.0f} tokens/s); "

@@ -176,7 +176,7 @@ def offline(args, d: Path, reqs: list) -> dict:
     requests = [Request(list(prompt), SamplingParams(max_new_tokens=n, ignore_eod=True)) for _, prompt, n in reqs]
     engine.warm_up()  # every decode bucket's graph, as the server does at start-up
     engine.generate(requests[:min(4, len(requests))])  # warm-up of the prefill path
-    engine.steps, engine.step_s, engine.wait_s, engine.decode_steps, engine.decode_s = 0, 0.0, 0.0, 0, 0.0
+    engine.reset_stats()  # the timed run's steps only
     first: dict = {}
 
     def on_token(seq, token):
@@ -199,7 +199,7 @@ def profile_run(engine, requests: list, top: int = 25) -> None:
     kernels with their launches per step, and the time the GPU had no kernel running (profile_step.py's
     reading of the trace)."""
     import torch
-    from profile_step import idle_by_neighbours, kind_of, trace_kernels
+    from profile_step import idle_by_neighbours, tally, trace_kernels
     if not torch.cuda.is_available():
         raise SystemExit("serve_load: --profile reads the GPU's kernels: run it on a GPU")
     steps = engine.steps
@@ -210,11 +210,7 @@ def profile_run(engine, requests: list, top: int = 25) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
         kernels = trace_kernels(Path(tmp) / "trace.json")
-    by_name, count, kinds = {}, {}, {}
-    for start, end, name in kernels:
-        by_name[name] = by_name.get(name, 0.0) + end - start
-        count[name] = count.get(name, 0) + 1
-        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + end - start
+    by_name, count, kinds = tally(kernels)
     span = kernels[-1][1] - kernels[0][0]
     _, idle = idle_by_neighbours(kernels)
     print(f"profile: {steps} steps, span {span / 1000:.1f} ms, GPU idle {idle / 1000:.1f} ms; per step:")

@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..kernels.paged_attention import tiles_of
 from ..model.attention.windowed import needs_core_attention
 from .block_tables import BlockTables
 from .blocks import BlockAllocator
 from .engine import Engine, Request, Result
-from ..kernels.paged_attention import tiles_of
 from .paged_cache import PagedKVCache, PagedView, PassStates, StateRows
+from .paged_graphs import pinned
 from .sampling import Sampler, find_stop, row_generator
 from .scheduler import Scheduler, Seq
 
@@ -104,9 +105,7 @@ class PagedEngine:
         self.kernel = engine.model.kernels.kernel_decode_attention != "sdpa"
         self.q_per_group = engine.model.config.num_attention_heads // engine.model.config.num_query_groups
         self.ids = itertools.count()
-        self.steps = 0
-        self.step_s = self.wait_s = 0.0  # time in steps, and waiting there for the device's tokens
-        self.decode_steps, self.decode_s = 0, 0.0  # of which the steps of decodes only
+        self.reset_stats()
         self.graphs = None
         # (not taken under TP, whose graphs would capture the collectives too, for multi-latent attention or for
         # windows / sinks: none of them has run on a GPU yet)
@@ -221,12 +220,22 @@ class PagedEngine:
             self._release(s)
             if on_token is not None and s.new_max <= 0:
                 on_token(s, None)
+        self._timed(plan, start)
+        return finished
+
+    def _timed(self, plan: list, start: float) -> None:
+        """A step of ``plan`` that began at ``start`` (perf_counter) into the step times /health reports."""
         took = time.perf_counter() - start
         self.step_s += took
-        if all(n == 1 for _, n in plan):
+        if plan and all(n == 1 for _, n in plan):
             self.decode_steps += 1
             self.decode_s += took
-        return finished
+
+    def reset_stats(self) -> None:
+        """Count steps and their times from now (a benchmark's timed run after its warm-up): steps (of which
+        decodes only), their time and the time spent waiting for the device's tokens."""
+        self.steps = self.decode_steps = 0
+        self.step_s = self.wait_s = self.decode_s = 0.0
 
     def _advance(self, plan: list, on_token) -> list[Seq]:
         """The model over the scheduled ``plan``: its tokens computed, the next ones chosen; the requests that
@@ -279,7 +288,7 @@ class PagedEngine:
         work already queued on the device."""
         if self.device.type != "cuda":
             return torch.tensor(x, device=self.device)
-        return torch.tensor(x).pin_memory().to(self.device, non_blocking=True)
+        return pinned(x).to(self.device, non_blocking=True)
 
     def _view(self, plan, slots, rows, lengths, state=None) -> PagedView:
         """The cache as the pass of ``plan``'s tokens sees it (``state``: PagedView's)."""
@@ -343,10 +352,18 @@ class PagedEngine:
             s.done = True
         ready = [s for s in ready if s.new_max > 0]
         if ready:
-            rows = [picks[s.id][-1] for s in ready]
-            same = len(rows) == logits.size(0) and rows == list(range(len(rows)))  # (a decode step: every row)
-            finished += self._sample(ready, logits if same else logits[torch.tensor(rows)], on_token)
+            finished += self._sample(ready, self._last_logits(ready, logits, picks), on_token)
         return finished
+
+    @staticmethod
+    def _last_logits(ready: list[Seq], logits: torch.Tensor, picks: dict) -> torch.Tensor:
+        """The row of ``logits`` of each of ``ready``'s last computed token (a decode step's: all, as they are)."""
+        rows = [picks[s.id][-1] for s in ready]
+        return logits if rows == list(range(logits.size(0))) else logits[torch.tensor(rows, device=logits.device)]
+
+    def _choose(self, ready: list[Seq], last: torch.Tensor) -> torch.Tensor:
+        """The next token of each of ``ready`` from its row of ``last``, on the device: greedy, or its sampler."""
+        return last.argmax(-1) if all(s.params.temperature == 0 for s in ready) else self._sampler(ready)(last)
 
     def _prompt_logprobs(self, plan: list, logits: torch.Tensor, picks: dict) -> None:
         """Log-probabilities of the prompt tokens, chunk by chunk, for requests that asked for them."""
@@ -365,7 +382,7 @@ class PagedEngine:
                 seq.prompt_logprobs = [None] + seq.prompt_acc
 
     def _sample(self, ready: list[Seq], last: torch.Tensor, on_token) -> list[Seq]:
-        chosen = last.argmax(-1) if all(s.params.temperature == 0 for s in ready) else self._sampler(ready)(last)
+        chosen = self._choose(ready, last)
         start = time.perf_counter()
         tok = chosen.tolist()  # (the host waits here for the step's device work)
         self.wait_s += time.perf_counter() - start

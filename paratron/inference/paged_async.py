@@ -94,11 +94,7 @@ class AsyncPagedEngine(PagedEngine):
             self.steps += 1
         elif not finished and not self.idle:
             raise RuntimeError(f"the paged engine cannot schedule its {len(self.sched.waiting)} waiting requests")
-        took = time.perf_counter() - start
-        self.step_s += took
-        if plan and all(n == 1 for _, n in plan):
-            self.decode_steps += 1
-            self.decode_s += took
+        self._timed(plan, start)
         return finished
 
     def _launch(self, plan: list) -> Launched:
@@ -109,9 +105,7 @@ class AsyncPagedEngine(PagedEngine):
         ready = [seq for seq, _ in plan if seq.computed == len(seq.tokens)]
         if not ready:  # prompt chunks only
             return Launched(plan, [], None, None, None)
-        rows = [picks[s.id][-1] for s in ready]
-        last = logits if rows == list(range(logits.size(0))) else logits[torch.tensor(rows, device=logits.device)]
-        chosen = last.argmax(-1) if all(s.params.temperature == 0 for s in ready) else self._sampler(ready)(last)
+        chosen = self._choose(ready, self._last_logits(ready, logits, picks))
         host, event = chosen, None
         if chosen.is_cuda:
             host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
