@@ -9,8 +9,10 @@ shape (bf16 on a GPU) or, with --tiny, a 2-layer model on CPU (a smoke test of t
 a Hugging Face directory with a word-level tokenizer that gives every token id its own text ("<id>"), so each
 streamed chunk is one token.
 
-Engines (--engines, comma-separated): ``offline`` (the paged engine in this process with --serve-flags, every
-request at once: the in-process peer of transformers' manager), ``paged`` (--inference-dynamic-batching, with
+Engines (--engines, comma-separated): ``offline`` (the paged engine in this process with --serve-flags: every
+request at once with --rate 0, the in-process peer of transformers' manager; else each request added between two
+steps once it has arrived, its TTFT and inter-token latency taken when its tokens reach the host: the engine's
+own latencies, without HTTP), ``paged`` (--inference-dynamic-batching, with
 --serve-flags), ``fixed``
 (today's fixed-batch server), ``continuous`` (--continuous-batching), ``hf`` (transformers' generate_batch
 manager in this process: requests added at their arrival times; it hands back whole results, so TTFT and
@@ -177,21 +179,53 @@ def offline(args, d: Path, reqs: list) -> dict:
     engine.warm_up()  # every decode bucket's graph, as the server does at start-up
     engine.generate(requests[:min(4, len(requests))])  # warm-up of the prefill path
     engine.reset_stats()  # the timed run's steps only
-    first: dict = {}
+    if args.rate > 0:
+        out = arrivals(engine, [at for at, _, _ in reqs], requests)
+        how = "in-process, requests added between steps at their arrival times (no HTTP); "
+    else:
+        first: dict = {}
 
-    def on_token(seq, token):
-        first.setdefault(seq.id, time.perf_counter())
-    t0 = time.perf_counter()
-    results = engine.generate(requests, on_token)
-    wall = time.perf_counter() - t0
+        def on_token(seq, token):
+            first.setdefault(seq.id, time.perf_counter())
+        t0 = time.perf_counter()
+        results = engine.generate(requests, on_token)
+        out = {"output_tokens": sum(len(r.tokens) for r in results), "wall_s": time.perf_counter() - t0,
+               "ttft": [t - t0 for t in first.values()], "itl": [], "e2e": []}
+        how = "in-process, all requests at once; "
     if args.profile:  # the same load again under the profiler: where the device's time goes
         profile_run(engine, requests)
-    return {"output_tokens": sum(len(r.tokens) for r in results), "wall_s": wall,
-            "ttft": [t - t0 for t in first.values()], "itl": [], "e2e": [], "kv_bytes_peak":
-            engine.stats().get("kv_bytes_peak"), "note": "in-process, all requests at once (--rate not used); "
+    return {**out, "kv_bytes_peak": engine.stats().get("kv_bytes_peak"), "note": how +
             "per step: {step_ms_mean} ms, {device_wait_ms_mean} ms of it waiting for the device's tokens; "
             "{decode_steps} steps of decodes only, {decode_step_ms_mean} ms each; the others {mixed_step_ms_mean} ms "
             "each".format(**engine.stats())}
+
+
+def arrivals(engine, times: list, requests: list) -> dict:
+    """The requests added to the engine between its steps once their arrival times (seconds after the start) have
+    passed; TTFT from arrival to the step that gave the first token back to the host, inter-token latency
+    between the steps that gave a request's consecutive tokens (the engine's own latency, without HTTP)."""
+    stamps: dict = {}
+
+    def on_token(seq, token):
+        if token is not None:
+            stamps[seq.id].append(time.perf_counter())
+    order = sorted(range(len(requests)), key=lambda i: times[i])
+    sent, done, t0 = {}, 0, time.perf_counter()
+    while order or not engine.idle:
+        now = time.perf_counter()
+        while order and t0 + times[order[0]] <= now:
+            i = order.pop(0)
+            seq = engine.add(requests[i])
+            sent[seq.id], stamps[seq.id] = t0 + times[i], []
+        if engine.idle:
+            time.sleep(max(0.0, t0 + times[order[0]] - time.perf_counter()))
+            continue
+        done += len(engine.step(on_token))
+    assert done == len(requests), f"{done} of {len(requests)} requests finished"
+    got = [(sent[k], s) for k, s in stamps.items() if s]
+    return {"output_tokens": sum(len(s) for _, s in got), "wall_s": max(s[-1] for _, s in got) - t0,
+            "ttft": [s[0] - at for at, s in got], "e2e": [s[-1] - at for at, s in got],
+            "itl": [b - a for _, s in got for a, b in zip(s, s[1:])]}
 
 
 def profile_run(engine, requests: list, top: int = 25) -> None:
