@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from .section_base import Section
 
 EVICTION_POLICIES = ("ref_zero", "lru")
+ASYNC_SCHED_MODES = ("legacy", "async")
 
 
 @dataclass(eq=True)
@@ -34,7 +35,7 @@ class InferenceConfig(Section):
     inference_dynamic_batching_prefix_caching: bool = False  # share full blocks of identical prompt prefixes
     inference_dynamic_batching_prefix_caching_eviction_policy: str = "ref_zero"  # ref_zero | lru
     inference_dynamic_batching_num_cuda_graphs: int = 16  # decode-step CUDA graphs (batch buckets; 0: none)
-    inference_dynamic_batching_async_steps: bool = False  # paratron: schedule step n+1 while step n runs
+    inference_dynamic_batching_async_sched_mode: str = "legacy"  # legacy | async: schedule step n+1 while n runs
     serve_max_queued_requests: int = 1024  # paratron: requests waiting or running; more are a 429 (0: no limit)
     serve_max_queued_tokens: int = 0  # paratron: prompt + max new tokens waiting or running; 429 (0: no limit)
 
@@ -66,6 +67,10 @@ def check_inference(c: InferenceConfig) -> None:
     if policy not in EVICTION_POLICIES:
         raise ConfigError(f"--inference-dynamic-batching-prefix-caching-eviction-policy {policy}: choose one of "
                           f"{', '.join(EVICTION_POLICIES)}")
+    mode = c.inference_dynamic_batching_async_sched_mode
+    if mode not in ASYNC_SCHED_MODES:
+        raise ConfigError(f"--inference-dynamic-batching-async-sched-mode {mode}: choose one of "
+                          f"{', '.join(ASYNC_SCHED_MODES)}")
 
 
 def field_help() -> dict[str, str]:
@@ -91,7 +96,8 @@ def add_arguments(parser, serve: bool = True) -> None:
             continue
         kind = {"inference_dynamic_batching_buffer_size_gb": float,
                 "inference_dynamic_batching_memory_fraction": float,
-                "inference_dynamic_batching_prefix_caching_eviction_policy": str}.get(f.name, int)
+                "inference_dynamic_batching_prefix_caching_eviction_policy": str,
+                "inference_dynamic_batching_async_sched_mode": str}.get(f.name, int)
         parser.add_argument(flag, dest=f.name, type=kind, default=default, metavar="V",
                             help=helps[f.name].replace("%", "%%") + f" (default {default})")
     parser.add_argument("--no-inference-dynamic-batching-prefix-caching",

@@ -1,4 +1,4 @@
-"""``--inference-dynamic-batching-async-steps``: the paged engine schedules step n+1 while the device runs step n.
+"""``--inference-dynamic-batching-async-sched-mode async``: the paged engine schedules step n+1 while the device runs step n.
 
 The plain engine reads each step's tokens back before it schedules the next, so the device idles while the host
 records tokens, checks stop conditions, schedules and packs. Here a step is launched (its pass and its tokens
@@ -51,7 +51,7 @@ def refusal(engine: PagedEngine) -> Optional[str]:
            "speculative decoding" if engine.e.num_speculative_tokens else
            "Mamba-2 / Gated DeltaNet layers (their states advance with each token read)" if engine.states is not None
            else None)
-    return None if why is None else f"--inference-dynamic-batching-async-steps: not with {why}; leave it off"
+    return None if why is None else f"--inference-dynamic-batching-async-sched-mode async: not with {why}; use legacy"
 
 
 class AsyncPagedEngine(PagedEngine):

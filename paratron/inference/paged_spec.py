@@ -52,8 +52,8 @@ from .speculative import Acceptance, accept, depth_layer, draft_token
 
 def build_paged(engine: Engine, cfg, group=None) -> PagedEngine:
     """The paged engine for ``engine``: speculative when ``engine.num_speculative_tokens`` > 0; its steps
-    asynchronous with --inference-dynamic-batching-async-steps (paged_async.py, which refuses speculation)."""
-    if cfg.inference_dynamic_batching_async_steps:
+    asynchronous with --inference-dynamic-batching-async-sched-mode async (paged_async.py, which refuses speculation)."""
+    if cfg.inference_dynamic_batching_async_sched_mode == "async":
         from .paged_async import AsyncPagedEngine
         return AsyncPagedEngine(engine, cfg, group)
     if engine.num_speculative_tokens:

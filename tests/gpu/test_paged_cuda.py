@@ -96,7 +96,7 @@ def test_warm_up_captures_every_bucket_in_two_compilations():
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_async_steps_give_the_plain_tokens_through_graphs_and_compiled_steps(compile):
-    """--inference-dynamic-batching-async-steps on a GPU: pinned copies, events, placeholders written into the
+    """--inference-dynamic-batching-async-sched-mode async on a GPU: pinned copies, events, placeholders written into the
     graphed and compiled steps' ids on the device; the same tokens as the plain engine, nothing left in flight."""
     from paratron.config.inference import InferenceConfig
     from paratron.inference.engine import Engine, Request
@@ -111,7 +111,7 @@ def test_async_steps_give_the_plain_tokens_through_graphs_and_compiled_steps(com
             for i in range(40)]
     base = dict(inference_dynamic_batching_block_size=16, inference_dynamic_batching_max_tokens=64,
                 enable_chunked_prefill=True, inference_dynamic_batching_num_blocks=300)
-    fast = AsyncPagedEngine(engine, InferenceConfig(**base, inference_dynamic_batching_async_steps=True))
+    fast = AsyncPagedEngine(engine, InferenceConfig(**base, inference_dynamic_batching_async_sched_mode="async"))
     fast.warm_up()
     got = fast.generate(reqs)
     want = PagedEngine(engine, InferenceConfig(**base)).generate(reqs)

@@ -1,4 +1,4 @@
-"""--inference-dynamic-batching-async-steps (inference/paged_async.py): step n+1 scheduled and launched before step
+"""--inference-dynamic-batching-async-sched-mode async (inference/paged_async.py): step n+1 scheduled and launched before step
 n's tokens are read back, its placeholders filled on the device; the outputs equal the plain paged engine's."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def engine():
 def both(engine, reqs, **kw):
     """(plain results, async results, the async engine) of ``reqs`` on the same config."""
     plain = PagedEngine(engine, config(**kw)).generate(reqs)
-    fast = AsyncPagedEngine(engine, config(**kw, async_steps=True))
+    fast = AsyncPagedEngine(engine, config(**kw, async_sched_mode="async"))
     return plain, fast.generate(reqs), fast
 
 
@@ -64,7 +64,7 @@ def test_stops_seeded_sampling_and_logprobs_equal_the_plain_engine(engine):
 
 def test_each_token_is_streamed_once_a_step_late(engine):
     reqs = mixed(8, 5)
-    fast = AsyncPagedEngine(engine, config(max_tokens=16, async_steps=True))
+    fast = AsyncPagedEngine(engine, config(max_tokens=16, async_sched_mode="async"))
     seen: dict = {}
     got = fast.generate(reqs, lambda seq, t: seen.setdefault(seq.id, []).append(t))
     streamed = [[t for t in seen[i] if t is not None] for i in sorted(seen)]
@@ -74,11 +74,19 @@ def test_each_token_is_streamed_once_a_step_late(engine):
 def test_refused_with_speculative_decoding():
     e = Engine(tiny_model(), VOCAB)
     e.num_speculative_tokens = 1
-    with pytest.raises(ConfigError, match="async-steps: not with speculative decoding"):
-        AsyncPagedEngine(e, config(async_steps=True))
+    with pytest.raises(ConfigError, match="async-sched-mode async: not with speculative decoding"):
+        AsyncPagedEngine(e, config(async_sched_mode="async"))
 
 
 def test_builder_picks_it_from_the_config(engine):
     from paratron.inference.paged_spec import build_paged
-    assert type(build_paged(engine, config(async_steps=True))) is AsyncPagedEngine
+    assert type(build_paged(engine, config(async_sched_mode="async"))) is AsyncPagedEngine
     assert type(build_paged(engine, config())) is PagedEngine
+
+
+def test_async_sched_mode_takes_megatrons_values_only():
+    """Megatron's flag and values (legacy, async); another value is one line naming the choices."""
+    from paratron.config.inference import check_inference
+    with pytest.raises(ConfigError, match="async-sched-mode serial: choose one of legacy, async"):
+        check_inference(config(async_sched_mode="serial"))
+    check_inference(config(async_sched_mode="async"))

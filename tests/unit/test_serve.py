@@ -91,10 +91,10 @@ def paged_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def async_server(tmp_path_factory):
-    """The paged engine with asynchronous steps (--inference-dynamic-batching-async-steps)."""
+    """The paged engine with asynchronous steps (--inference-dynamic-batching-async-sched-mode async)."""
     yield from _server(tmp_path_factory, "--inference-dynamic-batching", "--inference-dynamic-batching-block-size",
                        "4", "--inference-dynamic-batching-max-tokens", "48", "--enable-chunked-prefill",
-                       "--inference-dynamic-batching-num-blocks", "160", "--inference-dynamic-batching-async-steps")
+                       "--inference-dynamic-batching-num-blocks", "160", "--inference-dynamic-batching-async-sched-mode", "async")
 
 
 def http(url: str, method: str, body) -> tuple[int, dict]:
