@@ -157,7 +157,8 @@ def serve(args, d: Path, engine: str, reqs: list) -> dict:
         drive_all(url, reqs[:min(4, len(reqs))], 1)  # warm-up (compilation, graphs)
         out = drive_all(url, reqs, args.clients)
         with urllib.request.urlopen(url + "/health") as r:
-            out["kv_bytes_peak"] = json.loads(r.read()).get("kv_bytes_peak")
+            health = json.loads(r.read())
+        out["kv_bytes_peak"], out["note"] = health.get("kv_bytes_peak"), compile_note(health).lstrip("; ")
         return out
     finally:
         proc.terminate()
@@ -197,7 +198,14 @@ def offline(args, d: Path, reqs: list) -> dict:
     return {**out, "kv_bytes_peak": engine.stats().get("kv_bytes_peak"), "note": how +
             "per step: {step_ms_mean} ms, {device_wait_ms_mean} ms of it waiting for the device's tokens; "
             "{decode_steps} steps of decodes only, {decode_step_ms_mean} ms each; the others {mixed_step_ms_mean} ms "
-            "each".format(**engine.stats())}
+            "each".format(**engine.stats()) + compile_note(engine.stats())}
+
+
+def compile_note(stats: dict) -> str:
+    """The engine's compiled graphs and frames left uncompiled (their steps ran eager), when it compiles."""
+    if "compiled_graphs" not in stats:
+        return ""
+    return "; compiled graphs {compiled_graphs}, frames not compiled {frames_not_compiled}".format(**stats)
 
 
 def arrivals(engine, times: list, requests: list) -> dict:

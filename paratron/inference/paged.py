@@ -460,4 +460,16 @@ class PagedEngine:
                 "decode_steps": self.decode_steps,
                 "decode_step_ms_mean": round(1000 * self.decode_s / max(self.decode_steps, 1), 3),
                 "mixed_step_ms_mean": round(1000 * (self.step_s - self.decode_s)
-                                            / max(self.steps - self.decode_steps, 1), 3)}
+                                            / max(self.steps - self.decode_steps, 1), 3), **self.compile_stats()}
+
+    def compile_stats(self) -> dict:
+        """Under --torch-compile: the graphs compiled in this process and the frames left uncompiled (a failed
+        compilation, or torch's recompile limit reached: those steps ran eager from then on), from torch's dynamo
+        counters (the process's, which the server's engine alone compiles in). A warmed-up engine is expected to
+        hold one graph for its MixedStep and, on a GPU, two for its decode graphs, and no uncompiled frame."""
+        if not self.e.compile:
+            return {}
+        from torch._dynamo.utils import counters
+        frames = counters["frames"]
+        return {"compiled_graphs": counters["stats"]["unique_graphs"],
+                "frames_not_compiled": frames["total"] - frames["ok"]}
