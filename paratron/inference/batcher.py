@@ -15,11 +15,47 @@ import time
 from typing import Optional
 
 
+class Steps:
+    """A streaming job's steps (each a list of tokens, one per request; None: the end), put by the event loop's
+    thread (handed over by ``call_soon_threadsafe``) and taken all at once by the response: a list and one
+    waiter, not an asyncio.Queue's wake-up per item."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.waiter = loop, [], None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    async def _wait(self) -> None:
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    async def take(self) -> list:
+        """Every step queued so far (waiting for the first)."""
+        await self._wait()
+        items, self.items = self.items, []
+        return items
+
+    async def get(self):
+        """The next step (waiting for it)."""
+        await self._wait()
+        return self.items.pop(0)
+
+
 class Job:
     def __init__(self, requests: list, loop: asyncio.AbstractEventLoop, stream: bool = False):
         self.requests, self.loop = requests, loop
         self.future = loop.create_future()
-        self.steps: Optional[asyncio.Queue] = asyncio.Queue() if stream else None
+        self.steps: Optional[Steps] = Steps(loop) if stream else None
 
     def _call(self, fn, *args) -> None:
         if not self.loop.is_closed():

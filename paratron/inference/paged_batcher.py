@@ -69,8 +69,10 @@ class PagedBatcher:
     def _on_token(self, seq, token) -> None:
         job, k = seq.owner
         if job.steps is not None:  # (a speculative step keeps several tokens of a request: one list each)
-            steps = self.tokens.setdefault(job, [[None] * len(job.requests)])
-            if steps[-1][k] is not None:
+            steps = self.tokens.get(job)
+            if steps is None:
+                steps = self.tokens[job] = [[None] * len(job.requests)]
+            elif steps[-1][k] is not None:
                 steps.append([None] * len(job.requests))
             steps[-1][k] = token
 

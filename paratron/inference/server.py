@@ -8,14 +8,13 @@ OpenAI-style JSON error naming the field; the server goes on.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Optional
 
 from .api import (ApiError, ChatRequest, CompletionRequest, MegatronRequest, chat_logprobs, completion_id,
                   completion_logprobs, envelope)
 from .batcher import Batcher, Job
-from .sampling import find_stop
+from .streaming import SseChunks, TextStream, sse as _sse
 from .text import render_chat
 
 
@@ -144,10 +143,8 @@ class Server:
         job = await self.submit(requests, "prompt", body.stream)
         cid = completion_id("cmpl")
         if body.stream:
-            return self._stream(job, params.stop, lambda i, delta, reason: envelope(
-                "text_completion", cid, self.name, [{"index": i, "text": delta, "logprobs": None,
-                                                     "finish_reason": reason}]),
-                prefix=[p if body.echo and isinstance(p, str) else "" for p in prompts])
+            return self._stream(job, params.stop, SseChunks(cid, self.name, chat=False),
+                                prefix=[p if body.echo and isinstance(p, str) else "" for p in prompts])
         results = await self.results(job)
         choices = []
         for i, (p, res) in enumerate(zip(prompts, results)):
@@ -169,14 +166,8 @@ class Server:
         job = await self.submit(requests, "messages", body.stream)
         cid = completion_id("chatcmpl")
         if body.stream:
-            def chunk(i, delta, reason):
-                d = {"content": delta} if reason is None else {}
-                return envelope("chat.completion.chunk", cid, self.name,
-                                [{"index": i, "delta": d, "logprobs": None, "finish_reason": reason}])
-            first = [envelope("chat.completion.chunk", cid, self.name, [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-                for i in range(body.n)]
-            return self._stream(job, params.stop, chunk, first=first)
+            chunk = SseChunks(cid, self.name, chat=True)
+            return self._stream(job, params.stop, chunk, first=[chunk.role(i) for i in range(body.n)])
         results = await self.results(job)
         choices = [{"index": i, "message": {"role": "assistant", "content": res.text or ""},
                     "logprobs": chat_logprobs(self.model, res) if body.logprobs else None,
@@ -189,19 +180,18 @@ class Server:
 
         async def events():
             for c in first:
-                yield _sse(c)
+                yield c
             for i, p in enumerate(prefix or []):
                 if p:
-                    yield _sse(chunk(i, p, None))
+                    yield chunk(i, p, None)
             while True:
-                steps = [await job.steps.get()]
-                while not job.steps.empty():  # the steps that queued while the last chunk went out: one chunk
-                    steps.append(job.steps.get_nowait())
+                steps = await job.steps.take()  # every step queued since the last chunk went out: one chunk
                 ended = steps[-1] is None  # (the end is the last thing a job queues)
+                steps = [step for step in steps if step is not None]
                 for i, stream in enumerate(streams):
-                    delta = "".join(stream.push(step[i]) for step in steps if step is not None)
+                    delta = stream.push_all([step[i] for step in steps])
                     if delta:
-                        yield _sse(chunk(i, delta, None))
+                        yield chunk(i, delta, None)
                 if ended:
                     break
             try:
@@ -212,58 +202,10 @@ class Server:
             for i, res in enumerate(results):
                 rest = streams[i].rest(res.text or "")
                 if rest:
-                    yield _sse(chunk(i, rest, None))
-                yield _sse(chunk(i, "", res.finish_reason))
+                    yield chunk(i, rest, None)
+                yield chunk(i, "", res.finish_reason)
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-class TextStream:
-    """The text of one streamed row, sent as it grows. Text that may be the start of a stop string,
-    and a trailing incomplete character, wait until the next token decides."""
-
-    def __init__(self, detokenize, stops: tuple):
-        self.detokenize, self.stops = detokenize, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.tokens: list = []
-        self.sent = ""
-        self.text = ""  # the text of tokens[:read], final (no incomplete character at its end)
-        self.start = self.read = 0  # tokens[start:read]: the context the next tokens are decoded after
-
-    def _text(self) -> str:
-        """The row's text: only the tokens since ``start`` decoded (with the last ones as context, so that a
-        tokenizer's joining of pieces comes out as in a whole decode), not the whole row each token."""
-        window = self.detokenize(self.tokens[self.start:])
-        before = self.detokenize(self.tokens[self.start:self.read])
-        if not window.startswith(before):  # a decoder that rewrites the context: decode the whole row
-            self.text, self.start, self.read = "", 0, 0
-            return self._text()
-        new = window[len(before):]
-        if new.endswith("\ufffd"):  # an incomplete character: the next token decides
-            return self.text + new
-        self.text += new
-        self.start, self.read = self.read, len(self.tokens)
-        return self.text
-
-    def push(self, token: Optional[int]) -> str:
-        if token is None:
-            return ""
-        self.tokens.append(token)
-        text = self._text()
-        cut = find_stop(text, self.stops)
-        safe = text[:cut] if cut is not None else text[:len(text) - self.hold]
-        return self.rest(safe.rstrip("\ufffd"))
-
-    def rest(self, text: str) -> str:
-        """What of ``text`` (the row's text so far or final) has not been sent; sends it."""
-        if not text.startswith(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
 
 
 def build_app(server: Server):

@@ -55,3 +55,30 @@ def test_a_stop_string_cuts_the_stream_where_the_whole_text_does(tokenizers):
     stream = TextStream(tok.detokenize, ("über",))
     sent = "".join(stream.push(t) for t in ids)
     assert sent == TEXT[:TEXT.index("über")]
+
+
+@pytest.mark.parametrize("name", ["bpe", "sentencepiece", "bytes"])
+def test_a_chunk_of_several_tokens_sends_what_token_by_token_sends(tokenizers, name):
+    """A chunk carrying the tokens of several steps (the response fell behind the engine) sends the token-by-token
+    deltas joined, stop strings and characters split over tokens included."""
+    tok = tokenizers[name]
+    ids = tok.tokenize(TEXT)
+    one, many = TextStream(tok.detokenize, ("über",)), TextStream(tok.detokenize, ("über",))
+    for at in range(0, len(ids), 5):
+        chunk = ids[at:at + 5]
+        assert many.push_all(chunk + [None]) == "".join(one.push(t) for t in chunk)
+    whole = tok.detokenize(ids)
+    assert many.sent == one.sent == whole[:whole.index("über")]
+
+
+def test_a_chunk_is_decoded_once_not_twice_per_token(tokenizers):
+    """Two decoder calls (the window and its context) for a chunk of 8 tokens, not 16."""
+    tok = tokenizers["bpe"]
+    ids = tok.tokenize(TEXT)
+    calls = []
+    stream = TextStream(lambda x: calls.append(1) or tok.detokenize(x), ())
+    stream.push(ids[0])
+    calls.clear()
+    stream.push_all(ids[1:9])
+    assert len(calls) == 2
+    assert stream.push_all([None]) == "" and len(calls) == 2
