@@ -278,9 +278,11 @@ def serve(model, host: str, port: int, max_batch: int, wait: float, name: str, c
     app = build_app(server)
     print(f"paratron serve: {name} on http://{host}:{port} (PUT /api, POST /v1/completions, "
           f"POST /v1/chat/completions, GET /v1/models, GET /health)", flush=True)
-    web = _web_server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                     timeout_graceful_shutdown=GRACE_SECONDS))
+    # asyncio's loop, not uvloop even when installed: uvloop seldom releases the GIL, and the generation thread then
+    # waits out Python's switch interval each step (docs/inference.md "The host cost of streaming")
     try:
+        web = _web_server(uvicorn.Config(app, host=host, port=port, log_level="warning", loop="asyncio",
+                                         timeout_graceful_shutdown=GRACE_SECONDS))
         web.run()
     finally:
         server.batcher.stop()

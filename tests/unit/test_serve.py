@@ -219,3 +219,25 @@ def test_serve_load_benchmark_drives_a_server(paged_server):
     assert len(out["itl"]) == len(chunks) - len(out["ttft"]) and min(out["ttft"]) > 0
     assert bench.tokens_in("<12><7>") == 2
     assert bench.percentiles([0.001, 0.002, 0.003]) == (2.0, 3.0)
+
+
+def test_serve_runs_uvicorn_on_asyncio_not_uvloop(monkeypatch):
+    """uvloop, picked by uvicorn's default when installed, starves the generation thread of the GIL
+    (docs/inference.md "The host cost of streaming"): serve() asks for asyncio's loop."""
+    from paratron.inference import server as srv
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def web(config):
+        seen["loop"] = config.loop
+        raise Stop
+
+    class Model:
+        run = None
+    monkeypatch.setattr(srv, "_web_server", web)
+    with pytest.raises(Stop):
+        srv.serve(Model(), "127.0.0.1", 0, 4, 0.0, "m")
+    assert seen["loop"] == "asyncio"
