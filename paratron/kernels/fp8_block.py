@@ -30,14 +30,28 @@ def _ceil(n: int, d: int = TILE) -> int:
 
 
 def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``x`` [r, c] with zero rows / columns added up to [rows, cols]."""
+    """``x`` [r, c] with zero rows / columns added up to [rows, cols] (``x`` itself when nothing is added)."""
+    if tuple(x.shape) == (rows, cols):
+        return x
     return torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
+
+
+def _scaled(x: torch.Tensor, s: torch.Tensor, row_block: int, divide: bool) -> torch.Tensor:
+    """fp32 ``x`` [M, K] times (``divide``: over) the scale of its tile (``row_block`` 1, ``s`` [M, K/128]) or
+    block (``row_block`` 128, ``s`` [M/128, K/128]): each tile is a view the scale broadcasts over, no
+    per-element scale tensor is made (under --torch-compile the cast is one fused pass)."""
+    m, k = x.shape
+    mb, kb = s.shape
+    tiles = _padded(x.float(), mb * row_block, kb * TILE).reshape(mb, row_block, kb, TILE)
+    scale = s[:, None, :, None]
+    y = tiles / scale if divide else tiles * scale
+    return y.reshape(mb * row_block, kb * TILE)[:m, :k]
 
 
 def tile_scales(x: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0) -> torch.Tensor:
     """The scale of each 1 x 128 tile of ``x`` [M, K]: [M, ceil(K / 128)] fp32."""
     m, k = x.shape
-    amax = _padded(x.float().abs(), m, _ceil(k) * TILE).view(m, _ceil(k), TILE).amax(dim=2)
+    amax = _padded(x.float().abs(), m, _ceil(k) * TILE).reshape(m, _ceil(k), TILE).amax(dim=2)
     return compute_scale(amax, FMAX[dtype], margin)
 
 
@@ -45,38 +59,39 @@ def block_scales(w: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0) ->
     """The scale of each 128 x 128 block of ``w`` [N, K]: [ceil(N / 128), ceil(K / 128)] fp32."""
     n, k = w.shape
     nb, kb = _ceil(n), _ceil(k)
-    amax = _padded(w.float().abs(), nb * TILE, kb * TILE).view(nb, TILE, kb, TILE).amax(dim=(1, 3))
+    amax = _padded(w.float().abs(), nb * TILE, kb * TILE).reshape(nb, TILE, kb, TILE).amax(dim=(1, 3))
     return compute_scale(amax, FMAX[dtype], margin)
 
 
 def expand(scale: torch.Tensor, rows: int, cols: int, row_block: int) -> torch.Tensor:
-    """Per-element scales [rows, cols] of tile scales (``row_block`` 1) or block scales (128)."""
+    """Per-element scales [rows, cols] of tile scales (``row_block`` 1) or block scales (128) (for tests and
+    error bounds: the casts broadcast the scales over views of the tiles instead)."""
     return scale.repeat_interleave(row_block, 0)[:rows].repeat_interleave(TILE, 1)[:, :cols]
 
 
-def _cast(x: torch.Tensor, full_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _cast(x: torch.Tensor, s: torch.Tensor, row_block: int, dtype: torch.dtype) -> torch.Tensor:
     fmax = FMAX[dtype]
-    return (x.float() * full_scale).clamp(-fmax, fmax).to(dtype)
+    return _scaled(x, s, row_block, divide=False).clamp(-fmax, fmax).to(dtype).contiguous()
 
 
 def quantize_tiles(x: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0):
     """``x`` [M, K] in FP8 with a scale per 1 x 128 tile: (q [M, K], scales [M, ceil(K/128)])."""
     s = tile_scales(x, dtype, margin)
-    return _cast(x, expand(s, *x.shape, 1), dtype), s
+    return _cast(x, s, 1, dtype), s
 
 
 def quantize_blocks(w: torch.Tensor, dtype: torch.dtype = E4M3, margin: int = 0):
     """``w`` [N, K] in FP8 with a scale per 128 x 128 block: (q [N, K], scales [ceil(N/128), ceil(K/128)])."""
     s = block_scales(w, dtype, margin)
-    return _cast(w, expand(s, *w.shape, TILE), dtype), s
+    return _cast(w, s, TILE, dtype), s
 
 
 def dequantize_tiles(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() / expand(s, *q.shape, 1)).to(dtype)
+    return _scaled(q, s, 1, divide=True).to(dtype)
 
 
 def dequantize_blocks(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() / expand(s, *q.shape, TILE)).to(dtype)
+    return _scaled(q, s, TILE, divide=True).to(dtype)
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, b_blocks: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -112,11 +127,29 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
         return (dequantize_tiles(a, sa) @ dequantize(b, sb, b_blocks).t()).to(out_dtype)
     if path == "dequant":
         return dequantize_tiles(a, sa, out_dtype) @ dequantize(b, sb, b_blocks, out_dtype).t()
+    return scaled_block_mm(a, sa, b, sb, b_blocks, out_dtype)
+
+
+@torch.library.custom_op("paratron::fp8_scaled_block_mm", mutates_args=())
+def scaled_block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_blocks: bool,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """The ``scaled_mm`` path of :func:`block_mm` as an operator of its own: torch.compile cannot trace
+    ``F.scaled_mm`` (``torch._scaled_mm_v2`` breaks the graph, and a break inside the blockwise linear's autograd
+    function left its quantisation eager), so the traced graph holds this call and Inductor fuses the
+    casts around it. On CUDA: cuBLAS's blockwise FP8 GEMM; elsewhere the dequantised product in fp32 (the
+    reference the CPU tests compare it with; ``gemm_choice`` never picks this path off Hopper)."""
+    if not a.is_cuda:
+        return (dequantize_tiles(a, sa) @ dequantize(b, sb, b_blocks).t()).to(out_dtype)
     kinds = torch.nn.functional.ScalingType
     scale_a, scale_b = scaled_mm_scales(sa, sb, b_blocks)
     return torch.nn.functional.scaled_mm(a.contiguous(), b.contiguous().t(), scale_a, kinds.BlockWise1x128, scale_b,
                                          kinds.BlockWise128x128 if b_blocks else kinds.BlockWise1x128,
                                          output_dtype=out_dtype)
+
+
+@scaled_block_mm.register_fake
+def _(a, sa, b, sb, b_blocks, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 
 def gemm_choice(device) -> tuple[str, str]:

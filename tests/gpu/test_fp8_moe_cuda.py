@@ -40,7 +40,9 @@ def test_blockwise_scaled_mm_equals_emulation(b_blocks):
 
 @pytest.mark.skipif(not _hopper(), reason="Hopper")
 @pytest.mark.parametrize("k,n", [(512, 384), (384, 512)])  # (the second: the input gradient's K blocks unpadded)
-def test_blockwise_linear_on_the_gpu_equals_emulation(k, n):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_blockwise_linear_on_the_gpu_equals_emulation(k, n, compiled):
+    """Also compiled whole (fullgraph: the scaled_mm GEMM is an operator torch.compile keeps in the graph)."""
     from paratron import fp8
     torch.manual_seed(1)
     x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
@@ -50,7 +52,8 @@ def test_blockwise_linear_on_the_gpu_equals_emulation(k, n):
     for emulate in (False, True):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         state = FP8State(Recipe(format="e4m3", recipe="blockwise", emulate=emulate, block_gemm="scaled_mm"))
-        y = fp8.fp8_linear(xr, wr, state)
+        f = lambda a, b: fp8.fp8_linear(a, b, state)  # noqa: E731
+        y = (torch.compile(f, fullgraph=True) if compiled and not emulate else f)(xr, wr)
         y.backward(g)
         outs.append((y, xr.grad, wr.grad))
     for got, want in zip(*outs):

@@ -153,3 +153,37 @@ def test_scaled_mm_scale_layouts(n, k):
     st = tile_scales(torch.randn(n, k))
     _, scale_t = scaled_mm_scales(sa, st, False)
     assert scale_t.shape == (n, kb) and scale_t.stride() == (1, n) and torch.equal(scale_t, st.reciprocal())
+
+
+@pytest.mark.parametrize("shape,row_block", [((3, 130), 1), ((200, 300), 128), ((256, 384), 128), ((64, 256), 1)])
+def test_casts_equal_the_per_element_scales(shape, row_block):
+    """The casts broadcast each tile's scale over a view of the tile; the result is bit for bit what multiplying
+    by the per-element scales (``expand``) gives, partial tiles and a transposed (non-contiguous) input too."""
+    torch.manual_seed(5)
+    x = torch.randn(*shape) * torch.logspace(-3, 3, shape[1])
+    for t in (x, x.t().contiguous().t()):
+        q, s = fb.quantize_tiles(t) if row_block == 1 else fb.quantize_blocks(t)
+        full = fb.expand(s, *t.shape, row_block)
+        assert q.is_contiguous() and torch.equal(q, (t * full).clamp(-448, 448).to(E4M3))
+        back = fb.dequantize(q, s, row_block == fb.TILE)
+        assert torch.equal(back, q.float() / full)
+
+
+def test_scaled_mm_path_traces_whole_under_compile():
+    """The scaled_mm GEMM is an operator of its own (torch.compile cannot trace F.scaled_mm): the blockwise linear's
+    forward and backward trace as one graph (fullgraph raises on a break) and equal the dequantised path; off CUDA
+    the operator computes the dequantised product."""
+    torch.manual_seed(6)
+    x0, w0, g = torch.randn(256, 256), torch.randn(384, 256) * 0.05, torch.randn(256, 384)
+    results = []
+    for path, compiled in (("dequant", False), ("scaled_mm", True)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        state = FP8State(Recipe(format="e4m3", recipe="blockwise", block_gemm=path))
+        f = lambda a, b: fp8.fp8_linear(a, b, state)  # noqa: E731
+        if compiled:
+            f = torch.compile(f, fullgraph=True, backend="aot_eager")
+        y = f(x, w)
+        y.backward(g)
+        results.append((y, x.grad, w.grad))
+    for a, b in zip(*results):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5)
