@@ -136,6 +136,9 @@ def speculative_main(args, device, dtype, compile_: bool) -> int:
             same = sum(x == y for a, b in zip(tokens, plain_tokens) for x, y in zip(a, b))
             row.update(acceptance=round(s.rate, 4), tokens_per_pass=round(s.tokens_per_step, 3),
                        same_tokens_as_plain=round(same / max(sum(map(len, plain_tokens)), 1), 3),
+                       first_difference=next((i for i, (x, y) in enumerate(zip(tokens[0], plain_tokens[0])) if x != y),
+                                             None),  # row 0's first position unlike plain decoding (None: equal)
+                       passes_ahead=s.ahead,  # passes whose counts stayed on the device (read once per chunk)
                        speedup=round(row["decode_tok_s"] / rows[0]["decode_tok_s"], 3))
         rows.append(row)
         print(json.dumps(row), flush=True)

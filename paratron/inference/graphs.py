@@ -38,9 +38,13 @@ class DecodeRunner:
         self.out = None
         self.calls = 0
 
-    def __call__(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, slot) -> torch.Tensor:
+        """``slot``: an int, or a 0-d tensor on the device (copied there: the host does not read it)."""
         self.tokens.copy_(tokens)
-        self.slot.fill_(slot)
+        if isinstance(slot, torch.Tensor):
+            self.slot.copy_(slot)
+        else:
+            self.slot.fill_(slot)
         if self.device.type != "cuda":
             return self.step(self.tokens, self.slot)
         if self.graph is None:

@@ -42,7 +42,7 @@ import torch
 
 from ..model.layers import ForwardContext
 from .cache import CacheView
-from .engine import _Run
+from .engine import SYNC_EVERY, _Run
 
 
 @dataclass
@@ -53,9 +53,10 @@ class Acceptance:
     accepted: int = 0
     steps: int = 0
     tokens: int = 0
+    ahead: int = 0  # verification passes run ahead of the host (counts read back in chunks, :meth:`SpeculativeRun.run_ahead`)
 
     def add(self, other: "Acceptance") -> None:
-        for name in ("drafted", "accepted", "steps", "tokens"):
+        for name in ("drafted", "accepted", "steps", "tokens", "ahead"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -196,18 +197,25 @@ class Steps:
         slots = start + torch.arange(window.shape[0], device=window.device)
         return draft(self.e, self.greedy, window, slots, self.stream, self.k)[0]
 
-    def run_verify(self, tokens: torch.Tensor, slot: int) -> tuple:
+    def run_verify(self, tokens: torch.Tensor, slot) -> tuple:
+        """The verification pass of ``tokens`` [b, s] from cache slot ``slot`` (an int, or a 0-d device tensor that
+        the host never reads)."""
         if self.verifier is not None and tokens.shape[1] == self.k + 1:
             return self.verifier(tokens, slot)
-        return self.verify(tokens, torch.tensor(slot, device=tokens.device))
+        return self.verify(tokens, torch.as_tensor(slot, device=tokens.device))
+
+    def greedy_drafts(self, sampler, window: torch.Tensor, start) -> torch.Tensor:
+        """Greedy drafts [b, K] by the fixed-shape pass over a window of 2K positions from slot ``start`` (an int or a
+        0-d device tensor)."""
+        self.greedy = self.greedy or sampler
+        if self.drafter is not None:
+            return self.drafter(window, start)
+        return self._draft(window, torch.as_tensor(start, device=window.device))
 
     def run_draft(self, sampler, window: torch.Tensor, start: int, k: int) -> tuple:
         """Drafts [b, k] and q (as :func:`draft`) over the window starting at slot ``start``."""
         if sampler.greedy and k == self.k and len(window) == 2 * self.k:  # the fixed-shape pass
-            self.greedy = self.greedy or sampler
-            if self.drafter is not None:
-                return self.drafter(window, start), None
-            return self._draft(window, torch.tensor(start, device=window.device)), None
+            return self.greedy_drafts(sampler, window, start), None
         slots = torch.arange(start, start + len(window), device=window.device)
         return draft(self.e, sampler, window, slots, self.stream, k)
 
@@ -252,8 +260,14 @@ class SpeculativeRun(_Run):
         tok = e._broadcast(self.sampler(self.last))
         self._flush([self._outputs(tok)], on_step)
         n = self.length - 1  # the slot of the last token the main model has seen; tok goes to n + 1
+        ahead = on_step is None and self.sampler.greedy and not self.want_logprobs and e.model.par.tp_size == 1 \
+            and not any(p.stop for p in self.params)
         while not all(self.done):
             left = max(self.new_max[i] - len(self.tokens[i]) for i, d in enumerate(self.done) if not d)
+            steps = min(SYNC_EVERY, left // (self.k + 1), (e.cache.capacity - 2 - self.k - n) // (self.k + 1) + 1)
+            if ahead and len(self.window) == 2 * self.k and steps >= 1:
+                tok, n = self.run_ahead(tok, n, steps)
+                continue
             k = max(0, min(self.k, e.cache.capacity - 2 - n, left - 1))
             self.stream[:, n + 1] = tok
             drafts, q = torch.zeros(len(self.done), 0, dtype=torch.long, device=e.device), None
@@ -268,6 +282,49 @@ class SpeculativeRun(_Run):
             self.stream[:, n + 2:n + 2 + kept] = chosen[:, :kept]
             n += kept
             self.start = n + 1 - len(self.window)
+
+    def run_ahead(self, tok: torch.Tensor, n: int, steps: int) -> tuple:
+        """``steps`` full speculative steps (K drafts each) with the slot, the kept counts, the window and the token
+        stream on the device: nothing is read by the host until the end, when the kept tokens of every step are
+        read at once and recorded (greedy rows, no per-token callback, log-probabilities or stop strings: the rows'
+        ends are found when the tokens are read, as plain decoding does every SYNC_EVERY steps). The batch advances
+        each step by the fewest tokens a row unfinished at the start accepted, plus one; the caller bounds
+        ``steps`` so that neither the cache nor the longest row's budget is overrun even if every draft is
+        accepted. Returns (the next token [b], the last slot the main model has seen)."""
+        k, dev = self.k, self.e.device
+        live = torch.tensor([not d for d in self.done], device=dev)
+        at = torch.arange(k + 1, device=dev)
+        span = torch.arange(2 * k, device=dev)
+        slot = torch.tensor(n, device=dev)
+        window, record = self.window, []
+        for _ in range(steps):
+            self.stream.index_copy_(1, (slot + 1).view(1), tok[:, None])
+            drafts = self.steps.greedy_drafts(self.sampler, window, slot + 1 - 2 * k)
+            hidden, logits = self.steps.run_verify(torch.cat([tok[:, None], drafts], 1), slot + 1)
+            a, x = accept(self.sampler, logits, drafts, None)
+            kept = torch.where(live, a, k).min() + 1
+            chosen = torch.where(at[None] < a[:, None], torch.cat([drafts, x[:, None]], 1), x[:, None])
+            tok = chosen.index_select(1, (kept - 1).view(1))[:, 0]
+            window = torch.cat([window, hidden]).index_select(0, kept + span)  # the last 2K verified positions
+            self.stream.index_copy_(1, slot + 2 + at, chosen)  # (slots past the kept ones are rewritten before read)
+            slot = slot + kept
+            record.append((kept, a, chosen))
+        self.window = window
+        kept_all = torch.stack([r[0] for r in record]).tolist()  # the one read of the chunk
+        a_all = torch.stack([r[1] for r in record]).tolist()
+        chosen_all = torch.stack([r[2] for r in record]).tolist()
+        for kept, a, chosen in zip(kept_all, a_all, chosen_all):
+            live_rows = [i for i, d in enumerate(self.done) if not d]
+            self.stats.drafted += k * len(live_rows)
+            self.stats.accepted += sum(a[i] for i in live_rows)
+            self.stats.steps += len(live_rows)
+            self.stats.tokens += kept * len(live_rows)
+            self.stats.ahead += 1
+            for j in range(kept):
+                self._record([row[j] for row in chosen], None, None)
+        n += sum(kept_all)
+        self.start = n + 1 - len(self.window)
+        return tok, n
 
     def _keep(self, a: torch.Tensor, x: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor, on_step) -> tuple:
         """Record the tokens the batch keeps this step: the fewest any unfinished row accepted, plus one (row r's

@@ -55,3 +55,7 @@ def test_cuda_graph_speculative_equals_plain():
             assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(w.logprobs), atol=1e-3)
     steps = spec.speculative_steps
     assert steps.verifier.runner.graph is not None and steps.drafter.runner.graph is not None
+    reqs = [Request(list(range(5 + i, 40 + i)), SamplingParams(60)) for i in range(4)]  # run ahead of the host
+    for w, r in zip(plain.generate(reqs), spec.generate(reqs)):
+        assert r.tokens == w.tokens
+    assert spec.acceptance.ahead > 0

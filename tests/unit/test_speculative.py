@@ -10,7 +10,7 @@ import torch
 from paratron.config import ModelConfig
 from paratron.inference.engine import Engine, Request
 from paratron.inference.sampling import SamplingParams
-from paratron.inference.speculative import accept
+from paratron.inference.speculative import SpeculativeRun, accept
 from paratron.model.gpt import GPTModel
 from tests.unit.test_generate import PROMPTS, VOCAB, sharpen
 
@@ -72,6 +72,45 @@ def test_speculative_greedy_equals_plain(case):
             assert stats.rate > 0.4 and stats.tokens_per_step > 1.5, stats
     if case == "accepted":  # and some drafts rejected: both paths of the rule taken
         assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("case", ["rejected", "accepted"])
+def test_steps_run_ahead_of_the_host_give_plain_greedy_tokens(case):
+    """Without log-probabilities, callbacks or stop strings, greedy speculative steps run in chunks with their counts on
+    the device (read once a chunk): the tokens still equal plain greedy decoding's, rows of several lengths and budgets
+    (the longest row's budget and the cache bound the chunks), the end-of-document token stopping a row included."""
+    model = mtp_model() if case == "rejected" else bigram_drafter(mtp_model(layers=1), attention=0.3, noise=0.7)
+    budgets = [23, 9, 17]
+    reqs = [Request(p, SamplingParams(max_new_tokens=b)) for p, b in zip(PROMPTS, budgets)]
+    plain = Engine(model, VOCAB).generate(reqs)
+    for k in (1, 2):
+        engine = Engine(model, VOCAB, num_speculative_tokens=k)
+        got = engine.generate(reqs)
+        assert [r.tokens for r in got] == [r.tokens for r in plain]
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in plain]
+        assert engine.acceptance.ahead > 0 and engine.acceptance.drafted > 0
+        if case == "accepted":
+            assert engine.acceptance.tokens_per_step > 1.5, engine.acceptance
+        single = Engine(model, VOCAB, num_speculative_tokens=k)
+        assert single.generate([reqs[0]])[0].tokens == plain[0].tokens
+        ahead = single.acceptance
+        synced = Engine(model, VOCAB, num_speculative_tokens=k)  # log-probabilities: one host read per step
+        synced.generate([Request(PROMPTS[0], SamplingParams(max_new_tokens=budgets[0], logprobs=True))])
+        counts = lambda a: (a.drafted, a.accepted, a.steps, a.tokens)  # noqa: E731
+        assert synced.acceptance.ahead == 0 and counts(ahead) == counts(synced.acceptance)  # the same drafts
+        windows = []  # and the same hidden states left for the depths to draft from
+        for logprobs in (False, True):
+            run = SpeculativeRun(Engine(model, VOCAB, num_speculative_tokens=k),
+                                 [Request(PROMPTS[0], SamplingParams(max_new_tokens=budgets[0], logprobs=logprobs))])
+            run.prefill()
+            run.decode(None)
+            windows.append((run.window, run.start))
+        assert torch.equal(windows[0][0], windows[1][0]) and windows[0][1] == windows[1][1]
+    eod = plain[0].tokens[5]  # a token the first row generates: as the end-of-document token it stops that row there
+    want = Engine(model, VOCAB, eod=eod).generate(reqs)
+    got = Engine(model, VOCAB, eod=eod, num_speculative_tokens=2).generate(reqs)
+    assert [(r.tokens, r.finish_reason) for r in got] == [(r.tokens, r.finish_reason) for r in want]
+    assert want[0].finish_reason == "stop"
 
 
 def test_speculative_sampling_is_seeded_and_stops():
