@@ -88,14 +88,52 @@ def padded_layout(routing_map: torch.Tensor, probs: torch.Tensor, assignments: O
     return src, weight, row_expert, ends
 
 
+def token_rows(routing_map: torch.Tensor, src: torch.Tensor, row_expert: torch.Tensor,
+               top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under dropless routing (exactly ``top_k`` experts per token): the padded rows of each token's experts in the
+    layout of :func:`padded_layout` (row r reads token ``src[r]`` for expert ``row_expert[r]``), and those experts,
+    both [tokens, top_k] in expert order, on the device."""
+    tokens, experts = routing_map.shape
+    table = torch.zeros(tokens + 1, experts, dtype=torch.long, device=src.device)  # (row ``tokens``: padding's)
+    table.index_put_((src, row_expert), torch.arange(src.shape[0], device=src.device))
+    chosen = torch.nonzero_static(routing_map, size=tokens * top_k)[:, 1].view(tokens, top_k)
+    return table[:tokens].gather(1, chosen), chosen
+
+
+class _Combine(torch.autograd.Function):
+    """``out[t] = sum_j w[t, j] * y[rows[t, j]]``: each token's expert rows gathered and weighted, in fp32 (no
+    scatter, so no atomic adds). The backward gathers too: row r's gradient is its weight times its token's
+    gradient (``src``, ``row_weight``; padding rows read the zero row and weigh 0)."""
+
+    @staticmethod
+    def forward(ctx, y, w, rows, src, row_weight):
+        ctx.save_for_backward(y, w, rows, src, row_weight)
+        return (y[rows].float() * w.float()[..., None]).sum(1).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        y, w, rows, src, row_weight = ctx.saved_tensors
+        gy = gw = None
+        if ctx.needs_input_grad[0]:
+            gy = (F.pad(g, (0, 0, 0, 1))[src].float() * row_weight.float()[:, None]).to(y.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = (g.float()[:, None, :] * y[rows].float()).sum(-1).to(w.dtype)
+        return gy, gw, None, None, None
+
+
 def fused_local_experts(experts: "Experts", tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                         assignments: Optional[int]) -> torch.Tensor:
     """:func:`local_experts` with the permutation fused (--moe-permute-fusion): one gather takes the tokens
-    straight into the padded expert rows, and one scatter-add takes the outputs, weighted by their
-    probabilities, straight back to their tokens (torch ops that Inductor fuses under --torch-compile)."""
+    straight into the padded expert rows, and the outputs come back to their tokens weighted by their
+    probabilities: under dropless routing by one gather of each token's k rows (:class:`_Combine`), else by one
+    scatter-add (torch ops that Inductor fuses under --torch-compile)."""
     src, weight, row_expert, ends = padded_layout(routing_map, probs, assignments, experts.row_alignment())
     y = experts.padded(F.pad(tokens, (0, 0, 0, 1))[src], ends, row_expert)
-    out = tokens.new_zeros(tokens.shape[0] + 1, tokens.shape[1])
+    n = tokens.shape[0]
+    if assignments is not None and assignments % n == 0 and hasattr(torch, "nonzero_static"):
+        rows, chosen = token_rows(routing_map, src, row_expert, assignments // n)
+        return _Combine.apply(y, probs.gather(1, chosen), rows, src, weight.detach())
+    out = tokens.new_zeros(n + 1, tokens.shape[1])
     return out.index_add_(0, src, y * weight.to(y.dtype)[:, None])[:-1]
 
 

@@ -8,7 +8,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from paratron.config import ModelConfig
-from paratron.model import moe
+from paratron.model import moe, moe_experts
 from paratron.model.layers import Parallel
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
@@ -166,3 +166,31 @@ def test_alltoall_padded_to_capacity_reads_no_counts(monkeypatch):
     want = moe.local_experts(layer.experts, tokens, probs, rmap, capacity * 4)
     g_want, = torch.autograd.grad(want.square().sum(), tokens)
     assert torch.allclose(got, want, atol=1e-6) and torch.allclose(g_got, g_want, atol=1e-5)
+
+
+def test_dropless_fused_combine_gathers_each_tokens_rows(monkeypatch):
+    """Dropless routing: the outputs come back by a gather of each token's k rows (no scatter-add), equal to the
+    scatter-add of the weighted rows, with the gradients of the rows and of the probabilities; every real row is
+    some token's, padding rows none."""
+    torch.manual_seed(4)
+    layer = moe.MoELayer(_cfg(moe_permute_fusion=True), Parallel())
+    tokens = torch.randn(16, 32)
+    probs, rmap = layer.router(tokens, 8)
+    src, weight, row_expert, ends = moe.padded_layout(rmap, probs, 32, layer.experts.row_alignment())
+    rows, chosen = moe_experts.token_rows(rmap, src, row_expert, 2)
+    assert torch.equal(src[rows], torch.arange(16)[:, None].expand(16, 2)) and torch.equal(row_expert[rows], chosen)
+    assert sorted(rows.flatten().tolist()) == [r for r in range(len(src)) if src[r] < 16]
+    y = torch.randn(len(src), 32, requires_grad=True)
+    p = probs.detach().clone().requires_grad_()
+    got = moe_experts._Combine.apply(y, p.gather(1, chosen), rows, src, weight.detach())
+    w_rows = p.new_zeros(len(src)).index_copy(0, rows.flatten(), p.gather(1, chosen).flatten())
+    want = torch.zeros(17, 32).index_add(0, src, y * w_rows[:, None])[:-1]
+    assert torch.allclose(got, want, atol=1e-6)
+    g = torch.randn(16, 32)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(torch.autograd.grad(got, (y, p), g),
+                                                               torch.autograd.grad(want, (y, p), g)))
+    calls = []
+    monkeypatch.setattr(moe_experts._Combine, "apply", lambda *a: calls.append(1) or torch.zeros(16, 32))
+    moe.fused_local_experts(layer.experts, tokens, probs, rmap, 32)
+    moe.fused_local_experts(layer.experts, tokens, probs, rmap, None)  # token dropping: the scatter-add
+    assert calls == [1]
