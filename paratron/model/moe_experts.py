@@ -198,18 +198,18 @@ class Experts(nn.Module):
 
     def padded(self, x: torch.Tensor, ends: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
         """The experts on rows already in the padded grouped layout (:func:`padded_layout`). The grouped GEMM
-        writes no row past the last group, in its output nor in its input's gradient: both are masked to zero
-        there, so no bias gradient or FP8 amax reads those rows."""
+        writes no row past the last group (in its output nor in its input's gradient), so the last group is
+        extended over the rows past it: they are padding rows, which read the zero row, so every row of the
+        output and of the gradients is written, with values nothing reads (their weight is 0, their gradient 0),
+        and no pass over the rows has to mask them (no uninitialised memory reaches a bias gradient or an FP8
+        amax)."""
         self.used_grouped_mm = True
-        valid = (torch.arange(x.shape[0], device=x.device) < ends[-1])[:, None]
+        ends = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])])
 
         def mm(a: torch.Tensor, m: _Weight) -> torch.Tensor:
-            a = torch.where(valid, a, 0.0)
             if m.fp8 is not None:
-                y = fp8_experts.fp8_grouped_mm(a, m.weight, ends, m.fp8)
-            else:
-                y = torch._grouped_mm(a, m.weight.transpose(1, 2), offs=ends)
-            return torch.where(valid, y, 0.0)
+                return fp8_experts.fp8_grouped_mm(a, m.weight, ends, m.fp8)
+            return torch._grouped_mm(a, m.weight.transpose(1, 2), offs=ends)
         return self._ffn(x, mm, row_expert)
 
     def _ffn(self, x: torch.Tensor, mm, expert_index: torch.Tensor) -> torch.Tensor:

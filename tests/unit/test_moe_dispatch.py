@@ -194,3 +194,24 @@ def test_dropless_fused_combine_gathers_each_tokens_rows(monkeypatch):
     moe.fused_local_experts(layer.experts, tokens, probs, rmap, 32)
     moe.fused_local_experts(layer.experts, tokens, probs, rmap, None)  # token dropping: the scatter-add
     assert calls == [1]
+
+
+def test_rows_the_grouped_gemm_leaves_unwritten_reach_nothing(monkeypatch):
+    """torch._grouped_mm writes no row past its last group (on a GPU those rows hold whatever memory held): with
+    such rows poisoned with NaN, the fused path's outputs and gradients are finite and unchanged (the last group
+    covers every row of the padded layout)."""
+    torch.manual_seed(5)
+    layer = moe.MoELayer(_cfg(moe_permute_fusion=True, disable_bias_linear=False), Parallel())
+    layer.train()
+    x = torch.randn(8, 3, 32)
+    want = _run(layer, x)
+    real = torch._grouped_mm
+
+    def poisoned(a, b, offs=None, **kw):
+        out = real(a, b, offs=offs, **kw)
+        past = torch.arange(out.shape[0]) >= offs[-1]
+        return torch.where(past[:, None], torch.full_like(out, float("nan")), out)
+    monkeypatch.setattr(torch, "_grouped_mm", poisoned)
+    got = _run(layer, x)
+    assert torch.isfinite(got[0]).all() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
