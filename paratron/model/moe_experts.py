@@ -100,6 +100,21 @@ def token_rows(routing_map: torch.Tensor, src: torch.Tensor, row_expert: torch.T
     return table[:tokens].gather(1, chosen), chosen
 
 
+class _Dispatch(torch.autograd.Function):
+    """``tokens`` into the padded rows (row r reads token ``src[r]``, padding rows the zero row after the last);
+    the backward sums each token's k rows' gradients (``rows`` [tokens, k]) by a gather, in fp32: no scatter-add."""
+
+    @staticmethod
+    def forward(ctx, tokens, src, rows):
+        ctx.save_for_backward(rows)
+        return F.pad(tokens, (0, 0, 0, 1))[src]
+
+    @staticmethod
+    def backward(ctx, g):
+        rows, = ctx.saved_tensors
+        return g[rows].float().sum(1).to(g.dtype), None, None
+
+
 class _Combine(torch.autograd.Function):
     """``out[t] = sum_j w[t, j] * y[rows[t, j]]``: each token's expert rows gathered and weighted, in fp32 (no
     scatter, so no atomic adds). The backward gathers too: row r's gradient is its weight times its token's
@@ -125,14 +140,16 @@ def fused_local_experts(experts: "Experts", tokens: torch.Tensor, probs: torch.T
                         assignments: Optional[int]) -> torch.Tensor:
     """:func:`local_experts` with the permutation fused (--moe-permute-fusion): one gather takes the tokens
     straight into the padded expert rows, and the outputs come back to their tokens weighted by their
-    probabilities: under dropless routing by one gather of each token's k rows (:class:`_Combine`), else by one
-    scatter-add (torch ops that Inductor fuses under --torch-compile)."""
+    probabilities: under dropless routing by one gather of each token's k rows (:class:`_Combine`; the dispatch's
+    backward gathers them too, :class:`_Dispatch`), else by one scatter-add (torch ops that Inductor fuses under
+    --torch-compile)."""
     src, weight, row_expert, ends = padded_layout(routing_map, probs, assignments, experts.row_alignment())
-    y = experts.padded(F.pad(tokens, (0, 0, 0, 1))[src], ends, row_expert)
     n = tokens.shape[0]
     if assignments is not None and assignments % n == 0 and hasattr(torch, "nonzero_static"):
         rows, chosen = token_rows(routing_map, src, row_expert, assignments // n)
+        y = experts.padded(_Dispatch.apply(tokens, src, rows), ends, row_expert)
         return _Combine.apply(y, probs.gather(1, chosen), rows, src, weight.detach())
+    y = experts.padded(F.pad(tokens, (0, 0, 0, 1))[src], ends, row_expert)
     out = tokens.new_zeros(n + 1, tokens.shape[1])
     return out.index_add_(0, src, y * weight.to(y.dtype)[:, None])[:-1]
 
