@@ -26,8 +26,11 @@ ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausa
 HYBRID_RESHAPES = ("qkvz_ba", "gated_qkv")  # Qwen3-Next's (the others are hf.py's)
 # the names in the files (NemotronH's modules are named model.* in memory, backbone.* on disk: both are read)
 PREFIX = {"mamba2": "backbone.", "nemotron_h": "backbone."}
-# NemotronH clamps dt at time_step_min and needs it positive (its dt initialisation takes its log): a floor of 0
-# (Megatron's) is written as this, which changes dt only where softplus' input is below about -20.7.
+# NemotronH's dt floor: transformers up to 5.18 at least clamped dt at time_step_min, later releases (5.25) at
+# time_step_limit[0] (Mamba2's rule). A config is read by the latter (time_step_limit) and written for both
+# (time_step_limit [floor, inf] and time_step_min = the floor); time_step_min must be positive (the dt
+# initialisation takes its log), so a floor of 0 (Megatron's) is written there as this, which changes dt only where
+# softplus' input is below about -20.7.
 NO_FLOOR = 1e-9
 LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}  # NemotronH's names
 _MAMBA = [("input_layernorm.weight", "norm.weight")] + [
@@ -57,10 +60,10 @@ def hybrid_model_config(d: dict, family: str, need: Callable) -> ModelConfig:
                   norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)),
                   disable_bias_linear=True, untie_embeddings_and_output_weights=not d.get("tie_word_embeddings", True),
                   hidden_dropout=0.0, attention_dropout=0.0, init_method_std=float(d.get("initializer_range", 0.02)))
+    limit = d.get("time_step_limit") or (0.0, math.inf)
+    need(math.isinf(limit[1]), f"no upper dt limit (time_step_limit {list(limit)})")
     if family == "mamba2":
         n = int(d.get("num_hidden_layers", d.get("n_layer", 0)))
-        limit = d.get("time_step_limit") or (0.0, math.inf)
-        need(math.isinf(limit[1]), f"no upper dt limit (time_step_limit {list(limit)})")
         need(d.get("rms_norm", True), "the gated RMSNorm (rms_norm true)")
         return ModelConfig(**common, hybrid_layer_pattern="M" * n, seq_length=4096,
                            **_mamba_fields(d, int(d["num_heads"]), int(d["head_dim"]), "state_size",
@@ -81,7 +84,7 @@ def hybrid_model_config(d: dict, family: str, need: Callable) -> ModelConfig:
     positions = int(d.get("max_position_embeddings", 4096))
     return ModelConfig(**common, hybrid_layer_pattern=pattern, seq_length=positions,
                        **_mamba_fields(d, int(d["mamba_num_heads"]), int(d["mamba_head_dim"]), "ssm_state_size",
-                                       int(d.get("chunk_size", 128)), float(d.get("time_step_min", 0.001))))
+                                       int(d.get("chunk_size", 128)), float(limit[0])))
 
 
 def check_hybrid_representable(cfg: ModelConfig, family: str, need: Callable) -> None:
@@ -120,7 +123,8 @@ def hybrid_hf_config(cfg: ModelConfig, family: str) -> dict[str, Any]:
                     time_step_limit=[cfg.mamba_dt_limit_min, math.inf])
     return dict(mamba, layers_block_type=[LAYER_TYPES[s] for s in cfg.hybrid_layer_pattern.replace("|", "")],
                 mamba_num_heads=heads, mamba_head_dim=cfg.mamba_head_dim, ssm_state_size=cfg.mamba_state_dim,
-                time_step_min=cfg.mamba_dt_limit_min or NO_FLOOR, num_attention_heads=cfg.num_attention_heads,
+                time_step_min=cfg.mamba_dt_limit_min or NO_FLOOR, time_step_limit=[cfg.mamba_dt_limit_min, math.inf],
+                num_attention_heads=cfg.num_attention_heads,
                 num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
                 intermediate_size=cfg.ffn_hidden_size, mlp_hidden_act="relu2", attention_bias=False, mlp_bias=False,
                 max_position_embeddings=cfg.max_position_embeddings, num_nextn_predict_layers=0)

@@ -21,7 +21,7 @@ class HybridFields:
     mamba_head_dim: int = 64  # Mamba-2: channels per head
     mamba_num_groups: int = 8  # Mamba-2: B / C groups (heads share them; TP splits whole groups)
     mamba_num_heads: Optional[int] = None  # Mamba-2: heads (default 2 * hidden / --mamba-head-dim)
-    mamba_dt_limit_min: float = 0.0  # Mamba-2: dt clamped from below (Megatron 0; Hugging Face NemotronH time_step_min)
+    mamba_dt_limit_min: float = 0.0  # Mamba-2: dt clamped from below (Megatron 0; Hugging Face time_step_limit[0])
     mamba_chunk_size: int = 128  # Mamba-2 / Gated DeltaNet: the chunked scan's chunk length (Megatron's fixed 128)
     experimental_attention_variant: Optional[str] = None  # gated_delta_net | gdn: Gated DeltaNet in the GPT stack
     linear_attention_freq: Optional[str] = None  # int N (every Nth layer attention, the rest GDN) or a 0/1 list (1 GDN)

@@ -20,7 +20,8 @@ MAMBA = dict(hidden_size=32, state_size=8, head_dim=8, num_heads=8, n_groups=2, 
 CASES = {
     "mamba2-untied": ("mamba2", dict(MAMBA, num_hidden_layers=2, tie_word_embeddings=False)),
     "mamba2-tied": ("mamba2", dict(MAMBA, num_hidden_layers=1, tie_word_embeddings=True)),
-    # a dt floor of 0.6 (time_step_min: NemotronH clamps dt there) that binds for part of the tokens
+    # a dt floor of 0.6 that binds for part of the tokens (NemotronH's: time_step_limit in transformers 5.25,
+    # time_step_min in 5.18; both set)
     "qwen3_next": ("qwen3_next", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
                                       linear_num_key_heads=2, linear_num_value_heads=4, num_experts=0,
@@ -31,7 +32,8 @@ CASES = {
     "nemotron_h": ("nemotron_h", dict(hidden_size=32, hybrid_override_pattern="M*-M", num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=8, intermediate_size=48, ssm_state_size=8,
                                       mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8,
-                                      time_step_min=0.6, tie_word_embeddings=False, bos_token_id=0,
+                                      time_step_min=0.6, time_step_limit=(0.6, float("inf")),
+                                      tie_word_embeddings=False, bos_token_id=0,
                                       eos_token_id=0, pad_token_id=0)),
 }
 
