@@ -53,7 +53,7 @@ class Acceptance:
     accepted: int = 0
     steps: int = 0
     tokens: int = 0
-    ahead: int = 0  # verification passes run ahead of the host (counts read back in chunks, :meth:`SpeculativeRun.run_ahead`)
+    ahead: int = 0  # passes run ahead of the host (their counts read back in chunks: SpeculativeRun.run_ahead)
 
     def add(self, other: "Acceptance") -> None:
         for name in ("drafted", "accepted", "steps", "tokens", "ahead"):

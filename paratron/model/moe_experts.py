@@ -122,17 +122,18 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, w, rows, src, row_weight):
-        ctx.save_for_backward(y, w, rows, src, row_weight)
+        ctx.save_for_backward(y, rows, src, row_weight)
+        ctx.w_dtype = w.dtype
         return (y[rows].float() * w.float()[..., None]).sum(1).to(y.dtype)
 
     @staticmethod
     def backward(ctx, g):
-        y, w, rows, src, row_weight = ctx.saved_tensors
+        y, rows, src, row_weight = ctx.saved_tensors
         gy = gw = None
         if ctx.needs_input_grad[0]:
             gy = (F.pad(g, (0, 0, 0, 1))[src].float() * row_weight.float()[:, None]).to(y.dtype)
         if ctx.needs_input_grad[1]:
-            gw = (g.float()[:, None, :] * y[rows].float()).sum(-1).to(w.dtype)
+            gw = (g.float()[:, None, :] * y[rows].float()).sum(-1).to(ctx.w_dtype)
         return gy, gw, None, None, None
 
 
