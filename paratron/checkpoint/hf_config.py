@@ -58,9 +58,24 @@ def padded_vocab_size(vocab_size: int, cfg: ModelConfig, tensor_model_parallel_s
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def decode_floats(value: Any) -> Any:
+    """``value`` with transformers' tagged floats ({"__float__": "Infinity"}, how 5.x writes inf and NaN into a
+    config.json) turned back into floats, in nested dicts and lists too."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in FLOAT_TAGS:
+            return FLOAT_TAGS[value["__float__"]]
+        return {k: decode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_floats(v) for v in value]
+    return value
+
+
 def _as_dict(hf_config: Any) -> dict:
     if isinstance(hf_config, dict):
-        return hf_config
+        return decode_floats(hf_config)
     if hasattr(hf_config, "to_dict"):  # a transformers PretrainedConfig
         return hf_config.to_dict()
     raise ConversionError(f"expected a config.json dict, got {type(hf_config).__name__}")

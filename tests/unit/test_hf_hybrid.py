@@ -82,3 +82,20 @@ def test_refusals():
         HC.hf_config_from_model_config(gdn, VOCAB, "nemotron_h")
     with pytest.raises(HC.ConversionError, match="use mamba2, nemotron_h or qwen3_next"):
         HC.hf_config_from_model_config(gdn, VOCAB, "llama")
+
+
+def test_tagged_floats_of_transformers_5_config_files_are_read(tmp_path):
+    """transformers 5.x writes inf into config.json as {"__float__": "Infinity"} (NemotronH's time_step_limit): the
+    config reads back with the floor it gives."""
+    import json
+    hf = hf_model("nemotron_h")
+    hf.config.save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    d["time_step_limit"] = [0.25, {"__float__": "Infinity"}]
+    cfg, _, family = HC.model_config_from_hf(d)
+    assert family == "nemotron_h" and cfg.mamba_dt_limit_min == 0.25
+    assert HC.decode_floats({"a": [1, {"__float__": "-Infinity"}], "b": {"__float__": "x"}}) == \
+        {"a": [1, float("-inf")], "b": {"__float__": "x"}}
+    d["time_step_limit"] = [0.0, 5.0]
+    with pytest.raises(H.ConversionError, match="no upper dt limit"):
+        HC.model_config_from_hf(d)
