@@ -161,6 +161,12 @@ def accept(sampler, logits: torch.Tensor, drafts: torch.Tensor, q: Optional[torc
     return a, torch.where(sampler.is_greedy, best[rows, a], sampler.draw(residual))
 
 
+def step_tokens(a: torch.Tensor, x: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """Every row's tokens of a step [b, k + 1]: its ``a`` accepted drafts, then ``x``, repeated to the end."""
+    at = torch.arange(drafts.shape[1] + 1, device=a.device)[None, :]
+    return torch.where(at < a[:, None], torch.cat([drafts, x[:, None]], 1), x[:, None])
+
+
 class Steps:
     """The fixed-shape passes of one batch size and cache, kept by the engine across ``generate`` calls: the
     verification of K + 1 tokens at a slot, and greedy drafting over a window of 2K positions; with ``compile``
@@ -303,7 +309,7 @@ class SpeculativeRun(_Run):
             hidden, logits = self.steps.run_verify(torch.cat([tok[:, None], drafts], 1), slot + 1)
             a, x = accept(self.sampler, logits, drafts, None)
             kept = torch.where(live, a, k).min() + 1
-            chosen = torch.where(at[None] < a[:, None], torch.cat([drafts, x[:, None]], 1), x[:, None])
+            chosen = step_tokens(a, x, drafts)
             tok = chosen.index_select(1, (kept - 1).view(1))[:, 0]
             window = torch.cat([window, hidden]).index_select(0, kept + span)  # the last 2K verified positions
             self.stream.index_copy_(1, slot + 2 + at, chosen)  # (slots past the kept ones are rewritten before read)
@@ -314,11 +320,7 @@ class SpeculativeRun(_Run):
         a_all = torch.stack([r[1] for r in record]).tolist()
         chosen_all = torch.stack([r[2] for r in record]).tolist()
         for kept, a, chosen in zip(kept_all, a_all, chosen_all):
-            live_rows = [i for i, d in enumerate(self.done) if not d]
-            self.stats.drafted += k * len(live_rows)
-            self.stats.accepted += sum(a[i] for i in live_rows)
-            self.stats.steps += len(live_rows)
-            self.stats.tokens += kept * len(live_rows)
+            self._count(k, a, kept)
             self.stats.ahead += 1
             for j in range(kept):
                 self._record([row[j] for row in chosen], None, None)
@@ -326,19 +328,23 @@ class SpeculativeRun(_Run):
         self.start = n + 1 - len(self.window)
         return tok, n
 
-    def _keep(self, a: torch.Tensor, x: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor, on_step) -> tuple:
-        """Record the tokens the batch keeps this step: the fewest any unfinished row accepted, plus one (row r's
-        tokens are its accepted drafts, then x_r). Returns (how many, every row's tokens of the step [b, k + 1])."""
-        k = drafts.shape[1]
+    def _count(self, k: int, accepted: list, kept: int) -> None:
+        """Add one verification pass of the rows still unfinished to the acceptance counts (``accepted``: each row's
+        accepted drafts, ``kept``: the tokens the batch kept)."""
         live = [i for i, d in enumerate(self.done) if not d]
-        accepted = a.tolist()
-        kept = min(accepted[i] for i in live) + 1
         self.stats.drafted += k * len(live)
         self.stats.accepted += sum(accepted[i] for i in live)
         self.stats.steps += len(live)
         self.stats.tokens += kept * len(live)
-        at = torch.arange(k + 1, device=a.device)[None, :]
-        chosen = torch.where(at < a[:, None], torch.cat([drafts, x[:, None]], 1), x[:, None])
+
+    def _keep(self, a: torch.Tensor, x: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor, on_step) -> tuple:
+        """Record the tokens the batch keeps this step: the fewest any unfinished row accepted, plus one (row r's
+        tokens are its accepted drafts, then x_r). Returns (how many, every row's tokens of the step [b, k + 1])."""
+        live = [i for i, d in enumerate(self.done) if not d]
+        accepted = a.tolist()
+        kept = min(accepted[i] for i in live) + 1
+        self._count(drafts.shape[1], accepted, kept)
+        chosen = step_tokens(a, x, drafts)
         pending = []
         for i in range(kept):  # token i of the step was predicted by row i of the verification
             self.last = logits[:, i]
