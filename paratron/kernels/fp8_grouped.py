@@ -53,7 +53,10 @@ def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
 def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torch.Tensor, ends: torch.Tensor,
                   kind: str, out_dtype: torch.dtype, path: str) -> torch.Tensor:
     """Each expert's ``g_e^T x_e`` [E, N, K] from ``gt`` = g^T [N, S] and ``xt`` = x^T [K, S] (block scales: 1 x 128
-    tiles along S, which never straddle two experts when each expert's rows start at a multiple of 128)."""
+    tiles along S, which never straddle two experts when each expert's rows start at a multiple of 128).
+    ``dequant`` (bf16 ``torch._grouped_mm`` with both operands K-major) sets the gradient of an expert that got no
+    rows to zero itself: torch's Hopper grouped GEMM does not promise to write the output of an empty group (its
+    Blackwell setup refuses such groups in this layout), and the blockwise recipe is the one user of this layout."""
     groups = ends.numel()
     if path == "scaled_grouped_mm":
         rows = sg.reciprocal().expand(groups * gt.shape[0]).contiguous()
@@ -61,6 +64,8 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
         return torch._scaled_grouped_mm(gt, xt.t(), rows, cols, offs=ends, out_dtype=out_dtype)
     dt = _work_dtype(path, out_dtype)
     out = torch._grouped_mm(_deq(gt, sg, kind, False, dt), _deq(xt, sx, kind, False, dt).t(), offs=ends)
+    if path == "dequant":  # an expert with no rows: its gradient is zero, whatever the kernel left there
+        out = torch.where((torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None], out, 0.0)
     return out.to(out_dtype)
 
 

@@ -92,6 +92,31 @@ def test_dequant_path_equals_emulation_within_bf16():
     assert torch.allclose(out[False][:end], out[True][:end], rtol=2e-2, atol=2e-2)
 
 
+def test_dequant_wgrad_of_an_expert_without_rows_is_zero_whatever_the_kernel_leaves(monkeypatch):
+    """An expert that gets no tokens (an empty group along the summed dimension) has a zero weight gradient on
+    the dequant path even when the grouped GEMM leaves that group's output unwritten: a stand-in kernel fills it
+    with NaN, as uninitialised memory may hold."""
+    from paratron.kernels import fp8_grouped
+    real = torch._grouped_mm
+
+    def leaves_empty_groups(a, b, offs=None, **kw):
+        out = real(a, b, offs=offs, **kw)
+        if a.dim() == 2 and b.dim() == 2:
+            sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+            out[sizes == 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", leaves_empty_groups)
+    x, w, g, _, ends = _case([130, 0, 20], 128, 256, 128)
+    gt, sg = fb.quantize_tiles(g.t().bfloat16())
+    xt, sx = fb.quantize_tiles(x.detach().t().bfloat16())
+    got = fp8_grouped.grouped_wgrad(gt, sg, xt, sx, ends, "block", torch.bfloat16, "dequant")
+    assert (got[1] == 0).all()
+    want = fp8_grouped.grouped_wgrad(gt, sg, xt, sx, ends, "block", torch.float32, "emulate")
+    for e in (0, 2):  # (bf16 products against fp32)
+        assert (got[e].float() - want[e]).norm() / want[e].norm() < 1e-2
+
+
 @pytest.mark.parametrize("recipe,hidden", [("tensorwise", 32), ("blockwise", 128)])
 def test_moe_layer_in_fp8_is_close_to_bf16(recipe, hidden):
     """The MoE layer's routed experts with FP8 states (attach): forward and expert gradients close to the
