@@ -85,12 +85,18 @@ def run_paratron(preset: str, flags: list[str], warmup: int, steps: int, plan=No
     sync()
     warmup_s = time.perf_counter() - t0
     print(f"  warm-up ({warmup} steps, compilation included): {warmup_s:.0f} s", flush=True)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if torch.cuda.is_available() else []
     start = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
+        if marks:
+            marks[i].record()
         report, _, _ = t.train_step()
         losses.append(report)
+    if marks:
+        marks[-1].record()
     sync()
     dt = (time.perf_counter() - start) / steps
+    each = sorted(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))  # (the GPU's time between step boundaries)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     flops = flops_per_iteration(cfg.model, cfg.padded_vocab_size, cfg.train.global_batch_size, cfg.model.seq_length)
     peak = peak_tflops(t.device) or 989.0
@@ -100,6 +106,8 @@ def run_paratron(preset: str, flags: list[str], warmup: int, steps: int, plan=No
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else None,
                loss=round(loss, 3), micro_batch=cfg.train.micro_batch_size, flops_per_token=flops / tokens,
                warmup_s=round(warmup_s), **plan_row)
+    if each:  # a uniformly slow run and one slow step read differently
+        out["step_ms_min_median_max"] = [round(each[0], 1), round(each[len(each) // 2], 1), round(each[-1], 1)]
     if plan and torch.cuda.is_available():
         out["mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         out["reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
@@ -459,12 +467,14 @@ def main() -> int:
         rows.append(r)
         print(json.dumps(r), flush=True)
     hf_tok = next((r["tok_s"] for r in rows if r["system"] == "hf-compile" and "tok_s" in r), None)
-    header = "| system | flags | step ms | tokens/s | TFLOP/s | MFU % | peak GB | loss | vs HF+compile |"
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    header = ("| system | flags | step ms | tokens/s | TFLOP/s | MFU % | peak GB | loss | vs HF+compile "
+              "| GPU ms per step: min / median / max |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tok_s'] / hf_tok:.2f}x" if hf_tok and "tok_s" in r else ""
+        spread = " / ".join(str(v) for v in r.get("step_ms_min_median_max", []))
         lines.append(f"| {r['system']} | `{r['flags']}` | {r.get('step_ms')} | {r.get('tok_s')} | {r.get('tflops')} | "
-                     f"{r.get('mfu')} | {r.get('peak_mem_gb')} | {r.get('loss')} | {ratio} |"
+                     f"{r.get('mfu')} | {r.get('peak_mem_gb')} | {r.get('loss')} | {ratio} | {spread} |"
                      + (f" error: {r['error']}" if "error" in r else ""))
     if args.plan:
         lines += ["", plan_table(rows)]
@@ -474,7 +484,8 @@ def main() -> int:
                  {"inductor settings": " ".join(args.inductor) or "defaults",
                   "BLAS": args.blas or "torch default",
                   "method": f"{settled(args.warmup)} warm-up steps (HF rows: {args.warmup}) + {args.steps} timed steps, "
-                            "CUDA-synchronised wall time; MFU by "
+                            "CUDA-synchronised wall time (paratron rows: each step's GPU time between CUDA events too); "
+                            "MFU by "
                             "the Megatron FLOPs formula against 989 TFLOP/s (HF rows: peers.py's own FLOPs count)"},
                  table)
     return 0
