@@ -484,8 +484,8 @@ def main() -> int:
                  {"inductor settings": " ".join(args.inductor) or "defaults",
                   "BLAS": args.blas or "torch default",
                   "method": f"{settled(args.warmup)} warm-up steps (HF rows: {args.warmup}) + {args.steps} timed steps, "
-                            "CUDA-synchronised wall time (paratron rows: each step's GPU time between CUDA events too); "
-                            "MFU by "
+                            "CUDA-synchronised wall time (paratron rows: each step's GPU time between CUDA "
+                            "events too); MFU by "
                             "the Megatron FLOPs formula against 989 TFLOP/s (HF rows: peers.py's own FLOPs count)"},
                  table)
     return 0
