@@ -54,16 +54,21 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
                   kind: str, out_dtype: torch.dtype, path: str) -> torch.Tensor:
     """Each expert's ``g_e^T x_e`` [E, N, K] from ``gt`` = g^T [N, S] and ``xt`` = x^T [K, S] (block scales: 1 x 128
     tiles along S, which never straddle two experts when each expert's rows start at a multiple of 128).
-    ``dequant`` (bf16 ``torch._grouped_mm`` with both operands K-major) sets the gradient of an expert that got no
-    rows to zero itself: torch's Hopper grouped GEMM does not promise to write the output of an empty group (its
-    Blackwell setup refuses such groups in this layout), and the blockwise recipe is the one user of this layout."""
+    ``dequant`` (bf16 ``torch._grouped_mm``) gives the kernel its operands in the layout of the weight gradient
+    of torch's own bf16 grouped GEMM (g^T column-major, x row-major: the dequantising pass writes them so under
+    the compiler) rather than both K-major, a layout no other path used, and sets the gradient of an expert that
+    got no rows to zero itself: torch's Hopper grouped GEMM does not promise to write an empty group's output (its
+    Blackwell setup refuses such groups in every layout but the former)."""
     groups = ends.numel()
     if path == "scaled_grouped_mm":
         rows = sg.reciprocal().expand(groups * gt.shape[0]).contiguous()
         cols = sx.reciprocal().expand(groups * xt.shape[0]).contiguous()
         return torch._scaled_grouped_mm(gt, xt.t(), rows, cols, offs=ends, out_dtype=out_dtype)
     dt = _work_dtype(path, out_dtype)
-    out = torch._grouped_mm(_deq(gt, sg, kind, False, dt), _deq(xt, sx, kind, False, dt).t(), offs=ends)
+    a, b = _deq(gt, sg, kind, False, dt), _deq(xt, sx, kind, False, dt).t()
+    if path == "dequant":  # the operands in the layout of torch's own weight gradient (column-, then row-major)
+        a, b = a.t().contiguous().t(), b.contiguous()
+    out = torch._grouped_mm(a, b, offs=ends)
     if path == "dequant":  # an expert with no rows: its gradient is zero, whatever the kernel left there
         out = torch.where((torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None], out, 0.0)
     return out.to(out_dtype)

@@ -95,13 +95,16 @@ def test_dequant_path_equals_emulation_within_bf16():
 def test_dequant_wgrad_of_an_expert_without_rows_is_zero_whatever_the_kernel_leaves(monkeypatch):
     """An expert that gets no tokens (an empty group along the summed dimension) has a zero weight gradient on
     the dequant path even when the grouped GEMM leaves that group's output unwritten: a stand-in kernel fills it
-    with NaN, as uninitialised memory may hold."""
+    with NaN, as uninitialised memory may hold; the operands reach the kernel in torch's weight-gradient layout."""
     from paratron.kernels import fp8_grouped
     real = torch._grouped_mm
+
+    layouts = []
 
     def leaves_empty_groups(a, b, offs=None, **kw):
         out = real(a, b, offs=offs, **kw)
         if a.dim() == 2 and b.dim() == 2:
+            layouts.append((a.stride(0) == 1, b.stride(1) == 1))
             sizes = torch.diff(offs, prepend=offs.new_zeros(1))
             out[sizes == 0] = float("nan")
         return out
@@ -112,6 +115,7 @@ def test_dequant_wgrad_of_an_expert_without_rows_is_zero_whatever_the_kernel_lea
     xt, sx = fb.quantize_tiles(x.detach().t().bfloat16())
     got = fp8_grouped.grouped_wgrad(gt, sg, xt, sx, ends, "block", torch.bfloat16, "dequant")
     assert (got[1] == 0).all()
+    assert layouts == [(True, True)]  # g^T column-major, x row-major: torch's own weight-gradient layout
     want = fp8_grouped.grouped_wgrad(gt, sg, xt, sx, ends, "block", torch.float32, "emulate")
     for e in (0, 2):  # (bf16 products against fp32)
         assert (got[e].float() - want[e]).norm() / want[e].norm() < 1e-2
