@@ -179,7 +179,7 @@ def offline(args, d: Path, reqs: list) -> dict:
     requests = [Request(list(prompt), SamplingParams(max_new_tokens=n, ignore_eod=True)) for _, prompt, n in reqs]
     engine.warm_up()  # every decode bucket's graph, as the server does at start-up
     engine.generate(requests[:min(4, len(requests))])  # warm-up of the prefill path
-    engine.reset_stats()  # the timed run's steps only
+    engine.reset_stats()  # the timed run's steps, peak KV blocks and prefix-cache hits only
     if args.rate > 0:
         out = arrivals(engine, [at for at, _, _ in reqs], requests)
         how = "in-process, requests added between steps at their arrival times (no HTTP); "
@@ -198,7 +198,8 @@ def offline(args, d: Path, reqs: list) -> dict:
     return {**out, "kv_bytes_peak": engine.stats().get("kv_bytes_peak"), "note": how +
             "per step: {step_ms_mean} ms, {device_wait_ms_mean} ms of it waiting for the device's tokens; "
             "{decode_steps} steps of decodes only, {decode_step_ms_mean} ms each; the others {mixed_step_ms_mean} ms "
-            "each".format(**engine.stats()) + compile_note(engine.stats())}
+            "each; prefix-cache hit blocks {prefix_cache_hit_blocks}".format(**engine.stats()) +
+            compile_note(engine.stats())}
 
 
 def compile_note(stats: dict) -> str:

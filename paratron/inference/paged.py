@@ -233,9 +233,12 @@ class PagedEngine:
 
     def reset_stats(self) -> None:
         """Count steps and their times from now (a benchmark's timed run after its warm-up): steps (of which
-        decodes only), their time and the time spent waiting for the device's tokens."""
+        decodes only), their time and the time spent waiting for the device's tokens; the pool's peak (from the
+        blocks held now) and the prefix-cache hits too, else a warm-up's would stand for the timed run's."""
         self.steps = self.decode_steps = 0
         self.step_s = self.wait_s = self.decode_s = 0.0
+        self.blocks.peak = self.blocks.used
+        self.sched.prefix_hits = 0
 
     def _advance(self, plan: list, on_token) -> list[Seq]:
         """The model over the scheduled ``plan``: its tokens computed, the next ones chosen; the requests that

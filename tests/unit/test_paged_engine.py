@@ -93,6 +93,50 @@ def test_prefix_cache_hits_give_the_tokens_of_misses(engine, policy):
     assert [g.tokens for g in got] == [p.tokens for p in plain]
 
 
+@pytest.mark.parametrize("policy", ["lru", "ref_zero"])
+def test_requests_arriving_one_by_one_reuse_a_shared_prefix_and_stats_count_from_the_reset(engine, policy):
+    """benchmarks/serve_load.py's offline arrivals: a warm-up of requests admitted together (none shares: their
+    blocks are registered after the step that computes them), reset_stats, then requests one at a time. One that
+    arrives while another holding the prefix runs computes its suffix only; one that arrives after they all
+    finished does too under lru, and computes it all again under ref_zero. The peak and the hits are the timed
+    run's, not the warm-up's (the warm-up's peak stood for the run's: the same peak KV bytes with and without
+    caching)."""
+    rng = random.Random(7)
+    shared = [rng.randrange(1, VOCAB) for _ in range(16)]  # 4 full blocks of 4
+    prompt = lambda: shared + [rng.randrange(1, VOCAB) for _ in range(2)]  # noqa: E731
+    paged = PagedEngine(engine, config(max_tokens=64, prefix_caching=True, prefix_caching_eviction_policy=policy))
+    warm = paged.generate([Request(prompt(), SamplingParams(max_new_tokens=6)) for _ in range(3)])
+    assert paged.stats()["prefix_cache_hit_blocks"] == 0 and paged.stats()["kv_blocks_peak"] == 3 * 6
+    paged.reset_stats()
+    assert paged.stats()["kv_blocks_peak"] == 0 and paged.stats()["prefix_cache_hit_blocks"] == 0
+    plans, schedule = [], paged.sched.schedule
+    paged.sched.schedule = lambda: plans.append(schedule()) or plans[-1]
+    reqs = [Request(prompt(), SamplingParams(max_new_tokens=6)) for _ in range(3)]
+
+    def computed_at_admission(seq):
+        return next(n for s, n in plans[-1] if s is seq)
+    a = paged.add(reqs[0])  # the warm-up's blocks: kept by lru, forgotten by ref_zero
+    paged.step()
+    assert computed_at_admission(a) == (2 if policy == "lru" else 18)
+    b = paged.add(reqs[1])  # while a runs
+    paged.step()
+    assert computed_at_admission(b) == 2  # its suffix only
+    while not paged.idle:
+        paged.step()
+    c = paged.add(reqs[2])  # after a and b finished
+    paged.step()
+    assert computed_at_admission(c) == (2 if policy == "lru" else 18)
+    while not paged.idle:
+        paged.step()
+    hits = paged.stats()["prefix_cache_hit_blocks"]
+    assert hits == (12 if policy == "lru" else 4)
+    assert paged.stats()["kv_blocks_peak"] == 6 + 2  # a's 6 blocks and b's own 2 (the 4 of the prefix shared)
+    plain = PagedEngine(engine, config())
+    assert [paged.result(s).tokens for s in (a, b, c)] == [r.tokens for r in plain.generate(reqs)]
+    assert [w.tokens for w in warm] == [r.tokens for r in plain.generate(
+        [Request(list(w.prompt), SamplingParams(max_new_tokens=6)) for w in warm])]
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 def test_preemption_under_a_tiny_pool_loses_nothing_and_changes_nothing(engine, chunked):
     reqs = mixed(16, 10)
