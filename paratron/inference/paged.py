@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..kernels.paged_attention import tiles_of
 from ..model.attention.windowed import needs_core_attention
+from ..parallel.tensor import set_cublaslt
 from .block_tables import BlockTables
 from .blocks import BlockAllocator
 from .engine import Engine, Request, Result
@@ -103,6 +104,11 @@ class PagedEngine:
         self.tables = BlockTables(cfg.inference_dynamic_batching_max_requests, -(-engine.context // self.block_size),
                                   self.device, self._tensor, lambda: self.sched.running)
         self.kernel = engine.model.kernels.kernel_decode_attention != "sdpa"
+        # --kernel-cublaslt auto: torch's GEMM calls here. cuBLASLt's choice of algorithm is timed at a shape's first
+        # and RETUNE_AT-th call (kernels/cublaslt.py), and a step carrying prompt chunks has a new row count nearly
+        # every time: each such step would time its GEMMs (and wait for the timings) inside the step.
+        self.cublaslt = engine.model.kernels.kernel_cublaslt == "on"
+        set_cublaslt(engine.model, self.cublaslt)
         self.q_per_group = engine.model.config.num_attention_heads // engine.model.config.num_query_groups
         self.ids = itertools.count()
         self.reset_stats()
@@ -450,7 +456,7 @@ class PagedEngine:
         states = "" if self.states is None else f", recurrent states: {rows} rows ({self.state_bytes / 2 ** 30:.3f} GB)"
         return (f" paged engine: {self.num_blocks - 1} blocks of {self.block_size} tokens "
                 f"({(self.num_blocks - 1) * self.block_bytes / 2 ** 30:.3f} GB){states}, paged attention: {attention}, "
-                f"{graphs}")
+                f"{graphs}, GEMMs: {'cuBLASLt timed choice' if self.cublaslt else 'torch'}")
 
     def stats(self) -> dict:
         """What /health reports about the pool."""

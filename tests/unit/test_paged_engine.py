@@ -52,6 +52,19 @@ def test_64_concurrent_mixed_requests_equal_each_alone(engine):
         assert got.tokens == engine.generate([r])[0].tokens
 
 
+def test_paged_engine_keeps_torch_gemms_unless_cublaslt_is_on():
+    """--kernel-cublaslt auto: the paged engine turns the linear layers to torch's calls (cuBLASLt's timed choice
+    would time every new row count of a step carrying prompt chunks, inside the step); on: kept, and said."""
+    from paratron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    for choice, want in (("auto", False), ("on", True)):
+        model = tiny_model()
+        model.kernels.kernel_cublaslt = choice
+        paged = PagedEngine(Engine(model, VOCAB), config())
+        flags = {m.cublaslt for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+        assert flags == {want} and paged.cublaslt is want
+        assert paged.startup_line().endswith("GEMMs: cuBLASLt timed choice" if want else "GEMMs: torch")
+
+
 def tiny_moe():
     from paratron.config import ModelConfig
     from paratron.model.gpt import GPTModel
