@@ -139,7 +139,7 @@ def scaled_block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
     casts around it. On CUDA: cuBLAS's blockwise FP8 GEMM; elsewhere the dequantised product in fp32 (the
     reference the CPU tests compare it with; ``gemm_choice`` never picks this path off Hopper)."""
     if not a.is_cuda:
-        return (dequantize_tiles(a, sa) @ dequantize(b, sb, b_blocks).t()).to(out_dtype)
+        return block_mm(a, sa, b, sb, b_blocks, out_dtype, "emulate")
     kinds = torch.nn.functional.ScalingType
     scale_a, scale_b = scaled_mm_scales(sa, sb, b_blocks)
     return torch.nn.functional.scaled_mm(a.contiguous(), b.contiguous().t(), scale_a, kinds.BlockWise1x128, scale_b,
