@@ -39,6 +39,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 # the llama-1b shape of ../shared/bench/hf_generate.py and hf_cb.py (the peers' runs)
@@ -193,13 +194,16 @@ def offline(args, d: Path, reqs: list) -> dict:
         out = {"output_tokens": sum(len(r.tokens) for r in results), "wall_s": time.perf_counter() - t0,
                "ttft": [t - t0 for t in first.values()], "itl": [], "e2e": []}
         how = "in-process, all requests at once; "
-    if args.profile:  # the same load again under the profiler: where the device's time goes
-        profile_run(engine, requests)
-    return {**out, "kv_bytes_peak": engine.stats().get("kv_bytes_peak"), "note": how +
+    stats = engine.stats()  # the timed run's (before a profiled run adds its own steps)
+    if args.profile:  # the same load again under the profiler (at its arrival times): where the device's time goes
+        again = [Request(list(prompt), SamplingParams(max_new_tokens=n, ignore_eod=True)) for _, prompt, n in reqs]
+        profile_run(engine, lambda: arrivals(engine, [at for at, _, _ in reqs], again) if args.rate > 0
+                    else engine.generate(again))
+    return {**out, "kv_bytes_peak": stats.get("kv_bytes_peak"), "note": how +
             "per step: {step_ms_mean} ms, {device_wait_ms_mean} ms of it waiting for the device's tokens; "
             "{decode_steps} steps of decodes only, {decode_step_ms_mean} ms each; the others {mixed_step_ms_mean} ms "
-            "each; prefix-cache hit blocks {prefix_cache_hit_blocks}".format(**engine.stats()) +
-            compile_note(engine.stats())}
+            "each ({mixed_wait_ms_mean} ms of it waiting for the device); prefix-cache hit blocks "
+            "{prefix_cache_hit_blocks}".format(**stats) + compile_note(stats)}
 
 
 def compile_note(stats: dict) -> str:
@@ -237,8 +241,8 @@ def arrivals(engine, times: list, requests: list) -> dict:
             "itl": [b - a for _, s in got for a, b in zip(s, s[1:])]}
 
 
-def profile_run(engine, requests: list, top: int = 25) -> None:
-    """``--profile``: the offline load once more under torch.profiler; GPU time by kind of kernel, the top
+def profile_run(engine, load: Callable, top: int = 25) -> None:
+    """``--profile``: the offline load once more (``load``) under torch.profiler; GPU time by kind of kernel, the top
     kernels with their launches per step, and the time the GPU had no kernel running (profile_step.py's
     reading of the trace)."""
     import torch
@@ -247,7 +251,7 @@ def profile_run(engine, requests: list, top: int = 25) -> None:
         raise SystemExit("serve_load: --profile reads the GPU's kernels: run it on a GPU")
     steps = engine.steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        engine.generate(requests)
+        load()
         torch.cuda.synchronize()
     steps = engine.steps - steps
     with tempfile.TemporaryDirectory() as tmp:

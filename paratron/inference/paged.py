@@ -232,17 +232,20 @@ class PagedEngine:
     def _timed(self, plan: list, start: float) -> None:
         """A step of ``plan`` that began at ``start`` (perf_counter) into the step times /health reports."""
         took = time.perf_counter() - start
+        waited, self.wait_mark = self.wait_s - self.wait_mark, self.wait_s
         self.step_s += took
         if plan and all(n == 1 for _, n in plan):
             self.decode_steps += 1
             self.decode_s += took
+        else:  # a step with prompt chunks: how much of it was the host waiting for the device's tokens
+            self.mixed_wait_s += waited
 
     def reset_stats(self) -> None:
         """Count steps and their times from now (a benchmark's timed run after its warm-up): steps (of which
         decodes only), their time and the time spent waiting for the device's tokens; the pool's peak (from the
         blocks held now) and the prefix-cache hits too, else a warm-up's would stand for the timed run's."""
         self.steps = self.decode_steps = 0
-        self.step_s = self.wait_s = self.decode_s = 0.0
+        self.step_s = self.wait_s = self.decode_s = self.mixed_wait_s = self.wait_mark = 0.0
         self.blocks.peak = self.blocks.used
         self.sched.prefix_hits = 0
 
@@ -469,7 +472,9 @@ class PagedEngine:
                 "decode_steps": self.decode_steps,
                 "decode_step_ms_mean": round(1000 * self.decode_s / max(self.decode_steps, 1), 3),
                 "mixed_step_ms_mean": round(1000 * (self.step_s - self.decode_s)
-                                            / max(self.steps - self.decode_steps, 1), 3), **self.compile_stats()}
+                                            / max(self.steps - self.decode_steps, 1), 3),
+                "mixed_wait_ms_mean": round(1000 * self.mixed_wait_s / max(self.steps - self.decode_steps, 1), 3),
+                **self.compile_stats()}
 
     def compile_stats(self) -> dict:
         """Under --torch-compile: the graphs compiled in this process and the frames left uncompiled (a failed

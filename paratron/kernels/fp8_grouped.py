@@ -46,7 +46,7 @@ def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
         return torch._scaled_grouped_mm(a, b.transpose(-2, -1), rows.contiguous(), cols.contiguous(), offs=ends,
                                         out_dtype=out_dtype)
     dt = _work_dtype(path, out_dtype)
-    out = torch._grouped_mm(_deq(a, sa, kind, False, dt), _deq(b, sb, kind, True, dt).transpose(-2, -1), offs=ends)
+    out = _mm(_deq(a, sa, kind, False, dt), _deq(b, sb, kind, True, dt).transpose(-2, -1), ends, path)
     return out.to(out_dtype)
 
 
@@ -68,10 +68,29 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     a, b = _deq(gt, sg, kind, False, dt), _deq(xt, sx, kind, False, dt).t()
     if path == "dequant":  # the operands in the layout of torch's own weight gradient (column-, then row-major)
         a, b = a.t().contiguous().t(), b.contiguous()
-    out = torch._grouped_mm(a, b, offs=ends)
+    out = _mm(a, b, ends, path)
     if path == "dequant":  # an expert with no rows: its gradient is zero, whatever the kernel left there
         out = torch.where((torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None], out, 0.0)
     return out.to(out_dtype)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, path: str) -> torch.Tensor:
+    """The grouped GEMM of the dequantised operands: ``dequant``'s through :func:`dequant_grouped_mm`."""
+    return dequant_grouped_mm(a, b, ends) if path == "dequant" else torch._grouped_mm(a, b, offs=ends)
+
+
+@torch.library.custom_op("paratron::fp8_dequant_grouped_mm", mutates_args=())
+def dequant_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=ends)`` as an operator of its own, so that torch.compile calls torch's
+    kernel on the operands as laid out here instead of lowering the GEMM itself."""
+    return torch._grouped_mm(a, b, offs=ends)
+
+
+@dequant_grouped_mm.register_fake
+def _(a, b, ends):
+    if a.dim() == 2 and b.dim() == 2:
+        return a.new_empty(ends.numel(), a.shape[0], b.shape[1])
+    return a.new_empty(a.shape[0], b.shape[-1])
 
 
 def align_for(kind: str) -> int:
