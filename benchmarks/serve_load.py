@@ -196,8 +196,9 @@ def offline(args, d: Path, reqs: list) -> dict:
         how = "in-process, all requests at once; "
     stats = engine.stats()  # the timed run's (before a profiled run adds its own steps)
     if args.profile:  # the same load again under the profiler (at its arrival times): where the device's time goes
-        again = [Request(list(prompt), SamplingParams(max_new_tokens=n, ignore_eod=True)) for _, prompt, n in reqs]
-        profile_run(engine, lambda: arrivals(engine, [at for at, _, _ in reqs], again) if args.rate > 0
+        few = reqs[:12] if args.rate > 0 else reqs  # (arrivals: the first 12, a trace of their steps' host work)
+        again = [Request(list(prompt), SamplingParams(max_new_tokens=n, ignore_eod=True)) for _, prompt, n in few]
+        profile_run(engine, lambda: arrivals(engine, [at for at, _, _ in few], again) if args.rate > 0
                     else engine.generate(again))
     return {**out, "kv_bytes_peak": stats.get("kv_bytes_peak"), "note": how +
             "per step: {step_ms_mean} ms, {device_wait_ms_mean} ms of it waiting for the device's tokens; "
@@ -250,7 +251,8 @@ def profile_run(engine, load: Callable, top: int = 25) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("serve_load: --profile reads the GPU's kernels: run it on a GPU")
     steps = engine.steps
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                            torch.profiler.ProfilerActivity.CPU]) as prof:
         load()
         torch.cuda.synchronize()
     steps = engine.steps - steps
@@ -265,6 +267,8 @@ def profile_run(engine, load: Callable, top: int = 25) -> None:
         print(f"  {k:30s} {v / steps / 1000:8.3f} ms")
     for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {v / steps / 1000:8.3f} ms {count[k] / steps:6.1f}x  {k[:120]}")
+    print("host: operators and CUDA calls by their own CPU time (the whole run)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
 def hf(args, d: Path, reqs: list) -> dict:
