@@ -35,6 +35,8 @@ class InferenceConfig(Section):
     inference_dynamic_batching_prefix_caching: bool = False  # share full blocks of identical prompt prefixes
     inference_dynamic_batching_prefix_caching_eviction_policy: str = "ref_zero"  # ref_zero | lru
     inference_dynamic_batching_num_cuda_graphs: int = 16  # decode-step CUDA graphs (batch buckets; 0: none)
+    inference_dynamic_batching_cuda_graph_mixed_prefill_count: int = 0  # graphs of steps with <= N prompting requests
+    inference_dynamic_batching_cuda_graph_max_tokens: int = 16384  # the most tokens a captured mixed step holds
     inference_dynamic_batching_async_sched_mode: str = "legacy"  # legacy | async: schedule step n+1 while n runs
     serve_max_queued_requests: int = 1024  # paratron: requests waiting or running; more are a 429 (0: no limit)
     serve_max_queued_tokens: int = 0  # paratron: prompt + max new tokens waiting or running; 429 (0: no limit)
@@ -50,8 +52,11 @@ def check_inference(c: InferenceConfig) -> None:
     for name in positive:
         if getattr(c, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(c, name)}: must be >= 1")
-    for name in ("inference_dynamic_batching_num_cuda_graphs", "serve_max_queued_requests",
-                 "serve_max_queued_tokens"):
+    if c.inference_dynamic_batching_cuda_graph_max_tokens < 2:
+        raise ConfigError(f"--inference-dynamic-batching-cuda-graph-max-tokens "
+                          f"{c.inference_dynamic_batching_cuda_graph_max_tokens}: must be >= 2")
+    for name in ("inference_dynamic_batching_num_cuda_graphs", "serve_max_queued_requests", "serve_max_queued_tokens",
+                 "inference_dynamic_batching_cuda_graph_mixed_prefill_count"):
         if getattr(c, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(c, name)}: must be >= 0")
     if c.inference_dynamic_batching_num_blocks is not None and c.inference_dynamic_batching_num_blocks < 2:

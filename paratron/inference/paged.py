@@ -454,6 +454,8 @@ class PagedEngine:
         graphs = f"CUDA graphs for batches {self.graphs.sizes}" if self.graphs is not None else \
             "no CUDA graphs" + ("" if self.graphed else " (tensor parallel, multi-latent attention, windows, sinks "
                                 "or recurrent layers: not yet)")
+        mixed = getattr(self.mixed, "graphs", None)
+        graphs += f" and mixed steps of {mixed.sizes} tokens" if mixed is not None else ""
         attention = "Triton kernel" if self.kernel and self.device.type == "cuda" else "torch reference"
         rows = self.cfg.inference_dynamic_batching_max_requests
         states = "" if self.states is None else f", recurrent states: {rows} rows ({self.state_bytes / 2 ** 30:.3f} GB)"

@@ -126,6 +126,13 @@ class MixedStep:
     def __init__(self, engine):
         self.engine = engine
         self.forward = torch.compile(self._forward, dynamic=True)
+        self.graphs = None  # CUDA graphs of these steps per token bucket (paged_mixed_graphs.py)
+        if mixed_graphs_refusal(engine) is None:
+            from .paged_mixed_graphs import MixedGraphs
+            cfg = engine.cfg
+            self.graphs = MixedGraphs(self, self.forward,
+                                      cfg.inference_dynamic_batching_cuda_graph_mixed_prefill_count,
+                                      cfg.inference_dynamic_batching_cuda_graph_max_tokens)
 
     def _forward(self, ids, positions, slots, tables, rows, lengths, pick, tiles) -> torch.Tensor:
         e = self.engine
@@ -133,7 +140,7 @@ class MixedStep:
         return e.e._forward(ids, positions, view, None, pick=pick)[0]
 
     def warm_up(self) -> None:
-        """Compile now, on a step of padding tokens (the scratch block's) whose sizes all differ from each other
+        """Compile now (then capture the mixed-step graphs), on a step of padding tokens (the scratch block's) whose sizes all differ from each other
         and from the block tables' (w = their rows + width; w + 1 tiles, w + 3 picks, w + 5 tokens): torch gives
         equal sizes one symbol, and a later step where they differ would compile again."""
         t, table = self.engine._tensor, self.engine.tables.table
@@ -141,15 +148,34 @@ class MixedStep:
         zeros = [0] * (w + 5)
         self.forward(t([zeros]), t([zeros]), t(zeros), table, t(zeros), t([1] * (w + 5)), t(list(range(w + 3))),
                      t([[0, 5]] + [[i, 1] for i in range(5, w + 5)]))
+        if self.graphs is not None:
+            self.graphs.warm_up()
 
     def __call__(self, plan, ids, positions, slots, rows, lengths, pick, patch=None) -> torch.Tensor:
         """Logits of the ``pick`` positions of ``plan``'s packed tokens (``PagedEngine._pack``'s lists);
         ``patch(ids)``: fills ids on the device first (paged_async.py)."""
         e = self.engine
-        t, at = e._tensor, e.tables.rows_for([seq for seq, _ in plan])
+        at = e.tables.rows_for([seq for seq, _ in plan])
+        if self.graphs is not None:
+            cols = [ids + [0], positions + [0], slots + [0], [at[r] for r in rows] + [0], lengths + [1]]
+            out = self.graphs(cols, pick, [n for _, n in plan], patch)
+            if out is not None:
+                return out
+        t = e._tensor
         packed = t([ids + [0]])
         if patch is not None:
             patch(packed[0, :len(ids)])
         out = self.forward(packed, t([positions + [0]]), t(slots + [0]), e.tables.table, t([at[r] for r in rows] + [0]),
                            t(lengths + [1]), t(pick + [len(ids)]), e._tiles(plan, extra=1))
         return out[:-1]
+
+
+def mixed_graphs_refusal(engine) -> "str | None":
+    """Why the paged ``engine``'s mixed steps run without CUDA graphs (None: they take them)."""
+    if engine.cfg.inference_dynamic_batching_cuda_graph_mixed_prefill_count == 0:
+        return "off (--inference-dynamic-batching-cuda-graph-mixed-prefill-count 0)"
+    if engine.device.type != "cuda":
+        return "CUDA graphs need a GPU"
+    if engine.e.model.config.num_experts:
+        return "MoE models: not yet (padding tokens would be routed with the step's own)"
+    return None

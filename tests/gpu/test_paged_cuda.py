@@ -176,3 +176,30 @@ def test_windows_recurrent_and_latent_models_equal_the_fixed_engine(kind):
                                                 inference_dynamic_batching_max_tokens=8, enable_chunked_prefill=True,
                                                 inference_dynamic_batching_num_blocks=40))
     assert [r.tokens for r in paged.generate(reqs)] == [engine.generate([r])[0].tokens for r in reqs]
+
+
+@pytest.mark.parametrize("async_mode", ["legacy", "async"])
+def test_mixed_step_graphs_give_the_compiled_steps_tokens(async_mode):
+    """--inference-dynamic-batching-cuda-graph-mixed-prefill-count: warm_up captures every token bucket; steps with
+    prompt chunks replay them (prefix-cache hits among them) and the tokens equal the engine's without them."""
+    from paratron.config.inference import InferenceConfig
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.paged_spec import build_paged
+    from paratron.inference.sampling import SamplingParams
+    from tests.unit.test_generate import VOCAB, tiny_model
+    engine = Engine(tiny_model().cuda(), VOCAB, compile=True)
+    rng = random.Random(2)
+    shared = [rng.randrange(1, VOCAB) for _ in range(40)]
+    reqs = [Request(shared + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 60))],
+                    SamplingParams(max_new_tokens=rng.randint(2, 16))) for _ in range(24)]
+    base = dict(inference_dynamic_batching_block_size=16, inference_dynamic_batching_max_tokens=256,
+                enable_chunked_prefill=True, inference_dynamic_batching_num_blocks=400,
+                inference_dynamic_batching_prefix_caching=True, inference_dynamic_batching_async_sched_mode=async_mode)
+    plain = build_paged(engine, InferenceConfig(**base))
+    want = plain.generate(reqs)
+    graphed = build_paged(engine, InferenceConfig(**base, inference_dynamic_batching_cuda_graph_mixed_prefill_count=8))
+    graphed.warm_up()
+    mixed = graphed.mixed.graphs
+    assert sorted(mixed.graphs) == mixed.sizes == [64, 128, 256, 257]
+    assert [r.tokens for r in graphed.generate(reqs)] == [r.tokens for r in want]
+    assert mixed.runs > len(mixed.sizes) * 3  # (warm-up: two eager calls and a capture per bucket)
