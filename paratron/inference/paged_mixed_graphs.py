@@ -56,9 +56,9 @@ class MixedGraphs:
         self.picks = e.cfg.inference_dynamic_batching_max_requests + 1
         self.per = tile_tokens(e.q_per_group)
         most, dev = self.sizes[-1] if self.sizes else 0, e.device
-        # ids and positions [1, tokens]; slots, table rows, lengths [tokens] (padding: 0, 0, 0, 0, 1)
-        self.cols = [torch.zeros(1, most, dtype=torch.long, device=dev) for _ in range(2)] + \
-            [torch.full((most,), v, dtype=torch.long, device=dev) for v in (0, 0, 1)]
+        # ids, positions, slots, table rows, lengths, each [tokens] (padding: 0, 0, 0, 0, 1); a bucket's slices are
+        # contiguous as the compiled step's inputs are (a strided slice of a wider buffer would compile it again)
+        self.cols = [torch.full((most,), v, dtype=torch.long, device=dev) for v in (0, 0, 0, 0, 1)]
         self.pick = torch.zeros(self.picks, dtype=torch.long, device=dev)
         self.tiles = torch.zeros(self.tile_bound(most), 2, dtype=torch.long, device=dev)
         self.graphs: dict = {}
@@ -77,7 +77,8 @@ class MixedGraphs:
         return next((s for s in self.sizes if s >= n), None)
 
     def _inputs(self, t: int):
-        ids, positions, slots, rows, lengths = (c[..., :t] for c in self.cols)
+        ids, positions, slots, rows, lengths = (c[:t] for c in self.cols)
+        ids, positions = ids.view(1, t), positions.view(1, t)
         tiles = self.tiles[:self.tile_bound(t)]
         return ids, positions, slots, self.engine.tables.table, rows, lengths, self.pick, tiles
 
@@ -88,7 +89,7 @@ class MixedGraphs:
         pad = t - n
         host = pinned([c + [v] * pad for c, v in zip(cols, (0, 0, 0, 0, 1))])
         for fixed, row in zip(self.cols, host):
-            fixed.view(-1)[:t].copy_(row, non_blocking=True)
+            fixed[:t].copy_(row, non_blocking=True)
         self.pick.copy_(pinned(pick + [n - 1] * (self.picks - len(pick))), non_blocking=True)
         bound = self.tile_bound(t)
         self.tiles[:bound].copy_(pinned(tiles + [[n - 1, 0]] * (bound - len(tiles))), non_blocking=True)
@@ -102,7 +103,7 @@ class MixedGraphs:
         self.runs += 1
         self._fill(t, cols, pick, tiles_of(chunks + [1], self.engine.q_per_group))
         if patch is not None:
-            patch(self.cols[0][0, :n - 1])
+            patch(self.cols[0][:n - 1])
         if not self.capture:
             return self.forward(*self._inputs(t))[:len(pick)]
         if t not in self.graphs:
@@ -116,9 +117,9 @@ class MixedGraphs:
     def warm_up(self) -> None:
         """Capture every bucket now, on steps of padding tokens (they write into the scratch block 0)."""
         for t in self.sizes:
-            while t not in self.graphs:
-                zeros = [0] * (t - 1)
-                self([zeros + [0], zeros + [0], zeros + [0], zeros + [0], [1] * t], [t - 1], [t - 1])
+            zeros = [0] * t
+            for _ in range(WARMUP + 1 if self.capture else 1):  # (the eager calls, then the capture)
+                self([zeros, zeros, zeros, zeros, [1] * t], [t - 1], [t - 1])
 
     def _warm(self, t: int) -> torch.Tensor:
         stream = torch.cuda.Stream()

@@ -94,3 +94,28 @@ def test_mixed_graphs_are_off_by_default_refused_on_cpu_and_checked():
                 dict(inference_dynamic_batching_cuda_graph_max_tokens=1)):
         with pytest.raises(ConfigError, match=next(iter(bad)).replace("_", "-")):
             check_inference(InferenceConfig(**bad))
+
+
+def test_bucketed_steps_run_the_one_compiled_graph_of_the_mixed_step():
+    """Under --torch-compile the buckets' padded inputs (slices of fixed tensors) match what the mixed step was
+    compiled for: warm-up and every step after it run the one compiled graph, none compiled again (on a GPU each
+    compilation is half a minute of start-up)."""
+    import torch
+    from torch._dynamo.utils import counters
+    model = tiny_model()
+    for m in model.modules():
+        if hasattr(m, "check_ids"):
+            m.check_ids = False
+    paged = PagedEngine(Engine(model, VOCAB, compile=True), InferenceConfig(**BASE))
+    step = paged.mixed
+    step.graphs = MixedGraphs(step, step.forward, 3, 64, capture=False)
+    torch._dynamo.reset()
+    counters.clear()
+    paged.warm_up()
+    assert step.graphs.runs == len(step.graphs.sizes) == 1
+    rng = random.Random(0)
+    reqs = [Request([rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 30))],
+                    SamplingParams(max_new_tokens=rng.randint(1, 8))) for _ in range(10)]
+    paged.generate(reqs)
+    assert step.graphs.runs > 5
+    assert counters["frames"]["ok"] == counters["frames"]["total"] == 1, dict(counters["frames"])
