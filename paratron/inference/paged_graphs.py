@@ -35,11 +35,52 @@ def buckets(max_requests: int, count: int) -> list[int]:
     return sizes[:count]
 
 
-class DecodeGraphs:
+class BucketGraphs:
+    """One CUDA graph per bucket of a step's size (``self._step(bucket)`` runs the step on the fixed inputs): each
+    captured after WARMUP eager calls on a side stream, all into one memory pool."""
+
+    def __init__(self):
+        self.graphs: dict = {}
+        self.out: dict = {}
+        self.calls: dict = {}
+        self.pool = None
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _launch(self, bucket: int) -> torch.Tensor:
+        """The step at ``bucket`` (inputs filled): eager while warming up, then captured and replayed."""
+        if bucket not in self.graphs:
+            self.calls[bucket] = self.calls.get(bucket, 0) + 1
+            if self.calls[bucket] <= WARMUP:
+                return self._warm(bucket)
+            self._capture(bucket)
+        self.graphs[bucket].replay()
+        return self.out[bucket]
+
+    def _warm(self, bucket: int) -> torch.Tensor:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = self._step(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def _capture(self, bucket: int) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.out[bucket] = self._step(bucket)
+        self.graphs[bucket] = graph
+
+
+class DecodeGraphs(BucketGraphs):
     """``graphs(ids, positions, slots, rows, lengths) -> logits [r, vocab]`` (None when ``r`` has no bucket);
     ``rows``: each request's row of the engine's block tables (block_tables.py), which the graphs read in place."""
 
     def __init__(self, engine, count: int):
+        super().__init__()
         self.engine = engine
         self.sizes = buckets(engine.cfg.inference_dynamic_batching_max_requests, count)
         most, dev = self.sizes[-1], engine.device
@@ -48,10 +89,6 @@ class DecodeGraphs:
         self.slots = torch.zeros(most, dtype=torch.long, device=dev)
         self.rows = torch.zeros(most, dtype=torch.long, device=dev)
         self.lengths = torch.ones(most, dtype=torch.long, device=dev)
-        self.graphs: dict = {}
-        self.out: dict = {}
-        self.calls: dict = {}
-        self.pool = None
         # --torch-compile: two compilations (batch 1, then the batch size symbolic) for all the buckets
         self.forward = torch.compile(self._forward, dynamic=None) if engine.e.compile else self._forward
 
@@ -85,13 +122,7 @@ class DecodeGraphs:
         self._fill(b, ids, positions, slots, rows, lengths)
         if patch is not None:
             patch(self.ids[0, :r])
-        if b not in self.graphs:
-            self.calls[b] = self.calls.get(b, 0) + 1
-            if self.calls[b] <= WARMUP:
-                return self._warm(b)[:r]
-            self._capture(b)
-        self.graphs[b].replay()
-        return self.out[b][:r]
+        return self._launch(b)[:r]
 
     def warm_up(self) -> None:
         """Compile and capture every bucket now: steps of padding rows only (they write into the scratch block 0)."""
@@ -99,21 +130,6 @@ class DecodeGraphs:
             while b not in self.graphs:
                 self([0] * b, [0] * b, [0] * b, [0] * b, [1] * b)
 
-    def _warm(self, b: int) -> torch.Tensor:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            out = self._step(b)
-        torch.cuda.current_stream().wait_stream(stream)
-        return out
-
-    def _capture(self, b: int) -> None:
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.out[b] = self._step(b)
-        self.graphs[b] = graph
 
 
 class MixedStep:

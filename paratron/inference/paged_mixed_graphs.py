@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from ..kernels.paged_attention import tile_tokens, tiles_of
-from .paged_graphs import WARMUP, pinned
+from .paged_graphs import WARMUP, BucketGraphs, pinned
 
 SMALLEST = 64
 
@@ -44,12 +44,13 @@ def token_buckets(max_tokens: int, cap: int) -> list[int]:
     return sizes + [top]
 
 
-class MixedGraphs:
+class MixedGraphs(BucketGraphs):
     """``graphs(ids, positions, slots, rows, lengths, pick, chunks, patch)`` -> logits of ``pick`` (None when the step
     has no bucket). ``capture``: False runs the padded step without a graph (what the CPU tests check: the padding
     changes no logit)."""
 
     def __init__(self, step, forward: Callable, prefill_count: int, max_tokens_cap: int, capture: bool = True):
+        super().__init__()
         e = step.engine
         self.engine, self.forward, self.prefill_count, self.capture = e, forward, prefill_count, capture
         self.sizes = token_buckets(e.cfg.inference_dynamic_batching_max_tokens, max_tokens_cap)
@@ -61,10 +62,6 @@ class MixedGraphs:
         self.cols = [torch.full((most,), v, dtype=torch.long, device=dev) for v in (0, 0, 0, 0, 1)]
         self.pick = torch.zeros(self.picks, dtype=torch.long, device=dev)
         self.tiles = torch.zeros(self.tile_bound(most), 2, dtype=torch.long, device=dev)
-        self.graphs: dict = {}
-        self.out: dict = {}
-        self.calls: dict = {}
-        self.pool = None
         self.runs = 0  # steps run in a bucket (padded; replayed from a graph when capturing)
 
     def tile_bound(self, t: int) -> int:
@@ -75,6 +72,9 @@ class MixedGraphs:
         if prefills > self.prefill_count:
             return None
         return next((s for s in self.sizes if s >= n), None)
+
+    def _step(self, t: int) -> torch.Tensor:
+        return self.forward(*self._inputs(t))
 
     def _inputs(self, t: int):
         ids, positions, slots, rows, lengths = (c[:t] for c in self.cols)
@@ -104,15 +104,7 @@ class MixedGraphs:
         self._fill(t, cols, pick, tiles_of(chunks + [1], self.engine.q_per_group))
         if patch is not None:
             patch(self.cols[0][:n - 1])
-        if not self.capture:
-            return self.forward(*self._inputs(t))[:len(pick)]
-        if t not in self.graphs:
-            self.calls[t] = self.calls.get(t, 0) + 1
-            if self.calls[t] <= WARMUP:
-                return self._warm(t)[:len(pick)]
-            self._capture(t)
-        self.graphs[t].replay()
-        return self.out[t][:len(pick)]
+        return (self._launch(t) if self.capture else self._step(t))[:len(pick)]
 
     def warm_up(self) -> None:
         """Capture every bucket now, on steps of padding tokens (they write into the scratch block 0)."""
@@ -120,19 +112,3 @@ class MixedGraphs:
             zeros = [0] * t
             for _ in range(WARMUP + 1 if self.capture else 1):  # (the eager calls, then the capture)
                 self([zeros, zeros, zeros, zeros, [1] * t], [t - 1], [t - 1])
-
-    def _warm(self, t: int) -> torch.Tensor:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            out = self.forward(*self._inputs(t))
-        torch.cuda.current_stream().wait_stream(stream)
-        return out
-
-    def _capture(self, t: int) -> None:
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.out[t] = self.forward(*self._inputs(t))
-        self.graphs[t] = graph
