@@ -64,7 +64,6 @@ class KernelConfig(Section):
     kernel_gated_mlp_wgrad: str = "cublas"  # fc1's weight gradient of the gated MLP: cublas (into main_grad) | quack
     kernel_keep_swiglu_activation: str = "on"  # gated MLP: keep the activation for fc2's weight gradient
     kernel_quack_tiles: str = "default"  # gated MLP GEMM tiles: default, or use=tiles,... e.g. dx=256x128c1x2coop
-    # auto: on, except in the paged inference engine (its row counts change from step to step: each would be timed)
     kernel_cublaslt: str = "auto"  # GEMMs by cuBLASLt's timed choice (off: torch's; auto: torch's in the paged engine)
     kernel_fused_accumulate: str = "auto"  # micro-batch gradients added into main_grad by one Triton pass
     kernel_cross_entropy: str = "auto"  # output layer's loss: one Triton pass | two compiled passes

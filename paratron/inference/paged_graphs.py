@@ -131,7 +131,6 @@ class DecodeGraphs(BucketGraphs):
                 self([0] * b, [0] * b, [0] * b, [0] * b, [1] * b)
 
 
-
 class MixedStep:
     """``--torch-compile``: the steps that are not decode-only (prompt chunks beside decodes, or more decoding
     requests than the largest bucket), compiled once with their sizes symbolic: the tokens, the requests and the
@@ -156,9 +155,10 @@ class MixedStep:
         return e.e._forward(ids, positions, view, None, pick=pick)[0]
 
     def warm_up(self) -> None:
-        """Compile now (then capture the mixed-step graphs), on a step of padding tokens (the scratch block's) whose sizes all differ from each other
-        and from the block tables' (w = their rows + width; w + 1 tiles, w + 3 picks, w + 5 tokens): torch gives
-        equal sizes one symbol, and a later step where they differ would compile again."""
+        """Compile now (then capture the mixed-step graphs), on a step of padding tokens (the scratch block's) whose
+        sizes all differ from each other and from the block tables' (w = their rows + width; w + 1 tiles, w + 3
+        picks, w + 5 tokens): torch gives equal sizes one symbol, and a later step where they differ would compile
+        again."""
         t, table = self.engine._tensor, self.engine.tables.table
         w = table.size(0) + table.size(1)
         zeros = [0] * (w + 5)
@@ -172,17 +172,18 @@ class MixedStep:
         ``patch(ids)``: fills ids on the device first (paged_async.py)."""
         e = self.engine
         at = e.tables.rows_for([seq for seq, _ in plan])
+        # the step's columns with the padding token: ids, positions, slots, table rows, lengths
+        cols = [ids + [0], positions + [0], slots + [0], [at[r] for r in rows] + [0], lengths + [1]]
         if self.graphs is not None:
-            cols = [ids + [0], positions + [0], slots + [0], [at[r] for r in rows] + [0], lengths + [1]]
             out = self.graphs(cols, pick, [n for _, n in plan], patch)
             if out is not None:
                 return out
         t = e._tensor
-        packed = t([ids + [0]])
+        packed = t([cols[0]])
         if patch is not None:
             patch(packed[0, :len(ids)])
-        out = self.forward(packed, t([positions + [0]]), t(slots + [0]), e.tables.table, t([at[r] for r in rows] + [0]),
-                           t(lengths + [1]), t(pick + [len(ids)]), e._tiles(plan, extra=1))
+        out = self.forward(packed, t([cols[1]]), t(cols[2]), e.tables.table, t(cols[3]), t(cols[4]),
+                           t(pick + [len(ids)]), e._tiles(plan, extra=1))
         return out[:-1]
 
 

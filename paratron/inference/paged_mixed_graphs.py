@@ -56,7 +56,7 @@ class MixedGraphs(BucketGraphs):
         self.sizes = token_buckets(e.cfg.inference_dynamic_batching_max_tokens, max_tokens_cap)
         self.picks = e.cfg.inference_dynamic_batching_max_requests + 1
         self.per = tile_tokens(e.q_per_group)
-        most, dev = self.sizes[-1] if self.sizes else 0, e.device
+        most, dev = self.sizes[-1], e.device
         # ids, positions, slots, table rows, lengths, each [tokens] (padding: 0, 0, 0, 0, 1); a bucket's slices are
         # contiguous as the compiled step's inputs are (a strided slice of a wider buffer would compile it again)
         self.cols = [torch.full((most,), v, dtype=torch.long, device=dev) for v in (0, 0, 0, 0, 1)]
