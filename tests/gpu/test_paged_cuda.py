@@ -189,8 +189,8 @@ def test_mixed_step_graphs_give_the_compiled_steps_tokens(async_mode):
     from tests.unit.test_generate import VOCAB, tiny_model
     engine = Engine(tiny_model().cuda(), VOCAB, compile=True)
     rng = random.Random(2)
-    shared = [rng.randrange(1, VOCAB) for _ in range(40)]
-    reqs = [Request(shared + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 60))],
+    shared = [rng.randrange(1, VOCAB) for _ in range(32)]  # + up to 16 own + 16 new: within the context of 64
+    reqs = [Request(shared + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 16))],
                     SamplingParams(max_new_tokens=rng.randint(2, 16))) for _ in range(24)]
     base = dict(inference_dynamic_batching_block_size=16, inference_dynamic_batching_max_tokens=256,
                 enable_chunked_prefill=True, inference_dynamic_batching_num_blocks=400,
