@@ -35,7 +35,7 @@ class InferenceConfig(Section):
     inference_dynamic_batching_prefix_caching: bool = False  # share full blocks of identical prompt prefixes
     inference_dynamic_batching_prefix_caching_eviction_policy: str = "ref_zero"  # ref_zero | lru
     inference_dynamic_batching_num_cuda_graphs: int = 16  # decode-step CUDA graphs (batch buckets; 0: none)
-    inference_dynamic_batching_cuda_graph_mixed_prefill_count: int = 0  # graphs of steps with <= N prompting requests
+    inference_dynamic_batching_cuda_graph_mixed_prefill_count: int = 16  # graphs of steps with <= N prompting requests
     inference_dynamic_batching_cuda_graph_max_tokens: int = 16384  # the most tokens a captured mixed step holds
     inference_dynamic_batching_async_sched_mode: str = "legacy"  # legacy | async: schedule step n+1 while n runs
     serve_max_queued_requests: int = 1024  # paratron: requests waiting or running; more are a 429 (0: no limit)

@@ -84,11 +84,12 @@ def test_token_buckets_and_the_tile_bound():
         assert len(tiles_of(chunks + [1], paged.q_per_group)) <= graphs.tile_bound(t)
 
 
-def test_mixed_graphs_are_off_by_default_refused_on_cpu_and_checked():
-    paged = PagedEngine(Engine(tiny_model(), VOCAB), InferenceConfig(**BASE))
-    assert mixed_graphs_refusal(paged).startswith("off")
-    on = PagedEngine(Engine(tiny_model(), VOCAB),
-                     InferenceConfig(**BASE, inference_dynamic_batching_cuda_graph_mixed_prefill_count=4))
+def test_mixed_graphs_are_on_by_default_refused_on_cpu_and_checked():
+    assert InferenceConfig().inference_dynamic_batching_cuda_graph_mixed_prefill_count == 16  # Megatron's default
+    off = PagedEngine(Engine(tiny_model(), VOCAB),
+                      InferenceConfig(**BASE, inference_dynamic_batching_cuda_graph_mixed_prefill_count=0))
+    assert mixed_graphs_refusal(off).startswith("off")
+    on = PagedEngine(Engine(tiny_model(), VOCAB), InferenceConfig(**BASE))
     assert mixed_graphs_refusal(on) == "CUDA graphs need a GPU"
     for bad in (dict(inference_dynamic_batching_cuda_graph_mixed_prefill_count=-1),
                 dict(inference_dynamic_batching_cuda_graph_max_tokens=1)):
