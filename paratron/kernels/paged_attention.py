@@ -1,4 +1,4 @@
-"""Attention of packed query tokens over a paged KV cache (the paged engine's steps), as one Triton kernel.
+"""Attention of packed query tokens over a paged KV cache (the paged engine's steps), as Triton kernels.
 
 A step of the paged engine (paratron/inference/paged.py) packs the new tokens of every request it runs (one per
 decoding request, a chunk of the prompt per prefilling one) into one sequence. Token ``i`` belongs to the
@@ -12,6 +12,15 @@ runs one program per (token, group) and walks the token's blocks ``BLOCK_T`` key
 block up in the table (any block size works), with the online softmax of decode_attention.py. Lengths, rows and
 tables are read from device memory, so a captured CUDA graph replays it with new ones.
 
+Split context (flash-decoding): when the (token, group) programs are too few to fill the GPU (small decode
+batches), each token's context is shared by ``splits`` programs instead. Split ``s`` walks the ``s``-th chunk of
+the token's visible positions [first, end) (chunks of a multiple of ``BLOCK_T``, sized from that token's own
+length, so splits past a short context see no key and stay empty) and writes its partial online softmax (running
+max, denominator, unnormalised weighted sum) in fp32; a second small kernel rescales the splits to their common
+max, adds the sink logit once, and normalises. :func:`decode_splits` picks the split count on the host from the
+shapes alone (tokens x groups, the tables' width, the GPU's multiprocessors), so a captured graph replays one grid;
+with one split the single-pass kernel runs alone. ``splits`` forces a count.
+
 Prompt chunks: with ``tiles`` ([n_tiles, 2]: the first packed token of each tile and how many, consecutive
 tokens of one request) the kernel runs one program per (tile, group) instead, its tokens' queries in one tile
 (``tile_tokens`` of them): the tile's keys and values are read once for all its tokens rather than once per
@@ -23,6 +32,7 @@ sequence): what runs on CPUs and what the tests compare the kernel with (on CPU 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from typing import Optional
 
@@ -109,18 +119,47 @@ def supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     return triton is not None and 16 <= d <= 256 and d & (d - 1) == 0 and q.size(2) <= 128 and k_pool.stride(-1) == 1
 
 
+SPLIT_TARGET = 2  # programs per streaming multiprocessor the split path aims for
+SPLIT_MIN_SPAN = 4 * BLOCK_T  # cached positions of the widest context each split is given at least
+DEFAULT_SMS = 132  # streaming multiprocessors assumed off CUDA (an H100 / H200's)
+
+
+def decode_splits(programs: int, span: int, sms: int) -> int:
+    """How many programs share each (token, group)'s context: 1 (the single-pass kernel) when the ``programs``
+    (tokens x groups) already give every one of the ``sms`` multiprocessors ``SPLIT_TARGET`` of them; else enough
+    splits to reach that, but no more than leave each split ``SPLIT_MIN_SPAN`` positions of ``span``, the widest
+    context the block tables can describe (their width x the block size). Shapes only: a captured CUDA graph
+    replays one grid whatever its lengths."""
+    if programs <= 0 or programs >= SPLIT_TARGET * sms:
+        return 1
+    return max(1, min(-(-SPLIT_TARGET * sms // programs), span // SPLIT_MIN_SPAN))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (``DEFAULT_SMS`` off CUDA, e.g. under Triton's interpreter)."""
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _device_sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                     rows: torch.Tensor, lengths: torch.Tensor, scale: float, kernel: bool = True,
                     window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
-                    tiles: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    tiles: Optional[torch.Tensor] = None, splits: int = 0) -> torch.Tensor:
     """``[tokens, groups, q_per_group, d]``: the Triton kernel on CUDA where it applies (``kernel``; the tiled one
-    with ``tiles``), else the reference; ``window`` / ``sinks`` as the reference's."""
+    with ``tiles``), else the reference; ``window`` / ``sinks`` as the reference's; ``splits``: programs per token
+    and group of the decode kernel (0: :func:`decode_splits`'s choice)."""
     if kernel and q.is_cuda and supported(q, k_pool):
         args = (q.contiguous(), k_pool, v_pool, tables, rows, lengths)
         rest = (-1 if window is None else window, None if sinks is None else sinks.float().contiguous())
         if tiles is not None:
             return torch.ops.paratron.paged_prefill(*args, tiles, scale, *rest)
-        return torch.ops.paratron.paged_attention(*args, scale, *rest)
+        return torch.ops.paratron.paged_attention(*args, scale, *rest, splits)
     return paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, scale, window, sinks)
 
 
@@ -151,6 +190,25 @@ if triton is not None:
         return total * alpha + tl.exp(sink - m_safe), acc * alpha[:, None]
 
     @triton.jit
+    def _walk(q, k_ptr, v_ptr, table, lo, hi, g, scale, skb, skt, skg, svb, svt, svg, cols,
+              QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr):
+        """The online softmax (running max, denominator, unnormalised weighted sum) of one token's queries ``q``
+        [QB, D] over its cached tokens [lo, hi) of group ``g``, ``BT`` at a time; all empty where lo >= hi."""
+        m = tl.full([QB], float("-inf"), tl.float32)
+        total = tl.zeros([QB], tl.float32)
+        acc = tl.zeros([QB, D], tl.float32)
+        for start in range(lo, hi, BT):
+            t = start + tl.arange(0, BT)
+            ok = t < hi
+            block = tl.load(table + t // BS, mask=ok, other=0).to(tl.int64)
+            keys = _cached(k_ptr, block, t, ok, skb, skt, skg, g, cols, BS)
+            s = tl.dot(q, tl.trans(keys)) * scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            vals = _cached(v_ptr, block, t, ok, svb, svt, svg, g, cols, BS)
+            m, total, acc = _absorb(s, vals, m, total, acc)
+        return m, total, acc
+
+    @triton.jit
     def _paged_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, row_ptr, len_ptr, out_ptr, sink_ptr, groups, scale, window, stab,
                       sqn, sqg, sqh, skb, skt, skg, svb, svt, svg, son, sog, soh,
                       QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
@@ -164,18 +222,8 @@ if triton is not None:
         end = tl.load(len_ptr + i)  # this token sees cached tokens [first, end)
         # (window < 0: none; one expression of the loaded length's type, Triton's ternary needs one type)
         first = tl.where(window >= 0, tl.maximum(end - 1 - window, 0), 0).to(end.dtype)
-        m = tl.full([QB], float("-inf"), tl.float32)
-        total = tl.zeros([QB], tl.float32)
-        acc = tl.zeros([QB, D], tl.float32)
-        for start in range(first, end, BT):
-            t = start + tl.arange(0, BT)
-            ok = t < end
-            block = tl.load(table + t // BS, mask=ok, other=0).to(tl.int64)
-            keys = _cached(k_ptr, block, t, ok, skb, skt, skg, g, cols, BS)
-            s = tl.dot(q, tl.trans(keys)) * scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            vals = _cached(v_ptr, block, t, ok, svb, svt, svg, g, cols, BS)
-            m, total, acc = _absorb(s, vals, m, total, acc)
+        m, total, acc = _walk(q, k_ptr, v_ptr, table, first, end, g, scale, skb, skt, skg, svb, svt, svg, cols,
+                              QB, D, BS, BT)
         if SINK:  # the head's sink logit joins the denominator and attends to nothing
             sink = tl.load(sink_ptr + g * QPG + heads, mask=heads < QPG, other=float("-inf"))
             total, acc = _sunk(sink, m, total, acc)
@@ -183,26 +231,96 @@ if triton is not None:
         tl.store(out_ptr + i * son + g * sog + heads[:, None] * soh + cols[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=heads[:, None] < QPG)
 
+    @triton.jit
+    def _paged_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, row_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, groups, splits,
+                            scale, window, stab, sqn, sqg, sqh, skb, skt, skg, svb, svt, svg,
+                            QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                            BT: tl.constexpr):
+        """Split ``program_id(1)`` of token x group ``program_id(0)``: its share of the token's cached tokens
+        [first, end), in chunks of a multiple of ``BT``, into fp32 partials (max, denominator, unnormalised sum)
+        [tokens * groups, splits, QPG(, D)]; a split past the token's end stays empty (-inf, 0, 0)."""
+        pid, s = tl.program_id(0), tl.program_id(1)
+        i, g = pid // groups, pid % groups
+        heads, cols = tl.arange(0, QB), tl.arange(0, D)
+        q = tl.load(q_ptr + i * sqn + g * sqg + heads[:, None] * sqh + cols[None, :], mask=heads[:, None] < QPG,
+                    other=0.0).to(tl.float32)
+        table = tab_ptr + tl.load(row_ptr + i) * stab
+        end = tl.load(len_ptr + i)
+        first = tl.where(window >= 0, tl.maximum(end - 1 - window, 0), 0).to(end.dtype)
+        chunk = (end - first + splits - 1) // splits
+        chunk = (chunk + BT - 1) // BT * BT  # every split starts BT-aligned from first; splits * chunk >= end - first
+        lo = first + s * chunk
+        hi = tl.minimum(end, lo + chunk)
+        m, total, acc = _walk(q, k_ptr, v_ptr, table, lo, hi, g, scale, skb, skt, skg, svb, svt, svg, cols,
+                              QB, D, BS, BT)
+        at = (pid * splits + s) * QPG + heads
+        live = heads < QPG
+        tl.store(m_ptr + at, m, mask=live)
+        tl.store(l_ptr + at, total, mask=live)
+        tl.store(acc_ptr + at[:, None] * D + cols[None, :], acc, mask=live[:, None])
+
+    @triton.jit
+    def _paged_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, sink_ptr, groups, splits, son, sog, soh,
+                              QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr):
+        """The splits' partials of token x group ``program_id(0)``, each rescaled to their common max, plus the
+        sink logit (once), normalised into ``out`` in its dtype."""
+        pid = tl.program_id(0)
+        i, g = pid // groups, pid % groups
+        heads, cols = tl.arange(0, QB), tl.arange(0, D)
+        live = heads < QPG
+        base = pid * splits * QPG + heads
+        top = tl.full([QB], float("-inf"), tl.float32)
+        for s in range(splits):
+            top = tl.maximum(top, tl.load(m_ptr + base + s * QPG, mask=live, other=float("-inf")))
+        top_safe = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: every weight below is 0
+        total = tl.zeros([QB], tl.float32)
+        acc = tl.zeros([QB, D], tl.float32)
+        for s in range(splits):
+            at = base + s * QPG
+            w = tl.exp(tl.load(m_ptr + at, mask=live, other=float("-inf")) - top_safe)
+            total += w * tl.load(l_ptr + at, mask=live, other=0.0)
+            acc += w[:, None] * tl.load(acc_ptr + at[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
+        if SINK:
+            sink = tl.load(sink_ptr + g * QPG + heads, mask=live, other=float("-inf"))
+            total, acc = _sunk(sink, top, total, acc)
+        out = acc / total[:, None]
+        tl.store(out_ptr + i * son + g * sog + heads[:, None] * soh + cols[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
     @torch.library.custom_op("paratron::paged_attention", mutates_args=())
     def _paged_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                   rows: torch.Tensor, lengths: torch.Tensor, scale: float, window: int = -1,
-                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``window`` -1: none; ``sinks``: fp32 [groups * q_per_group] or None."""
+                  sinks: Optional[torch.Tensor] = None, splits: int = 0) -> torch.Tensor:
+        """``window`` -1: none; ``sinks``: fp32 [groups * q_per_group] or None; ``splits``: how many programs share
+        each token's context (0: :func:`decode_splits` of the shapes; 1: the single-pass kernel)."""
         n, groups, qpg, d = q.shape
         out = torch.empty_like(q)
-        if out.numel():
-            with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        if not out.numel():
+            return out
+        if splits <= 0:
+            splits = decode_splits(n * groups, tables.size(1) * k_pool.size(1), _sms(q.device))
+        qb = max(16, triton.next_power_of_2(qpg))
+        common = (groups, scale, window, tables.stride(0), q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0),
+                  k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2))
+        sink = q if sinks is None else sinks
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            if splits == 1:
                 _paged_kernel[(n * groups,)](
-                    q, k_pool, v_pool, tables, rows, lengths, out, q if sinks is None else sinks, groups, scale,
-                    window, tables.stride(0), q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0),
-                    k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-                    out.stride(0), out.stride(1), out.stride(2),
-                    QPG=qpg, QB=max(16, triton.next_power_of_2(qpg)), D=d, BS=k_pool.size(1), BT=BLOCK_T,
-                    SINK=sinks is not None)
+                    q, k_pool, v_pool, tables, rows, lengths, out, sink, *common, out.stride(0), out.stride(1),
+                    out.stride(2), QPG=qpg, QB=qb, D=d, BS=k_pool.size(1), BT=BLOCK_T, SINK=sinks is not None)
+                return out
+            m, total = (torch.empty(n * groups, splits, qpg, device=q.device, dtype=torch.float32) for _ in range(2))
+            acc = torch.empty(n * groups, splits, qpg, d, device=q.device, dtype=torch.float32)
+            _paged_split_kernel[(n * groups, splits)](
+                q, k_pool, v_pool, tables, rows, lengths, m, total, acc, groups, splits, *common[1:],
+                QPG=qpg, QB=qb, D=d, BS=k_pool.size(1), BT=BLOCK_T)
+            _paged_combine_kernel[(n * groups,)](
+                m, total, acc, out, sink, groups, splits, out.stride(0), out.stride(1), out.stride(2),
+                QPG=qpg, QB=qb, D=d, SINK=sinks is not None)
         return out
 
     @_paged_op.register_fake
-    def _(q, k_pool, v_pool, tables, rows, lengths, scale, window=-1, sinks=None):
+    def _(q, k_pool, v_pool, tables, rows, lengths, scale, window=-1, sinks=None, splits=0):
         return torch.empty_like(q)
 
 

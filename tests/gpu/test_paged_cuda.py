@@ -1,6 +1,7 @@
 """The paged engine on the GPU: the paged-attention Triton kernel against its torch reference in bf16 at llama-1b's
-decode shapes (with a sliding window and sinks too); the engine with CUDA-graphed decode buckets gives the tokens of the eager engine (graphs off) for
-concurrent mixed-length requests, with graphs replayed (and with the step compiled, --torch-compile)."""
+decode shapes (with a sliding window and sinks too, and its split-context path at batch 1, in a CUDA graph too); the
+engine with CUDA-graphed decode buckets gives the tokens of the eager engine (graphs off) for concurrent
+mixed-length requests, with graphs replayed (and with the step compiled, --torch-compile)."""
 from __future__ import annotations
 
 import random
@@ -27,6 +28,49 @@ def test_paged_kernel_matches_the_reference_in_bf16(window, sinks):
     got = paged_attention(q, k_pool, v_pool, tables, rows, lengths, 0.125, window=window, sinks=sink)
     want = paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, 0.125, window, sink)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("width", [32, 2048])  # block-table widths: the automatic choice's cap, and the engine's
+@pytest.mark.parametrize("window,sinks", [(None, False), (255, True)])
+def test_split_context_kernel_matches_the_reference_at_batch_1(width, window, sinks):
+    """The decode kernel's split-context path (flash-decoding) at batch 1 over 1,100 cached tokens, 8 groups x 4
+    query heads: the automatic split count (more than one here) and forced ones, each the reference's output."""
+    from paratron.kernels.paged_attention import _sms, decode_splits
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    blocks, bs, g, qpg, d = 600, 64, 8, 4, 64
+    k_pool, v_pool = (torch.randn(blocks, bs, g, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    tables = torch.randint(1, blocks, (1, width), device="cuda", generator=gen)
+    rows, lengths = torch.zeros(1, dtype=torch.long, device="cuda"), torch.tensor([1100], device="cuda")
+    q = torch.randn(1, g, qpg, d, device="cuda", generator=gen).bfloat16()
+    sink = torch.randn(g * qpg, device="cuda", generator=gen) if sinks else None
+    assert decode_splits(g, width * bs, _sms(q.device)) > 1
+    want = paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, 0.125, window, sink)
+    for splits in (0, 1, 2, 5, 18, 40):
+        got = paged_attention(q, k_pool, v_pool, tables, rows, lengths, 0.125, window=window, sinks=sink,
+                              splits=splits)
+        assert torch.isfinite(got).all(), splits
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2, splits
+
+
+def test_split_context_kernel_replays_in_a_cuda_graph_with_new_lengths():
+    """The split count comes from the shapes alone: a graph captured at one context length replays the split
+    kernels (their scratch from the graph's pool) for other lengths, each the reference's output."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    blocks, bs, g, qpg, d = 600, 64, 8, 4, 64
+    k_pool, v_pool = (torch.randn(blocks, bs, g, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    tables = torch.randint(1, blocks, (2, 2048), device="cuda", generator=gen)
+    rows, lengths = torch.tensor([1, 0], device="cuda"), torch.tensor([1100, 7], device="cuda")
+    q = torch.randn(2, g, qpg, d, device="cuda", generator=gen).bfloat16()
+    run = lambda: paged_attention(q, k_pool, v_pool, tables, rows, lengths, 0.125)  # noqa: E731
+    run()  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for new in ([1100, 7], [3, 2000], [640, 1]):
+        lengths.copy_(torch.tensor(new))
+        graph.replay()
+        want = paged_attention_reference(q, k_pool, v_pool, tables, rows, lengths, 0.125)
+        assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 1e-2, new
 
 
 @pytest.mark.parametrize("window,sinks", [(None, False), (100, True)])
