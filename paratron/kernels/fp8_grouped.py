@@ -79,11 +79,19 @@ def _mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, path: str) -> torc
     return dequant_grouped_mm(a, b, ends) if path == "dequant" else torch._grouped_mm(a, b, offs=ends)
 
 
-@torch.library.custom_op("paratron::fp8_dequant_grouped_mm", mutates_args=())
+@torch.library.custom_op("paratron::fp8_dequant_grouped_mm", mutates_args=(),
+                         tags=(torch.Tag.needs_fixed_stride_order,))
 def dequant_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=ends)`` as an operator of its own, so that torch.compile calls torch's
-    kernel on the operands as laid out here instead of lowering the GEMM itself."""
-    return torch._grouped_mm(a, b, offs=ends)
+    kernel instead of lowering the GEMM itself, on operands in the layouts eager code gives it (each copy below
+    is a no-op for those): rows row-major and each expert's ``b`` column-major (forward, input gradient), or
+    ``a`` column-major and ``b`` row-major (weight gradient). Under the compiler a custom operator's inputs may
+    otherwise arrive in whatever layout Inductor chose for the kernels that made them."""
+    if b.dim() == 3:
+        a, b = a.contiguous(), b.transpose(-2, -1).contiguous().transpose(-2, -1)
+    else:
+        a, b = a.t().contiguous().t(), b.contiguous()
+    return torch._grouped_mm(a, b, offs=ends.contiguous())
 
 
 @dequant_grouped_mm.register_fake

@@ -131,8 +131,11 @@ def test_fp8_moe_layer_compiled_equals_eager(recipe):
         out = run(xi)
         out.float().square().mean().backward()
         runs.append([out, xi.grad] + [p.grad for p in layer.parameters()])
-    for eager, compiled in zip(*runs):
-        assert _rel(compiled, eager) < 0.02
+    names = ["output", "input gradient"] + [f"{n} gradient" for n, _ in base.named_parameters()]
+    far = {n: round(_rel(compiled, eager), 4) for n, eager, compiled in zip(names, *runs)}
+    # FP8 rounding differs where the compiler fuses the casts (1-3 % in CPU Inductor's compiled layer, both recipes);
+    # the compiled blockwise step that did not learn was 62 % away in the input gradient
+    assert all(v < 0.05 for v in far.values()), far  # every tensor named, not only the first that differs
 
 
 @pytest.mark.parametrize("fusion", [True, False])
