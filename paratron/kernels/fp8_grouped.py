@@ -47,7 +47,7 @@ def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
                                         out_dtype=out_dtype)
     dt = _work_dtype(path, out_dtype)
     out = _mm(_deq(a, sa, kind, False, dt), _deq(b, sb, kind, True, dt).transpose(-2, -1), ends, path)
-    return out.to(out_dtype)
+    return _cast(out, out_dtype)
 
 
 def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torch.Tensor, ends: torch.Tensor,
@@ -71,7 +71,14 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     out = _mm(a, b, ends, path)
     if path == "dequant":  # an expert with no rows: its gradient is zero, whatever the kernel left there
         out = torch.where((torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None], out, 0.0)
-    return out.to(out_dtype)
+    return _cast(out, out_dtype)
+
+
+def _cast(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` in ``dtype``, never ``out.to(out.dtype)``: that returns ``out`` itself, and torch 2.11's compiler
+    then traced the autograd function returning it with a zero output gradient (the experts' weight and input
+    gradients came out zero under --torch-compile; fixed in later torch)."""
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, path: str) -> torch.Tensor:
@@ -79,19 +86,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, path: str) -> torc
     return dequant_grouped_mm(a, b, ends) if path == "dequant" else torch._grouped_mm(a, b, offs=ends)
 
 
-@torch.library.custom_op("paratron::fp8_dequant_grouped_mm", mutates_args=(),
-                         tags=(torch.Tag.needs_fixed_stride_order,))
+@torch.library.custom_op("paratron::fp8_dequant_grouped_mm", mutates_args=())
 def dequant_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=ends)`` as an operator of its own, so that torch.compile calls torch's
-    kernel instead of lowering the GEMM itself, on operands in the layouts eager code gives it (each copy below
-    is a no-op for those): rows row-major and each expert's ``b`` column-major (forward, input gradient), or
-    ``a`` column-major and ``b`` row-major (weight gradient). Under the compiler a custom operator's inputs may
-    otherwise arrive in whatever layout Inductor chose for the kernels that made them."""
-    if b.dim() == 3:
-        a, b = a.contiguous(), b.transpose(-2, -1).contiguous().transpose(-2, -1)
-    else:
-        a, b = a.t().contiguous().t(), b.contiguous()
-    return torch._grouped_mm(a, b, offs=ends.contiguous())
+    kernel on the operands as laid out here instead of lowering the GEMM itself."""
+    return torch._grouped_mm(a, b, offs=ends)
 
 
 @dequant_grouped_mm.register_fake

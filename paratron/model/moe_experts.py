@@ -124,7 +124,9 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y, w, rows, src, row_weight):
         ctx.save_for_backward(y, rows, src, row_weight)
         ctx.w_dtype = w.dtype
-        return (y[rows].float() * w.float()[..., None]).sum(1).to(y.dtype)
+        out = (y[rows].float() * w.float()[..., None]).sum(1)
+        # never out.to(out.dtype) (out itself): torch 2.11's compiler traced such a forward with a zero gradient
+        return out if out.dtype == y.dtype else out.to(y.dtype)
 
     @staticmethod
     def backward(ctx, g):

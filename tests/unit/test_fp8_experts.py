@@ -92,6 +92,24 @@ def test_dequant_path_equals_emulation_within_bf16():
     assert torch.allclose(out[False][:end], out[True][:end], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_dequant_path_compiled_gives_eager_gradients(recipe):
+    """The experts' FP8 function traced by torch.compile's autograd (aot_eager: no code generation) gives the eager
+    gradients. Under torch 2.11 (the GPU machine's) a forward that returned ``out.to(out.dtype)`` (``out`` itself)
+    was traced with a zero output gradient: both gradients zero, moe-mini did not learn under the compiled blockwise
+    recipe; ``kernels.fp8_grouped._cast`` avoids it."""
+    x, w, g, _, ends = _case([256, 0, 128], 128, 128, 128)
+    grads = []
+    for compiled in (False, True):
+        state = FP8State(Recipe(format="e4m3", recipe=recipe, grouped_gemm="dequant"))
+        xi, wi = x.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+        fn = torch.compile(fp8_grouped_mm, backend="aot_eager") if compiled else fp8_grouped_mm
+        (fn(xi, wi, ends, state).float() * g).sum().backward()
+        grads.append((xi.grad.float()[:int(ends[-1])], wi.grad.float()))  # (rows past the last group: unwritten)
+    for eager, traced in zip(*grads):
+        assert eager.norm() > 0 and torch.equal(traced, eager)
+
+
 def test_dequant_wgrad_of_an_expert_without_rows_is_zero_whatever_the_kernel_leaves(monkeypatch):
     """An expert that gets no tokens (an empty group along the summed dimension) has a zero weight gradient on
     the dequant path even when the grouped GEMM leaves that group's output unwritten: a stand-in kernel fills it
