@@ -191,9 +191,10 @@ if triton is not None:
 
     @triton.jit
     def _walk(q, k_ptr, v_ptr, table, lo, hi, g, scale, skb, skt, skg, svb, svt, svg, cols,
-              QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr):
-        """The online softmax (running max, denominator, unnormalised weighted sum) of one token's queries ``q``
-        [QB, D] over its cached tokens [lo, hi) of group ``g``, ``BT`` at a time; all empty where lo >= hi."""
+              QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, row_lo=0, row_hi=1 << 30):
+        """The online softmax (running max, denominator, unnormalised weighted sum) of the query rows ``q``
+        [QB, D] over the cached tokens [lo, hi) of group ``g``, ``BT`` at a time; all empty where lo >= hi. Each
+        row sees only [row_lo, row_hi) of them (column vectors [QB, 1]: a tile's tokens, each its own span)."""
         m = tl.full([QB], float("-inf"), tl.float32)
         total = tl.zeros([QB], tl.float32)
         acc = tl.zeros([QB, D], tl.float32)
@@ -203,7 +204,8 @@ if triton is not None:
             block = tl.load(table + t // BS, mask=ok, other=0).to(tl.int64)
             keys = _cached(k_ptr, block, t, ok, skb, skt, skg, g, cols, BS)
             s = tl.dot(q, tl.trans(keys)) * scale
-            s = tl.where(ok[None, :], s, float("-inf"))
+            seen = ok[None, :] & (t[None, :] >= row_lo) & (t[None, :] < row_hi)
+            s = tl.where(seen, s, float("-inf"))
             vals = _cached(v_ptr, block, t, ok, svb, svt, svg, g, cols, BS)
             m, total, acc = _absorb(s, vals, m, total, acc)
         return m, total, acc
@@ -343,20 +345,8 @@ if triton is not None:
         lo = tl.where(window >= 0, tl.maximum(end - 1 - window, 0), 0).to(end.dtype)
         table = tab_ptr + tl.load(row_ptr + first_token) * stab
         start0 = tl.min(tl.where(valid, lo, 1 << 30))
-        stop = tl.max(end)
-        m = tl.full([R], float("-inf"), tl.float32)
-        total = tl.zeros([R], tl.float32)
-        acc = tl.zeros([R, D], tl.float32)
-        for start in range(start0, stop, BT):
-            t = start + tl.arange(0, BT)
-            ok = t < stop
-            block = tl.load(table + t // BS, mask=ok, other=0).to(tl.int64)
-            keys = _cached(k_ptr, block, t, ok, skb, skt, skg, g, cols, BS)
-            s = tl.dot(q, tl.trans(keys)) * scale
-            seen = (t[None, :] < end[:, None]) & (t[None, :] >= lo[:, None])
-            s = tl.where(seen, s, float("-inf"))
-            vals = _cached(v_ptr, block, t, ok, svb, svt, svg, g, cols, BS)
-            m, total, acc = _absorb(s, vals, m, total, acc)
+        m, total, acc = _walk(q, k_ptr, v_ptr, table, start0, tl.max(end), g, scale, skb, skt, skg, svb, svt, svg,
+                              cols, R, D, BS, BT, lo[:, None], end[:, None])
         if SINK:
             sink = tl.load(sink_ptr + g * QPG + h, mask=valid, other=float("-inf"))
             total, acc = _sunk(sink, m, total, acc)

@@ -30,6 +30,20 @@ def test_paged_attention_kernel_compiles_for_sm90(sink, index):
     assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
 
 
+@pytest.mark.parametrize("index", ["*i64", "*i32"])
+def test_paged_tile_kernel_compiles_for_sm90(index):
+    """The prompt-chunk kernel: each row's own span passed to the shared key loop as column vectors."""
+    from paratron.kernels import paged_attention as pa
+    if not hasattr(pa, "_paged_tile_kernel"):
+        pytest.skip("paratron's kernels module did not see Triton")
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "tab_ptr": "*i32",
+             "row_ptr": index, "len_ptr": index, "tile_ptr": index, "sink_ptr": "*fp32", "scale": "fp32"}
+    for sink in (False, True):
+        out = compile_sm90(pa._paged_tile_kernel, types,
+                           {"QPG": 4, "QP": 4, "R": 64, "D": 64, "BS": 16, "BT": 64, "SINK": sink})
+        assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
+
+
 @pytest.mark.parametrize("split,gated", [(1, False), (4, False), (2, True)])
 def test_decode_gemv_kernel_compiles_for_sm90(split, gated):
     """kernels/gemv.py: plain and split K (atomics, the counter), fc1's fused SwiGLU, with bias and residual."""
