@@ -97,6 +97,24 @@ def test_fused_expert_path_compiles_as_one_graph():
     assert layer.local is not moe.local_experts
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_combine_traced_by_aot_autograd_gives_eager_gradients(dtype):
+    """The fused combine under torch.compile's autograd trace (aot_eager: no code generation). Under torch 2.11 a
+    forward returning ``out.to(out.dtype)`` (``out`` itself: fp32 runs) was traced with a zero output gradient."""
+    torch.manual_seed(0)
+    y0, w0 = torch.randn(8, 4, dtype=dtype), torch.rand(3, 2, dtype=dtype)
+    rows, src = torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    row_weight = torch.rand(8, dtype=dtype)
+    grads = []
+    for compiled in (False, True):
+        y, w = y0.clone().requires_grad_(), w0.clone().requires_grad_()
+        fn = lambda a, b: moe_experts._Combine.apply(a, b, rows, src, row_weight)  # noqa: E731
+        (torch.compile(fn, backend="aot_eager") if compiled else fn)(y, w).float().square().sum().backward()
+        grads.append((y.grad, w.grad))
+    for eager, traced in zip(*grads):
+        assert eager.norm() > 0 and torch.equal(traced, eager)
+
+
 @pytest.mark.parametrize("fusion,recipe", [(True, None), (False, None), (True, "delayed"), (True, "blockwise")])
 def test_no_host_reads_in_the_dropless_grouped_moe_layer(fusion, recipe):
     from paratron import fp8
