@@ -367,11 +367,11 @@ class PagedEngine:
             finished += self._sample(ready, self._last_logits(ready, logits, picks), on_token)
         return finished
 
-    @staticmethod
-    def _last_logits(ready: list[Seq], logits: torch.Tensor, picks: dict) -> torch.Tensor:
-        """The row of ``logits`` of each of ``ready``'s last computed token (a decode step's: all, as they are)."""
+    def _last_logits(self, ready: list[Seq], logits: torch.Tensor, picks: dict) -> torch.Tensor:
+        """The row of ``logits`` of each of ``ready``'s last computed token (a decode step's: all, as they are); the
+        rows' index copied without waiting for the step's device work (``_tensor``)."""
         rows = [picks[s.id][-1] for s in ready]
-        return logits if rows == list(range(logits.size(0))) else logits[torch.tensor(rows, device=logits.device)]
+        return logits if rows == list(range(logits.size(0))) else logits[self._tensor(rows)]
 
     def _choose(self, ready: list[Seq], last: torch.Tensor) -> torch.Tensor:
         """The next token of each of ``ready`` from its row of ``last``, on the device: greedy, or its sampler."""

@@ -52,6 +52,16 @@ class SamplingParams:
         return None
 
 
+def on_device(values: list, device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``. To a GPU from pinned memory, without waiting: a plain copy of host
+    memory makes torch wait for all the work queued on the device (under asynchronous paged steps, for the step
+    still running), where a pinned one is queued behind it."""
+    host = torch.tensor(values)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     """The per-row parameters of one batch as tensors, and the generators of its seeded rows."""
 
@@ -60,10 +70,10 @@ class Sampler:
         requests keep theirs from step to step: :func:`row_generator`)."""
         self.params = list(params)
         self.device = device
-        self.temperature = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device)[:, None]
-        self.is_greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
-        self.top_k = torch.tensor([p.top_k for p in params], device=device)[:, None]
-        self.top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        self.temperature = on_device([max(p.temperature, 1e-6) for p in params], device)[:, None]
+        self.is_greedy = on_device([p.temperature == 0 for p in params], device)
+        self.top_k = on_device([p.top_k for p in params], device)[:, None]
+        self.top_p = on_device([p.top_p for p in params], device)[:, None]
         self.generators = {}
         if generators is not None:
             self.generators = dict(generators)

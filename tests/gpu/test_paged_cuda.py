@@ -247,3 +247,25 @@ def test_mixed_step_graphs_give_the_compiled_steps_tokens(async_mode):
     assert sorted(mixed.graphs) == mixed.sizes == [64, 128, 256, 257]
     assert [r.tokens for r in graphed.generate(reqs)] == [r.tokens for r in want]
     assert mixed.runs > len(mixed.sizes) * 3  # (warm-up: two eager calls and a capture per bucket)
+
+
+def test_step_inputs_reach_the_gpu_without_waiting_for_its_queue():
+    """The last-token rows of a step with partial prompt chunks and a sampled batch's parameters are copied from
+    pinned memory: a plain host copy makes torch wait for the work queued on the device (the running step), which
+    took away the overlap of asynchronous steps."""
+    from types import SimpleNamespace
+    from paratron.config.inference import InferenceConfig
+    from paratron.inference.engine import Engine
+    from paratron.inference.paged import PagedEngine
+    from paratron.inference.sampling import Sampler, SamplingParams
+    from tests.unit.test_generate import VOCAB, tiny_model
+    paged = PagedEngine(Engine(tiny_model().cuda(), VOCAB), InferenceConfig(inference_dynamic_batching_num_blocks=64))
+    logits = torch.randn(6, VOCAB, device="cuda")
+    torch.cuda._sleep(10_000_000)  # work in the queue while the copies are made
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = paged._last_logits([SimpleNamespace(id=0), SimpleNamespace(id=2)], logits, {0: [1], 1: [2], 2: [4]})
+        sampler = Sampler([SamplingParams(temperature=0.7, top_k=5), SamplingParams()], "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(rows, logits[[1, 4]]) and sampler.top_k[:, 0].tolist() == [5, 0]
