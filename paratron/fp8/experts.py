@@ -27,9 +27,12 @@ def alignment(state: FP8State) -> int:
 
 
 def grouped_path(state: FP8State, kind: str) -> str:
-    """emulate (tests), the switch's torch._scaled_grouped_mm (tensor scales only), else dequant."""
+    """emulate (tests), the switch's torch._scaled_grouped_mm (tensor scales only) or Triton kernel (block scales:
+    kernels/fp8_block_grouped.py), else dequant."""
     if state.recipe.emulate:
         return "emulate"
+    if kind == "block" and state.recipe.block_grouped_gemm == "triton":
+        return "triton"
     return "scaled_grouped_mm" if kind == "tensor" and state.recipe.grouped_gemm == "scaled_grouped_mm" else "dequant"
 
 

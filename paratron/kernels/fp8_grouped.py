@@ -11,6 +11,8 @@ Scales come in two kinds: ``tensor`` (one fp32 scale per operand: the tensorwise
 * ``dequant``: the FP8 operands dequantised to bf16 and multiplied by ``torch._grouped_mm`` (the recipe's
   numbers without FP8 speed; the path of block scales on every GPU, torch having no blockwise grouped GEMM);
 * ``emulate``: dequantised to fp32 and multiplied by ``torch._grouped_mm`` in fp32 (the CPU tests' reference).
+* ``triton`` (block scales, ``--kernel-fp8-block-grouped-gemm``): the forward and input gradient multiply the FP8
+  tiles themselves (kernels/fp8_block_grouped.py); the weight gradient, summed along the rows, takes ``dequant``.
 
 None of them reads the group sizes on the host.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fp8_block_grouped  # noqa: F401 (registers paratron::fp8_block_grouped_mm where Triton is)
 from .fp8_block import TILE, dequantize_blocks, dequantize_tiles
 from .fp8_cast import dequantize
 
@@ -45,6 +48,8 @@ def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
         rows, cols = sa.reciprocal().expand(a.shape[0]), sb.reciprocal().expand(b.shape[0], b.shape[1])
         return torch._scaled_grouped_mm(a, b.transpose(-2, -1), rows.contiguous(), cols.contiguous(), offs=ends,
                                         out_dtype=out_dtype)
+    if path == "triton":  # block scales: the FP8 tiles multiplied as they are (kernels/fp8_block_grouped.py)
+        return torch.ops.paratron.fp8_block_grouped_mm(a, sa, b, sb, ends, out_dtype)
     dt = _work_dtype(path, out_dtype)
     out = _mm(_deq(a, sa, kind, False, dt), _deq(b, sb, kind, True, dt).transpose(-2, -1), ends, path)
     return _cast(out, out_dtype)
@@ -60,6 +65,7 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     got no rows to zero itself: torch's Hopper grouped GEMM does not promise to write an empty group's output (its
     Blackwell setup refuses such groups in every layout but the former)."""
     groups = ends.numel()
+    path = "dequant" if path == "triton" else path  # (the Triton kernel sums along K, not along the rows)
     if path == "scaled_grouped_mm":
         rows = sg.reciprocal().expand(groups * gt.shape[0]).contiguous()
         cols = sx.reciprocal().expand(groups * xt.shape[0]).contiguous()

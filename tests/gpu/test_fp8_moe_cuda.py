@@ -60,18 +60,24 @@ def test_blockwise_linear_on_the_gpu_equals_emulation(k, n, compiled):
         assert _rel(got, want) < 2e-2
 
 
+def _grouped_case(counts: list, k: int, n: int, align: int, std: float):
+    """Rows of len(counts) experts in the padded grouped layout [size, k] (bf16), weights [E, n, k], an output
+    gradient [size, n]; the real rows' places and the groups' ends."""
+    counts = torch.tensor(counts, device="cuda")
+    expert_index = torch.repeat_interleave(torch.arange(len(counts), device="cuda"), counts)
+    dest, ends, size = moe.aligned_rows(counts, expert_index, align)
+    x = torch.randn(int(counts.sum()), k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(len(counts), n, k, device="cuda") * std).to(torch.bfloat16)
+    g = torch.randn(size, n, device="cuda", dtype=torch.bfloat16)
+    return x.new_zeros(size, k).index_copy(0, dest, x), w, g, dest, ends
+
+
 @pytest.mark.skipif(not _hopper(), reason="Hopper")
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_scaled_grouped_mm_equals_emulation(recipe):
     assert fp8_grouped.gemm_choice("cuda")[0] == "scaled_grouped_mm"
     torch.manual_seed(2)
-    counts = torch.tensor([100, 0, 37, 250], device="cuda")
-    expert_index = torch.repeat_interleave(torch.arange(4, device="cuda"), counts)
-    dest, ends, size = moe.aligned_rows(counts, expert_index, 16)
-    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
-    padded = x.new_zeros(size, 256).index_copy(0, dest, x)
-    w = (torch.randn(4, 512, 256, device="cuda") * 0.05).to(torch.bfloat16)
-    g = torch.randn(size, 512, device="cuda", dtype=torch.bfloat16)
+    padded, w, g, dest, ends = _grouped_case([100, 0, 37, 250], 256, 512, 16, 0.05)
     outs = []
     for emulate in (False, True):
         xr, wr = padded.clone().requires_grad_(), w.clone().requires_grad_()
@@ -81,6 +87,25 @@ def test_scaled_grouped_mm_equals_emulation(recipe):
         outs.append((y[dest], xr.grad[dest], wr.grad))
     for got, want in zip(*outs):
         assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.skipif(not _hopper(), reason="Hopper")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_blockwise_grouped_triton_kernel_equals_the_dequant_path(compiled):
+    """--kernel-fp8-block-grouped-gemm triton (kernels/fp8_block_grouped.py: FP8 tiles on the tensor cores) against
+    the dequant path at moe-mini's expert sizes: output, input and weight gradients, eager and under torch.compile."""
+    torch.manual_seed(4)
+    padded, w, g, dest, ends = _grouped_case([700, 0, 333, 1100, 48, 900, 512, 503], 1024, 3584, 128, 0.02)
+    outs = []
+    for path in ("triton", "dequant"):
+        xr, wr = padded.clone().requires_grad_(), w.clone().requires_grad_()
+        state = FP8State(Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm=path))
+        fn = torch.compile(fp8_grouped_mm) if compiled else fp8_grouped_mm
+        y = fn(xr, wr, ends, state)
+        y.backward(g)
+        outs.append((y[dest], xr.grad[dest], wr.grad))
+    for got, want in zip(*outs):
+        assert _rel(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])

@@ -1,0 +1,91 @@
+"""The blockwise FP8 grouped GEMM in Triton (kernels/fp8_block_grouped.py) against the dequantised product of the
+same FP8 operands, through Triton's CPU interpreter (empty experts, rows past the last group, a partial tile along
+K), and compiled for Hopper without a GPU."""
+import pytest
+
+CHECK = r"""
+import torch
+from paratron.kernels.fp8_block import E4M3, dequantize_blocks, dequantize_tiles, quantize_blocks, quantize_tiles
+from paratron.kernels.fp8_block_grouped import block_grouped_mm
+
+torch.manual_seed(0)
+for counts, n, k in (([256, 0, 128], 256, 384), ([128, 128], 128, 320)):
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    s = int(ends[-1]) + 128  # a tile of rows past the last group: zeros
+    x = torch.randn(s, k) * torch.rand(s, 1) * 3
+    w = torch.randn(len(counts), n, k) * 0.05
+    xq, sx = quantize_tiles(x, E4M3)
+    wq, sw = quantize_blocks(w.reshape(-1, k), E4M3)
+    wq = wq.view(len(counts), n, k)
+    got = block_grouped_mm(xq, sx, wq, sw, ends, torch.float32)
+    xd, wd = dequantize_tiles(xq, sx), dequantize_blocks(wq.reshape(-1, k), sw).view(len(counts), n, k)
+    want = torch.zeros(s, n)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        want[start:end] = xd[start:end] @ wd[e].t()
+        start = end
+    assert got.shape == (s, n) and torch.isfinite(got).all()
+    err = (got - want).norm() / want.norm()
+    assert err < 1e-5, (counts, float(err))
+    assert torch.equal(got[int(ends[-1]):], torch.zeros(s - int(ends[-1]), n))
+    # a wrong scale anywhere shows: the product of the undivided FP8 values is far off
+    assert ((xq.float() @ wq[0].float().t())[:1] - want[:1]).norm() > 10 * (got - want)[:1].norm()
+    bf = block_grouped_mm(xq, sx, wq, sw, ends, torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and ((bf.float() - want).norm() / want.norm()) < 1e-2
+print("ok")
+"""
+
+
+def test_block_grouped_gemm_equals_the_dequantised_product_in_the_interpreter():
+    pytest.importorskip("triton")
+    from tests.interpret import interpret
+    interpret(CHECK)
+
+
+EXPERTS = r"""
+import torch
+from paratron.fp8 import FP8State, Recipe
+from paratron.fp8.experts import fp8_grouped_mm, grouped_path
+from paratron.kernels.fp8_block import TILE
+from paratron.model.moe import aligned_rows
+
+torch.manual_seed(1)
+counts = torch.tensor([150, 0, 90])
+index = torch.repeat_interleave(torch.arange(3), counts)
+dest, ends, size = aligned_rows(counts, index, TILE)
+x0 = torch.zeros(size, 256).index_copy(0, dest, torch.randn(int(counts.sum()), 256))
+w0, g = torch.randn(3, 384, 256) * 0.05, torch.randn(size, 384)
+got = {}
+for name, recipe in (("triton", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton")),
+                     ("emulate", Recipe(format="e4m3", recipe="blockwise", emulate=True))):
+    state = FP8State(recipe)
+    assert grouped_path(state, "block") == name
+    x, w = x0.clone().bfloat16().requires_grad_(), w0.clone().bfloat16().requires_grad_()
+    y = fp8_grouped_mm(x, w, ends, state)
+    y.float().backward(g)
+    end = int(ends[-1])
+    got[name] = (y.float()[:end], x.grad.float()[:end], w.grad.float())
+for t, r in zip(got["triton"], got["emulate"]):
+    assert ((t - r).norm() / r.norm()) < 1e-2, float((t - r).norm() / r.norm())
+print("ok")
+"""
+
+
+def test_blockwise_experts_through_the_kernel_equal_the_emulation_in_the_interpreter():
+    """The experts' FP8 function with --kernel-fp8-block-grouped-gemm triton (forward and input gradient by the
+    kernel, weight gradient by the dequant path) against the fp32 emulation of the same recipe."""
+    pytest.importorskip("triton")
+    from tests.interpret import interpret
+    interpret(EXPERTS)
+
+
+def test_block_grouped_kernel_compiles_for_sm90():
+    pytest.importorskip("triton")
+    from paratron.kernels import fp8_block_grouped as bg
+    from tests.unit.test_triton_sm90 import compile_sm90
+    if not hasattr(bg, "_block_grouped_kernel"):
+        pytest.skip("paratron's kernels module did not see Triton")
+    types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "ends_ptr": "*i32",
+             "c_ptr": "*bf16"}
+    out = compile_sm90(bg._block_grouped_kernel, types, {"BM": 128, "BN": 128, "BK": 128, "EP": 16})
+    assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
