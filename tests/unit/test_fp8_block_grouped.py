@@ -89,3 +89,23 @@ def test_block_grouped_kernel_compiles_for_sm90():
              "c_ptr": "*bf16"}
     out = compile_sm90(bg._block_grouped_kernel, types, {"BM": 128, "BN": 128, "BK": 128, "EP": 16})
     assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
+
+
+def test_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():
+    import dataclasses
+    import torch
+    from paratron.config.kernels import CHOICES, KernelConfig
+    from paratron.errors import ConfigError
+    from paratron.fp8 import Recipe
+    from paratron.kernels import switches
+    from paratron.train.resolve import parse_args
+    assert CHOICES["kernel_fp8_block_grouped_gemm"] == ("auto", "triton", "dequant")
+    assert switches.resolve(KernelConfig(), "cpu", torch.bfloat16).kernel_fp8_block_grouped_gemm == "dequant"
+    asked = dataclasses.replace(KernelConfig(), kernel_fp8_block_grouped_gemm="triton")
+    with pytest.raises(ConfigError, match="--kernel-fp8-block-grouped-gemm triton"):
+        switches.resolve(asked, "cpu", torch.bfloat16)
+    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3",
+                      "--kernel-fp8-block-grouped-gemm", "triton"])  # (FP8 itself needs a GPU to parse)
+    train = dataclasses.replace(cfg.train, fp8_format="e4m3", fp8_recipe="blockwise")
+    assert Recipe.from_config(train, cfg.kernels).block_grouped_gemm == "triton"  # the flag reaches the recipe
+    assert Recipe.from_config(train, KernelConfig()).block_grouped_gemm == "dequant"
