@@ -49,7 +49,7 @@ if triton is not None:
         experts = tl.arange(0, EP)
         ends = tl.load(ends_ptr + experts, mask=experts < E, other=2147483647)
         e = tl.sum((ends <= m0).to(tl.int32))  # the expert of rows [m0, m0 + BM)
-        rows = m0 + tl.arange(0, BM)
+        rows = (m0 + tl.arange(0, BM)).to(tl.int64)  # (offsets past 2**31 on large expert batches)
         cols = pid_n * BN + tl.arange(0, BN)
         live_r, live_c = rows < S, cols < N
         acc = tl.zeros([BM, BN], tl.float32)
@@ -66,7 +66,7 @@ if triton is not None:
                 kb = k0 // BK
                 s_a = tl.load(sa_ptr + rows * ssam + kb * ssak, mask=live_r, other=1.0)
                 s_b = tl.load(sb_ptr + (e64 * (N // BN) + pid_n) * ssbr + kb * ssbk)
-                acc += part / (s_a[:, None] * s_b)
+                acc += part * (1.0 / (s_a * s_b))[:, None]  # (a divide per row, not per element)
         tl.store(c_ptr + rows[:, None] * scm + cols[None, :] * scn, acc.to(c_ptr.dtype.element_ty),
                  mask=live_r[:, None] & live_c[None, :])
 
