@@ -34,8 +34,7 @@ from .block_tables import BlockTables
 from .blocks import BlockAllocator
 from .engine import Engine, Request, Result
 from .paged_cache import PagedKVCache, PagedView, PassStates, StateRows
-from .paged_graphs import pinned
-from .sampling import Sampler, find_stop, row_generator
+from .sampling import Sampler, find_stop, on_device, row_generator
 from .scheduler import Scheduler, Seq
 
 
@@ -296,11 +295,8 @@ class PagedEngine:
         return self._forward(plan, ids, pos, slots, rows, lengths, pick, patch=patch), picks
 
     def _tensor(self, x) -> torch.Tensor:
-        """``x`` on the engine's device; on a GPU copied from pinned memory, so that the copy does not wait for the
-        work already queued on the device."""
-        if self.device.type != "cuda":
-            return torch.tensor(x, device=self.device)
-        return pinned(x).to(self.device, non_blocking=True)
+        """``x`` on the engine's device, without waiting for the work queued there (``sampling.on_device``)."""
+        return on_device(x, self.device)
 
     def _view(self, plan, slots, rows, lengths, state=None) -> PagedView:
         """The cache as the pass of ``plan``'s tokens sees it (``state``: PagedView's)."""

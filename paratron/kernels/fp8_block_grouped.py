@@ -34,11 +34,6 @@ def gemm_choice(device) -> tuple[str, str]:
     return "dequant", "the Triton kernel is not yet measured against it on a GPU"
 
 
-def usable(device) -> bool:
-    """Whether the Triton kernel can run on ``device`` (Triton and a CUDA device)."""
-    return triton is not None and torch.device(device).type == "cuda" and torch.cuda.is_available()
-
-
 if triton is not None:
     @triton.jit
     def _block_grouped_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, c_ptr, S, N, K, E,

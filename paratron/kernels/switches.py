@@ -94,7 +94,7 @@ def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False,
     if asked.kernel_decode_gemv == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
         raise ConfigError("--kernel-decode-gemv triton: the GEMV kernel needs Triton and a CUDA device "
                           "(choose torch or auto here)")
-    if asked.kernel_fp8_block_grouped_gemm == "triton" and not fp8_block_grouped.usable(device):
+    if asked.kernel_fp8_block_grouped_gemm == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
         raise ConfigError("--kernel-fp8-block-grouped-gemm triton: the kernel needs Triton and a CUDA device "
                           "(choose dequant or auto here)")
     found = availability(device, dtype, deterministic, offered)
