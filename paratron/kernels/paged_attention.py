@@ -32,7 +32,6 @@ sequence): what runs on CPUs and what the tests compare the kernel with (on CPU 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 from typing import Optional
 
@@ -135,16 +134,10 @@ def decode_splits(programs: int, span: int, sms: int) -> int:
     return max(1, min(-(-SPLIT_TARGET * sms // programs), span // SPLIT_MIN_SPAN))
 
 
-@functools.lru_cache(maxsize=None)
-def _device_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (``DEFAULT_SMS`` off CUDA, e.g. under Triton's interpreter)."""
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return _device_sms(torch.cuda.current_device() if device.index is None else device.index)
+    """Streaming multiprocessors of ``device`` (``DEFAULT_SMS`` off CUDA, e.g. under Triton's interpreter; torch
+    caches the device's properties)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
