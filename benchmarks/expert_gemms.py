@@ -1,0 +1,143 @@
+"""The routed experts' grouped GEMMs of a preset, timed alone on one GPU: for fc1 and fc2 the forward, input
+gradient and weight gradient in bf16 (``torch._grouped_mm``) and in each FP8 path from already quantised
+operands (the GEMM kernels alone), then the whole FP8 experts' function (quantisation included) forward and
+forward + backward against bf16's, per recipe. Rows are balanced over the experts (each expert's group
+a multiple of 128 rows), as the router's aux loss aims for. Median of CUDA-event timings.
+
+    python benchmarks/expert_gemms.py --config moe-mini --tokens 16384
+
+Writes a record (benchmarks/record.py) to $OUT if set, else benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.matmul_shapes import time_ms  # noqa: E402
+
+
+def expert_shapes(preset: str, tokens: int):
+    """(experts, routed rows, [(name, in_features, out_features)]) of one MoE layer of ``preset``."""
+    from paratron.config import parse_args
+    m = parse_args(["--config", preset]).model
+    f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    return m.num_experts, tokens * m.moe_router_topk, [("fc1", m.hidden_size, f * (2 if m.swiglu else 1)),
+                                                      ("fc2", f, m.hidden_size)]
+
+
+def recipes():
+    from paratron.fp8.recipe import Recipe
+    return [("tensorwise e4m3", Recipe(format="e4m3", grouped_gemm="scaled_grouped_mm")),
+            ("tensorwise hybrid", Recipe(format="hybrid", grouped_gemm="scaled_grouped_mm")),
+            ("tensorwise dequant", Recipe(format="e4m3", grouped_gemm="dequant")),
+            ("blockwise dequant", Recipe(format="e4m3", recipe="blockwise")),
+            ("blockwise triton", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton"))]
+
+
+def kernel_cases(x, w, g, ends):
+    """(label, fn, flops) of each GEMM kernel on operands quantised beforehand."""
+    from paratron.fp8.experts import _transposed_blocks, _weight_blocks
+    from paratron.fp8.recipe import FP8State, Recipe
+    from paratron.kernels.fp8_block import quantize_tiles
+    from paratron.kernels.fp8_grouped import grouped_forward, grouped_wgrad
+    s, k = x.shape
+    n, flops = w.shape[1], 2 * x.shape[0] * x.shape[1] * w.shape[1]
+    wt = w.transpose(1, 2).contiguous()
+    cases = [("bf16 forward", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends), flops),
+             ("bf16 input grad", lambda: torch._grouped_mm(g, w, offs=ends), flops),
+             ("bf16 weight grad", lambda: torch._grouped_mm(g.t(), x, offs=ends), flops)]
+    st = FP8State(Recipe(format="e4m3"), x.device)
+    xq, xtq, sx = st.input.quantize_both(x)
+    wq, sw = st.quantize("weight", w)
+    gq, gtq, sg = st.quantize_grad(g)
+    wtq = wq.transpose(1, 2).contiguous()
+    for path in ("scaled_grouped_mm", "dequant"):
+        cases += [(f"tensor {path} fwd", lambda p=path: grouped_forward(xq, sx, wq, sw, ends, "tensor", x.dtype, p),
+                   flops),
+                  (f"tensor {path} dgrad", lambda p=path: grouped_forward(gq, sg, wtq, sw, ends, "tensor", x.dtype, p),
+                   flops),
+                  (f"tensor {path} wgrad", lambda p=path: grouped_wgrad(gtq, sg, xtq, sx, ends, "tensor", x.dtype, p),
+                   flops)]
+    bx, bsx = quantize_tiles(x)
+    bxt, bsxt = quantize_tiles(x.t())
+    bg, bsg = quantize_tiles(g)
+    bgt, bsgt = quantize_tiles(g.t())
+    bw, bsw = _weight_blocks(w, 0)
+    bwt, bswt = _transposed_blocks(bw, bsw)
+    for path in ("triton", "dequant"):
+        cases += [(f"block {path} fwd", lambda p=path: grouped_forward(bx, bsx, bw, bsw, ends, "block", x.dtype, p),
+                   flops),
+                  (f"block {path} dgrad", lambda p=path: grouped_forward(bg, bsg, bwt, bswt, ends, "block", x.dtype, p),
+                   flops)]
+    cases.append(("block dequant wgrad", lambda: grouped_wgrad(bgt, bsgt, bxt, bsxt, ends, "block", x.dtype,
+                                                               "dequant"), flops))
+    return cases
+
+
+def function_cases(x, w, g, ends):
+    """(label, forward fn, forward + backward fn) of the experts' whole GEMM per recipe, quantisation included."""
+    from paratron.fp8.experts import fp8_grouped_mm
+    from paratron.fp8.recipe import FP8State
+
+    def bf16():
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+
+    out = [("bf16", bf16, lambda: torch.autograd.grad(bf16(), (x, w), g))]
+    for label, recipe in recipes():
+        state = FP8State(recipe, x.device)
+        fwd = (lambda s=state: fp8_grouped_mm(x, w, ends, s))
+        out.append((label, fwd, lambda f=fwd: torch.autograd.grad(f(), (x, w), g)))
+    return out
+
+
+def run(preset: str, tokens: int) -> list[str]:
+    experts, rows, gemms = expert_shapes(preset, tokens)
+    per = rows // experts // 128 * 128
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    ends = torch.arange(1, experts + 1, device=dev, dtype=torch.int32) * per
+    s = per * experts
+    lines = ["| GEMM | what | ms | TFLOP/s |", "|---|---|---|---|"]
+    for name, k, n in gemms:
+        torch.manual_seed(0)
+        x = torch.randn(s, k, device=dev, dtype=dt, requires_grad=True)
+        w = (torch.randn(experts, n, k, device=dev, dtype=dt) * k ** -0.5).requires_grad_(True)
+        g = torch.randn(s, n, device=dev, dtype=dt)
+        for label, fn, flops in kernel_cases(x.detach(), w.detach(), g, ends):
+            ms = time_ms(fn, [()])
+            lines.append(f"| {name} {s}x{k}->{n}, {experts} experts | kernel: {label} | {ms:.3f} | "
+                         f"{flops / ms / 1e9:.0f} |")
+            print(lines[-1], flush=True)
+        flops = 2 * s * k * n
+        for label, fwd, both in function_cases(x, w, g, ends):
+            f_ms, b_ms = time_ms(fwd, [()]), time_ms(both, [()])
+            lines.append(f"| {name} | function: {label} forward | {f_ms:.3f} | {flops / f_ms / 1e9:.0f} |")
+            lines.append(f"| {name} | function: {label} fwd+bwd | {b_ms:.3f} | {3 * flops / b_ms / 1e9:.0f} |")
+            print(*lines[-2:], sep="\n", flush=True)
+        del x, w, g
+        torch.cuda.empty_cache()
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="moe-mini")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per micro-batch (micro-batch x sequence)")
+    args = p.parse_args()
+    from benchmarks.record import write_record
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; {args.config}, {args.tokens} tokens")
+    lines = run(args.config, args.tokens)
+    write_record(os.environ.get("OUT") or Path(__file__).resolve().parent / "results", f"expert_gemms_{args.config}",
+                 f"The routed experts' grouped GEMMs of {args.config}, bf16 and FP8, alone",
+                 torch.cuda.get_device_name(), {"tokens per micro-batch": args.tokens},
+                 "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
