@@ -80,6 +80,30 @@ def kernel_cases(x, w, g, ends):
     return cases
 
 
+def quack_cases(x, w, g, ends, tuned: bool):
+    """quack-kernels' variable-length GEMM (CuTe DSL; its FP8 operands K-major) on the same products: bf16 and
+    FP8 with the tensorwise scales as one alpha."""
+    from quack.gemm_interface import gemm
+    from paratron.fp8.recipe import FP8State, Recipe
+    flops, cu = 2 * x.shape[0] * x.shape[1] * w.shape[1], torch.cat([ends.new_zeros(1), ends])
+    st = FP8State(Recipe(format="e4m3"), x.device)
+    xq, xtq, sx = st.input.quantize_both(x)
+    wq, sw = st.quantize("weight", w)
+    gq, gtq, sg = st.quantize_grad(g)
+    wtq, wt = wq.transpose(1, 2).contiguous(), w.transpose(1, 2).contiguous()
+    a_fwd, a_dgrad, a_wgrad = (1 / (sx * sw)).float(), (1 / (sg * sw)).float(), (1 / (sg * sx)).float()
+    t = "*" if tuned else ""
+    return [(f"quack{t} bf16 fwd", lambda: gemm(x, w.transpose(1, 2), cu_seqlens_m=cu, tuned=tuned), flops),
+            (f"quack{t} bf16 dgrad", lambda: gemm(g, w, cu_seqlens_m=cu, tuned=tuned), flops),
+            (f"quack{t} bf16 wgrad", lambda: gemm(g.t(), x, cu_seqlens_k=cu, tuned=tuned), flops),
+            (f"quack{t} fp8 fwd", lambda: gemm(xq, wq.transpose(1, 2), alpha=a_fwd, out_dtype=x.dtype,
+                                               cu_seqlens_m=cu, tuned=tuned), flops),
+            (f"quack{t} fp8 dgrad", lambda: gemm(gq, wtq.transpose(1, 2), alpha=a_dgrad, out_dtype=x.dtype,
+                                                 cu_seqlens_m=cu, tuned=tuned), flops),
+            (f"quack{t} fp8 wgrad", lambda: gemm(gtq, xtq.t(), alpha=a_wgrad, out_dtype=x.dtype, cu_seqlens_k=cu,
+                                                 tuned=tuned), flops)]
+
+
 def function_cases(x, w, g, ends):
     """(label, forward fn, forward + backward fn) of the experts' whole GEMM per recipe, quantisation included."""
     from paratron.fp8.experts import fp8_grouped_mm
@@ -96,7 +120,7 @@ def function_cases(x, w, g, ends):
     return out
 
 
-def run(preset: str, tokens: int) -> list[str]:
+def run(preset: str, tokens: int, quack: bool = False) -> list[str]:
     experts, rows, gemms = expert_shapes(preset, tokens)
     per = rows // experts // 128 * 128
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -108,13 +132,26 @@ def run(preset: str, tokens: int) -> list[str]:
         x = torch.randn(s, k, device=dev, dtype=dt, requires_grad=True)
         w = (torch.randn(experts, n, k, device=dev, dtype=dt) * k ** -0.5).requires_grad_(True)
         g = torch.randn(s, n, device=dev, dtype=dt)
-        for label, fn, flops in kernel_cases(x.detach(), w.detach(), g, ends):
-            ms = time_ms(fn, [()])
+        xd, wd = x.detach(), w.detach()
+        cases = kernel_cases(xd, wd, g, ends)
+        if quack:
+            cases = [c for tuned in (False, True) for c in quack_cases(xd, wd, g, ends, tuned)]
+        refs = {"fwd": lambda: torch._grouped_mm(xd, wd.transpose(-2, -1), offs=ends),
+                "dgrad": lambda: torch._grouped_mm(g, wd, offs=ends), "wgrad": lambda: torch._grouped_mm(g.t(), xd, offs=ends)}
+        for label, fn, flops in cases:
+            try:
+                ms = time_ms(fn, [()])
+                if quack:  # the product checked against torch's bf16 grouped GEMM
+                    ref = refs[label.split()[-1]]().float()
+                    label += f" (rel. diff {((fn().float() - ref).norm() / ref.norm()).item():.1e})"
+            except Exception as e:  # a path this GPU or torch lacks: said, and the next one timed
+                print(f"| {name} | kernel: {label} | failed: {type(e).__name__}: {str(e)[:120]} |", flush=True)
+                continue
             lines.append(f"| {name} {s}x{k}->{n}, {experts} experts | kernel: {label} | {ms:.3f} | "
                          f"{flops / ms / 1e9:.0f} |")
             print(lines[-1], flush=True)
         flops = 2 * s * k * n
-        for label, fwd, both in function_cases(x, w, g, ends):
+        for label, fwd, both in ([] if quack else function_cases(x, w, g, ends)):
             f_ms, b_ms = time_ms(fwd, [()]), time_ms(both, [()])
             lines.append(f"| {name} | function: {label} forward | {f_ms:.3f} | {flops / f_ms / 1e9:.0f} |")
             lines.append(f"| {name} | function: {label} fwd+bwd | {b_ms:.3f} | {3 * flops / b_ms / 1e9:.0f} |")
@@ -128,11 +165,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="moe-mini")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per micro-batch (micro-batch x sequence)")
+    p.add_argument("--quack", action="store_true", help="quack-kernels' variable-length GEMM instead (bf16 and FP8; "
+                   "its default tile and autotuned)")
     args = p.parse_args()
     from benchmarks.record import write_record
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; {args.config}, {args.tokens} tokens")
-    lines = run(args.config, args.tokens)
-    write_record(os.environ.get("OUT") or Path(__file__).resolve().parent / "results", f"expert_gemms_{args.config}",
+    lines = run(args.config, args.tokens, args.quack)
+    write_record(os.environ.get("OUT") or Path(__file__).resolve().parent / "results", f"expert_gemms_{args.config}{'_quack' if args.quack else ''}",
                  f"The routed experts' grouped GEMMs of {args.config}, bf16 and FP8, alone",
                  torch.cuda.get_device_name(), {"tokens per micro-batch": args.tokens},
                  "\n".join(lines))
