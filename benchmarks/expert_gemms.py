@@ -5,6 +5,7 @@ forward + backward against bf16's, per recipe. Rows are balanced over the expert
 a multiple of 128 rows), as the router's aux loss aims for. Median of CUDA-event timings.
 
     python benchmarks/expert_gemms.py --config moe-mini --tokens 16384
+    python benchmarks/expert_gemms.py --config llama-1b --tokens 32768 --dense   # dense linears, bf16 and FP8
 
 Writes a record (benchmarks/record.py) to $OUT if set, else benchmarks/results/.
 """
@@ -120,6 +121,57 @@ def function_cases(x, w, g, ends):
     return out
 
 
+def dense_cases(x, w, g):
+    """(label, fn, flops) of one dense linear's three GEMMs in bf16, tensorwise FP8 (``torch._scaled_mm``) and
+    blockwise FP8 (cuBLAS's block-scaled GEMM), from operands quantised beforehand, and the casts each recipe
+    makes of the input and the output gradient (compiled, as under --torch-compile): row-major and transposed."""
+    from paratron.fp8.recipe import FP8State, Recipe, column_major, scaled_mm
+    from paratron.kernels.fp8_block import block_mm, quantize_blocks, quantize_tiles
+    flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
+    st = FP8State(Recipe(format="e4m3"), x.device)
+    xq, xtq, sx = st.input.quantize_both(x)
+    wq, sw = st.quantize("weight", w)
+    gq, gtq, sg = st.quantize_grad(g)
+    wcm, bxq, bsx = column_major(wq), *quantize_tiles(x)
+    bxt, bsxt = quantize_tiles(x.t())
+    bgq, bsg = quantize_tiles(g)
+    bgt, bsgt = quantize_tiles(g.t())
+    bw, bsw = quantize_blocks(w)
+    both = torch.compile(lambda t: (quantize_tiles(t), quantize_tiles(t.t())))
+    return [("bf16 fwd", lambda: x @ w.t(), flops), ("bf16 dgrad", lambda: g @ w, flops),
+            ("bf16 wgrad", lambda: g.t() @ x, flops),
+            ("tensor fwd", lambda: scaled_mm(xq, wq.t(), sx, sw, x.dtype, False), flops),
+            ("tensor dgrad", lambda: scaled_mm(gq, wcm, sg, sw, x.dtype, False), flops),
+            ("tensor wgrad", lambda: scaled_mm(gtq, xtq.t(), sg, sx, x.dtype, False), flops),
+            ("block fwd", lambda: block_mm(bxq, bsx, bw, bsw, True, x.dtype, "scaled_mm"), flops),
+            ("block dgrad", lambda: block_mm(bgq, bsg, bw.t(), bsw.t(), True, x.dtype, "scaled_mm"), flops),
+            ("block wgrad", lambda: block_mm(bgt, bsgt, bxt, bsxt, False, x.dtype, "scaled_mm"), flops),
+            ("tensor cast x (+x^T)", lambda: st.input.quantize_both(x), 0),
+            ("tensor cast g (+g^T)", lambda: st.quantize_grad(g), 0),
+            ("block cast x (+x^T), compiled", lambda: both(x), 0),
+            ("block cast g (+g^T), compiled", lambda: both(g), 0)]
+
+
+def dense(preset: str, tokens: int) -> list[str]:
+    from benchmarks.matmul_shapes import shapes
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    lines = ["| linear | what | ms | TFLOP/s |", "|---|---|---|---|"]
+    for name, fin, fout in shapes(preset)[:-1]:  # (the output layer stays in bf16 under FP8)
+        torch.manual_seed(0)
+        x, w = torch.randn(tokens, fin, device=dev, dtype=dt), torch.randn(fout, fin, device=dev, dtype=dt) / fin ** .5
+        g = torch.randn(tokens, fout, device=dev, dtype=dt)
+        for label, fn, flops in dense_cases(x, w, g):
+            try:
+                ms = time_ms(fn, [()])
+            except Exception as e:  # a path this GPU or torch lacks: said, and the next one timed
+                print(f"| {name} | {label} | failed: {type(e).__name__}: {str(e)[:120]} |", flush=True)
+                continue
+            lines.append(f"| {name} {tokens}x{fin}->{fout} | {label} | {ms:.3f} | "
+                         f"{f'{flops / ms / 1e9:.0f}' if flops else ''} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def run(preset: str, tokens: int, quack: bool = False) -> list[str]:
     experts, rows, gemms = expert_shapes(preset, tokens)
     per = rows // experts // 128 * 128
@@ -137,7 +189,8 @@ def run(preset: str, tokens: int, quack: bool = False) -> list[str]:
         if quack:
             cases = [c for tuned in (False, True) for c in quack_cases(xd, wd, g, ends, tuned)]
         refs = {"fwd": lambda: torch._grouped_mm(xd, wd.transpose(-2, -1), offs=ends),
-                "dgrad": lambda: torch._grouped_mm(g, wd, offs=ends), "wgrad": lambda: torch._grouped_mm(g.t(), xd, offs=ends)}
+                "dgrad": lambda: torch._grouped_mm(g, wd, offs=ends),
+                "wgrad": lambda: torch._grouped_mm(g.t(), xd, offs=ends)}
         for label, fn, flops in cases:
             try:
                 ms = time_ms(fn, [()])
@@ -167,12 +220,17 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=16384, help="tokens per micro-batch (micro-batch x sequence)")
     p.add_argument("--quack", action="store_true", help="quack-kernels' variable-length GEMM instead (bf16 and FP8; "
                    "its default tile and autotuned)")
+    p.add_argument("--dense", action="store_true", help="the dense linears' GEMMs and casts instead: bf16, "
+                   "tensorwise and blockwise FP8")
     args = p.parse_args()
     from benchmarks.record import write_record
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}; {args.config}, {args.tokens} tokens")
-    lines = run(args.config, args.tokens, args.quack)
-    write_record(os.environ.get("OUT") or Path(__file__).resolve().parent / "results", f"expert_gemms_{args.config}{'_quack' if args.quack else ''}",
-                 f"The routed experts' grouped GEMMs of {args.config}, bf16 and FP8, alone",
+    lines = dense(args.config, args.tokens) if args.dense else run(args.config, args.tokens, args.quack)
+    kind = "_quack" if args.quack else "_dense" if args.dense else ""
+    what = "dense linears" if args.dense else "routed experts"
+    write_record(os.environ.get("OUT") or Path(__file__).resolve().parent / "results",
+                 f"expert_gemms_{args.config}{kind}",
+                 f"The {what}' GEMMs of {args.config}, bf16 and FP8, alone",
                  torch.cuda.get_device_name(), {"tokens per micro-batch": args.tokens},
                  "\n".join(lines))
     return 0
