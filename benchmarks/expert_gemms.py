@@ -127,6 +127,7 @@ def dense_cases(x, w, g):
     makes of the input and the output gradient (compiled, as under --torch-compile): row-major and transposed."""
     from paratron.fp8.recipe import FP8State, Recipe, column_major, scaled_mm
     from paratron.kernels.fp8_block import block_mm, quantize_blocks, quantize_tiles
+    from paratron.kernels.fp8_tile_cast import tiles_both
     flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
     st = FP8State(Recipe(format="e4m3"), x.device)
     xq, xtq, sx = st.input.quantize_both(x)
@@ -149,7 +150,9 @@ def dense_cases(x, w, g):
             ("tensor cast x (+x^T)", lambda: st.input.quantize_both(x), 0),
             ("tensor cast g (+g^T)", lambda: st.quantize_grad(g), 0),
             ("block cast x (+x^T), compiled", lambda: both(x), 0),
-            ("block cast g (+g^T), compiled", lambda: both(g), 0)]
+            ("block cast g (+g^T), compiled", lambda: both(g), 0),
+            ("block cast x (+x^T), triton", lambda: tiles_both(x, 0, "triton"), 0),
+            ("block cast g (+g^T), triton", lambda: tiles_both(g, 0, "triton"), 0)]
 
 
 def dense(preset: str, tokens: int) -> list[str]:

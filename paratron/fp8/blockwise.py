@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.fp8_block import block_mm, quantize_blocks, quantize_tiles
+from ..kernels.fp8_tile_cast import tiles_both
 from .recipe import E4M3, FP8State
 
 
@@ -28,12 +29,14 @@ class _BlockLinear(torch.autograd.Function):
         margin, path = state.recipe.margin, block_path(state)
         x2 = x.reshape(-1, x.size(-1))
         state.mark("input")
-        xq, sx = quantize_tiles(x2, E4M3, margin)
+        if state.recipe.fp8_wgrad:  # x in tiles along K and, transposed, along the tokens (the weight gradient's)
+            xq, sx, xtq, sxt = tiles_both(x2, margin, state.recipe.block_cast)
+        else:
+            xq, sx = quantize_tiles(x2, E4M3, margin)
         state.mark("weight")
         wq, sw = quantize_blocks(weight, E4M3, margin)
         y = block_mm(xq, sx, wq, sw, True, x.dtype, path)
         if state.recipe.fp8_wgrad:
-            xtq, sxt = quantize_tiles(x2.t(), E4M3, margin)
             ctx.save_for_backward(xtq, sxt, wq, sw)
         else:
             ctx.save_for_backward(x2, None, wq, sw)
@@ -47,11 +50,16 @@ class _BlockLinear(torch.autograd.Function):
         g2 = g.reshape(-1, g.size(-1))
         state.mark("grad")
         gx = gw = None
-        if ctx.needs_input_grad[0]:  # [M, N] (tiles along N) times W [N, K] (blocks, transposed)
+        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] and sxt is not None
+        if dgrad and wgrad:  # g in tiles along N and, transposed, along the tokens
+            gq, sg, gtq, sgt = tiles_both(g2, margin, state.recipe.block_cast)
+        elif dgrad:
             gq, sg = quantize_tiles(g2, E4M3, margin)
-            gx = block_mm(gq, sg, wq.t(), sw.t(), True, g.dtype, path).view(ctx.x_shape)
-        if ctx.needs_input_grad[1] and sxt is not None:  # g^T [N, M] times x [M, K], both in tiles along M
+        elif wgrad:
             gtq, sgt = quantize_tiles(g2.t(), E4M3, margin)
+        if dgrad:  # [M, N] (tiles along N) times W [N, K] (blocks, transposed)
+            gx = block_mm(gq, sg, wq.t(), sw.t(), True, g.dtype, path).view(ctx.x_shape)
+        if wgrad:  # g^T [N, M] times x [M, K], both in tiles along M
             gw = block_mm(gtq, sgt, x_saved, sxt, False, ctx.w_dtype, path)
         elif ctx.needs_input_grad[1]:
             gw = (g2.t() @ x_saved).to(ctx.w_dtype)

@@ -14,6 +14,7 @@ import torch
 from ..kernels.fp8_block import quantize_tiles, quantize_blocks
 from ..kernels.fp8_cast import dequantize
 from ..kernels.fp8_grouped import align_for, grouped_forward, grouped_wgrad
+from ..kernels.fp8_tile_cast import tiles_both
 from .recipe import E4M3, FP8State
 
 
@@ -58,8 +59,9 @@ def _quantize_rows(x: torch.Tensor, state: FP8State, kind: str):
     (the scaler's ``quantize_both``, as the dense layers' gradients)."""
     wgrad = state.recipe.fp8_wgrad
     if kind == "block":
-        xq, sx = quantize_tiles(x, E4M3, state.recipe.margin)
-        return (xq, sx, *quantize_tiles(x.t(), E4M3, state.recipe.margin)) if wgrad else (xq, sx, None, None)
+        if wgrad:
+            return tiles_both(x, state.recipe.margin, state.recipe.block_cast)
+        return (*quantize_tiles(x, E4M3, state.recipe.margin), None, None)
     if not wgrad:
         return (*state.quantize("input", x), None, None)
     state.mark("input")
@@ -94,8 +96,7 @@ class _FP8GroupedMM(torch.autograd.Function):
             return (*bf16_grads(g, x_saved, sxt, wq, sw, ends, ctx.needs_input_grad[:2], ctx.w_dtype), None, None)
         if kind == "block":
             state.mark("grad")
-            gq, sg = quantize_tiles(g, E4M3, state.recipe.margin)
-            gtq, sgt = quantize_tiles(g.t(), E4M3, state.recipe.margin)
+            gq, sg, gtq, sgt = tiles_both(g, state.recipe.margin, state.recipe.block_cast)
             wt, swt = _transposed_blocks(wq, sw)
         else:
             gq, gtq, sg = state.quantize_grad(g)

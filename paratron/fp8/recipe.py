@@ -57,6 +57,7 @@ class Recipe:
     block_gemm: str = "dequant"  # blockwise recipe's GEMMs (--kernel-fp8-block-gemm): scaled_mm | dequant
     grouped_gemm: str = "dequant"  # routed experts' FP8 GEMMs (--kernel-fp8-grouped-gemm): scaled_grouped_mm | dequant
     block_grouped_gemm: str = "dequant"  # ... under the blockwise recipe (--kernel-fp8-block-grouped-gemm): triton
+    block_cast: str = "torch"  # blockwise tile casts in both layouts (--kernel-fp8-block-cast): triton | torch
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -73,12 +74,14 @@ class Recipe:
         block = getattr(kernels, "kernel_fp8_block_gemm", "auto")
         grouped = getattr(kernels, "kernel_fp8_grouped_gemm", "auto")
         block_grouped = getattr(kernels, "kernel_fp8_block_grouped_gemm", "auto")
+        block_cast = getattr(kernels, "kernel_fp8_block_cast", "auto")
         edges = (tr.num_layers_at_start_in_bf16, tr.num_layers_at_end_in_bf16) if tr.first_last_layers_bf16 else (0, 0)
         return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin,
                    fuse_mlp=fuse, grad_cast_op=grad_op, fp8_wgrad=not tr.no_fp8_wgrad, bf16_at_start=edges[0],
                    bf16_at_end=edges[1], block_gemm="dequant" if block == "auto" else block,
                    grouped_gemm="dequant" if grouped == "auto" else grouped,
-                   block_grouped_gemm="dequant" if block_grouped == "auto" else block_grouped)
+                   block_grouped_gemm="dequant" if block_grouped == "auto" else block_grouped,
+                   block_cast="torch" if block_cast == "auto" else block_cast)
 
     def in_bf16(self, layer: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer`` (global, 0-based) of ``num_layers`` stays out of FP8."""

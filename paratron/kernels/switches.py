@@ -12,7 +12,8 @@ import torch
 
 from ..config.kernels import CHOICES, KernelConfig
 from ..errors import ConfigError
-from . import flash_attention, fp8_block, fp8_block_grouped, fp8_grouped, fused_adamw, linear_scan, quack_mlp, quack_norm
+from . import (flash_attention, fp8_block, fp8_block_grouped, fp8_grouped, fp8_tile_cast, fused_adamw, linear_scan,
+               quack_mlp, quack_norm)
 from .experimental import flash_packed
 
 try:
@@ -71,6 +72,7 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
         "kernel_fp8_block_gemm": fp8_block.gemm_choice(device),
         "kernel_fp8_grouped_gemm": fp8_grouped.gemm_choice(device),
         "kernel_fp8_block_grouped_gemm": fp8_block_grouped.gemm_choice(device),
+        "kernel_fp8_block_cast": fp8_tile_cast.cast_choice(device),
         "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
                                               if cuda else "CUDA only"),
         "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),
@@ -97,6 +99,9 @@ def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False,
     if asked.kernel_fp8_block_grouped_gemm == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
         raise ConfigError("--kernel-fp8-block-grouped-gemm triton: the kernel needs Triton and a CUDA device "
                           "(choose dequant or auto here)")
+    if asked.kernel_fp8_block_cast == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
+        raise ConfigError("--kernel-fp8-block-cast triton: the kernel needs Triton and a CUDA device "
+                          "(choose torch or auto here)")
     found = availability(device, dtype, deterministic, offered)
     changes = {name: found[name][0] for name in found
                if name != "no_rope_fusion" and getattr(asked, name) == "auto"}
