@@ -76,7 +76,7 @@ class KernelConfig(Section):
     kernel_fp8_block_gemm: str = "auto"  # blockwise FP8 GEMMs: scaled_mm (cuBLAS block scales) | dequant (bf16 GEMM)
     kernel_fp8_grouped_gemm: str = "auto"  # routed experts in FP8: scaled_grouped_mm (torch) | dequant (bf16 GEMM)
     kernel_fp8_block_grouped_gemm: str = "auto"  # blockwise FP8 experts (forward, input grad): triton | dequant
-    kernel_fp8_block_cast: str = "auto"  # blockwise FP8 tile casts of an operand in both layouts: triton | torch
+    kernel_fp8_block_cast: str = "auto"  # blockwise FP8 tile casts in both layouts: triton (auto on CUDA) | torch
     kernel_compile_coordinate_descent: str = "auto"  # torch.compile's coordinate-descent tuning of the layers
     kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch sizes > 1)
     kernel_moe_compile: str = "layer"  # --torch-compile's MoE layers: compiled whole with their layer | experts alone

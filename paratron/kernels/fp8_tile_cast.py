@@ -1,5 +1,5 @@
 """Blockwise FP8's 1 x 128 tile casts of one operand in both layouts from one read (``--fp8-recipe blockwise`` with
-``--kernel-fp8-block-cast triton``).
+``--kernel-fp8-block-cast``, ``auto``: this kernel wherever Triton runs on CUDA).
 
 The blockwise recipe quantises each activation and output gradient twice: in tiles along its columns for the
 forward or input-gradient GEMM (``q`` [M, K], a scale per tile ``s`` [M, ceil(K/128)]) and, transposed, in tiles
@@ -49,11 +49,6 @@ def tiles_both(x: torch.Tensor, margin: int, cast: str) -> tuple:
     if cast == "triton":
         return _op(x.contiguous(), margin)
     return reference(x, margin)
-
-
-def cast_choice(device) -> tuple[str, str]:
-    """What ``--kernel-fp8-block-cast auto`` runs on ``device``, and why."""
-    return "torch", "the Triton cast is not yet measured in a training step"
 
 
 def _ceil(n: int) -> int:

@@ -12,8 +12,7 @@ import torch
 
 from ..config.kernels import CHOICES, KernelConfig
 from ..errors import ConfigError
-from . import (flash_attention, fp8_block, fp8_block_grouped, fp8_grouped, fp8_tile_cast, fused_adamw, linear_scan,
-               quack_mlp, quack_norm)
+from . import flash_attention, fp8_block, fp8_block_grouped, fp8_grouped, fused_adamw, linear_scan, quack_mlp, quack_norm
 from .experimental import flash_packed
 
 try:
@@ -72,7 +71,8 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
         "kernel_fp8_block_gemm": fp8_block.gemm_choice(device),
         "kernel_fp8_grouped_gemm": fp8_grouped.gemm_choice(device),
         "kernel_fp8_block_grouped_gemm": fp8_block_grouped.gemm_choice(device),
-        "kernel_fp8_block_cast": fp8_tile_cast.cast_choice(device),
+        "kernel_fp8_block_cast": ("triton", "Triton on CUDA: one read of each blockwise operand for both layouts")
+        if triton_gpu else ("torch", "needs Triton and CUDA"),
         "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
                                               if cuda else "CUDA only"),
         "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),

@@ -51,7 +51,7 @@ def test_tile_cast_kernel_compiles_for_sm90():
     assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
 
 
-def test_switch_keeps_torch_by_default_and_refuses_triton_without_a_gpu():
+def test_switch_takes_the_kernel_on_a_gpu_only_and_refuses_it_without_one():
     from paratron.config.kernels import CHOICES, KernelConfig
     from paratron.errors import ConfigError
     from paratron.fp8 import Recipe
@@ -59,6 +59,8 @@ def test_switch_keeps_torch_by_default_and_refuses_triton_without_a_gpu():
     from paratron.train.resolve import parse_args
     assert CHOICES["kernel_fp8_block_cast"] == ("auto", "triton", "torch")
     assert switches.resolve(KernelConfig(), "cpu", torch.bfloat16).kernel_fp8_block_cast == "torch"
+    gpu = switches.offer_of_kind(hopper_bf16=True)
+    assert switches.resolve(KernelConfig(), "cpu", torch.bfloat16, offered=gpu).kernel_fp8_block_cast == "triton"
     with pytest.raises(ConfigError, match="--kernel-fp8-block-cast triton"):
         switches.resolve(dataclasses.replace(KernelConfig(), kernel_fp8_block_cast="triton"), "cpu", torch.bfloat16)
     cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--kernel-fp8-block-cast", "triton"])
