@@ -323,6 +323,15 @@ def dense_cases(x, w, g):
             ("block cast g (+g^T), triton", lambda: tiles_both(g, 0, "triton"), 0)]
 
 
+def _time_case(name: str, label: str, fn):
+    """The median ms of ``fn``, or None (said on one line) where this GPU or torch lacks its path."""
+    try:
+        return time_ms(fn, [()])
+    except Exception as e:
+        print(f"| {name} | {label} | failed: {type(e).__name__}: {str(e)[:120]} |", flush=True)
+        return None
+
+
 def dense(preset: str, tokens: int) -> list[str]:
     dev, dt = torch.device("cuda"), torch.bfloat16
     lines = ["| linear | what | ms | TFLOP/s |", "|---|---|---|---|"]
@@ -331,10 +340,8 @@ def dense(preset: str, tokens: int) -> list[str]:
         x, w = torch.randn(tokens, fin, device=dev, dtype=dt), torch.randn(fout, fin, device=dev, dtype=dt) / fin ** .5
         g = torch.randn(tokens, fout, device=dev, dtype=dt)
         for label, fn, flops in dense_cases(x, w, g):
-            try:
-                ms = time_ms(fn, [()])
-            except Exception as e:  # a path this GPU or torch lacks: said, and the next one timed
-                print(f"| {name} | {label} | failed: {type(e).__name__}: {str(e)[:120]} |", flush=True)
+            ms = _time_case(name, label, fn)
+            if ms is None:
                 continue
             lines.append(f"| {name} {tokens}x{fin}->{fout} | {label} | {ms:.3f} | "
                          f"{f'{flops / ms / 1e9:.0f}' if flops else ''} |")
@@ -362,14 +369,12 @@ def run(preset: str, tokens: int, quack: bool = False) -> list[str]:
                 "dgrad": lambda: torch._grouped_mm(g, wd, offs=ends),
                 "wgrad": lambda: torch._grouped_mm(g.t(), xd, offs=ends)}
         for label, fn, flops in cases:
-            try:
-                ms = time_ms(fn, [()])
-                if quack:  # the product checked against torch's bf16 grouped GEMM
-                    ref = refs[label.split()[-1]]().float()
-                    label += f" (rel. diff {((fn().float() - ref).norm() / ref.norm()).item():.1e})"
-            except Exception as e:  # a path this GPU or torch lacks: said, and the next one timed
-                print(f"| {name} | kernel: {label} | failed: {type(e).__name__}: {str(e)[:120]} |", flush=True)
+            ms = _time_case(name, label, fn)
+            if ms is None:
                 continue
+            if quack:  # the product checked against torch's bf16 grouped GEMM
+                ref = refs[label.split()[-1]]().float()
+                label += f" (rel. diff {((fn().float() - ref).norm() / ref.norm()).item():.1e})"
             lines.append(f"| {name} {s}x{k}->{n}, {experts} experts | kernel: {label} | {ms:.3f} | "
                          f"{flops / ms / 1e9:.0f} |")
             print(lines[-1], flush=True)

@@ -81,14 +81,11 @@ def test_blockwise_experts_through_the_kernel_equal_the_emulation_in_the_interpr
 
 def test_block_grouped_kernel_compiles_for_sm90():
     pytest.importorskip("triton")
-    from paratron.kernels import fp8_block_grouped as bg
-    from tests.unit.test_triton_sm90 import compile_sm90
-    if not hasattr(bg, "_block_grouped_kernel"):
-        pytest.skip("paratron's kernels module did not see Triton")
+    from tests.unit.test_triton_sm90 import sm90_cubin
     types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "ends_ptr": "*i32",
              "c_ptr": "*bf16"}
-    out = compile_sm90(bg._block_grouped_kernel, types, {"BM": 128, "BN": 128, "BK": 128, "EP": 16})
-    assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
+    assert len(sm90_cubin("fp8_block_grouped", "_block_grouped_kernel", types,
+                          {"BM": 128, "BN": 128, "BK": 128, "EP": 16})) > 0
 
 
 def test_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():

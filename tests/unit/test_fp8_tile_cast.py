@@ -41,14 +41,10 @@ def test_tile_cast_scales_and_values_equal_the_reference_in_the_interpreter():
 
 def test_tile_cast_kernel_compiles_for_sm90():
     pytest.importorskip("triton")
-    from paratron.kernels import fp8_tile_cast as tc
-    from tests.unit.test_triton_sm90 import compile_sm90
-    if not hasattr(tc, "_tile_cast_both"):
-        pytest.skip("paratron's kernels module did not see Triton")
+    from tests.unit.test_triton_sm90 import sm90_cubin
     types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32",
              "MULT": "fp32"}
-    out = compile_sm90(tc._tile_cast_both, types, {"FMAX_": 448.0, "T": 128})
-    assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
+    assert len(sm90_cubin("fp8_tile_cast", "_tile_cast_both", types, {"FMAX_": 448.0, "T": 128})) > 0
 
 
 def test_switch_takes_the_kernel_on_a_gpu_only_and_refuses_it_without_one():

@@ -18,6 +18,16 @@ def compile_sm90(kernel, types: dict, constexprs: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 
+def sm90_cubin(module: str, kernel: str, types: dict, constexprs: dict) -> bytes:
+    """The cubin of ``paratron.kernels.<module>.<kernel>`` compiled for Hopper (skipped where the module did not
+    see Triton)."""
+    import importlib
+    mod = importlib.import_module(f"paratron.kernels.{module}")
+    if not hasattr(mod, kernel):
+        pytest.skip("paratron's kernels module did not see Triton")
+    return compile_sm90(getattr(mod, kernel), types, constexprs).asm.get("cubin", b"")
+
+
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("index", ["*i64", "*i32"])
 def test_paged_attention_kernel_compiles_for_sm90(sink, index):
