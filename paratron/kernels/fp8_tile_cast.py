@@ -14,8 +14,9 @@ are the reference's (the same fp32 scale, ``fmax / (amax * 2**margin)`` rounded 
 amax is 0 or not finite, the same saturating cast). tests/unit/test_fp8_tile_cast.py compares the scales and the
 scaled values before the cast bit for bit through Triton's CPU interpreter (whose own FP8 conversion rounds
 differently from the GPU's, so the cast itself is left to the GPU test); tests/gpu/test_fp8_tile_cast_cuda.py
-compares every output bit for bit on the GPU. A tile holding a NaN may get a
-different scale than the reference's (Triton's maximum need not propagate it); its values are NaN either way.
+compares every output bit for bit on the GPU. What it saves in a training step: docs/moe.md ("Dense blockwise").
+A tile holding a NaN may get a different scale than the reference's (Triton's maximum need not propagate it); its
+values are NaN either way.
 """
 from __future__ import annotations
 
@@ -32,9 +33,6 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-CASTS = ("triton", "torch")
-
-
 def reference(x: torch.Tensor, margin: int = 0) -> tuple:
     """(q, s, qt, st) of ``x`` [M, K] by torch ops: kernels/fp8_block.py's tile casts of ``x`` and ``x``^T."""
     return (*quantize_tiles(x, E4M3, margin), *quantize_tiles(x.t(), E4M3, margin))
@@ -45,7 +43,7 @@ def _op(x: torch.Tensor, margin: int) -> tuple:
 
 
 def tiles_both(x: torch.Tensor, margin: int, cast: str) -> tuple:
-    """(q, s, qt, st) of the 2-D ``x`` by ``cast`` (one of CASTS): the Triton kernel or the torch reference."""
+    """(q, s, qt, st) of the 2-D ``x`` by ``cast``: "triton" (the kernel) or "torch" (the reference)."""
     if cast == "triton":
         return _op(x.contiguous(), margin)
     return reference(x, margin)
