@@ -14,8 +14,8 @@ per block) takes the sums out, resetting the workspace as it reads it, and write
 accumulation throughout; bf16 (or fp16) in and out. The block shapes are tuned per (m, n, k, split) by
 ``triton.autotune`` over ``CONFIGS``.
 
-Not yet measured on a GPU: ``--kernel-decode-gemv auto`` keeps torch (``F.linear``, which the compiled decode
-step turns into Inductor's reductions) until a device run shows this is faster (docs/inference.md).
+Measured slower than the Inductor reductions it replaces on an H200 (docs/inference.md), so ``--kernel-decode-gemv
+auto`` keeps torch (``F.linear``, which the compiled decode step turns into Inductor's reductions).
 
 :func:`linear_reference` and :func:`swiglu_reference` are the torch expressions it replaces; they run on CPUs
 (the custom op's CPU kernel), and the tests compare the kernel with them (on CPU through Triton's
