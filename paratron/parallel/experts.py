@@ -93,31 +93,66 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
-class _Arrived(torch.autograd.Function):
-    """The rows an asynchronous all-to-all has delivered (``received``), joined to the graph of the rows sent
-    (``x``): backward sends the gradients back with the splits swapped (synchronously)."""
+class _Pending:
+    """The reverse all-to-all of one overlapped dispatch in backward: started by :class:`_Arrived`, waited for by
+    :class:`_Sent` (one per call, nothing shared between calls)."""
+
+    def __init__(self):
+        self.handle = None
+
+
+class _Sent(torch.autograd.Function):
+    """The rows an overlapped all-to-all sends, as they are; backward waits for the reverse all-to-all that
+    :class:`_Arrived`'s backward started, then passes on the gradient it delivered."""
 
     @staticmethod
-    def forward(ctx, x, received, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (in_splits, out_splits), group
+    def forward(ctx, x, pending):
+        ctx.pending = pending
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.pending.handle is not None:
+            ctx.pending.handle.wait()
+            ctx.pending.handle = None
+        return g, None
+
+
+class _Arrived(torch.autograd.Function):
+    """The rows an asynchronous all-to-all has delivered (``received``), joined to the graph of the rows sent
+    (``x``, :class:`_Sent`'s output): backward starts sending the gradients back with the splits swapped,
+    asynchronously, into a buffer that :class:`_Sent`'s backward waits for."""
+
+    @staticmethod
+    def forward(ctx, x, received, out_splits, in_splits, group, pending):
+        ctx.splits, ctx.group, ctx.pending = (in_splits, out_splits), group, pending
         return received
 
     @staticmethod
     def backward(ctx, g):
         out_splits, in_splits = ctx.splits
-        return _AllToAll.apply(g.contiguous(), out_splits, in_splits, ctx.group), None, None, None, None
+        out = g.new_empty((sum(out_splits),) + tuple(g.shape[1:]))
+        ctx.pending.handle = dist.all_to_all_single(out, g.contiguous(), out_splits, in_splits, group=ctx.group,
+                                                    async_op=True)
+        return out, None, None, None, None, None
 
 
 def all_to_all_overlapped(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
                           meanwhile: Callable):
     """:func:`all_to_all` started asynchronously, ``meanwhile()`` computed while the rows travel, then the
-    wait: (the rows received, what ``meanwhile`` returned)."""
+    wait: (the rows received, what ``meanwhile`` returned). In backward the gradients go back asynchronously too,
+    under ``meanwhile``'s backward: autograd runs the ready node created last first, so after :class:`_Arrived`
+    (created after ``meanwhile``'s graph) starts the reverse all-to-all, ``meanwhile``'s nodes run before
+    :class:`_Sent` (created before them) waits for it. The rows sent must have no other use in the graph (their
+    gradient is the buffer being filled until that wait)."""
+    pending = _Pending()
+    sent = _Sent.apply(x, pending)
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    handle = dist.all_to_all_single(out, x.detach().contiguous(), list(out_splits), list(in_splits), group=group,
+    handle = dist.all_to_all_single(out, sent.detach().contiguous(), list(out_splits), list(in_splits), group=group,
                                     async_op=True)
     side = meanwhile()
     handle.wait()
-    return _Arrived.apply(x, out, list(out_splits), list(in_splits), group), side
+    return _Arrived.apply(sent, out, list(out_splits), list(in_splits), group, pending), side
 
 
 def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 8):

@@ -140,8 +140,9 @@ def test_no_host_reads_in_the_dropless_grouped_moe_layer(fusion, recipe):
 
 
 def test_shared_expert_runs_while_the_dispatch_all_to_all_is_in_flight(monkeypatch):
-    """all_to_all_overlapped: the collective starts asynchronously, ``meanwhile`` runs, then the wait; the
-    rows' gradient goes back through the reverse all-to-all (one rank: the identity here)."""
+    """all_to_all_overlapped: the collective starts asynchronously, ``meanwhile`` runs, then the wait; in backward
+    the reverse all-to-all starts asynchronously, ``meanwhile``'s backward runs, then the wait, and the gradients
+    are the plain ones (one rank: the collective is the identity here)."""
     from paratron.parallel import experts
     events = []
 
@@ -154,12 +155,24 @@ def test_shared_expert_runs_while_the_dispatch_all_to_all_is_in_flight(monkeypat
         out.copy_(inp)
         return Handle() if async_op else None
 
+    class Shared(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            events.append("shared")
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            events.append("shared backward")
+            return g * 2
+
     monkeypatch.setattr(experts.dist, "all_to_all_single", fake)
-    x = torch.randn(5, 4, requires_grad=True)
-    y, side = experts.all_to_all_overlapped(x, [5], [5], None, lambda: events.append("shared") or 7)
-    assert events == ["start", "shared", "wait"] and side == 7 and torch.equal(y, x)
-    (y * 3).sum().backward()
-    assert events[-1] == "sync" and torch.equal(x.grad, torch.full_like(x, 3.0))
+    x, h = torch.randn(5, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    y, side = experts.all_to_all_overlapped(x, [5], [5], None, lambda: Shared.apply(h))
+    assert events == ["start", "shared", "wait"] and torch.equal(y, x) and torch.equal(side, h * 2)
+    ((y * 3).sum() + side.sum()).backward()
+    assert events[3:] == ["start", "shared backward", "wait"]
+    assert torch.equal(x.grad, torch.full_like(x, 3.0)) and torch.equal(h.grad, torch.full_like(h, 2.0))
 
 
 def test_alltoall_padded_to_capacity_reads_no_counts(monkeypatch):
