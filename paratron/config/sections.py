@@ -97,7 +97,7 @@ class ModelConfig(Section, HybridFields, EncoderDecoderFields):
     moe_token_drop_policy: str = "probs"  # probs | position
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_shared_expert_overlap: bool = False  # alltoall EP: the shared expert runs while the dispatch all-to-all flies
+    moe_shared_expert_overlap: bool = False  # alltoall EP: the shared expert (fwd, bwd) under the dispatch all-to-all
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
     moe_permute_fusion: bool = False  # grouped GEMM: tokens gathered straight into the padded expert rows and back
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex (runs as alltoall)
