@@ -1,6 +1,6 @@
 """The AdamW kernel of paratron/optim/fused_adamw.py, run through Triton's CPU interpreter (it runs on
-CUDA in tests/gpu/test_fused_adamw_cuda.py): several steps against torch.optim.AdamW (foreach) on the
-same fp32 masters, with the model weights it writes against the masters rounded by torch; and the
+CUDA in tests/gpu/test_fused_adamw_cuda.py): several steps against torch.optim.AdamW (foreach) on fp64
+copies of the same masters, with the model weights it writes against the masters rounded by torch; and the
 optimizer's on-device step taking it (no publishing copy) against the plain CPU step."""
 import pytest
 
@@ -21,7 +21,8 @@ hyper = [dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, weight_decay=0.0, betas=
 init = [[torch.randn(s) for s in group] for group in shapes]
 mine = [[t.clone() for t in group] for group in init]
 start = {p: t for p, t in zip(sum(mine, []), sum(init, []))}
-ref = [[t.clone() for t in group] for group in init]
+ref = [[t.clone().double() for t in group] for group in init]  # (fp64: torch's fp32 CPU AdamW itself drifted
+# from the exact step by up to 8e-7 in some processes and not in others, which made this test flaky)
 adam = torch.optim.AdamW([dict(params=ps, **h) for ps, h in zip(mine, hyper)], betas=(0.9, 0.999), eps=1e-8)
 want_adam = torch.optim.AdamW([dict(params=ps, **h) for ps, h in zip(ref, hyper)], betas=(0.9, 0.999), eps=1e-8,
                               foreach=True)
@@ -41,8 +42,10 @@ def rounded(out, p):
 
 def check(step):
     for p, q in zip(sum(mine, []), sum(ref, [])):
-        # the parameters, and what the steps moved them by (fp32 rounding of the parameters: ~1e-6 of it)
-        assert rel(p, q) <= 1e-7 and rel(p - start[p], q - start[p]) <= 2e-6, (step, p.shape, rel(p, q))
+        # the parameters, and what the steps moved them by (fp32 rounding of parameters near 1 against steps near
+        # 1e-2: up to ~9e-6 of them)
+        assert rel(p, q) <= 1e-7 and rel(p - start[p], q - start[p]) <= 2e-5, (step, p.shape, rel(p, q),
+                                                                                rel(p - start[p], q - start[p]))
         s, t = adam.state[p], want_adam.state[q]
         assert s["step"].item() == t["step"].item() == step, (s["step"], t["step"], step)
         for k in ("exp_avg", "exp_avg_sq"):
@@ -70,7 +73,7 @@ for lr, scale, inf in plan:
     else:
         step += 1
         for q, g in zip(sum(ref, []), grads):
-            q.grad = g if scale is None else g / scale
+            q.grad = g.double() if scale is None else g.double() / scale
         want_adam.step()
     check(step)
 print("ok")
