@@ -209,22 +209,24 @@ def recipes():
             ("blockwise triton", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton"))]
 
 
+def _tensorwise(x, w, g) -> tuple:
+    """The tensorwise e4m3 operands of one GEMM's three products, as the FP8 linears quantise them:
+    (state, x and x^T with their scale, the weight with its scale, g and g^T with their scale)."""
+    from paratron.fp8.recipe import FP8State, Recipe
+    st = FP8State(Recipe(format="e4m3"), x.device)
+    return (st, *st.input.quantize_both(x), *st.quantize("weight", w), *st.quantize_grad(g))
+
+
 def kernel_cases(x, w, g, ends):
     """(label, fn, flops) of each GEMM kernel on operands quantised beforehand."""
     from paratron.fp8.experts import _transposed_blocks, _weight_blocks
-    from paratron.fp8.recipe import FP8State, Recipe
     from paratron.kernels.fp8_block import quantize_tiles
     from paratron.kernels.fp8_grouped import grouped_forward, grouped_wgrad
-    s, k = x.shape
-    n, flops = w.shape[1], 2 * x.shape[0] * x.shape[1] * w.shape[1]
-    wt = w.transpose(1, 2).contiguous()
+    flops = 2 * x.shape[0] * x.shape[1] * w.shape[1]
     cases = [("bf16 forward", lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends), flops),
              ("bf16 input grad", lambda: torch._grouped_mm(g, w, offs=ends), flops),
              ("bf16 weight grad", lambda: torch._grouped_mm(g.t(), x, offs=ends), flops)]
-    st = FP8State(Recipe(format="e4m3"), x.device)
-    xq, xtq, sx = st.input.quantize_both(x)
-    wq, sw = st.quantize("weight", w)
-    gq, gtq, sg = st.quantize_grad(g)
+    _, xq, xtq, sx, wq, sw, gq, gtq, sg = _tensorwise(x, w, g)
     wtq = wq.transpose(1, 2).contiguous()
     for path in ("scaled_grouped_mm", "dequant"):
         cases += [(f"tensor {path} fwd", lambda p=path: grouped_forward(xq, sx, wq, sw, ends, "tensor", x.dtype, p),
@@ -253,13 +255,9 @@ def quack_cases(x, w, g, ends, tuned: bool):
     """quack-kernels' variable-length GEMM (CuTe DSL; its FP8 operands K-major) on the same products: bf16 and
     FP8 with the tensorwise scales as one alpha."""
     from quack.gemm_interface import gemm
-    from paratron.fp8.recipe import FP8State, Recipe
     flops, cu = 2 * x.shape[0] * x.shape[1] * w.shape[1], torch.cat([ends.new_zeros(1), ends])
-    st = FP8State(Recipe(format="e4m3"), x.device)
-    xq, xtq, sx = st.input.quantize_both(x)
-    wq, sw = st.quantize("weight", w)
-    gq, gtq, sg = st.quantize_grad(g)
-    wtq, wt = wq.transpose(1, 2).contiguous(), w.transpose(1, 2).contiguous()
+    _, xq, xtq, sx, wq, sw, gq, gtq, sg = _tensorwise(x, w, g)
+    wtq = wq.transpose(1, 2).contiguous()
     a_fwd, a_dgrad, a_wgrad = (1 / (sx * sw)).float(), (1 / (sg * sw)).float(), (1 / (sg * sx)).float()
     t = "*" if tuned else ""
     return [(f"quack{t} bf16 fwd", lambda: gemm(x, w.transpose(1, 2), cu_seqlens_m=cu, tuned=tuned), flops),
@@ -293,14 +291,11 @@ def dense_cases(x, w, g):
     """(label, fn, flops) of one dense linear's three GEMMs in bf16, tensorwise FP8 (``torch._scaled_mm``) and
     blockwise FP8 (cuBLAS's block-scaled GEMM), from operands quantised beforehand, and the casts each recipe
     makes of the input and the output gradient (compiled, as under --torch-compile): row-major and transposed."""
-    from paratron.fp8.recipe import FP8State, Recipe, column_major, scaled_mm
+    from paratron.fp8.recipe import column_major, scaled_mm
     from paratron.kernels.fp8_block import block_mm, quantize_blocks, quantize_tiles
     from paratron.kernels.fp8_tile_cast import tiles_both
     flops = 2 * x.shape[0] * x.shape[1] * w.shape[0]
-    st = FP8State(Recipe(format="e4m3"), x.device)
-    xq, xtq, sx = st.input.quantize_both(x)
-    wq, sw = st.quantize("weight", w)
-    gq, gtq, sg = st.quantize_grad(g)
+    st, xq, xtq, sx, wq, sw, gq, gtq, sg = _tensorwise(x, w, g)
     wcm, bxq, bsx = column_major(wq), *quantize_tiles(x)
     bxt, bsxt = quantize_tiles(x.t())
     bgq, bsg = quantize_tiles(g)
@@ -362,9 +357,8 @@ def run(preset: str, tokens: int, quack: bool = False) -> list[str]:
         w = (torch.randn(experts, n, k, device=dev, dtype=dt) * k ** -0.5).requires_grad_(True)
         g = torch.randn(s, n, device=dev, dtype=dt)
         xd, wd = x.detach(), w.detach()
-        cases = kernel_cases(xd, wd, g, ends)
-        if quack:
-            cases = [c for tuned in (False, True) for c in quack_cases(xd, wd, g, ends, tuned)]
+        cases = ([c for tuned in (False, True) for c in quack_cases(xd, wd, g, ends, tuned)] if quack
+                 else kernel_cases(xd, wd, g, ends))
         refs = {"fwd": lambda: torch._grouped_mm(xd, wd.transpose(-2, -1), offs=ends),
                 "dgrad": lambda: torch._grouped_mm(g, wd, offs=ends),
                 "wgrad": lambda: torch._grouped_mm(g.t(), xd, offs=ends)}

@@ -33,6 +33,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+
 def reference(x: torch.Tensor, margin: int = 0) -> tuple:
     """(q, s, qt, st) of ``x`` [M, K] by torch ops: kernels/fp8_block.py's tile casts of ``x`` and ``x``^T."""
     return (*quantize_tiles(x, E4M3, margin), *quantize_tiles(x.t(), E4M3, margin))
