@@ -22,6 +22,15 @@ except ImportError:
     _TRITON = False
 
 
+# switches whose ``auto`` stays ``auto`` after resolution: decided per call (the decode step's batch size)
+STAYS_AUTO = frozenset({"kernel_decode_coordinate_descent"})
+
+
+def device_resolved(k: KernelConfig) -> bool:
+    """Whether ``k`` holds what runs (``resolve``'s answer for a device): no ``auto`` left but the per-call ones."""
+    return not any(getattr(k, f.name) == "auto" for f in dataclasses.fields(KernelConfig) if f.name not in STAYS_AUTO)
+
+
 def offer(device, dtype) -> dict:
     """What ``device`` in ``dtype`` offers the optional kernels, with the packages installed here."""
     cuda = torch.device(device).type == "cuda"

@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 
 from ..config import Config
-from ..config.kernels import CHOICES
 
 HOPPER = ("h100", "h200")  # the kinds FlashAttention-4's and quack's kernels are built for (compute capability 9.0)
 
@@ -34,7 +33,7 @@ def _resolved(cfg: Config, kind: Optional[str]):
     """The kernel switches as the run on ``kind`` resolves them (config already resolved: as they are)."""
     from ..kernels import switches
     k = cfg.kernels
-    if kind is None and not any(getattr(k, name) == "auto" for name in CHOICES):
+    if kind is None and switches.device_resolved(k):  # a run's switches, resolved on its GPU: not again on a CPU
         return k
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
     offered = None if kind is None else switches.offer_of_kind(kind in HOPPER and dtype == torch.bfloat16)

@@ -83,3 +83,16 @@ def test_host_time_exposed_only_beyond_the_gpu():
     assert host_exposed(cfg.model, layout, cluster, issue * 2) == 0.0
     assert host_ops_for(tiny_config("llama", world_size=1, torch_compile=True), "h200") == (0, 0)
     assert host_ops_for(cfg, None) == (0, 0)
+
+
+def test_a_runs_switches_resolved_on_a_gpu_are_planned_as_they_are_not_resolved_again_on_the_cpu():
+    """The training run resolves its switches on its GPU (Triton kernels chosen), then prints the memory plan
+    from that config: the planner must take them as they are (it re-resolved them on a CPU stand-in and
+    refused the Triton choices there, which stopped every GPU run's start-up)."""
+    from paratron.kernels import switches
+    cfg = tiny_config("llama", world_size=1, bf16=True)
+    gpu = switches.resolve(cfg.kernels, "cpu", torch.bfloat16, offered=switches.offer_of_kind(True))
+    assert gpu.kernel_fp8_block_cast == "triton" and gpu.kernel_decode_coordinate_descent == "auto"
+    assert switches.device_resolved(gpu) and not switches.device_resolved(cfg.kernels)
+    run = cfg.with_section("kernels", gpu)
+    assert layout_of(run).paths.quack_norm  # as resolved for the GPU, not the CPU's torch paths
