@@ -24,7 +24,10 @@ with one split the single-pass kernel runs alone. ``splits`` forces a count.
 Prompt chunks: with ``tiles`` ([n_tiles, 2]: the first packed token of each tile and how many, consecutive
 tokens of one request) the kernel runs one program per (tile, group) instead, its tokens' queries in one tile
 (``tile_tokens`` of them): the tile's keys and values are read once for all its tokens rather than once per
-token, each token still seeing only its own first ``lengths[i]`` (causal within the tile).
+token, each token still seeing only its own first ``lengths[i]`` (causal within the tile). A tile's query rows
+(its tokens x the group's query heads) are a compile-time size, so tiles of a few tokens (the decodes beside
+prompt chunks in a mixed step: one token, four of 64 rows at llama's grouping) run in a second launch of a
+narrower kernel; each launch passes over the tiles the other takes.
 
 :func:`paged_attention_reference` is the same in plain torch (each token's blocks gathered into a dense
 sequence): what runs on CPUs and what the tests compare the kernel with (on CPU through Triton's interpreter).
@@ -99,6 +102,15 @@ def tile_tokens(q_per_group: int) -> int:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _tile_launches(qp: int, per: int) -> list[tuple[int, int, int]]:
+    """(fewest tokens, most tokens, rows' tokens) of each launch of the tiled kernel, for ``qp`` query rows per token
+    (a power of two) and tiles of up to ``per`` tokens: tiles of a few tokens (the decodes beside prompt chunks in
+    a mixed step) in a launch of as many query rows as they fill (16 at least, an MMA's), the full tiles in one of
+    ``per`` tokens. One launch where the two would be the same."""
+    few = max(1, 16 // qp)
+    return [(1, per, per)] if few >= per else [(1, few, few), (few + 1, per, per)]
 
 
 def tiles_of(chunks: list[int], q_per_group: int) -> list[list[int]]:
@@ -322,12 +334,14 @@ if triton is not None:
 if triton is not None:
     @triton.jit
     def _paged_tile_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, row_ptr, len_ptr, tile_ptr, out_ptr, sink_ptr, groups, scale,
-                           window, stab, sqn, sqg, sqh, skb, skt, skg, svb, svt, svg, son, sog, soh,
+                           window, stab, sqn, sqg, sqh, skb, skt, skg, svb, svt, svg, son, sog, soh, least, most,
                            QPG: tl.constexpr, QP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                            BT: tl.constexpr, SINK: tl.constexpr):
+        """The tiles of ``least`` .. ``most`` tokens (the others: left to the launch sized for them)."""
         pid = tl.program_id(0)
         tile, g = pid // groups, pid % groups
         first_token, count = tl.load(tile_ptr + 2 * tile), tl.load(tile_ptr + 2 * tile + 1)
+        count = tl.where((count >= least) & (count <= most), count, 0)  # 0: no row valid, nothing read or written
         r, cols = tl.arange(0, R), tl.arange(0, D)
         j, h = r // QP, r % QP  # row r: the tile's token j, the group's query head h
         valid = (j < count) & (h < QPG)
@@ -355,15 +369,17 @@ if triton is not None:
         n, groups, qpg, d = q.shape
         out = torch.empty_like(q)
         if out.numel() and tiles.numel():
-            qp = _pow2(qpg)
+            qp, per = _pow2(qpg), tile_tokens(qpg)
+            tiles = tiles.contiguous()
             with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-                _paged_tile_kernel[(tiles.size(0) * groups,)](
-                    q, k_pool, v_pool, tables, rows, lengths, tiles.contiguous(), out,
-                    q if sinks is None else sinks, groups, scale, window, tables.stride(0), q.stride(0), q.stride(1),
-                    q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0),
-                    v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                    QPG=qpg, QP=qp, R=max(16, qp * tile_tokens(qpg)), D=d, BS=k_pool.size(1), BT=BLOCK_T,
-                    SINK=sinks is not None)
+                for least, most, tokens in _tile_launches(qp, per):
+                    _paged_tile_kernel[(tiles.size(0) * groups,)](
+                        q, k_pool, v_pool, tables, rows, lengths, tiles, out,
+                        q if sinks is None else sinks, groups, scale, window, tables.stride(0), q.stride(0),
+                        q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+                        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1),
+                        out.stride(2), least, most, QPG=qpg, QP=qp, R=max(16, qp * tokens), D=d, BS=k_pool.size(1),
+                        BT=BLOCK_T, SINK=sinks is not None)
         return out
 
     @_paged_prefill_op.register_fake

@@ -122,6 +122,20 @@ print("ok")
 """
 
 
+def test_tiled_kernel_launches_cover_every_tile_size_once():
+    """Tiles of a few tokens go to a narrow launch, full tiles to one of a tile's rows; together they take every
+    count from 1 to a full tile exactly once (llama's grouping: 4 query heads, tiles of 16 tokens -> 1..4, 5..16)."""
+    from paratron.kernels.paged_attention import _tile_launches, tile_tokens
+    assert _tile_launches(4, tile_tokens(4)) == [(1, 4, 4), (5, 16, 16)]
+    for qp in (1, 2, 4, 8, 16, 32, 64, 128):
+        per = tile_tokens(qp)
+        launches = _tile_launches(qp, per)
+        taken = [c for least, most, _ in launches for c in range(least, most + 1)]
+        assert taken == list(range(1, per + 1)), qp
+        assert all(tokens >= most for _, most, tokens in launches)  # every taken tile fits the launch's rows
+    assert len(_tile_launches(64, tile_tokens(64))) == 1  # a tile of one token: nothing narrower
+
+
 def test_tiled_paged_attention_kernel_matches_torch_in_the_interpreter():
     """The paged kernel's tiled form for prompt chunks (kernels/paged_attention.py, ``tiles``)."""
     _interpret("import torch\n" + TILED)
