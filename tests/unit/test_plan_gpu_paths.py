@@ -96,3 +96,5 @@ def test_a_runs_switches_resolved_on_a_gpu_are_planned_as_they_are_not_resolved_
     assert switches.device_resolved(gpu) and not switches.device_resolved(cfg.kernels)
     run = cfg.with_section("kernels", gpu)
     assert layout_of(run).paths.quack_norm  # as resolved for the GPU, not the CPU's torch paths
+    from paratron.plan.memory import startup_lines  # what the Trainer prints at start-up from that config
+    assert startup_lines(run)[0].startswith(" memory plan (")
