@@ -45,9 +45,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
-def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "llama", gemv: Optional[str] = None):
+def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "llama", gemv: Optional[str] = None,
+          attention: Optional[str] = None):
     """(paratron GPTModel, the Hugging Face model of ``family``, real vocabulary) with the same random weights;
-    ``gemv``: paratron's --kernel-decode-gemv (None: the default)."""
+    ``gemv`` / ``attention``: paratron's --kernel-decode-gemv / --kernel-decode-attention (None: the default)."""
     import transformers
 
     from paratron.checkpoint.hf import paratron_to_hf
@@ -66,10 +67,11 @@ def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "ll
     else:
         args = ["--config", preset]
     args += ["--kernel-decode-gemv", gemv] if gemv else []
+    args += ["--kernel-decode-attention", attention] if attention else []
     cfg = parse_args(args + ["--mock-data"] if "--mock-data" not in args else args)
     m, vocab = cfg.model, cfg.data.vocab_size
     torch.manual_seed(0)
-    model = GPTModel(m, cfg.padded_vocab_size, kernels=cfg.kernels if gemv else None, device=device, dtype=dtype).eval()
+    model = GPTModel(m, cfg.padded_vocab_size, kernels=cfg.kernels if gemv or attention else None, device=device, dtype=dtype).eval()
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     hf_cfg = hf_config_from_model_config(m, vocab, family)
     config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "torch_dtype"})
@@ -244,6 +246,9 @@ def main() -> int:
                    help="measure speculative decoding with K drafts (repeatable) beside plain decoding")
     p.add_argument("--kernel-decode-gemv", choices=("auto", "triton", "torch"), default=None,
                    help="paratron's decode-step linear layers (kernels/gemv.py; triton needs a GPU)")
+    p.add_argument("--kernel-decode-attention", choices=("auto", "triton", "fused", "sdpa"), default=None,
+                   help="paratron's decode attention (fused: batch 1's rotation, cache write and attention in one "
+                   "kernel, kernels/decode_rotary.py)")
     p.add_argument("--load", help="with --num-speculative-tokens: a checkpoint trained with --mtp-num-layers")
     p.add_argument("--prompt-kind", choices=("counting", "random"), default="counting",
                    help="with --num-speculative-tokens: the prompts (default %(default)s)")
@@ -259,9 +264,11 @@ def main() -> int:
     plen = args.prompt_len or (8 if args.tiny else 128)
     n = args.new_tokens or (8 if args.tiny else 256)
     batches = args.batch or [1, 32]
-    model, hf, vocab, m = build(args.tiny, device, dtype, args.config, args.family, args.kernel_decode_gemv)
+    model, hf, vocab, m = build(args.tiny, device, dtype, args.config, args.family, args.kernel_decode_gemv,
+                                args.kernel_decode_attention)
     name = ("tiny" if args.tiny else args.config) + (f"_gemv-{args.kernel_decode_gemv}" if args.kernel_decode_gemv
-                                                      else "")
+                                                      else "") + (f"_attention-{args.kernel_decode_attention}"
+                                                                  if args.kernel_decode_attention else "")
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {hardware}; {name}, prompt {plen}, {n} new tokens, compile {compile_}",
           flush=True)

@@ -95,6 +95,9 @@ HELP = {
     "save_interval": "iterations between checkpoints (0: only at the end, as Megatron)", "finetune": "load weights only; start at iteration 0",
     "no_load_optim": "do not load the optimizer state", "no_load_rng": "do not load the random generators",
     "no_save_optim": "do not save the optimizer state", "no_save_rng": "do not save the random generators",
+    # kernel switches (the comments in kernels.py, where one line is too short)
+    "kernel_decode_attention": "generation's attention over the KV cache: triton kernel | fused (at batch 1 also the "
+    "rotary embedding and the cache write, one kernel: kernels/decode_rotary.py) | sdpa",
 }
 
 

@@ -23,7 +23,7 @@ AUTO_ON_OFF = ("auto", "on", "off")
 CHOICES: dict[str, tuple] = {
     "attention_backend": ("auto", "flash", "fused", "unfused", "local"),
     "kernel_packed_gqa_backward": AUTO_ON_OFF,
-    "kernel_decode_attention": ("auto", "triton", "sdpa"),
+    "kernel_decode_attention": ("auto", "triton", "fused", "sdpa"),
     "kernel_decode_gemv": ("auto", "triton", "torch"),
     "kernel_rmsnorm": ("auto", "quack", "torch"),
     "kernel_gated_mlp": ("auto", "quack", "torch"),
@@ -57,7 +57,7 @@ class KernelConfig(Section):
     attention_backend: str = "auto"  # training attention: flash (FA4) | fused (cuDNN fwd + FA4 bwd) | unfused (SDPA)
     no_rope_fusion: bool = False  # rotary embedding as torch ops, not inside the FlashAttention-4 op
     kernel_packed_gqa_backward: str = "auto"  # experimental: FA4's backward over packed grouped keys (4.0.0b10 only)
-    kernel_decode_attention: str = "auto"  # generation's attention over the KV cache: triton kernel | sdpa
+    kernel_decode_attention: str = "auto"  # attention over the KV cache: triton | fused (+ rotary, write) | sdpa
     # the decode step's linear layers at <= 8 rows: triton (kernels/gemv.py, streaming the weights; CUDA only,
     # refused on CPU) | torch (F.linear); auto: torch for now, triton once measured on a GPU
     kernel_decode_gemv: str = "auto"  # decode steps' linear layers, <= 8 rows: triton GEMV | torch (auto: torch)

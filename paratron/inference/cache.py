@@ -91,6 +91,10 @@ class CacheView:
     def _buffers(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.layer(index)
 
+    def buffers(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers this pass writes of layer ``index`` (a fused kernel writes them itself)."""
+        return self._buffers(index)
+
     def recurrent(self, index: int) -> "RecurrentView":
         """The states of the Mamba-2 / DeltaNet layer ``index`` for this pass: a prefill (the pass writes the slots
         from 0 on) starts from zero with a document start at each row's first real token."""

@@ -48,3 +48,46 @@ def test_kernel_replays_from_a_cuda_graph_with_new_slots():
         graph.replay()
         want = decode_attention_reference(q, k, v, pad, slot, 0.125)
         assert _rel(out, want) < 1e-2, (new_slot, new_pad)
+
+
+def test_fused_rotary_decode_kernel_matches_the_reference_and_writes_the_rotated_key_bit_for_bit():
+    """kernels/decode_rotary.py at llama-1b's grouping in bf16, one program per group and split contexts: the
+    output against the torch reference, the cache written as the model's apply_rotary rounds (the same bits)."""
+    from paratron.kernels.decode_rotary import decode_rotary_attention, decode_rotary_reference
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    g, qpg, d, cap = 8, 4, 64, 2048
+    qkv = torch.randn(g, qpg + 2, d, device="cuda", generator=gen).bfloat16()
+    angles = 300.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    cos, sin = torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
+    for slot, pad, splits in ((300, 0, 1), (300, 7, 4), (1500, 3, 0), (2, 0, 8)):
+        k, v = (torch.randn(1, g, cap, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        rk, rv = k.clone(), v.clone()
+        at, first = torch.tensor(slot, device="cuda"), torch.tensor([pad], device="cuda")
+        got = decode_rotary_attention(qkv, cos, sin, k, v, first, at, 0.125, splits)
+        want = decode_rotary_reference(qkv, cos, sin, rk, rv, first, at, 0.125)
+        assert _rel(got, want) < 1e-2, (slot, pad, splits)
+        assert torch.equal(k, rk) and torch.equal(v, rv), (slot, pad, splits)
+
+
+def test_engine_with_the_fused_rotary_decode_gives_the_unfused_tokens_through_cuda_graphs():
+    """--kernel-decode-attention fused at batch 1 (compiled decode step, CUDA graph) against the default path."""
+    from paratron.config import KernelConfig, ModelConfig
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.sampling import SamplingParams
+    from paratron.model.gpt import GPTModel
+    m = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8, group_query_attention=True,
+                    num_query_groups=2, seq_length=512, max_position_embeddings=512, normalization="RMSNorm",
+                    swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
+                    hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3).resolved()
+    torch.manual_seed(0)
+    plain = GPTModel(m, 512, device="cuda", dtype=torch.bfloat16).eval()
+    fused = GPTModel(m, 512, device="cuda", dtype=torch.bfloat16,
+                     kernels=KernelConfig(kernel_decode_attention="fused")).eval()
+    fused.load_state_dict(plain.state_dict())
+    reqs = [Request(list(range(3, 40)), SamplingParams(64, logprobs=True))]
+    want = Engine(plain, 500, compile=True).generate(reqs)[0]
+    engine = Engine(fused, 500, compile=True)
+    got = engine.generate(reqs)[0]
+    assert got.tokens == want.tokens
+    assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=5e-2)
+    assert engine.graph is not None and engine.graph.graph is not None

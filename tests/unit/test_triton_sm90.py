@@ -54,6 +54,17 @@ def test_paged_tile_kernel_compiles_for_sm90(index):
         assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_rotary_kernel_compiles_for_sm90(split):
+    """kernels/decode_rotary.py: the rotation's bf16 rounding, the cache write, the new token from registers."""
+    types = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_ptr": "*bf16", "v_ptr": "*bf16",
+             "pad_ptr": "*i64", "slot_ptr": "*i64", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32",
+             "acc_ptr": "*fp32", "scale": "fp32"}
+    cubin = sm90_cubin("decode_rotary", "_decode_rotary_kernel", types,
+                       {"QPG": 4, "QB": 16, "D": 64, "BT": 64, "SPLIT": split})
+    assert len(cubin) > 0
+
+
 @pytest.mark.parametrize("split,gated", [(1, False), (4, False), (2, True)])
 def test_decode_gemv_kernel_compiles_for_sm90(split, gated):
     """kernels/gemv.py: plain and split K (atomics, the counter), fc1's fused SwiGLU, with bias and residual."""

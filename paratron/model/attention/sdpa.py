@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import mup
+from ...kernels import decode_rotary
 from ...parallel.random import checkpoint
 from .decode import GroupedDecode
 
@@ -86,6 +87,26 @@ class SDPAttention(nn.Module):
     def fuses_rotary(self, ctx, s: int) -> bool:
         """Whether ``attend_rotary`` takes this pass (the rotary embedding inside the attention op): flash.py."""
         return False
+
+    def decodes_rotary(self, ctx, s: int, b: int) -> bool:
+        """Whether ``attend_decode_rotary`` can take this pass (the layer asked for it: --kernel-decode-attention
+        fused): one token of one row over the fixed-batch engine's cache (not the paged engine's, not a row joining
+        a running batch), with one cos / sin over the whole head."""
+        cache = ctx.kv_cache
+        if s != 1 or b != 1 or cache is None or getattr(cache, "paged", False) or ctx.rope is None:
+            return False
+        cos, sin = ctx.rope
+        return cos.shape == sin.shape == (1, 1, 1, self.d) and cache.bounds() is not None
+
+    def attend_decode_rotary(self, qkv, ctx) -> torch.Tensor:
+        """qkv [1, 1, groups, q_per_group + 2, d] of a one-row decode step -> [1, 1, heads * d]: the rotary
+        embedding of its query heads and key, its key and value into the cache, attention over the cache, in one
+        kernel (kernels/decode_rotary.py)."""
+        k_cache, v_cache = ctx.kv_cache.buffers(self.layer_index)
+        pad, slot = ctx.kv_cache.bounds()
+        scale = self.scale if self.scale is not None else self.d ** -0.5
+        out = decode_rotary.decode_rotary_attention(qkv, *ctx.rope, k_cache, v_cache, pad, slot, scale)
+        return out.reshape(1, 1, self.heads * self.d)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, groups={self.groups}, d={self.d}"

@@ -1,0 +1,177 @@
+"""One batch-1 decode step of grouped-query attention as one Triton kernel: the rotary embedding of the new token's
+query heads and key, its key and value written into the KV cache, and attention over the cache.
+
+Unfused, a decode step at batch 1 spends about six kernels a layer here (the query and key rotations and the two
+cache writes, which Inductor fuses into three, then two matmuls around a softmax over the whole cache:
+``model/attention/decode.py``), each a few microseconds of launch and ramp for a few kilobytes of work. This
+kernel reads the layer's QKV projection output as the GEMV wrote it (``[groups, q_per_group + 2, d]``: per group
+its query heads, its key, its value), rotates the queries and the key in registers with the same rounding as the
+model's ``apply_rotary`` (cos and sin in the activations' dtype, each product rounded to it, then the sum), writes
+the rotated key and the value at the step's slot, and attends over the cached slots ``pad .. slot - 1`` and the new
+token itself (kept in registers: the slot is not read back). One program per key/value group, or per group and
+split of the cached slots where the groups are too few to fill the GPU (the paged engine's split-context rule,
+``paged_attention.decode_splits``, over the cache's capacity), the splits then combined by the paged engine's
+combine kernel. The slot and the padding are read from device memory, so a captured CUDA graph replays it.
+
+``--kernel-decode-attention fused`` takes it for one-token passes of one row whose layer has the plain rotate-half
+rotation over the whole head, no query / key norm and no output gate (``model/attention/self_attention.py``);
+:func:`decode_rotary_reference` is the same in torch (what runs off CUDA, and what the tests compare the kernel
+with, on CPU through Triton's interpreter).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .decode_attention import decode_attention_reference
+from .paged_attention import _sms, decode_splits
+from .rotary import apply_rotary
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+BLOCK_T = 64  # cached keys per loop iteration
+
+
+def decode_rotary_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """qkv [groups, q_per_group + 2, d] of the new token, cos / sin [d] at its position, the caches [1, groups,
+    capacity, d] (written at ``slot``, a 0-d tensor), ``pad`` [1]: the attention output [1, groups, q_per_group, d]
+    over the slots pad .. slot, in fp32, in qkv's dtype."""
+    qpg = qkv.size(1) - 2
+    q = apply_rotary(qkv[:, :qpg], cos, sin)
+    k = apply_rotary(qkv[:, qpg], cos, sin)
+    at = slot.reshape(1)
+    k_cache.index_copy_(2, at, k[None, :, None].to(k_cache.dtype))
+    v_cache.index_copy_(2, at, qkv[None, :, qpg + 1, None].to(v_cache.dtype))
+    return decode_attention_reference(q[None], k_cache, v_cache, pad, slot, scale)
+
+
+def supported(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The kernel's shapes: one row, a power-of-two head dim of 16..256 (the rotation pairs its halves), at most
+    128 query heads per group, the caches in qkv's dtype and contiguous along the head dim."""
+    d = qkv.size(-1)
+    return (triton is not None and k_cache.size(0) == 1 and 16 <= d <= 256 and d & (d - 1) == 0
+            and qkv.size(1) - 2 <= 128 and k_cache.dtype == v_cache.dtype == qkv.dtype
+            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1)
+
+
+def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
+                            splits: int = 0) -> torch.Tensor:
+    """As :func:`decode_rotary_reference` (``qkv`` any [..., groups, q_per_group + 2, d] of one token), the kernel on
+    CUDA where it applies; ``splits``: programs per group (0: ``decode_splits``'s choice)."""
+    qkv = qkv.reshape(qkv.shape[-3:])
+    cos, sin = cos.reshape(-1), sin.reshape(-1)
+    if qkv.is_cuda and supported(qkv, k_cache, v_cache):
+        return torch.ops.paratron.decode_rotary_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(),
+                                                          k_cache, v_cache, pad, slot, scale, splits)
+    return decode_rotary_reference(qkv, cos, sin, k_cache, v_cache, pad, slot, scale)
+
+
+if triton is not None:
+    from .paged_attention import _absorb, _paged_combine_kernel
+
+    @triton.jit
+    def _rotated(base, offsets, partner, sign, mask, c, s):
+        """The values at ``base + offsets`` rotated (rotate-half: each paired with ``base + partner``, signed by
+        ``sign``) with cos ``c`` / sin ``s``, rounded as the model's apply_rotary in their dtype (each product,
+        then the sum); fp32 of those values."""
+        dt = base.dtype.element_ty
+        x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32)
+        a = (x * c).to(dt).to(tl.float32)
+        b = (sign * xp * s).to(dt).to(tl.float32)
+        return (a + b).to(dt).to(tl.float32)
+
+    @triton.jit
+    def _decode_rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr,
+                              acc_ptr, splits, scale, skg, skt, svg, svt, sog, soh,
+                              QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                              SPLIT: tl.constexpr):
+        g, sp = tl.program_id(0), tl.program_id(1)
+        dt = qkv_ptr.dtype.element_ty
+        heads, cols = tl.arange(0, QB), tl.arange(0, D)
+        live = heads < QPG
+        c = tl.load(cos_ptr + cols).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + cols).to(dt).to(tl.float32)
+        base = qkv_ptr + g * (QPG + 2) * D
+        partner = (cols + D // 2) % D  # rotate-half: [-x2, x1]
+        sign = tl.where(cols < D // 2, -1.0, 1.0)
+        rows = heads[:, None] * D
+        q = _rotated(base, rows + cols[None, :], rows + partner[None, :], sign[None, :], live[:, None], c[None, :],
+                     s[None, :])  # [QB, D]
+        k_new = _rotated(base + QPG * D, cols, partner, sign, cols < D, c, s)  # [D]
+        v_new = tl.load(base + (QPG + 1) * D + cols).to(tl.float32)
+        slot = tl.load(slot_ptr)
+        last = sp == splits - 1
+        # the split of the last cached slots writes the new token's key and value and attends to it from registers
+        writes = (cols * 0 + sp) == splits - 1  # [D]
+        tl.store(k_ptr + g * skg + slot * skt + cols, k_new.to(dt), mask=writes)
+        tl.store(v_ptr + g * svg + slot * svt + cols, v_new.to(dt), mask=writes)
+        first = tl.load(pad_ptr)
+        chunk = (slot - first + splits - 1) // splits
+        chunk = (chunk + BT - 1) // BT * BT
+        lo = first + sp * chunk
+        hi = tl.minimum(slot, lo + chunk)
+        m = tl.full([QB], float("-inf"), tl.float32)
+        total = tl.zeros([QB], tl.float32)
+        acc = tl.zeros([QB, D], tl.float32)
+        for start in range(lo, hi, BT):
+            t = start + tl.arange(0, BT)
+            ok = t < hi
+            keys = tl.load(k_ptr + g * skg + t[:, None] * skt + cols[None, :], mask=ok[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(keys.to(tl.float32))) * scale
+            sc = tl.where(ok[None, :], sc, float("-inf"))
+            vals = tl.load(v_ptr + g * svg + t[:, None] * svt + cols[None, :], mask=ok[:, None], other=0.0)
+            m, total, acc = _absorb(sc, vals.to(tl.float32), m, total, acc)
+        s_new = tl.where(last, tl.sum(q * k_new[None, :], 1) * scale, float("-inf"))  # [QB]
+        m_new = tl.maximum(m, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s_new - m_safe)
+        total = total * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v_new[None, :]
+        m = m_new
+        if SPLIT:  # partials [groups, splits, QPG(, D)], the paged engine's combine layout (one token)
+            at = (g * splits + sp) * QPG + heads
+            tl.store(m_ptr + at, m, mask=live)
+            tl.store(l_ptr + at, total, mask=live)
+            tl.store(acc_ptr + at[:, None] * D + cols[None, :], acc, mask=live[:, None])
+        else:
+            out = acc / total[:, None]
+            tl.store(out_ptr + g * sog + heads[:, None] * soh + cols[None, :], out.to(dt), mask=live[:, None])
+
+    @torch.library.custom_op("paratron::decode_rotary_attention", mutates_args=("k_cache", "v_cache"))
+    def _decode_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
+                          splits: int = 0) -> torch.Tensor:
+        groups, rows, d = qkv.shape
+        qpg = rows - 2
+        out = qkv.new_empty(1, groups, qpg, d)
+        if splits <= 0:
+            splits = decode_splits(groups, k_cache.size(2), _sms(qkv.device))
+        qb = max(16, triton.next_power_of_2(qpg))
+        split = splits > 1
+        m = total = acc = out  # (unused without splits)
+        if split:
+            m, total = (torch.empty(groups, splits, qpg, device=qkv.device, dtype=torch.float32) for _ in range(2))
+            acc = torch.empty(groups, splits, qpg, d, device=qkv.device, dtype=torch.float32)
+        with torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext():
+            _decode_rotary_kernel[(groups, splits)](
+                qkv, cos, sin, k_cache, v_cache, pad, slot, out, m, total, acc, splits, scale,
+                k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), out.stride(1),
+                out.stride(2), QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split)
+            if split:
+                _paged_combine_kernel[(groups,)](m, total, acc, out, out, groups, splits, out.stride(0),
+                                                 out.stride(1), out.stride(2), QPG=qpg, QB=qb, D=d, SINK=False)
+        return out
+
+    @_decode_rotary_op.register_fake
+    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits=0):
+        return qkv.new_empty(1, qkv.size(0), qkv.size(1) - 2, qkv.size(2))
