@@ -19,6 +19,21 @@ from ..errors import ArgumentParser, ConfigError
 from .sampling import SamplingParams
 
 
+# the kernel switches a generation step reads (config/kernels.py); the others are training's
+DECODE_SWITCHES = ("kernel_decode_attention", "kernel_decode_gemv", "kernel_decode_coordinate_descent", "kernel_cublaslt")
+
+
+def kernel_switches(args):
+    """The model's kernel switches: the generation ones as given (``auto`` where not), the rest ``auto``."""
+    from ..config import KernelConfig
+    return KernelConfig(**{name: getattr(args, name) for name in DECODE_SWITCHES})
+
+
+def kernel_line(kernels) -> str:
+    """The start-up line of the generation switches."""
+    return " kernel switches: " + ", ".join(f"--{n.replace('_', '-')} {getattr(kernels, n)}" for n in DECODE_SWITCHES)
+
+
 def _common(p: ArgumentParser) -> None:
     p.add_argument("--load", required=True, metavar="DIR",
                    help="paratron checkpoint (training's --save directory) or Hugging Face model directory")
@@ -35,6 +50,10 @@ def _common(p: ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding (Megatron's flag): draft K tokens per step with the checkpoint's "
                         "multi-token prediction depths (--mtp-num-layers >= K) and verify them in one pass")
+    from ..config.help import field_help
+    from ..config.kernels import CHOICES
+    for name in DECODE_SWITCHES:
+        p.add_argument("--" + name.replace("_", "-"), choices=CHOICES[name], default="auto", help=field_help(name))
 
 
 def generate_parser() -> ArgumentParser:
@@ -93,7 +112,8 @@ def open_model(args):
     from .runtime import Group, start
     from .text import TextModel, chat_template
     dims, device = start(args.device, args.expert_model_parallel_size)
-    loaded = load_for_inference(args.load, dims, device, args.dtype, args.iteration)
+    kernels = kernel_switches(args)
+    loaded = load_for_inference(args.load, dims, device, args.dtype, args.iteration, kernels)
     if loaded.model.config.model == "bert":
         raise ConfigError(f"--load {args.load} holds a BERT: it fills masks (paratron fill-mask), it does not "
                           "generate text")
@@ -107,6 +127,8 @@ def open_model(args):
                         num_speculative_tokens=args.num_speculative_tokens)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if dims.rank == 0:
+        print(kernel_line(kernels), file=sys.stderr, flush=True)
     if args.num_speculative_tokens and dims.rank == 0:
         print(f"speculative decoding: --num-speculative-tokens {args.num_speculative_tokens} (drafts from the "
               f"model's multi-token prediction depths 1..{args.num_speculative_tokens})", file=sys.stderr, flush=True)
@@ -154,6 +176,10 @@ def generate_main(argv: list[str]) -> int:
         if limits.inference_dynamic_batching:
             raise ConfigError("--inference-dynamic-batching: T5 generates on the fixed-batch engine (no paged "
                               "encoder-decoder cache)")
+        asked = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in DECODE_SWITCHES if getattr(args, n) != "auto"]
+        if asked:
+            raise ConfigError(f"{', '.join(asked)}: T5 generates through its own decoder loop, which takes no kernel "
+                              "switches; leave them at auto")
         from .t5_generate import generate_main as t5_main
         return t5_main(args, params)
     if limits.inference_dynamic_batching:

@@ -40,14 +40,16 @@ def is_hf_dir(path: Path) -> bool:
         not any(path.glob("iter_*"))
 
 
-def _model(m, padded_vocab: int, dims: ParallelDims, device, dtype) -> GPTModel:
-    cls = BertModel if m.model == "bert" else GPTModel  # (--model bert: fill-mask only, inference/fill_mask.py)
+def _model(m, padded_vocab: int, dims: ParallelDims, device, dtype, kernels=None) -> GPTModel:
+    """``kernels``: the model's kernel switches (GPT models; None: every one auto)."""
     with torch.device(device):  # the random init is overwritten; build it where it will run
         if m.model == "t5":  # an encoder-decoder (paratron/inference/t5_generate.py generates with it)
             from ..model.t5 import T5Model
             model = T5Model(m, padded_vocab, dims, device=device, dtype=dtype)
+        elif m.model == "bert":  # (--model bert: fill-mask only, inference/fill_mask.py)
+            model = BertModel(m, padded_vocab, dims=dims, device=device, dtype=dtype)
         else:
-            model = cls(m, padded_vocab, dims=dims, device=device, dtype=dtype)
+            model = GPTModel(m, padded_vocab, dims=dims, kernels=kernels, device=device, dtype=dtype)
     model.par.rng = None  # no dropout in inference: no RNG forks (which a CUDA graph could not capture)
     return model.eval()
 
@@ -58,7 +60,8 @@ def _saved_dtype(d: Path) -> torch.dtype:
     return shapes[key][1] if key in shapes else torch.float32
 
 
-def load_paratron(root: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype], iteration=None) -> Loaded:
+def load_paratron(root: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype], iteration=None,
+                  kernels=None) -> Loaded:
     from ..checkpoint.convert import _saved_config
     from ..checkpoint.hf_config import padded_vocab_size
     d = sharded.find_checkpoint(root, group=sharded.SOLO, warn=lambda m: None, iteration=iteration)
@@ -70,7 +73,8 @@ def load_paratron(root: Path, dims: ParallelDims, device, dtype: Optional[torch.
     if not vocab:
         raise CheckpointError(f"{d / sharded.COMMON} has no data.vocab_size: the real vocabulary size is unknown")
     _check_layout(cfg.model, dims)
-    model = _model(cfg.model, padded_vocab_size(vocab, cfg.model, dims.tp), dims, device, dtype or _saved_dtype(d))
+    model = _model(cfg.model, padded_vocab_size(vocab, cfg.model, dims.tp), dims, device, dtype or _saved_dtype(d),
+                   kernels)
     pieces, casts = sharded_state_dict(model), []
     saved = sharded.tensor_shapes(d)
     for p in pieces:  # the checkpoint's dtype may differ from the one asked for: read, then cast
@@ -86,7 +90,7 @@ def load_paratron(root: Path, dims: ParallelDims, device, dtype: Optional[torch.
     return Loaded(model, vocab, tok, root.resolve().name, f"paratron checkpoint {d.name}")
 
 
-def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype]) -> Loaded:
+def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype], kernels=None) -> Loaded:
     from ..checkpoint.hf import hf_to_paratron, load_hf_dir
     from ..checkpoint.hf_bert import bert_config_from_hf, bert_hf_to_paratron
     from ..checkpoint.hf_config import model_config_from_hf, padded_vocab_size
@@ -109,7 +113,7 @@ def load_hf(src: Path, dims: ParallelDims, device, dtype: Optional[torch.dtype])
                  else hf_to_paratron(hf_state, m, family, padded, vocab_size=vocab))
     family = "megatron-bert" if bert else family
     emb = state["embedding.word_embeddings.weight"]
-    model = _model(m, padded, dims, device, dtype or emb.dtype)
+    model = _model(m, padded, dims, device, dtype or emb.dtype, kernels)
     with torch.no_grad():
         for p in sharded_state_dict(model):
             full = state.get(p.key[len("model."):])
@@ -149,13 +153,14 @@ def is_t5(path) -> bool:
 
 
 def load_for_inference(path, dims: Optional[ParallelDims] = None, device="cpu", dtype: Optional[str] = None,
-                       iteration: Optional[int] = None) -> Loaded:
-    """The model at ``path`` in this rank's TP shard (``dims``: TP over all ranks), its tokenizer."""
+                       iteration: Optional[int] = None, kernels=None) -> Loaded:
+    """The model at ``path`` in this rank's TP shard (``dims``: TP over all ranks), its tokenizer; ``kernels``: the
+    model's kernel switches (``paratron generate`` / ``serve``'s --kernel-decode-*; None: auto)."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"--load {root}: " + ("not a directory" if root.exists() else "does not exist"))
     dims = dims or ParallelDims()
     torch_dtype = DTYPES[dtype] if dtype else None
     if is_hf_dir(root):
-        return load_hf(root, dims, device, torch_dtype)
-    return load_paratron(root, dims, device, torch_dtype, iteration)
+        return load_hf(root, dims, device, torch_dtype, kernels)
+    return load_paratron(root, dims, device, torch_dtype, iteration, kernels)

@@ -99,3 +99,29 @@ def test_engine_with_the_fused_decode_gives_the_unfused_tokens_and_takes_the_fus
     calls.clear()
     Engine(fused, VOCAB).generate([Request(p, params) for p in PROMPTS[:2]])  # two rows: the unfused path
     assert not calls
+
+
+def test_generate_command_takes_the_decode_switches(tmp_path, capsys, monkeypatch):
+    """``paratron generate --kernel-decode-attention fused``: the model built with that switch (printed at start-up)
+    gives the default path's tokens; a value outside the switch's choices is refused by argparse."""
+    import json
+
+    from paratron.cli import main
+    from paratron.inference import load as load_module
+    from tests.tiny_generation import make_tiny_checkpoint
+    make_tiny_checkpoint(tmp_path)
+    capsys.readouterr()  # (the conversion's lines)
+    run = ["generate", "--load", str(tmp_path / "ckpt"), "--prompt", "hello world", "--json", "--max-new-tokens", "6",
+           "--ignore-eod"]
+    assert main(run) == 0
+    plain = capsys.readouterr()
+    built = []
+    real = load_module._model
+    monkeypatch.setattr(load_module, "_model", lambda *a: built.append(a[-1]) or real(*a))
+    assert main(run + ["--kernel-decode-attention", "fused"]) == 0
+    fused = capsys.readouterr()
+    assert json.loads(fused.out)["tokens"] == json.loads(plain.out)["tokens"]
+    assert built[0].kernel_decode_attention == "fused" and "--kernel-decode-attention fused" in fused.err
+    assert "--kernel-decode-attention auto" in plain.err
+    assert main(run + ["--kernel-decode-attention", "flash"]) == 2
+    assert "--kernel-decode-attention" in capsys.readouterr().err

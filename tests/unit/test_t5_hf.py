@@ -139,3 +139,13 @@ def test_t5_generation_under_several_ranks_is_one_line(monkeypatch, tmp_path):
     args = types.SimpleNamespace(load=str(tmp_path / "missing"), device="cpu", dtype=None, iteration=None)
     with pytest.raises(ConfigError, match="one process, not 2"):
         generate_main(args, SamplingParams(max_new_tokens=2))
+
+
+def test_t5_generation_refuses_the_decode_kernel_switches_by_name(tmp_path, capsys):
+    """T5's decoder loop takes no kernel switches: `paratron generate --kernel-decode-attention fused` on a T5
+    stops with one line naming the flag (it is not silently ignored)."""
+    from paratron.cli import main
+    hf_model(seed=3).save_pretrained(tmp_path)
+    assert main(["generate", "--load", str(tmp_path), "--prompt", "x", "--kernel-decode-attention", "fused"]) == 2
+    err = capsys.readouterr().err
+    assert "--kernel-decode-attention fused" in err and "T5" in err
