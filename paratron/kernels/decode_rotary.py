@@ -75,7 +75,7 @@ def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 if triton is not None:
-    from .paged_attention import _absorb, _paged_combine_kernel
+    from .paged_attention import _paged_combine_kernel, _walk
 
     @triton.jit
     def _rotated(base, offsets, partner, sign, mask, c, s):
@@ -119,17 +119,10 @@ if triton is not None:
         chunk = (chunk + BT - 1) // BT * BT
         lo = first + sp * chunk
         hi = tl.minimum(slot, lo + chunk)
-        m = tl.full([QB], float("-inf"), tl.float32)
-        total = tl.zeros([QB], tl.float32)
-        acc = tl.zeros([QB, D], tl.float32)
-        for start in range(lo, hi, BT):
-            t = start + tl.arange(0, BT)
-            ok = t < hi
-            keys = tl.load(k_ptr + g * skg + t[:, None] * skt + cols[None, :], mask=ok[:, None], other=0.0)
-            sc = tl.dot(q, tl.trans(keys.to(tl.float32))) * scale
-            sc = tl.where(ok[None, :], sc, float("-inf"))
-            vals = tl.load(v_ptr + g * svg + t[:, None] * svt + cols[None, :], mask=ok[:, None], other=0.0)
-            m, total, acc = _absorb(sc, vals.to(tl.float32), m, total, acc)
+        # the paged kernels' key loop over the row's cache as one block of a pool (block stride 0: the block number
+        # it reads from its "table", here the padding count, multiplies nothing; a block size past any slot)
+        m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo, hi, g, scale, 0, skt, skg, 0, svt, svg, cols,
+                              QB, D, 1 << 30, BT)
         s_new = tl.where(last, tl.sum(q * k_new[None, :], 1) * scale, float("-inf"))  # [QB]
         m_new = tl.maximum(m, s_new)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
