@@ -244,21 +244,22 @@ def arrivals(engine, times: list, requests: list) -> dict:
 
 def profile_run(engine, load: Callable, top: int = 25) -> None:
     """``--profile``: the offline load once more (``load``) under torch.profiler; GPU time by kind of kernel, the top
-    kernels with their launches per step, and the time the GPU had no kernel running (profile_step.py's
-    reading of the trace)."""
+    kernels with their launches per step, the time the GPU had no kernel running (profile_step.py's reading of the
+    trace), and the host's time per step in paratron's Python functions (where a step's host work goes)."""
     import torch
     from profile_step import idle_by_neighbours, tally, trace_kernels
     if not torch.cuda.is_available():
         raise SystemExit("serve_load: --profile reads the GPU's kernels: run it on a GPU")
     steps = engine.steps
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                            torch.profiler.ProfilerActivity.CPU]) as prof:
+                                            torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
         load()
         torch.cuda.synchronize()
     steps = engine.steps - steps
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
         kernels = trace_kernels(Path(tmp) / "trace.json")
+        python = python_time(Path(tmp) / "trace.json")
     by_name, count, kinds = tally(kernels)
     span = kernels[-1][1] - kernels[0][0]
     _, idle = idle_by_neighbours(kernels)
@@ -267,8 +268,33 @@ def profile_run(engine, load: Callable, top: int = 25) -> None:
         print(f"  {k:30s} {v / steps / 1000:8.3f} ms")
     for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {v / steps / 1000:8.3f} ms {count[k] / steps:6.1f}x  {k[:120]}")
+    print("host: Python functions of paratron by their time per step (calls included; the engine's step first)")
+    for name, us in sorted(python.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / steps / 1000:8.3f} ms  {name[:120]}")
     print("host: operators and CUDA calls by their own CPU time (the whole run)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+
+
+def python_time(path) -> dict:
+    """{paratron function (file:line(name)): microseconds inside it, the calls it makes included} of the Python
+    function events of a trace recorded with ``with_stack=True``; a function that calls itself counts once."""
+    import json
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    spans: dict = {}
+    for e in events:
+        if e.get("cat") == "python_function" and "dur" in e and "paratron/" in e["name"]:
+            spans.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+    total = {}
+    for name, got in spans.items():
+        got.sort()
+        us, end = 0.0, float("-inf")
+        for a, b in got:  # the union of its spans: recursion and nesting counted once
+            if b > end:
+                us += b - max(a, end)
+                end = b
+        total[name] = us
+    return total
 
 
 def hf(args, d: Path, reqs: list) -> dict:

@@ -31,3 +31,21 @@ def test_arrivals_time_every_token_of_every_request_from_its_arrival():
     assert len(out["itl"]) == sum(news) - len(news)  # a gap between consecutive tokens only (no end marker)
     assert all(0 <= t < 5 for t in out["ttft"]) and all(e >= t for e, t in zip(out["e2e"], out["ttft"]))
     assert out["wall_s"] >= 0.3 and engine.idle
+
+
+def test_profile_reads_paratron_python_time_from_the_trace_once_per_nesting(tmp_path):
+    """``--profile``'s host table: each paratron function's time per the trace's Python events, its calls included,
+    a recursive (nested) call not counted twice; other code left out."""
+    import json
+    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    step, pack = "paratron/inference/paged.py(210): step", "paratron/inference/paged.py(267): _pack"
+    events = [{"cat": "python_function", "name": step, "ts": 0, "dur": 100},
+              {"cat": "python_function", "name": pack, "ts": 10, "dur": 30},
+              {"cat": "python_function", "name": pack, "ts": 15, "dur": 10},  # (nested in the one above)
+              {"cat": "python_function", "name": step, "ts": 200, "dur": 50},
+              {"cat": "python_function", "name": "torch/nn/modules/module.py(1): _call_impl", "ts": 0, "dur": 9},
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    assert bench.python_time(tmp_path / "t.json") == {step: 150.0, pack: 30.0}
