@@ -14,7 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import inference
+from ..config import KernelConfig, inference
+from ..config.help import field_help
+from ..config.kernels import CHOICES
+from ..config.sections import flag
 from ..errors import ArgumentParser, ConfigError
 from .sampling import SamplingParams
 
@@ -23,15 +26,16 @@ from .sampling import SamplingParams
 DECODE_SWITCHES = ("kernel_decode_attention", "kernel_decode_gemv", "kernel_decode_coordinate_descent", "kernel_cublaslt")
 
 
-def kernel_switches(args):
+def kernel_switches(args) -> KernelConfig:
     """The model's kernel switches: the generation ones as given (``auto`` where not), the rest ``auto``."""
-    from ..config import KernelConfig
     return KernelConfig(**{name: getattr(args, name) for name in DECODE_SWITCHES})
 
 
-def kernel_line(kernels) -> str:
-    """The start-up line of the generation switches."""
-    return " kernel switches: " + ", ".join(f"--{n.replace('_', '-')} {getattr(kernels, n)}" for n in DECODE_SWITCHES)
+def switch_flags(kernels, asked_only: bool = False) -> list[str]:
+    """The generation switches of ``kernels`` (a KernelConfig or the parsed flags) as "--flag value", or only those
+    not ``auto``."""
+    return [f"{flag(n)} {getattr(kernels, n)}" for n in DECODE_SWITCHES
+            if not (asked_only and getattr(kernels, n) == "auto")]
 
 
 def _common(p: ArgumentParser) -> None:
@@ -50,10 +54,8 @@ def _common(p: ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding (Megatron's flag): draft K tokens per step with the checkpoint's "
                         "multi-token prediction depths (--mtp-num-layers >= K) and verify them in one pass")
-    from ..config.help import field_help
-    from ..config.kernels import CHOICES
     for name in DECODE_SWITCHES:
-        p.add_argument("--" + name.replace("_", "-"), choices=CHOICES[name], default="auto", help=field_help(name))
+        p.add_argument(flag(name), choices=CHOICES[name], default="auto", help=field_help(name))
 
 
 def generate_parser() -> ArgumentParser:
@@ -128,7 +130,7 @@ def open_model(args):
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if dims.rank == 0:
-        print(kernel_line(kernels), file=sys.stderr, flush=True)
+        print(" kernel switches: " + ", ".join(switch_flags(kernels)), file=sys.stderr, flush=True)
     if args.num_speculative_tokens and dims.rank == 0:
         print(f"speculative decoding: --num-speculative-tokens {args.num_speculative_tokens} (drafts from the "
               f"model's multi-token prediction depths 1..{args.num_speculative_tokens})", file=sys.stderr, flush=True)
@@ -176,7 +178,7 @@ def generate_main(argv: list[str]) -> int:
         if limits.inference_dynamic_batching:
             raise ConfigError("--inference-dynamic-batching: T5 generates on the fixed-batch engine (no paged "
                               "encoder-decoder cache)")
-        asked = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in DECODE_SWITCHES if getattr(args, n) != "auto"]
+        asked = switch_flags(args, asked_only=True)
         if asked:
             raise ConfigError(f"{', '.join(asked)}: T5 generates through its own decoder loop, which takes no kernel "
                               "switches; leave them at auto")
