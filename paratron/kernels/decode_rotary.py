@@ -76,18 +76,17 @@ def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 if triton is not None:
     from .paged_attention import _paged_combine_kernel, _walk
+    from .rotary import _round  # (rounds to bf16 as torch does, on the GPU and in the interpreter)
 
     @triton.jit
     def _rotated(base, offsets, partner, sign, mask, c, s):
         """The values at ``base + offsets`` rotated (rotate-half: each paired with ``base + partner``, signed by
         ``sign``) with cos ``c`` / sin ``s``, rounded as the model's apply_rotary in their dtype (each product,
         then the sum); fp32 of those values."""
-        dt = base.dtype.element_ty
+        dt: tl.constexpr = base.dtype.element_ty
         x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
         xp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32)
-        a = (x * c).to(dt).to(tl.float32)
-        b = (sign * xp * s).to(dt).to(tl.float32)
-        return (a + b).to(dt).to(tl.float32)
+        return _round(_round(x * c, dt) + _round(sign * xp * s, dt), dt)
 
     @triton.jit
     def _decode_rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr,
@@ -98,8 +97,8 @@ if triton is not None:
         dt = qkv_ptr.dtype.element_ty
         heads, cols = tl.arange(0, QB), tl.arange(0, D)
         live = heads < QPG
-        c = tl.load(cos_ptr + cols).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + cols).to(dt).to(tl.float32)
+        c = _round(tl.load(cos_ptr + cols).to(tl.float32), dt)
+        s = _round(tl.load(sin_ptr + cols).to(tl.float32), dt)
         base = qkv_ptr + g * (QPG + 2) * D
         partner = (cols + D // 2) % D  # rotate-half: [-x2, x1]
         sign = tl.where(cols < D // 2, -1.0, 1.0)

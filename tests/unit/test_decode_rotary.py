@@ -63,9 +63,9 @@ for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.floa
         assert got.shape == want.shape and got.dtype == dtype and torch.isfinite(got).all()
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()
         assert err <= tol, (g, qpg, d, dtype, splits, err)
-        # the rotated key and the value at the slot, as the reference wrote them; nothing else written (in bf16
-        # within the interpreter's rounding: it truncates fp32 -> bf16, where the GPU rounds to nearest even as
-        # torch does; the GPU test checks those bits)
+        # the rotated key and the value at the slot, as the reference wrote them; nothing else written (bf16 within
+        # two ulps here; the kernel rounds as torch does through kernels/rotary.py's _round, whose bits the GPU
+        # test checks)
         exact = dtype == torch.float32
         assert torch.allclose(k[0, :, slot].float(), rk[0, :, slot].float(), rtol=1e-6 if exact else 3 * 2 ** -8,
                               atol=1e-6 if exact else 2 ** -4), splits  # (2 ulps of |x| < 4)
