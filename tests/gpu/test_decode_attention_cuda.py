@@ -88,6 +88,21 @@ def test_engine_with_the_fused_rotary_decode_gives_the_unfused_tokens_through_cu
     want = Engine(plain, 500, compile=True).generate(reqs)[0]
     engine = Engine(fused, 500, compile=True)
     got = engine.generate(reqs)[0]
-    assert got.tokens == want.tokens
-    assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=5e-2)
+    # The fused kernel sums the context in its own order: in bf16 the log-probabilities differ by rounding, and a
+    # greedy near-tie may go the other way after many tokens. The yardstick is a third attention path (torch's
+    # SDPA) against the default one: the fused path may differ from the default by about as much, over the tokens
+    # all three share. A wrong rotation or cache write differs within the first tokens, by far more.
+    sdpa = GPTModel(m, 512, device="cuda", dtype=torch.bfloat16,
+                    kernels=KernelConfig(kernel_decode_attention="sdpa")).eval()
+    sdpa.load_state_dict(plain.state_dict())
+    other = Engine(sdpa, 500, compile=True).generate(reqs)[0]
+
+    def agree(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(b.tokens))
+
+    same = min(agree(got, want), agree(other, want))
+    assert agree(got, want) >= 16, (got.tokens, want.tokens)
+    noise = (torch.tensor(other.logprobs[:same]) - torch.tensor(want.logprobs[:same])).abs().max().item()
+    off = (torch.tensor(got.logprobs[:same]) - torch.tensor(want.logprobs[:same])).abs().max().item()
+    assert off <= 2 * noise + 1e-3, (off, noise, same)
     assert engine.graph is not None and engine.graph.graph is not None
