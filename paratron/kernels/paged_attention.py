@@ -27,9 +27,7 @@ tokens of one request) the kernel runs one program per (tile, group) instead, it
 token, each token still seeing only its own first ``lengths[i]`` (causal within the tile). A tile's query rows
 (its tokens x the group's query heads) are a compile-time size, so tiles of a few tokens (the decodes beside
 prompt chunks in a mixed step: one token, four of 64 rows at llama's grouping) run in a second launch of a
-narrower kernel; each launch passes over the tiles the other takes. A mixed step's few prompt-chunk tiles would
-leave most of the GPU idle, each program walking its whole context alone: as decodes do, each tile's context is
-then split over programs (:func:`tile_splits`, from the shapes) and the partials merged per row by a small kernel.
+narrower kernel; each launch passes over the tiles the other takes.
 
 :func:`paged_attention_reference` is the same in plain torch (each token's blocks gathered into a dense
 sequence): what runs on CPUs and what the tests compare the kernel with (on CPU through Triton's interpreter).
@@ -146,14 +144,6 @@ def decode_splits(programs: int, span: int, sms: int) -> int:
     if programs <= 0 or programs >= SPLIT_TARGET * sms:
         return 1
     return max(1, min(-(-SPLIT_TARGET * sms // programs), span // SPLIT_MIN_SPAN))
-
-
-def tile_splits(tokens: int, per: int, groups: int, span: int, sms: int) -> int:
-    """Programs sharing each (tile, group)'s context in the launch of tiles of up to ``per`` tokens, for a pass of
-    ``tokens`` packed tokens: :func:`decode_splits` for as many programs as the tokens fill whole tiles. Large
-    prefill passes fill the GPU (1: no split); a mixed step's few prompt-chunk tiles would leave most of it idle,
-    each walking its whole context alone. Shapes only, as ``decode_splits``."""
-    return decode_splits(max(1, tokens // per) * groups, span, sms)
 
 
 def _sms(device: torch.device) -> int:
@@ -277,24 +267,6 @@ if triton is not None:
         tl.store(acc_ptr + at[:, None] * D + cols[None, :], acc, mask=live[:, None])
 
     @triton.jit
-    def _merged(m_ptr, l_ptr, acc_ptr, base, live, splits, cols, QPG: tl.constexpr, R: tl.constexpr,
-                D: tl.constexpr):
-        """(common max, denominator, weighted sum) of the rows' split partials at ``base`` (+ s * QPG for split s),
-        each split rescaled to the rows' common max."""
-        top = tl.full([R], float("-inf"), tl.float32)
-        for s in range(splits):
-            top = tl.maximum(top, tl.load(m_ptr + base + s * QPG, mask=live, other=float("-inf")))
-        top_safe = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: every weight below is 0
-        total = tl.zeros([R], tl.float32)
-        acc = tl.zeros([R, D], tl.float32)
-        for s in range(splits):
-            at = base + s * QPG
-            w = tl.exp(tl.load(m_ptr + at, mask=live, other=float("-inf")) - top_safe)
-            total += w * tl.load(l_ptr + at, mask=live, other=0.0)
-            acc += w[:, None] * tl.load(acc_ptr + at[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
-        return top, total, acc
-
-    @triton.jit
     def _paged_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, sink_ptr, groups, splits, son, sog, soh,
                               QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr):
         """The splits' partials of token x group ``program_id(0)``, each rescaled to their common max, plus the
@@ -303,7 +275,18 @@ if triton is not None:
         i, g = pid // groups, pid % groups
         heads, cols = tl.arange(0, QB), tl.arange(0, D)
         live = heads < QPG
-        top, total, acc = _merged(m_ptr, l_ptr, acc_ptr, pid * splits * QPG + heads, live, splits, cols, QPG, QB, D)
+        base = pid * splits * QPG + heads
+        top = tl.full([QB], float("-inf"), tl.float32)
+        for s in range(splits):
+            top = tl.maximum(top, tl.load(m_ptr + base + s * QPG, mask=live, other=float("-inf")))
+        top_safe = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: every weight below is 0
+        total = tl.zeros([QB], tl.float32)
+        acc = tl.zeros([QB, D], tl.float32)
+        for s in range(splits):
+            at = base + s * QPG
+            w = tl.exp(tl.load(m_ptr + at, mask=live, other=float("-inf")) - top_safe)
+            total += w * tl.load(l_ptr + at, mask=live, other=0.0)
+            acc += w[:, None] * tl.load(acc_ptr + at[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
         if SINK:
             sink = tl.load(sink_ptr + g * QPG + heads, mask=live, other=float("-inf"))
             total, acc = _sunk(sink, top, total, acc)
@@ -352,12 +335,9 @@ if triton is not None:
     @triton.jit
     def _paged_tile_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, row_ptr, len_ptr, tile_ptr, out_ptr, sink_ptr, groups, scale,
                            window, stab, sqn, sqg, sqh, skb, skt, skg, svb, svt, svg, son, sog, soh, least, most,
-                           m_ptr, l_ptr, acc_ptr, splits,
                            QPG: tl.constexpr, QP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                           BT: tl.constexpr, SINK: tl.constexpr, SPLIT: tl.constexpr):
-        """The tiles of ``least`` .. ``most`` tokens (the others: left to the launch sized for them). ``SPLIT``:
-        split ``program_id(1)`` of ``splits`` walks its share of the tile's context and writes fp32 partials per
-        token row [tokens * groups, splits, QPG(, D)] (as the decode split kernel), for the tile combine kernel."""
+                           BT: tl.constexpr, SINK: tl.constexpr):
+        """The tiles of ``least`` .. ``most`` tokens (the others: left to the launch sized for them)."""
         pid = tl.program_id(0)
         tile, g = pid // groups, pid % groups
         first_token, count = tl.load(tile_ptr + 2 * tile), tl.load(tile_ptr + 2 * tile + 1)
@@ -372,47 +352,11 @@ if triton is not None:
         lo = tl.where(window >= 0, tl.maximum(end - 1 - window, 0), 0).to(end.dtype)
         table = tab_ptr + tl.load(row_ptr + first_token) * stab
         start0 = tl.min(tl.where(valid, lo, 1 << 30))
-        hi = tl.max(end)
-        if SPLIT:
-            s = tl.program_id(1)
-            chunk = (hi - start0 + splits - 1) // splits
-            chunk = (chunk + BT - 1) // BT * BT
-            start0 = start0 + s * chunk
-            hi = tl.minimum(hi, start0 + chunk)
-        m, total, acc = _walk(q, k_ptr, v_ptr, table, start0, hi, g, scale, skb, skt, skg, svb, svt, svg,
+        m, total, acc = _walk(q, k_ptr, v_ptr, table, start0, tl.max(end), g, scale, skb, skt, skg, svb, svt, svg,
                               cols, R, D, BS, BT, lo[:, None], end[:, None])
-        if SPLIT:
-            at = ((tok * groups + g) * splits + s) * QPG + h
-            tl.store(m_ptr + at, m, mask=valid)
-            tl.store(l_ptr + at, total, mask=valid)
-            tl.store(acc_ptr + at[:, None] * D + cols[None, :], acc, mask=valid[:, None])
-            return
         if SINK:
             sink = tl.load(sink_ptr + g * QPG + h, mask=valid, other=float("-inf"))
             total, acc = _sunk(sink, m, total, acc)
-        out = acc / total[:, None]
-        tl.store(out_ptr + tok[:, None] * son + g * sog + h[:, None] * soh + cols[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-
-    @triton.jit
-    def _paged_tile_combine_kernel(tile_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, sink_ptr, groups, splits, son, sog, soh,
-                                   least, most, QPG: tl.constexpr, QP: tl.constexpr, R: tl.constexpr,
-                                   D: tl.constexpr, SINK: tl.constexpr):
-        """The split tiles' partials of tile x group ``program_id(0)`` (tiles of ``least`` .. ``most`` tokens),
-        merged as the decode combine kernel merges a token's, into ``out``."""
-        pid = tl.program_id(0)
-        tile, g = pid // groups, pid % groups
-        first_token, count = tl.load(tile_ptr + 2 * tile), tl.load(tile_ptr + 2 * tile + 1)
-        count = tl.where((count >= least) & (count <= most), count, 0)
-        r, cols = tl.arange(0, R), tl.arange(0, D)
-        j, h = r // QP, r % QP
-        valid = (j < count) & (h < QPG)
-        tok = first_token + j
-        top, total, acc = _merged(m_ptr, l_ptr, acc_ptr, (tok * groups + g) * splits * QPG + h, valid, splits, cols,
-                                  QPG, R, D)
-        if SINK:
-            sink = tl.load(sink_ptr + g * QPG + h, mask=valid, other=float("-inf"))
-            total, acc = _sunk(sink, top, total, acc)
         out = acc / total[:, None]
         tl.store(out_ptr + tok[:, None] * son + g * sog + h[:, None] * soh + cols[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
@@ -427,26 +371,15 @@ if triton is not None:
         if out.numel() and tiles.numel():
             qp, per = _pow2(qpg), tile_tokens(qpg)
             tiles = tiles.contiguous()
-            sink = q if sinks is None else sinks
             with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
                 for least, most, tokens in _tile_launches(qp, per):
-                    splits = tile_splits(n, tokens, groups, tables.size(1) * k_pool.size(1), _sms(q.device))
-                    if splits > 1:
-                        m, total = (q.new_empty(n * groups, splits, qpg, dtype=torch.float32) for _ in range(2))
-                        acc = q.new_empty(n * groups, splits, qpg, d, dtype=torch.float32)
-                    else:
-                        m = total = acc = out
-                    kw = dict(QPG=qpg, QP=qp, R=max(16, qp * tokens), D=d)
-                    _paged_tile_kernel[(tiles.size(0) * groups, splits)](
-                        q, k_pool, v_pool, tables, rows, lengths, tiles, out, sink, groups, scale, window,
-                        tables.stride(0), q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1),
-                        k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0),
-                        out.stride(1), out.stride(2), least, most, m, total, acc, splits, **kw, BS=k_pool.size(1),
-                        BT=BLOCK_T, SINK=sinks is not None, SPLIT=splits > 1)
-                    if splits > 1:
-                        _paged_tile_combine_kernel[(tiles.size(0) * groups,)](
-                            tiles, m, total, acc, out, sink, groups, splits, out.stride(0), out.stride(1),
-                            out.stride(2), least, most, **kw, SINK=sinks is not None)
+                    _paged_tile_kernel[(tiles.size(0) * groups,)](
+                        q, k_pool, v_pool, tables, rows, lengths, tiles, out,
+                        q if sinks is None else sinks, groups, scale, window, tables.stride(0), q.stride(0),
+                        q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+                        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1),
+                        out.stride(2), least, most, QPG=qpg, QP=qp, R=max(16, qp * tokens), D=d, BS=k_pool.size(1),
+                        BT=BLOCK_T, SINK=sinks is not None)
         return out
 
     @_paged_prefill_op.register_fake

@@ -96,23 +96,20 @@ print("ok")
 
 
 TILED = r"""
-from paratron.kernels.paged_attention import paged_attention_reference, tile_splits, tiles_of, tile_tokens
+from paratron.kernels.paged_attention import paged_attention_reference, tiles_of, tile_tokens
 torch.manual_seed(1)
 # packed chunks of three requests (a prompt chunk longer than a tile, one after a cached prefix, a decode token),
 # tiles of consecutive tokens of one request, causal within a tile; windows and sinks; bf16 and fp32
 for bs, g, qpg, d, dtype, tol in ((5, 2, 4, 16, torch.bfloat16, 2e-2), (64, 1, 2, 16, torch.float32, 1e-5)):
     blocks = 60
     k_pool, v_pool = torch.randn(2, blocks, bs, g, d).to(dtype)
-    # tables as wide as 1,200 positions and contexts up to 1,080: the launches split each tile's context over
-    # several programs (tile_splits) and merge them; the split cut falls inside the chunk of 20
-    tables = torch.randint(1, blocks, (3, 1200 // bs + 2))
-    chunks, starts = [37, 20, 1], [0, 590, 1040]  # tokens computed this pass, cached before it
+    tables = torch.randint(1, blocks, (3, 300 // bs + 2))
+    chunks, starts = [37, 20, 1], [0, 90, 140]  # tokens computed this pass, cached before it
     rows = torch.cat([torch.full((n,), r) for r, n in enumerate(chunks)])
     lengths = torch.cat([torch.arange(s + 1, s + n + 1) for s, n in zip(starts, chunks)])
     q = torch.randn(len(rows), g, qpg, d).to(dtype)
     tiles = torch.tensor(tiles_of(chunks, qpg))
     assert tiles[:, 1].sum() == len(rows) and tiles[:, 1].max() == tile_tokens(qpg)
-    assert tile_splits(len(rows), tile_tokens(qpg), g, tables.size(1) * bs, 132) > 1
     sinks = torch.randn(g * qpg)
     for window, sink in ((None, None), (3, None), (30, sinks), (None, sinks)):
         got = torch.ops.paratron.paged_prefill(q, k_pool, v_pool, tables, rows, lengths, tiles, 0.25,
@@ -123,15 +120,6 @@ for bs, g, qpg, d, dtype, tol in ((5, 2, 4, 16, torch.bfloat16, 2e-2), (64, 1, 2
         assert err <= tol, (bs, qpg, window, sink is not None, dtype, err)
 print("ok")
 """
-
-
-def test_tile_splits_fill_the_gpu_only_where_the_tiles_would_not():
-    """A mixed step's few prompt-chunk tiles share each context over programs; a large prefill pass does not."""
-    from paratron.kernels.paged_attention import tile_splits
-    assert tile_splits(192, 16, 8, 4096, 132) == 3  # 12 tiles x 8 groups: 96 programs for 132 multiprocessors
-    assert tile_splits(8192, 16, 8, 4096, 132) == 1  # 4,096 programs
-    assert tile_splits(192, 16, 8, 512, 132) == 2  # at least 256 positions per split
-    assert tile_splits(3, 16, 8, 4096, 132) == 16  # a tile's worth: 8 programs, capped by the span
 
 
 def test_tiled_kernel_launches_cover_every_tile_size_once():
