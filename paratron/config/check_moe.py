@@ -99,3 +99,26 @@ def validate_routing_parallel(par: ParallelConfig, m: ModelConfig, lg: LogConfig
     need(ranks > 1 or m.moe_flex_dispatcher_backend == "hybridep",
          f"--moe-token-dispatcher-type flex with backend {m.moe_flex_dispatcher_backend} needs --expert-model-parallel-"
          f"size x --expert-tensor-parallel-size > 1 (Megatron's assertion); use alltoall on one expert rank")
+
+
+def validate_combined_overlap(cfg) -> None:
+    """--overlap-moe-expert-parallel-comm (parallel/turns.py) with Megatron's rules, and paratron's own: one
+    pipeline stage (the schedule without pipelining takes the turns)."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    if not m.overlap_moe_expert_parallel_comm:
+        return
+    name = "--overlap-moe-expert-parallel-comm"
+    need(m.num_experts is not None, f"{name} overlaps the expert all-to-alls: set --num-experts or remove the flag")
+    etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
+    need(par.expert_model_parallel_size * etp > 1, f"{name} needs --expert-model-parallel-size > 1 (the experts on "
+         "one rank move no rows, as Megatron requires); remove the flag")
+    need(m.moe_token_dispatcher_type in ("alltoall", "flex"), f"{name} overlaps the alltoall dispatcher's "
+         "all-to-alls: use --moe-token-dispatcher-type alltoall or flex (as Megatron)")
+    need(not m.moe_shared_expert_overlap, f"{name} and --moe-shared-expert-overlap overlap the same all-to-all: "
+         "remove one (as Megatron)")
+    need((m.mtp_num_layers or 0) <= 1, f"{name} supports at most one MTP layer (as Megatron); got "
+         f"--mtp-num-layers {m.mtp_num_layers}")
+    need(tr.recompute_granularity != "full", f"{name} is not supported with --recompute-granularity full (as "
+         "Megatron); use selective recomputation or none")
+    need(par.pipeline_model_parallel_size == 1, f"{name} with pipeline parallelism is not built yet: paratron takes "
+         "the turns in the schedule without pipelining; use --pipeline-model-parallel-size 1 or remove the flag")

@@ -102,9 +102,6 @@ REFUSED = {
                                  "--data-parallel-sharding-strategy optim | optim_grads | optim_grads_params"),
     "split_sentences": NA.format("sentence splitting is a preprocessing flag: pass it to paratron preprocess / "
                                   "tools/preprocess_data.py (BERT data)"),
-    "overlap_moe_expert_parallel_comm": PLANNED.format("Megatron's combined 1F1B schedule overlapping one "
-                                                       "micro-batch's expert all-to-all with another's attention "
-                                                       "(--moe-shared-expert-overlap overlaps the shared expert)"),
     "cache_mla_latents": NA.format("caching multi-latent attention's compressed latents is an inference choice, not "
                                    "training's (`paratron generate` / `serve` always cache the latents)"),
     "num_speculative_tokens": NA.format("speculative decoding is an inference option: pass --num-speculative-tokens "
@@ -133,7 +130,8 @@ REFUSED = {
     "overlap_p2p_communication_warmup_flush": PLANNED.format("overlapped pipeline warm-up/flush communication"),
     "defer_embedding_wgrad_compute": PLANNED.format("deferred embedding weight-gradient GEMMs"),
     "wgrad_deferral_limit": PLANNED.format("deferred embedding weight-gradient GEMMs"),
-    "delay_wgrad_compute": PLANNED.format("delayed weight-gradient computation (it serves "
+    "delay_wgrad_compute": PLANNED.format("delayed weight-gradient computation (the experts' weight gradients "
+                                          "under the dispatch's backward all-to-all in "
                                           "--overlap-moe-expert-parallel-comm's schedule)"),
     "fine_grained_activation_offloading": PLANNED.format("activation offloading"),
     "offload_modules": PLANNED.format("activation offloading"),

@@ -28,7 +28,7 @@ from .check_data import validate_data, validate_fim, validate_sft
 from .check_log import validate_log
 from .check_t5 import validate_t5
 from .check_model import validate_model, validate_mtp
-from .check_moe import validate_routing_parallel
+from .check_moe import validate_combined_overlap, validate_routing_parallel
 from .check_optim import validate_optim, validate_optimizer
 from .check_parallel import check_mapping, validate_parallel, validate_sample
 from .kernels import check_kernels
@@ -186,6 +186,7 @@ def resolve(cfg: Config, world_size: Optional[int] = None, *,
              lambda: validate_data(cfg.data, default_tokenizer(cfg.model)),
              lambda: validate_across(cfg),
              lambda: validate_routing_parallel(cfg.parallel, cfg.model, cfg.log), lambda: validate_mtp(cfg),
+             lambda: validate_combined_overlap(cfg),
              lambda: check_kernels(cfg.kernels), lambda: validate_sample(cfg),
              lambda: check_world(cfg, world))  # the world's and the batch's problems with the others
     try:

@@ -1,11 +1,10 @@
 """The config's sections: dataclasses whose field names are Megatron-LM's flag names.
 
 ``--hidden-size 1024`` on the command line, ``hidden_size: 1024`` in YAML and ``cfg.model.hidden_size`` in Python
-are the same setting. Fields are grouped in sections (model, parallel, train, optim, data, log, ckpt, kernels);
-every name is unique across sections, so a flat YAML file or command line maps onto exactly one field.
-``Config.flat()`` gives Megatron's flat ``args`` view. A config is writable while it is being built;
-``resolve()`` (config/resolution.py) validates it, derives every value and freezes every section (a later write
-raises :class:`FrozenConfigError`). Another config is a copy: ``cfg.unfrozen()`` or ``dataclasses.replace(...)``.
+are the same setting. Fields are grouped in sections (model, parallel, train, optim, data, log, ckpt, kernels); every
+name is unique across sections, so a flat YAML file or command line maps onto exactly one field. ``Config.flat()``
+gives Megatron's flat ``args`` view. A config is writable while built; ``resolve()`` (config/resolution.py)
+validates it, derives every value and freezes every section (later writes raise :class:`FrozenConfigError`).
 """
 from __future__ import annotations
 
@@ -98,6 +97,7 @@ class ModelConfig(Section, HybridFields, EncoderDecoderFields):
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False  # alltoall EP: the shared expert (fwd, bwd) under the dispatch all-to-all
+    overlap_moe_expert_parallel_comm: bool = False  # EP all-to-alls under the other micro-batch's compute (PP 1)
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
     moe_permute_fusion: bool = False  # grouped GEMM: tokens gathered straight into the padded expert rows and back
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex (runs as alltoall)

@@ -309,6 +309,9 @@ class MoELayer(nn.Module):
         self.local = local_experts
         self.permute_fusion = cfg.moe_permute_fusion  # where the experts take the grouped layout (see forward)
         self.compile_whole = True  # --torch-compile traces the layer with its transformer layer (compile_experts: not)
+        # --overlap-moe-expert-parallel-comm: set by the schedule for the steps where two micro-batches take turns
+        # (parallel/pipeline.py: forward_backward_combined), called at each all-to-all while its rows travel
+        self.exchange_turn = None
 
     def _local_fn(self, tokens: Optional[torch.Tensor] = None):
         """The EP-1 expert path: with --moe-permute-fusion and the grouped layout, the fused permutation."""
@@ -392,7 +395,8 @@ class MoELayer(nn.Module):
             return self.dispatch(tokens, probs, routing_map, self.experts, self.layout), None
         if self.overlap_shared:  # --moe-shared-expert-overlap: the shared expert under the dispatch all-to-all
             return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, shared_fn, capacity)
-        return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, None, capacity), None
+        return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, None, capacity,
+                             self.exchange_turn), None
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's output (recomputed in backward with --recompute-modules shared_experts)."""

@@ -71,26 +71,39 @@ class ExpertLayout:
         return self.ep_rank * self.local
 
 
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, turn: Optional[Callable]):
+    """``all_to_all_single``; with ``turn`` (--overlap-moe-expert-parallel-comm's schedule) started
+    asynchronously and ``turn()`` called while the rows travel (the other micro-batch's work runs), then waited."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    if turn is None:
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+    handle = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    turn()
+    handle.wait()
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits; backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (in_splits, out_splits), group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+    def forward(ctx, x, out_splits, in_splits, group, turn):
+        ctx.splits, ctx.group, ctx.turn = (in_splits, out_splits), group, turn
+        return _exchange(x, out_splits, in_splits, group, turn)
 
     @staticmethod
     def backward(ctx, g):
         out_splits, in_splits = ctx.splits
-        return _AllToAll.apply(g.contiguous(), out_splits, in_splits, ctx.group), None, None, None
+        return _AllToAll.apply(g.contiguous(), out_splits, in_splits, ctx.group, ctx.turn), None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+               turn: Optional[Callable] = None) -> torch.Tensor:
     """Rows ``[sum(in_splits[:r]), +in_splits[r])`` of ``x`` go to rank r of ``group``; the result holds
-    what each rank sent here, in rank order (``out_splits[r]`` rows from rank r)."""
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+    what each rank sent here, in rank order (``out_splits[r]`` rows from rank r). ``turn``: see :func:`_exchange`
+    (forward and backward)."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group, turn)
 
 
 class _Pending:
@@ -209,13 +222,14 @@ def _count_table(routing_map: torch.Tensor, lay: ExpertLayout, capacity: Optiona
 
 def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                       run_experts: Callable, lay: ExpertLayout, meanwhile: Optional[Callable] = None,
-                      capacity: Optional[int] = None):
+                      capacity: Optional[int] = None, turn: Optional[Callable] = None):
     """The MoE layer's expert part over ``lay.group`` with all-to-all (see the module docstring).
     ``run_experts(x, counts, expert_index, host_counts)`` runs the local experts on rows sorted by
     local expert. Returns [tokens, hidden]; with ``meanwhile`` (--moe-shared-expert-overlap: the shared
     expert), (that, what ``meanwhile()`` returned, computed while the dispatch all-to-all is in flight).
     ``capacity``: every rank routes exactly that many rows to each expert (--moe-pad-expert-input-to-capacity):
-    no count exchange and no host read."""
+    no count exchange and no host read. ``turn``: both all-to-alls (and their backward) hand the turn to the other
+    micro-batch while their rows travel (--overlap-moe-expert-parallel-comm, parallel/pipeline.py)."""
     loc, g, etp = lay.local, lay.size, lay.etp
     table_dev, table = _count_table(routing_map, lay, capacity)
     me = lay.etp_rank + etp * lay.ep_rank
@@ -231,7 +245,7 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
     if meanwhile is not None:
         x, side = all_to_all_overlapped(x, recv, send, lay.group, meanwhile)
     else:
-        x = all_to_all(x, recv, send, lay.group)
+        x = all_to_all(x, recv, send, lay.group, turn)
     # rows arrive as [source][local expert]; the experts want [local expert][source]
     host_counts = [sum(row[e] for row in local_table) for e in range(loc)]
     local_dev = table_dev[:, lay.first:lay.first + loc]
@@ -247,7 +261,7 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
         y = run_experts(x, local_dev.sum(dim=0), row_expert, host_counts)
         if order is not None:
             y = torch.empty_like(y).index_copy(0, order, y)
-    y = all_to_all(y, send, recv, lay.group)
+    y = all_to_all(y, send, recv, lay.group, turn)
     if etp > 1:  # sum the ETP ranks' partial outputs of each EP rank's rows
         parts = y.split(send)
         y = torch.cat([sum(parts[j * etp:(j + 1) * etp]) for j in range(lay.ep)])

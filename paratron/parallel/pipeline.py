@@ -40,6 +40,7 @@ from .dims import ParallelDims
 from .layout import BatchLayout, microbatch_loss
 from .p2p import P2P, PipelineError
 from .stages import unwrap
+from .turns import forward_backward_combined
 
 
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Iterator, model,
@@ -65,11 +66,16 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     return reports
 
 
-def get_forward_backward_func(dims: Optional[ParallelDims] = None, p2p_timeout: float = 600.0) -> Callable:
+def get_forward_backward_func(dims: Optional[ParallelDims] = None, p2p_timeout: float = 600.0,
+                              overlap_moe_comm: bool = False) -> Callable:
     """No pipelining at PP = 1; 1F1B at PP > 1; interleaved 1F1B with virtual stages (``dims.vpp`` > 1).
-    ``p2p_timeout``: seconds a stage waits for a peer on CPU/gloo before failing (see p2p.py)."""
+    ``p2p_timeout``: seconds a stage waits for a peer on CPU/gloo before failing (see p2p.py).
+    ``overlap_moe_comm`` (--overlap-moe-expert-parallel-comm, PP = 1): each forward beside the previous
+    micro-batch's backward, taking turns at the expert all-to-alls (parallel/turns.py)."""
     pp = dims.pp if dims is not None else 1
     if pp == 1:
+        if overlap_moe_comm:
+            return functools.partial(forward_backward_combined, plain=forward_backward_no_pipelining)
         return forward_backward_no_pipelining
     return PipelineSchedule(dims, p2p_timeout)
 

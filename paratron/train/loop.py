@@ -74,7 +74,8 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.optimizer.set_lr(*self.scheduler.lrs())
         self.iteration, self.consumed_samples = 0, 0
         self.skipped, self.nan_iters = 0, 0
-        self.forward_backward = get_forward_backward_func(self.dims, 60.0 * cfg.parallel.distributed_timeout_minutes)
+        self.forward_backward = get_forward_backward_func(self.dims, 60.0 * cfg.parallel.distributed_timeout_minutes,
+                                                          cfg.model.overlap_moe_expert_parallel_comm)
         self.layout = BatchLayout.from_config(cfg, self.dims, self.device, params_dtype(cfg))
         self.forward_step = make_forward_step(self.layout, cfg.model.model)
         logging_rank = self.dims.is_logging_rank

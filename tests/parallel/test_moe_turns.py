@@ -1,0 +1,51 @@
+"""--overlap-moe-expert-parallel-comm (parallel/turns.py) on gloo: each micro-batch's forward beside the previous
+one's backward, taking turns at the expert all-to-alls, trains exactly as the plain schedule (same losses, same
+parameters, bit for bit: the same arithmetic in the same order) at EP 2 with dropout on (the forwards draw their
+random numbers in the plain order) and at TP 2 x EP 2 with sequence parallelism inside DP 2 with the distributed
+optimizer's overlapped gradient reduction; and the turns really change hands at the all-to-alls (counted)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.parallel.common import run_steps, tiny_config
+
+STEPS = 2
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True,
+           moe_router_dtype="fp32", clip_grad=0.05, global_batch_size=12)
+LAYOUTS = {  # name: (world, flags)
+    "ep2_dropout": (2, dict(expert_model_parallel_size=2, hidden_dropout=0.1, attention_dropout=0.1)),
+    "tp2_ep2_sp_distopt": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
+                                   use_distributed_optimizer=True, overlap_grad_reduce=True, global_batch_size=24)),
+}
+
+
+def _run(rank: int, world: int, flags: dict) -> dict:
+    from paratron.parallel import turns
+    handoffs = []
+    original = turns.Turns.handoff
+
+    def counted(self):
+        handoffs.append(1)
+        original(self)
+
+    plain = run_steps(tiny_config("llama", world, **{**MOE, **flags}), STEPS)
+    turns.Turns.handoff = counted
+    try:
+        combined = run_steps(tiny_config("llama", world, **{**MOE, **flags},
+                                         overlap_moe_expert_parallel_comm=True), STEPS)
+    finally:
+        turns.Turns.handoff = original
+    return {"plain": plain, "combined": combined, "handoffs": len(handoffs)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_taking_turns_at_the_all_to_alls_trains_as_the_plain_schedule(name, tmp_path):
+    world, flags = LAYOUTS[name]
+    for out in run_ranks(world, _run, flags, tmp_dir=tmp_path):
+        assert out["plain"]["losses"] == out["combined"]["losses"]
+        for n, p in out["plain"]["params"].items():
+            assert torch.equal(p, out["combined"]["params"][n]), n
+        # 2 MoE layers x 2 all-to-alls x (forward + backward), per interleaved micro-batch pair: some hand the turn
+        assert out["handoffs"] >= STEPS * 2 * 2, out["handoffs"]

@@ -1,0 +1,68 @@
+"""parallel/turns.py's Turns: two parties take strict turns at each hand-off, the first starting; a finished party
+hands the turn over for good (the other's hand-offs then return at once); an error in either is raised by run."""
+from __future__ import annotations
+
+import pytest
+
+from paratron.parallel.turns import Turns
+
+
+def test_parties_alternate_at_each_handoff():
+    turns, log = Turns(), []
+
+    def party(name, steps):
+        def fn():
+            for i in range(steps):
+                log.append(f"{name}{i}")
+                turns.handoff()
+        return fn
+
+    turns.run(party("f", 3), party("b", 5))
+    # f0 | b0 | f1 | b1 | f2 | b2 ... then b alone once f has finished
+    assert log == ["f0", "b0", "f1", "b1", "f2", "b2", "b3", "b4"]
+
+
+def test_an_error_in_the_helper_party_is_raised_and_the_other_finishes():
+    turns, log = Turns(), []
+
+    def first():
+        for i in range(3):
+            log.append(i)
+            turns.handoff()
+
+    def second():
+        raise ValueError("backward failed")
+
+    with pytest.raises(ValueError, match="backward failed"):
+        turns.run(first, second)
+    assert log == [0, 1, 2]
+
+
+BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+        "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--num-experts", "4",
+        "--overlap-moe-expert-parallel-comm"]
+
+
+@pytest.mark.parametrize("flags,world,match", [
+    ([], 1, "needs --expert-model-parallel-size > 1"),
+    (["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"], 2,
+     "use --moe-token-dispatcher-type alltoall or flex"),
+    (["--expert-model-parallel-size", "2", "--moe-shared-expert-intermediate-size", "16",
+      "--moe-shared-expert-overlap"], 2, "overlap the same all-to-all: remove one"),
+    (["--expert-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"], 2, "not supported with --recompute-granularity full"),
+    (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4,
+     "with pipeline parallelism is not built yet"),
+    (["--expert-model-parallel-size", "2", "--mtp-num-layers", "2"], 2, "at most one MTP layer"),
+])
+def test_the_flag_is_refused_where_it_cannot_work_in_one_line(flags, world, match):
+    from paratron.config import ConfigError
+    from paratron.config import parse_args
+    with pytest.raises(ConfigError, match=match) as e:
+        parse_args(BASE + flags, world_size=world)
+    assert "\n" not in str(e.value)
+
+
+def test_the_flag_is_taken_at_ep2():
+    from paratron.config import parse_args
+    assert parse_args(BASE + ["--expert-model-parallel-size", "2"], world_size=2).model.overlap_moe_expert_parallel_comm
