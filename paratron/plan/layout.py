@@ -45,6 +45,7 @@ class Layout:
     host_ops: tuple = (0, 0)  # eager aten operations of (one layer, the rest) fwd + bwd (host.py; GPU plans only)
     compiled: bool = False  # --torch-compile: the layers' non-matmul operations fused (traffic.py)
     traffic: Optional[Traffic] = None  # counted bytes of the memory-bound kernels (traffic.py; GPU plans only)
+    turns: bool = False  # --overlap-moe-expert-parallel-comm: a forward beside the previous micro-batch's backward
 
     @property
     def world(self) -> int:
@@ -118,4 +119,5 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
                   bucket_size=par.ddp_bucket_size, overlap_grad_reduce=par.overlap_grad_reduce,
                   overlap_param_gather=par.overlap_param_gather, paths=paths_of(cfg, kind),
-                  host_ops=host_ops, compiled=bool(tr.torch_compile), traffic=traffic)
+                  host_ops=host_ops, compiled=bool(tr.torch_compile), traffic=traffic,
+                  turns=cfg.model.overlap_moe_expert_parallel_comm)

@@ -66,3 +66,16 @@ def test_the_flag_is_refused_where_it_cannot_work_in_one_line(flags, world, matc
 def test_the_flag_is_taken_at_ep2():
     from paratron.config import parse_args
     assert parse_args(BASE + ["--expert-model-parallel-size", "2"], world_size=2).model.overlap_moe_expert_parallel_comm
+
+
+def test_the_memory_plan_holds_two_micro_batches_activations_with_the_turns():
+    """paratron plan / the start-up memory lines: the forward of one micro-batch runs while the previous one's
+    activations wait for its backward, so two micro-batches' activations are held at once."""
+    import dataclasses
+
+    from paratron.plan.activations import in_flight
+    from paratron.plan.layout import Layout
+    plain = Layout(ep=2, dp=2, micro_batch=2, global_batch=12)
+    assert in_flight(plain, 0) == 1
+    assert in_flight(dataclasses.replace(plain, turns=True), 0) == 2
+    assert in_flight(dataclasses.replace(plain, turns=True, global_batch=4), 0) == 1  # one micro-batch: no turns
