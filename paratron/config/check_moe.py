@@ -122,3 +122,6 @@ def validate_combined_overlap(cfg) -> None:
          "Megatron); use selective recomputation or none")
     need(par.pipeline_model_parallel_size == 1, f"{name} with pipeline parallelism is not built yet: paratron takes "
          "the turns in the schedule without pipelining; use --pipeline-model-parallel-size 1 or remove the flag")
+    need(par.data_parallel_sharding_strategy != "optim_grads_params", f"{name} is not supported with "
+         "--data-parallel-sharding-strategy optim_grads_params: ZeRO-3 gathers and frees each layer's parameters for "
+         "one pass at a time, and the turns run two; use optim_grads (ZeRO-2) or remove the flag")

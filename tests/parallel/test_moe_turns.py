@@ -2,7 +2,7 @@
 one's backward, taking turns at the expert all-to-alls, trains exactly as the plain schedule (same losses, same
 parameters, bit for bit: the same arithmetic in the same order) at EP 2 with dropout on (the forwards draw their
 random numbers in the plain order) and at TP 2 x EP 2 with sequence parallelism inside DP 2 with the distributed
-optimizer's overlapped gradient reduction; and the turns really change hands at the all-to-alls (counted)."""
+optimizer's overlapped gradient reduction, and DP 4 x EP 2 under ZeRO-2; and the turns really change hands at the all-to-alls (counted)."""
 from __future__ import annotations
 
 import pytest
@@ -18,6 +18,10 @@ LAYOUTS = {  # name: (world, flags)
     "ep2_dropout": (2, dict(expert_model_parallel_size=2, hidden_dropout=0.1, attention_dropout=0.1)),
     "tp2_ep2_sp_distopt": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
                                    use_distributed_optimizer=True, overlap_grad_reduce=True, global_batch_size=24)),
+    # ZeRO-2: gradients reduce-scattered into shards (the last micro-batch's backward, alone)
+    "dp4_ep2_zero2": (4, dict(expert_model_parallel_size=2, use_megatron_fsdp=True,
+                              data_parallel_sharding_strategy="optim_grads", overlap_grad_reduce=True,
+                              global_batch_size=24)),
 }
 
 
@@ -30,11 +34,12 @@ def _run(rank: int, world: int, flags: dict) -> dict:
         handoffs.append(1)
         original(self)
 
-    plain = run_steps(tiny_config("llama", world, **{**MOE, **flags}), STEPS)
+    from tests.parallel.test_sharded_dp import train as sharded_train
+    run = sharded_train if flags.get("use_megatron_fsdp") else run_steps  # (gathers the sharded parameters)
+    plain = run(tiny_config("llama", world, **{**MOE, **flags}), STEPS)
     turns.Turns.handoff = counted
     try:
-        combined = run_steps(tiny_config("llama", world, **{**MOE, **flags},
-                                         overlap_moe_expert_parallel_comm=True), STEPS)
+        combined = run(tiny_config("llama", world, **{**MOE, **flags}, overlap_moe_expert_parallel_comm=True), STEPS)
     finally:
         turns.Turns.handoff = original
     return {"plain": plain, "combined": combined, "handoffs": len(handoffs)}

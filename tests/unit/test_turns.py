@@ -54,6 +54,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
     (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4,
      "with pipeline parallelism is not built yet"),
     (["--expert-model-parallel-size", "2", "--mtp-num-layers", "2"], 2, "at most one MTP layer"),
+    (["--expert-model-parallel-size", "2", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+      "optim_grads_params"], 2, "ZeRO-3 gathers and frees each layer's parameters for one pass at a time"),
 ])
 def test_the_flag_is_refused_where_it_cannot_work_in_one_line(flags, world, match):
     from paratron.config import ConfigError
