@@ -97,7 +97,7 @@ class ModelConfig(Section, HybridFields, EncoderDecoderFields):
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_overlap: bool = False  # alltoall EP: the shared expert (fwd, bwd) under the dispatch all-to-all
-    overlap_moe_expert_parallel_comm: bool = False  # EP all-to-alls under the other micro-batch's compute (PP 1)
+    overlap_moe_expert_parallel_comm: bool = False  # alltoall EP: all-to-alls under another micro-batch's compute
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
     moe_permute_fusion: bool = False  # grouped GEMM: tokens gathered straight into the padded expert rows and back
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex (runs as alltoall)

@@ -40,7 +40,7 @@ from .dims import ParallelDims
 from .layout import BatchLayout, microbatch_loss
 from .p2p import P2P, PipelineError
 from .stages import unwrap
-from .turns import forward_backward_combined
+from .turns import forward_backward_combined, taking_turns
 
 
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Iterator, model,
@@ -77,17 +77,19 @@ def get_forward_backward_func(dims: Optional[ParallelDims] = None, p2p_timeout: 
         if overlap_moe_comm:
             return functools.partial(forward_backward_combined, plain=forward_backward_no_pipelining)
         return forward_backward_no_pipelining
-    return PipelineSchedule(dims, p2p_timeout)
+    return PipelineSchedule(dims, p2p_timeout, turns=overlap_moe_comm)
 
 
 # ---- tables: the order of forwards and backwards on one rank --------------------------------------
 # An action is ("F" or "B", model chunk, micro-batch).
 
-def table_1f1b(pp: int, rank: int, num_microbatches: int, forward_only: bool = False) -> list[tuple]:
+def table_1f1b(pp: int, rank: int, num_microbatches: int, forward_only: bool = False, ahead: int = 0) -> list[tuple]:
+    """``ahead``: warm-up forwards beyond 1F1B's ``PP - rank - 1`` (1 with the turns: each steady-state forward then
+    belongs to a later micro-batch than the backward beside it, on every stage the last one included)."""
     m = num_microbatches
     if forward_only:
         return [("F", 0, i) for i in range(m)]
-    warmup = min(pp - rank - 1, m)
+    warmup = min(pp - rank - 1 + ahead, m)
     acts = [("F", 0, i) for i in range(warmup)]
     for k in range(m - warmup):
         acts += [("F", 0, warmup + k), ("B", 0, k)]
@@ -130,10 +132,31 @@ def table_interleaved(pp: int, vpp: int, rank: int, num_microbatches: int, forwa
 
 
 def schedule_table(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False,
-                   group: Optional[int] = None) -> list[tuple]:
+                   group: Optional[int] = None, turns: bool = False) -> list[tuple]:
+    """``turns`` (--overlap-moe-expert-parallel-comm, 1F1B only): one more warm-up forward, then each steady-state
+    forward and the backward after it as one action ("FB", (chunk, micro-batch) forward, (chunk, micro-batch)
+    backward), run taking turns (turns.py)."""
     if vpp > 1:
+        if turns:
+            raise ConfigError("--overlap-moe-expert-parallel-comm with virtual pipeline stages is not built yet")
         return table_interleaved(pp, vpp, rank, num_microbatches, forward_only, group)
-    return table_1f1b(pp, rank, num_microbatches, forward_only)
+    if not turns or forward_only:
+        return table_1f1b(pp, rank, num_microbatches, forward_only)
+    return merged_pairs(table_1f1b(pp, rank, num_microbatches, ahead=1))
+
+
+def merged_pairs(table: list[tuple]) -> list[tuple]:
+    """The table with each forward directly followed by a backward of another micro-batch merged into one "FB"
+    action."""
+    out, i = [], 0
+    while i < len(table):
+        if table[i][0] == "F" and i + 1 < len(table) and table[i + 1][0] == "B" and table[i][2] != table[i + 1][2]:
+            out.append(("FB", table[i][1:], table[i + 1][1:]))
+            i += 2
+        else:
+            out.append(table[i])
+            i += 1
+    return out
 
 
 def check_pipeline_schedule(dims: ParallelDims, num_microbatches: int) -> None:
@@ -168,35 +191,43 @@ class Slot(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def build_plan(pp: int, vpp: int, num_microbatches: int, forward_only: bool = False,
-               group: Optional[int] = None) -> tuple:
+               group: Optional[int] = None, turns: bool = False) -> tuple:
     """For each rank, its slots in order (only those where it computes or receives something).
     Virtual stage s = chunk * PP + rank; F of stage s > 0 needs F of s - 1 done in an earlier slot,
     B of stage s < last needs B of s + 1 done in an earlier slot; each action takes the first slot
-    after both its dependency and the rank's previous action."""
+    after both its dependency and the rank's previous action. An "FB" action (``turns``) needs both of its
+    parts' dependencies, and its slot's ``send`` is a pair (the forward's, the backward's)."""
     last = pp * vpp - 1
-    tables = [schedule_table(pp, vpp, r, num_microbatches, forward_only, group) for r in range(pp)]
+    tables = [schedule_table(pp, vpp, r, num_microbatches, forward_only, group, turns) for r in range(pp)]
     pos, prev_slot, slot_of = [0] * pp, [-1] * pp, {}
     slots = [dict() for _ in range(pp)]  # rank -> {slot: [action, send, recv_act, recv_grad]}
     waiting, todo = {}, list(range(pp))  # dependency -> the rank blocked on it; ranks to advance
     while todo:
         r = todo.pop()
         while pos[r] < len(tables[r]):
-            kind, c, m = tables[r][pos[r]]
-            s = c * pp + r
-            need = (("F", s - 1, m) if s > 0 else None) if kind == "F" else (("B", s + 1, m) if s < last else None)
-            if need is not None and need not in slot_of:
-                waiting[need] = r
+            action = tables[r][pos[r]]
+            parts = [("F", *action[1]), ("B", *action[2])] if action[0] == "FB" else [action]
+            done = [(kind, c * pp + r, m) for kind, c, m in parts]
+            needs = [((("F", s - 1, m) if s > 0 else None) if kind == "F" else (("B", s + 1, m) if s < last else None))
+                     for kind, s, m in done]
+            unmet = [n for n in needs if n is not None and n not in slot_of]
+            if unmet:
+                waiting[unmet[0]] = r
                 break
-            t = max(prev_slot[r], slot_of[need] if need is not None else -1) + 1
-            slot_of[(kind, s, m)] = prev_slot[r] = t
+            t = max([prev_slot[r]] + [slot_of[n] for n in needs if n is not None]) + 1
+            prev_slot[r] = t
             pos[r] += 1
-            if (kind, s, m) in waiting:
-                todo.append(waiting.pop((kind, s, m)))
-            dest = s + 1 if kind == "F" else s - 1
-            send = 0 <= dest <= last
-            slots[r].setdefault(t, [None, False, None, None])[:2] = [(kind, c, m), send]
-            if send:
-                slots[dest % pp].setdefault(t, [None, False, None, None])[2 if kind == "F" else 3] = (dest // pp, m)
+            sends = []
+            for (kind, s, m) in done:
+                slot_of[(kind, s, m)] = t
+                if (kind, s, m) in waiting:
+                    todo.append(waiting.pop((kind, s, m)))
+                dest = s + 1 if kind == "F" else s - 1
+                sends.append(0 <= dest <= last)
+                if sends[-1]:
+                    slots[dest % pp].setdefault(t, [None, False, None, None])[2 if kind == "F" else 3] = (dest // pp, m)
+            slots[r].setdefault(t, [None, False, None, None])[:2] = [action, tuple(sends) if len(sends) > 1
+                                                                      else sends[0]]
     if any(pos[r] < len(tables[r]) for r in range(pp)):
         raise RuntimeError(f"pipeline schedule cannot proceed (PP {pp}, V {vpp}, {num_microbatches} micro-batches, "
                            f"stuck at {[tables[r][pos[r]] if pos[r] < len(tables[r]) else None for r in range(pp)]})")
@@ -328,8 +359,9 @@ class PipelineSchedule:
     ``forward_backward_no_pipelining`` (with ``layout``). ``p2p_class`` makes the transfers (a
     benchmark may pass a subclass of P2P that times them)."""
 
-    def __init__(self, dims: ParallelDims, p2p_timeout: float = 600.0, p2p_class: type = P2P):
-        self.dims, self.timeout, self.p2p_class = dims, p2p_timeout, p2p_class
+    def __init__(self, dims: ParallelDims, p2p_timeout: float = 600.0, p2p_class: type = P2P, turns: bool = False):
+        """``turns``: --overlap-moe-expert-parallel-comm (each steady-state forward and backward taking turns)."""
+        self.dims, self.timeout, self.p2p_class, self.turns = dims, p2p_timeout, p2p_class, turns
         self.vpp = dims.vpp or 1
         self._p2p: dict = {}
 
@@ -386,7 +418,7 @@ class PipelineSchedule:
             iters = [data_iterator] * vpp
         run = _Run(d, chunks, iters, forward_step_func, layout, p2p.specs, num_microbatches, forward_only,
                    grad_scale)
-        for slot in build_plan(d.pp, vpp, num_microbatches, forward_only, d.vpp_group)[d.pp_rank]:
+        for slot in build_plan(d.pp, vpp, num_microbatches, forward_only, d.vpp_group, self.turns)[d.pp_rank]:
             self._run_slot(run, slot, p2p)
         run.check_done()
         return run.reports
@@ -395,7 +427,14 @@ class PipelineSchedule:
     def _run_slot(run: _Run, slot: "Slot", p2p: P2P) -> None:
         """This rank's action of the slot, then its exchange with the neighbours."""
         act = grad = None
-        if slot.action is not None:
+        if slot.action is not None and slot.action[0] == "FB":  # a forward and a backward, taking turns
+            (c, m), back = slot.action[1:]
+            out: dict = {}
+            with taking_turns(run.chunks) as turns:
+                turns.run(lambda: out.update(act=run.forward(c, m, slot.send[0])),
+                          lambda: out.update(grad=run.backward(*back, slot.send[1])))
+            act, grad = out["act"], out["grad"]
+        elif slot.action is not None:
             kind, c, m = slot.action
             if kind == "F":
                 act = run.forward(c, m, slot.send)

@@ -1,6 +1,7 @@
-"""--overlap-moe-expert-parallel-comm without pipelining: one micro-batch's forward and the previous
-micro-batch's backward take turns, so that each expert all-to-all travels while the other micro-batch computes
-(Megatron's combined 1F1B overlap, here at PP = 1).
+"""--overlap-moe-expert-parallel-comm: a micro-batch's forward and an earlier micro-batch's backward take turns, so
+that each expert all-to-all travels while the other micro-batch computes (Megatron's combined 1F1B overlap).
+Without pipelining this module's schedule runs them; with pipeline parallelism 1F1B pairs them in its steady-state
+slots (pipeline.py: ``schedule_table(turns=True)``), each pair run by :func:`taking_turns`.
 
 The plain schedule runs F0 B0 F1 B1 ... : every dispatch and combine all-to-all of the MoE layers (and their
 reverse in backward) leaves the GPU's compute idle while the rows travel. This one runs F0, then for each later
@@ -80,8 +81,18 @@ class Turns:
             raise self._errors[0]
 
 
-def _takers(model) -> list:
-    return [m for m in model.modules() if hasattr(m, "exchange_turn")]
+@contextlib.contextmanager
+def taking_turns(models: list):
+    """A :class:`Turns` whose hand-off the layers of ``models`` call at their all-to-alls while it is open."""
+    turns = Turns()
+    takers = [m for model in models for m in model.modules() if hasattr(m, "exchange_turn")]
+    for m in takers:
+        m.exchange_turn = turns.handoff
+    try:
+        yield turns
+    finally:
+        for m in takers:
+            m.exchange_turn = None
 
 
 def forward_backward_combined(*, forward_step_func: Callable, data_iterator: Iterator, model,
@@ -96,7 +107,6 @@ def forward_backward_combined(*, forward_step_func: Callable, data_iterator: Ite
                      grad_scale=grad_scale, **rest)
     if isinstance(model, (list, tuple)):
         (model,) = model
-    takers = _takers(model)
     reports: list = []
 
     def forward() -> torch.Tensor:
@@ -111,14 +121,9 @@ def forward_backward_combined(*, forward_step_func: Callable, data_iterator: Ite
     with no_sync() if no_sync is not None else contextlib.nullcontext():
         pending = forward()
         for _ in range(1, num_microbatches):
-            turns, done = Turns(), []
-            for m in takers:
-                m.exchange_turn = turns.handoff
-            try:
+            done: list = []
+            with taking_turns([model]) as turns:
                 turns.run(lambda: done.append(forward()), pending.backward)
-            finally:
-                for m in takers:
-                    m.exchange_turn = None
             pending = done[0]
     pending.backward()
     return reports

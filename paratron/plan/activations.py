@@ -237,10 +237,8 @@ def mtp_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
 def in_flight(layout: Layout, pp_rank: int) -> int:
     """Micro-batches (interleaved: chunk micro-batches) whose activations a pipeline rank holds at once."""
     m = layout.microbatches
-    if layout.pp == 1:  # with the turns of --overlap-moe-expert-parallel-comm, two (parallel/turns.py)
-        return min(2, m) if layout.turns else 1
-    if layout.vpp == 1:
-        return min(layout.pp - pp_rank, m)
+    if layout.vpp == 1:  # the turns of --overlap-moe-expert-parallel-comm: one more (parallel/turns.py)
+        return min(layout.pp - pp_rank + (1 if layout.turns else 0), m)
     if m == layout.pp:  # Megatron's interleaved schedule: every chunk micro-batch is a warm-up one
         return m * layout.vpp
     return min((layout.pp - pp_rank - 1) * 2 + (layout.vpp - 1) * layout.pp + 1, m * layout.vpp)

@@ -2,7 +2,8 @@
 one's backward, taking turns at the expert all-to-alls, trains exactly as the plain schedule (same losses, same
 parameters, bit for bit: the same arithmetic in the same order) at EP 2 with dropout on (the forwards draw their
 random numbers in the plain order) and at TP 2 x EP 2 with sequence parallelism inside DP 2 with the distributed
-optimizer's overlapped gradient reduction, and DP 4 x EP 2 under ZeRO-2; and the turns really change hands at the all-to-alls (counted)."""
+optimizer's overlapped gradient reduction, PP 2 x EP 2 (1F1B's forwards and backwards paired in its
+slots), and DP 4 x EP 2 under ZeRO-2; and the turns really change hands at the all-to-alls (counted)."""
 from __future__ import annotations
 
 import pytest
@@ -18,6 +19,9 @@ LAYOUTS = {  # name: (world, flags)
     "ep2_dropout": (2, dict(expert_model_parallel_size=2, hidden_dropout=0.1, attention_dropout=0.1)),
     "tp2_ep2_sp_distopt": (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
                                    use_distributed_optimizer=True, overlap_grad_reduce=True, global_batch_size=24)),
+    # 1F1B: one more warm-up forward, then each stage's forward and backward of two micro-batches in one slot
+    "pp2_ep2": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2, num_layers=4,
+                        global_batch_size=20)),
     # ZeRO-2: gradients reduce-scattered into shards (the last micro-batch's backward, alone)
     "dp4_ep2_zero2": (4, dict(expert_model_parallel_size=2, use_megatron_fsdp=True,
                               data_parallel_sharding_strategy="optim_grads", overlap_grad_reduce=True,
@@ -49,7 +53,8 @@ def _run(rank: int, world: int, flags: dict) -> dict:
 def test_taking_turns_at_the_all_to_alls_trains_as_the_plain_schedule(name, tmp_path):
     world, flags = LAYOUTS[name]
     for out in run_ranks(world, _run, flags, tmp_dir=tmp_path):
-        assert out["plain"]["losses"] == out["combined"]["losses"]
+        # (a pipeline stage before the last has no loss: nan on both)
+        assert all(a == b or a != a and b != b for a, b in zip(out["plain"]["losses"], out["combined"]["losses"]))
         for n, p in out["plain"]["params"].items():
             assert torch.equal(p, out["combined"]["params"][n]), n
         # 2 MoE layers x 2 all-to-alls x (forward + backward), per interleaved micro-batch pair: some hand the turn

@@ -110,16 +110,26 @@ def test_plan_pairs_every_transfer_in_its_slot(pp, vpp, m):
     rank of stage s+1 (s-1) receives exactly that micro-batch's activation (gradient), and uses it
     in a later slot."""
     last = pp * vpp - 1
-    for forward_only in (False, True):
-        plan = build_plan(pp, vpp, m, forward_only)
+    # turns (--overlap-moe-expert-parallel-comm): each steady-state F and the B after it share one slot ("FB")
+    for forward_only, turns in ((False, False), (True, False)) + (((False, True),) if vpp == 1 else ()):
+        plan = build_plan(pp, vpp, m, forward_only, None, turns)
         at = [{s.t: s for s in slots} for slots in plan]
         used = {}  # (kind, stage, mb) -> slot
         for rank, slots in enumerate(plan):
-            assert [s.action for s in slots if s.action] == schedule_table(pp, vpp, rank, m, forward_only)
+            table = schedule_table(pp, vpp, rank, m, forward_only, None, turns)
+            assert [s.action for s in slots if s.action] == table
+            parts = [p for a in table for p in ([("F", *a[1]), ("B", *a[2])] if a[0] == "FB" else [a])]
+            # the same actions, forwards and backwards each in their plain order (with the turns one forward
+            # earlier: one more warm-up forward), each steady-state pair of two micro-batches
+            plain = schedule_table(pp, vpp, rank, m, forward_only)
+            assert [a for a in parts if a[0] == "F"] == [a for a in plain if a[0] == "F"]
+            assert [a for a in parts if a[0] == "B"] == [a for a in plain if a[0] == "B"]
+            assert all(a[1][1] != a[2][1] for a in table if a[0] == "FB")
+            assert any(a[0] == "FB" for a in table) == (turns and m > min(pp - rank, m))
             assert [s.t for s in slots] == sorted({s.t for s in slots})
             for s in slots:
-                if s.action:
-                    kind, c, mb = s.action
+                for kind, c, mb in ([("F", *s.action[1]), ("B", *s.action[2])] if s.action and s.action[0] == "FB"
+                                    else [s.action] if s.action else []):
                     used[(kind, c * pp + rank, mb)] = s.t
         transfers = 0
         for (kind, stage, mb), t in used.items():

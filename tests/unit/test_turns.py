@@ -51,9 +51,9 @@ BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
       "--moe-shared-expert-overlap"], 2, "overlap the same all-to-all: remove one"),
     (["--expert-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1"], 2, "not supported with --recompute-granularity full"),
-    (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4,
-     "with pipeline parallelism is not built yet"),
     (["--expert-model-parallel-size", "2", "--mtp-num-layers", "2"], 2, "at most one MTP layer"),
+    (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+      "--num-layers-per-virtual-pipeline-stage", "1"], 4, "with virtual pipeline stages is not built yet"),
     (["--expert-model-parallel-size", "2", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
       "optim_grads_params"], 2, "ZeRO-3 gathers and frees each layer's parameters for one pass at a time"),
 ])
@@ -81,3 +81,6 @@ def test_the_memory_plan_holds_two_micro_batches_activations_with_the_turns():
     assert in_flight(plain, 0) == 1
     assert in_flight(dataclasses.replace(plain, turns=True), 0) == 2
     assert in_flight(dataclasses.replace(plain, turns=True, global_batch=4), 0) == 1  # one micro-batch: no turns
+    piped = Layout(pp=4, ep=2, dp=2, micro_batch=1, global_batch=16)  # 8 micro-batches
+    assert [in_flight(piped, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(dataclasses.replace(piped, turns=True), r) for r in range(4)] == [5, 4, 3, 2]
