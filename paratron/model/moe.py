@@ -309,9 +309,11 @@ class MoELayer(nn.Module):
         self.local = local_experts
         self.permute_fusion = cfg.moe_permute_fusion  # where the experts take the grouped layout (see forward)
         self.compile_whole = True  # --torch-compile traces the layer with its transformer layer (compile_experts: not)
-        # --overlap-moe-expert-parallel-comm: set by the schedule for the steps where two micro-batches take turns
-        # (parallel/pipeline.py: forward_backward_combined), called at each all-to-all while its rows travel
+        # --overlap-moe-expert-parallel-comm: set by the schedule while two micro-batches take turns (parallel/turns.py)
+        # and called at each all-to-all while its rows travel; read when the all-to-all runs (a backward runs under
+        # a later pair of turns than its forward)
         self.exchange_turn = None
+        self.takes_turns = cfg.overlap_moe_expert_parallel_comm
 
     def _local_fn(self, tokens: Optional[torch.Tensor] = None):
         """The EP-1 expert path: with --moe-permute-fusion and the grouped layout, the fused permutation."""
@@ -396,7 +398,12 @@ class MoELayer(nn.Module):
         if self.overlap_shared:  # --moe-shared-expert-overlap: the shared expert under the dispatch all-to-all
             return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, shared_fn, capacity)
         return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, None, capacity,
-                             self.exchange_turn), None
+                             self._take_turn if self.takes_turns else None), None
+
+    def _take_turn(self) -> None:
+        """The hand-off of the turns open now, if any (see ``exchange_turn``)."""
+        if self.exchange_turn is not None:
+            self.exchange_turn()
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's output (recomputed in backward with --recompute-modules shared_experts)."""
