@@ -24,6 +24,8 @@ that slot with its two neighbours, which do the same in the same slot. Every exc
 exchanges its peers post in the same slot, so no order of arrival can deadlock, and the plan is
 checked to finish before anything runs. Once a stage has sent an output activation, its storage is
 freed (``deallocate_output_tensor``, Megatron's): only its autograd node is kept for the backward.
+With --overlap-moe-expert-parallel-comm 1F1B runs one more warm-up forward and pairs each steady-state forward
+with the backward after it in one slot ("FB"), the two taking turns at the expert all-to-alls (turns.py).
 """
 from __future__ import annotations
 
@@ -70,8 +72,8 @@ def get_forward_backward_func(dims: Optional[ParallelDims] = None, p2p_timeout: 
                               overlap_moe_comm: bool = False) -> Callable:
     """No pipelining at PP = 1; 1F1B at PP > 1; interleaved 1F1B with virtual stages (``dims.vpp`` > 1).
     ``p2p_timeout``: seconds a stage waits for a peer on CPU/gloo before failing (see p2p.py).
-    ``overlap_moe_comm`` (--overlap-moe-expert-parallel-comm, PP = 1): each forward beside the previous
-    micro-batch's backward, taking turns at the expert all-to-alls (parallel/turns.py)."""
+    ``overlap_moe_comm`` (--overlap-moe-expert-parallel-comm): a forward beside an earlier micro-batch's backward,
+    taking turns at the expert all-to-alls (parallel/turns.py; at PP > 1 in 1F1B's steady-state slots)."""
     pp = dims.pp if dims is not None else 1
     if pp == 1:
         if overlap_moe_comm:
