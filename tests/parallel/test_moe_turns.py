@@ -62,3 +62,48 @@ def test_taking_turns_at_the_all_to_alls_trains_as_the_plain_schedule(name, tmp_
         # the forward that built them) both pass the turn at their all-to-alls
         forward, backward = out["handoffs"]
         assert forward >= STEPS * 2 and backward >= STEPS * 2, out["handoffs"]
+
+
+def _facade(rank: int, world: int) -> dict:
+    """Megatron Core's names: TransformerConfig(overlap_moe_expert_parallel_comm=...) and get_forward_backward_func,
+    at EP 2; the gradients of 3 micro-batches with and without the flag, and the effective hand-offs."""
+    from paratron.core import parallel_state
+    from paratron.core.models.gpt import GPTModel
+    from paratron.core.pipeline_parallel import get_forward_backward_func
+    from paratron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from paratron.core.transformer import TransformerConfig
+    from paratron.parallel import turns
+    from tests.parallel.test_core_facade import SEQ, VOCAB, batches, forward_step
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    handoffs, original = [], turns.Turns.handoff
+
+    def counted(self):
+        handoffs.append(self._running[1 - self._turn])
+        original(self)
+
+    grads = {}
+    turns.Turns.handoff = counted
+    try:
+        for flag in (False, True):
+            model_parallel_cuda_manual_seed(123)
+            cfg = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0,
+                                    attention_dropout=0.0, num_moe_experts=4, moe_router_topk=2,
+                                    moe_ffn_hidden_size=16, moe_token_dispatcher_type="alltoall",
+                                    overlap_moe_expert_parallel_comm=flag)
+            model = GPTModel(config=cfg, vocab_size=VOCAB, max_sequence_length=SEQ)
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches(3)), model=model,
+                                        num_microbatches=3, seq_length=SEQ, micro_batch_size=2)
+            grads[flag] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        turns.Turns.handoff = original
+        parallel_state.destroy_model_parallel()
+    return {"grads": grads, "handoffs": sum(handoffs)}
+
+
+def test_the_core_facade_takes_the_turns_from_the_transformer_config(tmp_path):
+    for out in run_ranks(2, _facade, tmp_dir=tmp_path):
+        plain, combined = out["grads"][False], out["grads"][True]
+        assert plain.keys() == combined.keys() and any("experts" in n for n in plain)
+        for n in plain:
+            assert torch.equal(plain[n], combined[n]), n
+        assert out["handoffs"] > 0

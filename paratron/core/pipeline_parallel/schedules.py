@@ -44,11 +44,17 @@ def _layout(model, seq_length: int, micro_batch_size: int, dims) -> BatchLayout:
 def get_forward_backward_func(vp_stage=None, pp_size=None) -> Callable:
     """The schedule of this process's layout, with Megatron's keyword arguments."""
     dims = current_dims()
-    schedule = _schedule_of(dims)
+    schedules: dict = {}  # by the model config's overlap_moe_expert_parallel_comm (the turns: parallel/turns.py)
 
     def forward_backward_func(*, forward_step_func: Callable, data_iterator, model, num_microbatches: int,
                               seq_length: int = 0, micro_batch_size: int = 0, decoder_seq_length=None,
                               forward_only: bool = False, collect_non_loss_data: bool = False, **_megatron_only):
+        chunk = unwrap(model[0] if isinstance(model, (list, tuple)) else model)
+        turns = bool(getattr(chunk.config, "overlap_moe_expert_parallel_comm", False))
+        if turns not in schedules:
+            schedules[turns] = _schedule_of(dims, overlap_moe_comm=turns)
+        schedule = schedules[turns]
+
         def step(iterator, chunk):
             output, loss_func = forward_step_func(iterator, chunk)
             return output, partial(_three_values, loss_func)
