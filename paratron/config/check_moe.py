@@ -105,6 +105,13 @@ def validate_combined_overlap(cfg) -> None:
     """--overlap-moe-expert-parallel-comm (parallel/turns.py) with Megatron's rules, and paratron's own: not with
     virtual pipeline stages or ZeRO-3."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
+    if m.delay_wgrad_compute:
+        need(m.overlap_moe_expert_parallel_comm, "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (as "
+             "Megatron): the experts' weight gradients are computed under its dispatch's backward all-to-all")
+        need(m.moe_grouped_gemm, "--delay-wgrad-compute defers the experts' grouped GEMMs' weight gradients: set "
+             "--moe-grouped-gemm")
+        need(tr.fp8_format is None, "--delay-wgrad-compute is not built for FP8 experts (their weight gradients stay in "
+             "the backward); remove one")
     if not m.overlap_moe_expert_parallel_comm:
         return
     name = "--overlap-moe-expert-parallel-comm"

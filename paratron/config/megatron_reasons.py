@@ -130,9 +130,6 @@ REFUSED = {
     "overlap_p2p_communication_warmup_flush": PLANNED.format("overlapped pipeline warm-up/flush communication"),
     "defer_embedding_wgrad_compute": PLANNED.format("deferred embedding weight-gradient GEMMs"),
     "wgrad_deferral_limit": PLANNED.format("deferred embedding weight-gradient GEMMs"),
-    "delay_wgrad_compute": PLANNED.format("delayed weight-gradient computation (the experts' weight gradients "
-                                          "under the dispatch's backward all-to-all in "
-                                          "--overlap-moe-expert-parallel-comm's schedule)"),
     "fine_grained_activation_offloading": PLANNED.format("activation offloading"),
     "offload_modules": PLANNED.format("activation offloading"),
     "use_cpu_initialization": PLANNED.format("CPU initialisation of full weights before sharding"),

@@ -43,6 +43,7 @@ from . import recompute
 from .layers import MLP, Parallel, latent_projections
 from .moe_experts import (Experts, aligned_rows, expert_order, fused_local_experts,  # noqa: F401 (moe's API)
                           grouped_mm_usable, local_experts, padded_layout)
+from .moe_wgrad import OwedWeightGrads
 from .routing import RandomLogits, aux_loss_scores, sinkhorn_route, topk_route  # topk_route: also moe's API
 
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
@@ -314,6 +315,8 @@ class MoELayer(nn.Module):
         # a later pair of turns than its forward)
         self.exchange_turn = None
         self.takes_turns = cfg.overlap_moe_expert_parallel_comm
+        if cfg.delay_wgrad_compute:  # the experts' weight gradients settled under the dispatch's backward all-to-all
+            self.experts.owed = OwedWeightGrads()
 
     def _local_fn(self, tokens: Optional[torch.Tensor] = None):
         """The EP-1 expert path: with --moe-permute-fusion and the grouped layout, the fused permutation."""
@@ -401,9 +404,17 @@ class MoELayer(nn.Module):
                              self._take_turn if self.takes_turns else None), None
 
     def _take_turn(self) -> None:
-        """The hand-off of the turns open now, if any (see ``exchange_turn``)."""
+        """While an all-to-all travels: the experts' owed weight gradients (--delay-wgrad-compute: owed between the
+        experts' backward and the dispatch's backward all-to-all), then the hand-off of the turns open now, if any
+        (see ``exchange_turn``)."""
+        self.settle_wgrad()
         if self.exchange_turn is not None:
             self.exchange_turn()
+
+    def settle_wgrad(self) -> None:
+        """Compute and deliver any weight gradient the experts owe (the schedules call it at their end too)."""
+        if self.experts.owed is not None:
+            self.experts.owed.settle()
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's output (recomputed in backward with --recompute-modules shared_experts)."""

@@ -181,6 +181,7 @@ class Experts(nn.Module):
         self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
         self.recompute_act = False  # --recompute-modules moe_act: the activation's output is not kept
         self.permute_fusion = cfg.moe_permute_fusion  # the alltoall dispatcher reads it (duck-typed)
+        self.owed = None  # --delay-wgrad-compute: the layer's OwedWeightGrads (moe_wgrad.py), set by MoELayer
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, counts, rows, fp8=None) -> torch.Tensor:
         """x [tokens sorted by expert, in] times each expert's w [out, in]^T; ``rows``: the padded
@@ -191,7 +192,7 @@ class Experts(nn.Module):
             padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
             if fp8 is not None:
                 return fp8_experts.fp8_grouped_mm(padded, w, ends, fp8)[dest]
-            return torch._grouped_mm(padded, w.transpose(1, 2), offs=ends)[dest]
+            return self._grouped(padded, w, ends)[dest]
         parts = torch.split(x, counts if isinstance(counts, list) else counts.tolist())
         return torch.cat([p @ w[i].t() for i, p in enumerate(parts)])
 
@@ -229,8 +230,15 @@ class Experts(nn.Module):
         def mm(a: torch.Tensor, m: _Weight) -> torch.Tensor:
             if m.fp8 is not None:
                 return fp8_experts.fp8_grouped_mm(a, m.weight, ends, m.fp8)
-            return torch._grouped_mm(a, m.weight.transpose(1, 2), offs=ends)
+            return self._grouped(a, m.weight, ends)
         return self._ffn(x, mm, row_expert)
+
+    def _grouped(self, a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """a [rows in the grouped layout, in] times each expert's w [out, in]^T (--delay-wgrad-compute: the
+        weight's gradient owed until the layer settles it)."""
+        if self.owed is not None:
+            return self.owed.mm(a, w, ends)
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
 
     def _ffn(self, x: torch.Tensor, mm, expert_index: torch.Tensor) -> torch.Tensor:
         """fc1 -> activation -> fc2 with ``mm(rows, weight module)`` for the grouped matmuls."""

@@ -42,7 +42,7 @@ from .dims import ParallelDims
 from .layout import BatchLayout, microbatch_loss
 from .p2p import P2P, PipelineError
 from .stages import unwrap
-from .turns import forward_backward_combined, taking_turns
+from .turns import forward_backward_combined, settle_weight_grads, taking_turns
 
 
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Iterator, model,
@@ -422,6 +422,8 @@ class PipelineSchedule:
                    grad_scale)
         for slot in build_plan(d.pp, vpp, num_microbatches, forward_only, d.vpp_group, self.turns)[d.pp_rank]:
             self._run_slot(run, slot, p2p)
+        if self.turns and not forward_only:
+            settle_weight_grads(chunks)
         run.check_done()
         return run.reports
 

@@ -81,6 +81,14 @@ class Turns:
             raise self._errors[0]
 
 
+def settle_weight_grads(models: list) -> None:
+    """Any weight gradient a layer still owes (--delay-wgrad-compute: ``settle_wgrad``), before the step uses them."""
+    for model in models:
+        for m in model.modules():
+            if hasattr(m, "settle_wgrad"):
+                m.settle_wgrad()
+
+
 @contextlib.contextmanager
 def taking_turns(models: list):
     """A :class:`Turns` whose hand-off the layers of ``models`` call at their all-to-alls while it is open."""
@@ -126,4 +134,5 @@ def forward_backward_combined(*, forward_step_func: Callable, data_iterator: Ite
                 turns.run(lambda: done.append(forward()), pending.backward)
             pending = done[0]
     pending.backward()
+    settle_weight_grads([model])
     return reports

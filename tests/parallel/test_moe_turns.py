@@ -3,7 +3,8 @@ one's backward, taking turns at the expert all-to-alls, trains exactly as the pl
 parameters, bit for bit: the same arithmetic in the same order) at EP 2 with dropout on (the forwards draw their
 random numbers in the plain order) and at TP 2 x EP 2 with sequence parallelism inside DP 2 with the distributed
 optimizer's overlapped gradient reduction, PP 2 x EP 2 (1F1B's forwards and backwards paired in its
-slots), and DP 4 x EP 2 under ZeRO-2; and the turns really change hands at the all-to-alls (counted)."""
+slots), the same and EP 2 with the experts' weight gradients delayed (--delay-wgrad-compute, under the
+distributed optimizer's overlapped reduction), and DP 4 x EP 2 under ZeRO-2; and the turns really change hands at the all-to-alls (counted)."""
 from __future__ import annotations
 
 import pytest
@@ -22,6 +23,11 @@ LAYOUTS = {  # name: (world, flags)
     # 1F1B: one more warm-up forward, then each stage's forward and backward of two micro-batches in one slot
     "pp2_ep2": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2, num_layers=4,
                         global_batch_size=20)),
+    # --delay-wgrad-compute: the experts' weight gradients computed under the dispatch's backward all-to-all
+    "ep2_delay_wgrad": (2, dict(expert_model_parallel_size=2, delay_wgrad_compute=True)),
+    "pp2_ep2_delay_wgrad": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2, num_layers=4,
+                                    global_batch_size=20, delay_wgrad_compute=True, overlap_grad_reduce=True,
+                                    use_distributed_optimizer=True)),
     # ZeRO-2: gradients reduce-scattered into shards (the last micro-batch's backward, alone)
     "dp4_ep2_zero2": (4, dict(expert_model_parallel_size=2, use_megatron_fsdp=True,
                               data_parallel_sharding_strategy="optim_grads", overlap_grad_reduce=True,
@@ -39,15 +45,25 @@ def _run(rank: int, world: int, flags: dict) -> dict:
             handoffs.append(self._turn)
         original(self)
 
+    from paratron.model import moe_wgrad
     from tests.parallel.test_sharded_dp import train as sharded_train
+    settled, settle = [], moe_wgrad.OwedWeightGrads.settle
+
+    def counted_settle(self):
+        settled.append(len(self.owed))
+        settle(self)
+    moe_wgrad.OwedWeightGrads.settle = counted_settle
     run = sharded_train if flags.get("use_megatron_fsdp") else run_steps  # (gathers the sharded parameters)
-    plain = run(tiny_config("llama", world, **{**MOE, **flags}), STEPS)
+    plain = run(tiny_config("llama", world, **{**MOE, **{k: v for k, v in flags.items() if k != "delay_wgrad_compute"}}),
+                STEPS)
     turns.Turns.handoff = counted
     try:
         combined = run(tiny_config("llama", world, **{**MOE, **flags}, overlap_moe_expert_parallel_comm=True), STEPS)
     finally:
         turns.Turns.handoff = original
-    return {"plain": plain, "combined": combined, "handoffs": (handoffs.count(0), handoffs.count(1))}
+        moe_wgrad.OwedWeightGrads.settle = settle
+    return {"plain": plain, "combined": combined, "handoffs": (handoffs.count(0), handoffs.count(1)),
+            "settled": sum(settled)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -62,6 +78,8 @@ def test_taking_turns_at_the_all_to_alls_trains_as_the_plain_schedule(name, tmp_
         # the forward that built them) both pass the turn at their all-to-alls
         forward, backward = out["handoffs"]
         assert forward >= STEPS * 2 and backward >= STEPS * 2, out["handoffs"]
+        # --delay-wgrad-compute: fc1's and fc2's weight gradients owed, then settled, in every MoE layer's backward
+        assert (out["settled"] >= STEPS * 2 * 2) == bool(flags.get("delay_wgrad_compute")), out["settled"]
 
 
 def _facade(rank: int, world: int) -> dict:

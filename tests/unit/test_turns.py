@@ -52,6 +52,10 @@ BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
     (["--expert-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1"], 2, "not supported with --recompute-granularity full"),
     (["--expert-model-parallel-size", "2", "--mtp-num-layers", "2"], 2, "at most one MTP layer"),
+    (["--expert-model-parallel-size", "2", "--delay-wgrad-compute", "--moe-grouped-gemm", "--fp8-format", "hybrid"], 2,
+     "--delay-wgrad-compute is not built for FP8 experts"),
+    (["--expert-model-parallel-size", "2", "--delay-wgrad-compute"], 2, "--delay-wgrad-compute defers the experts' "
+     "grouped GEMMs' weight gradients: set --moe-grouped-gemm"),
     (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
       "--num-layers-per-virtual-pipeline-stage", "1"], 4, "with virtual pipeline stages is not built yet"),
     (["--expert-model-parallel-size", "2", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
@@ -84,3 +88,36 @@ def test_the_memory_plan_holds_two_micro_batches_activations_with_the_turns():
     piped = Layout(pp=4, ep=2, dp=2, micro_batch=1, global_batch=16)  # 8 micro-batches
     assert [in_flight(piped, r) for r in range(4)] == [4, 3, 2, 1]
     assert [in_flight(dataclasses.replace(piped, turns=True), r) for r in range(4)] == [5, 4, 3, 2]
+
+
+def test_owed_weight_gradients_arrive_at_settle_through_autograd_bit_for_bit():
+    """moe_wgrad.OwedWeightGrads (--delay-wgrad-compute): the backward gives the input gradient and leaves the
+    weight's (nothing accumulated, no hook fired); settle delivers it through the weight's accumulator (its hook
+    fires once, with the gradient), equal to autograd's own for torch._grouped_mm."""
+    import torch
+
+    from paratron.model.moe_wgrad import OwedWeightGrads
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(40, 16, dtype=dtype, requires_grad=True)
+        w = torch.nn.Parameter(torch.randn(4, 32, 16, dtype=dtype))
+        ends, g = torch.tensor([8, 16, 32, 40], dtype=torch.int32), torch.randn(40, 32, dtype=dtype)
+        torch._grouped_mm(a, w.transpose(1, 2), offs=ends).backward(g)
+        want_a, want_w = a.grad.clone(), w.grad.clone()
+        a.grad = w.grad = None
+        hooked = []
+        w.register_post_accumulate_grad_hook(lambda p: hooked.append(p.grad.clone()))
+        owed = OwedWeightGrads()
+        owed.mm(a, w, ends).backward(g)
+        assert torch.equal(a.grad, want_a) and w.grad is None and not hooked and len(owed.owed) == 1
+        owed.settle()
+        assert torch.equal(w.grad, want_w) and len(hooked) == 1 and torch.equal(hooked[0], want_w)
+        assert not owed.owed
+
+
+def test_delay_wgrad_compute_needs_the_overlap_as_megatron():
+    from paratron.config import ConfigError, parse_args
+    flags = [f for f in BASE if f != "--overlap-moe-expert-parallel-comm"]
+    with pytest.raises(ConfigError, match="--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"):
+        parse_args(flags + ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--delay-wgrad-compute"],
+                   world_size=2)
