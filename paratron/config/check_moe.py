@@ -103,7 +103,7 @@ def validate_routing_parallel(par: ParallelConfig, m: ModelConfig, lg: LogConfig
 
 def validate_combined_overlap(cfg) -> None:
     """--overlap-moe-expert-parallel-comm (parallel/turns.py) with Megatron's rules, and paratron's own: not with
-    virtual pipeline stages or ZeRO-3."""
+    ZeRO-3."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     if m.delay_wgrad_compute:
         need(m.overlap_moe_expert_parallel_comm, "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (as "
@@ -127,9 +127,6 @@ def validate_combined_overlap(cfg) -> None:
          f"--mtp-num-layers {m.mtp_num_layers}")
     need(tr.recompute_granularity != "full", f"{name} is not supported with --recompute-granularity full (as "
          "Megatron); use selective recomputation or none")
-    need((par.virtual_pipeline_model_parallel_size or 1) == 1 and par.num_layers_per_virtual_pipeline_stage is None,
-         f"{name} with virtual pipeline stages is not built yet (paratron pairs the forwards and backwards of 1F1B); "
-         "remove --num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size or the flag")
     need(par.data_parallel_sharding_strategy != "optim_grads_params", f"{name} is not supported with "
          "--data-parallel-sharding-strategy optim_grads_params: ZeRO-3 gathers and frees each layer's parameters for "
          "one pass at a time, and the turns run two; use optim_grads (ZeRO-2) or remove the flag")

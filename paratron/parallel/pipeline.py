@@ -24,8 +24,9 @@ that slot with its two neighbours, which do the same in the same slot. Every exc
 exchanges its peers post in the same slot, so no order of arrival can deadlock, and the plan is
 checked to finish before anything runs. Once a stage has sent an output activation, its storage is
 freed (``deallocate_output_tensor``, Megatron's): only its autograd node is kept for the backward.
-With --overlap-moe-expert-parallel-comm 1F1B runs one more warm-up forward and pairs each steady-state forward
-with the backward after it in one slot ("FB"), the two taking turns at the expert all-to-alls (turns.py).
+With --overlap-moe-expert-parallel-comm (interleaved) 1F1B runs one more warm-up forward and pairs each
+steady-state forward with the backward after it in one slot ("FB"), the two taking turns at the expert all-to-alls
+(turns.py).
 """
 from __future__ import annotations
 
@@ -85,16 +86,18 @@ def get_forward_backward_func(dims: Optional[ParallelDims] = None, p2p_timeout: 
 # ---- tables: the order of forwards and backwards on one rank --------------------------------------
 # An action is ("F" or "B", model chunk, micro-batch).
 
-def table_1f1b(pp: int, rank: int, num_microbatches: int, forward_only: bool = False, ahead: int = 0) -> list[tuple]:
+def table_1f1b(pp: int, rank: int, num_microbatches: int, forward_only: bool = False, ahead: int = 0,
+               turns: bool = False) -> list[tuple]:
     """``ahead``: warm-up forwards beyond 1F1B's ``PP - rank - 1`` (1 with the turns: each steady-state forward then
-    belongs to a later micro-batch than the backward beside it, on every stage the last one included)."""
+    belongs to a later micro-batch than the backward beside it, on every stage the last one included); ``turns``:
+    each steady-state pair as one "FB" action."""
     m = num_microbatches
     if forward_only:
         return [("F", 0, i) for i in range(m)]
     warmup = min(pp - rank - 1 + ahead, m)
     acts = [("F", 0, i) for i in range(warmup)]
     for k in range(m - warmup):
-        acts += [("F", 0, warmup + k), ("B", 0, k)]
+        acts += paired(("F", 0, warmup + k), ("B", 0, k)) if turns else [("F", 0, warmup + k), ("B", 0, k)]
     return acts + [("B", 0, i) for i in range(m - warmup, m)]
 
 
@@ -118,47 +121,36 @@ def forward_order(vpp: int, num_microbatches: int, group: int) -> list[tuple]:
 
 
 def table_interleaved(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False,
-                      group: Optional[int] = None) -> list[tuple]:
+                      group: Optional[int] = None, turns: bool = False) -> list[tuple]:
     """1F1B over the virtual stages: the warm-up forwards, then one forward and one backward in turn, then
-    the backwards left (``--microbatch-group-size-per-virtual-pipeline-stage`` = ``group``, default PP)."""
+    the backwards left (``--microbatch-group-size-per-virtual-pipeline-stage`` = ``group``, default PP).
+    ``turns``: one more warm-up forward, and each steady-state forward and backward as one "FB" action."""
     order = forward_order(vpp, num_microbatches, group or pp)
     fwd = [("F", c, m) for c, m in order]
     bwd = [("B", vpp - 1 - c, m) for c, m in order]
     if forward_only:
         return fwd
-    warmup = interleaved_warmup(pp, vpp, rank, num_microbatches, group)
+    warmup = min(interleaved_warmup(pp, vpp, rank, num_microbatches, group) + (1 if turns else 0), len(order))
     acts = fwd[:warmup]
     for k in range(len(order) - warmup):
-        acts += [fwd[warmup + k], bwd[k]]
+        acts += paired(fwd[warmup + k], bwd[k]) if turns else [fwd[warmup + k], bwd[k]]
     return acts + bwd[len(order) - warmup:]
+
+
+def paired(f: tuple, b: tuple) -> list[tuple]:
+    """A forward and a backward as one "FB" action (run taking turns), or in turn where they are the same
+    micro-batch (a backward may need its own forward)."""
+    return [("FB", f[1:], b[1:])] if f[2] != b[2] else [f, b]
 
 
 def schedule_table(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False,
                    group: Optional[int] = None, turns: bool = False) -> list[tuple]:
-    """``turns`` (--overlap-moe-expert-parallel-comm, 1F1B only): one more warm-up forward, then each steady-state
-    forward and the backward after it as one action ("FB", (chunk, micro-batch) forward, (chunk, micro-batch)
-    backward), run taking turns (turns.py)."""
+    """``turns`` (--overlap-moe-expert-parallel-comm): one more warm-up forward, then each steady-state forward and
+    the backward after it as one action ("FB", (chunk, micro-batch) forward, (chunk, micro-batch) backward), run
+    taking turns (turns.py)."""
     if vpp > 1:
-        if turns:
-            raise ConfigError("--overlap-moe-expert-parallel-comm with virtual pipeline stages is not built yet")
-        return table_interleaved(pp, vpp, rank, num_microbatches, forward_only, group)
-    if not turns or forward_only:
-        return table_1f1b(pp, rank, num_microbatches, forward_only)
-    return merged_pairs(table_1f1b(pp, rank, num_microbatches, ahead=1))
-
-
-def merged_pairs(table: list[tuple]) -> list[tuple]:
-    """The table with each forward directly followed by a backward of another micro-batch merged into one "FB"
-    action."""
-    out, i = [], 0
-    while i < len(table):
-        if table[i][0] == "F" and i + 1 < len(table) and table[i + 1][0] == "B" and table[i][2] != table[i + 1][2]:
-            out.append(("FB", table[i][1:], table[i + 1][1:]))
-            i += 2
-        else:
-            out.append(table[i])
-            i += 1
-    return out
+        return table_interleaved(pp, vpp, rank, num_microbatches, forward_only, group, turns)
+    return table_1f1b(pp, rank, num_microbatches, forward_only, ahead=1 if turns else 0, turns=turns)
 
 
 def check_pipeline_schedule(dims: ParallelDims, num_microbatches: int) -> None:

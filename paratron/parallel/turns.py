@@ -1,7 +1,7 @@
 """--overlap-moe-expert-parallel-comm: a micro-batch's forward and an earlier micro-batch's backward take turns, so
 that each expert all-to-all travels while the other micro-batch computes (Megatron's combined 1F1B overlap).
-Without pipelining this module's schedule runs them; with pipeline parallelism 1F1B pairs them in its steady-state
-slots (pipeline.py: ``schedule_table(turns=True)``), each pair run by :func:`taking_turns`.
+Without pipelining this module's schedule runs them; with pipeline parallelism (interleaved) 1F1B pairs them in its
+steady-state slots (pipeline.py: ``schedule_table(turns=True)``), each pair run by :func:`taking_turns`.
 
 The plain schedule runs F0 B0 F1 B1 ... : every dispatch and combine all-to-all of the MoE layers (and their
 reverse in backward) leaves the GPU's compute idle while the rows travel. This one runs F0, then for each later

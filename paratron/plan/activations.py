@@ -241,7 +241,8 @@ def in_flight(layout: Layout, pp_rank: int) -> int:
         return min(layout.pp - pp_rank + (1 if layout.turns else 0), m)
     if m == layout.pp:  # Megatron's interleaved schedule: every chunk micro-batch is a warm-up one
         return m * layout.vpp
-    return min((layout.pp - pp_rank - 1) * 2 + (layout.vpp - 1) * layout.pp + 1, m * layout.vpp)
+    turns = 1 if layout.turns else 0  # one more warm-up forward
+    return min((layout.pp - pp_rank - 1) * 2 + (layout.vpp - 1) * layout.pp + 1 + turns, m * layout.vpp)
 
 
 def edge_bytes(model: ModelConfig, layout: Layout, vocab: int, pre: bool, post: bool) -> int:

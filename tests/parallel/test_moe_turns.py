@@ -3,7 +3,7 @@ one's backward, taking turns at the expert all-to-alls, trains exactly as the pl
 parameters, bit for bit: the same arithmetic in the same order) at EP 2 with dropout on (the forwards draw their
 random numbers in the plain order) and at TP 2 x EP 2 with sequence parallelism inside DP 2 with the distributed
 optimizer's overlapped gradient reduction, PP 2 x EP 2 (1F1B's forwards and backwards paired in its
-slots), the same and EP 2 with the experts' weight gradients delayed (--delay-wgrad-compute, under the
+slots) and with 2 virtual stages a rank (interleaved), the same and EP 2 with the experts' weight gradients delayed (--delay-wgrad-compute, under the
 distributed optimizer's overlapped reduction), and DP 4 x EP 2 under ZeRO-2; and the turns really change hands at the all-to-alls (counted)."""
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ LAYOUTS = {  # name: (world, flags)
     # 1F1B: one more warm-up forward, then each stage's forward and backward of two micro-batches in one slot
     "pp2_ep2": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2, num_layers=4,
                         global_batch_size=20)),
+    # interleaved 1F1B (2 virtual stages a rank): the same pairing over the chunks
+    "pp2_vpp2_ep2": (4, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
+                             expert_model_parallel_size=2, num_layers=4, global_batch_size=24)),
     # --delay-wgrad-compute: the experts' weight gradients computed under the dispatch's backward all-to-all
     "ep2_delay_wgrad": (2, dict(expert_model_parallel_size=2, delay_wgrad_compute=True)),
     "pp2_ep2_delay_wgrad": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2, num_layers=4,
@@ -53,7 +56,9 @@ def _run(rank: int, world: int, flags: dict) -> dict:
         settled.append(len(self.owed))
         settle(self)
     moe_wgrad.OwedWeightGrads.settle = counted_settle
-    run = sharded_train if flags.get("use_megatron_fsdp") else run_steps  # (gathers the sharded parameters)
+    # (sharded_train gathers sharded parameters and takes every model chunk of a rank)
+    run = sharded_train if flags.get("use_megatron_fsdp") or flags.get("num_layers_per_virtual_pipeline_stage") \
+        else run_steps
     plain = run(tiny_config("llama", world, **{**MOE, **{k: v for k, v in flags.items() if k != "delay_wgrad_compute"}}),
                 STEPS)
     turns.Turns.handoff = counted

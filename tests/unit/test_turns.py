@@ -56,8 +56,6 @@ BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
      "--delay-wgrad-compute is not built for FP8 experts"),
     (["--expert-model-parallel-size", "2", "--delay-wgrad-compute"], 2, "--delay-wgrad-compute defers the experts' "
      "grouped GEMMs' weight gradients: set --moe-grouped-gemm"),
-    (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
-      "--num-layers-per-virtual-pipeline-stage", "1"], 4, "with virtual pipeline stages is not built yet"),
     (["--expert-model-parallel-size", "2", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
       "optim_grads_params"], 2, "ZeRO-3 gathers and frees each layer's parameters for one pass at a time"),
 ])
@@ -88,6 +86,9 @@ def test_the_memory_plan_holds_two_micro_batches_activations_with_the_turns():
     piped = Layout(pp=4, ep=2, dp=2, micro_batch=1, global_batch=16)  # 8 micro-batches
     assert [in_flight(piped, r) for r in range(4)] == [4, 3, 2, 1]
     assert [in_flight(dataclasses.replace(piped, turns=True), r) for r in range(4)] == [5, 4, 3, 2]
+    chunks = dataclasses.replace(piped, vpp=2)  # interleaved: chunk micro-batches, one more with the turns
+    plain_chunks = [in_flight(chunks, r) for r in range(4)]
+    assert [in_flight(dataclasses.replace(chunks, turns=True), r) for r in range(4)] == [n + 1 for n in plain_chunks]
 
 
 def test_owed_weight_gradients_arrive_at_settle_through_autograd_bit_for_bit():
