@@ -134,6 +134,9 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
     moe_layers = sum(ffn == "moe" for _, ffn in kinds) / L.pp
     ep = 4 * ring(L.ep) * tokens * model.moe_router_topk * h * a * moe_layers * m / cluster.bandwidth(L.ep * L.etp) \
         if model.num_experts else 0.0
+    if L.turns and m > 1:  # one micro-batch's all-to-alls unpaired (the first forward's, the last backward's); the
+        # rest travel under the other micro-batch's compute (--overlap-moe-expert-parallel-comm, parallel/turns.py)
+        ep = ep / m + max(0.0, (ep - compute - memory - recompute) * (m - 1) / m)
     pp = 2 * act / (L.tp if L.sequence_parallel else 1) * m * L.vpp / cluster.bandwidth(L.world) if L.pp > 1 else 0.0
     dp_bw = cluster.bandwidth(L.tp * L.cp * L.dp)
     n, busy = L.dp * L.cp, compute + memory + recompute

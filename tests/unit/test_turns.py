@@ -122,3 +122,25 @@ def test_delay_wgrad_compute_needs_the_overlap_as_megatron():
     with pytest.raises(ConfigError, match="--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"):
         parse_args(flags + ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--delay-wgrad-compute"],
                    world_size=2)
+
+
+def test_the_time_plan_hides_the_expert_all_to_alls_under_the_other_micro_batch():
+    """paratron plan's step time: with the turns the all-to-alls are exposed for one micro-batch only (when the
+    compute covers the rest); with one micro-batch nothing is paired; nothing else changes."""
+    import dataclasses
+
+    from paratron.plan.cost import Cluster, step_time
+    from paratron.plan.layout import Layout
+    from paratron.plan.search import dp_bytes
+    from tests.parallel.common import tiny_config
+    model = tiny_config("llama", world_size=1, num_layers=4, num_experts=4, moe_router_topk=2,
+                        moe_ffn_hidden_size=32).model
+    slow = Cluster(4, 1, "h100", inter_gbps=0.5)  # every GPU its own node: the all-to-alls cost
+    plain = Layout(dp=4, ep=4, param_bytes=2, grad_bytes=4, micro_batch=1, global_batch=32, seq_length=32)  # 8 mbs
+    turns = dataclasses.replace(plain, turns=True)
+    a, b = (step_time(model, 512, L, slow, *dp_bytes(model, 512, L, {})) for L in (plain, turns))
+    assert a.ep > 0 and b.ep < a.ep and b.ep >= a.ep / 8 - 1e-12
+    assert {k: v for k, v in a.parts().items() if k != "ep"} == {k: v for k, v in b.parts().items() if k != "ep"}
+    one = [dataclasses.replace(L, global_batch=4) for L in (plain, turns)]
+    x, y = (step_time(model, 512, L, slow, *dp_bytes(model, 512, L, {})) for L in one)
+    assert x.ep == y.ep
