@@ -229,7 +229,7 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
     expert), (that, what ``meanwhile()`` returned, computed while the dispatch all-to-all is in flight).
     ``capacity``: every rank routes exactly that many rows to each expert (--moe-pad-expert-input-to-capacity):
     no count exchange and no host read. ``turn``: both all-to-alls (and their backward) hand the turn to the other
-    micro-batch while their rows travel (--overlap-moe-expert-parallel-comm, parallel/pipeline.py)."""
+    micro-batch while their rows travel (--overlap-moe-expert-parallel-comm, parallel/turns.py)."""
     loc, g, etp = lay.local, lay.size, lay.etp
     table_dev, table = _count_table(routing_map, lay, capacity)
     me = lay.etp_rank + etp * lay.ep_rank

@@ -40,10 +40,10 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 from .dims import ParallelDims
-from .layout import BatchLayout, microbatch_loss
+from .layout import BatchLayout
 from .p2p import P2P, PipelineError
 from .stages import unwrap
-from .turns import forward_backward_combined, settle_weight_grads, taking_turns
+from .turns import forward_backward_combined, microbatch_forward, settle_weight_grads, taking_turns
 
 
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Iterator, model,
@@ -59,10 +59,7 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
         defer = no_sync is not None and not forward_only and i < num_microbatches - 1
         with no_sync() if defer else contextlib.nullcontext():
             with torch.set_grad_enabled(not forward_only):
-                output, loss_func = forward_step_func(data_iterator, model)
-                loss_sum, num_tokens, report = loss_func(output)
-                loss = (layout.microbatch_loss(loss_sum, num_tokens, num_microbatches) if layout is not None
-                        else microbatch_loss(loss_sum, num_tokens, num_microbatches))
+                loss, report = microbatch_forward(forward_step_func, data_iterator, model, layout, num_microbatches)
             if not forward_only:
                 (loss * grad_scale).backward()
         reports.append(report)

@@ -14,7 +14,7 @@ the other micro-batch's kernels: no allocator or stream hazards, no races on Pyt
 collective is the same on every rank (the hand-offs happen at the same points of the same model), and the
 arithmetic is the plain schedule's: forwards draw random numbers in the same order, gradients accumulate
 micro-batch by micro-batch as before, so the loss and the gradients equal the plain schedule's (tested on gloo,
-tests/unit/test_moe_turns.py).
+tests/parallel/test_moe_turns.py).
 
 The layers that take part are those with an ``exchange_turn`` attribute (the MoE layers: ``model/moe.py``), set
 to the step's hand-off while two micro-batches are in flight and back to None after.
@@ -81,6 +81,17 @@ class Turns:
             raise self._errors[0]
 
 
+def microbatch_forward(forward_step_func: Callable, data_iterator, model, layout: Optional[BatchLayout],
+                       num_microbatches: int) -> tuple:
+    """(the loss one micro-batch backpropagates, its report): the forward step and its loss function, the loss
+    normalised as ``layout`` says (the default normalisation without one)."""
+    output, loss_func = forward_step_func(data_iterator, model)
+    loss_sum, num_tokens, report = loss_func(output)
+    loss = (layout.microbatch_loss(loss_sum, num_tokens, num_microbatches) if layout is not None
+            else microbatch_loss(loss_sum, num_tokens, num_microbatches))
+    return loss, report
+
+
 def settle_weight_grads(models: list) -> None:
     """Any weight gradient a layer still owes (--delay-wgrad-compute: ``settle_wgrad``), before the step uses them."""
     for model in models:
@@ -118,10 +129,7 @@ def forward_backward_combined(*, forward_step_func: Callable, data_iterator: Ite
     reports: list = []
 
     def forward() -> torch.Tensor:
-        output, loss_func = forward_step_func(data_iterator, model)
-        loss_sum, num_tokens, report = loss_func(output)
-        loss = (layout.microbatch_loss(loss_sum, num_tokens, num_microbatches) if layout is not None
-                else microbatch_loss(loss_sum, num_tokens, num_microbatches))
+        loss, report = microbatch_forward(forward_step_func, data_iterator, model, layout, num_microbatches)
         reports.append(report)
         return loss * grad_scale
 
