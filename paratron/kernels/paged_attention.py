@@ -27,7 +27,9 @@ tokens of one request) the kernel runs one program per (tile, group) instead, it
 token, each token still seeing only its own first ``lengths[i]`` (causal within the tile). A tile's query rows
 (its tokens x the group's query heads) are a compile-time size, so tiles of a few tokens (the decodes beside
 prompt chunks in a mixed step: one token, four of 64 rows at llama's grouping) run in a second launch of a
-narrower kernel; each launch passes over the tiles the other takes.
+narrower kernel; each launch passes over the tiles the other takes. With a 16-bit cache on a GPU the tiled kernel
+multiplies in that dtype (bf16 tensor-core dots accumulating in fp32, the weights rounded to bf16 before they
+multiply the values, as flash attention does) and walks ``TILE_BLOCK_T`` keys a step.
 
 :func:`paged_attention_reference` is the same in plain torch (each token's blocks gathered into a dense
 sequence): what runs on CPUs and what the tests compare the kernel with (on CPU through Triton's interpreter).
@@ -93,6 +95,7 @@ def _(pool, slots, rows):
 
 
 TILE_ROWS = 64  # query rows (tokens x a group's query heads) of one program of the tiled kernel
+TILE_BLOCK_T = 128  # cached keys per loop iteration of the tiled kernel (its bf16 dots: wider steps pay)
 
 
 def tile_tokens(q_per_group: int) -> int:
@@ -170,11 +173,12 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 if triton is not None:
     @triton.jit
-    def _cached(ptr, block, t, ok, sb, st, sg, g, cols, BS: tl.constexpr):
-        """Cached tokens ``t`` of group ``g`` (in blocks ``block``, slot t % BS) as [len(t), D] fp32; zeros where
-        not ``ok``."""
+    def _cached(ptr, block, t, ok, sb, st, sg, g, cols, BS: tl.constexpr, LOWP: tl.constexpr = False):
+        """Cached tokens ``t`` of group ``g`` (in blocks ``block``, slot t % BS) as [len(t), D], fp32 (``LOWP``: in
+        the cache's own dtype); zeros where not ``ok``."""
         at = block * sb + (t % BS) * st + g * sg
-        return tl.load(ptr + at[:, None] + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        x = tl.load(ptr + at[:, None] + cols[None, :], mask=ok[:, None], other=0.0)
+        return x if LOWP else x.to(tl.float32)
 
     @triton.jit
     def _absorb(s, vals, m, total, acc):
@@ -184,7 +188,7 @@ if triton is not None:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        return m_new, total * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, vals)
+        return m_new, total * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals)
 
     @triton.jit
     def _sunk(sink, m, total, acc):
@@ -196,10 +200,13 @@ if triton is not None:
 
     @triton.jit
     def _walk(q, k_ptr, v_ptr, table, lo, hi, g, scale, skb, skt, skg, svb, svt, svg, cols,
-              QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, row_lo=0, row_hi=1 << 30):
+              QB: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, row_lo=0, row_hi=1 << 30,
+              LOWP: tl.constexpr = False):
         """The online softmax (running max, denominator, unnormalised weighted sum) of the query rows ``q``
         [QB, D] over the cached tokens [lo, hi) of group ``g``, ``BT`` at a time; all empty where lo >= hi. Each
-        row sees only [row_lo, row_hi) of them (column vectors [QB, 1]: a tile's tokens, each its own span)."""
+        row sees only [row_lo, row_hi) of them (column vectors [QB, 1]: a tile's tokens, each its own span).
+        ``LOWP``: q, keys, values and the weights multiply in the cache's dtype (bf16 tensor-core dots, fp32
+        sums) rather than fp32's (TF32 dots)."""
         m = tl.full([QB], float("-inf"), tl.float32)
         total = tl.zeros([QB], tl.float32)
         acc = tl.zeros([QB, D], tl.float32)
@@ -207,11 +214,11 @@ if triton is not None:
             t = start + tl.arange(0, BT)
             ok = t < hi
             block = tl.load(table + t // BS, mask=ok, other=0).to(tl.int64)
-            keys = _cached(k_ptr, block, t, ok, skb, skt, skg, g, cols, BS)
+            keys = _cached(k_ptr, block, t, ok, skb, skt, skg, g, cols, BS, LOWP)
             s = tl.dot(q, tl.trans(keys)) * scale
             seen = ok[None, :] & (t[None, :] >= row_lo) & (t[None, :] < row_hi)
             s = tl.where(seen, s, float("-inf"))
-            vals = _cached(v_ptr, block, t, ok, svb, svt, svg, g, cols, BS)
+            vals = _cached(v_ptr, block, t, ok, svb, svt, svg, g, cols, BS, LOWP)
             m, total, acc = _absorb(s, vals, m, total, acc)
         return m, total, acc
 
@@ -336,8 +343,9 @@ if triton is not None:
     def _paged_tile_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, row_ptr, len_ptr, tile_ptr, out_ptr, sink_ptr, groups, scale,
                            window, stab, sqn, sqg, sqh, skb, skt, skg, svb, svt, svg, son, sog, soh, least, most,
                            QPG: tl.constexpr, QP: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                           BT: tl.constexpr, SINK: tl.constexpr):
-        """The tiles of ``least`` .. ``most`` tokens (the others: left to the launch sized for them)."""
+                           BT: tl.constexpr, SINK: tl.constexpr, LOWP: tl.constexpr):
+        """The tiles of ``least`` .. ``most`` tokens (the others: left to the launch sized for them); ``LOWP``: as
+        :func:`_walk`'s."""
         pid = tl.program_id(0)
         tile, g = pid // groups, pid % groups
         first_token, count = tl.load(tile_ptr + 2 * tile), tl.load(tile_ptr + 2 * tile + 1)
@@ -347,13 +355,14 @@ if triton is not None:
         valid = (j < count) & (h < QPG)
         tok = first_token + j
         q = tl.load(q_ptr + tok[:, None] * sqn + g * sqg + h[:, None] * sqh + cols[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
+                    other=0.0)
+        q = q if LOWP else q.to(tl.float32)
         end = tl.load(len_ptr + tok, mask=valid, other=0)  # row r's token sees cached tokens [lo, end)
         lo = tl.where(window >= 0, tl.maximum(end - 1 - window, 0), 0).to(end.dtype)
         table = tab_ptr + tl.load(row_ptr + first_token) * stab
         start0 = tl.min(tl.where(valid, lo, 1 << 30))
         m, total, acc = _walk(q, k_ptr, v_ptr, table, start0, tl.max(end), g, scale, skb, skt, skg, svb, svt, svg,
-                              cols, R, D, BS, BT, lo[:, None], end[:, None])
+                              cols, R, D, BS, BT, lo[:, None], end[:, None], LOWP)
         if SINK:
             sink = tl.load(sink_ptr + g * QPG + h, mask=valid, other=float("-inf"))
             total, acc = _sunk(sink, m, total, acc)
@@ -365,7 +374,9 @@ if triton is not None:
     def _paged_prefill_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                           rows: torch.Tensor, lengths: torch.Tensor, tiles: torch.Tensor, scale: float,
                           window: int = -1, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The tiled kernel: ``tiles`` [n_tiles, 2] (first packed token, count) of consecutive tokens of one row."""
+        """The tiled kernel: ``tiles`` [n_tiles, 2] (first packed token, count) of consecutive tokens of one row.
+        16-bit caches on a GPU multiply in their own dtype (``LOWP``); Triton's interpreter multiplies bf16 as
+        its raw bits, so off CUDA the dots stay in fp32."""
         n, groups, qpg, d = q.shape
         out = torch.empty_like(q)
         if out.numel() and tiles.numel():
@@ -379,7 +390,7 @@ if triton is not None:
                         q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
                         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1),
                         out.stride(2), least, most, QPG=qpg, QP=qp, R=max(16, qp * tokens), D=d, BS=k_pool.size(1),
-                        BT=BLOCK_T, SINK=sinks is not None)
+                        BT=TILE_BLOCK_T, SINK=sinks is not None, LOWP=q.is_cuda and q.element_size() == 2)
         return out
 
     @_paged_prefill_op.register_fake

@@ -48,9 +48,11 @@ def test_paged_tile_kernel_compiles_for_sm90(index):
         pytest.skip("paratron's kernels module did not see Triton")
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "tab_ptr": "*i32",
              "row_ptr": index, "len_ptr": index, "tile_ptr": index, "sink_ptr": "*fp32", "scale": "fp32"}
-    for sink, rows in ((False, 64), (True, 64), (False, 16)):  # full tiles; a mixed step's decodes (narrow)
+    # full tiles; a mixed step's decodes (narrow); dots in bf16 (the GPU's path) and in fp32
+    for sink, rows, lowp in ((False, 64, True), (True, 64, True), (False, 16, True), (False, 64, False)):
         out = compile_sm90(pa._paged_tile_kernel, types,
-                           {"QPG": 4, "QP": 4, "R": rows, "D": 64, "BS": 16, "BT": 64, "SINK": sink})
+                           {"QPG": 4, "QP": 4, "R": rows, "D": 64, "BS": 16, "BT": pa.TILE_BLOCK_T, "SINK": sink,
+                            "LOWP": lowp})
         assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
 
 
