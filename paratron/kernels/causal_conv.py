@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from .varlen import host_to
+
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 reset: Optional[torch.Tensor] = None,
@@ -52,7 +54,7 @@ def causal_conv_varlen(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     another document's input."""
     w = weight.reshape(weight.size(0), -1)
     k, c = w.size(1), x.size(-1)
-    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    cu = host_to(cu_seqlens.to(torch.long), x.device)  # host offsets: no synchronisation
     d, total = cu.numel() - 1, x.size(1)
     doc = torch.repeat_interleave(torch.arange(d, device=x.device), cu.diff(), output_size=total)  # no host read
     past = state if state is not None else x.new_zeros(d, k - 1, c)

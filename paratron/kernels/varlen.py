@@ -22,6 +22,14 @@ from .gated_delta import gated_delta_chunked
 from .ssd import ssd_chunked
 
 
+def host_to(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait: to a GPU through pinned memory, queued behind the
+    work already there (a copy of pageable memory waits for the device's queue to drain, a host synchronisation)."""
+    if torch.device(device).type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def lengths_of(cu_seqlens: torch.Tensor) -> list[int]:
     """The documents' lengths (host ints) of ``cu_seqlens``; each must hold a token."""
     cu = cu_seqlens.tolist()
@@ -39,7 +47,7 @@ def chunk_aligned(lengths: list[int], q: int, device=None) -> tuple[torch.Tensor
         starts.append(at // q)
         index.extend(range(at, at + n))
         at += -(-n // q) * q
-    return torch.tensor(index, device=device), starts, at
+    return host_to(torch.tensor(index), device or "cpu"), starts, at
 
 
 def spread(t: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
