@@ -3,6 +3,8 @@ flags of issue 19 (Sinkhorn, group-limited routing, the shared-expert gate, the 
 Megatron's rules, and the expert-parallel sizes against them."""
 from __future__ import annotations
 
+from typing import Optional
+
 from .layer_patterns import parse_moe_layer_freq
 from .rules import changed_flags, need
 from .sections import LogConfig, ModelConfig, ParallelConfig, flag
@@ -104,20 +106,30 @@ def validate_routing_parallel(par: ParallelConfig, m: ModelConfig, lg: LogConfig
 def validate_combined_overlap(cfg) -> None:
     """--overlap-moe-expert-parallel-comm (parallel/turns.py) with Megatron's rules, and paratron's own: not with
     ZeRO-3."""
-    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    par, tr = cfg.parallel, cfg.train
+    etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
+    check_combined_overlap(cfg.model, expert_ranks=par.expert_model_parallel_size * etp,
+                           recompute_granularity=tr.recompute_granularity,
+                           sharding_strategy=par.data_parallel_sharding_strategy, fp8_format=tr.fp8_format)
+
+
+def check_combined_overlap(m, *, expert_ranks: Optional[int], recompute_granularity: Optional[str],
+                           sharding_strategy: Optional[str], fp8_format: Optional[str] = None) -> None:
+    """The rules of --overlap-moe-expert-parallel-comm and --delay-wgrad-compute for the model config ``m`` and
+    what the run around it chose; a value None is not known yet and not checked (the Megatron Core facade knows
+    the expert ranks when it builds a model and the sharding when it wraps it: it checks at each)."""
     if m.delay_wgrad_compute:
         need(m.overlap_moe_expert_parallel_comm, "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (as "
              "Megatron): the experts' weight gradients are computed under its dispatch's backward all-to-all")
         need(m.moe_grouped_gemm, "--delay-wgrad-compute defers the experts' grouped GEMMs' weight gradients: set "
              "--moe-grouped-gemm")
-        need(tr.fp8_format is None, "--delay-wgrad-compute is not built for FP8 experts (their weight gradients stay in "
+        need(fp8_format is None, "--delay-wgrad-compute is not built for FP8 experts (their weight gradients stay in "
              "the backward); remove one")
     if not m.overlap_moe_expert_parallel_comm:
         return
     name = "--overlap-moe-expert-parallel-comm"
     need(m.num_experts is not None, f"{name} overlaps the expert all-to-alls: set --num-experts or remove the flag")
-    etp = par.expert_tensor_parallel_size or par.tensor_model_parallel_size
-    need(par.expert_model_parallel_size * etp > 1, f"{name} needs --expert-model-parallel-size > 1 (the experts on "
+    need(expert_ranks is None or expert_ranks > 1, f"{name} needs --expert-model-parallel-size > 1 (the experts on "
          "one rank move no rows, as Megatron requires); remove the flag")
     need(m.moe_token_dispatcher_type in ("alltoall", "flex"), f"{name} overlaps the alltoall dispatcher's "
          "all-to-alls: use --moe-token-dispatcher-type alltoall or flex (as Megatron)")
@@ -125,8 +137,8 @@ def validate_combined_overlap(cfg) -> None:
          "remove one (as Megatron)")
     need((m.mtp_num_layers or 0) <= 1, f"{name} supports at most one MTP layer (as Megatron); got "
          f"--mtp-num-layers {m.mtp_num_layers}")
-    need(tr.recompute_granularity != "full", f"{name} is not supported with --recompute-granularity full (as "
+    need(recompute_granularity != "full", f"{name} is not supported with --recompute-granularity full (as "
          "Megatron); use selective recomputation or none")
-    need(par.data_parallel_sharding_strategy != "optim_grads_params", f"{name} is not supported with "
+    need(sharding_strategy != "optim_grads_params", f"{name} is not supported with "
          "--data-parallel-sharding-strategy optim_grads_params: ZeRO-3 gathers and frees each layer's parameters for "
          "one pass at a time, and the turns run two; use optim_grads (ZeRO-2) or remove the flag")

@@ -136,6 +136,19 @@ def test_facade_gpt_model_is_paratrons_model_from_the_same_seed(state):
         model(tokens, None, None, torch.zeros(SEQ, 2, 16))
 
 
+def test_facade_refuses_the_combined_overlap_where_megatron_does(state):
+    """TransformerConfig(overlap_moe_expert_parallel_comm / delay_wgrad_compute) under config/check_moe.py's rules
+    when the model is built (on one expert rank the turns have nothing to overlap; the delayed weight gradients
+    need the turns); tests/parallel/test_moe_turns.py checks the rest at EP 2."""
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_token_dispatcher_type="alltoall",
+               moe_grouped_gemm=True)
+    with pytest.raises(ConfigError, match="expert-model-parallel-size > 1"):
+        GPTModel(config=config(**moe, overlap_moe_expert_parallel_comm=True), vocab_size=VOCAB, max_sequence_length=SEQ)
+    with pytest.raises(ConfigError, match="delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"):
+        GPTModel(config=config(**moe, delay_wgrad_compute=True), vocab_size=VOCAB, max_sequence_length=SEQ)
+    assert GPTModel(config=config(**moe), vocab_size=VOCAB, max_sequence_length=SEQ).config.num_experts == 4
+
+
 def test_mock_dataset_samples_have_megatrons_keys(state):
     tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=VOCAB)
     cfg = GPTDatasetConfig(random_seed=0, sequence_length=SEQ, reset_position_ids=False, reset_attention_mask=False,

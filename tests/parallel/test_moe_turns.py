@@ -117,10 +117,35 @@ def _facade(rank: int, world: int) -> dict:
             get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches(3)), model=model,
                                         num_microbatches=3, seq_length=SEQ, micro_batch_size=2)
             grads[flag] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        refused = _facade_refusals(cfg, model)
     finally:
         turns.Turns.handoff = original
         parallel_state.destroy_model_parallel()
-    return {"grads": grads, "handoffs": sum(handoffs)}
+    return {"grads": grads, "handoffs": sum(handoffs), "refused": refused}
+
+
+def _facade_refusals(cfg, model) -> list[str]:
+    """What the facade refuses beside the turns (config/check_moe.py's rules, checked where the facade learns each
+    choice): the shared expert's own overlap and full recomputation at the model, ZeRO-3 at the DDP wrapper."""
+    import dataclasses
+    from paratron.config import ConfigError
+    from paratron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from paratron.core.models.gpt import GPTModel
+    from tests.parallel.test_core_facade import SEQ, VOCAB
+    out = []
+    for change in (dict(moe_shared_expert_intermediate_size=16, moe_shared_expert_overlap=True),
+                   dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
+        try:
+            GPTModel(config=dataclasses.replace(cfg, **change), vocab_size=VOCAB, max_sequence_length=SEQ)
+        except ConfigError as e:
+            out.append(str(e))
+    zero3 = DistributedDataParallelConfig(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                          data_parallel_sharding_strategy="optim_grads_params")
+    try:
+        DistributedDataParallel(config=cfg, ddp_config=zero3, module=model)
+    except ConfigError as e:
+        out.append(str(e))
+    return out
 
 
 def test_the_core_facade_takes_the_turns_from_the_transformer_config(tmp_path):
@@ -130,3 +155,7 @@ def test_the_core_facade_takes_the_turns_from_the_transformer_config(tmp_path):
         for n in plain:
             assert torch.equal(plain[n], combined[n]), n
         assert out["handoffs"] > 0
+        refused = out["refused"]
+        assert len(refused) == 3, refused
+        assert "--moe-shared-expert-overlap" in refused[0] and "recompute-granularity full" in refused[1]
+        assert "optim_grads_params" in refused[2]

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ...config import ConfigError
+from ...config.check_moe import check_combined_overlap
 from ...config.values import SHARDING_STRATEGIES
 from ...parallel.data import DataParallel
 from ..parallel_state import current_dims
@@ -79,6 +80,10 @@ class DistributedDataParallel(DataParallel):
 
     def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
                  disable_bucketing: bool = False, **_megatron_only):
+        model_cfg = getattr(module, "config", None)
+        if getattr(model_cfg, "overlap_moe_expert_parallel_comm", False):  # its rule on the sharding (config/check_moe)
+            check_combined_overlap(model_cfg, expert_ranks=None, recompute_granularity=None,
+                                   sharding_strategy=SHARDING_STRATEGIES[ddp_config.sharding])
         low = next(module.parameters()).dtype
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 or low == torch.float32 else low
         super().__init__(module, current_dims(), grad_dtype=grad_dtype,

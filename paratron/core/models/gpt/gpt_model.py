@@ -16,6 +16,7 @@ import torch
 
 from ....checkpoint.state import param_keys
 from ....config import ConfigError
+from ....config.check_moe import check_combined_overlap
 from ....model.gpt import GPTModel as _GPTModel
 from ....parallel.sharding import REPLICATED, coords_of, spec_of
 from ....parallel.stages import global_name
@@ -40,6 +41,9 @@ def build_kwargs(config, model_cfg, pre_process: bool, post_process: bool, vp_st
     """What a facade model passes paratron's model beside its config: the ParallelDims of ``parallel_state``, this
     pipeline chunk's layers, the seed, recomputation, the kernel switches, the device and dtype."""
     dims = COMPAT.require()
+    # the combined overlap's rules that the model and parallel_state decide (the sharding: at the DDP wrapper)
+    check_combined_overlap(model_cfg, expert_ranks=dims.ep * dims.etp, sharding_strategy=None,
+                           recompute_granularity=config.recompute_granularity)
     offset, count = _stage_layers(model_cfg.num_layers, dims, vp_stage)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     return dict(dims=dims, sequence_parallel=config.sequence_parallel,
