@@ -34,6 +34,9 @@ ACCEPTED = {
     "export_force_local_attention": "ModelOpt export's choice of Megatron's local attention module over Transformer "
                                     "Engine's: paratron has one attention implementation of its own, not TE's",
     "moe_router_fusion": SCHEDULING,
+    "use_cpu_initialization": "Megatron initialises full weights on the CPU so that the initial weights do not depend "
+                              "on the tensor-parallel size; paratron always initialises each full weight from the "
+                              "seed and keeps its shard, so they never do",
     "use_dist_ckpt": "checkpoints are always distributed (torch.distributed.checkpoint, --ckpt-format torch_dist)",
     "auto_detect_ckpt_format": "paratron reads one format (torch_dist) and checks each checkpoint's manifest before "
                                "loading",
@@ -132,7 +135,6 @@ REFUSED = {
     "wgrad_deferral_limit": PLANNED.format("deferred embedding weight-gradient GEMMs"),
     "fine_grained_activation_offloading": PLANNED.format("activation offloading"),
     "offload_modules": PLANNED.format("activation offloading"),
-    "use_cpu_initialization": PLANNED.format("CPU initialisation of full weights before sharding"),
     "use_transformer_engine_op_fuser": GPU.format("Transformer Engine's operation fuser"),
     "te_rng_tracker": GPU.format("Transformer Engine's RNG tracker"),
     "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
