@@ -12,8 +12,6 @@ from typing import Optional
 
 import torch
 
-from ..kernels.varlen import host_to
-
 
 @dataclass
 class SamplingParams:
@@ -58,7 +56,10 @@ def on_device(values: list, device) -> torch.Tensor:
     """``values`` as a tensor on ``device``. To a GPU from pinned memory, without waiting: a plain copy of host
     memory makes torch wait for all the work queued on the device (under asynchronous paged steps, for the step
     still running), where a pinned one is queued behind it."""
-    return host_to(torch.tensor(values), device)
+    host = torch.tensor(values)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class Sampler:

@@ -27,6 +27,9 @@ def host_to(host: torch.Tensor, device) -> torch.Tensor:
     work already there (a copy of pageable memory waits for the device's queue to drain, a host synchronisation)."""
     if torch.device(device).type != "cuda" or host.device.type != "cpu":
         return host.to(device)
+    if torch.cuda.is_current_stream_capturing():  # a graph would replay the copy from a freed pinned buffer
+        raise RuntimeError("host values reach a captured CUDA graph only through a device tensor filled before "
+                           "each replay; pass the offsets on the device")
     return host.pin_memory().to(device, non_blocking=True)
 
 
