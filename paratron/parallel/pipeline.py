@@ -43,7 +43,7 @@ from .dims import ParallelDims
 from .layout import BatchLayout
 from .p2p import P2P, PipelineError
 from .stages import unwrap
-from .turns import forward_backward_combined, microbatch_forward, settle_weight_grads, taking_turns
+from .turns import forward_backward_combined, microbatch_forward, settle_weight_grads, taking_turns, turn_takers
 
 
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Iterator, model,
@@ -409,21 +409,23 @@ class PipelineSchedule:
             iters = [data_iterator] * vpp
         run = _Run(d, chunks, iters, forward_step_func, layout, p2p.specs, num_microbatches, forward_only,
                    grad_scale)
+        takers = turn_takers(chunks) if self.turns else []
         for slot in build_plan(d.pp, vpp, num_microbatches, forward_only, d.vpp_group, self.turns)[d.pp_rank]:
-            self._run_slot(run, slot, p2p)
+            self._run_slot(run, slot, p2p, takers)
         if self.turns and not forward_only:
-            settle_weight_grads(chunks)
+            settle_weight_grads(takers)
         run.check_done()
         return run.reports
 
     @staticmethod
-    def _run_slot(run: _Run, slot: "Slot", p2p: P2P) -> None:
-        """This rank's action of the slot, then its exchange with the neighbours."""
+    def _run_slot(run: _Run, slot: "Slot", p2p: P2P, takers: list) -> None:
+        """This rank's action of the slot, then its exchange with the neighbours; ``takers``: the layers that take
+        turns in an "FB" action (turns.py)."""
         act = grad = None
         if slot.action is not None and slot.action[0] == "FB":  # a forward and a backward, taking turns
             (c, m), back = slot.action[1:]
             out: dict = {}
-            with taking_turns(run.chunks) as turns:
+            with taking_turns(takers) as turns:
                 turns.run(lambda: out.update(act=run.forward(c, m, slot.send[0])),
                           lambda: out.update(grad=run.backward(*back, slot.send[1])))
             act, grad = out["act"], out["grad"]

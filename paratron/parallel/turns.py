@@ -92,19 +92,23 @@ def microbatch_forward(forward_step_func: Callable, data_iterator, model, layout
     return loss, report
 
 
-def settle_weight_grads(models: list) -> None:
+def turn_takers(models: list) -> list:
+    """The layers of ``models`` that take turns at their all-to-alls (those with ``exchange_turn``: the MoE layers),
+    found once per schedule call."""
+    return [m for model in models for m in model.modules() if hasattr(m, "exchange_turn")]
+
+
+def settle_weight_grads(takers: list) -> None:
     """Any weight gradient a layer still owes (--delay-wgrad-compute: ``settle_wgrad``), before the step uses them."""
-    for model in models:
-        for m in model.modules():
-            if hasattr(m, "settle_wgrad"):
-                m.settle_wgrad()
+    for m in takers:
+        m.settle_wgrad()
 
 
 @contextlib.contextmanager
-def taking_turns(models: list):
-    """A :class:`Turns` whose hand-off the layers of ``models`` call at their all-to-alls while it is open."""
+def taking_turns(takers: list):
+    """A :class:`Turns` whose hand-off the layers ``takers`` (:func:`turn_takers`) call at their all-to-alls while it
+    is open."""
     turns = Turns()
-    takers = [m for model in models for m in model.modules() if hasattr(m, "exchange_turn")]
     for m in takers:
         m.exchange_turn = turns.handoff
     try:
@@ -133,14 +137,15 @@ def forward_backward_combined(*, forward_step_func: Callable, data_iterator: Ite
         reports.append(report)
         return loss * grad_scale
 
+    takers = turn_takers([model])
     no_sync = getattr(model, "no_sync", None)  # DataParallel: no gradient reduction before the last micro-batch
     with no_sync() if no_sync is not None else contextlib.nullcontext():
         pending = forward()
         for _ in range(1, num_microbatches):
             done: list = []
-            with taking_turns([model]) as turns:
+            with taking_turns(takers) as turns:
                 turns.run(lambda: done.append(forward()), pending.backward)
             pending = done[0]
     pending.backward()
-    settle_weight_grads([model])
+    settle_weight_grads(takers)
     return reports
