@@ -140,6 +140,11 @@ def paired(f: tuple, b: tuple) -> list[tuple]:
     return [("FB", f[1:], b[1:])] if f[2] != b[2] else [f, b]
 
 
+def action_parts(action: tuple) -> list[tuple]:
+    """The plain actions ("F" or "B", chunk, micro-batch) of a table entry: an "FB" action's two, else itself."""
+    return [("F", *action[1]), ("B", *action[2])] if action[0] == "FB" else [action]
+
+
 def schedule_table(pp: int, vpp: int, rank: int, num_microbatches: int, forward_only: bool = False,
                    group: Optional[int] = None, turns: bool = False) -> list[tuple]:
     """``turns`` (--overlap-moe-expert-parallel-comm): one more warm-up forward, then each steady-state forward and
@@ -197,8 +202,7 @@ def build_plan(pp: int, vpp: int, num_microbatches: int, forward_only: bool = Fa
         r = todo.pop()
         while pos[r] < len(tables[r]):
             action = tables[r][pos[r]]
-            parts = [("F", *action[1]), ("B", *action[2])] if action[0] == "FB" else [action]
-            done = [(kind, c * pp + r, m) for kind, c, m in parts]
+            done = [(kind, c * pp + r, m) for kind, c, m in action_parts(action)]
             needs = [((("F", s - 1, m) if s > 0 else None) if kind == "F" else (("B", s + 1, m) if s < last else None))
                      for kind, s, m in done]
             unmet = [n for n in needs if n is not None and n not in slot_of]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from paratron.parallel.pipeline import build_plan, interleaved_warmup, schedule_table
+from paratron.parallel.pipeline import action_parts, build_plan, interleaved_warmup, schedule_table
 from tests.dist import run_ranks
 
 
@@ -118,7 +118,7 @@ def test_plan_pairs_every_transfer_in_its_slot(pp, vpp, m):
         for rank, slots in enumerate(plan):
             table = schedule_table(pp, vpp, rank, m, forward_only, None, turns)
             assert [s.action for s in slots if s.action] == table
-            parts = [p for a in table for p in ([("F", *a[1]), ("B", *a[2])] if a[0] == "FB" else [a])]
+            parts = [p for a in table for p in action_parts(a)]
             # the same actions, forwards and backwards each in their plain order (with the turns one forward
             # earlier: one more warm-up forward), each steady-state pair of two micro-batches
             plain = schedule_table(pp, vpp, rank, m, forward_only)
@@ -128,8 +128,7 @@ def test_plan_pairs_every_transfer_in_its_slot(pp, vpp, m):
             assert turns or not any(a[0] == "FB" for a in table)
             assert [s.t for s in slots] == sorted({s.t for s in slots})
             for s in slots:
-                for kind, c, mb in ([("F", *s.action[1]), ("B", *s.action[2])] if s.action and s.action[0] == "FB"
-                                    else [s.action] if s.action else []):
+                for kind, c, mb in (action_parts(s.action) if s.action else []):
                     used[(kind, c * pp + rank, mb)] = s.t
         transfers = 0
         for (kind, stage, mb), t in used.items():
