@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 
 from .batch_schedule import step_schedule
+from .precision_file import Rule, read_rules
 from .rules import changed_flags, need
 from .sections import Config, TrainConfig
 from .values import (FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_REFUSED_RECIPES, RECOMPUTE_MISSING,
@@ -91,20 +92,23 @@ def validate_fp8(cfg: Config) -> None:
              f"{end} must together be at most --num-layers {m.num_layers}")
     need(tr.fp8_format is not None or not tr.no_fp8_wgrad, "--no-fp8-wgrad has no effect without --fp8-format; add it "
          "or remove the flag")
+    need(tr.fp8_format is not None or tr.te_precision_config_file is None, "--te-precision-config-file overrides "
+         "the precision of the modules --fp8-format quantises, and has no effect without it; add --fp8-format")
     if tr.fp8_format is None:
         return
+    recipes = {tr.fp8_recipe} | {r.recipe for r in precision_rules(tr)} - {None}  # the run's and the file's
     need(tr.fp8_format in FP8_FORMATS, f"--fp8-format must be e4m3 or hybrid (got {tr.fp8_format})")
     need(tr.fp8_recipe not in FP8_REFUSED_RECIPES,
          f"--fp8-recipe {tr.fp8_recipe} is not supported: {FP8_REFUSED_RECIPES.get(tr.fp8_recipe)}; "
          "use tensorwise, delayed or blockwise")
     need(tr.fp8_recipe in FP8_RECIPES, f"--fp8-recipe must be tensorwise, delayed or blockwise (got {tr.fp8_recipe})")
-    need(tr.fp8_recipe != "blockwise" or tr.fp8_format == "e4m3", "--fp8-recipe blockwise keeps every tensor in e4m3 "
-         "(DeepSeek-V3's recipe, as Transformer Engine's); use --fp8-format e4m3")
+    need("blockwise" not in recipes or tr.fp8_format == "e4m3", f"{_named('blockwise', tr)} keeps every tensor in "
+         "e4m3 (DeepSeek-V3's recipe, as Transformer Engine's); use --fp8-format e4m3")
     need(tr.fp8_amax_compute_algo in FP8_AMAX_ALGOS,
          f"--fp8-amax-compute-algo must be max or most_recent (got {tr.fp8_amax_compute_algo})")
     need(tr.bf16, "--fp8-format needs --bf16 (FP8 matmuls with bf16 weights and activations)")
-    need(not (tr.fp8_recipe == "delayed" and tr.recompute_granularity == "full"),
-         "--fp8-recipe delayed with --recompute-granularity full would record each amax twice and recompute "
+    need(not ("delayed" in recipes and tr.recompute_granularity == "full"),
+         f"{_named('delayed', tr)} with --recompute-granularity full would record each amax twice and recompute "
          "with other scales; use --fp8-recipe tensorwise or selective recomputation")
     tp, width = par.tensor_model_parallel_size, m.ffn_hidden_size * (2 if m.swiglu or m.quick_geglu else 1)
     heads = m.num_attention_heads * (2 if m.attention_output_gate else 1)
@@ -116,10 +120,11 @@ def validate_fp8(cfg: Config) -> None:
     if m.num_experts is not None:
         sizes["--moe-ffn-hidden-size per expert-TP rank"] = (m.moe_ffn_hidden_size or m.ffn_hidden_size) // (
             par.expert_tensor_parallel_size or tp)
-    align = 128 if tr.fp8_recipe == "blockwise" else 16  # blockwise: whole 128-wide tiles (cuBLAS's blockwise GEMM)
+    align = 128 if "blockwise" in recipes else 16  # blockwise: whole 128-wide tiles (cuBLAS's blockwise GEMM)
     for name, size in sizes.items():
-        need(size % align == 0, f"--fp8-format{' --fp8-recipe blockwise' if align == 128 else ''} needs FP8 GEMM "
-             f"sizes that are multiples of {align}; {name} is {size}")
+        within = f" with {_named('blockwise', tr)}" if align == 128 else ""
+        need(size % align == 0, f"--fp8-format{within} needs FP8 GEMM sizes that are multiples of {align}; {name} is "
+                                f"{size}")
 
 
 def validate_recompute(cfg) -> None:
@@ -188,3 +193,13 @@ def validate_run_variants(cfg: Config) -> None:
     need(not cfg.train.disable_bf16_reduced_precision_matmul or cfg.train.bf16,
          "--disable-bf16-reduced-precision-matmul needs --bf16 (it changes bf16 matmuls only)")
     need(not cfg.log.log_progress or cfg.ckpt.save, "--log-progress writes <save>/progress.txt: add --save DIR")
+
+
+def precision_rules(tr: TrainConfig) -> tuple[Rule, ...]:
+    """The enabled matchers of --te-precision-config-file (config/precision_file.py), () without the flag."""
+    return read_rules(tr.te_precision_config_file) if tr.te_precision_config_file else ()
+
+
+def _named(recipe: str, tr: TrainConfig) -> str:
+    """How an error names where ``recipe`` comes from: the run's --fp8-recipe, else the precision file."""
+    return f"--fp8-recipe {recipe}" if tr.fp8_recipe == recipe else f"the {recipe} recipe of --te-precision-config-file"

@@ -7,7 +7,7 @@ import functools
 import inspect
 import re
 
-from . import encdec, hybrid_fields, kernels, sections
+from . import encdec, fp8_fields, hybrid_fields, kernels, sections
 
 HELP = {
     # model
@@ -103,10 +103,10 @@ HELP = {
 
 @functools.lru_cache(maxsize=None)
 def _source_comments() -> dict[str, str]:
-    """``name: type = default  # comment`` lines of sections.py, kernels.py and hybrid_fields.py: {name: comment}."""
+    """``name: type = default  # comment`` lines of the sections' modules: {name: comment}."""
     out = {}
     for line in (inspect.getsource(sections) + inspect.getsource(kernels) + inspect.getsource(hybrid_fields)
-                 + inspect.getsource(encdec)).splitlines():
+                 + inspect.getsource(encdec) + inspect.getsource(fp8_fields)).splitlines():
         m = re.match(r"    ([a-z][a-z0-9_]*): [^=]+=.*?#\s*(.+)$", line)
         if m:
             out[m.group(1)] = m.group(2).replace("paratron: ", "").strip()

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from ..errors import ConfigError
 from .hybrid_fields import HybridFields
 from .encdec import EncoderDecoderFields
+from .fp8_fields import FP8Fields
 from .kernels import KernelConfig
 from .section_base import Section, base_type, flag  # noqa: F401  (flag, base_type: imported from here)
 
@@ -185,7 +186,7 @@ class ParallelConfig(Section):
 
 
 @dataclass(eq=True)
-class TrainConfig(Section):
+class TrainConfig(Section, FP8Fields):
     _name = "train"
     micro_batch_size: int = 4
     global_batch_size: Optional[int] = None  # default micro_batch_size * data-parallel size
@@ -228,16 +229,6 @@ class TrainConfig(Section):
     torch_compile: bool = False  # paratron: torch.compile each transformer layer (regional compilation)
     no_fused_output_loss: bool = False  # paratron: plain logits + cross-entropy instead of the chunked fused path
     calculate_per_token_loss: bool = False  # loss = sum over the step's tokens / their count (else per micro-batch mean)
-    fp8_format: Optional[str] = None  # FP8 matmuls (paratron/fp8/): e4m3 | hybrid (e5m2 gradients); --bf16, Hopper/Ada
-    fp8_recipe: str = "delayed"  # tensorwise (current amax) | delayed (amax history) | blockwise (1x128, 128x128 tiles)
-    fp8_amax_history_len: int = 1  # delayed: amaxes kept per tensor
-    fp8_amax_compute_algo: str = "most_recent"  # delayed: max | most_recent of the history
-    fp8_margin: int = 0  # scale = fp8 max / (amax * 2^margin)
-    fp8_hybrid: bool = False  # Megatron's older spelling of --fp8-format hybrid
-    no_fp8_wgrad: bool = False  # FP8: weight gradients in bf16 from the bf16 input and output gradient
-    first_last_layers_bf16: bool = False  # FP8: the first and last decoder layers stay in bf16
-    num_layers_at_start_in_bf16: int = 1  # with --first-last-layers-bf16: how many first layers
-    num_layers_at_end_in_bf16: int = 1  # with --first-last-layers-bf16: how many last layers
     deterministic_mode: bool = False  # torch.use_deterministic_algorithms: bitwise-repeatable runs
     manual_gc: bool = False  # Python's automatic garbage collector off; collect every --manual-gc-interval steps
     manual_gc_interval: int = 0  # 0: collect only at checkpoints and evaluations

@@ -51,21 +51,60 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.
     return _FP8Linear.apply(x, weight, state)
 
 
-def attach(model: torch.nn.Module, recipe: Optional[Recipe], num_layers: Optional[int] = None) -> int:
+def attach(model: torch.nn.Module, recipe: Optional[Recipe], num_layers: Optional[int] = None,
+           prefix: str = "decoder") -> int:
     """Give each transformer QKV / proj / fc1 / fc2 layer of ``model`` its own FP8State (embedding and
     output layer stay in the parameters' dtype). ``num_layers``: the decoder's (global) layer count, for
     the recipe's first / last layers kept out of FP8 (``model`` a decoder stack: its layers' indices).
+    ``prefix``: ``model``'s name in Megatron's model, for --te-precision-config-file's matchers, which see each
+    layer under its global number (``decoder.layers.5.self_attention.linear_qkv`` on whichever pipeline stage
+    holds layer 5); a layer a matcher chose keeps the matcher's name in ``precision_rule``.
     Returns how many layers got one."""
     if recipe is None:
         return 0
-    skip = {id(m) for layer in getattr(model, "layers", []) if num_layers is not None
+    layers = getattr(model, "layers", [])
+    skip = {id(m) for layer in layers if num_layers is not None
             and recipe.in_bf16(layer.index, num_layers) for m in layer.modules()}
     n = 0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in LAYERS and hasattr(module, "fp8") and id(module) not in skip:
-            module.fp8 = FP8State(recipe, module.weight.device)
-            n += 1
+            own, rule = recipe.for_module(megatron_name(name, prefix, layers if num_layers is not None else None))
+            module.precision_rule = rule.matcher if rule is not None else None
+            if own is not None:
+                module.fp8 = FP8State(own, module.weight.device)
+                n += 1
     return n
+
+
+def megatron_name(name: str, prefix: str, layers) -> str:
+    """``prefix.name``, the local layer number of ``layers.i.`` replaced by the layer's global one."""
+    parts = name.split(".")
+    if layers is not None and len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
+        parts[1] = str(layers[int(parts[1])].index)
+    return ".".join([prefix, *parts])
+
+
+def coverage(models) -> str:
+    """What runs in FP8, for the start-up line: the layers per recipe, those kept in the parameters' dtype, and
+    --te-precision-config-file's matchers with the layers each chose."""
+    recipes, kept, rules = {}, 0, {}
+    for model in models:
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] not in LAYERS or not hasattr(module, "fp8"):
+                continue
+            state = module.fp8
+            if state is None:
+                kept += 1
+            else:
+                recipes[state.recipe.recipe] = recipes.get(state.recipe.recipe, 0) + 1
+            rule = getattr(module, "precision_rule", None)
+            if rule is not None:
+                rules[rule] = rules.get(rule, 0) + 1
+    text = ", ".join(f"{n} {r}" for r, n in recipes.items()) or "none"
+    text = f"FP8 linears: {text}; in the parameters' dtype: {kept}"
+    if rules:
+        text += " (--te-precision-config-file matchers: " + ", ".join(f"{r} {n}" for r, n in rules.items()) + ")"
+    return text
 
 
 def device_problem(device: str) -> Optional[str]:

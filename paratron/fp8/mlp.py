@@ -41,9 +41,10 @@ from ..kernels.fp8_cast import (E4M3, GELU, GELU_TANH, IDENTITY, SWIGLU, act_fp8
 def applies(fc1, fc2, act: Optional[int]) -> bool:
     """Whether the fused FP8 MLP can replace fc1 -> activation -> fc2 (``act``: one of SWIGLU, GELU,
     GELU_TANH, or None for an activation it does not have)."""
-    s1, s2 = fc1.fp8, fc2.fp8  # (--no-fp8-wgrad: the per-layer path, whose weight gradients can be bf16)
-    return (act is not None and s1 is not None and s2 is not None and s1.recipe.fuse_mlp and s1.recipe.fp8_wgrad
-            and s1.recipe.recipe != "blockwise")
+    s1, s2 = fc1.fp8, fc2.fp8  # (--no-fp8-wgrad: the per-layer path, whose weight gradients can be bf16; layers
+    # of two recipes, as --te-precision-config-file may give them: each its own)
+    return (act is not None and s1 is not None and s2 is not None and s1.recipe == s2.recipe and s1.recipe.fuse_mlp
+            and s1.recipe.fp8_wgrad and s1.recipe.recipe != "blockwise")
 
 
 # ---- the two ops, as torch expressions (CPU, and the reference of the kernels) -----------------

@@ -24,11 +24,12 @@ dequantise -> fp32 matmul: for the CPU unit tests of the numerics only, never ch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from ..config.precision_file import Rule, first_match, read_rules
 from ..config.values import FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_REFUSED_RECIPES
 from ..kernels.fp8_cast import E4M3, E5M2, FMAX, amax, cast_fp8, compute_scale, dequantize, quantize  # noqa: F401
 
@@ -58,6 +59,7 @@ class Recipe:
     grouped_gemm: str = "dequant"  # routed experts' FP8 GEMMs (--kernel-fp8-grouped-gemm): scaled_grouped_mm | dequant
     block_grouped_gemm: str = "dequant"  # ... under the blockwise recipe (--kernel-fp8-block-grouped-gemm): triton
     block_cast: str = "torch"  # blockwise tile casts in both layouts (--kernel-fp8-block-cast): triton | torch
+    overrides: tuple[Rule, ...] = ()  # --te-precision-config-file's matchers (config/precision_file.py), in order
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -81,7 +83,16 @@ class Recipe:
                    bf16_at_end=edges[1], block_gemm="dequant" if block == "auto" else block,
                    grouped_gemm="dequant" if grouped == "auto" else grouped,
                    block_grouped_gemm="dequant" if block_grouped == "auto" else block_grouped,
-                   block_cast="torch" if block_cast == "auto" else block_cast)
+                   block_cast="torch" if block_cast == "auto" else block_cast,
+                   overrides=read_rules(tr.te_precision_config_file) if tr.te_precision_config_file else ())
+
+    def for_module(self, name: str) -> tuple[Optional["Recipe"], Optional[Rule]]:
+        """(the recipe of the module called ``name`` (Megatron's name; None: it stays in the parameters' dtype), the
+        matcher of --te-precision-config-file that chose it, None when the run's recipe applies unchanged)."""
+        rule = first_match(self.overrides, name)
+        if rule is not None and rule.recipe is None:
+            return None, rule
+        return replace(self, recipe=rule.recipe if rule else self.recipe, overrides=()), rule
 
     def in_bf16(self, layer: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer`` (global, 0-based) of ``num_layers`` stays out of FP8."""

@@ -101,7 +101,7 @@ class BertModel(GPTModel):
                                         recompute_granularity=recompute_granularity, recompute_method=recompute_method,
                                         recompute_num_layers=recompute_num_layers, device=device, dtype=dtype,
                                         seed=seed)
-        fp8_mod.attach(self.encoder, fp8, cfg.num_layers)
+        fp8_mod.attach(self.encoder, fp8, cfg.num_layers, prefix="encoder")
         self.output_layer = self.lm_head = self.pooler = self.binary_head = None
         if post_process:
             with seeded_init(seed, "lm_head", device):

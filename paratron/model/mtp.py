@@ -172,7 +172,7 @@ def build(cfg: ModelConfig, par: Parallel, whole_model: bool, seed: Optional[int
                          "size 1)")
     from .. import fp8 as fp8_mod
     block = MultiTokenPrediction(cfg, par, seed, recompute, device, dtype)
-    fp8_mod.attach(block, fp8)
+    fp8_mod.attach(block, fp8, prefix="mtp")
     return block
 
 

@@ -97,10 +97,9 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.flops_per_iter = iteration_flops(cfg)
         self.peak = peak_tflops(self.device)
         self.guard = StepGuard.from_config(cfg, self.dims.rank, self.log.print)
-        if tr.fp8_format is not None and self.report.routers:  # what --fp8-format covers in an MoE model, said once
-            self.log.print(f" FP8 ({tr.fp8_recipe}): attention, dense / shared-expert MLP linears and the routed "
-                           "experts' grouped GEMMs (forward, input and weight gradients); router and output layer "
-                           "stay in bf16")
+        if tr.fp8_format is not None:  # what --fp8-format covers on this rank, said once
+            from .. import fp8
+            self.log.print(f" {fp8.coverage(self.models)}; embedding, router and output layer in bf16")
         self.exit_reason: Optional[str] = None  # why training stopped before --train-iters (the exit line's)
 
     # ---- set-up pieces -------------------------------------------------------------------------

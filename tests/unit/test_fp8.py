@@ -257,7 +257,7 @@ def test_fused_casts_equal_eager(monkeypatch, recipe):
 
 def test_moe_model_says_which_linears_fp8_covers(monkeypatch, capsys):
     """With --fp8-format an MoE model runs attention, the shared expert and the routed experts' grouped
-    GEMMs in FP8, and says so once at start-up (CPU standing in for an FP8 GPU)."""
+    GEMMs in FP8, and says so once at start-up with the count of each (CPU standing in for an FP8 GPU)."""
     from tests.unit.test_train import TINY, losses_of
     from paratron.train.loop import Trainer
     monkeypatch.setattr(fp8, "device_problem", lambda device: None)
@@ -266,13 +266,14 @@ def test_moe_model_says_which_linears_fp8_covers(monkeypatch, capsys):
                     "32", "--moe-grouped-gemm"]
     trainer = Trainer(parse_args(flags))
     out = capsys.readouterr().out
-    assert out.count("routed experts' grouped GEMMs (forward, input and weight gradients)") == 1, out
+    # two layers of QKV, proj, the shared expert's fc1 / fc2 and the experts' fc1 / fc2, all in the run's recipe
+    assert out.count("FP8 linears: 12 delayed; in the parameters' dtype: 0; embedding, router") == 1, out
     with_state = {n for n, m in trainer.model.named_modules() if getattr(m, "fp8", None) is not None}
     assert any(n.endswith("linear_qkv") for n in with_state) and any("shared_experts" in n for n in with_state)
     assert any(n.endswith(".experts.linear_fc1") for n in with_state), with_state
     assert all(torch.isfinite(torch.tensor(losses_of(trainer, 2))))
     dense = Trainer(parse_args(TINY + ["--train-iters", "1", "--bf16", "--fp8-format", "hybrid", "--device", "cpu"]))
-    assert dense is not None and "grouped GEMMs" not in capsys.readouterr().out
+    assert dense is not None and "FP8 linears: 8 delayed; in the parameters' dtype: 0" in capsys.readouterr().out
 
 
 def test_first_last_layers_stay_in_bf16(monkeypatch):
