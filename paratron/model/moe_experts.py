@@ -186,20 +186,27 @@ class Experts(nn.Module):
     def _mm(self, x: torch.Tensor, w: torch.Tensor, counts, rows, fp8=None) -> torch.Tensor:
         """x [tokens sorted by expert, in] times each expert's w [out, in]^T; ``rows``: the padded
         layout of :func:`aligned_rows` (grouped GEMM), or None (one matmul per expert); ``counts``: a
-        list of rows per expert (or a tensor of them); ``fp8``: the weight's FP8State (FP8 grouped GEMM)."""
+        list of rows per expert (or a tensor of them), or per expert a list of rows per source rank (the
+        alltoall dispatcher under --deterministic-mode: each matmul then takes one source's rows, the rows a run
+        without expert parallelism gives that expert in one micro-batch, so a GPU GEMM whose result for a row
+        depends on the call's row count gives the same bits as there); ``fp8``: the weight's FP8State."""
         if rows is not None:
             dest, ends, size = rows
             padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
             if fp8 is not None:
                 return fp8_experts.fp8_grouped_mm(padded, w, ends, fp8)[dest]
             return self._grouped(padded, w, ends)[dest]
-        parts = torch.split(x, counts if isinstance(counts, list) else counts.tolist())
-        return torch.cat([p @ w[i].t() for i, p in enumerate(parts)])
+        counts = counts if isinstance(counts, list) else counts.tolist()
+        if counts and isinstance(counts[0], list):  # [expert][source rank]: one matmul per expert and source
+            owner = [i for i, per_source in enumerate(counts) for _ in per_source]
+            return torch.cat([p @ w[i].t() for i, p in zip(owner, torch.split(x, sum(counts, [])))])
+        return torch.cat([p @ w[i].t() for i, p in enumerate(torch.split(x, counts))])
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_index: torch.Tensor,
                 host_counts: Optional[list] = None) -> torch.Tensor:
         """``x``: the tokens sorted by (local) expert, ``counts[i]`` of them for expert i (``host_counts``:
-        the same as a list, when known); ``expert_index`` the expert of each row."""
+        the same as a list, when known, or split further by source rank: see :meth:`_mm`); ``expert_index`` the
+        expert of each row."""
         grouped = self.takes_grouped(x)  # FP8 experts always take the grouped layout (no per-expert loop)
         self.used_grouped_mm = grouped
         rows = aligned_rows(counts, expert_index, self.row_alignment()) if grouped else None  # no host sync

@@ -8,8 +8,8 @@ distributed optimizer. Gradient clipping is active in every step (a gradient
 reduced over the wrong group, or counted twice in the norm, changes the update). Reducing the
 expert gradients over the data-parallel group instead of the expert-data-parallel one is shown to
 break the equality. A checkpoint saved at EP 2 resumes at EP 1, EP 4 and TP 2 x EP 2. The two
-dispatchers (alltoall also with --moe-permute-fusion's fused gather / copy of the received rows) give the
-one-rank layer's outputs and gradients."""
+dispatchers (alltoall also with --moe-permute-fusion's fused gather / copy of the received rows, and under
+--deterministic-mode with one matmul per expert and source rank) give the one-rank layer's outputs and gradients."""
 from __future__ import annotations
 
 import pytest
@@ -90,18 +90,31 @@ def _dispatch(rank: int, world: int) -> dict:
         torch.manual_seed(5)
         experts = moe.Experts(cfg, lay=lay)
         variants = [(kind, fn, False) for kind, fn in DISPATCHERS.items()] + [
-            ("alltoall_fused", DISPATCHERS["alltoall"], True)]  # --moe-permute-fusion on the received rows
+            ("alltoall_fused", DISPATCHERS["alltoall"], True),  # --moe-permute-fusion on the received rows
+            ("alltoall_deterministic", DISPATCHERS["alltoall"], False)]  # one matmul per expert and source rank
         for kind, fn, fused in variants:
             experts.grouped = experts.permute_fusion = fused
             x = tokens_all[rank].clone().requires_grad_()
             probs, rmap = moe.topk_route(logits_all[rank].clone().requires_grad_(), 2)
             probs.retain_grad()
-            y = fn(x, probs, rmap, experts, lay)
+            torch.use_deterministic_algorithms(kind == "alltoall_deterministic")
+            with MatmulCount() as mm:
+                y = fn(x, probs, rmap, experts, lay)
+            torch.use_deterministic_algorithms(False)
             (y * torch.arange(16.0)).sum().backward()
-            out[(name, kind)] = {"y": y.detach(), "gx": x.grad, "gp": probs.grad,
+            out[(name, kind)] = {"y": y.detach(), "gx": x.grad, "gp": probs.grad, "matmuls": mm.count,
                                  "gw": {n: _grad_global(p, dims) for n, p in experts.named_parameters()}}
             experts.zero_grad()
     return out
+
+
+class MatmulCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products run inside it."""
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
 
 
 def _grad_global(p, dims):
@@ -198,7 +211,7 @@ def test_dispatchers_equal_one_rank_layer(ranks, layout):
     y = experts(x[token_index], rmap.sum(0), expert_index) * probs[token_index, expert_index][:, None]
     y = torch.zeros(48, 16).index_add(0, token_index, y)
     (y * torch.arange(16.0)).sum().backward()
-    for kind in ("alltoall", "allgather", "alltoall_fused"):
+    for kind in ("alltoall", "allgather", "alltoall_fused", "alltoall_deterministic"):
         for rank in range(4):
             got = ranks[rank]["dispatch"][(layout, kind)]
             rows = slice(12 * rank, 12 * (rank + 1))
@@ -208,6 +221,11 @@ def test_dispatchers_equal_one_rank_layer(ranks, layout):
         # each rank's expert gradients hold the contributions of every rank's tokens
         for n, p in experts.named_parameters():
             torch.testing.assert_close(ranks[0]["dispatch"][(layout, kind)]["gw"][n], p.grad, rtol=1e-5, atol=1e-6)
+    # under --deterministic-mode each local expert multiplies each source rank's rows on their own (fc1 and fc2):
+    # 2 local experts x 4 sources at EP 4, 4 x 4 at expert-TP 2 x EP 2; else one matmul per local expert
+    sources, local = {"ep4": (4, 2), "etp2_ep2": (4, 4)}[layout]
+    assert ranks[0]["dispatch"][(layout, "alltoall_deterministic")]["matmuls"] == 2 * local * sources
+    assert ranks[0]["dispatch"][(layout, "alltoall")]["matmuls"] == 2 * local
 
 
 @pytest.mark.parametrize("layout", list(RESUMED))
