@@ -48,14 +48,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str, env: dict, fn, args)
 
 
 def run_ranks(world: int, fn, *args, tmp_dir: str | Path) -> list:
-    """fn(rank, world, *args) on each rank; returns the list of results (torch-saveable)."""
-    out = Path(tmp_dir) / f"ranks{world}_{free_port()}"
-    out.mkdir(parents=True)
+    """fn(rank, world, *args) on each rank; returns the list of results (torch-saveable). A launch whose
+    rendezvous port another process took between its choice and the rendezvous (EADDRINUSE, before any rank
+    ran ``fn``) is launched again on another port, at most twice."""
     multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first launch)
-    try:
-        mp.start_processes(_worker, args=(world, free_port(), str(out), dict(os.environ), fn, args), nprocs=world,
-                           join=True, start_method="forkserver")
-    except Exception as e:
-        errs = [p.read_text() for p in sorted(out.glob("*.err"))]
-        raise AssertionError("a rank failed:\n" + ("\n".join(errs) or str(e))) from None
+    for attempt in range(3):
+        out = Path(tmp_dir) / f"ranks{world}_{free_port()}"
+        out.mkdir(parents=True)
+        try:
+            mp.start_processes(_worker, args=(world, free_port(), str(out), dict(os.environ), fn, args),
+                               nprocs=world, join=True, start_method="forkserver")
+            break
+        except Exception as e:
+            errs = [p.read_text() for p in sorted(out.glob("*.err"))]
+            if "EADDRINUSE" in str(e) and not errs and attempt < 2:
+                continue
+            raise AssertionError("a rank failed:\n" + ("\n".join(errs) or str(e))) from None
     return [torch.load(out / f"{r}.pt", weights_only=False) for r in range(world)]
