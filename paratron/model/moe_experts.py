@@ -214,15 +214,16 @@ class Experts(nn.Module):
         return self._ffn(x, lambda a, m: self._mm(a, m.weight, counts, rows, m.fp8), expert_index)
 
     def row_alignment(self) -> int:
-        """Each expert's rows start at a multiple of this in the grouped layout (FP8: its recipe's)."""
-        fp8 = self.linear_fc1.fp8
-        return fp8_experts.alignment(fp8) if fp8 is not None else 8
+        """Each expert's rows start at a multiple of this in the grouped layout (FP8: its recipes', the larger where
+        --te-precision-config-file gave fc1 and fc2 two: a blockwise tile along the rows never holds two experts)."""
+        states = [m.fp8 for m in (self.linear_fc1, self.linear_fc2) if m.fp8 is not None]
+        return max([fp8_experts.alignment(s) for s in states], default=8)
 
     def takes_grouped(self, x: torch.Tensor) -> bool:
-        """Whether the experts run as grouped GEMMs on ``x``'s device and dtype (always in FP8)."""
+        """Whether the experts run as grouped GEMMs on ``x``'s device and dtype (always when either is in FP8)."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        return fc1.fp8 is not None or (self.grouped and grouped_mm_usable(x, fc1.weight.shape[1], fc1.weight.shape[2],
-                                                                           fc2.weight.shape[1]))
+        return fc1.fp8 is not None or fc2.fp8 is not None or (
+            self.grouped and grouped_mm_usable(x, fc1.weight.shape[1], fc1.weight.shape[2], fc2.weight.shape[1]))
 
     def padded(self, x: torch.Tensor, ends: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
         """The experts on rows already in the padded grouped layout (:func:`padded_layout`). The grouped GEMM

@@ -172,3 +172,29 @@ def test_an_experts_only_file_runs_the_routed_experts_alone_in_fp8(tmp_path, mon
     assert "FP8 linears: 4 tensorwise; in the parameters' dtype: 8 (--te-precision-config-file matchers: " \
            "attention 4, shared 4)" in out, out
     assert losses != plain and all(abs(a - b) < 0.05 * abs(b) for a, b in zip(losses, plain)), (losses, plain)
+
+
+@pytest.mark.parametrize("fc1, fc2", [("tensorwise", "blockwise"), ("blockwise", "tensorwise"), (None, "tensorwise"),
+                                      ("tensorwise", None)])
+def test_experts_with_two_precisions_align_their_rows_for_both(fc1, fc2):
+    """fc1 and fc2 of the routed experts in two recipes (or one in bf16): the grouped layout, its rows aligned for
+    the stricter recipe (128 when either is blockwise: a tile along the rows never holds two experts), and the layer
+    close to its bf16 self."""
+    from paratron.model.layers import Parallel
+    from paratron.model.moe import MoELayer
+    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--num-layers", "1", "--hidden-size", "128",
+                      "--num-attention-heads", "2", "--seq-length", "16", "--num-experts", "4", "--moe-router-topk",
+                      "2", "--moe-ffn-hidden-size", "128", "--swiglu", "--disable-bias-linear"]).model
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, Parallel())
+    x = torch.randn(16, 2, 128)
+    ref = layer(x)
+    rules = tuple(Rule(f"fc{i}", f"*.experts.linear_fc{i}", r) for i, r in ((1, fc1), (2, fc2)))
+    run = [r for r in (fc1, fc2) if r is not None][0]
+    fp8.attach(layer, Recipe(format="e4m3", recipe=run, emulate=True, overrides=rules))
+    states = [layer.experts.linear_fc1.fp8, layer.experts.linear_fc2.fp8]
+    assert [s.recipe.recipe if s is not None else None for s in states] == [fc1, fc2]
+    assert layer.experts.row_alignment() == (128 if "blockwise" in (fc1, fc2) else 16)
+    out = layer(x)
+    assert layer.experts.used_grouped_mm
+    assert 0 < (out - ref).norm() / ref.norm() < 0.1
