@@ -125,6 +125,8 @@ def check_combined_overlap(m, *, expert_ranks: Optional[int], recompute_granular
              "--moe-grouped-gemm")
         need(fp8_format is None, "--delay-wgrad-compute is not built for FP8 experts (their weight gradients stay in "
              "the backward); remove one")
+    if m.overlap_dispatch_backward_with_experts_wgrad:
+        check_dispatch_backward_overlap(m, expert_ranks, fp8_format)
     if not m.overlap_moe_expert_parallel_comm:
         return
     name = "--overlap-moe-expert-parallel-comm"
@@ -142,3 +144,22 @@ def check_combined_overlap(m, *, expert_ranks: Optional[int], recompute_granular
     need(sharding_strategy != "optim_grads_params", f"{name} is not supported with "
          "--data-parallel-sharding-strategy optim_grads_params: ZeRO-3 gathers and frees each layer's parameters for "
          "one pass at a time, and the turns run two; use optim_grads (ZeRO-2) or remove the flag")
+
+
+def check_dispatch_backward_overlap(m, expert_ranks: Optional[int], fp8_format: Optional[str]) -> None:
+    """--overlap-dispatch-backward-with-experts-wgrad: Megatron's exclusions, and what paratron's needs (the
+    alltoall dispatcher's all-to-all to overlap, the grouped GEMMs whose weight gradients it defers)."""
+    name = "--overlap-dispatch-backward-with-experts-wgrad"
+    need(not m.delay_wgrad_compute and not m.overlap_moe_expert_parallel_comm, f"{name} and --delay-wgrad-compute / "
+         "--overlap-moe-expert-parallel-comm defer the same weight gradients (as Megatron, they exclude each other): "
+         "remove one")
+    need(m.num_experts is not None, f"{name} overlaps the experts' all-to-all: set --num-experts or remove the flag")
+    need(expert_ranks is None or expert_ranks > 1, f"{name} needs --expert-model-parallel-size x "
+         "--expert-tensor-parallel-size > 1 (on one expert rank no rows move); remove the flag")
+    need(m.moe_token_dispatcher_type in ("alltoall", "flex"), f"{name} overlaps the alltoall dispatcher's backward "
+         "all-to-all: use --moe-token-dispatcher-type alltoall or flex")
+    need(not m.moe_shared_expert_overlap, f"{name} with --moe-shared-expert-overlap: the dispatch's backward "
+         "all-to-all already carries the shared expert's backward; remove one")
+    need(m.moe_grouped_gemm, f"{name} defers the experts' grouped GEMMs' weight gradients: set --moe-grouped-gemm")
+    need(fp8_format is None, f"{name} is not built for FP8 experts (their weight gradients stay in the backward); "
+         "remove one")

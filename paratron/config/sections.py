@@ -100,6 +100,7 @@ class ModelConfig(Section, HybridFields, EncoderDecoderFields):
     moe_shared_expert_overlap: bool = False  # alltoall EP: the shared expert (fwd, bwd) under the dispatch all-to-all
     overlap_moe_expert_parallel_comm: bool = False  # alltoall EP: all-to-alls under another micro-batch's compute
     delay_wgrad_compute: bool = False  # the experts' weight gradients under the dispatch's backward all-to-all
+    overlap_dispatch_backward_with_experts_wgrad: bool = False  # experts' wgrad under the dispatch backward all-to-all
     moe_grouped_gemm: bool = False  # torch._grouped_mm where available, else a loop over experts
     moe_permute_fusion: bool = False  # grouped GEMM: tokens gathered straight into the padded expert rows and back
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex (runs as alltoall)

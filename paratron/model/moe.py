@@ -315,7 +315,10 @@ class MoELayer(nn.Module):
         # a later pair of turns than its forward)
         self.exchange_turn = None
         self.takes_turns = cfg.overlap_moe_expert_parallel_comm
-        if cfg.delay_wgrad_compute:  # the experts' weight gradients settled under the dispatch's backward all-to-all
+        # the experts' weight gradients settled under the dispatch's backward all-to-all: within the turns
+        # (--delay-wgrad-compute) or alone (--overlap-dispatch-backward-with-experts-wgrad)
+        self.settles_under_dispatch = cfg.overlap_dispatch_backward_with_experts_wgrad
+        if cfg.delay_wgrad_compute or self.settles_under_dispatch:
             self.experts.owed = OwedWeightGrads()
 
     def _local_fn(self, tokens: Optional[torch.Tensor] = None):
@@ -401,12 +404,12 @@ class MoELayer(nn.Module):
         if self.overlap_shared:  # --moe-shared-expert-overlap: the shared expert under the dispatch all-to-all
             return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, shared_fn, capacity)
         return self.dispatch(tokens, probs, routing_map, self.experts, self.layout, None, capacity,
-                             self._take_turn if self.takes_turns else None), None
+                             self._take_turn if self.takes_turns or self.settles_under_dispatch else None), None
 
     def _take_turn(self) -> None:
-        """While an all-to-all travels: the experts' owed weight gradients (--delay-wgrad-compute: owed between the
-        experts' backward and the dispatch's backward all-to-all), then the hand-off of the turns open now, if any
-        (see ``exchange_turn``)."""
+        """While an all-to-all travels: the experts' owed weight gradients (--delay-wgrad-compute or
+        --overlap-dispatch-backward-with-experts-wgrad: owed between the experts' backward and the dispatch's
+        backward all-to-all), then the hand-off of the turns open now, if any (see ``exchange_turn``)."""
         self.settle_wgrad()
         if self.exchange_turn is not None:
             self.exchange_turn()

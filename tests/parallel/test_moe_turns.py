@@ -159,3 +159,53 @@ def test_the_core_facade_takes_the_turns_from_the_transformer_config(tmp_path):
         assert len(refused) == 3, refused
         assert "--moe-shared-expert-overlap" in refused[0] and "recompute-granularity full" in refused[1]
         assert "optim_grads_params" in refused[2]
+
+
+def _dispatch_backward(rank: int, world: int, flags: dict) -> dict:
+    """The plain run and the one with --overlap-dispatch-backward-with-experts-wgrad; each settle of owed weight
+    gradients recorded with what it held and whether an all-to-all was in flight (inside the dispatch's turn)."""
+    from paratron.model import moe_wgrad
+    from paratron.parallel import experts
+    settled, settle, exchange = [], moe_wgrad.OwedWeightGrads.settle, experts._exchange
+    in_flight = []
+
+    def counted_settle(self):
+        settled.append((len(self.owed), bool(in_flight)))
+        settle(self)
+
+    def flagged_exchange(x, out_splits, in_splits, group, turn):
+        if turn is None:
+            return exchange(x, out_splits, in_splits, group, turn)
+
+        def marked():
+            in_flight.append(True)
+            try:
+                turn()
+            finally:
+                in_flight.pop()
+        return exchange(x, out_splits, in_splits, group, marked)
+    plain = run_steps(tiny_config("llama", world, **MOE, **flags), STEPS)
+    moe_wgrad.OwedWeightGrads.settle, experts._exchange = counted_settle, flagged_exchange
+    try:
+        overlapped = run_steps(tiny_config("llama", world, **MOE, **flags,
+                                           overlap_dispatch_backward_with_experts_wgrad=True), STEPS)
+    finally:
+        moe_wgrad.OwedWeightGrads.settle, experts._exchange = settle, exchange
+    return {"plain": plain, "overlapped": overlapped, "settled": settled}
+
+
+@pytest.mark.parametrize("flags", [dict(expert_model_parallel_size=2),
+                                   dict(expert_model_parallel_size=2, moe_permute_fusion=True)])
+def test_experts_wgrad_under_the_dispatch_backward_trains_as_the_plain_backward(flags, tmp_path):
+    """--overlap-dispatch-backward-with-experts-wgrad (Megatron's flag, without the turns): each MoE layer's experts'
+    weight gradients are computed while the dispatch's backward all-to-all is in flight, and the run is the plain
+    run bit for bit."""
+    for out in run_ranks(2, _dispatch_backward, flags, tmp_dir=tmp_path):
+        assert out["plain"]["losses"] == out["overlapped"]["losses"]
+        for n, p in out["plain"]["params"].items():
+            assert torch.equal(p, out["overlapped"]["params"][n]), n
+        owed = [n for n, flying in out["settled"] if n]
+        # fc1's and fc2's weight gradients of each of the 2 MoE layers, each micro-batch of each step: all settled
+        # while an all-to-all was in flight
+        assert len(owed) >= STEPS * 2 and all(n == 2 for n in owed), out["settled"]
+        assert all(flying for n, flying in out["settled"] if n), out["settled"]

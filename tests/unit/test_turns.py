@@ -124,6 +124,24 @@ def test_delay_wgrad_compute_needs_the_overlap_as_megatron():
                    world_size=2)
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--delay-wgrad-compute", "--overlap-moe-expert-parallel-comm"], "exclude each other"),
+    (["--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size x --expert-tensor-parallel-size > 1"),
+    (["--moe-token-dispatcher-type", "allgather"], "use --moe-token-dispatcher-type alltoall or flex"),
+    (["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap"], "remove one"),
+])
+def test_the_dispatch_backward_overlap_is_refused_where_it_cannot_run(extra, says):
+    """--overlap-dispatch-backward-with-experts-wgrad: Megatron's exclusions and paratron's needs, one line each."""
+    from paratron.config import ConfigError, parse_args
+    flags = [f for f in BASE if f != "--overlap-moe-expert-parallel-comm"]
+    ok = flags + ["--expert-model-parallel-size", "2", "--moe-grouped-gemm",
+                  "--overlap-dispatch-backward-with-experts-wgrad"]
+    assert parse_args(ok, world_size=2).model.overlap_dispatch_backward_with_experts_wgrad
+    with pytest.raises(ConfigError, match="--overlap-dispatch-backward-with-experts-wgrad") as e:
+        parse_args(ok + extra, world_size=2)
+    assert says in str(e.value)
+
+
 def test_the_time_plan_hides_the_expert_all_to_alls_under_the_other_micro_batch():
     """paratron plan's step time: with the turns the all-to-alls are exposed for one micro-batch only (when the
     compute covers the rest); with one micro-batch nothing is paired; nothing else changes."""

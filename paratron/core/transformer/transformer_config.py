@@ -39,7 +39,7 @@ SAME_NAME = (  # Megatron's field = paratron's ModelConfig field
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
     "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_dispatcher_type", "moe_grouped_gemm",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap", "moe_shared_expert_gate",
-    "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
+    "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
     "moe_router_num_groups", "moe_router_group_topk", "moe_input_jitter_eps", "moe_token_drop_policy",
     "moe_pad_expert_input_to_capacity", "moe_router_dtype", "moe_router_force_load_balancing", "moe_latent_size",
     "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
@@ -148,6 +148,7 @@ class _Mapped:
     moe_shared_expert_overlap: bool = False
     overlap_moe_expert_parallel_comm: bool = False  # the schedule's turns (paratron/parallel/turns.py)
     delay_wgrad_compute: bool = False  # the experts' weight gradients under the dispatch's backward all-to-all
+    overlap_dispatch_backward_with_experts_wgrad: bool = False  # experts' wgrad under the dispatch backward all-to-all
     moe_shared_expert_gate: bool = False
     moe_router_num_groups: Optional[int] = None
     moe_router_group_topk: Optional[int] = None
