@@ -31,6 +31,9 @@ ACCEPTED = {
     "cross_entropy_fusion_impl": "paratron's own fused cross-entropy runs for every value (native | te)",
     "moe_router_padding_for_fp8": "paratron's FP8 expert GEMMs always pad each expert's rows with zero rows to the "
                                   "GEMM's alignment (16; 128 under --fp8-recipe blockwise), which changes no output",
+    "moe_router_padding_for_quantization": "Megatron's newer name of --moe-router-padding-for-fp8: paratron's FP8 "
+                                           "expert GEMMs always pad each expert's rows with zero rows to the GEMM's "
+                                           "alignment (16; 128 blockwise), which changes no output",
     "export_force_local_attention": "ModelOpt export's choice of Megatron's local attention module over Transformer "
                                     "Engine's: paratron has one attention implementation of its own, not TE's",
     "moe_router_fusion": SCHEDULING,
