@@ -13,6 +13,10 @@ SCHEDULING = "a kernel or scheduling choice with the same numbers: paratron's on
 PRECISION_AWARE = ("read only by Transformer Engine's precision-aware optimizer (--use-precision-aware-optimizer, "
                    "refused); without it Megatron keeps fp32 there, as paratron does (the value fp32)")
 
+FLEX_KERNELS = ("a setting of the flex dispatcher's DeepEP / HybridEP kernels (the SMs or blocks they use): paratron's "
+                "flex dispatcher checks its flags as Megatron and runs paratron's alltoall, which has no such kernels; "
+                "the same tokens reach the same experts")
+
 # Accepted: parsed, and paratron's only behaviour is what the flag asks.
 ACCEPTED = {
     "transformer_impl": ONE_IMPL,
@@ -31,6 +35,11 @@ ACCEPTED = {
     "cross_entropy_fusion_impl": "paratron's own fused cross-entropy runs for every value (native | te)",
     "moe_router_padding_for_fp8": "paratron's FP8 expert GEMMs always pad each expert's rows with zero rows to the "
                                   "GEMM's alignment (16; 128 under --fp8-recipe blockwise), which changes no output",
+    "moe_enable_deepep": "Megatron's older spelling of --moe-flex-dispatcher-backend deepep (the default) with "
+                         "the flex dispatcher; " + FLEX_KERNELS.split(": ", 1)[1],
+    **{name: FLEX_KERNELS for name in ("moe_deepep_num_sms", "moe_hybridep_num_sms",
+                                       "moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_blocks_permute",
+                                       "moe_hybridep_num_blocks_unpermute")},
     "moe_router_padding_for_quantization": "Megatron's newer name of --moe-router-padding-for-fp8: paratron's FP8 "
                                            "expert GEMMs always pad each expert's rows with zero rows to the GEMM's "
                                            "alignment (16; 128 blockwise), which changes no output",
