@@ -121,22 +121,13 @@ def check_combined_overlap(m, *, expert_ranks: Optional[int], recompute_granular
     if m.delay_wgrad_compute:
         need(m.overlap_moe_expert_parallel_comm, "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (as "
              "Megatron): the experts' weight gradients are computed under its dispatch's backward all-to-all")
-        need(m.moe_grouped_gemm, "--delay-wgrad-compute defers the experts' grouped GEMMs' weight gradients: set "
-             "--moe-grouped-gemm")
-        need(fp8_format is None, "--delay-wgrad-compute is not built for FP8 experts (their weight gradients stay in "
-             "the backward); remove one")
+        _defers_expert_wgrads(m, "--delay-wgrad-compute", fp8_format)
     if m.overlap_dispatch_backward_with_experts_wgrad:
         check_dispatch_backward_overlap(m, expert_ranks, fp8_format)
     if not m.overlap_moe_expert_parallel_comm:
         return
     name = "--overlap-moe-expert-parallel-comm"
-    need(m.num_experts is not None, f"{name} overlaps the expert all-to-alls: set --num-experts or remove the flag")
-    need(expert_ranks is None or expert_ranks > 1, f"{name} needs --expert-model-parallel-size > 1 (the experts on "
-         "one rank move no rows, as Megatron requires); remove the flag")
-    need(m.moe_token_dispatcher_type in ("alltoall", "flex"), f"{name} overlaps the alltoall dispatcher's "
-         "all-to-alls: use --moe-token-dispatcher-type alltoall or flex (as Megatron)")
-    need(not m.moe_shared_expert_overlap, f"{name} and --moe-shared-expert-overlap overlap the same all-to-all: "
-         "remove one (as Megatron)")
+    _overlaps_the_all_to_alls(m, name, expert_ranks, "overlap the same all-to-all")
     need((m.mtp_num_layers or 0) <= 1, f"{name} supports at most one MTP layer (as Megatron); got "
          f"--mtp-num-layers {m.mtp_num_layers}")
     need(recompute_granularity != "full", f"{name} is not supported with --recompute-granularity full (as "
@@ -153,13 +144,23 @@ def check_dispatch_backward_overlap(m, expert_ranks: Optional[int], fp8_format: 
     need(not m.delay_wgrad_compute and not m.overlap_moe_expert_parallel_comm, f"{name} and --delay-wgrad-compute / "
          "--overlap-moe-expert-parallel-comm defer the same weight gradients (as Megatron, they exclude each other): "
          "remove one")
-    need(m.num_experts is not None, f"{name} overlaps the experts' all-to-all: set --num-experts or remove the flag")
-    need(expert_ranks is None or expert_ranks > 1, f"{name} needs --expert-model-parallel-size x "
-         "--expert-tensor-parallel-size > 1 (on one expert rank no rows move); remove the flag")
-    need(m.moe_token_dispatcher_type in ("alltoall", "flex"), f"{name} overlaps the alltoall dispatcher's backward "
-         "all-to-all: use --moe-token-dispatcher-type alltoall or flex")
-    need(not m.moe_shared_expert_overlap, f"{name} with --moe-shared-expert-overlap: the dispatch's backward "
-         "all-to-all already carries the shared expert's backward; remove one")
+    _overlaps_the_all_to_alls(m, name, expert_ranks, "both work under the dispatch's backward all-to-all")
+    _defers_expert_wgrads(m, name, fp8_format)
+
+
+def _overlaps_the_all_to_alls(m, name: str, expert_ranks: Optional[int], shared_overlap: str) -> None:
+    """What an overlap of the alltoall dispatcher's all-to-alls needs (as Megatron's): experts, more than one expert
+    rank, that dispatcher, and not --moe-shared-expert-overlap (``shared_overlap``: why not)."""
+    need(m.num_experts is not None, f"{name} overlaps the expert all-to-alls: set --num-experts or remove the flag")
+    need(expert_ranks is None or expert_ranks > 1, f"{name} needs --expert-model-parallel-size > 1 (x "
+         "--expert-tensor-parallel-size: the experts on one rank move no rows, as Megatron requires); remove the flag")
+    need(m.moe_token_dispatcher_type in ("alltoall", "flex"), f"{name} overlaps the alltoall dispatcher's "
+         "all-to-alls: use --moe-token-dispatcher-type alltoall or flex (as Megatron)")
+    need(not m.moe_shared_expert_overlap, f"{name} and --moe-shared-expert-overlap {shared_overlap}: remove one")
+
+
+def _defers_expert_wgrads(m, name: str, fp8_format: Optional[str]) -> None:
+    """What deferring the experts' weight gradients needs: the grouped GEMMs that owe them, not FP8 experts."""
     need(m.moe_grouped_gemm, f"{name} defers the experts' grouped GEMMs' weight gradients: set --moe-grouped-gemm")
     need(fp8_format is None, f"{name} is not built for FP8 experts (their weight gradients stay in the backward); "
          "remove one")

@@ -126,9 +126,11 @@ def test_delay_wgrad_compute_needs_the_overlap_as_megatron():
 
 @pytest.mark.parametrize("extra, says", [
     (["--delay-wgrad-compute", "--overlap-moe-expert-parallel-comm"], "exclude each other"),
-    (["--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size x --expert-tensor-parallel-size > 1"),
+    (["--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size > 1"),
     (["--moe-token-dispatcher-type", "allgather"], "use --moe-token-dispatcher-type alltoall or flex"),
-    (["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap"], "remove one"),
+    (["--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap"], "dispatch's backward all-to-all: "
+     "remove one"),
+    (["--fp8-format", "hybrid", "--bf16"], "is not built for FP8 experts"),
 ])
 def test_the_dispatch_backward_overlap_is_refused_where_it_cannot_run(extra, says):
     """--overlap-dispatch-backward-with-experts-wgrad: Megatron's exclusions and paratron's needs, one line each."""
