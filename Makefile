@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast docs clean
+.PHONY: demo test test-all docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,11 +21,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed
 	$(BIN)/paratron demo
 
+# the suite without the tests marked slow (what CI runs; pyproject.toml's markers say what slow means)
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-
-test-fast: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# every test, the slow ones too
+test-all: $(VENV)/.installed
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 docs: $(VENV)/.installed
 	$(BIN)/python tools/gen_config_docs.py
