@@ -66,14 +66,19 @@ def attach(model: torch.nn.Module, recipe: Optional[Recipe], num_layers: Optiona
     skip = {id(m) for layer in layers if num_layers is not None
             and recipe.in_bf16(layer.index, num_layers) for m in layer.modules()}
     n = 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in LAYERS and hasattr(module, "fp8") and id(module) not in skip:
+    for name, module in fp8_layers(model):
+        if id(module) not in skip:
             own, rule = recipe.for_module(megatron_name(name, prefix, layers if num_layers is not None else None))
             module.precision_rule = rule.matcher if rule is not None else None
             if own is not None:
                 module.fp8 = FP8State(own, module.weight.device)
                 n += 1
     return n
+
+
+def fp8_layers(model: torch.nn.Module):
+    """(name, module) of each layer of ``model`` that can run in FP8 (a QKV / proj / fc1 / fc2 with an ``fp8`` slot)."""
+    return [(name, m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in LAYERS and hasattr(m, "fp8")]
 
 
 def megatron_name(name: str, prefix: str, layers) -> str:
@@ -89,9 +94,7 @@ def coverage(models) -> str:
     --te-precision-config-file's matchers with the layers each chose."""
     recipes, kept, rules = {}, 0, {}
     for model in models:
-        for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] not in LAYERS or not hasattr(module, "fp8"):
-                continue
+        for _, module in fp8_layers(model):
             state = module.fp8
             if state is None:
                 kept += 1

@@ -247,9 +247,9 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
     else:
         x = all_to_all(x, recv, send, lay.group, turn)
     # rows arrive as [source][local expert]; the experts want [local expert][source]
-    host_counts = [sum(row[e] for row in local_table) for e in range(loc)]
-    if g > 1 and torch.are_deterministic_algorithms_enabled():  # --deterministic-mode: per (expert, source)
-        host_counts = [[row[e] for row in local_table] for e in range(loc)]  # (see Experts._mm)
+    per_source = [[row[e] for row in local_table] for e in range(loc)]
+    # --deterministic-mode: one matmul per (expert, source rank) in the experts' per-expert loop (Experts._mm)
+    host_counts = per_source if g > 1 and torch.are_deterministic_algorithms_enabled() else [sum(c) for c in per_source]
     local_dev = table_dev[:, lay.first:lay.first + loc]
     order = None
     row_expert = torch.repeat_interleave(torch.arange(loc, device=x.device).repeat(g), local_dev.reshape(-1),
