@@ -7,7 +7,8 @@ without the distributed optimizer) loads into any other:
                                        model's name (global layer index; the last pipeline stage's
                                        copy of a tied embedding is embedding.word_embeddings.weight)
     optimizer.fp32_param.{name}        fp32 master weights (only when the model is bf16/fp16)
-    optimizer.exp_avg.{name}           Adam moments, fp32
+    optimizer.exp_avg.{name}           Adam moments, fp32 (bf16 with --exp-avg-dtype / --exp-avg-sq-dtype bf16;
+                                       fp16 / fp8 moments are saved as their fp32 values: optim/moments.py)
     optimizer.exp_avg_sq.{name}
     optimizer.muon_momentum.{name}     Muon's momentum, fp32 (instead of the Adam moments of a Muon matrix)
     rng.{generator}                    [world size, n]: row r is rank r's generator state
@@ -25,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from ..optim.moments import checkpoint_view
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import coords_of, spec_of
 from ..parallel.stages import global_name, unwrap
@@ -125,7 +127,7 @@ def optimizer_pieces(optimizer, models: list, dims: ParallelDims, masters_from: 
         if id(master) in momentum:
             tensors = {"optimizer.muon_momentum.": momentum[id(master)]}
         else:
-            tensors = {f"optimizer.{s}.": optimizer.adam.state[master][s] for s in OPTIMIZER_STATES}
+            tensors = {f"optimizer.{s}.": checkpoint_view(optimizer.adam, master, s) for s in OPTIMIZER_STATES}
         if optimizer.mixed:
             tensors[masters_from or "optimizer.fp32_param."] = master
         for prefix, t in tensors.items():

@@ -6,6 +6,7 @@ import dataclasses
 
 from .rules import need
 from .sections import Config, OptimConfig, flag
+from .values import MAIN_GRADS_DTYPES, MOMENT_DTYPES
 
 OPTIMIZERS = ("adam", "muon", "dist_muon")
 REFUSED_OPTIMIZERS = ("sgd", "lion", "soap", "adaptive_muon")
@@ -56,6 +57,7 @@ def validate_optimizer(cfg: Config) -> None:
     """--optimizer and the Muon flags; ``--optimizer dist_muon`` becomes muon with the distributed optimizer
     (Megatron's deprecated spelling of --optimizer muon --use-distributed-optimizer)."""
     op = cfg.optim
+    validate_precision_aware(cfg)
     need(op.optimizer not in REFUSED_OPTIMIZERS, f"--optimizer {op.optimizer} is not in paratron yet; use adam or "
          "muon")
     need(op.optimizer in OPTIMIZERS, f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {op.optimizer})")
@@ -79,3 +81,28 @@ def validate_optimizer(cfg: Config) -> None:
     need(op.muon_coefficient_type != "cubic5" or op.muon_num_ns_steps == 5,
          "--muon-coefficient-type cubic5 is a fixed 5-step schedule: use --muon-num-ns-steps 5")
     need(0.0 <= op.muon_momentum < 1.0, f"--muon-momentum must be in [0, 1) (got {op.muon_momentum})")
+
+
+def validate_precision_aware(cfg: Config) -> None:
+    """--use-precision-aware-optimizer and its dtypes (Megatron's rules: the dtypes other than fp32 need the flag,
+    the flag needs --optimizer adam). ``--main-grads-dtype bf16`` is the bf16 gradient buffer and reduction:
+    it sets --grad-reduce-in-bf16."""
+    op, tr, par = cfg.optim, cfg.train, cfg.parallel
+    choices = {"main_grads_dtype": MAIN_GRADS_DTYPES, "main_params_dtype": ("fp32", "fp16"),
+               "exp_avg_dtype": MOMENT_DTYPES, "exp_avg_sq_dtype": MOMENT_DTYPES}
+    for name, values in choices.items():
+        value = getattr(op, name)
+        need(value in values, f"{flag(name)} {value}: choose one of {', '.join(values)}")
+        need(value == "fp32" or op.use_precision_aware_optimizer,
+             f"{flag(name)} {value} needs --use-precision-aware-optimizer (as in Megatron); add it or use fp32")
+    if not op.use_precision_aware_optimizer:
+        return
+    need(op.optimizer == "adam", f"--use-precision-aware-optimizer works with --optimizer adam only (as in Megatron), "
+         f"not {op.optimizer}; remove the flag or use adam")
+    need(op.main_params_dtype == "fp32", "--main-params-dtype fp16 (master weights in fp16, scaled per tensor) is not "
+         "implemented: paratron keeps the master weights in fp32; use --main-params-dtype fp32")
+    if op.main_grads_dtype == "bf16":
+        need(tr.bf16, "--main-grads-dtype bf16 needs --bf16 (the model's gradients are bf16); use fp32 or add --bf16")
+        need(not par.accumulate_allreduce_grads_in_fp32, "--main-grads-dtype bf16 contradicts "
+             "--accumulate-allreduce-grads-in-fp32 (as in Megatron); remove one")
+        par.grad_reduce_in_bf16 = True

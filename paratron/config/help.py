@@ -7,7 +7,7 @@ import functools
 import inspect
 import re
 
-from . import encdec, fp8_fields, hybrid_fields, kernels, sections
+from . import encdec, fp8_fields, hybrid_fields, kernels, optim_fields, sections
 
 HELP = {
     # model
@@ -106,7 +106,8 @@ def _source_comments() -> dict[str, str]:
     """``name: type = default  # comment`` lines of the sections' modules: {name: comment}."""
     out = {}
     for line in (inspect.getsource(sections) + inspect.getsource(kernels) + inspect.getsource(hybrid_fields)
-                 + inspect.getsource(encdec) + inspect.getsource(fp8_fields)).splitlines():
+                 + inspect.getsource(encdec) + inspect.getsource(fp8_fields)
+                 + inspect.getsource(optim_fields)).splitlines():
         m = re.match(r"    ([a-z][a-z0-9_]*): [^=]+=.*?#\s*(.+)$", line)
         if m:
             out[m.group(1)] = m.group(2).replace("paratron: ", "").strip()

@@ -10,8 +10,6 @@ ONE_IMPL = "paratron has one transformer implementation (PyTorch modules with it
 NO_KERNEL = "paratron has no such fused kernel: the plain PyTorch path runs, which is what the flag asks"
 SCHEDULING = "a kernel or scheduling choice with the same numbers: paratron's one path computes the same result"
 
-PRECISION_AWARE = ("read only by Transformer Engine's precision-aware optimizer (--use-precision-aware-optimizer, "
-                   "refused); without it Megatron keeps fp32 there, as paratron does (the value fp32)")
 
 FLEX_KERNELS = ("a setting of the flex dispatcher's DeepEP / HybridEP kernels (the SMs or blocks they use): paratron's "
                 "flex dispatcher checks its flags as Megatron and runs paratron's alltoall, which has no such kernels; "
@@ -79,8 +77,6 @@ ACCEPTED = {
                                   "none over an outer one: the value no_shard",
     "fp8_interval": "deprecated in Megatron-LM, which ignores it; paratron updates every FP8 scale every step (the "
                     "value 1)",
-    "main_grads_dtype": PRECISION_AWARE, "main_params_dtype": PRECISION_AWARE,
-    "exp_avg_dtype": PRECISION_AWARE, "exp_avg_sq_dtype": PRECISION_AWARE,
     "verify_integrity": "paratron always records every checkpoint file's size and CRC-32 at save and checks them "
                         "all at load (a damaged latest checkpoint falls back to the previous complete one); Megatron's "
                         "SHA-256 manifest is the same check, on request",
@@ -99,8 +95,6 @@ ACCEPTED_VALUES = {
     "rerun_mode": ("disabled",),
     "cuda_graph_impl": ("none",),
     "fp8_interval": ("1",),
-    "main_grads_dtype": ("fp32",), "main_params_dtype": ("fp32",),
-    "exp_avg_dtype": ("fp32",), "exp_avg_sq_dtype": ("fp32",),
 }
 
 PLANNED = "planned: {} is not in paratron yet; remove the flag"
@@ -133,7 +127,6 @@ REFUSED = {
     "fp8_quantizer_factory": GPU.format("Transformer Engine's custom quantizer recipes"),
     "keep_fp8_transpose_cache": NA.format("it keeps the FP8 weight transposes of Megatron-FSDP with FP8 parameters, "
                                           "neither of which paratron has"),
-    "use_precision_aware_optimizer": GPU.format("Transformer Engine's precision-aware optimizer"),
     "disable_gloo_process_groups": NA.format("paratron's checkpoint collectives need their gloo group"),
     "use_nccl_ub": GPU.format("NCCL user-buffer registration"),
     "fsdp_double_buffer": PLANNED.format("Megatron-FSDP's double-buffered all-gather memory (paratron's ZeRO-3 "

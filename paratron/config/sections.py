@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from .hybrid_fields import HybridFields
 from .encdec import EncoderDecoderFields
 from .fp8_fields import FP8Fields
+from .optim_fields import PrecisionAwareFields
 from .kernels import KernelConfig
 from .section_base import Section, base_type, flag  # noqa: F401  (flag, base_type: imported from here)
 
@@ -241,7 +242,7 @@ class TrainConfig(Section, FP8Fields):
 
 
 @dataclass(eq=True)
-class OptimConfig(Section):
+class OptimConfig(Section, PrecisionAwareFields):
     _name = "optim"
     optimizer: str = "adam"
     lr: Optional[float] = None

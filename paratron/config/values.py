@@ -32,6 +32,11 @@ def sharding_level(par) -> int:
     return int(par.use_distributed_optimizer)
 
 
+# --main-grads-dtype, --exp-avg-dtype, --exp-avg-sq-dtype (the precision-aware optimizer: paratron/optim/moments.py)
+MAIN_GRADS_DTYPES = ("fp32", "bf16")
+MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+MOMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # an element of a moment in memory
+
 # --cp-comm-type (paratron/parallel/context.py)
 COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 

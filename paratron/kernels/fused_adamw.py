@@ -9,7 +9,9 @@ moments and the rounded model weight in the same pass.
 
 The state stays torch.optim.AdamW's: ``exp_avg``, ``exp_avg_sq`` and the device ``step`` tensor in
 ``adam.state[master]``, created as AdamW's fused path creates them, and the hyperparameters are read from
-its param groups at each step, so state_dict, checkpoints and resume see no difference. The formula is
+its param groups at each step, so state_dict, checkpoints and resume see no difference. The moments may be held
+in bf16 (--exp-avg-dtype / --exp-avg-sq-dtype bf16, paratron/optim/moments.py): read into fp32, updated there,
+written back rounded. The formula is
 torch's (decoupled weight decay ``p *= 1 - lr * wd``; ``m`` lerped towards ``g`` by ``1 - beta1``;
 ``v = beta2 v + (1 - beta2) g^2``; ``p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``),
 with what torch's fused AdamW takes from our step: ``grad_scale`` (each gradient divided by it as it is
@@ -101,6 +103,8 @@ def _launch(master: torch.Tensor, state: dict, out: Optional[torch.Tensor], grou
     """The kernel over one master (``out``: its model weight, or None)."""
     grad, m, v, step = master.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]
     _check(master, [grad, m, v] + ([out] if out is not None else []))
+    if not {m.dtype, v.dtype} <= {torch.float32, torch.bfloat16}:
+        raise ValueError(f"fused AdamW holds the moments in fp32 or bf16 (no scale), got {m.dtype} / {v.dtype}")
     n = master.numel()
     if n == 0:
         return
@@ -128,8 +132,8 @@ if triton is not None:
         if HAS_SCALE:
             g = tl.div_rn(g, tl.load(scale_ptr).to(tl.float32))
         p = tl.load(p_ptr + offs, mask=mask, other=0.0) * decay
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (held in fp32 or bf16)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m = m + one_minus_beta1 * (g - m)  # torch's lerp for a weight below 0.5
         v = v * beta2 + one_minus_beta2 * (g * g)
         t = tl.load(step_ptr).to(tl.float64)
@@ -138,7 +142,7 @@ if triton is not None:
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p - step_size * tl.div_rn(m, denom)
         tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
         if HAS_OUT:
             tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)

@@ -13,7 +13,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.sharding import REDUCTION_LAYOUTS, norm_groups, spec_of
 from ..model import mup
 from ..kernels import fused_adamw
-from . import offload
+from . import moments, offload
 from .groups import Role, role_of
 
 
@@ -129,16 +129,23 @@ class MixedPrecisionAdam:
                    "hidden": hidden, "eps": eps_of[hidden]}
                   for (decay, decoupled, hidden), ps in sorted(groups.items(), reverse=True)]
         device = self._device()
-        # torch's fused AdamW on the GPU; with offload also for the host's masters (its CPU kernel: one pass
-        # over the state instead of foreach's dozen, measured 6.5x faster on a 2-core host)
-        kw = {"fused": True} if device.type == "cuda" and (self.host is None or fused_on_host()) else {"foreach": True}
-        self.adam = torch.optim.AdamW(groups or [{"params": []}], lr=op.lr, betas=(op.adam_beta1, op.adam_beta2),
-                                      eps=op.adam_eps, **kw)
         # the on-device step of a mixed-precision run: AdamW and the publishing copy in one Triton pass per
         # master (kernels/fused_adamw.py); --kernel-fused-adamw off: torch's fused AdamW, then the copy
+        kernel = self.mixed and fused_adamw.available(device) and cfg.kernels.kernel_fused_adamw != "off" and \
+            self.host is None
+        groups, betas = groups or [{"params": []}], (op.adam_beta1, op.adam_beta2)
+        dtypes = moments.moment_dtypes(op)
+        if moments.lowered(dtypes):  # --exp-avg-dtype / --exp-avg-sq-dtype (paratron/optim/moments.py)
+            kernel = kernel and moments.kernel_takes(dtypes)
+            self.adam = moments.LowPrecisionAdamW(groups, op.lr, betas, op.adam_eps, dtypes, device_steps=kernel)
+        else:
+            # torch's fused AdamW on the GPU; with offload also for the host's masters (its CPU kernel: one pass
+            # over the state instead of foreach's dozen, measured 6.5x faster on a 2-core host)
+            kw = {"fused": True} if device.type == "cuda" and (self.host is None or fused_on_host()) else \
+                {"foreach": True}
+            self.adam = torch.optim.AdamW(groups, lr=op.lr, betas=betas, eps=op.adam_eps, **kw)
         self._fused_outs = None
-        if self.mixed and fused_adamw.available(device) and cfg.kernels.kernel_fused_adamw != "off" and \
-                self.host is None:
+        if kernel:
             self._fused_outs = {m: t for m, t in zip(masters, self._model_weights()) if t is not None}
         self.muon = None
         if self._muon_index:
@@ -258,6 +265,11 @@ class MixedPrecisionAdam:
             self.host.copy_back(self.masters, self._model_tensors())
         self._publish()
         return True, norm
+
+    def settle_checkpoint_views(self, loaded: bool) -> None:
+        """After a checkpoint's save (``loaded`` False) or load (True): the fp32 copies of fp16 / fp8 moments it
+        used are dropped, or stored back (paratron/optim/moments.py)."""
+        moments.settle_views(self.adam, loaded)
 
     def reload_offloaded(self) -> None:
         """After loading weights: the offloaded masters of an fp32 model (no master copies in the

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import FIELD_SECTION, Config
+from ..config.values import MOMENT_BYTES
 from .paths import Paths, paths_of
 from .traffic import Traffic
 
@@ -38,6 +39,8 @@ class Layout:
     fp8: bool = False
     fp8_param_gather: bool = False
     offload_fraction: float = 0.0  # share of fp32 masters and Adam moments kept on the host
+    moment_bytes: int = 8  # Adam's two moments per element: 8 in fp32 (--exp-avg-dtype, --exp-avg-sq-dtype)
+    scaled_moments: int = 0  # of them held in fp16 / fp8 (an fp32 scale per tensor each)
     bucket_size: Optional[int] = None  # --ddp-bucket-size: elements per gradient bucket
     overlap_grad_reduce: bool = False  # without a bucket size: Megatron's default buckets (else one per buffer)
     overlap_param_gather: bool = False
@@ -105,6 +108,7 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
     par, tr = cfg.parallel, cfg.train
     param_bytes, grad_bytes = precision_of(cfg)
     offload = field(cfg, "optimizer_offload_fraction", 1.0) if field(cfg, "optimizer_cpu_offload", False) else 0.0
+    moments = [field(cfg, name, "fp32") for name in ("exp_avg_dtype", "exp_avg_sq_dtype")]
     dp = cfg.data_parallel_size
     return Layout(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
                   vpp=par.virtual_pipeline_model_parallel_size or 1, cp=par.context_parallel_size,
@@ -117,6 +121,8 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_length=cfg.model.seq_length,
                   param_bytes=param_bytes, grad_bytes=grad_bytes, fp8=tr.fp8_format is not None,
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
+                  moment_bytes=sum(MOMENT_BYTES[d] for d in moments),
+                  scaled_moments=sum(d in ("fp16", "fp8") for d in moments),
                   bucket_size=par.ddp_bucket_size, overlap_grad_reduce=par.overlap_grad_reduce,
                   overlap_param_gather=par.overlap_param_gather, paths=paths_of(cfg, kind),
                   host_ops=host_ops, compiled=bool(tr.torch_compile), traffic=traffic,

@@ -20,7 +20,6 @@ UNIT = re.compile(r"^(decoder|mtp)\.layers\.(\d+)\.")
 MTP_UNITS = 1 << 20  # the ids of multi-token prediction's units: past any decoder layer's
 ALIGN = 64  # paratron/parallel/data.py's alignment of parameters and shards
 BUCKET_MIN, BUCKET_PER_RANK = 40_000_000, 1_000_000  # Megatron's default bucket with --overlap-grad-reduce
-ADAM_BYTES = 8  # two fp32 moments per element
 STEP_BYTES = 4  # torch's AdamW keeps one fp32 step counter per tensor it steps
 
 
@@ -161,8 +160,11 @@ class State:
     largest_bucket: int = 0  # elements of the largest gradient bucket
 
 
-def optimizer_bytes(elems: int, pieces: int, mixed: bool) -> int:
-    return elems * ((4 if mixed else 0) + ADAM_BYTES) + pieces * STEP_BYTES
+def optimizer_bytes(elems: int, pieces: int, layout: Layout) -> int:
+    """fp32 masters (mixed precision), the two moments in their dtypes (--exp-avg-dtype, --exp-avg-sq-dtype) and,
+    per tensor stepped, the step counter and the fp32 scale of each fp16 / fp8 moment (optim/moments.py)."""
+    per_tensor = STEP_BYTES + 4 * layout.scaled_moments
+    return elems * ((4 if layout.mixed else 0) + layout.moment_bytes) + pieces * per_tensor
 
 
 def state(chunks_tensors: list[list], layout: Layout, ranks: dict) -> State:
@@ -179,11 +181,11 @@ def state(chunks_tensors: list[list], layout: Layout, ranks: dict) -> State:
             if level == 0:
                 weights += buf.numel * layout.param_bytes
                 grads += buf.total * layout.grad_bytes
-                opt += optimizer_bytes(buf.numel, buf.count, layout.mixed)
+                opt += optimizer_bytes(buf.numel, buf.count, layout)
                 owned += buf.numel
                 continue
             owned += buf.shard_elems[idx]
-            opt += optimizer_bytes(buf.shard_elems[idx], buf.shard_pieces[idx], layout.mixed)
+            opt += optimizer_bytes(buf.shard_elems[idx], buf.shard_pieces[idx], layout)
             weights += (buf.total // buf.n if level >= 3 else buf.total) * layout.param_bytes
             grads += (buf.total // buf.n if level >= 2 else buf.total) * layout.grad_bytes
     moved = int(opt * layout.offload_fraction)

@@ -79,11 +79,12 @@ def region_bytes(rows: tuple, paths, tokens: float, forward_only: bool = False) 
     return total
 
 
-def optimizer_bytes(param_bytes: int, grad_bytes: int) -> int:
+def optimizer_bytes(param_bytes: int, grad_bytes: int, moment_bytes: int = 8) -> int:
     """Bytes moved per parameter by the optimizer step on the GPU: the gradient norm reads the gradient; the
-    fused AdamW reads the fp32 master, the gradient and the two moments and writes the master, the moments and
-    (mixed precision) the model's weight; the buffer is zeroed for the next step."""
-    adam = (4 + grad_bytes + 8) + (4 + 8) + (param_bytes if param_bytes < 4 else 0)
+    fused AdamW reads the fp32 master, the gradient and the two moments (``moment_bytes`` together: 8 in fp32) and
+    writes the master, the moments and (mixed precision) the model's weight; the buffer is zeroed for the next
+    step."""
+    adam = (4 + grad_bytes + moment_bytes) + (4 + moment_bytes) + (param_bytes if param_bytes < 4 else 0)
     return grad_bytes + adam + grad_bytes
 
 
@@ -107,7 +108,7 @@ def step_bytes(model: ModelConfig, L, params: int) -> float:
         again = region_bytes(t.layer, L.paths, tokens, forward_only=True)
         rest = region_bytes(t.rest, L.paths, tokens)
     layer += again if L.recompute == "full" else 0.0
-    opt = params * (1 - L.offload_fraction) * optimizer_bytes(L.param_bytes, L.grad_bytes)
+    opt = params * (1 - L.offload_fraction) * optimizer_bytes(L.param_bytes, L.grad_bytes, L.moment_bytes)
     return L.microbatches * (layer * layers + rest) + opt / (L.dp * L.cp if L.zero >= 1 else 1)
 
 

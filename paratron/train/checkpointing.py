@@ -62,6 +62,7 @@ class Checkpointing:
         self._fold_pending_skips()
         pieces = self._ckpt_pieces(not c.no_save_optim, None if c.no_save_rng else self._rng_states(),
                                    amax=fp8.histories(fp8.delayed_states(self.models)))
+        self.optimizer.settle_checkpoint_views(loaded=False)  # (the pieces keep what they need)
         common = {"consumed_samples": self.consumed_samples, "skipped_iterations": self.skipped,
                   "scheduler": self.scheduler.state_dict(),
                   "optimizer": None if c.no_save_optim else {"step": cstate.adam_step(self.optimizer),
@@ -120,7 +121,12 @@ class Checkpointing:
         amax = self._amax_target(saved, same_layout)
         pieces = apply_strictness(self._ckpt_pieces(optim, states, masters, prefix, amax), saved,
                                   c.dist_ckpt_strictness, self.log.print, self.ckpt_group)
-        sharded.load(d, pieces, self.ckpt_group)
+        try:
+            sharded.load(d, pieces, self.ckpt_group)
+        except BaseException:
+            self.optimizer.settle_checkpoint_views(loaded=False)
+            raise
+        self.optimizer.settle_checkpoint_views(loaded=optim)
         if amax is not None:
             fp8.set_histories(fp8.delayed_states(self.models), amax)
         if optim:

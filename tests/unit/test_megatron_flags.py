@@ -169,8 +169,8 @@ def test_split_applies_to_mock_data():
 
 @pytest.mark.parametrize("flags,message", [
     (["--dataloader-type", "random"], "--dataloader-type must be single or cyclic"),
-    (["--exp-avg-dtype", "bf16"], "precision-aware optimizer"),
-    (["--main-params-dtype", "fp16"], "paratron honours only fp32"),
+    (["--exp-avg-dtype", "bf16"], "needs --use-precision-aware-optimizer"),
+    (["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"], "paratron keeps the master weights in fp32"),
     (["--batch-size", "4"], "use --micro-batch-size"),
     (["--sgd-momentum", "0.9"], "--optimizer sgd, which paratron refuses"),
     (["--lion-beta2", "0.9"], "--optimizer lion, which paratron refuses"),
