@@ -312,3 +312,25 @@ def test_facade_sharding_strategy_needs_fsdp_and_the_distributed_optimizer(state
     assert model.sharding == 3
     with pytest.raises(ConfigError, match="use_distributed_optimizer=True"):
         get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+
+
+def test_precision_aware_optimizer_config(state):
+    """Megatron Core's OptimizerConfig(use_precision_aware_optimizer=True, exp_avg_dtype=..., ...): the moments in
+    those dtypes (torch.uint8 is fp8, as in Megatron); a bf16 main gradient needs the DDP wrapper's bf16 buffers."""
+    module = GPTModel(config=config(), vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = DistributedDataParallel(config=module.config, ddp_config=DistributedDataParallelConfig(), module=module)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_precision_aware_optimizer=True,
+                                                       exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.uint8),
+                                       [model])
+    losses = [float(reports[0]["lm loss"]) for reports, _ in steps(model, optimizer, 3)]
+    assert losses[-1] < losses[0]
+    adam = optimizer.optimizer.adam
+    assert {s["exp_avg"].dtype for s in adam.state.values()} == {torch.bfloat16}
+    assert {s["exp_avg_sq"].dtype for s in adam.state.values()} == {torch.float8_e4m3fn}
+    with pytest.raises(ConfigError, match="needs --use-precision-aware-optimizer"):
+        get_megatron_optimizer(OptimizerConfig(lr=1e-2, exp_avg_dtype=torch.bfloat16), [model])
+    with pytest.raises(ConfigError, match="choose one of torch.float32"):
+        OptimizerConfig(lr=1e-2, exp_avg_dtype=torch.int8)
+    with pytest.raises(ConfigError, match="needs --bf16"):  # (this model is fp32)
+        get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_precision_aware_optimizer=True,
+                                               main_grads_dtype=torch.bfloat16), [model])

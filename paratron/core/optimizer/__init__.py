@@ -15,9 +15,13 @@ from typing import Optional
 import torch
 
 from ...config import ConfigError, OptimConfig, TrainConfig
+from ...config.check_optim import validate_precision_aware
 from ...optim.optimizer import build_optimizer, hand_built_config
 from ...parallel.stages import unwrap
 from ..parallel_state import current_dims
+
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "fp8"}
 
 
 @dataclass
@@ -48,22 +52,37 @@ class OptimizerConfig:
     timers: object = None
     config_logger_dir: str = ""
     apply_wd_to_qk_layernorm: bool = False
+    # the precision-aware optimizer (paratron/optim/moments.py); torch.uint8 is fp8, as in Megatron
+    use_precision_aware_optimizer: bool = False
+    main_grads_dtype: torch.dtype = torch.float32
+    main_params_dtype: torch.dtype = torch.float32
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
         if self.optimizer != "adam":
             raise ConfigError(f"OptimizerConfig(optimizer={self.optimizer!r}): paratron.core has adam (Muon is "
                               "paratron's --optimizer muon)")
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) not in DTYPE_NAMES:
+                raise ConfigError(f"OptimizerConfig({name}={getattr(self, name)}): choose one of torch.float32, "
+                                  "torch.bfloat16, torch.float16, torch.uint8 (fp8)")
 
     def paratron(self, model_config) -> "object":
         """paratron's Config for build_optimizer (paratron.optim.optimizer.hand_built_config)."""
         optim = OptimConfig(lr=self.lr, min_lr=self.min_lr or 0.0, decoupled_lr=self.decoupled_lr,
                             decoupled_min_lr=self.decoupled_min_lr, weight_decay=self.weight_decay,
                             adam_beta1=self.adam_beta1, adam_beta2=self.adam_beta2, adam_eps=self.adam_eps,
-                            clip_grad=self.clip_grad, apply_wd_to_qk_layernorm=self.apply_wd_to_qk_layernorm)
+                            clip_grad=self.clip_grad, apply_wd_to_qk_layernorm=self.apply_wd_to_qk_layernorm,
+                            use_precision_aware_optimizer=self.use_precision_aware_optimizer,
+                            **{name: DTYPE_NAMES[getattr(self, name)] for name in ("main_grads_dtype",
+                               "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")})
         train = TrainConfig(fp16=self.fp16, bf16=self.bf16, loss_scale=self.loss_scale,
                             initial_loss_scale=self.initial_loss_scale, min_loss_scale=self.min_loss_scale,
                             loss_scale_window=int(self.loss_scale_window), hysteresis=self.hysteresis)
-        return hand_built_config(model_config, optim, train, self.use_distributed_optimizer)
+        cfg = hand_built_config(model_config, optim, train, self.use_distributed_optimizer)
+        validate_precision_aware(cfg)  # (the gradient buffers are the DDP wrapper's: checked against it)
+        return cfg
 
 
 class MegatronOptimizer:
@@ -111,6 +130,11 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list, no_weigh
                           "Config's sharding strategy or distributed optimizer): OptimizerConfig(use_distributed_"
                           "optimizer=True)")
     cfg = config.paratron(unwrap(chunks[0]).config)
+    buffers = {(b.grad_data if b.grad_data is not None else b.grad_shard_data).dtype
+               for c in chunks for b in c.grad_buffers}
+    if config.main_grads_dtype == torch.bfloat16 and buffers != {torch.bfloat16}:
+        raise ConfigError("OptimizerConfig(main_grads_dtype=torch.bfloat16) needs bf16 gradient buffers: wrap the "
+                          "chunks with DistributedDataParallelConfig(grad_reduce_in_fp32=False) and a bf16 model")
     return MegatronOptimizer(build_optimizer(chunks, cfg, current_dims()), chunks)
 
 
