@@ -67,3 +67,21 @@ def test_fused_adamw_step_matches_torch_fused_adamw_and_the_copy(monkeypatch, pr
     assert all(p.dtype == params[0].dtype != torch.float32 for p in params)
     weights = [(w, o) for w, o in zip(opt._model_weights(), opt.masters) if w is not None]
     assert weights and all(torch.equal(w, o.to(w.dtype)) for w, o in weights), "the weights: masters rounded to nearest"
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+def test_fused_adamw_with_bf16_moments_matches_the_reference_step(monkeypatch, distributed):
+    """--use-precision-aware-optimizer with bf16 moments: the kernel reads and writes them in bf16 (rounded to
+    nearest on CUDA) and steps as paratron/optim/moments.py's reference step (--kernel-fused-adamw off) does."""
+    flags = FLAGS + ["--bf16", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype",
+                     "bf16"] + (["--use-distributed-optimizer"] if distributed else [])
+    params, opt, applied = _run(monkeypatch, True, flags)
+    _, ref, ref_applied = _run(monkeypatch, False, flags)
+    assert applied == ref_applied == [True, True, False, True]
+    for m, n in zip(opt.masters, ref.masters):
+        assert torch.allclose(m, n, rtol=2 ** -20, atol=1e-6), (tuple(m.shape), (m - n).abs().max())
+        for k in ("exp_avg", "exp_avg_sq"):
+            a, b = opt.adam.state[m][k], ref.adam.state[n][k]
+            assert a.dtype == b.dtype == torch.bfloat16
+            # one bf16 step apart at most (an fp32 value a few ulps apart may round to neighbouring bf16 values)
+            assert ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -7 + 1e-30).all(), k
