@@ -69,6 +69,8 @@ ACCEPTED = {
     "no_use_tokenizer_model_from_checkpoint_args": "--use-checkpoint-args never takes the tokenizer model path "
                                                    "from the checkpoint",
     "cuda_graph_impl": "paratron captures no CUDA graphs: --cuda-graph-impl none is its behaviour",
+    "te_rng_tracker": "which class keeps the tensor-parallel regions' random states (Transformer Engine's, which its "
+                      "CUDA graphs need): paratron's own tracker (parallel/random.py) keeps them, per region and rank",
     "trust_remote_code": "HuggingFaceTokenizer reads tokenizer.json with the tokenizers library, which runs no code "
                          "from the model repository",
     "no_use_layer_wise_param_layout": "how Megatron's layer-wise Muon optimizer lays its buffers out, not what it "
@@ -141,7 +143,6 @@ REFUSED = {
     "fine_grained_activation_offloading": PLANNED.format("activation offloading"),
     "offload_modules": PLANNED.format("activation offloading"),
     "use_transformer_engine_op_fuser": GPU.format("Transformer Engine's operation fuser"),
-    "te_rng_tracker": GPU.format("Transformer Engine's RNG tracker"),
     "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
     # implemented by paratron serve (config/inference.py), refused by training
     **{name: SERVE_ONLY for name in SERVE_FIELDS + ("no_inference_dynamic_batching_prefix_caching",)},
