@@ -7,7 +7,7 @@ import functools
 import inspect
 import re
 
-from . import encdec, fp8_fields, hybrid_fields, kernels, optim_fields, sections
+from . import encdec, fp8_fields, hybrid_fields, kernels, offload_fields, optim_fields, sections
 
 HELP = {
     # model
@@ -107,7 +107,7 @@ def _source_comments() -> dict[str, str]:
     out = {}
     for line in (inspect.getsource(sections) + inspect.getsource(kernels) + inspect.getsource(hybrid_fields)
                  + inspect.getsource(encdec) + inspect.getsource(fp8_fields)
-                 + inspect.getsource(optim_fields)).splitlines():
+                 + inspect.getsource(optim_fields) + inspect.getsource(offload_fields)).splitlines():
         m = re.match(r"    ([a-z][a-z0-9_]*): [^=]+=.*?#\s*(.+)$", line)
         if m:
             out[m.group(1)] = m.group(2).replace("paratron: ", "").strip()

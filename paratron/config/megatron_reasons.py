@@ -140,8 +140,6 @@ REFUSED = {
     "overlap_p2p_communication_warmup_flush": PLANNED.format("overlapped pipeline warm-up/flush communication"),
     "defer_embedding_wgrad_compute": PLANNED.format("deferred embedding weight-gradient GEMMs"),
     "wgrad_deferral_limit": PLANNED.format("deferred embedding weight-gradient GEMMs"),
-    "fine_grained_activation_offloading": PLANNED.format("activation offloading"),
-    "offload_modules": PLANNED.format("activation offloading"),
     "use_transformer_engine_op_fuser": GPU.format("Transformer Engine's operation fuser"),
     "moe_pad_experts_for_cuda_graph_inference": GPU.format("CUDA-graph inference padding"),
     # implemented by paratron serve (config/inference.py), refused by training

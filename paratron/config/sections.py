@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from .hybrid_fields import HybridFields
 from .encdec import EncoderDecoderFields
 from .fp8_fields import FP8Fields
+from .offload_fields import OffloadFields
 from .optim_fields import PrecisionAwareFields
 from .kernels import KernelConfig
 from .section_base import Section, base_type, flag  # noqa: F401  (flag, base_type: imported from here)
@@ -188,7 +189,7 @@ class ParallelConfig(Section):
 
 
 @dataclass(eq=True)
-class TrainConfig(Section, FP8Fields):
+class TrainConfig(Section, FP8Fields, OffloadFields):
     _name = "train"
     micro_batch_size: int = 4
     global_batch_size: Optional[int] = None  # default micro_batch_size * data-parallel size

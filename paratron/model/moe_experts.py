@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import mup, recompute
+from . import mup, offload, recompute
 from ..config import ModelConfig
 from ..fp8 import experts as fp8_experts
 from ..parallel.experts import ExpertLayout, aligned_rows
@@ -251,13 +251,16 @@ class Experts(nn.Module):
     def _ffn(self, x: torch.Tensor, mm, expert_index: torch.Tensor) -> torch.Tensor:
         """fc1 -> activation -> fc2 with ``mm(rows, weight module)`` for the grouped matmuls."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        h = mm(x, fc1)
+        with offload.at(self, "expert_fc1"):  # (--offload-modules: model/offload.py)
+            h = mm(x, fc1)
         if fc1.bias is not None:
             h = h + fc1.bias[expert_index]
         if self.recompute_act and recompute.active(self):
             out = recompute.discard_output(self._act, h, lambda a: mm(a, fc2))
         else:
-            out = mm(self._act(h), fc2)
+            with offload.at(self, "moe_act"):
+                a = self._act(h)
+            out = mm(a, fc2)
         return out + fc2.bias[expert_index] if fc2.bias is not None and self.fc2_bias_here else out
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:

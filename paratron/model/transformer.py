@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.random import checkpoint, seeded_init
-from . import recompute
+from . import offload, recompute
 from .layers import Attention, ForwardContext, Norm, Parallel
 from .spec import LayerSpec, build_mixer, build_mlp, layer_specs
 
@@ -45,18 +45,22 @@ class TransformerLayer(nn.Module):
                 return F.dropout(x, self.p, True)
         return F.dropout(x, self.p, True)
 
-    def _normed(self, norm, x: torch.Tensor, then):
-        """``then(norm(x))``; with --recompute-modules layernorm the norm's output is not kept for backward."""
+    def _normed(self, norm, x: torch.Tensor, then, point: str = "attn_norm"):
+        """``then(norm(x))``; with --recompute-modules layernorm the norm's output is not kept for backward;
+        ``point``: the norm's name for --offload-modules (model/offload.py)."""
         if self.recompute_norms and recompute.active(self):
             return recompute.discard_output(norm, x, then)
-        return then(norm(x))
+        with offload.at(self, point):
+            h = norm(x)
+        return then(h)
 
-    def _normed_residual(self, norm, x: torch.Tensor, then):
+    def _normed_residual(self, norm, x: torch.Tensor, then, point: str = "attn_norm"):
         """``then(norm(x), x)``, x being the residual ``then`` adds (Norm.keep: on quack's kernel the norm's
         backward then also adds the residual's gradient)."""
         if self.recompute_norms and recompute.active(self):
             return recompute.discard_output(norm, x, lambda h: then(h, x))
-        h, x = norm.keep(x)
+        with offload.at(self, point):
+            h, x = norm.keep(x)
         return then(h, x)
 
     def _mlp(self, h: torch.Tensor, residual: Optional[torch.Tensor] = None, gemv: bool = False) -> torch.Tensor:
@@ -86,8 +90,8 @@ class TransformerLayer(nn.Module):
             return x
         mlp = (lambda h, r=None: self._mlp(h, r, gemv=True)) if gemv else self._mlp
         if self.fuse_residual and self._dropout_off():  # the output projections' matmuls add the residual
-            return self._normed_residual(self.pre_mlp_layernorm, x, mlp)
-        return x + self._dropout(self._normed(self.pre_mlp_layernorm, x, mlp))
+            return self._normed_residual(self.pre_mlp_layernorm, x, mlp, "mlp_norm")
+        return x + self._dropout(self._normed(self.pre_mlp_layernorm, x, mlp, "mlp_norm"))
 
 
 class TransformerStack(nn.Module):

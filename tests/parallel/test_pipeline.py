@@ -24,6 +24,11 @@ CASES = {  # name -> (world, style, settings)
     "tp2_pp2_sp_llama": (4, "llama", dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
                                           sequence_parallel=True)),
     "pp2_dp2_virtual2": (4, "gpt", dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+    # micro-batches' forwards and backwards interleaved: each forward pass's offloaded groups their own chain
+    "pp2_virtual2_offload": (2, "llama", dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                              fine_grained_activation_offloading=True, min_offloaded_tensor_size=0,
+                                              offload_modules=["attn_norm", "qkv_linear", "core_attn", "attn_proj",
+                                                               "mlp_norm"])),
 }
 
 
@@ -45,9 +50,11 @@ def run_case(style: str, settings: dict) -> dict:
         losses.append((report[0] / report[1].clamp(min=1)).item())
     valid_loss = trainer.evaluate()
     params = {n: gather_full(p, dims.tp_group).clone() for n, p in global_named_parameters(trainer.models).items()}
+    offloaded = sum(m.module.decoder.offloader.offloaded_bytes for m in trainer.models
+                    if hasattr(m.module.decoder, "offloader"))
     trainer.close()
     return {"losses": losses, "valid": valid_loss, "params": params, "last_stage": dims.is_last_stage,
-            "replica": dims.tp_rank == 0 and dims.dp_rank == 0, "chunks": len(trainer.models)}
+            "replica": dims.tp_rank == 0 and dims.dp_rank == 0, "chunks": len(trainer.models), "offloaded": offloaded}
 
 
 def _ranks(rank, world, names):
@@ -111,6 +118,8 @@ def test_pipeline_equals_single_rank(name, results, reference):
 def test_virtual_stages_build_two_chunks(results):
     assert all(r["chunks"] == 2 for r in results["pp2_virtual2"])
     assert all(r["chunks"] == 1 for r in results["pp2"])
+    assert all(r["offloaded"] > 0 for r in results["pp2_virtual2_offload"])  # (each stage's chunks offloaded)
+    assert all(r["offloaded"] == 0 for r in results["pp2"])
 
 
 # ---- layout checks: one-line ConfigErrors before anything runs -----------------------------------

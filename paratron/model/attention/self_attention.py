@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import mup
+from .. import mup, offload
 from ...config import ModelConfig
 from ...kernels import flash_attention
 from ...kernels.rotary import apply_rotary
@@ -110,13 +110,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         recompute = self.recompute_core and self.training and torch.is_grad_enabled()
-        qkv = self.linear_qkv(x, gemv=ctx.gemv)  # [s, b, groups * (q_rows + 2) * d]
+        with offload.at(self, "qkv_linear"):  # (--offload-modules: model/offload.py)
+            qkv = self.linear_qkv(x, gemv=ctx.gemv)  # [s, b, groups * (q_rows + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups, self.q_rows + 2, self.d)
         if self.fused_decode and self.core_attention.decodes_rotary(ctx, s, b):  # (sdpa.py)
             return self.linear_proj(self.core_attention.attend_decode_rotary(qkv, ctx), residual, ctx.gemv)
         if self.core_attention.fuses_rotary(ctx, s):  # the rotary embedding inside the core's op (flash.py)
-            return self.linear_proj(self.core_attention.attend_rotary(qkv, ctx, recompute), residual, ctx.gemv)
+            with offload.at(self, "core_attn"):
+                out = self.core_attention.attend_rotary(qkv, ctx, recompute)
+            return self._project(out, residual, ctx)
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.d)
         gate = qkv[:, :, :, self.q_per_group: self.q_rows].reshape(s, b, self.heads * self.d) if self.gated else None
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
@@ -124,7 +127,12 @@ class Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if ctx.rope is not None and self.rotate is not None:
             q, k = self.rotate(q, *ctx.rope), self.rotate(k, *ctx.rope)
-        out = self.core_attention.attend(q, k, v, ctx, recompute)  # [s, b, heads * d]
+        with offload.at(self, "core_attn"):
+            out = self.core_attention.attend(q, k, v, ctx, recompute)  # [s, b, heads * d]
         if gate is not None:
             out = apply_output_gate(out, gate)
-        return self.linear_proj(out, residual, ctx.gemv)
+        return self._project(out, residual, ctx)
+
+    def _project(self, out: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        with offload.at(self, "attn_proj"):
+            return self.linear_proj(out, residual, ctx.gemv)
