@@ -58,6 +58,12 @@ def validate_routing(m: ModelConfig) -> None:
     else:
         need(groups is None, f"--moe-router-num-groups {groups} has no effect without --moe-router-group-topk; set it "
              "or remove the flag")
+    if m.moe_enable_deepep:  # (Megatron's checks, then its deprecated flag's meaning)
+        need(m.moe_token_dispatcher_type == "flex", "--moe-enable-deepep needs --moe-token-dispatcher-type flex (as "
+             "Megatron)")
+        need(m.moe_flex_dispatcher_backend != "hybridep", "--moe-enable-deepep with --moe-flex-dispatcher-backend "
+             "hybridep: the flex dispatcher takes one backend; remove one")
+        m.moe_flex_dispatcher_backend = "deepep"
     need(m.moe_flex_dispatcher_backend in FLEX_BACKENDS,
          f"--moe-flex-dispatcher-backend {m.moe_flex_dispatcher_backend}: choose one of {', '.join(FLEX_BACKENDS)}")
     need(m.moe_flex_dispatcher_backend != "ncclep" or m.moe_token_dispatcher_type == "flex",

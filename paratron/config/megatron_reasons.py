@@ -33,8 +33,6 @@ ACCEPTED = {
     "cross_entropy_fusion_impl": "paratron's own fused cross-entropy runs for every value (native | te)",
     "moe_router_padding_for_fp8": "paratron's FP8 expert GEMMs always pad each expert's rows with zero rows to the "
                                   "GEMM's alignment (16; 128 under --fp8-recipe blockwise), which changes no output",
-    "moe_enable_deepep": "Megatron's older spelling of --moe-flex-dispatcher-backend deepep (the default) with "
-                         "the flex dispatcher; " + FLEX_KERNELS.split(": ", 1)[1],
     **{name: FLEX_KERNELS for name in ("moe_deepep_num_sms", "moe_hybridep_num_sms",
                                        "moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_blocks_permute",
                                        "moe_hybridep_num_blocks_unpermute")},

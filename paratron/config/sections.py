@@ -107,6 +107,7 @@ class ModelConfig(Section, HybridFields, EncoderDecoderFields):
     moe_permute_fusion: bool = False  # grouped GEMM: tokens gathered straight into the padded expert rows and back
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather | flex (runs as alltoall)
     moe_flex_dispatcher_backend: str = "deepep"  # deepep | hybridep | ncclep: checked as Megatron, then alltoall
+    moe_enable_deepep: bool = False  # Megatron's older spelling of --moe-flex-dispatcher-backend deepep (flex only)
     moe_router_num_groups: Optional[int] = None  # group-limited routing: the experts in this many groups
     moe_router_group_topk: Optional[int] = None  # ... each token choosing its experts in this many groups
     moe_router_force_load_balancing: bool = False  # benchmarking: random router logits (straight-through grad)

@@ -259,6 +259,9 @@ BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
     (["--moe-flex-dispatcher-backend", "ncclep"], "ncclep needs --moe-token-dispatcher-type flex"),
     (["--moe-token-dispatcher-type", "flex"], "needs --expert-model-parallel-size x --expert-tensor-parallel-size"),
     (["--moe-shared-expert-gate"], "set --moe-shared-expert-intermediate-size"),
+    (["--moe-enable-deepep"], "--moe-enable-deepep needs --moe-token-dispatcher-type flex"),
+    (["--moe-enable-deepep", "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep"],
+     "the flex dispatcher takes one backend"),
 ])
 def test_config_errors_are_one_line(flags, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -271,3 +274,10 @@ def test_per_layer_logging_needs_experts():
     with pytest.raises(ConfigError, match="--moe-per-layer-logging has no effect without --num-experts"):
         parse_args(flags + ["--moe-per-layer-logging"])
 
+
+
+def test_enable_deepep_is_the_deepep_backend_of_the_flex_dispatcher():
+    """Megatron's deprecated --moe-enable-deepep: with the flex dispatcher, the deepep backend."""
+    flags = BASE + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep"]
+    cfg = parse_args(flags + ["--moe-flex-dispatcher-backend", "ncclep"], world_size=2)
+    assert cfg.model.moe_enable_deepep and cfg.model.moe_flex_dispatcher_backend == "deepep"
