@@ -15,6 +15,7 @@ On GPUs, fitting bigger models on the real training step (Trainer.train_step und
     python benchmarks/optimizer_memory.py offload [--gpus 1] [--shape "..."] [--offload "..."] [--steps 10]
     python benchmarks/optimizer_memory.py fp8-gather --gpus 2 [--shape "..."] [--steps 100]
     python benchmarks/optimizer_memory.py strategies --gpus 8 [--shape "..."] [--steps 20]
+    python benchmarks/optimizer_memory.py variants --gpus 1 --shape "..." --variant "FLAGS" [--variant "FLAGS" ...]
 
 offload: the shape without offload (expected: CUDA out of memory, recorded as such with the peak it reached)
 and with ``--offload`` flags (default ``--optimizer-cpu-offload --optimizer-offload-fraction 0.5``): tokens/s,
@@ -24,6 +25,8 @@ ranks: on one there is no all-gather; ``--ranks-per-gpu 2`` runs two ranks on ea
 collectives through the host: the numerics of the FP8 gather without NCCL's speed); the verdict compares the two loss curves (largest relative difference
 of the mean loss over windows of 10 steps, limit 1 %).
 strategies: tokens/s and peak memory per GPU of each ``--data-parallel-sharding-strategy``.
+variants: the shape alone and with each ``--variant``'s flags added (activation offloading, lower-precision Adam
+moments, ...): tokens/s, peak memory and the bytes per rank of each.
 Each run is `torchrun --standalone --nproc-per-node G` of this file in worker mode; a Markdown record (date,
 hardware, torch, commit, commands, table) goes to --record-dir (default: $OUT if set, else benchmarks/results).
 """
@@ -53,7 +56,7 @@ from paratron.config import Config, finalize  # noqa: E402
 from paratron.parallel.dims import shutdown_distributed  # noqa: E402
 
 LIMIT = 0.30
-GPU_MODES = ("offload", "fp8-gather", "strategies", "worker")
+GPU_MODES = ("offload", "fp8-gather", "strategies", "variants", "worker")
 
 
 def small_config(precision: str, distributed: bool, dp: int) -> Config:
@@ -225,6 +228,7 @@ def fit_main() -> int:
     p.add_argument("--shape", default=None, help="model, batch and precision flags (default: per mode)")
     p.add_argument("--offload", default="--optimizer-cpu-offload --optimizer-offload-fraction 0.5")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--variant", action="append", default=[], help="variants: flags added to the shape (repeat)")
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--ranks-per-gpu", type=int, default=1, help="ranks on each GPU (> 1: gloo, not NCCL)")
     p.add_argument("--record-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
@@ -236,7 +240,7 @@ def fit_main() -> int:
         return 0
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    args.steps = args.steps or {"offload": 10, "fp8-gather": 100, "strategies": 20}[args.mode]
+    args.steps = args.steps or {"offload": 10, "fp8-gather": 100, "strategies": 20, "variants": 10}[args.mode]
     shape = args.shape or {"offload": SHAPE_9B, "fp8-gather": TEXT}.get(args.mode, SMALL)
     if "{GPT_DATA}" in shape:
         from paratron.data.corpus import prepare_docstring_data
@@ -246,6 +250,8 @@ def fit_main() -> int:
         runs = {"no offload": shape, "offload": f"{shape} {args.offload}"}
     elif args.mode == "fp8-gather":
         runs = {"bf16 gather": f"{shape} {FP8} {ZERO3}", "fp8 gather": f"{shape} {FP8} {ZERO3} --fp8-param-gather"}
+    elif args.mode == "variants":
+        runs = {"shape alone": shape, **{f"`{v}`": f"{shape} {v}" for v in args.variant}}
     else:
         runs = {s: f"{shape} --use-megatron-fsdp --data-parallel-sharding-strategy {s}" for s in STRATEGIES}
     results = {label: run_gpus(args.gpus, flags, args) for label, flags in runs.items()}
