@@ -27,8 +27,6 @@ def validate_activation_offload(cfg) -> None:
         need(name in OFFLOAD_MODULES, f"--offload-modules {name}: choose from {', '.join(OFFLOAD_MODULES)}")
     need("attn_proj" not in mods or "core_attn" in mods, "--offload-modules attn_proj needs core_attn too (as in "
          "Megatron: attn_proj's input is core_attn's output, which core_attn's backward keeps)")
-    need(tr.min_offloaded_tensor_size >= 0, "--min-offloaded-tensor-size must be >= 0")
-    need(0.0 <= tr.activation_offload_fraction <= 1.0, "--activation-offload-fraction must be in [0, 1]")
     need(tr.delta_offload_bytes_across_pp_ranks == 0, "--delta-offload-bytes-across-pp-ranks is not implemented: "
          "every pipeline stage offloads the same modules; remove it")
     need(not tr.delay_offload_until_cuda_graph, "--delay-offload-until-cuda-graph: paratron captures no CUDA graphs; "

@@ -12,8 +12,8 @@ first of all):
     expert_fc1   the routed experts' first matmul (its input: the permuted tokens)
     moe_act      the experts' activation (its input: fc1's output)
 
-The attention points are those of paratron's self-attention (attention/self_attention.py); multi-latent attention, Mamba and
-Gated DeltaNet layers offload their norms and MoE points only.
+The attention points are those of paratron's self-attention (attention/self_attention.py); multi-latent
+attention, Mamba and Gated DeltaNet layers offload their norms and MoE points only.
 
 How: while an offloaded point runs, saved-tensor hooks replace each tensor autograd saves (parameters and tensors
 under ``--min-offloaded-tensor-size`` elements excepted) with a host copy: on a GPU a pinned one, copied on a side
@@ -30,6 +30,7 @@ round(f x n) offload. (Megatron counts its groups after its size filter; here th
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -57,7 +58,8 @@ class Entry:
 
 @dataclass
 class Group:
-    """The tensors one point of one layer saved in one forward pass, and the group saved before it."""
+    """The tensors one point of one layer saved in one forward pass (weak references: autograd's graph owns the
+    entries, so nothing outlives it), and the group saved before it."""
     previous: Optional["Group"]
     entries: list = field(default_factory=list)
     reloading: bool = False
@@ -65,14 +67,15 @@ class Group:
 
 class Offloader:
     """The offloading of one model chunk: its side stream (CUDA) and the chain of groups of the forward pass under
-    way. ``offloaded_bytes``: bytes copied to the host so far (the tests read it)."""
+    way. ``offloaded_bytes`` / ``prefetched_bytes``: bytes copied to the host so far, and of them reloaded ahead
+    of their use (the tests read them)."""
 
     def __init__(self, min_elems: int, device: torch.device, params: set):
         self.min_elems, self.params = min_elems, params
         self.cuda = torch.device(device).type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.last: Optional[Group] = None
-        self.offloaded_bytes = 0
+        self.offloaded_bytes = self.prefetched_bytes = 0
 
     def new_pass(self, *_) -> None:
         """A forward pass of the chunk begins (its first group has no previous one)."""
@@ -85,7 +88,8 @@ class Offloader:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(g, t), lambda e: self._unpack(g, e))
 
     def _pack(self, g: Group, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or t.numel() < self.min_elems or t.data_ptr() in self.params:
+        if isinstance(t, nn.Parameter) or t.numel() < self.min_elems or t.data_ptr() in self.params or \
+                (self.cuda and not t.is_cuda):  # (a host tensor a GPU layer saves stays where it is)
             return t
         host = torch.empty_like(t, device="cpu", pin_memory=self.cuda)  # (a dense tensor's strides kept)
         entry = Entry(host, t.device)
@@ -97,7 +101,7 @@ class Offloader:
             t.record_stream(self.stream)
         else:
             host.copy_(t)
-        g.entries.append(entry)
+        g.entries.append(weakref.ref(entry))
         self.offloaded_bytes += t.numel() * t.element_size()
         return entry
 
@@ -111,24 +115,30 @@ class Offloader:
         return self._reload(entry)
 
     def _prefetch(self, g: Group) -> None:
-        if not self.cuda:
-            return
-        with torch.cuda.stream(self.stream):  # (after the group's copies to the host: the same stream)
-            for entry in g.entries:
-                if entry.ahead is None:
+        """Start the reload of ``g``'s tensors (on a GPU on the side stream, after their copies to the host)."""
+        for ref in g.entries:
+            entry = ref()
+            if entry is not None and entry.ahead is None:
+                if not self.cuda:
+                    entry.ahead = (entry.host, None)
+                    continue
+                with torch.cuda.stream(self.stream):
                     dev = entry.host.to(entry.device, non_blocking=True)
                     entry.ahead = (dev, self.stream.record_event())
 
     def _reload(self, entry: Entry) -> torch.Tensor:
+        """``entry``'s tensor on its device: the prefetched one, else copied now on the compute stream."""
+        if entry.ahead is not None:
+            (dev, ready), entry.ahead = entry.ahead, None
+            self.prefetched_bytes += dev.numel() * dev.element_size()
+            if self.cuda:
+                main = torch.cuda.current_stream(entry.device)
+                main.wait_event(ready)
+                dev.record_stream(main)  # (allocated on the side stream, used on this one)
+            return dev
         if not self.cuda:
             return entry.host
         main = torch.cuda.current_stream(entry.device)
-        if entry.ahead is not None:
-            dev, ready = entry.ahead
-            entry.ahead = None
-            main.wait_event(ready)
-            dev.record_stream(main)  # (allocated on the side stream, used on this one)
-            return dev
         main.wait_event(entry.copied)
         return entry.host.to(entry.device, non_blocking=True)
 

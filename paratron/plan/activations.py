@@ -61,27 +61,87 @@ def norm_bytes(model: ModelConfig, a: int, paths: Paths = Paths()) -> int:
     """Per token: what one norm saves. LayerNorm: its input and fp32 statistics; RMSNorm (computed in fp32,
     model/norms.py): the fp32 input, the statistic, and the normalised input cast back for the weight; on quack's
     kernel (kernels/quack_norm.py ``_NormKeep``): its input in the model's dtype and the statistic."""
-    h = model.hidden_size
-    if model.normalization == "LayerNorm":
-        return h * a + 2 * FP32
-    return h * a + FP32 if paths.quack_norm else h * FP32 + h * a + FP32
+    return sum(b for b, _ in norm_parts(model, a, paths))
+
+
+def attention_parts(model: ModelConfig, layout: Layout, a: int) -> dict[str, list[tuple[int, int]]]:
+    """Per token, before the TP split: what the attention saves, by what saves it, as (bytes, elements) per tensor:
+    ``qkv`` the fused QKV output, ``core`` the core's own (rotated q and k, the output under FP8, the
+    log-sum-exp, context parallelism's ring buffers), ``proj`` the output projection's input (without FP8 the
+    core's output: one tensor that both keep)."""
+    q, kv, heads, p = *dims_of(model), layout.paths
+    selective = layout.recompute == "selective"
+    gate = 2 if model.attention_output_gate else 1
+    core = [] if selective else [(heads * FP32, heads)]
+    proj = [(q, q)] if p.fp8_inputs else [(q * a, q)]  # FP8: the projection's own copy
+    if p.fp8_inputs and not selective:
+        core.append((q * a, q))
+    rotated_kept = not (selective and p.fused_rope)  # the fused op's rotated q, k recomputed with the core
+    rotated = model.position_embedding_type in ("rope", "yarn") or model.multi_latent_attention
+    if rotated and rotated_kept:
+        core += [(q * a, q), (kv * a, kv)]
+    elif not rotated and model.num_query_groups < heads:
+        core.append((q * a, q))  # unrotated grouped queries: a copy (self_attention.py cuts them out of each group)
+    if layout.cp > 1:  # the ring keeps its own contiguous K/V of the local chunk and the merged log-sum-exp
+        core += [(kv * a, kv), (kv * a, kv), (heads * FP32, heads)]
+    return {"qkv": [((q * gate + 2 * kv) * a, q * gate + 2 * kv)], "core": core, "proj": proj}
 
 
 def attention_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     """Per token, before the TP split: QKV output, rotated q and k, the output, the log-sum-exp."""
-    q, kv, heads, p = *dims_of(model), layout.paths
-    selective = layout.recompute == "selective"
-    proj_input = (0 if selective else q * a) + q if p.fp8_inputs else q * a  # FP8: the projection's own copy
-    out = (q * (2 if model.attention_output_gate else 1) + 2 * kv) * a + proj_input
-    rotated_kept = not (selective and p.fused_rope)  # the fused op's rotated q, k recomputed with the core
-    rotated = model.position_embedding_type in ("rope", "yarn") or model.multi_latent_attention
-    if rotated and rotated_kept:
-        out += (q + kv) * a
-    elif not rotated and model.num_query_groups < heads:
-        out += q * a  # unrotated grouped queries: a copy (self_attention.py cuts them out of each group's rows)
-    if layout.cp > 1:  # the ring keeps its own contiguous K/V of the local chunk and the merged log-sum-exp
-        out += 2 * kv * a + heads * FP32
-    return out + (0 if selective else heads * FP32)
+    return sum(b for part in attention_parts(model, layout, a).values() for b, _ in part)
+
+
+def norm_parts(model: ModelConfig, a: int, paths: Paths = Paths()) -> list[tuple[int, int]]:
+    """What one norm saves (norm_bytes), (bytes, elements) per token and tensor."""
+    h = model.hidden_size
+    if model.normalization == "LayerNorm":
+        return [(h * a, h), (FP32, 1), (FP32, 1)]
+    return [(h * a, h), (FP32, 1)] if paths.quack_norm else [(h * FP32, h), (h * a, h), (FP32, 1)]
+
+
+def offloaded_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: frozenset, tokens: int) -> int:
+    """Bytes of one micro-batch through one layer of ``kind`` that its offloaded ``points`` (model/offload.py) take
+    off the device: each point's saved tensors of at least --min-offloaded-tensor-size elements, and the QKV
+    output the attention core alone saves (its storage goes when the core's views of it go, unless the output gate
+    keeps one). A tensor both the core and the projection save (the core's output, without FP8) goes with both."""
+    if not points:
+        return 0
+    a, t, sp = layout.param_bytes, layout.tp, layout.sequence_parallel
+    mixer, ffn = kind
+    terms = []  # (bytes, elements) per token on this rank
+    for name in ("attn_norm", "mlp_norm"):
+        if name in points:
+            terms += [(b // t, e // t) if sp else (b, e) for b, e in norm_parts(model, a, layout.paths)]
+    if "qkv_linear" in points:  # (gathered under SP)
+        terms.append((model.hidden_size * (1 if layout.paths.fp8_inputs else a), model.hidden_size))
+    if "core_attn" in points:
+        parts = attention_parts(model, layout, a)
+        kept = parts["core"] + ([] if model.attention_output_gate else parts["qkv"])
+        kept += parts["proj"] if "attn_proj" in points else []
+        terms += [(b // t, e // t) for b, e in kept]
+    if ffn == "moe" and {"expert_fc1", "moe_act"} & points:
+        h, k = model.moe_latent_size or model.hidden_size, model.moe_router_topk
+        # the activation keeps its input, fc1's output (gated: 2f), and, gated, the gate's activated half (f)
+        f = model.moe_ffn_hidden_size // layout.etp * (3 if model.swiglu or model.quick_geglu else 1)
+        split = t if sp else 1
+        terms += [(k * h * a // split, k * h // split)] if "expert_fc1" in points else []
+        terms += [(k * f * a // split, k * f // split)] if "moe_act" in points else []
+    return tokens * sum(b for b, e in terms if tokens * e >= layout.min_offloaded_tensor_size)
+
+
+def offload_points(model: ModelConfig, layout: Layout, layers: list) -> list[frozenset]:
+    """The offloaded points of each of a chunk's layers (``layers``: their kinds): --offload-modules' points each
+    layer has (model/offload.points_of), the first --activation-offload-fraction of them in forward order."""
+    chosen, mods = [], layout.offload_modules
+    for i, (mixer, ffn) in enumerate(layers):
+        attention = mixer == "attention" and not model.multi_latent_attention
+        have = (["attn_norm"] if mixer is not None else []) + \
+            (["qkv_linear", "core_attn", "attn_proj"] if attention else []) + \
+            (["mlp_norm"] if ffn is not None else []) + (["expert_fc1", "moe_act"] if ffn == "moe" else [])
+        chosen += [(i, name) for name in have if name in mods]
+    chosen = chosen[:round(layout.activation_offload_fraction * len(chosen))]
+    return [frozenset(name for j, name in chosen if j == i) for i in range(len(layers))]
 
 
 def mlp_bytes(model: ModelConfig, ffn: int, a: int, paths: Paths = Paths()) -> int:
@@ -182,8 +242,9 @@ def gated_delta_kept(model: ModelConfig, layout: Layout, nv: int) -> int:
 LINEAR_MIXERS = {"mamba": mamba_bytes, "gdn": gdn_bytes}
 
 
-def layer_bytes(model: ModelConfig, layout: Layout, kind: tuple) -> LayerBytes:
-    """One layer of ``kind`` (mixer, MLP) (shapes.layer_kinds), one micro-batch, this rank."""
+def layer_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: frozenset = frozenset()) -> LayerBytes:
+    """One layer of ``kind`` (mixer, MLP) (shapes.layer_kinds), one micro-batch, this rank; ``points``: its
+    offloaded points (what they move to the host is not counted)."""
     a, h, t = layout.param_bytes, model.hidden_size, layout.tp
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     mixer, ffn = kind
@@ -204,7 +265,8 @@ def layer_bytes(model: ModelConfig, layout: Layout, kind: tuple) -> LayerBytes:
         inputs, own = inputs + qkv_in, own + mlp_bytes(model, model.ffn_hidden_size, a, layout.paths) // t
     per_token = (sp // t if layout.sequence_parallel else sp) + inputs + split // t + own
     keep = h * a // (t if layout.sequence_parallel else 1)
-    return LayerBytes(tokens * per_token + layout.micro_batch * fixed, tokens * keep)
+    moved = offloaded_bytes(model, layout, kind, points, tokens)
+    return LayerBytes(tokens * per_token + layout.micro_batch * fixed - moved, tokens * keep)
 
 
 def head_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
@@ -261,8 +323,10 @@ def chunk_bytes(model: ModelConfig, layout: Layout, layers: list, vocab: int, pr
     --recompute-num-layers layers one input; block: the first --recompute-num-layers layers' inputs, the
     others whole)."""
     per = [layer_bytes(model, layout, kind) for kind in layers]
-    if layout.recompute != "full" or not per:
-        return sum(p.full for p in per) + edge_bytes(model, layout, vocab, pre, post), \
+    if layout.recompute != "full" or not per:  # (offloading: the layers' tensors back for their backward)
+        kept = [layer_bytes(model, layout, kind, points) for kind, points in
+                zip(layers, offload_points(model, layout, layers))] if layout.offload_modules else per
+        return sum(p.full for p in kept) + edge_bytes(model, layout, vocab, pre, post), \
             max((p.full for p in per), default=0)
     n = min(layout.recompute_num_layers or 1, len(per))  # (the model recomputes one layer at a time without it)
     if layout.recompute_method == "block":  # the first n layers recomputed, the rest kept whole

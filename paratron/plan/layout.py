@@ -41,6 +41,9 @@ class Layout:
     offload_fraction: float = 0.0  # share of fp32 masters and Adam moments kept on the host
     moment_bytes: int = 8  # Adam's two moments per element: 8 in fp32 (--exp-avg-dtype, --exp-avg-sq-dtype)
     scaled_moments: int = 0  # of them held in fp16 / fp8 (an fp32 scale per tensor each)
+    offload_modules: tuple = ()  # --fine-grained-activation-offloading's points (--offload-modules)
+    activation_offload_fraction: float = 1.0
+    min_offloaded_tensor_size: int = 1048576
     bucket_size: Optional[int] = None  # --ddp-bucket-size: elements per gradient bucket
     overlap_grad_reduce: bool = False  # without a bucket size: Megatron's default buckets (else one per buffer)
     overlap_param_gather: bool = False
@@ -123,6 +126,10 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
                   moment_bytes=sum(MOMENT_BYTES[d] for d in moments),
                   scaled_moments=sum(d in ("fp16", "fp8") for d in moments),
+                  offload_modules=tuple(field(cfg, "offload_modules", None) or ())
+                  if field(cfg, "fine_grained_activation_offloading", False) else (),
+                  activation_offload_fraction=field(cfg, "activation_offload_fraction", 1.0),
+                  min_offloaded_tensor_size=field(cfg, "min_offloaded_tensor_size", 1048576),
                   bucket_size=par.ddp_bucket_size, overlap_grad_reduce=par.overlap_grad_reduce,
                   overlap_param_gather=par.overlap_param_gather, paths=paths_of(cfg, kind),
                   host_ops=host_ops, compiled=bool(tr.torch_compile), traffic=traffic,

@@ -81,13 +81,16 @@ def test_fraction_and_size_filter():
 def test_backward_prefetches_the_group_saved_before(monkeypatch):
     """Reloading a group starts the reload of the group saved just before it in the same forward pass: backward
     prefetches the groups in reverse forward order, each once, and a new forward pass starts a new chain."""
-    packed, prefetched = [], []
+    packed, prefetched, sizes = [], [], {}
     pack, prefetch = offload.Offloader._pack, offload.Offloader._prefetch
 
     def record_pack(self, g, t):
         if not packed or packed[-1] is not g:
             packed.append(g)
-        return pack(self, g, t)
+        out = pack(self, g, t)
+        if isinstance(out, offload.Entry):
+            sizes[id(g)] = sizes.get(id(g), 0) + t.numel() * t.element_size()
+        return out
 
     def record_prefetch(self, g):
         prefetched.append(g)
@@ -101,6 +104,9 @@ def test_backward_prefetches_the_group_saved_before(monkeypatch):
         one_pass = packed[first:first + 10]
         assert one_pass[0].previous is None and all(g.previous is h for g, h in zip(one_pass[1:], one_pass))
     assert prefetched == packed[8::-1] + packed[18:9:-1]
+    off = t.models[0].module.decoder.offloader  # every tensor but those of each pass's last group came back ahead
+    last = sizes[id(packed[9])] + sizes[id(packed[19])]
+    assert last > 0 and off.prefetched_bytes == off.offloaded_bytes - last > 0
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -115,7 +121,7 @@ def test_backward_prefetches_the_group_saved_before(monkeypatch):
     (["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "--recompute-granularity",
       "selective"], "with --recompute-modules core_attn"),
     (["--fine-grained-activation-offloading", "--offload-modules", "mlp_norm", "--recompute-granularity",
-      "selective", "--recompute-modules", "layernorm"], "--offload-modules mlp_norm with --recompute-modules layernorm"),
+      "selective", "--recompute-modules", "layernorm"], "mlp_norm with --recompute-modules layernorm"),
     (["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "--torch-compile"], "--torch-compile"),
     (["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "--activation-offload-fraction",
       "1.5"], "must be in \\[0, 1\\]"),

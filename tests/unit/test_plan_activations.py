@@ -63,3 +63,35 @@ def test_activation_bytes_match_saved_tensors(style, extra):
     predicted = rank_memory(cfg.model, cfg.padded_vocab_size, layout_of(cfg), 0, cfg.parallel).activations
     measured = saved_bytes(cfg)
     assert abs(predicted / measured - 1) < 0.02, (predicted, measured)
+
+
+# --fine-grained-activation-offloading (model/offload.py): what the offloaded points take off the device
+ALL_POINTS = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
+MOE = dict(num_experts=4, moe_router_topk=2)
+OFFLOAD_CASES = [
+    ("llama", {}, dict(offload_modules=ALL_POINTS[:5])),
+    ("gpt", {}, dict(offload_modules=["core_attn", "mlp_norm"])),
+    ("gpt", {}, dict(offload_modules=["qkv_linear", "core_attn", "attn_proj"], min_offloaded_tensor_size=100)),
+    ("llama", dict(bf16=True, **MOE), dict(offload_modules=ALL_POINTS)),
+    ("gpt", MOE, dict(offload_modules=ALL_POINTS)),
+    ("llama", MOE, dict(offload_modules=["qkv_linear", "expert_fc1", "moe_act"], activation_offload_fraction=0.5)),
+    ("llama", dict(moe_latent_size=16, **MOE), dict(offload_modules=["expert_fc1", "moe_act", "attn_norm"])),
+    ("gpt", dict(hybrid_layer_pattern="M*E", bf16=True, **MOE, **HYBRID),
+     dict(offload_modules=["attn_norm", "mlp_norm", "core_attn", "expert_fc1"])),
+]
+
+
+@pytest.mark.parametrize("style,extra,offload", OFFLOAD_CASES,
+                         ids=[f"{s}{i}-{'-'.join(o['offload_modules'])}" for i, (s, _, o) in enumerate(OFFLOAD_CASES)])
+def test_offloaded_activation_bytes_match(style, extra, offload):
+    """The planner's saving against what autograd no longer keeps on the device (the saved-tensor hooks of the
+    offloaded points take those tensors; min size 0 unless the case sets one: 100 elements leaves the
+    per-token statistics of 64 tokens behind and takes the rest)."""
+    base = tiny_config(style, world_size=1, **extra)
+    off = tiny_config(style, world_size=1, **extra, **{"fine_grained_activation_offloading": True,
+                                                       "min_offloaded_tensor_size": 0, **offload})
+
+    def planned(cfg):
+        return rank_memory(cfg.model, cfg.padded_vocab_size, layout_of(cfg), 0, cfg.parallel).activations
+    predicted, measured = planned(base) - planned(off), saved_bytes(base) - saved_bytes(off)
+    assert measured > 0 and abs(predicted / measured - 1) < 0.01, (predicted, measured)
