@@ -149,9 +149,14 @@ def validate_recompute(cfg) -> None:
     if "shared_experts" in mods:
         need(not (m.moe_shared_expert_intermediate_size and m.moe_shared_expert_overlap),
              "--recompute-modules shared_experts cannot work with --moe-shared-expert-overlap; remove one")
-    if {"layernorm", "moe_act"} & set(mods):
-        need(not tr.torch_compile, "--recompute-modules layernorm/moe_act (output-discarding recomputation) is not "
-                                   "supported with --torch-compile; remove one")
+    if "mla_up_proj" in mods:
+        need(m.multi_latent_attention, "--recompute-modules mla_up_proj recomputes multi-latent attention's up "
+             "projections: it needs --multi-latent-attention; remove it")
+        need(tr.fp8_format is None or tr.fp8_recipe != "delayed", "--recompute-modules mla_up_proj with --fp8-recipe "
+             "delayed: the recomputed projections would record their amaxes twice; use tensorwise or blockwise")
+    if {"layernorm", "moe_act", "mla_up_proj"} & set(mods):
+        need(not tr.torch_compile, "--recompute-modules layernorm/moe_act/mla_up_proj (output-discarding "
+                                   "recomputation) is not supported with --torch-compile; remove one")
     tr.recompute_modules = mods
 
 

@@ -50,10 +50,9 @@ SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 # --recompute-modules (paratron/model/recompute.py): checkpointed modules, output-discarding ones
 RECOMPUTE_CHECKPOINTED = ("core_attn", "mlp", "moe", "shared_experts")
-RECOMPUTE_DISCARDED = ("layernorm", "moe_act")
+RECOMPUTE_DISCARDED = ("layernorm", "moe_act", "mla_up_proj")
 RECOMPUTE_SUPPORTED = RECOMPUTE_CHECKPOINTED + RECOMPUTE_DISCARDED
 RECOMPUTE_MISSING = {  # Megatron's other names: the module they recompute is not in paratron
-    "mla_up_proj": "multi-latent attention (paratron has none)",
     "gdn_norm_out": "gated-delta-net attention (paratron has none)",
     "gdp_in_proj": "gated-delta-product attention (paratron has none)",
     "gdp_qkv": "gated-delta-product attention (paratron has none)",

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import mup
+from . import mup, recompute
 from ..config import ModelConfig
 from ..parallel import comm
 from ..parallel.random import checkpoint
@@ -88,7 +88,7 @@ class MLASelfAttention(nn.Module):
         self.heads = cfg.num_attention_heads // par.tp_size
         self.qk, self.pe, self.v = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         self.kv_rank, self.scale = cfg.kv_lora_rank, softmax_scale(cfg)
-        self.recompute_core = False
+        self.recompute_core = self.recompute_up = False  # --recompute-modules core_attn / mla_up_proj
         self.layer_index = 0
         n, sp, init = cfg.num_attention_heads, par.sequence_parallel, init_normal(mup.hidden_std(cfg))
         column = partial(ColumnParallelLinear, tp_group=par.tp_group, bias=False, sequence_parallel=sp,
@@ -109,11 +109,33 @@ class MLASelfAttention(nn.Module):
                                              bias=not cfg.disable_bias_linear, sequence_parallel=sp,
                                              init_method=output_init(cfg), device=device, dtype=dtype)
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+    def _q_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The query projection's input: the normed query latent (--q-lora-rank), else x."""
         if not self.lora:
-            return self.linear_q_proj(x)
+            return x
         q = self.linear_q_down_proj(x)
-        return self.linear_q_up_proj(q if self.q_layernorm is None else self.q_layernorm(q))
+        return q if self.q_layernorm is None else self.q_layernorm(q)
+
+    def _queries(self, q_in: torch.Tensor) -> torch.Tensor:
+        return self.linear_q_up_proj(q_in) if self.lora else self.linear_q_proj(q_in)
+
+    def _up(self, q_in: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, rope) -> tuple:
+        """The per-head (q, k, v) [b, heads, s, d] from the latents (up projections, rotary embedding): what
+        --recompute-modules mla_up_proj recomputes in backward instead of keeping."""
+        q = self._queries(q_in)
+        s, b = q.shape[:2]
+        q_nope, q_pe = q.view(s, b, self.heads, self.qk + self.pe).split([self.qk, self.pe], dim=-1)
+        if rope is not None:
+            q_pe, k_pe = apply_mla_rotary(q_pe, *rope), apply_mla_rotary(k_pe, *rope)
+        k_nope, v = self.linear_kv_up_proj(c).view(-1, b, self.heads, self.qk + self.v).split([self.qk, self.v], -1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
+        return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
+
+    def _attend(self, qkv: tuple, ctx: ForwardContext) -> torch.Tensor:
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            return checkpoint(self._core, *qkv, ctx, rng=self.par.rng)
+        return self._core(*qkv, ctx)
 
     def _keys_values(self, x: torch.Tensor):
         """(the latent c after its norm, the shared rotary key over the whole sequence [s, b, 1, pe])."""
@@ -141,7 +163,17 @@ class MLASelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         c, k_pe = self._keys_values(x)
-        q = self._queries(x)
+        q_in = self._q_in(x)
+        if ctx.kv_cache is None:  # training (and a cache-less forward)
+            if self.recompute_up and self.training and torch.is_grad_enabled():  # --recompute-modules mla_up_proj
+                def up(a, c_, k):  # (contiguous: the core then keeps these tensors, not copies of its own)
+                    return tuple(t.contiguous() for t in self._up(a, c_, k, ctx.rope))
+                out = recompute.discard_output(up, (q_in, c, k_pe), lambda qkv: self._attend(qkv, ctx))
+            else:
+                out = self._attend(self._up(q_in, c, k_pe, ctx.rope), ctx)
+            b, _, s = out.shape[:3]
+            return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v))
+        q = self._queries(q_in)
         s, b = q.shape[:2]
         q_nope, q_pe = q.view(s, b, self.heads, self.qk + self.pe).split([self.qk, self.pe], dim=-1)
         if ctx.rope is not None:
@@ -152,15 +184,11 @@ class MLASelfAttention(nn.Module):
             c, k_pe = ctx.kv_cache.update(self.layer_index, c.permute(1, 0, 2)[:, None], k_pe.permute(1, 2, 0, 3))
             if c.size(2) > s:  # decoding / verifying: attend in the latent space (absorbed projections)
                 return self.linear_proj(self._absorbed(q_nope, q_pe, c, k_pe, ctx.mask))
-            c, k_pe = c[:, 0].transpose(0, 1), k_pe.permute(2, 0, 1, 3)  # the prompt pass: [T, b, ...] as below
+            c, k_pe = c[:, 0].transpose(0, 1), k_pe.permute(2, 0, 1, 3)  # the prompt pass: [T, b, ...]
         k_nope, v = self.linear_kv_up_proj(c).view(-1, b, self.heads, self.qk + self.v).split([self.qk, self.v], -1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(self._core, q, k, v, ctx, rng=self.par.rng)
-        else:
-            out = self._core(q, k, v, ctx)
+        out = self._core(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), ctx)  # [b, heads, s, d]
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v))
 
     def _paged(self, view, q_nope, q_pe, c, k_pe) -> torch.Tensor:

@@ -4,9 +4,11 @@ recompute their activations in backward instead of keeping them (Megatron's name
 - ``core_attn`` (the default): the attention core (softmax(QK^T)V), checkpointed.
 - ``mlp``: a dense layer's whole MLP; ``moe``: a mixture-of-experts layer's whole MoE block (router,
   dispatch, experts, shared expert); ``shared_experts``: the MoE block's shared expert. Checkpointed.
-- ``layernorm``: the input and pre-MLP norms; ``moe_act``: the experts' activation (SwiGLU/GeLU).
-  Their outputs are discarded once the next matmul has saved them and recomputed from the norm's
-  (activation's) input when that matmul's backward needs them (Megatron's output-discarding checkpoint).
+- ``layernorm``: the input and pre-MLP norms; ``moe_act``: the experts' activation (SwiGLU/GeLU);
+  ``mla_up_proj``: multi-latent attention's up projections and rotary embedding (the per-head queries, keys
+  and values, from the compressed latents). Their outputs are discarded once the next operation (the matmul,
+  the attention core) has saved them and recomputed from their inputs when its backward needs them
+  (Megatron's output-discarding checkpoint).
 The gradients are the ones of the run without recomputation: only memory and time change.
 """
 from __future__ import annotations
@@ -43,30 +45,33 @@ def active(module: torch.nn.Module) -> bool:
 
 
 class _Discard:
-    """Saved-tensor hooks that store a recipe instead of ``out`` (the result of ``fn(x)``) or of a view
-    of it (a matmul saves its input flattened to 2-D) and redo ``fn(x)`` when backward unpacks it."""
+    """Saved-tensor hooks that store a recipe instead of an output of ``fn(*xs)`` (or a view of one: a matmul
+    saves its input flattened to 2-D) and redo ``fn(*xs)`` when backward unpacks it."""
 
-    def __init__(self, fn: Callable, x: torch.Tensor, out: torch.Tensor):
-        self.fn, self.x = fn, x
-        self.storage = _storage(out)
-        self.layout = (tuple(out.shape), out.stride(), out.storage_offset())
+    def __init__(self, fn: Callable, xs: tuple, outs: tuple):
+        self.fn, self.xs = fn, xs
+        self.outputs: dict = {}  # storage -> (which output, its storage offset)
+        for i, out in enumerate(outs):
+            storage = _storage(out)
+            if storage is not None:
+                self.outputs.setdefault(storage, (i, out.storage_offset()))
         self.again = None
 
     def pack(self, t: torch.Tensor):
-        if self.storage is None or _storage(t) != self.storage:
+        hit = self.outputs.get(_storage(t))
+        if hit is None:
             return t
-        return self, tuple(t.shape), t.stride(), t.storage_offset()
+        return self, hit[0], tuple(t.shape), t.stride(), t.storage_offset() - hit[1]
 
     def unpack(self, v):
         if not (isinstance(v, tuple) and v and v[0] is self):
             return v
         if self.again is None:  # once per backward, however many consumers saved it
             with torch.no_grad():
-                again = self.fn(self.x)
-            shape, stride, offset = self.layout
-            self.again = torch.as_strided(again, shape, stride, again.storage_offset())
-        _, shape, stride, offset = v
-        return torch.as_strided(self.again, shape, stride, self.again.storage_offset() + offset - self.layout[2])
+                again = self.fn(*self.xs)
+            self.again = again if isinstance(again, tuple) else (again,)
+        _, i, shape, stride, delta = v
+        return torch.as_strided(self.again[i], shape, stride, self.again[i].storage_offset() + delta)
 
 
 def _storage(t: torch.Tensor):
@@ -75,11 +80,13 @@ def _storage(t: torch.Tensor):
     return t.untyped_storage().data_ptr(), t.dtype, t.device
 
 
-def discard_output(fn: Callable, x: torch.Tensor, consume: Callable):
+def discard_output(fn: Callable, x, consume: Callable):
     """``consume(fn(x))`` where ``fn(x)`` is not kept for backward: whatever ``consume`` saves of it is
-    recomputed from ``x`` when needed. ``fn`` must be deterministic (a norm, an activation)."""
-    out = fn(x)
-    hooks = _Discard(fn, x.detach(), out)
+    recomputed from ``x`` when needed. ``x`` may be a tuple of inputs (``fn(*x)``), and ``fn`` may return a
+    tuple. ``fn`` must be deterministic (a norm, an activation, projections)."""
+    xs = x if isinstance(x, tuple) else (x,)
+    out = fn(*xs)
+    hooks = _Discard(fn, tuple(t.detach() for t in xs), out if isinstance(out, tuple) else (out,))
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         return consume(out)
 
@@ -91,14 +98,16 @@ def apply(stack, modules) -> None:
     from .moe import MoELayer
     names = set(modules)
     for layer in stack.layers:
-        if isinstance(layer.self_attention, Attention):
-            layer.self_attention.recompute_core = "core_attn" in names
+        if isinstance(layer.self_attention, Attention) or hasattr(layer.self_attention, "recompute_core"):
+            layer.self_attention.recompute_core = "core_attn" in names  # (multi-latent attention's too)
         layer.recompute_norms = "layernorm" in names
         moe = isinstance(layer.mlp, MoELayer)
         layer.recompute_mlp = ("moe" in names) if moe else ("mlp" in names and isinstance(layer.mlp, MLP))
         if moe:
             layer.mlp.recompute_shared = "shared_experts" in names
             layer.mlp.experts.recompute_act = "moe_act" in names
+        if hasattr(layer.self_attention, "recompute_up"):  # multi-latent attention
+            layer.self_attention.recompute_up = "mla_up_proj" in names
 
 
 def saved_storage_bytes(run: Callable, skip=()) -> tuple[int, object]:
