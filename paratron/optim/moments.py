@@ -97,24 +97,24 @@ class LowPrecisionAdamW(torch.optim.AdamW):
         in their dtypes."""
         if closure is not None:
             raise ValueError("LowPrecisionAdamW takes no closure")
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] += 1
-                t = float(state["step"])
-                grad, m, v = p.grad, self.unscaled(p, "exp_avg"), self.unscaled(p, "exp_avg_sq")
-                p.mul_(1 - lr * wd)
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias_correction1, bias_correction2 = 1 - beta1 ** t, 1 - beta2 ** t
-                denom = (v.sqrt() / bias_correction2 ** 0.5).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / bias_correction1)
-                self.store(p, "exp_avg", m)
-                self.store(p, "exp_avg_sq", v)
+        work = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        steps = [self.state[p]["step"] for _, p in work]
+        if not steps:
+            return None
+        torch._foreach_add_(steps, 1.0)
+        one_device = len({s.device for s in steps}) == 1
+        counts = torch.stack(steps).tolist() if one_device else [float(s) for s in steps]  # (one read on a GPU)
+        for (group, p), t in zip(work, counts):
+            (beta1, beta2), lr, wd, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
+            grad, m, v = p.grad, self.unscaled(p, "exp_avg"), self.unscaled(p, "exp_avg_sq")
+            p.mul_(1 - lr * wd)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            bias_correction1, bias_correction2 = 1 - beta1 ** t, 1 - beta2 ** t
+            denom = (v.sqrt() / bias_correction2 ** 0.5).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / bias_correction1)
+            self.store(p, "exp_avg", m)
+            self.store(p, "exp_avg_sq", v)
         return None
 
     # ---- checkpoints -----------------------------------------------------------------------------
