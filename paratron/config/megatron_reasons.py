@@ -56,6 +56,9 @@ ACCEPTED = {
     "use_persistent_ckpt_worker": "--async-save already writes from one background thread of the training process "
                                   "per save; there is no worker process to keep",
     "async_strategy": "--async-save uses paratron's own background writer for every strategy name (nvrx | mcore)",
+    "async_ckpt_use_cpu_shm": "where --async-save stages tensors for Megatron's writer process (shared memory): "
+                              "paratron's writer is a thread of the training process and stages them in pinned "
+                              "CPU memory",
     "dist_ckpt_optim_fully_reshardable": "paratron's optimizer state is saved per parameter in global coordinates: "
                                          "it always reloads at any TP/PP/DP layout",
     "ddp_average_in_collective": "averaging inside the all-reduce or before it gives the same mean gradient",
@@ -134,7 +137,6 @@ REFUSED = {
     "fsdp_manual_registration": GPU.format("NCCL user-buffer registration of Megatron-FSDP's buffers"),
     "overlap_param_gather_with_optimizer_step": PLANNED.format("overlapping the first all-gather bucket with the "
                                                                "optimizer step"),
-    "async_ckpt_use_cpu_shm": NA.format("--async-save stages tensors in pinned CPU memory of the training process"),
     "overlap_p2p_communication_warmup_flush": PLANNED.format("overlapped pipeline warm-up/flush communication"),
     "defer_embedding_wgrad_compute": PLANNED.format("deferred embedding weight-gradient GEMMs"),
     "wgrad_deferral_limit": PLANNED.format("deferred embedding weight-gradient GEMMs"),
