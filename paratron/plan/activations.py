@@ -70,7 +70,7 @@ def attention_parts(model: ModelConfig, layout: Layout, a: int) -> dict[str, lis
     log-sum-exp, context parallelism's ring buffers), ``proj`` the output projection's input (without FP8 the
     core's output: one tensor that both keep)."""
     q, kv, heads, p = *dims_of(model), layout.paths
-    selective = layout.recompute == "selective"
+    selective = layout.recomputes("core_attn")
     gate = 2 if model.attention_output_gate else 1
     core = [] if selective else [(heads * FP32, heads)]
     proj = [(q, q)] if p.fp8_inputs else [(q * a, q)]  # FP8: the projection's own copy
@@ -242,31 +242,54 @@ def gated_delta_kept(model: ModelConfig, layout: Layout, nv: int) -> int:
 LINEAR_MIXERS = {"mamba": mamba_bytes, "gdn": gdn_bytes}
 
 
-def layer_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: frozenset = frozenset()) -> LayerBytes:
+def layer_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: frozenset = frozenset(),
+                decoder: bool = True) -> LayerBytes:
     """One layer of ``kind`` (mixer, MLP) (shapes.layer_kinds), one micro-batch, this rank; ``points``: its
-    offloaded points (what they move to the host is not counted)."""
+    offloaded points (what they move to the host is not counted); ``decoder``: a decoder layer, which the
+    --recompute-modules other than core_attn apply to (multi-token prediction's layers take only that one)."""
     a, h, t = layout.param_bytes, model.hidden_size, layout.tp
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     mixer, ffn = kind
+    recomputes = (lambda name: layout.recomputes(name)) if decoder else (lambda name: False)
     blocks = (mixer is not None) + (ffn is not None)  # each pre-normed (and dropped out) on its own
     sp = blocks * (norm_bytes(model, a, layout.paths) + (h if model.hidden_dropout > 0 else 0))
     # the QKV and fc1 (router, in_proj) matmuls' inputs, all-gathered first under SP (FP8: their FP8 copies; the
-    # router's input stays in bf16)
+    # router's input stays in bf16); --recompute-modules layernorm: the norm's output, when the matmul keeps it
+    # (not an all-gathered or FP8 copy, not an input a checkpoint holds), recomputed instead
     qkv_in = h * (1 if layout.paths.fp8_inputs else a)
+    norm_out = recomputes("layernorm") and not layout.sequence_parallel and not layout.paths.fp8_inputs
+    checkpointed = recomputes("moe") if ffn == "moe" else recomputes("mlp") and ffn is not None
     inputs, split, own, fixed = 0, 0, 0, 0
     if mixer == "attention":
-        inputs, split = qkv_in, attention_bytes(model, layout, a)
+        inputs, split = (0 if norm_out else qkv_in), attention_bytes(model, layout, a)
     elif mixer is not None:
         own, fixed = LINEAR_MIXERS[mixer](model, layout, a)
-        inputs += h * a
+        inputs += 0 if recomputes("layernorm") and not layout.sequence_parallel else h * a
     if ffn == "moe":
-        inputs, own = inputs + h * a, own + moe_bytes(model, layout, a)
+        inputs += 0 if recomputes("layernorm") and not checkpointed else h * a
+        own += 0 if checkpointed else moe_bytes(model, layout, a) - recomputed_moe_bytes(model, layout, a, recomputes)
     elif ffn is not None:
-        inputs, own = inputs + qkv_in, own + mlp_bytes(model, model.ffn_hidden_size, a, layout.paths) // t
+        inputs += 0 if norm_out and not checkpointed else qkv_in
+        own += 0 if checkpointed else mlp_bytes(model, model.ffn_hidden_size, a, layout.paths) // t
+    if checkpointed and model.hidden_dropout == 0 and model.normalization == "RMSNorm" and a < FP32 and \
+            not layout.paths.quack_norm:  # the checkpoint holds the residual, which the norm keeps in fp32 only
+        own += h * a // (t if layout.sequence_parallel else 1)
     per_token = (sp // t if layout.sequence_parallel else sp) + inputs + split // t + own
     keep = h * a // (t if layout.sequence_parallel else 1)
     moved = offloaded_bytes(model, layout, kind, points, tokens)
     return LayerBytes(tokens * per_token + layout.micro_batch * fixed - moved, tokens * keep)
+
+
+def recomputed_moe_bytes(model: ModelConfig, layout: Layout, a: int, recomputes) -> int:
+    """Per token: what --recompute-modules shared_experts (the shared expert's tensors) and moe_act (the activation's
+    output, per routed copy) take out of moe_bytes."""
+    out = 0
+    if recomputes("shared_experts") and model.moe_shared_expert_intermediate_size:
+        out += mlp_bytes(model, model.moe_shared_expert_intermediate_size, a, layout.paths) // layout.tp
+    if recomputes("moe_act"):
+        f = model.moe_ffn_hidden_size // layout.etp
+        out += model.moe_router_topk * f * a // (layout.tp if layout.sequence_parallel else 1)
+    return out
 
 
 def head_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
@@ -290,7 +313,7 @@ def mtp_bytes(model: ModelConfig, layout: Layout, vocab: int) -> int:
     shared = h * a if model.normalization == "LayerNorm" else (h * FP32 if a == FP32 else 0)
     norms = 2 * norm_bytes(model, a, layout.paths) - shared
     per_token = (norms // t if layout.sequence_parallel else norms) + 2 * h * a + INDEX
-    layer = layer_bytes(model, layout, layer_kinds(model)[-1]).full
+    layer = layer_bytes(model, layout, layer_kinds(model)[-1], decoder=False).full
     if layout.recompute == "full":
         per_token, layer = h * a // (t if layout.sequence_parallel else 1) + INDEX, 0
     return model.mtp_num_layers * (layer + head_bytes(model, layout, vocab) + tokens * per_token)

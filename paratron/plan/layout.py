@@ -31,6 +31,7 @@ class Layout:
     recompute: Optional[str] = None  # None | selective | full
     recompute_method: str = "uniform"  # full: uniform | block
     recompute_num_layers: Optional[int] = None  # full: --recompute-num-layers (None: 1, as the model)
+    recompute_modules: tuple = ("core_attn",)  # selective: --recompute-modules (resolved)
     micro_batch: int = 1
     global_batch: int = 1
     seq_length: int = 2048
@@ -69,6 +70,10 @@ class Layout:
     @property
     def zero(self) -> int:
         return ZERO[self.sharding]
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recomputation (--recompute-modules) recomputes ``module``."""
+        return self.recompute == "selective" and module in self.recompute_modules
 
     @property
     def mixed(self) -> bool:
@@ -121,6 +126,7 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   sharding=sharding_of(cfg), recompute=tr.recompute_granularity,
                   recompute_method=tr.recompute_method or "uniform",
                   recompute_num_layers=tr.recompute_num_layers if tr.recompute_granularity == "full" else None,
+                  recompute_modules=tuple(tr.recompute_modules or ("core_attn",)),
                   micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_length=cfg.model.seq_length,
                   param_bytes=param_bytes, grad_bytes=grad_bytes, fp8=tr.fp8_format is not None,
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
