@@ -104,6 +104,32 @@ def core_flops(model: ModelConfig, batch: int, seq: int) -> float:
     return float(batch) * seq * seq * per_pair * attention_layers(model)
 
 
+def recomputed_flops(model: ModelConfig, layout: Layout, batch: int, seq: int) -> float:
+    """The forward FLOPs of one iteration that --recompute-modules mlp / moe / shared_experts / mla_up_proj run
+    again in backward (the decoder's layers; core_attn is core_flops'; layernorm and moe_act are elementwise)."""
+    if layout.recompute != "selective":
+        return 0.0
+    kinds, h, tokens = layer_kinds(model), model.hidden_size, float(batch) * seq
+    e = 3 if model.swiglu or model.quick_geglu else 2
+
+    def mlp(width: float) -> float:  # an MLP's forward (fc1, fc2) per token, width in units of h's rows
+        return 2.0 * h * width * e
+    dense, moe = (sum(1 for _, ffn in kinds if ffn == kind) for kind in ("dense", "moe"))
+    shared = mlp(model.moe_shared_expert_intermediate_size or 0)
+    out = dense * mlp(model.ffn_hidden_size) if layout.recomputes("mlp") else 0.0
+    if model.num_experts and layout.recomputes("moe"):
+        routed = model.moe_ffn_hidden_size * model.moe_router_topk * (model.moe_latent_size or h) / h
+        out += moe * (mlp(routed) + shared + 2.0 * h * model.num_experts)
+    elif model.num_experts and layout.recomputes("shared_experts"):
+        out += moe * shared
+    if model.multi_latent_attention and layout.recomputes("mla_up_proj"):
+        n, q_in = model.num_attention_heads, model.q_lora_rank or h
+        up = q_in * n * (model.qk_head_dim + model.qk_pos_emb_head_dim) + model.kv_lora_rank * n * (
+            model.qk_head_dim + model.v_head_dim)
+        out += attention_layers(model) * 2.0 * up
+    return out * tokens
+
+
 def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, grad_bytes: int,
               param_bytes_dp: int) -> StepTime:
     """``grad_bytes`` / ``param_bytes_dp``: this rank's gradient and weight bytes that data parallelism
@@ -116,9 +142,11 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
     head = 6.0 * h * vocab * L.global_batch * L.seq_length  # the output layer (never FP8)
     layers_mm = total - core - head  # the layers' matmuls: FP8 with --fp8-format
     compute = per_gpu * (layers_mm / peak + (head + core) / dense_peak)
-    # full: the layers' forward again (a third of their forward + backward); selective: the attention core's
+    # full: the layers' forward again (a third of their forward + backward); selective: the attention core's (with
+    # core_attn) and the forward of the other modules --recompute-modules names
     recompute = per_gpu * {"full": (layers_mm / peak + core / dense_peak) / 3,
-                           "selective": core / dense_peak / 3}.get(L.recompute, 0.0)
+                           "selective": (core / dense_peak / 3 if L.recomputes("core_attn") else 0.0)
+                           + recomputed_flops(model, L, L.global_batch, L.seq_length) / peak}.get(L.recompute, 0.0)
     params = grad_bytes // L.grad_bytes * (L.dp * L.cp if L.zero >= 2 else 1)  # a ZeRO-2/3 shard: the whole
     memory = step_bytes(model, L, params) / (bandwidth(cluster.kind) * cluster.memory_efficiency)
     bubble = (compute + memory + recompute) * (L.pp - 1) / (L.vpp * m)

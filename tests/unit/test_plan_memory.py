@@ -57,3 +57,21 @@ def test_more_exposed_communication_is_slower():
     assert times[1].dp >= times[0].dp and times[0].compute == times[1].compute
     slow = Cluster(4, 1, "h100", inter_gbps=0.001)  # every GPU its own node, a slow network
     assert step_time(MODEL, 512, layouts[0], slow, *dp_bytes(MODEL, 512, layouts[0], {})).dp > times[0].dp
+
+
+def test_recomputed_modules_cost_their_forward():
+    """--recompute-modules mlp: the dense MLPs' forward FLOPs again, at the matmul peak; without core_attn the
+    attention core is not recomputed; layernorm (elementwise) adds no FLOPs."""
+    from paratron.plan.cost import recomputed_flops
+    cluster = Cluster(1, 1, "h100")
+    sel = BASE.replace(recompute="selective", recompute_modules=("core_attn",))
+    mlp = sel.replace(recompute_modules=("core_attn", "mlp"))
+    times = [step_time(MODEL, 512, L, cluster, *dp_bytes(MODEL, 512, L, {})).recompute for L in (sel, mlp)]
+    tokens = BASE.global_batch * BASE.seq_length
+    e = 3 if MODEL.swiglu else 2
+    want = MODEL.num_layers * 2 * MODEL.hidden_size * MODEL.ffn_hidden_size * e * tokens
+    assert recomputed_flops(MODEL, mlp, BASE.global_batch, BASE.seq_length) == want
+    peak = cluster.peak(False) * cluster.matmul_efficiency
+    assert times[1] - times[0] == pytest.approx(want / peak / BASE.world)
+    layernorm = sel.replace(recompute_modules=("layernorm",))
+    assert step_time(MODEL, 512, layernorm, cluster, *dp_bytes(MODEL, 512, layernorm, {})).recompute == 0.0
