@@ -1,4 +1,4 @@
-"""Checks of --fine-grained-activation-offloading and its flags (paratron/model/offload.py), after the recompute
+"""Checks of --fine-grained-activation-offloading and its flags (paratron/model/activation_offload.py), after the recompute
 flags are resolved (config/check_train.validate_recompute): Megatron's rules, and where paratron's offloading
 does not reach."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The activation-offloading fields of the train section (``TrainConfig`` inherits them: --offload-modules is
-``cfg.train.offload_modules``; checked in config/check_offload.py, implemented in paratron/model/offload.py).
+``cfg.train.offload_modules``; checked in config/check_offload.py, implemented in paratron/model/activation_offload.py).
 Megatron's names and defaults."""
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import mup, offload, recompute
+from . import activation_offload as offload, mup, recompute
 from ..config import ModelConfig
 from ..fp8 import experts as fp8_experts
 from ..parallel.experts import ExpertLayout, aligned_rows
@@ -251,7 +251,7 @@ class Experts(nn.Module):
     def _ffn(self, x: torch.Tensor, mm, expert_index: torch.Tensor) -> torch.Tensor:
         """fc1 -> activation -> fc2 with ``mm(rows, weight module)`` for the grouped matmuls."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        with offload.at(self, "expert_fc1"):  # (--offload-modules: model/offload.py)
+        with offload.at(self, "expert_fc1"):  # (--offload-modules: model/activation_offload.py)
             h = mm(x, fc1)
         if fc1.bias is not None:
             h = h + fc1.bias[expert_index]

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.random import checkpoint, seeded_init
-from . import offload, recompute
+from . import activation_offload as offload, recompute
 from .layers import Attention, ForwardContext, Norm, Parallel
 from .spec import LayerSpec, build_mixer, build_mlp, layer_specs
 
@@ -47,7 +47,7 @@ class TransformerLayer(nn.Module):
 
     def _normed(self, norm, x: torch.Tensor, then, point: str = "attn_norm"):
         """``then(norm(x))``; with --recompute-modules layernorm the norm's output is not kept for backward;
-        ``point``: the norm's name for --offload-modules (model/offload.py)."""
+        ``point``: the norm's name for --offload-modules (model/activation_offload.py)."""
         if self.recompute_norms and recompute.active(self):
             return recompute.discard_output(norm, x, then)
         with offload.at(self, point):

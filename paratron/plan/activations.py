@@ -101,7 +101,7 @@ def norm_parts(model: ModelConfig, a: int, paths: Paths = Paths()) -> list[tuple
 
 
 def offloaded_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: frozenset, tokens: int) -> int:
-    """Bytes of one micro-batch through one layer of ``kind`` that its offloaded ``points`` (model/offload.py) take
+    """Bytes of one micro-batch through one layer of ``kind`` that its offloaded ``points`` (model/activation_offload.py) take
     off the device: each point's saved tensors of at least --min-offloaded-tensor-size elements, and the QKV
     output the attention core alone saves (its storage goes when the core's views of it go, unless the output gate
     keeps one). A tensor both the core and the projection save (the core's output, without FP8) goes with both."""
@@ -132,7 +132,7 @@ def offloaded_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: fro
 
 def offload_points(model: ModelConfig, layout: Layout, layers: list) -> list[frozenset]:
     """The offloaded points of each of a chunk's layers (``layers``: their kinds): --offload-modules' points each
-    layer has (model/offload.points_of), the first --activation-offload-fraction of them in forward order."""
+    layer has (model/activation_offload.points_of), the first --activation-offload-fraction of them in forward order."""
     chosen, mods = [], layout.offload_modules
     for i, (mixer, ffn) in enumerate(layers):
         attention = mixer == "attention" and not model.multi_latent_attention

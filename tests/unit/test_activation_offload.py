@@ -1,4 +1,4 @@
-"""--fine-grained-activation-offloading --offload-modules ... (paratron/model/offload.py) on CPU: training equals
+"""--fine-grained-activation-offloading --offload-modules ... (paratron/model/activation_offload.py) on CPU: training equals
 training without it bit for bit (every point, dense and MoE layers, with and without the fused residual), what
 autograd keeps besides the host copies shrinks, the fraction and the size filter pick what they say, backward
 prefetches the group saved before the one it reloads, and the refusals. (Pipeline parallelism:
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from paratron.config import ConfigError, parse_args
-from paratron.model import offload
+from paratron.model import activation_offload as offload
 from paratron.model.recompute import saved_storage_bytes
 from paratron.train.loop import Trainer
 from tests.unit.test_train import TINY, losses_of

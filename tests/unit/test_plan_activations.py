@@ -65,7 +65,7 @@ def test_activation_bytes_match_saved_tensors(style, extra):
     assert abs(predicted / measured - 1) < 0.02, (predicted, measured)
 
 
-# --fine-grained-activation-offloading (model/offload.py): what the offloaded points take off the device
+# --fine-grained-activation-offloading (model/activation_offload.py): what the offloaded points take off the device
 ALL_POINTS = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
 MOE = dict(num_experts=4, moe_router_topk=2)
 OFFLOAD_CASES = [

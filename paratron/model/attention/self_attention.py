@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import mup, offload
+from .. import activation_offload as offload, mup
 from ...config import ModelConfig
 from ...kernels import flash_attention
 from ...kernels.rotary import apply_rotary
@@ -110,7 +110,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         recompute = self.recompute_core and self.training and torch.is_grad_enabled()
-        with offload.at(self, "qkv_linear"):  # (--offload-modules: model/offload.py)
+        with offload.at(self, "qkv_linear"):  # (--offload-modules: model/activation_offload.py)
             qkv = self.linear_qkv(x, gemv=ctx.gemv)  # [s, b, groups * (q_rows + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups, self.q_rows + 2, self.d)
