@@ -1,6 +1,6 @@
-"""Checks of --fine-grained-activation-offloading and its flags (paratron/model/activation_offload.py), after the recompute
-flags are resolved (config/check_train.validate_recompute): Megatron's rules, and where paratron's offloading
-does not reach."""
+"""Checks of --fine-grained-activation-offloading and its flags (paratron/model/activation_offload.py), after the
+recompute flags are resolved (config/check_train.validate_recompute): Megatron's rules, and where paratron's
+offloading does not reach."""
 from __future__ import annotations
 
 from .rules import need

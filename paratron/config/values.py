@@ -37,7 +37,8 @@ MAIN_GRADS_DTYPES = ("fp32", "bf16")
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 MOMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # an element of a moment in memory
 
-# --offload-modules (paratron/model/activation_offload.py), in the order a layer runs them; Megatron's others, and why not here
+# --offload-modules (paratron/model/activation_offload.py), in the order a layer runs them; Megatron's others and
+# why paratron has not got them
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 OFFLOAD_MISSING = {"fused_group_mlp": "the fused grouped MLP of Transformer Engine's operation fuser",
                    "gdp_qkv": "gated-delta-product attention (paratron has none)"}

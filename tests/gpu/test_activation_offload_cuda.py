@@ -1,6 +1,6 @@
-"""--fine-grained-activation-offloading on CUDA (paratron/model/activation_offload.py): the side-stream copies to pinned host
-memory and the prefetched reloads give the losses and weights of training without offloading, and the device
-memory at the end of a forward (what backward will need) is lower by about what went to the host."""
+"""--fine-grained-activation-offloading on CUDA (paratron/model/activation_offload.py): the side-stream copies to
+pinned host memory and the prefetched reloads give the losses and weights of training without offloading, and the
+device memory at the end of a forward (what backward will need) is lower by about what went to the host."""
 from __future__ import annotations
 
 import pytest
