@@ -103,8 +103,9 @@ def norm_parts(model: ModelConfig, a: int, paths: Paths = Paths()) -> list[tuple
 def offloaded_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: frozenset, tokens: int) -> int:
     """Bytes of one micro-batch through one layer of ``kind`` that its offloaded ``points``
     (model/activation_offload.py) take off the device: each point's saved tensors of at least
-    --min-offloaded-tensor-size elements, and the QKV output the attention core alone saves (its storage goes when the core's views of it go, unless the output gate
-    keeps one). A tensor both the core and the projection save (the core's output, without FP8) goes with both."""
+    --min-offloaded-tensor-size elements, and the QKV output the attention core alone saves (its storage goes when
+    the core's views of it go, unless the output gate keeps one). A tensor both the core and the projection save
+    (the core's output, without FP8) goes with both."""
     if not points:
         return 0
     a, t, sp = layout.param_bytes, layout.tp, layout.sequence_parallel

@@ -1,7 +1,7 @@
 """--fine-grained-activation-offloading --offload-modules ... (paratron/model/activation_offload.py) on CPU:
-training equals training without it bit for bit (every point, dense and MoE layers, with and without the fused residual), what
-autograd keeps besides the host copies shrinks, the fraction and the size filter pick what they say, backward
-prefetches the group saved before the one it reloads, and the refusals. (Pipeline parallelism:
+training equals training without it bit for bit (every point, dense and MoE layers, with and without the fused
+residual), what autograd keeps besides the host copies shrinks, the fraction and the size filter pick what they
+say, backward prefetches the group saved before the one it reloads, and the refusals. (Pipeline parallelism:
 tests/parallel/test_pipeline.py's pp2_virtual2_offload; CUDA: tests/gpu/test_activation_offload_cuda.py.)"""
 from __future__ import annotations
 
