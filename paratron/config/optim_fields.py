@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 @dataclass(eq=True)
 class PrecisionAwareFields:
-    use_precision_aware_optimizer: bool = False  # Adam moments, main gradients in lower precision: --exp-avg[-sq]-dtype ...
+    use_precision_aware_optimizer: bool = False  # Adam moments / main gradients in the dtypes of the flags below
     main_grads_dtype: str = "fp32"  # fp32 | bf16 (the bf16 gradient buffer and reduction: --grad-reduce-in-bf16)
     main_params_dtype: str = "fp32"  # the master weights: fp32 (fp16 masters are refused)
     exp_avg_dtype: str = "fp32"  # Adam's first moment in memory: fp32 | bf16 | fp16 | fp8 (fp16 / fp8 scaled)

@@ -3,8 +3,8 @@ tensors of a Trainer after one step, on every rank of 4 gloo processes, for sixt
 (+ virtual stages), CP, DP, EP (MoE, latent MoE), multi-latent attention, multi-token prediction and hybrid
 stacks (Mamba-2, Gated DeltaNet, attention, MLP and MoE layers under TP2 + SP x EP2; without MoE under TP2 + SP),
 with each data-parallel sharding strategy the config accepts (one of them with bf16 / fp8 Adam moments and bf16
-main gradients); and the activation bytes each rank holds at the peak of a training step (the pipeline's micro-batches in flight included) against what autograd really keeps
-for backward."""
+main gradients); and the activation bytes each rank holds at the peak of a training step (the pipeline's
+micro-batches in flight included) against what autograd really keeps for backward."""
 import pytest
 import torch
 
@@ -41,7 +41,8 @@ LAYOUTS = [("gpt", {}), ("llama", dict(bf16=True, ddp_bucket_size=2000)),
                           expert_tensor_parallel_size=1, moe_latent_size=16, **MOE)),
            ("gpt", dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
                         expert_tensor_parallel_size=1, **HYBRID, **MOE)),
-           ("gpt", dict(tensor_model_parallel_size=2, sequence_parallel=True, **{**HYBRID, "hybrid_layer_pattern": "MG*-"})),
+           ("gpt", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                        **{**HYBRID, "hybrid_layer_pattern": "MG*-"})),
            ("llama", dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="fp8",
                           main_grads_dtype="bf16"))]
 
