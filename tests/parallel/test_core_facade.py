@@ -334,3 +334,32 @@ def test_precision_aware_optimizer_config(state):
     with pytest.raises(ConfigError, match="needs --bf16"):  # (this model is fp32)
         get_megatron_optimizer(OptimizerConfig(lr=1e-2, use_precision_aware_optimizer=True,
                                                main_grads_dtype=torch.bfloat16), [model])
+
+
+def test_recompute_modules_and_activation_offloading(state):
+    """Megatron Core's TransformerConfig(recompute_modules=..., fine_grained_activation_offloading=True,
+    offload_modules=...): applied to the decoder as the command line's flags are, checked by the same rules;
+    the loss is the one without them."""
+    def first_loss(**extra):
+        torch.manual_seed(0)
+        module = GPTModel(config=config(**extra), vocab_size=VOCAB,
+                          max_sequence_length=SEQ)
+        model = DistributedDataParallel(config=module.config, ddp_config=DistributedDataParallelConfig(),
+                                        module=module)
+        optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+        losses = [float(reports[0]["lm loss"]) for reports, _ in steps(model, optimizer, 2)]
+        return module, losses[1]  # (after one update: the gradients' doing)
+    plain, want = first_loss()
+    module, got = first_loss(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"],
+                             fine_grained_activation_offloading=True, offload_modules=["core_attn"],
+                             min_offloaded_tensor_size=0)
+    assert got == pytest.approx(want, rel=1e-6)
+    layer = module.decoder.layers[0]
+    assert layer.recompute_norms and layer.recompute_mlp and not plain.decoder.layers[0].recompute_norms
+    assert module.decoder.offloader.offloaded_bytes > 0
+    with pytest.raises(ConfigError, match="attn_proj needs core_attn"):
+        GPTModel(config=config(fine_grained_activation_offloading=True, offload_modules=["attn_proj"]),
+                 vocab_size=VOCAB, max_sequence_length=SEQ)
+    with pytest.raises(ConfigError, match="choose from"):
+        GPTModel(config=config(recompute_granularity="selective", recompute_modules=["nope"]), vocab_size=VOCAB,
+                 max_sequence_length=SEQ)

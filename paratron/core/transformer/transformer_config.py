@@ -24,7 +24,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ...config import ConfigError, ModelConfig
+from ...config import Config, ConfigError, ModelConfig, TrainConfig
+from ...config.check_offload import validate_activation_offload
+from ...config.check_train import validate_recompute
 from ...config.kernels import CHOICES, KernelConfig
 from ...kernels import switches
 
@@ -78,7 +80,7 @@ UNSUPPORTED = {
     "fp4": None, "cpu_offloading": False, "defer_embedding_wgrad_compute": False, "is_hybrid_model": False,
     "num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
     "pipeline_model_parallel_layout": None, "account_for_embedding_in_pipeline_split": False,
-    "account_for_loss_in_pipeline_split": False, "fine_grained_activation_offloading": False,
+    "account_for_loss_in_pipeline_split": False,
 }
 
 ACTIVATIONS = {  # (activation function's name, gated) -> ModelConfig switches
@@ -169,6 +171,11 @@ class _Mapped:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[list] = None  # selective: Megatron's default ["core_attn"]
+    fine_grained_activation_offloading: bool = False
+    offload_modules: Optional[list] = None
+    min_offloaded_tensor_size: int = 1024 * 1024
+    activation_offload_fraction: float = 1.0
     # to paratron's kernel switches (kernel_config)
     attention_backend: Any = "auto"
     deterministic_mode: bool = False
@@ -230,6 +237,17 @@ class _Mapped:
             if getattr(self, name) is not None:
                 out[name] = str(getattr(self, name))
         return out
+
+    def train_section(self, model: ModelConfig) -> TrainConfig:
+        """The recomputation and activation-offloading fields as paratron's train section, checked by the same rules
+        as the command line's (config/check_train.validate_recompute, config/check_offload) for ``model``."""
+        names = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+                 "fine_grained_activation_offloading", "offload_modules", "min_offloaded_tensor_size",
+                 "activation_offload_fraction")
+        cfg = Config(model=model, train=TrainConfig(**{n: getattr(self, n) for n in names}))
+        validate_recompute(cfg)
+        validate_activation_offload(cfg)
+        return cfg.train
 
     def model_config(self, max_sequence_length: int, **model_fields) -> ModelConfig:
         """The resolved ModelConfig of a model with ``max_sequence_length`` positions (``model_fields``:

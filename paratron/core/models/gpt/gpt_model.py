@@ -17,6 +17,7 @@ import torch
 from ....checkpoint.state import param_keys
 from ....config import ConfigError
 from ....config.check_moe import check_combined_overlap
+from ....model import activation_offload, recompute
 from ....model.gpt import GPTModel as _GPTModel
 from ....parallel.sharding import REPLICATED, coords_of, spec_of
 from ....parallel.stages import global_name
@@ -74,8 +75,14 @@ class GPTModel(_GPTModel):
                                         position_embedding_type=position_embedding_type,
                                         untie_embeddings_and_output_weights=not share_embeddings_and_output_weights,
                                         **(rope if position_embedding_type in ("rope", "yarn") else {}))
-        super().__init__(model_cfg, vocab_size, max_sequence_length,
-                         **build_kwargs(config, model_cfg, pre_process, post_process, vp_stage))
+        train = config.train_section(model_cfg)  # (checked before anything is built)
+        kwargs = build_kwargs(config, model_cfg, pre_process, post_process, vp_stage)
+        super().__init__(model_cfg, vocab_size, max_sequence_length, **kwargs)
+        if train.recompute_granularity == "selective":  # recompute_modules (Megatron's default: core_attn)
+            recompute.apply(self.decoder, train.recompute_modules)
+        if train.fine_grained_activation_offloading:
+            activation_offload.apply(self.decoder, train.offload_modules, train.activation_offload_fraction,
+                                     train.min_offloaded_tensor_size, kwargs["device"] or "cpu")
         self.transformer_config = config
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, decoder_input=None, labels=None,
