@@ -119,18 +119,29 @@ class MLASelfAttention(nn.Module):
     def _queries(self, q_in: torch.Tensor) -> torch.Tensor:
         return self.linear_q_up_proj(q_in) if self.lora else self.linear_q_proj(q_in)
 
-    def _up(self, q_in: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, rope) -> tuple:
-        """The per-head (q, k, v) [b, heads, s, d] from the latents (up projections, rotary embedding): what
-        --recompute-modules mla_up_proj recomputes in backward instead of keeping."""
+    def _query_parts(self, q_in: torch.Tensor, k_pe: torch.Tensor, rope) -> tuple:
+        """(q_nope, q_pe, k_pe) [s, b, heads or 1, d], the rotary parts rotated."""
         q = self._queries(q_in)
         s, b = q.shape[:2]
         q_nope, q_pe = q.view(s, b, self.heads, self.qk + self.pe).split([self.qk, self.pe], dim=-1)
         if rope is not None:
             q_pe, k_pe = apply_mla_rotary(q_pe, *rope), apply_mla_rotary(k_pe, *rope)
+        return q_nope, q_pe, k_pe
+
+    def _per_head(self, q_nope, q_pe, c, k_pe) -> tuple:
+        """The per-head (q, k, v) [b, heads, s, d]: the keys' and values' up projection of the latent ``c``, the
+        rotary parts joined on."""
+        b = q_nope.size(1)
         k_nope, v = self.linear_kv_up_proj(c).view(-1, b, self.heads, self.qk + self.v).split([self.qk, self.v], -1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
         return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v))
+
+    def _up(self, q_in: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, rope) -> tuple:
+        """The per-head (q, k, v) from the latents (up projections, rotary embedding): what --recompute-modules
+        mla_up_proj recomputes in backward instead of keeping."""
+        q_nope, q_pe, k_pe = self._query_parts(q_in, k_pe, rope)
+        return self._per_head(q_nope, q_pe, c, k_pe)
 
     def _attend(self, qkv: tuple, ctx: ForwardContext) -> torch.Tensor:
         if self.recompute_core and self.training and torch.is_grad_enabled():
@@ -173,22 +184,16 @@ class MLASelfAttention(nn.Module):
                 out = self._attend(self._up(q_in, c, k_pe, ctx.rope), ctx)
             b, _, s = out.shape[:3]
             return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v))
-        q = self._queries(q_in)
-        s, b = q.shape[:2]
-        q_nope, q_pe = q.view(s, b, self.heads, self.qk + self.pe).split([self.qk, self.pe], dim=-1)
-        if ctx.rope is not None:
-            q_pe, k_pe = apply_mla_rotary(q_pe, *ctx.rope), apply_mla_rotary(k_pe, *ctx.rope)
+        q_nope, q_pe, k_pe = self._query_parts(q_in, k_pe, ctx.rope)
+        s, b = q_nope.shape[:2]
         if getattr(ctx.kv_cache, "paged", False):  # the paged engine: latent rows in its blocks (paged_cache.py)
             return self.linear_proj(self._paged(ctx.kv_cache, q_nope, q_pe, c, k_pe))
-        if ctx.kv_cache is not None:  # inference: cache the latent and the rotary key, attend over the cache
-            c, k_pe = ctx.kv_cache.update(self.layer_index, c.permute(1, 0, 2)[:, None], k_pe.permute(1, 2, 0, 3))
-            if c.size(2) > s:  # decoding / verifying: attend in the latent space (absorbed projections)
-                return self.linear_proj(self._absorbed(q_nope, q_pe, c, k_pe, ctx.mask))
-            c, k_pe = c[:, 0].transpose(0, 1), k_pe.permute(2, 0, 1, 3)  # the prompt pass: [T, b, ...]
-        k_nope, v = self.linear_kv_up_proj(c).view(-1, b, self.heads, self.qk + self.v).split([self.qk, self.v], -1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
-        out = self._core(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), ctx)  # [b, heads, s, d]
+        # inference: cache the latent and the rotary key, attend over the cache
+        c, k_pe = ctx.kv_cache.update(self.layer_index, c.permute(1, 0, 2)[:, None], k_pe.permute(1, 2, 0, 3))
+        if c.size(2) > s:  # decoding / verifying: attend in the latent space (absorbed projections)
+            return self.linear_proj(self._absorbed(q_nope, q_pe, c, k_pe, ctx.mask))
+        c, k_pe = c[:, 0].transpose(0, 1), k_pe.permute(2, 0, 1, 3)  # the prompt pass: [T, b, ...]
+        out = self._core(*self._per_head(q_nope, q_pe, c, k_pe), ctx)  # [b, heads, s, d]
         return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v))
 
     def _paged(self, view, q_nope, q_pe, c, k_pe) -> torch.Tensor:
