@@ -3,7 +3,7 @@ recompute flags are resolved (config/check_train.validate_recompute): Megatron's
 offloading does not reach."""
 from __future__ import annotations
 
-from .rules import need
+from .rules import listed, need
 from .values import OFFLOAD_MISSING, OFFLOAD_MODULES
 
 # what a selective recomputation already leaves unsaved: offloading those modules has nothing to move
@@ -14,8 +14,7 @@ RECOMPUTED = {"core_attn": ("core_attn",), "layernorm": ("attn_norm", "mlp_norm"
 def validate_activation_offload(cfg) -> None:
     tr = cfg.train
     given = tr.offload_modules is not None
-    mods = (" ".join(map(str, tr.offload_modules)).replace("[", " ").replace("]", " ").replace(",", " ").split()
-            if given else [])
+    mods = listed(tr.offload_modules) if given else []
     if not tr.fine_grained_activation_offloading:
         need(not given, "--offload-modules has no effect without --fine-grained-activation-offloading; add it or "
              "remove the modules")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import signal
 
 from .batch_schedule import step_schedule
-from .precision_file import Rule, read_rules
-from .rules import changed_flags, need
+from .precision_file import read_rules
+from .rules import changed_flags, listed, need
 from .sections import Config, TrainConfig
 from .values import (FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_REFUSED_RECIPES, RECOMPUTE_MISSING,
                      RECOMPUTE_SUPPORTED)
@@ -96,7 +96,7 @@ def validate_fp8(cfg: Config) -> None:
          "the precision of the modules --fp8-format quantises, and has no effect without it; add --fp8-format")
     if tr.fp8_format is None:
         return
-    recipes = {tr.fp8_recipe} | {r.recipe for r in precision_rules(tr)} - {None}  # the run's and the file's
+    recipes = {tr.fp8_recipe} | {r.recipe for r in read_rules(tr.te_precision_config_file)} - {None}  # (the file's)
     need(tr.fp8_format in FP8_FORMATS, f"--fp8-format must be e4m3 or hybrid (got {tr.fp8_format})")
     need(tr.fp8_recipe not in FP8_REFUSED_RECIPES,
          f"--fp8-recipe {tr.fp8_recipe} is not supported: {FP8_REFUSED_RECIPES.get(tr.fp8_recipe)}; "
@@ -135,9 +135,7 @@ def validate_recompute(cfg) -> None:
         tr.recompute_granularity = "selective"
         tr.recompute_modules = list(tr.recompute_modules or []) + ["moe"]
     given = tr.recompute_modules is not None
-    # Megatron's YAML test configs write the list as one string "[layernorm mlp]": brackets/commas are separators
-    mods = (" ".join(map(str, tr.recompute_modules)).replace("[", " ").replace("]", " ").replace(",", " ").split()
-            if given else ["core_attn"])
+    mods = listed(tr.recompute_modules) if given else ["core_attn"]
     need(not given or tr.recompute_granularity == "selective" or tr.recompute_activations,
          "--recompute-modules needs --recompute-granularity selective (full recomputes whole layers)")
     for name in mods:
@@ -198,11 +196,6 @@ def validate_run_variants(cfg: Config) -> None:
     need(not cfg.train.disable_bf16_reduced_precision_matmul or cfg.train.bf16,
          "--disable-bf16-reduced-precision-matmul needs --bf16 (it changes bf16 matmuls only)")
     need(not cfg.log.log_progress or cfg.ckpt.save, "--log-progress writes <save>/progress.txt: add --save DIR")
-
-
-def precision_rules(tr: TrainConfig) -> tuple[Rule, ...]:
-    """The enabled matchers of --te-precision-config-file (config/precision_file.py), () without the flag."""
-    return read_rules(tr.te_precision_config_file) if tr.te_precision_config_file else ()
 
 
 def _named(recipe: str, tr: TrainConfig) -> str:

@@ -68,8 +68,11 @@ def _recipe_of(path: str, name: str, entry) -> Optional[str]:
     return recipe
 
 
-def read_rules(path: str) -> tuple[Rule, ...]:
-    """The enabled matchers of the file at ``path``, in order; raises ConfigError (one line) on any problem."""
+def read_rules(path: Optional[str]) -> tuple[Rule, ...]:
+    """The enabled matchers of the file at ``path``, in order (none without a file: ``path`` None); raises
+    ConfigError (one line) on any problem."""
+    if not path:
+        return ()
     import yaml
     try:
         with open(path) as f:

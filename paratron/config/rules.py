@@ -29,6 +29,12 @@ def changed_flags(section, prefix: str = "", names: tuple = ()) -> list[str]:
             if ((prefix and f.name.startswith(prefix)) or f.name in names) and getattr(section, f.name) != f.default]
 
 
+def listed(values) -> list[str]:
+    """A list flag's names; Megatron's YAML test configs write the list as one string "[layernorm mlp]":
+    brackets and commas are separators."""
+    return " ".join(map(str, values)).replace("[", " ").replace("]", " ").replace(",", " ").split()
+
+
 def whole_numbers(values: list, flag: str) -> list[int]:
     """A list flag's words (argparse keeps them as strings) as the non-negative ints they must be."""
     need(all(str(v).isdigit() for v in values), f"{flag} takes whole numbers (got {' '.join(map(str, values))})")

@@ -84,7 +84,7 @@ class Recipe:
                    grouped_gemm="dequant" if grouped == "auto" else grouped,
                    block_grouped_gemm="dequant" if block_grouped == "auto" else block_grouped,
                    block_cast="torch" if block_cast == "auto" else block_cast,
-                   overrides=read_rules(tr.te_precision_config_file) if tr.te_precision_config_file else ())
+                   overrides=read_rules(tr.te_precision_config_file))
 
     def for_module(self, name: str) -> tuple[Optional["Recipe"], Optional[Rule]]:
         """(the recipe of the module called ``name`` (Megatron's name; None: it stays in the parameters' dtype), the
