@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..config.values import RECOMPUTE_MISSING as MISSING, RECOMPUTE_SUPPORTED as SUPPORTED  # noqa: F401 (the names)
+from . import activation_offload
 
 
 def recomputing() -> bool:
@@ -89,6 +90,16 @@ def discard_output(fn: Callable, x, consume: Callable):
     hooks = _Discard(fn, tuple(t.detach() for t in xs), out if isinstance(out, tuple) else (out,))
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         return consume(out)
+
+
+def apply_train_choices(stack, tr, device) -> None:
+    """What a resolved train section asks of a decoder stack's layers: the --recompute-modules of selective
+    recomputation, and --offload-modules (model/activation_offload.py)."""
+    if tr.recompute_granularity == "selective":  # (resolved: default core_attn)
+        apply(stack, tr.recompute_modules)
+    if tr.fine_grained_activation_offloading:
+        activation_offload.apply(stack, tr.offload_modules, tr.activation_offload_fraction,
+                                 tr.min_offloaded_tensor_size, device)
 
 
 def apply(stack, modules) -> None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ..config import Config
 from ..kernels import switches
-from ..model import activation_offload, moe, recompute
+from ..model import moe, recompute
 from ..model.bert import BertModel
 from ..model.gpt import GPTModel
 from ..model.layers import MLP, Attention, Norm
@@ -56,11 +56,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
     else:
         model = GPTModel(cfg.model, cfg.padded_vocab_size, cp_comm_type=cfg.parallel.cp_comm_type, **common)
         model.fused_output_loss = not tr.no_fused_output_loss
-    if tr.recompute_granularity == "selective":  # --recompute-modules (resolved: default core_attn)
-        recompute.apply(model.decoder, tr.recompute_modules)
-    if tr.fine_grained_activation_offloading:  # --offload-modules (model/activation_offload.py)
-        activation_offload.apply(model.decoder, tr.offload_modules, tr.activation_offload_fraction,
-                                 tr.min_offloaded_tensor_size, device)
+    recompute.apply_train_choices(model.decoder, tr, device)  # --recompute-modules, --offload-modules
     if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
         model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check
     if tr.torch_compile:

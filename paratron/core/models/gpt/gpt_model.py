@@ -17,7 +17,7 @@ import torch
 from ....checkpoint.state import param_keys
 from ....config import ConfigError
 from ....config.check_moe import check_combined_overlap
-from ....model import activation_offload, recompute
+from ....model import recompute
 from ....model.gpt import GPTModel as _GPTModel
 from ....parallel.sharding import REPLICATED, coords_of, spec_of
 from ....parallel.stages import global_name
@@ -78,11 +78,7 @@ class GPTModel(_GPTModel):
         train = config.train_section(model_cfg)  # (checked before anything is built)
         kwargs = build_kwargs(config, model_cfg, pre_process, post_process, vp_stage)
         super().__init__(model_cfg, vocab_size, max_sequence_length, **kwargs)
-        if train.recompute_granularity == "selective":  # recompute_modules (Megatron's default: core_attn)
-            recompute.apply(self.decoder, train.recompute_modules)
-        if train.fine_grained_activation_offloading:
-            activation_offload.apply(self.decoder, train.offload_modules, train.activation_offload_fraction,
-                                     train.min_offloaded_tensor_size, kwargs["device"] or "cpu")
+        recompute.apply_train_choices(self.decoder, train, kwargs["device"] or "cpu")
         self.transformer_config = config
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, decoder_input=None, labels=None,
