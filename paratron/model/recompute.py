@@ -105,12 +105,12 @@ def apply_train_choices(stack, tr, device) -> None:
 def apply(stack, modules) -> None:
     """Mark the submodules of ``stack``'s layers that ``modules`` (a resolved --recompute-modules list)
     names; called for --recompute-granularity selective."""
-    from .layers import MLP, Attention
+    from .layers import MLP
     from .moe import MoELayer
     names = set(modules)
     for layer in stack.layers:
-        if isinstance(layer.self_attention, Attention) or hasattr(layer.self_attention, "recompute_core"):
-            layer.self_attention.recompute_core = "core_attn" in names  # (multi-latent attention's too)
+        if hasattr(layer.self_attention, "recompute_core"):  # (self-attention's, multi-latent attention's)
+            layer.self_attention.recompute_core = "core_attn" in names
         layer.recompute_norms = "layernorm" in names
         moe = isinstance(layer.mlp, MoELayer)
         layer.recompute_mlp = ("moe" in names) if moe else ("mlp" in names and isinstance(layer.mlp, MLP))
