@@ -166,7 +166,9 @@ def worker(args) -> None:
         os.environ["LOCAL_RANK"] = str(int(os.environ["LOCAL_RANK"]) // args.ranks_per_gpu)
     flags = [*shlex.split(args.flags), "--train-iters", str(args.steps + 1), "--eval-iters", "0",
              "--log-interval", "1000000"]
-    mbs = parse_args(flags, world_size=1).train.micro_batch_size
+    # The micro-batch as given (parsing the flags alone would check it against the default global batch)
+    mbs = (int(flags[flags.index("--micro-batch-size") + 1]) if "--micro-batch-size" in flags
+           else parse_args(flags, world_size=1).train.micro_batch_size)
     cfg = parse_args(flags + ["--global-batch-size", str(mbs * args.micro_batches * world)])
     out: dict = {"gpus": world // args.ranks_per_gpu, "ranks": world, "losses": []}
     try:

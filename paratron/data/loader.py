@@ -10,6 +10,7 @@ D ranks together see exactly global_batch_size consecutive samples per step. Sta
 
 from __future__ import annotations
 
+import gc
 from typing import Iterator, List, Optional
 
 import torch
@@ -134,9 +135,32 @@ def build_data_iterator(
     loader = DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=default_collate,
         pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
-        generator=torch.Generator().manual_seed(0), worker_init_fn=worker_init_fn if num_workers > 0 else None,
+        generator=torch.Generator().manual_seed(0),
+        worker_init_fn=_WorkerStart(worker_init_fn) if num_workers > 0 else None,
     )
     return LoaderIterator(loader, endless=infinite)
+
+
+class _WorkerStart:
+    """What a worker process runs first: the objects it inherited from the trainer by fork move to the collector's
+    permanent generation (a garbage cycle of the parent's holding pinned or CUDA memory must not be freed in a
+    child, where CUDA cannot run: the worker aborts), then the caller's ``worker_init_fn``."""
+
+    def __init__(self, then=None):
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        gc.freeze()
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def _iterate(loader: DataLoader):
+    """``iter(loader)``; where that forks the worker processes, the parent's garbage is collected first, so that
+    no child inherits a cycle to free (see :class:`_WorkerStart`)."""
+    if loader.num_workers > 0 and getattr(loader, "_iterator", None) is None:
+        gc.collect()
+    return iter(loader)
 
 
 class LoaderIterator:
@@ -152,7 +176,7 @@ class LoaderIterator:
 
     def __init__(self, loader: DataLoader, endless: bool):
         self.loader, self.endless = loader, endless
-        self._it = None if endless else iter(loader)
+        self._it = None if endless else _iterate(loader)
 
     def __iter__(self) -> "LoaderIterator":
         return self
@@ -166,7 +190,7 @@ class LoaderIterator:
             except StopIteration:
                 if not self.endless:
                     raise
-        self._it = iter(self.loader)  # persistent workers: the same processes, the sampler from its start
+        self._it = _iterate(self.loader)  # persistent workers: the same processes, the sampler from its start
         return next(self._it)
 
     def close(self) -> None:

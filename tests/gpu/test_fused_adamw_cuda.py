@@ -78,8 +78,16 @@ def test_fused_adamw_with_bf16_moments_matches_the_reference_step(monkeypatch, d
     params, opt, applied = _run(monkeypatch, True, flags)
     _, ref, ref_applied = _run(monkeypatch, False, flags)
     assert applied == ref_applied == [True, True, False, True]
+    # The kernel's fp32 arithmetic and torch's differ in the last bits (see the test above); where that puts a
+    # moment on the other side of a bf16 rounding boundary, the two runs hold neighbouring bf16 moments (2 ** -8
+    # apart) and their later updates differ by up to that fraction of a step. So: nearly every element of the
+    # masters as close as with fp32 moments, and none further apart than 2 ** -6 of the learning rates summed
+    # (a wrong rounding or a moment not stored moves about half the elements by a sizeable part of a step).
+    lr_sum = 4e-3 + 3e-3 + 1e-3 + 3e-3 + 1.5e-3 + 0.75e-3  # the steps applied, both learning rates (an upper bound)
     for m, n in zip(opt.masters, ref.masters):
-        assert torch.allclose(m, n, rtol=2 ** -20, atol=1e-6), (tuple(m.shape), (m - n).abs().max())
+        off = (m - n).abs()
+        assert off.max() <= lr_sum * 2 ** -6, (tuple(m.shape), off.max())
+        assert (off > 1e-6).float().mean() <= 0.01, (tuple(m.shape), (off > 1e-6).float().mean())
         for k in ("exp_avg", "exp_avg_sq"):
             a, b = opt.adam.state[m][k], ref.adam.state[n][k]
             assert a.dtype == b.dtype == torch.bfloat16

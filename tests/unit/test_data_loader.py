@@ -94,3 +94,44 @@ def test_background_workers_give_the_same_batches(tmp_path):
         assert a["document_ids"].shape == (2, 32)
         for key in a:
             assert torch.equal(a[key], b[key])
+
+
+class _Cycle:
+    """Garbage in a reference cycle whose finalizer notes the process that ran it (the stand-in for a trainer's
+    pinned batches or CUDA tensors, which a forked worker must never free: CUDA cannot run there)."""
+
+    def __init__(self, freed_in: list):
+        self.freed_in, self.me = freed_in, self
+
+    def __del__(self):
+        self.freed_in.append(os.getpid())
+
+
+class _WorkerFacts(Numbers):
+    """Sample i: i, whether the process has frozen its objects, and its torch seed (what worker_init_fn set)."""
+
+    def __getitem__(self, i):
+        import gc
+        return {"tokens": torch.tensor([i, i]), "frozen": torch.tensor(gc.get_freeze_count() > 0),
+                "seed": torch.tensor(torch.initial_seed())}
+
+
+@pytest.mark.parametrize("endless", [False, True], ids=["one-pass", "endless"])
+def test_workers_start_with_no_garbage_to_free(endless):
+    """The parent's garbage is collected before the workers fork (so no worker inherits a cycle to free), the
+    workers freeze what they inherited, and a caller's worker_init_fn still runs in each."""
+    import gc
+    freed_in: list = []
+    gc.disable()  # (no automatic collection may free the cycle first: only the loader's own)
+    try:
+        _Cycle(freed_in)
+        it = build_data_iterator(_WorkerFacts(16), 0, 2, 0, 1, num_workers=1, infinite=endless,
+                                 worker_init_fn=lambda i: torch.manual_seed(100 + i))
+        assert freed_in == ([] if endless else [os.getpid()])  # an endless one starts its workers at its first batch
+        first = next(it)
+        assert freed_in == [os.getpid()]
+        assert torch.equal(first["tokens"], torch.tensor([[0, 0], [1, 1]]))
+        assert first["frozen"].all() and (first["seed"] == 100).all()
+        it.close()
+    finally:
+        gc.enable()
