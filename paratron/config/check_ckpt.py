@@ -6,7 +6,9 @@ from .values import STRICTNESS
 
 
 def validate_ckpt(c) -> None:
-    need(c.ckpt_format in ("torch_dist", "torch_dcp"),
+    # Megatron's three torch.distributed.checkpoint formats (torch_dcp; fsdp_dtensor, which Megatron-FSDP requires)
+    # name paratron's one sharded format, which every layout, ZeRO-3 included, saves and loads
+    need(c.ckpt_format in ("torch_dist", "torch_dcp", "fsdp_dtensor"),
          f"--ckpt-format {c.ckpt_format} is not supported; paratron saves sharded torch.distributed.checkpoint "
          "checkpoints (--ckpt-format torch_dist)")
     need(not c.async_save or c.save is not None, "--async-save needs --save DIR")

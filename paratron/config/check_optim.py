@@ -58,6 +58,7 @@ def validate_optimizer(cfg: Config) -> None:
     (Megatron's deprecated spelling of --optimizer muon --use-distributed-optimizer)."""
     op = cfg.optim
     validate_precision_aware(cfg)
+    validate_fsdp_dtypes(cfg)
     need(op.optimizer not in REFUSED_OPTIMIZERS, f"--optimizer {op.optimizer} is not in paratron yet; use adam or "
          "muon")
     need(op.optimizer in OPTIMIZERS, f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {op.optimizer})")
@@ -105,4 +106,38 @@ def validate_precision_aware(cfg: Config) -> None:
         need(tr.bf16, "--main-grads-dtype bf16 needs --bf16 (the model's gradients are bf16); use fp32 or add --bf16")
         need(not par.accumulate_allreduce_grads_in_fp32, "--main-grads-dtype bf16 contradicts "
              "--accumulate-allreduce-grads-in-fp32 (as in Megatron); remove one")
+        par.grad_reduce_in_bf16 = True
+
+
+FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
+
+
+def validate_fsdp_dtypes(cfg: Config) -> None:
+    """Megatron-FSDP's --megatron-fsdp-main-params-dtype / -main-grads-dtype / -grad-comm-dtype onto paratron's
+    buffers: fp32 master weights (auto: the model's dtype, so fp32 models only); main gradients fp32 (auto: paratron
+    keeps fp32, where Megatron-FSDP's auto takes the model's dtype) or bf16, the bf16 gradient buffer and reduction
+    (--grad-reduce-in-bf16); gradients communicated in the main gradients' dtype (auto)."""
+    op, tr, par = cfg.optim, cfg.train, cfg.parallel
+    given = {name: getattr(op, name) for name in ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype",
+                                                   "megatron_fsdp_grad_comm_dtype")}
+    for name, value in given.items():
+        need(value in FSDP_DTYPES, f"{flag(name)} {value}: choose one of {', '.join(FSDP_DTYPES)}")
+    params, grads, comm = given.values()
+    if (params, grads, comm) == ("fp32", "auto", "auto"):
+        return
+    need(par.use_megatron_fsdp, "the --megatron-fsdp-*-dtype flags set Megatron-FSDP's buffers: add "
+         "--use-megatron-fsdp or remove them")
+    model_dtype = "bf16" if tr.bf16 else "fp16" if tr.fp16 else "fp32"
+    need(params == "fp32" or (params == "auto" and model_dtype == "fp32"),
+         f"--megatron-fsdp-main-params-dtype {params} (master weights in {model_dtype if params == 'auto' else params})"
+         " is not implemented: paratron keeps the master weights in fp32; use fp32")
+    need(grads in ("auto", "fp32", "bf16"), f"--megatron-fsdp-main-grads-dtype {grads} is not implemented "
+         "(paratron's main gradients are fp32 or bf16); use fp32 or bf16")
+    main = "fp32" if grads == "auto" else grads
+    need(comm in ("auto", main), f"--megatron-fsdp-grad-comm-dtype {comm} with {main} main gradients: paratron "
+         f"reduces gradients in the main gradients' dtype; use auto or {main}")
+    if main == "bf16":
+        need(tr.bf16, "--megatron-fsdp-main-grads-dtype bf16 needs --bf16 (the model's gradients are bf16)")
+        need(not par.accumulate_allreduce_grads_in_fp32, "--megatron-fsdp-main-grads-dtype bf16 contradicts "
+             "--accumulate-allreduce-grads-in-fp32; remove one")
         par.grad_reduce_in_bf16 = True

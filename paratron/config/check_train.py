@@ -106,7 +106,8 @@ def validate_fp8(cfg: Config) -> None:
          "e4m3 (DeepSeek-V3's recipe, as Transformer Engine's); use --fp8-format e4m3")
     need(tr.fp8_amax_compute_algo in FP8_AMAX_ALGOS,
          f"--fp8-amax-compute-algo must be max or most_recent (got {tr.fp8_amax_compute_algo})")
-    need(tr.bf16, "--fp8-format needs --bf16 (FP8 matmuls with bf16 weights and activations)")
+    need(not tr.fp16, "--fp8-format with --fp16 is not supported (fp16 weights and loss scaling); use --bf16, or "
+         "neither for fp32 weights")
     need(not ("delayed" in recipes and tr.recompute_granularity == "full"),
          f"{_named('delayed', tr)} with --recompute-granularity full would record each amax twice and recompute "
          "with other scales; use --fp8-recipe tensorwise or selective recomputation")

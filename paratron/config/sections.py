@@ -391,7 +391,7 @@ class CheckpointConfig(Section):
     no_save_optim: bool = False
     no_save_rng: bool = False
     async_save: bool = False  # write in a background thread while training goes on
-    ckpt_format: str = "torch_dist"  # torch.distributed.checkpoint, sharded (the only format)
+    ckpt_format: str = "torch_dist"  # DCP, sharded (torch_dcp, fsdp_dtensor: the same format)
     ckpt_step: Optional[int] = None  # load this iteration instead of the latest
     exit_on_missing_checkpoint: bool = False  # --load without a checkpoint is an error instead of a fresh start
     ckpt_keep_last: int = 0  # paratron: keep only the newest K checkpoints under --save (0: keep all)

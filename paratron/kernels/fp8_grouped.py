@@ -7,7 +7,8 @@ Scales come in two kinds: ``tensor`` (one fp32 scale per operand: the tensorwise
 128 x 128 blocks for each expert's weight). Paths (``--kernel-fp8-grouped-gemm``):
 
 * ``scaled_grouped_mm``: ``torch._scaled_grouped_mm`` (Hopper), tensor scales only, given as the row /
-  column scales it takes (the one scale repeated: the same products);
+  column scales it takes (the one scale repeated: the same products); it writes bf16 only, so an fp32 model's
+  products are its bf16 results converted;
 * ``dequant``: the FP8 operands dequantised to bf16 and multiplied by ``torch._grouped_mm`` (the recipe's
   numbers without FP8 speed; the path of block scales on every GPU, torch having no blockwise grouped GEMM);
 * ``emulate``: dequantised to fp32 and multiplied by ``torch._grouped_mm`` in fp32 (the CPU tests' reference).
@@ -47,7 +48,7 @@ def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
     if path == "scaled_grouped_mm":
         rows, cols = sa.reciprocal().expand(a.shape[0]), sb.reciprocal().expand(b.shape[0], b.shape[1])
         return torch._scaled_grouped_mm(a, b.transpose(-2, -1), rows.contiguous(), cols.contiguous(), offs=ends,
-                                        out_dtype=out_dtype)
+                                        out_dtype=torch.bfloat16).to(out_dtype)
     if path == "triton":  # block scales: the FP8 tiles multiplied as they are (kernels/fp8_block_grouped.py)
         return torch.ops.paratron.fp8_block_grouped_mm(a, sa, b, sb, ends, out_dtype)
     dt = _work_dtype(path, out_dtype)
@@ -69,7 +70,7 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     if path == "scaled_grouped_mm":
         rows = sg.reciprocal().expand(groups * gt.shape[0]).contiguous()
         cols = sx.reciprocal().expand(groups * xt.shape[0]).contiguous()
-        return torch._scaled_grouped_mm(gt, xt.t(), rows, cols, offs=ends, out_dtype=out_dtype)
+        return torch._scaled_grouped_mm(gt, xt.t(), rows, cols, offs=ends, out_dtype=torch.bfloat16).to(out_dtype)
     dt = _work_dtype(path, out_dtype)
     a, b = _deq(gt, sg, kind, False, dt), _deq(xt, sx, kind, False, dt).t()
     if path == "dequant":  # the operands in the layout of torch's own weight gradient (column-, then row-major)

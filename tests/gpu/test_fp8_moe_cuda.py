@@ -108,8 +108,11 @@ def test_blockwise_grouped_triton_kernel_equals_the_dequant_path(compiled):
         assert _rel(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
-def test_moe_layer_in_fp8_close_to_bf16_on_the_gpu(recipe):
+def test_moe_layer_in_fp8_close_to_bf16_on_the_gpu(recipe, dtype):
+    """The MoE layer's routed experts in FP8 against the same layer without, with bf16 weights and (FP8 without
+    --bf16, as Megatron runs it) fp32 weights: torch's grouped / blockwise FP8 GEMMs write bf16, converted."""
     from paratron import fp8
     from paratron.kernels import switches
     from tests.unit.test_moe_dispatch import _cfg
@@ -117,15 +120,16 @@ def test_moe_layer_in_fp8_close_to_bf16_on_the_gpu(recipe):
         pytest.skip("FP8 GEMMs: Hopper")
     torch.manual_seed(3)
     cfg = _cfg(hidden_size=256, moe_ffn_hidden_size=256, disable_bias_linear=True, moe_permute_fusion=True)
-    layer = moe.MoELayer(cfg, Parallel(), device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(256, 2, 256, device="cuda", dtype=torch.bfloat16)
+    layer = moe.MoELayer(cfg, Parallel(), device="cuda", dtype=dtype)
+    x = torch.randn(256, 2, 256, device="cuda", dtype=dtype)
     ref = layer(x)
-    found = switches.availability("cuda", torch.bfloat16)
+    found = switches.availability("cuda", dtype)
     fp8.attach(layer, Recipe(format="e4m3" if recipe == "blockwise" else "hybrid", recipe=recipe,
                              block_gemm=found["kernel_fp8_block_gemm"][0],
                              grouped_gemm=found["kernel_fp8_grouped_gemm"][0]))
     out = layer(x.clone().requires_grad_())
     out.float().square().sum().backward()
+    assert out.dtype == dtype and layer.experts.linear_fc1.weight.grad.dtype == dtype
     assert _rel(out, ref) < 0.1 and torch.isfinite(layer.experts.linear_fc1.weight.grad).all()
 
 

@@ -48,6 +48,9 @@ def _rank(rank, world):
     zero3 = LAYOUTS["zero3"]  # (ZeRO-1's gather is the same code, run after the step instead of per layer)
     out["zero3_on"] = train(tiny_config("llama", **FP8, **zero3, fp8_param_gather=True))["losses"]
     out["zero3_off"] = train(tiny_config("llama", **FP8, **zero3))["losses"]
+    fp32 = dict(FP8, bf16=False)  # FP8 matmuls with fp32 weights (Megatron's deepseek_proxy_fsdp_ep2_fsdp2 config)
+    out["zero3_fp32_on"] = train(tiny_config("llama", **fp32, **zero3, fp8_param_gather=True))["losses"]
+    out["zero3_fp32_off"] = train(tiny_config("llama", **fp32, **zero3))["losses"]
     return out
 
 
@@ -57,7 +60,8 @@ def test_fp8_param_gather_moves_fp8_and_writes_the_local_casts(tmp_path):
             assert r[name] and sum(n for _, _, n in r[name]) == 8  # QKV, proj, fc1, fc2 of 2 layers
             for dtype, worst, _ in r[name]:
                 assert dtype == torch.float8_e4m3fn and worst == 0.0
-        on, off = r["zero3_on"], r["zero3_off"]  # (tensorwise: the layer's re-cast of the gathered cast is that
-        assert len(on) == len(off) == 3  # cast, so the losses agree far closer than this bound)
-        for a, b in zip(off, on):
-            assert abs(a - b) <= 1e-3 * abs(a), (off, on)
+        for dtype in ("", "_fp32"):
+            on, off = r[f"zero3{dtype}_on"], r[f"zero3{dtype}_off"]  # (tensorwise: the layer's re-cast of the
+            assert len(on) == len(off) == 3  # gathered cast is that cast: the losses agree far closer than this)
+            for a, b in zip(off, on):
+                assert abs(a - b) <= 1e-3 * abs(a), (dtype, off, on)

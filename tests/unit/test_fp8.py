@@ -171,7 +171,7 @@ def test_model_attaches_fp8_to_the_four_block_layers_only():
     (["--fp8-format", "hybrid", "--bf16"],
      "FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); this run is on cpu"),
     (["--fp8-hybrid", "--bf16"], "this run is on cpu"),
-    (["--fp8-format", "hybrid"], "--fp8-format needs --bf16"),
+    (["--fp8-format", "hybrid", "--fp16"], "--fp8-format with --fp16 is not supported"),
     (["--fp8-format", "e5m2", "--bf16"], "--fp8-format must be e4m3 or hybrid"),
     (["--fp8-format", "hybrid", "--bf16", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise keeps every tensor "
      "in e4m3"),

@@ -43,6 +43,35 @@ def test_unimplemented_combinations_are_refused_by_name(flags, message):
         tiny_config(world_size=2, **flags)
 
 
+def test_megatron_fsdp_dtype_flags_map_onto_paratrons_buffers():
+    """Megatron-FSDP's example scripts: bf16 main gradients and communication set the bf16 gradient buffer,
+    --ckpt-format fsdp_dtensor names paratron's one sharded format; the defaults change nothing."""
+    fsdp = BASE + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--bf16"]
+    cfg = parse_args(fsdp + ["--megatron-fsdp-grad-comm-dtype", "bf16", "--megatron-fsdp-main-grads-dtype", "bf16",
+                             "--ckpt-format", "fsdp_dtensor"])
+    assert cfg.parallel.grad_reduce_in_bf16 and cfg.ckpt.ckpt_format == "fsdp_dtensor"
+    plain = parse_args(fsdp + ["--megatron-fsdp-main-params-dtype", "fp32", "--megatron-fsdp-main-grads-dtype", "auto"])
+    assert not plain.parallel.grad_reduce_in_bf16
+    fp32 = parse_args(BASE + ["--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "auto"])  # an fp32 model
+    assert fp32.optim.megatron_fsdp_main_params_dtype == "auto"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--megatron-fsdp-main-grads-dtype", "bf16", "--bf16"], "add --use-megatron-fsdp or remove them"),
+    (["--use-megatron-fsdp", "--bf16", "--megatron-fsdp-main-params-dtype", "auto"],
+     "--megatron-fsdp-main-params-dtype auto (master weights in bf16) is not implemented"),
+    (["--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "fp16"], "fp16 is not implemented"),
+    (["--use-megatron-fsdp", "--bf16", "--megatron-fsdp-grad-comm-dtype", "bf16"],
+     "--megatron-fsdp-grad-comm-dtype bf16 with fp32 main gradients"),
+    (["--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "bf16"], "bf16 needs --bf16"),
+    (["--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "int8"], "choose one of fp32, bf16, fp16, auto"),
+    (["--ckpt-format", "zarr"], "--ckpt-format zarr is not supported"),
+])
+def test_megatron_fsdp_dtype_flags_refused_where_paratron_differs(flags, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_args(BASE + flags)
+
+
 def test_torch_fsdp2_is_refused_pointing_at_the_megatron_fsdp_flags():
     with pytest.raises(ConfigError, match="--use-torch-fsdp2.*--use-megatron-fsdp"):
         parse_args(BASE + ["--use-torch-fsdp2"])
