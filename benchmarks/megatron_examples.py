@@ -93,11 +93,22 @@ def flags_of(tokens: list[str], nargs: dict[str, str]) -> list[list[str]]:
     return out
 
 
+def with_defaults(text: str) -> str:
+    """A script's text with ``$VAR`` / ``${VAR}`` replaced by the value its own assignment gives the variable
+    (``VAR=value`` or ``VAR=${VAR:-default}``, the default taken), where it has one."""
+    values = {}
+    for name, default, plain in re.findall(r'^\s*(?:export\s+)?(\w+)=(?:\$\{\w+:-"?([^}"]*)"?\}|"?([^\s"$]+)"?)\s*$',
+                                           text, re.M):
+        if default or plain:
+            values[name] = default or plain
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: values.get(m[1] or m[2], m[0]), text)
+
+
 def extract(megatron: Path) -> dict[str, list[list[str]]]:
     import yaml
     nargs, out = nargs_of(), {}
     for rel in EXAMPLES:
-        text = (megatron / rel).read_text()
+        text = with_defaults((megatron / rel).read_text())
         lexer = shlex.shlex(text.replace("(", " ( ").replace(")", " ) "), posix=True)
         lexer.whitespace_split, lexer.commenters = True, "#"
         out[rel] = flags_of([w for tok in lexer for w in tok.split()], nargs)  # "--a 1 --b" strings too

@@ -18,8 +18,8 @@ A save goes to ``.iter_0000100.partial/``; when every rank's chunks and DCP's ``
 written, rank 0 writes ``metadata.json`` (file sizes and checksums), renames the directory to
 ``iter_0000100`` and only then replaces the latest marker, so a crash at any point leaves the
 previous checkpoint as latest. :class:`AsyncSave` runs the same steps in a background thread on
-CPU copies of the tensors, over a separate gloo group so it never interleaves with training's
-collectives. Loading checks sizes and checksums first; a damaged checkpoint is named in the error,
+CPU copies of the tensors, over a separate group (gloo, or NCCL with --disable-gloo-process-groups) so it never
+interleaves with training's collectives. Loading checks sizes and checksums first; a damaged checkpoint is named in the error,
 and :func:`find_checkpoint` falls back to the previous complete one.
 
 Nothing is unpickled from disk except DCP's ``.metadata`` index, and that through an unpickler that
@@ -391,7 +391,8 @@ def stage_to_cpu(pieces: list[Piece], pinned: Optional[dict] = None) -> list[Pie
 class AsyncSave:
     """A save running in a background thread: the pieces are first copied to CPU (training may then
     change the originals), the write, manifest, rename and latest marker follow in the thread, over
-    ``group`` (a gloo group used by nothing else). ``wait()`` joins it and re-raises its error."""
+    ``group`` (a group used by nothing else; on NCCL the thread works on the caller's CUDA device, where the
+    group's object collectives stage their bytes). ``wait()`` joins it and re-raises its error."""
 
     def __init__(self, root: str | Path, iteration: int, pieces: list[Piece], common: dict, group,
                  keep_last: int = 0, pinned: Optional[dict] = None, on_done: Optional[Callable[[Path, float], None]] = None):
@@ -403,6 +404,7 @@ class AsyncSave:
         self.error: Optional[BaseException] = None
         self.path: Optional[Path] = None
         self._args = (common, group, keep_last, on_done)
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self.thread = threading.Thread(target=self._run, name=f"paratron-save-{iteration}", daemon=False)
         self.thread.start()
 
@@ -410,6 +412,8 @@ class AsyncSave:
         common, group, keep_last, on_done = self._args
         t0 = time.perf_counter()
         try:
+            if self.device is not None:  # (a new thread starts on device 0)
+                torch.cuda.set_device(self.device)
             self.path = _write(self.root, self.iteration, self.tmp, self.staged, common, group, keep_last)
             if on_done is not None:
                 on_done(self.path, time.perf_counter() - t0)

@@ -130,7 +130,6 @@ REFUSED = {
     "fp8_quantizer_factory": GPU.format("Transformer Engine's custom quantizer recipes"),
     "keep_fp8_transpose_cache": NA.format("it keeps the FP8 weight transposes of Megatron-FSDP with FP8 parameters, "
                                           "neither of which paratron has"),
-    "disable_gloo_process_groups": NA.format("paratron's checkpoint collectives need their gloo group"),
     "use_nccl_ub": GPU.format("NCCL user-buffer registration"),
     "fsdp_double_buffer": PLANNED.format("Megatron-FSDP's double-buffered all-gather memory (paratron's ZeRO-3 "
                                          "gives a layer's parameters their memory when it gathers them)"),

@@ -187,6 +187,7 @@ class ParallelConfig(Section):
     grad_reduce_in_bf16: bool = False  # bf16 gradient buffer and reduction (needs --bf16)
     distributed_backend: Optional[str] = None  # nccl on GPU, gloo on CPU when not given
     distributed_timeout_minutes: float = 10.0  # every process group and pipeline wait; fractions allowed
+    disable_gloo_process_groups: bool = False  # checkpoint collectives on the default backend, not their gloo group
 
 
 @dataclass(eq=True)

@@ -28,7 +28,7 @@ class Checkpointing:
     def _init_checkpointing(self) -> None:
         self.pending_save = None
         self._pinned: dict = {}  # reused pinned CPU buffers of --async-save
-        self.ckpt_group = checkpoint_group(self.cfg)  # checkpoint collectives run on their own gloo group
+        self.ckpt_group = checkpoint_group(self.cfg)  # checkpoint collectives run on their own group
 
     def _ckpt_pieces(self, optim: bool, rng: Optional[dict], masters_from: Optional[str] = None,
                      model_prefix: Optional[dict] = None, amax: Optional[torch.Tensor] = None) -> list:

@@ -90,11 +90,13 @@ def build_dims(cfg: Config) -> ParallelDims:
 
 
 def checkpoint_group(cfg: Config):
-    """The gloo group of checkpoint collectives (a background save never interleaves with training's
-    collectives, and no GPU memory is needed for the plans); None without torch.distributed."""
+    """The group of checkpoint collectives, their own so that a background save never interleaves with training's
+    collectives: gloo (no GPU memory for the plans), or with --disable-gloo-process-groups the default backend's
+    (NCCL on GPUs: a communicator more, no gloo group); None without torch.distributed."""
     if not (dist.is_initialized() and (cfg.ckpt.save or cfg.ckpt.load)):
         return None
-    return dist.new_group(backend="gloo", timeout=timeout(cfg), group_desc="checkpoint")
+    backend = None if cfg.parallel.disable_gloo_process_groups else "gloo"
+    return dist.new_group(backend=backend, timeout=timeout(cfg), group_desc="checkpoint")
 
 
 def _collective(e: BaseException) -> tuple[Optional[str], object]:

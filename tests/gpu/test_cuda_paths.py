@@ -82,6 +82,26 @@ def test_cuda_checkpoint_resumes_with_the_same_losses(tmp_path):
         assert abs(a - b) <= 1e-3 * abs(a), (straight, got)
 
 
+def test_checkpoints_over_nccl_with_disable_gloo_process_groups(tmp_path):
+    """--disable-gloo-process-groups under torchrun on one GPU: the checkpoint collectives run on an NCCL group
+    (the asynchronous save's thread on the run's device), the save completes and the next run resumes from it."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+            os.path.join(root, "pretrain_gpt.py"), *TINY_CUDA_RUN, "--disable-gloo-process-groups", "--async-save",
+            "--save", str(tmp_path / "ck"), "--log-interval", "1"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    first = subprocess.run(base + ["--exit-interval", "3"], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    second = subprocess.run(base + ["--load", str(tmp_path / "ck")], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert second.returncode == 0 and "resumed from" in second.stdout, (second.stdout[-2000:], second.stderr[-2000:])
+    assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+
 def test_fp8_delayed_resume_continues_the_same_run(tmp_path):
     """FP8 with the delayed recipe: 3 steps, save, load, 3 steps give the losses of 6 straight steps
     (the amax histories travel in the checkpoint). Bitwise when two straight runs agree bitwise (the

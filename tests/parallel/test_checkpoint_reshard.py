@@ -140,3 +140,40 @@ def test_a_save_directory_not_shared_by_all_ranks_is_an_error(tmp_path):
     got = run_ranks(2, _unshared_save, str(tmp_path), tmp_dir=tmp_path)
     assert all("rank 1 does not see" in g and "every rank shares" in g for g in got), got
     assert not (tmp_path / "node0" / "latest_checkpointed_iteration.txt").exists()
+
+
+def _checkpoint_group_backends(rank: int, world: int, root: str) -> dict:
+    """The backend each run asks for its checkpoint group, and a resume from an asynchronous save made with
+    --disable-gloo-process-groups (checkpoint collectives on the default backend's group: gloo here, NCCL on GPUs)."""
+    import torch.distributed as dist
+    asked = {}
+    new_group = dist.new_group
+
+    def recording(*args, **kwargs):
+        if kwargs.get("group_desc") == "checkpoint":
+            asked[len(asked)] = kwargs.get("backend")
+        return new_group(*args, **kwargs)
+
+    dist.new_group = recording
+    try:
+        from paratron.train.loop import Trainer, build_dims
+        out = {}
+        for step, (flag, load) in enumerate(((True, None), (True, f"{root}/ck"), (False, f"{root}/ck"))):
+            cfg = tiny_config("gpt", use_distributed_optimizer=True, train_iters=4, save=f"{root}/ck", load=load,
+                              async_save=True, disable_gloo_process_groups=flag)
+            dims = build_dims(cfg)
+            batches = micro_batches(global_batches(cfg, 4), cfg, dims.dp_rank, dims.dp)
+            t = Trainer(cfg, device=torch.device("cpu"), dims=dims, data=(batches, None))
+            out[step] = t.iteration
+            t.train_step()
+            t.save()
+            t.close()
+        return {"asked": asked, "iterations": out}
+    finally:
+        dist.new_group = new_group
+
+
+def test_disable_gloo_process_groups_puts_checkpoints_on_the_default_backend(tmp_path):
+    for r in run_ranks(2, _checkpoint_group_backends, str(tmp_path), tmp_dir=tmp_path):
+        assert r["asked"] == {0: None, 1: None, 2: "gloo"}
+        assert r["iterations"] == {0: 0, 1: 1, 2: 2}  # each run resumed from the previous one's (async) save
