@@ -14,7 +14,8 @@ def validate_ckpt(c) -> None:
     need(not c.async_save or c.save is not None, "--async-save needs --save DIR")
     need(c.dist_ckpt_strictness in STRICTNESS,
          f"--dist-ckpt-strictness {c.dist_ckpt_strictness}: choose one of {', '.join(STRICTNESS)}")
-    need(not c.use_checkpoint_args or c.load is not None, "--use-checkpoint-args needs --load DIR")
+    need(not c.use_checkpoint_args or c.load is not None or c.pretrained_checkpoint is not None,
+         "--use-checkpoint-args needs --load DIR or --pretrained-checkpoint DIR")
 
 
 def validate_retention(c) -> None:

@@ -298,9 +298,9 @@ def _accepted_problems(values: dict) -> list[str]:
 def resolve_alone(cfg: Config, world_size: Optional[int] = None) -> Config:
     """``resolve(cfg, world_size)`` with what the config holds alone: no tokenizer file, no checkpoint."""
     need = "parse with paratron.train.resolve.parse_args (as `paratron train` does)"
-    if cfg.ckpt.use_checkpoint_args and cfg.ckpt.load:
-        raise ConfigError(f"--use-checkpoint-args reads the checkpoint under --load, which paratron.config does "
-                          f"not; {need}")
+    if cfg.ckpt.use_checkpoint_args and (cfg.ckpt.load or cfg.ckpt.pretrained_checkpoint):
+        raise ConfigError(f"--use-checkpoint-args reads the checkpoint to load, which paratron.config does not; "
+                          f"{need}")
     return resolve_config(cfg, world_size)
 
 

@@ -385,6 +385,7 @@ class CheckpointConfig(Section):
     _name = "ckpt"
     save: Optional[str] = None
     load: Optional[str] = None
+    pretrained_checkpoint: Optional[str] = None  # fine-tune from its latest checkpoint when --load holds none
     save_interval: Optional[int] = None
     finetune: bool = False
     no_load_optim: bool = False
@@ -398,7 +399,7 @@ class CheckpointConfig(Section):
     ckpt_keep_last: int = 0  # paratron: keep only the newest K checkpoints under --save (0: keep all)
     save_retain_interval: Optional[int] = None  # keep checkpoints at multiples of it; delete the other older ones
     dist_ckpt_strictness: str = "assume_ok_unexpected"  # key mismatches on load: Megatron's StrictHandling values
-    use_checkpoint_args: bool = False  # the model's shape and tokenizer from the --load checkpoint's config
+    use_checkpoint_args: bool = False  # the model's shape and tokenizer from the loaded checkpoint's config
     override_checkpoint_model_args: bool = False  # paratron: load a checkpoint saved with other model flags
     no_save_space_check: bool = False  # paratron: start even when --save has no room for one checkpoint
 

@@ -92,10 +92,25 @@ class Checkpointing:
             pending, self.pending_save = self.pending_save, None
             pending.wait()
 
-    def load(self, root: str) -> None:
-        """Resume from the latest complete checkpoint under ``root``, in any parallel layout."""
+    def _to_load(self, root: Optional[str]) -> tuple[Optional[Path], bool]:
+        """(the checkpoint directory to load or None, whether as --finetune): the latest under ``root`` (--load);
+        where there is none, the latest under --pretrained-checkpoint, as --finetune (Megatron's rule)."""
         c = self.cfg.ckpt
-        d = sharded.find_checkpoint(root, self.ckpt_group, self.log.print, c.ckpt_step)
+        d = sharded.find_checkpoint(root, self.ckpt_group, self.log.print, c.ckpt_step) if root else None
+        if d is not None or not c.pretrained_checkpoint:
+            return d, c.finetune
+        d = sharded.find_checkpoint(c.pretrained_checkpoint, self.ckpt_group, self.log.print, c.ckpt_step)
+        if d is None:
+            raise sharded.CheckpointError(f"no checkpoint found in {root or '(no --load)'} nor in "
+                                          f"--pretrained-checkpoint {c.pretrained_checkpoint}")
+        self.log.print(f" no checkpoint found in {root or '(no --load)'}; fine-tuning from --pretrained-checkpoint {d}")
+        return d, True
+
+    def load(self, root: Optional[str]) -> None:
+        """Resume from the latest complete checkpoint under ``root`` (--load), in any parallel layout; where there is
+        none, fine-tune from the latest under --pretrained-checkpoint (weights only, as --finetune), as Megatron."""
+        c = self.cfg.ckpt
+        d, finetune = self._to_load(root)
         if d is None:
             if c.exit_on_missing_checkpoint:
                 raise sharded.CheckpointError(f"no checkpoint found in {root} (--exit-on-missing-checkpoint)")
@@ -105,8 +120,8 @@ class Checkpointing:
         check_model_config(common, self.cfg, d, self.log.print)  # before any tensor is read
         saved = sharded.tensor_shapes(d)
         same_layout = common.get("layout") == self._layout()
-        optim = not (c.finetune or c.no_load_optim) and common.get("optimizer") is not None
-        rng = not (c.finetune or c.no_load_rng) and bool(common.get("rng"))
+        optim = not (finetune or c.no_load_optim) and common.get("optimizer") is not None
+        rng = not (finetune or c.no_load_rng) and bool(common.get("rng"))
         if rng and not same_layout:
             self.log.print(f" WARNING: {d} was saved with another parallel layout ({common.get('layout')}): "
                            "the random generators restart from --seed")
@@ -137,7 +152,7 @@ class Checkpointing:
             self.optimizer.reload_offloaded()  # an fp32 model's offloaded masters: from the loaded weights
         else:
             self.optimizer.reload_masters()
-        if c.finetune:
+        if finetune:
             self.log.print(f" loaded weights from {d} (iteration {common['iteration']}) for fine-tuning")
             return
         self.iteration, self.consumed_samples = int(common["iteration"]), int(common["consumed_samples"])

@@ -93,7 +93,7 @@ def checkpoint_group(cfg: Config):
     """The group of checkpoint collectives, their own so that a background save never interleaves with training's
     collectives: gloo (no GPU memory for the plans), or with --disable-gloo-process-groups the default backend's
     (NCCL on GPUs: a communicator more, no gloo group); None without torch.distributed."""
-    if not (dist.is_initialized() and (cfg.ckpt.save or cfg.ckpt.load)):
+    if not (dist.is_initialized() and (cfg.ckpt.save or cfg.ckpt.load or cfg.ckpt.pretrained_checkpoint)):
         return None
     backend = None if cfg.parallel.disable_gloo_process_groups else "gloo"
     return dist.new_group(backend=backend, timeout=timeout(cfg), group_desc="checkpoint")

@@ -83,7 +83,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
                              queue_size=cfg.log.tensorboard_queue_size, wandb_run=wandb_run(cfg) if logging_rank else None)
         self._pending_skips: Optional[torch.Tensor] = None
         self._init_checkpointing()
-        if cfg.ckpt.load:
+        if cfg.ckpt.load or cfg.ckpt.pretrained_checkpoint:
             self.load(cfg.ckpt.load)
         check_batch_sizes(self.microbatches, self.consumed_samples, self.dims, tr.micro_batch_size, tr.eval_iters > 0)
         self._loaders = () if data is not None else self._build_data()  # close() stops their workers

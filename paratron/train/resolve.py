@@ -24,19 +24,25 @@ CHECKPOINT_DATA_FIELDS = tuple(n for n in TOKENIZER_FIELDS if n != "vocab_size")
 
 
 def apply_checkpoint_args(cfg: Config) -> None:
-    """Overwrite ``cfg``'s model fields and tokenizer flags with the ones of the latest checkpoint
-    under --load (before resolve). No checkpoint: an error with --exit-on-missing-checkpoint, else
-    the flags stay (a fresh start, as Megatron)."""
+    """Overwrite ``cfg``'s model fields and tokenizer flags with the ones of the checkpoint the run will load (before
+    resolve): the latest under --load, else under --pretrained-checkpoint. No checkpoint: an error with
+    --exit-on-missing-checkpoint, else the flags stay (a fresh start, as Megatron)."""
     c = cfg.ckpt
-    if not c.use_checkpoint_args or not c.load:
+    if not c.use_checkpoint_args or not (c.load or c.pretrained_checkpoint):
         return
     from ..checkpoint import sharded  # (here: torch.distributed.checkpoint costs a second at start-up)
-    done = sharded.complete_iterations(c.load)  # the files are verified when the run loads them
-    it = c.ckpt_step if c.ckpt_step is not None else (max(done) if done else None)
-    d = sharded.iter_dir(c.load, it) if it is not None else None
-    if d is None or not (d / sharded.COMMON).is_file():
+
+    def latest(root):
+        done = sharded.complete_iterations(root) if root else []  # the files are verified when the run loads them
+        it = c.ckpt_step if c.ckpt_step is not None else (max(done) if done else None)
+        d = sharded.iter_dir(root, it) if it is not None else None
+        return d if d is not None and (d / sharded.COMMON).is_file() else None
+
+    d = latest(c.load) or latest(c.pretrained_checkpoint)
+    if d is None:
         if c.exit_on_missing_checkpoint:
-            raise ConfigError(f"--use-checkpoint-args: no checkpoint in {c.load} (--exit-on-missing-checkpoint)")
+            where = " or ".join(r for r in (c.load, c.pretrained_checkpoint) if r)
+            raise ConfigError(f"--use-checkpoint-args: no checkpoint in {where} (--exit-on-missing-checkpoint)")
         return
     saved = sharded.read_common(d).get("config")
     if not isinstance(saved, dict) or "model" not in saved:

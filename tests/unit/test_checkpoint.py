@@ -161,6 +161,37 @@ def test_finetune_and_no_load_optim(tmp_path):
     assert ref.optimizer.adam.state and int(next(iter(ref.optimizer.adam.state.values()))["step"]) == 4
 
 
+def test_pretrained_checkpoint_fine_tunes_until_load_has_one(tmp_path, capsys):
+    """Megatron's --pretrained-checkpoint: with nothing under --load the run starts from the pretrained weights (as
+    --finetune: iteration 0, fresh optimizer); once it has saved under --load, a restart resumes from there."""
+    pretrained = train_and_save(tmp_path)
+    ref = Trainer(parse_args(TINY + ["--train-iters", "6", "--load", str(pretrained), "--finetune"]))
+    mine = tmp_path / "sft"
+    flags = TINY + ["--train-iters", "6", "--load", str(mine), "--save", str(mine), "--pretrained-checkpoint",
+                    str(pretrained)]
+    ft = Trainer(parse_args(flags))
+    assert "fine-tuning from --pretrained-checkpoint" in capsys.readouterr().out
+    assert ft.iteration == 0 and ft.consumed_samples == 0 and not ft.optimizer.adam.state
+    assert all(torch.equal(a, b) for a, b in zip(ref.model.module.parameters(), ft.model.module.parameters()))
+    ft.train_step()
+    ft.train_step()
+    ft.save()
+    ft.close()
+    again = Trainer(parse_args(flags))
+    assert again.iteration == 2 and again.optimizer.adam.state  # resumed from --load, not the pretrained weights
+    assert all(torch.equal(a, b) for a, b in zip(ft.model.module.parameters(), again.model.module.parameters()))
+    alone = Trainer(parse_args(TINY + ["--train-iters", "6", "--pretrained-checkpoint", str(pretrained)]))  # no --load
+    assert alone.iteration == 0 and all(torch.equal(a, b) for a, b in zip(ref.model.module.parameters(),
+                                                                        alone.model.module.parameters()))
+    with pytest.raises(sharded.CheckpointError, match="nor in --pretrained-checkpoint"):
+        Trainer(parse_args(TINY + ["--train-iters", "6", "--load", str(tmp_path / "none"), "--pretrained-checkpoint",
+                                   str(tmp_path / "none2")]))
+    from paratron.train.resolve import parse_args as parse_for_a_run  # (reads the checkpoint's config)
+    shaped = parse_for_a_run(TINY + ["--train-iters", "6", "--hidden-size", "64", "--load", str(tmp_path / "none"),
+                                     "--pretrained-checkpoint", str(pretrained), "--use-checkpoint-args"])
+    assert shaped.model.hidden_size == ref.cfg.model.hidden_size  # the pretrained checkpoint's model
+
+
 def test_bf16_checkpoint_loads_into_fp32_from_its_masters(tmp_path):
     """Switching precision loses nothing: fp32 weights come from the saved fp32 masters."""
     root = train_and_save(tmp_path, 2, "--bf16")
