@@ -3,6 +3,7 @@ fill-in-the-middle (--fim-*) and supervised fine-tuning (--sft-*)."""
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import re
 
@@ -13,9 +14,54 @@ from .sections import DataConfig
 from .values import SFT_PROMPT_FORMATS, TIKTOKEN_PATTERNS, TOKENIZER_TYPES, WORDPIECE_TYPES
 
 
+def _read(path: str, flag_name: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"{flag_name} {path}: cannot read it ({e.strerror or e}); give a readable file") from None
+
+
+def read_data_path_files(d: DataConfig) -> None:
+    """Megatron's --data-args-path (a text file of --data-path's values) and --per-split-data-args-path (JSON with
+    a "train", "valid" and "test" blend, each a list or a string of [WEIGHT] PREFIX items) into the path fields.
+    Read again (a config checked twice), a file gives the same paths: no conflict with itself."""
+    if d.data_args_path is not None:
+        items = _read(d.data_args_path, "--data-args-path").split()
+        need(bool(items), f"--data-args-path {d.data_args_path} is empty; it holds --data-path's values")
+        need(not d.data_path or d.data_path == items, "--data-args-path and --data-path both give the data: use one")
+        d.data_path = items
+    if d.per_split_data_args_path is not None:
+        _read_per_split(d)
+
+
+def _read_per_split(d: DataConfig) -> None:
+    where = f"--per-split-data-args-path {d.per_split_data_args_path}"
+    try:
+        splits = json.loads(_read(d.per_split_data_args_path, "--per-split-data-args-path"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not JSON ({e.msg}, line {e.lineno}); write {{\"train\": [...], "
+                          f"\"valid\": [...], \"test\": [...]}}") from None
+    need(isinstance(splits, dict) and "train" in splits, f"{where}: needs a \"train\" entry (and \"valid\", "
+         "\"test\"), each a list or a string of [WEIGHT] PREFIX items")
+    paths = {}
+    for split in ("train", "valid", "test"):
+        value = splits.get(split)
+        items = value.split() if isinstance(value, str) else value
+        need(items is None or (isinstance(items, list) and all(isinstance(i, (str, int, float)) for i in items)),
+             f"{where}: \"{split}\" must be a list or a string of [WEIGHT] PREFIX items")
+        paths[f"{split}_data_path"] = [str(i) for i in items] if items else None
+    given = {name: getattr(d, name) for name in paths}
+    need(not d.data_path and all(v is None or v == paths[n] for n, v in given.items()),
+         "--per-split-data-args-path gives each split's data: remove --data-path and --train/valid/test-data-path")
+    for name, value in paths.items():
+        setattr(d, name, value)
+
+
 def validate_data(d: DataConfig, default_tokenizer: str = "GPT2BPETokenizer") -> None:
     """``default_tokenizer``: the --tokenizer-type a --vocab-file means when none is given (pretrain_gpt.py's
     GPT2BPETokenizer; pretrain_bert.py's BertWordPieceLowerCase)."""
+    read_data_path_files(d)
     have_data = d.mock_data or d.data_path or d.train_data_path
     need(bool(have_data), "no training data: pass --data-path PREFIX (or --train-data-path) or --mock-data")
     need(not (d.mock_data and (d.data_path or d.train_data_path)),

@@ -35,6 +35,8 @@ def validate_parallel(par: ParallelConfig, m: ModelConfig, tr: TrainConfig) -> N
     need(not par.grad_reduce_in_bf16 or tr.bf16, "--grad-reduce-in-bf16 needs --bf16")
     need(not (par.grad_reduce_in_bf16 and par.accumulate_allreduce_grads_in_fp32),
          "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 are mutually exclusive; choose one")
+    need(par.ddp_num_buckets is None or par.ddp_bucket_size is None,
+         "--ddp-num-buckets and --ddp-bucket-size both size the gradient buckets (as in Megatron): give one")
 
 
 def validate_sharding(par: ParallelConfig, tr: TrainConfig) -> None:

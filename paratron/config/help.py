@@ -7,7 +7,9 @@ import functools
 import inspect
 import re
 
-from . import encdec, fp8_fields, hybrid_fields, kernels, offload_fields, optim_fields, sections
+from . import data_fields, encdec, fp8_fields, hybrid_fields, kernels, offload_fields, optim_fields, sections
+
+FIELD_MODULES = (sections, kernels, hybrid_fields, encdec, fp8_fields, optim_fields, offload_fields, data_fields)
 
 HELP = {
     # model
@@ -105,9 +107,7 @@ HELP = {
 def _source_comments() -> dict[str, str]:
     """``name: type = default  # comment`` lines of the sections' modules: {name: comment}."""
     out = {}
-    for line in (inspect.getsource(sections) + inspect.getsource(kernels) + inspect.getsource(hybrid_fields)
-                 + inspect.getsource(encdec) + inspect.getsource(fp8_fields)
-                 + inspect.getsource(optim_fields) + inspect.getsource(offload_fields)).splitlines():
+    for line in "".join(inspect.getsource(module) for module in FIELD_MODULES).splitlines():
         m = re.match(r"    ([a-z][a-z0-9_]*): [^=]+=.*?#\s*(.+)$", line)
         if m:
             out[m.group(1)] = m.group(2).replace("paratron: ", "").strip()

@@ -327,7 +327,8 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[Config] = None, 
         before = len(problems)
         apply_dict(cfg, load_yaml(path), f"in {path}", problems)
         yaml_problems = len(problems) - before
-    if ({"data_path", "train_data_path"} & values.keys()) and "mock_data" not in values:
+    if ({"data_path", "train_data_path", "data_args_path", "per_split_data_args_path"} & values.keys()) \
+            and "mock_data" not in values:
         cfg.data.mock_data = False  # real data on the command line replaces a preset's mock data
     for name, value in values.items():
         if name == "rampup_batch_size":

@@ -93,7 +93,8 @@ RANGES: dict[str, Range] = {
     "microbatch_group_size_per_virtual_pipeline_stage": AT_LEAST_1,
     "decoder_first_pipeline_num_layers": AT_LEAST_0, "decoder_last_pipeline_num_layers": AT_LEAST_0,
     "context_parallel_size": AT_LEAST_1, "expert_model_parallel_size": AT_LEAST_1,
-    "expert_tensor_parallel_size": AT_LEAST_1, "ddp_bucket_size": AT_LEAST_1, "distributed_timeout_minutes": POSITIVE,
+    "expert_tensor_parallel_size": AT_LEAST_1, "ddp_bucket_size": AT_LEAST_1, "ddp_num_buckets": AT_LEAST_1,
+    "distributed_timeout_minutes": POSITIVE,
     # train
     "micro_batch_size": AT_LEAST_1, "global_batch_size": AT_LEAST_1, "train_iters": AT_LEAST_0,
     "train_samples": AT_LEAST_0, "eval_interval": AT_LEAST_1, "eval_iters": AT_LEAST_0, "exit_interval": AT_LEAST_1,

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from ..errors import ConfigError
 from .hybrid_fields import HybridFields
 from .encdec import EncoderDecoderFields
+from .data_fields import DataFileFields
 from .fp8_fields import FP8Fields
 from .offload_fields import OffloadFields
 from .optim_fields import PrecisionAwareFields
@@ -183,6 +184,8 @@ class ParallelConfig(Section):
     fp8_param_gather: bool = False  # FP8 linear weights all-gathered in FP8 with their scales (ZeRO-1/3 and FP8)
     no_gradient_accumulation_fusion: bool = False  # weight gradients via param.grad + an add, not into main_grad
     ddp_bucket_size: Optional[int] = None
+    ddp_num_buckets: Optional[int] = None  # instead of --ddp-bucket-size: this rank's parameters / N per bucket
+    ddp_pad_buckets_for_high_nccl_busbw: bool = False  # bucket ends padded to a multiple of 2^16 elements too
     accumulate_allreduce_grads_in_fp32: bool = False
     grad_reduce_in_bf16: bool = False  # bf16 gradient buffer and reduction (needs --bf16)
     distributed_backend: Optional[str] = None  # nccl on GPU, gloo on CPU when not given
@@ -286,7 +289,7 @@ class OptimConfig(Section, PrecisionAwareFields):
 
 
 @dataclass(eq=True)
-class DataConfig(Section):
+class DataConfig(Section, DataFileFields):
     _name = "data"
     data_path: Optional[list] = None
     split: str = "969,30,1"

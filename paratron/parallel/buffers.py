@@ -4,6 +4,7 @@ parameters reduced alike, contiguous and cut into :class:`Bucket` s; under ZeRO-
 storage lives only while needed and the buffer keeps this rank's shard (paratron/parallel/zero.py)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -54,11 +55,12 @@ class GradBuffer:
     def __init__(self, params: list, dims: ParallelDims, grad_group: str, tied: Optional[str], *,
                  grad_dtype: torch.dtype, bucket_size: Optional[int], distributed: bool, average: bool,
                  first_index: int = 0, level: Optional[int] = None, unit_of: Optional[dict] = None,
-                 fp8: bool = False):
+                 fp8: bool = False, end_multiple: int = 1):
         """``level``: what is sharded (paratron/config/values.py sharding_level; default 1 with
         ``distributed``, else 0); a one-rank group shards nothing more than ZeRO-1. ``unit_of``: {parameter:
         ZeRO-3 unit}, where buckets are cut (paratron/parallel/zero.py). ``fp8``: FP8 linear weights, gathered in
-        FP8 (--fp8-param-gather, paratron/parallel/fp8_gather.py)."""
+        FP8 (--fp8-param-gather, paratron/parallel/fp8_gather.py). ``end_multiple``: each bucket's size is also a
+        multiple of it (--ddp-pad-buckets-for-high-nccl-busbw: 2^16)."""
         self.params, self.grad_group, self.tied, self.fp8 = params, grad_group, tied, fp8
         self.group = dims.group(grad_group)
         self.n, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
@@ -68,6 +70,7 @@ class GradBuffer:
         # expert's gradient already sums the tokens its EP peers sent it); none with per-token loss.
         self.divisor = dims.size("dp_cp") if average else 1
         self.norm_groups = norm_groups(grad_group, distributed)
+        self.end_unit = math.lcm(ALIGN * self.n, end_multiple)  # what every bucket's size is a multiple of
         self.buckets, self.offsets, total = self._layout(bucket_size, first_index,
                                                          unit_of if self.level == 3 else None)
         device = params[0].device
@@ -168,14 +171,14 @@ class GradBuffer:
 
     def _layout(self, bucket_size: Optional[int], first_index: int, unit_of: Optional[dict] = None):
         """Buckets over the parameters in reverse order (the order backward produces their
-        gradients), each start aligned to ALIGN elements, each bucket padded to ALIGN x n so that it
-        splits into equal aligned shards (and, with ``unit_of``, cut where the unit changes); returns
+        gradients), each start aligned to ALIGN elements, each bucket padded to ALIGN x n (``end_unit``) so that
+        it splits into equal aligned shards (and, with ``unit_of``, cut where the unit changes); returns
         (buckets, offsets, total size)."""
         buckets, offsets, current = [], {}, []
         start = pos = 0
         for p in reversed(self.params):
             if current and unit_of is not None and unit_of[p] != unit_of[current[-1]]:
-                end = _round_up(pos, ALIGN * self.n)
+                end = _round_up(pos, self.end_unit)
                 buckets.append(Bucket(first_index + len(buckets), self, current, start, end))
                 start, pos, current = end, end, []
             pos = _round_up(pos, ALIGN)
@@ -183,11 +186,11 @@ class GradBuffer:
             pos += p.numel()
             current.append(p)
             if bucket_size is not None and pos - start >= bucket_size:
-                end = _round_up(pos, ALIGN * self.n)
+                end = _round_up(pos, self.end_unit)
                 buckets.append(Bucket(first_index + len(buckets), self, current, start, end))
                 start, pos, current = end, end, []
         if current:
-            end = _round_up(pos, ALIGN * self.n)
+            end = _round_up(pos, self.end_unit)
             buckets.append(Bucket(first_index + len(buckets), self, current, start, end))
             start = end
         return buckets, offsets, start

@@ -84,10 +84,11 @@ class DataParallel(nn.Module):
                  bucket_size: Optional[int] = None, overlap_grad_reduce: bool = False,
                  use_distributed_optimizer: bool = False, overlap_param_gather: bool = False,
                  average: bool = True, fuse_wgrad: bool = False, fused_accumulate: bool = True,
-                 sharding: Optional[int] = None, fp8_param_gather: bool = False):
+                 sharding: Optional[int] = None, fp8_param_gather: bool = False, bucket_end_multiple: int = 1):
         """``sharding``: 2 (ZeRO-2) or 3 (ZeRO-3) shard the gradients, and the parameters with 3
         (paratron/parallel/zero.py); default: 1 with ``use_distributed_optimizer`` (ZeRO-1), else 0.
-        ``fp8_param_gather``: the FP8 linear weights are all-gathered in FP8 (paratron/parallel/fp8_gather.py)."""
+        ``fp8_param_gather``: the FP8 linear weights are all-gathered in FP8 (paratron/parallel/fp8_gather.py).
+        ``bucket_end_multiple``: every bucket's size a multiple of it too (see GradBuffer)."""
         super().__init__()
         self.module, self.dims = module, dims
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -97,6 +98,7 @@ class DataParallel(nn.Module):
         self.buckets_launched_in_backward = 0  # counted per step, for tests and logs
         self.params = [p for p in module.parameters() if p.requires_grad]
         fp8 = frozenset(fp8_gather.fp8_weights(module)) if fp8_param_gather and self.sharding >= 1 else frozenset()
+        self.bucket_end_multiple = bucket_end_multiple
         self._build_buffers(grad_dtype, bucket_size, average, fp8)
         self.buckets = [b for buf in self.buffers_ for b in buf.buckets]
         # what finalize_model_grads does after the reduction, read off the specs once: the gradients to sum
@@ -147,7 +149,8 @@ class DataParallel(nn.Module):
             first = sum(len(b.buckets) for b in self.buffers_)
             self.buffers_.append(GradBuffer(params, self.dims, group, tied, grad_dtype=grad_dtype, bucket_size=size,
                                             distributed=self.sharding >= 1, average=average, first_index=first,
-                                            level=self.sharding, unit_of=self._unit_of, fp8=in_fp8))
+                                            level=self.sharding, unit_of=self._unit_of, fp8=in_fp8,
+                                            end_multiple=self.bucket_end_multiple))
 
     def buffer_of_param(self, p: torch.Tensor) -> GradBuffer:
         return next(buf for buf in self.buffers_ if p in buf.offsets)
@@ -312,14 +315,26 @@ def grad_buffer_dtype(cfg) -> torch.dtype:
     return torch.float32
 
 
-def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims) -> DataParallel:
-    """DataParallel configured from the run's flags."""
+def bucket_size_of(par, chunks: list) -> Optional[int]:
+    """--ddp-bucket-size, or with --ddp-num-buckets N this rank's trained parameters (of every model chunk) / N, as
+    Megatron sizes them."""
+    if par.ddp_num_buckets is None:
+        return par.ddp_bucket_size
+    total = sum(p.numel() for m in chunks for p in m.parameters() if p.requires_grad)
+    return max(total // par.ddp_num_buckets, 1)
+
+
+def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims, bucket_size: Optional[int] = None) -> DataParallel:
+    """DataParallel configured from the run's flags (``bucket_size``: :func:`bucket_size_of` the rank's chunks; by
+    default --ddp-bucket-size)."""
     par = cfg.parallel
-    return DataParallel(module, dims, grad_dtype=grad_buffer_dtype(cfg), bucket_size=par.ddp_bucket_size,
+    bucket_size = par.ddp_bucket_size if bucket_size is None else bucket_size
+    return DataParallel(module, dims, grad_dtype=grad_buffer_dtype(cfg), bucket_size=bucket_size,
                         overlap_grad_reduce=par.overlap_grad_reduce,
                         use_distributed_optimizer=par.use_distributed_optimizer,
                         overlap_param_gather=par.overlap_param_gather, sharding=sharding_level(par),
                         fp8_param_gather=par.fp8_param_gather,
                         average=not cfg.train.calculate_per_token_loss,
                         fuse_wgrad=not par.no_gradient_accumulation_fusion,
-                        fused_accumulate=cfg.kernels.kernel_fused_accumulate != "off")
+                        fused_accumulate=cfg.kernels.kernel_fused_accumulate != "off",
+                        bucket_end_multiple=2 ** 16 if par.ddp_pad_buckets_for_high_nccl_busbw else 1)

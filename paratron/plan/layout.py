@@ -46,6 +46,8 @@ class Layout:
     activation_offload_fraction: float = 1.0
     min_offloaded_tensor_size: int = 1048576
     bucket_size: Optional[int] = None  # --ddp-bucket-size: elements per gradient bucket
+    num_buckets: Optional[int] = None  # --ddp-num-buckets: the rank's parameters / N per bucket instead
+    bucket_end_multiple: int = 1  # every bucket's size a multiple of it too (2^16: --ddp-pad-buckets-for-...)
     overlap_grad_reduce: bool = False  # without a bucket size: Megatron's default buckets (else one per buffer)
     overlap_param_gather: bool = False
     paths: Paths = Paths()  # the layers' code paths on the planned GPU (paths.py); default: the torch paths
@@ -137,6 +139,8 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   activation_offload_fraction=field(cfg, "activation_offload_fraction", 1.0),
                   min_offloaded_tensor_size=field(cfg, "min_offloaded_tensor_size", 1048576),
                   bucket_size=par.ddp_bucket_size, overlap_grad_reduce=par.overlap_grad_reduce,
+                  num_buckets=field(cfg, "ddp_num_buckets", None),
+                  bucket_end_multiple=2 ** 16 if field(cfg, "ddp_pad_buckets_for_high_nccl_busbw", False) else 1,
                   overlap_param_gather=par.overlap_param_gather, paths=paths_of(cfg, kind),
                   host_ops=host_ops, compiled=bool(tr.torch_compile), traffic=traffic,
                   turns=cfg.model.overlap_moe_expert_parallel_comm)

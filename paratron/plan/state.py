@@ -8,6 +8,7 @@ layer, its unit of gathering, ends); ``--optimizer-offload-fraction`` moves
 that share of the fp32 masters and Adam moments (with their gradients' fp32 copy) to the host."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -50,13 +51,16 @@ def unit(name: str) -> int:
     return int(match.group(2)) + (MTP_UNITS if match.group(1) == "mtp" else 0)
 
 
-def spans_and_buckets(tensors: list[Tensor], n: int, bucket_size, by_unit: bool = False) -> tuple[list, list]:
+def spans_and_buckets(tensors: list[Tensor], n: int, bucket_size, by_unit: bool = False,
+                      end_multiple: int = 1) -> tuple[list, list]:
     """[(start, end)] of each parameter and [(start, end)] of each bucket, as GradBuffer._layout (``by_unit``:
-    ZeRO-3's buckets also end where the unit changes)."""
+    ZeRO-3's buckets also end where the unit changes; each bucket's size a multiple of ALIGN x n and
+    ``end_multiple``)."""
     spans, buckets, start, pos, open_, last = [], [], 0, 0, False, None
+    unit_end = math.lcm(ALIGN * n, end_multiple)
     for t in reversed(tensors):
         if open_ and by_unit and unit(t.name) != last:
-            end = round_up(pos, ALIGN * n)
+            end = round_up(pos, unit_end)
             buckets.append((start, end))
             start, pos = end, end
         last = unit(t.name)
@@ -65,16 +69,17 @@ def spans_and_buckets(tensors: list[Tensor], n: int, bucket_size, by_unit: bool 
         pos += t.numel
         open_ = True
         if bucket_size is not None and pos - start >= bucket_size:
-            end = round_up(pos, ALIGN * n)
+            end = round_up(pos, unit_end)
             buckets.append((start, end))
             start, pos, open_ = end, end, False
     if open_:
-        buckets.append((start, round_up(pos, ALIGN * n)))
+        buckets.append((start, round_up(pos, unit_end)))
     return spans, buckets
 
 
-def lay_out(tensors: list[Tensor], group: str, n: int, bucket_size, by_unit: bool = False) -> Buffer:
-    spans, buckets = spans_and_buckets(tensors, n, bucket_size, by_unit)
+def lay_out(tensors: list[Tensor], group: str, n: int, bucket_size, by_unit: bool = False,
+            end_multiple: int = 1) -> Buffer:
+    spans, buckets = spans_and_buckets(tensors, n, bucket_size, by_unit, end_multiple)
     buf = Buffer(group, n, buckets[-1][1] if buckets else 0, sum(t.numel for t in tensors))
     buf.shard_elems, buf.shard_pieces = [0] * n, [0] * n
     buf.largest_bucket = max((e - s for s, e in buckets), default=0)
@@ -105,10 +110,13 @@ def lay_out(tensors: list[Tensor], group: str, n: int, bucket_size, by_unit: boo
     return buf
 
 
-def bucket_size_of(layout: Layout, n: int):
-    if layout.bucket_size is None and layout.overlap_grad_reduce:
+def bucket_size_of(layout: Layout, n: int, rank_params: int = 0):
+    """As paratron/parallel/data.py sizes them: --ddp-bucket-size, or the rank's parameters (``rank_params``, of
+    every chunk) / --ddp-num-buckets; without either and with --overlap-grad-reduce, Megatron's default."""
+    size = max(rank_params // layout.num_buckets, 1) if layout.num_buckets else layout.bucket_size
+    if size is None and layout.overlap_grad_reduce:
         return max(BUCKET_MIN, BUCKET_PER_RANK * n)
-    return layout.bucket_size
+    return size
 
 
 def group_size(layout: Layout, group: str) -> int:
@@ -136,15 +144,17 @@ def chunk_tensors(model: ModelConfig, vocab: int, layout: Layout, chunks: list[t
     return [chunk(model, vocab, split, first, count, pre, post, kinds) for first, count, pre, post in chunks]
 
 
-def buffers(tensors: list[Tensor], layout: Layout) -> list[Buffer]:
-    """The gradient buffers of one model chunk, in paratron's order (dense, tied, experts)."""
+def buffers(tensors: list[Tensor], layout: Layout, rank_params: int = 0) -> list[Buffer]:
+    """The gradient buffers of one model chunk, in paratron's order (dense, tied, experts); ``rank_params``: the
+    rank's parameters in all its chunks (--ddp-num-buckets)."""
     keys: dict = {}
     for t in tensors:
         keys.setdefault((t.group, t.tied), []).append(t)
     out = []
     for (group, tied), ts in sorted(keys.items(), key=lambda kv: (kv[0][0] != "dp_cp", kv[0][1] is not None)):
         n = group_size(layout, group)
-        out.append(lay_out(ts, group, n, bucket_size_of(layout, n), by_unit=layout.zero >= 3 and n > 1))
+        out.append(lay_out(ts, group, n, bucket_size_of(layout, n, rank_params), by_unit=layout.zero >= 3 and n > 1,
+                           end_multiple=layout.bucket_end_multiple))
     return out
 
 
@@ -171,8 +181,9 @@ def state(chunks_tensors: list[list], layout: Layout, ranks: dict) -> State:
     """``ranks``: this rank's index in each gradient group ({"dp_cp": r, "edp": r}; missing: the largest
     shard over the group's ranks, the planner's worst case)."""
     weights = grads = opt = params = largest = owned = 0
+    rank_params = sum(t.numel for tensors in chunks_tensors for t in tensors)
     for tensors in chunks_tensors:
-        for buf in buffers(tensors, layout):
+        for buf in buffers(tensors, layout, rank_params):
             params += buf.numel
             largest = max(largest, buf.largest_bucket)
             r = ranks.get(buf.group)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..config import Config, check_resolved
 from ..config.batch_schedule import schedule_of
-from ..parallel.data import finalize_model_grads, wrap_data_parallel
+from ..parallel.data import bucket_size_of, finalize_model_grads, wrap_data_parallel
 from ..parallel.dims import ParallelDims
 from ..kernels import switches
 from ..parallel.layout import BatchLayout
@@ -67,7 +67,8 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         apply_bf16_matmul_reduction(cfg)
         self._root_log_level = apply_logging_level(cfg.log.logging_level)
         self.tokenizer = self._build_tokenizer()
-        self.models = [wrap_data_parallel(m, cfg, self.dims) for m in build_model_chunks(cfg, self.dims, self.device)]
+        chunks = build_model_chunks(cfg, self.dims, self.device)
+        self.models = [wrap_data_parallel(m, cfg, self.dims, bucket_size_of(cfg.parallel, chunks)) for m in chunks]
         self.hooks = StepHooks(self.models)  # MoE routers, MTP blocks, delayed FP8 scalers: registered once
         self.optimizer = build_optimizer(self.models, cfg, self.dims)
         self.scheduler = build_scheduler(cfg, tr.train_samples or tr.train_iters * tr.global_batch_size)

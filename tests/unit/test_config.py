@@ -112,6 +112,56 @@ def test_data_path_on_the_command_line_replaces_preset_mock_data():
     assert not cfg.data.mock_data and cfg.data.data_path == ["some/prefix"]
 
 
+def test_data_path_files_give_the_blends(tmp_path):
+    """Megatron's --data-args-path (--data-path's values in a file) and --per-split-data-args-path (JSON, one blend
+    per split, lists or strings); conflicting or unreadable inputs are one line each."""
+    import json
+    args = tmp_path / "data.txt"
+    args.write_text("0.3 corpus/a_text_document\n0.7 corpus/b_text_document\n")
+    cfg = parse_args(["--config", "tiny", "--data-args-path", str(args)])
+    assert cfg.data.data_path == ["0.3", "corpus/a_text_document", "0.7", "corpus/b_text_document"]
+    assert not cfg.data.mock_data
+    from paratron.config import resolve
+    again = resolve(cfg.unfrozen())  # checked again: the same paths
+    assert again.data.data_path == cfg.data.data_path
+    splits = tmp_path / "splits.json"
+    splits.write_text(json.dumps({"train": ["1", "t/a", "2", "t/b"], "valid": "v/a", "test": None}))
+    cfg = parse_args(["--config", "tiny", "--per-split-data-args-path", str(splits)])
+    d = cfg.data
+    assert (d.train_data_path, d.valid_data_path, d.test_data_path, d.data_path) == (["1", "t/a", "2", "t/b"],
+                                                                                     ["v/a"], None, None)
+    (tmp_path / "bad.json").write_text("{train: 1")
+    (tmp_path / "empty.txt").write_text(" \n")
+    for flags, message in ((["--data-args-path", str(args), "--data-path", "x"], "both give the data"),
+                           (["--data-args-path", str(tmp_path / "none.txt")], "cannot read it"),
+                           (["--data-args-path", str(tmp_path / "empty.txt")], "is empty"),
+                           (["--per-split-data-args-path", str(tmp_path / "bad.json")], "not JSON"),
+                           (["--per-split-data-args-path", str(splits), "--train-data-path", "x"], "remove --data-path"),
+                           (["--per-split-data-args-path", str(args)], "not JSON")):
+        with pytest.raises(ConfigError, match=message) as err:
+            parse_args(["--config", "tiny", *flags])
+        assert "\n" not in str(err.value)
+
+
+def test_ddp_num_buckets_and_padding_lay_out_the_buckets():
+    """--ddp-num-buckets N cuts this rank's parameters into N buckets (Megatron's sizing); with
+    --ddp-pad-buckets-for-high-nccl-busbw every bucket's size is a multiple of 2^16 too; training is unchanged."""
+    from tests.unit.test_train import TINY, losses_of
+    from paratron.train.loop import Trainer
+    runs = {}
+    for name, extra in (("plain", []), ("four", ["--ddp-num-buckets", "4"]),
+                        ("padded", ["--ddp-num-buckets", "4", "--ddp-pad-buckets-for-high-nccl-busbw"])):
+        t = Trainer(parse_args(TINY + ["--train-iters", "3", "--device", "cpu"] + extra))
+        runs[name] = ([b.numel for buf in t.model.grad_buffers for b in buf.buckets], losses_of(t, 3))
+    total = sum(runs["plain"][0])
+    assert len(runs["plain"][0]) == 1 and len(runs["four"][0]) == 4 and len(runs["padded"][0]) == 4
+    assert max(runs["four"][0]) <= total // 4 + 4096  # a bucket closes at the first parameter past N-th of them
+    assert all(n % 2 ** 16 == 0 for n in runs["padded"][0]) and not all(n % 2 ** 16 == 0 for n in runs["four"][0])
+    assert runs["plain"][1] == runs["four"][1] == runs["padded"][1]
+    with pytest.raises(ConfigError, match="--ddp-num-buckets and --ddp-bucket-size both size"):
+        parse_args(BASE + ["--ddp-num-buckets", "2", "--ddp-bucket-size", "1000"])
+
+
 def test_boolean_flag_takes_an_optional_value_to_turn_off_a_yaml_setting():
     from paratron.config import ConfigError, parse_args
     assert parse_args(["--config", "llama-1b"]).train.bf16 is True
