@@ -19,8 +19,8 @@ written, rank 0 writes ``metadata.json`` (file sizes and checksums), renames the
 ``iter_0000100`` and only then replaces the latest marker, so a crash at any point leaves the
 previous checkpoint as latest. :class:`AsyncSave` runs the same steps in a background thread on
 CPU copies of the tensors, over a separate group (gloo, or NCCL with --disable-gloo-process-groups) so it never
-interleaves with training's collectives. Loading checks sizes and checksums first; a damaged checkpoint is named in the error,
-and :func:`find_checkpoint` falls back to the previous complete one.
+interleaves with training's collectives. Loading checks sizes and checksums first; a damaged checkpoint is named
+in the error, and :func:`find_checkpoint` falls back to the previous complete one.
 
 Nothing is unpickled from disk except DCP's ``.metadata`` index, and that through an unpickler that
 only builds DCP's own metadata classes (paratron/checkpoint/pieces.py); tensors are read with

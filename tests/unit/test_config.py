@@ -136,7 +136,8 @@ def test_data_path_files_give_the_blends(tmp_path):
                            (["--data-args-path", str(tmp_path / "none.txt")], "cannot read it"),
                            (["--data-args-path", str(tmp_path / "empty.txt")], "is empty"),
                            (["--per-split-data-args-path", str(tmp_path / "bad.json")], "not JSON"),
-                           (["--per-split-data-args-path", str(splits), "--train-data-path", "x"], "remove --data-path"),
+                           (["--per-split-data-args-path", str(splits), "--train-data-path", "x"],
+                            "remove --data-path"),
                            (["--per-split-data-args-path", str(args)], "not JSON")):
         with pytest.raises(ConfigError, match=message) as err:
             parse_args(["--config", "tiny", *flags])
