@@ -315,13 +315,14 @@ def grad_buffer_dtype(cfg) -> torch.dtype:
     return torch.float32
 
 
+def split_size(chunks: list, num_buckets: int) -> int:
+    """Elements per bucket when ``chunks``' trained parameters go into ``num_buckets`` buckets (Megatron's sizing)."""
+    return max(sum(p.numel() for m in chunks for p in m.parameters() if p.requires_grad) // num_buckets, 1)
+
+
 def bucket_size_of(par, chunks: list) -> Optional[int]:
-    """--ddp-bucket-size, or with --ddp-num-buckets N this rank's trained parameters (of every model chunk) / N, as
-    Megatron sizes them."""
-    if par.ddp_num_buckets is None:
-        return par.ddp_bucket_size
-    total = sum(p.numel() for m in chunks for p in m.parameters() if p.requires_grad)
-    return max(total // par.ddp_num_buckets, 1)
+    """--ddp-bucket-size, or with --ddp-num-buckets N this rank's trained parameters (of every model chunk) / N."""
+    return par.ddp_bucket_size if par.ddp_num_buckets is None else split_size(chunks, par.ddp_num_buckets)
 
 
 def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims, bucket_size: Optional[int] = None) -> DataParallel:

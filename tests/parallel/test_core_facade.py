@@ -215,6 +215,17 @@ def test_get_megatron_optimizer_steps_a_hand_built_model(state):
         get_megatron_optimizer(OptimizerConfig(), [model])
 
 
+def test_ddp_config_num_buckets_and_padding(state):
+    """Megatron Core's DistributedDataParallelConfig(num_buckets=..., pad_buckets_for_high_nccl_busbw=True): the
+    module's parameters in that many buckets, each a multiple of 2^16 elements; both sizes at once are refused."""
+    module = GPTModel(config=config(), vocab_size=VOCAB, max_sequence_length=SEQ)
+    ddp = DistributedDataParallelConfig(num_buckets=3, pad_buckets_for_high_nccl_busbw=True)
+    model = DistributedDataParallel(config=module.config, ddp_config=ddp, module=module)
+    assert len(model.buckets) == 3 and all(b.numel % 2 ** 16 == 0 for b in model.buckets)
+    with pytest.raises(ConfigError, match="without bucket_size"):
+        DistributedDataParallelConfig(num_buckets=2, bucket_size=1000)
+
+
 def test_dist_checkpointing_round_trip(state, tmp_path):
     model = GPTModel(config=config(), vocab_size=VOCAB, max_sequence_length=SEQ)
     dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 7}, tmp_path)

@@ -17,7 +17,7 @@ import torch
 from ...config import ConfigError
 from ...config.check_moe import check_combined_overlap
 from ...config.values import SHARDING_STRATEGIES
-from ...parallel.data import DataParallel
+from ...parallel.data import DataParallel, split_size
 from ..parallel_state import current_dims
 
 
@@ -33,7 +33,8 @@ class DistributedDataParallelConfig:
     check_for_nan_in_grad: bool = False
     check_for_large_grads: bool = False
     bucket_size: Optional[int] = None
-    pad_buckets_for_high_nccl_busbw: bool = False
+    num_buckets: Optional[int] = None  # instead of bucket_size: the module's parameters / N per bucket
+    pad_buckets_for_high_nccl_busbw: bool = False  # each bucket's size a multiple of 2^16 elements too
     average_in_collective: bool = False
     fp8_param_gather: bool = False
     use_megatron_fsdp: bool = False  # with data_parallel_sharding_strategy: ZeRO-1/2/3 on paratron's buffers
@@ -57,6 +58,9 @@ class DistributedDataParallelConfig:
             raise ConfigError("DistributedDataParallelConfig(data_parallel_sharding_strategy="
                               f"{self.data_parallel_sharding_strategy!r}) takes effect with use_megatron_fsdp=True, "
                               "as in Megatron Core: set it, or use_distributed_optimizer=True alone for ZeRO-1")
+        if self.num_buckets is not None and (self.bucket_size is not None or self.num_buckets < 1):
+            raise ConfigError("DistributedDataParallelConfig(num_buckets=...): a count >= 1, without bucket_size "
+                              "(as in Megatron Core)")
         if self.num_distributed_optimizer_instances != 1:
             raise ConfigError("DistributedDataParallelConfig(num_distributed_optimizer_instances > 1) is not "
                               "supported by paratron.core")
@@ -86,8 +90,9 @@ class DistributedDataParallel(DataParallel):
                                    sharding_strategy=SHARDING_STRATEGIES[ddp_config.sharding])
         low = next(module.parameters()).dtype
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 or low == torch.float32 else low
-        super().__init__(module, current_dims(), grad_dtype=grad_dtype,
-                         bucket_size=None if disable_bucketing else ddp_config.bucket_size,
+        size = ddp_config.bucket_size if ddp_config.num_buckets is None else split_size([module], ddp_config.num_buckets)
+        super().__init__(module, current_dims(), grad_dtype=grad_dtype, bucket_size=None if disable_bucketing else size,
+                         bucket_end_multiple=2 ** 16 if ddp_config.pad_buckets_for_high_nccl_busbw else 1,
                          overlap_grad_reduce=ddp_config.overlap_grad_reduce,
                          use_distributed_optimizer=ddp_config.use_distributed_optimizer,
                          overlap_param_gather=ddp_config.overlap_param_gather, sharding=ddp_config.sharding)
