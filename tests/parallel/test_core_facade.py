@@ -224,6 +224,22 @@ def test_ddp_config_num_buckets_and_padding(state):
     assert len(model.buckets) == 3 and all(b.numel % 2 ** 16 == 0 for b in model.buckets)
     with pytest.raises(ConfigError, match="without bucket_size"):
         DistributedDataParallelConfig(num_buckets=2, bucket_size=1000)
+    for field, value in (("check_for_large_grads", True), ("preserve_fp32_weights", False)):
+        with pytest.raises(ConfigError, match=field):
+            DistributedDataParallelConfig(**{field: value})
+
+
+def test_ddp_config_check_for_nan_in_grad(state):
+    """check_for_nan_in_grad=True: a step whose gradients are finite passes, one with a NaN is an error."""
+    module = GPTModel(config=config(), vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = DistributedDataParallel(config=module.config, ddp_config=DistributedDataParallelConfig(
+        check_for_nan_in_grad=True), module=module)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+    next(steps(model, optimizer, 1))
+    with torch.no_grad():
+        next(module.parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(RuntimeError, match="a gradient is NaN or infinite"):
+        next(steps(model, optimizer, 1))
 
 
 def test_dist_checkpointing_round_trip(state, tmp_path):

@@ -23,7 +23,9 @@ from ..parallel_state import current_dims
 
 @dataclass
 class DistributedDataParallelConfig:
-    """Megatron's fields; those paratron has no counterpart for are accepted when left at their default."""
+    """Megatron's fields. Scheduling choices with the same numbers are taken and make no difference
+    (align_param_gather, average_in_collective, gradient_reduce_div_fusion, suggested_communication_unit_size); the
+    others paratron has no counterpart for are accepted only at their defaults."""
     grad_reduce_in_fp32: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -48,9 +50,13 @@ class DistributedDataParallelConfig:
     fsdp_double_buffer: bool = False
 
     def __post_init__(self):
-        for name in ("fp8_param_gather", "nccl_ub", "fsdp_double_buffer"):
+        for name in ("fp8_param_gather", "nccl_ub", "fsdp_double_buffer", "check_for_large_grads",
+                     "keep_fp8_transpose_cache"):
             if getattr(self, name):
                 raise ConfigError(f"DistributedDataParallelConfig({name}=True) is not supported by paratron.core")
+        if not self.preserve_fp32_weights:
+            raise ConfigError("DistributedDataParallelConfig(preserve_fp32_weights=False) is not supported by "
+                              "paratron.core: its optimizers keep fp32 master weights")
         if self.data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
             raise ConfigError(f"DistributedDataParallelConfig(data_parallel_sharding_strategy="
                               f"{self.data_parallel_sharding_strategy!r}): one of {', '.join(SHARDING_STRATEGIES)}")
