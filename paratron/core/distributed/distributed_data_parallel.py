@@ -96,7 +96,8 @@ class DistributedDataParallel(DataParallel):
                                    sharding_strategy=SHARDING_STRATEGIES[ddp_config.sharding])
         low = next(module.parameters()).dtype
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 or low == torch.float32 else low
-        size = ddp_config.bucket_size if ddp_config.num_buckets is None else split_size([module], ddp_config.num_buckets)
+        buckets = ddp_config.num_buckets
+        size = ddp_config.bucket_size if buckets is None else split_size([module], buckets)
         super().__init__(module, current_dims(), grad_dtype=grad_dtype, bucket_size=None if disable_bucketing else size,
                          bucket_end_multiple=2 ** 16 if ddp_config.pad_buckets_for_high_nccl_busbw else 1,
                          overlap_grad_reduce=ddp_config.overlap_grad_reduce,
