@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from .activations import offload_points, offloaded_bytes
 from .flops import attention_layers, flops_per_iteration, mla_attention_terms
 from .host import ADAM_BYTES, HOST_ADAM_GBPS, HOST_OP_US
 from .layout import Layout
@@ -180,8 +181,23 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
         dp += max(0.0, 2 * m * ring(n) * full_weights / dp_bw - busy)
     offload = L.offload_fraction * (grad_bytes + param_bytes_dp) / (cluster.host_gbps * GB)
     offload += L.offload_fraction * host_adam(grad_bytes // L.grad_bytes, cluster)
+    offload += activation_copies(model, L, cluster, busy, m)
     return StepTime(compute, memory, recompute, bubble, tp, cp, ep, pp, dp, offload,
                     host_exposed(model, L, cluster, busy + bubble))
+
+
+def activation_copies(model: ModelConfig, L: Layout, cluster: Cluster, busy: float, m: int) -> float:
+    """Seconds --fine-grained-activation-offloading's copies add to a step: per micro-batch, what the offloaded
+    points save (activations.offloaded_bytes, the rank's share of the layers) goes to the host during the forward
+    (a third of the compute) and comes back during the backward (two thirds), on a side stream; only what a copy
+    takes beyond the compute it runs under is exposed."""
+    if not L.offload_modules:
+        return 0.0
+    kinds, tokens = layer_kinds(model), L.micro_batch * L.seq_length // L.cp
+    moved = sum(offloaded_bytes(model, L, kind, points, tokens)
+                for kind, points in zip(kinds, offload_points(model, L, kinds))) / L.pp
+    copy = moved / (cluster.host_gbps * GB)
+    return m * (max(0.0, copy - busy / 3 / m) + max(0.0, copy - busy * 2 / 3 / m))
 
 
 def host_adam(params: int, cluster: Cluster) -> float:

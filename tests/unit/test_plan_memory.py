@@ -75,3 +75,25 @@ def test_recomputed_modules_cost_their_forward():
     assert times[1] - times[0] == pytest.approx(want / peak / BASE.world)
     layernorm = sel.replace(recompute_modules=("layernorm",))
     assert step_time(MODEL, 512, layernorm, cluster, *dp_bytes(MODEL, 512, layernorm, {})).recompute == 0.0
+
+
+def test_activation_offloading_costs_the_copies_its_compute_cannot_hide():
+    """--fine-grained-activation-offloading in the time model: each micro-batch's offloaded bytes go to the host
+    under the forward (a third of the compute) and come back under the backward (two thirds); only the excess shows,
+    so a fast host link hides them and a slow one exposes (2 x copy - compute) per micro-batch."""
+    from paratron.plan.activations import offload_points, offloaded_bytes
+    from paratron.plan.cost import GB
+    from paratron.plan.shapes import layer_kinds
+    L = BASE.replace(dp=1, global_batch=4, offload_modules=("attn_norm", "qkv_linear", "core_attn", "mlp_norm"),
+                     min_offloaded_tensor_size=1)
+    plain = BASE.replace(dp=1, global_batch=4)
+    fast, slow = Cluster(1, 1, "h100", host_gbps=1e6), Cluster(1, 1, "h100", host_gbps=1e-3)
+    bytes_ = dp_bytes(MODEL, 512, L, {})
+    assert step_time(MODEL, 512, plain, slow, *bytes_).offload == 0.0
+    assert step_time(MODEL, 512, L, fast, *bytes_).offload == 0.0
+    t = step_time(MODEL, 512, L, slow, *bytes_)
+    kinds = layer_kinds(MODEL)
+    moved = sum(offloaded_bytes(MODEL, L, k, p, L.micro_batch * L.seq_length)
+                for k, p in zip(kinds, offload_points(MODEL, L, kinds)))
+    copy, m, busy = moved / (1e-3 * GB), 4, t.compute + t.memory + t.recompute
+    assert moved > 0 and t.offload == pytest.approx(m * (2 * copy - busy / m))
