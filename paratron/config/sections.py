@@ -20,6 +20,7 @@ from .hybrid_fields import HybridFields
 from .encdec import EncoderDecoderFields
 from .data_fields import DataFileFields
 from .fp8_fields import FP8Fields
+from .log_fields import MonitorFields
 from .offload_fields import OffloadFields
 from .optim_fields import PrecisionAwareFields
 from .kernels import KernelConfig
@@ -344,7 +345,7 @@ TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_mod
 
 
 @dataclass(eq=True)
-class LogConfig(Section):
+class LogConfig(Section, MonitorFields):
     _name = "log"
     log_interval: int = 100
     tensorboard_dir: Optional[str] = None
@@ -357,10 +358,6 @@ class LogConfig(Section):
     record_memory_history: bool = False  # CUDA allocator history; a snapshot per rank every log interval and at OOM
     memory_snapshot_path: str = "snapshot.pickle"  # --record-memory-history: <base>_<rank><ext> (_oom_rank_ at OOM)
     log_progress: bool = False  # append job progress (start, checkpoints: throughput, tokens) to <save>/progress.txt
-    log_straggler: bool = False  # every log interval: the slowest and fastest ranks (forward-backward time, TFLOP/s)
-    straggler_minmax_count: int = 1  # with --log-straggler: also list this many lowest and highest ranks
-    disable_straggler_on_startup: bool = False  # --log-straggler starts off; the control port turns it on
-    straggler_ctrlr_port: int = 65535  # --log-straggler's on/off switch: a connection to this port on rank 0
     plot_path: Optional[str] = None  # paratron: PNG loss plot; default <tensorboard-dir or save>/loss.png
     sample_prompt: Optional[str] = None  # paratron: the trained model continues this text at the end (greedy)
     # Megatron's TensorBoard / W&B reporting (paratron/train/reporting.py), Megatron's tags

@@ -339,3 +339,9 @@ def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims, bucket_size: 
                         fuse_wgrad=not par.no_gradient_accumulation_fusion,
                         fused_accumulate=cfg.kernels.kernel_fused_accumulate != "off",
                         bucket_end_multiple=2 ** 16 if par.ddp_pad_buckets_for_high_nccl_busbw else 1)
+
+
+def wrap_chunks(chunks: list, cfg, dims: ParallelDims) -> list[DataParallel]:
+    """Each model chunk of this rank in its DataParallel, the buckets sized over all of them (--ddp-num-buckets)."""
+    size = bucket_size_of(cfg.parallel, chunks)
+    return [wrap_data_parallel(m, cfg, dims, size) for m in chunks]

@@ -16,12 +16,18 @@ def stamp() -> str:
 def format_train_line(it: int, total: int, consumed: int, ms_per_iter: float, tflops: float, lr: float, gbs: int,
                       loss: float, loss_scale: float, grad_norm: Optional[float], skipped: int, nan: int,
                       tokens_per_s: float, mfu: Optional[float], peak_gb: Optional[float],
-                      params_norm: Optional[float] = None, extra: Optional[dict] = None) -> str:
+                      params_norm: Optional[float] = None, extra: Optional[dict] = None,
+                      energy: Optional[tuple] = None) -> str:
+    """``energy``: (joules per iteration, watts) per GPU, --log-energy's."""
     parts = [
         f" [{stamp()}] iteration {it:8d}/{total:8d}",
         f"consumed samples: {consumed:12d}",
         f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
         f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" if tflops >= 1 else f"throughput per GPU (TFLOP/s/GPU): {tflops:.4f}",
+    ]
+    if energy is not None:
+        parts += [f"energy per GPU (J/iter/GPU): {energy[0]:.1f}", f"power per GPU (W/GPU): {energy[1]:.1f}"]
+    parts += [
         f"learning rate: {lr:.6E}",
         f"global batch size: {gbs:5d}",
         f"lm loss: {loss:.6E}",

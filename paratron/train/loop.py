@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..config import Config, check_resolved
 from ..config.batch_schedule import schedule_of
-from ..parallel.data import bucket_size_of, finalize_model_grads, wrap_data_parallel
+from ..parallel.data import finalize_model_grads, wrap_chunks
 from ..parallel.dims import ParallelDims
 from ..kernels import switches
 from ..parallel.layout import BatchLayout
@@ -22,6 +22,7 @@ from ..parallel.random import set_seed
 from ..optim.optimizer import build_optimizer
 from ..optim.schedule import build_scheduler
 from .distributed import build_dims, init_distributed  # noqa: F401  (tests import build_dims here)
+from .energy import EnergyMeter
 from .guards import StepGuard, StopSignal, data_worker_init, kill_workers_at_exit
 from .preflight import preflight
 from .logger import RunLogger
@@ -67,8 +68,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         apply_bf16_matmul_reduction(cfg)
         self._root_log_level = apply_logging_level(cfg.log.logging_level)
         self.tokenizer = self._build_tokenizer()
-        chunks = build_model_chunks(cfg, self.dims, self.device)
-        self.models = [wrap_data_parallel(m, cfg, self.dims, bucket_size_of(cfg.parallel, chunks)) for m in chunks]
+        self.models = wrap_chunks(build_model_chunks(cfg, self.dims, self.device), cfg, self.dims)
         self.hooks = StepHooks(self.models)  # MoE routers, MTP blocks, delayed FP8 scalers: registered once
         self.optimizer = build_optimizer(self.models, cfg, self.dims)
         self.scheduler = build_scheduler(cfg, tr.train_samples or tr.train_iters * tr.global_batch_size)
@@ -93,6 +93,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.test_iter = data[2] if len(data) > 2 else None
         self.report = Reporter(self)  # TensorBoard/W&B scalars, timers and the log line
         self.straggler = StragglerWatch(cfg.log, self.device, self.dims.rank, self.dims.world_size)  # --log-straggler
+        self.energy = EnergyMeter(self.device) if cfg.log.log_energy else None  # --log-energy
         if cfg.log.timing_log_level >= 2:
             self.train_iter = TimedIterator(self.train_iter, self.report.timers)
         self.flops_per_iter = iteration_flops(cfg)
@@ -281,6 +282,8 @@ class Trainer(Checkpointing, Evaluation, RunControl):
                 if it is not None:
                     it.close()
             self.straggler.close()
+            if self.energy is not None:
+                self.energy.close()
             self.log.close()
             if self._root_log_level is not None:  # --logging-level was for this run only
                 logging.getLogger().setLevel(self._root_log_level)

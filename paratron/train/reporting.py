@@ -257,11 +257,14 @@ class Reporter:
                       if m.mtp_num_layers else {})  # Megatron's "mtp_k loss" (every rank joins)
         extra = dict(self.take_extras(), **moe_losses, **mtp_losses,
                      **({"num zeros": float(zeros)} if zeros is not None else {}))
+        energy = t.energy.lap(iters, seconds, t.dims.world_size) if t.energy is not None else None  # (every rank)
         t.log.print(format_train_line(t.iteration, tr.train_iters, t.consumed_samples, per_iter * 1000.0, tflops,
                                       t.scheduler.lr, gbs, loss, t.optimizer.loss_scale, grad_norm, t.skipped,
-                                      t.nan_iters, tokens_s, mfu, peak_gb, params_norm, extra))
+                                      t.nan_iters, tokens_s, mfu, peak_gb, params_norm, extra, energy))
         t.log.train(t.iteration, loss)
         scalars = dict(moe_losses, **mtp_losses, **(moe_layers if self.lg.moe_per_layer_logging else {}))
+        if energy is not None:  # Megatron's tags
+            scalars.update({"iter-energy/gpu": energy[0], "power/gpu": energy[1]})
         if self.lg.log_throughput:  # paratron's own throughput tags (the log line always has them)
             scalars.update({"throughput TFLOP/s/GPU": tflops, "tokens per second per GPU": tokens_s, "MFU %": mfu})
         if self.writes:

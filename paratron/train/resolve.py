@@ -56,7 +56,14 @@ def apply_checkpoint_args(cfg: Config) -> None:
 
 
 def check_device(cfg: Config) -> None:
-    """FP8 matmuls need a GPU that has them (--fp8-format)."""
+    """FP8 matmuls need a GPU that has them (--fp8-format); --log-energy a GPU and NVML's bindings."""
+    if cfg.log.log_energy:
+        import torch
+        from .energy import NVML_MISSING, nvml
+        if cfg.train.device == "cpu" or not torch.cuda.is_available():
+            raise ConfigError("--log-energy reads a GPU's energy counter; this run is on the CPU: remove the flag")
+        if nvml() is None:
+            raise ConfigError(NVML_MISSING)
     if cfg.train.fp8_format is not None:
         from .. import fp8  # (here: a flag mistake is reported before torch is imported)
         problem = fp8.device_problem("cpu" if cfg.train.device == "cpu" else "cuda")

@@ -102,6 +102,21 @@ def test_checkpoints_over_nccl_with_disable_gloo_process_groups(tmp_path):
     assert (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
 
+def test_log_energy_on_the_log_line(capsys):
+    """--log-energy on a GPU: NVML's counter gives a positive energy per iteration and a power within the GPU's
+    range on every log line."""
+    import re
+    from paratron.train.energy import nvml
+    from paratron.train.loop import pretrain
+    from paratron.train.resolve import parse_args
+    if nvml() is None:
+        pytest.skip("nvidia-ml-py (pynvml) is not installed")
+    pretrain(parse_args(TINY_CUDA_RUN + ["--log-energy", "--log-interval", "2"]))
+    found = re.findall(r"energy per GPU \(J/iter/GPU\): ([0-9.]+) \| power per GPU \(W/GPU\): ([0-9.]+)",
+                       capsys.readouterr().out)
+    assert len(found) == 3 and all(float(j) > 0 and 10 < float(w) < 2000 for j, w in found), found
+
+
 def test_fp8_delayed_resume_continues_the_same_run(tmp_path):
     """FP8 with the delayed recipe: 3 steps, save, load, 3 steps give the losses of 6 straight steps
     (the amax histories travel in the checkpoint). Bitwise when two straight runs agree bitwise (the

@@ -162,3 +162,45 @@ def test_demo_samples_keep_whole_lines_and_tokenizer_reports_its_size(tmp_path):
     spec = json.loads(open(path).read())
     assert f"{len(spec['model']['vocab'])} tokens, fewer than the 32000 asked for" in report
     assert f"only {len(spec['model']['merges'])} merges" in report
+
+
+class _FakeNVML:
+    """NVML's energy counter, standing in for a GPU's: each reading 2.5 J (2,500 mJ) more than the last."""
+
+    def __init__(self):
+        self.mj, self.shut = 1_000_000, False
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        assert uuid.startswith("GPU-")
+        return "handle"
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        self.mj += 2500
+        return self.mj
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+
+def test_log_energy_per_gpu_and_iteration(monkeypatch):
+    """--log-energy: the counter's rise over a log window, per GPU and iteration, and the power over the window's
+    time; on the log line as Megatron writes it. On the CPU the flag is one line naming the problem."""
+    import types
+    from paratron.train import energy
+    from paratron.train.logger import format_train_line
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="1234-abcd"))
+    lib = _FakeNVML()
+    meter = energy.EnergyMeter(torch.device("cpu"), lib)
+    joules, watts = meter.lap(iterations=5, seconds=0.5, world_size=1)
+    assert (joules, watts) == (0.5, 5.0)  # 2.5 J over 5 iterations in 0.5 s
+    meter.close()
+    assert lib.shut
+    line = format_train_line(10, 20, 80, 100.0, 1.5, 1e-3, 8, 2.0, 1.0, None, 0, 0, 1000.0, None, None,
+                             energy=(joules, watts))
+    assert "| energy per GPU (J/iter/GPU): 0.5 | power per GPU (W/GPU): 5.0 |" in line
+    with pytest.raises(Exception, match="--log-energy reads a GPU's energy counter; this run is on the CPU"):
+        from paratron.train.resolve import parse_args as parse_for_a_run
+        parse_for_a_run(TINY + ["--train-iters", "2", "--device", "cpu", "--log-energy"])

@@ -1,0 +1,53 @@
+"""--log-energy: the energy each GPU used per iteration and its mean power, on Megatron's log line
+(``energy per GPU (J/iter/GPU)``, ``power per GPU (W/GPU)``) and as TensorBoard's ``iter-energy/gpu`` and
+``power/gpu``.
+
+NVML counts each GPU's energy since the driver loaded (millijoules, ``nvmlDeviceGetTotalEnergyConsumption``); a
+reading at each log line gives the window's energy, summed over the ranks and divided by the world size and the
+window's iterations. The window is the log line's own (its time per iteration gives the power), so an evaluation
+inside it is counted, as its time is. The GPU is found by its UUID, which holds under ``CUDA_VISIBLE_DEVICES``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+NVML_MISSING = "--log-energy reads the GPU's energy counter through NVML: pip install nvidia-ml-py"
+
+
+def nvml():
+    """The NVML bindings (the ``pynvml`` module of nvidia-ml-py), or None."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
+class EnergyMeter:
+    """The energy counter of this rank's GPU, read at each :meth:`lap`."""
+
+    def __init__(self, device: torch.device, lib=None):
+        self.lib = lib or nvml()
+        if self.lib is None:
+            raise RuntimeError(NVML_MISSING)
+        self.lib.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        self.handle = self.lib.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        self.device, self.last = device, self._read()
+
+    def _read(self) -> int:
+        return int(self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+
+    def lap(self, iterations: int, seconds: float, world_size: int) -> tuple[float, float]:
+        """(joules per GPU per iteration, watts per GPU) since the last lap, over every rank (a collective)."""
+        now = self._read()
+        used = torch.tensor([now - self.last], dtype=torch.float64, device=self.device)
+        self.last = now
+        if dist.is_initialized():
+            dist.all_reduce(used)
+        per_iteration = used.item() / 1000.0 / world_size / max(iterations, 1)
+        return per_iteration, per_iteration * max(iterations, 1) / max(seconds, 1e-9)
+
+    def close(self) -> None:
+        self.lib.nvmlShutdown()
