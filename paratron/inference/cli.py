@@ -58,6 +58,30 @@ def _common(p: ArgumentParser) -> None:
         p.add_argument(flag(name), choices=CHOICES[name], default="auto", help=field_help(name))
 
 
+def parse(p: ArgumentParser, argv: list[str]):
+    """``p.parse_args(argv)``; a Megatron-LM flag the command does not take is named with the reason (the model,
+    tokenizer and precision come from the checkpoint; the tensor-parallel size is the launch's process count)."""
+    from ..config import FIELD_SECTION
+    from ..config.megatron_flags import canonical, megatron_flags, refusal
+    args, unknown = p.parse_known_args(argv)
+    if not unknown:
+        return args
+    known, said = megatron_flags(), []
+    for f in (u.split("=", 1)[0] for u in unknown if u.startswith("--")):
+        name = canonical(f[2:].replace("-", "_"))
+        if name == "tensor_model_parallel_size":
+            said.append(f"{f}: {p.prog} splits the model over every process torchrun starts (--nproc-per-node)")
+        elif name in FIELD_SECTION:
+            said.append(f"{f} is a training flag: {p.prog} reads the model, its tokenizer and precision from the "
+                        "checkpoint under --load")
+        elif name in known:
+            why = (refusal(name) or "a training flag").removesuffix("; remove the flag")
+            said.append(f"{f} (Megatron-LM's) is not a {p.prog} flag: {why}")
+    if not said:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    p.error("; ".join(said) + ("; remove them" if len(said) > 1 else "; remove it"))
+
+
 def generate_parser() -> ArgumentParser:
     p = ArgumentParser(prog="paratron generate", description="Continue prompts with a trained model.")
     _common(p)
@@ -162,7 +186,7 @@ def params_from(args) -> SamplingParams:
 
 def generate_main(argv: list[str]) -> int:
     from ..config import inference
-    args = generate_parser().parse_args(argv)
+    args = parse(generate_parser(), argv)
     params = params_from(args)
     limits = inference.from_args(args)
     if limits.inference_dynamic_batching:
@@ -268,7 +292,7 @@ def serve_main(argv: list[str]) -> int:
                    help="requests join a running batch between decode steps instead of waiting for it to end "
                         "(one process: tensor parallelism is not supported with it)")
     inference.add_arguments(p)
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     if args.max_batch_size < 1:
         raise ConfigError("--max-batch-size must be >= 1")
     limits = inference.from_args(args)

@@ -72,6 +72,13 @@ def test_every_command_reports_a_user_error_as_one_line_and_exit_2(tmp_path, cap
          "paratron tokenizer train", "no such file"),
         (["tokenizer", "train", "--input", missing], "paratron tokenizer train", "--vocab-size"),
         (["convert", "--to", "hf"], "paratron convert", "--load"),  # ConversionError
+        # Megatron's flags given to the serving commands: named, with why they do not take them
+        (["serve", "--load", str(tmp_path), "--tensor-model-parallel-size", "2"], "paratron",
+         "every process torchrun starts"),
+        (["generate", "--load", str(tmp_path), "--num-layers", "4"], "paratron", "--num-layers is a training flag"),
+        (["serve", "--load", str(tmp_path), "--inference-max-seq-length", "9", "--flash-decode"], "paratron",
+         "--flash-decode (Megatron-LM's) is not a paratron serve flag"),
+        (["serve", "--load", str(tmp_path), "--bogus"], "paratron", "unrecognized arguments: --bogus"),
     ]
     for argv, prefix, needle in cases:
         capsys.readouterr()
