@@ -42,6 +42,9 @@ ACCEPTED = {
     "export_force_local_attention": "ModelOpt export's choice of Megatron's local attention module over Transformer "
                                     "Engine's: paratron has one attention implementation of its own, not TE's",
     "moe_router_fusion": SCHEDULING,
+    "no_overlap_p2p_communication": "paratron's pipeline sends and receives each schedule slot's tensors as one batch "
+                                    "and waits for them before the slot computes: the non-overlapped point-to-point "
+                                    "communication the flag asks for (parallel/p2p.py)",
     "use_cpu_initialization": "Megatron initialises full weights on the CPU so that the initial weights do not depend "
                               "on the tensor-parallel size; paratron always initialises each full weight from the "
                               "seed and keeps its shard, so they never do",
