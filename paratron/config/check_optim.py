@@ -103,10 +103,16 @@ def validate_precision_aware(cfg: Config) -> None:
     need(op.main_params_dtype == "fp32", "--main-params-dtype fp16 (master weights in fp16, scaled per tensor) is not "
          "implemented: paratron keeps the master weights in fp32; use --main-params-dtype fp32")
     if op.main_grads_dtype == "bf16":
-        need(tr.bf16, "--main-grads-dtype bf16 needs --bf16 (the model's gradients are bf16); use fp32 or add --bf16")
-        need(not par.accumulate_allreduce_grads_in_fp32, "--main-grads-dtype bf16 contradicts "
-             "--accumulate-allreduce-grads-in-fp32 (as in Megatron); remove one")
-        par.grad_reduce_in_bf16 = True
+        bf16_main_grads("--main-grads-dtype", tr, par)
+
+
+def bf16_main_grads(name: str, tr, par) -> None:
+    """``name`` bf16 (--main-grads-dtype, --megatron-fsdp-main-grads-dtype): the bf16 gradient buffer and reduction
+    (--grad-reduce-in-bf16), under Megatron's rules."""
+    need(tr.bf16, f"{name} bf16 needs --bf16 (the model's gradients are bf16); use fp32 or add --bf16")
+    need(not par.accumulate_allreduce_grads_in_fp32, f"{name} bf16 contradicts --accumulate-allreduce-grads-in-fp32 "
+         "(as in Megatron); remove one")
+    par.grad_reduce_in_bf16 = True
 
 
 FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
@@ -137,7 +143,4 @@ def validate_fsdp_dtypes(cfg: Config) -> None:
     need(comm in ("auto", main), f"--megatron-fsdp-grad-comm-dtype {comm} with {main} main gradients: paratron "
          f"reduces gradients in the main gradients' dtype; use auto or {main}")
     if main == "bf16":
-        need(tr.bf16, "--megatron-fsdp-main-grads-dtype bf16 needs --bf16 (the model's gradients are bf16)")
-        need(not par.accumulate_allreduce_grads_in_fp32, "--megatron-fsdp-main-grads-dtype bf16 contradicts "
-             "--accumulate-allreduce-grads-in-fp32; remove one")
-        par.grad_reduce_in_bf16 = True
+        bf16_main_grads("--megatron-fsdp-main-grads-dtype", tr, par)
