@@ -4,8 +4,10 @@
 
 NVML counts each GPU's energy since the driver loaded (millijoules, ``nvmlDeviceGetTotalEnergyConsumption``); a
 reading at each log line gives the window's energy, summed over the ranks and divided by the world size and the
-window's iterations. The window is the log line's own (its time per iteration gives the power), so an evaluation
-inside it is counted, as its time is. The GPU is found by its UUID, which holds under ``CUDA_VISIBLE_DEVICES``.
+window's iterations. The window is the log line's own (its time per iteration gives the power): evaluations and
+checkpoint saves are left out of both (:meth:`EnergyMeter.pause` / :meth:`EnergyMeter.resume`), as Megatron's
+interval timer and energy monitor leave them out. The GPU is found by its UUID, which holds under
+``CUDA_VISIBLE_DEVICES``.
 """
 from __future__ import annotations
 
@@ -38,6 +40,13 @@ class EnergyMeter:
 
     def _read(self) -> int:
         return int(self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+
+    def pause(self) -> int:
+        """The counter now: give it to :meth:`resume` to leave out what the GPU uses in between."""
+        return self._read()
+
+    def resume(self, paused: int) -> None:
+        self.last += self._read() - paused
 
     def lap(self, iterations: int, seconds: float, world_size: int) -> tuple[float, float]:
         """(joules per GPU per iteration, watts per GPU) since the last lap, over every rank (a collective)."""

@@ -239,11 +239,8 @@ class Trainer(Checkpointing, Evaluation, RunControl):
                 self.report.log_line(acc, window_iters, time.time() - window_start, float(grad_norm))
                 acc.zero_()
                 window_iters, window_start = 0, time.time()
-            if self.valid_iter is not None and self._eval_due():
-                valid_loss = self._validate(collector)
-            if cfg.ckpt.save and cfg.ckpt.save_interval and self.iteration % cfg.ckpt.save_interval == 0:
-                self.save()
-                last_saved = self.iteration
+            valid_loss, last_saved, away = self._evaluate_and_save(collector, valid_loss, last_saved)
+            window_start += away  # evaluations and saves are not training time (as Megatron's interval timer)
             if self._should_exit(start):
                 self._log_exit(start)
                 break
@@ -257,6 +254,20 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         collector.close()
         return {"iteration": self.iteration, "exit_reason": self.exit_reason, "valid_loss": valid_loss,
                 "train_curve": lg.train_curve, "valid_curve": lg.valid_curve}
+
+    def _evaluate_and_save(self, collector, valid_loss, last_saved) -> tuple:
+        """The evaluation and the checkpoint due after this step: (validation loss, last saved iteration, seconds
+        taken), left out of the log line's time and --log-energy's energy."""
+        ckpt, start = self.cfg.ckpt, time.time()
+        paused = self.energy.pause() if self.energy is not None else None
+        if self.valid_iter is not None and self._eval_due():
+            valid_loss = self._validate(collector)
+        if ckpt.save and ckpt.save_interval and self.iteration % ckpt.save_interval == 0:
+            self.save()
+            last_saved = self.iteration
+        if paused is not None:
+            self.energy.resume(paused)
+        return valid_loss, last_saved, time.time() - start
 
     def _announce(self) -> None:
         tr, params = self.cfg.train, sum(m.module.num_parameters() for m in self.models)

@@ -196,6 +196,10 @@ def test_log_energy_per_gpu_and_iteration(monkeypatch):
     meter = energy.EnergyMeter(torch.device("cpu"), lib)
     joules, watts = meter.lap(iterations=5, seconds=0.5, world_size=1)
     assert (joules, watts) == (0.5, 5.0)  # 2.5 J over 5 iterations in 0.5 s
+    paused = meter.pause()  # (an evaluation: its 2.5 J left out)
+    meter.resume(paused)
+    # (each reading of the stand-in adds 2.5 J: the window holds the pause's reading and the lap's, not the resume's)
+    assert meter.lap(iterations=1, seconds=1.0, world_size=1) == (5.0, 5.0)
     meter.close()
     assert lib.shut
     line = format_train_line(10, 20, 80, 100.0, 1.5, 1e-3, 8, 2.0, 1.0, None, 0, 0, 1000.0, None, None,
@@ -204,3 +208,22 @@ def test_log_energy_per_gpu_and_iteration(monkeypatch):
     with pytest.raises(Exception, match="--log-energy reads a GPU's energy counter; this run is on the CPU"):
         from paratron.train.resolve import parse_args as parse_for_a_run
         parse_for_a_run(TINY + ["--train-iters", "2", "--device", "cpu", "--log-energy"])
+
+
+def test_evaluations_and_saves_are_not_in_the_log_lines_time(tmp_path, monkeypatch, capsys):
+    """As Megatron's interval timer: the time per iteration on the log line leaves out evaluations and checkpoint
+    saves (here an evaluation made to take 2 s inside a window of 2 iterations would add 1,000 ms to each)."""
+    import re
+    import time
+    from paratron.train.evaluation import Evaluation
+    slow = Evaluation._validate
+
+    def validate(self, collector=None):
+        time.sleep(2.0)
+        return slow(self, collector)
+
+    monkeypatch.setattr(Evaluation, "_validate", validate)
+    pretrain(parse_args(TINY + ["--train-iters", "4", "--log-interval", "2", "--eval-interval", "1", "--eval-iters",
+                                "1", "--save", str(tmp_path / "ck"), "--save-interval", "1"]))
+    ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", capsys.readouterr().out)]
+    assert len(ms) == 2 and max(ms) < 700, ms
