@@ -240,7 +240,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
                 acc.zero_()
                 window_iters, window_start = 0, time.time()
             valid_loss, last_saved, away = self._evaluate_and_save(collector, valid_loss, last_saved)
-            window_start += away  # evaluations and saves are not training time (as Megatron's interval timer)
+            window_start, step_start = window_start + away, step_start + away  # not training time (as Megatron)
             if self._should_exit(start):
                 self._log_exit(start)
                 break
