@@ -8,7 +8,7 @@ from typing import Optional
 
 @dataclass(eq=True)
 class FP8Fields:
-    fp8_format: Optional[str] = None  # FP8 matmuls (paratron/fp8/): e4m3 | hybrid (e5m2 gradients); Hopper/Ada
+    fp8_format: Optional[str] = None  # FP8 matmuls (paratron/fp8/): e4m3 | hybrid (e5m2 gradients); Hopper/Ada, CPU
     fp8_recipe: str = "delayed"  # tensorwise (current amax) | delayed (amax history) | blockwise (1x128, 128x128 tiles)
     fp8_amax_history_len: int = 1  # delayed: amaxes kept per tensor
     fp8_amax_compute_algo: str = "most_recent"  # delayed: max | most_recent of the history

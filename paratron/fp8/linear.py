@@ -111,14 +111,23 @@ def coverage(models) -> str:
 
 
 def device_problem(device: str) -> Optional[str]:
-    """Why FP8 matmuls cannot run on ``device`` ('cpu' / 'cuda'), or None when they can."""
-    need = "--fp8-format needs an FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); this run is on "
+    """Why FP8 matmuls cannot run on ``device`` ('cpu' / 'cuda'), or None when they can: a GPU needs FP8 tensor
+    cores; a CPU run (``device`` cpu, or no GPU) takes torch's CPU FP8 matmuls, the recipe's numbers without speed."""
     if device != "cuda" or not torch.cuda.is_available():
-        return need + "cpu"
+        return None
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
-        return need + f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
+        return ("--fp8-format needs an FP8-capable GPU (Hopper/Ada, compute capability >= 8.9); this run is on "
+                f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})")
     return None
+
+
+def startup_line(models, bf16: bool, device: torch.device) -> str:
+    """What --fp8-format covers on this rank, said once at start-up (and, on a CPU, what the run is for)."""
+    line = f" {coverage(models)}; embedding, router and output layer in {'bf16' if bf16 else 'fp32'}"
+    if device.type == "cpu":
+        line += "; on the CPU: torch's CPU FP8 matmuls, the recipe's numbers for trying a configuration, not its speed"
+    return line
 
 
 def delayed_states(models) -> list:

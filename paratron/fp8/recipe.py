@@ -49,7 +49,7 @@ class Recipe:
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
     margin: int = 0
-    emulate: bool = False  # tests only: dequantise + fp32 matmul instead of torch._scaled_mm
+    emulate: bool = False  # CPU runs and tests: dequantise + fp32 matmul instead of torch._scaled_mm
     fuse_mlp: bool = True  # the MLP as one FP8 function (fp8/mlp.py; --kernel-fp8-fused-mlp): else per layer
     grad_cast_op: bool = True  # output gradients cast by paratron::cast_fp8 (--kernel-fp8-grad-cast): else torch ops
     fp8_wgrad: bool = True  # --no-fp8-wgrad: weight gradients from the bf16 input and output gradient
@@ -66,9 +66,10 @@ class Recipe:
         return E5M2 if self.format == "hybrid" else E4M3
 
     @classmethod
-    def from_config(cls, tr, kernels=None) -> Optional["Recipe"]:
+    def from_config(cls, tr, kernels=None, emulate: bool = False) -> Optional["Recipe"]:
         """The recipe of a TrainConfig and the run's kernel switches (``kernels``: a KernelConfig; None: the
-        defaults), None when FP8 is off."""
+        defaults), None when FP8 is off; ``emulate``: dequantised fp32 matmuls (a CPU run: torch's CPU FP8 matmul
+        is a slow reference, the emulation gives the same products)."""
         if not tr.fp8_format:
             return None
         fuse = kernels is None or kernels.kernel_fp8_fused_mlp != "off"
@@ -84,7 +85,7 @@ class Recipe:
                    grouped_gemm="dequant" if grouped == "auto" else grouped,
                    block_grouped_gemm="dequant" if block_grouped == "auto" else block_grouped,
                    block_cast="torch" if block_cast == "auto" else block_cast,
-                   overrides=read_rules(tr.te_precision_config_file))
+                   overrides=read_rules(tr.te_precision_config_file), emulate=emulate)
 
     def for_module(self, name: str) -> tuple[Optional["Recipe"], Optional[Rule]]:
         """(the recipe of the module called ``name`` (Megatron's name; None: it stays in the parameters' dtype), the

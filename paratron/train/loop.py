@@ -101,8 +101,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.guard = StepGuard.from_config(cfg, self.dims.rank, self.log.print)
         if tr.fp8_format is not None:  # what --fp8-format covers on this rank, said once
             from .. import fp8
-            self.log.print(f" {fp8.coverage(self.models)}; embedding, router and output layer in "
-                           f"{'bf16' if tr.bf16 else 'fp32'}")
+            self.log.print(fp8.startup_line(self.models, tr.bf16, self.device))
         self.exit_reason: Optional[str] = None  # why training stopped before --train-iters (the exit line's)
 
     # ---- set-up pieces -------------------------------------------------------------------------

@@ -49,7 +49,8 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
     tr = cfg.train
     common = dict(dims=dims, sequence_parallel=cfg.parallel.sequence_parallel, seed=tr.seed,
                   recompute_granularity=tr.recompute_granularity, recompute_method=tr.recompute_method,
-                  recompute_num_layers=tr.recompute_num_layers, fp8=Recipe.from_config(tr, cfg.kernels),
+                  recompute_num_layers=tr.recompute_num_layers,
+                  fp8=Recipe.from_config(tr, cfg.kernels, emulate=device.type == "cpu"),
                   kernels=cfg.kernels, device=device, dtype=params_dtype(cfg), **stage)
     if cfg.model.model == "bert":  # Megatron's BertModel (model/bert.py)
         model = BertModel(cfg.model, cfg.padded_vocab_size, **common)
