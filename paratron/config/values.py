@@ -32,6 +32,12 @@ def sharding_level(par) -> int:
     return int(par.use_distributed_optimizer)
 
 
+def bucket_end_multiple(pad: bool) -> int:
+    """What every gradient bucket's size is also a multiple of: 2^16 elements with
+    --ddp-pad-buckets-for-high-nccl-busbw (Megatron's divisor for NCCL's bus bandwidth), else 1."""
+    return 2 ** 16 if pad else 1
+
+
 # --main-grads-dtype, --exp-avg-dtype, --exp-avg-sq-dtype (the precision-aware optimizer: paratron/optim/moments.py)
 MAIN_GRADS_DTYPES = ("fp32", "bf16")
 MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8")

@@ -53,7 +53,7 @@ from .finalize import finalize_model_grads, global_token_count  # noqa: F401  (t
 from .linear import fusable_weights
 from ..kernels.accumulate import accumulate_
 from .sharding import spec_of, update_spec
-from ..config.values import sharding_level
+from ..config.values import bucket_end_multiple, sharding_level
 
 
 def _weak_on_grad(dp: "DataParallel"):
@@ -338,7 +338,7 @@ def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims, bucket_size: 
                         average=not cfg.train.calculate_per_token_loss,
                         fuse_wgrad=not par.no_gradient_accumulation_fusion,
                         fused_accumulate=cfg.kernels.kernel_fused_accumulate != "off",
-                        bucket_end_multiple=2 ** 16 if par.ddp_pad_buckets_for_high_nccl_busbw else 1)
+                        bucket_end_multiple=bucket_end_multiple(par.ddp_pad_buckets_for_high_nccl_busbw))
 
 
 def wrap_chunks(chunks: list, cfg, dims: ParallelDims) -> list[DataParallel]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import FIELD_SECTION, Config
-from ..config.values import MOMENT_BYTES
+from ..config.values import MOMENT_BYTES, bucket_end_multiple
 from .paths import Paths, paths_of
 from .traffic import Traffic
 
@@ -140,7 +140,7 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   min_offloaded_tensor_size=field(cfg, "min_offloaded_tensor_size", 1048576),
                   bucket_size=par.ddp_bucket_size, overlap_grad_reduce=par.overlap_grad_reduce,
                   num_buckets=field(cfg, "ddp_num_buckets", None),
-                  bucket_end_multiple=2 ** 16 if field(cfg, "ddp_pad_buckets_for_high_nccl_busbw", False) else 1,
+                  bucket_end_multiple=bucket_end_multiple(field(cfg, "ddp_pad_buckets_for_high_nccl_busbw", False)),
                   overlap_param_gather=par.overlap_param_gather, paths=paths_of(cfg, kind),
                   host_ops=host_ops, compiled=bool(tr.torch_compile), traffic=traffic,
                   turns=cfg.model.overlap_moe_expert_parallel_comm)

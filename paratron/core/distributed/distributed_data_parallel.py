@@ -16,7 +16,7 @@ import torch
 
 from ...config import ConfigError
 from ...config.check_moe import check_combined_overlap
-from ...config.values import SHARDING_STRATEGIES
+from ...config.values import SHARDING_STRATEGIES, bucket_end_multiple
 from ...parallel.data import DataParallel, split_size
 from ..parallel_state import current_dims
 
@@ -99,7 +99,7 @@ class DistributedDataParallel(DataParallel):
         buckets = ddp_config.num_buckets
         size = ddp_config.bucket_size if buckets is None else split_size([module], buckets)
         super().__init__(module, current_dims(), grad_dtype=grad_dtype, bucket_size=None if disable_bucketing else size,
-                         bucket_end_multiple=2 ** 16 if ddp_config.pad_buckets_for_high_nccl_busbw else 1,
+                         bucket_end_multiple=bucket_end_multiple(ddp_config.pad_buckets_for_high_nccl_busbw),
                          overlap_grad_reduce=ddp_config.overlap_grad_reduce,
                          use_distributed_optimizer=ddp_config.use_distributed_optimizer,
                          overlap_param_gather=ddp_config.overlap_param_gather, sharding=ddp_config.sharding)
