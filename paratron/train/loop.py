@@ -257,11 +257,15 @@ class Trainer(Checkpointing, Evaluation, RunControl):
     def _evaluate_and_save(self, collector, valid_loss, last_saved) -> tuple:
         """The evaluation and the checkpoint due after this step: (validation loss, last saved iteration, seconds
         taken), left out of the log line's time and --log-energy's energy."""
-        ckpt, start = self.cfg.ckpt, time.time()
-        paused = self.energy.pause() if self.energy is not None else None
-        if self.valid_iter is not None and self._eval_due():
+        ckpt = self.cfg.ckpt
+        evaluate = self.valid_iter is not None and self._eval_due()
+        save = bool(ckpt.save and ckpt.save_interval and self.iteration % ckpt.save_interval == 0)
+        if not (evaluate or save):  # (most steps: no clock or counter read)
+            return valid_loss, last_saved, 0.0
+        start, paused = time.time(), self.energy.pause() if self.energy is not None else None
+        if evaluate:
             valid_loss = self._validate(collector)
-        if ckpt.save and ckpt.save_interval and self.iteration % ckpt.save_interval == 0:
+        if save:
             self.save()
             last_saved = self.iteration
         if paused is not None:
