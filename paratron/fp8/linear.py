@@ -112,7 +112,8 @@ def coverage(models) -> str:
 
 def device_problem(device: str) -> Optional[str]:
     """Why FP8 matmuls cannot run on ``device`` ('cpu' / 'cuda'), or None when they can: a GPU needs FP8 tensor
-    cores; a CPU run (``device`` cpu, or no GPU) takes torch's CPU FP8 matmuls, the recipe's numbers without speed."""
+    cores; a CPU run (``device`` cpu, or no GPU) emulates the recipe (train/step.build_model), its numbers, not its
+    speed."""
     if device != "cuda" or not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability()
@@ -126,7 +127,7 @@ def startup_line(models, bf16: bool, device: torch.device) -> str:
     """What --fp8-format covers on this rank, said once at start-up (and, on a CPU, what the run is for)."""
     line = f" {coverage(models)}; embedding, router and output layer in {'bf16' if bf16 else 'fp32'}"
     if device.type == "cpu":
-        line += "; on the CPU: torch's CPU FP8 matmuls, the recipe's numbers for trying a configuration, not its speed"
+        line += "; on the CPU: the recipe emulated (dequantised fp32 matmuls), to try a configuration, not its speed"
     return line
 
 
