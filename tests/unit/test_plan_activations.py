@@ -15,15 +15,14 @@ def saved_bytes(cfg) -> int:
     seen = {}
 
     def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen.setdefault(storage.data_ptr(), storage.nbytes())
-        return t
+        if t.untyped_storage().data_ptr() not in params:
+            seen.setdefault(t.untyped_storage().data_ptr(), t)  # (held, as kept_bytes does: a storage freed during
+        return t  # the forward, e.g. one an offloading hook took, cannot hand its address to a later saved tensor)
     tokens = torch.randint(0, 500, (cfg.train.micro_batch_size, cfg.model.seq_length),
                            generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tokens, labels=tokens)
-    return sum(seen.values())
+    return sum(t.untyped_storage().nbytes() for t in seen.values())
 
 
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
