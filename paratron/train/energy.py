@@ -8,6 +8,10 @@ window's iterations. The window is the log line's own (its time per iteration gi
 checkpoint saves are left out of both (:meth:`EnergyMeter.pause` / :meth:`EnergyMeter.resume`), as Megatron's
 interval timer and energy monitor leave them out. The GPU is found by its UUID, which holds under
 ``CUDA_VISIBLE_DEVICES``.
+
+The counter advances in steps (tens of milliseconds apart, measured on an H100): a window shorter than a step
+can read no rise at all. Such a window reports the GPU's power reading (``nvmlDeviceGetPowerUsage``) times its
+time instead of zero, and its iterations and time stay in the next window, whose rise of the counter covers them.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class EnergyMeter:
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         self.handle = self.lib.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
         self.device, self.last = device, self._read()
+        self.carried = (0, 0.0)  # (iterations, seconds) of windows in which the counter did not rise
 
     def _read(self) -> int:
         return int(self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle))
@@ -51,12 +56,20 @@ class EnergyMeter:
     def lap(self, iterations: int, seconds: float, world_size: int) -> tuple[float, float]:
         """(joules per GPU per iteration, watts per GPU) since the last lap, over every rank (a collective)."""
         now = self._read()
-        used = torch.tensor([now - self.last], dtype=torch.float64, device=self.device)
-        self.last = now
+        iterations, seconds = max(iterations, 1), max(seconds, 1e-9)
+        if now > self.last:
+            n, t = iterations + self.carried[0], seconds + self.carried[1]
+            joules, self.last, self.carried = (now - self.last) / 1000.0 / n, now, (0, 0.0)
+            watts = joules * n / t
+        else:  # the counter has not stepped since the last lap: the power reading (mW) now, and carry the window
+            watts = self.lib.nvmlDeviceGetPowerUsage(self.handle) / 1000.0
+            joules, self.carried = watts * seconds / iterations, (iterations + self.carried[0],
+                                                                  seconds + self.carried[1])
+        both = torch.tensor([joules, watts], dtype=torch.float64, device=self.device)
         if dist.is_initialized():
-            dist.all_reduce(used)
-        per_iteration = used.item() / 1000.0 / world_size / max(iterations, 1)
-        return per_iteration, per_iteration * max(iterations, 1) / max(seconds, 1e-9)
+            dist.all_reduce(both)
+        joules, watts = (both / world_size).tolist()
+        return joules, watts
 
     def close(self) -> None:
         self.lib.nvmlShutdown()

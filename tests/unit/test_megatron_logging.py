@@ -168,7 +168,7 @@ class _FakeNVML:
     """NVML's energy counter, standing in for a GPU's: each reading 2.5 J (2,500 mJ) more than the last."""
 
     def __init__(self):
-        self.mj, self.shut = 1_000_000, False
+        self.mj, self.shut, self.rise = 1_000_000, False, 2500
 
     def nvmlInit(self):
         pass
@@ -178,8 +178,11 @@ class _FakeNVML:
         return "handle"
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle):
-        self.mj += 2500
+        self.mj += self.rise
         return self.mj
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 150_000  # mW
 
     def nvmlShutdown(self):
         self.shut = True
@@ -200,6 +203,12 @@ def test_log_energy_per_gpu_and_iteration(monkeypatch):
     meter.resume(paused)
     # (each reading of the stand-in adds 2.5 J: the window holds the pause's reading and the lap's, not the resume's)
     assert meter.lap(iterations=1, seconds=1.0, world_size=1) == (5.0, 5.0)
+    # a window shorter than the counter's step: the power reading times its time, and the window's iterations and
+    # time go with the next rise (7.5 J over 1 + 2 iterations and 0.5 + 1.0 s)
+    lib.rise = 0
+    assert meter.lap(iterations=1, seconds=0.5, world_size=1) == (75.0, 150.0)
+    lib.rise = 7500
+    assert meter.lap(iterations=2, seconds=1.0, world_size=1) == (2.5, 5.0)
     meter.close()
     assert lib.shut
     line = format_train_line(10, 20, 80, 100.0, 1.5, 1e-3, 8, 2.0, 1.0, None, 0, 0, 1000.0, None, None,
