@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from ..kernels.fp8_block import quantize_tiles, quantize_blocks
-from ..kernels.fp8_cast import dequantize
 from ..kernels.fp8_grouped import align_for, grouped_forward, grouped_wgrad
 from ..kernels.fp8_tile_cast import tiles_both
 from .recipe import E4M3, FP8State
@@ -79,21 +78,30 @@ class _FP8GroupedMM(torch.autograd.Function):
         if kind == "block":
             state.mark("input")
             state.mark("weight")
-        xq, sx, xtq, sxt = _quantize_rows(x, state, kind)
+        bf16_backward = backward_path(state, path) == "bf16"
+        if bf16_backward:  # only the forward's FP8 copies are made: the backward reads x and w themselves
+            xq, sx = state.quantize("input", x)
+        else:
+            xq, sx, xtq, sxt = _quantize_rows(x, state, kind)
         wq, sw = _weight_blocks(w, state.recipe.margin) if kind == "block" else state.quantize("weight", w)
         y = grouped_forward(xq, sx, wq, sw, ends, kind, x.dtype, path)
-        keep = (xtq, sxt) if state.recipe.fp8_wgrad else (x, None)
-        ctx.save_for_backward(*keep, wq, sw, ends)
+        if bf16_backward:
+            ctx.save_for_backward(x, w, ends)
+        else:
+            keep = (xtq, sxt) if state.recipe.fp8_wgrad else (x, None)
+            ctx.save_for_backward(*keep, wq, sw, ends)
         ctx.state, ctx.kind, ctx.path, ctx.w_dtype = state, kind, path, w.dtype
+        ctx.bf16_backward = bf16_backward
         return y
 
     @staticmethod
     def backward(ctx, g):
+        g = g.contiguous()
+        if ctx.bf16_backward:
+            x, w, ends = ctx.saved_tensors
+            return (*bf16_grads(g, x, w, ends, ctx.needs_input_grad[:2], ctx.w_dtype), None, None)
         x_saved, sxt, wq, sw, ends = ctx.saved_tensors
         state, kind, path = ctx.state, ctx.kind, ctx.path
-        g = g.contiguous()
-        if backward_path(state, path) == "bf16":
-            return (*bf16_grads(g, x_saved, sxt, wq, sw, ends, ctx.needs_input_grad[:2], ctx.w_dtype), None, None)
         if kind == "block":
             state.mark("grad")
             gq, sg, gtq, sgt = tiles_both(g, state.recipe.margin, state.recipe.block_cast)
@@ -116,19 +124,19 @@ def backward_path(state: FP8State, path: str) -> str:
     return "bf16" if path == "scaled_grouped_mm" and state.grad.dtype != E4M3 else path
 
 
-def bf16_grads(g: torch.Tensor, x_saved: torch.Tensor, sxt, wq: torch.Tensor, sw: torch.Tensor, ends: torch.Tensor,
-               needs: tuple, w_dtype: torch.dtype) -> tuple:
+def bf16_grads(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, needs: tuple,
+               w_dtype: torch.dtype) -> tuple:
     """(input gradient, weight gradient) of hybrid's experts where the grouped GEMM cannot take e5m2: the output
-    gradient stays in its own dtype and meets the dequantised FP8 weight and rows (the forward's operands) in
-    torch's grouped GEMM. Casting it to e5m2 and back, as an FP8 GEMM would read it, only cost two passes over
-    it and lost precision (measured: benchmarks/results/moe_peers_h200_20261202.md, FP8 hybrid below bf16).
-    ``x_saved``: x^T in FP8 with scale ``sxt`` (--fp8-wgrad), else the rows x themselves (``sxt`` None)."""
+    gradient, the rows ``x`` and the weight ``w`` as they are (the forward's FP8 operands are not kept), in
+    torch's grouped GEMM. Casting the gradient to e5m2 and back, as an FP8 GEMM would read it, only cost two passes
+    over it and lost precision (measured: benchmarks/results/moe_peers_h200_20261202.md, FP8 hybrid below bf16);
+    dequantising the forward's FP8 weight and rows for these GEMMs cost passes over both and kept an FP8 transposed
+    copy of the rows, where the rows themselves hold more."""
     gx = gw = None
     if needs[0]:
-        gx = torch._grouped_mm(g, dequantize(wq, sw, g.dtype), offs=ends)
+        gx = torch._grouped_mm(g, w.to(g.dtype), offs=ends)
     if needs[1]:
-        x = x_saved if sxt is None else dequantize(x_saved, sxt, g.dtype).t()
-        gw = torch._grouped_mm(g.t(), x, offs=ends).to(w_dtype)
+        gw = torch._grouped_mm(g.t(), x.to(g.dtype), offs=ends).to(w_dtype)
     return gx, gw
 
 

@@ -172,21 +172,31 @@ def test_moe_layer_in_fp8_is_close_to_bf16(recipe, hidden):
 
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
 def test_hybrid_backward_on_the_grouped_fp8_gemm_keeps_the_gradient_unrounded(fp8_wgrad):
-    """torch's grouped FP8 GEMM takes e4m3 only: under hybrid its backward takes "bf16" (the output gradient
-    as it is, against the dequantised FP8 weight and rows), checked by hand per expert; the e4m3 format keeps
-    the FP8 GEMM and the emulation stays the emulation."""
-    from paratron.fp8.experts import backward_path, bf16_grads
-    assert backward_path(FP8State(Recipe(format="hybrid")), "scaled_grouped_mm") == "bf16"
-    assert backward_path(FP8State(Recipe(format="e4m3")), "scaled_grouped_mm") == "scaled_grouped_mm"
-    assert backward_path(FP8State(Recipe(format="hybrid", emulate=True)), "emulate") == "emulate"
+    """torch's grouped FP8 GEMM takes e4m3 only: under hybrid its backward takes "bf16" (the output gradient,
+    rows and weight as they are: no FP8 copy is kept for it), checked by hand per expert and through the autograd
+    function; the e4m3 format keeps the FP8 GEMM and the emulation stays the emulation."""
+    from paratron.fp8 import experts
+    from paratron.kernels import fp8_grouped
+    assert experts.backward_path(FP8State(Recipe(format="hybrid")), "scaled_grouped_mm") == "bf16"
+    assert experts.backward_path(FP8State(Recipe(format="e4m3")), "scaled_grouped_mm") == "scaled_grouped_mm"
+    assert experts.backward_path(FP8State(Recipe(format="hybrid", emulate=True)), "emulate") == "emulate"
     x, w, g, _, ends = _case([5, 0, 11], 32, 48, 16)
     x, w = x.detach(), w.detach()
-    sx, swt = fp8.compute_scale(fp8.amax(x), fp8.FMAX[E4M3]), fp8.compute_scale(fp8.amax(w), fp8.FMAX[E4M3])
-    wq, xq = fp8.quantize(w, swt, E4M3), fp8.quantize(x, sx, E4M3)
-    saved, scale = (xq.t().contiguous(), sx) if fp8_wgrad else (x, None)
-    gx, gw = bf16_grads(g, saved, scale, wq, swt, ends, (True, True), torch.float32)
-    xd, wd = _deq_tensor(x, E4M3), _deq_tensor(w, E4M3)
+    gx, gw = experts.bf16_grads(g, x, w, ends, (True, True), torch.float32)
     for e, (a, b) in enumerate(_groups(ends)):
-        assert torch.allclose(gx[a:b], g[a:b] @ wd[e], atol=1e-5)
-        rows = xd[a:b] if fp8_wgrad else x[a:b]
-        assert torch.allclose(gw[e], g[a:b].t() @ rows, atol=1e-4)
+        assert torch.allclose(gx[a:b], g[a:b] @ w[e], atol=1e-5)
+        assert torch.allclose(gw[e], g[a:b].t() @ x[a:b], atol=1e-4)
+    state = FP8State(Recipe(format="hybrid", fp8_wgrad=fp8_wgrad, grouped_gemm="scaled_grouped_mm"))
+    real = fp8_grouped.grouped_forward
+    try:  # (torch's FP8 grouped GEMM needs Hopper: the forward's product emulated; the backward is the point)
+        experts.grouped_forward = lambda *a: real(*a[:-1], "emulate")
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = experts.fp8_grouped_mm(xr, wr, ends, state)
+        y.backward(g)
+    finally:
+        experts.grouped_forward = real
+    xd, wd = _deq_tensor(x, E4M3), _deq_tensor(w, E4M3)
+    for e, (a, b) in enumerate(_groups(ends)):  # the forward in FP8
+        assert torch.allclose(y[a:b], xd[a:b] @ wd[e].t(), atol=1e-5)
+    end = int(ends[-1])  # (rows past the last group: no expert's, never read back)
+    assert torch.equal(xr.grad[:end], gx[:end]) and torch.equal(wr.grad, gw)  # the unquantised operands' gradients
