@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.fp8_block import quantize_tiles, quantize_blocks
-from ..kernels.fp8_grouped import align_for, grouped_forward, grouped_wgrad
+from ..kernels.fp8_grouped import align_for, as_dtype, grouped_forward, grouped_wgrad
 from ..kernels.fp8_tile_cast import tiles_both
 from .recipe import E4M3, FP8State
 
@@ -114,7 +114,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[1] and sxt is not None:
             gw = grouped_wgrad(gtq, sgt, x_saved, sxt, ends, kind, ctx.w_dtype, path)
         elif ctx.needs_input_grad[1]:  # --no-fp8-wgrad: from the bf16 rows and output gradient
-            gw = torch._grouped_mm(g.t(), x_saved, offs=ends).to(ctx.w_dtype)
+            gw = as_dtype(torch._grouped_mm(g.t(), x_saved, offs=ends), ctx.w_dtype)
         return gx, gw, None, None
 
 
@@ -134,9 +134,9 @@ def bf16_grads(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ends: torch.Te
     copy of the rows, where the rows themselves hold more."""
     gx = gw = None
     if needs[0]:
-        gx = torch._grouped_mm(g, w.to(g.dtype), offs=ends)
+        gx = torch._grouped_mm(g, as_dtype(w, g.dtype), offs=ends)
     if needs[1]:
-        gw = torch._grouped_mm(g.t(), x.to(g.dtype), offs=ends).to(w_dtype)
+        gw = as_dtype(torch._grouped_mm(g.t(), as_dtype(x, g.dtype), offs=ends), w_dtype)
     return gx, gw
 
 

@@ -47,13 +47,13 @@ def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
     1 x 128 tile of a's rows, ``sb`` per 128 x 128 block of ``b`` viewed [E N, K]."""
     if path == "scaled_grouped_mm":
         rows, cols = sa.reciprocal().expand(a.shape[0]), sb.reciprocal().expand(b.shape[0], b.shape[1])
-        return torch._scaled_grouped_mm(a, b.transpose(-2, -1), rows.contiguous(), cols.contiguous(), offs=ends,
-                                        out_dtype=torch.bfloat16).to(out_dtype)
+        return as_dtype(torch._scaled_grouped_mm(a, b.transpose(-2, -1), rows.contiguous(), cols.contiguous(), offs=ends,
+                                              out_dtype=torch.bfloat16), out_dtype)
     if path == "triton":  # block scales: the FP8 tiles multiplied as they are (kernels/fp8_block_grouped.py)
         return torch.ops.paratron.fp8_block_grouped_mm(a, sa, b, sb, ends, out_dtype)
     dt = _work_dtype(path, out_dtype)
     out = _mm(_deq(a, sa, kind, False, dt), _deq(b, sb, kind, True, dt).transpose(-2, -1), ends, path)
-    return _cast(out, out_dtype)
+    return as_dtype(out, out_dtype)
 
 
 def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torch.Tensor, ends: torch.Tensor,
@@ -70,7 +70,7 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     if path == "scaled_grouped_mm":
         rows = sg.reciprocal().expand(groups * gt.shape[0]).contiguous()
         cols = sx.reciprocal().expand(groups * xt.shape[0]).contiguous()
-        return torch._scaled_grouped_mm(gt, xt.t(), rows, cols, offs=ends, out_dtype=torch.bfloat16).to(out_dtype)
+        return as_dtype(torch._scaled_grouped_mm(gt, xt.t(), rows, cols, offs=ends, out_dtype=torch.bfloat16), out_dtype)
     dt = _work_dtype(path, out_dtype)
     a, b = _deq(gt, sg, kind, False, dt), _deq(xt, sx, kind, False, dt).t()
     if path == "dequant":  # the operands in the layout of torch's own weight gradient (column-, then row-major)
@@ -78,13 +78,14 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     out = _mm(a, b, ends, path)
     if path == "dequant":  # an expert with no rows: its gradient is zero, whatever the kernel left there
         out = torch.where((torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None], out, 0.0)
-    return _cast(out, out_dtype)
+    return as_dtype(out, out_dtype)
 
 
-def _cast(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``out`` in ``dtype``, never ``out.to(out.dtype)``: that returns ``out`` itself, and torch 2.11's compiler
     then traced the autograd function returning it with a zero output gradient (the experts' weight and input
-    gradients came out zero under --torch-compile; fixed in later torch)."""
+    gradients came out zero under --torch-compile; fixed in later torch). Every traced path of this module
+    returns through it (tests/unit/test_fp8_experts.py checks that none calls ``.to`` to the dtype it has)."""
     return out if out.dtype == dtype else out.to(dtype)
 
 

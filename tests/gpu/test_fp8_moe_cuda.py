@@ -90,6 +90,26 @@ def test_scaled_grouped_mm_equals_emulation(recipe):
 
 
 @pytest.mark.skipif(not _hopper(), reason="Hopper")
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_scaled_grouped_mm_compiled_gives_the_eager_gradients(fmt):
+    """torch's grouped FP8 GEMM under torch.compile (Inductor, as --torch-compile runs it) against eager, bf16
+    operands: torch 2.11 traced a forward returning ``out.to(out.dtype)`` with a zero output gradient, and moe-mini's
+    FP8 experts stopped learning (benchmarks/results/train_throughput_moe-mini_20261205_053620.md)."""
+    torch.manual_seed(5)
+    padded, w, g, dest, ends = _grouped_case([700, 0, 333, 1100, 48, 900, 512, 503], 1024, 3584, 16, 0.02)
+    outs = []
+    for compiled in (False, True):
+        xr, wr = padded.clone().requires_grad_(), w.clone().requires_grad_()
+        state = FP8State(Recipe(format=fmt, grouped_gemm="scaled_grouped_mm"))
+        fn = torch.compile(fp8_grouped_mm) if compiled else fp8_grouped_mm
+        y = fn(xr, wr, ends, state)
+        y.backward(g)
+        outs.append((y[dest], xr.grad[dest], wr.grad))
+    for got, want in zip(outs[1], outs[0]):
+        assert want.float().norm() > 0 and _rel(got, want) < 1e-2
+
+
+@pytest.mark.skipif(not _hopper(), reason="Hopper")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_blockwise_grouped_triton_kernel_equals_the_dequant_path(compiled):
     """--kernel-fp8-block-grouped-gemm triton (kernels/fp8_block_grouped.py: FP8 tiles on the tensor cores) against

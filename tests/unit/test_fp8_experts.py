@@ -97,7 +97,7 @@ def test_dequant_path_compiled_gives_eager_gradients(recipe):
     """The experts' FP8 function traced by torch.compile's autograd (aot_eager: no code generation) gives the eager
     gradients. Under torch 2.11 (the GPU machine's) a forward that returned ``out.to(out.dtype)`` (``out`` itself)
     was traced with a zero output gradient: both gradients zero, moe-mini did not learn under the compiled blockwise
-    recipe; ``kernels.fp8_grouped._cast`` avoids it."""
+    recipe; ``kernels.fp8_grouped.as_dtype`` avoids it."""
     x, w, g, _, ends = _case([256, 0, 128], 128, 128, 128)
     grads = []
     for compiled in (False, True):
@@ -108,6 +108,39 @@ def test_dequant_path_compiled_gives_eager_gradients(recipe):
         grads.append((xi.grad.float()[:int(ends[-1])], wi.grad.float()))  # (rows past the last group: unwritten)
     for eager, traced in zip(*grads):
         assert eager.norm() > 0 and torch.equal(traced, eager)
+
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_no_fp8_expert_path_converts_a_tensor_to_its_own_dtype(monkeypatch, fmt):
+    """torch 2.11's compiler traced an autograd function whose forward returned ``out.to(out.dtype)`` with a zero
+    output gradient (test above); this CPU torch no longer does, so the rule itself is checked: on the path of
+    torch's grouped FP8 GEMM (a stand-in here: it writes bf16, as torch's does), forward and backward, no ``.to``
+    names the dtype its tensor already has. (A bf16 model once took ``.to(torch.bfloat16)`` of torch's bf16 result
+    and moe-mini's FP8 experts stopped learning under --torch-compile on an H100.)"""
+    from torch.overrides import TorchFunctionMode
+
+    def scaled_grouped_mm(a, b, sa, sb, offs=None, out_dtype=None):
+        return torch._grouped_mm(a.float(), b.float(), offs=offs).to(out_dtype)
+
+    class SameDtype(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.found = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.to and args[1:2] and args[1] == args[0].dtype:
+                self.found.append(args[0].dtype)
+            return func(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm, raising=False)
+    x, w, g, _, ends = _case([32, 0, 16], 32, 48, 16)
+    xi, wi = x.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    state = FP8State(Recipe(format=fmt, grouped_gemm="scaled_grouped_mm"))
+    with SameDtype() as mode:
+        fp8_grouped_mm(xi, wi, ends, state).backward(g.bfloat16())
+    assert xi.grad is not None and wi.grad.float().norm() > 0
+    assert mode.found == []
 
 
 def test_dequant_wgrad_of_an_expert_without_rows_is_zero_whatever_the_kernel_leaves(monkeypatch):
