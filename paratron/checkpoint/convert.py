@@ -43,7 +43,7 @@ from ..config import SECTIONS, Config, DataConfig, ModelConfig, flag
 from . import sharded
 from .hf_config import FAMILIES, ConversionError
 
-__all__ = ["main", "read_checkpoint", "default_family", "training_flags", "to_hf", "from_hf"]
+__all__ = ["main", "read_checkpoint", "default_family", "training_flags", "to_hf", "from_hf", "from_megatron"]
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _HF_CKPT_FILES = re.compile(r"^(config\.json|model.*\.safetensors(\.index\.json)?"
@@ -325,8 +325,6 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
     only, whole tensors: any layout loads it); returns the model flags to train it with.
     ``tensor_model_parallel_size`` is the TP of the printed command, whose padded vocabulary the
     checkpoint gets (so that run's padded rows are zeros, not its initialization)."""
-    from ..parallel.dims import ParallelDims
-    from .state import layout
     from .tokenizer_files import SUBDIR, save_tokenizer, tokenizer_config
     log = log or _Log(True)
     src, save = Path(input), Path(save)
@@ -342,28 +340,69 @@ def from_hf(input, save, tensor_model_parallel_size: int = 1, dtype: Optional[st
     log(f"converted {len(state)} tensors ({sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters), "
         f"vocabulary padded {vocab} -> {padded}")
 
-    cfg = Config(model=m, data=DataConfig(vocab_size=vocab))
-    common = {"consumed_samples": 0, "skipped_iterations": 0, "scheduler": None, "optimizer": None, "rng": False,
-              "layout": layout(ParallelDims(), None), "config": cfg.to_dict(),
-              "converted_from": {"hf": str(src.resolve()), "family": family}}
-    tensors = {"model." + k: v.contiguous() for k, v in state.items()}
     tok_data = tokenizer_config(src)  # the HF tokenizer files travel with the weights, as training saves do
 
-    def write(tmp: Path) -> None:
-        sharded.save_full(tmp, 0, tensors, common)
+    def tokenizer(tmp: Path) -> None:
         saved = save_tokenizer(tmp, tok_data) if tok_data is not None else None
         log(f"tokenizer saved with it ({SUBDIR}/)" if saved else f"no tokenizer files in {src}: none saved with it")
-    log(f"writing a paratron checkpoint (iteration 0, model weights only) to {save}")
-    _write_staged(save, old + ([SUBDIR] if (save / SUBDIR).is_dir() else []), write, last=sharded.LATEST)
-    flags = [f for f in training_flags(m, tp) if f not in ("--model", "bert", "t5")]
-    script = "pretrain_bert.py" if bert else "pretrain_t5.py" if family == "t5" else "pretrain_gpt.py"
-    launcher = script if tp == 1 else f"torchrun --nproc-per-node {tp} {script}"
-    log("done. Train from it with (add your data, tokenizer and training flags; any parallel layout loads it):")
-    print(f"  {launcher} {shlex.join(flags)} --load {shlex.quote(str(save))} --finetune", flush=True)
+    converted = {"hf": str(src.resolve()), "family": family}
+    _write_weights(save, old + ([SUBDIR] if (save / SUBDIR).is_dir() else []), m, vocab, state, converted, log,
+                   tokenizer)
+    flags = _print_command(m, tp, save, "pretrain_bert.py" if bert else "pretrain_t5.py" if family == "t5"
+                           else "pretrain_gpt.py", log)
     tok = (f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {shlex.quote(str(src))}"
            if (src / "tokenizer.json").is_file() else "a tokenizer")
     log(f"use {tok} with {vocab} tokens; the checkpoint has {padded} vocabulary rows (zeros past {vocab}), "
         f"a run that pads to more rows starts the extra ones from its initialization")
+    return flags
+
+
+def _write_weights(save: Path, old: list[str], m, vocab: int, state: dict, converted: dict, log, also=None) -> None:
+    """Model weights ``state`` (paratron names, whole tensors) as iteration 0 of a one-rank paratron checkpoint
+    in ``save``; ``also(tmp)`` adds files beside it (the tokenizer)."""
+    from ..parallel.dims import ParallelDims
+    from .state import layout
+    cfg = Config(model=m, data=DataConfig(vocab_size=vocab))
+    common = {"consumed_samples": 0, "skipped_iterations": 0, "scheduler": None, "optimizer": None, "rng": False,
+              "layout": layout(ParallelDims(), None), "config": cfg.to_dict(), "converted_from": converted}
+    tensors = {"model." + k: v.contiguous() for k, v in state.items()}
+
+    def write(tmp: Path) -> None:
+        sharded.save_full(tmp, 0, tensors, common)
+        if also is not None:
+            also(tmp)
+    log(f"writing a paratron checkpoint (iteration 0, model weights only) to {save}")
+    _write_staged(save, old, write, last=sharded.LATEST)
+
+
+def _print_command(m, tp: int, save: Path, script: str, log) -> list[str]:
+    """Print the command that trains from the converted checkpoint; returns its model flags."""
+    flags = [f for f in training_flags(m, tp) if f not in ("--model", "bert", "t5")]
+    launcher = script if tp == 1 else f"torchrun --nproc-per-node {tp} {script}"
+    log("done. Train from it with (add your data, tokenizer and training flags; any parallel layout loads it):")
+    print(f"  {launcher} {shlex.join(flags)} --load {shlex.quote(str(save))} --finetune", flush=True)
+    return flags
+
+
+def from_megatron(input, save, iteration: Optional[int] = None, dtype: Optional[str] = None, force: bool = False,
+                  log=None) -> list[str]:
+    """Megatron-LM checkpoint ``input`` (torch_dist or legacy torch format, any TP / PP / EP) -> paratron
+    checkpoint ``save`` (iteration 0, model weights only, whole tensors: any layout loads it); returns the model
+    flags to train it with."""
+    from . import megatron
+    log = log or _Log(True)
+    save = Path(save)
+    old = _check_output(save, _PARATRON_CKPT_FILES, force, "a paratron checkpoint", "--save")
+    m, state, it, rows, fmt = megatron.read(input, iteration)
+    if dtype is not None:
+        state = {k: (v.to(_dtype(dtype)) if v.is_floating_point() else v) for k, v in state.items()}
+    log(f"read {input} ({fmt} format, iteration {it if it is not None else 'release'}: {m.num_layers} layers, "
+        f"hidden {m.hidden_size}, {len(state)} tensors, {sum(t.numel() for t in state.values()) / 1e6:.2f}M "
+        f"parameters, {rows} vocabulary rows); optimizer, scheduler and RNG state are not converted")
+    converted = {"megatron": str(Path(input).resolve()), "iteration": it, "format": fmt}
+    _write_weights(save, old, m, rows, state, converted, log)
+    flags = _print_command(m, 1, save, "pretrain_gpt.py", log)
+    log(f"use the tokenizer the Megatron run used; the checkpoint has its {rows} vocabulary rows")
     return flags
 
 
@@ -378,17 +417,22 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="paratron convert", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-                description="Convert paratron checkpoints to and from Hugging Face model directories.\n\n"
+                description="Convert paratron checkpoints to and from Hugging Face model directories, and\n"
+                "Megatron-LM checkpoints to paratron's.\n\n"
                 "  paratron convert --to hf --load CKPT_DIR --output HF_DIR [--family F] [--iteration N]\n"
-                "  paratron convert --from hf --input HF_DIR --save CKPT_DIR [--tensor-model-parallel-size N]")
+                "  paratron convert --from hf --input HF_DIR --save CKPT_DIR [--tensor-model-parallel-size N]\n"
+                "  paratron convert --from megatron --input MEGATRON_DIR --save CKPT_DIR [--iteration N]")
     p.add_argument("--to", dest="to", metavar="hf", help="convert a paratron checkpoint to Hugging Face")
-    p.add_argument("--from", dest="frm", metavar="hf", help="convert a Hugging Face model to a paratron checkpoint")
+    p.add_argument("--from", dest="frm", metavar="hf|megatron",
+                   help="convert a Hugging Face model or a Megatron-LM checkpoint to a paratron checkpoint")
     p.add_argument("--load", metavar="CKPT_DIR", help="--to hf: the paratron checkpoint (training's --save directory)")
     p.add_argument("--output", metavar="HF_DIR", help="--to hf: the Hugging Face directory to write")
     p.add_argument("--family", metavar="F", help=f"--to hf: {'|'.join(FAMILIES)} (default: from the model config)")
-    p.add_argument("--iteration", metavar="N", type=int, help="--to hf: this iteration instead of the latest")
-    p.add_argument("--input", metavar="HF_DIR", help="--from hf: the Hugging Face model directory")
-    p.add_argument("--save", metavar="CKPT_DIR", help="--from hf: the paratron checkpoint directory to write")
+    p.add_argument("--iteration", metavar="N", type=int,
+                   help="--to hf, --from megatron: this iteration instead of the latest")
+    p.add_argument("--input", metavar="DIR", help="--from hf: the Hugging Face model directory; --from megatron: "
+                   "the Megatron-LM checkpoint directory (its --save)")
+    p.add_argument("--save", metavar="CKPT_DIR", help="--from: the paratron checkpoint directory to write")
     p.add_argument("--tensor-model-parallel-size", metavar="N", type=int, default=1,
                    help="--from hf: print the command for a TP=N run and pad the vocabulary as it does "
                    "(default 1); the checkpoint holds whole tensors, which any layout loads")
@@ -402,21 +446,28 @@ def _run(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     log = _Log(a.quiet)
     if (a.to is None) == (a.frm is None):
-        raise ConversionError("pass exactly one of --to hf or --from hf (see `paratron convert --help`)")
-    fmt = a.to if a.to is not None else a.frm
-    if fmt.lower() not in ("hf", "huggingface"):
-        raise ConversionError(f"unknown format {fmt!r}: paratron converts to and from hf (Hugging Face)")
+        raise ConversionError("pass exactly one of --to hf, --from hf or --from megatron (see `paratron convert --help`)")
+    fmt = (a.to if a.to is not None else a.frm).lower()
+    if fmt not in ("hf", "huggingface") and not (a.frm is not None and fmt == "megatron"):
+        raise ConversionError(f"unknown format {fmt!r}: paratron converts to and from hf (Hugging Face), and from "
+                              "megatron (Megatron-LM's torch_dist and torch checkpoints)")
+    where = f"--{'to' if a.to else 'from'} {'megatron' if fmt == 'megatron' else 'hf'}"
 
     def forbid(*names):
         given = [n for n in names if getattr(a, n.lstrip("-").replace("-", "_")) not in (None, False, 1)]
         if given:
-            raise ConversionError(f"{given[0]} does not apply to --{'to' if a.to else 'from'} hf")
+            raise ConversionError(f"{given[0]} does not apply to {where}")
 
     if a.to is not None:
         forbid("--input", "--save", "--tensor-model-parallel-size")
         if not a.load or not a.output:
             raise ConversionError("--to hf needs --load CKPT_DIR and --output HF_DIR")
         to_hf(a.load, a.output, a.family, a.iteration, a.dtype, a.force, log)
+    elif fmt == "megatron":
+        forbid("--load", "--output", "--family", "--tensor-model-parallel-size")
+        if not a.input or not a.save:
+            raise ConversionError("--from megatron needs --input MEGATRON_DIR and --save CKPT_DIR")
+        from_megatron(a.input, a.save, a.iteration, a.dtype, a.force, log)
     else:
         forbid("--load", "--output", "--family", "--iteration")
         if not a.input or not a.save:

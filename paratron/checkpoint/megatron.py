@@ -1,0 +1,341 @@
+"""Megatron-LM's own checkpoints, read into paratron's names (``paratron convert --from megatron``).
+
+Megatron writes ``{root}/latest_checkpointed_iteration.txt`` (an iteration, or ``release``) and
+``{root}/iter_{N:07d}/`` (or ``release/``) in one of two formats:
+
+* ``torch_dist`` (Megatron's default): a ``torch.distributed.checkpoint`` directory (``.metadata``, ``*.distcp``)
+  with ``common.pt`` (iteration, args, checkpoint version) and ``metadata.json``. Every tensor is global: the
+  transformer layers are one tensor per parameter with the layer as its first dimension, the routed experts
+  one more dimension for the expert, SwiGLU's fc1 ``[gate; up]`` along its rows (or, saved with singleton local
+  shards, two keys ``..._w`` / ``..._v``), and the local experts under ``mlp.experts.experts.``.
+* ``torch`` (legacy): one ``mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`` per tensor / pipeline /
+  expert rank, each the rank's slice: column-parallel weights split along their rows (SwiGLU's fc1 as each rank's
+  own ``[gate; up]``), row-parallel ones along their columns, layers and local experts numbered from 0 on each
+  rank.
+
+Both become the one-rank, TP=1 state of paratron's model, whose parameter names are Megatron Core's local
+spec's: Transformer Engine's norms fused into the next linear (``linear_qkv.layer_norm_weight``,
+``linear_fc1.layer_norm_weight``) become ``input_layernorm`` / ``pre_mlp_layernorm``, a Transformer Engine grouped
+linear's ``weight{e}`` and ``local_experts.{e}`` become paratron's stacked ``experts.linear_fc1.weight`` [E, ...],
+and ``_extra_state`` (Transformer Engine's FP8 metadata) is dropped. The model config comes from the ``args``
+Megatron saved (paratron's config fields are Megatron's flag names). Optimizer, scheduler and RNG state are not
+read: the result is model weights, as from Hugging Face.
+
+The ``args`` pickle names Megatron's own classes (enums, dtypes); where Megatron is not importable they are read
+as placeholders (only the plain values are used).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pickle
+import re
+import types
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .hf_config import ConversionError
+from .pieces import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+LEGACY_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.(.*)$")
+# Megatron flags stored under another name in its args (store_false flags): paratron field <- (dest, inverted)
+_DESTS = {"disable_bias_linear": ("add_bias_linear", True), "no_position_embedding": ("add_position_embedding", True),
+          "bert_no_binary_head": ("bert_binary_head", True)}
+_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
+           "linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight")
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding a Megatron checkpoint
+# ----------------------------------------------------------------------------------------------
+
+def iteration_dir(root: Path, iteration: Optional[int] = None) -> tuple[Path, Optional[int]]:
+    """(directory, iteration) of ``root``'s checkpoint: ``iteration``'s, else the tracker's (``release``:
+    iteration None)."""
+    if iteration is not None:
+        return root / f"iter_{iteration:07d}", iteration
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        raise ConversionError(f"{root} has no {TRACKER}: pass the directory Megatron's --save wrote")
+    text = tracker.read_text().strip()
+    if text == "release":
+        return root / "release", None
+    if not text.isdigit():
+        raise ConversionError(f"{tracker} holds {text[:40]!r}, not an iteration")
+    return root / f"iter_{int(text):07d}", int(text)
+
+
+def checkpoint_format(d: Path) -> Optional[str]:
+    """"torch_dist", "torch" (legacy) or None: which Megatron format directory ``d`` holds."""
+    if not d.is_dir():
+        return None
+    if (d / "common.pt").is_file() and (d / ".metadata").is_file():
+        return "torch_dist"
+    if any((p / LEGACY_FILE).is_file() for p in d.iterdir() if _RANK_DIR.match(p.name)):
+        return "torch"
+    return None
+
+
+def describe(root: Path, iteration: Optional[int] = None) -> Optional[str]:
+    """A one-line description if ``root`` holds a Megatron-LM checkpoint (for --load's error), else None."""
+    try:
+        d, it = iteration_dir(Path(root), iteration)
+    except ConversionError:
+        return None
+    fmt = checkpoint_format(d)
+    if fmt is None:
+        return None
+    return f"{root} holds a Megatron-LM checkpoint ({fmt} format, {d.name})"
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading pickles that name Megatron's classes
+# ----------------------------------------------------------------------------------------------
+
+class _Absent:
+    """Stands for a class the pickle names that this process cannot import (kept for its state only)."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return type(name, (_Absent,), {"__module__": module})
+
+
+_PICKLE = types.ModuleType("paratron_megatron_pickle")
+_PICKLE.Unpickler = _Unpickler
+_PICKLE.load = lambda f, **kw: _Unpickler(f, **kw).load()
+_PICKLE.__dict__.update({k: getattr(pickle, k) for k in ("UnpicklingError", "HIGHEST_PROTOCOL")})
+
+
+def _torch_load(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+    except Exception as e:  # noqa: BLE001 (a damaged or foreign file: one line)
+        raise ConversionError(f"cannot read {path}: {e.__class__.__name__}: {str(e).splitlines()[0][:160]}") from None
+
+
+def _args(obj) -> dict:
+    if isinstance(obj, argparse.Namespace):
+        return vars(obj)
+    if isinstance(obj, dict):
+        return obj
+    raise ConversionError("the checkpoint holds no Megatron args (saved without them?): paratron needs the model "
+                          "flags it was trained with")
+
+
+# ----------------------------------------------------------------------------------------------
+# The two formats
+# ----------------------------------------------------------------------------------------------
+
+def _read_dist(d: Path) -> tuple[dict, dict]:
+    """(common state: args, iteration, checkpoint_version; the model's tensors in Megatron Core's names)."""
+    from . import sharded
+    common = _torch_load(d / "common.pt")
+    args = _args(common.get("args"))
+    shapes = sharded.tensor_shapes(d)
+    keys = [k for k in shapes if not k.startswith(("optimizer.", "rng_state", "rerun_state")) and
+            "_extra_state" not in k]
+    if not keys:
+        raise ConversionError(f"{d} holds no model tensors")
+    state = sharded.load_full(d, keys)
+    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    return common, _unstack(state, args)
+
+
+def _unstack(state: dict, args: dict) -> dict:
+    """torch_dist's global tensors -> one tensor per layer (and stacked experts as paratron keeps them)."""
+    out = {}
+    layers = args.get("num_layers")
+    for k in sorted(state):
+        v = state[k]
+        if k.endswith(("_w", "_v")) and k[:-2].endswith("linear_fc1.weight"):  # singleton SwiGLU halves
+            if k.endswith("_v"):
+                continue
+            v, k = torch.cat([v, state[k[:-2] + "_v"]], dim=-2), k[:-2]
+        m = re.match(r"^(.*?decoder\.)layers\.(.*)$", k)
+        if m is None:
+            out[k] = v
+            continue
+        if v.shape[0] != layers:
+            raise ConversionError(f"{k}: {v.shape[0]} layers along its first dimension, the args say {layers}")
+        rest = m.group(2).replace("mlp.experts.experts.", "mlp.experts.")
+        for i in range(layers):
+            out[f"{m.group(1)}layers.{i}.{rest}"] = v[i].clone()
+    return out
+
+
+def _rank_dirs(d: Path, pipeline: bool) -> dict:
+    """{(pp, ep): {tp: path}} of a legacy checkpoint's rank files. Megatron names them mp_rank_{tp:02d}, then
+    _{pp:03d} when pipelined, then _{ep:03d} with expert parallelism: one suffix is the pipeline rank only when
+    the run was pipelined (``pipeline``: its args' --pipeline-model-parallel-size > 1)."""
+    found = defaultdict(dict)
+    for p in sorted(d.iterdir()):
+        m = _RANK_DIR.match(p.name)
+        if m and (p / LEGACY_FILE).is_file():
+            tp, a, b = (int(g) if g is not None else None for g in m.groups())
+            pp, ep = (a or 0, b or 0) if pipeline else (0, a or 0)
+            found[(pp, ep)][tp] = p / LEGACY_FILE
+    return found
+
+
+def _read_legacy(d: Path) -> tuple[dict, dict]:
+    """As :func:`_read_dist`, from the rank files, merged."""
+    any_file = next(p / LEGACY_FILE for p in sorted(d.iterdir()) if _RANK_DIR.match(p.name) and
+                    (p / LEGACY_FILE).is_file())
+    first = _torch_load(any_file)
+    args = _args(first.get("args"))
+    ranks = _rank_dirs(d, int(args.get("pipeline_model_parallel_size") or 1) > 1)
+    if args.get("expert_tensor_parallel_size") not in (None, args.get("tensor_model_parallel_size", 1)):
+        raise ConversionError("a legacy checkpoint with --expert-tensor-parallel-size unlike --tensor-model-parallel-"
+                              "size: convert it to torch_dist with Megatron first (--ckpt-convert-format torch_dist)")
+    swiglu = bool(args.get("swiglu"))
+    chunks = {}  # (virtual stage, pp, ep) -> merged state of that chunk
+    for (pp, ep), by_tp in sorted(ranks.items()):
+        files = [_torch_load(by_tp[t]) for t in sorted(by_tp)]
+        names = sorted(k for k in files[0] if re.fullmatch(r"model\d*", k))
+        if not names:
+            raise ConversionError(f"{by_tp[0]} holds no model state")
+        for name in names:
+            v = int(name[5:] or 0)
+            chunks[(v, pp, ep)] = _merge_tp([f[name] for f in files], swiglu)
+    return first, _number_globally(chunks, args)
+
+
+def _merge_tp(shards: list, swiglu: bool) -> dict:
+    """One chunk's TP slices -> whole tensors (``shards``: each TP rank's state, in TP order)."""
+    out = {}
+    for k, v in shards[0].items():
+        if not isinstance(v, torch.Tensor) or "_extra_state" in k:
+            continue
+        parts = [s[k] for s in shards]
+        if len(parts) == 1:
+            out[k] = v
+        elif re.search(r"linear_fc1\.(weight|bias)\d*$", k):
+            if swiglu:  # each rank's [gate_r; up_r] -> [gate_0 .. gate_n; up_0 .. up_n]
+                halves = [p.chunk(2, dim=0) for p in parts]
+                out[k] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            else:
+                out[k] = torch.cat(parts, dim=0)
+        elif k.endswith(_COLUMN):
+            out[k] = torch.cat(parts, dim=0)
+        elif re.search(r"(linear_proj|linear_fc2)\.weight\d*$", k):
+            out[k] = torch.cat(parts, dim=1)
+        else:  # replicated (norms, router, row-parallel biases)
+            out[k] = v
+    return out
+
+
+def _number_globally(chunks: dict, args: dict) -> dict:
+    """Legacy chunks' layers (numbered from 0 in each chunk) and local experts (from 0 on each expert rank) ->
+    global numbers: layers in the order of the virtual pipeline stages (chunk v of stage p holds stage v * PP + p),
+    experts by expert rank."""
+    out, offset = {}, 0
+    eps = sorted({ep for (_, _, ep) in chunks})
+    for v, pp in sorted({(v, pp) for (v, pp, _) in chunks}):
+        count = 0
+        for ep in eps:
+            for k, t in chunks[(v, pp, ep)].items():
+                m = _LAYER.match(k)
+                if m is None:
+                    out.setdefault(k, t)
+                    continue
+                count = max(count, int(m.group(2)) + 1)
+                rest = _global_expert(m.group(3), ep, args)
+                out[f"{m.group(1)}{int(m.group(2)) + offset}.{rest}"] = t
+        offset += count
+    return out
+
+
+def _global_expert(rest: str, ep: int, args: dict) -> str:
+    """A layer's key ``rest`` with expert rank ``ep``'s local expert number made global."""
+    local = args["num_experts"] // max(int(args.get("expert_model_parallel_size") or 1), 1) if args.get(
+        "num_experts") else 0
+    if rest.startswith("mlp.experts.local_experts."):
+        i = int(rest.split(".")[3])
+        return rest.replace(f"local_experts.{i}.", f"local_experts.{ep * local + i}.", 1)
+    m = re.match(r"^(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$", rest)  # Transformer Engine's GroupedLinear
+    if m:
+        return f"{m.group(1)}{ep * local + int(m.group(2))}"
+    if rest.startswith("mlp.experts.weight"):
+        raise ConversionError("experts saved by Megatron's legacy GroupedMLP (weight1 / weight2): convert the "
+                              "checkpoint to torch_dist with Megatron first")
+    return rest
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron Core names -> paratron's
+# ----------------------------------------------------------------------------------------------
+
+def to_paratron(state: dict) -> dict:
+    """Megatron Core state (whole tensors, global layer numbers) -> paratron's names and expert stacking."""
+    out, experts = {}, defaultdict(dict)
+    for k, v in state.items():
+        k = k.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
+        k = k.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
+        m = re.match(r"^(.*mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$", k)
+        m = m or re.match(r"^(.*mlp\.experts\.)()(linear_fc[12]\.(?:weight|bias))(\d+)$", k)
+        if m is not None:
+            e = int(m.group(2) or m.group(4))
+            experts[m.group(1) + m.group(3)][e] = v
+            continue
+        out[k] = v
+    for k, by_e in experts.items():
+        if sorted(by_e) != list(range(len(by_e))):
+            raise ConversionError(f"{k}: experts {sorted(by_e)} found, not 0 .. {len(by_e) - 1}")
+        out[k] = torch.stack([by_e[e] for e in range(len(by_e))])
+    return out
+
+
+def model_config(args: dict) -> ModelConfig:
+    """paratron's model config from Megatron's saved args (same names; store_false flags inverted)."""
+    kw = {}
+    for f in dataclasses.fields(ModelConfig):
+        dest, inverted = _DESTS.get(f.name, (f.name, False))
+        if dest in args and args[dest] is not None and not isinstance(args[dest], _Absent):
+            kw[f.name] = (not args[dest]) if inverted else args[dest]
+    try:
+        return ModelConfig(**kw).resolved()
+    except (ConfigError, TypeError, ValueError) as e:
+        raise ConversionError(f"the checkpoint's model flags do not build a paratron model: {e}") from None
+
+
+def read(root, iteration: Optional[int] = None) -> tuple[ModelConfig, dict, Optional[int], int, str]:
+    """(model config, paratron state, iteration, padded vocabulary rows, format) of Megatron checkpoint ``root``."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConversionError(f"--input {root} is not a directory" if root.exists() else f"--input {root} does not exist")
+    d, _ = iteration_dir(root, iteration)
+    fmt = checkpoint_format(d)
+    if fmt is None:
+        raise ConversionError(f"{d} is not a Megatron-LM checkpoint (no common.pt + .metadata, no "
+                              f"mp_rank_*/{LEGACY_FILE})" if d.exists() else f"{d} does not exist")
+    try:
+        top, state = (_read_dist if fmt == "torch_dist" else _read_legacy)(d)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    args, it, version = _args(top.get("args")), top.get("iteration"), top.get("checkpoint_version")
+    if isinstance(version, (int, float)) and version < 3:
+        raise ConversionError(f"checkpoint version {version}: Megatron's layouts before version 3 (older QKV order) "
+                              "are not read; load and save it once with a current Megatron-LM")
+    state = to_paratron(state)
+    m = model_config(args)
+    rows = state["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in state else 0
+    return m, state, it, rows, fmt
