@@ -49,9 +49,7 @@ _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.(.*)$")
 # Megatron flags stored under another name in its args (store_false flags): paratron field <- (dest, inverted)
 _DESTS = {"disable_bias_linear": ("add_bias_linear", True), "no_position_embedding": ("add_position_embedding", True),
           "bert_no_binary_head": ("bert_binary_head", True)}
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight",
-           "linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight")
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
+_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,6 +204,9 @@ def _read_legacy(d: Path) -> tuple[dict, dict]:
     if args.get("expert_tensor_parallel_size") not in (None, args.get("tensor_model_parallel_size", 1)):
         raise ConversionError("a legacy checkpoint with --expert-tensor-parallel-size unlike --tensor-model-parallel-"
                               "size: convert it to torch_dist with Megatron first (--ckpt-convert-format torch_dist)")
+    if args.get("multi_latent_attention") and max(len(by_tp) for by_tp in ranks.values()) > 1:
+        raise ConversionError("a legacy checkpoint of multi-latent attention saved with tensor parallelism: convert "
+                              "it to torch_dist with Megatron first (--ckpt-convert-format torch_dist)")
     swiglu = bool(args.get("swiglu"))
     chunks = {}  # (virtual stage, pp, ep) -> merged state of that chunk
     for (pp, ep), by_tp in sorted(ranks.items()):
