@@ -175,6 +175,15 @@ def test_legacy_checkpoint_of_any_layout_converts_to_the_same_weights(tmp_path, 
     assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
 
 
+def test_release_directory(tmp_path):
+    state = _model(DENSE)
+    _write_dist(tmp_path / "mlm", state, _args(DENSE))
+    (tmp_path / "mlm" / "iter_0000007").rename(tmp_path / "mlm" / "release")
+    (tmp_path / "mlm" / M.TRACKER).write_text("release\n")
+    got = _converted(tmp_path / "mlm", tmp_path / "out", DENSE)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+
 def test_megatron_args_become_paratron_model_flags():
     m = M.model_config(vars(_args(DENSE)))
     assert (m.disable_bias_linear, m.swiglu, m.num_query_groups, m.normalization) == (True, True, 2, "RMSNorm")
@@ -193,11 +202,17 @@ def test_wrong_inputs_are_one_line_errors(tmp_path, capsys):
     _write_dist(tmp_path / "mlm", state, _args(DENSE))
     taken = tmp_path / "taken"
     C.from_megatron(tmp_path / "mlm", taken, log=lambda *a: None)
+    etp = tmp_path / "etp"  # experts split over another tensor-parallel size than the dense layers
+    _write_legacy(etp, _model(MOE), _args(MOE, tensor_model_parallel_size=2, expert_tensor_parallel_size=1), 2, 1)
+    mla = tmp_path / "mla"
+    _write_legacy(mla, state, _args(DENSE, tensor_model_parallel_size=2, multi_latent_attention=True), 2, 1)
     cases = {
         "has no latest_checkpointed_iteration.txt": ["--input", empty, "--save", tmp_path / "o1"],
         "is not a Megatron-LM checkpoint": ["--input", odd, "--save", tmp_path / "o2"],
         "does not exist": ["--input", tmp_path / "mlm", "--save", tmp_path / "o3", "--iteration", "9"],
         "already holds a paratron checkpoint": ["--input", tmp_path / "mlm", "--save", taken],
+        "--expert-tensor-parallel-size unlike --tensor-model-parallel-size": ["--input", etp, "--save", tmp_path / "o5"],
+        "multi-latent attention saved with tensor parallelism": ["--input", mla, "--save", tmp_path / "o6"],
         "--tensor-model-parallel-size does not apply to --from megatron": [
             "--input", tmp_path / "mlm", "--save", tmp_path / "o4", "--tensor-model-parallel-size", "2"],
     }
@@ -206,7 +221,7 @@ def test_wrong_inputs_are_one_line_errors(tmp_path, capsys):
         assert cli_main(["convert", "--from", "megatron", *map(str, argv)]) == 2, expect
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expect in err, (expect, err)
-    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
 
 
 def test_pretrain_with_load_of_a_megatron_checkpoint_says_to_convert_it(tmp_path):
