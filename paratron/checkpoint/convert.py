@@ -446,7 +446,8 @@ def _run(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     log = _Log(a.quiet)
     if (a.to is None) == (a.frm is None):
-        raise ConversionError("pass exactly one of --to hf, --from hf or --from megatron (see `paratron convert --help`)")
+        raise ConversionError("pass exactly one of --to hf, --from hf or --from megatron "
+                              "(see `paratron convert --help`)")
     fmt = (a.to if a.to is not None else a.frm).lower()
     if fmt not in ("hf", "huggingface") and not (a.frm is not None and fmt == "megatron"):
         raise ConversionError(f"unknown format {fmt!r}: paratron converts to and from hf (Hugging Face), and from "

@@ -322,7 +322,8 @@ def read(root, iteration: Optional[int] = None) -> tuple[ModelConfig, dict, Opti
     """(model config, paratron state, iteration, padded vocabulary rows, format) of Megatron checkpoint ``root``."""
     root = Path(root)
     if not root.is_dir():
-        raise ConversionError(f"--input {root} is not a directory" if root.exists() else f"--input {root} does not exist")
+        raise ConversionError(f"--input {root} is not a directory" if root.exists()
+                              else f"--input {root} does not exist")
     d, _ = iteration_dir(root, iteration)
     fmt = checkpoint_format(d)
     if fmt is None:

@@ -47,8 +47,9 @@ def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
     1 x 128 tile of a's rows, ``sb`` per 128 x 128 block of ``b`` viewed [E N, K]."""
     if path == "scaled_grouped_mm":
         rows, cols = sa.reciprocal().expand(a.shape[0]), sb.reciprocal().expand(b.shape[0], b.shape[1])
-        return as_dtype(torch._scaled_grouped_mm(a, b.transpose(-2, -1), rows.contiguous(), cols.contiguous(), offs=ends,
-                                              out_dtype=torch.bfloat16), out_dtype)
+        out = torch._scaled_grouped_mm(a, b.transpose(-2, -1), rows.contiguous(), cols.contiguous(), offs=ends,
+                                       out_dtype=torch.bfloat16)
+        return as_dtype(out, out_dtype)
     if path == "triton":  # block scales: the FP8 tiles multiplied as they are (kernels/fp8_block_grouped.py)
         return torch.ops.paratron.fp8_block_grouped_mm(a, sa, b, sb, ends, out_dtype)
     dt = _work_dtype(path, out_dtype)
@@ -70,7 +71,8 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     if path == "scaled_grouped_mm":
         rows = sg.reciprocal().expand(groups * gt.shape[0]).contiguous()
         cols = sx.reciprocal().expand(groups * xt.shape[0]).contiguous()
-        return as_dtype(torch._scaled_grouped_mm(gt, xt.t(), rows, cols, offs=ends, out_dtype=torch.bfloat16), out_dtype)
+        out = torch._scaled_grouped_mm(gt, xt.t(), rows, cols, offs=ends, out_dtype=torch.bfloat16)
+        return as_dtype(out, out_dtype)
     dt = _work_dtype(path, out_dtype)
     a, b = _deq(gt, sg, kind, False, dt), _deq(xt, sx, kind, False, dt).t()
     if path == "dequant":  # the operands in the layout of torch's own weight gradient (column-, then row-major)

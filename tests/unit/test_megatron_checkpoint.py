@@ -211,7 +211,8 @@ def test_wrong_inputs_are_one_line_errors(tmp_path, capsys):
         "is not a Megatron-LM checkpoint": ["--input", odd, "--save", tmp_path / "o2"],
         "does not exist": ["--input", tmp_path / "mlm", "--save", tmp_path / "o3", "--iteration", "9"],
         "already holds a paratron checkpoint": ["--input", tmp_path / "mlm", "--save", taken],
-        "--expert-tensor-parallel-size unlike --tensor-model-parallel-size": ["--input", etp, "--save", tmp_path / "o5"],
+        "--expert-tensor-parallel-size unlike --tensor-model-parallel-size": ["--input", etp, "--save",
+                                                                              tmp_path / "o5"],
         "multi-latent attention saved with tensor parallelism": ["--input", mla, "--save", tmp_path / "o6"],
         "--tensor-model-parallel-size does not apply to --from megatron": [
             "--input", tmp_path / "mlm", "--save", tmp_path / "o4", "--tensor-model-parallel-size", "2"],
