@@ -21,16 +21,15 @@ and ``_extra_state`` (Transformer Engine's FP8 metadata) is dropped. The model c
 Megatron saved (paratron's config fields are Megatron's flag names). Optimizer, scheduler and RNG state are not
 read: the result is model weights, as from Hugging Face.
 
-The ``args`` pickle names Megatron's own classes (enums, dtypes); where Megatron is not importable they are read
-as placeholders (only the plain values are used).
+The files are read by torch's weights-only loader: the ``args`` pickle's ``argparse.Namespace`` is allowed, and the
+other classes it names (Megatron's enums) are read as placeholders of those names, so no code from the file's
+modules is imported or run; only the plain values are used.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import pickle
 import re
-import types
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -95,12 +94,21 @@ def describe(root: Path, iteration: Optional[int] = None) -> Optional[str]:
     return f"{root} holds a Megatron-LM checkpoint ({fmt} format, {d.name})"
 
 
+def refuse_megatron(root: Path, iteration: Optional[int] = None) -> None:
+    """--load of a Megatron-LM checkpoint: one line naming the conversion (it is not paratron's layout)."""
+    megatron = describe(root, iteration)
+    if megatron is not None:
+        raise CheckpointError(f"{megatron}: paratron reads it once converted: paratron convert --from megatron "
+                              f"--input {root} --save NEW_DIR, then --load NEW_DIR --finetune")
+
+
 # ----------------------------------------------------------------------------------------------
 # Reading pickles that name Megatron's classes
 # ----------------------------------------------------------------------------------------------
 
 class _Absent:
-    """Stands for a class the pickle names that this process cannot import (kept for its state only)."""
+    """Stands for a class the pickle names (Megatron's enums, ...): kept for its arguments and state only, no code
+    of the named module is imported or run."""
 
     def __init__(self, *args, **kwargs):
         self.args = args
@@ -109,23 +117,15 @@ class _Absent:
         self.state = state
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (_Absent,), {"__module__": module})
-
-
-_PICKLE = types.ModuleType("paratron_megatron_pickle")
-_PICKLE.Unpickler = _Unpickler
-_PICKLE.load = lambda f, **kw: _Unpickler(f, **kw).load()
-_PICKLE.__dict__.update({k: getattr(pickle, k) for k in ("UnpicklingError", "HIGHEST_PROTOCOL")})
-
-
 def _torch_load(path: Path) -> dict:
+    """torch.load with weights_only=True: argparse.Namespace (Megatron's args) is allowed, and every other class
+    the file names is read as an :class:`_Absent` of that name."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        stubs = [(type(n.rsplit(".", 1)[-1], (_Absent,), {"__module__": n.rsplit(".", 1)[0]}), n)
+                 for n in names if n != "argparse.Namespace"]
+        with torch.serialization.safe_globals([argparse.Namespace, *stubs]):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (a damaged or foreign file: one line)
         raise ConversionError(f"cannot read {path}: {e.__class__.__name__}: {str(e).splitlines()[0][:160]}") from None
 

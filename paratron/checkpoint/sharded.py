@@ -195,11 +195,8 @@ def find_checkpoint(root: str | Path, group=None, warn: Callable[[str], None] = 
     damaged latest checkpoint is reported through ``warn`` and the previous complete one is used;
     an explicitly asked-for ``iteration`` that is damaged is an error. None: no checkpoint."""
     root = Path(root)
-    from .megatron import describe  # (Megatron writes the same tracker file; its directories are not ours)
-    megatron = describe(root, iteration)
-    if megatron is not None:
-        raise CheckpointError(f"{megatron}: paratron reads it once converted: paratron convert --from megatron "
-                              f"--input {root} --save NEW_DIR, then --load NEW_DIR --finetune")
+    from .megatron import refuse_megatron  # (Megatron writes the same tracker file; its directories are not ours)
+    refuse_megatron(root, iteration)
     wanted = latest_iteration(root) if iteration is None else iteration
     if wanted is not None and any(iter_dir(root, wanted).glob("rank_*.pt")):
         raise CheckpointError(f"{iter_dir(root, wanted)} is a per-rank checkpoint (rank_*.pt) of an older "
