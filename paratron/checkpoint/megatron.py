@@ -45,9 +45,18 @@ TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.(.*)$")
-# Megatron flags stored under another name in its args (store_false flags): paratron field <- (dest, inverted)
-_DESTS = {"disable_bias_linear": ("add_bias_linear", True), "no_position_embedding": ("add_position_embedding", True),
-          "bert_no_binary_head": ("bert_binary_head", True)}
+# Megatron flags its args hold under another name (store_false flags, and flags generated from Megatron Core's
+# config fields): paratron field <- [(dest, inverted)], the first one present that holds a value
+_DESTS = {"disable_bias_linear": [("add_bias_linear", True)], "no_position_embedding": [("add_position_embedding", True)],
+          "bert_no_binary_head": [("bert_binary_head", True)],
+          "norm_epsilon": [("norm_epsilon", False), ("layernorm_epsilon", False)],
+          "apply_layernorm_1p": [("apply_layernorm_1p", False), ("layernorm_zero_centered_gamma", False)],
+          "hybrid_layer_pattern": [("hybrid_layer_pattern", False), ("hybrid_override_pattern", False)]}
+# Megatron flags that change what the model computes and that paratron does not build: set in a checkpoint's args,
+# the conversion stops rather than build another model (their defaults are off / unset)
+_NOT_BUILT = ("apply_residual_connection_post_layernorm", "qk_l2_norm", "mrope_section", "moe_apply_probs_on_input",
+              "moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size", "dsa_indexer_n_heads",
+              "heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json", "use_legacy_models")
 _COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
 
 
@@ -307,11 +316,24 @@ def to_paratron(state: dict) -> dict:
 
 def model_config(args: dict) -> ModelConfig:
     """paratron's model config from Megatron's saved args (same names; store_false flags inverted)."""
+    unbuilt = [n for n in _NOT_BUILT if args.get(n) and not isinstance(args[n], _Absent)]
+    if unbuilt:
+        raise ConversionError(f"the checkpoint was trained with --{unbuilt[0].replace('_', '-')}, which paratron's "
+                              "model does not build; its weights would compute something else")
     kw = {}
     for f in dataclasses.fields(ModelConfig):
-        dest, inverted = _DESTS.get(f.name, (f.name, False))
-        if dest in args and args[dest] is not None and not isinstance(args[dest], _Absent):
-            kw[f.name] = (not args[dest]) if inverted else args[dest]
+        found = [(d, inv) for d, inv in _DESTS.get(f.name, [(f.name, False)])
+                 if args.get(d) is not None and not isinstance(args[d], _Absent)]
+        if not found:
+            continue
+        dest, inverted = found[0]
+        if f.name in ("encoder_num_layers", "encoder_seq_length"):  # (Megatron copies a GPT's sizes into them)
+            continue
+        if f.name.startswith("moe_") and not args.get("num_experts"):  # (Megatron keeps its MoE defaults in a
+            continue  # dense run's args; paratron takes an MoE flag without --num-experts for a mistake)
+        value = (not args[dest]) if inverted else args[dest]
+        if str(value) != str(f.default):  # (Megatron's args hold parsed values: --moe-layer-freq 1 as the int 1)
+            kw[f.name] = value
     try:
         return ModelConfig(**kw).resolved()
     except (ConfigError, TypeError, ValueError) as e:

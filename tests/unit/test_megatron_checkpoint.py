@@ -189,6 +189,14 @@ def test_megatron_args_become_paratron_model_flags():
     assert (m.disable_bias_linear, m.swiglu, m.num_query_groups, m.normalization) == (True, True, 2, "RMSNorm")
     a = vars(_args(dict(DENSE, disable_bias_linear=False)))
     assert M.model_config(a).disable_bias_linear is False
+    # Megatron Core's generated flags keep their config field's name: --norm-epsilon is layernorm_epsilon
+    a = vars(_args({k: v for k, v in DENSE.items() if k != "norm_epsilon"}, layernorm_epsilon=1e-6))
+    assert M.model_config(a).norm_epsilon == 1e-6
+    # a dense run's args hold Megatron's MoE defaults, and a GPT's its encoder sizes: not paratron flags then
+    a = vars(_args(DENSE, moe_layer_freq=1, moe_token_dispatcher_type="allgather", encoder_num_layers=4))
+    assert M.model_config(a).num_layers == 4
+    with pytest.raises(Exception, match="trained with --apply-residual-connection-post-layernorm, which paratron"):
+        M.model_config(vars(_args(DENSE, apply_residual_connection_post_layernorm=True)))
 
 
 def test_wrong_inputs_are_one_line_errors(tmp_path, capsys):
