@@ -47,8 +47,8 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.(.*)$")
 # Megatron flags its args hold under another name (store_false flags, and flags generated from Megatron Core's
 # config fields): paratron field <- [(dest, inverted)], the first one present that holds a value
-_DESTS = {"disable_bias_linear": [("add_bias_linear", True)], "no_position_embedding": [("add_position_embedding", True)],
-          "bert_no_binary_head": [("bert_binary_head", True)],
+_DESTS = {"disable_bias_linear": [("add_bias_linear", True)],
+          "no_position_embedding": [("add_position_embedding", True)], "bert_no_binary_head": [("bert_binary_head", True)],
           "norm_epsilon": [("norm_epsilon", False), ("layernorm_epsilon", False)],
           "apply_layernorm_1p": [("apply_layernorm_1p", False), ("layernorm_zero_centered_gamma", False)],
           "hybrid_layer_pattern": [("hybrid_layer_pattern", False), ("hybrid_override_pattern", False)]}
@@ -178,8 +178,8 @@ def _unstack(state: dict, args: dict) -> dict:
                 continue
             v, k = torch.cat([v, state[k[:-2] + "_v"]], dim=-2), k[:-2]
         m = re.match(r"^(.*?decoder\.)layers\.(.*)$", k)
-        if m is None:
-            out[k] = v
+        if m is None or re.match(r"^\d+\.", m.group(2)):  # (heterogeneous layers keep a key per layer)
+            out[k.replace("mlp.experts.experts.", "mlp.experts.")] = v
             continue
         if v.shape[0] != layers:
             raise ConversionError(f"{k}: {v.shape[0]} layers along its first dimension, the args say {layers}")
@@ -217,6 +217,7 @@ def _read_legacy(d: Path) -> tuple[dict, dict]:
         raise ConversionError("a legacy checkpoint of multi-latent attention saved with tensor parallelism: convert "
                               "it to torch_dist with Megatron first (--ckpt-convert-format torch_dist)")
     swiglu = bool(args.get("swiglu"))
+    local = _local_experts(args)
     chunks = {}  # (virtual stage, pp, ep) -> merged state of that chunk
     for (pp, ep), by_tp in sorted(ranks.items()):
         files = [_torch_load(by_tp[t]) for t in sorted(by_tp)]
@@ -225,18 +226,21 @@ def _read_legacy(d: Path) -> tuple[dict, dict]:
             raise ConversionError(f"{by_tp[0]} holds no model state")
         for name in names:
             v = int(name[5:] or 0)
-            chunks[(v, pp, ep)] = _merge_tp([f[name] for f in files], swiglu)
+            chunks[(v, pp, ep)] = _merge_tp([f[name] for f in files], swiglu, local)
     return first, _number_globally(chunks, args)
 
 
-def _merge_tp(shards: list, swiglu: bool) -> dict:
+def _merge_tp(shards: list, swiglu: bool, local_experts: int) -> dict:
     """One chunk's TP slices -> whole tensors (``shards``: each TP rank's state, in TP order)."""
     out = {}
     for k, v in shards[0].items():
-        if not isinstance(v, torch.Tensor) or "_extra_state" in k:
+        if not isinstance(v, torch.Tensor) or "_extra_state" in k or k.endswith("mlp.experts.weight2"):
             continue
         parts = [s[k] for s in shards]
-        if len(parts) == 1:
+        if k.endswith("mlp.experts.weight1"):  # (with its weight2)
+            out.update(_grouped_mlp(k[:-len("weight1")], parts, [s[k[:-1] + "2"] for s in shards], local_experts,
+                                    swiglu))
+        elif len(parts) == 1:
             out[k] = v
         elif re.search(r"linear_fc1\.(weight|bias)\d*$", k):
             if swiglu:  # each rank's [gate_r; up_r] -> [gate_0 .. gate_n; up_0 .. up_n]
@@ -250,6 +254,25 @@ def _merge_tp(shards: list, swiglu: bool) -> dict:
             out[k] = torch.cat(parts, dim=1)
         else:  # replicated (norms, router, row-parallel biases)
             out[k] = v
+    return out
+
+
+def _grouped_mlp(prefix: str, w1: list, w2: list, experts: int, swiglu: bool) -> dict:
+    """Megatron's legacy GroupedMLP experts (``weight1`` [h, E 2f / TP] holding [E, h, 2f / TP], SwiGLU's halves along
+    its last dimension; ``weight2`` [E f / TP, h] holding [E, f / TP, h]) -> each local expert's fc1 [2f, h] and
+    fc2 [h, f], named as Transformer Engine's grouped linear names them (``linear_fc1.weight{e}``)."""
+    h = w1[0].shape[0]
+    per = [p.view(experts, h, -1) for p in w1]
+    if swiglu:  # each rank's [gate_r | up_r] -> [gate_0 .. gate_n | up_0 .. up_n]
+        halves = [p.chunk(2, dim=2) for p in per]
+        fc1 = torch.cat([g for g, _ in halves] + [u for _, u in halves], dim=2)
+    else:
+        fc1 = torch.cat(per, dim=2)
+    fc2 = torch.cat([p.view(experts, -1, h) for p in w2], dim=1)
+    out = {}
+    for e in range(experts):
+        out[f"{prefix}linear_fc1.weight{e}"] = fc1[e].t().contiguous()
+        out[f"{prefix}linear_fc2.weight{e}"] = fc2[e].t().contiguous()
     return out
 
 
@@ -274,19 +297,20 @@ def _number_globally(chunks: dict, args: dict) -> dict:
     return out
 
 
+def _local_experts(args: dict) -> int:
+    """Routed experts per expert-parallel rank (0 for a dense model)."""
+    return int(args.get("num_experts") or 0) // max(int(args.get("expert_model_parallel_size") or 1), 1)
+
+
 def _global_expert(rest: str, ep: int, args: dict) -> str:
     """A layer's key ``rest`` with expert rank ``ep``'s local expert number made global."""
-    local = args["num_experts"] // max(int(args.get("expert_model_parallel_size") or 1), 1) if args.get(
-        "num_experts") else 0
+    local = _local_experts(args)
     if rest.startswith("mlp.experts.local_experts."):
         i = int(rest.split(".")[3])
         return rest.replace(f"local_experts.{i}.", f"local_experts.{ep * local + i}.", 1)
     m = re.match(r"^(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$", rest)  # Transformer Engine's GroupedLinear
     if m:
         return f"{m.group(1)}{ep * local + int(m.group(2))}"
-    if rest.startswith("mlp.experts.weight"):
-        raise ConversionError("experts saved by Megatron's legacy GroupedMLP (weight1 / weight2): convert the "
-                              "checkpoint to torch_dist with Megatron first")
     return rest
 
 
