@@ -1,7 +1,9 @@
-"""``paratron convert``: paratron checkpoints <-> Hugging Face model directories.
+"""``paratron convert``: paratron checkpoints <-> Hugging Face model directories; Megatron-LM checkpoints ->
+paratron checkpoints (paratron/checkpoint/megatron.py reads them).
 
     paratron convert --to hf --load CKPT_DIR --output HF_DIR [--family F] [--iteration N] [--dtype D] [--force]
     paratron convert --from hf --input HF_DIR --save CKPT_DIR [--tensor-model-parallel-size N] [--dtype D] [--force]
+    paratron convert --from megatron --input MEGATRON_DIR --save CKPT_DIR [--iteration N] [--dtype D] [--force]
 
 Checkpoints are the sharded ``torch.distributed.checkpoint`` directories training writes
 (paratron/checkpoint/sharded.py and state.py): ``{root}/iter_{N:07d}/`` holds DCP's ``.metadata``
