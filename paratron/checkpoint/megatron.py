@@ -48,7 +48,8 @@ _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.(.*)$")
 # Megatron flags its args hold under another name (store_false flags, and flags generated from Megatron Core's
 # config fields): paratron field <- [(dest, inverted)], the first one present that holds a value
 _DESTS = {"disable_bias_linear": [("add_bias_linear", True)],
-          "no_position_embedding": [("add_position_embedding", True)], "bert_no_binary_head": [("bert_binary_head", True)],
+          "no_position_embedding": [("add_position_embedding", True)],
+          "bert_no_binary_head": [("bert_binary_head", True)],
           "norm_epsilon": [("norm_epsilon", False), ("layernorm_epsilon", False)],
           "apply_layernorm_1p": [("apply_layernorm_1p", False), ("layernorm_zero_centered_gamma", False)],
           "hybrid_layer_pattern": [("hybrid_layer_pattern", False), ("hybrid_override_pattern", False)]}
@@ -104,11 +105,19 @@ def describe(root: Path, iteration: Optional[int] = None) -> Optional[str]:
 
 
 def refuse_megatron(root: Path, iteration: Optional[int] = None) -> None:
-    """--load of a Megatron-LM checkpoint: one line naming the conversion (it is not paratron's layout)."""
+    """A Megatron-LM checkpoint where paratron's own is looked for: one line naming what reads it."""
     megatron = describe(root, iteration)
     if megatron is not None:
-        raise CheckpointError(f"{megatron}: paratron reads it once converted: paratron convert --from megatron "
-                              f"--input {root} --save NEW_DIR, then --load NEW_DIR --finetune")
+        raise CheckpointError(f"{megatron}: paratron reads its model weights with --finetune (torch_dist format) or "
+                              f"converted: paratron convert --from megatron --input {root} --save NEW_DIR")
+
+
+def refuse_save_into(root: Path) -> None:
+    """--save into Megatron-LM's checkpoint directory would replace its latest_checkpointed_iteration.txt."""
+    megatron = describe(root)
+    if megatron is not None:
+        raise CheckpointError(f"--save {root}: {megatron}; paratron's saves would replace its {TRACKER}: pass "
+                              "another --save directory")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,6 +321,59 @@ def _global_expert(rest: str, ep: int, args: dict) -> str:
     if m:
         return f"{m.group(1)}{ep * local + int(m.group(2))}"
     return rest
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading a torch_dist checkpoint straight into a run's pieces (--load DIR --finetune)
+# ----------------------------------------------------------------------------------------------
+
+_LAYER_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"), ("mlp.experts.", "mlp.experts.experts."))
+
+
+def dist_pieces(pieces: list, d: Path) -> list:
+    """This rank's model pieces (paratron's ``model.`` keys, global shapes) as pieces of Megatron's torch_dist
+    checkpoint ``d``: its names, a layer's tensor at its index along the stacked layer dimension (or under its own
+    per-layer key where Megatron saved one). The views write through to the run's parameters."""
+    from . import sharded
+    from .pieces import Piece
+    saved = sharded.tensor_shapes(d)
+    layers = {k: s for k, (s, _) in saved.items()}
+    out = []
+    for p in pieces:
+        key = p.key[len("model."):] if p.key.startswith("model.") else p.key
+        m = _LAYER.match(key)
+        if m is None:
+            out.append(Piece(key, p.shape, p.offsets, p.tensor, p.vocab_rows))
+            continue
+        pre, i, rest = m.group(1), int(m.group(2)), m.group(3)
+        names = [rest] + [rest.replace(a, b, 1) for a, b in _LAYER_NAMES if rest.startswith(a)]
+        stacked = [f"{pre}{r}" for r in names if f"{pre}{r}" in layers]
+        own = [f"{pre}{i}.{r}" for r in names if f"{pre}{i}.{r}" in layers]
+        if own or not stacked:
+            out.append(Piece(own[0] if own else f"{pre}{names[-1]}", p.shape, p.offsets, p.tensor))
+        else:
+            n = layers[stacked[0]][0]
+            out.append(Piece(stacked[0], (n, *p.shape), (i, *p.offsets), p.tensor.unsqueeze(0)))
+    return out
+
+
+def saved_model_args(root: Path, iteration: Optional[int] = None) -> tuple[dict, dict]:
+    """(paratron's model fields that the checkpoint's args set, the args) of Megatron checkpoint ``root``
+    (--use-checkpoint-args): its common.pt (torch_dist) or a rank file's (legacy)."""
+    d, _ = iteration_dir(root, iteration)
+    files = [d / "common.pt"] if checkpoint_format(d) == "torch_dist" else sorted(d.glob(f"mp_rank_*/{LEGACY_FILE}"))
+    args = _args(_torch_load(files[0]).get("args"))
+    m = model_config(args)
+    return {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}, args
+
+
+def dist_common(d: Path) -> tuple[dict, ModelConfig, int]:
+    """(common state, model config, vocabulary rows) of torch_dist checkpoint directory ``d``."""
+    from . import sharded
+    common = _torch_load(d / "common.pt")
+    rows = sharded.tensor_shapes(d).get("embedding.word_embeddings.weight", ((0,),))[0][0]
+    return common, model_config(_args(common.get("args"))), rows
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import sharded
+from ..checkpoint import megatron, sharded
 from ..checkpoint import state as cstate
 from ..checkpoint.compat import check_model_config
 from ..checkpoint.pieces import replicated_row
@@ -29,6 +29,8 @@ class Checkpointing:
         self.pending_save = None
         self._pinned: dict = {}  # reused pinned CPU buffers of --async-save
         self.ckpt_group = checkpoint_group(self.cfg)  # checkpoint collectives run on their own group
+        if self.cfg.ckpt.save:  # (Megatron's scripts often --save where they --load; its tracker must survive)
+            megatron.refuse_save_into(Path(self.cfg.ckpt.save))
 
     def _ckpt_pieces(self, optim: bool, rng: Optional[dict], masters_from: Optional[str] = None,
                      model_prefix: Optional[dict] = None, amax: Optional[torch.Tensor] = None) -> list:
@@ -96,15 +98,42 @@ class Checkpointing:
         """(the checkpoint directory to load or None, whether as --finetune): the latest under ``root`` (--load);
         where there is none, the latest under --pretrained-checkpoint, as --finetune (Megatron's rule)."""
         c = self.cfg.ckpt
-        d = sharded.find_checkpoint(root, self.ckpt_group, self.log.print, c.ckpt_step) if root else None
+        d = self._find(root, c.finetune) if root else None
         if d is not None or not c.pretrained_checkpoint:
             return d, c.finetune
-        d = sharded.find_checkpoint(c.pretrained_checkpoint, self.ckpt_group, self.log.print, c.ckpt_step)
+        d = self._find(c.pretrained_checkpoint, True)
         if d is None:
             raise sharded.CheckpointError(f"no checkpoint found in {root or '(no --load)'} nor in "
                                           f"--pretrained-checkpoint {c.pretrained_checkpoint}")
         self.log.print(f" no checkpoint found in {root or '(no --load)'}; fine-tuning from --pretrained-checkpoint {d}")
         return d, True
+
+    def _find(self, root: str, finetune: bool) -> Optional[Path]:
+        """The checkpoint directory under ``root`` (sharded.find_checkpoint), or, to fine-tune from it, the iteration
+        directory of Megatron-LM's own torch_dist checkpoint there (its other formats: refused by name)."""
+        step = self.cfg.ckpt.ckpt_step
+        if finetune and megatron.describe(Path(root), step) is not None:
+            d, _ = megatron.iteration_dir(Path(root), step)
+            if megatron.checkpoint_format(d) == "torch_dist":
+                return d
+        return sharded.find_checkpoint(root, self.ckpt_group, self.log.print, step)
+
+    def _load_megatron(self, d: Path) -> None:
+        """Fine-tune from the model weights of Megatron-LM's torch_dist checkpoint ``d``, read in this run's layout
+        (checkpoint/megatron.py: its names, its stacked layers); it has no paratron optimizer, scheduler or RNG
+        state, and Megatron's --finetune takes none."""
+        from ..config import Config, DataConfig
+        common, m, rows = megatron.dist_common(d)
+        saved = {"config": Config(model=m, data=DataConfig(vocab_size=rows)).to_dict(), "converted_from": "megatron"}
+        check_model_config(saved, self.cfg, d, self.log.print)  # before any tensor is read
+        pieces = megatron.dist_pieces(cstate.model_pieces(self.models, self.dims), d)
+        try:
+            sharded.load(d, pieces, self.ckpt_group)
+        finally:
+            self.optimizer.settle_checkpoint_views(loaded=False)
+        self.optimizer.reload_masters()
+        self.log.print(f" loaded the model weights of Megatron-LM's checkpoint {d} (iteration "
+                       f"{common.get('iteration')}) for fine-tuning")
 
     def load(self, root: Optional[str]) -> None:
         """Resume from the latest complete checkpoint under ``root`` (--load), in any parallel layout; where there is
@@ -116,6 +145,8 @@ class Checkpointing:
                 raise sharded.CheckpointError(f"no checkpoint found in {root} (--exit-on-missing-checkpoint)")
             self.log.print(f" no checkpoint found in {root}; training from scratch")
             return
+        if megatron.checkpoint_format(d) == "torch_dist":
+            return self._load_megatron(d)
         common = sharded.read_common(d)
         check_model_config(common, self.cfg, d, self.log.print)  # before any tensor is read
         saved = sharded.tensor_shapes(d)

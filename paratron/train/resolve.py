@@ -39,6 +39,8 @@ def apply_checkpoint_args(cfg: Config) -> None:
         return d if d is not None and (d / sharded.COMMON).is_file() else None
 
     d = latest(c.load) or latest(c.pretrained_checkpoint)
+    if d is None and _megatron_args(cfg):
+        return
     if d is None:
         if c.exit_on_missing_checkpoint:
             where = " or ".join(r for r in (c.load, c.pretrained_checkpoint) if r)
@@ -53,6 +55,25 @@ def apply_checkpoint_args(cfg: Config) -> None:
     for name in CHECKPOINT_DATA_FIELDS:
         if name in saved.get("data", {}):
             cfg.set(name, saved["data"][name])
+
+
+def _megatron_args(cfg: Config) -> bool:
+    """--use-checkpoint-args with Megatron-LM's own checkpoint under --load / --pretrained-checkpoint: the model and
+    tokenizer flags from the ``args`` it saved (checkpoint/megatron.py reads them under paratron's names)."""
+    from ..checkpoint import megatron
+    from pathlib import Path
+    c = cfg.ckpt
+    root = next((r for r in (c.load, c.pretrained_checkpoint) if r and megatron.describe(Path(r), c.ckpt_step)), None)
+    if root is None:
+        return False
+    model, args = megatron.saved_model_args(Path(root), c.ckpt_step)
+    for name, value in model.items():
+        if FIELD_SECTION.get(name) == "model":
+            cfg.set(name, value)
+    for name in CHECKPOINT_DATA_FIELDS:
+        if args.get(name) is not None:
+            cfg.set(name, args[name])
+    return True
 
 
 def check_device(cfg: Config) -> None:

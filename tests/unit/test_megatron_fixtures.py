@@ -29,3 +29,52 @@ def test_converted_megatron_checkpoint_gives_megatrons_logits(tmp_path, fmt, cas
         logits = model.eval()(ref["tokens"]).float()
     assert logits.shape == ref["logits"].shape
     assert (logits - ref["logits"]).abs().max() < 1e-4 * ref["logits"].abs().max()  # fp32: ~1e-6 of 5
+
+
+def _run_flags(flags: list, *extra) -> list:
+    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--num-workers", "0", "--eval-iters",
+            "0", "--seed", "3"]
+    return [f for f in flags if f not in ("--load", "--finetune")] + data + list(extra)
+
+
+@pytest.mark.parametrize("case", ["gpt_tp2", "moe_gg_tp2"])
+def test_finetune_loads_megatrons_torch_dist_checkpoint_directly(tmp_path, case):
+    """--load MEGATRON_DIR --finetune (and --pretrained-checkpoint; and with --use-checkpoint-args, the model flags
+    from Megatron's saved args) read Megatron's torch_dist files in the run's layout: the same weights and first
+    loss as the converted checkpoint."""
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args
+    from tests.unit.test_train import losses_of
+    flags = C.from_megatron(DATA / f"dist_{case}", tmp_path / "conv", log=lambda *a: None)
+    runs = {}
+    for name, given, extra in (("direct", flags, ["--load", str(DATA / f"dist_{case}"), "--finetune"]),
+                               ("pretrained", flags, ["--pretrained-checkpoint", str(DATA / f"dist_{case}")]),
+                               ("args", [], ["--load", str(DATA / f"dist_{case}"), "--finetune",
+                                             "--use-checkpoint-args"]),
+                               ("converted", flags, ["--load", str(tmp_path / "conv"), "--finetune"])):
+        t = Trainer(parse_args(_run_flags(given, *extra)))
+        weights = {k: v.clone() for k, v in t.models[0].state_dict().items()}
+        runs[name] = (weights, losses_of(t, 1)[0])
+        t.close()
+    for name in ("direct", "pretrained", "args"):
+        assert runs[name][0].keys() == runs["converted"][0].keys()
+        assert all(torch.equal(runs[name][0][k], v) for k, v in runs["converted"][0].items())
+        assert runs[name][1] == runs["converted"][1]
+
+
+def test_megatron_directories_are_not_resumed_nor_saved_into(tmp_path):
+    """Without --finetune there is no paratron state to resume (one line naming what reads it); --save into
+    Megatron's directory would replace its tracker: refused before anything is written."""
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args
+    flags = C.from_megatron(DATA / "dist_gpt_tp2", tmp_path / "conv", log=lambda *a: None)
+    with pytest.raises(Exception, match=r"Megatron-LM checkpoint \(torch_dist format, iter_0000010\): paratron reads "
+                                        r"its model weights with --finetune"):
+        Trainer(parse_args(_run_flags(flags, "--load", str(DATA / "dist_gpt_tp2"))))
+    with pytest.raises(Exception, match=r"paratron convert --from megatron"):  # (legacy files: converted first)
+        Trainer(parse_args(_run_flags(flags, "--load", str(DATA / "legacy_gpt_tp2"), "--finetune")))
+    before = sorted(p.name for p in (DATA / "dist_gpt_tp2").rglob("*"))
+    with pytest.raises(Exception, match=r"--save .* paratron's saves would replace its latest_checkpointed_"):
+        Trainer(parse_args(_run_flags(flags, "--save", str(DATA / "dist_gpt_tp2"))))
+    assert sorted(p.name for p in (DATA / "dist_gpt_tp2").rglob("*")) == before
