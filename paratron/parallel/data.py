@@ -325,11 +325,9 @@ def bucket_size_of(par, chunks: list) -> Optional[int]:
     return par.ddp_bucket_size if par.ddp_num_buckets is None else split_size(chunks, par.ddp_num_buckets)
 
 
-def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims, bucket_size: Optional[int] = None) -> DataParallel:
-    """DataParallel configured from the run's flags (``bucket_size``: :func:`bucket_size_of` the rank's chunks; by
-    default --ddp-bucket-size)."""
+def wrap_data_parallel(module: nn.Module, cfg, dims: ParallelDims, bucket_size: Optional[int]) -> DataParallel:
+    """DataParallel configured from the run's flags (``bucket_size``: :func:`bucket_size_of` the rank's chunks)."""
     par = cfg.parallel
-    bucket_size = par.ddp_bucket_size if bucket_size is None else bucket_size
     return DataParallel(module, dims, grad_dtype=grad_buffer_dtype(cfg), bucket_size=bucket_size,
                         overlap_grad_reduce=par.overlap_grad_reduce,
                         use_distributed_optimizer=par.use_distributed_optimizer,
