@@ -58,6 +58,9 @@ _DESTS = {"disable_bias_linear": [("add_bias_linear", True)],
 _NOT_BUILT = ("apply_residual_connection_post_layernorm", "qk_l2_norm", "mrope_section", "moe_apply_probs_on_input",
               "moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size", "dsa_indexer_n_heads",
               "heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json", "use_legacy_models")
+# paratron's name <-> Megatron Core's name in its torch_dist files (and Transformer Engine's fused norms anywhere)
+_LAYER_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"), ("mlp.experts.", "mlp.experts.experts."))
 _COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
 
 
@@ -92,16 +95,20 @@ def checkpoint_format(d: Path) -> Optional[str]:
     return None
 
 
-def describe(root: Path, iteration: Optional[int] = None) -> Optional[str]:
-    """A one-line description if ``root`` holds a Megatron-LM checkpoint (for --load's error), else None."""
+def locate(root: Path, iteration: Optional[int] = None) -> Optional[tuple[Path, str]]:
+    """(iteration directory, format) of the Megatron-LM checkpoint under ``root``, or None when it holds none."""
     try:
-        d, it = iteration_dir(Path(root), iteration)
+        d, _ = iteration_dir(Path(root), iteration)
     except ConversionError:
         return None
     fmt = checkpoint_format(d)
-    if fmt is None:
-        return None
-    return f"{root} holds a Megatron-LM checkpoint ({fmt} format, {d.name})"
+    return None if fmt is None else (d, fmt)
+
+
+def describe(root: Path, iteration: Optional[int] = None) -> Optional[str]:
+    """A one-line description if ``root`` holds a Megatron-LM checkpoint (for --load's error), else None."""
+    found = locate(root, iteration)
+    return None if found is None else f"{root} holds a Megatron-LM checkpoint ({found[1]} format, {found[0].name})"
 
 
 def refuse_megatron(root: Path, iteration: Optional[int] = None) -> None:
@@ -188,11 +195,11 @@ def _unstack(state: dict, args: dict) -> dict:
             v, k = torch.cat([v, state[k[:-2] + "_v"]], dim=-2), k[:-2]
         m = re.match(r"^(.*?decoder\.)layers\.(.*)$", k)
         if m is None or re.match(r"^\d+\.", m.group(2)):  # (heterogeneous layers keep a key per layer)
-            out[k.replace("mlp.experts.experts.", "mlp.experts.")] = v
+            out[k] = v
             continue
         if v.shape[0] != layers:
             raise ConversionError(f"{k}: {v.shape[0]} layers along its first dimension, the args say {layers}")
-        rest = m.group(2).replace("mlp.experts.experts.", "mlp.experts.")
+        rest = m.group(2)
         for i in range(layers):
             out[f"{m.group(1)}layers.{i}.{rest}"] = v[i].clone()
     return out
@@ -228,8 +235,9 @@ def _read_legacy(d: Path) -> tuple[dict, dict]:
     swiglu = bool(args.get("swiglu"))
     local = _local_experts(args)
     chunks = {}  # (virtual stage, pp, ep) -> merged state of that chunk
+    read = {any_file: first}  # (the file the args came from is not read again)
     for (pp, ep), by_tp in sorted(ranks.items()):
-        files = [_torch_load(by_tp[t]) for t in sorted(by_tp)]
+        files = [read.pop(by_tp[t], None) or _torch_load(by_tp[t]) for t in sorted(by_tp)]
         names = sorted(k for k in files[0] if re.fullmatch(r"model\d*", k))
         if not names:
             raise ConversionError(f"{by_tp[0]} holds no model state")
@@ -327,10 +335,6 @@ def _global_expert(rest: str, ep: int, args: dict) -> str:
 # Loading a torch_dist checkpoint straight into a run's pieces (--load DIR --finetune)
 # ----------------------------------------------------------------------------------------------
 
-_LAYER_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-                ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"), ("mlp.experts.", "mlp.experts.experts."))
-
-
 def dist_pieces(pieces: list, d: Path) -> list:
     """This rank's model pieces (paratron's ``model.`` keys, global shapes) as pieces of Megatron's torch_dist
     checkpoint ``d``: its names, a layer's tensor at its index along the stacked layer dimension (or under its own
@@ -361,8 +365,8 @@ def dist_pieces(pieces: list, d: Path) -> list:
 def saved_model_args(root: Path, iteration: Optional[int] = None) -> tuple[dict, dict]:
     """(paratron's model fields that the checkpoint's args set, the args) of Megatron checkpoint ``root``
     (--use-checkpoint-args): its common.pt (torch_dist) or a rank file's (legacy)."""
-    d, _ = iteration_dir(root, iteration)
-    files = [d / "common.pt"] if checkpoint_format(d) == "torch_dist" else sorted(d.glob(f"mp_rank_*/{LEGACY_FILE}"))
+    d, fmt = locate(root, iteration)
+    files = [d / "common.pt"] if fmt == "torch_dist" else sorted(d.glob(f"mp_rank_*/{LEGACY_FILE}"))
     args = _args(_torch_load(files[0]).get("args"))
     m = model_config(args)
     return {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}, args
@@ -384,8 +388,8 @@ def to_paratron(state: dict) -> dict:
     """Megatron Core state (whole tensors, global layer numbers) -> paratron's names and expert stacking."""
     out, experts = {}, defaultdict(dict)
     for k, v in state.items():
-        k = k.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
-        k = k.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
+        for ours, theirs in _LAYER_NAMES:
+            k = k.replace(theirs, ours)
         m = re.match(r"^(.*mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$", k)
         m = m or re.match(r"^(.*mlp\.experts\.)()(linear_fc[12]\.(?:weight|bias))(\d+)$", k)
         if m is not None:

@@ -112,10 +112,9 @@ class Checkpointing:
         """The checkpoint directory under ``root`` (sharded.find_checkpoint), or, to fine-tune from it, the iteration
         directory of Megatron-LM's own torch_dist checkpoint there (its other formats: refused by name)."""
         step = self.cfg.ckpt.ckpt_step
-        if finetune and megatron.describe(Path(root), step) is not None:
-            d, _ = megatron.iteration_dir(Path(root), step)
-            if megatron.checkpoint_format(d) == "torch_dist":
-                return d
+        found = megatron.locate(Path(root), step) if finetune else None
+        if found is not None and found[1] == "torch_dist":
+            return found[0]
         return sharded.find_checkpoint(root, self.ckpt_group, self.log.print, step)
 
     def _load_megatron(self, d: Path) -> None:

@@ -63,7 +63,7 @@ def _megatron_args(cfg: Config) -> bool:
     from ..checkpoint import megatron
     from pathlib import Path
     c = cfg.ckpt
-    root = next((r for r in (c.load, c.pretrained_checkpoint) if r and megatron.describe(Path(r), c.ckpt_step)), None)
+    root = next((r for r in (c.load, c.pretrained_checkpoint) if r and megatron.locate(Path(r), c.ckpt_step)), None)
     if root is None:
         return False
     model, args = megatron.saved_model_args(Path(root), c.ckpt_step)
