@@ -49,12 +49,17 @@ def apply_checkpoint_args(cfg: Config) -> None:
     saved = sharded.read_common(d).get("config")
     if not isinstance(saved, dict) or "model" not in saved:
         raise ConfigError(f"--use-checkpoint-args: {d} holds no paratron config; give the model flags instead")
-    for name, value in saved["model"].items():
+    _take(cfg, saved["model"], saved.get("data", {}))
+
+
+def _take(cfg: Config, model: dict, data: dict) -> None:
+    """A checkpoint's model fields and the tokenizer flags it holds into ``cfg``."""
+    for name, value in model.items():
         if FIELD_SECTION.get(name) == "model":
             cfg.set(name, value)
     for name in CHECKPOINT_DATA_FIELDS:
-        if name in saved.get("data", {}):
-            cfg.set(name, saved["data"][name])
+        if name in data:
+            cfg.set(name, data[name])
 
 
 def _megatron_args(cfg: Config) -> bool:
@@ -67,12 +72,7 @@ def _megatron_args(cfg: Config) -> bool:
     if root is None:
         return False
     model, args = megatron.saved_model_args(Path(root), c.ckpt_step)
-    for name, value in model.items():
-        if FIELD_SECTION.get(name) == "model":
-            cfg.set(name, value)
-    for name in CHECKPOINT_DATA_FIELDS:
-        if args.get(name) is not None:
-            cfg.set(name, args[name])
+    _take(cfg, model, {k: v for k, v in args.items() if v is not None})  # (Megatron's args hold every flag: unset None)
     return True
 
 
