@@ -18,8 +18,8 @@ spec's: Transformer Engine's norms fused into the next linear (``linear_qkv.laye
 ``linear_fc1.layer_norm_weight``) become ``input_layernorm`` / ``pre_mlp_layernorm``, a Transformer Engine grouped
 linear's ``weight{e}`` and ``local_experts.{e}`` become paratron's stacked ``experts.linear_fc1.weight`` [E, ...],
 and ``_extra_state`` (Transformer Engine's FP8 metadata) is dropped. The model config comes from the ``args``
-Megatron saved (paratron's config fields are Megatron's flag names). Optimizer, scheduler and RNG state are not
-read: the result is model weights, as from Hugging Face.
+Megatron saved (paratron's config fields are Megatron's flag names). Conversion reads the model weights, as from
+Hugging Face; resuming a run with its optimizer and scheduler state (``--load``) is megatron_state.py.
 
 The files are read by torch's weights-only loader: the ``args`` pickle's ``argparse.Namespace`` is allowed, and the
 other classes it names (Megatron's enums) are read as placeholders of those names, so no code from the file's
@@ -113,10 +113,11 @@ def describe(root: Path, iteration: Optional[int] = None) -> Optional[str]:
 
 def refuse_megatron(root: Path, iteration: Optional[int] = None) -> None:
     """A Megatron-LM checkpoint where paratron's own is looked for: one line naming what reads it."""
-    megatron = describe(root, iteration)
-    if megatron is not None:
-        raise CheckpointError(f"{megatron}: paratron reads its model weights with --finetune (torch_dist format) or "
-                              f"converted: paratron convert --from megatron --input {root} --save NEW_DIR")
+    found = locate(root, iteration)
+    if found is not None:
+        how = "training reads it with --load" if found[1] == "torch_dist" else "training reads the torch_dist format"
+        raise CheckpointError(f"{describe(root, iteration)}: {how}; convert it for everything else: "
+                              f"paratron convert --from megatron --input {root} --save NEW_DIR")
 
 
 def refuse_save_into(root: Path) -> None:
@@ -335,31 +336,39 @@ def _global_expert(rest: str, ep: int, args: dict) -> str:
 # Loading a torch_dist checkpoint straight into a run's pieces (--load DIR --finetune)
 # ----------------------------------------------------------------------------------------------
 
-def dist_pieces(pieces: list, d: Path) -> list:
-    """This rank's model pieces (paratron's ``model.`` keys, global shapes) as pieces of Megatron's torch_dist
-    checkpoint ``d``: its names, a layer's tensor at its index along the stacked layer dimension (or under its own
-    per-layer key where Megatron saved one). The views write through to the run's parameters."""
+def dist_pieces(pieces: list, d: Path, prefixes: Optional[dict] = None) -> list:
+    """This rank's pieces (paratron's keys, global shapes) as pieces of Megatron's torch_dist checkpoint ``d``: its
+    names, a layer's tensor at its index along the stacked layer dimension (or under its own per-layer key where
+    Megatron saved one). ``prefixes``: {paratron's key prefix: Megatron's, or a tuple of candidates (the first that
+    the checkpoint has wins)} (default: the model's, ``model.`` -> none; megatron_state.prefixes gives the
+    optimizer's too). The views write through to the run's tensors."""
     from . import sharded
-    from .pieces import Piece
-    saved = sharded.tensor_shapes(d)
-    layers = {k: s for k, (s, _) in saved.items()}
+    prefixes = prefixes or {"model.": ""}
+    layers = {k: s for k, (s, _) in sharded.tensor_shapes(d).items()}
     out = []
     for p in pieces:
-        key = p.key[len("model."):] if p.key.startswith("model.") else p.key
-        m = _LAYER.match(key)
-        if m is None:
-            out.append(Piece(key, p.shape, p.offsets, p.tensor, p.vocab_rows))
-            continue
-        pre, i, rest = m.group(1), int(m.group(2)), m.group(3)
-        names = [rest] + [rest.replace(a, b, 1) for a, b in _LAYER_NAMES if rest.startswith(a)]
-        stacked = [f"{pre}{r}" for r in names if f"{pre}{r}" in layers]
-        own = [f"{pre}{i}.{r}" for r in names if f"{pre}{i}.{r}" in layers]
-        if own or not stacked:
-            out.append(Piece(own[0] if own else f"{pre}{names[-1]}", p.shape, p.offsets, p.tensor))
-        else:
-            n = layers[stacked[0]][0]
-            out.append(Piece(stacked[0], (n, *p.shape), (i, *p.offsets), p.tensor.unsqueeze(0)))
+        ours = next((a for a in prefixes if p.key.startswith(a)), "")
+        options = prefixes.get(ours, "")
+        found = [_dist_piece(p, theirs, p.key[len(ours):], layers)
+                 for theirs in (options if isinstance(options, tuple) else (options,))]
+        out.append(next((piece for piece, saved in found if saved), found[0][0]))
     return out
+
+
+def _dist_piece(p, theirs: str, key: str, layers: dict) -> tuple:
+    """(``p`` as a piece of Megatron's tensor ``theirs + key``, whether the checkpoint has that tensor)."""
+    from .pieces import Piece
+    m = _LAYER.match(key)
+    if m is None:
+        return Piece(theirs + key, p.shape, p.offsets, p.tensor, p.vocab_rows), theirs + key in layers
+    pre, i, rest = theirs + m.group(1), int(m.group(2)), m.group(3)
+    names = [rest] + [rest.replace(a, b, 1) for a, b in _LAYER_NAMES if rest.startswith(a)]
+    stacked = [f"{pre}{r}" for r in names if f"{pre}{r}" in layers]
+    own = [f"{pre}{i}.{r}" for r in names if f"{pre}{i}.{r}" in layers]
+    if own or not stacked:
+        return Piece(own[0] if own else f"{pre}{names[-1]}", p.shape, p.offsets, p.tensor), bool(own)
+    n = layers[stacked[0]][0]
+    return Piece(stacked[0], (n, *p.shape), (i, *p.offsets), p.tensor.unsqueeze(0)), True
 
 
 def saved_model_args(root: Path, iteration: Optional[int] = None) -> tuple[dict, dict]:

@@ -115,6 +115,12 @@ def set_adam_step(optimizer, step: int) -> None:
         s["step"].fill_(step)
 
 
+def adam_shards(optimizer) -> list[tuple]:
+    """(parameter, first flattened element, fp32 master, {Adam state: its fp32 view}) of each master tensor."""
+    return [(p, lo, m, {s: checkpoint_view(optimizer.adam, m, s) for s in OPTIMIZER_STATES})
+            for p, lo, m in optimizer_shards(optimizer)]
+
+
 def optimizer_pieces(optimizer, models: list, dims: ParallelDims, masters_from: Optional[str] = None) -> list[Piece]:
     """Masters (when they are copies, i.e. mixed precision) and Adam moments of this rank.
     ``masters_from="model."`` reads the masters from the model weights (a checkpoint saved in fp32)."""

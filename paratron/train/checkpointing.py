@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 
 from ..checkpoint import megatron, sharded
+from ..checkpoint import megatron_buckets as buckets
+from ..checkpoint import megatron_state as mstate
 from ..checkpoint import state as cstate
 from ..checkpoint.compat import check_model_config
 from ..checkpoint.pieces import replicated_row
@@ -19,6 +21,7 @@ from ..checkpoint.strictness import apply_strictness
 from ..checkpoint.tokenizer_files import save_tokenizer
 from .. import fp8
 from ..parallel.random import rng_state, set_rng_state
+from ..parallel.zero import sharded_model_views
 from .distributed import checkpoint_group
 
 
@@ -109,30 +112,83 @@ class Checkpointing:
         return d, True
 
     def _find(self, root: str, finetune: bool) -> Optional[Path]:
-        """The checkpoint directory under ``root`` (sharded.find_checkpoint), or, to fine-tune from it, the iteration
-        directory of Megatron-LM's own torch_dist checkpoint there (its other formats: refused by name)."""
+        """The checkpoint directory under ``root`` (sharded.find_checkpoint), or the iteration directory of
+        Megatron-LM's own torch_dist checkpoint there (its legacy format: refused by name, convert it)."""
         step = self.cfg.ckpt.ckpt_step
-        found = megatron.locate(Path(root), step) if finetune else None
+        found = megatron.locate(Path(root), step)
         if found is not None and found[1] == "torch_dist":
             return found[0]
         return sharded.find_checkpoint(root, self.ckpt_group, self.log.print, step)
 
-    def _load_megatron(self, d: Path) -> None:
-        """Fine-tune from the model weights of Megatron-LM's torch_dist checkpoint ``d``, read in this run's layout
-        (checkpoint/megatron.py: its names, its stacked layers); it has no paratron optimizer, scheduler or RNG
-        state, and Megatron's --finetune takes none."""
+    def _load_megatron(self, d: Path, finetune: bool) -> None:
+        """Megatron-LM's torch_dist checkpoint ``d``, read in this run's layout (checkpoint/megatron.py: its names,
+        its stacked layers): the model weights, and, to resume (not --finetune, not a release checkpoint), its
+        optimizer state, LR schedule position, loss scale, iteration and consumed samples (megatron_state.py)."""
         from ..config import Config, DataConfig
         common, m, rows = megatron.dist_common(d)
         saved = {"config": Config(model=m, data=DataConfig(vocab_size=rows)).to_dict(), "converted_from": "megatron"}
         check_model_config(saved, self.cfg, d, self.log.print)  # before any tensor is read
-        pieces = megatron.dist_pieces(cstate.model_pieces(self.models, self.dims), d)
+        shapes = sharded.tensor_shapes(d)
+        finetune = finetune or d.name == "release"  # (Megatron: a release checkpoint starts at iteration 0)
+        optim = not (finetune or self.cfg.ckpt.no_load_optim)
+        if optim:
+            common = mstate.with_objects(common, d)
+            mstate.check_resumable(d, common, shapes, self.cfg.optim.optimizer)
+        pieces, checks = self._megatron_pieces(d, common, shapes, optim)
         try:
             sharded.load(d, pieces, self.ckpt_group)
+            if checks is not None:
+                buckets.verify(checks, self.ckpt_group, shapes["embedding.word_embeddings.weight"][1],
+                               not self.optimizer.mixed)
         finally:
-            self.optimizer.settle_checkpoint_views(loaded=False)
-        self.optimizer.reload_masters()
-        self.log.print(f" loaded the model weights of Megatron-LM's checkpoint {d} (iteration "
-                       f"{common.get('iteration')}) for fine-tuning")
+            self.optimizer.settle_checkpoint_views(loaded=optim)
+        iteration, consumed = mstate.position(common)
+        if not optim:
+            self.optimizer.reload_masters()
+            if finetune:
+                self.log.print(f" loaded the model weights of Megatron-LM's checkpoint {d} (iteration {iteration}) "
+                               "for fine-tuning")
+                return
+        else:
+            self._resume_megatron_optimizer(common)
+        self.iteration, self.consumed_samples, self.skipped = iteration, consumed, 0
+        self.log.print(f" resumed from Megatron-LM's checkpoint {d} at iteration {iteration} ({consumed} samples"
+                       f"{'' if optim else ', optimizer state not loaded'}); the random generators restart from "
+                       "--seed (Megatron's generator states are not paratron's)")
+
+    def _megatron_pieces(self, d: Path, common: dict, shapes: dict, optim: bool) -> tuple[list, Optional[list]]:
+        """(this rank's pieces of Megatron checkpoint ``d``, the checks of its bucketed optimizer state or None)."""
+        bucketed = optim and mstate.sharding_type(common) == "dp_reshardable"
+        masters = mstate.master_prefix(shapes)
+        prefix = {k: "optimizer.fp32_param." for p, k in cstate.param_keys(self.models).items()
+                  if p.dtype == torch.float32 and masters is not None}  # fp32 weights from Megatron's fp32 mains
+        from_model = "model." if optim and self.optimizer.mixed and masters is None else None
+        pieces = megatron.dist_pieces(self._ckpt_pieces(optim and not bucketed, None, from_model, prefix), d,
+                                      mstate.prefixes(shapes))
+        if not bucketed:
+            return pieces, None
+        args = megatron._args(common.get("args"))
+        buckets.check_layout(args, self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size)
+        if sharded_model_views(self.models) or (args.get("moe_grouped_gemm") and
+                                                args.get("moe_use_legacy_grouped_gemm")):
+            raise sharded.CheckpointError(f"{d}: Megatron's dp_reshardable optimizer state is not read with ZeRO-3 "
+                                          f"or into legacy grouped experts; {buckets.FIX}")
+        cstate.ensure_adam_state(self.optimizer)
+        chunks = [[(k, p) for p, k in cstate.param_keys([m]).items()] for m in self.models]
+        more, checks = buckets.pieces(cstate.adam_shards(self.optimizer), chunks, shapes, self.dims,
+                                      bool(args.get("moe_grouped_gemm")), self.optimizer.mixed)
+        return pieces + more, checks
+
+    def _resume_megatron_optimizer(self, common: dict) -> None:
+        cstate.set_adam_step(self.optimizer, mstate.adam_step(common))
+        scaler = mstate.scaler_state(common)
+        if scaler is not None:
+            self.optimizer.scaler.load_state_dict(scaler)
+        schedule = mstate.scheduler_state(common)
+        if schedule is not None:
+            self.scheduler.resume(schedule, self.cfg.optim)
+        self.optimizer.set_lr(*self.scheduler.lrs())
+        self.optimizer.reload_offloaded()
 
     def load(self, root: Optional[str]) -> None:
         """Resume from the latest complete checkpoint under ``root`` (--load), in any parallel layout; where there is
@@ -145,7 +201,7 @@ class Checkpointing:
             self.log.print(f" no checkpoint found in {root}; training from scratch")
             return
         if megatron.checkpoint_format(d) == "torch_dist":
-            return self._load_megatron(d)
+            return self._load_megatron(d, finetune)
         common = sharded.read_common(d)
         check_model_config(common, self.cfg, d, self.log.print)  # before any tensor is read
         saved = sharded.tensor_shapes(d)

@@ -1,0 +1,224 @@
+"""Megatron-LM's distributed optimizer state in its default torch_dist layout, ``dp_reshardable``, read into this run.
+
+Megatron saves that state as its gradient buffers: one 1-D tensor per bucket,
+``[chained_{i}.]optimizer.distributed.dp_group_idx_{g}.gbuf_idx_{b}.dtype_{dtypes}.bucket_idx_{k}.{param|exp_avg|
+exp_avg_sq}``, the concatenation over its data-parallel ranks of each rank's shard, cut to the bucket's unpadded size.
+``g`` is the rank in the model-parallel group (TP rank + TP x PP rank; for the routed experts, held by a second
+optimizer ``chained_1``, expert-TP rank + expert-TP x PP rank), ``b`` the model chunk (virtual pipeline stage).
+Inside a bucket the parameters lie in the reverse order of Megatron Core's ``named_parameters()`` of the chunk, each
+starting at a multiple of 64 elements; a bucket ends where a parameter ends (or, before the shared embedding, at the
+next aligned start). The tensors are not in the model's shape, so, as in Megatron, only the same tensor, pipeline
+and expert layout reads them (any data-parallel size does).
+
+paratron's parameters are Megatron Core's, one by one, but for the order inside the attention block (Megatron
+registers ``linear_proj`` before ``linear_qkv``) and the routed experts, which paratron stacks: Megatron's
+``SequentialMLP`` holds ``local_experts.{e}.linear_fc1/2`` one expert after the other, its grouped linear all of
+``linear_fc1`` then all of ``linear_fc2``. :func:`pieces` lays this rank's parameters out so, and reads each range of
+its optimizer shards from the bucket offsets. Because the layout is derived, not saved, :func:`verify` then compares
+the main weights read from the buckets with the model weights read from Megatron's model tensors: any other layout
+(Transformer Engine's own parameter order, say) is a one-line error, never silently misplaced moments.
+"""
+from __future__ import annotations
+
+import io
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from .pieces import CheckpointError, Piece, SafeReader
+
+_BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+"
+                     r"\.bucket_idx_(\d+)\.param$")
+_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)$")
+_ALIGN = 64  # Megatron's distributed optimizer starts each parameter at a multiple of 64 elements
+FIX = ("re-save it from Megatron with --dist-ckpt-optim-fully-reshardable (any layout reads that), or resume with "
+        "--no-load-optim")
+
+
+# ----------------------------------------------------------------------------------------------
+# What the checkpoint holds
+# ----------------------------------------------------------------------------------------------
+
+def buckets(saved: dict) -> dict:
+    """{(chain prefix, group, gbuf): [(bucket tensor name without the state, unpadded size), ...] by bucket}."""
+    out: dict = {}
+    for key, (shape, _) in saved.items():
+        m = _BUCKET.match(key)
+        if m is not None:
+            out.setdefault((m.group(1) or "", int(m.group(2)), int(m.group(3))), []).append(
+                (int(m.group(4)), key[:-len(".param")], int(shape[0])))
+    return {k: [(name, n) for _, name, n in sorted(v)] for k, v in out.items()}
+
+
+class _RawBytes(DefaultLoadPlanner):
+    """DCP's loader of byte objects, kept as bytes (its default unpickles them with weights_only=False)."""
+
+    def load_bytes(self, read_item, value):
+        self.original_state_dict[read_item.dest_index.fqn] = value.read()
+
+
+def objects(d: Path) -> dict:
+    """Megatron's non-tensor optimizer state saved as byte objects (each model-parallel group's param groups, step
+    and loss scaler), read with torch's weights-only loader: {name: object}."""
+    md = SafeReader(str(d)).read_metadata()
+    names = [k for k, v in md.state_dict_metadata.items() if not hasattr(v, "size") and ".optimizer/shard_" in k]
+    if not names:
+        return {}
+    raw = {k: io.BytesIO() for k in names}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(raw, storage_reader=SafeReader(str(d)), planner=_RawBytes(), no_dist=True)
+    try:
+        return {k: torch.load(io.BytesIO(v), weights_only=True) for k, v in raw.items()}
+    except Exception as e:  # noqa: BLE001 (a foreign object: one line)
+        raise CheckpointError(f"cannot read Megatron's optimizer state in {d}: {e.__class__.__name__}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron's order of this rank's parameters
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class _Span:
+    param: torch.nn.Parameter
+    first: int  # the span's first element in the parameter (flattened, this rank's part)
+    numel: int
+
+
+def _order_key(name: str) -> tuple:
+    """Megatron Core registers an attention block's output projection before its QKV projection."""
+    return (0,) if ".self_attention.linear_proj." in name else (1,)
+
+
+def megatron_params(named: list, grouped_experts: bool) -> list[tuple[str, _Span]]:
+    """(Megatron's name, span of a paratron parameter) in Megatron Core's ``named_parameters()`` order of a chunk
+    whose paratron parameters are ``named`` [(global name, parameter)] in paratron's order."""
+    out, i = [], 0
+    while i < len(named):
+        name, p = named[i]
+        block = re.match(r"^(.*\.self_attention\.)", name)
+        if block is not None:  # the attention block's parameters, in Megatron's order
+            j = i
+            while j < len(named) and named[j][0].startswith(block.group(1)):
+                j += 1
+            run = sorted(named[i:j], key=lambda t: _order_key(t[0]))  # (a stable sort)
+            out += [(n, _Span(q, 0, q.numel())) for n, q in run]
+            i = j
+            continue
+        m = _EXPERTS.match(name)
+        if m is None:
+            out.append((name, _Span(p, 0, p.numel())))
+            i += 1
+            continue
+        j = i
+        while j < len(named) and named[j][0].startswith(m.group(1)):
+            j += 1
+        out += _expert_spans(named[i:j], m.group(1), grouped_experts)
+        i = j
+    return out
+
+
+def _expert_spans(run: list, prefix: str, grouped: bool) -> list[tuple[str, _Span]]:
+    """The stacked experts [E, ...] of one layer as Megatron's per-expert parameters: SequentialMLP's
+    ``local_experts.{e}.linear_fc1/2.weight`` expert by expert, or the grouped linear's ``linear_fc1.weight{e}``."""
+    tensors = [(_EXPERTS.match(n), p) for n, p in run]
+    experts = tensors[0][1].shape[0]
+    per = [(m, p, p.numel() // experts) for m, p in tensors]
+    if grouped:
+        return [(f"{prefix}{m.group(2)}.{m.group(3)}{e}", _Span(p, e * n, n)) for m, p, n in per for e in range(experts)]
+    return [(f"{prefix}local_experts.{e}.{m.group(2)}.{m.group(3)}", _Span(p, e * n, n))
+            for e in range(experts) for m, p, n in per]
+
+
+def place(order: list[tuple[str, _Span]], sizes: list[tuple[str, int]]) -> list[tuple[_Span, str, int]]:
+    """(span, bucket tensor name, offset there) of each parameter laid out as Megatron's buffer lays ``order``
+    (reversed, each at a multiple of 64, a bucket ending where a parameter ends); ``sizes``: the saved buckets."""
+    out, k, at = [], 0, 0
+    for name, span in reversed(order):
+        start = -(-at // _ALIGN) * _ALIGN
+        if at and k < len(sizes) and start >= sizes[k][1]:  # (before the shared embedding: the aligned start)
+            k, start = k + 1, 0
+        if k >= len(sizes) or start + span.numel > sizes[k][1]:
+            raise CheckpointError(f"Megatron's distributed optimizer state does not lay out as this model's "
+                                  f"parameters (at {name}); {FIX}")
+        out.append((span, sizes[k][0], start))
+        at = start + span.numel
+        if at == sizes[k][1]:
+            k, at = k + 1, 0
+    if k != len(sizes):
+        raise CheckpointError(f"Megatron's distributed optimizer state holds more than this model's parameters; {FIX}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# This rank's optimizer shards as ranges of the buckets
+# ----------------------------------------------------------------------------------------------
+
+def check_layout(args: dict, dims, vpp: Optional[int]) -> None:
+    """Megatron reads its dp_reshardable state only at the layout it saved; so does paratron (any DP size)."""
+    theirs = {"--tensor-model-parallel-size": args.get("tensor_model_parallel_size") or 1,
+              "--pipeline-model-parallel-size": args.get("pipeline_model_parallel_size") or 1,
+              "--virtual-pipeline-model-parallel-size": args.get("virtual_pipeline_model_parallel_size") or 1,
+              "--expert-model-parallel-size": args.get("expert_model_parallel_size") or 1,
+              "--expert-tensor-parallel-size": args.get("expert_tensor_parallel_size")
+              or args.get("tensor_model_parallel_size") or 1}
+    ours = dict(zip(theirs, (dims.tp, dims.pp, vpp or 1, dims.ep, dims.etp)))
+    diff = [f"{flag} {ours[flag]} here, {v} in the checkpoint" for flag, v in theirs.items() if ours[flag] != v]
+    if diff:
+        raise CheckpointError("Megatron's distributed optimizer state (dp_reshardable) is read only at the layout it "
+                              f"was saved with: {'; '.join(diff)}; {FIX}")
+
+
+def pieces(shards: list, chunks: list[list], saved: dict, dims, grouped_experts: bool, masters: bool) -> tuple:
+    """(pieces, checks) reading this rank's optimizer shards ``shards`` [(parameter, first element, master, {state:
+    view})] from the buckets; ``chunks``: per model chunk, its [(global name, parameter)]. ``checks``: (parameter,
+    first element, tensor the bucket's main weights are read into) for :func:`verify` (the master itself, or a
+    scratch tensor when ``masters`` is False: the model is fp32 and its weights are the main weights)."""
+    saved_buckets = buckets(saved)
+    chained = any(chain for chain, _, _ in saved_buckets)
+    where: dict = {}  # parameter -> [(span, bucket name, offset)]
+    for c, named in enumerate(chunks):
+        for expert in (False, True):
+            mine = [(n, p) for n, p in named if (_EXPERTS.match(n) is not None) == expert]
+            if not mine:
+                continue
+            group = dims.etp_rank + dims.etp * dims.pp_rank if expert else dims.tp_rank + dims.tp * dims.pp_rank
+            key = (f"chained_{int(expert)}." if chained else "", group, c)
+            if key not in saved_buckets:
+                raise CheckpointError(f"Megatron's distributed optimizer state has no buffer {key[0]}dp_group_idx_"
+                                      f"{group}.gbuf_idx_{c} for this rank's {'expert' if expert else 'dense'} "
+                                      f"parameters; {FIX}")
+            for span, name, at in place(megatron_params(mine, grouped_experts), saved_buckets[key]):
+                where.setdefault(span.param, []).append((span, name, at, dict(saved_buckets[key])[name]))
+    out, checks = [], []
+    for p, lo, master, states in shards:
+        scratch = master if masters else torch.empty_like(master)
+        checks.append((p, lo, scratch))
+        for state, view in {**states, "param": scratch}.items():
+            flat = view.view(-1)
+            for span, name, at, size in where[p]:
+                a, b = max(lo, span.first), min(lo + flat.numel(), span.first + span.numel)
+                if a < b:
+                    out.append(Piece(f"{name}.{state}", (size,), (at + a - span.first,), flat[a - lo:b - lo]))
+    return out, checks
+
+
+def verify(checks: list, group, dtype: torch.dtype, into_weights: bool) -> None:
+    """The main weights read from the buckets must be the model's weights read from Megatron's model tensors (both
+    in ``dtype``, the checkpoint's model dtype): otherwise the derived layout is not Megatron's (checked on every
+    rank). ``into_weights``: then copy the main weights into the (fp32) model, as fp32 weights come from fp32 mains."""
+    from .sharded import _raise_if_any
+    bad = sum(not torch.equal(main.reshape(-1).to(dtype), p.detach().reshape(-1)[lo:lo + main.numel()].to(dtype))
+              for p, lo, main in checks)
+    _raise_if_any(None if not bad else f"Megatron's distributed optimizer state (dp_reshardable) is not laid out as "
+                  f"paratron derives it for this model ({bad} shards differ from the model weights); {FIX}", group)
+    if into_weights:
+        with torch.no_grad():
+            for p, lo, main in checks:
+                p.data.view(-1)[lo:lo + main.numel()].copy_(main.reshape(-1))

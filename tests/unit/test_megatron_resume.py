@@ -1,0 +1,141 @@
+"""``--load MEGATRON_DIR`` without ``--finetune``: resuming Megatron-LM's own torch_dist checkpoints with their optimizer
+state. The checkpoints in tests/data/megatron_ckpt/optim were saved by Megatron-LM (megatron-core 0.16.1) after 3
+iterations on the mock data paratron reads with ``--mock-data --split 1,1,1``; losses.json holds the losses of
+Megatron's uninterrupted run (iterations 1..6). paratron resumed at iteration 3 must continue with Megatron's losses:
+the optimizer's moments, Adam's step, the LR schedule's position and the consumed samples all enter them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratron.checkpoint import megatron_buckets as B
+from paratron.checkpoint.pieces import CheckpointError
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "megatron_ckpt" / "optim"
+WANT = json.loads((DATA / "losses.json").read_text())
+# the training flags of Megatron's run, and the data paratron reads as Megatron's mock samples
+FLAGS = ["--use-checkpoint-args", "--mock-data", "--split", "1,1,1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+         "127", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "6", "--lr", "1e-3",
+         "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--weight-decay", "0.1",
+         "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--num-workers",
+         "0", "--eval-iters", "0", "--seed", "3", "--log-interval", "1"]
+# case -> (this run's extra flags, tolerance on the loss): fp32 cases continue to float32 rounding; bf16 ones to the
+# difference of two bf16 forwards (the loss moves by 0.28 from step 4 to 5 when the moments are not loaded)
+CASES = {"distopt_dp2": ([], 2e-6), "moe_distopt_ep2_full": (["--moe-aux-loss-coeff", "0"], 2e-6),
+         "plain_tp2_bf16": (["--bf16"], 1e-2)}
+
+
+def trainer(case: str, *extra):
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args
+    return Trainer(parse_args(["--load", str(DATA / case), *FLAGS, *CASES.get(case, ([], 0))[0], *extra]))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resumed_megatron_checkpoint_continues_megatrons_run(case):
+    """distopt_dp2: the distributed optimizer's default dp_reshardable buckets (saved at DP 2, read at DP 1);
+    moe_distopt_ep2_full: fully_reshardable per-parameter state of a MoE (EP 2, experts stacked here);
+    plain_tp2_bf16: the plain optimizer at TP 2 with bf16 weights and fp32 mains."""
+    from tests.unit.test_train import losses_of
+    t = trainer(case)
+    assert (t.iteration, t.consumed_samples, t.scheduler.num_steps) == (3, 6, 6)
+    got = losses_of(t, 3)
+    t.close()
+    want, tol = WANT[case]["lm_loss"][3:], CASES[case][1]
+    assert all(abs(g - w) <= tol * abs(w) for g, w in zip(got, want)), (got, want)
+
+
+def test_without_the_optimizer_state_the_losses_differ():
+    """The control of the test above: the same resume with fresh moments (--no-load-optim, which also restarts the
+    LR schedule, as in Megatron) leaves Megatron's losses."""
+    from tests.unit.test_train import losses_of
+    t = trainer("distopt_dp2", "--no-load-optim")
+    got = losses_of(t, 3)
+    t.close()
+    assert abs(got[1] - WANT["distopt_dp2"]["lm_loss"][4]) > 0.1, got
+
+
+def test_a_wrongly_derived_bucket_layout_is_refused(monkeypatch):
+    """The layout of the buckets is derived (Megatron does not save it); were paratron's order not Megatron's (here:
+    the attention block's order not swapped), the main weights read back differ from the model's: refused."""
+    monkeypatch.setattr(B, "_order_key", lambda name: (0,))
+    with pytest.raises(CheckpointError, match=r"not laid out as paratron derives it for this model \(\d+ shards "
+                                              r"differ from the model weights\); re-save it from Megatron with "
+                                              r"--dist-ckpt-optim-fully-reshardable"):
+        trainer("distopt_dp2")
+
+
+def test_dp_reshardable_state_is_read_only_at_its_tensor_and_pipeline_layout():
+    with pytest.raises(CheckpointError, match=r"read only at the layout it was saved with: "
+                                              r"--tensor-model-parallel-size 1 here, 2 in the checkpoint"):
+        trainer("distopt_tp2_dp2_bf16", "--bf16")
+
+
+def _span(n: int) -> B._Span:
+    return B._Span(torch.nn.Parameter(torch.zeros(n)), 0, n)
+
+
+def test_bucket_placement_by_hand():
+    """Reversed order, each start a multiple of 64, a bucket ending where a parameter ends; before a shared embedding
+    Megatron closes the bucket at the next aligned start."""
+    a, b, c, d = _span(100), _span(10), _span(64), _span(30)
+    order = [("d", d), ("c", c), ("b", b), ("a", a)]  # laid out a, b, c | d
+    placed = B.place(order, [("k0", 256), ("k1", 30)])  # a at 0, b at 128 (not 100), c at 192 (not 138), d
+    assert [(s.numel, name, at) for s, name, at in placed] == [(100, "k0", 0), (10, "k0", 128), (64, "k0", 192),
+                                                               (30, "k1", 0)]
+    placed = B.place([("c", c), ("b", b), ("a", a)], [("k0", 138), ("k1", 64)])
+    assert [(s.numel, name, at) for s, name, at in placed] == [(100, "k0", 0), (10, "k0", 128), (64, "k1", 0)]
+    placed = B.place([("e", _span(64)), ("a", a)], [("k0", 128), ("k1", 64)])  # (the shared embedding's own bucket)
+    assert [(name, at) for _, name, at in placed] == [("k0", 0), ("k1", 0)]
+    with pytest.raises(CheckpointError, match="does not lay out as this model's parameters"):
+        B.place([("b", b), ("a", a)], [("k0", 100)])
+    with pytest.raises(CheckpointError, match="holds more than this model's parameters"):
+        B.place([("a", a)], [("k0", 100), ("k1", 64)])
+
+
+def test_megatron_order_of_attention_and_stacked_experts():
+    p = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in (("qkv", (6, 4)), ("proj", (4, 2)), ("fc1", (2, 3, 4)),
+                                                           ("fc2", (2, 4, 1)))}
+    named = [("l.0.self_attention.linear_qkv.weight", p["qkv"]), ("l.0.self_attention.linear_proj.weight", p["proj"]),
+             ("l.0.mlp.experts.linear_fc1.weight", p["fc1"]), ("l.0.mlp.experts.linear_fc2.weight", p["fc2"])]
+    seq = [(n, s.first, s.numel) for n, s in B.megatron_params(named, grouped_experts=False)]
+    assert seq == [("l.0.self_attention.linear_proj.weight", 0, 8), ("l.0.self_attention.linear_qkv.weight", 0, 24),
+                   ("l.0.mlp.experts.local_experts.0.linear_fc1.weight", 0, 12),
+                   ("l.0.mlp.experts.local_experts.0.linear_fc2.weight", 0, 4),
+                   ("l.0.mlp.experts.local_experts.1.linear_fc1.weight", 12, 12),
+                   ("l.0.mlp.experts.local_experts.1.linear_fc2.weight", 4, 4)]
+    grouped = [(n, s.first) for n, s in B.megatron_params(named, grouped_experts=True)][2:]
+    assert grouped == [("l.0.mlp.experts.linear_fc1.weight0", 0), ("l.0.mlp.experts.linear_fc1.weight1", 12),
+                       ("l.0.mlp.experts.linear_fc2.weight0", 0), ("l.0.mlp.experts.linear_fc2.weight1", 4)]
+
+
+def test_older_chained_optimizer_prefixes_resume_the_same(tmp_path):
+    """Megatron before chained_optim_avoid_prefix saved a MoE's per-parameter state under ``chained_0.`` (dense) and
+    ``chained_1.`` (experts): the same checkpoint so renamed resumes to the same losses."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from paratron.checkpoint import sharded
+    from tests.unit.test_train import losses_of
+    src = DATA / "moe_distopt_ep2_full" / "iter_0000003"
+    tensors = sharded.load_full(src)
+    renamed = {(f"chained_{int('.mlp.experts.' in k)}.{k}" if k.startswith("optimizer.state.") else k): v
+               for k, v in tensors.items()}
+    assert any(k.startswith("chained_1.") for k in renamed) and any(k.startswith("chained_0.") for k in renamed)
+    dst = tmp_path / "mlm" / "iter_0000003"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(renamed, storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
+    for name in ("common.pt", "metadata.json"):
+        shutil.copy(src / name, dst / name)
+    (tmp_path / "mlm" / "latest_checkpointed_iteration.txt").write_text("3")
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args
+    t = Trainer(parse_args(["--load", str(tmp_path / "mlm"), *FLAGS, "--moe-aux-loss-coeff", "0"]))
+    got = losses_of(t, 3)
+    t.close()
+    assert all(abs(g - w) <= 2e-6 * abs(w) for g, w in zip(got, WANT["moe_distopt_ep2_full"]["lm_loss"][3:])), got
