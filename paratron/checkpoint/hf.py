@@ -274,7 +274,7 @@ def _normalize_hf_names(hf_state: dict, family: str, tied: bool) -> dict:
     and with its causal-mask buffers (``attn.bias``/``attn.masked_bias``), old Llama ``rotary_emb.inv_freq``
     buffers, ``lm_head.weight`` stored next to tied embeddings (transformers ignores it then too), and
     transformers 5's fused in-memory experts (:func:`~paratron.checkpoint.hf_moe.per_expert_state`)."""
-    if family in MOE_FAMILIES + ("deepseek_v3",):
+    if family in MOE_FAMILIES + ("deepseek_v3", "qwen3_next"):
         hf_state = per_expert_state(hf_state, family)
     out = {}
     bare_gpt2 = family == "gpt2" and "transformer.wte.weight" not in hf_state and "wte.weight" in hf_state

@@ -40,9 +40,10 @@ FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES + ("dee
 _ARCHITECTURES = {**HYBRID_ARCHITECTURES, "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                   "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM"}
 # The dense family whose attention, norms and biases a mixture-of-experts family has.
-_BASE = {"mixtral": "mistral", "qwen3_moe": "qwen3"}
+_BASE = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
 # paratron's Llama-3 rope scaling has these fixed (paratron/model/layers.py: rope_inv_freq).
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -217,8 +218,8 @@ def _llama_config(d: dict, family: str) -> ModelConfig:
 
 def _biases(d: dict, family: str, base: str) -> tuple[bool, bool]:
     """(disable_bias_linear, add_qkv_bias) of a Llama-style config; ``base`` its dense family."""
-    if base == "qwen2":  # q/k/v biases only
-        return True, True
+    if base == "qwen2":  # q/k/v biases only (Qwen2-MoE's: its qkv_bias)
+        return True, bool(d.get("qkv_bias", True))
     if base in ("llama", "qwen3"):
         attn_bias = bool(d.get("attention_bias", False))
         mlp_bias = bool(d.get("mlp_bias", False)) if base == "llama" else False
@@ -289,6 +290,8 @@ def check_representable(cfg: ModelConfig, family: str) -> None:
          else "no --qk-layernorm (use " + ("qwen3_moe)" if cfg.num_experts else "qwen3)"))
     if family == "qwen2":
         need(cfg.disable_bias_linear and cfg.add_qkv_bias, "needs --disable-bias-linear --add-qkv-bias")
+    elif family == "qwen2_moe":
+        need(cfg.disable_bias_linear, "needs --disable-bias-linear (with or without --add-qkv-bias)")
     elif base == "mistral":
         need(cfg.disable_bias_linear and not cfg.add_qkv_bias, "needs --disable-bias-linear and no --add-qkv-bias")
     else:  # llama (attention_bias = mlp_bias) and qwen3 (attention_bias only)
@@ -332,8 +335,10 @@ def hf_config_from_model_config(cfg: ModelConfig, vocab_size: int, family: str) 
         out.update(attention_bias=not cfg.disable_bias_linear, mlp_bias=not cfg.disable_bias_linear)
     elif family in ("mistral", "mixtral"):
         out.update(sliding_window=None)
-    elif family == "qwen2":
+    elif family in ("qwen2", "qwen2_moe"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+        if family == "qwen2_moe":
+            out["qkv_bias"] = cfg.add_qkv_bias
     elif family in ("qwen3", "qwen3_moe"):
         out.update(attention_bias=not cfg.disable_bias_linear, use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg.num_layers)

@@ -155,15 +155,17 @@ def hybrid_rows(cfg: ModelConfig, family: str) -> dict[str, tuple[tuple[str, ...
 
 
 # ----------------------------------------------------------------------------------------------
-# Qwen3-Next: Gated DeltaNet layers beside gated attention, in a GPT stack (dense MLP layers only here)
+# Qwen3-Next: Gated DeltaNet layers beside gated attention, in a GPT stack, with MoE or dense MLPs
 # ----------------------------------------------------------------------------------------------
 
 def qwen3_next_model_config(d: dict, need: Callable) -> ModelConfig:
-    """Qwen3NextForCausalLM's config.json -> ModelConfig (every MLP dense: ``mlp_only_layers`` covers the layers)."""
+    """Qwen3NextForCausalLM's config.json -> ModelConfig: its MoE layers (router, experts, the gated shared expert;
+    hf_moe.py) where ``num_experts`` > 0, except ``mlp_only_layers``; dense SwiGLU MLPs of ``intermediate_size``
+    elsewhere."""
+    from .hf_moe import moe_config_kwargs
     n = int(d["num_hidden_layers"])
     dense = d.get("num_experts", 0) == 0 or set(range(n)) <= set(d.get("mlp_only_layers") or [])
-    need(dense, "dense MLP layers only (mlp_only_layers listing every layer): its mixture-of-experts layers have "
-         "no mapping in paratron yet")
+    moe = {} if dense else moe_config_kwargs(d, "qwen3_next", n)
     need(not d.get("attention_bias"), "attention without biases")
     types = d.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
     rope = d.get("rope_parameters") or {}
@@ -183,7 +185,7 @@ def qwen3_next_model_config(d: dict, need: Callable) -> ModelConfig:
         linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
         linear_key_head_dim=int(d["linear_key_head_dim"]), linear_value_head_dim=int(d["linear_value_head_dim"]),
         linear_num_key_heads=int(d["linear_num_key_heads"]), linear_num_value_heads=int(d["linear_num_value_heads"]),
-        init_method_std=float(d.get("initializer_range", 0.02)))
+        init_method_std=float(d.get("initializer_range", 0.02)), **moe)
 
 
 def check_qwen3_next(cfg: ModelConfig, need: Callable) -> None:
@@ -193,7 +195,10 @@ def check_qwen3_next(cfg: ModelConfig, need: Callable) -> None:
          and cfg.attention_output_gate and cfg.disable_bias_linear and cfg.position_embedding_type == "rope",
          "--swiglu --normalization RMSNorm --apply-layernorm-1p --qk-layernorm --attention-output-gate "
          "--disable-bias-linear --position-embedding-type rope")
-    need(cfg.num_experts is None and not cfg.mtp_num_layers, "dense MLPs, no multi-token prediction")
+    need(not cfg.mtp_num_layers, "no multi-token prediction")
+    if cfg.num_experts is not None:
+        from .hf_moe import check_moe_representable
+        check_moe_representable(cfg, "qwen3_next", need)
 
 
 def qwen3_next_hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -208,11 +213,20 @@ def qwen3_next_hf_config(cfg: ModelConfig) -> dict[str, Any]:
                                  "partial_rotary_factor": cfg.rotary_percent},
                 linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, linear_key_head_dim=cfg.linear_key_head_dim,
                 linear_value_head_dim=cfg.linear_value_head_dim, linear_num_key_heads=cfg.linear_num_key_heads,
-                linear_num_value_heads=cfg.linear_num_value_heads, num_experts=0,
-                mlp_only_layers=list(range(cfg.num_layers)), decoder_sparse_step=1)
+                linear_num_value_heads=cfg.linear_num_value_heads,
+                **(_qwen3_next_moe(cfg) if cfg.num_experts is not None else
+                   dict(num_experts=0, mlp_only_layers=list(range(cfg.num_layers)), decoder_sparse_step=1)))
+
+
+def _qwen3_next_moe(cfg: ModelConfig) -> dict[str, Any]:
+    from .hf_moe import hf_moe_config
+    return hf_moe_config(cfg, "qwen3_next")
 
 
 def qwen3_next_rows(cfg: ModelConfig, specs) -> dict[str, tuple[tuple[str, ...], str]]:
+    from ..config.layer_patterns import parse_moe_layer_freq
+    from .hf_moe import moe_layer_rows
+    moe = parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers) if cfg.num_experts else [0] * cfg.num_layers
     rows = {"embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab"),
             "decoder.final_layernorm.weight": (("model.norm.weight",), "copy"),
             "output_layer.weight": (("lm_head.weight",), "vocab")}
@@ -220,8 +234,11 @@ def qwen3_next_rows(cfg: ModelConfig, specs) -> dict[str, tuple[tuple[str, ...],
         hp, pp = f"model.layers.{s.index}.", f"decoder.layers.{s.index}."
         rows[pp + "input_layernorm.weight"] = ((hp + "input_layernorm.weight",), "copy")
         rows[pp + "pre_mlp_layernorm.weight"] = ((hp + "post_attention_layernorm.weight",), "copy")
-        rows[pp + "mlp.linear_fc1.weight"] = ((hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"), "gate_up")
-        rows[pp + "mlp.linear_fc2.weight"] = ((hp + "mlp.down_proj.weight",), "copy")
+        if moe[s.index]:
+            rows.update({pp + p: (tuple(hp + n for n in hf), how) for p, hf, how in moe_layer_rows(cfg, "qwen3_next")})
+        else:
+            rows[pp + "mlp.linear_fc1.weight"] = ((hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"), "gate_up")
+            rows[pp + "mlp.linear_fc2.weight"] = ((hp + "mlp.down_proj.weight",), "copy")
         a, m = pp + "self_attention.", hp + ("linear_attn." if s.mixer == "gdn" else "self_attn.")
         if s.mixer == "gdn":
             rows[a + "in_proj.weight"] = ((m + "in_proj_qkvz.weight", m + "in_proj_ba.weight"), "qkvz_ba")

@@ -1,4 +1,5 @@
-"""The mixture-of-experts side of the Hugging Face conversion: Mixtral and Qwen3-MoE.
+"""The mixture-of-experts side of the Hugging Face conversion: Mixtral, Qwen2-MoE, Qwen3-MoE and Qwen3-Next's MoE
+blocks.
 
 Both families are Llama-style decoders (:mod:`paratron.checkpoint.hf_config` reads and writes their
 attention, norms and RoPE as for ``mistral`` and ``qwen3``) whose MLP is, in some or all layers, a
@@ -15,6 +16,10 @@ those k (``--moe-router-pre-softmax`` off), or a softmax over all experts and it
 renormalised (on). Mixtral (softmax over all experts, top-k, divided by their sum) equals the
 first; Qwen3-MoE's ``norm_topk_prob: true`` the first, ``false`` the second.
 
+Shared expert. Qwen2-MoE's and Qwen3-Next's MoE blocks add a SwiGLU ``shared_expert`` whose output is scaled by
+``sigmoid(shared_expert_gate(x))``, one gate per token: paratron's ``--moe-shared-expert-intermediate-size``
+with ``--moe-shared-expert-gate`` (Megatron's SharedExpertMLP with its gate).
+
 Layer placement. Qwen3-MoE's layer i is MoE when i is not in ``mlp_only_layers`` and
 ``(i + 1) % decoder_sparse_step == 0``; Megatron's ``--moe-layer-freq k`` makes layers 0, k, 2k, ...
 MoE. So placements other than "every layer" are written as the explicit 0/1 list that
@@ -30,18 +35,21 @@ import torch
 from ..config import ModelConfig
 from ..config.layer_patterns import parse_moe_layer_freq
 
-__all__ = ["MOE_FAMILIES", "moe_config_kwargs", "hf_moe_config", "check_moe_representable", "moe_layer_rows",
+__all__ = ["MOE_FAMILIES", "GATED_SHARED",
+           "moe_config_kwargs", "hf_moe_config", "check_moe_representable", "moe_layer_rows",
            "stack_experts", "unstack_experts", "stack_expert_gate_up", "unstack_expert_gate_up", "per_expert_state"]
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 # family -> (the MoE block's prefix inside a layer in checkpoint files, expert names of gate, up, down)
 _FILE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
                "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
-               "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}  # (hf_deepseek.py: its config)
+               "qwen2_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+               "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj")),  # (hf_deepseek.py: its config)
+               "qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}  # (hf_hybrid.py: its config)
+# families whose MoE block has a shared expert behind a sigmoid gate (shared_expert, shared_expert_gate)
+GATED_SHARED = ("qwen3_next", "qwen2_moe")
 # MoE model types paratron does not convert, and the feature that stops it.
 REFUSED_MOE = {
-    "qwen2_moe": "the converter does not map it (its sigmoid-gated shared expert, shared_expert_gate, is "
-                 "--moe-shared-expert-gate in training, but no qwen2_moe tensor mapping exists)",
     "deepseek_v2": "its routing (softmax scores, group-limited by the best expert of each group) is not mapped; "
                    "deepseek_v3 converts",
     "olmoe": "its q/k norms span all heads (paratron's --qk-layernorm is per head)",
@@ -73,26 +81,32 @@ def moe_config_kwargs(d: dict, family: str, num_layers: int) -> dict:
     experts = d.get("num_local_experts", d.get("num_experts"))
     if not experts:
         raise _error(f"{family} config has no experts (num_local_experts / num_experts is {experts!r}); "
-                     "a model without experts converts as " + ("mistral" if family == "mixtral" else "qwen3"))
+                     "a model without experts converts as "
+                     + ("mistral" if family == "mixtral" else family.split("_")[0]))
     if float(d.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
         raise _error(f"router_jitter_noise {d['router_jitter_noise']} is not supported: paratron's router has no "
                      "input jitter (set it to 0.0)")
-    if d.get("shared_expert_intermediate_size"):
-        raise _error(f"{family} with shared_expert_intermediate_size {d['shared_expert_intermediate_size']} is not "
-                     "supported: neither Mixtral nor Qwen3-MoE has a shared expert")
+    shared = int(d.get("shared_expert_intermediate_size") or 0)
+    if shared and family not in GATED_SHARED:
+        raise _error(f"{family} with shared_expert_intermediate_size {shared} is not "
+                     "supported: neither Mixtral nor Qwen3-MoE has a shared expert (Qwen2-MoE and Qwen3-Next do)")
+    if family in GATED_SHARED and not shared:
+        raise _error(f"{family} config has shared_expert_intermediate_size {shared}: its MoE block always has a "
+                     "shared expert (transformers builds one); set its size")
     pattern = _moe_pattern(d, family, num_layers)
     if not any(pattern):
         raise _error(f"{family} config places no MoE layer (decoder_sparse_step / mlp_only_layers); "
-                     "a model without experts converts as qwen3")
+                     "a model without experts converts as " + family.split("_")[0])
     size_key = "intermediate_size" if family == "mixtral" else "moe_intermediate_size"
     if d.get(size_key) is None:
         raise _error(f"config.json has no {size_key!r}")
+    gated = dict(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True) if shared else {}
     return dict(
         num_experts=int(experts), moe_router_topk=int(d.get("num_experts_per_tok", 2)),
-        moe_ffn_hidden_size=int(d[size_key]),
+        moe_ffn_hidden_size=int(d[size_key]), **gated,
         moe_layer_freq="1" if all(pattern) else "[" + ",".join(map(str, pattern)) + "]",
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=float(d.get("router_aux_loss_coef", 0.0)),
-        moe_router_pre_softmax=family == "qwen3_moe" and not d.get("norm_topk_prob", False))
+        moe_router_pre_softmax=family != "mixtral" and not d.get("norm_topk_prob", False))
 
 
 def hf_moe_config(cfg: ModelConfig, family: str) -> dict:
@@ -108,6 +122,8 @@ def hf_moe_config(cfg: ModelConfig, family: str) -> dict:
     out.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size,
                norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
+    if family in GATED_SHARED:
+        out["shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size
     return out
 
 
@@ -115,17 +131,21 @@ def check_moe_representable(cfg: ModelConfig, family: str, need) -> None:
     """``need(cond, what)`` for every MoE setting that ``family`` cannot express (cfg resolved).
     Training-only settings (aux-loss type, z-loss, dispatcher, grouped GEMM, router dtype) do not
     change the network and pass; only router_aux_loss_coef is written."""
-    if family not in MOE_FAMILIES:
+    if family not in MOE_FAMILIES + GATED_SHARED:
         need(cfg.num_experts is None, "mixture-of-experts layers (--num-experts): use --family mixtral or qwen3_moe")
         return
     need(cfg.num_experts is not None, "needs --num-experts (a dense model: use "
-         + ("mistral or llama)" if family == "mixtral" else "qwen3)"))
+         + ("mistral or llama)" if family == "mixtral" else family.split("_")[0] + ")"))
     need(cfg.moe_router_score_function == "softmax", "needs --moe-router-score-function softmax")
     need(not cfg.moe_router_enable_expert_bias, "no expert bias (--moe-router-enable-expert-bias)")
     need(cfg.moe_router_topk_scaling_factor is None, "no --moe-router-topk-scaling-factor")
     need(cfg.moe_expert_capacity_factor is None, "dropless routing only (no --moe-expert-capacity-factor)")
-    need(cfg.moe_shared_expert_intermediate_size is None, "no shared experts (--moe-shared-expert-intermediate-size, "
-         "gated or not)")
+    if family in GATED_SHARED:
+        need(cfg.moe_shared_expert_intermediate_size is not None and cfg.moe_shared_expert_gate,
+             "a shared expert behind a sigmoid gate (--moe-shared-expert-intermediate-size, --moe-shared-expert-gate)")
+    else:
+        need(cfg.moe_shared_expert_intermediate_size is None, "no shared experts (--moe-shared-expert-intermediate-"
+             "size, gated or not)")
     need(cfg.moe_router_load_balancing_type != "sinkhorn", "top-k routing: Sinkhorn routing (--moe-router-load-"
          "balancing-type sinkhorn) weights its experts by sigmoid/softmax scores the HF router does not compute")
     need(cfg.moe_router_group_topk is None, "no group-limited routing (--moe-router-group-topk)")
@@ -148,9 +168,15 @@ def moe_layer_rows(cfg: ModelConfig, family: str) -> list[tuple[str, tuple[str, 
     experts = range(cfg.num_experts)
     fc1 = tuple(f"{block}experts.{e}.{w}.weight" for e in experts for w in (gate, up))
     fc2 = tuple(f"{block}experts.{e}.{down}.weight" for e in experts)
-    return [("mlp.router.weight", (f"{block}gate.weight",), "copy"),
+    rows = [("mlp.router.weight", (f"{block}gate.weight",), "copy"),
             ("mlp.experts.linear_fc1.weight", fc1, "experts_gate_up"),
             ("mlp.experts.linear_fc2.weight", fc2, "experts")]
+    if family in GATED_SHARED:  # the shared expert (a SwiGLU MLP) and its gate
+        rows += [("mlp.shared_experts.linear_fc1.weight",
+                  (f"{block}shared_expert.{gate}.weight", f"{block}shared_expert.{up}.weight"), "gate_up"),
+                 ("mlp.shared_experts.linear_fc2.weight", (f"{block}shared_expert.{down}.weight",), "copy"),
+                 ("mlp.shared_experts.gate_weight", (f"{block}shared_expert_gate.weight",), "copy")]
+    return rows
 
 
 def stack_experts(ts: list) -> torch.Tensor:

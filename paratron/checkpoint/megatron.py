@@ -45,6 +45,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.(.*)$")
+# a GPT model's MTP layer: paratron's (and Megatron Core's in-memory) mtp_model_layer is transformer_layer in files
+_MTP = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.(.*)$")
 # Megatron flags its args hold under another name (store_false flags, and flags generated from Megatron Core's
 # config fields): paratron field <- [(dest, inverted)], the first one present that holds a value
 _DESTS = {"disable_bias_linear": [("add_bias_linear", True)],
@@ -358,6 +360,13 @@ def dist_pieces(pieces: list, d: Path, prefixes: Optional[dict] = None) -> list:
 def _dist_piece(p, theirs: str, key: str, layers: dict) -> tuple:
     """(``p`` as a piece of Megatron's tensor ``theirs + key``, whether the checkpoint has that tensor)."""
     from .pieces import Piece
+    mtp = _MTP.match(key)
+    if mtp is not None:
+        rest = mtp.group(2)
+        names = [f"{theirs}{mtp.group(1)}transformer_layer.{r}" for r in
+                 [rest] + [rest.replace(a, b, 1) for a, b in _LAYER_NAMES if rest.startswith(a)]]
+        found = [n for n in names if n in layers]
+        return Piece((found or names)[0], p.shape, p.offsets, p.tensor), bool(found)
     m = _LAYER.match(key)
     if m is None:
         return Piece(theirs + key, p.shape, p.offsets, p.tensor, p.vocab_rows), theirs + key in layers
@@ -399,6 +408,7 @@ def to_paratron(state: dict) -> dict:
     for k, v in state.items():
         for ours, theirs in _LAYER_NAMES:
             k = k.replace(theirs, ours)
+        k = re.sub(r"^(mtp\.layers\.\d+\.)transformer_layer\.", r"\1mtp_model_layer.", k)
         m = re.match(r"^(.*mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$", k)
         m = m or re.match(r"^(.*mlp\.experts\.)()(linear_fc[12]\.(?:weight|bias))(\d+)$", k)
         if m is not None:

@@ -4,7 +4,7 @@ Megatron saves that state as its gradient buffers: one 1-D tensor per bucket,
 ``[chained_{i}.]optimizer.distributed.dp_group_idx_{g}.gbuf_idx_{b}.dtype_{dtypes}.bucket_idx_{k}.{param|exp_avg|
 exp_avg_sq}``, the concatenation over its data-parallel ranks of each rank's shard, cut to the bucket's unpadded size.
 ``g`` is the rank in the model-parallel group (TP rank + TP x PP rank; for the routed experts, held by a second
-optimizer ``chained_1``, expert-TP rank + expert-TP x PP rank), ``b`` the model chunk (virtual pipeline stage).
+optimizer ``chained_1``, the rank in the expert-TP x EP x PP group), ``b`` the model chunk (virtual pipeline stage).
 Inside a bucket the parameters lie in the reverse order of Megatron Core's ``named_parameters()`` of the chunk, each
 starting at a multiple of 64 elements; a bucket ends where a parameter ends (or, before the shared embedding, at the
 next aligned start). The tensors are not in the model's shape, so, as in Megatron, only the same tensor, pipeline
@@ -131,7 +131,8 @@ def _expert_spans(run: list, prefix: str, grouped: bool) -> list[tuple[str, _Spa
     experts = tensors[0][1].shape[0]
     per = [(m, p, p.numel() // experts) for m, p in tensors]
     if grouped:
-        return [(f"{prefix}{m.group(2)}.{m.group(3)}{e}", _Span(p, e * n, n)) for m, p, n in per for e in range(experts)]
+        return [(f"{prefix}{m.group(2)}.{m.group(3)}{e}", _Span(p, e * n, n))
+                for m, p, n in per for e in range(experts)]
     return [(f"{prefix}local_experts.{e}.{m.group(2)}.{m.group(3)}", _Span(p, e * n, n))
             for e in range(experts) for m, p, n in per]
 
@@ -188,7 +189,8 @@ def pieces(shards: list, chunks: list[list], saved: dict, dims, grouped_experts:
             mine = [(n, p) for n, p in named if (_EXPERTS.match(n) is not None) == expert]
             if not mine:
                 continue
-            group = dims.etp_rank + dims.etp * dims.pp_rank if expert else dims.tp_rank + dims.tp * dims.pp_rank
+            group = (dims.etp_rank + dims.etp * (dims.ep_rank + dims.ep * dims.pp_rank) if expert
+                     else dims.tp_rank + dims.tp * dims.pp_rank)
             key = (f"chained_{int(expert)}." if chained else "", group, c)
             if key not in saved_buckets:
                 raise CheckpointError(f"Megatron's distributed optimizer state has no buffer {key[0]}dp_group_idx_"

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen3-MoE <-> paratron: tiny random transformers models give paratron's logits (fp32,
+"""Mixtral, Qwen2-MoE and Qwen3-MoE <-> paratron: tiny random transformers models give paratron's logits (fp32,
 within 1e-5) whichever way they are converted; Hugging Face -> paratron -> Hugging Face is exact (the
 per-expert checkpoint files, and transformers 5's fused in-memory experts); `paratron convert --from hf`
 gives a checkpoint that `pretrain_gpt.py` trains from starting at the Hugging Face model's loss, and
@@ -41,6 +41,10 @@ CASES = {
     # decoder_sparse_step 2: layer 0 dense, layer 1 MoE
     "qwen3_moe-pre-softmax-step2": ("qwen3_moe", dict(_BASE, num_experts=4, moe_intermediate_size=48,
                                                       norm_topk_prob=False, decoder_sparse_step=2, head_dim=16)),
+    # Qwen2-MoE: q/k/v biases, the sigmoid-gated shared expert (--moe-shared-expert-gate), softmax over all experts
+    # without renormalisation (its default norm_topk_prob false); a dense layer 1
+    "qwen2_moe-shared-expert": ("qwen2_moe", dict(_BASE, num_experts=4, moe_intermediate_size=48,
+                                                  shared_expert_intermediate_size=40, mlp_only_layers=[1])),
 }
 
 
@@ -145,9 +149,11 @@ def test_errors_are_one_line_and_name_the_feature():
         assert "\n" not in str(e.value)
         return str(e.value)
 
-    qwen2_moe = dict(_BASE, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=48,
-                     shared_expert_intermediate_size=64)
-    assert "shared_expert_gate" in err(HC.model_config_from_hf, qwen2_moe)
+    olmoe = dict(_BASE, model_type="olmoe", num_experts=4)
+    assert "q/k norms span all heads" in err(HC.model_config_from_hf, olmoe)
+    no_shared = dict(_BASE, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=48,
+                     shared_expert_intermediate_size=0)
+    assert "always has a shared expert" in err(HC.model_config_from_hf, no_shared)
     jitter = dict(_BASE, model_type="mixtral", num_local_experts=4, router_jitter_noise=0.1)
     assert "router_jitter_noise 0.1" in err(HC.model_config_from_hf, jitter)
     shared = dict(_BASE, model_type="qwen3_moe", num_experts=4, moe_intermediate_size=48,

@@ -1,6 +1,6 @@
 """``paratron convert --from megatron`` on checkpoints Megatron-LM itself wrote (tests/data/megatron_ckpt: Megatron
-Core 0.16.1's save_checkpoint at TP 2, dense and MoE, torch_dist and legacy): the converted paratron model computes
-Megatron's logits."""
+Core 0.16.1's save_checkpoint at TP 2, dense and MoE, torch_dist and legacy; a dense model with an MTP layer at TP 1):
+the converted paratron model computes Megatron's logits (and its MTP head's)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from paratron.model.gpt import GPTModel
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "megatron_ckpt"
 CASES = [("dist", "gpt_tp2"), ("legacy", "gpt_tp2"), ("legacy", "moe_seq_tp2"), ("dist", "moe_gg_tp2"),
-         ("legacy", "moe_gg_tp2")]
+         ("legacy", "moe_gg_tp2"), ("dist", "mtp_tp1")]
 
 
 @pytest.mark.parametrize("fmt,case", CASES, ids=[f"{f}-{c}" for f, c in CASES])
@@ -38,7 +38,28 @@ def _run_flags(flags: list, *extra) -> list:
     return [f for f in flags if f not in ("--load", "--finetune")] + data + list(extra)
 
 
-@pytest.mark.parametrize("case", ["gpt_tp2", "moe_gg_tp2"])
+def test_converted_mtp_head_gives_megatrons_mtp_logits(tmp_path):
+    """Megatron saves a GPT model's MTP layer as ``mtp.layers.{k}.transformer_layer.`` (Megatron Core's in-memory and
+    paratron's ``mtp_model_layer``): converted, the first prediction depth's logits (token t + 2) equal Megatron's."""
+    ref = torch.load(DATA / "reference_mtp_tp1.pt", weights_only=True)
+    C.from_megatron(DATA / "dist_mtp_tp1", tmp_path / "out", log=lambda *a: None)
+    cfg, _, _, state = C.read_checkpoint(tmp_path / "out", log=lambda *a: None)
+    assert cfg.model.mtp_num_layers == 1
+    model = GPTModel(cfg.model, cfg.padded_vocab_size)
+    model.load_state_dict(state, strict=True)
+    tokens = ref["tokens"]
+    b, s = tokens.shape
+    pos = torch.arange(s).expand(b, s)
+    with torch.no_grad():
+        model.eval()
+        ctx = model._context(model.rotary(s, None), None, None)
+        hidden = model.decoder(model.embedding(tokens, pos), ctx)
+        depth1 = model.mtp(hidden, tokens, pos, ctx, model.embedding)[0]
+        logits = model.output_layer(model.head_input(depth1), model.output_weight()).transpose(0, 1).float()
+    assert (logits - ref["mtp_logits"]).abs().max() < 1e-4 * ref["mtp_logits"].abs().max()
+
+
+@pytest.mark.parametrize("case", ["gpt_tp2", "moe_gg_tp2", "mtp_tp1"])
 def test_finetune_loads_megatrons_torch_dist_checkpoint_directly(tmp_path, case):
     """--load MEGATRON_DIR --finetune (and --pretrained-checkpoint; and with --use-checkpoint-args, the model flags
     from Megatron's saved args) read Megatron's torch_dist files in the run's layout: the same weights and first

@@ -1,5 +1,5 @@
-"""``--load MEGATRON_DIR`` without ``--finetune``: resuming Megatron-LM's own torch_dist checkpoints with their optimizer
-state. The checkpoints in tests/data/megatron_ckpt/optim were saved by Megatron-LM (megatron-core 0.16.1) after 3
+"""``--load MEGATRON_DIR`` without ``--finetune``: resuming Megatron-LM's own torch_dist checkpoints with their
+optimizer state. The checkpoints in tests/data/megatron_ckpt/optim were saved by Megatron-LM (megatron-core 0.16.1) after 3
 iterations on the mock data paratron reads with ``--mock-data --split 1,1,1``; losses.json holds the losses of
 Megatron's uninterrupted run (iterations 1..6). paratron resumed at iteration 3 must continue with Megatron's losses:
 the optimizer's moments, Adam's step, the LR schedule's position and the consumed samples all enter them."""
@@ -17,8 +17,8 @@ from paratron.checkpoint.pieces import CheckpointError
 DATA = Path(__file__).resolve().parents[1] / "data" / "megatron_ckpt" / "optim"
 WANT = json.loads((DATA / "losses.json").read_text())
 # the training flags of Megatron's run, and the data paratron reads as Megatron's mock samples
-FLAGS = ["--use-checkpoint-args", "--mock-data", "--split", "1,1,1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-         "127", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "6", "--lr", "1e-3",
+FLAGS = ["--use-checkpoint-args", "--mock-data", "--split", "1,1,1", "--tokenizer-type", "NullTokenizer",
+         "--vocab-size", "127", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "6", "--lr", "1e-3",
          "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--weight-decay", "0.1",
          "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--num-workers",
          "0", "--eval-iters", "0", "--seed", "3", "--log-interval", "1"]
@@ -26,6 +26,8 @@ FLAGS = ["--use-checkpoint-args", "--mock-data", "--split", "1,1,1", "--tokenize
 # difference of two bf16 forwards (the loss moves by 0.28 from step 4 to 5 when the moments are not loaded)
 CASES = {"distopt_dp2": ([], 2e-6), "moe_distopt_ep2_full": (["--moe-aux-loss-coeff", "0"], 2e-6),
          "plain_tp2_bf16": (["--bf16"], 1e-2)}
+# (tests/parallel/test_megatron_resume.py reads these too, and distopt_pp2, moe_distopt_ep2, distopt_pp2_vpp2_dp2)
+EXTRA = {"moe_distopt_ep2": ["--moe-aux-loss-coeff", "0"]}
 
 
 def trainer(case: str, *extra):
