@@ -91,35 +91,55 @@ class _Span:
     numel: int
 
 
-def _order_key(name: str) -> tuple:
-    """Megatron Core registers an attention block's output projection before its QKV projection."""
-    return (0,) if ".self_attention.linear_proj." in name else (1,)
+_BLOCK = re.compile(r"^(.*?(?:decoder\.layers\.\d+\.|mtp\.layers\.\d+\.mtp_model_layer\.))(.*)$")
 
 
-def megatron_params(named: list, grouped_experts: bool) -> list[tuple[str, _Span]]:
+def _order_key(rest: str, te: bool) -> int:
+    """A transformer layer's parameters (``rest``: the name inside the layer) in Megatron Core's registration order:
+    the attention block registers its output projection before its QKV projection; under Transformer Engine's
+    spec the input norm is the QKV projection's fused ``layer_norm_weight``, which TE registers before the weight.
+    The MLP's norm comes before ``linear_fc1`` either way; everything else keeps paratron's order."""
+    if rest.startswith("input_layernorm."):
+        return 2 if te else 0
+    if rest.startswith("self_attention.linear_proj."):
+        return 1
+    return 3 if rest.startswith("self_attention.") else 4
+
+
+def megatron_params(named: list, grouped_experts: bool, te: bool = False) -> list[tuple[str, _Span]]:
     """(Megatron's name, span of a paratron parameter) in Megatron Core's ``named_parameters()`` order of a chunk
-    whose paratron parameters are ``named`` [(global name, parameter)] in paratron's order."""
+    whose paratron parameters are ``named`` [(global name, parameter)] in paratron's order; ``te``: the checkpoint
+    was saved with Transformer Engine's layer spec (fused norms)."""
     out, i = [], 0
     while i < len(named):
-        name, p = named[i]
-        block = re.match(r"^(.*\.self_attention\.)", name)
-        if block is not None:  # the attention block's parameters, in Megatron's order
-            j = i
-            while j < len(named) and named[j][0].startswith(block.group(1)):
-                j += 1
-            run = sorted(named[i:j], key=lambda t: _order_key(t[0]))  # (a stable sort)
-            out += [(n, _Span(q, 0, q.numel())) for n, q in run]
-            i = j
+        block = _BLOCK.match(named[i][0])
+        if block is None:
+            out.append((named[i][0], _Span(named[i][1], 0, named[i][1].numel())))
+            i += 1
             continue
+        j = i
+        while j < len(named) and named[j][0].startswith(block.group(1)):
+            j += 1
+        run = sorted(named[i:j], key=lambda t: _order_key(t[0][len(block.group(1)):], te))  # (a stable sort)
+        out += _with_experts(run, grouped_experts)
+        i = j
+    return out
+
+
+def _with_experts(run: list, grouped: bool) -> list[tuple[str, _Span]]:
+    """A layer's parameters as Megatron's, the stacked routed experts expanded (:func:`_expert_spans`)."""
+    out, i = [], 0
+    while i < len(run):
+        name, p = run[i]
         m = _EXPERTS.match(name)
         if m is None:
             out.append((name, _Span(p, 0, p.numel())))
             i += 1
             continue
         j = i
-        while j < len(named) and named[j][0].startswith(m.group(1)):
+        while j < len(run) and run[j][0].startswith(m.group(1)):
             j += 1
-        out += _expert_spans(named[i:j], m.group(1), grouped_experts)
+        out += _expert_spans(run[i:j], m.group(1), grouped)
         i = j
     return out
 
@@ -176,11 +196,13 @@ def check_layout(args: dict, dims, vpp: Optional[int]) -> None:
                               f"was saved with: {'; '.join(diff)}; {FIX}")
 
 
-def pieces(shards: list, chunks: list[list], saved: dict, dims, grouped_experts: bool, masters: bool) -> tuple:
+def pieces(shards: list, chunks: list[list], saved: dict, dims, grouped_experts: bool, masters: bool,
+           te: bool) -> tuple:
     """(pieces, checks) reading this rank's optimizer shards ``shards`` [(parameter, first element, master, {state:
     view})] from the buckets; ``chunks``: per model chunk, its [(global name, parameter)]. ``checks``: (parameter,
     first element, tensor the bucket's main weights are read into) for :func:`verify` (the master itself, or a
-    scratch tensor when ``masters`` is False: the model is fp32 and its weights are the main weights)."""
+    scratch tensor when ``masters`` is False: the model is fp32 and its weights are the main weights). ``te``: saved
+    with Transformer Engine's layer spec (Megatron's ``--transformer-impl``; its files name the norms alike)."""
     saved_buckets = buckets(saved)
     chained = any(chain for chain, _, _ in saved_buckets)
     where: dict = {}  # parameter -> [(span, bucket name, offset)]
@@ -196,7 +218,7 @@ def pieces(shards: list, chunks: list[list], saved: dict, dims, grouped_experts:
                 raise CheckpointError(f"Megatron's distributed optimizer state has no buffer {key[0]}dp_group_idx_"
                                       f"{group}.gbuf_idx_{c} for this rank's {'expert' if expert else 'dense'} "
                                       f"parameters; {FIX}")
-            for span, name, at in place(megatron_params(mine, grouped_experts), saved_buckets[key]):
+            for span, name, at in place(megatron_params(mine, grouped_experts, te), saved_buckets[key]):
                 where.setdefault(span.param, []).append((span, name, at, dict(saved_buckets[key])[name]))
     out, checks = [], []
     for p, lo, master, states in shards:

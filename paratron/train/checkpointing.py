@@ -176,7 +176,8 @@ class Checkpointing:
         cstate.ensure_adam_state(self.optimizer)
         chunks = [[(k, p) for p, k in cstate.param_keys([m]).items()] for m in self.models]
         more, checks = buckets.pieces(cstate.adam_shards(self.optimizer), chunks, shapes, self.dims,
-                                      bool(args.get("moe_grouped_gemm")), self.optimizer.mixed)
+                                      bool(args.get("moe_grouped_gemm")), self.optimizer.mixed,
+                                      args.get("transformer_impl", "transformer_engine") == "transformer_engine")
         return pieces + more, checks
 
     def _resume_megatron_optimizer(self, common: dict) -> None:

@@ -63,7 +63,7 @@ def test_without_the_optimizer_state_the_losses_differ():
 def test_a_wrongly_derived_bucket_layout_is_refused(monkeypatch):
     """The layout of the buckets is derived (Megatron does not save it); were paratron's order not Megatron's (here:
     the attention block's order not swapped), the main weights read back differ from the model's: refused."""
-    monkeypatch.setattr(B, "_order_key", lambda name: (0,))
+    monkeypatch.setattr(B, "_order_key", lambda rest, te: 0)
     with pytest.raises(CheckpointError, match=r"not laid out as paratron derives it for this model \(\d+ shards "
                                               r"differ from the model weights\); re-save it from Megatron with "
                                               r"--dist-ckpt-optim-fully-reshardable"):
@@ -98,20 +98,28 @@ def test_bucket_placement_by_hand():
         B.place([("a", a)], [("k0", 100), ("k1", 64)])
 
 
-def test_megatron_order_of_attention_and_stacked_experts():
-    p = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in (("qkv", (6, 4)), ("proj", (4, 2)), ("fc1", (2, 3, 4)),
-                                                           ("fc2", (2, 4, 1)))}
-    named = [("l.0.self_attention.linear_qkv.weight", p["qkv"]), ("l.0.self_attention.linear_proj.weight", p["proj"]),
-             ("l.0.mlp.experts.linear_fc1.weight", p["fc1"]), ("l.0.mlp.experts.linear_fc2.weight", p["fc2"])]
-    seq = [(n, s.first, s.numel) for n, s in B.megatron_params(named, grouped_experts=False)]
-    assert seq == [("l.0.self_attention.linear_proj.weight", 0, 8), ("l.0.self_attention.linear_qkv.weight", 0, 24),
-                   ("l.0.mlp.experts.local_experts.0.linear_fc1.weight", 0, 12),
-                   ("l.0.mlp.experts.local_experts.0.linear_fc2.weight", 0, 4),
-                   ("l.0.mlp.experts.local_experts.1.linear_fc1.weight", 12, 12),
-                   ("l.0.mlp.experts.local_experts.1.linear_fc2.weight", 4, 4)]
-    grouped = [(n, s.first) for n, s in B.megatron_params(named, grouped_experts=True)][2:]
-    assert grouped == [("l.0.mlp.experts.linear_fc1.weight0", 0), ("l.0.mlp.experts.linear_fc1.weight1", 12),
-                       ("l.0.mlp.experts.linear_fc2.weight0", 0), ("l.0.mlp.experts.linear_fc2.weight1", 4)]
+def test_megatron_order_of_a_layer_and_stacked_experts():
+    """Megatron Core's registration order: the attention block's output projection before its QKV projection (under
+    Transformer Engine's spec the input norm is fused into QKV, registered before its weight); SequentialMLP's experts
+    one after the other, the grouped linear's all fc1 then all fc2; names outside a layer keep paratron's order."""
+    shapes = {"input_layernorm.weight": (4,), "self_attention.linear_qkv.weight": (6, 4),
+              "self_attention.linear_proj.weight": (4, 2), "pre_mlp_layernorm.weight": (4,),
+              "mlp.experts.linear_fc1.weight": (2, 3, 4), "mlp.experts.linear_fc2.weight": (2, 4, 1)}
+    named = [("embedding.word_embeddings.weight", torch.nn.Parameter(torch.zeros(8, 4)))]
+    named += [(f"decoder.layers.0.{n}", torch.nn.Parameter(torch.zeros(s))) for n, s in shapes.items()]
+    seq = [(n[len("decoder.layers.0."):] if n.startswith("decoder.") else n, s.first, s.numel)
+           for n, s in B.megatron_params(named, grouped_experts=False)]
+    assert seq == [("embedding.word_embeddings.weight", 0, 32), ("input_layernorm.weight", 0, 4),
+                   ("self_attention.linear_proj.weight", 0, 8), ("self_attention.linear_qkv.weight", 0, 24),
+                   ("pre_mlp_layernorm.weight", 0, 4),
+                   ("mlp.experts.local_experts.0.linear_fc1.weight", 0, 12),
+                   ("mlp.experts.local_experts.0.linear_fc2.weight", 0, 4),
+                   ("mlp.experts.local_experts.1.linear_fc1.weight", 12, 12),
+                   ("mlp.experts.local_experts.1.linear_fc2.weight", 4, 4)]
+    te = [n[len("decoder.layers.0."):] for n, _ in B.megatron_params(named, grouped_experts=True, te=True)][1:]
+    assert te == ["self_attention.linear_proj.weight", "input_layernorm.weight", "self_attention.linear_qkv.weight",
+                  "pre_mlp_layernorm.weight", "mlp.experts.linear_fc1.weight0", "mlp.experts.linear_fc1.weight1",
+                  "mlp.experts.linear_fc2.weight0", "mlp.experts.linear_fc2.weight1"]
 
 
 def test_older_chained_optimizer_prefixes_resume_the_same(tmp_path):
@@ -141,3 +149,23 @@ def test_older_chained_optimizer_prefixes_resume_the_same(tmp_path):
     got = losses_of(t, 3)
     t.close()
     assert all(abs(g - w) <= 2e-6 * abs(w) for g, w in zip(got, WANT["moe_distopt_ep2_full"]["lm_loss"][3:])), got
+
+
+def test_the_layer_spec_of_the_buckets_comes_from_the_saved_args(tmp_path):
+    """Megatron names the norms alike in both layer specs' files; the order of the buckets differs. The same local-spec
+    buckets claimed as Transformer Engine's (``transformer_impl``) do not lay out as that model: refused, not misread."""
+    import argparse
+    import shutil
+    shutil.copytree(DATA / "distopt_dp2", tmp_path / "mlm")
+    common = tmp_path / "mlm" / "iter_0000003" / "common.pt"
+    from paratron.checkpoint.megatron import _torch_load
+    state = _torch_load(common)
+    args = vars(state["args"]) if isinstance(state["args"], argparse.Namespace) else dict(state["args"])
+    assert args["transformer_impl"] == "local"
+    plain = {k: v if isinstance(v, (int, float, str, bool, list, tuple, type(None))) else None for k, v in args.items()}
+    state["args"] = argparse.Namespace(**{**plain, "transformer_impl": "transformer_engine"})
+    torch.save(state, common)
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args
+    with pytest.raises(CheckpointError, match=r"not laid out as paratron derives it"):
+        Trainer(parse_args(["--load", str(tmp_path / "mlm"), *FLAGS]))
