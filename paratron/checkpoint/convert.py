@@ -423,9 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
                 "Megatron-LM checkpoints to paratron's.\n\n"
                 "  paratron convert --to hf --load CKPT_DIR --output HF_DIR [--family F] [--iteration N]\n"
                 "  paratron convert --from hf --input HF_DIR --save CKPT_DIR [--tensor-model-parallel-size N]\n"
-                "  paratron convert --from megatron --input MEGATRON_DIR --save CKPT_DIR [--iteration N]")
+                "  paratron convert --from megatron --input MEGATRON_DIR --save CKPT_DIR [--iteration N]\n"
+                "  paratron convert --from torchtitan --input DUMP_DIR --save CKPT_DIR (--flavor F | --model-args J)"
+                " [--seq-length N] [--iteration N]")
     p.add_argument("--to", dest="to", metavar="hf", help="convert a paratron checkpoint to Hugging Face")
-    p.add_argument("--from", dest="frm", metavar="hf|megatron",
+    p.add_argument("--from", dest="frm", metavar="hf|megatron|torchtitan",
                    help="convert a Hugging Face model or a Megatron-LM checkpoint to a paratron checkpoint")
     p.add_argument("--load", metavar="CKPT_DIR", help="--to hf: the paratron checkpoint (training's --save directory)")
     p.add_argument("--output", metavar="HF_DIR", help="--to hf: the Hugging Face directory to write")
@@ -438,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", metavar="N", type=int, default=1,
                    help="--from hf: print the command for a TP=N run and pad the vocabulary as it does "
                    "(default 1); the checkpoint holds whole tensors, which any layout loads")
+    p.add_argument("--flavor", metavar="F", help="--from torchtitan: the run's llama3 flavor (8B, 70B, ...)")
+    p.add_argument("--model-args", metavar="JSON", help="--from torchtitan: a custom flavor's TransformerModelArgs")
+    p.add_argument("--seq-length", metavar="N", type=int, help="--from torchtitan: its training.seq_len")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="cast the weights (default: keep their dtype)")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in the output directory")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -448,29 +453,35 @@ def _run(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     log = _Log(a.quiet)
     if (a.to is None) == (a.frm is None):
-        raise ConversionError("pass exactly one of --to hf, --from hf or --from megatron "
+        raise ConversionError("pass exactly one of --to hf, --from hf, --from megatron or --from torchtitan "
                               "(see `paratron convert --help`)")
     fmt = (a.to if a.to is not None else a.frm).lower()
-    if fmt not in ("hf", "huggingface") and not (a.frm is not None and fmt == "megatron"):
+    if fmt not in ("hf", "huggingface") and not (a.frm is not None and fmt in ("megatron", "torchtitan")):
         raise ConversionError(f"unknown format {fmt!r}: paratron converts to and from hf (Hugging Face), and from "
-                              "megatron (Megatron-LM's torch_dist and torch checkpoints)")
-    where = f"--{'to' if a.to else 'from'} {'megatron' if fmt == 'megatron' else 'hf'}"
+                              "megatron (Megatron-LM's torch_dist and torch checkpoints) and torchtitan")
+    where = f"--{'to' if a.to else 'from'} {fmt if fmt in ('megatron', 'torchtitan') else 'hf'}"
 
     def forbid(*names):
         given = [n for n in names if getattr(a, n.lstrip("-").replace("-", "_")) not in (None, False, 1)]
         if given:
             raise ConversionError(f"{given[0]} does not apply to {where}")
 
+    if fmt != "torchtitan":
+        forbid("--flavor", "--model-args", "--seq-length")
     if a.to is not None:
         forbid("--input", "--save", "--tensor-model-parallel-size")
         if not a.load or not a.output:
             raise ConversionError("--to hf needs --load CKPT_DIR and --output HF_DIR")
         to_hf(a.load, a.output, a.family, a.iteration, a.dtype, a.force, log)
-    elif fmt == "megatron":
-        forbid("--load", "--output", "--family", "--tensor-model-parallel-size")
+    elif fmt in ("megatron", "torchtitan"):
+        forbid("--load", "--output", "--family", "--tensor-model-parallel-size", *["--dtype"] * (fmt == "torchtitan"))
         if not a.input or not a.save:
-            raise ConversionError("--from megatron needs --input MEGATRON_DIR and --save CKPT_DIR")
-        from_megatron(a.input, a.save, a.iteration, a.dtype, a.force, log)
+            raise ConversionError(f"--from {fmt} needs --input DIR (its checkpoint) and --save CKPT_DIR")
+        if fmt == "megatron":
+            from_megatron(a.input, a.save, a.iteration, a.dtype, a.force, log)
+        else:
+            from .torchtitan import convert as from_torchtitan
+            from_torchtitan(a.input, a.save, a.flavor, a.model_args, a.seq_length, a.iteration, a.force, log)
     else:
         forbid("--load", "--output", "--family", "--iteration")
         if not a.input or not a.save:

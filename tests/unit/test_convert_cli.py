@@ -354,7 +354,7 @@ def test_errors_are_one_line(ckpts, hf_dir, tmp_path, capsys):
         "already holds a paratron checkpoint": ["--from", "hf", "--input", hf_dir, "--save", taken_ckpt],
         "not divisible by --tensor-model-parallel-size 3": ["--from", "hf", "--input", hf_dir, "--save",
                                                             tmp_path / "o8", "--tensor-model-parallel-size", "3"],
-        "exactly one of --to hf, --from hf or --from megatron": ["--load", ckpts["gpt"]],
+        "exactly one of --to hf, --from hf, --from megatron or --from torchtitan": ["--load", ckpts["gpt"]],
         "--family does not apply": ["--from", "hf", "--input", hf_dir, "--save", tmp_path / "o9", "--family", "gpt2"],
     }
     from paratron.cli import main as cli_main

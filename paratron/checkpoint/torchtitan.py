@@ -1,0 +1,251 @@
+"""torchtitan's training checkpoints of its Llama-3 models, read into paratron (``paratron convert --from
+torchtitan``): the weights, and Adam's state, step and the run's position, so that ``--load`` resumes the run.
+
+torchtitan (0.2.x) saves ``{dump_folder}/checkpoint/step-{N}/`` with ``torch.distributed.checkpoint``: every
+tensor whole (global), the model's under their module names (``tok_embeddings.weight``,
+``layers.{i}.attention.wq.weight``, ...), AdamW's state flattened as ``optimizer.state.{name}.{exp_avg|exp_avg_sq|
+step}``, and byte objects for the LR scheduler (``lr_scheduler``: LambdaLR's ``last_epoch``), the data loader and
+the train state (``train_state``: ``step``, ``ntokens_seen``). A model-only save (``last_save_model_only``, or a
+``--checkpoint.initial_load_path`` export) holds the model alone.
+
+The model's shape is not in the checkpoint (torchtitan reads it from its ``model.flavor``); paratron takes the
+flavor (torchtitan's ``llama3_args`` table, below: heads, KV heads, RoPE base, norm epsilon) and reads the sizes
+(layers, hidden, FFN, vocabulary) off the tensors. torchtitan's Llama-3 rotates interleaved pairs of each head's
+channels (complex multiplication) where paratron, Megatron and Hugging Face rotate the two halves: ``wq`` / ``wk``
+rows are permuted as Hugging Face's converter of Meta's weights does; its RoPE always carries Llama-3.1's frequency
+scaling (factor 8, low 1, high 4, 8192 positions: ``--use-rope-scaling --rope-scaling-factor 8``). Weights and
+moments then take the Hugging Face Llama path (paratron/checkpoint/hf.py), which only moves elements.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..config import ModelConfig
+from .hf_config import ConversionError
+
+# torchtitan 0.2.2's llama3_args: flavor -> (heads, KV heads or None for as many as heads, RoPE base); its defaults:
+# norm_eps 1e-5, multiple_of 256 (the FFN size is read off w1), vocabulary from the tensors
+FLAVORS = {"debugmodel": (16, None, 500000.0), "debugmodel_flex_attn": (16, None, 500000.0),
+           "debugmodel_varlen_attn": (16, None, 500000.0), "8B": (32, 8, 500000.0), "8B_flex": (32, 8, 500000.0),
+           "8B_varlen": (32, 8, 500000.0), "70B": (64, 8, 500000.0), "405B": (128, 8, 500000.0)}
+_STEP = re.compile(r"^step-(\d+)$")
+_STATES = ("exp_avg", "exp_avg_sq")
+# torchtitan's name inside a layer -> Hugging Face Llama's
+_LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+          "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+          "ffn_norm.weight": "post_attention_layernorm.weight"}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+
+
+def step_dir(root, step: Optional[int] = None) -> Path:
+    """The ``step-N`` directory of ``root`` (a ``step-N`` directory itself, torchtitan's ``checkpoint`` folder or its
+    dump folder): ``step``'s, else the highest."""
+    root = Path(root)
+    if _STEP.match(root.name):
+        return root
+    folder = root / "checkpoint" if (root / "checkpoint").is_dir() else root
+    steps = {int(m.group(1)): p for p in folder.glob("step-*") if (m := _STEP.match(p.name)) and p.is_dir()}
+    if not steps:
+        raise ConversionError(f"{root} holds no torchtitan checkpoint (no step-N directory)")
+    if step is not None and step not in steps:
+        raise ConversionError(f"{folder} has no step-{step} (it has {', '.join(map(str, sorted(steps)))})")
+    return steps[step if step is not None else max(steps)]
+
+
+def _objects(d: Path, names: list[str]) -> dict:
+    """torchtitan's non-tensor state (byte objects), read with torch's weights-only loader."""
+    from .megatron_buckets import _RawBytes
+    from .pieces import SafeReader
+    import torch.distributed.checkpoint as dcp
+    if not names:
+        return {}
+    raw = {k: io.BytesIO() for k in names}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(raw, storage_reader=SafeReader(str(d)), planner=_RawBytes(), no_dist=True)
+    out = {}
+    for k, v in raw.items():
+        try:
+            out[k] = torch.load(io.BytesIO(v), weights_only=True)
+        except Exception:  # noqa: BLE001 (the data loader's state may name its classes: not needed here)
+            out[k] = None
+    return out
+
+
+def model_args(flavor: Optional[str], overrides: Optional[dict]) -> dict:
+    """torchtitan's TransformerModelArgs fields that the tensors do not give: the flavor's (torchtitan 0.2.2's
+    ``llama3_args``), then ``overrides`` (``--model-args``: a custom flavor)."""
+    known = ("n_heads", "n_kv_heads", "rope_theta", "norm_eps", "rope_scaling_args")
+    if flavor is None and not (overrides or {}).get("n_heads"):
+        raise ConversionError("--from torchtitan needs the model's flavor: --flavor NAME (torchtitan's llama3 "
+                              f"flavors: {', '.join(FLAVORS)}) or --model-args '{{\"n_heads\": N, ...}}'")
+    if flavor is not None and flavor not in FLAVORS:
+        raise ConversionError(f"--flavor {flavor!r}: torchtitan's llama3 flavors are {', '.join(FLAVORS)}; give a "
+                              "custom one's fields with --model-args")
+    unknown = sorted(set(overrides or {}) - set(known) - {"dim", "n_layers", "vocab_size", "multiple_of",
+                                                          "ffn_dim_multiplier", "max_seq_len"})
+    if unknown:
+        raise ConversionError(f"--model-args: {', '.join(unknown)} is not a field paratron reads (it reads "
+                              f"{', '.join(known)}; the sizes come from the tensors)")
+    heads, kv, theta = FLAVORS[flavor] if flavor is not None else (None, None, 10000.0)
+    args = {"n_heads": heads, "n_kv_heads": kv, "rope_theta": theta, "norm_eps": 1e-5, "rope_scaling_args": {}}
+    args.update({k: v for k, v in (overrides or {}).items() if k in known})
+    return args
+
+
+def model_config(shapes: dict, args: dict) -> ModelConfig:
+    """paratron's model config of a torchtitan Llama-3 checkpoint with these tensor shapes and model args."""
+    need = ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.0.attention.wk.weight",
+            "layers.0.feed_forward.w1.weight", "output.weight")
+    missing = [k for k in need if k not in shapes]
+    if missing:
+        raise ConversionError(f"not a torchtitan Llama-3 checkpoint: no {missing[0]!r}")
+    heads = int(args["n_heads"])
+    kv_heads = int(args.get("n_kv_heads") or heads)
+    hidden = shapes["tok_embeddings.weight"][1]
+    layers = len({int(m.group(1)) for k in shapes if (m := re.match(r"^layers\.(\d+)\.", k))})
+    if hidden % heads or shapes["layers.0.attention.wk.weight"][0] != kv_heads * (hidden // heads):
+        raise ConversionError(f"the tensors do not fit {heads} heads and {kv_heads} KV heads (hidden {hidden}, "
+                              f"wk {shapes['layers.0.attention.wk.weight'][0]} rows): pass the run's flavor")
+    rope = {"scaling_factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, **(args.get("rope_scaling_args") or {})}
+    factor = float(rope["scaling_factor"])
+    fixed = (float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+             int(rope["original_max_position_embeddings"]))
+    if factor != 1.0 and fixed != (1.0, 4.0, 8192):
+        raise ConversionError(f"rope_scaling_args {rope}: paratron's Llama-3.1 scaling fixes low_freq_factor 1, "
+                              "high_freq_factor 4 and original_max_position_embeddings 8192 (any scaling_factor)")
+    return ModelConfig(
+        num_layers=layers, hidden_size=hidden, ffn_hidden_size=shapes["layers.0.feed_forward.w1.weight"][0],
+        num_attention_heads=heads, group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
+        kv_channels=hidden // heads, normalization="RMSNorm", norm_epsilon=float(args["norm_eps"]), swiglu=True,
+        disable_bias_linear=True, position_embedding_type="rope", rotary_base=float(args["rope_theta"]),
+        use_rope_scaling=factor != 1.0, rope_scaling_factor=factor if factor != 1.0 else 8.0,
+        untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0).resolved()
+
+
+def _rotate_half_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of ``wq`` / ``wk`` (one block of head_dim rows per head, RoPE pairs interleaved) -> each head's rows as
+    [first of each pair; second of each pair] (rotate-half's layout)."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def to_hf(state: dict, cfg: ModelConfig) -> dict:
+    """torchtitan Llama-3 tensors (model names) -> Hugging Face Llama's names and RoPE layout."""
+    out = {}
+    for k, v in state.items():
+        m = re.match(r"^layers\.(\d+)\.(.*)$", k)
+        if m is None and k in _TOP:
+            out[_TOP[k]] = v
+        elif m is not None and m.group(2) in _LAYER:
+            name = _LAYER[m.group(2)]
+            if name == "self_attn.q_proj.weight":
+                v = _rotate_half_rows(v, cfg.num_attention_heads)
+            elif name == "self_attn.k_proj.weight":
+                v = _rotate_half_rows(v, cfg.num_query_groups)
+            out[f"model.layers.{m.group(1)}.{name}"] = v
+        else:
+            raise ConversionError(f"torchtitan tensor {k!r} has no place in a Llama-3 model (another model type?)")
+    return out
+
+
+def read(root, args: dict, step: Optional[int] = None) -> tuple:
+    """(model config, {"model" / "exp_avg" / "exp_avg_sq": paratron state (TP 1, whole tensors)}, vocabulary,
+    step directory, {adam_step, step, ntokens_seen}) of a torchtitan checkpoint (no moments in a model-only save)."""
+    from . import sharded
+    from .hf import hf_to_paratron
+    d = step_dir(root, step)
+    shapes = sharded.tensor_shapes(d)
+    model_keys = [k for k in shapes if not k.startswith(("optimizer.", "lr_scheduler.", "dataloader.",
+                                                         "train_state."))]
+    cfg = model_config({k: shapes[k][0] for k in model_keys}, args)
+    vocab = shapes["tok_embeddings.weight"][0][0]
+    moments = {s: {k: f"optimizer.state.{k}.{s}" for k in model_keys} for s in _STATES}
+    has_optim = all(n in shapes for names in moments.values() for n in names.values())
+    wanted = model_keys + ([n for names in moments.values() for n in names.values()] if has_optim else [])
+    full = sharded.load_full(d, wanted)
+    out = {"model": hf_to_paratron(to_hf({k: full[k] for k in model_keys}, cfg), cfg, "llama", vocab, vocab)}
+    if has_optim:
+        for s, names in moments.items():
+            out[s] = hf_to_paratron(to_hf({k: full[n] for k, n in names.items()}, cfg), cfg, "llama", vocab, vocab)
+    state = _objects(d, [k for k in ("train_state.step", "train_state.ntokens_seen") if k in _names(d)])
+    info = {"adam_step": _adam_step(d, shapes, model_keys) if has_optim else None,
+            "step": state.get("train_state.step"), "ntokens_seen": state.get("train_state.ntokens_seen")}
+    return cfg, out, vocab, d, info
+
+
+def _names(d: Path) -> set:
+    from .pieces import SafeReader
+    return set(SafeReader(str(d)).read_metadata().state_dict_metadata)
+
+
+def _adam_step(d: Path, shapes: dict, model_keys: list[str]) -> int:
+    """AdamW's step count (torchtitan keeps one per parameter; they are equal)."""
+    from . import sharded
+    names = [f"optimizer.state.{k}.step" for k in model_keys if f"optimizer.state.{k}.step" in shapes]
+    if not names:
+        raise ConversionError(f"{d} has Adam's moments but no step count (optimizer.state.*.step)")
+    steps = {float(t.item()) for t in sharded.load_full(d, names).values()}
+    if len(steps) != 1:
+        raise ConversionError(f"{d}: the parameters have different Adam step counts {sorted(steps)}")
+    return int(steps.pop())
+
+
+def convert(input, save, flavor: Optional[str] = None, model_args_json: Optional[str] = None,
+            seq_length: Optional[int] = None, step: Optional[int] = None, force: bool = False, log=None) -> list[str]:
+    """torchtitan checkpoint ``input`` -> paratron checkpoint ``save`` (whole tensors: any layout loads it): the
+    weights, and from a full checkpoint Adam's moments and step, the iteration and the samples seen (``ntokens_seen``
+    / ``seq_length``), so that ``--load save`` resumes the run; returns the model flags to train it with."""
+    import json
+    from ..config import Config, DataConfig
+    from ..parallel.dims import ParallelDims
+    from . import sharded
+    from .convert import _PARATRON_CKPT_FILES, _Log, _check_output, _print_command, _write_staged
+    from .state import layout
+    log = log or _Log(True)
+    save = Path(save)
+    try:
+        overrides = json.loads(model_args_json) if model_args_json else None
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"--model-args is not JSON ({e.msg}): pass e.g. '{{\"n_heads\": 32}}'") from None
+    args = model_args(flavor, overrides)
+    old = _check_output(save, _PARATRON_CKPT_FILES, force, "a paratron checkpoint", "--save")
+    cfg, states, vocab, d, info = read(input, args, step)
+    if seq_length:  # (the printed command's)
+        cfg = dataclasses.replace(cfg, seq_length=int(seq_length), max_position_embeddings=int(seq_length)).resolved()
+    it = int(info["step"] if info["step"] is not None else _STEP.match(d.name).group(1))
+    optim = "exp_avg" in states
+    if optim and not seq_length:
+        raise ConversionError("--seq-length: torchtitan's training.seq_len is needed to count the samples the run "
+                              f"has seen ({info['ntokens_seen']} tokens at step {it})")
+    samples = int(info["ntokens_seen"] or 0) // int(seq_length or 1)
+    tensors = {f"model.{k}": v.float().contiguous() for k, v in states["model"].items()}
+    for s in _STATES if optim else ():
+        tensors.update({f"optimizer.{s}.{k}": v.float().contiguous() for k, v in states[s].items()})
+    common = {"consumed_samples": samples if optim else 0, "skipped_iterations": 0,
+              "scheduler": {"num_steps": samples} if optim else None,
+              "optimizer": {"step": info["adam_step"], "scaler": {"scale": 1.0}} if optim else None, "rng": False,
+              "layout": layout(ParallelDims(), None), "config": Config(model=cfg, data=DataConfig(vocab_size=vocab))
+              .to_dict(), "converted_from": {"torchtitan": str(d.resolve()), "step": it}}
+    log(f"read {d} (step {it}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {vocab}"
+        + (f", Adam's state at step {info['adam_step']}, {samples} samples seen)" if optim else ", model only)"))
+    log(f"writing a paratron checkpoint (iteration {it if optim else 0}"
+        f"{', with the optimizer state' if optim else ', model weights only'}) to {save}")
+    _write_staged(save, old, lambda tmp: sharded.save_full(tmp, it if optim else 0, tensors, common),
+                  last=sharded.LATEST)
+    flags = _print_command(cfg, 1, save, "pretrain_gpt.py", log)
+    if optim:
+        log("that command fine-tunes; drop --finetune to resume the run (iteration, samples seen, Adam's state; the "
+            "LR schedule and the data order are this command line's, at the samples seen)")
+    return flags
