@@ -20,18 +20,14 @@ the main weights read from the buckets with the model weights read from Megatron
 """
 from __future__ import annotations
 
-import io
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from .pieces import CheckpointError, Piece, SafeReader
+from .pieces import CheckpointError, Piece, SafeReader, read_objects
 
 _BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.+"
                      r"\.bucket_idx_(\d+)\.param$")
@@ -56,28 +52,17 @@ def buckets(saved: dict) -> dict:
     return {k: [(name, n) for _, name, n in sorted(v)] for k, v in out.items()}
 
 
-class _RawBytes(DefaultLoadPlanner):
-    """DCP's loader of byte objects, kept as bytes (its default unpickles them with weights_only=False)."""
-
-    def load_bytes(self, read_item, value):
-        self.original_state_dict[read_item.dest_index.fqn] = value.read()
-
-
 def objects(d: Path) -> dict:
     """Megatron's non-tensor optimizer state saved as byte objects (each model-parallel group's param groups, step
     and loss scaler), read with torch's weights-only loader: {name: object}."""
     md = SafeReader(str(d)).read_metadata()
-    names = [k for k, v in md.state_dict_metadata.items() if not hasattr(v, "size") and ".optimizer/shard_" in k]
-    if not names:
-        return {}
-    raw = {k: io.BytesIO() for k in names}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(raw, storage_reader=SafeReader(str(d)), planner=_RawBytes(), no_dist=True)
-    try:
-        return {k: torch.load(io.BytesIO(v), weights_only=True) for k, v in raw.items()}
-    except Exception as e:  # noqa: BLE001 (a foreign object: one line)
-        raise CheckpointError(f"cannot read Megatron's optimizer state in {d}: {e.__class__.__name__}") from None
+    found = read_objects(d, [k for k, v in md.state_dict_metadata.items()
+                             if not hasattr(v, "size") and ".optimizer/shard_" in k])
+    bad = [k for k, v in found.items() if v is None]
+    if bad:
+        raise CheckpointError(f"cannot read Megatron's optimizer state {bad[0]} in {d} (it names classes outside "
+                              "plain values): resume with --no-load-optim")
+    return found
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, SavePlan, SavePlanner, TensorWriteData,
                                                   WriteItem, WriteItemType)
@@ -225,3 +225,30 @@ class SafeReader(dcp.FileSystemReader):
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
+
+
+class _RawBytes(DefaultLoadPlanner):
+    """DCP's loader of byte objects, kept as bytes (its default unpickles them with weights_only=False)."""
+
+    def load_bytes(self, read_item, value):
+        self.original_state_dict[read_item.dest_index.fqn] = value.read()
+
+
+def read_objects(d: Path, names: list[str]) -> dict:
+    """The byte objects (a DCP checkpoint's non-tensor entries) ``names`` of directory ``d``, each read by torch's
+    weights-only loader: {name: object}, None for one that names classes that loader does not build."""
+    import io
+    import warnings
+    if not names:
+        return {}
+    raw = {k: io.BytesIO() for k in names}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(raw, storage_reader=SafeReader(str(d)), planner=_RawBytes(), no_dist=True)
+    out = {}
+    for k, v in raw.items():
+        try:
+            out[k] = torch.load(io.BytesIO(v), weights_only=True)
+        except Exception:  # noqa: BLE001 (a class the safe loader refuses: the caller decides)
+            out[k] = None
+    return out

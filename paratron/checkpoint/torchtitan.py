@@ -19,9 +19,7 @@ moments then take the Hugging Face Llama path (paratron/checkpoint/hf.py), which
 from __future__ import annotations
 
 import dataclasses
-import io
 import re
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +27,7 @@ import torch
 
 from ..config import ModelConfig
 from .hf_config import ConversionError
+from .pieces import read_objects
 
 # torchtitan 0.2.2's llama3_args: flavor -> (heads, KV heads or None for as many as heads, RoPE base); its defaults:
 # norm_eps 1e-5, multiple_of 256 (the FFN size is read off w1), vocabulary from the tensors
@@ -60,26 +59,6 @@ def step_dir(root, step: Optional[int] = None) -> Path:
     if step is not None and step not in steps:
         raise ConversionError(f"{folder} has no step-{step} (it has {', '.join(map(str, sorted(steps)))})")
     return steps[step if step is not None else max(steps)]
-
-
-def _objects(d: Path, names: list[str]) -> dict:
-    """torchtitan's non-tensor state (byte objects), read with torch's weights-only loader."""
-    from .megatron_buckets import _RawBytes
-    from .pieces import SafeReader
-    import torch.distributed.checkpoint as dcp
-    if not names:
-        return {}
-    raw = {k: io.BytesIO() for k in names}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(raw, storage_reader=SafeReader(str(d)), planner=_RawBytes(), no_dist=True)
-    out = {}
-    for k, v in raw.items():
-        try:
-            out[k] = torch.load(io.BytesIO(v), weights_only=True)
-        except Exception:  # noqa: BLE001 (the data loader's state may name its classes: not needed here)
-            out[k] = None
-    return out
 
 
 def model_args(flavor: Optional[str], overrides: Optional[dict]) -> dict:
@@ -179,7 +158,7 @@ def read(root, args: dict, step: Optional[int] = None) -> tuple:
     if has_optim:
         for s, names in moments.items():
             out[s] = hf_to_paratron(to_hf({k: full[n] for k, n in names.items()}, cfg), cfg, "llama", vocab, vocab)
-    state = _objects(d, [k for k in ("train_state.step", "train_state.ntokens_seen") if k in _names(d)])
+    state = read_objects(d, [k for k in ("train_state.step", "train_state.ntokens_seen") if k in _names(d)])
     info = {"adam_step": _adam_step(d, shapes, model_keys) if has_optim else None,
             "step": state.get("train_state.step"), "ntokens_seen": state.get("train_state.ntokens_seen")}
     return cfg, out, vocab, d, info
