@@ -1,5 +1,6 @@
-"""torchtitan's training checkpoints of its Llama-3 models, read into paratron (``paratron convert --from
-torchtitan``): the weights, and Adam's state, step and the run's position, so that ``--load`` resumes the run.
+"""torchtitan's training checkpoints of its Llama-3 and Qwen3 (dense and MoE) models, read into paratron
+(``paratron convert --from torchtitan``): the weights, and Adam's state, step and the run's position, so that
+``--load`` resumes the run.
 
 torchtitan (0.2.x) saves ``{dump_folder}/checkpoint/step-{N}/`` with ``torch.distributed.checkpoint``: every
 tensor whole (global), the model's under their module names (``tok_embeddings.weight``,
@@ -13,8 +14,9 @@ flavor (torchtitan's ``llama3_args`` table, below: heads, KV heads, RoPE base, n
 (layers, hidden, FFN, vocabulary) off the tensors. torchtitan's Llama-3 rotates interleaved pairs of each head's
 channels (complex multiplication) where paratron, Megatron and Hugging Face rotate the two halves: ``wq`` / ``wk``
 rows are permuted as Hugging Face's converter of Meta's weights does; its RoPE always carries Llama-3.1's frequency
-scaling (factor 8, low 1, high 4, 8192 positions: ``--use-rope-scaling --rope-scaling-factor 8``). Weights and
-moments then take the Hugging Face Llama path (paratron/checkpoint/hf.py), which only moves elements.
+scaling (factor 8, low 1, high 4, 8192 positions: ``--use-rope-scaling --rope-scaling-factor 8``). Qwen3 rotates
+halves already and has no scaling; its stacked experts [experts, out, in] are split per expert. Weights and moments
+then take the Hugging Face Llama / Qwen3 / Qwen3-MoE path (paratron/checkpoint/hf.py), which only moves elements.
 """
 from __future__ import annotations
 
@@ -29,11 +31,26 @@ from ..config import ModelConfig
 from .hf_config import ConversionError
 from .pieces import read_objects
 
-# torchtitan 0.2.2's llama3_args: flavor -> (heads, KV heads or None for as many as heads, RoPE base); its defaults:
-# norm_eps 1e-5, multiple_of 256 (the FFN size is read off w1), vocabulary from the tensors
-FLAVORS = {"debugmodel": (16, None, 500000.0), "debugmodel_flex_attn": (16, None, 500000.0),
+# torchtitan 0.2.2's flavors ("name:flavor"; a bare flavor is llama3's): the model args the tensors do not give
+_LLAMA3 = {"debugmodel": (16, None, 500000.0), "debugmodel_flex_attn": (16, None, 500000.0),
            "debugmodel_varlen_attn": (16, None, 500000.0), "8B": (32, 8, 500000.0), "8B_flex": (32, 8, 500000.0),
            "8B_varlen": (32, 8, 500000.0), "70B": (64, 8, 500000.0), "405B": (128, 8, 500000.0)}
+_QWEN3_MOE = {"num_shared_experts": 0, "top_k": 8, "score_func": "softmax", "route_norm": True, "route_scale": 1.0,
+              "score_before_experts": False}
+_QWEN3 = {"debugmodel": (16, 8, 1e6, True, None), "0.6B": (16, 8, 1e6, True, None), "1.7B": (16, 8, 1e6, True, None),
+          "4B": (32, 8, 1e6, True, None), "8B": (32, 8, 1e6, False, None), "14B": (40, 8, 1e6, False, None),
+          "32B": (64, 8, 1e6, False, None), "debugmodel_moe": (16, 8, 1e6, False, _QWEN3_MOE),
+          "30B-A3B": (32, 4, 1e6, False, _QWEN3_MOE), "235B-A22B": (64, 4, 5e6, False, _QWEN3_MOE)}
+FLAVORS = {**{f"llama3:{k}": {"n_heads": h, "n_kv_heads": kv, "rope_theta": t} for k, (h, kv, t) in _LLAMA3.items()},
+           **{f"qwen3:{k}": {"n_heads": h, "n_kv_heads": kv, "rope_theta": t, "enable_weight_tying": tie,
+                             **({"moe_args": moe} if moe else {})} for k, (h, kv, t, tie, moe) in _QWEN3.items()}}
+# torchtitan's defaults of the fields read (TransformerModelArgs / Qwen3ModelArgs / MoEArgs)
+_DEFAULTS = {"llama3": {"n_kv_heads": None, "rope_theta": 10000.0, "norm_eps": 1e-5, "rope_scaling_args": {}},
+             "qwen3": {"n_kv_heads": 8, "head_dim": 128, "rope_theta": 1e6, "norm_eps": 1e-6, "qk_norm": True,
+                       "enable_weight_tying": False,
+                       "moe_args": {"num_shared_experts": 1, "score_func": "sigmoid", "route_norm": False,
+                                    "route_scale": 1.0, "score_before_experts": True, "top_k": 1,
+                                    "num_expert_groups": None, "gate_bias": False}}}
 _STEP = re.compile(r"^step-(\d+)$")
 _STATES = ("exp_avg", "exp_avg_sq")
 # torchtitan's name inside a layer -> Hugging Face Llama's
@@ -62,24 +79,29 @@ def step_dir(root, step: Optional[int] = None) -> Path:
 
 
 def model_args(flavor: Optional[str], overrides: Optional[dict]) -> dict:
-    """torchtitan's TransformerModelArgs fields that the tensors do not give: the flavor's (torchtitan 0.2.2's
-    ``llama3_args``), then ``overrides`` (``--model-args``: a custom flavor)."""
-    known = ("n_heads", "n_kv_heads", "rope_theta", "norm_eps", "rope_scaling_args")
-    if flavor is None and not (overrides or {}).get("n_heads"):
-        raise ConversionError("--from torchtitan needs the model's flavor: --flavor NAME (torchtitan's llama3 "
-                              f"flavors: {', '.join(FLAVORS)}) or --model-args '{{\"n_heads\": N, ...}}'")
-    if flavor is not None and flavor not in FLAVORS:
-        raise ConversionError(f"--flavor {flavor!r}: torchtitan's llama3 flavors are {', '.join(FLAVORS)}; give a "
-                              "custom one's fields with --model-args")
-    unknown = sorted(set(overrides or {}) - set(known) - {"dim", "n_layers", "vocab_size", "multiple_of",
-                                                          "ffn_dim_multiplier", "max_seq_len"})
+    """torchtitan's model args that the tensors do not give (and ``name``: llama3 or qwen3): its defaults, the
+    flavor's (``--flavor [NAME:]FLAVOR`` from torchtitan 0.2.2's tables), then ``overrides`` (``--model-args``
+    JSON: a custom flavor's fields, ``name`` among them)."""
+    overrides = dict(overrides or {})
+    name = overrides.pop("name", None) or (flavor.split(":")[0] if flavor and ":" in flavor else "llama3")
+    if name not in _DEFAULTS:
+        raise ConversionError(f"torchtitan model {name!r}: paratron reads llama3 and qwen3")
+    key = flavor if flavor is None or ":" in flavor else f"llama3:{flavor}"
+    if flavor is None and not overrides.get("n_heads"):
+        raise ConversionError("--from torchtitan needs the model's flavor: --flavor [NAME:]FLAVOR (e.g. 8B, "
+                              "qwen3:30B-A3B) or --model-args '{\"name\": \"qwen3\", \"n_heads\": N, ...}'")
+    if key is not None and key not in FLAVORS:
+        raise ConversionError(f"--flavor {flavor!r}: torchtitan's flavors are {', '.join(FLAVORS)}; give a custom "
+                              "one's fields with --model-args")
+    known = set(_DEFAULTS[name]) | {"n_heads"}
+    unknown = sorted(set(overrides) - known - {"dim", "n_layers", "vocab_size", "multiple_of", "ffn_dim_multiplier",
+                                               "max_seq_len", "hidden_dim", "moe_enabled", "moe_inter_dim"})
     if unknown:
         raise ConversionError(f"--model-args: {', '.join(unknown)} is not a field paratron reads (it reads "
-                              f"{', '.join(known)}; the sizes come from the tensors)")
-    heads, kv, theta = FLAVORS[flavor] if flavor is not None else (None, None, 10000.0)
-    args = {"n_heads": heads, "n_kv_heads": kv, "rope_theta": theta, "norm_eps": 1e-5, "rope_scaling_args": {}}
-    args.update({k: v for k, v in (overrides or {}).items() if k in known})
-    return args
+                              f"{', '.join(sorted(known))}; the sizes come from the tensors)")
+    args = {**_DEFAULTS[name], **(FLAVORS[key] if key else {}), **{k: v for k, v in overrides.items() if k in known}}
+    args["moe_args"] = {**_DEFAULTS[name].get("moe_args", {}), **(args.get("moe_args") or {})}
+    return {**args, "name": name}
 
 
 def model_config(shapes: dict, args: dict) -> ModelConfig:
@@ -139,6 +161,62 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
     return out
 
 
+_QWEN3_LAYER = {**_LAYER, "attention.q_norm.weight": "self_attn.q_norm.weight",
+                "attention.k_norm.weight": "self_attn.k_norm.weight", "moe.router.gate.weight": "mlp.gate.weight"}
+_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # moe.experts.wN [experts, out, in]
+
+
+def qwen3_config(shapes: dict, args: dict) -> tuple[ModelConfig, str]:
+    """(paratron's model config, Hugging Face family) of a torchtitan Qwen3 checkpoint: through the config.json
+    transformers' Qwen3 / Qwen3-MoE would have (paratron/checkpoint/hf_config.py reads it)."""
+    from .hf_config import model_config_from_hf
+    moe, heads = args["moe_args"], int(args["n_heads"])
+    layers = sorted({int(m.group(1)) for k in shapes if (m := re.match(r"^layers\.(\d+)\.", k))})
+    sparse = [i for i in layers if f"layers.{i}.moe.experts.w1" in shapes]
+    problems = [what for bad, what in (
+        (not args.get("qk_norm"), "qk_norm off (paratron's Qwen3 has q_norm / k_norm)"),
+        (sparse and moe.get("score_func") != "softmax", f"score_func {moe.get('score_func')!r} (softmax only)"),
+        (sparse and (moe.get("num_shared_experts") or moe.get("num_expert_groups") or moe.get("gate_bias")
+                     or moe.get("score_before_experts") or float(moe.get("route_scale", 1.0)) != 1.0),
+         "shared experts, expert groups, a router bias, scores before the experts or route_scale != 1")) if bad]
+    if problems:
+        raise ConversionError(f"this torchtitan Qwen3 checkpoint has {problems[0]}")
+    dense = [i for i in layers if i not in sparse]
+    d = {"model_type": "qwen3_moe" if sparse else "qwen3", "vocab_size": shapes["tok_embeddings.weight"][0],
+         "hidden_size": shapes["tok_embeddings.weight"][1], "num_hidden_layers": len(layers),
+         "num_attention_heads": heads, "num_key_value_heads": int(args.get("n_kv_heads") or heads),
+         "head_dim": int(args["head_dim"]), "rms_norm_eps": float(args["norm_eps"]),
+         "intermediate_size": shapes[f"layers.{dense[0]}.feed_forward.w1.weight"][0] if dense else 1,
+         "rope_parameters": {"rope_type": "default", "rope_theta": float(args["rope_theta"])},
+         "max_position_embeddings": int(args.get("max_seq_len") or 4096), "attention_bias": False,
+         "tie_word_embeddings": "output.weight" not in shapes}
+    if sparse:
+        w1 = shapes[f"layers.{sparse[0]}.moe.experts.w1"]
+        d.update(num_experts=w1[0], moe_intermediate_size=w1[1], num_experts_per_tok=int(moe["top_k"]),
+                 norm_topk_prob=bool(moe["route_norm"]), decoder_sparse_step=1, mlp_only_layers=dense)
+    cfg, _, family = model_config_from_hf(d)
+    return cfg, family
+
+
+def qwen3_to_hf(state: dict) -> dict:
+    """torchtitan Qwen3 tensors -> Hugging Face Qwen3 / Qwen3-MoE names (RoPE already rotate-half: no permutation),
+    the stacked experts one per expert."""
+    out = {}
+    for k, v in state.items():
+        m = re.match(r"^layers\.(\d+)\.(.*)$", k)
+        e = re.match(r"^moe\.experts\.(w[123])$", m.group(2)) if m is not None else None
+        if m is None and k in _TOP:
+            out[_TOP[k]] = v
+        elif e is not None:
+            out.update((f"model.layers.{m.group(1)}.mlp.experts.{i}.{_EXPERT_NAMES[e.group(1)]}.weight", w)
+                       for i, w in enumerate(v.unbind(0)))
+        elif m is not None and m.group(2) in _QWEN3_LAYER:
+            out[f"model.layers.{m.group(1)}.{_QWEN3_LAYER[m.group(2)]}"] = v
+        elif not k.endswith(("moe.tokens_per_expert", "moe.expert_bias")):  # (read() checks the bias is 0)
+            raise ConversionError(f"torchtitan tensor {k!r} has no place in a Qwen3 model (another model type?)")
+    return out
+
+
 def read(root, args: dict, step: Optional[int] = None) -> tuple:
     """(model config, {"model" / "exp_avg" / "exp_avg_sq": paratron state (TP 1, whole tensors)}, vocabulary,
     step directory, {adam_step, step, ntokens_seen}) of a torchtitan checkpoint (no moments in a model-only save)."""
@@ -147,21 +225,38 @@ def read(root, args: dict, step: Optional[int] = None) -> tuple:
     d = step_dir(root, step)
     shapes = sharded.tensor_shapes(d)
     model_keys = [k for k in shapes if not k.startswith(("optimizer.", "lr_scheduler.", "dataloader.",
-                                                         "train_state."))]
-    cfg = model_config({k: shapes[k][0] for k in model_keys}, args)
+                                                         "train_state.")) and not k.endswith("tokens_per_expert")]
+    sizes = {k: shapes[k][0] for k in model_keys}
+    if args["name"] == "qwen3":
+        cfg, family = qwen3_config(sizes, args)
+        convert = qwen3_to_hf
+    else:
+        cfg, family = model_config(sizes, args), "llama"
+        convert = lambda state: to_hf(state, cfg)  # noqa: E731
     vocab = shapes["tok_embeddings.weight"][0][0]
     moments = {s: {k: f"optimizer.state.{k}.{s}" for k in model_keys} for s in _STATES}
     has_optim = all(n in shapes for names in moments.values() for n in names.values())
     wanted = model_keys + ([n for names in moments.values() for n in names.values()] if has_optim else [])
     full = sharded.load_full(d, wanted)
-    out = {"model": hf_to_paratron(to_hf({k: full[k] for k in model_keys}, cfg), cfg, "llama", vocab, vocab)}
+    _no_expert_bias(full)
+    out = {"model": hf_to_paratron(convert({k: full[k] for k in model_keys}), cfg, family, vocab, vocab)}
     if has_optim:
         for s, names in moments.items():
-            out[s] = hf_to_paratron(to_hf({k: full[n] for k, n in names.items()}, cfg), cfg, "llama", vocab, vocab)
+            out[s] = hf_to_paratron(convert({k: full[n] for k, n in names.items()}), cfg, family, vocab, vocab)
     state = read_objects(d, [k for k in ("train_state.step", "train_state.ntokens_seen") if k in _names(d)])
     info = {"adam_step": _adam_step(d, shapes, model_keys) if has_optim else None,
             "step": state.get("train_state.step"), "ntokens_seen": state.get("train_state.ntokens_seen")}
     return cfg, out, vocab, d, info
+
+
+def _no_expert_bias(tensors: dict) -> None:
+    """torchtitan's MoE keeps an ``expert_bias`` buffer (auxiliary-loss-free load balancing, ``load_balance_coeff``)
+    that its Qwen3 training leaves at zero: dropped then; a trained bias would route otherwise than paratron's
+    Qwen3-MoE, so it stops the conversion."""
+    trained = [k for k, v in tensors.items() if k.endswith("moe.expert_bias") and bool(v.abs().max() > 0)]
+    if trained:
+        raise ConversionError(f"{trained[0]} is not zero: auxiliary-loss-free load balancing (torchtitan's "
+                              "load_balance_coeff) is not converted yet")
 
 
 def _names(d: Path) -> set:

@@ -16,7 +16,7 @@ from paratron.checkpoint import torchtitan as T
 from paratron.checkpoint.hf_config import ConversionError
 from paratron.model.gpt import GPTModel
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "torchtitan_ckpt"
+DATA = Path(__file__).resolve().parents[1] / "data" / "torchtitan_ckpt" / "llama3"
 RUN = json.loads((DATA / "run.json").read_text())
 ARGS = '{"n_heads": 4, "n_kv_heads": 2, "rope_theta": 10000, "norm_eps": 1e-6}'  # (a custom flavor)
 # the training flags of torchtitan's run (its warm-up and cosine decay give the same LR at steps 4 to 6 as these)
@@ -90,8 +90,9 @@ def test_rope_pairs_become_halves():
 
 
 @pytest.mark.parametrize("argv,message", [
-    ([], r"needs the model's flavor: --flavor NAME"),
-    (["--flavor", "9B"], r"--flavor '9B': torchtitan's llama3 flavors are debugmodel"),
+    ([], r"needs the model's flavor: --flavor \[NAME:\]FLAVOR"),
+    (["--flavor", "9B"], r"--flavor '9B': torchtitan's flavors are llama3:debugmodel"),
+    (["--flavor", "gpt:8B"], r"torchtitan model 'gpt': paratron reads llama3 and qwen3"),
     (["--model-args", "{n_heads: 4}"], r"--model-args is not JSON"),
     (["--model-args", '{"n_heads": 8, "n_kv_heads": 2}'], r"do not fit 8 heads and 2 KV heads"),
     (["--model-args", '{"n_heads": 4, "window": 2}'], r"--model-args: window is not a field paratron reads"),
@@ -104,3 +105,38 @@ def test_refusals_are_one_line(tmp_path, capsys, argv, message):
     assert code == 2 and "\n" not in err and re.search(message, err), err
     with pytest.raises(ConversionError, match="no torchtitan checkpoint"):
         T.step_dir(tmp_path)
+
+
+QWEN3 = DATA.parent / "qwen3_moe"
+QWEN3_ARGS = ('{"name": "qwen3", "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "rope_theta": 10000, "norm_eps": 1e-6, '
+              '"moe_args": {"num_shared_experts": 0, "top_k": 2, "score_func": "softmax", "route_norm": true, '
+              '"score_before_experts": false}}')
+
+
+def test_qwen3_moe_converts_and_resumes(tmp_path):
+    """torchtitan's Qwen3 MoE (q/k norms, rotate-half RoPE, 4 experts top-2 renormalised, stacked experts
+    [experts, out, in]): torchtitan's logits, and its losses of steps 4 to 6 after the resume."""
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args
+    from tests.unit.test_train import losses_of
+    code = C.main(["--from", "torchtitan", "--input", str(QWEN3), "--save", str(tmp_path / "q"), "--model-args",
+                   QWEN3_ARGS, "--seq-length", "64", "--quiet"])
+    cfg, _, it, state = C.read_checkpoint(tmp_path / "q", log=lambda *a: None)
+    assert (code, it, cfg.model.num_experts, cfg.model.moe_router_topk, cfg.model.qk_layernorm) == (0, 3, 4, 2, True)
+    ref = torch.load(QWEN3 / "reference_logits.pt", weights_only=True)
+    model = GPTModel(cfg.model, cfg.padded_vocab_size)
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        logits = model.eval()(ref["tokens"]).float()[..., :128]
+    assert (logits - ref["logits"]).abs().max() < 1e-5 * ref["logits"].abs().max()
+    t = Trainer(parse_args(C.training_flags(cfg.model) + ["--load", str(tmp_path / "q"), *FLAGS]))
+    got = losses_of(t, 3)
+    t.close()
+    want = [s["loss"] for s in json.loads((QWEN3 / "run.json").read_text())["steps"]][3:]
+    assert all(abs(g - w) <= 1e-4 * w for g, w in zip(got, want)), (got, want)
+
+
+def test_a_trained_expert_bias_is_refused():
+    T._no_expert_bias({"layers.0.moe.expert_bias": torch.zeros(4)})  # torchtitan's Qwen3 leaves it at 0: dropped
+    with pytest.raises(ConversionError, match=r"layers.0.moe.expert_bias is not zero: auxiliary-loss-free"):
+        T._no_expert_bias({"layers.0.moe.expert_bias": torch.tensor([0.0, 1e-3, 0.0, 0.0])})
