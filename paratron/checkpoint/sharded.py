@@ -210,6 +210,8 @@ def find_checkpoint(root: str | Path, group=None, warn: Callable[[str], None] = 
     latest = latest_iteration(root)
     candidates = complete_iterations(root)
     if latest is None and not candidates:
+        from .torchtitan import refuse_torchtitan  # (its step-N directories: converted first)
+        refuse_torchtitan(root)
         return None
     if latest is not None:  # the marker's iteration first, then older complete ones
         candidates = [latest] + [i for i in candidates if i < latest]

@@ -78,6 +78,19 @@ def step_dir(root, step: Optional[int] = None) -> Path:
     return steps[step if step is not None else max(steps)]
 
 
+def refuse_torchtitan(root: Path) -> None:
+    """A torchtitan checkpoint where paratron's own is looked for (``--load``): one line naming the conversion."""
+    try:
+        d = step_dir(root)
+    except ConversionError:
+        return
+    if (d / ".metadata").is_file():
+        from .pieces import CheckpointError
+        raise CheckpointError(f"{root} holds torchtitan's checkpoint {d.name}: convert it first, then --load the "
+                              f"result: paratron convert --from torchtitan --input {root} --flavor [NAME:]FLAVOR "
+                              "--seq-length N --save NEW_DIR")
+
+
 def model_args(flavor: Optional[str], overrides: Optional[dict]) -> dict:
     """torchtitan's model args that the tensors do not give (and ``name``: llama3 or qwen3): its defaults, the
     flavor's (``--flavor [NAME:]FLAVOR`` from torchtitan 0.2.2's tables), then ``overrides`` (``--model-args``

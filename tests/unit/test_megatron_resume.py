@@ -169,3 +169,26 @@ def test_the_layer_spec_of_the_buckets_comes_from_the_saved_args(tmp_path):
     from paratron.train.resolve import parse_args
     with pytest.raises(CheckpointError, match=r"not laid out as paratron derives it"):
         Trainer(parse_args(["--load", str(tmp_path / "mlm"), *FLAGS]))
+
+
+def test_common_state_readers_by_hand():
+    """The pieces of Megatron's common.pt a resume reads: the plain optimizer's common_step, the distributed one's
+    param-group steps (also inside chained optimizers' lists), the fp16 loss scaler, the scheduler's position and
+    values in paratron's names, and the sharding type."""
+    from paratron.checkpoint import megatron_state as S
+    plain = {"optimizer": {"optimizer": {"state": {"common_step": torch.tensor(7.0)}, "param_groups": [{"lr": 1.0}]},
+                           "grad_scaler": {"scale": torch.tensor(1024.0), "growth_tracker": 3,
+                                           "hysteresis_tracker": 2}},
+             "opt_param_scheduler": {"max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 40, "lr_decay_steps": 800,
+                                     "lr_decay_style": "cosine", "num_steps": 140, "start_wd": 0.1}}
+    assert S.adam_step(plain) == 7 and S.sharding_type(plain) is None
+    assert S.scaler_state(plain) == {"scale": 1024.0, "growth_tracker": 3, "hysteresis_tracker": 2}
+    assert S.scheduler_state(plain) == {"max_lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 40, "decay_steps": 800,
+                                        "decay_style": "cosine", "num_steps": 140}
+    chained = {"optimizer": [{"optimizer": {"param_groups": [{"step": 5}, {"step": 5}]},
+                              "param_state_sharding_type": "fully_reshardable"},
+                             {"optimizer": {"param_groups": [{"step": 5}]}}]}
+    assert S.adam_step(chained) == 5 and S.sharding_type(chained) == "fully_reshardable"
+    assert S.scaler_state(chained) is None and S.scheduler_state(chained) is None
+    with pytest.raises(CheckpointError, match=r"names 2 different step counts \[4, 5\]"):
+        S.adam_step({"optimizer": [{"param_groups": [{"step": 4}]}, {"param_groups": [{"step": 5}]}]})

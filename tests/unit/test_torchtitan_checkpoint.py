@@ -140,3 +140,12 @@ def test_a_trained_expert_bias_is_refused():
     T._no_expert_bias({"layers.0.moe.expert_bias": torch.zeros(4)})  # torchtitan's Qwen3 leaves it at 0: dropped
     with pytest.raises(ConversionError, match=r"layers.0.moe.expert_bias is not zero: auxiliary-loss-free"):
         T._no_expert_bias({"layers.0.moe.expert_bias": torch.tensor([0.0, 1e-3, 0.0, 0.0])})
+
+
+def test_load_of_a_torchtitan_folder_names_the_conversion():
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args
+    with pytest.raises(Exception, match=r"holds torchtitan's checkpoint step-6: convert it first, then --load the "
+                                        r"result: paratron convert --from torchtitan --input"):
+        Trainer(parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--load",
+                            str(DATA), *FLAGS]))
