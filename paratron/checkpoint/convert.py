@@ -43,6 +43,7 @@ import torch
 
 from ..config import SECTIONS, Config, DataConfig, ModelConfig, flag
 from . import sharded
+from .megatron import from_megatron  # noqa: F401 (paratron convert --from megatron)
 from .hf_config import FAMILIES, ConversionError
 
 __all__ = ["main", "read_checkpoint", "default_family", "training_flags", "to_hf", "from_hf", "from_megatron"]
@@ -386,28 +387,6 @@ def _print_command(m, tp: int, save: Path, script: str, log) -> list[str]:
     return flags
 
 
-def from_megatron(input, save, iteration: Optional[int] = None, dtype: Optional[str] = None, force: bool = False,
-                  log=None) -> list[str]:
-    """Megatron-LM checkpoint ``input`` (torch_dist or legacy torch format, any TP / PP / EP) -> paratron
-    checkpoint ``save`` (iteration 0, model weights only, whole tensors: any layout loads it); returns the model
-    flags to train it with."""
-    from . import megatron
-    log = log or _Log(True)
-    save = Path(save)
-    old = _check_output(save, _PARATRON_CKPT_FILES, force, "a paratron checkpoint", "--save")
-    m, state, it, rows, fmt = megatron.read(input, iteration)
-    if dtype is not None:
-        state = {k: (v.to(_dtype(dtype)) if v.is_floating_point() else v) for k, v in state.items()}
-    log(f"read {input} ({fmt} format, iteration {it if it is not None else 'release'}: {m.num_layers} layers, "
-        f"hidden {m.hidden_size}, {len(state)} tensors, {sum(t.numel() for t in state.values()) / 1e6:.2f}M "
-        f"parameters, {rows} vocabulary rows); optimizer, scheduler and RNG state are not converted")
-    converted = {"megatron": str(Path(input).resolve()), "iteration": it, "format": fmt}
-    _write_weights(save, old, m, rows, state, converted, log)
-    flags = _print_command(m, 1, save, "pretrain_gpt.py", log)
-    log(f"use the tokenizer the Megatron run used; the checkpoint has its {rows} vocabulary rows")
-    return flags
-
-
 # ----------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------
@@ -422,11 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Convert paratron checkpoints to and from Hugging Face model directories, and\n"
                 "Megatron-LM checkpoints to paratron's.\n\n"
                 "  paratron convert --to hf --load CKPT_DIR --output HF_DIR [--family F] [--iteration N]\n"
+                "  paratron convert --to megatron --load CKPT_DIR --output MEGATRON_DIR [--iteration N]\n"
                 "  paratron convert --from hf --input HF_DIR --save CKPT_DIR [--tensor-model-parallel-size N]\n"
                 "  paratron convert --from megatron --input MEGATRON_DIR --save CKPT_DIR [--iteration N]\n"
                 "  paratron convert --from torchtitan --input DUMP_DIR --save CKPT_DIR (--flavor F | --model-args J)"
                 " [--seq-length N] [--iteration N]")
-    p.add_argument("--to", dest="to", metavar="hf", help="convert a paratron checkpoint to Hugging Face")
+    p.add_argument("--to", dest="to", metavar="hf|megatron", help="convert a paratron checkpoint to Hugging Face or "
+                   "Megatron-LM (its torch_dist checkpoint, optimizer state included)")
     p.add_argument("--from", dest="frm", metavar="hf|megatron|torchtitan",
                    help="convert a Hugging Face model or a Megatron-LM checkpoint to a paratron checkpoint")
     p.add_argument("--load", metavar="CKPT_DIR", help="--to hf: the paratron checkpoint (training's --save directory)")
@@ -456,7 +437,7 @@ def _run(argv: list[str]) -> int:
         raise ConversionError("pass exactly one of --to hf, --from hf, --from megatron or --from torchtitan "
                               "(see `paratron convert --help`)")
     fmt = (a.to if a.to is not None else a.frm).lower()
-    if fmt not in ("hf", "huggingface") and not (a.frm is not None and fmt in ("megatron", "torchtitan")):
+    if fmt not in ("hf", "huggingface") and not (fmt == "megatron" or (a.frm is not None and fmt == "torchtitan")):
         raise ConversionError(f"unknown format {fmt!r}: paratron converts to and from hf (Hugging Face), and from "
                               "megatron (Megatron-LM's torch_dist and torch checkpoints) and torchtitan")
     where = f"--{'to' if a.to else 'from'} {fmt if fmt in ('megatron', 'torchtitan') else 'hf'}"
@@ -468,7 +449,13 @@ def _run(argv: list[str]) -> int:
 
     if fmt != "torchtitan":
         forbid("--flavor", "--model-args", "--seq-length")
-    if a.to is not None:
+    if a.to is not None and fmt == "megatron":
+        forbid("--input", "--save", "--tensor-model-parallel-size", "--family", "--dtype")
+        if not a.load or not a.output:
+            raise ConversionError("--to megatron needs --load CKPT_DIR and --output MEGATRON_DIR")
+        from .to_megatron import export
+        export(a.load, a.output, a.iteration, a.force, log)
+    elif a.to is not None:
         forbid("--input", "--save", "--tensor-model-parallel-size")
         if not a.load or not a.output:
             raise ConversionError("--to hf needs --load CKPT_DIR and --output HF_DIR")

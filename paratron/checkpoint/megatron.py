@@ -472,3 +472,25 @@ def read(root, iteration: Optional[int] = None) -> tuple[ModelConfig, dict, Opti
     m = model_config(args)
     rows = state["embedding.word_embeddings.weight"].shape[0] if "embedding.word_embeddings.weight" in state else 0
     return m, state, it, rows, fmt
+
+
+def from_megatron(input, save, iteration: Optional[int] = None, dtype: Optional[str] = None, force: bool = False,
+                  log=None) -> list[str]:
+    """Megatron-LM checkpoint ``input`` (torch_dist or legacy torch format, any TP / PP / EP) -> paratron
+    checkpoint ``save`` (iteration 0, model weights only, whole tensors: any layout loads it); returns the model
+    flags to train it with."""
+    from .convert import _PARATRON_CKPT_FILES, _Log, _check_output, _dtype, _print_command, _write_weights
+    log = log or _Log(True)
+    save = Path(save)
+    old = _check_output(save, _PARATRON_CKPT_FILES, force, "a paratron checkpoint", "--save")
+    m, state, it, rows, fmt = read(input, iteration)
+    if dtype is not None:
+        state = {k: (v.to(_dtype(dtype)) if v.is_floating_point() else v) for k, v in state.items()}
+    log(f"read {input} ({fmt} format, iteration {it if it is not None else 'release'}: {m.num_layers} layers, "
+        f"hidden {m.hidden_size}, {len(state)} tensors, {sum(t.numel() for t in state.values()) / 1e6:.2f}M "
+        f"parameters, {rows} vocabulary rows); optimizer, scheduler and RNG state are not converted")
+    converted = {"megatron": str(Path(input).resolve()), "iteration": it, "format": fmt}
+    _write_weights(save, old, m, rows, state, converted, log)
+    flags = _print_command(m, 1, save, "pretrain_gpt.py", log)
+    log(f"use the tokenizer the Megatron run used; the checkpoint has its {rows} vocabulary rows")
+    return flags

@@ -1,0 +1,222 @@
+"""A paratron checkpoint written as Megatron-LM's own torch_dist checkpoint (``paratron convert --to megatron``), so
+that Megatron resumes the run: the weights, and with them Adam's state in the distributed optimizer's
+``fully_reshardable`` layout (``--use-distributed-optimizer``; Megatron reads it at any layout), Adam's step, the
+LR schedule's position, the iteration and the samples seen.
+
+What Megatron's loader reads (paratron/checkpoint/megatron.py reads the same files the other way):
+
+* ``iter_{N:07d}/`` through ``torch.distributed.checkpoint``: every tensor global, the transformer layers stacked
+  along a first dimension (``decoder.layers.{name}`` [layers, ...]), the norms under the names Megatron's files use
+  for both layer specs (``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``), the
+  routed experts under ``mlp.experts.experts.`` [layers, experts, ...], a GPT model's MTP layers under
+  ``mtp.layers.{k}.transformer_layer.``; each linear layer's ``_extra_state`` as the byte object Megatron writes
+  (``{name}/shard_{layer}_{layers}``, per expert ``shard_{layer}.{expert}_{layers}.{experts}``); the optimizer's
+  ``optimizer.state.{param,exp_avg,exp_avg_sq}.{name}`` in the same shapes (``param``: the fp32 main weights);
+* ``common.pt``: ``args`` (an ``argparse.Namespace`` of paratron's configuration, whose field names are Megatron's
+  flag dests, with ``padded_vocab_size`` and the samples seen), ``checkpoint_version`` 3.0, ``iteration``, the
+  distributed optimizer's param groups (decayed and not decayed; a MoE's experts in a second, chained optimizer)
+  with Adam's step, ``opt_param_scheduler`` and the ``content_metadata`` naming the optimizer's layout;
+* ``metadata.json`` (the backends) and ``latest_checkpointed_iteration.txt``.
+
+Megatron's random generator states are not written: Megatron resumes it with ``--no-load-rng``.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .hf_config import ConversionError
+from .megatron import _LAYER_NAMES, TRACKER
+
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+            "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+_CONTENT = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": False,
+            "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def megatron_name(key: str) -> tuple[str, Optional[int]]:
+    """(Megatron's tensor name, layer index along its stacked first dimension or None) of paratron's ``key``."""
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", key)
+    mtp = re.match(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.(.*)$", key)
+    rest = m.group(2) if m else mtp.group(2) if mtp else None
+    if rest is None:
+        return key, None
+    for ours, theirs in _LAYER_NAMES:
+        if rest.startswith(ours):
+            rest = theirs + rest[len(ours):]
+    return (f"decoder.layers.{rest}", int(m.group(1))) if m else (f"{mtp.group(1)}transformer_layer.{rest}", None)
+
+
+def stack(state: dict) -> dict:
+    """paratron's whole tensors (``decoder.layers.{i}.`` one per layer) -> Megatron's names, layers stacked."""
+    layers, out = defaultdict(dict), {}
+    for k, v in state.items():
+        name, i = megatron_name(k)
+        if i is None:
+            out[name] = v
+        else:
+            layers[name][i] = v
+    for name, by_layer in layers.items():
+        out[name] = torch.stack([by_layer[i] for i in sorted(by_layer)])
+    return out
+
+
+def extra_states(cfg) -> dict:
+    """The ``_extra_state`` byte objects Megatron writes for each linear layer ([None] outside FP8)."""
+    from ..config.layer_patterns import parse_moe_layer_freq
+    n = cfg.num_layers
+    moe = parse_moe_layer_freq(cfg.moe_layer_freq, n) if cfg.num_experts else [0] * n
+    names = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+    if moe[0]:
+        names += [n for n in _LINEARS[4:] if cfg.moe_shared_expert_intermediate_size]
+    else:
+        names += ["mlp.linear_fc1", "mlp.linear_fc2"]
+    out = {f"decoder.layers.{name}._extra_state/shard_{i}_{n}": [None] for name in names for i in range(n)}
+    if moe[0]:
+        e = cfg.num_experts
+        out.update({f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{j}_{n}.{e}": [None]
+                    for fc in ("linear_fc1", "linear_fc2") for i in range(n) for j in range(e)})
+    return out
+
+
+def check_exportable(cfg) -> None:
+    """Megatron stacks a layer's tensors over all layers: a stack of one kind of layer only (and MTP) is written."""
+    from ..config.layer_patterns import parse_moe_layer_freq
+    moe = parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers) if cfg.num_experts else [0]
+    problems = [what for bad, what in (
+        (len(set(moe)) > 1, "dense and MoE layers mixed (--moe-layer-freq)"),
+        (cfg.hybrid_layer_pattern or cfg.experimental_attention_variant, "a hybrid or linear-attention stack"),
+        (cfg.multi_latent_attention, "multi-latent attention"), (cfg.model != "gpt", f"--model {cfg.model}"),
+        (cfg.fp8_param_gather if hasattr(cfg, "fp8_param_gather") else False, "FP8 parameters")) if bad]
+    if problems:
+        raise ConversionError(f"--to megatron writes GPT models of one layer kind (dense or MoE, with or without MTP); "
+                              f"this one has {problems[0]}")
+
+
+def _args(cfg, rows: int, consumed: int, iteration: int) -> argparse.Namespace:
+    """Megatron's ``args``: paratron's configuration (its field names are Megatron's flag dests), the dests Megatron
+    stores under other names, and what its loader reads besides (padded vocabulary, samples seen)."""
+    from .megatron import _DESTS
+    flat = {k: v for section in cfg.to_dict().values() if isinstance(section, dict) for k, v in section.items()}
+    for ours, theirs in _DESTS.items():
+        for dest, inverted in theirs:
+            if ours in flat and dest not in flat:
+                flat[dest] = (not flat[ours]) if inverted else flat[ours]
+    m = cfg.model
+    flat.update(padded_vocab_size=rows, consumed_train_samples=consumed, consumed_valid_samples=0,
+                add_position_embedding=m.position_embedding_type == "learned_absolute", ckpt_format="torch_dist",
+                use_distributed_optimizer=True, data_parallel_random_init=False, iteration=iteration,
+                transformer_impl=flat.get("transformer_impl") or "transformer_engine")
+    return argparse.Namespace(**flat)
+
+
+def _param_groups(cfg, lr: float, step: int, experts: bool) -> dict:
+    """The distributed optimizer's non-tensor state: Megatron's param groups (decayed, not decayed) with Adam's step
+    (and a second, chained optimizer for a MoE's experts)."""
+    op = cfg.optim
+
+    def group(expert: bool, decay: bool) -> dict:
+        return {"is_expert_parallel": expert, "default_config": True, "wd_mult": 1.0 if decay else 0.0, "lr_mult": 1.0,
+                "is_decoupled_lr": False, "max_lr": op.lr, "min_lr": op.min_lr, "lr": lr,
+                "betas": (op.adam_beta1, op.adam_beta2), "eps": op.adam_eps,
+                "weight_decay": op.weight_decay if decay else 0.0, "amsgrad": False, "maximize": False,
+                "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                "decoupled_weight_decay": True, "step": float(step)}
+    dense = {"optimizer": {"param_groups": [group(False, True), group(False, False)]},
+             "param_state_sharding_type": "fully_reshardable"}
+    if not experts:
+        return dense
+    return {0: dense, 1: {"optimizer": {"param_groups": [group(True, True)]},
+                          "param_state_sharding_type": "fully_reshardable"}}
+
+
+def _scheduler(cfg, sd: dict) -> dict:
+    """paratron's LR schedule state as Megatron's ``opt_param_scheduler`` (both count samples)."""
+    op, tr = cfg.optim, cfg.train
+    wd_steps = (tr.train_iters or 0) * tr.global_batch_size if tr.train_iters else (tr.train_samples or 0)
+    start = end = op.weight_decay  # (paratron's weight decay is constant)
+    return {"max_lr": sd.get("max_lr", op.lr), "lr_warmup_steps": sd.get("warmup_steps", 0),
+            "num_steps": sd["num_steps"], "lr_decay_style": sd.get("decay_style", op.lr_decay_style),
+            "lr_decay_steps": sd.get("decay_steps", 0), "min_lr": sd.get("min_lr", op.min_lr), "start_wd": start,
+            "end_wd": end, "wd_incr_style": "constant", "wd_incr_steps": wd_steps}
+
+
+def export(load, output, iteration: Optional[int] = None, force: bool = False, log=None) -> Path:
+    """paratron checkpoint ``load`` (the latest or ``iteration``'s) -> Megatron-LM torch_dist checkpoint ``output``;
+    returns its iteration directory."""
+    from . import sharded
+    from .convert import _Log, _check_output, _saved_config, _write_staged
+    log = log or _Log(True)
+    d = sharded.find_checkpoint(Path(load), group=sharded.SOLO, iteration=iteration)
+    if d is None:
+        raise ConversionError(f"no paratron checkpoint in {load}")
+    common = sharded.read_common(d)
+    cfg = _saved_config(common, d)
+    check_exportable(cfg.model)
+    shapes = sharded.tensor_shapes(d)
+    if any(k.startswith("optimizer.muon_momentum.") for k in shapes):
+        raise ConversionError(f"{d} holds Muon's state: Megatron's distributed optimizer resumes Adam only")
+    full = sharded.load_full(d, [k for k in shapes if k.startswith(("model.", "optimizer."))])
+    model = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
+    tensors = stack(model)
+    params = [k for k in model if f"optimizer.exp_avg.{k}" in full]
+    optim = bool(params) and common.get("optimizer") is not None
+    if optim:
+        sources = {"param": {k: full.get(f"optimizer.fp32_param.{k}", model[k]) for k in params},
+                   "exp_avg": {k: full[f"optimizer.exp_avg.{k}"] for k in params},
+                   "exp_avg_sq": {k: full[f"optimizer.exp_avg_sq.{k}"] for k in params}}
+        for state, src in sources.items():
+            tensors.update({f"optimizer.state.{state}.{n}": t.float() for n, t in stack(src).items()})
+    it, consumed = int(common["iteration"]), int(common.get("consumed_samples", 0))
+    rows = model["embedding.word_embeddings.weight"].shape[0]
+    lr = common["scheduler"] and _lr(cfg, common["scheduler"])
+    top = {"args": _args(cfg, rows, consumed, it), "checkpoint_version": 3.0, "iteration": it,
+           "num_floating_point_operations_so_far": 0, "content_metadata": dict(_CONTENT)}
+    if optim:
+        top["optimizer"] = _param_groups(cfg, lr, int(common["optimizer"]["step"]), cfg.model.num_experts is not None)
+        top["opt_param_scheduler"] = _scheduler(cfg, common["scheduler"])
+    out = Path(output)
+    old = _check_output(out, re.compile(r"^(latest_checkpointed_iteration\.txt|iter_\d{7}|release)$"), force,
+                        "a Megatron-LM checkpoint", "--output")
+    log(f"writing Megatron-LM's torch_dist checkpoint of iteration {it} ({len(tensors)} tensors"
+        f"{', the distributed optimizer state' if optim else ', model weights only'}) to {out}")
+    _write_staged(out, old, lambda tmp: _write(tmp, it, tensors, extra_states(cfg.model), top), last=TRACKER)
+    return out / f"iter_{it:07d}"
+
+
+def _lr(cfg, sd: dict) -> float:
+    """The LR of the schedule state ``sd`` now (the param groups' ``lr``)."""
+    from ..optim.schedule import LRScheduler
+    op = cfg.optim
+    sched = LRScheduler(sd.get("max_lr", op.lr), sd.get("min_lr", op.min_lr), sd.get("warmup_steps", 0),
+                        sd.get("decay_steps", 1), sd.get("decay_style", op.lr_decay_style), sd.get("init_lr", 0.0),
+                        sd.get("wsd_decay_steps", 0), sd.get("wsd_decay_style", "exponential"))
+    sched.load_state_dict(sd)
+    return sched.lr
+
+
+def _write(tmp: Path, it: int, tensors: dict, objects: dict, top: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    d = tmp / f"iter_{it:07d}"
+    d.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in tensors.items()}
+    for k, obj in objects.items():
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        state[k] = buf
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
+    torch.save(top, d / "common.pt")
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                 "common_backend": "torch", "common_backend_version": 1}))
+    (tmp / TRACKER).write_text(str(it))
