@@ -23,7 +23,6 @@ Megatron's random generator states are not written: Megatron resumes it with ``-
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import re
 import warnings
@@ -110,9 +109,8 @@ def _args(cfg, rows: int, consumed: int, iteration: int) -> argparse.Namespace:
         for dest, inverted in theirs:
             if ours in flat and dest not in flat:
                 flat[dest] = (not flat[ours]) if inverted else flat[ours]
-    m = cfg.model
     flat.update(padded_vocab_size=rows, consumed_train_samples=consumed, consumed_valid_samples=0,
-                add_position_embedding=m.position_embedding_type == "learned_absolute", ckpt_format="torch_dist",
+                skipped_train_samples=0, ckpt_format="torch_dist",
                 use_distributed_optimizer=True, data_parallel_random_init=False, iteration=iteration,
                 transformer_impl=flat.get("transformer_impl") or "transformer_engine")
     return argparse.Namespace(**flat)
@@ -207,12 +205,7 @@ def _write(tmp: Path, it: int, tensors: dict, objects: dict, top: dict) -> None:
     import torch.distributed.checkpoint as dcp
     d = tmp / f"iter_{it:07d}"
     d.mkdir(parents=True)
-    state = {k: v.contiguous() for k, v in tensors.items()}
-    for k, obj in objects.items():
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        buf.seek(0)
-        state[k] = buf
+    state = {**{k: v.contiguous() for k, v in tensors.items()}, **objects}  # (DCP torch.saves the objects)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)

@@ -12,7 +12,7 @@ import torch
 from paratron.checkpoint import convert as C
 from paratron.checkpoint.hf_config import ConversionError
 from paratron.checkpoint.megatron import _torch_load
-from paratron.checkpoint.pieces import SafeReader
+from paratron.checkpoint.pieces import SafeReader, read_objects
 from tests.unit.test_megatron_resume import DATA, FLAGS, WANT
 
 
@@ -46,6 +46,8 @@ def test_export_has_megatrons_own_names_shapes_and_common_state(tmp_path):
     out = _export(tmp_path, case, ["--moe-aux-loss-coeff", "0"])
     theirs = DATA / case / "iter_0000003"
     assert _entries(out) == _entries(theirs)
+    objects = [k for k, v in _entries(theirs).items() if v == "bytes"]
+    assert objects and read_objects(out, objects) == read_objects(theirs, objects)  # (what Megatron's loader unpickles)
     ours, megatron = _torch_load(out / "common.pt"), _torch_load(theirs / "common.pt")
     assert ours["content_metadata"] == megatron["content_metadata"]
     assert ours["opt_param_scheduler"] == megatron["opt_param_scheduler"]
@@ -57,6 +59,9 @@ def test_export_has_megatrons_own_names_shapes_and_common_state(tmp_path):
             [(g["wd_mult"], g["is_expert_parallel"], g["step"]) for g in b]
         assert all(abs(x["lr"] - y["lr"]) < 1e-12 for x, y in zip(a, b))
     assert ours["args"].padded_vocab_size == 128 and ours["args"].consumed_train_samples == 6
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "add_position_embedding", "max_position_embeddings",
+                 "make_vocab_size_divisible_by", "padded_vocab_size", "tokenizer_type"):  # Megatron's checked args
+        assert getattr(ours["args"], name) == getattr(megatron["args"], name), name
     assert (out.parent / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 
