@@ -12,8 +12,9 @@ from tests.unit.test_megatron_resume import CASES, DATA, EXTRA, FLAGS, WANT
 
 @pytest.mark.parametrize("case,layout,tol", [
     ("distopt_tp2_dp2_bf16", ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"], 1e-2),
-    ("moe_distopt_ep2_full", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], 5e-6),
-    ("distopt_dp2", ["--use-distributed-optimizer"], 5e-6),
+    pytest.param("moe_distopt_ep2_full", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], 5e-6,
+                 marks=pytest.mark.slow),  # (one process: tests/unit/test_megatron_resume.py)
+    pytest.param("distopt_dp2", ["--use-distributed-optimizer"], 5e-6, marks=pytest.mark.slow),
     ("plain_tp2_bf16", ["--pipeline-model-parallel-size", "2", "--bf16"], 1e-2),
     ("distopt_pp2", ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], 5e-6),
     ("moe_distopt_ep2", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], 5e-6),
