@@ -421,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-model-parallel-size", metavar="N", type=int, default=1,
                    help="--from hf: print the command for a TP=N run and pad the vocabulary as it does "
                    "(default 1); the checkpoint holds whole tensors, which any layout loads")
+    p.add_argument("--expert-model-parallel-size", metavar="N", type=int, help="--to megatron: the Megatron run's "
+                   "(default the paratron run's; above 1 its experts have their own optimizer)")
     p.add_argument("--flavor", metavar="F", help="--from torchtitan: the run's llama3 flavor (8B, 70B, ...)")
     p.add_argument("--model-args", metavar="JSON", help="--from torchtitan: a custom flavor's TransformerModelArgs")
     p.add_argument("--seq-length", metavar="N", type=int, help="--from torchtitan: its training.seq_len")
@@ -449,12 +451,14 @@ def _run(argv: list[str]) -> int:
 
     if fmt != "torchtitan":
         forbid("--flavor", "--model-args", "--seq-length")
+    if not (a.to and fmt == "megatron"):
+        forbid("--expert-model-parallel-size")
     if a.to is not None and fmt == "megatron":
         forbid("--input", "--save", "--tensor-model-parallel-size", "--family", "--dtype")
         if not a.load or not a.output:
             raise ConversionError("--to megatron needs --load CKPT_DIR and --output MEGATRON_DIR")
         from .to_megatron import export
-        export(a.load, a.output, a.iteration, a.force, log)
+        export(a.load, a.output, a.iteration, a.force, log, a.expert_model_parallel_size)
     elif a.to is not None:
         forbid("--input", "--save", "--tensor-model-parallel-size")
         if not a.load or not a.output:

@@ -6,7 +6,8 @@ LR schedule's position, the iteration and the samples seen.
 What Megatron's loader reads (paratron/checkpoint/megatron.py reads the same files the other way):
 
 * ``iter_{N:07d}/`` through ``torch.distributed.checkpoint``: every tensor global, the transformer layers stacked
-  along a first dimension (``decoder.layers.{name}`` [layers, ...]), the norms under the names Megatron's files use
+  along a first dimension (``decoder.layers.{name}`` [layers, ...]; ``decoder.layers.{i}.{name}`` when dense and
+  MoE layers mix), the norms under the names Megatron's files use
   for both layer specs (``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``), the
   routed experts under ``mlp.experts.experts.`` [layers, experts, ...], a GPT model's MTP layers under
   ``mtp.layers.{k}.transformer_layer.``; each linear layer's ``_extra_state`` as the byte object Megatron writes
@@ -35,30 +36,38 @@ import torch
 from .hf_config import ConversionError
 from .megatron import _LAYER_NAMES, TRACKER
 
-_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
-            "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 _CONTENT = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": False,
             "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def megatron_name(key: str) -> tuple[str, Optional[int]]:
-    """(Megatron's tensor name, layer index along its stacked first dimension or None) of paratron's ``key``."""
+def megatron_name(key: str, stacked: bool = True, mla: bool = False) -> tuple[str, Optional[int]]:
+    """(Megatron's tensor name, layer index along its stacked first dimension or None) of paratron's ``key``; a
+    stack whose layers differ (dense and MoE) is saved one name per layer (``stacked`` False). Megatron's files name
+    the norms as Transformer Engine's fused ones, but for multi-latent attention's layers (``mla``)."""
     m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", key)
     mtp = re.match(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.(.*)$", key)
     rest = m.group(2) if m else mtp.group(2) if mtp else None
     if rest is None:
         return key, None
     for ours, theirs in _LAYER_NAMES:
-        if rest.startswith(ours):
+        if rest.startswith(ours) and not (mla and ours.endswith("layernorm.")):
             rest = theirs + rest[len(ours):]
-    return (f"decoder.layers.{rest}", int(m.group(1))) if m else (f"{mtp.group(1)}transformer_layer.{rest}", None)
+    if mtp:
+        return f"{mtp.group(1)}transformer_layer.{rest}", None
+    return (f"decoder.layers.{rest}", int(m.group(1))) if stacked else (f"decoder.layers.{m.group(1)}.{rest}", None)
 
 
-def stack(state: dict) -> dict:
+def homogeneous(cfg) -> bool:
+    """Whether every layer has the same tensors (Megatron then stacks them)."""
+    from ..config.layer_patterns import parse_moe_layer_freq
+    return not cfg.num_experts or len(set(parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers))) == 1
+
+
+def stack(state: dict, stacked: bool = True, mla: bool = False) -> dict:
     """paratron's whole tensors (``decoder.layers.{i}.`` one per layer) -> Megatron's names, layers stacked."""
     layers, out = defaultdict(dict), {}
     for k, v in state.items():
-        name, i = megatron_name(k)
+        name, i = megatron_name(k, stacked, mla)
         if i is None:
             out[name] = v
         else:
@@ -68,36 +77,33 @@ def stack(state: dict) -> dict:
     return out
 
 
-def extra_states(cfg) -> dict:
-    """The ``_extra_state`` byte objects Megatron writes for each linear layer ([None] outside FP8)."""
-    from ..config.layer_patterns import parse_moe_layer_freq
-    n = cfg.num_layers
-    moe = parse_moe_layer_freq(cfg.moe_layer_freq, n) if cfg.num_experts else [0] * n
-    names = ["self_attention.linear_qkv", "self_attention.linear_proj"]
-    if moe[0]:
-        names += [n for n in _LINEARS[4:] if cfg.moe_shared_expert_intermediate_size]
-    else:
-        names += ["mlp.linear_fc1", "mlp.linear_fc2"]
-    out = {f"decoder.layers.{name}._extra_state/shard_{i}_{n}": [None] for name in names for i in range(n)}
-    if moe[0]:
-        e = cfg.num_experts
-        out.update({f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{j}_{n}.{e}": [None]
-                    for fc in ("linear_fc1", "linear_fc2") for i in range(n) for j in range(e)})
+def extra_states(tensors: dict, stacked: bool) -> dict:
+    """The ``_extra_state`` object ([None] outside FP8) Megatron writes for each linear layer of ``tensors``
+    (Megatron's names): one per stacked layer (``shard_{layer}_{layers}``), per routed expert (``shard_{expert}_
+    {experts}``, or both), or one (``shard_0_1``)."""
+    out = {}
+    for name, t in tensors.items():
+        module = name[:-len(".weight")] if name.endswith(".weight") else ""
+        if not re.search(r"(^|\.)(linear_\w+|eh_proj)$", module):
+            continue
+        layered = stacked and name.startswith("decoder.layers.")
+        experts = ".mlp.experts.experts." in name
+        n, e = (t.shape[0] if layered else 1), (t.shape[1 if layered else 0] if experts else 1)
+        for i in range(n):
+            for j in range(e):
+                shard = (f"{i}.{j}_{n}.{e}" if layered and experts else f"{j}_{e}" if experts
+                         else f"{i}_{n}")
+                out[f"{module}._extra_state/shard_{shard}"] = [None]
     return out
 
 
 def check_exportable(cfg) -> None:
-    """Megatron stacks a layer's tensors over all layers: a stack of one kind of layer only (and MTP) is written."""
-    from ..config.layer_patterns import parse_moe_layer_freq
-    moe = parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers) if cfg.num_experts else [0]
+    """GPT models (dense, MoE, mixed, MLA, MTP) are written; hybrid and linear-attention stacks are not."""
     problems = [what for bad, what in (
-        (len(set(moe)) > 1, "dense and MoE layers mixed (--moe-layer-freq)"),
         (cfg.hybrid_layer_pattern or cfg.experimental_attention_variant, "a hybrid or linear-attention stack"),
-        (cfg.multi_latent_attention, "multi-latent attention"), (cfg.model != "gpt", f"--model {cfg.model}"),
-        (cfg.fp8_param_gather if hasattr(cfg, "fp8_param_gather") else False, "FP8 parameters")) if bad]
+        (cfg.model != "gpt", f"--model {cfg.model}")) if bad]
     if problems:
-        raise ConversionError(f"--to megatron writes GPT models of one layer kind (dense or MoE, with or without MTP); "
-                              f"this one has {problems[0]}")
+        raise ConversionError(f"--to megatron writes GPT models (dense or MoE, MLA, MTP); this one has {problems[0]}")
 
 
 def _args(cfg, rows: int, consumed: int, iteration: int) -> argparse.Namespace:
@@ -147,9 +153,11 @@ def _scheduler(cfg, sd: dict) -> dict:
             "end_wd": end, "wd_incr_style": "constant", "wd_incr_steps": wd_steps}
 
 
-def export(load, output, iteration: Optional[int] = None, force: bool = False, log=None) -> Path:
+def export(load, output, iteration: Optional[int] = None, force: bool = False, log=None,
+           expert_parallel: Optional[int] = None) -> Path:
     """paratron checkpoint ``load`` (the latest or ``iteration``'s) -> Megatron-LM torch_dist checkpoint ``output``;
-    returns its iteration directory."""
+    returns its iteration directory. ``expert_parallel``: the expert-parallel size of the Megatron run that will
+    load it (default the paratron run's): above 1 Megatron keeps the routed experts in a second optimizer."""
     from . import sharded
     from .convert import _Log, _check_output, _saved_config, _write_staged
     log = log or _Log(True)
@@ -164,7 +172,8 @@ def export(load, output, iteration: Optional[int] = None, force: bool = False, l
         raise ConversionError(f"{d} holds Muon's state: Megatron's distributed optimizer resumes Adam only")
     full = sharded.load_full(d, [k for k in shapes if k.startswith(("model.", "optimizer."))])
     model = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
-    tensors = stack(model)
+    layout = {"stacked": homogeneous(cfg.model), "mla": bool(cfg.model.multi_latent_attention)}
+    tensors = stack(model, **layout)
     params = [k for k in model if f"optimizer.exp_avg.{k}" in full]
     optim = bool(params) and common.get("optimizer") is not None
     if optim:
@@ -172,21 +181,23 @@ def export(load, output, iteration: Optional[int] = None, force: bool = False, l
                    "exp_avg": {k: full[f"optimizer.exp_avg.{k}"] for k in params},
                    "exp_avg_sq": {k: full[f"optimizer.exp_avg_sq.{k}"] for k in params}}
         for state, src in sources.items():
-            tensors.update({f"optimizer.state.{state}.{n}": t.float() for n, t in stack(src).items()})
+            tensors.update({f"optimizer.state.{state}.{n}": t.float() for n, t in stack(src, **layout).items()})
     it, consumed = int(common["iteration"]), int(common.get("consumed_samples", 0))
     rows = model["embedding.word_embeddings.weight"].shape[0]
     lr = common["scheduler"] and _lr(cfg, common["scheduler"])
     top = {"args": _args(cfg, rows, consumed, it), "checkpoint_version": 3.0, "iteration": it,
            "num_floating_point_operations_so_far": 0, "content_metadata": dict(_CONTENT)}
     if optim:
-        top["optimizer"] = _param_groups(cfg, lr, int(common["optimizer"]["step"]), cfg.model.num_experts is not None)
+        chained = bool(cfg.model.num_experts) and (expert_parallel or cfg.parallel.expert_model_parallel_size) > 1
+        top["optimizer"] = _param_groups(cfg, lr, int(common["optimizer"]["step"]), chained)
         top["opt_param_scheduler"] = _scheduler(cfg, common["scheduler"])
     out = Path(output)
     old = _check_output(out, re.compile(r"^(latest_checkpointed_iteration\.txt|iter_\d{7}|release)$"), force,
                         "a Megatron-LM checkpoint", "--output")
     log(f"writing Megatron-LM's torch_dist checkpoint of iteration {it} ({len(tensors)} tensors"
         f"{', the distributed optimizer state' if optim else ', model weights only'}) to {out}")
-    _write_staged(out, old, lambda tmp: _write(tmp, it, tensors, extra_states(cfg.model), top), last=TRACKER)
+    objects = extra_states({k: v for k, v in tensors.items() if not k.startswith("optimizer.")}, layout["stacked"])
+    _write_staged(out, old, lambda tmp: _write(tmp, it, tensors, objects, top), last=TRACKER)
     return out / f"iter_{it:07d}"
 
 

@@ -105,3 +105,18 @@ def test_megatron_directories_without_optimizer_state_resume_only_without_it_and
     with pytest.raises(Exception, match=r"--save .* paratron's saves would replace its latest_checkpointed_"):
         Trainer(parse_args(_run_flags(flags, "--save", str(DATA / "dist_gpt_tp2"))))
     assert sorted(p.name for p in (DATA / "dist_gpt_tp2").rglob("*")) == before
+
+
+@pytest.mark.parametrize("case", ["moe_mixed_shared", "mla"])
+def test_converted_mixed_moe_and_mla_give_megatrons_logits(tmp_path, case):
+    """A dense and an MoE layer with a shared expert (Megatron's per-layer names), and multi-latent attention (its
+    norms under their own names; Megatron's default yarn RoPE at factor 1): Megatron's logits."""
+    ref = torch.load(DATA / "optim" / f"{case}_reference.pt", weights_only=True)
+    C.from_megatron(DATA / "optim" / case, tmp_path / "out", log=lambda *a: None)
+    cfg, _, _, state = C.read_checkpoint(tmp_path / "out", log=lambda *a: None)
+    assert bool(cfg.model.multi_latent_attention) == (case == "mla")
+    model = GPTModel(cfg.model, cfg.padded_vocab_size)
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        logits = model.eval()(ref["tokens"]).float()
+    assert (logits - ref["logits"]).abs().max() < 1e-4 * ref["logits"].abs().max()
