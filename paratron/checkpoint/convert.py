@@ -423,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 1); the checkpoint holds whole tensors, which any layout loads")
     p.add_argument("--expert-model-parallel-size", metavar="N", type=int, help="--to megatron: the Megatron run's "
                    "(default the paratron run's; above 1 its experts have their own optimizer)")
+    p.add_argument("--plain-optimizer", action="store_true", help="--to megatron: for a Megatron run without "
+                   "--use-distributed-optimizer (its plain optimizer's layout)")
     p.add_argument("--flavor", metavar="F", help="--from torchtitan: the run's llama3 flavor (8B, 70B, ...)")
     p.add_argument("--model-args", metavar="JSON", help="--from torchtitan: a custom flavor's TransformerModelArgs")
     p.add_argument("--seq-length", metavar="N", type=int, help="--from torchtitan: its training.seq_len")
@@ -452,13 +454,13 @@ def _run(argv: list[str]) -> int:
     if fmt != "torchtitan":
         forbid("--flavor", "--model-args", "--seq-length")
     if not (a.to and fmt == "megatron"):
-        forbid("--expert-model-parallel-size")
+        forbid("--expert-model-parallel-size", "--plain-optimizer")
     if a.to is not None and fmt == "megatron":
         forbid("--input", "--save", "--tensor-model-parallel-size", "--family", "--dtype")
         if not a.load or not a.output:
             raise ConversionError("--to megatron needs --load CKPT_DIR and --output MEGATRON_DIR")
         from .to_megatron import export
-        export(a.load, a.output, a.iteration, a.force, log, a.expert_model_parallel_size)
+        export(a.load, a.output, a.iteration, a.force, log, a.expert_model_parallel_size, a.plain_optimizer)
     elif a.to is not None:
         forbid("--input", "--save", "--tensor-model-parallel-size")
         if not a.load or not a.output:

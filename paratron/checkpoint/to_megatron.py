@@ -122,9 +122,10 @@ def _args(cfg, rows: int, consumed: int, iteration: int) -> argparse.Namespace:
     return argparse.Namespace(**flat)
 
 
-def _param_groups(cfg, lr: float, step: int, experts: bool) -> dict:
-    """The distributed optimizer's non-tensor state: Megatron's param groups (decayed, not decayed) with Adam's step
-    (and a second, chained optimizer for a MoE's experts)."""
+def _param_groups(cfg, lr: float, step: int, experts: bool, plain: Optional[str] = None) -> dict:
+    """The optimizer's non-tensor state: Megatron's param groups (decayed, not decayed) with Adam's step (and a second,
+    chained optimizer for a MoE's experts). ``plain``: Megatron's plain optimizer instead of the distributed one,
+    "mixed" (bf16 / fp16 weights: its Float16Optimizer) or "fp32" (its FP32Optimizer); its step is ``common_step``."""
     op = cfg.optim
 
     def group(expert: bool, decay: bool) -> dict:
@@ -133,13 +134,15 @@ def _param_groups(cfg, lr: float, step: int, experts: bool) -> dict:
                 "betas": (op.adam_beta1, op.adam_beta2), "eps": op.adam_eps,
                 "weight_decay": op.weight_decay if decay else 0.0, "amsgrad": False, "maximize": False,
                 "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-                "decoupled_weight_decay": True, "step": float(step)}
-    dense = {"optimizer": {"param_groups": [group(False, True), group(False, False)]},
-             "param_state_sharding_type": "fully_reshardable"}
-    if not experts:
-        return dense
-    return {0: dense, 1: {"optimizer": {"param_groups": [group(True, True)]},
-                          "param_state_sharding_type": "fully_reshardable"}}
+                "decoupled_weight_decay": True, **({} if plain else {"step": float(step)})}
+
+    def one(groups: list) -> dict:
+        if plain is None:
+            return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}
+        inner = {"state": {"common_step": torch.tensor(float(step))}, "param_groups": groups}
+        return {"optimizer": inner} if plain == "mixed" else inner
+    dense = one([group(False, True), group(False, False)])
+    return {0: dense, 1: one([group(True, True)])} if experts else dense
 
 
 def _scheduler(cfg, sd: dict) -> dict:
@@ -154,10 +157,11 @@ def _scheduler(cfg, sd: dict) -> dict:
 
 
 def export(load, output, iteration: Optional[int] = None, force: bool = False, log=None,
-           expert_parallel: Optional[int] = None) -> Path:
+           expert_parallel: Optional[int] = None, plain: bool = False) -> Path:
     """paratron checkpoint ``load`` (the latest or ``iteration``'s) -> Megatron-LM torch_dist checkpoint ``output``;
     returns its iteration directory. ``expert_parallel``: the expert-parallel size of the Megatron run that will
-    load it (default the paratron run's): above 1 Megatron keeps the routed experts in a second optimizer."""
+    load it (default the paratron run's): above 1 Megatron keeps the routed experts in a second optimizer. ``plain``:
+    the optimizer state as Megatron's plain optimizer keeps it (a run without ``--use-distributed-optimizer``)."""
     from . import sharded
     from .convert import _Log, _check_output, _saved_config, _write_staged
     log = log or _Log(True)
@@ -176,26 +180,33 @@ def export(load, output, iteration: Optional[int] = None, force: bool = False, l
     tensors = stack(model, **layout)
     params = [k for k in model if f"optimizer.exp_avg.{k}" in full]
     optim = bool(params) and common.get("optimizer") is not None
+    mixed = any(f"optimizer.fp32_param.{k}" in full for k in params) or any(
+        model[k].dtype != torch.float32 for k in params)
     if optim:
-        sources = {"param": {k: full.get(f"optimizer.fp32_param.{k}", model[k]) for k in params},
+        main = "fp32_param" if plain else "param"  # (the plain optimizer keeps fp32 mains of 16-bit weights only)
+        sources = {main: {k: full.get(f"optimizer.fp32_param.{k}", model[k]) for k in params},
                    "exp_avg": {k: full[f"optimizer.exp_avg.{k}"] for k in params},
                    "exp_avg_sq": {k: full[f"optimizer.exp_avg_sq.{k}"] for k in params}}
+        if plain and not mixed:
+            del sources[main]
         for state, src in sources.items():
             tensors.update({f"optimizer.state.{state}.{n}": t.float() for n, t in stack(src, **layout).items()})
     it, consumed = int(common["iteration"]), int(common.get("consumed_samples", 0))
     rows = model["embedding.word_embeddings.weight"].shape[0]
     lr = common["scheduler"] and _lr(cfg, common["scheduler"])
     top = {"args": _args(cfg, rows, consumed, it), "checkpoint_version": 3.0, "iteration": it,
-           "num_floating_point_operations_so_far": 0, "content_metadata": dict(_CONTENT)}
+           "num_floating_point_operations_so_far": 0,
+           "content_metadata": {k: v for k, v in _CONTENT.items() if not (plain and k.startswith("distrib_"))}}
     if optim:
         chained = bool(cfg.model.num_experts) and (expert_parallel or cfg.parallel.expert_model_parallel_size) > 1
-        top["optimizer"] = _param_groups(cfg, lr, int(common["optimizer"]["step"]), chained)
+        top["optimizer"] = _param_groups(cfg, lr, int(common["optimizer"]["step"]), chained,
+                                         ("mixed" if mixed else "fp32") if plain else None)
         top["opt_param_scheduler"] = _scheduler(cfg, common["scheduler"])
     out = Path(output)
     old = _check_output(out, re.compile(r"^(latest_checkpointed_iteration\.txt|iter_\d{7}|release)$"), force,
                         "a Megatron-LM checkpoint", "--output")
-    log(f"writing Megatron-LM's torch_dist checkpoint of iteration {it} ({len(tensors)} tensors"
-        f"{', the distributed optimizer state' if optim else ', model weights only'}) to {out}")
+    what = f"the {'plain' if plain else 'distributed'} optimizer state" if optim else "model weights only"
+    log(f"writing Megatron-LM's torch_dist checkpoint of iteration {it} ({len(tensors)} tensors, {what}) to {out}")
     objects = extra_states({k: v for k, v in tensors.items() if not k.startswith("optimizer.")}, layout["stacked"])
     _write_staged(out, old, lambda tmp: _write(tmp, it, tensors, objects, top), last=TRACKER)
     return out / f"iter_{it:07d}"

@@ -22,7 +22,7 @@ def _trainer(*argv):
     return Trainer(parse_args(list(argv)))
 
 
-def _export(tmp_path, case: str, extra: list, steps: int = 0, ep: int = 1):
+def _export(tmp_path, case: str, extra: list, steps: int = 0, ep: int = 1, plain: bool = False):
     """Resume Megatron's ``case`` at iteration 3, train ``steps``, save, export (for a Megatron run at expert-parallel
     size ``ep``); the export's directory."""
     from tests.unit.test_train import losses_of
@@ -31,7 +31,7 @@ def _export(tmp_path, case: str, extra: list, steps: int = 0, ep: int = 1):
     t.save()
     t.close()
     assert C.main(["--to", "megatron", "--load", str(tmp_path / "p"), "--output", str(tmp_path / "m"), "--quiet",
-                   "--expert-model-parallel-size", str(ep)]) == 0
+                   "--expert-model-parallel-size", str(ep)] + ["--plain-optimizer"] * plain) == 0
     return tmp_path / "m" / f"iter_{3 + steps:07d}"
 
 
@@ -40,16 +40,17 @@ def _entries(d) -> dict:
     return {k: tuple(v.size) if hasattr(v, "size") else "bytes" for k, v in md.items()}
 
 
-@pytest.mark.parametrize("case,extra,ep", [
-    ("moe_distopt_ep2_full", ["--moe-aux-loss-coeff", "0"], 2),  # stacked layers; experts in a chained optimizer
-    ("moe_mixed_shared", ["--moe-aux-loss-coeff", "0"], 1),  # a dense and an MoE layer: per-layer names
-    ("mla", [], 1),  # multi-latent attention: its norms keep their names
+@pytest.mark.parametrize("case,extra,ep,plain", [
+    ("moe_distopt_ep2_full", ["--moe-aux-loss-coeff", "0"], 2, False),  # stacked layers; experts chained
+    ("moe_mixed_shared", ["--moe-aux-loss-coeff", "0"], 1, False),  # a dense and an MoE layer: per-layer names
+    ("mla", [], 1, False),  # multi-latent attention: its norms keep their names
+    ("plain_tp2_bf16", ["--bf16"], 1, True),  # Megatron's plain optimizer: fp32_param, common_step
 ])
-def test_export_has_megatrons_own_names_shapes_and_common_state(tmp_path, case, extra, ep):
+def test_export_has_megatrons_own_names_shapes_and_common_state(tmp_path, case, extra, ep, plain):
     """Against the checkpoint Megatron wrote of the same state (fully reshardable): the same tensors and byte objects
     (model, optimizer.state.param / exp_avg / exp_avg_sq, every linear's _extra_state) with Megatron's contents, the
     optimizer's param groups (their keys, step, LR; chained at EP 2), scheduler, content metadata, checked args."""
-    out = _export(tmp_path, case, extra, ep=ep)
+    out = _export(tmp_path, case, extra, ep=ep, plain=plain)
     theirs = DATA / case / "iter_0000003"
     assert _entries(out) == _entries(theirs)
     objects = [k for k, v in _entries(theirs).items() if v == "bytes"]
@@ -60,11 +61,14 @@ def test_export_has_megatrons_own_names_shapes_and_common_state(tmp_path, case, 
     assert (ours["iteration"], ours["checkpoint_version"]) == (megatron["iteration"], megatron["checkpoint_version"])
     chains = (0, 1) if ep > 1 else (None,)
     for i in chains:
-        a = (ours["optimizer"] if i is None else ours["optimizer"][i])["optimizer"]["param_groups"]
-        b = (megatron["optimizer"] if i is None else megatron["optimizer"][i])["optimizer"]["param_groups"]
+        a = (ours["optimizer"] if i is None else ours["optimizer"][i])["optimizer"]
+        b = (megatron["optimizer"] if i is None else megatron["optimizer"][i])["optimizer"]
+        assert sorted(a) == sorted(b) and a.get("state", {}).keys() == b.get("state", {}).keys()
+        assert float(a.get("state", {}).get("common_step", 0)) == float(b.get("state", {}).get("common_step", 0))
+        a, b = a["param_groups"], b["param_groups"]
         assert [sorted(g) for g in a] == [sorted(g) for g in b]
-        assert [(g["wd_mult"], g["is_expert_parallel"], g["step"]) for g in a] == \
-            [(g["wd_mult"], g["is_expert_parallel"], g["step"]) for g in b]
+        assert [(g["wd_mult"], g["is_expert_parallel"], g.get("step")) for g in a] == \
+            [(g["wd_mult"], g["is_expert_parallel"], g.get("step")) for g in b]
         assert all(abs(x["lr"] - y["lr"]) < 1e-12 for x, y in zip(a, b))
     assert ours["args"].consumed_train_samples == 6
     for name in ("num_layers", "hidden_size", "num_attention_heads", "add_position_embedding", "max_position_embeddings",
