@@ -193,7 +193,7 @@ def export(load, output, iteration: Optional[int] = None, force: bool = False, l
             tensors.update({f"optimizer.state.{state}.{n}": t.float() for n, t in stack(src, **layout).items()})
     it, consumed = int(common["iteration"]), int(common.get("consumed_samples", 0))
     rows = model["embedding.word_embeddings.weight"].shape[0]
-    lr = common["scheduler"] and _lr(cfg, common["scheduler"])
+    lr = common.get("scheduler") and _lr(cfg, common["scheduler"])
     top = {"args": _args(cfg, rows, consumed, it), "checkpoint_version": 3.0, "iteration": it,
            "num_floating_point_operations_so_far": 0,
            "content_metadata": {k: v for k, v in _CONTENT.items() if not (plain and k.startswith("distrib_"))}}

@@ -105,3 +105,17 @@ def test_export_refusals(tmp_path):
         ("mtp.layers.0.transformer_layer.mlp.linear_fc2.weight", None)
     assert torch.equal(M.stack({"decoder.layers.1.x": torch.ones(2), "decoder.layers.0.x": torch.zeros(2)})
                        ["decoder.layers.x"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+
+
+def test_weights_only_checkpoint_exports_without_optimizer_state(tmp_path):
+    """A checkpoint without optimizer state (here converted from Megatron's own weights-only save) exports the
+    model alone: no optimizer tensors, no param groups or schedule; the weights read back are the same."""
+    from tests.unit.test_megatron_fixtures import DATA as MLM
+    C.from_megatron(MLM / "dist_gpt_tp2", tmp_path / "p", log=lambda *a: None)
+    assert C.main(["--to", "megatron", "--load", str(tmp_path / "p"), "--output", str(tmp_path / "m"), "--quiet"]) == 0
+    out = tmp_path / "m" / "iter_0000000"
+    assert not [k for k in _entries(out) if k.startswith("optimizer.")]
+    top = _torch_load(out / "common.pt")
+    assert "optimizer" not in top and "opt_param_scheduler" not in top
+    theirs = {k: v for k, v in _entries(MLM / "dist_gpt_tp2" / "iter_0000010").items() if "rng" not in k}
+    assert _entries(out) == theirs  # (Megatron's own weights-only save of the same model)
