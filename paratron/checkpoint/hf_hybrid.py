@@ -18,7 +18,9 @@ import torch
 
 from ..config import ModelConfig
 from ..config.check_hybrid import mamba_heads
+from ..config.layer_patterns import linear_attention_layers, parse_moe_layer_freq
 from ..model.mamba import CONV_WIDTH
+from .hf_moe import check_moe_representable, hf_moe_config, moe_config_kwargs, moe_layer_rows
 
 HYBRID_FAMILIES = ("mamba2", "nemotron_h", "qwen3_next")
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
@@ -162,7 +164,6 @@ def qwen3_next_model_config(d: dict, need: Callable) -> ModelConfig:
     """Qwen3NextForCausalLM's config.json -> ModelConfig: its MoE layers (router, experts, the gated shared expert;
     hf_moe.py) where ``num_experts`` > 0, except ``mlp_only_layers``; dense SwiGLU MLPs of ``intermediate_size``
     elsewhere."""
-    from .hf_moe import moe_config_kwargs
     n = int(d["num_hidden_layers"])
     dense = d.get("num_experts", 0) == 0 or set(range(n)) <= set(d.get("mlp_only_layers") or [])
     moe = {} if dense else moe_config_kwargs(d, "qwen3_next", n)
@@ -197,12 +198,10 @@ def check_qwen3_next(cfg: ModelConfig, need: Callable) -> None:
          "--disable-bias-linear --position-embedding-type rope")
     need(not cfg.mtp_num_layers, "no multi-token prediction")
     if cfg.num_experts is not None:
-        from .hf_moe import check_moe_representable
         check_moe_representable(cfg, "qwen3_next", need)
 
 
 def qwen3_next_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    from ..config.layer_patterns import linear_attention_layers
     types = ["linear_attention" if g else "full_attention"
              for g in linear_attention_layers(cfg.linear_attention_freq, cfg.num_layers)]
     return dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
@@ -214,18 +213,11 @@ def qwen3_next_hf_config(cfg: ModelConfig) -> dict[str, Any]:
                 linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, linear_key_head_dim=cfg.linear_key_head_dim,
                 linear_value_head_dim=cfg.linear_value_head_dim, linear_num_key_heads=cfg.linear_num_key_heads,
                 linear_num_value_heads=cfg.linear_num_value_heads,
-                **(_qwen3_next_moe(cfg) if cfg.num_experts is not None else
+                **(hf_moe_config(cfg, "qwen3_next") if cfg.num_experts is not None else
                    dict(num_experts=0, mlp_only_layers=list(range(cfg.num_layers)), decoder_sparse_step=1)))
 
 
-def _qwen3_next_moe(cfg: ModelConfig) -> dict[str, Any]:
-    from .hf_moe import hf_moe_config
-    return hf_moe_config(cfg, "qwen3_next")
-
-
 def qwen3_next_rows(cfg: ModelConfig, specs) -> dict[str, tuple[tuple[str, ...], str]]:
-    from ..config.layer_patterns import parse_moe_layer_freq
-    from .hf_moe import moe_layer_rows
     moe = parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers) if cfg.num_experts else [0] * cfg.num_layers
     rows = {"embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab"),
             "decoder.final_layernorm.weight": (("model.norm.weight",), "copy"),

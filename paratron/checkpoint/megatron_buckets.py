@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Optional
 
@@ -91,41 +92,28 @@ def _order_key(rest: str, te: bool) -> int:
     return 3 if rest.startswith("self_attention.") else 4
 
 
+def _block(name: str) -> Optional[str]:
+    m = _BLOCK.match(name)
+    return None if m is None else m.group(1)
+
+
+def _experts(name: str) -> Optional[str]:
+    m = _EXPERTS.match(name)
+    return None if m is None else m.group(1)
+
+
 def megatron_params(named: list, grouped_experts: bool, te: bool = False) -> list[tuple[str, _Span]]:
     """(Megatron's name, span of a paratron parameter) in Megatron Core's ``named_parameters()`` order of a chunk
     whose paratron parameters are ``named`` [(global name, parameter)] in paratron's order; ``te``: the checkpoint
-    was saved with Transformer Engine's layer spec (fused norms)."""
-    out, i = [], 0
-    while i < len(named):
-        block = _BLOCK.match(named[i][0])
-        if block is None:
-            out.append((named[i][0], _Span(named[i][1], 0, named[i][1].numel())))
-            i += 1
-            continue
-        j = i
-        while j < len(named) and named[j][0].startswith(block.group(1)):
-            j += 1
-        run = sorted(named[i:j], key=lambda t: _order_key(t[0][len(block.group(1)):], te))  # (a stable sort)
-        out += _with_experts(run, grouped_experts)
-        i = j
-    return out
-
-
-def _with_experts(run: list, grouped: bool) -> list[tuple[str, _Span]]:
-    """A layer's parameters as Megatron's, the stacked routed experts expanded (:func:`_expert_spans`)."""
-    out, i = [], 0
-    while i < len(run):
-        name, p = run[i]
-        m = _EXPERTS.match(name)
-        if m is None:
-            out.append((name, _Span(p, 0, p.numel())))
-            i += 1
-            continue
-        j = i
-        while j < len(run) and run[j][0].startswith(m.group(1)):
-            j += 1
-        out += _expert_spans(run[i:j], m.group(1), grouped)
-        i = j
+    was saved with Transformer Engine's layer spec (fused norms). A layer's parameters are ordered as a whole
+    (:func:`_order_key`, a stable sort), then its stacked routed experts expanded (:func:`_expert_spans`)."""
+    out = []
+    for block, layer in groupby(named, key=lambda t: _block(t[0])):
+        layer = list(layer) if block is None else sorted(layer, key=lambda t: _order_key(t[0][len(block):], te))
+        for prefix, run in groupby(layer, key=lambda t: _experts(t[0])):
+            run = list(run)
+            out += ([(n, _Span(p, 0, p.numel())) for n, p in run] if prefix is None
+                    else _expert_spans(run, prefix, grouped_experts))
     return out
 
 
@@ -190,7 +178,7 @@ def pieces(shards: list, chunks: list[list], saved: dict, dims, grouped_experts:
     with Transformer Engine's layer spec (Megatron's ``--transformer-impl``; its files name the norms alike)."""
     saved_buckets = buckets(saved)
     chained = any(chain for chain, _, _ in saved_buckets)
-    where: dict = {}  # parameter -> [(span, bucket name, offset)]
+    where: dict = {}  # parameter -> [(span, bucket name, offset, bucket size)]
     for c, named in enumerate(chunks):
         for expert in (False, True):
             mine = [(n, p) for n, p in named if (_EXPERTS.match(n) is not None) == expert]
@@ -203,8 +191,9 @@ def pieces(shards: list, chunks: list[list], saved: dict, dims, grouped_experts:
                 raise CheckpointError(f"Megatron's distributed optimizer state has no buffer {key[0]}dp_group_idx_"
                                       f"{group}.gbuf_idx_{c} for this rank's {'expert' if expert else 'dense'} "
                                       f"parameters; {FIX}")
+            size = dict(saved_buckets[key])
             for span, name, at in place(megatron_params(mine, grouped_experts, te), saved_buckets[key]):
-                where.setdefault(span.param, []).append((span, name, at, dict(saved_buckets[key])[name]))
+                where.setdefault(span.param, []).append((span, name, at, size[name]))
     out, checks = [], []
     for p, lo, master, states in shards:
         scratch = master if masters else torch.empty_like(master)

@@ -33,7 +33,7 @@ READ = MODEL_SPACE + ("dp_reshardable",)  # (megatron_buckets.py reads dp_reshar
 _STATES = ("exp_avg", "exp_avg_sq")
 _MASTERS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 # Megatron's OptimizerParamScheduler.state_dict() key -> paratron's LRScheduler key
-_SCHEDULE = {"max_lr": "max_lr", "min_lr": "min_lr", "lr_warmup_steps": "warmup_steps",
+SCHEDULE_NAMES = {"max_lr": "max_lr", "min_lr": "min_lr", "lr_warmup_steps": "warmup_steps",
              "lr_decay_steps": "decay_steps", "lr_decay_style": "decay_style", "num_steps": "num_steps"}
 
 
@@ -122,7 +122,7 @@ def scheduler_state(common: dict) -> Optional[dict]:
     sd = common.get("opt_param_scheduler")
     if not isinstance(sd, dict) or "num_steps" not in sd:
         return None
-    return {ours: sd[theirs] for theirs, ours in _SCHEDULE.items() if theirs in sd}
+    return {ours: sd[theirs] for theirs, ours in SCHEDULE_NAMES.items() if theirs in sd}
 
 
 def scaler_state(common: dict) -> Optional[dict]:

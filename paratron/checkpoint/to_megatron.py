@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from .hf_config import ConversionError
-from .megatron import _LAYER_NAMES, TRACKER
+from .megatron import _LAYER, _LAYER_NAMES, _MTP, TRACKER
 
 _CONTENT = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": False,
             "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -44,9 +44,8 @@ def megatron_name(key: str, stacked: bool = True, mla: bool = False) -> tuple[st
     """(Megatron's tensor name, layer index along its stacked first dimension or None) of paratron's ``key``; a
     stack whose layers differ (dense and MoE) is saved one name per layer (``stacked`` False). Megatron's files name
     the norms as Transformer Engine's fused ones, but for multi-latent attention's layers (``mla``)."""
-    m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", key)
-    mtp = re.match(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.(.*)$", key)
-    rest = m.group(2) if m else mtp.group(2) if mtp else None
+    m, mtp = _LAYER.match(key), _MTP.match(key)
+    rest = m.group(3) if m else mtp.group(2) if mtp else None
     if rest is None:
         return key, None
     for ours, theirs in _LAYER_NAMES:
@@ -54,7 +53,7 @@ def megatron_name(key: str, stacked: bool = True, mla: bool = False) -> tuple[st
             rest = theirs + rest[len(ours):]
     if mtp:
         return f"{mtp.group(1)}transformer_layer.{rest}", None
-    return (f"decoder.layers.{rest}", int(m.group(1))) if stacked else (f"decoder.layers.{m.group(1)}.{rest}", None)
+    return (f"{m.group(1)}{rest}", int(m.group(2))) if stacked else (f"{m.group(1)}{m.group(2)}.{rest}", None)
 
 
 def homogeneous(cfg) -> bool:
@@ -147,13 +146,11 @@ def _param_groups(cfg, lr: float, step: int, experts: bool, plain: Optional[str]
 
 def _scheduler(cfg, sd: dict) -> dict:
     """paratron's LR schedule state as Megatron's ``opt_param_scheduler`` (both count samples)."""
-    op, tr = cfg.optim, cfg.train
+    from .megatron_state import SCHEDULE_NAMES
+    tr, wd = cfg.train, cfg.optim.weight_decay  # (paratron's weight decay is constant)
     wd_steps = (tr.train_iters or 0) * tr.global_batch_size if tr.train_iters else (tr.train_samples or 0)
-    start = end = op.weight_decay  # (paratron's weight decay is constant)
-    return {"max_lr": sd.get("max_lr", op.lr), "lr_warmup_steps": sd.get("warmup_steps", 0),
-            "num_steps": sd["num_steps"], "lr_decay_style": sd.get("decay_style", op.lr_decay_style),
-            "lr_decay_steps": sd.get("decay_steps", 0), "min_lr": sd.get("min_lr", op.min_lr), "start_wd": start,
-            "end_wd": end, "wd_incr_style": "constant", "wd_incr_steps": wd_steps}
+    return {**{theirs: sd[ours] for theirs, ours in SCHEDULE_NAMES.items()},
+            "start_wd": wd, "end_wd": wd, "wd_incr_style": "constant", "wd_incr_steps": wd_steps}
 
 
 def export(load, output, iteration: Optional[int] = None, force: bool = False, log=None,
@@ -213,13 +210,13 @@ def export(load, output, iteration: Optional[int] = None, force: bool = False, l
 
 
 def _lr(cfg, sd: dict) -> float:
-    """The LR of the schedule state ``sd`` now (the param groups' ``lr``)."""
-    from ..optim.schedule import LRScheduler
-    op = cfg.optim
-    sched = LRScheduler(sd.get("max_lr", op.lr), sd.get("min_lr", op.min_lr), sd.get("warmup_steps", 0),
-                        sd.get("decay_steps", 1), sd.get("decay_style", op.lr_decay_style), sd.get("init_lr", 0.0),
-                        sd.get("wsd_decay_steps", 0), sd.get("wsd_decay_style", "exponential"))
-    sched.load_state_dict(sd)
+    """The LR of paratron's schedule state ``sd`` now (the param groups' ``lr``): the schedule as saved, at its
+    position (LRScheduler.resume with --use-checkpoint-opt_param-scheduler)."""
+    import dataclasses
+    from ..optim.schedule import build_scheduler
+    sched = build_scheduler(cfg, int(sd["decay_steps"]))
+    sched.resume(sd, dataclasses.replace(cfg.optim, override_opt_param_scheduler=False,
+                                         use_checkpoint_opt_param_scheduler=True))
     return sched.lr
 
 

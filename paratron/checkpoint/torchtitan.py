@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -245,7 +246,7 @@ def read(root, args: dict, step: Optional[int] = None) -> tuple:
         convert = qwen3_to_hf
     else:
         cfg, family = model_config(sizes, args), "llama"
-        convert = lambda state: to_hf(state, cfg)  # noqa: E731
+        convert = partial(to_hf, cfg=cfg)
     vocab = shapes["tok_embeddings.weight"][0][0]
     moments = {s: {k: f"optimizer.state.{k}.{s}" for k in model_keys} for s in _STATES}
     has_optim = all(n in shapes for names in moments.values() for n in names.values())

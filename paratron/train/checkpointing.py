@@ -150,7 +150,8 @@ class Checkpointing:
                                "for fine-tuning")
                 return
         else:
-            self._resume_megatron_optimizer(common)
+            self._restore_optimizer(mstate.adam_step(common), mstate.scaler_state(common),
+                                    mstate.scheduler_state(common))
         self.iteration, self.consumed_samples, self.skipped = iteration, consumed, 0
         self.log.print(f" resumed from Megatron-LM's checkpoint {d} at iteration {iteration} ({consumed} samples"
                        f"{'' if optim else ', optimizer state not loaded'}); the random generators restart from "
@@ -180,16 +181,16 @@ class Checkpointing:
                                       args.get("transformer_impl", "transformer_engine") == "transformer_engine")
         return pieces + more, checks
 
-    def _resume_megatron_optimizer(self, common: dict) -> None:
-        cstate.set_adam_step(self.optimizer, mstate.adam_step(common))
-        scaler = mstate.scaler_state(common)
+    def _restore_optimizer(self, step: int, scaler: Optional[dict], schedule: Optional[dict]) -> None:
+        """After the optimizer's tensors are loaded: Adam's step, the loss scale and the LR schedule's position (each
+        kept as it is where the checkpoint has none), and the LR they give."""
+        cstate.set_adam_step(self.optimizer, step)
         if scaler is not None:
             self.optimizer.scaler.load_state_dict(scaler)
-        schedule = mstate.scheduler_state(common)
         if schedule is not None:
             self.scheduler.resume(schedule, self.cfg.optim)
         self.optimizer.set_lr(*self.scheduler.lrs())
-        self.optimizer.reload_offloaded()
+        self.optimizer.reload_offloaded()  # an fp32 model's offloaded masters: from the loaded weights
 
     def load(self, root: Optional[str]) -> None:
         """Resume from the latest complete checkpoint under ``root`` (--load), in any parallel layout; where there is
@@ -232,11 +233,8 @@ class Checkpointing:
         if amax is not None:
             fp8.set_histories(fp8.delayed_states(self.models), amax)
         if optim:
-            cstate.set_adam_step(self.optimizer, int(common["optimizer"]["step"]))
-            self.optimizer.scaler.load_state_dict(common["optimizer"]["scaler"])
-            self.scheduler.resume(common["scheduler"], self.cfg.optim)
-            self.optimizer.set_lr(*self.scheduler.lrs())
-            self.optimizer.reload_offloaded()  # an fp32 model's offloaded masters: from the loaded weights
+            opt = common["optimizer"]
+            self._restore_optimizer(int(opt["step"]), opt["scaler"], common["scheduler"])
         else:
             self.optimizer.reload_masters()
         if finetune:
