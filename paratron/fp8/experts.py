@@ -106,6 +106,9 @@ class _FP8GroupedMM(torch.autograd.Function):
             state.mark("grad")
             gq, sg, gtq, sgt = tiles_both(g, state.recipe.margin, state.recipe.block_cast)
             wt, swt = _transposed_blocks(wq, sw)
+        elif sxt is None:  # --no-fp8-wgrad: the weight gradient reads g itself, so no transposed copy of it
+            gq, sg = state.quantize("grad", g)
+            gtq, sgt, wt, swt = None, None, wq.transpose(1, 2).contiguous(), sw
         else:
             gq, gtq, sg = state.quantize_grad(g)
             sgt, wt, swt = sg, wq.transpose(1, 2).contiguous(), sw
