@@ -39,6 +39,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConfigError
 from .hf_config import ConversionError
+from . import megatron_hybrid as hybrid
 from .pieces import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -63,6 +64,7 @@ _NOT_BUILT = ("apply_residual_connection_post_layernorm", "qk_l2_norm", "mrope_s
 # paratron's name <-> Megatron Core's name in its torch_dist files (and Transformer Engine's fused norms anywhere)
 _LAYER_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                 ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"), ("mlp.experts.", "mlp.experts.experts."))
+_FINAL = "decoder.final_layernorm."  # (Megatron's hybrid stack: decoder.final_norm.)
 _COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
 
 
@@ -183,7 +185,7 @@ def _read_dist(d: Path) -> tuple[dict, dict]:
         raise ConversionError(f"{d} holds no model tensors")
     state = sharded.load_full(d, keys)
     state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
-    return common, _unstack(state, args)
+    return common, _unstack(hybrid.join_parts(state), args)
 
 
 def _unstack(state: dict, args: dict) -> dict:
@@ -208,132 +210,6 @@ def _unstack(state: dict, args: dict) -> dict:
     return out
 
 
-def _rank_dirs(d: Path, pipeline: bool) -> dict:
-    """{(pp, ep): {tp: path}} of a legacy checkpoint's rank files. Megatron names them mp_rank_{tp:02d}, then
-    _{pp:03d} when pipelined, then _{ep:03d} with expert parallelism: one suffix is the pipeline rank only when
-    the run was pipelined (``pipeline``: its args' --pipeline-model-parallel-size > 1)."""
-    found = defaultdict(dict)
-    for p in sorted(d.iterdir()):
-        m = _RANK_DIR.match(p.name)
-        if m and (p / LEGACY_FILE).is_file():
-            tp, a, b = (int(g) if g is not None else None for g in m.groups())
-            pp, ep = (a or 0, b or 0) if pipeline else (0, a or 0)
-            found[(pp, ep)][tp] = p / LEGACY_FILE
-    return found
-
-
-def _read_legacy(d: Path) -> tuple[dict, dict]:
-    """As :func:`_read_dist`, from the rank files, merged."""
-    any_file = next(p / LEGACY_FILE for p in sorted(d.iterdir()) if _RANK_DIR.match(p.name) and
-                    (p / LEGACY_FILE).is_file())
-    first = _torch_load(any_file)
-    args = _args(first.get("args"))
-    ranks = _rank_dirs(d, int(args.get("pipeline_model_parallel_size") or 1) > 1)
-    if args.get("expert_tensor_parallel_size") not in (None, args.get("tensor_model_parallel_size", 1)):
-        raise ConversionError("a legacy checkpoint with --expert-tensor-parallel-size unlike --tensor-model-parallel-"
-                              "size: convert it to torch_dist with Megatron first (--ckpt-convert-format torch_dist)")
-    if args.get("multi_latent_attention") and max(len(by_tp) for by_tp in ranks.values()) > 1:
-        raise ConversionError("a legacy checkpoint of multi-latent attention saved with tensor parallelism: convert "
-                              "it to torch_dist with Megatron first (--ckpt-convert-format torch_dist)")
-    swiglu = bool(args.get("swiglu"))
-    local = _local_experts(args)
-    chunks = {}  # (virtual stage, pp, ep) -> merged state of that chunk
-    read = {any_file: first}  # (the file the args came from is not read again)
-    for (pp, ep), by_tp in sorted(ranks.items()):
-        files = [read.pop(by_tp[t], None) or _torch_load(by_tp[t]) for t in sorted(by_tp)]
-        names = sorted(k for k in files[0] if re.fullmatch(r"model\d*", k))
-        if not names:
-            raise ConversionError(f"{by_tp[0]} holds no model state")
-        for name in names:
-            v = int(name[5:] or 0)
-            chunks[(v, pp, ep)] = _merge_tp([f[name] for f in files], swiglu, local)
-    return first, _number_globally(chunks, args)
-
-
-def _merge_tp(shards: list, swiglu: bool, local_experts: int) -> dict:
-    """One chunk's TP slices -> whole tensors (``shards``: each TP rank's state, in TP order)."""
-    out = {}
-    for k, v in shards[0].items():
-        if not isinstance(v, torch.Tensor) or "_extra_state" in k or k.endswith("mlp.experts.weight2"):
-            continue
-        parts = [s[k] for s in shards]
-        if k.endswith("mlp.experts.weight1"):  # (with its weight2)
-            out.update(_grouped_mlp(k[:-len("weight1")], parts, [s[k[:-1] + "2"] for s in shards], local_experts,
-                                    swiglu))
-        elif len(parts) == 1:
-            out[k] = v
-        elif re.search(r"linear_fc1\.(weight|bias)\d*$", k):
-            if swiglu:  # each rank's [gate_r; up_r] -> [gate_0 .. gate_n; up_0 .. up_n]
-                halves = [p.chunk(2, dim=0) for p in parts]
-                out[k] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-            else:
-                out[k] = torch.cat(parts, dim=0)
-        elif k.endswith(_COLUMN):
-            out[k] = torch.cat(parts, dim=0)
-        elif re.search(r"(linear_proj|linear_fc2)\.weight\d*$", k):
-            out[k] = torch.cat(parts, dim=1)
-        else:  # replicated (norms, router, row-parallel biases)
-            out[k] = v
-    return out
-
-
-def _grouped_mlp(prefix: str, w1: list, w2: list, experts: int, swiglu: bool) -> dict:
-    """Megatron's legacy GroupedMLP experts (``weight1`` [h, E 2f / TP] holding [E, h, 2f / TP], SwiGLU's halves along
-    its last dimension; ``weight2`` [E f / TP, h] holding [E, f / TP, h]) -> each local expert's fc1 [2f, h] and
-    fc2 [h, f], named as Transformer Engine's grouped linear names them (``linear_fc1.weight{e}``)."""
-    h = w1[0].shape[0]
-    per = [p.view(experts, h, -1) for p in w1]
-    if swiglu:  # each rank's [gate_r | up_r] -> [gate_0 .. gate_n | up_0 .. up_n]
-        halves = [p.chunk(2, dim=2) for p in per]
-        fc1 = torch.cat([g for g, _ in halves] + [u for _, u in halves], dim=2)
-    else:
-        fc1 = torch.cat(per, dim=2)
-    fc2 = torch.cat([p.view(experts, -1, h) for p in w2], dim=1)
-    out = {}
-    for e in range(experts):
-        out[f"{prefix}linear_fc1.weight{e}"] = fc1[e].t().contiguous()
-        out[f"{prefix}linear_fc2.weight{e}"] = fc2[e].t().contiguous()
-    return out
-
-
-def _number_globally(chunks: dict, args: dict) -> dict:
-    """Legacy chunks' layers (numbered from 0 in each chunk) and local experts (from 0 on each expert rank) ->
-    global numbers: layers in the order of the virtual pipeline stages (chunk v of stage p holds stage v * PP + p),
-    experts by expert rank."""
-    out, offset = {}, 0
-    eps = sorted({ep for (_, _, ep) in chunks})
-    for v, pp in sorted({(v, pp) for (v, pp, _) in chunks}):
-        count = 0
-        for ep in eps:
-            for k, t in chunks[(v, pp, ep)].items():
-                m = _LAYER.match(k)
-                if m is None:
-                    out.setdefault(k, t)
-                    continue
-                count = max(count, int(m.group(2)) + 1)
-                rest = _global_expert(m.group(3), ep, args)
-                out[f"{m.group(1)}{int(m.group(2)) + offset}.{rest}"] = t
-        offset += count
-    return out
-
-
-def _local_experts(args: dict) -> int:
-    """Routed experts per expert-parallel rank (0 for a dense model)."""
-    return int(args.get("num_experts") or 0) // max(int(args.get("expert_model_parallel_size") or 1), 1)
-
-
-def _global_expert(rest: str, ep: int, args: dict) -> str:
-    """A layer's key ``rest`` with expert rank ``ep``'s local expert number made global."""
-    local = _local_experts(args)
-    if rest.startswith("mlp.experts.local_experts."):
-        i = int(rest.split(".")[3])
-        return rest.replace(f"local_experts.{i}.", f"local_experts.{ep * local + i}.", 1)
-    m = re.match(r"^(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$", rest)  # Transformer Engine's GroupedLinear
-    if m:
-        return f"{m.group(1)}{ep * local + int(m.group(2))}"
-    return rest
-
-
 # ----------------------------------------------------------------------------------------------
 # Loading a torch_dist checkpoint straight into a run's pieces (--load DIR --finetune)
 # ----------------------------------------------------------------------------------------------
@@ -353,7 +229,9 @@ def dist_pieces(pieces: list, d: Path, prefixes: Optional[dict] = None) -> list:
         options = prefixes.get(ours, "")
         found = [_dist_piece(p, theirs, p.key[len(ours):], layers)
                  for theirs in (options if isinstance(options, tuple) else (options,))]
-        out.append(next((piece for piece, saved in found if saved), found[0][0]))
+        piece = next((piece for piece, saved in found if saved), found[0][0])
+        blocks = hybrid.block_pieces(piece, piece.key, layers)  # (a hybrid model's Mamba in_proj / conv1d)
+        out += [piece] if blocks is None else blocks
     return out
 
 
@@ -369,11 +247,13 @@ def _dist_piece(p, theirs: str, key: str, layers: dict) -> tuple:
         return Piece((found or names)[0], p.shape, p.offsets, p.tensor), bool(found)
     m = _LAYER.match(key)
     if m is None:
-        return Piece(theirs + key, p.shape, p.offsets, p.tensor, p.vocab_rows), theirs + key in layers
+        names = [theirs + key] + ([theirs + "decoder.final_norm." + key[len(_FINAL):]] if key.startswith(_FINAL) else [])
+        name = next((n for n in names if n in layers), names[0])
+        return Piece(name, p.shape, p.offsets, p.tensor, p.vocab_rows), name in layers
     pre, i, rest = theirs + m.group(1), int(m.group(2)), m.group(3)
-    names = [rest] + [rest.replace(a, b, 1) for a, b in _LAYER_NAMES if rest.startswith(a)]
+    names = [rest] + [rest.replace(a, b, 1) for a, b in _LAYER_NAMES if rest.startswith(a)] + hybrid.candidates(rest)
     stacked = [f"{pre}{r}" for r in names if f"{pre}{r}" in layers]
-    own = [f"{pre}{i}.{r}" for r in names if f"{pre}{i}.{r}" in layers]
+    own = [f"{pre}{i}.{r}" for r in names if f"{pre}{i}.{r}" in layers or f"{pre}{i}.{r}.x" in layers]
     if own or not stacked:
         return Piece(own[0] if own else f"{pre}{names[-1]}", p.shape, p.offsets, p.tensor), bool(own)
     n = layers[stacked[0]][0]
@@ -438,6 +318,8 @@ def model_config(args: dict) -> ModelConfig:
         dest, inverted = found[0]
         if f.name in ("encoder_num_layers", "encoder_seq_length"):  # (Megatron copies a GPT's sizes into them)
             continue
+        if f.name == "hybrid_override_pattern":  # (read as --hybrid-layer-pattern above)
+            continue
         if f.name.startswith("moe_") and not args.get("num_experts"):  # (Megatron keeps its MoE defaults in a
             continue  # dense run's args; paratron takes an MoE flag without --num-experts for a mistake)
         value = (not args[dest]) if inverted else args[dest]
@@ -460,11 +342,14 @@ def read(root, iteration: Optional[int] = None) -> tuple[ModelConfig, dict, Opti
     if fmt is None:
         raise ConversionError(f"{d} is not a Megatron-LM checkpoint (no common.pt + .metadata, no "
                               f"mp_rank_*/{LEGACY_FILE})" if d.exists() else f"{d} does not exist")
+    from . import megatron_legacy
     try:
-        top, state = (_read_dist if fmt == "torch_dist" else _read_legacy)(d)
+        top, state = _read_dist(d) if fmt == "torch_dist" else megatron_legacy.read_legacy(d)
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
     args, it, version = _args(top.get("args")), top.get("iteration"), top.get("checkpoint_version")
+    if hybrid.is_hybrid(args):
+        state = {hybrid.to_paratron_name(k): v for k, v in state.items()}
     if isinstance(version, (int, float)) and version < 3:
         raise ConversionError(f"checkpoint version {version}: Megatron's layouts before version 3 (older QKV order) "
                               "are not read; load and save it once with a current Megatron-LM")

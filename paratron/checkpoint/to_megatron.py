@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from .hf_config import ConversionError
+from . import megatron_hybrid as hybrid
 from .megatron import _LAYER, _LAYER_NAMES, _MTP, TRACKER
 
 _CONTENT = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": False,
@@ -82,8 +83,9 @@ def extra_states(tensors: dict, stacked: bool) -> dict:
     {experts}``, or both), or one (``shard_0_1``)."""
     out = {}
     for name, t in tensors.items():
-        module = name[:-len(".weight")] if name.endswith(".weight") else ""
-        if not re.search(r"(^|\.)(linear_\w+|eh_proj)$", module):
+        weight = re.match(r"^(.*)\.weight(\.(z|x|B|C|dt))?$", name)  # (a Mamba in_proj's blocks: one module)
+        module = weight.group(1) if weight else ""
+        if not re.search(r"(^|\.)(linear_\w+|eh_proj|mixer\.(in|out)_proj)$", module):
             continue
         layered = stacked and name.startswith("decoder.layers.")
         experts = ".mlp.experts.experts." in name
@@ -97,12 +99,23 @@ def extra_states(tensors: dict, stacked: bool) -> dict:
 
 
 def check_exportable(cfg) -> None:
-    """GPT models (dense, MoE, mixed, MLA, MTP) are written; hybrid and linear-attention stacks are not."""
+    """GPT models (dense, MoE, mixed, MLA, MTP) and hybrid stacks of Mamba-2, attention, MLP and MoE layers are
+    written; linear attention (Gated DeltaNet) is not (Megatron-LM 0.16's hybrid stack has no such layer)."""
     problems = [what for bad, what in (
-        (cfg.hybrid_layer_pattern or cfg.experimental_attention_variant, "a hybrid or linear-attention stack"),
+        (cfg.experimental_attention_variant or "G" in (cfg.hybrid_layer_pattern or ""), "linear-attention layers"),
         (cfg.model != "gpt", f"--model {cfg.model}")) if bad]
     if problems:
-        raise ConversionError(f"--to megatron writes GPT models (dense or MoE, MLA, MTP); this one has {problems[0]}")
+        raise ConversionError(f"--to megatron writes GPT models (dense or MoE, MLA, MTP) and Mamba-2 hybrid stacks; "
+                              f"this one has {problems[0]}")
+
+
+def megatron_tensors(state: dict, cfg, layout: dict) -> dict:
+    """paratron's whole tensors (model or optimizer state, keyed by the model's names) -> Megatron's torch_dist
+    tensors: a hybrid stack's Mamba layers and final norm by megatron_hybrid, every other layer as GPT's."""
+    if not cfg.hybrid_layer_pattern:
+        return stack(state, **layout)
+    done, rest = hybrid.to_megatron_names(state, cfg.hybrid_layer_pattern, hybrid.mixer_blocks(hybrid.model_args(cfg)))
+    return {**done, **stack(rest, **layout)}
 
 
 def _args(cfg, rows: int, consumed: int, iteration: int) -> argparse.Namespace:
@@ -114,6 +127,8 @@ def _args(cfg, rows: int, consumed: int, iteration: int) -> argparse.Namespace:
         for dest, inverted in theirs:
             if ours in flat and dest not in flat:
                 flat[dest] = (not flat[ours]) if inverted else flat[ours]
+    if cfg.model.hybrid_layer_pattern:  # (Megatron-LM 0.16 reads the pattern under its older name)
+        flat.update(hybrid_override_pattern=cfg.model.hybrid_layer_pattern, is_hybrid_model=True)
     flat.update(padded_vocab_size=rows, consumed_train_samples=consumed, consumed_valid_samples=0,
                 skipped_train_samples=0, ckpt_format="torch_dist",
                 use_distributed_optimizer=True, data_parallel_random_init=False, iteration=iteration,
@@ -173,8 +188,9 @@ def export(load, output, iteration: Optional[int] = None, force: bool = False, l
         raise ConversionError(f"{d} holds Muon's state: Megatron's distributed optimizer resumes Adam only")
     full = sharded.load_full(d, [k for k in shapes if k.startswith(("model.", "optimizer."))])
     model = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
-    layout = {"stacked": homogeneous(cfg.model), "mla": bool(cfg.model.multi_latent_attention)}
-    tensors = stack(model, **layout)
+    layout = {"stacked": homogeneous(cfg.model) and not cfg.model.hybrid_layer_pattern,
+              "mla": bool(cfg.model.multi_latent_attention)}
+    tensors = megatron_tensors(model, cfg.model, layout)
     params = [k for k in model if f"optimizer.exp_avg.{k}" in full]
     optim = bool(params) and common.get("optimizer") is not None
     mixed = any(f"optimizer.fp32_param.{k}" in full for k in params) or any(
@@ -187,7 +203,8 @@ def export(load, output, iteration: Optional[int] = None, force: bool = False, l
         if plain and not mixed:
             del sources[main]
         for state, src in sources.items():
-            tensors.update({f"optimizer.state.{state}.{n}": t.float() for n, t in stack(src, **layout).items()})
+            tensors.update({f"optimizer.state.{state}.{n}": t.float()
+                            for n, t in megatron_tensors(src, cfg.model, layout).items()})
     it, consumed = int(common["iteration"]), int(common.get("consumed_samples", 0))
     rows = model["embedding.word_embeddings.weight"].shape[0]
     lr = common.get("scheduler") and _lr(cfg, common["scheduler"])

@@ -170,10 +170,10 @@ class Checkpointing:
             return pieces, None
         args = megatron._args(common.get("args"))
         buckets.check_layout(args, self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size)
-        if sharded_model_views(self.models) or (args.get("moe_grouped_gemm") and
-                                                args.get("moe_use_legacy_grouped_gemm")):
-            raise sharded.CheckpointError(f"{d}: Megatron's dp_reshardable optimizer state is not read with ZeRO-3 "
-                                          f"or into legacy grouped experts; {buckets.FIX}")
+        legacy_experts = args.get("moe_grouped_gemm") and args.get("moe_use_legacy_grouped_gemm")
+        if sharded_model_views(self.models) or legacy_experts or megatron.hybrid.is_hybrid(args):
+            raise sharded.CheckpointError(f"{d}: Megatron's dp_reshardable optimizer state is not read with ZeRO-3, "
+                                          f"into legacy grouped experts or for a hybrid model; {buckets.FIX}")
         cstate.ensure_adam_state(self.optimizer)
         chunks = [[(k, p) for p, k in cstate.param_keys([m]).items()] for m in self.models]
         more, checks = buckets.pieces(cstate.adam_shards(self.optimizer), chunks, shapes, self.dims,

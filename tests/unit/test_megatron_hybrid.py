@@ -1,0 +1,105 @@
+"""Megatron-LM's hybrid (Mamba) models' names and layouts (paratron/checkpoint/megatron_hybrid.py), checked by hand:
+the torch_dist blocks, the legacy format's TP merge and the pieces that read blocks into a run's tensors."""
+import torch
+
+from paratron.checkpoint import megatron_hybrid as hybrid
+from paratron.checkpoint.pieces import Piece
+from paratron.config import parse_args
+from paratron.model.gpt import GPTModel
+
+PATTERN = "M*M-"
+FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--hybrid-layer-pattern", PATTERN,
+         "--vocab-size", "128", "--seq-length", "32", "--max-position-embeddings", "32", "--mamba-num-groups", "2",
+         "--mamba-head-dim", "16", "--mamba-state-dim", "8", "--position-embedding-type", "none", "--normalization",
+         "RMSNorm", "--disable-bias-linear", "--squared-relu", "--tokenizer-type", "NullTokenizer", "--train-iters",
+         "1", "--lr", "1e-3", "--mock-data"]
+# d_inner = 2 x 64 = 128 (8 heads of 16), B and C: 2 groups x state 8 = 16 rows each
+BLOCKS = {"in_proj": (128, 128, 16, 16, 8), "conv": (128, 16, 16)}
+
+
+def _state() -> tuple[object, dict]:
+    cfg = parse_args(FLAGS).model
+    torch.manual_seed(0)
+    model = GPTModel(cfg, 128)
+    return cfg, {k: torch.randn_like(v) for k, v in model.state_dict().items()}  # (distinct values everywhere)
+
+
+def test_blocks_follow_the_args():
+    cfg, _ = _state()
+    assert hybrid.mixer_blocks(hybrid.model_args(cfg)) == BLOCKS
+    assert hybrid.mixer_blocks({"hidden_size": 64}) == {}  # (a GPT model's args)
+
+
+def test_names_round_trip_through_megatrons():
+    cfg, state = _state()
+    done, rest = hybrid.to_megatron_names(state, PATTERN, BLOCKS)
+    z, dt = done["decoder.layers.0.mixer.in_proj.weight.z"], done["decoder.layers.2.mixer.in_proj.weight.dt"]
+    assert z.shape == (128, 64) and dt.shape == (8, 64)
+    assert torch.equal(dt, state["decoder.layers.2.self_attention.in_proj.weight"][-8:])
+    assert torch.equal(done["decoder.layers.0.mixer.conv1d.bias.C"], state["decoder.layers.0.self_attention.conv1d_bias"][-16:])
+    assert torch.equal(done["decoder.layers.0.mixer.in_proj.layer_norm_weight"],
+                       state["decoder.layers.0.input_layernorm.weight"])
+    assert torch.equal(done["decoder.final_norm.weight"], state["decoder.final_layernorm.weight"])
+    assert {k.split(".")[2] for k in rest if k.startswith("decoder.layers.")} == {"1", "3"}  # attention, MLP: GPT's
+    back = {hybrid.to_paratron_name(k): v for k, v in hybrid.join_parts(done).items()}
+    assert set(back) == set(state) - set(rest)
+    assert all(torch.equal(back[k], state[k]) for k in back)
+
+
+def test_local_spec_names_read_too():
+    """Megatron's local spec keeps a Mamba layer's norm as its own module (``norm.weight``)."""
+    assert hybrid.to_paratron_name("decoder.layers.2.norm.weight") == "decoder.layers.2.input_layernorm.weight"
+    assert hybrid.to_paratron_name("decoder.layers.2.mixer.norm.weight") == "decoder.layers.2.self_attention.norm.weight"
+    assert hybrid.to_paratron_name("decoder.layers.0.mixer.conv1d.weight") == \
+        "decoder.layers.0.self_attention.conv1d_weight"
+
+
+def test_a_missing_block_is_named():
+    _, state = _state()
+    done, _ = hybrid.to_megatron_names(state, PATTERN, BLOCKS)
+    del done["decoder.layers.0.mixer.in_proj.weight.B"]
+    try:
+        hybrid.join_parts(done)
+    except Exception as e:  # noqa: BLE001
+        assert "decoder.layers.0.mixer.in_proj.weight.B" in str(e)
+    else:
+        raise AssertionError("a checkpoint without one of in_proj's blocks was read")
+
+
+def _rank_slice(whole: torch.Tensor, sizes: tuple, rank: int, tp: int) -> torch.Tensor:
+    """What a legacy rank file holds: the rank's share of each block, one after the other."""
+    return torch.cat([b.chunk(tp)[rank] for b in whole.split(list(sizes))])
+
+
+def test_legacy_rank_files_merge_block_by_block():
+    _, state = _state()
+    pre = "decoder.layers.0.mixer."
+    whole = {"in_proj.weight": state["decoder.layers.0.self_attention.in_proj.weight"],
+             "conv1d.weight": state["decoder.layers.0.self_attention.conv1d_weight"]}
+    for name, t in whole.items():
+        sizes = BLOCKS["in_proj" if name.startswith("in_proj") else "conv"]
+        parts = [_rank_slice(t, sizes, r, 2) for r in range(2)]
+        assert not torch.equal(torch.cat(parts), t)  # (the naive concatenation would be wrong)
+        assert torch.equal(hybrid.merge_mixer(pre + name, parts, BLOCKS), t)
+    d = state["decoder.layers.0.self_attention.D"]
+    assert torch.equal(hybrid.merge_mixer(pre + "D", list(d.chunk(2)), BLOCKS), d)
+    out = state["decoder.layers.0.self_attention.out_proj.weight"]
+    assert torch.equal(hybrid.merge_mixer(pre + "out_proj.weight", list(out.chunk(2, dim=1)), BLOCKS), out)
+    assert hybrid.merge_mixer("decoder.layers.1.self_attention.linear_qkv.weight", [out], BLOCKS) is None
+
+
+def test_block_pieces_cover_a_whole_tensor_and_write_through():
+    name = "decoder.layers.0.mixer.in_proj.weight"
+    shapes = {f"{name}.{b}": (n, 64) for b, n in zip(hybrid.IN_PROJ, BLOCKS["in_proj"])}
+    target = torch.zeros(296, 64)
+    pieces = hybrid.block_pieces(Piece("x", (296, 64), (0, 0), target), name, shapes)
+    assert [(p.key.rsplit(".", 1)[1], p.shape[0], p.offsets[0], p.tensor.shape[0]) for p in pieces] == \
+        [("z", 128, 0, 128), ("x", 128, 0, 128), ("B", 16, 0, 16), ("C", 16, 0, 16), ("dt", 8, 0, 8)]
+    pieces[4].tensor.fill_(1.0)
+    assert target[-8:].eq(1).all() and target[:-8].eq(0).all()
+    # a TP 2 rank's piece of the B block (rows 256 + 8 .. 256 + 16): one piece of the B tensor
+    local = torch.zeros(8, 64)
+    (piece,) = hybrid.block_pieces(Piece("x", (296, 64), (264, 0), local), name, shapes)
+    assert (piece.key, piece.shape, piece.offsets) == (f"{name}.B", (16, 64), (8, 0))
+    assert hybrid.block_pieces(Piece("x", (64, 64), (0, 0), local), "decoder.layers.1.self_attention.linear_proj.weight",
+                               shapes) is None
