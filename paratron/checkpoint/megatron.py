@@ -247,7 +247,8 @@ def _dist_piece(p, theirs: str, key: str, layers: dict) -> tuple:
         return Piece((found or names)[0], p.shape, p.offsets, p.tensor), bool(found)
     m = _LAYER.match(key)
     if m is None:
-        names = [theirs + key] + ([theirs + "decoder.final_norm." + key[len(_FINAL):]] if key.startswith(_FINAL) else [])
+        final = [theirs + "decoder.final_norm." + key[len(_FINAL):]] if key.startswith(_FINAL) else []
+        names = [theirs + key] + final
         name = next((n for n in names if n in layers), names[0])
         return Piece(name, p.shape, p.offsets, p.tensor, p.vocab_rows), name in layers
     pre, i, rest = theirs + m.group(1), int(m.group(2)), m.group(3)
@@ -264,8 +265,12 @@ def saved_model_args(root: Path, iteration: Optional[int] = None) -> tuple[dict,
     """(paratron's model fields that the checkpoint's args set, the args) of Megatron checkpoint ``root``
     (--use-checkpoint-args): its common.pt (torch_dist) or a rank file's (legacy)."""
     d, fmt = locate(root, iteration)
+    from . import sharded
     files = [d / "common.pt"] if fmt == "torch_dist" else sorted(d.glob(f"mp_rank_*/{LEGACY_FILE}"))
-    args = _args(_torch_load(files[0]).get("args"))
+    top = _torch_load(files[0])
+    keys = sharded.tensor_shapes(d) if fmt == "torch_dist" else [
+        k for name, chunk in top.items() if re.fullmatch(r"model\d*", name) for k in chunk]
+    args = hybrid.marked(_args(top.get("args")), keys)
     m = model_config(args)
     return {f.name: getattr(m, f.name) for f in dataclasses.fields(ModelConfig)}, args
 
@@ -274,8 +279,9 @@ def dist_common(d: Path) -> tuple[dict, ModelConfig, int]:
     """(common state, model config, vocabulary rows) of torch_dist checkpoint directory ``d``."""
     from . import sharded
     common = _torch_load(d / "common.pt")
-    rows = sharded.tensor_shapes(d).get("embedding.word_embeddings.weight", ((0,),))[0][0]
-    return common, model_config(_args(common.get("args"))), rows
+    shapes = sharded.tensor_shapes(d)
+    rows = shapes.get("embedding.word_embeddings.weight", ((0,),))[0][0]
+    return common, model_config(hybrid.marked(_args(common.get("args")), shapes)), rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,8 +324,8 @@ def model_config(args: dict) -> ModelConfig:
         dest, inverted = found[0]
         if f.name in ("encoder_num_layers", "encoder_seq_length"):  # (Megatron copies a GPT's sizes into them)
             continue
-        if f.name == "hybrid_override_pattern":  # (read as --hybrid-layer-pattern above)
-            continue
+        if f.name in ("hybrid_override_pattern", "spec"):  # (the first read as --hybrid-layer-pattern; --spec names
+            continue  # the code that built the layers: the weights are read by their names, strictly)
         if f.name.startswith("moe_") and not args.get("num_experts"):  # (Megatron keeps its MoE defaults in a
             continue  # dense run's args; paratron takes an MoE flag without --num-experts for a mistake)
         value = (not args[dest]) if inverted else args[dest]
@@ -348,6 +354,7 @@ def read(root, iteration: Optional[int] = None) -> tuple[ModelConfig, dict, Opti
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
     args, it, version = _args(top.get("args")), top.get("iteration"), top.get("checkpoint_version")
+    args = hybrid.marked(args, state)
     if hybrid.is_hybrid(args):
         state = {hybrid.to_paratron_name(k): v for k, v in state.items()}
     if isinstance(version, (int, float)) and version < 3:

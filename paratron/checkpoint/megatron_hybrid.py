@@ -11,7 +11,7 @@ and ``self_attention`` in paratron:
 | ``self_attention.in_proj.weight`` | ``mixer.in_proj.weight`` (torch_dist: five tensors ``.z .x .B .C .dt``) |
 | ``self_attention.conv1d_weight`` / ``conv1d_bias`` | ``mixer.conv1d.weight`` / ``.bias`` (torch_dist: ``.x .B .C``) |
 | ``self_attention.`` ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj.weight`` | ``mixer.`` the same |
-| ``input_layernorm.weight`` | ``norm.weight`` (local spec), ``mixer.in_proj.layer_norm_weight`` (Transformer Engine's) |
+| ``input_layernorm.weight`` | ``mixer.in_proj.layer_norm_weight`` (Transformer Engine's name), ``norm.weight`` |
 | ``decoder.final_layernorm.weight`` | ``decoder.final_norm.weight`` |
 
 Under tensor parallelism each rank holds its share of each block of in_proj's rows (z, x, B, C, dt) and of the
@@ -41,6 +41,15 @@ def is_hybrid(args: dict) -> bool:
     """Whether Megatron's saved ``args`` are a hybrid model's."""
     return bool(args.get("is_hybrid_model") or args.get("hybrid_override_pattern") or
                 args.get("hybrid_layer_pattern"))
+
+
+def marked(args: dict, keys) -> dict:
+    """``args``, marked as a hybrid model's (``is_hybrid_model``) where the checkpoint's tensor names ``keys`` hold
+    Mamba mixers but the args no pattern: ``pretrain_mamba.py`` leaves the flag unset, and a stack given by
+    --hybrid-attention-ratio / --hybrid-mlp-ratio alone (both 0: every layer Mamba-2) keeps no pattern."""
+    if is_hybrid(args) or not any(".mixer." in k for k in keys):
+        return args
+    return {**args, "is_hybrid_model": True}
 
 
 def mixer_blocks(args: dict) -> dict:

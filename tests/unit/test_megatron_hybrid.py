@@ -1,5 +1,8 @@
 """Megatron-LM's hybrid (Mamba) models' names and layouts (paratron/checkpoint/megatron_hybrid.py), checked by hand:
 the torch_dist blocks, the legacy format's TP merge and the pieces that read blocks into a run's tensors."""
+from pathlib import Path
+
+import pytest
 import torch
 
 from paratron.checkpoint import megatron_hybrid as hybrid
@@ -36,7 +39,8 @@ def test_names_round_trip_through_megatrons():
     z, dt = done["decoder.layers.0.mixer.in_proj.weight.z"], done["decoder.layers.2.mixer.in_proj.weight.dt"]
     assert z.shape == (128, 64) and dt.shape == (8, 64)
     assert torch.equal(dt, state["decoder.layers.2.self_attention.in_proj.weight"][-8:])
-    assert torch.equal(done["decoder.layers.0.mixer.conv1d.bias.C"], state["decoder.layers.0.self_attention.conv1d_bias"][-16:])
+    conv_bias = state["decoder.layers.0.self_attention.conv1d_bias"]
+    assert torch.equal(done["decoder.layers.0.mixer.conv1d.bias.C"], conv_bias[-16:])
     assert torch.equal(done["decoder.layers.0.mixer.in_proj.layer_norm_weight"],
                        state["decoder.layers.0.input_layernorm.weight"])
     assert torch.equal(done["decoder.final_norm.weight"], state["decoder.final_layernorm.weight"])
@@ -49,7 +53,8 @@ def test_names_round_trip_through_megatrons():
 def test_local_spec_names_read_too():
     """Megatron's local spec keeps a Mamba layer's norm as its own module (``norm.weight``)."""
     assert hybrid.to_paratron_name("decoder.layers.2.norm.weight") == "decoder.layers.2.input_layernorm.weight"
-    assert hybrid.to_paratron_name("decoder.layers.2.mixer.norm.weight") == "decoder.layers.2.self_attention.norm.weight"
+    assert hybrid.to_paratron_name("decoder.layers.2.mixer.norm.weight") == \
+        "decoder.layers.2.self_attention.norm.weight"
     assert hybrid.to_paratron_name("decoder.layers.0.mixer.conv1d.weight") == \
         "decoder.layers.0.self_attention.conv1d_weight"
 
@@ -101,5 +106,48 @@ def test_block_pieces_cover_a_whole_tensor_and_write_through():
     local = torch.zeros(8, 64)
     (piece,) = hybrid.block_pieces(Piece("x", (296, 64), (264, 0), local), name, shapes)
     assert (piece.key, piece.shape, piece.offsets) == (f"{name}.B", (16, 64), (8, 0))
-    assert hybrid.block_pieces(Piece("x", (64, 64), (0, 0), local), "decoder.layers.1.self_attention.linear_proj.weight",
-                               shapes) is None
+    other = "decoder.layers.1.self_attention.linear_proj.weight"
+    assert hybrid.block_pieces(Piece("x", (64, 64), (0, 0), local), other, shapes) is None
+
+
+# ---- checkpoints Megatron-LM itself wrote (tests/data/megatron_ckpt/*_mamba_tp2, README there) -----------------
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "megatron_ckpt"
+
+
+def _logits(cfg, state: dict, tokens: torch.Tensor) -> torch.Tensor:
+    model = GPTModel(cfg.model, cfg.padded_vocab_size)
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        return model.eval()(tokens).float()
+
+
+@pytest.mark.parametrize("fmt", ["dist", "legacy"])
+def test_converted_megatron_hybrid_gives_megatrons_logits(tmp_path, fmt):
+    from paratron.checkpoint import convert as C
+    ref = torch.load(DATA / "reference_mamba.pt", weights_only=True)
+    flags = C.from_megatron(DATA / f"{fmt}_mamba_tp2", tmp_path / "out", log=lambda *a: None)
+    assert flags[flags.index("--hybrid-layer-pattern") + 1] == "M*M-"
+    cfg, _, _, state = C.read_checkpoint(tmp_path / "out", log=lambda *a: None)
+    assert (cfg.model.mamba_num_groups, cfg.model.mamba_state_dim, cfg.model.squared_relu) == (2, 16, True)
+    logits = _logits(cfg, state, ref["tokens"])
+    assert logits.shape == ref["logits"].shape
+    assert (logits - ref["logits"]).abs().max() < 1e-4 * ref["logits"].abs().max()  # fp32 (a wrong block: ~1)
+
+
+def test_finetune_loads_megatrons_hybrid_torch_dist_directly(tmp_path):
+    """--load MEGATRON_DIR --finetune reads the torch_dist blocks into the run's tensors (TP 1 here; TP 2 in
+    tests/parallel/test_megatron_load.py): the same weights as the converted checkpoint."""
+    from paratron.checkpoint import convert as C
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args
+    from tests.unit.test_megatron_fixtures import _run_flags
+    flags = C.from_megatron(DATA / "dist_mamba_tp2", tmp_path / "conv", log=lambda *a: None)
+    weights = []
+    for extra in (["--load", str(DATA / "dist_mamba_tp2"), "--finetune"], ["--load", str(tmp_path / "conv"),
+                                                                           "--finetune"]):
+        t = Trainer(parse_args(_run_flags(flags, *extra)))
+        weights.append({k: v.clone() for k, v in t.models[0].state_dict().items()})
+        t.close()
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
