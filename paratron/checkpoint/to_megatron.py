@@ -222,6 +222,8 @@ def export(load, output, iteration: Optional[int] = None, force: bool = False, l
     what = f"the {'plain' if plain else 'distributed'} optimizer state" if optim else "model weights only"
     log(f"writing Megatron-LM's torch_dist checkpoint of iteration {it} ({len(tensors)} tensors, {what}) to {out}")
     objects = extra_states({k: v for k, v in tensors.items() if not k.startswith("optimizer.")}, layout["stacked"])
+    if cfg.model.hybrid_layer_pattern:  # (Megatron's MambaModel saves its output layer's too; GPTModel drops it)
+        objects["output_layer._extra_state/shard_0_1"] = [None]
     _write_staged(out, old, lambda tmp: _write(tmp, it, tensors, objects, top), last=TRACKER)
     return out / f"iter_{it:07d}"
 
