@@ -1,6 +1,8 @@
-"""Megatron-LM's hybrid models (``MambaModel``: ``pretrain_mamba.py``, ``pretrain_hybrid.py``) in its checkpoints:
-the names and layouts in which they differ from paratron's hybrid stack, read both ways (checkpoint/megatron.py
-reads the files, checkpoint/to_megatron.py writes them).
+"""Megatron-LM's hybrid (Mamba) models in its checkpoints, both ways.
+
+Megatron Core's ``MambaModel`` (``pretrain_mamba.py``, ``pretrain_hybrid.py``): the names and layouts in which its
+checkpoints differ from paratron's hybrid stack (checkpoint/megatron.py reads the files, checkpoint/to_megatron.py
+writes them).
 
 Both number the layers along the pattern (``--hybrid-layer-pattern``, Megatron's ``--hybrid-override-pattern``).
 Attention, MLP and MoE layers keep the GPT names. A Mamba layer's one mixing sublayer is ``mixer`` in Megatron Core

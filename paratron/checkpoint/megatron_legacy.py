@@ -1,7 +1,8 @@
-"""Megatron-LM's legacy checkpoint format (``--ckpt-format torch``) read into one TP=1 state in Megatron Core's
-names (checkpoint/megatron.py describes both formats): each ``mp_rank_*/model_optim_rng.pt`` holds one tensor /
-pipeline / expert rank's slice, merged here over the tensor-parallel ranks and numbered globally over the pipeline
-stages and expert ranks."""
+"""Megatron-LM's legacy checkpoint format (``--ckpt-format torch``), merged into one TP=1 state.
+
+checkpoint/megatron.py describes both formats: each ``mp_rank_*/model_optim_rng.pt`` holds one tensor / pipeline /
+expert rank's slice, merged here over the tensor-parallel ranks (in Megatron Core's names) and numbered globally
+over the pipeline stages and expert ranks."""
 from __future__ import annotations
 
 import re

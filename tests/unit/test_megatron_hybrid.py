@@ -151,3 +151,24 @@ def test_finetune_loads_megatrons_hybrid_torch_dist_directly(tmp_path):
         t.close()
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_export_equals_megatrons_own_hybrid_checkpoint(tmp_path):
+    """Megatron -> paratron -> Megatron: the same tensor and object names, shapes and values as the checkpoint Megatron
+    wrote (Megatron-LM itself loads such an export strictly at TP 1 and 2 and computes the same logits: the validation
+    on the branch exp/megatron-fixtures)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from paratron.checkpoint import convert as C, sharded
+    from paratron.checkpoint.megatron import _torch_load
+    from paratron.checkpoint.to_megatron import export
+    mlm = DATA / "dist_mamba_tp2" / "iter_0000010"
+    C.from_megatron(DATA / "dist_mamba_tp2", tmp_path / "conv", log=lambda *a: None)
+    out = export(tmp_path / "conv", tmp_path / "mlm", log=lambda *a: None)
+    ours, theirs = (FileSystemReader(str(d)).read_metadata().state_dict_metadata for d in (out, mlm))
+    assert set(ours) == set(theirs)
+    shapes = sharded.tensor_shapes(mlm)
+    assert sharded.tensor_shapes(out).keys() == shapes.keys()
+    a, b = sharded.load_full(out, list(shapes)), sharded.load_full(mlm, list(shapes))
+    assert all(torch.equal(a[k], b[k]) for k in shapes), [k for k in shapes if not torch.equal(a[k], b[k])]
+    args = _torch_load(out / "common.pt")["args"]
+    assert (args.hybrid_override_pattern, args.num_layers, args.mamba_num_groups) == ("M*M-", 4, 2)
