@@ -272,9 +272,10 @@ def _names(names, limit: int = 6) -> str:
 def _normalize_hf_names(hf_state: dict, family: str, tied: bool) -> dict:
     """Accept the variants found in published checkpoints: GPT-2 without the ``transformer.`` prefix
     and with its causal-mask buffers (``attn.bias``/``attn.masked_bias``), old Llama ``rotary_emb.inv_freq``
-    buffers, ``lm_head.weight`` stored next to tied embeddings (transformers ignores it then too), and
-    transformers 5's fused in-memory experts (:func:`~paratron.checkpoint.hf_moe.per_expert_state`)."""
-    if family in MOE_FAMILIES + ("deepseek_v3", "qwen3_next"):
+    buffers, ``lm_head.weight`` stored next to tied embeddings (transformers ignores it then too), NemotronH's
+    in-memory ``model.*`` names (its files' ``backbone.*``), and transformers 5's fused in-memory experts
+    (:func:`~paratron.checkpoint.hf_moe.per_expert_state`)."""
+    if family in MOE_FAMILIES + ("deepseek_v3", "qwen3_next", "nemotron_h"):
         hf_state = per_expert_state(hf_state, family)
     out = {}
     bare_gpt2 = family == "gpt2" and "transformer.wte.weight" not in hf_state and "wte.weight" in hf_state

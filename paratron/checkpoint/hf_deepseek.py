@@ -9,16 +9,19 @@ with ``factor``, ``mscale``, ``mscale_all_dim`` and Megatron's fixed original le
 values refused). Layers from ``first_k_dense_replace`` on are MoE (an explicit ``--moe-layer-freq`` list): sigmoid
 scores (``--moe-router-score-function sigmoid``) with the ``e_score_correction_bias`` added for choosing only
 (``--moe-router-enable-expert-bias``, the router's ``expert_bias``), the top-k normalised (``norm_topk_prob`` must be
-true) and scaled by ``routed_scaling_factor`` (``--moe-router-topk-scaling-factor``), ``n_shared_experts`` x
-``moe_intermediate_size`` of shared expert, the router in fp32 as transformers computes it. Group-limited routing
-(``n_group`` groups, ``topk_group`` kept) ranks groups by their best two scores in transformers and by their best
-top-k / topk_group in Megatron: the two agree when top-k / topk_group is 2 (DeepSeek-V3's 8 / 4), other settings
-are refused. Multi-token prediction layers (``num_nextn_predict_layers``) are not converted.
+true; false for top-1, which Megatron does not normalise) and scaled by ``routed_scaling_factor``
+(``--moe-router-topk-scaling-factor``), ``n_shared_experts`` x ``moe_intermediate_size`` of shared expert, the router
+in fp32 as transformers computes it. Group-limited routing (``n_group`` groups, ``topk_group`` kept) ranks groups by
+their best two scores in transformers and by their best top-k / topk_group in Megatron: the two agree when top-k /
+topk_group is 2 (DeepSeek-V3's 8 / 4), other settings are refused. The router's part is NemotronH's too
+(:func:`~paratron.checkpoint.hf_moe.sigmoid_router_kwargs`). Multi-token prediction layers
+(``num_nextn_predict_layers``) are not converted.
 """
 from __future__ import annotations
 
 from ..config import ModelConfig
 from ..config.layer_patterns import parse_moe_layer_freq
+from .hf_moe import check_sigmoid_router, sigmoid_router_hf_config, sigmoid_router_kwargs
 
 __all__ = ["deepseek_config", "deepseek_hf_config", "check_deepseek", "deepseek_layer_rows"]
 
@@ -51,22 +54,10 @@ def _moe(d: dict, layers: int) -> dict:
     dense = int(d.get("first_k_dense_replace") or 0)
     if not experts or dense >= layers:
         return {}
-    topk, groups, keep = int(d["num_experts_per_tok"]), int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
-    if topk > 1 and not d.get("norm_topk_prob", True):
-        raise _error("deepseek_v3 norm_topk_prob false is not supported: paratron normalises sigmoid top-k scores")
-    limited = 1 < groups and keep < groups
-    if limited and topk // keep != 2:
-        raise _error(f"deepseek_v3 group-limited routing with num_experts_per_tok {topk} and topk_group {keep} is not "
-                     "supported: transformers ranks groups by their best 2 scores, Megatron by the best "
-                     "top-k / topk_group")
     shared = int(d.get("n_shared_experts") or 0) * int(d["moe_intermediate_size"])
-    return dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=int(d["moe_intermediate_size"]),
+    return dict(num_experts=experts, moe_ffn_hidden_size=int(d["moe_intermediate_size"]),
                 moe_layer_freq="[" + ",".join("0" if i < dense else "1" for i in range(layers)) + "]",
-                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                moe_router_topk_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-                moe_shared_expert_intermediate_size=shared or None, moe_router_dtype="fp32",
-                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-                moe_router_num_groups=groups if limited else None, moe_router_group_topk=keep if limited else None)
+                moe_shared_expert_intermediate_size=shared or None, **sigmoid_router_kwargs(d, "deepseek_v3"))
 
 
 def deepseek_config(d: dict, rope: dict) -> ModelConfig:
@@ -100,15 +91,10 @@ def check_deepseek(cfg: ModelConfig, need) -> None:
     pattern = parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers)
     first = pattern.index(1) if 1 in pattern else cfg.num_layers
     need(all(pattern[first:]), "its MoE layers are all the layers from the first MoE one on (--moe-layer-freq)")
-    need(cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_enable_expert_bias,
-         "needs sigmoid routing with an expert bias")
-    need(cfg.moe_expert_capacity_factor is None and not cfg.moe_router_force_load_balancing,
-         "dropless top-k routing only")
+    check_sigmoid_router(cfg, need)
     shared = cfg.moe_shared_expert_intermediate_size
     need(not cfg.moe_shared_expert_gate and (shared or 0) % cfg.moe_ffn_hidden_size == 0,
          "an ungated shared expert, a multiple of --moe-ffn-hidden-size wide")
-    need(cfg.moe_router_group_topk is None or cfg.moe_router_topk // cfg.moe_router_group_topk == 2,
-         "group-limited routing with --moe-router-topk / --moe-router-group-topk = 2")
 
 
 def deepseek_hf_config(cfg: ModelConfig) -> dict:
@@ -127,12 +113,10 @@ def deepseek_hf_config(cfg: ModelConfig) -> dict:
     if cfg.num_experts is None:
         return {**out, "n_routed_experts": None, "first_k_dense_replace": cfg.num_layers}
     pattern = parse_moe_layer_freq(cfg.moe_layer_freq, cfg.num_layers)
-    groups = cfg.moe_router_num_groups if cfg.moe_router_group_topk else 1
-    out.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
-               moe_intermediate_size=cfg.moe_ffn_hidden_size, first_k_dense_replace=pattern.index(1),
+    out.update(n_routed_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+               first_k_dense_replace=pattern.index(1),
                n_shared_experts=(cfg.moe_shared_expert_intermediate_size or 0) // cfg.moe_ffn_hidden_size,
-               routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0, norm_topk_prob=True,
-               n_group=groups, topk_group=cfg.moe_router_group_topk or 1)
+               **sigmoid_router_hf_config(cfg))
     return out
 
 

@@ -1,13 +1,19 @@
 """Hugging Face <-> paratron for hybrid stacks: ``mamba2`` (Mamba2ForCausalLM: Mamba-2 layers only) and
-``nemotron_h`` (NemotronHForCausalLM: Mamba-2, attention and squared-ReLU MLP layers by its layer types).
+``nemotron_h`` (NemotronHForCausalLM: Mamba-2, attention, squared-ReLU MLP and MoE layers by its layer types).
 
 Every tensor is a plain copy (or the vocabulary padding): paratron's Mamba-2 in_proj is Hugging Face's
 [z | x | B | C | dt], its convolution weight nn.Conv1d's [channels, 1, width], its gated norm grouped the same
-way. NemotronH's attention (no rotary embedding) has separate q/k/v projections, fused as Llama's are. Not
-mapped (refused by name): NemotronH's MoE layers (E) and multi-token prediction. ``qwen3_next``
-(Qwen3NextForCausalLM with dense MLP layers): Gated DeltaNet layers, whose per-key-head interleaved in_proj_qkvz /
+way. NemotronH's attention (no rotary embedding) has separate q/k/v projections, fused as Llama's are. Its MoE
+layers (E, Nemotron-3 Nano's) are paratron's MoE layer: the sigmoid router with its expert bias, groups and scaling
+as DeepSeek-V3's (hf_moe.sigmoid_router_kwargs), squared-ReLU experts without a gate (one up_proj / down_proj per
+expert in the files, stacked as paratron's fc1 / fc2), the shared expert that transformers always builds
+(``moe_shared_expert_intermediate_size`` wide; ``n_shared_experts`` is not read), and ``moe_latent_size``'s
+projections around the routed experts (--moe-latent-size). Not mapped (refused by name): multi-token prediction.
+
+``qwen3_next`` (Qwen3NextForCausalLM): Gated DeltaNet layers, whose per-key-head interleaved in_proj_qkvz /
 in_proj_ba are regrouped into paratron's [q | k | v | z | b | a], beside gated attention (q_proj's per-head
-[query; gate] rows regrouped by query group), zero-centred norms; its MoE layers are refused by name.
+[query; gate] rows regrouped by query group), zero-centred norms; MoE layers with the gated shared expert
+(hf_moe.py) or dense MLPs.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ from ..config import ModelConfig
 from ..config.check_hybrid import mamba_heads
 from ..config.layer_patterns import linear_attention_layers, parse_moe_layer_freq
 from ..model.mamba import CONV_WIDTH
-from .hf_moe import check_moe_representable, hf_moe_config, moe_config_kwargs, moe_layer_rows
+from .hf_moe import (check_moe_representable, check_sigmoid_router, hf_moe_config, moe_config_kwargs, moe_layer_rows,
+                     sigmoid_router_hf_config, sigmoid_router_kwargs)
 
 HYBRID_FAMILIES = ("mamba2", "nemotron_h", "qwen3_next")
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
@@ -74,7 +81,6 @@ def hybrid_model_config(d: dict, family: str, need: Callable) -> ModelConfig:
     symbols = {v: k for k, v in LAYER_TYPES.items()}
     pattern = "".join(symbols.get(t, "?") for t in types)
     need("?" not in pattern, f"layer types {sorted(set(types) - symbols.keys())} are not NemotronH's")
-    need("E" not in pattern, "MoE layers (moe): NemotronH's routed experts have no mapping in paratron yet")
     need(not d.get("num_nextn_predict_layers"), "multi-token prediction layers have no mapping here")
     need(not d.get("attention_bias") and not d.get("mlp_bias"), "attention and MLP without biases")
     act = d.get("mlp_hidden_act", "relu2")
@@ -83,6 +89,8 @@ def hybrid_model_config(d: dict, family: str, need: Callable) -> ModelConfig:
     common.update(num_attention_heads=heads, kv_channels=int(d.get("head_dim") or h // heads),
                   group_query_attention=True, num_query_groups=int(d.get("num_key_value_heads") or heads),
                   ffn_hidden_size=int(d["intermediate_size"]), squared_relu=True)
+    if "E" in pattern:
+        common.update(nemotron_moe_config(d))
     positions = int(d.get("max_position_embeddings", 4096))
     return ModelConfig(**common, hybrid_layer_pattern=pattern, seq_length=positions,
                        **_mamba_fields(d, int(d["mamba_num_heads"]), int(d["mamba_head_dim"]), "ssm_state_size",
@@ -95,14 +103,16 @@ def check_hybrid_representable(cfg: ModelConfig, family: str, need: Callable) ->
         return check_qwen3_next(cfg, need)
     pattern = (cfg.hybrid_layer_pattern or "").replace("|", "")
     need(bool(pattern), "needs a hybrid stack (--hybrid-layer-pattern)")
-    allowed = "M" if family == "mamba2" else "M*-"
+    allowed = "M" if family == "mamba2" else "M*-E"
     need(set(pattern) <= set(allowed), f"its layers are {' '.join(allowed)} only (the pattern is {pattern})")
     need(cfg.normalization == "RMSNorm" and cfg.disable_bias_linear and not cfg.apply_layernorm_1p,
          "needs --normalization RMSNorm and --disable-bias-linear")
     need(cfg.position_embedding_type == "none", "its attention has no position embedding (--position-embedding-type "
          "none)")
-    if "-" in pattern:
-        need(cfg.squared_relu and not cfg.swiglu, "its MLP is squared ReLU (--squared-relu)")
+    if "-" in pattern or "E" in pattern:
+        need(cfg.squared_relu and not cfg.swiglu, "its MLP and experts are squared ReLU (--squared-relu)")
+    if "E" in pattern:
+        check_nemotron_moe(cfg, need)
     if "*" in pattern:
         need(not (cfg.qk_layernorm or cfg.attention_output_gate or cfg.multi_latent_attention)
              and cfg.softmax_type == "vanilla" and cfg.window_size is None, "plain grouped-query attention")
@@ -129,7 +139,8 @@ def hybrid_hf_config(cfg: ModelConfig, family: str) -> dict[str, Any]:
                 num_attention_heads=cfg.num_attention_heads,
                 num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
                 intermediate_size=cfg.ffn_hidden_size, mlp_hidden_act="relu2", attention_bias=False, mlp_bias=False,
-                max_position_embeddings=cfg.max_position_embeddings, num_nextn_predict_layers=0)
+                max_position_embeddings=cfg.max_position_embeddings, num_nextn_predict_layers=0,
+                **(nemotron_moe_hf_config(cfg) if "E" in cfg.hybrid_layer_pattern else {}))
 
 
 def hybrid_rows(cfg: ModelConfig, family: str) -> dict[str, tuple[tuple[str, ...], str]]:
@@ -149,10 +160,55 @@ def hybrid_rows(cfg: ModelConfig, family: str) -> dict[str, tuple[tuple[str, ...
             rows[pp + "input_layernorm.weight"] = ((hp + "norm.weight",), "copy")
             rows[pp + "self_attention.linear_qkv.weight"] = (tuple(f"{hp}mixer.{x}_proj.weight" for x in "qkv"), "qkv")
             rows[pp + "self_attention.linear_proj.weight"] = ((hp + "mixer.o_proj.weight",), "copy")
+        elif s == "E":
+            rows[pp + "pre_mlp_layernorm.weight"] = ((hp + "norm.weight",), "copy")
+            rows.update({pp + p: (tuple(hp + n for n in hf), how) for p, hf, how in nemotron_moe_rows(cfg)})
         else:
             rows[pp + "pre_mlp_layernorm.weight"] = ((hp + "norm.weight",), "copy")
             rows[pp + "mlp.linear_fc1.weight"] = ((hp + "mixer.up_proj.weight",), "copy")
             rows[pp + "mlp.linear_fc2.weight"] = ((hp + "mixer.down_proj.weight",), "copy")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# NemotronH's MoE layers (E)
+# ----------------------------------------------------------------------------------------------
+
+def nemotron_moe_config(d: dict) -> dict:
+    """The ModelConfig fields of NemotronH's MoE layers: ``n_routed_experts`` of ``moe_intermediate_size``, the
+    sigmoid router, the shared expert (transformers builds it whatever ``n_shared_experts`` says, of
+    ``moe_shared_expert_intermediate_size`` or else ``intermediate_size``), the latent width of the routed experts."""
+    experts = d.get("n_routed_experts", d.get("num_local_experts"))
+    latent = d.get("moe_latent_size")
+    shared = d.get("moe_shared_expert_intermediate_size") or d["intermediate_size"]
+    return dict(num_experts=int(experts), moe_ffn_hidden_size=int(d["moe_intermediate_size"]),
+                moe_shared_expert_intermediate_size=int(shared), moe_latent_size=int(latent) if latent else None,
+                **sigmoid_router_kwargs(d, "nemotron_h"))
+
+
+def check_nemotron_moe(cfg: ModelConfig, need: Callable) -> None:
+    need(cfg.num_experts is not None, "--num-experts for its MoE layers (E)")
+    check_sigmoid_router(cfg, need)
+    need(cfg.moe_shared_expert_intermediate_size is not None and not cfg.moe_shared_expert_gate,
+         "one ungated shared expert in each MoE layer (--moe-shared-expert-intermediate-size without "
+         "--moe-shared-expert-gate): transformers always builds it")
+
+
+def nemotron_moe_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    return dict(n_routed_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_hidden_size, n_shared_experts=1,
+                moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                moe_latent_size=cfg.moe_latent_size, **sigmoid_router_hf_config(cfg))
+
+
+def nemotron_moe_rows(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], str]]:
+    """Rows inside a NemotronH layer (``backbone.layers.{i}.``) of its MoE mixer besides the norm: router, experts
+    (hf_moe.moe_layer_rows), the router's e_score_correction_bias, the shared expert, the latent projections."""
+    rows = moe_layer_rows(cfg, "nemotron_h") + [
+        ("mlp.router.expert_bias", ("mixer.gate.e_score_correction_bias",), "copy"),
+        ("mlp.shared_experts.linear_fc1.weight", ("mixer.shared_experts.up_proj.weight",), "copy"),
+        ("mlp.shared_experts.linear_fc2.weight", ("mixer.shared_experts.down_proj.weight",), "copy")]
+    if cfg.moe_latent_size is not None:
+        rows += [(f"mlp.{w}.weight", (f"mixer.{w}.weight",), "copy") for w in ("fc1_latent_proj", "fc2_latent_proj")]
     return rows
 
 

@@ -1,5 +1,5 @@
 """The mixture-of-experts side of the Hugging Face conversion: Mixtral, Qwen2-MoE, Qwen3-MoE and Qwen3-Next's MoE
-blocks.
+blocks; the sigmoid router that DeepSeek-V3 and NemotronH share, and the rows of their experts.
 
 Both families are Llama-style decoders (:mod:`paratron.checkpoint.hf_config` reads and writes their
 attention, norms and RoPE as for ``mistral`` and ``qwen3``) whose MLP is, in some or all layers, a
@@ -8,6 +8,8 @@ router plus experts. This module holds what is particular to that MLP:
 * config.json <-> the ``--num-experts`` / ``--moe-*`` fields of ModelConfig
   (:func:`moe_config_kwargs`, :func:`hf_moe_config`, :func:`check_moe_representable`);
 * the rows of the name table for one MoE layer (:func:`moe_layer_rows`) and their two reshapes;
+* DeepSeek-V3's and NemotronH's sigmoid router <-> ModelConfig (:func:`sigmoid_router_kwargs`,
+  :func:`sigmoid_router_hf_config`, :func:`check_sigmoid_router`);
 * :func:`per_expert_state`, which turns the fused expert tensors of transformers 5's in-memory models
   into the per-expert tensors of the checkpoint files.
 
@@ -37,6 +39,7 @@ from ..config.layer_patterns import parse_moe_layer_freq
 
 __all__ = ["MOE_FAMILIES", "GATED_SHARED",
            "moe_config_kwargs", "hf_moe_config", "check_moe_representable", "moe_layer_rows",
+           "sigmoid_router_kwargs", "sigmoid_router_hf_config", "check_sigmoid_router",
            "stack_experts", "unstack_experts", "stack_expert_gate_up", "unstack_expert_gate_up", "per_expert_state"]
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
@@ -45,7 +48,8 @@ _FILE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
                "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                "qwen2_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
                "deepseek_v3": ("mlp.", ("gate_proj", "up_proj", "down_proj")),  # (hf_deepseek.py: its config)
-               "qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}  # (hf_hybrid.py: its config)
+               "qwen3_next": ("mlp.", ("gate_proj", "up_proj", "down_proj")),  # (hf_hybrid.py: its config)
+               "nemotron_h": ("mixer.", (None, "up_proj", "down_proj"))}  # ungated experts (hf_hybrid.py)
 # families whose MoE block has a shared expert behind a sigmoid gate (shared_expert, shared_expert_gate)
 GATED_SHARED = ("qwen3_next", "qwen2_moe")
 # MoE model types paratron does not convert, and the feature that stops it.
@@ -158,18 +162,68 @@ def check_moe_representable(cfg: ModelConfig, family: str, need) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# The sigmoid router of DeepSeek-V3 and NemotronH (transformers' DeepseekV3TopkRouter / NemotronHTopkRouter)
+# ----------------------------------------------------------------------------------------------
+
+def sigmoid_router_kwargs(d: dict, family: str) -> dict:
+    """The router's ModelConfig fields from ``num_experts_per_tok``, ``n_group``, ``topk_group``, ``norm_topk_prob``
+    and ``routed_scaling_factor``: sigmoid scores, the ``e_score_correction_bias`` added for choosing only (the
+    expert bias), the chosen scores normalised over the top-k and scaled, computed in fp32, no balancing loss.
+
+    paratron (Megatron) normalises the chosen scores when top-k > 1 and never for top-1, where transformers
+    normalises by ``norm_topk_prob``: other combinations are refused. Group-limited routing ranks the groups by
+    their best 2 biased scores in transformers, by their best top-k / topk_group in Megatron: only a ratio of 2
+    agrees."""
+    topk, groups, keep = int(d["num_experts_per_tok"]), int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
+    norm = d.get("norm_topk_prob", True)
+    if topk > 1 and not norm:
+        raise _error(f"{family} norm_topk_prob false is not supported: paratron normalises sigmoid top-k scores")
+    if topk == 1 and norm:
+        raise _error(f"{family} norm_topk_prob true with num_experts_per_tok 1 is not supported: transformers then "
+                     "weighs the expert by 1, paratron by its sigmoid score (norm_topk_prob false)")
+    limited = 1 < groups and keep < groups
+    if limited and topk // keep != 2:
+        raise _error(f"{family} group-limited routing with num_experts_per_tok {topk} and topk_group {keep} is not "
+                     "supported: transformers ranks groups by their best 2 scores, Megatron by the best "
+                     "top-k / topk_group")
+    return dict(moe_router_topk=topk, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=float(d.get("routed_scaling_factor", 1.0)), moe_router_dtype="fp32",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                moe_router_num_groups=groups if limited else None, moe_router_group_topk=keep if limited else None)
+
+
+def sigmoid_router_hf_config(cfg: ModelConfig) -> dict:
+    """The config.json keys of a sigmoid router (cfg passed :func:`check_sigmoid_router`)."""
+    return dict(num_experts_per_tok=cfg.moe_router_topk, norm_topk_prob=cfg.moe_router_topk > 1,
+                routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0,
+                n_group=cfg.moe_router_num_groups if cfg.moe_router_group_topk else 1,
+                topk_group=cfg.moe_router_group_topk or 1)
+
+
+def check_sigmoid_router(cfg: ModelConfig, need) -> None:
+    """``need(cond, what)`` for every router setting a DeepSeek-V3 / NemotronH router cannot express."""
+    need(cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_enable_expert_bias,
+         "needs sigmoid routing with an expert bias")
+    need(cfg.moe_expert_capacity_factor is None and not cfg.moe_router_force_load_balancing
+         and cfg.moe_router_load_balancing_type != "sinkhorn", "dropless top-k routing only")
+    need(cfg.moe_router_group_topk is None or cfg.moe_router_topk // cfg.moe_router_group_topk == 2,
+         "group-limited routing with --moe-router-topk / --moe-router-group-topk = 2")
+
+
+# ----------------------------------------------------------------------------------------------
 # Tensors
 # ----------------------------------------------------------------------------------------------
 
 def moe_layer_rows(cfg: ModelConfig, family: str) -> list[tuple[str, tuple[str, ...], str]]:
     """The name-table rows of one MoE layer (names inside ``model.layers.{i}.``): the router, fc1 from
-    every expert's (gate, up) pair in expert order, fc2 from every expert's down projection."""
+    every expert's (gate, up) pair in expert order (its up projection where the experts are not gated:
+    NemotronH's), fc2 from every expert's down projection."""
     block, (gate, up, down) = _FILE_NAMES[family]
     experts = range(cfg.num_experts)
-    fc1 = tuple(f"{block}experts.{e}.{w}.weight" for e in experts for w in (gate, up))
+    fc1 = tuple(f"{block}experts.{e}.{w}.weight" for e in experts for w in ((up,) if gate is None else (gate, up)))
     fc2 = tuple(f"{block}experts.{e}.{down}.weight" for e in experts)
     rows = [("mlp.router.weight", (f"{block}gate.weight",), "copy"),
-            ("mlp.experts.linear_fc1.weight", fc1, "experts_gate_up"),
+            ("mlp.experts.linear_fc1.weight", fc1, "experts" if gate is None else "experts_gate_up"),
             ("mlp.experts.linear_fc2.weight", fc2, "experts")]
     if family in GATED_SHARED:  # the shared expert (a SwiGLU MLP) and its gate
         rows += [("mlp.shared_experts.linear_fc1.weight",
@@ -201,26 +255,32 @@ def unstack_expert_gate_up(t: torch.Tensor) -> list:
     return out
 
 
-_FUSED = re.compile(r"^(model\.layers\.\d+\.)mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
+# transformers 5's in-memory names of fused experts and routers (NemotronH's under mixer., the others' under mlp.)
+_FUSED = re.compile(r"^((?:model|backbone)\.layers\.\d+\.)(mlp|mixer)\."
+                    r"(experts\.gate_up_proj|experts\.up_proj|experts\.down_proj|gate\.weight)$")
 
 
 def per_expert_state(hf_state: dict, family: str) -> dict:
     """transformers 5 holds a model's experts fused in memory (``mlp.experts.gate_up_proj``
     [experts, 2 * ffn, hidden] = each expert's [gate; up], ``mlp.experts.down_proj`` [experts, hidden,
-    ffn]; Mixtral's router as ``mlp.gate``); its checkpoint files, and transformers 4, have one tensor
+    ffn]; Mixtral's router as ``mlp.gate``; NemotronH's ungated ``mixer.experts.up_proj`` [experts, ffn, in] and
+    ``mixer.experts.down_proj`` [experts, in, ffn]); its checkpoint files, and transformers 4, have one tensor
     per expert. Returns the state dict with the per-expert (file) names."""
     block, (gate, up, down) = _FILE_NAMES[family]
+    memory = "mixer" if family == "nemotron_h" else "mlp"
+    fused = ("gate.weight", "experts.down_proj", "experts.up_proj" if gate is None else "experts.gate_up_proj")
     out = {}
     for name, t in hf_state.items():
         m = _FUSED.match(name)
-        if m is None:
+        if m is None or m.group(2) != memory or m.group(3) not in fused:
             out[name] = t
             continue
-        layer, what = m.groups()
+        layer, _, what = m.groups()
         if what == "gate.weight":
             out[f"{layer}{block}gate.weight"] = t
-        elif what == "experts.down_proj":
-            out.update((f"{layer}{block}experts.{e}.{down}.weight", w) for e, w in enumerate(unstack_experts(t)))
+        elif what in ("experts.down_proj", "experts.up_proj"):
+            w = down if what == "experts.down_proj" else up
+            out.update((f"{layer}{block}experts.{e}.{w}.weight", x) for e, x in enumerate(unstack_experts(t)))
         else:
             parts = unstack_expert_gate_up(t)
             for e in range(t.shape[0]):

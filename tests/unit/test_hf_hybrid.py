@@ -1,7 +1,10 @@
-"""Hugging Face both ways for hybrid stacks: tiny random Mamba2ForCausalLM and NemotronHForCausalLM models converted
-to paratron give their logits (fp32, within 1e-5) and their greedy tokens; converted back, transformers loads
-them and gives the same logits. What the mapping cannot express is refused by name."""
+"""Hugging Face both ways for hybrid stacks: tiny random Mamba2ForCausalLM, NemotronHForCausalLM (with and without
+MoE layers) and Qwen3NextForCausalLM models converted to paratron give their logits (fp32, within 1e-5; 3e-5 with
+experts) and their greedy tokens; converted back, transformers loads them and gives the same logits. What the
+mapping cannot express is refused by name."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,6 +18,14 @@ from paratron.inference.engine import Engine, Request  # noqa: E402
 from paratron.inference.sampling import SamplingParams  # noqa: E402
 from tests.unit.test_hf_parity import VOCAB, build_hf, to_paratron, tokens  # noqa: E402
 
+NEMOTRON = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                ssm_state_size=8, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8,
+                tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+# NemotronH's MoE layers (Nemotron-3 Nano's): sigmoid router with the expert bias (randomised in hf_model) and a
+# scaling, ungated squared-ReLU experts, the shared expert
+NEMOTRON_MOE = dict(NEMOTRON, hybrid_override_pattern="M*E-E", n_routed_experts=8, num_experts_per_tok=2,
+                    moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_shared_experts=1,
+                    routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1)
 MAMBA = dict(hidden_size=32, state_size=8, head_dim=8, num_heads=8, n_groups=2, expand=2, conv_kernel=4,
              chunk_size=8, layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 CASES = {
@@ -40,18 +51,23 @@ CASES = {
                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                            "partial_rotary_factor": 0.5},
                                           bos_token_id=0, eos_token_id=0, pad_token_id=0)),
-    "nemotron_h": ("nemotron_h", dict(hidden_size=32, hybrid_override_pattern="M*-M", num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=8, intermediate_size=48, ssm_state_size=8,
-                                      mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8,
-                                      time_step_min=0.6, time_step_limit=(0.6, float("inf")),
-                                      tie_word_embeddings=False, bos_token_id=0,
-                                      eos_token_id=0, pad_token_id=0)),
+    "nemotron_h": ("nemotron_h", dict(NEMOTRON, hybrid_override_pattern="M*-M", time_step_min=0.6,
+                                      time_step_limit=(0.6, float("inf")))),
+    "nemotron_h-moe": ("nemotron_h", NEMOTRON_MOE),
+    # the routed experts in a latent width (moe_latent_size) and group-limited routing (the best of 2 groups)
+    "nemotron_h-latent-groups-moe": ("nemotron_h", dict(NEMOTRON_MOE, hybrid_override_pattern="ME*E",
+                                                        moe_latent_size=12, n_group=2, topk_group=1)),
 }
 
 
 def hf_model(name):
     model_type, kw = CASES[name]
-    return build_hf(model_type, dict(kw, vocab_size=VOCAB))
+    hf = build_hf(model_type, dict(kw, vocab_size=VOCAB))
+    with torch.no_grad():  # transformers starts the routers' expert bias at zeros: make a missed bias show
+        for n, b in hf.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(2)) * 0.5)
+    return hf
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -70,7 +86,8 @@ def test_logits_and_greedy_equal_transformers(name):
         assert out.tokens == hf(seq).logits[0, 4:-1].argmax(-1).tolist()  # each one transformers' greedy choice
 
 
-@pytest.mark.parametrize("name", ["mamba2-untied", "nemotron_h", "qwen3_next", "qwen3_next-moe"])
+@pytest.mark.parametrize("name", ["mamba2-untied", "nemotron_h", "qwen3_next", "qwen3_next-moe", "nemotron_h-moe",
+                                  "nemotron_h-latent-groups-moe"])
 def test_converted_back_loads_in_transformers(name, tmp_path):
     hf = hf_model(name)
     model, vocab, _ = to_paratron(hf)
@@ -84,9 +101,16 @@ def test_converted_back_loads_in_transformers(name, tmp_path):
 
 
 def test_refusals():
-    with pytest.raises(HC.ConversionError, match="MoE layers"):
-        HC.model_config_from_hf(dict(CASES["nemotron_h"][1], model_type="nemotron_h", vocab_size=VOCAB,
-                                     layers_block_type=["linear_attention", "moe"]))
+    moe = dict(NEMOTRON_MOE, model_type="nemotron_h", vocab_size=VOCAB, layers_block_type=["linear_attention", "moe"])
+    for bad, why in ((dict(norm_topk_prob=False), "norm_topk_prob false"),
+                     (dict(n_group=2, topk_group=1, num_experts_per_tok=3), "group-limited routing"),
+                     (dict(num_experts_per_tok=1), "norm_topk_prob true with num_experts_per_tok 1"),
+                     (dict(mlp_bias=True), "MLP without biases"), (dict(num_nextn_predict_layers=1), "multi-token")):
+        with pytest.raises(HC.ConversionError, match=why):
+            HC.model_config_from_hf(dict(moe, **bad))
+    cfg = HC.model_config_from_hf(moe)[0]
+    with pytest.raises(HC.ConversionError, match="ungated shared expert"):
+        HC.hf_config_from_model_config(dataclasses.replace(cfg, moe_shared_expert_gate=True), VOCAB, "nemotron_h")
     gdn = ModelConfig(hidden_size=32, num_attention_heads=4, hybrid_layer_pattern="MG", normalization="RMSNorm",
                       disable_bias_linear=True, position_embedding_type="none", mamba_state_dim=8,
                       mamba_head_dim=8, mamba_num_groups=2, linear_num_key_heads=2, linear_num_value_heads=4)
