@@ -381,6 +381,8 @@ def _write_weights(save: Path, old: list[str], m, vocab: int, state: dict, conve
 def _print_command(m, tp: int, save: Path, script: str, log) -> list[str]:
     """Print the command that trains from the converted checkpoint; returns its model flags."""
     flags = [f for f in training_flags(m, tp) if f not in ("--model", "bert", "t5")]
+    if script == "pretrain_gpt.py" and m.hybrid_layer_pattern:  # (Megatron's script of its hybrid models)
+        script = "pretrain_mamba.py"
     launcher = script if tp == 1 else f"torchrun --nproc-per-node {tp} {script}"
     log("done. Train from it with (add your data, tokenizer and training flags; any parallel layout loads it):")
     print(f"  {launcher} {shlex.join(flags)} --load {shlex.quote(str(save))} --finetune", flush=True)

@@ -123,11 +123,12 @@ def _logits(cfg, state: dict, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["dist", "legacy"])
-def test_converted_megatron_hybrid_gives_megatrons_logits(tmp_path, fmt):
+def test_converted_megatron_hybrid_gives_megatrons_logits(tmp_path, fmt, capsys):
     from paratron.checkpoint import convert as C
     ref = torch.load(DATA / "reference_mamba.pt", weights_only=True)
     flags = C.from_megatron(DATA / f"{fmt}_mamba_tp2", tmp_path / "out", log=lambda *a: None)
     assert flags[flags.index("--hybrid-layer-pattern") + 1] == "M*M-"
+    assert "  pretrain_mamba.py --hybrid-layer-pattern" in capsys.readouterr().out  # (the command it prints)
     cfg, _, _, state = C.read_checkpoint(tmp_path / "out", log=lambda *a: None)
     assert (cfg.model.mamba_num_groups, cfg.model.mamba_state_dim, cfg.model.squared_relu) == (2, 16, True)
     logits = _logits(cfg, state, ref["tokens"])
@@ -144,13 +145,15 @@ def test_finetune_loads_megatrons_hybrid_torch_dist_directly(tmp_path):
     from tests.unit.test_megatron_fixtures import _run_flags
     flags = C.from_megatron(DATA / "dist_mamba_tp2", tmp_path / "conv", log=lambda *a: None)
     weights = []
-    for extra in (["--load", str(DATA / "dist_mamba_tp2"), "--finetune"], ["--load", str(tmp_path / "conv"),
-                                                                           "--finetune"]):
-        t = Trainer(parse_args(_run_flags(flags, *extra)))
+    direct = ["--load", str(DATA / "dist_mamba_tp2"), "--finetune"]
+    for given, extra in ((flags, direct), ([], direct + ["--use-checkpoint-args"]),
+                         (flags, ["--load", str(tmp_path / "conv"), "--finetune"])):
+        t = Trainer(parse_args(_run_flags(given, *extra)))
         weights.append({k: v.clone() for k, v in t.models[0].state_dict().items()})
         t.close()
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    for other in weights[1:]:  # (--use-checkpoint-args: the model flags from Megatron's saved args)
+        assert other.keys() == weights[0].keys()
+        assert all(torch.equal(weights[0][k], other[k]) for k in weights[0])
 
 
 def test_export_equals_megatrons_own_hybrid_checkpoint(tmp_path):
