@@ -177,18 +177,22 @@ def split_blocks(name: str, t: torch.Tensor, blocks: dict) -> dict:
 
 
 def to_megatron_names(state: dict, pattern: str, blocks: dict) -> tuple[dict, dict]:
-    """(the Mamba layers' tensors and the final norm of paratron's ``state`` under Megatron's torch_dist names, the
-    rest of ``state`` as it is: attention, MLP and MoE layers take the GPT names). ``state``'s keys may carry a
+    """(the Mamba layers' tensors, the MoE layers' norms and the final norm of paratron's ``state`` under Megatron's
+    torch_dist names, the rest of ``state`` as it is: attention, MLP and MoE layers take the GPT names, but that
+    Megatron's hybrid stack keeps an MoE layer's ``pre_mlp_layernorm`` as it is). ``state``'s keys may carry a
     prefix before ``decoder.`` (the optimizer's)."""
-    mamba = {i for i, s in enumerate(pattern.replace("|", "")) if s == "M"}
+    symbols = pattern.replace("|", "")
     done, rest = {}, {}
     for k, v in state.items():
         m = re.match(r"^(.*?decoder\.layers\.)(\d+)\.(.*)$", k)
         final = re.match(r"^(.*?decoder\.)final_layernorm\.(.*)$", k)
+        kind = symbols[int(m.group(2))] if m is not None else None
         if final is not None:
             done[f"{final.group(1)}final_norm.{final.group(2)}"] = v
-        elif m is not None and int(m.group(2)) in mamba:
+        elif kind == "M":
             done.update(split_blocks(f"{m.group(1)}{m.group(2)}.{megatron_rest(m.group(3))}", v, blocks))
+        elif kind == "E" and m.group(3).startswith("pre_mlp_layernorm."):  # (a norm of its own: no fc1 to fuse into)
+            done[k] = v
         else:
             rest[k] = v
     return done, rest

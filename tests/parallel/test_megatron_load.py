@@ -19,7 +19,9 @@ ITERS = 2
     pytest.param("moe_gg_tp2", ["--expert-model-parallel-size", "2", "--global-batch-size", "4"],
                  marks=pytest.mark.slow),
     ("mamba_tp2", ["--tensor-model-parallel-size", "2"]),  # (each rank's share of in_proj's five torch_dist blocks)
-], ids=["dense-tp2", "dense-pp2", "moe-ep2", "hybrid-tp2"])
+    pytest.param("hybrid_moe_ep2", ["--expert-model-parallel-size", "2", "--global-batch-size", "4"],
+                 marks=pytest.mark.slow),
+], ids=["dense-tp2", "dense-pp2", "moe-ep2", "hybrid-tp2", "hybrid-moe-ep2"])
 def test_direct_megatron_load_equals_the_converted_checkpoint(tmp_path, case, layout):
     flags = C.from_megatron(DATA / f"dist_{case}", tmp_path / "conv", log=lambda *a: None)
     base = _run_flags(flags, "--train-iters", str(ITERS), "--log-interval", "1", *layout)

@@ -156,7 +156,8 @@ def test_finetune_loads_megatrons_hybrid_torch_dist_directly(tmp_path):
         assert all(torch.equal(weights[0][k], other[k]) for k in weights[0])
 
 
-def test_export_equals_megatrons_own_hybrid_checkpoint(tmp_path):
+@pytest.mark.parametrize("case,pattern", [("dist_mamba_tp2", "M*M-"), ("dist_hybrid_moe_ep2", "ME*E")])
+def test_export_equals_megatrons_own_hybrid_checkpoint(tmp_path, case, pattern):
     """Megatron -> paratron -> Megatron: the same tensor and object names, shapes and values as the checkpoint Megatron
     wrote (Megatron-LM itself loads such an export strictly at TP 1 and 2 and computes the same logits: the validation
     on the branch exp/megatron-fixtures)."""
@@ -164,8 +165,8 @@ def test_export_equals_megatrons_own_hybrid_checkpoint(tmp_path):
     from paratron.checkpoint import convert as C, sharded
     from paratron.checkpoint.megatron import _torch_load
     from paratron.checkpoint.to_megatron import export
-    mlm = DATA / "dist_mamba_tp2" / "iter_0000010"
-    C.from_megatron(DATA / "dist_mamba_tp2", tmp_path / "conv", log=lambda *a: None)
+    mlm = next((DATA / case).glob("iter_*"))
+    C.from_megatron(DATA / case, tmp_path / "conv", log=lambda *a: None)
     out = export(tmp_path / "conv", tmp_path / "mlm", log=lambda *a: None)
     ours, theirs = (FileSystemReader(str(d)).read_metadata().state_dict_metadata for d in (out, mlm))
     assert set(ours) == set(theirs)
@@ -174,4 +175,20 @@ def test_export_equals_megatrons_own_hybrid_checkpoint(tmp_path):
     a, b = sharded.load_full(out, list(shapes)), sharded.load_full(mlm, list(shapes))
     assert all(torch.equal(a[k], b[k]) for k in shapes), [k for k in shapes if not torch.equal(a[k], b[k])]
     args = _torch_load(out / "common.pt")["args"]
-    assert (args.hybrid_override_pattern, args.num_layers, args.mamba_num_groups) == ("M*M-", 4, 2)
+    assert (args.hybrid_override_pattern, args.num_layers, args.mamba_num_groups) == (pattern, 4, 2)
+
+
+@pytest.mark.parametrize("case", ["dist_hybrid_moe_ep2", "legacy_hybrid_moe_tp2"])
+def test_converted_megatron_hybrid_moe_gives_megatrons_logits(tmp_path, case):
+    """Nemotron-3's layout in Megatron's files: Mamba-2, MoE (sigmoid router with a non-zero expert bias, scaling 2.5,
+    squared-ReLU experts, a shared expert), attention, MoE; saved at EP 2 (torch_dist) and TP 2 (legacy)."""
+    from paratron.checkpoint import convert as C
+    ref = torch.load(DATA / "reference_hybrid_moe.pt", weights_only=True)
+    C.from_megatron(DATA / case, tmp_path / "out", log=lambda *a: None)
+    cfg, _, _, state = C.read_checkpoint(tmp_path / "out", log=lambda *a: None)
+    m = cfg.model
+    assert (m.hybrid_layer_pattern, m.num_experts, m.moe_router_score_function, m.moe_router_enable_expert_bias,
+            m.moe_router_topk_scaling_factor) == ("ME*E", 4, "sigmoid", True, 2.5)
+    assert state["decoder.layers.1.mlp.router.expert_bias"].abs().max() > 0
+    logits = _logits(cfg, state, ref["tokens"])
+    assert (logits - ref["logits"]).abs().max() < 1e-4 * ref["logits"].abs().max()
