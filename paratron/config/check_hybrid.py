@@ -139,17 +139,17 @@ def _check_spec(spec) -> None:
 
 
 def validate_hybrid_parallel(par: ParallelConfig, m: ModelConfig) -> None:
-    """Mamba-2 and Gated DeltaNet layers split whole heads / groups over TP; CP is refused for them."""
-    tp, layers = par.tensor_model_parallel_size, [s for s in ("M", "G") if uses(m, s)]
-    need(not layers or par.context_parallel_size == 1, f"--context-parallel-size {par.context_parallel_size} with "
-         f"{' and '.join(SYMBOLS[s] for s in layers)} layers: context parallelism for them is not implemented "
-         "(Megatron has it for Gated DeltaNet); use --context-parallel-size 1")
-    if "M" in layers:
-        need(mamba_heads(m) % tp == 0 and m.mamba_num_groups % tp == 0, f"Mamba-2 heads {mamba_heads(m)} and "
-             f"--mamba-num-groups {m.mamba_num_groups} must both be divisible by --tensor-model-parallel-size {tp}")
-    if "G" in layers:
-        need(m.linear_num_key_heads % tp == 0, f"--linear-num-key-heads {m.linear_num_key_heads} is not divisible "
-             f"by --tensor-model-parallel-size {tp}")
+    """Mamba-2 and Gated DeltaNet layers split whole heads / groups over TP x CP (context parallelism hands each CP
+    rank the whole sequence of its share of a TP rank's heads)."""
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    ranks = f"--tensor-model-parallel-size {tp}" + (f" x --context-parallel-size {cp}" if cp > 1 else "")
+    if uses(m, "M"):
+        need(mamba_heads(m) % (tp * cp) == 0 and m.mamba_num_groups % (tp * cp) == 0, f"Mamba-2 heads "
+             f"{mamba_heads(m)} and --mamba-num-groups {m.mamba_num_groups} must both be divisible by {ranks}; "
+             "change --mamba-num-groups / --mamba-num-heads or the parallel sizes")
+    if uses(m, "G"):
+        need(m.linear_num_key_heads % (tp * cp) == 0, f"--linear-num-key-heads {m.linear_num_key_heads} is not "
+             f"divisible by {ranks}; change it or the parallel sizes")
     if m.hybrid_layer_pattern is not None and "|" in m.hybrid_layer_pattern:
         _pattern_stages(par, m.hybrid_layer_pattern)
 

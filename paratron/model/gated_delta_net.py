@@ -9,6 +9,7 @@ Sizes are Megatron's --linear-* flags: --linear-num-key-heads query/key heads of
 value heads), a convolution of --linear-conv-kernel-dim taps. in_proj's rows are the blocks [q | k | v | z | beta
 | alpha], each cut over TP (Megatron's layout): a rank holds whole key heads with the value heads they serve.
 Packed documents reset the convolution and the recurrence; generation keeps both states in ``ctx.kv_cache``.
+Context parallelism hands each CP rank the whole sequence of its share of the key heads (``forward``).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ..config.check_hybrid import gdn_chunk_size
 from ..kernels.causal_conv import causal_conv
 from ..kernels.linear_scan import gated_delta
 from ..kernels.ssd import resets_of
+from ..parallel.context import channels_to_sequence, sequence_to_channels, share_rows
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal
 from .context import ForwardContext, Parallel
 from .mamba import conv_params, decay_params, use_fla
@@ -71,23 +73,44 @@ class GatedDeltaNet(nn.Module):
         return (batch, self.conv_width - 1, 2 * self.nk * self.dk + self.nv * self.dv), (batch, self.nv, self.dk,
                                                                                         self.dv)
 
+    def _shares(self, cp) -> tuple:
+        """(key heads, value heads, conv weight, dt_bias, A_log) of what this rank runs: its TP share, of which
+        under context parallelism (``cp``) its CP share of the key heads with the value heads they serve."""
+        if cp is None:
+            return self.nk, self.nv, self.conv1d_weight, self.dt_bias, self.A_log
+        n, r, qk = cp.size, cp.rank, self.nk * self.dk
+        return (self.nk // n, self.nv // n, share_rows(self.conv1d_weight, (qk, qk, self.nv * self.dv), n, r),
+                share_rows(self.dt_bias, (self.nv,), n, r), share_rows(self.A_log, (self.nv,), n, r))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        qk, v, nv = self.nk * self.dk, self.nv * self.dv, self.nv
-        qkv, z, beta, alpha = self.in_proj(x).transpose(0, 1).split([2 * qk + v, v, nv, nv], dim=-1)
-        b, s = z.shape[:2]
+        """Under context parallelism (``ctx.cp``) one all-to-all gives each CP rank the whole sequence of 1/CP of
+        the key heads and their value heads (q, k, v, beta, alpha; z stays), the convolution and the delta rule
+        run on it, and one all-to-all brings the result back to this rank's tokens before the gated norm."""
+        qk, v, cp = self.nk * self.dk, self.nv * self.dv, ctx.cp
+        qkv, z, beta, alpha = self.in_proj(x).transpose(0, 1).split([2 * qk + v, v, self.nv, self.nv], dim=-1)
+        if cp is not None:
+            *qkv, beta, alpha = channels_to_sequence(list(qkv.split([qk, qk, v], dim=-1)) + [beta, alpha], cp.size,
+                                                     cp.group)
+            qkv = torch.cat(qkv, dim=-1)
+        nk, nv, conv_w, dt_bias, a_log = self._shares(cp)
+        b, s = qkv.shape[:2]
         cache = ctx.kv_cache.recurrent(self.layer_index) if ctx.kv_cache is not None else None
-        reset = cache.reset if cache is not None else resets_of(ctx.document_ids)
+        reset = cache.reset if cache is not None else resets_of(ctx.document_ids)  # (ids: of the whole sequence)
         cu = cache.cu_seqlens if cache is not None else None  # packed requests, a state each (paged engine)
-        qkv, conv_state = causal_conv(qkv, self.conv1d_weight, self.conv1d_bias, reset,
-                                      cache.conv if cache is not None else None, cu)
-        q, k, vs = F.silu(qkv).float().split([qk, qk, v], dim=-1)
-        rep = self.nv // self.nk  # each key head serves this many consecutive value heads
-        q, k = (l2_normalize(t.reshape(b, s, self.nk, self.dk)).repeat_interleave(rep, dim=2) for t in (q, k))
-        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
+        qkv, conv_state = causal_conv(qkv, conv_w, self.conv1d_bias, reset, cache.conv if cache is not None else None,
+                                      cu)
+        q, k, vs = F.silu(qkv).float().split([nk * self.dk, nk * self.dk, nv * self.dv], dim=-1)
+        rep = nv // nk  # each key head serves this many consecutive value heads
+        q, k = (l2_normalize(t.reshape(b, s, nk, self.dk)).repeat_interleave(rep, dim=2) for t in (q, k))
+        g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
         o, state = gated_delta(q, k, vs.reshape(b, s, nv, self.dv), g, beta.float().sigmoid(), reset,
                                cache.ssm if cache is not None else None, self.chunk,
                                "fla" if self.fla and x.is_cuda else "torch", recompute=self.recompute, cu_seqlens=cu)
         if cache is not None:
             cache.update(conv_state, state)
-        o = self.out_norm(o.to(x.dtype), z.reshape(b, s, nv, self.dv)).reshape(b, s, v)
+        o = o.reshape(b, s, nv * self.dv).to(x.dtype)
+        if cp is not None:
+            o = sequence_to_channels(o, cp.size, cp.group)
+        b, s = z.shape[:2]
+        o = self.out_norm(o.reshape(b, s, self.nv, self.dv), z.reshape(b, s, self.nv, self.dv)).reshape(b, s, v)
         return self.out_proj(o.transpose(0, 1), residual)

@@ -7,7 +7,8 @@ of --mamba-state-dim each. Tensor parallelism splits whole heads and groups: in_
 [z | x | B | C | dt], each cut over the TP ranks (Megatron's layout), so every rank holds its heads' z and x, its
 groups' B and C, its heads' dt; the convolution, dt_bias, A_log, D and the norm are split the same way, and the
 norm's groups stay whole on one rank. Under sequence parallelism in_proj gathers the sequence and out_proj
-reduce-scatters it, as attention's projections do.
+reduce-scatters it, as attention's projections do. Context parallelism (Megatron's Mamba CP) splits a TP rank's
+heads and groups once more: each CP rank convolves and scans the whole sequence of its share (``forward``).
 
 Packed documents (``ctx.document_ids``) reset the convolution and the scan at each document start. In
 generation ``ctx.kv_cache`` holds this layer's convolution and SSM states (paratron/inference/cache.py); when its
@@ -29,6 +30,7 @@ from ..config.check_hybrid import mamba_heads
 from ..kernels.causal_conv import causal_conv
 from ..kernels.linear_scan import fla_usable, ssd
 from ..kernels.ssd import resets_of
+from ..parallel.context import channels_to_sequence, sequence_to_channels, share_rows
 from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, init_normal, tp_param
 from .context import ForwardContext, Parallel
 from .mlp import output_init
@@ -98,27 +100,44 @@ class MambaMixer(nn.Module):
         """Generation's cache of this layer (this TP rank's share): the convolution's last inputs, the SSM state."""
         return (batch, CONV_WIDTH - 1, self.d_inner + 2 * self.groups * self.n), (batch, self.heads, self.p, self.n)
 
+    def _shares(self, cp) -> tuple:
+        """(heads, groups, conv weight, conv bias, dt_bias, A_log, D) of what this rank scans: its TP share, of
+        which under context parallelism (``cp``) its CP share of the heads and groups."""
+        params = (self.conv1d_weight, self.conv1d_bias, self.dt_bias, self.A_log, self.D)
+        if cp is None:
+            return (self.heads, self.groups) + params
+        n, r, bc = cp.size, cp.rank, self.groups * self.n
+        conv = tuple(share_rows(t, (self.d_inner, bc, bc), n, r) for t in params[:2])
+        return (self.heads // n, self.groups // n) + conv + tuple(share_rows(t, (self.heads,), n, r)
+                                                                  for t in params[2:])
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        di, bc, h = self.d_inner, self.groups * self.n, self.heads
-        z, xbc, dt = self.in_proj(x).transpose(0, 1).split([di, di + 2 * bc, h], dim=-1)  # [b, s, ...]
-        b, s = z.shape[:2]
+        """Under context parallelism (``ctx.cp``) one all-to-all gives each CP rank the whole sequence of 1/CP of
+        the heads and groups (x, B, C, dt; z stays), the convolution and the scan run on it, and one all-to-all
+        brings the result back to this rank's tokens before the gated norm."""
+        di, bc, cp = self.d_inner, self.groups * self.n, ctx.cp
+        z, xbc, dt = self.in_proj(x).transpose(0, 1).split([di, di + 2 * bc, self.heads], dim=-1)  # [b, s, ...]
+        if cp is not None:
+            *xbc, dt = channels_to_sequence(list(xbc.split([di, bc, bc], dim=-1)) + [dt], cp.size, cp.group)
+            xbc = torch.cat(xbc, dim=-1)
+        h, g, conv_w, conv_b, dt_bias, a_log, d_skip = self._shares(cp)
+        b, s = xbc.shape[:2]
         cache = ctx.kv_cache.recurrent(self.layer_index) if ctx.kv_cache is not None else None
-        reset = cache.reset if cache is not None else resets_of(ctx.document_ids)
+        reset = cache.reset if cache is not None else resets_of(ctx.document_ids)  # (ids: of the whole sequence)
         cu = cache.cu_seqlens if cache is not None else None  # packed requests, a state each (paged engine)
-        xbc, conv_state = causal_conv(xbc, self.conv1d_weight, self.conv1d_bias, reset,
-                                      cache.conv if cache is not None else None, cu)
-        xs, B, C = F.silu(xbc).split([di, bc, bc], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
+        xbc, conv_state = causal_conv(xbc, conv_w, conv_b, reset, cache.conv if cache is not None else None, cu)
+        xs, B, C = F.silu(xbc).split([h * self.p, g * self.n, g * self.n], dim=-1)
+        dt = F.softplus(dt.float() + dt_bias.float())
         if self.dt_min > 0:
             dt = dt.clamp(min=self.dt_min)
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(a_log.float())
         xs = xs.reshape(b, s, h, self.p).float()  # one fp32 copy: the scan's input and the D skip's
-        y, state = ssd(xs, dt, A, B.reshape(b, s, self.groups, self.n).float(),
-                       C.reshape(b, s, self.groups, self.n).float(), reset,
+        y, state = ssd(xs, dt, A, B.reshape(b, s, g, self.n).float(), C.reshape(b, s, g, self.n).float(), reset,
                        cache.ssm if cache is not None else None, self.chunk,
                        "fla" if self.fla and x.is_cuda else "torch", self.recompute, cu)
         if cache is not None:
             cache.update(conv_state, state)
-        y = y + xs * self.D.float()[:, None]
-        y = self.norm(y.reshape(b, s, di).to(x.dtype), z)
-        return self.out_proj(y.transpose(0, 1), residual)
+        y = (y + xs * d_skip.float()[:, None]).reshape(b, s, h * self.p).to(x.dtype)
+        if cp is not None:
+            y = sequence_to_channels(y, cp.size, cp.group)
+        return self.out_proj(self.norm(y, z).transpose(0, 1), residual)

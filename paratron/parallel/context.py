@@ -22,6 +22,11 @@ loss) only ever sees this rank's 2 chunks; only attention looks across ranks:
   the chunks j A .. j A + A - 1 and their mirror images: exactly the ring's two-chunk layout for P ranks
   with chunks A times longer, so the ring runs unchanged on them.
 
+The recurrent mixers of hybrid stacks (Mamba-2, Gated DeltaNet) need every token of a sequence in order:
+``channels_to_sequence`` turns [this rank's 2 chunks, all of a TP rank's heads] into [the whole sequence, 1/CP
+of them] by one all-to-all (the chunks put back in natural order), ``sequence_to_channels`` undoes it, and
+``share_rows`` slices the per-head parameters of a rank's share.
+
 Gradients of the (replicated) weights are reduced over the data-and-context-parallel group; the
 loss of a micro-batch is normalised by its token count over the whole CP group (``BatchLayout``).
 """
@@ -89,6 +94,37 @@ def _sequence_to_heads(y: torch.Tensor, cp: int, group) -> torch.Tensor:
     per_rank = per_rank.permute(0, 2, 3, 1, 4, 5).reshape(cp, b, hc, 2 * c, d)
     back = all_to_all(per_rank, group)  # [CP (head part), b, hc, 2c, d]
     return back.transpose(0, 1).reshape(b, cp * hc, 2 * c, d)
+
+
+# ---- channel-split mixers (Mamba-2, Gated DeltaNet) ----------------------------------------------------
+def channels_to_sequence(parts: list, cp: int, group) -> list:
+    """Each of ``parts`` [b, 2c, n_i] (this rank's tokens; n_i channels as ``cp`` equal contiguous shares, whole
+    heads each) -> [b, s, n_i / cp]: this rank's share of the channels at every token of the whole sequence, in
+    order (the load-balancing permutation undone). One all-to-all carries all the parts."""
+    b, s2 = parts[0].shape[:2]
+    sizes = [t.size(-1) // cp for t in parts]
+    packed = torch.cat([t.reshape(b, s2, cp, n) for t, n in zip(parts, sizes)], dim=-1)  # [b, 2c, cp, sum]
+    whole = _heads_to_sequence(packed.transpose(1, 2), cp, group)  # [b, 1, s, sum]: share = "head" group
+    return list(whole[:, 0].split(sizes, dim=-1))
+
+
+def sequence_to_channels(y: torch.Tensor, cp: int, group) -> torch.Tensor:
+    """The inverse of ``channels_to_sequence`` for one part: [b, s, n / cp] -> [b, 2c, n] (this rank's tokens in
+    the load-balanced order, every share of the channels)."""
+    b, s, n = y.shape
+    back = _sequence_to_heads(y.unsqueeze(1), cp, group)  # [b, cp, 2c, n]
+    return back.transpose(1, 2).reshape(b, s // cp, cp * n)
+
+
+def share_rows(t: torch.Tensor, blocks: tuple, cp: int, rank: int) -> torch.Tensor:
+    """Share ``rank`` of ``cp`` of each block of ``t``'s rows (``blocks``: their sizes, in order), concatenated:
+    slices of ``t``, so the gradient lands in this rank's rows of ``t``."""
+    out, start = [], 0
+    for size in blocks:
+        share = size // cp
+        out.append(t.narrow(0, start + rank * share, share))
+        start += size
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def document_causal_mask(docs: torch.Tensor) -> torch.Tensor:

@@ -176,16 +176,18 @@ def mamba_bytes(model: ModelConfig, layout: Layout, a: int) -> tuple[int, int]:
     per sequence) bytes on this rank, its heads and groups (TP). Per token: the convolution's output (silu's
     input), the scan's fp32 inputs x, B, C and dt, softplus's input, the gate's fp32 z (in fp32 the whole in_proj
     output it is a view of), the gated norm's y and gate, its input, statistic and output, out_proj's input,
-    the convolution's input (padded: taps - 1 rows more per sequence)."""
+    the convolution's input (padded: taps - 1 rows more per sequence). Under context parallelism the same bytes:
+    this rank's tokens' share of the whole sequence's tensors of 1/CP of the heads."""
     t, p = layout.tp, model.mamba_head_dim
     heads, groups = mamba_heads(model) // t, model.mamba_num_groups // t
     di, bc = heads * p, groups * model.mamba_state_dim
     conv = di + 2 * bc
     z = (2 * di + 2 * bc + heads) * FP32 if a == FP32 else di * FP32
     per_token = 2 * conv * a + conv * FP32 + 2 * heads * FP32 + z + 4 * di * FP32 + groups * FP32 + di * a
-    fixed = (CONV_WIDTH - 1) * conv * a
+    c = layout.cp  # under CP the convolution and the scan run on the whole sequence of 1/CP of the heads
+    fixed = (CONV_WIDTH - 1) * conv // c * a
     if not layout.paths.scan_recompute:  # the scan's own tensors; the per-group fp32 B, C copies then unkept
-        fixed += ssd_kept(model, layout, heads) - layout.seq_length * (2 * bc * FP32 if a != FP32 else 0)
+        fixed += ssd_kept(model, layout, heads // c) - layout.seq_length * (2 * bc // c * FP32 if a != FP32 else 0)
     return per_token, fixed
 
 
@@ -219,9 +221,10 @@ def gdn_bytes(model: ModelConfig, layout: Layout, a: int) -> tuple[int, int]:
     conv = 2 * qk + v
     z = (2 * qk + 2 * v + 2 * nv) * FP32 if a == FP32 else v * FP32
     per_token = 2 * conv * a + conv * FP32 + (2 * nk + 5 * nv + 2 * nv * dk) * FP32 + z + 4 * v * FP32 + v * a
-    fixed = (model.linear_conv_kernel_dim - 1) * conv * a
+    c = layout.cp  # under CP the convolution and the rule run on the whole sequence of 1/CP of the heads
+    fixed = (model.linear_conv_kernel_dim - 1) * conv // c * a
     if not layout.paths.scan_recompute:  # the rule's own tensors; the repeated queries and the decays then unkept
-        fixed += gated_delta_kept(model, layout, nv) - layout.seq_length * (nv * dk + nv) * FP32
+        fixed += gated_delta_kept(model, layout, nv // c) - layout.seq_length * (nv // c) * (dk + 1) * FP32
     return per_token, fixed
 
 

@@ -1,7 +1,8 @@
 """Hybrid stacks (Mamba-2, Gated DeltaNet, attention and MLP layers) under tensor (+ sequence), data (with the
 distributed optimizer) and pipeline parallelism equal the one-rank run: losses and every parameter after 3
 training steps (Mamba-2 heads and groups, DeltaNet key heads with their value heads split over TP; the
-convolutions and the gated norms per rank). A checkpoint saved at TP2 + SP resumes at TP1 x DP2."""
+convolutions and the gated norms per rank). A checkpoint saved at TP2 + SP resumes at TP1 x DP2. Context
+parallelism: test_hybrid_cp.py."""
 import pytest
 
 from paratron.config import ConfigError
@@ -69,6 +70,14 @@ def test_hybrid_checkpoint_reshards(results):
         assert all(close(a, b) for a, b in zip(ref[1:], resumed)), (ref, resumed)
 
 
-def test_context_parallel_is_refused_by_name():
-    with pytest.raises(ConfigError, match="context parallelism for them is not implemented"):
-        tiny_config("gpt", 2, **HYBRID, context_parallel_size=2)
+@pytest.mark.parametrize("kw,match", [
+    (dict(mamba_num_groups=2, tensor_model_parallel_size=2), "--mamba-num-groups 2 must both be divisible by "
+     "--tensor-model-parallel-size 2 x --context-parallel-size 2"),
+    (dict(linear_num_key_heads=1), "--linear-num-key-heads 1 is not divisible by "
+     "--tensor-model-parallel-size 1 x --context-parallel-size 2"),
+])
+def test_context_parallel_needs_heads_divisible_by_tp_x_cp(kw, match):
+    """CP hands each rank 1/CP of a TP rank's Mamba-2 heads and groups (DeltaNet key heads): test_hybrid_cp.py."""
+    tiny_config("gpt", 2, **HYBRID, context_parallel_size=2)  # 8 heads, 2 groups, 2 key heads: CP 2 fits
+    with pytest.raises(ConfigError, match=match):
+        tiny_config("gpt", 4, **{**HYBRID, "context_parallel_size": 2, **kw})

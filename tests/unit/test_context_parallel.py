@@ -1,13 +1,14 @@
 """Context parallelism on one process: the load-balanced split, the ring's block plan (every causal
 pair exactly once), the block kernel and its log-sum-exp merge against plain attention, packed
-documents through the model at CP 1, and the config errors (one line, before step 1)."""
+documents through the model at CP 1, the hybrid mixers' parameter shares, and the config errors (one line, before
+step 1)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from paratron.config import ConfigError
 from paratron.model.gpt import GPTModel
-from paratron.parallel.context import document_causal_mask, merge_sequence, natural_order, split_sequence
+from paratron.parallel.context import document_causal_mask, merge_sequence, natural_order, share_rows, split_sequence
 from paratron.parallel.layout import BatchLayout
 from paratron.parallel.ring import _merge, block_plan, chunk_positions, math_backward, math_forward
 from tests.parallel.common import tiny_config
@@ -32,6 +33,16 @@ def test_split_is_load_balanced_and_merge_inverts_it():
                           "document_ids": torch.zeros(2, 16, dtype=torch.long)})
     assert got["tokens"][0].tolist() == list(range(4, 12)) and got["position_ids"][0].tolist() == list(range(4, 12))
     assert got["document_ids"].shape == (2, 16)  # whole: the ring slices what each block needs
+
+
+def test_share_rows_slices_each_block_and_its_gradient_lands_there():
+    """A hybrid mixer's CP share of a [x | B | C] parameter (blocks 4, 2, 2 rows): rank 1 of 2 takes rows 2-3, 5
+    and 7; the gradient reaches exactly those rows of the parameter."""
+    w = torch.arange(8.0, requires_grad=True)
+    got = share_rows(w, (4, 2, 2), 2, 1)
+    assert got.tolist() == [2.0, 3.0, 5.0, 7.0] and share_rows(w, (8,), 4, 3).tolist() == [6.0, 7.0]
+    got.sum().backward()
+    assert w.grad.tolist() == [0, 0, 1, 1, 0, 1, 0, 1]
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
