@@ -26,7 +26,7 @@ FLAGS = ["--use-checkpoint-args", "--mock-data", "--split", "1,1,1", "--tokenize
 # difference of two bf16 forwards (the loss moves by 0.28 from step 4 to 5 when the moments are not loaded)
 CASES = {"distopt_dp2": ([], 2e-6), "moe_distopt_ep2_full": (["--moe-aux-loss-coeff", "0"], 2e-6),
          "plain_tp2_bf16": (["--bf16"], 1e-2), "moe_mixed_shared": (["--moe-aux-loss-coeff", "0"], 2e-6),
-         "mla": ([], 2e-6)}
+         "mla": ([], 2e-6), "hybrid_distopt_dp2_full": ([], 2e-6)}
 # (tests/parallel/test_megatron_resume.py reads these too, and distopt_pp2, moe_distopt_ep2, distopt_pp2_vpp2_dp2)
 EXTRA = {"moe_distopt_ep2": ["--moe-aux-loss-coeff", "0"]}
 
@@ -42,7 +42,9 @@ def test_resumed_megatron_checkpoint_continues_megatrons_run(case):
     """distopt_dp2: the distributed optimizer's default dp_reshardable buckets (saved at DP 2, read at DP 1);
     moe_distopt_ep2_full: fully_reshardable per-parameter state of a MoE (EP 2, experts stacked here);
     plain_tp2_bf16: the plain optimizer at TP 2 with bf16 weights and fp32 mains; moe_mixed_shared: a dense and an MoE
-    layer with a shared expert (Megatron's per-layer names); mla: multi-latent attention (its own norm names)."""
+    layer with a shared expert (Megatron's per-layer names); mla: multi-latent attention (its own norm names);
+    hybrid_distopt_dp2_full: a Mamba-2 hybrid (M*M-), fully_reshardable state in torch_dist's in_proj / conv1d
+    blocks (megatron_hybrid.py)."""
     from tests.unit.test_train import losses_of
     t = trainer(case)
     assert (t.iteration, t.consumed_samples, t.scheduler.num_steps) == (3, 6, 6)
