@@ -75,6 +75,20 @@ def run_case(settings: dict, save: str | None = None) -> dict:
         ContextParallel.kind = kind
 
 
+def train_watching_lengths(trainer, steps: int) -> tuple[list, list]:
+    """``steps`` training steps: (their losses, the sequence lengths the model's embedding was given: this rank's
+    part of each sequence)."""
+    seen = []
+    for m in trainer.models:
+        if m.module.embedding is not None:
+            m.module.embedding.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    losses = []
+    for _ in range(steps):
+        report, _, _ = trainer.train_step()
+        losses.append((report[0] / report[1].clamp(min=1)).item())
+    return losses, seen
+
+
 def _run_case(settings: dict, save: str | None = None) -> dict:
     from paratron.train.loop import Trainer, build_dims
     cfg = config(settings, **({"save": save} if save else {}))
@@ -83,14 +97,7 @@ def _run_case(settings: dict, save: str | None = None) -> dict:
     valid = micro_batches(make(cfg, STEPS + 1)[-cfg.train.global_batch_size:], cfg, dims.dp_rank, dims.dp)
     trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims,
                       data=(micro_batches(make(cfg, STEPS), cfg, dims.dp_rank, dims.dp), valid))
-    seen = []  # the sequence length the model's embedding is given: this rank's part
-    for m in trainer.models:
-        if m.module.embedding is not None:
-            m.module.embedding.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
-    losses = []
-    for _ in range(STEPS):
-        report, _, _ = trainer.train_step()
-        losses.append((report[0] / report[1].clamp(min=1)).item())
+    losses, seen = train_watching_lengths(trainer, STEPS)
     valid_loss = trainer.evaluate()  # forward only
     if save:
         trainer.save()

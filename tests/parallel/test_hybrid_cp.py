@@ -11,7 +11,7 @@ from paratron.parallel.stages import global_named_parameters
 from paratron.parallel.tensor import gather_full
 from tests.dist import run_ranks
 from tests.parallel.common import global_batches, micro_batches, tiny_config
-from tests.parallel.test_context_parallel import DOCS, packed_batches
+from tests.parallel.test_context_parallel import DOCS, packed_batches, train_watching_lengths
 
 STEPS = 3
 # 8 Mamba-2 heads in 4 groups, 4 DeltaNet key heads serving 8 value heads: divisible by TP 2 x CP 2.
@@ -37,14 +37,7 @@ def run_case(settings: dict) -> dict:
     make = packed_batches if cfg.data.reset_attention_mask else global_batches
     trainer = Trainer(cfg, device=torch.device("cpu"), dims=dims,
                       data=(micro_batches(make(cfg, STEPS), cfg, dims.dp_rank, dims.dp), None))
-    seen = []
-    for m in trainer.models:
-        if m.module.embedding is not None:
-            m.module.embedding.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
-    losses = []
-    for _ in range(STEPS):
-        report, _, _ = trainer.train_step()
-        losses.append((report[0] / report[1].clamp(min=1)).item())
+    losses, seen = train_watching_lengths(trainer, STEPS)
     params = {n: gather_full(p, dims.tp_group).clone() for n, p in global_named_parameters(trainer.models).items()}
     trainer.close()
     return {"losses": losses, "params": params, "seen": set(seen), "last_stage": dims.is_last_stage}
