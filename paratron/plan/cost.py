@@ -160,6 +160,7 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
     attn = attention_layers(model) / L.pp
     cp_comm = 3 * (L.cp - 1) * tokens * 2 * kv * a * attn * m / cluster.bandwidth(L.tp * L.cp)
     cp = max(0.0, cp_comm - core * per_gpu / dense_peak)  # the ring overlaps the attention core only
+    cp += recurrent_cp_seconds(model, L, kinds, tokens, a, m, cluster)
     moe_layers = sum(ffn == "moe" for _, ffn in kinds) / L.pp
     ep = 4 * ring(L.ep) * tokens * model.moe_router_topk * h * a * moe_layers * m / cluster.bandwidth(L.ep * L.etp) \
         if model.num_experts else 0.0
@@ -184,6 +185,27 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
     offload += activation_copies(model, L, cluster, busy, m)
     return StepTime(compute, memory, recompute, bubble, tp, cp, ep, pp, dp, offload,
                     host_exposed(model, L, cluster, busy + bubble))
+
+
+def recurrent_cp_seconds(model: ModelConfig, L: Layout, kinds: list, tokens: int, a: int, m: int,
+                         cluster: Cluster) -> float:
+    """Seconds the all-to-alls of Mamba-2 and Gated DeltaNet layers under context parallelism take per step (nothing
+    runs under them): per layer and micro-batch, the channels that travel to the whole sequence (Mamba-2: x, B, C, dt;
+    DeltaNet: q, k, v, beta, alpha) and the output that comes back, each (C - 1) / C of the rank's ``tokens`` x its
+    TP share, the forward's two and the backward's two."""
+    if L.cp == 1:
+        return 0.0
+    mamba = sum(mixer == "mamba" for mixer, _ in kinds) / L.pp
+    gdn = sum(mixer == "gdn" for mixer, _ in kinds) / L.pp
+    heads = model.mamba_num_heads or 2 * model.hidden_size // model.mamba_head_dim
+    inner = heads * model.mamba_head_dim
+    mamba_in = inner + 2 * model.mamba_num_groups * model.mamba_state_dim + heads
+    keys, values = model.linear_num_key_heads * model.linear_key_head_dim, \
+        model.linear_num_value_heads * model.linear_value_head_dim
+    gdn_in = 2 * keys + values + 2 * model.linear_num_value_heads
+    elements = mamba * (mamba_in + inner) + gdn * (gdn_in + values)
+    share = (L.cp - 1) / L.cp * tokens * a / L.tp
+    return 2 * share * elements * m / cluster.bandwidth(L.tp * L.cp)
 
 
 def activation_copies(model: ModelConfig, L: Layout, cluster: Cluster, busy: float, m: int) -> float:

@@ -97,3 +97,22 @@ def test_activation_offloading_costs_the_copies_its_compute_cannot_hide():
                 for k, p in zip(kinds, offload_points(MODEL, L, kinds)))
     copy, m, busy = moved / (1e-3 * GB), 4, t.compute + t.memory + t.recompute
     assert moved > 0 and t.offload == pytest.approx(m * (2 * copy - busy / m))
+
+
+def test_recurrent_layers_cp_all_to_alls_are_counted():
+    """Under context parallelism a Mamba-2 layer's all-to-alls (x, B, C, dt out to the whole sequence, the output
+    back; forward and backward) add to the step's cp time, by hand here; without CP there are none."""
+    from paratron.plan.cost import GB
+    hybrid = tiny_config("gpt", world_size=1, hybrid_layer_pattern="M-M-", hidden_size=64, num_attention_heads=4,
+                         mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=8, position_embedding_type="none",
+                         normalization="RMSNorm").model
+    cluster = Cluster(2, 2, "h100")
+    L = BASE.replace(dp=1, cp=2, global_batch=2, seq_length=64)
+    t = step_time(hybrid, 512, L, cluster, *dp_bytes(hybrid, 512, L, {}))
+    heads, inner = 8, 128  # 2 x 64 / 16 heads of 16
+    per_layer = (inner + 2 * 2 * 8 + heads) + inner  # out: x, B, C, dt; back: the output
+    tokens, m = 1 * 64 // 2, 2
+    want = 2 * (1 / 2) * tokens * 2 * 2 * per_layer * m / (cluster.intra_gbps or cluster.spec()[3]) / GB
+    assert t.cp == pytest.approx(want)
+    one = BASE.replace(dp=2, global_batch=2, seq_length=64)
+    assert step_time(hybrid, 512, one, cluster, *dp_bytes(hybrid, 512, one, {})).cp == 0.0
