@@ -35,7 +35,8 @@ def read_legacy(d: Path) -> tuple[dict, dict]:
     any_file = next(p / LEGACY_FILE for p in sorted(d.iterdir()) if _RANK_DIR.match(p.name) and
                     (p / LEGACY_FILE).is_file())
     first = _torch_load(any_file)
-    args = _args(first.get("args"))
+    args = hybrid.marked(_args(first.get("args")),
+                         [k for name, chunk in first.items() if re.fullmatch(r"model\d*", name) for k in chunk])
     ranks = _rank_dirs(d, int(args.get("pipeline_model_parallel_size") or 1) > 1)
     if args.get("expert_tensor_parallel_size") not in (None, args.get("tensor_model_parallel_size", 1)):
         raise ConversionError("a legacy checkpoint with --expert-tensor-parallel-size unlike --tensor-model-parallel-"

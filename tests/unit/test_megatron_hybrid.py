@@ -192,3 +192,17 @@ def test_converted_megatron_hybrid_moe_gives_megatrons_logits(tmp_path, case):
     assert state["decoder.layers.1.mlp.router.expert_bias"].abs().max() > 0
     logits = _logits(cfg, state, ref["tokens"])
     assert (logits - ref["logits"]).abs().max() < 1e-4 * ref["logits"].abs().max()
+
+
+def test_a_pure_mamba_runs_args_are_marked_by_its_mixer_tensors():
+    """Megatron's pretrain_mamba.py with neither a pattern nor ratios (every layer Mamba-2) saves args that look like
+    a GPT model's: the mixer tensors mark them, and the model config is the all-Mamba stack."""
+    from paratron.checkpoint.megatron import model_config
+    args = {"num_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "mamba_head_dim": 16,
+            "mamba_num_groups": 2, "mamba_state_dim": 8, "normalization": "RMSNorm", "add_bias_linear": False,
+            "position_embedding_type": "none", "hybrid_override_pattern": None, "is_hybrid_model": False}
+    keys = ["embedding.word_embeddings.weight", "decoder.layers.0.mixer.in_proj.weight"]
+    assert hybrid.mixer_blocks(args) == {} and hybrid.marked(args, keys[:1]) is args
+    marked = hybrid.marked(args, keys)
+    assert hybrid.mixer_blocks(marked) == {"in_proj": (128, 128, 16, 16, 8), "conv": (128, 16, 16)}
+    assert model_config(marked).hybrid_layer_pattern == "MMM"
