@@ -427,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default the paratron run's; above 1 its experts have their own optimizer)")
     p.add_argument("--plain-optimizer", action="store_true", help="--to megatron: for a Megatron run without "
                    "--use-distributed-optimizer (its plain optimizer's layout)")
-    p.add_argument("--flavor", metavar="F", help="--from torchtitan: the run's llama3 flavor (8B, 70B, ...)")
+    p.add_argument("--flavor", metavar="F", help="--from torchtitan: [NAME:]FLAVOR (8B, deepseek_v3:671B)")
     p.add_argument("--model-args", metavar="JSON", help="--from torchtitan: a custom flavor's TransformerModelArgs")
     p.add_argument("--seq-length", metavar="N", type=int, help="--from torchtitan: its training.seq_len")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="cast the weights (default: keep their dtype)")

@@ -1,4 +1,4 @@
-"""torchtitan's training checkpoints of its Llama-3 and Qwen3 (dense and MoE) models, read into paratron
+"""torchtitan's training checkpoints of its Llama-3, Qwen3 (dense and MoE) and DeepSeek-V3 models, read into paratron
 (``paratron convert --from torchtitan``): the weights, and Adam's state, step and the run's position, so that
 ``--load`` resumes the run.
 
@@ -17,6 +17,7 @@ rows are permuted as Hugging Face's converter of Meta's weights does; its RoPE a
 scaling (factor 8, low 1, high 4, 8192 positions: ``--use-rope-scaling --rope-scaling-factor 8``). Qwen3 rotates
 halves already and has no scaling; its stacked experts [experts, out, in] are split per expert. Weights and moments
 then take the Hugging Face Llama / Qwen3 / Qwen3-MoE path (paratron/checkpoint/hf.py), which only moves elements.
+DeepSeek-V3 (MLA, sigmoid-routed MoE with its expert bias): paratron/checkpoint/torchtitan_deepseek.py.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ import torch
 from ..config import ModelConfig
 from .hf_config import ConversionError
 from .pieces import read_objects
+from .torchtitan_deepseek import DEFAULTS as _DEEPSEEK, FLAVORS as _DEEPSEEK_FLAVORS
+from .torchtitan_deepseek import deepseek_config, deepseek_to_hf
 
 # torchtitan 0.2.2's flavors ("name:flavor"; a bare flavor is llama3's): the model args the tensors do not give
 _LLAMA3 = {"debugmodel": (16, None, 500000.0), "debugmodel_flex_attn": (16, None, 500000.0),
@@ -44,14 +47,19 @@ _QWEN3 = {"debugmodel": (16, 8, 1e6, True, None), "0.6B": (16, 8, 1e6, True, Non
           "30B-A3B": (32, 4, 1e6, False, _QWEN3_MOE), "235B-A22B": (64, 4, 5e6, False, _QWEN3_MOE)}
 FLAVORS = {**{f"llama3:{k}": {"n_heads": h, "n_kv_heads": kv, "rope_theta": t} for k, (h, kv, t) in _LLAMA3.items()},
            **{f"qwen3:{k}": {"n_heads": h, "n_kv_heads": kv, "rope_theta": t, "enable_weight_tying": tie,
-                             **({"moe_args": moe} if moe else {})} for k, (h, kv, t, tie, moe) in _QWEN3.items()}}
+                             **({"moe_args": moe} if moe else {})} for k, (h, kv, t, tie, moe) in _QWEN3.items()},
+           **_DEEPSEEK_FLAVORS}
 # torchtitan's defaults of the fields read (TransformerModelArgs / Qwen3ModelArgs / MoEArgs)
 _DEFAULTS = {"llama3": {"n_kv_heads": None, "rope_theta": 10000.0, "norm_eps": 1e-5, "rope_scaling_args": {}},
              "qwen3": {"n_kv_heads": 8, "head_dim": 128, "rope_theta": 1e6, "norm_eps": 1e-6, "qk_norm": True,
                        "enable_weight_tying": False,
                        "moe_args": {"num_shared_experts": 1, "score_func": "sigmoid", "route_norm": False,
                                     "route_scale": 1.0, "score_before_experts": True, "top_k": 1,
-                                    "num_expert_groups": None, "gate_bias": False}}}
+                                    "num_expert_groups": None, "gate_bias": False}},
+             "deepseek_v3": _DEEPSEEK}
+_SIZES = {"dim", "n_layers", "vocab_size", "multiple_of", "ffn_dim_multiplier", "max_seq_len", "hidden_dim",
+          "moe_enabled", "moe_inter_dim", "inter_dim", "n_dense_layers", "q_lora_rank", "kv_lora_rank", "attn_type",
+          "attn_mask_type", "max_batch_size"}  # (the tensors give them, or they do not change the model)
 _STEP = re.compile(r"^step-(\d+)$")
 _STATES = ("exp_avg", "exp_avg_sq")
 # torchtitan's name inside a layer -> Hugging Face Llama's
@@ -99,7 +107,7 @@ def model_args(flavor: Optional[str], overrides: Optional[dict]) -> dict:
     overrides = dict(overrides or {})
     name = overrides.pop("name", None) or (flavor.split(":")[0] if flavor and ":" in flavor else "llama3")
     if name not in _DEFAULTS:
-        raise ConversionError(f"torchtitan model {name!r}: paratron reads llama3 and qwen3")
+        raise ConversionError(f"torchtitan model {name!r}: paratron reads llama3, qwen3 and deepseek_v3")
     key = flavor if flavor is None or ":" in flavor else f"llama3:{flavor}"
     if flavor is None and not overrides.get("n_heads"):
         raise ConversionError("--from torchtitan needs the model's flavor: --flavor [NAME:]FLAVOR (e.g. 8B, "
@@ -108,8 +116,7 @@ def model_args(flavor: Optional[str], overrides: Optional[dict]) -> dict:
         raise ConversionError(f"--flavor {flavor!r}: torchtitan's flavors are {', '.join(FLAVORS)}; give a custom "
                               "one's fields with --model-args")
     known = set(_DEFAULTS[name]) | {"n_heads"}
-    unknown = sorted(set(overrides) - known - {"dim", "n_layers", "vocab_size", "multiple_of", "ffn_dim_multiplier",
-                                               "max_seq_len", "hidden_dim", "moe_enabled", "moe_inter_dim"})
+    unknown = sorted(set(overrides) - known - _SIZES)
     if unknown:
         raise ConversionError(f"--model-args: {', '.join(unknown)} is not a field paratron reads (it reads "
                               f"{', '.join(sorted(known))}; the sizes come from the tensors)")
@@ -244,21 +251,27 @@ def read(root, args: dict, step: Optional[int] = None) -> tuple:
     if args["name"] == "qwen3":
         cfg, family = qwen3_config(sizes, args)
         convert = qwen3_to_hf
+    elif args["name"] == "deepseek_v3":
+        cfg, family = deepseek_config(sizes, args)
+        convert = partial(deepseek_to_hf, cfg=cfg)
     else:
         cfg, family = model_config(sizes, args), "llama"
         convert = partial(to_hf, cfg=cfg)
     vocab = shapes["tok_embeddings.weight"][0][0]
-    moments = {s: {k: f"optimizer.state.{k}.{s}" for k in model_keys} for s in _STATES}
+    params = [k for k in model_keys if not k.endswith("moe.expert_bias")]  # (a buffer: no moments)
+    moments = {s: {k: f"optimizer.state.{k}.{s}" for k in params} for s in _STATES}
     has_optim = all(n in shapes for names in moments.values() for n in names.values())
     wanted = model_keys + ([n for names in moments.values() for n in names.values()] if has_optim else [])
     full = sharded.load_full(d, wanted)
-    _no_expert_bias(full)
+    if args["name"] != "deepseek_v3":
+        _no_expert_bias(full)
     out = {"model": hf_to_paratron(convert({k: full[k] for k in model_keys}), cfg, family, vocab, vocab)}
     if has_optim:
         for s, names in moments.items():
-            out[s] = hf_to_paratron(convert({k: full[n] for k, n in names.items()}), cfg, family, vocab, vocab)
+            moment = hf_to_paratron(convert({k: full[n] for k, n in names.items()}), cfg, family, vocab, vocab)
+            out[s] = {k: v for k, v in moment.items() if not k.endswith("router.expert_bias")}
     state = read_objects(d, [k for k in ("train_state.step", "train_state.ntokens_seen") if k in _names(d)])
-    info = {"adam_step": _adam_step(d, shapes, model_keys) if has_optim else None,
+    info = {"adam_step": _adam_step(d, shapes, params) if has_optim else None,
             "step": state.get("train_state.step"), "ntokens_seen": state.get("train_state.ntokens_seen")}
     return cfg, out, vocab, d, info
 
@@ -308,6 +321,8 @@ def convert(input, save, flavor: Optional[str] = None, model_args_json: Optional
     except json.JSONDecodeError as e:
         raise ConversionError(f"--model-args is not JSON ({e.msg}): pass e.g. '{{\"n_heads\": 32}}'") from None
     args = model_args(flavor, overrides)
+    if args["name"] == "deepseek_v3" and seq_length:  # (training.seq_len: YaRN is on above original_seq_len)
+        args["max_seq_len"] = int(seq_length)
     old = _check_output(save, _PARATRON_CKPT_FILES, force, "a paratron checkpoint", "--save")
     cfg, states, vocab, d, info = read(input, args, step)
     if seq_length:  # (the printed command's)

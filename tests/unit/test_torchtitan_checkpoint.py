@@ -92,7 +92,7 @@ def test_rope_pairs_become_halves():
 @pytest.mark.parametrize("argv,message", [
     ([], r"needs the model's flavor: --flavor \[NAME:\]FLAVOR"),
     (["--flavor", "9B"], r"--flavor '9B': torchtitan's flavors are llama3:debugmodel"),
-    (["--flavor", "gpt:8B"], r"torchtitan model 'gpt': paratron reads llama3 and qwen3"),
+    (["--flavor", "gpt:8B"], r"torchtitan model 'gpt': paratron reads llama3, qwen3 and deepseek_v3"),
     (["--model-args", "{n_heads: 4}"], r"--model-args is not JSON"),
     (["--model-args", '{"n_heads": 8, "n_kv_heads": 2}'], r"do not fit 8 heads and 2 KV heads"),
     (["--model-args", '{"n_heads": 4, "window": 2}'], r"--model-args: window is not a field paratron reads"),
@@ -149,3 +149,97 @@ def test_load_of_a_torchtitan_folder_names_the_conversion():
                                         r"result: paratron convert --from torchtitan --input"):
         Trainer(parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--load",
                             str(DATA), *FLAGS]))
+
+
+DEEPSEEK = DATA.parent / "deepseek_v3"
+DEEPSEEK_ARGS = {"name": "deepseek_v3", "n_heads": 4, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                 "moe_args": {"num_shared_experts": 1, "top_k": 2, "score_func": "sigmoid", "route_norm": True,
+                              "route_scale": 2.5, "num_expert_groups": 2, "num_limited_groups": 1,
+                              "score_before_experts": False}}
+
+
+def _deepseek(tmp_path, **moe) -> tuple:
+    """``paratron convert --from torchtitan`` of the DeepSeek-V3 fixture (``moe``: router args changed)."""
+    args = {**DEEPSEEK_ARGS, "moe_args": {**DEEPSEEK_ARGS["moe_args"], **moe}}
+    code = C.main(["--from", "torchtitan", "--input", str(DEEPSEEK), "--save", str(tmp_path / "ds"), "--model-args",
+                   json.dumps(args), "--seq-length", "64", "--quiet"])
+    assert code == 0
+    return C.read_checkpoint(tmp_path / "ds", log=lambda *a: None)
+
+
+def test_deepseek_v3_gives_torchtitans_logits(tmp_path):
+    """torchtitan's DeepSeek-V3 (MLA with q_lora_rank 32 and interleaved RoPE pairs, a dense first layer, then 4
+    experts sigmoid-routed top-2 in 2 groups keeping 1, renormalised and scaled by 2.5, a shared expert, the
+    expert bias of load_balance_coeff 1e-3 moved by 3 steps): torchtitan's logits. Its final norm has
+    nn.RMSNorm's default eps (fp32's machine epsilon) where paratron's has --norm-epsilon (1e-5): 6e-6 of the
+    largest logit; with that eps the logits agree to 1e-7."""
+    cfg, vocab, it, state = _deepseek(tmp_path)
+    m = cfg.model
+    assert (it, vocab, m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.num_experts) == (3, 128, True, 32,
+                                                                                                   32, 4)
+    assert (m.moe_router_score_function, m.moe_router_topk, m.moe_router_topk_scaling_factor,
+            m.moe_router_num_groups, m.moe_router_group_topk, m.moe_shared_expert_intermediate_size,
+            m.moe_layer_freq, m.moe_router_bias_update_rate) == ("sigmoid", 2, 2.5, 2, 1, 32, "[0,1]", 1e-3)
+    bias = json.loads((DEEPSEEK / "run.json").read_text())["steps"][2]["expert_bias_after_step"]["1"]
+    assert torch.equal(state["decoder.layers.1.mlp.router.expert_bias"], torch.tensor(bias))
+    ref = torch.load(DEEPSEEK / "reference_logits.pt", weights_only=True)
+    model = GPTModel(m, cfg.padded_vocab_size)
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        logits = model.eval()(ref["tokens"]).float()[..., :128]
+        assert (logits - ref["logits"]).abs().max() < 1e-5 * ref["logits"].abs().max()
+        model.decoder.final_layernorm.eps = torch.finfo(torch.float32).eps
+        logits = model(ref["tokens"]).float()[..., :128]
+    assert (logits - ref["logits"]).abs().max() < 1e-6 * ref["logits"].abs().max()
+
+
+def test_deepseek_v3_resume_continues_torchtitans_losses(tmp_path):
+    """Adam's moments and step, the expert bias and its update rate come over: steps 4 to 6 give torchtitan's losses
+    (its final-norm eps aside, above); without the optimizer state they differ."""
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args
+    from tests.unit.test_train import losses_of
+    cfg = _deepseek(tmp_path)[0]
+    common = json.loads(next((tmp_path / "ds").glob("iter_*/common.json")).read_text())
+    assert common["optimizer"]["step"] == 3 and common["consumed_samples"] == 6
+    want = [s["loss"] for s in json.loads((DEEPSEEK / "run.json").read_text())["steps"]][3:]
+    runs = []
+    for extra in ([], ["--no-load-optim"]):
+        t = Trainer(parse_args(C.training_flags(cfg.model) + ["--load", str(tmp_path / "ds"), *FLAGS, *extra]))
+        runs.append(losses_of(t, 3))
+        t.close()
+    assert all(abs(g - w) <= 1e-4 * w for g, w in zip(runs[0], want)), (runs[0], want)
+    assert abs(runs[1][2] - want[2]) > 1e-3 * want[2], runs[1]
+
+
+def test_deepseek_v3_flavors_and_yarn():
+    """The flavors table gives the args the tensors do not; a training.seq_len above original_seq_len (4096) turns
+    torchtitan's YaRN on: rope_factor, and its mscale as both of paratron's (unscaled cos / sin)."""
+    from paratron.checkpoint import sharded
+    from paratron.checkpoint.torchtitan_deepseek import deepseek_config
+    args = T.model_args("deepseek_v3:671B", None)
+    assert (args["n_heads"], args["moe_args"]["top_k"], args["moe_args"]["route_scale"]) == (128, 8, 2.5)
+    shapes = {k: v[0] for k, v in sharded.tensor_shapes(T.step_dir(DEEPSEEK)).items()}
+    args = T.model_args(None, {**DEEPSEEK_ARGS, "mscale": 0.7, "max_seq_len": 8192})
+    cfg = deepseek_config(shapes, args)[0]
+    assert (cfg.rope_type, cfg.rotary_scaling_factor, cfg.mscale, cfg.mscale_all_dim) == ("yarn", 40.0, 0.7, 0.7)
+    assert deepseek_config(shapes, {**args, "max_seq_len": 4096})[0].rope_type == "rope"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--flavor", "deepseek_v3:16B", "--seq-length", "64"], r"DeepSeek-V3 checkpoint has score_func 'softmax'"),
+    (["--model-args", json.dumps({**DEEPSEEK_ARGS, "moe_args": {**DEEPSEEK_ARGS["moe_args"], "route_norm": False}}),
+      "--seq-length", "64"], r"has route_norm false with top_k 2 \(paratron normalises"),
+    (["--model-args", json.dumps({**DEEPSEEK_ARGS, "moe_args": {**DEEPSEEK_ARGS["moe_args"],
+                                                                "score_before_experts": True}}),
+      "--seq-length", "64"], r"has score_before_experts true"),
+    (["--model-args", json.dumps({**DEEPSEEK_ARGS, "moe_args": {**DEEPSEEK_ARGS["moe_args"], "top_k": 3}}),
+      "--seq-length", "64"], r"num_expert_groups with top_k 3 / num_limited_groups 1 != 2"),
+    (["--model-args", json.dumps({**DEEPSEEK_ARGS, "v_head_dim": 8}), "--seq-length", "64"],
+     r"do not fit 4 heads of qk_nope_head_dim 16, qk_rope_head_dim 8 and v_head_dim 8"),
+    (["--model-args", json.dumps(DEEPSEEK_ARGS)], r"--seq-length: torchtitan's DeepSeek-V3 turns YaRN on"),
+])
+def test_deepseek_v3_refusals_are_one_line(tmp_path, capsys, argv, message):
+    code = C.main(["--from", "torchtitan", "--input", str(DEEPSEEK), "--save", str(tmp_path / "x"), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and re.search(message, err), err
