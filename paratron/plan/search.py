@@ -47,13 +47,23 @@ def padded_vocab(vocab: int, multiple: int, tp: int) -> int:
     return int(math.ceil(vocab / m) * m)
 
 
+def recurrent_split(model: ModelConfig) -> int:
+    """What TP x CP must divide for the model's Mamba-2 heads and groups and Gated DeltaNet key heads (0: no such
+    layer)."""
+    from ..config.check_hybrid import mamba_heads, uses
+    sizes = ([mamba_heads(model), model.mamba_num_groups] if uses(model, "M") else []) + \
+        ([model.linear_num_key_heads] if uses(model, "G") else [])
+    return math.gcd(*sizes) if sizes else 0
+
+
 def parallel_shapes(model: ModelConfig, cluster: Cluster, global_batch: int, seq: int) -> Iterator[dict]:
     """(tp, pp, vpp, cp, ep, etp, dp) the model and cluster allow."""
     n, node = cluster.gpus, cluster.gpus_per_node
     heads_ok = math.gcd(model.num_attention_heads, model.num_query_groups)
+    recurrent = recurrent_split(model)
     cps = (1, 2, 4, 8) if model.attention_dropout == 0 else (1,)  # no attention dropout across CP ranks
     for tp, pp, cp in product(divisors(heads_ok, node), divisors(model.num_layers, n), cps):
-        if n % (tp * pp * cp) or seq % (2 * cp) and cp > 1:
+        if n % (tp * pp * cp) or seq % (2 * cp) and cp > 1 or recurrent % (tp * cp):
             continue
         dp = n // (tp * pp * cp)
         if global_batch % dp:

@@ -116,3 +116,16 @@ def test_recurrent_layers_cp_all_to_alls_are_counted():
     assert t.cp == pytest.approx(want)
     one = BASE.replace(dp=2, global_batch=2, seq_length=64)
     assert step_time(hybrid, 512, one, cluster, *dp_bytes(hybrid, 512, one, {})).cp == 0.0
+
+
+def test_the_search_splits_recurrent_heads_and_groups_evenly_over_tp_and_cp():
+    """Mamba-2 heads and groups (and Gated DeltaNet key heads) are cut over TP x CP: the search offers no layout
+    that does not divide them (the config refuses those)."""
+    from paratron.plan.search import parallel_shapes, recurrent_split
+    hybrid = tiny_config("gpt", world_size=1, hybrid_layer_pattern="M*", hidden_size=64, num_attention_heads=8,
+                         mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=8, position_embedding_type="none",
+                         normalization="RMSNorm").model
+    assert recurrent_split(hybrid) == 2 and recurrent_split(MODEL) == 0
+    shapes = list(parallel_shapes(hybrid, Cluster(16, 8, "h100"), 64, 64))
+    assert shapes and all(2 % (s["tp"] * s["cp"]) == 0 for s in shapes)
+    assert {(s["tp"], s["cp"]) for s in shapes} == {(1, 1), (2, 1), (1, 2)}
