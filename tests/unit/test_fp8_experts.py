@@ -76,10 +76,20 @@ def test_blockwise_grouped_gemms_by_hand():
 
 
 def test_no_fp8_wgrad_gives_the_exact_expert_weight_gradient():
+    """--no-fp8-wgrad: the weight gradient from the bf16 rows and output gradient; the input gradient from the output
+    gradient quantised once, row-major (no transposed copy: nothing reads it)."""
     x, w, g, _, ends = _case([16, 16], 32, 32, 16)
-    fp8_grouped_mm(x, w, ends, FP8State(Recipe(emulate=True, fp8_wgrad=False))).backward(g)
+    state = FP8State(Recipe(emulate=True, fp8_wgrad=False, format="e4m3"))
+
+    def both(t):
+        raise AssertionError("a transposed FP8 copy of the output gradient was made")
+    state.grad.quantize_both = both
+    fp8_grouped_mm(x, w, ends, state).backward(g)
     for e, (a, b) in enumerate(_groups(ends)):
         assert torch.allclose(w.grad[e], g[a:b].t() @ x.detach()[a:b], atol=1e-5)
+    gd, wd = _deq_tensor(g, E4M3), _deq_tensor(w.detach(), E4M3)  # (one scale for all experts' weights)
+    for e, (a, b) in enumerate(_groups(ends)):
+        assert torch.allclose(x.grad[a:b], gd[a:b] @ wd[e], atol=1e-5)
 
 
 def test_dequant_path_equals_emulation_within_bf16():
