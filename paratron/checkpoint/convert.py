@@ -400,16 +400,17 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="paratron convert", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-                description="Convert paratron checkpoints to and from Hugging Face model directories, and\n"
-                "Megatron-LM checkpoints to paratron's.\n\n"
+                description="Convert paratron checkpoints to and from Hugging Face model directories and\n"
+                "Megatron-LM's and torchtitan's training checkpoints.\n\n"
                 "  paratron convert --to hf --load CKPT_DIR --output HF_DIR [--family F] [--iteration N]\n"
                 "  paratron convert --to megatron --load CKPT_DIR --output MEGATRON_DIR [--iteration N]\n"
+                "  paratron convert --to torchtitan --load CKPT_DIR --output DUMP_DIR (--flavor F | --model-args J)\n"
                 "  paratron convert --from hf --input HF_DIR --save CKPT_DIR [--tensor-model-parallel-size N]\n"
                 "  paratron convert --from megatron --input MEGATRON_DIR --save CKPT_DIR [--iteration N]\n"
                 "  paratron convert --from torchtitan --input DUMP_DIR --save CKPT_DIR (--flavor F | --model-args J)"
                 " [--seq-length N] [--iteration N]")
-    p.add_argument("--to", dest="to", metavar="hf|megatron", help="convert a paratron checkpoint to Hugging Face or "
-                   "Megatron-LM (its torch_dist checkpoint, optimizer state included)")
+    p.add_argument("--to", dest="to", metavar="hf|megatron|torchtitan", help="convert a paratron checkpoint to "
+                   "Hugging Face, Megatron-LM or torchtitan (their training checkpoints, optimizer state included)")
     p.add_argument("--from", dest="frm", metavar="hf|megatron|torchtitan",
                    help="convert a Hugging Face model or a Megatron-LM checkpoint to a paratron checkpoint")
     p.add_argument("--load", metavar="CKPT_DIR", help="--to hf: the paratron checkpoint (training's --save directory)")
@@ -427,8 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default the paratron run's; above 1 its experts have their own optimizer)")
     p.add_argument("--plain-optimizer", action="store_true", help="--to megatron: for a Megatron run without "
                    "--use-distributed-optimizer (its plain optimizer's layout)")
-    p.add_argument("--flavor", metavar="F", help="--from torchtitan: [NAME:]FLAVOR (8B, deepseek_v3:671B)")
-    p.add_argument("--model-args", metavar="JSON", help="--from torchtitan: a custom flavor's TransformerModelArgs")
+    p.add_argument("--flavor", metavar="F", help="--from/--to torchtitan: [NAME:]FLAVOR (8B, qwen3:0.6B)")
+    p.add_argument("--model-args", metavar="JSON", help="--from/--to torchtitan: a custom flavor's model args")
     p.add_argument("--seq-length", metavar="N", type=int, help="--from torchtitan: its training.seq_len")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="cast the weights (default: keep their dtype)")
     p.add_argument("--force", action="store_true", help="replace a checkpoint already in the output directory")
@@ -443,9 +444,9 @@ def _run(argv: list[str]) -> int:
         raise ConversionError("pass exactly one of --to hf, --from hf, --from megatron or --from torchtitan "
                               "(see `paratron convert --help`)")
     fmt = (a.to if a.to is not None else a.frm).lower()
-    if fmt not in ("hf", "huggingface") and not (fmt == "megatron" or (a.frm is not None and fmt == "torchtitan")):
-        raise ConversionError(f"unknown format {fmt!r}: paratron converts to and from hf (Hugging Face), and from "
-                              "megatron (Megatron-LM's torch_dist and torch checkpoints) and torchtitan")
+    if fmt not in ("hf", "huggingface", "megatron", "torchtitan"):
+        raise ConversionError(f"unknown format {fmt!r}: paratron converts to and from hf (Hugging Face), megatron "
+                              "(Megatron-LM's torch_dist and torch checkpoints) and torchtitan")
     where = f"--{'to' if a.to else 'from'} {fmt if fmt in ('megatron', 'torchtitan') else 'hf'}"
 
     def forbid(*names):
@@ -457,12 +458,16 @@ def _run(argv: list[str]) -> int:
         forbid("--flavor", "--model-args", "--seq-length")
     if not (a.to and fmt == "megatron"):
         forbid("--expert-model-parallel-size", "--plain-optimizer")
-    if a.to is not None and fmt == "megatron":
-        forbid("--input", "--save", "--tensor-model-parallel-size", "--family", "--dtype")
+    if a.to is not None and fmt in ("megatron", "torchtitan"):
+        forbid("--input", "--save", "--tensor-model-parallel-size", "--family", "--dtype", "--seq-length")
         if not a.load or not a.output:
-            raise ConversionError("--to megatron needs --load CKPT_DIR and --output MEGATRON_DIR")
-        from .to_megatron import export
-        export(a.load, a.output, a.iteration, a.force, log, a.expert_model_parallel_size, a.plain_optimizer)
+            raise ConversionError(f"--to {fmt} needs --load CKPT_DIR and --output {fmt.upper()}_DIR")
+        if fmt == "torchtitan":
+            from .to_torchtitan import export as to_torchtitan
+            to_torchtitan(a.load, a.output, a.flavor, a.model_args, a.iteration, a.force, log)
+        else:
+            from .to_megatron import export
+            export(a.load, a.output, a.iteration, a.force, log, a.expert_model_parallel_size, a.plain_optimizer)
     elif a.to is not None:
         forbid("--input", "--save", "--tensor-model-parallel-size")
         if not a.load or not a.output:

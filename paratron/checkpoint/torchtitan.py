@@ -247,6 +247,8 @@ def read(root, args: dict, step: Optional[int] = None) -> tuple:
     shapes = sharded.tensor_shapes(d)
     model_keys = [k for k in shapes if not k.startswith(("optimizer.", "lr_scheduler.", "dataloader.",
                                                          "train_state.")) and not k.endswith("tokens_per_expert")]
+    if args.get("enable_weight_tying"):  # (torchtitan's state dict names the tied weight twice; its optimizer, once)
+        model_keys = [k for k in model_keys if k != "output.weight"]
     sizes = {k: shapes[k][0] for k in model_keys}
     if args["name"] == "qwen3":
         cfg, family = qwen3_config(sizes, args)
@@ -284,6 +286,18 @@ def _no_expert_bias(tensors: dict) -> None:
     if trained:
         raise ConversionError(f"{trained[0]} is not zero: auxiliary-loss-free load balancing (torchtitan's "
                               "load_balance_coeff) is not converted yet")
+
+
+def _run_objects(d: Path, info: dict) -> dict:
+    """torchtitan's AdamW param group (one for all parameters: the embedding's) and LambdaLR's state, kept in
+    common.json so that ``--to torchtitan`` of this checkpoint, not trained since, writes them back unchanged."""
+    group = "optimizer.param_groups.tok_embeddings.weight."
+    objects = read_objects(d, sorted(n for n in _names(d) if n.startswith(("lr_scheduler.", group))))
+    if not objects or any(v is None for v in objects.values()):
+        return {}
+    return {"param_group": {k[len(group):]: v for k, v in objects.items() if k.startswith(group)},
+            "lr_scheduler": {k[len("lr_scheduler."):]: v for k, v in objects.items() if k.startswith("lr_")},
+            "ntokens_seen": info["ntokens_seen"]}
 
 
 def _names(d: Path) -> set:
@@ -340,7 +354,8 @@ def convert(input, save, flavor: Optional[str] = None, model_args_json: Optional
               "scheduler": {"num_steps": samples} if optim else None,
               "optimizer": {"step": info["adam_step"], "scaler": {"scale": 1.0}} if optim else None, "rng": False,
               "layout": layout(ParallelDims(), None), "config": Config(model=cfg, data=DataConfig(vocab_size=vocab))
-              .to_dict(), "converted_from": {"torchtitan": str(d.resolve()), "step": it}}
+              .to_dict(), "converted_from": {"torchtitan": str(d.resolve()), "step": it,
+                                              **({"torchtitan_state": _run_objects(d, info)} if optim else {})}}
     log(f"read {d} (step {it}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {vocab}"
         + (f", Adam's state at step {info['adam_step']}, {samples} samples seen)" if optim else ", model only)"))
     log(f"writing a paratron checkpoint (iteration {it if optim else 0}"
