@@ -119,7 +119,7 @@ def refuse_megatron(root: Path, iteration: Optional[int] = None) -> None:
     """A Megatron-LM checkpoint where paratron's own is looked for: one line naming what reads it."""
     found = locate(root, iteration)
     if found is not None:
-        how = "training reads it with --load" if found[1] == "torch_dist" else "training reads the torch_dist format"
+        how = "training reads it with --load"
         raise CheckpointError(f"{describe(root, iteration)}: {how}; convert it for everything else: "
                               f"paratron convert --from megatron --input {root} --save NEW_DIR")
 

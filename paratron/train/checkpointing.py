@@ -113,10 +113,10 @@ class Checkpointing:
 
     def _find(self, root: str, finetune: bool) -> Optional[Path]:
         """The checkpoint directory under ``root`` (sharded.find_checkpoint), or the iteration directory of
-        Megatron-LM's own torch_dist checkpoint there (its legacy format: refused by name, convert it)."""
+        Megatron-LM's own checkpoint there (torch_dist or its legacy torch format)."""
         step = self.cfg.ckpt.ckpt_step
         found = megatron.locate(Path(root), step)
-        if found is not None and found[1] == "torch_dist":
+        if found is not None:
             return found[0]
         return sharded.find_checkpoint(root, self.ckpt_group, self.log.print, step)
 
@@ -124,10 +124,8 @@ class Checkpointing:
         """Megatron-LM's torch_dist checkpoint ``d``, read in this run's layout (checkpoint/megatron.py: its names,
         its stacked layers): the model weights, and, to resume (not --finetune, not a release checkpoint), its
         optimizer state, LR schedule position, loss scale, iteration and consumed samples (megatron_state.py)."""
-        from ..config import Config, DataConfig
         common, m, rows = megatron.dist_common(d)
-        saved = {"config": Config(model=m, data=DataConfig(vocab_size=rows)).to_dict(), "converted_from": "megatron"}
-        check_model_config(saved, self.cfg, d, self.log.print)  # before any tensor is read
+        self._check_megatron_config(d, m, rows)
         shapes = sharded.tensor_shapes(d)
         finetune = finetune or d.name == "release"  # (Megatron: a release checkpoint starts at iteration 0)
         optim = not (finetune or self.cfg.ckpt.no_load_optim)
@@ -142,6 +140,11 @@ class Checkpointing:
                                not self.optimizer.mixed)
         finally:
             self.optimizer.settle_checkpoint_views(loaded=optim)
+        self._megatron_position(d, common, optim, finetune)
+
+    def _megatron_position(self, d: Path, common: dict, optim: bool, finetune: bool) -> None:
+        """After Megatron checkpoint ``d``'s tensors are loaded: Adam's step, loss scale, LR schedule (``optim``),
+        iteration and consumed samples from its ``common`` state (torch_dist's common.pt, or a legacy rank file's)."""
         iteration, consumed = mstate.position(common)
         if not optim:
             self.optimizer.reload_masters()
@@ -157,6 +160,50 @@ class Checkpointing:
                        f"{'' if optim else ', optimizer state not loaded'}); the random generators restart from "
                        "--seed (Megatron's generator states are not paratron's)")
 
+    def _load_megatron_legacy(self, d: Path, finetune: bool) -> None:
+        """Megatron-LM's legacy checkpoint ``d`` (``--ckpt-format torch``): its weights (any layout, as converted)
+        and, to resume, its plain optimizer's state (megatron_legacy_state.py), read into this run's layout."""
+        from ..checkpoint import megatron_legacy_state as lstate
+        finetune = finetune or d.name == "release"
+        optim = not (finetune or self.cfg.ckpt.no_load_optim)
+        common = lstate.top_level(d)
+        args = megatron._args(common.get("args"))
+        bucketed = optim and lstate.distributed(d, args)
+        if optim and not bucketed:
+            common, state = lstate.read(d, self.cfg.optim.optimizer)
+            m = megatron.model_config(args)
+        else:
+            if bucketed:
+                lstate.check_distributed(d, common, self.cfg.optim.optimizer)
+                buckets.check_layout(args, self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size)
+            m, state, _, _, _ = megatron.read(d.parent, None if d.name == "release" else int(d.name[len("iter_"):]))
+            state = {f"model.{k}": v for k, v in state.items()}
+        self._check_megatron_config(d, m, state["model.embedding.word_embeddings.weight"].shape[0])
+        masters = any(k.startswith("optimizer.fp32_param.") for k in state)
+        prefix = {k: "optimizer.fp32_param." for p, k in cstate.param_keys(self.models).items()
+                  if p.dtype == torch.float32 and masters}  # fp32 weights from Megatron's fp32 mains
+        from_model = "model." if optim and self.optimizer.mixed and not masters else None
+        pieces, checks = self._ckpt_pieces(optim and not bucketed, None, from_model, prefix), None
+        try:
+            if bucketed:
+                flat = lstate.bucket_state(d, args, self.dims)
+                more, checks = self._bucket_pieces(d, args, {k: (tuple(v.shape), v.dtype) for k, v in flat.items()})
+                pieces, state = pieces + more, {**state, **flat}
+            lstate.fill(pieces, state, d)
+            if checks is not None:
+                buckets.verify(checks, self.ckpt_group, state["model.embedding.word_embeddings.weight"].dtype,
+                               not self.optimizer.mixed)
+        finally:
+            self.optimizer.settle_checkpoint_views(loaded=optim)
+        self._megatron_position(d, common, optim, finetune)
+
+    def _check_megatron_config(self, d: Path, m, rows: int) -> None:
+        """This run's model must be the one Megatron checkpoint ``d`` saved (model config ``m``, ``rows`` vocabulary
+        rows), checked before any tensor is read into it."""
+        from ..config import Config, DataConfig
+        saved = {"config": Config(model=m, data=DataConfig(vocab_size=rows)).to_dict(), "converted_from": "megatron"}
+        check_model_config(saved, self.cfg, d, self.log.print)
+
     def _megatron_pieces(self, d: Path, common: dict, shapes: dict, optim: bool) -> tuple[list, Optional[list]]:
         """(this rank's pieces of Megatron checkpoint ``d``, the checks of its bucketed optimizer state or None)."""
         bucketed = optim and mstate.sharding_type(common) == "dp_reshardable"
@@ -168,7 +215,12 @@ class Checkpointing:
                                       mstate.prefixes(shapes))
         if not bucketed:
             return pieces, None
-        args = megatron._args(common.get("args"))
+        more, checks = self._bucket_pieces(d, megatron._args(common.get("args")), shapes)
+        return pieces + more, checks
+
+    def _bucket_pieces(self, d: Path, args: dict, shapes: dict) -> tuple[list, list]:
+        """(pieces, checks) of this rank's optimizer shards in Megatron's distributed optimizer buckets ``shapes``
+        (megatron_buckets.py), saved with ``args``."""
         buckets.check_layout(args, self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size)
         legacy_experts = args.get("moe_grouped_gemm") and args.get("moe_use_legacy_grouped_gemm")
         if sharded_model_views(self.models) or legacy_experts or megatron.hybrid.is_hybrid(args):
@@ -179,7 +231,7 @@ class Checkpointing:
         more, checks = buckets.pieces(cstate.adam_shards(self.optimizer), chunks, shapes, self.dims,
                                       bool(args.get("moe_grouped_gemm")), self.optimizer.mixed,
                                       args.get("transformer_impl", "transformer_engine") == "transformer_engine")
-        return pieces + more, checks
+        return more, checks
 
     def _restore_optimizer(self, step: int, scaler: Optional[dict], schedule: Optional[dict]) -> None:
         """After the optimizer's tensors are loaded: Adam's step, the loss scale and the LR schedule's position (each
@@ -202,8 +254,11 @@ class Checkpointing:
                 raise sharded.CheckpointError(f"no checkpoint found in {root} (--exit-on-missing-checkpoint)")
             self.log.print(f" no checkpoint found in {root}; training from scratch")
             return
-        if megatron.checkpoint_format(d) == "torch_dist":
+        fmt = megatron.checkpoint_format(d)
+        if fmt == "torch_dist":
             return self._load_megatron(d, finetune)
+        if fmt == "torch":
+            return self._load_megatron_legacy(d, finetune)
         common = sharded.read_common(d)
         check_model_config(common, self.cfg, d, self.log.print)  # before any tensor is read
         saved = sharded.tensor_shapes(d)

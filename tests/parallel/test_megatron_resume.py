@@ -20,8 +20,10 @@ from tests.unit.test_megatron_resume import CASES, DATA, EXTRA, FLAGS, WANT
     ("moe_distopt_ep2", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"], 5e-6),
     ("distopt_pp2_vpp2_dp2", ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                               "--use-distributed-optimizer", "--global-batch-size", "4"], 5e-6),
+    ("legacy_plain_tp2_bf16", ["--tensor-model-parallel-size", "2", "--bf16"], 1e-2),
+    ("legacy_distopt_pp2", ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], 5e-6),
 ], ids=["dp-reshardable-tp2", "moe-ep2", "dp-reshardable-dp2", "plain-pp2", "dp-reshardable-pp2",
-        "dp-reshardable-moe-ep2", "dp-reshardable-pp2-vpp2"])
+        "dp-reshardable-moe-ep2", "dp-reshardable-pp2-vpp2", "legacy-plain-tp2", "legacy-distopt-pp2"])
 def test_megatron_resume_in_parallel_layouts(case, layout, tol):
     extra = [f for f in CASES.get(case, (EXTRA.get(case, []), 0))[0] if f != "--bf16"]
     got = run_pretrain(2, ["--load", str(DATA / case), *FLAGS, *extra, *layout], 3)

@@ -86,8 +86,8 @@ def test_finetune_loads_megatrons_torch_dist_checkpoint_directly(tmp_path, case)
 
 def test_megatron_directories_without_optimizer_state_resume_only_without_it_and_are_not_saved_into(tmp_path):
     """A Megatron checkpoint saved with --no-save-optim resumes (its iteration and consumed samples) only with
-    --no-load-optim, as Megatron asks; its legacy format is converted first; --save into Megatron's directory would
-    replace its tracker: refused before anything is written."""
+    --no-load-optim, as Megatron asks (its legacy format alike, whose weights --finetune reads); --save into Megatron's
+    directory would replace its tracker: refused before anything is written."""
     from paratron.train.loop import Trainer
     from paratron.train.resolve import parse_args
     flags = C.from_megatron(DATA / "dist_gpt_tp2", tmp_path / "conv", log=lambda *a: None)
@@ -98,9 +98,12 @@ def test_megatron_directories_without_optimizer_state_resume_only_without_it_and
                                       "--train-iters", "12")))
     assert (t.iteration, t.consumed_samples) == (10, 20)
     t.close()
-    with pytest.raises(Exception, match=r"training reads the torch_dist format; convert it .*paratron convert --from "
-                                        r"megatron"):  # (legacy files: converted first)
-        Trainer(parse_args(_run_flags(flags, "--load", str(DATA / "legacy_gpt_tp2"), "--finetune")))
+    with pytest.raises(Exception, match=r"iter_0000010 holds no optimizer state \(saved with --no-save-optim\?\): "
+                                        r"pass --no-load-optim or --finetune"):  # (the legacy format alike)
+        Trainer(parse_args(_run_flags(flags, "--load", str(DATA / "legacy_gpt_tp2"))))
+    t = Trainer(parse_args(_run_flags(flags, "--load", str(DATA / "legacy_gpt_tp2"), "--finetune")))
+    assert (t.iteration, t.consumed_samples) == (0, 0)
+    t.close()
     before = sorted(p.name for p in (DATA / "dist_gpt_tp2").rglob("*"))
     with pytest.raises(Exception, match=r"--save .* paratron's saves would replace its latest_checkpointed_"):
         Trainer(parse_args(_run_flags(flags, "--save", str(DATA / "dist_gpt_tp2"))))

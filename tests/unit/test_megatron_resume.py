@@ -26,7 +26,9 @@ FLAGS = ["--use-checkpoint-args", "--mock-data", "--split", "1,1,1", "--tokenize
 # difference of two bf16 forwards (the loss moves by 0.28 from step 4 to 5 when the moments are not loaded)
 CASES = {"distopt_dp2": ([], 2e-6), "moe_distopt_ep2_full": (["--moe-aux-loss-coeff", "0"], 2e-6),
          "plain_tp2_bf16": (["--bf16"], 1e-2), "moe_mixed_shared": (["--moe-aux-loss-coeff", "0"], 2e-6),
-         "mla": ([], 2e-6), "hybrid_distopt_dp2_full": ([], 2e-6)}
+         "mla": ([], 2e-6), "hybrid_distopt_dp2_full": ([], 2e-6),
+         "legacy_plain_tp2": ([], 2e-6), "legacy_plain_tp2_bf16": (["--bf16"], 1e-2),
+         "legacy_distopt_dp2": ([], 2e-6), "legacy_plain_pp2": ([], 2e-6)}
 # (tests/parallel/test_megatron_resume.py reads these too, and distopt_pp2, moe_distopt_ep2, distopt_pp2_vpp2_dp2)
 EXTRA = {"moe_distopt_ep2": ["--moe-aux-loss-coeff", "0"]}
 
@@ -44,7 +46,9 @@ def test_resumed_megatron_checkpoint_continues_megatrons_run(case):
     plain_tp2_bf16: the plain optimizer at TP 2 with bf16 weights and fp32 mains; moe_mixed_shared: a dense and an MoE
     layer with a shared expert (Megatron's per-layer names); mla: multi-latent attention (its own norm names);
     hybrid_distopt_dp2_full: a Mamba-2 hybrid (M*M-), fully_reshardable state in torch_dist's in_proj / conv1d
-    blocks (megatron_hybrid.py)."""
+    blocks (megatron_hybrid.py); legacy_*: Megatron's legacy format (--ckpt-format torch, megatron_legacy_state.py):
+    the plain optimizer's Adam state by parameter index at TP 2 (fp32; bf16 with its fp32 main weights) and at PP 2,
+    read at TP 1 / PP 1; the distributed optimizer's distrib_optim.pt saved at DP 2, read at DP 1."""
     from tests.unit.test_train import losses_of
     t = trainer(case)
     assert (t.iteration, t.consumed_samples, t.scheduler.num_steps) == (3, 6, 6)
@@ -62,6 +66,82 @@ def test_without_the_optimizer_state_the_losses_differ():
     got = losses_of(t, 3)
     t.close()
     assert abs(got[1] - WANT["distopt_dp2"]["lm_loss"][4]) > 0.1, got
+
+
+def test_without_the_legacy_optimizer_state_the_losses_differ():
+    """The same control for the legacy format: --no-load-optim leaves Megatron's losses."""
+    from tests.unit.test_train import losses_of
+    t = trainer("legacy_plain_tp2", "--no-load-optim")
+    assert (t.iteration, t.consumed_samples) == (3, 6)
+    got = losses_of(t, 3)
+    t.close()
+    assert abs(got[1] - WANT["legacy_plain_tp2"]["lm_loss"][4]) > 0.1, got
+
+
+def _edited_legacy(tmp_path, case: str, edit) -> Path:
+    """A copy of legacy checkpoint ``case`` whose rank files ``edit(state)`` changed (args as plain values)."""
+    import argparse
+    import shutil
+    from paratron.checkpoint.megatron import _torch_load
+    shutil.copytree(DATA / case, tmp_path / "mlm")
+    for f in sorted((tmp_path / "mlm").glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+        state = _torch_load(f)
+        args = vars(state["args"])
+        state["args"] = argparse.Namespace(**{k: v if isinstance(v, (int, float, str, bool, list, tuple, type(None)))
+                                              else None for k, v in args.items()})
+        edit(state)
+        torch.save(state, f)
+    return tmp_path / "mlm"
+
+
+def _swap_layers(state):
+    """The optimizer's entries of the two layers' QKV weights (same shape) exchanged, their fp32 main weights with
+    them: the optimizer's order is not the model's."""
+    params, mains = state["optimizer"]["optimizer"]["param_groups"][0]["params"], state["optimizer"][
+        "fp32_from_fp16_params"][0]
+    params[2], params[6] = params[6], params[2]
+    mains[2], mains[6] = mains[6], mains[2]
+
+
+def _vpp(state):
+    state["model0"], state["model1"] = state.pop("model"), {}
+
+
+def _groups(state):
+    state["optimizer"]["param_groups"].append({**state["optimizer"]["param_groups"][1], "params": [], "wd_mult": 0.5})
+
+
+_RESAVE = r".*re-save it from Megatron as torch_dist \(--ckpt-convert-format torch_dist\), or resume with --no-load-"
+
+
+@pytest.mark.parametrize("case,edit,match", [
+    ("legacy_plain_tp2_bf16", _swap_layers,
+     r"fp32 main weights of Megatron's optimizer are not those of the model's" + _RESAVE),
+    ("legacy_plain_tp2", _vpp, r"does not read the state of a virtual pipeline .* from Megatron's legacy" + _RESAVE),
+    ("legacy_plain_tp2", lambda s: setattr(s["args"], "num_experts", 4), r"does not read an MoE's chained" + _RESAVE),
+    ("legacy_plain_tp2", _groups, r"param groups \(wd_mult \[1.0, 0.0, 0.5\]\) are not the standard" + _RESAVE),
+    ("legacy_plain_tp2", lambda s: s.pop("optimizer"), r"holds no optimizer state \(saved with --no-save-optim\?\)"),
+], ids=["wrong-order", "virtual-pipeline", "moe", "param-groups", "no-optimizer"])
+def test_legacy_layouts_not_read_are_refused_by_name(tmp_path, case, edit, match):
+    """What the legacy reader does not take stops with one line naming it (and, for a layout, the fix): an optimizer
+    order that is not the model's (caught by the fp32 main weights), a virtual pipeline, an MoE, other param groups,
+    a checkpoint saved without optimizer state."""
+    with pytest.raises(CheckpointError, match=match):
+        trainer_at(_edited_legacy(tmp_path, case, edit), *CASES[case][0])
+
+
+def test_legacy_distributed_optimizer_state_is_read_only_at_its_layout():
+    """distrib_optim.pt holds one tensor and pipeline rank's buckets: read at that layout only (as torch_dist's
+    dp_reshardable); resumed at PP 2 by tests/parallel/test_megatron_resume.py."""
+    with pytest.raises(CheckpointError, match=r"read only at the layout it was saved with: "
+                                              r"--pipeline-model-parallel-size 1 here, 2 in the checkpoint"):
+        trainer("legacy_distopt_pp2")
+
+
+def trainer_at(root: Path, *extra):
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args
+    return Trainer(parse_args(["--load", str(root), *FLAGS, *extra]))
 
 
 def test_a_wrongly_derived_bucket_layout_is_refused(monkeypatch):
