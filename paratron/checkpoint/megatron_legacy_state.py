@@ -41,6 +41,18 @@ KINDS = {"model": "model.", "exp_avg": "optimizer.exp_avg.", "exp_avg_sq": "opti
          "fp32_param": "optimizer.fp32_param."}
 
 
+def check_memory(d: Path, local_ranks: int, available: int) -> None:
+    """Every rank reads the legacy checkpoint's files whole (to merge them in any layout): refuse, before reading,
+    where the ``local_ranks`` processes of this node would hold more than the ``available`` host memory (bytes)."""
+    size = sum(p.stat().st_size for p in d.glob("mp_rank_*/*.pt"))
+    if size * local_ranks > available:
+        raise CheckpointError(f"{d}: Megatron's legacy format is read whole by every rank ({size / 2**30:.1f} GiB x "
+                              f"{local_ranks} processes here, {available / 2**30:.1f} GiB of host memory available); "
+                              "convert it once (paratron convert --from megatron, weights only) or re-save it as "
+                              "torch_dist with Megatron (--ckpt-convert-format torch_dist), which each rank reads in "
+                              "slices")
+
+
 def _check(d: Path, top: dict, args: dict, optimizer: str) -> None:
     """Stop with one line where this reader cannot take the optimizer state of legacy checkpoint ``d``."""
     opt = top.get("optimizer")

@@ -22,7 +22,7 @@ from ..checkpoint.tokenizer_files import save_tokenizer
 from .. import fp8
 from ..parallel.random import rng_state, set_rng_state
 from ..parallel.zero import sharded_model_views
-from .distributed import checkpoint_group
+from .distributed import checkpoint_group, host_memory_available, local_processes
 
 
 class Checkpointing:
@@ -164,6 +164,7 @@ class Checkpointing:
         """Megatron-LM's legacy checkpoint ``d`` (``--ckpt-format torch``): its weights (any layout, as converted)
         and, to resume, its plain optimizer's state (megatron_legacy_state.py), read into this run's layout."""
         from ..checkpoint import megatron_legacy_state as lstate
+        lstate.check_memory(d, local_processes(), host_memory_available())
         finetune = finetune or d.name == "release"
         optim = not (finetune or self.cfg.ckpt.no_load_optim)
         common = lstate.top_level(d)

@@ -63,7 +63,24 @@ def cpu_threads(cfg: Config) -> int:
     if cfg.train.cpu_threads is not None:
         return cfg.train.cpu_threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return max(1, cores // local_processes())
+
+
+def local_processes() -> int:
+    """The processes torchrun started on this machine (1 outside torchrun)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory the kernel counts as available (MemAvailable; physical pages where /proc is absent)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def use_expandable_segments() -> None:

@@ -276,3 +276,14 @@ def test_common_state_readers_by_hand():
     assert S.scaler_state(chained) is None and S.scheduler_state(chained) is None
     with pytest.raises(CheckpointError, match=r"names 2 different step counts \[4, 5\]"):
         S.adam_step({"optimizer": [{"param_groups": [{"step": 4}]}, {"param_groups": [{"step": 5}]}]})
+
+
+def test_a_legacy_checkpoint_too_large_for_the_hosts_memory_is_refused_before_reading():
+    """Every rank reads a legacy checkpoint whole: refused (naming the conversion) where this node's processes would
+    not fit in the host's available memory."""
+    from paratron.checkpoint import megatron_legacy_state as L
+    d = next((DATA / "legacy_plain_tp2").glob("iter_*"))
+    size = sum(p.stat().st_size for p in d.glob("mp_rank_*/*.pt"))
+    L.check_memory(d, 8, 8 * size)
+    with pytest.raises(CheckpointError, match=r"read whole by every rank .* convert it once"):
+        L.check_memory(d, 8, 8 * size - 1)
