@@ -31,6 +31,7 @@ import torch
 from . import megatron_hybrid as hybrid
 from .megatron import _RANK_DIR, LEGACY_FILE, _args, _torch_load, to_paratron
 from .megatron_legacy import _local_experts, _merge_tp, _number_globally, _rank_dirs
+from .megatron_state import check_optimizer
 from .pieces import CheckpointError
 
 DISTRIB_FILE = "distrib_optim.pt"
@@ -56,13 +57,7 @@ def check_memory(d: Path, local_ranks: int, available: int) -> None:
 def _check(d: Path, top: dict, args: dict, optimizer: str) -> None:
     """Stop with one line where this reader cannot take the optimizer state of legacy checkpoint ``d``."""
     opt = top.get("optimizer")
-    if opt is None:
-        raise CheckpointError(f"{d} holds no optimizer state (saved with --no-save-optim?): pass --no-load-optim "
-                              "or --finetune, as Megatron asks")
-    theirs = str(args.get("optimizer", "adam"))
-    if theirs != optimizer:
-        raise CheckpointError(f"{d} holds the state of Megatron's {theirs!r} optimizer, this run uses {optimizer!r}: "
-                              f"pass --optimizer {theirs}, or --no-load-optim")
+    check_optimizer(d, opt is not None, args, optimizer)
     what = None
     chunks = int(args.get("virtual_pipeline_model_parallel_size") or 1)
     if chunks > 1 or any(re.fullmatch(r"model\d+", k) for k in top):

@@ -97,7 +97,13 @@ def check_resumable(d, common: dict, saved: dict, optimizer: str) -> None:
         raise CheckpointError(f"{d}: Megatron's distributed optimizer saved its state as {kind!r}, which paratron "
                               f"does not read ({', '.join(READ)} it does): resume with --no-load-optim or --finetune, "
                               "or re-save it from Megatron with --dist-ckpt-optim-fully-reshardable")
-    if not has_optimizer_state(saved):
+    check_optimizer(d, has_optimizer_state(saved), args, optimizer)
+
+
+def check_optimizer(d, present: bool, args: dict, optimizer: str) -> None:
+    """Stop with one line where Megatron checkpoint ``d`` holds no optimizer state (``present``) or another
+    optimizer's than this run's (both formats)."""
+    if not present:
         raise CheckpointError(f"{d} holds no optimizer state (saved with --no-save-optim?): pass --no-load-optim "
                               "or --finetune, as Megatron asks")
     theirs = str(args.get("optimizer", "adam"))

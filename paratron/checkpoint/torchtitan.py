@@ -33,7 +33,7 @@ from ..config import ModelConfig
 from .hf_config import ConversionError
 from .pieces import read_objects
 from .torchtitan_deepseek import DEFAULTS as _DEEPSEEK, FLAVORS as _DEEPSEEK_FLAVORS
-from .torchtitan_deepseek import deepseek_config, deepseek_to_hf
+from .torchtitan_deepseek import EXPERT_NAMES, TOP, deepseek_config, deepseek_to_hf, per_expert, split_key
 
 # torchtitan 0.2.2's flavors ("name:flavor"; a bare flavor is llama3's): the model args the tensors do not give
 _LLAMA3 = {"debugmodel": (16, None, 500000.0), "debugmodel_flex_attn": (16, None, 500000.0),
@@ -68,8 +68,7 @@ _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight"}
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = TOP  # (torchtitan_deepseek.py's: the same top-level names for every model)
 
 
 def step_dir(root, step: Optional[int] = None) -> Path:
@@ -184,7 +183,7 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
 
 _QWEN3_LAYER = {**_LAYER, "attention.q_norm.weight": "self_attn.q_norm.weight",
                 "attention.k_norm.weight": "self_attn.k_norm.weight", "moe.router.gate.weight": "mlp.gate.weight"}
-_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # moe.experts.wN [experts, out, in]
+_EXPERT_NAMES = EXPERT_NAMES
 
 
 def qwen3_config(shapes: dict, args: dict) -> tuple[ModelConfig, str]:
@@ -224,13 +223,11 @@ def qwen3_to_hf(state: dict) -> dict:
     the stacked experts one per expert."""
     out = {}
     for k, v in state.items():
-        m = re.match(r"^layers\.(\d+)\.(.*)$", k)
-        e = re.match(r"^moe\.experts\.(w[123])$", m.group(2)) if m is not None else None
+        m, e = split_key(k)
         if m is None and k in _TOP:
             out[_TOP[k]] = v
         elif e is not None:
-            out.update((f"model.layers.{m.group(1)}.mlp.experts.{i}.{_EXPERT_NAMES[e.group(1)]}.weight", w)
-                       for i, w in enumerate(v.unbind(0)))
+            out.update(per_expert(m.group(1), e.group(1), v))
         elif m is not None and m.group(2) in _QWEN3_LAYER:
             out[f"model.layers.{m.group(1)}.{_QWEN3_LAYER[m.group(2)]}"] = v
         elif not k.endswith(("moe.tokens_per_expert", "moe.expert_bias")):  # (read() checks the bias is 0)

@@ -53,9 +53,21 @@ _LAYER = {**{f"attention.{t}.weight": f"self_attn.{h}.weight" for t, h in _ATTEN
              for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
           "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
           "moe.router.gate.weight": "mlp.gate.weight", "moe.expert_bias": "mlp.gate.e_score_correction_bias"}
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# (shared with torchtitan.py's Llama-3 / Qwen3 paths)
+TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+       "output.weight": "lm_head.weight"}
+EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # moe.experts.wN [experts, out, in]
+
+
+def split_key(k: str) -> tuple:
+    """(the match of torchtitan tensor name ``k`` as a layer's, of its rest as stacked experts' ``moe.experts.wN``)."""
+    m = re.match(r"^layers\.(\d+)\.(.*)$", k)
+    return m, (re.match(r"^moe\.experts\.(w[123])$", m.group(2)) if m is not None else None)
+
+
+def per_expert(layer: str, which: str, v: torch.Tensor) -> dict:
+    """Stacked experts ``moe.experts.wN`` [experts, out, in] of a layer -> Hugging Face's one tensor per expert."""
+    return {f"model.layers.{layer}.mlp.experts.{i}.{EXPERT_NAMES[which]}.weight": w for i, w in enumerate(v.unbind(0))}
 
 
 def _refusal(args: dict, moe: dict, sparse: bool) -> str | None:
@@ -151,14 +163,12 @@ def deepseek_to_hf(state: dict, cfg: ModelConfig) -> dict:
     (``load_balance_coeff`` None, or optimizer moments) gets a zero ``e_score_correction_bias``."""
     out, moe_layers = {}, set()
     for k, v in state.items():
-        m = re.match(r"^layers\.(\d+)\.(.*)$", k)
-        e = re.match(r"^moe\.experts\.(w[123])$", m.group(2)) if m is not None else None
-        if m is None and k in _TOP:
-            out[_TOP[k]] = v
+        m, e = split_key(k)
+        if m is None and k in TOP:
+            out[TOP[k]] = v
         elif e is not None:
             moe_layers.add(m.group(1))
-            out.update((f"model.layers.{m.group(1)}.mlp.experts.{i}.{_EXPERTS[e.group(1)]}.weight", w)
-                       for i, w in enumerate(v.unbind(0)))
+            out.update(per_expert(m.group(1), e.group(1), v))
         elif m is not None and m.group(2) in _LAYER:
             out[f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"] = v
         elif not k.endswith("moe.tokens_per_expert"):
