@@ -121,15 +121,11 @@ def to_paratron_name(key: str) -> str:
 
 def candidates(rest: str) -> list:
     """Megatron's names for the rest ``rest`` of a paratron layer key (after ``decoder.layers.<i>.``) where the layer
-    is a Mamba layer (none for names that no Mamba layer has)."""
-    if rest.startswith("self_attention.conv1d_"):
-        return ["mixer.conv1d." + rest[len("self_attention.conv1d_"):]]
-    if rest.startswith("self_attention."):
-        return ["mixer." + rest[len("self_attention."):]]
+    is a Mamba layer (none for names that no Mamba layer has): the name :func:`megatron_rest` writes, and for the
+    norm also the local spec's own module."""
     if rest.startswith("input_layernorm."):
-        tail = rest[len("input_layernorm."):]
-        return ["norm." + tail, "mixer.in_proj.layer_norm_" + tail]
-    return []
+        return [megatron_rest(rest), "norm." + rest[len("input_layernorm."):]]
+    return [megatron_rest(rest)] if rest.startswith("self_attention.") else []
 
 
 def block_pieces(piece, name: str, shapes: dict) -> Optional[list]:

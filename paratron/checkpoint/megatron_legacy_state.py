@@ -82,12 +82,16 @@ def distributed(d: Path, args: dict) -> bool:
     return bool(args.get("use_distributed_optimizer")) or any(d.glob(f"mp_rank_*/{DISTRIB_FILE}"))
 
 
-def top_level(d: Path) -> dict:
-    """A rank file's state without the model's tensors: args, iteration, checkpoint_version, opt_param_scheduler and
-    (the distributed optimizer's: no tensors) optimizer state."""
-    first = next(p / LEGACY_FILE for p in sorted(d.iterdir()) if _RANK_DIR.match(p.name) and
-                 (p / LEGACY_FILE).is_file())
-    return {k: v for k, v in _torch_load(first).items() if not re.fullmatch(r"model\d*", k)}
+def first_file(d: Path) -> tuple[Path, dict]:
+    """(path, contents) of legacy checkpoint ``d``'s first rank file: its args, iteration, checkpoint_version,
+    opt_param_scheduler and optimizer state beside that rank's model (read once: :func:`read` takes it)."""
+    path = next(p / LEGACY_FILE for p in sorted(d.iterdir()) if _RANK_DIR.match(p.name) and (p / LEGACY_FILE).is_file())
+    return path, _torch_load(path)
+
+
+def top_level(first: dict) -> dict:
+    """A rank file's state without the model's tensors."""
+    return {k: v for k, v in first.items() if not re.fullmatch(r"model\d*", k)}
 
 
 def check_distributed(d: Path, top: dict, optimizer: str) -> None:
@@ -166,12 +170,11 @@ def _verify_mains(d: Path, state: dict) -> None:
                               f"{bad[0]} ({len(bad)} differ): its order is not the one paratron derives; {FIX}")
 
 
-def read(d: Path, optimizer: str) -> tuple[dict, dict]:
+def read(d: Path, optimizer: str, first: tuple[Path, dict]) -> tuple[dict, dict]:
     """(the top level of a rank file: args, iteration, opt_param_scheduler, optimizer's scalars; {paratron's key:
     whole tensor}: the model and its optimizer state, under the prefixes of :data:`KINDS`) of legacy checkpoint
-    ``d``, to resume with ``optimizer`` (this run's --optimizer)."""
-    files = sorted(p / LEGACY_FILE for p in d.iterdir() if (p / LEGACY_FILE).is_file())
-    top = _torch_load(files[0])
+    ``d``, to resume with ``optimizer`` (this run's --optimizer); ``first``: :func:`first_file`'s."""
+    path, top = first
     args = _args(top.get("args"))
     _check(d, top, args, optimizer)
     if distributed(d, args):
@@ -182,7 +185,7 @@ def read(d: Path, optimizer: str) -> tuple[dict, dict]:
     for (pp, ep), by_tp in sorted(ranks.items()):
         per_tp = []
         for t in sorted(by_tp):
-            f = top if by_tp[t] == files[0] else _torch_load(by_tp[t])
+            f = top if by_tp[t] == path else _torch_load(by_tp[t])
             per_tp.append(_named_states(by_tp[t], f, args))
         for kind in KINDS:
             chunks[kind][(0, pp, ep)] = _merge_tp([s[kind] for s in per_tp], swiglu, local, {})

@@ -35,10 +35,11 @@ import torch
 from .hf_config import ConversionError
 from . import torchtitan as T
 from . import torchtitan_deepseek as DS
+from .torchtitan_deepseek import EXPERT_NAMES, TOP
 
-_HF_TOP = {hf: tt for tt, hf in T._TOP.items()}
+_HF_TOP = {hf: tt for tt, hf in TOP.items()}
 _HF_LAYER = {hf: tt for tt, hf in T._QWEN3_LAYER.items()}
-_HF_EXPERT = {hf: tt for tt, hf in T._EXPERT_NAMES.items()}
+_HF_EXPERT = {hf: tt for tt, hf in EXPERT_NAMES.items()}
 _HF_DEEPSEEK = {hf: tt for tt, hf in DS._LAYER.items()}
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # torchtitan 0.2.2's flavors' sizes (the reader's FLAVORS table has the rest): dim, n_layers, vocab_size, and llama3's

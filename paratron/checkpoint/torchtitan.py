@@ -33,7 +33,7 @@ from ..config import ModelConfig
 from .hf_config import ConversionError
 from .pieces import read_objects
 from .torchtitan_deepseek import DEFAULTS as _DEEPSEEK, FLAVORS as _DEEPSEEK_FLAVORS
-from .torchtitan_deepseek import EXPERT_NAMES, TOP, deepseek_config, deepseek_to_hf, per_expert, split_key
+from .torchtitan_deepseek import TOP, deepseek_config, deepseek_to_hf, per_expert, split_key
 
 # torchtitan 0.2.2's flavors ("name:flavor"; a bare flavor is llama3's): the model args the tensors do not give
 _LLAMA3 = {"debugmodel": (16, None, 500000.0), "debugmodel_flex_attn": (16, None, 500000.0),
@@ -68,7 +68,6 @@ _LAYER = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight"}
-_TOP = TOP  # (torchtitan_deepseek.py's: the same top-level names for every model)
 
 
 def step_dir(root, step: Optional[int] = None) -> Path:
@@ -167,8 +166,8 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
     out = {}
     for k, v in state.items():
         m = re.match(r"^layers\.(\d+)\.(.*)$", k)
-        if m is None and k in _TOP:
-            out[_TOP[k]] = v
+        if m is None and k in TOP:
+            out[TOP[k]] = v
         elif m is not None and m.group(2) in _LAYER:
             name = _LAYER[m.group(2)]
             if name == "self_attn.q_proj.weight":
@@ -183,7 +182,6 @@ def to_hf(state: dict, cfg: ModelConfig) -> dict:
 
 _QWEN3_LAYER = {**_LAYER, "attention.q_norm.weight": "self_attn.q_norm.weight",
                 "attention.k_norm.weight": "self_attn.k_norm.weight", "moe.router.gate.weight": "mlp.gate.weight"}
-_EXPERT_NAMES = EXPERT_NAMES
 
 
 def qwen3_config(shapes: dict, args: dict) -> tuple[ModelConfig, str]:
@@ -224,8 +222,8 @@ def qwen3_to_hf(state: dict) -> dict:
     out = {}
     for k, v in state.items():
         m, e = split_key(k)
-        if m is None and k in _TOP:
-            out[_TOP[k]] = v
+        if m is None and k in TOP:
+            out[TOP[k]] = v
         elif e is not None:
             out.update(per_expert(m.group(1), e.group(1), v))
         elif m is not None and m.group(2) in _QWEN3_LAYER:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import ModelConfig
+from ..config.check_hybrid import mamba_heads
 from ..errors import ConfigError
 from .activations import offload_points, offloaded_bytes
 from .flops import attention_layers, flops_per_iteration, mla_attention_terms
@@ -197,7 +198,7 @@ def recurrent_cp_seconds(model: ModelConfig, L: Layout, kinds: list, tokens: int
         return 0.0
     mamba = sum(mixer == "mamba" for mixer, _ in kinds) / L.pp
     gdn = sum(mixer == "gdn" for mixer, _ in kinds) / L.pp
-    heads = model.mamba_num_heads or 2 * model.hidden_size // model.mamba_head_dim
+    heads = mamba_heads(model) if mamba else 0
     inner = heads * model.mamba_head_dim
     mamba_in = inner + 2 * model.mamba_num_groups * model.mamba_state_dim + heads
     keys, values = model.linear_num_key_heads * model.linear_key_head_dim, \

@@ -167,13 +167,15 @@ class Checkpointing:
         lstate.check_memory(d, local_processes(), host_memory_available())
         finetune = finetune or d.name == "release"
         optim = not (finetune or self.cfg.ckpt.no_load_optim)
-        common = lstate.top_level(d)
+        first = lstate.first_file(d)
+        common = lstate.top_level(first[1])
         args = megatron._args(common.get("args"))
         bucketed = optim and lstate.distributed(d, args)
         if optim and not bucketed:
-            common, state = lstate.read(d, self.cfg.optim.optimizer)
+            common, state = lstate.read(d, self.cfg.optim.optimizer, first)
             m = megatron.model_config(args)
         else:
+            del first  # (the conversion's reader reads every rank file itself)
             if bucketed:
                 lstate.check_distributed(d, common, self.cfg.optim.optimizer)
                 buckets.check_layout(args, self.dims, self.cfg.parallel.virtual_pipeline_model_parallel_size)
