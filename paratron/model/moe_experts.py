@@ -12,12 +12,12 @@ from torch import nn
 
 from . import activation_offload as offload, mup, recompute
 from ..config import ModelConfig
-from ..fp8 import experts as fp8_experts
+from ..fp8 import experts as fp8_experts, experts_mlp as fp8_experts_mlp
 from ..parallel.experts import ExpertLayout, aligned_rows
 from ..parallel.sharding import ShardSpec, Split, set_spec, shard
 from ..parallel.tensor import init_normal
 from .layers import output_init
-from .variants import is_gated, mlp_activation
+from .variants import fused_fp8_activation, is_gated, mlp_activation
 
 
 class _Weight(nn.Module):
@@ -177,6 +177,7 @@ class Experts(nn.Module):
                                   lay, device, dtype, bias_sum_over=("etp",) if lay.etp > 1 else ())
         self.fc2_bias_here = lay.etp_rank == 0
         self.activation = mlp_activation(cfg)
+        self.fp8_act = fused_fp8_activation(cfg)  # the fused FP8 experts MLP's activation code (None: per layer)
         self.grouped = cfg.moe_grouped_gemm
         self.used_grouped_mm: Optional[bool] = None  # which path the last forward took
         self.recompute_act = False  # --recompute-modules moe_act: the activation's output is not kept
@@ -211,6 +212,10 @@ class Experts(nn.Module):
         self.used_grouped_mm = grouped
         rows = aligned_rows(counts, expert_index, self.row_alignment()) if grouped else None  # no host sync
         counts = host_counts if host_counts is not None else counts
+        if rows is not None and self.fused_fp8():  # both GEMMs at once, on the padded rows (last group extended)
+            dest, ends, size = rows
+            padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
+            return self._fused_fp8(padded, torch.cat([ends[:-1], ends.new_full((1,), size)]))[dest]
         return self._ffn(x, lambda a, m: self._mm(a, m.weight, counts, rows, m.fp8), expert_index)
 
     def row_alignment(self) -> int:
@@ -234,12 +239,26 @@ class Experts(nn.Module):
         amax)."""
         self.used_grouped_mm = True
         ends = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])])
+        if self.fused_fp8():
+            return self._fused_fp8(x, ends)
 
         def mm(a: torch.Tensor, m: _Weight) -> torch.Tensor:
             if m.fp8 is not None:
                 return fp8_experts.fp8_grouped_mm(a, m.weight, ends, m.fp8)
             return self._grouped(a, m.weight, ends)
         return self._ffn(x, mm, row_expert)
+
+    def fused_fp8(self) -> bool:
+        """Whether fc1 -> activation -> fc2 run as the fused FP8 experts MLP (fp8/experts_mlp.py): where it
+        applies and nothing asks for the activation on its own (recomputed, offloaded, its weight gradient
+        delayed)."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        own_act = self.recompute_act or self.owed is not None or bool(self.__dict__.get("offload_points"))
+        return not own_act and fp8_experts_mlp.applies(fc1.fp8, fc2.fp8, self.fp8_act, fc1.bias is not None)
+
+    def _fused_fp8(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        return fp8_experts_mlp.fused_experts_mlp(x, fc1.weight, fc2.weight, ends, fc1.fp8, fc2.fp8, self.fp8_act)
 
     def _grouped(self, a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """a [rows in the grouped layout, in] times each expert's w [out, in]^T (--delay-wgrad-compute: the

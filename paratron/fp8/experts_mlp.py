@@ -1,0 +1,82 @@
+"""The routed experts' MLP in FP8 as one autograd function: fc1's grouped GEMM, the activation written straight
+into FP8, fc2's grouped GEMM, and in the backward the activation's gradient written straight into FP8 (the
+dense layers' fused FP8 MLP, paratron/fp8/mlp.py, over rows sorted by expert).
+
+Layer by layer (paratron/fp8/experts.py) the tensors between the GEMMs make extra trips through memory: the
+activation writes its output in bf16 and fc2 reads it again for the amax and once more to cast it; in the
+backward the activation's gradient (the widest tensor of the layer, [rows, 2 x FFN] with SwiGLU) is written in
+bf16 and read twice more for fc1's cast. Here both are computed from fc1's output and written once, in FP8,
+row-major for the next GEMM and transposed for the weight gradient (``paratron::mlp_act_fp8`` and
+``paratron::mlp_act_fp8_backward``); the rows and the output gradient are cast in both layouts in one op
+(``paratron::cast_fp8``). With the tensorwise recipe each cast takes a pass for the amax and one to cast; with
+the delayed recipe, once primed, the scale is known beforehand and the cast is a single pass.
+
+Applies (:func:`applies`) where every expert GEMM can run in FP8: tensorwise or delayed with FP8 weight
+gradients, the same recipe on fc1 and fc2, an activation the kernels have (SwiGLU, GeLU), no expert biases, and
+on torch's grouped FP8 GEMM the e4m3 format (it takes no e5m2 gradient: hybrid keeps the per-layer path and
+its bf16 backward). ``--kernel-fp8-fused-mlp off`` keeps the per-layer path, as for the dense MLP. Numerics are
+the recipe's; as in the dense fused MLP the activation's output and gradient are quantised from fp32 rather than
+from their bf16 rounding."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..kernels.fp8_grouped import grouped_forward, grouped_wgrad
+from .experts import backward_path, grouped_path
+from .recipe import E4M3, FP8State
+
+
+def applies(s1: Optional[FP8State], s2: Optional[FP8State], act: Optional[int], biases: bool) -> bool:
+    """Whether the fused FP8 experts MLP can run fc1 -> ``act`` -> fc2 with the FP8 states ``s1``, ``s2``."""
+    if act is None or biases or s1 is None or s2 is None or s1.recipe != s2.recipe:
+        return False
+    recipe = s1.recipe
+    if not (recipe.fuse_mlp and recipe.fp8_wgrad and recipe.recipe in ("tensorwise", "delayed")):
+        return False
+    return backward_path(s1, grouped_path(s1, "tensor")) != "bf16"
+
+
+class _FP8ExpertsMLP(torch.autograd.Function):
+    """``act(x w1_e^T) w2_e^T`` for the rows ``x`` [S, hidden] of each expert e (``ends``: each expert's end row,
+    int32; every row belongs to a group, padding rows being zero)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, ends, s1: FP8State, s2: FP8State, act: int):
+        path = grouped_path(s1, "tensor")
+        s1.mark("input")
+        xq, xqt, sx = s1.input.quantize_both(x.contiguous())
+        w1q, sw1 = s1.quantize("weight", w1)
+        h = grouped_forward(xq, sx, w1q, sw1, ends, "tensor", x.dtype, path)
+        s2.mark("input")
+        aq, aqt, sa, current = torch.ops.paratron.mlp_act_fp8(h, None, s2.input.preset_scale(h.device), act,
+                                                              s2.recipe.margin)
+        s2.input.record(current)
+        w2q, sw2 = s2.quantize("weight", w2)
+        y = grouped_forward(aq, sa, w2q, sw2, ends, "tensor", x.dtype, path)
+        ctx.save_for_backward(xqt, sx, w1q, sw1, h, aqt, sa, w2q, sw2, ends)
+        ctx.s1, ctx.s2, ctx.act, ctx.path, ctx.w_dtype = s1, s2, act, path, w1.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        xqt, sx, w1q, sw1, h, aqt, sa, w2q, sw2, ends = ctx.saved_tensors
+        s1, s2, path, w_dtype = ctx.s1, ctx.s2, ctx.path, ctx.w_dtype
+        gq, gqt, sg = s2.quantize_grad(g.contiguous())
+        dact = grouped_forward(gq, sg, w2q.transpose(1, 2).contiguous(), sw2, ends, "tensor", g.dtype, path)
+        gw2 = grouped_wgrad(gqt, sg, aqt, sa, ends, "tensor", w_dtype, path)
+        s1.mark("grad")
+        dhq, dhqt, sdh, current, _ = torch.ops.paratron.mlp_act_fp8_backward(
+            h, None, dact, s1.grad.preset_scale(h.device), ctx.act, s1.grad.dtype != E4M3, s1.recipe.margin)
+        s1.grad.record(current)
+        gx = grouped_forward(dhq, sdh, w1q.transpose(1, 2).contiguous(), sw1, ends, "tensor", g.dtype, path)
+        gw1 = grouped_wgrad(dhqt, sdh, xqt, sx, ends, "tensor", w_dtype, path)
+        return gx, gw1, gw2, None, None, None, None
+
+
+def fused_experts_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor, s1: FP8State,
+                      s2: FP8State, act: int) -> torch.Tensor:
+    """The experts' fc1 -> activation -> fc2 on the padded grouped rows ``x`` in FP8 (see the module docstring);
+    the last group must end at the last row (rows past it would enter the activation's amax unwritten)."""
+    return _FP8ExpertsMLP.apply(x, w1, w2, ends, s1, s2, act)
