@@ -71,7 +71,7 @@ class KernelConfig(Section):
     kernel_cross_entropy: str = "auto"  # output layer's loss: one Triton pass | two compiled passes
     kernel_ce_fast_exp: str = "on"  # the cross-entropy kernel's approximate exp (off: libdevice's expf)
     kernel_fused_adamw: str = "auto"  # AdamW + the bf16 copy of the weights in one Triton pass
-    kernel_fp8_fused_mlp: str = "on"  # FP8: the MLP as one function writing its activation in FP8 (off: per layer)
+    kernel_fp8_fused_mlp: str = "on"  # FP8: the MLP (dense, experts) as one function writing its activation in FP8
     kernel_fp8_grad_cast: str = "on"  # FP8: output gradients cast by one kernel (off: torch ops)
     kernel_fp8_block_gemm: str = "auto"  # blockwise FP8 GEMMs: scaled_mm (cuBLAS block scales) | dequant (bf16 GEMM)
     kernel_fp8_grouped_gemm: str = "auto"  # routed experts in FP8: scaled_grouped_mm (torch) | dequant (bf16 GEMM)

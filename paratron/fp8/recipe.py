@@ -50,7 +50,7 @@ class Recipe:
     amax_compute_algo: str = "most_recent"
     margin: int = 0
     emulate: bool = False  # CPU runs and tests: dequantise + fp32 matmul instead of torch._scaled_mm
-    fuse_mlp: bool = True  # the MLP as one FP8 function (fp8/mlp.py; --kernel-fp8-fused-mlp): else per layer
+    fuse_mlp: bool = True  # the MLP as one FP8 function (fp8/mlp.py, experts_mlp.py; --kernel-fp8-fused-mlp)
     grad_cast_op: bool = True  # output gradients cast by paratron::cast_fp8 (--kernel-fp8-grad-cast): else torch ops
     fp8_wgrad: bool = True  # --no-fp8-wgrad: weight gradients from the bf16 input and output gradient
     bf16_at_start: int = 0  # --first-last-layers-bf16: the first / last decoder layers stay in the params' dtype
