@@ -14,7 +14,7 @@ import torch
 from ..kernels.fp8_block import quantize_tiles, quantize_blocks
 from ..kernels.fp8_grouped import align_for, as_dtype, grouped_forward, grouped_wgrad
 from ..kernels.fp8_tile_cast import tiles_both
-from .recipe import E4M3, FP8State
+from .recipe import E4M3, FAST_ACCUM_FORWARD, FP8State
 
 
 def scale_kind(state: FP8State) -> str:
@@ -84,7 +84,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         else:
             xq, sx, xtq, sxt = _quantize_rows(x, state, kind)
         wq, sw = _weight_blocks(w, state.recipe.margin) if kind == "block" else state.quantize("weight", w)
-        y = grouped_forward(xq, sx, wq, sw, ends, kind, x.dtype, path)
+        y = grouped_forward(xq, sx, wq, sw, ends, kind, x.dtype, path, fast_accum=FAST_ACCUM_FORWARD)
         if bf16_backward:
             ctx.save_for_backward(x, w, ends)
         else:

@@ -25,7 +25,7 @@ import torch
 
 from ..kernels.fp8_grouped import grouped_forward, grouped_wgrad
 from .experts import backward_path, grouped_path
-from .recipe import E4M3, FP8State
+from .recipe import E4M3, FAST_ACCUM_FORWARD, FP8State
 
 
 def applies(s1: Optional[FP8State], s2: Optional[FP8State], act: Optional[int], biases: bool) -> bool:
@@ -48,13 +48,13 @@ class _FP8ExpertsMLP(torch.autograd.Function):
         s1.mark("input")
         xq, xqt, sx = s1.input.quantize_both(x.contiguous())
         w1q, sw1 = s1.quantize("weight", w1)
-        h = grouped_forward(xq, sx, w1q, sw1, ends, "tensor", x.dtype, path)
+        h = grouped_forward(xq, sx, w1q, sw1, ends, "tensor", x.dtype, path, fast_accum=FAST_ACCUM_FORWARD)
         s2.mark("input")
         aq, aqt, sa, current = torch.ops.paratron.mlp_act_fp8(h, None, s2.input.preset_scale(h.device), act,
-                                                              s2.recipe.margin)
+                                                              s2.recipe.margin, s2.input.known)
         s2.input.record(current)
         w2q, sw2 = s2.quantize("weight", w2)
-        y = grouped_forward(aq, sa, w2q, sw2, ends, "tensor", x.dtype, path)
+        y = grouped_forward(aq, sa, w2q, sw2, ends, "tensor", x.dtype, path, fast_accum=FAST_ACCUM_FORWARD)
         ctx.save_for_backward(xqt, sx, w1q, sw1, h, aqt, sa, w2q, sw2, ends)
         ctx.s1, ctx.s2, ctx.act, ctx.path, ctx.w_dtype = s1, s2, act, path, w1.dtype
         return y
@@ -67,9 +67,10 @@ class _FP8ExpertsMLP(torch.autograd.Function):
         dact = grouped_forward(gq, sg, w2q.transpose(1, 2).contiguous(), sw2, ends, "tensor", g.dtype, path)
         gw2 = grouped_wgrad(gqt, sg, aqt, sa, ends, "tensor", w_dtype, path)
         s1.mark("grad")
+        grad = s1.grad
         dhq, dhqt, sdh, current, _ = torch.ops.paratron.mlp_act_fp8_backward(
-            h, None, dact, s1.grad.preset_scale(h.device), ctx.act, s1.grad.dtype != E4M3, s1.recipe.margin)
-        s1.grad.record(current)
+            h, None, dact, grad.preset_scale(h.device), ctx.act, grad.dtype != E4M3, s1.recipe.margin, grad.known)
+        grad.record(current)
         gx = grouped_forward(dhq, sdh, w1q.transpose(1, 2).contiguous(), sw1, ends, "tensor", g.dtype, path)
         gw1 = grouped_wgrad(dhqt, sdh, xqt, sx, ends, "tensor", w_dtype, path)
         return gx, gw1, gw2, None, None, None, None

@@ -59,7 +59,7 @@ class _FP8MLP(torch.autograd.Function):
         h, xq, sx, w1q, sw1 = forward_mm(x.reshape(-1, x.size(-1)), w1, s1, x.dtype)
         s2.mark("input")
         aq, aqt, sa, current = torch.ops.paratron.mlp_act_fp8(h, b1, s2.input.preset_scale(h.device), act,
-                                                              s1.recipe.margin)
+                                                              s1.recipe.margin, s2.input.known)
         s2.input.record(current)
         w2q, sw2 = s2.quantize("weight", w2)
         y = scaled_mm(aq, w2q.t(), sa, sw2, x.dtype, s2.recipe.emulate, FAST_ACCUM_FORWARD)
@@ -77,7 +77,7 @@ class _FP8MLP(torch.autograd.Function):
         gw2 = scaled_mm(gqt, aqt.t(), sg, sa, ctx.w_dtype, emulate)
         s1.mark("grad")
         dhq, dhqt, sdh, current, db = torch.ops.paratron.mlp_act_fp8_backward(
-            h, b1, dact, s1.grad.preset_scale(h.device), ctx.act, s1.grad.dtype != E4M3, margin)
+            h, b1, dact, s1.grad.preset_scale(h.device), ctx.act, s1.grad.dtype != E4M3, margin, s1.grad.known)
         s1.grad.record(current)
         gx = input_grad_mm(dhq, sdh, w1q, sw1, g.dtype, emulate).view(ctx.x_shape)
         gw1 = scaled_mm(dhqt, column_major(xq), sdh, sx, ctx.w_dtype, emulate)

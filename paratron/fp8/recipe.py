@@ -132,6 +132,12 @@ class Scaler:
             self.history = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device)
         self.primed = False
 
+    @property
+    def known(self) -> bool:
+        """Whether the scale is known before the tensor is seen (a primed delayed scaler): the casting kernels
+        then launch no amax pass."""
+        return self.delayed and self.primed
+
     def _past(self, device) -> torch.Tensor:
         """The amax the history gives (its max or its newest entry; 0 while it holds nothing)."""
         if self.history is None:
@@ -184,7 +190,7 @@ class Scaler:
             q, scale = self.quantize(x)
             return q, q.t().contiguous(), scale
         q, qt, scale, current = torch.ops.paratron.cast_fp8(x.contiguous(), self.preset_scale(x.device),
-                                                            self.dtype == E5M2, self.recipe.margin)
+                                                            self.dtype == E5M2, self.recipe.margin, self.known)
         self.record(current)
         return q, qt, scale
 

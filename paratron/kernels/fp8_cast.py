@@ -309,8 +309,10 @@ def _fake_outputs(h: torch.Tensor, cols: int, dtype: torch.dtype):
 
 
 def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.Tensor, act: int, dtype: torch.dtype,
-                  margin: int):
-    """The two forward kernels (amax pass, skipped for a preset scale; cast pass): (q, qt, scale, amax)."""
+                  margin: int, given: bool):
+    """The two forward kernels (amax pass, skipped for a preset scale; cast pass): (q, qt, scale, amax).
+    ``given``: the caller knows the preset is positive (a primed delayed scaler), so the amax pass and the
+    scale's choice are not even launched."""
     m, f, switches = _shape(h, act)
     grid = _grid(m, f)
     part, part_cast = _partials(m, f, h.device)
@@ -318,8 +320,10 @@ def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.T
     qt = torch.empty(f, m, dtype=dtype, device=h.device)
     b = h if bias is None else bias
     with torch.cuda.device(h.device):
-        _act_amax[grid](h, b, preset, part, m, f, HAS_BIAS=bias is not None, **switches)
-        scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
+        scale = preset
+        if not given:
+            _act_amax[grid](h, b, preset, part, m, f, HAS_BIAS=bias is not None, **switches)
+            scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
         _act_cast[grid](h, b, scale, q, qt, part_cast, m, f, FMAX=FMAX[dtype], HAS_BIAS=bias is not None,
                         **switches)
     return q, qt, scale, part_cast.amax()
@@ -327,35 +331,35 @@ def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.T
 
 @torch.library.custom_op("paratron::mlp_act_fp8", mutates_args=())
 def mlp_act_fp8(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.Tensor, act: int,
-                margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                margin: int, given: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The activation of the contiguous fc1 output ``h`` (+ ``bias``) in e4m3, scaled by ``preset``
     where it is positive (the delayed recipe: one pass) or by its own amax (two passes):
-    (q, q transposed, scale, amax)."""
+    (q, q transposed, scale, amax). ``given``: the preset is known to be positive (no amax pass launched)."""
     if not _on_gpu(h):
         return act_fp8_reference(h, bias, preset, act, margin)
-    return _forward_cast(h, bias, preset, act, E4M3, margin)
+    return _forward_cast(h, bias, preset, act, E4M3, margin, given)
 
 
 @torch.library.custom_op("paratron::cast_fp8", mutates_args=())
 def cast_fp8(x: torch.Tensor, preset: torch.Tensor, e5m2: bool,
-             margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             margin: int, given: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contiguous 2-D ``x`` in e5m2 / e4m3, row-major (one pass over x; two for its own amax) and
     transposed (from the FP8 copy), scaled as :func:`mlp_act_fp8`: (q, q transposed, scale, amax). Used
     for the output gradients of the FP8 linears, whose transposed copy is the weight gradient's operand."""
     dtype = torch.float8_e5m2 if e5m2 else E4M3
     if not _on_gpu(x):
         return _to_fp8(x.float(), preset, dtype, margin)
-    return _forward_cast(x, None, preset, IDENTITY, dtype, margin)
+    return _forward_cast(x, None, preset, IDENTITY, dtype, margin, given)
 
 
 @cast_fp8.register_fake
-def _(x, preset, e5m2, margin):
+def _(x, preset, e5m2, margin, given=False):
     return _fake_outputs(x, x.size(1), torch.float8_e5m2 if e5m2 else E4M3)
 
 
 @torch.library.custom_op("paratron::mlp_act_fp8_backward", mutates_args=())
 def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: torch.Tensor, preset: torch.Tensor,
-                         act: int, e5m2: bool, margin: int
+                         act: int, e5m2: bool, margin: int, given: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The activation's input gradient for ``dout`` [m, F] in FP8, scaled as :func:`mlp_act_fp8`;
     last, the bias gradient (fp32; empty without a bias)."""
@@ -373,8 +377,10 @@ def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: to
     db = torch.zeros(triton.cdiv(m, MIN_BM) if has_bias else 0, width, dtype=torch.float32, device=h.device)
     b = h if bias is None else bias
     with torch.cuda.device(h.device):
-        _grad_amax[grid](h, b, dout, preset, part, m, f, HAS_BIAS=has_bias, **switches)
-        scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
+        scale = preset
+        if not given:  # (a primed delayed scaler's scale: no amax pass)
+            _grad_amax[grid](h, b, dout, preset, part, m, f, HAS_BIAS=has_bias, **switches)
+            scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
         _grad_cast[grid](h, b, dout, scale, q, qt, part_cast, db, m, f, FMAX=FMAX[dtype], HAS_BIAS=has_bias,
                          **switches)
     if not has_bias:
@@ -384,11 +390,11 @@ def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: to
 
 
 @mlp_act_fp8.register_fake
-def _(h, bias, preset, act, margin):
+def _(h, bias, preset, act, margin, given=False):
     return _fake_outputs(h, _shape(h, act)[1], E4M3)
 
 
 @mlp_act_fp8_backward.register_fake
-def _(h, bias, dout, preset, act, e5m2, margin):
+def _(h, bias, dout, preset, act, e5m2, margin, given=False):
     db = h.new_empty(h.size(1) if bias is not None else 0, dtype=torch.float32)
     return (*_fake_outputs(h, h.size(1), torch.float8_e5m2 if e5m2 else E4M3), db)

@@ -42,13 +42,15 @@ def _work_dtype(path: str, out_dtype: torch.dtype) -> torch.dtype:
 
 
 def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, ends: torch.Tensor,
-                    kind: str, out_dtype: torch.dtype, path: str) -> torch.Tensor:
+                    kind: str, out_dtype: torch.dtype, path: str, fast_accum: bool = False) -> torch.Tensor:
     """Rows of ``a`` [S, K] of expert e times ``b[e]``^T ([E, N, K]): [S, N]. Block scales: ``sa`` per
-    1 x 128 tile of a's rows, ``sb`` per 128 x 128 block of ``b`` viewed [E N, K]."""
+    1 x 128 tile of a's rows, ``sb`` per 128 x 128 block of ``b`` viewed [E N, K]. ``fast_accum``: torch's FP8
+    kernel accumulates in the tensor cores' own precision, without promoting partial sums to fp32 (the forward
+    GEMMs, as the dense layers' and Transformer Engine's; the gradients keep the promotion)."""
     if path == "scaled_grouped_mm":
         rows, cols = sa.reciprocal().expand(a.shape[0]), sb.reciprocal().expand(b.shape[0], b.shape[1])
         out = torch._scaled_grouped_mm(a, b.transpose(-2, -1), rows.contiguous(), cols.contiguous(), offs=ends,
-                                       out_dtype=torch.bfloat16)
+                                       out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
         return as_dtype(out, out_dtype)
     if path == "triton":  # block scales: the FP8 tiles multiplied as they are (kernels/fp8_block_grouped.py)
         return torch.ops.paratron.fp8_block_grouped_mm(a, sa, b, sb, ends, out_dtype)

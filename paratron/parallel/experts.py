@@ -172,12 +172,14 @@ def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 
     """A layout for grouped GEMM with each expert's rows starting at a multiple of ``align`` (what
     the CUDA kernels want of the token dimension, as torchtitan pads it): the padded row of each
     sorted row, the padded group ends (int32), and a row count that bounds them without a host sync (a
-    multiple of ``align``)."""
-    padded = (counts + align - 1) // align * align
+    multiple of ``align``). An expert without rows still gets ``align`` zero rows (as torchtitan's padding): torch's
+    Hopper grouped GEMMs do not promise to write the weight gradient of an empty group, which a group of zero rows
+    makes exactly zero."""
+    padded = torch.clamp_min((counts + align - 1) // align * align, align)
     ends = padded.cumsum(0)
     shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - start, per expert
     dest = torch.arange(expert_index.numel(), device=counts.device) + shift[expert_index]
-    bound = expert_index.numel() + counts.numel() * (align - 1)
+    bound = expert_index.numel() + counts.numel() * align
     return dest, ends.to(torch.int32), -(-bound // align) * align  # whole multiples: 16-byte strides of transposes
 
 

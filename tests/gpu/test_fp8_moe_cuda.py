@@ -228,5 +228,8 @@ def test_fused_fp8_experts_mlp_equals_emulation(recipe, compiled):
             y = (experts_mlp.fused_experts_mlp if emulate else fn)(xr, w1r, w2r, ends, *states[emulate], SWIGLU)
             y.backward(g)
             outs.append((y[dest], xr.grad[dest], w1r.grad, w2r.grad))
-        for got, want in zip(*outs):
-            assert want.float().norm() > 0 and _rel(got, want) < 3e-2
+            # expert 1 has no rows: its weight gradients are zero (its group holds zero rows, not none)
+            assert not w1r.grad[1].any() and not w2r.grad[1].any()
+        far = {n: round(_rel(got, want), 4) for n, got, want in zip(("y", "x", "w1", "w2"), *outs)}
+        # (FP8 rounding of the activation and its gradient flips where the bf16 and fp32 products differ)
+        assert all(want.float().norm() > 0 for want in outs[1]) and all(v < 5e-2 for v in far.values()), far

@@ -129,7 +129,7 @@ def test_no_fp8_expert_path_converts_a_tensor_to_its_own_dtype(monkeypatch, fmt)
     and moe-mini's FP8 experts stopped learning under --torch-compile on an H100.)"""
     from torch.overrides import TorchFunctionMode
 
-    def scaled_grouped_mm(a, b, sa, sb, offs=None, out_dtype=None):
+    def scaled_grouped_mm(a, b, sa, sb, offs=None, out_dtype=None, use_fast_accum=False):
         return torch._grouped_mm(a.float(), b.float(), offs=offs).to(out_dtype)
 
     class SameDtype(TorchFunctionMode):
@@ -232,7 +232,7 @@ def test_hybrid_backward_on_the_grouped_fp8_gemm_keeps_the_gradient_unrounded(fp
     state = FP8State(Recipe(format="hybrid", fp8_wgrad=fp8_wgrad, grouped_gemm="scaled_grouped_mm"))
     real = fp8_grouped.grouped_forward
     try:  # (torch's FP8 grouped GEMM needs Hopper: the forward's product emulated; the backward is the point)
-        experts.grouped_forward = lambda *a: real(*a[:-1], "emulate")
+        experts.grouped_forward = lambda *a, **kw: real(*a[:-1], "emulate", **kw)
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = experts.fp8_grouped_mm(xr, wr, ends, state)
         y.backward(g)

@@ -396,8 +396,8 @@ def test_aligned_rows_for_grouped_gemm():
     counts = T([3, 0, 9, 1])
     expert = torch.repeat_interleave(torch.arange(4), counts)
     dest, ends, size = moe.aligned_rows(counts, expert)
-    assert dest.tolist() == [0, 1, 2, 8, 9, 10, 11, 12, 13, 14, 15, 16, 24]
-    assert ends.tolist() == [8, 8, 24, 32] and ends.dtype == torch.int32 and size == 48  # 13 + 4 * 7, to 8s
+    assert dest.tolist() == [0, 1, 2, 16, 17, 18, 19, 20, 21, 22, 23, 24, 32]  # (expert 1: 8 zero rows, no empty group)
+    assert ends.tolist() == [8, 16, 32, 40] and ends.dtype == torch.int32 and size == 48  # 13 + 4 * 8, to 8s
 
 
 def test_expert_order_of_dropless_routing_is_static_and_equals_nonzero():
