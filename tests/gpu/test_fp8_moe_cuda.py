@@ -233,3 +233,24 @@ def test_fused_fp8_experts_mlp_equals_emulation(recipe, compiled):
         far = {n: round(_rel(got, want), 4) for n, got, want in zip(("y", "x", "w1", "w2"), *outs)}
         # (FP8 rounding of the activation and its gradient flips where the bf16 and fp32 products differ)
         assert all(want.float().norm() > 0 for want in outs[1]) and all(v < 5e-2 for v in far.values()), far
+
+
+@pytest.mark.skipif(not _hopper(), reason="Hopper")
+def test_fused_fp8_experts_casts_with_a_given_scale_launch_no_amax_pass():
+    """A primed delayed scaler tells the casting ops that its scale is given: they skip the amax pass and the
+    scale's choice, and write the bits the preset path writes (activation, its gradient, a plain cast)."""
+    from paratron.fp8.mlp import SWIGLU
+    torch.manual_seed(3)
+    h = torch.randn(4096, 2 * 1792, device="cuda", dtype=torch.bfloat16)
+    d = torch.randn(4096, 1792, device="cuda", dtype=torch.bfloat16)
+    preset = torch.tensor(37.0, device="cuda")
+    ops = torch.ops.paratron
+    for given in (False, True):
+        got = [ops.mlp_act_fp8(h, None, preset, SWIGLU, 0, given), ops.cast_fp8(d, preset, False, 0, given),
+               ops.mlp_act_fp8_backward(h, None, d, preset, SWIGLU, False, 0, given)[:4]]
+        if not given:
+            want = got
+    for a, b in zip(got, want):
+        assert all(torch.equal(x.view(torch.uint8) if x.dtype != torch.float32 else x,
+                               y.view(torch.uint8) if y.dtype != torch.float32 else y) for x, y in zip(a, b))
+        assert a[2].item() == 37.0  # the given scale
