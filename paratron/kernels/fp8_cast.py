@@ -320,7 +320,7 @@ def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.T
     qt = torch.empty(f, m, dtype=dtype, device=h.device)
     b = h if bias is None else bias
     with torch.cuda.device(h.device):
-        scale = preset
+        scale = preset.clone()  # (an op returns no alias of its input)
         if not given:
             _act_amax[grid](h, b, preset, part, m, f, HAS_BIAS=bias is not None, **switches)
             scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
@@ -377,7 +377,7 @@ def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: to
     db = torch.zeros(triton.cdiv(m, MIN_BM) if has_bias else 0, width, dtype=torch.float32, device=h.device)
     b = h if bias is None else bias
     with torch.cuda.device(h.device):
-        scale = preset
+        scale = preset.clone()  # (an op returns no alias of its input)
         if not given:  # (a primed delayed scaler's scale: no amax pass)
             _grad_amax[grid](h, b, dout, preset, part, m, f, HAS_BIAS=has_bias, **switches)
             scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))

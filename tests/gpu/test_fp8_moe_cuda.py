@@ -216,6 +216,7 @@ def test_fused_fp8_experts_mlp_equals_emulation(recipe, compiled):
     torch.manual_seed(7)
     x, w1, g, dest, ends = _grouped_case([700, 0, 333, 1100, 48, 900, 512, 503], 1024, 2 * 1792, 16, 0.02)
     w2 = (torch.randn(8, 1024, 1792, device="cuda") * 0.02).to(torch.bfloat16)
+    g = torch.randn(x.shape[0], 1024, device="cuda", dtype=torch.bfloat16)  # (fc2's output gradient)
     ends = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])])
     fn = torch.compile(experts_mlp.fused_experts_mlp) if compiled else experts_mlp.fused_experts_mlp
     states = {emulate: [FP8State(Recipe(format="e4m3", recipe=recipe, amax_history_len=4, emulate=emulate,
