@@ -94,8 +94,10 @@ def as_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, path: str) -> torch.Tensor:
-    """The grouped GEMM of the dequantised operands: ``dequant``'s through :func:`dequant_grouped_mm`."""
-    return dequant_grouped_mm(a, b, ends) if path == "dequant" else torch._grouped_mm(a, b, offs=ends)
+    """The grouped GEMM of the dequantised operands, through :func:`dequant_grouped_mm` (``emulate``'s fp32 operands
+    too: torch.compile's meta function of ``torch._grouped_mm`` takes bf16 only, so a CPU run's FP8 experts under
+    --torch-compile stopped there)."""
+    return dequant_grouped_mm(a, b, ends)
 
 
 @torch.library.custom_op("paratron::fp8_dequant_grouped_mm", mutates_args=())
