@@ -320,8 +320,9 @@ def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.T
     qt = torch.empty(f, m, dtype=dtype, device=h.device)
     b = h if bias is None else bias
     with torch.cuda.device(h.device):
-        scale = preset.clone()  # (an op returns no alias of its input)
-        if not given:
+        if given:
+            scale = preset.clone()  # (an op returns no alias of its input)
+        else:
             _act_amax[grid](h, b, preset, part, m, f, HAS_BIAS=bias is not None, **switches)
             scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
         _act_cast[grid](h, b, scale, q, qt, part_cast, m, f, FMAX=FMAX[dtype], HAS_BIAS=bias is not None,
@@ -377,8 +378,9 @@ def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: to
     db = torch.zeros(triton.cdiv(m, MIN_BM) if has_bias else 0, width, dtype=torch.float32, device=h.device)
     b = h if bias is None else bias
     with torch.cuda.device(h.device):
-        scale = preset.clone()  # (an op returns no alias of its input)
-        if not given:  # (a primed delayed scaler's scale: no amax pass)
+        if given:  # (a primed delayed scaler's scale: no amax pass; an op returns no alias of its input)
+            scale = preset.clone()
+        else:
             _grad_amax[grid](h, b, dout, preset, part, m, f, HAS_BIAS=has_bias, **switches)
             scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
         _grad_cast[grid](h, b, dout, scale, q, qt, part_cast, db, m, f, FMAX=FMAX[dtype], HAS_BIAS=has_bias,
