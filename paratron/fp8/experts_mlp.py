@@ -28,14 +28,23 @@ from .experts import backward_path, grouped_path
 from .recipe import E4M3, FAST_ACCUM_FORWARD, FP8State
 
 
+def why_not(s1: Optional[FP8State], s2: Optional[FP8State], act: Optional[int], biases: bool) -> Optional[str]:
+    """Why the fused FP8 experts MLP cannot run fc1 -> ``act`` -> fc2 with the FP8 states ``s1``, ``s2`` (for the
+    start-up line), None where it can."""
+    if s1 is None or s2 is None or s1.recipe != s2.recipe:
+        return "fc1 and fc2 in different precisions or recipes"
+    recipe = s1.recipe
+    checks = ((recipe.fuse_mlp, "--kernel-fp8-fused-mlp off"), (recipe.fp8_wgrad, "--no-fp8-wgrad"),
+              (recipe.recipe in ("tensorwise", "delayed"), f"the {recipe.recipe} recipe"),
+              (act is not None, "an activation without a fused FP8 kernel"), (not biases, "expert biases"),
+              (backward_path(s1, grouped_path(s1, "tensor")) != "bf16",
+               "hybrid: torch's grouped FP8 GEMM takes no e5m2 gradient"))
+    return next((why for ok, why in checks if not ok), None)
+
+
 def applies(s1: Optional[FP8State], s2: Optional[FP8State], act: Optional[int], biases: bool) -> bool:
     """Whether the fused FP8 experts MLP can run fc1 -> ``act`` -> fc2 with the FP8 states ``s1``, ``s2``."""
-    if act is None or biases or s1 is None or s2 is None or s1.recipe != s2.recipe:
-        return False
-    recipe = s1.recipe
-    if not (recipe.fuse_mlp and recipe.fp8_wgrad and recipe.recipe in ("tensorwise", "delayed")):
-        return False
-    return backward_path(s1, grouped_path(s1, "tensor")) != "bf16"
+    return why_not(s1, s2, act, biases) is None
 
 
 class _FP8ExpertsMLP(torch.autograd.Function):

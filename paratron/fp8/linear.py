@@ -123,9 +123,24 @@ def device_problem(device: str) -> Optional[str]:
     return None
 
 
+def experts_paths(models) -> str:
+    """How the routed experts in FP8 run, for the start-up line: "" without them, else how many layers take the
+    fused FP8 experts MLP (fp8/experts_mlp.py) and how many run GEMM by GEMM, with the first reason."""
+    paths = [m.fp8_path() for model in models for m in model.modules() if hasattr(m, "fp8_path")]
+    paths = [p for p in paths if p is not None]
+    if not paths:
+        return ""
+    fused = paths.count("fused")
+    other = next((p for p in paths if p != "fused"), None)
+    parts = ([f"{fused} as the fused FP8 MLP"] if fused else []) + (
+        [f"{len(paths) - fused} GEMM by GEMM ({other})"] if other else [])
+    return "; routed experts: " + ", ".join(parts)
+
+
 def startup_line(models, bf16: bool, device: torch.device) -> str:
     """What --fp8-format covers on this rank, said once at start-up (and, on a CPU, what the run is for)."""
-    line = f" {coverage(models)}; embedding, router and output layer in {'bf16' if bf16 else 'fp32'}"
+    rest = "bf16" if bf16 else "fp32"
+    line = f" {coverage(models)}{experts_paths(models)}; embedding, router and output layer in {rest}"
     if device.type == "cpu":
         line += "; on the CPU: the recipe emulated (dequantised fp32 matmuls), to try a configuration, not its speed"
     return line

@@ -249,12 +249,19 @@ class Experts(nn.Module):
         return self._ffn(x, mm, row_expert)
 
     def fused_fp8(self) -> bool:
-        """Whether fc1 -> activation -> fc2 run as the fused FP8 experts MLP (fp8/experts_mlp.py): where it
-        applies and nothing asks for the activation on its own (recomputed, offloaded, its weight gradient
-        delayed)."""
+        """Whether fc1 -> activation -> fc2 run as the fused FP8 experts MLP (fp8/experts_mlp.py)."""
+        return self.fp8_path() == "fused"
+
+    def fp8_path(self) -> Optional[str]:
+        """None without FP8; "fused" where the fused FP8 experts MLP applies and nothing asks for the activation on
+        its own (recomputed, offloaded, its weight gradient delayed); else why not (the start-up line's words)."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        own_act = self.recompute_act or self.owed is not None or bool(self.__dict__.get("offload_points"))
-        return not own_act and fp8_experts_mlp.applies(fc1.fp8, fc2.fp8, self.fp8_act, fc1.bias is not None)
+        if fc1.fp8 is None and fc2.fp8 is None:
+            return None
+        own = ((self.recompute_act, "--recompute-modules moe_act"), (self.owed is not None, "--delay-wgrad-compute"),
+               (bool(self.__dict__.get("offload_points")), "--offload-modules"))
+        why = next((w for on, w in own if on), None)
+        return why or fp8_experts_mlp.why_not(fc1.fp8, fc2.fp8, self.fp8_act, fc1.bias is not None) or "fused"
 
     def _fused_fp8(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.linear_fc1, self.linear_fc2

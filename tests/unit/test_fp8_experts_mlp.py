@@ -132,3 +132,23 @@ def test_fused_experts_mlp_compiles_on_cpu():
             for fn in (experts_mlp.fused_experts_mlp, compiled)]
     for a, b in zip(*runs):
         assert _rel(a, b) < 1e-6
+
+
+def test_startup_line_says_how_the_experts_run():
+    """The start-up line names the layers whose experts take the fused FP8 MLP and, for the others, why not."""
+    from paratron.fp8.linear import experts_paths
+    from paratron.model.layers import Parallel
+    from paratron.model.moe import MoELayer
+    from paratron.train.resolve import parse_args
+    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--num-layers", "1", "--hidden-size", "32",
+                      "--num-attention-heads", "2", "--seq-length", "16", "--num-experts", "4",
+                      "--moe-ffn-hidden-size", "48", "--swiglu", "--disable-bias-linear", "--moe-grouped-gemm"]).model
+    layers = [MoELayer(cfg, Parallel()) for _ in range(3)]
+    assert experts_paths(layers) == ""  # no FP8
+    for layer, kw in zip(layers, [{}, {"fuse_mlp": False}, {"format": "hybrid", "grouped_gemm": "scaled_grouped_mm"}]):
+        fp8.attach(layer, Recipe(**{"format": "e4m3", "recipe": "delayed", "emulate": "grouped_gemm" not in kw, **kw}))
+    want = "; routed experts: 1 as the fused FP8 MLP, 2 GEMM by GEMM (--kernel-fp8-fused-mlp off)"
+    assert experts_paths(layers) == want
+    assert layers[2].experts.fp8_path() == "hybrid: torch's grouped FP8 GEMM takes no e5m2 gradient"
+    layers[0].experts.recompute_act = True
+    assert layers[0].experts.fp8_path() == "--recompute-modules moe_act" and not layers[0].experts.fused_fp8()
