@@ -278,7 +278,9 @@ def test_moe_model_says_which_linears_fp8_covers(monkeypatch, capsys):
     trainer = Trainer(parse_args(flags))
     out = capsys.readouterr().out
     # two layers of QKV, proj, the shared expert's fc1 / fc2 and the experts' fc1 / fc2, all in the run's recipe
-    assert out.count("FP8 linears: 12 delayed; in the parameters' dtype: 0; embedding, router") == 1, out
+    # (the experts' biases keep them GEMM by GEMM: fp8/experts_mlp.py)
+    want = "FP8 linears: 12 delayed; in the parameters' dtype: 0; routed experts: 2 GEMM by GEMM (expert biases); embed"
+    assert out.count(want) == 1, out
     with_state = {n for n, m in trainer.model.named_modules() if getattr(m, "fp8", None) is not None}
     assert any(n.endswith("linear_qkv") for n in with_state) and any("shared_experts" in n for n in with_state)
     assert any(n.endswith(".experts.linear_fc1") for n in with_state), with_state
