@@ -146,6 +146,9 @@ def main() -> int:
             d = rel_diffs(done[a]["losses"], done[b]["losses"])
             lines.append(f"| {a} | {b} | {max(d, default=float('nan')):.2e} | "
                          f"{(sum(d) / len(d)) if d else float('nan'):.2e} | {len(d)} |")
+    for r in (r for r in results if r["rc"]):  # a run that stopped: its exit code and last output in the record
+        lines += ["", f"Run `{r['name']}` stopped (exit code {r['rc']}, {r['wall_s']:.0f} s); the end of its output:",
+                  "", "```", r["tail"].strip(), "```"]
     table, curves = "\n".join(lines), "\n".join(curve)
     print("\n" + table + "\n\n" + curves)
     import torch
