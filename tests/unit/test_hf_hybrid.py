@@ -78,8 +78,10 @@ def test_logits_and_greedy_equal_transformers(name):
     with torch.no_grad():
         want = hf(ids).logits
         got = model(ids)[..., :vocab]
-    tol = 3e-5 if name.endswith("moe") else 1e-5  # (the experts' outputs summed in another order)
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # within tol of the largest logit: fp32 sums in another order (the experts' outputs; the chunked delta rule's,
+    # whose difference depends on the CPU's BLAS kernels: 3.1e-5 of 6.3 on an AMD EPYC, below 1e-5 elsewhere)
+    tol = (3e-5 if name.endswith("moe") else 1e-5) * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
     out = Engine(model, vocab).generate([Request(ids[0, :5].tolist(), SamplingParams(max_new_tokens=6))])[0]
     seq = torch.tensor([ids[0, :5].tolist() + out.tokens])
     with torch.no_grad():
