@@ -70,11 +70,12 @@ if [ ${#variants[@]} -gt 0 ] || [ ${#hf[@]} -gt 0 ]; then
 fi
 if want moe; then
     moe="--torch-compile --moe-grouped-gemm --micro-batch-size $moe_mb --global-batch-size $moe_mb"
+    experts="--moe-permute-fusion --bf16 --fp8-format e4m3 --te-precision-config-file configs/precision/moe_experts_fp8.yaml"
     python benchmarks/train_throughput.py --config moe-mini --record-dir "$out" --variant "moe:$moe" \
         --variant "moe-fused:$moe --moe-permute-fusion" \
-        --variant "moe-fp8:$moe --moe-permute-fusion --fp8-format hybrid --fp8-recipe tensorwise" \
-        --variant "moe-fp8-e4m3:$moe --moe-permute-fusion --fp8-format e4m3 --fp8-recipe tensorwise" \
-        --variant "moe-fp8-blockwise:$moe --moe-permute-fusion --fp8-format e4m3 --fp8-recipe blockwise" 2>&1 \
+        --variant "moe-fp8-experts-tensorwise:$moe $experts --fp8-recipe tensorwise" \
+        --variant "moe-fp8-experts-delayed:$moe $experts --fp8-recipe delayed --fp8-amax-history-len 16" \
+        --variant "moe-fp8-experts-blockwise:$moe $experts --fp8-recipe blockwise" 2>&1 \
         | grep -v "Warn\|warn" | tail -6
 fi
 if want decode || want hf; then
