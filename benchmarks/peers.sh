@@ -70,7 +70,8 @@ if [ ${#variants[@]} -gt 0 ] || [ ${#hf[@]} -gt 0 ]; then
 fi
 if want moe; then
     moe="--torch-compile --moe-grouped-gemm --micro-batch-size $moe_mb --global-batch-size $moe_mb"
-    experts="--moe-permute-fusion --bf16 --fp8-format e4m3 --te-precision-config-file configs/precision/moe_experts_fp8.yaml"
+    experts="--moe-permute-fusion --bf16 --fp8-format e4m3"
+    experts+=" --te-precision-config-file configs/precision/moe_experts_fp8.yaml"  # the routed experts alone
     python benchmarks/train_throughput.py --config moe-mini --record-dir "$out" --variant "moe:$moe" \
         --variant "moe-fused:$moe --moe-permute-fusion" \
         --variant "moe-fp8-experts-tensorwise:$moe $experts --fp8-recipe tensorwise" \
