@@ -51,7 +51,7 @@ def test_fused_experts_mlp_equals_fc1_swiglu_fc2_one_by_one(recipe):
         gate, up = fp8_grouped_mm(x, w1, ends, p1).chunk(2, dim=-1)
         return fp8_grouped_mm(torch.nn.functional.silu(gate) * up, w2, ends, p2)
 
-    for step in range(2):  # (delayed: the second step scales from the histories the first recorded)
+    for _ in range(2):  # (delayed: the second step scales from the histories the first recorded)
         got, want = _run(fused, x, w1, w2, g), _run(per_layer, x, w1, w2, g)
         for a, b in zip(got, want):
             assert _rel(a, b) < 1e-5
