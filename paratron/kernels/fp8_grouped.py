@@ -55,7 +55,7 @@ def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
     if path == "triton":  # block scales: the FP8 tiles multiplied as they are (kernels/fp8_block_grouped.py)
         return torch.ops.paratron.fp8_block_grouped_mm(a, sa, b, sb, ends, out_dtype)
     dt = _work_dtype(path, out_dtype)
-    out = _mm(_deq(a, sa, kind, False, dt), _deq(b, sb, kind, True, dt).transpose(-2, -1), ends, path)
+    out = dequant_grouped_mm(_deq(a, sa, kind, False, dt), _deq(b, sb, kind, True, dt).transpose(-2, -1), ends)
     return as_dtype(out, out_dtype)
 
 
@@ -79,7 +79,7 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     a, b = _deq(gt, sg, kind, False, dt), _deq(xt, sx, kind, False, dt).t()
     if path == "dequant":  # the operands in the layout of torch's own weight gradient (column-, then row-major)
         a, b = a.t().contiguous().t(), b.contiguous()
-    out = _mm(a, b, ends, path)
+    out = dequant_grouped_mm(a, b, ends)
     if path == "dequant":  # an expert with no rows: its gradient is zero, whatever the kernel left there
         out = torch.where((torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None], out, 0.0)
     return as_dtype(out, out_dtype)
@@ -93,17 +93,11 @@ def as_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, path: str) -> torch.Tensor:
-    """The grouped GEMM of the dequantised operands, through :func:`dequant_grouped_mm` (``emulate``'s fp32 operands
-    too: torch.compile's meta function of ``torch._grouped_mm`` takes bf16 only, so a CPU run's FP8 experts under
-    --torch-compile stopped there)."""
-    return dequant_grouped_mm(a, b, ends)
-
-
 @torch.library.custom_op("paratron::fp8_dequant_grouped_mm", mutates_args=())
 def dequant_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=ends)`` as an operator of its own, so that torch.compile calls torch's
-    kernel on the operands as laid out here instead of lowering the GEMM itself."""
+    kernel on the operands as laid out here instead of lowering the GEMM itself (the ``dequant`` and ``emulate``
+    paths: torch.compile's meta function of ``torch._grouped_mm`` takes bf16 only, and the emulation's are fp32)."""
     return torch._grouped_mm(a, b, offs=ends)
 
 

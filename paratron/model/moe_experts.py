@@ -100,6 +100,11 @@ def token_rows(routing_map: torch.Tensor, src: torch.Tensor, row_expert: torch.T
     return table[:tokens].gather(1, chosen), chosen
 
 
+def over_all_rows(ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """The groups' end rows with the last group extended to ``rows`` (the padding rows past it: zero rows)."""
+    return torch.cat([ends[:-1], ends.new_full((1,), rows)])
+
+
 class _Dispatch(torch.autograd.Function):
     """``tokens`` into the padded rows (row r reads token ``src[r]``, padding rows the zero row after the last);
     the backward sums each token's k rows' gradients (``rows`` [tokens, k]) by a gather, in fp32: no scatter-add."""
@@ -215,7 +220,7 @@ class Experts(nn.Module):
         if rows is not None and self.fused_fp8():  # both GEMMs at once, on the padded rows (last group extended)
             dest, ends, size = rows
             padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
-            return self._fused_fp8(padded, torch.cat([ends[:-1], ends.new_full((1,), size)]))[dest]
+            return self._fused_fp8(padded, over_all_rows(ends, size))[dest]
         return self._ffn(x, lambda a, m: self._mm(a, m.weight, counts, rows, m.fp8), expert_index)
 
     def row_alignment(self) -> int:
@@ -238,7 +243,7 @@ class Experts(nn.Module):
         and no pass over the rows has to mask them (no uninitialised memory reaches a bias gradient or an FP8
         amax)."""
         self.used_grouped_mm = True
-        ends = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])])
+        ends = over_all_rows(ends, x.shape[0])
         if self.fused_fp8():
             return self._fused_fp8(x, ends)
 
