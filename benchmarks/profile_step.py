@@ -179,9 +179,10 @@ def decode_main(argv: list) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--kernel-decode-attention", choices=("auto", "triton", "fused", "sdpa"), default=None)
     a = p.parse_args(argv)
     device = torch.device("cuda")
-    model, _, vocab, _ = build(False, device, torch.bfloat16)
+    model, _, vocab, _ = build(False, device, torch.bfloat16, attention=a.kernel_decode_attention)
     run = paratron_runner(model, vocab, not a.no_compile)
     prompts = torch.randint(0, vocab, (a.batch, a.prompt_len), device=device)
     n = a.new_tokens
