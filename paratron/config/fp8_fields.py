@@ -18,4 +18,5 @@ class FP8Fields:
     first_last_layers_bf16: bool = False  # FP8: the first and last decoder layers stay in bf16
     num_layers_at_start_in_bf16: int = 1  # with --first-last-layers-bf16: how many first layers
     num_layers_at_end_in_bf16: int = 1  # with --first-last-layers-bf16: how many last layers
+    disable_parameter_transpose_cache: bool = False  # FP8: cast weights at every micro-batch, not once per step
     te_precision_config_file: Optional[str] = None  # FP8: YAML of per-module precision (Megatron's format), by name

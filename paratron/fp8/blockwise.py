@@ -25,7 +25,7 @@ class _BlockLinear(torch.autograd.Function):
     """y = x W^T with blockwise-scaled e4m3 operands (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, state):
+    def forward(ctx, x, weight, state, wq, sw):
         margin, path = state.recipe.margin, block_path(state)
         x2 = x.reshape(-1, x.size(-1))
         state.mark("input")
@@ -33,8 +33,9 @@ class _BlockLinear(torch.autograd.Function):
             xq, sx, xtq, sxt = tiles_both(x2, margin, state.recipe.block_cast)
         else:
             xq, sx = quantize_tiles(x2, E4M3, margin)
-        state.mark("weight")
-        wq, sw = quantize_blocks(weight, E4M3, margin)
+        if wq is None:  # (else the step's cached blocks, fp8/weights.py)
+            state.mark("weight")
+            wq, sw = quantize_blocks(weight, E4M3, margin)
         y = block_mm(xq, sx, wq, sw, True, x.dtype, path)
         if state.recipe.fp8_wgrad:
             ctx.save_for_backward(xtq, sxt, wq, sw)
@@ -63,9 +64,10 @@ class _BlockLinear(torch.autograd.Function):
             gw = block_mm(gtq, sgt, x_saved, sxt, False, ctx.w_dtype, path)
         elif ctx.needs_input_grad[1]:
             gw = (g2.t() @ x_saved).to(ctx.w_dtype)
-        return gx, gw, None
+        return gx, gw, None, None, None
 
 
-def block_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias) in blockwise-scaled FP8; output in x's dtype."""
-    return _BlockLinear.apply(x, weight, state)
+def block_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State, wq=None, sw=None) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) in blockwise-scaled FP8; output in x's dtype. ``wq``, ``sw``: the weight's
+    blocks where the step's weight cache holds them."""
+    return _BlockLinear.apply(x, weight, state, wq, sw)

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from . import weights
 from .blockwise import block_linear
 from .recipe import LAYERS, FP8State, Recipe, column_major, forward_mm, input_grad_mm, scaled_mm
 
@@ -18,16 +19,16 @@ class _FP8Linear(torch.autograd.Function):
     copy); the input gradient stays FP8."""
 
     @staticmethod
-    def forward(ctx, x, weight, state):
+    def forward(ctx, x, weight, state, wq, sw, wt):
         x2 = x.reshape(-1, x.size(-1))
-        y, xq, sx, wq, sw = forward_mm(x2, weight, state, x.dtype)
-        ctx.save_for_backward(xq if state.recipe.fp8_wgrad else x2, wq, sx, sw)
+        y, xq, sx, wq, sw = forward_mm(x2, weight, state, x.dtype, wq, sw)
+        ctx.save_for_backward(xq if state.recipe.fp8_wgrad else x2, wq, sx, sw, wt)
         ctx.state, ctx.x_shape, ctx.w_dtype = state, x.shape, weight.dtype
         return y.view(*x.shape[:-1], weight.size(0))
 
     @staticmethod
     def backward(ctx, g):
-        x_saved, wq, sx, sw = ctx.saved_tensors
+        x_saved, wq, sx, sw, wt = ctx.saved_tensors
         state, emulate = ctx.state, ctx.state.recipe.emulate
         g2 = g.reshape(-1, g.size(-1))
         if state.recipe.fp8_wgrad:
@@ -36,19 +37,20 @@ class _FP8Linear(torch.autograd.Function):
             gq, sg = state.quantize("grad", g2)
         gx = gw = None
         if ctx.needs_input_grad[0]:  # [m, n] @ [n, k]
-            gx = input_grad_mm(gq, sg, wq, sw, g.dtype, emulate).view(ctx.x_shape)
+            gx = input_grad_mm(gq, sg, wq, sw, g.dtype, emulate, wt).view(ctx.x_shape)
         if ctx.needs_input_grad[1] and state.recipe.fp8_wgrad:  # [n, m] @ [m, k]
             gw = scaled_mm(gqt, column_major(x_saved), sg, sx, ctx.w_dtype, emulate)
         elif ctx.needs_input_grad[1]:
             gw = (g2.t() @ x_saved).to(ctx.w_dtype)
-        return gx, gw, None
+        return gx, gw, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) with FP8 inputs per ``state``'s recipe; output in x's dtype."""
+    wq, sw, wt, _ = state.cached_weight()  # the step's cached FP8 weight (fp8/weights.py), or Nones
     if state.recipe.recipe == "blockwise":
-        return block_linear(x, weight, state)
-    return _FP8Linear.apply(x, weight, state)
+        return block_linear(x, weight, state, wq, sw)
+    return _FP8Linear.apply(x, weight, state, wq, sw, wt)
 
 
 def attach(model: torch.nn.Module, recipe: Optional[Recipe], num_layers: Optional[int] = None,
@@ -140,7 +142,8 @@ def experts_paths(models) -> str:
 def startup_line(models, bf16: bool, device: torch.device) -> str:
     """What --fp8-format covers on this rank, said once at start-up (and, on a CPU, what the run is for)."""
     rest = "bf16" if bf16 else "fp32"
-    line = f" {coverage(models)}{experts_paths(models)}; embedding, router and output layer in {rest}"
+    line = (f" {coverage(models)}{experts_paths(models)}{weights.describe(models)}; embedding, router and output "
+            f"layer in {rest}")
     if device.type == "cpu":
         line += "; on the CPU: the recipe emulated (dequantised fp32 matmuls), to try a configuration, not its speed"
     return line

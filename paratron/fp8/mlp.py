@@ -55,39 +55,41 @@ class _FP8MLP(torch.autograd.Function):
     weights and fc2's output gradient; the activation's output and gradient scaled here)."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, s1: FP8State, s2: FP8State, act: int):
-        h, xq, sx, w1q, sw1 = forward_mm(x.reshape(-1, x.size(-1)), w1, s1, x.dtype)
+    def forward(ctx, x, w1, b1, w2, s1: FP8State, s2: FP8State, act: int, w1q, sw1, w1t, w2q, sw2, w2t):
+        h, xq, sx, w1q, sw1 = forward_mm(x.reshape(-1, x.size(-1)), w1, s1, x.dtype, w1q, sw1)
         s2.mark("input")
         aq, aqt, sa, current = torch.ops.paratron.mlp_act_fp8(h, b1, s2.input.preset_scale(h.device), act,
                                                               s1.recipe.margin, s2.input.known)
         s2.input.record(current)
-        w2q, sw2 = s2.quantize("weight", w2)
+        if w2q is None:
+            w2q, sw2 = s2.quantize("weight", w2)
         y = scaled_mm(aq, w2q.t(), sa, sw2, x.dtype, s2.recipe.emulate, FAST_ACCUM_FORWARD)
-        ctx.save_for_backward(xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa, b1)
+        ctx.save_for_backward(xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa, b1, w1t, w2t)
         ctx.s1, ctx.s2, ctx.act, ctx.x_shape, ctx.w_dtype = s1, s2, act, x.shape, w1.dtype
         return y.view(*x.shape[:-1], w2.size(0))
 
     @staticmethod
     def backward(ctx, g):
-        xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa, b1 = ctx.saved_tensors
+        xq, w1q, w2q, h, aqt, sx, sw1, sw2, sa, b1, w1t, w2t = ctx.saved_tensors
         s1, s2 = ctx.s1, ctx.s2
         emulate, margin = s1.recipe.emulate, s1.recipe.margin
         gq, gqt, sg = s2.quantize_grad(g.reshape(-1, g.size(-1)))
-        dact = input_grad_mm(gq, sg, w2q, sw2, g.dtype, emulate)  # [m, F]
+        dact = input_grad_mm(gq, sg, w2q, sw2, g.dtype, emulate, w2t)  # [m, F]
         gw2 = scaled_mm(gqt, aqt.t(), sg, sa, ctx.w_dtype, emulate)
         s1.mark("grad")
         dhq, dhqt, sdh, current, db = torch.ops.paratron.mlp_act_fp8_backward(
             h, b1, dact, s1.grad.preset_scale(h.device), ctx.act, s1.grad.dtype != E4M3, margin, s1.grad.known)
         s1.grad.record(current)
-        gx = input_grad_mm(dhq, sdh, w1q, sw1, g.dtype, emulate).view(ctx.x_shape)
+        gx = input_grad_mm(dhq, sdh, w1q, sw1, g.dtype, emulate, w1t).view(ctx.x_shape)
         gw1 = scaled_mm(dhqt, column_major(xq), sdh, sx, ctx.w_dtype, emulate)
-        return gx, gw1, None if b1 is None else db.to(b1.dtype), gw2, None, None, None
+        return gx, gw1, None if b1 is None else db.to(b1.dtype), gw2, *(None,) * 9
 
 
 def fused_mlp(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor, s1: FP8State,
               s2: FP8State, act: int = SWIGLU) -> torch.Tensor:
     """``F.linear(act(F.linear(x, w1, b1)), w2)`` in FP8 (the local matmuls of a TP-split MLP)."""
-    return _FP8MLP.apply(x, w1, b1, w2, s1, s2, act)
+    c1, c2 = s1.cached_weight(), s2.cached_weight()  # the step's cached FP8 weights (fp8/weights.py), or Nones
+    return _FP8MLP.apply(x, w1, b1, w2, s1, s2, act, *c1[:3], *c2[:3])
 
 
 def reference_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1: Optional[torch.Tensor] = None,

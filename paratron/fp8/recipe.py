@@ -59,6 +59,7 @@ class Recipe:
     grouped_gemm: str = "dequant"  # routed experts' FP8 GEMMs (--kernel-fp8-grouped-gemm): scaled_grouped_mm | dequant
     block_grouped_gemm: str = "dequant"  # ... under the blockwise recipe (--kernel-fp8-block-grouped-gemm): triton
     block_cast: str = "torch"  # blockwise tile casts in both layouts (--kernel-fp8-block-cast): triton | torch
+    weight_cache: bool = True  # FP8 weights cast once per step of several micro-batches (fp8/weights.py)
     overrides: tuple[Rule, ...] = ()  # --te-precision-config-file's matchers (config/precision_file.py), in order
 
     @property
@@ -85,6 +86,7 @@ class Recipe:
                    grouped_gemm="dequant" if grouped == "auto" else grouped,
                    block_grouped_gemm="dequant" if block_grouped == "auto" else block_grouped,
                    block_cast="torch" if block_cast == "auto" else block_cast,
+                   weight_cache=not getattr(tr, "disable_parameter_transpose_cache", False),
                    overrides=read_rules(tr.te_precision_config_file), emulate=emulate)
 
     def for_module(self, name: str) -> tuple[Optional["Recipe"], Optional[Rule]]:
@@ -197,7 +199,9 @@ class Scaler:
 
 class FP8State:
     """What one linear layer keeps between its FP8 matmuls: a scaler per tensor role. ``trace`` (a
-    list, None by default) receives (role, fp8 dtype) for each quantisation: tests read it."""
+    list, None by default) receives (role, fp8 dtype) for each quantisation: tests read it.
+    ``weight_cache``: the FP8 copies of the layer's weight for the rest of a training step (fp8/weights.py), or
+    None: the layer casts its weight itself at each forward."""
 
     def __init__(self, recipe: Recipe, device=None):
         self.recipe = recipe
@@ -205,6 +209,7 @@ class FP8State:
         self.weight = Scaler(recipe, E4M3, device)
         self.grad = Scaler(recipe, recipe.grad_dtype, device)
         self.trace: Optional[list] = None
+        self.weight_cache: Optional[tuple] = None
 
     @property
     def scalers(self) -> tuple:
@@ -218,6 +223,12 @@ class FP8State:
     def quantize(self, role: str, x: torch.Tensor):
         self.mark(role)
         return getattr(self, role).quantize(x)
+
+    def cached_weight(self) -> tuple:
+        """The step's cached (wq, sw, wt, swt) of the layer's weight (fp8/weights.py), or four Nones: the layer
+        casts its weight itself."""
+        cached = self.weight_cache
+        return (None, None, None, None) if cached is None else cached
 
     def quantize_grad(self, g: torch.Tensor):
         """The output gradient ``g`` [m, n] in FP8, row-major and transposed: (gq, gq^T, scale)."""
@@ -239,17 +250,21 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def forward_mm(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, out_dtype: torch.dtype):
-    """x2 [m, k] @ weight^T with both quantised by ``state``: (y, xq, sx, wq, sw)."""
+def forward_mm(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, out_dtype: torch.dtype,
+               wq: Optional[torch.Tensor] = None, sw: Optional[torch.Tensor] = None):
+    """x2 [m, k] @ weight^T with both quantised by ``state`` (the weight's FP8 copy ``wq``, ``sw`` where given, from
+    the step's weight cache): (y, xq, sx, wq, sw)."""
     xq, sx = state.quantize("input", x2)
-    wq, sw = state.quantize("weight", weight)
+    if wq is None:
+        wq, sw = state.quantize("weight", weight)
     return scaled_mm(xq, wq.t(), sx, sw, out_dtype, state.recipe.emulate, FAST_ACCUM_FORWARD), xq, sx, wq, sw
 
 
 def input_grad_mm(gq: torch.Tensor, sg: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype,
-                  emulate: bool) -> torch.Tensor:
-    """The input gradient g W: FP8 ``gq`` [m, n] times the forward's FP8 weight ``wq`` [n, k]."""
-    return scaled_mm(gq, column_major(wq), sg, sw, out_dtype, emulate)
+                  emulate: bool, wt: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The input gradient g W: FP8 ``gq`` [m, n] times the forward's FP8 weight ``wq`` [n, k] (``wt``: its
+    column-major copy where the weight cache made one; else made here)."""
+    return scaled_mm(gq, column_major(wq) if wt is None else wt, sg, sw, out_dtype, emulate)
 
 
 # ---- the delayed recipe's amax histories in checkpoints ----------------------------------------

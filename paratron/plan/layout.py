@@ -39,6 +39,7 @@ class Layout:
     grad_bytes: int = 4  # the gradient buffers: fp32 unless --grad-reduce-in-bf16 (or fp16 without fp32 grads)
     fp8: bool = False
     fp8_param_gather: bool = False
+    fp8_weight_cache: bool = True  # FP8 weights cast once per step of several micro-batches (fp8/weights.py)
     offload_fraction: float = 0.0  # share of fp32 masters and Adam moments kept on the host
     moment_bytes: int = 8  # Adam's two moments per element: 8 in fp32 (--exp-avg-dtype, --exp-avg-sq-dtype)
     scaled_moments: int = 0  # of them held in fp16 / fp8 (an fp32 scale per tensor each)
@@ -132,6 +133,7 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_length=cfg.model.seq_length,
                   param_bytes=param_bytes, grad_bytes=grad_bytes, fp8=tr.fp8_format is not None,
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
+                  fp8_weight_cache=not field(cfg, "disable_parameter_transpose_cache", False),
                   moment_bytes=sum(MOMENT_BYTES[d] for d in moments),
                   scaled_moments=sum(d in ("fp16", "fp8") for d in moments),
                   offload_modules=tuple(field(cfg, "offload_modules", None) or ())

@@ -50,11 +50,13 @@ class Memory:
                 ("allocator slack", self.slack)]
 
 
-def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int) -> int:
+def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int, rank_layer_params: int = 0) -> int:
     """Transient buffers of the collectives, per rank: pipeline send/receive of one micro-batch's hidden
     states (both directions), the experts' all-to-all
     (top-k copies there and back), ZeRO-2's gradient bucket before its reduce-scatter and ZeRO-3's gathered
-    layer (two with --overlap-param-gather: the next one is prefetched; FP8 weights with --fp8-param-gather)."""
+    layer (two with --overlap-param-gather: the next one is prefetched; FP8 weights with --fp8-param-gather).
+    FP8: one layer's weight copies and their transposes, or, where a step of several micro-batches casts them
+    once (fp8/weights.py), those of every layer of the rank (``rank_layer_params``) for the whole step."""
     a, h = layout.param_bytes, model.hidden_size
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     out = 0
@@ -67,9 +69,15 @@ def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int)
     if layout.zero >= 3:
         gathered = 1 if layout.fp8 and layout.fp8_param_gather else a
         out += (2 if layout.overlap_param_gather else 1) * layer_params * gathered
-    if layout.fp8:  # FP8 copies of one layer's weights and their transposes
-        out += 2 * layer_params
+    if layout.fp8:  # FP8 copies of the weights and their transposes
+        out += 2 * (rank_layer_params if fp8_weights_cached(layout) else layer_params)
     return out
+
+
+def fp8_weights_cached(layout: Layout) -> bool:
+    """Whether the step casts the FP8 weights once for its micro-batches (fp8/weights.py's conditions)."""
+    return (layout.fp8 and layout.fp8_weight_cache and layout.microbatches > 1 and layout.zero < 3
+            and not layout.overlap_param_gather)
 
 
 def state_key(layout: Layout) -> Layout:
@@ -105,10 +113,10 @@ def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, pa
         saved, work = chunk_bytes(model, layout, kinds[first: first + count], vocab, pre, post)
         acts += saved * flight // layout.vpp  # interleaved: the chunk micro-batches in flight, spread over chunks
         working = max(working, work)
-    layer_params = max((sum(t.numel for t in ts if ".layers." in t.name) // max(1, c[1])
-                        for ts, c in zip(tensors, chunks)), default=0)
-    return Memory(st.weights, st.grads, st.optimizer, acts, working, comm_bytes(model, layout, st, layer_params),
-                  st.host, pp_rank)
+    in_layers = [sum(t.numel for t in ts if ".layers." in t.name) for ts in tensors]
+    layer_params = max((n // max(1, c[1]) for n, c in zip(in_layers, chunks)), default=0)
+    return Memory(st.weights, st.grads, st.optimizer, acts, working,
+                  comm_bytes(model, layout, st, layer_params, sum(in_layers)), st.host, pp_rank)
 
 
 def fullest(model: ModelConfig, vocab: int, layout: Layout, par=None) -> Memory:

@@ -3,9 +3,9 @@ the delayed FP8 recipe's scalers) are found once, when the Trainer is built, and
 ``Trainer.train_step`` at three fixed points through one protocol:
 
 - ``before_step``: after the gradient buffers are zeroed, before the forward-backward passes
-  (the MoE aux losses' and the MTP loss's backward scale);
+  (the MoE aux losses' and the MTP loss's backward scale; the FP8 weights cast for the step's micro-batches);
 - ``after_forward_backward``: after the last backward pass, before the gradients are finalized
-  (the delayed FP8 scalers take their scales from their histories from now on);
+  (the delayed FP8 scalers take their scales from their histories from now on; the cached FP8 weights dropped);
 - ``after_step``: after the optimizer step, before the learning-rate schedule advances (the MoE
   routers' aux-loss-free expert bias update).
 
@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from ..model import moe, mtp
 from .. import fp8
+from ..fp8 import weights as fp8_weights
 from ..parallel.dims import ParallelDims
 
 PHASES = ("before_step", "after_forward_backward", "after_step")
@@ -73,7 +74,23 @@ def fp8_hooks(models) -> dict[str, Hook]:
     return {"after_forward_backward": lambda ctx: fp8.prime(states)}
 
 
-PROVIDERS = (moe_hooks, mtp_hooks, fp8_hooks)  # (this order is the order the hooks of a phase run in)
+def fp8_weight_hooks(models) -> dict[str, Hook]:
+    """The FP8 layers' weight cache (paratron/fp8/weights.py): a step of several micro-batches casts each FP8
+    weight once, before its first forward, and drops the copies after its last backward."""
+    layers = fp8_weights.cached_layers(models)
+    if not layers:
+        return {}
+
+    def before(ctx: StepContext) -> None:
+        if ctx.num_microbatches > 1:
+            fp8_weights.fill(layers)
+
+    def after(ctx: StepContext) -> None:
+        fp8_weights.drop(layers)
+    return {"before_step": before, "after_forward_backward": after}
+
+
+PROVIDERS = (moe_hooks, mtp_hooks, fp8_hooks, fp8_weight_hooks)  # (this order is the order the hooks of a phase run in)
 
 
 class StepHooks:

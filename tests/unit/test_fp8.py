@@ -279,7 +279,8 @@ def test_moe_model_says_which_linears_fp8_covers(monkeypatch, capsys):
     out = capsys.readouterr().out
     # two layers of QKV, proj, the shared expert's fc1 / fc2 and the experts' fc1 / fc2, all in the run's recipe
     # (the experts' biases keep them GEMM by GEMM: fp8/experts_mlp.py)
-    want = "FP8 linears: 12 delayed; in the parameters' dtype: 0; routed experts: 2 GEMM by GEMM (expert biases); embed"
+    want = ("FP8 linears: 12 delayed; in the parameters' dtype: 0; routed experts: 2 GEMM by GEMM (expert biases); "
+            "weights cast once per step of several micro-batches; embed")
     assert out.count(want) == 1, out
     with_state = {n for n, m in trainer.model.named_modules() if getattr(m, "fp8", None) is not None}
     assert any(n.endswith("linear_qkv") for n in with_state) and any("shared_experts" in n for n in with_state)
