@@ -72,26 +72,24 @@ class _FP8GroupedMM(torch.autograd.Function):
     """Rows ``x`` [S, K] of expert e times ``w[e]``^T ([E, N, K]); ``ends``: each expert's end row (int32)."""
 
     @staticmethod
-    def forward(ctx, x, w, ends, state, wq, sw, wt, swt):
+    def forward(ctx, x, w, ends, state):
         kind = scale_kind(state)
         path = grouped_path(state, kind)
         if kind == "block":
             state.mark("input")
-            if wq is None:
-                state.mark("weight")
+            state.mark("weight")
         bf16_backward = backward_path(state, path) == "bf16"
         if bf16_backward:  # only the forward's FP8 copies are made: the backward reads x and w themselves
             xq, sx = state.quantize("input", x)
         else:
             xq, sx, xtq, sxt = _quantize_rows(x, state, kind)
-        if wq is None:  # (else the step's cached copies, fp8/weights.py)
-            wq, sw = _weight_blocks(w, state.recipe.margin) if kind == "block" else state.quantize("weight", w)
+        wq, sw = _weight_blocks(w, state.recipe.margin) if kind == "block" else state.quantize("weight", w)
         y = grouped_forward(xq, sx, wq, sw, ends, kind, x.dtype, path, fast_accum=FAST_ACCUM_FORWARD)
         if bf16_backward:
             ctx.save_for_backward(x, w, ends)
         else:
             keep = (xtq, sxt) if state.recipe.fp8_wgrad else (x, None)
-            ctx.save_for_backward(*keep, wq, sw, ends, wt, swt)
+            ctx.save_for_backward(*keep, wq, sw, ends)
         ctx.state, ctx.kind, ctx.path, ctx.w_dtype = state, kind, path, w.dtype
         ctx.bf16_backward = bf16_backward
         return y
@@ -101,31 +99,26 @@ class _FP8GroupedMM(torch.autograd.Function):
         g = g.contiguous()
         if ctx.bf16_backward:
             x, w, ends = ctx.saved_tensors
-            return (*bf16_grads(g, x, w, ends, ctx.needs_input_grad[:2], ctx.w_dtype), *(None,) * 6)
-        x_saved, sxt, wq, sw, ends, wt_cached, swt_cached = ctx.saved_tensors
+            return (*bf16_grads(g, x, w, ends, ctx.needs_input_grad[:2], ctx.w_dtype), None, None)
+        x_saved, sxt, wq, sw, ends = ctx.saved_tensors
         state, kind, path = ctx.state, ctx.kind, ctx.path
         if kind == "block":
             state.mark("grad")
             gq, sg, gtq, sgt = tiles_both(g, state.recipe.margin, state.recipe.block_cast)
+            wt, swt = _transposed_blocks(wq, sw)
         elif sxt is None:  # --no-fp8-wgrad: the weight gradient reads g itself, so no transposed copy of it
             gq, sg = state.quantize("grad", g)
-            gtq, sgt = None, None
+            gtq, sgt, wt, swt = None, None, wq.transpose(1, 2).contiguous(), sw
         else:
             gq, gtq, sg = state.quantize_grad(g)
-            sgt = sg
-        if wt_cached is not None:  # the step's cached copy (fp8/weights.py)
-            wt, swt = wt_cached, swt_cached
-        elif kind == "block":
-            wt, swt = _transposed_blocks(wq, sw)
-        else:
-            wt, swt = wq.transpose(1, 2).contiguous(), sw
+            sgt, wt, swt = sg, wq.transpose(1, 2).contiguous(), sw
         gx = grouped_forward(gq, sg, wt, swt, ends, kind, g.dtype, path) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1] and sxt is not None:
             gw = grouped_wgrad(gtq, sgt, x_saved, sxt, ends, kind, ctx.w_dtype, path)
         elif ctx.needs_input_grad[1]:  # --no-fp8-wgrad: from the bf16 rows and output gradient
             gw = as_dtype(torch._grouped_mm(g.t(), x_saved, offs=ends), ctx.w_dtype)
-        return gx, gw, *(None,) * 6
+        return gx, gw, None, None
 
 
 def backward_path(state: FP8State, path: str) -> str:
@@ -152,4 +145,4 @@ def bf16_grads(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ends: torch.Te
 
 def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, state: FP8State) -> torch.Tensor:
     """The experts' ``x_e w_e^T`` in FP8 per ``state``'s recipe; rows padded as the module docstring says."""
-    return _FP8GroupedMM.apply(x, w, ends, state, *state.cached_weight())
+    return _FP8GroupedMM.apply(x, w, ends, state)

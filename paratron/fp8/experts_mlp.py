@@ -52,46 +52,41 @@ class _FP8ExpertsMLP(torch.autograd.Function):
     int32; every row belongs to a group, padding rows being zero)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, ends, s1: FP8State, s2: FP8State, act: int, w1q, sw1, w1t, w2q, sw2, w2t):
+    def forward(ctx, x, w1, w2, ends, s1: FP8State, s2: FP8State, act: int):
         path = grouped_path(s1, "tensor")
         s1.mark("input")
         xq, xqt, sx = s1.input.quantize_both(x.contiguous())
-        if w1q is None:  # (else the step's cached copies, fp8/weights.py)
-            w1q, sw1 = s1.quantize("weight", w1)
+        w1q, sw1 = s1.quantize("weight", w1)
         h = grouped_forward(xq, sx, w1q, sw1, ends, "tensor", x.dtype, path, fast_accum=FAST_ACCUM_FORWARD)
         s2.mark("input")
         aq, aqt, sa, current = torch.ops.paratron.mlp_act_fp8(h, None, s2.input.preset_scale(h.device), act,
                                                               s2.recipe.margin, s2.input.known)
         s2.input.record(current)
-        if w2q is None:
-            w2q, sw2 = s2.quantize("weight", w2)
+        w2q, sw2 = s2.quantize("weight", w2)
         y = grouped_forward(aq, sa, w2q, sw2, ends, "tensor", x.dtype, path, fast_accum=FAST_ACCUM_FORWARD)
-        ctx.save_for_backward(xqt, sx, w1q, sw1, h, aqt, sa, w2q, sw2, ends, w1t, w2t)
+        ctx.save_for_backward(xqt, sx, w1q, sw1, h, aqt, sa, w2q, sw2, ends)
         ctx.s1, ctx.s2, ctx.act, ctx.path, ctx.w_dtype = s1, s2, act, path, w1.dtype
         return y
 
     @staticmethod
     def backward(ctx, g):
-        xqt, sx, w1q, sw1, h, aqt, sa, w2q, sw2, ends, w1t, w2t = ctx.saved_tensors
+        xqt, sx, w1q, sw1, h, aqt, sa, w2q, sw2, ends = ctx.saved_tensors
         s1, s2, path, w_dtype = ctx.s1, ctx.s2, ctx.path, ctx.w_dtype
         gq, gqt, sg = s2.quantize_grad(g.contiguous())
-        w2t = w2q.transpose(1, 2).contiguous() if w2t is None else w2t
-        dact = grouped_forward(gq, sg, w2t, sw2, ends, "tensor", g.dtype, path)
+        dact = grouped_forward(gq, sg, w2q.transpose(1, 2).contiguous(), sw2, ends, "tensor", g.dtype, path)
         gw2 = grouped_wgrad(gqt, sg, aqt, sa, ends, "tensor", w_dtype, path)
         s1.mark("grad")
         grad = s1.grad
         dhq, dhqt, sdh, current, _ = torch.ops.paratron.mlp_act_fp8_backward(
             h, None, dact, grad.preset_scale(h.device), ctx.act, grad.dtype != E4M3, s1.recipe.margin, grad.known)
         grad.record(current)
-        w1t = w1q.transpose(1, 2).contiguous() if w1t is None else w1t
-        gx = grouped_forward(dhq, sdh, w1t, sw1, ends, "tensor", g.dtype, path)
+        gx = grouped_forward(dhq, sdh, w1q.transpose(1, 2).contiguous(), sw1, ends, "tensor", g.dtype, path)
         gw1 = grouped_wgrad(dhqt, sdh, xqt, sx, ends, "tensor", w_dtype, path)
-        return gx, gw1, gw2, *(None,) * 10
+        return gx, gw1, gw2, None, None, None, None
 
 
 def fused_experts_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor, s1: FP8State,
                       s2: FP8State, act: int) -> torch.Tensor:
     """The experts' fc1 -> activation -> fc2 on the padded grouped rows ``x`` in FP8 (see the module docstring);
     the last group must end at the last row (rows past it would enter the activation's amax unwritten)."""
-    c1, c2 = s1.cached_weight(), s2.cached_weight()  # the step's cached FP8 weights (fp8/weights.py), or Nones
-    return _FP8ExpertsMLP.apply(x, w1, w2, ends, s1, s2, act, *c1[:3], *c2[:3])
+    return _FP8ExpertsMLP.apply(x, w1, w2, ends, s1, s2, act)

@@ -55,8 +55,9 @@ def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int,
     states (both directions), the experts' all-to-all
     (top-k copies there and back), ZeRO-2's gradient bucket before its reduce-scatter and ZeRO-3's gathered
     layer (two with --overlap-param-gather: the next one is prefetched; FP8 weights with --fp8-param-gather).
-    FP8: one layer's weight copies and their transposes, or, where a step of several micro-batches casts them
-    once (fp8/weights.py), those of every layer of the rank (``rank_layer_params``) for the whole step."""
+    FP8: one layer's weight copies and their transposes, and, where a step of several micro-batches casts the dense
+    FP8 weights once (fp8/weights.py), those of every layer of the rank (``rank_layer_params``: the layers'
+    parameters but the routed experts') for the whole step."""
     a, h = layout.param_bytes, model.hidden_size
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     out = 0
@@ -70,7 +71,7 @@ def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int,
         gathered = 1 if layout.fp8 and layout.fp8_param_gather else a
         out += (2 if layout.overlap_param_gather else 1) * layer_params * gathered
     if layout.fp8:  # FP8 copies of the weights and their transposes
-        out += 2 * (rank_layer_params if fp8_weights_cached(layout) else layer_params)
+        out += 2 * (layer_params + (rank_layer_params if fp8_weights_cached(layout) else 0))
     return out
 
 
@@ -113,10 +114,11 @@ def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, pa
         saved, work = chunk_bytes(model, layout, kinds[first: first + count], vocab, pre, post)
         acts += saved * flight // layout.vpp  # interleaved: the chunk micro-batches in flight, spread over chunks
         working = max(working, work)
-    in_layers = [sum(t.numel for t in ts if ".layers." in t.name) for ts in tensors]
-    layer_params = max((n // max(1, c[1]) for n, c in zip(in_layers, chunks)), default=0)
+    layer_params = max((sum(t.numel for t in ts if ".layers." in t.name) // max(1, c[1])
+                        for ts, c in zip(tensors, chunks)), default=0)
+    dense = sum(t.numel for ts in tensors for t in ts if ".layers." in t.name and ".experts." not in t.name)
     return Memory(st.weights, st.grads, st.optimizer, acts, working,
-                  comm_bytes(model, layout, st, layer_params, sum(in_layers)), st.host, pp_rank)
+                  comm_bytes(model, layout, st, layer_params, dense), st.host, pp_rank)
 
 
 def fullest(model: ModelConfig, vocab: int, layout: Layout, par=None) -> Memory:
