@@ -1,6 +1,7 @@
 """The FP8 weight cache on the GPU (paratron/fp8/weights.py; skipped without CUDA): compiled training steps of two
 micro-batches with the weights cast once per step give the losses of the layers' own casts
-(--disable-parameter-transpose-cache): dense tensorwise and blockwise, and the routed experts' fused FP8 MLP."""
+(--disable-parameter-transpose-cache): dense tensorwise and blockwise, and an MoE model (its dense layers cached,
+the routed experts' fused FP8 MLP casting its weights itself)."""
 from __future__ import annotations
 
 import pytest
