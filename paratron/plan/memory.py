@@ -75,6 +75,19 @@ def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int,
     return out
 
 
+def fp8_saved_weights(layout: Layout, tensors) -> int:
+    """FP8: the e4m3 copies of a chunk's layer weights (one byte an element) that each micro-batch's forward keeps
+    for its backward; the dense layers' are the step's cached copies where the step casts them once (counted with
+    the communication buffers, comm_bytes), the routed experts' always their own."""
+    if not layout.fp8:
+        return 0
+    cached = fp8_weights_cached(layout)
+    from ..fp8.recipe import LAYERS  # the FP8 layers' names
+    fp8 = [t for t in tensors if ".layers." in t.name and t.name.endswith(".weight")
+           and t.name.split(".")[-2] in LAYERS]
+    return sum(t.numel for t in fp8 if not (cached and ".experts." not in t.name))
+
+
 def fp8_weights_cached(layout: Layout) -> bool:
     """Whether the step casts the FP8 weights once for its micro-batches (fp8/weights.py's conditions)."""
     return (layout.fp8 and layout.fp8_weight_cache and layout.microbatches > 1 and layout.zero < 3
@@ -110,8 +123,9 @@ def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, pa
     kinds = layer_kinds(model)
     flight = in_flight(layout, pp_rank)
     acts = working = 0
-    for first, count, pre, post in chunks:
+    for (first, count, pre, post), ts in zip(chunks, tensors):
         saved, work = chunk_bytes(model, layout, kinds[first: first + count], vocab, pre, post)
+        saved += fp8_saved_weights(layout, ts)
         acts += saved * flight // layout.vpp  # interleaved: the chunk micro-batches in flight, spread over chunks
         working = max(working, work)
     layer_params = max((sum(t.numel for t in ts if ".layers." in t.name) // max(1, c[1])

@@ -36,6 +36,10 @@ CASES = [("gpt", {}), ("llama", {}), ("llama", dict(recompute_granularity="selec
          ("llama", dict(mtp_num_layers=1, num_experts=4, moe_router_topk=2)),
          ("llama", dict(num_experts=4, moe_router_topk=2, moe_latent_size=16)),
          ("gpt", dict(num_experts=4, moe_router_topk=2, moe_latent_size=32, bf16=True))]
+# FP8 (emulated on the CPU, the FP8 copies one byte an element as on a GPU): each forward keeps the FP8 copies of the
+# layers' weights for its backward (one micro-batch a step: the step's weight cache is not used)
+CASES += [("llama", dict(fp8_format="hybrid", bf16=True, global_batch_size=2)),
+          ("gpt", dict(fp8_format="e4m3", fp8_recipe="tensorwise", bf16=True, global_batch_size=2))]
 
 
 # hybrid stacks on the torch scans with recomputation (docs/plan.md): each layer kind alone and mixed, fp32 and bf16
