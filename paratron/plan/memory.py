@@ -56,8 +56,8 @@ def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int,
     (top-k copies there and back), ZeRO-2's gradient bucket before its reduce-scatter and ZeRO-3's gathered
     layer (two with --overlap-param-gather: the next one is prefetched; FP8 weights with --fp8-param-gather).
     FP8: one layer's weight copies and their transposes, and, where a step of several micro-batches casts the dense
-    FP8 weights once (fp8/weights.py), those of every layer of the rank (``rank_layer_params``: the layers'
-    parameters but the routed experts') for the whole step."""
+    FP8 weights once (fp8/weights.py), those of every dense FP8 layer of the rank (``rank_layer_params`` elements)
+    for the whole step."""
     a, h = layout.param_bytes, model.hidden_size
     tokens = layout.micro_batch * layout.seq_length // layout.cp
     out = 0
@@ -81,11 +81,17 @@ def fp8_saved_weights(layout: Layout, tensors) -> int:
     the communication buffers, comm_bytes), the routed experts' always their own."""
     if not layout.fp8:
         return 0
-    cached = fp8_weights_cached(layout)
-    from ..fp8.recipe import LAYERS  # the FP8 layers' names
-    fp8 = [t for t in tensors if ".layers." in t.name and t.name.endswith(".weight")
-           and t.name.split(".")[-2] in LAYERS]
-    return sum(t.numel for t in fp8 if not (cached and ".experts." not in t.name))
+    if fp8_weights_cached(layout):
+        return fp8_weight_elements(tensors, dense=False)
+    return fp8_weight_elements(tensors)
+
+
+def fp8_weight_elements(tensors, dense: bool = True, experts: bool = True) -> int:
+    """Elements of the weights of the FP8 layers (paratron/fp8/recipe.py's LAYERS) among ``tensors``: the dense
+    layers' and / or the routed experts'."""
+    from ..fp8.recipe import LAYERS
+    return sum(t.numel for t in tensors if ".layers." in t.name and t.name.endswith(".weight")
+               and t.name.split(".")[-2] in LAYERS and (experts if ".experts." in t.name else dense))
 
 
 def fp8_weights_cached(layout: Layout) -> bool:
@@ -130,7 +136,7 @@ def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, pa
         working = max(working, work)
     layer_params = max((sum(t.numel for t in ts if ".layers." in t.name) // max(1, c[1])
                         for ts, c in zip(tensors, chunks)), default=0)
-    dense = sum(t.numel for ts in tensors for t in ts if ".layers." in t.name and ".experts." not in t.name)
+    dense = sum(fp8_weight_elements(ts, experts=False) for ts in tensors)
     return Memory(st.weights, st.grads, st.optimizer, acts, working,
                   comm_bytes(model, layout, st, layer_params, dense), st.host, pp_rank)
 
