@@ -13,7 +13,7 @@ from torch import nn
 from . import activation_offload as offload, mup, recompute
 from ..config import ModelConfig
 from ..fp8 import experts as fp8_experts, experts_mlp as fp8_experts_mlp
-from ..parallel.experts import ExpertLayout, aligned_rows
+from ..parallel.experts import ExpertLayout, aligned_rows, rows_at
 from ..parallel.sharding import ShardSpec, Split, set_spec, shard
 from ..parallel.tensor import init_normal
 from .layers import output_init
@@ -198,7 +198,7 @@ class Experts(nn.Module):
         depends on the call's row count gives the same bits as there); ``fp8``: the weight's FP8State."""
         if rows is not None:
             dest, ends, size = rows
-            padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
+            padded = rows_at(x, dest, size)
             if fp8 is not None:
                 return fp8_experts.fp8_grouped_mm(padded, w, ends, fp8)[dest]
             return self._grouped(padded, w, ends)[dest]
@@ -219,7 +219,7 @@ class Experts(nn.Module):
         counts = host_counts if host_counts is not None else counts
         if rows is not None and self.fused_fp8():  # both GEMMs at once, on the padded rows (last group extended)
             dest, ends, size = rows
-            padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
+            padded = rows_at(x, dest, size)
             return self._fused_fp8(padded, over_all_rows(ends, size))[dest]
         return self._ffn(x, lambda a, m: self._mm(a, m.weight, counts, rows, m.fp8), expert_index)
 

@@ -168,6 +168,13 @@ def all_to_all_overlapped(x: torch.Tensor, out_splits: list[int], in_splits: lis
     return _Arrived.apply(sent, out, list(out_splits), list(in_splits), group, pending), side
 
 
+def rows_at(x: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """A [size, ...] tensor of zero rows with ``x``'s rows at ``index`` (the padded grouped layout and back). By
+    ``index_put``, whose backward keeps the index only: ``index_copy`` keeps its whole source for its backward, a
+    second copy of the rows beside the one the GEMM keeps (eager; a compiled backward keeps what it reads)."""
+    return x.new_zeros(size, *x.shape[1:]).index_put((index,), x)
+
+
 def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 8):
     """A layout for grouped GEMM with each expert's rows starting at a multiple of ``align`` (what
     the CUDA kernels want of the token dimension, as torchtitan pads it): the padded row of each
@@ -193,7 +200,7 @@ def _fused_rows(experts, x: torch.Tensor, row_expert: torch.Tensor, counts: torc
     src = torch.full((size,), received, dtype=torch.long, device=x.device).index_copy(0, dest, order)
     padded_expert = torch.zeros(size, dtype=torch.long, device=x.device).index_copy(0, dest, row_expert[order])
     y = experts.padded(torch.nn.functional.pad(x, (0, 0, 0, 1))[src], ends, padded_expert)
-    return y.new_zeros(received + 1, y.shape[1]).index_copy(0, src, y)[:-1]
+    return rows_at(y, src, received + 1)[:-1]
 
 
 def _sorted_rows(routing_map: torch.Tensor, total: int):
@@ -264,7 +271,7 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
             x, row_expert = x[order], row_expert[order]
         y = run_experts(x, local_dev.sum(dim=0), row_expert, host_counts)
         if order is not None:
-            y = torch.empty_like(y).index_copy(0, order, y)
+            y = rows_at(y, order, y.shape[0])
     y = all_to_all(y, send, recv, lay.group, turn)
     if etp > 1:  # sum the ETP ranks' partial outputs of each EP rank's rows
         parts = y.split(send)

@@ -246,3 +246,20 @@ def test_rows_the_grouped_gemm_leaves_unwritten_reach_nothing(monkeypatch):
     got = _run(layer, x)
     assert torch.isfinite(got[0]).all() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
+
+
+def test_rows_into_the_grouped_layout_keep_only_their_index_for_the_backward():
+    """The padded grouped layout is filled by ``rows_at`` (index_put): its backward keeps the index, not a second
+    copy of the rows (torch's index_copy keeps its whole source), so the grouped experts keep each row once, in
+    the padded copy their GEMM reads; the values and the gradient are the copy's."""
+    from paratron.parallel.experts import rows_at
+    x = torch.randn(6, 4, requires_grad=True)
+    index = torch.tensor([0, 2, 3, 5, 6, 7])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = rows_at(x, index, 9)
+    assert torch.equal(y[index], x) and torch.equal(y[[1, 4, 8]], torch.zeros(3, 4))
+    assert saved and all(t.dtype == torch.long for t in saved), [t.dtype for t in saved]
+    g = torch.randn(9, 4)
+    y.backward(g)
+    assert torch.equal(x.grad, g[index])
