@@ -1,6 +1,7 @@
-"""The FP8 weight cache (paratron/fp8/weights.py): a step of several micro-batches casts each FP8 weight once.
-Every FP8 path gives the same output and gradients from the cached copies as from its own cast (CPU emulation,
-bit for bit), casts no weight while the cache is filled, and a training run's losses do not change with it."""
+"""The FP8 weight cache (paratron/fp8/weights.py): a step of several micro-batches casts each dense FP8 weight once.
+Every dense FP8 path gives the same output and gradients from the cached copies as from its own cast (CPU
+emulation, bit for bit), casts no weight while the cache is filled, and a training run's losses do not change with
+it (tensorwise; close with the delayed recipe, whose weight amax is then recorded once a step)."""
 import pytest
 import torch
 
