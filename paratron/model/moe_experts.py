@@ -198,7 +198,9 @@ class Experts(nn.Module):
         depends on the call's row count gives the same bits as there); ``fp8``: the weight's FP8State."""
         if rows is not None:
             dest, ends, size = rows
-            padded = rows_at(x, dest, size)
+            # index_copy keeps x for its backward beside the padded copy the GEMM keeps (parallel/experts.rows_at
+            # does not); --recompute-modules moe_act drops that copy of the activation and recomputes it
+            padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
             if fp8 is not None:
                 return fp8_experts.fp8_grouped_mm(padded, w, ends, fp8)[dest]
             return self._grouped(padded, w, ends)[dest]
