@@ -169,7 +169,7 @@ def all_to_all_overlapped(x: torch.Tensor, out_splits: list[int], in_splits: lis
 
 
 def rows_at(x: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
-    """A [size, ...] tensor of zero rows with ``x``'s rows at ``index`` (the padded grouped layout and back). By
+    """A [size, ...] tensor of zero rows with ``x``'s rows at ``index`` (the fused FP8 experts' padded input). By
     ``index_put``, whose backward keeps the index only: ``index_copy`` keeps its whole source for its backward, a
     second copy of the rows beside the one the GEMM keeps (eager; a compiled backward keeps what it reads)."""
     return x.new_zeros(size, *x.shape[1:]).index_put((index,), x)
@@ -200,7 +200,7 @@ def _fused_rows(experts, x: torch.Tensor, row_expert: torch.Tensor, counts: torc
     src = torch.full((size,), received, dtype=torch.long, device=x.device).index_copy(0, dest, order)
     padded_expert = torch.zeros(size, dtype=torch.long, device=x.device).index_copy(0, dest, row_expert[order])
     y = experts.padded(torch.nn.functional.pad(x, (0, 0, 0, 1))[src], ends, padded_expert)
-    return rows_at(y, src, received + 1)[:-1]
+    return y.new_zeros(received + 1, y.shape[1]).index_copy(0, src, y)[:-1]
 
 
 def _sorted_rows(routing_map: torch.Tensor, total: int):
@@ -271,7 +271,7 @@ def alltoall_dispatch(tokens: torch.Tensor, probs: torch.Tensor, routing_map: to
             x, row_expert = x[order], row_expert[order]
         y = run_experts(x, local_dev.sum(dim=0), row_expert, host_counts)
         if order is not None:
-            y = rows_at(y, order, y.shape[0])
+            y = torch.empty_like(y).index_copy(0, order, y)
     y = all_to_all(y, send, recv, lay.group, turn)
     if etp > 1:  # sum the ETP ranks' partial outputs of each EP rank's rows
         parts = y.split(send)
