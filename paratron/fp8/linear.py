@@ -47,7 +47,7 @@ class _FP8Linear(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) with FP8 inputs per ``state``'s recipe; output in x's dtype."""
-    wq, sw, wt, _ = state.cached_weight()  # the step's cached FP8 weight (fp8/weights.py), or Nones
+    wq, sw, wt = state.cached_weight()  # the step's cached FP8 weight (fp8/weights.py), or Nones
     if state.recipe.recipe == "blockwise":
         return block_linear(x, weight, state, wq, sw)
     return _FP8Linear.apply(x, weight, state, wq, sw, wt)

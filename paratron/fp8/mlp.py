@@ -89,7 +89,7 @@ def fused_mlp(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2:
               s2: FP8State, act: int = SWIGLU) -> torch.Tensor:
     """``F.linear(act(F.linear(x, w1, b1)), w2)`` in FP8 (the local matmuls of a TP-split MLP)."""
     c1, c2 = s1.cached_weight(), s2.cached_weight()  # the step's cached FP8 weights (fp8/weights.py), or Nones
-    return _FP8MLP.apply(x, w1, b1, w2, s1, s2, act, *c1[:3], *c2[:3])
+    return _FP8MLP.apply(x, w1, b1, w2, s1, s2, act, *c1, *c2)
 
 
 def reference_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1: Optional[torch.Tensor] = None,

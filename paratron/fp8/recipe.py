@@ -225,10 +225,10 @@ class FP8State:
         return getattr(self, role).quantize(x)
 
     def cached_weight(self) -> tuple:
-        """The step's cached (wq, sw, wt, swt) of the layer's weight (fp8/weights.py), or four Nones: the layer
-        casts its weight itself."""
+        """The step's cached (wq, sw, wt) of the layer's weight (fp8/weights.py), or three Nones: the layer casts
+        its weight itself."""
         cached = self.weight_cache
-        return (None, None, None, None) if cached is None else cached
+        return (None, None, None) if cached is None else cached
 
     def quantize_grad(self, g: torch.Tensor):
         """The output gradient ``g`` [m, n] in FP8, row-major and transposed: (gq, gq^T, scale)."""

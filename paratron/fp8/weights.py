@@ -33,11 +33,15 @@ from ..kernels.fp8_block import quantize_blocks
 from .recipe import E4M3, FP8State, column_major
 
 
+def _fp8_modules(models) -> list:
+    """Every module of ``models`` with an FP8 state and a weight (the routed experts' weight is 3-D)."""
+    return [m for model in models for m in model.modules()
+            if getattr(m, "fp8", None) is not None and isinstance(getattr(m, "weight", None), torch.Tensor)]
+
+
 def _layers(models) -> list:
     """(module, FP8State) of every dense FP8 layer of ``models`` (a 2-D weight: not the routed experts)."""
-    return [(m, m.fp8) for model in models for m in model.modules()
-            if getattr(m, "fp8", None) is not None and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and m.weight.dim() == 2]
+    return [(m, m.fp8) for m in _fp8_modules(models) if m.weight.dim() == 2]
 
 
 def why_not(models) -> Optional[str]:
@@ -66,22 +70,21 @@ def describe(models) -> str:
     why = why_not(models)
     if why is not None:
         return f"; weights cast at every micro-batch ({why})"
-    experts = any(getattr(m, "fp8", None) is not None and getattr(m, "weight", None) is not None
-                  and m.weight.dim() == 3 for model in models for m in model.modules())
+    experts = any(m.weight.dim() == 3 for m in _fp8_modules(models))
     return "; weights cast once per step of several micro-batches" + (
         " (the routed experts' at every micro-batch)" if experts else "")
 
 
 def cast(state: FP8State, weight: torch.Tensor) -> tuple:
-    """(wq, sw, wt, swt): the 2-D ``weight`` cast as its layer's forward casts it, with the column-major copy its
+    """(wq, sw, wt): the 2-D ``weight`` cast as its layer's forward casts it, with the column-major copy its
     input-gradient GEMM reads (None under blockwise, whose GEMM reads the blocks themselves)."""
     w = weight.detach()
     with torch.no_grad():
         if state.recipe.recipe == "blockwise":
             state.mark("weight")
-            return (*quantize_blocks(w, E4M3, state.recipe.margin), None, None)
+            return (*quantize_blocks(w, E4M3, state.recipe.margin), None)
         wq, sw = state.quantize("weight", w)
-        return wq, sw, column_major(wq), sw
+        return wq, sw, column_major(wq)
 
 
 def fill(layers: list) -> None:

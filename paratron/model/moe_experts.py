@@ -13,7 +13,7 @@ from torch import nn
 from . import activation_offload as offload, mup, recompute
 from ..config import ModelConfig
 from ..fp8 import experts as fp8_experts, experts_mlp as fp8_experts_mlp
-from ..parallel.experts import ExpertLayout, aligned_rows, rows_at
+from ..parallel.experts import ExpertLayout, aligned_rows
 from ..parallel.sharding import ShardSpec, Split, set_spec, shard
 from ..parallel.tensor import init_normal
 from .layers import output_init
@@ -98,6 +98,13 @@ def token_rows(routing_map: torch.Tensor, src: torch.Tensor, row_expert: torch.T
     table.index_put_((src, row_expert), torch.arange(src.shape[0], device=src.device))
     chosen = torch.nonzero_static(routing_map, size=tokens * top_k)[:, 1].view(tokens, top_k)
     return table[:tokens].gather(1, chosen), chosen
+
+
+def rows_at(x: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """A [size, ...] tensor of zero rows with ``x``'s rows at ``index`` (the fused FP8 experts' padded input). By
+    ``index_put``, whose backward keeps the index only: ``index_copy`` keeps its whole source for its backward, a
+    second copy of the rows beside the one the GEMM keeps (eager; a compiled backward keeps what it reads)."""
+    return x.new_zeros(size, *x.shape[1:]).index_put((index,), x)
 
 
 def over_all_rows(ends: torch.Tensor, rows: int) -> torch.Tensor:
@@ -198,8 +205,8 @@ class Experts(nn.Module):
         depends on the call's row count gives the same bits as there); ``fp8``: the weight's FP8State."""
         if rows is not None:
             dest, ends, size = rows
-            # index_copy keeps x for its backward beside the padded copy the GEMM keeps (parallel/experts.rows_at
-            # does not); --recompute-modules moe_act drops that copy of the activation and recomputes it
+            # index_copy keeps x for its backward beside the padded copy the GEMM keeps (rows_at does not);
+            # --recompute-modules moe_act drops that copy of the activation and recomputes it
             padded = x.new_zeros(size, x.shape[1]).index_copy(0, dest, x)
             if fp8 is not None:
                 return fp8_experts.fp8_grouped_mm(padded, w, ends, fp8)[dest]

@@ -168,13 +168,6 @@ def all_to_all_overlapped(x: torch.Tensor, out_splits: list[int], in_splits: lis
     return _Arrived.apply(sent, out, list(out_splits), list(in_splits), group, pending), side
 
 
-def rows_at(x: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
-    """A [size, ...] tensor of zero rows with ``x``'s rows at ``index`` (the fused FP8 experts' padded input). By
-    ``index_put``, whose backward keeps the index only: ``index_copy`` keeps its whole source for its backward, a
-    second copy of the rows beside the one the GEMM keeps (eager; a compiled backward keeps what it reads)."""
-    return x.new_zeros(size, *x.shape[1:]).index_put((index,), x)
-
-
 def aligned_rows(counts: torch.Tensor, expert_index: torch.Tensor, align: int = 8):
     """A layout for grouped GEMM with each expert's rows starting at a multiple of ``align`` (what
     the CUDA kernels want of the token dimension, as torchtitan pads it): the padded row of each

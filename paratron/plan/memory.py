@@ -50,13 +50,13 @@ class Memory:
                 ("allocator slack", self.slack)]
 
 
-def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int, rank_layer_params: int = 0) -> int:
+def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int, cached_fp8: int = 0) -> int:
     """Transient buffers of the collectives, per rank: pipeline send/receive of one micro-batch's hidden
     states (both directions), the experts' all-to-all
     (top-k copies there and back), ZeRO-2's gradient bucket before its reduce-scatter and ZeRO-3's gathered
     layer (two with --overlap-param-gather: the next one is prefetched; FP8 weights with --fp8-param-gather).
     FP8: one layer's weight copies and their transposes, and, where a step of several micro-batches casts the dense
-    FP8 weights once (fp8/weights.py), those of every dense FP8 layer of the rank (``rank_layer_params`` elements)
+    FP8 weights once (fp8/weights.py), those of every dense FP8 layer of the rank (``cached_fp8`` weight elements)
     for the whole step."""
     a, h = layout.param_bytes, model.hidden_size
     tokens = layout.micro_batch * layout.seq_length // layout.cp
@@ -71,7 +71,7 @@ def comm_bytes(model: ModelConfig, layout: Layout, st: State, layer_params: int,
         gathered = 1 if layout.fp8 and layout.fp8_param_gather else a
         out += (2 if layout.overlap_param_gather else 1) * layer_params * gathered
     if layout.fp8:  # FP8 copies of the weights and their transposes
-        out += 2 * (layer_params + (rank_layer_params if fp8_weights_cached(layout) else 0))
+        out += 2 * (layer_params + (cached_fp8 if fp8_weights_cached(layout) else 0))
     return out
 
 

@@ -69,12 +69,11 @@ def test_the_cache_holds_the_copies_the_backward_reads():
     """Tensorwise: the e4m3 weight and its column-major copy; blockwise: the blocks and their scales (its backward
     reads them as they are); the routed experts (a 3-D weight) are not cached."""
     dense = _Layer(torch.randn(64, 32), _states("tensorwise", 1)[0])
-    wq, sw, wt, swt = weights.cast(dense.fp8, dense.weight)
+    wq, sw, wt = weights.cast(dense.fp8, dense.weight)
     assert wq.dtype == torch.float8_e4m3fn and torch.equal(wt.float(), wq.float()) and wt.stride() == (1, 64)
-    assert swt is sw
     block = _Layer(torch.randn(128, 128), _states("blockwise", 1, "e4m3")[0])
-    wq, sw, wt, swt = weights.cast(block.fp8, block.weight)
-    assert wq.dtype == torch.float8_e4m3fn and sw.shape == (1, 1) and (wt, swt) == (None, None)
+    wq, sw, wt = weights.cast(block.fp8, block.weight)
+    assert wq.dtype == torch.float8_e4m3fn and sw.shape == (1, 1) and wt is None
     experts = _Layer(torch.randn(2, 64, 32), _states("tensorwise", 1)[0])
     assert weights.cached_layers([experts]) == [] and weights.describe([experts]) == ""
 

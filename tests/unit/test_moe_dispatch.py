@@ -252,7 +252,7 @@ def test_rows_into_the_grouped_layout_keep_only_their_index_for_the_backward():
     """The padded grouped layout is filled by ``rows_at`` (index_put): its backward keeps the index, not a second
     copy of the rows (torch's index_copy keeps its whole source), so the grouped experts keep each row once, in
     the padded copy their GEMM reads; the values and the gradient are the copy's."""
-    from paratron.parallel.experts import rows_at
+    from paratron.model.moe_experts import rows_at
     x = torch.randn(6, 4, requires_grad=True)
     index = torch.tensor([0, 2, 3, 5, 6, 7])
     saved = []
