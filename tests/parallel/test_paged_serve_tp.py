@@ -50,7 +50,10 @@ def _answers(ckpt: Path, nproc: int, extra: tuple = (), prompts: list = PROMPTS)
         with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: they join the running steps
             texts = list(pool.map(lambda p: _complete(port, p), prompts))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:  # the server exited by itself: its output says why
+            pass
         try:
             out = proc.communicate(timeout=60)[0]
         except subprocess.TimeoutExpired:
