@@ -28,8 +28,8 @@ def validate_activation_offload(cfg) -> None:
          "Megatron: attn_proj's input is core_attn's output, which core_attn's backward keeps)")
     need(tr.delta_offload_bytes_across_pp_ranks == 0, "--delta-offload-bytes-across-pp-ranks is not implemented: "
          "every pipeline stage offloads the same modules; remove it")
-    need(not tr.delay_offload_until_cuda_graph, "--delay-offload-until-cuda-graph: paratron captures no CUDA graphs; "
-         "remove it")
+    need(not tr.delay_offload_until_cuda_graph, "--delay-offload-until-cuda-graph: activation offloading does not run "
+         "under --cuda-graph-impl local; remove it")
     need(tr.recompute_granularity != "full", "--fine-grained-activation-offloading with --recompute-granularity full: "
          "a recomputed layer keeps nothing to offload; use selective recomputation or no recomputation")
     need(not tr.torch_compile, "--fine-grained-activation-offloading is not supported with --torch-compile (its "

@@ -7,11 +7,11 @@ import functools
 import inspect
 import re
 
-from . import (data_fields, encdec, fp8_fields, hybrid_fields, kernels, log_fields, offload_fields, optim_fields,
-               sections)
+from . import (data_fields, encdec, fp8_fields, graph_fields, hybrid_fields, kernels, log_fields, offload_fields,
+               optim_fields, sections)
 
 FIELD_MODULES = (sections, kernels, hybrid_fields, encdec, fp8_fields, optim_fields, offload_fields, data_fields,
-                 log_fields)
+                 log_fields, graph_fields)
 
 HELP = {
     # model

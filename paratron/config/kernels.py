@@ -36,6 +36,7 @@ CHOICES: dict[str, tuple] = {
     "kernel_fused_adamw": AUTO_ON_OFF,
     "kernel_fp8_fused_mlp": ("on", "off"),
     "kernel_fp8_grad_cast": ("on", "off"),
+    "kernel_fp8_weight_cache": AUTO_ON_OFF,
     "kernel_fp8_block_gemm": ("auto", "scaled_mm", "dequant"),
     "kernel_fp8_grouped_gemm": ("auto", "scaled_grouped_mm", "dequant"),
     "kernel_fp8_block_grouped_gemm": ("auto", "triton", "dequant"),
@@ -73,6 +74,7 @@ class KernelConfig(Section):
     kernel_fused_adamw: str = "auto"  # AdamW + the bf16 copy of the weights in one Triton pass
     kernel_fp8_fused_mlp: str = "on"  # FP8: the MLP (dense, experts) as one function writing its activation in FP8
     kernel_fp8_grad_cast: str = "on"  # FP8: output gradients cast by one kernel (off: torch ops)
+    kernel_fp8_weight_cache: str = "auto"  # FP8: dense weights cast once per step of several micro-batches (auto: off)
     kernel_fp8_block_gemm: str = "auto"  # blockwise FP8 GEMMs: scaled_mm (cuBLAS block scales) | dequant (bf16 GEMM)
     kernel_fp8_grouped_gemm: str = "auto"  # routed experts in FP8: scaled_grouped_mm (torch) | dequant (bf16 GEMM)
     kernel_fp8_block_grouped_gemm: str = "auto"  # blockwise FP8 experts (forward, input grad): triton | dequant

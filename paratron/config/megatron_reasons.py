@@ -72,7 +72,6 @@ ACCEPTED = {
     "rerun_mode": "paratron does not re-run iterations: --rerun-mode disabled is its behaviour",
     "no_use_tokenizer_model_from_checkpoint_args": "--use-checkpoint-args never takes the tokenizer model path "
                                                    "from the checkpoint",
-    "cuda_graph_impl": "paratron captures no CUDA graphs: --cuda-graph-impl none is its behaviour",
     "te_rng_tracker": "which class keeps the tensor-parallel regions' random states (Transformer Engine's, which its "
                       "CUDA graphs need): paratron's own tracker (parallel/random.py) keeps them, per region and rank",
     "trust_remote_code": "HuggingFaceTokenizer reads tokenizer.json with the tokenizers library, which runs no code "
@@ -99,7 +98,6 @@ ACCEPTED_VALUES = {
     "async_strategy": ("nvrx", "mcore"),
     "num_distributed_optimizer_instances": ("1",),
     "rerun_mode": ("disabled",),
-    "cuda_graph_impl": ("none",),
     "fp8_interval": ("1",),
 }
 
@@ -111,6 +109,12 @@ GPU = "GPU-only ({}); paratron does not implement it; remove the flag"
 
 # Refused by name (the flags GPT/Llama/MoE scripts use most).
 REFUSED = {
+    "enable_cuda_graph": "per-layer CUDA graphs are not built: --cuda-graph-impl local --cuda-graph-scope "
+                         "full_iteration captures the whole forward-backward step; use those instead",
+    "external_cuda_graph": "paratron's CUDA graph (--cuda-graph-impl local --cuda-graph-scope full_iteration) is "
+                           "its own: graphs captured outside the training step are not supported; remove the flag",
+    "optimizer_cuda_graph": "the optimizer step runs outside paratron's CUDA graph (--cuda-graph-impl local captures "
+                            "the forward-backward step); remove the flag",
     "tp_comm_overlap": GPU.format("Transformer Engine userbuffers overlap of TP communication"),
     "tp_comm_overlap_cfg": GPU.format("Transformer Engine userbuffers overlap of TP communication"),
     "use_torch_fsdp2": NA.format("paratron shards data parallelism with its own code: --use-megatron-fsdp with "

@@ -14,4 +14,4 @@ class OffloadFields:
     min_offloaded_tensor_size: int = 1048576  # activation offloading: smaller saved tensors stay on the device
     activation_offload_fraction: float = 1.0  # activation offloading: the first share of (layer, module) groups
     delta_offload_bytes_across_pp_ranks: int = 0  # activation offloading: less on later stages (refused: not built)
-    delay_offload_until_cuda_graph: bool = False  # activation offloading under CUDA graphs (refused: none here)
+    delay_offload_until_cuda_graph: bool = False  # offloading deferred to CUDA graphs (refused)

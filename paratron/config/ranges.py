@@ -69,7 +69,7 @@ RANGES: dict[str, Range] = {
     # sharded optimizer
     "optimizer_offload_fraction": FRACTION_CLOSED,
     "activation_offload_fraction": FRACTION_CLOSED, "min_offloaded_tensor_size": AT_LEAST_0,
-    "delta_offload_bytes_across_pp_ranks": AT_LEAST_0,
+    "delta_offload_bytes_across_pp_ranks": AT_LEAST_0, "cuda_graph_warmup_steps": AT_LEAST_1,
     # model
     "num_layers": AT_LEAST_1, "hidden_size": AT_LEAST_1, "ffn_hidden_size": AT_LEAST_1,
     "num_attention_heads": AT_LEAST_1, "kv_channels": AT_LEAST_1, "num_query_groups": AT_LEAST_1,

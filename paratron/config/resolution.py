@@ -29,6 +29,7 @@ from .check_log import validate_log
 from .check_t5 import validate_t5
 from .check_model import validate_model, validate_mtp
 from .check_moe import validate_combined_overlap, validate_routing_parallel
+from .check_graphs import validate_graphs
 from .check_offload import validate_activation_offload
 from .check_optim import validate_optim, validate_optimizer
 from .check_parallel import check_mapping, validate_parallel, validate_sample
@@ -159,6 +160,7 @@ def validate_across(cfg: Config) -> None:
     validate_retention(cfg.ckpt)
     validate_recompute(cfg)
     validate_activation_offload(cfg)
+    validate_graphs(cfg)
     validate_model_family(cfg)
     validate_t5(cfg)
 

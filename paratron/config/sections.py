@@ -20,6 +20,7 @@ from .hybrid_fields import HybridFields
 from .encdec import EncoderDecoderFields
 from .data_fields import DataFileFields
 from .fp8_fields import FP8Fields
+from .graph_fields import GraphFields
 from .log_fields import MonitorFields
 from .offload_fields import OffloadFields
 from .optim_fields import PrecisionAwareFields
@@ -195,7 +196,7 @@ class ParallelConfig(Section):
 
 
 @dataclass(eq=True)
-class TrainConfig(Section, FP8Fields, OffloadFields):
+class TrainConfig(Section, FP8Fields, OffloadFields, GraphFields):
     _name = "train"
     micro_batch_size: int = 4
     global_batch_size: Optional[int] = None  # default micro_batch_size * data-parallel size

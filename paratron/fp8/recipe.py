@@ -86,7 +86,8 @@ class Recipe:
                    grouped_gemm="dequant" if grouped == "auto" else grouped,
                    block_grouped_gemm="dequant" if block_grouped == "auto" else block_grouped,
                    block_cast="torch" if block_cast == "auto" else block_cast,
-                   weight_cache=not getattr(tr, "disable_parameter_transpose_cache", False),
+                   weight_cache=getattr(kernels, "kernel_fp8_weight_cache", "off") == "on"
+                   and not getattr(tr, "disable_parameter_transpose_cache", False),
                    overrides=read_rules(tr.te_precision_config_file), emulate=emulate)
 
     def for_module(self, name: str) -> tuple[Optional["Recipe"], Optional[Rule]]:

@@ -66,7 +66,7 @@ def describe(models) -> str:
     if not layers:
         return ""
     if not any(s.recipe.weight_cache for _, s in layers):
-        return "; weights cast at every micro-batch (--disable-parameter-transpose-cache)"
+        return "; weights cast at every micro-batch (once per step: --kernel-fp8-weight-cache on)"
     why = why_not(models)
     if why is not None:
         return f"; weights cast at every micro-batch ({why})"

@@ -234,6 +234,14 @@ class DataParallel(nn.Module):
             b.grad_work = None
             b.pending = set(b.params)
 
+    def step_state(self) -> frozenset:
+        """What a step's backward passes leave on the host (the parameters that got no gradient): a CUDA graph
+        replaying the step (train/step_graph.py) sets it back with :meth:`set_step_state` after each replay."""
+        return frozenset(self._unwritten)
+
+    def set_step_state(self, state: frozenset) -> None:
+        self._unwritten = set(state)
+
     @contextmanager
     def no_sync(self):
         """Run the micro-batches that are not the last of the step under this: no communication."""

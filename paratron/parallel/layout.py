@@ -47,6 +47,22 @@ def microbatch_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor, num_microb
     return loss_sum / num_tokens.clamp(min=1) / num_microbatches
 
 
+ID_KEYS = {"gpt": ("tokens", "labels"), "bert": ("text",), "t5": ("text_enc", "text_dec")}  # checked token ids
+
+
+class CheckedBatch(dict):
+    """A micro-batch whose token ids were checked on the host already (a CUDA graph's input buffers, on the device,
+    paratron/train/step_graph.py): the forward step checks it no more."""
+
+
+def check_batch_ids(batch: dict, vocab_size: Optional[int], keys: tuple) -> None:
+    """The one-line error of ``check_token_ids`` for each of ``keys`` of ``batch`` outside the vocabulary."""
+    if vocab_size is None or isinstance(batch, CheckedBatch):
+        return
+    for key in keys:
+        check_token_ids(batch[key], vocab_size, f"the micro-batch's {key}")
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     micro_batch_size: int
@@ -107,9 +123,7 @@ class BatchLayout:
         # Positions 0 .. s-1 of a whole (unsliced) sequence go as None: the model makes them itself
         # and reads its rotary table as one contiguous slice instead of a [s, b] gather.
         plain = not self.reset_position_ids and self.cp == 1
-        if self.vocab_size is not None:  # on the loader's host tensors: no device sync
-            for key in ("tokens", "labels"):
-                check_token_ids(batch[key], self.vocab_size, f"the micro-batch's {key}")
+        check_batch_ids(batch, self.vocab_size, ID_KEYS["gpt"])  # on the loader's host tensors: no device sync
         out = {"position_ids": None if plain else self.slice_sequence(self.position_ids(batch))}
         for key in ("tokens", "labels", "loss_mask"):
             out[key] = self.slice_sequence(batch[key].to(self.device, non_blocking=True))

@@ -133,7 +133,8 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_length=cfg.model.seq_length,
                   param_bytes=param_bytes, grad_bytes=grad_bytes, fp8=tr.fp8_format is not None,
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
-                  fp8_weight_cache=not field(cfg, "disable_parameter_transpose_cache", False),
+                  fp8_weight_cache=field(cfg, "kernel_fp8_weight_cache", "off") == "on"
+                  and not field(cfg, "disable_parameter_transpose_cache", False),
                   moment_bytes=sum(MOMENT_BYTES[d] for d in moments),
                   scaled_moments=sum(d in ("fp16", "fp8") for d in moments),
                   offload_modules=tuple(field(cfg, "offload_modules", None) or ())

@@ -37,6 +37,7 @@ from .checkpointing import Checkpointing
 from .evaluation import Evaluation
 from .hooks import StepContext, StepHooks
 from .run_control import RunControl
+from .step_graph import step_graph
 from .watch import ProgressLog, StragglerWatch, check_weight_hashes, profiled, record_memory_history
 from .step import (build_model, build_model_chunks, hopper_kernels, iteration_flops, loss_func,  # noqa: F401
                    make_forward_step, params_dtype, resolve_kernels, sum_reports)
@@ -83,6 +84,7 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self.log = RunLogger(logging_rank, tr.train_iters, cfg.log.tensorboard_dir,
                              queue_size=cfg.log.tensorboard_queue_size, wandb_run=wandb_run(cfg) if logging_rank else None)
         self._pending_skips: Optional[torch.Tensor] = None
+        self.step_graph = step_graph(cfg, self.device, self.models, self.layout, self.log.print)  # (or None)
         self._init_checkpointing()
         if cfg.ckpt.load or cfg.ckpt.pretrained_checkpoint:
             self.load(cfg.ckpt.load)
@@ -159,10 +161,14 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         for m in self.models:
             m.zero_grad_buffer()
         ctx = StepContext(self.optimizer.loss_scale, self.num_microbatches, tr.calculate_per_token_loss, self.dims)
-        self.hooks.before_step(ctx)  # the MoE aux losses' and the MTP loss's backward scale
         with timers("forward-backward"), self.straggler.timed():
-            report = self._forward_backward(ctx)  # [loss sum, loss tokens] of this rank (last stage; else 0)
-        self.hooks.after_forward_backward(ctx)  # the delayed FP8 scalers: scales from their histories from now on
+            if self.step_graph is not None:  # --cuda-graph-impl local: replayed as a CUDA graph (step_graph.py)
+                reports = self.step_graph.run(partial(self._passes, ctx), self.train_iter, ctx.num_microbatches,
+                                              ctx.loss_scale)
+            else:
+                reports = self._passes(ctx, self.train_iter)
+        self.report.note_extras(reports)  # BERT's sentence-order loss, for the log line
+        report = sum_reports(reports, self.device)  # [loss sum, loss tokens] of this rank (last stage; else 0)
         with timers("all-grads-sync"):  # --calculate-per-token-loss: divide the gradient sums by the token count
             finalize_model_grads(self.models, self.dims, num_tokens=report[1] if ctx.per_token_loss else None)
         with timers("optimizer"):
@@ -176,15 +182,17 @@ class Trainer(Checkpointing, Evaluation, RunControl):
         self._check_weight_hashes()
         return self._reduce_dp(report), ok, grad_norm
 
-    def _forward_backward(self, ctx: StepContext) -> torch.Tensor:
-        """The step's micro-batches through the pipeline schedule; this rank's summed loss report."""
+    def _passes(self, ctx: StepContext, data_iterator) -> list[dict]:
+        """The step's forward and backward passes (its micro-batches through the pipeline schedule) with the step
+        hooks around them: the micro-batches' loss reports. What --cuda-graph-impl local captures."""
         tr = self.cfg.train
-        reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=self.train_iter,
+        self.hooks.before_step(ctx)  # the MoE aux losses' and the MTP loss's backward scale, the FP8 weight cache
+        reports = self.forward_backward(forward_step_func=self.forward_step, data_iterator=data_iterator,
                                         model=self.models, num_microbatches=ctx.num_microbatches,
                                         seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
                                         layout=self.layout, forward_only=False, grad_scale=ctx.loss_scale)
-        self.report.note_extras(reports)  # BERT's sentence-order loss, for the log line
-        return sum_reports(reports, self.device)
+        self.hooks.after_forward_backward(ctx)  # the delayed FP8 scalers: scales from their histories from now on
+        return reports
 
     def _check_weight_hashes(self) -> None:
         """Megatron's check that the data-parallel replicas hold the same weights (every

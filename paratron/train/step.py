@@ -15,8 +15,7 @@ from ..model.gpt import GPTModel
 from ..model.layers import MLP, Attention, Norm
 from ..parallel.dims import ParallelDims
 from ..fp8.recipe import Recipe
-from ..parallel.layout import BatchLayout
-from ..parallel.tensor import check_token_ids
+from ..parallel.layout import ID_KEYS, BatchLayout, check_batch_ids
 from ..parallel.stages import rank_chunks
 from .metrics import flops_per_iteration
 
@@ -140,9 +139,9 @@ def make_bert_forward_step(layout: BatchLayout):
     """pretrain_bert.py's forward_step: a BertDataset micro-batch (text, types, labels, is_random, loss_mask,
     padding_mask) on the device through the model (no sequence slicing: BERT refuses context parallelism)."""
     def forward_step(data_iterator, model):
-        b = {k: v.to(layout.device, non_blocking=True) for k, v in next(data_iterator).items()}
-        if layout.vocab_size is not None:
-            check_token_ids(b["text"], layout.vocab_size, "the micro-batch's tokens")
+        raw = next(data_iterator)
+        check_batch_ids(raw, layout.vocab_size, ID_KEYS["bert"])  # on the loader's host tensors: no device sync
+        b = {k: v.to(layout.device, non_blocking=True) for k, v in raw.items()}
         output = model(b["text"], padding_mask=b["padding_mask"], tokentype_ids=b["types"].clamp(min=0),
                        lm_labels=b["labels"])
         return output, partial(bert_loss_func, b["loss_mask"], b["is_random"])

@@ -12,8 +12,7 @@ from ..data.t5_dataset import T5DataConfig, t5_builder
 from ..model import recompute
 from ..model.t5 import T5Model, stack_depths
 from ..parallel.dims import ParallelDims
-from ..parallel.layout import BatchLayout
-from ..parallel.tensor import check_token_ids
+from ..parallel.layout import ID_KEYS, BatchLayout, check_batch_ids
 
 
 def build_t5_model(cfg: Config, dims: ParallelDims, device: torch.device, dtype: torch.dtype) -> T5Model:
@@ -40,9 +39,7 @@ def make_t5_forward_step(layout: BatchLayout, loss_func):
     decoder's real tokens (labels past them are -1 in Megatron's samples: read as 0, masked out)."""
     def forward_step(data_iterator, model):
         b = next(data_iterator)
-        if layout.vocab_size is not None:  # on the loader's host tensors: no device sync
-            for key in ("text_enc", "text_dec"):
-                check_token_ids(b[key], layout.vocab_size, f"the micro-batch's {key}")
+        check_batch_ids(b, layout.vocab_size, ID_KEYS["t5"])  # on the loader's host tensors: no device sync
         dev = {"device": layout.device, "non_blocking": True}
         loss_mask = b["loss_mask"].to(**dev)
         labels = b["labels"].to(**dev).clamp(min=0)

@@ -1,7 +1,7 @@
 """The FP8 weight cache on the GPU (paratron/fp8/weights.py; skipped without CUDA): compiled training steps of two
-micro-batches with the weights cast once per step give the losses of the layers' own casts
-(--disable-parameter-transpose-cache): dense tensorwise and blockwise, and an MoE model (its dense layers cached,
-the routed experts' fused FP8 MLP casting its weights itself)."""
+micro-batches with the weights cast once per step (--kernel-fp8-weight-cache on) give the losses of the layers' own
+casts (the default): dense tensorwise and blockwise, and an MoE model (its dense layers cached, the routed experts'
+fused FP8 MLP casting its weights itself)."""
 from __future__ import annotations
 
 import pytest
@@ -37,6 +37,6 @@ def test_cached_fp8_weights_train_as_the_layers_own_casts(flags):
         assert all(m.fp8.weight_cache is None for m in t.model.modules() if getattr(m, "fp8", None) is not None)
         return out
 
-    cached, own = losses([]), losses(["--disable-parameter-transpose-cache"])
+    cached, own = losses(["--kernel-fp8-weight-cache", "on"]), losses([])
     assert cached == pytest.approx(own, rel=2e-3), (cached, own)
     assert cached[-1] < cached[0], cached

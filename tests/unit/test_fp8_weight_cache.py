@@ -95,7 +95,7 @@ def test_the_cache_is_off_where_the_weights_are_not_in_place_at_the_start_of_a_s
     assert weights.cached_layers([overlap]) == [] and "--overlap-param-gather" in weights.describe([overlap])
     off = _Layer(torch.randn(32, 32), FP8State(Recipe(emulate=True, weight_cache=False)))
     assert weights.cached_layers([off]) == []
-    assert "(--disable-parameter-transpose-cache)" in weights.describe([off])
+    assert "(once per step: --kernel-fp8-weight-cache on)" in weights.describe([off])
     assert weights.describe([torch.nn.Linear(2, 2)]) == ""
 
 
@@ -121,7 +121,7 @@ def test_training_with_the_cache_gives_the_same_losses_and_drops_it_after_the_st
     runs, fills = {}, []
     real_fill = weights.fill
     monkeypatch.setattr(weights, "fill", lambda layers: (fills.append(len(layers)), real_fill(layers)))
-    for name, more in (("cached", []), ("own", ["--disable-parameter-transpose-cache"])):
+    for name, more in (("cached", ["--kernel-fp8-weight-cache", "on"]), ("own", [])):
         trainer = Trainer(parse_args(flags + more))
         runs[name] = losses_of(trainer, 3)
         states = [m.fp8 for m in trainer.model.modules() if getattr(m, "fp8", None) is not None]
@@ -146,10 +146,11 @@ def test_the_plan_counts_the_cached_copies_of_every_layer_for_the_step():
         cfg = parse_args(TINY + ["--train-iters", "1", "--bf16", "--fp8-format", "hybrid", "--device", "cpu", *more])
         return rank_memory(cfg.model, cfg.padded_vocab_size, layout_of(cfg), 0, cfg.parallel).comm
 
-    one_layer = comm("--disable-parameter-transpose-cache")
-    every_layer = comm()  # TINY: two micro-batches a step, two layers
+    one_layer = comm()  # (auto: the cache off)
+    assert comm("--kernel-fp8-weight-cache", "on", "--disable-parameter-transpose-cache") == one_layer
+    every_layer = comm("--kernel-fp8-weight-cache", "on")  # TINY: two micro-batches a step, two layers
     # on top of one layer's copies: a byte a weight element and a byte its transpose, of both layers' QKV [192, 64],
     # proj [64, 64], fc1 [256, 64] and fc2 [64, 256] (TINY: hidden 64, GeLU MLP of 4 x 64)
     h = 64
     assert every_layer - one_layer == 2 * 2 * (3 * h * h + h * h + 2 * 4 * h * h) and one_layer > 0
-    assert comm("--global-batch-size", "2") == one_layer
+    assert comm("--kernel-fp8-weight-cache", "on", "--global-batch-size", "2") == one_layer
