@@ -10,7 +10,7 @@ LOCAL = "--cuda-graph-impl local"
 
 
 def validate_graphs(cfg) -> None:
-    tr, p, m = cfg.train, cfg.parallel, cfg.model
+    tr = cfg.train
     scope = list(tr.cuda_graph_scope or [])
     need(tr.cuda_graph_impl in ("none", "local", "transformer_engine"),
          f"--cuda-graph-impl {tr.cuda_graph_impl}: choose none or local")
@@ -21,7 +21,7 @@ def validate_graphs(cfg) -> None:
         return
     need(scope == [SCOPE], f"{LOCAL} captures the whole forward-backward step only: add --cuda-graph-scope {SCOPE} "
          f"(per-module graphs, --cuda-graph-scope {' '.join(scope) or 'attn mlp ...'}, are not built)")
-    need(cfg.train.device != "cpu", f"{LOCAL}: CUDA graphs need a GPU; this run is on the CPU (--device cpu)")
+    need(tr.device != "cpu", f"{LOCAL}: CUDA graphs need a GPU; this run is on the CPU (--device cpu)")
     _not_with(cfg)
 
 

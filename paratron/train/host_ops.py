@@ -114,7 +114,8 @@ def ops_per_layer(cfg: Config) -> tuple[int, int]:
 
 def host_ops_for(cfg: Config, kind: Optional[str]) -> tuple[int, int]:
     """What a GPU plan of ``kind`` takes as the host's operations: counted for an eager run, (0, 0) when the
-    plan is not for a GPU or the run compiles its layers (--torch-compile: Inductor's code issues them)."""
-    if kind is None or cfg.train.torch_compile:
+    plan is not for a GPU, the run compiles its layers (--torch-compile: Inductor's code issues them) or replays its
+    step as a CUDA graph (--cuda-graph-impl local: one call a step)."""
+    if kind is None or cfg.train.torch_compile or cfg.train.cuda_graph_impl == "local":
         return 0, 0
     return ops_per_layer(cfg)

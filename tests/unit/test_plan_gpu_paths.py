@@ -82,6 +82,8 @@ def test_host_time_exposed_only_beyond_the_gpu():
     assert abs(host_exposed(cfg.model, layout, cluster, 0.0) - issue) < 1e-9
     assert host_exposed(cfg.model, layout, cluster, issue * 2) == 0.0
     assert host_ops_for(tiny_config("llama", world_size=1, torch_compile=True), "h200") == (0, 0)
+    assert host_ops_for(tiny_config("llama", world_size=1, cuda_graph_impl="local",
+                                    cuda_graph_scope=["full_iteration"]), "h200") == (0, 0)  # (one replay a step)
     assert host_ops_for(cfg, None) == (0, 0)
 
 
