@@ -30,7 +30,8 @@ from ..parallel.layout import ID_KEYS, BatchLayout, CheckedBatch, check_batch_id
 
 CAPTURE_FAILED = ("--cuda-graph-impl local: the training step could not be captured as a CUDA graph ({}): a step "
                   "that reads a device value on the host or changes what it does from one step to the next cannot be "
-                  "replayed; run without --cuda-graph-impl, or find the host read with benchmarks/host_sync.py")
+                  "replayed (a layer still compiling needs more --cuda-graph-warmup-steps); run without "
+                  "--cuda-graph-impl, or find the host read with benchmarks/host_sync.py")
 
 
 def _signature(batch: dict) -> tuple:
