@@ -226,7 +226,8 @@ def test_delayed_history_is_checkpointed_and_resume_is_bit_exact(tmp_path, monke
     monkeypatch.setattr(fp8, "device_problem", lambda device: None)
     n = 2
     flags = TINY + ["--train-iters", str(2 * n), "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
-                    "--fp8-amax-history-len", "8", "--fp8-amax-compute-algo", "max", "--device", "cpu"]
+                    "--fp8-amax-history-len", "8", "--fp8-amax-compute-algo", "max", "--device", "cpu",
+                    "--kernel-fp8-weight-cache", "on"]
     straight = Trainer(parse_args(flags))
     ref = losses_of(straight, 2 * n)
     first = Trainer(parse_args(flags + ["--save", str(tmp_path / "ck")]))
@@ -275,7 +276,7 @@ def test_moe_model_says_which_linears_fp8_covers(monkeypatch, capsys):
     monkeypatch.setattr(fp8, "device_problem", lambda device: None)
     flags = TINY + ["--train-iters", "2", "--bf16", "--fp8-format", "hybrid", "--device", "cpu", "--num-experts", "4",
                     "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size",
-                    "32", "--moe-grouped-gemm"]
+                    "32", "--moe-grouped-gemm", "--kernel-fp8-weight-cache", "on"]
     trainer = Trainer(parse_args(flags))
     out = capsys.readouterr().out
     # two layers of QKV, proj, the shared expert's fc1 / fc2 and the experts' fc1 / fc2, all in the run's recipe
