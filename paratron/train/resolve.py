@@ -77,7 +77,8 @@ def _megatron_args(cfg: Config) -> bool:
 
 
 def check_device(cfg: Config) -> None:
-    """FP8 matmuls need a GPU that has them (--fp8-format); --log-energy a GPU and NVML's bindings."""
+    """FP8 matmuls need a GPU that has them (--fp8-format); --log-energy a GPU and NVML's bindings; CUDA graphs a
+    GPU."""
     if cfg.log.log_energy:
         import torch
         from .energy import NVML_MISSING, nvml
@@ -85,6 +86,11 @@ def check_device(cfg: Config) -> None:
             raise ConfigError("--log-energy reads a GPU's energy counter; this run is on the CPU: remove the flag")
         if nvml() is None:
             raise ConfigError(NVML_MISSING)
+    if cfg.train.cuda_graph_impl == "local":
+        import torch
+        if cfg.train.device == "cpu" or not torch.cuda.is_available():
+            raise ConfigError("--cuda-graph-impl local: CUDA graphs need a GPU and none is visible here; remove the "
+                              "flag (and --cuda-graph-scope) for a CPU run")
     if cfg.train.fp8_format is not None:
         from .. import fp8  # (here: a flag mistake is reported before torch is imported)
         problem = fp8.device_problem("cpu" if cfg.train.device == "cpu" else "cuda")

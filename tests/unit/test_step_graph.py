@@ -147,3 +147,11 @@ def test_accepted_and_recorded():
                       "5"])
     assert (cfg.train.cuda_graph_impl, cfg.train.cuda_graph_scope, cfg.train.cuda_graph_warmup_steps) == \
         ("local", ["full_iteration"], 5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_a_run_without_a_gpu_is_refused_before_it_starts():
+    from paratron.train.resolve import check_device
+    cfg = parse_args(["--config", "tiny", "--mock-data", "--train-iters", "1", *GRAPH])
+    with pytest.raises(ConfigError, match="CUDA graphs need a GPU and none is visible here"):
+        check_device(cfg)
