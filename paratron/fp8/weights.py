@@ -1,5 +1,7 @@
 """FP8 copies of the weights, cast once per training step (Transformer Engine's weight caching, which Megatron
-Core switches off with ``disable_parameter_transpose_cache``; paratron's ``--disable-parameter-transpose-cache``).
+Core switches off with ``disable_parameter_transpose_cache``). In paratron the cache is asked for with
+``--kernel-fp8-weight-cache on`` (the switch's ``auto`` leaves it off: a GPU measurement found the step slower with
+it, docs/performance.md); ``--disable-parameter-transpose-cache`` keeps it off.
 
 A weight does not change between the optimizer steps, yet an FP8 layer casts it at every forward: with N
 micro-batches per step (gradient accumulation, pipeline schedules) the same cast runs N times, and each backward
