@@ -132,12 +132,19 @@ class StepGraph:
                      f"after {self.warmup_steps} eager steps")
         self.graph, self.inputs, self.outputs = None, [], None
 
+    @classmethod
+    def of_run(cls, warmup_steps: int, device: torch.device, models: list, layout: BatchLayout, model: str,
+               log: Callable[[str], None]) -> "StepGraph":
+        """The step graph of a training run: its data-parallel ``models``' host state, the token-id check of its
+        ``model`` family's micro-batches (gpt, bert, t5) against ``layout``'s vocabulary."""
+        check = partial(check_batch_ids, vocab_size=layout.vocab_size, keys=ID_KEYS.get(model, ID_KEYS["gpt"]))
+        state = (lambda: [m.step_state() for m in models],
+                 lambda kept: [m.set_step_state(s) for m, s in zip(models, kept)])
+        return cls(warmup_steps, device, check, log, state)
+
 
 def step_graph(cfg, device: torch.device, models: list, layout: BatchLayout, log: Callable[[str], None]):
     """The run's :class:`StepGraph` (``--cuda-graph-impl local``) over the data-parallel ``models``, or None."""
     if cfg.train.cuda_graph_impl != "local":
         return None
-    check = partial(check_batch_ids, vocab_size=layout.vocab_size, keys=ID_KEYS.get(cfg.model.model, ID_KEYS["gpt"]))
-    state = (lambda: [m.step_state() for m in models],
-             lambda kept: [m.set_step_state(s) for m, s in zip(models, kept)])
-    return StepGraph(cfg.train.cuda_graph_warmup_steps, device, check, log, state)
+    return StepGraph.of_run(cfg.train.cuda_graph_warmup_steps, device, models, layout, cfg.model.model, log)

@@ -155,3 +155,30 @@ def test_a_run_without_a_gpu_is_refused_before_it_starts():
     cfg = parse_args(["--config", "tiny", "--mock-data", "--train-iters", "1", *GRAPH])
     with pytest.raises(ConfigError, match="CUDA graphs need a GPU and none is visible here"):
         check_device(cfg)
+
+
+def _bert_flags(tmp_path):
+    from tests.unit.test_bert_train import TINY as BERT, bert_data  # (it puts tests/ on the path for bert_helpers)
+    prefix, vocab = bert_data(tmp_path)
+    return ["--model", "bert", *BERT, "--data-path", prefix, "--vocab-file", vocab, "--split", "100,0,0",
+            "--global-batch-size", "8", "--train-iters", "4"]
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert"])
+def test_trainer_steps_through_the_stand_in_graph_train_as_eager_ones(family, tmp_path):
+    """The Trainer with its step graph (the CPU stand-in) over two micro-batches a step: the losses of the eager run,
+    step by step (the hooks, the micro-batches' copies, BERT's forward step on the graph's input buffers)."""
+    from tests.unit.test_train import TINY, losses_of
+    from paratron.train.loop import Trainer
+    from paratron.train.resolve import parse_args as train_args  # (reads the BERT vocabulary's size)
+    flags = (TINY + ["--train-iters", "4", "--device", "cpu"]) if family == "gpt" else _bert_flags(tmp_path)
+
+    def run(graphed: bool):
+        t = Trainer(train_args(flags))
+        if graphed:
+            t.step_graph = CPUStepGraph.of_run(1, t.device, t.models, t.layout, family, lambda line: None)
+        return losses_of(t, 4), t
+    eager, _ = run(False)
+    graphed, t = run(True)
+    assert t.step_graph.captures == 1 and t.num_microbatches == 2
+    assert graphed == eager, (graphed, eager)
