@@ -86,8 +86,7 @@ class Recipe:
                    grouped_gemm="dequant" if grouped == "auto" else grouped,
                    block_grouped_gemm="dequant" if block_grouped == "auto" else block_grouped,
                    block_cast="torch" if block_cast == "auto" else block_cast,
-                   weight_cache=getattr(kernels, "kernel_fp8_weight_cache", "off") == "on"
-                   and not getattr(tr, "disable_parameter_transpose_cache", False),
+                   weight_cache=weight_cache_asked(tr, kernels),
                    overrides=read_rules(tr.te_precision_config_file), emulate=emulate)
 
     def for_module(self, name: str) -> tuple[Optional["Recipe"], Optional[Rule]]:
@@ -104,6 +103,12 @@ class Recipe:
 
 
 _compiled: dict = {}
+
+
+def weight_cache_asked(tr, kernels) -> bool:
+    """Whether a run asks for the FP8 weight cache (fp8/weights.py): ``--kernel-fp8-weight-cache on`` (``kernels``:
+    its KernelConfig, None: the defaults, off) without Megatron's ``--disable-parameter-transpose-cache``."""
+    return getattr(kernels, "kernel_fp8_weight_cache", "off") == "on" and not tr.disable_parameter_transpose_cache
 
 
 def _fused(fn, x: torch.Tensor):

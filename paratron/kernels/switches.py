@@ -80,7 +80,6 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
         "kernel_fp8_block_gemm": fp8_block.gemm_choice(device),
         "kernel_fp8_grouped_gemm": fp8_grouped.gemm_choice(device),
         "kernel_fp8_block_grouped_gemm": fp8_block_grouped.gemm_choice(device),
-        # the cache measured slower than each layer's own casts (docs/performance.md, FP8): off until that is understood
         "kernel_fp8_weight_cache": ("off", "measured slower than each layer's own casts (docs/performance.md)"),
         "kernel_fp8_block_cast": ("triton", "Triton on CUDA: one read of each blockwise operand for both layouts")
         if triton_gpu else ("torch", "needs Triton and CUDA"),

@@ -116,6 +116,7 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
     here); ``host_ops``: the eager operations of (one layer, the rest), counted by the caller
     (train/host_ops.host_ops_for; (0, 0): no host time); ``traffic``: the memory-bound kernels' bytes, counted by
     the caller (train/traffic.traffic_for; None: not counted)."""
+    from ..fp8.recipe import weight_cache_asked
     par, tr = cfg.parallel, cfg.train
     param_bytes, grad_bytes = precision_of(cfg)
     offload = field(cfg, "optimizer_offload_fraction", 1.0) if field(cfg, "optimizer_cpu_offload", False) else 0.0
@@ -133,8 +134,7 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size, seq_length=cfg.model.seq_length,
                   param_bytes=param_bytes, grad_bytes=grad_bytes, fp8=tr.fp8_format is not None,
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
-                  fp8_weight_cache=field(cfg, "kernel_fp8_weight_cache", "off") == "on"
-                  and not field(cfg, "disable_parameter_transpose_cache", False),
+                  fp8_weight_cache=weight_cache_asked(tr, cfg.kernels),
                   moment_bytes=sum(MOMENT_BYTES[d] for d in moments),
                   scaled_moments=sum(d in ("fp16", "fp8") for d in moments),
                   offload_modules=tuple(field(cfg, "offload_modules", None) or ())
