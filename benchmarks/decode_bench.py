@@ -46,9 +46,10 @@ from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
 def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "llama", gemv: Optional[str] = None,
-          attention: Optional[str] = None):
+          attention: Optional[str] = None, extra: tuple = ()):
     """(paratron GPTModel, the Hugging Face model of ``family``, real vocabulary) with the same random weights;
-    ``gemv`` / ``attention``: paratron's --kernel-decode-gemv / --kernel-decode-attention (None: the default)."""
+    ``gemv`` / ``attention``: paratron's --kernel-decode-gemv / --kernel-decode-attention (None: the default);
+    ``extra``: more paratron flags of the model (``--model-args``)."""
     import transformers
 
     from paratron.checkpoint.hf import paratron_to_hf
@@ -68,10 +69,12 @@ def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "ll
         args = ["--config", preset]
     args += ["--kernel-decode-gemv", gemv] if gemv else []
     args += ["--kernel-decode-attention", attention] if attention else []
+    args += list(extra)
     cfg = parse_args(args + ["--mock-data"] if "--mock-data" not in args else args)
     m, vocab = cfg.model, cfg.data.vocab_size
     torch.manual_seed(0)
-    model = GPTModel(m, cfg.padded_vocab_size, kernels=cfg.kernels if gemv or attention else None, device=device, dtype=dtype).eval()
+    kernels = cfg.kernels if gemv or attention or extra else None
+    model = GPTModel(m, cfg.padded_vocab_size, kernels=kernels, device=device, dtype=dtype).eval()
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     hf_cfg = hf_config_from_model_config(m, vocab, family)
     config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "torch_dtype"})
@@ -249,6 +252,8 @@ def main() -> int:
     p.add_argument("--kernel-decode-attention", choices=("auto", "triton", "fused", "sdpa"), default=None,
                    help="paratron's decode attention (fused: batch 1's rotation, cache write and attention in one "
                    "kernel, kernels/decode_rotary.py)")
+    p.add_argument("--model-args", default="", help="more paratron flags of the model, one string after '=' (e.g. "
+                   "--model-args=\"--no-bias-swiglu-fusion\"); the record's name says them")
     p.add_argument("--load", help="with --num-speculative-tokens: a checkpoint trained with --mtp-num-layers")
     p.add_argument("--prompt-kind", choices=("counting", "random"), default="counting",
                    help="with --num-speculative-tokens: the prompts (default %(default)s)")
@@ -264,11 +269,13 @@ def main() -> int:
     plen = args.prompt_len or (8 if args.tiny else 128)
     n = args.new_tokens or (8 if args.tiny else 256)
     batches = args.batch or [1, 32]
+    extra = tuple(args.model_args.split())
     model, hf, vocab, m = build(args.tiny, device, dtype, args.config, args.family, args.kernel_decode_gemv,
-                                args.kernel_decode_attention)
+                                args.kernel_decode_attention, extra)
     name = ("tiny" if args.tiny else args.config) + (f"_gemv-{args.kernel_decode_gemv}" if args.kernel_decode_gemv
                                                       else "") + (f"_attention-{args.kernel_decode_attention}"
                                                                   if args.kernel_decode_attention else "")
+    name += "".join("_" + a.lstrip("-") for a in extra)
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {hardware}; {name}, prompt {plen}, {n} new tokens, compile {compile_}",
           flush=True)

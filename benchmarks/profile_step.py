@@ -180,9 +180,11 @@ def decode_main(argv: list) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--kernel-decode-attention", choices=("auto", "triton", "fused", "sdpa"), default=None)
+    p.add_argument("--model-args", default="", help="more paratron flags of the model, one string")
     a = p.parse_args(argv)
     device = torch.device("cuda")
-    model, _, vocab, _ = build(False, device, torch.bfloat16, attention=a.kernel_decode_attention)
+    model, _, vocab, _ = build(False, device, torch.bfloat16, attention=a.kernel_decode_attention,
+                               extra=tuple(a.model_args.split()))
     run = paratron_runner(model, vocab, not a.no_compile)
     prompts = torch.randint(0, vocab, (a.batch, a.prompt_len), device=device)
     n = a.new_tokens

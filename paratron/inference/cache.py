@@ -31,6 +31,7 @@ class KVCache(nn.Module):
         super().__init__()
         dtype = dtype or next(model.parameters()).dtype
         self.batch, self.capacity = batch, capacity
+        widest = 1  # most key / value heads of a layer
         for index, mixer in attention_layers(model, mtp_depths):
             if hasattr(mixer, "state_shapes"):  # a recurrent layer: conv and SSM states
                 conv, ssm = mixer.state_shapes(batch)
@@ -38,10 +39,14 @@ class KVCache(nn.Module):
                 self.register_buffer(f"ssm{index}", torch.zeros(ssm, device=device), persistent=False)
                 continue
             for name, (heads, width) in zip("kv", mixer.cache_dims()):
+                widest = max(widest, heads)
                 buffer = torch.zeros(batch, heads, capacity, width, device=device, dtype=dtype)
                 self.register_buffer(f"{name}{index}", buffer, persistent=False)
         # pad[i]: padding slots at the start of row i (left padding)
         self.register_buffer("pad", torch.zeros(batch, dtype=torch.long, device=device), persistent=False)
+        # one counter per key / value head for the fused decode attention's splits (kernels/decode_rotary.py: each
+        # layer's kernel counts its splits in and leaves them 0 again)
+        self.register_buffer("counts", torch.zeros(widest, dtype=torch.int32, device=device), persistent=False)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"k{index}"), getattr(self, f"v{index}")
@@ -105,6 +110,10 @@ class CacheView:
         pad = self.cache.pad[:, None]
         reset = (torch.arange(n, device=pad.device)[None, :] == pad) & (pad > 0)
         return RecurrentView(conv, ssm, prefill=True, reset=reset)
+
+    def counts(self) -> torch.Tensor:
+        """int32 zeros, one per key / value head, kept between passes (the fused decode attention's)."""
+        return self.cache.counts
 
     def bounds(self):
         """(pad [b], slot: 0-d) for a pass of one token per row: each row attends over its slots pad[row] ..

@@ -157,7 +157,7 @@ class _Session:
                 self._join(t)
                 if all(o is None for o in self.owner):
                     break
-                tok = e._broadcast(run.sampler(run.last))
+                tok = e._broadcast(run.sampler(run.last, e.argmax_of(run.last)))
                 run._flush([run._outputs(tok)], self._stream)
                 self._finish_rows()
                 if all(o is None for o in self.owner):

@@ -89,6 +89,7 @@ class Engine:
         self.speculative_steps = None  # speculative decoding's fixed-shape passes for the cache (speculative.Steps)
         self.cache: Optional[KVCache] = None
         self.graph = None
+        self._best = self._argmax_of = None  # the compiled decode step's last argmax and the logits it is of
         self.peak_cache_bytes = 0  # the largest KV cache allocated so far (the server's /health reports it)
 
     # ---- the model passes ---------------------------------------------------------------
@@ -155,14 +156,23 @@ class Engine:
             self.peak_cache_bytes = max(self.peak_cache_bytes, sum(b.numel() * b.element_size()
                                                                    for b in self.cache.buffers()))
         if self.compile and self.graph is None:
-            from .graphs import DecodeRunner
-            self.graph = DecodeRunner(self.decode_step, batch, self.device,
+            from .graphs import DecodeRunner, with_argmax
+            self.graph = DecodeRunner(with_argmax(self.decode_step), batch, self.device,
                                      self.model.kernels.kernel_decode_coordinate_descent)
 
     def _step(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
+        """The decode step's logits [b, vocab]; their argmax, where the compiled step computed it, is
+        ``argmax_of(logits)``."""
+        self._best = None
         if self.graph is not None:
-            return self.graph(tokens, slot)
+            logits, self._best = self.graph(tokens, slot)
+            self._argmax_of = logits
+            return logits
         return self.decode_step(tokens, torch.tensor(slot, device=self.device))
+
+    def argmax_of(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
+        """The argmax of ``logits`` [b, vocab] computed by the compiled decode step that returned them, else None."""
+        return self._best if self._best is not None and logits is self._argmax_of else None
 
     # ---- generation -------------------------------------------------------------------------
     def check(self, req: Request) -> Optional[str]:
@@ -254,7 +264,7 @@ class _Run:
         every = 1 if on_step is not None or any(p.stop for p in self.params) else SYNC_EVERY
         pending = []
         for step in range(self.steps):
-            tok = e._broadcast(self.sampler(self.last))
+            tok = e._broadcast(self.sampler(self.last, e.argmax_of(self.last)))
             pending.append(self._outputs(tok))
             final = step == self.steps - 1
             if len(pending) == every or final:

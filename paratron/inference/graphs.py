@@ -26,8 +26,18 @@ def compile_options(batch: int, switch: str = "auto") -> dict:
     return {"coordinate_descent_tuning": True} if on else {}
 
 
+def with_argmax(step):
+    """``step`` returning its logits and their argmax as well (greedy decoding's next tokens, computed in the
+    compiled step and its CUDA graph: no kernel of its own launched between steps)."""
+    def run(tokens: torch.Tensor, slot: torch.Tensor):
+        logits = step(tokens, slot)
+        return logits, logits.argmax(-1)
+    return run
+
+
 class DecodeRunner:
-    """``runner(tokens [b, 1], slot: int) -> logits [b, vocab]`` for one batch size and cache."""
+    """``runner(tokens [b, 1], slot: int) -> logits [b, vocab]`` for one batch size and cache (``(logits, argmax)``
+    for a step wrapped by :func:`with_argmax`)."""
 
     def __init__(self, step, batch: int, device, switch: str = "auto"):
         self.step = torch.compile(step, dynamic=False, options=compile_options(batch, switch))

@@ -115,9 +115,10 @@ class Sampler:
             q[i].exponential_(generator=g)
         return q
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """Next token of each row from ``logits`` [b, vocab] (any float dtype)."""
-        best = logits.argmax(-1)
+    def __call__(self, logits: torch.Tensor, best: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Next token of each row from ``logits`` [b, vocab] (any float dtype); ``best``: their argmax where
+        already computed (the compiled decode step's)."""
+        best = logits.argmax(-1) if best is None else best
         if self.greedy:
             return best
         return torch.where(self.is_greedy, best, self.draw(self.probs(logits)))

@@ -8,10 +8,13 @@ kernel reads the layer's QKV projection output as the GEMV wrote it (``[groups, 
 its query heads, its key, its value), rotates the queries and the key in registers with the same rounding as the
 model's ``apply_rotary`` (cos and sin in the activations' dtype, each product rounded to it, then the sum), writes
 the rotated key and the value at the step's slot, and attends over the cached slots ``pad .. slot - 1`` and the new
-token itself (kept in registers: the slot is not read back). One program per key/value group, or per group and
-split of the cached slots where the groups are too few to fill the GPU (the paged engine's split-context rule,
-``paged_attention.decode_splits``, over the cache's capacity), the splits then combined by the paged engine's
-combine kernel. The slot and the padding are read from device memory, so a captured CUDA graph replays it.
+token itself (kept in registers: the slot is not read back). One program per key/value group and split of the
+cached slots: each split writes its partial softmax (max, denominator, unnormalised sum), counts itself in with an
+atomic add on its group's counter (held by the KV cache), and the group's last split to arrive combines the
+partials and writes the output, so the splits cost no second launch (``fused_splits``: each walks at most two
+blocks of keys of a full cache, the walk being a chain of dependent loads). Without counters the splits follow the
+paged engine's rule (``paged_attention.decode_splits``) and its combine kernel. The slot and the padding are read
+from device memory, so a captured CUDA graph replays it.
 
 ``--kernel-decode-attention fused`` takes it for one-token passes of one row whose layer has the plain rotate-half
 rotation over the whole head, no query / key norm and no output gate (``model/attention/self_attention.py``);
@@ -21,11 +24,12 @@ with, on CPU through Triton's interpreter).
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 
 from .decode_attention import decode_attention_reference
-from .paged_attention import _sms, decode_splits
+from .paged_attention import SPLIT_TARGET, _sms, decode_splits
 from .rotary import apply_rotary
 
 try:
@@ -35,6 +39,14 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK_T = 64  # cached keys per loop iteration
+FUSED_SPAN = 2 * BLOCK_T  # cached slots per split when the kernel combines its splits itself
+
+
+def fused_splits(groups: int, capacity: int, sms: int) -> int:
+    """Programs per group when the splits combine in the kernel (no second launch to pay for): enough that each
+    walks at most ``FUSED_SPAN`` slots of a full cache (the walk over the cache is a chain of dependent loads: its
+    length is the kernel's latency), no more than ``SPLIT_TARGET`` programs per multiprocessor in all."""
+    return max(1, min(-(-capacity // FUSED_SPAN), SPLIT_TARGET * sms // max(groups, 1)))
 
 
 def decode_rotary_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -63,19 +75,22 @@ def supported(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 
 def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
-                            splits: int = 0) -> torch.Tensor:
+                            splits: int = 0, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """As :func:`decode_rotary_reference` (``qkv`` any [..., groups, q_per_group + 2, d] of one token), the kernel on
-    CUDA where it applies; ``splits``: programs per group (0: ``decode_splits``'s choice)."""
+    CUDA where it applies; ``splits``: programs per group (0: :func:`fused_splits`'s choice with ``counts``, else
+    ``decode_splits``'s). ``counts``: int32 zeros, at least one per group, kept between calls (the KV cache's: the
+    kernel leaves them 0): the splits' partials are then combined by the group's last split to finish, in the same
+    kernel, rather than by a second kernel."""
     qkv = qkv.reshape(qkv.shape[-3:])
     cos, sin = cos.reshape(-1), sin.reshape(-1)
     if qkv.is_cuda and supported(qkv, k_cache, v_cache):
         return torch.ops.paratron.decode_rotary_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(),
-                                                          k_cache, v_cache, pad, slot, scale, splits)
+                                                          k_cache, v_cache, pad, slot, scale, splits, counts)
     return decode_rotary_reference(qkv, cos, sin, k_cache, v_cache, pad, slot, scale)
 
 
 if triton is not None:
-    from .paged_attention import _paged_combine_kernel, _walk
+    from .paged_attention import _combined, _paged_combine_kernel, _walk
     from .rotary import _round  # (rounds to bf16 as torch does, on the GPU and in the interpreter)
 
     @triton.jit
@@ -90,9 +105,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr,
-                              acc_ptr, splits, scale, skg, skt, svg, svt, sog, soh,
+                              acc_ptr, count_ptr, splits, scale, skg, skt, svg, svt, sog, soh,
                               QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                              SPLIT: tl.constexpr):
+                              SPLIT: tl.constexpr, ARRIVE: tl.constexpr):
         g, sp = tl.program_id(0), tl.program_id(1)
         dt = qkv_ptr.dtype.element_ty
         heads, cols = tl.arange(0, QB), tl.arange(0, D)
@@ -135,35 +150,47 @@ if triton is not None:
             tl.store(m_ptr + at, m, mask=live)
             tl.store(l_ptr + at, total, mask=live)
             tl.store(acc_ptr + at[:, None] * D + cols[None, :], acc, mask=live[:, None])
+            if ARRIVE:  # the group's last split to arrive combines them (its count set back to 0 for the next call)
+                tl.debug_barrier()  # every thread's partials stored before the count says so
+                if tl.atomic_add(count_ptr + g, 1, sem="acq_rel") == splits - 1:
+                    tl.store(count_ptr + g, 0)
+                    _, total, acc = _combined(m_ptr, l_ptr, acc_ptr, g * splits * QPG + heads, splits, live, cols,
+                                              QB, D, QPG)
+                    out = acc / total[:, None]
+                    tl.store(out_ptr + g * sog + heads[:, None] * soh + cols[None, :], out.to(dt),
+                             mask=live[:, None])
         else:
             out = acc / total[:, None]
             tl.store(out_ptr + g * sog + heads[:, None] * soh + cols[None, :], out.to(dt), mask=live[:, None])
 
-    @torch.library.custom_op("paratron::decode_rotary_attention", mutates_args=("k_cache", "v_cache"))
+    @torch.library.custom_op("paratron::decode_rotary_attention", mutates_args=("k_cache", "v_cache", "counts"))
     def _decode_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
-                          splits: int = 0) -> torch.Tensor:
+                          splits: int = 0, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``counts``: int32 zeros, one per group at least (:func:`decode_rotary_attention`)."""
         groups, rows, d = qkv.shape
         qpg = rows - 2
         out = qkv.new_empty(1, groups, qpg, d)
         if splits <= 0:
-            splits = decode_splits(groups, k_cache.size(2), _sms(qkv.device))
+            splits = (fused_splits(groups, k_cache.size(2), _sms(qkv.device)) if counts is not None
+                      else decode_splits(groups, k_cache.size(2), _sms(qkv.device)))
         qb = max(16, triton.next_power_of_2(qpg))
         split = splits > 1
         m = total = acc = out  # (unused without splits)
         if split:
             m, total = (torch.empty(groups, splits, qpg, device=qkv.device, dtype=torch.float32) for _ in range(2))
             acc = torch.empty(groups, splits, qpg, d, device=qkv.device, dtype=torch.float32)
+        arrive = split and counts is not None
         with torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext():
             _decode_rotary_kernel[(groups, splits)](
-                qkv, cos, sin, k_cache, v_cache, pad, slot, out, m, total, acc, splits, scale,
-                k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), out.stride(1),
-                out.stride(2), QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split)
-            if split:
+                qkv, cos, sin, k_cache, v_cache, pad, slot, out, m, total, acc, counts if arrive else out, splits,
+                scale, k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), out.stride(1),
+                out.stride(2), QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split, ARRIVE=arrive)
+            if split and not arrive:
                 _paged_combine_kernel[(groups,)](m, total, acc, out, out, groups, splits, out.stride(0),
                                                  out.stride(1), out.stride(2), QPG=qpg, QB=qb, D=d, SINK=False)
         return out
 
     @_decode_rotary_op.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits=0):
+    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits=0, counts=None):
         return qkv.new_empty(1, qkv.size(0), qkv.size(1) - 2, qkv.size(2))

@@ -274,6 +274,25 @@ if triton is not None:
         tl.store(acc_ptr + at[:, None] * D + cols[None, :], acc, mask=live[:, None])
 
     @triton.jit
+    def _combined(m_ptr, l_ptr, acc_ptr, base, splits, live, cols, QB: tl.constexpr, D: tl.constexpr,
+                  QPG: tl.constexpr):
+        """The ``splits`` partials at ``base + s * QPG`` (heads ``live``), each rescaled to their common max: (that
+        max, the denominator, the unnormalised sum [QB, D]). Read past the L1 cache: other programs wrote them."""
+        top = tl.full([QB], float("-inf"), tl.float32)
+        for s in range(splits):
+            top = tl.maximum(top, tl.load(m_ptr + base + s * QPG, mask=live, other=float("-inf"), cache_modifier=".cg"))
+        top_safe = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: every weight below is 0
+        total = tl.zeros([QB], tl.float32)
+        acc = tl.zeros([QB, D], tl.float32)
+        for s in range(splits):
+            at = base + s * QPG
+            w = tl.exp(tl.load(m_ptr + at, mask=live, other=float("-inf"), cache_modifier=".cg") - top_safe)
+            total += w * tl.load(l_ptr + at, mask=live, other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * tl.load(acc_ptr + at[:, None] * D + cols[None, :], mask=live[:, None], other=0.0,
+                                        cache_modifier=".cg")
+        return top, total, acc
+
+    @triton.jit
     def _paged_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, sink_ptr, groups, splits, son, sog, soh,
                               QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr):
         """The splits' partials of token x group ``program_id(0)``, each rescaled to their common max, plus the
@@ -282,18 +301,7 @@ if triton is not None:
         i, g = pid // groups, pid % groups
         heads, cols = tl.arange(0, QB), tl.arange(0, D)
         live = heads < QPG
-        base = pid * splits * QPG + heads
-        top = tl.full([QB], float("-inf"), tl.float32)
-        for s in range(splits):
-            top = tl.maximum(top, tl.load(m_ptr + base + s * QPG, mask=live, other=float("-inf")))
-        top_safe = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: every weight below is 0
-        total = tl.zeros([QB], tl.float32)
-        acc = tl.zeros([QB, D], tl.float32)
-        for s in range(splits):
-            at = base + s * QPG
-            w = tl.exp(tl.load(m_ptr + at, mask=live, other=float("-inf")) - top_safe)
-            total += w * tl.load(l_ptr + at, mask=live, other=0.0)
-            acc += w[:, None] * tl.load(acc_ptr + at[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
+        top, total, acc = _combined(m_ptr, l_ptr, acc_ptr, pid * splits * QPG + heads, splits, live, cols, QB, D, QPG)
         if SINK:
             sink = tl.load(sink_ptr + g * QPG + heads, mask=live, other=float("-inf"))
             total, acc = _sunk(sink, top, total, acc)

@@ -59,14 +59,18 @@ def test_fused_rotary_decode_kernel_matches_the_reference_and_writes_the_rotated
     qkv = torch.randn(g, qpg + 2, d, device="cuda", generator=gen).bfloat16()
     angles = 300.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
     cos, sin = torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
-    for slot, pad, splits in ((300, 0, 1), (300, 7, 4), (1500, 3, 0), (2, 0, 8)):
+    counts = torch.zeros(g, dtype=torch.int32, device="cuda")  # the splits combined in the kernel (the KV cache's)
+    for slot, pad, splits, count in ((300, 0, 1, None), (300, 7, 4, None), (1500, 3, 0, None), (2, 0, 8, None),
+                                     (300, 7, 4, counts), (1500, 3, 0, counts), (2, 0, 8, counts), (1900, 0, 0, counts)):
         k, v = (torch.randn(1, g, cap, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
         rk, rv = k.clone(), v.clone()
         at, first = torch.tensor(slot, device="cuda"), torch.tensor([pad], device="cuda")
-        got = decode_rotary_attention(qkv, cos, sin, k, v, first, at, 0.125, splits)
+        for _ in range(3):  # again: the counts were left at zero
+            got = decode_rotary_attention(qkv, cos, sin, k, v, first, at, 0.125, splits, count)
         want = decode_rotary_reference(qkv, cos, sin, rk, rv, first, at, 0.125)
-        assert _rel(got, want) < 1e-2, (slot, pad, splits)
+        assert _rel(got, want) < 1e-2, (slot, pad, splits, count is None)
         assert torch.equal(k, rk) and torch.equal(v, rv), (slot, pad, splits)
+        assert not counts.any()
 
 
 def test_engine_with_the_fused_rotary_decode_gives_the_unfused_tokens_through_cuda_graphs():

@@ -43,8 +43,9 @@ KERNEL = r"""
 import torch
 from paratron.kernels.decode_rotary import decode_rotary_reference
 torch.manual_seed(0)
-# one program per group and split contexts (splits past a short context stay empty), padding slots, slots past the
-# current one never read (NaN there), fp32 and bf16, 1 and 4 query heads per group
+# one program per group and split contexts (splits past a short context stay empty), combined by a second kernel or,
+# with counts, by each group's last split; padding slots, slots past the current one never read (NaN there), fp32
+# and bf16, 1 and 4 query heads per group
 for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.float32, 1e-5),
                                               (1, 1, 64, 70, 5, 2, torch.float32, 1e-5),
                                               (8, 4, 64, 200, 190, 3, torch.bfloat16, 2e-2)):
@@ -52,14 +53,17 @@ for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.floa
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     angles = (slot - pad) * torch.cat([inv, inv])
     cos, sin = angles.cos(), angles.sin()
-    for splits in (1, 3, 0):
+    for splits, counts in ((1, None), (3, None), (0, None), (3, torch.zeros(g, dtype=torch.int32)),
+                           (0, torch.zeros(g + 1, dtype=torch.int32))):
         k, v = torch.randn(2, 1, g, cap, d, dtype=dtype)
         k[:, :, slot + 1:], v[:, :, slot + 1:] = float("nan"), float("nan")
         k[:, :, :pad], v[:, :, :pad] = float("nan"), float("nan")
         rk, rv = k.nan_to_num(), v.nan_to_num()
         want = decode_rotary_reference(qkv, cos, sin, rk, rv, torch.tensor([pad]), torch.tensor(slot), 0.125)
         got = torch.ops.paratron.decode_rotary_attention(qkv, cos, sin, k, v, torch.tensor([pad]), torch.tensor(slot),
-                                                         0.125, splits)
+                                                         0.125, splits, counts)
+        # the splits counted themselves in and the last one set its group's count back (zero for the next call)
+        assert counts is None or not counts.any(), counts
         assert got.shape == want.shape and got.dtype == dtype and torch.isfinite(got).all()
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()
         assert err <= tol, (g, qpg, d, dtype, splits, err)
@@ -125,3 +129,11 @@ def test_generate_command_takes_the_decode_switches(tmp_path, capsys, monkeypatc
     assert "--kernel-decode-attention auto" in plain.err
     assert main(run + ["--kernel-decode-attention", "flash"]) == 2
     assert "--kernel-decode-attention" in capsys.readouterr().err
+
+
+def test_fused_splits_walk_two_key_blocks_of_a_full_cache_without_overfilling_the_gpu():
+    assert decode_rotary.fused_splits(8, 384, 132) == 3  # llama-1b's 8 groups, a 384-slot cache
+    assert decode_rotary.fused_splits(8, 2048, 132) == 16
+    assert decode_rotary.fused_splits(8, 64, 132) == 1
+    assert decode_rotary.fused_splits(100, 2048, 132) == 2  # at most two programs a multiprocessor
+    assert decode_rotary.fused_splits(300, 2048, 132) == 1

@@ -105,7 +105,8 @@ class SDPAttention(nn.Module):
         k_cache, v_cache = ctx.kv_cache.buffers(self.layer_index)
         pad, slot = ctx.kv_cache.bounds()
         scale = self.scale if self.scale is not None else self.d ** -0.5
-        out = decode_rotary.decode_rotary_attention(qkv, *ctx.rope, k_cache, v_cache, pad, slot, scale)
+        out = decode_rotary.decode_rotary_attention(qkv, *ctx.rope, k_cache, v_cache, pad, slot, scale,
+                                                    counts=ctx.kv_cache.counts())
         return out.reshape(1, 1, self.heads * self.d)
 
     def extra_repr(self) -> str:
