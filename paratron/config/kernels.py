@@ -43,6 +43,7 @@ CHOICES: dict[str, tuple] = {
     "kernel_fp8_block_cast": ("auto", "triton", "torch"),
     "kernel_compile_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_coordinate_descent": AUTO_ON_OFF,
+    "kernel_decode_pdl": AUTO_ON_OFF,
     "kernel_moe_compile": ("layer", "experts"),
     "kernel_linear_scan": ("auto", "fla", "torch"),
     "kernel_linear_scan_recompute": ("on", "off"),
@@ -81,9 +82,17 @@ class KernelConfig(Section):
     kernel_fp8_block_cast: str = "auto"  # blockwise FP8 tile casts in both layouts: triton (auto on CUDA) | torch
     kernel_compile_coordinate_descent: str = "auto"  # torch.compile's coordinate-descent tuning of the layers
     kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch sizes > 1)
+    # programmatic dependent launch in the compiled decode step (Hopper): each kernel launched while the one before
+    # it finishes, waiting only where it reads that one's output (Inductor's kernels and the fused decode attention)
+    kernel_decode_pdl: str = "auto"  # decode step's kernels launched early (Hopper PDL): on | off
     kernel_moe_compile: str = "layer"  # --torch-compile's MoE layers: compiled whole with their layer | experts alone
     kernel_linear_scan: str = "auto"  # Mamba-2 / Gated DeltaNet scans: fla-core's Triton kernels (CUDA) | torch
     kernel_linear_scan_recompute: str = "on"  # torch scans: intra-chunk products recomputed in backward (less memory)
+
+
+def decode_pdl_on(switch: str) -> bool:
+    """``--kernel-decode-pdl`` as it runs: auto is off (kernels/switches.py gives the reason)."""
+    return switch == "on"
 
 
 def parse_quack_tiles(spec: str) -> dict:

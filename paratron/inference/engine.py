@@ -157,8 +157,9 @@ class Engine:
                                                                    for b in self.cache.buffers()))
         if self.compile and self.graph is None:
             from .graphs import DecodeRunner, with_argmax
+            k = self.model.kernels
             self.graph = DecodeRunner(with_argmax(self.decode_step), batch, self.device,
-                                     self.model.kernels.kernel_decode_coordinate_descent)
+                                     k.kernel_decode_coordinate_descent, k.kernel_decode_pdl)
 
     def _step(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
         """The decode step's logits [b, vocab]; their argmax, where the compiled step computed it, is

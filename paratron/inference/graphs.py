@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import torch
 
+from ..config.kernels import decode_pdl_on
+
 WARMUP = 3
 
 
 SMALL_BATCH = 1  # up to this batch size the decode step is tuned for a single row's matmuls (below)
 
 
-def compile_options(batch: int, switch: str = "auto") -> dict:
+def compile_options(batch: int, switch: str = "auto", pdl: str = "auto") -> dict:
     """Inductor options of the decode step for ``batch`` rows. At batch 1 coordinate-descent tuning also
     makes Inductor write each one-row matmul as a Triton reduction fused with its neighbours (the norm
     before it, SwiGLU, the residual add), which makes batch-1 decoding faster on an H100
     (benchmarks/results/decode_bench_llama-1b_20261126_043044.md). Inductor writes matmuls that way for one row
     only, so larger batches skip the tuning (it costs compilation time and gains nothing there). ``switch``:
-    ``--kernel-decode-coordinate-descent`` (on / off force it)."""
+    ``--kernel-decode-coordinate-descent`` (on / off force it). ``pdl``: ``--kernel-decode-pdl``; on, Inductor
+    writes its kernels for programmatic dependent launch (Hopper and later; it checks the device itself)."""
     on = batch <= SMALL_BATCH if switch == "auto" else switch == "on"
-    return {"coordinate_descent_tuning": True} if on else {}
+    return {**({"coordinate_descent_tuning": True} if on else {}), **({"triton.enable_pdl": True} if decode_pdl_on(pdl) else {})}
 
 
 def with_argmax(step):
@@ -39,8 +42,8 @@ class DecodeRunner:
     """``runner(tokens [b, 1], slot: int) -> logits [b, vocab]`` for one batch size and cache (``(logits, argmax)``
     for a step wrapped by :func:`with_argmax`)."""
 
-    def __init__(self, step, batch: int, device, switch: str = "auto"):
-        self.step = torch.compile(step, dynamic=False, options=compile_options(batch, switch))
+    def __init__(self, step, batch: int, device, switch: str = "auto", pdl: str = "auto"):
+        self.step = torch.compile(step, dynamic=False, options=compile_options(batch, switch, pdl))
         self.device = torch.device(device)
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.slot = torch.zeros((), dtype=torch.long, device=self.device)

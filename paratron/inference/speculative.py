@@ -180,12 +180,12 @@ class Steps:
         self.verifier = self.drafter = None
         if engine.compile:
             from .graphs import DecodeRunner
-            switch = engine.model.kernels.kernel_decode_coordinate_descent
-            self.verifier = _Runner(DecodeRunner(self.verify, b, dev, switch),
+            switch, pdl = engine.model.kernels.kernel_decode_coordinate_descent, engine.model.kernels.kernel_decode_pdl
+            self.verifier = _Runner(DecodeRunner(self.verify, b, dev, switch, pdl),
                                     torch.zeros(b, k + 1, dtype=torch.long, device=dev))
             h = engine.model.config.hidden_size
             dtype = next(engine.model.parameters()).dtype
-            self.drafter = _Runner(DecodeRunner(self._draft, b, dev, switch),
+            self.drafter = _Runner(DecodeRunner(self._draft, b, dev, switch, pdl),
                                    torch.zeros(2 * k, b, h, device=dev, dtype=dtype))
 
     def verify(self, tokens: torch.Tensor, slot: torch.Tensor) -> tuple:

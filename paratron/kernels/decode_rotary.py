@@ -75,17 +75,19 @@ def supported(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 
 def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
-                            splits: int = 0, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            splits: int = 0, counts: Optional[torch.Tensor] = None, pdl: bool = False) -> torch.Tensor:
     """As :func:`decode_rotary_reference` (``qkv`` any [..., groups, q_per_group + 2, d] of one token), the kernel on
     CUDA where it applies; ``splits``: programs per group (0: :func:`fused_splits`'s choice with ``counts``, else
     ``decode_splits``'s). ``counts``: int32 zeros, at least one per group, kept between calls (the KV cache's: the
     kernel leaves them 0): the splits' partials are then combined by the group's last split to finish, in the same
-    kernel, rather than by a second kernel."""
+    kernel, rather than by a second kernel. ``pdl``: launched for programmatic dependent launch (Hopper: the kernel
+    starts while the one before it finishes and waits for it before reading anything)."""
     qkv = qkv.reshape(qkv.shape[-3:])
     cos, sin = cos.reshape(-1), sin.reshape(-1)
     if qkv.is_cuda and supported(qkv, k_cache, v_cache):
+        counts = qkv.new_zeros(0, dtype=torch.int32) if counts is None else counts
         return torch.ops.paratron.decode_rotary_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(),
-                                                          k_cache, v_cache, pad, slot, scale, splits, counts)
+                                                          k_cache, v_cache, pad, slot, scale, splits, counts, pdl)
     return decode_rotary_reference(qkv, cos, sin, k_cache, v_cache, pad, slot, scale)
 
 
@@ -107,7 +109,10 @@ if triton is not None:
     def _decode_rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr,
                               acc_ptr, count_ptr, splits, scale, skg, skt, svg, svt, sog, soh,
                               QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                              SPLIT: tl.constexpr, ARRIVE: tl.constexpr):
+                              SPLIT: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, then let the next start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         g, sp = tl.program_id(0), tl.program_id(1)
         dt = qkv_ptr.dtype.element_ty
         heads, cols = tl.arange(0, QB), tl.arange(0, D)
@@ -166,13 +171,16 @@ if triton is not None:
     @torch.library.custom_op("paratron::decode_rotary_attention", mutates_args=("k_cache", "v_cache", "counts"))
     def _decode_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
-                          splits: int = 0, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``counts``: int32 zeros, one per group at least (:func:`decode_rotary_attention`)."""
+                          splits: int, counts: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """``counts``: int32 zeros, one per group at least (:func:`decode_rotary_attention`), or empty: none;
+        ``pdl``: launched for programmatic dependent launch (``--kernel-decode-pdl``).
+        (Every argument is given: torch 2.11 drops a mutated optional argument left at its default from the call
+        and then fails to find it.)"""
         groups, rows, d = qkv.shape
         qpg = rows - 2
         out = qkv.new_empty(1, groups, qpg, d)
         if splits <= 0:
-            splits = (fused_splits(groups, k_cache.size(2), _sms(qkv.device)) if counts is not None
+            splits = (fused_splits(groups, k_cache.size(2), _sms(qkv.device)) if counts.numel()
                       else decode_splits(groups, k_cache.size(2), _sms(qkv.device)))
         qb = max(16, triton.next_power_of_2(qpg))
         split = splits > 1
@@ -180,17 +188,18 @@ if triton is not None:
         if split:
             m, total = (torch.empty(groups, splits, qpg, device=qkv.device, dtype=torch.float32) for _ in range(2))
             acc = torch.empty(groups, splits, qpg, d, device=qkv.device, dtype=torch.float32)
-        arrive = split and counts is not None
+        arrive = split and counts.numel() > 0
         with torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext():
             _decode_rotary_kernel[(groups, splits)](
                 qkv, cos, sin, k_cache, v_cache, pad, slot, out, m, total, acc, counts if arrive else out, splits,
                 scale, k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), out.stride(1),
-                out.stride(2), QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split, ARRIVE=arrive)
+                out.stride(2), QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split, ARRIVE=arrive, PDL=pdl,
+                **({"launch_pdl": True} if pdl else {}))
             if split and not arrive:
                 _paged_combine_kernel[(groups,)](m, total, acc, out, out, groups, splits, out.stride(0),
                                                  out.stride(1), out.stride(2), QPG=qpg, QB=qb, D=d, SINK=False)
         return out
 
     @_decode_rotary_op.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits=0, counts=None):
+    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, pdl=False):
         return qkv.new_empty(1, qkv.size(0), qkv.size(1) - 2, qkv.size(2))

@@ -86,6 +86,7 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
         "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
                                               if cuda else "CUDA only"),
         "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),
+        "kernel_decode_pdl": ("off", "not measured faster than the spread between runs (docs/inference.md)"),
         "kernel_linear_scan": _linear_scan(device),
     }
 

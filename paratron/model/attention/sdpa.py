@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...config.kernels import decode_pdl_on
 from .. import mup
 from ...kernels import decode_rotary
 from ...parallel.random import checkpoint
@@ -42,6 +43,7 @@ class SDPAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.scale = mup.softmax_scale(cfg, self.d)  # the scores' scale: None is the kernels' 1/sqrt(d)
         self.decode = self._grouped_decode(par) if self.decodes else None
+        self.decode_pdl = decode_pdl_on(par.kernels.kernel_decode_pdl)  # the fused decode attention's launch
 
     def _grouped_decode(self, par) -> Optional[GroupedDecode]:
         """The decode core of one-token steps with grouped heads (None: plain heads, the frame's core)."""
@@ -106,7 +108,7 @@ class SDPAttention(nn.Module):
         pad, slot = ctx.kv_cache.bounds()
         scale = self.scale if self.scale is not None else self.d ** -0.5
         out = decode_rotary.decode_rotary_attention(qkv, *ctx.rope, k_cache, v_cache, pad, slot, scale,
-                                                    counts=ctx.kv_cache.counts())
+                                                    counts=ctx.kv_cache.counts(), pdl=self.decode_pdl)
         return out.reshape(1, 1, self.heads * self.d)
 
     def extra_repr(self) -> str:
