@@ -11,8 +11,8 @@ the rotated key and the value at the step's slot, and attends over the cached sl
 token itself (kept in registers: the slot is not read back). One program per key/value group and split of the
 cached slots: each split writes its partial softmax (max, denominator, unnormalised sum), counts itself in with an
 atomic add on its group's counter (held by the KV cache), and the group's last split to arrive combines the
-partials and writes the output, so the splits cost no second launch (``fused_splits``: each walks at most two
-blocks of keys of a full cache, the walk being a chain of dependent loads). Without counters the splits follow the
+partials and writes the output, so the splits cost no second launch (``fused_splits``: splits of at most 384
+cached slots). Without counters the splits follow the
 paged engine's rule (``paged_attention.decode_splits``) and its combine kernel. The slot and the padding are read
 from device memory, so a captured CUDA graph replays it.
 
@@ -39,13 +39,15 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK_T = 64  # cached keys per loop iteration
-FUSED_SPAN = 2 * BLOCK_T  # cached slots per split when the kernel combines its splits itself
+FUSED_SPAN = 6 * BLOCK_T  # cached slots per split when the kernel combines its splits itself
 
 
 def fused_splits(groups: int, capacity: int, sms: int) -> int:
     """Programs per group when the splits combine in the kernel (no second launch to pay for): enough that each
-    walks at most ``FUSED_SPAN`` slots of a full cache (the walk over the cache is a chain of dependent loads: its
-    length is the kernel's latency), no more than ``SPLIT_TARGET`` programs per multiprocessor in all."""
+    walks at most ``FUSED_SPAN`` slots of a full cache, no more than ``SPLIT_TARGET`` programs per multiprocessor in
+    all. The walk is a chain of dependent loads (its length is the kernel's latency), the combine a few more round
+    trips through memory: on an H100 a 384-slot cache was fastest unsplit, a 2,048-slot one with 6 splits
+    (benchmarks/results/decode_attention_splits_h100_20261206.md)."""
     return max(1, min(-(-capacity // FUSED_SPAN), SPLIT_TARGET * sms // max(groups, 1)))
 
 
@@ -149,10 +151,9 @@ if triton is not None:
         p = tl.exp(s_new - m_safe)
         total = total * alpha + p
         acc = acc * alpha[:, None] + p[:, None] * v_new[None, :]
-        m = m_new
         if SPLIT:  # partials [groups, splits, QPG(, D)], the paged engine's combine layout (one token)
             at = (g * splits + sp) * QPG + heads
-            tl.store(m_ptr + at, m, mask=live)
+            tl.store(m_ptr + at, m_new, mask=live)
             tl.store(l_ptr + at, total, mask=live)
             tl.store(acc_ptr + at[:, None] * D + cols[None, :], acc, mask=live[:, None])
             if ARRIVE:  # the group's last split to arrive combines them (its count set back to 0 for the next call)
@@ -161,8 +162,7 @@ if triton is not None:
                     tl.store(count_ptr + g, 0)
                     _, total, acc = _combined(m_ptr, l_ptr, acc_ptr, g * splits * QPG + heads, splits, live, cols,
                                               QB, D, QPG)
-                    out = acc / total[:, None]
-                    tl.store(out_ptr + g * sog + heads[:, None] * soh + cols[None, :], out.to(dt),
+                    tl.store(out_ptr + g * sog + heads[:, None] * soh + cols[None, :], (acc / total[:, None]).to(dt),
                              mask=live[:, None])
         else:
             out = acc / total[:, None]

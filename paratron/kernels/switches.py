@@ -62,7 +62,9 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
         "kernel_packed_gqa_backward": ("on" if packed else "off",
                                        f"flash-attn-4 {flash_packed.VERSION} on Hopper" if packed
                                        else f"needs flash-attn-4 {flash_packed.VERSION} exactly, Hopper, bf16"),
-        "kernel_decode_attention": ("triton" if triton_gpu else "sdpa", "Triton on CUDA" if triton_gpu
+        "kernel_decode_attention": ("fused" if triton_gpu else "sdpa",
+                                    "Triton on CUDA; one row in bf16 / fp16: the rotary embedding, cache write and "
+                                    "attention in one kernel (measured faster, docs/inference.md)" if triton_gpu
                                     else "needs Triton and CUDA"),
         # the Triton GEMV (kernels/gemv.py) measured slower than Inductor's fused reductions at batch 1 (docs/inference.md)
         "kernel_decode_gemv": ("torch", "Inductor's fused reductions measured faster than the Triton GEMV"),
@@ -86,7 +88,7 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
         "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
                                               if cuda else "CUDA only"),
         "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),
-        "kernel_decode_pdl": ("off", "not measured faster than the spread between runs (docs/inference.md)"),
+        "kernel_decode_pdl": ("off", "measured slower at batch 1 (docs/inference.md)"),
         "kernel_linear_scan": _linear_scan(device),
     }
 

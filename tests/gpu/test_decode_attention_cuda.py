@@ -74,7 +74,7 @@ def test_fused_rotary_decode_kernel_matches_the_reference_and_writes_the_rotated
 
 
 def test_engine_with_the_fused_rotary_decode_gives_the_unfused_tokens_through_cuda_graphs():
-    """--kernel-decode-attention fused at batch 1 (compiled decode step, CUDA graph) against the default path."""
+    """--kernel-decode-attention fused at batch 1 (compiled decode step, CUDA graph) against the unfused path."""
     from paratron.config import KernelConfig, ModelConfig
     from paratron.inference.engine import Engine, Request
     from paratron.inference.sampling import SamplingParams
@@ -84,7 +84,8 @@ def test_engine_with_the_fused_rotary_decode_gives_the_unfused_tokens_through_cu
                     swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
                     hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3).resolved()
     torch.manual_seed(0)
-    plain = GPTModel(m, 512, device="cuda", dtype=torch.bfloat16).eval()
+    plain = GPTModel(m, 512, device="cuda", dtype=torch.bfloat16,  # (auto takes the fused path on CUDA)
+                     kernels=KernelConfig(kernel_decode_attention="triton")).eval()
     fused = GPTModel(m, 512, device="cuda", dtype=torch.bfloat16,
                      kernels=KernelConfig(kernel_decode_attention="fused")).eval()
     fused.load_state_dict(plain.state_dict())

@@ -48,7 +48,8 @@ torch.manual_seed(0)
 # and bf16, 1 and 4 query heads per group
 for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.float32, 1e-5),
                                               (1, 1, 64, 70, 5, 2, torch.float32, 1e-5),
-                                              (8, 4, 64, 200, 190, 3, torch.bfloat16, 2e-2)):
+                                              (8, 4, 64, 200, 190, 3, torch.bfloat16, 2e-2),
+                                              (2, 2, 16, 400, 390, 5, torch.float32, 1e-5)):  # auto: 2 splits
     qkv = torch.randn(g, qpg + 2, d, dtype=dtype)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     angles = (slot - pad) * torch.cat([inv, inv])
@@ -132,9 +133,9 @@ def test_generate_command_takes_the_decode_switches(tmp_path, capsys, monkeypatc
     assert "--kernel-decode-attention" in capsys.readouterr().err
 
 
-def test_fused_splits_walk_two_key_blocks_of_a_full_cache_without_overfilling_the_gpu():
-    assert decode_rotary.fused_splits(8, 384, 132) == 3  # llama-1b's 8 groups, a 384-slot cache
-    assert decode_rotary.fused_splits(8, 2048, 132) == 16
-    assert decode_rotary.fused_splits(8, 64, 132) == 1
-    assert decode_rotary.fused_splits(100, 2048, 132) == 2  # at most two programs a multiprocessor
-    assert decode_rotary.fused_splits(300, 2048, 132) == 1
+def test_fused_splits_walk_at_most_384_slots_of_a_full_cache_without_overfilling_the_gpu():
+    assert decode_rotary.fused_splits(8, 384, 132) == 1  # llama-1b's 8 groups, a 384-slot cache: unsplit
+    assert decode_rotary.fused_splits(8, 2048, 132) == 6
+    assert decode_rotary.fused_splits(8, 385, 132) == 2
+    assert decode_rotary.fused_splits(100, 8192, 132) == 2  # at most two programs a multiprocessor
+    assert decode_rotary.fused_splits(300, 8192, 132) == 1

@@ -52,6 +52,9 @@ def build_core(cfg: ModelConfig, par: Parallel, layer_index: int = 0, device=Non
     return SDPAttention(*args)
 
 
+HALF = (torch.bfloat16, torch.float16)  # the activations' dtypes where auto takes the fused decode attention
+
+
 class Attention(nn.Module):
     """Self-attention with grouped query heads; causal or masked as the forward context says.
 
@@ -93,11 +96,14 @@ class Attention(nn.Module):
                                              init_method=output_init(cfg), device=device, dtype=dtype)
         mark_fusable(self.linear_qkv, self.linear_proj)  # weight gradients may go into main_grad directly
         self.core_attention = build_core(cfg, par, layer_index, device, dtype)
-        # --kernel-decode-attention fused: a one-row decode step's rotation, cache write and attention in one kernel
-        # where q and k reach the core as projected and rotated by the plain rotate-half rotation
-        self.fused_decode = (par.kernels.kernel_decode_attention == "fused" and self.rotate is apply_rotary
+        # --kernel-decode-attention fused (auto: on CUDA in bf16 / fp16, where its dots' precision is the model's): a
+        # one-row decode step's rotation, cache write and attention in one kernel where q and k reach the core as
+        # projected and rotated by the plain rotate-half rotation
+        switch = par.kernels.kernel_decode_attention
+        self.fused_decode = (switch in ("fused", "auto") and self.rotate is apply_rotary
                              and not (self.gated or cfg.qk_layernorm)
                              and getattr(self.core_attention, "decode", None) is not None)
+        self.fused_decode_asked = switch == "fused"  # (off CUDA its torch reference; auto keeps the unfused path)
 
     def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, width) of the keys and of the values an inference KV cache keeps per token (this rank's groups)."""
@@ -114,7 +120,8 @@ class Attention(nn.Module):
             qkv = self.linear_qkv(x, gemv=ctx.gemv)  # [s, b, groups * (q_rows + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups, self.q_rows + 2, self.d)
-        if self.fused_decode and self.core_attention.decodes_rotary(ctx, s, b):  # (sdpa.py)
+        if (self.fused_decode and (self.fused_decode_asked or (qkv.is_cuda and qkv.dtype in HALF))
+                and self.core_attention.decodes_rotary(ctx, s, b)):  # (sdpa.py)
             return self.linear_proj(self.core_attention.attend_decode_rotary(qkv, ctx), residual, ctx.gemv)
         if self.core_attention.fuses_rotary(ctx, s):  # the rotary embedding inside the core's op (flash.py)
             with offload.at(self, "core_attn"):
