@@ -44,6 +44,7 @@ CHOICES: dict[str, tuple] = {
     "kernel_compile_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_pdl": AUTO_ON_OFF,
+    "kernel_decode_prefetch": AUTO_ON_OFF,
     "kernel_moe_compile": ("layer", "experts"),
     "kernel_linear_scan": ("auto", "fla", "torch"),
     "kernel_linear_scan_recompute": ("on", "off"),
@@ -85,13 +86,17 @@ class KernelConfig(Section):
     # programmatic dependent launch in the compiled decode step (Hopper): each kernel launched while the one before
     # it finishes, waiting only where it reads that one's output (Inductor's kernels and the fused decode attention)
     kernel_decode_pdl: str = "auto"  # decode step's kernels launched early (Hopper PDL): on | off
+    # the fused batch-1 decode attention's spare programs prefetch the layer's output projection into L2 while its
+    # few attention programs wait on their loads (the projection's GEMV then reads L2); auto: off until measured
+    kernel_decode_prefetch: str = "auto"  # fused decode attention warms the output projection in L2: on | off
     kernel_moe_compile: str = "layer"  # --torch-compile's MoE layers: compiled whole with their layer | experts alone
     kernel_linear_scan: str = "auto"  # Mamba-2 / Gated DeltaNet scans: fla-core's Triton kernels (CUDA) | torch
     kernel_linear_scan_recompute: str = "on"  # torch scans: intra-chunk products recomputed in backward (less memory)
 
 
-def decode_pdl_on(switch: str) -> bool:
-    """``--kernel-decode-pdl`` as it runs: auto is off (kernels/switches.py gives the reason)."""
+def asked_on(switch: str) -> bool:
+    """An auto / on / off switch whose auto is off (``--kernel-decode-pdl``, ``--kernel-decode-prefetch``;
+    kernels/switches.py gives the reason) as it runs: on only when asked."""
     return switch == "on"
 
 

@@ -24,7 +24,7 @@ from .sampling import SamplingParams
 
 # the kernel switches a generation step reads (config/kernels.py); the others are training's
 DECODE_SWITCHES = ("kernel_decode_attention", "kernel_decode_gemv", "kernel_decode_coordinate_descent", "kernel_decode_pdl",
-                   "kernel_cublaslt")
+                   "kernel_decode_prefetch", "kernel_cublaslt")
 
 
 def kernel_switches(args) -> KernelConfig:

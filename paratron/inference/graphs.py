@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config.kernels import decode_pdl_on
+from ..config.kernels import asked_on
 
 WARMUP = 3
 
@@ -26,7 +26,7 @@ def compile_options(batch: int, switch: str = "auto", pdl: str = "auto") -> dict
     ``--kernel-decode-coordinate-descent`` (on / off force it). ``pdl``: ``--kernel-decode-pdl``; on, Inductor
     writes its kernels for programmatic dependent launch (Hopper and later; it checks the device itself)."""
     on = batch <= SMALL_BATCH if switch == "auto" else switch == "on"
-    return {**({"coordinate_descent_tuning": True} if on else {}), **({"triton.enable_pdl": True} if decode_pdl_on(pdl) else {})}
+    return {**({"coordinate_descent_tuning": True} if on else {}), **({"triton.enable_pdl": True} if asked_on(pdl) else {})}
 
 
 def with_argmax(step):

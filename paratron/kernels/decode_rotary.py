@@ -39,6 +39,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK_T = 64  # cached keys per loop iteration
+WARM_PROGRAMS = 128  # programs (beside the attention's) that prefetch the output projection into L2
 FUSED_SPAN = 6 * BLOCK_T  # cached slots per split when the kernel combines its splits itself
 
 
@@ -77,19 +78,24 @@ def supported(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 
 def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
-                            splits: int = 0, counts: Optional[torch.Tensor] = None, pdl: bool = False) -> torch.Tensor:
+                            splits: int = 0, counts: Optional[torch.Tensor] = None, pdl: bool = False,
+                            warm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """As :func:`decode_rotary_reference` (``qkv`` any [..., groups, q_per_group + 2, d] of one token), the kernel on
     CUDA where it applies; ``splits``: programs per group (0: :func:`fused_splits`'s choice with ``counts``, else
     ``decode_splits``'s). ``counts``: int32 zeros, at least one per group, kept between calls (the KV cache's: the
     kernel leaves them 0): the splits' partials are then combined by the group's last split to finish, in the same
     kernel, rather than by a second kernel. ``pdl``: launched for programmatic dependent launch (Hopper: the kernel
-    starts while the one before it finishes and waits for it before reading anything)."""
+    starts while the one before it finishes and waits for it before reading anything). ``warm``: a tensor the next
+    kernel reads (the layer's output projection weight), prefetched into L2 by extra programs while the attention's
+    few programs wait on their loads (``--kernel-decode-prefetch``)."""
     qkv = qkv.reshape(qkv.shape[-3:])
     cos, sin = cos.reshape(-1), sin.reshape(-1)
     if qkv.is_cuda and supported(qkv, k_cache, v_cache):
         counts = qkv.new_zeros(0, dtype=torch.int32) if counts is None else counts
+        warm = qkv.new_zeros(0) if warm is None else warm.contiguous()
         return torch.ops.paratron.decode_rotary_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(),
-                                                          k_cache, v_cache, pad, slot, scale, splits, counts, pdl)
+                                                          k_cache, v_cache, pad, slot, scale, splits, counts, warm,
+                                                          pdl)
     return decode_rotary_reference(qkv, cos, sin, k_cache, v_cache, pad, slot, scale)
 
 
@@ -108,14 +114,44 @@ if triton is not None:
         return _round(_round(x * c, dt) + _round(sign * xp * s, dt), dt)
 
     @triton.jit
+    def _warm_l2(w_ptr, lines, program, programs, LINE: tl.constexpr, BLOCK: tl.constexpr):
+        """Program ``program`` of ``programs``: its share of the ``lines`` 128-byte lines from ``w_ptr`` (``LINE``
+        elements each) prefetched into L2, kept there before other lines (evict-last); nothing waits for them."""
+        per = tl.cdiv(lines, programs)
+        lo = program * per
+        for start in range(lo, tl.minimum(lo + per, lines), BLOCK):
+            line = tl.minimum(start + tl.arange(0, BLOCK), lines - 1).to(tl.int64)
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [w_ptr + line * LINE], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _decode_rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr,
-                              acc_ptr, count_ptr, splits, scale, skg, skt, svg, svt, sog, soh,
+                              acc_ptr, count_ptr, splits, scale, skg, skt, svg, svt, sog, soh, warm_ptr, warm_lines,
                               QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                              SPLIT: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr):
+                              SPLIT: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr,
+                              LINE: tl.constexpr):
+        """Programs (group, split < splits) attend (``_attend``); with ``WARM``, the programs (group, split >= splits)
+        prefetch the ``warm_lines`` lines of ``warm_ptr`` (the layer's output projection) into L2 meanwhile."""
         if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, then let the next start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         g, sp = tl.program_id(0), tl.program_id(1)
+        if WARM:
+            if sp >= splits:
+                extra = tl.num_programs(1) - splits
+                _warm_l2(warm_ptr, warm_lines, g * extra + sp - splits, tl.num_programs(0) * extra, LINE, 128)
+            else:
+                _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                        count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG, QB, D, BT, SPLIT, ARRIVE)
+        else:
+            _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+                    count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG, QB, D, BT, SPLIT, ARRIVE)
+
+    @triton.jit
+    def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, count_ptr,
+                g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG: tl.constexpr, QB: tl.constexpr,
+                D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr):
+        """Split ``sp`` of group ``g``: the rotations, the cache write, the attention (the module docstring)."""
         dt = qkv_ptr.dtype.element_ty
         heads, cols = tl.arange(0, QB), tl.arange(0, D)
         live = heads < QPG
@@ -171,9 +207,10 @@ if triton is not None:
     @torch.library.custom_op("paratron::decode_rotary_attention", mutates_args=("k_cache", "v_cache", "counts"))
     def _decode_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
-                          splits: int, counts: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+                          splits: int, counts: torch.Tensor, warm: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """``counts``: int32 zeros, one per group at least (:func:`decode_rotary_attention`), or empty: none;
-        ``pdl``: launched for programmatic dependent launch (``--kernel-decode-pdl``).
+        ``warm``: a contiguous tensor to prefetch into L2 meanwhile, or empty: none; ``pdl``: launched for
+        programmatic dependent launch (``--kernel-decode-pdl``).
         (Every argument is given: torch 2.11 drops a mutated optional argument left at its default from the call
         and then fails to find it.)"""
         groups, rows, d = qkv.shape
@@ -189,11 +226,14 @@ if triton is not None:
             m, total = (torch.empty(groups, splits, qpg, device=qkv.device, dtype=torch.float32) for _ in range(2))
             acc = torch.empty(groups, splits, qpg, d, device=qkv.device, dtype=torch.float32)
         arrive = split and counts.numel() > 0
+        lines = -(-warm.numel() * warm.element_size() // 128)
+        extra = -(-WARM_PROGRAMS // groups) if lines else 0  # programs per group that prefetch
         with torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext():
-            _decode_rotary_kernel[(groups, splits)](
+            _decode_rotary_kernel[(groups, splits + extra)](
                 qkv, cos, sin, k_cache, v_cache, pad, slot, out, m, total, acc, counts if arrive else out, splits,
                 scale, k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), out.stride(1),
-                out.stride(2), QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split, ARRIVE=arrive, PDL=pdl,
+                out.stride(2), warm if lines else out, lines, QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split,
+                ARRIVE=arrive, PDL=pdl, WARM=lines > 0, LINE=128 // warm.element_size(),
                 **({"launch_pdl": True} if pdl else {}))
             if split and not arrive:
                 _paged_combine_kernel[(groups,)](m, total, acc, out, out, groups, splits, out.stride(0),
@@ -201,5 +241,5 @@ if triton is not None:
         return out
 
     @_decode_rotary_op.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, pdl=False):
+    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, warm, pdl=False):
         return qkv.new_empty(1, qkv.size(0), qkv.size(1) - 2, qkv.size(2))

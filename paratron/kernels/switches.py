@@ -89,6 +89,7 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
                                               if cuda else "CUDA only"),
         "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),
         "kernel_decode_pdl": ("off", "measured slower at batch 1 (docs/inference.md)"),
+        "kernel_decode_prefetch": ("off", "not measured on a GPU yet (docs/inference.md)"),
         "kernel_linear_scan": _linear_scan(device),
     }
 

@@ -63,7 +63,8 @@ for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.floa
         want = decode_rotary_reference(qkv, cos, sin, rk, rv, torch.tensor([pad]), torch.tensor(slot), 0.125)
         none = torch.zeros(0, dtype=torch.int32)  # (no counts: the second kernel combines)
         got = torch.ops.paratron.decode_rotary_attention(qkv, cos, sin, k, v, torch.tensor([pad]), torch.tensor(slot),
-                                                         0.125, splits, none if counts is None else counts)
+                                                         0.125, splits, none if counts is None else counts,
+                                                         torch.zeros(0))  # (nothing to prefetch: the GPU's)
         # the splits counted themselves in and the last one set its group's count back (zero for the next call)
         assert counts is None or not counts.any(), counts
         assert got.shape == want.shape and got.dtype == dtype and torch.isfinite(got).all()

@@ -63,15 +63,19 @@ def test_decode_rotary_kernel_compiles_for_sm90(split):
     dependent launch's wait and trigger."""
     types = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_ptr": "*bf16", "v_ptr": "*bf16",
              "pad_ptr": "*i64", "slot_ptr": "*i64", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32",
-             "acc_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"}
-    for arrive, pdl in (((False, False), (True, True)) if split else ((False, False), (False, True))):
+             "acc_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32", "warm_ptr": "*bf16"}
+    for arrive, pdl, warm in (((False, False, False), (True, True, True)) if split
+                              else ((False, False, False), (False, True, False), (False, False, True))):
         from paratron.kernels import decode_rotary
         if not hasattr(decode_rotary, "_decode_rotary_kernel"):
             pytest.skip("paratron's kernels module did not see Triton")
-        out = compile_sm90(decode_rotary._decode_rotary_kernel, types, {"QPG": 4, "QB": 16, "D": 64, "BT": 64,
-                                                                       "SPLIT": split, "ARRIVE": arrive, "PDL": pdl})
+        out = compile_sm90(decode_rotary._decode_rotary_kernel, types,
+                           {"QPG": 4, "QB": 16, "D": 64, "BT": 64, "SPLIT": split, "ARRIVE": arrive, "PDL": pdl,
+                            "WARM": warm, "LINE": 64})
         assert len(out.asm.get("cubin", b"")) > 0
-        assert ("griddepcontrol.wait" in out.asm["ptx"]) == pdl and ("atom" in out.asm["ptx"]) == arrive
+        ptx = out.asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == pdl and ("atom" in ptx) == arrive
+        assert ("prefetch.global.L2::evict_last" in ptx) == warm
 
 
 @pytest.mark.parametrize("split,gated", [(1, False), (4, False), (2, True)])

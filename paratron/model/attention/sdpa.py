@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...config.kernels import decode_pdl_on
+from ...config.kernels import asked_on
 from .. import mup
 from ...kernels import decode_rotary
 from ...parallel.random import checkpoint
@@ -43,7 +43,7 @@ class SDPAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.scale = mup.softmax_scale(cfg, self.d)  # the scores' scale: None is the kernels' 1/sqrt(d)
         self.decode = self._grouped_decode(par) if self.decodes else None
-        self.decode_pdl = decode_pdl_on(par.kernels.kernel_decode_pdl)  # the fused decode attention's launch
+        self.decode_pdl = asked_on(par.kernels.kernel_decode_pdl)  # the fused decode attention's launch
 
     def _grouped_decode(self, par) -> Optional[GroupedDecode]:
         """The decode core of one-token steps with grouped heads (None: plain heads, the frame's core)."""
@@ -100,15 +100,15 @@ class SDPAttention(nn.Module):
         cos, sin = ctx.rope
         return cos.shape == sin.shape == (1, 1, 1, self.d) and cache.bounds() is not None
 
-    def attend_decode_rotary(self, qkv, ctx) -> torch.Tensor:
+    def attend_decode_rotary(self, qkv, ctx, warm: Optional[torch.Tensor] = None) -> torch.Tensor:
         """qkv [1, 1, groups, q_per_group + 2, d] of a one-row decode step -> [1, 1, heads * d]: the rotary
         embedding of its query heads and key, its key and value into the cache, attention over the cache, in one
-        kernel (kernels/decode_rotary.py)."""
+        kernel (kernels/decode_rotary.py); ``warm``: a weight the kernel prefetches into L2 meanwhile."""
         k_cache, v_cache = ctx.kv_cache.buffers(self.layer_index)
         pad, slot = ctx.kv_cache.bounds()
         scale = self.scale if self.scale is not None else self.d ** -0.5
         out = decode_rotary.decode_rotary_attention(qkv, *ctx.rope, k_cache, v_cache, pad, slot, scale,
-                                                    counts=ctx.kv_cache.counts(), pdl=self.decode_pdl)
+                                                    counts=ctx.kv_cache.counts(), pdl=self.decode_pdl, warm=warm)
         return out.reshape(1, 1, self.heads * self.d)
 
     def extra_repr(self) -> str:
