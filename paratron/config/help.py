@@ -101,7 +101,8 @@ HELP = {
     "no_save_optim": "do not save the optimizer state", "no_save_rng": "do not save the random generators",
     # kernel switches (the comments in kernels.py, where one line is too short)
     "kernel_decode_attention": "generation's attention over the KV cache: triton kernel | fused (at batch 1 also the "
-    "rotary embedding and the cache write, one kernel: kernels/decode_rotary.py) | sdpa",
+    "rotary embedding and the cache write, one kernel: kernels/decode_rotary.py; what auto runs on CUDA in bf16 / "
+    "fp16) | sdpa",
 }
 
 
