@@ -23,8 +23,8 @@ from .sampling import SamplingParams
 
 
 # the kernel switches a generation step reads (config/kernels.py); the others are training's
-DECODE_SWITCHES = ("kernel_decode_attention", "kernel_decode_gemv", "kernel_decode_coordinate_descent", "kernel_decode_pdl",
-                   "kernel_decode_prefetch", "kernel_cublaslt")
+DECODE_SWITCHES = ("kernel_decode_attention", "kernel_decode_gemv", "kernel_decode_coordinate_descent",
+                   "kernel_decode_pdl", "kernel_decode_prefetch", "kernel_cublaslt")
 
 
 def kernel_switches(args) -> KernelConfig:

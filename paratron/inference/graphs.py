@@ -26,7 +26,8 @@ def compile_options(batch: int, switch: str = "auto", pdl: str = "auto") -> dict
     ``--kernel-decode-coordinate-descent`` (on / off force it). ``pdl``: ``--kernel-decode-pdl``; on, Inductor
     writes its kernels for programmatic dependent launch (Hopper and later; it checks the device itself)."""
     on = batch <= SMALL_BATCH if switch == "auto" else switch == "on"
-    return {**({"coordinate_descent_tuning": True} if on else {}), **({"triton.enable_pdl": True} if asked_on(pdl) else {})}
+    options = {"coordinate_descent_tuning": True} if on else {}
+    return {**options, "triton.enable_pdl": True} if asked_on(pdl) else options
 
 
 def with_argmax(step):

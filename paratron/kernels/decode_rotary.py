@@ -12,9 +12,9 @@ token itself (kept in registers: the slot is not read back). One program per key
 cached slots: each split writes its partial softmax (max, denominator, unnormalised sum), counts itself in with an
 atomic add on its group's counter (held by the KV cache), and the group's last split to arrive combines the
 partials and writes the output, so the splits cost no second launch (``fused_splits``: splits of at most 384
-cached slots). Without counters the splits follow the
-paged engine's rule (``paged_attention.decode_splits``) and its combine kernel. The slot and the padding are read
-from device memory, so a captured CUDA graph replays it.
+cached slots). Without counters the splits follow the paged engine's rule (``paged_attention.decode_splits``) and
+its combine kernel. The slot and the padding are read from device memory, so a captured CUDA graph replays it. With
+``--kernel-decode-prefetch on``, more programs prefetch the layer's output projection into L2 meanwhile.
 
 ``--kernel-decode-attention fused`` takes it for one-token passes of one row whose layer has the plain rotate-half
 rotation over the whole head, no query / key norm and no output gate (``model/attention/self_attention.py``);

@@ -61,7 +61,8 @@ def test_fused_rotary_decode_kernel_matches_the_reference_and_writes_the_rotated
     cos, sin = torch.cat([angles, angles]).cos(), torch.cat([angles, angles]).sin()
     counts = torch.zeros(g, dtype=torch.int32, device="cuda")  # the splits combined in the kernel (the KV cache's)
     for slot, pad, splits, count in ((300, 0, 1, None), (300, 7, 4, None), (1500, 3, 0, None), (2, 0, 8, None),
-                                     (300, 7, 4, counts), (1500, 3, 0, counts), (2, 0, 8, counts), (1900, 0, 0, counts)):
+                                     (300, 7, 4, counts), (1500, 3, 0, counts), (2, 0, 8, counts),
+                                     (1900, 0, 0, counts)):
         k, v = (torch.randn(1, g, cap, d, device="cuda", generator=gen).bfloat16() for _ in range(2))
         rk, rv = k.clone(), v.clone()
         at, first = torch.tensor(slot, device="cuda"), torch.tensor([pad], device="cuda")
