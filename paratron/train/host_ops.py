@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import Config, finalize
+from ..config.precision_file import read_rules
 from .distributed import build_dims
 from .step import build_model_chunks
 
@@ -31,18 +32,30 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+TILE = 128  # the blockwise FP8 recipe's tile: its GEMMs' sizes and tokens are multiples of it (config/check_train.py)
+
+
+def tile_aligned(cfg: Config) -> bool:
+    """Whether the run's FP8 GEMMs take whole 128-wide tiles: a blockwise recipe, given or named by a matcher of
+    --te-precision-config-file (a counted copy's widths and tokens must then be multiples of ``TILE`` too)."""
+    tr = cfg.train
+    return bool(tr.fp8_format) and "blockwise" in {tr.fp8_recipe} | {r.recipe for r in
+                                                                     read_rules(tr.te_precision_config_file)}
+
+
 def tiny_copy(cfg: Config, layers: int, kind: Optional[dict] = None) -> Config:
     """``cfg``'s model at tiny widths with ``layers`` layers (of one ``kind``: kind_copies'), on one rank, eager:
-    the same operations per layer."""
+    the same operations per layer (widths and tokens of whole 128-wide tiles under a blockwise FP8 recipe)."""
     c = as_kind(cfg.unfrozen(), kind or {}, layers)
     m = c.model
+    t = TILE if tile_aligned(cfg) else 1
     groups = max(1, m.num_attention_heads // max(1, m.num_query_groups or m.num_attention_heads))
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_channels = layers, 64, 4, 16
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_channels = layers, max(64, t), 4, max(16, t)
     m.num_query_groups = max(1, 4 // groups) if m.group_query_attention else None
-    m.ffn_hidden_size, m.seq_length, m.max_position_embeddings = 128, 16, 16
+    m.ffn_hidden_size, m.seq_length, m.max_position_embeddings = 128, max(16, t), max(16, t)
     if m.num_experts:  # every layer of the MoE kind (a pattern of the model's layers does not fit one or two)
-        m.moe_ffn_hidden_size, m.moe_layer_freq = 32, 1
-        m.moe_shared_expert_intermediate_size = 32 if m.moe_shared_expert_intermediate_size else None
+        m.moe_ffn_hidden_size, m.moe_layer_freq = max(32, t), 1
+        m.moe_shared_expert_intermediate_size = max(32, t) if m.moe_shared_expert_intermediate_size else None
     m.mtp_num_layers = None
     m.mamba_head_dim, m.mamba_num_groups, m.mamba_state_dim, m.mamba_num_heads = 16, 2, 16, None
     m.linear_key_head_dim, m.linear_value_head_dim, m.linear_num_key_heads = 16, 16, 2

@@ -100,3 +100,28 @@ def test_a_runs_switches_resolved_on_a_gpu_are_planned_as_they_are_not_resolved_
     assert layout_of(run).paths.quack_norm  # as resolved for the GPU, not the CPU's torch paths
     from paratron.plan.memory import startup_lines  # what the Trainer prints at start-up from that config
     assert startup_lines(run)[0].startswith(" memory plan (")
+
+
+def test_a_blockwise_fp8_run_is_counted_on_copies_of_whole_128_wide_tiles(tmp_path):
+    """The counted copies of a blockwise FP8 run (its recipe given, or named by --te-precision-config-file) keep
+    their GEMM sizes and tokens multiples of 128, which the run's config check requires: `paratron plan` of such a
+    run stopped at that check on its own tiny copy."""
+    from paratron.config import parse_args
+    from paratron.train.host_ops import tile_aligned
+    from paratron.train.traffic import traffic_for
+    base = ["--config", "tiny", "--mock-data", "--bf16", "--hidden-size", "128", "--ffn-hidden-size", "256",
+            "--num-attention-heads", "4", "--seq-length", "128", "--max-position-embeddings", "128",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--num-layers", "2"]
+    cfg = parse_args(base + ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"])
+    assert tile_aligned(cfg)
+    layer, rest = host_ops_for(cfg, "h100")
+    assert layer > 0 and rest > 0 and traffic_for(cfg, "h100") is not None
+    rules = tmp_path / "precision.yaml"
+    rules.write_text('configs:\n  block:\n    transformer_engine_config_type: "TEQuantizationParams"\n'
+                     '    training_recipe: {fp8_quantization_recipe: blockwise}\nmatchers:\n  mlp:\n    type: "glob"\n'
+                     '    pattern: "*.mlp.*"\n    config: "block"\n    enabled: true\n')
+    named = parse_args(base + ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--te-precision-config-file",
+                               str(rules)])
+    assert tile_aligned(named) and host_ops_for(named, "h100")[0] > 0
+    assert not tile_aligned(parse_args(base + ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]))
+    assert not tile_aligned(parse_args(base))
