@@ -86,9 +86,10 @@ class KernelConfig(Section):
     # programmatic dependent launch in the compiled decode step (Hopper): each kernel launched while the one before
     # it finishes, waiting only where it reads that one's output (Inductor's kernels and the fused decode attention)
     kernel_decode_pdl: str = "auto"  # decode step's kernels launched early (Hopper PDL): on | off
-    # the fused batch-1 decode attention's spare programs prefetch the layer's output projection into L2 while its
-    # few attention programs wait on their loads (the projection's GEMV then reads L2); auto: off until measured
-    kernel_decode_prefetch: str = "auto"  # fused decode attention warms the output projection in L2: on | off
+    # the fused batch-1 decode attention loads ahead: its walk over the cache the next block while it works on one,
+    # and spare programs the layer's output projection into L2 (its GEMV, the next kernel, then reads L2); auto: off
+    # until measured
+    kernel_decode_prefetch: str = "auto"  # fused decode attention loads ahead (cache blocks; o-proj into L2): on | off
     kernel_moe_compile: str = "layer"  # --torch-compile's MoE layers: compiled whole with their layer | experts alone
     kernel_linear_scan: str = "auto"  # Mamba-2 / Gated DeltaNet scans: fla-core's Triton kernels (CUDA) | torch
     kernel_linear_scan_recompute: str = "on"  # torch scans: intra-chunk products recomputed in backward (less memory)

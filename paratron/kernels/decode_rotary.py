@@ -79,7 +79,7 @@ def supported(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
                             splits: int = 0, counts: Optional[torch.Tensor] = None, pdl: bool = False,
-                            warm: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            warm: Optional[torch.Tensor] = None, ahead: bool = False) -> torch.Tensor:
     """As :func:`decode_rotary_reference` (``qkv`` any [..., groups, q_per_group + 2, d] of one token), the kernel on
     CUDA where it applies; ``splits``: programs per group (0: :func:`fused_splits`'s choice with ``counts``, else
     ``decode_splits``'s). ``counts``: int32 zeros, at least one per group, kept between calls (the KV cache's: the
@@ -87,7 +87,8 @@ def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     kernel, rather than by a second kernel. ``pdl``: launched for programmatic dependent launch (Hopper: the kernel
     starts while the one before it finishes and waits for it before reading anything). ``warm``: a tensor the next
     kernel reads (the layer's output projection weight), prefetched into L2 by extra programs while the attention's
-    few programs wait on their loads (``--kernel-decode-prefetch``)."""
+    few programs wait on their loads; ``ahead``: each block of the cache loaded while the one before is worked on
+    (both ``--kernel-decode-prefetch``)."""
     qkv = qkv.reshape(qkv.shape[-3:])
     cos, sin = cos.reshape(-1), sin.reshape(-1)
     if qkv.is_cuda and supported(qkv, k_cache, v_cache):
@@ -95,12 +96,12 @@ def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         warm = qkv.new_zeros(0) if warm is None else warm.contiguous()
         return torch.ops.paratron.decode_rotary_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(),
                                                           k_cache, v_cache, pad, slot, scale, splits, counts, warm,
-                                                          pdl)
+                                                          pdl, ahead)
     return decode_rotary_reference(qkv, cos, sin, k_cache, v_cache, pad, slot, scale)
 
 
 if triton is not None:
-    from .paged_attention import _combined, _paged_combine_kernel, _walk
+    from .paged_attention import _absorb, _combined, _paged_combine_kernel, _walk
     from .rotary import _round  # (rounds to bf16 as torch does, on the GPU and in the interpreter)
 
     @triton.jit
@@ -112,6 +113,29 @@ if triton is not None:
         x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
         xp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32)
         return _round(_round(x * c, dt) + _round(sign * xp * s, dt), dt)
+
+    @triton.jit
+    def _walk_ahead(q, k_ptr, v_ptr, lo, hi, scale, skt, svt, cols, QB: tl.constexpr, D: tl.constexpr,
+                    BT: tl.constexpr):
+        """The paged kernels' online softmax of ``q`` over slots [lo, hi) of one group's contiguous cache (``k_ptr``,
+        ``v_ptr`` at the group), ``BT`` slots at a time, each block's keys and values loaded together and the next
+        block's loaded before this one's arithmetic: the walk is a chain of loads, whose round trips then overlap."""
+        m = tl.full([QB], float("-inf"), tl.float32)
+        total = tl.zeros([QB], tl.float32)
+        acc = tl.zeros([QB, D], tl.float32)
+        t = lo + tl.arange(0, BT)
+        ok = t < hi
+        keys = tl.load(k_ptr + t[:, None] * skt + cols[None, :], mask=ok[:, None], other=0.0)
+        vals = tl.load(v_ptr + t[:, None] * svt + cols[None, :], mask=ok[:, None], other=0.0)
+        for start in range(lo, hi, BT):
+            t = start + BT + tl.arange(0, BT)
+            ahead = t < hi
+            keys_ahead = tl.load(k_ptr + t[:, None] * skt + cols[None, :], mask=ahead[:, None], other=0.0)
+            vals_ahead = tl.load(v_ptr + t[:, None] * svt + cols[None, :], mask=ahead[:, None], other=0.0)
+            s = tl.where(ok[None, :], tl.dot(q, tl.trans(keys.to(tl.float32))) * scale, float("-inf"))
+            m, total, acc = _absorb(s, vals.to(tl.float32), m, total, acc)
+            keys, vals, ok = keys_ahead, vals_ahead, ahead
+        return m, total, acc
 
     @triton.jit
     def _warm_l2(w_ptr, lines, program, programs, LINE: tl.constexpr, BLOCK: tl.constexpr):
@@ -129,7 +153,7 @@ if triton is not None:
                               acc_ptr, count_ptr, splits, scale, skg, skt, svg, svt, sog, soh, warm_ptr, warm_lines,
                               QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
                               SPLIT: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr,
-                              LINE: tl.constexpr):
+                              LINE: tl.constexpr, AHEAD: tl.constexpr):
         """Programs (group, split < splits) attend (``_attend``); with ``WARM``, the programs (group, split >= splits)
         prefetch the ``warm_lines`` lines of ``warm_ptr`` (the layer's output projection) into L2 meanwhile."""
         if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, then let the next start
@@ -142,15 +166,17 @@ if triton is not None:
                 _warm_l2(warm_ptr, warm_lines, g * extra + sp - splits, tl.num_programs(0) * extra, LINE, 128)
             else:
                 _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                        count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG, QB, D, BT, SPLIT, ARRIVE)
+                        count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG, QB, D, BT, SPLIT, ARRIVE,
+                        AHEAD)
         else:
             _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                    count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG, QB, D, BT, SPLIT, ARRIVE)
+                    count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG, QB, D, BT, SPLIT, ARRIVE,
+                    AHEAD)
 
     @triton.jit
     def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, count_ptr,
                 g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG: tl.constexpr, QB: tl.constexpr,
-                D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr):
+                D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, AHEAD: tl.constexpr):
         """Split ``sp`` of group ``g``: the rotations, the cache write, the attention (the module docstring)."""
         dt = qkv_ptr.dtype.element_ty
         heads, cols = tl.arange(0, QB), tl.arange(0, D)
@@ -176,10 +202,12 @@ if triton is not None:
         chunk = (chunk + BT - 1) // BT * BT
         lo = first + sp * chunk
         hi = tl.minimum(slot, lo + chunk)
-        # the paged kernels' key loop over the row's cache as one block of a pool (block stride 0: the block number
-        # it reads from its "table", here the padding count, multiplies nothing; a block size past any slot)
-        m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo, hi, g, scale, 0, skt, skg, 0, svt, svg, cols,
-                              QB, D, 1 << 30, BT)
+        if AHEAD:  # the next block of the cache loaded while this one is worked on
+            m, total, acc = _walk_ahead(q, k_ptr + g * skg, v_ptr + g * svg, lo, hi, scale, skt, svt, cols, QB, D, BT)
+        else:  # the paged kernels' key loop over the row's cache as one block of a pool (block stride 0: the block
+            # number it reads from its "table", here the padding count, multiplies nothing; a block size past any slot)
+            m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo, hi, g, scale, 0, skt, skg, 0, svt, svg, cols,
+                                  QB, D, 1 << 30, BT)
         s_new = tl.where(last, tl.sum(q * k_new[None, :], 1) * scale, float("-inf"))  # [QB]
         m_new = tl.maximum(m, s_new)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -207,10 +235,12 @@ if triton is not None:
     @torch.library.custom_op("paratron::decode_rotary_attention", mutates_args=("k_cache", "v_cache", "counts"))
     def _decode_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
-                          splits: int, counts: torch.Tensor, warm: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+                          splits: int, counts: torch.Tensor, warm: torch.Tensor, pdl: bool = False,
+                          ahead: bool = False) -> torch.Tensor:
         """``counts``: int32 zeros, one per group at least (:func:`decode_rotary_attention`), or empty: none;
         ``warm``: a contiguous tensor to prefetch into L2 meanwhile, or empty: none; ``pdl``: launched for
-        programmatic dependent launch (``--kernel-decode-pdl``).
+        programmatic dependent launch (``--kernel-decode-pdl``); ``ahead``: the walk over the cache loads each block
+        while the one before is worked on (eight warps: the two blocks' registers).
         (Every argument is given: torch 2.11 drops a mutated optional argument left at its default from the call
         and then fails to find it.)"""
         groups, rows, d = qkv.shape
@@ -233,13 +263,13 @@ if triton is not None:
                 qkv, cos, sin, k_cache, v_cache, pad, slot, out, m, total, acc, counts if arrive else out, splits,
                 scale, k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), out.stride(1),
                 out.stride(2), warm if lines else out, lines, QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split,
-                ARRIVE=arrive, PDL=pdl, WARM=lines > 0, LINE=128 // warm.element_size(),
-                **({"launch_pdl": True} if pdl else {}))
+                ARRIVE=arrive, PDL=pdl, WARM=lines > 0, LINE=128 // warm.element_size(), AHEAD=ahead,
+                num_warps=8 if ahead else 4, **({"launch_pdl": True} if pdl else {}))
             if split and not arrive:
                 _paged_combine_kernel[(groups,)](m, total, acc, out, out, groups, splits, out.stride(0),
                                                  out.stride(1), out.stride(2), QPG=qpg, QB=qb, D=d, SINK=False)
         return out
 
     @_decode_rotary_op.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, warm, pdl=False):
+    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, warm, pdl=False, ahead=False):
         return qkv.new_empty(1, qkv.size(0), qkv.size(1) - 2, qkv.size(2))

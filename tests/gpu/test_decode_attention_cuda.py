@@ -77,6 +77,10 @@ def test_fused_rotary_decode_kernel_matches_the_reference_and_writes_the_rotated
         warm = torch.randn(2048, 2048, device="cuda", generator=gen).bfloat16()
         warmed = decode_rotary_attention(qkv, cos, sin, k, v, first, at, 0.125, splits, count, warm=warm)
         assert torch.equal(warmed, got) and torch.equal(k, rk), (slot, pad, splits)
+        # the walk a block ahead (eight warps): the reference's output as closely, the same cache writes
+        k.copy_(rk), v.copy_(rv)
+        ahead = decode_rotary_attention(qkv, cos, sin, k, v, first, at, 0.125, splits, count, warm=warm, ahead=True)
+        assert _rel(ahead, want) < 1e-2 and torch.equal(k, rk), (slot, pad, splits)
 
 
 def test_engine_with_the_fused_rotary_decode_gives_the_unfused_tokens_through_cuda_graphs():

@@ -44,7 +44,7 @@ import torch
 from paratron.kernels.decode_rotary import decode_rotary_reference
 torch.manual_seed(0)
 # one program per group and split contexts (splits past a short context stay empty), combined by a second kernel or,
-# with counts, by each group's last split; padding slots, slots past the current one never read (NaN there), fp32
+# with counts, by each group's last split (and then walking the cache a block ahead); padding slots, slots past the current one never read (NaN there), fp32
 # and bf16, 1 and 4 query heads per group
 for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.float32, 1e-5),
                                               (1, 1, 64, 70, 5, 2, torch.float32, 1e-5),
@@ -62,9 +62,10 @@ for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.floa
         rk, rv = k.nan_to_num(), v.nan_to_num()
         want = decode_rotary_reference(qkv, cos, sin, rk, rv, torch.tensor([pad]), torch.tensor(slot), 0.125)
         none = torch.zeros(0, dtype=torch.int32)  # (no counts: the second kernel combines)
+        ahead = counts is not None  # the walk that loads the next block of the cache first, with the counts
         got = torch.ops.paratron.decode_rotary_attention(qkv, cos, sin, k, v, torch.tensor([pad]), torch.tensor(slot),
                                                          0.125, splits, none if counts is None else counts,
-                                                         torch.zeros(0))  # (nothing to prefetch: the GPU's)
+                                                         torch.zeros(0), False, ahead)  # (no L2 prefetch: the GPU's)
         # the splits counted themselves in and the last one set its group's count back (zero for the next call)
         assert counts is None or not counts.any(), counts
         assert got.shape == want.shape and got.dtype == dtype and torch.isfinite(got).all()

@@ -71,7 +71,7 @@ def test_decode_rotary_kernel_compiles_for_sm90(split):
             pytest.skip("paratron's kernels module did not see Triton")
         out = compile_sm90(decode_rotary._decode_rotary_kernel, types,
                            {"QPG": 4, "QB": 16, "D": 64, "BT": 64, "SPLIT": split, "ARRIVE": arrive, "PDL": pdl,
-                            "WARM": warm, "LINE": 64})
+                            "WARM": warm, "LINE": 64, "AHEAD": warm})
         assert len(out.asm.get("cubin", b"")) > 0
         ptx = out.asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl and ("atom" in ptx) == arrive

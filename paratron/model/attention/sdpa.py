@@ -100,15 +100,17 @@ class SDPAttention(nn.Module):
         cos, sin = ctx.rope
         return cos.shape == sin.shape == (1, 1, 1, self.d) and cache.bounds() is not None
 
-    def attend_decode_rotary(self, qkv, ctx, warm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attend_decode_rotary(self, qkv, ctx, warm: Optional[torch.Tensor] = None, ahead: bool = False) -> torch.Tensor:
         """qkv [1, 1, groups, q_per_group + 2, d] of a one-row decode step -> [1, 1, heads * d]: the rotary
         embedding of its query heads and key, its key and value into the cache, attention over the cache, in one
-        kernel (kernels/decode_rotary.py); ``warm``: a weight the kernel prefetches into L2 meanwhile."""
+        kernel (kernels/decode_rotary.py); ``warm``: a weight the kernel prefetches into L2 meanwhile; ``ahead``: its
+        walk over the cache loads one block ahead."""
         k_cache, v_cache = ctx.kv_cache.buffers(self.layer_index)
         pad, slot = ctx.kv_cache.bounds()
         scale = self.scale if self.scale is not None else self.d ** -0.5
         out = decode_rotary.decode_rotary_attention(qkv, *ctx.rope, k_cache, v_cache, pad, slot, scale,
-                                                    counts=ctx.kv_cache.counts(), pdl=self.decode_pdl, warm=warm)
+                                                    counts=ctx.kv_cache.counts(), pdl=self.decode_pdl, warm=warm,
+                                                    ahead=ahead)
         return out.reshape(1, 1, self.heads * self.d)
 
     def extra_repr(self) -> str:

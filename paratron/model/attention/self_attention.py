@@ -105,7 +105,8 @@ class Attention(nn.Module):
                              and not (self.gated or cfg.qk_layernorm)
                              and getattr(self.core_attention, "decode", None) is not None)
         self.fused_decode_asked = switch == "fused"  # (off CUDA its torch reference; auto keeps the unfused path)
-        self.decode_prefetch = asked_on(par.kernels.kernel_decode_prefetch)  # its kernel warms linear_proj in L2
+        # its kernel loads ahead: the cache's next block, linear_proj's weight into L2 (--kernel-decode-prefetch)
+        self.decode_prefetch = asked_on(par.kernels.kernel_decode_prefetch)
 
     def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, width) of the keys and of the values an inference KV cache keeps per token (this rank's groups)."""
@@ -125,7 +126,8 @@ class Attention(nn.Module):
         if (self.fused_decode and (self.fused_decode_asked or (qkv.is_cuda and qkv.dtype in HALF))
                 and self.core_attention.decodes_rotary(ctx, s, b)):  # (sdpa.py)
             warm = self.linear_proj.weight if self.decode_prefetch else None
-            return self.linear_proj(self.core_attention.attend_decode_rotary(qkv, ctx, warm), residual, ctx.gemv)
+            out = self.core_attention.attend_decode_rotary(qkv, ctx, warm, ahead=self.decode_prefetch)
+            return self.linear_proj(out, residual, ctx.gemv)
         if self.core_attention.fuses_rotary(ctx, s):  # the rotary embedding inside the core's op (flash.py)
             with offload.at(self, "core_attn"):
                 out = self.core_attention.attend_rotary(qkv, ctx, recompute)
