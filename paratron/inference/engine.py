@@ -167,13 +167,17 @@ class Engine:
         self._best = None
         if self.graph is not None:
             logits, self._best = self.graph(tokens, slot)
-            self._argmax_of = logits
+            self._argmax_of = (logits, logits._version)  # (a row written since, a request joining: not its argmax)
             return logits
         return self.decode_step(tokens, torch.tensor(slot, device=self.device))
 
     def argmax_of(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
-        """The argmax of ``logits`` [b, vocab] computed by the compiled decode step that returned them, else None."""
-        return self._best if self._best is not None and logits is self._argmax_of else None
+        """The argmax of ``logits`` [b, vocab] computed by the compiled decode step that returned them and unchanged
+        since (a request joining a running batch writes its row), else None."""
+        if self._best is None or self._argmax_of is None:
+            return None
+        returned, version = self._argmax_of
+        return self._best if logits is returned and logits._version == version else None
 
     # ---- generation -------------------------------------------------------------------------
     def check(self, req: Request) -> Optional[str]:

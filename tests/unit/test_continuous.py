@@ -35,8 +35,15 @@ async def _serve(batcher: ContinuousBatcher, first: list, later: list, after: in
     return await asyncio.wait_for(lead.future, 60), [await asyncio.wait_for(j.future, 60) for j in jobs]
 
 
-def test_requests_join_a_running_session_and_get_their_alone_results():
-    engine = Engine(tiny_model(), VOCAB)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_requests_join_a_running_session_and_get_their_alone_results(compiled, monkeypatch):
+    """``compiled``: the engine's decode step through DecodeRunner (torch.compile replaced by the identity on the
+    CPU), whose argmax is taken for greedy rows unless a joining request wrote its row since."""
+    if compiled:
+        from paratron.inference import graphs
+        monkeypatch.setattr(graphs.torch, "compile", lambda fn, **_: fn)
+    engine = Engine(tiny_model(), VOCAB, compile=compiled)
+    plain = Engine(engine.model, VOCAB)
     lead = [Request(PROMPTS[0], SamplingParams(max_new_tokens=20))]
     later = [[Request(PROMPTS[1], SamplingParams(max_new_tokens=9, logprobs=True, top_logprobs=2))],
              [Request(PROMPTS[2], SamplingParams(max_new_tokens=6, temperature=1.0, top_k=20, seed=5)),
@@ -49,7 +56,7 @@ def test_requests_join_a_running_session_and_get_their_alone_results():
         batcher.stop()
     assert batcher.batches == 1 and batcher.joined == 4  # one session: every later request joined it
     for req, res in zip(lead + [r for job in later for r in job], got_lead + [r for rs in got_later for r in rs]):
-        want = alone(engine, req)
+        want = alone(plain, req)
         assert res.tokens == want.tokens and res.finish_reason == want.finish_reason
         if req.params.logprobs:
             assert torch.allclose(torch.tensor(res.logprobs), torch.tensor(want.logprobs), atol=1e-5)

@@ -25,6 +25,11 @@ def test_the_compiled_step_argmax_reaches_the_sampler_and_gives_the_same_tokens(
     # the prefill's logits have no argmax of the step; every decode step's has one
     assert given[0] is None and len(given) == 6 and all(b is not None for b in given[1:])
     assert engine.argmax_of(torch.zeros(2, VOCAB)) is None  # logits the step did not return
+    # logits the step returned, then a row written (a request joining a running batch): computed again
+    logits = engine._step(torch.tensor([[5], [6]]), 9)
+    assert engine.argmax_of(logits) is not None
+    logits[1] = torch.arange(VOCAB, dtype=logits.dtype)
+    assert engine.argmax_of(logits) is None
 
 
 def test_sampler_takes_a_given_argmax_for_greedy_rows_only():
