@@ -6,10 +6,10 @@ from __future__ import annotations
 import signal
 
 from .batch_schedule import step_schedule
-from .precision_file import read_rules
+from .precision_file import fp8_recipes
 from .rules import changed_flags, listed, need
 from .sections import Config, TrainConfig
-from .values import (FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_REFUSED_RECIPES, RECOMPUTE_MISSING,
+from .values import (BLOCKWISE_TILE, FP8_AMAX_ALGOS, FP8_FORMATS, FP8_RECIPES, FP8_REFUSED_RECIPES, RECOMPUTE_MISSING,
                      RECOMPUTE_SUPPORTED)
 
 
@@ -96,7 +96,7 @@ def validate_fp8(cfg: Config) -> None:
          "the precision of the modules --fp8-format quantises, and has no effect without it; add --fp8-format")
     if tr.fp8_format is None:
         return
-    recipes = {tr.fp8_recipe} | {r.recipe for r in read_rules(tr.te_precision_config_file)} - {None}  # (the file's)
+    recipes = fp8_recipes(tr)
     need(tr.fp8_format in FP8_FORMATS, f"--fp8-format must be e4m3 or hybrid (got {tr.fp8_format})")
     need(tr.fp8_recipe not in FP8_REFUSED_RECIPES,
          f"--fp8-recipe {tr.fp8_recipe} is not supported: {FP8_REFUSED_RECIPES.get(tr.fp8_recipe)}; "
@@ -121,7 +121,7 @@ def validate_fp8(cfg: Config) -> None:
     if m.num_experts is not None:
         sizes["--moe-ffn-hidden-size per expert-TP rank"] = (m.moe_ffn_hidden_size or m.ffn_hidden_size) // (
             par.expert_tensor_parallel_size or tp)
-    align = 128 if "blockwise" in recipes else 16  # blockwise: whole 128-wide tiles (cuBLAS's blockwise GEMM)
+    align = BLOCKWISE_TILE if "blockwise" in recipes else 16  # blockwise: whole tiles (cuBLAS's blockwise GEMM)
     for name, size in sizes.items():
         within = f" with {_named('blockwise', tr)}" if align == 128 else ""
         need(size % align == 0, f"--fp8-format{within} needs FP8 GEMM sizes that are multiples of {align}; {name} is "

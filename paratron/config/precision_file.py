@@ -117,3 +117,11 @@ def first_match(rules: tuple[Rule, ...], name: str) -> Optional[Rule]:
         if fnmatch.fnmatchcase(name, rule.pattern):
             return rule
     return None
+
+
+def fp8_recipes(tr) -> set:
+    """The FP8 recipes a run (its TrainConfig ``tr``) uses: ``--fp8-recipe`` and the ones its
+    ``--te-precision-config-file`` names; empty without ``--fp8-format``."""
+    if tr.fp8_format is None:
+        return set()
+    return {tr.fp8_recipe} | {r.recipe for r in read_rules(tr.te_precision_config_file)} - {None}

@@ -70,6 +70,7 @@ RECOMPUTE_MISSING = {  # Megatron's other names: the module they recompute is no
 # until it moves to paratron/fp8/, which imports these)
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
+BLOCKWISE_TILE = 128  # the blockwise recipe's tile: its GEMMs' sizes and tokens are whole tiles (check_train.py)
 FP8_REFUSED_RECIPES = {  # Megatron's other choices: why paratron refuses them
     "mxfp8": "mxfp8 (per-32-element e8m0 scales) needs Blackwell's MX tensor cores; Hopper has none",
 }

@@ -11,7 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import Config, finalize
-from ..config.precision_file import read_rules
+from ..config.precision_file import fp8_recipes
+from ..config.values import BLOCKWISE_TILE
 from .distributed import build_dims
 from .step import build_model_chunks
 
@@ -32,15 +33,10 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-TILE = 128  # the blockwise FP8 recipe's tile: its GEMMs' sizes and tokens are multiples of it (config/check_train.py)
-
-
 def tile_aligned(cfg: Config) -> bool:
     """Whether the run's FP8 GEMMs take whole 128-wide tiles: a blockwise recipe, given or named by a matcher of
-    --te-precision-config-file (a counted copy's widths and tokens must then be multiples of ``TILE`` too)."""
-    tr = cfg.train
-    return bool(tr.fp8_format) and "blockwise" in {tr.fp8_recipe} | {r.recipe for r in
-                                                                     read_rules(tr.te_precision_config_file)}
+    --te-precision-config-file (a counted copy's widths and tokens must then be multiples of the tile too)."""
+    return "blockwise" in fp8_recipes(cfg.train)
 
 
 def tiny_copy(cfg: Config, layers: int, kind: Optional[dict] = None) -> Config:
@@ -48,7 +44,7 @@ def tiny_copy(cfg: Config, layers: int, kind: Optional[dict] = None) -> Config:
     the same operations per layer (widths and tokens of whole 128-wide tiles under a blockwise FP8 recipe)."""
     c = as_kind(cfg.unfrozen(), kind or {}, layers)
     m = c.model
-    t = TILE if tile_aligned(cfg) else 1
+    t = BLOCKWISE_TILE if tile_aligned(cfg) else 1
     groups = max(1, m.num_attention_heads // max(1, m.num_query_groups or m.num_attention_heads))
     m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_channels = layers, max(64, t), 4, max(16, t)
     m.num_query_groups = max(1, 4 // groups) if m.group_query_attention else None

@@ -18,7 +18,8 @@ from ..config import Config
 from ..config.check_hybrid import is_hybrid_stack
 from ..plan.traffic import Traffic
 from .distributed import build_dims
-from .host_ops import TILE, as_kind, kind_copies, one_rank_eager, tile_aligned
+from ..config.values import BLOCKWISE_TILE
+from .host_ops import as_kind, kind_copies, one_rank_eager, tile_aligned
 from .step import build_model_chunks
 
 # Operations whose bytes are not counted: matmuls (their time is the FLOPs') and the attention core (FlashAttention
@@ -155,7 +156,7 @@ def narrowing(cfg: Config) -> int:
     """The power of two the counted copy divides every width by (widths_of and the vocabulary): an elementwise
     operation's bytes per token grow as one of those widths, so the counts are multiplied back."""
     m, k = cfg.model, 1
-    align = TILE if tile_aligned(cfg) else 8  # a blockwise FP8 copy's widths stay whole 128-wide tiles
+    align = BLOCKWISE_TILE if tile_aligned(cfg) else 8  # a blockwise FP8 copy's widths stay whole 128-wide tiles
     widths = [getattr(m, w) for w in widths_of(cfg) if getattr(m, w)] + [cfg.padded_vocab_size]
     while m.hidden_size // (2 * k) >= NARROW_TO and all(w % (2 * k * align) == 0 for w in widths):
         k *= 2
@@ -216,7 +217,8 @@ def seqs_of(cfg: Config) -> tuple:
     their scans (so that the intra-chunk work per token is the run's, as with chunks of --mamba-chunk-size)."""
     m = cfg.model
     if not is_hybrid_stack(m):
-        return tuple(s * TILE // SEQS[0] for s in SEQS) if tile_aligned(cfg) else SEQS  # (blockwise: whole tiles)
+        # (blockwise: whole tiles)
+        return tuple(s * BLOCKWISE_TILE // SEQS[0] for s in SEQS) if tile_aligned(cfg) else SEQS
     return 2 * m.mamba_chunk_size, 4 * m.mamba_chunk_size
 
 
