@@ -160,14 +160,9 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         g, sp = tl.program_id(0), tl.program_id(1)
-        if WARM:
-            if sp >= splits:
-                extra = tl.num_programs(1) - splits
-                _warm_l2(warm_ptr, warm_lines, g * extra + sp - splits, tl.num_programs(0) * extra, LINE, 128)
-            else:
-                _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                        count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG, QB, D, BT, SPLIT, ARRIVE,
-                        AHEAD)
+        if WARM and sp >= splits:  # (without WARM the grid has no such program, and the branch is not built)
+            extra = tl.num_programs(1) - splits
+            _warm_l2(warm_ptr, warm_lines, g * extra + sp - splits, tl.num_programs(0) * extra, LINE, 128)
         else:
             _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                     count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG, QB, D, BT, SPLIT, ARRIVE,
