@@ -89,7 +89,7 @@ class Engine:
         self.speculative_steps = None  # speculative decoding's fixed-shape passes for the cache (speculative.Steps)
         self.cache: Optional[KVCache] = None
         self.graph = None
-        self._best = self._argmax_of = None  # the compiled decode step's last argmax and the logits it is of
+        self._argmax = None  # (logits, their version, argmax) of the compiled decode step's last call
         self.peak_cache_bytes = 0  # the largest KV cache allocated so far (the server's /health reports it)
 
     # ---- the model passes ---------------------------------------------------------------
@@ -164,20 +164,20 @@ class Engine:
     def _step(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
         """The decode step's logits [b, vocab]; their argmax, where the compiled step computed it, is
         ``argmax_of(logits)``."""
-        self._best = None
+        self._argmax = None
         if self.graph is not None:
-            logits, self._best = self.graph(tokens, slot)
-            self._argmax_of = (logits, logits._version)  # (a row written since, a request joining: not its argmax)
+            logits, best = self.graph(tokens, slot)
+            self._argmax = (logits, logits._version, best)  # (a row written since, a request joining: not its argmax)
             return logits
         return self.decode_step(tokens, torch.tensor(slot, device=self.device))
 
     def argmax_of(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
         """The argmax of ``logits`` [b, vocab] computed by the compiled decode step that returned them and unchanged
         since (a request joining a running batch writes its row), else None."""
-        if self._best is None or self._argmax_of is None:
+        if self._argmax is None:
             return None
-        returned, version = self._argmax_of
-        return self._best if logits is returned and logits._version == version else None
+        returned, version, best = self._argmax
+        return best if logits is returned and logits._version == version else None
 
     # ---- generation -------------------------------------------------------------------------
     def check(self, req: Request) -> Optional[str]:
