@@ -9,7 +9,6 @@ from torch import nn
 
 from .. import activation_offload as offload, mup
 from ...config import ModelConfig
-from ...config.kernels import asked_on
 from ...kernels import flash_attention
 from ...kernels.rotary import apply_rotary
 from ...parallel.linear import mark_fusable
@@ -105,8 +104,6 @@ class Attention(nn.Module):
                              and not (self.gated or cfg.qk_layernorm)
                              and getattr(self.core_attention, "decode", None) is not None)
         self.fused_decode_asked = switch == "fused"  # (off CUDA its torch reference; auto keeps the unfused path)
-        # its kernel loads ahead: the cache's next block, linear_proj's weight into L2 (--kernel-decode-prefetch)
-        self.decode_prefetch = asked_on(par.kernels.kernel_decode_prefetch)
 
     def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, width) of the keys and of the values an inference KV cache keeps per token (this rank's groups)."""
@@ -125,8 +122,7 @@ class Attention(nn.Module):
         qkv = qkv.view(s, b, self.groups, self.q_rows + 2, self.d)
         if (self.fused_decode and (self.fused_decode_asked or (qkv.is_cuda and qkv.dtype in HALF))
                 and self.core_attention.decodes_rotary(ctx, s, b)):  # (sdpa.py)
-            warm = self.linear_proj.weight if self.decode_prefetch else None
-            out = self.core_attention.attend_decode_rotary(qkv, ctx, warm, ahead=self.decode_prefetch)
+            out = self.core_attention.attend_decode_rotary(qkv, ctx, self.linear_proj.weight)
             return self.linear_proj(out, residual, ctx.gemv)
         if self.core_attention.fuses_rotary(ctx, s):  # the rotary embedding inside the core's op (flash.py)
             with offload.at(self, "core_attn"):
