@@ -14,8 +14,10 @@ per block) takes the sums out, resetting the workspace as it reads it, and write
 accumulation throughout; bf16 (or fp16) in and out. The block shapes are tuned per (m, n, k, split) by
 ``triton.autotune`` over ``CONFIGS``.
 
-Measured slower than the Inductor reductions it replaces on an H200 (docs/inference.md), so ``--kernel-decode-gemv
-auto`` keeps torch (``F.linear``, which the compiled decode step turns into Inductor's reductions).
+One row (a batch-1 decode step) goes to ``kernels/gemv_row.py`` instead, where the layer's norms and SwiGLU are fused
+too. Measured slower than the Inductor reductions it replaces on an H200 (docs/inference.md), so
+``--kernel-decode-gemv auto`` keeps torch (``F.linear``, which the compiled decode step turns into Inductor's
+reductions).
 
 :func:`linear_reference` and :func:`swiglu_reference` are the torch expressions it replaces; they run on CPUs
 (the custom op's CPU kernel), and the tests compare the kernel with them (on CPU through Triton's
@@ -27,6 +29,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from . import gemv_row
 
 try:
     import triton
@@ -70,6 +74,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``x W^T + b + residual`` over x's last dim: the kernel where it ``applies``, else the reference."""
     if not applies(x, weight, bias) or (residual is not None and residual.dtype != x.dtype):
         return linear_reference(x, weight, bias, residual)
+    if bias is None and gemv_row.applies(x, weight):  # one row: the row kernel
+        return gemv_row.linear(x, weight, residual=residual)
     rows = x.reshape(-1, x.size(-1))
     res = None if residual is None else residual.reshape(rows.size(0), weight.size(0))
     y = torch.ops.paratron.gemv(rows, weight, bias, res, False)
@@ -81,6 +87,8 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     reference."""
     if not applies(x, weight, bias) or weight.size(0) % 2:
         return swiglu_reference(x, weight, bias)
+    if bias is None and gemv_row.applies(x, weight):
+        return gemv_row.linear(x, weight, gated=True)
     y = torch.ops.paratron.gemv(x.reshape(-1, x.size(-1)), weight, bias, None, True)
     return y.view(*x.shape[:-1], weight.size(0) // 2)
 

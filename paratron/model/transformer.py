@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..config.kernels import asked_on
+from ..kernels import gemv_row
 from ..parallel.random import checkpoint, seeded_init
 from . import activation_offload as offload, recompute
-from .layers import Attention, ForwardContext, Norm, Parallel
+from .layers import MLP, Attention, ForwardContext, Norm, Parallel
 from .spec import LayerSpec, build_mixer, build_mlp, layer_specs
 
 
@@ -33,6 +35,34 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = norm() if spec.mlp is not None else None
         self.mlp = build_mlp(spec, cfg, par, device, dtype)
         self.recompute_norms = self.recompute_mlp = False  # --recompute-modules layernorm / mlp, moe (recompute.py)
+        self.decode_rows = self._rows_fuse()  # a one-row decode step under --kernel-decode-gemv triton: decode_row
+        self.decode_pdl = asked_on(par.kernels.kernel_decode_pdl)
+
+    def _rows_fuse(self) -> bool:
+        """Whether ``decode_row`` takes this layer: self-attention that fuses its decode attention, a dense SwiGLU
+        MLP, RMSNorms, no biases, one TP rank."""
+        a, m = self.self_attention, self.mlp
+        if type(a) is not Attention or type(m) is not MLP or not (a.fused_decode and m.gemv_swiglu):
+            return False
+        norms = (self.input_layernorm, self.pre_mlp_layernorm)
+        linears = (a.linear_qkv, a.linear_proj, m.linear_fc1, m.linear_fc2)
+        return (self.par.tp_size == 1 and all(n.kind == "RMSNorm" and not n.zero_centered for n in norms)
+                and all(lin.bias is None for lin in linears))
+
+    def decode_row(self, x: torch.Tensor, ctx: ForwardContext) -> Optional[torch.Tensor]:
+        """The layer at one row of a decode step as four GEMV kernels around the fused attention
+        (kernels/gemv_row.py): the norm and qkv, the output projection and the residual, the norm, fc1 and SwiGLU,
+        fc2 and the residual. None where the layer takes the per-module path (FP8 linears, a step the fused
+        attention does not take)."""
+        a, m, norm, mlp_norm = self.self_attention, self.mlp, self.input_layernorm, self.pre_mlp_layernorm
+        if any(lin.fp8 is not None for lin in (a.linear_qkv, a.linear_proj, m.linear_fc1, m.linear_fc2)) \
+                or not a.decodes_fused(x, ctx):
+            return None
+        pdl = self.decode_pdl
+        qkv = gemv_row.linear(x, a.linear_qkv.weight, norm.weight, eps=norm.eps, pdl=pdl)
+        h = gemv_row.linear(a.decode_attention(qkv, ctx), a.linear_proj.weight, residual=x, pdl=pdl)
+        act = gemv_row.linear(h, m.linear_fc1.weight, mlp_norm.weight, gated=True, eps=mlp_norm.eps, pdl=pdl)
+        return gemv_row.linear(act, m.linear_fc2.weight, residual=h, pdl=pdl)
 
     def _dropout_off(self) -> bool:
         return not self.training or self.p == 0.0
@@ -73,6 +103,10 @@ class TransformerLayer(nn.Module):
         return self.mlp(h, residual)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if ctx.gemv and self.decode_rows and x.size(0) * x.size(1) == 1:
+            out = self.decode_row(x, ctx)
+            if out is not None:
+                return out
         return self._feed(self._mix(self.input_layernorm, self.self_attention, x, ctx), ctx.gemv)
 
     def _mix(self, norm, mixer, x: torch.Tensor, *args) -> torch.Tensor:

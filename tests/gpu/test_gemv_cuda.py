@@ -1,6 +1,7 @@
 """The decode GEMV kernel (paratron/kernels/gemv.py) on the GPU: against F.linear at llama-1b's decode shapes
 (1..8 rows, split K and not, fc1's fused SwiGLU, the residual), replayed from a CUDA graph, and a tiny model's
-greedy decode (compiled step, CUDA graph) with --kernel-decode-gemv triton against torch: the same tokens."""
+greedy decode (compiled step, CUDA graph) with --kernel-decode-gemv triton against torch: the same tokens
+(batch 1: the layers as kernels/gemv_row.py around the fused attention); the row kernel against its reference."""
 from __future__ import annotations
 
 import dataclasses
@@ -78,3 +79,40 @@ def test_decode_with_the_kernel_gives_the_same_greedy_tokens(batch):
         assert engine.gemv == (kernel == "triton")
         tokens[kernel] = [r.tokens for r in engine.generate([Request(p, SamplingParams(24)) for p in prompts])]
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("n,k,norm,res,gated", [(3072, 2048, True, False, False), (2048, 2048, False, True, False),
+                                                (8192, 2048, True, False, True), (2048, 8192, False, True, False),
+                                                (1000, 1000, True, True, False)])
+def test_row_kernel_matches_its_reference(n, k, norm, res, gated, pdl):
+    """kernels/gemv_row.py at llama-1b's layer shapes (qkv with its norm, the output projection and fc2 with the
+    residual, fc1 with its norm and SwiGLU), launched plain and for programmatic dependent launch."""
+    from paratron.kernels import gemv_row
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n * (2 if gated else 1), k, device="cuda", generator=g) * k ** -0.5).bfloat16()
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16() if norm else None
+    r = torch.randn(1, n, device="cuda", generator=g).bfloat16() if res else None
+    assert gemv_row.applies(x, w)
+    got = gemv_row.linear(x, w, nw, r, gated, 1e-5, pdl)
+    assert _rel(got, gemv_row.row_reference(x, w, nw, r, gated, 1e-5)) < 1e-2
+
+
+def test_row_kernel_replays_from_a_cuda_graph():
+    from paratron.kernels import gemv_row
+    x = torch.randn(1, 2048, device="cuda").bfloat16()
+    w = (torch.randn(2 * 8192, 2048, device="cuda") * 0.02).bfloat16()
+    nw = torch.rand(2048, device="cuda").bfloat16()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemv_row.linear(x, w, nw, gated=True)  # tune and compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv_row.linear(x, w, nw, gated=True)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert _rel(out, gemv_row.row_reference(x, w, nw, gated=True)) < 1e-2

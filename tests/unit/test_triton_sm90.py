@@ -90,3 +90,20 @@ def test_decode_gemv_kernel_compiles_for_sm90(split, gated):
         out = compile_sm90(gemv._gemv_kernel, types, dict(HAS_BIAS=True, HAS_RES=not gated, GATED=gated,
                                                           SPLIT_K=split, BLOCK_M=gemv.BLOCK_M, **config.kwargs))
         assert "cubin" in out.asm and len(out.asm["cubin"]) > 0
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_row_gemv_kernel_compiles_for_sm90(pdl):
+    """kernels/gemv_row.py with its norm, SwiGLU and residual, every block shape of its tuning list; with programmatic
+    dependent launch, the wait comes after the first weight loads."""
+    from paratron.kernels import gemv_row
+    if not hasattr(gemv_row, "_row_kernel"):
+        pytest.skip("paratron's kernels module did not see Triton")
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "g_ptr": "*bf16", "r_ptr": "*bf16", "out_ptr": "*bf16",
+             "eps": "fp32"}
+    for i, config in enumerate(gemv_row.CONFIGS):
+        flags = dict(NORM=i % 2 == 0, HAS_RES=i % 3 == 0, GATED=i % 2 == 1, PDL=pdl)
+        ptx = compile_sm90(gemv_row._row_kernel, types, {**flags, **config.kwargs}).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == pdl
+        if pdl:
+            assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")

@@ -120,10 +120,8 @@ class Attention(nn.Module):
             qkv = self.linear_qkv(x, gemv=ctx.gemv)  # [s, b, groups * (q_rows + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups, self.q_rows + 2, self.d)
-        if (self.fused_decode and (self.fused_decode_asked or (qkv.is_cuda and qkv.dtype in HALF))
-                and self.core_attention.decodes_rotary(ctx, s, b)):  # (sdpa.py)
-            out = self.core_attention.attend_decode_rotary(qkv, ctx, self.linear_proj.weight)
-            return self.linear_proj(out, residual, ctx.gemv)
+        if self.decodes_fused(qkv, ctx):
+            return self.linear_proj(self.decode_attention(qkv, ctx), residual, ctx.gemv)
         if self.core_attention.fuses_rotary(ctx, s):  # the rotary embedding inside the core's op (flash.py)
             with offload.at(self, "core_attn"):
                 out = self.core_attention.attend_rotary(qkv, ctx, recompute)
@@ -140,6 +138,17 @@ class Attention(nn.Module):
         if gate is not None:
             out = apply_output_gate(out, gate)
         return self._project(out, residual, ctx)
+
+    def decodes_fused(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
+        """Whether this pass (qkv [s, b, ...] as the projection wrote it) takes the fused decode attention."""
+        return (self.fused_decode and (self.fused_decode_asked or (qkv.is_cuda and qkv.dtype in HALF))
+                and self.core_attention.decodes_rotary(ctx, qkv.size(0), qkv.size(1)))  # (sdpa.py)
+
+    def decode_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The fused decode attention of a one-row step (``decodes_fused``): qkv [1, 1, ...] -> [1, 1, heads * d],
+        before the output projection."""
+        qkv = qkv.view(1, 1, self.groups, self.q_rows + 2, self.d)
+        return self.core_attention.attend_decode_rotary(qkv, ctx, self.linear_proj.weight)
 
     def _project(self, out: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         with offload.at(self, "attn_proj"):

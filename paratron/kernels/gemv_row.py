@@ -1,0 +1,171 @@
+"""A one-row decode step's linear layers, each with its neighbours, as one Triton kernel streaming the weights.
+
+``out = [residual +] act(norm(x) W^T)`` for a single row ``x`` [K]: the RMSNorm before the layer (optional, its
+statistics recomputed by every program from x, which L2 holds), the weight streamed from HBM, fc1's SwiGLU (a fused
+``[gate; up]`` weight: a program reads the gate's rows and the matching up rows) or the residual added after it.
+A transformer layer of a batch-1 decode step is then four of these and the fused attention
+(``model/transformer.py: TransformerLayer.decode_row``, ``--kernel-decode-gemv triton``): qkv with the attention's
+norm, the output projection with the residual, fc1 with the MLP's norm and SwiGLU, fc2 with the residual; where
+Inductor's reductions take about nine kernels a layer (split reductions and their second passes, the norms, SwiGLU).
+
+Each program owns ``BLOCK_N`` output rows over all of K (no split, no workspace to zero, no second pass) and walks
+K ``BLOCK_K`` columns at a time, loading the next block of weight rows while it multiplies the current one (two
+blocks in flight a program, the first requested before the norm's statistics are computed). The products are kept
+per column in fp32 and summed once at the end. The rounding follows the model's torch expressions: the normalised
+row is rounded to the model's dtype, then times the norm's weight and rounded again (``model/norms.py``); the
+product is rounded before SwiGLU or the residual add. With ``pdl`` (``--kernel-decode-pdl``) the kernel is launched
+for programmatic dependent launch and waits for the kernel before it only after its first weight block is
+requested: the weights do not depend on the previous kernel, the row does.
+
+:func:`row_reference` is the torch expression (the op's CPU kernel); the tests compare the kernel with it (on CPU
+through Triton's interpreter, via :func:`launch`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def row_reference(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
+                  residual: Optional[torch.Tensor] = None, gated: bool = False, eps: float = 1e-5) -> torch.Tensor:
+    """``[residual +] act(norm(x) W^T)`` in torch, over x's last dimension: the model's RMSNorm with
+    ``norm_weight`` (none without), ``gated``: SwiGLU of the fused ``[gate; up]`` product."""
+    if norm_weight is not None:
+        x = norm_weight * F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
+    y = F.linear(x, weight)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this product: Triton and CUDA, one row, bf16 / fp16 throughout, a contiguous
+    weight."""
+    k = x.size(-1)
+    return (triton is not None and x.is_cuda and weight.is_cuda and x.numel() == k and x.dtype in DTYPES
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.size(1) == k and weight.is_contiguous())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
+           residual: Optional[torch.Tensor] = None, gated: bool = False, eps: float = 1e-5,
+           pdl: bool = False) -> torch.Tensor:
+    """:func:`row_reference` of a one-row ``x`` [..., K] by the kernel where it ``applies``, else by torch; the
+    result has x's leading dimensions."""
+    if not applies(x, weight):
+        return row_reference(x, weight, norm_weight, residual, gated, eps)
+    n = weight.size(0) // 2 if gated else weight.size(0)
+    res = None if residual is None else residual.reshape(1, n)
+    y = torch.ops.paratron.gemv_row(x.reshape(1, -1), weight, norm_weight, res, gated, eps, pdl)
+    return y.view(*x.shape[:-1], n)
+
+
+if triton is not None:
+    # (BLOCK_N, BLOCK_K, warps): a few rows a program and many programs a streaming multiprocessor
+    CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+               for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
+                                 (8, 256, 4), (8, 512, 4), (16, 256, 4))]
+
+    @triton.jit
+    def _row_kernel(x_ptr, w_ptr, g_ptr, r_ptr, out_ptr, N, K, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                    GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program i: output rows [i BLOCK_N, (i+1) BLOCK_N). W is contiguous [N (x2 gated: the gate's rows, then
+        the up's), K]; x, the norm's weight g and the residual r are contiguous rows."""
+        dt = x_ptr.dtype.element_ty
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * K
+        u_rows = w_ptr + (rn[:, None] + N).to(tl.int64) * K
+        first = n_ok[:, None] & (rk < K)[None, :]
+        w = tl.load(w_rows + rk[None, :], mask=first, other=0.0)
+        u = w
+        if GATED:
+            u = tl.load(u_rows + rk[None, :], mask=first, other=0.0)
+        if PDL:  # the weights never depend on the kernel before; the row does
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        rstd = 1.0
+        if NORM:
+            squares = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xs = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+                squares += xs * xs
+            rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            k_ok = ks < K
+            ahead = n_ok[:, None] & (ks + BLOCK_K < K)[None, :]
+            w_next = tl.load(w_rows + BLOCK_K + ks[None, :], mask=ahead, other=0.0)
+            u_next = w_next
+            if GATED:
+                u_next = tl.load(u_rows + BLOCK_K + ks[None, :], mask=ahead, other=0.0)
+            xk = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+            if NORM:
+                gk = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                xk = ((xk.to(tl.float32) * rstd).to(dt).to(tl.float32) * gk).to(dt)
+            xf = xk.to(tl.float32)[None, :]
+            acc += w.to(tl.float32) * xf
+            if GATED:
+                acc_u += u.to(tl.float32) * xf
+            w, u = w_next, u_next
+        y = tl.sum(acc, 1).to(dt).to(tl.float32)
+        if GATED:
+            up = tl.sum(acc_u, 1).to(dt).to(tl.float32)
+            y = (y * tl.sigmoid(y)).to(dt).to(tl.float32) * up
+        if HAS_RES:
+            y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, y.to(dt), mask=n_ok)
+
+    _row_tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "NORM", "HAS_RES", "GATED"])(_row_kernel)
+
+    def launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
+               residual: Optional[torch.Tensor], gated: bool, eps: float, pdl: bool = False,
+               config: Optional[dict] = None) -> torch.Tensor:
+        """The kernel on x [1, K] and a contiguous weight: [1, n] in x's dtype. ``config``: BLOCK_N, BLOCK_K (and
+        num_warps) instead of the tuned choice (the interpreter tests run each of CONFIGS)."""
+        k = x.size(-1)
+        n = weight.size(0) // 2 if gated else weight.size(0)
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        args = (x, weight, norm_weight if norm_weight is not None else x, residual if residual is not None else x,
+                out, n, k, eps)
+        flags = dict(NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated, PDL=pdl,
+                     **({"launch_pdl": True} if pdl else {}))
+        if config is None:
+            _row_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+        else:
+            _row_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
+        return out
+
+    @torch.library.custom_op("paratron::gemv_row", mutates_args=(), device_types="cuda")
+    def _row_op(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
+                residual: Optional[torch.Tensor], gated: bool, eps: float, pdl: bool) -> torch.Tensor:
+        with torch.cuda.device(x.device):
+            return launch(x, weight, norm_weight, residual, gated, eps, pdl)
+else:  # the op without Triton: its CPU kernel below is all there is
+    @torch.library.custom_op("paratron::gemv_row", mutates_args=(), device_types="cuda")
+    def _row_op(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
+                residual: Optional[torch.Tensor], gated: bool, eps: float, pdl: bool) -> torch.Tensor:
+        return row_reference(x, weight, norm_weight, residual, gated, eps)
+
+
+@_row_op.register_kernel("cpu")
+def _(x, weight, norm_weight, residual, gated, eps, pdl):
+    return row_reference(x, weight, norm_weight, residual, gated, eps)
+
+
+@_row_op.register_fake
+def _(x, weight, norm_weight, residual, gated, eps, pdl):
+    return x.new_empty(1, weight.size(0) // 2 if gated else weight.size(0))

@@ -1,0 +1,131 @@
+"""The one-row decode GEMV (paratron/kernels/gemv_row.py): its torch reference against the model's own modules, the
+custom op's CPU kernel, the Triton kernel through Triton's CPU interpreter (every config of its tuning list, the
+norm, SwiGLU, the residual, sizes off every block), and a batch-1 decode step taking the layer as four of these
+around the fused attention (TransformerLayer.decode_row): the same tokens, and only layers it can take."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paratron.kernels import gemv, gemv_row
+from paratron.kernels.swiglu import swiglu_reference
+from paratron.model.norms import Norm
+
+
+def test_reference_is_the_models_norm_linear_swiglu_and_residual():
+    torch.manual_seed(0)
+    x, w, w2, r = (torch.randn(1, 1, 64).bfloat16(), torch.randn(48, 64).bfloat16(), torch.randn(64, 24).bfloat16(),
+                   torch.randn(1, 1, 48).bfloat16())
+    norm = Norm("RMSNorm", 64, 1e-5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64))
+    h = norm(x)
+    assert torch.equal(gemv_row.row_reference(x, w, norm.weight, eps=1e-5), F.linear(h, w))
+    assert torch.equal(gemv_row.row_reference(x, w, norm.weight, gated=True, eps=1e-5),
+                       swiglu_reference(F.linear(h, w)))
+    assert torch.equal(gemv_row.row_reference(x[..., :24], w2, residual=x), x + F.linear(x[..., :24], w2))
+
+
+def test_the_op_falls_back_to_the_reference_on_cpu():
+    torch.manual_seed(0)
+    x, w, g, r = torch.randn(1, 64).bfloat16(), torch.randn(40, 64).bfloat16(), torch.randn(64).bfloat16(), \
+        torch.randn(1, 40).bfloat16()
+    assert not gemv_row.applies(x, w)  # a CPU tensor
+    assert torch.equal(gemv_row.linear(x, w, g, r), gemv_row.row_reference(x, w, g, r))
+    assert torch.equal(torch.ops.paratron.gemv_row(x, w, g, None, True, 1e-6, False),
+                       gemv_row.row_reference(x, w, g, None, True, 1e-6))
+    with torch._subclasses.FakeTensorMode():  # the fake kernel the compiled step traces
+        fx, fw = torch.empty(1, 64, dtype=torch.bfloat16), torch.empty(40, 64, dtype=torch.bfloat16)
+        assert torch.ops.paratron.gemv_row(fx, fw, None, None, True, 1e-5, False).shape == (1, 20)
+        assert torch.ops.paratron.gemv_row(fx, fw, None, None, False, 1e-5, False).shape == (1, 40)
+
+
+INTERPRET = r"""
+import torch
+from paratron.kernels import gemv_row
+torch.manual_seed(0)
+
+def err(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+# (n, k, norm, residual, gated): n off every row block, k off every column block
+cases = ((40, 96, False, False, False), (40, 1100, True, True, False), (24, 600, True, False, True),
+         (7, 2100, False, True, False), (33, 256, True, False, True))
+# fp16 rounds as the GPU does; the interpreter truncates fp32 to bf16 (the GPU rounds to nearest), whence bf16's
+# looser bound
+for dtype, bound in ((torch.float16, 2e-3), (torch.bfloat16, 4e-2)):
+    for n, k, norm, res, gated in cases:
+        x = torch.randn(1, k).to(dtype)
+        w = (torch.randn(n * (2 if gated else 1), k) * k ** -0.5).to(dtype)
+        g = (1 + 0.1 * torch.randn(k)).to(dtype) if norm else None
+        r = torch.randn(1, n).to(dtype) if res else None
+        want = gemv_row.row_reference(x, w, g, r, gated, 1e-5)
+        for config in gemv_row.CONFIGS:
+            got = gemv_row.launch(x, w, g, r, gated, 1e-5, config=config.kwargs)
+            assert got.shape == want.shape and got.dtype == dtype, (n, k)
+            assert err(got, want) < bound, (dtype, n, k, norm, res, gated, config.kwargs, err(got, want))
+print("ok")
+"""
+
+
+def test_row_kernel_matches_the_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    from tests.interpret import interpret
+    interpret(INTERPRET)
+
+
+def _tiny(extra=(), attention="fused"):
+    from paratron.config import parse_args
+    from paratron.model.gpt import GPTModel
+    cfg = parse_args(["--config", "tiny", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type",
+                      "rope", "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+                      "--untie-embeddings-and-output-weights", "--init-method-std", "0.3", "--mock-data", *extra])
+    torch.manual_seed(0)
+    kernels = dataclasses.replace(cfg.kernels, kernel_decode_attention=attention)
+    return GPTModel(cfg.model, cfg.padded_vocab_size, kernels=kernels).eval(), cfg.data.vocab_size
+
+
+def _tokens(model, vocab, rows, monkeypatch=None, calls=None):
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.sampling import SamplingParams
+    engine = Engine(model, vocab, eod=None)
+    plain = [r.tokens for r in engine.generate([Request([5, 6, 7, 8 + i], SamplingParams(6)) for i in range(rows)])]
+    if monkeypatch is not None:
+        real = gemv_row.linear
+        monkeypatch.setattr(gemv_row, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    engine.gemv = True  # what --kernel-decode-gemv triton sets on a GPU
+    return plain, [r.tokens for r in engine.generate([Request([5, 6, 7, 8 + i], SamplingParams(6))
+                                                      for i in range(rows)])]
+
+
+def test_a_batch_1_decode_step_runs_each_layer_as_four_row_gemvs(monkeypatch):
+    """On CPU the row GEMV is its reference and the fused attention its torch reference: the same greedy tokens as the
+    per-module path, with four row GEMVs a layer a decode step; two rows keep the per-module path."""
+    model, vocab = _tiny()
+    assert all(layer.decode_rows for layer in model.decoder.layers)
+    calls = []
+    plain, rows = _tokens(model, vocab, 1, monkeypatch, calls)
+    assert rows == plain and len(calls) == 5 * 4 * model.config.num_layers  # 5 decode steps after the prefill
+    calls.clear()
+    plain, rows = _tokens(model, vocab, 2, monkeypatch, calls)
+    assert rows == plain and not calls
+
+
+@pytest.mark.parametrize("extra,attention", [(("--normalization", "LayerNorm"), "fused"),
+                                             (("--add-qkv-bias",), "fused"), (("--apply-layernorm-1p",), "fused"),
+                                             ((), "sdpa")])
+def test_layers_the_row_path_cannot_take_keep_the_per_module_path(extra, attention):
+    model, _ = _tiny(extra, attention)
+    assert not any(layer.decode_rows for layer in model.decoder.layers)
+
+
+def test_one_row_of_the_gemv_switch_goes_to_the_row_kernel(monkeypatch):
+    seen = []
+    monkeypatch.setattr(gemv, "applies", lambda *a: True)
+    monkeypatch.setattr(gemv_row, "applies", lambda *a: True)
+    monkeypatch.setattr(gemv_row, "linear", lambda *a, **k: seen.append(k) or a[0])
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    gemv.linear(x, w)
+    gemv.swiglu(x, w)
+    assert seen == [{"residual": None}, {"gated": True}]
