@@ -10,12 +10,15 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 
-def compile_sm90(kernel, types: dict, constexprs: dict):
-    """``types``: argument name -> Triton type ("*bf16", "i32", "fp32"); every argument not named is i32."""
+def compile_sm90(kernel, types: dict, constexprs: dict, aligned=(), num_warps: int = 4):
+    """``types``: argument name -> Triton type ("*bf16", "i32", "fp32"); every argument not named is i32.
+    ``aligned``: the arguments Triton's launcher would find divisible by 16 (pointers, sizes)."""
     names = kernel.arg_names
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 def sm90_cubin(module: str, kernel: str, types: dict, constexprs: dict) -> bytes:
@@ -101,9 +104,12 @@ def test_row_gemv_kernel_compiles_for_sm90(pdl):
         pytest.skip("paratron's kernels module did not see Triton")
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "g_ptr": "*bf16", "r_ptr": "*bf16", "out_ptr": "*bf16",
              "eps": "fp32"}
+    aligned = ("x_ptr", "w_ptr", "g_ptr", "r_ptr", "out_ptr", "N", "K")  # llama-1b's sizes: the weights in 16 bytes
     for i, config in enumerate(gemv_row.CONFIGS):
         flags = dict(NORM=i % 2 == 0, HAS_RES=i % 3 == 0, GATED=i % 2 == 1, PDL=pdl)
-        ptx = compile_sm90(gemv_row._row_kernel, types, {**flags, **config.kwargs}).asm["ptx"]
+        ptx = compile_sm90(gemv_row._row_kernel, types, {**flags, **config.kwargs}, aligned,
+                           config.num_warps).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl
+        assert "ld.global.v4.b32" in ptx
         if pdl:
             assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
