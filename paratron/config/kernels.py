@@ -61,9 +61,10 @@ class KernelConfig(Section):
     no_rope_fusion: bool = False  # rotary embedding as torch ops, not inside the FlashAttention-4 op
     kernel_packed_gqa_backward: str = "auto"  # experimental: FA4's backward over packed grouped keys (4.0.0b10 only)
     kernel_decode_attention: str = "auto"  # attention over the KV cache: triton | fused (+ rotary, write) | sdpa
-    # the decode step's linear layers at <= 8 rows: triton (kernels/gemv.py, streaming the weights; CUDA only,
-    # refused on CPU) | torch (F.linear); auto: torch for now, triton once measured on a GPU
-    kernel_decode_gemv: str = "auto"  # decode steps' linear layers, <= 8 rows: triton GEMV | torch (auto: torch)
+    # the decode step's linear layers: triton (GEMV kernels at 1..8 rows, kernels/gemv.py; a one-row step's layers
+    # as kernels/gemv_row.py with their norms, SwiGLU and residuals; CUDA only, refused on CPU) | torch (F.linear,
+    # Inductor's reductions); auto: the row kernels at one row and torch at more on CUDA, torch on CPU
+    kernel_decode_gemv: str = "auto"  # decode steps' linear layers: triton GEMV | torch (auto: triton at one row)
     kernel_rmsnorm: str = "auto"  # RMSNorm in training: quack's kernels (Hopper, bf16) | torch
     kernel_gated_mlp: str = "auto"  # SwiGLU MLP with the activation in quack's GEMM epilogues (Hopper) | torch
     kernel_gated_mlp_wgrad: str = "cublas"  # fc1's weight gradient of the gated MLP: cublas (into main_grad) | quack
@@ -82,9 +83,10 @@ class KernelConfig(Section):
     kernel_fp8_block_grouped_gemm: str = "auto"  # blockwise FP8 experts (forward, input grad): triton | dequant
     kernel_fp8_block_cast: str = "auto"  # blockwise FP8 tile casts in both layouts: triton (auto on CUDA) | torch
     kernel_compile_coordinate_descent: str = "auto"  # torch.compile's coordinate-descent tuning of the layers
-    kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch sizes > 1)
+    kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch size 1)
     # programmatic dependent launch in the compiled decode step (Hopper): each kernel launched while the one before
-    # it finishes, waiting only where it reads that one's output (Inductor's kernels and the fused decode attention)
+    # it finishes, waiting only where it reads that one's output (Inductor's kernels, the fused decode attention, the
+    # row GEMVs, which load their first weights before they wait); auto: on at one-row steps that run the row GEMVs
     kernel_decode_pdl: str = "auto"  # decode step's kernels launched early (Hopper PDL): on | off
     # the fused batch-1 decode attention loads ahead: its walk over the cache the next block while it works on one,
     # and spare programs the layer's output projection into L2 (its GEMV, the next kernel, then reads L2); auto: off
@@ -95,8 +97,21 @@ class KernelConfig(Section):
     kernel_linear_scan_recompute: str = "on"  # torch scans: intra-chunk products recomputed in backward (less memory)
 
 
+def decode_rows(gemv: str, rows: int) -> bool:
+    """Whether a decode step of ``rows`` rows runs its linear layers through the GEMV kernels, by
+    ``--kernel-decode-gemv`` as it runs: triton at any row count (the kernels take 1..8), auto at one row (the row
+    kernels), torch never."""
+    return gemv == "triton" or (gemv == "auto" and rows == 1)
+
+
+def pdl_at(pdl: str, rows: int) -> bool:
+    """Whether a decode step of ``rows`` rows launches its kernels for programmatic dependent launch, by
+    ``--kernel-decode-pdl`` as it runs (auto: where the row GEMVs run, at one row)."""
+    return pdl == "on" or (pdl == "auto" and rows == 1)
+
+
 def asked_on(switch: str) -> bool:
-    """An auto / on / off switch whose auto is off (``--kernel-decode-pdl``, ``--kernel-decode-prefetch``;
+    """An auto / on / off switch whose auto is off (``--kernel-decode-prefetch``;
     kernels/switches.py gives the reason) as it runs: on only when asked."""
     return switch == "on"
 

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..config.kernels import decode_rows
 from ..errors import ConfigError
 from ..model.layers import ForwardContext
 from ..parallel import comm
@@ -52,12 +53,14 @@ def context_length(cfg) -> int:
     return max(cfg.max_position_embeddings or 0, cfg.seq_length)
 
 
-def decode_gemv(switch: str, device) -> bool:
-    """Whether decode steps run their linear layers through the GEMV kernel (kernels/gemv.py):
-    ``--kernel-decode-gemv triton`` (auto keeps torch until the kernel is measured on a GPU), refused off CUDA."""
-    if switch == "triton" and torch.device(device).type != "cuda":
+def decode_gemv(switch: str, device) -> str:
+    """How decode steps run their linear layers (``Engine.gemv_at``), by ``--kernel-decode-gemv``: triton (the GEMV
+    kernels at 1..8 rows, kernels/gemv.py), auto (on CUDA the row kernels at one row, kernels/gemv_row.py; torch
+    elsewhere), torch; triton is refused off CUDA."""
+    cuda = torch.device(device).type == "cuda"
+    if switch == "triton" and not cuda:
         raise ConfigError("--kernel-decode-gemv triton: the GEMV kernel needs a CUDA device (choose torch or auto)")
-    return switch == "triton"
+    return switch if cuda or switch != "auto" else "torch"
 
 
 class Engine:
@@ -83,7 +86,7 @@ class Engine:
         self.tp_group = model.par.tp_group
         self.tp_src = dist.get_global_rank(self.tp_group, 0) if model.par.tp_size > 1 else 0
         self.compile = compile
-        self.gemv = decode_gemv(model.kernels.kernel_decode_gemv, self.device)  # decode steps' linear layers
+        self.gemv = decode_gemv(model.kernels.kernel_decode_gemv, self.device)  # decode steps' linear layers (gemv_at)
         self.num_speculative_tokens = num_speculative_tokens
         self.acceptance = None  # speculative decoding's counts of the last generate (speculative.Acceptance)
         self.speculative_steps = None  # speculative decoding's fixed-shape passes for the cache (speculative.Steps)
@@ -126,7 +129,18 @@ class Engine:
         cache = self.cache
         positions = (slot - cache.pad)[:, None].clamp(min=0)
         view = CacheView(cache, slot.view(1), cache.capacity)
-        return self._forward(tokens, positions, view, cache.decode_mask(slot), gemv=self.gemv)[:, 0]
+        return self._forward(tokens, positions, view, cache.decode_mask(slot), gemv=self.gemv_at(tokens.size(0)))[:, 0]
+
+    def gemv_at(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` rows runs its linear layers through the GEMV kernels (``self.gemv``)."""
+        return decode_rows(self.gemv, rows)
+
+    def decode_pdl(self) -> str:
+        """``--kernel-decode-pdl`` for the compiled decode step: auto launches early only where the layers run as
+        row GEMVs (Inductor's kernels alone measured slower launched early)."""
+        pdl = self.model.kernels.kernel_decode_pdl
+        rows = self.gemv != "torch" and any(getattr(layer, "decode_rows", False) for layer in self.model.modules())
+        return "off" if pdl == "auto" and not rows else pdl
 
     def prefill(self, ids: torch.Tensor, need_all: bool) -> torch.Tensor:
         """Logits of the left-padded prompts ``ids`` [b, L]: every position's if ``need_all``, else the last."""
@@ -159,7 +173,7 @@ class Engine:
             from .graphs import DecodeRunner, with_argmax
             k = self.model.kernels
             self.graph = DecodeRunner(with_argmax(self.decode_step), batch, self.device,
-                                     k.kernel_decode_coordinate_descent, k.kernel_decode_pdl)
+                                     k.kernel_decode_coordinate_descent, self.decode_pdl())
 
     def _step(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
         """The decode step's logits [b, vocab]; their argmax, where the compiled step computed it, is

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config.kernels import asked_on
+from ..config.kernels import pdl_at
 
 WARMUP = 3
 
@@ -23,11 +23,12 @@ def compile_options(batch: int, switch: str = "auto", pdl: str = "auto") -> dict
     before it, SwiGLU, the residual add), which makes batch-1 decoding faster on an H100
     (benchmarks/results/decode_bench_llama-1b_20261126_043044.md). Inductor writes matmuls that way for one row
     only, so larger batches skip the tuning (it costs compilation time and gains nothing there). ``switch``:
-    ``--kernel-decode-coordinate-descent`` (on / off force it). ``pdl``: ``--kernel-decode-pdl``; on, Inductor
-    writes its kernels for programmatic dependent launch (Hopper and later; it checks the device itself)."""
+    ``--kernel-decode-coordinate-descent`` (on / off force it). ``pdl``: ``--kernel-decode-pdl``; on (auto: at
+    batch 1), Inductor writes its kernels for programmatic dependent launch (Hopper and later; it checks the device
+    itself)."""
     on = batch <= SMALL_BATCH if switch == "auto" else switch == "on"
     options = {"coordinate_descent_tuning": True} if on else {}
-    return {**options, "triton.enable_pdl": True} if asked_on(pdl) else options
+    return {**options, "triton.enable_pdl": True} if pdl_at(pdl, batch) else options
 
 
 def with_argmax(step):

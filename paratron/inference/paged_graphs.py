@@ -95,7 +95,7 @@ class DecodeGraphs(BucketGraphs):
     def _forward(self, ids, positions, slots, tables, rows, lengths) -> torch.Tensor:
         e = self.engine
         view = PagedView(e.cache, slots, tables, rows, lengths, e.kernel)
-        return e.e._forward(ids, positions, view, None, gemv=e.e.gemv)[0]  # (--kernel-decode-gemv)
+        return e.e._forward(ids, positions, view, None, gemv=e.e.gemv_at(ids.size(1)))[0]  # (--kernel-decode-gemv)
 
     def _step(self, b: int) -> torch.Tensor:
         return self.forward(self.ids[:, :b], self.positions[:, :b], self.slots[:b], self.engine.tables.table,

@@ -180,7 +180,8 @@ class Steps:
         self.verifier = self.drafter = None
         if engine.compile:
             from .graphs import DecodeRunner
-            switch, pdl = engine.model.kernels.kernel_decode_coordinate_descent, engine.model.kernels.kernel_decode_pdl
+            switch, pdl = engine.model.kernels.kernel_decode_coordinate_descent, engine.decode_pdl()
+            pdl = "off" if pdl == "auto" else pdl  # (auto: one-row steps; these passes take k + 1 tokens a row)
             self.verifier = _Runner(DecodeRunner(self.verify, b, dev, switch, pdl),
                                     torch.zeros(b, k + 1, dtype=torch.long, device=dev))
             h = engine.model.config.hidden_size

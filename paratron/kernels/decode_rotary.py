@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from .hardware import launches_dependent
 from .decode_attention import decode_attention_reference
 from .paged_attention import SPLIT_TARGET, _sms, decode_splits
 from .rotary import apply_rotary
@@ -241,6 +242,7 @@ if triton is not None:
         groups, rows, d = qkv.shape
         qpg = rows - 2
         out = qkv.new_empty(1, groups, qpg, d)
+        pdl = pdl and (not qkv.is_cuda or launches_dependent(qkv.device))  # (the interpreter runs it anywhere)
         if splits <= 0:
             splits = (fused_splits(groups, k_cache.size(2), _sms(qkv.device)) if counts.numel()
                       else decode_splits(groups, k_cache.size(2), _sms(qkv.device)))

@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .hardware import launches_dependent
+
 try:
     import triton
     import triton.language as tl
@@ -139,6 +141,7 @@ if triton is not None:
         k = x.size(-1)
         n = weight.size(0) // 2 if gated else weight.size(0)
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        pdl = pdl and (not x.is_cuda or launches_dependent(x.device))  # (the interpreter runs it anywhere)
         args = (x, weight, norm_weight if norm_weight is not None else x, residual if residual is not None else x,
                 out, n, k, eps)
         flags = dict(NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated, PDL=pdl,

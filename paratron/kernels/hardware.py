@@ -11,3 +11,9 @@ def hopper_bf16(device, dtype) -> bool:
         return False
     device = torch.device(device) if device is not None else torch.device("cpu")
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def launches_dependent(device) -> bool:
+    """Whether kernels on ``device`` can be launched for programmatic dependent launch (Hopper and later)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

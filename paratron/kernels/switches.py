@@ -23,7 +23,7 @@ except ImportError:
 
 
 # switches whose ``auto`` stays ``auto`` after resolution: decided per call (the decode step's batch size)
-STAYS_AUTO = frozenset({"kernel_decode_coordinate_descent"})
+STAYS_AUTO = frozenset({"kernel_decode_coordinate_descent", "kernel_decode_gemv", "kernel_decode_pdl"})
 
 
 def device_resolved(k: KernelConfig) -> bool:
@@ -35,9 +35,10 @@ def offer(device, dtype) -> dict:
     """What ``device`` in ``dtype`` offers the optional kernels, with the packages installed here."""
     cuda = torch.device(device).type == "cuda"
     fa4 = flash_attention.available(device, dtype)
+    hopper = cuda and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
     return dict(cuda=cuda, fa4=fa4, quack=quack_mlp.available(device, dtype),
                 quack_norm=quack_norm.available(device, dtype), packed=fa4 and flash_packed.pinned(),
-                triton_gpu=cuda and _TRITON, fused_adamw=fused_adamw.available(device))
+                triton_gpu=cuda and _TRITON, fused_adamw=fused_adamw.available(device), pdl=hopper and _TRITON)
 
 
 def offer_of_kind(hopper_bf16: bool, cuda: bool = True) -> dict:
@@ -45,7 +46,7 @@ def offer_of_kind(hopper_bf16: bool, cuda: bool = True) -> dict:
     Triton), without the device at hand: what ``paratron plan`` assumes of a GPU kind (``hopper_bf16``: a Hopper
     GPU and a bf16 model). The packed grouped-key backward (one pinned flash-attn-4 version) is taken as absent."""
     return dict(cuda=cuda, fa4=hopper_bf16, quack=hopper_bf16, quack_norm=hopper_bf16, packed=False,
-                triton_gpu=cuda, fused_adamw=cuda)
+                triton_gpu=cuda, fused_adamw=cuda, pdl=cuda and hopper_bf16)
 
 
 def availability(device, dtype, deterministic: bool = False, offered: Optional[dict] = None) -> dict:
@@ -66,8 +67,8 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
                                     "Triton on CUDA; one row in bf16 / fp16: the rotary embedding, cache write and "
                                     "attention in one kernel (measured faster, docs/inference.md)" if triton_gpu
                                     else "needs Triton and CUDA"),
-        # the Triton GEMV (kernels/gemv.py) measured slower than Inductor's fused reductions at batch 1 (docs/inference.md)
-        "kernel_decode_gemv": ("torch", "Inductor's fused reductions measured faster than the Triton GEMV"),
+        "kernel_decode_gemv": ("auto", "one-row decode steps through the row GEMVs (measured faster, docs/inference.md); "
+                               "more rows through Inductor's") if triton_gpu else ("torch", "needs Triton and CUDA"),
         "kernel_rmsnorm": ("quack" if o["quack_norm"] else "torch", why_quack),
         "kernel_gated_mlp": ("quack" if quack else "torch", why_quack),
         "kernel_cublaslt": ("on" if cuda and not deterministic else "off",
@@ -88,7 +89,8 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
         "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
                                               if cuda else "CUDA only"),
         "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),
-        "kernel_decode_pdl": ("off", "measured slower at batch 1 (docs/inference.md)"),
+        "kernel_decode_pdl": ("auto", "on at one-row steps with the row GEMVs (measured faster, docs/inference.md)")
+        if o["pdl"] and triton_gpu else ("off", "needs Hopper, Triton and CUDA"),
         "kernel_decode_prefetch": ("off", "not measured on a GPU yet (docs/inference.md)"),
         "kernel_linear_scan": _linear_scan(device),
     }
@@ -121,6 +123,8 @@ def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False,
                if name != "no_rope_fusion" and getattr(asked, name) == "auto"}
     if found["no_rope_fusion"][0]:
         changes["no_rope_fusion"] = True
+    if changes.get("kernel_decode_pdl") == "auto" and changes.get("kernel_decode_gemv", asked.kernel_decode_gemv) == "torch":
+        changes["kernel_decode_pdl"] = "off"  # (launched early, Inductor's kernels alone measured slower)
     out = dataclasses.replace(asked.unfrozen() if asked.is_resolved else asked, **changes)
     return out
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..config.kernels import asked_on
+from ..config.kernels import pdl_at
 from ..kernels import gemv_row
 from ..parallel.random import checkpoint, seeded_init
 from . import activation_offload as offload, recompute
@@ -36,7 +36,7 @@ class TransformerLayer(nn.Module):
         self.mlp = build_mlp(spec, cfg, par, device, dtype)
         self.recompute_norms = self.recompute_mlp = False  # --recompute-modules layernorm / mlp, moe (recompute.py)
         self.decode_rows = self._rows_fuse()  # a one-row decode step under --kernel-decode-gemv triton: decode_row
-        self.decode_pdl = asked_on(par.kernels.kernel_decode_pdl)
+        self.decode_pdl = pdl_at(par.kernels.kernel_decode_pdl, 1)
 
     def _rows_fuse(self) -> bool:
         """Whether ``decode_row`` takes this layer: self-attention that fuses its decode attention, a dense SwiGLU

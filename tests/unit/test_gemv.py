@@ -42,11 +42,21 @@ def test_split_k_fills_the_gpu_and_keeps_wide_spans():
     assert gemv.split_k(64, 100, 132) == 1
 
 
-def test_switch_auto_keeps_torch_and_triton_is_refused_on_cpu():
+def test_switch_auto_takes_the_row_kernels_at_one_row_on_a_gpu_and_triton_is_refused_on_cpu():
+    from paratron.config.kernels import decode_rows, pdl_at
     assert CHOICES["kernel_decode_gemv"] == ("auto", "triton", "torch")
-    assert switches.resolve(KernelConfig(), "cpu", torch.float32).kernel_decode_gemv == "torch"
-    gpu = switches.offer_of_kind(hopper_bf16=True)  # triton once measured: auto stays torch on a GPU too
-    assert switches.resolve(KernelConfig(), "cpu", torch.bfloat16, offered=gpu).kernel_decode_gemv == "torch"
+    cpu = switches.resolve(KernelConfig(), "cpu", torch.float32)
+    assert (cpu.kernel_decode_gemv, cpu.kernel_decode_pdl) == ("torch", "off")
+    gpu = switches.offer_of_kind(hopper_bf16=True)
+    on_gpu = switches.resolve(KernelConfig(), "cpu", torch.bfloat16, offered=gpu)
+    assert (on_gpu.kernel_decode_gemv, on_gpu.kernel_decode_pdl) == ("auto", "auto")  # decided per step's rows
+    assert switches.device_resolved(on_gpu)
+    plain = dataclasses.replace(KernelConfig(), kernel_decode_gemv="torch")  # Inductor alone: not launched early
+    assert switches.resolve(plain, "cpu", torch.bfloat16, offered=gpu).kernel_decode_pdl == "off"
+    older = switches.offer_of_kind(hopper_bf16=False)  # no programmatic dependent launch before Hopper
+    assert switches.resolve(KernelConfig(), "cpu", torch.bfloat16, offered=older).kernel_decode_pdl == "off"
+    assert [decode_rows("auto", r) for r in (1, 2)] == [True, False] and decode_rows("triton", 8)
+    assert not decode_rows("torch", 1) and [pdl_at("auto", r) for r in (1, 4)] == [True, False] and pdl_at("on", 4)
     asked = dataclasses.replace(KernelConfig(), kernel_decode_gemv="triton")
     assert switches.resolve(asked, "cpu", torch.bfloat16, offered=gpu).kernel_decode_gemv == "triton"
     with pytest.raises(ConfigError, match="--kernel-decode-gemv triton"):
@@ -117,14 +127,14 @@ def test_decode_steps_reach_the_gemv_and_only_they(monkeypatch):
     from paratron.inference.sampling import SamplingParams
     model, vocab = _tiny_model()
     engine = Engine(model, vocab, eod=None)
-    assert engine.gemv is False
+    assert engine.gemv == "torch"  # (auto off CUDA)
     reqs = [Request([5, 6, 7, 8], SamplingParams(6)), Request([9, 3], SamplingParams(6))]
     plain = [r.tokens for r in engine.generate(reqs)]
     calls = []
     for name in ("linear", "swiglu"):
         real = getattr(gemv, name)
         monkeypatch.setattr(gemv, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    engine.gemv = True  # what --kernel-decode-gemv triton sets on a GPU
+    engine.gemv = "triton"  # what --kernel-decode-gemv triton sets on a GPU
     assert [r.tokens for r in engine.generate(reqs)] == plain
     layers = model.config.num_layers
     # per decode step: qkv, proj and fc2 linear, fc1 + SwiGLU fused, the output layer; 5 steps after the prefill

@@ -94,7 +94,7 @@ def _tokens(model, vocab, rows, monkeypatch=None, calls=None):
     if monkeypatch is not None:
         real = gemv_row.linear
         monkeypatch.setattr(gemv_row, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
-    engine.gemv = True  # what --kernel-decode-gemv triton sets on a GPU
+    engine.gemv = "triton"  # what --kernel-decode-gemv triton sets on a GPU
     return plain, [r.tokens for r in engine.generate([Request([5, 6, 7, 8 + i], SamplingParams(6))
                                                       for i in range(rows)])]
 
@@ -129,3 +129,16 @@ def test_one_row_of_the_gemv_switch_goes_to_the_row_kernel(monkeypatch):
     gemv.linear(x, w)
     gemv.swiglu(x, w)
     assert seen == [{"residual": None}, {"gated": True}]
+
+
+def test_auto_launches_early_only_where_layers_run_as_row_gemvs():
+    from paratron.inference.engine import Engine
+    model, vocab = _tiny()
+    engine = Engine(model, vocab, eod=None)
+    assert engine.gemv == "torch" and engine.decode_pdl() == "off"  # (auto off CUDA: torch)
+    engine.gemv = "auto"  # as on a GPU
+    assert engine.decode_pdl() == "auto" and engine.gemv_at(1) and not engine.gemv_at(2)
+    model, vocab = _tiny(("--normalization", "LayerNorm"))
+    engine = Engine(model, vocab, eod=None)
+    engine.gemv = "auto"
+    assert engine.decode_pdl() == "off"  # no layer runs as row GEMVs: Inductor's kernels alone stay as launched

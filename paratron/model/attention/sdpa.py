@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...config.kernels import asked_on
+from ...config.kernels import asked_on, pdl_at
 from .. import mup
 from ...kernels import decode_rotary
 from ...parallel.random import checkpoint
@@ -43,7 +43,7 @@ class SDPAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.scale = mup.softmax_scale(cfg, self.d)  # the scores' scale: None is the kernels' 1/sqrt(d)
         self.decode = self._grouped_decode(par) if self.decodes else None
-        self.decode_pdl = asked_on(par.kernels.kernel_decode_pdl)  # the fused decode attention's launch
+        self.decode_pdl = pdl_at(par.kernels.kernel_decode_pdl, 1)  # the fused decode attention's launch
         self.decode_prefetch = asked_on(par.kernels.kernel_decode_prefetch)  # ... and its loads ahead
 
     def _grouped_decode(self, par) -> Optional[GroupedDecode]:
