@@ -8,6 +8,7 @@ warm-up calls (which also trigger compilation) on a side stream, as CUDA graph c
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..config.kernels import pdl_at
 
@@ -31,12 +32,28 @@ def compile_options(batch: int, switch: str = "auto", pdl: str = "auto") -> dict
     return {**options, "triton.enable_pdl": True} if pdl_at(pdl, batch) else options
 
 
+ARGMAX_CHUNK = 512  # the vocabulary's chunks of chunked_argmax
+
+
+def chunked_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of [b, vocab] in two passes, the maximum of each ARGMAX_CHUNK-wide chunk, then of the
+    chunks' maxima: the same index (the first of the maximum, as torch's). Inductor writes a plain argmax as one
+    program per row, which at batch 1 walks the whole vocabulary alone; here the first pass has a program a chunk."""
+    b, v = logits.shape
+    chunks = -(-v // ARGMAX_CHUNK)
+    if chunks * ARGMAX_CHUNK != v:
+        logits = F.pad(logits, (0, chunks * ARGMAX_CHUNK - v), value=float("-inf"))
+    best, where = logits.view(b, chunks, ARGMAX_CHUNK).max(-1)
+    chunk = best.argmax(-1)
+    return chunk * ARGMAX_CHUNK + where.gather(-1, chunk[:, None])[:, 0]
+
+
 def with_argmax(step):
     """``step`` returning its logits and their argmax as well (greedy decoding's next tokens, computed in the
     compiled step and its CUDA graph: no kernel of its own launched between steps)."""
     def run(tokens: torch.Tensor, slot: torch.Tensor):
         logits = step(tokens, slot)
-        return logits, logits.argmax(-1)
+        return logits, chunked_argmax(logits)
     return run
 
 

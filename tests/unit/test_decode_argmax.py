@@ -39,3 +39,17 @@ def test_sampler_takes_a_given_argmax_for_greedy_rows_only():
     assert greedy(logits, best).tolist() == [2, 2] and greedy(logits).tolist() == [1, 0]
     mixed = Sampler([SamplingParams(4), SamplingParams(4, temperature=1.0, top_k=1)], "cpu")
     assert mixed(logits, best).tolist() == [2, 0]  # the sampled row draws from its own top-1
+
+
+def test_the_chunked_argmax_is_torchs_argmax_ties_and_padding_included():
+    torch.manual_seed(0)
+    for b, v in ((1, 32768), (3, 1000), (2, 512), (1, 7)):
+        x = torch.randn(b, v)
+        assert torch.equal(graphs.chunked_argmax(x), x.argmax(-1))
+        x = torch.randint(0, 3, (b, v)).float()  # many ties: the first index of the maximum
+        assert torch.equal(graphs.chunked_argmax(x), x.argmax(-1))
+        x = torch.full((b, v), float("-inf"))
+        assert torch.equal(graphs.chunked_argmax(x), x.argmax(-1))
+    x = torch.zeros(2, 1500, dtype=torch.bfloat16)
+    x[0, 1400], x[1, 3], x[1, 900] = 1.0, 2.0, 2.0  # in the last, padded chunk; the same maximum in two chunks
+    assert graphs.chunked_argmax(x).tolist() == [1400, 3]
