@@ -116,18 +116,24 @@ if triton is not None:
         return _round(_round(x * c, dt) + _round(sign * xp * s, dt), dt)
 
     @triton.jit
-    def _walk_ahead(q, k_ptr, v_ptr, lo, hi, scale, skt, svt, cols, QB: tl.constexpr, D: tl.constexpr,
-                    BT: tl.constexpr):
-        """The paged kernels' online softmax of ``q`` over slots [lo, hi) of one group's contiguous cache (``k_ptr``,
-        ``v_ptr`` at the group), ``BT`` slots at a time, each block's keys and values loaded together and the next
-        block's loaded before this one's arithmetic: the walk is a chain of loads, whose round trips then overlap."""
-        m = tl.full([QB], float("-inf"), tl.float32)
-        total = tl.zeros([QB], tl.float32)
-        acc = tl.zeros([QB, D], tl.float32)
+    def _first_block(k_ptr, v_ptr, lo, hi, skt, svt, cols, BT: tl.constexpr):
+        """The keys and values of slots [lo, lo + BT) below ``hi`` of one group's contiguous cache, and which are."""
         t = lo + tl.arange(0, BT)
         ok = t < hi
         keys = tl.load(k_ptr + t[:, None] * skt + cols[None, :], mask=ok[:, None], other=0.0)
         vals = tl.load(v_ptr + t[:, None] * svt + cols[None, :], mask=ok[:, None], other=0.0)
+        return keys, vals, ok
+
+    @triton.jit
+    def _walk_ahead(q, k_ptr, v_ptr, lo, hi, scale, skt, svt, cols, keys, vals, ok, QB: tl.constexpr,
+                    D: tl.constexpr, BT: tl.constexpr):
+        """The paged kernels' online softmax of ``q`` over slots [lo, hi) of one group's contiguous cache (``k_ptr``,
+        ``v_ptr`` at the group), ``BT`` slots at a time, each block's keys and values loaded together and the next
+        block's loaded before this one's arithmetic: the walk is a chain of loads, whose round trips then overlap.
+        ``keys``, ``vals``, ``ok``: the first block (``_first_block``), loaded by the caller."""
+        m = tl.full([QB], float("-inf"), tl.float32)
+        total = tl.zeros([QB], tl.float32)
+        acc = tl.zeros([QB, D], tl.float32)
         for start in range(lo, hi, BT):
             t = start + BT + tl.arange(0, BT)
             ahead = t < hi
@@ -157,25 +163,40 @@ if triton is not None:
                               LINE: tl.constexpr, AHEAD: tl.constexpr):
         """Programs (group, split < splits) attend (``_attend``); with ``WARM``, the programs (group, split >= splits)
         prefetch the ``warm_lines`` lines of ``warm_ptr`` (the layer's output projection) into L2 meanwhile."""
-        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, then let the next start
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         g, sp = tl.program_id(0), tl.program_id(1)
         if WARM and sp >= splits:  # (without WARM the grid has no such program, and the branch is not built)
+            if PDL:  # the weights do not depend on the kernel before: no wait
+                tl.extra.cuda.gdc_launch_dependents()
             extra = tl.num_programs(1) - splits
             _warm_l2(warm_ptr, warm_lines, g * extra + sp - splits, tl.num_programs(0) * extra, LINE, 128)
         else:
             _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                     count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG, QB, D, BT, SPLIT, ARRIVE,
-                    AHEAD)
+                    AHEAD, PDL)
 
     @triton.jit
     def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, count_ptr,
                 g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG: tl.constexpr, QB: tl.constexpr,
-                D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, AHEAD: tl.constexpr):
-        """Split ``sp`` of group ``g``: the rotations, the cache write, the attention (the module docstring)."""
+                D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, AHEAD: tl.constexpr,
+                PDL: tl.constexpr):
+        """Split ``sp`` of group ``g``: the rotations, the cache write, the attention (the module docstring). With
+        ``PDL`` (launched early: programmatic dependent launch) it waits for the kernel before, which wrote qkv, after
+        reading what that kernel does not write: the slot, the padding and (``AHEAD``) the first block of the cache
+        (slots before this step's, written by earlier steps)."""
         dt = qkv_ptr.dtype.element_ty
-        heads, cols = tl.arange(0, QB), tl.arange(0, D)
+        cols = tl.arange(0, D)
+        slot = tl.load(slot_ptr)
+        first = tl.load(pad_ptr)
+        chunk = (slot - first + splits - 1) // splits
+        chunk = (chunk + BT - 1) // BT * BT
+        lo = first + sp * chunk
+        hi = tl.minimum(slot, lo + chunk)
+        if AHEAD:
+            keys, vals, ok = _first_block(k_ptr + g * skg, v_ptr + g * svg, lo, hi, skt, svt, cols, BT)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        heads = tl.arange(0, QB)
         live = heads < QPG
         c = _round(tl.load(cos_ptr + cols).to(tl.float32), dt)
         s = _round(tl.load(sin_ptr + cols).to(tl.float32), dt)
@@ -187,19 +208,14 @@ if triton is not None:
                      s[None, :])  # [QB, D]
         k_new = _rotated(base + QPG * D, cols, partner, sign, cols < D, c, s)  # [D]
         v_new = tl.load(base + (QPG + 1) * D + cols).to(tl.float32)
-        slot = tl.load(slot_ptr)
         last = sp == splits - 1
         # the split of the last cached slots writes the new token's key and value and attends to it from registers
         writes = (cols * 0 + sp) == splits - 1  # [D]
         tl.store(k_ptr + g * skg + slot * skt + cols, k_new.to(dt), mask=writes)
         tl.store(v_ptr + g * svg + slot * svt + cols, v_new.to(dt), mask=writes)
-        first = tl.load(pad_ptr)
-        chunk = (slot - first + splits - 1) // splits
-        chunk = (chunk + BT - 1) // BT * BT
-        lo = first + sp * chunk
-        hi = tl.minimum(slot, lo + chunk)
         if AHEAD:  # the next block of the cache loaded while this one is worked on
-            m, total, acc = _walk_ahead(q, k_ptr + g * skg, v_ptr + g * svg, lo, hi, scale, skt, svt, cols, QB, D, BT)
+            m, total, acc = _walk_ahead(q, k_ptr + g * skg, v_ptr + g * svg, lo, hi, scale, skt, svt, cols, keys, vals,
+                                        ok, QB, D, BT)
         else:  # the paged kernels' key loop over the row's cache as one block of a pool (block stride 0: the block
             # number it reads from its "table", here the padding count, multiplies nothing; a block size past any slot)
             m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo, hi, g, scale, 0, skt, skg, 0, svt, svg, cols,

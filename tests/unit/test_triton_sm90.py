@@ -79,6 +79,9 @@ def test_decode_rotary_kernel_compiles_for_sm90(split):
         ptx = out.asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl and ("atom" in ptx) == arrive
         assert ("prefetch.global.L2::evict_last" in ptx) == warm
+        if pdl:  # the slot, the padding and (loading ahead) the cache's first block read before the wait
+            before = ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
+            assert before >= (2 + 2 * 64 * 64 * 2 // (16 * 256) if warm else 2), before
 
 
 @pytest.mark.parametrize("split,gated", [(1, False), (4, False), (2, True)])
