@@ -18,9 +18,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..config.kernels import decode_rows
+from ..config.kernels import decode_rows, pdl_at
 from ..errors import ConfigError
-from ..model.layers import ForwardContext
+from ..kernels import gemv_row
+from ..model.layers import ForwardContext, Norm
 from ..parallel import comm
 from .cache import CacheView, KVCache, RowView
 from .sampling import Sampler, SamplingParams, find_stop
@@ -87,6 +88,11 @@ class Engine:
         self.tp_src = dist.get_global_rank(self.tp_group, 0) if model.par.tp_size > 1 else 0
         self.compile = compile
         self.gemv = decode_gemv(model.kernels.kernel_decode_gemv, self.device)  # decode steps' linear layers (gemv_at)
+        norm = getattr(model.decoder, "final_layernorm", None)
+        # a one-row step under the GEMV kernels: the final RMSNorm in the output layer's row GEMV (kernels/gemv_row.py)
+        self.row_head = (isinstance(norm, Norm) and norm.kind == "RMSNorm" and not norm.zero_centered
+                         and model.output_mult == 1.0 and model.par.tp_size == 1)
+        self.row_layers = any(getattr(layer, "decode_rows", False) for layer in model.modules())
         self.num_speculative_tokens = num_speculative_tokens
         self.acceptance = None  # speculative decoding's counts of the last generate (speculative.Acceptance)
         self.speculative_steps = None  # speculative decoding's fixed-shape passes for the cache (speculative.Steps)
@@ -101,6 +107,12 @@ class Engine:
         """Logits [b, s (1 if last_only, len(pick) if given), vocab] of ``ids`` [b, s], writing their keys/values
         to the cache (``view``: a CacheView, or the paged engine's PagedView); ``pick``: the positions whose
         logits are wanted; ``gemv``: a decode step's linear layers through kernels/gemv.py (``self.gemv``)."""
+        if gemv and ids.numel() == 1 and self.row_head:  # the final norm and the output layer: one row GEMV
+            x = self.hidden(ids, positions, view, mask, gemv, normed=False)
+            norm = self.model.decoder.final_layernorm
+            out = gemv_row.linear(x, self.model.output_weight(), norm.weight, eps=norm.eps,
+                                  pdl=pdl_at(self.decode_pdl(), 1))
+            return out.transpose(0, 1)[..., :self.vocab_size]
         x = self.hidden(ids, positions, view, mask, gemv)
         if last_only:
             x = x[-1:]
@@ -109,12 +121,13 @@ class Engine:
         return self.logits(x, gemv)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, view, mask: Optional[torch.Tensor],
-               gemv: bool = False) -> torch.Tensor:
-        """The decoder's output [s, b, h] (after its final norm) of ``ids`` [b, s], writing the cache."""
+               gemv: bool = False, normed: bool = True) -> torch.Tensor:
+        """The decoder's output [s, b, h] (after its final norm, unless not ``normed``) of ``ids`` [b, s], writing the
+        cache."""
         m = self.model
         rope = m.rotary(ids.shape[1], positions) if m.rotary is not None else None
         ctx = ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view, gemv=gemv)
-        return m.decoder(m.embedding(ids, positions), ctx)
+        return m.decoder(m.embedding(ids, positions), ctx, final_norm=normed)
 
     def logits(self, x: torch.Tensor, gemv: bool = False) -> torch.Tensor:
         """Logits [b, s, vocab] (the real vocabulary, gathered over TP) of hidden states ``x`` [s, b, h]."""
@@ -139,8 +152,7 @@ class Engine:
         """``--kernel-decode-pdl`` for the compiled decode step: auto launches early only where the layers run as
         row GEMVs (Inductor's kernels alone measured slower launched early)."""
         pdl = self.model.kernels.kernel_decode_pdl
-        rows = self.gemv != "torch" and any(getattr(layer, "decode_rows", False) for layer in self.model.modules())
-        return "off" if pdl == "auto" and not rows else pdl
+        return "off" if pdl == "auto" and (self.gemv == "torch" or not self.row_layers) else pdl
 
     def prefill(self, ids: torch.Tensor, need_all: bool) -> torch.Tensor:
         """Logits of the left-padded prompts ``ids`` [b, L]: every position's if ``need_all``, else the last."""

@@ -60,7 +60,7 @@ class TransformerLayer(nn.Module):
             return None
         pdl = self.decode_pdl
         qkv = gemv_row.linear(x, a.linear_qkv.weight, norm.weight, eps=norm.eps, pdl=pdl)
-        h = gemv_row.linear(a.decode_attention(qkv, ctx), a.linear_proj.weight, residual=x, pdl=pdl)
+        h = gemv_row.linear(a.decode_attention(qkv, ctx, pdl), a.linear_proj.weight, residual=x, pdl=pdl)
         act = gemv_row.linear(h, m.linear_fc1.weight, mlp_norm.weight, gated=True, eps=mlp_norm.eps, pdl=pdl)
         return gemv_row.linear(act, m.linear_fc2.weight, residual=h, pdl=pdl)
 
@@ -159,7 +159,8 @@ class TransformerStack(nn.Module):
             x = layer(x, ctx)
         return x
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, final_norm: bool = True) -> torch.Tensor:
+        """``final_norm``: False leaves the final norm to the caller (a decode step's output layer fuses it)."""
         n = len(self.layers)
         if self.recompute == "full" and self.training and torch.is_grad_enabled():
             k = self.recompute_num_layers
@@ -171,4 +172,4 @@ class TransformerStack(nn.Module):
                     x = checkpoint(layer, x, ctx, rng=self.par.trackers()) if i < k else layer(x, ctx)
         else:
             x = self._run(self.layers, x, ctx)
-        return self.final_layernorm(x) if self.final_layernorm is not None else x
+        return self.final_layernorm(x) if self.final_layernorm is not None and final_norm else x

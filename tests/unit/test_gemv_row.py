@@ -101,12 +101,14 @@ def _tokens(model, vocab, rows, monkeypatch=None, calls=None):
 
 def test_a_batch_1_decode_step_runs_each_layer_as_four_row_gemvs(monkeypatch):
     """On CPU the row GEMV is its reference and the fused attention its torch reference: the same greedy tokens as the
-    per-module path, with four row GEMVs a layer a decode step; two rows keep the per-module path."""
+    per-module path, with four row GEMVs a layer and one for the final norm and the output layer a decode step; two
+    rows keep the per-module path."""
     model, vocab = _tiny()
     assert all(layer.decode_rows for layer in model.decoder.layers)
     calls = []
     plain, rows = _tokens(model, vocab, 1, monkeypatch, calls)
-    assert rows == plain and len(calls) == 5 * 4 * model.config.num_layers  # 5 decode steps after the prefill
+    # 5 decode steps after the prefill: four a layer and the output layer (with the final norm)
+    assert rows == plain and len(calls) == 5 * (4 * model.config.num_layers + 1)
     calls.clear()
     plain, rows = _tokens(model, vocab, 2, monkeypatch, calls)
     assert rows == plain and not calls

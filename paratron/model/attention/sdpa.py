@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...config.kernels import asked_on, pdl_at
+from ...config.kernels import asked_on
 from .. import mup
 from ...kernels import decode_rotary
 from ...parallel.random import checkpoint
@@ -43,7 +43,7 @@ class SDPAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.scale = mup.softmax_scale(cfg, self.d)  # the scores' scale: None is the kernels' 1/sqrt(d)
         self.decode = self._grouped_decode(par) if self.decodes else None
-        self.decode_pdl = pdl_at(par.kernels.kernel_decode_pdl, 1)  # the fused decode attention's launch
+        self.decode_pdl = asked_on(par.kernels.kernel_decode_pdl)  # its launch (auto: the layer's row path decides)
         self.decode_prefetch = asked_on(par.kernels.kernel_decode_prefetch)  # ... and its loads ahead
 
     def _grouped_decode(self, par) -> Optional[GroupedDecode]:
@@ -101,16 +101,19 @@ class SDPAttention(nn.Module):
         cos, sin = ctx.rope
         return cos.shape == sin.shape == (1, 1, 1, self.d) and cache.bounds() is not None
 
-    def attend_decode_rotary(self, qkv, ctx, next_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attend_decode_rotary(self, qkv, ctx, next_weight: Optional[torch.Tensor] = None,
+                             pdl: Optional[bool] = None) -> torch.Tensor:
         """qkv [1, 1, groups, q_per_group + 2, d] of a one-row decode step -> [1, 1, heads * d]: the rotary
         embedding of its query heads and key, its key and value into the cache, attention over the cache, in one
         kernel (kernels/decode_rotary.py); ``next_weight``: the weight the next kernel reads (the output
-        projection's), which --kernel-decode-prefetch has the kernel warm in L2 (its walk then loads ahead too)."""
+        projection's), which --kernel-decode-prefetch has the kernel warm in L2 (its walk then loads ahead too);
+        ``pdl``: launched early (programmatic dependent launch; default: --kernel-decode-pdl on)."""
         k_cache, v_cache = ctx.kv_cache.buffers(self.layer_index)
         pad, slot = ctx.kv_cache.bounds()
         scale = self.scale if self.scale is not None else self.d ** -0.5
         out = decode_rotary.decode_rotary_attention(qkv, *ctx.rope, k_cache, v_cache, pad, slot, scale,
-                                                    counts=ctx.kv_cache.counts(), pdl=self.decode_pdl,
+                                                    counts=ctx.kv_cache.counts(),
+                                                    pdl=self.decode_pdl if pdl is None else pdl,
                                                     warm=next_weight if self.decode_prefetch else None,
                                                     ahead=self.decode_prefetch)
         return out.reshape(1, 1, self.heads * self.d)

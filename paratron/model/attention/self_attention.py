@@ -144,11 +144,11 @@ class Attention(nn.Module):
         return (self.fused_decode and (self.fused_decode_asked or (qkv.is_cuda and qkv.dtype in HALF))
                 and self.core_attention.decodes_rotary(ctx, qkv.size(0), qkv.size(1)))  # (sdpa.py)
 
-    def decode_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def decode_attention(self, qkv: torch.Tensor, ctx: ForwardContext, pdl: Optional[bool] = None) -> torch.Tensor:
         """The fused decode attention of a one-row step (``decodes_fused``): qkv [1, 1, ...] -> [1, 1, heads * d],
-        before the output projection."""
+        before the output projection; ``pdl``: launched early (default: --kernel-decode-pdl on)."""
         qkv = qkv.view(1, 1, self.groups, self.q_rows + 2, self.d)
-        return self.core_attention.attend_decode_rotary(qkv, ctx, self.linear_proj.weight)
+        return self.core_attention.attend_decode_rotary(qkv, ctx, self.linear_proj.weight, pdl)
 
     def _project(self, out: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         with offload.at(self, "attn_proj"):
