@@ -90,7 +90,7 @@ class KernelConfig(Section):
     kernel_decode_pdl: str = "auto"  # decode step's kernels launched early (Hopper PDL): on | off
     # the fused batch-1 decode attention loads ahead: its walk over the cache the next block while it works on one,
     # and spare programs the layer's output projection into L2 (its GEMV, the next kernel, then reads L2); auto: off
-    # until measured
+    # (measured no faster with the row GEMVs)
     kernel_decode_prefetch: str = "auto"  # fused decode attention loads ahead (cache blocks; o-proj into L2): on | off
     kernel_moe_compile: str = "layer"  # --torch-compile's MoE layers: compiled whole with their layer | experts alone
     kernel_linear_scan: str = "auto"  # Mamba-2 / Gated DeltaNet scans: fla-core's Triton kernels (CUDA) | torch
