@@ -67,8 +67,9 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
                                     "Triton on CUDA; one row in bf16 / fp16: the rotary embedding, cache write and "
                                     "attention in one kernel (measured faster, docs/inference.md)" if triton_gpu
                                     else "needs Triton and CUDA"),
-        "kernel_decode_gemv": ("auto", "one-row decode steps through the row GEMVs (measured faster, docs/inference.md); "
-                               "more rows through Inductor's") if triton_gpu else ("torch", "needs Triton and CUDA"),
+        "kernel_decode_gemv": ("auto", "one-row decode steps through the row GEMVs (measured faster, "
+                               "docs/inference.md); more rows through Inductor's") if triton_gpu
+        else ("torch", "needs Triton and CUDA"),
         "kernel_rmsnorm": ("quack" if o["quack_norm"] else "torch", why_quack),
         "kernel_gated_mlp": ("quack" if quack else "torch", why_quack),
         "kernel_cublaslt": ("on" if cuda and not deterministic else "off",
@@ -89,7 +90,8 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
         "kernel_compile_coordinate_descent": ("on" if cuda else "off", "CUDA: Inductor's Triton kernels tuned"
                                               if cuda else "CUDA only"),
         "kernel_decode_coordinate_descent": ("auto", "tuned at batch 1 only (the one-row matmuls)"),
-        "kernel_decode_pdl": ("auto", "on at one-row steps with the row GEMVs (measured faster, docs/inference.md)")
+        "kernel_decode_pdl": ("auto", "on at one-row steps with the row GEMVs (measured faster, docs/inference.md); "
+                              "off with --kernel-decode-gemv torch")
         if o["pdl"] and triton_gpu else ("off", "needs Hopper, Triton and CUDA"),
         "kernel_decode_prefetch": ("off", "measured no faster with the row GEMVs (docs/inference.md)"),
         "kernel_linear_scan": _linear_scan(device),
@@ -123,7 +125,8 @@ def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False,
                if name != "no_rope_fusion" and getattr(asked, name) == "auto"}
     if found["no_rope_fusion"][0]:
         changes["no_rope_fusion"] = True
-    if changes.get("kernel_decode_pdl") == "auto" and changes.get("kernel_decode_gemv", asked.kernel_decode_gemv) == "torch":
+    gemv = changes.get("kernel_decode_gemv", asked.kernel_decode_gemv)
+    if changes.get("kernel_decode_pdl") == "auto" and gemv == "torch":
         changes["kernel_decode_pdl"] = "off"  # (launched early, Inductor's kernels alone measured slower)
     out = dataclasses.replace(asked.unfrozen() if asked.is_resolved else asked, **changes)
     return out
