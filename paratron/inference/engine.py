@@ -145,8 +145,9 @@ class Engine:
         return self._forward(tokens, positions, view, cache.decode_mask(slot), gemv=self.gemv_at(tokens.size(0)))[:, 0]
 
     def gemv_at(self, rows: int) -> bool:
-        """Whether a decode step of ``rows`` rows runs its linear layers through the GEMV kernels (``self.gemv``)."""
-        return decode_rows(self.gemv, rows)
+        """Whether a decode step of ``rows`` rows runs its linear layers through the GEMV kernels (``self.gemv``; auto:
+        in a model with layers that run as row GEMVs, measured on such models only)."""
+        return decode_rows(self.gemv, rows) and (self.gemv != "auto" or self.row_layers)
 
     def decode_pdl(self) -> str:
         """``--kernel-decode-pdl`` for the compiled decode step: auto launches early only where the layers run as

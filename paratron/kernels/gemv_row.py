@@ -52,11 +52,12 @@ def row_reference(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[t
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes this product: Triton and CUDA, one row, bf16 / fp16 throughout, a contiguous
-    weight."""
+    """Whether the kernel takes this product: Triton and CUDA, one row of unit stride, bf16 / fp16 throughout, a
+    contiguous weight."""
     k = x.size(-1)
-    return (triton is not None and x.is_cuda and weight.is_cuda and x.numel() == k and x.dtype in DTYPES
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.size(1) == k and weight.is_contiguous())
+    return (triton is not None and x.is_cuda and weight.is_cuda and x.numel() == k and x.stride(-1) == 1
+            and x.dtype in DTYPES and weight.dtype == x.dtype and weight.dim() == 2 and weight.size(1) == k
+            and weight.is_contiguous())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
@@ -64,7 +65,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Te
            pdl: bool = False) -> torch.Tensor:
     """:func:`row_reference` of a one-row ``x`` [..., K] by the kernel where it ``applies``, else by torch; the
     result has x's leading dimensions."""
-    if not applies(x, weight):
+    loose = any(t is not None and (t.stride(-1) != 1 or t.dtype != x.dtype) for t in (norm_weight, residual))
+    if not applies(x, weight) or loose:
         return row_reference(x, weight, norm_weight, residual, gated, eps)
     n = weight.size(0) // 2 if gated else weight.size(0)
     res = None if residual is None else residual.reshape(1, n)

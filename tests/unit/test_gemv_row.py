@@ -133,7 +133,7 @@ def test_one_row_of_the_gemv_switch_goes_to_the_row_kernel(monkeypatch):
     assert seen == [{"residual": None}, {"gated": True}]
 
 
-def test_auto_launches_early_only_where_layers_run_as_row_gemvs():
+def test_auto_takes_the_gemvs_and_launches_early_only_where_layers_run_as_row_gemvs():
     from paratron.inference.engine import Engine
     model, vocab = _tiny()
     engine = Engine(model, vocab, eod=None)
@@ -143,4 +143,20 @@ def test_auto_launches_early_only_where_layers_run_as_row_gemvs():
     model, vocab = _tiny(("--normalization", "LayerNorm"))
     engine = Engine(model, vocab, eod=None)
     engine.gemv = "auto"
-    assert engine.decode_pdl() == "off"  # no layer runs as row GEMVs: Inductor's kernels alone stay as launched
+    # no layer runs as row GEMVs: auto keeps Inductor's kernels, launched as before
+    assert engine.decode_pdl() == "off" and not engine.gemv_at(1)
+    engine.gemv = "triton"
+    assert engine.gemv_at(1) and engine.gemv_at(8)
+
+
+def test_rows_the_kernel_cannot_read_take_the_reference(monkeypatch):
+    """A row with a stride, a residual of another dtype: the kernel (unit strides, one dtype) is not called."""
+    monkeypatch.setattr(gemv_row, "triton", object())  # as if Triton were there; the tensors still say CPU
+    x, w = torch.randn(1, 16).bfloat16(), torch.randn(8, 8).bfloat16()
+    strided = x[:, ::2]
+    assert strided.stride(-1) == 2 and not gemv_row.applies(strided, w)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert gemv_row.applies(x[:, :8], w) and not gemv_row.applies(strided, w)
+    monkeypatch.setattr(torch.ops.paratron, "gemv_row", None)  # the op would fail if reached
+    r = torch.randn(1, 8)  # fp32 residual
+    assert torch.equal(gemv_row.linear(x[:, :8], w, residual=r), gemv_row.row_reference(x[:, :8], w, residual=r))
