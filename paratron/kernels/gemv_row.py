@@ -4,7 +4,7 @@
 statistics recomputed by every program from x, which L2 holds), the weight streamed from HBM, fc1's SwiGLU (a fused
 ``[gate; up]`` weight: a program reads the gate's rows and the matching up rows) or the residual added after it.
 A transformer layer of a batch-1 decode step is then four of these and the fused attention
-(``model/transformer.py: TransformerLayer.decode_row``, ``--kernel-decode-gemv triton``): qkv with the attention's
+(``model/transformer.py: TransformerLayer.decode_row``; ``--kernel-decode-gemv``, auto at one row on CUDA): qkv with the attention's
 norm, the output projection with the residual, fc1 with the MLP's norm and SwiGLU, fc2 with the residual; where
 Inductor's reductions take about nine kernels a layer (split reductions and their second passes, the norms, SwiGLU).
 
