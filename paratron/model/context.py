@@ -57,9 +57,10 @@ class ForwardContext:
     cp: the context-parallel group (paratron/parallel/context.py) when the sequence is split over
         CP ranks: attention then runs across them (ring or all-to-all).
     memo: what layers derive from this pass once and share (a sliding-window mask).
-    gemv: an inference engine's decode step under ``--kernel-decode-gemv triton``: the dense layers' linear
-        layers (attention's qkv and output projections, the MLP) run through the GEMV kernel
-        (paratron/kernels/gemv.py) where it takes their shapes (CUDA, <= 8 rows). Never set in training.
+    gemv: an inference engine's decode step through the GEMV kernels (``--kernel-decode-gemv``: triton at 1..8
+        rows, auto at one row; ``Engine.gemv_at``): the dense layers' linear layers (attention's qkv and output
+        projections, the MLP) run through kernels/gemv.py where it takes their shapes (CUDA, <= 8 rows), and at one
+        row a layer that takes it runs as row GEMVs (``TransformerLayer.decode_row``). Never set in training.
     """
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     mask: Optional[torch.Tensor] = None
