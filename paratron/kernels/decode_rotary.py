@@ -145,6 +145,27 @@ if triton is not None:
         return m, total, acc
 
     @triton.jit
+    def _span(slot_ptr, pad_ptr, splits, sp, BT: tl.constexpr):
+        """(the step's slot, [lo, hi)): split ``sp``'s share of the cached slots, whole blocks of ``BT`` each."""
+        slot = tl.load(slot_ptr)
+        first = tl.load(pad_ptr)
+        chunk = (slot - first + splits - 1) // splits
+        chunk = (chunk + BT - 1) // BT * BT
+        lo = first + sp * chunk
+        return slot, lo, tl.minimum(slot, lo + chunk)
+
+    @triton.jit
+    def _with_new(q, k_new, v_new, last, scale, m, total, acc):
+        """The online softmax (``m``, ``total``, ``acc``) with the new token's key and value from registers taken in
+        (by the split of the last cached slots, ``last``; the others take nothing)."""
+        s_new = tl.where(last, tl.sum(q * k_new[None, :], 1) * scale, float("-inf"))  # [QB]
+        m_new = tl.maximum(m, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s_new - m_safe)
+        return m_new, total * alpha + p, acc * alpha[:, None] + p[:, None] * v_new[None, :]
+
+    @triton.jit
     def _warm_l2(w_ptr, lines, program, programs, LINE: tl.constexpr, BLOCK: tl.constexpr):
         """Program ``program`` of ``programs``: its share of the ``lines`` 128-byte lines from ``w_ptr`` (``LINE``
         elements each) prefetched into L2, kept there before other lines (evict-last); nothing waits for them."""
@@ -185,12 +206,7 @@ if triton is not None:
         (slots before this step's, written by earlier steps)."""
         dt = qkv_ptr.dtype.element_ty
         cols = tl.arange(0, D)
-        slot = tl.load(slot_ptr)
-        first = tl.load(pad_ptr)
-        chunk = (slot - first + splits - 1) // splits
-        chunk = (chunk + BT - 1) // BT * BT
-        lo = first + sp * chunk
-        hi = tl.minimum(slot, lo + chunk)
+        slot, lo, hi = _span(slot_ptr, pad_ptr, splits, sp, BT)
         if AHEAD:
             keys, vals, ok = _first_block(k_ptr + g * skg, v_ptr + g * svg, lo, hi, skt, svt, cols, BT)
         if PDL:
@@ -220,13 +236,7 @@ if triton is not None:
             # number it reads from its "table", here the padding count, multiplies nothing; a block size past any slot)
             m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo, hi, g, scale, 0, skt, skg, 0, svt, svg, cols,
                                   QB, D, 1 << 30, BT)
-        s_new = tl.where(last, tl.sum(q * k_new[None, :], 1) * scale, float("-inf"))  # [QB]
-        m_new = tl.maximum(m, s_new)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s_new - m_safe)
-        total = total * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v_new[None, :]
+        m_new, total, acc = _with_new(q, k_new, v_new, last, scale, m, total, acc)
         if SPLIT:  # partials [groups, splits, QPG(, D)], the paged engine's combine layout (one token)
             at = (g * splits + sp) * QPG + heads
             tl.store(m_ptr + at, m_new, mask=live)
