@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from .hardware import launches_dependent
 from .decode_attention import decode_attention_reference
+from .hardware import launches_dependent
 from .paged_attention import SPLIT_TARGET, _sms, decode_splits
 from .rotary import apply_rotary
 

@@ -16,4 +16,4 @@ def hopper_bf16(device, dtype) -> bool:
 def launches_dependent(device) -> bool:
     """Whether kernels on ``device`` can be launched for programmatic dependent launch (Hopper and later)."""
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9

@@ -14,6 +14,7 @@ from ..config.kernels import CHOICES, KernelConfig
 from ..errors import ConfigError
 from . import flash_attention, fp8_block, fp8_block_grouped, fp8_grouped, fused_adamw, linear_scan, quack_mlp, quack_norm
 from .experimental import flash_packed
+from .hardware import launches_dependent
 
 try:
     import triton  # noqa: F401
@@ -35,10 +36,10 @@ def offer(device, dtype) -> dict:
     """What ``device`` in ``dtype`` offers the optional kernels, with the packages installed here."""
     cuda = torch.device(device).type == "cuda"
     fa4 = flash_attention.available(device, dtype)
-    hopper = cuda and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
     return dict(cuda=cuda, fa4=fa4, quack=quack_mlp.available(device, dtype),
                 quack_norm=quack_norm.available(device, dtype), packed=fa4 and flash_packed.pinned(),
-                triton_gpu=cuda and _TRITON, fused_adamw=fused_adamw.available(device), pdl=hopper and _TRITON)
+                triton_gpu=cuda and _TRITON, fused_adamw=fused_adamw.available(device),
+                pdl=launches_dependent(device) and _TRITON)
 
 
 def offer_of_kind(hopper_bf16: bool, cuda: bool = True) -> dict:
