@@ -90,8 +90,8 @@ class Engine:
         self.gemv = decode_gemv(model.kernels.kernel_decode_gemv, self.device)  # decode steps' linear layers (gemv_at)
         norm = getattr(model.decoder, "final_layernorm", None)
         # a one-row step under the GEMV kernels: the final RMSNorm in the output layer's row GEMV (kernels/gemv_row.py)
-        self.row_head = (isinstance(norm, Norm) and norm.kind == "RMSNorm" and not norm.zero_centered
-                         and model.output_mult == 1.0 and model.par.tp_size == 1)
+        self.row_head = (isinstance(norm, Norm) and norm.plain_rms and model.output_mult == 1.0
+                         and model.par.tp_size == 1)
         self.row_layers = any(getattr(layer, "decode_rows", False) for layer in model.modules())
         self.num_speculative_tokens = num_speculative_tokens
         self.acceptance = None  # speculative decoding's counts of the last generate (speculative.Acceptance)

@@ -45,6 +45,11 @@ class Norm(nn.Module):
         return cls(cfg.normalization, size, cfg.norm_epsilon, sequence_parallel, device, dtype,
                    zero_centered=cfg.apply_layernorm_1p, kernel=(kernels or KernelConfig()).kernel_rmsnorm)
 
+    @property
+    def plain_rms(self) -> bool:
+        """An RMSNorm whose weight applies as stored (not zero-centred): what a kernel fusing the norm computes."""
+        return self.kind == "RMSNorm" and not self.zero_centered
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.zero_centered:  # 1 + w in fp32, as Transformer Engine's zero-centred-gamma kernels
             gamma = self.weight.float() + 1.0

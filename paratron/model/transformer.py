@@ -35,7 +35,7 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = norm() if spec.mlp is not None else None
         self.mlp = build_mlp(spec, cfg, par, device, dtype)
         self.recompute_norms = self.recompute_mlp = False  # --recompute-modules layernorm / mlp, moe (recompute.py)
-        self.decode_rows = self._rows_fuse()  # a one-row decode step under --kernel-decode-gemv triton: decode_row
+        self.decode_rows = self._rows_fuse()  # a one-row decode step through the GEMV kernels: decode_row
         self.decode_pdl = pdl_at(par.kernels.kernel_decode_pdl, 1)
 
     def _rows_fuse(self) -> bool:
@@ -46,7 +46,7 @@ class TransformerLayer(nn.Module):
             return False
         norms = (self.input_layernorm, self.pre_mlp_layernorm)
         linears = (a.linear_qkv, a.linear_proj, m.linear_fc1, m.linear_fc2)
-        return (self.par.tp_size == 1 and all(n.kind == "RMSNorm" and not n.zero_centered for n in norms)
+        return (self.par.tp_size == 1 and all(n.plain_rms for n in norms)
                 and all(lin.bias is None for lin in linears))
 
     def decode_row(self, x: torch.Tensor, ctx: ForwardContext) -> Optional[torch.Tensor]:
