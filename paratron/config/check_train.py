@@ -123,7 +123,7 @@ def validate_fp8(cfg: Config) -> None:
             par.expert_tensor_parallel_size or tp)
     align = BLOCKWISE_TILE if "blockwise" in recipes else 16  # blockwise: whole tiles (cuBLAS's blockwise GEMM)
     for name, size in sizes.items():
-        within = f" with {_named('blockwise', tr)}" if align == 128 else ""
+        within = f" with {_named('blockwise', tr)}" if align == BLOCKWISE_TILE else ""
         need(size % align == 0, f"--fp8-format{within} needs FP8 GEMM sizes that are multiples of {align}; {name} is "
                                 f"{size}")
 

@@ -16,9 +16,9 @@ from torch.utils._pytree import tree_flatten
 
 from ..config import Config
 from ..config.check_hybrid import is_hybrid_stack
+from ..config.values import BLOCKWISE_TILE
 from ..plan.traffic import Traffic
 from .distributed import build_dims
-from ..config.values import BLOCKWISE_TILE
 from .host_ops import as_kind, kind_copies, one_rank_eager, tile_aligned
 from .step import build_model_chunks
 
