@@ -39,22 +39,9 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-BLOCK_T = 64  # cached keys per loop iteration when each block is loaded ahead (two blocks in flight)
-WIDE_T = 256  # the most cached keys per loop iteration otherwise
+BLOCK_T = 64  # cached keys per loop iteration
 WARM_PROGRAMS = 128  # programs (beside the attention's) that prefetch the output projection into L2
-FUSED_SPAN = 384  # cached slots per split when the kernel combines its splits itself
-
-
-def walk_block(capacity: int, splits: int, ahead: bool) -> tuple:
-    """(cached slots a step of the walk loads, warps) for splits of a ``capacity``-slot cache. The walk is a chain
-    of dependent loads whose round trips, not bytes, set its time: a step takes a split's whole share up to
-    ``WIDE_T`` slots (eight warps past 64, for the registers), so a 384-slot cache is walked in two steps rather than
-    six. ``ahead`` keeps 64-slot steps, two in flight."""
-    if ahead:
-        return BLOCK_T, 8
-    span = -(-capacity // max(splits, 1))
-    bt = min(WIDE_T, max(BLOCK_T, 1 << (span - 1).bit_length()))
-    return bt, 4 if bt == BLOCK_T else 8
+FUSED_SPAN = 6 * BLOCK_T  # cached slots per split when the kernel combines its splits itself
 
 
 def fused_splits(groups: int, capacity: int, sms: int) -> int:
@@ -292,16 +279,15 @@ if triton is not None:
             m, total = (torch.empty(groups, splits, qpg, device=qkv.device, dtype=torch.float32) for _ in range(2))
             acc = torch.empty(groups, splits, qpg, d, device=qkv.device, dtype=torch.float32)
         arrive = split and counts.numel() > 0
-        bt, warps = walk_block(k_cache.size(2), splits, ahead)
         lines = -(-warm.numel() * warm.element_size() // 128)
         extra = -(-WARM_PROGRAMS // groups) if lines else 0  # programs per group that prefetch
         with torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext():
             _decode_rotary_kernel[(groups, splits + extra)](
                 qkv, cos, sin, k_cache, v_cache, pad, slot, out, m, total, acc, counts if arrive else out, splits,
                 scale, k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), out.stride(1),
-                out.stride(2), warm if lines else out, lines, QPG=qpg, QB=qb, D=d, BT=bt, SPLIT=split,
+                out.stride(2), warm if lines else out, lines, QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split,
                 ARRIVE=arrive, PDL=pdl, WARM=lines > 0, LINE=128 // warm.element_size(), AHEAD=ahead,
-                num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+                num_warps=8 if ahead else 4, **({"launch_pdl": True} if pdl else {}))
             if split and not arrive:
                 _paged_combine_kernel[(groups,)](m, total, acc, out, out, groups, splits, out.stride(0),
                                                  out.stride(1), out.stride(2), QPG=qpg, QB=qb, D=d, SINK=False)

@@ -141,11 +141,3 @@ def test_fused_splits_walk_at_most_384_slots_of_a_full_cache_without_overfilling
     assert decode_rotary.fused_splits(8, 385, 132) == 2
     assert decode_rotary.fused_splits(100, 8192, 132) == 2  # at most two programs a multiprocessor
     assert decode_rotary.fused_splits(300, 8192, 132) == 1
-
-
-def test_walk_steps_take_a_splits_whole_share_up_to_256_slots():
-    assert decode_rotary.walk_block(384, 1, False) == (256, 8)  # llama-1b's bench cache: two steps, not six
-    assert decode_rotary.walk_block(2048, 6, False) == (256, 8)
-    assert decode_rotary.walk_block(100, 1, False) == (128, 8)
-    assert decode_rotary.walk_block(150, 3, False) == (64, 4)  # a 50-slot share: the narrowest step
-    assert decode_rotary.walk_block(384, 1, True) == (64, 8)  # loaded ahead: 64-slot steps, two in flight
