@@ -80,6 +80,14 @@ if triton is not None:
                for bn, bk, w in ((1, 2048, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8),
                                  (8, 256, 4), (8, 512, 4), (16, 256, 4))]
 
+    def early_config(n: int, k: int) -> dict:
+        """The block shape of a kernel launched early (PDL): four rows a program, up to 1,024 columns a step, eight
+        warps where the layer has at most 2,048 output rows (fewer programs, each keeping more loads in flight),
+        else four. The autotuner times each kernel alone, where it cannot see the launches overlap; at llama-1b's
+        five shapes, each in a chain of early launches, this rule gave the fastest of the tuned shapes, where the
+        autotuner's picks were up to 7 % slower (benchmarks/results/decode_walk_rows_h100_20261206.md)."""
+        return {"BLOCK_N": 4, "BLOCK_K": min(1024, triton.next_power_of_2(k)), "num_warps": 8 if n <= 2048 else 4}
+
     @triton.jit
     def _row_kernel(x_ptr, w_ptr, g_ptr, r_ptr, out_ptr, N, K, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                     GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -139,7 +147,8 @@ if triton is not None:
                residual: Optional[torch.Tensor], gated: bool, eps: float, pdl: bool = False,
                config: Optional[dict] = None) -> torch.Tensor:
         """The kernel on x [1, K] and a contiguous weight: [1, n] in x's dtype. ``config``: BLOCK_N, BLOCK_K (and
-        num_warps) instead of the tuned choice (the interpreter tests run each of CONFIGS)."""
+        num_warps) instead of :func:`early_config`'s (with ``pdl``) or the autotuner's (the interpreter tests run
+        each of CONFIGS)."""
         k = x.size(-1)
         n = weight.size(0) // 2 if gated else weight.size(0)
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -148,6 +157,7 @@ if triton is not None:
                 out, n, k, eps)
         flags = dict(NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated, PDL=pdl,
                      **({"launch_pdl": True} if pdl else {}))
+        config = config or (early_config(n, k) if pdl else None)
         if config is None:
             _row_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
         else:

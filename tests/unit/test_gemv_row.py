@@ -65,6 +65,9 @@ for dtype, bound, configs in ((torch.float16, 2e-3, gemv_row.CONFIGS), (torch.bf
             got = gemv_row.launch(x, w, g, r, gated, 1e-5, config=config.kwargs)
             assert got.shape == want.shape and got.dtype == dtype, (n, k)
             assert err(got, want) < bound, (dtype, n, k, norm, res, gated, config.kwargs, err(got, want))
+        if dtype == torch.float16:  # at early_config's block shape (the interpreter has no PDL wait to run)
+            got = gemv_row.launch(x, w, g, r, gated, 1e-5, config=gemv_row.early_config(n, k))
+            assert err(got, want) < bound, ("early", n, k, err(got, want))
 print("ok")
 """
 
@@ -73,6 +76,24 @@ def test_row_kernel_matches_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     from tests.interpret import interpret
     interpret(INTERPRET)
+
+
+def test_early_launches_take_four_rows_by_1024_columns_and_eight_warps_on_narrow_layers(monkeypatch):
+    pytest.importorskip("triton")
+    assert gemv_row.early_config(2048, 8192) == {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 8}  # fc2
+    assert gemv_row.early_config(3072, 2048) == {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}  # qkv
+    assert gemv_row.early_config(40, 96) == {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8}
+    launched = []
+
+    class Kernel:  # records what the launch asks of the kernel
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, kw))
+    monkeypatch.setattr(gemv_row, "_row_kernel", Kernel())
+    x, w = torch.randn(1, 8192).half(), torch.randn(2048, 8192).half()
+    gemv_row.launch(x, w, None, None, False, 1e-5, pdl=True)
+    (grid, kw), = launched
+    assert grid == (512,) and kw["PDL"] and kw["launch_pdl"]
+    assert (kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == (4, 1024, 8)
 
 
 def _tiny(extra=(), attention="fused"):
