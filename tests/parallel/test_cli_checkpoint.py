@@ -32,7 +32,9 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", [["--use-distributed-optimizer", "--overlap-grad-reduce"],
                                     ["--tensor-model-parallel-size", "2"],
-                                    ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]],
+                                    pytest.param(["--pipeline-model-parallel-size", "2",
+                                                  "--virtual-pipeline-model-parallel-size", "2"],
+                                                 marks=pytest.mark.slow)],  # (16 s; the other two stay in CI)
                          ids=["dp4_distopt", "tp2_dp2", "pp2_vpp2_dp2"])
 def test_cli_resumes_in_another_layout(single, saved, layout, tmp_path):
     root, first = saved

@@ -43,6 +43,7 @@ def test_cli_dp2_logs_single_process_losses(single, tmp_path, extra):
     assert_losses_close(single, run_cli(2, extra, tmp_path))
 
 
+@pytest.mark.slow  # (8 processes, 27 s: tp2 x pp2 and dp2 each stay in CI)
 def test_cli_tp2_pp2_dp2_logs_single_process_losses(single, tmp_path):
     extra = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     assert_losses_close(single, run_cli(8, extra, tmp_path))

@@ -45,6 +45,7 @@ def test_cli_pp2_accounted_split(single):
                       "--account-for-loss-in-pipeline-split"))
 
 
+@pytest.mark.slow  # (13 s; pp2 and its virtual stages stay in CI)
 def test_cli_pp4(single):
     check(single, run(4, "--pipeline-model-parallel-size", "4"))
 

@@ -70,6 +70,7 @@ def test_paged_server_tp2_answers_as_tp1(tmp_path):
     assert two == one and all(one), (one, two)
 
 
+@pytest.mark.slow  # (16 s; the plain TP2 server stays in CI)
 def test_paged_speculative_server_tp2_answers_as_plain_tp1(tmp_path):
     """A checkpoint trained with one MTP depth (the tiny preset, token-id prompts), served with drafts at TP = 2:
     the greedy texts of the plain server at TP = 1, and the start-up line says it drafts."""

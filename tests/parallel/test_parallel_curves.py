@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.parallel.cli import ROOT
 
 
+@pytest.mark.slow  # (16 s of concurrent runs)
 def test_concurrent_runs_and_compare_table(tmp_path):
     base = "--config tiny --train-iters 3 --device cpu --eval-iters 0"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "parallel_curves.py"), "--concurrent", "--base", base,
