@@ -24,6 +24,7 @@ dequantise -> fp32 matmul: for the CPU unit tests of the numerics only, never ch
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -102,7 +103,10 @@ class Recipe:
         return layer < self.bf16_at_start or layer >= num_layers - self.bf16_at_end
 
 
-_compiled: dict = {}
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    """``fn`` compiled once (dynamic shapes)."""
+    return torch.compile(fn, dynamic=True)
 
 
 def weight_cache_asked(tr, kernels) -> bool:
@@ -117,9 +121,7 @@ def _fused(fn, x: torch.Tensor):
     cast alone is four passes over the tensor and an fp32 temporary."""
     if x.device.type not in FUSED_CAST_DEVICES or torch.compiler.is_compiling():
         return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True)
-    return _compiled[fn]
+    return _compiled(fn)
 
 
 class Scaler:

@@ -29,6 +29,8 @@ roundings (the bf16 matmul result, one fp32 multiply, one rounding), so its resu
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -107,16 +109,15 @@ def _ce_grad_(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, v: i
     logits.copy_(_ce_grad(logits, lse, local, v))
 
 
-_compiled: dict = {}
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    """``fn`` compiled once (static shapes, Inductor's coordinate-descent tuning)."""
+    return torch.compile(fn, dynamic=False, options={"coordinate_descent_tuning": True})
 
 
 def _kernel(fn, x: torch.Tensor):
     """On CUDA the per-chunk math runs as one compiled kernel (one pass over the chunk's logits)."""
-    if not x.is_cuda:
-        return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False, options={"coordinate_descent_tuning": True})
-    return _compiled[fn]
+    return _compiled(fn) if x.is_cuda else fn
 
 
 def _fusable(x: torch.Tensor, group, n: int, chunk: int, keep: bool, kernel: str) -> bool:
