@@ -126,7 +126,8 @@ class Engine:
         cache."""
         m = self.model
         rope = m.rotary(ids.shape[1], positions) if m.rotary is not None else None
-        ctx = ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view, gemv=gemv)
+        ctx = ForwardContext(rope=rope, mask=mask, causal=False, kv_cache=view, gemv=gemv,
+                             gemv_rows_only=self.gemv == "auto")
         return m.decoder(m.embedding(ids, positions), ctx, final_norm=normed)
 
     def logits(self, x: torch.Tensor, gemv: bool = False) -> torch.Tensor:

@@ -61,6 +61,8 @@ class ForwardContext:
         rows, auto at one row; ``Engine.gemv_at``): the dense layers' linear layers (attention's qkv and output
         projections, the MLP) run through kernels/gemv.py where it takes their shapes (CUDA, <= 8 rows), and at one
         row a layer that takes it runs as row GEMVs (``TransformerLayer.decode_row``). Never set in training.
+    gemv_rows_only: with ``gemv``, only the layers that run as row GEMVs take the kernels; the others keep torch's
+        (``--kernel-decode-gemv auto``: the GEMV kernels were measured on such layers only).
     """
     rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     mask: Optional[torch.Tensor] = None
@@ -70,6 +72,7 @@ class ForwardContext:
     kv_cache: object = None
     cp: object = None
     gemv: bool = False
+    gemv_rows_only: bool = False
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Optional
 
 import torch
@@ -107,6 +108,8 @@ class TransformerLayer(nn.Module):
             out = self.decode_row(x, ctx)
             if out is not None:
                 return out
+        if ctx.gemv and ctx.gemv_rows_only:  # this layer's linears keep torch's path
+            ctx = dataclasses.replace(ctx, gemv=False)
         return self._feed(self._mix(self.input_layernorm, self.self_attention, x, ctx), ctx.gemv)
 
     def _mix(self, norm, mixer, x: torch.Tensor, *args) -> torch.Tensor:

@@ -170,6 +170,29 @@ def test_auto_takes_the_gemvs_and_launches_early_only_where_layers_run_as_row_ge
     assert engine.gemv_at(1) and engine.gemv_at(8)
 
 
+def test_under_auto_layers_that_cannot_run_as_row_gemvs_keep_torchs_linears(monkeypatch):
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.sampling import SamplingParams
+    from paratron.kernels import gemv
+    model, vocab = _tiny(("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                          "--moe-layer-freq", "[0,1]"))  # layer 0 dense (row GEMVs), layer 1 MoE (not)
+    engine = Engine(model, vocab, eod=None)
+    plain = engine.generate([Request([5, 6, 7], SamplingParams(4))])[0].tokens
+    calls = {"row": 0, "gemv": 0}
+    real_row, real_linear = gemv_row.linear, gemv.linear
+    monkeypatch.setattr(gemv_row, "linear", lambda *a, **k: calls.__setitem__("row", calls["row"] + 1)
+                        or real_row(*a, **k))
+    monkeypatch.setattr(gemv, "linear", lambda *a, **k: calls.__setitem__("gemv", calls["gemv"] + 1)
+                        or real_linear(*a, **k))
+    for mode in ("auto", "triton"):
+        engine.gemv = mode  # as on a GPU
+        calls.update(row=0, gemv=0)
+        assert engine.generate([Request([5, 6, 7], SamplingParams(4))])[0].tokens == plain, mode
+        assert calls["row"] > 0, (mode, calls)  # the dense layer (and the output layer) as row GEMVs
+        # auto: the MoE layer's attention keeps torch's linears; triton sends them through the GEMV kernels
+        assert (calls["gemv"] > 0) == (mode == "triton"), (mode, calls)
+
+
 def test_rows_the_kernel_cannot_read_take_the_reference(monkeypatch):
     """A row with a stride, a residual of another dtype: the kernel (unit strides, one dtype) is not called."""
     monkeypatch.setattr(gemv_row, "triton", object())  # as if Triton were there; the tensors still say CPU
