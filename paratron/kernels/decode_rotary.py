@@ -27,6 +27,7 @@ import contextlib
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .decode_attention import decode_attention_reference
 from .hardware import launches_dependent
@@ -54,14 +55,17 @@ def fused_splits(groups: int, capacity: int, sms: int) -> int:
 
 
 def decode_rotary_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
+                            norms: Optional[tuple] = None) -> torch.Tensor:
     """qkv [groups, q_per_group + 2, d] of the new token, cos / sin [d] at its position, the caches [1, groups,
     capacity, d] (written at ``slot``, a 0-d tensor), ``pad`` [1]: the attention output [1, groups, q_per_group, d]
-    over the slots pad .. slot, in fp32, in qkv's dtype."""
+    over the slots pad .. slot, in fp32, in qkv's dtype. ``norms``: (the query heads' RMSNorm weight [d], the key's,
+    eps): each head normalised before its rotation, as the model's ``--qk-layernorm`` (``model/norms.py``)."""
     qpg = qkv.size(1) - 2
-    q = apply_rotary(qkv[:, :qpg], cos, sin)
-    k = apply_rotary(qkv[:, qpg], cos, sin)
+    q, k = qkv[:, :qpg], qkv[:, qpg]
+    if norms is not None:
+        q, k = (w * F.rms_norm(x.float(), (x.size(-1),), eps=norms[2]).to(x.dtype) for x, w in zip((q, k), norms))
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     at = slot.reshape(1)
     k_cache.index_copy_(2, at, k[None, :, None].to(k_cache.dtype))
     v_cache.index_copy_(2, at, qkv[None, :, qpg + 1, None].to(v_cache.dtype))
@@ -80,7 +84,8 @@ def supported(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
                             splits: int = 0, counts: Optional[torch.Tensor] = None, pdl: bool = False,
-                            warm: Optional[torch.Tensor] = None, ahead: bool = False) -> torch.Tensor:
+                            warm: Optional[torch.Tensor] = None, ahead: bool = False,
+                            norms: Optional[tuple] = None) -> torch.Tensor:
     """As :func:`decode_rotary_reference` (``qkv`` any [..., groups, q_per_group + 2, d] of one token), the kernel on
     CUDA where it applies; ``splits``: programs per group (0: :func:`fused_splits`'s choice with ``counts``, else
     ``decode_splits``'s). ``counts``: int32 zeros, at least one per group, kept between calls (the KV cache's: the
@@ -89,16 +94,17 @@ def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     starts while the one before it finishes and waits for it before reading anything). ``warm``: a tensor the next
     kernel reads (the layer's output projection weight), prefetched into L2 by extra programs while the attention's
     few programs wait on their loads; ``ahead``: each block of the cache loaded while the one before is worked on
-    (both ``--kernel-decode-prefetch``)."""
+    (both ``--kernel-decode-prefetch``). ``norms``: the query and key heads' RMSNorm (``decode_rotary_reference``)."""
     qkv = qkv.reshape(qkv.shape[-3:])
     cos, sin = cos.reshape(-1), sin.reshape(-1)
     if qkv.is_cuda and supported(qkv, k_cache, v_cache):
         counts = qkv.new_zeros(0, dtype=torch.int32) if counts is None else counts
         warm = qkv.new_zeros(0) if warm is None else warm.contiguous()
+        q_norm, k_norm, eps = norms if norms is not None else (qkv.new_zeros(0), qkv.new_zeros(0), 0.0)
         return torch.ops.paratron.decode_rotary_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(),
                                                           k_cache, v_cache, pad, slot, scale, splits, counts, warm,
-                                                          pdl, ahead)
-    return decode_rotary_reference(qkv, cos, sin, k_cache, v_cache, pad, slot, scale)
+                                                          pdl, ahead, q_norm.contiguous(), k_norm.contiguous(), eps)
+    return decode_rotary_reference(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, norms)
 
 
 if triton is not None:
@@ -106,14 +112,33 @@ if triton is not None:
     from .rotary import _round  # (rounds to bf16 as torch does, on the GPU and in the interpreter)
 
     @triton.jit
-    def _rotated(base, offsets, partner, sign, mask, c, s):
+    def _rotated(base, offsets, partner, sign, mask, c, s, w_ptr, cols, pcols, eps, NORM: tl.constexpr,
+                 D: tl.constexpr):
         """The values at ``base + offsets`` rotated (rotate-half: each paired with ``base + partner``, signed by
         ``sign``) with cos ``c`` / sin ``s``, rounded as the model's apply_rotary in their dtype (each product,
-        then the sum); fp32 of those values."""
+        then the sum); fp32 of those values. ``NORM``: each head (a row of ``offsets``: the whole head) first
+        RMS-normalised and times the norm's weight at ``w_ptr`` (columns ``cols``, the partners' ``pcols``), rounded
+        as the model's Norm (the normalised values, then their product with the weight)."""
         dt: tl.constexpr = base.dtype.element_ty
         x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
         xp = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / D + eps)
+            x = _round(_round(x * rstd, dt) * tl.load(w_ptr + cols).to(tl.float32), dt)
+            xp = _round(_round(xp * rstd, dt) * tl.load(w_ptr + pcols).to(tl.float32), dt)
         return _round(_round(x * c, dt) + _round(sign * xp * s, dt), dt)
+
+    @triton.jit
+    def _qk(base, heads, live, cols, c, s, qn_ptr, kn_ptr, eps, QPG: tl.constexpr, D: tl.constexpr,
+            NORM: tl.constexpr):
+        """(the query heads [QB, D], the key [D]) of one group's row of qkv at ``base``, (normalised and) rotated."""
+        partner = (cols + D // 2) % D  # rotate-half: [-x2, x1]
+        sign = tl.where(cols < D // 2, -1.0, 1.0)
+        rows = heads[:, None] * D
+        q = _rotated(base, rows + cols[None, :], rows + partner[None, :], sign[None, :], live[:, None], c[None, :],
+                     s[None, :], qn_ptr, cols[None, :], partner[None, :], eps, NORM, D)
+        k = _rotated(base + QPG * D, cols, partner, sign, cols < D, c, s, kn_ptr, cols, partner, eps, NORM, D)
+        return q, k
 
     @triton.jit
     def _first_block(k_ptr, v_ptr, lo, hi, skt, svt, cols, BT: tl.constexpr):
@@ -179,11 +204,12 @@ if triton is not None:
     @triton.jit
     def _decode_rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr,
                               acc_ptr, count_ptr, splits, scale, skg, skt, svg, svt, sog, soh, warm_ptr, warm_lines,
-                              QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-                              SPLIT: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr, WARM: tl.constexpr,
-                              LINE: tl.constexpr, AHEAD: tl.constexpr):
+                              qn_ptr, kn_ptr, eps, QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr,
+                              BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr,
+                              WARM: tl.constexpr, LINE: tl.constexpr, AHEAD: tl.constexpr, NORM: tl.constexpr):
         """Programs (group, split < splits) attend (``_attend``); with ``WARM``, the programs (group, split >= splits)
-        prefetch the ``warm_lines`` lines of ``warm_ptr`` (the layer's output projection) into L2 meanwhile."""
+        prefetch the ``warm_lines`` lines of ``warm_ptr`` (the layer's output projection) into L2 meanwhile. ``NORM``:
+        the query and key heads RMS-normalised first (weights at ``qn_ptr``, ``kn_ptr``; ``eps``)."""
         g, sp = tl.program_id(0), tl.program_id(1)
         if WARM and sp >= splits:  # (without WARM the grid has no such program, and the branch is not built)
             if PDL:  # the weights do not depend on the kernel before: no wait
@@ -192,14 +218,14 @@ if triton is not None:
             _warm_l2(warm_ptr, warm_lines, g * extra + sp - splits, tl.num_programs(0) * extra, LINE, 128)
         else:
             _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                    count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG, QB, D, BT, SPLIT, ARRIVE,
-                    AHEAD, PDL)
+                    count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, qn_ptr, kn_ptr, eps, QPG, QB, D, BT,
+                    SPLIT, ARRIVE, AHEAD, PDL, NORM)
 
     @triton.jit
     def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, count_ptr,
-                g, sp, splits, scale, skg, skt, svg, svt, sog, soh, QPG: tl.constexpr, QB: tl.constexpr,
-                D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, AHEAD: tl.constexpr,
-                PDL: tl.constexpr):
+                g, sp, splits, scale, skg, skt, svg, svt, sog, soh, qn_ptr, kn_ptr, eps, QPG: tl.constexpr,
+                QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, AHEAD: tl.constexpr,
+                PDL: tl.constexpr, NORM: tl.constexpr):
         """Split ``sp`` of group ``g``: the rotations, the cache write, the attention (the module docstring). With
         ``PDL`` (launched early: programmatic dependent launch) it waits for the kernel before, which wrote qkv, after
         reading what that kernel does not write: the slot, the padding and (``AHEAD``) the first block of the cache
@@ -217,12 +243,7 @@ if triton is not None:
         c = _round(tl.load(cos_ptr + cols).to(tl.float32), dt)
         s = _round(tl.load(sin_ptr + cols).to(tl.float32), dt)
         base = qkv_ptr + g * (QPG + 2) * D
-        partner = (cols + D // 2) % D  # rotate-half: [-x2, x1]
-        sign = tl.where(cols < D // 2, -1.0, 1.0)
-        rows = heads[:, None] * D
-        q = _rotated(base, rows + cols[None, :], rows + partner[None, :], sign[None, :], live[:, None], c[None, :],
-                     s[None, :])  # [QB, D]
-        k_new = _rotated(base + QPG * D, cols, partner, sign, cols < D, c, s)  # [D]
+        q, k_new = _qk(base, heads, live, cols, c, s, qn_ptr, kn_ptr, eps, QPG, D, NORM)  # [QB, D], [D]
         v_new = tl.load(base + (QPG + 1) * D + cols).to(tl.float32)
         last = sp == splits - 1
         # the split of the last cached slots writes the new token's key and value and attends to it from registers
@@ -257,12 +278,13 @@ if triton is not None:
     @torch.library.custom_op("paratron::decode_rotary_attention", mutates_args=("k_cache", "v_cache", "counts"))
     def _decode_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
-                          splits: int, counts: torch.Tensor, warm: torch.Tensor, pdl: bool = False,
-                          ahead: bool = False) -> torch.Tensor:
+                          splits: int, counts: torch.Tensor, warm: torch.Tensor, pdl: bool, ahead: bool,
+                          q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float) -> torch.Tensor:
         """``counts``: int32 zeros, one per group at least (:func:`decode_rotary_attention`), or empty: none;
         ``warm``: a contiguous tensor to prefetch into L2 meanwhile, or empty: none; ``pdl``: launched for
         programmatic dependent launch (``--kernel-decode-pdl``); ``ahead``: the walk over the cache loads each block
-        while the one before is worked on (eight warps: the two blocks' registers).
+        while the one before is worked on (eight warps: the two blocks' registers); ``q_norm``, ``k_norm``: the query
+        and key heads' RMSNorm weights (``eps``), or empty: none.
         (Every argument is given: torch 2.11 drops a mutated optional argument left at its default from the call
         and then fails to find it.)"""
         groups, rows, d = qkv.shape
@@ -279,20 +301,22 @@ if triton is not None:
             m, total = (torch.empty(groups, splits, qpg, device=qkv.device, dtype=torch.float32) for _ in range(2))
             acc = torch.empty(groups, splits, qpg, d, device=qkv.device, dtype=torch.float32)
         arrive = split and counts.numel() > 0
+        norm = q_norm.numel() > 0
         lines = -(-warm.numel() * warm.element_size() // 128)
         extra = -(-WARM_PROGRAMS // groups) if lines else 0  # programs per group that prefetch
         with torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext():
             _decode_rotary_kernel[(groups, splits + extra)](
                 qkv, cos, sin, k_cache, v_cache, pad, slot, out, m, total, acc, counts if arrive else out, splits,
                 scale, k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), out.stride(1),
-                out.stride(2), warm if lines else out, lines, QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split,
-                ARRIVE=arrive, PDL=pdl, WARM=lines > 0, LINE=128 // warm.element_size(), AHEAD=ahead,
-                num_warps=8 if ahead else 4, **({"launch_pdl": True} if pdl else {}))
+                out.stride(2), warm if lines else out, lines, q_norm if norm else out, k_norm if norm else out, eps,
+                QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split, ARRIVE=arrive, PDL=pdl, WARM=lines > 0,
+                LINE=128 // warm.element_size(), AHEAD=ahead, NORM=norm, num_warps=8 if ahead else 4,
+                **({"launch_pdl": True} if pdl else {}))
             if split and not arrive:
                 _paged_combine_kernel[(groups,)](m, total, acc, out, out, groups, splits, out.stride(0),
                                                  out.stride(1), out.stride(2), QPG=qpg, QB=qb, D=d, SINK=False)
         return out
 
     @_decode_rotary_op.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, warm, pdl=False, ahead=False):
+    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, warm, pdl, ahead, q_norm, k_norm, eps):
         return qkv.new_empty(1, qkv.size(0), qkv.size(1) - 2, qkv.size(2))

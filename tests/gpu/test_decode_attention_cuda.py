@@ -81,6 +81,15 @@ def test_fused_rotary_decode_kernel_matches_the_reference_and_writes_the_rotated
         k.copy_(rk), v.copy_(rv)
         ahead = decode_rotary_attention(qkv, cos, sin, k, v, first, at, 0.125, splits, count, warm=warm, ahead=True)
         assert _rel(ahead, want) < 1e-2 and torch.equal(k, rk), (slot, pad, splits)
+        # Qwen3-style query / key norms before the rotation (--qk-layernorm): the reference's output and cache write
+        norms = (1 + 0.2 * torch.randn(2, d, device="cuda", generator=gen)).bfloat16()
+        norms = (norms[0], norms[1], 1e-6)
+        k.copy_(rk), v.copy_(rv)
+        normed = decode_rotary_attention(qkv, cos, sin, k, v, first, at, 0.125, splits, count, True, norms=norms)
+        nk, nv = rk.clone(), rv.clone()
+        want = decode_rotary_reference(qkv, cos, sin, nk, nv, first, at, 0.125, norms)
+        assert _rel(normed, want) < 1e-2 and torch.equal(v, nv), (slot, pad, splits)
+        assert (k.float() - nk.float()).abs().max() <= 2 ** -6 * nk.float().abs().max(), (slot, pad, splits)
 
 
 def test_engine_with_the_fused_rotary_decode_gives_the_unfused_tokens_through_cuda_graphs():

@@ -2,6 +2,8 @@
 path (rotation, cache write, decode attention), the kernel against the reference through Triton's CPU interpreter
 (one program per group and split contexts, fp32 and bf16), and ``--kernel-decode-attention fused`` through the
 engine: the greedy tokens and log-probabilities of the unfused engine, the fused path taken."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from paratron.kernels.decode_attention import decode_attention_reference
 from paratron.kernels.rotary import apply_rotary
 from paratron.model.gpt import GPTModel
 from tests.interpret import interpret
-from tests.unit.test_generate import PROMPTS, VOCAB, tiny_model
+from tests.unit.test_generate import PROMPTS, VOCAB, sharpen, tiny_model
 
 
 def rope(d: int, position: int):
@@ -54,23 +56,26 @@ for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.floa
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     angles = (slot - pad) * torch.cat([inv, inv])
     cos, sin = angles.cos(), angles.sin()
-    for splits, counts in ((1, None), (3, None), (0, None), (3, torch.zeros(g, dtype=torch.int32)),
-                           (0, torch.zeros(g + 1, dtype=torch.int32))):
+    norm = (1 + 0.2 * torch.randn(2, d)).to(dtype)  # the query and key heads' RMSNorm weights (--qk-layernorm)
+    for splits, counts, norms in ((1, None, None), (3, None, (norm[0], norm[1], 1e-6)), (0, None, None),
+                                  (3, torch.zeros(g, dtype=torch.int32), None),
+                                  (0, torch.zeros(g + 1, dtype=torch.int32), (norm[0], norm[1], 1e-6))):
         k, v = torch.randn(2, 1, g, cap, d, dtype=dtype)
         k[:, :, slot + 1:], v[:, :, slot + 1:] = float("nan"), float("nan")
         k[:, :, :pad], v[:, :, :pad] = float("nan"), float("nan")
         rk, rv = k.nan_to_num(), v.nan_to_num()
-        want = decode_rotary_reference(qkv, cos, sin, rk, rv, torch.tensor([pad]), torch.tensor(slot), 0.125)
+        want = decode_rotary_reference(qkv, cos, sin, rk, rv, torch.tensor([pad]), torch.tensor(slot), 0.125, norms)
         none = torch.zeros(0, dtype=torch.int32)  # (no counts: the second kernel combines)
         ahead = counts is not None  # the walk that loads the next block of the cache first, with the counts
         got = torch.ops.paratron.decode_rotary_attention(qkv, cos, sin, k, v, torch.tensor([pad]), torch.tensor(slot),
                                                          0.125, splits, none if counts is None else counts,
-                                                         torch.zeros(0), False, ahead)  # (no L2 prefetch: the GPU's)
+                                                         torch.zeros(0), False, ahead,  # (no L2 prefetch: the GPU's)
+                                                         *(norms or (torch.zeros(0), torch.zeros(0), 0.0)))
         # the splits counted themselves in and the last one set its group's count back (zero for the next call)
         assert counts is None or not counts.any(), counts
         assert got.shape == want.shape and got.dtype == dtype and torch.isfinite(got).all()
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-        assert err <= tol, (g, qpg, d, dtype, splits, err)
+        assert err <= tol, (g, qpg, d, dtype, splits, norms is not None, err)
         # the rotated key and the value at the slot, as the reference wrote them; nothing else written (bf16 within
         # two ulps here; the kernel rounds as torch does through kernels/rotary.py's _round, whose bits the GPU
         # test checks)
@@ -89,8 +94,16 @@ def test_kernel_matches_the_reference_in_the_interpreter():
     interpret(KERNEL)
 
 
-def test_engine_with_the_fused_decode_gives_the_unfused_tokens_and_takes_the_fused_path(monkeypatch):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_engine_with_the_fused_decode_gives_the_unfused_tokens_and_takes_the_fused_path(monkeypatch, qk_norm):
     plain = tiny_model("llama")
+    if qk_norm:  # Qwen3-style --qk-layernorm: each query and key head RMS-normalised before its rotation
+        plain = GPTModel(dataclasses.replace(plain.config, qk_layernorm=True).resolved(), 128, seed=3).eval()
+        with torch.no_grad():
+            for name, p in plain.named_parameters():
+                if "q_layernorm" in name or "k_layernorm" in name:
+                    p.copy_(1 + 0.3 * torch.randn_like(p))
+        sharpen(plain, 1)
     fused = GPTModel(plain.config, 128, seed=3, kernels=KernelConfig(kernel_decode_attention="fused")).eval()
     fused.load_state_dict(plain.state_dict())
     calls = []

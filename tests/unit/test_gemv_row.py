@@ -120,11 +120,12 @@ def _tokens(model, vocab, rows, monkeypatch=None, calls=None):
                                                       for i in range(rows)])]
 
 
-def test_a_batch_1_decode_step_runs_each_layer_as_four_row_gemvs(monkeypatch):
+@pytest.mark.parametrize("extra", [(), ("--qk-layernorm",)])
+def test_a_batch_1_decode_step_runs_each_layer_as_four_row_gemvs(monkeypatch, extra):
     """On CPU the row GEMV is its reference and the fused attention its torch reference: the same greedy tokens as the
     per-module path, with four row GEMVs a layer and one for the final norm and the output layer a decode step; two
-    rows keep the per-module path."""
-    model, vocab = _tiny()
+    rows keep the per-module path. Qwen3-style query / key norms run inside the fused attention."""
+    model, vocab = _tiny(extra)
     assert all(layer.decode_rows for layer in model.decoder.layers)
     calls = []
     plain, rows = _tokens(model, vocab, 1, monkeypatch, calls)
@@ -137,7 +138,7 @@ def test_a_batch_1_decode_step_runs_each_layer_as_four_row_gemvs(monkeypatch):
 
 @pytest.mark.parametrize("extra,attention", [(("--normalization", "LayerNorm"), "fused"),
                                              (("--add-qkv-bias",), "fused"), (("--apply-layernorm-1p",), "fused"),
-                                             ((), "sdpa")])
+                                             ((), "sdpa"), (("--qk-layernorm", "--apply-layernorm-1p"), "fused")])
 def test_layers_the_row_path_cannot_take_keep_the_per_module_path(extra, attention):
     model, _ = _tiny(extra, attention)
     assert not any(layer.decode_rows for layer in model.decoder.layers)

@@ -102,12 +102,13 @@ class SDPAttention(nn.Module):
         return cos.shape == sin.shape == (1, 1, 1, self.d) and cache.bounds() is not None
 
     def attend_decode_rotary(self, qkv, ctx, next_weight: Optional[torch.Tensor] = None,
-                             pdl: Optional[bool] = None) -> torch.Tensor:
+                             pdl: Optional[bool] = None, norms: Optional[tuple] = None) -> torch.Tensor:
         """qkv [1, 1, groups, q_per_group + 2, d] of a one-row decode step -> [1, 1, heads * d]: the rotary
         embedding of its query heads and key, its key and value into the cache, attention over the cache, in one
         kernel (kernels/decode_rotary.py); ``next_weight``: the weight the next kernel reads (the output
         projection's), which --kernel-decode-prefetch has the kernel warm in L2 (its walk then loads ahead too);
-        ``pdl``: launched early (programmatic dependent launch; default: --kernel-decode-pdl on)."""
+        ``pdl``: launched early (programmatic dependent launch; default: --kernel-decode-pdl on); ``norms``: (the
+        query heads' RMSNorm weight, the key heads', eps) of --qk-layernorm, applied before the rotation."""
         k_cache, v_cache = ctx.kv_cache.buffers(self.layer_index)
         pad, slot = ctx.kv_cache.bounds()
         scale = self.scale if self.scale is not None else self.d ** -0.5
@@ -115,7 +116,7 @@ class SDPAttention(nn.Module):
                                                     counts=ctx.kv_cache.counts(),
                                                     pdl=self.decode_pdl if pdl is None else pdl,
                                                     warm=next_weight if self.decode_prefetch else None,
-                                                    ahead=self.decode_prefetch)
+                                                    ahead=self.decode_prefetch, norms=norms)
         return out.reshape(1, 1, self.heads * self.d)
 
     def extra_repr(self) -> str:

@@ -98,11 +98,12 @@ class Attention(nn.Module):
         self.core_attention = build_core(cfg, par, layer_index, device, dtype)
         # --kernel-decode-attention fused (auto: on CUDA in bf16 / fp16, where its dots' precision is the model's): a
         # one-row decode step's rotation, cache write and attention in one kernel where q and k reach the core as
-        # projected and rotated by the plain rotate-half rotation
+        # projected (and, with --qk-layernorm, RMS-normalised: norms applied as stored) and rotated by the plain
+        # rotate-half rotation
         switch = par.kernels.kernel_decode_attention
-        self.fused_decode = (switch in ("fused", "auto") and self.rotate is apply_rotary
-                             and not (self.gated or cfg.qk_layernorm)
-                             and getattr(self.core_attention, "decode", None) is not None)
+        norms_fuse = self.q_layernorm is None or (self.q_layernorm.plain_rms and self.k_layernorm.plain_rms)
+        self.fused_decode = (switch in ("fused", "auto") and self.rotate is apply_rotary and not self.gated
+                             and norms_fuse and getattr(self.core_attention, "decode", None) is not None)
         self.fused_decode_asked = switch == "fused"  # (off CUDA its torch reference; auto keeps the unfused path)
 
     def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -148,7 +149,9 @@ class Attention(nn.Module):
         """The fused decode attention of a one-row step (``decodes_fused``): qkv [1, 1, ...] -> [1, 1, heads * d],
         before the output projection; ``pdl``: launched early (default: --kernel-decode-pdl on)."""
         qkv = qkv.view(1, 1, self.groups, self.q_rows + 2, self.d)
-        return self.core_attention.attend_decode_rotary(qkv, ctx, self.linear_proj.weight, pdl)
+        norms = None if self.q_layernorm is None else (self.q_layernorm.weight, self.k_layernorm.weight,
+                                                       self.q_layernorm.eps)
+        return self.core_attention.attend_decode_rotary(qkv, ctx, self.linear_proj.weight, pdl, norms)
 
     def _project(self, out: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         with offload.at(self, "attn_proj"):
