@@ -203,19 +203,24 @@ def test_sample_prompt_prints_the_trained_models_greedy_continuation(capsys):
     assert f" sample: {'7 8 9' + result['sample']!r}" in capsys.readouterr().out
 
 
-def test_decode_benchmark_runs_tiny_on_cpu(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: the query / key norms, transformers' Qwen3 beside
+def test_decode_benchmark_runs_tiny_on_cpu(tmp_path, monkeypatch, capsys, family):
     import runpy
     from pathlib import Path
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_bench.py"
     monkeypatch.setattr("sys.argv", [str(script), "--tiny", "--repeats", "1", "--warmup", "0", "--new-tokens", "4",
-                                     "--record-dir", str(tmp_path)])
+                                     "--record-dir", str(tmp_path), "--family", family])
     with pytest.raises(SystemExit) as done:
         runpy.run_path(str(script), run_name="__main__")
     assert done.value.code == 0
     record = next(tmp_path.glob("decode_bench_tiny_*.md")).read_text()
     rows = [json.loads(line) for line in record.split("```json\n")[1].split("```")[0].splitlines()]
     assert {(r["system"], r["batch"]) for r in rows} == {(s, b) for s in ("paratron", "hf-static") for b in (1, 32)}
-    assert all(r["same_tokens_as_paratron"] == 1.0 for r in rows if r["system"] == "hf-static")  # same weights
+    # same weights: the same tokens (qwen3's tiny model, its attention logits normalised by the query / key norms,
+    # has greedy near-ties a batch of 32 decodes either way: its batch-1 row, the fused path, must agree)
+    for r in rows:
+        if r["system"] == "hf-static":
+            assert r["same_tokens_as_paratron"] >= (0.9 if family == "qwen3" and r["batch"] > 1 else 1.0), r
     assert "| paratron | 32 |" in capsys.readouterr().out
 
 
