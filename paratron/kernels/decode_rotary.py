@@ -224,8 +224,8 @@ if triton is not None:
     @triton.jit
     def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, count_ptr,
                 g, sp, splits, scale, skg, skt, svg, svt, sog, soh, qn_ptr, kn_ptr, eps, QPG: tl.constexpr,
-                QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, AHEAD: tl.constexpr,
-                PDL: tl.constexpr, NORM: tl.constexpr):
+                QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr,
+                AHEAD: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr):
         """Split ``sp`` of group ``g``: the rotations, the cache write, the attention (the module docstring). With
         ``PDL`` (launched early: programmatic dependent launch) it waits for the kernel before, which wrote qkv, after
         reading what that kernel does not write: the slot, the padding and (``AHEAD``) the first block of the cache
