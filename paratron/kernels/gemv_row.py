@@ -4,9 +4,10 @@
 statistics recomputed by every program from x, which L2 holds), the weight streamed from HBM, fc1's SwiGLU (a fused
 ``[gate; up]`` weight: a program reads the gate's rows and the matching up rows) or the residual added after it.
 A transformer layer of a batch-1 decode step is then four of these and the fused attention
-(``model/transformer.py: TransformerLayer.decode_row``; ``--kernel-decode-gemv``, auto at one row on CUDA): qkv with the attention's
-norm, the output projection with the residual, fc1 with the MLP's norm and SwiGLU, fc2 with the residual; where
-Inductor's reductions take about nine kernels a layer (split reductions and their second passes, the norms, SwiGLU).
+(``model/transformer.py: TransformerLayer.decode_row``; ``--kernel-decode-gemv``, auto at one row on CUDA): qkv with
+the attention's norm (and a Qwen2-style qkv bias), the output projection with the residual, fc1 with the MLP's norm
+and SwiGLU, fc2 with the residual; where Inductor's reductions take about nine kernels a layer (split reductions and
+their second passes, the norms, SwiGLU).
 
 Each program owns ``BLOCK_N`` output rows over all of K (no split, no workspace to zero, no second pass) and walks
 K ``BLOCK_K`` columns at a time, loading the next block of weight rows while it multiplies the current one (two
@@ -39,12 +40,14 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 
 def row_reference(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
-                  residual: Optional[torch.Tensor] = None, gated: bool = False, eps: float = 1e-5) -> torch.Tensor:
-    """``[residual +] act(norm(x) W^T)`` in torch, over x's last dimension: the model's RMSNorm with
-    ``norm_weight`` (none without), ``gated``: SwiGLU of the fused ``[gate; up]`` product."""
+                  residual: Optional[torch.Tensor] = None, gated: bool = False, eps: float = 1e-5,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[residual +] act(norm(x) W^T [+ bias])`` in torch, over x's last dimension: the model's RMSNorm with
+    ``norm_weight`` (none without), ``gated``: SwiGLU of the fused ``[gate; up]`` product; ``bias``: the layer's (a
+    Qwen2-style qkv projection's), added to the product before it is rounded, as ``F.linear`` does."""
     if norm_weight is not None:
         x = norm_weight * F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
-    y = F.linear(x, weight)
+    y = F.linear(x, weight, bias)
     if gated:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
@@ -62,15 +65,15 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor] = None,
            residual: Optional[torch.Tensor] = None, gated: bool = False, eps: float = 1e-5,
-           pdl: bool = False) -> torch.Tensor:
+           pdl: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`row_reference` of a one-row ``x`` [..., K] by the kernel where it ``applies``, else by torch; the
     result has x's leading dimensions."""
-    loose = any(t is not None and (t.stride(-1) != 1 or t.dtype != x.dtype) for t in (norm_weight, residual))
+    loose = any(t is not None and (t.stride(-1) != 1 or t.dtype != x.dtype) for t in (norm_weight, residual, bias))
     if not applies(x, weight) or loose:
-        return row_reference(x, weight, norm_weight, residual, gated, eps)
+        return row_reference(x, weight, norm_weight, residual, gated, eps, bias)
     n = weight.size(0) // 2 if gated else weight.size(0)
     res = None if residual is None else residual.reshape(1, n)
-    y = torch.ops.paratron.gemv_row(x.reshape(1, -1), weight, norm_weight, res, gated, eps, pdl)
+    y = torch.ops.paratron.gemv_row(x.reshape(1, -1), weight, norm_weight, res, gated, eps, pdl, bias)
     return y.view(*x.shape[:-1], n)
 
 
@@ -89,10 +92,11 @@ if triton is not None:
         return {"BLOCK_N": 4, "BLOCK_K": min(1024, triton.next_power_of_2(k)), "num_warps": 8 if n <= 2048 else 4}
 
     @triton.jit
-    def _row_kernel(x_ptr, w_ptr, g_ptr, r_ptr, out_ptr, N, K, eps, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                    GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _row_kernel(x_ptr, w_ptr, g_ptr, r_ptr, b_ptr, out_ptr, N, K, eps, NORM: tl.constexpr,
+                    HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False):
         """Program i: output rows [i BLOCK_N, (i+1) BLOCK_N). W is contiguous [N (x2 gated: the gate's rows, then
-        the up's), K]; x, the norm's weight g and the residual r are contiguous rows."""
+        the up's), K]; x, the norm's weight g, the residual r and the bias b ([N], x2 gated) are contiguous rows."""
         dt = x_ptr.dtype.element_ty
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -133,19 +137,25 @@ if triton is not None:
             if GATED:
                 acc_u += u.to(tl.float32) * xf
             w, u = w_next, u_next
-        y = tl.sum(acc, 1).to(dt).to(tl.float32)
+        y = tl.sum(acc, 1)
+        up = tl.sum(acc_u, 1)
+        if HAS_BIAS:  # added before the product's rounding, as F.linear's
+            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if GATED:
+                up += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+        y = y.to(dt).to(tl.float32)
         if GATED:
-            up = tl.sum(acc_u, 1).to(dt).to(tl.float32)
+            up = up.to(dt).to(tl.float32)
             y = (y * tl.sigmoid(y)).to(dt).to(tl.float32) * up
         if HAS_RES:
             y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + rn, y.to(dt), mask=n_ok)
 
-    _row_tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "NORM", "HAS_RES", "GATED"])(_row_kernel)
+    _row_tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "NORM", "HAS_RES", "GATED", "HAS_BIAS"])(_row_kernel)
 
     def launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
                residual: Optional[torch.Tensor], gated: bool, eps: float, pdl: bool = False,
-               config: Optional[dict] = None) -> torch.Tensor:
+               config: Optional[dict] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The kernel on x [1, K] and a contiguous weight: [1, n] in x's dtype. ``config``: BLOCK_N, BLOCK_K (and
         num_warps) instead of :func:`early_config`'s (with ``pdl``) or the autotuner's (the interpreter tests run
         each of CONFIGS)."""
@@ -154,9 +164,9 @@ if triton is not None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
         pdl = pdl and (not x.is_cuda or launches_dependent(x.device))  # (the interpreter runs it anywhere)
         args = (x, weight, norm_weight if norm_weight is not None else x, residual if residual is not None else x,
-                out, n, k, eps)
+                bias if bias is not None else x, out, n, k, eps)
         flags = dict(NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated, PDL=pdl,
-                     **({"launch_pdl": True} if pdl else {}))
+                     HAS_BIAS=bias is not None, **({"launch_pdl": True} if pdl else {}))
         config = config or (early_config(n, k) if pdl else None)
         if config is None:
             _row_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
@@ -166,21 +176,23 @@ if triton is not None:
 
     @torch.library.custom_op("paratron::gemv_row", mutates_args=(), device_types="cuda")
     def _row_op(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
-                residual: Optional[torch.Tensor], gated: bool, eps: float, pdl: bool) -> torch.Tensor:
+                residual: Optional[torch.Tensor], gated: bool, eps: float, pdl: bool,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         with torch.cuda.device(x.device):
-            return launch(x, weight, norm_weight, residual, gated, eps, pdl)
+            return launch(x, weight, norm_weight, residual, gated, eps, pdl, bias=bias)
 else:  # the op without Triton: its CPU kernel below is all there is
     @torch.library.custom_op("paratron::gemv_row", mutates_args=(), device_types="cuda")
     def _row_op(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
-                residual: Optional[torch.Tensor], gated: bool, eps: float, pdl: bool) -> torch.Tensor:
-        return row_reference(x, weight, norm_weight, residual, gated, eps)
+                residual: Optional[torch.Tensor], gated: bool, eps: float, pdl: bool,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return row_reference(x, weight, norm_weight, residual, gated, eps, bias)
 
 
 @_row_op.register_kernel("cpu")
-def _(x, weight, norm_weight, residual, gated, eps, pdl):
-    return row_reference(x, weight, norm_weight, residual, gated, eps)
+def _(x, weight, norm_weight, residual, gated, eps, pdl, bias=None):
+    return row_reference(x, weight, norm_weight, residual, gated, eps, bias)
 
 
 @_row_op.register_fake
-def _(x, weight, norm_weight, residual, gated, eps, pdl):
+def _(x, weight, norm_weight, residual, gated, eps, pdl, bias=None):
     return x.new_empty(1, weight.size(0) // 2 if gated else weight.size(0))

@@ -41,12 +41,12 @@ class TransformerLayer(nn.Module):
 
     def _rows_fuse(self) -> bool:
         """Whether ``decode_row`` takes this layer: self-attention that fuses its decode attention, a dense SwiGLU
-        MLP, RMSNorms, no biases, one TP rank."""
+        MLP, RMSNorms, no biases but qkv's (Qwen2's ``--add-qkv-bias``), one TP rank."""
         a, m = self.self_attention, self.mlp
         if type(a) is not Attention or type(m) is not MLP or not (a.fused_decode and m.gemv_swiglu):
             return False
         norms = (self.input_layernorm, self.pre_mlp_layernorm)
-        linears = (a.linear_qkv, a.linear_proj, m.linear_fc1, m.linear_fc2)
+        linears = (a.linear_proj, m.linear_fc1, m.linear_fc2)
         return (self.par.tp_size == 1 and all(n.plain_rms for n in norms)
                 and all(lin.bias is None for lin in linears))
 
@@ -60,7 +60,7 @@ class TransformerLayer(nn.Module):
                 or not a.decodes_fused(x, ctx):
             return None
         pdl = self.decode_pdl
-        qkv = gemv_row.linear(x, a.linear_qkv.weight, norm.weight, eps=norm.eps, pdl=pdl)
+        qkv = gemv_row.linear(x, a.linear_qkv.weight, norm.weight, eps=norm.eps, pdl=pdl, bias=a.linear_qkv.bias)
         h = gemv_row.linear(a.decode_attention(qkv, ctx, pdl), a.linear_proj.weight, residual=x, pdl=pdl)
         act = gemv_row.linear(h, m.linear_fc1.weight, mlp_norm.weight, gated=True, eps=mlp_norm.eps, pdl=pdl)
         return gemv_row.linear(act, m.linear_fc2.weight, residual=h, pdl=pdl)

@@ -125,6 +125,10 @@ def test_row_kernel_matches_its_reference(n, k, norm, res, gated, pdl):
     assert gemv_row.applies(x, w)
     got = gemv_row.linear(x, w, nw, r, gated, 1e-5, pdl)
     assert _rel(got, gemv_row.row_reference(x, w, nw, r, gated, 1e-5)) < 1e-2
+    if norm and not gated:  # qkv with a Qwen2-style bias
+        b = torch.randn(n, device="cuda", generator=g).bfloat16()
+        got = gemv_row.linear(x, w, nw, r, gated, 1e-5, pdl, bias=b)
+        assert _rel(got, gemv_row.row_reference(x, w, nw, r, gated, 1e-5, b)) < 1e-2
 
 
 def test_row_kernel_replays_from_a_cuda_graph():

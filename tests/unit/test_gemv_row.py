@@ -49,24 +49,26 @@ torch.manual_seed(0)
 def err(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
-# (n, k, norm, residual, gated): n off every row block, k off every column block
-cases = ((40, 96, False, False, False), (40, 1100, True, True, False), (24, 600, True, False, True),
-         (7, 2100, False, True, False), (33, 256, True, False, True))
+# (n, k, norm, residual, gated, bias): n off every row block, k off every column block
+cases = ((40, 96, False, False, False, True), (40, 1100, True, True, False, False),
+         (24, 600, True, False, True, True), (7, 2100, False, True, False, False), (33, 256, True, False, True, False),
+         (40, 1100, True, False, False, True))
 # fp16 rounds as the GPU does, every block shape; the interpreter truncates fp32 to bf16 (the GPU rounds to nearest),
 # whence bf16's looser bound, one block shape
 for dtype, bound, configs in ((torch.float16, 2e-3, gemv_row.CONFIGS), (torch.bfloat16, 4e-2, gemv_row.CONFIGS[:1])):
-    for n, k, norm, res, gated in cases:
+    for n, k, norm, res, gated, has_bias in cases:
         x = torch.randn(1, k).to(dtype)
         w = (torch.randn(n * (2 if gated else 1), k) * k ** -0.5).to(dtype)
         g = (1 + 0.1 * torch.randn(k)).to(dtype) if norm else None
         r = torch.randn(1, n).to(dtype) if res else None
-        want = gemv_row.row_reference(x, w, g, r, gated, 1e-5)
+        b = torch.randn(n * (2 if gated else 1)).to(dtype) if has_bias else None
+        want = gemv_row.row_reference(x, w, g, r, gated, 1e-5, b)
         for config in configs:
-            got = gemv_row.launch(x, w, g, r, gated, 1e-5, config=config.kwargs)
+            got = gemv_row.launch(x, w, g, r, gated, 1e-5, config=config.kwargs, bias=b)
             assert got.shape == want.shape and got.dtype == dtype, (n, k)
-            assert err(got, want) < bound, (dtype, n, k, norm, res, gated, config.kwargs, err(got, want))
+            assert err(got, want) < bound, (dtype, n, k, norm, res, gated, has_bias, config.kwargs, err(got, want))
         if dtype == torch.float16:  # at early_config's block shape (the interpreter has no PDL wait to run)
-            got = gemv_row.launch(x, w, g, r, gated, 1e-5, config=gemv_row.early_config(n, k))
+            got = gemv_row.launch(x, w, g, r, gated, 1e-5, config=gemv_row.early_config(n, k), bias=b)
             assert err(got, want) < bound, ("early", n, k, err(got, want))
 print("ok")
 """
@@ -120,12 +122,17 @@ def _tokens(model, vocab, rows, monkeypatch=None, calls=None):
                                                       for i in range(rows)])]
 
 
-@pytest.mark.parametrize("extra", [(), ("--qk-layernorm",)])
+@pytest.mark.parametrize("extra", [(), ("--qk-layernorm",), ("--add-qkv-bias",)])
 def test_a_batch_1_decode_step_runs_each_layer_as_four_row_gemvs(monkeypatch, extra):
     """On CPU the row GEMV is its reference and the fused attention its torch reference: the same greedy tokens as the
     per-module path, with four row GEMVs a layer and one for the final norm and the output layer a decode step; two
-    rows keep the per-module path. Qwen3-style query / key norms run inside the fused attention."""
+    rows keep the per-module path. Qwen3-style query / key norms run inside the fused attention, Qwen2's qkv bias in
+    the qkv row GEMV."""
     model, vocab = _tiny(extra)
+    with torch.no_grad():  # (a bias that matters: the layers' start at zero)
+        for layer in model.decoder.layers:
+            if layer.self_attention.linear_qkv.bias is not None:
+                layer.self_attention.linear_qkv.bias.normal_(0, 0.5)
     assert all(layer.decode_rows for layer in model.decoder.layers)
     calls = []
     plain, rows = _tokens(model, vocab, 1, monkeypatch, calls)
@@ -137,7 +144,7 @@ def test_a_batch_1_decode_step_runs_each_layer_as_four_row_gemvs(monkeypatch, ex
 
 
 @pytest.mark.parametrize("extra,attention", [(("--normalization", "LayerNorm"), "fused"),
-                                             (("--add-qkv-bias",), "fused"), (("--apply-layernorm-1p",), "fused"),
+                                             (("--apply-layernorm-1p",), "fused"),
                                              ((), "sdpa"), (("--qk-layernorm", "--apply-layernorm-1p"), "fused")])
 def test_layers_the_row_path_cannot_take_keep_the_per_module_path(extra, attention):
     model, _ = _tiny(extra, attention)

@@ -108,11 +108,11 @@ def test_row_gemv_kernel_compiles_for_sm90(pdl):
     from paratron.kernels import gemv_row
     if not hasattr(gemv_row, "_row_kernel"):
         pytest.skip("paratron's kernels module did not see Triton")
-    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "g_ptr": "*bf16", "r_ptr": "*bf16", "out_ptr": "*bf16",
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "g_ptr": "*bf16", "r_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
              "eps": "fp32"}
     aligned = ("x_ptr", "w_ptr", "g_ptr", "r_ptr", "out_ptr", "N", "K")  # llama-1b's sizes: the weights in 16 bytes
     for i, config in enumerate(gemv_row.CONFIGS):
-        flags = dict(NORM=i % 2 == 0, HAS_RES=i % 3 == 0, GATED=i % 2 == 1, PDL=pdl)
+        flags = dict(NORM=i % 2 == 0, HAS_RES=i % 3 == 0, GATED=i % 2 == 1, PDL=pdl, HAS_BIAS=i % 4 == 0)
         ptx = compile_sm90(gemv_row._row_kernel, types, {**flags, **config.kwargs}, aligned,
                            config.num_warps).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl
