@@ -14,6 +14,7 @@ tokens kept per verification pass, and whether its tokens equal plain decoding's
 near-ties).
     python benchmarks/decode_bench.py --config hybrid-mini --family nemotron_h   # a hybrid stack
     python benchmarks/decode_bench.py --family qwen3       # llama-1b's shape with Qwen3's query / key norms
+    python benchmarks/decode_bench.py --family qwen2       # llama-1b's shape with Qwen2's qkv bias
 
 Both systems run greedy with the same random weights (the paratron model converted to HF with
 ``paratron_to_hf``) and never stop early (no end-of-document token). Per batch size: time to first
@@ -57,7 +58,7 @@ def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "ll
     from paratron.checkpoint.hf_config import hf_config_from_model_config
     from paratron.config import parse_args
     from paratron.model.gpt import GPTModel
-    if tiny and family in ("llama", "qwen3"):
+    if tiny and family in ("llama", "qwen2", "qwen3"):
         args = ["--config", "tiny", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
                 "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
                 "--untie-embeddings-and-output-weights", "--init-method-std", "0.3"]  # sharp: no greedy near-ties
@@ -68,7 +69,7 @@ def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "ll
                 "--init-method-std", "0.3"]
     else:
         args = ["--config", preset]
-    args += ["--qk-layernorm"] if family == "qwen3" else []  # (Qwen3's query / key RMSNorms)
+    args += {"qwen3": ["--qk-layernorm"], "qwen2": ["--add-qkv-bias"]}.get(family, [])  # (their layers' extras)
     args += ["--kernel-decode-gemv", gemv] if gemv else []
     args += ["--kernel-decode-attention", attention] if attention else []
     args += list(extra)
@@ -277,14 +278,15 @@ def main() -> int:
     name = ("tiny" if args.tiny else args.config) + (f"_gemv-{args.kernel_decode_gemv}" if args.kernel_decode_gemv
                                                       else "") + (f"_attention-{args.kernel_decode_attention}"
                                                                   if args.kernel_decode_attention else "")
-    name += ("_qwen3" if args.family == "qwen3" else "") + "".join("_" + a.lstrip("-") for a in extra)
+    name += f"_{args.family}" if args.family in ("qwen2", "qwen3") else ""
+    name += "".join("_" + a.lstrip("-") for a in extra)
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {hardware}; {name}, prompt {plen}, {n} new tokens, compile {compile_}",
           flush=True)
     systems = [("paratron", paratron_runner(model, vocab, compile_))]
     if not args.no_hf:
         hf_mode = args.hf_compile if compile_ else "off"
-        static = args.family in ("llama", "qwen3")  # (a hybrid model's recurrent cache is transformers' own)
+        static = args.family in ("llama", "qwen2", "qwen3")  # (a hybrid model's recurrent cache is transformers' own)
         hf_mode = hf_mode if static else "off"
         systems.append(("hf-static" + ("" if hf_mode == "off" else f"-compile-{hf_mode}") if static else "hf",
                         hf_runner(hf, hf_mode, static)))

@@ -203,7 +203,7 @@ def test_sample_prompt_prints_the_trained_models_greedy_continuation(capsys):
     assert f" sample: {'7 8 9' + result['sample']!r}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: the query / key norms, transformers' Qwen3 beside
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # qwen2: the qkv bias, qwen3: query / key norms
 def test_decode_benchmark_runs_tiny_on_cpu(tmp_path, monkeypatch, capsys, family):
     import runpy
     from pathlib import Path
