@@ -92,6 +92,15 @@ if triton is not None:
         return {"BLOCK_N": 4, "BLOCK_K": min(1024, triton.next_power_of_2(k)), "num_warps": 8 if n <= 2048 else 4}
 
     @triton.jit
+    def _rounded(acc, b_ptr, rows, ok, HAS_BIAS: tl.constexpr, dt: tl.constexpr):
+        """The row sums of ``acc`` [+ the bias at ``b_ptr + rows``, added before the rounding, as F.linear's],
+        rounded to ``dt`` (kept in fp32)."""
+        y = tl.sum(acc, 1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=ok, other=0.0).to(tl.float32)
+        return y.to(dt).to(tl.float32)
+
+    @triton.jit
     def _row_kernel(x_ptr, w_ptr, g_ptr, r_ptr, b_ptr, out_ptr, N, K, eps, NORM: tl.constexpr,
                     HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False):
@@ -137,15 +146,9 @@ if triton is not None:
             if GATED:
                 acc_u += u.to(tl.float32) * xf
             w, u = w_next, u_next
-        y = tl.sum(acc, 1)
-        up = tl.sum(acc_u, 1)
-        if HAS_BIAS:  # added before the product's rounding, as F.linear's
-            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            if GATED:
-                up += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
-        y = y.to(dt).to(tl.float32)
+        y = _rounded(acc, b_ptr, rn, n_ok, HAS_BIAS, dt)
         if GATED:
-            up = up.to(dt).to(tl.float32)
+            up = _rounded(acc_u, b_ptr, rn + N, n_ok, HAS_BIAS, dt)
             y = (y * tl.sigmoid(y)).to(dt).to(tl.float32) * up
         if HAS_RES:
             y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
