@@ -164,16 +164,28 @@ def spec_report(rows, args, name, hardware, plen, n, compile_) -> int:
                  f"batch {args.batch}, {args.prompt_kind} prompts of {plen} tokens, {n} new tokens, greedy", compile_)
 
 
-def write(args, rows, lines, stem, title, hardware, shape, compile_) -> int:
-    """Print the table ``lines`` and write the record with the rows as JSON lines."""
+def write(args, rows, lines, stem, title, hardware, shape, compile_, paths: str = "") -> int:
+    """Print the table ``lines`` and write the record with the rows as JSON lines (``paths``: what paratron's
+    one-row steps ran, ``paths_of``)."""
     table = "\n".join(lines)
     print("\n" + table)
     body = table + "\n\n```json\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n"
     write_record(args.record_dir, stem, title, hardware,
                  {"shape": shape,
-                  "method": f"median of {args.repeats} after {args.warmup} warm-up runs; compile {compile_}"},
+                  "method": f"median of {args.repeats} after {args.warmup} warm-up runs; compile {compile_}",
+                  **({"paratron's one-row steps": paths} if paths else {})},
                  body)
     return 0
+
+
+def paths_of(engine) -> str:
+    """What the engine's one-row decode steps run: layers as row GEMVs, layers with the fused attention, and the
+    decode switches as the engine resolved them."""
+    layers = [m for m in engine.model.modules() if hasattr(m, "decode_rows")]
+    fused = sum(bool(getattr(getattr(m, "self_attention", None), "fused_decode", False)) for m in layers)
+    return (f"layers the row path takes: {sum(bool(m.decode_rows) for m in layers)} of {len(layers)} (the fused "
+            f"attention: {fused}); through the GEMV kernels: {'yes' if engine.gemv_at(1) else 'no'} "
+            f"(--kernel-decode-gemv {engine.gemv}, --kernel-decode-pdl {engine.decode_pdl()})")
 
 
 def _in_memory_names(state: dict, family: str) -> dict:
@@ -191,6 +203,7 @@ def paratron_runner(model, vocab, compile_: bool):
     def run(prompts: torch.Tensor, n: int):
         reqs = [Request(p, SamplingParams(n)) for p in prompts.tolist()]
         return [r.tokens for r in engine.generate(reqs)]
+    run.engine = engine  # (paths_of reads it)
     return run
 
 
@@ -304,10 +317,10 @@ def main() -> int:
             a, c = outputs.values()
             same = sum(x == y for ra, rc in zip(a, c) for x, y in zip(ra, rc)) / max(sum(len(r) for r in a), 1)
             rows[-1]["same_tokens_as_paratron"] = round(same, 3)
-    return report(rows, args, name, hardware, plen, n, compile_)
+    return report(rows, args, name, hardware, plen, n, compile_, paths_of(systems[0][1].engine))
 
 
-def report(rows, args, name, hardware, plen, n, compile_) -> int:
+def report(rows, args, name, hardware, plen, n, compile_, paths: str = "") -> int:
     hf_of = {r["batch"]: r for r in rows if r["system"].startswith("hf")}
     lines = ["| system | batch | time to first token ms | decode tokens/s | vs HF |", "|---|---|---|---|---|"]
     for r in rows:
@@ -315,7 +328,7 @@ def report(rows, args, name, hardware, plen, n, compile_) -> int:
         ratio = f"{r['decode_tok_s'] / ref['decode_tok_s']:.2f}x" if ref and r is not ref else ""
         lines.append(f"| {r['system']} | {r['batch']} | {r['ttft_ms']} | {r['decode_tok_s']} | {ratio} |")
     return write(args, rows, lines, f"decode_bench_{name}", f"Decode speed: {name}", hardware,
-                 f"prompt {plen} tokens, {n} new tokens, greedy, random weights", compile_)
+                 f"prompt {plen} tokens, {n} new tokens, greedy, random weights", compile_, paths)
 
 
 if __name__ == "__main__":

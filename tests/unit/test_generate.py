@@ -5,6 +5,7 @@ text and JSON; --sample-prompt; the decode benchmark runs."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -222,6 +223,8 @@ def test_decode_benchmark_runs_tiny_on_cpu(tmp_path, monkeypatch, capsys, family
         if r["system"] == "hf-static":
             assert r["same_tokens_as_paratron"] >= (0.9 if family == "qwen3" and r["batch"] > 1 else 1.0), r
     assert "| paratron | 32 |" in capsys.readouterr().out
+    # the record says what the one-row steps ran: every layer of these Llama / Qwen2 / Qwen3 stacks takes the row path
+    assert re.search(r"one-row steps: layers the row path takes: (\d+) of \1 .*--kernel-decode-gemv torch", record)
 
 
 def test_generate_command_on_the_paged_engine(tiny_checkpoint, capsys, tmp_path):
