@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .decode_attention import decode_attention_reference
-from .hardware import launches_dependent
+from .hardware import early_launch
 from .paged_attention import SPLIT_TARGET, _sms, decode_splits
 from .rotary import apply_rotary
 
@@ -290,7 +290,7 @@ if triton is not None:
         groups, rows, d = qkv.shape
         qpg = rows - 2
         out = qkv.new_empty(1, groups, qpg, d)
-        pdl = pdl and (not qkv.is_cuda or launches_dependent(qkv.device))  # (the interpreter runs it anywhere)
+        pdl = early_launch(pdl, qkv)
         if splits <= 0:
             splits = (fused_splits(groups, k_cache.size(2), _sms(qkv.device)) if counts.numel()
                       else decode_splits(groups, k_cache.size(2), _sms(qkv.device)))

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .hardware import launches_dependent
+from .hardware import early_launch
 
 try:
     import triton
@@ -165,7 +165,7 @@ if triton is not None:
         k = x.size(-1)
         n = weight.size(0) // 2 if gated else weight.size(0)
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-        pdl = pdl and (not x.is_cuda or launches_dependent(x.device))  # (the interpreter runs it anywhere)
+        pdl = early_launch(pdl, x)
         args = (x, weight, norm_weight if norm_weight is not None else x, residual if residual is not None else x,
                 bias if bias is not None else x, out, n, k, eps)
         flags = dict(NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated, PDL=pdl,

@@ -17,3 +17,9 @@ def launches_dependent(device) -> bool:
     """Whether kernels on ``device`` can be launched for programmatic dependent launch (Hopper and later)."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def early_launch(pdl: bool, t: torch.Tensor) -> bool:
+    """Whether a kernel asked to launch early (``pdl``) on ``t``'s device does: where that device can (Hopper and
+    later); off CUDA (Triton's interpreter) as asked."""
+    return pdl and (not t.is_cuda or launches_dependent(t.device))
