@@ -47,6 +47,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from record import write_record  # noqa: E402  (benchmarks/record.py)
 
 
+# the transformer families beside paratron (a static cache in transformers), each with its layers' flags
+LAYER_FLAGS = {"llama": [], "qwen2": ["--add-qkv-bias"], "qwen3": ["--qk-layernorm"]}
+
+
 def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "llama", gemv: Optional[str] = None,
           attention: Optional[str] = None, extra: tuple = ()):
     """(paratron GPTModel, the Hugging Face model of ``family``, real vocabulary) with the same random weights;
@@ -58,7 +62,7 @@ def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "ll
     from paratron.checkpoint.hf_config import hf_config_from_model_config
     from paratron.config import parse_args
     from paratron.model.gpt import GPTModel
-    if tiny and family in ("llama", "qwen2", "qwen3"):
+    if tiny and family in LAYER_FLAGS:
         args = ["--config", "tiny", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
                 "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
                 "--untie-embeddings-and-output-weights", "--init-method-std", "0.3"]  # sharp: no greedy near-ties
@@ -69,7 +73,7 @@ def build(tiny: bool, device, dtype, preset: str = "llama-1b", family: str = "ll
                 "--init-method-std", "0.3"]
     else:
         args = ["--config", preset]
-    args += {"qwen3": ["--qk-layernorm"], "qwen2": ["--add-qkv-bias"]}.get(family, [])  # (their layers' extras)
+    args += LAYER_FLAGS.get(family, [])
     args += ["--kernel-decode-gemv", gemv] if gemv else []
     args += ["--kernel-decode-attention", attention] if attention else []
     args += list(extra)
@@ -291,7 +295,7 @@ def main() -> int:
     name = ("tiny" if args.tiny else args.config) + (f"_gemv-{args.kernel_decode_gemv}" if args.kernel_decode_gemv
                                                       else "") + (f"_attention-{args.kernel_decode_attention}"
                                                                   if args.kernel_decode_attention else "")
-    name += f"_{args.family}" if args.family in ("qwen2", "qwen3") else ""
+    name += f"_{args.family}" if LAYER_FLAGS.get(args.family) else ""
     name += "".join("_" + a.lstrip("-") for a in extra)
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {hardware}; {name}, prompt {plen}, {n} new tokens, compile {compile_}",
@@ -299,7 +303,7 @@ def main() -> int:
     systems = [("paratron", paratron_runner(model, vocab, compile_))]
     if not args.no_hf:
         hf_mode = args.hf_compile if compile_ else "off"
-        static = args.family in ("llama", "qwen2", "qwen3")  # (a hybrid model's recurrent cache is transformers' own)
+        static = args.family in LAYER_FLAGS  # (a hybrid model's recurrent cache is transformers' own)
         hf_mode = hf_mode if static else "off"
         systems.append(("hf-static" + ("" if hf_mode == "off" else f"-compile-{hf_mode}") if static else "hf",
                         hf_runner(hf, hf_mode, static)))
