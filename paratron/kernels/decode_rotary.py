@@ -43,6 +43,7 @@ except ImportError:  # CPU-only installs
 BLOCK_T = 64  # cached keys per loop iteration
 WARM_PROGRAMS = 128  # programs (beside the attention's) that prefetch the output projection into L2
 FUSED_SPAN = 6 * BLOCK_T  # cached slots per split when the kernel combines its splits itself
+EARLY_T = 256  # cached slots a split launched early (PDL) requests before its wait
 
 
 def fused_splits(groups: int, capacity: int, sms: int) -> int:
@@ -85,7 +86,7 @@ def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
                             v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
                             splits: int = 0, counts: Optional[torch.Tensor] = None, pdl: bool = False,
                             warm: Optional[torch.Tensor] = None, ahead: bool = False,
-                            norms: Optional[tuple] = None) -> torch.Tensor:
+                            norms: Optional[tuple] = None, early: Optional[int] = None) -> torch.Tensor:
     """As :func:`decode_rotary_reference` (``qkv`` any [..., groups, q_per_group + 2, d] of one token), the kernel on
     CUDA where it applies; ``splits``: programs per group (0: :func:`fused_splits`'s choice with ``counts``, else
     ``decode_splits``'s). ``counts``: int32 zeros, at least one per group, kept between calls (the KV cache's: the
@@ -94,7 +95,10 @@ def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     starts while the one before it finishes and waits for it before reading anything). ``warm``: a tensor the next
     kernel reads (the layer's output projection weight), prefetched into L2 by extra programs while the attention's
     few programs wait on their loads; ``ahead``: each block of the cache loaded while the one before is worked on
-    (both ``--kernel-decode-prefetch``). ``norms``: the query and key heads' RMSNorm (``decode_rotary_reference``)."""
+    (both ``--kernel-decode-prefetch``). ``norms``: the query and key heads' RMSNorm (``decode_rotary_reference``).
+    ``early``: cached slots each split loads at its start, before its wait when launched early (None: ``EARLY_T``
+    with ``pdl`` and without ``ahead``, else none): the cache of earlier steps does not depend on the kernel before,
+    so under PDL its loads overlap that kernel's tail."""
     qkv = qkv.reshape(qkv.shape[-3:])
     cos, sin = cos.reshape(-1), sin.reshape(-1)
     if qkv.is_cuda and supported(qkv, k_cache, v_cache):
@@ -103,7 +107,9 @@ def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
         q_norm, k_norm, eps = norms if norms is not None else (qkv.new_zeros(0), qkv.new_zeros(0), 0.0)
         return torch.ops.paratron.decode_rotary_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(),
                                                           k_cache, v_cache, pad, slot, scale, splits, counts, warm,
-                                                          pdl, ahead, q_norm.contiguous(), k_norm.contiguous(), eps)
+                                                          pdl, ahead, q_norm.contiguous(), k_norm.contiguous(), eps,
+                                                          (EARLY_T if pdl and not ahead else 0) if early is None
+                                                          else early)
     return decode_rotary_reference(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, norms)
 
 
@@ -170,6 +176,21 @@ if triton is not None:
         return m, total, acc
 
     @triton.jit
+    def _preloaded(q, keys, vals, ok, scale, QB: tl.constexpr, D: tl.constexpr):
+        """The online softmax (``_absorb``) of ``q`` over one block of cached keys and values loaded beforehand."""
+        s = tl.where(ok[None, :], tl.dot(q, tl.trans(keys.to(tl.float32))) * scale, float("-inf"))
+        return _absorb(s, vals.to(tl.float32), tl.full([QB], float("-inf"), tl.float32), tl.zeros([QB], tl.float32),
+                       tl.zeros([QB, D], tl.float32))
+
+    @triton.jit
+    def _merged(m1, total1, acc1, m2, total2, acc2):
+        """Two online softmaxes over disjoint keys as one: each rescaled to the larger max (empty ones weigh 0)."""
+        m = tl.maximum(m1, m2)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w1, w2 = tl.exp(m1 - m_safe), tl.exp(m2 - m_safe)
+        return m, total1 * w1 + total2 * w2, acc1 * w1[:, None] + acc2 * w2[:, None]
+
+    @triton.jit
     def _span(slot_ptr, pad_ptr, splits, sp, BT: tl.constexpr):
         """(the step's slot, [lo, hi)): split ``sp``'s share of the cached slots, whole blocks of ``BT`` each."""
         slot = tl.load(slot_ptr)
@@ -206,7 +227,8 @@ if triton is not None:
                               acc_ptr, count_ptr, splits, scale, skg, skt, svg, svt, sog, soh, warm_ptr, warm_lines,
                               qn_ptr, kn_ptr, eps, QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr,
                               BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr,
-                              WARM: tl.constexpr, LINE: tl.constexpr, AHEAD: tl.constexpr, NORM: tl.constexpr):
+                              WARM: tl.constexpr, LINE: tl.constexpr, AHEAD: tl.constexpr, NORM: tl.constexpr,
+                              EARLY: tl.constexpr):
         """Programs (group, split < splits) attend (``_attend``); with ``WARM``, the programs (group, split >= splits)
         prefetch the ``warm_lines`` lines of ``warm_ptr`` (the layer's output projection) into L2 meanwhile. ``NORM``:
         the query and key heads RMS-normalised first (weights at ``qn_ptr``, ``kn_ptr``; ``eps``)."""
@@ -219,22 +241,23 @@ if triton is not None:
         else:
             _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                     count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, qn_ptr, kn_ptr, eps, QPG, QB, D, BT,
-                    SPLIT, ARRIVE, AHEAD, PDL, NORM)
+                    SPLIT, ARRIVE, AHEAD, PDL, NORM, EARLY)
 
     @triton.jit
     def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, count_ptr,
                 g, sp, splits, scale, skg, skt, svg, svt, sog, soh, qn_ptr, kn_ptr, eps, QPG: tl.constexpr,
                 QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr,
-                AHEAD: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr):
+                AHEAD: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, EARLY: tl.constexpr):
         """Split ``sp`` of group ``g``: the rotations, the cache write, the attention (the module docstring). With
         ``PDL`` (launched early: programmatic dependent launch) it waits for the kernel before, which wrote qkv, after
-        reading what that kernel does not write: the slot, the padding and (``AHEAD``) the first block of the cache
-        (slots before this step's, written by earlier steps)."""
+        reading what that kernel does not write: the slot, the padding and (``AHEAD``, ``EARLY``) the first block of
+        the cache (slots before this step's, written by earlier steps: ``EARLY`` of them, the walk goes on past)."""
         dt = qkv_ptr.dtype.element_ty
         cols = tl.arange(0, D)
         slot, lo, hi = _span(slot_ptr, pad_ptr, splits, sp, BT)
-        if AHEAD:
-            keys, vals, ok = _first_block(k_ptr + g * skg, v_ptr + g * svg, lo, hi, skt, svt, cols, BT)
+        if AHEAD or EARLY > 0:  # (cache slots of earlier steps: the kernel before does not write them)
+            keys, vals, ok = _first_block(k_ptr + g * skg, v_ptr + g * svg, lo, hi, skt, svt, cols,
+                                          BT if AHEAD else EARLY)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -255,8 +278,10 @@ if triton is not None:
                                         ok, QB, D, BT)
         else:  # the paged kernels' key loop over the row's cache as one block of a pool (block stride 0: the block
             # number it reads from its "table", here the padding count, multiplies nothing; a block size past any slot)
-            m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo, hi, g, scale, 0, skt, skg, 0, svt, svg, cols,
+            m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo + EARLY, hi, g, scale, 0, skt, skg, 0, svt, svg, cols,
                                   QB, D, 1 << 30, BT)
+            if EARLY > 0:
+                m, total, acc = _merged(*_preloaded(q, keys, vals, ok, scale, QB, D), m, total, acc)
         m_new, total, acc = _with_new(q, k_new, v_new, last, scale, m, total, acc)
         if SPLIT:  # partials [groups, splits, QPG(, D)], the paged engine's combine layout (one token)
             at = (g * splits + sp) * QPG + heads
@@ -279,12 +304,13 @@ if triton is not None:
     def _decode_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
                           splits: int, counts: torch.Tensor, warm: torch.Tensor, pdl: bool, ahead: bool,
-                          q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float) -> torch.Tensor:
+                          q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, early: int) -> torch.Tensor:
         """``counts``: int32 zeros, one per group at least (:func:`decode_rotary_attention`), or empty: none;
         ``warm``: a contiguous tensor to prefetch into L2 meanwhile, or empty: none; ``pdl``: launched for
         programmatic dependent launch (``--kernel-decode-pdl``); ``ahead``: the walk over the cache loads each block
         while the one before is worked on (eight warps: the two blocks' registers); ``q_norm``, ``k_norm``: the query
-        and key heads' RMSNorm weights (``eps``), or empty: none.
+        and key heads' RMSNorm weights (``eps``), or empty: none; ``early``: cached slots each split loads at its
+        start (before its wait under ``pdl``; eight warps past 64), then walks on from there.
         (Every argument is given: torch 2.11 drops a mutated optional argument left at its default from the call
         and then fails to find it.)"""
         groups, rows, d = qkv.shape
@@ -310,7 +336,8 @@ if triton is not None:
                 scale, k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), out.stride(1),
                 out.stride(2), warm if lines else out, lines, q_norm if norm else out, k_norm if norm else out, eps,
                 QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split, ARRIVE=arrive, PDL=pdl, WARM=lines > 0,
-                LINE=128 // warm.element_size(), AHEAD=ahead, NORM=norm, num_warps=8 if ahead else 4,
+                LINE=128 // warm.element_size(), AHEAD=ahead, NORM=norm, EARLY=0 if ahead else early,
+                num_warps=8 if ahead or early > BLOCK_T else 4,
                 **({"launch_pdl": True} if pdl else {}))
             if split and not arrive:
                 _paged_combine_kernel[(groups,)](m, total, acc, out, out, groups, splits, out.stride(0),
@@ -318,5 +345,6 @@ if triton is not None:
         return out
 
     @_decode_rotary_op.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, warm, pdl, ahead, q_norm, k_norm, eps):
+    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, warm, pdl, ahead, q_norm, k_norm, eps,
+          early):
         return qkv.new_empty(1, qkv.size(0), qkv.size(1) - 2, qkv.size(2))

@@ -57,25 +57,27 @@ for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.floa
     angles = (slot - pad) * torch.cat([inv, inv])
     cos, sin = angles.cos(), angles.sin()
     norm = (1 + 0.2 * torch.randn(2, d)).to(dtype)  # the query and key heads' RMSNorm weights (--qk-layernorm)
-    for splits, counts, norms in ((1, None, None), (3, None, (norm[0], norm[1], 1e-6)), (0, None, None),
-                                  (3, torch.zeros(g, dtype=torch.int32), None),
-                                  (0, torch.zeros(g + 1, dtype=torch.int32), (norm[0], norm[1], 1e-6))):
+    # early: the cached slots a split loads at its start (before its wait when launched early), then walks on
+    for splits, counts, norms, early in ((1, None, None, 0), (3, None, (norm[0], norm[1], 1e-6), 64),
+                                         (0, None, None, 256), (1, None, None, 256),
+                                         (3, torch.zeros(g, dtype=torch.int32), None, 0),
+                                         (0, torch.zeros(g + 1, dtype=torch.int32), (norm[0], norm[1], 1e-6), 256)):
         k, v = torch.randn(2, 1, g, cap, d, dtype=dtype)
         k[:, :, slot + 1:], v[:, :, slot + 1:] = float("nan"), float("nan")
         k[:, :, :pad], v[:, :, :pad] = float("nan"), float("nan")
         rk, rv = k.nan_to_num(), v.nan_to_num()
         want = decode_rotary_reference(qkv, cos, sin, rk, rv, torch.tensor([pad]), torch.tensor(slot), 0.125, norms)
         none = torch.zeros(0, dtype=torch.int32)  # (no counts: the second kernel combines)
-        ahead = counts is not None  # the walk that loads the next block of the cache first, with the counts
+        ahead = counts is not None and not early  # the walk that loads the next block of the cache first
         got = torch.ops.paratron.decode_rotary_attention(qkv, cos, sin, k, v, torch.tensor([pad]), torch.tensor(slot),
                                                          0.125, splits, none if counts is None else counts,
                                                          torch.zeros(0), False, ahead,  # (no L2 prefetch: the GPU's)
-                                                         *(norms or (torch.zeros(0), torch.zeros(0), 0.0)))
+                                                         *(norms or (torch.zeros(0), torch.zeros(0), 0.0)), early)
         # the splits counted themselves in and the last one set its group's count back (zero for the next call)
         assert counts is None or not counts.any(), counts
         assert got.shape == want.shape and got.dtype == dtype and torch.isfinite(got).all()
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-        assert err <= tol, (g, qpg, d, dtype, splits, norms is not None, err)
+        assert err <= tol, (g, qpg, d, dtype, splits, norms is not None, early, err)
         # the rotated key and the value at the slot, as the reference wrote them; nothing else written (bf16 within
         # two ulps here; the kernel rounds as torch does through kernels/rotary.py's _round, whose bits the GPU
         # test checks)

@@ -76,15 +76,17 @@ def test_decode_rotary_kernel_compiles_for_sm90(split):
             pytest.skip("paratron's kernels module did not see Triton")
         out = compile_sm90(decode_rotary._decode_rotary_kernel, types,
                            {"QPG": 4, "QB": 16, "D": 64, "BT": 64, "SPLIT": split, "ARRIVE": arrive, "PDL": pdl,
-                            "WARM": warm, "LINE": 64, "AHEAD": warm, "NORM": norm})
+                            "WARM": warm, "LINE": 64, "AHEAD": warm, "NORM": norm,
+                            "EARLY": 256 if pdl and not warm else 0})
         assert len(out.asm.get("cubin", b"")) > 0
         ptx = out.asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl and ("atom" in ptx) == arrive
         assert ("prefetch.global.L2::evict_last" in ptx) == warm
         assert ("rsqrt" in ptx) == norm  # the heads' RMSNorm statistics
-        if pdl:  # the slot, the padding and (loading ahead) the cache's first block read before the wait
+        if pdl:  # the slot, the padding and the cache's first block (64 slots ahead, else 256) read before the wait
             before = ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
-            assert before >= (2 + 2 * 64 * 64 * 2 // (16 * 256) if warm else 2), before
+            slots = 64 if warm else 256
+            assert before >= 2 + 2 * slots * 64 * 2 // (16 * 256), before
 
 
 @pytest.mark.parametrize("split,gated", [(1, False), (4, False), (2, True)])
