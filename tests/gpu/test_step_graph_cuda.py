@@ -1,7 +1,8 @@
 """--cuda-graph-impl local --cuda-graph-scope full_iteration on the GPU (paratron/train/step_graph.py; skipped without
 CUDA): training steps replayed from one CUDA graph give the losses, gradient norms and weights of the same steps run
 eagerly (to the run-to-run spread of the GPU's atomic additions): a dense model eager and compiled, with two micro-batches a step; an MoE model (grouped GEMM, fused
-permutation) compiled; FP8 tensorwise with the weight cache inside the graph and the delayed recipe."""
+permutation) compiled; FP8 tensorwise with the weight cache inside the graph and the delayed recipe; dropout, eager and
+compiled, and under full and selective recomputation (the recomputed masks are the forward's)."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +22,14 @@ CASES = {"eager": [], "compiled": ["--torch-compile"], "moe": ["--torch-compile"
          "fp8-tensorwise": ["--torch-compile", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
          "fp8-delayed-moe": ["--torch-compile", "--fp8-format", "e4m3", "--fp8-recipe", "delayed",
                              "--fp8-amax-history-len", "4", *MOE]}
+# Dropout draws from the device's default generator, which torch registers with the graph: a replay draws from the
+# generator's offset as the eager step would, so the same seed gives the same masks. Recomputation draws them again
+# in backward from the state the forward found (torch.utils.checkpoint's own replay of the generator).
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+CASES.update({"dropout": DROPOUT, "dropout-compiled": ["--torch-compile", *DROPOUT],
+              "dropout-recompute-full": [*DROPOUT, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                         "--recompute-num-layers", "1"],
+              "dropout-recompute-selective": [*DROPOUT, "--recompute-activations"]})
 
 
 def _run(flags):
