@@ -73,8 +73,8 @@ def attention_parts(model: ModelConfig, layout: Layout, a: int) -> dict[str, lis
     selective = layout.recomputes("core_attn")
     gate = 2 if model.attention_output_gate else 1
     core = [] if selective else [(heads * FP32, heads)]
-    proj = [(q, q)] if p.fp8_inputs else [(q * a, q)]  # FP8: the projection's own copy
-    if p.fp8_inputs and not selective:
+    proj = [(q, q)] if p.fp8_proj else [(q * a, q)]  # FP8: the projection's own copy
+    if p.fp8_proj and not selective:
         core.append((q * a, q))
     rotated_kept = not (selective and p.fused_rope)  # the fused op's rotated q, k recomputed with the core
     rotated = model.position_embedding_type in ("rope", "yarn") or model.multi_latent_attention
@@ -115,7 +115,7 @@ def offloaded_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: fro
         if name in points:
             terms += [(b // t, e // t) if sp else (b, e) for b, e in norm_parts(model, a, layout.paths)]
     if "qkv_linear" in points:  # (gathered under SP)
-        terms.append((model.hidden_size * (1 if layout.paths.fp8_inputs else a), model.hidden_size))
+        terms.append((model.hidden_size * (1 if layout.paths.fp8_qkv else a), model.hidden_size))
     if "core_attn" in points:
         parts = attention_parts(model, layout, a)
         kept = parts["core"] + ([] if model.attention_output_gate else parts["qkv"])
@@ -168,7 +168,7 @@ def moe_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     latent = h * a if model.moe_latent_size else 0  # the combined latent output, the latent -> hidden input
     per_rank = (router + routed + latent) // (layout.tp if layout.sequence_parallel else 1)
     shared = model.moe_shared_expert_intermediate_size
-    return per_rank + (mlp_bytes(model, shared, a, layout.paths) // layout.tp if shared else 0)
+    return per_rank + (mlp_bytes(model, shared, a, layout.paths.shared_mlp) // layout.tp if shared else 0)
 
 
 def mamba_bytes(model: ModelConfig, layout: Layout, a: int) -> tuple[int, int]:
@@ -260,8 +260,9 @@ def layer_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: frozens
     # the QKV and fc1 (router, in_proj) matmuls' inputs, all-gathered first under SP (FP8: their FP8 copies; the
     # router's input stays in bf16); --recompute-modules layernorm: the norm's output, when the matmul keeps it
     # (not an all-gathered or FP8 copy, not an input a checkpoint holds), recomputed instead
-    qkv_in = h * (1 if layout.paths.fp8_inputs else a)
-    norm_out = recomputes("layernorm") and not layout.sequence_parallel and not layout.paths.fp8_inputs
+    qkv_in, fc1_in = (h * (1 if fp8 else a) for fp8 in (layout.paths.fp8_qkv, layout.paths.fp8_inputs))
+    norm_out = recomputes("layernorm") and not layout.sequence_parallel and not layout.paths.fp8_qkv
+    mlp_norm_out = recomputes("layernorm") and not layout.sequence_parallel and not layout.paths.fp8_inputs
     checkpointed = recomputes("moe") if ffn == "moe" else recomputes("mlp") and ffn is not None
     inputs, split, own, fixed = 0, 0, 0, 0
     if mixer == "attention":
@@ -273,7 +274,7 @@ def layer_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: frozens
         inputs += 0 if recomputes("layernorm") and not checkpointed else h * a
         own += 0 if checkpointed else moe_bytes(model, layout, a) - recomputed_moe_bytes(model, layout, a, recomputes)
     elif ffn is not None:
-        inputs += 0 if norm_out and not checkpointed else qkv_in
+        inputs += 0 if mlp_norm_out and not checkpointed else fc1_in
         own += 0 if checkpointed else mlp_bytes(model, model.ffn_hidden_size, a, layout.paths) // t
     if checkpointed and model.hidden_dropout == 0 and model.normalization == "RMSNorm" and a < FP32 and \
             not layout.paths.quack_norm:  # the checkpoint holds the residual, which the norm keeps in fp32 only
@@ -289,7 +290,7 @@ def recomputed_moe_bytes(model: ModelConfig, layout: Layout, a: int, recomputes)
     output, per routed copy) take out of moe_bytes."""
     out = 0
     if recomputes("shared_experts") and model.moe_shared_expert_intermediate_size:
-        out += mlp_bytes(model, model.moe_shared_expert_intermediate_size, a, layout.paths) // layout.tp
+        out += mlp_bytes(model, model.moe_shared_expert_intermediate_size, a, layout.paths.shared_mlp) // layout.tp
     if recomputes("moe_act"):
         f = model.moe_ffn_hidden_size // layout.etp
         out += model.moe_router_topk * f * a // (layout.tp if layout.sequence_parallel else 1)

@@ -40,6 +40,7 @@ class Layout:
     fp8: bool = False
     fp8_param_gather: bool = False
     fp8_weight_cache: bool = True  # FP8 weights cast once per step of several micro-batches (fp8/weights.py)
+    fp8_rules: tuple = ()  # --te-precision-config-file's matchers (config/precision_file.py): modules kept in bf16
     offload_fraction: float = 0.0  # share of fp32 masters and Adam moments kept on the host
     moment_bytes: int = 8  # Adam's two moments per element: 8 in fp32 (--exp-avg-dtype, --exp-avg-sq-dtype)
     scaled_moments: int = 0  # of them held in fp16 / fp8 (an fp32 scale per tensor each)
@@ -116,6 +117,7 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
     here); ``host_ops``: the eager operations of (one layer, the rest), counted by the caller
     (train/host_ops.host_ops_for; (0, 0): no host time); ``traffic``: the memory-bound kernels' bytes, counted by
     the caller (train/traffic.traffic_for; None: not counted)."""
+    from ..config.precision_file import read_rules
     from ..fp8.recipe import weight_cache_asked
     par, tr = cfg.parallel, cfg.train
     param_bytes, grad_bytes = precision_of(cfg)
@@ -135,6 +137,7 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   param_bytes=param_bytes, grad_bytes=grad_bytes, fp8=tr.fp8_format is not None,
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
                   fp8_weight_cache=weight_cache_asked(tr, cfg.kernels),
+                  fp8_rules=read_rules(tr.te_precision_config_file) if tr.fp8_format else (),
                   moment_bytes=sum(MOMENT_BYTES[d] for d in moments),
                   scaled_moments=sum(d in ("fp16", "fp8") for d in moments),
                   offload_modules=tuple(field(cfg, "offload_modules", None) or ())

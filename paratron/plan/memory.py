@@ -82,16 +82,22 @@ def fp8_saved_weights(layout: Layout, tensors) -> int:
     if not layout.fp8:
         return 0
     if fp8_weights_cached(layout):
-        return fp8_weight_elements(tensors, dense=False)
-    return fp8_weight_elements(tensors)
+        return fp8_weight_elements(tensors, dense=False, rules=layout.fp8_rules)
+    return fp8_weight_elements(tensors, rules=layout.fp8_rules)
 
 
-def fp8_weight_elements(tensors, dense: bool = True, experts: bool = True) -> int:
+def fp8_weight_elements(tensors, dense: bool = True, experts: bool = True, rules: tuple = ()) -> int:
     """Elements of the weights of the FP8 layers (paratron/fp8/recipe.py's LAYERS) among ``tensors``: the dense
-    layers' and / or the routed experts'."""
+    layers' and / or the routed experts', less those ``rules`` (--te-precision-config-file's matchers) keep in
+    the parameters' dtype."""
+    from ..config.precision_file import first_match
     from ..fp8.recipe import LAYERS
+
+    def fp8(name: str) -> bool:
+        rule = first_match(rules, name[:-len(".weight")])
+        return rule is None or rule.recipe is not None
     return sum(t.numel for t in tensors if ".layers." in t.name and t.name.endswith(".weight")
-               and t.name.split(".")[-2] in LAYERS and (experts if ".experts." in t.name else dense))
+               and t.name.split(".")[-2] in LAYERS and (experts if ".experts." in t.name else dense) and fp8(t.name))
 
 
 def fp8_weights_cached(layout: Layout) -> bool:
@@ -136,7 +142,7 @@ def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, pa
         working = max(working, work)
     layer_params = max((sum(t.numel for t in ts if ".layers." in t.name) // max(1, c[1])
                         for ts, c in zip(tensors, chunks)), default=0)
-    dense = sum(fp8_weight_elements(ts, experts=False) for ts in tensors)
+    dense = sum(fp8_weight_elements(ts, experts=False, rules=layout.fp8_rules) for ts in tensors)
     return Memory(st.weights, st.grads, st.optimizer, acts, working,
                   comm_bytes(model, layout, st, layer_params, dense), st.host, pp_rank)
 

@@ -24,9 +24,17 @@ class Paths:
     gated_gemm: bool = False  # SwiGLU MLP in quack's GEMM epilogues: keeps the pre-activation (and the activation)
     keep_act: bool = True  # --kernel-keep-swiglu-activation (the gated GEMMs' activation kept for fc2's wgrad)
     fused_rope: bool = False  # the rotary embedding inside FlashAttention-4's op (recomputed with it: selective)
-    fp8_inputs: bool = False  # FP8 linears keep their inputs' FP8 copies (1 byte), not the bf16 inputs
+    fp8_inputs: bool = False  # the MLP's FP8 linears keep their inputs' FP8 copies (1 byte), not the bf16 inputs
     fp8_mlp: bool = False  # the fused FP8 MLP: keeps fc1's input in FP8, its output in bf16, the activation in FP8
     scan_recompute: bool = True  # --kernel-linear-scan-recompute on: the torch scans keep their inputs only
+    fp8_qkv: bool = False  # the attention's QKV projection in FP8: keeps its input's FP8 copy
+    fp8_proj: bool = False  # the attention's output projection in FP8: keeps its input's FP8 copy
+    shared: Optional["Paths"] = None  # the shared expert's MLP (None: as the dense MLP's)
+
+    @property
+    def shared_mlp(self) -> "Paths":
+        """The paths the shared expert's MLP takes."""
+        return self.shared or self
 
 
 def _resolved(cfg: Config, kind: Optional[str]):
@@ -43,20 +51,43 @@ def _resolved(cfg: Config, kind: Optional[str]):
 def paths_of(cfg: Config, kind: Optional[str] = None) -> Paths:
     """The paths of ``cfg``'s layers on a ``kind`` GPU (None: as resolved here); each module's own condition
     taken from the model: quack's RMSNorm for a plain RMSNorm of whole 16-byte rows, the gated GEMMs for the
-    fused SwiGLU without biases or FP8, the fused rotary attention for plain rope over whole heads."""
-    from ..fp8 import mlp as fp8_mlp
+    fused SwiGLU without biases or FP8, the fused rotary attention for plain rope over whole heads. Which linears
+    run in FP8 is each module's recipe (``--te-precision-config-file`` may keep some in bf16), read for a layer in
+    the middle of the stack (``--first-last-layers-bf16`` is not planned)."""
     from ..fp8.recipe import Recipe
-    from ..model.variants import fused_fp8_activation
     m, k = cfg.model, _resolved(cfg, kind)
     recipe = Recipe.from_config(cfg.train, k)
-    bias = not m.disable_bias_linear
     norm = k.kernel_rmsnorm == "quack" and m.normalization == "RMSNorm" and not m.apply_layernorm_1p \
         and m.hidden_size % 8 == 0
-    swiglu = fused_fp8_activation(m) == fp8_mlp.SWIGLU
-    gated = k.kernel_gated_mlp == "quack" and swiglu and not bias and recipe is None and m.ffn_hidden_size % 8 == 0
     flash = k.attention_backend in ("flash", "fused") and not m.multi_latent_attention
     rope = flash and not k.no_rope_fusion and m.position_embedding_type == "rope" and m.attention_dropout == 0
-    fp8 = recipe is not None and recipe.fp8_wgrad and recipe.recipe != "blockwise"
-    fp8_mlp_on = fp8 and recipe.fuse_mlp and fused_fp8_activation(m) is not None
-    return Paths(norm, gated, k.kernel_keep_swiglu_activation == "on", rope, fp8, fp8_mlp_on,
-                 k.kernel_linear_scan_recompute == "on")
+    layer = f"decoder.layers.{m.num_layers // 2}."
+    qkv, proj = (_kept_fp8(recipe, layer + "self_attention." + name)[0] for name in ("linear_qkv", "linear_proj"))
+    dense = _mlp_paths(m, k, recipe, layer + "mlp.", m.ffn_hidden_size)
+    shared = _mlp_paths(m, k, recipe, layer + "mlp.shared_experts.", m.moe_shared_expert_intermediate_size or 8)
+    keep = k.kernel_keep_swiglu_activation == "on"
+
+    def paths(mlp: tuple, **more) -> Paths:
+        gated, fp8, fused = mlp
+        return Paths(quack_norm=norm, gated_gemm=gated, keep_act=keep, fused_rope=rope, fp8_inputs=fp8,
+                     fp8_mlp=fused, scan_recompute=k.kernel_linear_scan_recompute == "on", **more)
+    return paths(dense, fp8_qkv=qkv, fp8_proj=proj, shared=None if shared == dense else paths(shared))
+
+
+def _kept_fp8(recipe, name: str) -> tuple[bool, object]:
+    """(whether the module ``name`` runs in FP8 on the per-layer path and keeps its input's FP8 copy, its recipe)."""
+    r = recipe.for_module(name)[0] if recipe is not None else None
+    return r is not None and r.fp8_wgrad and r.recipe != "blockwise", r
+
+
+def _mlp_paths(m, k, recipe, prefix: str, ffn: int) -> tuple[bool, bool, bool]:
+    """(quack's gated GEMMs, FP8 inputs kept, the fused FP8 MLP) of the MLP whose modules' names start ``prefix``."""
+    from ..fp8 import mlp as fp8_mlp
+    from ..model.variants import fused_fp8_activation
+    fp8, r1 = _kept_fp8(recipe, prefix + "linear_fc1")
+    _, r2 = _kept_fp8(recipe, prefix + "linear_fc2")
+    swiglu = fused_fp8_activation(m) == fp8_mlp.SWIGLU
+    gated = k.kernel_gated_mlp == "quack" and swiglu and m.disable_bias_linear and r1 is None and r2 is None \
+        and ffn % 8 == 0
+    fused = fp8 and r2 is not None and r1.recipe == r2.recipe and r1.fuse_mlp and fused_fp8_activation(m) is not None
+    return gated, fp8, fused

@@ -40,6 +40,11 @@ CASES = [("gpt", {}), ("llama", {}), ("llama", dict(recompute_granularity="selec
 # layers' weights for its backward (one micro-batch a step: the step's weight cache is not used)
 CASES += [("llama", dict(fp8_format="hybrid", bf16=True, global_batch_size=2)),
           ("gpt", dict(fp8_format="e4m3", fp8_recipe="tensorwise", bf16=True, global_batch_size=2))]
+# --te-precision-config-file keeping attention, the dense MLP and the shared expert in bf16 (the routed experts alone in
+# FP8; without experts every linear in bf16): their inputs saved in bf16, no FP8 copies of their weights
+EXPERTS_FP8 = dict(fp8_format="e4m3", bf16=True, global_batch_size=2,
+                   te_precision_config_file="configs/precision/moe_experts_fp8.yaml")
+CASES += [("llama", dict(num_experts=4, moe_router_topk=2, **EXPERTS_FP8)), ("llama", EXPERTS_FP8)]
 
 
 # hybrid stacks on the torch scans with recomputation (docs/plan.md): each layer kind alone and mixed, fp32 and bf16

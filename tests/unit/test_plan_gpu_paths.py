@@ -125,3 +125,14 @@ def test_a_blockwise_fp8_run_is_counted_on_copies_of_whole_128_wide_tiles(tmp_pa
     assert tile_aligned(named) and host_ops_for(named, "h100")[0] > 0
     assert not tile_aligned(parse_args(base + ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"]))
     assert not tile_aligned(parse_args(base))
+
+
+def test_fp8_paths_follow_each_modules_precision():
+    """--te-precision-config-file's modules kept in bf16 plan no FP8 inputs; the others as the run's recipe."""
+    fp8 = dict(fp8_format="e4m3", bf16=True, num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=64)
+    every = layout_of(tiny_config("llama", world_size=1, **fp8))
+    assert every.paths.fp8_qkv and every.paths.fp8_proj and every.paths.shared_mlp.fp8_inputs
+    experts = layout_of(tiny_config("llama", world_size=1, **fp8,
+                                    te_precision_config_file="configs/precision/moe_experts_fp8.yaml"))
+    assert not (experts.paths.fp8_qkv or experts.paths.fp8_proj or experts.paths.shared_mlp.fp8_inputs)
+    assert experts.fp8_rules and not every.fp8_rules
