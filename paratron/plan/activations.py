@@ -164,11 +164,32 @@ def moe_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     h, k, f = model.moe_latent_size or model.hidden_size, model.moe_router_topk, model.moe_ffn_hidden_size // layout.etp
     gated = model.swiglu or model.quick_geglu
     router = model.num_experts * FP32 + k * (2 * FP32 + 3 * INDEX)
-    routed = k * ((3 if layout.ep == 1 else 5) * h + (4 if gated else 2) * f) * a  # EP: all-to-all buffers
+    routed = routed_bytes(model, layout, a, h, f)
     latent = h * a if model.moe_latent_size else 0  # the combined latent output, the latent -> hidden input
     per_rank = (router + routed + latent) // (layout.tp if layout.sequence_parallel else 1)
     shared = model.moe_shared_expert_intermediate_size
     return per_rank + (mlp_bytes(model, shared, a, layout.paths.shared_mlp) // layout.tp if shared else 0)
+
+
+EXPERT_ALIGN = 16  # FP8 experts' rows: each expert's padded to a multiple (fp8/experts.py; blockwise: 128, planned bf16)
+
+
+def routed_bytes(model: ModelConfig, layout: Layout, a: int, h: int, f: int) -> int:
+    """Per token of the layer's input on this rank, before the SP split: what the top-k routed copies save. bf16:
+    each copy's input, the activation's terms and the combine's two (EP: the all-to-all buffers, two more). FP8
+    (``Paths.experts_fp8``): the experts' rows padded, each expert's to a multiple of EXPERT_ALIGN (at most one
+    block more an expert); the fused MLP keeps the input and the activation transposed in FP8 and fc1's output in
+    bf16; the per-layer path keeps bf16's terms and the inputs' transposed FP8 copies besides."""
+    k, gated = model.moe_router_topk, model.swiglu or model.quick_geglu
+    combine = k * (2 if layout.ep == 1 else 4) * h * a
+    act = (4 if gated else 2) * f * a
+    if not layout.paths.experts_fp8:
+        return combine + k * (h * a + act)
+    tokens = layout.micro_batch * layout.seq_length // layout.cp // (layout.tp if layout.sequence_parallel else 1)
+    rows = k + model.num_experts // layout.ep * EXPERT_ALIGN / max(1, tokens)  # padded rows per token
+    if layout.paths.experts_fp8 == "fused":
+        return combine + round(rows * (h + (2 if gated else 1) * f * a + f))
+    return combine + k * (h * a + act) + round(rows * (h + f))
 
 
 def mamba_bytes(model: ModelConfig, layout: Layout, a: int) -> tuple[int, int]:

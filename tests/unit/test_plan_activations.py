@@ -45,6 +45,12 @@ CASES += [("llama", dict(fp8_format="hybrid", bf16=True, global_batch_size=2)),
 EXPERTS_FP8 = dict(fp8_format="e4m3", bf16=True, global_batch_size=2,
                    te_precision_config_file="configs/precision/moe_experts_fp8.yaml")
 CASES += [("llama", dict(num_experts=4, moe_router_topk=2, **EXPERTS_FP8)), ("llama", EXPERTS_FP8)]
+# the routed experts in FP8: the fused experts MLP (its rows padded per expert), the per-layer path, a shared expert
+CASES += [("llama", dict(num_experts=4, moe_router_topk=2, kernel_fp8_fused_mlp="off", **EXPERTS_FP8)),
+          ("llama", dict(fp8_format="e4m3", bf16=True, global_batch_size=4, seq_length=64, micro_batch_size=4,
+                         num_experts=4, moe_router_topk=2)),
+          ("llama", dict(fp8_format="e4m3", bf16=True, global_batch_size=2, num_layers=3, num_experts=8,
+                         moe_router_topk=2, moe_shared_expert_intermediate_size=64, moe_layer_freq="[0,1,1]"))]
 
 
 # hybrid stacks on the torch scans with recomputation (docs/plan.md): each layer kind alone and mixed, fp32 and bf16
