@@ -171,14 +171,11 @@ def moe_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     return per_rank + (mlp_bytes(model, shared, a, layout.paths.shared_mlp) // layout.tp if shared else 0)
 
 
-EXPERT_ALIGN = 16  # FP8 experts' rows: each expert's padded to a multiple (fp8/experts.py; blockwise: 128, planned bf16)
-
-
 def routed_bytes(model: ModelConfig, layout: Layout, a: int, h: int, f: int) -> int:
     """Per token of the layer's input on this rank, before the SP split: what the top-k routed copies save. bf16:
     each copy's input, the activation's terms and the combine's two (EP: the all-to-all buffers, two more). FP8
-    (``Paths.experts_fp8``): the experts' rows padded, each expert's to a multiple of EXPERT_ALIGN (at most one
-    block more an expert); the fused MLP keeps the input and the activation transposed in FP8 and fc1's output in
+    (``Paths.experts_fp8``): the experts' rows padded, each expert's to a multiple of ``Paths.expert_align`` (at most
+    one block more an expert); the fused MLP keeps the input and the activation transposed in FP8 and fc1's output in
     bf16; the per-layer path keeps bf16's terms and the inputs' transposed FP8 copies besides."""
     k, gated = model.moe_router_topk, model.swiglu or model.quick_geglu
     combine = k * (2 if layout.ep == 1 else 4) * h * a
@@ -186,7 +183,7 @@ def routed_bytes(model: ModelConfig, layout: Layout, a: int, h: int, f: int) -> 
     if not layout.paths.experts_fp8:
         return combine + k * (h * a + act)
     tokens = layout.micro_batch * layout.seq_length // layout.cp // (layout.tp if layout.sequence_parallel else 1)
-    rows = k + model.num_experts // layout.ep * EXPERT_ALIGN / max(1, tokens)  # padded rows per token
+    rows = k + model.num_experts // layout.ep * layout.paths.expert_align / max(1, tokens)  # padded rows per token
     if layout.paths.experts_fp8 == "fused":
         return combine + round(rows * (h + (2 if gated else 1) * f * a + f))
     return combine + k * (h * a + act) + round(rows * (h + f))

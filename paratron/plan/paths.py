@@ -31,6 +31,7 @@ class Paths:
     fp8_proj: bool = False  # the attention's output projection in FP8: keeps its input's FP8 copy
     shared: Optional["Paths"] = None  # the shared expert's MLP (None: as the dense MLP's)
     experts_fp8: str = ""  # the routed experts' FP8 path: "" (bf16's saved tensors), fused (fp8/experts_mlp.py), layer
+    expert_align: int = 16  # FP8 experts' rows padded per expert to a multiple of it (blockwise: 128; fp8/experts.py)
 
     @property
     def shared_mlp(self) -> "Paths":
@@ -73,26 +74,29 @@ def paths_of(cfg: Config, kind: Optional[str] = None) -> Paths:
         return Paths(quack_norm=norm, gated_gemm=gated, keep_act=keep, fused_rope=rope, fp8_inputs=fp8,
                      fp8_mlp=fused, scan_recompute=k.kernel_linear_scan_recompute == "on", **more)
     return paths(dense, fp8_qkv=qkv, fp8_proj=proj, shared=None if shared == dense else paths(shared),
-                 experts_fp8=_experts_fp8(m, recipe, layer + "mlp.experts.linear_fc1") if m.num_experts else "")
+                 **(_experts_fp8(m, recipe, layer + "mlp.experts.linear_fc1") if m.num_experts else {}))
 
 
 def _kept_fp8(recipe, name: str) -> tuple[bool, object]:
     """(whether the module ``name`` runs in FP8 on the per-layer path and keeps its input's FP8 copy, its recipe)."""
     r = recipe.for_module(name)[0] if recipe is not None else None
-    return r is not None and r.fp8_wgrad and r.recipe != "blockwise", r
+    return r is not None and r.fp8_wgrad, r
 
 
-def _experts_fp8(m, recipe, name: str) -> str:
-    """The routed experts' FP8 path as their saved tensors tell it: "fused" (fp8/experts_mlp.py), "layer" (the
-    per-layer FP8 grouped GEMMs, fp8/experts.py), or "" where they save what bf16's do (not FP8, --no-fp8-wgrad,
-    blockwise, or hybrid on torch's grouped FP8 GEMM, whose backward reads the bf16 rows)."""
+def _experts_fp8(m, recipe, name: str) -> dict:
+    """The routed experts' FP8 path as their saved tensors tell it (Paths' experts_fp8, expert_align): "fused"
+    (fp8/experts_mlp.py), "layer" (the per-layer FP8 grouped GEMMs, fp8/experts.py; blockwise: rows in 128s), or ""
+    where they save what bf16's do (not FP8, --no-fp8-wgrad, or hybrid on torch's grouped FP8 GEMM, whose backward
+    reads the bf16 rows)."""
     from ..model.variants import fused_fp8_activation
     fp8, r = _kept_fp8(recipe, name)
     if not fp8 or (r.format == "hybrid" and r.grouped_gemm == "scaled_grouped_mm"):
-        return ""
+        return {}
+    if r.recipe == "blockwise":
+        return dict(experts_fp8="layer", expert_align=128)
     fused = r.fuse_mlp and r.recipe in ("tensorwise", "delayed") and fused_fp8_activation(m) is not None \
         and m.disable_bias_linear
-    return "fused" if fused else "layer"
+    return dict(experts_fp8="fused" if fused else "layer")
 
 
 def _mlp_paths(m, k, recipe, prefix: str, ffn: int) -> tuple[bool, bool, bool]:
@@ -104,5 +108,6 @@ def _mlp_paths(m, k, recipe, prefix: str, ffn: int) -> tuple[bool, bool, bool]:
     swiglu = fused_fp8_activation(m) == fp8_mlp.SWIGLU
     gated = k.kernel_gated_mlp == "quack" and swiglu and m.disable_bias_linear and r1 is None and r2 is None \
         and ffn % 8 == 0
-    fused = fp8 and r2 is not None and r1.recipe == r2.recipe and r1.fuse_mlp and fused_fp8_activation(m) is not None
+    fused = fp8 and r2 is not None and r1.recipe == r2.recipe and r1.fuse_mlp and r1.recipe != "blockwise" \
+        and fused_fp8_activation(m) is not None
     return gated, fp8, fused

@@ -50,7 +50,10 @@ CASES += [("llama", dict(num_experts=4, moe_router_topk=2, kernel_fp8_fused_mlp=
           ("llama", dict(fp8_format="e4m3", bf16=True, global_batch_size=4, seq_length=64, micro_batch_size=4,
                          num_experts=4, moe_router_topk=2)),
           ("llama", dict(fp8_format="e4m3", bf16=True, global_batch_size=2, num_layers=3, num_experts=8,
-                         moe_router_topk=2, moe_shared_expert_intermediate_size=64, moe_layer_freq="[0,1,1]"))]
+                         moe_router_topk=2, moe_shared_expert_intermediate_size=64, moe_layer_freq="[0,1,1]")),
+          ("llama", dict(fp8_format="e4m3", fp8_recipe="blockwise", bf16=True, global_batch_size=2, seq_length=128,
+                         max_position_embeddings=128, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
+                         num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256))]
 
 
 # hybrid stacks on the torch scans with recomputation (docs/plan.md): each layer kind alone and mixed, fp32 and bf16
