@@ -132,6 +132,28 @@ def recomputed_flops(model: ModelConfig, layout: Layout, batch: int, seq: int) -
     return out * tokens
 
 
+def fp8_share(model: ModelConfig, layout: Layout) -> float:
+    """The share of the layers' matmul FLOPs that run in FP8: all with --fp8-format, less those of the modules
+    --te-precision-config-file keeps in bf16, weighed by the weight elements a token passes through (the routed
+    experts' by top-k over the number of experts)."""
+    if not layout.fp8 or not layout.fp8_rules:
+        return float(layout.fp8)
+    from ..config.precision_file import first_match
+    from ..fp8.recipe import LAYERS
+    from .shapes import Split, layer, layer_kinds
+    routed = model.moe_router_topk / max(1, model.num_experts)
+    fp8 = total = 0.0
+    for i, kind in enumerate(layer_kinds(model)):
+        for t in layer(model, i, kind, Split()):
+            name = t.name[:-len(".weight")]
+            if t.name.endswith(".weight") and name.split(".")[-1] in LAYERS:
+                w = t.numel * (routed if ".experts." in name else 1.0)
+                rule = first_match(layout.fp8_rules, name)
+                total += w
+                fp8 += w if rule is None or rule.recipe is not None else 0.0
+    return fp8 / total if total else 1.0
+
+
 def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, grad_bytes: int,
               param_bytes_dp: int) -> StepTime:
     """``grad_bytes`` / ``param_bytes_dp``: this rank's gradient and weight bytes that data parallelism
@@ -142,13 +164,16 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
     dense_peak, peak = cluster.peak(False) * cluster.matmul_efficiency, cluster.peak(L.fp8) * cluster.matmul_efficiency
     per_gpu = 1.0 / L.world
     head = 6.0 * h * vocab * L.global_batch * L.seq_length  # the output layer (never FP8)
-    layers_mm = total - core - head  # the layers' matmuls: FP8 with --fp8-format
-    compute = per_gpu * (layers_mm / peak + (head + core) / dense_peak)
+    layers_mm = total - core - head  # the layers' matmuls: FP8 with --fp8-format (fp8_share of them)
+    share = fp8_share(model, L)
+    per_flop = share / peak + (1.0 - share) / dense_peak  # seconds a FLOP of the layers' matmuls
+    compute = per_gpu * (layers_mm * per_flop + (head + core) / dense_peak)
     # full: the layers' forward again (a third of their forward + backward); selective: the attention core's (with
     # core_attn) and the forward of the other modules --recompute-modules names
-    recompute = per_gpu * {"full": (layers_mm / peak + core / dense_peak) / 3,
+    recompute = per_gpu * {"full": (layers_mm * per_flop + core / dense_peak) / 3,
                            "selective": (core / dense_peak / 3 if L.recomputes("core_attn") else 0.0)
-                           + recomputed_flops(model, L, L.global_batch, L.seq_length) / peak}.get(L.recompute, 0.0)
+                           + recomputed_flops(model, L, L.global_batch, L.seq_length) * per_flop
+                           }.get(L.recompute, 0.0)
     params = grad_bytes // L.grad_bytes * (L.dp * L.cp if L.zero >= 2 else 1)  # a ZeRO-2/3 shard: the whole
     memory = step_bytes(model, L, params) / (bandwidth(cluster.kind) * cluster.memory_efficiency)
     bubble = (compute + memory + recompute) * (L.pp - 1) / (L.vpp * m)

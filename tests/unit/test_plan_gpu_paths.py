@@ -136,3 +136,21 @@ def test_fp8_paths_follow_each_modules_precision():
                                     te_precision_config_file="configs/precision/moe_experts_fp8.yaml"))
     assert not (experts.paths.fp8_qkv or experts.paths.fp8_proj or experts.paths.shared_mlp.fp8_inputs)
     assert experts.fp8_rules and not every.fp8_rules
+
+
+def test_fp8_share_of_the_matmuls_follows_each_modules_precision():
+    """The routed experts alone in FP8: their FLOPs' share by hand (a token passes top-k of the E experts' weights),
+    and the step planned slower than with every linear in FP8."""
+    from paratron.plan.cost import Cluster, fp8_share, step_time
+    moe = dict(fp8_format="e4m3", bf16=True, num_experts=4, moe_router_topk=2, global_batch_size=2)
+    cfg = tiny_config("llama", world_size=1, **moe, te_precision_config_file="configs/precision/moe_experts_fp8.yaml")
+    m = cfg.model
+    q, kv, f = m.kv_channels * m.num_attention_heads, m.kv_channels * m.num_query_groups, m.moe_ffn_hidden_size
+    attention = m.hidden_size * (q + 2 * kv) + q * m.hidden_size
+    experts = m.moe_router_topk * (2 * f * m.hidden_size + m.hidden_size * f)  # SwiGLU's fc1 is 2f wide
+    assert abs(fp8_share(m, layout_of(cfg)) - experts / (experts + attention)) < 1e-12
+    every = tiny_config("llama", world_size=1, **moe)
+    assert fp8_share(every.model, layout_of(every)) == 1.0
+    cluster = Cluster(1, 8, "h100")
+    times = [step_time(c.model, c.padded_vocab_size, layout_of(c, "h100"), cluster, 0, 0).compute for c in (cfg, every)]
+    assert times[0] > times[1]
