@@ -362,16 +362,16 @@ def edge_bytes(model: ModelConfig, layout: Layout, vocab: int, pre: bool, post: 
 
 
 def chunk_bytes(model: ModelConfig, layout: Layout, layers: list, vocab: int, pre: bool,
-                post: bool) -> tuple[int, int]:
+                post: bool, first: int = 0) -> tuple[int, int]:
     """(saved bytes of one micro-batch through this chunk, the backward's working set: the largest layer, or
     with full recomputation the largest group recomputed at once). ``layers``: the chunk's layer kinds
     (shapes.layer_kinds); full recomputation keeps inputs only (Megatron's --recompute-method uniform: every
     --recompute-num-layers layers one input; block: the first --recompute-num-layers layers' inputs, the
-    others whole)."""
-    per = [layer_bytes(model, layout, kind) for kind in layers]
+    others whole). ``first``: the global index of the chunk's first layer."""
+    per = [layer_bytes(model, layout.at(first + i), kind) for i, kind in enumerate(layers)]
     if layout.recompute != "full" or not per:  # (offloading: the layers' tensors back for their backward)
-        kept = [layer_bytes(model, layout, kind, points) for kind, points in
-                zip(layers, offload_points(model, layout, layers))] if layout.offload_modules else per
+        kept = [layer_bytes(model, layout.at(first + i), kind, points) for i, (kind, points) in
+                enumerate(zip(layers, offload_points(model, layout, layers)))] if layout.offload_modules else per
         return sum(p.full for p in kept) + edge_bytes(model, layout, vocab, pre, post), \
             max((p.full for p in per), default=0)
     n = min(layout.recompute_num_layers or 1, len(per))  # (the model recomputes one layer at a time without it)

@@ -134,14 +134,14 @@ def recomputed_flops(model: ModelConfig, layout: Layout, batch: int, seq: int) -
 
 def fp8_share(model: ModelConfig, layout: Layout) -> float:
     """The share of the layers' matmul FLOPs that run in FP8: all with --fp8-format, less those of the modules
-    --te-precision-config-file keeps in bf16, weighed by the weight elements a token passes through (the routed
-    experts' by top-k over the number of experts)."""
-    if not layout.fp8 or not layout.fp8_rules:
+    --te-precision-config-file and --first-last-layers-bf16 keep in bf16, weighed by the weight elements a token
+    passes through (the routed experts' by top-k over the number of experts)."""
+    if not layout.fp8 or not (layout.fp8_rules or layout.bf16_layers):
         return float(layout.fp8)
     from ..config.precision_file import first_match
     from ..fp8.recipe import LAYERS
     from .shapes import Split, layer, layer_kinds
-    routed = model.moe_router_topk / max(1, model.num_experts)
+    routed = model.moe_router_topk / max(1, model.num_experts or 1)
     fp8 = total = 0.0
     for i, kind in enumerate(layer_kinds(model)):
         for t in layer(model, i, kind, Split()):
@@ -150,7 +150,7 @@ def fp8_share(model: ModelConfig, layout: Layout) -> float:
                 w = t.numel * (routed if ".experts." in name else 1.0)
                 rule = first_match(layout.fp8_rules, name)
                 total += w
-                fp8 += w if rule is None or rule.recipe is not None else 0.0
+                fp8 += w if i not in layout.bf16_layers and (rule is None or rule.recipe is not None) else 0.0
     return fp8 / total if total else 1.0
 
 

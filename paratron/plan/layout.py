@@ -41,6 +41,7 @@ class Layout:
     fp8_param_gather: bool = False
     fp8_weight_cache: bool = True  # FP8 weights cast once per step of several micro-batches (fp8/weights.py)
     fp8_rules: tuple = ()  # --te-precision-config-file's matchers (config/precision_file.py): modules kept in bf16
+    bf16_layers: frozenset = frozenset()  # decoder layers --first-last-layers-bf16 keeps out of FP8 (global indices)
     offload_fraction: float = 0.0  # share of fp32 masters and Adam moments kept on the host
     moment_bytes: int = 8  # Adam's two moments per element: 8 in fp32 (--exp-avg-dtype, --exp-avg-sq-dtype)
     scaled_moments: int = 0  # of them held in fp16 / fp8 (an fp32 scale per tensor each)
@@ -86,6 +87,20 @@ class Layout:
 
     def replace(self, **changes) -> "Layout":
         return dataclasses.replace(self, **changes)
+
+    def at(self, layer: int) -> "Layout":
+        """The layout of decoder layer ``layer`` (global index): its paths those of a bf16 layer where
+        --first-last-layers-bf16 keeps it out of FP8."""
+        return self.replace(paths=self.paths.bf16) if layer in self.bf16_layers and self.paths.bf16 else self
+
+
+def bf16_layers(cfg: Config) -> frozenset:
+    """The decoder layers an FP8 run keeps in the parameters' dtype (--first-last-layers-bf16)."""
+    tr, n = cfg.train, cfg.model.num_layers
+    if not tr.fp8_format or not tr.first_last_layers_bf16:
+        return frozenset()
+    return frozenset(range(min(n, tr.num_layers_at_start_in_bf16))) | \
+        frozenset(range(max(0, n - tr.num_layers_at_end_in_bf16), n))
 
 
 def field(cfg: Config, name: str, default):
@@ -138,6 +153,7 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
                   fp8_weight_cache=weight_cache_asked(tr, cfg.kernels),
                   fp8_rules=read_rules(tr.te_precision_config_file) if tr.fp8_format else (),
+                  bf16_layers=bf16_layers(cfg),
                   moment_bytes=sum(MOMENT_BYTES[d] for d in moments),
                   scaled_moments=sum(d in ("fp16", "fp8") for d in moments),
                   offload_modules=tuple(field(cfg, "offload_modules", None) or ())

@@ -32,6 +32,7 @@ class Paths:
     shared: Optional["Paths"] = None  # the shared expert's MLP (None: as the dense MLP's)
     experts_fp8: str = ""  # the routed experts' FP8 path: "" (bf16's saved tensors), fused (fp8/experts_mlp.py), layer
     expert_align: int = 16  # FP8 experts' rows padded per expert to a multiple of it (blockwise: 128; fp8/experts.py)
+    bf16: Optional["Paths"] = None  # a layer --first-last-layers-bf16 keeps out of FP8 (None: no FP8 layers)
 
     @property
     def shared_mlp(self) -> "Paths":
@@ -55,7 +56,7 @@ def paths_of(cfg: Config, kind: Optional[str] = None) -> Paths:
     taken from the model: quack's RMSNorm for a plain RMSNorm of whole 16-byte rows, the gated GEMMs for the
     fused SwiGLU without biases or FP8, the fused rotary attention for plain rope over whole heads. Which linears
     run in FP8 is each module's recipe (``--te-precision-config-file`` may keep some in bf16), read for a layer in
-    the middle of the stack (``--first-last-layers-bf16`` is not planned)."""
+    the middle of the stack; the layers ``--first-last-layers-bf16`` keeps in bf16 take ``Paths.bf16``."""
     from ..fp8.recipe import Recipe
     m, k = cfg.model, _resolved(cfg, kind)
     recipe = Recipe.from_config(cfg.train, k)
@@ -73,7 +74,9 @@ def paths_of(cfg: Config, kind: Optional[str] = None) -> Paths:
         gated, fp8, fused = mlp
         return Paths(quack_norm=norm, gated_gemm=gated, keep_act=keep, fused_rope=rope, fp8_inputs=fp8,
                      fp8_mlp=fused, scan_recompute=k.kernel_linear_scan_recompute == "on", **more)
-    return paths(dense, fp8_qkv=qkv, fp8_proj=proj, shared=None if shared == dense else paths(shared),
+    plain = [_mlp_paths(m, k, None, "", ffn) for ffn in (m.ffn_hidden_size, m.moe_shared_expert_intermediate_size or 8)]
+    bf16 = paths(plain[0], shared=None if plain[1] == plain[0] else paths(plain[1])) if recipe is not None else None
+    return paths(dense, fp8_qkv=qkv, fp8_proj=proj, shared=None if shared == dense else paths(shared), bf16=bf16,
                  **(_experts_fp8(m, recipe, layer + "mlp.experts.linear_fc1") if m.num_experts else {}))
 
 

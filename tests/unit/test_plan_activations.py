@@ -45,6 +45,11 @@ CASES += [("llama", dict(fp8_format="hybrid", bf16=True, global_batch_size=2)),
 EXPERTS_FP8 = dict(fp8_format="e4m3", bf16=True, global_batch_size=2,
                    te_precision_config_file="configs/precision/moe_experts_fp8.yaml")
 CASES += [("llama", dict(num_experts=4, moe_router_topk=2, **EXPERTS_FP8)), ("llama", EXPERTS_FP8)]
+# --first-last-layers-bf16: the first and last layers' inputs in bf16, no FP8 copies of their weights
+EDGES = dict(bf16=True, global_batch_size=2, num_layers=4, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+             num_layers_at_end_in_bf16=1)
+CASES += [("llama", dict(fp8_format="hybrid", **EDGES)),
+          ("llama", dict(fp8_format="e4m3", num_experts=4, moe_router_topk=2, **EDGES))]
 # the routed experts in FP8: the fused experts MLP (its rows padded per expert), the per-layer path, a shared expert
 CASES += [("llama", dict(num_experts=4, moe_router_topk=2, kernel_fp8_fused_mlp="off", **EXPERTS_FP8)),
           ("llama", dict(fp8_format="e4m3", bf16=True, global_batch_size=4, seq_length=64, micro_batch_size=4,

@@ -154,3 +154,13 @@ def test_fp8_share_of_the_matmuls_follows_each_modules_precision():
     cluster = Cluster(1, 8, "h100")
     times = [step_time(c.model, c.padded_vocab_size, layout_of(c, "h100"), cluster, 0, 0).compute for c in (cfg, every)]
     assert times[0] > times[1]
+
+
+def test_first_last_layers_bf16_plan_their_matmuls_at_bf16():
+    """--first-last-layers-bf16 with 1 + 1 of 4 layers: half the layers' matmul FLOPs in FP8, their layouts bf16."""
+    from paratron.plan.cost import fp8_share
+    cfg = tiny_config("llama", world_size=1, fp8_format="hybrid", bf16=True, num_layers=4, first_last_layers_bf16=True,
+                      num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)
+    layout = layout_of(cfg)
+    assert layout.bf16_layers == {0, 3} and abs(fp8_share(cfg.model, layout) - 0.5) < 1e-12
+    assert layout.at(1).paths.fp8_qkv and not layout.at(0).paths.fp8_qkv and not layout.at(3).paths.fp8_inputs
