@@ -88,10 +88,11 @@ def as_kind(c: Config, fields: dict, layers: int) -> Config:
 
 
 def one_rank_eager(c: Config) -> Config:
-    """The unfrozen copy ``c`` finalized as one rank's run of one micro-batch, eager, without recomputation, on mock
-    data (the counted copies of host_ops and traffic)."""
+    """The unfrozen copy ``c`` finalized as one rank's run of one micro-batch, eager, without recomputation, every
+    layer in the run's precision, on mock data (the counted copies of host_ops and traffic)."""
     c.train.micro_batch_size, c.train.global_batch_size, c.train.torch_compile = 1, 1, False
     c.train.recompute_granularity = None
+    c.train.first_last_layers_bf16 = False  # (a copy of one or two layers counts an FP8 layer, as most of the model's)
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
         c.set(name, 1)

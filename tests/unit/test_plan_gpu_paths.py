@@ -164,3 +164,16 @@ def test_first_last_layers_bf16_plan_their_matmuls_at_bf16():
     layout = layout_of(cfg)
     assert layout.bf16_layers == {0, 3} and abs(fp8_share(cfg.model, layout) - 0.5) < 1e-12
     assert layout.at(1).paths.fp8_qkv and not layout.at(0).paths.fp8_qkv and not layout.at(3).paths.fp8_inputs
+
+
+def test_first_last_layers_bf16_plans_from_the_command_line(capsys):
+    """`paratron plan` counts the host's operations and the memory-bound bytes on one- and two-layer copies of the
+    model: --first-last-layers-bf16's layer counts, valid for the model, are not asked of the copies."""
+    from paratron.plan.cli import plan_main
+    from paratron.train.traffic import traffic_for
+    flags = ["--gpus", "1", "--gpu", "h100", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size",
+             "2", "--vocab-size", "512", "--mock-data", "--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16",
+             "--num-layers-at-start-in-bf16", "2", "--num-layers-at-end-in-bf16", "1"]
+    assert plan_main(flags, host_ops_for, traffic_for) == 0
+    assert "as given:" in capsys.readouterr().out
