@@ -138,7 +138,6 @@ def fp8_share(model: ModelConfig, layout: Layout) -> float:
     passes through (the routed experts' by top-k over the number of experts)."""
     if not layout.fp8 or not (layout.fp8_rules or layout.bf16_layers):
         return float(layout.fp8)
-    from ..config.precision_file import first_match
     from ..fp8.recipe import LAYERS
     from .shapes import Split, layer, layer_kinds
     routed = model.moe_router_topk / max(1, model.num_experts or 1)
@@ -148,9 +147,8 @@ def fp8_share(model: ModelConfig, layout: Layout) -> float:
             name = t.name[:-len(".weight")]
             if t.name.endswith(".weight") and name.split(".")[-1] in LAYERS:
                 w = t.numel * (routed if ".experts." in name else 1.0)
-                rule = first_match(layout.fp8_rules, name)
                 total += w
-                fp8 += w if i not in layout.bf16_layers and (rule is None or rule.recipe is not None) else 0.0
+                fp8 += w if layout.fp8_module(name) else 0.0
     return fp8 / total if total else 1.0
 
 

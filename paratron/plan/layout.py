@@ -88,19 +88,20 @@ class Layout:
     def replace(self, **changes) -> "Layout":
         return dataclasses.replace(self, **changes)
 
+    def fp8_module(self, name: str) -> bool:
+        """Whether an FP8 run's module ``name`` (Megatron's name) runs in FP8: not in a layer --first-last-layers-bf16
+        keeps out, not kept in bf16 by --te-precision-config-file's first matching rule."""
+        from ..config.precision_file import first_match
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"] and int(parts[2]) in self.bf16_layers:
+            return False
+        rule = first_match(self.fp8_rules, name)
+        return rule is None or rule.recipe is not None
+
     def at(self, layer: int) -> "Layout":
         """The layout of decoder layer ``layer`` (global index): its paths those of a bf16 layer where
         --first-last-layers-bf16 keeps it out of FP8."""
         return self.replace(paths=self.paths.bf16) if layer in self.bf16_layers and self.paths.bf16 else self
-
-
-def bf16_layers(cfg: Config) -> frozenset:
-    """The decoder layers an FP8 run keeps in the parameters' dtype (--first-last-layers-bf16)."""
-    tr, n = cfg.train, cfg.model.num_layers
-    if not tr.fp8_format or not tr.first_last_layers_bf16:
-        return frozenset()
-    return frozenset(range(min(n, tr.num_layers_at_start_in_bf16))) | \
-        frozenset(range(max(0, n - tr.num_layers_at_end_in_bf16), n))
 
 
 def field(cfg: Config, name: str, default):
@@ -132,9 +133,9 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
     here); ``host_ops``: the eager operations of (one layer, the rest), counted by the caller
     (train/host_ops.host_ops_for; (0, 0): no host time); ``traffic``: the memory-bound kernels' bytes, counted by
     the caller (train/traffic.traffic_for; None: not counted)."""
-    from ..config.precision_file import read_rules
-    from ..fp8.recipe import weight_cache_asked
+    from ..fp8.recipe import Recipe, weight_cache_asked
     par, tr = cfg.parallel, cfg.train
+    recipe, n = Recipe.from_config(tr), cfg.model.num_layers  # (which modules run in FP8: its rules and edges)
     param_bytes, grad_bytes = precision_of(cfg)
     offload = field(cfg, "optimizer_offload_fraction", 1.0) if field(cfg, "optimizer_cpu_offload", False) else 0.0
     moments = [field(cfg, name, "fp32") for name in ("exp_avg_dtype", "exp_avg_sq_dtype")]
@@ -152,8 +153,8 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   param_bytes=param_bytes, grad_bytes=grad_bytes, fp8=tr.fp8_format is not None,
                   fp8_param_gather=field(cfg, "fp8_param_gather", False), offload_fraction=offload,
                   fp8_weight_cache=weight_cache_asked(tr, cfg.kernels),
-                  fp8_rules=read_rules(tr.te_precision_config_file) if tr.fp8_format else (),
-                  bf16_layers=bf16_layers(cfg),
+                  fp8_rules=recipe.overrides if recipe else (),
+                  bf16_layers=frozenset(i for i in range(n) if recipe and recipe.in_bf16(i, n)),
                   moment_bytes=sum(MOMENT_BYTES[d] for d in moments),
                   scaled_moments=sum(d in ("fp16", "fp8") for d in moments),
                   offload_modules=tuple(field(cfg, "offload_modules", None) or ())

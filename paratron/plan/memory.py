@@ -82,26 +82,17 @@ def fp8_saved_weights(layout: Layout, tensors) -> int:
     if not layout.fp8:
         return 0
     if fp8_weights_cached(layout):
-        return fp8_weight_elements(tensors, dense=False, rules=layout.fp8_rules, bf16_layers=layout.bf16_layers)
-    return fp8_weight_elements(tensors, rules=layout.fp8_rules, bf16_layers=layout.bf16_layers)
+        return fp8_weight_elements(tensors, layout, dense=False)
+    return fp8_weight_elements(tensors, layout)
 
 
-def fp8_weight_elements(tensors, dense: bool = True, experts: bool = True, rules: tuple = (),
-                        bf16_layers: frozenset = frozenset()) -> int:
+def fp8_weight_elements(tensors, layout: Layout, dense: bool = True, experts: bool = True) -> int:
     """Elements of the weights of the FP8 layers (paratron/fp8/recipe.py's LAYERS) among ``tensors``: the dense
-    layers' and / or the routed experts', less those ``rules`` (--te-precision-config-file's matchers) keep in
-    the parameters' dtype and those of the decoder layers ``bf16_layers`` (--first-last-layers-bf16)."""
-    from ..config.precision_file import first_match
+    layers' and / or the routed experts', those ``layout`` runs in FP8 (Layout.fp8_module)."""
     from ..fp8.recipe import LAYERS
-
-    def fp8(name: str) -> bool:
-        parts = name.split(".")
-        if parts[0] == "decoder" and parts[1] == "layers" and int(parts[2]) in bf16_layers:
-            return False
-        rule = first_match(rules, name[:-len(".weight")])
-        return rule is None or rule.recipe is not None
     return sum(t.numel for t in tensors if ".layers." in t.name and t.name.endswith(".weight")
-               and t.name.split(".")[-2] in LAYERS and (experts if ".experts." in t.name else dense) and fp8(t.name))
+               and t.name.split(".")[-2] in LAYERS and (experts if ".experts." in t.name else dense)
+               and layout.fp8_module(t.name[:-len(".weight")]))
 
 
 def fp8_weights_cached(layout: Layout) -> bool:
@@ -146,8 +137,7 @@ def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, pa
         working = max(working, work)
     layer_params = max((sum(t.numel for t in ts if ".layers." in t.name) // max(1, c[1])
                         for ts, c in zip(tensors, chunks)), default=0)
-    dense = sum(fp8_weight_elements(ts, experts=False, rules=layout.fp8_rules, bf16_layers=layout.bf16_layers)
-                for ts in tensors)
+    dense = sum(fp8_weight_elements(ts, layout, experts=False) for ts in tensors)
     return Memory(st.weights, st.grads, st.optimizer, acts, working,
                   comm_bytes(model, layout, st, layer_params, dense), st.host, pp_rank)
 

@@ -66,15 +66,16 @@ def paths_of(cfg: Config, kind: Optional[str] = None) -> Paths:
     rope = flash and not k.no_rope_fusion and m.position_embedding_type == "rope" and m.attention_dropout == 0
     layer = f"decoder.layers.{m.num_layers // 2}."
     qkv, proj = (_kept_fp8(recipe, layer + "self_attention." + name)[0] for name in ("linear_qkv", "linear_proj"))
-    dense = _mlp_paths(m, k, recipe, layer + "mlp.", m.ffn_hidden_size)
-    shared = _mlp_paths(m, k, recipe, layer + "mlp.shared_experts.", m.moe_shared_expert_intermediate_size or 8)
+    widths = (m.ffn_hidden_size, m.moe_shared_expert_intermediate_size or 8)  # the dense MLP's, the shared expert's
+    dense = _mlp_paths(m, k, recipe, layer + "mlp.", widths[0])
+    shared = _mlp_paths(m, k, recipe, layer + "mlp.shared_experts.", widths[1])
     keep = k.kernel_keep_swiglu_activation == "on"
 
     def paths(mlp: tuple, **more) -> Paths:
         gated, fp8, fused = mlp
         return Paths(quack_norm=norm, gated_gemm=gated, keep_act=keep, fused_rope=rope, fp8_inputs=fp8,
                      fp8_mlp=fused, scan_recompute=k.kernel_linear_scan_recompute == "on", **more)
-    plain = [_mlp_paths(m, k, None, "", ffn) for ffn in (m.ffn_hidden_size, m.moe_shared_expert_intermediate_size or 8)]
+    plain = [_mlp_paths(m, k, None, "", ffn) for ffn in widths]
     bf16 = paths(plain[0], shared=None if plain[1] == plain[0] else paths(plain[1])) if recipe is not None else None
     return paths(dense, fp8_qkv=qkv, fp8_proj=proj, shared=None if shared == dense else paths(shared), bf16=bf16,
                  **(_experts_fp8(m, recipe, layer + "mlp.experts.linear_fc1") if m.num_experts else {}))
