@@ -27,7 +27,8 @@ from ..config.kernels import KernelConfig
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
 from ..parallel.random import seeded_init
-from ..parallel.tensor import ReplicatedLinear, init_normal, vocab_parallel_cross_entropy
+from ..parallel.cross_entropy import logits_cross_entropy
+from ..parallel.tensor import ReplicatedLinear, init_normal
 from .context import ForwardContext
 from .gpt import Embedding, GPTModel, output_layer_of, parallel_of, resolved_config, tie_first_stage
 from .norms import Norm
@@ -140,5 +141,7 @@ class BertModel(GPTModel):
         if lm_labels is None:
             return logits.transpose(0, 1).contiguous(), binary
         target = lm_labels.clamp(min=0).transpose(0, 1)  # Megatron's -1 (no prediction) is masked by the loss
-        loss = vocab_parallel_cross_entropy(logits, target, self.par.tp_group)
+        k = self.kernels  # the logits are not read after: at one TP rank on CUDA the loss's kernel overwrites them
+        kernel = "compiled" if k.kernel_cross_entropy == "compiled" else "triton"
+        loss = logits_cross_entropy(logits, target, self.par.tp_group, kernel, k.kernel_ce_fast_exp == "on")
         return loss.transpose(0, 1).contiguous(), binary

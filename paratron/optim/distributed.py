@@ -117,6 +117,9 @@ class DistributedOptimizer(MixedPrecisionAdam):
     def _grads(self) -> list[torch.Tensor]:
         return [g if g.dtype == torch.float32 else g.float() for g in self._grad_views]
 
+    def _native_grads(self) -> list[torch.Tensor]:
+        return list(self._grad_views)
+
     def _model_tensors(self) -> list:
         return self._param_views
 

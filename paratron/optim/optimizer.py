@@ -144,7 +144,7 @@ class MixedPrecisionAdam:
             kw = {"fused": True} if device.type == "cuda" and (self.host is None or fused_on_host()) else \
                 {"foreach": True}
             self.adam = torch.optim.AdamW(groups, lr=op.lr, betas=betas, eps=op.adam_eps, **kw)
-        self._fused_outs = None
+        self._fused_outs, self._adamw_tables = None, {}  # (the kernel's address tables, kept between steps)
         if kernel:
             self._fused_outs = {m: t for m, t in zip(masters, self._model_weights()) if t is not None}
         self.muon = None
@@ -168,6 +168,10 @@ class MixedPrecisionAdam:
 
     def _grads(self) -> list[torch.Tensor]:
         """fp32 gradients aligned with ``self.masters`` (views of the buffer where possible)."""
+        raise NotImplementedError
+
+    def _native_grads(self) -> list[torch.Tensor]:
+        """The gradients aligned with ``self.masters`` in the buffers' own dtype (what ``_grads`` widens)."""
         raise NotImplementedError
 
     def _model_weights(self) -> list[Optional[torch.Tensor]]:
@@ -289,17 +293,19 @@ class MixedPrecisionAdam:
             # Clipping inside the fused kernel, which divides each gradient by grad_scale as it reads
             # it: one pass over the gradients fewer than scaling them first.
             grad_scale = ((norm + 1e-6) / self.clip_grad).clamp(min=1.0)
+        if self._fused_outs is not None:  # the gradient buffers as they are (their addresses stay: kept tables)
+            fused_adamw.adamw_step_(self.adam, self._fused_outs, grad_scale, found_inf, self._adamw_tables,
+                                    dict(zip(self.masters, self._native_grads())))
+            self._publish(copied=True)
+            return found_inf == 0, norm
         for m, g in zip(self.masters, grads):
             m.grad = g
         try:
-            if self._fused_outs is not None:
-                fused_adamw.adamw_step_(self.adam, self._fused_outs, grad_scale, found_inf)
-            else:
-                self._torch_fused_step(grad_scale, found_inf)
+            self._torch_fused_step(grad_scale, found_inf)
         finally:
             for m in self.masters:
                 m.grad = None
-        self._publish(copied=self._fused_outs is not None)
+        self._publish()
         return found_inf == 0, norm
 
     def _torch_fused_step(self, grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor) -> None:
@@ -356,6 +362,9 @@ class Optimizer(MixedPrecisionAdam):
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float() for p in self.params]
+
+    def _native_grads(self) -> list[torch.Tensor]:
+        return [p.main_grad for p in self.params]
 
     def _model_weights(self) -> list[Optional[torch.Tensor]]:
         return [p if p.dtype != torch.float32 else None for p in self.params]

@@ -120,6 +120,44 @@ def _kernel(fn, x: torch.Tensor):
     return _compiled(fn) if x.is_cuda else fn
 
 
+def logits_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None, kernel: str = "triton",
+                         fast_exp: bool = True) -> torch.Tensor:
+    """``vocab_parallel_cross_entropy(logits, target, tp_group)`` for a model whose output layer has a bias (BERT's),
+    where the fused output layer + loss does not apply. At one TP rank on CUDA with bf16/fp16 logits and
+    ``kernel`` "triton" (``--kernel-cross-entropy``) the loss is the one-pass Triton kernel over the logits
+    (``fused_ce_``), which overwrites them with softmax - onehot(target), so that no fp32 copy of the logits of every
+    token exists: the logits must not be read after this call. ``fast_exp``: ``--kernel-ce-fast-exp``."""
+    if _logits_fusable(logits, tp_group, kernel):
+        return _LogitsCrossEntropy.apply(logits, target, fast_exp)
+    return vocab_parallel_cross_entropy(logits, target, tp_group)
+
+
+def _logits_fusable(logits: torch.Tensor, group, kernel: str) -> bool:
+    return (kernel == "triton" and triton is not None and logits.is_cuda and logits.dtype in FUSED_DTYPES
+            and logits.is_contiguous() and comm.group_size(group) == 1)
+
+
+class _LogitsCrossEntropy(torch.autograd.Function):
+    """Per-token loss of ``logits`` [..., v] by ``fused_ce_``, which overwrites the logits' buffer with softmax -
+    onehot(target) in their dtype; backward scales it row by row by the incoming per-token gradient (``row_scaled``,
+    in place): the gradient the logits' producer receives. The buffer is taken over rather than marked dirty (an
+    output layer's logits are a view of its matmul's result, which autograd does not let a function return dirty
+    beside its loss): the caller must not read the logits after this call, and the producer must not need them for
+    its backward (a linear layer's backward reads its input and weight)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, fast_exp):
+        _, loss = fused_ce_(logits.view(-1, logits.size(-1)), target.reshape(-1), 0, fast=fast_exp)
+        ctx.save_for_backward(logits)
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        d, = ctx.saved_tensors
+        flat = d.view(-1, d.size(-1))
+        return row_scaled(flat, g.reshape(-1, 1).float(), inplace=True).view(d.shape), None, None
+
+
 def _fusable(x: torch.Tensor, group, n: int, chunk: int, keep: bool, kernel: str) -> bool:
     """Whether the forward takes ``fused_ce_``: the ``triton`` kernel asked (``--kernel-cross-entropy``), a kept
     buffer on CUDA, one chunk, one TP rank."""

@@ -115,3 +115,45 @@ def test_linear_cross_entropy_llama_1b_size(monkeypatch, weighted):
     loss2, gx2, gw2 = _loss_and_grads(x, w, t, g, weighted)
     assert (loss - loss2).abs().max().item() <= 2e-5
     assert _rel(gx, gx2) < 1e-3 and _rel(gw, gw2) < 1e-3
+
+
+def test_logits_cross_entropy_bert_size(monkeypatch):
+    """BERT's loss (an output layer with a bias, so logits first): the one Triton pass over the bf16 logits against
+    F.cross_entropy over their fp32 copy (what the path replaced), losses and the gradients of the layer's input,
+    weight and bias; the logits' gradient exactly ``(softmax - onehot rounded) * g`` rounded."""
+    from paratron.parallel import cross_entropy as ce
+    from paratron.kernels import cross_entropy as kce
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    s, b, h, v = 512, 4, 1024, 30522
+    x = torch.randn(s, b, h, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, device="cuda", generator=gen) * 0.02).bfloat16().requires_grad_()
+    bias = (torch.randn(v, device="cuda", generator=gen) * 0.1).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (s, b), device="cuda", generator=gen)
+    g = torch.rand(s, b, device="cuda", generator=gen)
+    calls = []
+    fused = ce.fused_ce_
+    monkeypatch.setattr(ce, "fused_ce_", lambda *a, **k: calls.append(1) or fused(*a, **k))
+
+    def run(fn):
+        x.grad = w.grad = bias.grad = None
+        logits = F.linear(x, w, bias)
+        loss = fn(logits, t)
+        (loss * g).sum().backward()
+        return loss.detach(), x.grad, w.grad, bias.grad
+
+    mine = run(ce.logits_cross_entropy)
+    assert calls == [1]
+    eager = run(ce.vocab_parallel_cross_entropy)
+    assert calls == [1]
+    assert (mine[0] - eager[0]).abs().max().item() <= 2e-5
+    for a, e in zip(mine[1:], eager[1:]):
+        assert a.dtype == torch.bfloat16 and _rel(a, e) < 1e-2
+
+    # the gradient the linear receives: the kernel's buffer times g, rounded once more
+    seen = []
+    logits = F.linear(x.detach(), w.detach(), bias.detach()).requires_grad_()
+    logits.register_hook(lambda gr: seen.append(gr.clone()))
+    (ce.logits_cross_entropy(logits, t) * g).sum().backward()
+    d = F.linear(x.detach(), w.detach(), bias.detach())
+    kce.fused_ce_(d.view(-1, v), t.reshape(-1))
+    assert torch.equal(seen[0], (d * g.unsqueeze(-1)).to(d.dtype))

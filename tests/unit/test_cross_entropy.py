@@ -5,6 +5,7 @@ rounds fp32 -> bf16 by truncation and computes exp / log with numpy, so here a b
 in the last place away from torch's."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from paratron.parallel import cross_entropy as ce
 
@@ -147,3 +148,58 @@ def test_row_scaling_off_cuda_is_torchs_expression():
     assert torch.equal(kce.row_scaled(t, g), (t * g).to(t.dtype))
     assert torch.equal(kce.row_scaled(t, g, inplace=True), (t * g).to(t.dtype))
     assert not ce._fusable(t, None, 4, 4, True, "triton")  # no CUDA: the two-pass code
+
+
+LOGITS = r"""
+import torch
+import torch.nn.functional as F
+from paratron.parallel import cross_entropy as ce
+torch.manual_seed(0)
+x = torch.randn(3, 4, 16).bfloat16().requires_grad_()  # [s, b, h], as BERT's output layer takes it
+w = torch.randn(300, 16).bfloat16().requires_grad_()
+b = torch.randn(300).bfloat16().requires_grad_()
+t = torch.tensor([[0, 299, 5, 7], [100, 200, 299, 1], [3, 3, 250, 0]])
+g = torch.rand(3, 4)
+
+
+def run():
+    x.grad = w.grad = b.grad = None
+    logits = F.linear(x, w, b)
+    loss = ce.logits_cross_entropy(logits, t)
+    (loss * g).sum().backward()
+    return loss.detach(), x.grad, w.grad, b.grad
+
+
+eager = run()
+assert not ce._logits_fusable(torch.zeros(2, 3).bfloat16(), None, "triton")  # no CUDA: torch's cross-entropy
+calls = []
+fused = ce.fused_ce_
+
+
+def counted(*a, **k):
+    calls.append(1)
+    return fused(*a, block=128, num_warps=4, fast=k["fast"])
+
+
+ce.fused_ce_, ce._logits_fusable = counted, lambda *a: True  # the CUDA path's kernel, on CPU tensors
+mine = run()
+assert calls == [1]
+assert mine[0].shape == (3, 4) and (mine[0] - eager[0]).abs().max() < 1e-5
+for a, e in zip(mine[1:], eager[1:]):  # (the logits' gradient rounded twice: softmax - onehot, then times g)
+    assert a.dtype == torch.bfloat16 and ((a.float() - e.float()).norm() / e.float().norm()) < 1e-2
+print("ok")
+"""
+
+
+def test_logits_cross_entropy_through_the_fused_kernel_matches_torchs_in_the_interpreter():
+    _interpret(LOGITS)
+
+
+def test_logits_cross_entropy_off_cuda_is_the_vocab_parallel_one():
+    logits = torch.randn(3, 2, 50, requires_grad=True)
+    t = torch.randint(0, 50, (3, 2))
+    want = F.cross_entropy(logits.detach().flatten(0, 1), t.flatten(), reduction="none").view(3, 2)
+    got = ce.logits_cross_entropy(logits, t)
+    assert torch.allclose(got, want)
+    got.sum().backward()
+    assert torch.allclose(logits.grad, torch.softmax(logits.detach(), -1) - F.one_hot(t, 50), atol=1e-6)

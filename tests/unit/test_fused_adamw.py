@@ -56,7 +56,7 @@ def check(step):
 
 # (lr of the first group, grad_scale, found_inf): a scheduled lr, clipping, an overflow, clean steps again
 plan = [(1e-2, None, 0.0), (8e-3, 3.7, 0.0), (6e-3, 2.0, 1.0), (6e-3, 1.0, 0.0), (4e-3, 5.0, 0.0)]
-step = 0
+step, tables = 0, {}
 for lr, scale, inf in plan:
     adam.param_groups[0]["lr"] = want_adam.param_groups[0]["lr"] = lr
     grads = [torch.randn_like(p) for p in sum(mine, [])]
@@ -66,7 +66,7 @@ for lr, scale, inf in plan:
                                                          for k in ("exp_avg", "exp_avg_sq")]
     for p, g in zip(sum(mine, []), grads):
         p.grad = g
-    adamw_step_(adam, outs, None if scale is None else torch.tensor(scale), torch.tensor(inf))
+    adamw_step_(adam, outs, None if scale is None else torch.tensor(scale), torch.tensor(inf), tables)
     if inf:  # nothing moved, the step counters included
         after = [t for t in sum(mine, [])] + [adam.state[p][k] for p in sum(mine, []) for k in ("exp_avg", "exp_avg_sq")]
         assert all(torch.equal(a, b) for a, b in zip(before, after))
@@ -76,6 +76,15 @@ for lr, scale, inf in plan:
             q.grad = g.double() if scale is None else g.double() / scale
         want_adam.step()
     check(step)
+# one launch per group and dtypes (group 0: a master with a bf16 weight, one without; group 1: fp16); each step
+# above had new gradient tensors, so new tables; with the same tensors (two skipped steps) the tables are kept
+assert len(tables) == 3, tables.keys()
+first = {k: v[1][0] for k, v in tables.items()}
+adamw_step_(adam, outs, None, torch.tensor(1.0), tables)
+assert len(tables) == 3 and all(tables[k][1][0] is first[k] for k in first)
+mine[0][1].grad = mine[0][1].grad.clone()  # an address changed: that batch's table is built again
+adamw_step_(adam, outs, None, torch.tensor(1.0), tables)
+assert [tables[k][1][0] is first[k] for k in first] == [True, False, True]
 print("ok")
 """
 
@@ -106,7 +115,7 @@ def no_copy(copied=False):
     assert copied, "the kernel wrote the model weights: the masters must not be copied into them again"
 
 
-def run(fused):
+def run(fused, grad_dtype=torch.float32):
     cfg = cfg_fused if fused else cfg_plain
     params = [torch.nn.Parameter(t.clone()) for t in init]
     names = {params[0]: "decoder.layers.0.mlp.linear_fc1.weight", params[1]: "decoder.layers.0.mlp.linear_fc1.bias"}
@@ -117,7 +126,7 @@ def run(fused):
     applied = []
     for gs in grads:
         for p, gr in zip(params, gs):
-            p.main_grad = gr.clone()
+            p.main_grad = gr.to(grad_dtype)  # (bf16: the kernel reads the buffer itself, not an fp32 copy)
         applied.append(bool(opt.step()[0]))
     return params, opt, applied
 
@@ -131,6 +140,11 @@ for p, q, m, n in zip(got, want, opt.masters, ref.masters):
     assert ((p == m.bfloat16()) | (p == cut)).all(), "the model weights are the rounded masters"
     assert ((m - n).norm() / n.norm()).item() <= 1e-6
     assert int(opt.adam.state[m]["step"]) == int(ref.adam.state[n]["step"]) == 2
+got, opt, applied = run(True, torch.bfloat16)
+want, ref, _ = run(False, torch.bfloat16)
+assert applied == [True, False, True]
+for m, n in zip(opt.masters, ref.masters):
+    assert ((m - n).norm() / n.norm()).item() <= 1e-6
 print("ok")
 """
 

@@ -218,4 +218,4 @@ def test_kernel_refuses_scaled_moments():
                              {"exp_avg": torch.float16, "exp_avg_sq": torch.float32})
     p.grad = torch.ones(8)
     with pytest.raises(ValueError, match="fp32 or bf16"):
-        fused_adamw._launch(p, adam.state[p], None, adam.param_groups[0], None, None)
+        fused_adamw._rows(p, p.grad, adam.state[p], None)
