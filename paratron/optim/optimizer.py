@@ -293,9 +293,10 @@ class MixedPrecisionAdam:
             # Clipping inside the fused kernel, which divides each gradient by grad_scale as it reads
             # it: one pass over the gradients fewer than scaling them first.
             grad_scale = ((norm + 1e-6) / self.clip_grad).clamp(min=1.0)
-        if self._fused_outs is not None:  # the gradient buffers as they are (their addresses stay: kept tables)
-            fused_adamw.adamw_step_(self.adam, self._fused_outs, grad_scale, found_inf, self._adamw_tables,
-                                    dict(zip(self.masters, self._native_grads())))
+        if self._fused_outs is not None:
+            kernel_grads, kernel_scale = self._kernel_grads(grads, grad_scale)
+            fused_adamw.adamw_step_(self.adam, self._fused_outs, kernel_scale, found_inf, self._adamw_tables,
+                                    dict(zip(self.masters, kernel_grads)))
             self._publish(copied=True)
             return found_inf == 0, norm
         for m, g in zip(self.masters, grads):
@@ -307,6 +308,21 @@ class MixedPrecisionAdam:
                 m.grad = None
         self._publish()
         return found_inf == 0, norm
+
+    def _kernel_grads(self, grads: list[torch.Tensor], grad_scale: Optional[torch.Tensor]) -> tuple:
+        """What the AdamW kernel reads, and what it divides each gradient by: the gradient buffers themselves, whose
+        addresses stay from step to step (the kernel's tables are kept), where ``grads`` are those buffers (fp32,
+        unscaled in place) or fp32 copies of narrower ones with no loss scale; narrower buffers under a loss scale
+        are still scaled, so the scale joins the divisor. A mix of the two (not built by paratron) takes the copies."""
+        native, scale = self._native_grads(), self.scaler.scale
+        same = [n is g for n, g in zip(native, grads)]
+        if all(same) or scale == 1.0:
+            return native, grad_scale
+        if any(same):
+            return grads, grad_scale
+        if grad_scale is None:
+            return native, torch.full((), scale, dtype=torch.float32, device=native[0].device)
+        return native, grad_scale * scale
 
     def _torch_fused_step(self, grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor) -> None:
         """torch's fused AdamW over the masters (their ``.grad`` set), with its ``grad_scale`` / ``found_inf``."""

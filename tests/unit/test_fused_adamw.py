@@ -104,7 +104,9 @@ from paratron.parallel.dims import ParallelDims
 flags = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "8",
          "--max-position-embeddings", "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-2",
          "--mock-data", "--clip-grad", "1.0", "--weight-decay", "0.1", "--bf16"]
-cfg_fused, cfg_plain = parse_args(flags), parse_args(flags + ["--kernel-fused-adamw", "off"])
+half = flags[:-1] + ["--fp16", "--loss-scale", "1024"]  # fp16 weights, a constant loss scale (the gradients scaled)
+cfgs = {(f, fp16): parse_args((half if fp16 else flags) + ([] if f else ["--kernel-fused-adamw", "off"]))
+        for f in (True, False) for fp16 in (True, False)}
 g = torch.Generator().manual_seed(0)
 init = [torch.randn(64, 40, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()]
 grads = [[torch.randn(t.shape, generator=g) * 3 for t in init] for _ in range(3)]
@@ -115,9 +117,9 @@ def no_copy(copied=False):
     assert copied, "the kernel wrote the model weights: the masters must not be copied into them again"
 
 
-def run(fused, grad_dtype=torch.float32):
-    cfg = cfg_fused if fused else cfg_plain
-    params = [torch.nn.Parameter(t.clone()) for t in init]
+def run(fused, grad_dtype=torch.float32, fp16=False):
+    cfg = cfgs[fused, fp16]
+    params = [torch.nn.Parameter(t.clone().half() if fp16 else t.clone()) for t in init]
     names = {params[0]: "decoder.layers.0.mlp.linear_fc1.weight", params[1]: "decoder.layers.0.mlp.linear_fc1.bias"}
     opt = Optimizer(params, cfg, ParallelDims(), names)
     assert (opt._fused_outs is not None) == fused and len(opt.adam.param_groups) == 2  # with and without decay
@@ -126,7 +128,9 @@ def run(fused, grad_dtype=torch.float32):
     applied = []
     for gs in grads:
         for p, gr in zip(params, gs):
-            p.main_grad = gr.to(grad_dtype)  # (bf16: the kernel reads the buffer itself, not an fp32 copy)
+            # (bf16 / fp16 buffers: the kernel reads the buffer itself, not the optimizer's fp32 copy, and with a
+            # loss scale unscales as it reads)
+            p.main_grad = (gr * opt.loss_scale).to(grad_dtype)
         applied.append(bool(opt.step()[0]))
     return params, opt, applied
 
@@ -140,11 +144,15 @@ for p, q, m, n in zip(got, want, opt.masters, ref.masters):
     assert ((p == m.bfloat16()) | (p == cut)).all(), "the model weights are the rounded masters"
     assert ((m - n).norm() / n.norm()).item() <= 1e-6
     assert int(opt.adam.state[m]["step"]) == int(ref.adam.state[n]["step"]) == 2
-got, opt, applied = run(True, torch.bfloat16)
-want, ref, _ = run(False, torch.bfloat16)
-assert applied == [True, False, True]
-for m, n in zip(opt.masters, ref.masters):
-    assert ((m - n).norm() / n.norm()).item() <= 1e-6
+for grad_dtype, fp16 in ((torch.bfloat16, False), (torch.float16, True), (torch.float32, True)):
+    got, opt, applied = run(True, grad_dtype, fp16)
+    want, ref, _ = run(False, grad_dtype, fp16)
+    assert applied == [True, False, True] and opt.loss_scale == (1024 if fp16 else 1)
+    for m, n in zip(opt.masters, ref.masters):
+        assert ((m - n).norm() / n.norm()).item() <= 1e-6, (grad_dtype, fp16, ((m - n).norm() / n.norm()).item())
+        for k in ("exp_avg", "exp_avg_sq"):  # (Adam's update hardly moves with the gradients' scale; its moments do)
+            a, b = opt.adam.state[m][k], ref.adam.state[n][k]
+            assert ((a - b).norm() / b.norm()).item() <= 1e-6, (grad_dtype, fp16, k)
 print("ok")
 """
 
