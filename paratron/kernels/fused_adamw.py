@@ -1,5 +1,5 @@
-"""AdamW on the fp32 masters that also writes the model's bf16/fp16 weights, in one Triton pass per
-parameter.
+"""AdamW on the fp32 masters that also writes the model's bf16/fp16 weights, in one Triton pass over the
+masters of a param group.
 
 The on-device optimizer step of a mixed-precision run (MixedPrecisionAdam._step_on_device) used to run
 torch's fused AdamW over the masters and then copy every master into its model weight
