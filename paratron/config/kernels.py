@@ -44,7 +44,6 @@ CHOICES: dict[str, tuple] = {
     "kernel_compile_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_pdl": AUTO_ON_OFF,
-    "kernel_decode_prefetch": AUTO_ON_OFF,
     "kernel_moe_compile": ("layer", "experts"),
     "kernel_linear_scan": ("auto", "fla", "torch"),
     "kernel_linear_scan_recompute": ("on", "off"),
@@ -88,10 +87,6 @@ class KernelConfig(Section):
     # it finishes, waiting only where it reads that one's output (Inductor's kernels, the fused decode attention, the
     # row GEMVs, which load their first weights before they wait); auto: on at one-row steps that run the row GEMVs
     kernel_decode_pdl: str = "auto"  # decode step's kernels launched early (Hopper PDL): on | off
-    # the fused batch-1 decode attention loads ahead: its walk over the cache the next block while it works on one,
-    # and spare programs the layer's output projection into L2 (its GEMV, the next kernel, then reads L2); auto: off
-    # (measured no faster with the row GEMVs)
-    kernel_decode_prefetch: str = "auto"  # fused decode attention loads ahead (cache blocks; o-proj into L2): on | off
     kernel_moe_compile: str = "layer"  # --torch-compile's MoE layers: compiled whole with their layer | experts alone
     kernel_linear_scan: str = "auto"  # Mamba-2 / Gated DeltaNet scans: fla-core's Triton kernels (CUDA) | torch
     kernel_linear_scan_recompute: str = "on"  # torch scans: intra-chunk products recomputed in backward (less memory)
@@ -111,8 +106,8 @@ def pdl_at(pdl: str, rows: int) -> bool:
 
 
 def asked_on(switch: str) -> bool:
-    """An auto / on / off switch whose auto is off (``--kernel-decode-prefetch``;
-    kernels/switches.py gives the reason) as it runs: on only when asked."""
+    """An auto / on / off switch as a layer reads it where its auto is decided elsewhere (``--kernel-decode-pdl``:
+    by the decode step's row path): on only when asked."""
     return switch == "on"
 
 

@@ -107,6 +107,13 @@ SERVE_ONLY = NA.format("a `paratron serve` flag (the serving engine, paratron/co
                        "one: give it to paratron serve")
 GPU = "GPU-only ({}); paratron does not implement it; remove the flag"
 
+# paratron's own flags that it no longer has, each with why and what to do (refused by name, not as unknown).
+RETIRED = {
+    "kernel_decode_prefetch": "the fused decode attention's loads ahead (the next cache block; the output projection "
+                              "into L2) measured slower than without them and were removed (docs/inference.md, "
+                              "\"Tried and left off\"); remove the flag",
+}
+
 # Refused by name (the flags GPT/Llama/MoE scripts use most).
 REFUSED = {
     "enable_cuda_graph": "per-layer CUDA graphs are not built: --cuda-graph-impl local --cuda-graph-scope "

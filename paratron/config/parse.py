@@ -16,7 +16,7 @@ import yaml
 from ..errors import ArgumentParser, ConfigError, UserError
 from .help import field_help
 from .megatron_flags import NEGATED_FLAGS, canonical, group_of, megatron_flags, refusal, value_problem
-from .megatron_reasons import ACCEPTED, REFUSED
+from .megatron_reasons import ACCEPTED, REFUSED, RETIRED
 from .sections import FIELD_SECTION, FIELD_TYPES, SECTIONS, TOKENIZER_FIELDS, Config, DataConfig, base_type, flag
 from .check_data import validate_tokenizer
 from .resolution import resolve as resolve_config
@@ -69,6 +69,8 @@ def flag_problem(name: str, source: str) -> Optional[str]:
     refused Megatron flag with its reason, or an unknown name with a suggestion."""
     if canonical(name) in FIELD_SECTION or canonical(name) in ACCEPTED or canonical(name) in NEGATED_FLAGS:
         return None
+    if name in RETIRED:
+        return f"{flag(name)} ({source}) is no longer a paratron flag: {RETIRED[name]}"
     if name in megatron_flags() or name in REFUSED:
         return f"{flag(name)} ({source}) is a Megatron-LM flag that paratron refuses: {refusal(name)}"
     return f"unknown flag {flag(name)} ({source}){suggest(name)}"

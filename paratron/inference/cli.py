@@ -24,7 +24,7 @@ from .sampling import SamplingParams
 
 # the kernel switches a generation step reads (config/kernels.py); the others are training's
 DECODE_SWITCHES = ("kernel_decode_attention", "kernel_decode_gemv", "kernel_decode_coordinate_descent",
-                   "kernel_decode_pdl", "kernel_decode_prefetch", "kernel_cublaslt")
+                   "kernel_decode_pdl", "kernel_cublaslt")
 
 
 def kernel_switches(args) -> KernelConfig:
@@ -64,13 +64,16 @@ def parse(p: ArgumentParser, argv: list[str]):
     tokenizer and precision come from the checkpoint; the tensor-parallel size is the launch's process count)."""
     from ..config import FIELD_SECTION
     from ..config.megatron_flags import canonical, megatron_flags, refusal
+    from ..config.megatron_reasons import RETIRED
     args, unknown = p.parse_known_args(argv)
     if not unknown:
         return args
     known, said = megatron_flags(), []
     for f in (u.split("=", 1)[0] for u in unknown if u.startswith("--")):
         name = canonical(f[2:].replace("-", "_"))
-        if name == "tensor_model_parallel_size":
+        if name in RETIRED:
+            said.append(f"{f} is no longer a paratron flag: {RETIRED[name].removesuffix('; remove the flag')}")
+        elif name == "tensor_model_parallel_size":
             said.append(f"{f}: {p.prog} splits the model over every process torchrun starts (--nproc-per-node)")
         elif name in FIELD_SECTION:
             said.append(f"{f} is a training flag: {p.prog} reads the model, its tokenizer and precision from the "

@@ -13,8 +13,7 @@ cached slots: each split writes its partial softmax (max, denominator, unnormali
 atomic add on its group's counter (held by the KV cache), and the group's last split to arrive combines the
 partials and writes the output, so the splits cost no second launch (``fused_splits``: splits of at most 384
 cached slots). Without counters the splits follow the paged engine's rule (``paged_attention.decode_splits``) and
-its combine kernel. The slot and the padding are read from device memory, so a captured CUDA graph replays it. With
-``--kernel-decode-prefetch on``, more programs prefetch the layer's output projection into L2 meanwhile.
+its combine kernel. The slot and the padding are read from device memory, so a captured CUDA graph replays it.
 
 ``--kernel-decode-attention fused`` takes it for one-token passes of one row whose layer has the plain rotate-half
 rotation over the whole head, no query / key norm and no output gate (``model/attention/self_attention.py``);
@@ -41,7 +40,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK_T = 64  # cached keys per loop iteration
-WARM_PROGRAMS = 128  # programs (beside the attention's) that prefetch the output projection into L2
 FUSED_SPAN = 6 * BLOCK_T  # cached slots per split when the kernel combines its splits itself
 EARLY_T = 256  # cached slots a split launched early (PDL) requests before its wait
 
@@ -85,31 +83,25 @@ def supported(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 def decode_rotary_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
                             splits: int = 0, counts: Optional[torch.Tensor] = None, pdl: bool = False,
-                            warm: Optional[torch.Tensor] = None, ahead: bool = False,
                             norms: Optional[tuple] = None, early: Optional[int] = None) -> torch.Tensor:
     """As :func:`decode_rotary_reference` (``qkv`` any [..., groups, q_per_group + 2, d] of one token), the kernel on
     CUDA where it applies; ``splits``: programs per group (0: :func:`fused_splits`'s choice with ``counts``, else
     ``decode_splits``'s). ``counts``: int32 zeros, at least one per group, kept between calls (the KV cache's: the
     kernel leaves them 0): the splits' partials are then combined by the group's last split to finish, in the same
     kernel, rather than by a second kernel. ``pdl``: launched for programmatic dependent launch (Hopper: the kernel
-    starts while the one before it finishes and waits for it before reading anything). ``warm``: a tensor the next
-    kernel reads (the layer's output projection weight), prefetched into L2 by extra programs while the attention's
-    few programs wait on their loads; ``ahead``: each block of the cache loaded while the one before is worked on
-    (both ``--kernel-decode-prefetch``). ``norms``: the query and key heads' RMSNorm (``decode_rotary_reference``).
-    ``early``: cached slots each split loads at its start, before its wait when launched early (None: ``EARLY_T``
-    with ``pdl`` and without ``ahead``, else none): the cache of earlier steps does not depend on the kernel before,
-    so under PDL its loads overlap that kernel's tail."""
+    starts while the one before it finishes and waits for it before reading anything). ``norms``: the query and key
+    heads' RMSNorm (``decode_rotary_reference``). ``early``: cached slots each split loads at its start, before its
+    wait when launched early (None: ``EARLY_T`` with ``pdl``, else none): the cache of earlier steps does not depend
+    on the kernel before, so under PDL its loads overlap that kernel's tail."""
     qkv = qkv.reshape(qkv.shape[-3:])
     cos, sin = cos.reshape(-1), sin.reshape(-1)
     if qkv.is_cuda and supported(qkv, k_cache, v_cache):
         counts = qkv.new_zeros(0, dtype=torch.int32) if counts is None else counts
-        warm = qkv.new_zeros(0) if warm is None else warm.contiguous()
         q_norm, k_norm, eps = norms if norms is not None else (qkv.new_zeros(0), qkv.new_zeros(0), 0.0)
         return torch.ops.paratron.decode_rotary_attention(qkv.contiguous(), cos.contiguous(), sin.contiguous(),
-                                                          k_cache, v_cache, pad, slot, scale, splits, counts, warm,
-                                                          pdl, ahead, q_norm.contiguous(), k_norm.contiguous(), eps,
-                                                          (EARLY_T if pdl and not ahead else 0) if early is None
-                                                          else early)
+                                                          k_cache, v_cache, pad, slot, scale, splits, counts, pdl,
+                                                          q_norm.contiguous(), k_norm.contiguous(), eps,
+                                                          (EARLY_T if pdl else 0) if early is None else early)
     return decode_rotary_reference(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, norms)
 
 
@@ -156,26 +148,6 @@ if triton is not None:
         return keys, vals, ok
 
     @triton.jit
-    def _walk_ahead(q, k_ptr, v_ptr, lo, hi, scale, skt, svt, cols, keys, vals, ok, QB: tl.constexpr,
-                    D: tl.constexpr, BT: tl.constexpr):
-        """The paged kernels' online softmax of ``q`` over slots [lo, hi) of one group's contiguous cache (``k_ptr``,
-        ``v_ptr`` at the group), ``BT`` slots at a time, each block's keys and values loaded together and the next
-        block's loaded before this one's arithmetic: the walk is a chain of loads, whose round trips then overlap.
-        ``keys``, ``vals``, ``ok``: the first block (``_first_block``), loaded by the caller."""
-        m = tl.full([QB], float("-inf"), tl.float32)
-        total = tl.zeros([QB], tl.float32)
-        acc = tl.zeros([QB, D], tl.float32)
-        for start in range(lo, hi, BT):
-            t = start + BT + tl.arange(0, BT)
-            ahead = t < hi
-            keys_ahead = tl.load(k_ptr + t[:, None] * skt + cols[None, :], mask=ahead[:, None], other=0.0)
-            vals_ahead = tl.load(v_ptr + t[:, None] * svt + cols[None, :], mask=ahead[:, None], other=0.0)
-            s = tl.where(ok[None, :], tl.dot(q, tl.trans(keys.to(tl.float32))) * scale, float("-inf"))
-            m, total, acc = _absorb(s, vals.to(tl.float32), m, total, acc)
-            keys, vals, ok = keys_ahead, vals_ahead, ahead
-        return m, total, acc
-
-    @triton.jit
     def _preloaded(q, keys, vals, ok, scale, QB: tl.constexpr, D: tl.constexpr):
         """The online softmax (``_absorb``) of ``q`` over one block of cached keys and values loaded beforehand."""
         s = tl.where(ok[None, :], tl.dot(q, tl.trans(keys.to(tl.float32))) * scale, float("-inf"))
@@ -212,52 +184,22 @@ if triton is not None:
         return m_new, total * alpha + p, acc * alpha[:, None] + p[:, None] * v_new[None, :]
 
     @triton.jit
-    def _warm_l2(w_ptr, lines, program, programs, LINE: tl.constexpr, BLOCK: tl.constexpr):
-        """Program ``program`` of ``programs``: its share of the ``lines`` 128-byte lines from ``w_ptr`` (``LINE``
-        elements each) prefetched into L2, kept there before other lines (evict-last); nothing waits for them."""
-        per = tl.cdiv(lines, programs)
-        lo = program * per
-        for start in range(lo, tl.minimum(lo + per, lines), BLOCK):
-            line = tl.minimum(start + tl.arange(0, BLOCK), lines - 1).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [w_ptr + line * LINE], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _decode_rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr,
-                              acc_ptr, count_ptr, splits, scale, skg, skt, svg, svt, sog, soh, warm_ptr, warm_lines,
-                              qn_ptr, kn_ptr, eps, QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr,
-                              BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr,
-                              WARM: tl.constexpr, LINE: tl.constexpr, AHEAD: tl.constexpr, NORM: tl.constexpr,
+                              acc_ptr, count_ptr, splits, scale, skg, skt, svg, svt, sog, soh, qn_ptr, kn_ptr, eps,
+                              QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                              SPLIT: tl.constexpr, ARRIVE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr,
                               EARLY: tl.constexpr):
-        """Programs (group, split < splits) attend (``_attend``); with ``WARM``, the programs (group, split >= splits)
-        prefetch the ``warm_lines`` lines of ``warm_ptr`` (the layer's output projection) into L2 meanwhile. ``NORM``:
-        the query and key heads RMS-normalised first (weights at ``qn_ptr``, ``kn_ptr``; ``eps``)."""
-        g, sp = tl.program_id(0), tl.program_id(1)
-        if WARM and sp >= splits:  # (without WARM the grid has no such program, and the branch is not built)
-            if PDL:  # the weights do not depend on the kernel before: no wait
-                tl.extra.cuda.gdc_launch_dependents()
-            extra = tl.num_programs(1) - splits
-            _warm_l2(warm_ptr, warm_lines, g * extra + sp - splits, tl.num_programs(0) * extra, LINE, 128)
-        else:
-            _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                    count_ptr, g, sp, splits, scale, skg, skt, svg, svt, sog, soh, qn_ptr, kn_ptr, eps, QPG, QB, D, BT,
-                    SPLIT, ARRIVE, AHEAD, PDL, NORM, EARLY)
-
-    @triton.jit
-    def _attend(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, count_ptr,
-                g, sp, splits, scale, skg, skt, svg, svt, sog, soh, qn_ptr, kn_ptr, eps, QPG: tl.constexpr,
-                QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr, ARRIVE: tl.constexpr,
-                AHEAD: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, EARLY: tl.constexpr):
-        """Split ``sp`` of group ``g``: the rotations, the cache write, the attention (the module docstring). With
+        """Program (group g, split sp): the rotations, the cache write, the attention (the module docstring). With
         ``PDL`` (launched early: programmatic dependent launch) it waits for the kernel before, which wrote qkv, after
-        reading what that kernel does not write: the slot, the padding and (``AHEAD``, ``EARLY``) the first block of
-        the cache (slots before this step's, written by earlier steps: ``EARLY`` of them, the walk goes on past)."""
+        reading what that kernel does not write: the slot, the padding and (``EARLY``) the first cached slots (written
+        by earlier steps; the walk goes on past them). ``NORM``: the query and key heads RMS-normalised first (weights
+        at ``qn_ptr``, ``kn_ptr``; ``eps``)."""
+        g, sp = tl.program_id(0), tl.program_id(1)
         dt = qkv_ptr.dtype.element_ty
         cols = tl.arange(0, D)
         slot, lo, hi = _span(slot_ptr, pad_ptr, splits, sp, BT)
-        if AHEAD or EARLY > 0:  # (cache slots of earlier steps: the kernel before does not write them)
-            keys, vals, ok = _first_block(k_ptr + g * skg, v_ptr + g * svg, lo, hi, skt, svt, cols,
-                                          BT if AHEAD else EARLY)
+        if EARLY > 0:  # (cache slots of earlier steps: the kernel before does not write them)
+            keys, vals, ok = _first_block(k_ptr + g * skg, v_ptr + g * svg, lo, hi, skt, svt, cols, EARLY)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -273,15 +215,12 @@ if triton is not None:
         writes = (cols * 0 + sp) == splits - 1  # [D]
         tl.store(k_ptr + g * skg + slot * skt + cols, k_new.to(dt), mask=writes)
         tl.store(v_ptr + g * svg + slot * svt + cols, v_new.to(dt), mask=writes)
-        if AHEAD:  # the next block of the cache loaded while this one is worked on
-            m, total, acc = _walk_ahead(q, k_ptr + g * skg, v_ptr + g * svg, lo, hi, scale, skt, svt, cols, keys, vals,
-                                        ok, QB, D, BT)
-        else:  # the paged kernels' key loop over the row's cache as one block of a pool (block stride 0: the block
-            # number it reads from its "table", here the padding count, multiplies nothing; a block size past any slot)
-            m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo + EARLY, hi, g, scale, 0, skt, skg, 0, svt, svg, cols,
-                                  QB, D, 1 << 30, BT)
-            if EARLY > 0:
-                m, total, acc = _merged(*_preloaded(q, keys, vals, ok, scale, QB, D), m, total, acc)
+        # the paged kernels' key loop over the row's cache as one block of a pool (block stride 0: the block number
+        # it reads from its "table", here the padding count, multiplies nothing; a block size past any slot)
+        m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo + EARLY, hi, g, scale, 0, skt, skg, 0, svt, svg, cols,
+                              QB, D, 1 << 30, BT)
+        if EARLY > 0:
+            m, total, acc = _merged(*_preloaded(q, keys, vals, ok, scale, QB, D), m, total, acc)
         m_new, total, acc = _with_new(q, k_new, v_new, last, scale, m, total, acc)
         if SPLIT:  # partials [groups, splits, QPG(, D)], the paged engine's combine layout (one token)
             at = (g * splits + sp) * QPG + heads
@@ -303,13 +242,11 @@ if triton is not None:
     @torch.library.custom_op("paratron::decode_rotary_attention", mutates_args=("k_cache", "v_cache", "counts"))
     def _decode_rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
-                          splits: int, counts: torch.Tensor, warm: torch.Tensor, pdl: bool, ahead: bool,
-                          q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, early: int) -> torch.Tensor:
+                          splits: int, counts: torch.Tensor, pdl: bool, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                          eps: float, early: int) -> torch.Tensor:
         """``counts``: int32 zeros, one per group at least (:func:`decode_rotary_attention`), or empty: none;
-        ``warm``: a contiguous tensor to prefetch into L2 meanwhile, or empty: none; ``pdl``: launched for
-        programmatic dependent launch (``--kernel-decode-pdl``); ``ahead``: the walk over the cache loads each block
-        while the one before is worked on (eight warps: the two blocks' registers); ``q_norm``, ``k_norm``: the query
-        and key heads' RMSNorm weights (``eps``), or empty: none; ``early``: cached slots each split loads at its
+        ``pdl``: launched for programmatic dependent launch (``--kernel-decode-pdl``); ``q_norm``, ``k_norm``: the
+        query and key heads' RMSNorm weights (``eps``), or empty: none; ``early``: cached slots each split loads at its
         start (before its wait under ``pdl``; eight warps past 64), then walks on from there.
         (Every argument is given: torch 2.11 drops a mutated optional argument left at its default from the call
         and then fails to find it.)"""
@@ -328,23 +265,18 @@ if triton is not None:
             acc = torch.empty(groups, splits, qpg, d, device=qkv.device, dtype=torch.float32)
         arrive = split and counts.numel() > 0
         norm = q_norm.numel() > 0
-        lines = -(-warm.numel() * warm.element_size() // 128)
-        extra = -(-WARM_PROGRAMS // groups) if lines else 0  # programs per group that prefetch
         with torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext():
-            _decode_rotary_kernel[(groups, splits + extra)](
+            _decode_rotary_kernel[(groups, splits)](
                 qkv, cos, sin, k_cache, v_cache, pad, slot, out, m, total, acc, counts if arrive else out, splits,
                 scale, k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), out.stride(1),
-                out.stride(2), warm if lines else out, lines, q_norm if norm else out, k_norm if norm else out, eps,
-                QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split, ARRIVE=arrive, PDL=pdl, WARM=lines > 0,
-                LINE=128 // warm.element_size(), AHEAD=ahead, NORM=norm, EARLY=0 if ahead else early,
-                num_warps=8 if ahead or early > BLOCK_T else 4,
-                **({"launch_pdl": True} if pdl else {}))
+                out.stride(2), q_norm if norm else out, k_norm if norm else out, eps,
+                QPG=qpg, QB=qb, D=d, BT=BLOCK_T, SPLIT=split, ARRIVE=arrive, PDL=pdl, NORM=norm, EARLY=early,
+                num_warps=8 if early > BLOCK_T else 4, **({"launch_pdl": True} if pdl else {}))
             if split and not arrive:
                 _paged_combine_kernel[(groups,)](m, total, acc, out, out, groups, splits, out.stride(0),
                                                  out.stride(1), out.stride(2), QPG=qpg, QB=qb, D=d, SINK=False)
         return out
 
     @_decode_rotary_op.register_fake
-    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, warm, pdl, ahead, q_norm, k_norm, eps,
-          early):
+    def _(qkv, cos, sin, k_cache, v_cache, pad, slot, scale, splits, counts, pdl, q_norm, k_norm, eps, early):
         return qkv.new_empty(1, qkv.size(0), qkv.size(1) - 2, qkv.size(2))

@@ -94,7 +94,6 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
         "kernel_decode_pdl": ("auto", "on at one-row steps with the row GEMVs (measured faster, docs/inference.md); "
                               "off with --kernel-decode-gemv torch")
         if o["pdl"] and triton_gpu else ("off", "needs Hopper, Triton and CUDA"),
-        "kernel_decode_prefetch": ("off", "measured no faster with the row GEMVs (docs/inference.md)"),
         "kernel_linear_scan": _linear_scan(device),
     }
 

@@ -79,6 +79,10 @@ def test_every_command_reports_a_user_error_as_one_line_and_exit_2(tmp_path, cap
         (["serve", "--load", str(tmp_path), "--inference-max-seq-length", "9", "--flash-decode"], "paratron",
          "--flash-decode (Megatron-LM's) is not a paratron serve flag"),
         (["serve", "--load", str(tmp_path), "--bogus"], "paratron", "unrecognized arguments: --bogus"),
+        # a flag paratron had and removed: named, with why
+        (["generate", "--load", str(tmp_path), "--kernel-decode-prefetch", "on"], "paratron",
+         "--kernel-decode-prefetch is no longer a paratron flag: the fused decode attention's loads ahead"),
+        (["train", *TINY, "--kernel-decode-prefetch", "on"], "paratron", "is no longer a paratron flag"),
     ]
     for argv, prefix, needle in cases:
         capsys.readouterr()

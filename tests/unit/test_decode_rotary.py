@@ -46,8 +46,8 @@ import torch
 from paratron.kernels.decode_rotary import decode_rotary_reference
 torch.manual_seed(0)
 # one program per group and split contexts (splits past a short context stay empty), combined by a second kernel or,
-# with counts, by each group's last split (and then walking the cache a block ahead); padding slots, slots past the current one never read (NaN there), fp32
-# and bf16, 1 and 4 query heads per group
+# with counts, by each group's last split; padding slots, slots past the current one never read (NaN there), fp32 and
+# bf16, 1 and 4 query heads per group
 for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.float32, 1e-5),
                                               (1, 1, 64, 70, 5, 2, torch.float32, 1e-5),
                                               (8, 4, 64, 200, 190, 3, torch.bfloat16, 2e-2),
@@ -68,10 +68,8 @@ for g, qpg, d, cap, slot, pad, dtype, tol in ((2, 4, 16, 150, 137, 0, torch.floa
         rk, rv = k.nan_to_num(), v.nan_to_num()
         want = decode_rotary_reference(qkv, cos, sin, rk, rv, torch.tensor([pad]), torch.tensor(slot), 0.125, norms)
         none = torch.zeros(0, dtype=torch.int32)  # (no counts: the second kernel combines)
-        ahead = counts is not None and not early  # the walk that loads the next block of the cache first
         got = torch.ops.paratron.decode_rotary_attention(qkv, cos, sin, k, v, torch.tensor([pad]), torch.tensor(slot),
-                                                         0.125, splits, none if counts is None else counts,
-                                                         torch.zeros(0), False, ahead,  # (no L2 prefetch: the GPU's)
+                                                         0.125, splits, none if counts is None else counts, False,
                                                          *(norms or (torch.zeros(0), torch.zeros(0), 0.0)), early)
         # the splits counted themselves in and the last one set its group's count back (zero for the next call)
         assert counts is None or not counts.any(), counts

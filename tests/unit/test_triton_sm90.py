@@ -66,27 +66,24 @@ def test_decode_rotary_kernel_compiles_for_sm90(split):
     dependent launch's wait and trigger."""
     types = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_ptr": "*bf16", "v_ptr": "*bf16",
              "pad_ptr": "*i64", "slot_ptr": "*i64", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32",
-             "acc_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32", "warm_ptr": "*bf16", "qn_ptr": "*bf16",
-             "kn_ptr": "*bf16", "eps": "fp32"}
-    for arrive, pdl, warm in (((False, False, False), (True, True, True)) if split
-                              else ((False, False, False), (False, True, False), (False, False, True))):
-        norm = pdl and not warm  # (with the query and key heads' RMSNorm: --qk-layernorm)
+             "acc_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
+             "eps": "fp32"}
+    for arrive, pdl, norm in (((False, False, False), (True, True, True)) if split
+                              else ((False, False, False), (False, True, True), (False, True, False))):
         from paratron.kernels import decode_rotary
         if not hasattr(decode_rotary, "_decode_rotary_kernel"):
             pytest.skip("paratron's kernels module did not see Triton")
         out = compile_sm90(decode_rotary._decode_rotary_kernel, types,
                            {"QPG": 4, "QB": 16, "D": 64, "BT": 64, "SPLIT": split, "ARRIVE": arrive, "PDL": pdl,
-                            "WARM": warm, "LINE": 64, "AHEAD": warm, "NORM": norm,
-                            "EARLY": 256 if pdl and not warm else 0})
+                            "NORM": norm, "EARLY": 256 if pdl else 0})
         assert len(out.asm.get("cubin", b"")) > 0
         ptx = out.asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl and ("atom" in ptx) == arrive
-        assert ("prefetch.global.L2::evict_last" in ptx) == warm
-        assert ("rsqrt" in ptx) == norm  # the heads' RMSNorm statistics
-        if pdl:  # the slot, the padding and the cache's first block (64 slots ahead, else 256) read before the wait
+        assert "prefetch.global" not in ptx
+        assert ("rsqrt" in ptx) == norm  # the heads' RMSNorm statistics (--qk-layernorm)
+        if pdl:  # the slot, the padding and the cache's first 256 slots read before the wait
             before = ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
-            slots = 64 if warm else 256
-            assert before >= 2 + 2 * slots * 64 * 2 // (16 * 256), before
+            assert before >= 2 + 2 * 256 * 64 * 2 // (16 * 256), before
 
 
 @pytest.mark.parametrize("split,gated", [(1, False), (4, False), (2, True)])

@@ -44,7 +44,6 @@ class SDPAttention(nn.Module):
         self.scale = mup.softmax_scale(cfg, self.d)  # the scores' scale: None is the kernels' 1/sqrt(d)
         self.decode = self._grouped_decode(par) if self.decodes else None
         self.decode_pdl = asked_on(par.kernels.kernel_decode_pdl)  # its launch (auto: the layer's row path decides)
-        self.decode_prefetch = asked_on(par.kernels.kernel_decode_prefetch)  # ... and its loads ahead
 
     def _grouped_decode(self, par) -> Optional[GroupedDecode]:
         """The decode core of one-token steps with grouped heads (None: plain heads, the frame's core)."""
@@ -101,22 +100,18 @@ class SDPAttention(nn.Module):
         cos, sin = ctx.rope
         return cos.shape == sin.shape == (1, 1, 1, self.d) and cache.bounds() is not None
 
-    def attend_decode_rotary(self, qkv, ctx, next_weight: Optional[torch.Tensor] = None,
-                             pdl: Optional[bool] = None, norms: Optional[tuple] = None) -> torch.Tensor:
+    def attend_decode_rotary(self, qkv, ctx, pdl: Optional[bool] = None, norms: Optional[tuple] = None) -> torch.Tensor:
         """qkv [1, 1, groups, q_per_group + 2, d] of a one-row decode step -> [1, 1, heads * d]: the rotary
         embedding of its query heads and key, its key and value into the cache, attention over the cache, in one
-        kernel (kernels/decode_rotary.py); ``next_weight``: the weight the next kernel reads (the output
-        projection's), which --kernel-decode-prefetch has the kernel warm in L2 (its walk then loads ahead too);
-        ``pdl``: launched early (programmatic dependent launch; default: --kernel-decode-pdl on); ``norms``: (the
-        query heads' RMSNorm weight, the key heads', eps) of --qk-layernorm, applied before the rotation."""
+        kernel (kernels/decode_rotary.py); ``pdl``: launched early (programmatic dependent launch; default:
+        --kernel-decode-pdl on); ``norms``: (the query heads' RMSNorm weight, the key heads', eps) of
+        --qk-layernorm, applied before the rotation."""
         k_cache, v_cache = ctx.kv_cache.buffers(self.layer_index)
         pad, slot = ctx.kv_cache.bounds()
         scale = self.scale if self.scale is not None else self.d ** -0.5
         out = decode_rotary.decode_rotary_attention(qkv, *ctx.rope, k_cache, v_cache, pad, slot, scale,
                                                     counts=ctx.kv_cache.counts(),
-                                                    pdl=self.decode_pdl if pdl is None else pdl,
-                                                    warm=next_weight if self.decode_prefetch else None,
-                                                    ahead=self.decode_prefetch, norms=norms)
+                                                    pdl=self.decode_pdl if pdl is None else pdl, norms=norms)
         return out.reshape(1, 1, self.heads * self.d)
 
     def extra_repr(self) -> str:

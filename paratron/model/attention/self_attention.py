@@ -151,7 +151,7 @@ class Attention(nn.Module):
         qkv = qkv.view(1, 1, self.groups, self.q_rows + 2, self.d)
         norms = None if self.q_layernorm is None else (self.q_layernorm.weight, self.k_layernorm.weight,
                                                        self.q_layernorm.eps)
-        return self.core_attention.attend_decode_rotary(qkv, ctx, self.linear_proj.weight, pdl, norms)
+        return self.core_attention.attend_decode_rotary(qkv, ctx, pdl, norms)
 
     def _project(self, out: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         with offload.at(self, "attn_proj"):
