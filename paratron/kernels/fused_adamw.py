@@ -115,23 +115,23 @@ def _rows(master: torch.Tensor, grad: torch.Tensor, state: dict, out: Optional[t
 
 
 def _table(tables: dict, key: tuple, rows: list, device: torch.device) -> tuple:
-    """(addresses [masters, 6] int64, cumulative block counts [masters + 1] int64, blocks, search depth) on the
-    device for ``rows``: kept in ``tables`` under ``key`` and the addresses, built where they changed."""
+    """(addresses [masters, 6] int64, cumulative block counts [masters + 1] int64, blocks, search depth, sizes
+    [masters] int64) on the device for ``rows``: kept in ``tables`` under ``key`` with the addresses and sizes they
+    were built for, built again where those changed."""
     addrs = [[0 if t is None else t.data_ptr() for t in r] for r in rows]
-    flat = tuple(a for r in addrs for a in r)
+    sizes = [r[0].numel() for r in rows]
+    seen = tuple(a for r in addrs for a in r) + tuple(sizes)
     hit = tables.get(key)
-    if hit is not None and hit[0] == flat:
+    if hit is not None and hit[0] == seen:
         return hit[1]
-    counts = [triton.cdiv(r[0].numel(), BLOCK) for r in rows]
     cum = [0]
-    for c in counts:
-        cum.append(cum[-1] + c)
+    for n in sizes:
+        cum.append(cum[-1] + triton.cdiv(n, BLOCK))
     for a in addrs:
         a[4] = a[4] or a[0]  # no model weight: HAS_OUT is off for the whole batch, any address will do
-    sizes = [r[0].numel() for r in rows]
     built = (torch.tensor(addrs, dtype=torch.int64, device=device), torch.tensor(cum, dtype=torch.int64, device=device),
              cum[-1], max(1, (len(rows) - 1).bit_length()), torch.tensor(sizes, dtype=torch.int64, device=device))
-    tables[key] = (flat, built)
+    tables[key] = (seen, built)
     return built
 
 
