@@ -39,7 +39,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU across nodes (default: the kind's network)")
     p.add_argument("--matmul-efficiency", type=float, default=MATMUL_EFFICIENCY,
                    help="fraction of the dense peak the matmuls reach (an assumption: measure yours)")
-    p.add_argument("--host-gbps", type=float, default=HOST_GBPS, help="host <-> GPU GB/s (optimizer offload)")
+    p.add_argument("--host-gbps", type=float, default=HOST_GBPS, help="host <-> GPU GB/s each way (optimizer and activation offload)")
     p.add_argument("--fp8", action="store_true", help="plan FP8 matmuls (--fp8-format) on Hopper")
     p.add_argument("--top", type=int, default=10, help="layouts listed")
     p.add_argument("--explain", type=int, default=None,

@@ -26,7 +26,7 @@ GIB = 1024 ** 3
 GPUS = {"h100": (80 * GB / GIB, 989.0, 1979.0, 450.0, 50.0), "h200": (141 * GB / GIB, 989.0, 1979.0, 450.0, 50.0),
         "a100": (80 * GB / GIB, 312.0, None, 300.0, 25.0), "a100-40gb": (40 * GB / GIB, 312.0, None, 300.0, 25.0)}
 MATMUL_EFFICIENCY = 0.5  # assumed fraction of the dense peak a layer's matmuls reach (--matmul-efficiency)
-HOST_GBPS = 25.0  # assumed host <-> GPU copy bandwidth (PCIe 5 x16, per direction) for optimizer offload
+HOST_GBPS = 53.7  # calibrated: moe-mini mb8 with the experts' activations offloaded, H100 (docs/plan.md)
 
 
 @dataclass(frozen=True)

@@ -21,5 +21,5 @@ eager aten operation, forward or backward, on the H100 / H200 / A100 hosts (one 
 from __future__ import annotations
 
 HOST_OP_US = {"h100": 28.5, "h200": 28.5, "a100": 28.5, "a100-40gb": 28.5}  # calibrated: llama-1b mb1 (docs/plan.md)
-HOST_ADAM_GBPS = 98.4  # calibrated: llama-1b distopt + offload 1.0, fused CPU AdamW (docs/plan.md)
+HOST_ADAM_GBPS = 67.8  # calibrated: llama-1b distopt + offload 1.0, fused CPU AdamW (docs/plan.md)
 ADAM_BYTES = 28  # per offloaded parameter: read master, grad, m, v (fp32), write master, m, v
