@@ -27,7 +27,7 @@ from ..config.kernels import KernelConfig
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
 from ..parallel.random import seeded_init
-from ..parallel.cross_entropy import logits_cross_entropy
+from ..parallel.cross_entropy import logits_cross_entropy, vocab_parallel_cross_entropy
 from ..parallel.tensor import ReplicatedLinear, init_normal
 from .context import ForwardContext
 from .gpt import Embedding, GPTModel, output_layer_of, parallel_of, resolved_config, tie_first_stage
@@ -116,7 +116,9 @@ class BertModel(GPTModel):
                     self.pooler = Pooler(cfg, device, dtype)
         tie_first_stage(self, pre_process, post_process)
         self.input_tensor: Optional[torch.Tensor] = None
-        self.fused_output_loss = False  # the output layer has a bias: logits, then the vocab-parallel loss
+        # the output layer has a bias (no fused layer + loss): logits, then the loss over them in one pass where it
+        # applies (parallel/cross_entropy.py: logits_cross_entropy); False (--no-fused-output-loss): the plain loss
+        self.fused_output_loss = True
 
     @property
     def decoder(self) -> TransformerStack:
@@ -141,7 +143,9 @@ class BertModel(GPTModel):
         if lm_labels is None:
             return logits.transpose(0, 1).contiguous(), binary
         target = lm_labels.clamp(min=0).transpose(0, 1)  # Megatron's -1 (no prediction) is masked by the loss
-        k = self.kernels  # the logits are not read after: at one TP rank on CUDA the loss's kernel overwrites them
-        kernel = "compiled" if k.kernel_cross_entropy == "compiled" else "triton"
-        loss = logits_cross_entropy(logits, target, self.par.tp_group, kernel, k.kernel_ce_fast_exp == "on")
+        k = self.kernels
+        if self.fused_output_loss and k.kernel_cross_entropy != "compiled":  # (overwrites the logits where it applies)
+            loss = logits_cross_entropy(logits, target, self.par.tp_group, fast_exp=k.kernel_ce_fast_exp == "on")
+        else:
+            loss = vocab_parallel_cross_entropy(logits, target, self.par.tp_group)
         return loss.transpose(0, 1).contiguous(), binary

@@ -123,10 +123,12 @@ def _kernel(fn, x: torch.Tensor):
 def logits_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None, kernel: str = "triton",
                          fast_exp: bool = True) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(logits, target, tp_group)`` for a model whose output layer has a bias (BERT's),
-    where the fused output layer + loss does not apply. At one TP rank on CUDA with bf16/fp16 logits and
+    where the fused output layer + loss does not apply. At one TP rank on CUDA with bf16 (or fp32) logits and
     ``kernel`` "triton" (``--kernel-cross-entropy``) the loss is the one-pass Triton kernel over the logits
     (``fused_ce_``), which overwrites them with softmax - onehot(target), so that no fp32 copy of the logits of every
-    token exists: the logits must not be read after this call. ``fast_exp``: ``--kernel-ce-fast-exp``."""
+    token exists: the logits must not be read after this call, and the backward runs once. fp16 logits keep the
+    plain loss: softmax - onehot rounded to fp16 before the loss scale multiplies it would lose the small
+    probabilities of a wide vocabulary to fp16's subnormals. ``fast_exp``: ``--kernel-ce-fast-exp``."""
     if _logits_fusable(logits, tp_group, kernel):
         return _LogitsCrossEntropy.apply(logits, target, fast_exp)
     return vocab_parallel_cross_entropy(logits, target, tp_group)
@@ -134,7 +136,7 @@ def logits_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=No
 
 def _logits_fusable(logits: torch.Tensor, group, kernel: str) -> bool:
     return (kernel == "triton" and triton is not None and logits.is_cuda and logits.dtype in FUSED_DTYPES
-            and logits.is_contiguous() and comm.group_size(group) == 1)
+            and logits.dtype != torch.float16 and logits.is_contiguous() and comm.group_size(group) == 1)
 
 
 class _LogitsCrossEntropy(torch.autograd.Function):

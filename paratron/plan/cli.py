@@ -14,7 +14,7 @@ from typing import Optional
 from ..config import Config, parse_args
 from ..config.check_hybrid import is_hybrid_stack
 from ..errors import ConfigError, UserError
-from .cost import GPUS, HOST_GBPS, MATMUL_EFFICIENCY, Cluster, step_time
+from .cost import GPUS, MATMUL_EFFICIENCY, Cluster, step_time
 from .layout import layout_of
 from .memory import ALLOCATOR_SLACK, GIB, describe, fullest, not_modelled
 from .search import Candidate, dp_bytes, search
@@ -39,7 +39,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU across nodes (default: the kind's network)")
     p.add_argument("--matmul-efficiency", type=float, default=MATMUL_EFFICIENCY,
                    help="fraction of the dense peak the matmuls reach (an assumption: measure yours)")
-    p.add_argument("--host-gbps", type=float, default=HOST_GBPS, help="host <-> GPU GB/s each way (optimizer and activation offload)")
+    p.add_argument("--host-gbps", type=float, default=None,
+                   help="host <-> GPU GB/s each way, optimizer and activation offload (default: the kind's)")
     p.add_argument("--fp8", action="store_true", help="plan FP8 matmuls (--fp8-format) on Hopper")
     p.add_argument("--top", type=int, default=10, help="layouts listed")
     p.add_argument("--explain", type=int, default=None,

@@ -26,7 +26,9 @@ GIB = 1024 ** 3
 GPUS = {"h100": (80 * GB / GIB, 989.0, 1979.0, 450.0, 50.0), "h200": (141 * GB / GIB, 989.0, 1979.0, 450.0, 50.0),
         "a100": (80 * GB / GIB, 312.0, None, 300.0, 25.0), "a100-40gb": (40 * GB / GIB, 312.0, None, 300.0, 25.0)}
 MATMUL_EFFICIENCY = 0.5  # assumed fraction of the dense peak a layer's matmuls reach (--matmul-efficiency)
-HOST_GBPS = 53.7  # calibrated: moe-mini mb8 with the experts' activations offloaded, H100 (docs/plan.md)
+# kind: host <-> GPU copy GB/s each way. H100 / H200 hosts (PCIe 5 x16): calibrated on moe-mini mb8 with the experts'
+# activations offloaded on an H100 (docs/plan.md); A100 hosts (PCIe 4 x16, half the rate): assumed
+HOST_GBPS = {"h100": 53.7, "h200": 53.7, "a100": 25.0, "a100-40gb": 25.0}
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class Cluster:
     intra_gbps: Optional[float] = None  # GB/s per GPU inside a node (default: the kind's NVLink)
     inter_gbps: Optional[float] = None  # GB/s per GPU across nodes (default: the kind's network)
     matmul_efficiency: float = MATMUL_EFFICIENCY
-    host_gbps: float = HOST_GBPS
+    host_gbps: Optional[float] = None  # host <-> GPU GB/s each way (default: the kind's)
     host_adam_gbps: float = HOST_ADAM_GBPS
     memory_efficiency: float = MEMORY_EFFICIENCY  # fraction of HBM bandwidth the non-matmul kernels reach
 
@@ -49,6 +51,13 @@ class Cluster:
             raise ConfigError(f"--gpu {self.kind}: unknown GPU kind; use one of {', '.join(GPUS)} "
                               "(--gpu-memory-gib and --intra-node-gbps / --inter-node-gbps override its figures)")
         return GPUS[self.kind]
+
+    @property
+    def host_link(self) -> float:
+        """Host <-> GPU copy GB/s each way: ``host_gbps``, else the kind's (an unnamed kind: an H100 host's)."""
+        if self.host_gbps is not None:
+            return self.host_gbps
+        return HOST_GBPS.get(self.kind or "h100", HOST_GBPS["h100"])
 
     @property
     def memory(self) -> int:
@@ -204,7 +213,7 @@ def step_time(model: ModelConfig, vocab: int, layout: Layout, cluster: Cluster, 
         dp += max(0.0, ring(n) * full_weights / dp_bw - busy / 3 / m)
     if L.zero == 3:  # every layer gathered for each micro-batch's forward and again for its backward, prefetched
         dp += max(0.0, 2 * m * ring(n) * full_weights / dp_bw - busy)
-    offload = L.offload_fraction * (grad_bytes + param_bytes_dp) / (cluster.host_gbps * GB)
+    offload = L.offload_fraction * (grad_bytes + param_bytes_dp) / (cluster.host_link * GB)
     offload += L.offload_fraction * host_adam(grad_bytes // L.grad_bytes, cluster)
     offload += activation_copies(model, L, cluster, busy, m)
     return StepTime(compute, memory, recompute, bubble, tp, cp, ep, pp, dp, offload,
@@ -242,7 +251,7 @@ def activation_copies(model: ModelConfig, L: Layout, cluster: Cluster, busy: flo
     kinds, tokens = layer_kinds(model), L.micro_batch * L.seq_length // L.cp
     moved = sum(offloaded_bytes(model, L, kind, points, tokens)
                 for kind, points in zip(kinds, offload_points(model, L, kinds))) / L.pp
-    copy = moved / (cluster.host_gbps * GB)
+    copy = moved / (cluster.host_link * GB)
     return m * (max(0.0, copy - busy / 3 / m) + max(0.0, copy - busy * 2 / 3 / m))
 
 

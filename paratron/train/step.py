@@ -55,7 +55,7 @@ def build_model(cfg: Config, dims: ParallelDims, device: torch.device, **stage) 
         model = BertModel(cfg.model, cfg.padded_vocab_size, **common)
     else:
         model = GPTModel(cfg.model, cfg.padded_vocab_size, cp_comm_type=cfg.parallel.cp_comm_type, **common)
-        model.fused_output_loss = not tr.no_fused_output_loss
+    model.fused_output_loss = not tr.no_fused_output_loss
     recompute.apply_train_choices(model.decoder, tr, device)  # --recompute-modules, --offload-modules
     if model.embedding is not None:  # --no-token-id-check: the embedding's own check too
         model.embedding.word_embeddings.check_ids = not cfg.data.no_token_id_check

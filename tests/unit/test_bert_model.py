@@ -102,3 +102,27 @@ def test_bert_flops_count_the_whole_attention_and_the_lm_head():
     h, s, L = m["hidden"], m["seq"], m["layers"]
     gap = flops_per_iteration(bert, m["vocab"], 1, s) - flops_per_iteration(gpt, m["vocab"], 1, s)
     assert gap == pytest.approx(s * 6 * h * h + s * s * 6 * h * L, rel=1e-12)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_masked_lm_loss_takes_the_one_pass_kernel_unless_the_plain_loss_is_asked(monkeypatch, fused):
+    """BERT's per-token loss through parallel/cross_entropy.py's logits_cross_entropy (the one-pass kernel where it
+    applies) unless --no-fused-output-loss (model.fused_output_loss False, as the training step sets it): the plain
+    vocab-parallel loss then. The same values either way on the CPU."""
+    from paratron.model import bert as bert_mod
+    hf = _hf()
+    cfg, vocab, _ = bert_config_from_hf(hf.config.to_dict())
+    model = BertModel(cfg, 128).eval()
+    model.load_state_dict(bert_hf_to_paratron(hf.state_dict(), cfg, 128, True), strict=True)
+    model.fused_output_loss = fused
+    calls, real = [], bert_mod.logits_cross_entropy
+    monkeypatch.setattr(bert_mod, "logits_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids, types, mask = _inputs()
+    labels = torch.where(torch.arange(12) % 3 == 0, ids, torch.full_like(ids, -1))
+    with torch.no_grad():
+        loss, _ = model(ids, padding_mask=mask, tokentype_ids=types, lm_labels=labels)
+        logits, _ = model(ids, padding_mask=mask, tokentype_ids=types)
+    assert calls == ([1] if fused else [])
+    want = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.clamp(min=0).flatten(),
+                                             reduction="none").view(2, 12)
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
