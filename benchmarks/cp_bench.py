@@ -95,7 +95,7 @@ def run(gpus: int, seq: int, steps: int, warmup: int, flags: str, args) -> tuple
 
 
 def throughput(args) -> tuple[str, str, list]:
-    rows = ["| sequence | CP (GPUs) | step ms | tokens/s per GPU | peak GB per GPU |", "|---|---|---|---|---|"]
+    rows = ["| sequence | CP (GPUs) | step ms | tokens/s per GPU | peak GiB per GPU |", "|---|---|---|---|---|"]
     res, cmds = {}, []
     for seq in args.seqs:
         for cp in (1, 2):

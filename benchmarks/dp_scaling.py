@@ -108,7 +108,7 @@ def main() -> int:
     one, cmd1 = measure(1, args.flags, args)
     many, cmdn = measure(args.gpus, f"{args.flags} {args.dp_flags}".strip(), args)
     scaling = many["tok_s"] / (args.gpus * one["tok_s"]) if "tok_s" in one and "tok_s" in many else None
-    rows = ["| GPUs | flags | step ms | tokens/s | tokens/s/GPU | global batch | optimizer state GB/GPU | peak GB | loss |",
+    rows = ["| GPUs | flags | step ms | tokens/s | tokens/s/GPU | global batch | optimizer state GiB/GPU | peak GiB | loss |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r, flags in ((one, args.flags), (many, f"{args.flags} {args.dp_flags}".strip())):
         rows.append(f"| {r['gpus']} | `{flags}` | {r.get('step_ms')} | {r.get('tok_s')} | {r.get('tok_s_per_gpu')} | "

@@ -96,7 +96,7 @@ def matmul_speed(fmt: str, recipe: str) -> list[str]:
 
 def throughput(fmt: str, recipe: str, micro_batch: int, warmup: int, steps: int, extra: list[str]) -> list[str]:
     from train_throughput import run_paratron
-    lines = ["| variant | flags | step ms | tokens/s | MFU % (bf16 peak) | peak GB | loss |",
+    lines = ["| variant | flags | step ms | tokens/s | MFU % (bf16 peak) | peak GiB | loss |",
              "|---|---|---|---|---|---|---|"]
     base = ["--micro-batch-size", str(micro_batch), "--global-batch-size", str(micro_batch), *extra]
     for name, flags in (("bf16", []), ("fp8", ["--fp8-format", fmt, "--fp8-recipe", recipe])):

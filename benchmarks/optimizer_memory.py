@@ -257,7 +257,7 @@ def fit_main() -> int:
     else:
         runs = {s: f"{shape} --use-megatron-fsdp --data-parallel-sharding-strategy {s}" for s in STRATEGIES}
     results = {label: run_gpus(args.gpus, flags, args) for label, flags in runs.items()}
-    rows = ["| run | GPUs (ranks) | tokens/s | step ms | peak GB | GiB/rank params / grads / optimizer / host | result |",
+    rows = ["| run | GPUs (ranks) | tokens/s | step ms | peak GiB | GiB/rank params / grads / optimizer / host | result |",
             "|---|---|---|---|---|---|---|"] + [row(label, r) for label, (r, _) in results.items()]
     ok, verdict = True, ""
     if args.mode == "offload":

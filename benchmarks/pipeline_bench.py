@@ -131,7 +131,7 @@ def report(everyone: list, cfg, d, args, flags: list) -> None:
     v = d.vpp or 1
     bubble = (d.pp - 1) / (v * m + d.pp - 1) if d.pp > 1 else 0.0
     loss = next(r["loss"] for r in everyone if r["loss"] is not None)
-    rows = ["| rank | stage | step ms | idle ms | idle fraction | peak GB |", "|---|---|---|---|---|---|"]
+    rows = ["| rank | stage | step ms | idle ms | idle fraction | peak GiB |", "|---|---|---|---|---|---|"]
     for r in sorted(everyone, key=lambda r: r["rank"]):
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
         rows.append(f"| {r['rank']} | {r['pp_rank']} | {r['step_s'] * 1e3:.1f} | {r['idle_s'] * 1e3:.1f} | "

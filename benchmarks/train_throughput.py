@@ -372,7 +372,7 @@ def bert_main(args) -> int:
     warmup, steps = (1, 2) if args.tiny else (args.warmup, args.steps)
     mbs = args.micro_batch_size
     tokens, fpt = mbs * m["seq"], bert_flops_per_token(m)
-    rows = ["| system | step ms | tokens/s | TFLOP/s | MFU % | peak GB |", "|---|---|---|---|---|---|"]
+    rows = ["| system | step ms | tokens/s | TFLOP/s | MFU % | peak GiB |", "|---|---|---|---|---|---|"]
     variants = [v.split(":", 1) if ":" in v else (v, "") for v in args.variant]  # paratron's runs, flags added
     systems = [(f"paratron {name}", functools.partial(run_bert_paratron, extra=tuple(flags.split())))
                for name, flags in variants] or [("paratron", run_bert_paratron)]
@@ -467,7 +467,7 @@ def main() -> int:
         rows.append(r)
         print(json.dumps(r), flush=True)
     hf_tok = next((r["tok_s"] for r in rows if r["system"] == "hf-compile" and "tok_s" in r), None)
-    header = ("| system | flags | step ms | tokens/s | TFLOP/s | MFU % | peak GB | loss | vs HF+compile "
+    header = ("| system | flags | step ms | tokens/s | TFLOP/s | MFU % | peak GiB | loss | vs HF+compile "
               "| GPU ms per step: min / median / max |")
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
