@@ -178,6 +178,26 @@ def as_given(cfg: Config, cluster: Cluster, host_ops: tuple = (0, 0), traffic=No
     return line
 
 
+GRAPH_FLAGS = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+HOST_HINT_SHARE = 0.1  # the host's exposed share of the step above which the plan names the step graph
+
+
+def graph_hint(cfg: Config, cluster: Cluster, rest: list[str], host_ops: tuple, traffic=None) -> Optional[str]:
+    """A line naming the step's CUDA graph where the config's own step waits on the host for more than
+    ``HOST_HINT_SHARE`` of its time and the config takes the graph (the plan counts no host time with it)."""
+    layout = layout_of(cfg, cluster.kind, host_ops, traffic)
+    t = step_time(cfg.model, cfg.padded_vocab_size, layout, cluster, *dp_bytes(cfg.model, cfg.padded_vocab_size,
+                                                                                   layout, {}))
+    if t.host <= HOST_HINT_SHARE * t.total:
+        return None
+    try:
+        model_config(rest + GRAPH_FLAGS, cluster.gpus, fallback=False)
+    except UserError:
+        return None
+    return (f"host-bound: the host's issue time adds {t.host * 1e3:.0f} ms to the step's {t.total * 1e3:.0f}; "
+            f"{' '.join(GRAPH_FLAGS)} replays the step as one CUDA graph without it (docs/cuda_graphs.md)")
+
+
 def plan_main(argv: Optional[list[str]] = None, count_host_ops=None, count_traffic=None) -> int:
     """``count_host_ops(cfg, kind)``: the eager operations of (one layer, the rest) (paratron/train/host_ops.py,
     which builds a tiny model: the planner does not); None plans without the host's issue time.
@@ -203,6 +223,8 @@ def plan_main(argv: Optional[list[str]] = None, count_host_ops=None, count_traff
     host_ops = count_host_ops(cfg, cluster.kind) if count_host_ops is not None else (0, 0)
     traffic = count_traffic(cfg, cluster.kind) if count_traffic is not None else None
     given = [as_given(cfg, cluster, host_ops, traffic)] if runs else ["as given: the config's own layout does not run on this cluster"]
+    hint = graph_hint(cfg, cluster, rest, host_ops, traffic) if runs and "fits" in given[0] else None
+    given += [hint] if hint else []
     explained = args.top if args.explain is None else args.explain
     for line in report(cfg, cluster, rest, args.fp8, args.top, explained, host_ops, traffic) + [""] + given:
         print(line)

@@ -84,3 +84,17 @@ def test_startup_lines_name_the_fullest_pipeline_rank():
     cfg = tiny_config("llama", world_size=4, num_layers=4, pipeline_model_parallel_size=4)
     mem = fullest(cfg.model, cfg.padded_vocab_size, layout_of(cfg), cfg.parallel)
     assert mem.pp_rank == 0 and mem.activations > 0  # the first stage holds PP micro-batches in flight
+
+
+def test_a_host_bound_step_is_pointed_at_the_step_graph(capsys):
+    """Eager llama-1b at micro-batch 1 waits on the host (counted operations): the plan names the step's CUDA graph,
+    whose flags the config takes; not where the config refuses the graph (TP 2) or already replays it."""
+    base = ["--gpu", "h100", "--top", "1", "--config", "llama-1b", "--micro-batch-size", "1", "--global-batch-size",
+            "4", "--mock-data"]
+    out = plan(capsys, ["--gpus", "1", *base])
+    hint = [line for line in out.splitlines() if line.startswith("host-bound:")]
+    assert len(hint) == 1 and "--cuda-graph-impl local --cuda-graph-scope full_iteration" in hint[0], out
+    with_graph = plan(capsys, ["--gpus", "1", *base, "--cuda-graph-impl", "local", "--cuda-graph-scope",
+                               "full_iteration"])
+    assert "host-bound:" not in with_graph
+    assert "host-bound:" not in plan(capsys, ["--gpus", "2", *base, "--tensor-model-parallel-size", "2"])
