@@ -47,16 +47,12 @@ def sync():
 
 def predicted(cfg, kind: str, efficiency: float) -> dict:
     """paratron plan's peak allocated memory (GiB) and step time (ms) of the run's layout on one ``kind`` GPU."""
-    from paratron.plan.cost import Cluster, step_time
-    from paratron.plan.layout import layout_of
-    from paratron.plan.memory import rank_memory
-    from paratron.plan.search import dp_bytes
+    from paratron.plan.cost import Cluster
+    from paratron.plan.search import planned
     from paratron.train.host_ops import host_ops_for
     from paratron.train.traffic import traffic_for
-    layout, v = layout_of(cfg, kind, host_ops_for(cfg, kind), traffic_for(cfg, kind)), cfg.padded_vocab_size
-    mem = rank_memory(cfg.model, v, layout, 0, cfg.parallel)
-    t = step_time(cfg.model, v, layout, Cluster(1, 1, kind, matmul_efficiency=efficiency), *dp_bytes(cfg.model, v,
-                                                                                                  layout, {}))
+    mem, t = planned(cfg, Cluster(1, 1, kind, matmul_efficiency=efficiency), host_ops_for(cfg, kind),
+                     traffic_for(cfg, kind))
     return dict(plan_mem_gib=round(mem.peak / 2**30, 2), plan_step_ms=round(t.total * 1e3, 1))
 
 

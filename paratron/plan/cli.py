@@ -14,10 +14,10 @@ from typing import Optional
 from ..config import Config, parse_args
 from ..config.check_hybrid import is_hybrid_stack
 from ..errors import ConfigError, UserError
-from .cost import GPUS, MATMUL_EFFICIENCY, Cluster, step_time
+from .cost import GPUS, MATMUL_EFFICIENCY, Cluster, StepTime
 from .layout import layout_of
-from .memory import ALLOCATOR_SLACK, GIB, describe, fullest, not_modelled
-from .search import Candidate, dp_bytes, search
+from .memory import ALLOCATOR_SLACK, GIB, Memory, describe, not_modelled
+from .search import Candidate, planned, search
 
 # The flags a plan's command line sets itself (the user's values for them are replaced).
 SET_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--virtual-pipeline-model-parallel-size",
@@ -165,29 +165,20 @@ def report(cfg: Config, cluster: Cluster, rest: list[str], fp8: bool, top: int, 
     return lines
 
 
-def as_given(cfg: Config, cluster: Cluster, host_ops: tuple = (0, 0), traffic=None) -> str:
-    """The config's own layout, memory and time."""
-    layout = layout_of(cfg, cluster.kind, host_ops, traffic)
-    mem = fullest(cfg.model, cfg.padded_vocab_size, layout, cfg.parallel)
+def as_given(mem: Memory, t: StepTime, cluster: Cluster) -> str:
+    """The config's own layout (:func:`paratron.plan.search.planned`): its memory, and its time where it fits."""
     fits = mem.total <= cluster.memory
-    line = f"as given: {describe(mem)}; {'fits' if fits else 'does NOT fit'}"
-    if fits:
-        t = step_time(cfg.model, cfg.padded_vocab_size, layout, cluster, *dp_bytes(cfg.model, cfg.padded_vocab_size,
-                                                                                       layout, {}))
-        line += f", step {t.total:.3f} s"
-    return line
+    return f"as given: {describe(mem)}; " + (f"fits, step {t.total:.3f} s" if fits else "does NOT fit")
 
 
 GRAPH_FLAGS = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 HOST_HINT_SHARE = 0.1  # the host's exposed share of the step above which the plan names the step graph
 
 
-def graph_hint(cfg: Config, cluster: Cluster, rest: list[str], host_ops: tuple, traffic=None) -> Optional[str]:
-    """A line naming the step's CUDA graph where the config's own step waits on the host for more than
-    ``HOST_HINT_SHARE`` of its time and the config takes the graph (the plan counts no host time with it)."""
-    layout = layout_of(cfg, cluster.kind, host_ops, traffic)
-    t = step_time(cfg.model, cfg.padded_vocab_size, layout, cluster, *dp_bytes(cfg.model, cfg.padded_vocab_size,
-                                                                                   layout, {}))
+def graph_hint(t: StepTime, cluster: Cluster, rest: list[str]) -> Optional[str]:
+    """A line naming the step's CUDA graph where the config's own step ``t`` waits on the host for more than
+    ``HOST_HINT_SHARE`` of its time and the config (``rest``: its flags) takes the graph (the plan counts no host
+    time with it)."""
     if t.host <= HOST_HINT_SHARE * t.total:
         return None
     try:
@@ -222,9 +213,11 @@ def plan_main(argv: Optional[list[str]] = None, count_host_ops=None, count_traff
                           "the rest")
     host_ops = count_host_ops(cfg, cluster.kind) if count_host_ops is not None else (0, 0)
     traffic = count_traffic(cfg, cluster.kind) if count_traffic is not None else None
-    given = [as_given(cfg, cluster, host_ops, traffic)] if runs else ["as given: the config's own layout does not run on this cluster"]
-    hint = graph_hint(cfg, cluster, rest, host_ops, traffic) if runs and "fits" in given[0] else None
-    given += [hint] if hint else []
+    given = ["as given: the config's own layout does not run on this cluster"]
+    if runs:
+        mem, t = planned(cfg, cluster, host_ops, traffic)
+        hint = graph_hint(t, cluster, rest) if mem.total <= cluster.memory else None
+        given = [as_given(mem, t, cluster)] + ([hint] if hint else [])
     explained = args.top if args.explain is None else args.explain
     for line in report(cfg, cluster, rest, args.fp8, args.top, explained, host_ops, traffic) + [""] + given:
         print(line)

@@ -14,8 +14,8 @@ from ..errors import ConfigError
 from .activations import offload_points, offloaded_bytes
 from .flops import attention_layers, flops_per_iteration, mla_attention_terms
 from .host import ADAM_BYTES, HOST_ADAM_GBPS, HOST_OP_US
-from .layout import Layout
-from .shapes import layer_kinds
+from .layout import Layout, fp8_linear_weight
+from .shapes import Split, layer, layer_kinds
 from .traffic import MEMORY_EFFICIENCY, bandwidth, step_bytes
 
 GB = 1e9
@@ -147,17 +147,14 @@ def fp8_share(model: ModelConfig, layout: Layout) -> float:
     passes through (the routed experts' by top-k over the number of experts)."""
     if not layout.fp8 or not (layout.fp8_rules or layout.bf16_layers):
         return float(layout.fp8)
-    from ..fp8.recipe import LAYERS
-    from .shapes import Split, layer, layer_kinds
     routed = model.moe_router_topk / max(1, model.num_experts or 1)
     fp8 = total = 0.0
     for i, kind in enumerate(layer_kinds(model)):
         for t in layer(model, i, kind, Split()):
-            name = t.name[:-len(".weight")]
-            if t.name.endswith(".weight") and name.split(".")[-1] in LAYERS:
-                w = t.numel * (routed if ".experts." in name else 1.0)
+            if fp8_linear_weight(t.name):
+                w = t.numel * (routed if ".experts." in t.name else 1.0)
                 total += w
-                fp8 += w if layout.fp8_module(name) else 0.0
+                fp8 += w if layout.fp8_module(t.name[:-len(".weight")]) else 0.0
     return fp8 / total if total else 1.0
 
 

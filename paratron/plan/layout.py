@@ -104,6 +104,13 @@ class Layout:
         return self.replace(paths=self.paths.bf16) if layer in self.bf16_layers and self.paths.bf16 else self
 
 
+def fp8_linear_weight(name: str) -> bool:
+    """Whether tensor ``name`` is the weight of a decoder layer's linear that an FP8 run can run in FP8
+    (paratron/fp8/recipe.py's LAYERS); ``Layout.fp8_module`` says whether it does."""
+    from ..fp8.recipe import LAYERS
+    return ".layers." in name and name.endswith(".weight") and name.split(".")[-2] in LAYERS
+
+
 def field(cfg: Config, name: str, default):
     """A config field that may not exist in this version of paratron (a flag of another branch): its value,
     else ``default``."""

@@ -9,7 +9,7 @@ from typing import Optional
 from ..config import Config, ConfigError, ModelConfig
 from ..config.check_hybrid import gdn_chunk_size
 from .activations import chunk_bytes, in_flight
-from .layout import Layout, layout_of
+from .layout import Layout, fp8_linear_weight, layout_of
 from .shapes import Split, layer_kinds
 from .state import State, chunk_tensors, rank_chunks, state
 
@@ -89,9 +89,7 @@ def fp8_saved_weights(layout: Layout, tensors) -> int:
 def fp8_weight_elements(tensors, layout: Layout, dense: bool = True, experts: bool = True) -> int:
     """Elements of the weights of the FP8 layers (paratron/fp8/recipe.py's LAYERS) among ``tensors``: the dense
     layers' and / or the routed experts', those ``layout`` runs in FP8 (Layout.fp8_module)."""
-    from ..fp8.recipe import LAYERS
-    return sum(t.numel for t in tensors if ".layers." in t.name and t.name.endswith(".weight")
-               and t.name.split(".")[-2] in LAYERS and (experts if ".experts." in t.name else dense)
+    return sum(t.numel for t in tensors if fp8_linear_weight(t.name) and (experts if ".experts." in t.name else dense)
                and layout.fp8_module(t.name[:-len(".weight")]))
 
 

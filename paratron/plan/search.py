@@ -11,8 +11,8 @@ from typing import Iterator, Optional
 
 from ..config import FIELD_SECTION, ModelConfig
 from .cost import Cluster, StepTime, step_time
-from .layout import STRATEGIES, Layout
-from .memory import Memory, rank_memory, rank_state
+from .layout import STRATEGIES, Layout, layout_of
+from .memory import Memory, fullest, rank_memory, rank_state
 
 RECOMPUTE = (None, "selective", "full")
 MICRO_BATCHES = (1, 2)
@@ -96,6 +96,14 @@ def dp_bytes(model: ModelConfig, vocab: int, layout: Layout, cache: dict) -> tup
     """(gradient bytes, weight bytes) of the first pipeline rank that data parallelism moves each step."""
     st = rank_state(model, vocab, layout, 0, cache=cache)[2]
     return st.grads, st.weights
+
+
+def planned(cfg, cluster: Cluster, host_ops: tuple = (0, 0), traffic=None) -> tuple[Memory, StepTime]:
+    """A resolved config's own layout on ``cluster``: the memory of its fullest pipeline rank and its step time
+    (``host_ops``, ``traffic``: as :func:`paratron.plan.layout.layout_of` takes them)."""
+    layout, v = layout_of(cfg, cluster.kind, host_ops, traffic), cfg.padded_vocab_size
+    return fullest(cfg.model, v, layout, cfg.parallel), step_time(cfg.model, v, layout, cluster,
+                                                                  *dp_bytes(cfg.model, v, layout, {}))
 
 
 def search(model: ModelConfig, vocab: int, multiple: int, cluster: Cluster, base: Layout, fp8: bool = False,

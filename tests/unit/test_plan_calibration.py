@@ -42,15 +42,12 @@ ROWS = [
 def test_plan_predicts_the_recorded_offload_runs(record, row, flags, kind, step_ms, peak_gib):
     assert row in (RESULTS / record).read_text(), "the measured row is the record's"
     from paratron.config import parse_args
-    from paratron.plan.cost import Cluster, step_time
-    from paratron.plan.layout import layout_of
-    from paratron.plan.memory import rank_memory
-    from paratron.plan.search import dp_bytes
+    from paratron.plan.cost import Cluster
+    from paratron.plan.search import planned
     from paratron.train.host_ops import host_ops_for
     from paratron.train.traffic import traffic_for
     cfg = parse_args(flags + ["--train-iters", "10"])
-    layout, v = layout_of(cfg, kind, host_ops_for(cfg, kind), traffic_for(cfg, kind)), cfg.padded_vocab_size
-    peak = rank_memory(cfg.model, v, layout, 0, cfg.parallel).peak / 2 ** 30
-    t = step_time(cfg.model, v, layout, Cluster(1, 1, kind), *dp_bytes(cfg.model, v, layout, {})).total * 1e3
+    mem, step = planned(cfg, Cluster(1, 1, kind), host_ops_for(cfg, kind), traffic_for(cfg, kind))
+    peak, t = mem.peak / 2 ** 30, step.total * 1e3
     assert abs(t / step_ms - 1) <= 0.2, (t, step_ms)
     assert abs(peak / peak_gib - 1) <= 0.1, (peak, peak_gib)
