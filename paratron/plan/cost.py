@@ -13,7 +13,7 @@ from ..config.check_hybrid import mamba_heads
 from ..errors import ConfigError
 from .activations import offload_points, offloaded_bytes
 from .flops import attention_layers, flops_per_iteration, mla_attention_terms
-from .host import ADAM_BYTES, HOST_ADAM_GBPS, HOST_OP_US
+from .host import ADAM_BYTES, HOST_ADAM_GBPS, HOST_COMPILED_LAYER_MS, HOST_OP_US
 from .layout import Layout, fp8_linear_weight
 from .shapes import Split, layer, layer_kinds
 from .traffic import MEMORY_EFFICIENCY, bandwidth, step_bytes
@@ -260,9 +260,14 @@ def host_adam(params: int, cluster: Cluster) -> float:
 def host_exposed(model: ModelConfig, L: Layout, cluster: Cluster, gpu: float) -> float:
     """The host's issue time of the step's micro-batches beyond the GPU's time ``gpu``: each micro-batch runs at
     the slower of the two (host.py). Full recomputation issues the layers' forward again (a third of their
-    forward + backward operations, taken as); a compiled step's host time is not counted (``host_ops`` zero)."""
-    layer_ops, rest = L.host_ops
-    if not layer_ops or cluster.kind not in HOST_OP_US:
+    forward + backward, taken as). Eager: the counted operations (``host_ops``); compiled: a measured cost per
+    layer; a step replayed as one CUDA graph, or a plan for no GPU kind: none."""
+    if L.step_graph or cluster.kind not in HOST_OP_US:
         return 0.0
-    ops = layer_ops * model.num_layers / L.pp * (4 / 3 if L.recompute == "full" else 1) + rest
-    return max(0.0, L.microbatches * ops * HOST_OP_US[cluster.kind] * 1e-6 - gpu)
+    layers = model.num_layers / L.pp * (4 / 3 if L.recompute == "full" else 1)
+    if L.compiled:
+        return max(0.0, L.microbatches * layers * HOST_COMPILED_LAYER_MS * 1e-3 - gpu)
+    layer_ops, rest = L.host_ops
+    if not layer_ops:
+        return 0.0
+    return max(0.0, L.microbatches * (layer_ops * layers + rest) * HOST_OP_US[cluster.kind] * 1e-6 - gpu)

@@ -56,6 +56,7 @@ class Layout:
     paths: Paths = Paths()  # the layers' code paths on the planned GPU (paths.py); default: the torch paths
     host_ops: tuple = (0, 0)  # eager aten operations of (one layer, the rest) fwd + bwd (host.py; GPU plans only)
     compiled: bool = False  # --torch-compile: the layers' non-matmul operations fused (traffic.py)
+    step_graph: bool = False  # --cuda-graph-impl local: the step replayed as one CUDA graph (no host time, host.py)
     traffic: Optional[Traffic] = None  # counted bytes of the memory-bound kernels (traffic.py; GPU plans only)
     turns: bool = False  # --overlap-moe-expert-parallel-comm: a forward beside the previous micro-batch's backward
 
@@ -173,4 +174,5 @@ def layout_of(cfg: Config, kind: Optional[str] = None, host_ops: tuple = (0, 0),
                   bucket_end_multiple=bucket_end_multiple(field(cfg, "ddp_pad_buckets_for_high_nccl_busbw", False)),
                   overlap_param_gather=par.overlap_param_gather, paths=paths_of(cfg, kind),
                   host_ops=host_ops, compiled=bool(tr.torch_compile), traffic=traffic,
+                  step_graph=field(cfg, "cuda_graph_impl", "none") == "local",
                   turns=cfg.model.overlap_moe_expert_parallel_comm)

@@ -1,7 +1,8 @@
-"""``paratron plan`` against measured runs of the offload paths (records under benchmarks/results/): the step time
-within 20 % and the peak allocated memory within 10 % (the plan's stated bounds, docs/plan.md). Two rows calibrate
-the host link's two constants (``HOST_GBPS``: the activations' copies; ``HOST_ADAM_GBPS``: the host's Adam of
-optimizer offload); the others are held out."""
+"""``paratron plan`` against measured runs of the offload paths and of small compiled micro-batches (records under
+benchmarks/results/): the step time within 20 % and the peak allocated memory within 10 % (the plan's stated bounds,
+docs/plan.md). Three rows calibrate a constant each (``HOST_GBPS``: the activations' copies; ``HOST_ADAM_GBPS``: the
+host's Adam of optimizer offload; ``HOST_COMPILED_LAYER_MS``: the host's issue time of a compiled layer); the others
+are held out."""
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ MOE = ["--config", "moe-mini", "--micro-batch-size", "8", "--global-batch-size",
        "--mock-data", "--lr", "3e-4"]
 OFFLOAD = ["--fine-grained-activation-offloading", "--offload-modules"]
 VARIANTS = "optimizer_memory_variants_1gpu_20261206_170636.md"
+SMALL = "train_throughput_llama-1b_20261206_171227.md"
+COMPILED = ["--config", "llama-1b", "--torch-compile", "--mock-data", "--lr", "1e-4"]
 # (record, the text of its row, flags, GPU kind, measured step ms, measured peak allocated GiB)
 ROWS = [
     (VARIANTS, "| shape alone | 1 (1) | 82842 | 197.8 | 49.7 |", MOE, "h100", 197.8, 49.7),
@@ -33,12 +36,15 @@ ROWS = [
       "--global-batch-size", "1", "--bf16", "--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5", "--mock-data",
       "--tokenizer-type", "NullTokenizer", "--lr", "1e-4"], "h200", 3022.0, 101.7),
+    (SMALL, "| 88.7 | 23096 |", COMPILED + ["--micro-batch-size", "1", "--global-batch-size", "1"], "h100", 88.7, 21.4),
+    # calibrates HOST_COMPILED_LAYER_MS (host-bound)
+    (SMALL, "| 86.6 | 47320 |", COMPILED + ["--micro-batch-size", "2", "--global-batch-size", "2"], "h100", 86.6, 24.0),
 ]
 
 
 @pytest.mark.parametrize("record,row,flags,kind,step_ms,peak_gib", ROWS, ids=[
     "moe-mini", "moe-mini-experts-offloaded", "moe-mini-seven-offloaded", "moe-mini-bf16-moments",
-    "llama-1b-opt-offload", "llama-8b-width-opt-offload-half"])
+    "llama-1b-opt-offload", "llama-8b-width-opt-offload-half", "llama-1b-compiled-mb1", "llama-1b-compiled-mb2"])
 def test_plan_predicts_the_recorded_offload_runs(record, row, flags, kind, step_ms, peak_gib):
     assert row in (RESULTS / record).read_text(), "the measured row is the record's"
     from paratron.config import parse_args
