@@ -144,8 +144,10 @@ class BertModel(GPTModel):
             return logits.transpose(0, 1).contiguous(), binary
         target = lm_labels.clamp(min=0).transpose(0, 1)  # Megatron's -1 (no prediction) is masked by the loss
         k = self.kernels
-        if self.fused_output_loss and k.kernel_cross_entropy != "compiled":  # (overwrites the logits where it applies)
-            loss = logits_cross_entropy(logits, target, self.par.tp_group, fast_exp=k.kernel_ce_fast_exp == "on")
+        if self.fused_output_loss:  # (logits_cross_entropy decides where its kernel applies; it then overwrites them)
+            loss = logits_cross_entropy(logits, target, self.par.tp_group,
+                                        kernel="compiled" if k.kernel_cross_entropy == "compiled" else "triton",
+                                        fast_exp=k.kernel_ce_fast_exp == "on")
         else:
             loss = vocab_parallel_cross_entropy(logits, target, self.par.tp_group)
         return loss.transpose(0, 1).contiguous(), binary
