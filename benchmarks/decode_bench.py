@@ -182,6 +182,42 @@ def write(args, rows, lines, stem, title, hardware, shape, compile_, paths: str 
     return 0
 
 
+def streamed_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter once, less the input embedding table (a step reads only
+    its rows), unless the output layer reads that table (tied embeddings). The KV cache's reads are not counted
+    (at these lengths under 1 % of the weights')."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.embedding.word_embeddings.weight
+    tied = model.output_layer.weight is None
+    return total if tied else total - table.numel() * table.element_size()
+
+
+def hbm_gbps(hardware: str) -> Optional[float]:
+    """The HBM bandwidth (GB/s) of the SXM parts paratron's planner knows, by the device's name (None otherwise:
+    PCIe and NVL parts differ)."""
+    from paratron.plan.traffic import HBM_GBPS
+    name = hardware.upper()
+    if "PCIE" in name or "NVL" in name:
+        return None
+    if "A100" in name:
+        return HBM_GBPS["a100-40gb" if "40GB" in name else "a100"]
+    return next((HBM_GBPS[k] for k in ("h100", "h200") if k.upper() in name), None)
+
+
+def bandwidth(rows: list, weight_bytes: int, hardware: str) -> None:
+    """Adds to each paratron row the weights' bytes a step reads (GB) and the rate they stream at (TB/s: bytes x
+    steps per second, a step decoding one token of each of the batch's rows), and the share of the GPU's HBM
+    bandwidth where its kind is known (NVIDIA's datasheets: paratron/plan/traffic.py)."""
+    peak = hbm_gbps(hardware)
+    for r in rows:
+        if r["system"] != "paratron":
+            continue
+        rate = weight_bytes * r["decode_tok_s"] / r["batch"] / 1e12
+        r.update(weights_gb=round(weight_bytes / 1e9, 3), weights_tb_s=round(rate, 2))
+        if peak:
+            r["hbm_share"] = round(1e3 * rate / peak, 3)
+
+
 def paths_of(engine) -> str:
     """What the engine's one-row decode steps run: layers as row GEMVs, layers with the fused attention, and the
     decode switches as the engine resolved them."""
@@ -321,16 +357,20 @@ def main() -> int:
             a, c = outputs.values()
             same = sum(x == y for ra, rc in zip(a, c) for x, y in zip(ra, rc)) / max(sum(len(r) for r in a), 1)
             rows[-1]["same_tokens_as_paratron"] = round(same, 3)
+    bandwidth(rows, streamed_bytes(model), hardware)
     return report(rows, args, name, hardware, plen, n, compile_, paths_of(systems[0][1].engine))
 
 
 def report(rows, args, name, hardware, plen, n, compile_, paths: str = "") -> int:
     hf_of = {r["batch"]: r for r in rows if r["system"].startswith("hf")}
-    lines = ["| system | batch | time to first token ms | decode tokens/s | vs HF |", "|---|---|---|---|---|"]
+    lines = ["| system | batch | time to first token ms | decode tokens/s | vs HF | weights TB/s (share of HBM) |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         ref = hf_of.get(r["batch"])
         ratio = f"{r['decode_tok_s'] / ref['decode_tok_s']:.2f}x" if ref and r is not ref else ""
-        lines.append(f"| {r['system']} | {r['batch']} | {r['ttft_ms']} | {r['decode_tok_s']} | {ratio} |")
+        rate = f"{r['weights_tb_s']}" + (f" ({100 * r['hbm_share']:.0f} %)" if "hbm_share" in r else "") \
+            if "weights_tb_s" in r else ""
+        lines.append(f"| {r['system']} | {r['batch']} | {r['ttft_ms']} | {r['decode_tok_s']} | {ratio} | {rate} |")
     return write(args, rows, lines, f"decode_bench_{name}", f"Decode speed: {name}", hardware,
                  f"prompt {plen} tokens, {n} new tokens, greedy, random weights", compile_, paths)
 

@@ -227,6 +227,31 @@ def test_decode_benchmark_runs_tiny_on_cpu(tmp_path, monkeypatch, capsys, family
     assert re.search(r"one-row steps: layers the row path takes: (\d+) of \1 .*--kernel-decode-gemv torch", record)
 
 
+def test_decode_benchmark_counts_the_weights_a_step_streams():
+    """The record's weights TB/s: every parameter once less the input embedding table when the output layer has its
+    own weight; the rate is bytes x steps per second; the share of HBM only for the SXM parts the planner knows."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_bench.py"
+    spec = importlib.util.spec_from_file_location("decode_bench_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for untie in (True, False):
+        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                          max_position_embeddings=16, untie_embeddings_and_output_weights=untie)
+        model = GPTModel(cfg.resolved(), 128)
+        everything = sum(p.numel() * p.element_size() for p in model.parameters())
+        table = 128 * 32 * 4  # fp32
+        assert bench.streamed_bytes(model) == (everything - table if untie else everything)
+    assert bench.hbm_gbps("NVIDIA H200") == 4800.0 and bench.hbm_gbps("NVIDIA H100 80GB HBM3") == 3350.0
+    assert bench.hbm_gbps("NVIDIA A100-SXM4-40GB") == 1555.0 and bench.hbm_gbps("NVIDIA A100-SXM4-80GB") == 2039.0
+    assert bench.hbm_gbps("NVIDIA H100 PCIe") is None and bench.hbm_gbps("cpu") is None
+    rows = [dict(system="paratron", batch=32, decode_tok_s=25600.0), dict(system="hf", batch=1, decode_tok_s=9.0)]
+    bench.bandwidth(rows, 2_000_000_000, "NVIDIA H200")
+    assert rows[0]["weights_gb"] == 2.0 and rows[0]["weights_tb_s"] == 1.6 and rows[0]["hbm_share"] == 0.333
+    assert "weights_tb_s" not in rows[1]
+
+
 def test_generate_command_on_the_paged_engine(tiny_checkpoint, capsys, tmp_path):
     """``paratron generate --inference-dynamic-batching``: every prompt into the paged engine at once (offline
     batches, RL rollouts), the answers in the prompts' order and equal to the fixed-batch engine's; the fixed
