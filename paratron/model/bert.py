@@ -146,7 +146,7 @@ class BertModel(GPTModel):
         k = self.kernels
         if self.fused_output_loss:  # (logits_cross_entropy decides where its kernel applies; it then overwrites them)
             loss = logits_cross_entropy(logits, target, self.par.tp_group,
-                                        kernel="compiled" if k.kernel_cross_entropy == "compiled" else "triton",
+                                        kernel=k.kernel_cross_entropy,
                                         fast_exp=k.kernel_ce_fast_exp == "on")
         else:
             loss = vocab_parallel_cross_entropy(logits, target, self.par.tp_group)

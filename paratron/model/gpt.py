@@ -134,7 +134,7 @@ class OutputHead:
         if self.fused_output_loss:  # the logits of the whole batch never exist
             k = self.kernels
             loss = linear_cross_entropy(self.output_layer.enter(x), w, target, self.par.tp_group,
-                                        kernel="compiled" if k.kernel_cross_entropy == "compiled" else "triton",
+                                        kernel=k.kernel_cross_entropy,
                                         fast_exp=k.kernel_ce_fast_exp == "on", cublaslt=k.kernel_cublaslt != "off")
         else:  # the layer's own weight through its own call, which honours a gradient fused into main_grad
             own = self.output_layer.weight is not None and not detach_weight

@@ -124,7 +124,7 @@ def logits_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=No
                          fast_exp: bool = True) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(logits, target, tp_group)`` for a model whose output layer has a bias (BERT's),
     where the fused output layer + loss does not apply. At one TP rank on CUDA with bf16 (or fp32) logits and
-    ``kernel`` "triton" (``--kernel-cross-entropy``) the loss is the one-pass Triton kernel over the logits
+    ``kernel`` "auto" or "triton" (``--kernel-cross-entropy``) the loss is the one-pass Triton kernel over the logits
     (``fused_ce_``), which overwrites them with softmax - onehot(target), so that no fp32 copy of the logits of every
     token exists: the logits must not be read after this call, and the backward runs once. fp16 logits keep the
     plain loss: softmax - onehot rounded to fp16 before the loss scale multiplies it would lose the small
@@ -135,7 +135,7 @@ def logits_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=No
 
 
 def _logits_fusable(logits: torch.Tensor, group, kernel: str) -> bool:
-    return (kernel == "triton" and triton is not None and logits.is_cuda and logits.dtype in FUSED_DTYPES
+    return (kernel != "compiled" and triton is not None and logits.is_cuda and logits.dtype in FUSED_DTYPES
             and logits.dtype != torch.float16 and logits.is_contiguous() and comm.group_size(group) == 1)
 
 
@@ -161,9 +161,9 @@ class _LogitsCrossEntropy(torch.autograd.Function):
 
 
 def _fusable(x: torch.Tensor, group, n: int, chunk: int, keep: bool, kernel: str) -> bool:
-    """Whether the forward takes ``fused_ce_``: the ``triton`` kernel asked (``--kernel-cross-entropy``), a kept
+    """Whether the forward takes ``fused_ce_``: the Triton kernel not switched off (``--kernel-cross-entropy``), a kept
     buffer on CUDA, one chunk, one TP rank."""
-    return (kernel == "triton" and triton is not None and keep and x.is_cuda and x.dtype in FUSED_DTYPES
+    return (kernel != "compiled" and triton is not None and keep and x.is_cuda and x.dtype in FUSED_DTYPES
             and 0 < n <= chunk and comm.group_size(group) == 1)
 
 
@@ -256,8 +256,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     ``vocab_parallel_cross_entropy(F.linear(x, weight), target)`` up to rounding. ``chunk_bytes``
     bounds the fp32 temporaries of one chunk (eager); the gradient buffer (tokens x vocabulary in
     the input dtype) is kept for backward when it fits in ``keep_bytes``, else recomputed. ``kernel`` /
-    ``fast_exp``, ``cublaslt``: the kernel switches ``--kernel-cross-entropy`` (triton: the one Triton pass where
-    it applies; compiled: the two compiled passes), ``--kernel-ce-fast-exp`` and ``--kernel-cublaslt``."""
+    ``fast_exp``, ``cublaslt``: the kernel switches ``--kernel-cross-entropy`` (auto, triton: the one Triton pass
+    where it applies; compiled: the two compiled passes), ``--kernel-ce-fast-exp`` and ``--kernel-cublaslt``."""
     shape = target.shape
     xf, tf = x.reshape(-1, x.size(-1)), target.reshape(-1)
     vocab_start = comm.group_rank(tp_group) * weight.size(0)
