@@ -45,7 +45,7 @@ ROWS = [
 @pytest.mark.parametrize("record,row,flags,kind,step_ms,peak_gib", ROWS, ids=[
     "moe-mini", "moe-mini-experts-offloaded", "moe-mini-seven-offloaded", "moe-mini-bf16-moments",
     "llama-1b-opt-offload", "llama-8b-width-opt-offload-half", "llama-1b-compiled-mb1", "llama-1b-compiled-mb2"])
-def test_plan_predicts_the_recorded_offload_runs(record, row, flags, kind, step_ms, peak_gib):
+def test_plan_predicts_the_recorded_runs(record, row, flags, kind, step_ms, peak_gib):
     assert row in (RESULTS / record).read_text(), "the measured row is the record's"
     from paratron.config import parse_args
     from paratron.plan.cost import Cluster
