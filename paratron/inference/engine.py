@@ -297,8 +297,11 @@ class _Run:
         every = 1 if on_step is not None or any(p.stop for p in self.params) else SYNC_EVERY
         pending = []
         for step in range(self.steps):
-            tok = e._broadcast(self.sampler(self.last, e.argmax_of(self.last)))
-            pending.append(self._outputs(tok))
+            best = e.argmax_of(self.last)
+            tok = e._broadcast(self.sampler(self.last, best))
+            # all-greedy rows take the decode graph's own argmax buffer, which its next replay overwrites: the
+            # tokens kept until the next read are a copy
+            pending.append(self._outputs(tok.clone() if every > 1 and tok is best else tok))
             final = step == self.steps - 1
             if len(pending) == every or final:
                 self._flush(pending, on_step)

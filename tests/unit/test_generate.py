@@ -278,3 +278,37 @@ def test_expert_parallel_size_must_divide_the_launch(tiny_checkpoint, capsys):
     assert main(["generate", "--load", str(tiny_checkpoint / "ckpt"), "--prompt", "x",
                  "--expert-model-parallel-size", "2"]) == 2
     assert "--expert-model-parallel-size 2: must divide the 1 process(es)" in capsys.readouterr().err
+
+
+class _GraphLikeRunner:
+    """Stands in for graphs.DecodeRunner on CPU with a CUDA graph's output semantics: every call after the first
+    writes its results into the tensors the first call returned and returns those (a replay's static outputs)."""
+
+    def __init__(self, step, batch, device, switch="auto", pdl="auto"):
+        self.step, self.out = step, None
+
+    def __call__(self, tokens, slot):
+        slot = slot if isinstance(slot, torch.Tensor) else torch.tensor(slot)
+        fresh = self.step(tokens.clone(), slot.clone())
+        if self.out is None:
+            self.out = fresh
+        else:
+            for static, new in zip(self.out, fresh):
+                static.copy_(new)
+        return self.out
+
+
+def test_greedy_tokens_survive_the_graphs_static_outputs(monkeypatch):
+    """All-greedy rows take the compiled step's own argmax: the host reads the tokens only every few steps, so each
+    step's tokens must not be the replay's output buffer, which the next replay overwrites."""
+    from paratron.inference import graphs
+    model = tiny_model()
+    reqs = [Request(p, SamplingParams(max_new_tokens=20)) for p in PROMPTS[:3]]
+    want = [r.tokens for r in Engine(model, VOCAB).generate(reqs)]
+    assert any(len(set(t[1:6])) > 1 for t in want)  # tokens that change within the first read's steps
+    monkeypatch.setattr(graphs, "DecodeRunner", _GraphLikeRunner)
+    engine = Engine(model, VOCAB, compile=True)
+    monkeypatch.setattr(engine, "compile", True)
+    got = [r.tokens for r in engine.generate(reqs)]
+    assert isinstance(engine.graph, _GraphLikeRunner)
+    assert got == want
