@@ -24,8 +24,8 @@ hf_generate.py measures it: nothing reads the tokens while they are generated (a
 make paratron's engine read each token back, a host synchronisation per step). Each time is the median of
 ``--repeats`` runs after warm-up runs (compilation, CUDA graph capture); the time of the whole generation of N
 tokens is given too (a prompt's prefill is launched from Python, so its time follows the host's load, and the decode
-rate inherits that noise; the whole generation's time does not depend on the subtraction). paratron runs its engine with ``compile=True``
-(torch.compile'd decode step replayed as a CUDA graph) unless ``--no-compile``; HF runs
+rate inherits that noise; the whole generation's time does not depend on the subtraction). paratron runs its engine
+with ``compile=True`` (torch.compile'd decode step replayed as a CUDA graph) unless ``--no-compile``; HF runs
 ``cache_implementation="static"``, compiled on GPU as transformers does it itself (``--hf-compile``); a hybrid
 family (``--family nemotron_h``) runs ``generate`` with its own cache, eager.
 Prints a table and JSON lines, and writes a record (record.py) with the JSON rows.

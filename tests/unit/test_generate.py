@@ -308,7 +308,6 @@ def test_greedy_tokens_survive_the_graphs_static_outputs(monkeypatch):
     assert any(len(set(t[1:6])) > 1 for t in want)  # tokens that change within the first read's steps
     monkeypatch.setattr(graphs, "DecodeRunner", _GraphLikeRunner)
     engine = Engine(model, VOCAB, compile=True)
-    monkeypatch.setattr(engine, "compile", True)
     got = [r.tokens for r in engine.generate(reqs)]
     assert isinstance(engine.graph, _GraphLikeRunner)
     assert got == want
