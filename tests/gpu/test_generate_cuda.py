@@ -59,3 +59,25 @@ def test_cuda_graph_speculative_equals_plain():
     for w, r in zip(plain.generate(reqs), spec.generate(reqs)):
         assert r.tokens == w.tokens
     assert spec.acceptance.ahead > 0
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_all_greedy_graph_decode_equals_eager(batch):
+    """Every row greedy and nothing reading each step: the rows' tokens are the graph's own argmax buffer, kept
+    between the host's reads (engine.SYNC_EVERY steps) as copies; they equal the eager engine's (the same check as
+    benchmarks/probes/greedy_alias.py on the branch `probes`, run on an H100 in
+    benchmarks/results/decode_probes_h100_20261207.md)."""
+    from paratron.config import ModelConfig
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.sampling import SamplingParams
+    from paratron.model.gpt import GPTModel
+    m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
+                    num_query_groups=2, seq_length=256, max_position_embeddings=256, normalization="RMSNorm",
+                    swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
+                    hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
+    torch.manual_seed(0)
+    model = GPTModel(m.resolved(), 512, device="cuda", dtype=torch.float32).eval()
+    reqs = [Request(list(range(5 + i, 20 + 2 * i)), SamplingParams(48)) for i in range(batch)]
+    want = [r.tokens for r in Engine(model, 500).generate(reqs)]
+    assert any(len(set(t[:16])) > 1 for t in want)  # tokens that change within one read's steps
+    assert [r.tokens for r in Engine(model, 500, compile=True).generate(reqs)] == want
