@@ -8,17 +8,22 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_cuda_graph_decode_equals_eager():
+def _model(**extra):
+    """A two-layer llama-style GPT in fp32 on the GPU, seeded (``extra``: more ModelConfig fields)."""
     from paratron.config import ModelConfig
-    from paratron.inference.engine import Engine, Request
-    from paratron.inference.sampling import SamplingParams
     from paratron.model.gpt import GPTModel
     m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
                     num_query_groups=2, seq_length=256, max_position_embeddings=256, normalization="RMSNorm",
                     swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
-                    hidden_dropout=0.0, attention_dropout=0.0)
+                    hidden_dropout=0.0, attention_dropout=0.0, **extra)
     torch.manual_seed(0)
-    model = GPTModel(m.resolved(), 512, device="cuda", dtype=torch.float32).eval()
+    return GPTModel(m.resolved(), 512, device="cuda", dtype=torch.float32).eval()
+
+
+def test_cuda_graph_decode_equals_eager():
+    from paratron.inference.engine import Engine, Request
+    from paratron.inference.sampling import SamplingParams
+    model = _model()
     eager, graphed = Engine(model, 500), Engine(model, 500, compile=True)
     for batch, n in ((3, 40), (3, 40), (8, 100)):
         g = torch.Generator().manual_seed(batch + n)
@@ -35,16 +40,9 @@ def test_cuda_graph_decode_equals_eager():
 def test_cuda_graph_speculative_equals_plain():
     """Speculative decoding with --torch-compile (verification and greedy drafting replayed as CUDA graphs) gives
     plain greedy decoding's tokens, over two batches (the graphs captured once, replayed again)."""
-    from paratron.config import ModelConfig
     from paratron.inference.engine import Engine, Request
     from paratron.inference.sampling import SamplingParams
-    from paratron.model.gpt import GPTModel
-    m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
-                    num_query_groups=2, seq_length=256, max_position_embeddings=256, normalization="RMSNorm",
-                    swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
-                    hidden_dropout=0.0, attention_dropout=0.0, mtp_num_layers=2)
-    torch.manual_seed(0)
-    model = GPTModel(m.resolved(), 512, device="cuda", dtype=torch.float32).eval()
+    model = _model(mtp_num_layers=2)
     plain, spec = Engine(model, 500), Engine(model, 500, compile=True, num_speculative_tokens=2)
     for batch in (1, 1, 4):
         g = torch.Generator().manual_seed(batch)
@@ -67,16 +65,9 @@ def test_all_greedy_graph_decode_equals_eager(batch):
     between the host's reads (engine.SYNC_EVERY steps) as copies; they equal the eager engine's (the same check as
     benchmarks/probes/greedy_alias.py on the branch `probes`, run on an H100 in
     benchmarks/results/decode_probes_h100_20261207.md)."""
-    from paratron.config import ModelConfig
     from paratron.inference.engine import Engine, Request
     from paratron.inference.sampling import SamplingParams
-    from paratron.model.gpt import GPTModel
-    m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
-                    num_query_groups=2, seq_length=256, max_position_embeddings=256, normalization="RMSNorm",
-                    swiglu=True, position_embedding_type="rope", disable_bias_linear=True,
-                    hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
-    torch.manual_seed(0)
-    model = GPTModel(m.resolved(), 512, device="cuda", dtype=torch.float32).eval()
+    model = _model(init_method_std=0.3)
     reqs = [Request(list(range(5 + i, 20 + 2 * i)), SamplingParams(48)) for i in range(batch)]
     want = [r.tokens for r in Engine(model, 500).generate(reqs)]
     assert any(len(set(t[:16])) > 1 for t in want)  # tokens that change within one read's steps
