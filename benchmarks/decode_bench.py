@@ -373,7 +373,7 @@ def report(rows, args, name, hardware, plen, n, compile_, paths: str = "") -> in
         rate = ""
         if "weights_tb_s" in r:  # (paratron's rows; the share where the GPU's kind is known)
             rate = f"{r['weights_tb_s']}" + (f" ({100 * r['hbm_share']:.0f} %)" if "hbm_share" in r else "")
-        lines.append(f"| {r['system']} | {r['batch']} | {r['ttft_ms']} | {r.get('generation_ms', '')} | "
+        lines.append(f"| {r['system']} | {r['batch']} | {r['ttft_ms']} | {r['generation_ms']} | "
                      f"{r['decode_tok_s']} | {ratio} | {rate} |")
     return write(args, rows, lines, f"decode_bench_{name}", f"Decode speed: {name}", hardware,
                  f"prompt {plen} tokens, {n} new tokens, greedy, random weights", compile_, paths)
