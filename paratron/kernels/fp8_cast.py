@@ -2,8 +2,14 @@
 dequantise (torch expressions), and the Triton kernels that write an MLP activation (or its gradient, or a plain
 tensor: ``paratron::cast_fp8``) straight into FP8, row-major and transposed, with its amax. The torch
 expressions here (``act_fp8_reference``, ``grad_fp8_reference``) are the kernels' references; the kernels run
-on CUDA only. Triton's CPU interpreter rounds float32 -> float8 differently from the GPU (and from torch), so
-the kernels are checked on the GPU (tests/gpu/test_cuda_paths.py) against the references.
+on CUDA only. Triton's CPU interpreter rounds some float32 -> float8 values differently from the GPU (and from
+torch), so the FP8 values are checked on the GPU (tests/gpu/test_cuda_paths.py) against the references, the amax
+and scale in the interpreter too (tests/unit/test_fp8_cast_op.py).
+
+Launches: with its own amax (tensorwise), a cast is the amax pass, whose programs take the maximum by an atomic max
+into one slot, and the cast pass, whose programs compute the scale from that slot themselves; with a known scale
+(the delayed recipe, primed) the cast pass alone. No reduction of partial maxima and no scale arithmetic run
+between them as kernels of their own.
 
 Scale: a tensor ``x`` is stored as ``q = saturate(x * scale)`` with ``scale = fmax / (amax * 2**margin)``
 (``fmax`` = 448 for e4m3, 57344 for e5m2; scale 1 where amax is 0, inf or NaN, or the quotient overflows).
@@ -12,6 +18,7 @@ paratron/fp8/mlp.py.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -67,7 +74,7 @@ TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (32, 256, 4), (64, 256, 8))
 FAST_RCP = True  # GeLU's reciprocal by the approximate instruction: a faster GeLU forward (the sweep's record above)
 
 
-MIN_BM, MIN_BF = min(t[0] for t in TILES), min(t[1] for t in TILES)
+MIN_BM = min(t[0] for t in TILES)  # rows of the smallest tile: the bias gradient's partial sums take one row each
 
 
 def _act_input(h: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -191,10 +198,29 @@ if triton is not None:
         return dg, du
 
     @triton.jit
-    def _tile_max(part_ptr, a, mask):
-        """One partial maximum of |a| (inside the mask) per program (the slot of its tile)."""
+    def _tile_max(amax_ptr, a, mask):
+        """The maximum of |a| over this program's tile (inside the mask) into the tensor's amax: an atomic max of
+        the float's bits (an int32 slot, zero before the launch), which order as the floats do for the
+        non-negative, non-NaN values a tile's maximum takes (``tl.max`` leaves NaN out)."""
         top = tl.max(tl.max(tl.where(mask, tl.abs(a), 0.0), 1), 0)
-        tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), top)
+        tl.atomic_max(amax_ptr, top.to(tl.int32, bitcast=True))
+
+    @triton.jit
+    def _scale(preset_ptr, amax_ptr, scale_ptr, FMAX: tl.constexpr, MULT: tl.constexpr):
+        """The cast's scale, as :func:`compute_scale` and the preset choice give it in torch: the preset where it is
+        positive, else FMAX / (amax * 2**margin) (``MULT``), computed as torch computes a scalar divided by a
+        tensor (the reciprocal, rounded to nearest, times FMAX), 1 where amax is 0 or the quotient overflows (the
+        amax slot holds no inf or NaN bits past 0x7f800000: a finite check is a compare of bits). Program (0, 0)
+        stores it: the op's scale output, written by the kernel that uses it."""
+        a_bits = tl.load(amax_ptr)
+        a = a_bits.to(tl.float32, bitcast=True)
+        s = tl.math.div_rn(1.0, a * MULT) * FMAX
+        ok = (a_bits > 0) & (a_bits < 0x7F800000) & (s.to(tl.int32, bitcast=True) < 0x7F800000)
+        preset = tl.load(preset_ptr)
+        s = tl.where(preset > 0, preset, tl.where(ok, s, 1.0))
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_ptr, s)
+        return s
 
     @triton.jit
     def _store_fp8(row_ptr, v, mask, FMAX: tl.constexpr):
@@ -216,29 +242,30 @@ if triton is not None:
 
     @_autotuned
     @triton.jit
-    def _act_amax(h_ptr, b_ptr, preset_ptr, part_ptr, M, F, ACT: tl.constexpr, GATED: tl.constexpr,
+    def _act_amax(h_ptr, b_ptr, preset_ptr, amax_ptr, M, F, ACT: tl.constexpr, GATED: tl.constexpr,
                   HAS_BIAS: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
         if tl.load(preset_ptr) > 0:  # the scale is given (delayed recipe): no amax pass
             return
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
-        _tile_max(part_ptr, _act(gate, up, ACT, RCP), mask)
+        _tile_max(amax_ptr, _act(gate, up, ACT, RCP), mask)
 
     @_autotuned
     @triton.jit
-    def _act_cast(h_ptr, b_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, M, F, FMAX: tl.constexpr, ACT: tl.constexpr,
-                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr,
-                  BF: tl.constexpr):
+    def _act_cast(h_ptr, b_ptr, preset_ptr, amax_ptr, scale_ptr, q_ptr, qt_ptr, M, F, FMAX: tl.constexpr,
+                  MULT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  RCP: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+        """``amax_ptr``: the amax pass's slot, then the slot of what this pass casts (the delayed recipe's record)."""
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
         a = _act(gate, up, ACT, RCP)
-        _tile_max(part_ptr, a, mask)
+        _tile_max(amax_ptr + 1, a, mask)
         row = q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :]
-        _store_fp8(row, a * tl.load(scale_ptr), mask, FMAX)
+        _store_fp8(row, a * _scale(preset_ptr, amax_ptr, scale_ptr, FMAX, MULT), mask, FMAX)
         tl.debug_barrier()
         _store_transposed(row, qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :], mask)
 
     @_autotuned
     @triton.jit
-    def _grad_amax(h_ptr, b_ptr, d_ptr, preset_ptr, part_ptr, M, F, ACT: tl.constexpr, GATED: tl.constexpr,
+    def _grad_amax(h_ptr, b_ptr, d_ptr, preset_ptr, amax_ptr, M, F, ACT: tl.constexpr, GATED: tl.constexpr,
                    HAS_BIAS: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
         if tl.load(preset_ptr) > 0:
             return
@@ -248,21 +275,21 @@ if triton is not None:
         top = tl.abs(dg)
         if GATED:
             top = tl.maximum(top, tl.abs(du))
-        _tile_max(part_ptr, top, mask)
+        _tile_max(amax_ptr, top, mask)
 
     @_autotuned
     @triton.jit
-    def _grad_cast(h_ptr, b_ptr, d_ptr, scale_ptr, q_ptr, qt_ptr, part_ptr, db_ptr, M, F, FMAX: tl.constexpr,
-                   ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, RCP: tl.constexpr,
-                   BM: tl.constexpr, BF: tl.constexpr):
+    def _grad_cast(h_ptr, b_ptr, d_ptr, preset_ptr, amax_ptr, scale_ptr, q_ptr, qt_ptr, db_ptr, M, F,
+                   FMAX: tl.constexpr, MULT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, RCP: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
         d = tl.load(d_ptr + rm[:, None].to(tl.int64) * F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
         dg, du = _act_grads(gate, up, d, ACT, RCP)
         top = tl.abs(dg)
         if GATED:
             top = tl.maximum(top, tl.abs(du))
-        _tile_max(part_ptr, top, mask)
-        s = tl.load(scale_ptr)
+        _tile_max(amax_ptr + 1, top, mask)
+        s = _scale(preset_ptr, amax_ptr, scale_ptr, FMAX, MULT)
         width = 2 * F if GATED else F
         row = q_ptr + rm[:, None].to(tl.int64) * width + rf[None, :]
         _store_fp8(row, dg * s, mask, FMAX)
@@ -289,11 +316,15 @@ def _grid(m: int, f: int):
     return lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(f, meta["BF"]))
 
 
-def _partials(m: int, f: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two buffers (amax pass, cast pass) with one slot per tile for the smallest tiles (zeros: slots
-    a larger tile leaves unused cannot win)."""
-    return torch.zeros(2, triton.cdiv(m, MIN_BM) * triton.cdiv(f, MIN_BF), dtype=torch.float32,
-                       device=device).unbind(0)
+def _slots(device) -> torch.Tensor:
+    """The amax slots of one cast: the amax pass's, then the cast pass's (int32 bits of non-negative floats, zero:
+    each program's atomic max lands there; the autotuner's trial launches of a kernel only repeat its maxima)."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
+def _launching(t: torch.Tensor):
+    """The context the kernels launch in: ``t``'s CUDA device (nothing to enter for the CPU interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _shape(h: torch.Tensor, act: int) -> tuple[int, int, dict]:
@@ -310,24 +341,49 @@ def _fake_outputs(h: torch.Tensor, cols: int, dtype: torch.dtype):
 
 def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.Tensor, act: int, dtype: torch.dtype,
                   margin: int, given: bool):
-    """The two forward kernels (amax pass, skipped for a preset scale; cast pass): (q, qt, scale, amax).
-    ``given``: the caller knows the preset is positive (a primed delayed scaler), so the amax pass and the
-    scale's choice are not even launched."""
+    """The two forward kernels (amax pass, skipped for a preset scale; cast pass, which computes the scale and
+    writes it): (q, qt, scale, amax of what was cast). ``given``: the caller knows the preset is positive (a primed
+    delayed scaler), so the amax pass is not even launched."""
     m, f, switches = _shape(h, act)
     grid = _grid(m, f)
-    part, part_cast = _partials(m, f, h.device)
+    slots = _slots(h.device)
     q = torch.empty(m, f, dtype=dtype, device=h.device)
     qt = torch.empty(f, m, dtype=dtype, device=h.device)
+    scale = torch.empty((), dtype=torch.float32, device=h.device)
     b = h if bias is None else bias
-    with torch.cuda.device(h.device):
-        if given:
-            scale = preset.clone()  # (an op returns no alias of its input)
-        else:
-            _act_amax[grid](h, b, preset, part, m, f, HAS_BIAS=bias is not None, **switches)
-            scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
-        _act_cast[grid](h, b, scale, q, qt, part_cast, m, f, FMAX=FMAX[dtype], HAS_BIAS=bias is not None,
-                        **switches)
-    return q, qt, scale, part_cast.amax()
+    with _launching(h):
+        if not given:
+            _act_amax[grid](h, b, preset, slots, m, f, HAS_BIAS=bias is not None, **switches)
+        _act_cast[grid](h, b, preset, slots, scale, q, qt, m, f, FMAX=FMAX[dtype], MULT=2.0 ** margin,
+                        HAS_BIAS=bias is not None, **switches)
+    return q, qt, scale, slots.view(torch.float32)[1]
+
+
+def _backward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], dout: torch.Tensor, preset: torch.Tensor, act: int,
+                   dtype: torch.dtype, margin: int, given: bool):
+    """The two backward kernels, as :func:`_forward_cast`: (q, qt, scale, amax, the bias gradient (empty without
+    a bias))."""
+    m, f, switches = _shape(h, act)
+    width = h.size(1)
+    grid = _grid(m, f)
+    dout = dout.contiguous()
+    slots = _slots(h.device)
+    q = torch.empty(m, width, dtype=dtype, device=h.device)
+    qt = torch.empty(width, m, dtype=dtype, device=h.device)
+    scale = torch.empty((), dtype=torch.float32, device=h.device)
+    has_bias = bias is not None
+    db = torch.zeros(triton.cdiv(m, MIN_BM) if has_bias else 0, width, dtype=torch.float32, device=h.device)
+    b = h if bias is None else bias
+    with _launching(h):
+        if not given:
+            _grad_amax[grid](h, b, dout, preset, slots, m, f, HAS_BIAS=has_bias, **switches)
+        _grad_cast[grid](h, b, dout, preset, slots, scale, q, qt, db, m, f, FMAX=FMAX[dtype], MULT=2.0 ** margin,
+                         HAS_BIAS=has_bias, **switches)
+    current = slots.view(torch.float32)[1]
+    if not has_bias:
+        return q, qt, scale, current, db.new_zeros(0)
+    # the rows of partial sums the last launch wrote (the autotuner's trials of smaller tiles may have left more)
+    return q, qt, scale, current, db[:triton.cdiv(m, _grad_cast.best_config.kwargs["BM"])].sum(0)
 
 
 @torch.library.custom_op("paratron::mlp_act_fp8", mutates_args=())
@@ -366,29 +422,7 @@ def mlp_act_fp8_backward(h: torch.Tensor, bias: Optional[torch.Tensor], dout: to
     last, the bias gradient (fp32; empty without a bias)."""
     if not _on_gpu(h):
         return grad_fp8_reference(h, bias, dout, preset, act, e5m2, margin)
-    dtype = torch.float8_e5m2 if e5m2 else E4M3
-    m, f, switches = _shape(h, act)
-    width = h.size(1)
-    grid = _grid(m, f)
-    dout = dout.contiguous()
-    part, part_cast = _partials(m, f, h.device)
-    q = torch.empty(m, width, dtype=dtype, device=h.device)
-    qt = torch.empty(width, m, dtype=dtype, device=h.device)
-    has_bias = bias is not None
-    db = torch.zeros(triton.cdiv(m, MIN_BM) if has_bias else 0, width, dtype=torch.float32, device=h.device)
-    b = h if bias is None else bias
-    with torch.cuda.device(h.device):
-        if given:  # (a primed delayed scaler's scale: no amax pass; an op returns no alias of its input)
-            scale = preset.clone()
-        else:
-            _grad_amax[grid](h, b, dout, preset, part, m, f, HAS_BIAS=has_bias, **switches)
-            scale = torch.where(preset > 0, preset, compute_scale(part.amax(), FMAX[dtype], margin))
-        _grad_cast[grid](h, b, dout, scale, q, qt, part_cast, db, m, f, FMAX=FMAX[dtype], HAS_BIAS=has_bias,
-                         **switches)
-    if not has_bias:
-        return q, qt, scale, part_cast.amax(), db.new_zeros(0)
-    # the rows of partial sums the last launch wrote (the autotuner's trials of smaller tiles may have left more)
-    return q, qt, scale, part_cast.amax(), db[:triton.cdiv(m, _grad_cast.best_config.kwargs["BM"])].sum(0)
+    return _backward_cast(h, bias, dout, preset, act, torch.float8_e5m2 if e5m2 else E4M3, margin, given)
 
 
 @mlp_act_fp8.register_fake

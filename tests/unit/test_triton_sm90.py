@@ -118,3 +118,21 @@ def test_row_gemv_kernel_compiles_for_sm90(pdl):
         assert "ld.global.v4.b32" in ptx
         if pdl:
             assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+
+
+@pytest.mark.parametrize("act", [0, 3])
+def test_fp8_cast_kernels_compile_for_sm90(act):
+    """kernels/fp8_cast.py's amax and cast passes (SwiGLU, and the plain cast): each program's maximum goes to the
+    amax by one atomic max of its bits, and the cast pass divides as torch does (rounded to nearest)."""
+    from paratron.kernels import fp8_cast as fc
+    if not hasattr(fc, "_act_cast"):
+        pytest.skip("paratron's kernels module did not see Triton")
+    types = {"h_ptr": "*bf16", "b_ptr": "*bf16", "d_ptr": "*bf16", "preset_ptr": "*fp32", "amax_ptr": "*i32",
+             "scale_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "db_ptr": "*fp32"}
+    bm, bf, warps = fc.TILES[0]
+    flags = dict(ACT=act, GATED=act == fc.SWIGLU, HAS_BIAS=False, RCP=True, BM=bm, BF=bf)
+    for kernel, cast in ((fc._act_amax, False), (fc._act_cast, True), (fc._grad_amax, False), (fc._grad_cast, True)):
+        extra = dict(FMAX=448.0, MULT=1.0) if cast else {}
+        ptx = compile_sm90(kernel.fn, types, {**flags, **extra}, num_warps=warps).asm["ptx"]
+        assert ".max.s32" in ptx and ("atom" in ptx or "red" in ptx)
+        assert ("div.rn.f32" in ptx) == cast
