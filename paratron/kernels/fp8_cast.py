@@ -254,12 +254,12 @@ if triton is not None:
     def _act_cast(h_ptr, b_ptr, preset_ptr, amax_ptr, scale_ptr, q_ptr, qt_ptr, M, F, FMAX: tl.constexpr,
                   MULT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RCP: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
-        """``amax_ptr``: the amax pass's slot, then the slot of what this pass casts (the delayed recipe's record)."""
+        """``amax_ptr``: the slot of what this pass casts (the delayed recipe's record), then the amax pass's."""
         rm, rf, mask, gate, up = _tile(h_ptr, b_ptr, M, F, GATED, HAS_BIAS, BM, BF)
         a = _act(gate, up, ACT, RCP)
-        _tile_max(amax_ptr + 1, a, mask)
+        _tile_max(amax_ptr, a, mask)
         row = q_ptr + rm[:, None].to(tl.int64) * F + rf[None, :]
-        _store_fp8(row, a * _scale(preset_ptr, amax_ptr, scale_ptr, FMAX, MULT), mask, FMAX)
+        _store_fp8(row, a * _scale(preset_ptr, amax_ptr + 1, scale_ptr, FMAX, MULT), mask, FMAX)
         tl.debug_barrier()
         _store_transposed(row, qt_ptr + rf[:, None].to(tl.int64) * M + rm[None, :], mask)
 
@@ -288,8 +288,8 @@ if triton is not None:
         top = tl.abs(dg)
         if GATED:
             top = tl.maximum(top, tl.abs(du))
-        _tile_max(amax_ptr + 1, top, mask)
-        s = _scale(preset_ptr, amax_ptr, scale_ptr, FMAX, MULT)
+        _tile_max(amax_ptr, top, mask)
+        s = _scale(preset_ptr, amax_ptr + 1, scale_ptr, FMAX, MULT)
         width = 2 * F if GATED else F
         row = q_ptr + rm[:, None].to(tl.int64) * width + rf[None, :]
         _store_fp8(row, dg * s, mask, FMAX)
@@ -317,8 +317,9 @@ def _grid(m: int, f: int):
 
 
 def _slots(device) -> torch.Tensor:
-    """The amax slots of one cast: the amax pass's, then the cast pass's (int32 bits of non-negative floats, zero:
-    each program's atomic max lands there; the autotuner's trial launches of a kernel only repeat its maxima)."""
+    """The amax slots of one cast: the cast pass's (first: the op's amax output is the slot itself, a view at the
+    buffer's start), then the amax pass's; int32 bits of non-negative floats, zero: each program's atomic max lands
+    there (the autotuner's trial launches of a kernel only repeat its maxima)."""
     return torch.zeros(2, dtype=torch.int32, device=device)
 
 
@@ -353,10 +354,10 @@ def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.T
     b = h if bias is None else bias
     with _launching(h):
         if not given:
-            _act_amax[grid](h, b, preset, slots, m, f, HAS_BIAS=bias is not None, **switches)
+            _act_amax[grid](h, b, preset, slots[1:], m, f, HAS_BIAS=bias is not None, **switches)
         _act_cast[grid](h, b, preset, slots, scale, q, qt, m, f, FMAX=FMAX[dtype], MULT=2.0 ** margin,
                         HAS_BIAS=bias is not None, **switches)
-    return q, qt, scale, slots.view(torch.float32)[1]
+    return q, qt, scale, slots.view(torch.float32)[0]
 
 
 def _backward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], dout: torch.Tensor, preset: torch.Tensor, act: int,
@@ -376,10 +377,10 @@ def _backward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], dout: torch.Te
     b = h if bias is None else bias
     with _launching(h):
         if not given:
-            _grad_amax[grid](h, b, dout, preset, slots, m, f, HAS_BIAS=has_bias, **switches)
+            _grad_amax[grid](h, b, dout, preset, slots[1:], m, f, HAS_BIAS=has_bias, **switches)
         _grad_cast[grid](h, b, dout, preset, slots, scale, q, qt, db, m, f, FMAX=FMAX[dtype], MULT=2.0 ** margin,
                          HAS_BIAS=has_bias, **switches)
-    current = slots.view(torch.float32)[1]
+    current = slots.view(torch.float32)[0]
     if not has_bias:
         return q, qt, scale, current, db.new_zeros(0)
     # the rows of partial sums the last launch wrote (the autotuner's trials of smaller tiles may have left more)
