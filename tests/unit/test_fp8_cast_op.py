@@ -1,6 +1,6 @@
 """paratron::cast_fp8 on CPU (its torch expression; the Triton kernel is checked against it in
 tests/gpu/test_cuda_paths.py) and its use for the FP8 linears' output gradients: the same results as
-the torch ops it replaces (PARATRON_FP8_GRAD_CAST=0)."""
+the torch ops it replaces (--kernel-fp8-grad-cast off)."""
 import dataclasses
 
 import pytest
