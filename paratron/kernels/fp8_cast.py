@@ -334,10 +334,15 @@ def _shape(h: torch.Tensor, act: int) -> tuple[int, int, dict]:
     return h.size(0), h.size(1) // 2 if gated else h.size(1), dict(ACT=act, GATED=gated, RCP=FAST_RCP)
 
 
-def _fake_outputs(h: torch.Tensor, cols: int, dtype: torch.dtype):
+def _outputs(h: torch.Tensor, cols: int, dtype: torch.dtype):
+    """The cast's FP8 tensors, row-major [rows, cols] and transposed, and its fp32 scale, unwritten."""
     m = h.size(0)
-    scalar = h.new_empty((), dtype=torch.float32)
-    return h.new_empty(m, cols, dtype=dtype), h.new_empty(cols, m, dtype=dtype), scalar, scalar.clone()
+    return h.new_empty(m, cols, dtype=dtype), h.new_empty(cols, m, dtype=dtype), h.new_empty((), dtype=torch.float32)
+
+
+def _fake_outputs(h: torch.Tensor, cols: int, dtype: torch.dtype):
+    q, qt, scale = _outputs(h, cols, dtype)
+    return q, qt, scale, scale.clone()
 
 
 def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.Tensor, act: int, dtype: torch.dtype,
@@ -348,9 +353,7 @@ def _forward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], preset: torch.T
     m, f, switches = _shape(h, act)
     grid = _grid(m, f)
     slots = _slots(h.device)
-    q = torch.empty(m, f, dtype=dtype, device=h.device)
-    qt = torch.empty(f, m, dtype=dtype, device=h.device)
-    scale = torch.empty((), dtype=torch.float32, device=h.device)
+    q, qt, scale = _outputs(h, f, dtype)
     b = h if bias is None else bias
     with _launching(h):
         if not given:
@@ -369,9 +372,7 @@ def _backward_cast(h: torch.Tensor, bias: Optional[torch.Tensor], dout: torch.Te
     grid = _grid(m, f)
     dout = dout.contiguous()
     slots = _slots(h.device)
-    q = torch.empty(m, width, dtype=dtype, device=h.device)
-    qt = torch.empty(width, m, dtype=dtype, device=h.device)
-    scale = torch.empty((), dtype=torch.float32, device=h.device)
+    q, qt, scale = _outputs(h, width, dtype)
     has_bias = bias is not None
     db = torch.zeros(triton.cdiv(m, MIN_BM) if has_bias else 0, width, dtype=torch.float32, device=h.device)
     b = h if bias is None else bias
