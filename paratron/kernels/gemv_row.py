@@ -9,14 +9,15 @@ the attention's norm (and a Qwen2-style qkv bias), the output projection with th
 and SwiGLU, fc2 with the residual; where Inductor's reductions take about nine kernels a layer (split reductions and
 their second passes, the norms, SwiGLU).
 
-Each program owns ``BLOCK_N`` output rows over all of K (no split, no workspace to zero, no second pass) and walks
-K ``BLOCK_K`` columns at a time, loading the next block of weight rows while it multiplies the current one (two
-blocks in flight a program, the first requested before the norm's statistics are computed). The products are kept
+Each program owns ``BLOCK_N`` output rows over all of K (no split, no workspace to zero, no second pass) and walks K
+``BLOCK_K`` columns at a time, loading the next block of weight rows while it multiplies the current one (two blocks
+in flight a program, the first requested before the norm's statistics are computed; launched early, the next two,
+both requested before the wait, with the weights' loads marked evict_first: ``early_config``). The products are kept
 per column in fp32 and summed once at the end. The rounding follows the model's torch expressions: the normalised
 row is rounded to the model's dtype, then times the norm's weight and rounded again (``model/norms.py``); the
 product is rounded before SwiGLU or the residual add. With ``pdl`` (``--kernel-decode-pdl``) the kernel is launched
-for programmatic dependent launch and waits for the kernel before it only after its first weight block is
-requested: the weights do not depend on the previous kernel, the row does.
+for programmatic dependent launch and waits for the kernel before it only after its first weight block is requested:
+the weights do not depend on the previous kernel, the row does.
 
 :func:`row_reference` is the torch expression (the op's CPU kernel); the tests compare the kernel with it (on CPU
 through Triton's interpreter, via :func:`launch`).
@@ -88,8 +89,12 @@ if triton is not None:
         warps where the layer has at most 2,048 output rows (fewer programs, each keeping more loads in flight),
         else four. The autotuner times each kernel alone, where it cannot see the launches overlap; at llama-1b's
         five shapes, each in a chain of early launches, this rule gave the fastest of the tuned shapes, where the
-        autotuner's picks were up to 7 % slower (benchmarks/results/decode_walk_rows_h100_20261206.md)."""
-        return {"BLOCK_N": 4, "BLOCK_K": min(1024, triton.next_power_of_2(k)), "num_warps": 8 if n <= 2048 else 4}
+        autotuner's picks were up to 7 % slower (benchmarks/results/decode_walk_rows_h100_20261206.md). Two weight
+        blocks requested ahead, both before the wait, the loads marked evict_first (read once: L2 keeps the rows,
+        the KV cache and the next kernel's early blocks): faster on H100s
+        (benchmarks/results/decode_probes_h100_20261207.md)."""
+        return {"BLOCK_N": 4, "BLOCK_K": min(1024, triton.next_power_of_2(k)), "num_warps": 8 if n <= 2048 else 4,
+                "AHEAD": 2, "POLICY": "evict_first"}
 
     @triton.jit
     def _rounded(acc, b_ptr, rows, ok, HAS_BIAS: tl.constexpr, dt: tl.constexpr):
@@ -103,9 +108,12 @@ if triton is not None:
     @triton.jit
     def _row_kernel(x_ptr, w_ptr, g_ptr, r_ptr, b_ptr, out_ptr, N, K, eps, NORM: tl.constexpr,
                     HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False):
+                    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
+                    POLICY: tl.constexpr = ""):
         """Program i: output rows [i BLOCK_N, (i+1) BLOCK_N). W is contiguous [N (x2 gated: the gate's rows, then
-        the up's), K]; x, the norm's weight g, the residual r and the bias b ([N], x2 gated) are contiguous rows."""
+        the up's), K]; x, the norm's weight g, the residual r and the bias b ([N], x2 gated) are contiguous rows.
+        ``AHEAD`` (1 or 2): weight blocks requested ahead of the one multiplied, all of them before the PDL wait;
+        ``POLICY``: the weight loads' L2 eviction hint ("evict_first": read once)."""
         dt = x_ptr.dtype.element_ty
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -113,10 +121,18 @@ if triton is not None:
         w_rows = w_ptr + rn[:, None].to(tl.int64) * K
         u_rows = w_ptr + (rn[:, None] + N).to(tl.int64) * K
         first = n_ok[:, None] & (rk < K)[None, :]
-        w = tl.load(w_rows + rk[None, :], mask=first, other=0.0)
+        w = tl.load(w_rows + rk[None, :], mask=first, other=0.0, eviction_policy=POLICY)
         u = w
         if GATED:
-            u = tl.load(u_rows + rk[None, :], mask=first, other=0.0)
+            u = tl.load(u_rows + rk[None, :], mask=first, other=0.0, eviction_policy=POLICY)
+        w1 = w  # (AHEAD 2: the block after the first, also requested before the wait)
+        u1 = u
+        if AHEAD == 2:
+            second = n_ok[:, None] & (rk + BLOCK_K < K)[None, :]
+            w1 = tl.load(w_rows + BLOCK_K + rk[None, :], mask=second, other=0.0, eviction_policy=POLICY)
+            u1 = w1
+            if GATED:
+                u1 = tl.load(u_rows + BLOCK_K + rk[None, :], mask=second, other=0.0, eviction_policy=POLICY)
         if PDL:  # the weights never depend on the kernel before; the row does
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -132,11 +148,12 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + rk
             k_ok = ks < K
-            ahead = n_ok[:, None] & (ks + BLOCK_K < K)[None, :]
-            w_next = tl.load(w_rows + BLOCK_K + ks[None, :], mask=ahead, other=0.0)
+            ahead = n_ok[:, None] & (ks + AHEAD * BLOCK_K < K)[None, :]
+            w_next = tl.load(w_rows + AHEAD * BLOCK_K + ks[None, :], mask=ahead, other=0.0, eviction_policy=POLICY)
             u_next = w_next
             if GATED:
-                u_next = tl.load(u_rows + BLOCK_K + ks[None, :], mask=ahead, other=0.0)
+                u_next = tl.load(u_rows + AHEAD * BLOCK_K + ks[None, :], mask=ahead, other=0.0,
+                                 eviction_policy=POLICY)
             xk = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
             if NORM:
                 gk = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -145,7 +162,10 @@ if triton is not None:
             acc += w.to(tl.float32) * xf
             if GATED:
                 acc_u += u.to(tl.float32) * xf
-            w, u = w_next, u_next
+            if AHEAD == 2:
+                w, u, w1, u1 = w1, u1, w_next, u_next
+            else:
+                w, u = w_next, u_next
         y = _rounded(acc, b_ptr, rn, n_ok, HAS_BIAS, dt)
         if GATED:
             up = _rounded(acc_u, b_ptr, rn + N, n_ok, HAS_BIAS, dt)

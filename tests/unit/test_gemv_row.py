@@ -67,9 +67,12 @@ for dtype, bound, configs in ((torch.float16, 2e-3, gemv_row.CONFIGS), (torch.bf
             got = gemv_row.launch(x, w, g, r, gated, 1e-5, config=config.kwargs, bias=b)
             assert got.shape == want.shape and got.dtype == dtype, (n, k)
             assert err(got, want) < bound, (dtype, n, k, norm, res, gated, has_bias, config.kwargs, err(got, want))
-        if dtype == torch.float16:  # at early_config's block shape (the interpreter has no PDL wait to run)
+        if dtype == torch.float16:  # at early_config's (two blocks ahead; the interpreter has no PDL wait to run)
             got = gemv_row.launch(x, w, g, r, gated, 1e-5, config=gemv_row.early_config(n, k), bias=b)
             assert err(got, want) < bound, ("early", n, k, err(got, want))
+            for config in gemv_row.CONFIGS[:3]:  # two ahead at shapes whose K spans one, two, or more blocks
+                got = gemv_row.launch(x, w, g, r, gated, 1e-5, config={**config.kwargs, "AHEAD": 2}, bias=b)
+                assert err(got, want) < bound, ("two ahead", n, k, config.kwargs, err(got, want))
 print("ok")
 """
 
@@ -82,9 +85,10 @@ def test_row_kernel_matches_the_reference_in_the_interpreter():
 
 def test_early_launches_take_four_rows_by_1024_columns_and_eight_warps_on_narrow_layers(monkeypatch):
     pytest.importorskip("triton")
-    assert gemv_row.early_config(2048, 8192) == {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 8}  # fc2
-    assert gemv_row.early_config(3072, 2048) == {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}  # qkv
-    assert gemv_row.early_config(40, 96) == {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8}
+    deep = {"AHEAD": 2, "POLICY": "evict_first"}
+    assert gemv_row.early_config(2048, 8192) == {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 8, **deep}  # fc2
+    assert gemv_row.early_config(3072, 2048) == {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, **deep}  # qkv
+    assert gemv_row.early_config(40, 96) == {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, **deep}
     launched = []
 
     class Kernel:  # records what the launch asks of the kernel
@@ -95,7 +99,7 @@ def test_early_launches_take_four_rows_by_1024_columns_and_eight_warps_on_narrow
     gemv_row.launch(x, w, None, None, False, 1e-5, pdl=True)
     (grid, kw), = launched
     assert grid == (512,) and kw["PDL"] and kw["launch_pdl"]
-    assert (kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == (4, 1024, 8)
+    assert (kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["AHEAD"], kw["POLICY"]) == (4, 1024, 8, 2, "evict_first")
 
 
 def _tiny(extra=(), attention="fused"):

@@ -112,12 +112,24 @@ def test_row_gemv_kernel_compiles_for_sm90(pdl):
     aligned = ("x_ptr", "w_ptr", "g_ptr", "r_ptr", "out_ptr", "N", "K")  # llama-1b's sizes: the weights in 16 bytes
     for i, config in enumerate(gemv_row.CONFIGS):
         flags = dict(NORM=i % 2 == 0, HAS_RES=i % 3 == 0, GATED=i % 2 == 1, PDL=pdl, HAS_BIAS=i % 4 == 0)
-        ptx = compile_sm90(gemv_row._row_kernel, types, {**flags, **config.kwargs}, aligned,
-                           config.num_warps).asm["ptx"]
+        ptx = compile_sm90(gemv_row._row_kernel, types, {**flags, **config.kwargs, "AHEAD": 1, "POLICY": ""},
+                           aligned, config.num_warps).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == pdl
         assert "ld.global.v4.b32" in ptx
         if pdl:
             assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+    if pdl:  # early_config's: two blocks ahead requested before the wait, the weights' loads hinted evict_first
+        early = gemv_row.early_config(2048, 8192)
+        warps = early.pop("num_warps")
+        for gated in (False, True):
+            flags = dict(NORM=gated, HAS_RES=not gated, GATED=gated, PDL=True, HAS_BIAS=False)
+
+            def loads_before_wait(**depth):
+                ptx = compile_sm90(gemv_row._row_kernel, types, {**flags, **early, **depth}, aligned, warps).asm["ptx"]
+                before = ptx[:ptx.index("griddepcontrol.wait")]
+                return before.count("ld.global"), before.count("evict_first")
+            (two, hinted), (one, plain) = loads_before_wait(), loads_before_wait(AHEAD=1, POLICY="")
+            assert two == 2 * one and hinted >= two and plain == 0  # (a policy register counts too)
 
 
 @pytest.mark.parametrize("act", [0, 3])
