@@ -8,7 +8,9 @@ time the GPU had no kernel running, all from the device timestamps in the profil
 
 ``--decode``: where a decode step's time goes instead: one generation (llama-1b shape, random bf16 weights,
 paratron's engine with its compiled decode step replayed as a CUDA graph); per generated token: wall time, GPU
-busy and idle time, kernels by kind and the top kernels ($OUT/decode_kernels_b<batch>.tsv).
+busy and idle time, kernels by kind and the top kernels, told apart by launch grid, each with its own duration and
+its exposed share of the critical path (``exposed``: kernels launched early overlap the one before, so their own
+durations overstate them) ($OUT/decode_kernels_b<batch>.tsv).
 
 With $OUT set, the full per-kernel table goes to $OUT/kernels_<config>.tsv (and the Chrome trace
 to $OUT/trace_<config>.json when PROFILE_TRACE=1; PROFILE_STEPS=N profiles N steps, default 3).
@@ -72,12 +74,30 @@ def tally(intervals) -> tuple[dict, dict, dict]:
     return by_name, count, kinds
 
 
-def trace_kernels(path) -> list[tuple[float, float, str]]:
+def exposed(intervals) -> dict:
+    """us by kernel name that no kernel before it covers: each kernel's end past the latest end before it (and past
+    its own start). Kernels launched early (programmatic dependent launch) start while the one before runs and wait
+    for it, so their own durations overlap and overstate them; these shares do not overlap, sum to the GPU's busy
+    time, and say how much of the critical path each kernel holds."""
+    by_name, last = defaultdict(float), None
+    for start, end, name in sorted(intervals, key=lambda i: i[1]):
+        lo = start if last is None else max(start, last)
+        by_name[name] += max(0.0, end - lo)
+        last = end
+    return by_name
+
+
+def trace_kernels(path, grid: bool = False) -> list[tuple[float, float, str]]:
     """(start us, end us, name) of every kernel, memset and memcpy on the GPU in a Chrome trace
-    written by torch.profiler (the device's own timestamps)."""
+    written by torch.profiler (the device's own timestamps); ``grid``: each kernel's name followed by its launch
+    grid (one kernel run at several shapes, e.g. the row GEMV of each projection, then counts apart)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+
+    def named(e):
+        shape = e.get("args", {}).get("grid")
+        return f"{e['name']} grid={shape}" if grid and e.get("cat") == "kernel" and shape else e["name"]
+    return sorted((e["ts"], e["ts"] + e["dur"], named(e)) for e in events
                   if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)
 
 
@@ -202,8 +222,9 @@ def decode_main(argv: list) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        intervals = trace_kernels(trace)
+        intervals = trace_kernels(trace, grid=True)
     by_name, count, kinds = tally(intervals)
+    critical = exposed(intervals)
     span = max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals)
     _, idle = idle_by_neighbours(intervals)
     print(f"batch {a.batch}: {1000 * wall:.3f} ms per token unprofiled ({a.batch / wall:.0f} tokens/s); "
@@ -211,16 +232,16 @@ def decode_main(argv: list) -> int:
           f"idle {idle / n / 1000:.3f} (prefill included)")
     for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"  {k:30s} {v / n:8.1f} us per token")
-    print("top kernels (us per token, launches per token):")
-    rows = sorted(by_name.items(), key=lambda kv: -kv[1])
+    print("top kernels (us per token: own duration, exposed: not covered by the kernels before it; launches):")
+    rows = sorted(by_name.items(), key=lambda kv: -critical[kv[0]])
     for k, v in rows[:30]:
-        print(f"  {v / n:8.1f} us {count[k] / n:6.1f}x  {k[:130]}")
+        print(f"  {v / n:8.1f} us {critical[k] / n:8.1f} us {count[k] / n:6.1f}x  {k[:120]}")
     out = os.environ.get("OUT")
     if out:
         with open(Path(out) / f"decode_kernels_b{a.batch}.tsv", "w") as f:
-            f.write("us_per_token\tlaunches_per_token\tkind\tkernel\n")
+            f.write("us_per_token\texposed_us_per_token\tlaunches_per_token\tkind\tkernel\n")
             for k, v in rows:
-                f.write(f"{v / n:.2f}\t{count[k] / n:.2f}\t{kind_of(k)}\t{k}\n")
+                f.write(f"{v / n:.2f}\t{critical[k] / n:.2f}\t{count[k] / n:.2f}\t{kind_of(k)}\t{k}\n")
     return 0
 
 

@@ -92,7 +92,7 @@ if triton is not None:
         autotuner's picks were up to 7 % slower (benchmarks/results/decode_walk_rows_h100_20261206.md). Two weight
         blocks requested ahead, both before the wait, the loads marked evict_first (read once: L2 keeps the rows,
         the KV cache and the next kernel's early blocks): faster on H100s
-        (benchmarks/results/decode_probes_h100_20261207.md)."""
+        (benchmarks/results/decode_row_evict_h100_20261207.md)."""
         return {"BLOCK_N": 4, "BLOCK_K": min(1024, triton.next_power_of_2(k)), "num_warps": 8 if n <= 2048 else 4,
                 "AHEAD": 2, "POLICY": "evict_first"}
 
