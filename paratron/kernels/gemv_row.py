@@ -106,6 +106,24 @@ if triton is not None:
         return y.to(dt).to(tl.float32)
 
     @triton.jit
+    def _pair(w_rows, u_rows, at, mask, GATED: tl.constexpr, POLICY: tl.constexpr):
+        """The weight block at offsets ``at`` of the rows, and of the up rows where ``GATED`` (else the same block)."""
+        w = tl.load(w_rows + at, mask=mask, other=0.0, eviction_policy=POLICY)
+        u = w
+        if GATED:
+            u = tl.load(u_rows + at, mask=mask, other=0.0, eviction_policy=POLICY)
+        return w, u
+
+    @triton.jit
+    def _rstd(x_ptr, K, eps, rk, BLOCK_K: tl.constexpr):
+        """The RMSNorm statistic 1 / sqrt(mean(x^2) + eps) of the row x [K], ``BLOCK_K`` columns at a time."""
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            squares += xs * xs
+        return tl.rsqrt(tl.sum(squares, 0) / K + eps)
+
+    @triton.jit
     def _row_kernel(x_ptr, w_ptr, g_ptr, r_ptr, b_ptr, out_ptr, N, K, eps, NORM: tl.constexpr,
                     HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
@@ -120,40 +138,24 @@ if triton is not None:
         n_ok = rn < N
         w_rows = w_ptr + rn[:, None].to(tl.int64) * K
         u_rows = w_ptr + (rn[:, None] + N).to(tl.int64) * K
-        first = n_ok[:, None] & (rk < K)[None, :]
-        w = tl.load(w_rows + rk[None, :], mask=first, other=0.0, eviction_policy=POLICY)
-        u = w
-        if GATED:
-            u = tl.load(u_rows + rk[None, :], mask=first, other=0.0, eviction_policy=POLICY)
-        w1 = w  # (AHEAD 2: the block after the first, also requested before the wait)
-        u1 = u
+        w, u = _pair(w_rows, u_rows, rk[None, :], n_ok[:, None] & (rk < K)[None, :], GATED, POLICY)
+        w1, u1 = w, u  # (AHEAD 2: the block after the first, also requested before the wait)
         if AHEAD == 2:
-            second = n_ok[:, None] & (rk + BLOCK_K < K)[None, :]
-            w1 = tl.load(w_rows + BLOCK_K + rk[None, :], mask=second, other=0.0, eviction_policy=POLICY)
-            u1 = w1
-            if GATED:
-                u1 = tl.load(u_rows + BLOCK_K + rk[None, :], mask=second, other=0.0, eviction_policy=POLICY)
+            w1, u1 = _pair(w_rows + BLOCK_K, u_rows + BLOCK_K, rk[None, :], n_ok[:, None] & (rk + BLOCK_K < K)[None, :],
+                           GATED, POLICY)
         if PDL:  # the weights never depend on the kernel before; the row does
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         rstd = 1.0
         if NORM:
-            squares = tl.zeros([BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xs = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-                squares += xs * xs
-            rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+            rstd = _rstd(x_ptr, K, eps, rk, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + rk
             k_ok = ks < K
-            ahead = n_ok[:, None] & (ks + AHEAD * BLOCK_K < K)[None, :]
-            w_next = tl.load(w_rows + AHEAD * BLOCK_K + ks[None, :], mask=ahead, other=0.0, eviction_policy=POLICY)
-            u_next = w_next
-            if GATED:
-                u_next = tl.load(u_rows + AHEAD * BLOCK_K + ks[None, :], mask=ahead, other=0.0,
-                                 eviction_policy=POLICY)
+            w_next, u_next = _pair(w_rows + AHEAD * BLOCK_K, u_rows + AHEAD * BLOCK_K, ks[None, :],
+                                   n_ok[:, None] & (ks + AHEAD * BLOCK_K < K)[None, :], GATED, POLICY)
             xk = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
             if NORM:
                 gk = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
