@@ -11,8 +11,8 @@ their second passes, the norms, SwiGLU).
 
 Each program owns ``BLOCK_N`` output rows over all of K (no split, no workspace to zero, no second pass) and walks K
 ``BLOCK_K`` columns at a time, loading the next block of weight rows while it multiplies the current one (two blocks
-in flight a program, the first requested before the norm's statistics are computed; launched early, the next two,
-both requested before the wait, with the weights' loads marked evict_first: ``early_config``). The products are kept
+in flight a program, the first requested before the norm's statistics are computed; launched early, three, the first
+two requested before the wait and every weight load marked evict_first: ``early_config``). The products are kept
 per column in fp32 and summed once at the end. The rounding follows the model's torch expressions: the normalised
 row is rounded to the model's dtype, then times the norm's weight and rounded again (``model/norms.py``); the
 product is rounded before SwiGLU or the residual add. With ``pdl`` (``--kernel-decode-pdl``) the kernel is launched
