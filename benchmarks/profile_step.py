@@ -79,10 +79,9 @@ def exposed(intervals) -> dict:
     its own start). Kernels launched early (programmatic dependent launch) start while the one before runs and wait
     for it, so their own durations overlap and overstate them; these shares do not overlap, sum to the GPU's busy
     time, and say how much of the critical path each kernel holds."""
-    by_name, last = defaultdict(float), None
+    by_name, last = defaultdict(float), float("-inf")
     for start, end, name in sorted(intervals, key=lambda i: i[1]):
-        lo = start if last is None else max(start, last)
-        by_name[name] += max(0.0, end - lo)
+        by_name[name] += end - max(start, last)  # (sorted by end: never negative)
         last = end
     return by_name
 

@@ -139,8 +139,7 @@ if triton is not None:
         w_rows = w_ptr + rn[:, None].to(tl.int64) * K
         u_rows = w_ptr + (rn[:, None] + N).to(tl.int64) * K
         w, u = _pair(w_rows, u_rows, rk[None, :], n_ok[:, None] & (rk < K)[None, :], GATED, POLICY)
-        w1, u1 = w, u  # (AHEAD 2: the block after the first, also requested before the wait)
-        if AHEAD == 2:
+        if AHEAD == 2:  # the block after the first, also requested before the wait
             w1, u1 = _pair(w_rows + BLOCK_K, u_rows + BLOCK_K, rk[None, :], n_ok[:, None] & (rk + BLOCK_K < K)[None, :],
                            GATED, POLICY)
         if PDL:  # the weights never depend on the kernel before; the row does
