@@ -99,8 +99,11 @@ def block_grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     if not a.is_cuda or not fits(s, n, k) or _module() is None:
         from .. import fp8_grouped
         return fp8_grouped.grouped_forward(a, sa, b, sb, ends, "block", out_dtype, "dequant")
+    dg = _module()
+    if dg.get_mk_alignment_for_contiguous_layout() != TILE:  # (a setting of the library's; 128 by default on sm90)
+        dg.set_mk_alignment_for_contiguous_layout(TILE)
     out = torch.zeros(s, n, device=a.device, dtype=torch.bfloat16)  # (rows no expert holds stay zero)
-    _module().m_grouped_fp8_gemm_nt_contiguous(
+    dg.m_grouped_fp8_gemm_nt_contiguous(
         (a.contiguous(), sa.reciprocal()), (b.contiguous(), sb.reciprocal().view(e, n // TILE, -1)), out,
         ends.to(torch.int32).contiguous(), use_psum_layout=True)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
