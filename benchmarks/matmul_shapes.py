@@ -22,8 +22,9 @@ and in each FP8 path from already quantised operands, then the whole FP8 experts
 forward and forward + backward against bf16's, per recipe; with ``--quack``, quack-kernels' variable-length GEMM on
 the same products instead (bf16 and FP8, default tile and autotuned), each checked against torch's.
 ``--fp8``: each dense linear's three GEMMs in bf16, tensorwise FP8 (``torch._scaled_mm``) and blockwise FP8 (cuBLAS's
-block-scaled GEMM) from quantised operands, and each recipe's casts of the input and output gradient in both
-layouts (blockwise: compiled torch ops and the Triton kernel). Both write a record (``expert_gemms_<config>...``).
+block-scaled GEMM, and DeepGEMM's where it runs: kernels/experimental/deepgemm.py) from quantised operands, and
+each recipe's casts of the input and output gradient in both layouts (blockwise: compiled torch ops and the Triton
+kernel). Both write a record (``expert_gemms_<config>...``).
 
 ``--scan-memory``: what one Mamba-2 and one Gated DeltaNet layer (hybrid-mini's shapes; Gated DeltaNet with
 Megatron's default 16 key and 32 value heads of 128) keep for backward and their forward + backward time, torch
@@ -206,7 +207,15 @@ def recipes():
             ("tensorwise hybrid", Recipe(format="hybrid", grouped_gemm="scaled_grouped_mm")),
             ("tensorwise dequant", Recipe(format="e4m3", grouped_gemm="dequant")),
             ("blockwise dequant", Recipe(format="e4m3", recipe="blockwise")),
-            ("blockwise triton", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton"))]
+            ("blockwise triton", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton")),
+            *([("blockwise deepgemm", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="deepgemm"))]
+              if _deepgemm() else [])]
+
+
+def _deepgemm() -> bool:
+    """Whether DeepGEMM's GEMMs run here (its rows are left out otherwise: its ops would measure the fallback)."""
+    from paratron.kernels.experimental import deepgemm
+    return deepgemm.refusal("cuda") is None
 
 
 def _tensorwise(x, w, g) -> tuple:
@@ -241,7 +250,7 @@ def kernel_cases(x, w, g, ends):
     bgt, bsgt = quantize_tiles(g.t())
     bw, bsw = _weight_blocks(w, 0)
     bwt, bswt = _transposed_blocks(bw, bsw)
-    for path in ("triton", "dequant"):
+    for path in ("deepgemm", "triton", "dequant")[0 if _deepgemm() else 1:]:
         cases += [(f"block {path} fwd", lambda p=path: grouped_forward(bx, bsx, bw, bsw, ends, "block", x.dtype, p),
                    flops),
                   (f"block {path} dgrad", lambda p=path: grouped_forward(bg, bsg, bwt, bswt, ends, "block", x.dtype, p),
@@ -310,6 +319,10 @@ def dense_cases(x, w, g):
             ("block fwd", lambda: block_mm(bxq, bsx, bw, bsw, True, x.dtype, "scaled_mm"), flops),
             ("block dgrad", lambda: block_mm(bgq, bsg, bw.t(), bsw.t(), True, x.dtype, "scaled_mm"), flops),
             ("block wgrad", lambda: block_mm(bgt, bsgt, bxt, bsxt, False, x.dtype, "scaled_mm"), flops),
+            *([("block deepgemm fwd", lambda: block_mm(bxq, bsx, bw, bsw, True, x.dtype, "deepgemm"), flops),
+               ("block deepgemm dgrad", lambda: block_mm(bgq, bsg, bw.t(), bsw.t(), True, x.dtype, "deepgemm"), flops),
+               ("block deepgemm wgrad", lambda: block_mm(bgt, bsgt, bxt, bsxt, False, x.dtype, "deepgemm"), flops)]
+              if _deepgemm() else []),
             ("tensor cast x (+x^T)", lambda: st.input.quantize_both(x), 0),
             ("tensor cast g (+g^T)", lambda: st.quantize_grad(g), 0),
             ("block cast x (+x^T), compiled", lambda: both(x), 0),

@@ -37,9 +37,9 @@ CHOICES: dict[str, tuple] = {
     "kernel_fp8_fused_mlp": ("on", "off"),
     "kernel_fp8_grad_cast": ("on", "off"),
     "kernel_fp8_weight_cache": AUTO_ON_OFF,
-    "kernel_fp8_block_gemm": ("auto", "scaled_mm", "dequant"),
+    "kernel_fp8_block_gemm": ("auto", "scaled_mm", "deepgemm", "dequant"),
     "kernel_fp8_grouped_gemm": ("auto", "scaled_grouped_mm", "dequant"),
-    "kernel_fp8_block_grouped_gemm": ("auto", "triton", "dequant"),
+    "kernel_fp8_block_grouped_gemm": ("auto", "deepgemm", "triton", "dequant"),
     "kernel_fp8_block_cast": ("auto", "triton", "torch"),
     "kernel_compile_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_coordinate_descent": AUTO_ON_OFF,
@@ -77,9 +77,9 @@ class KernelConfig(Section):
     kernel_fp8_fused_mlp: str = "on"  # FP8: the MLP (dense, experts) as one function writing its activation in FP8
     kernel_fp8_grad_cast: str = "on"  # FP8: output gradients cast by one kernel (off: torch ops)
     kernel_fp8_weight_cache: str = "auto"  # FP8: dense weights cast once per step of several micro-batches (auto: off)
-    kernel_fp8_block_gemm: str = "auto"  # blockwise FP8 GEMMs: scaled_mm (cuBLAS block scales) | dequant (bf16 GEMM)
+    kernel_fp8_block_gemm: str = "auto"  # blockwise FP8 GEMMs: scaled_mm (cuBLAS) | deepgemm | dequant (bf16 GEMM)
     kernel_fp8_grouped_gemm: str = "auto"  # routed experts in FP8: scaled_grouped_mm (torch) | dequant (bf16 GEMM)
-    kernel_fp8_block_grouped_gemm: str = "auto"  # blockwise FP8 experts (forward, input grad): triton | dequant
+    kernel_fp8_block_grouped_gemm: str = "auto"  # blockwise FP8 experts (forward, input grad): deepgemm | triton | dequant
     kernel_fp8_block_cast: str = "auto"  # blockwise FP8 tile casts in both layouts: triton (auto on CUDA) | torch
     kernel_compile_coordinate_descent: str = "auto"  # torch.compile's coordinate-descent tuning of the layers
     kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch size 1)

@@ -27,12 +27,12 @@ def alignment(state: FP8State) -> int:
 
 
 def grouped_path(state: FP8State, kind: str) -> str:
-    """emulate (tests), the switch's torch._scaled_grouped_mm (tensor scales only) or Triton kernel (block scales:
-    kernels/fp8_block_grouped.py), else dequant."""
+    """emulate (tests), the switch's torch._scaled_grouped_mm (tensor scales only) or Triton / DeepGEMM kernel
+    (block scales: kernels/fp8_block_grouped.py, kernels/experimental/deepgemm.py), else dequant."""
     if state.recipe.emulate:
         return "emulate"
-    if kind == "block" and state.recipe.block_grouped_gemm == "triton":
-        return "triton"
+    if kind == "block" and state.recipe.block_grouped_gemm in ("triton", "deepgemm"):
+        return state.recipe.block_grouped_gemm
     return "scaled_grouped_mm" if kind == "tensor" and state.recipe.grouped_gemm == "scaled_grouped_mm" else "dequant"
 
 

@@ -56,9 +56,9 @@ class Recipe:
     fp8_wgrad: bool = True  # --no-fp8-wgrad: weight gradients from the bf16 input and output gradient
     bf16_at_start: int = 0  # --first-last-layers-bf16: the first / last decoder layers stay in the params' dtype
     bf16_at_end: int = 0
-    block_gemm: str = "dequant"  # blockwise recipe's GEMMs (--kernel-fp8-block-gemm): scaled_mm | dequant
+    block_gemm: str = "dequant"  # blockwise recipe's GEMMs (--kernel-fp8-block-gemm): scaled_mm | deepgemm | dequant
     grouped_gemm: str = "dequant"  # routed experts' FP8 GEMMs (--kernel-fp8-grouped-gemm): scaled_grouped_mm | dequant
-    block_grouped_gemm: str = "dequant"  # ... under the blockwise recipe (--kernel-fp8-block-grouped-gemm): triton
+    block_grouped_gemm: str = "dequant"  # ... under the blockwise recipe (--kernel-fp8-block-grouped-gemm): deepgemm | triton
     block_cast: str = "torch"  # blockwise tile casts in both layouts (--kernel-fp8-block-cast): triton | torch
     weight_cache: bool = True  # FP8 weights cast once per step of several micro-batches (fp8/weights.py)
     overrides: tuple[Rule, ...] = ()  # --te-precision-config-file's matchers (config/precision_file.py), in order

@@ -11,6 +11,7 @@ blocks, both along K; returns a b^T [M, N]), by one of three paths (``--kernel-f
 
 * ``scaled_mm``: ``torch.nn.functional.scaled_mm`` with float32 block scales, cuBLAS's blockwise FP8 GEMM
   (Hopper, CUDA >= 12.9; the scale layouts it checks are ``scaled_mm_scales``'s);
+* ``deepgemm``: DeepGEMM's sm90 kernels (kernels/experimental/deepgemm.py: a pinned build of DeepGEMM);
 * ``dequant``: both operands dequantised to bf16 and multiplied by torch's bf16 GEMM: the recipe's numbers
   (what the FP8 copies hold) without FP8 speed, on any GPU;
 * ``emulate``: dequantised to fp32 and multiplied in fp32, the reference of the CPU tests.
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from .experimental import deepgemm  # noqa: F401 (registers paratron::deepgemm_block_mm)
 from .fp8_cast import E4M3, FMAX, compute_scale
 
 TILE = 128
-BLOCK_GEMMS = ("scaled_mm", "dequant", "emulate")
+BLOCK_GEMMS = ("scaled_mm", "deepgemm", "dequant", "emulate")
 
 
 def _ceil(n: int, d: int = TILE) -> int:
@@ -127,6 +129,8 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
         return (dequantize_tiles(a, sa) @ dequantize(b, sb, b_blocks).t()).to(out_dtype)
     if path == "dequant":
         return dequantize_tiles(a, sa, out_dtype) @ dequantize(b, sb, b_blocks, out_dtype).t()
+    if path == "deepgemm":  # (kernels/experimental/deepgemm.py; shapes it does not take: the cuBLAS path)
+        return torch.ops.paratron.deepgemm_block_mm(a, sa, b, sb, b_blocks, out_dtype)
     return scaled_block_mm(a, sa, b, sb, b_blocks, out_dtype)
 
 

@@ -13,7 +13,7 @@ import torch
 from ..config.kernels import CHOICES, KernelConfig
 from ..errors import ConfigError
 from . import flash_attention, fp8_block, fp8_block_grouped, fp8_grouped, fused_adamw, linear_scan, quack_mlp, quack_norm
-from .experimental import flash_packed
+from .experimental import deepgemm, flash_packed
 from .hardware import launches_dependent
 
 try:
@@ -117,6 +117,10 @@ def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False,
     if asked.kernel_fp8_block_grouped_gemm == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
         raise ConfigError("--kernel-fp8-block-grouped-gemm triton: the kernel needs Triton and a CUDA device "
                           "(choose dequant or auto here)")
+    for name in ("kernel_fp8_block_gemm", "kernel_fp8_block_grouped_gemm"):
+        if getattr(asked, name) == "deepgemm" and deepgemm.refusal(device):
+            raise ConfigError(f"--{name.replace('_', '-')} deepgemm: {deepgemm.refusal(device)} "
+                              "(choose auto here)")
     if asked.kernel_fp8_block_cast == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
         raise ConfigError("--kernel-fp8-block-cast triton: the kernel needs Triton and a CUDA device "
                           "(choose torch or auto here)")

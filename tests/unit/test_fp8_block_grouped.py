@@ -96,7 +96,7 @@ def test_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():
     from paratron.fp8 import Recipe
     from paratron.kernels import switches
     from paratron.train.resolve import parse_args
-    assert CHOICES["kernel_fp8_block_grouped_gemm"] == ("auto", "triton", "dequant")
+    assert CHOICES["kernel_fp8_block_grouped_gemm"] == ("auto", "deepgemm", "triton", "dequant")
     assert switches.resolve(KernelConfig(), "cpu", torch.bfloat16).kernel_fp8_block_grouped_gemm == "dequant"
     asked = dataclasses.replace(KernelConfig(), kernel_fp8_block_grouped_gemm="triton")
     with pytest.raises(ConfigError, match="--kernel-fp8-block-grouped-gemm triton"):

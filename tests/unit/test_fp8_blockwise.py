@@ -126,7 +126,7 @@ def test_kernel_switches_resolve_on_cpu_and_reject_bad_values():
     cfg = parse_args(BASE)
     runs = switches.resolve(cfg.kernels, "cpu", torch.bfloat16)
     assert (runs.kernel_fp8_block_gemm, runs.kernel_fp8_grouped_gemm) == ("dequant", "dequant")
-    with pytest.raises(ConfigError, match="--kernel-fp8-block-gemm cutlass: choose one of auto, scaled_mm, dequant"):
+    with pytest.raises(ConfigError, match="--kernel-fp8-block-gemm cutlass: choose one of auto, scaled_mm, deepgemm, dequant"):
         parse_args([*BASE, "--kernel-fp8-block-gemm", "cutlass"])
     assert Recipe.from_config(parse_args([*BASE, "--kernel-fp8-block-gemm", "scaled_mm"]).train) is None
 

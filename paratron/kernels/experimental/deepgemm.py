@@ -1,0 +1,114 @@
+"""DeepGEMM's Hopper FP8 GEMMs with DeepSeek-V3's block scales, for ``--fp8-recipe blockwise``
+(``--kernel-fp8-block-gemm deepgemm``: the dense linears' three GEMMs; ``--kernel-fp8-block-grouped-gemm deepgemm``:
+the routed experts' forward and input gradient).
+
+DeepGEMM (https://github.com/deepseek-ai/DeepGEMM, MIT licence) compiles its kernels at first use of each shape
+with the CUDA compiler (``nvcc`` must be on the machine; the compiled kernels are cached under ``~/.deep_gemm``).
+It has no current release on PyPI (the 1.0.0 there predates its sm90 interface), so it is built from its
+repository, and paratron pins the version whose interface it calls (``VERSION``): with another version installed,
+or none, the switch refuses by name and ``auto`` keeps cuBLAS (kernels/README.md, "Experimental").
+
+The operands are kernels/fp8_block.py's :func:`~paratron.kernels.fp8_block.block_mm`'s: ``a`` [M, K] e4m3 with a
+scale per 1 x 128 tile along K, ``b`` [N, K] with a scale per 128 x 128 block (the forward and the input gradient:
+DeepGEMM's "1D2D" kernel) or per 1 x 128 tile (the weight gradient, both operands along the tokens: its "1D1D"
+kernel). paratron's scales multiply before the cast; DeepGEMM takes the dequantisation factors, their
+reciprocals. Its sm90 kernels read both operands K-major, so a transposed view is copied (the input gradient's
+weight, as cuBLAS's path does). Shapes it cannot take (K or N not a multiple of 128) go to cuBLAS's blockwise GEMM,
+the same numbers.
+
+The grouped form takes the experts' rows as paratron's dispatch lays them out for block scales (sorted by expert,
+each expert starting at a multiple of 128, ``ends`` the cumulative end rows): DeepGEMM's "psum" contiguous layout.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+VERSION = "2.6.1"  # DeepGEMM's version whose interface is called here (fp8_gemm_nt, m_grouped_..._contiguous)
+TILE = 128
+
+
+@functools.lru_cache(maxsize=1)
+def _module():
+    """deep_gemm when the pinned version imports, else None."""
+    try:
+        import deep_gemm
+    except Exception:  # noqa: BLE001 - not installed, or its extension does not load here
+        return None
+    return deep_gemm if getattr(deep_gemm, "__version__", "") == VERSION else None
+
+
+def installed_version() -> Optional[str]:
+    try:
+        import deep_gemm
+    except Exception:  # noqa: BLE001
+        return None
+    return getattr(deep_gemm, "__version__", "unknown")
+
+
+def refusal(device) -> Optional[str]:
+    """Why DeepGEMM's GEMMs cannot run on ``device`` (None: they can)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return "DeepGEMM's FP8 GEMMs need a Hopper GPU (sm90)"
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        return "DeepGEMM's FP8 GEMMs with float32 block scales run on Hopper (sm90) only"
+    if _module() is None:
+        found = installed_version()
+        return (f"needs DeepGEMM {VERSION} (found {found}); build it from github.com/deepseek-ai/DeepGEMM"
+                if found else f"needs DeepGEMM {VERSION}, built from github.com/deepseek-ai/DeepGEMM (not installed)")
+    return None
+
+
+def fits(m: int, n: int, k: int) -> bool:
+    """Whether DeepGEMM takes a GEMM of this shape (whole 128-wide tiles along N and K)."""
+    return m > 0 and n % TILE == 0 and k % TILE == 0
+
+
+@torch.library.custom_op("paratron::deepgemm_block_mm", mutates_args=())
+def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_blocks: bool,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """a b^T ([M, N], ``out_dtype``) of blockwise FP8 operands (the module docstring's); off CUDA, or at a shape
+    DeepGEMM does not take, kernels/fp8_block.py's cuBLAS path (on CPU: its fp32 emulation)."""
+    from ..fp8_block import scaled_block_mm
+    m, k = a.shape
+    n = b.shape[0]
+    if not a.is_cuda or not fits(m, n, k) or _module() is None:
+        return scaled_block_mm(a, sa, b, sb, b_blocks, out_dtype)
+    out = torch.empty(m, n, device=a.device, dtype=torch.bfloat16)
+    _module().fp8_gemm_nt((a.contiguous(), sa.reciprocal()), (b.contiguous(), sb.reciprocal().contiguous()), out,
+                          recipe=None if b_blocks else (1, 1, TILE))
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+
+@block_mm.register_fake
+def _(a, sa, b, sb, b_blocks, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op("paratron::deepgemm_block_grouped_mm", mutates_args=())
+def block_grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, ends: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """Rows of ``a`` [S, K] of expert e times ``b[e]``^T ([E, N, K], ``sb`` [E N/128, K/128]): [S, N], rows past the
+    last end zero (kernels/fp8_block_grouped.py's operands); elsewhere that module's Triton kernel (CPU: its
+    interpreter) or, without Triton, the dequantised product."""
+    s, k = a.shape
+    e, n, _ = b.shape
+    if not a.is_cuda or not fits(s, n, k) or _module() is None:
+        from .. import fp8_grouped
+        return fp8_grouped.grouped_forward(a, sa, b, sb, ends, "block", out_dtype, "dequant")
+    dg = _module()
+    if dg.get_mk_alignment_for_contiguous_layout() != TILE:  # (a setting of the library's; 128 by default on sm90)
+        dg.set_mk_alignment_for_contiguous_layout(TILE)
+    out = torch.zeros(s, n, device=a.device, dtype=torch.bfloat16)  # (rows no expert holds stay zero)
+    dg.m_grouped_fp8_gemm_nt_contiguous(
+        (a.contiguous(), sa.reciprocal()), (b.contiguous(), sb.reciprocal().view(e, n // TILE, -1)), out,
+        ends.to(torch.int32).contiguous(), use_psum_layout=True)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+
+@block_grouped_mm.register_fake
+def _(a, sa, b, sb, ends, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)

@@ -1,0 +1,61 @@
+"""The DeepGEMM switches (kernels/experimental/deepgemm.py) without a GPU: the ops' CPU paths give the reference's
+numbers, the flags reach the recipe, and asking for DeepGEMM where it cannot run is refused by name."""
+import dataclasses
+
+import pytest
+import torch
+
+from paratron.config.kernels import CHOICES, KernelConfig
+from paratron.errors import ConfigError
+from paratron.fp8 import Recipe
+from paratron.kernels import fp8_block as fb
+from paratron.kernels import fp8_grouped, switches
+from paratron.kernels.experimental import deepgemm
+
+
+def test_refused_by_name_where_it_cannot_run_and_never_taken_by_auto_on_cpu():
+    assert "deepgemm" in CHOICES["kernel_fp8_block_gemm"] and "deepgemm" in CHOICES["kernel_fp8_block_grouped_gemm"]
+    assert "Hopper" in deepgemm.refusal("cpu")
+    runs = switches.resolve(KernelConfig(), "cpu", torch.bfloat16)
+    assert (runs.kernel_fp8_block_gemm, runs.kernel_fp8_block_grouped_gemm) == ("dequant", "dequant")
+    for name in ("kernel_fp8_block_gemm", "kernel_fp8_block_grouped_gemm"):
+        asked = dataclasses.replace(KernelConfig(), **{name: "deepgemm"})
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} deepgemm: .*Hopper"):
+            switches.resolve(asked, "cpu", torch.bfloat16)
+
+
+def test_the_flags_reach_the_recipe():
+    from paratron.train.resolve import parse_args
+    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--kernel-fp8-block-gemm", "deepgemm",
+                      "--kernel-fp8-block-grouped-gemm", "deepgemm"])
+    train = dataclasses.replace(cfg.train, fp8_format="e4m3", fp8_recipe="blockwise")
+    recipe = Recipe.from_config(train, cfg.kernels)
+    assert (recipe.block_gemm, recipe.block_grouped_gemm) == ("deepgemm", "deepgemm")
+
+
+@pytest.mark.parametrize("b_blocks", [True, False])
+def test_dense_op_off_the_gpu_is_the_emulation(b_blocks):
+    torch.manual_seed(0)
+    a, b = torch.randn(256, 384), torch.randn(128, 384)
+    aq, sa = fb.quantize_tiles(a)
+    bq, sb = fb.quantize_blocks(b) if b_blocks else fb.quantize_tiles(b)
+    got = fb.block_mm(aq, sa, bq, sb, b_blocks, torch.float32, "deepgemm")
+    want = fb.block_mm(aq, sa, bq, sb, b_blocks, torch.float32, "emulate")
+    assert want.norm() > 0 and torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_op_off_the_gpu_is_the_dequant_path():
+    torch.manual_seed(1)
+    ends = torch.tensor([100, 128, 300], dtype=torch.int32)  # (an empty second expert)
+    a = torch.randn(384, 256)
+    b = torch.randn(3, 128, 256) * 0.05
+    aq, sa = fb.quantize_tiles(a)
+    bq, sb = fb.quantize_blocks(b.reshape(-1, 256))
+    bq = bq.view(3, 128, 256)
+    got = torch.ops.paratron.deepgemm_block_grouped_mm(aq, sa, bq, sb, ends, torch.float32)
+    want = fp8_grouped.grouped_forward(aq, sa, bq, sb, ends, "block", torch.float32, "emulate")
+    assert torch.allclose(got[:300], want[:300], rtol=1e-4, atol=1e-3)
+
+
+def test_shapes_deepgemm_takes():
+    assert deepgemm.fits(1, 128, 256) and not deepgemm.fits(128, 128, 320) and not deepgemm.fits(0, 128, 128)
