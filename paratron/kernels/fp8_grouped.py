@@ -72,7 +72,9 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     got no rows to zero itself: torch's Hopper grouped GEMM does not promise to write an empty group's output (its
     Blackwell setup refuses such groups in every layout but the former)."""
     groups = ends.numel()
-    path = "dequant" if path == "triton" else path  # (the Triton kernel sums along K, not along the rows)
+    # (the Triton kernel sums along K, not along the rows; DeepGEMM's grouped weight gradient on Hopper takes the
+    # experts' row counts on the host, a read-back per layer)
+    path = "dequant" if path in ("triton", "deepgemm") else path
     if path == "scaled_grouped_mm":
         rows = sg.reciprocal().expand(groups * gt.shape[0]).contiguous()
         cols = sx.reciprocal().expand(groups * xt.shape[0]).contiguous()

@@ -59,3 +59,17 @@ def test_grouped_op_off_the_gpu_is_the_dequant_path():
 
 def test_shapes_deepgemm_takes():
     assert deepgemm.fits(1, 128, 256) and not deepgemm.fits(128, 128, 320) and not deepgemm.fits(0, 128, 128)
+
+
+def test_grouped_weight_gradient_under_deepgemm_takes_the_dequant_path():
+    """DeepGEMM's Hopper grouped weight gradient wants the row counts on the host, so the experts' weight gradient
+    stays on the dequant path: the same values, and zero for an expert that got no rows."""
+    torch.manual_seed(2)
+    ends = torch.tensor([128, 128, 384], dtype=torch.int32)  # (an empty second expert)
+    gt, xt = torch.randn(256, 384), torch.randn(128, 384)
+    gq, sg = fb.quantize_tiles(gt)
+    xq, sx = fb.quantize_tiles(xt)
+    got = fp8_grouped.grouped_wgrad(gq, sg, xq, sx, ends, "block", torch.float32, "deepgemm")
+    want = fp8_grouped.grouped_wgrad(gq, sg, xq, sx, ends, "block", torch.float32, "dequant")
+    assert got.shape == (3, 256, 128) and want[0].norm() > 0
+    assert torch.equal(got, want) and got[1].abs().max() == 0

@@ -77,10 +77,14 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
     n = b.shape[0]
     if not a.is_cuda or not fits(m, n, k) or _module() is None:
         return scaled_block_mm(a, sa, b, sb, b_blocks, out_dtype)
-    out = torch.empty(m, n, device=a.device, dtype=torch.bfloat16)
-    _module().fp8_gemm_nt((a.contiguous(), sa.reciprocal()), (b.contiguous(), sb.reciprocal().contiguous()), out,
-                          recipe=None if b_blocks else (1, 1, TILE))
-    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+    args = ((a.contiguous(), sa.reciprocal()), (b.contiguous(), sb.reciprocal().contiguous()))
+    if b_blocks:
+        out = torch.empty(m, n, device=a.device, dtype=torch.bfloat16)
+        _module().fp8_gemm_nt(*args, out)
+    else:  # the 1D1D kernel (both operands in tiles) only accumulates into a float32 output: D = C + A B^T
+        out = torch.zeros(m, n, device=a.device, dtype=torch.float32)
+        _module().fp8_gemm_nt(*args, out, c=out, recipe=(1, 1, TILE))
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 @block_mm.register_fake
