@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .experimental import deepgemm  # noqa: F401 (registers paratron::deepgemm_block_mm)
+from .experimental import deepgemm  # (also registers paratron::deepgemm_block_mm)
 from .fp8_cast import E4M3, FMAX, compute_scale
 
 TILE = 128
@@ -157,12 +157,16 @@ def _(a, sa, b, sb, b_blocks, out_dtype):
 
 
 def gemm_choice(device) -> tuple[str, str]:
-    """What ``--kernel-fp8-block-gemm auto`` runs on ``device``, and why: cuBLAS's blockwise FP8 GEMM needs a
-    Hopper GPU and CUDA >= 12.9 (torch's check); elsewhere the bf16 GEMM of the dequantised operands."""
+    """What ``--kernel-fp8-block-gemm auto`` runs on ``device``, and why: DeepGEMM's where the pinned build is
+    installed (faster than cuBLAS's blockwise GEMM, benchmarks/results/deepgemm_probe_h100_20261207.md); else
+    cuBLAS's, which needs a Hopper GPU and CUDA >= 12.9 (torch's check); elsewhere the bf16 GEMM of the dequantised
+    operands."""
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         return "dequant", "needs CUDA (Hopper, CUDA >= 12.9)"
+    if deepgemm.refusal(dev) is None:
+        return "deepgemm", f"DeepGEMM {deepgemm.VERSION} installed: faster than cuBLAS's blockwise GEMM (docs/moe.md)"
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     if torch.cuda.get_device_capability(dev) != (9, 0) or cuda < (12, 9):
         return "dequant", "cuBLAS's blockwise FP8 GEMM needs Hopper (sm90) and CUDA >= 12.9"
-    return "scaled_mm", "torch's scaled_mm with block scales (Hopper, CUDA >= 12.9)"
+    return "scaled_mm", "torch's scaled_mm with block scales (Hopper, CUDA >= 12.9; DeepGEMM not installed)"

@@ -73,3 +73,18 @@ def test_grouped_weight_gradient_under_deepgemm_takes_the_dequant_path():
     want = fp8_grouped.grouped_wgrad(gq, sg, xq, sx, ends, "block", torch.float32, "dequant")
     assert got.shape == (3, 256, 128) and want[0].norm() > 0
     assert torch.equal(got, want) and got[1].abs().max() == 0
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_auto_takes_deepgemm_where_the_pinned_build_runs(monkeypatch, installed):
+    """On a Hopper GPU with CUDA >= 12.9 (faked here), auto runs DeepGEMM when it is installed at the pinned version,
+    else cuBLAS's blockwise GEMM and the dequant experts; a run can still ask for those by name."""
+    from paratron.kernels import fp8_block_grouped
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(deepgemm, "refusal", lambda device: None if installed else "needs DeepGEMM 2.6.1")
+    dense, why = fb.gemm_choice("cuda")
+    grouped, why_grouped = fp8_block_grouped.gemm_choice("cuda")
+    assert (dense, grouped) == (("deepgemm", "deepgemm") if installed else ("scaled_mm", "dequant"))
+    assert ("DeepGEMM 2.6.1 installed" in why) == installed and ("installed" in why_grouped) == installed

@@ -6,7 +6,8 @@ DeepGEMM (https://github.com/deepseek-ai/DeepGEMM, MIT licence) compiles its ker
 with the CUDA compiler (``nvcc`` must be on the machine; the compiled kernels are cached under ``~/.deep_gemm``).
 It has no current release on PyPI (the 1.0.0 there predates its sm90 interface), so it is built from its
 repository, and paratron pins the version whose interface it calls (``VERSION``): with another version installed,
-or none, the switch refuses by name and ``auto`` keeps cuBLAS (kernels/README.md, "Experimental").
+or none, the switch refuses by name; ``auto`` takes DeepGEMM where the pinned version is installed on a Hopper
+GPU, else cuBLAS's blockwise GEMM and the dequant experts (kernels/README.md, "Experimental").
 
 The operands are kernels/fp8_block.py's :func:`~paratron.kernels.fp8_block.block_mm`'s: ``a`` [M, K] e4m3 with a
 scale per 1 x 128 tile along K, ``b`` [N, K] with a scale per 128 x 128 block (the forward and the input gradient:
