@@ -97,8 +97,8 @@ def _(a, sa, b, sb, b_blocks, out_dtype):
 def block_grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, ends: torch.Tensor,
                      out_dtype: torch.dtype) -> torch.Tensor:
     """Rows of ``a`` [S, K] of expert e times ``b[e]``^T ([E, N, K], ``sb`` [E N/128, K/128]): [S, N], rows past the
-    last end zero (kernels/fp8_block_grouped.py's operands); elsewhere that module's Triton kernel (CPU: its
-    interpreter) or, without Triton, the dequantised product."""
+    last end zero (kernels/fp8_block_grouped.py's operands); off CUDA, without the pinned build or at a shape it does
+    not take, kernels/fp8_grouped.py's dequant path."""
     s, k = a.shape
     e, n, _ = b.shape
     if not a.is_cuda or not fits(s, n, k) or _module() is None:
