@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import fp8_block_grouped  # noqa: F401 (registers paratron::fp8_block_grouped_mm where Triton is)
-from .experimental import deepgemm  # noqa: F401 (registers paratron::deepgemm_block_grouped_mm)
+from .experimental import deepgemm
 from .fp8_block import TILE, dequantize_blocks, dequantize_tiles
 from .fp8_cast import dequantize
 
@@ -54,7 +54,7 @@ def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
         return as_dtype(out, out_dtype)
     if path == "deepgemm":  # block scales: DeepGEMM's grouped kernel (kernels/experimental/deepgemm.py)
-        return torch.ops.paratron.deepgemm_block_grouped_mm(a, sa, b, sb, ends, out_dtype)
+        return deepgemm.grouped_mm(a, sa, b, sb, ends, out_dtype)
     if path == "triton":  # block scales: the FP8 tiles multiplied as they are (kernels/fp8_block_grouped.py)
         return torch.ops.paratron.fp8_block_grouped_mm(a, sa, b, sb, ends, out_dtype)
     dt = _work_dtype(path, out_dtype)

@@ -52,7 +52,7 @@ def test_grouped_op_off_the_gpu_is_the_dequant_path():
     aq, sa = fb.quantize_tiles(a)
     bq, sb = fb.quantize_blocks(b.reshape(-1, 256))
     bq = bq.view(3, 128, 256)
-    got = torch.ops.paratron.deepgemm_block_grouped_mm(aq, sa, bq, sb, ends, torch.float32)
+    got = deepgemm.grouped_mm(aq, sa, bq, sb, ends, torch.float32)
     want = fp8_grouped.grouped_forward(aq, sa, bq, sb, ends, "block", torch.float32, "emulate")
     assert torch.allclose(got[:300], want[:300], rtol=1e-4, atol=1e-3)
 
@@ -88,3 +88,14 @@ def test_auto_takes_deepgemm_where_the_pinned_build_runs(monkeypatch, installed)
     grouped, why_grouped = fp8_block_grouped.gemm_choice("cuda")
     assert (dense, grouped) == (("deepgemm", "deepgemm") if installed else ("scaled_mm", "dequant"))
     assert ("DeepGEMM 2.6.1 installed" in why) == installed and ("installed" in why_grouped) == installed
+
+
+def test_the_operators_refuse_off_the_gpu_by_name():
+    """The operators take DeepGEMM's dequantisation factors and run on CUDA only; mm / grouped_mm are the entry."""
+    a = torch.zeros(128, 128, dtype=torch.float8_e4m3fn)
+    s = torch.ones(128, 1)
+    with pytest.raises(RuntimeError, match="Hopper GPU with DeepGEMM 2.6.1; call .*mm / grouped_mm"):
+        torch.ops.paratron.deepgemm_block_mm(a, s, a, torch.ones(1, 1), True, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="Hopper GPU with DeepGEMM"):
+        torch.ops.paratron.deepgemm_block_grouped_mm(a, s, a.view(1, 128, 128), torch.ones(1, 1, 1),
+                                                     torch.tensor([128], dtype=torch.int32), torch.bfloat16)
