@@ -117,7 +117,7 @@ def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False,
     if asked.kernel_fp8_block_grouped_gemm == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
         raise ConfigError("--kernel-fp8-block-grouped-gemm triton: the kernel needs Triton and a CUDA device "
                           "(choose dequant or auto here)")
-    for name in ("kernel_fp8_block_gemm", "kernel_fp8_block_grouped_gemm"):
+    for name in ("kernel_fp8_block_gemm", "kernel_fp8_grouped_gemm", "kernel_fp8_block_grouped_gemm"):
         if getattr(asked, name) == "deepgemm" and deepgemm.refusal(device):
             raise ConfigError(f"--{name.replace('_', '-')} deepgemm: {deepgemm.refusal(device)} "
                               "(choose auto here)")

@@ -66,3 +66,21 @@ def test_deepgemm_grouped_equals_the_dequant_path(compiled):
     for got, want in zip(outs[0][:3], outs[1][:3]):
         assert _rel(got, want) < 1e-2
     assert outs[0][3].abs().max().item() == 0.0  # rows no expert holds come out zero
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_tensorwise_experts_on_deepgemm_equal_torchs_grouped_fp8_gemm(compiled):
+    """--kernel-fp8-grouped-gemm deepgemm: the tensorwise forward and input gradient by DeepGEMM (the tensor scale
+    per tile and block), the weight gradient by torch's grouped FP8 GEMM, against torch's path throughout."""
+    torch.manual_seed(5)
+    padded, w, g, dest, ends = _grouped_case([700, 0, 333, 1100, 48, 900, 512, 503], 1024, 3584, 128, 0.02)
+    outs = []
+    for path in ("deepgemm", "scaled_grouped_mm"):
+        xr, wr = padded.clone().requires_grad_(), w.clone().requires_grad_()
+        state = FP8State(Recipe(format="e4m3", recipe="tensorwise", grouped_gemm=path))
+        fn = torch.compile(fp8_grouped_mm) if compiled else fp8_grouped_mm
+        y = fn(xr, wr, ends, state)
+        y.backward(g)
+        outs.append((y[dest], xr.grad[dest], wr.grad))
+    for got, want in zip(*outs):
+        assert want.float().norm() > 0 and _rel(got, want) < 1e-2
