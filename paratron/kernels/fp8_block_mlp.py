@@ -88,10 +88,11 @@ if triton is not None:
         sig = tl.sigmoid(gate)
         if GRAD:
             d = tl.load(d_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dup = d * gate * sig  # (both gradients first: then only they are live through the stores)
             dgate = d * up * sig * (1.0 + gate * (1.0 - sig))
             _store_both(dgate, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols, live_r, live_c, M, 2 * F, 2 * tl.cdiv(F, T),
                         MB, pm, pf, MULT, FMAX_)
-            _store_both(d * gate * sig, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols + F, live_r, live_c, M, 2 * F,
+            _store_both(dup, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols + F, live_r, live_c, M, 2 * F,
                         2 * tl.cdiv(F, T), MB, pm, pf + tl.cdiv(F, T), MULT, FMAX_)
         else:
             _store_both(gate * sig * up, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols, live_r, live_c, M, F,
