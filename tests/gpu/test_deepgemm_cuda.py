@@ -7,12 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratron.fp8 import FP8State, Recipe
-from paratron.fp8.experts import fp8_grouped_mm
 from paratron.kernels import fp8_block as fb
 from paratron.kernels.experimental import deepgemm
 
-from .test_fp8_moe_cuda import _grouped_case, _rel
+from .test_fp8_moe_cuda import _grouped_case, _rel, blockwise_linear_against_emulation, grouped_runs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or bool(deepgemm.refusal("cuda")),
                                                   reason="needs a Hopper GPU and DeepGEMM " + deepgemm.VERSION)]
@@ -32,20 +30,7 @@ def test_deepgemm_block_mm_equals_emulation(b_blocks, k):
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_blockwise_linear_with_deepgemm_equals_emulation(compiled):
-    from paratron import fp8
-    torch.manual_seed(1)
-    x = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(384, 512, device="cuda") * 0.05).to(torch.bfloat16)
-    g = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
-    outs = []
-    for emulate in (False, True):
-        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        state = FP8State(Recipe(format="e4m3", recipe="blockwise", emulate=emulate, block_gemm="deepgemm"))
-        f = lambda a, b: fp8.fp8_linear(a, b, state)  # noqa: E731
-        y = (torch.compile(f, fullgraph=True) if compiled and not emulate else f)(xr, wr)
-        y.backward(g)
-        outs.append((y, xr.grad, wr.grad))
-    for got, want in zip(*outs):
+    for got, want in blockwise_linear_against_emulation(512, 384, "deepgemm", compiled):
         assert want.float().norm() > 0 and _rel(got, want) < 2e-2
 
 
@@ -55,17 +40,11 @@ def test_deepgemm_grouped_equals_the_dequant_path(compiled):
     padded, w, g, dest, ends = _grouped_case([700, 0, 333, 1100, 48, 900, 512, 503], 1024, 3584, 128, 0.02)
     padded = torch.cat([padded, padded.new_zeros(256, padded.shape[1])])  # rows past the last end
     g = torch.cat([g, g.new_zeros(256, g.shape[1])])
-    outs = []
-    for path in ("deepgemm", "dequant"):
-        xr, wr = padded.clone().requires_grad_(), w.clone().requires_grad_()
-        state = FP8State(Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm=path))
-        fn = torch.compile(fp8_grouped_mm) if compiled else fp8_grouped_mm
-        y = fn(xr, wr, ends, state)
-        y.backward(g)
-        outs.append((y[dest], xr.grad[dest], wr.grad, y[-256:]))
-    for got, want in zip(outs[0][:3], outs[1][:3]):
+    runs = grouped_runs(padded, w, g, ends, compiled, [dict(recipe="blockwise", block_grouped_gemm=path)
+                                                       for path in ("deepgemm", "dequant")])
+    for got, want in zip(*[(y[dest], gx[dest], gw) for y, gx, gw in runs]):
         assert _rel(got, want) < 1e-2
-    assert outs[0][3].abs().max().item() == 0.0  # rows no expert holds come out zero
+    assert runs[0][0][-256:].abs().max().item() == 0.0  # rows no expert holds come out zero
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -74,13 +53,7 @@ def test_tensorwise_experts_on_deepgemm_equal_torchs_grouped_fp8_gemm(compiled):
     per tile and block), the weight gradient by torch's grouped FP8 GEMM, against torch's path throughout."""
     torch.manual_seed(5)
     padded, w, g, dest, ends = _grouped_case([700, 0, 333, 1100, 48, 900, 512, 503], 1024, 3584, 128, 0.02)
-    outs = []
-    for path in ("deepgemm", "scaled_grouped_mm"):
-        xr, wr = padded.clone().requires_grad_(), w.clone().requires_grad_()
-        state = FP8State(Recipe(format="e4m3", recipe="tensorwise", grouped_gemm=path))
-        fn = torch.compile(fp8_grouped_mm) if compiled else fp8_grouped_mm
-        y = fn(xr, wr, ends, state)
-        y.backward(g)
-        outs.append((y[dest], xr.grad[dest], wr.grad))
-    for got, want in zip(*outs):
+    runs = grouped_runs(padded, w, g, ends, compiled, [dict(recipe="tensorwise", grouped_gemm=path)
+                                                       for path in ("deepgemm", "scaled_grouped_mm")])
+    for got, want in zip(*[(y[dest], gx[dest], gw) for y, gx, gw in runs]):
         assert want.float().norm() > 0 and _rel(got, want) < 1e-2

@@ -43,6 +43,13 @@ def test_blockwise_scaled_mm_equals_emulation(b_blocks):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_blockwise_linear_on_the_gpu_equals_emulation(k, n, compiled):
     """Also compiled whole (fullgraph: the scaled_mm GEMM is an operator torch.compile keeps in the graph)."""
+    for got, want in blockwise_linear_against_emulation(k, n, "scaled_mm", compiled):
+        assert _rel(got, want) < 2e-2
+
+
+def blockwise_linear_against_emulation(k: int, n: int, block_gemm: str, compiled: bool) -> list:
+    """[(got, emulated)] for the blockwise FP8 linear's output and its input and weight gradients, 256 tokens of
+    width ``k`` to ``n``, its GEMMs by ``block_gemm`` (compiled whole where asked)."""
     from paratron import fp8
     torch.manual_seed(1)
     x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
@@ -51,13 +58,12 @@ def test_blockwise_linear_on_the_gpu_equals_emulation(k, n, compiled):
     outs = []
     for emulate in (False, True):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        state = FP8State(Recipe(format="e4m3", recipe="blockwise", emulate=emulate, block_gemm="scaled_mm"))
+        state = FP8State(Recipe(format="e4m3", recipe="blockwise", emulate=emulate, block_gemm=block_gemm))
         f = lambda a, b: fp8.fp8_linear(a, b, state)  # noqa: E731
         y = (torch.compile(f, fullgraph=True) if compiled and not emulate else f)(xr, wr)
         y.backward(g)
         outs.append((y, xr.grad, wr.grad))
-    for got, want in zip(*outs):
-        assert _rel(got, want) < 2e-2
+    return list(zip(*outs))
 
 
 def _grouped_case(counts: list, k: int, n: int, align: int, std: float):
@@ -116,16 +122,23 @@ def test_blockwise_grouped_triton_kernel_equals_the_dequant_path(compiled):
     the dequant path at moe-mini's expert sizes: output, input and weight gradients, eager and under torch.compile."""
     torch.manual_seed(4)
     padded, w, g, dest, ends = _grouped_case([700, 0, 333, 1100, 48, 900, 512, 503], 1024, 3584, 128, 0.02)
-    outs = []
-    for path in ("triton", "dequant"):
-        xr, wr = padded.clone().requires_grad_(), w.clone().requires_grad_()
-        state = FP8State(Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm=path))
-        fn = torch.compile(fp8_grouped_mm) if compiled else fp8_grouped_mm
-        y = fn(xr, wr, ends, state)
-        y.backward(g)
-        outs.append((y[dest], xr.grad[dest], wr.grad))
-    for got, want in zip(*outs):
+    runs = grouped_runs(padded, w, g, ends, compiled, [dict(recipe="blockwise", block_grouped_gemm=path)
+                                                       for path in ("triton", "dequant")])
+    for got, want in zip(*[(y[dest], gx[dest], gw) for y, gx, gw in runs]):
         assert _rel(got, want) < 1e-2
+
+
+def grouped_runs(padded, w, g, ends, compiled: bool, recipes: list) -> list:
+    """[(output, input gradient, weight gradient)] of ``fp8_grouped_mm`` on the padded rows for each recipe (the
+    Recipe's fields besides the e4m3 format), eager or compiled."""
+    runs = []
+    for fields in recipes:
+        xr, wr = padded.clone().requires_grad_(), w.clone().requires_grad_()
+        state = FP8State(Recipe(format="e4m3", **fields))
+        y = (torch.compile(fp8_grouped_mm) if compiled else fp8_grouped_mm)(xr, wr, ends, state)
+        y.backward(g)
+        runs.append((y, xr.grad, wr.grad))
+    return runs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
