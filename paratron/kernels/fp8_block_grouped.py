@@ -31,8 +31,8 @@ TILE = 128  # rows, columns and summed positions of one program's step (the reci
 
 def gemm_choice(device) -> tuple[str, str]:
     """What ``--kernel-fp8-block-grouped-gemm auto`` runs on ``device``, and why: DeepGEMM's grouped GEMM where the
-    pinned build is installed (moe-mini's blockwise step at 87 % of tensorwise's with it, 77 % with dequant:
-    docs/moe.md "Speed"); else dequant, paratron's Triton kernel having made that step slower."""
+    pinned build is installed (moe-mini's blockwise step measured faster with it than with dequant: docs/moe.md
+    "Speed"); else dequant, paratron's Triton kernel having made that step slower."""
     from .experimental import deepgemm
     if deepgemm.refusal(device) is None:
         return "deepgemm", f"DeepGEMM {deepgemm.VERSION} installed: faster than the dequant path (docs/moe.md)"
