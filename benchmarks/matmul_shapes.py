@@ -250,7 +250,7 @@ def kernel_cases(x, w, g, ends):
     bgt, bsgt = quantize_tiles(g.t())
     bw, bsw = _weight_blocks(w, 0)
     bwt, bswt = _transposed_blocks(bw, bsw)
-    for path in ("deepgemm", "triton", "dequant")[0 if _deepgemm() else 1:]:
+    for path in (("deepgemm",) if _deepgemm() else ()) + ("triton", "dequant"):
         cases += [(f"block {path} fwd", lambda p=path: grouped_forward(bx, bsx, bw, bsw, ends, "block", x.dtype, p),
                    flops),
                   (f"block {path} dgrad", lambda p=path: grouped_forward(bg, bsg, bwt, bswt, ends, "block", x.dtype, p),

@@ -13,14 +13,14 @@ import pathlib
 import sys
 
 SCAN = r'''        std::vector<std::string> matches;
+        const auto past_blanks = [&code](size_t i) {  // (the regex's \s: space, \t, \n, \r, \f, \v)
+            while (i < code.size() and std::string(" \t\n\r\f\v").find(code[i]) != std::string::npos) ++ i;
+            return i;
+        };
         for (size_t pos = code.find('#'); pos != std::string::npos; pos = code.find('#', pos + 1)) {
-            size_t i = pos + 1;
-            while (i < code.size() and (code[i] == ' ' or code[i] == '\t' or code[i] == '\n' or code[i] == '\r'
-                                        or code[i] == '\f' or code[i] == '\v')) ++ i;
+            size_t i = past_blanks(pos + 1);
             if (code.compare(i, 7, "include") != 0) continue;
-            i += 7;
-            while (i < code.size() and (code[i] == ' ' or code[i] == '\t' or code[i] == '\n' or code[i] == '\r'
-                                        or code[i] == '\f' or code[i] == '\v')) ++ i;
+            i = past_blanks(i + 7);
             if (i >= code.size() or (code[i] != '<' and code[i] != '"')) continue;
             size_t j = i + 1;
             while (j < code.size() and code[j] != '>' and code[j] != '"') ++ j;

@@ -20,6 +20,8 @@ import contextlib
 
 import torch
 
+from .experimental import deepgemm
+
 try:
     import triton
     import triton.language as tl
@@ -33,7 +35,6 @@ def gemm_choice(device) -> tuple[str, str]:
     """What ``--kernel-fp8-block-grouped-gemm auto`` runs on ``device``, and why: DeepGEMM's grouped GEMM where the
     pinned build is installed (moe-mini's blockwise step measured faster with it than with dequant: docs/moe.md
     "Speed"); else dequant, paratron's Triton kernel having made that step slower."""
-    from .experimental import deepgemm
     if deepgemm.refusal(device) is None:
         return "deepgemm", f"DeepGEMM {deepgemm.VERSION} installed: faster than the dequant path (docs/moe.md)"
     return "dequant", ("measured: moe-mini's blockwise step is slower with the Triton kernel "

@@ -23,6 +23,7 @@ each expert starting at a multiple of 128, ``ends`` the cumulative end rows): De
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Optional
 
 import torch
@@ -36,14 +37,11 @@ TILE = 128
 @functools.lru_cache(maxsize=1)
 def _module():
     """deep_gemm when the pinned version imports, else None."""
-    try:
-        import deep_gemm
-    except Exception:  # noqa: BLE001 - not installed, or its extension does not load here
-        return None
-    return deep_gemm if getattr(deep_gemm, "__version__", "") == VERSION else None
+    return importlib.import_module("deep_gemm") if installed_version() == VERSION else None
 
 
 def installed_version() -> Optional[str]:
+    """deep_gemm's version, or None where it does not import (not installed, or its extension does not load)."""
     try:
         import deep_gemm
     except Exception:  # noqa: BLE001
