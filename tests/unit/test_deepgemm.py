@@ -137,3 +137,10 @@ def test_tensorwise_weight_gradient_under_deepgemm_takes_torchs_grouped_fp8_gemm
     out = fp8_grouped.grouped_wgrad(gt, torch.tensor(2.0), xt, torch.tensor(3.0), ends, "tensor", torch.float32,
                                     "deepgemm")
     assert len(calls) == 1 and out.shape == (3, 4, 5) and out.dtype == torch.float32
+
+
+def test_the_availability_check_compiles_into_one_graph():
+    """mm / grouped_mm decide their path inside compiled code: the check must be a constant there, not the import
+    probe traced (a graph break: fullgraph raises)."""
+    step = torch.compile(lambda x: x + 1 if deepgemm.available() else x - 1, fullgraph=True, backend="eager")
+    assert torch.equal(step(torch.zeros(2)), torch.full((2,), 1.0 if deepgemm.available() else -1.0))
