@@ -11,6 +11,7 @@ from paratron.fp8 import Recipe
 from paratron.kernels import fp8_block as fb
 from paratron.kernels import fp8_grouped, switches
 from paratron.kernels.experimental import deepgemm
+from paratron.kernels.fp8_cast import E4M3
 
 
 def test_refused_by_name_where_it_cannot_run_and_never_taken_by_auto_on_cpu():
@@ -139,8 +140,15 @@ def test_tensorwise_weight_gradient_under_deepgemm_takes_torchs_grouped_fp8_gemm
     assert len(calls) == 1 and out.shape == (3, 4, 5) and out.dtype == torch.float32
 
 
-def test_the_availability_check_compiles_into_one_graph():
-    """mm / grouped_mm decide their path inside compiled code: the check must be a constant there, not the import
-    probe traced (a graph break: fullgraph raises)."""
-    step = torch.compile(lambda x: x + 1 if deepgemm.available() else x - 1, fullgraph=True, backend="eager")
-    assert torch.equal(step(torch.zeros(2)), torch.full((2,), 1.0 if deepgemm.available() else -1.0))
+def test_the_wrappers_compile_into_one_graph_and_give_the_eager_numbers():
+    """mm / grouped_mm decide their path inside compiled code, the build's check first: that check must be a constant
+    there, not the import probe traced (a graph break at every call: fullgraph raises). On the CPU both fall back."""
+    torch.manual_seed(0)
+    aq, sa = fb.quantize_tiles(torch.randn(256, 256), E4M3, 0)
+    bq, sb = fb.quantize_blocks(torch.randn(128, 256), E4M3, 0)
+    args = (aq, sa, bq, sb, True, torch.bfloat16)
+    assert torch.equal(torch.compile(deepgemm.mm, fullgraph=True, backend="eager")(*args), deepgemm.mm(*args))
+    wq, sw = fb.quantize_blocks(torch.randn(2 * 128, 256), E4M3, 0)
+    args = (aq, sa, wq.view(2, 128, 256), sw, torch.tensor([128, 256], dtype=torch.int32), torch.bfloat16)
+    got = torch.compile(deepgemm.grouped_mm, fullgraph=True, backend="eager")(*args)
+    assert torch.equal(got, deepgemm.grouped_mm(*args))

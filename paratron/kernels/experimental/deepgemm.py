@@ -83,7 +83,7 @@ def mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_b
     operands are taken here, outside the operator, where the compiler fuses them into its own kernels."""
     m, k = a.shape
     n = b.shape[0]
-    if not a.is_cuda or not fits(m, n, k) or not available():
+    if not available() or not a.is_cuda or not fits(m, n, k):
         from ..fp8_block import scaled_block_mm
         return scaled_block_mm(a, sa, b, sb, b_blocks, out_dtype)
     return torch.ops.paratron.deepgemm_block_mm(a.contiguous(), sa.reciprocal(), b.contiguous(),
@@ -98,7 +98,7 @@ def grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Ten
     end). Off CUDA or without the pinned build: kernels/fp8_grouped.py's dequant path."""
     s, k = a.shape
     e, n, _ = b.shape
-    if not a.is_cuda or not fits(s, n, k) or not available():
+    if not available() or not a.is_cuda or not fits(s, n, k):
         from .. import fp8_grouped
         return fp8_grouped.grouped_forward(a, sa, b, sb, ends, "block", out_dtype, "dequant")
     return torch.ops.paratron.deepgemm_block_grouped_mm(a.contiguous(), sa.reciprocal(), b.contiguous(),
