@@ -22,8 +22,9 @@ def scale_kind(state: FP8State) -> str:
 
 
 def alignment(state: FP8State) -> int:
-    """Each expert's rows start at a multiple of this under ``state``'s recipe."""
-    return align_for(scale_kind(state))
+    """Each expert's rows start at a multiple of this under ``state``'s recipe (and DeepGEMM's tensorwise forward,
+    whose groups start at whole 128-row tiles)."""
+    return align_for("block" if grouped_path(state, "tensor") == "deepgemm" else scale_kind(state))
 
 
 def grouped_path(state: FP8State, kind: str) -> str:
@@ -33,7 +34,9 @@ def grouped_path(state: FP8State, kind: str) -> str:
         return "emulate"
     if kind == "block" and state.recipe.block_grouped_gemm in ("triton", "deepgemm"):
         return state.recipe.block_grouped_gemm
-    return "scaled_grouped_mm" if kind == "tensor" and state.recipe.grouped_gemm == "scaled_grouped_mm" else "dequant"
+    if kind == "tensor" and state.recipe.grouped_gemm in ("scaled_grouped_mm", "deepgemm"):
+        return state.recipe.grouped_gemm
+    return "dequant"
 
 
 def _weight_blocks(w: torch.Tensor, margin: int):
@@ -122,9 +125,9 @@ class _FP8GroupedMM(torch.autograd.Function):
 
 
 def backward_path(state: FP8State, path: str) -> str:
-    """The backward's GEMM path: the forward's, except that torch's grouped FP8 GEMM takes e4m3 operands only,
-    so hybrid's e5m2 output gradients take "bf16" there (:func:`bf16_grads`)."""
-    return "bf16" if path == "scaled_grouped_mm" and state.grad.dtype != E4M3 else path
+    """The backward's GEMM path: the forward's, except that torch's and DeepGEMM's grouped FP8 GEMMs take e4m3
+    operands only, so hybrid's e5m2 output gradients take "bf16" there (:func:`bf16_grads`)."""
+    return "bf16" if path in ("scaled_grouped_mm", "deepgemm") and state.grad.dtype != E4M3 else path
 
 
 def bf16_grads(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, needs: tuple,

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import block_mlp
 from .recipe import FAST_ACCUM_FORWARD, FP8State, column_major, forward_mm, input_grad_mm, scaled_mm
 from ..kernels.fp8_cast import (E4M3, GELU, GELU_TANH, IDENTITY, SWIGLU, act_fp8_reference, activation,  # noqa: F401
                                 activation_grad, cast_fp8, grad_fp8_reference, mlp_act_fp8, mlp_act_fp8_backward)
@@ -43,6 +44,8 @@ def applies(fc1, fc2, act: Optional[int]) -> bool:
     GELU_TANH, or None for an activation it does not have)."""
     s1, s2 = fc1.fp8, fc2.fp8  # (--no-fp8-wgrad: the per-layer path, whose weight gradients can be bf16; layers
     # of two recipes, as --te-precision-config-file may give them: each its own)
+    if s1 is not None and s1.recipe.recipe == "blockwise":  # SwiGLU without fc1 bias: paratron/fp8/block_mlp.py
+        return block_mlp.applies(s1, s2, act == SWIGLU, fc1.bias is not None)
     return (act is not None and s1 is not None and s2 is not None and s1.recipe == s2.recipe and s1.recipe.fuse_mlp
             and s1.recipe.fp8_wgrad and s1.recipe.recipe != "blockwise")
 
@@ -88,6 +91,8 @@ class _FP8MLP(torch.autograd.Function):
 def fused_mlp(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor, s1: FP8State,
               s2: FP8State, act: int = SWIGLU) -> torch.Tensor:
     """``F.linear(act(F.linear(x, w1, b1)), w2)`` in FP8 (the local matmuls of a TP-split MLP)."""
+    if s1.recipe.recipe == "blockwise":
+        return block_mlp.block_mlp(x, w1, w2, s1, s2)
     c1, c2 = s1.cached_weight(), s2.cached_weight()  # the step's cached FP8 weights (fp8/weights.py), or Nones
     return _FP8MLP.apply(x, w1, b1, w2, s1, s2, act, *c1, *c2)
 

@@ -57,7 +57,7 @@ class Recipe:
     bf16_at_start: int = 0  # --first-last-layers-bf16: the first / last decoder layers stay in the params' dtype
     bf16_at_end: int = 0
     block_gemm: str = "dequant"  # blockwise recipe's GEMMs (--kernel-fp8-block-gemm): scaled_mm | deepgemm | dequant
-    grouped_gemm: str = "dequant"  # routed experts' FP8 GEMMs (--kernel-fp8-grouped-gemm): scaled_grouped_mm | dequant
+    grouped_gemm: str = "dequant"  # routed experts' FP8 GEMMs (--kernel-fp8-grouped-gemm): scaled_grouped_mm | deepgemm
     block_grouped_gemm: str = "dequant"  # ... under the blockwise recipe (--kernel-fp8-block-grouped-gemm): deepgemm | triton
     block_cast: str = "torch"  # blockwise tile casts in both layouts (--kernel-fp8-block-cast): triton | torch
     weight_cache: bool = True  # FP8 weights cast once per step of several micro-batches (fp8/weights.py)

@@ -130,7 +130,7 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
     if path == "dequant":
         return dequantize_tiles(a, sa, out_dtype) @ dequantize(b, sb, b_blocks, out_dtype).t()
     if path == "deepgemm":  # (kernels/experimental/deepgemm.py; shapes it does not take: the cuBLAS path)
-        return torch.ops.paratron.deepgemm_block_mm(a, sa, b, sb, b_blocks, out_dtype)
+        return deepgemm.mm(a, sa, b, sb, b_blocks, out_dtype)
     return scaled_block_mm(a, sa, b, sb, b_blocks, out_dtype)
 
 

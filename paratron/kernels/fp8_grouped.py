@@ -14,6 +14,10 @@ Scales come in two kinds: ``tensor`` (one fp32 scale per operand: the tensorwise
 * ``emulate``: dequantised to fp32 and multiplied by ``torch._grouped_mm`` in fp32 (the CPU tests' reference).
 * ``triton`` (block scales, ``--kernel-fp8-block-grouped-gemm``): the forward and input gradient multiply the FP8
   tiles themselves (kernels/fp8_block_grouped.py); the weight gradient, summed along the rows, takes ``dequant``.
+* ``deepgemm`` (kernels/experimental/deepgemm.py; groups starting at multiples of 128): the forward and input
+  gradient by DeepGEMM's grouped kernel, block scales as they are and tensor scales given as the same scale for
+  every tile and block (it promotes each 128-deep partial sum to fp32, where torch's forward accumulates in the
+  tensor cores' precision); the weight gradient by ``scaled_grouped_mm`` (tensor scales) or ``dequant`` (block).
 
 None of them reads the group sizes on the host.
 """
@@ -22,11 +26,11 @@ from __future__ import annotations
 import torch
 
 from . import fp8_block_grouped  # noqa: F401 (registers paratron::fp8_block_grouped_mm where Triton is)
-from .experimental import deepgemm  # noqa: F401 (registers paratron::deepgemm_block_grouped_mm)
+from .experimental import deepgemm
 from .fp8_block import TILE, dequantize_blocks, dequantize_tiles
 from .fp8_cast import dequantize
 
-GROUPED_GEMMS = ("scaled_grouped_mm", "dequant", "emulate")
+GROUPED_GEMMS = ("scaled_grouped_mm", "deepgemm", "dequant", "emulate")
 
 
 def _deq(q: torch.Tensor, s: torch.Tensor, kind: str, blocks: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -53,8 +57,10 @@ def grouped_forward(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torc
         out = torch._scaled_grouped_mm(a, b.transpose(-2, -1), rows.contiguous(), cols.contiguous(), offs=ends,
                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
         return as_dtype(out, out_dtype)
-    if path == "deepgemm":  # block scales: DeepGEMM's grouped kernel (kernels/experimental/deepgemm.py)
-        return torch.ops.paratron.deepgemm_block_grouped_mm(a, sa, b, sb, ends, out_dtype)
+    if path == "deepgemm":  # DeepGEMM's grouped kernel (kernels/experimental/deepgemm.py)
+        if kind == "tensor":  # one scale a tensor, given as the same scale for every tile and block
+            sa, sb = tensor_scales_as_blocks(sa, sb, a.shape, b.shape)
+        return deepgemm.grouped_mm(a, sa, b, sb, ends, out_dtype)
     if path == "triton":  # block scales: the FP8 tiles multiplied as they are (kernels/fp8_block_grouped.py)
         return torch.ops.paratron.fp8_block_grouped_mm(a, sa, b, sb, ends, out_dtype)
     dt = _work_dtype(path, out_dtype)
@@ -73,8 +79,9 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     Blackwell setup refuses such groups in every layout but the former)."""
     groups = ends.numel()
     # (the Triton kernel sums along K, not along the rows; DeepGEMM's grouped weight gradient on Hopper takes the
-    # experts' row counts on the host, a read-back per layer)
-    path = "dequant" if path in ("triton", "deepgemm") else path
+    # experts' row counts on the host, a read-back per layer: tensor scales take torch's grouped FP8 GEMM)
+    if path in ("triton", "deepgemm"):
+        path = "scaled_grouped_mm" if path == "deepgemm" and kind == "tensor" else "dequant"
     if path == "scaled_grouped_mm":
         rows = sg.reciprocal().expand(groups * gt.shape[0]).contiguous()
         cols = sx.reciprocal().expand(groups * xt.shape[0]).contiguous()
@@ -88,6 +95,16 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     if path == "dequant":  # an expert with no rows: its gradient is zero, whatever the kernel left there
         out = torch.where((torch.diff(ends, prepend=ends.new_zeros(1)) > 0)[:, None, None], out, 0.0)
     return as_dtype(out, out_dtype)
+
+
+def tensor_scales_as_blocks(sa: torch.Tensor, sb: torch.Tensor, a_shape, b_shape) -> tuple:
+    """The tensor scales of ``a`` [S, K] and of the experts' ``b`` [E, N, K] as the block-scaled layout's: the same
+    scale for each 1 x 128 tile of ``a``'s rows ([S, K/128]) and each 128 x 128 block of ``b`` viewed [E N, K]
+    ([E N/128, K/128]); a GEMM that applies them per block gives the tensorwise product (each partial sum over 128
+    of K scaled by the same factor)."""
+    (s, k), (e, n, _) = a_shape, b_shape
+    return (sa.reshape(1, 1).expand(s, -(-k // TILE)).contiguous(),
+            sb.reshape(1, 1).expand(e * (n // TILE), -(-k // TILE)).contiguous())
 
 
 def as_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -118,7 +118,7 @@ def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False,
         raise ConfigError("--kernel-fp8-block-grouped-gemm triton: the kernel needs Triton and a CUDA device "
                           "(choose dequant or auto here)")
     why = deepgemm.refusal(device)
-    for name in ("kernel_fp8_block_gemm", "kernel_fp8_block_grouped_gemm"):
+    for name in ("kernel_fp8_block_gemm", "kernel_fp8_grouped_gemm", "kernel_fp8_block_grouped_gemm"):
         if getattr(asked, name) == "deepgemm" and why:
             raise ConfigError(f"--{name.replace('_', '-')} deepgemm: {why} (choose auto here)")
     if asked.kernel_fp8_block_cast == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:

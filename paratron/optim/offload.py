@@ -85,12 +85,13 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 
 def norms(ts: list[torch.Tensor], device) -> torch.Tensor:
-    """The L2 norm of each tensor, on ``device`` (one foreach norm per device the tensors are on)."""
+    """The L2 norm of each tensor in fp32 (bf16 / fp16 ones summed in fp32 as they are read), on ``device`` (one
+    foreach norm per device the tensors are on)."""
     out = [None] * len(ts)
     by_device: dict = {}
     for i, t in enumerate(ts):
         by_device.setdefault(t.device, []).append(i)
     for idx in by_device.values():
-        for i, n in zip(idx, torch._foreach_norm([ts[i] for i in idx])):
+        for i, n in zip(idx, torch._foreach_norm([ts[i] for i in idx], 2, dtype=torch.float32)):
             out[i] = n.to(device)
     return torch.stack(out)

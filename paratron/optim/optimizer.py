@@ -236,7 +236,7 @@ class MixedPrecisionAdam:
     def step(self) -> tuple[bool | torch.Tensor, float | torch.Tensor]:
         """Returns (update applied, grad norm), as Python values, or as device tensors when the step
         ran without a host sync (see _step_on_device). Skips the update on inf/nan gradients."""
-        grads = self._grads()
+        grads = self._native_grads() if self._reads_buffers() else self._grads()
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         own = self._own  # --mtp-detach-heads: the model's gradients and the MTP heads', each with its own norm
@@ -269,6 +269,14 @@ class MixedPrecisionAdam:
             self.host.copy_back(self.masters, self._model_tensors())
         self._publish()
         return True, norm
+
+    def _reads_buffers(self) -> bool:
+        """Whether the step reads the gradient buffers as they are: the AdamW kernel with no loss scale and one
+        norm. Then bf16 / fp16 buffers (--grad-reduce-in-bf16) are not widened into fp32 copies first (a pass
+        writing twice the buffers' bytes, read once, by the norm alone): the norm sums their squares in fp32 and
+        the kernel reads them itself."""
+        return (self._fused_outs is not None and self._own is None and self.host is None and self.muon is None
+                and not isinstance(self.scaler, DynamicScaler) and self.scaler.scale == 1.0)
 
     def settle_checkpoint_views(self, loaded: bool) -> None:
         """After a checkpoint's save (``loaded`` False) or load (True): the fp32 copies of fp16 / fp8 moments it

@@ -94,7 +94,7 @@ def _experts_fp8(m, recipe, name: str) -> dict:
     reads the bf16 rows)."""
     from ..model.variants import fused_fp8_activation
     fp8, r = _kept_fp8(recipe, name)
-    if not fp8 or (r.format == "hybrid" and r.grouped_gemm == "scaled_grouped_mm"):
+    if not fp8 or (r.format == "hybrid" and r.grouped_gemm in ("scaled_grouped_mm", "deepgemm")):
         return {}
     if r.recipe == "blockwise":
         return dict(experts_fp8="layer", expert_align=128)

@@ -45,3 +45,15 @@ def test_deepgemm_grouped_equals_the_dequant_path(compiled):
     for got, want in zip(*[(y[dest], gx[dest], gw) for y, gx, gw in runs]):
         assert _rel(got, want) < 1e-2
     assert runs[0][0][-256:].abs().max().item() == 0.0  # rows no expert holds come out zero
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_tensorwise_experts_on_deepgemm_equal_torchs_grouped_fp8_gemm(compiled):
+    """--kernel-fp8-grouped-gemm deepgemm: the tensorwise forward and input gradient by DeepGEMM (the tensor scale
+    per tile and block), the weight gradient by torch's grouped FP8 GEMM, against torch's path throughout."""
+    torch.manual_seed(5)
+    padded, w, g, dest, ends = _grouped_case([700, 0, 333, 1100, 48, 900, 512, 503], 1024, 3584, 128, 0.02)
+    runs = grouped_runs(padded, w, g, ends, compiled, [dict(recipe="tensorwise", grouped_gemm=path)
+                                                       for path in ("deepgemm", "scaled_grouped_mm")])
+    for got, want in zip(*[(y[dest], gx[dest], gw) for y, gx, gw in runs]):
+        assert want.float().norm() > 0 and _rel(got, want) < 1e-2

@@ -117,6 +117,10 @@ def no_copy(copied=False):
     assert copied, "the kernel wrote the model weights: the masters must not be copied into them again"
 
 
+def no_widening():
+    raise AssertionError("the step widened the bf16 gradient buffers into fp32 copies")
+
+
 def run(fused, grad_dtype=torch.float32, fp16=False):
     cfg = cfgs[fused, fp16]
     params = [torch.nn.Parameter(t.clone().half() if fp16 else t.clone()) for t in init]
@@ -125,6 +129,8 @@ def run(fused, grad_dtype=torch.float32, fp16=False):
     assert (opt._fused_outs is not None) == fused and len(opt.adam.param_groups) == 2  # with and without decay
     if fused:
         opt._publish = no_copy
+    if fused and grad_dtype == torch.bfloat16:  # no loss scale: the kernel and the norm read the buffers themselves
+        opt._grads = no_widening
     applied = []
     for gs in grads:
         for p, gr in zip(params, gs):

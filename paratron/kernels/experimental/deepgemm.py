@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from ..tail_rows import zero_from
+
 VERSION = "2.6.1"  # DeepGEMM's version whose interface is called here (fp8_gemm_nt, m_grouped_..._contiguous)
 TILE = 128
 
@@ -36,6 +38,13 @@ TILE = 128
 def _module():
     """deep_gemm when the pinned version imports, else None."""
     return importlib.import_module("deep_gemm") if installed_version() == VERSION else None
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the pinned DeepGEMM imports: a constant to the compiler, which would otherwise trace the import probe
+    behind :func:`_module` and break the graph wherever :func:`mm` / :func:`grouped_mm` are compiled."""
+    return _module() is not None
 
 
 def installed_version() -> Optional[str]:
@@ -66,52 +75,79 @@ def fits(m: int, n: int, k: int) -> bool:
     return m > 0 and n % TILE == 0 and k % TILE == 0
 
 
-@torch.library.custom_op("paratron::deepgemm_block_mm", mutates_args=())
-def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_blocks: bool,
-             out_dtype: torch.dtype) -> torch.Tensor:
-    """a b^T ([M, N], ``out_dtype``) of blockwise FP8 operands (the module docstring's); off CUDA, or at a shape
-    DeepGEMM does not take, kernels/fp8_block.py's cuBLAS path (on CPU: its fp32 emulation)."""
-    from ..fp8_block import scaled_block_mm
+def mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_blocks: bool,
+       out_dtype: torch.dtype) -> torch.Tensor:
+    """a b^T ([M, N], ``out_dtype``) of blockwise FP8 operands (the module docstring's) by DeepGEMM; off CUDA,
+    without the pinned build or at a shape it does not take, kernels/fp8_block.py's cuBLAS path (on CPU: its fp32
+    emulation). DeepGEMM's dequantisation factors (the scales' reciprocals) and its K-major copies of transposed
+    operands are taken here, outside the operator, where the compiler fuses them into its own kernels."""
     m, k = a.shape
     n = b.shape[0]
-    if not a.is_cuda or not fits(m, n, k) or _module() is None:
+    if not available() or not a.is_cuda or not fits(m, n, k):
+        from ..fp8_block import scaled_block_mm
         return scaled_block_mm(a, sa, b, sb, b_blocks, out_dtype)
-    args = ((a.contiguous(), sa.reciprocal()), (b.contiguous(), sb.reciprocal().contiguous()))
+    return torch.ops.paratron.deepgemm_block_mm(a.contiguous(), sa.reciprocal(), b.contiguous(),
+                                                sb.reciprocal().contiguous(), b_blocks, out_dtype)
+
+
+def grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, ends: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """Rows of ``a`` [S, K] of expert e times ``b[e]``^T ([E, N, K], ``sb`` [E N/128, K/128]): [S, N], rows past the
+    last end zero. ``ends``: the groups' cumulative end rows, multiples of 128 (parallel/experts.py's
+    ``aligned_rows``: each expert's rows start at a multiple of 128, so the groups cover every row up to the last
+    end). Off CUDA or without the pinned build: kernels/fp8_grouped.py's dequant path."""
+    s, k = a.shape
+    e, n, _ = b.shape
+    if not available() or not a.is_cuda or not fits(s, n, k):
+        from .. import fp8_grouped
+        return fp8_grouped.grouped_forward(a, sa, b, sb, ends, "block", out_dtype, "dequant")
+    return torch.ops.paratron.deepgemm_block_grouped_mm(a.contiguous(), sa.reciprocal(), b.contiguous(),
+                                                        sb.reciprocal().view(e, n // TILE, -1),
+                                                        ends.to(torch.int32).contiguous(), out_dtype)
+
+
+def _refuse_off_cuda(a: torch.Tensor) -> None:
+    if not a.is_cuda or _module() is None:
+        raise RuntimeError(f"paratron's DeepGEMM operators run on a Hopper GPU with DeepGEMM {VERSION}; call "
+                           "kernels/experimental/deepgemm.py's mm / grouped_mm, which fall back elsewhere")
+
+
+@torch.library.custom_op("paratron::deepgemm_block_mm", mutates_args=())
+def block_mm(a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor, ib: torch.Tensor, b_blocks: bool,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`mm` on CUDA: ``ia``, ``ib`` the dequantisation factors (1 / scale), both operands K-major."""
+    _refuse_off_cuda(a)
+    m, n = a.shape[0], b.shape[0]
     if b_blocks:
         out = torch.empty(m, n, device=a.device, dtype=torch.bfloat16)
-        _module().fp8_gemm_nt(*args, out)
+        _module().fp8_gemm_nt((a, ia), (b, ib), out)
     else:  # the 1D1D kernel (both operands in tiles) only accumulates into a float32 output: D = C + A B^T
         out = torch.zeros(m, n, device=a.device, dtype=torch.float32)
-        _module().fp8_gemm_nt(*args, out, c=out, recipe=(1, 1, TILE))
+        _module().fp8_gemm_nt((a, ia), (b, ib), out, c=out, recipe=(1, 1, TILE))
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 @block_mm.register_fake
-def _(a, sa, b, sb, b_blocks, out_dtype):
+def _(a, ia, b, ib, b_blocks, out_dtype):
     return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
 
 
 @torch.library.custom_op("paratron::deepgemm_block_grouped_mm", mutates_args=())
-def block_grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, ends: torch.Tensor,
+def block_grouped_mm(a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor, ib: torch.Tensor, ends: torch.Tensor,
                      out_dtype: torch.dtype) -> torch.Tensor:
-    """Rows of ``a`` [S, K] of expert e times ``b[e]``^T ([E, N, K], ``sb`` [E N/128, K/128]): [S, N], rows past the
-    last end zero (kernels/fp8_block_grouped.py's operands); off CUDA, without the pinned build or at a shape it does
-    not take, kernels/fp8_grouped.py's dequant path."""
-    s, k = a.shape
-    e, n, _ = b.shape
-    if not a.is_cuda or not fits(s, n, k) or _module() is None:
-        from .. import fp8_grouped
-        return fp8_grouped.grouped_forward(a, sa, b, sb, ends, "block", out_dtype, "dequant")
+    """:func:`grouped_mm` on CUDA (``ia``, ``ib``: dequantisation factors; ``ends`` int32). DeepGEMM writes the
+    groups' rows only; the rows past the last end are zeroed by kernels/tail_rows.py's kernel, reading the end row
+    on the device (a few tiles of rows, where zeroing the whole output first was a pass over it)."""
+    _refuse_off_cuda(a)
     dg = _module()
     if dg.get_mk_alignment_for_contiguous_layout() != TILE:  # (a setting of the library's; 128 by default on sm90)
         dg.set_mk_alignment_for_contiguous_layout(TILE)
-    out = torch.zeros(s, n, device=a.device, dtype=torch.bfloat16)  # (rows no expert holds stay zero)
-    dg.m_grouped_fp8_gemm_nt_contiguous(
-        (a.contiguous(), sa.reciprocal()), (b.contiguous(), sb.reciprocal().view(e, n // TILE, -1)), out,
-        ends.to(torch.int32).contiguous(), use_psum_layout=True)
+    out = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=torch.bfloat16)
+    dg.m_grouped_fp8_gemm_nt_contiguous((a, ia), (b, ib), out, ends, use_psum_layout=True)
+    zero_from(out, ends)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
 @block_grouped_mm.register_fake
-def _(a, sa, b, sb, ends, out_dtype):
+def _(a, ia, b, ib, ends, out_dtype):
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
