@@ -242,9 +242,7 @@ class MixedPrecisionAdam:
         own = self._own  # --mtp-detach-heads: the model's gradients and the MTP heads', each with its own norm
         parts = [grads] if own is None else [_picked(grads, own, False), _picked(grads, own, True)]
         norms_t = [self._norm_sq(part).sqrt() for part in parts]
-        if (self.adam.defaults.get("fused") or self._fused_outs is not None) and len(parts) == 1 and \
-                self.host is None and \
-                self.muon is None and not isinstance(self.scaler, DynamicScaler):
+        if self._on_device():
             return self._step_on_device(grads, norms_t[0])
         norms = [n.item() for n in norms_t]  # one host sync: the dynamic loss scale and the skip are decided here
         norm = norms[0]
@@ -270,13 +268,18 @@ class MixedPrecisionAdam:
         self._publish()
         return True, norm
 
+    def _on_device(self) -> bool:
+        """Whether the step runs without a host sync (:meth:`_step_on_device`): a fused AdamW (torch's or the
+        kernel of fused_adamw.py), one gradient norm, no offloaded masters, no Muon, no dynamic loss scale."""
+        return ((self.adam.defaults.get("fused") or self._fused_outs is not None) and self._own is None
+                and self.host is None and self.muon is None and not isinstance(self.scaler, DynamicScaler))
+
     def _reads_buffers(self) -> bool:
-        """Whether the step reads the gradient buffers as they are: the AdamW kernel with no loss scale and one
-        norm. Then bf16 / fp16 buffers (--grad-reduce-in-bf16) are not widened into fp32 copies first (a pass
+        """Whether the step reads the gradient buffers as they are: the AdamW kernel's step on the device with no
+        loss scale. Then bf16 / fp16 buffers (--grad-reduce-in-bf16) are not widened into fp32 copies first (a pass
         writing twice the buffers' bytes, read once, by the norm alone): the norm sums their squares in fp32 and
         the kernel reads them itself."""
-        return (self._fused_outs is not None and self._own is None and self.host is None and self.muon is None
-                and not isinstance(self.scaler, DynamicScaler) and self.scaler.scale == 1.0)
+        return self._fused_outs is not None and self.scaler.scale == 1.0 and self._on_device()
 
     def settle_checkpoint_views(self, loaded: bool) -> None:
         """After a checkpoint's save (``loaded`` False) or load (True): the fp32 copies of fp16 / fp8 moments it
