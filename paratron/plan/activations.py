@@ -12,8 +12,8 @@ tests/unit/test_plan_activations.py with saved-tensor hooks):
   parallelism's ring adds its contiguous K/V and merged log-sum-exp;
 * the MLP: fc1's output and the activation's output (gated: fc1 output 2f, activation f, fc2 input f; quack's
   gated GEMMs: the pre-activation 2f and the activation f, which is fc2's input);
-* FP8 (tensorwise / delayed recipes): each linear keeps the FP8 copy of its input (1 byte), not the input; the
-  fused FP8 MLP keeps fc1's output in bf16 and the activation in FP8;
+* FP8: each linear keeps the FP8 copy of its input (1 byte; blockwise: and a float32 scale per 1 x 128 tile), not
+  the input; the fused FP8 MLP keeps fc1's output in bf16 and the activation in FP8;
 * MoE: the router's fp32 logits and routing indices, and per routed token (top-k) the permuted input,
   the expert MLP's tensors and the unpermute's (with expert parallelism: the all-to-all's buffers too;
   the share of routed tokens a rank gets is taken as even);
@@ -73,7 +73,7 @@ def attention_parts(model: ModelConfig, layout: Layout, a: int) -> dict[str, lis
     selective = layout.recomputes("core_attn")
     gate = 2 if model.attention_output_gate else 1
     core = [] if selective else [(heads * FP32, heads)]
-    proj = [(q, q)] if p.fp8_proj else [(q * a, q)]  # FP8: the projection's own copy
+    proj = [(fp8_copy(q, p), q)] if p.fp8_proj else [(q * a, q)]  # FP8: the projection's own copy
     if p.fp8_proj and not selective:
         core.append((q * a, q))
     rotated_kept = not (selective and p.fused_rope)  # the fused op's rotated q, k recomputed with the core
@@ -115,7 +115,8 @@ def offloaded_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: fro
         if name in points:
             terms += [(b // t, e // t) if sp else (b, e) for b, e in norm_parts(model, a, layout.paths)]
     if "qkv_linear" in points:  # (gathered under SP)
-        terms.append((model.hidden_size * (1 if layout.paths.fp8_qkv else a), model.hidden_size))
+        h = model.hidden_size
+        terms.append((fp8_copy(h, layout.paths) if layout.paths.fp8_qkv else h * a, h))
     if "core_attn" in points:
         parts = attention_parts(model, layout, a)
         kept = parts["core"] + ([] if model.attention_output_gate else parts["qkv"])
@@ -145,15 +146,21 @@ def offload_points(model: ModelConfig, layout: Layout, layers: list) -> list[fro
     return [frozenset(name for j, name in chosen if j == i) for i in range(len(layers))]
 
 
+def fp8_copy(n: int, paths: Paths) -> int:
+    """Bytes of an FP8 copy of ``n`` elements: one each, and under the blockwise recipe a float32 scale per 1 x 128
+    tile besides (fp8/blockwise.py)."""
+    return n + (n * FP32 // 128 if paths.fp8_tiles else 0)
+
+
 def mlp_bytes(model: ModelConfig, ffn: int, a: int, paths: Paths = Paths()) -> int:
     """Per token, before the TP split (fc1's input is counted with the layer's inputs)."""
     gated = model.swiglu or model.quick_geglu
     if paths.gated_gemm and gated:  # kernels/quack_mlp.py _GatedMLP: the pre-activation (and the activation)
         return (3 if paths.keep_act else 2) * ffn * a
     if paths.fp8_mlp:  # fp8/mlp.py _FP8MLP: fc1's output in bf16, the activation's FP8 copy
-        return (2 if gated else 1) * ffn * a + ffn
+        return (2 if gated else 1) * ffn * a + fp8_copy(ffn, paths)
     if paths.fp8_inputs:  # per layer: the activation's input (and gated, silu's output), fc2's FP8 input copy
-        return (3 if gated else 1) * ffn * a + ffn
+        return (3 if gated else 1) * ffn * a + fp8_copy(ffn, paths)
     return (4 if gated else 2) * ffn * a
 
 
@@ -177,7 +184,7 @@ def routed_bytes(model: ModelConfig, layout: Layout, a: int, h: int, f: int) -> 
     (``Paths.experts_fp8``): the experts' rows padded, each expert's to a multiple of ``Paths.expert_align`` (at most
     one block more an expert); the fused MLP keeps the input and the activation transposed in FP8 and fc1's output in
     bf16; the per-layer path keeps bf16's terms and the inputs' transposed FP8 copies besides."""
-    k, gated = model.moe_router_topk, model.swiglu or model.quick_geglu
+    k, gated, p = model.moe_router_topk, model.swiglu or model.quick_geglu, layout.paths
     combine = k * (2 if layout.ep == 1 else 4) * h * a
     act = (4 if gated else 2) * f * a
     if not layout.paths.experts_fp8:
@@ -185,8 +192,8 @@ def routed_bytes(model: ModelConfig, layout: Layout, a: int, h: int, f: int) -> 
     tokens = layout.micro_batch * layout.seq_length // layout.cp // (layout.tp if layout.sequence_parallel else 1)
     rows = k + model.num_experts // layout.ep * layout.paths.expert_align / max(1, tokens)  # padded rows per token
     if layout.paths.experts_fp8 == "fused":
-        return combine + round(rows * (h + (2 if gated else 1) * f * a + f))
-    return combine + k * (h * a + act) + round(rows * (h + f))
+        return combine + round(rows * (fp8_copy(h, p) + (2 if gated else 1) * f * a + fp8_copy(f, p)))
+    return combine + k * (h * a + act) + round(rows * (fp8_copy(h, p) + fp8_copy(f, p)))
 
 
 def mamba_bytes(model: ModelConfig, layout: Layout, a: int) -> tuple[int, int]:
@@ -278,7 +285,8 @@ def layer_bytes(model: ModelConfig, layout: Layout, kind: tuple, points: frozens
     # the QKV and fc1 (router, in_proj) matmuls' inputs, all-gathered first under SP (FP8: their FP8 copies; the
     # router's input stays in bf16); --recompute-modules layernorm: the norm's output, when the matmul keeps it
     # (not an all-gathered or FP8 copy, not an input a checkpoint holds), recomputed instead
-    qkv_in, fc1_in = (h * (1 if fp8 else a) for fp8 in (layout.paths.fp8_qkv, layout.paths.fp8_inputs))
+    qkv_in, fc1_in = (fp8_copy(h, layout.paths) if fp8 else h * a
+                      for fp8 in (layout.paths.fp8_qkv, layout.paths.fp8_inputs))
     norm_out = recomputes("layernorm") and not layout.sequence_parallel and not layout.paths.fp8_qkv
     mlp_norm_out = recomputes("layernorm") and not layout.sequence_parallel and not layout.paths.fp8_inputs
     checkpointed = recomputes("moe") if ffn == "moe" else recomputes("mlp") and ffn is not None

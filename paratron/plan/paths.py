@@ -29,6 +29,7 @@ class Paths:
     scan_recompute: bool = True  # --kernel-linear-scan-recompute on: the torch scans keep their inputs only
     fp8_qkv: bool = False  # the attention's QKV projection in FP8: keeps its input's FP8 copy
     fp8_proj: bool = False  # the attention's output projection in FP8: keeps its input's FP8 copy
+    fp8_tiles: bool = False  # the blockwise recipe: each FP8 copy with a float32 scale per 1 x 128 tile besides
     shared: Optional["Paths"] = None  # the shared expert's MLP (None: as the dense MLP's)
     experts_fp8: str = ""  # the routed experts' FP8 path: "" (bf16's saved tensors), fused (fp8/experts_mlp.py), layer
     expert_align: int = 16  # FP8 experts' rows padded per expert to a multiple of it (blockwise: 128; fp8/experts.py)
@@ -70,11 +71,12 @@ def paths_of(cfg: Config, kind: Optional[str] = None) -> Paths:
     dense = _mlp_paths(m, k, recipe, layer + "mlp.", widths[0])
     shared = _mlp_paths(m, k, recipe, layer + "mlp.shared_experts.", widths[1])
     keep = k.kernel_keep_swiglu_activation == "on"
+    tiles = recipe is not None and recipe.recipe == "blockwise"
 
     def paths(mlp: tuple, **more) -> Paths:
         gated, fp8, fused = mlp
         return Paths(quack_norm=norm, gated_gemm=gated, keep_act=keep, fused_rope=rope, fp8_inputs=fp8,
-                     fp8_mlp=fused, scan_recompute=k.kernel_linear_scan_recompute == "on", **more)
+                     fp8_mlp=fused, scan_recompute=k.kernel_linear_scan_recompute == "on", fp8_tiles=tiles, **more)
     plain = [_mlp_paths(m, k, None, "", ffn) for ffn in widths]
     bf16 = paths(plain[0], shared=None if plain[1] == plain[0] else paths(plain[1])) if recipe is not None else None
     return paths(dense, fp8_qkv=qkv, fp8_proj=proj, shared=None if shared == dense else paths(shared), bf16=bf16,
@@ -112,6 +114,6 @@ def _mlp_paths(m, k, recipe, prefix: str, ffn: int) -> tuple[bool, bool, bool]:
     swiglu = fused_fp8_activation(m) == fp8_mlp.SWIGLU
     gated = k.kernel_gated_mlp == "quack" and swiglu and m.disable_bias_linear and r1 is None and r2 is None \
         and ffn % 8 == 0
-    fused = fp8 and r2 is not None and r1.recipe == r2.recipe and r1.fuse_mlp and r1.recipe != "blockwise" \
-        and fused_fp8_activation(m) is not None
+    fused = fp8 and r2 is not None and r1.recipe == r2.recipe and r1.fuse_mlp and fused_fp8_activation(m) is not None \
+        and (r1.recipe != "blockwise" or swiglu and m.disable_bias_linear)  # (fp8/block_mlp.py: SwiGLU, no bias)
     return gated, fp8, fused

@@ -59,6 +59,11 @@ CASES += [("llama", dict(num_experts=4, moe_router_topk=2, kernel_fp8_fused_mlp=
           ("llama", dict(fp8_format="e4m3", fp8_recipe="blockwise", bf16=True, global_batch_size=2, seq_length=128,
                          max_position_embeddings=128, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
                          num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256))]
+# the blockwise recipe's dense layers: each FP8 copy with a float32 scale per 1 x 128 tile, the fused block MLP
+# (fp8/block_mlp.py: fc1's output in bf16, the SwiGLU's FP8 tiles) and the per-layer path
+BLOCK = dict(fp8_format="e4m3", fp8_recipe="blockwise", bf16=True, global_batch_size=2, seq_length=128,
+             max_position_embeddings=128, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4)
+CASES += [("llama", BLOCK), ("llama", dict(kernel_fp8_fused_mlp="off", **BLOCK))]
 
 
 # hybrid stacks on the torch scans with recomputation (docs/plan.md): each layer kind alone and mixed, fp32 and bf16
