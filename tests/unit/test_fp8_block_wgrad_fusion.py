@@ -128,7 +128,8 @@ def _train(extra):
         t.close()
 
 
-@pytest.mark.parametrize("extra,fused_mlp", [([], False), (["--disable-bias-linear", "--kernel-fp8-weight-cache", "on"], True),
+@pytest.mark.parametrize("extra,fused_mlp", [([], False),
+                                             (["--disable-bias-linear", "--kernel-fp8-weight-cache", "on"], True),
                                              (["--disable-bias-linear", "--no-fp8-wgrad"], False)])
 def test_trainer_with_blockwise_fusion_equals_the_unfused_one(monkeypatch, extra, fused_mlp):
     monkeypatch.setattr(fp8, "device_problem", lambda device: None)
