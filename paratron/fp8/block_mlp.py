@@ -8,12 +8,17 @@ tiles along the tokens. Saved for the backward: x^T's tiles, the weights' blocks
 SwiGLU's gradient) and the SwiGLU's output transposed in tiles (fc2's weight gradient). Numerics: the recipe's,
 with the SwiGLU's output and gradient quantised from fp32 rather than from their bf16 rounding (as in the
 tensorwise fused MLP, paratron/fp8/mlp.py). SwiGLU without fc1 bias only; other activations keep the per-layer
-path (``applies``)."""
+path (``applies``).
+
+With Megatron's gradient-accumulation fusion (``main_grads``: the weights' float32 gradient buffers, given where
+DataParallel fuses them) each weight gradient is added to its buffer by its GEMM (``block_mm_accumulate``), fc1's
+in its rows' [gate; up] order as the GEMM produces it, and autograd gets an uninitialised placeholder (as from
+paratron/fp8/blockwise.py)."""
 from __future__ import annotations
 
 import torch
 
-from ..kernels.fp8_block import block_mm, quantize_blocks
+from ..kernels.fp8_block import block_mm, block_mm_accumulate, quantize_blocks
 from ..kernels.fp8_block_mlp import swiglu_grad_tiles, swiglu_tiles
 from ..kernels.fp8_tile_cast import tiles_both
 from .blockwise import block_path
@@ -27,11 +32,20 @@ def _weight(state: FP8State, w: torch.Tensor, wq, sw):
     return wq, sw
 
 
+def _weight_grad(gq, sg, xq, sx, main_grad, w_dtype, path):
+    """g^T x from both in tiles along the tokens: returned in ``w_dtype``, or added to ``main_grad`` (then the
+    returned gradient is a placeholder for autograd)."""
+    if main_grad is None:
+        return block_mm(gq, sg, xq, sx, False, w_dtype, path)
+    block_mm_accumulate(main_grad, gq, sg, xq, sx, path)
+    return gq.new_empty(main_grad.shape, dtype=w_dtype)
+
+
 class _BlockMLP(torch.autograd.Function):
     """y = SwiGLU(x W1^T) W2^T with every GEMM in blockwise FP8 (the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, s1: FP8State, s2: FP8State, w1q, sw1, w2q, sw2):
+    def forward(ctx, x, w1, w2, s1: FP8State, s2: FP8State, w1q, sw1, w2q, sw2, mg1, mg2):
         path, margin, cast = block_path(s1), s1.recipe.margin, s1.recipe.block_cast
         x2 = x.reshape(-1, x.size(-1))
         s1.mark("input")
@@ -44,6 +58,7 @@ class _BlockMLP(torch.autograd.Function):
         y = block_mm(aq, sa, w2q, sw2, True, x.dtype, path)
         ctx.save_for_backward(xtq, sxt, w1q, sw1, h, atq, sat, w2q, sw2)
         ctx.s1, ctx.s2, ctx.path, ctx.x_shape, ctx.w_dtype = s1, s2, path, x.shape, w1.dtype
+        ctx.main_grads = (mg1, mg2)  # (not saved: their versions change as they accumulate, by design)
         return y.view(*x.shape[:-1], w2.size(0))
 
     @staticmethod
@@ -54,12 +69,13 @@ class _BlockMLP(torch.autograd.Function):
         s2.mark("grad")
         gq, sg, gtq, sgt = tiles_both(g.reshape(-1, g.size(-1)), margin, cast)
         dact = block_mm(gq, sg, w2q.t(), sw2.t(), True, g.dtype, path)  # [M, F]
-        gw2 = block_mm(gtq, sgt, atq, sat, False, ctx.w_dtype, path)
+        mg1, mg2 = (mg if needs else None for mg, needs in zip(ctx.main_grads, ctx.needs_input_grad[1:3]))
+        gw2 = _weight_grad(gtq, sgt, atq, sat, mg2, ctx.w_dtype, path)
         s1.mark("grad")
         dq, sd, dtq, sdt = swiglu_grad_tiles(h, dact, margin)
         gx = block_mm(dq, sd, w1q.t(), sw1.t(), True, g.dtype, path).view(ctx.x_shape)
-        gw1 = block_mm(dtq, sdt, xtq, sxt, False, ctx.w_dtype, path)
-        return gx, gw1, gw2, *(None,) * 6
+        gw1 = _weight_grad(dtq, sdt, xtq, sxt, mg1, ctx.w_dtype, path)  # rows [gate; up], as w1's
+        return gx, gw1, gw2, *(None,) * 8
 
 
 def applies(s1, s2, swiglu: bool, bias: bool) -> bool:
@@ -68,7 +84,10 @@ def applies(s1, s2, swiglu: bool, bias: bool) -> bool:
             and s1.recipe.recipe == "blockwise" and s1.recipe.fuse_mlp and s1.recipe.fp8_wgrad)
 
 
-def block_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, s1: FP8State, s2: FP8State) -> torch.Tensor:
-    """``F.linear(SwiGLU(F.linear(x, w1)), w2)`` in blockwise FP8 (the local matmuls of a TP-split MLP)."""
+def block_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, s1: FP8State, s2: FP8State,
+              main_grads: tuple = (None, None)) -> torch.Tensor:
+    """``F.linear(SwiGLU(F.linear(x, w1)), w2)`` in blockwise FP8 (the local matmuls of a TP-split MLP).
+    ``main_grads``: (fc1's, fc2's) float32 gradient buffers the weight gradients are added to, each None for
+    autograd's gradient."""
     (w1q, sw1, _), (w2q, sw2, _) = s1.cached_weight(), s2.cached_weight()
-    return _BlockMLP.apply(x, w1, w2, s1, s2, w1q, sw1, w2q, sw2)
+    return _BlockMLP.apply(x, w1, w2, s1, s2, w1q, sw1, w2q, sw2, *main_grads)

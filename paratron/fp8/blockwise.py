@@ -6,12 +6,19 @@ g in tiles along N and the forward's FP8 weight (a 128 x 128 block is one block 
 scales are transposed, not recomputed); the weight gradient ``g^T x`` sums over the tokens, so it takes g^T
 and x^T in tiles along the tokens (x^T quantised in the forward and kept instead of x; with
 ``--no-fp8-wgrad`` x itself is kept and the weight gradient is g^T x in the input's dtype). The scales and
-GEMMs are paratron/kernels/fp8_block.py."""
+GEMMs are paratron/kernels/fp8_block.py.
+
+With Megatron's gradient-accumulation fusion (``main_grad``: the weight's float32 gradient buffer, given by the
+parallel layers where DataParallel fuses the weight) the weight gradient is added to that buffer by its GEMM
+(``block_mm_accumulate``; with ``--no-fp8-wgrad`` g^T x in float32, kernels/accumulate.py) and never written in
+the weight's dtype; autograd gets an uninitialised placeholder, as from paratron/parallel/linear.py's fused linear,
+so the hooks that count a bucket's gradients still run."""
 from __future__ import annotations
 
 import torch
 
-from ..kernels.fp8_block import block_mm, quantize_blocks, quantize_tiles
+from ..kernels.accumulate import wgrad_accumulate
+from ..kernels.fp8_block import block_mm, block_mm_accumulate, quantize_blocks, quantize_tiles
 from ..kernels.fp8_tile_cast import tiles_both
 from .recipe import E4M3, FP8State
 
@@ -25,7 +32,7 @@ class _BlockLinear(torch.autograd.Function):
     """y = x W^T with blockwise-scaled e4m3 operands (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, state, wq, sw):
+    def forward(ctx, x, weight, state, wq, sw, main_grad):
         margin, path = state.recipe.margin, block_path(state)
         x2 = x.reshape(-1, x.size(-1))
         state.mark("input")
@@ -42,6 +49,7 @@ class _BlockLinear(torch.autograd.Function):
         else:
             ctx.save_for_backward(x2, None, wq, sw)
         ctx.state, ctx.x_shape, ctx.w_dtype, ctx.path = state, x.shape, weight.dtype, path
+        ctx.main_grad = main_grad  # (not saved: its version changes as it accumulates, by design)
         return y.view(*x.shape[:-1], weight.size(0))
 
     @staticmethod
@@ -60,14 +68,24 @@ class _BlockLinear(torch.autograd.Function):
             gtq, sgt = quantize_tiles(g2.t(), E4M3, margin)
         if dgrad:  # [M, N] (tiles along N) times W [N, K] (blocks, transposed)
             gx = block_mm(gq, sg, wq.t(), sw.t(), True, g.dtype, path).view(ctx.x_shape)
-        if wgrad:  # g^T [N, M] times x [M, K], both in tiles along M
-            gw = block_mm(gtq, sgt, x_saved, sxt, False, ctx.w_dtype, path)
+        main_grad = ctx.main_grad if ctx.needs_input_grad[1] else None
+        if wgrad:  # g^T [N, M] times x [M, K], both in tiles along M (added to main_grad by the GEMM where given)
+            if main_grad is None:
+                gw = block_mm(gtq, sgt, x_saved, sxt, False, ctx.w_dtype, path)
+            else:
+                block_mm_accumulate(main_grad, gtq, sgt, x_saved, sxt, path)
+        elif main_grad is not None:  # --no-fp8-wgrad: g^T x in float32, into main_grad
+            wgrad_accumulate(main_grad, g2, x_saved, False)
         elif ctx.needs_input_grad[1]:
             gw = (g2.t() @ x_saved).to(ctx.w_dtype)
-        return gx, gw, None, None, None
+        if main_grad is not None:  # autograd still gets a gradient: a placeholder (the module docstring)
+            gw = g2.new_empty(main_grad.shape, dtype=ctx.w_dtype)
+        return gx, gw, None, None, None, None
 
 
-def block_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State, wq=None, sw=None) -> torch.Tensor:
+def block_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State, wq=None, sw=None,
+                 main_grad=None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) in blockwise-scaled FP8; output in x's dtype. ``wq``, ``sw``: the weight's
-    blocks where the step's weight cache holds them."""
-    return _BlockLinear.apply(x, weight, state, wq, sw)
+    blocks where the step's weight cache holds them; ``main_grad``: the float32 buffer the weight gradient is added
+    to (the module docstring), or None for autograd's gradient."""
+    return _BlockLinear.apply(x, weight, state, wq, sw, main_grad)

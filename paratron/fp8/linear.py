@@ -1,7 +1,11 @@
 """The FP8 linear: ``y = x W^T`` with x and W in e4m3 and the output gradient in e5m2 (``hybrid``) or e4m3,
 the gradients from the FP8 copies the forward saved; the layers that take it (``attach``), the device check,
 and the delayed recipe's amax histories as checkpoints store them. The scaling recipes are in
-paratron/fp8/recipe.py; the casts in paratron/kernels/fp8_cast.py."""
+paratron/fp8/recipe.py; the casts in paratron/kernels/fp8_cast.py.
+
+Megatron's gradient-accumulation fusion (the weight gradient added to its float32 ``main_grad`` by the backward)
+is taken by the blockwise recipe's linear (``fuses_wgrad``, paratron/fp8/blockwise.py); the tensorwise and
+delayed recipes' weight gradients go to autograd."""
 from __future__ import annotations
 
 from typing import Optional
@@ -45,11 +49,23 @@ class _FP8Linear(torch.autograd.Function):
         return gx, gw, None, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias) with FP8 inputs per ``state``'s recipe; output in x's dtype."""
+def fuses_wgrad(state: Optional[FP8State]) -> bool:
+    """Whether a layer with this FP8 state (None: none) adds its weight gradient to ``main_grad`` when given one:
+    the blockwise recipe's linear and fused MLP do; the tensorwise and delayed recipes' do not."""
+    return state is not None and state.recipe.recipe == "blockwise"
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State,
+               main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) with FP8 inputs per ``state``'s recipe; output in x's dtype. ``main_grad``:
+    the weight's float32 gradient buffer, which the backward adds the weight gradient to (only where
+    ``fuses_wgrad(state)``)."""
     wq, sw, wt = state.cached_weight()  # the step's cached FP8 weight (fp8/weights.py), or Nones
     if state.recipe.recipe == "blockwise":
-        return block_linear(x, weight, state, wq, sw)
+        return block_linear(x, weight, state, wq, sw, main_grad)
+    if main_grad is not None:
+        raise ValueError(f"the {state.recipe.recipe} FP8 recipe's linear does not add its weight gradient to "
+                         "main_grad (gradient-accumulation fusion is the blockwise recipe's)")
     return _FP8Linear.apply(x, weight, state, wq, sw, wt)
 
 

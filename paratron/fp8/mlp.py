@@ -89,10 +89,15 @@ class _FP8MLP(torch.autograd.Function):
 
 
 def fused_mlp(x: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor], w2: torch.Tensor, s1: FP8State,
-              s2: FP8State, act: int = SWIGLU) -> torch.Tensor:
-    """``F.linear(act(F.linear(x, w1, b1)), w2)`` in FP8 (the local matmuls of a TP-split MLP)."""
+              s2: FP8State, act: int = SWIGLU, main_grads: tuple = (None, None)) -> torch.Tensor:
+    """``F.linear(act(F.linear(x, w1, b1)), w2)`` in FP8 (the local matmuls of a TP-split MLP). ``main_grads``:
+    (fc1's, fc2's) float32 gradient buffers their weight gradients are added to (the blockwise recipe's only:
+    fp8/block_mlp.py), each None for autograd's gradient."""
     if s1.recipe.recipe == "blockwise":
-        return block_mlp.block_mlp(x, w1, w2, s1, s2)
+        return block_mlp.block_mlp(x, w1, w2, s1, s2, main_grads)
+    if any(mg is not None for mg in main_grads):
+        raise ValueError(f"the {s1.recipe.recipe} FP8 MLP does not add its weight gradients to main_grad "
+                         "(gradient-accumulation fusion is the blockwise recipe's)")
     c1, c2 = s1.cached_weight(), s2.cached_weight()  # the step's cached FP8 weights (fp8/weights.py), or Nones
     return _FP8MLP.apply(x, w1, b1, w2, s1, s2, act, *c1, *c2)
 

@@ -15,6 +15,10 @@ blocks, both along K; returns a b^T [M, N]), by one of three paths (``--kernel-f
 * ``dequant``: both operands dequantised to bf16 and multiplied by torch's bf16 GEMM: the recipe's numbers
   (what the FP8 copies hold) without FP8 speed, on any GPU;
 * ``emulate``: dequantised to fp32 and multiplied in fp32, the reference of the CPU tests.
+
+:func:`block_mm_accumulate` adds the weight gradient's product (both operands in tiles along the tokens) to a
+float32 buffer in place, by the same paths: Megatron's gradient-accumulation fusion under the blockwise recipe
+(paratron/fp8/blockwise.py), where DeepGEMM's kernel accumulates into the buffer itself.
 """
 from __future__ import annotations
 
@@ -132,6 +136,20 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
     if path == "deepgemm":  # (kernels/experimental/deepgemm.py; shapes it does not take: the cuBLAS path)
         return deepgemm.mm(a, sa, b, sb, b_blocks, out_dtype)
     return scaled_block_mm(a, sa, b, sb, b_blocks, out_dtype)
+
+
+def block_mm_accumulate(out: torch.Tensor, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+                        path: str) -> None:
+    """``out += a b^T`` in place for FP8 ``a`` [N, M] and ``b`` [K, M], both with a scale per 1 x 128 tile along
+    M (the summed dimension: the weight gradient's tokens), ``out`` [N, K] (a float32 ``main_grad``), by ``path``
+    (one of BLOCK_GEMMS): the product in float32 added (``scaled_mm``: cuBLAS's product, in its bf16 output as
+    :func:`scaled_block_mm` takes it), or DeepGEMM accumulating into ``out`` itself."""
+    if path == "deepgemm":
+        deepgemm.mm_accumulate(out, a, sa, b, sb)
+    elif path == "scaled_mm":
+        out.add_(scaled_block_mm(a, sa, b, sb, False, torch.float32))
+    else:  # emulate, dequant: the dequantised operands' product in fp32
+        out.add_(block_mm(a, sa, b, sb, False, torch.float32, "emulate"))
 
 
 @torch.library.custom_op("paratron::fp8_scaled_block_mm", mutates_args=())

@@ -63,8 +63,8 @@ class MLP(nn.Module):
                                             sequence_parallel=par.sequence_parallel, init_method=output_init(cfg),
                                             device=device, dtype=dtype)
         # their weight gradients may go straight into main_grad (the plain path's linear layers and the gated
-        # GEMMs' backward honour it; fc1's only with its backward GEMMs on cuBLAS); the fused FP8 MLP's layers
-        # have FP8 states, which DataParallel leaves unfused
+        # GEMMs' backward honour it; fc1's only with its backward GEMMs on cuBLAS); of the FP8 paths only the
+        # blockwise recipe's (its linear and fused MLP) take main_grad: DataParallel leaves the others unfused
         mark_fusable(self.linear_fc2, *(() if self.gated_gemm == "quack" else (self.linear_fc1,)))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, gemv: bool = False) -> torch.Tensor:
@@ -74,8 +74,9 @@ class MLP(nn.Module):
         if gemv and fc1.fp8 is None and fc2.fp8 is None:
             return self._gemv(x, residual)
         if fp8_mlp.applies(fc1, fc2, self.fp8_act):  # the activation's output and gradient born in FP8
+            grads = (main_grad_of(fc1.weight), main_grad_of(fc2.weight))  # (fused by DataParallel: blockwise only)
             return fc2.exit(fp8_mlp.fused_mlp(fc1.enter(x), fc1.weight, fc1.bias, fc2.weight, fc1.fp8, fc2.fp8,
-                                              self.fp8_act), residual)
+                                              self.fp8_act, grads), residual)
         if self.gated_gemm and quack_mlp.applies(x, fc1, fc2):
             tp1 = comm.group_size(fc2.tp_group) == 1  # fc2's GEMM adds the residual (not to a TP partial sum)
             grads = (main_grad_of(fc1.weight), main_grad_of(fc2.weight))

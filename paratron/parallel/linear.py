@@ -5,9 +5,10 @@ paratron/kernels/accumulate.py), so the bf16 gradient is never written, read bac
 
 Which weights take it: those a layer marked ``wgrad_fusable`` in their ShardSpec (every training use of the
 weight goes through ``linear`` below or the gated MLP's own backward, which both honour the mark) whose layer
-has no FP8 state; ``DataParallel`` then sets the spec's ``fuse_wgrad`` and skips them in its hook. Autograd still gets a gradient for
-each of them (an uninitialised placeholder: its allocation is all it costs), so the hooks that count a
-bucket's gradients (--overlap-grad-reduce) run as before.
+has no FP8 state, or the blockwise recipe's (its linear and fused MLP take ``main_grad_of``: paratron/fp8/
+blockwise.py); ``DataParallel`` then sets the spec's ``fuse_wgrad`` and skips them in its hook. Autograd still
+gets a gradient for each of them (an uninitialised placeholder: its allocation is all it costs), so the hooks
+that count a bucket's gradients (--overlap-grad-reduce) run as before.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .sharding import REPLICATED, spec_of, update_spec
+from ..fp8.linear import fuses_wgrad
 from ..kernels import cublaslt
 from ..kernels.accumulate import embedding_accumulate, residual_addmm, wgrad_accumulate
 
@@ -116,7 +118,9 @@ def mark_fusable(*layers) -> None:
 
 def fusable_weights(module: torch.nn.Module) -> list:
     """The weights of ``module`` whose gradient accumulation can be fused: marked ``wgrad_fusable`` by
-    their layer, trainable, and the layer without an FP8 state (FP8 matmuls have their own backward)."""
+    their layer, trainable, and the layer without an FP8 state or with one whose backward adds to ``main_grad``
+    (``fuses_wgrad``: the blockwise recipe's; the other FP8 matmuls' backward hands autograd the gradient)."""
     return [m.weight for m in module.modules()
             if isinstance(getattr(m, "weight", None), torch.nn.Parameter) and m.weight.requires_grad
-            and spec_of(m.weight).wgrad_fusable and getattr(m, "fp8", None) is None]
+            and spec_of(m.weight).wgrad_fusable
+            and (getattr(m, "fp8", None) is None or fuses_wgrad(m.fp8))]

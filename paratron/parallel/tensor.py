@@ -11,7 +11,9 @@ activations has its gradient summed over the TP group.
 
 A Column/RowParallelLinear with an ``fp8`` state (set by ``paratron.fp8.linear.attach``) runs its
 own matmul in FP8 (``fp8_linear``); the collectives around it (the SP all-gather, the TP reductions)
-still move the activations' dtype (bf16), and the bias and residual are added after the matmul.
+still move the activations' dtype (bf16), and the bias and residual are added after the matmul. Under the
+blockwise recipe the FP8 matmul takes the weight's ``main_grad`` where DataParallel fuses its gradient
+accumulation (parallel/linear.py); the other recipes' layers are never fused.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from torch import nn
 from ..errors import DataError
 from . import comm
 from .cross_entropy import linear_cross_entropy, vocab_parallel_cross_entropy  # noqa: F401 (their old home)
-from .linear import embedding, fused_wgrad, linear
-from ..fp8.linear import fp8_linear
+from .linear import embedding, fused_wgrad, linear, main_grad_of
+from ..fp8.linear import fp8_linear, fuses_wgrad
 from ..kernels import gemv as gemv_kernel
 from .sharding import ShardSpec, Split, local_index, set_spec, shard, spec_of
 
@@ -81,16 +83,16 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             residual: Optional[torch.Tensor] = None, cublaslt: bool = True, gemv: bool = False) -> torch.Tensor:
     """``x W^T + b (+ residual)`` (linear.linear: the weight gradient fused into ``main_grad`` where
     DataParallel asked for it; ``cublaslt``: the layer's ``--kernel-cublaslt`` switch), or with an FP8 state the
-    FP8 matmul followed by the bias. ``gemv``: a decode step under ``--kernel-decode-gemv triton`` (no autograd):
-    the GEMV kernel where it takes the shapes (kernels/gemv.py)."""
+    FP8 matmul followed by the bias (the blockwise recipe's with the fusion too). ``gemv``: a decode step under
+    ``--kernel-decode-gemv triton`` (no autograd): the GEMV kernel where it takes the shapes (kernels/gemv.py)."""
     if gemv and fp8 is None:
         return gemv_kernel.linear(x, weight, bias, residual)
     if fp8 is None:
         return linear(x, weight, bias, residual, cublaslt)
-    if fused_wgrad(weight):  # DataParallel marks no FP8 layer: an FP8 state attached later
+    if fused_wgrad(weight) and not fuses_wgrad(fp8):  # DataParallel marks none: an FP8 state attached later
         raise RuntimeError("an FP8 state was attached to a layer after DataParallel fused its weight gradient; "
                            "attach FP8 (paratron.fp8.linear.attach) before wrapping the model")
-    y = fp8_linear(x, weight, fp8)
+    y = fp8_linear(x, weight, fp8, main_grad_of(weight))  # (main_grad: blockwise, fused by DataParallel)
     y = y if bias is None else y + bias
     return y if residual is None else residual + y
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from paratron.config import parse_args
+from paratron.fp8 import FP8State, Recipe
 from paratron.kernels import accumulate, quack_mlp as quack_kernels
 from paratron.parallel import linear as ga
 from paratron.parallel.linear import fused_wgrad, main_grad_of
@@ -83,7 +84,7 @@ def test_an_fp8_state_on_a_fused_weight_is_an_error():
     layer = RowParallelLinear(4, 4, bias=False)
     layer.weight.main_grad = torch.zeros(4, 4)
     update_spec(layer.weight, fuse_wgrad=True)
-    layer.fp8 = object()  # attached after DataParallel marked the weight
+    layer.fp8 = FP8State(Recipe(format="e4m3", recipe="tensorwise", emulate=True))  # attached after DataParallel
     with pytest.raises(RuntimeError, match="before wrapping"):
         layer(torch.randn(2, 4))
 

@@ -17,6 +17,10 @@ reciprocals. Its sm90 kernels read both operands K-major, so a transposed view i
 weight, as cuBLAS's path does). Shapes it cannot take (K or N not a multiple of 128) go to cuBLAS's blockwise GEMM,
 the same numbers.
 
+:func:`mm_accumulate` is the 1D1D GEMM adding into a float32 buffer the caller holds (a weight's ``main_grad``:
+Megatron's gradient-accumulation fusion under the blockwise recipe), the kernel's ``D = C + A B^T`` with C and D
+that buffer, where :func:`mm` accumulates into a zeroed output and returns it.
+
 The grouped form takes the experts' rows as paratron's dispatch lays them out for block scales (sorted by expert,
 each expert starting at a multiple of 128, ``ends`` the cumulative end rows): DeepGEMM's "psum" contiguous layout.
 """
@@ -90,6 +94,22 @@ def mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_b
                                                 sb.reciprocal().contiguous(), b_blocks, out_dtype)
 
 
+def mm_accumulate(out: torch.Tensor, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> None:
+    """``out += a b^T`` in place (``out`` [N, K] float32; ``a`` [N, M], ``b`` [K, M], both with a scale per
+    1 x 128 tile along M) by DeepGEMM's 1D1D kernel accumulating into ``out``; off CUDA, without the pinned build,
+    at a shape it does not take or for an ``out`` it cannot write (not contiguous float32), the product of
+    kernels/fp8_block.py's cuBLAS path (on CPU: its fp32 emulation) added in place."""
+    m, k = a.shape
+    n = b.shape[0]
+    if (not available() or not a.is_cuda or not fits(m, n, k) or out.dtype != torch.float32
+            or not out.is_contiguous()):
+        from ..fp8_block import scaled_block_mm
+        out.add_(scaled_block_mm(a, sa, b, sb, False, torch.float32))
+        return
+    torch.ops.paratron.deepgemm_block_mm_acc(out, a.contiguous(), sa.reciprocal(), b.contiguous(),
+                                             sb.reciprocal().contiguous())
+
+
 def grouped_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, ends: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
     """Rows of ``a`` [S, K] of expert e times ``b[e]``^T ([E, N, K], ``sb`` [E N/128, K/128]): [S, N], rows past the
@@ -130,6 +150,19 @@ def block_mm(a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor, ib: torch.Tenso
 @block_mm.register_fake
 def _(a, ia, b, ib, b_blocks, out_dtype):
     return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+@torch.library.custom_op("paratron::deepgemm_block_mm_acc", mutates_args=("out",))
+def block_mm_acc(out: torch.Tensor, a: torch.Tensor, ia: torch.Tensor, b: torch.Tensor, ib: torch.Tensor) -> None:
+    """:func:`mm_accumulate` on CUDA: ``ia``, ``ib`` the dequantisation factors (1 / scale), both operands K-major,
+    ``out`` contiguous float32 (the kernel's C and D)."""
+    _refuse_off_cuda(a)
+    _module().fp8_gemm_nt((a, ia), (b, ib), out, c=out, recipe=(1, 1, TILE))
+
+
+@block_mm_acc.register_fake
+def _(out, a, ia, b, ib):
+    return None
 
 
 @torch.library.custom_op("paratron::deepgemm_block_grouped_mm", mutates_args=())
