@@ -210,16 +210,17 @@ def test_where_the_blockwise_fused_experts_mlp_applies():
     def states(**kw):
         r = Recipe(**{"format": "e4m3", "recipe": "blockwise", "emulate": True, **kw})
         return FP8State(r), FP8State(r)
-    assert experts_mlp.why_not(*states(), SWIGLU, False) is None
-    assert experts_mlp.why_not(*states(block_grouped_gemm="deepgemm"), SWIGLU, False) is None
-    assert experts_mlp.why_not(*states(format="hybrid"), SWIGLU, False) == "hybrid: the blockwise recipe takes e4m3 only"
-    assert experts_mlp.why_not(*states(), SWIGLU, True) == "expert biases"
-    assert experts_mlp.why_not(*states(fp8_wgrad=False), SWIGLU, False) == "--no-fp8-wgrad"
-    assert experts_mlp.why_not(*states(fuse_mlp=False), SWIGLU, False) == "--kernel-fp8-fused-mlp off"
-    assert experts_mlp.why_not(*states(), GELU, False) == "the blockwise recipe with an activation other than SwiGLU"
-    assert experts_mlp.why_not(*states(), None, False) == "an activation without a fused FP8 kernel"
+    why = experts_mlp.why_not
+    assert why(*states(), SWIGLU, False) is None
+    assert why(*states(block_grouped_gemm="deepgemm"), SWIGLU, False) is None
+    assert why(*states(format="hybrid"), SWIGLU, False) == "hybrid: the blockwise recipe takes e4m3 only"
+    assert why(*states(), SWIGLU, True) == "expert biases"
+    assert why(*states(fp8_wgrad=False), SWIGLU, False) == "--no-fp8-wgrad"
+    assert why(*states(fuse_mlp=False), SWIGLU, False) == "--kernel-fp8-fused-mlp off"
+    assert why(*states(), GELU, False) == "the blockwise recipe with an activation other than SwiGLU"
+    assert why(*states(), None, False) == "an activation without a fused FP8 kernel"
     tensorwise = FP8State(Recipe(format="e4m3", recipe="tensorwise", emulate=True))
-    assert experts_mlp.why_not(states()[0], tensorwise, SWIGLU, False) == "fc1 and fc2 in different precisions or recipes"
+    assert why(states()[0], tensorwise, SWIGLU, False) == "fc1 and fc2 in different precisions or recipes"
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
