@@ -39,7 +39,7 @@ def grouped_path(state: FP8State, kind: str) -> str:
     return "dequant"
 
 
-def _weight_blocks(w: torch.Tensor, margin: int):
+def weight_blocks(w: torch.Tensor, margin: int):
     """Each expert's weight [E, N, K] in 128 x 128 blocks (N a multiple of 128: the config checks it)."""
     e, n, k = w.shape
     if n % 128:
@@ -48,14 +48,14 @@ def _weight_blocks(w: torch.Tensor, margin: int):
     return q.view(e, n, k), s
 
 
-def _transposed_blocks(wq: torch.Tensor, sw: torch.Tensor):
+def transposed_blocks(wq: torch.Tensor, sw: torch.Tensor):
     """[E, N, K] in blocks -> [E, K, N] in blocks (the same blocks, their scales transposed per expert)."""
     e, n, k = wq.shape
     s = sw.view(e, n // 128, -1).transpose(1, 2).reshape(-1, n // 128)
     return wq.transpose(1, 2).contiguous(), s.contiguous()
 
 
-def _quantize_rows(x: torch.Tensor, state: FP8State, kind: str):
+def quantize_rows(x: torch.Tensor, state: FP8State, kind: str):
     """(xq, sx, xq^T, sx^T): the rows for the forward and, transposed, for the weight gradient (None, None
     with --no-fp8-wgrad, which keeps the bf16 rows instead). Tensorwise / delayed: both from one read of x
     (the scaler's ``quantize_both``, as the dense layers' gradients)."""
@@ -85,8 +85,8 @@ class _FP8GroupedMM(torch.autograd.Function):
         if bf16_backward:  # only the forward's FP8 copies are made: the backward reads x and w themselves
             xq, sx = state.quantize("input", x)
         else:
-            xq, sx, xtq, sxt = _quantize_rows(x, state, kind)
-        wq, sw = _weight_blocks(w, state.recipe.margin) if kind == "block" else state.quantize("weight", w)
+            xq, sx, xtq, sxt = quantize_rows(x, state, kind)
+        wq, sw = weight_blocks(w, state.recipe.margin) if kind == "block" else state.quantize("weight", w)
         y = grouped_forward(xq, sx, wq, sw, ends, kind, x.dtype, path, fast_accum=FAST_ACCUM_FORWARD)
         if bf16_backward:
             ctx.save_for_backward(x, w, ends)
@@ -108,7 +108,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         if kind == "block":
             state.mark("grad")
             gq, sg, gtq, sgt = tiles_both(g, state.recipe.margin, state.recipe.block_cast)
-            wt, swt = _transposed_blocks(wq, sw)
+            wt, swt = transposed_blocks(wq, sw)
         elif sxt is None:  # --no-fp8-wgrad: the weight gradient reads g itself, so no transposed copy of it
             gq, sg = state.quantize("grad", g)
             gtq, sgt, wt, swt = None, None, wq.transpose(1, 2).contiguous(), sw

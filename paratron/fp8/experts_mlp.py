@@ -11,20 +11,30 @@ row-major for the next GEMM and transposed for the weight gradient (``paratron::
 (``paratron::cast_fp8``). With the tensorwise recipe each cast takes a pass for the amax and one to cast; with
 the delayed recipe, once primed, the scale is known beforehand and the cast is a single pass.
 
-Applies (:func:`applies`) where every expert GEMM can run in FP8: tensorwise or delayed with FP8 weight
-gradients, the same recipe on fc1 and fc2, an activation the kernels have (SwiGLU, GeLU), no expert biases, and
-on torch's grouped FP8 GEMM the e4m3 format (it takes no e5m2 gradient: hybrid keeps the per-layer path and
-its bf16 backward). ``--kernel-fp8-fused-mlp off`` keeps the per-layer path, as for the dense MLP. Numerics are
-the recipe's; as in the dense fused MLP the activation's output and gradient are quantised from fp32 rather than
-from their bf16 rounding."""
+Under ``--fp8-recipe blockwise`` (:class:`_BlockExpertsMLP`, the dense blockwise fused MLP of
+paratron/fp8/block_mlp.py over rows sorted by expert): the rows and the output gradient are cast once into 1 x 128
+tiles in both layouts (``tiles_both``), the SwiGLU's output and its input gradient are written straight into tiles
+in both layouts by kernels/fp8_block_mlp.py, and the grouped GEMMs, their paths (``--kernel-fp8-block-grouped-gemm``)
+and the weight gradients are the per-layer blockwise experts' (fp8/experts.py). Each expert's rows start at a
+multiple of 128, so no tile along the rows holds two experts' rows.
+
+Applies (:func:`applies`) where every expert GEMM can run in FP8 with FP8 weight gradients, the same recipe on fc1
+and fc2, an activation the kernels have (SwiGLU, GeLU; blockwise: SwiGLU only), no expert biases, and the e4m3
+format on torch's grouped FP8 GEMM (it takes no e5m2 gradient: hybrid keeps the per-layer path and its bf16
+backward) and under blockwise (e4m3 only). ``--kernel-fp8-fused-mlp off`` keeps the per-layer path, as for the
+dense MLP. Numerics are the recipe's; as in the dense fused MLPs the activation's output and gradient are quantised
+from fp32 rather than from their bf16 rounding."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
+from ..kernels.fp8_block_mlp import swiglu_grad_tiles, swiglu_tiles
+from ..kernels.fp8_cast import SWIGLU
 from ..kernels.fp8_grouped import grouped_forward, grouped_wgrad
-from .experts import backward_path, grouped_path
+from ..kernels.fp8_tile_cast import tiles_both
+from .experts import backward_path, grouped_path, quantize_rows, transposed_blocks, weight_blocks
 from .recipe import E4M3, FAST_ACCUM_FORWARD, FP8State
 
 
@@ -34,10 +44,13 @@ def why_not(s1: Optional[FP8State], s2: Optional[FP8State], act: Optional[int], 
     if s1 is None or s2 is None or s1.recipe != s2.recipe:
         return "fc1 and fc2 in different precisions or recipes"
     recipe = s1.recipe
+    block = recipe.recipe == "blockwise"
     checks = ((recipe.fuse_mlp, "--kernel-fp8-fused-mlp off"), (recipe.fp8_wgrad, "--no-fp8-wgrad"),
-              (recipe.recipe in ("tensorwise", "delayed"), f"the {recipe.recipe} recipe"),
-              (act is not None, "an activation without a fused FP8 kernel"), (not biases, "expert biases"),
-              (backward_path(s1, grouped_path(s1, "tensor")) != "bf16",
+              (act is not None, "an activation without a fused FP8 kernel"),
+              (not block or act == SWIGLU, "the blockwise recipe with an activation other than SwiGLU"),
+              (not biases, "expert biases"),
+              (not block or recipe.format == "e4m3", "hybrid: the blockwise recipe takes e4m3 only"),
+              (block or backward_path(s1, grouped_path(s1, "tensor")) != "bf16",
                "hybrid: torch's grouped FP8 GEMM takes no e5m2 gradient"))
     return next((why for ok, why in checks if not ok), None)
 
@@ -85,8 +98,48 @@ class _FP8ExpertsMLP(torch.autograd.Function):
         return gx, gw1, gw2, None, None, None, None
 
 
+class _BlockExpertsMLP(torch.autograd.Function):
+    """``SwiGLU(x w1_e^T) w2_e^T`` for the rows ``x`` [S, hidden] of each expert e in blockwise FP8 (``ends`` as
+    :class:`_FP8ExpertsMLP`'s, each group starting at a multiple of 128). The GEMMs, their operands and the weight
+    gradients are fp8/experts.py's blockwise ones; the SwiGLU's output and gradient come as FP8 tiles."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, ends, s1: FP8State, s2: FP8State):
+        path, margin = grouped_path(s1, "block"), s1.recipe.margin
+        s1.mark("input")
+        s1.mark("weight")
+        xq, sx, xtq, sxt = quantize_rows(x.contiguous(), s1, "block")
+        w1q, sw1 = weight_blocks(w1, margin)
+        h = grouped_forward(xq, sx, w1q, sw1, ends, "block", x.dtype, path, fast_accum=FAST_ACCUM_FORWARD)
+        s2.mark("input")
+        s2.mark("weight")
+        aq, sa, atq, sat = swiglu_tiles(h, margin)
+        w2q, sw2 = weight_blocks(w2, margin)
+        y = grouped_forward(aq, sa, w2q, sw2, ends, "block", x.dtype, path, fast_accum=FAST_ACCUM_FORWARD)
+        ctx.save_for_backward(xtq, sxt, w1q, sw1, h, atq, sat, w2q, sw2, ends)
+        ctx.s1, ctx.s2, ctx.path, ctx.w_dtype = s1, s2, path, w1.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        xtq, sxt, w1q, sw1, h, atq, sat, w2q, sw2, ends = ctx.saved_tensors
+        s1, s2, path, w_dtype = ctx.s1, ctx.s2, ctx.path, ctx.w_dtype
+        margin = s1.recipe.margin
+        s2.mark("grad")
+        gq, sg, gtq, sgt = tiles_both(g.contiguous(), margin, s2.recipe.block_cast)
+        dact = grouped_forward(gq, sg, *transposed_blocks(w2q, sw2), ends, "block", g.dtype, path)
+        gw2 = grouped_wgrad(gtq, sgt, atq, sat, ends, "block", w_dtype, path)
+        s1.mark("grad")
+        dq, sd, dtq, sdt = swiglu_grad_tiles(h, dact, margin)
+        gx = grouped_forward(dq, sd, *transposed_blocks(w1q, sw1), ends, "block", g.dtype, path)
+        gw1 = grouped_wgrad(dtq, sdt, xtq, sxt, ends, "block", w_dtype, path)
+        return gx, gw1, gw2, None, None, None
+
+
 def fused_experts_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor, s1: FP8State,
                       s2: FP8State, act: int) -> torch.Tensor:
     """The experts' fc1 -> activation -> fc2 on the padded grouped rows ``x`` in FP8 (see the module docstring);
     the last group must end at the last row (rows past it would enter the activation's amax unwritten)."""
+    if s1.recipe.recipe == "blockwise":
+        return _BlockExpertsMLP.apply(x, w1, w2, ends, s1, s2)
     return _FP8ExpertsMLP.apply(x, w1, w2, ends, s1, s2, act)

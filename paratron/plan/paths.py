@@ -91,18 +91,17 @@ def _kept_fp8(recipe, name: str) -> tuple[bool, object]:
 
 def _experts_fp8(m, recipe, name: str) -> dict:
     """The routed experts' FP8 path as their saved tensors tell it (Paths' experts_fp8, expert_align): "fused"
-    (fp8/experts_mlp.py), "layer" (the per-layer FP8 grouped GEMMs, fp8/experts.py; blockwise: rows in 128s), or ""
-    where they save what bf16's do (not FP8, --no-fp8-wgrad, or hybrid on torch's grouped FP8 GEMM, whose backward
-    reads the bf16 rows)."""
+    (fp8/experts_mlp.py; blockwise: SwiGLU only, saving the same bytes in tiles), "layer" (the per-layer FP8 grouped
+    GEMMs, fp8/experts.py), or "" where they save what bf16's do (not FP8, --no-fp8-wgrad, or hybrid on torch's
+    grouped FP8 GEMM, whose backward reads the bf16 rows). Blockwise: rows in 128s."""
+    from ..kernels.fp8_cast import SWIGLU
     from ..model.variants import fused_fp8_activation
     fp8, r = _kept_fp8(recipe, name)
     if not fp8 or (r.format == "hybrid" and r.grouped_gemm in ("scaled_grouped_mm", "deepgemm")):
         return {}
-    if r.recipe == "blockwise":
-        return dict(experts_fp8="layer", expert_align=128)
-    fused = r.fuse_mlp and r.recipe in ("tensorwise", "delayed") and fused_fp8_activation(m) is not None \
-        and m.disable_bias_linear
-    return dict(experts_fp8="fused" if fused else "layer")
+    act, block = fused_fp8_activation(m), r.recipe == "blockwise"
+    fused = r.fuse_mlp and act is not None and m.disable_bias_linear and (not block or act == SWIGLU)
+    return dict(experts_fp8="fused" if fused else "layer", **(dict(expert_align=128) if block else {}))
 
 
 def _mlp_paths(m, k, recipe, prefix: str, ffn: int) -> tuple[bool, bool, bool]:

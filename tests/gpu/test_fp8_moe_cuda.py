@@ -1,7 +1,8 @@
 """Issue 46's GPU paths (skipped without CUDA): the blockwise FP8 GEMM through torch._scaled_mm's block scales
 and the routed experts' FP8 GEMMs through torch._scaled_grouped_mm, each against the CPU-tested emulation of
-the same FP8 operands; the MoE layer in FP8 against bf16; and no host synchronisation in the forward and
-backward of the dropless grouped MoE layer (CUDA's sync debug mode set to raise)."""
+the same FP8 operands; the fused FP8 experts MLPs (tensorwise / delayed and blockwise) against their emulation;
+the MoE layer in FP8 against bf16; and no host synchronisation in the forward and backward of the dropless grouped
+MoE layer (CUDA's sync debug mode set to raise)."""
 from __future__ import annotations
 
 import pytest
@@ -248,6 +249,36 @@ def test_fused_fp8_experts_mlp_equals_emulation(recipe, compiled):
         # (FP8 rounding of the activation and its gradient flips where the bf16 and fp32 products differ)
         assert all(want.float().norm() > 0 for want in outs[1]) and all(v < 5e-2 for v in far.values()), far
 
+
+@pytest.mark.skipif(not _hopper(), reason="Hopper")
+@pytest.mark.parametrize("path", ["dequant", "triton"])
+def test_blockwise_fused_experts_mlp_equals_emulation(path):
+    """The blockwise fused experts MLP (fp8/experts_mlp.py ``_BlockExpertsMLP``: the Triton tile casts and the SwiGLU
+    kernels of kernels/fp8_block_mlp.py, the grouped GEMMs by --kernel-fp8-block-grouped-gemm ``path``) against the
+    same function emulated (the torch tile casts, dequantised fp32 GEMMs; the SwiGLU kernels in both, checked on
+    their own in tests/gpu/test_fp8_block_mlp_cuda.py), eager, at moe-mini's expert sizes: output and every
+    gradient."""
+    from paratron.fp8 import experts_mlp
+    from paratron.fp8.mlp import SWIGLU
+    torch.manual_seed(8)
+    x, w1, _, dest, ends = _grouped_case([700, 0, 333, 1100, 48, 900, 512, 503], 1024, 2 * 1792, 128, 0.02)
+    w2 = (torch.randn(8, 1024, 1792, device="cuda") * 0.02).to(torch.bfloat16)
+    g = torch.randn(x.shape[0], 1024, device="cuda", dtype=torch.bfloat16)
+    ends = torch.cat([ends[:-1], ends.new_full((1,), x.shape[0])])
+    outs = []
+    for emulate in (False, True):
+        r = Recipe(format="e4m3", recipe="blockwise", emulate=emulate, block_grouped_gemm=path,
+                   block_cast="torch" if emulate else "triton")
+        s1, s2 = FP8State(r), FP8State(r)
+        assert experts_mlp.why_not(s1, s2, SWIGLU, False) is None
+        xr, w1r, w2r = (t.clone().requires_grad_() for t in (x, w1, w2))
+        y = experts_mlp.fused_experts_mlp(xr, w1r, w2r, ends, s1, s2, SWIGLU)
+        y.backward(g)
+        outs.append((y[dest], xr.grad[dest], w1r.grad, w2r.grad))
+        assert not w1r.grad[1].any() and not w2r.grad[1].any()  # expert 1 has no rows
+    far = {n: round(_rel(got, want), 4) for n, got, want in zip(("y", "x", "w1", "w2"), *outs)}
+    # (the kernels' exponentials and the bf16 GEMMs' rounding flip some e4m3 codes against the fp32 emulation)
+    assert all(want.float().norm() > 0 for want in outs[1]) and all(v < 5e-2 for v in far.values()), far
 
 @pytest.mark.skipif(not _hopper(), reason="Hopper")
 def test_fused_fp8_experts_casts_with_a_given_scale_launch_no_amax_pass():
