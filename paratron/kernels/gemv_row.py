@@ -19,6 +19,11 @@ product is rounded before SwiGLU or the residual add. With ``pdl`` (``--kernel-d
 for programmatic dependent launch and waits for the kernel before it only after its first weight block is requested:
 the weights do not depend on the previous kernel, the row does.
 
+``_wave_kernel`` is the same product on a grid of one wave (``launch``'s config with ``WAVE``: programs a
+multiprocessor): each program walks its row blocks as one stream of weight blocks, so that the next row block's
+first loads are in flight while the current one finishes, with the row kernel's sums in the same order (its result
+bit for bit). No switch takes it yet: it waits for a GPU to time it against the row kernel.
+
 :func:`row_reference` is the torch expression (the op's CPU kernel); the tests compare the kernel with it (on CPU
 through Triton's interpreter, via :func:`launch`).
 """
