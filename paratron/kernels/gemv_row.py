@@ -130,6 +130,33 @@ if triton is not None:
         return tl.rsqrt(tl.sum(squares, 0) / K + eps)
 
     @triton.jit
+    def _waited_rstd(x_ptr, K, eps, rk, PDL: tl.constexpr, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Launched early (``PDL``): the wait for the kernel before, which writes the row; then the norm's statistic
+        of the row (1 without ``NORM``)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        rstd = 1.0
+        if NORM:
+            rstd = _rstd(x_ptr, K, eps, rk, BLOCK_K)
+        return rstd
+
+    @triton.jit
+    def _fma(acc, acc_u, w, u, x_ptr, g_ptr, ks, k_ok, rstd, NORM: tl.constexpr, GATED: tl.constexpr,
+             dt: tl.constexpr):
+        """The products of one weight block (and its up rows) with the row's columns ``ks`` (normalised and times the
+        norm's weight, rounded as the model's RMSNorm, with ``NORM``) added to the fp32 sums."""
+        xk = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+        if NORM:
+            gk = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            xk = ((xk.to(tl.float32) * rstd).to(dt).to(tl.float32) * gk).to(dt)
+        xf = xk.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * xf
+        if GATED:
+            acc_u += u.to(tl.float32) * xf
+        return acc, acc_u
+
+    @triton.jit
     def _row_out(acc, acc_u, b_ptr, r_ptr, out_ptr, rn, n_ok, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                  HAS_RES: tl.constexpr, dt: tl.constexpr):
         """Rows ``rn`` of the output from their column sums: [SwiGLU of the gate's and the up's,] [+ the residual]."""
@@ -160,12 +187,7 @@ if triton is not None:
         if AHEAD == 2:  # the block after the first, also requested before the wait
             w1, u1 = _pair(w_rows + BLOCK_K, u_rows + BLOCK_K, rk[None, :], n_ok[:, None] & (rk + BLOCK_K < K)[None, :],
                            GATED, POLICY)
-        if PDL:  # the weights never depend on the kernel before; the row does
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        rstd = 1.0
-        if NORM:
-            rstd = _rstd(x_ptr, K, eps, rk, BLOCK_K)
+        rstd = _waited_rstd(x_ptr, K, eps, rk, PDL, NORM, BLOCK_K)  # (the weights requested above need no wait)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -173,14 +195,7 @@ if triton is not None:
             k_ok = ks < K
             w_next, u_next = _pair(w_rows + AHEAD * BLOCK_K, u_rows + AHEAD * BLOCK_K, ks[None, :],
                                    n_ok[:, None] & (ks + AHEAD * BLOCK_K < K)[None, :], GATED, POLICY)
-            xk = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-            if NORM:
-                gk = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                xk = ((xk.to(tl.float32) * rstd).to(dt).to(tl.float32) * gk).to(dt)
-            xf = xk.to(tl.float32)[None, :]
-            acc += w.to(tl.float32) * xf
-            if GATED:
-                acc_u += u.to(tl.float32) * xf
+            acc, acc_u = _fma(acc, acc_u, w, u, x_ptr, g_ptr, ks, k_ok, rstd, NORM, GATED, dt)
             if AHEAD == 2:
                 w, u, w1, u1 = w1, u1, w_next, u_next
             else:
@@ -216,12 +231,7 @@ if triton is not None:
         w1, u1 = _step(w_ptr, pid, g, 1, steps, per_row, N, K, rb, rk, GATED, POLICY, BLOCK_N, BLOCK_K)
         if AHEAD == 3:
             w2, u2 = _step(w_ptr, pid, g, 2, steps, per_row, N, K, rb, rk, GATED, POLICY, BLOCK_N, BLOCK_K)
-        if PDL:  # the weights never depend on the kernel before; the row does
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        rstd = 1.0
-        if NORM:
-            rstd = _rstd(x_ptr, K, eps, rk, BLOCK_K)
+        rstd = _waited_rstd(x_ptr, K, eps, rk, PDL, NORM, BLOCK_K)  # (the weights requested above need no wait)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for t in range(0, steps):
@@ -230,14 +240,7 @@ if triton is not None:
             kk = t % per_row
             ks = kk * BLOCK_K + rk
             k_ok = ks < K
-            xk = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-            if NORM:
-                gk = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                xk = ((xk.to(tl.float32) * rstd).to(dt).to(tl.float32) * gk).to(dt)
-            xf = xk.to(tl.float32)[None, :]
-            acc += w.to(tl.float32) * xf
-            if GATED:
-                acc_u += u.to(tl.float32) * xf
+            acc, acc_u = _fma(acc, acc_u, w, u, x_ptr, g_ptr, ks, k_ok, rstd, NORM, GATED, dt)
             if AHEAD == 3:
                 w, u, w1, u1, w2, u2 = w1, u1, w2, u2, w_next, u_next
             elif AHEAD == 2:
