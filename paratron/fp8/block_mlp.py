@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.fp8_block import block_mm, block_mm_accumulate, quantize_blocks
+from ..kernels.fp8_block import block_mm, quantize_blocks
 from ..kernels.fp8_block_mlp import swiglu_grad_tiles, swiglu_tiles
 from ..kernels.fp8_tile_cast import tiles_both
-from .blockwise import block_path
+from .blockwise import block_path, tile_wgrad
 from .recipe import E4M3, FP8State
 
 
@@ -30,15 +30,6 @@ def _weight(state: FP8State, w: torch.Tensor, wq, sw):
         state.mark("weight")
         wq, sw = quantize_blocks(w, E4M3, state.recipe.margin)
     return wq, sw
-
-
-def _weight_grad(gq, sg, xq, sx, main_grad, w_dtype, path):
-    """g^T x from both in tiles along the tokens: returned in ``w_dtype``, or added to ``main_grad`` (then the
-    returned gradient is a placeholder for autograd)."""
-    if main_grad is None:
-        return block_mm(gq, sg, xq, sx, False, w_dtype, path)
-    block_mm_accumulate(main_grad, gq, sg, xq, sx, path)
-    return gq.new_empty(main_grad.shape, dtype=w_dtype)
 
 
 class _BlockMLP(torch.autograd.Function):
@@ -70,11 +61,11 @@ class _BlockMLP(torch.autograd.Function):
         gq, sg, gtq, sgt = tiles_both(g.reshape(-1, g.size(-1)), margin, cast)
         dact = block_mm(gq, sg, w2q.t(), sw2.t(), True, g.dtype, path)  # [M, F]
         mg1, mg2 = (mg if needs else None for mg, needs in zip(ctx.main_grads, ctx.needs_input_grad[1:3]))
-        gw2 = _weight_grad(gtq, sgt, atq, sat, mg2, ctx.w_dtype, path)
+        gw2 = tile_wgrad(gtq, sgt, atq, sat, mg2, ctx.w_dtype, path)
         s1.mark("grad")
         dq, sd, dtq, sdt = swiglu_grad_tiles(h, dact, margin)
         gx = block_mm(dq, sd, w1q.t(), sw1.t(), True, g.dtype, path).view(ctx.x_shape)
-        gw1 = _weight_grad(dtq, sdt, xtq, sxt, mg1, ctx.w_dtype, path)  # rows [gate; up], as w1's
+        gw1 = tile_wgrad(dtq, sdt, xtq, sxt, mg1, ctx.w_dtype, path)  # rows [gate; up], as w1's
         return gx, gw1, gw2, *(None,) * 8
 
 

@@ -69,18 +69,24 @@ class _BlockLinear(torch.autograd.Function):
         if dgrad:  # [M, N] (tiles along N) times W [N, K] (blocks, transposed)
             gx = block_mm(gq, sg, wq.t(), sw.t(), True, g.dtype, path).view(ctx.x_shape)
         main_grad = ctx.main_grad if ctx.needs_input_grad[1] else None
-        if wgrad:  # g^T [N, M] times x [M, K], both in tiles along M (added to main_grad by the GEMM where given)
-            if main_grad is None:
-                gw = block_mm(gtq, sgt, x_saved, sxt, False, ctx.w_dtype, path)
-            else:
-                block_mm_accumulate(main_grad, gtq, sgt, x_saved, sxt, path)
+        if wgrad:  # g^T [N, M] times x [M, K], both in tiles along M
+            gw = tile_wgrad(gtq, sgt, x_saved, sxt, main_grad, ctx.w_dtype, path)
         elif main_grad is not None:  # --no-fp8-wgrad: g^T x in float32, into main_grad
             wgrad_accumulate(main_grad, g2, x_saved, False)
+            gw = g2.new_empty(main_grad.shape, dtype=ctx.w_dtype)
         elif ctx.needs_input_grad[1]:
             gw = (g2.t() @ x_saved).to(ctx.w_dtype)
-        if main_grad is not None:  # autograd still gets a gradient: a placeholder (the module docstring)
-            gw = g2.new_empty(main_grad.shape, dtype=ctx.w_dtype)
         return gx, gw, None, None, None, None
+
+
+def tile_wgrad(gq, sg, xq, sx, main_grad, w_dtype, path: str) -> torch.Tensor:
+    """The weight gradient g^T x from both in tiles along the tokens: returned in ``w_dtype``, or, given
+    ``main_grad``, added to it by the GEMM and an uninitialised placeholder returned for autograd (the module
+    docstring)."""
+    if main_grad is None:
+        return block_mm(gq, sg, xq, sx, False, w_dtype, path)
+    block_mm_accumulate(main_grad, gq, sg, xq, sx, path)
+    return gq.new_empty(main_grad.shape, dtype=w_dtype)
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State, wq=None, sw=None,
