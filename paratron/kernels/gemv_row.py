@@ -19,11 +19,6 @@ product is rounded before SwiGLU or the residual add. With ``pdl`` (``--kernel-d
 for programmatic dependent launch and waits for the kernel before it only after its first weight block is requested:
 the weights do not depend on the previous kernel, the row does.
 
-``_wave_kernel`` is the same product on a grid of one wave (``launch``'s config with ``WAVE``: programs a
-multiprocessor): each program walks its row blocks as one stream of weight blocks, so that the next row block's
-first loads are in flight while the current one finishes, with the row kernel's sums in the same order (its result
-bit for bit). No switch takes it yet: it waits for a GPU to time it against the row kernel.
-
 :func:`row_reference` is the torch expression (the op's CPU kernel); the tests compare the kernel with it (on CPU
 through Triton's interpreter, via :func:`launch`).
 """
@@ -35,7 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from .hardware import early_launch
-from .paged_attention import _sms
 
 try:
     import triton
@@ -130,45 +124,6 @@ if triton is not None:
         return tl.rsqrt(tl.sum(squares, 0) / K + eps)
 
     @triton.jit
-    def _waited_rstd(x_ptr, K, eps, rk, PDL: tl.constexpr, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Launched early (``PDL``): the wait for the kernel before, which writes the row; then the norm's statistic
-        of the row (1 without ``NORM``)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        rstd = 1.0
-        if NORM:
-            rstd = _rstd(x_ptr, K, eps, rk, BLOCK_K)
-        return rstd
-
-    @triton.jit
-    def _fma(acc, acc_u, w, u, x_ptr, g_ptr, ks, k_ok, rstd, NORM: tl.constexpr, GATED: tl.constexpr,
-             dt: tl.constexpr):
-        """The products of one weight block (and its up rows) with the row's columns ``ks`` (normalised and times the
-        norm's weight, rounded as the model's RMSNorm, with ``NORM``) added to the fp32 sums."""
-        xk = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-        if NORM:
-            gk = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            xk = ((xk.to(tl.float32) * rstd).to(dt).to(tl.float32) * gk).to(dt)
-        xf = xk.to(tl.float32)[None, :]
-        acc += w.to(tl.float32) * xf
-        if GATED:
-            acc_u += u.to(tl.float32) * xf
-        return acc, acc_u
-
-    @triton.jit
-    def _row_out(acc, acc_u, b_ptr, r_ptr, out_ptr, rn, n_ok, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                 HAS_RES: tl.constexpr, dt: tl.constexpr):
-        """Rows ``rn`` of the output from their column sums: [SwiGLU of the gate's and the up's,] [+ the residual]."""
-        y = _rounded(acc, b_ptr, rn, n_ok, HAS_BIAS, dt)
-        if GATED:
-            up = _rounded(acc_u, b_ptr, rn + N, n_ok, HAS_BIAS, dt)
-            y = (y * tl.sigmoid(y)).to(dt).to(tl.float32) * up
-        if HAS_RES:
-            y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rn, y.to(dt), mask=n_ok)
-
-    @triton.jit
     def _row_kernel(x_ptr, w_ptr, g_ptr, r_ptr, b_ptr, out_ptr, N, K, eps, NORM: tl.constexpr,
                     HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
@@ -187,7 +142,12 @@ if triton is not None:
         if AHEAD == 2:  # the block after the first, also requested before the wait
             w1, u1 = _pair(w_rows + BLOCK_K, u_rows + BLOCK_K, rk[None, :], n_ok[:, None] & (rk + BLOCK_K < K)[None, :],
                            GATED, POLICY)
-        rstd = _waited_rstd(x_ptr, K, eps, rk, PDL, NORM, BLOCK_K)  # (the weights requested above need no wait)
+        if PDL:  # the weights never depend on the kernel before; the row does
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        rstd = 1.0
+        if NORM:
+            rstd = _rstd(x_ptr, K, eps, rk, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -195,70 +155,25 @@ if triton is not None:
             k_ok = ks < K
             w_next, u_next = _pair(w_rows + AHEAD * BLOCK_K, u_rows + AHEAD * BLOCK_K, ks[None, :],
                                    n_ok[:, None] & (ks + AHEAD * BLOCK_K < K)[None, :], GATED, POLICY)
-            acc, acc_u = _fma(acc, acc_u, w, u, x_ptr, g_ptr, ks, k_ok, rstd, NORM, GATED, dt)
+            xk = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+            if NORM:
+                gk = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                xk = ((xk.to(tl.float32) * rstd).to(dt).to(tl.float32) * gk).to(dt)
+            xf = xk.to(tl.float32)[None, :]
+            acc += w.to(tl.float32) * xf
+            if GATED:
+                acc_u += u.to(tl.float32) * xf
             if AHEAD == 2:
                 w, u, w1, u1 = w1, u1, w_next, u_next
             else:
                 w, u = w_next, u_next
-        _row_out(acc, acc_u, b_ptr, r_ptr, out_ptr, rn, n_ok, N, HAS_BIAS, GATED, HAS_RES, dt)
-
-    @triton.jit
-    def _step(w_ptr, pid, g, t, steps, ks_per_row, N, K, rb, rk, GATED: tl.constexpr, POLICY: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The weight block of a wave program's step ``t`` (of ``steps``): row block ``pid + (t // ks_per_row) g``,
-        columns ``(t % ks_per_row) BLOCK_K`` on; nothing is read past the program's last step."""
-        rn = (pid + (t // ks_per_row) * g) * BLOCK_N + rb
-        ks = (t % ks_per_row) * BLOCK_K + rk
-        mask = ((rn < N) & (rb * 0 + t < steps))[:, None] & (ks < K)[None, :]
-        return _pair(w_ptr + rn[:, None].to(tl.int64) * K, w_ptr + (rn[:, None] + N).to(tl.int64) * K, ks[None, :],
-                     mask, GATED, POLICY)
-
-    @triton.jit
-    def _wave_kernel(x_ptr, w_ptr, g_ptr, r_ptr, b_ptr, out_ptr, N, K, eps, NORM: tl.constexpr,
-                     HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False, AHEAD: tl.constexpr = 2,
-                     POLICY: tl.constexpr = ""):
-        """``_row_kernel``'s product on a grid of one wave: program i of g owns row blocks i, i + g, i + 2g, ... and
-        walks them as one stream of weight blocks, the next row block's first blocks requested while it finishes the
-        current one (``AHEAD``: 1 to 3 blocks in flight), the norm's statistic computed once. The same sums in the
-        same order as ``_row_kernel``'s, so the same result bit for bit."""
-        dt = x_ptr.dtype.element_ty
-        pid, g = tl.program_id(0), tl.num_programs(0)
-        rb, rk = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
-        per_row = tl.cdiv(K, BLOCK_K)
-        steps = (tl.cdiv(N, BLOCK_N) - pid + g - 1) // g * per_row
-        w, u = _step(w_ptr, pid, g, 0, steps, per_row, N, K, rb, rk, GATED, POLICY, BLOCK_N, BLOCK_K)
-        w1, u1 = _step(w_ptr, pid, g, 1, steps, per_row, N, K, rb, rk, GATED, POLICY, BLOCK_N, BLOCK_K)
-        if AHEAD == 3:
-            w2, u2 = _step(w_ptr, pid, g, 2, steps, per_row, N, K, rb, rk, GATED, POLICY, BLOCK_N, BLOCK_K)
-        rstd = _waited_rstd(x_ptr, K, eps, rk, PDL, NORM, BLOCK_K)  # (the weights requested above need no wait)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for t in range(0, steps):
-            w_next, u_next = _step(w_ptr, pid, g, t + AHEAD, steps, per_row, N, K, rb, rk, GATED, POLICY, BLOCK_N,
-                                   BLOCK_K)
-            kk = t % per_row
-            ks = kk * BLOCK_K + rk
-            k_ok = ks < K
-            acc, acc_u = _fma(acc, acc_u, w, u, x_ptr, g_ptr, ks, k_ok, rstd, NORM, GATED, dt)
-            if AHEAD == 3:
-                w, u, w1, u1, w2, u2 = w1, u1, w2, u2, w_next, u_next
-            elif AHEAD == 2:
-                w, u, w1, u1 = w1, u1, w_next, u_next
-            else:
-                w, u = w_next, u_next
-            if kk == per_row - 1:  # the row block's last columns: its rows out, the sums begun again
-                rn = (pid + (t // per_row) * g) * BLOCK_N + rb
-                _row_out(acc, acc_u, b_ptr, r_ptr, out_ptr, rn, rn < N, N, HAS_BIAS, GATED, HAS_RES, dt)
-                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-                acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-
-    def wave_grid(n: int, block_n: int, sms: int, per_sm: int) -> int:
-        """Programs of a one-wave launch over ``n`` rows: at most ``per_sm`` a multiprocessor, the row blocks shared
-        out evenly (every program the same count, where that count divides them)."""
-        blocks = triton.cdiv(n, block_n)
-        each = triton.cdiv(blocks, max(1, sms * per_sm))
-        return triton.cdiv(blocks, each)
+        y = _rounded(acc, b_ptr, rn, n_ok, HAS_BIAS, dt)
+        if GATED:
+            up = _rounded(acc_u, b_ptr, rn + N, n_ok, HAS_BIAS, dt)
+            y = (y * tl.sigmoid(y)).to(dt).to(tl.float32) * up
+        if HAS_RES:
+            y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, y.to(dt), mask=n_ok)
 
     _row_tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "NORM", "HAS_RES", "GATED", "HAS_BIAS"])(_row_kernel)
 
@@ -277,11 +192,7 @@ if triton is not None:
         flags = dict(NORM=norm_weight is not None, HAS_RES=residual is not None, GATED=gated, PDL=pdl,
                      HAS_BIAS=bias is not None, **({"launch_pdl": True} if pdl else {}))
         config = config or (early_config(n, k) if pdl else None)
-        if config is not None and "WAVE" in config:  # a grid of one wave (config["WAVE"] programs a multiprocessor)
-            config = dict(config)
-            grid = wave_grid(n, config["BLOCK_N"], _sms(x.device), config.pop("WAVE"))
-            _wave_kernel[(grid,)](*args, **flags, **config)
-        elif config is None:
+        if config is None:
             _row_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
         else:
             _row_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)

@@ -148,21 +148,3 @@ def test_row_kernel_replays_from_a_cuda_graph():
         x.copy_(torch.randn_like(x))
         graph.replay()
         assert _rel(out, gemv_row.row_reference(x, w, nw, gated=True)) < 1e-2
-
-
-@pytest.mark.parametrize("n,k,norm,res,gated", [(3072, 2048, True, False, False), (2048, 8192, False, True, False),
-                                                (8192, 2048, True, False, True), (1000, 1000, True, True, False)])
-def test_one_wave_row_kernel_gives_the_row_kernels_result(n, k, norm, res, gated):
-    """kernels/gemv_row.py's one-wave grid (``WAVE`` programs a multiprocessor, up to three blocks ahead) at
-    llama-1b's layer shapes: the row kernel's sums in the same order, so its result bit for bit."""
-    from paratron.kernels import gemv_row
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(n * (2 if gated else 1), k, device="cuda", generator=g) * k ** -0.5).bfloat16()
-    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16() if norm else None
-    r = torch.randn(1, n, device="cuda", generator=g).bfloat16() if res else None
-    base = gemv_row.early_config(n, k)
-    want = gemv_row.launch(x, w, nw, r, gated, 1e-5, config=dict(base))
-    for per_sm, ahead in ((1, 1), (2, 2), (3, 3)):
-        got = gemv_row.launch(x, w, nw, r, gated, 1e-5, config=dict(base, WAVE=per_sm, AHEAD=ahead))
-        assert torch.equal(got, want), (per_sm, ahead)

@@ -83,44 +83,6 @@ def test_row_kernel_matches_the_reference_in_the_interpreter():
     interpret(INTERPRET)
 
 
-WAVE = r"""
-import torch
-from paratron.kernels import gemv_row
-torch.manual_seed(0)
-# the one-wave grid against the kernel of one program a row block: the same sums in the same order, bit for bit;
-# row blocks shared out unevenly (7 rows, 2 a block, one program a "multiprocessor"), one or several column blocks
-for n, k, norm, res, gated, has_bias in ((40, 1100, True, True, False, False), (24, 600, True, False, True, True),
-                                         (7, 300, False, True, False, False)):
-    x = torch.randn(1, k).half()
-    w = (torch.randn(n * (2 if gated else 1), k) * k ** -0.5).half()
-    g = (1 + 0.1 * torch.randn(k)).half() if norm else None
-    r = torch.randn(1, n).half() if res else None
-    b = torch.randn(n * (2 if gated else 1)).half() if has_bias else None
-    for bn, bk, ahead, per_sm in ((4, 512, 3, 1), (2, 256, 1, 1), (4, 128, 2, 100)):
-        want = gemv_row.launch(x, w, g, r, gated, 1e-5, config=dict(BLOCK_N=bn, BLOCK_K=bk, AHEAD=min(ahead, 2)),
-                               bias=b)
-        got = gemv_row.launch(x, w, g, r, gated, 1e-5, config=dict(BLOCK_N=bn, BLOCK_K=bk, AHEAD=ahead, WAVE=per_sm),
-                              bias=b)
-        assert torch.equal(got, want), (n, k, bn, bk, ahead, per_sm)
-print("ok")
-"""
-
-
-def test_the_one_wave_grid_gives_the_row_kernels_result_bit_for_bit():
-    pytest.importorskip("triton")
-    from tests.interpret import interpret
-    interpret(WAVE)
-
-
-def test_a_one_wave_grid_shares_the_row_blocks_out_evenly():
-    pytest.importorskip("triton")
-    assert gemv_row.wave_grid(8192, 4, 132, 2) == 256  # 2,048 row blocks, 8 a program
-    assert gemv_row.wave_grid(3072, 4, 132, 3) == 384  # 768 row blocks, 2 a program
-    assert gemv_row.wave_grid(2048, 4, 132, 3) == 256  # 512 row blocks, 2 a program
-    assert gemv_row.wave_grid(7, 2, 132, 3) == 4  # fewer row blocks than a wave: one each
-    assert gemv_row.wave_grid(7, 2, 1, 1) == 1
-
-
 def test_early_launches_take_four_rows_by_1024_columns_and_eight_warps_on_narrow_layers(monkeypatch):
     pytest.importorskip("triton")
     deep = {"AHEAD": 2, "POLICY": "evict_first"}

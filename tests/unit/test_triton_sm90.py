@@ -132,27 +132,6 @@ def test_row_gemv_kernel_compiles_for_sm90(pdl):
             assert two == 2 * one and hinted >= two and plain == 0  # (a policy register counts too)
 
 
-def test_one_wave_row_gemv_kernel_compiles_for_sm90():
-    """kernels/gemv_row.py's one-wave grid: launched early, more weight blocks requested before the wait the more
-    it runs ahead (hinted evict_first), and the 16-byte loads of the row kernel stay."""
-    from paratron.kernels import gemv_row
-    if not hasattr(gemv_row, "_wave_kernel"):
-        pytest.skip("paratron's kernels module did not see Triton")
-    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "g_ptr": "*bf16", "r_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
-             "eps": "fp32"}
-    aligned = ("x_ptr", "w_ptr", "g_ptr", "r_ptr", "out_ptr", "N", "K")
-    for gated in (False, True):
-        counts = []
-        for ahead in (1, 2, 3):
-            flags = dict(NORM=gated, HAS_RES=not gated, GATED=gated, PDL=True, HAS_BIAS=False, BLOCK_N=4,
-                         BLOCK_K=1024, AHEAD=ahead, POLICY="evict_first")
-            ptx = compile_sm90(gemv_row._wave_kernel, types, flags, aligned, 4).asm["ptx"]
-            before = ptx[:ptx.index("griddepcontrol.wait")]
-            assert "ld.global.v4.b32" in ptx and "evict_first" in before
-            counts.append(before.count("ld.global"))
-        assert counts[0] < counts[1] < counts[2], (gated, counts)
-
-
 @pytest.mark.parametrize("act", [0, 3])
 def test_fp8_cast_kernels_compile_for_sm90(act):
     """kernels/fp8_cast.py's amax and cast passes (SwiGLU, and the plain cast): each program's maximum goes to the
