@@ -85,7 +85,7 @@ def tile_wgrad(gq, sg, xq, sx, main_grad, w_dtype, path: str) -> torch.Tensor:
     docstring)."""
     if main_grad is None:
         return block_mm(gq, sg, xq, sx, False, w_dtype, path)
-    block_mm_accumulate(main_grad, gq, sg, xq, sx, path)
+    block_mm_accumulate(main_grad, gq, sg, xq, sx, path, w_dtype)
     return gq.new_empty(main_grad.shape, dtype=w_dtype)
 
 

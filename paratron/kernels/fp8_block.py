@@ -139,17 +139,18 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
 
 
 def block_mm_accumulate(out: torch.Tensor, a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-                        path: str) -> None:
+                        path: str, dtype: torch.dtype = torch.float32) -> None:
     """``out += a b^T`` in place for FP8 ``a`` [N, M] and ``b`` [K, M], both with a scale per 1 x 128 tile along
     M (the summed dimension: the weight gradient's tokens), ``out`` [N, K] (a float32 ``main_grad``), by ``path``
-    (one of BLOCK_GEMMS): the product in float32 added (``scaled_mm``: cuBLAS's product, in its bf16 output as
-    :func:`scaled_block_mm` takes it), or DeepGEMM accumulating into ``out`` itself."""
+    (one of BLOCK_GEMMS): DeepGEMM accumulating into ``out`` itself, or the product added (``scaled_mm``: cuBLAS's,
+    in its bf16 output as :func:`scaled_block_mm` takes it; ``dequant``: the dequantised operands' GEMM in ``dtype``,
+    the weights' as the unfused gradient's; ``emulate``: in fp32)."""
     if path == "deepgemm":
         deepgemm.mm_accumulate(out, a, sa, b, sb)
     elif path == "scaled_mm":
         out.add_(scaled_block_mm(a, sa, b, sb, False, torch.float32))
-    else:  # emulate, dequant: the dequantised operands' product in fp32
-        out.add_(block_mm(a, sa, b, sb, False, torch.float32, "emulate"))
+    else:
+        out.add_(block_mm(a, sa, b, sb, False, dtype if path == "dequant" else torch.float32, path))
 
 
 @torch.library.custom_op("paratron::fp8_scaled_block_mm", mutates_args=())

@@ -34,6 +34,19 @@ def test_block_mm_accumulate_adds_the_dequantised_product(path):
     assert (out - out0).abs().max() > 1  # (the product is not lost in the tolerance)
 
 
+def test_dequant_accumulate_adds_the_unfused_gradient_of_the_weights_dtype():
+    """On the dequant path (FP8 GPUs without cuBLAS's blockwise GEMM) the product is the unfused gradient's, a GEMM
+    in the weights' dtype, then added: the unfused numbers, not an fp32 GEMM's."""
+    torch.manual_seed(0)
+    aq, sa = fb.quantize_tiles(torch.randn(96, 256))
+    bq, sb = fb.quantize_tiles(torch.randn(128, 256))
+    out0 = torch.randn(96, 128)
+    out = out0.clone()
+    fb.block_mm_accumulate(out, aq, sa, bq, sb, "dequant", torch.bfloat16)
+    assert torch.equal(out, out0 + fb.block_mm(aq, sa, bq, sb, False, torch.bfloat16, "dequant").float())
+    assert not torch.equal(out, out0 + fb.block_mm(aq, sa, bq, sb, False, torch.float32, "emulate"))
+
+
 def _run_linear(x, w, g, state, main_grad, steps=2):
     """``steps`` micro-batches through the blockwise linear: (outputs, x's gradients, w's gradient of each)."""
     ys, gxs, gws = [], [], []
