@@ -66,7 +66,9 @@ def test_paratron_to_hf_logits_equal(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(t5_config_from_model_config(cfg, VOCAB)))
     save_file(paratron_to_t5(model.state_dict(), cfg, VOCAB), str(tmp_path / "model.safetensors"),
               metadata={"format": "pt"})
-    back = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path)
+    # transformers' eager attention: its SDPA path (T5's default in transformers 5.25) sums in another order, 1.2e-5
+    # apart here, past the 1e-5 that checks the conversion
+    back = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager")
     assert not torch.equal(back.lm_head.weight, back.shared.weight)
     enc, dec, pad = inputs()
     with torch.no_grad():
