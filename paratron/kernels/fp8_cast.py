@@ -66,8 +66,8 @@ IDENTITY = 3  # no activation: the kernels as a plain cast + transpose (``cast_f
 
 # tokens x columns per program and warps, chosen per shape by Triton's autotuner on the first call
 # (the best at every measured shape is among these; 128 x 128 and larger tiles spill registers in the GeLU
-# kernels and run many times slower: benchmarks/results/fp8_cast_sweep_20261125_224721.md, from a probe kept
-# under the git tag lab-notebook-2026-12-02)
+# kernels and run many times slower: benchmarks/results/fp8_cast_sweep_20261125_224721.md, from a probe kept in
+# the git history, benchmarks/README.md)
 TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 8), (32, 256, 4), (64, 256, 8))
 
 
@@ -234,7 +234,7 @@ if triton is not None:
         Storing the FP8 values computed in registers transposed is what Triton 3.6 miscompiles in kernels
         that load two tensors (SwiGLU's halves; an activation and its gradient): part of the transposed
         bytes wrong (benchmarks/results/fp8_transposed_copy_bug_20261125.md; the sweep and the reproducer are
-        probes kept under the git tag lab-notebook-2026-12-02); transposing loaded bytes is exact at every
+        probes kept in the git history, benchmarks/README.md); transposing loaded bytes is exact at every
         tile. Cost on an H100: the cast with this read-back takes less time than the row-major cast followed
         by a separate one-byte transpose kernel, for GeLU's forward and SwiGLU's backward
         (benchmarks/results/fp8_cast_sweep_20261126_011121.md)."""

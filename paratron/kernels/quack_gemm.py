@@ -33,8 +33,8 @@ without an extra pass:
 
 ``--kernel-quack-tiles`` overrides the configuration of the gated MLP's uses, e.g. ``dgated=128x192c2x1pp``
 (``off``: the torch / cuBLAS path; ``default``: quack's default tiles); the defaults below are the
-configurations measured best at the power cap (the records above; the probe that timed them is kept under the
-git tag lab-notebook-2026-12-02, and benchmarks/matmul_shapes.py --quack times quack's GEMM beside cuBLAS).
+configurations measured best at the power cap (the records above; the probe that timed them is kept in the
+git history, benchmarks/README.md, and benchmarks/matmul_shapes.py --quack times quack's GEMM beside cuBLAS).
 The residual GEMM keeps its default (off: measured no faster than cuBLASLt).
 The ops run torch expressions on CPUs (the tests) and wherever
 quack cannot run.

@@ -44,7 +44,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK_T = 64  # tokens (rows of [s * b]) per program; each program does one group's heads of them
-NUM_WARPS = 4  # (other values were timed by a probe kept under the git tag lab-notebook-2026-12-02)
+NUM_WARPS = 4  # (other values were timed by a probe kept in the git history, benchmarks/README.md)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

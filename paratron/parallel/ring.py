@@ -187,7 +187,7 @@ def efficient_forward(q, k, v, causal: bool, doc_mask, scale: float):
 def _heads_inner(t: torch.Tensor) -> torch.Tensor:
     """[b, h, s, d] laid out as [b, s, h, d] in memory: the layout the memory-efficient kernel's backward
     reads the output and its gradient in (given [b, h, s, d]-contiguous ones, its dq and dk were off by
-    50-100 % on an H100 while dv was right; the diagnosis script is kept under git tag lab-notebook-2026-12-02)."""
+    50-100 % on an H100 while dv was right; the diagnosis script is kept in the git history, benchmarks/README.md)."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 

@@ -7,8 +7,8 @@ zero-filled before and converted after. Here the same kernel class runs as if th
 heads for its key block and keeps dK / dV in registers, stored once in bf16 (the kernel's own path for
 ungrouped heads). At llama-1b's attention on an H100 the main kernel is faster, the dK / dV fills and
 conversions are gone, and the whole backward takes less time per call
-(benchmarks/results/packed_gqa_bwd_20261126_230214.md; the probe that checks and times it is kept under the git
-tag lab-notebook-2026-12-02).
+(benchmarks/results/packed_gqa_bwd_20261126_230214.md; the probe that checks and times it is kept in the git
+history, benchmarks/README.md).
 What it takes, outside FlashAttention-4's files:
   * q and dO as CuTe tensors whose row mode is hierarchical, (q_per_group, s):(d, s-stride): a group's heads are
     adjacent in paratron's sequence-first activations, so no copy;
