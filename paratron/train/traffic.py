@@ -3,7 +3,8 @@ paratron/plan/traffic.py, takes them): one layer's forward and backward and the 
 head), run on the CPU at the model's widths and two short sequences under a dispatch mode that records each aten
 operation's input and output bytes by the region of paratron's code that issued it (the innermost paratron file
 of the forward's call stack; in the backward the stack autograd's anomaly mode kept for the node). Matmuls and
-the attention core are left out (their time is the FLOPs'), views and allocations move nothing. Here, in train,
+the attention core are left out (their time is the FLOPs'; bf16 and fp16 ones run in fp32, rounded back, since
+a CPU without bf16 instructions runs them several times slower), views and allocations move nothing. Here, in train,
 because it builds a model; the planner is given the counts."""
 from __future__ import annotations
 
@@ -108,6 +109,24 @@ def storages(tensors) -> list[tuple[int, int]]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta"]
 
 
+# Half-precision matmuls the count runs in fp32 (CPUs without bf16 instructions run them several times slower; the
+# count needs only their outputs' shapes and dtypes, and values close to the model's for the routing)
+UPCAST = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+          "aten._grouped_mm.default")
+HALF = (torch.bfloat16, torch.float16)
+
+
+def compute(func, args: tuple, kwargs: dict):
+    """``func(*args, **kwargs)``, or for a bf16 / fp16 matmul of UPCAST on the CPU its fp32 product rounded to the
+    dtype the matmul returns."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if str(func) not in UPCAST or not tensors or tensors[0].dtype not in HALF or tensors[0].device.type != "cpu":
+        return func(*args, **kwargs)
+    dtype = kwargs.get("out_dtype") or tensors[0].dtype
+    wide = [a.float() if isinstance(a, torch.Tensor) and a.dtype in HALF else a for a in args]
+    return func(*wide, **{k: v for k, v in kwargs.items() if k != "out_dtype"}).to(dtype)
+
+
 class ByteCounter(TorchDispatchMode):
     """Each counted aten operation's bytes by (region, phase): ``eager`` (inputs + outputs) and ``fused.bytes``
     (per region's runs, Runs); ``compiled.bytes`` by phase, every run of counted operations fused."""
@@ -118,7 +137,7 @@ class ByteCounter(TorchDispatchMode):
         self.fused, self.compiled = Runs(), Runs()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = compute(func, args, kwargs or {})
         name = str(func)
         if func.is_view:
             return out

@@ -23,6 +23,19 @@ def test_counted_bytes_of_known_operations():
     assert c.compiled.bytes["F"] == 256 * 3
 
 
+def test_half_precision_matmuls_run_in_fp32_and_count_the_same_bytes(monkeypatch):
+    """The count runs bf16 matmuls in fp32 (compute): the product rounded to bf16, the bytes of every region as
+    where the matmuls run in bf16 (a bf16 MoE model, grouped GEMMs and the loss head's matmuls)."""
+    import paratron.train.traffic as tr
+    a, b = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16)
+    out = tr.compute(torch.ops.aten.mm.default, (a, b), {})
+    assert out.dtype == torch.bfloat16 and torch.equal(out, (a.float() @ b.float()).bfloat16())
+    cfg = tiny_config("llama", world_size=1, bf16=True, num_experts=4, moe_router_topk=2, moe_grouped_gemm=True)
+    upcast = count_bytes(short_copy(cfg, 1, 32))
+    monkeypatch.setattr(tr, "compute", lambda func, args, kwargs: func(*args, **kwargs))
+    assert upcast == count_bytes(short_copy(cfg, 1, 32))
+
+
 def test_optimizer_bytes_per_parameter():
     # bf16 weights, fp32 gradients: norm read 4; AdamW reads master 4, grad 4, moments 8, writes master 4,
     # moments 8, the bf16 weight 2; zeroing 4
