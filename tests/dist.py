@@ -26,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ["pytest", "paratron.train.loop", "tests.parallel.common"]  # what the ranks import
+PRELOAD = ["pytest", "torch._dynamo", "paratron.train.loop", "tests.parallel.common"]  # what the ranks import
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, env: dict, fn, args):

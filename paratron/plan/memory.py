@@ -135,7 +135,7 @@ def rank_memory(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, pa
         working = max(working, work)
     layer_params = max((sum(t.numel for t in ts if ".layers." in t.name) // max(1, c[1])
                         for ts, c in zip(tensors, chunks)), default=0)
-    dense = sum(fp8_weight_elements(ts, layout, experts=False) for ts in tensors)
+    dense = sum(fp8_weight_elements(ts, layout, experts=False) for ts in tensors) if layout.fp8 else 0
     return Memory(st.weights, st.grads, st.optimizer, acts, working,
                   comm_bytes(model, layout, st, layer_params, dense), st.host, pp_rank)
 

@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from paratron.checkpoint import hf_config as HC  # noqa: E402
 from paratron.checkpoint import sharded  # noqa: E402
 from paratron.config import ModelConfig  # noqa: E402
 from paratron.model.gpt import GPTModel  # noqa: E402
+from tests.parallel.cli import Launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 300
@@ -46,24 +48,23 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
-def _launcher(nproc: int) -> list[str]:
-    return [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-                               if nproc > 1 else [])
-
-
-def _run_all(cmds: dict, timeout: int = 300) -> dict:
-    """Start the commands together; {name: stdout}; each must exit 0."""
-    procs = {k: subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k, cmd in cmds.items()}
-    outs = {}
-    for k, p in procs.items():
+def _run_all(runs: dict, timeout: int = 300) -> dict:
+    """Start the runs {name: (processes, argv)} together (tests/parallel/cli.py's ranks); {name: stdout}; each must
+    exit 0."""
+    with tempfile.TemporaryDirectory() as tmp:
+        launches = {}
+        for k, (nproc, argv) in runs.items():
+            (Path(tmp) / k).mkdir()
+            launches[k] = Launch(nproc, argv[0], argv[1:], Path(tmp) / k, ENV)
+        outs = {}
         try:
-            outs[k], _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs.values():
-                q.kill()
-            pytest.fail(f"{k}: no result after {timeout} s")
-        assert p.returncode == 0, f"{k}:\n{outs[k][-3000:]}"
+            for k, launch in launches.items():
+                r = launch.wait(timeout)
+                outs[k] = r.stdout + r.stderr
+                assert r.returncode == 0, f"{k}:\n{outs[k][-3000:]}"
+        finally:
+            for launch in launches.values():
+                launch.kill()
     return outs
 
 
@@ -74,8 +75,7 @@ def ckpts(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpts")
     runs = {"gpt": (1, ["--save-interval", "1"]), "llama": (1, LLAMA), "qwen2": (1, QWEN2),
             "qwen2_tp2_pp2": (4, QWEN2 + TP2_PP2)}
-    _run_all({k: _launcher(n) + ["pretrain_gpt.py", *BASE, *extra, "--save", str(d / k)]
-              for k, (n, extra) in runs.items()})
+    _run_all({k: (n, ["pretrain_gpt.py", *BASE, *extra, "--save", str(d / k)]) for k, (n, extra) in runs.items()})
     return {k: d / k for k in runs}
 
 
@@ -236,8 +236,8 @@ def test_from_hf_then_training_starts_from_the_hf_weights(tmp_path, capsys):
     data = ["--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--num-workers", "0",
             "--eval-iters", "0", "--log-interval", "1"]
-    outs = _run_all({"tp1": _launcher(1) + ["pretrain_gpt.py", *printed, *data],
-                     "tp2": _launcher(2) + ["pretrain_gpt.py", *printed2[:-1], *data]})
+    outs = _run_all({"tp1": (1, ["pretrain_gpt.py", *printed, *data]),
+                     "tp2": (2, ["pretrain_gpt.py", *printed2[:-1], *data])})
     assert f"loaded weights from {sharded.iter_dir(ckpt, 0)}" in outs["tp1"]
     assert f"resumed from {sharded.iter_dir(ckpt2, 0)} at iteration 0" in outs["tp2"]
     batch = _first_batch(printed[:-3] + data)

@@ -200,9 +200,9 @@ def test_fp8_on_a_cpu_runs_the_recipe_emulated_and_says_so():
     dequantised fp32 matmuls, said at start-up; it learns."""
     tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512"]
-    r = subprocess.run([sys.executable, "-m", "paratron", "train", *BASE, *tiny, "--train-iters", "10", "--lr", "1e-2",
-                        "--fp8-format", "hybrid", "--bf16", "--eval-iters", "0", "--log-interval", "1"],
-                       capture_output=True, text=True)
+    from tests.parallel.cli import run_script
+    r = run_script(1, "-m", ["paratron", "train", *BASE, *tiny, "--train-iters", "10", "--lr", "1e-2", "--fp8-format",
+                             "hybrid", "--bf16", "--eval-iters", "0", "--log-interval", "1"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "FP8 linears: 8 delayed" in r.stdout and "on the CPU: the recipe emulated" in r.stdout
     losses = [float(x) for x in __import__("re").findall(r"lm loss: ([0-9.E+-]+)", r.stdout)]

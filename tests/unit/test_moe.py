@@ -343,19 +343,16 @@ def test_resume_is_bit_exact_with_expert_bias(tmp_path):
 def test_seed_mixtral_flags_train_through_pretrain_gpt(tmp_path):
     """The seed's MoE flags at EP 1 on a tiny model: the loss falls, the MoE losses are logged."""
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
+    from tests.parallel.cli import run_script
     seed = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
             "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm", "--swiglu", "--group-query-attention",
             "--num-query-groups", "2"]
-    r = subprocess.run([sys.executable, "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
-                        "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
-                        "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "40", "--lr", "3e-3",
-                        "--mock-data", "--vocab-size", "256", "--tokenizer-type", "NullTokenizer", "--log-interval",
-                        "5", "--eval-iters", "0", "--tensorboard-dir", str(tmp_path / "tb"), *seed],
-                       cwd=root, capture_output=True, text=True, timeout=300)
+    r = run_script(1, "pretrain_gpt.py", ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size",
+                                          "4", "--global-batch-size", "8", "--train-iters", "40", "--lr", "3e-3",
+                                          "--mock-data", "--vocab-size", "256", "--tokenizer-type", "NullTokenizer",
+                                          "--log-interval", "5", "--eval-iters", "0", "--tensorboard-dir",
+                                          str(tmp_path / "tb"), *seed])
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [ln for ln in r.stdout.splitlines() if re.search(r"iteration\s+\d+/\s*40 \|", ln)]
     losses = [float(re.search(r"lm loss: (\S+)", ln).group(1)) for ln in lines]

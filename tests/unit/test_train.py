@@ -83,10 +83,11 @@ def run_cli(*args, timeout=240):
 
 
 def test_cli_acceptance_command_prints_megatron_lines():
-    r = run_cli("pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "4",
-                "--global-batch-size", "8", "--train-iters", "20", "--lr", "1e-3", "--mock-data",
-                "--log-interval", "5", "--eval-iters", "2")
+    from tests.parallel.cli import run_script
+    r = run_script(1, "pretrain_gpt.py", ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                          "--seq-length", "128", "--max-position-embeddings", "128",
+                                          "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "20",
+                                          "--lr", "1e-3", "--mock-data", "--log-interval", "5", "--eval-iters", "2"])
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [ln for ln in r.stdout.splitlines() if re.search(r"iteration\s+\d+/\s*20 \|", ln)]
     assert len(lines) == 4
