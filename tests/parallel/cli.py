@@ -105,8 +105,8 @@ class Launch:
 def run_script(nproc: int, script: str, flags: list[str], timeout: float = 300,
                env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """``script`` (a path from the repository's root, or "-m" with the module first in ``flags``) with ``flags`` on
-    ``nproc`` ranks (one: no distributed environment), as ``subprocess.run`` with captured text output returns it. A launch whose rendezvous port another process took first is launched again
-    on another port, at most twice."""
+    ``nproc`` ranks (one: no distributed environment), as ``subprocess.run`` with captured text output returns it.
+    A launch whose rendezvous port another process took first is launched again on another port, at most twice."""
     with tempfile.TemporaryDirectory() as tmp:
         for attempt in range(3):
             run_dir = Path(tmp) / str(attempt)

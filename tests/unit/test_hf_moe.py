@@ -21,7 +21,7 @@ from paratron.checkpoint import hf_config as HC  # noqa: E402
 from paratron.checkpoint.hf_config import ConversionError  # noqa: E402
 from paratron.config import ModelConfig  # noqa: E402
 from paratron.model.gpt import GPTModel  # noqa: E402
-from tests.unit.test_convert_cli import (_first_batch, _launcher, _printed_command, _run_all, convert,  # noqa: E402
+from tests.unit.test_convert_cli import (_first_batch, _printed_command, _run_all, convert,  # noqa: E402
                                          paratron_from_checkpoint)
 from tests.unit.test_hf_parity import randomize  # noqa: E402
 
@@ -198,7 +198,7 @@ def test_convert_train_and_back(tmp_path, capsys):
         assert convert("--from", "hf", "--input", tmp_path / case, "--save", tmp_path / f"{case}.ckpt") == 0
         _, _, printed = _printed_command(capsys.readouterr().out)
         flags[case] = printed[:-3] + data
-        cmds[case] = _launcher(1) + ["pretrain_gpt.py", *printed, *data, "--save", str(tmp_path / f"{case}.trained")]
+        cmds[case] = (1, ["pretrain_gpt.py", *printed, *data, "--save", str(tmp_path / f"{case}.trained")])
     assert "--moe-router-pre-softmax" in flags["qwen3_moe-pre-softmax-step2"]
     outs = _run_all(cmds)
     for case, out in outs.items():

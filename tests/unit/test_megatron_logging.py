@@ -221,18 +221,19 @@ def test_log_energy_per_gpu_and_iteration(monkeypatch):
 
 def test_evaluations_and_saves_are_not_in_the_log_lines_time(tmp_path, monkeypatch, capsys):
     """As Megatron's interval timer: the time per iteration on the log line leaves out evaluations and checkpoint
-    saves (here an evaluation made to take 2 s inside a window of 2 iterations would add 1,000 ms to each)."""
+    saves (here an evaluation made to take 3 s inside a window of 2 iterations would add 1,500 ms to each; the
+    first window also holds the warm-up, which a busy machine can stretch past a second)."""
     import re
     import time
     from paratron.train.evaluation import Evaluation
     slow = Evaluation._validate
 
     def validate(self, collector=None):
-        time.sleep(2.0)
+        time.sleep(3.0)
         return slow(self, collector)
 
     monkeypatch.setattr(Evaluation, "_validate", validate)
     pretrain(parse_args(TINY + ["--train-iters", "4", "--log-interval", "2", "--eval-interval", "1", "--eval-iters",
                                 "1", "--save", str(tmp_path / "ck"), "--save-interval", "1"]))
     ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", capsys.readouterr().out)]
-    assert len(ms) == 2 and max(ms) < 700, ms
+    assert len(ms) == 2 and ms[1] < 1000, ms

@@ -60,7 +60,7 @@ for bs, g, qpg, d, dtype, tol in ((5, 2, 4, 16, torch.bfloat16, 2e-2), (64, 2, 3
     rows = torch.tensor([0, 0, 1, 2, 2])
     q = torch.randn(5, g, qpg, d).to(dtype)
     sinks = torch.randn(g * qpg)
-    for splits in (2, 3, 4):
+    for splits in SPLITS:
         for window, sink in ((None, None), (3, None), (100, None), (None, sinks), (70, sinks)):
             launches.clear()
             got = torch.ops.paratron.paged_attention(q, k_pool, v_pool, tables, rows, lengths, 0.25,
@@ -91,10 +91,11 @@ print("ok")
 """
 
 
-def test_split_paged_attention_matches_torch_in_the_interpreter():
+@pytest.mark.parametrize("splits", ["(3,)", pytest.param("(2, 3, 4)", marks=pytest.mark.slow)])  # (CI: one count)
+def test_split_paged_attention_matches_torch_in_the_interpreter(splits):
     pytest.importorskip("triton")
     from tests.interpret import interpret
-    interpret(SPLIT)
+    interpret(f"SPLITS = {splits}\n" + SPLIT)
 
 
 @pytest.mark.parametrize("index", ["*i64", "*i32"])

@@ -52,7 +52,8 @@ def test_flags_need_log_straggler():
 
 
 def _two_ranks(rank, world, port):
-    """DP 2: rank 1's forward steps sleep 150 ms; the output each rank printed."""
+    """DP 2: rank 1's forward steps sleep 400 ms (more than a busy machine's pauses of the other rank); the output
+    each rank printed."""
     import contextlib
     import io
     t = Trainer(parse_args(FLAGS + ["--log-straggler", "--straggler-ctrlr-port", str(port), "--global-batch-size",
@@ -61,7 +62,7 @@ def _two_ranks(rank, world, port):
 
     def slow(*a, **k):
         if rank == 1:
-            time.sleep(0.15)
+            time.sleep(0.4)
         return step(*a, **k)
     t.forward_step = slow
     buf = io.StringIO()
