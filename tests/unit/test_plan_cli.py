@@ -1,5 +1,7 @@
 """``paratron plan`` on clusters it cannot measure: a ranking with its derivation and command lines; and
 ``--dry-run``, which prints the start-up memory plan and builds nothing."""
+import pytest
+
 from paratron.cli import main
 from paratron.config import parse_args
 from paratron.plan.layout import layout_of
@@ -44,6 +46,7 @@ def test_llama_70b_on_64_h100(capsys):
         assert fullest(cfg.model, cfg.padded_vocab_size, layout_of(cfg, "h100"), cfg.parallel).total <= 80e9  # (its H100 paths)
 
 
+@pytest.mark.slow  # (~25 s: the 256-GPU search; llama-70b's on 64 GPUs and the MoE calibration rows stay in CI)
 def test_deepseek_style_moe_on_256_h100(capsys):
     out = plan(capsys, ["--gpus", "256", "--gpu", "h100", "--top", "3", "--explain", "1", *COMMON, *DEEPSEEK_MOE])
     assert len(ranked(out)) == 3 and "64 experts top-6" in out and "time: compute" in out

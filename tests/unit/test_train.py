@@ -82,6 +82,7 @@ def run_cli(*args, timeout=240):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # (~25 s, a 50k-vocabulary loss head; the log line's fields are checked in-process below)
 def test_cli_acceptance_command_prints_megatron_lines():
     from tests.parallel.cli import run_script
     r = run_script(1, "pretrain_gpt.py", ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
