@@ -88,17 +88,22 @@ class Launch:
             p.join()
 
     def wait(self, timeout: float) -> subprocess.CompletedProcess:
-        """The ranks' exit status (the first failing rank's, else 0) and their stdout and stderr, rank by rank; a
-        launch still running after ``timeout`` seconds is killed and fails the test."""
+        """The ranks' exit status (the first failing rank's, else 0) and their stdout and stderr, rank by rank. As
+        torchrun, a rank that fails ends the others (they would wait for it in a collective); a launch still running
+        after ``timeout`` seconds is killed and fails the test."""
         deadline = time.monotonic() + timeout
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = any(p.is_alive() for p in self.procs)
+        while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            if any(p.exitcode for p in self.procs):
+                break
+            time.sleep(0.05)
+        failed = any(p.exitcode for p in self.procs)
+        hung = not failed and any(p.is_alive() for p in self.procs)
         self.kill()
         out, err = self._read(".out"), self._read(".err")
         if hung:
             pytest.fail(f"no result after {timeout} s (a hang?):\n{(out + err)[-3000:]}")
-        code = next((p.exitcode for p in self.procs if p.exitcode), 0)
+        code = next((p.exitcode for p in self.procs if p.exitcode and p.exitcode > 0), None)
+        code = code if code is not None else next((p.exitcode for p in self.procs if p.exitcode), 0)
         return subprocess.CompletedProcess(self.procs[0].name, code, out, err)
 
 
