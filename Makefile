@@ -22,11 +22,13 @@ demo: $(VENV)/.installed
 	$(BIN)/paratron demo
 
 # The suite runs in one pytest process per core (pytest-xdist; an idle process takes tests from a busy one's queue,
-# so no long file holds the end of the run): PYTEST_WORKERS=0 runs it in this process. glibc's allocator keeps freed blocks of up to 32 MB
-# for reuse (by default it hands each back to the kernel and faults it in again at the next training step: a fifth
-# of a small CPU run's time).
+# so no long file holds the end of the run): PYTEST_WORKERS=0 runs it in this process. glibc's allocator keeps
+# freed blocks of up to 32 MB for reuse (by default it hands each back to the kernel and faults it in again at the
+# next training step: a fifth of a small CPU run's time). Inductor compiles in the test's own process (its pool of
+# compile workers, each importing torch, cost the compiled tests more than it saved on 2 cores).
 PYTEST_WORKERS ?= auto
-TEST_ENV := GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296
+TEST_ENV := GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296 \
+	TORCHINDUCTOR_COMPILE_THREADS=1
 PYTEST := $(TEST_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 
 # the suite without the tests marked slow (what CI runs; pyproject.toml's markers say what slow means)
