@@ -15,8 +15,9 @@ import tempfile
 from pathlib import Path
 
 SERVER = r"""
-import os, struct, sys, traceback
+import os, struct, sys
 import torch, triton  # noqa: F401 (imported once, before the forks)
+from tests.forked import run_as_main
 while True:
     head = sys.stdin.buffer.read(4)
     if len(head) < 4:
@@ -24,19 +25,7 @@ while True:
     out, script = sys.stdin.buffer.read(struct.unpack("<I", head)[0]).decode().split("\n", 1)
     pid = os.fork()
     if pid == 0:
-        for fd, suffix in ((1, ".out"), (2, ".err")):
-            os.dup2(os.open(out + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        code = 0
-        try:
-            exec(compile(script, "<script>", "exec"), {"__name__": "__main__"})
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        run_as_main(out, lambda: exec(compile(script, "<script>", "exec"), {"__name__": "__main__"}))
     _, status = os.waitpid(pid, 0)
     sys.stdout.write(f"{os.waitstatus_to_exitcode(status)}\n")
     sys.stdout.flush()

@@ -73,17 +73,20 @@ class MLP(nn.Module):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         if gemv and fc1.fp8 is None and fc2.fp8 is None:
             return self._gemv(x, residual)
-        grads = (main_grad_of(fc1.weight), main_grad_of(fc2.weight))  # where DataParallel fuses them, else Nones
         if fp8_mlp.applies(fc1, fc2, self.fp8_act):  # the activation's output and gradient born in FP8
             return fc2.exit(fp8_mlp.fused_mlp(fc1.enter(x), fc1.weight, fc1.bias, fc2.weight, fc1.fp8, fc2.fp8,
-                                              self.fp8_act, grads), residual)
+                                              self.fp8_act, self._main_grads()), residual)
         if self.gated_gemm and quack_mlp.applies(x, fc1, fc2):
             tp1 = comm.group_size(fc2.tp_group) == 1  # fc2's GEMM adds the residual (not to a TP partial sum)
             y = quack_mlp.gated_mlp(fc1.enter(x), fc1.weight, fc2.weight, residual if tp1 else None,
-                                    bwd=self.gated_gemm, main_grads=grads, keep_act=self.keep_act, tiles=self.tiles,
-                                    cublaslt=fc2.cublaslt)
+                                    bwd=self.gated_gemm, main_grads=self._main_grads(), keep_act=self.keep_act,
+                                    tiles=self.tiles, cublaslt=fc2.cublaslt)
             return fc2.exit(y, None if tp1 else residual)
         return fc2(self.activation(fc1(x)), residual)
+
+    def _main_grads(self) -> tuple:
+        """(fc1's, fc2's) float32 gradient buffers where DataParallel fuses the weight gradients, else Nones."""
+        return main_grad_of(self.linear_fc1.weight), main_grad_of(self.linear_fc2.weight)
 
     def _gemv(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         """The decode step's MLP through the GEMV kernel: SwiGLU in fc1's epilogue where the activation is plain

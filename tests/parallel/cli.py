@@ -23,16 +23,14 @@ from typing import Optional
 import pytest
 
 from tests.dist import PRELOAD, free_port
+from tests.forked import run_as_main
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"lm loss: ([0-9.E+-]+) \|")
 
 
 def _rank_main(script: str, flags: list[str], env: dict, out: str) -> None:
-    """One rank: the script as ``__main__``, its stdout into ``out``.out and its stderr into ``out``.err; exits with
-    its status."""
-    for fd, suffix in ((1, ".out"), (2, ".err")):
-        os.dup2(os.open(out + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    """One rank: the script as ``__main__`` (tests/forked.py), its stdout and stderr into ``out``.out / .err."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
@@ -41,24 +39,9 @@ def _rank_main(script: str, flags: list[str], env: dict, out: str) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     sys.argv = [script, *flags] if script != "-m" else flags  # ("-m", [module, *args]: python -m module args)
-    code = 0
-    try:
-        if script == "-m":
-            runpy.run_module(flags[0], run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(str(ROOT / script), run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 (reported as Python reports an uncaught exception)
-        import traceback
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
+    if script == "-m":
+        run_as_main(out, lambda: runpy.run_module(flags[0], run_name="__main__", alter_sys=True))
+    run_as_main(out, lambda: runpy.run_path(str(ROOT / script), run_name="__main__"))
 
 
 class Launch:
@@ -96,14 +79,12 @@ class Launch:
             if any(p.exitcode for p in self.procs):
                 break
             time.sleep(0.05)
-        failed = any(p.exitcode for p in self.procs)
-        hung = not failed and any(p.is_alive() for p in self.procs)
+        code = next((p.exitcode for p in self.procs if p.exitcode), 0)  # (before the others are killed)
+        hung = not code and any(p.is_alive() for p in self.procs)
         self.kill()
         out, err = self._read(".out"), self._read(".err")
         if hung:
             pytest.fail(f"no result after {timeout} s (a hang?):\n{(out + err)[-3000:]}")
-        code = next((p.exitcode for p in self.procs if p.exitcode and p.exitcode > 0), None)
-        code = code if code is not None else next((p.exitcode for p in self.procs if p.exitcode), 0)
         return subprocess.CompletedProcess(self.procs[0].name, code, out, err)
 
 
