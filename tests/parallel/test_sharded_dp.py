@@ -103,6 +103,7 @@ def _world2(rank, world, root):
     out["zero3_per_token"] = train(tiny_config(**fsdp("optim_grads_params", calculate_per_token_loss=True)))
     out["zero1_bf16"] = train(tiny_config(use_distributed_optimizer=True, bf16=True))
     out["zero3_bf16"] = train(tiny_config(**fsdp("optim_grads_params", bf16=True)))
+    out["ddp_bf16"] = train(tiny_config(bf16=True))
     out["zero3_nan"] = train(tiny_config(**fsdp("optim_grads_params")), nan_at=1)
     # checkpoints: ZeRO-3 (no offload) and ZeRO-3 with half the optimizer offloaded, saved after step 2
     out["zero3_save"] = train(tiny_config(**fsdp("optim_grads_params", save=f"{root}/z3")), save_after=2)
@@ -186,13 +187,22 @@ def test_sharded_run_equals_one_rank(dp2, dp4, reference, world, name):
 
 
 def test_bf16_zero3_equals_zero1_and_moe_expert_sharding_equals_one_rank(dp2, dp4, reference):
-    """bf16: the losses equal one rank's; the bf16 parameters equal ZeRO-1's at the same DP size within a few
-    bf16 last bits (the two bucket layouts sum the squared gradient norm in another order: the clipping factor
-    differs in its last fp32 bit, which moves an occasional bf16 rounding)."""
-    zero3, zero1 = merged(dp2, "zero3_bf16"), merged(dp2, "zero1_bf16")
+    """bf16: the losses equal one rank's; ZeRO-3's bf16 parameters are as close to ZeRO-1's as plain DDP's are.
+    They are not equal: Adam's first steps move each weight by about the sign of its gradient, so a last-bit
+    difference in a near-zero gradient entry (the layouts sum the squared norm and the buckets in another order)
+    moves that bf16 weight by a whole step, about 1e-3 of the weights in three steps, in every layout alike."""
+    zero3, zero1, ddp = merged(dp2, "zero3_bf16"), merged(dp2, "zero1_bf16"), merged(dp2, "ddp_bf16")
     for a, b in zip(reference["bf16"]["losses"], zero3["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a)
-    assert_same(zero1, zero3, rtol=1e-4)
+
+    def distance(a: dict, b: dict, keys) -> float:
+        diff = sum(((a["params"][k] - b["params"][k]) ** 2).sum() for k in keys)
+        return (diff / sum((a["params"][k] ** 2).sum() for k in keys)).sqrt().item()
+    keys = list(zero1["params"])
+    assert zero3["params"].keys() == zero1["params"].keys() == ddp["params"].keys()
+    assert distance(zero1, zero3, keys) <= 2 * distance(zero1, ddp, keys) + 1e-6
+    for k in keys:
+        assert distance(zero1, zero3, [k]) <= 3 * distance(zero1, ddp, [k]) + 1e-4, k
     assert_same(reference["moe"], merged(dp4, "moe_ep2_optim_grads_params"))
 
 
