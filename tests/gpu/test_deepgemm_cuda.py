@@ -78,8 +78,9 @@ def test_mm_accumulate_adds_the_1d1d_product_in_place(k, compiled):
 
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
 def test_blockwise_linear_fused_main_grad_equals_the_unfused_gradient(fp8_wgrad):
-    """Two micro-batches through the DeepGEMM blockwise linear, float32 weights (so the unfused gradient is not
-    rounded to bf16): main_grad against its start plus autograd's gradients; the input gradients unchanged."""
+    """Two micro-batches through the DeepGEMM blockwise linear, float32 weights: main_grad against its start plus
+    autograd's gradients; the input gradients unchanged. Under --no-fp8-wgrad the unfused gradient is the bf16
+    GEMM's bf16 output (as Megatron's unfused path), the fused one its float32 sum: equal to bf16's rounding."""
     from paratron import fp8
     from paratron.fp8 import FP8State, Recipe
     torch.manual_seed(7)
@@ -99,5 +100,5 @@ def test_blockwise_linear_fused_main_grad_equals_the_unfused_gradient(fp8_wgrad)
             total = main_grad if fused else total + w.grad
         runs.append((total, gxs))
     (want, gx), (got, fgx) = runs
-    assert (want - main_grad0).norm() > 0 and _rel(got, want) < 1e-5
+    assert (want - main_grad0).norm() > 0 and _rel(got, want) < (1e-5 if fp8_wgrad else 2.0 ** -8)
     assert all(torch.equal(a, b) for a, b in zip(fgx, gx))
