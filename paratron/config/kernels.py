@@ -40,6 +40,7 @@ CHOICES: dict[str, tuple] = {
     "kernel_fp8_block_gemm": ("auto", "scaled_mm", "deepgemm", "dequant"),
     "kernel_fp8_grouped_gemm": ("auto", "scaled_grouped_mm", "deepgemm", "dequant"),
     "kernel_fp8_block_grouped_gemm": ("auto", "deepgemm", "triton", "dequant"),
+    "kernel_fp8_block_grouped_wgrad": ("auto", "triton", "dequant"),
     "kernel_fp8_block_cast": ("auto", "triton", "torch"),
     "kernel_compile_coordinate_descent": AUTO_ON_OFF,
     "kernel_decode_coordinate_descent": AUTO_ON_OFF,
@@ -80,6 +81,7 @@ class KernelConfig(Section):
     kernel_fp8_block_gemm: str = "auto"  # blockwise FP8 GEMMs: scaled_mm (cuBLAS) | deepgemm | dequant (bf16 GEMM)
     kernel_fp8_grouped_gemm: str = "auto"  # routed experts in FP8: scaled_grouped_mm (torch) | deepgemm | dequant
     kernel_fp8_block_grouped_gemm: str = "auto"  # blockwise FP8 experts (forward, input grad): deepgemm | triton | dequant
+    kernel_fp8_block_grouped_wgrad: str = "auto"  # blockwise FP8 experts' weight gradients: triton | dequant
     kernel_fp8_block_cast: str = "auto"  # blockwise FP8 tile casts in both layouts: triton (auto on CUDA) | torch
     kernel_compile_coordinate_descent: str = "auto"  # torch.compile's coordinate-descent tuning of the layers
     kernel_decode_coordinate_descent: str = "auto"  # ... of the compiled decode step (auto: at batch size 1)

@@ -39,6 +39,15 @@ def grouped_path(state: FP8State, kind: str) -> str:
     return "dequant"
 
 
+def wgrad_path(state: FP8State, kind: str, path: str) -> str:
+    """The weight gradient's path beside the forward's ``path``: under block scales the Triton kernel where
+    ``--kernel-fp8-block-grouped-wgrad triton`` asks (kernels/fp8_block_grouped.py), else the dequant path (DeepGEMM
+    and the forward's Triton kernel have no weight gradient that reads the experts' row ends on the device)."""
+    if kind == "block" and not state.recipe.emulate and state.recipe.block_grouped_wgrad == "triton":
+        return "triton"
+    return "dequant" if kind == "block" and path in ("triton", "deepgemm") else path
+
+
 def weight_blocks(w: torch.Tensor, margin: int):
     """Each expert's weight [E, N, K] in 128 x 128 blocks (N a multiple of 128: the config checks it)."""
     e, n, k = w.shape
@@ -118,7 +127,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         gx = grouped_forward(gq, sg, wt, swt, ends, kind, g.dtype, path) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1] and sxt is not None:
-            gw = grouped_wgrad(gtq, sgt, x_saved, sxt, ends, kind, ctx.w_dtype, path)
+            gw = grouped_wgrad(gtq, sgt, x_saved, sxt, ends, kind, ctx.w_dtype, wgrad_path(state, kind, path))
         elif ctx.needs_input_grad[1]:  # --no-fp8-wgrad: from the bf16 rows and output gradient
             gw = as_dtype(torch._grouped_mm(g.t(), x_saved, offs=ends), ctx.w_dtype)
         return gx, gw, None, None

@@ -34,7 +34,7 @@ from ..kernels.fp8_block_mlp import swiglu_grad_tiles, swiglu_tiles
 from ..kernels.fp8_cast import SWIGLU
 from ..kernels.fp8_grouped import grouped_forward, grouped_wgrad
 from ..kernels.fp8_tile_cast import tiles_both
-from .experts import backward_path, grouped_path, quantize_rows, transposed_blocks, weight_blocks
+from .experts import backward_path, grouped_path, quantize_rows, transposed_blocks, weight_blocks, wgrad_path
 from .recipe import E4M3, FAST_ACCUM_FORWARD, FP8State
 
 
@@ -124,15 +124,15 @@ class _BlockExpertsMLP(torch.autograd.Function):
     def backward(ctx, g):
         xtq, sxt, w1q, sw1, h, atq, sat, w2q, sw2, ends = ctx.saved_tensors
         s1, s2, path, w_dtype = ctx.s1, ctx.s2, ctx.path, ctx.w_dtype
-        margin = s1.recipe.margin
+        margin, wpath = s1.recipe.margin, wgrad_path(s1, "block", path)
         s2.mark("grad")
         gq, sg, gtq, sgt = tiles_both(g.contiguous(), margin, s2.recipe.block_cast)
         dact = grouped_forward(gq, sg, *transposed_blocks(w2q, sw2), ends, "block", g.dtype, path)
-        gw2 = grouped_wgrad(gtq, sgt, atq, sat, ends, "block", w_dtype, path)
+        gw2 = grouped_wgrad(gtq, sgt, atq, sat, ends, "block", w_dtype, wpath)
         s1.mark("grad")
         dq, sd, dtq, sdt = swiglu_grad_tiles(h, dact, margin)
         gx = grouped_forward(dq, sd, *transposed_blocks(w1q, sw1), ends, "block", g.dtype, path)
-        gw1 = grouped_wgrad(dtq, sdt, xtq, sxt, ends, "block", w_dtype, path)
+        gw1 = grouped_wgrad(dtq, sdt, xtq, sxt, ends, "block", w_dtype, wpath)
         return gx, gw1, gw2, None, None, None
 
 

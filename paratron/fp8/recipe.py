@@ -59,6 +59,7 @@ class Recipe:
     block_gemm: str = "dequant"  # blockwise recipe's GEMMs (--kernel-fp8-block-gemm): scaled_mm | deepgemm | dequant
     grouped_gemm: str = "dequant"  # routed experts' FP8 GEMMs (--kernel-fp8-grouped-gemm): scaled_grouped_mm | deepgemm
     block_grouped_gemm: str = "dequant"  # ... under the blockwise recipe (--kernel-fp8-block-grouped-gemm): deepgemm | triton
+    block_grouped_wgrad: str = "dequant"  # ... their weight gradients (--kernel-fp8-block-grouped-wgrad): triton
     block_cast: str = "torch"  # blockwise tile casts in both layouts (--kernel-fp8-block-cast): triton | torch
     weight_cache: bool = True  # FP8 weights cast once per step of several micro-batches (fp8/weights.py)
     overrides: tuple[Rule, ...] = ()  # --te-precision-config-file's matchers (config/precision_file.py), in order
@@ -79,6 +80,7 @@ class Recipe:
         block = getattr(kernels, "kernel_fp8_block_gemm", "auto")
         grouped = getattr(kernels, "kernel_fp8_grouped_gemm", "auto")
         block_grouped = getattr(kernels, "kernel_fp8_block_grouped_gemm", "auto")
+        block_wgrad = getattr(kernels, "kernel_fp8_block_grouped_wgrad", "auto")
         block_cast = getattr(kernels, "kernel_fp8_block_cast", "auto")
         edges = (tr.num_layers_at_start_in_bf16, tr.num_layers_at_end_in_bf16) if tr.first_last_layers_bf16 else (0, 0)
         return cls(tr.fp8_format, tr.fp8_recipe, tr.fp8_amax_history_len, tr.fp8_amax_compute_algo, tr.fp8_margin,
@@ -86,6 +88,7 @@ class Recipe:
                    bf16_at_end=edges[1], block_gemm="dequant" if block == "auto" else block,
                    grouped_gemm="dequant" if grouped == "auto" else grouped,
                    block_grouped_gemm="dequant" if block_grouped == "auto" else block_grouped,
+                   block_grouped_wgrad="dequant" if block_wgrad == "auto" else block_wgrad,
                    block_cast="torch" if block_cast == "auto" else block_cast,
                    weight_cache=weight_cache_asked(tr, kernels),
                    overrides=read_rules(tr.te_precision_config_file), emulate=emulate)

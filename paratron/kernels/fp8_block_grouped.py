@@ -1,6 +1,7 @@
-"""The routed experts' grouped GEMM with blockwise-scaled FP8 operands, in Triton (``--fp8-recipe blockwise`` with
-``--kernel-fp8-block-grouped-gemm triton``): the forward ``x_e w_e^T`` and the input gradient ``g_e w_e``, both in
-one form. torch has no grouped GEMM with 1 x 128 / 128 x 128 scales, so the ``dequant`` path of
+"""The routed experts' grouped GEMMs with blockwise-scaled FP8 operands, in Triton (``--fp8-recipe blockwise``):
+the forward ``x_e w_e^T`` and the input gradient ``g_e w_e``, both in one form (``--kernel-fp8-block-grouped-gemm
+triton``), and the weight gradient ``g_e^T x_e``, summed along each expert's rows (``--kernel-fp8-block-grouped-wgrad
+triton``, :func:`block_grouped_wgrad`). torch has no grouped GEMM with 1 x 128 / 128 x 128 scales, so the ``dequant`` path of
 kernels/fp8_grouped.py dequantises both operands to bf16 first; this kernel multiplies the FP8 tiles themselves.
 
 Operands: ``a`` [S, K] e4m3, rows sorted by expert with each expert's rows starting at a multiple of 128 (so a tile
@@ -29,6 +30,11 @@ except ImportError:  # CPU-only installs
     triton = None
 
 TILE = 128  # rows, columns and summed positions of one program's step (the recipe's tile and block)
+
+
+def wgrad_choice(device) -> tuple[str, str]:
+    """What ``--kernel-fp8-block-grouped-wgrad auto`` runs on ``device``, and why."""
+    return "dequant", "not yet measured against the dequant path on a GPU (docs/moe.md)"
 
 
 def gemm_choice(device) -> tuple[str, str]:
@@ -94,3 +100,54 @@ if triton is not None:
     @block_grouped_mm.register_fake
     def _(a, sa, b, sb, ends, out_dtype):
         return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    @triton.jit
+    def _block_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, c_ptr, N, K,
+                            san, sas, ssan, ssas, sbk, sbs, ssbk, ssbs, sce, scn, sck,
+                            BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr):
+        """Program (n, k, e): the [BM, BN] tile of expert e's ``g_e^T x_e`` from ``a`` = g^T [N, S] and ``b`` =
+        x^T [K, S], summed over e's rows 128 at a time; each step's FP8 product divided by the row scales of its
+        two tiles (one per row of a and of b: the 1 x 128 tiles along S)."""
+        pid_n, pid_k, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(ends_ptr + e)
+        rows = (pid_n * BM + tl.arange(0, BM)).to(tl.int64)
+        cols = (pid_k * BN + tl.arange(0, BN)).to(tl.int64)
+        live_r, live_c = rows < N, cols < K
+        acc = tl.zeros([BM, BN], tl.float32)
+        for t0 in range(start, end, BS):
+            ts = (t0 + tl.arange(0, BS)).to(tl.int64)
+            a = tl.load(a_ptr + rows[:, None] * san + ts[None, :] * sas, mask=live_r[:, None], other=0.0)
+            b = tl.load(b_ptr + cols[:, None] * sbk + ts[None, :] * sbs, mask=live_c[:, None], other=0.0)
+            part = tl.dot(a, tl.trans(b))
+            tb = t0 // BS
+            s_a = tl.load(sa_ptr + rows * ssan + tb * ssas, mask=live_r, other=1.0)
+            s_b = tl.load(sb_ptr + cols * ssbk + tb * ssbs, mask=live_c, other=1.0)
+            acc += part * (1.0 / s_a)[:, None] * (1.0 / s_b)[None, :]
+        out = c_ptr + e.to(tl.int64) * sce + rows[:, None] * scn + cols[None, :] * sck
+        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=live_r[:, None] & live_c[None, :])
+
+    @torch.library.custom_op("paratron::fp8_block_grouped_wgrad", mutates_args=())
+    def block_grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torch.Tensor,
+                            ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Each expert's weight gradient ``g_e^T x_e`` [E, N, K] from ``gt`` = g^T [N, S] and ``xt`` = x^T [K, S]
+        in e4m3 with a scale per 1 x 128 tile along S (``sg`` [N, S/128], ``sx`` [K, S/128]); ``ends`` [E] int32,
+        each a multiple of 128 (an expert's rows never share a tile with another's). An expert without rows gets
+        zeros."""
+        n, s = gt.shape
+        k = xt.shape[0]
+        e = ends.numel()
+        out = torch.empty(e, n, k, device=gt.device, dtype=out_dtype)
+        if not out.numel():
+            return out
+        ends = ends.to(torch.int32).contiguous()
+        with torch.cuda.device(gt.device) if gt.is_cuda else contextlib.nullcontext():
+            _block_wgrad_kernel[(triton.cdiv(n, TILE), triton.cdiv(k, TILE), e)](
+                gt, sg, xt, sx, ends, out, n, k, gt.stride(0), gt.stride(1), sg.stride(0), sg.stride(1),
+                xt.stride(0), xt.stride(1), sx.stride(0), sx.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                BM=TILE, BN=TILE, BS=TILE, num_warps=8, num_stages=3)
+        return out
+
+    @block_grouped_wgrad.register_fake
+    def _(gt, sg, xt, sx, ends, out_dtype):
+        return gt.new_empty(ends.numel(), gt.shape[0], xt.shape[0], dtype=out_dtype)

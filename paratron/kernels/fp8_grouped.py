@@ -13,7 +13,9 @@ Scales come in two kinds: ``tensor`` (one fp32 scale per operand: the tensorwise
   numbers without FP8 speed; the path of block scales on every GPU, torch having no blockwise grouped GEMM);
 * ``emulate``: dequantised to fp32 and multiplied by ``torch._grouped_mm`` in fp32 (the CPU tests' reference).
 * ``triton`` (block scales, ``--kernel-fp8-block-grouped-gemm``): the forward and input gradient multiply the FP8
-  tiles themselves (kernels/fp8_block_grouped.py); the weight gradient, summed along the rows, takes ``dequant``.
+  tiles themselves (kernels/fp8_block_grouped.py); the weight gradient, summed along the rows, takes ``dequant``
+  unless ``--kernel-fp8-block-grouped-wgrad triton`` asks for the Triton kernel that sums the tiles along the rows
+  (given to :func:`grouped_wgrad` as its ``triton`` path, whatever the forward's).
 * ``deepgemm`` (kernels/experimental/deepgemm.py; groups starting at multiples of 128): the forward and input
   gradient by DeepGEMM's grouped kernel, block scales as they are and tensor scales given as the same scale for
   every tile and block (it promotes each 128-deep partial sum to fp32, where torch's forward accumulates in the
@@ -78,8 +80,10 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
     got no rows to zero itself: torch's Hopper grouped GEMM does not promise to write an empty group's output (its
     Blackwell setup refuses such groups in every layout but the former)."""
     groups = ends.numel()
-    # (the Triton kernel sums along K, not along the rows; DeepGEMM's grouped weight gradient on Hopper takes the
-    # experts' row counts on the host, a read-back per layer: tensor scales take torch's grouped FP8 GEMM)
+    if path == "triton" and kind == "block":  # the FP8 tiles summed along the rows (kernels/fp8_block_grouped.py)
+        return torch.ops.paratron.fp8_block_grouped_wgrad(gt, sg, xt, sx, ends, out_dtype)
+    # (DeepGEMM's grouped weight gradient on Hopper takes the experts' row counts on the host, a read-back per
+    # layer: tensor scales take torch's grouped FP8 GEMM, block scales the dequant path)
     if path in ("triton", "deepgemm"):
         path = "scaled_grouped_mm" if path == "deepgemm" and kind == "tensor" else "dequant"
     if path == "scaled_grouped_mm":

@@ -85,6 +85,7 @@ def availability(device, dtype, deterministic: bool = False, offered: Optional[d
         "kernel_fp8_block_gemm": fp8_block.gemm_choice(device),
         "kernel_fp8_grouped_gemm": fp8_grouped.gemm_choice(device),
         "kernel_fp8_block_grouped_gemm": fp8_block_grouped.gemm_choice(device),
+        "kernel_fp8_block_grouped_wgrad": fp8_block_grouped.wgrad_choice(device),
         "kernel_fp8_weight_cache": ("off", "measured slower than each layer's own casts (docs/performance.md)"),
         "kernel_fp8_block_cast": ("triton", "Triton on CUDA: one read of each blockwise operand for both layouts")
         if triton_gpu else ("torch", "needs Triton and CUDA"),
@@ -114,9 +115,10 @@ def resolve(asked: KernelConfig, device, dtype, deterministic: bool = False,
     if asked.kernel_decode_gemv == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
         raise ConfigError("--kernel-decode-gemv triton: the GEMV kernel needs Triton and a CUDA device "
                           "(choose torch or auto here)")
-    if asked.kernel_fp8_block_grouped_gemm == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
-        raise ConfigError("--kernel-fp8-block-grouped-gemm triton: the kernel needs Triton and a CUDA device "
-                          "(choose dequant or auto here)")
+    for name in ("kernel_fp8_block_grouped_gemm", "kernel_fp8_block_grouped_wgrad"):
+        if getattr(asked, name) == "triton" and not (offered or offer(device, dtype))["triton_gpu"]:
+            raise ConfigError(f"--{name.replace('_', '-')} triton: the kernel needs Triton and a CUDA device "
+                              "(choose dequant or auto here)")
     why = deepgemm.refusal(device)
     for name in ("kernel_fp8_block_gemm", "kernel_fp8_grouped_gemm", "kernel_fp8_block_grouped_gemm"):
         if getattr(asked, name) == "deepgemm" and why:

@@ -251,10 +251,29 @@ def test_fused_fp8_experts_mlp_equals_emulation(recipe, compiled):
 
 
 @pytest.mark.skipif(not _hopper(), reason="Hopper")
-@pytest.mark.parametrize("path", ["dequant", "triton"])
-def test_blockwise_fused_experts_mlp_equals_emulation(path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_blockwise_grouped_wgrad_kernel_equals_the_dequant_path(compiled):
+    """--kernel-fp8-block-grouped-wgrad triton (kernels/fp8_block_grouped.py: the FP8 tiles summed along each
+    expert's rows) against the dequant path's weight gradient of the same operands at moe-mini's fc1 and fc2
+    sizes, eager and as a custom op under torch.compile; an expert without rows gets zeros."""
+    torch.manual_seed(6)
+    for n, k in ((2 * 1792, 1024), (1024, 1792)):
+        _, _, g, dest, ends = _grouped_case([700, 0, 333, 1100, 48, 900, 512, 503], k, n, 128, 0.02)
+        x = torch.randn(g.shape[0], k, device="cuda", dtype=torch.bfloat16)
+        gtq, sgt = fb.quantize_tiles(g.t().contiguous())
+        xtq, sxt = fb.quantize_tiles(x.t().contiguous())
+        fn = torch.compile(fp8_grouped.grouped_wgrad) if compiled else fp8_grouped.grouped_wgrad
+        got = fn(gtq, sgt, xtq, sxt, ends, "block", torch.bfloat16, "triton")
+        want = fp8_grouped.grouped_wgrad(gtq, sgt, xtq, sxt, ends, "block", torch.float32, "emulate")
+        assert got.shape == (8, n, k) and not got[1].any() and _rel(got, want) < 1e-2, _rel(got, want)
+
+
+@pytest.mark.skipif(not _hopper(), reason="Hopper")
+@pytest.mark.parametrize("path,wgrad", [("dequant", "dequant"), ("triton", "dequant"), ("dequant", "triton")])
+def test_blockwise_fused_experts_mlp_equals_emulation(path, wgrad):
     """The blockwise fused experts MLP (fp8/experts_mlp.py ``_BlockExpertsMLP``: the Triton tile casts and the SwiGLU
-    kernels of kernels/fp8_block_mlp.py, the grouped GEMMs by --kernel-fp8-block-grouped-gemm ``path``) against the
+    kernels of kernels/fp8_block_mlp.py, the grouped GEMMs by --kernel-fp8-block-grouped-gemm ``path``, the weight
+    gradients by --kernel-fp8-block-grouped-wgrad ``wgrad``) against the
     same function emulated (the torch tile casts, dequantised fp32 GEMMs; the SwiGLU kernels in both, checked on
     their own in tests/gpu/test_fp8_block_mlp_cuda.py), eager, at moe-mini's expert sizes: output and every
     gradient."""
@@ -268,7 +287,7 @@ def test_blockwise_fused_experts_mlp_equals_emulation(path):
     outs = []
     for emulate in (False, True):
         r = Recipe(format="e4m3", recipe="blockwise", emulate=emulate, block_grouped_gemm=path,
-                   block_cast="torch" if emulate else "triton")
+                   block_grouped_wgrad=wgrad, block_cast="torch" if emulate else "triton")
         s1, s2 = FP8State(r), FP8State(r)
         assert experts_mlp.why_not(s1, s2, SWIGLU, False) is None
         xr, w1r, w2r = (t.clone().requires_grad_() for t in (x, w1, w2))

@@ -1,6 +1,7 @@
-"""The blockwise FP8 grouped GEMM in Triton (kernels/fp8_block_grouped.py) against the dequantised product of the
-same FP8 operands, through Triton's CPU interpreter (empty experts, rows past the last group, a partial tile along
-K), and compiled for Hopper without a GPU."""
+"""The blockwise FP8 grouped GEMMs in Triton (kernels/fp8_block_grouped.py: forward / input gradient, and the weight
+gradient summed along each expert's rows) against the dequantised products of the same FP8 operands, through
+Triton's CPU interpreter (empty experts, rows past the last group, partial tiles), and compiled for Hopper without
+a GPU."""
 import pytest
 
 CHECK = r"""
@@ -36,6 +37,44 @@ print("ok")
 """
 
 
+WGRAD = r"""
+import torch
+from paratron.kernels.fp8_block import E4M3, dequantize_tiles, quantize_tiles
+from paratron.kernels.fp8_block_grouped import block_grouped_wgrad
+
+torch.manual_seed(2)
+for counts, n, k in (([256, 0, 128], 256, 384), ([128, 384], 200, 136)):
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    s = int(ends[-1]) + 128  # a tile of rows past the last group: in no expert's sum
+    g = torch.randn(s, n) * torch.rand(1, n) * 2
+    x = torch.randn(s, k) * torch.rand(s, 1) * 3
+    gtq, sgt = quantize_tiles(g.t().contiguous(), E4M3)  # g^T [N, S], tiles along the rows S
+    xtq, sxt = quantize_tiles(x.t().contiguous(), E4M3)
+    got = block_grouped_wgrad(gtq, sgt, xtq, sxt, ends, torch.float32)
+    gd, xd = dequantize_tiles(gtq, sgt), dequantize_tiles(xtq, sxt)
+    want, start = torch.zeros(len(counts), n, k), 0
+    for e, end in enumerate(ends.tolist()):
+        want[e] = gd[:, start:end] @ xd[:, start:end].t()
+        start = end
+    assert got.shape == (len(counts), n, k) and torch.isfinite(got).all()
+    err = (got - want).norm() / want.norm()
+    assert err < 1e-5, (counts, float(err))
+    assert not any(c == 0 for c in counts) or torch.equal(got[counts.index(0)], torch.zeros(n, k))
+    # a wrong scale anywhere shows: the sum of the undivided FP8 products is far off
+    raw = gtq[:, :counts[0]].float() @ xtq[:, :counts[0]].float().t()
+    assert (raw - want[0]).norm() > 10 * (got - want)[0].norm()
+    bf = block_grouped_wgrad(gtq, sgt, xtq, sxt, ends, torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and ((bf.float() - want).norm() / want.norm()) < 1e-2
+print("ok")
+"""
+
+
+def test_block_grouped_wgrad_equals_the_dequantised_sums_in_the_interpreter():
+    pytest.importorskip("triton")
+    from tests.interpret import interpret
+    interpret(WGRAD)
+
+
 def test_block_grouped_gemm_equals_the_dequantised_product_in_the_interpreter():
     pytest.importorskip("triton")
     from tests.interpret import interpret
@@ -45,7 +84,7 @@ def test_block_grouped_gemm_equals_the_dequantised_product_in_the_interpreter():
 EXPERTS = r"""
 import torch
 from paratron.fp8 import FP8State, Recipe
-from paratron.fp8.experts import fp8_grouped_mm, grouped_path
+from paratron.fp8.experts import fp8_grouped_mm, grouped_path, wgrad_path
 from paratron.kernels.fp8_block import TILE
 from paratron.model.moe import aligned_rows
 
@@ -56,36 +95,45 @@ dest, ends, size = aligned_rows(counts, index, TILE)
 x0 = torch.zeros(size, 256).index_copy(0, dest, torch.randn(int(counts.sum()), 256))
 w0, g = torch.randn(3, 384, 256) * 0.05, torch.randn(size, 384)
 got = {}
-for name, recipe in (("triton", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton")),
-                     ("emulate", Recipe(format="e4m3", recipe="blockwise", emulate=True))):
+for name, recipe, paths in (
+        ("triton", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton"), ("triton", "dequant")),
+        ("both", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton", block_grouped_wgrad="triton"),
+         ("triton", "triton")),
+        ("emulate", Recipe(format="e4m3", recipe="blockwise", emulate=True), ("emulate", "emulate"))):
     state = FP8State(recipe)
-    assert grouped_path(state, "block") == name
+    forward = grouped_path(state, "block")
+    assert (forward, wgrad_path(state, "block", forward)) == paths
     x, w = x0.clone().bfloat16().requires_grad_(), w0.clone().bfloat16().requires_grad_()
     y = fp8_grouped_mm(x, w, ends, state)
     y.float().backward(g)
     end = int(ends[-1])
     got[name] = (y.float()[:end], x.grad.float()[:end], w.grad.float())
-for t, r in zip(got["triton"], got["emulate"]):
-    assert ((t - r).norm() / r.norm()) < 1e-2, float((t - r).norm() / r.norm())
+for name in ("triton", "both"):
+    for t, r in zip(got[name], got["emulate"]):
+        assert ((t - r).norm() / r.norm()) < 1e-2, (name, float((t - r).norm() / r.norm()))
 print("ok")
 """
 
 
 def test_blockwise_experts_through_the_kernel_equal_the_emulation_in_the_interpreter():
     """The experts' FP8 function with --kernel-fp8-block-grouped-gemm triton (forward and input gradient by the
-    kernel, weight gradient by the dequant path) against the fp32 emulation of the same recipe."""
+    kernel, weight gradient by the dequant path, or with --kernel-fp8-block-grouped-wgrad triton by its kernel)
+    against the fp32 emulation of the same recipe."""
     pytest.importorskip("triton")
     from tests.interpret import interpret
     interpret(EXPERTS)
 
 
-def test_block_grouped_kernel_compiles_for_sm90():
+def test_block_grouped_kernels_compile_for_sm90():
     pytest.importorskip("triton")
     from tests.unit.test_triton_sm90 import sm90_cubin
     types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "ends_ptr": "*i32",
              "c_ptr": "*bf16"}
     assert len(sm90_cubin("fp8_block_grouped", "_block_grouped_kernel", types,
                           {"BM": 128, "BN": 128, "BK": 128, "EP": 16})) > 0
+    types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "ends_ptr": "*i32",
+             "c_ptr": "*bf16"}
+    assert len(sm90_cubin("fp8_block_grouped", "_block_wgrad_kernel", types, {"BM": 128, "BN": 128, "BS": 128})) > 0
 
 
 def test_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():
@@ -106,3 +154,22 @@ def test_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():
     train = dataclasses.replace(cfg.train, fp8_format="e4m3", fp8_recipe="blockwise")
     assert Recipe.from_config(train, cfg.kernels).block_grouped_gemm == "triton"  # the flag reaches the recipe
     assert Recipe.from_config(train, KernelConfig()).block_grouped_gemm == "dequant"
+
+
+def test_wgrad_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():
+    import dataclasses
+    import torch
+    from paratron.config.kernels import CHOICES, KernelConfig
+    from paratron.errors import ConfigError
+    from paratron.fp8 import Recipe
+    from paratron.kernels import switches
+    from paratron.train.resolve import parse_args
+    assert CHOICES["kernel_fp8_block_grouped_wgrad"] == ("auto", "triton", "dequant")
+    assert switches.resolve(KernelConfig(), "cpu", torch.bfloat16).kernel_fp8_block_grouped_wgrad == "dequant"
+    asked = dataclasses.replace(KernelConfig(), kernel_fp8_block_grouped_wgrad="triton")
+    with pytest.raises(ConfigError, match="--kernel-fp8-block-grouped-wgrad triton: the kernel needs Triton"):
+        switches.resolve(asked, "cpu", torch.bfloat16)
+    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--kernel-fp8-block-grouped-wgrad", "triton"])
+    train = dataclasses.replace(cfg.train, fp8_format="e4m3", fp8_recipe="blockwise")
+    assert Recipe.from_config(train, cfg.kernels).block_grouped_wgrad == "triton"  # the flag reaches the recipe
+    assert Recipe.from_config(train, KernelConfig()).block_grouped_wgrad == "dequant"
