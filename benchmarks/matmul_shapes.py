@@ -208,7 +208,11 @@ def recipes():
             ("tensorwise dequant", Recipe(format="e4m3", grouped_gemm="dequant")),
             ("blockwise dequant", Recipe(format="e4m3", recipe="blockwise")),
             ("blockwise triton", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton")),
-            *([("blockwise deepgemm", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="deepgemm"))]
+            ("blockwise triton, triton wgrad", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton",
+                                                      block_grouped_wgrad="triton")),
+            *([("blockwise deepgemm", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="deepgemm")),
+               ("blockwise deepgemm, triton wgrad", Recipe(format="e4m3", recipe="blockwise",
+                                                           block_grouped_gemm="deepgemm", block_grouped_wgrad="triton"))]
               if _deepgemm() else [])]
 
 
@@ -228,7 +232,7 @@ def _tensorwise(x, w, g) -> tuple:
 
 def kernel_cases(x, w, g, ends):
     """(label, fn, flops) of each GEMM kernel on operands quantised beforehand."""
-    from paratron.fp8.experts import _transposed_blocks, _weight_blocks
+    from paratron.fp8.experts import transposed_blocks, weight_blocks
     from paratron.kernels.fp8_block import quantize_tiles
     from paratron.kernels.fp8_grouped import grouped_forward, grouped_wgrad
     flops = 2 * x.shape[0] * x.shape[1] * w.shape[1]
@@ -248,15 +252,16 @@ def kernel_cases(x, w, g, ends):
     bxt, bsxt = quantize_tiles(x.t())
     bg, bsg = quantize_tiles(g)
     bgt, bsgt = quantize_tiles(g.t())
-    bw, bsw = _weight_blocks(w, 0)
-    bwt, bswt = _transposed_blocks(bw, bsw)
+    bw, bsw = weight_blocks(w, 0)
+    bwt, bswt = transposed_blocks(bw, bsw)
     for path in (("deepgemm",) if _deepgemm() else ()) + ("triton", "dequant"):
         cases += [(f"block {path} fwd", lambda p=path: grouped_forward(bx, bsx, bw, bsw, ends, "block", x.dtype, p),
                    flops),
                   (f"block {path} dgrad", lambda p=path: grouped_forward(bg, bsg, bwt, bswt, ends, "block", x.dtype, p),
                    flops)]
-    cases.append(("block dequant wgrad", lambda: grouped_wgrad(bgt, bsgt, bxt, bsxt, ends, "block", x.dtype,
-                                                               "dequant"), flops))
+    for path in ("triton", "dequant"):
+        cases.append((f"block {path} wgrad", lambda p=path: grouped_wgrad(bgt, bsgt, bxt, bsxt, ends, "block", x.dtype,
+                                                                          p), flops))
     return cases
 
 
