@@ -152,3 +152,24 @@ def test_the_wrappers_compile_into_one_graph_and_give_the_eager_numbers():
     args = (aq, sa, wq.view(2, 128, 256), sw, torch.tensor([128, 256], dtype=torch.int32), torch.bfloat16)
     got = torch.compile(deepgemm.grouped_mm, fullgraph=True, backend="eager")(*args)
     assert torch.equal(got, deepgemm.grouped_mm(*args))
+
+
+def test_available_carries_torchs_constant_mark_without_importing_dynamo():
+    """deepgemm.available is marked as torch.compiler.assume_constant_result marks a function (the compiler then
+    calls it once rather than tracing its import probe), set by hand so that importing the kernel switches does not
+    import torch._dynamo; this fails if torch's decorator comes to mark functions otherwise."""
+    import subprocess
+    import sys
+
+    import torch
+    from paratron.kernels.experimental import deepgemm
+
+    def probe():
+        return True
+    marked = torch.compiler.assume_constant_result(probe)
+    added = {k: v for k, v in vars(marked).items()}
+    assert added and all(getattr(deepgemm.available, k, None) == v for k, v in added.items()), added
+    code = ("import sys, paratron.kernels.switches, paratron.plan.search; "
+            "print(any(m.startswith('torch._dynamo') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -44,11 +44,16 @@ def _module():
     return importlib.import_module("deep_gemm") if installed_version() == VERSION else None
 
 
-@torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the pinned DeepGEMM imports: a constant to the compiler, which would otherwise trace the import probe
     behind :func:`_module` and break the graph wherever :func:`mm` / :func:`grouped_mm` are compiled."""
     return _module() is not None
+
+
+# torch.compiler.assume_constant_result's mark, set as it sets it (torch 2.11 and 2.13; tests/unit/test_deepgemm.py
+# checks they agree): the decorator imports torch._dynamo, about 2 s on a CPU, which every command importing the
+# kernel switches (`paratron plan`) would pay for nothing
+available._dynamo_marked_constant = True
 
 
 def installed_version() -> Optional[str]:
