@@ -124,6 +124,45 @@ def test_blockwise_experts_through_the_kernel_equal_the_emulation_in_the_interpr
     interpret(EXPERTS)
 
 
+FUSED = r"""
+import torch
+from paratron.fp8 import FP8State, Recipe
+from paratron.fp8.experts_mlp import fused_experts_mlp, why_not
+from paratron.fp8.mlp import SWIGLU
+from paratron.kernels.fp8_block import TILE
+from paratron.model.moe import aligned_rows
+
+torch.manual_seed(4)
+counts = torch.tensor([100, 0, 190])
+index = torch.repeat_interleave(torch.arange(3), counts)
+dest, ends, size = aligned_rows(counts, index, TILE)
+ends = torch.cat([ends[:-1], ends.new_full((1,), size)])
+x0 = torch.zeros(size, 256).index_copy(0, dest, torch.randn(int(counts.sum()), 256))
+w10, w20, g = torch.randn(3, 256, 256) * 0.05, torch.randn(3, 256, 128) * 0.05, torch.randn(size, 256)
+got = {}
+for name, fields in (("kernels", dict(block_grouped_gemm="triton", block_grouped_wgrad="triton")),
+                     ("emulate", dict(emulate=True))):
+    s1, s2 = (FP8State(Recipe(format="e4m3", recipe="blockwise", **fields)) for _ in range(2))
+    assert why_not(s1, s2, SWIGLU, False) is None
+    x, w1, w2 = (t.clone().requires_grad_() for t in (x0, w10, w20))
+    y = fused_experts_mlp(x, w1, w2, ends, s1, s2, SWIGLU)
+    y.backward(g)
+    got[name] = (y[dest], x.grad[dest], w1.grad, w2.grad)
+assert not got["kernels"][2][1].any() and not got["kernels"][3][1].any()  # expert 1 has no rows
+for t, r in zip(got["kernels"], got["emulate"]):
+    assert r.norm() > 0 and ((t - r).norm() / r.norm()) < 1e-2, float((t - r).norm() / r.norm())
+print("ok")
+"""
+
+
+def test_blockwise_fused_experts_mlp_through_both_kernels_equals_the_emulation_in_the_interpreter():
+    """The blockwise fused experts MLP (fp8/experts_mlp.py) with the forward, input-gradient and weight-gradient
+    GEMMs in the Triton kernels against the fp32 emulation of the same recipe: output and every gradient."""
+    pytest.importorskip("triton")
+    from tests.interpret import interpret
+    interpret(FUSED)
+
+
 def test_block_grouped_kernels_compile_for_sm90():
     pytest.importorskip("triton")
     from tests.unit.test_triton_sm90 import sm90_cubin
