@@ -211,8 +211,8 @@ def recipes():
             ("blockwise triton, triton wgrad", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="triton",
                                                       block_grouped_wgrad="triton")),
             *([("blockwise deepgemm", Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="deepgemm")),
-               ("blockwise deepgemm, triton wgrad", Recipe(format="e4m3", recipe="blockwise",
-                                                           block_grouped_gemm="deepgemm", block_grouped_wgrad="triton"))]
+               ("blockwise deepgemm, triton wgrad",
+                Recipe(format="e4m3", recipe="blockwise", block_grouped_gemm="deepgemm", block_grouped_wgrad="triton"))]
               if _deepgemm() else [])]
 
 
@@ -260,8 +260,8 @@ def kernel_cases(x, w, g, ends):
                   (f"block {path} dgrad", lambda p=path: grouped_forward(bg, bsg, bwt, bswt, ends, "block", x.dtype, p),
                    flops)]
     for path in ("triton", "dequant"):
-        cases.append((f"block {path} wgrad", lambda p=path: grouped_wgrad(bgt, bsgt, bxt, bsxt, ends, "block", x.dtype,
-                                                                          p), flops))
+        cases.append((f"block {path} wgrad",
+                      lambda p=path: grouped_wgrad(bgt, bsgt, bxt, bsxt, ends, "block", x.dtype, p), flops))
     return cases
 
 

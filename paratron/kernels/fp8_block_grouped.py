@@ -1,8 +1,9 @@
 """The routed experts' grouped GEMMs with blockwise-scaled FP8 operands, in Triton (``--fp8-recipe blockwise``):
 the forward ``x_e w_e^T`` and the input gradient ``g_e w_e``, both in one form (``--kernel-fp8-block-grouped-gemm
 triton``), and the weight gradient ``g_e^T x_e``, summed along each expert's rows (``--kernel-fp8-block-grouped-wgrad
-triton``, :func:`block_grouped_wgrad`). torch has no grouped GEMM with 1 x 128 / 128 x 128 scales, so the ``dequant`` path of
-kernels/fp8_grouped.py dequantises both operands to bf16 first; this kernel multiplies the FP8 tiles themselves.
+triton``, :func:`block_grouped_wgrad`). torch has no grouped GEMM with 1 x 128 / 128 x 128 scales, so the
+``dequant`` path of kernels/fp8_grouped.py dequantises both operands to bf16 first; these kernels multiply the FP8
+tiles themselves.
 
 Operands: ``a`` [S, K] e4m3, rows sorted by expert with each expert's rows starting at a multiple of 128 (so a tile
 of 128 rows holds one expert's rows), a scale per 1 x 128 tile along K (``sa`` [S, ceil(K/128)]); ``b`` [E, N, K]

@@ -208,7 +208,8 @@ def test_wgrad_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():
     asked = dataclasses.replace(KernelConfig(), kernel_fp8_block_grouped_wgrad="triton")
     with pytest.raises(ConfigError, match="--kernel-fp8-block-grouped-wgrad triton: the kernel needs Triton"):
         switches.resolve(asked, "cpu", torch.bfloat16)
-    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3", "--kernel-fp8-block-grouped-wgrad", "triton"])
+    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3",
+                      "--kernel-fp8-block-grouped-wgrad", "triton"])
     train = dataclasses.replace(cfg.train, fp8_format="e4m3", fp8_recipe="blockwise")
     assert Recipe.from_config(train, cfg.kernels).block_grouped_wgrad == "triton"  # the flag reaches the recipe
     assert Recipe.from_config(train, KernelConfig()).block_grouped_wgrad == "dequant"
