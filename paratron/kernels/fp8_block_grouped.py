@@ -116,8 +116,10 @@ if triton is not None:
         cols = (pid_k * BN + tl.arange(0, BN)).to(tl.int64)
         live_r, live_c = rows < N, cols < K
         acc = tl.zeros([BM, BN], tl.float32)
+        # (the experts' rows start at multiples of 128: said, so that the loads vectorise and are pipelined)
+        start = tl.multiple_of(start, BS)
         for t0 in range(start, end, BS):
-            ts = (t0 + tl.arange(0, BS)).to(tl.int64)
+            ts = t0 + tl.arange(0, BS)
             a = tl.load(a_ptr + rows[:, None] * san + ts[None, :] * sas, mask=live_r[:, None], other=0.0)
             b = tl.load(b_ptr + cols[:, None] * sbk + ts[None, :] * sbs, mask=live_c[:, None], other=0.0)
             part = tl.dot(a, tl.trans(b))

@@ -213,3 +213,21 @@ def test_wgrad_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():
     train = dataclasses.replace(cfg.train, fp8_format="e4m3", fp8_recipe="blockwise")
     assert Recipe.from_config(train, cfg.kernels).block_grouped_wgrad == "triton"  # the flag reaches the recipe
     assert Recipe.from_config(train, KernelConfig()).block_grouped_wgrad == "dequant"
+
+
+def test_wgrad_kernel_loads_are_pipelined_for_sm90():
+    """Compiled as a launch specialises it (pointers and sizes divisible by 16, unit strides constant), the weight
+    gradient's loop loads asynchronously into several stages: without the loop start declared a multiple of 128
+    (``tl.multiple_of``) its loads were neither vectorised nor pipelined (one 32 KB stage, no cp.async)."""
+    pytest.importorskip("triton")
+    from paratron.kernels import fp8_block_grouped
+    from tests.unit.test_triton_sm90 import compile_sm90
+    kernel = getattr(fp8_block_grouped, "_block_wgrad_kernel", None)
+    if kernel is None:
+        pytest.skip("paratron's kernels module did not see Triton")
+    types = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "ends_ptr": "*i32",
+             "c_ptr": "*bf16"}
+    unit = {"sas": 1, "ssas": 1, "sbs": 1, "ssbs": 1, "sck": 1}
+    aligned = [n for n in kernel.arg_names if n not in unit and n not in ("BM", "BN", "BS")]
+    k = compile_sm90(kernel, types, {"BM": 128, "BN": 128, "BS": 128, **unit}, aligned=aligned, num_warps=8)
+    assert "cp.async" in k.asm["ptx"] and k.metadata.shared >= 2 * 2 * 128 * 128, k.metadata.shared
