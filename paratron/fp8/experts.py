@@ -40,12 +40,13 @@ def grouped_path(state: FP8State, kind: str) -> str:
 
 
 def wgrad_path(state: FP8State, kind: str, path: str) -> str:
-    """The weight gradient's path beside the forward's ``path``: under block scales the Triton kernel where
-    ``--kernel-fp8-block-grouped-wgrad triton`` asks (kernels/fp8_block_grouped.py), else the dequant path (DeepGEMM
-    and the forward's Triton kernel have no weight gradient that reads the experts' row ends on the device)."""
+    """The weight gradient's path beside the forward's ``path``: under block scales the Triton weight-gradient kernel
+    where ``--kernel-fp8-block-grouped-wgrad triton`` asks (kernels/fp8_block_grouped.py); the forward's Triton
+    kernel has no weight gradient, so its ``triton`` becomes ``dequant``; the rest as kernels/fp8_grouped.py's
+    :func:`grouped_wgrad` maps them (``deepgemm``)."""
     if kind == "block" and not state.recipe.emulate and state.recipe.block_grouped_wgrad == "triton":
         return "triton"
-    return "dequant" if kind == "block" and path in ("triton", "deepgemm") else path
+    return "dequant" if path == "triton" else path
 
 
 def weight_blocks(w: torch.Tensor, margin: int):

@@ -84,8 +84,8 @@ def grouped_wgrad(gt: torch.Tensor, sg: torch.Tensor, xt: torch.Tensor, sx: torc
         return torch.ops.paratron.fp8_block_grouped_wgrad(gt, sg, xt, sx, ends, out_dtype)
     # (DeepGEMM's grouped weight gradient on Hopper takes the experts' row counts on the host, a read-back per
     # layer: tensor scales take torch's grouped FP8 GEMM, block scales the dequant path)
-    if path in ("triton", "deepgemm"):
-        path = "scaled_grouped_mm" if path == "deepgemm" and kind == "tensor" else "dequant"
+    if path == "deepgemm":
+        path = "scaled_grouped_mm" if kind == "tensor" else "dequant"
     if path == "scaled_grouped_mm":
         rows = sg.reciprocal().expand(groups * gt.shape[0]).contiguous()
         cols = sx.reciprocal().expand(groups * xt.shape[0]).contiguous()

@@ -38,10 +38,12 @@ def _rank_main(script: str, flags: list[str], env: dict, out: str) -> None:
     import torch
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    sys.argv = [script, *flags] if script != "-m" else flags  # ("-m", [module, *args]: python -m module args)
-    if script == "-m":
+    if script == "-m":  # ("-m", [module, *args]: python -m module args)
+        sys.argv = flags
         run_as_main(out, lambda: runpy.run_module(flags[0], run_name="__main__", alter_sys=True))
-    run_as_main(out, lambda: runpy.run_path(str(ROOT / script), run_name="__main__"))
+    else:
+        sys.argv = [script, *flags]
+        run_as_main(out, lambda: runpy.run_path(str(ROOT / script), run_name="__main__"))
 
 
 class Launch:

@@ -175,7 +175,11 @@ def test_block_grouped_kernels_compile_for_sm90():
     assert len(sm90_cubin("fp8_block_grouped", "_block_wgrad_kernel", types, {"BM": 128, "BN": 128, "BS": 128})) > 0
 
 
-def test_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():
+@pytest.mark.parametrize("field,choices", [("block_grouped_gemm", ("auto", "deepgemm", "triton", "dequant")),
+                                           ("block_grouped_wgrad", ("auto", "triton", "dequant"))])
+def test_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu(field, choices):
+    """--kernel-fp8-block-grouped-gemm and --kernel-fp8-block-grouped-wgrad: auto keeps dequant, triton is refused by
+    name without Triton and a GPU, and the flag reaches the recipe."""
     import dataclasses
     import torch
     from paratron.config.kernels import CHOICES, KernelConfig
@@ -183,36 +187,16 @@ def test_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():
     from paratron.fp8 import Recipe
     from paratron.kernels import switches
     from paratron.train.resolve import parse_args
-    assert CHOICES["kernel_fp8_block_grouped_gemm"] == ("auto", "deepgemm", "triton", "dequant")
-    assert switches.resolve(KernelConfig(), "cpu", torch.bfloat16).kernel_fp8_block_grouped_gemm == "dequant"
-    asked = dataclasses.replace(KernelConfig(), kernel_fp8_block_grouped_gemm="triton")
-    with pytest.raises(ConfigError, match="--kernel-fp8-block-grouped-gemm triton"):
+    name, flag = f"kernel_fp8_{field}", f"--kernel-fp8-{field.replace('_', '-')}"
+    assert CHOICES[name] == choices
+    assert getattr(switches.resolve(KernelConfig(), "cpu", torch.bfloat16), name) == "dequant"
+    asked = dataclasses.replace(KernelConfig(), **{name: "triton"})
+    with pytest.raises(ConfigError, match=f"{flag} triton: the kernel needs Triton"):
         switches.resolve(asked, "cpu", torch.bfloat16)
-    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3",
-                      "--kernel-fp8-block-grouped-gemm", "triton"])  # (FP8 itself needs a GPU to parse)
+    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3", flag, "triton"])  # (FP8 needs a GPU)
     train = dataclasses.replace(cfg.train, fp8_format="e4m3", fp8_recipe="blockwise")
-    assert Recipe.from_config(train, cfg.kernels).block_grouped_gemm == "triton"  # the flag reaches the recipe
-    assert Recipe.from_config(train, KernelConfig()).block_grouped_gemm == "dequant"
-
-
-def test_wgrad_switch_auto_keeps_dequant_and_triton_is_refused_without_a_gpu():
-    import dataclasses
-    import torch
-    from paratron.config.kernels import CHOICES, KernelConfig
-    from paratron.errors import ConfigError
-    from paratron.fp8 import Recipe
-    from paratron.kernels import switches
-    from paratron.train.resolve import parse_args
-    assert CHOICES["kernel_fp8_block_grouped_wgrad"] == ("auto", "triton", "dequant")
-    assert switches.resolve(KernelConfig(), "cpu", torch.bfloat16).kernel_fp8_block_grouped_wgrad == "dequant"
-    asked = dataclasses.replace(KernelConfig(), kernel_fp8_block_grouped_wgrad="triton")
-    with pytest.raises(ConfigError, match="--kernel-fp8-block-grouped-wgrad triton: the kernel needs Triton"):
-        switches.resolve(asked, "cpu", torch.bfloat16)
-    cfg = parse_args(["--mock-data", "--train-iters", "1", "--lr", "1e-3",
-                      "--kernel-fp8-block-grouped-wgrad", "triton"])
-    train = dataclasses.replace(cfg.train, fp8_format="e4m3", fp8_recipe="blockwise")
-    assert Recipe.from_config(train, cfg.kernels).block_grouped_wgrad == "triton"  # the flag reaches the recipe
-    assert Recipe.from_config(train, KernelConfig()).block_grouped_wgrad == "dequant"
+    assert getattr(Recipe.from_config(train, cfg.kernels), field) == "triton"  # the flag reaches the recipe
+    assert getattr(Recipe.from_config(train, KernelConfig()), field) == "dequant"
 
 
 def test_wgrad_kernel_loads_are_pipelined_for_sm90():
