@@ -212,10 +212,13 @@ class Experts(nn.Module):
                 return fp8_experts.fp8_grouped_mm(padded, w, ends, fp8)[dest]
             return self._grouped(padded, w, ends)[dest]
         counts = counts if isinstance(counts, list) else counts.tolist()
+        # unbind, not w[i]: its backward stacks the experts' gradients once, where each w[i]'s would write a
+        # whole [experts, out, in] gradient (quadratic in the experts)
+        ws = w.unbind(0)
         if counts and isinstance(counts[0], list):  # [expert][source rank]: one matmul per expert and source
             owner = [i for i, per_source in enumerate(counts) for _ in per_source]
-            return torch.cat([p @ w[i].t() for i, p in zip(owner, torch.split(x, sum(counts, [])))])
-        return torch.cat([p @ w[i].t() for i, p in enumerate(torch.split(x, counts))])
+            return torch.cat([p @ ws[i].t() for i, p in zip(owner, torch.split(x, sum(counts, [])))])
+        return torch.cat([p @ ws[i].t() for i, p in enumerate(torch.split(x, counts))])
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_index: torch.Tensor,
                 host_counts: Optional[list] = None) -> torch.Tensor:

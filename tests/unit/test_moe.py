@@ -230,6 +230,34 @@ def test_grouped_mm_path_equals_loop():
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_per_expert_loop_backward_writes_the_weight_gradient_once_not_once_per_expert():
+    """Without --moe-grouped-gemm each expert's rows take their own matmul; the experts' weights are one stacked
+    tensor, so a w[i] per expert would make each expert's backward write a whole [experts, out, in] gradient (64
+    experts: 64 such tensors a layer). Counted: the bytes the backward's operations (not views) write, against the
+    weights'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Written(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            if not func.is_view:
+                self.total += sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
+            return out
+
+    torch.manual_seed(0)
+    layer = moe.MoELayer(small(num_experts=16, moe_ffn_hidden_size=64, hidden_size=64, num_attention_heads=4,
+                               disable_bias_linear=True), Parallel())
+    y = layer(torch.randn(8, 2, 64))
+    assert layer.experts.used_grouped_mm is False
+    weights = sum(p.numel() * p.element_size() for p in layer.experts.parameters())
+    with Written() as w:
+        y.square().sum().backward()
+    assert w.total < 4 * weights, (w.total, weights)  # (w[i] per expert: about 2 x 16 x the weights)
+
+
 def test_moe_model_names_and_layer_freq():
     m = GPTModel(small(moe_layer_freq="[0,1]", swiglu=True, disable_bias_linear=True,
                        moe_shared_expert_intermediate_size=8, moe_router_enable_expert_bias=True), 64)
