@@ -64,18 +64,19 @@ def way(region: str, paths, compiled: bool) -> str:
     return EAGER
 
 
-def region_bytes(rows: tuple, paths, tokens: float, forward_only: bool = False) -> float:
+def region_bytes(rows: tuple, paths, tokens: float, forward_only: bool = False, split: tuple = (1, 1)) -> float:
     """Bytes of a micro-batch of ``tokens`` of the regions ``rows`` (Traffic.layer or .rest), each the way the
-    planned GPU runs it; ``forward_only``: the forward's only (full recomputation's repeat)."""
+    planned GPU runs it; ``forward_only``: the forward's only (full recomputation's repeat). The fixed bytes (the
+    weight-sized ones) are divided by ``split``: (TP, EP x expert-TP), the second for the experts' regions."""
     total = 0.0
     for region, phase, e_fixed, e_tok, f_fixed, f_tok in rows:
         if forward_only and phase != "F":
             continue
-        how = way(region, paths, False)
+        how, parts = way(region, paths, False), split[1] if region.endswith("-experts") else split[0]
         if how == EAGER:
-            total += e_fixed + e_tok * tokens
+            total += e_fixed / parts + e_tok * tokens
         elif how == FUSED:
-            total += f_fixed + f_tok * tokens
+            total += f_fixed / parts + f_tok * tokens
     return total
 
 
@@ -90,7 +91,8 @@ def optimizer_bytes(param_bytes: int, grad_bytes: int, moment_bytes: int = 8) ->
 
 def step_bytes(model: ModelConfig, L, params: int) -> float:
     """Bytes of a step's memory-bound kernels on one GPU of layout ``L`` (Layout): every micro-batch's layers
-    (this pipeline stage's share; tokens divided over TP and CP) and the rest, the full recomputation's repeated
+    (this pipeline stage's share; tokens divided over TP and CP, weight-sized bytes over TP or, the experts',
+    EP x expert-TP) and the rest, the full recomputation's repeated
     forward, and the optimizer over this rank's ``params`` (its share under ZeRO, those left on the GPU). The rest
     counts whole on every stage (the fullest: the loss head's)."""
     t = L.traffic
@@ -98,15 +100,16 @@ def step_bytes(model: ModelConfig, L, params: int) -> float:
         return 0.0
     tokens = L.micro_batch * L.seq_length / (L.cp * L.tp)
     layers = model.num_layers / L.pp
-    if L.compiled:
+    if L.compiled:  # (one figure for every region: the fixed bytes over TP)
         fixed, tok, rest_fixed, rest_tok = t.compiled
-        layer = fixed + tok * tokens
-        again = t.compiled_forward[0] + t.compiled_forward[1] * tokens
-        rest = rest_fixed + rest_tok * tokens
+        layer = fixed / L.tp + tok * tokens
+        again = t.compiled_forward[0] / L.tp + t.compiled_forward[1] * tokens
+        rest = rest_fixed / L.tp + rest_tok * tokens
     else:
-        layer = region_bytes(t.layer, L.paths, tokens)
-        again = region_bytes(t.layer, L.paths, tokens, forward_only=True)
-        rest = region_bytes(t.rest, L.paths, tokens)
+        split = (L.tp, L.ep * L.etp)
+        layer = region_bytes(t.layer, L.paths, tokens, split=split)
+        again = region_bytes(t.layer, L.paths, tokens, forward_only=True, split=split)
+        rest = region_bytes(t.rest, L.paths, tokens, split=split)
     layer += again if L.recompute == "full" else 0.0
     opt = params * (1 - L.offload_fraction) * optimizer_bytes(L.param_bytes, L.grad_bytes, L.moment_bytes)
     return L.microbatches * (layer * layers + rest) + opt / (L.dp * L.cp if L.zero >= 1 else 1)

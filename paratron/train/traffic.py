@@ -8,10 +8,13 @@ a CPU without bf16 instructions runs them several times slower), views and alloc
 because it builds a model; the planner is given the counts."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -49,8 +52,9 @@ def region_of(files: list[str]) -> str:
     if not inner:
         return "other"
     region = REGIONS.get(inner[-1], "other")
-    if region == "swiglu" and any(f.endswith("model/moe_experts.py") for f in inner):
-        return "swiglu-experts"
+    experts = any(f.endswith(("model/moe_experts.py", "model/moe_wgrad.py")) for f in inner)
+    if experts and region in ("swiglu", "other"):  # (the experts' weight-sized bytes: split over EP x expert-TP)
+        return region + "-experts"
     return region
 
 
@@ -127,14 +131,59 @@ def compute(func, args: tuple, kwargs: dict):
     return func(*wide, **{k: v for k, v in kwargs.items() if k != "out_dtype"}).to(dtype)
 
 
+CORE = "paratron_attention_core"  # the autograd metadata key that marks a node of the attention core's backward
+
+
+def mark_core(out, inputs) -> None:
+    """Mark the autograd nodes between ``out`` and ``inputs`` (those a scaled_dot_product_attention call made)."""
+    stop = {id(t.grad_fn) for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    todo = [out.grad_fn] if isinstance(out, torch.Tensor) and out.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in stop or CORE in node.metadata or type(node).__name__ == "AccumulateGrad":
+            continue
+        node.metadata[CORE] = True
+        todo += [n for n, _ in node.next_functions]
+
+
+class CoreAttention(TorchFunctionMode):
+    """Runs torch's scaled_dot_product_attention with ``counter.in_core`` set and marks its backward's nodes: on a
+    CPU it may decompose into aten operations (the math path: attention dropout, unequal head dims) which the GPU
+    runs inside one attention kernel, whose traffic is inside its FLOP time."""
+
+    def __init__(self, counter: "ByteCounter"):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.counter.in_core += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.counter.in_core -= 1
+        mark_core(out, [*args, *kwargs.values()])
+        return out
+
+
+def in_core(counter: "ByteCounter") -> bool:
+    """Whether the operation being dispatched is the attention core's (its forward, or a node of its backward)."""
+    node = torch._C._current_autograd_node()
+    return counter.in_core > 0 or (node is not None and CORE in node.metadata)
+
+
 class ByteCounter(TorchDispatchMode):
     """Each counted aten operation's bytes by (region, phase): ``eager`` (inputs + outputs) and ``fused.bytes``
-    (per region's runs, Runs); ``compiled.bytes`` by phase, every run of counted operations fused."""
+    (per region's runs, Runs); ``compiled.bytes`` by phase, every run of counted operations fused. Enter it with
+    :class:`CoreAttention` to leave out the operations of a decomposed attention core (:func:`counting`)."""
 
     def __init__(self):
         super().__init__()
         self.eager: dict = {}
         self.fused, self.compiled = Runs(), Runs()
+        self.in_core = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = compute(func, args, kwargs or {})
@@ -147,7 +196,7 @@ class ByteCounter(TorchDispatchMode):
                 self.fused.producer.pop(key, None)
                 self.compiled.producer.pop(key, None)
             return out
-        if any(s in name for s in MATMULS + ATTENTION):
+        if any(s in name for s in MATMULS + ATTENTION) or in_core(self):
             self.fused.op(None, ins, outs)
             self.compiled.op(None, ins, outs)
             return out
@@ -198,12 +247,20 @@ def short_copy(cfg: Config, layers: int, seq: int, k: int = 1, kind: Optional[di
     return one_rank_eager(c)
 
 
+@contextlib.contextmanager
+def counting():
+    """A ByteCounter that leaves out the attention core's operations, however torch runs it here."""
+    counter = ByteCounter()
+    with CoreAttention(counter), counter:
+        yield counter
+
+
 def count_bytes(cfg: Config) -> dict:
     """{(region, phase, "eager" / "fused") or ("compiled", phase): bytes} of one forward and backward on the CPU."""
     model = build_model_chunks(cfg, build_dims(cfg), torch.device("cpu"))[0]
     tokens = torch.randint(0, min(500, cfg.data.vocab_size), (1, cfg.model.seq_length),
                            generator=torch.Generator().manual_seed(0))
-    with torch.autograd.set_detect_anomaly(True, check_nan=False), ByteCounter() as c:
+    with torch.autograd.set_detect_anomaly(True, check_nan=False), counting() as c:
         model(tokens, labels=tokens).float().sum().backward()
     out = {(*k, "eager"): n for k, n in c.eager.items()}
     out.update({(*k, "fused"): n for k, n in c.fused.bytes.items() if k is not None})
