@@ -109,14 +109,19 @@ def rank_state(model: ModelConfig, vocab: int, layout: Layout, pp_rank: int, par
                split: Optional[Split] = None, cache: Optional[dict] = None) -> tuple[list, list, State]:
     """(chunks, their tensors, the state) of pipeline rank ``pp_rank``; ``cache``: a dict kept between calls."""
     key = (state_key(layout), vocab, pp_rank)
-    if cache is not None and key in cache and ranks is None and split is None:
-        return cache[key]
+    memo = cache if ranks is None and split is None else None
+    if memo is not None and key in memo:
+        return memo[key]
     split = split or Split(layout.tp, layout.ep, layout.etp)
-    chunks = rank_chunks(model, layout, pp_rank, par)
-    tensors = chunk_tensors(model, vocab, layout, chunks, split)
-    out = chunks, tensors, state(tensors, layout, ranks or {})
-    if cache is not None and ranks is None and split is None:
-        cache[key] = out
+    shape = ("tensors", layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp, vocab, pp_rank)
+    if memo is None or shape not in memo:  # (the parameters: the same for every sharding, DP size and bucketing)
+        chunks = rank_chunks(model, layout, pp_rank, par)
+        found = chunks, chunk_tensors(model, vocab, layout, chunks, split)
+        if memo is None:
+            return (*found, state(found[1], layout, ranks or {}))
+        memo[shape] = found
+    chunks, tensors = memo[shape]
+    out = memo[key] = chunks, tensors, state(tensors, layout, {}, memo, shape)
     return out
 
 

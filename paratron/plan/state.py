@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..config import ModelConfig
 from ..config.pipeline_split import chunk_layers
@@ -59,11 +60,12 @@ def spans_and_buckets(tensors: list[Tensor], n: int, bucket_size, by_unit: bool 
     spans, buckets, start, pos, open_, last = [], [], 0, 0, False, None
     unit_end = math.lcm(ALIGN * n, end_multiple)
     for t in reversed(tensors):
-        if open_ and by_unit and unit(t.name) != last:
+        here = unit(t.name) if by_unit else None
+        if open_ and by_unit and here != last:
             end = round_up(pos, unit_end)
             buckets.append((start, end))
             start, pos = end, end
-        last = unit(t.name)
+        last = here
         pos = round_up(pos, ALIGN)
         spans.append((pos, pos + t.numel))
         pos += t.numel
@@ -177,13 +179,32 @@ def optimizer_bytes(elems: int, pieces: int, layout: Layout) -> int:
     return elems * ((4 if layout.mixed else 0) + layout.moment_bytes) + pieces * per_tensor
 
 
-def state(chunks_tensors: list[list], layout: Layout, ranks: dict) -> State:
+def buffer_key(layout: Layout) -> tuple:
+    """What the gradient buffers' layout reads of a layout besides the parameters (the search's cache key)."""
+    return (layout.dp, layout.cp, layout.edp, layout.bucket_size, layout.num_buckets, layout.overlap_grad_reduce,
+            layout.zero >= 3, layout.bucket_end_multiple)
+
+
+def state(chunks_tensors: list[list], layout: Layout, ranks: dict, cache: Optional[dict] = None,
+          shape=None) -> State:
     """``ranks``: this rank's index in each gradient group ({"dp_cp": r, "edp": r}; missing: the largest
-    shard over the group's ranks, the planner's worst case)."""
-    weights = grads = opt = params = largest = owned = 0
+    shard over the group's ranks, the planner's worst case). ``cache``: the search's, where ``shape`` names the
+    parameters ``chunks_tensors`` (their buffers are laid out once per buffer_key)."""
     rank_params = sum(t.numel for tensors in chunks_tensors for t in tensors)
-    for tensors in chunks_tensors:
-        for buf in buffers(tensors, layout, rank_params):
+    key = ("buffers", shape, buffer_key(layout))
+    if cache is None or key not in cache:
+        laid = [buffers(tensors, layout, rank_params) for tensors in chunks_tensors]
+        if cache is None:
+            return summed(laid, layout, ranks)
+        cache[key] = laid
+    return summed(cache[key], layout, ranks)
+
+
+def summed(laid: list[list[Buffer]], layout: Layout, ranks: dict) -> State:
+    """The State of a rank's gradient buffers (state)."""
+    weights = grads = opt = params = largest = owned = 0
+    for chunk_buffers in laid:
+        for buf in chunk_buffers:
             params += buf.numel
             largest = max(largest, buf.largest_bucket)
             r = ranks.get(buf.group)
