@@ -58,6 +58,19 @@ def run_train(argv: list[str]) -> int:
     return 0
 
 
+def count_host_ops(cfg, kind):
+    """paratron plan's count of the host's operations (train/host_ops.py: it builds a model, so torch is imported
+    only when a plan runs, not for its --help)."""
+    from .train.host_ops import host_ops_for
+    return host_ops_for(cfg, kind)
+
+
+def count_traffic(cfg, kind):
+    """paratron plan's count of the memory-bound kernels' bytes (train/traffic.py; imported as count_host_ops)."""
+    from .train.traffic import traffic_for
+    return traffic_for(cfg, kind)
+
+
 def dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -97,9 +110,7 @@ def dispatch(argv: list[str]) -> int:
         return (inference_cli.generate_main if cmd == "generate" else inference_cli.serve_main)(rest)
     if cmd == "plan":
         from .plan.cli import plan_main
-        from .train.host_ops import host_ops_for
-        from .train.traffic import traffic_for
-        return plan_main(rest, host_ops_for, traffic_for)
+        return plan_main(rest, count_host_ops, count_traffic)
     if cmd == "launch":
         from .launch import launch_main
         return launch_main(rest)

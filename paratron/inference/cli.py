@@ -13,13 +13,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import KernelConfig, inference
 from ..config.help import field_help
 from ..config.kernels import CHOICES
 from ..config.sections import flag
 from ..errors import ArgumentParser, ConfigError
-from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .sampling import SamplingParams
 
 
 # the kernel switches a generation step reads (config/kernels.py); the others are training's
@@ -179,6 +182,7 @@ def _tokenizer(path: str):
 
 
 def params_from(args) -> SamplingParams:
+    from .sampling import SamplingParams  # (torch: not imported for --help)
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                             tuple(args.stop), args.ignore_eod, args.logprobs)
     problem = params.check()
@@ -282,7 +286,6 @@ def _print(prompt: str, res, as_json: bool) -> None:
 
 
 def serve_main(argv: list[str]) -> int:
-    from .server import serve
     p = ArgumentParser(prog="paratron serve", description="Serve a model over HTTP (Megatron's PUT /api, "
                        "OpenAI's /v1/completions and /v1/chat/completions).")
     _common(p)
@@ -304,6 +307,7 @@ def serve_main(argv: list[str]) -> int:
         raise ConfigError("--continuous-batching and --inference-dynamic-batching are two engines: choose one")
 
     def run(model) -> None:
+        from .server import serve
         if args.continuous_batching and args.num_speculative_tokens:
             raise ConfigError("--num-speculative-tokens runs on the fixed-batch and the paged engines; serve without "
                               "--continuous-batching")

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from ..config import Config
 
 HOPPER = ("h100", "h200")  # the kinds FlashAttention-4's and quack's kernels are built for (compute capability 9.0)
@@ -43,6 +41,8 @@ class Paths:
 
 def _resolved(cfg: Config, kind: Optional[str]):
     """The kernel switches as the run on ``kind`` resolves them (config already resolved: as they are)."""
+    import torch  # (not imported for paratron plan --help)
+
     from ..kernels import switches
     k = cfg.kernels
     if kind is None and switches.device_resolved(k):  # a run's switches, resolved on its GPU: not again on a CPU

@@ -169,3 +169,13 @@ def test_under_torchrun_a_higher_rank_waits_and_every_rank_writes_the_error_file
         assert json.loads(path.read_text())["message"] == "x: error: bad"
     assert slept == [errors.rank_grace_s(3)] and errors.rank_grace_s(3) > 0
     assert capsys.readouterr().err == "x: error: bad\nx: error: bad\n"
+
+
+@pytest.mark.parametrize("command", ["train", "plan", "generate", "serve"])
+def test_help_imports_no_torch(command):
+    """``paratron <command> --help`` answers from the flags alone: importing torch (and its compiler) took seconds
+    before the help appeared."""
+    code = (f"import sys\nfrom paratron.cli import main\ntry:\n    main([{command!r}, '--help'])\nfinally:\n"
+            "    print('torch' in sys.modules, file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "usage:" in out.stdout and out.stderr.strip() == "False", out.stderr[-2000:]
