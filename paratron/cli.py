@@ -100,6 +100,10 @@ def dispatch(argv: list[str]) -> int:
         from .data.bpe_train import tokenizer_train_main
         return tokenizer_train_main(rest[1:])
     if cmd == "convert":
+        if rest in (["-h"], ["--help"]):  # (from its flags alone: the conversions import torch)
+            from .checkpoint.convert_flags import build_parser
+            build_parser().print_help()
+            return 0
         from .checkpoint.convert import main as convert_main
         return convert_main(rest)
     if cmd == "fill-mask":

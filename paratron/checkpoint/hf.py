@@ -34,7 +34,8 @@ from ..config import ModelConfig
 from ..model.gpt import GPTModel
 from .hf_config import ConversionError, check_family, check_representable, hf_config_from_model_config
 from .hf_deepseek import deepseek_layer_rows
-from .hf_hybrid import (HYBRID_FAMILIES, HYBRID_RESHAPES, gated_qkv_to_hf, gated_qkv_to_paratron, hybrid_hf_shapes,
+from .families import HYBRID_FAMILIES
+from .hf_hybrid import (HYBRID_RESHAPES, gated_qkv_to_hf, gated_qkv_to_paratron, hybrid_hf_shapes,
                         hybrid_rows, qkvz_ba_to_hf, qkvz_ba_to_paratron)
 from .hf_moe import (MOE_FAMILIES, moe_layer_rows, per_expert_state, stack_expert_gate_up, stack_experts,
                      unstack_expert_gate_up, unstack_experts)

@@ -21,22 +21,15 @@ import math
 from typing import Any
 
 from ..config import ModelConfig
-from ..errors import UserError
+from .families import FAMILIES, HYBRID_FAMILIES, ConversionError
 from .hf_deepseek import check_deepseek, deepseek_config, deepseek_hf_config
 from .hf_hybrid import ARCHITECTURES as HYBRID_ARCHITECTURES
-from .hf_hybrid import (HYBRID_FAMILIES, check_hybrid_representable, hybrid_hf_config,
-                        hybrid_model_config)
+from .hf_hybrid import check_hybrid_representable, hybrid_hf_config, hybrid_model_config
 from .hf_moe import MOE_FAMILIES, REFUSED_MOE, check_moe_representable, hf_moe_config, moe_config_kwargs
 
 __all__ = ["ConversionError", "FAMILIES", "family_of", "model_config_from_hf", "hf_config_from_model_config",
            "padded_vocab_size"]
 
-
-class ConversionError(UserError, ValueError):
-    """The checkpoint or config cannot be converted; the message is one line naming what and why."""
-
-
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES + ("deepseek_v3",) + HYBRID_FAMILIES
 _ARCHITECTURES = {**HYBRID_ARCHITECTURES, "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                   "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",

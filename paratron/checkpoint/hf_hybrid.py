@@ -29,7 +29,6 @@ from ..model.mamba import CONV_WIDTH
 from .hf_moe import (check_moe_representable, check_sigmoid_router, hf_moe_config, moe_config_kwargs, moe_layer_rows,
                      sigmoid_router_hf_config, sigmoid_router_kwargs)
 
-HYBRID_FAMILIES = ("mamba2", "nemotron_h", "qwen3_next")
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                  "qwen3_next": "Qwen3NextForCausalLM"}
 HYBRID_RESHAPES = ("qkvz_ba", "gated_qkv")  # Qwen3-Next's (the others are hf.py's)

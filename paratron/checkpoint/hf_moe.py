@@ -36,13 +36,13 @@ import torch
 
 from ..config import ModelConfig
 from ..config.layer_patterns import parse_moe_layer_freq
+from .families import MOE_FAMILIES
 
 __all__ = ["MOE_FAMILIES", "GATED_SHARED",
            "moe_config_kwargs", "hf_moe_config", "check_moe_representable", "moe_layer_rows",
            "sigmoid_router_kwargs", "sigmoid_router_hf_config", "check_sigmoid_router",
            "stack_experts", "unstack_experts", "stack_expert_gate_up", "unstack_expert_gate_up", "per_expert_state"]
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 # family -> (the MoE block's prefix inside a layer in checkpoint files, expert names of gate, up, down)
 _FILE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
                "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),

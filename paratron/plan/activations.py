@@ -169,7 +169,6 @@ def moe_bytes(model: ModelConfig, layout: Layout, a: int) -> int:
     sequence parallelism each TP rank routes its own tokens; --moe-latent-size: in the latent width, with the
     combined latent output kept for its projection back), and the shared expert (a TP-split MLP)."""
     h, k, f = model.moe_latent_size or model.hidden_size, model.moe_router_topk, model.moe_ffn_hidden_size // layout.etp
-    gated = model.swiglu or model.quick_geglu
     router = model.num_experts * FP32 + k * (2 * FP32 + 3 * INDEX)
     routed = routed_bytes(model, layout, a, h, f)
     latent = h * a if model.moe_latent_size else 0  # the combined latent output, the latent -> hidden input

@@ -171,7 +171,7 @@ def test_under_torchrun_a_higher_rank_waits_and_every_rank_writes_the_error_file
     assert capsys.readouterr().err == "x: error: bad\nx: error: bad\n"
 
 
-@pytest.mark.parametrize("command", ["train", "plan", "generate", "serve"])
+@pytest.mark.parametrize("command", ["train", "plan", "generate", "serve", "convert"])
 def test_help_imports_no_torch(command):
     """``paratron <command> --help`` answers from the flags alone: importing torch (and its compiler) took seconds
     before the help appeared."""
