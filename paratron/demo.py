@@ -87,7 +87,6 @@ def run_demo(argv: list[str]) -> int:
     p.add_argument("--vocab-size", type=int, default=4096)
     args = p.parse_args(argv)
     from .data.corpus import prepare_demo_data
-    from .data.tokenizers import build_tokenizer
     from .inference.engine import Engine, Request
     from .inference.sampling import SamplingParams
     from .train.loop import pretrain

@@ -217,7 +217,6 @@ class GPTModel(OutputHead, nn.Module):
         cfg = resolved_config(config, max_sequence_length)
         self.config, self.vocab_size = cfg, vocab_size
         self.dims = dims = dims or ParallelDims()
-        tp_group = dims.tp_group
         self.kernels = kernels if kernels is not None else KernelConfig()  # the switches (config/kernels.py)
         self.par = parallel_of(cfg, dims, sequence_parallel, seed, self.kernels, device)
         self.pre_process, self.post_process = pre_process, post_process
