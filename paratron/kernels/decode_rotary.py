@@ -184,6 +184,30 @@ if triton is not None:
         return m_new, total * alpha + p, acc * alpha[:, None] + p[:, None] * v_new[None, :]
 
     @triton.jit
+    def _group_walk(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, g, sp, splits, slot, lo, hi, scale, skg, skt,
+                    svg, svt, qn_ptr, kn_ptr, eps, QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr,
+                    BT: tl.constexpr, NORM: tl.constexpr):
+        """Group ``g``'s (rotated queries [QB, D], rotated key [D], value [D], and the online softmax over cached
+        slots [lo, hi): max, denominator, unnormalised sum) for split ``sp`` of ``splits``: the last split also
+        writes the new token's key and value at ``slot`` (and attends to them from registers: ``_with_new``)."""
+        dt = qkv_ptr.dtype.element_ty
+        cols = tl.arange(0, D)
+        heads = tl.arange(0, QB)
+        c = _round(tl.load(cos_ptr + cols).to(tl.float32), dt)
+        s = _round(tl.load(sin_ptr + cols).to(tl.float32), dt)
+        base = qkv_ptr + g * (QPG + 2) * D
+        q, k_new = _qk(base, heads, heads < QPG, cols, c, s, qn_ptr, kn_ptr, eps, QPG, D, NORM)  # [QB, D], [D]
+        v_new = tl.load(base + (QPG + 1) * D + cols).to(tl.float32)
+        writes = (cols * 0 + sp) == splits - 1  # [D]
+        tl.store(k_ptr + g * skg + slot * skt + cols, k_new.to(dt), mask=writes)
+        tl.store(v_ptr + g * svg + slot * svt + cols, v_new.to(dt), mask=writes)
+        # the paged kernels' key loop over the row's cache as one block of a pool (block stride 0: the block number
+        # it reads from its "table", here the padding count, multiplies nothing; a block size past any slot)
+        m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo, hi, g, scale, 0, skt, skg, 0, svt, svg, cols, QB, D,
+                              1 << 30, BT)
+        return q, k_new, v_new, m, total, acc
+
+    @triton.jit
     def _decode_rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, out_ptr, m_ptr, l_ptr,
                               acc_ptr, count_ptr, splits, scale, skg, skt, svg, svt, sog, soh, qn_ptr, kn_ptr, eps,
                               QPG: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
@@ -205,23 +229,12 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         heads = tl.arange(0, QB)
         live = heads < QPG
-        c = _round(tl.load(cos_ptr + cols).to(tl.float32), dt)
-        s = _round(tl.load(sin_ptr + cols).to(tl.float32), dt)
-        base = qkv_ptr + g * (QPG + 2) * D
-        q, k_new = _qk(base, heads, live, cols, c, s, qn_ptr, kn_ptr, eps, QPG, D, NORM)  # [QB, D], [D]
-        v_new = tl.load(base + (QPG + 1) * D + cols).to(tl.float32)
-        last = sp == splits - 1
-        # the split of the last cached slots writes the new token's key and value and attends to it from registers
-        writes = (cols * 0 + sp) == splits - 1  # [D]
-        tl.store(k_ptr + g * skg + slot * skt + cols, k_new.to(dt), mask=writes)
-        tl.store(v_ptr + g * svg + slot * svt + cols, v_new.to(dt), mask=writes)
-        # the paged kernels' key loop over the row's cache as one block of a pool (block stride 0: the block number
-        # it reads from its "table", here the padding count, multiplies nothing; a block size past any slot)
-        m, total, acc = _walk(q, k_ptr, v_ptr, pad_ptr, lo + EARLY, hi, g, scale, 0, skt, skg, 0, svt, svg, cols,
-                              QB, D, 1 << 30, BT)
+        q, k_new, v_new, m, total, acc = _group_walk(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pad_ptr, g, sp, splits,
+                                                     slot, lo + EARLY, hi, scale, skg, skt, svg, svt, qn_ptr, kn_ptr,
+                                                     eps, QPG, QB, D, BT, NORM)
         if EARLY > 0:
             m, total, acc = _merged(*_preloaded(q, keys, vals, ok, scale, QB, D), m, total, acc)
-        m_new, total, acc = _with_new(q, k_new, v_new, last, scale, m, total, acc)
+        m_new, total, acc = _with_new(q, k_new, v_new, sp == splits - 1, scale, m, total, acc)
         if SPLIT:  # partials [groups, splits, QPG(, D)], the paged engine's combine layout (one token)
             at = (g * splits + sp) * QPG + heads
             tl.store(m_ptr + at, m_new, mask=live)

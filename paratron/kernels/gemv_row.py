@@ -124,16 +124,13 @@ if triton is not None:
         return tl.rsqrt(tl.sum(squares, 0) / K + eps)
 
     @triton.jit
-    def _row_kernel(x_ptr, w_ptr, g_ptr, r_ptr, b_ptr, out_ptr, N, K, eps, NORM: tl.constexpr,
-                    HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
-                    POLICY: tl.constexpr = ""):
-        """Program i: output rows [i BLOCK_N, (i+1) BLOCK_N). W is contiguous [N (x2 gated: the gate's rows, then
-        the up's), K]; x, the norm's weight g, the residual r and the bias b ([N], x2 gated) are contiguous rows.
-        ``AHEAD`` (1 or 2): weight blocks requested ahead of the one multiplied, all of them before the PDL wait;
-        ``POLICY``: the weight loads' L2 eviction hint ("evict_first": read once)."""
+    def _row_values(x_ptr, w_ptr, g_ptr, r_ptr, b_ptr, N, K, eps, pid, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                    GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, AHEAD: tl.constexpr, POLICY: tl.constexpr):
+        """(rows, which are live, their values in fp32 rounded to x's dtype) of program ``pid`` of
+        :func:`_row_kernel` (its docstring), before the store."""
         dt = x_ptr.dtype.element_ty
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         w_rows = w_ptr + rn[:, None].to(tl.int64) * K
@@ -173,7 +170,20 @@ if triton is not None:
             y = (y * tl.sigmoid(y)).to(dt).to(tl.float32) * up
         if HAS_RES:
             y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rn, y.to(dt), mask=n_ok)
+        return rn, n_ok, y
+
+    @triton.jit
+    def _row_kernel(x_ptr, w_ptr, g_ptr, r_ptr, b_ptr, out_ptr, N, K, eps, NORM: tl.constexpr,
+                    HAS_RES: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
+                    POLICY: tl.constexpr = ""):
+        """Program i: output rows [i BLOCK_N, (i+1) BLOCK_N). W is contiguous [N (x2 gated: the gate's rows, then
+        the up's), K]; x, the norm's weight g, the residual r and the bias b ([N], x2 gated) are contiguous rows.
+        ``AHEAD`` (1 or 2): weight blocks requested ahead of the one multiplied, all of them before the PDL wait;
+        ``POLICY``: the weight loads' L2 eviction hint ("evict_first": read once)."""
+        rn, n_ok, y = _row_values(x_ptr, w_ptr, g_ptr, r_ptr, b_ptr, N, K, eps, tl.program_id(0), NORM, HAS_RES, GATED,
+                                  PDL, BLOCK_N, BLOCK_K, HAS_BIAS, AHEAD, POLICY)
+        tl.store(out_ptr + rn, y.to(x_ptr.dtype.element_ty), mask=n_ok)
 
     _row_tuned = triton.autotune(configs=CONFIGS, key=["N", "K", "NORM", "HAS_RES", "GATED", "HAS_BIAS"])(_row_kernel)
 
