@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from record import write_record  # noqa: E402  (benchmarks/record.py)
+from paratron.config.kernels import CHOICES  # noqa: E402
 
 
 # the transformer families beside paratron (a static cache in transformers), each with its layers' flags
@@ -307,9 +308,10 @@ def main() -> int:
                    help="measure speculative decoding with K drafts (repeatable) beside plain decoding")
     p.add_argument("--kernel-decode-gemv", choices=("auto", "triton", "torch"), default=None,
                    help="paratron's decode-step linear layers (kernels/gemv.py; triton needs a GPU)")
-    p.add_argument("--kernel-decode-attention", choices=("auto", "triton", "fused", "sdpa"), default=None,
+    p.add_argument("--kernel-decode-attention", choices=CHOICES["kernel_decode_attention"], default=None,
                    help="paratron's decode attention (fused: batch 1's rotation, cache write and attention in one "
-                   "kernel, kernels/decode_rotary.py)")
+                   "kernel, kernels/decode_rotary.py; fused_qkv: with the QKV projection, kernels/"
+                   "decode_qkv_attention.py)")
     p.add_argument("--model-args", default="", help="more paratron flags of the model, one string after '=' (e.g. "
                    "--model-args=\"--no-bias-swiglu-fusion\"); the record's name says them")
     p.add_argument("--load", help="with --num-speculative-tokens: a checkpoint trained with --mtp-num-layers")

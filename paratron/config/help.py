@@ -102,7 +102,8 @@ HELP = {
     # kernel switches (the comments in kernels.py, where one line is too short)
     "kernel_decode_attention": "generation's attention over the KV cache: triton kernel | fused (at batch 1 also the "
     "rotary embedding and the cache write, one kernel: kernels/decode_rotary.py; what auto runs on CUDA in bf16 / "
-    "fp16) | sdpa",
+    "fp16) | fused_qkv (as fused, and at one row with the row GEMVs the QKV projection in the same kernel: "
+    "kernels/decode_qkv_attention.py; not yet timed, so auto does not pick it) | sdpa",
 }
 
 

@@ -23,7 +23,7 @@ AUTO_ON_OFF = ("auto", "on", "off")
 CHOICES: dict[str, tuple] = {
     "attention_backend": ("auto", "flash", "fused", "unfused", "local"),
     "kernel_packed_gqa_backward": AUTO_ON_OFF,
-    "kernel_decode_attention": ("auto", "triton", "fused", "sdpa"),
+    "kernel_decode_attention": ("auto", "triton", "fused", "fused_qkv", "sdpa"),
     "kernel_decode_gemv": ("auto", "triton", "torch"),
     "kernel_rmsnorm": ("auto", "quack", "torch"),
     "kernel_gated_mlp": ("auto", "quack", "torch"),
@@ -60,7 +60,7 @@ class KernelConfig(Section):
     attention_backend: str = "auto"  # training attention: flash (FA4) | fused (cuDNN fwd + FA4 bwd) | unfused (SDPA)
     no_rope_fusion: bool = False  # rotary embedding as torch ops, not inside the FlashAttention-4 op
     kernel_packed_gqa_backward: str = "auto"  # experimental: FA4's backward over packed grouped keys (4.0.0b10 only)
-    kernel_decode_attention: str = "auto"  # attention over the KV cache: triton | fused (+ rotary, write) | sdpa
+    kernel_decode_attention: str = "auto"  # over the KV cache: triton | fused (+ rotary, write) | fused_qkv | sdpa
     # the decode step's linear layers: triton (GEMV kernels at 1..8 rows, kernels/gemv.py; a one-row step's layers
     # as kernels/gemv_row.py with their norms, SwiGLU and residuals; CUDA only, refused on CPU) | torch (F.linear,
     # Inductor's reductions); auto: the row kernels at one row and torch at more on CUDA, torch on CPU

@@ -74,9 +74,14 @@ def decode_rotary_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 def supported(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """The kernel's shapes: one row, a power-of-two head dim of 16..256 (the rotation pairs its halves), at most
     128 query heads per group, the caches in qkv's dtype and contiguous along the head dim."""
-    d = qkv.size(-1)
+    return shapes_supported(qkv.dtype, qkv.size(1) - 2, k_cache, v_cache) and qkv.size(-1) == k_cache.size(-1)
+
+
+def shapes_supported(dtype: torch.dtype, q_per_group: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """:func:`supported` from the projection's dtype and query heads per group (the head dim is the caches')."""
+    d = k_cache.size(-1)
     return (triton is not None and k_cache.size(0) == 1 and 16 <= d <= 256 and d & (d - 1) == 0
-            and qkv.size(1) - 2 <= 128 and k_cache.dtype == v_cache.dtype == qkv.dtype
+            and q_per_group <= 128 and k_cache.dtype == v_cache.dtype == dtype
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1)
 
 

@@ -60,8 +60,11 @@ class TransformerLayer(nn.Module):
                 or not a.decodes_fused(x, ctx):
             return None
         pdl = self.decode_pdl
-        qkv = gemv_row.linear(x, a.linear_qkv.weight, norm.weight, eps=norm.eps, pdl=pdl, bias=a.linear_qkv.bias)
-        h = gemv_row.linear(a.decode_attention(qkv, ctx, pdl), a.linear_proj.weight, residual=x, pdl=pdl)
+        attended = a.decode_qkv_attention(x, norm, ctx, pdl)  # (--kernel-decode-attention fused_qkv: one kernel)
+        if attended is None:
+            qkv = gemv_row.linear(x, a.linear_qkv.weight, norm.weight, eps=norm.eps, pdl=pdl, bias=a.linear_qkv.bias)
+            attended = a.decode_attention(qkv, ctx, pdl)
+        h = gemv_row.linear(attended, a.linear_proj.weight, residual=x, pdl=pdl)
         act = gemv_row.linear(h, m.linear_fc1.weight, mlp_norm.weight, gated=True, eps=mlp_norm.eps, pdl=pdl)
         return gemv_row.linear(act, m.linear_fc2.weight, residual=h, pdl=pdl)
 

@@ -86,6 +86,30 @@ def test_decode_rotary_kernel_compiles_for_sm90(split):
             assert before >= 2 + 2 * 256 * 64 * 2 // (16 * 256), before
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_decode_qkv_attention_kernel_compiles_for_sm90(pdl):
+    """kernels/decode_qkv_attention.py: the row GEMV's programs (the norm, the bias) and the group's last program's
+    attention (the counter's atomic add); launched early, the weight loads come before the wait."""
+    from paratron.kernels import decode_qkv_attention as dqa
+    from paratron.kernels import gemv_row
+    if not hasattr(dqa, "_qkv_attention_kernel"):
+        pytest.skip("paratron's kernels module did not see Triton")
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "g_ptr": "*bf16", "b_ptr": "*bf16", "qkv_ptr": "*bf16",
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_ptr": "*bf16", "v_ptr": "*bf16", "pad_ptr": "*i64",
+             "slot_ptr": "*i64", "out_ptr": "*bf16", "count_ptr": "*i32", "eps": "fp32", "scale": "fp32",
+             "qn_ptr": "*bf16", "kn_ptr": "*bf16", "qk_eps": "fp32"}
+    aligned = ("x_ptr", "w_ptr", "g_ptr", "qkv_ptr", "N", "K")
+    shape = gemv_row.early_config(3072, 2048) if pdl else {"BLOCK_K": 1024, "num_warps": 4, "AHEAD": 1, "POLICY": ""}
+    warps = shape.pop("num_warps")
+    for norm, bias, qk in ((True, False, False), (True, True, True)):
+        ptx = compile_sm90(dqa._qkv_attention_kernel, types,
+                           {**shape, "BLOCK_N": dqa.BLOCK_N, "NORM": norm, "HAS_BIAS": bias, "PDL": pdl, "QPG": 4,
+                            "QB": 16, "D": 64, "BT": 64, "QK_NORM": qk}, aligned, warps).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == pdl and "atom" in ptx and "ld.global.v4.b32" in ptx
+        if pdl:
+            assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+
+
 @pytest.mark.parametrize("split,gated", [(1, False), (4, False), (2, True)])
 def test_decode_gemv_kernel_compiles_for_sm90(split, gated):
     """kernels/gemv.py: plain and split K (atomics, the counter), fc1's fused SwiGLU, with bias and residual."""

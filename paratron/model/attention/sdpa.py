@@ -23,7 +23,7 @@ from torch import nn
 
 from ...config.kernels import asked_on
 from .. import mup
-from ...kernels import decode_rotary
+from ...kernels import decode_qkv_attention, decode_rotary
 from ...parallel.random import checkpoint
 from .decode import GroupedDecode
 
@@ -112,6 +112,21 @@ class SDPAttention(nn.Module):
         out = decode_rotary.decode_rotary_attention(qkv, *ctx.rope, k_cache, v_cache, pad, slot, scale,
                                                     counts=ctx.kv_cache.counts(),
                                                     pdl=self.decode_pdl if pdl is None else pdl, norms=norms)
+        return out.reshape(1, 1, self.heads * self.d)
+
+    def attend_qkv_rotary(self, x, weight, bias, norm_weight, eps: float, ctx, pdl: Optional[bool] = None,
+                          norms: Optional[tuple] = None) -> Optional[torch.Tensor]:
+        """The QKV projection of the one-row ``x`` (after the RMSNorm ``norm_weight``, ``eps``; the projection's
+        ``weight`` and ``bias``) and :meth:`attend_decode_rotary` as one kernel (kernels/decode_qkv_attention.py),
+        [1, 1, heads * d]; None on CUDA where the kernel does not take the step (off CUDA its torch reference)."""
+        k_cache, v_cache = ctx.kv_cache.buffers(self.layer_index)
+        if x.is_cuda and not decode_qkv_attention.applies(x, weight, k_cache, v_cache, self.groups):
+            return None
+        pad, slot = ctx.kv_cache.bounds()
+        scale = self.scale if self.scale is not None else self.d ** -0.5
+        out = decode_qkv_attention.decode_qkv_attention(
+            x, weight, norm_weight, eps, bias, *ctx.rope, k_cache, v_cache, pad, slot, scale, ctx.kv_cache.counts(),
+            self.groups, self.decode_pdl if pdl is None else pdl, norms)
         return out.reshape(1, 1, self.heads * self.d)
 
     def extra_repr(self) -> str:

@@ -102,9 +102,11 @@ class Attention(nn.Module):
         # rotate-half rotation
         switch = par.kernels.kernel_decode_attention
         norms_fuse = self.q_layernorm is None or (self.q_layernorm.plain_rms and self.k_layernorm.plain_rms)
-        self.fused_decode = (switch in ("fused", "auto") and self.rotate is apply_rotary and not self.gated
-                             and norms_fuse and getattr(self.core_attention, "decode", None) is not None)
-        self.fused_decode_asked = switch == "fused"  # (off CUDA its torch reference; auto keeps the unfused path)
+        self.fused_decode = (switch in ("fused", "fused_qkv", "auto") and self.rotate is apply_rotary
+                             and not self.gated and norms_fuse
+                             and getattr(self.core_attention, "decode", None) is not None)
+        self.fused_decode_asked = switch in ("fused", "fused_qkv")  # (off CUDA its torch reference; auto: unfused)
+        self.fused_qkv = self.fused_decode and switch == "fused_qkv"  # the QKV row GEMV in the same kernel
 
     def cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, width) of the keys and of the values an inference KV cache keeps per token (this rank's groups)."""
@@ -152,6 +154,18 @@ class Attention(nn.Module):
         norms = None if self.q_layernorm is None else (self.q_layernorm.weight, self.k_layernorm.weight,
                                                        self.q_layernorm.eps)
         return self.core_attention.attend_decode_rotary(qkv, ctx, pdl, norms)
+
+    def decode_qkv_attention(self, x: torch.Tensor, norm, ctx: ForwardContext,
+                             pdl: Optional[bool] = None) -> Optional[torch.Tensor]:
+        """--kernel-decode-attention fused_qkv: the one-row step's normed QKV projection of ``x`` (``norm``: the
+        layer's RMSNorm before it) and the fused decode attention as one kernel, [1, 1, heads * d]; None where it
+        does not take the step (the row GEMV and the fused attention then run as two kernels)."""
+        if not self.fused_qkv:
+            return None
+        norms = None if self.q_layernorm is None else (self.q_layernorm.weight, self.k_layernorm.weight,
+                                                       self.q_layernorm.eps)
+        return self.core_attention.attend_qkv_rotary(x, self.linear_qkv.weight, self.linear_qkv.bias, norm.weight,
+                                                     norm.eps, ctx, pdl, norms)
 
     def _project(self, out: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         with offload.at(self, "attn_proj"):
