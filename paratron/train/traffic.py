@@ -136,7 +136,8 @@ CORE = "paratron_attention_core"  # the autograd metadata key that marks a node 
 
 def mark_core(out, inputs) -> None:
     """Mark the autograd nodes between ``out`` and ``inputs`` (those a scaled_dot_product_attention call made)."""
-    stop = {id(t.grad_fn) for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    kept = [t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]  # (alive: ids hold)
+    stop = {id(node) for node in kept}
     todo = [out.grad_fn] if isinstance(out, torch.Tensor) and out.grad_fn is not None else []
     while todo:
         node = todo.pop()

@@ -151,9 +151,13 @@ class Attention(nn.Module):
         """The fused decode attention of a one-row step (``decodes_fused``): qkv [1, 1, ...] -> [1, 1, heads * d],
         before the output projection; ``pdl``: launched early (default: --kernel-decode-pdl on)."""
         qkv = qkv.view(1, 1, self.groups, self.q_rows + 2, self.d)
-        norms = None if self.q_layernorm is None else (self.q_layernorm.weight, self.k_layernorm.weight,
-                                                       self.q_layernorm.eps)
-        return self.core_attention.attend_decode_rotary(qkv, ctx, pdl, norms)
+        return self.core_attention.attend_decode_rotary(qkv, ctx, pdl, self._head_norms())
+
+    def _head_norms(self) -> Optional[tuple]:
+        """(the query heads' RMSNorm weight, the key heads', eps) of --qk-layernorm for the fused decode kernels."""
+        if self.q_layernorm is None:
+            return None
+        return self.q_layernorm.weight, self.k_layernorm.weight, self.q_layernorm.eps
 
     def decode_qkv_attention(self, x: torch.Tensor, norm, ctx: ForwardContext,
                              pdl: Optional[bool] = None) -> Optional[torch.Tensor]:
@@ -162,10 +166,8 @@ class Attention(nn.Module):
         does not take the step (the row GEMV and the fused attention then run as two kernels)."""
         if not self.fused_qkv:
             return None
-        norms = None if self.q_layernorm is None else (self.q_layernorm.weight, self.k_layernorm.weight,
-                                                       self.q_layernorm.eps)
         return self.core_attention.attend_qkv_rotary(x, self.linear_qkv.weight, self.linear_qkv.bias, norm.weight,
-                                                     norm.eps, ctx, pdl, norms)
+                                                     norm.eps, ctx, pdl, self._head_norms())
 
     def _project(self, out: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         with offload.at(self, "attn_proj"):
