@@ -47,6 +47,12 @@ def _not_with(cfg) -> None:
              (tr.fine_grained_activation_offloading, "--fine-grained-activation-offloading",
               "its copies between host and device are ordered by the host mid-step"),
              (m.moe_router_force_load_balancing, "--moe-router-force-load-balancing",
-              "it draws from the expert-parallel generator the graph does not own"))
+              "it draws from the expert-parallel generator the graph does not own"),
+             (m.num_experts and not m.moe_grouped_gemm and tr.fp8_format is None,
+              "--num-experts without --moe-grouped-gemm", "the experts' loop of one matmul per expert reads each "
+              "expert's row count on the host (add --moe-grouped-gemm)"),
+             (m.num_experts and m.moe_expert_capacity_factor is not None and not m.moe_pad_expert_input_to_capacity,
+              "--moe-expert-capacity-factor", "dropping tokens over capacity picks the kept ones on the host (add "
+              "--moe-pad-expert-input-to-capacity, or route without a capacity)"))
     for on, flag, why in flags:
         need(not on, f"{LOCAL} with {flag}: {why}; remove one")

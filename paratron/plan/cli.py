@@ -189,6 +189,23 @@ def graph_hint(t: StepTime, cluster: Cluster, rest: list[str]) -> Optional[str]:
             f"{' '.join(GRAPH_FLAGS)} replays the step as one CUDA graph without it (docs/cuda_graphs.md)")
 
 
+def grouped_hint(cfg: Config, t: StepTime, cluster: Cluster, rest: list[str], counted) -> Optional[str]:
+    """A line where the config's experts run one matmul per expert (no ``--moe-grouped-gemm``, Megatron's default):
+    its own layout's step planned again with the flag (``counted(cfg)``: the host's operations and the bytes of that
+    config), where that is faster."""
+    if not cfg.model.num_experts or cfg.model.moe_grouped_gemm:
+        return None
+    try:
+        grouped, _ = model_config(rest + ["--moe-grouped-gemm"], cluster.gpus, fallback=False)
+    except UserError:
+        return None
+    _, faster = planned(grouped, cluster, *counted(grouped))
+    if faster.total >= t.total:
+        return None
+    return (f"experts: one matmul per expert (no --moe-grouped-gemm): step {t.total:.3f} s; with --moe-grouped-gemm "
+            f"(grouped GEMMs, no host synchronisation per layer) {faster.total:.3f} s (docs/moe.md)")
+
+
 def plan_main(argv: Optional[list[str]] = None, count_host_ops=None, count_traffic=None) -> int:
     """``count_host_ops(cfg, kind)``: the eager operations of (one layer, the rest) (paratron/train/host_ops.py,
     which builds a tiny model: the planner does not); None plans without the host's issue time.
@@ -211,13 +228,16 @@ def plan_main(argv: Optional[list[str]] = None, count_host_ops=None, count_traff
     if not_modelled(cfg):
         raise ConfigError(f"paratron plan does not model {not_modelled(cfg)} yet (docs/plan.md); remove it to plan "
                           "the rest")
-    host_ops = count_host_ops(cfg, cluster.kind) if count_host_ops is not None else (0, 0)
-    traffic = count_traffic(cfg, cluster.kind) if count_traffic is not None else None
+    def counted(c: Config) -> tuple:
+        return (count_host_ops(c, cluster.kind) if count_host_ops is not None else (0, 0),
+                count_traffic(c, cluster.kind) if count_traffic is not None else None)
+    host_ops, traffic = counted(cfg)
     given = ["as given: the config's own layout does not run on this cluster"]
     if runs:
         mem, t = planned(cfg, cluster, host_ops, traffic)
-        hint = graph_hint(t, cluster, rest) if mem.total <= cluster.memory else None
-        given = [as_given(mem, t, cluster)] + ([hint] if hint else [])
+        fits = mem.total <= cluster.memory
+        hints = [graph_hint(t, cluster, rest), grouped_hint(cfg, t, cluster, rest, counted)] if fits else []
+        given = [as_given(mem, t, cluster)] + [h for h in hints if h]
     explained = args.top if args.explain is None else args.explain
     for line in report(cfg, cluster, rest, args.fp8, args.top, explained, host_ops, traffic) + [""] + given:
         print(line)

@@ -1,5 +1,7 @@
 """``paratron plan`` on clusters it cannot measure: a ranking with its derivation and command lines; and
 ``--dry-run``, which prints the start-up memory plan and builds nothing."""
+import re
+
 import pytest
 
 from paratron.cli import main
@@ -111,3 +113,18 @@ def test_a_host_bound_compiled_step_is_pointed_at_the_step_graph(capsys):
     out = plan(capsys, [*base, "--micro-batch-size", "1", "--global-batch-size", "1"])
     assert any(line.startswith("host-bound:") for line in out.splitlines()), out
     assert "host-bound:" not in plan(capsys, [*base, "--micro-batch-size", "16", "--global-batch-size", "16"])
+
+
+def test_experts_in_a_loop_are_pointed_at_the_grouped_gemm(capsys):
+    """An MoE config without --moe-grouped-gemm (Megatron's default: one matmul per expert) gets its own layout's
+    step planned again with the flag (the loop's host operations and its backward's stacked gradients counted both
+    ways), where that is faster; not with the flag given."""
+    base = ["--gpus", "8", "--gpu", "h100", "--top", "1", *COMMON, "--num-layers", "2", "--hidden-size", "512",
+            "--num-attention-heads", "8", "--ffn-hidden-size", "1408", "--seq-length", "1024",
+            "--max-position-embeddings", "1024", "--vocab-size", "32000", "--global-batch-size", "8",
+            "--num-experts", "32", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "256"]
+    hint = [line for line in plan(capsys, base).splitlines() if line.startswith("experts: one matmul per expert")]
+    assert len(hint) == 1 and "--moe-grouped-gemm" in hint[0], hint
+    loop, grouped = (float(x) for x in re.findall(r"([0-9.]+) s", hint[0]))
+    assert grouped < loop
+    assert "experts: one matmul" not in plan(capsys, base + ["--moe-grouped-gemm"])

@@ -136,6 +136,9 @@ def test_a_failed_capture_is_one_line():
     (GRAPH + ["--overlap-grad-reduce", "--use-distributed-optimizer"], "--overlap-grad-reduce"),
     (GRAPH + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"], "ZeRO-2/3"),
     (["--enable-cuda-graph"], "per-layer CUDA graphs are not built"),
+    (GRAPH + ["--num-experts", "4", "--moe-ffn-hidden-size", "64"], "--num-experts without --moe-grouped-gemm"),
+    (GRAPH + ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-grouped-gemm",
+              "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
 ])
 def test_refused_with_the_reason(flags, problem):
     with pytest.raises(ConfigError, match=re.escape(problem)):
@@ -143,6 +146,10 @@ def test_refused_with_the_reason(flags, problem):
 
 
 def test_accepted_and_recorded():
+    for moe in (["--moe-grouped-gemm"], ["--moe-grouped-gemm", "--moe-expert-capacity-factor", "1.0",
+                                         "--moe-pad-expert-input-to-capacity"]):  # (the step holds these MoE paths)
+        parse_args(["--config", "tiny", "--mock-data", "--train-iters", "1", *GRAPH, "--num-experts", "4",
+                    "--moe-ffn-hidden-size", "64", *moe])
     cfg = parse_args(["--config", "tiny", "--mock-data", "--train-iters", "1", *GRAPH, "--cuda-graph-warmup-steps",
                       "5"])
     assert (cfg.train.cuda_graph_impl, cfg.train.cuda_graph_scope, cfg.train.cuda_graph_warmup_steps) == \
