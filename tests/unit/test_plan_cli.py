@@ -119,10 +119,10 @@ def test_experts_in_a_loop_are_pointed_at_the_grouped_gemm(capsys):
     """An MoE config without --moe-grouped-gemm (Megatron's default: one matmul per expert) gets its own layout's
     step planned again with the flag (the loop's host operations and its backward's stacked gradients counted both
     ways), where that is faster; not with the flag given."""
-    base = ["--gpus", "8", "--gpu", "h100", "--top", "1", *COMMON, "--num-layers", "2", "--hidden-size", "512",
+    base = ["--gpus", "8", "--gpu", "h100", "--top", "1", *COMMON, "--num-layers", "2", "--hidden-size", "256",
             "--num-attention-heads", "8", "--ffn-hidden-size", "1408", "--seq-length", "1024",
             "--max-position-embeddings", "1024", "--vocab-size", "32000", "--global-batch-size", "8",
-            "--num-experts", "32", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "256"]
+            "--num-experts", "16", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "256"]
     hint = [line for line in plan(capsys, base).splitlines() if line.startswith("experts: one matmul per expert")]
     assert len(hint) == 1 and "--moe-grouped-gemm" in hint[0], hint
     loop, grouped = (float(x) for x in re.findall(r"([0-9.]+) s", hint[0]))
