@@ -89,6 +89,17 @@ def optimizer_bytes(param_bytes: int, grad_bytes: int, moment_bytes: int = 8) ->
     return grad_bytes + adam + grad_bytes
 
 
+def fixed_divisor(rows: tuple, L) -> float:
+    """What a layer's fixed bytes counted whole are divided by on a rank of layout ``L``: TP, and EP x expert-TP for
+    the experts' share of the eager count's fixed bytes (the compiled count has no regions)."""
+    experts = sum(r[2] for r in rows if r[0].endswith("-experts"))
+    total = sum(r[2] for r in rows)
+    if total <= 0 or experts <= 0:
+        return float(L.tp)
+    share = experts / total
+    return 1.0 / ((1 - share) / L.tp + share / (L.ep * L.etp))
+
+
 def step_bytes(model: ModelConfig, L, params: int) -> float:
     """Bytes of a step's memory-bound kernels on one GPU of layout ``L`` (Layout): every micro-batch's layers
     (this pipeline stage's share; tokens divided over TP and CP, weight-sized bytes over TP or, the experts',
@@ -100,10 +111,11 @@ def step_bytes(model: ModelConfig, L, params: int) -> float:
         return 0.0
     tokens = L.micro_batch * L.seq_length / (L.cp * L.tp)
     layers = model.num_layers / L.pp
-    if L.compiled:  # (one figure for every region: the fixed bytes over TP)
+    if L.compiled:  # (one figure for every region: its fixed bytes split as the eager count's are)
         fixed, tok, rest_fixed, rest_tok = t.compiled
-        layer = fixed / L.tp + tok * tokens
-        again = t.compiled_forward[0] / L.tp + t.compiled_forward[1] * tokens
+        per = fixed_divisor(t.layer, L)
+        layer = fixed / per + tok * tokens
+        again = t.compiled_forward[0] / per + t.compiled_forward[1] * tokens
         rest = rest_fixed / L.tp + rest_tok * tokens
     else:
         split = (L.tp, L.ep * L.etp)

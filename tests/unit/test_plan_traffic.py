@@ -89,6 +89,18 @@ def test_step_bytes_scale_with_tokens_layers_and_micro_batches():
     assert step_bytes(model, L.replace(traffic=None), 1000) == 0.0
 
 
+def test_fixed_bytes_split_over_tp_and_the_experts_over_ep():
+    """A layer's fixed (weight-sized) bytes: the dense ones over TP, the experts' over EP x expert-TP; compiled (one
+    figure, no regions) split in the eager count's proportion."""
+    t = Traffic(layer=(("other", "B", 30.0, 0.0, 30.0, 0.0), ("other-experts", "B", 10.0, 0.0, 10.0, 0.0)),
+                compiled=(40.0, 0.0, 0.0, 0.0))
+    model = tiny_config("gpt", world_size=1).model  # 2 layers
+    L = Layout(micro_batch=1, global_batch=1, seq_length=16, traffic=t, tp=2, ep=4)
+    assert step_bytes(model, L, 0) == 2 * (30 / 2 + 10 / 4)
+    assert abs(step_bytes(model, L.replace(compiled=True), 0) - 2 * (30 / 2 + 10 / 4)) < 1e-9
+    assert step_bytes(model, L.replace(tp=1, ep=1), 0) == 2 * 40
+
+
 def test_step_time_charges_the_bytes_at_the_memory_bandwidth():
     cfg = tiny_config("gpt", world_size=1, bf16=True)
     t = Traffic(layer=(("other", "F", 0.0, 1e6, 0.0, 0.0),))
