@@ -5,7 +5,7 @@ from torch import nn
 
 from paratron.config import ModelConfig
 from paratron.model.gpt import GPTModel
-from paratron.model.layers import apply_rotary, rope_inv_freq
+from paratron.model.layers import ForwardContext, apply_rotary, rope_inv_freq
 from paratron.parallel.dims import initialize_model_parallel
 from paratron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, \
     vocab_parallel_cross_entropy
@@ -254,3 +254,31 @@ def test_checkpoint_replays_the_tp_stream_and_leaves_it_as_the_forward_did():
     out.sum().backward()
     assert torch.equal(out, plain) and torch.equal(w.grad, want)
     assert torch.equal(rng.state, after_forward)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_attention_backward_writes_the_qkv_gradient_once(gated):
+    """The projection's output is split into queries (and the output gate), keys and values: the backward then writes
+    one qkv-sized gradient (a cat), where a slice and two selects would each write a whole qkv-sized gradient (zeros
+    and the slice's values) and add them. Counted: the backward's outputs of qkv's size."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    model = GPTModel(tiny(num_query_groups=2, group_query_attention=True, attention_output_gate=gated).resolved(), 64)
+    attn = model.decoder.layers[0].self_attention
+    rows = attn.linear_qkv.weight.shape[0]
+    s, b = 11, 3  # (no other tensor of the step has s x b x rows elements)
+    x = torch.randn(s, b, model.config.hidden_size, requires_grad=True)
+    rope = model.rotary(s, None) if model.rotary is not None else None
+    out = attn(x, ForwardContext(rope=rope))
+
+    class Sized(TorchDispatchMode):
+        found = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            res = func(*args, **(kwargs or {}))
+            outs = res if isinstance(res, (tuple, list)) else [res]
+            self.found += sum(isinstance(t, torch.Tensor) and t.numel() == s * b * rows and not func.is_view
+                              for t in outs)
+            return res
+    with Sized() as counted:
+        out.square().sum().backward()
+    assert counted.found == 1, counted.found

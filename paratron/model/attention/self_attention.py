@@ -129,9 +129,12 @@ class Attention(nn.Module):
             with offload.at(self, "core_attn"):
                 out = self.core_attention.attend_rotary(qkv, ctx, recompute)
             return self._project(out, residual, ctx)
-        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.heads, self.d)
-        gate = qkv[:, :, :, self.q_per_group: self.q_rows].reshape(s, b, self.heads * self.d) if self.gated else None
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        # split, not sliced: its backward writes qkv's gradient once (a slice's and a select's would each write a
+        # whole qkv-sized gradient, then added)
+        q, gate, k, v = qkv.split([self.q_per_group, self.q_rows - self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.heads, self.d)
+        gate = gate.reshape(s, b, self.heads * self.d) if self.gated else None
+        k, v = k.squeeze(3), v.squeeze(3)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if ctx.rope is not None and self.rotate is not None:
