@@ -60,7 +60,7 @@ class CrossAttention(nn.Module):
         kv = self.linear_kv(memory)
         s, b = kv.shape[:2]
         kv = kv.view(s, b, self.heads, 2, self.d)
-        out = (kv[:, :, :, 0], kv[:, :, :, 1])
+        out = kv.unbind(3)  # (its backward writes kv's gradient once; two selects' would each write a whole one)
         if not torch.is_grad_enabled():
             ctx.memo[key] = out
         return out

@@ -68,5 +68,6 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     DeepSeek's MLA weights): reordered even-then-odd, then the rotate-half rotation. Applied to queries
     and keys alike, the reordering does not change q . k, so attention equals the interleaved form's."""
     d = cos.size(-1)
-    rot = torch.cat([x[..., 0:d:2], x[..., 1:d:2]], dim=-1)
-    return apply_rotary(rot if d == x.size(-1) else torch.cat([rot, x[..., d:]], dim=-1), cos, sin)
+    pairs, rest = x.split([d, x.size(-1) - d], dim=-1)  # (split and unbind: the backward writes x's gradient once)
+    rot = torch.cat(pairs.unflatten(-1, (d // 2, 2)).unbind(-1), dim=-1)
+    return apply_rotary(rot if d == x.size(-1) else torch.cat([rot, rest], dim=-1), cos, sin)
