@@ -60,11 +60,14 @@ def decode_qkv_attention(x: torch.Tensor, weight: torch.Tensor, norm_weight: Opt
                          bias: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, pad: torch.Tensor, slot: torch.Tensor, scale: float,
                          counts: torch.Tensor, groups: int, pdl: bool = False,
-                         norms: Optional[tuple] = None) -> torch.Tensor:
-    """:func:`reference` by the kernel on CUDA where it :func:`applies`; ``counts``: int32 zeros, one per group at
-    least, kept between calls (the KV cache's; the kernel leaves them 0); ``pdl``: launched early (programmatic
-    dependent launch; it waits for the kernel before it once its first weight blocks are requested)."""
-    if x.is_cuda and applies(x, weight, k_cache, v_cache, groups) and counts.numel() >= groups:
+                         norms: Optional[tuple] = None) -> Optional[torch.Tensor]:
+    """:func:`reference` by the kernel on CUDA, or None there where it does not :func:`applies` (the caller then runs
+    the two kernels); off CUDA the reference. ``counts``: int32 zeros, one per group at least, kept between calls
+    (the KV cache's; the kernel leaves them 0); ``pdl``: launched early (programmatic dependent launch; it waits for
+    the kernel before it once its first weight blocks are requested)."""
+    if x.is_cuda:
+        if not (applies(x, weight, k_cache, v_cache, groups) and counts.numel() >= groups):
+            return None
         q_norm, k_norm, qk_eps = norms if norms is not None else (x.new_zeros(0), x.new_zeros(0), 0.0)
         empty = x.new_zeros(0)
         return torch.ops.paratron.decode_qkv_attention(

@@ -120,14 +120,12 @@ class SDPAttention(nn.Module):
         ``weight`` and ``bias``) and :meth:`attend_decode_rotary` as one kernel (kernels/decode_qkv_attention.py),
         [1, 1, heads * d]; None on CUDA where the kernel does not take the step (off CUDA its torch reference)."""
         k_cache, v_cache = ctx.kv_cache.buffers(self.layer_index)
-        if x.is_cuda and not decode_qkv_attention.applies(x, weight, k_cache, v_cache, self.groups):
-            return None
         pad, slot = ctx.kv_cache.bounds()
         scale = self.scale if self.scale is not None else self.d ** -0.5
         out = decode_qkv_attention.decode_qkv_attention(
             x, weight, norm_weight, eps, bias, *ctx.rope, k_cache, v_cache, pad, slot, scale, ctx.kv_cache.counts(),
             self.groups, self.decode_pdl if pdl is None else pdl, norms)
-        return out.reshape(1, 1, self.heads * self.d)
+        return None if out is None else out.reshape(1, 1, self.heads * self.d)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, groups={self.groups}, d={self.d}"
