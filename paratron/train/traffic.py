@@ -169,7 +169,7 @@ class CoreAttention(TorchFunctionMode):
         return out
 
 
-def in_core(counter: "ByteCounter") -> bool:
+def core_operation(counter: "ByteCounter") -> bool:
     """Whether the operation being dispatched is the attention core's (its forward, or a node of its backward)."""
     node = torch._C._current_autograd_node()
     return counter.in_core > 0 or (node is not None and CORE in node.metadata)
@@ -197,7 +197,7 @@ class ByteCounter(TorchDispatchMode):
                 self.fused.producer.pop(key, None)
                 self.compiled.producer.pop(key, None)
             return out
-        if any(s in name for s in MATMULS + ATTENTION) or in_core(self):
+        if any(s in name for s in MATMULS + ATTENTION) or core_operation(self):
             self.fused.op(None, ins, outs)
             self.compiled.op(None, ins, outs)
             return out
